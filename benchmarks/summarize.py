@@ -1,0 +1,70 @@
+"""Summarise recipe runs from their metrics.jsonl files as a Markdown table.
+
+    python benchmarks/summarize.py --skip-steps 20 outputs/run-a outputs/run-b
+
+Throughput columns are medians over the logged windows after `--skip-steps` (warm-up and
+first-step compilation excluded); memory is the peak over the run; accuracy is the final eval.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+from pathlib import Path
+
+
+def summarise(run: Path, skip_steps: int) -> dict:
+    train, final = [], {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec["event"] == "train" and rec["step"] > skip_steps:
+            train.append(rec)
+        elif rec["event"] == "summary":
+            final = rec
+    if not train:
+        raise SystemExit(f"{run}: no train records after step {skip_steps}")
+    per = "gpu" if "samples_per_s_per_gpu" in train[0] else "rank"
+
+    def med(key: str) -> float | None:
+        vals = [r[key] for r in train if key in r]
+        return statistics.median(vals) if vals else None
+
+    return {
+        "run": run.name,
+        "steps": f"{train[0]['step']}-{train[-1]['step']}",
+        "step_ms": med("step_time_s") * 1000,
+        f"samples/s/{per}": med(f"samples_per_s_per_{per}"),
+        f"tokens/s/{per}": med(f"tokens_per_s_per_{per}"),
+        "mfu_%": (med("mfu") or 0) * 100 if "mfu" in train[0] else None,
+        "peak_alloc_gib": max((r.get("mem_allocated_gib", 0) for r in train), default=None),
+        "peak_reserved_gib": max((r.get("mem_reserved_gib", 0) for r in train), default=None),
+        "data_wait_%": med("data_wait_frac") * 100,
+        "eval_acc_%": final["eval/accuracy"] * 100 if "eval/accuracy" in final else None,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", type=Path, help="run output folders (holding metrics.jsonl)")
+    parser.add_argument("--skip-steps", type=int, default=20)
+    args = parser.parse_args()
+    import torch
+    import transformers
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu"
+    print(f"date {datetime.date.today()} | {gpu} | torch {torch.__version__} | transformers {transformers.__version__} "
+          f"| CUDA {torch.version.cuda}")
+    rows = [summarise(r, args.skip_steps) for r in args.runs]
+    cols = list(rows[0])
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for row in rows:
+        cells = [f"{v:,.1f}" if isinstance(v, float) else ("" if v is None else str(v)) for v in (row.get(c) for c in cols)]
+        print("| " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,522 @@
+"""Fine-tune ModernBERT for AG News topic classification (World, Sports, Business, Sci/Tech)
+with native PyTorch DDP.
+
+Commands (from this folder; NGPU defaults to all visible GPUs, else 2 CPU processes):
+
+    ./launch.sh                                      # ModernBERT-base on AG News (needs the hub)
+    CONFIG_FILE=tiny.yaml ./launch.sh                # tiny model and data, offline, < 1 min on CPU
+    ./launch.sh data.train_files=[train.csv] data.eval_files=[test.csv] model.name_or_path=/models/ModernBERT-base
+    NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 ./launch.sh     # on each node, with its NODE_RANK
+
+What this recipe supports:
+    - DDP (one process per GPU, NCCL; gloo on CPU), DistributedSampler, any number of nodes.
+    - bf16 autocast on GPU (fp32 master weights), fp32 on CPU; optional torch.compile.
+    - Gradient accumulation (DDP's no_sync on all but the last micro-batch), gradient clipping,
+      AdamW (fused on GPU) with linear/cosine warm-up and decay.
+    - Evaluation on a validation split: loss, accuracy and macro-F1 (torchmetrics), reduced
+      across ranks, each rank on a disjoint shard with no padding samples.
+    - Checkpoints (cookbook.checkpoint, DCP): model, optimizer moments, LR scheduler,
+      data-loader position, RNG streams and step, published atomically; keep-last-N;
+      ``checkpoint.resume=auto`` continues from the newest complete one.
+    - Metrics (cookbook.metrics): loss, lr, grad norm, step time, samples/s and tokens/s
+      (total and per GPU), MFU, peak memory, data-wait time; console, metrics.jsonl, MLflow.
+    - Final export in Hugging Face format (safetensors + config + tokenizer).
+
+Data: local CSV / JSON / parquet files, either the original AG News CSV layout (class 1-4,
+title, description; no header) or the Hugging Face layout (``text``, ``label`` 0-3; CSV with
+or without that header), or the hub data set named by ``data.hub_id`` when no files are given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import os
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+warnings.filterwarnings("ignore", message=".*set_vital.*")
+
+import datasets
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DistributedSampler, Subset
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
+from transformers import (
+    AttentionInterface,
+    AutoConfig,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    DataCollatorWithPadding,
+    get_scheduler,
+)
+from transformers import logging as hf_logging
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+import cookbook
+from cookbook.checkpoint import Checkpointer, CheckpointError, ModelOptimizerState, RankLocalState, RNGState, export_hf
+from cookbook.config import ConfigError, cli_parser, load_config, resolve_path, save_config, to_dict
+from cookbook.metrics import MetricsLogger, ModelFlops, count_parameters
+
+LABELS = ["World", "Sports", "Business", "Sci/Tech"]
+datasets.disable_progress_bars()
+hf_logging.disable_progress_bar()
+
+
+# ----------------------------------------------------------------------------- config
+@dataclass
+class ModelConfig:
+    name_or_path: str = "answerdotai/ModernBERT-base"  # hub id or local folder
+    pretrained: bool = True  # False: random init from the folder's config.json (benchmarks, CI)
+    tokenizer: str | None = None  # default: name_or_path
+    compile: bool = False  # torch.compile the model (in place: checkpoint keys are unchanged)
+    attn_implementation: str = "sdpa_padsafe"  # "sdpa_padsafe" (see sdpa_padsafe_attention), "sdpa", "eager", "flash_attention_2"
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)  # empty: load hub_id
+    eval_files: list[str] = field(default_factory=list)  # empty: the hub's test split, or a slice of train
+    hub_id: str = "fancyzhx/ag_news"
+    eval_fraction: float = 0.05  # held out of train when there is no eval split
+    max_length: int = 256  # tokens; longer texts are truncated (the count is reported)
+    padding: str = "max_length"  # "max_length" (static shapes) or "longest" (pad per batch)
+    num_workers: int = 2  # data-loader worker processes per rank
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 5e-5
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
+    eps: float = 1e-6
+    scheduler: str = "linear"  # any transformers.get_scheduler name: linear, cosine, constant_with_warmup
+    warmup_ratio: float = 0.06  # of max_steps
+    max_grad_norm: float = 1.0  # 0 disables clipping
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 42
+    micro_batch_size: int = 32  # per rank
+    grad_accum_steps: int = 1  # global batch = micro_batch_size * grad_accum_steps * world size
+    epochs: int = 2
+    max_steps: int = -1  # > 0 overrides epochs; also the length of the LR schedule
+    stop_at_step: int = -1  # > 0: checkpoint and stop early (time-sliced jobs); resume=auto continues
+    mixed_precision: str = "bf16"  # "bf16" or "fp32"; bf16 applies on GPU only
+    log_every: int = 10  # steps
+    eval_every: int = 500  # steps; 0 evaluates only at the end
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 500  # 0: only at the end (and at stop_at_step)
+    keep_last: int = 2
+    resume: str = "auto"  # "auto", "none" or a step_* folder
+    export_hf: bool = True  # write <output_dir>/final in Hugging Face format
+
+
+@dataclass
+class Config:
+    output_dir: str = "outputs/modernbert-agnews"
+    run_name: str = "modernbert-agnews"
+    mlflow: bool = True
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+def check_config(cfg: Config, config_dir: Path) -> None:
+    """Resolve paths against the config file's folder and reject incompatible values."""
+    cfg.model.name_or_path = resolve_path(cfg.model.name_or_path, config_dir)
+    cfg.model.tokenizer = resolve_path(cfg.model.tokenizer or cfg.model.name_or_path, config_dir)
+    cfg.data.train_files = [resolve_path(f, config_dir) for f in cfg.data.train_files]
+    cfg.data.eval_files = [resolve_path(f, config_dir) for f in cfg.data.eval_files]
+    if cfg.data.eval_files and not cfg.data.train_files:
+        raise ConfigError("data.eval_files is set but data.train_files is empty: give both, or neither to use data.hub_id")
+    if cfg.data.padding not in ("max_length", "longest"):
+        raise ConfigError(f"data.padding must be 'max_length' or 'longest', got {cfg.data.padding!r}")
+    if cfg.train.mixed_precision not in ("bf16", "fp32"):
+        raise ConfigError(f"train.mixed_precision must be 'bf16' or 'fp32', got {cfg.train.mixed_precision!r}")
+    for key, value in [("train.micro_batch_size", cfg.train.micro_batch_size), ("train.grad_accum_steps", cfg.train.grad_accum_steps),
+                       ("train.log_every", cfg.train.log_every), ("data.max_length", cfg.data.max_length)]:
+        if value < 1:
+            raise ConfigError(f"{key} must be >= 1, got {value}")
+    if not 0.0 < cfg.data.eval_fraction < 1.0:
+        raise ConfigError(f"data.eval_fraction must be in (0, 1), got {cfg.data.eval_fraction}")
+    if cfg.model.compile and cfg.data.padding != "max_length":
+        raise ConfigError("model.compile=true needs data.padding=max_length (static shapes); with 'longest', "
+                          "torch.compile's dynamic shapes failed in inductor on torch 2.11")
+    if cfg.train.max_steps <= 0 and cfg.train.epochs <= 0:
+        raise ConfigError("set train.max_steps > 0 or train.epochs > 0")
+    local = Path(cfg.model.name_or_path).exists()
+    if not cfg.model.pretrained and not local and "/" not in cfg.model.name_or_path:
+        raise ConfigError(f"model.name_or_path={cfg.model.name_or_path!r}: not a folder and not a hub id")
+
+
+# ----------------------------------------------------------------------------- data
+class DataError(ValueError):
+    """A data file is missing or malformed; the message names the file, column or row."""
+
+
+def _load_csv(path: Path, columns: list[str]) -> datasets.Dataset:
+    """A header-less CSV with every column read as a string (labels are checked afterwards)."""
+    features = datasets.Features({c: datasets.Value("string") for c in columns})
+    return datasets.load_dataset("csv", data_files=str(path), split="train", column_names=columns,
+                                 features=features, keep_default_na=False)
+
+
+def _read_file(path: str, field_name: str) -> datasets.Dataset:
+    """One local file as a Dataset with columns ``text`` (str) and ``label`` (0-3)."""
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"{field_name}: file not found: {path}")
+    suffix = p.suffix.lower()
+    if suffix == ".csv":
+        with open(p, newline="", encoding="utf-8") as f:
+            first = next(csv.reader(f), None)
+        if first is None:
+            raise DataError(f"{path}: the file is empty")
+        header = [c.strip().lower() for c in first]
+        if "text" in header and "label" in header:
+            ds = datasets.load_dataset("csv", data_files=str(p), split="train", keep_default_na=False)
+            layout = "hf"
+        elif len(first) == 3 and first[0].strip().isdigit():
+            ds = _load_csv(p, ["label", "title", "description"])
+            layout = "agnews"
+        elif len(first) == 2 and first[1].strip().lstrip("-").isdigit():
+            ds = _load_csv(p, ["text", "label"])
+            layout = "hf"
+        else:
+            raise DataError(
+                f"{path}: unrecognised columns {first[:4]}: expected the AG News layout (class 1-4, title, description; "
+                f"no header) or the columns 'text' and 'label' (0-3)"
+            )
+    elif suffix in (".json", ".jsonl", ".parquet"):
+        ds = datasets.load_dataset("parquet" if suffix == ".parquet" else "json", data_files=str(p), split="train")
+        missing = {"text", "label"} - set(ds.column_names)
+        if missing:
+            raise DataError(f"{path}: missing column(s) {sorted(missing)}; found {ds.column_names}")
+        layout = "hf"
+    else:
+        raise DataError(f"{field_name}: {path}: unsupported file type {suffix!r} (use .csv, .json, .jsonl or .parquet)")
+    if len(ds) == 0:
+        raise DataError(f"{path}: no rows")
+    return _normalise(ds, layout, path)
+
+
+def _normalise(ds: datasets.Dataset, layout: str, where: str) -> datasets.Dataset:
+    """Map either layout to ``text`` + ``label`` 0-3, naming the first row with a bad label."""
+    offset = 1 if layout == "agnews" else 0  # AG News classes are 1-4
+    labels = []
+    for row, raw in enumerate(ds["label"]):
+        try:
+            label = int(str(raw).strip()) - offset
+        except ValueError:
+            label = -1
+        if not 0 <= label < len(LABELS):
+            raise DataError(f"{where} row {row + 1}: label {str(raw).strip()!r} is not one of {offset}-{offset + len(LABELS) - 1}")
+        labels.append(label)
+    if layout == "agnews":
+        texts = [f"{t} {d}".replace("\\n", " ").strip() for t, d in zip(ds["title"], ds["description"])]
+    else:
+        texts = [str(t) for t in ds["text"]]
+    for row, t in enumerate(texts):
+        if not t.strip():
+            raise DataError(f"{where} row {row + 1}: empty text")
+    return datasets.Dataset.from_dict({"text": texts, "label": labels})
+
+
+def load_splits(cfg: DataConfig, seed: int) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """Train and validation splits with columns ``text`` and ``label``.
+
+    Raises:
+        DataError: a file is missing, has unknown columns, an empty text or a label out of range.
+    """
+    if cfg.train_files:
+        train = datasets.concatenate_datasets([_read_file(f, "data.train_files") for f in cfg.train_files])
+        if cfg.eval_files:
+            return train, datasets.concatenate_datasets([_read_file(f, "data.eval_files") for f in cfg.eval_files])
+    else:
+        hub = datasets.load_dataset(cfg.hub_id)
+        train = hub["train"]
+        if "test" in hub:
+            return train, hub["test"]
+    parts = train.train_test_split(test_size=cfg.eval_fraction, seed=seed)
+    return parts["train"], parts["test"]
+
+
+def tokenize(ds: datasets.Dataset, tokenizer, cfg: DataConfig) -> tuple[datasets.Dataset, int]:
+    """Tokenize to ``input_ids``/``attention_mask``/``labels``; returns the data set and how many
+    texts were truncated to ``max_length``."""
+    def fn(batch):
+        enc = tokenizer(batch["text"], truncation=False)
+        n_long = sum(len(ids) > cfg.max_length for ids in enc["input_ids"])
+        enc = tokenizer(batch["text"], truncation=True, max_length=cfg.max_length,
+                        padding="max_length" if cfg.padding == "max_length" else False)
+        enc["labels"] = batch["label"]
+        enc["n_truncated"] = [n_long] + [0] * (len(batch["text"]) - 1)
+        return enc
+
+    out = ds.map(fn, batched=True, batch_size=1000, remove_columns=ds.column_names, keep_in_memory=True)
+    truncated = sum(out["n_truncated"])
+    return out.remove_columns("n_truncated"), truncated
+
+
+# ----------------------------------------------------------------------------- model
+def sdpa_padsafe_attention(module, query, key, value, attention_mask, **kwargs):
+    """PyTorch SDPA in which a query row that may see no key attends to every key instead.
+
+    ModernBERT's sliding-window layers give a padding position farther than half a window from
+    every real token an all-False mask row. CUDA's memory-efficient SDPA kernel then returns
+    NaN gradients for that row (pytorch/pytorch#109517 and #110213 describe the behaviour), and
+    the NaN spreads to every weight. Such rows belong to padding, whose outputs are excluded from
+    pooling and loss and which no real token attends to, so un-masking them changes no real
+    token's value or gradient. Shapes: query (batch, heads, seq, head_dim); attention_mask
+    (batch, 1, seq, seq) bool, True = attend.
+    """
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        attention_mask = attention_mask | ~attention_mask.any(dim=-1, keepdim=True)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+AttentionInterface.register("sdpa_padsafe", sdpa_padsafe_attention)
+AttentionMaskInterface.register("sdpa_padsafe", sdpa_mask)
+
+
+def build_model(cfg: ModelConfig, tokenizer) -> torch.nn.Module:
+    """ModernBERT with a 4-way classification head: pretrained weights, or random init from a config."""
+    kwargs = dict(num_labels=len(LABELS), id2label=dict(enumerate(LABELS)), label2id={n: i for i, n in enumerate(LABELS)})
+    kwargs["attn_implementation"] = cfg.attn_implementation
+    if cfg.pretrained:
+        model = AutoModelForSequenceClassification.from_pretrained(cfg.name_or_path, **kwargs)
+    else:
+        model = AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(cfg.name_or_path, **kwargs))
+    if len(tokenizer) > model.config.vocab_size:
+        raise ConfigError(f"model.tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
+                          f"{model.config.vocab_size}: use the model's own tokenizer")
+    return model
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, loader, device: torch.device, autocast) -> dict[str, float]:
+    """Loss, accuracy and macro-F1 over the whole validation split (every rank's shard)."""
+    model.eval()
+    acc = MulticlassAccuracy(num_classes=len(LABELS), average="micro").to(device)
+    f1 = MulticlassF1Score(num_classes=len(LABELS), average="macro").to(device)
+    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+    count = torch.zeros((), device=device, dtype=torch.float64)
+    for batch in loader:
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        with autocast():
+            out = model(**batch)
+        loss_sum += out.loss.double() * batch["labels"].numel()
+        count += batch["labels"].numel()
+        preds = out.logits.argmax(-1)
+        acc.update(preds, batch["labels"])
+        f1.update(preds, batch["labels"])
+    totals = cookbook.all_reduce_sum({"loss": loss_sum, "n": count}, device)
+    model.train()
+    return {"loss": totals["loss"] / max(totals["n"], 1.0), "accuracy": acc.compute().item(),
+            "macro_f1": f1.compute().item(), "samples": totals["n"]}
+
+
+class TrainState:
+    """Step and epoch counters, checkpointed with everything else."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.epoch = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step, self.epoch = int(state["step"]), int(state["epoch"])
+
+
+# ----------------------------------------------------------------------------- recipe
+def main(argv: list[str]) -> None:
+    args = cli_parser(__doc__).parse_args(argv)
+    cfg = load_config(Config, args.config, args.overrides)
+    check_config(cfg, Path(args.config).resolve().parent)
+    if args.check:  # one process, before torchrun starts any worker
+        train_ds, eval_ds = load_splits(cfg.data, cfg.train.seed) if cfg.data.train_files else (None, None)
+        tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer) if Path(cfg.model.tokenizer).exists() else None
+        if tok is not None and not cfg.model.pretrained:
+            config = AutoConfig.from_pretrained(cfg.model.name_or_path)
+            if len(tok) > config.vocab_size:
+                raise ConfigError(f"model.tokenizer has {len(tok)} tokens but the model's vocab_size is {config.vocab_size}")
+        rows = f"{len(train_ds)} train / {len(eval_ds)} eval rows" if train_ds is not None else f"hub data set {cfg.data.hub_id}"
+        print(f"config OK: {args.config} ({rows})")
+        return
+
+    # ---- set-up
+    info = cookbook.init_distributed()
+    log = cookbook.get_logger()
+    out_dir = Path(cfg.output_dir)
+    torch.manual_seed(cfg.train.seed)
+    use_bf16 = info.device.type == "cuda" and cfg.train.mixed_precision == "bf16"
+
+    def autocast():
+        return torch.autocast("cuda", dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
+    train_raw, eval_raw = load_splits(cfg.data, cfg.train.seed)
+    train_ds, n_trunc = tokenize(train_raw, tokenizer, cfg.data)
+    eval_ds, n_trunc_eval = tokenize(eval_raw, tokenizer, cfg.data)
+    collate = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8)
+    sampler = DistributedSampler(train_ds, num_replicas=info.world_size, rank=info.rank, shuffle=True,
+                                 seed=cfg.train.seed, drop_last=True)
+    loader_kw = dict(collate_fn=collate, num_workers=cfg.data.num_workers, pin_memory=info.device.type == "cuda",
+                     persistent_workers=False)
+    train_loader = StatefulDataLoader(train_ds, batch_size=cfg.train.micro_batch_size, sampler=sampler, drop_last=True, **loader_kw)
+    # Each rank evaluates a disjoint slice; no sample is duplicated to even out the shards.
+    eval_shard = Subset(eval_ds, range(info.rank, len(eval_ds), info.world_size))
+    eval_loader = StatefulDataLoader(eval_shard, batch_size=cfg.train.micro_batch_size * 2, **loader_kw)
+
+    steps_per_epoch = len(train_loader) // cfg.train.grad_accum_steps
+    if steps_per_epoch == 0:
+        raise ConfigError(f"the training set ({len(train_ds)} rows) is too small for one step of "
+                          f"{cfg.train.micro_batch_size} x {cfg.train.grad_accum_steps} x {info.world_size} samples")
+    max_steps = cfg.train.max_steps if cfg.train.max_steps > 0 else cfg.train.epochs * steps_per_epoch
+
+    model = build_model(cfg.model, tokenizer).to(info.device)
+    flops = ModelFlops(count_parameters(model), model.config.num_hidden_layers, model.config.hidden_size)
+    if cfg.model.compile:
+        model.compile()
+    model = DDP(model, device_ids=[info.local_rank] if info.device.type == "cuda" else None)
+
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]  # biases and norms
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps, fused=info.device.type == "cuda",
+    )
+    scheduler = get_scheduler(cfg.optim.scheduler, optimizer, num_warmup_steps=int(cfg.optim.warmup_ratio * max_steps),
+                              num_training_steps=max_steps)
+
+    state = TrainState()
+    checkpointer = Checkpointer(out_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last)
+    ckpt_state = {
+        "app": ModelOptimizerState(model, optimizer),
+        "scheduler": scheduler,
+        "train": state,
+        "rank_local": RankLocalState(dataloader=train_loader, rng=RNGState()),
+    }
+    resume_from = checkpointer.resolve_resume(cfg.checkpoint.resume)
+    if resume_from is not None:
+        checkpointer.load(resume_from, ckpt_state)
+    sampler.set_epoch(state.epoch)
+
+    if info.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, out_dir / "config.yaml")
+    metrics = MetricsLogger(out_dir, info, flops=flops, run_name=cfg.run_name, experiment="modernbert-ddp",
+                            params=to_dict(cfg), mlflow=cfg.mlflow, max_steps=max_steps)
+    global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * info.world_size
+    log.info(f"world size {info.world_size} ({info.backend}, {info.device.type}) | {flops.num_params / 1e6:.1f} M "
+             f"non-embedding params | global batch {global_batch} = {cfg.train.micro_batch_size} micro-batch x "
+             f"{cfg.train.grad_accum_steps} accumulation x {info.world_size} ranks | {len(train_ds)} train / "
+             f"{len(eval_ds)} eval rows | {max_steps} steps ({steps_per_epoch}/epoch) | precision "
+             f"{'bf16 autocast' if use_bf16 else 'fp32'}")
+    if n_trunc or n_trunc_eval:
+        log.info(f"truncated to data.max_length={cfg.data.max_length}: {n_trunc} train and {n_trunc_eval} eval texts")
+
+    # ---- train loop
+    stop_at = cfg.train.stop_at_step if cfg.train.stop_at_step > 0 else max_steps
+    data_iter = iter(train_loader)
+    window_loss = torch.zeros((), device=info.device)
+    window_steps = 0
+    failed = False
+    try:
+        metrics.start(state.step)
+        while state.step < min(max_steps, stop_at):
+            step_loss = torch.zeros((), device=info.device)
+            for micro in range(cfg.train.grad_accum_steps):
+                t0 = time.perf_counter()
+                try:
+                    batch = next(data_iter)
+                except StopIteration:  # end of epoch: reshuffle and continue
+                    state.epoch += 1
+                    sampler.set_epoch(state.epoch)
+                    data_iter = iter(train_loader)
+                    batch = next(data_iter)
+                wait = time.perf_counter() - t0
+                batch = {k: v.to(info.device, non_blocking=True) for k, v in batch.items()}
+                last_micro = micro == cfg.train.grad_accum_steps - 1
+                # Skip DDP's gradient all-reduce on all but the last micro-batch of a step.
+                with (contextlib.nullcontext() if last_micro else model.no_sync()):
+                    with autocast():
+                        loss = model(**batch).loss / cfg.train.grad_accum_steps
+                    loss.backward()
+                step_loss += loss.detach()
+                metrics.add(samples=batch["labels"].numel(), tokens=batch["attention_mask"].sum(), data_wait_s=wait)
+            if cfg.optim.max_grad_norm > 0:
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
+            else:
+                grad_norm = None
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            state.step += 1
+            window_loss += step_loss
+            window_steps += 1
+
+            if state.step % cfg.train.log_every == 0 or state.step == max_steps:
+                metrics.log_step(state.step, window_loss / window_steps, lr, grad_norm)
+                window_loss.zero_()
+                window_steps = 0
+            if cfg.train.eval_every > 0 and state.step % cfg.train.eval_every == 0 and state.step < max_steps:
+                metrics.log_eval(state.step, evaluate(model.module, eval_loader, info.device, autocast))
+            if (cfg.checkpoint.every_steps > 0 and state.step % cfg.checkpoint.every_steps == 0) or state.step in (stop_at, max_steps):
+                checkpointer.save(state.step, ckpt_state, {"epoch": state.epoch})
+
+        # ---- save
+        if state.step < max_steps:
+            log.info(f"stopped at step {state.step} of {max_steps} (train.stop_at_step); "
+                     f"run the same command again to resume from {checkpointer.latest()}")
+            return
+        final_eval = evaluate(model.module, eval_loader, info.device, autocast)
+        metrics.log_eval(state.step, final_eval)
+        fingerprints = cookbook.all_gather_object(cookbook.param_fingerprint(model.module))
+        export_dir = export_hf(model, out_dir / "final", tokenizer) if cfg.checkpoint.export_hf else None
+        metrics.log_summary({"step": state.step, "param_fingerprints": fingerprints, **{f"eval/{k}": v for k, v in final_eval.items()},
+                             "export_dir": str(export_dir) if export_dir else None, "mlflow_uri": metrics.mlflow_uri,
+                             "mlflow_run_id": metrics.mlflow_run_id})
+        if info.is_main:
+            log.info(f"done: {state.step} steps | eval accuracy {final_eval['accuracy']:.4f} macro-F1 {final_eval['macro_f1']:.4f}")
+            log.info(f"metrics:     {metrics.jsonl_path}")
+            if metrics.mlflow_uri:
+                log.info(f"MLflow:      {metrics.mlflow_uri} (run {metrics.mlflow_run_id}); browse with "
+                         f"`mlflow ui --backend-store-uri {metrics.mlflow_uri}`")
+            log.info(f"checkpoints: {checkpointer.root}")
+            if export_dir:
+                log.info(f"model:       {export_dir} (AutoModelForSequenceClassification.from_pretrained)")
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        # ---- clean-up
+        metrics.close(failed=failed)
+        cookbook.destroy_distributed()
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except (ConfigError, DataError, CheckpointError) as exc:
+        rank = os.environ.get("RANK", "0")
+        if rank == "0":
+            print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,38 @@
+"""cookbook: the thin utilities every recipe of the distributed-training cookbook shares.
+
+- `cookbook.dist`: process group from torchrun's environment, rank helpers, all-reduce.
+- `cookbook.config`: typed YAML configs with dotted overrides (OmegaConf structured configs).
+- `cookbook.checkpoint`: atomic DCP checkpoints, resume, Hugging Face export.
+- `cookbook.metrics`: tokens/s, MFU, memory; console, JSONL and MLflow sinks.
+- `cookbook.launcher`: the ``@distributed`` decorator for notebooks and scripts.
+"""
+
+from cookbook.dist import (
+    DistInfo,
+    all_gather_object,
+    all_reduce_mean,
+    all_reduce_sum,
+    barrier,
+    destroy_distributed,
+    distributed_context,
+    get_dist_info,
+    get_logger,
+    init_distributed,
+    param_fingerprint,
+)
+from cookbook.launcher import distributed
+
+__all__ = [
+    "DistInfo",
+    "all_gather_object",
+    "all_reduce_mean",
+    "all_reduce_sum",
+    "barrier",
+    "destroy_distributed",
+    "distributed",
+    "distributed_context",
+    "get_dist_info",
+    "get_logger",
+    "init_distributed",
+    "param_fingerprint",
+]

@@ -1,0 +1,321 @@
+"""Resumable, atomically published checkpoints with torch.distributed.checkpoint (DCP), and
+Hugging Face export.
+
+A checkpoint is a folder ``<root>/step_00000100/`` holding DCP's shards, its ``.metadata``
+and our ``meta.json``. Every rank writes into ``<root>/.tmp-step_00000100/``; only after all
+ranks finished does rank 0 write ``meta.json`` and rename the folder to its final name. A
+rename is atomic on POSIX file systems, so a crash at any point leaves either the old set of
+complete checkpoints or the old set plus the new one, never a half-written ``step_*``.
+With several nodes, ``root`` must be on a file system every node sees.
+
+What goes in is up to the recipe: a dict of DCP `Stateful` objects. `ModelOptimizerState`
+covers model and optimizer (moments included) for DDP, FSDP2 or a plain module via
+``torch.distributed.checkpoint.state_dict``; `RankLocalState` covers per-rank state (data-loader
+position, RNG streams) keyed by rank; anything else with ``state_dict``/``load_state_dict``
+(an LR scheduler) can be passed as is.
+
+References: https://pytorch.org/docs/stable/distributed.checkpoint.html,
+https://pytorch.org/tutorials/recipes/distributed_checkpoint_recipe.html
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+from cookbook.dist import barrier, get_logger
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+META_FILE = "meta.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used for this run; the message says why and what to do."""
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+class ModelOptimizerState:
+    """DCP `Stateful` for a model and its optimizer (DDP, FSDP2 or plain module).
+
+    Uses ``get_state_dict``/``set_state_dict``, which strip the DDP ``module.`` prefix, keep
+    FSDP2 parameters as sharded DTensors (so each rank writes only its shard) and key the
+    optimizer state (``exp_avg``, ``exp_avg_sq``, ``step``) by parameter name.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None):
+        self.model = model
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.optimizer is None:
+            return {"model": get_model_state_dict(self.model)}
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        optimizers = [] if self.optimizer is None else self.optimizer
+        set_state_dict(
+            self.model,
+            optimizers,
+            model_state_dict=state["model"],
+            optim_state_dict=state.get("optim", {}) if self.optimizer is not None else {},
+        )
+
+
+class RankLocalState:
+    """DCP `Stateful` for state that differs per rank: stored under ``rank<i>`` so ranks do not
+    overwrite each other, and restored to the same rank.
+
+    Args:
+        items: name -> object with ``state_dict()``/``load_state_dict()`` (e.g. a torchdata
+            ``StatefulDataLoader``), or `RNGState()`.
+
+    Restoring on a different world size is refused by `Checkpointer.load` (per-rank
+    positions cannot be remapped), with a message that says so.
+    """
+
+    def __init__(self, **items: Any):
+        self.items = items
+
+    def state_dict(self) -> dict[str, Any]:
+        return {f"rank{_rank()}": {name: obj.state_dict() for name, obj in self.items.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        mine = state[f"rank{_rank()}"]
+        for name, obj in self.items.items():
+            obj.load_state_dict(mine[name])
+
+
+class RNGState:
+    """The RNG streams of this process (Python, NumPy if installed, torch CPU and CUDA) as a
+    `Stateful`, so dropout and shuffling continue identically after a resume."""
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+        try:
+            import numpy as np
+
+            state["numpy"] = np.random.get_state()
+        except ImportError:
+            pass
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        random.setstate(state["python"])
+        torch.set_rng_state(state["torch"].cpu())
+        if "numpy" in state:
+            import numpy as np
+
+            np.random.set_state(state["numpy"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda"].cpu())
+
+
+class Checkpointer:
+    """Save, find and load checkpoints under one folder.
+
+    Args:
+        root: the checkpoints folder (created if needed). Shared by all nodes.
+        keep_last: number of newest complete checkpoints to keep; older ones are deleted
+            after a new one is published. ``0`` keeps all.
+
+    Every method is collective: call it on every rank.
+    """
+
+    def __init__(self, root: str | Path, keep_last: int = 3):
+        if keep_last < 0:
+            raise ValueError(f"keep_last must be >= 0, got {keep_last}")
+        self.root = Path(root)
+        self.keep_last = keep_last
+
+    # ------------------------------------------------------------------ finding
+    def complete_checkpoints(self) -> list[Path]:
+        """Complete checkpoints, oldest first. Temporary folders of interrupted saves are ignored."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for p in self.root.iterdir():
+            m = _STEP_DIR.match(p.name)
+            if m and (p / META_FILE).is_file() and (p / ".metadata").is_file():
+                found.append((int(m.group(1)), p))
+        return [p for _, p in sorted(found)]
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint, or ``None``."""
+        ckpts = self.complete_checkpoints()
+        return ckpts[-1] if ckpts else None
+
+    def resolve_resume(self, resume: str | None) -> Path | None:
+        """Turn a config's ``resume`` value into a checkpoint folder.
+
+        Args:
+            resume: ``"auto"`` (newest complete checkpoint under `root`, or none),
+                ``"none"``/``""``/``None`` (start fresh), or a path to a ``step_*`` folder.
+
+        Raises:
+            CheckpointError: an explicit path that is not a complete checkpoint.
+        """
+        if resume in (None, "", "none", "null"):
+            return None
+        if resume == "auto":
+            return self.latest()
+        path = Path(resume)
+        if not ((path / META_FILE).is_file() and (path / ".metadata").is_file()):
+            raise CheckpointError(
+                f"checkpoint.resume={resume!r} is not a complete checkpoint folder "
+                f"(expected {META_FILE} and .metadata inside); use 'auto' or 'none'"
+            )
+        return path
+
+    # ------------------------------------------------------------------ saving
+    def save(self, step: int, state: Mapping[str, Any], extra_meta: Mapping[str, Any] | None = None) -> Path:
+        """Write `state` with DCP and publish it atomically as ``step_<step>``.
+
+        Args:
+            step: optimizer steps completed; names the folder.
+            state: name -> DCP `Stateful` or (nested) dict of tensors / picklable objects.
+            extra_meta: JSON-serialisable facts stored in ``meta.json`` (e.g. epoch, loss).
+
+        Returns:
+            The published folder.
+        """
+        final = self.root / f"step_{step:08d}"
+        tmp = self.root / f".tmp-step_{step:08d}"
+        start = time.perf_counter()
+        if _rank() == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that crashed
+        barrier()
+        dcp.save(dict(state), checkpoint_id=str(tmp))
+        barrier()
+        if _rank() == 0:
+            meta = {"step": step, "world_size": _world_size(), "time": time.time(), **(extra_meta or {})}
+            with open(tmp / META_FILE, "w") as f:
+                json.dump(meta, f, indent=2)
+                f.flush()
+                os.fsync(f.fileno())
+            _publish(tmp, final)
+            self._prune()
+        barrier()
+        get_logger().info(f"checkpoint saved: {final} ({time.perf_counter() - start:.1f}s)")
+        return final
+
+    def _prune(self) -> None:
+        if self.keep_last == 0:
+            return
+        for old in self.complete_checkpoints()[: -self.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    # ------------------------------------------------------------------ loading
+    def load(self, path: str | Path, state: Mapping[str, Any]) -> dict[str, Any]:
+        """Load `state` in place from the checkpoint folder `path`.
+
+        Model and optimizer states reshard automatically (DCP); per-rank state
+        (`RankLocalState`) needs the world size the checkpoint was written with.
+
+        Returns:
+            The checkpoint's ``meta.json`` as a dict (``step``, ``world_size``, extras).
+
+        Raises:
+            CheckpointError: the folder is incomplete, or it holds per-rank state written by a
+                different number of ranks.
+        """
+        path = Path(path)
+        meta_file = path / META_FILE
+        if not meta_file.is_file():
+            raise CheckpointError(f"{path} is not a complete checkpoint (no {META_FILE})")
+        meta = json.loads(meta_file.read_text())
+        has_rank_local = any(isinstance(v, RankLocalState) for v in state.values())
+        if has_rank_local and meta.get("world_size") != _world_size():
+            raise CheckpointError(
+                f"{path} was written by {meta.get('world_size')} ranks but this job has {_world_size()}: "
+                f"its per-rank data-loader and RNG state cannot be remapped. Resume with the same "
+                f"number of processes (NGPU x NNODES = {meta.get('world_size')}), or start fresh "
+                f"with checkpoint.resume=none"
+            )
+        dcp.load(dict(state), checkpoint_id=str(path))
+        get_logger().info(f"resumed from {path} (step {meta['step']})")
+        return meta
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename a finished folder to its final name (atomic), replacing an older one of that name."""
+    if final.exists():
+        trash = final.with_name(f".old-{final.name}")
+        shutil.rmtree(trash, ignore_errors=True)
+        os.rename(final, trash)
+        os.rename(tmp, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    _fsync_dir(final.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def export_hf(model: torch.nn.Module, out_dir: str | Path, tokenizer: Any = None) -> Path | None:
+    """Save the full model in Hugging Face format (safetensors + config [+ tokenizer]).
+
+    Gathers a full, unsharded state dict on rank 0 (works for DDP, FSDP2 and plain
+    modules), writes it with ``save_pretrained`` into a temporary folder and renames it to
+    `out_dir`, replacing an older export only once the new one is complete. The result loads
+    with ``AutoModel*.from_pretrained(out_dir)``. Collective: call on every rank.
+
+    Args:
+        model: a ``transformers.PreTrainedModel``, possibly wrapped in DDP or sharded with FSDP2.
+        out_dir: destination folder.
+        tokenizer: saved beside the weights when given.
+
+    Returns:
+        `out_dir` on rank 0, ``None`` on other ranks.
+    """
+    out = Path(out_dir)
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    result = None
+    if _rank() == 0:
+        tmp = out.with_name(f".tmp-{out.name}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        inner.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        _publish(tmp, out)
+        result = out
+    barrier()
+    return result

@@ -1,0 +1,120 @@
+"""Typed recipe configs: a YAML file plus dotted command-line overrides, checked against a dataclass.
+
+Built on OmegaConf structured configs (https://omegaconf.readthedocs.io/en/latest/structured_config.html).
+A recipe declares its schema as nested dataclasses; `load_config` merges, in order,
+the dataclass defaults, the YAML file and the overrides (``optim.lr=3e-5 train.max_steps=20``),
+and returns an instance of the dataclass. An unknown key, a wrong type or a missing
+required value raises one `ConfigError` that names the key and where it came from. Call
+it before creating a process group or a model, so bad input costs nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+from typing import Sequence, TypeVar
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the key and its source."""
+
+
+def _describe(exc: OmegaConfBaseException) -> str:
+    key = getattr(exc, "full_key", None)
+    msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return f"key '{key}': {msg}" if key else msg
+
+
+def load_config(schema: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
+    """Build a recipe config from its schema, a YAML file and dotted overrides.
+
+    Args:
+        schema: a dataclass type (fields may be nested dataclasses) that defines every key.
+        path: YAML file whose keys override the dataclass defaults; ``None`` for defaults only.
+        overrides: ``"section.key=value"`` strings, applied last (values parsed as YAML:
+            ``3e-5``, ``true``, ``null``, ``[a,b]``).
+
+    Returns:
+        An instance of `schema` with every field of the declared type.
+
+    Raises:
+        ConfigError: the file is missing or not a mapping; a key is not in the schema; a value
+            has the wrong type; an override is not ``key=value``; a required (``MISSING``)
+            value was not given. The message names the key and the file or override.
+    """
+    if not dataclasses.is_dataclass(schema):
+        raise TypeError(f"schema must be a dataclass type, got {schema!r}")
+    cfg = OmegaConf.structured(schema)
+    sources: list[tuple[str, object]] = []
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            loaded = OmegaConf.load(p)
+        except Exception as exc:  # YAML syntax errors come from several libraries
+            raise ConfigError(f"{p}: not valid YAML: {exc}") from None
+        if not OmegaConf.is_dict(loaded):
+            raise ConfigError(f"{p}: the top level must be a mapping of sections")
+        sources.append((str(p), loaded))
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"override {item!r} is not of the form section.key=value")
+        try:
+            sources.append((f"override {item!r}", OmegaConf.from_dotlist([item])))
+        except OmegaConfBaseException as exc:
+            raise ConfigError(f"override {item!r}: {_describe(exc)}") from None
+    for where, src in sources:
+        try:
+            cfg = OmegaConf.merge(cfg, src)
+        except OmegaConfBaseException as exc:
+            raise ConfigError(f"{where}: {_describe(exc)}") from None
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError(f"required config value(s) not set: {', '.join(missing)}")
+    try:
+        return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+    except OmegaConfBaseException as exc:
+        raise ConfigError(_describe(exc)) from None
+
+
+def to_dict(cfg: object) -> dict:
+    """A config instance as a plain nested dict (for logging and MLflow params)."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]
+
+
+def save_config(cfg: object, path: str | Path) -> None:
+    """Write the resolved config as YAML (e.g. into the run's output folder)."""
+    Path(path).write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+
+
+def resolve_path(value: str, base_dir: str | Path) -> str:
+    """Resolve a relative path in a config file against the file's folder, if it exists there.
+
+    Lets a recipe folder be copied anywhere: ``tiny/data/train.csv`` in ``tiny.yaml`` means
+    the file beside ``tiny.yaml``. Values that exist relative to the working directory, absolute
+    paths and Hugging Face hub ids (``answerdotai/ModernBERT-base``) are returned unchanged.
+    """
+    if not value or Path(value).is_absolute() or Path(value).exists():
+        return value
+    candidate = Path(base_dir) / value
+    return str(candidate) if candidate.exists() else value
+
+
+def cli_parser(description: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser every recipe shares: ``--config FILE``, ``--check`` and overrides.
+
+    ``--check`` validates the config and data in one process and exits, so a launch script can
+    reject bad input before starting any worker.
+    """
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="YAML config file")
+    parser.add_argument("--check", action="store_true", help="validate config and data, then exit")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-5")
+    return parser

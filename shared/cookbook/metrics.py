@@ -1,0 +1,395 @@
+"""Training metrics: throughput, MFU, memory, and the sinks they go to (console, JSONL, MLflow).
+
+`MetricsLogger` is the one object a recipe talks to. Each step it is told how many samples
+and tokens were processed and how long the step waited for data (`MetricsLogger.add`); every
+``log_every`` steps the recipe calls `MetricsLogger.log_step` with the loss, learning rate and
+gradient norm, and the logger measures wall time since the previous log, reduces counts
+across ranks and writes one record to:
+
+- the console (rank 0, one concise line),
+- ``<out_dir>/metrics.jsonl`` (rank 0, one JSON object per line, flushed each time),
+- MLflow: ``MLFLOW_TRACKING_URI`` if set, else an embedded SQLite store
+  ``sqlite:///<out_dir>/mlflow.db``; ``MLFLOW_RUN_ID`` attaches to an existing run. A resumed
+  run continues the MLflow run it started. Any tracking failure is logged once as a warning
+  and tracking is switched off: it never stops training.
+
+Keys of a train record: ``step``, ``loss``, ``lr``, ``grad_norm``, ``step_time_s``,
+``samples_per_s``, ``tokens_per_s`` (totals over ranks), ``samples_per_s_per_gpu`` and
+``tokens_per_s_per_gpu`` (``*_per_rank`` on CPU), ``mfu`` (CUDA only, fraction 0-1),
+``mem_allocated_gib``/``mem_reserved_gib`` (CUDA peak since start, max over ranks),
+``rss_gib`` (CPU resident memory, max over ranks), ``data_wait_s`` (per step, mean over ranks)
+and ``data_wait_frac``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import psutil
+import torch
+import torch.distributed as dist
+
+from cookbook.dist import DistInfo, get_logger
+
+# Dense (no sparsity) bf16 tensor-core peak, FLOP/s, from NVIDIA's data sheets:
+# A10: "NVIDIA A10 Tensor Core GPU" datasheet, BF16 125 TFLOPS.
+# A100 (SXM and PCIe): "NVIDIA A100 Tensor Core GPU" datasheet, BF16 312 TFLOPS.
+# H100 SXM 989 / H100 NVL 835 / H100 PCIe 756 TFLOPS: "NVIDIA H100 Tensor Core GPU" datasheet.
+# H200 SXM 989 / H200 NVL 835 TFLOPS: "NVIDIA H200 Tensor Core GPU" datasheet.
+# The data sheets quote sparse figures (2x) first; these are the dense halves.
+PEAK_BF16_FLOPS: dict[str, float] = {
+    "A10": 125e12,
+    "A100": 312e12,
+    "H100 SXM": 989e12,
+    "H100 NVL": 835e12,
+    "H100 PCIe": 756e12,
+    "H200 SXM": 989e12,
+    "H200 NVL": 835e12,
+}
+
+
+def peak_bf16_flops(device_name: str) -> float | None:
+    """Peak dense bf16 FLOP/s of one GPU, from `PEAK_BF16_FLOPS`.
+
+    Args:
+        device_name: ``torch.cuda.get_device_name()``, e.g. ``"NVIDIA H200"`` or
+            ``"NVIDIA H100 80GB HBM3"`` (an H100 or H200 named without NVL/PCIe is taken as SXM).
+
+    Returns:
+        FLOP/s, or ``None`` for a GPU not in the table. ``COOKBOOK_PEAK_TFLOPS`` in the
+        environment (TFLOP/s) overrides the table for any GPU.
+    """
+    override = os.environ.get("COOKBOOK_PEAK_TFLOPS")
+    if override:
+        return float(override) * 1e12
+    name = device_name.upper()
+    for chip in ("H200", "H100"):
+        if chip in name:
+            form = "NVL" if "NVL" in name else "PCIe" if "PCIE" in name else "SXM"
+            return PEAK_BF16_FLOPS[f"{chip} {form}"]
+    if "A100" in name:
+        return PEAK_BF16_FLOPS["A100"]
+    if "A10" in name.replace("A100", ""):
+        return PEAK_BF16_FLOPS["A10"]
+    return None
+
+
+def count_parameters(model: torch.nn.Module, exclude_embeddings: bool = True) -> int:
+    """Number of parameters, by default without those of ``nn.Embedding`` modules.
+
+    Embedding lookups cost no matrix FLOPs, so MFU counts only non-embedding parameters
+    (Kaplan et al. 2020, "Scaling Laws for Neural Language Models", section 2.1). Shared
+    (tied) parameters are counted once. DTensor shards count at their full (global) size.
+    """
+    embedding_ids = set()
+    if exclude_embeddings:
+        for m in model.modules():
+            if isinstance(m, torch.nn.Embedding):
+                embedding_ids.update(id(p) for p in m.parameters(recurse=False))
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        if id(p) in seen or id(p) in embedding_ids:
+            continue
+        seen.add(id(p))
+        total += p.numel()
+    return total
+
+
+@dataclass(frozen=True)
+class ModelFlops:
+    """FLOPs per token of a transformer's training step (forward + backward).
+
+    ``6 * N + 12 * L * d * T`` (PaLM, Chowdhery et al. 2022, appendix B), where N is the
+    number of non-embedding parameters, L the number of layers, d the attention width
+    (heads x head dim, the hidden size for most models) and T the sequence length. The first
+    term is the matrix multiplies (2 FLOPs per multiply-add, forward 1x and backward 2x);
+    the second the attention score and value products, counted over the full T x T matrix.
+    Layers with sliding-window attention are counted as full attention (an upper bound).
+
+    Attributes:
+        num_params: non-embedding parameters (see `count_parameters`).
+        num_layers: transformer layers.
+        attn_width: heads x head dim.
+    """
+
+    num_params: int
+    num_layers: int
+    attn_width: int
+
+    def per_token(self, seq_len: float) -> float:
+        """FLOPs per token at sequence length `seq_len` (tokens)."""
+        return 6.0 * self.num_params + 12.0 * self.num_layers * self.attn_width * seq_len
+
+
+def mfu(tokens_per_s_per_gpu: float, flops_per_token: float, peak_flops: float) -> float:
+    """Model FLOPs utilisation (fraction 0-1): achieved model FLOP/s over the GPU's peak.
+
+    MFU as defined in PaLM (Chowdhery et al. 2022, section 4.1): recomputation for
+    activation checkpointing does not count as useful work.
+    """
+    return tokens_per_s_per_gpu * flops_per_token / peak_flops
+
+
+def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(_flatten(v, f"{key}."))
+        else:
+            out[key] = v
+    return out
+
+
+class _MLflowSink:
+    """MLflow logging that switches itself off, with one warning, at the first failure."""
+
+    def __init__(self, out_dir: Path, run_name: str, experiment: str, params: Mapping[str, Any]):
+        self.enabled = True
+        self._run_id_file = out_dir / "mlflow_run_id.txt"
+        self.run_id: str | None = None
+        self.tracking_uri: str | None = None
+        self._guard(self._start, out_dir, run_name, experiment, params)
+
+    def _guard(self, fn, *args) -> None:
+        if not self.enabled:
+            return
+        try:
+            fn(*args)
+        except Exception as exc:  # tracking must never stop training
+            self.enabled = False
+            get_logger().warning(f"MLflow tracking switched off after an error: {type(exc).__name__}: {exc}")
+
+    def _start(self, out_dir: Path, run_name: str, experiment: str, params: Mapping[str, Any]) -> None:
+        for name in ("alembic", "mlflow"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+        import mlflow
+
+        self.tracking_uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{out_dir.resolve()}/mlflow.db"
+        mlflow.set_tracking_uri(self.tracking_uri)
+        run_id = os.environ.get("MLFLOW_RUN_ID")
+        if not run_id and self._run_id_file.is_file():
+            run_id = self._run_id_file.read_text().strip()  # a resumed run continues its MLflow run
+        if not run_id:
+            mlflow.set_experiment(experiment)
+        run = mlflow.start_run(run_id=run_id or None, run_name=None if run_id else run_name)
+        self.run_id = run.info.run_id
+        self._run_id_file.write_text(self.run_id)
+        flat = {k: str(v)[:500] for k, v in _flatten(params).items()}
+        items = list(flat.items())
+        for i in range(0, len(items), 100):
+            try:
+                mlflow.log_params(dict(items[i : i + 100]))
+            except Exception:
+                pass  # params already logged with other values (a resume with overrides): keep going
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        def _log() -> None:
+            import mlflow
+
+            mlflow.log_metrics({k.replace("/", "_"): float(v) for k, v in metrics.items()}, step=step)
+
+        self._guard(_log)
+
+    def close(self, status: str = "FINISHED") -> None:
+        def _end() -> None:
+            import mlflow
+
+            mlflow.end_run(status=status)
+
+        self._guard(_end)
+
+
+class MetricsLogger:
+    """Per-step metrics for a distributed run; see the module docstring for the keys and sinks.
+
+    Args:
+        out_dir: the run's output folder (JSONL and the default MLflow store go here).
+        info: this rank's `DistInfo`.
+        flops: the model's `ModelFlops`, for MFU; ``None`` to omit MFU.
+        run_name: MLflow run name.
+        experiment: MLflow experiment name.
+        params: the run's config, logged as MLflow params (flattened).
+        mlflow: ``False`` to turn MLflow off.
+        max_steps: total steps, for the console's progress and ETA.
+
+    Every method that reduces across ranks (`log_step`, `log_eval`) is collective.
+    """
+
+    def __init__(
+        self,
+        out_dir: str | Path,
+        info: DistInfo,
+        flops: ModelFlops | None = None,
+        run_name: str = "run",
+        experiment: str = "cookbook",
+        params: Mapping[str, Any] | None = None,
+        mlflow: bool = True,
+        max_steps: int | None = None,
+    ):
+        self.out_dir = Path(out_dir)
+        self.info = info
+        self.flops = flops
+        self.max_steps = max_steps
+        self.jsonl_path = self.out_dir / "metrics.jsonl"
+        self._peak = peak_bf16_flops(torch.cuda.get_device_name(info.device)) if info.device.type == "cuda" else None
+        self._mlflow: _MLflowSink | None = None
+        if info.is_main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            if mlflow:
+                self._mlflow = _MLflowSink(self.out_dir, run_name, experiment, params or {})
+        self._suffix = "per_gpu" if info.device.type == "cuda" else "per_rank"
+        self._reset_window(step=None)
+        self._t_start = time.perf_counter()
+
+    @property
+    def mlflow_uri(self) -> str | None:
+        """Where the MLflow run lives (``None`` off rank 0 or when tracking is off)."""
+        return self._mlflow.tracking_uri if self._mlflow and self._mlflow.enabled else None
+
+    @property
+    def mlflow_run_id(self) -> str | None:
+        return self._mlflow.run_id if self._mlflow and self._mlflow.enabled else None
+
+    def _reset_window(self, step: int | None) -> None:
+        self._last_step = step
+        self._last_time = time.perf_counter()
+        self._samples = 0
+        self._tokens: torch.Tensor | int = 0
+        self._data_wait = 0.0
+
+    def start(self, step: int) -> None:
+        """Mark the start of timing at `step` (call just before the loop, also after a resume)."""
+        if self.info.device.type == "cuda":
+            torch.cuda.synchronize(self.info.device)
+            torch.cuda.reset_peak_memory_stats(self.info.device)
+        self._reset_window(step)
+
+    def add(self, samples: int, tokens: int | torch.Tensor, data_wait_s: float) -> None:
+        """Count one micro-batch on this rank.
+
+        Args:
+            samples: sequences in the micro-batch.
+            tokens: real (non-padding) tokens; a device tensor is fine and avoids a sync.
+            data_wait_s: seconds spent waiting for the batch from the data loader.
+        """
+        self._samples += samples
+        self._tokens = self._tokens + (tokens.detach() if isinstance(tokens, torch.Tensor) else tokens)
+        self._data_wait += data_wait_s
+
+    def log_step(self, step: int, loss: float | torch.Tensor, lr: float, grad_norm: float | torch.Tensor | None) -> dict[str, float]:
+        """Reduce this window's counts over ranks and write one train record.
+
+        Args:
+            step: optimizer steps completed.
+            loss: this rank's mean loss over the window's steps.
+            lr: current learning rate.
+            grad_norm: total gradient norm of the last step (before clipping).
+
+        Returns:
+            The record (same on every rank).
+        """
+        dev = self.info.device
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        now = time.perf_counter()
+        steps = max(1, step - (self._last_step if self._last_step is not None else step - 1))
+        elapsed = now - self._last_time
+        tokens = self._tokens if isinstance(self._tokens, torch.Tensor) else torch.tensor(float(self._tokens))
+        sums = torch.stack([
+            torch.as_tensor(loss, dtype=torch.float64).to(dev).reshape(()),
+            tokens.to(dev, torch.float64).reshape(()),
+            torch.tensor(float(self._samples), dtype=torch.float64, device=dev),
+            torch.tensor(self._data_wait, dtype=torch.float64, device=dev),
+        ])
+        mem = torch.tensor([
+            torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else 0.0,
+            torch.cuda.max_memory_reserved(dev) / 2**30 if dev.type == "cuda" else 0.0,
+            psutil.Process().memory_info().rss / 2**30,
+            elapsed,
+        ], dtype=torch.float64, device=dev)
+        if dist.is_initialized():
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+            dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+        loss_sum, tok, samples, wait = sums.tolist()
+        alloc, reserved, rss, elapsed = mem.tolist()
+        world = self.info.world_size
+        rec: dict[str, float] = {
+            "step": step,
+            "loss": loss_sum / world,
+            "lr": float(lr),
+        }
+        if grad_norm is not None:
+            rec["grad_norm"] = float(grad_norm)
+        rec["step_time_s"] = elapsed / steps
+        rec["samples_per_s"] = samples / elapsed
+        rec["tokens_per_s"] = tok / elapsed
+        rec[f"samples_per_s_{self._suffix}"] = samples / elapsed / world
+        rec[f"tokens_per_s_{self._suffix}"] = tok / elapsed / world
+        if self.flops is not None and self._peak is not None and samples > 0:
+            fpt = self.flops.per_token(tok / samples)
+            rec["mfu"] = mfu(tok / elapsed / world, fpt, self._peak)
+        if dev.type == "cuda":
+            rec["mem_allocated_gib"] = alloc
+            rec["mem_reserved_gib"] = reserved
+        rec["rss_gib"] = rss
+        rec["data_wait_s"] = wait / world / steps
+        rec["data_wait_frac"] = min(1.0, wait / world / elapsed) if elapsed > 0 else 0.0
+        self._emit("train", rec)
+        self._console(rec)
+        self._reset_window(step)
+        return rec
+
+    def log_eval(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Write evaluation metrics (already reduced across ranks) as ``eval/<name>``."""
+        rec = {"step": step, **{f"eval/{k}": float(v) for k, v in metrics.items()}}
+        self._emit("eval", rec)
+        shown = [f"{k} {v:.0f}" if float(v).is_integer() and abs(v) >= 2 else f"{k} {v:.4f}" for k, v in metrics.items()]
+        get_logger().info("eval  step %d | %s", step, " | ".join(shown))
+
+    def log_summary(self, summary: Mapping[str, Any]) -> None:
+        """Write one final record (event ``summary``) to the JSONL file."""
+        self._emit("summary", dict(summary), mlflow=False)
+
+    def _emit(self, event: str, rec: Mapping[str, Any], mlflow: bool = True) -> None:
+        if not self.info.is_main:
+            return
+        with open(self.jsonl_path, "a") as f:
+            f.write(json.dumps({"event": event, "time": time.time(), **rec}) + "\n")
+        if mlflow and self._mlflow is not None:
+            self._mlflow.log({k: v for k, v in rec.items() if k != "step" and isinstance(v, (int, float))}, int(rec["step"]))
+
+    def _console(self, rec: Mapping[str, float]) -> None:
+        if not self.info.is_main:
+            return
+        step = int(rec["step"])
+        head = f"step {step}" + (f"/{self.max_steps}" if self.max_steps else "")
+        parts = [head, f"loss {rec['loss']:.4f}", f"lr {rec['lr']:.2e}"]
+        if "grad_norm" in rec:
+            parts.append(f"gnorm {rec['grad_norm']:.2f}")
+        parts.append(f"{rec['step_time_s'] * 1000:.0f} ms/step")
+        parts.append(f"{rec[f'samples_per_s_{self._suffix}']:.1f} samples/s/{self._suffix[4:]}")
+        parts.append(f"{rec[f'tokens_per_s_{self._suffix}']:,.0f} tok/s/{self._suffix[4:]}")
+        if "mfu" in rec:
+            parts.append(f"mfu {rec['mfu'] * 100:.1f}%")
+        if "mem_allocated_gib" in rec:
+            parts.append(f"mem {rec['mem_allocated_gib']:.1f}/{rec['mem_reserved_gib']:.1f} GiB")
+        else:
+            parts.append(f"rss {rec['rss_gib']:.2f} GiB")
+        parts.append(f"data {rec['data_wait_frac'] * 100:.0f}%")
+        if self.max_steps and step < self.max_steps:
+            eta = rec["step_time_s"] * (self.max_steps - step)
+            parts.append(f"eta {eta / 60:.1f} min" if eta >= 60 else f"eta {eta:.0f} s")
+        get_logger().info(" | ".join(parts))
+
+    def close(self, failed: bool = False) -> None:
+        """End the MLflow run (status FAILED when `failed`)."""
+        if self._mlflow is not None:
+            self._mlflow.close("FAILED" if failed else "FINISHED")

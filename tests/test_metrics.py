@@ -1,0 +1,81 @@
+import json
+
+import pytest
+import torch
+
+from cookbook.dist import DistInfo
+from cookbook.metrics import MetricsLogger, ModelFlops, count_parameters, mfu, peak_bf16_flops
+
+CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend="gloo")
+
+
+def test_mfu_of_a_known_config_matches_hand_computed_flops():
+    model = torch.nn.Sequential(torch.nn.Embedding(100, 8), torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    n = count_parameters(model)
+    assert n == (8 * 16 + 16) + (16 * 4 + 4) == 212  # the 800 embedding weights do not count
+    assert count_parameters(model, exclude_embeddings=False) == 1012
+    flops = ModelFlops(num_params=n, num_layers=2, attn_width=8)
+    # 6 N + 12 L d T = 6 * 212 + 12 * 2 * 8 * 10
+    assert flops.per_token(10) == 1272 + 1920 == 3192
+    assert mfu(1000.0, flops.per_token(10), 1e6) == pytest.approx(3.192)
+
+
+def test_mfu_of_a_llama_sized_model():
+    # Llama-2-7B: 6.48e9 non-embedding params, 32 layers, width 4096, seq 4096;
+    # 3,000 tokens/s per GPU on an H100 SXM.
+    flops = ModelFlops(num_params=6_476_005_376, num_layers=32, attn_width=4096)
+    per_token = 6 * 6_476_005_376 + 12 * 32 * 4096 * 4096
+    assert flops.per_token(4096) == per_token
+    assert mfu(3000, per_token, peak_bf16_flops("NVIDIA H100 80GB HBM3")) == pytest.approx(3000 * per_token / 989e12)
+
+
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA H200", 989e12), ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
+    ("NVIDIA H100 NVL", 835e12), ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA A10", 125e12), ("Tesla T4", None),
+])
+def test_peak_table(name, peak, monkeypatch):
+    monkeypatch.delenv("COOKBOOK_PEAK_TFLOPS", raising=False)
+    assert peak_bf16_flops(name) == peak
+
+
+def _log_a_few_steps(tmp_path, **kw):
+    logger = MetricsLogger(tmp_path, CPU, flops=ModelFlops(100, 2, 8), run_name="t", experiment="tests", params={"a": {"b": 1}}, **kw)
+    logger.start(0)
+    for step in (1, 2, 3):
+        logger.add(samples=4, tokens=torch.tensor(40), data_wait_s=0.0)
+        rec = logger.log_step(step, loss=torch.tensor(2.0 / step), lr=1e-3, grad_norm=torch.tensor(0.5))
+    logger.log_eval(3, {"accuracy": 0.75})
+    logger.close()
+    return logger, rec
+
+
+def test_jsonl_and_mlflow_records(tmp_path):
+    logger, rec = _log_a_few_steps(tmp_path)
+    assert rec["samples_per_s"] > 0 and rec["tokens_per_s_per_rank"] == pytest.approx(rec["tokens_per_s"])
+    assert rec["tokens_per_s"] / rec["samples_per_s"] == pytest.approx(10.0)
+    assert "mfu" not in rec and "mem_allocated_gib" not in rec and rec["rss_gib"] > 0  # CPU: no MFU, RSS instead
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if r["event"] == "train"] == [1, 2, 3]
+    assert [r["loss"] for r in lines if r["event"] == "train"] == pytest.approx([2.0, 1.0, 2.0 / 3])
+    assert lines[-1]["eval/accuracy"] == 0.75
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(logger.mlflow_uri)
+    run = client.get_run(logger.mlflow_run_id)
+    assert run.data.params["a.b"] == "1" and run.info.status == "FINISHED"
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "loss")] == pytest.approx([2.0, 1.0, 2.0 / 3])
+    assert client.get_metric_history(run.info.run_id, "eval_accuracy")[0].value == 0.75
+
+
+def test_a_resumed_run_continues_its_mlflow_run(tmp_path):
+    first, _ = _log_a_few_steps(tmp_path)
+    second, _ = _log_a_few_steps(tmp_path)
+    assert second.mlflow_run_id == first.mlflow_run_id
+
+
+def test_tracking_failure_never_stops_training(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "nosuchscheme://nowhere")
+    logger, rec = _log_a_few_steps(tmp_path)
+    assert logger.mlflow_uri is None  # switched off
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 4  # 3 train + 1 eval still written

@@ -1,0 +1,149 @@
+"""The ModernBERT DDP recipe, run as a user runs it: launch.sh, tiny config, 2 CPU ranks (gloo)."""
+
+import shutil
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import ROOT, launch, read_jsonl, train_losses
+
+import cookbook
+
+RECIPE = ROOT / "recipes" / "modernbert-ddp"
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    """An uninterrupted 40-step run of tiny.yaml (checkpoints at 20 and 40)."""
+    out = tmp_path_factory.mktemp("full") / "run"
+    proc = launch("modernbert-ddp", f"output_dir={out}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, proc
+
+
+def test_loss_falls_and_eval_is_logged(full_run):
+    out, proc = full_run
+    losses = train_losses(out / "metrics.jsonl")
+    assert sorted(losses) == list(range(1, 41))
+    first, last = sum(losses[s] for s in range(1, 6)) / 5, sum(losses[s] for s in range(36, 41)) / 5
+    assert last < 0.5 * first, (first, last)
+    evals = [r for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "eval"]
+    assert [e["step"] for e in evals] == [20, 40]
+    assert evals[-1]["eval/accuracy"] > 0.5 and 0.0 < evals[-1]["eval/macro_f1"] <= 1.0
+    assert evals[-1]["eval/samples"] == 400  # every validation row once, none duplicated across ranks
+    # The final lines tell the user where everything is.
+    for what in ("metrics:", "MLflow:", "checkpoints:", "model:"):
+        assert what in proc.stderr
+
+
+def test_throughput_metrics_are_per_rank_on_cpu(full_run):
+    out, _ = full_run
+    rec = [r for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "train"][-1]
+    assert rec["samples_per_s_per_rank"] == pytest.approx(rec["samples_per_s"] / 2)
+    assert rec["tokens_per_s"] > rec["samples_per_s"] > 0 and rec["step_time_s"] > 0
+    assert 0 <= rec["data_wait_frac"] <= 1 and rec["rss_gib"] > 0 and rec["grad_norm"] > 0
+
+
+def test_ranks_hold_identical_parameters_and_the_export_matches(full_run):
+    out, _ = full_run
+    summary = [r for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "summary"][-1]
+    fingerprints = summary["param_fingerprints"]
+    assert len(fingerprints) == 2 and fingerprints[0] == fingerprints[1]
+
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    exported = AutoModelForSequenceClassification.from_pretrained(out / "final").eval()
+    assert exported.config.id2label[3] == "Sci/Tech"
+    assert cookbook.param_fingerprint(exported) == pytest.approx(fingerprints[0], rel=1e-12)
+
+    # The trained model, rebuilt from the last DCP checkpoint, gives the same logits as the export.
+    config = AutoConfig.from_pretrained(RECIPE / "tiny" / "model", num_labels=4)
+    trained = AutoModelForSequenceClassification.from_config(config).eval()
+    state = {"app": {"model": trained.state_dict()}}
+    dcp.load(state, checkpoint_id=str(out / "checkpoints" / "step_00000040"))
+    trained.load_state_dict(state["app"]["model"])
+    tok = AutoTokenizer.from_pretrained(out / "final")
+    batch = tok(["striker scores twice in the cup final", "central bank raises interest rates"], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        torch.testing.assert_close(exported(**batch).logits, trained(**batch).logits, rtol=0, atol=0)
+
+
+def test_mlflow_run_holds_the_metrics(full_run):
+    out, _ = full_run
+    summary = [r for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "summary"][-1]
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(summary["mlflow_uri"])
+    run = client.get_run(summary["mlflow_run_id"])
+    assert run.info.status == "FINISHED" and run.data.params["train.max_steps"] == "40"
+    history = client.get_metric_history(run.info.run_id, "loss")
+    assert len(history) == 40
+    assert client.get_metric_history(run.info.run_id, "eval_accuracy")[-1].value == pytest.approx(
+        summary["eval/accuracy"])
+
+
+def test_resume_gives_the_same_losses_as_an_uninterrupted_run(full_run, tmp_path):
+    out_full, _ = full_run
+    out = tmp_path / "run"
+    first = launch("modernbert-ddp", f"output_dir={out}", "train.stop_at_step=20")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert sorted(train_losses(out / "metrics.jsonl")) == list(range(1, 21))
+    assert not (out / "final").exists()
+    second = launch("modernbert-ddp", f"output_dir={out}")  # same command, checkpoint.resume=auto
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "(step 20)" in second.stderr and "resumed from" in second.stderr
+    resumed_steps = [r["step"] for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "train"][20:]
+    assert resumed_steps == list(range(21, 41))
+    expected, got = train_losses(out_full / "metrics.jsonl"), train_losses(out / "metrics.jsonl")
+    assert sorted(got) == sorted(expected)
+    torch.testing.assert_close(torch.tensor([got[s] for s in range(1, 41)], dtype=torch.float64),
+                               torch.tensor([expected[s] for s in range(1, 41)], dtype=torch.float64), rtol=1e-5, atol=0)
+
+
+def test_recipe_folder_works_from_a_copy(tmp_path):
+    copy = tmp_path / "my-recipe"
+    shutil.copytree(RECIPE, copy)
+    proc = launch("modernbert-ddp", "output_dir=out", "train.max_steps=2", "train.eval_every=0", "checkpoint.every_steps=0",
+                  "mlflow=false", cwd=copy, ngpu=1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (copy / "out" / "final" / "model.safetensors").is_file()
+
+
+# ----------------------------------------------------------------------------- bad input
+def _write(path, text):
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("make_input, expected", [
+    (lambda d: ["data.train_files=[/no/such/train.csv]"], "data.train_files: file not found: /no/such/train.csv"),
+    (lambda d: [f"data.train_files=[{_write(d / 'bad.csv', 'a,b,c,d' + chr(10) + '1,2,3,4' + chr(10))}]"],
+     "bad.csv: unrecognised columns ['a', 'b', 'c', 'd']"),
+    (lambda d: [f"data.train_files=[{_write(d / 'lab.csv', chr(10).join(['1,t,d', '2,t,d', '7,t,d']))}]"],
+     "lab.csv row 3: label '7' is not one of 1-4"),
+    (lambda d: [f"data.train_files=[{_write(d / 'hf.csv', 'text,label' + chr(10) + 'hello,4' + chr(10))}]"],
+     "hf.csv row 1: label '4' is not one of 0-3"),
+    (lambda d: ["optim.lrr=1e-4"], "key 'optim.lrr'"),
+    (lambda d: ["train.micro_batch_size=big"], "key 'train.micro_batch_size'"),
+    (lambda d: ["model.compile=true", "data.padding=longest"], "model.compile=true needs data.padding=max_length"),
+])
+def test_bad_input_fails_before_any_worker_starts(tmp_path, make_input, expected):
+    proc = launch("modernbert-ddp", f"output_dir={tmp_path / 'out'}", *make_input(tmp_path))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert expected in proc.stderr
+    assert proc.stderr.strip().startswith("error:") and proc.stderr.count("error:") == 1
+    assert "Traceback" not in proc.stderr and "torch/distributed/run.py" not in proc.stderr  # torchrun never ran
+    assert not (tmp_path / "out").exists()
+
+
+def test_tokenizer_larger_than_the_model_vocabulary(tmp_path):
+    model_dir = tmp_path / "model"
+    shutil.copytree(RECIPE / "tiny" / "model", model_dir)
+    cfg = (model_dir / "config.json").read_text()
+    import json
+
+    data = json.loads(cfg)
+    data["vocab_size"] = 100
+    (model_dir / "config.json").write_text(json.dumps(data))
+    proc = launch("modernbert-ddp", f"model.name_or_path={model_dir}", f"output_dir={tmp_path / 'out'}")
+    assert proc.returncode == 2 and "tokens but the model's vocab_size is 100" in proc.stderr
