@@ -277,9 +277,9 @@ def sdpa_padsafe_attention(module, query, key, value, attention_mask, **kwargs):
     """PyTorch SDPA in which a query row that may see no key attends to every key instead.
 
     ModernBERT's sliding-window layers give a padding position farther than half a window from
-    every real token an all-False mask row. CUDA's memory-efficient SDPA kernel then returns
-    NaN gradients for that row (pytorch/pytorch#109517 and #110213 describe the behaviour), and
-    the NaN spreads to every weight. Such rows belong to padding, whose outputs are excluded from
+    every real token an all-False mask row. Depending on the shape, PyTorch may pick a CUDA SDPA
+    kernel that then returns NaN gradients (seen on H200 with head dim 16, torch 2.11; see
+    pytorch/pytorch#109517 and #110213), and the NaN spreads to every weight. Such rows belong to padding, whose outputs are excluded from
     pooling and loss and which no real token attends to, so un-masking them changes no real
     token's value or gradient. Shapes: query (batch, heads, seq, head_dim); attention_mask
     (batch, 1, seq, seq) bool, True = attend.
