@@ -39,8 +39,8 @@ def summarise(run: Path, skip_steps: int) -> dict:
         f"samples/s/{per}": med(f"samples_per_s_per_{per}"),
         f"tokens/s/{per}": med(f"tokens_per_s_per_{per}"),
         "mfu_%": (med("mfu") or 0) * 100 if "mfu" in train[0] else None,
-        "peak_alloc_gib": max((r.get("mem_allocated_gib", 0) for r in train), default=None),
-        "peak_reserved_gib": max((r.get("mem_reserved_gib", 0) for r in train), default=None),
+        "peak_alloc_gib": max((r["mem_allocated_gib"] for r in train if "mem_allocated_gib" in r), default=None),
+        "peak_reserved_gib": max((r["mem_reserved_gib"] for r in train if "mem_reserved_gib" in r), default=None),
         "data_wait_%": med("data_wait_frac") * 100,
         "eval_acc_%": final["eval/accuracy"] * 100 if "eval/accuracy" in final else None,
     }

@@ -120,9 +120,9 @@ def _write(path, text):
     (lambda d: [f"data.train_files=[{_write(d / 'bad.csv', 'a,b,c,d' + chr(10) + '1,2,3,4' + chr(10))}]"],
      "bad.csv: unrecognised columns ['a', 'b', 'c', 'd']"),
     (lambda d: [f"data.train_files=[{_write(d / 'lab.csv', chr(10).join(['1,t,d', '2,t,d', '7,t,d']))}]"],
-     "lab.csv row 3: label '7' is not one of 1-4"),
+     "lab.csv line 3: label '7' is not one of 1-4"),
     (lambda d: [f"data.train_files=[{_write(d / 'hf.csv', 'text,label' + chr(10) + 'hello,4' + chr(10))}]"],
-     "hf.csv row 1: label '4' is not one of 0-3"),
+     "hf.csv line 2: label '4' is not one of 0-3"),
     (lambda d: ["optim.lrr=1e-4"], "key 'optim.lrr'"),
     (lambda d: ["train.micro_batch_size=big"], "key 'train.micro_batch_size'"),
     (lambda d: ["model.compile=true", "data.padding=longest"], "model.compile=true needs data.padding=max_length"),
@@ -147,3 +147,37 @@ def test_tokenizer_larger_than_the_model_vocabulary(tmp_path):
     (model_dir / "config.json").write_text(json.dumps(data))
     proc = launch("modernbert-ddp", f"model.name_or_path={model_dir}", f"output_dir={tmp_path / 'out'}")
     assert proc.returncode == 2 and "tokens but the model's vocab_size is 100" in proc.stderr
+
+
+def test_rerunning_a_finished_run_changes_nothing(full_run):
+    out, _ = full_run
+    before = (out / "metrics.jsonl").read_text()
+    proc = launch("modernbert-ddp", f"output_dir={out}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "already complete: 40 of 40 steps" in proc.stderr
+    assert (out / "metrics.jsonl").read_text() == before
+
+
+def test_resume_with_other_settings_is_refused(full_run):
+    out, _ = full_run
+    proc = launch("modernbert-ddp", f"output_dir={out}", "train.max_steps=41", "optim.lr=1e-3")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "written with other settings (optim.lr: 0.002 -> 0.001, train.max_steps: 40 -> 41)" in proc.stderr
+    assert "torch/distributed/run.py" not in proc.stderr
+
+
+def test_stop_at_step_not_after_the_checkpoint_is_refused(full_run, tmp_path):
+    out, _ = full_run
+    proc = launch("modernbert-ddp", f"output_dir={out}", "train.stop_at_step=20")
+    assert proc.returncode == 2 and "train.stop_at_step=20 is not after the checkpoint" in proc.stderr, proc.stderr
+
+
+def test_ag_news_csv_with_its_common_header(tmp_path):
+    f = tmp_path / "kaggle.csv"
+    f.write_text('"Class Index","Title","Description"\n' + "".join(f'"{c}","t {i}","d {i}"\n' for i, c in enumerate([1, 2, 3, 4] * 20)))
+    proc = launch("modernbert-ddp", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{f}]", "--check")
+    assert proc.returncode == 0 and "config OK" in proc.stdout, proc.stderr
+    bad = tmp_path / "bad.csv"
+    bad.write_text('"Class Index","Title","Description"\n"1","a","b"\n"5","c","d"\n')
+    proc = launch("modernbert-ddp", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{bad}]")
+    assert proc.returncode == 2 and "bad.csv line 3: label '5' is not one of 1-4" in proc.stderr, proc.stderr

@@ -54,6 +54,7 @@ from transformers import (
     AutoModelForSequenceClassification,
     AutoTokenizer,
     DataCollatorWithPadding,
+    SchedulerType,
     get_scheduler,
 )
 from transformers import logging as hf_logging
@@ -135,6 +136,11 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
+# Settings that may differ between a checkpoint and the run that resumes it; any other change is refused.
+MAY_CHANGE = ("output_dir", "run_name", "mlflow", "train.stop_at_step", "train.log_every", "train.eval_every",
+              "data.num_workers", "checkpoint.*")
+
+
 def check_config(cfg: Config, config_dir: Path) -> None:
     """Resolve paths against the config file's folder and reject incompatible values."""
     cfg.model.name_or_path = resolve_path(cfg.model.name_or_path, config_dir)
@@ -153,6 +159,14 @@ def check_config(cfg: Config, config_dir: Path) -> None:
             raise ConfigError(f"{key} must be >= 1, got {value}")
     if not 0.0 < cfg.data.eval_fraction < 1.0:
         raise ConfigError(f"data.eval_fraction must be in (0, 1), got {cfg.data.eval_fraction}")
+    schedulers = [t.value for t in SchedulerType]
+    if cfg.optim.scheduler not in schedulers:
+        raise ConfigError(f"optim.scheduler={cfg.optim.scheduler!r} is not one of {', '.join(schedulers)}")
+    attention = ["sdpa_padsafe", "sdpa", "eager", "flash_attention_2", "flex_attention"]
+    if cfg.model.attn_implementation not in attention:
+        raise ConfigError(f"model.attn_implementation={cfg.model.attn_implementation!r} is not one of {', '.join(attention)}")
+    if cfg.checkpoint.keep_last < 0 or cfg.checkpoint.every_steps < 0:
+        raise ConfigError("checkpoint.keep_last and checkpoint.every_steps must be >= 0")
     if cfg.model.compile and cfg.data.padding != "max_length":
         raise ConfigError("model.compile=true needs data.padding=max_length (static shapes); with 'longest', "
                           "torch.compile's dynamic shapes failed in inductor on torch 2.11")
@@ -168,11 +182,11 @@ class DataError(ValueError):
     """A data file is missing or malformed; the message names the file, column or row."""
 
 
-def _load_csv(path: Path, columns: list[str]) -> datasets.Dataset:
-    """A header-less CSV with every column read as a string (labels are checked afterwards)."""
+def _load_csv(path: Path, columns: list[str], skip_header: bool = False) -> datasets.Dataset:
+    """A CSV read with the given column names, every column as a string (labels are checked afterwards)."""
     features = datasets.Features({c: datasets.Value("string") for c in columns})
     return datasets.load_dataset("csv", data_files=str(path), split="train", column_names=columns,
-                                 features=features, keep_default_na=False)
+                                 features=features, keep_default_na=False, skiprows=1 if skip_header else None)
 
 
 def _read_file(path: str, field_name: str) -> datasets.Dataset:
@@ -187,15 +201,17 @@ def _read_file(path: str, field_name: str) -> datasets.Dataset:
         if first is None:
             raise DataError(f"{path}: the file is empty")
         header = [c.strip().lower() for c in first]
+        first_line = 2  # file line of the first data row, for error messages
         if "text" in header and "label" in header:
             ds = datasets.load_dataset("csv", data_files=str(p), split="train", keep_default_na=False)
             layout = "hf"
-        elif len(first) == 3 and first[0].strip().isdigit():
-            ds = _load_csv(p, ["label", "title", "description"])
+        elif header == ["class index", "title", "description"]:  # AG News with its common header
+            ds = _load_csv(p, ["label", "title", "description"], skip_header=True)
             layout = "agnews"
+        elif len(first) == 3 and first[0].strip().isdigit():
+            ds, layout, first_line = _load_csv(p, ["label", "title", "description"]), "agnews", 1
         elif len(first) == 2 and first[1].strip().lstrip("-").isdigit():
-            ds = _load_csv(p, ["text", "label"])
-            layout = "hf"
+            ds, layout, first_line = _load_csv(p, ["text", "label"]), "hf", 1
         else:
             raise DataError(
                 f"{path}: unrecognised columns {first[:4]}: expected the AG News layout (class 1-4, title, description; "
@@ -206,16 +222,17 @@ def _read_file(path: str, field_name: str) -> datasets.Dataset:
         missing = {"text", "label"} - set(ds.column_names)
         if missing:
             raise DataError(f"{path}: missing column(s) {sorted(missing)}; found {ds.column_names}")
-        layout = "hf"
+        layout, first_line = "hf", 1
     else:
         raise DataError(f"{field_name}: {path}: unsupported file type {suffix!r} (use .csv, .json, .jsonl or .parquet)")
     if len(ds) == 0:
         raise DataError(f"{path}: no rows")
-    return _normalise(ds, layout, path)
+    unit = "line" if suffix == ".csv" or suffix == ".jsonl" else "row"
+    return _normalise(ds, layout, path, first_line, unit)
 
 
-def _normalise(ds: datasets.Dataset, layout: str, where: str) -> datasets.Dataset:
-    """Map either layout to ``text`` + ``label`` 0-3, naming the first row with a bad label."""
+def _normalise(ds: datasets.Dataset, layout: str, where: str, first_line: int, unit: str) -> datasets.Dataset:
+    """Map either layout to ``text`` + ``label`` 0-3, naming the file line (or JSON row) of the first bad row."""
     offset = 1 if layout == "agnews" else 0  # AG News classes are 1-4
     labels = []
     for row, raw in enumerate(ds["label"]):
@@ -224,7 +241,7 @@ def _normalise(ds: datasets.Dataset, layout: str, where: str) -> datasets.Datase
         except ValueError:
             label = -1
         if not 0 <= label < len(LABELS):
-            raise DataError(f"{where} row {row + 1}: label {str(raw).strip()!r} is not one of {offset}-{offset + len(LABELS) - 1}")
+            raise DataError(f"{where} {unit} {row + first_line}: label {str(raw).strip()!r} is not one of {offset}-{offset + len(LABELS) - 1}")
         labels.append(label)
     if layout == "agnews":
         texts = [f"{t} {d}".replace("\\n", " ").strip() for t, d in zip(ds["title"], ds["description"])]
@@ -232,7 +249,7 @@ def _normalise(ds: datasets.Dataset, layout: str, where: str) -> datasets.Datase
         texts = [str(t) for t in ds["text"]]
     for row, t in enumerate(texts):
         if not t.strip():
-            raise DataError(f"{where} row {row + 1}: empty text")
+            raise DataError(f"{where} {unit} {row + first_line}: empty text")
     return datasets.Dataset.from_dict({"text": texts, "label": labels})
 
 
@@ -350,12 +367,25 @@ def main(argv: list[str]) -> None:
     cfg = load_config(Config, args.config, args.overrides)
     check_config(cfg, Path(args.config).resolve().parent)
     if args.check:  # one process, before torchrun starts any worker
+        world_size = int(os.environ.get("COOKBOOK_WORLD_SIZE", "1"))  # launch.sh: NGPU x NNODES
         train_ds, eval_ds = load_splits(cfg.data, cfg.train.seed) if cfg.data.train_files else (None, None)
-        tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer) if Path(cfg.model.tokenizer).exists() else None
-        if tok is not None and not cfg.model.pretrained:
+        try:
+            tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
             config = AutoConfig.from_pretrained(cfg.model.name_or_path)
-            if len(tok) > config.vocab_size:
-                raise ConfigError(f"model.tokenizer has {len(tok)} tokens but the model's vocab_size is {config.vocab_size}")
+        except OSError as exc:
+            raise ConfigError(f"model.name_or_path / model.tokenizer: cannot load {cfg.model.name_or_path!r}: "
+                              f"{str(exc).splitlines()[0]}") from None
+        if len(tok) > config.vocab_size:
+            raise ConfigError(f"model.tokenizer has {len(tok)} tokens but the model's vocab_size is {config.vocab_size}")
+        per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * world_size
+        if train_ds is not None and len(train_ds) < per_step:
+            raise ConfigError(f"the training set ({len(train_ds)} rows) is too small for one step of "
+                              f"{cfg.train.micro_batch_size} x {cfg.train.grad_accum_steps} x {world_size} samples")
+        resume_from = Checkpointer(Path(cfg.output_dir) / "checkpoints").check_resume(
+            cfg.checkpoint.resume, world_size, to_dict(cfg), MAY_CHANGE)
+        if resume_from is not None and 0 < cfg.train.stop_at_step <= int(resume_from.name.removeprefix("step_")):
+            raise ConfigError(f"train.stop_at_step={cfg.train.stop_at_step} is not after the checkpoint {resume_from}: "
+                              f"raise it, or remove it to train to the end")
         rows = f"{len(train_ds)} train / {len(eval_ds)} eval rows" if train_ds is not None else f"hub data set {cfg.data.hub_id}"
         print(f"config OK: {args.config} ({rows})")
         return
@@ -413,10 +443,19 @@ def main(argv: list[str]) -> None:
         "train": state,
         "rank_local": RankLocalState(dataloader=train_loader, rng=RNGState()),
     }
-    resume_from = checkpointer.resolve_resume(cfg.checkpoint.resume)
+    resume_from = checkpointer.check_resume(cfg.checkpoint.resume, info.world_size, to_dict(cfg), MAY_CHANGE)
     if resume_from is not None:
         checkpointer.load(resume_from, ckpt_state)
     sampler.set_epoch(state.epoch)
+    stop_at = cfg.train.stop_at_step if cfg.train.stop_at_step > 0 else max_steps
+    if state.step >= stop_at and state.step < max_steps:
+        raise ConfigError(f"train.stop_at_step={cfg.train.stop_at_step} is not after the checkpoint's step {state.step}: "
+                          f"raise it, or remove it to train to the end")
+    if state.step >= max_steps and (out_dir / "final").is_dir():
+        log.info(f"already complete: {state.step} of {max_steps} steps; model in {out_dir / 'final'}, metrics in "
+                 f"{out_dir / 'metrics.jsonl'}. Use a new output_dir (or checkpoint.resume=none) to train again.")
+        cookbook.destroy_distributed()
+        return
 
     if info.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -433,12 +472,12 @@ def main(argv: list[str]) -> None:
         log.info(f"truncated to data.max_length={cfg.data.max_length}: {n_trunc} train and {n_trunc_eval} eval texts")
 
     # ---- train loop
-    stop_at = cfg.train.stop_at_step if cfg.train.stop_at_step > 0 else max_steps
     data_iter = iter(train_loader)
     window_loss = torch.zeros((), device=info.device)
     window_steps = 0
-    failed = False
+    failed = stopped = False
     try:
+        cookbook.barrier()  # start every rank's clock together (rank 0 set up MLflow)
         metrics.start(state.step)
         while state.step < min(max_steps, stop_at):
             step_loss = torch.zeros((), device=info.device)
@@ -480,12 +519,13 @@ def main(argv: list[str]) -> None:
             if cfg.train.eval_every > 0 and state.step % cfg.train.eval_every == 0 and state.step < max_steps:
                 metrics.log_eval(state.step, evaluate(model.module, eval_loader, info.device, autocast))
             if (cfg.checkpoint.every_steps > 0 and state.step % cfg.checkpoint.every_steps == 0) or state.step in (stop_at, max_steps):
-                checkpointer.save(state.step, ckpt_state, {"epoch": state.epoch})
+                checkpointer.save(state.step, ckpt_state, {"epoch": state.epoch, "config": to_dict(cfg)})
 
         # ---- save
         if state.step < max_steps:
-            log.info(f"stopped at step {state.step} of {max_steps} (train.stop_at_step); "
-                     f"run the same command again to resume from {checkpointer.latest()}")
+            stopped = True
+            log.info(f"stopped at step {state.step} of {max_steps} (train.stop_at_step); to continue from "
+                     f"{checkpointer.latest()}, run again without train.stop_at_step (or with a larger value)")
             return
         final_eval = evaluate(model.module, eval_loader, info.device, autocast)
         metrics.log_eval(state.step, final_eval)
@@ -508,7 +548,7 @@ def main(argv: list[str]) -> None:
         raise
     finally:
         # ---- clean-up
-        metrics.close(failed=failed)
+        metrics.close(failed=failed, stopped=stopped)
         cookbook.destroy_distributed()
 
 

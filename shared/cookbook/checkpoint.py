@@ -192,6 +192,50 @@ class Checkpointer:
             )
         return path
 
+    def check_resume(self, resume: str | None, world_size: int, config: Mapping[str, Any] | None = None,
+                     may_change: tuple[str, ...] = ()) -> Path | None:
+        """Find the checkpoint to resume from and check that this run can continue it.
+
+        Cheap and collective-free: call it in a single process before any worker starts, and
+        again in the workers.
+
+        Args:
+            resume: as in `resolve_resume`.
+            world_size: the number of processes this run will have.
+            config: this run's config as a flat or nested dict; compared with the one stored in the
+                checkpoint's ``meta.json`` (written by `save` when given ``extra_meta={"config": ...}``).
+            may_change: dotted keys allowed to differ (e.g. ``"train.log_every"``); a key ending in
+                ``.*`` allows a whole section.
+
+        Returns:
+            The checkpoint folder, or ``None`` to start fresh.
+
+        Raises:
+            CheckpointError: no such checkpoint; it was written by a different number of ranks; or
+                it was written with different settings (the message lists them and what to do).
+        """
+        path = self.resolve_resume(resume)
+        if path is None:
+            return None
+        meta = json.loads((path / META_FILE).read_text())
+        if meta.get("world_size") not in (None, world_size):
+            raise CheckpointError(
+                f"{path} was written by {meta['world_size']} ranks but this job has {world_size}: its per-rank "
+                f"data-loader and RNG state cannot be remapped. Resume with the same number of processes "
+                f"(NGPU x NNODES = {meta['world_size']}), or start fresh with checkpoint.resume=none or a new output_dir"
+            )
+        if config is not None and "config" in meta:
+            old, new = _flatten(meta["config"]), _flatten(config)
+            changed = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)
+                       and not any(k == m or (m.endswith(".*") and k.startswith(m[:-1])) for m in may_change)]
+            if changed:
+                diff = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed[:6])
+                raise CheckpointError(
+                    f"{path} was written with other settings ({diff}{', ...' if len(changed) > 6 else ''}); resuming "
+                    f"would mix two runs. Use the same settings, a new output_dir, or checkpoint.resume=none"
+                )
+        return path
+
     # ------------------------------------------------------------------ saving
     def save(self, step: int, state: Mapping[str, Any], extra_meta: Mapping[str, Any] | None = None) -> Path:
         """Write `state` with DCP and publish it atomically as ``step_<step>``.
@@ -263,6 +307,16 @@ class Checkpointer:
         return meta
 
 
+def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, Mapping):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 def _publish(tmp: Path, final: Path) -> None:
     """Rename a finished folder to its final name (atomic), replacing an older one of that name."""
     if final.exists():
@@ -289,7 +343,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def export_hf(model: torch.nn.Module, out_dir: str | Path, tokenizer: Any = None) -> Path | None:
+def export_hf(model: torch.nn.Module, out_dir: str | Path, tokenizer: Any = None, dtype: torch.dtype | None = None) -> Path | None:
     """Save the full model in Hugging Face format (safetensors + config [+ tokenizer]).
 
     Gathers a full, unsharded state dict on rank 0 (works for DDP, FSDP2 and plain
@@ -301,18 +355,27 @@ def export_hf(model: torch.nn.Module, out_dir: str | Path, tokenizer: Any = None
         model: a ``transformers.PreTrainedModel``, possibly wrapped in DDP or sharded with FSDP2.
         out_dir: destination folder.
         tokenizer: saved beside the weights when given.
+        dtype: cast floating-point tensors to this dtype before writing (e.g. ``torch.bfloat16``
+            to halve the size of a model trained with fp32 master weights); ``None`` keeps them.
 
     Returns:
         `out_dir` on rank 0, ``None`` on other ranks.
     """
     out = Path(out_dir)
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     result = None
     if _rank() == 0:
         tmp = out.with_name(f".tmp-{out.name}")
         shutil.rmtree(tmp, ignore_errors=True)
         inner.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        if dtype is not None:  # record the saved dtype so from_pretrained(dtype="auto") picks it
+            config_file = tmp / "config.json"
+            config = json.loads(config_file.read_text())
+            config["dtype"] = str(dtype).removeprefix("torch.")
+            config_file.write_text(json.dumps(config, indent=2))
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         _publish(tmp, out)

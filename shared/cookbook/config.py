@@ -74,7 +74,8 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: Sequ
         try:
             cfg = OmegaConf.merge(cfg, src)
         except OmegaConfBaseException as exc:
-            raise ConfigError(f"{where}: {_describe(exc)}") from None
+            hint = " (a list is written [a,b])" if "ListConfig" in str(exc) else ""
+            raise ConfigError(f"{where}: {_describe(exc)}{hint}") from None
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ConfigError(f"required config value(s) not set: {', '.join(missing)}")
@@ -98,10 +99,11 @@ def resolve_path(value: str, base_dir: str | Path) -> str:
     """Resolve a relative path in a config file against the file's folder, if it exists there.
 
     Lets a recipe folder be copied anywhere: ``tiny/data/train.csv`` in ``tiny.yaml`` means
-    the file beside ``tiny.yaml``. Values that exist relative to the working directory, absolute
-    paths and Hugging Face hub ids (``answerdotai/ModernBERT-base``) are returned unchanged.
+    the file beside ``tiny.yaml`` when that exists. Otherwise the value is returned unchanged, so
+    paths relative to the working directory, absolute paths and Hugging Face hub ids
+    (``answerdotai/ModernBERT-base``) keep their meaning.
     """
-    if not value or Path(value).is_absolute() or Path(value).exists():
+    if not value or Path(value).is_absolute():
         return value
     candidate = Path(base_dir) / value
     return str(candidate) if candidate.exists() else value

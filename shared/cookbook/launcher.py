@@ -32,7 +32,10 @@ from cookbook.dist import distributed_context
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _worker(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+def _worker(fn: Callable[..., Any], args: tuple, kwargs: dict, threads: int) -> Any:
+    # Like torchrun, one intra-op thread per worker by default. It also matters for safety: a
+    # forked child that inherits the parent's OpenMP thread pool can hang in its first parallel op.
+    torch.set_num_threads(threads)
     with distributed_context():
         return fn(*args, **kwargs)
 
@@ -77,7 +80,8 @@ def distributed(nproc: int | None = None, start_method: str = "fork", max_restar
                 start_method=start_method,
                 monitor_interval=0.1,
             )
-            results = elastic_launch(config, _worker)(fn, args, kwargs)
+            threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
+            results = elastic_launch(config, _worker)(fn, args, kwargs, threads)
             return results[0]
 
         return wrapper  # type: ignore[return-value]

@@ -168,9 +168,10 @@ class _MLflowSink:
             get_logger().warning(f"MLflow tracking switched off after an error: {type(exc).__name__}: {exc}")
 
     def _start(self, out_dir: Path, run_name: str, experiment: str, params: Mapping[str, Any]) -> None:
-        for name in ("alembic", "mlflow"):
-            logging.getLogger(name).setLevel(logging.WARNING)
         import mlflow
+
+        for name in ("alembic", "mlflow"):  # after the import, which sets mlflow's own level
+            logging.getLogger(name).setLevel(logging.WARNING)
 
         self.tracking_uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{out_dir.resolve()}/mlflow.db"
         mlflow.set_tracking_uri(self.tracking_uri)
@@ -389,7 +390,7 @@ class MetricsLogger:
             parts.append(f"eta {eta / 60:.1f} min" if eta >= 60 else f"eta {eta:.0f} s")
         get_logger().info(" | ".join(parts))
 
-    def close(self, failed: bool = False) -> None:
-        """End the MLflow run (status FAILED when `failed`)."""
+    def close(self, failed: bool = False, stopped: bool = False) -> None:
+        """End the MLflow run: FAILED when `failed`, KILLED when `stopped` early (to be resumed), else FINISHED."""
         if self._mlflow is not None:
-            self._mlflow.close("FAILED" if failed else "FINISHED")
+            self._mlflow.close("FAILED" if failed else "KILLED" if stopped else "FINISHED")

@@ -1,0 +1,498 @@
+"""Full-parameter supervised fine-tuning of causal language models with FSDP2 (``fully_shard``).
+
+Commands (from this folder; NGPU defaults to all visible GPUs, else 2 CPU processes):
+
+    ./launch.sh                                           # Qwen3-8B on Alpaca (hub), all GPUs of this node
+    CONFIG_FILE=tiny.yaml ./launch.sh                     # tiny Qwen3, offline, CPU-friendly
+    CONFIG_FILE=qwen2.5-3b.yaml ./launch.sh data.train_files=[chat.jsonl]
+    NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 CONFIG_FILE=llama3.1-8b-2nodes.yaml ./launch.sh   # each node
+
+What this recipe supports:
+    - FSDP2: ``fully_shard`` on every decoder layer and on the root; bf16 parameters with fp32
+      gradient reduction (MixedPrecisionPolicy); ``fsdp.reshard_after_forward``; CPU offload of
+      parameters, gradients and optimizer state; HSDP (``fsdp.replicate_degree`` > 1: a 2-D
+      mesh that replicates across groups, e.g. nodes, and shards within each).
+    - Activation checkpointing per decoder layer: none, selective (saves matmul and attention
+      outputs, recomputes the rest) or full; optional ``torch.compile`` of each decoder layer;
+      fused AdamW on GPU.
+    - Model loading without materialising the model on any rank: built on the meta device,
+      sharded, then either read shard by shard from Hugging Face safetensors with DCP's
+      ``HuggingFaceStorageReader`` or randomly initialised in place (benchmarks, tests).
+    - Data (cookbook.sft_data): chat ``messages``, Alpaca and ShareGPT rows; the tokenizer's chat
+      template; loss on assistant tokens only; sequence packing with per-document position ids
+      (no attention across documents with sdpa, eager, flex and flash_attention_2).
+    - Loss normalised by the number of assistant tokens in the whole global batch (all
+      micro-batches and ranks), so packing and accumulation do not change the objective.
+    - Checkpoints (cookbook.checkpoint, DCP): sharded model and optimizer (each rank writes its
+      shards), scheduler, data position, RNG, step; atomic publish; ``resume: auto``. Final
+      export of the consolidated model in Hugging Face format.
+    - Metrics (cookbook.metrics): loss, tokens/s per GPU, MFU, peak memory, per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+warnings.filterwarnings("ignore", message=".*set_vital.*")
+warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support on cpu")
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.data import DistributedSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, SchedulerType, get_scheduler
+from transformers import logging as hf_logging
+
+import cookbook
+from cookbook import sft_data
+from cookbook.checkpoint import Checkpointer, CheckpointError, ModelOptimizerState, RankLocalState, RNGState, export_hf
+from cookbook.config import ConfigError, cli_parser, load_config, resolve_path, save_config, to_dict
+from cookbook.metrics import MetricsLogger, ModelFlops, count_parameters
+
+hf_logging.disable_progress_bar()
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+# ----------------------------------------------------------------------------- config
+@dataclass
+class ModelConfig:
+    name_or_path: str = "Qwen/Qwen3-8B"  # hub id or local folder (config.json, *.safetensors)
+    pretrained: bool = True  # False: random init from config.json (benchmarks, CI)
+    tokenizer: str | None = None  # default: name_or_path
+    attn_implementation: str = "sdpa"  # sdpa, eager, flex_attention, flash_attention_2
+
+
+@dataclass
+class FSDPConfig:
+    param_dtype: str = "bf16"  # compute dtype of gathered parameters ("fp32" on CPU)
+    reduce_dtype: str = "fp32"  # gradient reduce-scatter dtype
+    reshard_after_forward: bool = True  # False keeps gathered layers until backward (more memory, less traffic)
+    cpu_offload: bool = False  # parameters, gradients and optimizer state in CPU memory
+    replicate_degree: int = 1  # HSDP: > 1 replicates across this many groups and shards within each
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)  # JSON / JSONL; empty: hub_id
+    eval_files: list[str] = field(default_factory=list)
+    hub_id: str = "tatsu-lab/alpaca"
+    eval_fraction: float = 0.02
+    max_length: int = 2048  # tokens per packed row / per example when not packing
+    packing: bool = True
+    num_workers: int = 1
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. {enable_thinking: false} for Qwen3
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    scheduler: str = "cosine"
+    warmup_ratio: float = 0.03
+    max_grad_norm: float = 1.0
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 42
+    micro_batch_size: int = 2  # rows per rank per micro-step
+    grad_accum_steps: int = 1
+    epochs: int = 1
+    max_steps: int = -1
+    stop_at_step: int = -1
+    activation_checkpointing: str = "selective"  # none, selective, full
+    compile: bool = False  # torch.compile each decoder layer
+    log_every: int = 10
+    eval_every: int = 0  # 0: at the end only
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 500
+    keep_last: int = 2
+    resume: str = "auto"
+    export_hf: bool = True
+    export_dtype: str = "bf16"
+
+
+@dataclass
+class Config:
+    output_dir: str = "outputs/qwen3-8b-sft"
+    run_name: str = "qwen3-8b-sft"
+    mlflow: bool = True
+    model: ModelConfig = field(default_factory=ModelConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+# Settings that may differ between a checkpoint and the run that resumes it; any other change is refused.
+MAY_CHANGE = ("output_dir", "run_name", "mlflow", "train.stop_at_step", "train.log_every", "train.eval_every",
+              "data.num_workers", "checkpoint.*")
+
+
+def check_config(cfg: Config, config_dir: Path) -> None:
+    """Resolve paths against the config file's folder and reject incompatible values."""
+    cfg.model.name_or_path = resolve_path(cfg.model.name_or_path, config_dir)
+    cfg.model.tokenizer = resolve_path(cfg.model.tokenizer or cfg.model.name_or_path, config_dir)
+    cfg.data.train_files = [resolve_path(f, config_dir) for f in cfg.data.train_files]
+    cfg.data.eval_files = [resolve_path(f, config_dir) for f in cfg.data.eval_files]
+    for key, value, allowed in [("fsdp.param_dtype", cfg.fsdp.param_dtype, DTYPES), ("fsdp.reduce_dtype", cfg.fsdp.reduce_dtype, DTYPES),
+                                ("checkpoint.export_dtype", cfg.checkpoint.export_dtype, DTYPES),
+                                ("train.activation_checkpointing", cfg.train.activation_checkpointing, ("none", "selective", "full"))]:
+        if value not in allowed:
+            raise ConfigError(f"{key} must be one of {sorted(allowed)}, got {value!r}")
+    for key, value in [("train.micro_batch_size", cfg.train.micro_batch_size), ("train.grad_accum_steps", cfg.train.grad_accum_steps),
+                       ("train.log_every", cfg.train.log_every), ("data.max_length", cfg.data.max_length),
+                       ("fsdp.replicate_degree", cfg.fsdp.replicate_degree)]:
+        if value < 1:
+            raise ConfigError(f"{key} must be >= 1, got {value}")
+    if cfg.data.eval_files and not cfg.data.train_files:
+        raise ConfigError("data.eval_files is set but data.train_files is empty")
+    if cfg.train.max_steps <= 0 and cfg.train.epochs <= 0:
+        raise ConfigError("set train.max_steps > 0 or train.epochs > 0")
+    schedulers = [t.value for t in SchedulerType]
+    if cfg.optim.scheduler not in schedulers:
+        raise ConfigError(f"optim.scheduler={cfg.optim.scheduler!r} is not one of {', '.join(schedulers)}")
+    if cfg.checkpoint.keep_last < 0 or cfg.checkpoint.every_steps < 0:
+        raise ConfigError("checkpoint.keep_last and checkpoint.every_steps must be >= 0")
+
+
+# ----------------------------------------------------------------------------- data
+def load_examples(cfg: DataConfig, tokenizer, seed: int) -> tuple[list[dict], list[dict], sft_data.SFTStats]:
+    """Tokenized train and eval examples (``input_ids``, ``labels``: assistant tokens only) and
+    the train statistics. Without eval files, a seeded ``eval_fraction`` of each train file is held out."""
+    kwargs = dict(cfg.chat_template_kwargs) or None
+    sources = [(f, sft_data.load_rows(f)) for f in cfg.train_files]
+    if not sources:
+        import datasets
+
+        sources = [(cfg.hub_id, [dict(r) for r in datasets.load_dataset(cfg.hub_id, split="train")])]
+    train, evals, stats = [], [], sft_data.SFTStats()
+    for source, rows in sources:
+        examples, st = sft_data.prepare(rows, tokenizer, cfg.max_length, source, kwargs)
+        if not cfg.eval_files:
+            order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
+            n_eval = max(1, int(len(examples) * cfg.eval_fraction))
+            evals += [examples[i] for i in sorted(order[:n_eval])]
+            examples = [examples[i] for i in sorted(order[n_eval:])]
+        train += examples
+        for key in ("rows", "examples", "truncated", "dropped", "tokens", "loss_tokens"):
+            setattr(stats, key, getattr(stats, key) + getattr(st, key))
+    for f in cfg.eval_files:
+        evals += sft_data.prepare(sft_data.load_rows(f), tokenizer, cfg.max_length, f, kwargs)[0]
+    return train, evals, stats
+
+
+def shard_for_eval(rows: list[dict], rank: int, world_size: int) -> list[dict]:
+    """This rank's evaluation rows, padded with label-free copies so that every rank runs the same
+    number of forward passes: FSDP's all-gathers are collective, so a rank that stopped early
+    would leave the others waiting forever."""
+    mine = rows[rank::world_size]
+    target = -(-len(rows) // world_size)
+    filler = {**rows[0], "labels": [sft_data.IGNORE_INDEX] * len(rows[0]["labels"])}
+    return mine + [filler] * (target - len(mine))
+
+
+def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """Packed rows (equal length, with ``position_ids``) are stacked; other rows are right-padded."""
+    if "position_ids" in rows[0]:
+        return {k: torch.tensor([r[k] for r in rows], dtype=torch.long) for k in ("input_ids", "labels", "position_ids")}
+    return sft_data.pad_batch(rows, pad_id, pad_to_multiple_of=8)
+
+
+# ----------------------------------------------------------------------------- model
+def _sac_policy(ctx, op, *args, **kwargs):
+    """Selective activation checkpointing: keep matmul and attention outputs, recompute the rest."""
+    keep = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+            torch.ops.aten._scaled_dot_product_efficient_attention.default,
+            torch.ops.aten._scaled_dot_product_flash_attention.default,
+            torch.ops.aten._scaled_dot_product_cudnn_attention.default}
+    return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def build_model(cfg: Config, info: cookbook.DistInfo, vocab_size_needed: int) -> tuple[torch.nn.Module, ModelFlops]:
+    """Build on the meta device, wrap layers (AC, compile), shard with FSDP2, then materialise:
+    load the safetensors shards this rank owns, or initialise randomly."""
+    hf_config = AutoConfig.from_pretrained(cfg.model.name_or_path, attn_implementation=cfg.model.attn_implementation)
+    if vocab_size_needed > hf_config.vocab_size:
+        raise ConfigError(f"the tokenizer has {vocab_size_needed} tokens but the model's vocab_size is "
+                          f"{hf_config.vocab_size}: use the model's own tokenizer")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    flops = ModelFlops(count_parameters(model), hf_config.num_hidden_layers,
+                       hf_config.num_attention_heads * getattr(hf_config, "head_dim", hf_config.hidden_size // hf_config.num_attention_heads))
+    layers = model.model.layers
+    for i, layer in enumerate(layers):
+        if cfg.train.activation_checkpointing == "full":
+            layer = checkpoint_wrapper(layer, preserve_rng_state=False)
+        elif cfg.train.activation_checkpointing == "selective":
+            layer = checkpoint_wrapper(layer, preserve_rng_state=False,
+                                       context_fn=partial(create_selective_checkpoint_contexts, _sac_policy))
+        if cfg.train.compile:
+            layer.compile()
+        layers[i] = layer
+
+    if cfg.fsdp.replicate_degree > 1:
+        if info.world_size % cfg.fsdp.replicate_degree:
+            raise ConfigError(f"fsdp.replicate_degree={cfg.fsdp.replicate_degree} does not divide the world size {info.world_size}")
+        mesh = init_device_mesh(info.device.type, (cfg.fsdp.replicate_degree, info.world_size // cfg.fsdp.replicate_degree),
+                                mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("shard",))
+    param_dtype = DTYPES[cfg.fsdp.param_dtype] if info.device.type == "cuda" else torch.float32
+    fsdp_kwargs = dict(mesh=mesh, reshard_after_forward=cfg.fsdp.reshard_after_forward,
+                       mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=DTYPES[cfg.fsdp.reduce_dtype]))
+    if cfg.fsdp.cpu_offload:
+        fsdp_kwargs["offload_policy"] = CPUOffloadPolicy()
+    for layer in layers:
+        fully_shard(layer, **fsdp_kwargs)
+    fully_shard(model, **fsdp_kwargs)  # root: embeddings, final norm, lm_head (tied weights stay together)
+
+    model.to_empty(device="cpu" if cfg.fsdp.cpu_offload else info.device)
+    torch.manual_seed(cfg.train.seed)
+    for obj in [*model.modules(), *model.parameters(), *model.buffers()]:
+        if hasattr(obj, "_is_hf_initialized"):  # set while building on meta; would skip the init below
+            del obj._is_hf_initialized
+    model.initialize_weights()  # random weights, and the non-persistent buffers (rotary inv_freq)
+    if cfg.model.pretrained:
+        # get_model_state_dict gives Hugging Face names (no activation-checkpoint or compile prefixes) and
+        # this rank's DTensor shards: each rank reads only its slices of the safetensors files.
+        state = {k: v for k, v in get_model_state_dict(model).items() if not (hf_config.tie_word_embeddings and k == "lm_head.weight")}
+        dcp.load(state, storage_reader=HuggingFaceStorageReader(cfg.model.name_or_path))
+        set_model_state_dict(model, state, options=StateDictOptions(strict=False))
+    return model, flops
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, loader, device: torch.device) -> dict[str, float]:
+    """Mean loss per assistant token over the evaluation rows of every rank."""
+    model.eval()
+    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+    tokens = torch.zeros((), device=device, dtype=torch.float64)
+    for batch in loader:
+        batch = {k: v.to(device) for k, v in batch.items()}
+        loss_sum += token_loss_sum(model, batch).double()
+        tokens += (batch["labels"][:, 1:] != -100).sum()
+    totals = cookbook.all_reduce_sum({"loss": loss_sum, "tokens": tokens}, device)
+    model.train()
+    return {"loss": totals["loss"] / max(totals["tokens"], 1.0), "tokens": totals["tokens"]}
+
+
+def token_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Summed cross entropy of next-token prediction over labelled tokens (fp32 logits)."""
+    # use_cache=False: with a cache, transformers does not derive document boundaries from position_ids.
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                   position_ids=batch.get("position_ids"), use_cache=False).logits
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(),
+                                             ignore_index=-100, reduction="sum")
+
+
+class TrainState:
+    def __init__(self) -> None:
+        self.step = 0
+        self.epoch = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step, self.epoch = int(state["step"]), int(state["epoch"])
+
+
+# ----------------------------------------------------------------------------- recipe
+def main(argv: list[str]) -> None:
+    args = cli_parser(__doc__).parse_args(argv)
+    cfg = load_config(Config, args.config, args.overrides)
+    check_config(cfg, Path(args.config).resolve().parent)
+    if args.check:  # one process, before torchrun starts any worker
+        world_size = int(os.environ.get("COOKBOOK_WORLD_SIZE", "1"))  # launch.sh: NGPU x NNODES
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
+            vocab_size = AutoConfig.from_pretrained(cfg.model.name_or_path).vocab_size
+        except OSError as exc:
+            raise ConfigError(f"model.name_or_path / model.tokenizer: cannot load {cfg.model.name_or_path!r}: "
+                              f"{str(exc).splitlines()[0]}") from None
+        sft_data.check_vocab(tokenizer, vocab_size)
+        if cfg.fsdp.replicate_degree > 1 and world_size % cfg.fsdp.replicate_degree:
+            raise ConfigError(f"fsdp.replicate_degree={cfg.fsdp.replicate_degree} does not divide the world size {world_size}")
+        resume_from = Checkpointer(Path(cfg.output_dir) / "checkpoints").check_resume(
+            cfg.checkpoint.resume, world_size, to_dict(cfg), MAY_CHANGE)
+        if resume_from is not None and 0 < cfg.train.stop_at_step <= int(resume_from.name.removeprefix("step_")):
+            raise ConfigError(f"train.stop_at_step={cfg.train.stop_at_step} is not after the checkpoint {resume_from}: "
+                              f"raise it, or remove it to train to the end")
+        if cfg.data.train_files:
+            train, evals, stats = load_examples(cfg.data, tokenizer, cfg.train.seed)
+            pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+            n_rows = len(sft_data.pack(train, cfg.data.max_length, pad_id)) if cfg.data.packing else len(train)
+            per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * world_size
+            if n_rows < per_step:
+                raise ConfigError(f"{n_rows} training rows are too few for one step of {cfg.train.micro_batch_size} x "
+                                  f"{cfg.train.grad_accum_steps} x {world_size} rows")
+            print(f"config OK: {args.config} ({len(train)} train / {len(evals)} eval examples; {stats.summary()})")
+        else:
+            print(f"config OK: {args.config} (data from {cfg.data.hub_id})")
+        return
+
+    # ---- set-up
+    info = cookbook.init_distributed()
+    log = cookbook.get_logger()
+    out_dir = Path(cfg.output_dir)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    train_ex, eval_ex, stats = load_examples(cfg.data, tokenizer, cfg.train.seed)
+    if cfg.data.packing:  # rows of exactly max_length tokens, documents separated by position ids
+        train_rows, eval_rows = sft_data.pack(train_ex, cfg.data.max_length, pad_id), sft_data.pack(eval_ex, cfg.data.max_length, pad_id)
+    else:
+        train_rows, eval_rows = train_ex, eval_ex
+    sampler = DistributedSampler(train_rows, num_replicas=info.world_size, rank=info.rank, shuffle=True,
+                                 seed=cfg.train.seed, drop_last=True)
+    loader_kw = dict(collate_fn=partial(collate, pad_id=pad_id), num_workers=cfg.data.num_workers,
+                     pin_memory=info.device.type == "cuda")
+    train_loader = StatefulDataLoader(train_rows, batch_size=cfg.train.micro_batch_size, sampler=sampler, drop_last=True, **loader_kw)
+    eval_loader = StatefulDataLoader(shard_for_eval(eval_rows, info.rank, info.world_size),
+                                     batch_size=cfg.train.micro_batch_size, **loader_kw)
+    steps_per_epoch = len(train_loader) // cfg.train.grad_accum_steps
+    if steps_per_epoch == 0:
+        raise ConfigError(f"{len(train_rows)} training rows are too few for one step of {cfg.train.micro_batch_size} x "
+                          f"{cfg.train.grad_accum_steps} x {info.world_size} rows")
+    max_steps = cfg.train.max_steps if cfg.train.max_steps > 0 else cfg.train.epochs * steps_per_epoch
+
+    model, flops = build_model(cfg, info, len(tokenizer))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
+                                  weight_decay=cfg.optim.weight_decay,
+                                  fused=info.device.type == "cuda" and not cfg.fsdp.cpu_offload)
+    scheduler = get_scheduler(cfg.optim.scheduler, optimizer, num_warmup_steps=int(cfg.optim.warmup_ratio * max_steps),
+                              num_training_steps=max_steps)
+    state = TrainState()
+    checkpointer = Checkpointer(out_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last)
+    ckpt_state = {"app": ModelOptimizerState(model, optimizer), "scheduler": scheduler, "train": state,
+                  "rank_local": RankLocalState(dataloader=train_loader, rng=RNGState())}
+    resume_from = checkpointer.check_resume(cfg.checkpoint.resume, info.world_size, to_dict(cfg), MAY_CHANGE)
+    if resume_from is not None:
+        checkpointer.load(resume_from, ckpt_state)
+    sampler.set_epoch(state.epoch)
+    stop_at = cfg.train.stop_at_step if cfg.train.stop_at_step > 0 else max_steps
+    if state.step >= max_steps and (out_dir / "final").is_dir():
+        log.info(f"already complete: {state.step} of {max_steps} steps; model in {out_dir / 'final'}, metrics in "
+                 f"{out_dir / 'metrics.jsonl'}. Use a new output_dir (or checkpoint.resume=none) to train again.")
+        cookbook.destroy_distributed()
+        return
+
+    if info.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, out_dir / "config.yaml")
+    metrics = MetricsLogger(out_dir, info, flops=flops, run_name=cfg.run_name, experiment="fsdp2-sft",
+                            params=to_dict(cfg), mlflow=cfg.mlflow, max_steps=max_steps)
+    log.info(f"world size {info.world_size} ({info.backend}) | FSDP2 mesh {'x'.join(map(str, model.model.embed_tokens.weight.device_mesh.shape))} | "
+             f"{flops.num_params / 1e6:,.1f} M non-embedding params | {len(train_rows)} train rows of "
+             f"{'packed ' if cfg.data.packing else ''}<= {cfg.data.max_length} tokens | global batch "
+             f"{cfg.train.micro_batch_size * cfg.train.grad_accum_steps * info.world_size} rows | {max_steps} steps | AC "
+             f"{cfg.train.activation_checkpointing} | data: {stats.summary()}")
+
+    # ---- train loop
+    data_iter = iter(train_loader)
+    window_loss, window_steps = torch.zeros((), device=info.device), 0
+    failed = stopped = False
+    try:
+        cookbook.barrier()  # start every rank's clock together (rank 0 set up MLflow)
+        metrics.start(state.step)
+        while state.step < min(max_steps, stop_at):
+            micro_batches, waits = [], []
+            for _ in range(cfg.train.grad_accum_steps):
+                t0 = time.perf_counter()
+                try:
+                    batch = next(data_iter)
+                except StopIteration:
+                    state.epoch += 1
+                    sampler.set_epoch(state.epoch)
+                    data_iter = iter(train_loader)
+                    batch = next(data_iter)
+                waits.append(time.perf_counter() - t0)
+                micro_batches.append({k: v.to(info.device, non_blocking=True) for k, v in batch.items()})
+            # Normalise by the labelled tokens of the whole global batch. FSDP averages gradients over
+            # ranks, so each rank scales its summed loss by world_size / global tokens.
+            local_tokens = sum((mb["labels"][:, 1:] != -100).sum() for mb in micro_batches)
+            global_tokens = cookbook.all_reduce_sum({"t": local_tokens}, info.device)["t"]
+            step_loss = torch.zeros((), device=info.device)
+            for mb, wait in zip(micro_batches, waits):
+                loss_sum = token_loss_sum(model, mb)
+                (loss_sum * info.world_size / max(global_tokens, 1.0)).backward()
+                step_loss += loss_sum.detach() / max(global_tokens, 1.0) * info.world_size
+                metrics.add(samples=mb["input_ids"].shape[0], tokens=(mb["input_ids"] != pad_id).sum(), data_wait_s=wait)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf"))
+            if isinstance(grad_norm, torch.distributed.tensor.DTensor):
+                grad_norm = grad_norm.full_tensor()
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            state.step += 1
+            window_loss += step_loss
+            window_steps += 1
+            if state.step % cfg.train.log_every == 0 or state.step == max_steps:
+                metrics.log_step(state.step, window_loss / window_steps, lr, grad_norm)
+                window_loss.zero_()
+                window_steps = 0
+            if cfg.train.eval_every > 0 and state.step % cfg.train.eval_every == 0 and state.step < max_steps:
+                metrics.log_eval(state.step, evaluate(model, eval_loader, info.device))
+            if (cfg.checkpoint.every_steps > 0 and state.step % cfg.checkpoint.every_steps == 0) or state.step in (stop_at, max_steps):
+                checkpointer.save(state.step, ckpt_state, {"epoch": state.epoch, "config": to_dict(cfg)})
+
+        # ---- save
+        if state.step < max_steps:
+            stopped = True
+            log.info(f"stopped at step {state.step} of {max_steps} (train.stop_at_step); to continue from "
+                     f"{checkpointer.latest()}, run again without train.stop_at_step (or with a larger value)")
+            return
+        final_eval = evaluate(model, eval_loader, info.device)
+        metrics.log_eval(state.step, final_eval)
+        export_dir = (export_hf(model, out_dir / "final", tokenizer, dtype=DTYPES[cfg.checkpoint.export_dtype])
+                      if cfg.checkpoint.export_hf else None)
+        metrics.log_summary({"step": state.step, **{f"eval/{k}": v for k, v in final_eval.items()},
+                             "export_dir": str(export_dir) if export_dir else None, "mlflow_uri": metrics.mlflow_uri,
+                             "mlflow_run_id": metrics.mlflow_run_id})
+        if info.is_main:
+            log.info(f"done: {state.step} steps | eval loss {final_eval['loss']:.4f}")
+            log.info(f"metrics:     {metrics.jsonl_path}")
+            if metrics.mlflow_uri:
+                log.info(f"MLflow:      {metrics.mlflow_uri} (run {metrics.mlflow_run_id})")
+            log.info(f"checkpoints: {checkpointer.root}")
+            if export_dir:
+                log.info(f"model:       {export_dir} (AutoModelForCausalLM.from_pretrained)")
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        # ---- clean-up
+        metrics.close(failed=failed, stopped=stopped)
+        cookbook.destroy_distributed()
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except (ConfigError, sft_data.SFTDataError, CheckpointError) as exc:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,211 @@
+"""The FSDP2 SFT recipe on CPU: 2 gloo ranks, tiny Qwen3 / Llama configs, offline tokenizer."""
+
+import importlib.util
+import json
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, launch, read_jsonl, train_losses
+
+import cookbook
+
+RECIPE = ROOT / "recipes" / "qwen-fsdp2-sft"
+
+
+def recipe_module():
+    """recipes/qwen-fsdp2-sft/train.py as a module (recipes are folders, not packages)."""
+    name = "qwen_fsdp2_sft_train"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, RECIPE / "train.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def tiny_config(*overrides):
+    train = recipe_module()
+    cfg = train.load_config(train.Config, RECIPE / "tiny.yaml", list(overrides))
+    train.check_config(cfg, RECIPE)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp-full") / "run"
+    proc = launch("qwen-fsdp2-sft", f"output_dir={out}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+def test_loss_falls(full_run):
+    losses = train_losses(full_run / "metrics.jsonl")
+    assert sorted(losses) == list(range(1, 31))
+    first, last = sum(losses[s] for s in range(1, 4)) / 3, sum(losses[s] for s in range(28, 31)) / 3
+    assert last < 0.75 * first, (first, last)
+
+
+@cookbook.distributed(nproc=2)
+def _shard_report():
+    train = recipe_module()
+    info = cookbook.get_dist_info()
+    model, flops = train.build_model(tiny_config(), info, vocab_size_needed=100)
+    from torch.distributed.tensor import DTensor
+
+    params = list(model.parameters())
+    local = sum(p.to_local().numel() for p in params)
+    total = sum(p.numel() for p in params)
+    return all(isinstance(p, DTensor) for p in params), local, total, flops.num_params
+
+
+def test_parameters_are_dtensor_shards_split_across_ranks():
+    all_dtensor, local, total, _ = _shard_report()
+    assert all_dtensor
+    assert abs(local / total - 0.5) < 0.01, (local, total)  # rank 0 holds half (dim-0 shards, even sizes)
+
+
+def test_resume_matches_an_uninterrupted_run(full_run, tmp_path):
+    out = tmp_path / "run"
+    first = launch("qwen-fsdp2-sft", f"output_dir={out}", "train.stop_at_step=15")
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = launch("qwen-fsdp2-sft", f"output_dir={out}")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stderr and "(step 15)" in second.stderr
+    expected, got = train_losses(full_run / "metrics.jsonl"), train_losses(out / "metrics.jsonl")
+    torch.testing.assert_close(torch.tensor([got[s] for s in range(1, 31)], dtype=torch.float64),
+                               torch.tensor([expected[s] for s in range(1, 31)], dtype=torch.float64), rtol=1e-5, atol=0)
+
+
+@cookbook.distributed(nproc=2)
+def _optimizer_after_load(checkpoint: str):
+    train = recipe_module()
+    from cookbook.checkpoint import ModelOptimizerState
+
+    info = cookbook.get_dist_info()
+    cfg = tiny_config()
+    model, _ = train.build_model(cfg, info, vocab_size_needed=100)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1.0)
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load({"app": ModelOptimizerState(model, optimizer)}, checkpoint_id=checkpoint)
+    out = {}
+    for name, p in model.named_parameters():
+        st = optimizer.state[p]
+        name = name.replace("_checkpoint_wrapped_module.", "")  # checkpoints use the Hugging Face names
+        out[name] = {k: st[k].full_tensor() for k in ("exp_avg", "exp_avg_sq")}
+    return out if info.rank == 0 else None
+
+
+def test_optimizer_moments_after_load_equal_the_saved_ones(full_run, tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    ckpt = full_run / "checkpoints" / "step_00000030"
+    dcp_to_torch_save(ckpt, tmp_path / "full.pt")
+    saved = torch.load(tmp_path / "full.pt", weights_only=False)["app"]["optim"]["state"]
+    loaded = _optimizer_after_load(str(ckpt))
+    assert set(loaded) == set(saved)
+    for name, moments in loaded.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(moments[key], saved[name][key], rtol=0, atol=0)
+    assert any(m["exp_avg"].abs().sum() > 0 for m in loaded.values())
+
+
+@cookbook.distributed(nproc=2)
+def _sharded_logits(checkpoint: str, input_ids: torch.Tensor):
+    train = recipe_module()
+    import torch.distributed.checkpoint as dcp
+
+    info = cookbook.get_dist_info()
+    model, _ = train.build_model(tiny_config(), info, vocab_size_needed=100)
+    from cookbook.checkpoint import ModelOptimizerState
+
+    dcp.load({"app": ModelOptimizerState(model)}, checkpoint_id=checkpoint)
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=input_ids, use_cache=False).logits
+
+
+def test_export_reloads_with_the_sharded_models_logits(full_run):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(full_run / "final")
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is 3 plus 4?"}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+    sharded = _sharded_logits(str(full_run / "checkpoints" / "step_00000030"), ids)
+    exported = AutoModelForCausalLM.from_pretrained(full_run / "final").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(exported(input_ids=ids).logits, sharded, rtol=1e-5, atol=1e-5)
+
+
+def test_resume_on_a_different_world_size_says_what_to_do(full_run, tmp_path):
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(full_run, out)
+    proc = launch("qwen-fsdp2-sft", f"output_dir={out}", ngpu=1)
+    assert proc.returncode == 2
+    assert "written by 2 ranks but this job has 1" in proc.stderr and "NGPU x NNODES = 2" in proc.stderr
+    assert "torch/distributed/run.py" not in proc.stderr  # refused before any worker started
+
+
+def test_llama_config_trains(tmp_path):
+    proc = launch("qwen-fsdp2-sft", f"output_dir={tmp_path / 'out'}", "model.name_or_path=tiny/llama", "train.max_steps=12",
+                  "checkpoint.every_steps=0", "mlflow=false", "train.activation_checkpointing=full")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = train_losses(tmp_path / "out" / "metrics.jsonl")
+    assert losses[12] < losses[1] - 0.5, losses
+
+
+@pytest.mark.parametrize("config", ["config.yaml", "qwen2.5-3b.yaml", "llama3.1-8b-2nodes.yaml", "gemma2-27b-4nodes.yaml", "fsdp-10m.yaml"])
+def test_shipped_configs_are_valid(config):
+    train = recipe_module()
+    cfg = train.load_config(train.Config, RECIPE / config)
+    train.check_config(cfg, RECIPE)
+    assert cfg.model.name_or_path
+
+
+# ----------------------------------------------------------------------------- bad input
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_bad_rows_fail_before_workers(tmp_path):
+    bad = _jsonl(tmp_path / "bad.jsonl", [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+                                          {"messages": [{"role": "user", "content": "no answer here"}]}])
+    proc = launch("qwen-fsdp2-sft", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{bad}]")
+    assert proc.returncode == 2 and "bad.jsonl row 2" in proc.stderr and "assistant" in proc.stderr, proc.stderr
+    assert "torch/distributed/run.py" not in proc.stderr
+
+
+def test_tokenizer_without_chat_template(tmp_path):
+    import shutil
+
+    tok_dir = tmp_path / "tok"
+    shutil.copytree(RECIPE / "tiny" / "qwen3", tok_dir)
+    (tok_dir / "chat_template.jinja").unlink()
+    proc = launch("qwen-fsdp2-sft", f"output_dir={tmp_path / 'out'}", f"model.tokenizer={tok_dir}")
+    assert proc.returncode == 2 and "chat template" in proc.stderr, proc.stderr
+
+
+def test_tokenizer_larger_than_the_model(tmp_path):
+    import shutil
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(RECIPE / "tiny" / "qwen3", model_dir)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg["vocab_size"] = 64
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    proc = launch("qwen-fsdp2-sft", f"output_dir={tmp_path / 'out'}", f"model.name_or_path={model_dir}")
+    assert proc.returncode == 2 and "64" in proc.stderr and "482" in proc.stderr, proc.stderr
+
+
+def test_long_sequences_are_truncated_and_counted(tmp_path):
+    long = _jsonl(tmp_path / "long.jsonl", [{"messages": [{"role": "user", "content": "What is 1 plus 1? " * 30},
+                                                          {"role": "assistant", "content": "1 plus 1 is 2."}]}] * 3
+                  + [{"messages": [{"role": "user", "content": "What is 2 plus 2?"}, {"role": "assistant", "content": "2 plus 2 is 4."}]}] * 40)
+    proc = launch("qwen-fsdp2-sft", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{long}]", "data.max_length=64",
+                  "train.max_steps=2", "mlflow=false", "checkpoint.every_steps=0")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "3 truncated" in proc.stdout + proc.stderr

@@ -1,0 +1,253 @@
+"""cookbook.sft_data on an offline tokenizer (a tiny byte-level BPE trained here, with a ChatML
+template) and a tiny random Qwen3: assistant-only labels, row formats, errors, truncation,
+packing, and packed-vs-unpacked loss equality."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+from cookbook.sft_data import (
+    IGNORE_INDEX,
+    SFTDataError,
+    check_vocab,
+    load_rows,
+    pack,
+    pad_batch,
+    prepare,
+    to_messages,
+    tokenize_conversation,
+)
+
+# Qwen2.5-style ChatML, without a default system prompt and without <think> handling.
+CHATML = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+CORPUS = [
+    "You are a helpful assistant.", "What is the capital of France?", "The capital of France is Paris.",
+    "And of Germany?", "Berlin is the capital of Germany.", "Write a short poem about the sea.",
+    "Hello! How can I help you today?", "What is two plus two? It is four.",
+]
+CONVERSATION = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "assistant", "content": "The capital of France is Paris."},
+    {"role": "user", "content": "And of Germany?"},
+    {"role": "assistant", "content": "Berlin is the capital of Germany."},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    bpe.train_from_iterator(CORPUS * 4, trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                  clean_up_tokenization_spaces=False)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = CHATML
+    return tok
+
+
+def spans(labels):
+    """Maximal runs of labelled positions, as (start, stop)."""
+    out, start = [], None
+    for i, label in enumerate(labels + [IGNORE_INDEX]):
+        if label != IGNORE_INDEX and start is None:
+            start = i
+        elif label == IGNORE_INDEX and start is not None:
+            out.append((start, i))
+            start = None
+    return out
+
+
+def test_only_assistant_content_and_end_token_are_labelled(tokenizer):
+    ids, labels, truncated = tokenize_conversation(tokenizer, CONVERSATION, max_length=1000)
+    assert not truncated and len(ids) == len(labels)
+    assert tokenizer.decode(ids) == "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in CONVERSATION)
+    found = [tokenizer.decode(ids[a:b]) for a, b in spans(labels)]
+    assert found == ["The capital of France is Paris.<|im_end|>", "Berlin is the capital of Germany.<|im_end|>"]
+    assert all(labels[i] == ids[i] for i in range(len(ids)) if labels[i] != IGNORE_INDEX)
+    content_tokens = [len(tokenizer(m["content"], add_special_tokens=False)["input_ids"])
+                      for m in CONVERSATION if m["role"] == "assistant"]
+    assert all(n > 1 for n in content_tokens)
+    assert sum(label != IGNORE_INDEX for label in labels) == sum(content_tokens) + 2
+    assert labels[0] == IGNORE_INDEX
+
+
+def test_row_formats_give_the_expected_messages():
+    alpaca = {"instruction": "Translate to French.", "input": "Good morning", "output": "Bonjour"}
+    assert to_messages(alpaca, 1, "a.jsonl") == [
+        {"role": "user", "content": "Translate to French.\n\nGood morning"}, {"role": "assistant", "content": "Bonjour"}]
+    for empty in ({"input": ""}, {"input": None}, {}):
+        row = {"instruction": "Say hi.", "output": "Hi!", **empty}
+        assert to_messages(row, 2, "a.jsonl") == [{"role": "user", "content": "Say hi."},
+                                                  {"role": "assistant", "content": "Hi!"}]
+    sharegpt = {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "2+2?"},
+                                  {"from": "gpt", "value": "4"}]}
+    assert to_messages(sharegpt, 3, "s.json") == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"}]
+    assert to_messages({"messages": CONVERSATION}, 4, "c.jsonl") == CONVERSATION
+
+
+@pytest.mark.parametrize("row, expected", [
+    ({"messages": [{"role": "user", "content": "Hi"}]}, ["data.jsonl row 7", "no assistant turn"]),
+    ({"prompt": "Hi", "completion": "Hello"}, ["data.jsonl row 7", "unknown format", "'completion', 'prompt'",
+                                              "'messages'", "'conversations'", "'instruction' + 'output'"]),
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "bot", "content": "Yo"}]},
+     ["data.jsonl row 7", "messages[1].role is 'bot'", "system, user, assistant"]),
+    ({"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "  "}]},
+     ["data.jsonl row 7", "'conversations[1].value' is empty"]),
+    ({"instruction": "Hi", "output": ""}, ["data.jsonl row 7", "'output' is empty"]),
+])
+def test_bad_rows_name_the_row_and_field(row, expected):
+    with pytest.raises(SFTDataError) as err:
+        to_messages(row, 7, "data.jsonl")
+    for text in expected:
+        assert text in str(err.value)
+
+
+def test_prepare_names_the_failing_row(tokenizer):
+    rows = [{"instruction": "Say hi.", "output": "Hi!"}, {"messages": [{"role": "user", "content": "Hi"}]}]
+    with pytest.raises(SFTDataError, match=r"^train\.jsonl row 2: the conversation has no assistant turn"):
+        prepare(rows, tokenizer, 64, "train.jsonl")
+
+
+def test_tokenizer_without_chat_template(tokenizer):
+    bare = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer, eos_token="<|im_end|>")
+    with pytest.raises(SFTDataError, match="no usable chat template: set tokenizer.chat_template or use a chat/instruct"):
+        tokenize_conversation(bare, CONVERSATION, 64)
+    with pytest.raises(SFTDataError, match="no usable chat template"):
+        prepare([{"messages": CONVERSATION}], bare, 64, "train.jsonl")
+
+
+def test_vocab_larger_than_the_model(tokenizer):
+    check_vocab(tokenizer, len(tokenizer))
+    with pytest.raises(SFTDataError, match=f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is 256"):
+        check_vocab(tokenizer, 256)
+
+
+def test_template_that_rewrites_earlier_turns_is_rejected(tokenizer):
+    tok = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer, eos_token="<|im_end|>")
+    # Like Qwen3: the last assistant turn gets an (empty) reasoning block, earlier ones do not.
+    tok.chat_template = CHATML.replace(
+        "message['content'] + '<|im_end|>'",
+        "(('<think></think>' + message['content']) if (loop.last and message['role'] == 'assistant') "
+        "else message['content']) + '<|im_end|>'")
+    ids, labels, _ = tokenize_conversation(tok, CONVERSATION[:3], 1000)  # one assistant turn: fine
+    assert [tok.decode(ids[a:b]) for a, b in spans(labels)] == ["<think></think>The capital of France is Paris.<|im_end|>"]
+    with pytest.raises(SFTDataError, match=r"not prefix-stable: messages\[:3\] rendered differs .* at token"):
+        tokenize_conversation(tok, CONVERSATION, 1000)
+
+
+def test_load_rows(tmp_path):
+    rows = [{"instruction": "a", "output": "b"}, {"messages": CONVERSATION}]
+    (tmp_path / "d.json").write_text(json.dumps(rows))
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    assert load_rows(tmp_path / "d.json") == rows
+    assert load_rows(tmp_path / "d.jsonl") == rows
+    with pytest.raises(SFTDataError, match=f"data file not found: {tmp_path / 'missing.jsonl'}"):
+        load_rows(tmp_path / "missing.jsonl")
+    (tmp_path / "bad.jsonl").write_text('{"instruction": "a", "output": "b"}\n{"instruction": \n')
+    with pytest.raises(SFTDataError, match="bad.jsonl line 2: not valid JSON"):
+        load_rows(tmp_path / "bad.jsonl")
+    (tmp_path / "list.json").write_text('[{"instruction": "a", "output": "b"}, [1, 2]]')
+    with pytest.raises(SFTDataError, match="list.json row 2: expected a JSON object, got list"):
+        load_rows(tmp_path / "list.json")
+
+
+def test_truncation_is_flagged_and_counted(tokenizer):
+    long_answer = " ".join(["The capital of France is Paris."] * 20)
+    rows = [{"instruction": "Say hi.", "output": "Hi!"}, {"instruction": "Tell me about France.", "output": long_answer}]
+    full_ids, _, _ = tokenize_conversation(tokenizer, to_messages(rows[1], 2, "t"), 10_000)
+    assert len(full_ids) > 64
+    ids, labels, truncated = tokenize_conversation(tokenizer, to_messages(rows[1], 2, "t"), 64)
+    assert truncated and len(ids) == len(labels) == 64 and ids == full_ids[:64]
+    examples, stats = prepare(rows, tokenizer, 64, "t")
+    short = len(examples[0]["input_ids"])
+    assert (stats.rows, stats.examples, stats.truncated, stats.dropped) == (2, 2, 1, 0)
+    assert stats.tokens == short + 64
+    assert stats.loss_tokens == sum(label != IGNORE_INDEX for ex in examples for label in ex["labels"])
+    assert stats.loss_fraction == pytest.approx(stats.loss_tokens / stats.tokens)
+    # Cut before the assistant turn starts: nothing to learn, so the row is dropped and counted.
+    _, stats = prepare(rows, tokenizer, 8, "t")
+    assert (stats.examples, stats.truncated, stats.dropped) == (0, 2, 2)
+
+
+def test_pack_layout(tokenizer):
+    docs = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14, 15, 16], [17, 18, 19, 20, 21, 22, 23, 24], [25]]
+    examples = [{"input_ids": d, "labels": [IGNORE_INDEX] + d[1:]} for d in docs]
+    rows = pack(examples, seq_len=10, pad_id=0)
+    assert all(len(r[k]) == 10 for r in rows for k in ("input_ids", "labels", "position_ids"))
+    # next-fit: [3 + 5] + pad 2 | [4] + pad 6 (the 8 does not fit) | [8 + 1] + pad 1
+    assert [r["position_ids"] for r in rows] == [
+        [0, 1, 2, 0, 1, 2, 3, 4, 0, 1], [0, 1, 2, 3, 0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5, 6, 7, 0, 0]]
+    assert rows[0]["input_ids"] == [5, 6, 7, 8, 9, 10, 11, 12, 0, 0]
+    assert rows[0]["labels"] == [-100, 6, 7, -100, 9, 10, 11, 12, -100, -100]
+    # Every document whole, in order: cut each row at position 0 and drop the padding documents.
+    pieces = []
+    for r in rows:
+        starts = [i for i, p in enumerate(r["position_ids"]) if p == 0] + [10]
+        pieces += [r["input_ids"][a:b] for a, b in zip(starts, starts[1:])]
+    assert [p for p in pieces if set(p) != {0}] == docs
+    assert sum(r["input_ids"].count(0) for r in rows) == 3 * 10 - sum(len(d) for d in docs) == 9
+    with pytest.raises(SFTDataError, match="example 0: 11 tokens"):
+        pack([{"input_ids": list(range(11)), "labels": [IGNORE_INDEX] * 11}], 10, 0)
+    with pytest.raises(SFTDataError, match="example 0: its first token has a label"):
+        pack([{"input_ids": [1, 2], "labels": [1, 2]}], 10, 0)
+
+
+def test_pad_batch():
+    batch = pad_batch([{"input_ids": [4, 5, 6], "labels": [-100, 5, 6]}, {"input_ids": [7], "labels": [-100]}],
+                      pad_id=0, pad_to_multiple_of=4)
+    assert batch["input_ids"].tolist() == [[4, 5, 6, 0], [7, 0, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0], [1, 0, 0, 0]]
+    assert batch["labels"].tolist() == [[-100, 5, 6, -100], [-100, -100, -100, -100]]
+    assert all(t.dtype == torch.long for t in batch.values())
+
+
+def doc_losses(logits, labels, bounds):
+    """Summed next-token cross entropy of each [a, b) slice of one row (labels shifted by one)."""
+    per_token = F.cross_entropy(logits[:-1].float(), labels[1:], ignore_index=IGNORE_INDEX, reduction="none")
+    return torch.stack([per_token[a : b - 1].sum() for a, b in bounds])
+
+
+def test_packed_and_unpacked_losses_are_equal(tokenizer):
+    rows = [{"messages": CONVERSATION}, {"instruction": "Say hi.", "output": "Hello! How can I help you today?"},
+            {"instruction": "Write a short poem.", "input": "about the sea", "output": "The sea is four."}]
+    examples, stats = prepare(rows, tokenizer, 512, "t")
+    lengths = [len(ex["input_ids"]) for ex in examples]
+    seq_len = sum(lengths) + 5
+    (row,) = pack(examples, seq_len, tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    model = Qwen3ForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+    starts = [sum(lengths[:k]) for k in range(3)]
+    bounds = [(s, s + n) for s, n in zip(starts, lengths)]
+    with torch.no_grad():
+        alone = torch.cat([doc_losses(model(torch.tensor([ex["input_ids"]]), use_cache=False).logits[0],
+                                      torch.tensor(ex["labels"]), [(0, len(ex["input_ids"]))]) for ex in examples])
+        ids, labels, pos = (torch.tensor([row[k]]) for k in ("input_ids", "labels", "position_ids"))
+        packed = doc_losses(model(ids, position_ids=pos, use_cache=False).logits[0], labels[0], bounds)
+        # The shifted loss over the whole row equals the sum of the documents' losses: no token is
+        # trained across a boundary (each document's first label is -100).
+        whole = F.cross_entropy(model(ids, position_ids=pos, use_cache=False).logits[0, :-1], labels[0, 1:],
+                                ignore_index=IGNORE_INDEX, reduction="sum")
+        # transformers 5.x: with the default use_cache=True a cache is created and packing is not detected.
+        leaky = doc_losses(model(ids, position_ids=pos).logits[0], labels[0], bounds)
+    assert model.config._attn_implementation == "sdpa" and model.dtype == torch.float32 and (alone > 0).all()
+    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(whole, alone.sum(), rtol=1e-5, atol=1e-5)
+    assert (leaky[1:] - alone[1:]).abs().min() > 1e-4, "packed rows attend across documents with use_cache=True"
+    torch.testing.assert_close(leaky[0], alone[0], rtol=1e-5, atol=1e-5)
