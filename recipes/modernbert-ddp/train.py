@@ -62,7 +62,15 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import cookbook
-from cookbook.checkpoint import Checkpointer, CheckpointError, ModelOptimizerState, RankLocalState, RNGState, export_hf
+from cookbook.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    ModelOptimizerState,
+    RankLocalState,
+    RNGState,
+    TrainState,
+    export_hf,
+)
 from cookbook.config import ConfigError, cli_parser, load_config, resolve_path, save_config, to_dict
 from cookbook.metrics import MetricsLogger, ModelFlops, count_parameters
 
@@ -347,20 +355,6 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, autocast) -> 
             "macro_f1": f1.compute().item(), "samples": totals["n"]}
 
 
-class TrainState:
-    """Step and epoch counters, checkpointed with everything else."""
-
-    def __init__(self) -> None:
-        self.step = 0
-        self.epoch = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"step": self.step, "epoch": self.epoch}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.step, self.epoch = int(state["step"]), int(state["epoch"])
-
-
 # ----------------------------------------------------------------------------- recipe
 def main(argv: list[str]) -> None:
     args = cli_parser(__doc__).parse_args(argv)
@@ -381,11 +375,8 @@ def main(argv: list[str]) -> None:
         if train_ds is not None and len(train_ds) < per_step:
             raise ConfigError(f"the training set ({len(train_ds)} rows) is too small for one step of "
                               f"{cfg.train.micro_batch_size} x {cfg.train.grad_accum_steps} x {world_size} samples")
-        resume_from = Checkpointer(Path(cfg.output_dir) / "checkpoints").check_resume(
-            cfg.checkpoint.resume, world_size, to_dict(cfg), MAY_CHANGE)
-        if resume_from is not None and 0 < cfg.train.stop_at_step <= int(resume_from.name.removeprefix("step_")):
-            raise ConfigError(f"train.stop_at_step={cfg.train.stop_at_step} is not after the checkpoint {resume_from}: "
-                              f"raise it, or remove it to train to the end")
+        Checkpointer(Path(cfg.output_dir) / "checkpoints").check_resume(
+            cfg.checkpoint.resume, world_size, to_dict(cfg), MAY_CHANGE, cfg.train.stop_at_step)
         rows = f"{len(train_ds)} train / {len(eval_ds)} eval rows" if train_ds is not None else f"hub data set {cfg.data.hub_id}"
         print(f"config OK: {args.config} ({rows})")
         return
@@ -443,14 +434,12 @@ def main(argv: list[str]) -> None:
         "train": state,
         "rank_local": RankLocalState(dataloader=train_loader, rng=RNGState()),
     }
-    resume_from = checkpointer.check_resume(cfg.checkpoint.resume, info.world_size, to_dict(cfg), MAY_CHANGE)
+    resume_from = checkpointer.check_resume(cfg.checkpoint.resume, info.world_size, to_dict(cfg), MAY_CHANGE,
+                                            cfg.train.stop_at_step)
     if resume_from is not None:
         checkpointer.load(resume_from, ckpt_state)
     sampler.set_epoch(state.epoch)
     stop_at = cfg.train.stop_at_step if cfg.train.stop_at_step > 0 else max_steps
-    if state.step >= stop_at and state.step < max_steps:
-        raise ConfigError(f"train.stop_at_step={cfg.train.stop_at_step} is not after the checkpoint's step {state.step}: "
-                          f"raise it, or remove it to train to the end")
     if state.step >= max_steps and (out_dir / "final").is_dir():
         log.info(f"already complete: {state.step} of {max_steps} steps; model in {out_dir / 'final'}, metrics in "
                  f"{out_dir / 'metrics.jsonl'}. Use a new output_dir (or checkpoint.resume=none) to train again.")

@@ -61,7 +61,15 @@ from transformers import logging as hf_logging
 
 import cookbook
 from cookbook import sft_data
-from cookbook.checkpoint import Checkpointer, CheckpointError, ModelOptimizerState, RankLocalState, RNGState, export_hf
+from cookbook.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    ModelOptimizerState,
+    RankLocalState,
+    RNGState,
+    TrainState,
+    export_hf,
+)
 from cookbook.config import ConfigError, cli_parser, load_config, resolve_path, save_config, to_dict
 from cookbook.metrics import MetricsLogger, ModelFlops, count_parameters
 
@@ -308,18 +316,6 @@ def token_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> to
                                              ignore_index=-100, reduction="sum")
 
 
-class TrainState:
-    def __init__(self) -> None:
-        self.step = 0
-        self.epoch = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"step": self.step, "epoch": self.epoch}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.step, self.epoch = int(state["step"]), int(state["epoch"])
-
-
 # ----------------------------------------------------------------------------- recipe
 def main(argv: list[str]) -> None:
     args = cli_parser(__doc__).parse_args(argv)
@@ -336,11 +332,8 @@ def main(argv: list[str]) -> None:
         sft_data.check_vocab(tokenizer, vocab_size)
         if cfg.fsdp.replicate_degree > 1 and world_size % cfg.fsdp.replicate_degree:
             raise ConfigError(f"fsdp.replicate_degree={cfg.fsdp.replicate_degree} does not divide the world size {world_size}")
-        resume_from = Checkpointer(Path(cfg.output_dir) / "checkpoints").check_resume(
-            cfg.checkpoint.resume, world_size, to_dict(cfg), MAY_CHANGE)
-        if resume_from is not None and 0 < cfg.train.stop_at_step <= int(resume_from.name.removeprefix("step_")):
-            raise ConfigError(f"train.stop_at_step={cfg.train.stop_at_step} is not after the checkpoint {resume_from}: "
-                              f"raise it, or remove it to train to the end")
+        Checkpointer(Path(cfg.output_dir) / "checkpoints").check_resume(
+            cfg.checkpoint.resume, world_size, to_dict(cfg), MAY_CHANGE, cfg.train.stop_at_step)
         if cfg.data.train_files:
             train, evals, stats = load_examples(cfg.data, tokenizer, cfg.train.seed)
             pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -388,7 +381,8 @@ def main(argv: list[str]) -> None:
     checkpointer = Checkpointer(out_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last)
     ckpt_state = {"app": ModelOptimizerState(model, optimizer), "scheduler": scheduler, "train": state,
                   "rank_local": RankLocalState(dataloader=train_loader, rng=RNGState())}
-    resume_from = checkpointer.check_resume(cfg.checkpoint.resume, info.world_size, to_dict(cfg), MAY_CHANGE)
+    resume_from = checkpointer.check_resume(cfg.checkpoint.resume, info.world_size, to_dict(cfg), MAY_CHANGE,
+                                            cfg.train.stop_at_step)
     if resume_from is not None:
         checkpointer.load(resume_from, ckpt_state)
     sampler.set_epoch(state.epoch)

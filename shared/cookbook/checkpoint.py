@@ -11,8 +11,9 @@ With several nodes, ``root`` must be on a file system every node sees.
 What goes in is up to the recipe: a dict of DCP `Stateful` objects. `ModelOptimizerState`
 covers model and optimizer (moments included) for DDP, FSDP2 or a plain module via
 ``torch.distributed.checkpoint.state_dict``; `RankLocalState` covers per-rank state (data-loader
-position, RNG streams) keyed by rank; anything else with ``state_dict``/``load_state_dict``
-(an LR scheduler) can be passed as is.
+position, RNG streams) keyed by rank; `TrainState` holds the step and epoch; anything else with
+``state_dict``/``load_state_dict`` (an LR scheduler) can be passed as is. `Checkpointer.check_resume`
+refuses, before any worker starts, a resume that would mix two runs.
 
 References: https://pytorch.org/docs/stable/distributed.checkpoint.html,
 https://pytorch.org/tutorials/recipes/distributed_checkpoint_recipe.html
@@ -136,6 +137,20 @@ class RNGState:
             torch.cuda.set_rng_state(state["cuda"].cpu())
 
 
+class TrainState:
+    """Optimizer steps done and the current epoch, as a DCP `Stateful` (``step``, ``epoch``)."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.epoch = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step, self.epoch = int(state["step"]), int(state["epoch"])
+
+
 class Checkpointer:
     """Save, find and load checkpoints under one folder.
 
@@ -193,7 +208,7 @@ class Checkpointer:
         return path
 
     def check_resume(self, resume: str | None, world_size: int, config: Mapping[str, Any] | None = None,
-                     may_change: tuple[str, ...] = ()) -> Path | None:
+                     may_change: tuple[str, ...] = (), stop_at_step: int = -1) -> Path | None:
         """Find the checkpoint to resume from and check that this run can continue it.
 
         Cheap and collective-free: call it in a single process before any worker starts, and
@@ -206,13 +221,15 @@ class Checkpointer:
                 checkpoint's ``meta.json`` (written by `save` when given ``extra_meta={"config": ...}``).
             may_change: dotted keys allowed to differ (e.g. ``"train.log_every"``); a key ending in
                 ``.*`` allows a whole section.
+            stop_at_step: the run's ``train.stop_at_step``; when > 0 it must be after the checkpoint's step.
 
         Returns:
             The checkpoint folder, or ``None`` to start fresh.
 
         Raises:
-            CheckpointError: no such checkpoint; it was written by a different number of ranks; or
-                it was written with different settings (the message lists them and what to do).
+            CheckpointError: no such checkpoint; it was written by a different number of ranks; it
+                was written with different settings (the message lists them and what to do); or
+                `stop_at_step` is not after it.
         """
         path = self.resolve_resume(resume)
         if path is None:
@@ -234,6 +251,9 @@ class Checkpointer:
                     f"{path} was written with other settings ({diff}{', ...' if len(changed) > 6 else ''}); resuming "
                     f"would mix two runs. Use the same settings, a new output_dir, or checkpoint.resume=none"
                 )
+        if 0 < stop_at_step <= meta["step"]:
+            raise CheckpointError(f"train.stop_at_step={stop_at_step} is not after the checkpoint {path} (step "
+                                  f"{meta['step']}): raise it, or remove it to train to the end")
         return path
 
     # ------------------------------------------------------------------ saving
