@@ -157,6 +157,24 @@ def test_llama_config_trains(tmp_path):
     assert losses[12] < losses[1] - 0.5, losses
 
 
+@pytest.mark.parametrize("options", [("fsdp.replicate_degree=2",),  # HSDP: 2 replicas of 1 shard each
+                                     ("fsdp.reshard_after_forward=false", "train.activation_checkpointing=none"),
+                                     ("data.packing=false",)])
+def test_sharding_and_data_options_train(tmp_path, options):
+    proc = launch("qwen-fsdp2-sft", f"output_dir={tmp_path / 'out'}", "train.max_steps=6", "mlflow=false",
+                  "checkpoint.every_steps=0", *options)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = train_losses(tmp_path / "out" / "metrics.jsonl")
+    assert sorted(losses) == list(range(1, 7)) and losses[6] < losses[1]
+    if "fsdp.replicate_degree=2" in options:
+        assert "FSDP2 mesh 2x1" in proc.stderr
+
+
+def test_cpu_offload_on_a_cpu_run_is_refused(tmp_path):
+    proc = launch("qwen-fsdp2-sft", f"output_dir={tmp_path / 'out'}", "fsdp.cpu_offload=true")
+    assert proc.returncode == 2 and "fsdp.cpu_offload=true needs GPUs" in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize("config", ["config.yaml", "qwen2.5-3b.yaml", "llama3.1-8b-2nodes.yaml", "gemma2-27b-4nodes.yaml", "fsdp-10m.yaml"])
 def test_shipped_configs_are_valid(config):
     train = recipe_module()

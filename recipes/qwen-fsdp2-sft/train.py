@@ -330,6 +330,9 @@ def main(argv: list[str]) -> None:
             raise ConfigError(f"model.name_or_path / model.tokenizer: cannot load {cfg.model.name_or_path!r}: "
                               f"{str(exc).splitlines()[0]}") from None
         sft_data.check_vocab(tokenizer, vocab_size)
+        if cfg.fsdp.cpu_offload and (not torch.cuda.is_available() or os.environ.get("COOKBOOK_DEVICE") == "cpu"):
+            raise ConfigError("fsdp.cpu_offload=true needs GPUs: it moves shards from GPU to CPU memory, and on a CPU run "
+                              "they are in CPU memory already")
         if cfg.fsdp.replicate_degree > 1 and world_size % cfg.fsdp.replicate_degree:
             raise ConfigError(f"fsdp.replicate_degree={cfg.fsdp.replicate_degree} does not divide the world size {world_size}")
         Checkpointer(Path(cfg.output_dir) / "checkpoints").check_resume(
