@@ -113,3 +113,16 @@ def test_rng_state_restores_the_stream(tmp_path, group):
     ck.load(ck.latest(), {"local": RankLocalState(rng=RNGState())})
     torch.testing.assert_close(torch.rand(4), expected, rtol=0, atol=0)
     assert dist.is_initialized()
+
+
+def test_resume_none_over_old_checkpoints_is_refused(tmp_path, group):
+    ck = Checkpointer(tmp_path)
+    assert ck.check_resume("none", world_size=1) is None  # empty folder: fine
+    ck.save(1, {"counter": Counter(1)})
+    with pytest.raises(CheckpointError, match="holds checkpoints of an earlier run"):
+        ck.check_resume("none", world_size=1)
+    with pytest.raises(CheckpointError, match="stop_at_step=1 is not after"):
+        ck.check_resume("auto", world_size=1, stop_at_step=1)
+    with pytest.raises(CheckpointError, match=r"other settings \(lr: 0.1 -> 0.2\)"):
+        ck.save(2, {"counter": Counter(2)}, {"config": {"lr": 0.1}})
+        ck.check_resume("auto", world_size=1, config={"lr": 0.2})

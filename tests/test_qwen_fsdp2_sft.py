@@ -138,6 +138,19 @@ def test_export_reloads_with_the_sharded_models_logits(full_run):
         torch.testing.assert_close(exported(input_ids=ids).logits, sharded, rtol=1e-5, atol=1e-5)
 
 
+def test_pretrained_weights_load_shard_by_shard(full_run, tmp_path):
+    """A new run from the exported safetensors (HuggingFaceStorageReader into DTensor shards) starts
+    where the first run ended: with a negligible learning rate its eval loss is the first run's."""
+    before = [r for r in read_jsonl(full_run / "metrics.jsonl") if r["event"] == "summary"][-1]["eval/loss"]
+    out = tmp_path / "from-export"
+    proc = launch("qwen-fsdp2-sft", f"output_dir={out}", f"model.name_or_path={full_run / 'final'}", "model.pretrained=true",
+                  "train.max_steps=2", "optim.lr=1e-12", "mlflow=false", "checkpoint.every_steps=0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    after = [r for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "summary"][-1]["eval/loss"]
+    assert after == pytest.approx(before, rel=1e-5)
+    assert train_losses(out / "metrics.jsonl")[1] < train_losses(full_run / "metrics.jsonl")[1] - 1.0  # not random init
+
+
 def test_resume_on_a_different_world_size_says_what_to_do(full_run, tmp_path):
     import shutil
 

@@ -251,3 +251,17 @@ def test_packed_and_unpacked_losses_are_equal(tokenizer):
     torch.testing.assert_close(whole, alone.sum(), rtol=1e-5, atol=1e-5)
     assert (leaky[1:] - alone[1:]).abs().min() > 1e-4, "packed rows attend across documents with use_cache=True"
     torch.testing.assert_close(leaky[0], alone[0], rtol=1e-5, atol=1e-5)
+
+
+def test_load_rows_edge_files(tmp_path):
+    row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + (json.dumps(row) + "\n").encode() * 2)
+    assert load_rows(bom) == [row, row]
+    single = tmp_path / "one.json"
+    single.write_text(json.dumps(row, indent=2))
+    assert load_rows(single) == [row]
+    wrapped = tmp_path / "wrapped.json"
+    wrapped.write_text(json.dumps({"data": [row]}, indent=2))
+    with pytest.raises(SFTDataError, match=r"holds one JSON object \(keys \['data'\]\)"):
+        load_rows(wrapped)

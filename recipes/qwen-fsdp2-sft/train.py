@@ -177,6 +177,8 @@ def check_config(cfg: Config, config_dir: Path) -> None:
             raise ConfigError(f"{key} must be >= 1, got {value}")
     if cfg.data.eval_files and not cfg.data.train_files:
         raise ConfigError("data.eval_files is set but data.train_files is empty")
+    if not 0.0 <= cfg.data.eval_fraction < 1.0:
+        raise ConfigError(f"data.eval_fraction must be in [0, 1), got {cfg.data.eval_fraction} (0: no evaluation)")
     if cfg.train.max_steps <= 0 and cfg.train.epochs <= 0:
         raise ConfigError("set train.max_steps > 0 or train.epochs > 0")
     schedulers = [t.value for t in SchedulerType]
@@ -199,7 +201,7 @@ def load_examples(cfg: DataConfig, tokenizer, seed: int) -> tuple[list[dict], li
     train, evals, stats = [], [], sft_data.SFTStats()
     for source, rows in sources:
         examples, st = sft_data.prepare(rows, tokenizer, cfg.max_length, source, kwargs)
-        if not cfg.eval_files:
+        if not cfg.eval_files and cfg.eval_fraction > 0:
             order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
             n_eval = max(1, int(len(examples) * cfg.eval_fraction))
             evals += [examples[i] for i in sorted(order[:n_eval])]
@@ -216,6 +218,8 @@ def shard_for_eval(rows: list[dict], rank: int, world_size: int) -> list[dict]:
     """This rank's evaluation rows, padded with label-free copies so that every rank runs the same
     number of forward passes: FSDP's all-gathers are collective, so a rank that stopped early
     would leave the others waiting forever."""
+    if not rows:
+        return []
     mine = rows[rank::world_size]
     target = -(-len(rows) // world_size)
     filler = {**rows[0], "labels": [sft_data.IGNORE_INDEX] * len(rows[0]["labels"])}
@@ -343,8 +347,9 @@ def main(argv: list[str]) -> None:
             n_rows = len(sft_data.pack(train, cfg.data.max_length, pad_id)) if cfg.data.packing else len(train)
             per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * world_size
             if n_rows < per_step:
-                raise ConfigError(f"{n_rows} training rows are too few for one step of {cfg.train.micro_batch_size} x "
-                                  f"{cfg.train.grad_accum_steps} x {world_size} rows")
+                raise ConfigError(f"{n_rows} training rows (after holding out {len(evals)} examples for evaluation) are too "
+                                  f"few for one step of {cfg.train.micro_batch_size} x {cfg.train.grad_accum_steps} x "
+                                  f"{world_size} rows")
             print(f"config OK: {args.config} ({len(train)} train / {len(evals)} eval examples; {stats.summary()})")
         else:
             print(f"config OK: {args.config} (data from {cfg.data.hub_id})")
@@ -451,7 +456,7 @@ def main(argv: list[str]) -> None:
                 metrics.log_step(state.step, window_loss / window_steps, lr, grad_norm)
                 window_loss.zero_()
                 window_steps = 0
-            if cfg.train.eval_every > 0 and state.step % cfg.train.eval_every == 0 and state.step < max_steps:
+            if eval_rows and cfg.train.eval_every > 0 and state.step % cfg.train.eval_every == 0 and state.step < max_steps:
                 metrics.log_eval(state.step, evaluate(model, eval_loader, info.device))
             if (cfg.checkpoint.every_steps > 0 and state.step % cfg.checkpoint.every_steps == 0) or state.step in (stop_at, max_steps):
                 checkpointer.save(state.step, ckpt_state, {"epoch": state.epoch, "config": to_dict(cfg)})
@@ -462,15 +467,16 @@ def main(argv: list[str]) -> None:
             log.info(f"stopped at step {state.step} of {max_steps} (train.stop_at_step); to continue from "
                      f"{checkpointer.latest()}, run again without train.stop_at_step (or with a larger value)")
             return
-        final_eval = evaluate(model, eval_loader, info.device)
-        metrics.log_eval(state.step, final_eval)
+        final_eval = evaluate(model, eval_loader, info.device) if eval_rows else {}
+        if final_eval:
+            metrics.log_eval(state.step, final_eval)
         export_dir = (export_hf(model, out_dir / "final", tokenizer, dtype=DTYPES[cfg.checkpoint.export_dtype])
                       if cfg.checkpoint.export_hf else None)
         metrics.log_summary({"step": state.step, **{f"eval/{k}": v for k, v in final_eval.items()},
                              "export_dir": str(export_dir) if export_dir else None, "mlflow_uri": metrics.mlflow_uri,
                              "mlflow_run_id": metrics.mlflow_run_id})
         if info.is_main:
-            log.info(f"done: {state.step} steps | eval loss {final_eval['loss']:.4f}")
+            log.info(f"done: {state.step} steps" + (f" | eval loss {final_eval['loss']:.4f}" if final_eval else ""))
             log.info(f"metrics:     {metrics.jsonl_path}")
             if metrics.mlflow_uri:
                 log.info(f"MLflow:      {metrics.mlflow_uri} (run {metrics.mlflow_run_id})")

@@ -227,12 +227,17 @@ class Checkpointer:
             The checkpoint folder, or ``None`` to start fresh.
 
         Raises:
-            CheckpointError: no such checkpoint; it was written by a different number of ranks; it
+            CheckpointError: no such checkpoint; ``resume`` is "none" but the folder holds checkpoints; it was written by a different number of ranks; it
                 was written with different settings (the message lists them and what to do); or
                 `stop_at_step` is not after it.
         """
         path = self.resolve_resume(resume)
         if path is None:
+            if self.latest() is not None:
+                raise CheckpointError(
+                    f"checkpoint.resume={resume!r} but {self.root} holds checkpoints of an earlier run, which a later "
+                    f"resume=auto would pick up: use a new output_dir, or delete {self.root}"
+                )
             return None
         meta = json.loads((path / META_FILE).read_text())
         if meta.get("world_size") not in (None, world_size):

@@ -39,7 +39,8 @@ class SFTDataError(ValueError):
 
 # ----------------------------------------------------------------------------- rows -> messages
 def load_rows(path: str | Path) -> list[dict]:
-    """Read a data file: a JSON array of objects (first non-blank character ``[``) or JSONL.
+    """Read a data file: a JSON array of objects (first non-blank character ``[``), JSONL, or a
+    single row object. A UTF-8 byte-order mark is ignored.
 
     Raises:
         SFTDataError: the file is missing, not UTF-8, not valid JSON (with the line for JSONL),
@@ -49,10 +50,19 @@ def load_rows(path: str | Path) -> list[dict]:
     if not p.is_file():
         raise SFTDataError(f"data file not found: {p}")
     try:
-        text = p.read_text(encoding="utf-8")
+        text = p.read_text(encoding="utf-8-sig")  # a byte-order mark, as some editors write, is dropped
     except UnicodeDecodeError as exc:
         raise SFTDataError(f"{p}: not UTF-8 text: {exc}") from None
-    if text.lstrip().startswith("["):
+    try:
+        whole = json.loads(text)
+    except json.JSONDecodeError:
+        whole = None
+    if isinstance(whole, dict):  # one object: a one-row file, or a wrapper such as {"data": [...]}
+        if not any(k in whole for k in ("messages", "conversations", "instruction")):
+            raise SFTDataError(f"{p}: the file holds one JSON object (keys {sorted(whole)[:5]}); expected a JSON "
+                               f"list of rows, or JSONL with one row per line")
+        rows = [whole]
+    elif text.lstrip().startswith("["):
         try:
             rows = json.loads(text)
         except json.JSONDecodeError as exc:
