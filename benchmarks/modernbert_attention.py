@@ -35,7 +35,7 @@ for impl in ["sdpa", "sdpa_padsafe", "eager"]:
     model = AutoModelForSequenceClassification.from_config(ModernBertConfig(num_labels=4, attn_implementation=impl)).cuda()
     opt = torch.optim.AdamW(model.parameters(), fused=True)
 
-    def step(check: bool = False) -> int:
+    def step(model=model, opt=opt, check: bool = False) -> int:
         with torch.autocast("cuda", dtype=torch.bfloat16):
             model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
         bad = sum(int(not torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None) if check else 0

@@ -43,7 +43,6 @@ warnings.filterwarnings("ignore", message=".*set_vital.*")
 
 import datasets
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler, Subset
 from torchdata.stateful_dataloader import StatefulDataLoader

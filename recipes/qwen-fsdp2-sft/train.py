@@ -31,7 +31,6 @@ What this recipe supports:
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import time
@@ -46,7 +45,6 @@ warnings.filterwarnings("ignore", message=".*set_vital.*")
 warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support on cpu")
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint import HuggingFaceStorageReader
