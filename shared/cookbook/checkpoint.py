@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from cookbook.config import flatten
 from cookbook.dist import barrier, get_logger
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -227,9 +228,10 @@ class Checkpointer:
             The checkpoint folder, or ``None`` to start fresh.
 
         Raises:
-            CheckpointError: no such checkpoint; ``resume`` is "none" but the folder holds checkpoints; it was written by a different number of ranks; it
-                was written with different settings (the message lists them and what to do); or
-                `stop_at_step` is not after it.
+            CheckpointError: no such checkpoint; ``resume`` is "none" but the folder holds
+                checkpoints; it was written by a different number of ranks; it was written with
+                different settings (the message lists them and what to do); or `stop_at_step` is
+                not after it.
         """
         path = self.resolve_resume(resume)
         if path is None:
@@ -240,14 +242,9 @@ class Checkpointer:
                 )
             return None
         meta = json.loads((path / META_FILE).read_text())
-        if meta.get("world_size") not in (None, world_size):
-            raise CheckpointError(
-                f"{path} was written by {meta['world_size']} ranks but this job has {world_size}: its per-rank "
-                f"data-loader and RNG state cannot be remapped. Resume with the same number of processes "
-                f"(NGPU x NNODES = {meta['world_size']}), or start fresh with checkpoint.resume=none or a new output_dir"
-            )
+        _check_world_size(path, meta, world_size)
         if config is not None and "config" in meta:
-            old, new = _flatten(meta["config"]), _flatten(config)
+            old, new = flatten(meta["config"]), flatten(config)
             changed = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)
                        and not any(k == m or (m.endswith(".*") and k.startswith(m[:-1])) for m in may_change)]
             if changed:
@@ -319,27 +316,21 @@ class Checkpointer:
         if not meta_file.is_file():
             raise CheckpointError(f"{path} is not a complete checkpoint (no {META_FILE})")
         meta = json.loads(meta_file.read_text())
-        has_rank_local = any(isinstance(v, RankLocalState) for v in state.values())
-        if has_rank_local and meta.get("world_size") != _world_size():
-            raise CheckpointError(
-                f"{path} was written by {meta.get('world_size')} ranks but this job has {_world_size()}: "
-                f"its per-rank data-loader and RNG state cannot be remapped. Resume with the same "
-                f"number of processes (NGPU x NNODES = {meta.get('world_size')}), or start fresh "
-                f"with checkpoint.resume=none"
-            )
+        if any(isinstance(v, RankLocalState) for v in state.values()):
+            _check_world_size(path, meta, _world_size())
         dcp.load(dict(state), checkpoint_id=str(path))
         get_logger().info(f"resumed from {path} (step {meta['step']})")
         return meta
 
 
-def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, Mapping):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
+def _check_world_size(path: Path, meta: Mapping[str, Any], world_size: int) -> None:
+    """Refuse per-rank state written by another number of ranks (it cannot be remapped)."""
+    if meta.get("world_size") not in (None, world_size):
+        raise CheckpointError(
+            f"{path} was written by {meta['world_size']} ranks but this job has {world_size}: its per-rank "
+            f"data-loader and RNG state cannot be remapped. Resume with the same number of processes "
+            f"(NGPU x NNODES = {meta['world_size']}), or start fresh with checkpoint.resume=none or a new output_dir"
+        )
 
 
 def _publish(tmp: Path, final: Path) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from pathlib import Path
-from typing import Sequence, TypeVar
+from typing import Any, Mapping, Sequence, TypeVar
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -83,6 +83,17 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: Sequ
         return OmegaConf.to_object(cfg)  # type: ignore[return-value]
     except OmegaConfBaseException as exc:
         raise ConfigError(_describe(exc)) from None
+
+
+def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested dict as one level with dotted keys: ``{"optim": {"lr": 1}}`` -> ``{"optim.lr": 1}``."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, Mapping):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def to_dict(cfg: object) -> dict:

@@ -35,6 +35,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from cookbook.config import flatten
 from cookbook.dist import DistInfo, get_logger
 
 # Dense (no sparsity) bf16 tensor-core peak, FLOP/s, from NVIDIA's data sheets:
@@ -137,17 +138,6 @@ def mfu(tokens_per_s_per_gpu: float, flops_per_token: float, peak_flops: float) 
     return tokens_per_s_per_gpu * flops_per_token / peak_flops
 
 
-def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, Mapping):
-            out.update(_flatten(v, f"{key}."))
-        else:
-            out[key] = v
-    return out
-
-
 class _MLflowSink:
     """MLflow logging that switches itself off, with one warning, at the first failure."""
 
@@ -183,7 +173,7 @@ class _MLflowSink:
         run = mlflow.start_run(run_id=run_id or None, run_name=None if run_id else run_name)
         self.run_id = run.info.run_id
         self._run_id_file.write_text(self.run_id)
-        flat = {k: str(v)[:500] for k, v in _flatten(params).items()}
+        flat = {k: str(v)[:500] for k, v in flatten(params).items()}
         items = list(flat.items())
         for i in range(0, len(items), 100):
             try:
