@@ -22,8 +22,8 @@ for seq in ${SEQS:-2048}; do
   rm -rf "$run"
   NGPU=${NGPU:-} bash "$ROOT/recipes/qwen-fsdp2-sft/launch.sh" output_dir="$run" run_name="bench-seq${seq}" \
     model.name_or_path="$MODEL_DIR" model.pretrained=false "data.train_files=[$TRAIN_FILE]" data.max_length=$seq \
-    train.max_steps=$STEPS train.log_every=5 checkpoint.every_steps=0 checkpoint.export_hf=false \
+    train.max_steps=$STEPS train.log_every=5 checkpoint.every_steps=-1 checkpoint.export_hf=false \
     data.eval_fraction=0 "$@"
   runs+=("$run")
 done
-python3 "$ROOT/benchmarks/summarize.py" --skip-steps 10 "${runs[@]}"
+python3 "$ROOT/benchmarks/summarize.py" --skip-steps ${SKIP_STEPS:-10} "${runs[@]}"

@@ -33,6 +33,42 @@ def launch(recipe: str, *overrides: str, config: str = "tiny.yaml", ngpu: int = 
                           text=True, timeout=timeout)
 
 
+def load_recipe(recipe: str):
+    """``recipes/<recipe>/train.py`` as a module (recipes are folders, not packages), loaded once."""
+    import importlib.util
+
+    name = recipe.replace("-", "_") + "_train"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "recipes" / recipe / "train.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def check(recipe: str, *overrides: str, config: str = "tiny.yaml", world_size: int = 2) -> str:
+    """Run ``recipes/<recipe>/train.py --check`` in this process: the validation ``launch.sh`` runs
+    before torchrun starts, without a new interpreter's start-up (~8 s each). Returns what it printed;
+    a refusal raises the recipe's error (``ConfigError`` and the like) to the test."""
+    import contextlib
+    import io
+
+    env = {"COOKBOOK_WORLD_SIZE": str(world_size), "COOKBOOK_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": ""}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            load_recipe(recipe).main(["--config", str(ROOT / "recipes" / recipe / config), "--check", *overrides])
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return out.getvalue()
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
@@ -40,6 +76,18 @@ def read_jsonl(path: Path) -> list[dict]:
 def train_losses(path: Path) -> dict[int, float]:
     """step -> loss from a metrics.jsonl (a resumed run's later records win)."""
     return {r["step"]: r["loss"] for r in read_jsonl(path) if r["event"] == "train"}
+
+
+@pytest.fixture(scope="session")
+def ray_env(tmp_path_factory):
+    """Environment for launches against one Ray head for the whole session, in a temporary folder
+    (a head costs ~10 s to start on 2 cores; the Ray recipe tests share it)."""
+    from ray_cluster import start_head, stop_head
+
+    base = tmp_path_factory.mktemp("ray")
+    head, env = start_head(base)
+    yield {**env, "_BASE": str(base)}
+    stop_head(head)
 
 
 @pytest.fixture(autouse=True)

@@ -1,15 +1,19 @@
 """The ModernBERT DDP recipe, run as a user runs it: launch.sh, tiny config, 2 CPU ranks (gloo)."""
 
+import json
 import shutil
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import ROOT, launch, read_jsonl, train_losses
+from conftest import ROOT, check, launch, load_recipe, read_jsonl, train_losses
 
 import cookbook
+from cookbook.checkpoint import CheckpointError
+from cookbook.config import ConfigError
 
 RECIPE = ROOT / "recipes" / "modernbert-ddp"
+DataError = load_recipe("modernbert-ddp").DataError
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +119,7 @@ def _write(path, text):
     return path
 
 
-@pytest.mark.parametrize("make_input, expected", [
+BAD_INPUTS = [
     (lambda d: ["data.train_files=[/no/such/train.csv]"], "data.train_files: file not found: /no/such/train.csv"),
     (lambda d: [f"data.train_files=[{_write(d / 'bad.csv', 'a,b,c,d' + chr(10) + '1,2,3,4' + chr(10))}]"],
      "bad.csv: unrecognised columns ['a', 'b', 'c', 'd']"),
@@ -126,8 +130,11 @@ def _write(path, text):
     (lambda d: ["optim.lrr=1e-4"], "key 'optim.lrr'"),
     (lambda d: ["train.micro_batch_size=big"], "key 'train.micro_batch_size'"),
     (lambda d: ["model.compile=true", "data.padding=longest"], "model.compile=true needs data.padding=max_length"),
-])
-def test_bad_input_fails_before_any_worker_starts(tmp_path, make_input, expected):
+]
+
+
+def test_bad_input_through_launch_sh_is_one_line_before_any_worker(tmp_path):
+    make_input, expected = BAD_INPUTS[2]
     proc = launch("modernbert-ddp", f"output_dir={tmp_path / 'out'}", *make_input(tmp_path))
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert expected in proc.stderr
@@ -136,17 +143,22 @@ def test_bad_input_fails_before_any_worker_starts(tmp_path, make_input, expected
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("make_input, expected", BAD_INPUTS)
+def test_bad_input_is_refused_by_the_check(tmp_path, make_input, expected):
+    with pytest.raises((ConfigError, DataError, CheckpointError)) as err:
+        check("modernbert-ddp", f"output_dir={tmp_path / 'out'}", *make_input(tmp_path))
+    assert expected in str(err.value)
+    assert not (tmp_path / "out").exists()
+
+
 def test_tokenizer_larger_than_the_model_vocabulary(tmp_path):
     model_dir = tmp_path / "model"
     shutil.copytree(RECIPE / "tiny" / "model", model_dir)
-    cfg = (model_dir / "config.json").read_text()
-    import json
-
-    data = json.loads(cfg)
+    data = json.loads((model_dir / "config.json").read_text())
     data["vocab_size"] = 100
     (model_dir / "config.json").write_text(json.dumps(data))
-    proc = launch("modernbert-ddp", f"model.name_or_path={model_dir}", f"output_dir={tmp_path / 'out'}")
-    assert proc.returncode == 2 and "tokens but the model's vocab_size is 100" in proc.stderr
+    with pytest.raises(ConfigError, match="tokens but the model's vocab_size is 100"):
+        check("modernbert-ddp", f"model.name_or_path={model_dir}", f"output_dir={tmp_path / 'out'}")
 
 
 def test_rerunning_a_finished_run_changes_nothing(full_run):
@@ -160,24 +172,22 @@ def test_rerunning_a_finished_run_changes_nothing(full_run):
 
 def test_resume_with_other_settings_is_refused(full_run):
     out, _ = full_run
-    proc = launch("modernbert-ddp", f"output_dir={out}", "train.max_steps=41", "optim.lr=1e-3")
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "written with other settings (optim.lr: 0.002 -> 0.001, train.max_steps: 40 -> 41)" in proc.stderr
-    assert "torch/distributed/run.py" not in proc.stderr
+    with pytest.raises(CheckpointError) as err:  # launch.sh's check, before any worker starts
+        check("modernbert-ddp", f"output_dir={out}", "train.max_steps=41", "optim.lr=1e-3")
+    assert "written with other settings (optim.lr: 0.002 -> 0.001, train.max_steps: 40 -> 41)" in str(err.value)
 
 
 def test_stop_at_step_not_after_the_checkpoint_is_refused(full_run, tmp_path):
     out, _ = full_run
-    proc = launch("modernbert-ddp", f"output_dir={out}", "train.stop_at_step=20")
-    assert proc.returncode == 2 and "train.stop_at_step=20 is not after the checkpoint" in proc.stderr, proc.stderr
+    with pytest.raises(CheckpointError, match="train.stop_at_step=20 is not after the checkpoint"):
+        check("modernbert-ddp", f"output_dir={out}", "train.stop_at_step=20")
 
 
 def test_ag_news_csv_with_its_common_header(tmp_path):
     f = tmp_path / "kaggle.csv"
     f.write_text('"Class Index","Title","Description"\n' + "".join(f'"{c}","t {i}","d {i}"\n' for i, c in enumerate([1, 2, 3, 4] * 20)))
-    proc = launch("modernbert-ddp", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{f}]", "--check")
-    assert proc.returncode == 0 and "config OK" in proc.stdout, proc.stderr
+    assert "config OK" in check("modernbert-ddp", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{f}]")
     bad = tmp_path / "bad.csv"
     bad.write_text('"Class Index","Title","Description"\n"1","a","b"\n"5","c","d"\n')
-    proc = launch("modernbert-ddp", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{bad}]")
-    assert proc.returncode == 2 and "bad.csv line 3: label '5' is not one of 1-4" in proc.stderr, proc.stderr
+    with pytest.raises(DataError, match="bad.csv line 3: label '5' is not one of 1-4"):
+        check("modernbert-ddp", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{bad}]")

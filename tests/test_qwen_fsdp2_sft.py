@@ -1,27 +1,21 @@
 """The FSDP2 SFT recipe on CPU: 2 gloo ranks, tiny Qwen3 / Llama configs, offline tokenizer."""
 
-import importlib.util
 import json
-import sys
 
 import pytest
 import torch
-from conftest import ROOT, launch, read_jsonl, train_losses
+from conftest import ROOT, check, launch, load_recipe, read_jsonl, train_losses
 
 import cookbook
+from cookbook.checkpoint import CheckpointError
+from cookbook.config import ConfigError
+from cookbook.sft_data import SFTDataError
 
 RECIPE = ROOT / "recipes" / "qwen-fsdp2-sft"
 
 
 def recipe_module():
-    """recipes/qwen-fsdp2-sft/train.py as a module (recipes are folders, not packages)."""
-    name = "qwen_fsdp2_sft_train"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, RECIPE / "train.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return load_recipe("qwen-fsdp2-sft")
 
 
 def tiny_config(*overrides):
@@ -156,10 +150,9 @@ def test_resume_on_a_different_world_size_says_what_to_do(full_run, tmp_path):
 
     out = tmp_path / "run"
     shutil.copytree(full_run, out)
-    proc = launch("qwen-fsdp2-sft", f"output_dir={out}", ngpu=1)
-    assert proc.returncode == 2
-    assert "written by 2 ranks but this job has 1" in proc.stderr and "NGPU x NNODES = 2" in proc.stderr
-    assert "torch/distributed/run.py" not in proc.stderr  # refused before any worker started
+    with pytest.raises(CheckpointError) as err:  # launch.sh's check, before any worker starts
+        check("qwen-fsdp2-sft", f"output_dir={out}", world_size=1)
+    assert "written by 2 ranks but this job has 1" in str(err.value) and "NGPU x NNODES = 2" in str(err.value)
 
 
 def test_llama_config_trains(tmp_path):
@@ -171,21 +164,43 @@ def test_llama_config_trains(tmp_path):
 
 
 @pytest.mark.parametrize("options", [("fsdp.replicate_degree=2",),  # HSDP: 2 replicas of 1 shard each
-                                     ("fsdp.reshard_after_forward=false", "train.activation_checkpointing=none"),
+                                     ("fsdp.reshard_after_forward=false", "train.activation_checkpointing=none",
+                                      "train.profile_step=3", "checkpoint.every_steps=-1"),
                                      ("data.packing=false",)])
 def test_sharding_and_data_options_train(tmp_path, options):
-    proc = launch("qwen-fsdp2-sft", f"output_dir={tmp_path / 'out'}", "train.max_steps=6", "mlflow=false",
-                  "checkpoint.every_steps=0", *options)
+    out = tmp_path / "out"
+    proc = launch("qwen-fsdp2-sft", f"output_dir={out}", "train.max_steps=6", "mlflow=false", *options)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    losses = train_losses(tmp_path / "out" / "metrics.jsonl")
+    losses = train_losses(out / "metrics.jsonl")
     assert sorted(losses) == list(range(1, 7)) and losses[6] < losses[1]
     if "fsdp.replicate_degree=2" in options:
         assert "FSDP2 mesh 2x1" in proc.stderr
+    checkpoints = sorted(p.name for p in (out / "checkpoints").glob("step_*"))
+    if "checkpoint.every_steps=-1" in options:  # benchmarks: no checkpoint at all
+        assert checkpoints == []
+        for rank in (0, 1):  # the profiled step's operator table names the FSDP collectives
+            assert "all_gather" in (out / "profile" / f"ops_rank{rank}.txt").read_text()
+            assert (out / "profile" / f"trace_rank{rank}.json").stat().st_size > 1000
+    else:  # the tiny config saves every 15 steps, and always at the end
+        assert checkpoints == ["step_00000006"]
+
+
+def test_collate_marks_every_packed_document_for_varlen_attention():
+    train = recipe_module()
+    rows = [{"input_ids": [5] * 6, "labels": [-100] * 6, "position_ids": [0, 1, 2, 0, 1, 0]},
+            {"input_ids": [5] * 6, "labels": [-100] * 6, "position_ids": [0, 1, 2, 3, 4, 5]}]
+    batch = train.collate(rows, pad_id=0)
+    assert batch["cu_seq_lens"].tolist() == [0, 3, 5, 6, 12] and batch["cu_seq_lens"].dtype == torch.int32
+
+
+def test_varlen_attention_on_a_cpu_run_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="varlen runs on CUDA GPUs only"):
+        check("qwen-fsdp2-sft", f"output_dir={tmp_path / 'out'}", "model.attn_implementation=varlen")
 
 
 def test_cpu_offload_on_a_cpu_run_is_refused(tmp_path):
-    proc = launch("qwen-fsdp2-sft", f"output_dir={tmp_path / 'out'}", "fsdp.cpu_offload=true")
-    assert proc.returncode == 2 and "fsdp.cpu_offload=true needs GPUs" in proc.stderr, proc.stderr
+    with pytest.raises(ConfigError, match="fsdp.cpu_offload=true needs GPUs"):
+        check("qwen-fsdp2-sft", f"output_dir={tmp_path / 'out'}", "fsdp.cpu_offload=true")
 
 
 @pytest.mark.parametrize("config", ["config.yaml", "qwen2.5-3b.yaml", "llama3.1-8b-2nodes.yaml", "gemma2-27b-4nodes.yaml", "fsdp-10m.yaml"])
@@ -216,8 +231,8 @@ def test_tokenizer_without_chat_template(tmp_path):
     tok_dir = tmp_path / "tok"
     shutil.copytree(RECIPE / "tiny" / "qwen3", tok_dir)
     (tok_dir / "chat_template.jinja").unlink()
-    proc = launch("qwen-fsdp2-sft", f"output_dir={tmp_path / 'out'}", f"model.tokenizer={tok_dir}")
-    assert proc.returncode == 2 and "chat template" in proc.stderr, proc.stderr
+    with pytest.raises(SFTDataError, match="chat template"):
+        check("qwen-fsdp2-sft", f"output_dir={tmp_path / 'out'}", f"model.tokenizer={tok_dir}")
 
 
 def test_tokenizer_larger_than_the_model(tmp_path):
@@ -228,8 +243,9 @@ def test_tokenizer_larger_than_the_model(tmp_path):
     cfg = json.loads((model_dir / "config.json").read_text())
     cfg["vocab_size"] = 64
     (model_dir / "config.json").write_text(json.dumps(cfg))
-    proc = launch("qwen-fsdp2-sft", f"output_dir={tmp_path / 'out'}", f"model.name_or_path={model_dir}")
-    assert proc.returncode == 2 and "64" in proc.stderr and "482" in proc.stderr, proc.stderr
+    with pytest.raises((ConfigError, SFTDataError)) as err:
+        check("qwen-fsdp2-sft", f"output_dir={tmp_path / 'out'}", f"model.name_or_path={model_dir}")
+    assert "64" in str(err.value) and "482" in str(err.value)
 
 
 def test_long_sequences_are_truncated_and_counted(tmp_path):

@@ -117,6 +117,16 @@ def test_bad_rows_name_the_row_and_field(row, expected):
         assert text in str(err.value)
 
 
+def test_prepare_skips_and_names_rows_with_an_empty_answer(tokenizer):
+    rows = [{"instruction": "Say hi.", "output": "Hi!"}, {"instruction": "Say nothing.", "output": " "},
+            {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}]},
+            {"instruction": "Say yo.", "output": "Yo"}]
+    examples, stats = prepare(rows, tokenizer, 64, "train.jsonl")
+    assert len(examples) == stats.examples == 2
+    assert stats.empty_answers == [2, 3]
+    assert "2 skipped with an empty answer (rows 2, 3)" in stats.summary()
+
+
 def test_prepare_names_the_failing_row(tokenizer):
     rows = [{"instruction": "Say hi.", "output": "Hi!"}, {"messages": [{"role": "user", "content": "Hi"}]}]
     with pytest.raises(SFTDataError, match=r"^train\.jsonl row 2: the conversation has no assistant turn"):

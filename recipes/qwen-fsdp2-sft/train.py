@@ -20,17 +20,20 @@ What this recipe supports:
       ``HuggingFaceStorageReader`` or randomly initialised in place (benchmarks, tests).
     - Data (cookbook.sft_data): chat ``messages``, Alpaca and ShareGPT rows; the tokenizer's chat
       template; loss on assistant tokens only; sequence packing with per-document position ids
-      (no attention across documents with sdpa, eager, flex and flash_attention_2).
+      (no attention across documents with varlen, sdpa, eager and flex_attention; varlen, the
+      default on GPU, runs PyTorch's variable-length FlashAttention kernel per document).
     - Loss normalised by the number of assistant tokens in the whole global batch (all
       micro-batches and ranks), so packing and accumulation do not change the objective.
     - Checkpoints (cookbook.checkpoint, DCP): sharded model and optimizer (each rank writes its
       shards), scheduler, data position, RNG, step; atomic publish; ``resume: auto``. Final
       export of the consolidated model in Hugging Face format.
-    - Metrics (cookbook.metrics): loss, tokens/s per GPU, MFU, peak memory, per step.
+    - Metrics (cookbook.metrics): loss, tokens/s per GPU, MFU, peak memory, per step;
+      ``train.profile_step`` writes a torch.profiler trace of one step.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 import time
@@ -51,10 +54,12 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.nn.attention.varlen import varlen_attn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, SchedulerType, get_scheduler
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer, SchedulerType, get_scheduler
+from transformers.masking_utils import AttentionMaskInterface
 from transformers import logging as hf_logging
 
 import cookbook
@@ -69,7 +74,7 @@ from cookbook.checkpoint import (
     export_hf,
 )
 from cookbook.config import ConfigError, cli_parser, load_config, resolve_path, save_config, to_dict
-from cookbook.metrics import MetricsLogger, ModelFlops, count_parameters
+from cookbook.metrics import MetricsLogger, ModelFlops, StepProfiler, count_parameters
 
 hf_logging.disable_progress_bar()
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -81,7 +86,7 @@ class ModelConfig:
     name_or_path: str = "Qwen/Qwen3-8B"  # hub id or local folder (config.json, *.safetensors)
     pretrained: bool = True  # False: random init from config.json (benchmarks, CI)
     tokenizer: str | None = None  # default: name_or_path
-    attn_implementation: str = "sdpa"  # sdpa, eager, flex_attention, flash_attention_2
+    attn_implementation: str = "sdpa"  # varlen (GPU), sdpa, eager, flex_attention, flash_attention_2
 
 
 @dataclass
@@ -128,11 +133,12 @@ class TrainConfig:
     compile: bool = False  # torch.compile each decoder layer
     log_every: int = 10
     eval_every: int = 0  # 0: at the end only
+    profile_step: int = 0  # > 0: torch.profiler trace of this step in <output_dir>/profile
 
 
 @dataclass
 class CheckpointConfig:
-    every_steps: int = 500
+    every_steps: int = 500  # 0: only at the end (and at stop_at_step); -1: never (benchmarks)
     keep_last: int = 2
     resume: str = "auto"
     export_hf: bool = True
@@ -153,7 +159,7 @@ class Config:
 
 
 # Settings that may differ between a checkpoint and the run that resumes it; any other change is refused.
-MAY_CHANGE = ("output_dir", "run_name", "mlflow", "train.stop_at_step", "train.log_every", "train.eval_every",
+MAY_CHANGE = ("output_dir", "run_name", "mlflow", "train.stop_at_step", "train.log_every", "train.eval_every", "train.profile_step",
               "data.num_workers", "checkpoint.*")
 
 
@@ -182,8 +188,10 @@ def check_config(cfg: Config, config_dir: Path) -> None:
     schedulers = [t.value for t in SchedulerType]
     if cfg.optim.scheduler not in schedulers:
         raise ConfigError(f"optim.scheduler={cfg.optim.scheduler!r} is not one of {', '.join(schedulers)}")
-    if cfg.checkpoint.keep_last < 0 or cfg.checkpoint.every_steps < 0:
-        raise ConfigError("checkpoint.keep_last and checkpoint.every_steps must be >= 0")
+    if cfg.checkpoint.keep_last < 0 or cfg.checkpoint.every_steps < -1:
+        raise ConfigError("checkpoint.keep_last must be >= 0 and checkpoint.every_steps >= -1 (-1: never)")
+    if cfg.checkpoint.every_steps == -1 and cfg.train.stop_at_step > 0:
+        raise ConfigError("train.stop_at_step needs a checkpoint to resume from: checkpoint.every_steps=-1 saves none")
 
 
 # ----------------------------------------------------------------------------- data
@@ -205,7 +213,7 @@ def load_examples(cfg: DataConfig, tokenizer, seed: int) -> tuple[list[dict], li
             evals += [examples[i] for i in sorted(order[:n_eval])]
             examples = [examples[i] for i in sorted(order[n_eval:])]
         train += examples
-        for key in ("rows", "examples", "truncated", "dropped", "tokens", "loss_tokens"):
+        for key in ("rows", "examples", "truncated", "dropped", "tokens", "loss_tokens", "empty_answers"):
             setattr(stats, key, getattr(stats, key) + getattr(st, key))
     for f in cfg.eval_files:
         evals += sft_data.prepare(sft_data.load_rows(f), tokenizer, cfg.max_length, f, kwargs)[0]
@@ -225,10 +233,66 @@ def shard_for_eval(rows: list[dict], rank: int, world_size: int) -> list[dict]:
 
 
 def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
-    """Packed rows (equal length, with ``position_ids``) are stacked; other rows are right-padded."""
+    """Packed rows (equal length, with ``position_ids``) are stacked, with ``cu_seq_lens``: the
+    (documents + 1,) int32 offsets of the documents in the flattened batch, for ``varlen``.
+    Other rows are right-padded."""
     if "position_ids" in rows[0]:
-        return {k: torch.tensor([r[k] for r in rows], dtype=torch.long) for k in ("input_ids", "labels", "position_ids")}
+        batch = {k: torch.tensor([r[k] for r in rows], dtype=torch.long) for k in ("input_ids", "labels", "position_ids")}
+        flat = batch["position_ids"].flatten()
+        starts = torch.nonzero(flat == 0).flatten()
+        batch["cu_seq_lens"] = torch.cat([starts, torch.tensor([flat.numel()])]).to(torch.int32)
+        return batch
     return sft_data.pad_batch(rows, pad_id, pad_to_multiple_of=8)
+
+
+# ----------------------------------------------------------------------------- attention
+_VARLEN_PARAMS = inspect.signature(varlen_attn).parameters
+
+
+def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                           cu_seq_lens_q: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """Causal attention with PyTorch's variable-length FlashAttention kernel
+    (``torch.nn.attention.varlen.varlen_attn``, CUDA, bf16/fp16): each packed document attends
+    only to itself, work is proportional to the documents' own lengths, and no T x T mask is built.
+
+    Registered as ``attn_implementation: varlen``; transformers calls it from each attention layer.
+
+    Args:
+        query: (batch, heads, T, head_dim). key, value: (batch, kv_heads, T, head_dim); kv_heads
+            divides heads (grouped-query attention).
+        attention_mask: ignored (``collate``'s ``cu_seq_lens`` carries the document boundaries).
+        scaling: softmax scale (default 1 / sqrt(head_dim)).
+        cu_seq_lens_q: (documents + 1,) int32 offsets of the documents in the flattened
+            (batch * T) tokens, from ``collate``; None treats each row as one document.
+
+    Returns:
+        ``(output, None)`` with output (batch, T, heads, head_dim), as transformers expects.
+
+    Raises:
+        ValueError: attention dropout is on (the kernel wrapper has none).
+    """
+    if dropout and module.training:
+        raise ValueError("varlen does not implement attention dropout; set the model's attention_dropout to 0")
+    b, h, t, d = query.shape
+    if cu_seq_lens_q is None:
+        cu_seq_lens_q = torch.arange(0, (b + 1) * t, t, device=query.device, dtype=torch.int32)
+    q, k, v = (x.transpose(1, 2).reshape(b * t, x.shape[1], d) for x in (query, key, value))
+    extra = {}
+    if "enable_gqa" in _VARLEN_PARAMS:
+        extra["enable_gqa"] = k.shape[1] != h
+    elif k.shape[1] != h:  # older torch: repeat the key/value heads
+        k, v = (x.repeat_interleave(h // x.shape[1], dim=1) for x in (k, v))
+    if "window_size" in _VARLEN_PARAMS:
+        extra["window_size"] = (-1, 0)  # causal
+    else:
+        extra["is_causal"] = True
+    out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, t, t, scale=scaling, **extra)
+    return out.view(b, t, h, d), None
+
+
+AttentionInterface.register("varlen", varlen_attention)
+AttentionMaskInterface.register("varlen", lambda *args, **kwargs: None)  # boundaries come from cu_seq_lens
 
 
 # ----------------------------------------------------------------------------- model
@@ -238,6 +302,9 @@ def _sac_policy(ctx, op, *args, **kwargs):
             torch.ops.aten._scaled_dot_product_efficient_attention.default,
             torch.ops.aten._scaled_dot_product_flash_attention.default,
             torch.ops.aten._scaled_dot_product_cudnn_attention.default}
+    varlen_op = getattr(torch.ops.torch_attn, "_varlen_attn", None)  # varlen's kernel
+    if varlen_op is not None:
+        keep.add(varlen_op.default)
     return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
@@ -312,8 +379,12 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device) -> dict[str, 
 def token_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Summed cross entropy of next-token prediction over labelled tokens (fp32 logits)."""
     # use_cache=False: with a cache, transformers does not derive document boundaries from position_ids.
+    varlen = {}
+    if "cu_seq_lens" in batch:  # used by varlen only; T is an upper bound of any document's length
+        t = batch["input_ids"].shape[1]
+        varlen = dict(cu_seq_lens_q=batch["cu_seq_lens"], cu_seq_lens_k=batch["cu_seq_lens"], max_length_q=t, max_length_k=t)
     logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                   position_ids=batch.get("position_ids"), use_cache=False).logits
+                   position_ids=batch.get("position_ids"), use_cache=False, **varlen).logits
     return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(),
                                              ignore_index=-100, reduction="sum")
 
@@ -332,7 +403,10 @@ def main(argv: list[str]) -> None:
             raise ConfigError(f"model.name_or_path / model.tokenizer: cannot load {cfg.model.name_or_path!r}: "
                               f"{str(exc).splitlines()[0]}") from None
         sft_data.check_vocab(tokenizer, vocab_size)
-        if cfg.fsdp.cpu_offload and (not torch.cuda.is_available() or os.environ.get("COOKBOOK_DEVICE") == "cpu"):
+        on_cpu = not torch.cuda.is_available() or os.environ.get("COOKBOOK_DEVICE") == "cpu"
+        if cfg.model.attn_implementation == "varlen" and on_cpu:
+            raise ConfigError("model.attn_implementation=varlen runs on CUDA GPUs only: use sdpa on CPU")
+        if cfg.fsdp.cpu_offload and on_cpu:
             raise ConfigError("fsdp.cpu_offload=true needs GPUs: it moves shards from GPU to CPU memory, and on a CPU run "
                               "they are in CPU memory already")
         if cfg.fsdp.replicate_degree > 1 and world_size % cfg.fsdp.replicate_degree:
@@ -411,6 +485,7 @@ def main(argv: list[str]) -> None:
              f"{cfg.train.activation_checkpointing} | data: {stats.summary()}")
 
     # ---- train loop
+    profiler = StepProfiler(cfg.train.profile_step, out_dir, info)
     data_iter = iter(train_loader)
     window_loss, window_steps = torch.zeros((), device=info.device), 0
     failed = stopped = False
@@ -418,6 +493,7 @@ def main(argv: list[str]) -> None:
         cookbook.barrier()  # start every rank's clock together (rank 0 set up MLflow)
         metrics.start(state.step)
         while state.step < min(max_steps, stop_at):
+            profiler.start(state.step + 1)
             micro_batches, waits = [], []
             for _ in range(cfg.train.grad_accum_steps):
                 t0 = time.perf_counter()
@@ -448,6 +524,7 @@ def main(argv: list[str]) -> None:
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             state.step += 1
+            profiler.stop()
             window_loss += step_loss
             window_steps += 1
             if state.step % cfg.train.log_every == 0 or state.step == max_steps:
@@ -456,7 +533,8 @@ def main(argv: list[str]) -> None:
                 window_steps = 0
             if eval_rows and cfg.train.eval_every > 0 and state.step % cfg.train.eval_every == 0 and state.step < max_steps:
                 metrics.log_eval(state.step, evaluate(model, eval_loader, info.device))
-            if (cfg.checkpoint.every_steps > 0 and state.step % cfg.checkpoint.every_steps == 0) or state.step in (stop_at, max_steps):
+            if cfg.checkpoint.every_steps >= 0 and (state.step in (stop_at, max_steps) or (
+                    cfg.checkpoint.every_steps > 0 and state.step % cfg.checkpoint.every_steps == 0)):
                 checkpointer.save(state.step, ckpt_state, {"epoch": state.epoch, "config": to_dict(cfg)})
 
         # ---- save

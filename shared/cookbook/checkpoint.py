@@ -244,13 +244,10 @@ class Checkpointer:
         meta = json.loads((path / META_FILE).read_text())
         _check_world_size(path, meta, world_size)
         if config is not None and "config" in meta:
-            old, new = flatten(meta["config"]), flatten(config)
-            changed = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)
-                       and not any(k == m or (m.endswith(".*") and k.startswith(m[:-1])) for m in may_change)]
-            if changed:
-                diff = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed[:6])
+            diff = config_changes(meta["config"], config, may_change)
+            if diff:
                 raise CheckpointError(
-                    f"{path} was written with other settings ({diff}{', ...' if len(changed) > 6 else ''}); resuming "
+                    f"{path} was written with other settings ({diff}); resuming "
                     f"would mix two runs. Use the same settings, a new output_dir, or checkpoint.resume=none"
                 )
         if 0 < stop_at_step <= meta["step"]:
@@ -321,6 +318,23 @@ class Checkpointer:
         dcp.load(dict(state), checkpoint_id=str(path))
         get_logger().info(f"resumed from {path} (step {meta['step']})")
         return meta
+
+
+def config_changes(old: Mapping[str, Any], new: Mapping[str, Any], may_change: tuple[str, ...] = ()) -> str:
+    """The settings that differ between two configs (flat or nested dicts), as ``"key: old -> new, ..."``
+    (at most six, then ``...``); ``""`` when none. Keys in `may_change` are ignored (a key ending in ``.*``
+    ignores a whole section)."""
+    old, new = flatten(old), flatten(new)
+    changed = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)
+               and not any(k == m or (m.endswith(".*") and k.startswith(m[:-1])) for m in may_change)]
+    diff = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed[:6])
+    return diff + (", ..." if len(changed) > 6 else "")
+
+
+def publish(tmp: str | Path, final: str | Path) -> None:
+    """Rename the finished folder `tmp` to `final` (atomic on one file system), replacing an older `final`
+    only once the new one is complete. Call on one rank."""
+    _publish(Path(tmp), Path(final))
 
 
 def _check_world_size(path: Path, meta: Mapping[str, Any], world_size: int) -> None:

@@ -210,6 +210,8 @@ class MetricsLogger:
         params: the run's config, logged as MLflow params (flattened).
         mlflow: ``False`` to turn MLflow off.
         max_steps: total steps, for the console's progress and ETA.
+        count_tokens: ``False`` for models without tokens (images, ids): the ``tokens_per_s*``
+            keys and the console's tok/s are left out.
 
     Every method that reduces across ranks (`log_step`, `log_eval`) is collective.
     """
@@ -224,11 +226,13 @@ class MetricsLogger:
         params: Mapping[str, Any] | None = None,
         mlflow: bool = True,
         max_steps: int | None = None,
+        count_tokens: bool = True,
     ):
         self.out_dir = Path(out_dir)
         self.info = info
         self.flops = flops
         self.max_steps = max_steps
+        self.count_tokens = count_tokens
         self.jsonl_path = self.out_dir / "metrics.jsonl"
         self._peak = peak_bf16_flops(torch.cuda.get_device_name(info.device)) if info.device.type == "cuda" else None
         self._mlflow: _MLflowSink | None = None
@@ -275,7 +279,8 @@ class MetricsLogger:
         self._tokens = self._tokens + (tokens.detach() if isinstance(tokens, torch.Tensor) else tokens)
         self._data_wait += data_wait_s
 
-    def log_step(self, step: int, loss: float | torch.Tensor, lr: float, grad_norm: float | torch.Tensor | None) -> dict[str, float]:
+    def log_step(self, step: int, loss: float | torch.Tensor, lr: float, grad_norm: float | torch.Tensor | None,
+                 extra: Mapping[str, float | torch.Tensor] | None = None) -> dict[str, float]:
         """Reduce this window's counts over ranks and write one train record.
 
         Args:
@@ -283,6 +288,8 @@ class MetricsLogger:
             loss: this rank's mean loss over the window's steps.
             lr: current learning rate.
             grad_norm: total gradient norm of the last step (before clipping).
+            extra: more per-rank numbers of the window (e.g. ``{"accuracy": ...}``), averaged over
+                ranks into the record under their own names.
 
         Returns:
             The record (same on every rank).
@@ -299,6 +306,7 @@ class MetricsLogger:
             tokens.to(dev, torch.float64).reshape(()),
             torch.tensor(float(self._samples), dtype=torch.float64, device=dev),
             torch.tensor(self._data_wait, dtype=torch.float64, device=dev),
+            *[torch.as_tensor(v, dtype=torch.float64).to(dev).reshape(()) for v in (extra or {}).values()],
         ])
         mem = torch.tensor([
             torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else 0.0,
@@ -309,7 +317,7 @@ class MetricsLogger:
         if dist.is_initialized():
             dist.all_reduce(sums, op=dist.ReduceOp.SUM)
             dist.all_reduce(mem, op=dist.ReduceOp.MAX)
-        loss_sum, tok, samples, wait = sums.tolist()
+        loss_sum, tok, samples, wait, *extra_sums = sums.tolist()
         alloc, reserved, rss, elapsed = mem.tolist()
         world = self.info.world_size
         rec: dict[str, float] = {
@@ -319,12 +327,15 @@ class MetricsLogger:
         }
         if grad_norm is not None:
             rec["grad_norm"] = float(grad_norm)
+        rec.update({k: v / world for k, v in zip(extra or {}, extra_sums)})
         rec["step_time_s"] = elapsed / steps
         rec["samples_per_s"] = samples / elapsed
-        rec["tokens_per_s"] = tok / elapsed
+        if self.count_tokens:
+            rec["tokens_per_s"] = tok / elapsed
         rec[f"samples_per_s_{self._suffix}"] = samples / elapsed / world
-        rec[f"tokens_per_s_{self._suffix}"] = tok / elapsed / world
-        if self.flops is not None and self._peak is not None and samples > 0:
+        if self.count_tokens:
+            rec[f"tokens_per_s_{self._suffix}"] = tok / elapsed / world
+        if self.flops is not None and self._peak is not None and samples > 0 and self.count_tokens:
             fpt = self.flops.per_token(tok / samples)
             rec["mfu"] = mfu(tok / elapsed / world, fpt, self._peak)
         if dev.type == "cuda":
@@ -367,7 +378,8 @@ class MetricsLogger:
             parts.append(f"gnorm {rec['grad_norm']:.2f}")
         parts.append(f"{rec['step_time_s'] * 1000:.0f} ms/step")
         parts.append(f"{rec[f'samples_per_s_{self._suffix}']:.1f} samples/s/{self._suffix[4:]}")
-        parts.append(f"{rec[f'tokens_per_s_{self._suffix}']:,.0f} tok/s/{self._suffix[4:]}")
+        if self.count_tokens:
+            parts.append(f"{rec[f'tokens_per_s_{self._suffix}']:,.0f} tok/s/{self._suffix[4:]}")
         if "mfu" in rec:
             parts.append(f"mfu {rec['mfu'] * 100:.1f}%")
         if "mem_allocated_gib" in rec:
@@ -384,3 +396,46 @@ class MetricsLogger:
         """End the MLflow run: FAILED when `failed`, KILLED when `stopped` early (to be resumed), else FINISHED."""
         if self._mlflow is not None:
             self._mlflow.close("FAILED" if failed else "KILLED" if stopped else "FINISHED")
+
+
+class StepProfiler:
+    """Profile one training step with ``torch.profiler`` (CPU and CUDA activity) on every rank.
+
+    Call `start` before a step and `stop` after it; both do nothing unless the step is the one
+    asked for. Rank r writes ``<out_dir>/profile/trace_rank<r>.json`` (open it in Perfetto or
+    chrome://tracing) and ``ops_rank<r>.txt`` (the 40 operators with the most device time, or
+    CPU time on a CPU run).
+
+    Args:
+        step: the 1-based step to profile; 0 or less: off.
+        out_dir: the run's output folder.
+        info: this process's `DistInfo`.
+    """
+
+    def __init__(self, step: int, out_dir: str | Path, info: DistInfo):
+        self.step, self.dir, self.info = step, Path(out_dir) / "profile", info
+        self._prof: torch.profiler.profile | None = None
+
+    def start(self, step: int) -> None:
+        """Start profiling if `step` (the step about to run) is the one asked for."""
+        if self.step > 0 and step == self.step:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.info.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._prof = torch.profiler.profile(activities=activities, record_shapes=True)
+            self._prof.start()
+
+    def stop(self) -> None:
+        """Stop a running profile and write its files."""
+        if self._prof is None:
+            return
+        if self.info.device.type == "cuda":
+            torch.cuda.synchronize()
+        self._prof.stop()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._prof.export_chrome_trace(str(self.dir / f"trace_rank{self.info.rank}.json"))
+        sort = "self_device_time_total" if self.info.device.type == "cuda" else "self_cpu_time_total"
+        table = self._prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=90)
+        (self.dir / f"ops_rank{self.info.rank}.txt").write_text(table)
+        get_logger().info(f"profile of step {self.step}: {self.dir}")
+        self._prof = None

@@ -22,7 +22,7 @@ the file, the row (1-based) and the field.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -83,11 +83,15 @@ def load_rows(path: str | Path) -> list[dict]:
     return rows
 
 
-def _text(value: Any, where: str, field: str, allow_empty: bool = True) -> str:
+class EmptyAnswerError(SFTDataError):
+    """An assistant turn (Alpaca ``output``) is empty: `prepare` skips such rows and counts them."""
+
+
+def _text(value: Any, where: str, field: str, allow_empty: bool = True, answer: bool = False) -> str:
     if not isinstance(value, str):
         raise SFTDataError(f"{where}: field '{field}' must be a string, got {type(value).__name__}")
     if not allow_empty and not value.strip():
-        raise SFTDataError(f"{where}: field '{field}' is empty")
+        raise (EmptyAnswerError if answer else SFTDataError)(f"{where}: field '{field}' is empty")
     return value
 
 
@@ -109,7 +113,8 @@ def to_messages(row: dict, row_number: int, source: str) -> list[dict]:
     Raises:
         SFTDataError: ``"<source> row <n>: ..."`` for an unknown format (listing the keys found
             and expected), an unknown role, a non-string or empty field, an empty assistant
-            turn, or a conversation without an assistant turn.
+            turn (`EmptyAnswerError`, which `prepare` skips and counts), or a conversation
+            without an assistant turn.
     """
     where = f"{source} row {row_number}"
     if "messages" in row:
@@ -122,7 +127,7 @@ def to_messages(row: dict, row_number: int, source: str) -> list[dict]:
         if _text(extra, where, "input").strip():
             prompt = f"{prompt}\n\n{extra}"
         return [{"role": "user", "content": prompt},
-                {"role": "assistant", "content": _text(row["output"], where, "output", allow_empty=False)}]
+                {"role": "assistant", "content": _text(row["output"], where, "output", allow_empty=False, answer=True)}]
     else:
         raise SFTDataError(f"{where}: unknown format, found keys {sorted(row)}; expected 'messages' (chat), "
                            f"'conversations' (ShareGPT) or 'instruction' + 'output' (Alpaca)")
@@ -138,7 +143,8 @@ def to_messages(row: dict, row_number: int, source: str) -> list[dict]:
         if role is None:
             allowed = ", ".join(role_map or ROLES)
             raise SFTDataError(f"{where}: {path}.{role_key} is {raw!r}, expected one of {allowed}")
-        content = _text(turn[text_key], where, f"{path}.{text_key}", allow_empty=role != "assistant")
+        content = _text(turn[text_key], where, f"{path}.{text_key}", allow_empty=role != "assistant",
+                        answer=role == "assistant")
         messages.append({"role": role, "content": content})
     if not any(m["role"] == "assistant" for m in messages):
         raise SFTDataError(f"{where}: the conversation has no assistant turn (roles: "
@@ -242,6 +248,7 @@ class SFTStats:
     examples: int = 0  # examples kept
     truncated: int = 0  # rows cut to max_length
     dropped: int = 0  # rows with no labelled token left after truncation (not kept)
+    empty_answers: list[int] = field(default_factory=list)  # 1-based numbers of rows skipped for an empty answer
     tokens: int = 0
     loss_tokens: int = 0  # tokens with a label
 
@@ -254,8 +261,12 @@ class SFTStats:
         return {**asdict(self), "loss_fraction": self.loss_fraction}
 
     def summary(self) -> str:
+        empty = ""
+        if self.empty_answers:
+            shown = ", ".join(map(str, self.empty_answers[:5])) + (", ..." if len(self.empty_answers) > 5 else "")
+            empty = f", {len(self.empty_answers)} skipped with an empty answer (rows {shown})"
         return (f"{self.rows} rows -> {self.examples} examples ({self.truncated} truncated, {self.dropped} dropped "
-                f"without labels) | {self.tokens} tokens, {self.loss_fraction:.1%} with loss")
+                f"without labels{empty}) | {self.tokens} tokens, {self.loss_fraction:.1%} with loss")
 
 
 def prepare(rows: Sequence[dict], tokenizer, max_length: int, source: str,
@@ -265,7 +276,8 @@ def prepare(rows: Sequence[dict], tokenizer, max_length: int, source: str,
     Returns:
         ``(examples, stats)``: examples are ``{"input_ids": list[int], "labels": list[int]}``, in
         row order, without the rows that truncation left with no labelled token (counted in
-        ``stats.dropped``: they cost compute and, alone in a batch, make a mean loss 0/0).
+        ``stats.dropped``: they cost compute and, alone in a batch, make a mean loss 0/0) and
+        without rows whose answer is empty (their numbers in ``stats.empty_answers``).
 
     Raises:
         SFTDataError: the tokenizer has no chat template (once, before any row); a row is
@@ -274,7 +286,11 @@ def prepare(rows: Sequence[dict], tokenizer, max_length: int, source: str,
     _require_chat_template(tokenizer)
     stats, examples = SFTStats(rows=len(rows)), []
     for n, row in enumerate(rows, 1):
-        messages = to_messages(row, n, source)
+        try:
+            messages = to_messages(row, n, source)
+        except EmptyAnswerError:  # e.g. a few rows of tatsu-lab/alpaca: nothing to learn from them
+            stats.empty_answers.append(n)
+            continue
         try:
             ids, labels, truncated = tokenize_conversation(tokenizer, messages, max_length, chat_template_kwargs)
         except SFTDataError as exc:

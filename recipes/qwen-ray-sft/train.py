@@ -1,0 +1,396 @@
+"""Full-parameter supervised fine-tuning of Qwen2.5-3B with Ray Train (TorchTrainer, DDP, one worker per GPU).
+
+Commands (from this folder):
+
+    ./launch.sh                                                  # Qwen2.5-3B-Instruct on Alpaca (hub), all GPUs of this node
+    ./launch.sh data.train_files=[chat.jsonl] model.name_or_path=/models/Qwen2.5-3B-Instruct
+    CONFIG_FILE=tiny.yaml ./launch.sh                            # tiny Qwen2, offline tokenizer and data, CPU
+    RAY_ADDRESS=10.0.0.1:6379 ./launch.sh                        # an existing Ray cluster
+
+What this recipe supports:
+    - Ray Train ``TorchTrainer`` with ``prepare_model`` (DDP: every GPU holds the whole model, fp32
+      master weights and AdamW state, about 16 bytes per parameter: 3B parameters need ~50 GB before
+      activations, which fits an 80 GB or larger GPU) and ``prepare_data_loader``.
+    - bf16 autocast on GPU; gradient checkpointing (``train.gradient_checkpointing``); gradient
+      accumulation with DDP's ``no_sync``; AdamW (fused on GPU), warm-up + cosine decay, clipping.
+    - Data as in the FSDP2 recipe (cookbook.sft_data): chat ``messages``, Alpaca and ShareGPT rows,
+      the tokenizer's chat template, loss on assistant tokens only, packing with per-document
+      position ids; loss normalised by the assistant tokens of the whole global batch.
+    - Checkpoints every ``checkpoint.every_steps`` through ``ray.train.report`` (model, optimizer,
+      scheduler, step); re-running with the same ``output_dir`` resumes at that step (the data order
+      is replayed); ``ray.max_failures`` restarts failed workers from the newest checkpoint.
+      Final export in Hugging Face format.
+    - Metrics (cookbook.metrics): loss, tokens/s per GPU, MFU, memory; console, metrics.jsonl, MLflow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+warnings.filterwarnings("ignore", message=".*set_vital.*")
+
+import torch
+from torch.utils.data import DataLoader
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, SchedulerType, get_scheduler
+from transformers import logging as hf_logging
+
+import cookbook
+from cookbook import ray_train, sft_data
+from cookbook.config import ConfigError, cli_parser, load_config, resolve_path, save_config, to_dict
+from cookbook.metrics import MetricsLogger, ModelFlops, count_parameters
+
+hf_logging.disable_progress_bar()
+
+
+# ----------------------------------------------------------------------------- config
+@dataclass
+class ModelConfig:
+    name_or_path: str = "Qwen/Qwen2.5-3B-Instruct"  # hub id or local folder
+    pretrained: bool = True  # False: random init from config.json (benchmarks, CI)
+    tokenizer: str | None = None  # default: name_or_path
+    attn_implementation: str = "sdpa"
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)  # JSON / JSONL; empty: hub_id
+    hub_id: str = "tatsu-lab/alpaca"
+    eval_fraction: float = 0.02
+    max_length: int = 2048
+    packing: bool = True
+    num_workers: int = 1
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    scheduler: str = "cosine"
+    warmup_ratio: float = 0.03
+    max_grad_norm: float = 1.0
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 42
+    micro_batch_size: int = 2
+    grad_accum_steps: int = 4
+    epochs: int = 1
+    max_steps: int = -1
+    stop_at_step: int = -1  # > 0: checkpoint and stop at this step; re-run to continue
+    mixed_precision: str = "bf16"  # bf16 autocast on GPU, or fp32
+    gradient_checkpointing: bool = True
+    log_every: int = 10
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 500
+    keep_last: int = 2
+    export_hf: bool = True
+
+
+@dataclass
+class Config:
+    output_dir: str = "outputs/qwen2.5-3b-ray-sft"  # Ray's run folder; shared storage on several nodes
+    run_name: str = "qwen2.5-3b-ray-sft"
+    mlflow: bool = True
+    ray: ray_train.RayConfig = field(default_factory=ray_train.RayConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+MAY_CHANGE = ("output_dir", "run_name", "mlflow", "ray.*", "train.stop_at_step", "train.log_every", "data.num_workers",
+              "checkpoint.*")
+
+
+def check_config(cfg: Config, config_dir: Path) -> None:
+    """Resolve paths against the config file's folder and reject incompatible values."""
+    cfg.model.name_or_path = resolve_path(cfg.model.name_or_path, config_dir)
+    cfg.model.tokenizer = resolve_path(cfg.model.tokenizer or cfg.model.name_or_path, config_dir)
+    cfg.data.train_files = [resolve_path(f, config_dir) for f in cfg.data.train_files]
+    cfg.output_dir = str(Path(cfg.output_dir).expanduser().resolve())
+    if cfg.train.mixed_precision not in ("bf16", "fp32"):
+        raise ConfigError(f"train.mixed_precision must be 'bf16' or 'fp32', got {cfg.train.mixed_precision!r}")
+    for key, value in [("train.micro_batch_size", cfg.train.micro_batch_size), ("train.grad_accum_steps", cfg.train.grad_accum_steps),
+                       ("train.log_every", cfg.train.log_every), ("data.max_length", cfg.data.max_length)]:
+        if value < 1:
+            raise ConfigError(f"{key} must be >= 1, got {value}")
+    if not 0.0 <= cfg.data.eval_fraction < 1.0:
+        raise ConfigError(f"data.eval_fraction must be in [0, 1), got {cfg.data.eval_fraction}")
+    if cfg.train.max_steps <= 0 and cfg.train.epochs <= 0:
+        raise ConfigError("set train.max_steps > 0 or train.epochs > 0")
+    schedulers = [t.value for t in SchedulerType]
+    if cfg.optim.scheduler not in schedulers:
+        raise ConfigError(f"optim.scheduler={cfg.optim.scheduler!r} is not one of {', '.join(schedulers)}")
+
+
+# ----------------------------------------------------------------------------- data
+def load_rows(cfg: DataConfig, tokenizer, seed: int) -> tuple[list[dict], list[dict], list[str]]:
+    """Train and eval rows (packed to ``max_length`` when ``packing``), and one summary line per source.
+    A seeded ``eval_fraction`` of each source is held out."""
+    sources = [(f, sft_data.load_rows(f)) for f in cfg.train_files]
+    if not sources:
+        import datasets
+
+        sources = [(cfg.hub_id, [dict(r) for r in datasets.load_dataset(cfg.hub_id, split="train")])]
+    train, evals, notes = [], [], []
+    for source, rows in sources:
+        examples, stats = sft_data.prepare(rows, tokenizer, cfg.max_length, source, dict(cfg.chat_template_kwargs) or None)
+        if cfg.eval_fraction > 0:
+            order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
+            n_eval = max(1, int(len(examples) * cfg.eval_fraction))
+            evals += [examples[i] for i in sorted(order[:n_eval])]
+            examples = [examples[i] for i in sorted(order[n_eval:])]
+        train += examples
+        notes.append(f"{Path(source).name}: {stats.summary()}")
+    pad_id = pad_token_id(tokenizer)
+    if cfg.packing:
+        train, evals = sft_data.pack(train, cfg.max_length, pad_id), sft_data.pack(evals, cfg.max_length, pad_id)
+    return train, evals, notes
+
+
+def pad_token_id(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """Packed rows (equal length, with ``position_ids``) are stacked; other rows are right-padded."""
+    if "position_ids" in rows[0]:
+        return {k: torch.tensor([r[k] for r in rows], dtype=torch.long) for k in ("input_ids", "labels", "position_ids")}
+    return sft_data.pad_batch(rows, pad_id, pad_to_multiple_of=8)
+
+
+# ----------------------------------------------------------------------------- model
+def build_model(cfg: ModelConfig, vocab_needed: int) -> torch.nn.Module:
+    """The causal LM, pretrained or randomly initialised from its config (fp32 master weights)."""
+    if cfg.pretrained:
+        model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, dtype=torch.float32,
+                                                     attn_implementation=cfg.attn_implementation)
+    else:
+        config = AutoConfig.from_pretrained(cfg.name_or_path, attn_implementation=cfg.attn_implementation)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if vocab_needed > model.config.vocab_size:
+        raise ConfigError(f"the tokenizer has {vocab_needed} tokens but the model's vocab_size is "
+                          f"{model.config.vocab_size}: use the model's own tokenizer")
+    return model
+
+
+def token_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Summed cross entropy of next-token prediction over labelled tokens (fp32 logits)."""
+    # use_cache=False: with a cache, transformers does not derive document boundaries from position_ids.
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                   position_ids=batch.get("position_ids"), use_cache=False).logits
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(),
+                                             ignore_index=sft_data.IGNORE_INDEX, reduction="sum")
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, rows: list[dict], info: cookbook.DistInfo, micro_batch: int, pad_id: int, autocast) -> dict[str, float]:
+    """Mean loss per assistant token over the evaluation rows (each worker a disjoint slice)."""
+    model.eval()
+    loss_sum = torch.zeros((), device=info.device, dtype=torch.float64)
+    tokens = torch.zeros((), device=info.device, dtype=torch.float64)
+    mine = rows[info.rank::info.world_size]
+    for start in range(0, len(mine), micro_batch):
+        batch = {k: v.to(info.device) for k, v in collate(mine[start:start + micro_batch], pad_id).items()}
+        with autocast():
+            loss_sum += token_loss_sum(model, batch).double()
+        tokens += (batch["labels"][:, 1:] != sft_data.IGNORE_INDEX).sum()
+    totals = cookbook.all_reduce_sum({"loss": loss_sum, "tokens": tokens}, info.device)
+    model.train()
+    return {"loss": totals["loss"] / max(totals["tokens"], 1.0), "tokens": totals["tokens"]}
+
+
+# ----------------------------------------------------------------------------- worker
+def train_loop(config: dict) -> None:
+    """What every Ray Train worker runs: set-up, the step loop with periodic checkpoints, export."""
+    import ray.train.torch
+
+    cfg: Config = ray_train.config_from_dict(Config, config)
+    info = ray_train.worker_info()
+    log = cookbook.get_logger()
+    out_dir = Path(cfg.output_dir)
+    torch.manual_seed(cfg.train.seed)
+    use_bf16 = info.device.type == "cuda" and cfg.train.mixed_precision == "bf16"
+
+    def autocast():
+        return torch.autocast("cuda", dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
+
+    # ---- set-up
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
+    pad_id = pad_token_id(tokenizer)
+    train_rows, eval_rows, notes = load_rows(cfg.data, tokenizer, cfg.train.seed)
+    loader = ray.train.torch.prepare_data_loader(DataLoader(
+        train_rows, batch_size=cfg.train.micro_batch_size, shuffle=True, drop_last=True, collate_fn=partial(collate, pad_id=pad_id),
+        num_workers=cfg.data.num_workers, pin_memory=info.device.type == "cuda"))
+    steps_per_epoch = len(loader) // cfg.train.grad_accum_steps
+    if steps_per_epoch == 0:
+        raise ConfigError(f"{len(train_rows)} training rows are too few for one step of {cfg.train.micro_batch_size} x "
+                          f"{cfg.train.grad_accum_steps} x {info.world_size} rows")
+    max_steps = cfg.train.max_steps if cfg.train.max_steps > 0 else cfg.train.epochs * steps_per_epoch
+
+    inner = build_model(cfg.model, len(tokenizer))
+    if cfg.train.gradient_checkpointing:
+        inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    hf = inner.config
+    flops = ModelFlops(count_parameters(inner), hf.num_hidden_layers,
+                       hf.num_attention_heads * getattr(hf, "head_dim", hf.hidden_size // hf.num_attention_heads))
+    model = ray.train.torch.prepare_model(inner)  # DDP
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+                                  weight_decay=cfg.optim.weight_decay, fused=info.device.type == "cuda")
+    scheduler = get_scheduler(cfg.optim.scheduler, optimizer, num_warmup_steps=int(cfg.optim.warmup_ratio * max_steps),
+                              num_training_steps=max_steps)
+    step = 0
+    resumed = ray_train.load_checkpoint(info.device)
+    if resumed is not None:
+        state, meta = resumed
+        inner.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        step = meta["step"]
+    stop_at = min(max_steps, cfg.train.stop_at_step) if cfg.train.stop_at_step > 0 else max_steps
+
+    if info.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, out_dir / "config.yaml")
+    metrics = MetricsLogger(out_dir, info, flops=flops, run_name=cfg.run_name, experiment="qwen-ray-sft",
+                            params=to_dict(cfg), mlflow=cfg.mlflow, max_steps=max_steps)
+    log.info(f"world size {info.world_size} ({info.backend}, {info.device.type}) | {flops.num_params / 1e6:,.1f} M "
+             f"non-embedding params | {len(train_rows)} train / {len(eval_rows)} eval rows of "
+             f"{'packed ' if cfg.data.packing else ''}<= {cfg.data.max_length} tokens | global batch "
+             f"{cfg.train.micro_batch_size * cfg.train.grad_accum_steps * info.world_size} rows | {max_steps} steps | "
+             f"{'bf16 autocast' if use_bf16 else 'fp32'} | starting at step {step} | data: {'; '.join(notes)}")
+
+    # ---- train loop
+    def batches():
+        """Micro-batches from the current step on: the sampler's order of each epoch, replayed after a resume."""
+        epoch, skip = divmod(step, steps_per_epoch)
+        while True:
+            if info.world_size > 1:
+                loader.sampler.set_epoch(epoch)
+            it = iter(loader)
+            usable = itertools.islice(it, steps_per_epoch * cfg.train.grad_accum_steps)
+            yield from itertools.islice(usable, skip * cfg.train.grad_accum_steps, None)
+            epoch, skip = epoch + 1, 0
+
+    data_iter = batches()
+    reports = 0
+    window_loss, window_steps = torch.zeros((), device=info.device), 0
+    failed = stopped = False
+    try:
+        cookbook.barrier()
+        metrics.start(step)
+        while step < stop_at:
+            micro, waits = [], []
+            for _ in range(cfg.train.grad_accum_steps):
+                t0 = time.perf_counter()
+                micro.append(next(data_iter))
+                waits.append(time.perf_counter() - t0)
+            # Normalise by the labelled tokens of the whole global batch; DDP averages over workers.
+            local_tokens = sum((mb["labels"][:, 1:] != sft_data.IGNORE_INDEX).sum() for mb in micro)
+            global_tokens = max(cookbook.all_reduce_sum({"t": local_tokens}, info.device)["t"], 1.0)
+            step_loss = torch.zeros((), device=info.device)
+            for i, (mb, wait) in enumerate(zip(micro, waits)):
+                with contextlib.nullcontext() if i == len(micro) - 1 else model.no_sync():
+                    with autocast():
+                        loss_sum = token_loss_sum(model, mb)
+                    (loss_sum * info.world_size / global_tokens).backward()
+                step_loss += loss_sum.detach() * info.world_size / global_tokens
+                metrics.add(samples=mb["input_ids"].shape[0], tokens=(mb["input_ids"] != pad_id).sum(), data_wait_s=wait)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf"))
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            window_loss += step_loss
+            window_steps += 1
+            if step % cfg.train.log_every == 0 or step == max_steps:
+                metrics.log_step(step, window_loss / window_steps, lr, grad_norm)
+                window_loss.zero_()
+                window_steps = 0
+            if (cfg.checkpoint.every_steps > 0 and step % cfg.checkpoint.every_steps == 0) or step == stop_at:
+                ray_train.report({"step": step, "loss": float(step_loss)},
+                                 state={"model": inner.state_dict(), "optimizer": optimizer.state_dict(),
+                                        "scheduler": scheduler.state_dict()},
+                                 label=f"step_{step:08d}", meta={"step": step, "config": to_dict(cfg)})
+                reports += 1
+
+        # ---- save
+        final_eval = evaluate(model, eval_rows, info, cfg.train.micro_batch_size, pad_id, autocast) if eval_rows else {}
+        if final_eval:
+            metrics.log_eval(step, final_eval)
+        workers = ray_train.worker_summary(inner, reports)
+        export_dir = None
+        if step < max_steps:
+            stopped = True
+            log.info(f"stopped at step {step} of {max_steps} (train.stop_at_step); run again without it to continue")
+        elif cfg.checkpoint.export_hf and info.is_main:
+            export_dir = out_dir / "final"
+            inner.save_pretrained(export_dir, safe_serialization=True)
+            tokenizer.save_pretrained(export_dir)
+        metrics.log_summary({"step": step, **workers,
+                             **{f"eval/{k}": v for k, v in final_eval.items()},
+                             "export_dir": str(export_dir) if export_dir else None,
+                             "mlflow_uri": metrics.mlflow_uri, "mlflow_run_id": metrics.mlflow_run_id})
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        # ---- clean-up (Ray Train destroys the process group)
+        metrics.close(failed=failed, stopped=stopped)
+
+
+# ----------------------------------------------------------------------------- driver
+def main(argv: list[str]) -> None:
+    args = cli_parser(__doc__).parse_args(argv)
+    cfg = load_config(Config, args.config, args.overrides)
+    check_config(cfg, Path(args.config).resolve().parent)
+    nnodes, done, planned = ray_train.prepare_driver(cfg, MAY_CHANGE, ("train.stop_at_step", cfg.train.stop_at_step))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
+        vocab_size = AutoConfig.from_pretrained(cfg.model.name_or_path).vocab_size
+    except OSError as exc:
+        raise ConfigError(f"model.name_or_path / model.tokenizer: cannot load {cfg.model.name_or_path!r}: "
+                          f"{str(exc).splitlines()[0]}") from None
+    sft_data.check_vocab(tokenizer, vocab_size)
+    if cfg.data.train_files:
+        train, evals, notes = load_rows(cfg.data, tokenizer, cfg.train.seed)
+        per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * (planned[0] if planned else 1)
+        if len(train) < per_step:
+            raise ConfigError(f"{len(train)} training rows are too few for one step of {per_step} rows")
+        data_note = f"{len(train)} train / {len(evals)} eval rows; {'; '.join(notes)}"
+    else:
+        data_note = f"data from {cfg.data.hub_id}"
+    if args.check:
+        print(f"config OK: {args.config} ({data_note})")
+        return
+    if done is not None and (Path(cfg.output_dir) / "final").is_dir():
+        print(f"already complete: {cfg.output_dir}/final exists; use a new output_dir to train again", file=sys.stderr)
+        return
+
+    ray_train.run(__file__, cfg, nnodes, planned)
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except (ConfigError, sft_data.SFTDataError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)

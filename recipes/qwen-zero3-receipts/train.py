@@ -1,0 +1,784 @@
+"""Receipt OCR -> JSON extraction: supervised fine-tuning with TRL's SFTTrainer and DeepSpeed ZeRO.
+
+Commands (from this folder; NGPU defaults to all visible GPUs, else 2 CPU processes):
+
+    ./launch.sh                                            # Qwen3-8B, ZeRO-3, SROIE receipts, all GPUs of this node
+    ./launch.sh lora.enabled=true                          # LoRA adapters under ZeRO-3
+    ./launch.sh deepspeed.config=zero2.json                # ZeRO-2 (or zero1.json)
+    CONFIG_FILE=llama3.2-1b.yaml ./launch.sh               # Llama-3.2-1B-Instruct, the small DeepSpeed example
+    CONFIG_FILE=tiny.yaml ./launch.sh                      # tiny Qwen3, offline, CPU-friendly
+    NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 ./launch.sh  # on each node (NODE_RANK=1 on the second)
+
+What this recipe supports:
+    - TRL ``SFTTrainer`` with a DeepSpeed JSON beside this file (``zero3.json`` by default; ``zero2.json``,
+      ``zero1.json``): bf16 with fp32 master weights in the optimizer, ``overlap_comm``, gradient clipping,
+      16-bit weights gathered on save. The trainer fills the JSON's ``"auto"`` values from this config;
+      a number that disagrees is refused before any worker starts.
+    - Full fine-tuning or LoRA (PEFT) on every linear layer of the decoder, under any ZeRO stage.
+    - Data: SROIE-style receipts ``{id, entities, ocr_boxes}`` (JSONL / JSON). Prompt = the OCR lines in
+      reading order + an instruction; completion = the entities as one JSON object. Loss on the completion
+      only (cookbook.sft_data: assistant tokens and end-of-turn token). A seeded validation split is carved
+      from train. Optional packing into rows of ``data.max_length`` tokens (documents kept apart by
+      position ids, as in the FSDP2 recipe).
+    - Evaluation by generation on the validation split (greedy): JSON-valid rate and exact match per field,
+      plus the validation loss; to ``metrics.jsonl`` and MLflow.
+    - Checkpoints every ``checkpoint.every_steps`` (DeepSpeed's sharded model + optimizer, scheduler, RNG, data
+      position), published atomically under ``output_dir/checkpoints``; ``checkpoint.resume: auto`` continues
+      from the newest. At the end: the consolidated 16-bit model and tokenizer in Hugging Face format
+      (``output_dir/final``; for LoRA the merged model, and the adapter in ``output_dir/adapter``).
+    - Metrics (cookbook.metrics, through a ``TrainerCallback``): loss, tokens/s per GPU, MFU, peak memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+warnings.filterwarnings("ignore", message=".*set_vital.*")
+warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.* is deprecated")  # DeepSpeed's collectives
+warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.* is deprecated")
+
+import torch
+from transformers import AutoConfig, AutoTokenizer, SchedulerType
+from transformers import logging as hf_logging
+
+from cookbook import sft_data
+from cookbook.checkpoint import CheckpointError, config_changes, publish
+from cookbook.config import ConfigError, cli_parser, load_config, resolve_path, save_config, to_dict
+
+hf_logging.disable_progress_bar()
+FIELDS = ("company", "date", "address", "total")
+INSTRUCTION = ("Extract the company, date, address and total of the receipt above. Answer with one JSON object "
+               "with exactly these keys; use null for a field that is not on the receipt.")
+
+
+# ----------------------------------------------------------------------------- config
+@dataclass
+class ModelConfig:
+    name_or_path: str = "Qwen/Qwen3-8B"  # hub id or local folder (config.json, *.safetensors)
+    pretrained: bool = True  # False: random init from config.json (benchmarks, CI)
+    tokenizer: str | None = None  # default: name_or_path
+    attn_implementation: str = "sdpa"  # sdpa, eager, flash_attention_2
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = False
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.05
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                                "up_proj", "down_proj"])
+
+
+@dataclass
+class DeepSpeedSection:
+    config: str = "zero3.json"  # DeepSpeed JSON; relative paths are looked up beside the YAML config
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)  # SROIE JSONL / JSON; empty: hub_id
+    hub_id: str = ""  # a Hugging Face data set whose rows have the same fields (id, entities, ocr_boxes)
+    eval_fraction: float = 0.05  # validation split carved from train (seeded)
+    max_length: int = 1024  # tokens per example; a longer receipt is refused (its JSON would be cut)
+    packing: bool = False  # True: pack examples into rows of exactly max_length tokens
+    fields: list[str] = field(default_factory=lambda: list(FIELDS))
+    num_workers: int = 1
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # {enable_thinking: false} for Qwen3
+
+
+@dataclass
+class OptimConfig:
+    optimizer: str = "adamw_torch_fused"  # a transformers `optim` name; "adamw_torch" on CPU
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    scheduler: str = "cosine"
+    warmup_ratio: float = 0.03
+    max_grad_norm: float = 1.0
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 42
+    micro_batch_size: int = 2  # rows per GPU per micro-step
+    grad_accum_steps: int = 1
+    epochs: int = 1
+    max_steps: int = -1
+    stop_at_step: int = -1  # stop (with a checkpoint) after this step; run again to continue
+    bf16: bool = True  # bf16 compute with fp32 master weights (GPU only; CPU runs in fp32)
+    gradient_checkpointing: bool = True
+    log_every: int = 10
+    eval_every: int = 0  # validation loss + generation every N steps; 0: at the end only
+
+
+@dataclass
+class EvalConfig:
+    max_new_tokens: int = 192
+    batch_size: int = 8  # prompts per GPU per generate call
+    max_samples: int = 0  # 0: the whole validation split
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 200
+    keep_last: int = 2
+    resume: str = "auto"  # auto, none, or a checkpoint folder
+    export_hf: bool = True
+
+
+@dataclass
+class Config:
+    output_dir: str = "outputs/qwen3-8b-receipts"
+    run_name: str = "qwen3-8b-receipts-zero3"
+    mlflow: bool = True
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+# Settings that may differ between a checkpoint and the run that resumes it; any other change is refused.
+MAY_CHANGE = ("output_dir", "run_name", "mlflow", "train.stop_at_step", "train.log_every", "train.eval_every",
+              "data.num_workers", "eval.*", "checkpoint.*")
+# DeepSpeed keys the trainer fills from this config when they are "auto"; a number must agree.
+DS_BATCH_KEYS = {"train_micro_batch_size_per_gpu": "train.micro_batch_size",
+                 "gradient_accumulation_steps": "train.grad_accum_steps",
+                 "train_batch_size": "train.micro_batch_size x train.grad_accum_steps x world size",
+                 "gradient_clipping": "optim.max_grad_norm"}
+
+
+def check_config(cfg: Config, config_dir: Path) -> None:
+    """Resolve paths against the config file's folder and reject incompatible values (before any worker)."""
+    cfg.model.name_or_path = resolve_path(cfg.model.name_or_path, config_dir)
+    cfg.model.tokenizer = resolve_path(cfg.model.tokenizer or cfg.model.name_or_path, config_dir)
+    cfg.data.train_files = [resolve_path(f, config_dir) for f in cfg.data.train_files]
+    cfg.deepspeed.config = resolve_path(cfg.deepspeed.config, config_dir)
+    for key, value in [("train.micro_batch_size", cfg.train.micro_batch_size), ("train.grad_accum_steps", cfg.train.grad_accum_steps),
+                       ("train.log_every", cfg.train.log_every), ("data.max_length", cfg.data.max_length),
+                       ("eval.max_new_tokens", cfg.eval.max_new_tokens), ("eval.batch_size", cfg.eval.batch_size),
+                       ("lora.r", cfg.lora.r)]:
+        if value < 1:
+            raise ConfigError(f"{key} must be >= 1, got {value}")
+    if not 0.0 <= cfg.data.eval_fraction < 1.0:
+        raise ConfigError(f"data.eval_fraction must be in [0, 1), got {cfg.data.eval_fraction} (0: no evaluation)")
+    if not cfg.data.fields or len(set(cfg.data.fields)) != len(cfg.data.fields):
+        raise ConfigError(f"data.fields must be a non-empty list of distinct names, got {cfg.data.fields}")
+    if not cfg.data.train_files and not cfg.data.hub_id:
+        raise ConfigError("set data.train_files (SROIE JSONL files) or data.hub_id")
+    if cfg.train.max_steps <= 0 and cfg.train.epochs <= 0:
+        raise ConfigError("set train.max_steps > 0 or train.epochs > 0")
+    schedulers = [t.value for t in SchedulerType]
+    if cfg.optim.scheduler not in schedulers:
+        raise ConfigError(f"optim.scheduler={cfg.optim.scheduler!r} is not one of {', '.join(schedulers)}")
+    if cfg.checkpoint.keep_last < 0 or cfg.checkpoint.every_steps < 0:
+        raise ConfigError("checkpoint.keep_last and checkpoint.every_steps must be >= 0")
+
+
+def check_deepspeed_config(cfg: Config, world_size: int) -> dict:
+    """Read the DeepSpeed JSON and check it against this config.
+
+    Returns:
+        The JSON as a dict.
+
+    Raises:
+        ConfigError: the file is missing or not JSON; no ZeRO stage 1-3; fp16 is on (this recipe trains in bf16);
+            a batch-size or clipping value is a number that disagrees with the trainer's (names the key and
+            the config value it must equal, or "auto"); ZeRO-3 without 16-bit gathering on save while
+            ``checkpoint.export_hf`` is on.
+    """
+    path = Path(cfg.deepspeed.config)
+    if not path.is_file():
+        raise ConfigError(f"deepspeed.config: file not found: {path}")
+    try:
+        ds = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"deepspeed.config {path}: not valid JSON: {exc}") from None
+    stage = ds.get("zero_optimization", {}).get("stage")
+    if stage not in (1, 2, 3):
+        raise ConfigError(f"{path}: zero_optimization.stage must be 1, 2 or 3, got {stage!r}")
+    if ds.get("fp16", {}).get("enabled") not in (None, False, "auto"):
+        raise ConfigError(f"{path}: fp16.enabled is set; this recipe trains in bf16 (train.bf16): remove the fp16 section")
+    expected = {"train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
+                "gradient_accumulation_steps": cfg.train.grad_accum_steps,
+                "train_batch_size": cfg.train.micro_batch_size * cfg.train.grad_accum_steps * world_size,
+                "gradient_clipping": cfg.optim.max_grad_norm}
+    for key, want in expected.items():
+        got = ds.get(key, "auto")
+        if got != "auto" and float(got) != float(want):
+            raise ConfigError(f"{path}: {key}={got} disagrees with {DS_BATCH_KEYS[key]} = {want}: set it to \"auto\" "
+                              f"(the trainer fills it in) or to {want}")
+    if stage == 3 and cfg.checkpoint.export_hf and not ds["zero_optimization"].get("stage3_gather_16bit_weights_on_model_save"):
+        raise ConfigError(f"{path}: ZeRO-3 needs zero_optimization.stage3_gather_16bit_weights_on_model_save=true to "
+                          f"write the final model (checkpoint.export_hf=true)")
+    return ds
+
+
+# ----------------------------------------------------------------------------- data
+def ocr_text(boxes: list, where: str) -> str:
+    """The OCR boxes of one receipt as text lines in reading order.
+
+    Args:
+        boxes: SROIE ``ocr_boxes``: ``[x1, y1, x2, y2, x3, y3, x4, y4, text]`` per box (pixels, corners clockwise
+            from top-left).
+        where: ``"<file> row <n>"``, for messages.
+
+    Boxes are sorted by their vertical centre; a box whose centre lies within half a median box height of the
+    current line's joins it; each line is ordered left to right and joined with spaces.
+
+    Raises:
+        sft_data.SFTDataError: the list is empty, or a box is not 8 numbers and a string.
+    """
+    if not isinstance(boxes, list) or not boxes:
+        raise sft_data.SFTDataError(f"{where}: field 'ocr_boxes' is empty or not a list: no OCR text to read")
+    items = []
+    for i, box in enumerate(boxes):
+        if (not isinstance(box, list) or len(box) != 9 or not isinstance(box[8], str)
+                or not all(isinstance(v, (int, float)) for v in box[:8])):
+            raise sft_data.SFTDataError(f"{where}: ocr_boxes[{i}] must be [x1, y1, ..., x4, y4, text] (8 numbers and a "
+                                        f"string), got {str(box)[:80]}")
+        ys, xs = box[1:8:2], box[0:8:2]
+        items.append(((min(ys) + max(ys)) / 2, max(ys) - min(ys), min(xs), box[8].strip()))
+    half = max(1.0, sorted(h for _, h, _, _ in items)[len(items) // 2] / 2)
+    lines: list[list[tuple]] = []
+    for item in sorted(items):
+        if lines and abs(item[0] - lines[-1][0][0]) <= half:
+            lines[-1].append(item)
+        else:
+            lines.append([item])
+    return "\n".join(" ".join(t for _, _, _, t in sorted(line, key=lambda it: it[2]) if t) for line in lines)
+
+
+def receipt_messages(row: dict, where: str, fields: list[str]) -> list[dict]:
+    """One SROIE row as a user turn (OCR lines, then the instruction) and an assistant turn (the JSON).
+
+    The JSON has the keys of `fields` in that order; a field missing from ``entities`` is ``null``.
+
+    Raises:
+        sft_data.SFTDataError: no ``entities`` (or none of `fields`), a non-string entity, or bad ``ocr_boxes``.
+    """
+    entities = row.get("entities")
+    if not isinstance(entities, dict) or not any(isinstance(entities.get(f), str) and entities[f].strip() for f in fields):
+        raise sft_data.SFTDataError(f"{where}: field 'entities' has none of {', '.join(fields)}: nothing to learn from "
+                                    f"this receipt (got {str(entities)[:80]})")
+    target = {}
+    for f in fields:
+        value = entities.get(f)
+        if value is not None and not isinstance(value, str):
+            raise sft_data.SFTDataError(f"{where}: entities.{f} must be a string, got {type(value).__name__}")
+        target[f] = value.strip() if value and value.strip() else None
+    prompt = f"{ocr_text(row.get('ocr_boxes'), where)}\n\n{instruction(fields)}"
+    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": json.dumps(target, ensure_ascii=False)}]
+
+
+def instruction(fields: list[str]) -> str:
+    """The instruction after the OCR text (the default wording for SROIE's four fields)."""
+    if list(fields) == list(FIELDS):
+        return INSTRUCTION
+    return (f"Extract {', '.join(fields)} of the receipt above. Answer with one JSON object with exactly these keys; "
+            f"use null for a field that is not on the receipt.")
+
+
+@dataclass
+class Receipts:
+    """Tokenized receipts: ``train`` / ``val`` examples (``input_ids``, ``labels``) in row order, the positions
+    of those rows in the input (``train_index``, ``val_index``: 0-based over all files in order), and for the
+    validation rows the generation prompts (token ids ending in the assistant header) and expected fields."""
+
+    train: list[dict]
+    val: list[dict]
+    train_index: list[int]
+    val_index: list[int]
+    val_prompts: list[list[int]]
+    val_targets: list[dict]
+    stats: sft_data.SFTStats
+
+
+def load_receipts(cfg: DataConfig, tokenizer, seed: int) -> Receipts:
+    """Read, validate, tokenize and split the receipts.
+
+    Every row must fit in ``max_length`` tokens: a longer one would lose the end of its JSON, so it is
+    refused with its file, row, id and token count rather than truncated.
+
+    Raises:
+        sft_data.SFTDataError: a bad file or row (see `receipt_messages`), a row longer than ``max_length``,
+            or a tokenizer without a chat template.
+    """
+    kwargs = dict(cfg.chat_template_kwargs) or None
+    if cfg.train_files:
+        sources = [(f, sft_data.load_rows(f)) for f in cfg.train_files]
+    else:
+        import datasets
+
+        sources = [(cfg.hub_id, [dict(r) for r in datasets.load_dataset(cfg.hub_id, split="train")])]
+    messages, wheres, examples, stats = [], [], [], sft_data.SFTStats()
+    for source, file_rows in sources:
+        file_messages = []
+        for n, row in enumerate(file_rows, 1):
+            wheres.append(f"{source} row {n}" + (f" (id {row['id']})" if "id" in row else ""))
+            file_messages.append(receipt_messages(row, wheres[-1], cfg.fields))
+        # no truncation here (and so no dropped rows): a row longer than max_length is refused below
+        file_examples, st = sft_data.prepare([{"messages": m} for m in file_messages], tokenizer, 10**9, source, kwargs)
+        assert len(file_examples) == len(file_messages)  # every receipt has a non-empty JSON answer: none skipped
+        messages += file_messages
+        examples += file_examples
+        for key in ("rows", "examples", "tokens", "loss_tokens"):
+            setattr(stats, key, getattr(stats, key) + getattr(st, key))
+    for where, ex in zip(wheres, examples):
+        if len(ex["input_ids"]) > cfg.max_length:
+            raise sft_data.SFTDataError(f"{where}: prompt + JSON completion is {len(ex['input_ids'])} tokens, more than "
+                                        f"data.max_length={cfg.max_length}, so the JSON would be cut: raise "
+                                        f"data.max_length or remove the row")
+    n_val = max(1, int(len(examples) * cfg.eval_fraction)) if cfg.eval_fraction > 0 else 0
+    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
+    val_idx, train_idx = sorted(order[:n_val]), sorted(order[n_val:])
+    # generation prompts: the user turn and the assistant header (add_generation_prompt)
+    val_prompts = [list(tokenizer.apply_chat_template(messages[i][:1], tokenize=True, add_generation_prompt=True,
+                                                      return_dict=False, **(kwargs or {}))) for i in val_idx]
+    val_targets = [json.loads(messages[i][1]["content"]) for i in val_idx]
+    return Receipts([examples[i] for i in train_idx], [examples[i] for i in val_idx], train_idx, val_idx, val_prompts,
+                    val_targets, stats)
+
+
+def collate_packed(rows: list[dict]) -> dict[str, torch.Tensor]:
+    """Stack packed rows (``input_ids``, ``labels``, ``position_ids``, all ``max_length`` long). No attention
+    mask: transformers then builds a block-diagonal causal mask from the position ids (see `sft_data.pack`)."""
+    return {k: torch.tensor([r[k] for r in rows], dtype=torch.long) for k in ("input_ids", "labels", "position_ids")}
+
+
+# ----------------------------------------------------------------------------- generation eval
+def parse_fields(text: str) -> dict | None:
+    """The JSON object in a generated answer, or ``None`` if the text is not one JSON object."""
+    try:
+        value = json.loads(text.strip())
+    except json.JSONDecodeError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _norm(value: Any) -> str | None:
+    return None if value is None else " ".join(str(value).split())
+
+
+def score(predictions: list[dict | None], targets: list[dict], fields: list[str]) -> dict[str, float]:
+    """Counts for the generation metrics: ``samples``, ``json_valid``, ``em_<field>`` per field and ``em_all``
+    (all fields right). A field matches when both values are equal after collapsing whitespace (``null`` matches
+    ``null``); an invalid answer matches nothing."""
+    out = {"samples": float(len(targets)), "json_valid": 0.0, **{f"em_{f}": 0.0 for f in fields}, "em_all": 0.0}
+    for pred, target in zip(predictions, targets):
+        if pred is None:
+            continue
+        out["json_valid"] += 1
+        hits = [_norm(pred.get(f)) == _norm(target.get(f)) for f in fields]
+        for f, hit in zip(fields, hits):
+            out[f"em_{f}"] += hit
+        out["em_all"] += all(hits)
+    return out
+
+
+@torch.no_grad()
+def generation_eval(model, tokenizer, prompts: list[list[int]], targets: list[dict], fields: list[str],
+                    ecfg: EvalConfig, info) -> dict[str, float]:
+    """Greedy generation on this rank's share of the validation prompts; rates over all ranks.
+
+    Collective: every rank runs the same number of ``generate`` calls (ZeRO-3 gathers parameters in every
+    forward, so ``synced_gpus`` keeps ranks that finished early stepping), padding its share with copies that
+    are not scored.
+
+    Returns:
+        ``json_valid`` (fraction of answers that are one JSON object), ``em_<field>`` and ``em_all``
+        (fraction exactly right), ``samples`` (number scored).
+    """
+    import cookbook
+
+    if ecfg.max_samples > 0:
+        prompts, targets = prompts[: ecfg.max_samples], targets[: ecfg.max_samples]
+    mine = list(range(info.rank, len(prompts), info.world_size))
+    per_rank = -(-len(prompts) // info.world_size)
+    padded = mine + [0] * (per_rank - len(mine))
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    was_training = model.training
+    model.eval()
+    predictions = []
+    for start in range(0, len(padded), ecfg.batch_size):
+        batch = [prompts[i] for i in padded[start:start + ecfg.batch_size]]
+        width = max(len(p) for p in batch)  # left padding, so every answer starts at column `width`
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch], device=info.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=info.device)
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=ecfg.max_new_tokens, do_sample=False,
+                             synced_gpus=info.world_size > 1, pad_token_id=pad_id, eos_token_id=tokenizer.eos_token_id,
+                             use_cache=True)
+        predictions += [parse_fields(tokenizer.decode(o[width:], skip_special_tokens=True)) for o in out]
+    if was_training:
+        model.train()
+    counts = score(predictions[: len(mine)], [targets[i] for i in mine], fields)
+    totals = cookbook.all_reduce_sum(counts, info.device)
+    n = max(totals.pop("samples"), 1.0)
+    return {**{k: v / n for k, v in totals.items()}, "samples": n}
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Published checkpoints ``checkpoint-<step>`` (with ``meta.json``) under `root`, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [(int(p.name.split("-")[1]), p) for p in root.glob("checkpoint-*")
+             if p.name.split("-")[1].isdigit() and (p / "meta.json").is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def check_resume(cfg: Config, world_size: int) -> Path | None:
+    """The checkpoint to resume from (``checkpoint.resume``: auto, none or a folder), checked against this run.
+
+    Raises:
+        CheckpointError: not a published checkpoint; "none" over an earlier run's checkpoints; written by another
+            number of ranks (ZeRO partitions cannot be remapped) or with other settings; ``train.stop_at_step`` not
+            after it.
+    """
+    root = Path(cfg.output_dir) / "checkpoints"
+    resume = cfg.checkpoint.resume
+    if resume in ("", "none", "null"):
+        if complete_checkpoints(root):
+            raise CheckpointError(f"checkpoint.resume={resume!r} but {root} holds checkpoints of an earlier run, which a "
+                                  f"later resume=auto would pick up: use a new output_dir, or delete {root}")
+        return None
+    if resume == "auto":
+        found = complete_checkpoints(root)
+        if not found:
+            return None
+        path = found[-1]
+    else:
+        path = Path(resume)
+        if not (path / "meta.json").is_file():
+            raise CheckpointError(f"checkpoint.resume={resume!r} is not a published checkpoint folder (no meta.json "
+                                  f"inside); use 'auto' or 'none'")
+    meta = json.loads((path / "meta.json").read_text())
+    if meta["world_size"] != world_size:
+        raise CheckpointError(f"{path} was written by {meta['world_size']} ranks but this job has {world_size}: DeepSpeed's "
+                              f"ZeRO partitions of the optimizer state cannot be remapped. Resume with NGPU x NNODES = "
+                              f"{meta['world_size']}, or start fresh with checkpoint.resume=none or a new output_dir")
+    diff = config_changes(meta["config"], to_dict(cfg), MAY_CHANGE)
+    if diff:
+        raise CheckpointError(f"{path} was written with other settings ({diff}); resuming would mix two runs. Use the "
+                              f"same settings, a new output_dir, or checkpoint.resume=none")
+    if 0 < cfg.train.stop_at_step <= meta["step"]:
+        raise CheckpointError(f"train.stop_at_step={cfg.train.stop_at_step} is not after the checkpoint {path} (step "
+                              f"{meta['step']}): raise it, or remove it to train to the end")
+    return path
+
+
+def make_callbacks(cfg: Config, info, metrics_logger, staging: Path, root: Path, gen_eval, results: dict):
+    """The TrainerCallbacks of this recipe (built here so that transformers is imported lazily).
+
+    - ``PublishCheckpoints``: the Trainer writes ``checkpoint-<step>`` into `staging`; once every rank is done,
+      rank 0 adds ``meta.json`` and renames it into `root` (atomic), then keeps the newest ``keep_last``.
+    - ``StopAtStep``: ends training, with a checkpoint, after ``train.stop_at_step``.
+    - ``CookbookMetrics``: forwards each log to `metrics_logger` (``MetricsLogger.log_step``) and each evaluation
+      to ``log_eval``, and runs the generation eval (`gen_eval`) with every evaluation; the last evaluation's
+      values are kept in `results`.
+    """
+    import cookbook
+    from transformers import TrainerCallback
+
+    class PublishCheckpoints(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            cookbook.barrier()  # every rank has written its ZeRO partitions and RNG state
+            if info.is_main:
+                root.mkdir(parents=True, exist_ok=True)
+                src = staging / f"checkpoint-{state.global_step}"
+                meta = {"step": state.global_step, "world_size": info.world_size, "time": time.time(),
+                        "config": to_dict(cfg)}
+                (src / "meta.json").write_text(json.dumps(meta, indent=2))
+                publish(src, root / src.name)
+                for old in complete_checkpoints(root)[: -cfg.checkpoint.keep_last] if cfg.checkpoint.keep_last else []:
+                    shutil.rmtree(old, ignore_errors=True)
+                cookbook.get_logger().info(f"checkpoint published: {root / src.name}")
+            cookbook.barrier()
+
+    class StopAtStep(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if 0 < cfg.train.stop_at_step <= state.global_step < state.max_steps:
+                control.should_save = True
+                control.should_training_stop = True
+
+    class CookbookMetrics(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            cookbook.barrier()
+            metrics_logger.start(state.global_step)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                metrics_logger.log_step(state.global_step, logs["loss"], logs.get("learning_rate", 0.0), logs.get("grad_norm"))
+
+        def on_evaluate(self, args, state, control, metrics=None, model=None, **kwargs):
+            values = {k.removeprefix("eval_"): v for k, v in (metrics or {}).items()
+                      if k in ("eval_loss", "eval_mean_token_accuracy")}
+            values.update(gen_eval(model))
+            metrics_logger.log_eval(state.global_step, values)
+            results.clear()
+            results.update(values)
+
+    return [PublishCheckpoints(), StopAtStep(), CookbookMetrics()]
+
+
+# ----------------------------------------------------------------------------- recipe
+def main(argv: list[str]) -> None:
+    args = cli_parser(__doc__).parse_args(argv)
+    cfg = load_config(Config, args.config, args.overrides)
+    check_config(cfg, Path(args.config).resolve().parent)
+    on_cpu = not torch.cuda.is_available() or os.environ.get("COOKBOOK_DEVICE") == "cpu"
+    if args.check:  # one process, before any worker starts
+        world_size = int(os.environ.get("COOKBOOK_WORLD_SIZE", "1"))  # launch.sh: NGPU x NNODES
+        check_deepspeed_config(cfg, world_size)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
+            vocab_size = AutoConfig.from_pretrained(cfg.model.name_or_path).vocab_size
+        except OSError as exc:
+            raise ConfigError(f"model.name_or_path / model.tokenizer: cannot load {cfg.model.name_or_path!r}: "
+                              f"{str(exc).splitlines()[0]}") from None
+        sft_data.check_vocab(tokenizer, vocab_size)
+        check_resume(cfg, world_size)
+        data = load_receipts(cfg.data, tokenizer, cfg.train.seed)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        n_rows = len(sft_data.pack(data.train, cfg.data.max_length, pad_id)) if cfg.data.packing else len(data.train)
+        per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * world_size
+        if n_rows < per_step:
+            raise ConfigError(f"{n_rows} training rows (after holding out {len(data.val)} receipts for validation) are "
+                              f"too few for one step of {cfg.train.micro_batch_size} x {cfg.train.grad_accum_steps} x "
+                              f"{world_size} rows")
+        print(f"config OK: {args.config} ({len(data.train)} train / {len(data.val)} validation receipts; "
+              f"{data.stats.summary()})")
+        return
+    train(cfg, on_cpu)
+
+
+def train(cfg: Config, on_cpu: bool) -> None:
+    """Set up model, data and SFTTrainer under DeepSpeed; train; evaluate; export. Run on every rank."""
+    import datasets
+    from transformers import AutoModelForCausalLM, PrinterCallback
+
+    import cookbook
+    from cookbook.metrics import MetricsLogger, ModelFlops, count_parameters
+
+    if on_cpu:
+        # DeepSpeed builds a shared-memory all-reduce op for CPU runs with a C++ JIT compile (~40 s); gloo's
+        # collectives do the same job for a CPU test, so skip it.
+        import importlib
+
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    from trl import SFTConfig, SFTTrainer
+
+    import deepspeed
+
+    info = cookbook.init_distributed()
+    deepspeed.init_distributed(dist_backend=info.backend)  # DeepSpeed's comm layer over the existing group
+    log = cookbook.get_logger()
+    out_dir = Path(cfg.output_dir)
+    root, staging = out_dir / "checkpoints", out_dir / ".staging"
+    ds_config = check_deepspeed_config(cfg, info.world_size)
+    stage = ds_config["zero_optimization"]["stage"]
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    data = load_receipts(cfg.data, tokenizer, cfg.train.seed)
+    if cfg.data.packing:
+        train_rows, val_rows = (sft_data.pack(data.train, cfg.data.max_length, pad_id),
+                                sft_data.pack(data.val, cfg.data.max_length, pad_id))
+    else:
+        train_rows, val_rows = data.train, data.val
+    per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * info.world_size
+    steps_per_epoch = len(train_rows) // per_step
+    if steps_per_epoch == 0:
+        raise ConfigError(f"{len(train_rows)} training rows are too few for one step of {per_step} rows")
+    max_steps = cfg.train.max_steps if cfg.train.max_steps > 0 else cfg.train.epochs * steps_per_epoch
+    resume_from = check_resume(cfg, info.world_size)
+    if resume_from is None and info.is_main:
+        shutil.rmtree(staging, ignore_errors=True)  # unpublished leftovers of an earlier run
+    if (out_dir / "final").is_dir() and resume_from is not None and json.loads(
+            (resume_from / "meta.json").read_text())["step"] >= max_steps:
+        log.info(f"already complete: {max_steps} steps; model in {out_dir / 'final'}. Use a new output_dir (or "
+                 f"checkpoint.resume=none) to train again.")
+        cookbook.destroy_distributed()
+        return
+
+    hf_config = AutoConfig.from_pretrained(cfg.model.name_or_path, attn_implementation=cfg.model.attn_implementation)
+    with torch.device("meta"):  # parameter count for MFU, before ZeRO-3 partitions the real model
+        flops = ModelFlops(count_parameters(AutoModelForCausalLM.from_config(hf_config)), hf_config.num_hidden_layers,
+                           hf_config.num_attention_heads * (getattr(hf_config, "head_dim", None)
+                                                            or hf_config.hidden_size // hf_config.num_attention_heads))
+    bf16 = cfg.train.bf16 and not on_cpu
+    # The SFTConfig (TrainingArguments) comes first: with a ZeRO-3 JSON it makes from_pretrained / from_config
+    # partition the weights across ranks while loading (deepspeed.zero.Init) instead of materialising them.
+    args = SFTConfig(
+        output_dir=str(staging), deepspeed=cfg.deepspeed.config, use_cpu=on_cpu, bf16=bf16, seed=cfg.train.seed,
+        per_device_train_batch_size=cfg.train.micro_batch_size, per_device_eval_batch_size=cfg.train.micro_batch_size,
+        gradient_accumulation_steps=cfg.train.grad_accum_steps, max_steps=max_steps,
+        optim=cfg.optim.optimizer, learning_rate=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
+        adam_beta1=cfg.optim.betas[0], adam_beta2=cfg.optim.betas[1], adam_epsilon=cfg.optim.eps,
+        lr_scheduler_type=cfg.optim.scheduler, warmup_steps=int(cfg.optim.warmup_ratio * max_steps),
+        max_grad_norm=cfg.optim.max_grad_norm, gradient_checkpointing=cfg.train.gradient_checkpointing,
+        logging_steps=cfg.train.log_every, report_to="none", disable_tqdm=True, log_level="warning",
+        save_strategy="steps" if cfg.checkpoint.every_steps > 0 else "no",
+        save_steps=cfg.checkpoint.every_steps or max_steps, save_total_limit=None,
+        eval_strategy="steps" if cfg.train.eval_every > 0 and val_rows else "no", eval_steps=cfg.train.eval_every or None,
+        dataloader_num_workers=cfg.data.num_workers, remove_unused_columns=False,
+        max_length=cfg.data.max_length, packing=False, dataset_kwargs={"skip_prepare_dataset": True},
+        average_tokens_across_devices=True,
+    )
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    if cfg.model.pretrained:
+        model = AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path, config=hf_config, dtype=dtype)
+    else:
+        torch.manual_seed(cfg.train.seed)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    peft_config = None
+    if cfg.lora.enabled:
+        from peft import LoraConfig as PeftLoraConfig
+
+        peft_config = PeftLoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+                                     target_modules=list(cfg.lora.target_modules), task_type="CAUSAL_LM")
+
+    if info.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, out_dir / "config.yaml")
+    metrics = MetricsLogger(out_dir, info, flops=flops, run_name=cfg.run_name, experiment="zero3-receipts",
+                            params=to_dict(cfg), mlflow=cfg.mlflow, max_steps=max_steps)
+
+    def gen_eval(model_for_eval) -> dict[str, float]:
+        if not data.val_prompts:
+            return {}
+        return generation_eval(model_for_eval, tokenizer, data.val_prompts, data.val_targets, cfg.data.fields, cfg.eval, info)
+
+    final_eval: dict[str, float] = {}
+
+    class ReceiptTrainer(SFTTrainer):
+        """SFTTrainer that counts each micro-batch's rows, real tokens and data-loading time for the metrics."""
+
+        def get_batch_samples(self, epoch_iterator, num_batches, device):
+            t0 = time.perf_counter()
+            batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+            wait = (time.perf_counter() - t0) / max(len(batches), 1)
+            for b in batches:
+                real = b["attention_mask"].sum() if "attention_mask" in b else (b["input_ids"] != pad_id).sum()
+                metrics.add(samples=b["input_ids"].shape[0], tokens=real, data_wait_s=wait)
+            return batches, num_items
+
+    trainer = ReceiptTrainer(
+        model=model, args=args, processing_class=tokenizer, peft_config=peft_config,
+        train_dataset=datasets.Dataset.from_list(train_rows),
+        eval_dataset=datasets.Dataset.from_list(val_rows) if val_rows else None,
+        data_collator=collate_packed if cfg.data.packing else None,
+        callbacks=make_callbacks(cfg, info, metrics, staging, root, gen_eval, final_eval),
+    )
+    trainer.remove_callback(PrinterCallback)  # cookbook's MetricsLogger prints the log lines
+    n_trainable = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters() if p.requires_grad)
+    log.info(f"world size {info.world_size} ({info.backend}) | DeepSpeed ZeRO-{stage} ({Path(cfg.deepspeed.config).name}) | "
+             f"{flops.num_params / 1e6:,.1f} M non-embedding params, {n_trainable / 1e6:,.2f} M trainable"
+             f"{' (LoRA r=' + str(cfg.lora.r) + ')' if cfg.lora.enabled else ''} | {len(train_rows)} train rows of "
+             f"{'packed ' if cfg.data.packing else ''}<= {cfg.data.max_length} tokens, {len(data.val)} validation "
+             f"receipts | global batch {per_step} rows | {max_steps} steps | {'bf16' if bf16 else 'fp32'} | data: "
+             f"{data.stats.summary()}")
+
+    failed = stopped = False
+    try:
+        trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+        if resume_from is not None:
+            log.info(f"resumed from {resume_from}")
+        if trainer.state.global_step < max_steps:
+            stopped = True
+            log.info(f"stopped at step {trainer.state.global_step} of {max_steps} (train.stop_at_step); run again "
+                     f"without train.stop_at_step (or with a larger value) to continue from {complete_checkpoints(root)[-1]}")
+            return
+        if val_rows:
+            trainer.evaluate()  # validation loss + generation metrics, through CookbookMetrics.on_evaluate
+        final = final_eval
+        export_dir = export_final(trainer, tokenizer, out_dir, cfg, hf_config, info) if cfg.checkpoint.export_hf else None
+        metrics.log_summary({"step": trainer.state.global_step, **{f"eval/{k}": v for k, v in final.items()},
+                             "export_dir": str(export_dir) if export_dir else None, "mlflow_uri": metrics.mlflow_uri,
+                             "mlflow_run_id": metrics.mlflow_run_id})
+        if info.is_main:
+            shown = " | ".join(f"{k} {v:.3f}" for k, v in final.items() if k in ("loss", "json_valid", "em_all"))
+            log.info(f"done: {trainer.state.global_step} steps" + (f" | {shown}" if shown else ""))
+            log.info(f"metrics:     {metrics.jsonl_path}")
+            if metrics.mlflow_uri:
+                log.info(f"MLflow:      {metrics.mlflow_uri} (run {metrics.mlflow_run_id})")
+            log.info(f"checkpoints: {root}")
+            if export_dir:
+                log.info(f"model:       {export_dir} (AutoModelForCausalLM.from_pretrained)")
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        metrics.close(failed=failed, stopped=stopped)
+        cookbook.destroy_distributed()
+
+
+def export_final(trainer, tokenizer, out_dir: Path, cfg: Config, hf_config, info) -> Path | None:
+    """Write the consolidated 16-bit model and the tokenizer to ``out_dir/final`` (Hugging Face format), atomically.
+
+    Collective. The full state dict comes from DeepSpeed (ZeRO-3 gathers every partition to rank 0, in the
+    training dtype: bf16 on GPU, fp32 on CPU). With LoRA, the adapter goes to ``out_dir/adapter`` and ``final``
+    holds the base model with the adapter merged in.
+
+    Returns:
+        ``out_dir/final`` on rank 0, ``None`` elsewhere.
+    """
+    import cookbook
+
+    state = trainer.accelerator.get_state_dict(trainer.model_wrapped)  # every rank takes part; rank 0 gets tensors
+    result = None
+    if info.is_main:
+        unwrapped = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+        state = {k: v.detach().cpu() for k, v in state.items()}
+        dtype = next(v.dtype for v in state.values() if v.is_floating_point())
+        if cfg.lora.enabled:
+            tmp = out_dir / ".tmp-adapter"
+            shutil.rmtree(tmp, ignore_errors=True)
+            unwrapped.save_pretrained(tmp, state_dict=state)
+            tokenizer.save_pretrained(tmp)
+            publish(tmp, out_dir / "adapter")
+            from peft import get_peft_model
+
+            # The class's own constructor, not from_config: under ZeRO-3, from_config partitions the new model
+            # across ranks (a collective that rank 0 alone would wait on forever).
+            with torch.device("meta"):
+                merged = get_peft_model(type(unwrapped.get_base_model())(hf_config), unwrapped.peft_config["default"])
+            merged.load_state_dict(state, assign=True)
+            merged = merged.merge_and_unload()
+            state = {k: v.contiguous() for k, v in merged.state_dict().items()}
+            unwrapped = merged
+        tmp = out_dir / ".tmp-final"
+        shutil.rmtree(tmp, ignore_errors=True)
+        unwrapped.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        config_file = tmp / "config.json"
+        saved = json.loads(config_file.read_text())
+        saved["dtype"] = str(dtype).removeprefix("torch.")  # so from_pretrained(dtype="auto") keeps it
+        saved["use_cache"] = True
+        config_file.write_text(json.dumps(saved, indent=2))
+        tokenizer.save_pretrained(tmp)
+        publish(tmp, out_dir / "final")
+        result = out_dir / "final"
+    cookbook.barrier()
+    return result
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except (ConfigError, sft_data.SFTDataError, CheckpointError) as exc:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)

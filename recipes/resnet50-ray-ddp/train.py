@@ -1,0 +1,510 @@
+"""Fine-tune ResNet-50 for image classification with Ray Train (TorchTrainer, one DDP worker per GPU).
+
+Commands (from this folder):
+
+    ./launch.sh                                                    # Imagenette from the hub, all GPUs of this node
+    ./launch.sh data.train_dir=/data/hymenoptera_data/train        # any ImageFolder layout (class/image.jpg)
+    CONFIG_FILE=tiny.yaml ./launch.sh                              # tiny ResNet and generated images, CPU, offline
+    NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 ./launch.sh          # on each node, with its NODE_RANK
+    RAY_ADDRESS=10.0.0.1:6379 ./launch.sh                          # an existing Ray cluster
+
+What this recipe supports:
+    - Ray Train ``TorchTrainer``: ``prepare_model`` (DDP, NCCL on GPU, gloo on CPU), ``prepare_data_loader``
+      (DistributedSampler, batches moved to the worker's device); any number of nodes.
+    - ResNet-50 from torchvision where it imports (GPU installs), else transformers'
+      ``ResNetForImageClassification`` (the same network); ImageNet weights when reachable, random
+      init otherwise; new classifier for the data set's classes.
+    - Data: an ImageFolder layout on disk, or a hub data set with ``image`` and ``label`` columns;
+      random-resized-crop + flip for training, resize + centre crop for evaluation (PIL); images
+      travel as uint8 and are normalised on the device.
+    - bf16 autocast and channels-last on GPU; SGD with momentum, warm-up + cosine decay, label smoothing.
+    - A checkpoint each epoch through ``ray.train.report`` (model, optimizer, scheduler, epoch);
+      re-running with the same ``output_dir`` resumes; ``ray.max_failures`` restarts failed workers.
+    - Metrics (cookbook.metrics): loss, top-1 accuracy, images/s per GPU, data-wait, memory; eval
+      loss and top-1 each epoch; console, metrics.jsonl and MLflow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import sys
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+warnings.filterwarnings("ignore", message=".*set_vital.*")
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset
+
+import cookbook
+from cookbook import ray_train
+from cookbook.config import ConfigError, cli_parser, load_config, resolve_path, save_config, to_dict
+from cookbook.metrics import MetricsLogger
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet, what the pretrained weights expect
+
+
+# ----------------------------------------------------------------------------- config
+@dataclass
+class ModelConfig:
+    backend: str = "auto"  # auto (torchvision if it imports, else transformers), torchvision, transformers
+    name_or_path: str = "microsoft/resnet-50"  # transformers backend: hub id or local folder (config.json)
+    pretrained: bool = True  # ImageNet weights when reachable, else random init (logged)
+
+
+@dataclass
+class DataConfig:
+    train_dir: str = ""  # ImageFolder layout: <dir>/<class>/<image>; empty: hub_id
+    val_dir: str = ""  # same layout and classes; empty: hold out val_fraction of train
+    hub_id: str = "frgfm/imagenette"
+    hub_config: str = "320px"
+    val_fraction: float = 0.1
+    image_size: int = 224
+    num_workers: int = 8  # data-loader processes per Ray worker (JPEG decoding)
+    verify_images: bool = True  # decode every file once before training; a bad one stops the run, named
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 0.1  # for a global batch of 256; scaled linearly with the global batch
+    momentum: float = 0.9
+    weight_decay: float = 1e-4
+    warmup_epochs: float = 1.0
+    label_smoothing: float = 0.1
+    max_grad_norm: float = 0.0  # 0: no clipping
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 42
+    micro_batch_size: int = 128  # images per worker per step
+    epochs: int = 10
+    stop_at_epoch: int = -1  # > 0: stop after this epoch's checkpoint; re-run to continue
+    mixed_precision: str = "bf16"  # bf16 (GPU only) or fp32
+    channels_last: bool = True  # GPU only
+    log_every: int = 10
+
+
+@dataclass
+class CheckpointConfig:
+    keep_last: int = 2  # newest checkpoints kept; 0 keeps all
+
+
+@dataclass
+class Config:
+    output_dir: str = "outputs/resnet50-ray"  # Ray's run folder: checkpoints, metrics, MLflow (shared storage on several nodes)
+    run_name: str = "resnet50-ray"
+    mlflow: bool = True
+    ray: ray_train.RayConfig = field(default_factory=ray_train.RayConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+# Settings that may differ between a checkpoint and the run that resumes it; any other change is refused.
+MAY_CHANGE = ("output_dir", "run_name", "mlflow", "ray.*", "train.stop_at_epoch", "train.log_every",
+              "data.num_workers", "data.verify_images", "checkpoint.*")
+
+
+def check_config(cfg: Config, config_dir: Path) -> None:
+    """Resolve paths against the config file's folder and reject incompatible values."""
+    cfg.data.train_dir = resolve_path(cfg.data.train_dir, config_dir)
+    cfg.data.val_dir = resolve_path(cfg.data.val_dir, config_dir)
+    cfg.model.name_or_path = resolve_path(cfg.model.name_or_path, config_dir)
+    cfg.output_dir = str(Path(cfg.output_dir).expanduser().resolve())  # workers may start elsewhere
+    if cfg.model.backend not in ("auto", "torchvision", "transformers"):
+        raise ConfigError(f"model.backend must be auto, torchvision or transformers, got {cfg.model.backend!r}")
+    if cfg.train.mixed_precision not in ("bf16", "fp32"):
+        raise ConfigError(f"train.mixed_precision must be 'bf16' or 'fp32', got {cfg.train.mixed_precision!r}")
+    for key, value in [("train.micro_batch_size", cfg.train.micro_batch_size), ("train.epochs", cfg.train.epochs),
+                       ("train.log_every", cfg.train.log_every), ("data.image_size", cfg.data.image_size)]:
+        if value < 1:
+            raise ConfigError(f"{key} must be >= 1, got {value}")
+    if cfg.data.val_dir and not cfg.data.train_dir:
+        raise ConfigError("data.val_dir is set but data.train_dir is empty")
+    if not cfg.data.val_dir and not 0.0 < cfg.data.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction must be in (0, 1) without data.val_dir, got {cfg.data.val_fraction}")
+
+
+# ----------------------------------------------------------------------------- data
+class DataError(ValueError):
+    """An image folder or file is unusable; the message names it."""
+
+
+def list_image_folder(root: str, classes: list[str] | None = None) -> tuple[list[tuple[str, int]], list[str]]:
+    """``(samples, classes)`` of an ImageFolder tree: one sub-folder per class (sorted names ->
+    labels 0..n-1), image files inside (by extension; other files are ignored).
+
+    Args:
+        root: the folder.
+        classes: the training set's classes, for a validation folder (must be the same).
+
+    Raises:
+        DataError: the folder is missing, has fewer than two class folders, a class folder holds
+            no image, or its classes differ from `classes`.
+    """
+    path = Path(root)
+    if not path.is_dir():
+        raise DataError(f"image folder not found: {root}")
+    found = sorted(d.name for d in path.iterdir() if d.is_dir() and not d.name.startswith("."))
+    if classes is not None and found != classes:
+        raise DataError(f"{root}: class folders {found} differ from the training classes {classes}")
+    if len(found) < 2:
+        raise DataError(f"{root}: expected one sub-folder per class (at least 2), found {found}")
+    samples = []
+    for label, name in enumerate(found):
+        files = sorted(p for p in (path / name).rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
+        if not files:
+            raise DataError(f"{path / name}: the class folder '{name}' holds no image ({', '.join(IMAGE_EXTENSIONS)})")
+        samples += [(str(p), label) for p in files]
+    return samples, found
+
+
+def verify_images(samples: list[tuple[str, int]], threads: int = 8) -> None:
+    """Decode every image once (at reduced size for JPEG, so it is fast).
+
+    Raises:
+        DataError: naming the first undecodable files and how many there are.
+    """
+    def bad(path: str) -> str | None:
+        try:
+            with Image.open(path) as im:
+                im.draft("RGB", (64, 64))
+                im.convert("RGB")
+            return None
+        except Exception as exc:  # PIL raises several types for broken files
+            return f"{path} ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+
+    with ThreadPoolExecutor(threads) as pool:
+        failures = [b for b in pool.map(bad, [p for p, _ in samples]) if b]
+    if failures:
+        raise DataError(f"{len(failures)} image(s) cannot be decoded, e.g. {'; '.join(failures[:3])}: remove or "
+                        f"replace them (or set data.verify_images=false to skip this check)")
+
+
+def load_data(cfg: DataConfig, seed: int, verify: bool) -> tuple[object, object, list[str]]:
+    """Train and validation samples and the class names: ``[(path, label)]`` lists for folders, or
+    Hugging Face ``Dataset`` splits with ``image``/``label`` columns for ``hub_id``."""
+    if not cfg.train_dir:
+        import datasets
+
+        hub = datasets.load_dataset(cfg.hub_id, cfg.hub_config or None)
+        names = hub["train"].features["label"].names
+        val = hub["validation"] if "validation" in hub else hub["test"]
+        return hub["train"], val, names
+    train, classes = list_image_folder(cfg.train_dir)
+    if cfg.val_dir:
+        val, _ = list_image_folder(cfg.val_dir, classes)
+    else:
+        order = random.Random(seed).sample(range(len(train)), len(train))
+        n_val = max(1, int(len(train) * cfg.val_fraction))
+        val, train = [train[i] for i in sorted(order[:n_val])], [train[i] for i in sorted(order[n_val:])]
+    if verify:
+        verify_images(train + val)
+    return train, val, classes
+
+
+class ImageTransform:
+    """PIL image -> uint8 tensor (3, size, size). Training: random resized crop (scale 0.08-1,
+    aspect 3/4-4/3) and horizontal flip; evaluation: resize the short side to size / 0.875 and
+    centre crop (the torchvision ImageNet recipe)."""
+
+    def __init__(self, size: int, train: bool):
+        self.size, self.train = size, train
+
+    def __call__(self, img: Image.Image) -> torch.Tensor:
+        img = img.convert("RGB")
+        w, h = img.size
+        if self.train:
+            for _ in range(10):
+                area = w * h * random.uniform(0.08, 1.0)
+                ratio = math.exp(random.uniform(math.log(3 / 4), math.log(4 / 3)))
+                cw, ch = round(math.sqrt(area * ratio)), round(math.sqrt(area / ratio))
+                if 0 < cw <= w and 0 < ch <= h:
+                    x, y = random.randint(0, w - cw), random.randint(0, h - ch)
+                    break
+            else:
+                cw = ch = min(w, h)
+                x, y = (w - cw) // 2, (h - ch) // 2
+            img = img.resize((self.size, self.size), Image.BILINEAR, box=(x, y, x + cw, y + ch))
+            if random.random() < 0.5:
+                img = img.transpose(Image.FLIP_LEFT_RIGHT)
+        else:
+            short = round(self.size / 0.875)
+            scale = short / min(w, h)
+            img = img.resize((max(short, round(w * scale)), max(short, round(h * scale))), Image.BILINEAR)
+            left, top = (img.width - self.size) // 2, (img.height - self.size) // 2
+            img = img.crop((left, top, left + self.size, top + self.size))
+        return torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1)
+
+
+class ImageDataset(Dataset):
+    """``(uint8 image, label)`` pairs from ``[(path, label)]`` or a Hugging Face image data set."""
+
+    def __init__(self, samples, transform: ImageTransform):
+        self.samples, self.transform = samples, transform
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        if isinstance(self.samples, list):
+            path, label = self.samples[i]
+            try:
+                with Image.open(path) as im:
+                    return self.transform(im), label
+            except OSError as exc:
+                raise DataError(f"cannot decode {path}: {exc}") from None
+        row = self.samples[i]
+        return self.transform(row["image"]), int(row["label"])
+
+
+# ----------------------------------------------------------------------------- model and step
+def torchvision_available() -> bool:
+    """True when torchvision imports beside this torch (it does not beside the CPU torch 2.13 wheel)."""
+    try:
+        import torchvision.models  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def build_model(cfg: ModelConfig, num_classes: int) -> torch.nn.Module:
+    """ResNet-50 with a `num_classes`-way head; ImageNet weights if ``pretrained`` and reachable."""
+    log = cookbook.get_logger()
+    backend = cfg.backend if cfg.backend != "auto" else ("torchvision" if torchvision_available() else "transformers")
+    if backend == "torchvision":
+        import torchvision
+
+        model = None
+        if cfg.pretrained:
+            try:
+                model = torchvision.models.resnet50(weights="IMAGENET1K_V2")
+            except Exception as exc:  # no network: URLError, or a hash mismatch
+                log.warning(f"ImageNet weights not reachable ({type(exc).__name__}); random init")
+        model = model or torchvision.models.resnet50()
+        model.fc = torch.nn.Linear(model.fc.in_features, num_classes)
+        return model
+    from transformers import AutoConfig, ResNetConfig, ResNetForImageClassification
+
+    if cfg.pretrained:
+        try:
+            return ResNetForImageClassification.from_pretrained(cfg.name_or_path, num_labels=num_classes,
+                                                                ignore_mismatched_sizes=True)
+        except OSError as exc:
+            log.warning(f"{cfg.name_or_path}: pretrained weights not reachable ({str(exc).splitlines()[0]}); random init")
+    try:
+        config = AutoConfig.from_pretrained(cfg.name_or_path, num_labels=num_classes)
+    except OSError:
+        config = ResNetConfig(num_labels=num_classes)  # the defaults are ResNet-50
+    return ResNetForImageClassification(config)
+
+
+def normalize(images: torch.Tensor, channels_last: bool) -> torch.Tensor:
+    """uint8 (B, 3, H, W) on the device -> float, ImageNet mean/std, optionally channels-last."""
+    mean = torch.tensor(MEAN, device=images.device).view(1, 3, 1, 1) * 255
+    std = torch.tensor(STD, device=images.device).view(1, 3, 1, 1) * 255
+    x = (images.float() - mean) / std
+    return x.contiguous(memory_format=torch.channels_last) if channels_last else x
+
+
+def logits_of(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Logits of a torchvision model (a tensor) or a transformers one (``.logits``)."""
+    out = model(x)
+    return out.logits if hasattr(out, "logits") else out
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, images: torch.Tensor, labels: torch.Tensor,
+               bf16: bool, channels_last: bool, label_smoothing: float = 0.0, max_grad_norm: float = 0.0
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One optimizer step on a uint8 batch; returns ``(loss, correct, grad_norm)`` as device tensors
+    (no host sync). Also used by ``benchmarks/resnet50_ray.py`` without Ray."""
+    x = normalize(images, channels_last)
+    with torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
+        logits = logits_of(model, x)
+    loss = F.cross_entropy(logits.float(), labels, label_smoothing=label_smoothing)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm) if max_grad_norm > 0 else None
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach(), (logits.argmax(-1) == labels).sum(), grad_norm
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, loader, device: torch.device, bf16: bool, channels_last: bool) -> dict[str, float]:
+    """Loss and top-1 accuracy over the whole validation set (each worker holds a disjoint shard)."""
+    model.eval()
+    sums = {"loss": torch.zeros((), device=device, dtype=torch.float64),
+            "correct": torch.zeros((), device=device, dtype=torch.float64), "images": torch.zeros((), device=device, dtype=torch.float64)}
+    for images, labels in loader:
+        with torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
+            logits = logits_of(model, normalize(images, channels_last))
+        sums["loss"] += F.cross_entropy(logits.float(), labels, reduction="sum").double()
+        sums["correct"] += (logits.argmax(-1) == labels).sum()
+        sums["images"] += labels.numel()
+    totals = cookbook.all_reduce_sum(sums, device)
+    model.train()
+    n = max(totals["images"], 1.0)
+    return {"loss": totals["loss"] / n, "top1": totals["correct"] / n, "images": totals["images"]}
+
+
+# ----------------------------------------------------------------------------- worker
+def train_loop(config: dict) -> None:
+    """What every Ray Train worker runs: set-up, epochs with a checkpoint each, summary."""
+    import ray.train.torch
+
+    cfg: Config = ray_train.config_from_dict(Config, config)
+    info = ray_train.worker_info()
+    log = cookbook.get_logger()
+    torch.manual_seed(cfg.train.seed)
+    random.seed(cfg.train.seed + info.rank)
+    on_gpu = info.device.type == "cuda"
+    bf16 = on_gpu and cfg.train.mixed_precision == "bf16"
+    channels_last = on_gpu and cfg.train.channels_last
+
+    # ---- set-up: data, model, optimizer, resume
+    train_set, val_set, classes = load_data(cfg.data, cfg.train.seed, verify=False)  # the driver verified
+    loader_kw = dict(num_workers=cfg.data.num_workers, pin_memory=on_gpu, persistent_workers=cfg.data.num_workers > 0)
+    train_loader = ray.train.torch.prepare_data_loader(DataLoader(
+        ImageDataset(train_set, ImageTransform(cfg.data.image_size, train=True)),
+        batch_size=cfg.train.micro_batch_size, shuffle=True, drop_last=True, **loader_kw))
+    val_shard = torch.utils.data.Subset(ImageDataset(val_set, ImageTransform(cfg.data.image_size, train=False)),
+                                        range(info.rank, len(val_set), info.world_size))
+    val_loader = ray.train.torch.prepare_data_loader(
+        DataLoader(val_shard, batch_size=cfg.train.micro_batch_size, **loader_kw), add_dist_sampler=False)
+    steps_per_epoch = len(train_loader)
+    if steps_per_epoch == 0:
+        raise DataError(f"{len(train_set)} training images are too few for one step of "
+                        f"{cfg.train.micro_batch_size} x {info.world_size} workers")
+    max_steps = cfg.train.epochs * steps_per_epoch
+
+    model = build_model(cfg.model, len(classes)).to(info.device)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    n_params = sum(p.numel() for p in model.parameters())
+    inner = model
+    model = ray.train.torch.prepare_model(model)  # DDP (on one worker: the model itself)
+    global_batch = cfg.train.micro_batch_size * info.world_size
+    lr = cfg.optim.lr * global_batch / 256
+    decay = [p for p in model.parameters() if p.ndim > 1]
+    no_decay = [p for p in model.parameters() if p.ndim <= 1]  # biases and batch-norm
+    optimizer = torch.optim.SGD([{"params": decay, "weight_decay": cfg.optim.weight_decay},
+                                 {"params": no_decay, "weight_decay": 0.0}], lr=lr, momentum=cfg.optim.momentum, nesterov=True)
+    warmup = int(cfg.optim.warmup_epochs * steps_per_epoch)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: (s + 1) / max(warmup, 1) if s < warmup else
+                                                  0.5 * (1 + math.cos(math.pi * (s - warmup) / max(max_steps - warmup, 1))))
+    epoch = step = 0
+    resumed = ray_train.load_checkpoint(info.device)
+    if resumed is not None:
+        state, meta = resumed
+        inner.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        epoch, step = meta["epoch"], meta["step"]
+    stop_epoch = min(cfg.train.epochs, cfg.train.stop_at_epoch) if cfg.train.stop_at_epoch > 0 else cfg.train.epochs
+
+    if info.is_main:
+        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+        save_config(cfg, Path(cfg.output_dir) / "config.yaml")
+    metrics = MetricsLogger(cfg.output_dir, info, run_name=cfg.run_name, experiment="resnet50-ray", params=to_dict(cfg),
+                            mlflow=cfg.mlflow, max_steps=max_steps, count_tokens=False)
+    log.info(f"world size {info.world_size} ({info.backend}, {info.device.type}) | ResNet {n_params / 1e6:.1f} M params "
+             f"({type(inner).__module__.split('.')[0]}) | {len(classes)} classes | "
+             f"{len(train_set)} train / {len(val_set)} val images | global batch {global_batch} | lr {lr:g} | "
+             f"{max_steps} steps ({steps_per_epoch}/epoch) | {'bf16 autocast' if bf16 else 'fp32'}"
+             f"{', channels-last' if channels_last else ''} | starting at epoch {epoch}")
+
+    # ---- train loop: one checkpoint per epoch
+    reports = 0
+    failed = stopped = False
+    try:
+        cookbook.barrier()
+        metrics.start(step)
+        window = {"loss": torch.zeros((), device=info.device), "correct": torch.zeros((), device=info.device), "n": 0, "steps": 0}
+        while epoch < stop_epoch:
+            if info.world_size > 1:
+                train_loader.sampler.set_epoch(epoch)
+            t0 = time.perf_counter()
+            for images, labels in train_loader:
+                wait = time.perf_counter() - t0
+                lr_now = scheduler.get_last_lr()[0]
+                loss, correct, grad_norm = train_step(model, optimizer, images, labels, bf16, channels_last,
+                                                      cfg.optim.label_smoothing, cfg.optim.max_grad_norm)
+                scheduler.step()
+                step += 1
+                metrics.add(samples=labels.numel(), tokens=0, data_wait_s=wait)
+                window["loss"] += loss
+                window["correct"] += correct
+                window["n"] += labels.numel()
+                window["steps"] += 1
+                if step % cfg.train.log_every == 0 or step % steps_per_epoch == 0:
+                    metrics.log_step(step, window["loss"] / window["steps"], lr_now, grad_norm,
+                                     extra={"top1": window["correct"] / window["n"]})
+                    window = {"loss": torch.zeros((), device=info.device), "correct": torch.zeros((), device=info.device), "n": 0, "steps": 0}
+                t0 = time.perf_counter()
+            epoch += 1
+            ev = evaluate(model, val_loader, info.device, bf16, channels_last)
+            metrics.log_eval(step, ev)
+            ray_train.report({"epoch": epoch, "step": step, "val_loss": ev["loss"], "val_top1": ev["top1"]},
+                             state={"model": inner.state_dict(), "optimizer": optimizer.state_dict(),
+                                    "scheduler": scheduler.state_dict(), "classes": classes},
+                             label=f"epoch_{epoch:04d}", meta={"epoch": epoch, "step": step, "config": to_dict(cfg)})
+            reports += 1
+
+        # ---- summary
+        workers = ray_train.worker_summary(inner, reports)
+        if epoch < cfg.train.epochs:
+            stopped = True
+            log.info(f"stopped after epoch {epoch} of {cfg.train.epochs} (train.stop_at_epoch); run again without it to continue")
+        metrics.log_summary({"step": step, "epoch": epoch, **workers,
+                             "mlflow_uri": metrics.mlflow_uri, "mlflow_run_id": metrics.mlflow_run_id})
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        # ---- clean-up (Ray Train destroys the process group)
+        metrics.close(failed=failed, stopped=stopped)
+
+
+# ----------------------------------------------------------------------------- driver
+def main(argv: list[str]) -> None:
+    args = cli_parser(__doc__).parse_args(argv)
+    cfg = load_config(Config, args.config, args.overrides)
+    check_config(cfg, Path(args.config).resolve().parent)
+    nnodes, done, planned = ray_train.prepare_driver(cfg, MAY_CHANGE, ("train.stop_at_epoch", cfg.train.stop_at_epoch))
+    if cfg.data.train_dir:
+        train, val, classes = load_data(cfg.data, cfg.train.seed, verify=cfg.data.verify_images)
+        if planned and len(train) < cfg.train.micro_batch_size * planned[0]:
+            raise ConfigError(f"{len(train)} training images are too few for one step of {cfg.train.micro_batch_size} "
+                              f"x {planned[0]} workers")
+        data_note = f"{len(classes)} classes, {len(train)} train / {len(val)} val images"
+    else:
+        data_note = f"hub data set {cfg.data.hub_id}"
+    if args.check:
+        print(f"config OK: {args.config} ({data_note})")
+        return
+    if done is not None and done.get("epoch", 0) >= cfg.train.epochs:
+        print(f"already complete: epoch {done['epoch']} of {cfg.train.epochs} in {cfg.output_dir}; use a new output_dir "
+              f"to train again", file=sys.stderr)
+        return
+
+    ray_train.run(__file__, cfg, nnodes, planned)
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except (ConfigError, DataError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)

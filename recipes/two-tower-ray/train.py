@@ -1,0 +1,399 @@
+"""Train a two-tower retrieval model (user tower, item tower) on interaction data with Ray Train DDP.
+
+Commands (from this folder):
+
+    ./launch.sh data.interactions=/data/interactions.parquet      # all GPUs of this node (or 2 CPU workers)
+    CONFIG_FILE=tiny.yaml ./launch.sh                             # generated interactions, CPU, offline
+    NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 ./launch.sh         # on each node, with its NODE_RANK
+    RAY_ADDRESS=10.0.0.1:6379 ./launch.sh                         # an existing Ray cluster
+
+What this recipe supports:
+    - Interaction files (CSV, TSV, JSON lines, parquet): one row per (user_id, item_id) event, optional
+      timestamp. Each user's last interaction (by timestamp, else file order) is held out.
+    - Towers: an id embedding followed by a 2-layer MLP and L2 normalisation, one for users and one
+      for items; score = cosine / temperature.
+    - Loss: in-batch sampled softmax (each positive against the other items of the micro-batch) with
+      log-q correction (Yi et al. 2019, "Sampling-bias-corrected neural modeling for large corpus item
+      recommendations"): the log of an item's frequency in the training data is subtracted from its
+      logits, and other occurrences of a row's own item in the batch are masked out.
+    - Evaluation: recall@k over the whole catalogue for every held-out user (items the user already
+      interacted with in training are excluded), next to the popularity baseline; sharded over workers.
+    - Ray Train ``TorchTrainer`` with ``prepare_model`` (DDP) and ``prepare_data_loader``; a checkpoint
+      each epoch through ``ray.train.report``; re-running with the same ``output_dir`` resumes;
+      ``ray.max_failures`` restarts failed workers. Metrics through cookbook.metrics (console,
+      metrics.jsonl, MLflow).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+warnings.filterwarnings("ignore", message=".*set_vital.*")
+
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import cookbook
+from cookbook import ray_train
+from cookbook.config import ConfigError, cli_parser, load_config, resolve_path, save_config, to_dict
+from cookbook.metrics import MetricsLogger
+
+
+# ----------------------------------------------------------------------------- config
+@dataclass
+class ModelConfig:
+    embedding_dim: int = 128  # id embedding width
+    hidden_dim: int = 256
+    output_dim: int = 64  # tower output (the retrieval space)
+    temperature: float = 0.05
+
+
+@dataclass
+class DataConfig:
+    interactions: str = ""  # file with user_id, item_id[, timestamp] (see README: Data)
+    user_column: str = "user_id"
+    item_column: str = "item_id"
+    time_column: str = "timestamp"  # optional; when absent, file order is time order
+    min_user_interactions: int = 2  # users with fewer have nothing to hold out and only train
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 42
+    micro_batch_size: int = 1024  # positives per worker per step; each is scored against the batch's other items
+    epochs: int = 10
+    stop_at_epoch: int = -1  # > 0: stop after this epoch's checkpoint; re-run to continue
+    log_every: int = 50
+    recall_k: list[int] = field(default_factory=lambda: [10, 50])
+    logq_correction: bool = True
+
+
+@dataclass
+class CheckpointConfig:
+    keep_last: int = 2
+
+
+@dataclass
+class Config:
+    output_dir: str = "outputs/two-tower-ray"  # Ray's run folder; shared storage on several nodes
+    run_name: str = "two-tower-ray"
+    mlflow: bool = True
+    ray: ray_train.RayConfig = field(default_factory=ray_train.RayConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+MAY_CHANGE = ("output_dir", "run_name", "mlflow", "ray.*", "train.stop_at_epoch", "train.log_every", "checkpoint.*")
+
+
+def check_config(cfg: Config, config_dir: Path) -> None:
+    """Resolve paths against the config file's folder and reject incompatible values."""
+    cfg.data.interactions = resolve_path(cfg.data.interactions, config_dir)
+    cfg.output_dir = str(Path(cfg.output_dir).expanduser().resolve())
+    if not cfg.data.interactions:
+        raise ConfigError("data.interactions is not set: give the interaction file (see the README's Data section)")
+    for key, value in [("train.micro_batch_size", cfg.train.micro_batch_size), ("train.epochs", cfg.train.epochs),
+                       ("train.log_every", cfg.train.log_every), ("model.output_dim", cfg.model.output_dim)]:
+        if value < 1:
+            raise ConfigError(f"{key} must be >= 1, got {value}")
+    if cfg.train.micro_batch_size < 2:
+        raise ConfigError("train.micro_batch_size must be >= 2: the other items of the batch are the negatives")
+    if not cfg.train.recall_k or min(cfg.train.recall_k) < 1:
+        raise ConfigError(f"train.recall_k must be a non-empty list of positive integers, got {cfg.train.recall_k}")
+
+
+# ----------------------------------------------------------------------------- data
+class DataError(ValueError):
+    """The interaction file is unusable; the message names the file, column or row."""
+
+
+@dataclass
+class Interactions:
+    """Integer-coded interactions: training pairs, one held-out item per evaluated user, and the
+    training frequency of each item (for log-q correction and the popularity baseline)."""
+
+    train_users: np.ndarray
+    train_items: np.ndarray
+    eval_users: np.ndarray
+    eval_items: np.ndarray
+    num_users: int
+    num_items: int
+    item_counts: np.ndarray
+
+
+def read_interactions(cfg: DataConfig) -> Interactions:
+    """Read, validate, encode and split the interaction file (leave-last-out per user).
+
+    Raises:
+        DataError: the file is missing or of an unknown type, a column is missing, an id is empty
+            (the row is named), or no user has enough interactions to hold one out.
+    """
+    path = Path(cfg.interactions)
+    if not path.is_file():
+        raise DataError(f"data.interactions: file not found: {path}")
+    suffix = path.suffix.lower()
+    readers = {".csv": lambda: pd.read_csv(path, dtype=str, keep_default_na=False),
+               ".tsv": lambda: pd.read_csv(path, sep="\t", dtype=str, keep_default_na=False),
+               ".jsonl": lambda: pd.read_json(path, lines=True, dtype=False),
+               ".parquet": lambda: pd.read_parquet(path)}
+    if suffix not in readers:
+        raise DataError(f"{path}: unsupported file type {suffix!r} (use .csv, .tsv, .jsonl or .parquet)")
+    try:
+        df = readers[suffix]()
+    except Exception as exc:  # parser errors come in several types
+        raise DataError(f"{path}: cannot be read as {suffix[1:]}: {str(exc).splitlines()[0]}") from None
+    missing = [c for c in (cfg.user_column, cfg.item_column) if c not in df.columns]
+    if missing:
+        raise DataError(f"{path}: missing column(s) {missing}; found {list(df.columns)} (set data.user_column / data.item_column)")
+    first_row = 2 if suffix in (".csv", ".tsv") else 1  # CSV line numbers count the header
+    for col in (cfg.user_column, cfg.item_column):
+        values = df[col].astype(str).str.strip()
+        empty = np.flatnonzero((values == "") | df[col].isna().to_numpy())
+        if len(empty):
+            raise DataError(f"{path} {'line' if first_row == 2 else 'row'} {empty[0] + first_row}: empty {col}")
+        df[col] = values
+    if len(df) == 0:
+        raise DataError(f"{path}: no rows")
+    order = np.arange(len(df))
+    if cfg.time_column in df.columns:
+        times = pd.to_numeric(df[cfg.time_column], errors="coerce")
+        if times.isna().any():
+            row = int(np.flatnonzero(times.isna().to_numpy())[0])
+            raise DataError(f"{path} {'line' if first_row == 2 else 'row'} {row + first_row}: {cfg.time_column} "
+                            f"{df[cfg.time_column].iloc[row]!r} is not a number")
+        order = np.lexsort((order, times.to_numpy()))  # stable: ties keep file order
+    df = df.iloc[order]
+    users, user_ids = pd.factorize(df[cfg.user_column], sort=True)
+    items, item_ids = pd.factorize(df[cfg.item_column], sort=True)
+    counts = np.bincount(users, minlength=len(user_ids))
+    # The last interaction of each user with enough history is held out.
+    last = np.zeros(len(df), dtype=bool)
+    last_pos = pd.Series(np.arange(len(df))).groupby(users).max().to_numpy()
+    eligible = counts[np.arange(len(user_ids))] >= max(cfg.min_user_interactions, 2)
+    last[last_pos[eligible]] = True
+    if not last.any():
+        raise DataError(f"{path}: no user has {max(cfg.min_user_interactions, 2)} or more interactions, so none can be "
+                        f"held out for recall@k")
+    train_items = items[~last]
+    return Interactions(users[~last], train_items, users[last], items[last], len(user_ids), len(item_ids),
+                        np.bincount(train_items, minlength=len(item_ids)))
+
+
+# ----------------------------------------------------------------------------- model and loss
+class Tower(torch.nn.Module):
+    """Id embedding -> Linear -> ReLU -> Linear -> L2 normalisation."""
+
+    def __init__(self, num_ids: int, cfg: ModelConfig):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(num_ids, cfg.embedding_dim)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(cfg.embedding_dim, cfg.hidden_dim), torch.nn.ReLU(),
+                                       torch.nn.Linear(cfg.hidden_dim, cfg.output_dim))
+        torch.nn.init.normal_(self.embedding.weight, std=0.1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.normalize(self.mlp(self.embedding(ids)), dim=-1)
+
+
+class TwoTower(torch.nn.Module):
+    """A user tower and an item tower; ``forward(users, items)`` embeds both."""
+
+    def __init__(self, num_users: int, num_items: int, cfg: ModelConfig):
+        super().__init__()
+        self.user_tower, self.item_tower = Tower(num_users, cfg), Tower(num_items, cfg)
+
+    def forward(self, users: torch.Tensor, items: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.user_tower(users), self.item_tower(items)
+
+
+def sampled_softmax_loss(user_emb: torch.Tensor, item_emb: torch.Tensor, items: torch.Tensor, log_q: torch.Tensor | None,
+                         temperature: float) -> torch.Tensor:
+    """In-batch sampled softmax: row i's positive is item i, the batch's other items are negatives.
+
+    Args:
+        user_emb, item_emb: (B, D) normalised embeddings of the batch's pairs.
+        items: (B,) item indices, to mask other occurrences of row i's own item (not negatives).
+        log_q: (B,) log sampling probability of each item (its training frequency); subtracted from
+            the logits so popular items are not over-penalised as negatives. ``None``: no correction.
+        temperature: logits are cosine / temperature.
+    """
+    logits = user_emb @ item_emb.T / temperature
+    if log_q is not None:
+        logits = logits - log_q[None, :]
+    same = items[:, None] == items[None, :]
+    same.fill_diagonal_(False)
+    logits = logits.masked_fill(same, float("-inf"))
+    return F.cross_entropy(logits, torch.arange(len(items), device=logits.device))
+
+
+@torch.no_grad()
+def recall_at_k(model: TwoTower, data: Interactions, ks: list[int], rank: int, world_size: int, device: torch.device,
+                chunk: int = 1024) -> dict[str, float]:
+    """recall@k of the held-out item over the whole catalogue, and the popularity baseline's, over all
+    workers (each scores a disjoint slice of the held-out users). Training items of a user are excluded."""
+    model.eval()
+    all_items = model.item_tower(torch.arange(data.num_items, device=device))
+    row_of = np.full(data.num_users, -1)
+    popular = torch.as_tensor(data.item_counts, dtype=torch.float32, device=device)
+    kmax = min(max(ks), data.num_items)
+    hits = {f"recall_at_{k}": torch.zeros((), dtype=torch.float64, device=device) for k in ks}
+    hits.update({f"popularity_recall_at_{k}": torch.zeros((), dtype=torch.float64, device=device) for k in ks})
+    users, targets = data.eval_users[rank::world_size], data.eval_items[rank::world_size]
+    for start in range(0, len(users), chunk):
+        u = torch.as_tensor(users[start:start + chunk], device=device)
+        t = torch.as_tensor(targets[start:start + chunk], device=device)
+        row_of[users[start:start + chunk]] = np.arange(len(u))
+        sel = row_of[data.train_users] >= 0  # the training pairs of this chunk's users
+        mask = np.zeros((len(u), data.num_items), dtype=bool)
+        mask[row_of[data.train_users[sel]], data.train_items[sel]] = True
+        mask = torch.as_tensor(mask, device=device)
+        row_of[users[start:start + chunk]] = -1
+        for name, scores in (("", model.user_tower(u) @ all_items.T), ("popularity_", popular.expand(len(u), -1))):
+            top = scores.masked_fill(mask, float("-inf")).topk(kmax, dim=-1).indices
+            for k in ks:
+                hits[f"{name}recall_at_{k}"] += (top[:, :k] == t[:, None]).any(-1).sum()
+    totals = cookbook.all_reduce_sum({**hits, "users": torch.tensor(float(len(users)), device=device)}, device)
+    model.train()
+    n = max(totals.pop("users"), 1.0)
+    return {**{k: v / n for k, v in totals.items()}, "users": n}
+
+
+# ----------------------------------------------------------------------------- worker
+def train_loop(config: dict) -> None:
+    """What every Ray Train worker runs: set-up, epochs with a checkpoint each, summary."""
+    import ray.train.torch
+
+    cfg: Config = ray_train.config_from_dict(Config, config)
+    info = ray_train.worker_info()
+    log = cookbook.get_logger()
+    torch.manual_seed(cfg.train.seed)
+
+    # ---- set-up
+    data = read_interactions(cfg.data)
+    pairs = TensorDataset(torch.as_tensor(data.train_users), torch.as_tensor(data.train_items))
+    loader = ray.train.torch.prepare_data_loader(DataLoader(pairs, batch_size=cfg.train.micro_batch_size, shuffle=True,
+                                                            drop_last=True))
+    steps_per_epoch = len(loader)
+    if steps_per_epoch == 0:
+        raise DataError(f"{len(pairs)} training interactions are too few for one step of "
+                        f"{cfg.train.micro_batch_size} x {info.world_size} workers")
+    max_steps = cfg.train.epochs * steps_per_epoch
+    log_q = torch.log(torch.as_tensor(np.maximum(data.item_counts, 1) / data.item_counts.sum(), dtype=torch.float32,
+                                      device=info.device))
+    inner = TwoTower(data.num_users, data.num_items, cfg.model).to(info.device)
+    model = ray.train.torch.prepare_model(inner)  # DDP
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+    epoch = step = 0
+    resumed = ray_train.load_checkpoint(info.device)
+    if resumed is not None:
+        state, meta = resumed
+        inner.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        epoch, step = meta["epoch"], meta["step"]
+    stop_epoch = min(cfg.train.epochs, cfg.train.stop_at_epoch) if cfg.train.stop_at_epoch > 0 else cfg.train.epochs
+
+    if info.is_main:
+        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+        save_config(cfg, Path(cfg.output_dir) / "config.yaml")
+    metrics = MetricsLogger(cfg.output_dir, info, run_name=cfg.run_name, experiment="two-tower-ray", params=to_dict(cfg),
+                            mlflow=cfg.mlflow, max_steps=max_steps, count_tokens=False)
+    log.info(f"world size {info.world_size} ({info.backend}, {info.device.type}) | {data.num_users:,} users, "
+             f"{data.num_items:,} items | {len(pairs):,} train interactions, {len(data.eval_users):,} held-out users | "
+             f"{sum(p.numel() for p in inner.parameters()) / 1e6:.2f} M params | global batch "
+             f"{cfg.train.micro_batch_size * info.world_size} | {max_steps} steps ({steps_per_epoch}/epoch) | "
+             f"log-q correction {'on' if cfg.train.logq_correction else 'off'} | starting at epoch {epoch}")
+
+    # ---- train loop: one checkpoint per epoch
+    reports = 0
+    failed = stopped = False
+    try:
+        cookbook.barrier()
+        metrics.start(step)
+        window_loss, window_steps = torch.zeros((), device=info.device), 0
+        while epoch < stop_epoch:
+            if info.world_size > 1:
+                loader.sampler.set_epoch(epoch)
+            t0 = time.perf_counter()
+            for users, items in loader:
+                wait = time.perf_counter() - t0
+                user_emb, item_emb = model(users, items)
+                loss = sampled_softmax_loss(user_emb, item_emb, items, log_q[items] if cfg.train.logq_correction else None,
+                                            cfg.model.temperature)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+                metrics.add(samples=len(users), tokens=0, data_wait_s=wait)
+                window_loss += loss.detach()
+                window_steps += 1
+                if step % cfg.train.log_every == 0 or step % steps_per_epoch == 0:
+                    metrics.log_step(step, window_loss / window_steps, cfg.optim.lr, None)
+                    window_loss.zero_()
+                    window_steps = 0
+                t0 = time.perf_counter()
+            epoch += 1
+            ev = recall_at_k(inner, data, cfg.train.recall_k, info.rank, info.world_size, info.device)
+            metrics.log_eval(step, ev)
+            ray_train.report({"epoch": epoch, "step": step, **ev},
+                             state={"model": inner.state_dict(), "optimizer": optimizer.state_dict()},
+                             label=f"epoch_{epoch:04d}", meta={"epoch": epoch, "step": step, "config": to_dict(cfg)})
+            reports += 1
+
+        # ---- summary
+        workers = ray_train.worker_summary(inner, reports)
+        if epoch < cfg.train.epochs:
+            stopped = True
+            log.info(f"stopped after epoch {epoch} of {cfg.train.epochs} (train.stop_at_epoch); run again without it to continue")
+        metrics.log_summary({"step": step, "epoch": epoch, **workers,
+                             "mlflow_uri": metrics.mlflow_uri, "mlflow_run_id": metrics.mlflow_run_id})
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        # ---- clean-up (Ray Train destroys the process group)
+        metrics.close(failed=failed, stopped=stopped)
+
+
+# ----------------------------------------------------------------------------- driver
+def main(argv: list[str]) -> None:
+    args = cli_parser(__doc__).parse_args(argv)
+    cfg = load_config(Config, args.config, args.overrides)
+    check_config(cfg, Path(args.config).resolve().parent)
+    nnodes, done, planned = ray_train.prepare_driver(cfg, MAY_CHANGE, ("train.stop_at_epoch", cfg.train.stop_at_epoch))
+    data = read_interactions(cfg.data)
+    if planned and len(data.train_users) < cfg.train.micro_batch_size * planned[0]:
+        raise ConfigError(f"{len(data.train_users)} training interactions are too few for one step of "
+                          f"{cfg.train.micro_batch_size} x {planned[0]} workers")
+    if args.check:
+        print(f"config OK: {args.config} ({data.num_users} users, {data.num_items} items, {len(data.train_users)} train "
+              f"interactions, {len(data.eval_users)} held out)")
+        return
+    if done is not None and done.get("epoch", 0) >= cfg.train.epochs:
+        print(f"already complete: epoch {done['epoch']} of {cfg.train.epochs} in {cfg.output_dir}; use a new output_dir "
+              f"to train again", file=sys.stderr)
+        return
+
+    ray_train.run(__file__, cfg, nnodes, planned)
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except (ConfigError, DataError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)

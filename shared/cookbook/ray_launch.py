@@ -1,0 +1,82 @@
+"""Start a Ray recipe's driver on one node, on a cluster it bootstraps, or on an existing cluster.
+
+    python -m cookbook.ray_launch train.py --config config.yaml [overrides...]
+
+Reads the same environment as the torchrun launch scripts:
+
+- ``RAY_ADDRESS`` set: run the driver against that cluster (nothing is started).
+- ``NNODES=1`` (default): run the driver; it starts a local Ray instance itself.
+- ``NNODES>1``: node ``NODE_RANK=0`` validates the config (``--check``), starts the Ray head on
+  ``MASTER_ADDR:RAY_PORT`` (default port 6379), runs the driver (which waits for ``NNODES`` nodes
+  to join, see ``cookbook.ray_train.resolve_workers``) and stops Ray when it ends. Every other
+  node joins the head, retrying until it is up, and blocks until the head goes away, then exits.
+  ``NGPU`` (optional) caps the GPUs each node offers.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "") or str(default)
+    if not value.isdigit() or int(value) < (0 if name == "NODE_RANK" else 1):
+        sys.exit(f"error: {name}={value} is not a {'non-negative' if name == 'NODE_RANK' else 'positive'} integer")
+    return int(value)
+
+
+def _ray_cli() -> str:
+    beside = Path(sys.executable).parent / "ray"
+    found = str(beside) if beside.is_file() else shutil.which("ray")
+    if not found:
+        sys.exit("error: the `ray` command is not installed in this environment (pip install 'ray[train]')")
+    return found
+
+
+def main(argv: list[str]) -> int:
+    """Run the driver script ``argv[0]`` with arguments ``argv[1:]``; returns its exit status."""
+    if not argv:
+        sys.exit(__doc__)
+    driver = [sys.executable, *argv]
+    nnodes, node_rank = _env_int("NNODES", 1), _env_int("NODE_RANK", 0)
+    os.environ["COOKBOOK_NNODES"] = str(nnodes)
+    if os.environ.get("RAY_ADDRESS") or nnodes == 1:
+        return subprocess.call(driver)
+    master = os.environ.get("MASTER_ADDR", "")
+    if not master:
+        sys.exit("error: NNODES>1 needs MASTER_ADDR, the address of node 0 (the Ray head)")
+    port = _env_int("RAY_PORT", 6379)
+    address = f"{master}:{port}"
+    gpus = ["--num-gpus", os.environ["NGPU"]] if os.environ.get("NGPU") else []
+    ray = _ray_cli()
+    if node_rank == 0:
+        rc = subprocess.call([*driver, "--check"])  # bad input fails before the cluster starts
+        if rc:
+            return rc
+        subprocess.run([ray, "start", "--head", f"--port={port}", f"--node-ip-address={master}", "--disable-usage-stats",
+                        "--include-dashboard=false", *gpus], check=True)
+        try:
+            return subprocess.call(driver, env={**os.environ, "RAY_ADDRESS": address})
+        finally:
+            subprocess.call([ray, "stop"])
+    deadline = time.monotonic() + float(os.environ.get("RAY_JOIN_TIMEOUT_S", "600"))
+    while True:  # the head may not be up yet
+        started = time.monotonic()
+        rc = subprocess.call([ray, "start", f"--address={address}", "--disable-usage-stats", "--block", *gpus])
+        if rc == 0 or time.monotonic() - started > 30:  # it had joined: `--block` returns when the head goes
+            print(f"node {node_rank}: the Ray head at {address} has gone; exiting", file=sys.stderr)
+            return 0
+        if time.monotonic() > deadline:
+            print(f"error: could not join the Ray head at {address} (is launch.sh running with NODE_RANK=0 there?)",
+                  file=sys.stderr)
+            return rc
+        time.sleep(5)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

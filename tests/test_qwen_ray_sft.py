@@ -1,0 +1,43 @@
+"""The Qwen SFT Ray Train recipe on CPU: 2 Ray workers, tiny Qwen2 config, offline tokenizer and data."""
+
+import pytest
+from conftest import ROOT, read_jsonl, train_losses
+from ray_cluster import recipe_module, run_launch, summary
+
+RECIPE = ROOT / "recipes" / "qwen-ray-sft"
+
+
+def test_stop_after_the_first_checkpoint_resume_learn_and_export(ray_env, tmp_path):
+    out = tmp_path / "run"
+    first = run_launch("qwen-ray-sft", ray_env, f"output_dir={out}", "train.stop_at_step=8")
+    assert first.returncode == 0, first.stderr[-4000:]
+    assert sorted(train_losses(out / "metrics.jsonl")) == list(range(1, 9)) and not (out / "final").exists()
+
+    second = run_launch("qwen-ray-sft", ray_env, f"output_dir={out}")
+    assert second.returncode == 0, second.stderr[-4000:]
+    assert "checkpoint_step_00000008 (step 8)" in second.stderr
+    records = read_jsonl(out / "metrics.jsonl")
+    steps = [r["step"] for r in records if r["event"] == "train"]
+    assert steps == list(range(1, 17))  # the second run started at step 9
+    losses = train_losses(out / "metrics.jsonl")
+    assert sum(losses[s] for s in (14, 15, 16)) / 3 < 0.75 * sum(losses[s] for s in (1, 2, 3)) / 3, losses
+    end = summary(records)
+    assert end["reports_per_worker"] == [1, 1] and end["param_fingerprints"][0] == end["param_fingerprints"][1]
+    assert end["eval/tokens"] > 0 and end["eval/loss"] < losses[1]
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    assert model.config.model_type == "qwen2" and model.config.num_hidden_layers == 2
+
+
+def test_bad_input_fails_before_ray_starts(tmp_path, monkeypatch):
+    train = recipe_module("qwen-ray-sft")
+    base = ["--config", str(RECIPE / "tiny.yaml"), "--check", f"output_dir={tmp_path / 'out'}"]
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(ValueError, match="ray.num_workers=64"):
+        train.main([*base, "ray.num_workers=64"])
+    bad = tmp_path / "rows.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    with pytest.raises(ValueError, match="rows.jsonl row 1: the conversation has no assistant turn"):
+        train.main([*base, f"data.train_files=[{bad}]"])

@@ -1,0 +1,294 @@
+"""The TRL + DeepSpeed receipts recipe on CPU: 2 gloo ranks, tiny Qwen3, offline tokenizer, 40 real receipts.
+
+Every run starts from the same random weights saved to disk (``init``), trains on the same 32 receipts with
+one global step = the whole training set (16 rows x 2 ranks), constant lr and clipping at 1.0, so the losses
+of different sharding schemes and of the FSDP2 recipe are directly comparable.
+
+A launch through launch.sh costs ~25-40 s of imports and start-up on 2 cores, so only the resumed ZeRO-3 run
+and the bad-input refusal go through it (the way users run the recipe). The other runs call the same
+``main`` in 2 forked workers (``@cookbook.distributed``) of this process, which has imported the libraries once.
+"""
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+from conftest import ROOT, launch, load_recipe, read_jsonl, train_losses
+
+import cookbook
+
+RECIPE = ROOT / "recipes" / "qwen-zero3-receipts"
+STEPS = 6
+# Same math on CPU in fp32 (ZeRO-2 vs ZeRO-3 vs FSDP2; a resumed vs an uninterrupted run): only the order
+# of floating-point sums differs. Measured: <= 8e-8 (ZeRO-3 resumed vs ZeRO-2) and <= 2e-7 (ZeRO-2 vs FSDP2)
+# relative over 6 steps; 1e-5 leaves room, while a lost optimizer state or a wrong step changes the loss by >1e-3.
+PARITY_RTOL = 1e-5
+COMMON = (f"train.max_steps={STEPS}", "checkpoint.every_steps=3")
+
+
+def recipe_module():
+    return load_recipe("qwen-zero3-receipts")
+
+
+@pytest.fixture(scope="session")
+def init(tmp_path_factory):
+    """Random initial weights of the tiny Qwen3, saved once; every run loads them (model.pretrained=true)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = tmp_path_factory.mktemp("init") / "qwen3"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(RECIPE / "tiny" / "qwen3")).save_pretrained(path)
+    AutoTokenizer.from_pretrained(RECIPE / "tiny" / "qwen3").save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def ds_env(tmp_path_factory):
+    """DeepSpeed JIT builds (none are expected: the recipe skips the CPU shared-memory op) stay in the session."""
+    return {"TORCH_EXTENSIONS_DIR": str(tmp_path_factory.mktemp("torch_extensions"))}
+
+
+def run(out, init, ds_env, *overrides):
+    """The recipe through launch.sh (--check, then accelerate launch with 2 workers)."""
+    proc = launch("qwen-zero3-receipts", f"output_dir={out}", f"model.name_or_path={init}", "model.pretrained=true",
+                  *overrides, env=ds_env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+@cookbook.distributed(nproc=2)
+def _main_in_workers(recipe: str, argv: list[str]) -> None:
+    load_recipe(recipe).main(argv)
+
+
+def run_forked(recipe, out, init, *overrides):
+    """A recipe's ``main`` on 2 forked workers, as its launch.sh would run it after the --check."""
+    import deepspeed  # noqa: F401  imported once here, inherited by the forked workers
+    import peft  # noqa: F401
+    import trl  # noqa: F401
+
+    _main_in_workers(recipe, ["--config", str(ROOT / "recipes" / recipe / "tiny.yaml"), f"output_dir={out}",
+                              f"model.name_or_path={init}", "model.pretrained=true", *overrides])
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _cpu_env(monkeypatch, ds_env):
+    monkeypatch.setenv("COOKBOOK_DEVICE", "cpu")
+    for k, v in ds_env.items():
+        monkeypatch.setenv(k, v)
+
+
+@pytest.fixture(scope="session")
+def zero3(tmp_path_factory, init, ds_env):
+    """ZeRO-3, full fine-tuning: stopped after step 3 (a checkpoint, forked workers), then resumed to the end by
+    launch.sh (its --check validates the resume), with evaluation, export and MLflow."""
+    import os
+
+    out = tmp_path_factory.mktemp("zero3") / "run"
+    os.environ.update(COOKBOOK_DEVICE="cpu", **ds_env)
+    run_forked("qwen-zero3-receipts", out, init, *COMMON, "train.stop_at_step=3", "mlflow=false")
+    second = run(out, init, ds_env, *COMMON)
+    return out, second
+
+
+@pytest.fixture(scope="session")
+def zero2(tmp_path_factory, init, ds_env):
+    """ZeRO-2, full fine-tuning, uninterrupted; no export (ZeRO-3's run covers it)."""
+    import os
+
+    out = tmp_path_factory.mktemp("zero2") / "run"
+    os.environ.update(COOKBOOK_DEVICE="cpu", **ds_env)
+    return run_forked("qwen-zero3-receipts", out, init, *COMMON, "deepspeed.config=zero2.json", "mlflow=false",
+                      "checkpoint.export_hf=false", "eval.max_samples=2")
+
+
+def test_zero3_resume_continues_with_the_uninterrupted_losses(zero3, zero2):
+    out, second = zero3
+    assert "resumed from" in second.stderr and "checkpoint-3" in second.stderr
+    losses = train_losses(out / "metrics.jsonl")
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    # The uninterrupted reference is the ZeRO-2 run: same weights, data and optimizer, so the same math.
+    reference = train_losses(zero2 / "metrics.jsonl")
+    torch.testing.assert_close(torch.tensor([losses[s] for s in range(1, STEPS + 1)], dtype=torch.float64),
+                               torch.tensor([reference[s] for s in range(1, STEPS + 1)], dtype=torch.float64),
+                               rtol=PARITY_RTOL, atol=0)
+
+
+@pytest.mark.parametrize("which", ["zero3", "zero2"])
+def test_full_fine_tuning_loss_falls(which, request):
+    out = request.getfixturevalue(which)
+    out = out[0] if isinstance(out, tuple) else out
+    losses = train_losses(out / "metrics.jsonl")
+    assert losses[STEPS] < losses[1] - 1.0, losses
+
+
+def test_metrics_have_throughput_and_generation_eval(zero3):
+    out = zero3[0]
+    records = read_jsonl(out / "metrics.jsonl")
+    train = [r for r in records if r["event"] == "train"]
+    assert all(r["tokens_per_s_per_rank"] > 0 and r["samples_per_s_per_rank"] > 0 and r["rss_gib"] > 0 for r in train)
+    # 16 receipts per rank per step: samples/s x step time = 16
+    assert train[-1]["samples_per_s_per_rank"] * train[-1]["step_time_s"] == pytest.approx(16, rel=1e-3)
+    ev = [r for r in records if r["event"] == "eval"][-1]
+    assert ev["step"] == STEPS and ev["eval/samples"] == 8  # 20% of 40 receipts held out
+    for key in ("json_valid", "em_company", "em_date", "em_address", "em_total", "em_all"):
+        assert 0.0 <= ev[f"eval/{key}"] <= 1.0
+    assert ev["eval/loss"] < train[0]["loss"]
+    summary = [r for r in records if r["event"] == "summary"][-1]
+    import mlflow
+
+    mlflow.set_tracking_uri(summary["mlflow_uri"])
+    logged = mlflow.get_run(summary["mlflow_run_id"]).data.metrics
+    assert logged["eval_json_valid"] == ev["eval/json_valid"] and logged["eval_em_total"] == ev["eval/em_total"]
+    assert "tokens_per_s_per_rank" in logged
+
+
+def test_checkpoints_are_published_with_meta(zero3):
+    root = zero3[0] / "checkpoints"
+    names = sorted(p.name for p in root.iterdir())
+    assert names == ["checkpoint-3", "checkpoint-6"], names
+    meta = json.loads((root / "checkpoint-6" / "meta.json").read_text())
+    assert meta["step"] == 6 and meta["world_size"] == 2
+    assert not list((zero3[0] / ".staging").glob("checkpoint-*"))  # nothing left unpublished
+
+
+def test_final_model_is_full_and_reloads_with_the_trained_logits(zero3, init):
+    """Every tensor of the export has the model's shape; its logits equal those of the fp32 weights that
+    DeepSpeed's own zero_to_fp32 rebuilds from the ZeRO-3 partitions of the last checkpoint."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    final = zero3[0] / "final"
+    reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(init))
+    saved = load_file(final / "model.safetensors")
+    expected = reference.state_dict()
+    assert set(saved) == set(expected)
+    for name, tensor in saved.items():
+        assert tensor.shape == expected[name].shape, name
+    trained = get_fp32_state_dict_from_zero_checkpoint(str(zero3[0] / "checkpoints" / "checkpoint-6"))
+    reference.load_state_dict(trained)
+    assert not torch.equal(trained["model.layers.0.mlp.up_proj.weight"],
+                           AutoModelForCausalLM.from_pretrained(init).state_dict()["model.layers.0.mlp.up_proj.weight"])
+    tok = AutoTokenizer.from_pretrained(final)
+    ids = tok.apply_chat_template([{"role": "user", "content": "TOTAL 9.00\n\nExtract the company."}],
+                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    exported = AutoModelForCausalLM.from_pretrained(final).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(exported(input_ids=ids).logits, reference.eval()(input_ids=ids).logits,
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_loss_parity_with_the_fsdp2_recipe(zero2, init, tmp_path):
+    """The FSDP2 recipe on the same initial weights, the same 32 training receipts (as chat rows), the same
+    optimizer, lr, clipping and global batch: its losses equal ZeRO's within PARITY_RTOL. Both keep fp32
+    master weights (on CPU everything is fp32), so they do not drift apart."""
+    train = recipe_module()
+    cfg = train.load_config(train.Config, RECIPE / "tiny.yaml", [f"model.name_or_path={init}"])
+    train.check_config(cfg, RECIPE)
+    rows = [json.loads(line) for line in (RECIPE / "tiny" / "data" / "receipts.jsonl").read_text().splitlines()]
+    from transformers import AutoTokenizer
+
+    split = train.load_receipts(cfg.data, AutoTokenizer.from_pretrained(init), cfg.train.seed)
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": train.receipt_messages(rows[i], "tiny", cfg.data.fields)}) + "\n"
+                             for i in split.train_index))
+    out = run_forked("qwen-fsdp2-sft", tmp_path / "fsdp2", init, f"model.tokenizer={init}", f"data.train_files=[{chats}]",
+                     "data.eval_fraction=0", "data.packing=false", "data.max_length=256", "train.micro_batch_size=16",
+                     "train.grad_accum_steps=1", f"train.max_steps={STEPS}", "train.activation_checkpointing=none",
+                     "optim.scheduler=constant", "optim.warmup_ratio=0", "optim.lr=3e-3", "optim.betas=[0.9,0.95]",
+                     "optim.weight_decay=0", "optim.max_grad_norm=1.0", "checkpoint.every_steps=0",
+                     "checkpoint.export_hf=false", "mlflow=false")
+    fsdp, zero = train_losses(out / "metrics.jsonl"), train_losses(zero2 / "metrics.jsonl")
+    torch.testing.assert_close(torch.tensor([zero[s] for s in range(1, STEPS + 1)], dtype=torch.float64),
+                               torch.tensor([fsdp[s] for s in range(1, STEPS + 1)], dtype=torch.float64),
+                               rtol=PARITY_RTOL, atol=0)
+
+
+@pytest.mark.parametrize("ds_config", ["zero3.json", "zero2.json"])
+def test_lora_loss_falls_and_merged_export_reloads(ds_config, init, tmp_path):
+    out = run_forked("qwen-zero3-receipts", tmp_path / "lora", init, "lora.enabled=true", f"deepspeed.config={ds_config}",
+                     f"train.max_steps={STEPS}", "checkpoint.every_steps=0", "mlflow=false", "data.eval_fraction=0",
+                     "optim.lr=2e-2")
+    losses = train_losses(out / "metrics.jsonl")
+    assert losses[STEPS] < losses[1] - 0.3, losses  # LoRA on a random tiny model learns slowly
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(out / "final").eval()
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(init), out / "adapter").eval()
+    base = AutoModelForCausalLM.from_pretrained(init).eval()
+    ids = torch.arange(3, 40).unsqueeze(0)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, adapted(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+        assert not torch.allclose(merged(input_ids=ids).logits, base(input_ids=ids).logits, atol=1e-3)
+
+
+# ----------------------------------------------------------------------------- bad input (in-process --check)
+def check(*overrides):
+    """Run the recipe's preflight (what launch.sh runs before any worker) in this process."""
+    train = recipe_module()
+    train.main(["--config", str(RECIPE / "tiny.yaml"), "--check", *overrides])
+
+
+def _receipts(tmp_path, edit):
+    rows = [json.loads(line) for line in (RECIPE / "tiny" / "data" / "receipts.jsonl").read_text().splitlines()]
+    edit(rows)
+    path = tmp_path / "receipts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda rows: rows[4].update(entities={}), "row 5 (id X00016469623): field 'entities' has none of"),
+    (lambda rows: rows[6].update(ocr_boxes=[]), "row 7 (id X00016469672): field 'ocr_boxes' is empty"),
+    (lambda rows: rows[2]["ocr_boxes"][1].pop(), "row 3 (id X00016469620): ocr_boxes[1] must be"),
+    (lambda rows: rows[9]["entities"].update(total="9.00 " * 200), "row 10 (id X51005230617): prompt + JSON completion is"),
+])
+def test_bad_receipts_are_named(tmp_path, edit, message):
+    from cookbook.sft_data import SFTDataError
+
+    bad = _receipts(tmp_path, edit)
+    with pytest.raises(SFTDataError, match=re.escape(message)):
+        check(f"data.train_files=[{bad}]", f"output_dir={tmp_path / 'out'}")
+
+
+def test_deepspeed_batch_size_disagreeing_with_the_trainer(tmp_path):
+    from cookbook.config import ConfigError
+
+    ds = json.loads((RECIPE / "zero3.json").read_text())
+    ds["train_micro_batch_size_per_gpu"] = 4
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    with pytest.raises(ConfigError, match=r"train_micro_batch_size_per_gpu=4 disagrees with train.micro_batch_size = 16"):
+        check(f"deepspeed.config={tmp_path / 'ds.json'}", f"output_dir={tmp_path / 'out'}")
+
+
+def test_bad_input_stops_launch_before_workers(tmp_path):
+    bad = _receipts(tmp_path, lambda rows: rows[0].update(entities={"company": ""}))
+    proc = launch("qwen-zero3-receipts", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{bad}]")
+    assert proc.returncode == 2 and "row 1 (id X00016469612)" in proc.stderr, proc.stderr[-2000:]
+    assert "torch/distributed/run.py" not in proc.stderr and "accelerate" not in proc.stderr
+
+
+def test_resume_on_another_world_size_is_refused(zero3, tmp_path):
+    from cookbook.checkpoint import CheckpointError
+
+    out = tmp_path / "run"
+    shutil.copytree(zero3[0] / "checkpoints", out / "checkpoints")
+    train = recipe_module()
+    cfg = train.load_config(train.Config, RECIPE / "tiny.yaml", [f"output_dir={out}", *COMMON])
+    with pytest.raises(CheckpointError, match="written by 2 ranks but this job has 4"):
+        train.check_resume(cfg, 4)
+
+
+@pytest.mark.parametrize("config", ["config.yaml", "llama3.2-1b.yaml", "tiny.yaml"])
+def test_shipped_configs_are_valid(config):
+    train = recipe_module()
+    cfg = train.load_config(train.Config, RECIPE / config)
+    train.check_config(cfg, RECIPE)
+    for ds in ("zero1.json", "zero2.json", "zero3.json"):
+        cfg.deepspeed.config = str(RECIPE / ds)
+        train.check_deepspeed_config(cfg, world_size=8)

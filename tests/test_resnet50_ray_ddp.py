@@ -1,0 +1,86 @@
+"""The ResNet Ray Train recipe on CPU: 2 Ray workers (gloo) on a Ray head in the test's folder."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, read_jsonl
+from ray_cluster import recipe_module, run_launch, summary
+
+RECIPE = ROOT / "recipes" / "resnet50-ray-ddp"
+
+
+def test_stop_after_the_first_checkpoint_resume_and_learn(ray_env, tmp_path):
+    out = tmp_path / "run"
+    first = run_launch("resnet50-ray-ddp", ray_env, f"output_dir={out}", "train.stop_at_epoch=1")
+    assert first.returncode == 0, first.stderr[-4000:]
+    assert (out / "checkpoint_epoch_0001" / "state.pt").is_file() and not (out / "checkpoint_epoch_0002").exists()
+    records = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in records if r["event"] == "train"] == [1, 2, 3, 4]  # 64 images / (8 x 2 workers)
+    assert summary(records)["reports_per_worker"] == [1, 1]
+
+    second = run_launch("resnet50-ray-ddp", ray_env, f"output_dir={out}")  # same command: Ray resumes the run
+    assert second.returncode == 0, second.stderr[-4000:]
+    assert "resumed from" in second.stderr and "checkpoint_epoch_0001 (epoch 1, step 4)" in second.stderr
+    records = read_jsonl(out / "metrics.jsonl")
+    train = [r for r in records if r["event"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, 17))  # the second run continued at step 5
+    loss = {r["step"]: r["loss"] for r in train}
+    first_epoch, last_epoch = sum(loss[s] for s in range(1, 5)) / 4, sum(loss[s] for s in range(13, 17)) / 4
+    assert last_epoch < 0.85 * first_epoch, (first_epoch, last_epoch)
+    end = summary(records)
+    assert end["reports_per_worker"] == [3, 3] and end["epoch"] == 4  # every worker reported each epoch
+    assert end["param_fingerprints"][0] == end["param_fingerprints"][1]  # DDP replicas agree
+    evals = [r for r in records if r["event"] == "eval"]
+    assert [e["step"] for e in evals] == [4, 8, 12, 16] and all(e["eval/images"] == 16 for e in evals)
+    assert {"samples_per_s_per_rank", "top1", "data_wait_frac"} <= set(train[-1])
+    assert sorted(p.name for p in out.glob("checkpoint_epoch_*")) == ["checkpoint_epoch_0003", "checkpoint_epoch_0004"]
+    # Ray's session files stayed in the test's folder.
+    assert any((Path(ray_env["_BASE"]) / "ray").glob("session_*"))
+
+
+# ----------------------------------------------------------------------------- bad input (before Ray starts)
+def _check(tmp_path, *overrides):
+    train = recipe_module("resnet50-ray-ddp")
+    train.main(["--config", str(RECIPE / "tiny.yaml"), "--check", f"output_dir={tmp_path / 'out'}", *overrides])
+
+
+@pytest.fixture
+def images(tmp_path):
+    root = tmp_path / "images"
+    shutil.copytree(RECIPE / "tiny" / "data" / "train", root)
+    return root
+
+
+def test_undecodable_image_is_named(tmp_path, images):
+    (images / "checks" / "broken.jpg").write_bytes(b"not a jpeg")
+    with pytest.raises(ValueError, match=r"1 image\(s\) cannot be decoded, e.g. .*checks/broken.jpg"):
+        _check(tmp_path, f"data.train_dir={images}")
+
+
+def test_empty_class_folder_is_named(tmp_path, images):
+    (images / "zebras").mkdir()
+    with pytest.raises(ValueError, match=r"zebras: the class folder 'zebras' holds no image"):
+        _check(tmp_path, f"data.train_dir={images}")
+
+
+def test_more_workers_than_cpus(tmp_path, monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("COOKBOOK_DEVICE", "cpu")
+    with pytest.raises(ValueError, match=r"ray.num_workers=4096 x ray.cpus_per_worker=1 CPUs, but the Ray cluster has"):
+        _check(tmp_path, "ray.num_workers=4096")
+
+
+def test_missing_storage_on_several_nodes(tmp_path, monkeypatch):
+    monkeypatch.setenv("COOKBOOK_NNODES", "2")
+    with pytest.raises(ValueError, match=r"/no/such/mount does not exist. With 2 nodes output_dir must be on storage"):
+        train = recipe_module("resnet50-ray-ddp")
+        train.main(["--config", str(RECIPE / "tiny.yaml"), "--check", "output_dir=/no/such/mount/run"])
+
+
+def test_bad_input_through_launch_sh_is_one_line(tmp_path, ray_env):
+    env = {**ray_env, "RAY_ADDRESS": ""}  # a local run: checked against this machine before Ray starts
+    proc = run_launch("resnet50-ray-ddp", env, f"output_dir={tmp_path / 'out'}", "ray.num_workers=4096")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().startswith("error: ray.num_workers=4096") and proc.stderr.count("error:") == 1
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
