@@ -195,43 +195,6 @@ def check_config(cfg: Config, config_dir: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- data
-def load_examples(cfg: DataConfig, tokenizer, seed: int) -> tuple[list[dict], list[dict], sft_data.SFTStats]:
-    """Tokenized train and eval examples (``input_ids``, ``labels``: assistant tokens only) and
-    the train statistics. Without eval files, a seeded ``eval_fraction`` of each train file is held out."""
-    kwargs = dict(cfg.chat_template_kwargs) or None
-    sources = [(f, sft_data.load_rows(f)) for f in cfg.train_files]
-    if not sources:
-        import datasets
-
-        sources = [(cfg.hub_id, [dict(r) for r in datasets.load_dataset(cfg.hub_id, split="train")])]
-    train, evals, stats = [], [], sft_data.SFTStats()
-    for source, rows in sources:
-        examples, st = sft_data.prepare(rows, tokenizer, cfg.max_length, source, kwargs)
-        if not cfg.eval_files and cfg.eval_fraction > 0:
-            order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
-            n_eval = max(1, int(len(examples) * cfg.eval_fraction))
-            evals += [examples[i] for i in sorted(order[:n_eval])]
-            examples = [examples[i] for i in sorted(order[n_eval:])]
-        train += examples
-        for key in ("rows", "examples", "truncated", "dropped", "tokens", "loss_tokens", "empty_answers"):
-            setattr(stats, key, getattr(stats, key) + getattr(st, key))
-    for f in cfg.eval_files:
-        evals += sft_data.prepare(sft_data.load_rows(f), tokenizer, cfg.max_length, f, kwargs)[0]
-    return train, evals, stats
-
-
-def shard_for_eval(rows: list[dict], rank: int, world_size: int) -> list[dict]:
-    """This rank's evaluation rows, padded with label-free copies so that every rank runs the same
-    number of forward passes: FSDP's all-gathers are collective, so a rank that stopped early
-    would leave the others waiting forever."""
-    if not rows:
-        return []
-    mine = rows[rank::world_size]
-    target = -(-len(rows) // world_size)
-    filler = {**rows[0], "labels": [sft_data.IGNORE_INDEX] * len(rows[0]["labels"])}
-    return mine + [filler] * (target - len(mine))
-
-
 def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     """Packed rows (equal length, with ``position_ids``) are stacked, with ``cu_seq_lens``: the
     (documents + 1,) int32 offsets of the documents in the flattened batch, for ``varlen``.
@@ -414,7 +377,7 @@ def main(argv: list[str]) -> None:
         Checkpointer(Path(cfg.output_dir) / "checkpoints").check_resume(
             cfg.checkpoint.resume, world_size, to_dict(cfg), MAY_CHANGE, cfg.train.stop_at_step)
         if cfg.data.train_files:
-            train, evals, stats = load_examples(cfg.data, tokenizer, cfg.train.seed)
+            train, evals, stats = sft_data.load_examples(cfg.data, tokenizer, cfg.train.seed)
             pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
             n_rows = len(sft_data.pack(train, cfg.data.max_length, pad_id)) if cfg.data.packing else len(train)
             per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * world_size
@@ -433,7 +396,7 @@ def main(argv: list[str]) -> None:
     out_dir = Path(cfg.output_dir)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    train_ex, eval_ex, stats = load_examples(cfg.data, tokenizer, cfg.train.seed)
+    train_ex, eval_ex, stats = sft_data.load_examples(cfg.data, tokenizer, cfg.train.seed)
     if cfg.data.packing:  # rows of exactly max_length tokens, documents separated by position ids
         train_rows, eval_rows = sft_data.pack(train_ex, cfg.data.max_length, pad_id), sft_data.pack(eval_ex, cfg.data.max_length, pad_id)
     else:
@@ -443,7 +406,7 @@ def main(argv: list[str]) -> None:
     loader_kw = dict(collate_fn=partial(collate, pad_id=pad_id), num_workers=cfg.data.num_workers,
                      pin_memory=info.device.type == "cuda")
     train_loader = StatefulDataLoader(train_rows, batch_size=cfg.train.micro_batch_size, sampler=sampler, drop_last=True, **loader_kw)
-    eval_loader = StatefulDataLoader(shard_for_eval(eval_rows, info.rank, info.world_size),
+    eval_loader = StatefulDataLoader(sft_data.shard_for_eval(eval_rows, info.rank, info.world_size),
                                      batch_size=cfg.train.micro_batch_size, **loader_kw)
     steps_per_epoch = len(train_loader) // cfg.train.grad_accum_steps
     if steps_per_epoch == 0:

@@ -67,14 +67,16 @@ class ModelOptimizerState:
     optimizer state (``exp_avg``, ``exp_avg_sq``, ``step``) by parameter name.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 options: StateDictOptions | None = None):
         self.model = model
         self.optimizer = optimizer
+        self.options = options  # e.g. StateDictOptions(ignore_frozen_params=True): adapters only (LoRA)
 
     def state_dict(self) -> dict[str, Any]:
         if self.optimizer is None:
-            return {"model": get_model_state_dict(self.model)}
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+            return {"model": get_model_state_dict(self.model, options=self.options)}
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.options)
         return {"model": model_sd, "optim": optim_sd}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -84,6 +86,7 @@ class ModelOptimizerState:
             optimizers,
             model_state_dict=state["model"],
             optim_state_dict=state.get("optim", {}) if self.optimizer is not None else {},
+            options=self.options,
         )
 
 

@@ -384,3 +384,48 @@ def pad_batch(examples: Sequence[dict], pad_id: int, pad_to_multiple_of: int = 1
         out["labels"][b, :n] = torch.tensor(ex["labels"], dtype=torch.long)
         out["attention_mask"][b, :n] = 1
     return out
+
+
+def load_examples(cfg: Any, tokenizer, seed: int) -> tuple[list[dict], list[dict], SFTStats]:
+    """Tokenized train and eval examples (``input_ids``, ``labels``: assistant tokens only) and the train
+    statistics, for a recipe's data section.
+
+    Args:
+        cfg: any object with ``train_files`` (JSON / JSONL; empty: the ``hub_id`` data set's train split),
+            ``eval_files``, ``hub_id``, ``eval_fraction``, ``max_length`` and ``chat_template_kwargs``.
+        tokenizer: a tokenizer with a chat template.
+        seed: seeds the held-out split: without eval files, a seeded ``eval_fraction`` of each train
+            file is held out for evaluation.
+    """
+    kwargs = dict(cfg.chat_template_kwargs) or None
+    sources = [(f, load_rows(f)) for f in cfg.train_files]
+    if not sources:
+        import datasets
+
+        sources = [(cfg.hub_id, [dict(r) for r in datasets.load_dataset(cfg.hub_id, split="train")])]
+    train, evals, stats = [], [], SFTStats()
+    for source, rows in sources:
+        examples, st = prepare(rows, tokenizer, cfg.max_length, source, kwargs)
+        if not cfg.eval_files and cfg.eval_fraction > 0:
+            order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
+            n_eval = max(1, int(len(examples) * cfg.eval_fraction))
+            evals += [examples[i] for i in sorted(order[:n_eval])]
+            examples = [examples[i] for i in sorted(order[n_eval:])]
+        train += examples
+        for key in ("rows", "examples", "truncated", "dropped", "tokens", "loss_tokens", "empty_answers"):
+            setattr(stats, key, getattr(stats, key) + getattr(st, key))
+    for f in cfg.eval_files:
+        evals += prepare(load_rows(f), tokenizer, cfg.max_length, f, kwargs)[0]
+    return train, evals, stats
+
+
+def shard_for_eval(rows: list[dict], rank: int, world_size: int) -> list[dict]:
+    """This rank's evaluation rows, padded with label-free copies so that every rank runs the same
+    number of forward passes: sharded models run collectives in every forward (FSDP all-gathers,
+    expert all-to-alls), so a rank that stopped early would leave the others waiting forever."""
+    if not rows:
+        return []
+    mine = rows[rank::world_size]
+    target = -(-len(rows) // world_size)
+    filler = {**rows[0], "labels": [IGNORE_INDEX] * len(rows[0]["labels"])}
+    return mine + [filler] * (target - len(mine))

@@ -1,0 +1,626 @@
+"""Click-through-rate prediction with DLRM whose embedding tables are sharded by TorchRec.
+
+Commands (from this folder; NGPU defaults to all visible GPUs, else 2 CPU processes):
+
+    ./launch.sh                                             # Criteo (Kaggle DAC train.txt), all GPUs of this node
+    CONFIG_FILE=tiny.yaml ./launch.sh                       # generated Criteo-format rows, CPU-friendly
+    CONFIG_FILE=tiny.yaml ./launch.sh sharding.plan=row_wise 'sharding.tables={C1: data_parallel}'
+    NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 ./launch.sh   # each node
+
+What this recipe supports:
+    - Data: Criteo display-advertising text (tab-separated label, I1-I13 counts, C1-C26 hashed categories).
+      Missing counts are 0 and counts are log-transformed (log(1 + max(x, 0))); a category's hex hash is taken
+      modulo its table size; a missing category is an empty bag (its pooled embedding is zero). Rows stream from
+      the files: each global batch is world_size x batch_size consecutive rows and every rank parses its slice.
+      Every ``data.holdout_every``-th row (or ``data.eval_files``) is the validation split.
+    - Model: TorchRec's DLRM (dense MLP, ``EmbeddingBagCollection`` over the 26 features, dot interaction,
+      over-arch), with the embedding tables built on the meta device and materialised only as shards.
+    - Sharding: ``DistributedModelParallel`` with table-wise, row-wise, column-wise or data-parallel tables,
+      one kind for all (``sharding.plan``) or per table (``sharding.tables``); ``auto`` lets TorchRec's planner
+      choose. A plan with every table's kind given is built by hand (``construct_module_sharding_plan``): that
+      is how row-wise runs on CPU, where the planner does not offer it. The dense part is data parallel (DDP).
+    - Optimizers: the sharded tables' optimizer (row-wise Adagrad or SGD) is fused into the embedding backward
+      (FBGEMM); data-parallel tables get the same optimizer as a plain one; the dense part its own (Adagrad or SGD).
+      On GPU, ``TrainPipelineSparseDist`` overlaps the next batch's copy and input all-to-all with this step.
+    - Evaluation: AUC (torchmetrics, gathered from every rank) and log-loss on the validation split.
+    - Checkpoints (cookbook.checkpoint, DCP): every rank writes its own table shards and their optimizer state,
+      plus dense weights, Adagrad state and the data position; atomic publish; ``resume: auto``.
+    - Metrics (cookbook.metrics): loss, records/s per rank (or GPU), memory, data wait; MLflow.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+warnings.filterwarnings("ignore", module="torchrec")
+warnings.filterwarnings("ignore", message=".*(TypedStorage|_get_pg_default_device|DistributedDataParallel).*")
+# TorchRec 1.8 calls the c10d collectives that torch 2.13 renamed, and FBGEMM's CPU lookup of data-parallel
+# tables has no registered autograd kernel (its gradient is correct: tests/test_torchrec_dlrm.py compares it).
+warnings.filterwarnings("ignore", message=".*(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated.*")
+warnings.filterwarnings("ignore", message="fbgemm::dense_embedding_codegen_lookup_function: an autograd kernel")
+
+import logging
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torchmetrics.classification import BinaryAUROC
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec.datasets.utils import Batch
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.sharding_plan import (
+    column_wise,
+    construct_module_sharding_plan,
+    data_parallel,
+    row_wise,
+    table_wise,
+)
+from torchrec.distributed.types import ShardingPlan
+from torchrec.models.dlrm import DLRM, DLRMTrain
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+import cookbook
+from cookbook.checkpoint import Checkpointer, CheckpointError, TrainState
+from cookbook.config import ConfigError, cli_parser, load_config, resolve_path, save_config, to_dict
+from cookbook.metrics import MetricsLogger, StepProfiler
+
+for _name in ("torchrec", "root"):  # TorchRec logs planner and caching notices at WARNING on every rank
+    logging.getLogger(_name).setLevel(logging.ERROR)
+
+DENSE = [f"I{i}" for i in range(1, 14)]
+CATEGORICAL = [f"C{i}" for i in range(1, 27)]
+COLUMNS = ["label", *DENSE, *CATEGORICAL]
+SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "data_parallel")
+
+
+# ----------------------------------------------------------------------------- config
+@dataclass
+class ModelConfig:
+    # Rows per table, C1..C26: one value for all, or 26. Ids are the hex hash modulo this size.
+    table_sizes: list[int] = field(default_factory=lambda: [1_000_000])
+    embedding_dim: int = 128
+    dense_arch: list[int] = field(default_factory=lambda: [512, 256, 128])  # last = embedding_dim
+    over_arch: list[int] = field(default_factory=lambda: [1024, 1024, 512, 256, 1])  # last = 1
+
+
+@dataclass
+class ShardingConfig:
+    plan: str = "auto"  # auto (TorchRec's planner), table_wise, row_wise, column_wise, data_parallel
+    tables: dict[str, str] = field(default_factory=dict)  # per-table kind, e.g. {C3: row_wise, C9: data_parallel}
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=lambda: ["data/criteo/train.txt"])
+    eval_files: list[str] = field(default_factory=list)  # empty: every holdout_every-th row of train_files
+    holdout_every: int = 20  # 0: no validation (when eval_files is empty)
+    max_eval_rows: int = 1_000_000
+    check_rows: int = 100_000  # rows per file that --check parses before start (0: all)
+
+
+@dataclass
+class OptimConfig:
+    sparse: str = "rowwise_adagrad"  # rowwise_adagrad or sgd, for the embedding tables
+    sparse_lr: float = 0.02
+    dense: str = "adagrad"  # adagrad or sgd, for the MLPs
+    dense_lr: float = 0.02
+    eps: float = 1e-8
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 42
+    batch_size: int = 8192  # rows per rank per step
+    epochs: int = 1
+    max_steps: int = -1
+    stop_at_step: int = -1
+    pipeline: bool = True  # GPU: TrainPipelineSparseDist (ignored on CPU)
+    log_every: int = 100
+    eval_every: int = 0  # 0: at the end only
+    profile_step: int = 0
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 2000  # 0: only at the end (and at stop_at_step); -1: never (benchmarks)
+    keep_last: int = 2
+    resume: str = "auto"
+
+
+@dataclass
+class Config:
+    output_dir: str = "outputs/dlrm-criteo"
+    run_name: str = "dlrm-criteo"
+    mlflow: bool = True
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+MAY_CHANGE = ("output_dir", "run_name", "mlflow", "train.stop_at_step", "train.log_every", "train.eval_every",
+              "train.profile_step", "train.pipeline", "data.check_rows", "data.max_eval_rows", "checkpoint.*")
+
+
+def table_sizes(cfg: ModelConfig) -> list[int]:
+    return cfg.table_sizes * 26 if len(cfg.table_sizes) == 1 else list(cfg.table_sizes)
+
+
+def check_config(cfg: Config, config_dir: Path) -> None:
+    """Resolve paths against the config file's folder and reject incompatible values."""
+    cfg.data.train_files = [resolve_path(f, config_dir) for f in cfg.data.train_files]
+    cfg.data.eval_files = [resolve_path(f, config_dir) for f in cfg.data.eval_files]
+    m = cfg.model
+    if len(m.table_sizes) not in (1, 26):
+        raise ConfigError(f"model.table_sizes has {len(m.table_sizes)} values: give one (every table) or 26 (C1..C26)")
+    for name, size in zip(CATEGORICAL, table_sizes(m)):
+        if size < 1:
+            raise ConfigError(f"model.table_sizes: table {name} has {size} rows; every table needs at least 1")
+    if not m.dense_arch or m.dense_arch[-1] != m.embedding_dim:
+        raise ConfigError(f"model.dense_arch must end with model.embedding_dim={m.embedding_dim} (the dense features "
+                          f"join the embeddings in the interaction), got {m.dense_arch}")
+    if len(m.over_arch) < 2 or m.over_arch[-1] != 1:
+        raise ConfigError(f"model.over_arch needs at least 2 layers and must end with 1 (the click logit), got {m.over_arch}")
+    kinds = {cfg.sharding.plan, *cfg.sharding.tables.values()}
+    if not kinds <= {"auto", *SHARDING_TYPES}:
+        raise ConfigError(f"sharding.plan / sharding.tables: kinds are auto, {', '.join(SHARDING_TYPES)}; got "
+                          f"{sorted(kinds - {'auto', *SHARDING_TYPES})}")
+    unknown = sorted(set(cfg.sharding.tables) - set(CATEGORICAL))
+    if unknown:
+        raise ConfigError(f"sharding.tables: no table named {unknown} (tables are C1..C26)")
+    if "auto" in cfg.sharding.tables.values():
+        raise ConfigError("sharding.tables: name a kind per table; 'auto' is for sharding.plan")
+    for key, value, allowed in [("optim.sparse", cfg.optim.sparse, ("rowwise_adagrad", "sgd")),
+                                ("optim.dense", cfg.optim.dense, ("adagrad", "sgd"))]:
+        if value not in allowed:
+            raise ConfigError(f"{key} must be one of {list(allowed)}, got {value!r}")
+    for key, value in [("train.batch_size", cfg.train.batch_size), ("train.log_every", cfg.train.log_every),
+                       ("model.embedding_dim", m.embedding_dim)]:
+        if value < 1:
+            raise ConfigError(f"{key} must be >= 1, got {value}")
+    if not cfg.data.train_files:
+        raise ConfigError("data.train_files is empty: give Criteo-format text files")
+    if cfg.data.holdout_every < 0 or cfg.data.holdout_every == 1:
+        raise ConfigError(f"data.holdout_every must be 0 (off) or >= 2, got {cfg.data.holdout_every}")
+    if cfg.train.max_steps <= 0 and cfg.train.epochs <= 0:
+        raise ConfigError("set train.max_steps > 0 or train.epochs > 0")
+    if cfg.checkpoint.keep_last < 0 or cfg.checkpoint.every_steps < -1:
+        raise ConfigError("checkpoint.keep_last must be >= 0 and checkpoint.every_steps >= -1 (-1: never)")
+    if cfg.checkpoint.every_steps == -1 and cfg.train.stop_at_step > 0:
+        raise ConfigError("train.stop_at_step needs a checkpoint to resume from: checkpoint.every_steps=-1 saves none")
+
+
+def check_sharding(cfg: Config, world_size: int, on_cpu: bool) -> None:
+    """Refuse, before start, sharding choices this world size or device cannot run."""
+    kinds = table_kinds(cfg.sharding)
+    if "column_wise" in kinds.values() and cfg.model.embedding_dim % world_size:
+        raise ConfigError(f"column_wise splits each table's {cfg.model.embedding_dim} columns over {world_size} ranks: "
+                          f"model.embedding_dim must be a multiple of the world size")
+    small = [n for n, s in zip(CATEGORICAL, table_sizes(cfg.model)) if kinds[n] == "row_wise" and s < world_size]
+    if small:
+        raise ConfigError(f"row_wise tables need at least one row per rank ({world_size}); {small} are smaller")
+    if on_cpu and "auto" in kinds.values() and "row_wise" in kinds.values():
+        raise ConfigError("on CPU TorchRec's planner offers no row_wise: name a kind for every table "
+                          "(sharding.plan=<kind> plus sharding.tables) so the plan is built by hand")
+
+
+# ----------------------------------------------------------------------------- data
+class DataError(ValueError):
+    """A data row is malformed; the message names the file, line and column."""
+
+
+def parse_row(line: str, sizes: list[int], where: str) -> tuple[float, list[float], list[int]]:
+    """One Criteo row: label, 13 log-transformed counts, 26 ids (-1: missing), each hashed into its table."""
+    fields = line.rstrip("\n").split("\t")
+    if len(fields) != 40:
+        raise DataError(f"{where}: {len(fields)} tab-separated fields, expected 40 (label, I1-I13, C1-C26)")
+    if fields[0] not in ("0", "1"):
+        raise DataError(f"{where}, column 1 (label): {fields[0]!r} is not 0 or 1")
+    dense = []
+    for col, value in enumerate(fields[1:14], start=2):
+        try:
+            dense.append(math.log1p(max(int(value), 0)) if value else 0.0)
+        except ValueError:
+            raise DataError(f"{where}, column {col} ({COLUMNS[col - 1]}): {value!r} is not an integer") from None
+    ids = []
+    for col, (value, size) in enumerate(zip(fields[14:], sizes), start=15):
+        try:
+            ids.append(int(value, 16) % size if value else -1)
+        except ValueError:
+            raise DataError(f"{where}, column {col} ({COLUMNS[col - 1]}): {value!r} is not a hexadecimal hash") from None
+    return float(fields[0]), dense, ids
+
+
+def to_batch(rows: list[tuple[float, list[float], list[int]]], weights: list[float] | None = None) -> Batch:
+    """Rows as TorchRec's ``Batch``: dense (B, 13), a KeyedJaggedTensor of the 26 features (one id or an
+    empty bag per row and feature) and labels (B,). `weights` (0 for padding rows) ride along for evaluation."""
+    labels = torch.tensor([r[0] for r in rows])
+    dense = torch.tensor([r[1] for r in rows], dtype=torch.float32)
+    ids = np.array([r[2] for r in rows], dtype=np.int64).T  # (26, B), feature-major as the KJT wants
+    present = ids >= 0
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=CATEGORICAL, values=torch.from_numpy(ids[present]),
+                                              lengths=torch.from_numpy(present.reshape(-1).astype(np.int32)))
+    batch = Batch(dense_features=dense, sparse_features=kjt, labels=labels)
+    if weights is not None:
+        batch.weights = torch.tensor(weights)  # type: ignore[attr-defined]
+    return batch
+
+
+def split_lines(files: list[str], holdout_every: int, split: str) -> Iterator[tuple[str, str]]:
+    """(where, line) of the train or eval split: every holdout_every-th line is eval (0: all train)."""
+    for path in files:
+        with open(path) as f:
+            for i, line in enumerate(f, start=1):
+                held = holdout_every > 0 and i % holdout_every == 0
+                if split == "all" or held == (split == "eval"):
+                    yield f"{path} line {i}", line
+
+
+class CriteoStream:
+    """Global batches of ``world_size x batch_size`` consecutive rows; this rank parses rows
+    ``[rank * B, (rank + 1) * B)`` of each. Deterministic, so the data position is (epoch, batches done in it):
+    a resume skips that many batches without parsing them. A tail shorter than a global batch is dropped.
+
+    The position (a DCP `Stateful`) is that of the last batch the loop *finished* (`consumed`), not the last one
+    read: the GPU pipeline reads one batch ahead."""
+
+    def __init__(self, cfg: Config, rank: int, world_size: int):
+        self.files = cfg.data.train_files
+        self.split = "train" if not cfg.data.eval_files else "all"
+        self.holdout_every = cfg.data.holdout_every
+        self.sizes = table_sizes(cfg.model)
+        self.rank, self.world_size, self.batch_size = rank, world_size, cfg.train.batch_size
+        self.epoch = self.batches = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "batches": self.batches}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.batches = int(state["epoch"]), int(state["batches"])
+
+    def consumed(self, position: tuple[int, int]) -> None:
+        self.epoch, self.batches = position
+
+    def __iter__(self) -> Iterator[tuple[Batch, tuple[int, int]]]:
+        """Endless: (batch, its position) epoch after epoch, starting after the saved position."""
+        epoch, skip = self.epoch, self.batches
+        n_global = self.world_size * self.batch_size
+        lo, hi = self.rank * self.batch_size, (self.rank + 1) * self.batch_size
+        while True:
+            done, chunk = 0, []
+            for where, line in split_lines(self.files, self.holdout_every, self.split):
+                chunk.append((where, line))
+                if len(chunk) < n_global:
+                    continue
+                done += 1
+                if done > skip:
+                    yield to_batch([parse_row(line, self.sizes, w) for w, line in chunk[lo:hi]]), (epoch, done)
+                chunk = []
+            if done == 0:
+                raise DataError(f"{', '.join(self.files)}: fewer than {n_global} training rows, too few for one "
+                                f"step of {self.batch_size} rows x {self.world_size} ranks")
+            epoch, skip = epoch + 1, 0
+
+
+def eval_batches(cfg: Config, rank: int, world_size: int) -> list[Batch]:
+    """This rank's validation batches, the same number on every rank (the tables' all-to-alls are collective):
+    the last global batch is padded with weight-0 copies."""
+    if cfg.data.eval_files:
+        lines = split_lines(cfg.data.eval_files, 0, "all")
+    elif cfg.data.holdout_every > 0:
+        lines = split_lines(cfg.data.train_files, cfg.data.holdout_every, "eval")
+    else:
+        return []
+    sizes, rows, total = table_sizes(cfg.model), [], 0
+    for where, line in lines:
+        if total == cfg.data.max_eval_rows:
+            break
+        if total % world_size == rank:
+            rows.append(parse_row(line, sizes, where))
+        total += 1
+    if total == 0:
+        return []
+    per_rank = -(-total // world_size)
+    weights = [1.0] * len(rows) + [0.0] * (per_rank - len(rows))
+    rows += [rows[0] if rows else (0.0, [0.0] * 13, [-1] * 26)] * (per_rank - len(rows))
+    B = cfg.train.batch_size
+    return [to_batch(rows[i:i + B], weights[i:i + B]) for i in range(0, per_rank, B)]
+
+
+def check_data(cfg: Config, world_size: int) -> str:
+    """Parse the first ``data.check_rows`` rows of every file (all with 0); raise DataError on the first bad one."""
+    sizes, counts = table_sizes(cfg.model), {}
+    for path in [*cfg.data.train_files, *cfg.data.eval_files]:
+        if not Path(path).is_file():
+            raise ConfigError(f"data file not found: {path}")
+        n = 0
+        for where, line in split_lines([path], 0, "all"):
+            parse_row(line, sizes, where)
+            n += 1
+            if n == cfg.data.check_rows:
+                break
+        counts[path] = n
+    total = sum(counts[p] for p in cfg.data.train_files)
+    train = total if cfg.data.eval_files or not cfg.data.holdout_every else total - total // cfg.data.holdout_every
+    if (cfg.data.check_rows == 0 or total < cfg.data.check_rows) and train < world_size * cfg.train.batch_size:
+        raise ConfigError(f"{train} training rows are too few for one step of {cfg.train.batch_size} rows x "
+                          f"{world_size} ranks: lower train.batch_size")
+    return f"{total} rows checked" + ("" if cfg.data.check_rows == 0 else f" (the first {cfg.data.check_rows} of each file)")
+
+
+# ----------------------------------------------------------------------------- model
+def table_kinds(cfg: ShardingConfig) -> dict[str, str]:
+    return {name: cfg.tables.get(name, cfg.plan) for name in CATEGORICAL}
+
+
+def build_model(cfg: Config, device: torch.device) -> DLRMTrain:
+    """DLRM with its tables on the meta device (no memory until sharded) and its MLPs on `device`."""
+    tables = [EmbeddingBagConfig(name=name, embedding_dim=cfg.model.embedding_dim, num_embeddings=size,
+                                 feature_names=[name]) for name, size in zip(CATEGORICAL, table_sizes(cfg.model))]
+    torch.manual_seed(cfg.train.seed)
+    return DLRMTrain(DLRM(embedding_bag_collection=EmbeddingBagCollection(tables=tables, device=torch.device("meta")),
+                          dense_in_features=len(DENSE), dense_arch_layer_sizes=cfg.model.dense_arch,
+                          over_arch_layer_sizes=cfg.model.over_arch, dense_device=device))
+
+
+def sparse_optimizer(cfg: OptimConfig) -> tuple[type[torch.optim.Optimizer], dict]:
+    if cfg.sparse == "rowwise_adagrad":
+        return RowWiseAdagrad, {"lr": cfg.sparse_lr, "eps": cfg.eps}
+    return torch.optim.SGD, {"lr": cfg.sparse_lr}
+
+
+def sharding_plan(cfg: Config, model: DLRMTrain, info: cookbook.DistInfo) -> ShardingPlan:
+    """Every table's kind given: a hand-built plan (table-wise tables go largest first to the rank with the
+    fewest rows so far; row- and column-wise tables span every rank). Otherwise TorchRec's planner, held to the
+    kinds that are given."""
+    ebc = model.model.sparse_arch.embedding_bag_collection
+    kinds, sizes = table_kinds(cfg.sharding), dict(zip(CATEGORICAL, table_sizes(cfg.model)))
+    if "auto" not in kinds.values():
+        load, gens = [0] * info.world_size, {}
+        for name in sorted(CATEGORICAL, key=lambda n: -sizes[n]):
+            if kinds[name] == "table_wise":
+                rank = load.index(min(load))
+                load[rank] += sizes[name]
+                gens[name] = table_wise(rank=rank)
+            else:
+                gens[name] = {"row_wise": row_wise, "data_parallel": data_parallel,
+                              "column_wise": lambda: column_wise(ranks=list(range(info.world_size)))}[kinds[name]]()
+        module_plan = construct_module_sharding_plan(ebc, {n: gens[n] for n in CATEGORICAL}, world_size=info.world_size,
+                                                     device_type=info.device.type)
+        return ShardingPlan({"model.sparse_arch.embedding_bag_collection": module_plan})
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
+    topology = Topology(world_size=info.world_size, local_world_size=local, compute_device=info.device.type)
+    constraints = {n: ParameterConstraints(sharding_types=[k]) for n, k in kinds.items() if k != "auto"}
+    return EmbeddingShardingPlanner(topology=topology, constraints=constraints).collective_plan(model, pg=dist.group.WORLD)
+
+
+def shard_model(cfg: Config, info: cookbook.DistInfo) -> tuple[DistributedModelParallel, CombinedOptimizer]:
+    """DistributedModelParallel over the DLRM and one optimizer over all of it."""
+    model = build_model(cfg, info.device)
+    sparse_cls, sparse_kw = sparse_optimizer(cfg.optim)
+    # Registered before sharding: DMP fuses this optimizer into the sharded tables' backward (FBGEMM).
+    apply_optimizer_in_backward(sparse_cls, model.model.sparse_arch.parameters(), dict(sparse_kw))  # it adds keys
+    plan = sharding_plan(cfg, model, info)
+    dmp = DistributedModelParallel(model, device=info.device, plan=plan)
+    rest = dict(in_backward_optimizer_filter(dmp.named_parameters()))
+    dp_tables = {k: v for k, v in rest.items() if ".embedding_bags." in k}  # data-parallel tables: replicated
+    dense = {k: v for k, v in rest.items() if k not in dp_tables}
+    dense_cls = torch.optim.Adagrad if cfg.optim.dense == "adagrad" else torch.optim.SGD
+    dense_kw = {"lr": cfg.optim.dense_lr, **({"eps": cfg.optim.eps} if cfg.optim.dense == "adagrad" else {})}
+    optimizers = [("fused", dmp.fused_optimizer), ("dense", KeyedOptimizerWrapper(dense, lambda p: dense_cls(p, **dense_kw)))]
+    if dp_tables:
+        optimizers.append(("dp_tables", KeyedOptimizerWrapper(dp_tables, lambda p: sparse_cls(p, **sparse_kw))))
+    return dmp, CombinedOptimizer(optimizers)
+
+
+class DLRMState:
+    """DCP `Stateful` for the sharded model and its optimizers: table shards and their fused optimizer state
+    are ShardedTensors (each rank writes its own), dense weights and Adagrad sums are replicated (written once)."""
+
+    def __init__(self, model: DistributedModelParallel, optimizer: CombinedOptimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optim"])
+
+
+class IntsAsTensors:
+    """DCP `Stateful` adapter that stores a state of plain ints (step, data position) as 0-d tensors. Beside
+    TorchRec's ShardedTensors, torch 2.13's DCP load keeps a dict of plain ints whole while save stored its
+    entries one by one, and the resume fails with "Missing key in checkpoint state_dict"."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: torch.tensor(v) for k, v in self.obj.state_dict().items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.obj.load_state_dict({k: int(v) for k, v in state.items()})
+
+
+def describe_plan(model: DistributedModelParallel) -> str:
+    """``table_wise: 20 tables, row_wise: 6 tables`` from the plan DMP applied."""
+    counts: dict[str, int] = {}
+    for module_plan in model.plan.plan.values():
+        for ps in module_plan.values():  # type: ignore[union-attr]
+            counts[ps.sharding_type] = counts.get(ps.sharding_type, 0) + 1
+    return ", ".join(f"{k}: {v} tables" for k, v in sorted(counts.items()))
+
+
+@torch.no_grad()
+def evaluate(model: DistributedModelParallel, batches: list[Batch], device: torch.device) -> dict[str, float]:
+    """AUC and log-loss over the validation rows of every rank (padding rows excluded)."""
+    model.eval()
+    auroc = BinaryAUROC().to(device)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    count = torch.zeros((), dtype=torch.float64, device=device)
+    for batch in batches:
+        keep = batch.weights.to(device) > 0  # type: ignore[attr-defined]
+        _, (_, logits, labels) = model(batch.to(device))
+        logits, labels = logits.float()[keep], labels.float()[keep]
+        loss_sum += torch.nn.functional.binary_cross_entropy_with_logits(logits, labels, reduction="sum").double()
+        count += keep.sum()
+        auroc.update(torch.sigmoid(logits), labels.long())
+    totals = cookbook.all_reduce_sum({"loss": loss_sum, "rows": count}, device)
+    auc = float(auroc.compute())  # gathers every rank's predictions
+    model.train()
+    return {"auc": auc, "logloss": totals["loss"] / max(totals["rows"], 1.0), "rows": totals["rows"]}
+
+
+# ----------------------------------------------------------------------------- recipe
+def main(argv: list[str]) -> None:
+    args = cli_parser(__doc__).parse_args(argv)
+    cfg = load_config(Config, args.config, args.overrides)
+    check_config(cfg, Path(args.config).resolve().parent)
+    on_cpu = not torch.cuda.is_available() or os.environ.get("COOKBOOK_DEVICE") == "cpu"
+    if args.check:  # one process, before torchrun starts any worker
+        world_size = int(os.environ.get("COOKBOOK_WORLD_SIZE", "1"))  # launch.sh: NGPU x NNODES
+        check_sharding(cfg, world_size, on_cpu)
+        Checkpointer(Path(cfg.output_dir) / "checkpoints").check_resume(
+            cfg.checkpoint.resume, world_size, to_dict(cfg), MAY_CHANGE, cfg.train.stop_at_step)
+        print(f"config OK: {args.config} ({check_data(cfg, world_size)})")
+        return
+
+    # ---- set-up
+    info = cookbook.init_distributed()
+    log = cookbook.get_logger()
+    out_dir = Path(cfg.output_dir)
+    check_sharding(cfg, info.world_size, on_cpu)
+    model, optimizer = shard_model(cfg, info)
+    stream = CriteoStream(cfg, info.rank, info.world_size)
+    evals = eval_batches(cfg, info.rank, info.world_size)
+    state = TrainState()
+    checkpointer = Checkpointer(out_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last)
+    ckpt_state = {"app": DLRMState(model, optimizer), "train": IntsAsTensors(state), "data": IntsAsTensors(stream)}
+    resume_from = checkpointer.check_resume(cfg.checkpoint.resume, info.world_size, to_dict(cfg), MAY_CHANGE,
+                                            cfg.train.stop_at_step)
+    if resume_from is not None:
+        checkpointer.load(resume_from, ckpt_state)
+    max_steps = cfg.train.max_steps if cfg.train.max_steps > 0 else cfg.train.epochs * steps_per_epoch(cfg, info.world_size)
+    stop_at = cfg.train.stop_at_step if cfg.train.stop_at_step > 0 else max_steps
+    if state.step >= max_steps:
+        log.info(f"already complete: {state.step} of {max_steps} steps; metrics in {out_dir / 'metrics.jsonl'}. "
+                 f"Use a new output_dir (or checkpoint.resume=none) to train again.")
+        cookbook.destroy_distributed()
+        return
+    if info.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, out_dir / "config.yaml")
+    metrics = MetricsLogger(out_dir, info, run_name=cfg.run_name, experiment="torchrec-dlrm", params=to_dict(cfg),
+                            mlflow=cfg.mlflow, max_steps=max_steps, count_tokens=False)
+    n_rows = sum(table_sizes(cfg.model))
+    log.info(f"world size {info.world_size} ({info.backend}) | {describe_plan(model)} | 26 tables, {n_rows:,} rows x "
+             f"{cfg.model.embedding_dim} ({n_rows * cfg.model.embedding_dim * 4 / 2**30:.2f} GiB fp32) | global batch "
+             f"{cfg.train.batch_size * info.world_size} | {max_steps} steps | optimizers: {cfg.optim.sparse} (tables), "
+             f"{cfg.optim.dense} (dense)")
+
+    # ---- train loop
+    use_pipeline = cfg.train.pipeline and info.device.type == "cuda"
+    profiler = StepProfiler(cfg.train.profile_step, out_dir, info)
+    data_iter = iter(stream)
+    pulled: list[tuple[float, tuple[int, int]]] = []  # (seconds waited, position) of batches read, oldest first
+
+    def timed_batches() -> Iterator[Batch]:
+        while True:
+            t0 = time.perf_counter()
+            batch, position = next(data_iter)
+            pulled.append((time.perf_counter() - t0, position))
+            yield batch
+
+    batches = timed_batches()
+    if use_pipeline:
+        from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+        pipeline = TrainPipelineSparseDist(model, optimizer, info.device)
+    window_loss, window_steps = torch.zeros((), device=info.device), 0
+    failed = stopped = False
+    try:
+        cookbook.barrier()
+        metrics.start(state.step)
+        while state.step < min(max_steps, stop_at):
+            profiler.start(state.step + 1)
+            if use_pipeline:  # forward, backward and optimizer step, with the next batch's input dist overlapped
+                loss, _ = pipeline.progress(batches)
+            else:
+                batch = next(batches).to(info.device)
+                loss, _ = model(batch)
+                loss.backward()  # the sharded tables update here (fused optimizer)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            wait, position = pulled.pop(0)  # the batch this step finished (the pipeline reads one ahead)
+            stream.consumed(position)
+            state.step += 1
+            state.epoch = stream.epoch
+            profiler.stop()
+            metrics.add(samples=cfg.train.batch_size, tokens=0, data_wait_s=wait)
+            window_loss += loss.detach()
+            window_steps += 1
+            if state.step % cfg.train.log_every == 0 or state.step == max_steps:
+                metrics.log_step(state.step, window_loss / window_steps, cfg.optim.dense_lr, None)
+                window_loss.zero_()
+                window_steps = 0
+            if evals and cfg.train.eval_every > 0 and state.step % cfg.train.eval_every == 0 and state.step < max_steps:
+                metrics.log_eval(state.step, evaluate(model, evals, info.device))
+            if cfg.checkpoint.every_steps >= 0 and (state.step in (stop_at, max_steps) or (
+                    cfg.checkpoint.every_steps > 0 and state.step % cfg.checkpoint.every_steps == 0)):
+                checkpointer.save(state.step, ckpt_state, {"epoch": state.epoch, "config": to_dict(cfg)})
+
+        # ---- finish
+        if state.step < max_steps:
+            stopped = True
+            log.info(f"stopped at step {state.step} of {max_steps} (train.stop_at_step); to continue from "
+                     f"{checkpointer.latest()}, run again without train.stop_at_step (or with a larger value)")
+            return
+        final_eval = evaluate(model, evals, info.device) if evals else {}
+        if final_eval:
+            metrics.log_eval(state.step, final_eval)
+        metrics.log_summary({"step": state.step, **{f"eval/{k}": v for k, v in final_eval.items()},
+                             "mlflow_uri": metrics.mlflow_uri, "mlflow_run_id": metrics.mlflow_run_id})
+        if info.is_main:
+            log.info(f"done: {state.step} steps" + (f" | eval AUC {final_eval['auc']:.4f} log-loss "
+                                                    f"{final_eval['logloss']:.4f}" if final_eval else ""))
+            log.info(f"metrics:     {metrics.jsonl_path}")
+            if metrics.mlflow_uri:
+                log.info(f"MLflow:      {metrics.mlflow_uri} (run {metrics.mlflow_run_id})")
+            log.info(f"checkpoints: {checkpointer.root}")
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        # ---- clean-up
+        metrics.close(failed=failed, stopped=stopped)
+        cookbook.destroy_distributed()
+
+
+def steps_per_epoch(cfg: Config, world_size: int) -> int:
+    """Global batches in one pass over the training split (counts lines; no parsing)."""
+    split = "train" if not cfg.data.eval_files else "all"
+    rows = sum(1 for _ in split_lines(cfg.data.train_files, cfg.data.holdout_every, split))
+    return rows // (world_size * cfg.train.batch_size)
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except (ConfigError, DataError, CheckpointError) as exc:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,222 @@
+"""The MoE LoRA recipe (FSDP2 + expert parallelism) on CPU: 2 gloo ranks, tiny Nemotron-H (Mamba, MoE,
+attention, MoE; 4 experts, top-2) and tiny Qwen3-MoE, offline tokenizer, generated chat rows.
+
+Every run starts from the same random weights saved to disk (``init``). Runs call the recipe's ``main`` in
+2 forked workers of this process (``@cookbook.distributed``); only the resumed run goes through launch.sh,
+as users run it. Bad input is checked in-process with the preflight that launch.sh runs.
+"""
+
+import re
+
+import pytest
+import torch
+from conftest import ROOT, check, launch, load_recipe, train_losses
+
+import cookbook
+from cookbook.config import ConfigError
+
+RECIPE = ROOT / "recipes" / "moe-lora-fsdp2-ep"
+STEPS = 6
+# EP=2 and EP=1 do the same math in fp32; only the order of sums differs (the expert outputs of a token are
+# added in another order, gradients of expert LoRA are summed over ranks in another order). Measured: losses
+# equal to ~1e-7 relative, gradients to ~1e-7 absolute for values of ~1e-2. A wrong expert, a lost
+# all-to-all gradient or a wrong divide factor changes them by > 1e-2.
+LOSS_RTOL = 1e-5
+GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
+COMMON = (f"train.max_steps={STEPS}", "checkpoint.every_steps=3", "mlflow=false", "data.eval_fraction=0.02")
+QWEN = ("lora.target_parameters=[experts.gate_up_proj,experts.down_proj]",)
+
+
+def recipe_module():
+    return load_recipe("moe-lora-fsdp2-ep")
+
+
+@pytest.fixture(scope="session")
+def init(tmp_path_factory):
+    """Random initial weights of both tiny models, saved once (model.pretrained=true loads them)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    paths = {}
+    for name in ("nemotron-h", "qwen3-moe"):
+        path = tmp_path_factory.mktemp("init") / name
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(RECIPE / "tiny" / name)).save_pretrained(path)
+        AutoTokenizer.from_pretrained(RECIPE / "tiny" / name).save_pretrained(path)
+        paths[name] = path
+    return paths
+
+
+@pytest.fixture(autouse=True)
+def _cpu_env(monkeypatch):
+    monkeypatch.setenv("COOKBOOK_DEVICE", "cpu")
+
+
+@cookbook.distributed(nproc=2)
+def _main_in_workers(argv: list[str]) -> None:
+    recipe_module().main(argv)
+
+
+def run_forked(out, init, *overrides):
+    """The recipe's ``main`` on 2 forked workers, as launch.sh runs it after the --check."""
+    import peft  # noqa: F401  imported once here, inherited by the forked workers
+
+    _main_in_workers(["--config", str(RECIPE / "tiny.yaml"), f"output_dir={out}", f"model.name_or_path={init}",
+                      "model.pretrained=true", *overrides])
+    return out
+
+
+def tiny_config(*overrides):
+    train = recipe_module()
+    cfg = train.load_config(train.Config, RECIPE / "tiny.yaml", list(overrides))
+    train.check_config(cfg, RECIPE)
+    return cfg
+
+
+@cookbook.distributed(nproc=2)
+def _one_step(init: str, overrides: tuple) -> dict:
+    """One forward/backward on the same batch with EP=2, then EP=1; LoRA gradients of the unsharded model,
+    what each rank holds, and whether an optimizer step left the base weights alone."""
+    train = recipe_module()
+    info = cookbook.get_dist_info()
+    torch.manual_seed(1)
+    batch = {"input_ids": torch.randint(3, 500, (2, 24)), "labels": torch.randint(3, 500, (2, 24))}
+    mine = {k: v[info.rank:info.rank + 1] for k, v in batch.items()}  # each rank its own row, as in training
+    result = {}
+    for ep in (2, 1):
+        cfg = tiny_config(f"model.name_or_path={init}", "model.pretrained=true", f"parallel.ep={ep}", *overrides)
+        model, flops, par = train.build_model(cfg, info)
+        router = train.RouterStats(model)
+        loss_sum = train.token_loss_sum(model, mine)
+        aux = router.take()
+        (loss_sum * info.world_size / 46).backward()
+        grads = train.gather_lora(model, par, grads=True)
+        losses = cookbook.all_reduce_sum({"loss": loss_sum}, info.device)["loss"]
+        experts = next(p for n, p in model.named_parameters() if n.endswith("experts.base_layer.base_layer.down_proj")
+                       or n.endswith("experts.base_layer.down_proj"))
+        lora_a = next(p for n, p in model.named_parameters() if n in par.expert_lora_names and ".lora_A." in n) if ep > 1 else None
+        local = {n: (p.to_local() if hasattr(p, "to_local") else p) for n, p in model.named_parameters() if not p.requires_grad}
+        base = {n: t.detach().clone() for n, t in local.items()}
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1, foreach=False)
+        optimizer.step()
+        changed = [n for n, t in local.items() if not torch.equal(t, base[n])]
+        result[ep] = {"loss": losses, "aux": float(aux), "grads": grads, "changed": changed,
+                      "local_experts": tuple(experts.to_local().shape), "global_experts": tuple(experts.shape),
+                      "lora_a_local": tuple(lora_a.to_local().shape) if lora_a is not None else None,
+                      "active": flops.num_params}
+    return result
+
+
+@pytest.mark.parametrize("model, overrides", [("nemotron-h", ()), ("qwen3-moe", QWEN)])
+def test_ep2_equals_ep1_and_each_rank_holds_its_experts(init, model, overrides):
+    r = _one_step(str(init[model]), overrides)
+    ep2, ep1 = r[2], r[1]
+    torch.testing.assert_close(ep2["loss"], ep1["loss"], rtol=LOSS_RTOL, atol=0)
+    assert ep2["aux"] > 0.5  # Switch aux loss is ~1 at balance
+    assert set(ep2["grads"]) == set(ep1["grads"]) and any("experts" in n for n in ep1["grads"])
+    for name in ep1["grads"]:
+        torch.testing.assert_close(ep2["grads"][name], ep1["grads"][name], **GRAD_TOL, msg=name)
+    assert all(g.abs().sum() > 0 for n, g in ep1["grads"].items() if "lora_B" in n)  # B starts at 0: A's grads are 0
+    # 4 experts of 32 x 64: EP=2 keeps 2 per rank (dp=1 shard: all of them); EP=1 shards the 4 over 2 ranks.
+    assert ep2["global_experts"][0] == 2 and ep2["local_experts"][0] == 2
+    assert ep1["global_experts"][0] == 4 and ep1["local_experts"][0] == 2
+    assert ep2["lora_a_local"][0] == 2 * 4  # 2 local experts x rank 4
+    assert ep2["changed"] == [] and ep1["changed"] == []  # frozen base weights do not move
+    assert ep2["active"] == ep1["active"]
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory, init):
+    """EP=1 uninterrupted; EP=2 stopped at step 3 (forked) and resumed to the end through launch.sh."""
+    import os
+
+    os.environ["COOKBOOK_DEVICE"] = "cpu"
+    base = tmp_path_factory.mktemp("moe")
+    ep1 = run_forked(base / "ep1", init["nemotron-h"], *COMMON, "parallel.ep=1", "checkpoint.export_adapter=false")
+    ep2 = run_forked(base / "ep2", init["nemotron-h"], *COMMON, "train.stop_at_step=3")
+    second = launch("moe-lora-fsdp2-ep", f"output_dir={ep2}", f"model.name_or_path={init['nemotron-h']}",
+                    "model.pretrained=true", *COMMON)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-5000:]
+    return ep1, ep2, second
+
+
+def test_resumed_ep2_run_has_the_losses_of_an_uninterrupted_ep1_run(runs):
+    ep1, ep2, second = runs
+    assert "resumed from" in second.stderr and "(step 3)" in second.stderr
+    a, b = train_losses(ep1 / "metrics.jsonl"), train_losses(ep2 / "metrics.jsonl")
+    assert sorted(b) == list(range(1, STEPS + 1))
+    torch.testing.assert_close(torch.tensor([b[s] for s in range(1, STEPS + 1)], dtype=torch.float64),
+                               torch.tensor([a[s] for s in range(1, STEPS + 1)], dtype=torch.float64), rtol=LOSS_RTOL, atol=0)
+    assert b[STEPS] < b[1] - 0.2, b
+
+
+def test_metrics_have_moe_load_balance_and_throughput(runs):
+    from conftest import read_jsonl
+
+    rec = [r for r in read_jsonl(runs[1] / "metrics.jsonl") if r["event"] == "train"][-1]
+    assert rec["moe/aux_loss"] > 0.5 and rec["moe/load_max_over_mean"] >= 1.0 and rec["moe/ep_rank_load_max_over_mean"] >= 1.0
+    assert rec["tokens_per_s_per_rank"] > 0 and rec["rss_gib"] > 0
+    names = sorted(p.name for p in (runs[1] / "checkpoints").iterdir())
+    assert names == ["step_00000003", "step_00000006"], names
+
+
+@cookbook.distributed(nproc=2)
+def _trained_logits(init: str, checkpoint: str, ids: torch.Tensor):
+    import torch.distributed.checkpoint as dcp
+
+    train = recipe_module()
+    info = cookbook.get_dist_info()
+    model, _, par = train.build_model(tiny_config(f"model.name_or_path={init}", "model.pretrained=true"), info)
+    dcp.load({"app": train.AdapterState(model, None, par)}, checkpoint_id=checkpoint)
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits
+
+
+def test_exported_adapter_loads_with_peft_onto_the_plain_model(runs, init):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out = runs[1]
+    ids = torch.arange(3, 40).unsqueeze(0)
+    sharded = _trained_logits(str(init["nemotron-h"]), str(out / "checkpoints" / "step_00000006"), ids)
+    base = AutoModelForCausalLM.from_pretrained(init["nemotron-h"]).eval()
+    with torch.no_grad():
+        before = base(input_ids=ids).logits
+        adapted = PeftModel.from_pretrained(base, out / "adapter").eval()(input_ids=ids).logits
+    torch.testing.assert_close(adapted, sharded, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(adapted, before, atol=1e-3)
+
+
+# ----------------------------------------------------------------------------- bad input (in-process --check)
+@pytest.mark.parametrize("overrides, world_size, message", [
+    (("parallel.ep=3",), 3, "parallel.ep=3 does not divide the 4 experts"),
+    (("parallel.ep=2",), 3, "parallel.ep=2 does not divide the world size 3"),
+    (("lora.target_modules=[q_proj,qkv_proj]",), 2, "lora.target_modules: 'qkv_proj' matches nothing in nemotron_h"),
+    (QWEN, 2, "lora.target_parameters: 'experts.gate_up_proj' matches nothing in nemotron_h"),
+    (("model.name_or_path=tiny/dense-qwen3", "lora.target_parameters=[]"), 2, "parallel.ep=2 but"),
+    (("data.packing=true",), 2, "data.packing=true with nemotron_h"),
+])
+def test_bad_input_is_refused_before_training(tmp_path, overrides, world_size, message):
+    if "model.name_or_path=tiny/dense-qwen3" in overrides:
+        import json
+
+        dense = tmp_path / "dense-qwen3"
+        dense.mkdir()
+        config = json.loads((RECIPE / "tiny" / "qwen3-moe" / "config.json").read_text())
+        config.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"])
+        (dense / "config.json").write_text(json.dumps(config))
+        overrides = (f"model.name_or_path={dense}", f"model.tokenizer={RECIPE / 'tiny' / 'qwen3-moe'}", *overrides[1:])
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check("moe-lora-fsdp2-ep", f"output_dir={tmp_path / 'out'}", *overrides, world_size=world_size)
+
+
+@pytest.mark.parametrize("config", ["config.yaml", "qwen3-30b-a3b.yaml", "tiny.yaml"])
+def test_shipped_configs_are_valid(config):
+    train = recipe_module()
+    cfg = train.load_config(train.Config, RECIPE / config)
+    train.check_config(cfg, RECIPE)
+    if config != "tiny.yaml":  # hub models: check EP and LoRA targets on the architecture shipped in models/
+        from transformers import AutoConfig
+
+        folder = {"config.yaml": "nemotron-3-nano-30b-a3b", "qwen3-30b-a3b.yaml": "qwen3-30b-a3b"}[config]
+        train.check_model(cfg, AutoConfig.from_pretrained(RECIPE / "models" / folder), world_size=8)

@@ -1,0 +1,207 @@
+"""The TorchRec DLRM recipe on CPU: 2 gloo ranks, 26 small tables, generated Criteo-format rows.
+
+Each run calls the recipe's ``main`` in 2 forked workers (``@cookbook.distributed``) of this process, which
+imported torch and TorchRec once (a launch through launch.sh costs ~20 s of start-up on 2 cores); only the
+resumed run goes through launch.sh, the way users run the recipe, so its --check validates the resume.
+"""
+
+
+import pytest
+import torch
+from conftest import ROOT, check, launch, load_recipe, read_jsonl, train_losses
+
+import cookbook
+from cookbook.checkpoint import CheckpointError
+from cookbook.config import ConfigError
+
+RECIPE = ROOT / "recipes" / "torchrec-dlrm"
+KINDS = ("table_wise", "row_wise", "column_wise", "data_parallel")
+STEPS = 40  # two passes over the tiny training split (21 global batches of 2 x 64 rows each)
+# fp32 on CPU; the sharded and the single-process model differ only in the order of sums (all-to-all, DDP's
+# all-reduce). Measured on this 2-core box: logits identical, weights after one SGD step within 1.5e-8 (absolute;
+# values up to ~0.5). A gradient off by the world size, or a table its optimizer missed, is off by > 5e-5.
+RTOL, ATOL = 1e-6, 1e-7
+COMMON = (f"train.max_steps={STEPS}", "mlflow=false", "train.eval_every=0")
+
+
+def recipe_module():
+    return load_recipe("torchrec-dlrm")
+
+
+def tiny_config(*overrides):
+    train = recipe_module()
+    cfg = train.load_config(train.Config, RECIPE / "tiny.yaml", list(overrides))
+    train.check_config(cfg, RECIPE)
+    return cfg
+
+
+@pytest.fixture(autouse=True)
+def _cpu_env(monkeypatch):
+    monkeypatch.setenv("COOKBOOK_DEVICE", "cpu")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+
+@cookbook.distributed(nproc=2)
+def _main_in_workers(argv: list[str]) -> None:
+    recipe_module().main(argv)
+
+
+def run_forked(out, *overrides):
+    """The recipe's ``main`` on 2 forked workers, as launch.sh would run it after the --check."""
+    import os
+
+    os.environ["COOKBOOK_DEVICE"] = "cpu"
+    recipe_module()  # imported here once, inherited by the forked workers
+    _main_in_workers(["--config", str(RECIPE / "tiny.yaml"), f"output_dir={out}", *overrides])
+    return out
+
+
+@pytest.fixture(scope="module")
+def plan_runs(tmp_path_factory):
+    """One uninterrupted run per sharding kind (every table of that kind)."""
+    base = tmp_path_factory.mktemp("dlrm-plans")
+    return {kind: run_forked(base / kind, *COMMON, f"sharding.plan={kind}", "sharding.tables={}",
+                             "checkpoint.every_steps=-1") for kind in KINDS}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_sharding_kind_trains_and_the_loss_falls(plan_runs, kind):
+    records = read_jsonl(plan_runs[kind] / "metrics.jsonl")
+    losses = train_losses(plan_runs[kind] / "metrics.jsonl")
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    first, last = sum(losses[s] for s in range(1, 11)) / 10, sum(losses[s] for s in range(STEPS - 9, STEPS + 1)) / 10
+    assert last < first - 0.05, (first, last)
+    summary = [r for r in records if r["event"] == "summary"][-1]
+    assert summary["eval/auc"] > 0.7 and summary["eval/rows"] == 384  # every 8th of 3,072 rows
+    train = [r for r in records if r["event"] == "train"]
+    assert all(r["samples_per_s_per_rank"] > 0 for r in train) and "tokens_per_s" not in train[0]
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """The tiny config as shipped (table-wise with a row-wise, a column-wise and a data-parallel table):
+    uninterrupted (forked), and stopped at step 15 (forked) then resumed to the end by launch.sh."""
+    base = tmp_path_factory.mktemp("dlrm-resume")
+    full = run_forked(base / "full", *COMMON, "checkpoint.every_steps=15")
+    out = run_forked(base / "resumed", *COMMON, "checkpoint.every_steps=15", "train.stop_at_step=15")
+    proc = launch("torchrec-dlrm", f"output_dir={out}", *COMMON, "checkpoint.every_steps=15")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return full, out, proc
+
+
+def test_resume_gives_the_uninterrupted_losses(resumed):
+    full, out, proc = resumed
+    assert "resumed from" in proc.stderr and "(step 15)" in proc.stderr
+    assert "row_wise: 1 tables" in proc.stderr and "data_parallel: 1 tables" in proc.stderr
+    expected, got = train_losses(full / "metrics.jsonl"), train_losses(out / "metrics.jsonl")
+    assert sorted(got) == list(range(1, STEPS + 1))
+    # Same data position, table shards, fused row-wise Adagrad state and dense Adagrad sums: the same math.
+    torch.testing.assert_close(torch.tensor([got[s] for s in range(1, STEPS + 1)], dtype=torch.float64),
+                               torch.tensor([expected[s] for s in range(1, STEPS + 1)], dtype=torch.float64),
+                               rtol=1e-6, atol=0)
+
+
+def test_resume_on_another_world_size_is_refused_before_start(resumed):
+    with pytest.raises(CheckpointError, match="written by 2 ranks but this job has 1"):
+        check("torchrec-dlrm", f"output_dir={resumed[1]}", *COMMON, "checkpoint.every_steps=15", world_size=1)
+
+
+# ----------------------------------------------------------------------------- correctness
+@cookbook.distributed(nproc=2)
+def _one_sharded_step(base: str):
+    """Per kind: save the initial sharded model (DCP), forward and one SGD step on this rank's slice of the
+    first global batch, save again. Returns every rank's logits and loss."""
+    import torch.distributed.checkpoint as dcp
+
+    train = recipe_module()
+    info = cookbook.get_dist_info()
+    out = {}
+    for kind in KINDS:
+        cfg = tiny_config(f"sharding.plan={kind}", "sharding.tables={}", "optim.sparse=sgd", "optim.dense=sgd",
+                          "optim.sparse_lr=0.5", "optim.dense_lr=0.5")
+        model, optimizer = train.shard_model(cfg, info)
+        state = {"app": train.DLRMState(model, optimizer)}
+        dcp.save(state, checkpoint_id=f"{base}/{kind}/init")
+        batch, _ = next(iter(train.CriteoStream(cfg, info.rank, info.world_size)))
+        loss, (_, logits, _) = model(batch)
+        loss.backward()
+        optimizer.step()
+        dcp.save(state, checkpoint_id=f"{base}/{kind}/after")
+        out[kind] = cookbook.all_gather_object((logits.detach(), loss.item()))
+    return out
+
+
+def _full_state(path, tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(path, tmp_path / "full.pt")
+    return torch.load(tmp_path / "full.pt", weights_only=False)["app"]["model"]
+
+
+def test_sharded_forward_and_step_equal_a_single_process_model(tmp_path):
+    """For every kind, the sharded model's logits on the 2 x 64-row global batch and its weights after one SGD
+    step (plain SGD, so a wrong gradient scale shows) equal those of one unsharded model (plain
+    EmbeddingBagCollection) with the same initial weights, trained on the whole global batch: sharded tables,
+    data-parallel tables and the DDP-averaged MLPs all take the gradient of the global-batch mean loss."""
+    from torchrec import EmbeddingBagCollection
+
+    train = recipe_module()
+    results = _one_sharded_step(str(tmp_path))
+    cfg = tiny_config()
+    rows = [train.parse_row(line, train.table_sizes(cfg.model), where)
+            for where, line in list(train.split_lines(cfg.data.train_files, cfg.data.holdout_every, "train"))[:128]]
+    batch = train.to_batch(rows)
+    for kind, per_rank in results.items():
+        reference = train.build_model(cfg, torch.device("cpu"))
+        reference.model.sparse_arch.embedding_bag_collection = EmbeddingBagCollection(
+            tables=reference.model.sparse_arch.embedding_bag_collection.embedding_bag_configs(), device=torch.device("cpu"))
+        reference.load_state_dict(_full_state(tmp_path / kind / "init", tmp_path))
+        loss, (_, logits, _) = reference(batch)
+        torch.testing.assert_close(torch.cat([lg for lg, _ in per_rank]), logits.detach(), rtol=RTOL, atol=ATOL)
+        assert sum(lo for _, lo in per_rank) / 2 == pytest.approx(loss.item(), rel=1e-6)
+        loss.backward()
+        expected = {name: p.detach() - 0.5 * p.grad for name, p in reference.named_parameters()}
+        after = _full_state(tmp_path / kind / "after", tmp_path)
+        moved = 0
+        for name, value in expected.items():
+            torch.testing.assert_close(after[name], value, rtol=RTOL, atol=ATOL, msg=f"{kind}: {name}")
+            moved += int(not torch.equal(after[name], dict(reference.named_parameters())[name].detach()))
+        assert moved == len(expected), f"{kind}: only {moved} of {len(expected)} tensors changed"
+
+
+# ----------------------------------------------------------------------------- bad input
+def _rows_file(tmp_path, edit):
+    lines = (RECIPE / "tiny" / "data" / "train.txt").read_text().splitlines()[:200]
+    lines = edit(lines)
+    path = tmp_path / "rows.txt"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_a_row_with_a_missing_field_names_its_line(tmp_path):
+    path = _rows_file(tmp_path, lambda ls: ls[:6] + ["\t".join(ls[6].split("\t")[:-1])] + ls[7:])
+    with pytest.raises(recipe_module().DataError, match=r"rows.txt line 7: 39 tab-separated fields, expected 40"):
+        check("torchrec-dlrm", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{path}]", "train.batch_size=8")
+
+
+def test_a_non_numeric_count_names_its_line_and_column(tmp_path):
+    def edit(ls):
+        fields = ls[11].split("\t")
+        fields[4] = "12x"
+        return ls[:11] + ["\t".join(fields)] + ls[12:]
+
+    path = _rows_file(tmp_path, edit)
+    with pytest.raises(recipe_module().DataError, match=r"rows.txt line 12, column 5 \(I4\): '12x' is not an integer"):
+        check("torchrec-dlrm", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{path}]", "train.batch_size=8")
+
+
+def test_a_table_of_size_zero_is_refused(tmp_path):
+    sizes = [10] * 26
+    sizes[2] = 0
+    with pytest.raises(ConfigError, match="table C3 has 0 rows"):
+        check("torchrec-dlrm", f"output_dir={tmp_path / 'out'}", f"model.table_sizes=[{','.join(map(str, sizes))}]")
+
+
+def test_row_wise_with_the_planner_on_cpu_says_what_to_do(tmp_path):
+    with pytest.raises(ConfigError, match="planner offers no row_wise"):
+        check("torchrec-dlrm", f"output_dir={tmp_path / 'out'}", "sharding.plan=auto", "sharding.tables={C3: row_wise}")
