@@ -205,3 +205,33 @@ def test_a_table_of_size_zero_is_refused(tmp_path):
 def test_row_wise_with_the_planner_on_cpu_says_what_to_do(tmp_path):
     with pytest.raises(ConfigError, match="planner offers no row_wise"):
         check("torchrec-dlrm", f"output_dir={tmp_path / 'out'}", "sharding.plan=auto", "sharding.tables={C3: row_wise}")
+
+
+def test_hub_rows_are_written_as_criteo_text_before_workers(tmp_path, monkeypatch):
+    """data.hub_id: --check streams the data set's rows into output_dir as Criteo text, which training then
+    reads like a local file. The hub is unreachable here, so load_dataset yields the tiny file's rows."""
+    import datasets
+
+    train = recipe_module()
+    lines = (RECIPE / "tiny" / "data" / "train.txt").read_text().splitlines()
+    names = ["label", *train.DENSE, *train.CATEGORICAL]
+    rows = [{c: (v if v else None) for c, v in zip(names, line.split("\t"))} for line in lines]
+    calls = []
+
+    def fake_load_dataset(hub_id, split, streaming):
+        calls.append((hub_id, split, streaming))
+        return iter(rows)
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    out = tmp_path / "out"
+    printed = check("torchrec-dlrm", f"output_dir={out}", "data.train_files=[]", "data.hub_id=someone/criteo",
+                    "data.hub_max_rows=300")
+    written = out / "hub_data" / "someone__criteo-train.txt"
+    assert calls == [("someone/criteo", "train", True)]
+    assert f"300 rows written to {written}" in printed and "config OK" in printed
+    assert written.read_text().splitlines() == lines[:300]  # None -> empty field, the Criteo text layout
+
+    rows = [{k: v for k, v in r.items() if k not in ("I4", "C7")} for r in rows]
+    with pytest.raises(train.DataError, match=r"no column\(s\) I4, C7"):
+        check("torchrec-dlrm", f"output_dir={tmp_path / 'out2'}", "data.train_files=[]", "data.hub_id=someone/criteo")
+    assert not (tmp_path / "out2" / "hub_data" / "someone__criteo-train.txt").exists()

@@ -8,7 +8,8 @@ Commands (from this folder; NGPU defaults to all visible GPUs, else 2 CPU proces
     NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 ./launch.sh   # each node
 
 What this recipe supports:
-    - Data: Criteo display-advertising text (tab-separated label, I1-I13 counts, C1-C26 hashed categories).
+    - Data: Criteo display-advertising text (tab-separated label, I1-I13 counts, C1-C26 hashed categories),
+      from local files or a hub data set with those columns (``data.hub_id``; --check writes it once as text).
       Missing counts are 0 and counts are log-transformed (log(1 + max(x, 0))); a category's hex hash is taken
       modulo its table size; a missing category is an empty bag (its pooled embedding is zero). Rows stream from
       the files: each global batch is world_size x batch_size consecutive rows and every rank parses its slice.
@@ -103,6 +104,9 @@ class ShardingConfig:
 @dataclass
 class DataConfig:
     train_files: list[str] = field(default_factory=lambda: ["data/criteo/train.txt"])
+    hub_id: str = ""  # a Hugging Face data set with columns label, I1..I13, C1..C26; used when train_files is empty
+    hub_split: str = "train"
+    hub_max_rows: int = 0  # rows to take from the hub data set (0: all)
     eval_files: list[str] = field(default_factory=list)  # empty: every holdout_every-th row of train_files
     holdout_every: int = 20  # 0: no validation (when eval_files is empty)
     max_eval_rows: int = 1_000_000
@@ -191,8 +195,10 @@ def check_config(cfg: Config, config_dir: Path) -> None:
                        ("model.embedding_dim", m.embedding_dim)]:
         if value < 1:
             raise ConfigError(f"{key} must be >= 1, got {value}")
+    if not cfg.data.train_files and cfg.data.hub_id:  # --check writes the hub rows here, before any worker starts
+        cfg.data.train_files = [str(hub_file(cfg))]
     if not cfg.data.train_files:
-        raise ConfigError("data.train_files is empty: give Criteo-format text files")
+        raise ConfigError("data.train_files is empty: give Criteo-format text files (or data.hub_id)")
     if cfg.data.holdout_every < 0 or cfg.data.holdout_every == 1:
         raise ConfigError(f"data.holdout_every must be 0 (off) or >= 2, got {cfg.data.holdout_every}")
     if cfg.train.max_steps <= 0 and cfg.train.epochs <= 0:
@@ -220,6 +226,44 @@ def check_sharding(cfg: Config, world_size: int, on_cpu: bool) -> None:
 # ----------------------------------------------------------------------------- data
 class DataError(ValueError):
     """A data row is malformed; the message names the file, line and column."""
+
+
+def hub_file(cfg: Config) -> Path:
+    """Where the rows of ``data.hub_id`` are written as Criteo text (in ``output_dir``, shared by all ranks)."""
+    return Path(cfg.output_dir) / "hub_data" / f"{cfg.data.hub_id.replace('/', '__')}-{cfg.data.hub_split}.txt"
+
+
+def hub_to_criteo_text(hub_id: str, split: str, dst: Path, max_rows: int = 0) -> int:
+    """Write a Hugging Face data set with Criteo columns (``label``, ``I1``..``I13``, ``C1``..``C26``;
+    missing values as None or "") to `dst` as Criteo text, one tab-separated row per line, so the
+    training stream reads hub data and local files alike. Streams the rows; writes a temporary file
+    and renames it, so an interrupted download never looks complete.
+
+    Returns:
+        The number of rows written.
+
+    Raises:
+        DataError: the data set lacks some of those columns (they are named).
+    """
+    import datasets
+
+    columns = ["label", *DENSE, *CATEGORICAL]
+    tmp = dst.with_name(dst.name + ".tmp")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    n = 0
+    with open(tmp, "w") as f:
+        for row in datasets.load_dataset(hub_id, split=split, streaming=True):
+            if n == 0:
+                missing = [c for c in columns if c not in row]
+                if missing:
+                    raise DataError(f"data.hub_id={hub_id}: the data set has no column(s) {', '.join(missing)}; expected "
+                                    f"label, I1..I13, C1..C26 (found {', '.join(sorted(row))})")
+            f.write("\t".join("" if row[c] is None else str(row[c]) for c in columns) + "\n")
+            n += 1
+            if n == max_rows:
+                break
+    os.replace(tmp, dst)
+    return n
 
 
 def parse_row(line: str, sizes: list[int], where: str) -> tuple[float, list[float], list[int]]:
@@ -494,6 +538,9 @@ def main(argv: list[str]) -> None:
     if args.check:  # one process, before torchrun starts any worker
         world_size = int(os.environ.get("COOKBOOK_WORLD_SIZE", "1"))  # launch.sh: NGPU x NNODES
         check_sharding(cfg, world_size, on_cpu)
+        if cfg.data.hub_id and cfg.data.train_files == [str(hub_file(cfg))] and not hub_file(cfg).is_file():
+            n = hub_to_criteo_text(cfg.data.hub_id, cfg.data.hub_split, hub_file(cfg), cfg.data.hub_max_rows)
+            print(f"{cfg.data.hub_id} ({cfg.data.hub_split}): {n} rows written to {hub_file(cfg)}")
         Checkpointer(Path(cfg.output_dir) / "checkpoints").check_resume(
             cfg.checkpoint.resume, world_size, to_dict(cfg), MAY_CHANGE, cfg.train.stop_at_step)
         print(f"config OK: {args.config} ({check_data(cfg, world_size)})")
