@@ -101,10 +101,6 @@ def main() -> None:
     model = AutoModelForCausalLM.from_config(config)
     flops = ModelFlops(count_parameters(model), config.num_hidden_layers,
                        config.num_attention_heads * getattr(config, "head_dim", config.hidden_size // config.num_attention_heads))
-    # Under zero.Init the parameters are partitioned; count_parameters sees their full sizes via ds_numel.
-    if hasattr(next(model.parameters()), "ds_numel"):
-        emb = {id(q) for m in model.modules() if isinstance(m, torch.nn.Embedding) for q in m.parameters(recurse=False)}
-        flops = ModelFlops(sum(q.ds_numel for q in model.parameters() if id(q) not in emb), flops.num_layers, flops.attn_width)
     metrics = MetricsLogger(a.out, info, flops=flops, run_name="trl-zero3-reference", mlflow=False, max_steps=a.steps)
     cb = _Metrics(metrics)
     trainer = CountingSFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,

@@ -10,7 +10,7 @@ import re
 
 import pytest
 import torch
-from conftest import ROOT, check, launch, load_recipe, train_losses
+from conftest import ROOT, check, launch, load_recipe, main_in_workers, train_losses
 
 import cookbook
 from cookbook.config import ConfigError
@@ -51,17 +51,12 @@ def _cpu_env(monkeypatch):
     monkeypatch.setenv("COOKBOOK_DEVICE", "cpu")
 
 
-@cookbook.distributed(nproc=2)
-def _main_in_workers(argv: list[str]) -> None:
-    recipe_module().main(argv)
-
-
 def run_forked(out, init, *overrides):
     """The recipe's ``main`` on 2 forked workers, as launch.sh runs it after the --check."""
     import peft  # noqa: F401  imported once here, inherited by the forked workers
 
-    _main_in_workers(["--config", str(RECIPE / "tiny.yaml"), f"output_dir={out}", f"model.name_or_path={init}",
-                      "model.pretrained=true", *overrides])
+    main_in_workers("moe-lora-fsdp2-ep", f"output_dir={out}", f"model.name_or_path={init}", "model.pretrained=true",
+                    *overrides)
     return out
 
 

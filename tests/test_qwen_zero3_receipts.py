@@ -15,9 +15,8 @@ import shutil
 
 import pytest
 import torch
-from conftest import ROOT, launch, load_recipe, read_jsonl, train_losses
+from conftest import ROOT, launch, load_recipe, main_in_workers, read_jsonl, train_losses
 
-import cookbook
 
 RECIPE = ROOT / "recipes" / "qwen-zero3-receipts"
 STEPS = 6
@@ -58,19 +57,13 @@ def run(out, init, ds_env, *overrides):
     return proc
 
 
-@cookbook.distributed(nproc=2)
-def _main_in_workers(recipe: str, argv: list[str]) -> None:
-    load_recipe(recipe).main(argv)
-
-
 def run_forked(recipe, out, init, *overrides):
     """A recipe's ``main`` on 2 forked workers, as its launch.sh would run it after the --check."""
     import deepspeed  # noqa: F401  imported once here, inherited by the forked workers
     import peft  # noqa: F401
     import trl  # noqa: F401
 
-    _main_in_workers(recipe, ["--config", str(ROOT / "recipes" / recipe / "tiny.yaml"), f"output_dir={out}",
-                              f"model.name_or_path={init}", "model.pretrained=true", *overrides])
+    main_in_workers(recipe, f"output_dir={out}", f"model.name_or_path={init}", "model.pretrained=true", *overrides)
     return out
 
 

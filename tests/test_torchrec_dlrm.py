@@ -8,7 +8,7 @@ resumed run goes through launch.sh, the way users run the recipe, so its --check
 
 import pytest
 import torch
-from conftest import ROOT, check, launch, load_recipe, read_jsonl, train_losses
+from conftest import ROOT, check, launch, load_recipe, main_in_workers, read_jsonl, train_losses
 
 import cookbook
 from cookbook.checkpoint import CheckpointError
@@ -41,18 +41,12 @@ def _cpu_env(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
 
 
-@cookbook.distributed(nproc=2)
-def _main_in_workers(argv: list[str]) -> None:
-    recipe_module().main(argv)
-
-
 def run_forked(out, *overrides):
     """The recipe's ``main`` on 2 forked workers, as launch.sh would run it after the --check."""
     import os
 
     os.environ["COOKBOOK_DEVICE"] = "cpu"
-    recipe_module()  # imported here once, inherited by the forked workers
-    _main_in_workers(["--config", str(RECIPE / "tiny.yaml"), f"output_dir={out}", *overrides])
+    main_in_workers("torchrec-dlrm", f"output_dir={out}", *overrides)
     return out
 
 

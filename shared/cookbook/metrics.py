@@ -86,7 +86,8 @@ def count_parameters(model: torch.nn.Module, exclude_embeddings: bool = True) ->
 
     Embedding lookups cost no matrix FLOPs, so MFU counts only non-embedding parameters
     (Kaplan et al. 2020, "Scaling Laws for Neural Language Models", section 2.1). Shared
-    (tied) parameters are counted once. DTensor shards count at their full (global) size.
+    (tied) parameters are counted once. DTensor shards count at their full (global) size, and so
+    do DeepSpeed ZeRO-3 partitions (their ``ds_numel``).
     """
     embedding_ids = set()
     if exclude_embeddings:
@@ -99,7 +100,7 @@ def count_parameters(model: torch.nn.Module, exclude_embeddings: bool = True) ->
         if id(p) in seen or id(p) in embedding_ids:
             continue
         seen.add(id(p))
-        total += p.numel()
+        total += getattr(p, "ds_numel", p.numel())  # ZeRO-3 partitions hold numel() == 0
     return total
 
 
