@@ -53,7 +53,8 @@ def main_in_workers(recipe: str, *overrides: str, config: str = "tiny.yaml") -> 
     import cookbook
 
     load_recipe(recipe)
-    cookbook.distributed(nproc=2)(_call_main)(recipe, ["--config", str(ROOT / "recipes" / recipe / config), *overrides])
+    cookbook.distributed(num_processes=2, start_method="fork")(_call_main).distributed(
+        recipe, ["--config", str(ROOT / "recipes" / recipe / config), *overrides])
 
 
 def _call_main(recipe: str, argv: list[str]) -> None:

@@ -6,34 +6,6 @@ import cookbook
 from cookbook.dist import get_dist_info
 
 
-@cookbook.distributed(nproc=2)
-def _collectives(x):
-    info = cookbook.get_dist_info()
-    mean = cookbook.all_reduce_mean({"v": float(info.rank + x)}, info.device)
-    total = cookbook.all_reduce_sum({"v": torch.tensor(float(info.rank + 1))}, info.device)
-    ranks = cookbook.all_gather_object(info.rank)
-    return info.world_size, mean["v"], total["v"], ranks, info.backend
-
-
-def test_distributed_decorator_runs_two_ranks():
-    world, mean, total, ranks, backend = _collectives(10)
-    assert (world, mean, total, ranks, backend) == (2, 10.5, 3.0, [0, 1], "gloo")
-
-
-@cookbook.distributed(nproc=2)
-def _fails():
-    if cookbook.get_dist_info().rank == 1:
-        raise ValueError("boom on rank 1")
-    return 0
-
-
-def test_decorator_reports_a_worker_failure():
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    with pytest.raises(ChildFailedError):
-        _fails()
-
-
 def test_context_destroys_the_group_on_exception():
     with pytest.raises(ValueError):
         with cookbook.distributed_context() as info:

@@ -1,12 +1,19 @@
-"""The ModernBERT DDP recipe, run as a user runs it: launch.sh, tiny config, 2 CPU ranks (gloo)."""
+"""The ModernBERT DDP recipe, run as a user runs it: launch.sh, tiny config, 2 CPU ranks (gloo).
+
+The uninterrupted run (``full_run``, from a copy of the recipe folder) and the bad-input refusal go through
+launch.sh; the runs that check what ``main`` does on a later call (stop and resume, re-run of a finished run)
+call it on 2 workers forked from this process (``main_in_workers``), which saves launch.sh's --check and
+torchrun start-up (~20 s on 2 cores per run).
+"""
 
 import json
+import logging
 import shutil
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import ROOT, check, launch, load_recipe, read_jsonl, train_losses
+from conftest import ROOT, check, launch, load_recipe, main_in_workers, read_jsonl, train_losses
 
 import cookbook
 from cookbook.checkpoint import CheckpointError
@@ -18,11 +25,37 @@ DataError = load_recipe("modernbert-ddp").DataError
 
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
-    """An uninterrupted 40-step run of tiny.yaml (checkpoints at 20 and 40)."""
-    out = tmp_path_factory.mktemp("full") / "run"
-    proc = launch("modernbert-ddp", f"output_dir={out}")
+    """An uninterrupted 40-step run of tiny.yaml (checkpoints at 20 and 40), launched as a user who copied the
+    recipe folder would: its own launch.sh, from inside the copy, with a relative output_dir. Later runs on
+    that output_dir use the copy's tiny.yaml (`copied_config`): a config's relative paths resolve to absolute
+    ones beside it, and a resume refuses other paths."""
+    copy = tmp_path_factory.mktemp("full") / "my-recipe"
+    shutil.copytree(RECIPE, copy)
+    proc = launch("modernbert-ddp", "output_dir=out", cwd=copy)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out, proc
+    return copy / "out", proc
+
+
+def copied_config(out) -> str:
+    """tiny.yaml of the copy that `full_run` ran from (its output_dir is ``<copy>/out``)."""
+    return str(out.parent / "tiny.yaml")
+
+
+def run_in_workers(monkeypatch, capfd, *overrides, config: str = "tiny.yaml") -> str:
+    """``main`` of tiny.yaml on 2 forked workers (what launch.sh runs after its --check); returns their stderr."""
+    monkeypatch.setenv("COOKBOOK_DEVICE", "cpu")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    log = logging.getLogger("cookbook")
+    inherited = [h for h in log.handlers if getattr(h, "_cookbook", False)]
+    for h in inherited:  # each worker then logs to this test's stderr (capfd), not to a stream set up earlier
+        log.removeHandler(h)
+    try:
+        capfd.readouterr()
+        main_in_workers("modernbert-ddp", *overrides, config=config)
+        return capfd.readouterr().err
+    finally:
+        for h in inherited:
+            log.addHandler(h)
 
 
 def test_loss_falls_and_eval_is_logged(full_run):
@@ -86,16 +119,14 @@ def test_mlflow_run_holds_the_metrics(full_run):
         summary["eval/accuracy"])
 
 
-def test_resume_gives_the_same_losses_as_an_uninterrupted_run(full_run, tmp_path):
+def test_resume_gives_the_same_losses_as_an_uninterrupted_run(full_run, tmp_path, monkeypatch, capfd):
     out_full, _ = full_run
     out = tmp_path / "run"
-    first = launch("modernbert-ddp", f"output_dir={out}", "train.stop_at_step=20")
-    assert first.returncode == 0, first.stderr[-3000:]
+    run_in_workers(monkeypatch, capfd, f"output_dir={out}", "train.stop_at_step=20")
     assert sorted(train_losses(out / "metrics.jsonl")) == list(range(1, 21))
     assert not (out / "final").exists()
-    second = launch("modernbert-ddp", f"output_dir={out}")  # same command, checkpoint.resume=auto
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert "(step 20)" in second.stderr and "resumed from" in second.stderr
+    second = run_in_workers(monkeypatch, capfd, f"output_dir={out}")  # same command, checkpoint.resume=auto
+    assert "(step 20)" in second and "resumed from" in second, second[-3000:]
     resumed_steps = [r["step"] for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "train"][20:]
     assert resumed_steps == list(range(21, 41))
     expected, got = train_losses(out_full / "metrics.jsonl"), train_losses(out / "metrics.jsonl")
@@ -104,13 +135,10 @@ def test_resume_gives_the_same_losses_as_an_uninterrupted_run(full_run, tmp_path
                                torch.tensor([expected[s] for s in range(1, 41)], dtype=torch.float64), rtol=1e-5, atol=0)
 
 
-def test_recipe_folder_works_from_a_copy(tmp_path):
-    copy = tmp_path / "my-recipe"
-    shutil.copytree(RECIPE, copy)
-    proc = launch("modernbert-ddp", "output_dir=out", "train.max_steps=2", "train.eval_every=0", "checkpoint.every_steps=0",
-                  "mlflow=false", cwd=copy, ngpu=1)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (copy / "out" / "final" / "model.safetensors").is_file()
+def test_recipe_folder_works_from_a_copy(full_run):
+    out, _ = full_run  # launched from a copy of the folder, with output_dir=out relative to it
+    assert out.name == "out" and out.parent.name == "my-recipe"
+    assert (out / "final" / "model.safetensors").is_file()
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -161,26 +189,27 @@ def test_tokenizer_larger_than_the_model_vocabulary(tmp_path):
         check("modernbert-ddp", f"model.name_or_path={model_dir}", f"output_dir={tmp_path / 'out'}")
 
 
-def test_rerunning_a_finished_run_changes_nothing(full_run):
+def test_rerunning_a_finished_run_changes_nothing(full_run, monkeypatch, capfd):
     out, _ = full_run
     before = (out / "metrics.jsonl").read_text()
-    proc = launch("modernbert-ddp", f"output_dir={out}")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "already complete: 40 of 40 steps" in proc.stderr
+    config = copied_config(out)
+    assert "config OK" in check("modernbert-ddp", f"output_dir={out}", config=config)  # launch.sh's --check passes it
+    err = run_in_workers(monkeypatch, capfd, f"output_dir={out}", config=config)
+    assert "already complete: 40 of 40 steps" in err, err[-2000:]
     assert (out / "metrics.jsonl").read_text() == before
 
 
 def test_resume_with_other_settings_is_refused(full_run):
     out, _ = full_run
     with pytest.raises(CheckpointError) as err:  # launch.sh's check, before any worker starts
-        check("modernbert-ddp", f"output_dir={out}", "train.max_steps=41", "optim.lr=1e-3")
+        check("modernbert-ddp", f"output_dir={out}", "train.max_steps=41", "optim.lr=1e-3", config=copied_config(out))
     assert "written with other settings (optim.lr: 0.002 -> 0.001, train.max_steps: 40 -> 41)" in str(err.value)
 
 
 def test_stop_at_step_not_after_the_checkpoint_is_refused(full_run, tmp_path):
     out, _ = full_run
     with pytest.raises(CheckpointError, match="train.stop_at_step=20 is not after the checkpoint"):
-        check("modernbert-ddp", f"output_dir={out}", "train.stop_at_step=20")
+        check("modernbert-ddp", f"output_dir={out}", "train.stop_at_step=20", config=copied_config(out))
 
 
 def test_ag_news_csv_with_its_common_header(tmp_path):

@@ -67,7 +67,7 @@ def tiny_config(*overrides):
     return cfg
 
 
-@cookbook.distributed(nproc=2)
+@cookbook.distributed(num_processes=2, start_method="fork")
 def _one_step(init: str, overrides: tuple) -> dict:
     """One forward/backward on the same batch with EP=2, then EP=1; LoRA gradients of the unsharded model,
     what each rank holds, and whether an optimizer step left the base weights alone."""
@@ -103,7 +103,7 @@ def _one_step(init: str, overrides: tuple) -> dict:
 
 @pytest.mark.parametrize("model, overrides", [("nemotron-h", ()), ("qwen3-moe", QWEN)])
 def test_ep2_equals_ep1_and_each_rank_holds_its_experts(init, model, overrides):
-    r = _one_step(str(init[model]), overrides)
+    r = _one_step.distributed(str(init[model]), overrides)[0]
     ep2, ep1 = r[2], r[1]
     torch.testing.assert_close(ep2["loss"], ep1["loss"], rtol=LOSS_RTOL, atol=0)
     assert ep2["aux"] > 0.5  # Switch aux loss is ~1 at balance
@@ -154,7 +154,7 @@ def test_metrics_have_moe_load_balance_and_throughput(runs):
     assert names == ["step_00000003", "step_00000006"], names
 
 
-@cookbook.distributed(nproc=2)
+@cookbook.distributed(num_processes=2, start_method="fork")
 def _trained_logits(init: str, checkpoint: str, ids: torch.Tensor):
     import torch.distributed.checkpoint as dcp
 
@@ -173,7 +173,7 @@ def test_exported_adapter_loads_with_peft_onto_the_plain_model(runs, init):
 
     out = runs[1]
     ids = torch.arange(3, 40).unsqueeze(0)
-    sharded = _trained_logits(str(init["nemotron-h"]), str(out / "checkpoints" / "step_00000006"), ids)
+    sharded = _trained_logits.distributed(str(init["nemotron-h"]), str(out / "checkpoints" / "step_00000006"), ids)[0]
     base = AutoModelForCausalLM.from_pretrained(init["nemotron-h"]).eval()
     with torch.no_grad():
         before = base(input_ids=ids).logits

@@ -40,7 +40,7 @@ def test_loss_falls(full_run):
     assert last < 0.75 * first, (first, last)
 
 
-@cookbook.distributed(nproc=2)
+@cookbook.distributed(num_processes=2, start_method="fork")
 def _shard_report():
     train = recipe_module()
     info = cookbook.get_dist_info()
@@ -54,7 +54,7 @@ def _shard_report():
 
 
 def test_parameters_are_dtensor_shards_split_across_ranks():
-    all_dtensor, local, total, _ = _shard_report()
+    all_dtensor, local, total, _ = _shard_report.distributed()[0]
     assert all_dtensor
     assert abs(local / total - 0.5) < 0.01, (local, total)  # rank 0 holds half (dim-0 shards, even sizes)
 
@@ -71,7 +71,7 @@ def test_resume_matches_an_uninterrupted_run(full_run, tmp_path):
                                torch.tensor([expected[s] for s in range(1, 31)], dtype=torch.float64), rtol=1e-5, atol=0)
 
 
-@cookbook.distributed(nproc=2)
+@cookbook.distributed(num_processes=2, start_method="fork")
 def _optimizer_after_load(checkpoint: str):
     train = recipe_module()
     from cookbook.checkpoint import ModelOptimizerState
@@ -97,7 +97,7 @@ def test_optimizer_moments_after_load_equal_the_saved_ones(full_run, tmp_path):
     ckpt = full_run / "checkpoints" / "step_00000030"
     dcp_to_torch_save(ckpt, tmp_path / "full.pt")
     saved = torch.load(tmp_path / "full.pt", weights_only=False)["app"]["optim"]["state"]
-    loaded = _optimizer_after_load(str(ckpt))
+    loaded = _optimizer_after_load.distributed(str(ckpt))[0]
     assert set(loaded) == set(saved)
     for name, moments in loaded.items():
         for key in ("exp_avg", "exp_avg_sq"):
@@ -105,7 +105,7 @@ def test_optimizer_moments_after_load_equal_the_saved_ones(full_run, tmp_path):
     assert any(m["exp_avg"].abs().sum() > 0 for m in loaded.values())
 
 
-@cookbook.distributed(nproc=2)
+@cookbook.distributed(num_processes=2, start_method="fork")
 def _sharded_logits(checkpoint: str, input_ids: torch.Tensor):
     train = recipe_module()
     import torch.distributed.checkpoint as dcp
@@ -126,7 +126,7 @@ def test_export_reloads_with_the_sharded_models_logits(full_run):
     tok = AutoTokenizer.from_pretrained(full_run / "final")
     ids = tok.apply_chat_template([{"role": "user", "content": "What is 3 plus 4?"}], add_generation_prompt=True,
                                   return_tensors="pt", return_dict=True)["input_ids"]
-    sharded = _sharded_logits(str(full_run / "checkpoints" / "step_00000030"), ids)
+    sharded = _sharded_logits.distributed(str(full_run / "checkpoints" / "step_00000030"), ids)[0]
     exported = AutoModelForCausalLM.from_pretrained(full_run / "final").eval()
     with torch.no_grad():
         torch.testing.assert_close(exported(input_ids=ids).logits, sharded, rtol=1e-5, atol=1e-5)

@@ -2,14 +2,15 @@
 
 import pytest
 from conftest import ROOT, read_jsonl, train_losses
-from ray_cluster import recipe_module, run_launch, summary
+from ray_cluster import recipe_module, run_driver_forked, run_launch, summary
 
 RECIPE = ROOT / "recipes" / "qwen-ray-sft"
 
 
 def test_stop_after_the_first_checkpoint_resume_learn_and_export(ray_env, tmp_path):
     out = tmp_path / "run"
-    first = run_launch("qwen-ray-sft", ray_env, f"output_dir={out}", "train.stop_at_step=8")
+    # The stopped run: the driver forked from pytest (no interpreter start-up); the resume goes through launch.sh.
+    first = run_driver_forked("qwen-ray-sft", ray_env, f"output_dir={out}", "train.stop_at_step=8")
     assert first.returncode == 0, first.stderr[-4000:]
     assert sorted(train_losses(out / "metrics.jsonl")) == list(range(1, 9)) and not (out / "final").exists()
 

@@ -5,14 +5,15 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, read_jsonl
-from ray_cluster import recipe_module, run_launch, summary
+from ray_cluster import recipe_module, run_driver_forked, run_launch, summary
 
 RECIPE = ROOT / "recipes" / "resnet50-ray-ddp"
 
 
 def test_stop_after_the_first_checkpoint_resume_and_learn(ray_env, tmp_path):
     out = tmp_path / "run"
-    first = run_launch("resnet50-ray-ddp", ray_env, f"output_dir={out}", "train.stop_at_epoch=1")
+    # The stopped run: the driver forked from pytest (no interpreter start-up); the resume goes through launch.sh.
+    first = run_driver_forked("resnet50-ray-ddp", ray_env, f"output_dir={out}", "train.stop_at_epoch=1")
     assert first.returncode == 0, first.stderr[-4000:]
     assert (out / "checkpoint_epoch_0001" / "state.pt").is_file() and not (out / "checkpoint_epoch_0002").exists()
     records = read_jsonl(out / "metrics.jsonl")

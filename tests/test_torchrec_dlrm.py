@@ -101,7 +101,7 @@ def test_resume_on_another_world_size_is_refused_before_start(resumed):
 
 
 # ----------------------------------------------------------------------------- correctness
-@cookbook.distributed(nproc=2)
+@cookbook.distributed(num_processes=2, start_method="fork")
 def _one_sharded_step(base: str):
     """Per kind: save the initial sharded model (DCP), forward and one SGD step on this rank's slice of the
     first global batch, save again. Returns every rank's logits and loss."""
@@ -140,7 +140,7 @@ def test_sharded_forward_and_step_equal_a_single_process_model(tmp_path):
     from torchrec import EmbeddingBagCollection
 
     train = recipe_module()
-    results = _one_sharded_step(str(tmp_path))
+    results = _one_sharded_step.distributed(str(tmp_path))[0]
     cfg = tiny_config()
     rows = [train.parse_row(line, train.table_sizes(cfg.model), where)
             for where, line in list(train.split_lines(cfg.data.train_files, cfg.data.holdout_every, "train"))[:128]]

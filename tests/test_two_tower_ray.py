@@ -2,14 +2,15 @@
 
 import pytest
 from conftest import ROOT, read_jsonl
-from ray_cluster import recipe_module, run_launch, summary
+from ray_cluster import recipe_module, run_driver_forked, run_launch, summary
 
 RECIPE = ROOT / "recipes" / "two-tower-ray"
 
 
 def test_stop_after_the_first_checkpoint_resume_and_beat_popularity(ray_env, tmp_path):
     out = tmp_path / "run"
-    first = run_launch("two-tower-ray", ray_env, f"output_dir={out}", "train.stop_at_epoch=1")
+    # The stopped run: the driver forked from pytest (no interpreter start-up); the resume goes through launch.sh.
+    first = run_driver_forked("two-tower-ray", ray_env, f"output_dir={out}", "train.stop_at_epoch=1")
     assert first.returncode == 0, first.stderr[-4000:]
     records = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in records if r["event"] == "eval"] == [12]  # 3,300 pairs / (128 x 2) = 12 steps

@@ -4,7 +4,7 @@
 - `cookbook.config`: typed YAML configs with dotted overrides (OmegaConf structured configs).
 - `cookbook.checkpoint`: atomic DCP checkpoints, resume, Hugging Face export.
 - `cookbook.metrics`: tokens/s, MFU, memory; console, JSONL and MLflow sinks.
-- `cookbook.launcher`: the ``@distributed`` decorator for notebooks and scripts.
+- `cookbook.launcher`: the ``@distributed`` decorator (``fn.distributed(...)`` runs ``fn`` once per GPU) for notebooks and scripts.
 """
 
 from cookbook.dist import (
@@ -20,10 +20,11 @@ from cookbook.dist import (
     init_distributed,
     param_fingerprint,
 )
-from cookbook.launcher import distributed
+from cookbook.launcher import WorkerError, distributed
 
 __all__ = [
     "DistInfo",
+    "WorkerError",
     "all_gather_object",
     "all_reduce_mean",
     "all_reduce_sum",

@@ -1,89 +1,542 @@
-"""``@distributed``: run a function on N local processes, from a notebook or a script.
+"""``@distributed``: run a function once per GPU (or on 2 CPU processes) from a notebook or a script.
 
-    from cookbook import distributed
+    import cookbook
 
-    @distributed(nproc=2)
+    @cookbook.distributed                      # or @cookbook.distributed(num_processes=2)
     def train(lr):
-        info = cookbook.get_dist_info()          # rank, world size, device
-        ...
+        info = cookbook.get_dist_info()        # rank, local rank, world size, device
+        ...                                    # DDP, FSDP2 (fully_shard), DeepSpeed: the group exists
         return final_loss
 
-    result = train(3e-4)   # runs on 2 ranks, returns rank 0's return value
+    train(3e-4)                  # a plain call: this process, unchanged
+    train.distributed(3e-4)      # once per process; returns [rank 0's value, rank 1's value, ...]
 
-Built on torch's elastic launcher (the engine behind torchrun,
-https://pytorch.org/docs/stable/elastic/run.html): each worker gets RANK, LOCAL_RANK,
-WORLD_SIZE, MASTER_ADDR and MASTER_PORT, the process group is created before the function
-runs and destroyed after it, also when it raises. Workers are forked, so functions defined
-in a notebook cell work without pickling; do not touch CUDA in the parent before the call
-(a forked child cannot use a CUDA context its parent created).
+Each worker gets the environment torchrun would set (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT); the process group (NCCL on GPUs, gloo on CPU) is created before the function runs
+and destroyed after it, also when it raises (`cookbook.dist.distributed_context`).
+
+How it runs:
+
+- ``backend="torch"`` (default): torch's elastic launcher, the engine behind torchrun
+  (https://pytorch.org/docs/stable/elastic/run.html), on this machine. Workers are started
+  with ``spawn`` by default: fresh interpreters, safe after the caller has touched CUDA. The
+  function and its arguments travel with cloudpickle, so functions defined in a notebook cell
+  or in a script's ``__main__`` work (a script needs the usual ``if __name__ == "__main__":``
+  guard, as with any spawned process). ``start_method="fork"`` skips the interpreter start-up
+  (the children inherit what the caller imported) but is only safe while the caller has not
+  used CUDA.
+- ``backend="ray"``: the function is the train loop of Ray Train's ``TorchTrainer``
+  (https://docs.ray.io/en/latest/train/api/doc/ray.train.torch.TorchTrainer.html) with one
+  worker per GPU of the Ray cluster (``RAY_ADDRESS``, or a local instance started and stopped
+  for the call), so the same call spans several nodes. Ray Train does not return the loop's
+  value, so each worker hands its cloudpickled result (or its error) to a small Ray actor
+  owned by the caller; no shared storage is needed for the results.
+
+A worker's exception is re-raised in the caller as one `WorkerError` naming the rank, the
+exception and the worker's traceback (the first rank to fail; ranks that failed later because
+of it are listed). The other workers are stopped, and so are all of them on Ctrl-C
+(``KeyboardInterrupt`` in the caller); none outlives the call. On Linux a local worker is also
+killed by the kernel if the caller itself dies (``PR_SET_PDEATHSIG``), e.g. a notebook kernel
+killed from outside.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import dataclasses
 import functools
+import io
+import linecache
+import logging
 import os
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import types
 import uuid
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Generic, ParamSpec, TypeVar
 
+import cloudpickle
 import torch
 
 from cookbook.dist import distributed_context
 
-F = TypeVar("F", bound=Callable[..., Any])
+P = ParamSpec("P")
+R = TypeVar("R")
+
+BACKENDS = ("torch", "ray")
+START_METHODS = ("spawn", "forkserver", "fork")
+_HANDLED_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")  # the ones torch's elastic agent takes over
 
 
-def _worker(fn: Callable[..., Any], args: tuple, kwargs: dict, threads: int) -> Any:
+class WorkerError(RuntimeError):
+    """A worker of ``fn.distributed(...)`` raised, or died.
+
+    The message holds the failing rank, the exception's type and message and the worker's
+    traceback.
+
+    Attributes:
+        rank: global rank of the first worker that failed (``None`` if unknown).
+        exc_type: qualified name of its exception type (``"ValueError"``), or ``None`` when the
+            process died without a Python exception (killed, out of memory, ``os._exit``).
+        worker_traceback: the worker's formatted traceback ("" when there is none).
+        exitcode: the process's exit code when known (negative: killed by that signal).
+        exception: the worker's exception rebuilt here (also the ``__cause__``), or ``None``
+            when it could not be pickled.
+    """
+
+    def __init__(self, message: str, rank: int | None = None, exc_type: str | None = None,
+                 worker_traceback: str = "", exitcode: int | None = None, exception: BaseException | None = None):
+        super().__init__(message)
+        self.rank = rank
+        self.exc_type = exc_type
+        self.worker_traceback = worker_traceback
+        self.exitcode = exitcode
+        self.exception = exception
+
+
+class DistributedFunction(Generic[P, R]):
+    """What `distributed` returns: the function, callable as before, plus ``.distributed(...)``."""
+
+    def __init__(self, fn: Callable[P, R], num_processes: int | None, backend: str, start_method: str,
+                 timeout_minutes: float, max_restarts: int, cpus_per_worker: float):
+        functools.update_wrapper(self, fn)
+        self.num_processes = num_processes
+        self.backend = backend
+        self.start_method = start_method
+        self.timeout_minutes = timeout_minutes
+        self.max_restarts = max_restarts
+        self.cpus_per_worker = cpus_per_worker
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        """Call the function in this process, unchanged (no workers, no process group)."""
+        return self.__wrapped__(*args, **kwargs)  # type: ignore[attr-defined]
+
+    def distributed(self, *args: P.args, **kwargs: P.kwargs) -> list[R]:
+        """Run the function once per process with these arguments.
+
+        Returns:
+            The return values as a list indexed by global rank (length = number of processes).
+
+        Raises:
+            WorkerError: a worker raised or died; the others were stopped.
+            ValueError: more processes than visible GPUs (see `distributed`).
+            KeyboardInterrupt: Ctrl-C in the caller; every worker was stopped.
+        """
+        fn = self.__wrapped__  # type: ignore[attr-defined]
+        if self.backend == "ray":
+            return _run_ray(fn, args, kwargs, self.num_processes, self.cpus_per_worker, self.timeout_minutes)
+        n = local_num_processes(self.num_processes)
+        return _run_local(fn, args, kwargs, n, self.start_method, self.timeout_minutes, self.max_restarts)
+
+    def __repr__(self) -> str:
+        return f"<distributed function {self.__qualname__} (backend={self.backend!r}, num_processes={self.num_processes})>"  # type: ignore[attr-defined]
+
+
+def distributed(fn: Callable[P, R] | None = None, *, num_processes: int | None = None, backend: str = "torch",
+                start_method: str = "spawn", timeout_minutes: float = 30.0, max_restarts: int = 0,
+                cpus_per_worker: float = 1.0) -> Any:
+    """Decorator: ``fn.distributed(*args, **kwargs)`` runs `fn` once per process; ``fn(...)`` still
+    runs it here. Usable bare (``@distributed``) or with arguments (``@distributed(num_processes=2)``).
+
+    Args:
+        fn: the function (when used bare).
+        num_processes: processes to run. ``None``: one per visible GPU, else 2 CPU processes
+            (gloo). With ``backend="ray"``, the Ray cluster's GPUs (else 2) instead.
+        backend: ``"torch"`` (this machine, torch's elastic launcher) or ``"ray"`` (Ray Train's
+            ``TorchTrainer`` on the cluster at ``RAY_ADDRESS``, or a local Ray instance).
+        start_method: ``"spawn"`` (default: fresh interpreters; notebook functions and CUDA in
+            the caller are fine), ``"forkserver"`` (forked from a fresh server process; as safe),
+            or ``"fork"`` (no start-up cost, the workers inherit what the caller imported; only
+            while the caller has not used CUDA). Ignored by ``backend="ray"``.
+        timeout_minutes: collective timeout of the process group (a hung peer raises after it).
+        max_restarts: times the local worker group is restarted after a failure (torch backend).
+        cpus_per_worker: CPUs Ray reserves per worker (ray backend).
+
+    Returns:
+        A `DistributedFunction` (or, called with keyword arguments only, a decorator making one).
+        Its ``.distributed(...)`` returns the per-rank return values as a list in rank order.
+
+    Raises:
+        ValueError: at decoration, an unknown `backend` or `start_method`, or `num_processes` < 1;
+            at the call, more processes than visible GPUs on a GPU machine (set
+            ``COOKBOOK_DEVICE=cpu`` to run CPU processes with gloo there instead).
+        WorkerError: at the call, a worker raised or died (see `WorkerError`).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: use one of {', '.join(BACKENDS)}")
+    if start_method not in START_METHODS:
+        raise ValueError(f"start_method={start_method!r}: use one of {', '.join(START_METHODS)}")
+    if num_processes is not None and (not isinstance(num_processes, int) or num_processes < 1):
+        raise ValueError(f"num_processes must be a positive integer or None, got {num_processes!r}")
+
+    def decorate(f: Callable[P, R]) -> DistributedFunction[P, R]:
+        return DistributedFunction(f, num_processes, backend, start_method, timeout_minutes, max_restarts,
+                                   cpus_per_worker)
+
+    return decorate(fn) if fn is not None else decorate
+
+
+def local_num_processes(num_processes: int | None) -> int:
+    """The number of local workers for `num_processes` (``None``: every visible GPU, else 2).
+
+    Raises:
+        ValueError: more processes than visible GPUs, unless ``COOKBOOK_DEVICE=cpu``.
+    """
+    force_cpu = os.environ.get("COOKBOOK_DEVICE", "").lower() == "cpu"
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() and not force_cpu else 0
+    n = num_processes if num_processes is not None else (gpus or 2)
+    if n < 1:
+        raise ValueError(f"num_processes must be >= 1, got {n}")
+    if gpus and n > gpus:
+        raise ValueError(f"num_processes={n} but only {gpus} GPU(s) are visible: one process per GPU, so at most "
+                         f"{gpus} (set COOKBOOK_DEVICE=cpu to run {n} CPU processes with gloo instead)")
+    return n
+
+
+# ----------------------------------------------------------------------------- local workers (torch elastic)
+def _worker(payload: bytes | tuple, error_dir: str, threads: int, timeout_minutes: float) -> bytes:
+    """One worker: unpickle the call, run it inside a process group, return the cloudpickled result.
+    On any exception, write an error record for the caller first, then re-raise (the agent then
+    stops the other workers)."""
     # Like torchrun, one intra-op thread per worker by default. It also matters for safety: a
     # forked child that inherits the parent's OpenMP thread pool can hang in its first parallel op.
     torch.set_num_threads(threads)
-    with distributed_context():
-        return fn(*args, **kwargs)
+    _die_with_parent()
+    rank = int(os.environ.get("RANK", "0"))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    path = Path(error_dir) / f"attempt{attempt:04d}-rank{rank:05d}.pkl"
+
+    def save(exc: BaseException) -> None:
+        if not path.exists():
+            tmp = path.with_suffix(".tmp")
+            tmp.write_bytes(pickle.dumps(_error_record(rank, exc)))
+            tmp.rename(path)
+
+    try:
+        fn, args, kwargs = cloudpickle.loads(payload) if isinstance(payload, bytes) else payload
+        with distributed_context(timeout_minutes):
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as exc:
+                # Recorded before the group is torn down: the peers fail only after that, so the
+                # earliest record is the root cause.
+                save(exc)
+                raise
+        return _dumps_result(result, rank)
+    except BaseException as exc:
+        save(exc)
+        raise
 
 
-def distributed(nproc: int | None = None, start_method: str = "fork", max_restarts: int = 0) -> Callable[[F], F]:
-    """Decorator: calling the function runs it on `nproc` processes of this machine.
+def _die_with_parent() -> None:
+    """On Linux, have the kernel kill this worker if the process that started it dies (a notebook
+    kernel killed, ``kill -9`` of a script): the agent that would stop it is gone then."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
 
-    Args:
-        nproc: number of processes; default one per visible GPU, else 2 (CPU, gloo).
-        start_method: ``"fork"`` (default, notebook friendly) or ``"spawn"`` (the function
-            and its arguments must then be picklable).
-        max_restarts: times the whole group is restarted after a worker fails.
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
-    Returns:
-        A wrapper whose call returns rank 0's return value.
 
-    Raises:
-        ValueError: `nproc` < 1, or larger than the number of visible GPUs on a GPU machine.
-        torch.distributed.elastic.multiprocessing.errors.ChildFailedError: a worker raised;
-            the message holds the worker's traceback.
-    """
+def _run_local(fn: Callable, args: tuple, kwargs: dict, n: int, start_method: str, timeout_minutes: float,
+               max_restarts: int) -> list:
+    from torch.distributed.elastic.multiprocessing.api import (
+        DefaultLogsSpecs,
+        SignalException,
+    )
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    def decorate(fn: F) -> F:
-        @functools.wraps(fn)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    # fork inherits the objects as they are; spawn / forkserver need them pickled (cloudpickle: by value
+    # for notebook and __main__ functions, and for modules that the children could not import by name).
+    payload = (fn, args, kwargs) if start_method == "fork" else _dumps_call(fn, args, kwargs)
+    workdir = Path(tempfile.mkdtemp(prefix="cookbook-distributed-"))
+    (workdir / "errors").mkdir()
+    # Seconds between SIGTERM and SIGKILL for workers that do not stop (torch >= 2.12; 30 before).
+    extra = {"shutdown_timeout": 10} if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)} else {}
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=n,
+        run_id=f"cookbook-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",  # a free port on this machine
+        max_restarts=max_restarts,
+        start_method=start_method,
+        monitor_interval=0.1,
+        logs_specs=DefaultLogsSpecs(log_dir=str(workdir / "logs")),
+        **extra,
+    )
+    threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
+    try:
+        with _caller_signals_kept(), _elastic_logs_quiet():
+            try:
+                returned = elastic_launch(config, _worker)(payload, str(workdir / "errors"), threads, timeout_minutes)
+            except ChildFailedError as exc:
+                rank, failure = exc.get_first_failure()
+                error = _worker_error(_read_error_records(workdir / "errors"), n, rank, failure.exitcode)
+                raise error from error.exception
+            except SignalException as exc:  # the agent's handler turned Ctrl-C / SIGTERM into this; workers are stopped
+                if exc.sigval == signal.SIGINT:
+                    raise KeyboardInterrupt from None
+                raise
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return [_loads_result(returned[rank]) for rank in range(n)]
 
-            gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            n = nproc if nproc is not None else (gpus or 2)
-            if n < 1:
-                raise ValueError(f"nproc must be >= 1, got {n}")
-            if gpus and n > gpus and os.environ.get("COOKBOOK_DEVICE", "").lower() != "cpu":
-                raise ValueError(f"nproc={n} but only {gpus} GPU(s) are visible")
-            config = LaunchConfig(
-                min_nodes=1,
-                max_nodes=1,
-                nproc_per_node=n,
-                run_id=f"cookbook-{uuid.uuid4().hex[:8]}",
-                rdzv_backend="c10d",
-                rdzv_endpoint="127.0.0.1:0",
-                max_restarts=max_restarts,
-                start_method=start_method,
-                monitor_interval=0.1,
-            )
-            threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
-            results = elastic_launch(config, _worker)(fn, args, kwargs, threads)
-            return results[0]
 
-        return wrapper  # type: ignore[return-value]
+@contextlib.contextmanager
+def _caller_signals_kept() -> Iterator[None]:
+    """The elastic agent installs handlers for SIGINT/SIGTERM/SIGHUP/SIGQUIT that raise its
+    ``SignalException`` (so that it can stop its workers) and leaves them installed. Put the
+    caller's handlers back afterwards, so that Ctrl-C in a notebook or script is a
+    ``KeyboardInterrupt`` again."""
+    saved_env = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")
+    saved = {}
+    if threading.current_thread() is threading.main_thread():
+        saved = {sig: signal.getsignal(sig) for name in _HANDLED_SIGNALS if (sig := getattr(signal, name, None))}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+        if saved_env is None:
+            os.environ.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
+        else:
+            os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = saved_env
 
-    return decorate
+
+@contextlib.contextmanager
+def _elastic_logs_quiet() -> Iterator[None]:
+    """The agent logs a worker's failure with its traceback and the stopping of the others; the
+    `WorkerError` says it once, so only critical messages of the launcher's loggers get through meanwhile."""
+    prefixes = ("torch.distributed.elastic", "torch.multiprocessing")  # each module's logger has its own level
+    logs = [log for name, log in list(logging.root.manager.loggerDict.items())
+            if name.startswith(prefixes) and isinstance(log, logging.Logger)]
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for log, level in zip(logs, levels):
+            log.setLevel(level)
+
+
+# ----------------------------------------------------------------------------- Ray Train workers
+def _ray_loop(config: dict) -> None:
+    """Ray Train's per-worker function: run the call, hand the result or the error to the collector."""
+    import ray
+    import torch.distributed as dist
+
+    rank = int(os.environ.get("RANK", "0"))  # Ray Train's torch backend sets torchrun's variables
+    collector = config["collector"]
+    try:
+        fn, args, kwargs = cloudpickle.loads(config["payload"])
+        if dist.is_initialized():  # Ray Train made the group; it also tears it down
+            result = fn(*args, **kwargs)
+        else:
+            with distributed_context(config["timeout_minutes"]):
+                result = fn(*args, **kwargs)
+        ray.get(collector.put.remote(rank, _dumps_result(result, rank)))
+    except BaseException as exc:
+        ray.get(collector.error.remote(_error_record(rank, exc)))
+        raise
+
+
+class _Collector:
+    """Per-rank results and errors of one Ray run (a Ray actor owned by the caller)."""
+
+    def __init__(self) -> None:
+        self.results: dict[int, bytes] = {}
+        self.errors: list[dict] = []
+
+    def put(self, rank: int, result: bytes) -> None:
+        self.results[rank] = result
+
+    def error(self, record: dict) -> None:
+        self.errors.append(record)
+
+    def get(self) -> tuple[dict[int, bytes], list[dict]]:
+        return self.results, self.errors
+
+
+def _run_ray(fn: Callable, args: tuple, kwargs: dict, num_processes: int | None, cpus_per_worker: float,
+             timeout_minutes: float) -> list:
+    import ray
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from cookbook.ray_train import RayConfig, plan_workers
+
+    started = not ray.is_initialized()
+    if started:  # join RAY_ADDRESS, or start a local instance for this call only
+        ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=True)
+    storage = Path(tempfile.mkdtemp(prefix="cookbook-distributed-ray-"))
+    collector = None
+    try:
+        res = ray.cluster_resources()
+        n, use_gpu = plan_workers(RayConfig(num_workers=num_processes or -1, cpus_per_worker=cpus_per_worker),
+                                  int(res.get("GPU", 0)), int(res.get("CPU", 0)))
+        collector = ray.remote(num_cpus=0)(_Collector).remote()
+        trainer = TorchTrainer(
+            _ray_loop,
+            train_loop_config={"payload": _dumps_call(fn, args, kwargs), "collector": collector,
+                               "timeout_minutes": timeout_minutes},
+            scaling_config=ScalingConfig(num_workers=n, use_gpu=use_gpu,
+                                         resources_per_worker={"CPU": cpus_per_worker, **({"GPU": 1} if use_gpu else {})}),
+            # Ray's run folder: the caller's temporary folder (no checkpoints are reported).
+            run_config=RunConfig(name="run", storage_path=str(storage), failure_config=FailureConfig(max_failures=0)),
+        )
+        try:
+            trainer.fit()
+        except Exception as exc:
+            _, errors = ray.get(collector.get.remote())
+            if not errors:
+                raise
+            error = _worker_error(errors, n, None, None)
+            raise error from error.exception or exc
+        results, _ = ray.get(collector.get.remote())
+        missing = sorted(set(range(n)) - set(results))
+        if missing:
+            raise WorkerError(f"Ray Train finished but rank(s) {missing} of {n} returned nothing")
+        return [_loads_result(results[rank]) for rank in range(n)]
+    finally:
+        if collector is not None:
+            ray.kill(collector)
+        shutil.rmtree(storage, ignore_errors=True)
+        if started:
+            ray.shutdown()
+
+
+# ----------------------------------------------------------------------------- pickling and error records
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle, but code sent by value keeps its file name (cloudpickle 3.1 writes
+    ``<dynamic-code>``), so that a worker's traceback names the script or notebook cell."""
+
+    dispatch_table = collections.ChainMap({types.CodeType: lambda code: _code_reduce(code)},
+                                          cloudpickle.Pickler.dispatch_table)
+
+
+def _code_reduce(code: types.CodeType) -> tuple:
+    reduce = getattr(cloudpickle.cloudpickle, "_code_reduce", None)
+    if reduce is None:  # another cloudpickle version: its own reducer
+        return code.__reduce__()
+    constructor, args = reduce(code)
+    return constructor, tuple(code.co_filename if a == "<dynamic-code>" else a for a in args)
+
+
+def _dumps(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    _Pickler(buffer, protocol=pickle.DEFAULT_PROTOCOL).dump(obj)
+    return buffer.getvalue()
+
+
+def _dumps_call(fn: Callable, args: tuple, kwargs: dict) -> bytes:
+    """cloudpickle the call. A module the workers could not import by name (one loaded from a file
+    path, like a notebook's helper module) goes by value."""
+    import importlib.machinery
+
+    module = sys.modules.get(getattr(fn, "__module__", None) or "")
+    top = (module.__name__.split(".")[0] if module else "")
+    by_value = (module is not None and top not in ("__main__", "builtins") and top not in sys.builtin_module_names
+                and getattr(module, "__file__", None) is not None
+                and importlib.machinery.PathFinder.find_spec(top, sys.path) is None)
+    if by_value:
+        cloudpickle.register_pickle_by_value(module)
+    try:
+        return _dumps((fn, args, kwargs))
+    finally:
+        if by_value:
+            cloudpickle.unregister_pickle_by_value(module)
+
+
+def _dumps_result(result: Any, rank: int) -> bytes:
+    try:
+        return _dumps(result)
+    except Exception as exc:
+        raise TypeError(f"rank {rank}'s return value ({type(result).__name__}) cannot be pickled to send it back: "
+                        f"{exc}. Return plain data (numbers, lists, dicts, CPU tensors)") from exc
+
+
+def _loads_result(data: bytes) -> Any:
+    return cloudpickle.loads(data)
+
+
+def _error_record(rank: int, exc: BaseException) -> dict:
+    # The traceback without the launcher's own frames on top: it starts in the user's function.
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    kind = type(exc)
+    name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    try:
+        pickled = _dumps(exc)
+        cloudpickle.loads(pickled)
+    except Exception:
+        pickled = None
+    frames = [(f.filename, f.lineno, f.name, f.line) for f in traceback.extract_tb(tb)]
+    return {"rank": rank, "time": time.time(), "type": name, "message": str(exc), "frames": frames,
+            "exception": "".join(traceback.format_exception_only(kind, exc)), "pickled": pickled}
+
+
+def _format_traceback(record: dict) -> str:
+    """The worker's traceback, rendered here: a frame whose source the worker could not read (a
+    notebook cell lives in the caller's line cache only) gets its line from this process."""
+    frames = traceback.StackSummary.from_list(
+        [(filename, lineno, name, line or linecache.getline(filename, lineno or 0).strip())
+         for filename, lineno, name, line in record["frames"]])
+    return "Traceback (most recent call last):\n" + "".join(frames.format()) + record["exception"]
+
+
+def _read_error_records(error_dir: Path) -> list[dict]:
+    """Error records of the latest attempt (earlier ones were restarted away)."""
+    files = sorted(error_dir.glob("*.pkl"))
+    if not files:
+        return []
+    latest = files[-1].name.split("-")[0]
+    return [pickle.loads(p.read_bytes()) for p in files if p.name.startswith(latest)]
+
+
+def _worker_error(records: list[dict], world: int, rank: int | None, exitcode: int | None) -> WorkerError:
+    """One `WorkerError` for the first failure: the earliest error record (a rank that raised before
+    the others saw their peer vanish), else the agent's first failed process."""
+    if not records:
+        how = f"exit code {exitcode}" if exitcode is None or exitcode >= 0 else _signal_name(-exitcode)
+        return WorkerError(f"rank {rank} of {world} died without a Python exception ({how}): killed (out of "
+                           f"memory?), a crash in native code, or os._exit", rank=rank, exitcode=exitcode)
+    first, *later = sorted(records, key=lambda r: r["time"])
+    message = f"rank {first['rank']} of {world} failed: {first['type']}: {first['message']}"
+    if later:
+        message += "\n(afterwards also failed: " + "; ".join(
+            f"rank {r['rank']}: {r['type']}: {_first_line(r['message'])}" for r in later) + ")"
+    tb = _format_traceback(first)
+    message += f"\n\nTraceback of rank {first['rank']}:\n{tb.rstrip()}"
+    exception = cloudpickle.loads(first["pickled"]) if first["pickled"] is not None else None
+    return WorkerError(message, rank=first["rank"], exc_type=first["type"], worker_traceback=tb,
+                       exitcode=exitcode if rank == first["rank"] else None, exception=exception)
+
+
+def _first_line(text: str, limit: int = 160) -> str:
+    line = text.splitlines()[0] if text else ""
+    return line if len(line) <= limit else line[:limit] + "..."
+
+
+def _signal_name(num: int) -> str:
+    try:
+        return f"killed by {signal.Signals(num).name}"
+    except ValueError:
+        return f"killed by signal {num}"
