@@ -108,8 +108,11 @@ def test_more_processes_than_gpus_is_a_clear_error(monkeypatch):
     assert cookbook.launcher.local_num_processes(None) == 2  # default: every GPU
     monkeypatch.setenv("COOKBOOK_DEVICE", "cpu")  # the escape hatch: CPU processes with gloo on a GPU machine
     assert cookbook.launcher.local_num_processes(4) == 4
-    with pytest.raises(ValueError, match="num_processes must be a positive integer"):
-        cookbook.distributed(num_processes=0)
+    for bad in (0, -1, True, 2.0, "2"):
+        with pytest.raises(ValueError, match="num_processes must be a positive integer"):
+            cookbook.distributed(num_processes=bad)
+    with pytest.raises(TypeError, match=r"@distributed\(num_processes=2\)"):
+        cookbook.distributed(2)
     with pytest.raises(ValueError, match="start_method='threads'"):
         cookbook.distributed(start_method="threads")
 
@@ -257,21 +260,30 @@ def test_ddp_fsdp2_and_deepspeed_train_in_the_workers_and_ranks_agree(tmp_path, 
     assert r0["fsdp2"]["sharded"] and r0["fsdp2"]["local_rows"] == 16  # 32 rows of the first layer over 2 ranks
 
 
-@cookbook.distributed(num_processes=2, backend="ray")
-def _ray_ranks(x: int):
-    info = cookbook.get_dist_info()
-    t = torch.tensor([float(info.rank)])
-    torch.distributed.all_reduce(t)
-    return {"rank": info.rank, "world": info.world_size, "sum": t.item(), "x": x}
+RAY_SCRIPT = textwrap.dedent('''
+    import json
+    import ray, torch, cookbook
+
+    @cookbook.distributed(num_processes=2, backend="ray")
+    def ranks(x: int):
+        info = cookbook.get_dist_info()
+        t = torch.tensor([float(info.rank)])
+        torch.distributed.all_reduce(t)
+        return {"rank": info.rank, "world": info.world_size, "sum": t.item(), "x": x}
+
+    if __name__ == "__main__":
+        out = ranks.distributed(7)
+        print(json.dumps({"out": out, "left": not ray.is_initialized()}), flush=True)
+''')
 
 
-def test_ray_backend_returns_every_rank_in_order(ray_env, monkeypatch):
-    import ray
-
-    for k, v in ray_env.items():
-        if not k.startswith("_"):
-            monkeypatch.setenv(k, v)
-    assert not ray.is_initialized()
-    out = _ray_ranks.distributed(7)
-    assert out == [{"rank": 0, "world": 2, "sum": 1.0, "x": 7}, {"rank": 1, "world": 2, "sum": 1.0, "x": 7}]
-    assert not ray.is_initialized()  # the call joined the cluster and left it
+def test_ray_backend_returns_every_rank_in_order(ray_env, tmp_path):
+    # In a child interpreter: a test process that joined Ray must not fork later (the Ray recipe tests fork).
+    script = tmp_path / "ray_ranks.py"
+    script.write_text(RAY_SCRIPT)
+    env = {**os.environ, **{k: v for k, v in ray_env.items() if not k.startswith("_")}}
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["out"] == [{"rank": 0, "world": 2, "sum": 1.0, "x": 7}, {"rank": 1, "world": 2, "sum": 1.0, "x": 7}]
+    assert result["left"]  # the call joined the cluster and left it

@@ -49,6 +49,7 @@ import functools
 import io
 import linecache
 import logging
+import multiprocessing
 import os
 import pickle
 import shutil
@@ -130,8 +131,13 @@ class DistributedFunction(Generic[P, R]):
             WorkerError: a worker raised or died; the others were stopped.
             ValueError: more processes than visible GPUs (see `distributed`).
             KeyboardInterrupt: Ctrl-C in the caller; every worker was stopped.
+            RuntimeError: called at import time of a spawned worker (a script without the
+                ``if __name__ == "__main__":`` guard).
         """
         fn = self.__wrapped__  # type: ignore[attr-defined]
+        if getattr(multiprocessing.current_process(), "_inheriting", False):  # what multiprocessing itself checks
+            raise RuntimeError(f"{self.__qualname__}.distributed(...) was called while a spawned worker imported "  # type: ignore[attr-defined]
+                               "the caller's script: in a script, call it under `if __name__ == \"__main__\":`")
         if self.backend == "ray":
             return _run_ray(fn, args, kwargs, self.num_processes, self.cpus_per_worker, self.timeout_minutes)
         n = local_num_processes(self.num_processes)
@@ -166,6 +172,7 @@ def distributed(fn: Callable[P, R] | None = None, *, num_processes: int | None =
         Its ``.distributed(...)`` returns the per-rank return values as a list in rank order.
 
     Raises:
+        TypeError: at decoration, a positional argument that is not a function (``@distributed(2)``).
         ValueError: at decoration, an unknown `backend` or `start_method`, or `num_processes` < 1;
             at the call, more processes than visible GPUs on a GPU machine (set
             ``COOKBOOK_DEVICE=cpu`` to run CPU processes with gloo there instead).
@@ -175,7 +182,11 @@ def distributed(fn: Callable[P, R] | None = None, *, num_processes: int | None =
         raise ValueError(f"backend={backend!r}: use one of {', '.join(BACKENDS)}")
     if start_method not in START_METHODS:
         raise ValueError(f"start_method={start_method!r}: use one of {', '.join(START_METHODS)}")
-    if num_processes is not None and (not isinstance(num_processes, int) or num_processes < 1):
+    if fn is not None and not callable(fn):
+        raise TypeError(f"distributed({fn!r}): pass the number of processes by keyword, "
+                        f"@distributed(num_processes={fn!r})")
+    if num_processes is not None and (isinstance(num_processes, bool) or not isinstance(num_processes, int)
+                                      or num_processes < 1):
         raise ValueError(f"num_processes must be a positive integer or None, got {num_processes!r}")
 
     def decorate(f: Callable[P, R]) -> DistributedFunction[P, R]:
@@ -516,8 +527,10 @@ def _worker_error(records: list[dict], world: int, rank: int | None, exitcode: i
     the others saw their peer vanish), else the agent's first failed process."""
     if not records:
         how = f"exit code {exitcode}" if exitcode is None or exitcode >= 0 else _signal_name(-exitcode)
-        return WorkerError(f"rank {rank} of {world} died without a Python exception ({how}): killed (out of "
-                           f"memory?), a crash in native code, or os._exit", rank=rank, exitcode=exitcode)
+        return WorkerError(f"rank {rank} of {world} died without a Python exception ({how}): before the function "
+                           f"started (its output above says why; a script that calls .distributed(...) outside "
+                           f"`if __name__ == \"__main__\":` dies so), or killed (out of memory?), a crash in native "
+                           f"code, os._exit", rank=rank, exitcode=exitcode)
     first, *later = sorted(records, key=lambda r: r["time"])
     message = f"rank {first['rank']} of {world} failed: {first['type']}: {first['message']}"
     if later:
