@@ -133,7 +133,7 @@ SCRIPT = textwrap.dedent('''
         torch.distributed.all_reduce(t)
         return Stats(info.rank, t.item())
 
-    @cookbook.distributed(num_processes=2, start_method="fork")  # Ctrl-C is handled alike; fork starts faster
+    @cookbook.distributed(num_processes=2)  # spawn: a fork of this process, which has run workers, could deadlock
     def sleeper(pid_dir: str) -> None:
         open(os.path.join(pid_dir, f"rank{cookbook.get_dist_info().rank}"), "w").write(str(os.getpid()))
         time.sleep(600)
@@ -162,7 +162,9 @@ def test_main_module_functions_work_with_spawn_and_ctrl_c_stops_every_worker(tmp
     try:
         deadline = time.monotonic() + 120
         while len(list(pid_dir.iterdir())) < 2:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise AssertionError(f"the workers did not start: {proc.communicate()}")
             time.sleep(0.2)
         time.sleep(0.5)  # both files written: the workers are in their sleep
         proc.send_signal(signal.SIGINT)
