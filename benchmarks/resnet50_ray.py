@@ -1,16 +1,21 @@
 """ResNet-50 throughput, images/s per GPU, for recipes/resnet50-ray-ddp.
 
-Two measurements, so that the bottleneck is visible:
+Three measurements, so that the bottleneck is visible:
 
 - ``synthetic``: the recipe's own ``train_step`` (bf16 autocast, channels-last, SGD, DDP) on uint8
   images already on the GPU: the compute ceiling, no data pipeline. Runs under torchrun, no Ray
   needed (Ray's 79 MB wheel may not travel to the GPU machine).
+- ``loader``: the recipe's own training data pipeline (``ImageDataset`` + ``ImageTransform`` in a
+  ``DataLoader``: JPEG decode, random resized crop, flip, uint8 batches) on the host's CPUs with no
+  model, no GPU and no Ray: the pipeline's ceiling, for several loader-process counts.
 - ``real``: the full recipe (Ray Train, JPEG decoding in data-loader workers) on an ImageFolder;
   read images/s per GPU from its metrics.jsonl. Needs Ray installed.
 
     # compute ceiling, 1 and 2 GPUs (prints one JSON line each)
     torchrun --nproc-per-node 1 benchmarks/resnet50_ray.py synthetic --steps 100 --batch 256
     torchrun --nproc-per-node 2 benchmarks/resnet50_ray.py synthetic --steps 100 --batch 256
+    # data pipeline ceiling on this host's CPUs, 14 and 28 loader processes (one JSON line each)
+    python benchmarks/resnet50_ray.py loader --data /data/hymenoptera_data/train --repeat 200 --loader-workers 14 28
     # real images through the recipe (see benchmarks/README.md for the data); --repeat 200 links each
     # JPEG 200 times under new names, so that epochs are long enough for a steady state
     python benchmarks/resnet50_ray.py real --data /data/hymenoptera_data/train --repeat 200 --gpus 1 --epochs 2
@@ -103,6 +108,37 @@ def repeated_image_folder(src: Path, dest: Path, repeat: int) -> Path:
     return dest
 
 
+def loader(args: argparse.Namespace) -> None:
+    """Images/s that the recipe's training loader delivers with each count in `--loader-workers`
+    processes; prints one JSON record per count. The first `workers` batches (every process's first,
+    which includes its start-up) are not timed; the rate is over the rest of one pass over the data."""
+    from torch.utils.data import DataLoader
+
+    train = recipe()
+    data = Path(args.data)
+    if args.repeat > 1:
+        data = repeated_image_folder(data, Path(args.output_dir) / f"images-x{args.repeat}", args.repeat)
+    samples, _ = train.list_image_folder(str(data))
+    dataset = train.ImageDataset(samples, train.ImageTransform(args.size, train=True))
+    for workers in args.loader_workers:
+        batches = len(samples) // args.batch
+        if batches <= workers:
+            raise SystemExit(f"{len(samples)} images make {batches} batches of {args.batch}: too few to time "
+                             f"{workers} loader processes; raise --repeat")
+        it = iter(DataLoader(dataset, batch_size=args.batch, shuffle=True, drop_last=True, num_workers=workers))
+        for _ in range(workers):
+            next(it)
+        t0, n = time.perf_counter(), 0
+        for images, _ in it:
+            n += images.shape[0]
+        seconds = time.perf_counter() - t0
+        del it
+        print(json.dumps({"mode": "loader", "data": str(data), "images": len(samples), "batch": args.batch,
+                          "loader_workers": workers, "cpus": os.cpu_count(), "timed_images": n,
+                          "seconds": seconds, "images_per_s": n / seconds,
+                          "images_per_s_per_worker": n / seconds / workers}), flush=True)
+
+
 def real(args: argparse.Namespace) -> None:
     """Run the recipe on an ImageFolder with `--gpus` workers; print images/s per GPU: the median of the
     logged windows (the slowest dropped), and over the whole loop (first to last logged step), which
@@ -137,6 +173,13 @@ def main() -> None:
     s.add_argument("--size", type=int, default=224)
     s.add_argument("--backend", default="auto")
     s.add_argument("--compile", action="store_true")
+    ld = sub.add_parser("loader")
+    ld.add_argument("--data", required=True)
+    ld.add_argument("--repeat", type=int, default=1, help="link each image this many times (longer passes)")
+    ld.add_argument("--batch", type=int, default=128)
+    ld.add_argument("--size", type=int, default=224)
+    ld.add_argument("--loader-workers", type=int, nargs="+", default=[14])
+    ld.add_argument("--output-dir", default="outputs/bench-resnet50-ray")
     r = sub.add_parser("real")
     r.add_argument("--data", required=True)
     r.add_argument("--gpus", type=int, default=1)
@@ -147,7 +190,7 @@ def main() -> None:
     r.add_argument("--output-dir", default="outputs/bench-resnet50-ray")
     r.add_argument("overrides", nargs="*")
     args = p.parse_args()
-    synthetic(args) if args.mode == "synthetic" else real(args)
+    {"synthetic": synthetic, "loader": loader, "real": real}[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -177,14 +177,16 @@ def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
 
 
 # ----------------------------------------------------------------------------- model
-def build_model(cfg: ModelConfig, vocab_needed: int) -> torch.nn.Module:
-    """The causal LM, pretrained or randomly initialised from its config (fp32 master weights)."""
+def build_model(cfg: ModelConfig, vocab_needed: int, device: torch.device) -> torch.nn.Module:
+    """The causal LM, pretrained or randomly initialised from its config (fp32 master weights), on
+    `device`. A random init is generated there directly: on the CPU, a 3 B model takes minutes."""
     if cfg.pretrained:
         model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, dtype=torch.float32,
-                                                     attn_implementation=cfg.attn_implementation)
+                                                     attn_implementation=cfg.attn_implementation).to(device)
     else:
         config = AutoConfig.from_pretrained(cfg.name_or_path, attn_implementation=cfg.attn_implementation)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with device:
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if vocab_needed > model.config.vocab_size:
         raise ConfigError(f"the tokenizer has {vocab_needed} tokens but the model's vocab_size is "
                           f"{model.config.vocab_size}: use the model's own tokenizer")
@@ -245,7 +247,7 @@ def train_loop(config: dict) -> None:
                           f"{cfg.train.grad_accum_steps} x {info.world_size} rows")
     max_steps = cfg.train.max_steps if cfg.train.max_steps > 0 else cfg.train.epochs * steps_per_epoch
 
-    inner = build_model(cfg.model, len(tokenizer))
+    inner = build_model(cfg.model, len(tokenizer), info.device)
     if cfg.train.gradient_checkpointing:
         inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     hf = inner.config
