@@ -259,13 +259,14 @@ def train_loop(config: dict) -> None:
     scheduler = get_scheduler(cfg.optim.scheduler, optimizer, num_warmup_steps=int(cfg.optim.warmup_ratio * max_steps),
                               num_training_steps=max_steps)
     step = 0
-    resumed = ray_train.load_checkpoint(info.device)
+    resumed = ray_train.load_checkpoint()  # memory-mapped on the CPU, copied into the model and optimizer
     if resumed is not None:
         state, meta = resumed
         inner.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         step = meta["step"]
+        del state, resumed
     stop_at = min(max_steps, cfg.train.stop_at_step) if cfg.train.stop_at_step > 0 else max_steps
 
     if info.is_main:

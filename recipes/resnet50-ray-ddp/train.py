@@ -405,13 +405,14 @@ def train_loop(config: dict) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: (s + 1) / max(warmup, 1) if s < warmup else
                                                   0.5 * (1 + math.cos(math.pi * (s - warmup) / max(max_steps - warmup, 1))))
     epoch = step = 0
-    resumed = ray_train.load_checkpoint(info.device)
+    resumed = ray_train.load_checkpoint()  # memory-mapped on the CPU, copied into the model and optimizer
     if resumed is not None:
         state, meta = resumed
         inner.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         epoch, step = meta["epoch"], meta["step"]
+        del state, resumed
     stop_epoch = min(cfg.train.epochs, cfg.train.stop_at_epoch) if cfg.train.stop_at_epoch > 0 else cfg.train.epochs
 
     if info.is_main:

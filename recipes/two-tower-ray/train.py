@@ -299,12 +299,13 @@ def train_loop(config: dict) -> None:
     model = ray.train.torch.prepare_model(inner)  # DDP
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
     epoch = step = 0
-    resumed = ray_train.load_checkpoint(info.device)
+    resumed = ray_train.load_checkpoint()  # memory-mapped on the CPU, copied into the model and optimizer
     if resumed is not None:
         state, meta = resumed
         inner.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         epoch, step = meta["epoch"], meta["step"]
+        del state, resumed
     stop_epoch = min(cfg.train.epochs, cfg.train.stop_at_epoch) if cfg.train.stop_at_epoch > 0 else cfg.train.epochs
 
     if info.is_main:

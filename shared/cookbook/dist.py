@@ -231,7 +231,7 @@ def all_gather_object(obj: object) -> list[object]:
 
 
 @torch.no_grad()
-def param_fingerprint(model: torch.nn.Module) -> list[float]:
+def param_fingerprint(model: torch.nn.Module, chunk: int = 1 << 24) -> list[float]:
     """Two float64 checksums of a model's parameters, to compare replicas across ranks.
 
     The first is the plain sum of all entries, the second a position-weighted sum
@@ -240,14 +240,25 @@ def param_fingerprint(model: torch.nn.Module) -> list[float]:
     Works on plain tensors only (call it on a DDP module or an unwrapped model, not on
     FSDP-sharded DTensors).
 
+    Computed where each parameter lives (the GPU for a model there), `chunk` entries at a time, so
+    a model of billions of parameters takes well under a second on a GPU and at most
+    ``chunk`` x 8 bytes x a few of temporary memory; values on different devices can differ in the
+    last bits (summation order), so compare fingerprints computed on the same kind of device.
+
     Returns:
         ``[sum, weighted_sum]`` as Python floats.
     """
-    total = torch.zeros((), dtype=torch.float64)
-    weighted = torch.zeros((), dtype=torch.float64)
+    total = weighted = None
     for p in model.parameters():
-        flat = p.detach().reshape(-1).to("cpu", torch.float64)
-        w = 1.0 + (torch.arange(flat.numel(), dtype=torch.float64) % 97) / 97.0
-        total += flat.sum()
-        weighted += (flat * w).sum()
+        flat = p.detach().reshape(-1)
+        if total is None:
+            total = torch.zeros((), dtype=torch.float64, device=flat.device)
+            weighted = torch.zeros((), dtype=torch.float64, device=flat.device)
+        for start in range(0, flat.numel(), chunk):
+            part = flat[start:start + chunk].to(total.device, torch.float64)
+            w = 1.0 + (torch.arange(start, start + part.numel(), dtype=torch.float64, device=total.device) % 97) / 97.0
+            total += part.sum()
+            weighted += (part * w).sum()
+    if total is None:
+        return [0.0, 0.0]
     return [total.item(), weighted.item()]

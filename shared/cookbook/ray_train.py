@@ -313,14 +313,20 @@ def report(metrics: Mapping[str, float], state: Mapping[str, Any] | None = None,
 
 
 def load_checkpoint(map_location: torch.device | str = "cpu") -> tuple[dict[str, Any], dict[str, Any]] | None:
-    """The newest checkpoint of this run as ``(state, meta)``, or ``None`` on a fresh start."""
+    """The newest checkpoint of this run as ``(state, meta)``, or ``None`` on a fresh start.
+
+    On the CPU (the default) the file is memory-mapped (``torch.load(mmap=True)``): the workers of
+    a node share one copy in the page cache instead of each reading the whole state (model and
+    optimizer: 12 bytes per parameter for AdamW in fp32) into its own memory or GPU. Copy the values
+    into the model and optimizer with ``load_state_dict``, then drop `state`."""
     import ray.train
 
     ckpt = ray.train.get_checkpoint()
     if ckpt is None:
         return None
     with ckpt.as_directory() as d:
-        state = torch.load(Path(d) / STATE_FILE, map_location=map_location, weights_only=False)
+        state = torch.load(Path(d) / STATE_FILE, map_location=map_location, weights_only=False,
+                           mmap=torch.device(map_location).type == "cpu")
         meta = json.loads((Path(d) / META_FILE).read_text())
     get_logger().info(f"resumed from {ckpt.path} ({', '.join(f'{k} {v}' for k, v in meta.items() if k != 'config')})")
     return state, meta
