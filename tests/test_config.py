@@ -2,7 +2,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from cookbook.config import ConfigError, load_config, resolve_path
+from cookbook.config import ConfigError, check_fields, load_config, resolve_path
 
 
 @dataclass
@@ -55,3 +55,24 @@ def test_resolve_path_prefers_the_config_folder(tmp_path, monkeypatch):
     monkeypatch.chdir("/")
     assert resolve_path("data/x.csv", tmp_path) == str(tmp_path / "data" / "x.csv")
     assert resolve_path("org/model-id", tmp_path) == "org/model-id"  # hub ids pass through
+
+
+@pytest.mark.parametrize("overrides, rules, expected", [
+    (["steps=0"], dict(at_least={"steps": 1}), "steps must be >= 1, got 0"),
+    (["steps=1"], dict(at_least={"steps": 1}), None),                                  # the minimum itself passes
+    (["name=adam"], dict(one_of={"name": ("sgd", "adamw")}), "name must be one of 'sgd', 'adamw', got 'adam'"),
+    (["optim.lr=0"], dict(within={"optim.lr": "[0, 1)"}), None),                      # closed end
+    (["optim.lr=1"], dict(within={"optim.lr": "[0, 1)"}), "optim.lr must be in [0, 1), got 1.0"),
+    (["optim.lr=0"], dict(within={"optim.lr": "(0, 1)"}), "optim.lr must be in (0, 1), got 0.0"),
+    (["optim.lr=1"], dict(within={"optim.lr": "(0, 1]"}), None),
+    (["steps=-2"], dict(at_least={"steps": -1}, notes={"steps": "-1: never"}), "steps must be >= -1, got -2 (-1: never)"),
+    ([], dict(at_least={"optim.momentum": 0}), "optim.momentum: no such config key"),
+])
+def test_check_fields_names_the_key_the_rule_and_the_value(overrides, rules, expected):
+    cfg = load_config(Schema, None, overrides)
+    if expected is None:
+        check_fields(cfg, **rules)
+        return
+    with pytest.raises(ConfigError) as err:
+        check_fields(cfg, **rules)
+    assert str(err.value) == expected

@@ -70,7 +70,7 @@ from cookbook.checkpoint import (
     TrainState,
     export_hf,
 )
-from cookbook.config import ConfigError, cli_parser, load_config, resolve_path, save_config, to_dict
+from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
 from cookbook.metrics import MetricsLogger, ModelFlops, count_parameters
 
 LABELS = ["World", "Sports", "Business", "Sci/Tech"]
@@ -156,24 +156,12 @@ def check_config(cfg: Config, config_dir: Path) -> None:
     cfg.data.eval_files = [resolve_path(f, config_dir) for f in cfg.data.eval_files]
     if cfg.data.eval_files and not cfg.data.train_files:
         raise ConfigError("data.eval_files is set but data.train_files is empty: give both, or neither to use data.hub_id")
-    if cfg.data.padding not in ("max_length", "longest"):
-        raise ConfigError(f"data.padding must be 'max_length' or 'longest', got {cfg.data.padding!r}")
-    if cfg.train.mixed_precision not in ("bf16", "fp32"):
-        raise ConfigError(f"train.mixed_precision must be 'bf16' or 'fp32', got {cfg.train.mixed_precision!r}")
-    for key, value in [("train.micro_batch_size", cfg.train.micro_batch_size), ("train.grad_accum_steps", cfg.train.grad_accum_steps),
-                       ("train.log_every", cfg.train.log_every), ("data.max_length", cfg.data.max_length)]:
-        if value < 1:
-            raise ConfigError(f"{key} must be >= 1, got {value}")
-    if not 0.0 < cfg.data.eval_fraction < 1.0:
-        raise ConfigError(f"data.eval_fraction must be in (0, 1), got {cfg.data.eval_fraction}")
-    schedulers = [t.value for t in SchedulerType]
-    if cfg.optim.scheduler not in schedulers:
-        raise ConfigError(f"optim.scheduler={cfg.optim.scheduler!r} is not one of {', '.join(schedulers)}")
-    attention = ["sdpa_padsafe", "sdpa", "eager", "flash_attention_2", "flex_attention"]
-    if cfg.model.attn_implementation not in attention:
-        raise ConfigError(f"model.attn_implementation={cfg.model.attn_implementation!r} is not one of {', '.join(attention)}")
-    if cfg.checkpoint.keep_last < 0 or cfg.checkpoint.every_steps < 0:
-        raise ConfigError("checkpoint.keep_last and checkpoint.every_steps must be >= 0")
+    check_fields(cfg, at_least={"train.micro_batch_size": 1, "train.grad_accum_steps": 1, "train.log_every": 1,
+                                "data.max_length": 1, "checkpoint.keep_last": 0, "checkpoint.every_steps": 0},
+                 one_of={"data.padding": ("max_length", "longest"), "train.mixed_precision": ("bf16", "fp32"),
+                         "optim.scheduler": [t.value for t in SchedulerType],
+                         "model.attn_implementation": ("sdpa_padsafe", "sdpa", "eager", "flash_attention_2", "flex_attention")},
+                 within={"data.eval_fraction": "(0, 1)"})
     if cfg.model.compile and cfg.data.padding != "max_length":
         raise ConfigError("model.compile=true needs data.padding=max_length (static shapes); with 'longest', "
                           "torch.compile's dynamic shapes failed in inductor on torch 2.11")

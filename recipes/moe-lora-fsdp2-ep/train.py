@@ -80,7 +80,7 @@ from transformers import logging as hf_logging
 import cookbook
 from cookbook import sft_data
 from cookbook.checkpoint import Checkpointer, CheckpointError, ModelOptimizerState, RankLocalState, RNGState, TrainState
-from cookbook.config import ConfigError, cli_parser, load_config, resolve_path, save_config, to_dict
+from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
 from cookbook.metrics import MetricsLogger, ModelFlops, count_parameters
 from cookbook.sft_data import SFTDataError
 
@@ -194,28 +194,19 @@ def check_config(cfg: Config, config_dir: Path) -> None:
     cfg.model.tokenizer = resolve_path(cfg.model.tokenizer or cfg.model.name_or_path, config_dir)
     cfg.data.train_files = [resolve_path(f, config_dir) for f in cfg.data.train_files]
     cfg.data.eval_files = [resolve_path(f, config_dir) for f in cfg.data.eval_files]
-    for key, value in [("parallel.param_dtype", cfg.parallel.param_dtype), ("parallel.reduce_dtype", cfg.parallel.reduce_dtype)]:
-        if value not in DTYPES:
-            raise ConfigError(f"{key} must be one of {sorted(DTYPES)}, got {value!r}")
-    for key, value in [("parallel.ep", cfg.parallel.ep), ("lora.r", cfg.lora.r), ("train.micro_batch_size", cfg.train.micro_batch_size),
-                       ("train.grad_accum_steps", cfg.train.grad_accum_steps), ("train.log_every", cfg.train.log_every),
-                       ("data.max_length", cfg.data.max_length)]:
-        if value < 1:
-            raise ConfigError(f"{key} must be >= 1, got {value}")
+    check_fields(cfg, at_least={"parallel.ep": 1, "lora.r": 1, "train.micro_batch_size": 1, "train.grad_accum_steps": 1,
+                                "train.log_every": 1, "data.max_length": 1, "moe.aux_loss_coef": 0,
+                                "checkpoint.keep_last": 0, "checkpoint.every_steps": -1},
+                 one_of={"parallel.param_dtype": sorted(DTYPES), "parallel.reduce_dtype": sorted(DTYPES),
+                         "optim.scheduler": [t.value for t in SchedulerType]},
+                 within={"lora.dropout": "[0, 1)", "data.eval_fraction": "[0, 1)"},
+                 notes={"checkpoint.every_steps": "-1: never", "data.eval_fraction": "0: no evaluation"})
     if not cfg.lora.target_modules and not cfg.lora.target_parameters:
         raise ConfigError("lora.target_modules and lora.target_parameters are both empty: nothing would train")
-    if not 0.0 <= cfg.lora.dropout < 1.0 or cfg.moe.aux_loss_coef < 0:
-        raise ConfigError("lora.dropout must be in [0, 1) and moe.aux_loss_coef >= 0")
     if cfg.lora.dropout > 0 and cfg.lora.target_parameters:
         raise ConfigError("lora.dropout > 0 is not supported by PEFT for lora.target_parameters (expert weights): set 0")
-    if not 0.0 <= cfg.data.eval_fraction < 1.0:
-        raise ConfigError(f"data.eval_fraction must be in [0, 1), got {cfg.data.eval_fraction} (0: no evaluation)")
     if cfg.train.max_steps <= 0 and cfg.train.epochs <= 0:
         raise ConfigError("set train.max_steps > 0 or train.epochs > 0")
-    if cfg.optim.scheduler not in [t.value for t in SchedulerType]:
-        raise ConfigError(f"optim.scheduler={cfg.optim.scheduler!r} is not a transformers scheduler")
-    if cfg.checkpoint.keep_last < 0 or cfg.checkpoint.every_steps < -1:
-        raise ConfigError("checkpoint.keep_last must be >= 0 and checkpoint.every_steps >= -1 (-1: never)")
     if cfg.checkpoint.every_steps == -1 and cfg.train.stop_at_step > 0:
         raise ConfigError("train.stop_at_step needs a checkpoint to resume from: checkpoint.every_steps=-1 saves none")
     if cfg.checkpoint.export_merged and not (cfg.model.pretrained and cfg.checkpoint.export_adapter):

@@ -73,7 +73,7 @@ from cookbook.checkpoint import (
     TrainState,
     export_hf,
 )
-from cookbook.config import ConfigError, cli_parser, load_config, resolve_path, save_config, to_dict
+from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
 from cookbook.metrics import MetricsLogger, ModelFlops, StepProfiler, count_parameters
 
 hf_logging.disable_progress_bar()
@@ -169,27 +169,19 @@ def check_config(cfg: Config, config_dir: Path) -> None:
     cfg.model.tokenizer = resolve_path(cfg.model.tokenizer or cfg.model.name_or_path, config_dir)
     cfg.data.train_files = [resolve_path(f, config_dir) for f in cfg.data.train_files]
     cfg.data.eval_files = [resolve_path(f, config_dir) for f in cfg.data.eval_files]
-    for key, value, allowed in [("fsdp.param_dtype", cfg.fsdp.param_dtype, DTYPES), ("fsdp.reduce_dtype", cfg.fsdp.reduce_dtype, DTYPES),
-                                ("checkpoint.export_dtype", cfg.checkpoint.export_dtype, DTYPES),
-                                ("train.activation_checkpointing", cfg.train.activation_checkpointing, ("none", "selective", "full"))]:
-        if value not in allowed:
-            raise ConfigError(f"{key} must be one of {sorted(allowed)}, got {value!r}")
-    for key, value in [("train.micro_batch_size", cfg.train.micro_batch_size), ("train.grad_accum_steps", cfg.train.grad_accum_steps),
-                       ("train.log_every", cfg.train.log_every), ("data.max_length", cfg.data.max_length),
-                       ("fsdp.replicate_degree", cfg.fsdp.replicate_degree)]:
-        if value < 1:
-            raise ConfigError(f"{key} must be >= 1, got {value}")
+    check_fields(cfg, at_least={"train.micro_batch_size": 1, "train.grad_accum_steps": 1, "train.log_every": 1,
+                                "data.max_length": 1, "fsdp.replicate_degree": 1, "checkpoint.keep_last": 0,
+                                "checkpoint.every_steps": -1},
+                 one_of={"fsdp.param_dtype": sorted(DTYPES), "fsdp.reduce_dtype": sorted(DTYPES),
+                         "checkpoint.export_dtype": sorted(DTYPES),
+                         "train.activation_checkpointing": ("none", "selective", "full"),
+                         "optim.scheduler": [t.value for t in SchedulerType]},
+                 within={"data.eval_fraction": "[0, 1)"},
+                 notes={"checkpoint.every_steps": "-1: never", "data.eval_fraction": "0: no evaluation"})
     if cfg.data.eval_files and not cfg.data.train_files:
         raise ConfigError("data.eval_files is set but data.train_files is empty")
-    if not 0.0 <= cfg.data.eval_fraction < 1.0:
-        raise ConfigError(f"data.eval_fraction must be in [0, 1), got {cfg.data.eval_fraction} (0: no evaluation)")
     if cfg.train.max_steps <= 0 and cfg.train.epochs <= 0:
         raise ConfigError("set train.max_steps > 0 or train.epochs > 0")
-    schedulers = [t.value for t in SchedulerType]
-    if cfg.optim.scheduler not in schedulers:
-        raise ConfigError(f"optim.scheduler={cfg.optim.scheduler!r} is not one of {', '.join(schedulers)}")
-    if cfg.checkpoint.keep_last < 0 or cfg.checkpoint.every_steps < -1:
-        raise ConfigError("checkpoint.keep_last must be >= 0 and checkpoint.every_steps >= -1 (-1: never)")
     if cfg.checkpoint.every_steps == -1 and cfg.train.stop_at_step > 0:
         raise ConfigError("train.stop_at_step needs a checkpoint to resume from: checkpoint.every_steps=-1 saves none")
 

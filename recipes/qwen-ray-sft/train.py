@@ -46,7 +46,7 @@ from transformers import logging as hf_logging
 
 import cookbook
 from cookbook import ray_train, sft_data
-from cookbook.config import ConfigError, cli_parser, load_config, resolve_path, save_config, to_dict
+from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
 from cookbook.metrics import MetricsLogger, ModelFlops, count_parameters
 
 hf_logging.disable_progress_bar()
@@ -125,19 +125,12 @@ def check_config(cfg: Config, config_dir: Path) -> None:
     cfg.model.tokenizer = resolve_path(cfg.model.tokenizer or cfg.model.name_or_path, config_dir)
     cfg.data.train_files = [resolve_path(f, config_dir) for f in cfg.data.train_files]
     cfg.output_dir = str(Path(cfg.output_dir).expanduser().resolve())
-    if cfg.train.mixed_precision not in ("bf16", "fp32"):
-        raise ConfigError(f"train.mixed_precision must be 'bf16' or 'fp32', got {cfg.train.mixed_precision!r}")
-    for key, value in [("train.micro_batch_size", cfg.train.micro_batch_size), ("train.grad_accum_steps", cfg.train.grad_accum_steps),
-                       ("train.log_every", cfg.train.log_every), ("data.max_length", cfg.data.max_length)]:
-        if value < 1:
-            raise ConfigError(f"{key} must be >= 1, got {value}")
-    if not 0.0 <= cfg.data.eval_fraction < 1.0:
-        raise ConfigError(f"data.eval_fraction must be in [0, 1), got {cfg.data.eval_fraction}")
+    check_fields(cfg, at_least={"train.micro_batch_size": 1, "train.grad_accum_steps": 1, "train.log_every": 1,
+                                "data.max_length": 1},
+                 one_of={"train.mixed_precision": ("bf16", "fp32"), "optim.scheduler": [t.value for t in SchedulerType]},
+                 within={"data.eval_fraction": "[0, 1)"}, notes={"data.eval_fraction": "0: no evaluation"})
     if cfg.train.max_steps <= 0 and cfg.train.epochs <= 0:
         raise ConfigError("set train.max_steps > 0 or train.epochs > 0")
-    schedulers = [t.value for t in SchedulerType]
-    if cfg.optim.scheduler not in schedulers:
-        raise ConfigError(f"optim.scheduler={cfg.optim.scheduler!r} is not one of {', '.join(schedulers)}")
 
 
 # ----------------------------------------------------------------------------- data

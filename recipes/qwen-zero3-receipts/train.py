@@ -52,7 +52,7 @@ from transformers import logging as hf_logging
 
 from cookbook import sft_data
 from cookbook.checkpoint import CheckpointError, config_changes, publish
-from cookbook.config import ConfigError, cli_parser, load_config, resolve_path, save_config, to_dict
+from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
 
 hf_logging.disable_progress_bar()
 FIELDS = ("company", "date", "address", "total")
@@ -168,25 +168,17 @@ def check_config(cfg: Config, config_dir: Path) -> None:
     cfg.model.tokenizer = resolve_path(cfg.model.tokenizer or cfg.model.name_or_path, config_dir)
     cfg.data.train_files = [resolve_path(f, config_dir) for f in cfg.data.train_files]
     cfg.deepspeed.config = resolve_path(cfg.deepspeed.config, config_dir)
-    for key, value in [("train.micro_batch_size", cfg.train.micro_batch_size), ("train.grad_accum_steps", cfg.train.grad_accum_steps),
-                       ("train.log_every", cfg.train.log_every), ("data.max_length", cfg.data.max_length),
-                       ("eval.max_new_tokens", cfg.eval.max_new_tokens), ("eval.batch_size", cfg.eval.batch_size),
-                       ("lora.r", cfg.lora.r)]:
-        if value < 1:
-            raise ConfigError(f"{key} must be >= 1, got {value}")
-    if not 0.0 <= cfg.data.eval_fraction < 1.0:
-        raise ConfigError(f"data.eval_fraction must be in [0, 1), got {cfg.data.eval_fraction} (0: no evaluation)")
+    check_fields(cfg, at_least={"train.micro_batch_size": 1, "train.grad_accum_steps": 1, "train.log_every": 1,
+                                "data.max_length": 1, "eval.max_new_tokens": 1, "eval.batch_size": 1, "lora.r": 1,
+                                "checkpoint.keep_last": 0, "checkpoint.every_steps": 0},
+                 one_of={"optim.scheduler": [t.value for t in SchedulerType]},
+                 within={"data.eval_fraction": "[0, 1)"}, notes={"data.eval_fraction": "0: no evaluation"})
     if not cfg.data.fields or len(set(cfg.data.fields)) != len(cfg.data.fields):
         raise ConfigError(f"data.fields must be a non-empty list of distinct names, got {cfg.data.fields}")
     if not cfg.data.train_files and not cfg.data.hub_id:
         raise ConfigError("set data.train_files (SROIE JSONL files) or data.hub_id")
     if cfg.train.max_steps <= 0 and cfg.train.epochs <= 0:
         raise ConfigError("set train.max_steps > 0 or train.epochs > 0")
-    schedulers = [t.value for t in SchedulerType]
-    if cfg.optim.scheduler not in schedulers:
-        raise ConfigError(f"optim.scheduler={cfg.optim.scheduler!r} is not one of {', '.join(schedulers)}")
-    if cfg.checkpoint.keep_last < 0 or cfg.checkpoint.every_steps < 0:
-        raise ConfigError("checkpoint.keep_last and checkpoint.every_steps must be >= 0")
 
 
 def check_deepspeed_config(cfg: Config, world_size: int) -> dict:

@@ -46,7 +46,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import cookbook
 from cookbook import ray_train
-from cookbook.config import ConfigError, cli_parser, load_config, resolve_path, save_config, to_dict
+from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
 from cookbook.metrics import MetricsLogger
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -123,14 +123,8 @@ def check_config(cfg: Config, config_dir: Path) -> None:
     cfg.data.val_dir = resolve_path(cfg.data.val_dir, config_dir)
     cfg.model.name_or_path = resolve_path(cfg.model.name_or_path, config_dir)
     cfg.output_dir = str(Path(cfg.output_dir).expanduser().resolve())  # workers may start elsewhere
-    if cfg.model.backend not in ("auto", "torchvision", "transformers"):
-        raise ConfigError(f"model.backend must be auto, torchvision or transformers, got {cfg.model.backend!r}")
-    if cfg.train.mixed_precision not in ("bf16", "fp32"):
-        raise ConfigError(f"train.mixed_precision must be 'bf16' or 'fp32', got {cfg.train.mixed_precision!r}")
-    for key, value in [("train.micro_batch_size", cfg.train.micro_batch_size), ("train.epochs", cfg.train.epochs),
-                       ("train.log_every", cfg.train.log_every), ("data.image_size", cfg.data.image_size)]:
-        if value < 1:
-            raise ConfigError(f"{key} must be >= 1, got {value}")
+    check_fields(cfg, at_least={"train.micro_batch_size": 1, "train.epochs": 1, "train.log_every": 1, "data.image_size": 1},
+                 one_of={"model.backend": ("auto", "torchvision", "transformers"), "train.mixed_precision": ("bf16", "fp32")})
     if cfg.data.val_dir and not cfg.data.train_dir:
         raise ConfigError("data.val_dir is set but data.train_dir is empty")
     if not cfg.data.val_dir and not 0.0 < cfg.data.val_fraction < 1.0:

@@ -73,7 +73,7 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 import cookbook
 from cookbook.checkpoint import Checkpointer, CheckpointError, TrainState
-from cookbook.config import ConfigError, cli_parser, load_config, resolve_path, save_config, to_dict
+from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
 from cookbook.metrics import MetricsLogger, StepProfiler
 
 for _name in ("torchrec", "root"):  # TorchRec logs planner and caching notices at WARNING on every rank
@@ -187,14 +187,10 @@ def check_config(cfg: Config, config_dir: Path) -> None:
         raise ConfigError(f"sharding.tables: no table named {unknown} (tables are C1..C26)")
     if "auto" in cfg.sharding.tables.values():
         raise ConfigError("sharding.tables: name a kind per table; 'auto' is for sharding.plan")
-    for key, value, allowed in [("optim.sparse", cfg.optim.sparse, ("rowwise_adagrad", "sgd")),
-                                ("optim.dense", cfg.optim.dense, ("adagrad", "sgd"))]:
-        if value not in allowed:
-            raise ConfigError(f"{key} must be one of {list(allowed)}, got {value!r}")
-    for key, value in [("train.batch_size", cfg.train.batch_size), ("train.log_every", cfg.train.log_every),
-                       ("model.embedding_dim", m.embedding_dim)]:
-        if value < 1:
-            raise ConfigError(f"{key} must be >= 1, got {value}")
+    check_fields(cfg, at_least={"train.batch_size": 1, "train.log_every": 1, "model.embedding_dim": 1,
+                                "checkpoint.keep_last": 0, "checkpoint.every_steps": -1},
+                 one_of={"optim.sparse": ("rowwise_adagrad", "sgd"), "optim.dense": ("adagrad", "sgd")},
+                 notes={"checkpoint.every_steps": "-1: never"})
     if not cfg.data.train_files and cfg.data.hub_id:  # --check writes the hub rows here, before any worker starts
         cfg.data.train_files = [str(hub_file(cfg))]
     if not cfg.data.train_files:
@@ -203,8 +199,6 @@ def check_config(cfg: Config, config_dir: Path) -> None:
         raise ConfigError(f"data.holdout_every must be 0 (off) or >= 2, got {cfg.data.holdout_every}")
     if cfg.train.max_steps <= 0 and cfg.train.epochs <= 0:
         raise ConfigError("set train.max_steps > 0 or train.epochs > 0")
-    if cfg.checkpoint.keep_last < 0 or cfg.checkpoint.every_steps < -1:
-        raise ConfigError("checkpoint.keep_last must be >= 0 and checkpoint.every_steps >= -1 (-1: never)")
     if cfg.checkpoint.every_steps == -1 and cfg.train.stop_at_step > 0:
         raise ConfigError("train.stop_at_step needs a checkpoint to resume from: checkpoint.every_steps=-1 saves none")
 

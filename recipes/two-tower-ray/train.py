@@ -42,7 +42,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import cookbook
 from cookbook import ray_train
-from cookbook.config import ConfigError, cli_parser, load_config, resolve_path, save_config, to_dict
+from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
 from cookbook.metrics import MetricsLogger
 
 
@@ -108,12 +108,8 @@ def check_config(cfg: Config, config_dir: Path) -> None:
     cfg.output_dir = str(Path(cfg.output_dir).expanduser().resolve())
     if not cfg.data.interactions:
         raise ConfigError("data.interactions is not set: give the interaction file (see the README's Data section)")
-    for key, value in [("train.micro_batch_size", cfg.train.micro_batch_size), ("train.epochs", cfg.train.epochs),
-                       ("train.log_every", cfg.train.log_every), ("model.output_dim", cfg.model.output_dim)]:
-        if value < 1:
-            raise ConfigError(f"{key} must be >= 1, got {value}")
-    if cfg.train.micro_batch_size < 2:
-        raise ConfigError("train.micro_batch_size must be >= 2: the other items of the batch are the negatives")
+    check_fields(cfg, at_least={"train.micro_batch_size": 2, "train.epochs": 1, "train.log_every": 1, "model.output_dim": 1},
+                 notes={"train.micro_batch_size": "the other items of the batch are the negatives"})
     if not cfg.train.recall_k or min(cfg.train.recall_k) < 1:
         raise ConfigError(f"train.recall_k must be a non-empty list of positive integers, got {cfg.train.recall_k}")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from pathlib import Path
-from typing import Any, Mapping, Sequence, TypeVar
+from typing import Any, Iterable, Mapping, Sequence, TypeVar
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -118,6 +118,61 @@ def resolve_path(value: str, base_dir: str | Path) -> str:
         return value
     candidate = Path(base_dir) / value
     return str(candidate) if candidate.exists() else value
+
+
+def field_value(cfg: object, key: str) -> Any:
+    """The value of a dotted key of a config instance (``"train.micro_batch_size"``).
+
+    Raises:
+        ConfigError: no such key.
+    """
+    value = cfg
+    for part in key.split("."):
+        if not hasattr(value, part):
+            raise ConfigError(f"{key}: no such config key")
+        value = getattr(value, part)
+    return value
+
+
+def check_fields(cfg: object, *, at_least: Mapping[str, float] = {}, one_of: Mapping[str, Iterable[Any]] = {},
+                 within: Mapping[str, str] = {}, notes: Mapping[str, str] = {}) -> None:
+    """Check simple rules on single config values, the ones every recipe has.
+
+    Args:
+        cfg: a config instance from `load_config`.
+        at_least: ``{dotted key: minimum}``: the value must be >= the minimum
+            (``{"train.micro_batch_size": 1, "checkpoint.every_steps": -1}``).
+        one_of: ``{dotted key: allowed values}``.
+        within: ``{dotted key: interval}`` in interval notation: ``"[0, 1)"`` means
+            0 <= value < 1, ``"(0, 1)"`` 0 < value < 1.
+        notes: ``{dotted key: text}`` appended to that key's message, e.g. what a special value
+            means (``"-1: never"``).
+
+    Raises:
+        ConfigError: for the first value that breaks its rule (in the order at_least, one_of,
+            within), naming the key, the rule and the value: ``train.micro_batch_size must be
+            >= 1, got 0``.
+    """
+    def fail(key: str, rule: str, value: Any) -> None:
+        note = f" ({notes[key]})" if key in notes else ""
+        raise ConfigError(f"{key} must be {rule}, got {value!r}{note}")
+
+    for key, minimum in at_least.items():
+        value = field_value(cfg, key)
+        if value < minimum:
+            fail(key, f">= {minimum}", value)
+    for key, allowed in one_of.items():
+        allowed = list(allowed)
+        value = field_value(cfg, key)
+        if value not in allowed:
+            fail(key, f"one of {', '.join(map(repr, allowed))}", value)
+    for key, interval in within.items():
+        low, high = (float(x) for x in interval[1:-1].split(","))
+        value = field_value(cfg, key)
+        above = value >= low if interval[0] == "[" else value > low
+        below = value <= high if interval[-1] == "]" else value < high
+        if not (above and below):
+            fail(key, f"in {interval}", value)
 
 
 def cli_parser(description: str | None = None) -> argparse.ArgumentParser:
