@@ -42,3 +42,5 @@ def test_bad_input_fails_before_ray_starts(tmp_path, monkeypatch):
     bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
     with pytest.raises(ValueError, match="rows.jsonl row 1: the conversation has no assistant turn"):
         train.main([*base, f"data.train_files=[{bad}]"])
+    with pytest.raises(ValueError, match="model.name_or_path: folder not found: /no/such/model"):
+        train.main([*base, "model.name_or_path=/no/such/model"])

@@ -1,5 +1,6 @@
 """The ResNet Ray Train recipe on CPU: 2 Ray workers (gloo) on a Ray head in the test's folder."""
 
+import json
 import shutil
 from pathlib import Path
 
@@ -10,7 +11,7 @@ from ray_cluster import recipe_module, run_driver_forked, run_launch, summary
 RECIPE = ROOT / "recipes" / "resnet50-ray-ddp"
 
 
-def test_stop_after_the_first_checkpoint_resume_and_learn(ray_env, tmp_path):
+def test_stop_after_the_first_checkpoint_resume_and_learn(ray_env, tmp_path, monkeypatch):
     out = tmp_path / "run"
     # The stopped run: the driver forked from pytest (no interpreter start-up); the resume goes through launch.sh.
     first = run_driver_forked("resnet50-ray-ddp", ray_env, f"output_dir={out}", "train.stop_at_epoch=1")
@@ -20,9 +21,19 @@ def test_stop_after_the_first_checkpoint_resume_and_learn(ray_env, tmp_path):
     assert [r["step"] for r in records if r["event"] == "train"] == [1, 2, 3, 4]  # 64 images / (8 x 2 workers)
     assert summary(records)["reports_per_worker"] == [1, 1]
 
+    # As after an interruption: a later checkpoint folder that Ray had not registered yet.
+    shutil.copytree(out / "checkpoint_epoch_0001", out / "checkpoint_epoch_0002")
+    meta = json.loads((out / "checkpoint_epoch_0002" / "meta.json").read_text())
+    (out / "checkpoint_epoch_0002" / "meta.json").write_text(json.dumps({**meta, "epoch": 2, "step": 8}))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)  # plan on this machine, as launch.sh's check does
+    with pytest.raises(ValueError, match="written by 2 workers and this run has 1"):  # before Ray starts
+        recipe_module("resnet50-ray-ddp").main(["--config", str(RECIPE / "tiny.yaml"), "--check", f"output_dir={out}",
+                                                "ray.num_workers=1"])
+
     second = run_launch("resnet50-ray-ddp", ray_env, f"output_dir={out}")  # same command: Ray resumes the run
     assert second.returncode == 0, second.stderr[-4000:]
-    assert "resumed from" in second.stderr and "checkpoint_epoch_0001 (epoch 1, step 4)" in second.stderr
+    assert "resuming from" in second.stderr and "checkpoint_epoch_0002 were written after it but not registered" in second.stderr
+    assert "resumed from" in second.stderr and "checkpoint_epoch_0001 (epoch 1, step 4, world_size 2)" in second.stderr
     records = read_jsonl(out / "metrics.jsonl")
     train = [r for r in records if r["event"] == "train"]
     assert [r["step"] for r in train] == list(range(1, 17))  # the second run continued at step 5

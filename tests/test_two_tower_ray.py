@@ -18,7 +18,7 @@ def test_stop_after_the_first_checkpoint_resume_and_beat_popularity(ray_env, tmp
 
     second = run_launch("two-tower-ray", ray_env, f"output_dir={out}")
     assert second.returncode == 0, second.stderr[-4000:]
-    assert "checkpoint_epoch_0001 (epoch 1, step 12)" in second.stderr
+    assert "checkpoint_epoch_0001 (epoch 1, step 12, world_size 2)" in second.stderr
     records = read_jsonl(out / "metrics.jsonl")
     train = [r for r in records if r["event"] == "train"]
     assert min(r["step"] for r in train[len([r for r in train if r["step"] <= 12]):]) > 12  # continued after step 12
@@ -42,3 +42,19 @@ def test_bad_interaction_files(tmp_path, content, expected):
     train = recipe_module("two-tower-ray")
     with pytest.raises(ValueError, match=expected):
         train.main(["--config", str(RECIPE / "tiny.yaml"), "--check", f"output_dir={tmp_path / 'out'}", f"data.interactions={f}"])
+
+
+@pytest.mark.parametrize("name, content, overrides, expected", [
+    ("rows.jsonl", '{"user_id": "u1", "item_id": "i1"}\n\n{"user_id": "u1", "item_id": \n',
+     [], r"rows.jsonl line 3: not valid JSON"),
+    ("rows.jsonl", '{"user_id": "u1", "item_id": "i1"}\n["u1", "i2"]\n', [], r"rows.jsonl line 2: expected a JSON object, got list"),
+    ("rows.csv", "user_id,item_id,ts\nu1,i1,1\nu1,i2,2\n", ["data.time_column=tstamp"],
+     r"data.time_column='tstamp' is not a column; found \['user_id', 'item_id', 'ts'\]"),
+])
+def test_bad_rows_and_columns_are_named(tmp_path, name, content, overrides, expected):
+    f = tmp_path / name
+    f.write_text(content)
+    train = recipe_module("two-tower-ray")
+    with pytest.raises(ValueError, match=expected):
+        train.main(["--config", str(RECIPE / "tiny.yaml"), "--check", f"output_dir={tmp_path / 'out'}", f"data.interactions={f}",
+                    *overrides])

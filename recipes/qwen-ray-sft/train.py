@@ -322,10 +322,11 @@ def train_loop(config: dict) -> None:
                 window_loss.zero_()
                 window_steps = 0
             if (cfg.checkpoint.every_steps > 0 and step % cfg.checkpoint.every_steps == 0) or step == stop_at:
-                ray_train.report({"step": step, "loss": float(step_loss)},
+                mean_loss = cookbook.all_reduce_mean({"loss": step_loss}, info.device)["loss"]  # over the global batch
+                ray_train.report({"step": step, "loss": mean_loss},
                                  state={"model": inner.state_dict(), "optimizer": optimizer.state_dict(),
                                         "scheduler": scheduler.state_dict()},
-                                 label=f"step_{step:08d}", meta={"step": step, "config": to_dict(cfg)})
+                                 label=f"step_{step:08d}", meta={"step": step, "world_size": info.world_size, "config": to_dict(cfg)})
                 reports += 1
 
         # ---- save
@@ -363,6 +364,9 @@ def main(argv: list[str]) -> None:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
         vocab_size = AutoConfig.from_pretrained(cfg.model.name_or_path).vocab_size
     except OSError as exc:
+        for key, value in (("model.name_or_path", cfg.model.name_or_path), ("model.tokenizer", cfg.model.tokenizer)):
+            if value.startswith(("/", "./", "../", "~")) and not Path(value).expanduser().exists():
+                raise ConfigError(f"{key}: folder not found: {value}") from None
         raise ConfigError(f"model.name_or_path / model.tokenizer: cannot load {cfg.model.name_or_path!r}: "
                           f"{str(exc).splitlines()[0]}") from None
     sft_data.check_vocab(tokenizer, vocab_size)

@@ -454,7 +454,8 @@ def train_loop(config: dict) -> None:
             ray_train.report({"epoch": epoch, "step": step, "val_loss": ev["loss"], "val_top1": ev["top1"]},
                              state={"model": inner.state_dict(), "optimizer": optimizer.state_dict(),
                                     "scheduler": scheduler.state_dict(), "classes": classes},
-                             label=f"epoch_{epoch:04d}", meta={"epoch": epoch, "step": step, "config": to_dict(cfg)})
+                             label=f"epoch_{epoch:04d}",
+                             meta={"epoch": epoch, "step": step, "world_size": info.world_size, "config": to_dict(cfg)})
             reports += 1
 
         # ---- summary

@@ -26,6 +26,7 @@ What this recipe supports:
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 import warnings
@@ -133,6 +134,27 @@ class Interactions:
     item_counts: np.ndarray
 
 
+def read_jsonl(path: Path) -> pd.DataFrame:
+    """One JSON object per line (blank lines skipped) as a data frame.
+
+    Raises:
+        DataError: a line is not a JSON object; the message names the line.
+    """
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path} line {number}: not valid JSON ({exc.msg})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path} line {number}: expected a JSON object, got {type(row).__name__}")
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
 def read_interactions(cfg: DataConfig) -> Interactions:
     """Read, validate, encode and split the interaction file (leave-last-out per user).
 
@@ -146,12 +168,14 @@ def read_interactions(cfg: DataConfig) -> Interactions:
     suffix = path.suffix.lower()
     readers = {".csv": lambda: pd.read_csv(path, dtype=str, keep_default_na=False),
                ".tsv": lambda: pd.read_csv(path, sep="\t", dtype=str, keep_default_na=False),
-               ".jsonl": lambda: pd.read_json(path, lines=True, dtype=False),
+               ".jsonl": lambda: read_jsonl(path),
                ".parquet": lambda: pd.read_parquet(path)}
     if suffix not in readers:
         raise DataError(f"{path}: unsupported file type {suffix!r} (use .csv, .tsv, .jsonl or .parquet)")
     try:
         df = readers[suffix]()
+    except DataError:
+        raise
     except Exception as exc:  # parser errors come in several types
         raise DataError(f"{path}: cannot be read as {suffix[1:]}: {str(exc).splitlines()[0]}") from None
     missing = [c for c in (cfg.user_column, cfg.item_column) if c not in df.columns]
@@ -166,6 +190,9 @@ def read_interactions(cfg: DataConfig) -> Interactions:
         df[col] = values
     if len(df) == 0:
         raise DataError(f"{path}: no rows")
+    if cfg.time_column not in df.columns and cfg.time_column != DataConfig.time_column:
+        raise DataError(f"{path}: data.time_column={cfg.time_column!r} is not a column; found {list(df.columns)} "
+                        f"(leave it at {DataConfig.time_column!r} when the file has no time column)")
     order = np.arange(len(df))
     if cfg.time_column in df.columns:
         times = pd.to_numeric(df[cfg.time_column], errors="coerce")
@@ -348,7 +375,8 @@ def train_loop(config: dict) -> None:
             metrics.log_eval(step, ev)
             ray_train.report({"epoch": epoch, "step": step, **ev},
                              state={"model": inner.state_dict(), "optimizer": optimizer.state_dict()},
-                             label=f"epoch_{epoch:04d}", meta={"epoch": epoch, "step": step, "config": to_dict(cfg)})
+                             label=f"epoch_{epoch:04d}",
+                             meta={"epoch": epoch, "step": step, "world_size": info.world_size, "config": to_dict(cfg)})
             reports += 1
 
         # ---- summary

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -38,6 +39,27 @@ def _ray_cli() -> str:
     return found
 
 
+def run_forwarding_signals(cmd: list[str], env: dict[str, str] | None = None) -> int:
+    """Run `cmd` and return its exit status; SIGINT and SIGTERM sent to this process are passed on
+    to it once, and this process waits for it to finish (a Ray driver then stops its run gracefully).
+
+    The child gets its own session, so a Ctrl-C in the terminal reaches it once, through this
+    process, rather than twice (Ray's driver aborts at once on a second SIGINT).
+    """
+    child = subprocess.Popen(cmd, env=env, start_new_session=True)
+
+    def forward(signum, frame):
+        if child.poll() is None:
+            child.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return child.wait()  # resumed after each forwarded signal (PEP 475)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 def main(argv: list[str]) -> int:
     """Run the driver script ``argv[0]`` with arguments ``argv[1:]``; returns its exit status."""
     if not argv:
@@ -46,7 +68,7 @@ def main(argv: list[str]) -> int:
     nnodes, node_rank = _env_int("NNODES", 1), _env_int("NODE_RANK", 0)
     os.environ["COOKBOOK_NNODES"] = str(nnodes)
     if os.environ.get("RAY_ADDRESS") or nnodes == 1:
-        return subprocess.call(driver)
+        return run_forwarding_signals(driver)
     master = os.environ.get("MASTER_ADDR", "")
     if not master:
         sys.exit("error: NNODES>1 needs MASTER_ADDR, the address of node 0 (the Ray head)")
@@ -61,7 +83,7 @@ def main(argv: list[str]) -> int:
         subprocess.run([ray, "start", "--head", f"--port={port}", f"--node-ip-address={master}", "--disable-usage-stats",
                         "--include-dashboard=false", *gpus], check=True)
         try:
-            return subprocess.call(driver, env={**os.environ, "RAY_ADDRESS": address})
+            return run_forwarding_signals(driver, env={**os.environ, "RAY_ADDRESS": address})
         finally:
             subprocess.call([ray, "stop"])
     deadline = time.monotonic() + float(os.environ.get("RAY_JOIN_TIMEOUT_S", "600"))

@@ -9,7 +9,10 @@ with ``TorchTrainer`` (one process per GPU, DDP process group set up by Ray Trai
 Inside a worker, `worker_info` gives the same `DistInfo` torchrun recipes get (and rank-0-only
 logging); `report` sends metrics and, from rank 0, a checkpoint folder written with `torch.save`
 to Ray; `load_checkpoint` returns the newest one after a restart (``FailureConfig``) or a re-run
-with the same ``output_dir`` (Ray resumes a run from its storage folder and name).
+with the same ``output_dir`` (Ray resumes a run from its storage folder and name). "Newest" is
+Ray's: the newest checkpoint its snapshot file lists (`latest_checkpoint`), which the driver's
+checks (`check_resume`, `check_resume_world_size`) read too, so they agree with what the workers
+load. An exception of a class defined in the recipe reaches the driver as `RecipeError`.
 
 Layout: ``output_dir`` is Ray's run folder (``storage_path`` = its parent, ``name`` = its last
 part), so checkpoints (``checkpoint_<label>/``), ``metrics.jsonl`` and the MLflow store sit side
@@ -179,6 +182,13 @@ def check_shared_storage(output_dir: str) -> None:
                           f"Checkpoints must be on storage every node mounts (NFS, Lustre, a mounted bucket)")
 
 
+class RecipeError(RuntimeError):
+    """An exception of a class defined in the recipe's ``train.py`` (its ``DataError``, say), raised in a
+    Ray worker and re-raised as this: the driver and Ray's controller cannot import the recipe module
+    under the worker's name, so the original could not be sent back. The message starts with the
+    original class name; the worker's traceback is in the run's log."""
+
+
 def _worker_entry(loop_config: dict) -> None:
     """Import the recipe's train.py by path in the worker and call its ``train_loop(config)``.
 
@@ -195,7 +205,12 @@ def _worker_entry(loop_config: dict) -> None:
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)
-    sys.modules[name].train_loop(loop_config["config"])
+    try:
+        sys.modules[name].train_loop(loop_config["config"])
+    except Exception as exc:
+        if type(exc).__module__ != name:
+            raise
+        raise RecipeError(f"{type(exc).__name__}: {exc}") from None
 
 
 def fit(script: str, config: Mapping[str, Any], output_dir: str, cfg: RayConfig, num_workers: int,
@@ -241,7 +256,23 @@ def prepare_driver(cfg: Any, may_change: tuple[str, ...], stop_at: tuple[str, in
     nnodes = int(os.environ.get("COOKBOOK_NNODES", "1"))
     check_output_dir(cfg.output_dir, nnodes)
     done = check_resume(cfg.output_dir, to_dict(cfg), may_change, stop_at)
-    return nnodes, done, plan_workers_locally(cfg.ray, nnodes)
+    planned = plan_workers_locally(cfg.ray, nnodes)
+    if planned is not None:
+        check_resume_world_size(cfg.output_dir, done, planned[0])
+    return nnodes, done, planned
+
+
+def check_resume_world_size(output_dir: str, meta: Mapping[str, Any] | None, num_workers: int) -> None:
+    """Refuse to resume a checkpoint written by another number of workers: the global batch, the
+    learning rate scaled from it and the steps per epoch would change in the middle of the run.
+
+    Raises:
+        ConfigError: `meta` (a checkpoint's ``meta.json``) records another ``world_size``.
+    """
+    if meta is not None and meta.get("world_size", num_workers) != num_workers:
+        raise ConfigError(f"{output_dir}: its newest checkpoint was written by {meta['world_size']} workers and this run "
+                          f"has {num_workers}: the global batch, learning rate and steps per epoch would change mid-run. "
+                          f"Resume with ray.num_workers={meta['world_size']}, or use a new output_dir")
 
 
 def run(script: str, cfg: Any, nnodes: int, planned: tuple[int, bool] | None) -> Any:
@@ -255,6 +286,7 @@ def run(script: str, cfg: Any, nnodes: int, planned: tuple[int, bool] | None) ->
     """
     init_ray(cfg.ray, planned[0] if planned else 0)
     num_workers, use_gpu = resolve_workers(cfg.ray, nnodes)
+    check_resume_world_size(cfg.output_dir, latest_meta(cfg.output_dir), num_workers)
     check_shared_storage(cfg.output_dir)
     result = fit(script, to_dict(cfg), cfg.output_dir, cfg.ray, num_workers, use_gpu, cfg.checkpoint.keep_last)
     print(f"done: {result.metrics} | checkpoint {result.checkpoint.path if result.checkpoint else None} | metrics "
@@ -332,15 +364,47 @@ def load_checkpoint(map_location: torch.device | str = "cpu") -> tuple[dict[str,
     return state, meta
 
 
-def latest_meta(output_dir: str | Path) -> dict[str, Any] | None:
-    """``meta.json`` of the newest complete checkpoint under `output_dir` (no Ray needed), or ``None``."""
-    found = []
-    root = Path(output_dir)
+SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"  # Ray Train's record of the run's registered checkpoints
+
+
+def complete_checkpoints(output_dir: str | Path) -> list[tuple[str, dict[str, Any]]]:
+    """``(folder name, meta)`` of every checkpoint folder under `output_dir` that holds both files,
+    oldest first (by step), whether or not Ray registered it."""
+    root, found = Path(output_dir), []
     if root.is_dir():
         for p in root.glob("checkpoint_*"):
             if (p / META_FILE).is_file() and (p / STATE_FILE).is_file():
-                found.append(json.loads((p / META_FILE).read_text()))
-    return max(found, key=lambda m: m.get("step", 0), default=None)
+                found.append((p.name, json.loads((p / META_FILE).read_text())))
+    return sorted(found, key=lambda item: item[1].get("step", 0))
+
+
+def latest_checkpoint(output_dir: str | Path) -> tuple[str, dict[str, Any]] | None:
+    """``(folder name, meta)`` of the checkpoint a re-run with this `output_dir` resumes from, or
+    ``None`` for a fresh start (no Ray needed).
+
+    That is the newest checkpoint in Ray Train's snapshot (``checkpoint_manager_snapshot.json``),
+    the one ``ray.train.get_checkpoint()`` returns to the workers. Ray registers a reported
+    checkpoint once every worker has reported it, so after an interruption the folder of a later
+    checkpoint can exist on disk although Ray will not resume from it. Without a readable
+    snapshot (a run that stopped before its first checkpoint, or a Ray version that writes
+    another format) the newest complete folder on disk is taken.
+    """
+    root = Path(output_dir)
+    try:
+        latest = json.loads((root / SNAPSHOT_FILE).read_text()).get("latest_checkpoint_result")
+    except (OSError, ValueError, AttributeError):
+        found = complete_checkpoints(root)
+        return found[-1] if found else None
+    name = (latest or {}).get("checkpoint_dir_name")
+    if not name or not (root / name / META_FILE).is_file():
+        return None
+    return name, json.loads((root / name / META_FILE).read_text())
+
+
+def latest_meta(output_dir: str | Path) -> dict[str, Any] | None:
+    """``meta.json`` of `latest_checkpoint`, or ``None``."""
+    latest = latest_checkpoint(output_dir)
+    return latest[1] if latest else None
 
 
 def check_resume(output_dir: str, config: Mapping[str, Any], may_change: tuple[str, ...], stop_at: tuple[str, int]) -> dict | None:
@@ -359,9 +423,10 @@ def check_resume(output_dir: str, config: Mapping[str, Any], may_change: tuple[s
     Raises:
         ConfigError: the settings differ (the message lists them), or the stop point is not after the checkpoint.
     """
-    meta = latest_meta(output_dir)
-    if meta is None:
+    latest = latest_checkpoint(output_dir)
+    if latest is None:
         return None
+    name, meta = latest
     diff = config_changes(meta.get("config", {}), config, may_change)
     if diff:
         raise ConfigError(f"{output_dir} holds checkpoints written with other settings ({diff}); resuming would mix "
@@ -371,6 +436,10 @@ def check_resume(output_dir: str, config: Mapping[str, Any], may_change: tuple[s
     if 0 < value <= meta.get(unit, 0):
         raise ConfigError(f"{key}={value} is not after the newest checkpoint in {output_dir} ({unit} {meta[unit]}): "
                           f"raise it, or remove it to train to the end")
+    later = [n for n, m in complete_checkpoints(output_dir) if m.get("step", 0) > meta.get("step", 0)]
+    print(f"resuming from {Path(output_dir) / name} ({unit} {meta.get(unit)})"
+          + (f"; {', '.join(later)} were written after it but not registered by Ray before the run stopped, "
+             f"and will be replaced" if later else ""), file=sys.stderr)
     return meta
 
 
