@@ -41,7 +41,8 @@ def _ray_cli() -> str:
 
 def run_forwarding_signals(cmd: list[str], env: dict[str, str] | None = None) -> int:
     """Run `cmd` and return its exit status; SIGINT and SIGTERM sent to this process are passed on
-    to it once, and this process waits for it to finish (a Ray driver then stops its run gracefully).
+    to it once, and this process waits for it to finish (on SIGINT a Ray driver aborts its run
+    gracefully; on SIGTERM Ray ends it at once, and Ray's processes go with it).
 
     The child gets its own session, so a Ctrl-C in the terminal reaches it once, through this
     process, rather than twice (Ray's driver aborts at once on a second SIGINT).
