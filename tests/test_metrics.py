@@ -1,4 +1,5 @@
 import json
+import time
 
 import pytest
 import torch
@@ -79,3 +80,15 @@ def test_tracking_failure_never_stops_training(tmp_path, monkeypatch, caplog):
     logger, rec = _log_a_few_steps(tmp_path)
     assert logger.mlflow_uri is None  # switched off
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 4  # 3 train + 1 eval still written
+
+
+def test_paused_time_is_not_counted_in_the_window(tmp_path):
+    logger = MetricsLogger(tmp_path, CPU, run_name="t", experiment="tests", mlflow=False)
+    logger.start(0)
+    time.sleep(0.05)  # a training step
+    with logger.paused():  # an evaluation or checkpoint
+        time.sleep(0.5)
+    logger.add(samples=4, tokens=40, data_wait_s=0.0)
+    rec = logger.log_step(1, loss=1.0, lr=1e-3, grad_norm=None)
+    logger.close()
+    assert 0.05 <= rec["step_time_s"] < 0.3, rec["step_time_s"]

@@ -492,10 +492,11 @@ def main(argv: list[str]) -> None:
                 metrics.log_step(state.step, window_loss / window_steps, lr, grad_norm)
                 window_loss.zero_()
                 window_steps = 0
-            if cfg.train.eval_every > 0 and state.step % cfg.train.eval_every == 0 and state.step < max_steps:
-                metrics.log_eval(state.step, evaluate(model.module, eval_loader, info.device, autocast))
-            if (cfg.checkpoint.every_steps > 0 and state.step % cfg.checkpoint.every_steps == 0) or state.step in (stop_at, max_steps):
-                checkpointer.save(state.step, ckpt_state, {"epoch": state.epoch, "config": to_dict(cfg)})
+            with metrics.paused():  # not counted in the step time and throughput
+                if cfg.train.eval_every > 0 and state.step % cfg.train.eval_every == 0 and state.step < max_steps:
+                    metrics.log_eval(state.step, evaluate(model.module, eval_loader, info.device, autocast))
+                if (cfg.checkpoint.every_steps > 0 and state.step % cfg.checkpoint.every_steps == 0) or state.step in (stop_at, max_steps):
+                    checkpointer.save(state.step, ckpt_state, {"epoch": state.epoch, "config": to_dict(cfg)})
 
         # ---- save
         if state.step < max_steps:

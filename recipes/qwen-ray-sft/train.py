@@ -321,13 +321,14 @@ def train_loop(config: dict) -> None:
                 metrics.log_step(step, window_loss / window_steps, lr, grad_norm)
                 window_loss.zero_()
                 window_steps = 0
-            if (cfg.checkpoint.every_steps > 0 and step % cfg.checkpoint.every_steps == 0) or step == stop_at:
-                mean_loss = cookbook.all_reduce_mean({"loss": step_loss}, info.device)["loss"]  # over the global batch
-                ray_train.report({"step": step, "loss": mean_loss},
-                                 state={"model": inner.state_dict(), "optimizer": optimizer.state_dict(),
-                                        "scheduler": scheduler.state_dict()},
-                                 label=f"step_{step:08d}", meta={"step": step, "world_size": info.world_size, "config": to_dict(cfg)})
-                reports += 1
+            with metrics.paused():  # not counted in the step time and throughput
+                if (cfg.checkpoint.every_steps > 0 and step % cfg.checkpoint.every_steps == 0) or step == stop_at:
+                    mean_loss = cookbook.all_reduce_mean({"loss": step_loss}, info.device)["loss"]  # over the global batch
+                    ray_train.report({"step": step, "loss": mean_loss},
+                                     state={"model": inner.state_dict(), "optimizer": optimizer.state_dict(),
+                                            "scheduler": scheduler.state_dict()},
+                                     label=f"step_{step:08d}", meta={"step": step, "world_size": info.world_size, "config": to_dict(cfg)})
+                    reports += 1
 
         # ---- save
         final_eval = evaluate(model, eval_rows, info, cfg.train.micro_batch_size, pad_id, autocast) if eval_rows else {}

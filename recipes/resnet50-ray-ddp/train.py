@@ -449,13 +449,14 @@ def train_loop(config: dict) -> None:
                     window = {"loss": torch.zeros((), device=info.device), "correct": torch.zeros((), device=info.device), "n": 0, "steps": 0}
                 t0 = time.perf_counter()
             epoch += 1
-            ev = evaluate(model, val_loader, info.device, bf16, channels_last)
-            metrics.log_eval(step, ev)
-            ray_train.report({"epoch": epoch, "step": step, "val_loss": ev["loss"], "val_top1": ev["top1"]},
-                             state={"model": inner.state_dict(), "optimizer": optimizer.state_dict(),
-                                    "scheduler": scheduler.state_dict(), "classes": classes},
-                             label=f"epoch_{epoch:04d}",
-                             meta={"epoch": epoch, "step": step, "world_size": info.world_size, "config": to_dict(cfg)})
+            with metrics.paused():  # not counted in the step time and throughput
+                ev = evaluate(model, val_loader, info.device, bf16, channels_last)
+                metrics.log_eval(step, ev)
+                ray_train.report({"epoch": epoch, "step": step, "val_loss": ev["loss"], "val_top1": ev["top1"]},
+                                 state={"model": inner.state_dict(), "optimizer": optimizer.state_dict(),
+                                        "scheduler": scheduler.state_dict(), "classes": classes},
+                                 label=f"epoch_{epoch:04d}",
+                                 meta={"epoch": epoch, "step": step, "world_size": info.world_size, "config": to_dict(cfg)})
             reports += 1
 
         # ---- summary

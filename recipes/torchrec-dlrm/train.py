@@ -618,11 +618,12 @@ def main(argv: list[str]) -> None:
                 metrics.log_step(state.step, window_loss / window_steps, cfg.optim.dense_lr, None)
                 window_loss.zero_()
                 window_steps = 0
-            if evals and cfg.train.eval_every > 0 and state.step % cfg.train.eval_every == 0 and state.step < max_steps:
-                metrics.log_eval(state.step, evaluate(model, evals, info.device))
-            if cfg.checkpoint.every_steps >= 0 and (state.step in (stop_at, max_steps) or (
-                    cfg.checkpoint.every_steps > 0 and state.step % cfg.checkpoint.every_steps == 0)):
-                checkpointer.save(state.step, ckpt_state, {"epoch": state.epoch, "config": to_dict(cfg)})
+            with metrics.paused():  # not counted in the step time and throughput
+                if evals and cfg.train.eval_every > 0 and state.step % cfg.train.eval_every == 0 and state.step < max_steps:
+                    metrics.log_eval(state.step, evaluate(model, evals, info.device))
+                if cfg.checkpoint.every_steps >= 0 and (state.step in (stop_at, max_steps) or (
+                        cfg.checkpoint.every_steps > 0 and state.step % cfg.checkpoint.every_steps == 0)):
+                    checkpointer.save(state.step, ckpt_state, {"epoch": state.epoch, "config": to_dict(cfg)})
 
         # ---- finish
         if state.step < max_steps:

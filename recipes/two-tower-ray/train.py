@@ -371,12 +371,13 @@ def train_loop(config: dict) -> None:
                     window_steps = 0
                 t0 = time.perf_counter()
             epoch += 1
-            ev = recall_at_k(inner, data, cfg.train.recall_k, info.rank, info.world_size, info.device)
-            metrics.log_eval(step, ev)
-            ray_train.report({"epoch": epoch, "step": step, **ev},
-                             state={"model": inner.state_dict(), "optimizer": optimizer.state_dict()},
-                             label=f"epoch_{epoch:04d}",
-                             meta={"epoch": epoch, "step": step, "world_size": info.world_size, "config": to_dict(cfg)})
+            with metrics.paused():  # not counted in the step time and throughput
+                ev = recall_at_k(inner, data, cfg.train.recall_k, info.rank, info.world_size, info.device)
+                metrics.log_eval(step, ev)
+                ray_train.report({"epoch": epoch, "step": step, **ev},
+                                 state={"model": inner.state_dict(), "optimizer": optimizer.state_dict()},
+                                 label=f"epoch_{epoch:04d}",
+                                 meta={"epoch": epoch, "step": step, "world_size": info.world_size, "config": to_dict(cfg)})
             reports += 1
 
         # ---- summary

@@ -23,6 +23,7 @@ and ``data_wait_frac``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -267,6 +268,19 @@ class MetricsLogger:
             torch.cuda.synchronize(self.info.device)
             torch.cuda.reset_peak_memory_stats(self.info.device)
         self._reset_window(step)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Leave the time spent inside out of the current window's step time, throughput and ETA.
+
+        Wrap evaluation and checkpoint saves in the step loop with it, so that the window after
+        them measures training alone: ``with metrics.paused(): checkpointer.save(...)``.
+        """
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._last_time += time.perf_counter() - t0
 
     def add(self, samples: int, tokens: int | torch.Tensor, data_wait_s: float) -> None:
         """Count one micro-batch on this rank.
