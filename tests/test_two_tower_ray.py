@@ -47,7 +47,7 @@ def test_bad_interaction_files(tmp_path, content, expected):
 @pytest.mark.parametrize("name, content, overrides, expected", [
     ("rows.jsonl", '{"user_id": "u1", "item_id": "i1"}\n\n{"user_id": "u1", "item_id": \n',
      [], r"rows.jsonl line 3: not valid JSON"),
-    ("rows.jsonl", '{"user_id": "u1", "item_id": "i1"}\n["u1", "i2"]\n', [], r"rows.jsonl line 2: expected a JSON object, got list"),
+    ("rows.jsonl", '{"user_id": "u1", "item_id": "i1"}\n["u1", "i2"]\n', [], r"rows.jsonl row 2: expected a JSON object, got list"),
     ("rows.csv", "user_id,item_id,ts\nu1,i1,1\nu1,i2,2\n", ["data.time_column=tstamp"],
      r"data.time_column='tstamp' is not a column; found \['user_id', 'item_id', 'ts'\]"),
 ])

@@ -26,7 +26,6 @@ What this recipe supports:
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 import warnings
@@ -42,7 +41,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import cookbook
-from cookbook import ray_train
+from cookbook import ray_train, sft_data
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
 from cookbook.metrics import MetricsLogger
 
@@ -134,27 +133,6 @@ class Interactions:
     item_counts: np.ndarray
 
 
-def read_jsonl(path: Path) -> pd.DataFrame:
-    """One JSON object per line (blank lines skipped) as a data frame.
-
-    Raises:
-        DataError: a line is not a JSON object; the message names the line.
-    """
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path} line {number}: not valid JSON ({exc.msg})") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path} line {number}: expected a JSON object, got {type(row).__name__}")
-            rows.append(row)
-    return pd.DataFrame(rows)
-
-
 def read_interactions(cfg: DataConfig) -> Interactions:
     """Read, validate, encode and split the interaction file (leave-last-out per user).
 
@@ -168,14 +146,14 @@ def read_interactions(cfg: DataConfig) -> Interactions:
     suffix = path.suffix.lower()
     readers = {".csv": lambda: pd.read_csv(path, dtype=str, keep_default_na=False),
                ".tsv": lambda: pd.read_csv(path, sep="\t", dtype=str, keep_default_na=False),
-               ".jsonl": lambda: read_jsonl(path),
+               ".jsonl": lambda: pd.DataFrame(sft_data.load_rows(path)),  # names a bad line
                ".parquet": lambda: pd.read_parquet(path)}
     if suffix not in readers:
         raise DataError(f"{path}: unsupported file type {suffix!r} (use .csv, .tsv, .jsonl or .parquet)")
     try:
         df = readers[suffix]()
-    except DataError:
-        raise
+    except sft_data.SFTDataError as exc:
+        raise DataError(str(exc)) from None
     except Exception as exc:  # parser errors come in several types
         raise DataError(f"{path}: cannot be read as {suffix[1:]}: {str(exc).splitlines()[0]}") from None
     missing = [c for c in (cfg.user_column, cfg.item_column) if c not in df.columns]
