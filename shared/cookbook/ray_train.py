@@ -286,7 +286,8 @@ def run(script: str, cfg: Any, nnodes: int, planned: tuple[int, bool] | None) ->
     """
     init_ray(cfg.ray, planned[0] if planned else 0)
     num_workers, use_gpu = resolve_workers(cfg.ray, nnodes)
-    check_resume_world_size(cfg.output_dir, latest_meta(cfg.output_dir), num_workers)
+    if planned is None:  # otherwise prepare_driver checked it against the same count
+        check_resume_world_size(cfg.output_dir, latest_meta(cfg.output_dir), num_workers)
     check_shared_storage(cfg.output_dir)
     result = fit(script, to_dict(cfg), cfg.output_dir, cfg.ray, num_workers, use_gpu, cfg.checkpoint.keep_last)
     print(f"done: {result.metrics} | checkpoint {result.checkpoint.path if result.checkpoint else None} | metrics "
