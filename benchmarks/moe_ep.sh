@@ -16,11 +16,8 @@ PACKING=${PACKING:-true}
 : "${MODEL_CONFIG:?set MODEL_CONFIG to a MoE model config.json}"
 : "${TOKENIZER_DIR:?set TOKENIZER_DIR to a folder with the tokenizer files}"
 : "${TRAIN_FILE:?set TRAIN_FILE to a JSON / JSONL file of chat or Alpaca rows}"
-MODEL_DIR="$OUT/model"
-mkdir -p "$MODEL_DIR"
-cp "$TOKENIZER_DIR"/* "$MODEL_DIR/"
-cp "$MODEL_CONFIG" "$MODEL_DIR/config.json"
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}  # the random init of the base runs on the CPU, once per rank
+source "$ROOT/benchmarks/model_dir.sh"  # MODEL_DIR: tokenizer files + MODEL_CONFIG
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}  # CPU threads per rank
 runs=()
 for ep in ${EPS:-1 2}; do
   run="$OUT/ep${ep}"

@@ -16,10 +16,7 @@ NGPU=${NGPU:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}
 : "${MODEL_CONFIG:?set MODEL_CONFIG to a model config.json}"
 : "${TOKENIZER_DIR:?set TOKENIZER_DIR to a folder with the tokenizer files}"
 : "${TRAIN_FILE:?set TRAIN_FILE to a JSON / JSONL file of chat or Alpaca rows}"
-MODEL_DIR="$OUT/model"
-mkdir -p "$MODEL_DIR"
-cp "$TOKENIZER_DIR"/* "$MODEL_DIR/"
-cp "$MODEL_CONFIG" "$MODEL_DIR/config.json"
+source "$ROOT/benchmarks/model_dir.sh"  # MODEL_DIR: tokenizer files + MODEL_CONFIG
 rm -rf "$OUT/trl-zero3-seq2048"
 torchrun --standalone --nproc-per-node "$NGPU" "$ROOT/benchmarks/trl_zero3_reference.py" --model-dir "$MODEL_DIR" \
   --train-file "$TRAIN_FILE" --seq 2048 --micro-batch 4 --steps "$STEPS" --out "$OUT/trl-zero3-seq2048"

@@ -22,10 +22,7 @@ DS_CONFIG=${DS_CONFIG:-zero3.json}
 : "${MODEL_CONFIG:?set MODEL_CONFIG to a model config.json}"
 : "${TOKENIZER_DIR:?set TOKENIZER_DIR to a folder with the tokenizer files}"
 : "${TRAIN_FILE:?set TRAIN_FILE to an SROIE JSONL file ({id, entities, ocr_boxes} rows)}"
-MODEL_DIR="$OUT/model"
-mkdir -p "$MODEL_DIR"
-cp "$TOKENIZER_DIR"/* "$MODEL_DIR/"
-cp "$MODEL_CONFIG" "$MODEL_DIR/config.json"  # after the tokenizer files, in case their folder has a config.json
+source "$ROOT/benchmarks/model_dir.sh"  # MODEL_DIR: tokenizer files + MODEL_CONFIG
 runs=()
 for seq in ${SEQS:-2048}; do
   run="$OUT/${DS_CONFIG%.json}-seq${seq}-packed_${PACKING}"
