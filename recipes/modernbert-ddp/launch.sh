@@ -27,4 +27,4 @@ if [ "$NNODES" -eq 1 ] && [ -z "${MASTER_PORT:-}" ]; then
 else
   RDZV=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR" --master-port "${MASTER_PORT:-29500}")
 fi
-exec torchrun "${RDZV[@]}" --nproc-per-node "$NGPU" "$HERE/train.py" --config "$CONFIG_FILE" "$@"
+exec python3 -m cookbook.torchrun "${RDZV[@]}" --nproc-per-node "$NGPU" "$HERE/train.py" --config "$CONFIG_FILE" "$@"

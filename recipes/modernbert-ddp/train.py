@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import csv
 import os
-import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -530,10 +529,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except (ConfigError, DataError, CheckpointError) as exc:
-        rank = os.environ.get("RANK", "0")
-        if rank == "0":
-            print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    cookbook.run_main(main, user_errors=(ConfigError, DataError, CheckpointError))

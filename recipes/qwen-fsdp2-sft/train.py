@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import inspect
 import os
-import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -525,9 +524,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except (ConfigError, sft_data.SFTDataError, CheckpointError) as exc:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    cookbook.run_main(main, user_errors=(ConfigError, sft_data.SFTDataError, CheckpointError))

@@ -34,7 +34,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -50,6 +49,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, SchedulerType
 from transformers import logging as hf_logging
 
+import cookbook
 from cookbook import sft_data
 from cookbook.checkpoint import CheckpointError, config_changes, publish
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
@@ -768,9 +768,4 @@ def export_final(trainer, tokenizer, out_dir: Path, cfg: Config, hf_config, info
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except (ConfigError, sft_data.SFTDataError, CheckpointError) as exc:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    cookbook.run_main(main, user_errors=(ConfigError, sft_data.SFTDataError, CheckpointError))

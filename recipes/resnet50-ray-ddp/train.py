@@ -500,8 +500,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except (ConfigError, DataError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    cookbook.run_main(main, user_errors=(ConfigError, DataError))

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -660,9 +659,4 @@ def steps_per_epoch(cfg: Config, world_size: int) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except (ConfigError, DataError, CheckpointError) as exc:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    cookbook.run_main(main, user_errors=(ConfigError, DataError, CheckpointError))

@@ -4,6 +4,8 @@
 - `cookbook.config`: typed YAML configs with dotted overrides (OmegaConf structured configs).
 - `cookbook.checkpoint`: atomic DCP checkpoints, resume, Hugging Face export.
 - `cookbook.metrics`: tokens/s, MFU, memory; console, JSONL and MLflow sinks.
+- `cookbook.entry`: ``run_main``, the end of every recipe's ``train.py``: errors from whichever rank found them, exit statuses, an exit that cannot hang.
+- `cookbook.torchrun`: ``python -m cookbook.torchrun``, torchrun with a one-line failure report.
 - `cookbook.launcher`: the ``@distributed`` decorator (``fn.distributed(...)`` runs ``fn`` once per GPU) for notebooks and scripts.
 """
 
@@ -20,6 +22,7 @@ from cookbook.dist import (
     init_distributed,
     param_fingerprint,
 )
+from cookbook.entry import run_main
 from cookbook.launcher import WorkerError, distributed
 
 __all__ = [
@@ -36,4 +39,5 @@ __all__ = [
     "get_logger",
     "init_distributed",
     "param_fingerprint",
+    "run_main",
 ]

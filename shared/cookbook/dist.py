@@ -134,9 +134,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# Process groups destroyed by `destroy_distributed`, kept referenced until the process ends (see there).
+_DESTROYED_GROUPS: list = []
+
+
 def destroy_distributed() -> None:
-    """Destroy the default process group if one exists (safe to call twice)."""
+    """Destroy the default process group if one exists (safe to call twice).
+
+    The group object itself is kept referenced until the process ends. A DDP reducer or an FSDP
+    mesh still holds it, and without this reference the group's C++ destructor would run whenever
+    the last such object is freed (often when ``main`` returns), joining gloo's worker threads
+    while the caller holds the GIL. A worker thread that is still releasing the tensors of the last
+    collective needs the GIL for that: the two wait for each other forever (seen at the end of 2 of
+    4 CPU runs of a DDP recipe; the worker thread in ``~AsyncAllgatherWork``, the main thread in
+    ``~ProcessGroupGloo`` under ``~Reducer``). Recipes end with `cookbook.run_main`, which exits
+    without freeing it at all.
+    """
     if dist.is_available() and dist.is_initialized():
+        world = getattr(dist.distributed_c10d, "_world", None)  # every group: the default one and subgroups (meshes)
+        _DESTROYED_GROUPS.extend(list(world.pg_map) if world is not None else [dist.group.WORLD])
         dist.destroy_process_group()
 
 

@@ -1,0 +1,149 @@
+"""The entry point of a recipe's ``train.py``: errors from whichever rank found them, and an exit
+that cannot hang.
+
+Every recipe ends with::
+
+    if __name__ == "__main__":
+        cookbook.run_main(main, user_errors=(ConfigError, DataError, CheckpointError))
+
+`run_main` calls ``main(sys.argv[1:])`` and ends the process itself, with these exit statuses:
+
+==========  ==================================================================================
+status      meaning
+==========  ==================================================================================
+0           finished (or stopped at ``train.stop_at_step``); every output is written
+1           a bug or a library failure: the traceback is printed
+2           bad configuration, data or checkpoint (one of ``user_errors``): one line, no traceback
+3           this rank lost contact with another rank (the other rank's message says why)
+130         interrupted (Ctrl-C)
+==========  ==================================================================================
+
+Three behaviours it guarantees:
+
+- **The user sees the error of the rank that found it.** A data error found only by rank 1 (a bad
+  row in its slice of the data) is printed by rank 1 as ``error: [rank 1] <message>``. Ranks that then
+  fail in a collective because that peer is gone print one line instead of a traceback, and wait
+  a few seconds before exiting, so the launcher sees the first failure first (torchrun reports the
+  earliest failure as the root cause, by time; see `cookbook.torchrun`).
+- **The launcher knows the root cause.** Under torchrun, the failure is also written to the file
+  torchrun names in ``TORCHELASTIC_ERROR_FILE`` (torch's own elastic error format).
+- **The process exits within seconds.** After ``main`` returns, standard streams and log handlers
+  are flushed and the process ends with ``os._exit``: Python's interpreter shutdown frees objects in
+  no fixed order, and freeing a DDP model there joins a gloo worker thread that waits for the GIL the
+  main thread holds (a deadlock seen at exit in 2 of 4 CPU runs). Recipes close their metrics sinks,
+  checkpoint writers and process group inside ``main``, so nothing is left to flush by then.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import time
+import traceback
+from typing import Any, Callable, NoReturn, Sequence
+
+EXIT_OK, EXIT_BUG, EXIT_USER_ERROR, EXIT_PEER_LOST, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+
+# Seconds a rank that lost a peer waits before exiting: long enough for torchrun (which polls its
+# workers every 0.1 s by default) to see the peer's exit first and stop this rank itself.
+PEER_LOST_GRACE_S = 5.0
+
+# What gloo and NCCL say when the process at the other end of a collective is gone.
+_PEER_LOST_MARKERS = ("connection closed by peer", "connection reset by peer", "broken pipe",
+                      "remote process exited", "socket closed", "connection refused", "nccl communicator was aborted")
+
+
+def run_main(main: Callable[[list[str]], Any], user_errors: Sequence[type[BaseException]] = (),
+             argv: list[str] | None = None) -> NoReturn:
+    """Run ``main(argv)`` (default ``sys.argv[1:]``) and exit the process with the statuses in the
+    module docstring.
+
+    Args:
+        main: the recipe's ``main``; it returns normally when the run finished or stopped.
+        user_errors: exception classes that mean bad input (configuration, data, checkpoint): their
+            message is printed as one line ``error: <message>`` (``error: [rank N] <message>`` in a
+            job of several processes), without a traceback, and the status is 2.
+        argv: the arguments (default: the command line).
+
+    Raises:
+        Nothing: the process ends here, in every case.
+    """
+    rank, world = os.environ.get("RANK", "0"), int(os.environ.get("WORLD_SIZE", "1") or 1)
+    where = f"[rank {rank}] " if world > 1 else ""
+    try:
+        main(sys.argv[1:] if argv is None else argv)
+    except tuple(user_errors) as exc:
+        _record(exc)
+        print(f"error: {where}{exc}", file=sys.stderr)
+        _exit(EXIT_USER_ERROR)
+    except KeyboardInterrupt:
+        print(f"{where}interrupted", file=sys.stderr)
+        _exit(EXIT_INTERRUPTED)
+    except SystemExit as exc:
+        code = exc.code
+        if isinstance(code, str):
+            print(code, file=sys.stderr)
+        _exit(code if isinstance(code, int) else (0 if code is None else EXIT_BUG))
+    except BaseException as exc:  # noqa: BLE001 - every failure ends the process with a status
+        if world > 1 and peer_lost(exc):
+            print(f"error: {where}stopped: another rank is gone ({_first_line(exc)}); the first rank to fail "
+                  f"says why", file=sys.stderr)
+            _exit(EXIT_PEER_LOST, wait=PEER_LOST_GRACE_S)
+        _record(exc)
+        traceback.print_exc()
+        _exit(EXIT_BUG)
+    _exit(EXIT_OK)
+
+
+def peer_lost(exc: BaseException) -> bool:
+    """True if `exc` (or an exception it was raised from) is a collective that failed because the
+    process at the other end exited: gloo's "Connection closed by peer", NCCL's "remote process
+    exited", torch's `DistNetworkError`."""
+    import torch.distributed as dist
+
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, getattr(dist, "DistNetworkError", ())) or any(
+                m in str(exc).lower() for m in _PEER_LOST_MARKERS):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _first_line(exc: BaseException, limit: int = 160) -> str:
+    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _record(exc: BaseException) -> None:
+    """Write `exc` to torchrun's per-worker error file (if torchrun gave one), so that its failure
+    summary holds this rank's message and the time it failed."""
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return
+    try:
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(exc)
+    except Exception:  # noqa: BLE001 - the error itself is printed either way
+        pass
+
+
+def _exit(status: int, wait: float = 0.0) -> NoReturn:
+    """Run the ``atexit`` handlers (libraries' own clean-up: Ray's shutdown, MLflow's run end), flush
+    what was printed and logged, optionally wait, and end the process without Python's interpreter
+    teardown (see the module docstring). A rank that lost a peer (``wait`` > 0) skips the handlers:
+    they may talk to the peer that is gone."""
+    if not wait:
+        atexit._run_exitfuncs()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream cannot block the exit
+            pass
+    if wait:
+        time.sleep(wait)
+    os._exit(status)
