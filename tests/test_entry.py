@@ -39,8 +39,9 @@ SCRIPT = textwrap.dedent("""
         if mode == "killed" and info.rank == 1:
             os.kill(os.getpid(), 9)
         cookbook.all_reduce_sum({"x": 1.0}, info.device)  # rank 0 waits here for the rank that failed
+        cookbook.all_gather_object(info.rank)  # the collective whose clean-up a gloo thread was still doing
         print(f"done: rank {info.rank}", flush=True)
-        cookbook.destroy_distributed()
+        cookbook.destroy_distributed()  # the DDP model, a local, is freed when main returns
 
     if __name__ == "__main__":
         cookbook.run_main(main, user_errors=(DataError,))
