@@ -147,6 +147,11 @@ def _write(path, text):
     return path
 
 
+ROW = '{"text": "striker scores twice", "label": 1}'
+ROW_BAD_JSON = '{"text": oops}'
+ROW_NO_LABEL = '{"text": "a"}'
+
+
 BAD_INPUTS = [
     (lambda d: ["data.train_files=[/no/such/train.csv]"], "data.train_files: file not found: /no/such/train.csv"),
     (lambda d: [f"data.train_files=[{_write(d / 'bad.csv', 'a,b,c,d' + chr(10) + '1,2,3,4' + chr(10))}]"],
@@ -155,6 +160,16 @@ BAD_INPUTS = [
      "lab.csv line 3: label '7' is not one of 1-4"),
     (lambda d: [f"data.train_files=[{_write(d / 'hf.csv', 'text,label' + chr(10) + 'hello,4' + chr(10))}]"],
      "hf.csv line 2: label '4' is not one of 0-3"),
+    (lambda d: [f"data.train_files=[{_write(d / 'extra.csv', chr(10).join(['1,t,d', '2,t,d', '3,t,d,x']))}]"],
+     "extra.csv line 3: 4 fields, expected 3 (label, title, description)"),
+    (lambda d: [f"data.train_files=[{_write(d / 'short.csv', chr(10).join(['1,t,d', '2,t', '3,t,d']))}]"],
+     "short.csv line 2: missing field 'description' (2 of 3 fields"),
+    (lambda d: [f"data.train_files=[{_write(d / 'nonint.csv', chr(10).join(['1,t,d', '2.5,t,d']))}]"],
+     "nonint.csv line 2: label '2.5' is not one of 1-4"),
+    (lambda d: [f"data.train_files=[{_write(d / 'bad.jsonl', chr(10).join([ROW, ROW, ROW_BAD_JSON]))}]"],
+     "bad.jsonl line 3: not valid JSON"),
+    (lambda d: [f"data.train_files=[{_write(d / 'nolabel.jsonl', chr(10).join([ROW, ROW_NO_LABEL]))}]"],
+     "nolabel.jsonl line 2: missing field 'label'"),
     (lambda d: ["optim.lrr=1e-4"], "key 'optim.lrr'"),
     (lambda d: ["train.micro_batch_size=big"], "key 'train.micro_batch_size'"),
     (lambda d: ["model.compile=true", "data.padding=longest"], "model.compile=true needs data.padding=max_length"),
@@ -175,7 +190,7 @@ def test_bad_input_through_launch_sh_is_one_line_before_any_worker(tmp_path):
 def test_bad_input_is_refused_by_the_check(tmp_path, make_input, expected):
     with pytest.raises((ConfigError, DataError, CheckpointError)) as err:
         check("modernbert-ddp", f"output_dir={tmp_path / 'out'}", *make_input(tmp_path))
-    assert expected in str(err.value)
+    assert expected in str(err.value) and "\n" not in str(err.value)  # one line
     assert not (tmp_path / "out").exists()
 
 
@@ -220,3 +235,67 @@ def test_ag_news_csv_with_its_common_header(tmp_path):
     bad.write_text('"Class Index","Title","Description"\n"1","a","b"\n"5","c","d"\n')
     with pytest.raises(DataError, match="bad.csv line 3: label '5' is not one of 1-4"):
         check("modernbert-ddp", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{bad}]")
+
+
+# ----------------------------------------------------------------------------- small eval sets
+def test_an_eval_set_smaller_than_the_world_size_counts_its_row_once(tmp_path, monkeypatch, capfd):
+    """One validation row on 2 ranks: evaluation finishes, and its loss, accuracy and macro-F1 are those of a
+    single-process computation over that one row with the exported model (no row padded in or counted twice)."""
+    from torchmetrics.classification import MulticlassF1Score
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    one = tmp_path / "one.csv"
+    one.write_text('"2","Striker scores twice","The cup final ends 2-1 after extra time."\n')
+    out = tmp_path / "run"
+    run_in_workers(monkeypatch, capfd, f"output_dir={out}", f"data.eval_files=[{one}]", "train.max_steps=2",
+                   "train.eval_every=0", "checkpoint.every_steps=0", "mlflow=false")
+    summary = [r for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "summary"][-1]
+    assert summary["eval/samples"] == 1
+    model = AutoModelForSequenceClassification.from_pretrained(out / "final").eval()
+    tok = AutoTokenizer.from_pretrained(out / "final")
+    enc = tok(["Striker scores twice The cup final ends 2-1 after extra time."], truncation=True, max_length=64,
+              padding="max_length", return_tensors="pt")
+    labels = torch.tensor([1])
+    with torch.no_grad():
+        ref = model(**enc, labels=labels)
+    preds = ref.logits.argmax(-1)
+    assert summary["eval/loss"] == pytest.approx(ref.loss.item(), rel=1e-5)
+    assert summary["eval/accuracy"] == float((preds == labels).sum())
+    assert summary["eval/macro_f1"] == pytest.approx(MulticlassF1Score(num_classes=4, average="macro")(preds, labels).item())
+
+
+# ----------------------------------------------------------------------------- input formats
+def test_every_input_format_gives_the_same_rows(tmp_path):
+    """The same 80 rows as AG News CSV without and with its header, with a BOM and CRLF line ends, labels
+    written as floats, the Hugging Face layout (CSV with and without header, JSONL, a JSON array, parquet),
+    all with a BOM where the format has one: every reader gives identical texts and labels, and --check
+    accepts the file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    train = load_recipe("modernbert-ddp")
+    rows = [(c, f"title {i}", f"said, \"{i}\"") for i, c in enumerate([1, 2, 3, 4] * 20)]
+    agnews = "".join(f'"{c}","{t}","{d.replace(chr(34), chr(34) * 2)}"\n' for c, t, d in rows)
+    texts, labels = [f"{t} {d}" for _, t, d in rows], [c - 1 for c, _, _ in rows]
+    hf_csv = "".join(f'"{t}",{y}\n' for t, y in zip([t.replace(chr(34), chr(34) * 2) for t in texts], labels))
+    records = [{"text": t, "label": y} for t, y in zip(texts, labels)]
+    bom = "\ufeff"
+    files = {
+        "plain.csv": agnews,
+        "bom_crlf.csv": bom + agnews.replace("\n", "\r\n"),
+        "header.csv": bom + '"Class Index","Title","Description"\r\n' + agnews.replace("\n", "\r\n"),
+        "float_labels.csv": agnews.replace('"3",', '"3.0",'),
+        "hf.csv": bom + hf_csv,
+        "hf_header.csv": bom + "label,text\r\n" + "".join(f"{y}.0,{line.rsplit(',', 1)[0]}\r\n" for y, line in
+                                                          zip(labels, hf_csv.splitlines())),
+        "rows.jsonl": bom + "\r\n".join(json.dumps(r) for r in records) + "\r\n",
+        "rows.json": bom + json.dumps(records, indent=1),
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text, newline="")
+    pq.write_table(pa.table({"text": texts, "label": labels}), tmp_path / "rows.parquet")
+    for name in [*files, "rows.parquet"]:
+        ds = train._read_file(str(tmp_path / name), "data.train_files")
+        assert ds["text"] == texts and ds["label"] == labels, name
+    assert "(80 train / 400 eval rows)" in check("modernbert-ddp", f"output_dir={tmp_path / 'out'}",
+                                                  f"data.train_files=[{tmp_path / 'header.csv'}]")

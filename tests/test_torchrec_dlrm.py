@@ -229,3 +229,125 @@ def test_hub_rows_are_written_as_criteo_text_before_workers(tmp_path, monkeypatc
     with pytest.raises(train.DataError, match=r"no column\(s\) I4, C7"):
         check("torchrec-dlrm", f"output_dir={tmp_path / 'out2'}", "data.train_files=[]", "data.hub_id=someone/criteo")
     assert not (tmp_path / "out2" / "hub_data" / "someone__criteo-train.txt").exists()
+
+
+# ----------------------------------------------------------------------------- small eval sets
+def test_an_eval_set_smaller_than_the_world_size_counts_its_row_once(tmp_path):
+    """One validation row on 2 ranks: evaluation finishes, and its log-loss and AUC are those of a single-process
+    computation over that one row with the trained weights (the padding row of the empty rank is not counted)."""
+    from torchmetrics.classification import BinaryAUROC
+    from torchrec import EmbeddingBagCollection
+
+    train = recipe_module()
+    row = (RECIPE / "tiny" / "data" / "train.txt").read_text().splitlines()[5]
+    one = tmp_path / "one.txt"
+    one.write_text(row + "\n")
+    out = run_forked(tmp_path / "run", "train.max_steps=2", "mlflow=false", "train.eval_every=0",
+                     "checkpoint.every_steps=0", f"data.eval_files=[{one}]")
+    summary = [r for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "summary"][-1]
+    assert summary["eval/rows"] == 1
+    cfg = tiny_config()
+    reference = train.build_model(cfg, torch.device("cpu"))
+    reference.model.sparse_arch.embedding_bag_collection = EmbeddingBagCollection(
+        tables=reference.model.sparse_arch.embedding_bag_collection.embedding_bag_configs(), device=torch.device("cpu"))
+    reference.load_state_dict(_full_state(out / "checkpoints" / "step_00000002", tmp_path))
+    batch = train.to_batch([train.parse_row(row, train.table_sizes(cfg.model), "one.txt line 1")])
+    with torch.no_grad():
+        _, (_, logits, labels) = reference.eval()(batch)
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(logits.float(), labels.float())
+    assert summary["eval/logloss"] == pytest.approx(loss.item(), rel=1e-5)
+    assert summary["eval/auc"] == pytest.approx(BinaryAUROC()(torch.sigmoid(logits.float()), labels.long()).item())
+
+
+# ----------------------------------------------------------------------------- input formats
+def _tiny_rows(n=200):
+    return (RECIPE / "tiny" / "data" / "train.txt").read_text().splitlines()[:n]
+
+
+def _as_floats(line, sep="\t"):
+    """A Criteo row with every non-empty count written as a float (``15`` -> ``15.0``), as pandas writes them."""
+    fields = line.split("\t")
+    return sep.join(f"{float(v)}" if v and 1 <= i <= 13 else v for i, v in enumerate(fields))
+
+
+def test_criteo_text_with_bom_crlf_header_and_float_counts_reads_as_the_plain_file(tmp_path):
+    train = recipe_module()
+    lines = _tiny_rows()
+    text = tmp_path / "day_0.txt"
+    text.write_bytes(("\ufeff" + "\t".join(train.COLUMNS) + "\r\n" + "".join(
+        _as_floats(line).replace("\t0.0", "\t0", 1) + "\r\n" for line in lines)).encode())
+    sizes = train.table_sizes(tiny_config().model)
+    got = [train.parse_row(line, sizes, w) for w, line in train.split_lines([str(text)], 0, "all")]
+    assert got == [train.parse_row(line, sizes, "x") for line in lines]
+    assert "(200 rows checked)" in check("torchrec-dlrm", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{text}]",
+                                         "train.batch_size=8")
+    fields = lines[3].split("\t")
+    fields[2] = "2.5"
+    (tmp_path / "half.txt").write_text("\n".join([*lines[:3], "\t".join(fields)]) + "\n")
+    with pytest.raises(train.DataError, match=r"half.txt line 4, column 3 \(I2\): '2.5' is not an integer"):
+        check("torchrec-dlrm", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{tmp_path / 'half.txt'}]",
+              "train.batch_size=8")
+
+
+def test_criteo_csv_and_parquet_are_converted_once_per_content(tmp_path, capsys):
+    """A CSV with a header and counts written as floats (and a parquet file of the same rows) becomes the
+    Criteo text it came from, under output_dir/converted/ keyed by the source's hash: a second check reuses
+    it, a changed source is converted again, and a non-integer count is refused naming line and column."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    train = recipe_module()
+    lines = _tiny_rows()
+    src = tmp_path / "criteo.csv"
+    src.write_text("\ufeff" + ",".join(train.COLUMNS) + "\r\n" + "".join(_as_floats(l, ",") + "\r\n" for l in lines))
+    args = (f"output_dir={tmp_path / 'out'}", f"data.train_files=[{src}]", "train.batch_size=8")
+    assert "200 rows converted" in check("torchrec-dlrm", *args)
+    converted = sorted((tmp_path / "out" / "converted").glob("criteo-*.txt"))
+    assert len(converted) == 1 and converted[0].read_text().splitlines() == lines
+    assert "converted" not in check("torchrec-dlrm", *args)  # same content: the converted file is reused
+
+    src.write_text(",".join(train.COLUMNS) + "\n" + "".join(_as_floats(l, ",") + "\n" for l in lines[:100]))
+    assert "100 rows converted" in check("torchrec-dlrm", *args)
+    new = sorted(set((tmp_path / "out" / "converted").glob("criteo-*.txt")) - set(converted))
+    assert len(new) == 1 and new[0].read_text().splitlines() == lines[:100]
+
+    columns = list(zip(*[line.split("\t") for line in lines]))
+    table = pa.table({name: [int(v) if v else None for v in col] if name in train.DENSE or name == "label"
+                      else [v or None for v in col] for name, col in zip(train.COLUMNS, columns)})
+    table = table.cast(pa.schema([(n, pa.float64() if n in train.DENSE else table.schema.field(n).type)
+                                  for n in train.COLUMNS]))  # counts as float64 with nulls, as pandas stores them
+    pq.write_table(table, tmp_path / "criteo.parquet")
+    assert "200 rows converted" in check("torchrec-dlrm", f"output_dir={tmp_path / 'out'}",
+                                         f"data.train_files=[{tmp_path / 'criteo.parquet'}]", "train.batch_size=8")
+    parquet_text = [p for p in (tmp_path / "out" / "converted").glob("criteo-*.txt") if p not in (*converted, *new)]
+    assert len(parquet_text) == 1 and parquet_text[0].read_text().splitlines() == lines
+
+    bad = [_as_floats(line, ",").split(",") for line in lines[:20]]
+    bad[4][2] = "7.25"
+    bad = [",".join(fields) for fields in bad]
+    (tmp_path / "bad.csv").write_text(",".join(train.COLUMNS) + "\n" + "\n".join(bad) + "\n")
+    with pytest.raises(train.DataError, match=r"bad.csv line 6, column 3 \(I2\): '7.25' is not an integer"):
+        check("torchrec-dlrm", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{tmp_path / 'bad.csv'}]")
+    assert not list((tmp_path / "out" / "converted").glob("bad-*"))  # nothing half-written is left
+
+
+def test_hub_counts_written_as_floats_become_integers_and_a_stale_file_is_rewritten(tmp_path, monkeypatch):
+    """Hub data sets often store counts as float64 (``260.0``, None for missing): the text written has integers.
+    A file left by an earlier converter, or written for another data.hub_max_rows, is written again."""
+    import datasets
+
+    train = recipe_module()
+    lines = _tiny_rows(50)
+    rows = [{c: (float(v) if v and c in train.DENSE else int(v) if c == "label" else v or None)
+             for c, v in zip(train.COLUMNS, line.split("\t"))} for line in lines]
+    monkeypatch.setattr(datasets, "load_dataset", lambda hub_id, split, streaming: iter(rows))
+    out = tmp_path / "out"
+    written = out / "hub_data" / "someone__criteo-train.txt"
+    written.parent.mkdir(parents=True)
+    written.write_text("stale\n")  # left by an earlier version, which wrote no record beside it
+    args = (f"output_dir={out}", "data.train_files=[]", "data.hub_id=someone/criteo", "train.batch_size=8")
+    assert "50 rows written" in check("torchrec-dlrm", *args)
+    assert written.read_text().splitlines() == lines
+    assert "rows written" not in check("torchrec-dlrm", *args)  # same settings: reused
+    assert "20 rows written" in check("torchrec-dlrm", *args, "data.hub_max_rows=20")
+    assert written.read_text().splitlines() == lines[:20]

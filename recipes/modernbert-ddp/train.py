@@ -22,15 +22,16 @@ What this recipe supports:
       (total and per GPU), MFU, peak memory, data-wait time; console, metrics.jsonl, MLflow.
     - Final export in Hugging Face format (safetensors + config + tokenizer).
 
-Data: local CSV / JSON / parquet files, either the original AG News CSV layout (class 1-4,
-title, description; no header) or the Hugging Face layout (``text``, ``label`` 0-3; CSV with
-or without that header), or the hub data set named by ``data.hub_id`` when no files are given.
+Data: local CSV / JSON / JSONL / parquet files, either the original AG News CSV layout (class 1-4,
+title, description; no header, or the header ``Class Index,Title,Description``) or the Hugging Face
+layout (``text``, ``label`` 0-3; CSV with or without that header), or the hub data set named by
+``data.hub_id`` when no files are given. A UTF-8 BOM, CRLF line ends and labels written as floats
+(``3.0``) are accepted; a bad row stops ``--check`` naming its file and 1-based line (see README).
 """
 
 from __future__ import annotations
 
 import contextlib
-import csv
 import os
 import time
 import warnings
@@ -71,6 +72,7 @@ from cookbook.checkpoint import (
 )
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
 from cookbook.metrics import MetricsLogger, ModelFlops, count_parameters
+from cookbook.tabular import DataError, first_csv_row, records, to_int
 
 LABELS = ["World", "Sports", "Business", "Sci/Tech"]
 datasets.disable_progress_bars()
@@ -172,78 +174,84 @@ def check_config(cfg: Config, config_dir: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- data
-class DataError(ValueError):
-    """A data file is missing or malformed; the message names the file, column or row."""
+AGNEWS_COLUMNS = ["label", "title", "description"]  # the original AG News CSV: class 1-4, no header
 
 
-def _load_csv(path: Path, columns: list[str], skip_header: bool = False) -> datasets.Dataset:
-    """A CSV read with the given column names, every column as a string (labels are checked afterwards)."""
-    features = datasets.Features({c: datasets.Value("string") for c in columns})
-    return datasets.load_dataset("csv", data_files=str(path), split="train", column_names=columns,
-                                 features=features, keep_default_na=False, skiprows=1 if skip_header else None)
+def _is_int(value: str) -> bool:
+    try:
+        return to_int(value) is not None
+    except ValueError:
+        return False
 
 
 def _read_file(path: str, field_name: str) -> datasets.Dataset:
-    """One local file as a Dataset with columns ``text`` (str) and ``label`` (0-3)."""
+    """One local file as a Dataset with columns ``text`` (str) and ``label`` (0-3).
+
+    CSV layouts, told apart by the first record: a header with ``text`` and ``label`` (any order, other
+    columns ignored); AG News's ``Class Index,Title,Description`` header; no header with 3 fields and an
+    integer first (AG News: class 1-4, title, description); no header with 2 fields and an integer second
+    (``text,label``). JSON, JSONL and parquet rows need ``text`` and ``label``. BOM, CRLF and integer labels
+    written as floats (``3.0``) are accepted (`cookbook.tabular`).
+
+    Raises:
+        DataError: a missing or empty file, unknown columns, a row with an extra or a missing field, invalid
+            JSON, an empty text or a label that is not an integer in range; CSV and JSONL name the 1-based
+            line, a JSON array and parquet the 1-based row.
+    """
     p = Path(path)
     if not p.is_file():
         raise DataError(f"{field_name}: file not found: {path}")
     suffix = p.suffix.lower()
+    layout, required, kw = "hf", ["text", "label"], {}
     if suffix == ".csv":
-        with open(p, newline="", encoding="utf-8") as f:
-            first = next(csv.reader(f), None)
+        first = first_csv_row(p)
         if first is None:
             raise DataError(f"{path}: the file is empty")
         header = [c.strip().lower() for c in first]
-        first_line = 2  # file line of the first data row, for error messages
         if "text" in header and "label" in header:
-            ds = datasets.load_dataset("csv", data_files=str(p), split="train", keep_default_na=False)
-            layout = "hf"
+            kw = dict(csv_columns=header)
         elif header == ["class index", "title", "description"]:  # AG News with its common header
-            ds = _load_csv(p, ["label", "title", "description"], skip_header=True)
-            layout = "agnews"
-        elif len(first) == 3 and first[0].strip().isdigit():
-            ds, layout, first_line = _load_csv(p, ["label", "title", "description"]), "agnews", 1
-        elif len(first) == 2 and first[1].strip().lstrip("-").isdigit():
-            ds, layout, first_line = _load_csv(p, ["text", "label"]), "hf", 1
+            layout, kw = "agnews", dict(csv_columns=AGNEWS_COLUMNS)
+        elif len(first) == 3 and _is_int(first[0]):
+            layout, kw = "agnews", dict(csv_columns=AGNEWS_COLUMNS, csv_header=False)
+        elif len(first) == 2 and _is_int(first[1]):
+            kw = dict(csv_columns=["text", "label"], csv_header=False)
         else:
             raise DataError(
                 f"{path}: unrecognised columns {first[:4]}: expected the AG News layout (class 1-4, title, description; "
                 f"no header) or the columns 'text' and 'label' (0-3)"
             )
-    elif suffix in (".json", ".jsonl", ".parquet"):
-        ds = datasets.load_dataset("parquet" if suffix == ".parquet" else "json", data_files=str(p), split="train")
-        missing = {"text", "label"} - set(ds.column_names)
-        if missing:
-            raise DataError(f"{path}: missing column(s) {sorted(missing)}; found {ds.column_names}")
-        layout, first_line = "hf", 1
-    else:
+        if layout == "agnews":
+            required = AGNEWS_COLUMNS
+    elif suffix not in (".json", ".jsonl", ".parquet"):
         raise DataError(f"{field_name}: {path}: unsupported file type {suffix!r} (use .csv, .json, .jsonl or .parquet)")
+    ds = _normalise(records(p, required=required, **kw), layout)
     if len(ds) == 0:
         raise DataError(f"{path}: no rows")
-    unit = "line" if suffix == ".csv" or suffix == ".jsonl" else "row"
-    return _normalise(ds, layout, path, first_line, unit)
+    return ds
 
 
-def _normalise(ds: datasets.Dataset, layout: str, where: str, first_line: int, unit: str) -> datasets.Dataset:
-    """Map either layout to ``text`` + ``label`` 0-3, naming the file line (or JSON row) of the first bad row."""
+def _normalise(rows, layout: str) -> datasets.Dataset:
+    """``(where, row)`` pairs of either layout as ``text`` + ``label`` 0-3, naming the line (or row) of the
+    first bad one."""
     offset = 1 if layout == "agnews" else 0  # AG News classes are 1-4
-    labels = []
-    for row, raw in enumerate(ds["label"]):
+    texts, labels = [], []
+    for where, row in rows:
+        raw = row["label"]
         try:
-            label = int(str(raw).strip()) - offset
+            label = to_int(raw)
         except ValueError:
-            label = -1
-        if not 0 <= label < len(LABELS):
-            raise DataError(f"{where} {unit} {row + first_line}: label {str(raw).strip()!r} is not one of {offset}-{offset + len(LABELS) - 1}")
-        labels.append(label)
-    if layout == "agnews":
-        texts = [f"{t} {d}".replace("\\n", " ").strip() for t, d in zip(ds["title"], ds["description"])]
-    else:
-        texts = [str(t) for t in ds["text"]]
-    for row, t in enumerate(texts):
-        if not t.strip():
-            raise DataError(f"{where} {unit} {row + first_line}: empty text")
+            label = None
+        if label is None or not 0 <= label - offset < len(LABELS):
+            raise DataError(f"{where}: label {str(raw).strip()!r} is not one of {offset}-{offset + len(LABELS) - 1}")
+        if layout == "agnews":
+            text = f"{row['title']} {row['description']}".replace("\\n", " ").strip()
+        else:
+            text = "" if row["text"] is None else str(row["text"])
+        if not text.strip():
+            raise DataError(f"{where}: empty text")
+        texts.append(text)
+        labels.append(label - offset)
     return datasets.Dataset.from_dict({"text": texts, "label": labels})
 
 

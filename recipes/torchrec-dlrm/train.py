@@ -10,6 +10,8 @@ Commands (from this folder; NGPU defaults to all visible GPUs, else 2 CPU proces
 What this recipe supports:
     - Data: Criteo display-advertising text (tab-separated label, I1-I13 counts, C1-C26 hashed categories),
       from local files or a hub data set with those columns (``data.hub_id``; --check writes it once as text).
+      CSV (with or without a header), parquet and JSON(L) files with those columns are converted once to text,
+      keyed by their content (``criteo_text_file``). Integer-valued floats (``260.0``), a BOM and CRLF are read.
       Missing counts are 0 and counts are log-transformed (log(1 + max(x, 0))); a category's hex hash is taken
       modulo its table size; a missing category is an empty bag (its pooled embedding is zero). Rows stream from
       the files: each global batch is world_size x batch_size consecutive rows and every rank parses its slice.
@@ -31,13 +33,16 @@ What this recipe supports:
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import numbers
 import os
 import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator, Mapping
 
 warnings.filterwarnings("ignore", module="torchrec")
 warnings.filterwarnings("ignore", message=".*(TypedStorage|_get_pg_default_device|DistributedDataParallel).*")
@@ -74,6 +79,7 @@ import cookbook
 from cookbook.checkpoint import Checkpointer, CheckpointError, TrainState
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
 from cookbook.metrics import MetricsLogger, StepProfiler
+from cookbook.tabular import DataError, first_csv_row, records, to_int
 
 for _name in ("torchrec", "root"):  # TorchRec logs planner and caching notices at WARNING on every rank
     logging.getLogger(_name).setLevel(logging.ERROR)
@@ -81,6 +87,7 @@ for _name in ("torchrec", "root"):  # TorchRec logs planner and caching notices 
 DENSE = [f"I{i}" for i in range(1, 14)]
 CATEGORICAL = [f"C{i}" for i in range(1, 27)]
 COLUMNS = ["label", *DENSE, *CATEGORICAL]
+CONVERTED_SUFFIXES = (".csv", ".json", ".jsonl", ".parquet")  # converted once to Criteo text (criteo_text_file)
 SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "data_parallel")
 
 
@@ -163,7 +170,12 @@ def table_sizes(cfg: ModelConfig) -> list[int]:
 
 
 def check_config(cfg: Config, config_dir: Path) -> None:
-    """Resolve paths against the config file's folder and reject incompatible values."""
+    """Resolve paths against the config file's folder, reject incompatible values, then point the data lists
+    at Criteo text: CSV, JSON, JSONL and parquet files are converted once (`criteo_text_file`).
+
+    Raises:
+        ConfigError: an invalid setting or a missing data file. DataError: a malformed file to convert.
+    """
     cfg.data.train_files = [resolve_path(f, config_dir) for f in cfg.data.train_files]
     cfg.data.eval_files = [resolve_path(f, config_dir) for f in cfg.data.eval_files]
     m = cfg.model
@@ -200,6 +212,9 @@ def check_config(cfg: Config, config_dir: Path) -> None:
         raise ConfigError("set train.max_steps > 0 or train.epochs > 0")
     if cfg.checkpoint.every_steps == -1 and cfg.train.stop_at_step > 0:
         raise ConfigError("train.stop_at_step needs a checkpoint to resume from: checkpoint.every_steps=-1 saves none")
+    # Last, once the settings are known to be valid: a conversion reads the whole file.
+    cfg.data.train_files = [criteo_text_file(f, cfg.output_dir) for f in cfg.data.train_files]
+    cfg.data.eval_files = [criteo_text_file(f, cfg.output_dir) for f in cfg.data.eval_files]
 
 
 def check_sharding(cfg: Config, world_size: int, on_cpu: bool) -> None:
@@ -217,68 +232,211 @@ def check_sharding(cfg: Config, world_size: int, on_cpu: bool) -> None:
 
 
 # ----------------------------------------------------------------------------- data
-class DataError(ValueError):
-    """A data row is malformed; the message names the file, line and column."""
+HUB_FORMAT = 2  # of the text hub_to_criteo_text writes; a file written by another version is written again
 
 
 def hub_file(cfg: Config) -> Path:
-    """Where the rows of ``data.hub_id`` are written as Criteo text (in ``output_dir``, shared by all ranks)."""
+    """Where the rows of ``data.hub_id`` are written as Criteo text (in ``output_dir``, shared by all ranks);
+    beside it, ``<name>.json`` records what was written (`hub_is_current`)."""
     return Path(cfg.output_dir) / "hub_data" / f"{cfg.data.hub_id.replace('/', '__')}-{cfg.data.hub_split}.txt"
+
+
+def _hub_meta(hub_id: str, split: str, max_rows: int) -> dict:
+    return {"hub_id": hub_id, "split": split, "max_rows": max_rows, "format": HUB_FORMAT}
+
+
+def hub_is_current(cfg: Config) -> bool:
+    """Whether `hub_file` holds the rows these settings ask for (same data set, split and ``hub_max_rows``,
+    written by this version of the converter); otherwise --check writes it again."""
+    meta = hub_file(cfg).with_suffix(".json")
+    if not hub_file(cfg).is_file() or not meta.is_file():
+        return False
+    written = json.loads(meta.read_text())
+    return {k: written.get(k) for k in ("hub_id", "split", "max_rows", "format")} == _hub_meta(
+        cfg.data.hub_id, cfg.data.hub_split, cfg.data.hub_max_rows)
+
+
+def criteo_line(row: Mapping[str, Any], where: str, positions: Mapping[str, int] | None = None) -> str:
+    """One row with Criteo's columns (``label``, ``I1``..``I13``, ``C1``..``C26``) as a line of Criteo text.
+
+    Values may be strings or numbers, as CSV, JSON, parquet and hub data sets give them: a label 0/1, counts
+    as integers or integer-valued floats (``260.0``, as pandas writes an integer column with missing values),
+    categories as hex strings (or integers, written in hex so that `parse_row` reads the same id back). None,
+    ``""`` and NaN are missing values (an empty field).
+
+    Args:
+        row: column name -> value (other columns are ignored).
+        where: ``"<file> line 7"`` / ``"<file> row 7"``, for messages.
+        positions: column name -> 1-based column number in the source, for messages (None: names only).
+
+    Raises:
+        DataError: ``"<where>, column 5 (I4): '2.5' is not an integer"``, a label that is not 0 or 1, or a
+            category that is not hexadecimal.
+    """
+    def bad(name: str, value: Any, what: str) -> DataError:
+        col = f"column {positions[name]} ({name})" if positions else f"column {name}"
+        return DataError(f"{where}, {col}: {value!r} {what}")
+
+    out = []
+    for name in COLUMNS[:14]:  # label and counts
+        try:
+            n = to_int(row[name])
+        except ValueError:
+            n = "bad"
+        if name == "label" and n not in (0, 1):
+            raise bad(name, row[name], "is not 0 or 1")
+        if n == "bad":
+            raise bad(name, row[name], "is not an integer")
+        out.append("" if n is None else str(n))
+    for name in CATEGORICAL:
+        value = row[name].strip() if isinstance(row[name], str) else row[name]
+        if value is None or value == "" or (isinstance(value, float) and math.isnan(value)):
+            out.append("")
+        elif isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            out.append(format(int(value), "x"))
+        else:
+            try:
+                int(value, 16)  # a str that is not hex, or a float / bool, raises
+            except (ValueError, TypeError):
+                raise bad(name, row[name], "is not a hexadecimal hash") from None
+            out.append(value)
+    return "\t".join(out) + "\n"
+
+
+def _write_criteo_text(rows: Iterator[tuple[str, Mapping[str, Any]]], dst: Path,
+                       positions: Mapping[str, int] | None = None, max_rows: int = 0) -> int:
+    """Write rows as Criteo text to a temporary file beside `dst` and rename it (an interrupted or refused
+    conversion never looks complete); returns the number of rows written."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f"{dst.name}.{os.getpid()}.tmp")  # per process: ranks that convert at once do not collide
+    n = 0
+    try:
+        with open(tmp, "w") as f:
+            for where, row in rows:
+                f.write(criteo_line(row, where, positions))
+                n += 1
+                if n == max_rows:
+                    break
+        os.replace(tmp, dst)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return n
 
 
 def hub_to_criteo_text(hub_id: str, split: str, dst: Path, max_rows: int = 0) -> int:
     """Write a Hugging Face data set with Criteo columns (``label``, ``I1``..``I13``, ``C1``..``C26``;
-    missing values as None or "") to `dst` as Criteo text, one tab-separated row per line, so the
-    training stream reads hub data and local files alike. Streams the rows; writes a temporary file
-    and renames it, so an interrupted download never looks complete.
+    missing values as None, "" or NaN; counts may be floats such as ``260.0``) to `dst` as Criteo text,
+    one tab-separated row per line (`criteo_line`), so the training stream reads hub data and local files
+    alike. Streams the rows; publishes by rename, then records the settings in ``<dst>.json``
+    (`hub_is_current`).
 
     Returns:
         The number of rows written.
 
     Raises:
-        DataError: the data set lacks some of those columns (they are named).
+        DataError: the data set lacks some of those columns (they are named), or a value is malformed
+            (``data.hub_id=<id> row 7, column I4: 2.5 is not an integer``).
     """
     import datasets
 
-    columns = ["label", *DENSE, *CATEGORICAL]
-    tmp = dst.with_name(dst.name + ".tmp")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    n = 0
-    with open(tmp, "w") as f:
-        for row in datasets.load_dataset(hub_id, split=split, streaming=True):
-            if n == 0:
-                missing = [c for c in columns if c not in row]
+    def rows():
+        for n, row in enumerate(datasets.load_dataset(hub_id, split=split, streaming=True), 1):
+            if n == 1:
+                missing = [c for c in COLUMNS if c not in row]
                 if missing:
                     raise DataError(f"data.hub_id={hub_id}: the data set has no column(s) {', '.join(missing)}; expected "
                                     f"label, I1..I13, C1..C26 (found {', '.join(sorted(row))})")
-            f.write("\t".join("" if row[c] is None else str(row[c]) for c in columns) + "\n")
-            n += 1
-            if n == max_rows:
-                break
-    os.replace(tmp, dst)
+            yield f"data.hub_id={hub_id} row {n}", row
+
+    n = _write_criteo_text(rows(), dst, max_rows=max_rows)
+    dst.with_suffix(".json").write_text(json.dumps({**_hub_meta(hub_id, split, max_rows), "rows": n}))
     return n
 
 
+def criteo_text_file(path: str, output_dir: str) -> str:
+    """The Criteo text file to read for `path`: `path` itself, or for CSV, JSON, JSONL and parquet files
+    (`CONVERTED_SUFFIXES`) ``<output_dir>/converted/<name>-<sha256 of the file, 16 hex digits>.txt``,
+    converted now unless it exists. Keyed by content, so a changed source is converted again.
+
+    CSV: a header naming ``label``, ``I1``..``I13``, ``C1``..``C26`` (any order, any case; other columns
+    ignored), or no header and exactly those 40 columns in that order. JSON / JSONL / parquet: those
+    columns by name. Values as in `criteo_line`. The source is read once to hash it (sha256, about 1 GB/s)
+    by every process that starts.
+
+    Raises:
+        ConfigError: the file does not exist.
+        DataError: a missing column, a row with an extra or a missing field, or a bad value, naming the file,
+            the 1-based line (CSV, JSONL) or row (JSON array, parquet) and the column.
+    """
+    p = Path(path)
+    if p.suffix.lower() not in CONVERTED_SUFFIXES:
+        return path
+    if not p.is_file():
+        raise ConfigError(f"data file not found: {path}")
+    with open(p, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    dst = Path(output_dir) / "converted" / f"{p.stem}-{digest[:16]}.txt"
+    if dst.is_file():
+        return str(dst)
+    kw: dict[str, Any] = {}
+    positions = None
+    if p.suffix.lower() == ".csv":
+        first = first_csv_row(p) or []
+        try:
+            headerless = to_int(first[0]) in (0, 1) if first else False
+        except ValueError:
+            headerless = False
+        canonical = {c.lower(): c for c in COLUMNS}
+        columns = COLUMNS if headerless else [canonical.get(c.strip().lower(), c.strip()) for c in first]
+        kw = dict(csv_columns=columns, csv_header=not headerless)
+        positions = {c: i for i, c in enumerate(columns, 1)}
+    n = _write_criteo_text(records(p, required=COLUMNS, **kw), dst, positions)
+    print(f"{path}: {n} rows converted to Criteo text in {dst}")
+    return str(dst)
+
+
+def _whole(value: str, where: str, col: int) -> int:
+    """A count written otherwise than as a plain integer: ``260.0`` is 260, NaN or blank is 0."""
+    try:
+        return to_int(value) or 0
+    except ValueError:
+        raise DataError(f"{where}, column {col} ({COLUMNS[col - 1]}): {value!r} is not an integer") from None
+
+
 def parse_row(line: str, sizes: list[int], where: str) -> tuple[float, list[float], list[int]]:
-    """One Criteo row: label, 13 log-transformed counts, 26 ids (-1: missing), each hashed into its table."""
-    fields = line.rstrip("\n").split("\t")
+    """One Criteo row: label, 13 log-transformed counts, 26 ids (-1: missing), each hashed into its table.
+    Integer-valued floats (``260.0``, label ``1.0``) are read as integers; a line may end in LF or CRLF.
+
+    Raises:
+        DataError: ``"<where>: 39 tab-separated fields, expected 40 (...)"``, ``"<where>, column 5 (I4): '2.5'
+            is not an integer"``, a label that is not 0 or 1, a category that is not hexadecimal.
+    """
+    fields = line.rstrip("\r\n").split("\t")
     if len(fields) != 40:
         raise DataError(f"{where}: {len(fields)} tab-separated fields, expected 40 (label, I1-I13, C1-C26)")
-    if fields[0] not in ("0", "1"):
-        raise DataError(f"{where}, column 1 (label): {fields[0]!r} is not 0 or 1")
+    label = fields[0]
+    if label not in ("0", "1"):
+        try:
+            n = to_int(label)
+        except ValueError:
+            n = None
+        if n not in (0, 1):
+            raise DataError(f"{where}, column 1 (label): {label!r} is not 0 or 1")
+        label = str(n)
     dense = []
     for col, value in enumerate(fields[1:14], start=2):
         try:
-            dense.append(math.log1p(max(int(value), 0)) if value else 0.0)
+            n = int(value) if value else 0
         except ValueError:
-            raise DataError(f"{where}, column {col} ({COLUMNS[col - 1]}): {value!r} is not an integer") from None
+            n = _whole(value, where, col)
+        dense.append(math.log1p(n) if n > 0 else 0.0)
     ids = []
     for col, (value, size) in enumerate(zip(fields[14:], sizes), start=15):
         try:
             ids.append(int(value, 16) % size if value else -1)
         except ValueError:
             raise DataError(f"{where}, column {col} ({COLUMNS[col - 1]}): {value!r} is not a hexadecimal hash") from None
-    return float(fields[0]), dense, ids
+    return float(label), dense, ids
 
 
 def to_batch(rows: list[tuple[float, list[float], list[int]]], weights: list[float] | None = None) -> Batch:
@@ -297,10 +455,13 @@ def to_batch(rows: list[tuple[float, list[float], list[int]]], weights: list[flo
 
 
 def split_lines(files: list[str], holdout_every: int, split: str) -> Iterator[tuple[str, str]]:
-    """(where, line) of the train or eval split: every holdout_every-th line is eval (0: all train)."""
+    """(where, line) of the train or eval split: every holdout_every-th line is eval (0: all train). A UTF-8
+    BOM and a header line (``label<TAB>I1...``, line 1) are skipped; CRLF line ends read as LF."""
     for path in files:
-        with open(path) as f:
+        with open(path, encoding="utf-8-sig") as f:
             for i, line in enumerate(f, start=1):
+                if i == 1 and line.startswith("label\t"):
+                    continue
                 held = holdout_every > 0 and i % holdout_every == 0
                 if split == "all" or held == (split == "eval"):
                     yield f"{path} line {i}", line
@@ -531,7 +692,7 @@ def main(argv: list[str]) -> None:
     if args.check:  # one process, before torchrun starts any worker
         world_size = int(os.environ.get("COOKBOOK_WORLD_SIZE", "1"))  # launch.sh: NGPU x NNODES
         check_sharding(cfg, world_size, on_cpu)
-        if cfg.data.hub_id and cfg.data.train_files == [str(hub_file(cfg))] and not hub_file(cfg).is_file():
+        if cfg.data.hub_id and cfg.data.train_files == [str(hub_file(cfg))] and not hub_is_current(cfg):
             n = hub_to_criteo_text(cfg.data.hub_id, cfg.data.hub_split, hub_file(cfg), cfg.data.hub_max_rows)
             print(f"{cfg.data.hub_id} ({cfg.data.hub_split}): {n} rows written to {hub_file(cfg)}")
         Checkpointer(Path(cfg.output_dir) / "checkpoints").check_resume(

@@ -1,0 +1,250 @@
+"""Rows of tabular data files (CSV, JSON / JSONL, parquet), each with its 1-based place in the file.
+
+A recipe that reads users' tables does this::
+
+    first = first_csv_row("train.csv")           # to tell a header from a data row
+    for where, row in records("train.csv", required=["text", "label"]):
+        label = to_int(row["label"])             # "3", "3.0", 3 and 3.0 are all 3
+
+``where`` is ``"<path> line <n>"`` for CSV and JSONL (the line a row starts on) and ``"<path> row <n>"``
+for a JSON array and parquet, so that every message can name the file and the line or row. Accepted on
+input: a UTF-8 byte-order mark (as Excel and some editors write), CRLF or LF line endings, quoted CSV
+fields (``csv`` module, RFC 4180), blank lines (skipped). Anything else raises one `DataError` that
+names the file, the line or row and, where it applies, the field.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import numbers
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+CSV_SUFFIXES = (".csv",)
+JSON_SUFFIXES = (".json", ".jsonl")
+PARQUET_SUFFIXES = (".parquet",)
+
+
+class DataError(ValueError):
+    """A data file is missing or malformed; the message names the file, the line (or row) and the field."""
+
+
+def _columns(names: Sequence[str]) -> str:
+    """``label, title, description``; a long list is shortened to ``label, I1, ..., C26``."""
+    return ", ".join(names) if len(names) <= 8 else f"{names[0]}, {names[1]}, ..., {names[-1]}"
+
+
+def _not_utf8(path: Path, exc: UnicodeDecodeError) -> DataError:
+    """The error for a file that is not UTF-8, naming the first line that does not decode."""
+    with open(path, "rb") as f:
+        line = next((n for n, raw in enumerate(f, 1) if not _decodes(raw)), None)
+    return DataError(f"{path}{f' line {line}' if line else ''}: not UTF-8 text ({exc.reason}); save it as UTF-8")
+
+
+def _decodes(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+def _csv_lines(path: Path) -> Iterator[tuple[int, list[str]]]:
+    """(line where the record starts, fields) of every non-blank CSV record; BOM dropped, CRLF accepted."""
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as f:
+            reader = csv.reader(f)
+            end = 0
+            while True:
+                start = end + 1
+                try:
+                    fields = next(reader)
+                except StopIteration:
+                    return
+                except csv.Error as exc:
+                    raise DataError(f"{path} line {reader.line_num}: not valid CSV: {exc}") from None
+                end = reader.line_num
+                if fields:  # a blank line is an empty record
+                    yield start, fields
+    except UnicodeDecodeError as exc:
+        raise _not_utf8(path, exc) from None
+
+
+def first_csv_row(path: str | Path) -> list[str] | None:
+    """The fields of the first non-blank record of a CSV file (a header or a data row), or None if it has none.
+
+    Raises:
+        DataError: the file is not UTF-8 or not valid CSV.
+    """
+    return next((fields for _, fields in _csv_lines(Path(path))), None)
+
+
+def csv_records(path: str | Path, columns: Sequence[str] | None = None, header: bool = True
+                ) -> Iterator[tuple[str, dict[str, str]]]:
+    """The rows of a CSV file as ``(where, {column: field})``, every field a string.
+
+    Args:
+        path: the file.
+        columns: the column names; None takes them from the header (names stripped of spaces).
+        header: whether the first record is a header (skipped when `columns` is given).
+
+    Raises:
+        DataError: ``"<path> line <n>: 4 fields, expected 3 (label, title, description)"`` for a row with
+            an extra field, ``"<path> line <n>: missing field 'description' (2 of 3 fields)"`` for a row
+            with too few, invalid CSV, or text that is not UTF-8.
+    """
+    if columns is None and not header:
+        raise ValueError("csv_records: give the columns of a file without a header")
+    p = Path(path)
+    lines = _csv_lines(p)
+    if header:
+        first = next(lines, None)
+        if first is None:
+            return
+        columns = columns if columns is not None else [c.strip() for c in first[1]]
+    assert columns is not None
+    width = len(columns)
+    for line, fields in lines:
+        where = f"{p} line {line}"
+        if len(fields) > width:
+            raise DataError(f"{where}: {len(fields)} fields, expected {width} ({_columns(columns)})")
+        if len(fields) < width:
+            raise DataError(f"{where}: missing field '{columns[len(fields)]}' ({len(fields)} of {width} fields: "
+                            f"{_columns(columns)})")
+        yield where, dict(zip(columns, fields))
+
+
+def json_records(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The rows of a JSON array of objects (first non-blank character ``[``) or of JSONL (one object per
+    line; blank lines skipped) as ``(where, object)``.
+
+    Raises:
+        DataError: ``"<path> line <n>: not valid JSON: ..."`` (JSONL, 1-based), ``"<path>: not valid JSON:
+            ... (line <n>)"`` (a JSON array), a row that is not an object, or text that is not UTF-8.
+    """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise _not_utf8(p, exc) from None
+    if text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{p}: not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
+        numbered = ((f"{p} row {n}", row) for n, row in enumerate(rows, 1))
+    else:
+        numbered = _jsonl(p, text)
+    for where, row in numbered:
+        if not isinstance(row, dict):
+            raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        yield where, row
+
+
+def _jsonl(p: Path, text: str) -> Iterator[tuple[str, Any]]:
+    for n, line in enumerate(text.splitlines(), 1):  # splitlines: LF, CRLF and CR alike
+        if line.strip():
+            try:
+                yield f"{p} line {n}", json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{p} line {n}: not valid JSON: {exc.msg} (column {exc.colno})") from None
+
+
+def parquet_records(path: str | Path, columns: Sequence[str] | None = None,
+                    batch_rows: int = 65536) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The rows of a parquet file as ``(where, {column: value})`` (Python values; a null is None), read one
+    record batch at a time; `columns` limits the columns read.
+
+    Raises:
+        DataError: the file is not parquet, or lacks some of `columns` (they are named).
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    p = Path(path)
+    try:
+        pf = pq.ParquetFile(p)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise DataError(f"{p}: not a parquet file: {exc}") from None
+    names = pf.schema_arrow.names
+    if columns is not None:
+        missing = [c for c in columns if c not in names]
+        if missing:
+            raise DataError(f"{p}: no column(s) {', '.join(missing)} (found {_columns(names)})")
+    n = 0
+    for batch in pf.iter_batches(batch_size=batch_rows, columns=list(columns) if columns is not None else None):
+        for row in batch.to_pylist():
+            n += 1
+            yield f"{p} row {n}", row
+
+
+def records(path: str | Path, required: Sequence[str] = (), csv_columns: Sequence[str] | None = None,
+            csv_header: bool = True) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The rows of a CSV, JSON, JSONL or parquet file (by suffix) as ``(where, {column: value})``.
+
+    Args:
+        path: the file.
+        required: columns every row must have (for parquet, the only ones read).
+        csv_columns, csv_header: for CSV, as in `csv_records` (default: names from the header).
+
+    Raises:
+        DataError: the file is missing or of another type; a required column is missing from the header
+            or the schema (``"<path>: no column(s) label (found text, title)"``) or from a JSON row
+            (``"<path> line 3: missing field 'label'"``); or as `csv_records`, `json_records`,
+            `parquet_records`.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"file not found: {p}")
+    suffix = p.suffix.lower()
+    if suffix in CSV_SUFFIXES:
+        columns = csv_columns
+        if columns is None and csv_header:
+            first = first_csv_row(p)
+            columns = [c.strip() for c in first] if first is not None else list(required)
+        missing = [c for c in required if c not in columns]
+        if missing:
+            raise DataError(f"{p}: no column(s) {', '.join(missing)} (found {_columns(columns)})")
+        yield from csv_records(p, columns, csv_header)
+    elif suffix in JSON_SUFFIXES:
+        for where, row in json_records(p):
+            for c in required:
+                if c not in row:
+                    raise DataError(f"{where}: missing field '{c}' (found {', '.join(row) or 'none'})")
+            yield where, row
+    elif suffix in PARQUET_SUFFIXES:
+        yield from parquet_records(p, columns=list(required) or None)  # only the required columns are read
+    else:
+        raise DataError(f"{p}: unsupported file type {suffix!r} (use .csv, .json, .jsonl or .parquet)")
+
+
+def to_int(value: Any) -> int | None:
+    """An integer written in any of the usual ways: ``3``, ``"3"``, ``" 3 "``, ``3.0``, ``"3.0"``, ``"3e2"``
+    (pandas writes an integer column that has a missing value as floats). None for a missing value:
+    None, ``""`` or NaN.
+
+    Raises:
+        ValueError: a value that is not a whole number (``"2.5"``, ``"x"``, ``inf``, a bool).
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is a bool")
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, str):
+        s = value.strip()
+        if not s:
+            return None
+        try:
+            return int(s)
+        except ValueError:
+            value = float(s)  # raises ValueError for text
+    f = float(value)
+    if math.isnan(f):
+        return None
+    if not f.is_integer():
+        raise ValueError(f"{value!r} is not a whole number")
+    return int(f)
