@@ -351,3 +351,22 @@ def test_hub_counts_written_as_floats_become_integers_and_a_stale_file_is_rewrit
     assert "rows written" not in check("torchrec-dlrm", *args)  # same settings: reused
     assert "20 rows written" in check("torchrec-dlrm", *args, "data.hub_max_rows=20")
     assert written.read_text().splitlines() == lines[:20]
+
+
+def test_a_bad_row_found_by_rank_1_reaches_the_user_as_one_line(tmp_path):
+    """A bad row beyond ``data.check_rows`` in rank 1's slice of a global batch (rows 9-16 of the first batch of
+    2 x 8 rows) is found by rank 1 alone, after the workers started: its one line comes first, no traceback."""
+    def edit(ls):
+        fields = ls[12].split("\t")
+        fields[4] = "12x"
+        return ls[:12] + ["\t".join(fields)] + ls[13:]
+
+    path = _rows_file(tmp_path, edit)
+    proc = launch("torchrec-dlrm", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{path}]", "data.check_rows=5",
+                  "data.holdout_every=0", "train.batch_size=8", "train.max_steps=4", "checkpoint.every_steps=0",
+                  "mlflow=false")
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert errors[0] == f"error: [rank 1] {path} line 13, column 5 (I4): '12x' is not an integer", proc.stderr
+    assert errors[-1].startswith("error: rank 1 failed first (exit status 2"), proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
