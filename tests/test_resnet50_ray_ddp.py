@@ -5,6 +5,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import ROOT, read_jsonl
 from ray_cluster import recipe_module, run_driver_forked, run_launch, summary
 
@@ -45,10 +46,39 @@ def test_stop_after_the_first_checkpoint_resume_and_learn(ray_env, tmp_path, mon
     assert end["param_fingerprints"][0] == end["param_fingerprints"][1]  # DDP replicas agree
     evals = [r for r in records if r["event"] == "eval"]
     assert [e["step"] for e in evals] == [4, 8, 12, 16] and all(e["eval/images"] == 16 for e in evals)
+    alone = evaluate_checkpoint(out)  # the same weights in one process: each image counted once, same numbers
+    assert alone["images"] == 16 and evals[-1]["eval/top1"] == alone["top1"]
+    assert evals[-1]["eval/loss"] == pytest.approx(alone["loss"], rel=1e-5), (evals[-1], alone)
     assert {"samples_per_s_per_rank", "top1", "data_wait_frac"} <= set(train[-1])
     assert sorted(p.name for p in out.glob("checkpoint_epoch_*")) == ["checkpoint_epoch_0003", "checkpoint_epoch_0004"]
     # Ray's session files stayed in the test's folder.
     assert any((Path(ray_env["_BASE"]) / "ray").glob("session_*"))
+
+
+def evaluate_checkpoint(out: Path) -> dict[str, float]:
+    """Loss and top-1 of ``out``'s newest checkpoint over the run's validation images, in this process
+    (one process, no Ray): the numbers the run's last eval record must equal."""
+    train = recipe_module("resnet50-ray-ddp")
+    cfg = train.load_config(train.Config, out / "config.yaml")  # the run's resolved config
+    _, val, classes = train.load_data(cfg.data, cfg.train.seed, verify=False)
+    model = train.build_model(cfg.model, len(classes))
+    newest = sorted(out.glob("checkpoint_epoch_*"))[-1]
+    model.load_state_dict(torch.load(newest / "state.pt", weights_only=False)["model"])
+    loader = torch.utils.data.DataLoader(train.ImageDataset(val, train.ImageTransform(cfg.data.image_size, train=False)),
+                                         batch_size=5)
+    return train.evaluate(model, loader, torch.device("cpu"), bf16=False, channels_last=False)
+
+
+def test_eval_set_smaller_than_the_world_finishes_and_counts_each_image_once(ray_env, tmp_path):
+    out = tmp_path / "run"
+    # 80 images x 0.0125: one validation image for two workers, so worker 1 evaluates nothing.
+    proc = run_driver_forked("resnet50-ray-ddp", ray_env, f"output_dir={out}", "train.epochs=1",
+                             "data.val_fraction=0.0125", timeout=180)  # a hang is killed at the timeout
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    final = [r for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "eval"][-1]
+    alone = evaluate_checkpoint(out)
+    assert final["eval/images"] == alone["images"] == 1
+    assert final["eval/top1"] == alone["top1"] and final["eval/loss"] == pytest.approx(alone["loss"], rel=1e-5)
 
 
 # ----------------------------------------------------------------------------- bad input (before Ray starts)

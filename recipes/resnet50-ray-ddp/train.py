@@ -336,8 +336,35 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, images:
 
 
 @torch.no_grad()
+def sync_buffers(model: torch.nn.Module) -> None:
+    """Copy rank 0's buffers (BatchNorm running mean, variance and count) to every rank; collective.
+
+    DDP broadcasts rank 0's buffers at the start of each training forward, then every worker's
+    batch updates its own copy, so after the last step the workers' statistics differ and only
+    rank 0's are checkpointed. Call this before evaluating the unwrapped model so every worker
+    evaluates the checkpointed weights. A no-op without a process group of several ranks."""
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        for buffer in model.buffers():
+            torch.distributed.broadcast(buffer, src=0)
+
+
+@torch.no_grad()
 def evaluate(model: torch.nn.Module, loader, device: torch.device, bf16: bool, channels_last: bool) -> dict[str, float]:
-    """Loss and top-1 accuracy over the whole validation set (each worker holds a disjoint shard)."""
+    """Loss (cross-entropy, no label smoothing) and top-1 accuracy over the whole validation set,
+    each worker holding a disjoint shard (possibly empty): per-worker sums of loss, correct
+    predictions and images are added up across workers (``cookbook.all_reduce_sum``, the one
+    collective here), so each image counts once whatever the split.
+
+    Args:
+        model: the unwrapped module (``model.module`` of DDP), not the DDP wrapper: DDP's forward
+            broadcasts buffers, a collective that a worker without validation images never joins
+            (the run hangs). See `sync_buffers`.
+        loader: ``(uint8 images (B, 3, H, W), labels (B,))`` batches of this worker's shard.
+
+    Returns:
+        ``{"loss", "top1", "images"}``: mean loss and accuracy over all images (0 when there are
+        none) and the number of images.
+    """
     model.eval()
     sums = {"loss": torch.zeros((), device=device, dtype=torch.float64),
             "correct": torch.zeros((), device=device, dtype=torch.float64), "images": torch.zeros((), device=device, dtype=torch.float64)}
@@ -450,7 +477,8 @@ def train_loop(config: dict) -> None:
                 t0 = time.perf_counter()
             epoch += 1
             with metrics.paused():  # not counted in the step time and throughput
-                ev = evaluate(model, val_loader, info.device, bf16, channels_last)
+                sync_buffers(inner)  # every worker evaluates the weights rank 0 checkpoints
+                ev = evaluate(inner, val_loader, info.device, bf16, channels_last)  # not DDP: no collective per batch
                 metrics.log_eval(step, ev)
                 ray_train.report({"epoch": epoch, "step": step, "val_loss": ev["loss"], "val_top1": ev["top1"]},
                                  state={"model": inner.state_dict(), "optimizer": optimizer.state_dict(),
