@@ -1,11 +1,14 @@
 """The ResNet Ray Train recipe on CPU: 2 Ray workers (gloo) on a Ray head in the test's folder."""
 
+import io
 import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from conftest import ROOT, read_jsonl
 from ray_cluster import recipe_module, run_driver_forked, run_launch, summary
 
@@ -94,10 +97,33 @@ def images(tmp_path):
     return root
 
 
-def test_undecodable_image_is_named(tmp_path, images):
-    (images / "checks" / "broken.jpg").write_bytes(b"not a jpeg")
-    with pytest.raises(ValueError, match=r"1 image\(s\) cannot be decoded, e.g. .*checks/broken.jpg"):
+def _jpeg(truncate: bool = False) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(buffer, "JPEG")
+    return buffer.getvalue()[:len(buffer.getvalue()) // 2] if truncate else buffer.getvalue()
+
+
+@pytest.mark.parametrize("content, reason", [(b"not a jpeg", "UnidentifiedImageError: cannot identify image file"),
+                                             ("truncated", "OSError: image file is truncated")])
+def test_undecodable_image_is_named(tmp_path, images, content, reason):
+    (images / "checks" / "broken.jpg").write_bytes(_jpeg(truncate=True) if content == "truncated" else content)
+    with pytest.raises(ValueError, match=rf"1 image\(s\) cannot be decoded, e.g. .*checks/broken.jpg \({reason}"):
         _check(tmp_path, f"data.train_dir={images}")
+
+
+def test_files_that_are_not_images_are_left_out_and_named(tmp_path, images, capsys):
+    (images / "README.txt").write_text("ants and bees")  # beside the class folders
+    (images / "checks" / "notes.txt").write_text("hand-labelled")
+    (images / "checks" / ".DS_Store").write_bytes(b"\0\0\0\1Bud1")
+    (images / "checks" / "._checks_000.png").write_bytes(b"\0\5\26\7 AppleDouble")  # macOS metadata, not an image
+    (images / "checks" / ".thumbs").mkdir()
+    (images / "checks" / ".thumbs" / "checks_000.png").write_bytes((images / "checks" / "checks_000.png").read_bytes())
+    (images / "stripes" / "scan.JPEG").write_bytes(_jpeg())  # an image: the extension's case does not matter
+    _check(tmp_path, f"data.train_dir={images}")
+    out, err = capsys.readouterr()
+    assert "(2 classes, 65 train / 16 val images)" in out  # 80 + scan.JPEG
+    assert err.strip() == (f"note: 5 file(s) in the image folders are not images by their name and are left out, e.g. "
+                           f"{images / 'README.txt'}, {images / 'checks' / '.DS_Store'}, {images / 'checks' / '._checks_000.png'}")
 
 
 def test_empty_class_folder_is_named(tmp_path, images):

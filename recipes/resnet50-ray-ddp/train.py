@@ -136,13 +136,18 @@ class DataError(ValueError):
     """An image folder or file is unusable; the message names it."""
 
 
-def list_image_folder(root: str, classes: list[str] | None = None) -> tuple[list[tuple[str, int]], list[str]]:
+def list_image_folder(root: str, classes: list[str] | None = None,
+                      ignored: list[str] | None = None) -> tuple[list[tuple[str, int]], list[str]]:
     """``(samples, classes)`` of an ImageFolder tree: one sub-folder per class (sorted names ->
-    labels 0..n-1), image files inside (by extension; other files are ignored).
+    labels 0..n-1), image files inside at any depth, by extension (`IMAGE_EXTENSIONS`, any case).
+    Hidden files and folders (name starting with ``.``, such as ``.DS_Store`` and the ``._x.jpg``
+    files macOS leaves on other file systems), files of other extensions and files beside the
+    class folders are left out.
 
     Args:
         root: the folder.
         classes: the training set's classes, for a validation folder (must be the same).
+        ignored: when given, the paths of the files left out are appended to it.
 
     Raises:
         DataError: the folder is missing, has fewer than two class folders, a class folder holds
@@ -156,12 +161,17 @@ def list_image_folder(root: str, classes: list[str] | None = None) -> tuple[list
         raise DataError(f"{root}: class folders {found} differ from the training classes {classes}")
     if len(found) < 2:
         raise DataError(f"{root}: expected one sub-folder per class (at least 2), found {found}")
-    samples = []
+    samples, left_out = [], sorted(p for p in path.iterdir() if p.is_file())
     for label, name in enumerate(found):
-        files = sorted(p for p in (path / name).rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
+        files = []
+        for p in sorted(p for p in (path / name).rglob("*") if p.is_file()):
+            hidden = any(part.startswith(".") for part in p.relative_to(path).parts)
+            (files if p.suffix.lower() in IMAGE_EXTENSIONS and not hidden else left_out).append(p)
         if not files:
             raise DataError(f"{path / name}: the class folder '{name}' holds no image ({', '.join(IMAGE_EXTENSIONS)})")
         samples += [(str(p), label) for p in files]
+    if ignored is not None:
+        ignored += [str(p) for p in left_out]
     return samples, found
 
 
@@ -187,9 +197,15 @@ def verify_images(samples: list[tuple[str, int]], threads: int = 8) -> None:
                         f"replace them (or set data.verify_images=false to skip this check)")
 
 
-def load_data(cfg: DataConfig, seed: int, verify: bool) -> tuple[object, object, list[str]]:
+def load_data(cfg: DataConfig, seed: int, verify: bool, ignored: list[str] | None = None) -> tuple[object, object, list[str]]:
     """Train and validation samples and the class names: ``[(path, label)]`` lists for folders, or
-    Hugging Face ``Dataset`` splits with ``image``/``label`` columns for ``hub_id``."""
+    Hugging Face ``Dataset`` splits with ``image``/``label`` columns for ``hub_id``.
+
+    Args:
+        verify: decode every image once (`verify_images`).
+        ignored: when given, the files of the folders that are not taken as images are appended
+            to it (see `list_image_folder`).
+    """
     if not cfg.train_dir:
         import datasets
 
@@ -197,9 +213,9 @@ def load_data(cfg: DataConfig, seed: int, verify: bool) -> tuple[object, object,
         names = hub["train"].features["label"].names
         val = hub["validation"] if "validation" in hub else hub["test"]
         return hub["train"], val, names
-    train, classes = list_image_folder(cfg.train_dir)
+    train, classes = list_image_folder(cfg.train_dir, ignored=ignored)
     if cfg.val_dir:
-        val, _ = list_image_folder(cfg.val_dir, classes)
+        val, _ = list_image_folder(cfg.val_dir, classes, ignored)
     else:
         order = random.Random(seed).sample(range(len(train)), len(train))
         n_val = max(1, int(len(train) * cfg.val_fraction))
@@ -509,7 +525,11 @@ def main(argv: list[str]) -> None:
     check_config(cfg, Path(args.config).resolve().parent)
     nnodes, done, planned = ray_train.prepare_driver(cfg, MAY_CHANGE, ("train.stop_at_epoch", cfg.train.stop_at_epoch))
     if cfg.data.train_dir:
-        train, val, classes = load_data(cfg.data, cfg.train.seed, verify=cfg.data.verify_images)
+        ignored: list[str] = []
+        train, val, classes = load_data(cfg.data, cfg.train.seed, verify=cfg.data.verify_images, ignored=ignored)
+        if ignored:
+            print(f"note: {len(ignored)} file(s) in the image folders are not images by their name and are left out, "
+                  f"e.g. {', '.join(ignored[:3])}", file=sys.stderr)
         if planned and len(train) < cfg.train.micro_batch_size * planned[0]:
             raise ConfigError(f"{len(train)} training images are too few for one step of {cfg.train.micro_batch_size} "
                               f"x {planned[0]} workers")
