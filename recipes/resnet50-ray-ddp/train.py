@@ -136,13 +136,18 @@ class DataError(ValueError):
     """An image folder or file is unusable; the message names it."""
 
 
-def list_image_folder(root: str, classes: list[str] | None = None) -> tuple[list[tuple[str, int]], list[str]]:
+def list_image_folder(root: str, classes: list[str] | None = None,
+                      ignored: list[str] | None = None) -> tuple[list[tuple[str, int]], list[str]]:
     """``(samples, classes)`` of an ImageFolder tree: one sub-folder per class (sorted names ->
-    labels 0..n-1), image files inside (by extension; other files are ignored).
+    labels 0..n-1), image files inside at any depth, by extension (`IMAGE_EXTENSIONS`, any case).
+    Hidden files and folders (name starting with ``.``, such as ``.DS_Store`` and the ``._x.jpg``
+    files macOS leaves on other file systems), files of other extensions and files beside the
+    class folders are left out.
 
     Args:
         root: the folder.
         classes: the training set's classes, for a validation folder (must be the same).
+        ignored: when given, the paths of the files left out are appended to it.
 
     Raises:
         DataError: the folder is missing, has fewer than two class folders, a class folder holds
@@ -156,12 +161,17 @@ def list_image_folder(root: str, classes: list[str] | None = None) -> tuple[list
         raise DataError(f"{root}: class folders {found} differ from the training classes {classes}")
     if len(found) < 2:
         raise DataError(f"{root}: expected one sub-folder per class (at least 2), found {found}")
-    samples = []
+    samples, left_out = [], sorted(p for p in path.iterdir() if p.is_file())
     for label, name in enumerate(found):
-        files = sorted(p for p in (path / name).rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
+        files = []
+        for p in sorted(p for p in (path / name).rglob("*") if p.is_file()):
+            hidden = any(part.startswith(".") for part in p.relative_to(path).parts)
+            (files if p.suffix.lower() in IMAGE_EXTENSIONS and not hidden else left_out).append(p)
         if not files:
             raise DataError(f"{path / name}: the class folder '{name}' holds no image ({', '.join(IMAGE_EXTENSIONS)})")
         samples += [(str(p), label) for p in files]
+    if ignored is not None:
+        ignored += [str(p) for p in left_out]
     return samples, found
 
 
@@ -187,9 +197,15 @@ def verify_images(samples: list[tuple[str, int]], threads: int = 8) -> None:
                         f"replace them (or set data.verify_images=false to skip this check)")
 
 
-def load_data(cfg: DataConfig, seed: int, verify: bool) -> tuple[object, object, list[str]]:
+def load_data(cfg: DataConfig, seed: int, verify: bool, ignored: list[str] | None = None) -> tuple[object, object, list[str]]:
     """Train and validation samples and the class names: ``[(path, label)]`` lists for folders, or
-    Hugging Face ``Dataset`` splits with ``image``/``label`` columns for ``hub_id``."""
+    Hugging Face ``Dataset`` splits with ``image``/``label`` columns for ``hub_id``.
+
+    Args:
+        verify: decode every image once (`verify_images`).
+        ignored: when given, the files of the folders that are not taken as images are appended
+            to it (see `list_image_folder`).
+    """
     if not cfg.train_dir:
         import datasets
 
@@ -197,9 +213,9 @@ def load_data(cfg: DataConfig, seed: int, verify: bool) -> tuple[object, object,
         names = hub["train"].features["label"].names
         val = hub["validation"] if "validation" in hub else hub["test"]
         return hub["train"], val, names
-    train, classes = list_image_folder(cfg.train_dir)
+    train, classes = list_image_folder(cfg.train_dir, ignored=ignored)
     if cfg.val_dir:
-        val, _ = list_image_folder(cfg.val_dir, classes)
+        val, _ = list_image_folder(cfg.val_dir, classes, ignored)
     else:
         order = random.Random(seed).sample(range(len(train)), len(train))
         n_val = max(1, int(len(train) * cfg.val_fraction))
@@ -336,8 +352,35 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, images:
 
 
 @torch.no_grad()
+def sync_buffers(model: torch.nn.Module) -> None:
+    """Copy rank 0's buffers (BatchNorm running mean, variance and count) to every rank; collective.
+
+    DDP broadcasts rank 0's buffers at the start of each training forward, then every worker's
+    batch updates its own copy, so after the last step the workers' statistics differ and only
+    rank 0's are checkpointed. Call this before evaluating the unwrapped model so every worker
+    evaluates the checkpointed weights. A no-op without a process group of several ranks."""
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        for buffer in model.buffers():
+            torch.distributed.broadcast(buffer, src=0)
+
+
+@torch.no_grad()
 def evaluate(model: torch.nn.Module, loader, device: torch.device, bf16: bool, channels_last: bool) -> dict[str, float]:
-    """Loss and top-1 accuracy over the whole validation set (each worker holds a disjoint shard)."""
+    """Loss (cross-entropy, no label smoothing) and top-1 accuracy over the whole validation set,
+    each worker holding a disjoint shard (possibly empty): per-worker sums of loss, correct
+    predictions and images are added up across workers (``cookbook.all_reduce_sum``, the one
+    collective here), so each image counts once whatever the split.
+
+    Args:
+        model: the unwrapped module (``model.module`` of DDP), not the DDP wrapper: DDP's forward
+            broadcasts buffers, a collective that a worker without validation images never joins
+            (the run hangs). See `sync_buffers`.
+        loader: ``(uint8 images (B, 3, H, W), labels (B,))`` batches of this worker's shard.
+
+    Returns:
+        ``{"loss", "top1", "images"}``: mean loss and accuracy over all images (0 when there are
+        none) and the number of images.
+    """
     model.eval()
     sums = {"loss": torch.zeros((), device=device, dtype=torch.float64),
             "correct": torch.zeros((), device=device, dtype=torch.float64), "images": torch.zeros((), device=device, dtype=torch.float64)}
@@ -450,7 +493,8 @@ def train_loop(config: dict) -> None:
                 t0 = time.perf_counter()
             epoch += 1
             with metrics.paused():  # not counted in the step time and throughput
-                ev = evaluate(model, val_loader, info.device, bf16, channels_last)
+                sync_buffers(inner)  # every worker evaluates the weights rank 0 checkpoints
+                ev = evaluate(inner, val_loader, info.device, bf16, channels_last)  # not DDP: no collective per batch
                 metrics.log_eval(step, ev)
                 ray_train.report({"epoch": epoch, "step": step, "val_loss": ev["loss"], "val_top1": ev["top1"]},
                                  state={"model": inner.state_dict(), "optimizer": optimizer.state_dict(),
@@ -481,7 +525,11 @@ def main(argv: list[str]) -> None:
     check_config(cfg, Path(args.config).resolve().parent)
     nnodes, done, planned = ray_train.prepare_driver(cfg, MAY_CHANGE, ("train.stop_at_epoch", cfg.train.stop_at_epoch))
     if cfg.data.train_dir:
-        train, val, classes = load_data(cfg.data, cfg.train.seed, verify=cfg.data.verify_images)
+        ignored: list[str] = []
+        train, val, classes = load_data(cfg.data, cfg.train.seed, verify=cfg.data.verify_images, ignored=ignored)
+        if ignored:
+            print(f"note: {len(ignored)} file(s) in the image folders are not images by their name and are left out, "
+                  f"e.g. {', '.join(ignored[:3])}", file=sys.stderr)
         if planned and len(train) < cfg.train.micro_batch_size * planned[0]:
             raise ConfigError(f"{len(train)} training images are too few for one step of {cfg.train.micro_batch_size} "
                               f"x {planned[0]} workers")

@@ -16,8 +16,9 @@ What this recipe supports:
       log-q correction (Yi et al. 2019, "Sampling-bias-corrected neural modeling for large corpus item
       recommendations"): the log of an item's frequency in the training data is subtracted from its
       logits, and other occurrences of a row's own item in the batch are masked out.
-    - Evaluation: recall@k over the whole catalogue for every held-out user (items the user already
-      interacted with in training are excluded), next to the popularity baseline; sharded over workers.
+    - Evaluation: recall@k over the whole catalogue for every held-out user (the other items the user
+      interacted with in training are excluded), next to the popularity baseline; each worker scores
+      a disjoint slice of the users (possibly none) and the counts are summed once.
     - Ray Train ``TorchTrainer`` with ``prepare_model`` (DDP) and ``prepare_data_loader``; a checkpoint
       each epoch through ``ray.train.report``; re-running with the same ``output_dir`` resumes;
       ``ray.max_failures`` restarts failed workers. Metrics through cookbook.metrics (console,
@@ -133,38 +134,86 @@ class Interactions:
     item_counts: np.ndarray
 
 
-def read_interactions(cfg: DataConfig) -> Interactions:
-    """Read, validate, encode and split the interaction file (leave-last-out per user).
+ID_WRITTEN_AS_DECIMAL = r"^([+-]?\d+)\.0*$"  # "12.0": an integer id as spreadsheets and float columns write it
+
+
+def read_table(path: Path) -> tuple[pd.DataFrame, np.ndarray, str]:
+    """The rows of an interaction file and where each one is in it.
+
+    CSV (``,``) and TSV (tab): UTF-8 (a byte-order mark is dropped), any line ending, a header line
+    naming the columns, values read as text; blank lines are skipped. JSONL through
+    `cookbook.sft_data.load_rows` (it names a line that is not JSON). Parquet with its own types.
+
+    Returns:
+        ``(frame, numbers, unit)``: ``numbers[i]`` is where row ``i`` is, as ``unit`` ``"line"``
+        (1-based line of the file: CSV, TSV, JSONL) or ``"row"`` (1-based: parquet, a JSON array).
 
     Raises:
-        DataError: the file is missing or of an unknown type, a column is missing, an id is empty
-            (the row is named), or no user has enough interactions to hold one out.
+        DataError: an unknown suffix, text that is not UTF-8, a line with more fields than the
+            header, or anything else the parser refuses (its message, which names the line).
+    """
+    suffix = path.suffix.lower()
+    if suffix not in (".csv", ".tsv", ".jsonl", ".parquet"):
+        raise DataError(f"{path}: unsupported file type {suffix!r} (use .csv, .tsv, .jsonl or .parquet)")
+    if suffix == ".jsonl":
+        try:
+            df = pd.DataFrame(sft_data.load_rows(path))
+        except sft_data.SFTDataError as exc:
+            raise DataError(str(exc)) from None
+        text = path.read_text(encoding="utf-8-sig")  # as load_rows read it: rows are its non-blank lines
+        if text.lstrip().startswith("["):
+            return df, np.arange(1, len(df) + 1), "row"
+        return df, np.array([n for n, line in enumerate(text.splitlines(), 1) if line.strip()]), "line"
+    try:
+        if suffix == ".parquet":
+            df = pd.read_parquet(path)
+            return df, np.arange(1, len(df) + 1), "row"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", pd.errors.ParserWarning)  # pandas' warning for a first row longer than the header
+            df = pd.read_csv(path, sep="," if suffix == ".csv" else "\t", dtype=str, keep_default_na=False, index_col=False,
+                             skip_blank_lines=False, encoding="utf-8-sig")
+    except pd.errors.EmptyDataError:
+        raise DataError(f"{path}: empty file") from None
+    except pd.errors.ParserWarning:
+        raise DataError(f"{path} line 2: more fields than the header line names") from None
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
+    except Exception as exc:  # parser errors come in several types; pandas' message names the line
+        raise DataError(f"{path}: cannot be read as {suffix[1:]}: {str(exc).splitlines()[0]}") from None
+    lines = np.arange(2, len(df) + 2)  # line 1 is the header
+    blank = (df.fillna("").apply(lambda column: column.str.strip()) == "").all(axis=1).to_numpy()
+    return df[~blank].reset_index(drop=True), lines[~blank], "line"
+
+
+def read_interactions(cfg: DataConfig) -> Interactions:
+    """Read (`read_table`), validate, encode and split the interaction file (leave-last-out per user).
+
+    Ids are text, stripped of surrounding spaces; an integer written as a decimal (``12.0``) is
+    the id ``12``.
+
+    Raises:
+        DataError: the file is missing, unreadable (see `read_table`) or empty, a column is
+            missing, an id is missing or empty or a timestamp is not a number (the line is named),
+            or no user has enough interactions to hold one out.
     """
     path = Path(cfg.interactions)
     if not path.is_file():
         raise DataError(f"data.interactions: file not found: {path}")
-    suffix = path.suffix.lower()
-    readers = {".csv": lambda: pd.read_csv(path, dtype=str, keep_default_na=False),
-               ".tsv": lambda: pd.read_csv(path, sep="\t", dtype=str, keep_default_na=False),
-               ".jsonl": lambda: pd.DataFrame(sft_data.load_rows(path)),  # names a bad line
-               ".parquet": lambda: pd.read_parquet(path)}
-    if suffix not in readers:
-        raise DataError(f"{path}: unsupported file type {suffix!r} (use .csv, .tsv, .jsonl or .parquet)")
-    try:
-        df = readers[suffix]()
-    except sft_data.SFTDataError as exc:
-        raise DataError(str(exc)) from None
-    except Exception as exc:  # parser errors come in several types
-        raise DataError(f"{path}: cannot be read as {suffix[1:]}: {str(exc).splitlines()[0]}") from None
+    df, where, unit = read_table(path)
     missing = [c for c in (cfg.user_column, cfg.item_column) if c not in df.columns]
     if missing:
-        raise DataError(f"{path}: missing column(s) {missing}; found {list(df.columns)} (set data.user_column / data.item_column)")
-    first_row = 2 if suffix in (".csv", ".tsv") else 1  # CSV line numbers count the header
+        found = [str(c) for c in df.columns]
+        separator = next((name for sep, name in ((";", "semicolon"), ("\t", "tab"), (",", "comma")) if len(found) == 1
+                          and sep in found[0]), None)
+        hint = (f"the header looks {separator}-separated; .csv files are split on commas, .tsv files on tabs"
+                if separator else "the first line must be a header naming the columns; or set data.user_column / "
+                                  "data.item_column")
+        raise DataError(f"{path}: missing column(s) {missing}; found {found} ({hint})")
     for col in (cfg.user_column, cfg.item_column):
-        values = df[col].astype(str).str.strip()
-        empty = np.flatnonzero((values == "") | df[col].isna().to_numpy())
+        values = df[col].astype(str).str.strip().str.replace(ID_WRITTEN_AS_DECIMAL, r"\1", regex=True)
+        empty = np.flatnonzero((values == "").to_numpy() | df[col].isna().to_numpy())
         if len(empty):
-            raise DataError(f"{path} {'line' if first_row == 2 else 'row'} {empty[0] + first_row}: empty {col}")
+            raise DataError(f"{path} {unit} {where[empty[0]]}: missing or empty {col}")
         df[col] = values
     if len(df) == 0:
         raise DataError(f"{path}: no rows")
@@ -176,8 +225,7 @@ def read_interactions(cfg: DataConfig) -> Interactions:
         times = pd.to_numeric(df[cfg.time_column], errors="coerce")
         if times.isna().any():
             row = int(np.flatnonzero(times.isna().to_numpy())[0])
-            raise DataError(f"{path} {'line' if first_row == 2 else 'row'} {row + first_row}: {cfg.time_column} "
-                            f"{df[cfg.time_column].iloc[row]!r} is not a number")
+            raise DataError(f"{path} {unit} {where[row]}: {cfg.time_column} {df[cfg.time_column].iloc[row]!r} is not a number")
         order = np.lexsort((order, times.to_numpy()))  # stable: ties keep file order
     df = df.iloc[order]
     users, user_ids = pd.factorize(df[cfg.user_column], sort=True)
@@ -245,8 +293,22 @@ def sampled_softmax_loss(user_emb: torch.Tensor, item_emb: torch.Tensor, items: 
 @torch.no_grad()
 def recall_at_k(model: TwoTower, data: Interactions, ks: list[int], rank: int, world_size: int, device: torch.device,
                 chunk: int = 1024) -> dict[str, float]:
-    """recall@k of the held-out item over the whole catalogue, and the popularity baseline's, over all
-    workers (each scores a disjoint slice of the held-out users). Training items of a user are excluded."""
+    """recall@k of the held-out item over the whole catalogue, and the popularity baseline's.
+
+    For each held-out user, every item is scored and the user's training items are excluded,
+    except the held-out item itself (a repeat of an item seen in training is still a hit when
+    ranked in the top k); recall@k is the fraction of users whose held-out item is in the top k.
+    Worker `rank` of `world_size` scores the users ``eval_users[rank::world_size]`` (disjoint,
+    possibly none; no padding), and hit and user counts are summed across workers
+    (``cookbook.all_reduce_sum``, the one collective), so each user counts once whatever the split.
+
+    Args:
+        model: the unwrapped `TwoTower` (not DDP); no collective runs in its forward.
+        ks: cut-offs; k above the catalogue size counts every item.
+
+    Returns:
+        ``recall_at_<k>`` and ``popularity_recall_at_<k>`` for each k (0 without users), and ``users``.
+    """
     model.eval()
     all_items = model.item_tower(torch.arange(data.num_items, device=device))
     row_of = np.full(data.num_users, -1)
@@ -262,6 +324,7 @@ def recall_at_k(model: TwoTower, data: Interactions, ks: list[int], rank: int, w
         sel = row_of[data.train_users] >= 0  # the training pairs of this chunk's users
         mask = np.zeros((len(u), data.num_items), dtype=bool)
         mask[row_of[data.train_users[sel]], data.train_items[sel]] = True
+        mask[np.arange(len(u)), targets[start:start + chunk]] = False  # the held-out item is always ranked
         mask = torch.as_tensor(mask, device=device)
         row_of[users[start:start + chunk]] = -1
         for name, scores in (("", model.user_tower(u) @ all_items.T), ("popularity_", popular.expand(len(u), -1))):
@@ -270,8 +333,8 @@ def recall_at_k(model: TwoTower, data: Interactions, ks: list[int], rank: int, w
                 hits[f"{name}recall_at_{k}"] += (top[:, :k] == t[:, None]).any(-1).sum()
     totals = cookbook.all_reduce_sum({**hits, "users": torch.tensor(float(len(users)), device=device)}, device)
     model.train()
-    n = max(totals.pop("users"), 1.0)
-    return {**{k: v / n for k, v in totals.items()}, "users": n}
+    users_total = totals.pop("users")
+    return {**{k: v / max(users_total, 1.0) for k, v in totals.items()}, "users": users_total}
 
 
 # ----------------------------------------------------------------------------- worker
