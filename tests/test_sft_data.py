@@ -333,7 +333,7 @@ def test_typed_text_parts_are_joined_and_other_parts_refused():
     image = {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
                                                       {"type": "image_url", "image_url": {"url": "a.png"}}]},
                           {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]}]}
-    with pytest.raises(SFTDataError, match=r"^t\.jsonl row 3: messages\[0\]\.content\[1\] is a 'image_url' part, but "
+    with pytest.raises(SFTDataError, match=r"^t\.jsonl row 3: messages\[0\]\.content\[1\] is a part of type 'image_url', but "
                                            r"this data path trains on text only"):
         to_messages(image, 3, "t.jsonl")
     with pytest.raises(SFTDataError, match=r"row 3: messages\[0\]\.content\[0\] must be an object with 'type'"):

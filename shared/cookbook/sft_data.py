@@ -126,7 +126,7 @@ def _content(value: Any, where: str, field: str) -> str:
             raise SFTDataError(f"{where}: {field}[{k}] must be an object with 'type' (e.g. {{\"type\": \"text\", "
                                f"\"text\": ...}}), got {json.dumps(part)[:60]}")
         else:
-            raise SFTDataError(f"{where}: {field}[{k}] is a {kind!r} part, but this data path trains on text only: "
+            raise SFTDataError(f"{where}: {field}[{k}] is a part of type {kind!r}, but this data path trains on text only: "
                                f"remove the part, or use a vision-language recipe for images")
     return "\n".join(texts)
 
@@ -478,14 +478,16 @@ class SFTStats:
         return total
 
     def _drop_reason(self, limit: str) -> str:
-        return f"cut by {limit} before any assistant token" if self.truncate else f"longer than {limit} (dropped, not cut)"
+        return f"cut by {limit} before any assistant token" if self.truncate else f"longer than {limit}, dropped rather than cut"
 
     def _counts(self) -> str:
         split = f" ({self.split_rows} split into one example per assistant turn)" if self.split_rows else ""
-        text = (f"{Path(self.source).name or 'data'}: {self.rows} rows read{split}, {self.examples} examples kept "
-                f"({self.truncated} truncated to max_length={self.max_length}), {self.dropped} dropped")
+        cut = f" ({self.truncated} truncated to max_length={self.max_length})" if self.truncate else ""
+        text = (f"{Path(self.source).name or 'data'}: {self.rows} rows read{split}, {self.examples} examples kept{cut}, "
+                f"{self.dropped} dropped")
         if self.dropped:
-            text += f" ({self._drop_reason('max_length')}: {self.longest_dropped(3)})"
+            limit = "max_length" if self.truncate else f"max_length={self.max_length}"
+            text += f" ({self._drop_reason(limit)}: {self.longest_dropped(3)})"
         if self.empty_answers:
             text += f", {len(self.empty_answers)} skipped with an empty answer (rows {_rows_list(self.empty_answers)})"
         return text
