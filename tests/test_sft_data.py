@@ -414,6 +414,12 @@ def test_templates_that_drop_tools_calls_or_results_are_refused(tokenizer):
         "{{- '<|im_end|>\\n' }}{%- endif %}"))
     with pytest.raises(SFTDataError, match=r"row 1: the chat template does not render tool results: messages\[2\]"):
         prepare([without_tools], no_results, 4096, "t.jsonl")
+    # A result written JSON-quoted (Llama 3.1's template applies tojson to it) is rendered.
+    quoted = with_template(tokenizer, no_results.chat_template.replace(
+        "{%- if message['role'] != 'tool' %}", "{%- if message['role'] == 'tool' %}{{- message['content'] | tojson }}"
+        "{%- else %}"))
+    (ex,), _ = prepare([without_tools], quoted, 4096, "t.jsonl")
+    assert '"{\\"temp_c\\": 18}"' in quoted.decode(ex["input_ids"])
 
 
 def test_split_turns_labels_each_turn_once(tokenizer):

@@ -187,7 +187,7 @@ class Config:
 
 
 MAY_CHANGE = ("output_dir", "run_name", "mlflow", "model.lazy_load", "train.stop_at_step", "train.log_every", "train.eval_every",
-              "data.num_workers", "checkpoint.*")
+              "data.num_workers", "data.max_dropped_fraction", "checkpoint.*")
 
 
 def check_config(cfg: Config, config_dir: Path) -> None:

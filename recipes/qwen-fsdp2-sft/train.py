@@ -162,7 +162,7 @@ class Config:
 
 # Settings that may differ between a checkpoint and the run that resumes it; any other change is refused.
 MAY_CHANGE = ("output_dir", "run_name", "mlflow", "train.stop_at_step", "train.log_every", "train.eval_every", "train.profile_step",
-              "data.num_workers", "checkpoint.*")
+              "data.num_workers", "data.max_dropped_fraction", "checkpoint.*")
 
 
 def check_config(cfg: Config, config_dir: Path) -> None:

@@ -118,7 +118,7 @@ class Config:
 
 
 MAY_CHANGE = ("output_dir", "run_name", "mlflow", "ray.*", "train.stop_at_step", "train.log_every", "data.num_workers",
-              "checkpoint.*")
+              "data.max_dropped_fraction", "checkpoint.*")
 
 
 def check_config(cfg: Config, config_dir: Path) -> None:

@@ -155,7 +155,7 @@ class Config:
 
 # Settings that may differ between a checkpoint and the run that resumes it; any other change is refused.
 MAY_CHANGE = ("output_dir", "run_name", "mlflow", "train.stop_at_step", "train.log_every", "train.eval_every",
-              "data.num_workers", "eval.*", "checkpoint.*")
+              "data.num_workers", "data.max_dropped_fraction", "eval.*", "checkpoint.*")
 # DeepSpeed keys the trainer fills from this config when they are "auto"; a number must agree.
 DS_BATCH_KEYS = {"train_micro_batch_size_per_gpu": "train.micro_batch_size",
                  "gradient_accumulation_steps": "train.grad_accum_steps",

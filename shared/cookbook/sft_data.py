@@ -322,7 +322,8 @@ def _check_tools_rendered(tokenizer, messages: list[dict], tools: list[dict] | N
                           turns: dict[int, str]) -> None:
     """Refuse a template that silently drops the row's tools, its tool calls or tool results: each
     tool name must appear in the rendered conversation, each call's name in its assistant turn's
-    labelled text (`turns`: message index -> that text), each non-empty tool result in the text."""
+    labelled text (`turns`: message index -> that text), each non-empty tool result in the text, as
+    it is or JSON-quoted (Llama 3.1's template writes ``content | tojson``)."""
     text = _render(tokenizer, messages, False, kwargs, tools, tokenize=False) if tools or any(
         m["role"] == "tool" for m in messages) else ""
     for tool in tools or ():
@@ -330,16 +331,18 @@ def _check_tools_rendered(tokenizer, messages: list[dict], tools: list[dict] | N
         if name not in text:
             raise SFTDataError(f"the chat template does not render the row's tools: the tool {name!r} is missing from "
                                f"the rendered conversation (a template that ignores tools=). Use a tokenizer whose "
-                               f"template renders tools (Qwen2.5, Qwen3, Llama 3.1) or remove 'tools' from the rows")
+                               f"template renders tools (Qwen2.5's and Qwen3's do) or remove 'tools' from the rows")
     for i, rendered in turns.items():
         for call in messages[i].get("tool_calls", ()):
             name = call["function"]["name"]
             if name not in rendered:
                 raise SFTDataError(f"the chat template does not render tool calls: messages[{i}] calls {name!r} but "
                                    f"its rendered turn is {rendered[:80]!r} (a template that ignores tool_calls). Use "
-                                   f"a tokenizer whose template renders tool calls (Qwen2.5, Qwen3, Llama 3.1)")
+                                   f"a tokenizer whose template renders tool calls (Qwen2.5's and Qwen3's do)")
     for i, m in enumerate(messages):
-        if m["role"] == "tool" and m["content"].strip() and m["content"].strip() not in text:
+        result = m["content"].strip() if m["role"] == "tool" else ""
+        if result and not any(form in text for form in (result, json.dumps(result, ensure_ascii=False)[1:-1],
+                                                         json.dumps(result)[1:-1])):
             raise SFTDataError(f"the chat template does not render tool results: messages[{i}] (role tool) is missing "
                                f"from the rendered conversation")
 
