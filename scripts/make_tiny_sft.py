@@ -1,8 +1,15 @@
-"""Make the offline tiny assets of recipes/qwen-fsdp2-sft: a byte-level BPE tokenizer with a
-ChatML chat template, tiny Qwen3 and Llama configs, the ~10 M-parameter Llama of the from-scratch
-example, and small generated chat / Alpaca data.
+"""Make the offline tiny assets of recipes/qwen-fsdp2-sft: a byte-level BPE tokenizer, tiny Qwen3
+and Llama configs, the ~10 M-parameter Llama of the from-scratch example, and small generated chat /
+Alpaca data; and the same tokenizer for recipes/qwen-ray-sft/tiny/qwen2.
 
-    python scripts/make_tiny_sft.py            # writes recipes/qwen-fsdp2-sft/tiny/
+    python scripts/make_tiny_sft.py            # writes recipes/qwen-fsdp2-sft/tiny/ and the Ray twin's tokenizer
+
+Chat templates: tiny/qwen3 carries Qwen3's own template and the Ray recipe's tiny/qwen2 Qwen2.5's
+(scripts/chat_templates/*.jinja: the ``chat_template`` of the Qwen3 tokenizer_config.json of
+Qwen3-0.6B..14B, and of Qwen2.5-*-Instruct's, copied unchanged; Apache-2.0), so the tiny twins
+render system prompts, ``<think>`` blocks, tools and tool calls, and rewrite earlier turns, as the
+real models do. tiny/llama keeps a plain ChatML template (the Llama 3 template needs its header
+tokens, which this tokenizer does not have).
 
 The data is synthetic and learnable (arithmetic and a fixed table of facts), so a tiny model's
 loss falls within a few dozen steps. Deterministic: the same files on every run.
@@ -24,6 +31,7 @@ CHATML = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+TEMPLATES = Path(__file__).resolve().parent / "chat_templates"
 COLOURS = {"apple": "red", "banana": "yellow", "grass": "green", "sky": "blue", "snow": "white", "coal": "black",
            "orange": "orange", "plum": "purple"}
 SYSTEM = "You are a concise assistant."
@@ -48,8 +56,12 @@ def conversations(n: int, rng: random.Random) -> list[list[dict]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "recipes" / "qwen-fsdp2-sft" / "tiny")
-    out = parser.parse_args().out
+    recipes = Path(__file__).resolve().parents[1] / "recipes"
+    parser.add_argument("--out", type=Path, default=recipes / "qwen-fsdp2-sft" / "tiny")
+    parser.add_argument("--ray-out", type=Path, default=recipes / "qwen-ray-sft" / "tiny" / "qwen2",
+                        help="where the Ray recipe's tiny Qwen2 tokenizer goes")
+    args = parser.parse_args()
+    out = args.out
     rng = random.Random(0)
     chats = conversations(600, rng)
     alpaca = [{"instruction": f"Add {a} and {b}.", "input": "" if i % 2 else "Answer with a sentence.",
@@ -71,7 +83,6 @@ def main() -> None:
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                   clean_up_tokenization_spaces=False, model_max_length=4096)
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tok.chat_template = CHATML
     vocab = -(-len(tok) // 64) * 64  # room for the tokenizer, rounded like real models
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
@@ -79,9 +90,14 @@ def main() -> None:
     # The classic FSDP example size: a Llama-style model of about 10 M parameters, trained from scratch.
     llama_10m = LlamaConfig(**{**common, "hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 6,
                                "num_attention_heads": 6, "num_key_value_heads": 6, "head_dim": 64, "max_position_embeddings": 2048})
-    for name, config in [("qwen3", Qwen3Config(**common)), ("llama", LlamaConfig(**common)), ("llama-10m", llama_10m)]:
+    qwen3, qwen25 = ((TEMPLATES / f).read_text() for f in ("qwen3.jinja", "qwen2.5.jinja"))
+    for name, config, template in [("qwen3", Qwen3Config(**common), qwen3), ("llama", LlamaConfig(**common), CHATML),
+                                   ("llama-10m", llama_10m, CHATML)]:
         config.save_pretrained(out / name)
+        tok.chat_template = template
         tok.save_pretrained(out / name)
+    tok.chat_template = qwen25
+    tok.save_pretrained(args.ray_out)  # its config.json (a tiny Qwen2) is the Ray recipe's own
     print(f"wrote {out}: {len(chats)} chats, {len(alpaca)} alpaca rows, tokenizer of {len(tok)} tokens, vocab_size {vocab}")
 
 

@@ -9,7 +9,7 @@ from conftest import ROOT, check, launch, load_recipe, read_jsonl, train_losses
 import cookbook
 from cookbook.checkpoint import CheckpointError
 from cookbook.config import ConfigError
-from cookbook.sft_data import SFTDataError
+from cookbook.sft_data import SFTDataError, tokenize_conversation
 
 RECIPE = ROOT / "recipes" / "qwen-fsdp2-sft"
 
@@ -248,11 +248,34 @@ def test_tokenizer_larger_than_the_model(tmp_path):
     assert "64" in str(err.value) and "482" in str(err.value)
 
 
-def test_long_sequences_are_truncated_and_counted(tmp_path):
-    long = _jsonl(tmp_path / "long.jsonl", [{"messages": [{"role": "user", "content": "What is 1 plus 1? " * 30},
-                                                          {"role": "assistant", "content": "1 plus 1 is 2."}]}] * 3
-                  + [{"messages": [{"role": "user", "content": "What is 2 plus 2?"}, {"role": "assistant", "content": "2 plus 2 is 4."}]}] * 40)
-    proc = launch("qwen-fsdp2-sft", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{long}]", "data.max_length=64",
-                  "train.max_steps=2", "mlflow=false", "checkpoint.every_steps=0")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "3 truncated" in proc.stdout + proc.stderr
+def _chat(question, answer):
+    return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
+
+
+def test_long_rows_are_truncated_or_dropped_and_counted(tmp_path):
+    from transformers import AutoTokenizer
+
+    long_prompt, long_answer = _chat("What is 1 plus 1? " * 30, "1 plus 1 is 2."), _chat("What is 3 plus 3?", "6. " * 40)
+    data = _jsonl(tmp_path / "long.jsonl", [long_prompt] * 3 + [long_answer] * 2 + [_chat("What is 2 plus 2?", "4.")] * 35)
+    tok = AutoTokenizer.from_pretrained(RECIPE / "tiny" / "qwen3")
+    n = len(tokenize_conversation(tok, long_prompt["messages"], 10_000, {"enable_thinking": False})[0])
+    out = check("qwen-fsdp2-sft", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{data}]", "data.max_length=64")
+    assert (f"data: long.jsonl: 40 rows read, 37 examples kept (2 truncated to max_length=64), 3 dropped (cut by "
+            f"max_length before any assistant token: row 1 ({n} tokens), row 2 ({n} tokens), row 3 ({n} tokens)) | ") in out
+    with pytest.raises(SFTDataError) as err:  # 3 of 40 is more than 5%
+        check("qwen-fsdp2-sft", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{data}]", "data.max_length=64",
+              "data.max_dropped_fraction=0.05")
+    assert str(err.value) == (
+        f"{data}: 3 of 40 rows dropped (8%, more than data.max_dropped_fraction=0.05): 3 cut by data.max_length=64 "
+        f"before any assistant token, longest row 1 ({n} tokens), row 2 ({n} tokens), row 3 ({n} tokens): raise "
+        f"data.max_length (to {n} to keep them all); or raise data.max_dropped_fraction")
+
+
+def test_multi_turn_rows_need_split_turns_with_qwen3s_template(tmp_path):
+    # tiny/qwen3 carries Qwen3's own template, which rewrites earlier assistant turns: row 5 has two.
+    with pytest.raises(SFTDataError, match=r"chat\.jsonl row 5: the chat template is not prefix-stable: .*"
+                                           r"set data\.split_turns=true"):
+        check("qwen-fsdp2-sft", f"output_dir={tmp_path / 'out'}", "data.split_turns=false")
+    # A prefix-stable template (the ChatML of tiny/llama) takes the same rows whole.
+    out = check("qwen-fsdp2-sft", f"output_dir={tmp_path / 'out'}", "data.split_turns=false", "model.name_or_path=tiny/llama")
+    assert "data: chat.jsonl: 600 rows read, 600 examples kept" in out

@@ -239,7 +239,10 @@ def _receipts(tmp_path, edit):
     (lambda rows: rows[4].update(entities={}), "row 5 (id X00016469623): field 'entities' has none of"),
     (lambda rows: rows[6].update(ocr_boxes=[]), "row 7 (id X00016469672): field 'ocr_boxes' is empty"),
     (lambda rows: rows[2]["ocr_boxes"][1].pop(), "row 3 (id X00016469620): ocr_boxes[1] must be"),
-    (lambda rows: rows[9]["entities"].update(total="9.00 " * 200), "row 10 (id X51005230617): prompt + JSON completion is"),
+    # longer than data.max_length=256: dropped, not cut; 5 of 40 is more than data.max_dropped_fraction=0.1
+    (lambda rows: [r["entities"].update(total="9.00 " * 200) for r in rows[9:14]],
+     "receipts.jsonl: 5 of 40 rows dropped (12%, more than data.max_dropped_fraction=0.1): 5 longer than "
+     "data.max_length=256, dropped rather than cut, longest row 10 ("),
 ])
 def test_bad_receipts_are_named(tmp_path, edit, message):
     from cookbook.sft_data import SFTDataError
@@ -247,6 +250,25 @@ def test_bad_receipts_are_named(tmp_path, edit, message):
     bad = _receipts(tmp_path, edit)
     with pytest.raises(SFTDataError, match=re.escape(message)):
         check(f"data.train_files=[{bad}]", f"output_dir={tmp_path / 'out'}")
+
+
+def test_a_receipt_longer_than_max_length_is_dropped_and_counted(tmp_path, capsys):
+    from transformers import AutoTokenizer
+
+    long = _receipts(tmp_path, lambda rows: rows[9]["entities"].update(total="9.00 " * 200))
+    check(f"data.train_files=[{long}]", f"output_dir={tmp_path / 'out'}")
+    out = capsys.readouterr().out
+    assert re.search(r"data: receipts\.jsonl: 40 rows read, 39 examples kept, 1 dropped \(longer than max_length=256, "
+                     r"dropped rather than cut: row 10 \(\d+ tokens\)\)", out), out
+    assert "(32 train / 7 validation receipts)" in out  # eval_fraction 0.2 of the 39 kept
+    train = recipe_module()
+    cfg = train.load_config(train.Config, RECIPE / "tiny.yaml", [f"data.train_files=[{long}]"])
+    train.check_config(cfg, RECIPE)
+    split = train.load_receipts(cfg.data, AutoTokenizer.from_pretrained(RECIPE / "tiny" / "qwen3"), cfg.train.seed)
+    rows = [json.loads(line) for line in long.read_text().splitlines()]
+    # positions skip the dropped row (index 9), and each validation target is its own receipt's
+    assert sorted(split.train_index + split.val_index) == [i for i in range(40) if i != 9]
+    assert split.val_targets == [{f: rows[i]["entities"].get(f) for f in cfg.data.fields} for i in split.val_index]
 
 
 def test_deepspeed_batch_size_disagreeing_with_the_trainer(tmp_path):

@@ -2,7 +2,9 @@
 template) and a tiny random Qwen3: assistant-only labels, row formats, errors, truncation,
 packing, and packed-vs-unpacked loss equality."""
 
+import hashlib
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,13 +16,17 @@ from cookbook.sft_data import (
     IGNORE_INDEX,
     SFTDataError,
     check_vocab,
+    load_hub_rows,
     load_rows,
     pack,
     pad_batch,
     prepare,
+    to_conversation,
     to_messages,
     tokenize_conversation,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # Qwen2.5-style ChatML, without a default system prompt and without <think> handling.
 CHATML = (
@@ -191,7 +197,8 @@ def test_truncation_is_flagged_and_counted(tokenizer):
     assert stats.loss_fraction == pytest.approx(stats.loss_tokens / stats.tokens)
     # Cut before the assistant turn starts: nothing to learn, so the row is dropped and counted.
     _, stats = prepare(rows, tokenizer, 8, "t")
-    assert (stats.examples, stats.truncated, stats.dropped) == (0, 2, 2)
+    assert (stats.examples, stats.truncated, stats.dropped) == (0, 0, 2)
+    assert [row for row, _ in stats.dropped_rows] == [1, 2] and stats.dropped_rows[1][1] == len(full_ids)
 
 
 def test_pack_layout(tokenizer):
@@ -275,3 +282,204 @@ def test_load_rows_edge_files(tmp_path):
     wrapped.write_text(json.dumps({"data": [row]}, indent=2))
     with pytest.raises(SFTDataError, match=r"holds one JSON object \(keys \['data'\]\)"):
         load_rows(wrapped)
+
+
+# ----------------------------------------------------------------------------- content parts, tools, real templates
+# The tiny tokenizers carry the real models' templates (scripts/make_tiny_sft.py): sha256 of the
+# chat_template string of Qwen3's tokenizer_config.json (Qwen3-0.6B..14B) and of Qwen2.5-*-Instruct's.
+REAL_TEMPLATES = {
+    "qwen3": (ROOT / "recipes/qwen-fsdp2-sft/tiny/qwen3/chat_template.jinja",
+              "87a2728cb8dc9fe424d624542f6060ec05a1d285ebbec578bb078900e33396b5"),
+    "qwen2.5": (ROOT / "recipes/qwen-ray-sft/tiny/qwen2/chat_template.jinja",
+                "cd8e9439f0570856fd70470bf8889ebd8b5d1107207f67a5efb46e342330527f"),
+}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+TOOL_ROW = {"messages": [  # OpenAI style: typed text parts, arguments as a JSON string, null content
+    {"role": "user", "content": [{"type": "text", "text": "What is the weather"}, {"type": "text", "text": "in Paris?"}]},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "content": '{"temp_c": 18}'},
+    {"role": "assistant", "content": "It is 18 C in Paris."}], "tools": TOOLS}
+TOOL_MESSAGES = [{"role": "user", "content": "What is the weather\nin Paris?"},
+                 {"role": "assistant", "content": "", "tool_calls": [CALL]},
+                 {"role": "tool", "content": '{"temp_c": 18}'},
+                 {"role": "assistant", "content": "It is 18 C in Paris."}]
+CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
+
+
+def with_template(tokenizer, template):
+    tok = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer, eos_token="<|im_end|>",
+                                  pad_token="<|endoftext|>", clean_up_tokenization_spaces=False)
+    tok.chat_template = template
+    return tok
+
+
+def real_template(tokenizer, name):
+    path, sha = REAL_TEMPLATES[name]
+    template = path.read_text()
+    assert hashlib.sha256(template.encode()).hexdigest() == sha, f"{path} is not {name}'s chat template"
+    return with_template(tokenizer, template)
+
+
+def labelled(tok, example):
+    return [tok.decode(example["input_ids"][a:b]) for a, b in spans(example["labels"])]
+
+
+def test_typed_text_parts_are_joined_and_other_parts_refused():
+    assert to_messages(TOOL_ROW, 1, "t.jsonl")[0] == TOOL_MESSAGES[0]
+    image = {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                                      {"type": "image_url", "image_url": {"url": "a.png"}}]},
+                          {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]}]}
+    with pytest.raises(SFTDataError, match=r"^t\.jsonl row 3: messages\[0\]\.content\[1\] is a part of type 'image_url', but "
+                                           r"this data path trains on text only"):
+        to_messages(image, 3, "t.jsonl")
+    with pytest.raises(SFTDataError, match=r"row 3: messages\[0\]\.content\[0\] must be an object with 'type'"):
+        to_messages({"messages": [{"role": "user", "content": ["hi"]}, {"role": "assistant", "content": "yo"}]}, 3, "t.jsonl")
+
+
+def test_tool_rows_in_openai_and_llama_factory_form():
+    messages, tools = to_conversation(TOOL_ROW, 1, "t.jsonl")
+    assert messages == TOOL_MESSAGES and tools == TOOLS
+    glaive = {"conversations": [  # LLaMA-Factory's ShareGPT: tools as a JSON string of bare definitions
+        {"from": "human", "value": "What is the weather\nin Paris?"},
+        {"from": "function_call", "value": '{"name": "get_weather", "arguments": {"city": "Paris"}}'},
+        {"from": "observation", "value": '{"temp_c": 18}'}, {"from": "gpt", "value": "It is 18 C in Paris."}],
+        "tools": json.dumps([TOOLS[0]["function"]]), "system": "Use tools."}
+    assert to_conversation(glaive, 2, "g.json") == ([{"role": "system", "content": "Use tools."}, *TOOL_MESSAGES], TOOLS)
+    assert to_conversation({**glaive, "tools": ""}, 2, "g.json")[1] is None
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda r: r["messages"][1]["tool_calls"][0]["function"].update(arguments="{city: Paris"),
+     "row 5: messages[1].tool_calls[0] arguments are not valid JSON"),
+    (lambda r: r["messages"][1]["tool_calls"][0].update(function={"arguments": {}}),
+     "row 5: messages[1].tool_calls[0] must be {\"type\": \"function\""),
+    (lambda r: r["messages"].pop(1), "row 5: messages[1] is a tool result, but no assistant tool call comes before it"),
+    (lambda r: r.update(tools={"name": "get_weather"}), "row 5: field 'tools' must be a list of function definitions"),
+    (lambda r: r.update(tools="[{\"name\": "), "row 5: field 'tools' is a string but not valid JSON"),
+])
+def test_bad_tool_rows_name_the_row_and_field(edit, message):
+    row = json.loads(json.dumps(TOOL_ROW))
+    edit(row)
+    with pytest.raises(SFTDataError) as err:
+        to_conversation(row, 5, "t.jsonl")
+    assert message in str(err.value)
+
+
+def test_tool_rows_with_qwen25s_template(tokenizer):
+    tok = real_template(tokenizer, "qwen2.5")
+    (ex,), stats = prepare([TOOL_ROW], tok, 4096, "t.jsonl")
+    text = tok.decode(ex["input_ids"])
+    assert text.startswith("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.\n\n"
+                           "# Tools\n") and json.dumps(TOOLS[0]) in text
+    assert '<|im_start|>user\n<tool_response>\n{"temp_c": 18}\n</tool_response><|im_end|>' in text
+    # Loss on both assistant turns (the call and the answer), none on the tool result.
+    assert labelled(tok, ex) == [CALL_TEXT, "It is 18 C in Paris.<|im_end|>"]
+    assert stats.examples == 1 and stats.loss_tokens == sum(b - a for a, b in spans(ex["labels"]))
+
+
+def test_tool_rows_with_qwen3s_template_need_split_turns(tokenizer):
+    tok = real_template(tokenizer, "qwen3")
+    kwargs = {"enable_thinking": False}
+    # The call turn gets an empty <think> block only while it is the last turn: not prefix-stable.
+    with pytest.raises(SFTDataError, match=r"^t\.jsonl row 1: the chat template is not prefix-stable: .*"
+                                           r"set data\.split_turns=true"):
+        prepare([TOOL_ROW], tok, 4096, "t.jsonl", kwargs)
+    (call, answer), stats = prepare([TOOL_ROW], tok, 4096, "t.jsonl", kwargs, split_turns=True)
+    assert (stats.rows, stats.split_rows, stats.examples, stats.example_rows) == (1, 1, 2, [1, 1])
+    assert labelled(tok, call) == [CALL_TEXT] and labelled(tok, answer) == ["It is 18 C in Paris.<|im_end|>"]
+    think = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert tok.decode(call["input_ids"]).endswith(think + CALL_TEXT + "\n")
+    # As the model sees it when it writes the answer: the earlier call without its <think> block.
+    assert (f"<|im_start|>assistant\n{CALL_TEXT}\n<|im_start|>user\n<tool_response>\n{{\"temp_c\": 18}}\n</tool_response>"
+            f"<|im_end|>\n{think}It is 18 C in Paris.<|im_end|>\n") in tok.decode(answer["input_ids"])
+    assert all(json.dumps(TOOLS[0]) in tok.decode(ex["input_ids"]) for ex in (call, answer))
+
+
+def test_templates_that_drop_tools_calls_or_results_are_refused(tokenizer):
+    with pytest.raises(SFTDataError, match=r"^t\.jsonl row 1: the chat template does not render the row's tools: the "
+                                           r"tool 'get_weather' is missing from the rendered conversation"):
+        prepare([TOOL_ROW], tokenizer, 4096, "t.jsonl")
+    without_tools = {"messages": TOOL_ROW["messages"]}
+    with pytest.raises(SFTDataError, match=r"^t\.jsonl row 1: the chat template does not render tool calls: messages\[1\] "
+                                           r"calls 'get_weather' but its rendered turn is '<\|im_end\|>'"):
+        prepare([without_tools], tokenizer, 4096, "t.jsonl")
+    no_results = with_template(tokenizer, CHATML.replace(
+        "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}",
+        "{%- if message['role'] != 'tool' %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] }}"
+        "{%- for call in message.get('tool_calls', []) %}{{- call['function']['name'] }}{%- endfor %}"
+        "{{- '<|im_end|>\\n' }}{%- endif %}"))
+    with pytest.raises(SFTDataError, match=r"row 1: the chat template does not render tool results: messages\[2\]"):
+        prepare([without_tools], no_results, 4096, "t.jsonl")
+    # A result written JSON-quoted (Llama 3.1's template applies tojson to it) is rendered.
+    quoted = with_template(tokenizer, no_results.chat_template.replace(
+        "{%- if message['role'] != 'tool' %}", "{%- if message['role'] == 'tool' %}{{- message['content'] | tojson }}"
+        "{%- else %}"))
+    (ex,), _ = prepare([without_tools], quoted, 4096, "t.jsonl")
+    assert '"{\\"temp_c\\": 18}"' in quoted.decode(ex["input_ids"])
+
+
+def test_split_turns_labels_each_turn_once(tokenizer):
+    ids, labels, _ = tokenize_conversation(tokenizer, CONVERSATION, 1000)
+    (first, second), stats = prepare([{"messages": CONVERSATION}], tokenizer, 1000, "t", split_turns=True)
+    assert (stats.split_rows, stats.examples) == (1, 2)
+    assert (first["input_ids"], first["labels"]) == tokenize_conversation(tokenizer, CONVERSATION[:3], 1000)[:2]
+    assert second["input_ids"] == ids and spans(second["labels"]) == spans(labels)[1:]
+    assert spans(first["labels"]) == spans(labels)[:1]
+    assert stats.tokens == len(first["input_ids"]) + len(ids)
+
+
+# ----------------------------------------------------------------------------- rows dropped for length
+def test_dropped_rows_are_counted_named_and_refused_over_the_limit(tokenizer):
+    rows = [{"instruction": "Say hi.", "output": "Hi!"}] * 10
+    rows[3] = {"instruction": "What is the capital of France? " * 8, "output": "Paris."}
+    rows[8] = {"instruction": "What is the capital of France? " * 12, "output": "Paris."}
+    long4, long9 = (len(tokenize_conversation(tokenizer, to_messages(rows[i], i + 1, "t"), 10_000)[0]) for i in (3, 8))
+    assert 40 < long4 < long9 - 1
+    examples, stats = prepare(rows, tokenizer, 40, "train.jsonl", max_dropped_fraction=0.2)
+    assert (len(examples), stats.examples, stats.truncated, stats.dropped, stats.dropped_fraction) == (8, 8, 0, 2, 0.2)
+    assert stats.dropped_rows == [(4, long4), (9, long9)] and stats.example_rows == [1, 2, 3, 5, 6, 7, 8, 10]
+    assert stats.summary().startswith(
+        f"train.jsonl: 10 rows read, 8 examples kept (0 truncated to max_length=40), 2 dropped (cut by max_length "
+        f"before any assistant token: row 9 ({long9} tokens), row 4 ({long4} tokens)) | ")
+    with pytest.raises(SFTDataError) as err:
+        prepare(rows, tokenizer, 40, "train.jsonl", max_dropped_fraction=0.1)
+    assert str(err.value) == (
+        f"train.jsonl: 2 of 10 rows dropped (20%, more than data.max_dropped_fraction=0.1): 2 cut by "
+        f"data.max_length=40 before any assistant token, longest row 9 ({long9} tokens), row 4 ({long4} tokens): raise "
+        f"data.max_length (to {long9} to keep them all); or raise data.max_dropped_fraction")
+    # truncate=False drops a row that does not fit instead of cutting it (an answer that is useless when cut).
+    _, stats = prepare(rows, tokenizer, long9 - 1, "t", truncate=False)
+    assert (stats.examples, stats.truncated, stats.dropped_rows) == (9, 0, [(9, long9)])
+    _, stats = prepare(rows, tokenizer, long9 - 1, "t")
+    assert (stats.examples, stats.truncated, stats.dropped) == (10, 1, 0)
+
+
+# ----------------------------------------------------------------------------- files: BOM, CRLF, line numbers
+def test_bom_crlf_and_line_numbers(tmp_path):
+    rows = [{"instruction": "a", "output": "b\u2028c"}, {"messages": CONVERSATION}]
+    bom = b"\xef\xbb\xbf"
+    (tmp_path / "d.json").write_bytes(bom + json.dumps(rows, indent=1).replace("\n", "\r\n").encode())
+    # U+2028 is allowed unescaped in a JSON string; str.splitlines would break the line there.
+    (tmp_path / "d.jsonl").write_bytes(bom + "".join(json.dumps(r, ensure_ascii=False) + "\r\n" for r in rows).encode())
+    assert load_rows(tmp_path / "d.json") == rows
+    assert load_rows(tmp_path / "d.jsonl") == rows
+    (tmp_path / "bad.jsonl").write_bytes(bom + b'{"instruction": "a", "output": "b"}\r\n\r\n{"instruction": "\xe2\x80\xa8"}\r\n'
+                                         b'{"instruction": \r\n')
+    with pytest.raises(SFTDataError, match=r"bad\.jsonl line 4: not valid JSON"):  # 1-based, blank lines counted
+        load_rows(tmp_path / "bad.jsonl")
+
+
+def test_hub_and_local_folder_rows_lose_the_bom(tmp_path, monkeypatch):
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    for kind, data in (("csv", b"instruction,output\r\nSay hi.,Hi!\r\n"),
+                       ("jsonl", b'{"instruction": "Say hi.", "output": "Hi!"}\r\n')):
+        folder = tmp_path / kind
+        folder.mkdir()
+        (folder / f"train.{kind}").write_bytes(b"\xef\xbb\xbf" + data)
+        assert load_hub_rows(str(folder)) == [{"instruction": "Say hi.", "output": "Hi!"}]

@@ -131,6 +131,8 @@ class DataConfig:
     packing: bool = False  # Nemotron-H: keep false (Mamba state would flow across packed documents)
     num_workers: int = 1
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    max_dropped_fraction: float = 0.1  # refuse when more of a file's rows are dropped (cut before the answer, empty answer)
+    split_turns: bool = False  # one example per assistant turn (templates that rewrite earlier turns: Qwen3)
     image_min_pixels: int | None = None  # vision-language models: resize bounds (pixels per image; None: the
     image_max_pixels: int | None = None  # image processor's own), i.e. the number of image tokens
 
@@ -184,7 +186,7 @@ class Config:
 
 
 MAY_CHANGE = ("output_dir", "run_name", "mlflow", "model.lazy_load", "train.stop_at_step", "train.log_every", "train.eval_every",
-              "data.num_workers", "checkpoint.*")
+              "data.num_workers", "data.max_dropped_fraction", "checkpoint.*")
 
 
 def check_config(cfg: Config, config_dir: Path) -> None:
@@ -198,7 +200,7 @@ def check_config(cfg: Config, config_dir: Path) -> None:
                                 "checkpoint.keep_last": 0, "checkpoint.every_steps": -1},
                  one_of={"parallel.param_dtype": sorted(DTYPES), "parallel.reduce_dtype": sorted(DTYPES),
                          "optim.scheduler": [t.value for t in SchedulerType]},
-                 within={"lora.dropout": "[0, 1)", "data.eval_fraction": "[0, 1)"},
+                 within={"lora.dropout": "[0, 1)", "data.eval_fraction": "[0, 1)", "data.max_dropped_fraction": "[0, 1]"},
                  notes={"checkpoint.every_steps": "-1: never", "data.eval_fraction": "0: no evaluation"})
     if not cfg.lora.target_modules and not cfg.lora.target_parameters:
         raise ConfigError("lora.target_modules and lora.target_parameters are both empty: nothing would train")
@@ -1048,7 +1050,8 @@ def preflight(cfg: Config, config_path: str) -> None:
         if n_rows < per_step:
             raise ConfigError(f"{n_rows} training rows are too few for one step of {cfg.train.micro_batch_size} x "
                               f"{cfg.train.grad_accum_steps} x {world_size} rows")
-        print(f"config OK: {config_path} ({len(train)} train / {len(evals)} eval examples; {stats.summary()})")
+        print(f"data: {stats.summary()}")
+        print(f"config OK: {config_path} ({len(train)} train / {len(evals)} eval examples)")
     else:
         print(f"config OK: {config_path} (data from {cfg.data.hub_id})")
 

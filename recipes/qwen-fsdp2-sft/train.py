@@ -107,6 +107,8 @@ class DataConfig:
     packing: bool = True
     num_workers: int = 1
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. {enable_thinking: false} for Qwen3
+    max_dropped_fraction: float = 0.1  # refuse when more of a file's rows are dropped (cut before the answer, empty answer)
+    split_turns: bool = False  # one example per assistant turn (templates that rewrite earlier turns: Qwen3)
 
 
 @dataclass
@@ -159,7 +161,7 @@ class Config:
 
 # Settings that may differ between a checkpoint and the run that resumes it; any other change is refused.
 MAY_CHANGE = ("output_dir", "run_name", "mlflow", "train.stop_at_step", "train.log_every", "train.eval_every", "train.profile_step",
-              "data.num_workers", "checkpoint.*")
+              "data.num_workers", "data.max_dropped_fraction", "checkpoint.*")
 
 
 def check_config(cfg: Config, config_dir: Path) -> None:
@@ -175,7 +177,7 @@ def check_config(cfg: Config, config_dir: Path) -> None:
                          "checkpoint.export_dtype": sorted(DTYPES),
                          "train.activation_checkpointing": ("none", "selective", "full"),
                          "optim.scheduler": [t.value for t in SchedulerType]},
-                 within={"data.eval_fraction": "[0, 1)"},
+                 within={"data.eval_fraction": "[0, 1)", "data.max_dropped_fraction": "[0, 1]"},
                  notes={"checkpoint.every_steps": "-1: never", "data.eval_fraction": "0: no evaluation"})
     if cfg.data.eval_files and not cfg.data.train_files:
         raise ConfigError("data.eval_files is set but data.train_files is empty")
@@ -376,7 +378,8 @@ def main(argv: list[str]) -> None:
                 raise ConfigError(f"{n_rows} training rows (after holding out {len(evals)} examples for evaluation) are too "
                                   f"few for one step of {cfg.train.micro_batch_size} x {cfg.train.grad_accum_steps} x "
                                   f"{world_size} rows")
-            print(f"config OK: {args.config} ({len(train)} train / {len(evals)} eval examples; {stats.summary()})")
+            print(f"data: {stats.summary()}")
+            print(f"config OK: {args.config} ({len(train)} train / {len(evals)} eval examples)")
         else:
             print(f"config OK: {args.config} (data from {cfg.data.hub_id})")
         return

@@ -70,6 +70,8 @@ class DataConfig:
     packing: bool = True
     num_workers: int = 1
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    max_dropped_fraction: float = 0.1  # refuse when more of a file's rows are dropped (cut before the answer, empty answer)
+    split_turns: bool = False  # one example per assistant turn (templates that rewrite earlier turns: Qwen3)
 
 
 @dataclass
@@ -116,7 +118,7 @@ class Config:
 
 
 MAY_CHANGE = ("output_dir", "run_name", "mlflow", "ray.*", "train.stop_at_step", "train.log_every", "data.num_workers",
-              "checkpoint.*")
+              "data.max_dropped_fraction", "checkpoint.*")
 
 
 def check_config(cfg: Config, config_dir: Path) -> None:
@@ -128,34 +130,21 @@ def check_config(cfg: Config, config_dir: Path) -> None:
     check_fields(cfg, at_least={"train.micro_batch_size": 1, "train.grad_accum_steps": 1, "train.log_every": 1,
                                 "data.max_length": 1},
                  one_of={"train.mixed_precision": ("bf16", "fp32"), "optim.scheduler": [t.value for t in SchedulerType]},
-                 within={"data.eval_fraction": "[0, 1)"}, notes={"data.eval_fraction": "0: no evaluation"})
+                 within={"data.eval_fraction": "[0, 1)", "data.max_dropped_fraction": "[0, 1]"},
+                 notes={"data.eval_fraction": "0: no evaluation"})
     if cfg.train.max_steps <= 0 and cfg.train.epochs <= 0:
         raise ConfigError("set train.max_steps > 0 or train.epochs > 0")
 
 
 # ----------------------------------------------------------------------------- data
-def load_rows(cfg: DataConfig, tokenizer, seed: int) -> tuple[list[dict], list[dict], list[str]]:
-    """Train and eval rows (packed to ``max_length`` when ``packing``), and one summary line per source.
-    A seeded ``eval_fraction`` of each source is held out."""
-    sources = [(f, sft_data.load_rows(f)) for f in cfg.train_files]
-    if not sources:
-        import datasets
-
-        sources = [(cfg.hub_id, [dict(r) for r in datasets.load_dataset(cfg.hub_id, split="train")])]
-    train, evals, notes = [], [], []
-    for source, rows in sources:
-        examples, stats = sft_data.prepare(rows, tokenizer, cfg.max_length, source, dict(cfg.chat_template_kwargs) or None)
-        if cfg.eval_fraction > 0:
-            order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
-            n_eval = max(1, int(len(examples) * cfg.eval_fraction))
-            evals += [examples[i] for i in sorted(order[:n_eval])]
-            examples = [examples[i] for i in sorted(order[n_eval:])]
-        train += examples
-        notes.append(f"{Path(source).name}: {stats.summary()}")
+def load_rows(cfg: DataConfig, tokenizer, seed: int) -> tuple[list[dict], list[dict], sft_data.SFTStats]:
+    """Train and eval rows (packed to ``max_length`` when ``packing``), and the statistics of every source
+    (`sft_data.load_examples`: a seeded ``eval_fraction`` of each source is held out)."""
+    train, evals, stats = sft_data.load_examples(cfg, tokenizer, seed)
     pad_id = pad_token_id(tokenizer)
     if cfg.packing:
         train, evals = sft_data.pack(train, cfg.max_length, pad_id), sft_data.pack(evals, cfg.max_length, pad_id)
-    return train, evals, notes
+    return train, evals, stats
 
 
 def pad_token_id(tokenizer) -> int:
@@ -230,7 +219,7 @@ def train_loop(config: dict) -> None:
     # ---- set-up
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
     pad_id = pad_token_id(tokenizer)
-    train_rows, eval_rows, notes = load_rows(cfg.data, tokenizer, cfg.train.seed)
+    train_rows, eval_rows, stats = load_rows(cfg.data, tokenizer, cfg.train.seed)
     loader = ray.train.torch.prepare_data_loader(DataLoader(
         train_rows, batch_size=cfg.train.micro_batch_size, shuffle=True, drop_last=True, collate_fn=partial(collate, pad_id=pad_id),
         num_workers=cfg.data.num_workers, pin_memory=info.device.type == "cuda"))
@@ -271,7 +260,7 @@ def train_loop(config: dict) -> None:
              f"non-embedding params | {len(train_rows)} train / {len(eval_rows)} eval rows of "
              f"{'packed ' if cfg.data.packing else ''}<= {cfg.data.max_length} tokens | global batch "
              f"{cfg.train.micro_batch_size * cfg.train.grad_accum_steps * info.world_size} rows | {max_steps} steps | "
-             f"{'bf16 autocast' if use_bf16 else 'fp32'} | starting at step {step} | data: {'; '.join(notes)}")
+             f"{'bf16 autocast' if use_bf16 else 'fp32'} | starting at step {step} | data: {stats.summary()}")
 
     # ---- train loop
     def batches():
@@ -372,11 +361,12 @@ def main(argv: list[str]) -> None:
                           f"{str(exc).splitlines()[0]}") from None
     sft_data.check_vocab(tokenizer, vocab_size)
     if cfg.data.train_files:
-        train, evals, notes = load_rows(cfg.data, tokenizer, cfg.train.seed)
+        train, evals, stats = load_rows(cfg.data, tokenizer, cfg.train.seed)
         per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * (planned[0] if planned else 1)
         if len(train) < per_step:
             raise ConfigError(f"{len(train)} training rows are too few for one step of {per_step} rows")
-        data_note = f"{len(train)} train / {len(evals)} eval rows; {'; '.join(notes)}"
+        data_note = f"{len(train)} train / {len(evals)} eval rows"
+        print(f"data: {stats.summary()}")
     else:
         data_note = f"data from {cfg.data.hub_id}"
     if args.check:

@@ -94,6 +94,7 @@ class DataConfig:
     fields: list[str] = field(default_factory=lambda: list(FIELDS))
     num_workers: int = 1
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # {enable_thinking: false} for Qwen3
+    max_dropped_fraction: float = 0.1  # refuse when more receipts are longer than max_length (they are dropped, not cut)
 
 
 @dataclass
@@ -154,7 +155,7 @@ class Config:
 
 # Settings that may differ between a checkpoint and the run that resumes it; any other change is refused.
 MAY_CHANGE = ("output_dir", "run_name", "mlflow", "train.stop_at_step", "train.log_every", "train.eval_every",
-              "data.num_workers", "eval.*", "checkpoint.*")
+              "data.num_workers", "data.max_dropped_fraction", "eval.*", "checkpoint.*")
 # DeepSpeed keys the trainer fills from this config when they are "auto"; a number must agree.
 DS_BATCH_KEYS = {"train_micro_batch_size_per_gpu": "train.micro_batch_size",
                  "gradient_accumulation_steps": "train.grad_accum_steps",
@@ -172,7 +173,8 @@ def check_config(cfg: Config, config_dir: Path) -> None:
                                 "data.max_length": 1, "eval.max_new_tokens": 1, "eval.batch_size": 1, "lora.r": 1,
                                 "checkpoint.keep_last": 0, "checkpoint.every_steps": 0},
                  one_of={"optim.scheduler": [t.value for t in SchedulerType]},
-                 within={"data.eval_fraction": "[0, 1)"}, notes={"data.eval_fraction": "0: no evaluation"})
+                 within={"data.eval_fraction": "[0, 1)", "data.max_dropped_fraction": "[0, 1]"},
+                 notes={"data.eval_fraction": "0: no evaluation"})
     if not cfg.data.fields or len(set(cfg.data.fields)) != len(cfg.data.fields):
         raise ConfigError(f"data.fields must be a non-empty list of distinct names, got {cfg.data.fields}")
     if not cfg.data.train_files and not cfg.data.hub_id:
@@ -303,47 +305,36 @@ class Receipts:
 def load_receipts(cfg: DataConfig, tokenizer, seed: int) -> Receipts:
     """Read, validate, tokenize and split the receipts.
 
-    Every row must fit in ``max_length`` tokens: a longer one would lose the end of its JSON, so it is
-    refused with its file, row, id and token count rather than truncated.
+    A row longer than ``max_length`` tokens would lose the end of its JSON, so it is dropped rather than
+    cut, and counted in ``stats`` (row and token count).
 
     Raises:
-        sft_data.SFTDataError: a bad file or row (see `receipt_messages`), a row longer than ``max_length``,
-            or a tokenizer without a chat template.
+        sft_data.SFTDataError: a bad file or row (see `receipt_messages`), more than ``max_dropped_fraction``
+            of a file's rows longer than ``max_length``, or a tokenizer without a chat template.
     """
     kwargs = dict(cfg.chat_template_kwargs) or None
-    if cfg.train_files:
-        sources = [(f, sft_data.load_rows(f)) for f in cfg.train_files]
-    else:
-        import datasets
-
-        sources = [(cfg.hub_id, [dict(r) for r in datasets.load_dataset(cfg.hub_id, split="train")])]
-    messages, wheres, examples, stats = [], [], [], sft_data.SFTStats()
+    sources = [(f, sft_data.load_rows(f)) for f in cfg.train_files] or [(cfg.hub_id, sft_data.load_hub_rows(cfg.hub_id))]
+    messages, examples, kept, parts = [], [], [], []
     for source, file_rows in sources:
-        file_messages = []
-        for n, row in enumerate(file_rows, 1):
-            wheres.append(f"{source} row {n}" + (f" (id {row['id']})" if "id" in row else ""))
-            file_messages.append(receipt_messages(row, wheres[-1], cfg.fields))
-        # no truncation here (and so no dropped rows): a row longer than max_length is refused below
-        file_examples, st = sft_data.prepare([{"messages": m} for m in file_messages], tokenizer, 10**9, source, kwargs)
-        assert len(file_examples) == len(file_messages)  # every receipt has a non-empty JSON answer: none skipped
+        file_messages = [receipt_messages(row, f"{source} row {n}" + (f" (id {row['id']})" if "id" in row else ""),
+                                          cfg.fields) for n, row in enumerate(file_rows, 1)]
+        # a receipt longer than max_length is dropped, not cut (a cut JSON teaches the model to stop mid-object)
+        file_examples, st = sft_data.prepare([{"messages": m} for m in file_messages], tokenizer, cfg.max_length, source,
+                                             kwargs, max_dropped_fraction=cfg.max_dropped_fraction, truncate=False)
+        assert not st.empty_answers  # every receipt has a non-empty JSON answer
+        kept += [len(messages) + n - 1 for n in st.example_rows]  # 0-based over all files
         messages += file_messages
         examples += file_examples
-        for key in ("rows", "examples", "tokens", "loss_tokens"):
-            setattr(stats, key, getattr(stats, key) + getattr(st, key))
-    for where, ex in zip(wheres, examples):
-        if len(ex["input_ids"]) > cfg.max_length:
-            raise sft_data.SFTDataError(f"{where}: prompt + JSON completion is {len(ex['input_ids'])} tokens, more than "
-                                        f"data.max_length={cfg.max_length}, so the JSON would be cut: raise "
-                                        f"data.max_length or remove the row")
+        parts.append(st)
     n_val = max(1, int(len(examples) * cfg.eval_fraction)) if cfg.eval_fraction > 0 else 0
     order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
     val_idx, train_idx = sorted(order[:n_val]), sorted(order[n_val:])
     # generation prompts: the user turn and the assistant header (add_generation_prompt)
-    val_prompts = [list(tokenizer.apply_chat_template(messages[i][:1], tokenize=True, add_generation_prompt=True,
+    val_prompts = [list(tokenizer.apply_chat_template(messages[kept[i]][:1], tokenize=True, add_generation_prompt=True,
                                                       return_dict=False, **(kwargs or {}))) for i in val_idx]
-    val_targets = [json.loads(messages[i][1]["content"]) for i in val_idx]
-    return Receipts([examples[i] for i in train_idx], [examples[i] for i in val_idx], train_idx, val_idx, val_prompts,
-                    val_targets, stats)
+    val_targets = [json.loads(messages[kept[i]][1]["content"]) for i in val_idx]
+    return Receipts([examples[i] for i in train_idx], [examples[i] for i in val_idx], [kept[i] for i in train_idx],
+                    [kept[i] for i in val_idx], val_prompts, val_targets, sft_data.SFTStats.merge(parts))
 
 
 def collate_packed(rows: list[dict]) -> dict[str, torch.Tensor]:
@@ -552,8 +543,8 @@ def main(argv: list[str]) -> None:
             raise ConfigError(f"{n_rows} training rows (after holding out {len(data.val)} receipts for validation) are "
                               f"too few for one step of {cfg.train.micro_batch_size} x {cfg.train.grad_accum_steps} x "
                               f"{world_size} rows")
-        print(f"config OK: {args.config} ({len(data.train)} train / {len(data.val)} validation receipts; "
-              f"{data.stats.summary()})")
+        print(f"data: {data.stats.summary()}")
+        print(f"config OK: {args.config} ({len(data.train)} train / {len(data.val)} validation receipts)")
         return
     train(cfg, on_cpu)
 

@@ -4,19 +4,22 @@ token ids with assistant-only labels -> packed or padded batches.
 Pipeline, as a recipe uses it::
 
     rows = load_rows("train.jsonl")                                   # JSON list or JSONL
-    examples, stats = prepare(rows, tokenizer, max_length=2048, source="train.jsonl")
+    examples, stats = prepare(rows, tokenizer, max_length=2048, source="train.jsonl",
+                              max_dropped_fraction=0.1)
     check_vocab(tokenizer, model.config.vocab_size)
     packed = pack(examples, seq_len=2048, pad_id=tokenizer.pad_token_id)   # or pad_batch(...)
 
-Accepted row formats (`to_messages`): chat ``{"messages": [{"role", "content"}]}``, Alpaca
-``{"instruction", "input", "output"}`` and ShareGPT ``{"conversations": [{"from", "value"}]}``.
+Accepted row formats (`to_conversation`): chat ``{"messages": [{"role", "content"}], "tools": [...]}``
+(OpenAI style: typed text parts, ``tool_calls``, ``tool`` results), Alpaca
+``{"instruction", "input", "output"}`` and ShareGPT ``{"conversations": [{"from", "value"}], "tools": ...}``
+(LLaMA-Factory style, with ``function_call`` / ``observation`` turns).
 
 Labels follow the Hugging Face convention: ``labels`` is aligned with ``input_ids`` (the model
 shifts them by one), and `IGNORE_INDEX` (-100) marks tokens without loss. Only the tokens an
-assistant turn adds to the rendered chat carry labels: its content and the end-of-turn token
-the template writes after it (``<|im_end|>`` for ChatML), not the ``<|im_start|>assistant\\n``
-header nor the newline after ``<|im_end|>``. Invalid input raises one `SFTDataError` that names
-the file, the row (1-based) and the field.
+assistant turn adds to the rendered chat carry labels: its content (and tool calls) and the
+end-of-turn token the template writes after it (``<|im_end|>`` for ChatML), not the
+``<|im_start|>assistant\\n`` header nor the newline after ``<|im_end|>``; tool results carry none.
+Invalid input raises one `SFTDataError` that names the file, the row (1-based) and the field.
 """
 
 from __future__ import annotations
@@ -29,8 +32,10 @@ from typing import Any, Sequence
 import torch
 
 IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index
-ROLES = ("system", "user", "assistant")
-_SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+ROLES = ("system", "user", "assistant")  # plain chat turns; "tool" (a tool's result) is accepted too
+_CHAT_ROLES = (*ROLES, "tool")
+_SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                   "function_call": "assistant", "observation": "tool", "tool": "tool"}
 
 
 class SFTDataError(ValueError):
@@ -40,11 +45,14 @@ class SFTDataError(ValueError):
 # ----------------------------------------------------------------------------- rows -> messages
 def load_rows(path: str | Path) -> list[dict]:
     """Read a data file: a JSON array of objects (first non-blank character ``[``), JSONL, or a
-    single row object. A UTF-8 byte-order mark is ignored.
+    single row object. A UTF-8 byte-order mark is ignored, and so are CRLF line ends.
+
+    JSONL lines are split at ``\\n`` only (not at the other line breaks `str.splitlines` knows,
+    such as U+2028, which JSON allows unescaped inside strings), so line numbers are an editor's.
 
     Raises:
-        SFTDataError: the file is missing, not UTF-8, not valid JSON (with the line for JSONL),
-            empty, or holds a row that is not an object.
+        SFTDataError: the file is missing, not UTF-8, not valid JSON (with the 1-based line for
+            JSONL), empty, or holds a row that is not an object.
     """
     p = Path(path)
     if not p.is_file():
@@ -69,7 +77,7 @@ def load_rows(path: str | Path) -> list[dict]:
             raise SFTDataError(f"{p}: not valid JSON: {exc}") from None
     else:
         rows = []
-        for line_no, line in enumerate(text.splitlines(), 1):
+        for line_no, line in enumerate(text.split("\n"), 1):
             if line.strip():
                 try:
                     rows.append(json.loads(line))
@@ -81,6 +89,15 @@ def load_rows(path: str | Path) -> list[dict]:
         if not isinstance(row, dict):
             raise SFTDataError(f"{p} row {n}: expected a JSON object, got {type(row).__name__}")
     return rows
+
+
+def load_hub_rows(name: str, split: str = "train") -> list[dict]:
+    """Rows of a Hugging Face data set (a hub id, or a local folder of JSON / JSONL / CSV / Parquet
+    files) through `datasets.load_dataset`, as plain dicts. `datasets` drops a UTF-8 byte-order
+    mark itself (its JSON and CSV readers; checked in datasets 5.2)."""
+    import datasets
+
+    return [dict(r) for r in datasets.load_dataset(name, split=split)]
 
 
 class EmptyAnswerError(SFTDataError):
@@ -95,26 +112,111 @@ def _text(value: Any, where: str, field: str, allow_empty: bool = True, answer: 
     return value
 
 
-def to_messages(row: dict, row_number: int, source: str) -> list[dict]:
-    """Convert one data row to chat messages ``[{"role": "system"|"user"|"assistant", "content": str}]``.
+def _content(value: Any, where: str, field: str) -> str:
+    """A message's content: a string, or a list of typed parts whose text parts are joined with
+    ``"\\n"`` (as vLLM's OpenAI server does); a non-text part is refused (this path is text-only)."""
+    if not isinstance(value, list):
+        return _text(value, where, field)
+    texts = []
+    for k, part in enumerate(value):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            texts.append(_text(part.get("text"), where, f"{field}[{k}].text"))
+        elif kind is None:
+            raise SFTDataError(f"{where}: {field}[{k}] must be an object with 'type' (e.g. {{\"type\": \"text\", "
+                               f"\"text\": ...}}), got {json.dumps(part)[:60]}")
+        else:
+            raise SFTDataError(f"{where}: {field}[{k}] is a part of type {kind!r}, but this data path trains on text only: "
+                               f"remove the part, or use a vision-language recipe for images")
+    return "\n".join(texts)
+
+
+def _tool_calls(value: Any, where: str, field: str) -> list[dict]:
+    """OpenAI-style tool calls, normalised to ``[{"type": "function", "function": {"name": str,
+    "arguments": dict}}]`` (plus ``id`` when given). ``arguments`` may be a JSON string (OpenAI's
+    API sends one); it is parsed, as chat templates expect a mapping (Qwen2.5's and Llama 3.1's
+    apply ``tojson`` to it, which would quote a string a second time)."""
+    calls = value if isinstance(value, list) else [value]
+    if not calls:
+        raise SFTDataError(f"{where}: field '{field}' is an empty list")
+    out = []
+    for k, call in enumerate(calls):
+        path = f"{field}[{k}]" if isinstance(value, list) else field
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"].strip():
+            raise SFTDataError(f"{where}: {path} must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                               f"\"arguments\": {{...}}}}}} (or {{\"name\", \"arguments\"}}), got {json.dumps(call)[:80]}")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError as exc:
+                raise SFTDataError(f"{where}: {path} arguments are not valid JSON: {exc}") from None
+        if not isinstance(args, dict):
+            raise SFTDataError(f"{where}: {path} arguments must be a JSON object, got {type(args).__name__}")
+        normal = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+        if isinstance(call, dict) and isinstance(call.get("id"), str):
+            normal["id"] = call["id"]
+        out.append(normal)
+    return out
+
+
+def _tools(value: Any, where: str) -> list[dict] | None:
+    """A row's ``tools``: a list (or a JSON string of a list, as LLaMA-Factory stores it) of JSON-schema
+    function definitions, normalised to ``{"type": "function", "function": {...}}``; None if empty."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise SFTDataError(f"{where}: field 'tools' is a string but not valid JSON: {exc}") from None
+    if not isinstance(value, list):
+        raise SFTDataError(f"{where}: field 'tools' must be a list of function definitions, got {type(value).__name__}")
+    tools = []
+    for k, tool in enumerate(value):
+        fn = tool.get("function", tool) if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"].strip():
+            raise SFTDataError(f"{where}: tools[{k}] must be a function definition with a 'name' ({{\"type\": \"function\", "
+                               f"\"function\": {{\"name\", \"description\", \"parameters\"}}}}), got {json.dumps(tool)[:80]}")
+        tools.append({"type": "function", "function": fn})
+    return tools or None
+
+
+def to_conversation(row: dict, row_number: int, source: str) -> tuple[list[dict], list[dict] | None]:
+    """Convert one data row to chat messages and the tools its prompt declares.
 
     Formats:
-        chat: ``{"messages": [{"role", "content"}, ...]}``; other message keys are dropped.
+        chat: ``{"messages": [{"role": "system"|"user"|"assistant"|"tool", "content"}, ...], "tools": [...]}``.
+            ``content`` is a string or a list of typed parts (``{"type": "text", "text": ...}``; text
+            parts are joined with ``"\\n"``, other parts are refused). An assistant message may carry
+            ``tool_calls`` (OpenAI: ``[{"type": "function", "function": {"name", "arguments"}}]``,
+            arguments a mapping or a JSON string) and then may have empty or null content; a ``tool``
+            message is a tool's result (``name`` and ``tool_call_id`` are kept). Other keys are dropped.
         Alpaca: ``{"instruction", "input" (optional, may be empty), "output"}`` -> one user turn
             (instruction, plus ``"\\n\\n" + input`` when input is not empty) and one assistant turn.
-        ShareGPT: ``{"conversations": [{"from": "system"|"human"|"gpt", "value"}, ...]}``
-            ("user" and "assistant" are accepted as ``from`` too).
+        ShareGPT / LLaMA-Factory: ``{"conversations": [{"from", "value"}, ...], "system": str, "tools": str | list}``,
+            ``from`` one of system, human, gpt (user and assistant too), ``function_call`` (an assistant
+            tool call; value the JSON ``{"name", "arguments"}`` or a list of them) and ``observation``
+            (a tool result). ``system`` (optional) becomes the first message.
+        ``tools`` (chat and ShareGPT, optional): a list of JSON-schema function definitions (or that
+            list as a JSON string), normalised to ``{"type": "function", "function": {...}}``.
 
     Args:
         row: one object of the data file.
         row_number: its 1-based position in the file, for messages.
         source: the file name (or data set name), for messages.
 
+    Returns:
+        ``(messages, tools)``: messages are ``{"role", "content": str}`` (+ ``tool_calls`` / ``name`` /
+        ``tool_call_id``); tools is None when the row declares none.
+
     Raises:
         SFTDataError: ``"<source> row <n>: ..."`` for an unknown format (listing the keys found
-            and expected), an unknown role, a non-string or empty field, an empty assistant
-            turn (`EmptyAnswerError`, which `prepare` skips and counts), or a conversation
-            without an assistant turn.
+            and expected), an unknown role, a non-string or empty field, a non-text content part,
+            a malformed tool call or tool definition, a tool result that follows no tool call, an
+            empty assistant turn (`EmptyAnswerError`, which `prepare` skips and counts), or a
+            conversation without an assistant turn.
     """
     where = f"{source} row {row_number}"
     if "messages" in row:
@@ -127,32 +229,59 @@ def to_messages(row: dict, row_number: int, source: str) -> list[dict]:
         if _text(extra, where, "input").strip():
             prompt = f"{prompt}\n\n{extra}"
         return [{"role": "user", "content": prompt},
-                {"role": "assistant", "content": _text(row["output"], where, "output", allow_empty=False, answer=True)}]
+                {"role": "assistant", "content": _text(row["output"], where, "output", allow_empty=False, answer=True)}], None
     else:
         raise SFTDataError(f"{where}: unknown format, found keys {sorted(row)}; expected 'messages' (chat), "
                            f"'conversations' (ShareGPT) or 'instruction' + 'output' (Alpaca)")
     if not isinstance(turns, list) or not turns:
         raise SFTDataError(f"{where}: field '{field}' must be a non-empty list of turns")
+    tools = _tools(row.get("tools"), where)
     messages = []
+    if field == "conversations" and row.get("system"):
+        messages.append({"role": "system", "content": _text(row["system"], where, "system")})
     for i, turn in enumerate(turns):
         path = f"{field}[{i}]"
-        if not isinstance(turn, dict) or role_key not in turn or text_key not in turn:
+        if not isinstance(turn, dict) or role_key not in turn or (text_key not in turn and "tool_calls" not in turn):
             raise SFTDataError(f"{where}: {path} must be an object with '{role_key}' and '{text_key}'")
         raw = turn[role_key]
-        role = None if not isinstance(raw, str) else role_map.get(raw) if role_map else raw if raw in ROLES else None
+        role = None if not isinstance(raw, str) else role_map.get(raw) if role_map else raw if raw in _CHAT_ROLES else None
         if role is None:
-            allowed = ", ".join(role_map or ROLES)
+            allowed = ", ".join(role_map or _CHAT_ROLES)
             raise SFTDataError(f"{where}: {path}.{role_key} is {raw!r}, expected one of {allowed}")
-        content = _text(turn[text_key], where, f"{path}.{text_key}", allow_empty=role != "assistant",
-                        answer=role == "assistant")
-        messages.append({"role": role, "content": content})
+        if raw == "function_call":  # LLaMA-Factory: the call as JSON text
+            try:
+                call = json.loads(_text(turn[text_key], where, f"{path}.{text_key}"))
+            except json.JSONDecodeError as exc:
+                raise SFTDataError(f"{where}: {path}.{text_key} (a function_call) is not valid JSON: {exc}") from None
+            messages.append({"role": "assistant", "content": "",
+                             "tool_calls": _tool_calls(call, where, f"{path}.{text_key}")})
+            continue
+        if role == "assistant" and turn.get("tool_calls"):
+            content = turn.get(text_key)
+            messages.append({"role": "assistant", "content": "" if content is None else _content(content, where, f"{path}.{text_key}"),
+                             "tool_calls": _tool_calls(turn["tool_calls"], where, f"{path}.tool_calls")})
+            continue
+        content = _content(turn.get(text_key), where, f"{path}.{text_key}")
+        if role == "assistant" and not content.strip():
+            raise EmptyAnswerError(f"{where}: field '{path}.{text_key}' is empty")
+        message = {"role": role, "content": content}
+        if role == "tool":
+            if not messages or not (messages[-1].get("tool_calls") or messages[-1]["role"] == "tool"):
+                raise SFTDataError(f"{where}: {path} is a tool result, but no assistant tool call comes before it")
+            message.update({k: turn[k] for k in ("name", "tool_call_id") if isinstance(turn.get(k), str)})
+        messages.append(message)
     if not any(m["role"] == "assistant" for m in messages):
         raise SFTDataError(f"{where}: the conversation has no assistant turn (roles: "
                            f"{', '.join(m['role'] for m in messages)}), so nothing would be trained")
     if messages[0]["role"] == "assistant":
         raise SFTDataError(f"{where}: {field}[0] is an assistant turn; a conversation must start with a "
                            f"system or user turn")
-    return messages
+    return messages, tools
+
+
+def to_messages(row: dict, row_number: int, source: str) -> list[dict]:
+    """The messages of `to_conversation` (without the row's tools); see there."""
+    return to_conversation(row, row_number, source)[0]
 
 
 # ----------------------------------------------------------------------------- messages -> tokens
@@ -164,9 +293,17 @@ def _require_chat_template(tokenizer) -> None:
                            f"tokenizer.chat_template or use a chat/instruct model's tokenizer ({exc})") from None
 
 
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, kwargs: dict | None) -> list[int]:
-    return list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt,
-                                              return_dict=False, **(kwargs or {})))
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, kwargs: dict | None,
+            tools: list[dict] | None = None, tokenize: bool = True) -> list[int] | str:
+    from jinja2.exceptions import TemplateError
+
+    try:
+        out = tokenizer.apply_chat_template(messages, tools=tools, tokenize=tokenize,
+                                            add_generation_prompt=add_generation_prompt, return_dict=False,
+                                            **(kwargs or {}))
+    except (TemplateError, TypeError) as exc:  # the template's raise_exception, or e.g. str + None in Jinja
+        raise SFTDataError(f"the chat template cannot render this conversation: {type(exc).__name__}: {exc}") from None
+    return list(out) if tokenize else out
 
 
 def _unstable(tokenizer, full: list[int], part: list[int], what: str) -> SFTDataError:
@@ -176,46 +313,54 @@ def _unstable(tokenizer, full: list[int], part: list[int], what: str) -> SFTData
         f"the chat template is not prefix-stable: {what} rendered differs from the whole "
         f"conversation at token {j} ({got!r} vs {want!r}), so assistant turns cannot be located by rendering "
         f"prefixes. Templates that rewrite earlier turns do this (Qwen3's adds a <think> block to the assistant "
-        f"turn after the last user turn only); use single-turn rows or set a prefix-stable tokenizer.chat_template")
+        f"turn after the last user turn only); use single-turn rows, set data.split_turns=true (one example "
+        f"per assistant turn, each as the model sees it when it writes that turn), or set a prefix-stable "
+        f"tokenizer.chat_template")
 
 
-def tokenize_conversation(tokenizer, messages: list[dict], max_length: int,
-                          chat_template_kwargs: dict | None = None) -> tuple[list[int], list[int], bool]:
-    """Render `messages` with the tokenizer's chat template; label only the assistant turns.
+def _check_tools_rendered(tokenizer, messages: list[dict], tools: list[dict] | None, kwargs: dict | None,
+                          turns: dict[int, str]) -> None:
+    """Refuse a template that silently drops the row's tools, its tool calls or tool results: each
+    tool name must appear in the rendered conversation, each call's name in its assistant turn's
+    labelled text (`turns`: message index -> that text), each non-empty tool result in the text, as
+    it is or JSON-quoted (Llama 3.1's template writes ``content | tojson``)."""
+    text = _render(tokenizer, messages, False, kwargs, tools, tokenize=False) if tools or any(
+        m["role"] == "tool" for m in messages) else ""
+    for tool in tools or ():
+        name = tool["function"]["name"]
+        if name not in text:
+            raise SFTDataError(f"the chat template does not render the row's tools: the tool {name!r} is missing from "
+                               f"the rendered conversation (a template that ignores tools=). Use a tokenizer whose "
+                               f"template renders tools (Qwen2.5's and Qwen3's do) or remove 'tools' from the rows")
+    for i, rendered in turns.items():
+        for call in messages[i].get("tool_calls", ()):
+            name = call["function"]["name"]
+            if name not in rendered:
+                raise SFTDataError(f"the chat template does not render tool calls: messages[{i}] calls {name!r} but "
+                                   f"its rendered turn is {rendered[:80]!r} (a template that ignores tool_calls). Use "
+                                   f"a tokenizer whose template renders tool calls (Qwen2.5's and Qwen3's do)")
+    for i, m in enumerate(messages):
+        result = m["content"].strip() if m["role"] == "tool" else ""
+        if result and not any(form in text for form in (result, json.dumps(result, ensure_ascii=False)[1:-1],
+                                                         json.dumps(result)[1:-1])):
+            raise SFTDataError(f"the chat template does not render tool results: messages[{i}] (role tool) is missing "
+                               f"from the rendered conversation")
 
-    Incremental-prefix method: for assistant message ``i``, the tokens it adds are those between
-    the rendering of ``messages[:i]`` with ``add_generation_prompt=True`` (which ends in the
-    assistant header) and the rendering of ``messages[:i+1]``. Both renderings must be prefixes
-    of the rendering of the whole conversation, which is what is trained on. Whitespace-only
-    tokens after the turn's last special token (the ``"\\n"`` after ``<|im_end|>``) get no label.
 
-    Args:
-        tokenizer: a Hugging Face tokenizer with a chat template.
-        messages: from `to_messages`; the first is not an assistant turn.
-        max_length: tokens kept (the rest is cut off the end).
-        chat_template_kwargs: extra template variables, e.g. ``{"enable_thinking": False}`` for
-            Qwen3, whose generation prompt then ends in an empty ``<think>`` block (not labelled).
-
-    Returns:
-        ``(input_ids, labels, truncated)``: two lists of equal length <= max_length, labels
-        `IGNORE_INDEX` outside assistant turns; ``truncated`` if tokens were cut.
-
-    Raises:
-        SFTDataError: the tokenizer has no chat template; the template is not prefix-stable.
-    """
-    if max_length < 1:
-        raise ValueError(f"max_length must be >= 1, got {max_length}")
-    _require_chat_template(tokenizer)
+def _encode(tokenizer, messages: list[dict], kwargs: dict | None, tools: list[dict] | None,
+            last_turn_only: bool) -> tuple[list[int], list[int]]:
+    """Untruncated ``(input_ids, labels)`` of `tokenize_conversation`; with `last_turn_only`, only the
+    last assistant turn is labelled (and only its prefixes need to be stable)."""
     special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
-    full = _render(tokenizer, messages, False, chat_template_kwargs)
+    full = _render(tokenizer, messages, False, kwargs, tools)
     labels = [IGNORE_INDEX] * len(full)
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
+    assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    turns = {}
+    for i in assistant[-1:] if last_turn_only else assistant:
         if i == 0:
             raise SFTDataError("messages[0] is an assistant turn; a conversation must start with a system or user turn")
-        before = _render(tokenizer, messages[:i], True, chat_template_kwargs)
-        through = _render(tokenizer, messages[: i + 1], False, chat_template_kwargs)
+        before = _render(tokenizer, messages[:i], True, kwargs, tools)
+        through = _render(tokenizer, messages[: i + 1], False, kwargs, tools)
         for part, what in ((before, f"messages[:{i}] + generation prompt"), (through, f"messages[:{i + 1}]")):
             if full[: len(part)] != part:
                 raise _unstable(tokenizer, full, part, what)
@@ -226,6 +371,44 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_length: int,
         if end > start and full[end - 1] in special:
             stop = end  # trailing whitespace after the end-of-turn token
         labels[start:stop] = full[start:stop]
+        if messages[i].get("tool_calls"):
+            turns[i] = tokenizer.decode(full[start:stop])
+    _check_tools_rendered(tokenizer, messages, tools, kwargs, turns)
+    return full, labels
+
+
+def tokenize_conversation(tokenizer, messages: list[dict], max_length: int,
+                          chat_template_kwargs: dict | None = None,
+                          tools: list[dict] | None = None) -> tuple[list[int], list[int], bool]:
+    """Render `messages` with the tokenizer's chat template; label only the assistant turns.
+
+    Incremental-prefix method: for assistant message ``i``, the tokens it adds are those between
+    the rendering of ``messages[:i]`` with ``add_generation_prompt=True`` (which ends in the
+    assistant header) and the rendering of ``messages[:i+1]``. Both renderings must be prefixes
+    of the rendering of the whole conversation, which is what is trained on. Whitespace-only
+    tokens after the turn's last special token (the ``"\\n"`` after ``<|im_end|>``) get no label.
+    Assistant turns that call tools are labelled like any other; tool results are not.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer with a chat template.
+        messages: from `to_conversation`; the first is not an assistant turn.
+        max_length: tokens kept (the rest is cut off the end).
+        chat_template_kwargs: extra template variables, e.g. ``{"enable_thinking": False}`` for
+            Qwen3, whose generation prompt then ends in an empty ``<think>`` block (not labelled).
+        tools: function definitions passed to the template as ``tools=`` (from `to_conversation`).
+
+    Returns:
+        ``(input_ids, labels, truncated)``: two lists of equal length <= max_length, labels
+        `IGNORE_INDEX` outside assistant turns; ``truncated`` if tokens were cut.
+
+    Raises:
+        SFTDataError: the tokenizer has no chat template; the template fails on the conversation,
+            is not prefix-stable, or drops its tools, tool calls or tool results.
+    """
+    if max_length < 1:
+        raise ValueError(f"max_length must be >= 1, got {max_length}")
+    _require_chat_template(tokenizer)
+    full, labels = _encode(tokenizer, messages, chat_template_kwargs, tools, last_turn_only=False)
     return full[:max_length], labels[:max_length], len(full) > max_length
 
 
@@ -240,70 +423,159 @@ def check_vocab(tokenizer, vocab_size: int) -> None:
                            f"ids >= {vocab_size} have no embedding; use the model's own tokenizer")
 
 
+def _rows_list(numbers: Sequence[int], shown: int = 5) -> str:
+    return ", ".join(map(str, numbers[:shown])) + (", ..." if len(numbers) > shown else "")
+
+
 @dataclass
 class SFTStats:
-    """What `prepare` did to a data set. Token counts are after truncation, of kept examples."""
+    """What `prepare` did to a data set (one source, or several merged with `merge`). An example is
+    a row, or with ``split_turns`` one assistant turn of a row. Token counts are after truncation,
+    of kept examples."""
 
+    source: str = ""
+    max_length: int = 0
+    truncate: bool = True  # False: examples longer than max_length were dropped, not cut
     rows: int = 0  # rows read
     examples: int = 0  # examples kept
-    truncated: int = 0  # rows cut to max_length
-    dropped: int = 0  # rows with no labelled token left after truncation (not kept)
+    truncated: int = 0  # kept examples cut to max_length
+    dropped: int = 0  # examples cut before their first labelled token (not kept)
+    dropped_rows: list[tuple[int, int]] = field(default_factory=list)  # (1-based row, tokens before the cut) of those
     empty_answers: list[int] = field(default_factory=list)  # 1-based numbers of rows skipped for an empty answer
+    example_rows: list[int] = field(default_factory=list)  # the 1-based row of each kept example, in order
+    split_rows: int = 0  # rows with several assistant turns split into one example per turn
     tokens: int = 0
     loss_tokens: int = 0  # tokens with a label
+    parts: list[SFTStats] = field(default_factory=list)  # per-source stats of a merge
 
     @property
     def loss_fraction(self) -> float:
         """Fraction (0-1) of tokens that carry a label."""
         return self.loss_tokens / self.tokens if self.tokens else 0.0
 
-    def as_dict(self) -> dict[str, float]:
-        return {**asdict(self), "loss_fraction": self.loss_fraction}
+    @property
+    def dropped_fraction(self) -> float:
+        """Fraction (0-1) of examples not kept: cut before their answer, or with an empty answer."""
+        lost = self.dropped + len(self.empty_answers)
+        return lost / (self.examples + lost) if self.examples + lost else 0.0
+
+    def longest_dropped(self, n: int = 5) -> str:
+        """``"row 12 (812 tokens), row 7 (640 tokens)"``: the `n` rows with the longest dropped examples."""
+        longest: dict[int, int] = {}
+        for row, tokens in self.dropped_rows:
+            longest[row] = max(tokens, longest.get(row, 0))
+        worst = sorted(longest.items(), key=lambda rt: (-rt[1], rt[0]))[:n]
+        return ", ".join(f"row {r} ({t} tokens)" for r, t in worst)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in asdict(self).items() if k not in ("parts", "example_rows")}
+        return {**out, "loss_fraction": self.loss_fraction, "dropped_fraction": self.dropped_fraction}
+
+    @classmethod
+    def merge(cls, parts: Sequence[SFTStats]) -> SFTStats:
+        """Totals over several sources; `summary` then reports each source."""
+        total = cls(source=" + ".join(p.source for p in parts), max_length=max((p.max_length for p in parts), default=0),
+                    truncate=all(p.truncate for p in parts), parts=list(parts))
+        for key in ("rows", "examples", "truncated", "dropped", "split_rows", "tokens", "loss_tokens"):
+            setattr(total, key, sum(getattr(p, key) for p in parts))
+        return total
+
+    def _drop_reason(self, limit: str) -> str:
+        return f"cut by {limit} before any assistant token" if self.truncate else f"longer than {limit}, dropped rather than cut"
+
+    def _counts(self) -> str:
+        split = f" ({self.split_rows} split into one example per assistant turn)" if self.split_rows else ""
+        cut = f" ({self.truncated} truncated to max_length={self.max_length})" if self.truncate else ""
+        text = (f"{Path(self.source).name or 'data'}: {self.rows} rows read{split}, {self.examples} examples kept{cut}, "
+                f"{self.dropped} dropped")
+        if self.dropped:
+            limit = "max_length" if self.truncate else f"max_length={self.max_length}"
+            text += f" ({self._drop_reason(limit)}: {self.longest_dropped(3)})"
+        if self.empty_answers:
+            text += f", {len(self.empty_answers)} skipped with an empty answer (rows {_rows_list(self.empty_answers)})"
+        return text
 
     def summary(self) -> str:
-        empty = ""
+        """One line: per source, rows read, examples kept, truncated, dropped (and why, naming the
+        longest rows); then tokens and the share with loss."""
+        counts = "; ".join(p._counts() for p in self.parts) if self.parts else self._counts()
+        return f"{counts} | {self.tokens:,} tokens, {self.loss_fraction:.1%} with loss"
+
+    def check_dropped(self, max_dropped_fraction: float) -> None:
+        """Raise `SFTDataError` if more than `max_dropped_fraction` (0-1) of the examples were not kept,
+        naming the longest dropped rows and what to change."""
+        if self.dropped_fraction <= max_dropped_fraction:
+            return
+        lost = self.dropped + len(self.empty_answers)
+        unit = "examples (one per assistant turn)" if self.split_rows else "rows"
+        why = []
+        if self.dropped:
+            longest = max(t for _, t in self.dropped_rows)
+            why.append(f"{self.dropped} {self._drop_reason(f'data.max_length={self.max_length}')}, longest "
+                       f"{self.longest_dropped()}: raise data.max_length (to {longest} to keep them all)")
         if self.empty_answers:
-            shown = ", ".join(map(str, self.empty_answers[:5])) + (", ..." if len(self.empty_answers) > 5 else "")
-            empty = f", {len(self.empty_answers)} skipped with an empty answer (rows {shown})"
-        return (f"{self.rows} rows -> {self.examples} examples ({self.truncated} truncated, {self.dropped} dropped "
-                f"without labels{empty}) | {self.tokens} tokens, {self.loss_fraction:.1%} with loss")
+            why.append(f"{len(self.empty_answers)} with an empty answer (rows {_rows_list(self.empty_answers)}): check "
+                       f"the answer field")
+        raise SFTDataError(f"{self.source}: {lost} of {self.examples + lost} {unit} dropped ({self.dropped_fraction:.0%}, "
+                           f"more than data.max_dropped_fraction={max_dropped_fraction:g}): {'; '.join(why)}; or raise "
+                           f"data.max_dropped_fraction")
 
 
 def prepare(rows: Sequence[dict], tokenizer, max_length: int, source: str,
-            chat_template_kwargs: dict | None = None) -> tuple[list[dict], SFTStats]:
-    """`to_messages` + `tokenize_conversation` (see there for the arguments) over a data set.
+            chat_template_kwargs: dict | None = None, *, max_dropped_fraction: float | None = None,
+            split_turns: bool = False, truncate: bool = True) -> tuple[list[dict], SFTStats]:
+    """`to_conversation` + `tokenize_conversation` (see there for the arguments) over a data set.
+
+    Args:
+        max_dropped_fraction: refuse (`SFTStats.check_dropped`) when more than this share (0-1) of
+            the examples is not kept; None: no limit.
+        split_turns: a row with several assistant turns becomes one example per assistant turn,
+            each the conversation up to that turn with only that turn labelled: what the model saw
+            when it wrote the turn, for templates that rewrite earlier turns (Qwen3). Costs about
+            ``turns / 2`` times the tokens of the whole conversation.
+        truncate: False: an example longer than `max_length` is dropped (counted as cut before its
+            answer) instead of cut, for answers that are useless when cut (a JSON object).
 
     Returns:
         ``(examples, stats)``: examples are ``{"input_ids": list[int], "labels": list[int]}``, in
-        row order, without the rows that truncation left with no labelled token (counted in
-        ``stats.dropped``: they cost compute and, alone in a batch, make a mean loss 0/0) and
-        without rows whose answer is empty (their numbers in ``stats.empty_answers``).
+        row order, without the ones that truncation left with no labelled token (counted in
+        ``stats.dropped`` with their row and length: they cost compute and, alone in a batch, make
+        a mean loss 0/0) and without rows whose answer is empty (their numbers in
+        ``stats.empty_answers``).
 
     Raises:
-        SFTDataError: the tokenizer has no chat template (once, before any row); a row is
-            invalid or its rendering not prefix-stable (``"<source> row <n>: ..."``).
+        SFTDataError: the tokenizer has no chat template (once, before any row); a row is invalid
+            or its rendering not prefix-stable (``"<source> row <n>: ..."``); too many examples
+            dropped (see `max_dropped_fraction`).
     """
     _require_chat_template(tokenizer)
-    stats, examples = SFTStats(rows=len(rows)), []
+    stats, examples = SFTStats(source=source, max_length=max_length, truncate=truncate, rows=len(rows)), []
     for n, row in enumerate(rows, 1):
         try:
-            messages = to_messages(row, n, source)
+            messages, tools = to_conversation(row, n, source)
         except EmptyAnswerError:  # e.g. a few rows of tatsu-lab/alpaca: nothing to learn from them
             stats.empty_answers.append(n)
             continue
-        try:
-            ids, labels, truncated = tokenize_conversation(tokenizer, messages, max_length, chat_template_kwargs)
-        except SFTDataError as exc:
-            raise SFTDataError(f"{source} row {n}: {exc}") from None
-        stats.truncated += truncated
-        n_loss = sum(label != IGNORE_INDEX for label in labels)
-        if n_loss == 0:
-            stats.dropped += 1
-            continue
-        examples.append({"input_ids": ids, "labels": labels})
-        stats.examples += 1
-        stats.tokens += len(ids)
-        stats.loss_tokens += n_loss
+        ends = [i + 1 for i, m in enumerate(messages) if m["role"] == "assistant"] if split_turns else [len(messages)]
+        stats.split_rows += len(ends) > 1
+        for end in ends:
+            try:
+                ids, labels = _encode(tokenizer, messages[:end], chat_template_kwargs, tools, last_turn_only=split_turns)
+            except SFTDataError as exc:
+                raise SFTDataError(f"{source} row {n}: {exc}") from None
+            n_loss = sum(label != IGNORE_INDEX for label in labels[:max_length])
+            if n_loss == 0 or (len(ids) > max_length and not truncate):
+                stats.dropped += 1
+                stats.dropped_rows.append((n, len(ids)))
+                continue
+            stats.truncated += len(ids) > max_length
+            examples.append({"input_ids": ids[:max_length], "labels": labels[:max_length]})
+            stats.example_rows.append(n)
+            stats.examples += 1
+            stats.tokens += min(len(ids), max_length)
+            stats.loss_tokens += n_loss
+    if max_dropped_fraction is not None:
+        stats.check_dropped(max_dropped_fraction)
     return examples, stats
 
 
@@ -392,31 +664,32 @@ def load_examples(cfg: Any, tokenizer, seed: int) -> tuple[list[dict], list[dict
 
     Args:
         cfg: any object with ``train_files`` (JSON / JSONL; empty: the ``hub_id`` data set's train split),
-            ``eval_files``, ``hub_id``, ``eval_fraction``, ``max_length`` and ``chat_template_kwargs``.
+            ``eval_files`` (optional), ``hub_id``, ``eval_fraction``, ``max_length``, ``chat_template_kwargs``,
+            ``max_dropped_fraction`` and ``split_turns`` (see `prepare`).
         tokenizer: a tokenizer with a chat template.
         seed: seeds the held-out split: without eval files, a seeded ``eval_fraction`` of each train
             file is held out for evaluation.
+
+    Raises:
+        SFTDataError: see `load_rows` and `prepare` (each file is checked against ``max_dropped_fraction``).
     """
     kwargs = dict(cfg.chat_template_kwargs) or None
-    sources = [(f, load_rows(f)) for f in cfg.train_files]
-    if not sources:
-        import datasets
-
-        sources = [(cfg.hub_id, [dict(r) for r in datasets.load_dataset(cfg.hub_id, split="train")])]
-    train, evals, stats = [], [], SFTStats()
+    options = dict(max_dropped_fraction=cfg.max_dropped_fraction, split_turns=cfg.split_turns)
+    eval_files = getattr(cfg, "eval_files", [])
+    sources = [(f, load_rows(f)) for f in cfg.train_files] or [(cfg.hub_id, load_hub_rows(cfg.hub_id))]
+    train, evals, parts = [], [], []
     for source, rows in sources:
-        examples, st = prepare(rows, tokenizer, cfg.max_length, source, kwargs)
-        if not cfg.eval_files and cfg.eval_fraction > 0:
+        examples, st = prepare(rows, tokenizer, cfg.max_length, source, kwargs, **options)
+        if not eval_files and cfg.eval_fraction > 0:
             order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
             n_eval = max(1, int(len(examples) * cfg.eval_fraction))
             evals += [examples[i] for i in sorted(order[:n_eval])]
             examples = [examples[i] for i in sorted(order[n_eval:])]
         train += examples
-        for key in ("rows", "examples", "truncated", "dropped", "tokens", "loss_tokens", "empty_answers"):
-            setattr(stats, key, getattr(stats, key) + getattr(st, key))
-    for f in cfg.eval_files:
-        evals += prepare(load_rows(f), tokenizer, cfg.max_length, f, kwargs)[0]
-    return train, evals, stats
+        parts.append(st)
+    for f in eval_files:
+        evals += prepare(load_rows(f), tokenizer, cfg.max_length, f, kwargs, **options)[0]
+    return train, evals, SFTStats.merge(parts)
 
 
 def shard_for_eval(rows: list[dict], rank: int, world_size: int) -> list[dict]:
