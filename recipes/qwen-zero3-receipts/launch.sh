@@ -24,7 +24,9 @@ fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one thread per process unless told otherwise
 # Validate config, DeepSpeed JSON, data and resume in one process before any worker starts.
 COOKBOOK_WORLD_SIZE=$((NGPU * NNODES)) python3 "$HERE/train.py" --config "$CONFIG_FILE" --check "$@"
-# --multi_gpu is accelerate's multi-process (torchrun) launcher; on a CPU machine the workers use gloo.
-exec accelerate launch --multi_gpu --num_processes $((NGPU * NNODES)) --num_machines "$NNODES" \
+# --multi_gpu is accelerate's multi-process (torchrun) launcher; on a CPU machine the workers use gloo. It refuses
+# one process, which accelerate then runs as a plain python process (train.py makes its 1-rank group itself).
+MULTI=$([ $((NGPU * NNODES)) -gt 1 ] && echo --multi_gpu || true)
+exec accelerate launch $MULTI --num_processes $((NGPU * NNODES)) --num_machines "$NNODES" \
   --machine_rank "$NODE_RANK" --main_process_ip "$MASTER_ADDR" --main_process_port "$MASTER_PORT" \
   --mixed_precision no --dynamo_backend no "$HERE/train.py" --config "$CONFIG_FILE" "$@"
