@@ -50,7 +50,7 @@ def ds_env(tmp_path_factory):
 
 
 def run(out, init, ds_env, *overrides):
-    """The recipe through launch.sh (--check, then accelerate launch with 2 workers)."""
+    """The recipe through launch.sh (--check, then torchrun with 2 workers)."""
     proc = launch("qwen-zero3-receipts", f"output_dir={out}", f"model.name_or_path={init}", "model.pretrained=true",
                   *overrides, env=ds_env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -65,6 +65,45 @@ def run_forked(recipe, out, init, *overrides):
 
     main_in_workers(recipe, f"output_dir={out}", f"model.name_or_path={init}", "model.pretrained=true", *overrides)
     return out
+
+
+def per_token_loss(model_dir, rows: list[dict]) -> tuple[float, int]:
+    """Single-process reference: transformers' own loss of each validation row alone (no padding), weighted by
+    its number of label tokens: (sum of token losses / number of label tokens, number of label tokens)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    loss_sum, tokens = 0.0, 0
+    for ex in rows:
+        labels = torch.tensor([ex["labels"]])
+        n = int((labels[:, 1:] != -100).sum())
+        with torch.no_grad():
+            loss_sum += float(model(input_ids=torch.tensor([ex["input_ids"]]), labels=labels).loss) * n
+        tokens += n
+    return loss_sum / tokens, tokens
+
+
+def tiny_config(*overrides):
+    """tiny.yaml with `overrides`, its paths resolved as the recipe resolves them."""
+    train = recipe_module()
+    cfg = train.load_config(train.Config, RECIPE / "tiny.yaml", list(overrides))
+    train.check_config(cfg, RECIPE)
+    return cfg
+
+
+def validation_rows(model_dir, *overrides) -> list[dict]:
+    """The validation rows of tiny.yaml (with `overrides`), tokenized as the recipe does."""
+    from transformers import AutoTokenizer
+
+    cfg = tiny_config(*overrides)
+    return recipe_module().load_receipts(cfg.data, AutoTokenizer.from_pretrained(model_dir), cfg.train.seed).val
+
+
+def one_receipt_file(tmp_path, index: int = 3):
+    """An eval file holding one of the tiny receipts, as a JSON list (the other format the recipe reads)."""
+    path = tmp_path / "one_receipt.json"
+    path.write_text("[" + (RECIPE / "tiny" / "data" / "receipts.jsonl").read_text().splitlines()[index] + "]\n")
+    return path
 
 
 @pytest.fixture(autouse=True)
@@ -126,9 +165,13 @@ def test_metrics_have_throughput_and_generation_eval(zero3):
     # 16 receipts per rank per step: samples/s x step time = 16
     assert train[-1]["samples_per_s_per_rank"] * train[-1]["step_time_s"] == pytest.approx(16, rel=1e-3)
     ev = [r for r in records if r["event"] == "eval"][-1]
-    assert ev["step"] == STEPS and ev["eval/samples"] == 8  # 20% of 40 receipts held out
+    assert ev["step"] == STEPS and ev["eval/samples"] == 8  # 20% of 40 receipts held out, each scored once
     for key in ("json_valid", "em_company", "em_date", "em_address", "em_total", "em_all"):
-        assert 0.0 <= ev[f"eval/{key}"] <= 1.0
+        hits = ev[f"eval/{key}"] * 8  # rates over the 8 receipts: whole counts
+        assert 0 <= hits <= 8 and hits == pytest.approx(round(hits), abs=1e-9), (key, ev)
+    assert ev["eval/unparsable"] + round(ev["eval/json_valid"] * 8) == 8
+    summary_line = [line for line in zero3[1].stderr.splitlines() if " done: " in line][-1]
+    assert "exact match on 8 receipts: company" in summary_line and f"unparsable {ev['eval/unparsable']:.0f}" in summary_line
     assert ev["eval/loss"] < train[0]["loss"]
     summary = [r for r in records if r["event"] == "summary"][-1]
     import mlflow
@@ -137,6 +180,35 @@ def test_metrics_have_throughput_and_generation_eval(zero3):
     logged = mlflow.get_run(summary["mlflow_run_id"]).data.metrics
     assert logged["eval_json_valid"] == ev["eval/json_valid"] and logged["eval_em_total"] == ev["eval/em_total"]
     assert "tokens_per_s_per_rank" in logged
+
+
+def test_eval_loss_is_the_per_token_loss_over_the_validation_rows(zero3):
+    """The final evaluation (2 ranks, 4 + 4 rows of unequal lengths) equals the single-process loss of the same
+    weights (the export) over the 8 validation rows: sum of token losses / number of label tokens."""
+    out = zero3[0]
+    ev = [r for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "eval"][-1]
+    loss, tokens = per_token_loss(out / "final", validation_rows(out / "final"))
+    assert ev["eval/loss"] == pytest.approx(loss, rel=1e-5, abs=0)
+    assert ev["eval/tokens"] == tokens
+
+
+def test_score_counts_exact_matches_per_field_and_unparsable_answers():
+    train = recipe_module()
+    targets = [{"company": "BOOK TA .K SDN BHD", "date": "25/12/2018", "address": "NO.53 JALAN", "total": "9.00"},
+               {"company": "AEON", "date": None, "address": "KL", "total": "1.00"},
+               {"company": "MR DIY", "date": "01/01/2019", "address": "JB", "total": "5.50"},
+               {"company": "X", "date": "1", "address": "Y", "total": "2"},
+               {"company": "Z", "date": "2", "address": "W", "total": "3"}]
+    texts = ['{"company": "BOOK  TA .K SDN BHD", "date": "25/12/2018", "address": " NO.53 JALAN", "total": "9.00"}',
+             '{"company": "AEON", "address": "KL", "total": "1.0"}',  # date missing = null (right); total wrong
+             '{"company": "MR DIY", "date": "01/01/2019", "address": "JB", "total": "5.50"',  # cut: unparsable
+             '["X", "1", "Y", "2"]',  # JSON, but not an object: unparsable
+             '{"company": null, "date": "2", "address": "W", "total": "3"}']
+    counts = train.score([train.parse_fields(t) for t in texts], targets, list(train.FIELDS))
+    assert counts == {"samples": 5.0, "json_valid": 3.0, "unparsable": 2.0, "em_company": 2.0, "em_date": 3.0,
+                      "em_address": 3.0, "em_total": 2.0, "em_all": 1.0}
+    with pytest.raises(ValueError, match="4 predictions for 5 targets"):
+        train.score([None] * 4, targets, list(train.FIELDS))
 
 
 def test_checkpoints_are_published_with_meta(zero3):
@@ -201,13 +273,22 @@ def test_loss_parity_with_the_fsdp2_recipe(zero2, init, tmp_path):
                                rtol=PARITY_RTOL, atol=0)
 
 
-@pytest.mark.parametrize("ds_config", ["zero3.json", "zero2.json"])
-def test_lora_loss_falls_and_merged_export_reloads(ds_config, init, tmp_path):
+@pytest.mark.parametrize("ds_config, eval_rows", [("zero3.json", 1), ("zero2.json", 9)])
+def test_lora_loss_falls_and_merged_export_reloads(ds_config, eval_rows, init, tmp_path):
+    """LoRA; the final evaluation equals the single-process loss over exactly the validation rows. ZeRO-3: an
+    eval file of one receipt, fewer rows than ranks (rank 1 runs filler forward passes only; all 40 receipts
+    train). ZeRO-2: 9 held-out receipts in batches of 8, so one rank has more rows than the other."""
+    data = ([f"data.eval_files=[{one_receipt_file(tmp_path)}]"] if eval_rows == 1 else
+            ["data.eval_fraction=0.225", "train.micro_batch_size=8"])
     out = run_forked("qwen-zero3-receipts", tmp_path / "lora", init, "lora.enabled=true", f"deepspeed.config={ds_config}",
-                     f"train.max_steps={STEPS}", "checkpoint.every_steps=0", "mlflow=false", "data.eval_fraction=0",
-                     "optim.lr=2e-2")
+                     f"train.max_steps={STEPS}", "checkpoint.every_steps=0", "mlflow=false", "eval.max_new_tokens=2",
+                     "optim.lr=2e-2", *data)
     losses = train_losses(out / "metrics.jsonl")
     assert losses[STEPS] < losses[1] - 0.3, losses  # LoRA on a random tiny model learns slowly
+    ev = [r for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "eval"][-1]
+    loss, tokens = per_token_loss(out / "final", validation_rows(init, *data))
+    assert ev["eval/loss"] == pytest.approx(loss, rel=1e-5, abs=0)
+    assert ev["eval/tokens"] == tokens and ev["eval/samples"] == eval_rows
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -271,6 +352,20 @@ def test_a_receipt_longer_than_max_length_is_dropped_and_counted(tmp_path, capsy
     assert split.val_targets == [{f: rows[i]["entities"].get(f) for f in cfg.data.fields} for i in split.val_index]
 
 
+def test_eval_files_are_the_validation_split(tmp_path, capsys):
+    """data.eval_files (relative to the config's folder, like train files) replace the held-out split: every
+    train receipt trains; a bad eval row is named by its file, row and id."""
+    from cookbook.sft_data import SFTDataError
+
+    check("data.eval_files=[tiny/data/receipts.jsonl]", f"output_dir={tmp_path / 'out'}")
+    assert "(40 train / 40 validation receipts)" in capsys.readouterr().out
+    check(f"data.eval_files=[{one_receipt_file(tmp_path)}]", f"output_dir={tmp_path / 'out'}")
+    assert "(40 train / 1 validation receipts)" in capsys.readouterr().out
+    bad = _receipts(tmp_path, lambda rows: rows[6].update(ocr_boxes=[]))
+    with pytest.raises(SFTDataError, match=re.escape(f"{bad} row 7 (id X00016469672): field 'ocr_boxes' is empty")):
+        check(f"data.eval_files=[{bad}]", f"output_dir={tmp_path / 'out'}")
+
+
 def test_deepspeed_batch_size_disagreeing_with_the_trainer(tmp_path):
     from cookbook.config import ConfigError
 
@@ -288,15 +383,78 @@ def test_bad_input_stops_launch_before_workers(tmp_path):
     assert "torch/distributed/run.py" not in proc.stderr and "accelerate" not in proc.stderr
 
 
-def test_resume_on_another_world_size_is_refused(zero3, tmp_path):
-    from cookbook.checkpoint import CheckpointError
+def test_one_process_launch(init, ds_env, tmp_path):
+    """NGPU=1: launch.sh starts one worker (`accelerate launch --multi_gpu` refused one process); it trains and
+    evaluates all 8 validation rows itself."""
+    out = tmp_path / "one"
+    proc = launch("qwen-zero3-receipts", f"output_dir={out}", f"model.name_or_path={init}", "model.pretrained=true",
+                  "train.max_steps=1", "checkpoint.every_steps=0", "checkpoint.export_hf=false", "mlflow=false",
+                  "eval.max_new_tokens=4", ngpu=1, env=ds_env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "world size 1 (gloo)" in proc.stderr
+    records = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in records if r["event"] == "train"] == [1]
+    ev = [r for r in records if r["event"] == "eval"][-1]
+    assert ev["eval/samples"] == 8 and ev["eval/tokens"] == sum(
+        sum(label != -100 for label in row["labels"][1:]) for row in validation_rows(init))
 
+
+def _copy_run(zero3, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(zero3[0] / "checkpoints", out / "checkpoints")
+    shutil.copytree(zero3[0] / "final", out / "final")
+    return out
+
+
+def _follow(message: str, out, world_size: int, *overrides) -> int:
+    """Take each way out that a refusal offers (the text after its last ": "), one at a time, on a copy of the
+    run `out`; each must be accepted (`check_resume` passes and nothing is reported complete). Returns the
+    number of remedies taken."""
     train = recipe_module()
-    cfg = train.load_config(train.Config, RECIPE / "tiny.yaml", [f"output_dir={out}", *COMMON])
-    with pytest.raises(CheckpointError, match="written by 2 ranks but this job has 4"):
-        train.check_resume(cfg, 4)
+    advice = message.rsplit(": ", 1)[-1]
+    remedies = [(out, [o], world_size) for o in re.findall(r"\b(checkpoint\.resume=[^\s,;)]+)", advice)]
+    resumes = [int(n) for n in re.findall(r"NGPU x NNODES = (\d+)", advice)]  # resume as it was written
+    for n in resumes:
+        cfg = tiny_config(*COMMON, *overrides, f"output_dir={out}")
+        assert train.check_resume(cfg, n) == out / "checkpoints" / f"checkpoint-{STEPS}"
+    if "new output_dir" in advice:
+        remedies.append((None, [], world_size))
+    if f"delete {out / 'checkpoints'}" in advice:
+        remedies.append(("delete", [], world_size))
+    for i, (source, extra, ranks) in enumerate(remedies):
+        run_dir = out.parent / f"follow-{i}"
+        if source is not None:
+            shutil.copytree(out, run_dir)
+        if source == "delete":
+            shutil.rmtree(run_dir / "checkpoints")
+        cfg = tiny_config(*COMMON, *overrides, f"output_dir={run_dir}", *extra)
+        resume = train.check_resume(cfg, ranks)  # raises if this advice does not work
+        assert train.already_complete(cfg, resume, STEPS) is None, (advice, source, extra)
+    return len(remedies) + len(resumes)
+
+
+@pytest.mark.parametrize("overrides, world_size, message", [
+    ((), 2, "already complete: 6 of 6 steps"),
+    (("checkpoint.resume=none",), 2, "holds checkpoints of an earlier run"),
+    ((), 4, "written by 2 ranks but this job has 4"),
+    (("optim.lr=1e-3",), 2, "was written with other settings"),
+])
+def test_advice_to_start_again_works_when_followed(zero3, init, tmp_path, overrides, world_size, message):
+    """Each refusal over an earlier run (and the note that it is complete) offers ways to go on that work."""
+    from cookbook.checkpoint import CheckpointError
+
+    train = recipe_module()
+    out = _copy_run(zero3, tmp_path)
+    overrides = (f"model.name_or_path={init}", "model.pretrained=true", *overrides)  # as the zero3 run
+    cfg = tiny_config(*COMMON, *overrides, f"output_dir={out}")
+    try:
+        resume = train.check_resume(cfg, world_size)
+    except CheckpointError as exc:
+        text = str(exc)
+    else:
+        text = train.already_complete(cfg, resume, STEPS)
+    assert message in text
+    assert _follow(text, out, world_size, *overrides) >= 2
 
 
 @pytest.mark.parametrize("config", ["config.yaml", "llama3.2-1b.yaml", "tiny.yaml"])

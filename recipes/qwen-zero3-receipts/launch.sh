@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Launch train.py with `accelerate launch` on this node (DeepSpeed is configured by the JSON named in the
-# YAML config, deepspeed.config). Extra arguments are config overrides:
+# Launch train.py with torchrun on this node (DeepSpeed is configured by the JSON named in the YAML config,
+# deepspeed.config; the Trainer builds accelerate's DeepSpeed state from it, so `accelerate launch train.py
+# --config ...` runs the same script). Extra arguments are config overrides:
 #   ./launch.sh train.max_steps=100 lora.enabled=true deepspeed.config=zero2.json
 #   CONFIG_FILE=tiny.yaml NGPU=2 ./launch.sh
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 ./launch.sh   # then NODE_RANK=1 on the second node
@@ -14,7 +15,6 @@ NGPU=${NGPU:-$([ "$GPUS" -gt 0 ] && echo "$GPUS" || echo 2)}  # CPU: 2 processes
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
-MASTER_PORT=${MASTER_PORT:-29500}
 for v in NGPU NNODES; do
   [[ "${!v}" =~ ^[1-9][0-9]*$ ]] || { echo "error: $v=${!v} is not a positive integer" >&2; exit 2; }
 done
@@ -24,7 +24,9 @@ fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one thread per process unless told otherwise
 # Validate config, DeepSpeed JSON, data and resume in one process before any worker starts.
 COOKBOOK_WORLD_SIZE=$((NGPU * NNODES)) python3 "$HERE/train.py" --config "$CONFIG_FILE" --check "$@"
-# --multi_gpu is accelerate's multi-process (torchrun) launcher; on a CPU machine the workers use gloo.
-exec accelerate launch --multi_gpu --num_processes $((NGPU * NNODES)) --num_machines "$NNODES" \
-  --machine_rank "$NODE_RANK" --main_process_ip "$MASTER_ADDR" --main_process_port "$MASTER_PORT" \
-  --mixed_precision no --dynamo_backend no "$HERE/train.py" --config "$CONFIG_FILE" "$@"
+if [ "$NNODES" -eq 1 ] && [ -z "${MASTER_PORT:-}" ]; then
+  RDZV=(--standalone)  # one node: torchrun picks a free port
+else
+  RDZV=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR" --master-port "${MASTER_PORT:-29500}")
+fi
+exec python3 -m cookbook.torchrun "${RDZV[@]}" --nproc-per-node "$NGPU" "$HERE/train.py" --config "$CONFIG_FILE" "$@"

@@ -1,10 +1,11 @@
 """Receipt OCR -> JSON extraction: supervised fine-tuning with TRL's SFTTrainer and DeepSpeed ZeRO.
 
-Commands (from this folder; NGPU defaults to all visible GPUs, else 2 CPU processes):
+Commands (from this folder; NGPU defaults to all visible GPUs, else 2 CPU processes; NGPU=1 runs one process):
 
     ./launch.sh                                            # Qwen3-8B, ZeRO-3, SROIE receipts, all GPUs of this node
     ./launch.sh lora.enabled=true                          # LoRA adapters under ZeRO-3
     ./launch.sh deepspeed.config=zero2.json                # ZeRO-2 (or zero1.json)
+    ./launch.sh data.eval_files=[sroie2019_test.jsonl]     # score the SROIE test split instead of a held-out part
     CONFIG_FILE=llama3.2-1b.yaml ./launch.sh               # Llama-3.2-1B-Instruct, the small DeepSpeed example
     CONFIG_FILE=tiny.yaml ./launch.sh                      # tiny Qwen3, offline, CPU-friendly
     NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 ./launch.sh  # on each node (NODE_RANK=1 on the second)
@@ -17,11 +18,13 @@ What this recipe supports:
     - Full fine-tuning or LoRA (PEFT) on every linear layer of the decoder, under any ZeRO stage.
     - Data: SROIE-style receipts ``{id, entities, ocr_boxes}`` (JSONL / JSON). Prompt = the OCR lines in
       reading order + an instruction; completion = the entities as one JSON object. Loss on the completion
-      only (cookbook.sft_data: assistant tokens and end-of-turn token). A seeded validation split is carved
-      from train. Optional packing into rows of ``data.max_length`` tokens (documents kept apart by
-      position ids, as in the FSDP2 recipe).
-    - Evaluation by generation on the validation split (greedy): JSON-valid rate and exact match per field,
-      plus the validation loss; to ``metrics.jsonl`` and MLflow.
+      only (cookbook.sft_data: assistant tokens and end-of-turn token). The validation set is
+      ``data.eval_files`` (e.g. the SROIE test split), else a seeded split carved from train. Optional packing
+      into rows of ``data.max_length`` tokens (documents kept apart by position ids, as in the FSDP2 recipe).
+    - Evaluation (``ReceiptTrainer.evaluate``): the loss per label token over exactly the validation rows
+      (token sums all-reduced), and greedy generation scored per field (exact match per field and for all
+      fields, JSON-valid rate, count of unparsable answers), each receipt counted once; to ``metrics.jsonl``,
+      the final log line and MLflow.
     - Checkpoints every ``checkpoint.every_steps`` (DeepSpeed's sharded model + optimizer, scheduler, RNG, data
       position), published atomically under ``output_dir/checkpoints``; ``checkpoint.resume: auto`` continues
       from the newest. At the end: the consolidated 16-bit model and tokenizer in Hugging Face format
@@ -87,8 +90,9 @@ class DeepSpeedSection:
 @dataclass
 class DataConfig:
     train_files: list[str] = field(default_factory=list)  # SROIE JSONL / JSON; empty: hub_id
+    eval_files: list[str] = field(default_factory=list)  # same formats (e.g. the SROIE test split); empty: eval_fraction
     hub_id: str = ""  # a Hugging Face data set whose rows have the same fields (id, entities, ocr_boxes)
-    eval_fraction: float = 0.05  # validation split carved from train (seeded)
+    eval_fraction: float = 0.05  # validation split carved from train (seeded); unused when eval_files are given
     max_length: int = 1024  # tokens per example; a longer receipt is refused (its JSON would be cut)
     packing: bool = False  # True: pack examples into rows of exactly max_length tokens
     fields: list[str] = field(default_factory=lambda: list(FIELDS))
@@ -168,13 +172,14 @@ def check_config(cfg: Config, config_dir: Path) -> None:
     cfg.model.name_or_path = resolve_path(cfg.model.name_or_path, config_dir)
     cfg.model.tokenizer = resolve_path(cfg.model.tokenizer or cfg.model.name_or_path, config_dir)
     cfg.data.train_files = [resolve_path(f, config_dir) for f in cfg.data.train_files]
+    cfg.data.eval_files = [resolve_path(f, config_dir) for f in cfg.data.eval_files]
     cfg.deepspeed.config = resolve_path(cfg.deepspeed.config, config_dir)
     check_fields(cfg, at_least={"train.micro_batch_size": 1, "train.grad_accum_steps": 1, "train.log_every": 1,
                                 "data.max_length": 1, "eval.max_new_tokens": 1, "eval.batch_size": 1, "lora.r": 1,
                                 "checkpoint.keep_last": 0, "checkpoint.every_steps": 0},
                  one_of={"optim.scheduler": [t.value for t in SchedulerType]},
                  within={"data.eval_fraction": "[0, 1)", "data.max_dropped_fraction": "[0, 1]"},
-                 notes={"data.eval_fraction": "0: no evaluation"})
+                 notes={"data.eval_fraction": "0: no evaluation unless data.eval_files are given"})
     if not cfg.data.fields or len(set(cfg.data.fields)) != len(cfg.data.fields):
         raise ConfigError(f"data.fields must be a non-empty list of distinct names, got {cfg.data.fields}")
     if not cfg.data.train_files and not cfg.data.hub_id:
@@ -290,8 +295,10 @@ def instruction(fields: list[str]) -> str:
 @dataclass
 class Receipts:
     """Tokenized receipts: ``train`` / ``val`` examples (``input_ids``, ``labels``) in row order, the positions
-    of those rows in the input (``train_index``, ``val_index``: 0-based over all files in order), and for the
-    validation rows the generation prompts (token ids ending in the assistant header) and expected fields."""
+    of those rows in their input (``train_index`` over all train files in order; ``val_index`` over the train
+    files when the validation split is carved from them, over ``data.eval_files`` when those are given; both
+    0-based), and for the validation rows the generation prompts (token ids ending in the assistant header) and
+    expected fields. ``stats`` counts the train files' rows (a carved validation split included)."""
 
     train: list[dict]
     val: list[dict]
@@ -302,9 +309,31 @@ class Receipts:
     stats: sft_data.SFTStats
 
 
+def _tokenize_receipts(sources: list[tuple[str, list[dict]]], cfg: DataConfig, tokenizer, kwargs: dict | None):
+    """Messages and tokenized examples of the rows of `sources` (``(name, rows)`` pairs) that fit in
+    ``cfg.max_length``, in order, with their 0-based positions over all sources and the statistics. A receipt
+    longer than ``max_length`` is dropped, not cut (a cut JSON teaches the model to stop mid-object), and
+    counted. Raises `sft_data.SFTDataError` for a bad row or more than ``cfg.max_dropped_fraction`` of a
+    file's rows dropped."""
+    messages, examples, kept, parts = [], [], [], []
+    for source, file_rows in sources:
+        file_messages = [receipt_messages(row, f"{source} row {n}" + (f" (id {row['id']})" if "id" in row else ""),
+                                          cfg.fields) for n, row in enumerate(file_rows, 1)]
+        file_examples, st = sft_data.prepare([{"messages": m} for m in file_messages], tokenizer, cfg.max_length, source,
+                                             kwargs, max_dropped_fraction=cfg.max_dropped_fraction, truncate=False)
+        assert not st.empty_answers  # every receipt has a non-empty JSON answer
+        kept += [len(messages) + n - 1 for n in st.example_rows]  # 0-based over all files
+        messages += file_messages
+        examples += file_examples
+        parts.append(st)
+    return [messages[i] for i in kept], examples, kept, sft_data.SFTStats.merge(parts)
+
+
 def load_receipts(cfg: DataConfig, tokenizer, seed: int) -> Receipts:
     """Read, validate, tokenize and split the receipts.
 
+    The validation rows are those of ``data.eval_files`` when given (all of them, in order; every train row
+    trains), else a seeded ``data.eval_fraction`` of the train rows (at least one when the fraction is > 0).
     A row longer than ``max_length`` tokens would lose the end of its JSON, so it is dropped rather than
     cut, and counted in ``stats`` (row and token count).
 
@@ -314,33 +343,53 @@ def load_receipts(cfg: DataConfig, tokenizer, seed: int) -> Receipts:
     """
     kwargs = dict(cfg.chat_template_kwargs) or None
     sources = [(f, sft_data.load_rows(f)) for f in cfg.train_files] or [(cfg.hub_id, sft_data.load_hub_rows(cfg.hub_id))]
-    messages, examples, kept, parts = [], [], [], []
-    for source, file_rows in sources:
-        file_messages = [receipt_messages(row, f"{source} row {n}" + (f" (id {row['id']})" if "id" in row else ""),
-                                          cfg.fields) for n, row in enumerate(file_rows, 1)]
-        # a receipt longer than max_length is dropped, not cut (a cut JSON teaches the model to stop mid-object)
-        file_examples, st = sft_data.prepare([{"messages": m} for m in file_messages], tokenizer, cfg.max_length, source,
-                                             kwargs, max_dropped_fraction=cfg.max_dropped_fraction, truncate=False)
-        assert not st.empty_answers  # every receipt has a non-empty JSON answer
-        kept += [len(messages) + n - 1 for n in st.example_rows]  # 0-based over all files
-        messages += file_messages
-        examples += file_examples
-        parts.append(st)
-    n_val = max(1, int(len(examples) * cfg.eval_fraction)) if cfg.eval_fraction > 0 else 0
-    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
-    val_idx, train_idx = sorted(order[:n_val]), sorted(order[n_val:])
+    messages, examples, kept, stats = _tokenize_receipts(sources, cfg, tokenizer, kwargs)
+    if cfg.eval_files:
+        val_messages, val_examples, val_kept, _ = _tokenize_receipts(
+            [(f, sft_data.load_rows(f)) for f in cfg.eval_files], cfg, tokenizer, kwargs)
+        train_idx, val_idx = list(range(len(examples))), list(range(len(val_examples)))
+    else:
+        n_val = max(1, int(len(examples) * cfg.eval_fraction)) if cfg.eval_fraction > 0 else 0
+        order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
+        val_idx, train_idx = sorted(order[:n_val]), sorted(order[n_val:])
+        val_messages, val_examples, val_kept = messages, examples, kept
     # generation prompts: the user turn and the assistant header (add_generation_prompt)
-    val_prompts = [list(tokenizer.apply_chat_template(messages[kept[i]][:1], tokenize=True, add_generation_prompt=True,
+    val_prompts = [list(tokenizer.apply_chat_template(val_messages[i][:1], tokenize=True, add_generation_prompt=True,
                                                       return_dict=False, **(kwargs or {}))) for i in val_idx]
-    val_targets = [json.loads(messages[kept[i]][1]["content"]) for i in val_idx]
-    return Receipts([examples[i] for i in train_idx], [examples[i] for i in val_idx], [kept[i] for i in train_idx],
-                    [kept[i] for i in val_idx], val_prompts, val_targets, sft_data.SFTStats.merge(parts))
+    val_targets = [json.loads(val_messages[i][1]["content"]) for i in val_idx]
+    return Receipts([examples[i] for i in train_idx], [val_examples[i] for i in val_idx], [kept[i] for i in train_idx],
+                    [val_kept[i] for i in val_idx], val_prompts, val_targets, stats)
 
 
 def collate_packed(rows: list[dict]) -> dict[str, torch.Tensor]:
     """Stack packed rows (``input_ids``, ``labels``, ``position_ids``, all ``max_length`` long). No attention
     mask: transformers then builds a block-diagonal causal mask from the position ids (see `sft_data.pack`)."""
     return {k: torch.tensor([r[k] for r in rows], dtype=torch.long) for k in ("input_ids", "labels", "position_ids")}
+
+
+# ----------------------------------------------------------------------------- loss eval
+@torch.no_grad()
+def token_loss_sums(model, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Summed next-token cross entropy, labelled-token count and correct argmax count of one batch.
+
+    Args:
+        model: a causal LM (or its DeepSpeed / PEFT wrapper) returning ``logits`` of shape (B, L, V).
+        batch: ``input_ids`` and ``labels`` (B, L; -100 where no loss), optionally ``attention_mask`` /
+            ``position_ids`` (packed rows), on the model's device.
+
+    Returns:
+        ``loss_sum`` (nats, fp32 logits), ``tokens`` and ``correct``: 0-d tensors. Label t is predicted from
+        position t - 1, as in transformers' ``ForCausalLMLoss``; the mean loss per token is
+        ``loss_sum / tokens``, which is what training minimises.
+    """
+    # use_cache=False: with a cache, transformers does not derive document boundaries from position_ids.
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+    logits = model(**inputs, use_cache=False).logits[:, :-1].float()
+    labels = batch["labels"][:, 1:]
+    mask = labels != -100
+    loss_sum = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
+                                                 reduction="sum")
+    return {"loss_sum": loss_sum, "tokens": mask.sum(), "correct": ((logits.argmax(-1) == labels) & mask).sum()}
 
 
 # ----------------------------------------------------------------------------- generation eval
@@ -358,12 +407,27 @@ def _norm(value: Any) -> str | None:
 
 
 def score(predictions: list[dict | None], targets: list[dict], fields: list[str]) -> dict[str, float]:
-    """Counts for the generation metrics: ``samples``, ``json_valid``, ``em_<field>`` per field and ``em_all``
-    (all fields right). A field matches when both values are equal after collapsing whitespace (``null`` matches
-    ``null``); an invalid answer matches nothing."""
-    out = {"samples": float(len(targets)), "json_valid": 0.0, **{f"em_{f}": 0.0 for f in fields}, "em_all": 0.0}
+    """Counts for the generation metrics of one set of answers.
+
+    Args:
+        predictions: the parsed answers (`parse_fields`; ``None`` for an answer that is not one JSON object),
+            one per target, in the same order.
+        targets: the expected fields of each receipt (``{field: str or None}``).
+        fields: the field names to score.
+
+    Returns:
+        ``samples`` (number of targets), ``json_valid`` and ``unparsable`` (answers that are / are not one JSON
+        object), ``em_<field>`` per field and ``em_all`` (answers with every field right): counts, as floats
+        (so that ranks can sum them). A field matches when both values are equal after collapsing whitespace
+        (``null`` matches ``null``, a missing key counts as ``null``); an unparsable answer matches nothing.
+    """
+    if len(predictions) != len(targets):
+        raise ValueError(f"{len(predictions)} predictions for {len(targets)} targets")
+    out = {"samples": float(len(targets)), "json_valid": 0.0, "unparsable": 0.0, **{f"em_{f}": 0.0 for f in fields},
+           "em_all": 0.0}
     for pred, target in zip(predictions, targets):
         if pred is None:
+            out["unparsable"] += 1
             continue
         out["json_valid"] += 1
         hits = [_norm(pred.get(f)) == _norm(target.get(f)) for f in fields]
@@ -384,7 +448,8 @@ def generation_eval(model, tokenizer, prompts: list[list[int]], targets: list[di
 
     Returns:
         ``json_valid`` (fraction of answers that are one JSON object), ``em_<field>`` and ``em_all``
-        (fraction exactly right), ``samples`` (number scored).
+        (fraction exactly right; an unparsable answer is a miss), ``samples`` (number of receipts scored, each
+        once) and ``unparsable`` (number of answers that are not one JSON object).
     """
     import cookbook
 
@@ -410,8 +475,20 @@ def generation_eval(model, tokenizer, prompts: list[list[int]], targets: list[di
         model.train()
     counts = score(predictions[: len(mine)], [targets[i] for i in mine], fields)
     totals = cookbook.all_reduce_sum(counts, info.device)
-    n = max(totals.pop("samples"), 1.0)
-    return {**{k: v / n for k, v in totals.items()}, "samples": n}
+    n, unparsable = totals.pop("samples"), totals.pop("unparsable")
+    return {**{k: v / max(n, 1.0) for k, v in totals.items()}, "samples": n, "unparsable": unparsable}
+
+
+def eval_line(values: dict[str, float], fields: list[str]) -> str:
+    """One line for the log: the validation loss per label token and the exact-match rates (`generation_eval`)."""
+    parts = []
+    if "loss" in values:
+        parts.append(f"eval loss {values['loss']:.4f} per token ({values['tokens']:.0f} tokens)")
+    if "samples" in values:
+        rates = ", ".join(f"{f} {values[f'em_{f}']:.3f}" for f in fields)
+        parts.append(f"exact match on {values['samples']:.0f} receipts: {rates}, all {values['em_all']:.3f} | "
+                     f"unparsable {values['unparsable']:.0f}")
+    return " | ".join(parts)
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -422,6 +499,25 @@ def complete_checkpoints(root: Path) -> list[Path]:
     found = [(int(p.name.split("-")[1]), p) for p in root.glob("checkpoint-*")
              if p.name.split("-")[1].isdigit() and (p / "meta.json").is_file()]
     return [p for _, p in sorted(found)]
+
+
+def start_fresh(root: Path) -> str:
+    """How to train from the start over an output_dir that holds checkpoints (``checkpoint.resume=none`` is
+    refused there, so that a later ``resume=auto`` cannot pick up the old run's checkpoints)."""
+    return f"to train from the start, use a new output_dir, or delete {root}"
+
+
+def already_complete(cfg: Config, resume_from: Path | None, max_steps: int) -> str | None:
+    """The message for a run whose checkpoint `resume_from` is at or past `max_steps` and whose final model is
+    written (nothing left to do), else ``None``."""
+    final = Path(cfg.output_dir) / "final"
+    if resume_from is None or not final.is_dir():
+        return None
+    step = json.loads((resume_from / "meta.json").read_text())["step"]
+    if step < max_steps:
+        return None
+    return (f"already complete: {step} of {max_steps} steps; model in {final}; "
+            f"{start_fresh(Path(cfg.output_dir) / 'checkpoints')}")
 
 
 def check_resume(cfg: Config, world_size: int) -> Path | None:
@@ -437,7 +533,7 @@ def check_resume(cfg: Config, world_size: int) -> Path | None:
     if resume in ("", "none", "null"):
         if complete_checkpoints(root):
             raise CheckpointError(f"checkpoint.resume={resume!r} but {root} holds checkpoints of an earlier run, which a "
-                                  f"later resume=auto would pick up: use a new output_dir, or delete {root}")
+                                  f"later resume=auto would pick up: {start_fresh(root)}")
         return None
     if resume == "auto":
         found = complete_checkpoints(root)
@@ -448,16 +544,17 @@ def check_resume(cfg: Config, world_size: int) -> Path | None:
         path = Path(resume)
         if not (path / "meta.json").is_file():
             raise CheckpointError(f"checkpoint.resume={resume!r} is not a published checkpoint folder (no meta.json "
-                                  f"inside); use 'auto' or 'none'")
+                                  f"inside): use checkpoint.resume=auto (the newest one under {root}) or the path of a "
+                                  f"checkpoint-<step> folder")
     meta = json.loads((path / "meta.json").read_text())
     if meta["world_size"] != world_size:
         raise CheckpointError(f"{path} was written by {meta['world_size']} ranks but this job has {world_size}: DeepSpeed's "
                               f"ZeRO partitions of the optimizer state cannot be remapped. Resume with NGPU x NNODES = "
-                              f"{meta['world_size']}, or start fresh with checkpoint.resume=none or a new output_dir")
+                              f"{meta['world_size']}; or {start_fresh(root)}")
     diff = config_changes(meta["config"], to_dict(cfg), MAY_CHANGE)
     if diff:
         raise CheckpointError(f"{path} was written with other settings ({diff}); resuming would mix two runs. Use the "
-                              f"same settings, a new output_dir, or checkpoint.resume=none")
+                              f"same settings; or {start_fresh(root)}")
     if 0 < cfg.train.stop_at_step <= meta["step"]:
         raise CheckpointError(f"train.stop_at_step={cfg.train.stop_at_step} is not after the checkpoint {path} (step "
                               f"{meta['step']}): raise it, or remove it to train to the end")
@@ -509,7 +606,7 @@ def make_callbacks(cfg: Config, info, metrics_logger, staging: Path, root: Path,
 
         def on_evaluate(self, args, state, control, metrics=None, model=None, **kwargs):
             values = {k.removeprefix("eval_"): v for k, v in (metrics or {}).items()
-                      if k in ("eval_loss", "eval_mean_token_accuracy")}
+                      if k in ("eval_loss", "eval_mean_token_accuracy", "eval_tokens")}
             values.update(gen_eval(model))
             metrics_logger.log_eval(state.global_step, values)
             results.clear()
@@ -590,10 +687,9 @@ def train(cfg: Config, on_cpu: bool) -> None:
     resume_from = check_resume(cfg, info.world_size)
     if resume_from is None and info.is_main:
         shutil.rmtree(staging, ignore_errors=True)  # unpublished leftovers of an earlier run
-    if (out_dir / "final").is_dir() and resume_from is not None and json.loads(
-            (resume_from / "meta.json").read_text())["step"] >= max_steps:
-        log.info(f"already complete: {max_steps} steps; model in {out_dir / 'final'}. Use a new output_dir (or "
-                 f"checkpoint.resume=none) to train again.")
+    done = already_complete(cfg, resume_from, max_steps)
+    if done:
+        log.info(done)
         cookbook.destroy_distributed()
         return
 
@@ -648,7 +744,45 @@ def train(cfg: Config, on_cpu: bool) -> None:
     final_eval: dict[str, float] = {}
 
     class ReceiptTrainer(SFTTrainer):
-        """SFTTrainer that counts each micro-batch's rows, real tokens and data-loading time for the metrics."""
+        """SFTTrainer that counts each micro-batch's rows, real tokens and data-loading time for the metrics,
+        and evaluates the loss per label token over exactly the validation rows (`evaluate`)."""
+
+        def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
+            """Loss and next-token accuracy per label token over the validation rows, each counted once.
+
+            Replaces the Trainer's loop, which pads the last rank's share with duplicate rows and averages
+            per-batch means weighted by rows. Here each rank takes every world_size-th row
+            (`sft_data.shard_for_eval`: label-free fillers keep the number of forward passes equal, as ZeRO-3
+            gathers parameters collectively), sums token losses and counts, and one all-reduce gives
+            ``sum of losses / number of label tokens``. Logs ``<prefix>_loss``, ``_mean_token_accuracy`` and
+            ``_tokens`` and calls the callbacks' ``on_evaluate`` (the generation eval runs there), as the
+            Trainer's own ``evaluate`` does.
+            """
+            if eval_dataset is not None:
+                raise ValueError("ReceiptTrainer.evaluate scores the validation split given at construction")
+            model = self.model_wrapped
+            was_training = model.training
+            model.eval()
+            start = time.perf_counter()
+            rows = sft_data.shard_for_eval(val_rows, info.rank, info.world_size)
+            size = self.args.per_device_eval_batch_size
+            sums = {k: torch.zeros((), dtype=torch.float64) for k in ("loss_sum", "tokens", "correct")}
+            for i in range(0, len(rows), size):
+                batch = self._prepare_inputs(self.data_collator(rows[i:i + size]))
+                with self.compute_loss_context_manager():
+                    for k, v in token_loss_sums(model, batch).items():
+                        sums[k] += v.double().cpu()
+            totals = cookbook.all_reduce_sum(sums, info.device)
+            n = max(totals["tokens"], 1.0)
+            out = {f"{metric_key_prefix}_loss": totals["loss_sum"] / n,
+                   f"{metric_key_prefix}_mean_token_accuracy": totals["correct"] / n,
+                   f"{metric_key_prefix}_tokens": totals["tokens"],
+                   f"{metric_key_prefix}_runtime": round(time.perf_counter() - start, 4)}
+            self.log(out)  # while the model is in eval mode: TRL adds no training metrics to these logs
+            if was_training:
+                model.train()
+            self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, out)
+            return out
 
         def get_batch_samples(self, epoch_iterator, num_batches, device):
             t0 = time.perf_counter()
@@ -685,7 +819,9 @@ def train(cfg: Config, on_cpu: bool) -> None:
             log.info(f"stopped at step {trainer.state.global_step} of {max_steps} (train.stop_at_step); run again "
                      f"without train.stop_at_step (or with a larger value) to continue from {complete_checkpoints(root)[-1]}")
             return
-        if val_rows:
+        step = trainer.state.global_step
+        evaluated_last_step = final_eval and cfg.train.eval_every > 0 and step % cfg.train.eval_every == 0
+        if val_rows and not evaluated_last_step:
             trainer.evaluate()  # validation loss + generation metrics, through CookbookMetrics.on_evaluate
         final = final_eval
         export_dir = export_final(trainer, tokenizer, out_dir, cfg, hf_config, info) if cfg.checkpoint.export_hf else None
@@ -693,8 +829,7 @@ def train(cfg: Config, on_cpu: bool) -> None:
                              "export_dir": str(export_dir) if export_dir else None, "mlflow_uri": metrics.mlflow_uri,
                              "mlflow_run_id": metrics.mlflow_run_id})
         if info.is_main:
-            shown = " | ".join(f"{k} {v:.3f}" for k, v in final.items() if k in ("loss", "json_valid", "em_all"))
-            log.info(f"done: {trainer.state.global_step} steps" + (f" | {shown}" if shown else ""))
+            log.info(f"done: {step} steps" + (f" | {eval_line(final, cfg.data.fields)}" if final else ""))
             log.info(f"metrics:     {metrics.jsonl_path}")
             if metrics.mlflow_uri:
                 log.info(f"MLflow:      {metrics.mlflow_uri} (run {metrics.mlflow_run_id})")
