@@ -280,8 +280,12 @@ def test_load_rows_edge_files(tmp_path):
     assert load_rows(single) == [row]
     wrapped = tmp_path / "wrapped.json"
     wrapped.write_text(json.dumps({"data": [row]}, indent=2))
-    with pytest.raises(SFTDataError, match=r"holds one JSON object \(keys \['data'\]\)"):
+    with pytest.raises(SFTDataError, match=r"holds one JSON object whose 'data' is a list of objects \(keys \['data'\]\)"):
         load_rows(wrapped)
+    receipt = {"id": "X1", "ocr_boxes": [[0, 0, 1, 0, 1, 1, 0, 1, "TOTAL 9.00"]], "entities": {"total": "9.00"}}
+    one_line = tmp_path / "one_receipt.jsonl"  # a JSONL file of one row of a recipe's own format
+    one_line.write_text(json.dumps(receipt) + "\n")
+    assert load_rows(one_line) == [receipt]
 
 
 # ----------------------------------------------------------------------------- content parts, tools, real templates

@@ -66,9 +66,11 @@ def load_rows(path: str | Path) -> list[dict]:
     except json.JSONDecodeError:
         whole = None
     if isinstance(whole, dict):  # one object: a one-row file, or a wrapper such as {"data": [...]}
-        if not any(k in whole for k in ("messages", "conversations", "instruction")):
-            raise SFTDataError(f"{p}: the file holds one JSON object (keys {sorted(whole)[:5]}); expected a JSON "
-                               f"list of rows, or JSONL with one row per line")
+        wrapped = [k for k, v in whole.items() if isinstance(v, list) and v and all(isinstance(r, dict) for r in v)]
+        if wrapped and not any(k in whole for k in ("messages", "conversations", "instruction")):
+            raise SFTDataError(f"{p}: the file holds one JSON object whose '{wrapped[0]}' is a list of objects (keys "
+                               f"{sorted(whole)[:5]}); expected a JSON list of rows, or JSONL with one row per line: "
+                               f"write the list itself")
         rows = [whole]
     elif text.lstrip().startswith("["):
         try:
