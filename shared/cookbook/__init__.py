@@ -4,6 +4,8 @@
 - `cookbook.config`: typed YAML configs with dotted overrides (OmegaConf structured configs).
 - `cookbook.checkpoint`: atomic DCP checkpoints, resume, Hugging Face export.
 - `cookbook.metrics`: tokens/s, MFU, memory; console, JSONL and MLflow sinks.
+- `cookbook.hub`: a model's local folder from a path or a Hugging Face Hub id (through the hub cache).
+- `cookbook.lm`: causal-LM model helpers: real-token counts, world-size-independent init of FSDP2 shards.
 - `cookbook.launcher`: the ``@distributed`` decorator (``fn.distributed(...)`` runs ``fn`` once per GPU) for notebooks and scripts.
 """
 
