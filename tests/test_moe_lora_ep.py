@@ -68,9 +68,15 @@ def tiny_config(*overrides):
 
 
 @cookbook.distributed(num_processes=2, start_method="fork")
-def _one_step(init: str, overrides: tuple) -> dict:
+def _one_step(init: str, overrides: tuple, eval_rows: list) -> dict:
     """One forward/backward on the same batch with EP=2, then EP=1; LoRA gradients of the unsharded model,
-    what each rank holds, and whether an optimizer step left the base weights alone."""
+    what each rank holds, and whether an optimizer step left the base weights alone. Before that step: the
+    eval loss over `eval_rows` (sharded over the ranks as the recipe does it) and, for EP=1, the full base
+    weights as loaded (the LoRA factors start as the identity: B = 0)."""
+    from functools import partial
+
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
     train = recipe_module()
     info = cookbook.get_dist_info()
     torch.manual_seed(1)
@@ -89,6 +95,11 @@ def _one_step(init: str, overrides: tuple) -> dict:
         experts = next(p for n, p in model.named_parameters() if n.endswith("experts.base_layer.base_layer.down_proj")
                        or n.endswith("experts.base_layer.down_proj"))
         lora_a = next(p for n, p in model.named_parameters() if n in par.expert_lora_names and ".lora_A." in n) if ep > 1 else None
+        eval_loader = StatefulDataLoader(train.sft_data.shard_for_eval(eval_rows, info.rank, info.world_size),
+                                         batch_size=cfg.train.micro_batch_size, collate_fn=partial(train.collate, pad_id=0))
+        evaluation = train.evaluate(model, eval_loader, info.device, router)
+        loaded = {re.sub(r"\.base_layer\b", "", n.removeprefix("base_model.model.")): p.full_tensor() if hasattr(p, "full_tensor") else p
+                  for n, p in model.named_parameters() if not p.requires_grad} if ep == 1 else None
         local = {n: (p.to_local() if hasattr(p, "to_local") else p) for n, p in model.named_parameters() if not p.requires_grad}
         base = {n: t.detach().clone() for n, t in local.items()}
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1, foreach=False)
@@ -97,13 +108,23 @@ def _one_step(init: str, overrides: tuple) -> dict:
         result[ep] = {"loss": losses, "aux": float(aux), "grads": grads, "changed": changed,
                       "local_experts": tuple(experts.to_local().shape), "global_experts": tuple(experts.shape),
                       "lora_a_local": tuple(lora_a.to_local().shape) if lora_a is not None else None,
-                      "active": flops.num_params}
+                      "active": flops.num_params, "eval": evaluation, "loaded": loaded}
     return result
 
 
 @pytest.mark.parametrize("model, overrides", [("nemotron-h", ()), ("qwen3-moe", QWEN)])
-def test_ep2_equals_ep1_and_each_rank_holds_its_experts(init, model, overrides):
-    r = _one_step.distributed(str(init[model]), overrides)[0]
+def test_ep2_equals_ep1_and_each_rank_holds_its_experts(init, model, overrides, tmp_path, monkeypatch):
+    """Also: the model given as a hub id loads from the Hugging Face cache offline (shard by shard), and one eval row
+    on 2 ranks gives that row's loss per label token computed in one process."""
+    from test_hub import make_hub_cache, use_offline_cache
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    train = recipe_module()
+    make_hub_cache(tmp_path / "hub", f"cookbook-tests/{model}", init[model])
+    use_offline_cache(monkeypatch, tmp_path / "hub")
+    cfg = tiny_config(f"model.name_or_path={init[model]}", *overrides)
+    _, evals, _ = train.sft_data.load_examples(cfg.data, AutoTokenizer.from_pretrained(init[model]), cfg.train.seed)
+    r = _one_step.distributed(f"cookbook-tests/{model}", overrides, evals[:1])[0]
     ep2, ep1 = r[2], r[1]
     torch.testing.assert_close(ep2["loss"], ep1["loss"], rtol=LOSS_RTOL, atol=0)
     assert ep2["aux"] > 0.5  # Switch aux loss is ~1 at balance
@@ -117,6 +138,16 @@ def test_ep2_equals_ep1_and_each_rank_holds_its_experts(init, model, overrides):
     assert ep2["lora_a_local"][0] == 2 * 4  # 2 local experts x rank 4
     assert ep2["changed"] == [] and ep1["changed"] == []  # frozen base weights do not move
     assert ep2["active"] == ep1["active"]
+
+    plain = AutoModelForCausalLM.from_pretrained(init[model]).eval()
+    for name, tensor in plain.named_parameters():
+        torch.testing.assert_close(ep1["loaded"][name], tensor.detach(), rtol=0, atol=0, msg=name)
+    batch = train.collate(evals[:1], pad_id=0)
+    with torch.no_grad():
+        expected = train.token_loss_sum(plain, batch) / (batch["labels"][:, 1:] != -100).sum()
+    for result in (ep2, ep1):
+        assert result["eval"]["tokens"] == (batch["labels"][:, 1:] != -100).sum()
+        assert float(result["eval"]["loss"]) == pytest.approx(float(expected), rel=1e-5)
 
 
 @pytest.fixture(scope="session")
@@ -167,7 +198,15 @@ def _trained_logits(init: str, checkpoint: str, ids: torch.Tensor):
         return model(input_ids=ids, use_cache=False).logits
 
 
-def test_exported_adapter_loads_with_peft_onto_the_plain_model(runs, init):
+def readme_snippet() -> str:
+    """The Python block of the README's "Checkpoints and export" section, as written."""
+    text = (RECIPE / "README.md").read_text().split("## Checkpoints and export", 1)[1]
+    return text.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_exported_adapter_loads_with_peft_onto_the_plain_model(runs, init, tmp_path, monkeypatch):
+    """PeftModel onto the plain model, and the README's snippet run as written from a folder where its
+    output_dir is this run's (the base model comes from the adapter's config), give the sharded model's logits."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -181,6 +220,16 @@ def test_exported_adapter_loads_with_peft_onto_the_plain_model(runs, init):
     torch.testing.assert_close(adapted, sharded, rtol=1e-4, atol=1e-5)
     assert not torch.allclose(adapted, before, atol=1e-3)
 
+    snippet = readme_snippet()
+    adapter_path = re.search(r'"([^"]+)/adapter"', snippet)[1]
+    (tmp_path / adapter_path).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / adapter_path).symlink_to(out)
+    monkeypatch.chdir(tmp_path)
+    scope = {}
+    exec(snippet, scope)
+    with torch.no_grad():
+        torch.testing.assert_close(scope["merged"].eval()(input_ids=ids).logits, sharded, rtol=1e-4, atol=1e-5)
+
 
 # ----------------------------------------------------------------------------- bad input (in-process --check)
 @pytest.mark.parametrize("overrides, world_size, message", [
@@ -190,6 +239,7 @@ def test_exported_adapter_loads_with_peft_onto_the_plain_model(runs, init):
     (QWEN, 2, "lora.target_parameters: 'experts.gate_up_proj' matches nothing in nemotron_h"),
     (("model.name_or_path=tiny/dense-qwen3", "lora.target_parameters=[]"), 2, "parallel.ep=2 but"),
     (("data.packing=true",), 2, "data.packing=true with nemotron_h"),
+    (("model.attn_implementation=flex_attention",), 2, "model.attn_implementation=flex_attention cannot train on CPU"),
 ])
 def test_bad_input_is_refused_before_training(tmp_path, overrides, world_size, message):
     if "model.name_or_path=tiny/dense-qwen3" in overrides:

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import ROOT, check, launch, load_recipe, read_jsonl, train_losses
+from conftest import ROOT, check, launch, load_recipe, main_in_workers, read_jsonl, train_losses
 
 import cookbook
 from cookbook.checkpoint import CheckpointError
@@ -40,23 +40,82 @@ def test_loss_falls(full_run):
     assert last < 0.75 * first, (first, last)
 
 
-@cookbook.distributed(num_processes=2, start_method="fork")
 def _shard_report():
+    """Build the tiny model (random init) on this job's ranks: whether every parameter is a DTensor, the
+    elements held here and in all, and the full state dict (on rank 0)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.tensor import DTensor
+
     train = recipe_module()
     info = cookbook.get_dist_info()
     model, flops = train.build_model(tiny_config(), info, vocab_size_needed=100)
-    from torch.distributed.tensor import DTensor
-
     params = list(model.parameters())
     local = sum(p.to_local().numel() for p in params)
     total = sum(p.numel() for p in params)
-    return all(isinstance(p, DTensor) for p in params), local, total, flops.num_params
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return all(isinstance(p, DTensor) for p in params), local, total, full if info.rank == 0 else None
 
 
-def test_parameters_are_dtensor_shards_split_across_ranks():
-    all_dtensor, local, total, _ = _shard_report.distributed()[0]
+def test_parameters_are_dtensor_shards_and_the_random_init_does_not_depend_on_the_world_size():
+    all_dtensor, local, total, on_2 = cookbook.distributed(num_processes=2, start_method="fork")(_shard_report).distributed()[0]
     assert all_dtensor
     assert abs(local / total - 0.5) < 0.01, (local, total)  # rank 0 holds half (dim-0 shards, even sizes)
+    on_1 = cookbook.distributed(num_processes=1, start_method="fork")(_shard_report).distributed()[0][3]
+    assert sorted(on_2) == sorted(on_1)
+    for name, tensor in on_1.items():
+        torch.testing.assert_close(on_2[name], tensor, rtol=0, atol=0, msg=name)
+    embed = on_1["model.embed_tokens.weight"]
+    assert embed.std() > 0.01 and not torch.equal(embed[: len(embed) // 2], embed[len(embed) // 2:])
+
+
+@cookbook.distributed(num_processes=2, start_method="fork")
+def _hub_model_and_eval(repo_id: str, rows: list):
+    """The recipe's model from a hub id (model.pretrained=true, weights read shard by shard) and its eval loss
+    over `rows`, sharded over the ranks as the recipe does it."""
+    from functools import partial
+
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    train = recipe_module()
+    info = cookbook.get_dist_info()
+    cfg = tiny_config(f"model.name_or_path={repo_id}", "model.pretrained=true", f"model.tokenizer={RECIPE / 'tiny' / 'qwen3'}")
+    model, _ = train.build_model(cfg, info, vocab_size_needed=100)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    loader = StatefulDataLoader(train.sft_data.shard_for_eval(rows, info.rank, info.world_size),
+                                batch_size=cfg.train.micro_batch_size, collate_fn=partial(train.collate, pad_id=0))
+    return full if info.rank == 0 else None, train.evaluate(model, loader, info.device)
+
+
+def test_hub_id_loads_from_the_cache_offline_and_eval_of_one_row_on_two_ranks_is_exact(tmp_path, monkeypatch):
+    """model.name_or_path as a hub id, HF_HUB_OFFLINE=1 and HF_HUB_CACHE set: the weights come from the cached
+    snapshot. One eval row on 2 ranks: the eval loss is that row's loss per label token in one process."""
+    from safetensors.torch import load_file
+    from test_hub import make_hub_cache, use_offline_cache
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    train = recipe_module()
+    torch.manual_seed(3)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(RECIPE / "tiny" / "qwen3")).save_pretrained(tmp_path / "model")
+    snapshot = make_hub_cache(tmp_path / "hub", "cookbook-tests/tiny-qwen3", tmp_path / "model")
+    use_offline_cache(monkeypatch, tmp_path / "hub")
+    cfg = tiny_config()
+    _, evals, _ = train.sft_data.load_examples(cfg.data, AutoTokenizer.from_pretrained(RECIPE / "tiny" / "qwen3"), cfg.train.seed)
+    rows = train.sft_data.pack(evals[:1], cfg.data.max_length, pad_id=0)
+    assert len(rows) == 1
+
+    full, result = _hub_model_and_eval.distributed("cookbook-tests/tiny-qwen3", rows)[0]
+    saved = load_file(snapshot / "model.safetensors")
+    assert set(saved) <= set(full)
+    for name, tensor in saved.items():
+        torch.testing.assert_close(full[name], tensor, rtol=0, atol=0, msg=name)
+
+    plain = AutoModelForCausalLM.from_pretrained(snapshot).eval()
+    batch = train.collate(rows, pad_id=0)
+    with torch.no_grad():
+        expected = train.token_loss_sum(plain, batch) / (batch["labels"][:, 1:] != -100).sum()
+    assert result["tokens"] == (batch["labels"][:, 1:] != -100).sum()
+    assert float(result["loss"]) == pytest.approx(float(expected), rel=1e-5)
 
 
 def test_resume_matches_an_uninterrupted_run(full_run, tmp_path):
@@ -153,6 +212,24 @@ def test_resume_on_a_different_world_size_says_what_to_do(full_run, tmp_path):
     with pytest.raises(CheckpointError) as err:  # launch.sh's check, before any worker starts
         check("qwen-fsdp2-sft", f"output_dir={out}", world_size=1)
     assert "written by 2 ranks but this job has 1" in str(err.value) and "NGPU x NNODES = 2" in str(err.value)
+    assert str(err.value).endswith("or start afresh with a new output_dir")  # advice that works:
+    assert "config OK" in check("qwen-fsdp2-sft", f"output_dir={out}", world_size=2)
+    assert "config OK" in check("qwen-fsdp2-sft", f"output_dir={tmp_path / 'new'}", world_size=1)
+
+
+def test_a_finished_run_says_how_to_train_again_and_the_advice_works(full_run, tmp_path, capfd):
+    import re
+    import shutil
+
+    out = tmp_path / "done"
+    shutil.copytree(full_run, out)
+    main_in_workers("qwen-fsdp2-sft", f"output_dir={out}")
+    message = next(line for line in capfd.readouterr().err.splitlines() if "already complete" in line)
+    advice = message.split("To train again, ", 1)[1]
+    assert advice == f"use a new output_dir (or delete {out}).", message
+    assert "config OK" in check("qwen-fsdp2-sft", f"output_dir={tmp_path / 'new'}")  # a new output_dir starts afresh
+    shutil.rmtree(re.search(r"\(or delete (.+)\)\.$", advice)[1])
+    assert "config OK" in check("qwen-fsdp2-sft", f"output_dir={out}")  # so does the deleted one
 
 
 def test_llama_config_trains(tmp_path):
@@ -193,9 +270,35 @@ def test_collate_marks_every_packed_document_for_varlen_attention():
     assert batch["cu_seq_lens"].tolist() == [0, 3, 5, 6, 12] and batch["cu_seq_lens"].dtype == torch.int32
 
 
+@pytest.mark.parametrize("recipe", ["qwen-fsdp2-sft", "moe-lora-fsdp2-ep", "qwen-ray-sft"])
+@pytest.mark.parametrize("packing", [True, False])
+def test_token_counts_are_exact_when_the_pad_token_is_the_end_of_turn_token(recipe, packing):
+    """A tokenizer without a pad token (as Llama 3 Instruct's) pads with its end-of-sequence token, which also ends
+    every assistant turn: the tokens/s and MFU counts of each recipe's batches still count every real token."""
+    from transformers import AutoTokenizer
+
+    from cookbook import lm, sft_data
+
+    tokenizer = AutoTokenizer.from_pretrained(RECIPE / "tiny" / "qwen3")
+    tokenizer.pad_token = None
+    pad_id = tokenizer.eos_token_id  # what the recipes use without a pad token
+    examples, _ = sft_data.prepare(sft_data.load_rows(RECIPE / "tiny" / "data" / "chat.jsonl")[:6], tokenizer, 64, "chat.jsonl")
+    assert all(pad_id in ex["input_ids"] for ex in examples)  # real tokens with the pad id
+    real = sum(len(ex["input_ids"]) for ex in examples)
+    batch = load_recipe(recipe).collate(sft_data.pack(examples, 128, pad_id) if packing else examples, pad_id)
+    assert batch["input_ids"].numel() > real  # there is padding to leave out
+    assert lm.count_tokens(batch, pad_id) == real
+    assert (batch["input_ids"] != pad_id).sum() < real  # what counting by token id gives
+
+
 def test_varlen_attention_on_a_cpu_run_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="varlen runs on CUDA GPUs only"):
         check("qwen-fsdp2-sft", f"output_dir={tmp_path / 'out'}", "model.attn_implementation=varlen")
+
+
+def test_flex_attention_on_a_cpu_run_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="flex_attention cannot train on CPU .* use sdpa"):
+        check("qwen-fsdp2-sft", f"output_dir={tmp_path / 'out'}", "model.attn_implementation=flex_attention")
 
 
 def test_cpu_offload_on_a_cpu_run_is_refused(tmp_path):

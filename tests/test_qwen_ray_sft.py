@@ -44,3 +44,53 @@ def test_bad_input_fails_before_ray_starts(tmp_path, monkeypatch):
         train.main([*base, f"data.train_files=[{bad}]"])
     with pytest.raises(ValueError, match="model.name_or_path: folder not found: /no/such/model"):
         train.main([*base, "model.name_or_path=/no/such/model"])
+    with pytest.raises(ValueError, match="model.attn_implementation=flex_attention cannot train on CPU"):
+        train.main([*base, "model.attn_implementation=flex_attention"])
+
+
+def tiny_config(*overrides):
+    train = recipe_module("qwen-ray-sft")
+    cfg = train.load_config(train.Config, RECIPE / "tiny.yaml", list(overrides))
+    train.check_config(cfg, RECIPE)
+    return cfg
+
+
+def _ddp_eval(rows: list) -> tuple:
+    """The recipe's evaluate on the DDP-wrapped model (as Ray Train's prepare_model wraps it on 2 CPU workers) over
+    `rows`; the model's weights from rank 0."""
+    import contextlib
+
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    import cookbook
+
+    train = recipe_module("qwen-ray-sft")
+    info = cookbook.get_dist_info()
+    cfg = tiny_config()
+    torch.manual_seed(cfg.train.seed)
+    inner = train.build_model(cfg.model, 100, info.device)
+    result = train.evaluate(DistributedDataParallel(inner), rows, info, cfg.train.micro_batch_size, 0, contextlib.nullcontext)
+    return result, inner.state_dict() if info.rank == 0 else None
+
+
+def test_eval_of_one_row_on_two_workers_equals_one_process():
+    """Fewer eval rows than workers: the worker without a row runs no forward, and the value is that row's loss per
+    label token computed in one process."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    import cookbook
+
+    train = recipe_module("qwen-ray-sft")
+    cfg = tiny_config()
+    _, evals, _ = train.load_rows(cfg.data, AutoTokenizer.from_pretrained(cfg.model.tokenizer), cfg.train.seed)
+    result, state = cookbook.distributed(num_processes=2, start_method="fork", timeout_minutes=1)(_ddp_eval).distributed(evals[:1])[0]
+    plain = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model.name_or_path)).eval()
+    plain.load_state_dict(state)
+    batch = train.collate(evals[:1], pad_id=0)
+    labels = (batch["labels"][:, 1:] != -100).sum()
+    with torch.no_grad():
+        expected = train.token_loss_sum(plain, batch) / labels
+    assert result["tokens"] == labels
+    assert float(result["loss"]) == pytest.approx(float(expected), rel=1e-5)

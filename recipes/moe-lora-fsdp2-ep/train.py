@@ -77,9 +77,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Schedu
 from transformers import logging as hf_logging
 
 import cookbook
-from cookbook import sft_data
+from cookbook import lm, sft_data
 from cookbook.checkpoint import Checkpointer, CheckpointError, ModelOptimizerState, RankLocalState, RNGState, TrainState
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
+from cookbook.hub import model_folder
 from cookbook.metrics import MetricsLogger, ModelFlops, count_parameters
 from cookbook.sft_data import SFTDataError
 
@@ -653,20 +654,6 @@ CHECKPOINT_RENAMES = {"nemotron_h": [("backbone.", "model.")]}
 _PER_EXPERT_KEY = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
 
 
-def checkpoint_files(name_or_path: str) -> list[Path]:
-    """The ``*.safetensors`` files of a local folder or of a hub repository (downloaded to the hub cache)."""
-    folder = Path(name_or_path)
-    if not folder.is_dir():
-        from huggingface_hub import snapshot_download
-
-        folder = Path(snapshot_download(name_or_path, allow_patterns=["*.safetensors", "*.json"]))
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"model.lazy_load: no *.safetensors files in {folder}; set model.lazy_load=false to load "
-                          f"{name_or_path} with transformers")
-    return files
-
-
 @torch.no_grad()
 def load_base_lazily(model: torch.nn.Module, name_or_path: str, model_type: str) -> int:
     """Fill the base weights of `model` that are still on the meta device (built with empty weights, PEFT added,
@@ -699,7 +686,7 @@ def load_base_lazily(model: torch.nn.Module, name_or_path: str, model_type: str)
         experts_modules[id(inner)] = inner
     with contextlib.ExitStack() as stack:
         dense, per_expert = {}, {}
-        for f in checkpoint_files(name_or_path):
+        for f in sorted(model_folder(name_or_path).glob("*.safetensors")):  # a folder or a hub id (cache)
             handle = stack.enter_context(safe_open(str(f), framework="pt"))
             for key in handle.keys():
                 name = key
@@ -1013,6 +1000,8 @@ def preflight(cfg: Config, config_path: str) -> None:
     tokenizer, resume, and enough data for one step (image + text rows: every row of local files tokenized
     and its images decoded)."""
     world_size = int(os.environ.get("COOKBOOK_WORLD_SIZE", "1"))  # launch.sh: NGPU x NNODES
+    if cfg.model.pretrained and cfg.model.lazy_load:  # a hub id is downloaded here, once, before any worker starts
+        model_folder(cfg.model.name_or_path)
     try:
         hf_config = AutoConfig.from_pretrained(cfg.model.name_or_path)
         tokenizer, image_processor = load_processors(cfg, hf_config)
@@ -1021,6 +1010,8 @@ def preflight(cfg: Config, config_path: str) -> None:
                           f"{str(exc).splitlines()[0]}") from None
     sft_data.check_vocab(tokenizer, hf_config.get_text_config().vocab_size)
     check_model(cfg, hf_config, world_size)
+    on_cpu = not torch.cuda.is_available() or os.environ.get("COOKBOOK_DEVICE") == "cpu"
+    lm.check_attention(cfg.model.attn_implementation, on_cpu)
     if cfg.data.packing and hf_config.model_type == "nemotron_h":
         raise ConfigError("data.packing=true with nemotron_h: its Mamba layers would carry state from one packed document "
                           "into the next; use data.packing=false")
@@ -1115,7 +1106,8 @@ def main(argv: list[str]) -> None:
     sampler.set_epoch(state.epoch)
     stop_at = cfg.train.stop_at_step if cfg.train.stop_at_step > 0 else max_steps
     if state.step >= max_steps and (out_dir / "adapter").is_dir():
-        log.info(f"already complete: {state.step} of {max_steps} steps; adapter in {out_dir / 'adapter'}")
+        log.info(f"already complete: {state.step} of {max_steps} steps; adapter in {out_dir / 'adapter'}, metrics in "
+                 f"{out_dir / 'metrics.jsonl'}. To train again, use a new output_dir (or delete {out_dir}).")
         cookbook.destroy_distributed()
         return
 
@@ -1164,7 +1156,7 @@ def main(argv: list[str]) -> None:
                 router.take()  # drop the routers' records of a recomputing backward
                 step_loss += loss_sum.detach() * info.world_size / global_tokens
                 window_aux += aux.detach() / cfg.train.grad_accum_steps
-                metrics.add(samples=mb["input_ids"].shape[0], tokens=(mb["input_ids"] != pad_id).sum(), data_wait_s=wait)
+                metrics.add(samples=mb["input_ids"].shape[0], tokens=lm.count_tokens(mb, pad_id), data_wait_s=wait)
             grad_norm = clip_grad_norm(trainable, cfg.optim.max_grad_norm, info.device)
             lr = scheduler.get_last_lr()[0]
             optimizer.step()

@@ -17,7 +17,9 @@ What this recipe supports:
       fused AdamW on GPU.
     - Model loading without materialising the model on any rank: built on the meta device,
       sharded, then either read shard by shard from Hugging Face safetensors with DCP's
-      ``HuggingFaceStorageReader`` or randomly initialised in place (benchmarks, tests).
+      ``HuggingFaceStorageReader`` (a local folder, or a hub id through the Hugging Face cache:
+      ``cookbook.hub.model_folder``) or randomly initialised module by module, the same for any
+      number of ranks (``cookbook.lm.init_sharded_weights``; benchmarks, tests).
     - Data (cookbook.sft_data): chat ``messages``, Alpaca and ShareGPT rows; the tokenizer's chat
       template; loss on assistant tokens only; sequence packing with per-document position ids
       (no attention across documents with varlen, sdpa, eager and flex_attention; varlen, the
@@ -44,7 +46,6 @@ from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 warnings.filterwarnings("ignore", message=".*set_vital.*")
-warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support on cpu")
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -62,7 +63,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from transformers import logging as hf_logging
 
 import cookbook
-from cookbook import sft_data
+from cookbook import lm, sft_data
 from cookbook.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -73,6 +74,7 @@ from cookbook.checkpoint import (
     export_hf,
 )
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
+from cookbook.hub import model_folder
 from cookbook.metrics import MetricsLogger, ModelFlops, StepProfiler, count_parameters
 
 hf_logging.disable_progress_bar()
@@ -303,16 +305,14 @@ def build_model(cfg: Config, info: cookbook.DistInfo, vocab_size_needed: int) ->
     fully_shard(model, **fsdp_kwargs)  # root: embeddings, final norm, lm_head (tied weights stay together)
 
     model.to_empty(device="cpu" if cfg.fsdp.cpu_offload else info.device)
-    torch.manual_seed(cfg.train.seed)
-    for obj in [*model.modules(), *model.parameters(), *model.buffers()]:
-        if hasattr(obj, "_is_hf_initialized"):  # set while building on meta; would skip the init below
-            del obj._is_hf_initialized
-    model.initialize_weights()  # random weights, and the non-persistent buffers (rotary inv_freq)
+    # Random weights (the same whatever the number of ranks, the sharding and the offload), and the
+    # non-persistent buffers (rotary inv_freq), which a checkpoint does not hold.
+    lm.init_sharded_weights(model, cfg.train.seed, info.device)
     if cfg.model.pretrained:
         # get_model_state_dict gives Hugging Face names (no activation-checkpoint or compile prefixes) and
         # this rank's DTensor shards: each rank reads only its slices of the safetensors files.
         state = {k: v for k, v in get_model_state_dict(model).items() if not (hf_config.tie_word_embeddings and k == "lm_head.weight")}
-        dcp.load(state, storage_reader=HuggingFaceStorageReader(cfg.model.name_or_path))
+        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(model_folder(cfg.model.name_or_path))))
         set_model_state_dict(model, state, options=StateDictOptions(strict=False))
     return model, flops
 
@@ -352,6 +352,8 @@ def main(argv: list[str]) -> None:
     check_config(cfg, Path(args.config).resolve().parent)
     if args.check:  # one process, before torchrun starts any worker
         world_size = int(os.environ.get("COOKBOOK_WORLD_SIZE", "1"))  # launch.sh: NGPU x NNODES
+        if cfg.model.pretrained:  # a hub id is downloaded here, once, before any worker starts
+            model_folder(cfg.model.name_or_path)
         try:
             tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
             vocab_size = AutoConfig.from_pretrained(cfg.model.name_or_path).vocab_size
@@ -362,6 +364,7 @@ def main(argv: list[str]) -> None:
         on_cpu = not torch.cuda.is_available() or os.environ.get("COOKBOOK_DEVICE") == "cpu"
         if cfg.model.attn_implementation == "varlen" and on_cpu:
             raise ConfigError("model.attn_implementation=varlen runs on CUDA GPUs only: use sdpa on CPU")
+        lm.check_attention(cfg.model.attn_implementation, on_cpu)
         if cfg.fsdp.cpu_offload and on_cpu:
             raise ConfigError("fsdp.cpu_offload=true needs GPUs: it moves shards from GPU to CPU memory, and on a CPU run "
                               "they are in CPU memory already")
@@ -426,7 +429,7 @@ def main(argv: list[str]) -> None:
     stop_at = cfg.train.stop_at_step if cfg.train.stop_at_step > 0 else max_steps
     if state.step >= max_steps and (out_dir / "final").is_dir():
         log.info(f"already complete: {state.step} of {max_steps} steps; model in {out_dir / 'final'}, metrics in "
-                 f"{out_dir / 'metrics.jsonl'}. Use a new output_dir (or checkpoint.resume=none) to train again.")
+                 f"{out_dir / 'metrics.jsonl'}. To train again, use a new output_dir (or delete {out_dir}).")
         cookbook.destroy_distributed()
         return
 
@@ -472,7 +475,7 @@ def main(argv: list[str]) -> None:
                 loss_sum = token_loss_sum(model, mb)
                 (loss_sum * info.world_size / max(global_tokens, 1.0)).backward()
                 step_loss += loss_sum.detach() / max(global_tokens, 1.0) * info.world_size
-                metrics.add(samples=mb["input_ids"].shape[0], tokens=(mb["input_ids"] != pad_id).sum(), data_wait_s=wait)
+                metrics.add(samples=mb["input_ids"].shape[0], tokens=lm.count_tokens(mb, pad_id), data_wait_s=wait)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf"))
             if isinstance(grad_norm, torch.distributed.tensor.DTensor):
                 grad_norm = grad_norm.full_tensor()

@@ -45,8 +45,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Schedu
 from transformers import logging as hf_logging
 
 import cookbook
-from cookbook import ray_train, sft_data
+from cookbook import lm, ray_train, sft_data
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
+from cookbook.hub import model_folder
 from cookbook.metrics import MetricsLogger, ModelFlops, count_parameters
 
 hf_logging.disable_progress_bar()
@@ -161,9 +162,10 @@ def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
 # ----------------------------------------------------------------------------- model
 def build_model(cfg: ModelConfig, vocab_needed: int, device: torch.device) -> torch.nn.Module:
     """The causal LM, pretrained or randomly initialised from its config (fp32 master weights), on
-    `device`. A random init is generated there directly: on the CPU, a 3 B model takes minutes."""
+    `device`. A random init is generated there directly: on the CPU, a 3 B model takes minutes. A hub id is
+    read from the Hugging Face cache (downloaded there by the driver's check when it runs on this machine)."""
     if cfg.pretrained:
-        model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, dtype=torch.float32,
+        model = AutoModelForCausalLM.from_pretrained(model_folder(cfg.name_or_path), dtype=torch.float32,
                                                      attn_implementation=cfg.attn_implementation).to(device)
     else:
         config = AutoConfig.from_pretrained(cfg.name_or_path, attn_implementation=cfg.attn_implementation)
@@ -186,7 +188,11 @@ def token_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> to
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, rows: list[dict], info: cookbook.DistInfo, micro_batch: int, pad_id: int, autocast) -> dict[str, float]:
-    """Mean loss per assistant token over the evaluation rows (each worker a disjoint slice)."""
+    """Mean loss per assistant token over the evaluation rows (each worker a disjoint slice, possibly empty).
+
+    A DDP-wrapped model is evaluated through its inner module: DDP's forward broadcasts the buffers from
+    rank 0 (rotary tables), a collective that a worker with fewer rows (or none) would not join."""
+    model = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     model.eval()
     loss_sum = torch.zeros((), device=info.device, dtype=torch.float64)
     tokens = torch.zeros((), device=info.device, dtype=torch.float64)
@@ -297,7 +303,7 @@ def train_loop(config: dict) -> None:
                         loss_sum = token_loss_sum(model, mb)
                     (loss_sum * info.world_size / global_tokens).backward()
                 step_loss += loss_sum.detach() * info.world_size / global_tokens
-                metrics.add(samples=mb["input_ids"].shape[0], tokens=(mb["input_ids"] != pad_id).sum(), data_wait_s=wait)
+                metrics.add(samples=mb["input_ids"].shape[0], tokens=lm.count_tokens(mb, pad_id), data_wait_s=wait)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf"))
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
@@ -360,6 +366,9 @@ def main(argv: list[str]) -> None:
         raise ConfigError(f"model.name_or_path / model.tokenizer: cannot load {cfg.model.name_or_path!r}: "
                           f"{str(exc).splitlines()[0]}") from None
     sft_data.check_vocab(tokenizer, vocab_size)
+    lm.check_attention(cfg.model.attn_implementation, on_cpu=not planned[1] if planned else cfg.ray.use_gpu is False)
+    if cfg.model.pretrained:  # a hub id is downloaded here, once, before the workers start
+        model_folder(cfg.model.name_or_path)
     if cfg.data.train_files:
         train, evals, stats = load_rows(cfg.data, tokenizer, cfg.train.seed)
         per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * (planned[0] if planned else 1)

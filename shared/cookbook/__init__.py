@@ -6,6 +6,9 @@
 - `cookbook.metrics`: tokens/s, MFU, memory; console, JSONL and MLflow sinks.
 - `cookbook.entry`: ``run_main``, the end of every recipe's ``train.py``: errors from whichever rank found them, exit statuses, an exit that cannot hang.
 - `cookbook.torchrun`: ``python -m cookbook.torchrun``, torchrun with a one-line failure report.
+- `cookbook.hub`: a model's local folder from a path or a Hugging Face Hub id (through the hub cache).
+- `cookbook.lm`: causal-LM model helpers: real-token counts, world-size-independent init of FSDP2 shards.
+- `cookbook.tabular`: CSV / JSON(L) / parquet rows with their file and 1-based line, BOMs, CRLF and `3.0` integers accepted.
 - `cookbook.launcher`: the ``@distributed`` decorator (``fn.distributed(...)`` runs ``fn`` once per GPU) for notebooks and scripts.
 """
 

@@ -251,7 +251,7 @@ class Checkpointer:
             if diff:
                 raise CheckpointError(
                     f"{path} was written with other settings ({diff}); resuming "
-                    f"would mix two runs. Use the same settings, a new output_dir, or checkpoint.resume=none"
+                    f"would mix two runs. Use the same settings, or a new output_dir to start afresh"
                 )
         if 0 < stop_at_step <= meta["step"]:
             raise CheckpointError(f"train.stop_at_step={stop_at_step} is not after the checkpoint {path} (step "
@@ -346,7 +346,7 @@ def _check_world_size(path: Path, meta: Mapping[str, Any], world_size: int) -> N
         raise CheckpointError(
             f"{path} was written by {meta['world_size']} ranks but this job has {world_size}: its per-rank "
             f"data-loader and RNG state cannot be remapped. Resume with the same number of processes "
-            f"(NGPU x NNODES = {meta['world_size']}), or start fresh with checkpoint.resume=none or a new output_dir"
+            f"(NGPU x NNODES = {meta['world_size']}), or start afresh with a new output_dir"
         )
 
 

@@ -1,0 +1,113 @@
+"""Model-side helpers of the causal language model recipes: real-token counts of a batch, random
+initialisation of FSDP2-sharded models that does not depend on the sharding, and attention
+implementations that cannot train where the run is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from cookbook.config import ConfigError
+from cookbook.sft_data import IGNORE_INDEX
+
+
+def count_tokens(batch: dict[str, torch.Tensor], pad_id: int) -> torch.Tensor:
+    """Real (non-padding) tokens of a batch, for throughput and MFU; a 0-d tensor on the batch's device.
+
+    Padding is found by structure, never by token id alone: the padding token is often the
+    end-of-sequence token (a tokenizer without a pad token, e.g. Llama 3 Instruct), which also ends
+    every real turn.
+
+    - Right-padded rows (``attention_mask`` (B, L), 1 on real tokens): the mask's sum.
+    - Packed rows (``position_ids`` (B, L), no mask; `cookbook.sft_data.pack`): every document counts,
+      except the padding that fills a row's end, which `pack` lays out as the row's last document
+      (position ids from 0) made of `pad_id` only and without any label. A real document always has a
+      label (`sft_data.prepare` drops the others), so it is never taken for padding.
+    - Otherwise every token is real.
+    """
+    ids = batch["input_ids"]
+    if "attention_mask" in batch:
+        return batch["attention_mask"].sum()
+    if "position_ids" not in batch:
+        return torch.tensor(ids.numel(), device=ids.device)
+    pos, labels = batch["position_ids"], batch["labels"]
+    length = ids.shape[1]
+    cols = torch.arange(length, device=ids.device).expand_as(ids)
+    last_start = torch.where(pos == 0, cols, 0).amax(1, keepdim=True)  # (B, 1): where each row's last document starts
+    tail = cols >= last_start
+    padding = ((ids == pad_id) & (labels == IGNORE_INDEX) | ~tail).all(1)  # the last document is padding
+    return ids.numel() - (padding[:, None] & tail).sum()
+
+
+def _seed(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") & (2 ** 63 - 1)
+
+
+@torch.no_grad()
+def init_sharded_weights(model: torch.nn.Module, seed: int, device: torch.device) -> None:
+    """Randomly initialise a Hugging Face model whose parameters are DTensor shards (after
+    ``fully_shard`` and ``to_empty``) so that the full weights are the same for any number of ranks,
+    any sharding (FSDP, HSDP) and wherever the shards live (``CPUOffloadPolicy``).
+
+    Random operators on DTensor shards do not give that: on CPU every rank draws the same values for
+    its own shard (PyTorch warns "DTensor random operators may not have complete support on cpu"), so
+    the model depends on the world size. Here, module by module, the module's own parameters are
+    materialised whole on `device`, initialised by the owning model's ``_init_weights`` (transformers'
+    rules: normal(0, initializer_range) for linear and embedding weights, ones for norms, the rotary
+    tables...) from a seed derived from `seed` and the module's name (its Hugging Face name: activation
+    checkpointing and compile wrappers are left out), and each rank copies out its shard. The values
+    depend on the device type (CPU and CUDA generators differ), not on the rank or the world size.
+
+    Args:
+        model: a ``transformers.PreTrainedModel``; parameters DTensors (or plain tensors), allocated.
+        seed: the run's seed.
+        device: where the whole tensors are generated; peak extra memory is one module's parameters.
+    """
+    from transformers import PreTrainedModel
+
+    for obj in [*model.modules(), *model.parameters(), *model.buffers()]:
+        if hasattr(obj, "_is_hf_initialized"):  # set while building on meta; would make the init skip them
+            del obj._is_hf_initialized
+    done: set[int] = set()  # tied parameters: initialised once, under the first module's name
+
+    def visit(module: torch.nn.Module, owner: PreTrainedModel, name: str) -> None:
+        owner = module if isinstance(module, PreTrainedModel) else owner  # composite models: each part its own rules
+        for child_name, child in module.named_children():
+            hf_name = name if child_name in ("_checkpoint_wrapped_module", "_orig_mod") else f"{name}.{child_name}"
+            visit(child, owner, hf_name)
+        params = {n: p for n, p in module._parameters.items() if p is not None and id(p) not in done}
+        if not params and not any(b is not None for b in module._buffers.values()):
+            return
+        full = {n: torch.empty(p.shape, dtype=p.dtype, device=device) for n, p in params.items()}
+        original = dict(module._parameters)
+        module._parameters.update({n: torch.nn.Parameter(t, requires_grad=False) for n, t in full.items()})
+        try:
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                torch.manual_seed(_seed(seed, name.lstrip(".")))
+                owner._init_weights(module)
+        finally:
+            module._parameters.update(original)
+        for n, p in params.items():
+            if isinstance(p, DTensor):
+                p.to_local().copy_(distribute_tensor(full[n], p.device_mesh, p.placements, src_data_rank=None).to_local())
+            else:
+                p.copy_(full[n])
+            done.add(id(p))
+
+    visit(model, model, "")
+
+
+def check_attention(attn_implementation: str, on_cpu: bool) -> None:
+    """Refuse, before any worker starts, an attention implementation that cannot train on this device.
+
+    Raises:
+        ConfigError: ``flex_attention`` on CPU: PyTorch's FlexAttention has no CPU backward (torch 2.13
+            raises "FlexAttention does not support backward on CPU" in the first forward whose inputs
+            require gradients).
+    """
+    if on_cpu and attn_implementation == "flex_attention":
+        raise ConfigError("model.attn_implementation=flex_attention cannot train on CPU (PyTorch's FlexAttention has "
+                          "no CPU backward): use sdpa (or eager) on CPU; flex_attention needs CUDA GPUs")
