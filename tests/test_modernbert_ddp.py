@@ -211,6 +211,7 @@ def test_rerunning_a_finished_run_changes_nothing(full_run, monkeypatch, capfd):
     assert "config OK" in check("modernbert-ddp", f"output_dir={out}", config=config)  # launch.sh's --check passes it
     err = run_in_workers(monkeypatch, capfd, f"output_dir={out}", config=config)
     assert "already complete: 40 of 40 steps" in err, err[-2000:]
+    assert f"To train again, use a new output_dir (or delete {out})." in err  # not checkpoint.resume=none: refused there
     assert (out / "metrics.jsonl").read_text() == before
 
 

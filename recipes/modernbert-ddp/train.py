@@ -436,7 +436,7 @@ def main(argv: list[str]) -> None:
     stop_at = cfg.train.stop_at_step if cfg.train.stop_at_step > 0 else max_steps
     if state.step >= max_steps and (out_dir / "final").is_dir():
         log.info(f"already complete: {state.step} of {max_steps} steps; model in {out_dir / 'final'}, metrics in "
-                 f"{out_dir / 'metrics.jsonl'}. Use a new output_dir (or checkpoint.resume=none) to train again.")
+                 f"{out_dir / 'metrics.jsonl'}. To train again, use a new output_dir (or delete {out_dir}).")
         cookbook.destroy_distributed()
         return
 

@@ -719,7 +719,7 @@ def main(argv: list[str]) -> None:
     stop_at = cfg.train.stop_at_step if cfg.train.stop_at_step > 0 else max_steps
     if state.step >= max_steps:
         log.info(f"already complete: {state.step} of {max_steps} steps; metrics in {out_dir / 'metrics.jsonl'}. "
-                 f"Use a new output_dir (or checkpoint.resume=none) to train again.")
+                 f"To train again, use a new output_dir (or delete {out_dir}).")
         cookbook.destroy_distributed()
         return
     if info.is_main:
