@@ -204,6 +204,11 @@ def test_tokenizer_larger_than_the_model_vocabulary(tmp_path):
         check("modernbert-ddp", f"model.name_or_path={model_dir}", f"output_dir={tmp_path / 'out'}")
 
 
+def test_flex_attention_on_a_cpu_run_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="flex_attention cannot train on CPU .* use sdpa"):
+        check("modernbert-ddp", f"output_dir={tmp_path / 'out'}", "model.attn_implementation=flex_attention")
+
+
 def test_rerunning_a_finished_run_changes_nothing(full_run, monkeypatch, capfd):
     out, _ = full_run
     before = (out / "metrics.jsonl").read_text()

@@ -61,6 +61,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import cookbook
+from cookbook import lm
 from cookbook.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -356,6 +357,8 @@ def main(argv: list[str]) -> None:
     check_config(cfg, Path(args.config).resolve().parent)
     if args.check:  # one process, before torchrun starts any worker
         world_size = int(os.environ.get("COOKBOOK_WORLD_SIZE", "1"))  # launch.sh: NGPU x NNODES
+        lm.check_attention(cfg.model.attn_implementation,
+                           on_cpu=not torch.cuda.is_available() or os.environ.get("COOKBOOK_DEVICE") == "cpu")
         train_ds, eval_ds = load_splits(cfg.data, cfg.train.seed) if cfg.data.train_files else (None, None)
         try:
             tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
