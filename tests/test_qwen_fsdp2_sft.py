@@ -270,8 +270,8 @@ def test_collate_marks_every_packed_document_for_varlen_attention():
     assert batch["cu_seq_lens"].tolist() == [0, 3, 5, 6, 12] and batch["cu_seq_lens"].dtype == torch.int32
 
 
-@pytest.mark.parametrize("recipe", ["qwen-fsdp2-sft", "moe-lora-fsdp2-ep", "qwen-ray-sft"])
-@pytest.mark.parametrize("packing", [True, False])
+@pytest.mark.parametrize("recipe, packing", [(r, p) for r in ("qwen-fsdp2-sft", "moe-lora-fsdp2-ep", "qwen-ray-sft")
+                                             for p in (True, False)] + [("qwen-zero3-receipts", True)])
 def test_token_counts_are_exact_when_the_pad_token_is_the_end_of_turn_token(recipe, packing):
     """A tokenizer without a pad token (as Llama 3 Instruct's) pads with its end-of-sequence token, which also ends
     every assistant turn: the tokens/s and MFU counts of each recipe's batches still count every real token."""
@@ -282,10 +282,14 @@ def test_token_counts_are_exact_when_the_pad_token_is_the_end_of_turn_token(reci
     tokenizer = AutoTokenizer.from_pretrained(RECIPE / "tiny" / "qwen3")
     tokenizer.pad_token = None
     pad_id = tokenizer.eos_token_id  # what the recipes use without a pad token
-    examples, _ = sft_data.prepare(sft_data.load_rows(RECIPE / "tiny" / "data" / "chat.jsonl")[:6], tokenizer, 64, "chat.jsonl")
+    examples, _ = sft_data.prepare(sft_data.load_rows(RECIPE / "tiny" / "data" / "chat.jsonl")[:6], tokenizer, 64, "chat.jsonl",
+                                  split_turns=True)  # Qwen3's template rewrites earlier turns
     assert all(pad_id in ex["input_ids"] for ex in examples)  # real tokens with the pad id
     real = sum(len(ex["input_ids"]) for ex in examples)
-    batch = load_recipe(recipe).collate(sft_data.pack(examples, 128, pad_id) if packing else examples, pad_id)
+    if recipe == "qwen-zero3-receipts":  # its packed rows; unpacked ones come from TRL's collator, with a mask
+        batch = load_recipe(recipe).collate_packed(sft_data.pack(examples, 128, pad_id))
+    else:
+        batch = load_recipe(recipe).collate(sft_data.pack(examples, 128, pad_id) if packing else examples, pad_id)
     assert batch["input_ids"].numel() > real  # there is padding to leave out
     assert lm.count_tokens(batch, pad_id) == real
     assert (batch["input_ids"] != pad_id).sum() < real  # what counting by token id gives

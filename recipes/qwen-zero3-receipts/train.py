@@ -53,7 +53,7 @@ from transformers import AutoConfig, AutoTokenizer, SchedulerType
 from transformers import logging as hf_logging
 
 import cookbook
-from cookbook import sft_data
+from cookbook import lm, sft_data
 from cookbook.checkpoint import CheckpointError, config_changes, publish
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
 
@@ -789,8 +789,7 @@ def train(cfg: Config, on_cpu: bool) -> None:
             batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
             wait = (time.perf_counter() - t0) / max(len(batches), 1)
             for b in batches:
-                real = b["attention_mask"].sum() if "attention_mask" in b else (b["input_ids"] != pad_id).sum()
-                metrics.add(samples=b["input_ids"].shape[0], tokens=real, data_wait_s=wait)
+                metrics.add(samples=b["input_ids"].shape[0], tokens=lm.count_tokens(b, pad_id), data_wait_s=wait)
             return batches, num_items
 
     trainer = ReceiptTrainer(
