@@ -17,6 +17,7 @@ import datetime
 import logging
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from typing import Iterator, Mapping
 
@@ -180,11 +181,27 @@ class _RankFilter(logging.Filter):
         return self.rank == 0
 
 
+class _StderrHandler(logging.StreamHandler):
+    """A stream handler that writes to whatever ``sys.stderr`` is when a record is emitted, not the one
+    that was current when the handler was made (notebooks and test runners replace ``sys.stderr``)."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def _configure_logging(rank: int) -> None:
     root = logging.getLogger("cookbook")
     if any(getattr(h, "_cookbook", False) for h in root.handlers):
         return
-    handler = logging.StreamHandler()
+    handler = _StderrHandler()
     handler._cookbook = True  # type: ignore[attr-defined]
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
     handler.addFilter(_RankFilter(rank))
