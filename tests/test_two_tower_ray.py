@@ -1,5 +1,6 @@
 """The two-tower Ray Train recipe on CPU: 2 Ray workers on generated interactions."""
 
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -127,11 +128,27 @@ def _read(tmp_path, name: str, content: str | bytes, *overrides: str):
 PLAIN = "user_id,item_id,timestamp\n1,10,1\n1,11,2\n2,10,3\n2,12,4\n2,11,5\n"
 
 
+def _parquet(**columns) -> bytes:
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = io.BytesIO()
+    pq.write_table(pa.table(columns), out)
+    return out.getvalue()
+
+
 @pytest.mark.parametrize("name, content", [
     ("excel.csv", b"\xef\xbb\xbf" + PLAIN.replace("\n", "\r\n").encode()),  # byte-order mark, CRLF
     ("blank_lines.csv", PLAIN.replace("1,11,2\n", "1,11,2\n\n \n") + "\n\n"),
     ("floats.csv", PLAIN.replace("\n1,10,", "\n1.0,10,").replace("2,12,", "2,12.00,").replace("2,11,5", " 2.0 ,11,5.0")),
-    ("rows.tsv", PLAIN.replace(",", "\t")),
+    ("rows.tsv", PLAIN.replace(",", "\t").replace("\n2\t10", "\n \n2\t10")),  # a whitespace-only line
+    ("rows.json", '[{"user_id": 1, "item_id": 10, "timestamp": 1}, {"user_id": 1, "item_id": 11, "timestamp": 2}, '
+                  '{"user_id": 2, "item_id": 10, "timestamp": 3}, {"user_id": 2, "item_id": 12, "timestamp": 4}, '
+                  '{"user_id": 2, "item_id": 11, "timestamp": 5}]'),
+    ("rows.parquet", _parquet(user_id=[1, 1, 2, 2, 2], item_id=[10.0, 11.0, 10.0, 12.0, 11.0],  # ids as floats
+                              timestamp=[datetime(2024, 1, 1, 0, 0, s) for s in range(1, 6)])),  # a timestamp column
     ("rows.jsonl", "\ufeff" + "".join(f'{{"user_id": {u}, "item_id": "{i}", "timestamp": {t}}}\n\n' for u, i, t in
                                       (("1.0", 10, 1), (1, 11, 2), (2, "10.0", 3), (2, 12, 4), (2, 11, 5)))),
 ])
@@ -147,21 +164,27 @@ def test_native_interaction_files_read_as_the_plain_csv(tmp_path, name, content)
      r"missing column\(s\) \['user_id', 'item_id'\]; found \['user', 'item'\] \(the first line must be a header"),
     ("interactions.csv", "u1,i1\nu1,i2\n", [], r"found \['u1', 'i1'\] \(the first line must be a header naming the columns"),
     ("interactions.csv", "user_id;item_id\nu1;i1\nu1;i2\n", [], r"the header looks semicolon-separated; .csv files are split on"),
-    ("interactions.csv", "user_id,item_id\nu1,i1\n\nu1\n", [], r"interactions.csv line 4: missing or empty item_id"),
-    ("interactions.csv", "user_id,item_id\nu1,i1,x\nu1,i2\n", [], r"interactions.csv line 2: more fields than the header"),
-    ("interactions.csv", "user_id,item_id\nu1,i1\nu1,i2,x\n", [], r"interactions.csv: cannot be read as csv: .*line 3, saw 3"),
-    ("interactions.csv", "user_id,item_id\nu1,i1\n".encode("utf-16"), [], r"interactions.csv: not UTF-8 text"),
+    ("interactions.csv", "user_id,item_id\nu1,i1\n\nu1\n", [], r"interactions.csv line 4: missing field 'item_id' \(1 of 2 fields: user_id, item_id\)"),
+    ("interactions.csv", "user_id,item_id\nu1,i1,x\nu1,i2\n", [], r"interactions.csv line 2: 3 fields, expected 2 \(user_id, item_id\)"),
+    ("interactions.csv", "user_id,item_id\nu1,i1\nu1,i2,x\n", [], r"interactions.csv line 3: 3 fields, expected 2 \(user_id, item_id\)"),
+    ("interactions.csv", "user_id,item_id\nu1,i1\n".encode("utf-16"), [], r"interactions.csv line 1: not UTF-8 text"),
     ("interactions.csv", "user_id,item_id,timestamp\nu1,i1,5\n\nu1,i2,later\n", [], r"line 4: timestamp 'later' is not a number"),
     ("interactions.csv", "user_id,item_id\nu1,i1\nu2,i2\n", [], r"no user has 2 or more interactions"),
     ("interactions.csv", "", [], r"interactions.csv: empty file"),
     ("rows.jsonl", '{"user_id": "u1", "item_id": "i1"}\n\n{"user_id": "u1", "item_id": \n', [], r"rows.jsonl line 3: not valid JSON"),
-    ("rows.jsonl", '{"user_id": "u1", "item_id": "i1"}\n\n{"user_id": "u1"}\n', [], r"rows.jsonl line 3: missing or empty item_id"),
+    ("rows.jsonl", '{"user_id": "u1", "item_id": "i1"}\n\n{"user_id": "u1"}\n', [], r"rows.jsonl line 3: missing field 'item_id' \(found user_id\)"),
     ("rows.jsonl", '{"user_id": null, "item_id": "i1"}\n{"user_id": "u1", "item_id": "i2"}\n', [],
      r"rows.jsonl line 1: missing or empty user_id"),
-    ("rows.jsonl", '{"user_id": "u1", "item_id": "i1"}\n["u1", "i2"]\n', [], r"rows.jsonl row 2: expected a JSON object, got list"),
+    ("rows.jsonl", '{"user_id": "u1", "item_id": "i1"}\n["u1", "i2"]\n', [], r"rows.jsonl line 2: expected a JSON object, got list"),
     ("rows.csv", "user_id,item_id,ts\nu1,i1,1\nu1,i2,2\n", ["data.time_column=tstamp"],
      r"data.time_column='tstamp' is not a column; found \['user_id', 'item_id', 'ts'\]"),
     ("rows.txt", "user_id,item_id\nu1,i1\n", [], r"rows.txt: unsupported file type '.txt'"),
+    ("rows.tsv", "user_id\titem_id\nu1\ti1\nu1\ti2\tx\n", [], r"rows.tsv line 3: 3 fields, expected 2 \(user_id, item_id\)"),
+    ("rows.jsonl", '{"user_id": "u1", "item_id": "i1"}\n{"user_id": "u1", "item_id": "i2", "timestamp": 2}\n', [],
+     r"rows.jsonl line 2: a timestamp, but the first row has none"),
+    ("rows.jsonl", '{"user_id": "u1", "item_id": "i1", "timestamp": 1}\n{"user_id": "u1", "item_id": "i2"}\n', [],
+     r"rows.jsonl line 2: timestamp None is not a number"),
+    ("rows.parquet", _parquet(user_id=["u1", None], item_id=["i1", "i2"]), [], r"rows.parquet row 2: missing or empty user_id"),
 ])
 def test_bad_interaction_files_are_named_before_ray_starts(tmp_path, name, content, overrides, expected):
     f = tmp_path / name

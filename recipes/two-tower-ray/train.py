@@ -27,10 +27,13 @@ What this recipe supports:
 
 from __future__ import annotations
 
+import math
+import re
 import sys
 import time
 import warnings
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 
 warnings.filterwarnings("ignore", message=".*set_vital.*")
@@ -42,9 +45,10 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import cookbook
-from cookbook import ray_train, sft_data
+from cookbook import ray_train, tabular
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
 from cookbook.metrics import MetricsLogger
+from cookbook.tabular import DataError
 
 
 # ----------------------------------------------------------------------------- config
@@ -116,10 +120,6 @@ def check_config(cfg: Config, config_dir: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- data
-class DataError(ValueError):
-    """The interaction file is unusable; the message names the file, column or row."""
-
-
 @dataclass
 class Interactions:
     """Integer-coded interactions: training pairs, one held-out item per evaluated user, and the
@@ -134,99 +134,79 @@ class Interactions:
     item_counts: np.ndarray
 
 
-ID_WRITTEN_AS_DECIMAL = r"^([+-]?\d+)\.0*$"  # "12.0": an integer id as spreadsheets and float columns write it
+ID_WRITTEN_AS_DECIMAL = re.compile(r"([+-]?\d+)\.0*")  # "12.0": an integer id as spreadsheets and float columns write it
 
 
-def read_table(path: Path) -> tuple[pd.DataFrame, np.ndarray, str]:
-    """The rows of an interaction file and where each one is in it.
+def _id(value, column: str, where: str) -> str:
+    """An id as text, stripped of spaces; ``12.0`` is ``12``. Raises DataError for a missing or empty one."""
+    text = "" if value is None or (isinstance(value, float) and math.isnan(value)) else str(value).strip()
+    if not text:
+        raise DataError(f"{where}: missing or empty {column}")
+    decimal = ID_WRITTEN_AS_DECIMAL.fullmatch(text)
+    return decimal.group(1) if decimal else text
 
-    CSV (``,``) and TSV (tab): UTF-8 (a byte-order mark is dropped), any line ending, a header line
-    naming the columns, values read as text; blank lines are skipped. JSONL through
-    `cookbook.sft_data.load_rows` (it names a line that is not JSON). Parquet with its own types.
 
-    Returns:
-        ``(frame, numbers, unit)``: ``numbers[i]`` is where row ``i`` is, as ``unit`` ``"line"``
-        (1-based line of the file: CSV, TSV, JSONL) or ``"row"`` (1-based: parquet, a JSON array).
-
-    Raises:
-        DataError: an unknown suffix, text that is not UTF-8, a line with more fields than the
-            header, or anything else the parser refuses (its message, which names the line).
-    """
-    suffix = path.suffix.lower()
-    if suffix not in (".csv", ".tsv", ".jsonl", ".parquet"):
-        raise DataError(f"{path}: unsupported file type {suffix!r} (use .csv, .tsv, .jsonl or .parquet)")
-    if suffix == ".jsonl":
-        try:
-            df = pd.DataFrame(sft_data.load_rows(path))
-        except sft_data.SFTDataError as exc:
-            raise DataError(str(exc)) from None
-        text = path.read_text(encoding="utf-8-sig")  # as load_rows read it: rows are its non-blank lines
-        if text.lstrip().startswith("["):
-            return df, np.arange(1, len(df) + 1), "row"
-        return df, np.array([n for n, line in enumerate(text.splitlines(), 1) if line.strip()]), "line"
+def _time(value, column: str, where: str) -> float:
+    """A timestamp as a number (a parquet timestamp as seconds since 1970, UTC when it has no zone)."""
+    if isinstance(value, datetime):
+        return (value if value.tzinfo else value.replace(tzinfo=timezone.utc)).timestamp()
     try:
-        if suffix == ".parquet":
-            df = pd.read_parquet(path)
-            return df, np.arange(1, len(df) + 1), "row"
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", pd.errors.ParserWarning)  # pandas' warning for a first row longer than the header
-            df = pd.read_csv(path, sep="," if suffix == ".csv" else "\t", dtype=str, keep_default_na=False, index_col=False,
-                             skip_blank_lines=False, encoding="utf-8-sig")
-    except pd.errors.EmptyDataError:
-        raise DataError(f"{path}: empty file") from None
-    except pd.errors.ParserWarning:
-        raise DataError(f"{path} line 2: more fields than the header line names") from None
-    except UnicodeDecodeError as exc:
-        raise DataError(f"{path}: not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
-    except Exception as exc:  # parser errors come in several types; pandas' message names the line
-        raise DataError(f"{path}: cannot be read as {suffix[1:]}: {str(exc).splitlines()[0]}") from None
-    lines = np.arange(2, len(df) + 2)  # line 1 is the header
-    blank = (df.fillna("").apply(lambda column: column.str.strip()) == "").all(axis=1).to_numpy()
-    return df[~blank].reset_index(drop=True), lines[~blank], "line"
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if math.isnan(number) or isinstance(value, bool):
+        raise DataError(f"{where}: {column} {value!r} is not a number")
+    return number
 
 
 def read_interactions(cfg: DataConfig) -> Interactions:
-    """Read (`read_table`), validate, encode and split the interaction file (leave-last-out per user).
+    """Read (`cookbook.tabular`: CSV, TSV, JSON / JSONL, parquet), validate, encode and split the
+    interaction file (leave-last-out per user).
 
     Ids are text, stripped of surrounding spaces; an integer written as a decimal (``12.0``) is
-    the id ``12``.
+    the id ``12``. The file is read once, row by row; only the id and time columns are kept.
 
     Raises:
-        DataError: the file is missing, unreadable (see `read_table`) or empty, a column is
+        DataError: the file is missing, unreadable (see `cookbook.tabular.records`) or empty, a column is
             missing, an id is missing or empty or a timestamp is not a number (the line is named),
             or no user has enough interactions to hold one out.
     """
     path = Path(cfg.interactions)
     if not path.is_file():
         raise DataError(f"data.interactions: file not found: {path}")
-    df, where, unit = read_table(path)
-    missing = [c for c in (cfg.user_column, cfg.item_column) if c not in df.columns]
+    id_columns = [cfg.user_column, cfg.item_column]
+    found = tabular.column_names(path)  # None for JSON: each row names its own
+    if found == []:
+        raise DataError(f"{path}: empty file")
+    missing = [c for c in id_columns if found is not None and c not in found]
     if missing:
-        found = [str(c) for c in df.columns]
         separator = next((name for sep, name in ((";", "semicolon"), ("\t", "tab"), (",", "comma")) if len(found) == 1
                           and sep in found[0]), None)
         hint = (f"the header looks {separator}-separated; .csv files are split on commas, .tsv files on tabs"
                 if separator else "the first line must be a header naming the columns; or set data.user_column / "
                                   "data.item_column")
         raise DataError(f"{path}: missing column(s) {missing}; found {found} ({hint})")
-    for col in (cfg.user_column, cfg.item_column):
-        values = df[col].astype(str).str.strip().str.replace(ID_WRITTEN_AS_DECIMAL, r"\1", regex=True)
-        empty = np.flatnonzero((values == "").to_numpy() | df[col].isna().to_numpy())
-        if len(empty):
-            raise DataError(f"{path} {unit} {where[empty[0]]}: missing or empty {col}")
-        df[col] = values
-    if len(df) == 0:
+    timed = None if found is None else cfg.time_column in found  # JSON: the first row decides
+    first_keys, users, items, times = found, [], [], []
+    for where, row in tabular.records(path, required=id_columns + [c for c in [cfg.time_column] if found and timed]):
+        if timed is None:
+            timed, first_keys = cfg.time_column in row, list(row)
+        users.append(_id(row[cfg.user_column], cfg.user_column, where))
+        items.append(_id(row[cfg.item_column], cfg.item_column, where))
+        if timed:
+            times.append(_time(row.get(cfg.time_column), cfg.time_column, where))
+        elif cfg.time_column in row:
+            raise DataError(f"{where}: a {cfg.time_column}, but the first row has none (give every row one, or none)")
+    if not users:
         raise DataError(f"{path}: no rows")
-    if cfg.time_column not in df.columns and cfg.time_column != DataConfig.time_column:
-        raise DataError(f"{path}: data.time_column={cfg.time_column!r} is not a column; found {list(df.columns)} "
+    if not timed and cfg.time_column != DataConfig.time_column:
+        raise DataError(f"{path}: data.time_column={cfg.time_column!r} is not a column; found {first_keys} "
                         f"(leave it at {DataConfig.time_column!r} when the file has no time column)")
+    df = pd.DataFrame({cfg.user_column: users, cfg.item_column: items})
+    del users, items
     order = np.arange(len(df))
-    if cfg.time_column in df.columns:
-        times = pd.to_numeric(df[cfg.time_column], errors="coerce")
-        if times.isna().any():
-            row = int(np.flatnonzero(times.isna().to_numpy())[0])
-            raise DataError(f"{path} {unit} {where[row]}: {cfg.time_column} {df[cfg.time_column].iloc[row]!r} is not a number")
-        order = np.lexsort((order, times.to_numpy()))  # stable: ties keep file order
+    if timed:
+        order = np.lexsort((order, np.asarray(times, dtype=np.float64)))  # stable: ties keep file order
     df = df.iloc[order]
     users, user_ids = pd.factorize(df[cfg.user_column], sort=True)
     items, item_ids = pd.factorize(df[cfg.item_column], sort=True)

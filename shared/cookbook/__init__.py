@@ -8,7 +8,7 @@
 - `cookbook.torchrun`: ``python -m cookbook.torchrun``, torchrun with a one-line failure report.
 - `cookbook.hub`: a model's local folder from a path or a Hugging Face Hub id (through the hub cache).
 - `cookbook.lm`: causal-LM model helpers: real-token counts, world-size-independent init of FSDP2 shards.
-- `cookbook.tabular`: CSV / JSON(L) / parquet rows with their file and 1-based line, BOMs, CRLF and `3.0` integers accepted.
+- `cookbook.tabular`: CSV / TSV / JSON(L) / parquet rows with their file and 1-based line, BOMs, CRLF and `3.0` integers accepted.
 - `cookbook.launcher`: the ``@distributed`` decorator (``fn.distributed(...)`` runs ``fn`` once per GPU) for notebooks and scripts.
 """
 

@@ -1,4 +1,4 @@
-"""Rows of tabular data files (CSV, JSON / JSONL, parquet), each with its 1-based place in the file.
+"""Rows of tabular data files (CSV, TSV, JSON / JSONL, parquet), each with its 1-based place in the file.
 
 A recipe that reads users' tables does this::
 
@@ -6,10 +6,11 @@ A recipe that reads users' tables does this::
     for where, row in records("train.csv", required=["text", "label"]):
         label = to_int(row["label"])             # "3", "3.0", 3 and 3.0 are all 3
 
-``where`` is ``"<path> line <n>"`` for CSV and JSONL (the line a row starts on) and ``"<path> row <n>"``
+``where`` is ``"<path> line <n>"`` for CSV, TSV and JSONL (the line a row starts on) and ``"<path> row <n>"``
 for a JSON array and parquet, so that every message can name the file and the line or row. Accepted on
 input: a UTF-8 byte-order mark (as Excel and some editors write), CRLF or LF line endings, quoted CSV
-fields (``csv`` module, RFC 4180), blank lines (skipped). Anything else raises one `DataError` that
+fields (``csv`` module, RFC 4180; a ``.tsv`` file is split on tabs), blank or whitespace-only lines
+(skipped). Anything else raises one `DataError` that
 names the file, the line or row and, where it applies, the field.
 """
 
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 CSV_SUFFIXES = (".csv",)
+TSV_SUFFIXES = (".tsv",)  # read as CSV split on tabs
 JSON_SUFFIXES = (".json", ".jsonl")
 PARQUET_SUFFIXES = (".parquet",)
 
@@ -52,10 +54,11 @@ def _decodes(raw: bytes) -> bool:
 
 
 def _csv_lines(path: Path) -> Iterator[tuple[int, list[str]]]:
-    """(line where the record starts, fields) of every non-blank CSV record; BOM dropped, CRLF accepted."""
+    """(line where the record starts, fields) of every non-blank CSV record (TSV for a ``.tsv`` path); BOM
+    dropped, CRLF accepted."""
     try:
         with open(path, newline="", encoding="utf-8-sig") as f:
-            reader = csv.reader(f)
+            reader = csv.reader(f, delimiter="\t" if path.suffix.lower() in TSV_SUFFIXES else ",")
             end = 0
             while True:
                 start = end + 1
@@ -66,14 +69,15 @@ def _csv_lines(path: Path) -> Iterator[tuple[int, list[str]]]:
                 except csv.Error as exc:
                     raise DataError(f"{path} line {reader.line_num}: not valid CSV: {exc}") from None
                 end = reader.line_num
-                if fields:  # a blank line is an empty record
+                if len(fields) > 1 or (fields and fields[0].strip()):  # a blank line is an empty record
                     yield start, fields
     except UnicodeDecodeError as exc:
         raise _not_utf8(path, exc) from None
 
 
 def first_csv_row(path: str | Path) -> list[str] | None:
-    """The fields of the first non-blank record of a CSV file (a header or a data row), or None if it has none.
+    """The fields of the first non-blank record of a CSV file (TSV for a ``.tsv`` path; a header or a data
+    row), or None if it has none.
 
     Raises:
         DataError: the file is not UTF-8 or not valid CSV.
@@ -83,7 +87,7 @@ def first_csv_row(path: str | Path) -> list[str] | None:
 
 def csv_records(path: str | Path, columns: Sequence[str] | None = None, header: bool = True
                 ) -> Iterator[tuple[str, dict[str, str]]]:
-    """The rows of a CSV file as ``(where, {column: field})``, every field a string.
+    """The rows of a CSV file (TSV for a ``.tsv`` path) as ``(where, {column: field})``, every field a string.
 
     Args:
         path: the file.
@@ -180,14 +184,43 @@ def parquet_records(path: str | Path, columns: Sequence[str] | None = None,
             yield f"{p} row {n}", row
 
 
+def column_names(path: str | Path) -> list[str] | None:
+    """The columns of a CSV or TSV file (its first record, names stripped of spaces; ``[]`` for a file
+    without a record) or of a parquet file (its schema); None for JSON and JSONL, whose rows name their own.
+
+    Raises:
+        DataError: the file is missing, of another type, not UTF-8, not valid CSV or not parquet.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"file not found: {p}")
+    suffix = p.suffix.lower()
+    if suffix in CSV_SUFFIXES + TSV_SUFFIXES:
+        return [c.strip() for c in first_csv_row(p) or []]
+    if suffix in PARQUET_SUFFIXES:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            return list(pq.ParquetFile(p).schema_arrow.names)
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise DataError(f"{p}: not a parquet file: {exc}") from None
+    if suffix in JSON_SUFFIXES:
+        return None
+    raise DataError(f"{p}: unsupported file type {suffix!r} (use {_SUPPORTED})")
+
+
+_SUPPORTED = ".csv, .tsv, .json, .jsonl or .parquet"
+
+
 def records(path: str | Path, required: Sequence[str] = (), csv_columns: Sequence[str] | None = None,
             csv_header: bool = True) -> Iterator[tuple[str, dict[str, Any]]]:
-    """The rows of a CSV, JSON, JSONL or parquet file (by suffix) as ``(where, {column: value})``.
+    """The rows of a CSV, TSV, JSON, JSONL or parquet file (by suffix) as ``(where, {column: value})``.
 
     Args:
         path: the file.
         required: columns every row must have (for parquet, the only ones read).
-        csv_columns, csv_header: for CSV, as in `csv_records` (default: names from the header).
+        csv_columns, csv_header: for CSV and TSV, as in `csv_records` (default: names from the header).
 
     Raises:
         DataError: the file is missing or of another type; a required column is missing from the header
@@ -199,7 +232,7 @@ def records(path: str | Path, required: Sequence[str] = (), csv_columns: Sequenc
     if not p.is_file():
         raise DataError(f"file not found: {p}")
     suffix = p.suffix.lower()
-    if suffix in CSV_SUFFIXES:
+    if suffix in CSV_SUFFIXES + TSV_SUFFIXES:
         columns = csv_columns
         if columns is None and csv_header:
             first = first_csv_row(p)
@@ -217,7 +250,7 @@ def records(path: str | Path, required: Sequence[str] = (), csv_columns: Sequenc
     elif suffix in PARQUET_SUFFIXES:
         yield from parquet_records(p, columns=list(required) or None)  # only the required columns are read
     else:
-        raise DataError(f"{p}: unsupported file type {suffix!r} (use .csv, .json, .jsonl or .parquet)")
+        raise DataError(f"{p}: unsupported file type {suffix!r} (use {_SUPPORTED})")
 
 
 def to_int(value: Any) -> int | None:
