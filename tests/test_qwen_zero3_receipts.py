@@ -419,14 +419,14 @@ def _follow(message: str, out, world_size: int, *overrides) -> int:
         assert train.check_resume(cfg, n) == out / "checkpoints" / f"checkpoint-{STEPS}"
     if "new output_dir" in advice:
         remedies.append((None, [], world_size))
-    if f"delete {out / 'checkpoints'}" in advice:
+    if advice.endswith(f"delete {out}"):  # the whole folder: its metrics.jsonl and MLflow run id too
         remedies.append(("delete", [], world_size))
     for i, (source, extra, ranks) in enumerate(remedies):
         run_dir = out.parent / f"follow-{i}"
         if source is not None:
             shutil.copytree(out, run_dir)
         if source == "delete":
-            shutil.rmtree(run_dir / "checkpoints")
+            shutil.rmtree(run_dir)
         cfg = tiny_config(*COMMON, *overrides, f"output_dir={run_dir}", *extra)
         resume = train.check_resume(cfg, ranks)  # raises if this advice does not work
         assert train.already_complete(cfg, resume, STEPS) is None, (advice, source, extra)

@@ -487,3 +487,18 @@ def test_hub_and_local_folder_rows_lose_the_bom(tmp_path, monkeypatch):
         folder.mkdir()
         (folder / f"train.{kind}").write_bytes(b"\xef\xbb\xbf" + data)
         assert load_hub_rows(str(folder)) == [{"instruction": "Say hi.", "output": "Hi!"}]
+
+
+def test_load_rows_names_a_folder_a_utf16_file_and_the_column_of_bad_json(tmp_path):
+    row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    with pytest.raises(SFTDataError, match=rf"^{tmp_path} is a folder: give the data files in it"):
+        load_rows(tmp_path)
+    utf16 = tmp_path / "utf16.jsonl"
+    utf16.write_text(json.dumps(row) + "\n", encoding="utf-16")
+    with pytest.raises(SFTDataError, match=rf"^{utf16} line 1: not UTF-8 text \(.*\); save it as UTF-8$"):
+        load_rows(utf16)
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(json.dumps(row) + "\n" + '{"messages": [{"role": "user", "content": "unterminated\n')
+    with pytest.raises(SFTDataError, match=rf"^{broken} line 2: not valid JSON: Unterminated string starting at "
+                                           rf"\(column 43\)$"):  # the opening quote
+        load_rows(broken)

@@ -370,3 +370,21 @@ def test_a_bad_row_found_by_rank_1_reaches_the_user_as_one_line(tmp_path):
     assert errors[0] == f"error: [rank 1] {path} line 13, column 5 (I4): '12x' is not an integer", proc.stderr
     assert errors[-1].startswith("error: rank 1 failed first (exit status 2"), proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_a_criteo_text_file_that_is_not_utf8_or_empty_is_named(tmp_path):
+    train = recipe_module()
+    lines = (RECIPE / "tiny" / "data" / "train.txt").read_text().splitlines()[:50]
+    utf16 = tmp_path / "utf16.txt"
+    utf16.write_text("\n".join(lines) + "\n", encoding="utf-16")
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes(("\n".join(lines[:30]) + "\n").encode() + b"0\t1\tcaf\xe9\n" + ("\n".join(lines[30:]) + "\n").encode())
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    common = (f"output_dir={tmp_path / 'out'}", "train.batch_size=8")
+    with pytest.raises(train.DataError, match=rf"{utf16} line 1: not UTF-8 text \(.*\); save it as UTF-8"):
+        check("torchrec-dlrm", *common, f"data.train_files=[{utf16}]")
+    with pytest.raises(train.DataError, match=rf"{latin1} line 31: not UTF-8 text"):
+        check("torchrec-dlrm", *common, f"data.train_files=[{latin1}]")
+    with pytest.raises(train.DataError, match=rf"{empty}: no rows \(an empty file, or a header line alone\)"):
+        check("torchrec-dlrm", *common, f"data.train_files=[{empty}]")

@@ -502,9 +502,11 @@ def complete_checkpoints(root: Path) -> list[Path]:
 
 
 def start_fresh(root: Path) -> str:
-    """How to train from the start over an output_dir that holds checkpoints (``checkpoint.resume=none`` is
-    refused there, so that a later ``resume=auto`` cannot pick up the old run's checkpoints)."""
-    return f"to train from the start, use a new output_dir, or delete {root}"
+    """How to train from the start over an output_dir (``root`` is its ``checkpoints`` folder) that holds an
+    earlier run: ``checkpoint.resume=none`` is refused there, so that a later ``resume=auto`` cannot pick up the
+    old run's checkpoints, and deleting only the checkpoints would append the new run to the old run's
+    ``metrics.jsonl`` and MLflow run; so the whole folder goes."""
+    return f"to train from the start, use a new output_dir, or delete {root.parent}"
 
 
 def already_complete(cfg: Config, resume_from: Path | None, max_steps: int) -> str | None:

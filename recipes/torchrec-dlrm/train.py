@@ -79,6 +79,7 @@ import cookbook
 from cookbook.checkpoint import Checkpointer, CheckpointError, TrainState
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
 from cookbook.metrics import MetricsLogger, StepProfiler
+from cookbook import tabular
 from cookbook.tabular import DataError, first_csv_row, records, to_int
 
 for _name in ("torchrec", "root"):  # TorchRec logs planner and caching notices at WARNING on every rank
@@ -459,12 +460,15 @@ def split_lines(files: list[str], holdout_every: int, split: str) -> Iterator[tu
     BOM and a header line (``label<TAB>I1...``, line 1) are skipped; CRLF line ends read as LF."""
     for path in files:
         with open(path, encoding="utf-8-sig") as f:
-            for i, line in enumerate(f, start=1):
-                if i == 1 and line.startswith("label\t"):
-                    continue
-                held = holdout_every > 0 and i % holdout_every == 0
-                if split == "all" or held == (split == "eval"):
-                    yield f"{path} line {i}", line
+            try:
+                for i, line in enumerate(f, start=1):
+                    if i == 1 and line.startswith("label\t"):
+                        continue
+                    held = holdout_every > 0 and i % holdout_every == 0
+                    if split == "all" or held == (split == "eval"):
+                        yield f"{path} line {i}", line
+            except UnicodeDecodeError as exc:
+                raise tabular.not_utf8(Path(path), exc) from None
 
 
 class CriteoStream:
@@ -550,6 +554,8 @@ def check_data(cfg: Config, world_size: int) -> str:
             n += 1
             if n == cfg.data.check_rows:
                 break
+        if n == 0:
+            raise DataError(f"{path}: no rows (an empty file, or a header line alone)")
         counts[path] = n
     total = sum(counts[p] for p in cfg.data.train_files)
     train = total if cfg.data.eval_files or not cfg.data.holdout_every else total - total // cfg.data.holdout_every

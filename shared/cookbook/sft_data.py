@@ -31,6 +31,8 @@ from typing import Any, Sequence
 
 import torch
 
+from cookbook.tabular import not_utf8
+
 IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index
 ROLES = ("system", "user", "assistant")  # plain chat turns; "tool" (a tool's result) is accepted too
 _CHAT_ROLES = (*ROLES, "tool")
@@ -55,12 +57,14 @@ def load_rows(path: str | Path) -> list[dict]:
             JSONL), empty, or holds a row that is not an object.
     """
     p = Path(path)
+    if p.is_dir():
+        raise SFTDataError(f"{p} is a folder: give the data files in it (JSON or JSONL) one by one")
     if not p.is_file():
         raise SFTDataError(f"data file not found: {p}")
     try:
         text = p.read_text(encoding="utf-8-sig")  # a byte-order mark, as some editors write, is dropped
     except UnicodeDecodeError as exc:
-        raise SFTDataError(f"{p}: not UTF-8 text: {exc}") from None
+        raise SFTDataError(str(not_utf8(p, exc))) from None
     try:
         whole = json.loads(text)
     except json.JSONDecodeError:
@@ -84,7 +88,7 @@ def load_rows(path: str | Path) -> list[dict]:
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as exc:
-                    raise SFTDataError(f"{p} line {line_no}: not valid JSON: {exc.msg}") from None
+                    raise SFTDataError(f"{p} line {line_no}: not valid JSON: {exc.msg} (column {exc.colno})") from None
     if not rows:
         raise SFTDataError(f"{p}: no rows")
     for n, row in enumerate(rows, 1):

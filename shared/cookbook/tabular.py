@@ -38,7 +38,7 @@ def _columns(names: Sequence[str]) -> str:
     return ", ".join(names) if len(names) <= 8 else f"{names[0]}, {names[1]}, ..., {names[-1]}"
 
 
-def _not_utf8(path: Path, exc: UnicodeDecodeError) -> DataError:
+def not_utf8(path: Path, exc: UnicodeDecodeError) -> DataError:
     """The error for a file that is not UTF-8, naming the first line that does not decode."""
     with open(path, "rb") as f:
         line = next((n for n, raw in enumerate(f, 1) if not _decodes(raw)), None)
@@ -72,7 +72,7 @@ def _csv_lines(path: Path) -> Iterator[tuple[int, list[str]]]:
                 if len(fields) > 1 or (fields and fields[0].strip()):  # a blank line is an empty record
                     yield start, fields
     except UnicodeDecodeError as exc:
-        raise _not_utf8(path, exc) from None
+        raise not_utf8(path, exc) from None
 
 
 def first_csv_row(path: str | Path) -> list[str] | None:
@@ -132,7 +132,7 @@ def json_records(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
     try:
         text = p.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as exc:
-        raise _not_utf8(p, exc) from None
+        raise not_utf8(p, exc) from None
     if text.lstrip().startswith("["):
         try:
             rows = json.loads(text)
