@@ -358,7 +358,9 @@ def test_eval_files_are_the_validation_split(tmp_path, capsys):
     from cookbook.sft_data import SFTDataError
 
     check("data.eval_files=[tiny/data/receipts.jsonl]", f"output_dir={tmp_path / 'out'}")
-    assert "(40 train / 40 validation receipts)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "(40 train / 40 validation receipts)" in out
+    assert re.search(r"^data \(eval files\): .*receipts\.jsonl: 40 rows read, 40 examples kept", out, re.M), out
     check(f"data.eval_files=[{one_receipt_file(tmp_path)}]", f"output_dir={tmp_path / 'out'}")
     assert "(40 train / 1 validation receipts)" in capsys.readouterr().out
     bad = _receipts(tmp_path, lambda rows: rows[6].update(ocr_boxes=[]))

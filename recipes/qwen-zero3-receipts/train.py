@@ -307,6 +307,7 @@ class Receipts:
     val_prompts: list[list[int]]
     val_targets: list[dict]
     stats: sft_data.SFTStats
+    eval_stats: sft_data.SFTStats | None = None  # data.eval_files' counts, when given
 
 
 def _tokenize_receipts(sources: list[tuple[str, list[dict]]], cfg: DataConfig, tokenizer, kwargs: dict | None):
@@ -345,20 +346,20 @@ def load_receipts(cfg: DataConfig, tokenizer, seed: int) -> Receipts:
     sources = [(f, sft_data.load_rows(f)) for f in cfg.train_files] or [(cfg.hub_id, sft_data.load_hub_rows(cfg.hub_id))]
     messages, examples, kept, stats = _tokenize_receipts(sources, cfg, tokenizer, kwargs)
     if cfg.eval_files:
-        val_messages, val_examples, val_kept, _ = _tokenize_receipts(
+        val_messages, val_examples, val_kept, eval_stats = _tokenize_receipts(
             [(f, sft_data.load_rows(f)) for f in cfg.eval_files], cfg, tokenizer, kwargs)
         train_idx, val_idx = list(range(len(examples))), list(range(len(val_examples)))
     else:
         n_val = max(1, int(len(examples) * cfg.eval_fraction)) if cfg.eval_fraction > 0 else 0
         order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
         val_idx, train_idx = sorted(order[:n_val]), sorted(order[n_val:])
-        val_messages, val_examples, val_kept = messages, examples, kept
+        val_messages, val_examples, val_kept, eval_stats = messages, examples, kept, None
     # generation prompts: the user turn and the assistant header (add_generation_prompt)
     val_prompts = [list(tokenizer.apply_chat_template(val_messages[i][:1], tokenize=True, add_generation_prompt=True,
                                                       return_dict=False, **(kwargs or {}))) for i in val_idx]
     val_targets = [json.loads(val_messages[i][1]["content"]) for i in val_idx]
     return Receipts([examples[i] for i in train_idx], [val_examples[i] for i in val_idx], [kept[i] for i in train_idx],
-                    [val_kept[i] for i in val_idx], val_prompts, val_targets, stats)
+                    [val_kept[i] for i in val_idx], val_prompts, val_targets, stats, eval_stats)
 
 
 def collate_packed(rows: list[dict]) -> dict[str, torch.Tensor]:
@@ -642,7 +643,7 @@ def main(argv: list[str]) -> None:
             raise ConfigError(f"{n_rows} training rows (after holding out {len(data.val)} receipts for validation) are "
                               f"too few for one step of {cfg.train.micro_batch_size} x {cfg.train.grad_accum_steps} x "
                               f"{world_size} rows")
-        print(f"data: {data.stats.summary()}")
+        print(f"data: {data.stats.summary()}" + (f"\ndata (eval files): {data.eval_stats.summary()}" if data.eval_stats else ""))
         print(f"config OK: {args.config} ({len(data.train)} train / {len(data.val)} validation receipts)")
         return
     train(cfg, on_cpu)
