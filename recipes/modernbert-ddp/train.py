@@ -357,8 +357,7 @@ def main(argv: list[str]) -> None:
     check_config(cfg, Path(args.config).resolve().parent)
     if args.check:  # one process, before torchrun starts any worker
         world_size = int(os.environ.get("COOKBOOK_WORLD_SIZE", "1"))  # launch.sh: NGPU x NNODES
-        lm.check_attention(cfg.model.attn_implementation,
-                           on_cpu=not torch.cuda.is_available() or os.environ.get("COOKBOOK_DEVICE") == "cpu")
+        lm.check_attention(cfg.model.attn_implementation, on_cpu=cookbook.get_dist_info().device.type == "cpu")
         train_ds, eval_ds = load_splits(cfg.data, cfg.train.seed) if cfg.data.train_files else (None, None)
         try:
             tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer)

@@ -1010,7 +1010,7 @@ def preflight(cfg: Config, config_path: str) -> None:
                           f"{str(exc).splitlines()[0]}") from None
     sft_data.check_vocab(tokenizer, hf_config.get_text_config().vocab_size)
     check_model(cfg, hf_config, world_size)
-    on_cpu = not torch.cuda.is_available() or os.environ.get("COOKBOOK_DEVICE") == "cpu"
+    on_cpu = cookbook.get_dist_info().device.type == "cpu"  # COOKBOOK_DEVICE=cpu, or no GPU
     lm.check_attention(cfg.model.attn_implementation, on_cpu)
     if cfg.data.packing and hf_config.model_type == "nemotron_h":
         raise ConfigError("data.packing=true with nemotron_h: its Mamba layers would carry state from one packed document "
