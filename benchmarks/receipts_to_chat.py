@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from cookbook import sft_data
+from cookbook import sft
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "qwen-zero3-receipts" / "train.py"
 
@@ -21,7 +21,7 @@ def main(src: str, dst: str) -> None:
     recipe = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = recipe  # its dataclasses look their module up
     spec.loader.exec_module(recipe)
-    rows = sft_data.load_rows(src)
+    rows = sft.load_rows(src)
     with open(dst, "w") as f:
         for n, row in enumerate(rows, 1):
             f.write(json.dumps({"messages": recipe.receipt_messages(row, f"{src} row {n}", list(recipe.FIELDS))}) + "\n")

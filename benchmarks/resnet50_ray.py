@@ -154,7 +154,7 @@ def real(args: argparse.Namespace) -> None:
     subprocess.run(cmd, check=True, env={**os.environ, "NNODES": "1"})
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in recs if r["event"] == "train"]
-    rates = sorted(r["samples_per_s_per_gpu"] for r in train)[1:]  # drop the slowest (start-up)
+    rates = sorted(r["samples_per_s_per_device"] for r in train)[1:]  # drop the slowest (start-up)
     whole = (args.batch * (train[-1]["step"] - train[0]["step"]) / (train[-1]["time"] - train[0]["time"])
              if len(train) > 1 else None)
     print(json.dumps({"mode": "real", "gpus": args.gpus, "data": str(data), "batch_per_gpu": args.batch,

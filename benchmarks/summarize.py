@@ -26,7 +26,12 @@ def summarise(run: Path, skip_steps: int) -> dict:
             final = rec
     if not train:
         raise SystemExit(f"{run}: no train records after step {skip_steps}")
-    per = "gpu" if "samples_per_s_per_gpu" in train[0] else "rank"
+    # Older runs wrote *_per_gpu (GPU) or *_per_rank (CPU) where newer ones write *_per_device.
+    for rec in train:
+        for old in ("per_gpu", "per_rank"):
+            for what in ("samples", "tokens"):
+                if f"{what}_per_s_{old}" in rec:
+                    rec.setdefault(f"{what}_per_s_per_device", rec[f"{what}_per_s_{old}"])
 
     def med(key: str) -> float | None:
         vals = [r[key] for r in train if key in r]
@@ -36,8 +41,8 @@ def summarise(run: Path, skip_steps: int) -> dict:
         "run": run.name,
         "steps": f"{train[0]['step']}-{train[-1]['step']}",
         "step_ms": med("step_time_s") * 1000,
-        f"samples/s/{per}": med(f"samples_per_s_per_{per}"),
-        f"tokens/s/{per}": med(f"tokens_per_s_per_{per}"),
+        "samples/s/device": med("samples_per_s_per_device"),
+        "tokens/s/device": med("tokens_per_s_per_device"),
         "mfu_%": (med("mfu") or 0) * 100 if "mfu" in train[0] else None,
         "peak_alloc_gib": max((r["mem_allocated_gib"] for r in train if "mem_allocated_gib" in r), default=None),
         "peak_reserved_gib": max((r["mem_reserved_gib"] for r in train if "mem_reserved_gib" in r), default=None),

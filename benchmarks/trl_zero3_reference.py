@@ -7,7 +7,7 @@ ZeRO-3 and library defaults (packing, gradient checkpointing, bf16), measured wi
         --seq 2048 --micro-batch 4 --steps 10 --out outputs/bench-trl-zero3
 
 The model is randomly initialised from ``config.json`` (under ``deepspeed.zero.Init``, so no rank
-holds it whole); rows are chat / Alpaca / ShareGPT (``cookbook.sft_data.to_messages``; rows with an
+holds it whole); rows are chat / Alpaca / ShareGPT (``cookbook.sft.to_messages``; rows with an
 empty answer are skipped). Writes ``<out>/metrics.jsonl``, which ``benchmarks/summarize.py`` reads.
 """
 
@@ -23,7 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Traine
 from trl import SFTConfig, SFTTrainer
 
 import cookbook
-from cookbook import sft_data
+from cookbook import sft
 from cookbook.metrics import MetricsLogger, ModelFlops, count_parameters
 
 ZERO3 = {  # DeepSpeed's documented ZeRO-3 settings; "auto" values come from the trainer's arguments
@@ -85,10 +85,10 @@ def main() -> None:
     on_gpu = info.device.type == "cuda"
     tokenizer = AutoTokenizer.from_pretrained(a.model_dir)
     rows = []
-    for n, row in enumerate(sft_data.load_rows(a.train_file), 1):
+    for n, row in enumerate(sft.load_rows(a.train_file), 1):
         try:
-            rows.append({"messages": sft_data.to_messages(row, n, a.train_file)})
-        except sft_data.EmptyAnswerError:
+            rows.append({"messages": sft.to_messages(row, n, a.train_file)})
+        except sft.EmptyAnswerError:
             continue
     args = SFTConfig(  # created before the model: it switches on deepspeed.zero.Init for from_config
         output_dir=a.out, per_device_train_batch_size=a.micro_batch, gradient_accumulation_steps=1,

@@ -52,7 +52,7 @@ def _log_a_few_steps(tmp_path, **kw):
 
 def test_jsonl_and_mlflow_records(tmp_path):
     logger, rec = _log_a_few_steps(tmp_path)
-    assert rec["samples_per_s"] > 0 and rec["tokens_per_s_per_rank"] == pytest.approx(rec["tokens_per_s"])
+    assert rec["samples_per_s"] > 0 and rec["tokens_per_s_per_device"] == pytest.approx(rec["tokens_per_s"])
     assert rec["tokens_per_s"] / rec["samples_per_s"] == pytest.approx(10.0)
     assert "mfu" not in rec and "mem_allocated_gib" not in rec and rec["rss_gib"] > 0  # CPU: no MFU, RSS instead
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -73,10 +73,10 @@ def test_loss_falls_and_eval_is_logged(full_run):
         assert what in proc.stderr
 
 
-def test_throughput_metrics_are_per_rank_on_cpu(full_run):
+def test_throughput_metrics_are_per_device_on_cpu(full_run):
     out, _ = full_run
     rec = [r for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "train"][-1]
-    assert rec["samples_per_s_per_rank"] == pytest.approx(rec["samples_per_s"] / 2)
+    assert rec["samples_per_s_per_device"] == pytest.approx(rec["samples_per_s"] / 2)
     assert rec["tokens_per_s"] > rec["samples_per_s"] > 0 and rec["step_time_s"] > 0
     assert 0 <= rec["data_wait_frac"] <= 1 and rec["rss_gib"] > 0 and rec["grad_norm"] > 0
 

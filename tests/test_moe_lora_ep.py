@@ -95,7 +95,7 @@ def _one_step(init: str, overrides: tuple, eval_rows: list) -> dict:
         experts = next(p for n, p in model.named_parameters() if n.endswith("experts.base_layer.base_layer.down_proj")
                        or n.endswith("experts.base_layer.down_proj"))
         lora_a = next(p for n, p in model.named_parameters() if n in par.expert_lora_names and ".lora_A." in n) if ep > 1 else None
-        eval_loader = StatefulDataLoader(train.sft_data.shard_for_eval(eval_rows, info.rank, info.world_size),
+        eval_loader = StatefulDataLoader(train.sft.shard_for_eval(eval_rows, info.rank, info.world_size),
                                          batch_size=cfg.train.micro_batch_size, collate_fn=partial(train.collate, pad_id=0))
         evaluation = train.evaluate(model, eval_loader, info.device, router)
         loaded = {re.sub(r"\.base_layer\b", "", n.removeprefix("base_model.model.")): p.full_tensor() if hasattr(p, "full_tensor") else p
@@ -123,7 +123,7 @@ def test_ep2_equals_ep1_and_each_rank_holds_its_experts(init, model, overrides, 
     make_hub_cache(tmp_path / "hub", f"cookbook-tests/{model}", init[model])
     use_offline_cache(monkeypatch, tmp_path / "hub")
     cfg = tiny_config(f"model.name_or_path={init[model]}", *overrides)
-    _, evals, _ = train.sft_data.load_examples(cfg.data, AutoTokenizer.from_pretrained(init[model]), cfg.train.seed)
+    _, evals, _ = train.sft.load_examples(cfg.data, AutoTokenizer.from_pretrained(init[model]), cfg.train.seed)
     r = _one_step.distributed(f"cookbook-tests/{model}", overrides, evals[:1])[0]
     ep2, ep1 = r[2], r[1]
     torch.testing.assert_close(ep2["loss"], ep1["loss"], rtol=LOSS_RTOL, atol=0)
@@ -180,7 +180,7 @@ def test_metrics_have_moe_load_balance_and_throughput(runs):
 
     rec = [r for r in read_jsonl(runs[1] / "metrics.jsonl") if r["event"] == "train"][-1]
     assert rec["moe/aux_loss"] > 0.5 and rec["moe/load_max_over_mean"] >= 1.0 and rec["moe/ep_rank_load_max_over_mean"] >= 1.0
-    assert rec["tokens_per_s_per_rank"] > 0 and rec["rss_gib"] > 0
+    assert rec["tokens_per_s_per_device"] > 0 and rec["rss_gib"] > 0
     names = sorted(p.name for p in (runs[1] / "checkpoints").iterdir())
     assert names == ["step_00000003", "step_00000006"], names
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import ROOT, check, free_port, load_recipe, read_jsonl, train_losses
 
-from cookbook.sft_data import SFTDataError
+from cookbook.sft import SFTDataError
 
 RECIPE = ROOT / "recipes" / "moe-lora-fsdp2-ep"
 TINY_VL = RECIPE / "tiny" / "qwen3-vl-moe"

@@ -9,7 +9,7 @@ from conftest import ROOT, check, launch, load_recipe, main_in_workers, read_jso
 import cookbook
 from cookbook.checkpoint import CheckpointError
 from cookbook.config import ConfigError
-from cookbook.sft_data import SFTDataError, tokenize_conversation
+from cookbook.sft import SFTDataError, tokenize_conversation
 
 RECIPE = ROOT / "recipes" / "qwen-fsdp2-sft"
 
@@ -82,7 +82,7 @@ def _hub_model_and_eval(repo_id: str, rows: list):
     cfg = tiny_config(f"model.name_or_path={repo_id}", "model.pretrained=true", f"model.tokenizer={RECIPE / 'tiny' / 'qwen3'}")
     model, _ = train.build_model(cfg, info, vocab_size_needed=100)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    loader = StatefulDataLoader(train.sft_data.shard_for_eval(rows, info.rank, info.world_size),
+    loader = StatefulDataLoader(train.sft.shard_for_eval(rows, info.rank, info.world_size),
                                 batch_size=cfg.train.micro_batch_size, collate_fn=partial(train.collate, pad_id=0))
     return full if info.rank == 0 else None, train.evaluate(model, loader, info.device)
 
@@ -100,8 +100,8 @@ def test_hub_id_loads_from_the_cache_offline_and_eval_of_one_row_on_two_ranks_is
     snapshot = make_hub_cache(tmp_path / "hub", "cookbook-tests/tiny-qwen3", tmp_path / "model")
     use_offline_cache(monkeypatch, tmp_path / "hub")
     cfg = tiny_config()
-    _, evals, _ = train.sft_data.load_examples(cfg.data, AutoTokenizer.from_pretrained(RECIPE / "tiny" / "qwen3"), cfg.train.seed)
-    rows = train.sft_data.pack(evals[:1], cfg.data.max_length, pad_id=0)
+    _, evals, _ = train.sft.load_examples(cfg.data, AutoTokenizer.from_pretrained(RECIPE / "tiny" / "qwen3"), cfg.train.seed)
+    rows = train.sft.pack(evals[:1], cfg.data.max_length, pad_id=0)
     assert len(rows) == 1
 
     full, result = _hub_model_and_eval.distributed("cookbook-tests/tiny-qwen3", rows)[0]
@@ -277,19 +277,19 @@ def test_token_counts_are_exact_when_the_pad_token_is_the_end_of_turn_token(reci
     every assistant turn: the tokens/s and MFU counts of each recipe's batches still count every real token."""
     from transformers import AutoTokenizer
 
-    from cookbook import lm, sft_data
+    from cookbook import lm, sft
 
     tokenizer = AutoTokenizer.from_pretrained(RECIPE / "tiny" / "qwen3")
     tokenizer.pad_token = None
     pad_id = tokenizer.eos_token_id  # what the recipes use without a pad token
-    examples, _ = sft_data.prepare(sft_data.load_rows(RECIPE / "tiny" / "data" / "chat.jsonl")[:6], tokenizer, 64, "chat.jsonl",
+    examples, _ = sft.prepare(sft.load_rows(RECIPE / "tiny" / "data" / "chat.jsonl")[:6], tokenizer, 64, "chat.jsonl",
                                   split_turns=True)  # Qwen3's template rewrites earlier turns
     assert all(pad_id in ex["input_ids"] for ex in examples)  # real tokens with the pad id
     real = sum(len(ex["input_ids"]) for ex in examples)
     if recipe == "qwen-zero3-receipts":  # its packed rows; unpacked ones come from TRL's collator, with a mask
-        batch = load_recipe(recipe).collate_packed(sft_data.pack(examples, 128, pad_id))
+        batch = load_recipe(recipe).collate_packed(sft.pack(examples, 128, pad_id))
     else:
-        batch = load_recipe(recipe).collate(sft_data.pack(examples, 128, pad_id) if packing else examples, pad_id)
+        batch = load_recipe(recipe).collate(sft.pack(examples, 128, pad_id) if packing else examples, pad_id)
     assert batch["input_ids"].numel() > real  # there is padding to leave out
     assert lm.count_tokens(batch, pad_id) == real
     assert (batch["input_ids"] != pad_id).sum() < real  # what counting by token id gives

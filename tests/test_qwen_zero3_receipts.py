@@ -161,9 +161,9 @@ def test_metrics_have_throughput_and_generation_eval(zero3):
     out = zero3[0]
     records = read_jsonl(out / "metrics.jsonl")
     train = [r for r in records if r["event"] == "train"]
-    assert all(r["tokens_per_s_per_rank"] > 0 and r["samples_per_s_per_rank"] > 0 and r["rss_gib"] > 0 for r in train)
+    assert all(r["tokens_per_s_per_device"] > 0 and r["samples_per_s_per_device"] > 0 and r["rss_gib"] > 0 for r in train)
     # 16 receipts per rank per step: samples/s x step time = 16
-    assert train[-1]["samples_per_s_per_rank"] * train[-1]["step_time_s"] == pytest.approx(16, rel=1e-3)
+    assert train[-1]["samples_per_s_per_device"] * train[-1]["step_time_s"] == pytest.approx(16, rel=1e-3)
     ev = [r for r in records if r["event"] == "eval"][-1]
     assert ev["step"] == STEPS and ev["eval/samples"] == 8  # 20% of 40 receipts held out, each scored once
     for key in ("json_valid", "em_company", "em_date", "em_address", "em_total", "em_all"):
@@ -179,7 +179,7 @@ def test_metrics_have_throughput_and_generation_eval(zero3):
     mlflow.set_tracking_uri(summary["mlflow_uri"])
     logged = mlflow.get_run(summary["mlflow_run_id"]).data.metrics
     assert logged["eval_json_valid"] == ev["eval/json_valid"] and logged["eval_em_total"] == ev["eval/em_total"]
-    assert "tokens_per_s_per_rank" in logged
+    assert "tokens_per_s_per_device" in logged
 
 
 def test_eval_loss_is_the_per_token_loss_over_the_validation_rows(zero3):
@@ -326,7 +326,7 @@ def _receipts(tmp_path, edit):
      "data.max_length=256, dropped rather than cut, longest row 10 ("),
 ])
 def test_bad_receipts_are_named(tmp_path, edit, message):
-    from cookbook.sft_data import SFTDataError
+    from cookbook.sft import SFTDataError
 
     bad = _receipts(tmp_path, edit)
     with pytest.raises(SFTDataError, match=re.escape(message)):
@@ -355,7 +355,7 @@ def test_a_receipt_longer_than_max_length_is_dropped_and_counted(tmp_path, capsy
 def test_eval_files_are_the_validation_split(tmp_path, capsys):
     """data.eval_files (relative to the config's folder, like train files) replace the held-out split: every
     train receipt trains; a bad eval row is named by its file, row and id."""
-    from cookbook.sft_data import SFTDataError
+    from cookbook.sft import SFTDataError
 
     check("data.eval_files=[tiny/data/receipts.jsonl]", f"output_dir={tmp_path / 'out'}")
     out = capsys.readouterr().out

@@ -52,7 +52,7 @@ def test_stop_after_the_first_checkpoint_resume_and_learn(ray_env, tmp_path, mon
     alone = evaluate_checkpoint(out)  # the same weights in one process: each image counted once, same numbers
     assert alone["images"] == 16 and evals[-1]["eval/top1"] == alone["top1"]
     assert evals[-1]["eval/loss"] == pytest.approx(alone["loss"], rel=1e-5), (evals[-1], alone)
-    assert {"samples_per_s_per_rank", "top1", "data_wait_frac"} <= set(train[-1])
+    assert {"samples_per_s_per_device", "top1", "data_wait_frac"} <= set(train[-1])
     assert sorted(p.name for p in out.glob("checkpoint_epoch_*")) == ["checkpoint_epoch_0003", "checkpoint_epoch_0004"]
     # Ray's session files stayed in the test's folder.
     assert any((Path(ray_env["_BASE"]) / "ray").glob("session_*"))

@@ -1,4 +1,4 @@
-"""cookbook.sft_data on an offline tokenizer (a tiny byte-level BPE trained here, with a ChatML
+"""cookbook.sft on an offline tokenizer (a tiny byte-level BPE trained here, with a ChatML
 template) and a tiny random Qwen3: assistant-only labels, row formats, errors, truncation,
 packing, and packed-vs-unpacked loss equality."""
 
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from cookbook.sft_data import (
+from cookbook.sft import (
     IGNORE_INDEX,
     SFTDataError,
     check_vocab,

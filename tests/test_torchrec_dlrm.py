@@ -68,7 +68,7 @@ def test_every_sharding_kind_trains_and_the_loss_falls(plan_runs, kind):
     summary = [r for r in records if r["event"] == "summary"][-1]
     assert summary["eval/auc"] > 0.7 and summary["eval/rows"] == 384  # every 8th of 3,072 rows
     train = [r for r in records if r["event"] == "train"]
-    assert all(r["samples_per_s_per_rank"] > 0 for r in train) and "tokens_per_s" not in train[0]
+    assert all(r["samples_per_s_per_device"] > 0 for r in train) and "tokens_per_s" not in train[0]
 
 
 @pytest.fixture(scope="module")

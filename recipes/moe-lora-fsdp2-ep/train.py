@@ -29,7 +29,7 @@ What this recipe supports:
       fused expert weights, PEFT's ``target_parameters``); rank, alpha, dropout in the config; base
       weights frozen. The adapter is created on the whole model before the experts are split, so its
       initial values do not depend on the EP degree.
-    - Data (cookbook.sft_data): chat / Alpaca / ShareGPT rows, chat template, loss on assistant tokens
+    - Data (cookbook.sft): chat / Alpaca / ShareGPT rows, chat template, loss on assistant tokens
       only, packing (Qwen3-MoE) or right padding (Nemotron-H: Mamba layers would carry state across
       packed documents). Loss normalised by the assistant tokens of the global batch. Vision-language
       models: image + text rows (``{"images": [...], "messages": [...]}``, local files or a hub data set),
@@ -77,12 +77,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Schedu
 from transformers import logging as hf_logging
 
 import cookbook
-from cookbook import lm, sft_data
+from cookbook import lm, sft
 from cookbook.checkpoint import Checkpointer, CheckpointError, ModelOptimizerState, RankLocalState, RNGState, TrainState
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
 from cookbook.hub import model_folder
 from cookbook.metrics import MetricsLogger, ModelFlops, count_parameters
-from cookbook.sft_data import SFTDataError
+from cookbook.sft import SFTDataError
 
 hf_logging.disable_progress_bar()
 hf_logging.set_verbosity_error()
@@ -259,7 +259,7 @@ def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     """Packed rows (equal length, with ``position_ids``) are stacked; other rows are right-padded."""
     if "position_ids" in rows[0]:
         return {k: torch.tensor([r[k] for r in rows], dtype=torch.long) for k in ("input_ids", "labels", "position_ids")}
-    return sft_data.pad_batch(rows, pad_id, pad_to_multiple_of=8)
+    return sft.pad_batch(rows, pad_id, pad_to_multiple_of=8)
 
 
 # ----------------------------------------------------------------------------- data: image + text pairs (vision-language models)
@@ -303,9 +303,9 @@ def to_vl_messages(row: dict, where: str) -> tuple[list[dict], list[Any]]:
         raise SFTDataError(f"{where}: field 'messages' must be a non-empty list of turns")
     messages, n_parts = [], 0
     for i, turn in enumerate(turns):
-        if not isinstance(turn, dict) or turn.get("role") not in sft_data.ROLES or "content" not in turn:
+        if not isinstance(turn, dict) or turn.get("role") not in sft.ROLES or "content" not in turn:
             raise SFTDataError(f"{where}: messages[{i}] must be an object with 'role' (one of "
-                               f"{', '.join(sft_data.ROLES)}) and 'content'")
+                               f"{', '.join(sft.ROLES)}) and 'content'")
         content = turn["content"]
         if isinstance(content, str):
             content = [{"type": "text", "text": content}]
@@ -361,7 +361,7 @@ def open_image(ref: Any, base_dir: Path | None, where: str):
 def vl_example(row: dict, where: str, base_dir: Path | None, tokenizer, image_processor, image_token_id: int,
                max_length: int, template_kwargs: dict | None = None, no_loss: bool = False) -> dict[str, Any]:
     """One image + text row -> model inputs: the chat rendered and tokenized with assistant-only labels
-    (`sft_data.tokenize_conversation`), each image placeholder token repeated once per merged image patch
+    (`sft.tokenize_conversation`), each image placeholder token repeated once per merged image patch
     (what the Qwen-VL processors do), the images resized and cut into patches by the image processor.
 
     Returns:
@@ -375,7 +375,7 @@ def vl_example(row: dict, where: str, base_dir: Path | None, tokenizer, image_pr
     messages, refs = to_vl_messages(row, where)
     images = [open_image(ref, base_dir, where) for ref in refs]
     try:
-        ids, labels, _ = sft_data.tokenize_conversation(tokenizer, messages, 1 << 30, template_kwargs)
+        ids, labels, _ = sft.tokenize_conversation(tokenizer, messages, 1 << 30, template_kwargs)
     except SFTDataError as exc:
         raise SFTDataError(f"{where}: {exc}") from None
     if ids.count(image_token_id) != len(images):
@@ -387,7 +387,7 @@ def vl_example(row: dict, where: str, base_dir: Path | None, tokenizer, image_pr
     for token, label in zip(ids, labels):
         n = next(counts) if token == image_token_id else 1
         out_ids += [token] * n
-        out_labels += [label if n == 1 and token != image_token_id else sft_data.IGNORE_INDEX] * n
+        out_labels += [label if n == 1 and token != image_token_id else sft.IGNORE_INDEX] * n
     if len(out_ids) > max_length:
         last = len(out_ids) - out_ids[::-1].index(image_token_id)
         if last > max_length:
@@ -395,7 +395,7 @@ def vl_example(row: dict, where: str, base_dir: Path | None, tokenizer, image_pr
                                f"raise data.max_length or lower data.image_max_pixels")
         out_ids, out_labels = out_ids[:max_length], out_labels[:max_length]
     if no_loss:
-        out_labels = [sft_data.IGNORE_INDEX] * len(out_ids)
+        out_labels = [sft.IGNORE_INDEX] * len(out_ids)
     return {"input_ids": out_ids, "labels": out_labels, "pixel_values": pixels["pixel_values"],
             "image_grid_thw": pixels["image_grid_thw"]}
 
@@ -422,9 +422,9 @@ class VLDataset(torch.utils.data.Dataset):
 def load_vl_items(cfg: DataConfig, seed: int) -> tuple[list[tuple], list[tuple]]:
     """Train and eval items ``(source, row index, no_loss)`` of image + text rows: the JSON / JSONL data files, or
     the hub data set's train split (``data.hub_id``). Without eval files a seeded ``data.eval_fraction`` of each
-    train source is held out, as `sft_data.load_examples` does for text."""
+    train source is held out, as `sft.load_examples` does for text."""
     if cfg.train_files:
-        sources = [VLSource(f, sft_data.load_rows(f), Path(f).parent) for f in cfg.train_files]
+        sources = [VLSource(f, sft.load_rows(f), Path(f).parent) for f in cfg.train_files]
     else:
         import datasets
 
@@ -439,14 +439,14 @@ def load_vl_items(cfg: DataConfig, seed: int) -> tuple[list[tuple], list[tuple]]
             order = sorted(order[n_eval:])
         train += [(source, i, False) for i in order]
     for f in cfg.eval_files:
-        source = VLSource(f, sft_data.load_rows(f), Path(f).parent)
+        source = VLSource(f, sft.load_rows(f), Path(f).parent)
         evals += [(source, i, False) for i in range(len(source.rows))]
     return train, evals
 
 
 def shard_items_for_eval(items: list[tuple], rank: int, world_size: int) -> list[tuple]:
     """This rank's evaluation items, padded with label-free copies so that every rank runs as many forwards
-    (see `sft_data.shard_for_eval`)."""
+    (see `sft.shard_for_eval`)."""
     if not items:
         return []
     mine = items[rank::world_size]
@@ -457,7 +457,7 @@ def collate_vl(rows: list[dict], pad_id: int, image_token_id: int) -> dict[str, 
     """Right-padded ``input_ids`` / ``labels`` / ``attention_mask`` (B, L), ``mm_token_type_ids`` (B, L; 1 on
     image tokens, which the model needs for its 3-D M-RoPE positions), and the patches of all images of the
     batch concatenated: ``pixel_values`` (P, C * T * p * p), ``image_grid_thw`` (n_images, 3)."""
-    batch = sft_data.pad_batch(rows, pad_id, pad_to_multiple_of=8)
+    batch = sft.pad_batch(rows, pad_id, pad_to_multiple_of=8)
     batch["mm_token_type_ids"] = (batch["input_ids"] == image_token_id).long()
     batch["pixel_values"] = torch.cat([r["pixel_values"] for r in rows])
     batch["image_grid_thw"] = torch.cat([r["image_grid_thw"] for r in rows])
@@ -1008,7 +1008,7 @@ def preflight(cfg: Config, config_path: str) -> None:
     except OSError as exc:
         raise ConfigError(f"model.name_or_path / model.tokenizer: cannot load {cfg.model.name_or_path!r}: "
                           f"{str(exc).splitlines()[0]}") from None
-    sft_data.check_vocab(tokenizer, hf_config.get_text_config().vocab_size)
+    sft.check_vocab(tokenizer, hf_config.get_text_config().vocab_size)
     check_model(cfg, hf_config, world_size)
     on_cpu = cookbook.get_dist_info().device.type == "cpu"  # COOKBOOK_DEVICE=cpu, or no GPU
     lm.check_attention(cfg.model.attn_implementation, on_cpu)
@@ -1034,9 +1034,9 @@ def preflight(cfg: Config, config_path: str) -> None:
         print(f"config OK: {config_path} ({len(train)} train / {len(evals)} eval image + text rows; "
               f"{len(checked)} rows with {n_images} images checked)")
     elif cfg.data.train_files:
-        train, evals, stats = sft_data.load_examples(cfg.data, tokenizer, cfg.train.seed)
+        train, evals, stats = sft.load_examples(cfg.data, tokenizer, cfg.train.seed)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        n_rows = len(sft_data.pack(train, cfg.data.max_length, pad_id)) if cfg.data.packing else len(train)
+        n_rows = len(sft.pack(train, cfg.data.max_length, pad_id)) if cfg.data.packing else len(train)
         per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * world_size
         if n_rows < per_step:
             raise ConfigError(f"{n_rows} training rows are too few for one step of {cfg.train.micro_batch_size} x "
@@ -1071,12 +1071,12 @@ def main(argv: list[str]) -> None:
         collate_fn = partial(collate_vl, pad_id=pad_id, image_token_id=hf_config.image_token_id)
         data_summary = f"{len(train_items)} train / {len(eval_items)} eval image + text rows"
     else:
-        train_ex, eval_ex, stats = sft_data.load_examples(cfg.data, tokenizer, cfg.train.seed)
+        train_ex, eval_ex, stats = sft.load_examples(cfg.data, tokenizer, cfg.train.seed)
         if cfg.data.packing:
-            train_rows, eval_rows = sft_data.pack(train_ex, cfg.data.max_length, pad_id), sft_data.pack(eval_ex, cfg.data.max_length, pad_id)
+            train_rows, eval_rows = sft.pack(train_ex, cfg.data.max_length, pad_id), sft.pack(eval_ex, cfg.data.max_length, pad_id)
         else:
             train_rows, eval_rows = train_ex, eval_ex
-        eval_rows = sft_data.shard_for_eval(eval_rows, info.rank, info.world_size)
+        eval_rows = sft.shard_for_eval(eval_rows, info.rank, info.world_size)
         collate_fn, data_summary = partial(collate, pad_id=pad_id), stats.summary()
     sampler = DistributedSampler(train_rows, num_replicas=info.world_size, rank=info.rank, shuffle=True,
                                  seed=cfg.train.seed, drop_last=True)
@@ -1211,4 +1211,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    cookbook.run_main(main, user_errors=(ConfigError, sft_data.SFTDataError, CheckpointError))
+    cookbook.run_main(main, user_errors=(ConfigError, sft.SFTDataError, CheckpointError))

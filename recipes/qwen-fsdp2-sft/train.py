@@ -20,7 +20,7 @@ What this recipe supports:
       ``HuggingFaceStorageReader`` (a local folder, or a hub id through the Hugging Face cache:
       ``cookbook.hub.model_folder``) or randomly initialised module by module, the same for any
       number of ranks (``cookbook.lm.init_sharded_weights``; benchmarks, tests).
-    - Data (cookbook.sft_data): chat ``messages``, Alpaca and ShareGPT rows; the tokenizer's chat
+    - Data (cookbook.sft): chat ``messages``, Alpaca and ShareGPT rows; the tokenizer's chat
       template; loss on assistant tokens only; sequence packing with per-document position ids
       (no attention across documents with varlen, sdpa, eager and flex_attention; varlen, the
       default on GPU, runs PyTorch's variable-length FlashAttention kernel per document).
@@ -63,7 +63,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from transformers import logging as hf_logging
 
 import cookbook
-from cookbook import lm, sft_data
+from cookbook import lm, sft
 from cookbook.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -200,7 +200,7 @@ def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
         starts = torch.nonzero(flat == 0).flatten()
         batch["cu_seq_lens"] = torch.cat([starts, torch.tensor([flat.numel()])]).to(torch.int32)
         return batch
-    return sft_data.pad_batch(rows, pad_id, pad_to_multiple_of=8)
+    return sft.pad_batch(rows, pad_id, pad_to_multiple_of=8)
 
 
 # ----------------------------------------------------------------------------- attention
@@ -360,7 +360,7 @@ def main(argv: list[str]) -> None:
         except OSError as exc:
             raise ConfigError(f"model.name_or_path / model.tokenizer: cannot load {cfg.model.name_or_path!r}: "
                               f"{str(exc).splitlines()[0]}") from None
-        sft_data.check_vocab(tokenizer, vocab_size)
+        sft.check_vocab(tokenizer, vocab_size)
         on_cpu = cookbook.get_dist_info().device.type == "cpu"  # COOKBOOK_DEVICE=cpu, or no GPU
         if cfg.model.attn_implementation == "varlen" and on_cpu:
             raise ConfigError("model.attn_implementation=varlen runs on CUDA GPUs only: use sdpa on CPU")
@@ -373,9 +373,9 @@ def main(argv: list[str]) -> None:
         Checkpointer(Path(cfg.output_dir) / "checkpoints").check_resume(
             cfg.checkpoint.resume, world_size, to_dict(cfg), MAY_CHANGE, cfg.train.stop_at_step)
         if cfg.data.train_files:
-            train, evals, stats = sft_data.load_examples(cfg.data, tokenizer, cfg.train.seed)
+            train, evals, stats = sft.load_examples(cfg.data, tokenizer, cfg.train.seed)
             pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-            n_rows = len(sft_data.pack(train, cfg.data.max_length, pad_id)) if cfg.data.packing else len(train)
+            n_rows = len(sft.pack(train, cfg.data.max_length, pad_id)) if cfg.data.packing else len(train)
             per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * world_size
             if n_rows < per_step:
                 raise ConfigError(f"{n_rows} training rows (after holding out {len(evals)} examples for evaluation) are too "
@@ -393,9 +393,9 @@ def main(argv: list[str]) -> None:
     out_dir = Path(cfg.output_dir)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    train_ex, eval_ex, stats = sft_data.load_examples(cfg.data, tokenizer, cfg.train.seed)
+    train_ex, eval_ex, stats = sft.load_examples(cfg.data, tokenizer, cfg.train.seed)
     if cfg.data.packing:  # rows of exactly max_length tokens, documents separated by position ids
-        train_rows, eval_rows = sft_data.pack(train_ex, cfg.data.max_length, pad_id), sft_data.pack(eval_ex, cfg.data.max_length, pad_id)
+        train_rows, eval_rows = sft.pack(train_ex, cfg.data.max_length, pad_id), sft.pack(eval_ex, cfg.data.max_length, pad_id)
     else:
         train_rows, eval_rows = train_ex, eval_ex
     sampler = DistributedSampler(train_rows, num_replicas=info.world_size, rank=info.rank, shuffle=True,
@@ -403,7 +403,7 @@ def main(argv: list[str]) -> None:
     loader_kw = dict(collate_fn=partial(collate, pad_id=pad_id), num_workers=cfg.data.num_workers,
                      pin_memory=info.device.type == "cuda")
     train_loader = StatefulDataLoader(train_rows, batch_size=cfg.train.micro_batch_size, sampler=sampler, drop_last=True, **loader_kw)
-    eval_loader = StatefulDataLoader(sft_data.shard_for_eval(eval_rows, info.rank, info.world_size),
+    eval_loader = StatefulDataLoader(sft.shard_for_eval(eval_rows, info.rank, info.world_size),
                                      batch_size=cfg.train.micro_batch_size, **loader_kw)
     steps_per_epoch = len(train_loader) // cfg.train.grad_accum_steps
     if steps_per_epoch == 0:
@@ -530,4 +530,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    cookbook.run_main(main, user_errors=(ConfigError, sft_data.SFTDataError, CheckpointError))
+    cookbook.run_main(main, user_errors=(ConfigError, sft.SFTDataError, CheckpointError))

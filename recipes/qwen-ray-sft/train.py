@@ -13,7 +13,7 @@ What this recipe supports:
       activations, which fits an 80 GB or larger GPU) and ``prepare_data_loader``.
     - bf16 autocast on GPU; gradient checkpointing (``train.gradient_checkpointing``); gradient
       accumulation with DDP's ``no_sync``; AdamW (fused on GPU), warm-up + cosine decay, clipping.
-    - Data as in the FSDP2 recipe (cookbook.sft_data): chat ``messages``, Alpaca and ShareGPT rows,
+    - Data as in the FSDP2 recipe (cookbook.sft): chat ``messages``, Alpaca and ShareGPT rows,
       the tokenizer's chat template, loss on assistant tokens only, packing with per-document
       position ids; loss normalised by the assistant tokens of the whole global batch.
     - Checkpoints every ``checkpoint.every_steps`` through ``ray.train.report`` (model, optimizer,
@@ -45,7 +45,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Schedu
 from transformers import logging as hf_logging
 
 import cookbook
-from cookbook import lm, ray_train, sft_data
+from cookbook import lm, ray_train, sft
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
 from cookbook.hub import model_folder
 from cookbook.metrics import MetricsLogger, ModelFlops, count_parameters
@@ -138,13 +138,13 @@ def check_config(cfg: Config, config_dir: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- data
-def load_rows(cfg: DataConfig, tokenizer, seed: int) -> tuple[list[dict], list[dict], sft_data.SFTStats]:
+def load_rows(cfg: DataConfig, tokenizer, seed: int) -> tuple[list[dict], list[dict], sft.SFTStats]:
     """Train and eval rows (packed to ``max_length`` when ``packing``), and the statistics of every source
-    (`sft_data.load_examples`: a seeded ``eval_fraction`` of each source is held out)."""
-    train, evals, stats = sft_data.load_examples(cfg, tokenizer, seed)
+    (`sft.load_examples`: a seeded ``eval_fraction`` of each source is held out)."""
+    train, evals, stats = sft.load_examples(cfg, tokenizer, seed)
     pad_id = pad_token_id(tokenizer)
     if cfg.packing:
-        train, evals = sft_data.pack(train, cfg.max_length, pad_id), sft_data.pack(evals, cfg.max_length, pad_id)
+        train, evals = sft.pack(train, cfg.max_length, pad_id), sft.pack(evals, cfg.max_length, pad_id)
     return train, evals, stats
 
 
@@ -156,7 +156,7 @@ def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     """Packed rows (equal length, with ``position_ids``) are stacked; other rows are right-padded."""
     if "position_ids" in rows[0]:
         return {k: torch.tensor([r[k] for r in rows], dtype=torch.long) for k in ("input_ids", "labels", "position_ids")}
-    return sft_data.pad_batch(rows, pad_id, pad_to_multiple_of=8)
+    return sft.pad_batch(rows, pad_id, pad_to_multiple_of=8)
 
 
 # ----------------------------------------------------------------------------- model
@@ -183,7 +183,7 @@ def token_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> to
     logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
                    position_ids=batch.get("position_ids"), use_cache=False).logits
     return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(),
-                                             ignore_index=sft_data.IGNORE_INDEX, reduction="sum")
+                                             ignore_index=sft.IGNORE_INDEX, reduction="sum")
 
 
 @torch.no_grad()
@@ -201,7 +201,7 @@ def evaluate(model: torch.nn.Module, rows: list[dict], info: cookbook.DistInfo, 
         batch = {k: v.to(info.device) for k, v in collate(mine[start:start + micro_batch], pad_id).items()}
         with autocast():
             loss_sum += token_loss_sum(model, batch).double()
-        tokens += (batch["labels"][:, 1:] != sft_data.IGNORE_INDEX).sum()
+        tokens += (batch["labels"][:, 1:] != sft.IGNORE_INDEX).sum()
     totals = cookbook.all_reduce_sum({"loss": loss_sum, "tokens": tokens}, info.device)
     model.train()
     return {"loss": totals["loss"] / max(totals["tokens"], 1.0), "tokens": totals["tokens"]}
@@ -294,7 +294,7 @@ def train_loop(config: dict) -> None:
                 micro.append(next(data_iter))
                 waits.append(time.perf_counter() - t0)
             # Normalise by the labelled tokens of the whole global batch; DDP averages over workers.
-            local_tokens = sum((mb["labels"][:, 1:] != sft_data.IGNORE_INDEX).sum() for mb in micro)
+            local_tokens = sum((mb["labels"][:, 1:] != sft.IGNORE_INDEX).sum() for mb in micro)
             global_tokens = max(cookbook.all_reduce_sum({"t": local_tokens}, info.device)["t"], 1.0)
             step_loss = torch.zeros((), device=info.device)
             for i, (mb, wait) in enumerate(zip(micro, waits)):
@@ -365,7 +365,7 @@ def main(argv: list[str]) -> None:
                 raise ConfigError(f"{key}: folder not found: {value}") from None
         raise ConfigError(f"model.name_or_path / model.tokenizer: cannot load {cfg.model.name_or_path!r}: "
                           f"{str(exc).splitlines()[0]}") from None
-    sft_data.check_vocab(tokenizer, vocab_size)
+    sft.check_vocab(tokenizer, vocab_size)
     lm.check_attention(cfg.model.attn_implementation, on_cpu=not planned[1] if planned else cfg.ray.use_gpu is False)
     if cfg.model.pretrained:  # a hub id is downloaded here, once, before the workers start
         model_folder(cfg.model.name_or_path)
@@ -389,4 +389,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    cookbook.run_main(main, user_errors=(ConfigError, sft_data.SFTDataError))
+    cookbook.run_main(main, user_errors=(ConfigError, sft.SFTDataError))

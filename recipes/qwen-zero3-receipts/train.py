@@ -18,7 +18,7 @@ What this recipe supports:
     - Full fine-tuning or LoRA (PEFT) on every linear layer of the decoder, under any ZeRO stage.
     - Data: SROIE-style receipts ``{id, entities, ocr_boxes}`` (JSONL / JSON). Prompt = the OCR lines in
       reading order + an instruction; completion = the entities as one JSON object. Loss on the completion
-      only (cookbook.sft_data: assistant tokens and end-of-turn token). The validation set is
+      only (cookbook.sft: assistant tokens and end-of-turn token). The validation set is
       ``data.eval_files`` (e.g. the SROIE test split), else a seeded split carved from train. Optional packing
       into rows of ``data.max_length`` tokens (documents kept apart by position ids, as in the FSDP2 recipe).
     - Evaluation (``ReceiptTrainer.evaluate``): the loss per label token over exactly the validation rows
@@ -53,7 +53,7 @@ from transformers import AutoConfig, AutoTokenizer, SchedulerType
 from transformers import logging as hf_logging
 
 import cookbook
-from cookbook import lm, sft_data
+from cookbook import lm, sft
 from cookbook.checkpoint import CheckpointError, config_changes, publish
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
 
@@ -240,15 +240,15 @@ def ocr_text(boxes: list, where: str) -> str:
     current line's joins it; each line is ordered left to right and joined with spaces.
 
     Raises:
-        sft_data.SFTDataError: the list is empty, or a box is not 8 numbers and a string.
+        sft.SFTDataError: the list is empty, or a box is not 8 numbers and a string.
     """
     if not isinstance(boxes, list) or not boxes:
-        raise sft_data.SFTDataError(f"{where}: field 'ocr_boxes' is empty or not a list: no OCR text to read")
+        raise sft.SFTDataError(f"{where}: field 'ocr_boxes' is empty or not a list: no OCR text to read")
     items = []
     for i, box in enumerate(boxes):
         if (not isinstance(box, list) or len(box) != 9 or not isinstance(box[8], str)
                 or not all(isinstance(v, (int, float)) for v in box[:8])):
-            raise sft_data.SFTDataError(f"{where}: ocr_boxes[{i}] must be [x1, y1, ..., x4, y4, text] (8 numbers and a "
+            raise sft.SFTDataError(f"{where}: ocr_boxes[{i}] must be [x1, y1, ..., x4, y4, text] (8 numbers and a "
                                         f"string), got {str(box)[:80]}")
         ys, xs = box[1:8:2], box[0:8:2]
         items.append(((min(ys) + max(ys)) / 2, max(ys) - min(ys), min(xs), box[8].strip()))
@@ -268,17 +268,17 @@ def receipt_messages(row: dict, where: str, fields: list[str]) -> list[dict]:
     The JSON has the keys of `fields` in that order; a field missing from ``entities`` is ``null``.
 
     Raises:
-        sft_data.SFTDataError: no ``entities`` (or none of `fields`), a non-string entity, or bad ``ocr_boxes``.
+        sft.SFTDataError: no ``entities`` (or none of `fields`), a non-string entity, or bad ``ocr_boxes``.
     """
     entities = row.get("entities")
     if not isinstance(entities, dict) or not any(isinstance(entities.get(f), str) and entities[f].strip() for f in fields):
-        raise sft_data.SFTDataError(f"{where}: field 'entities' has none of {', '.join(fields)}: nothing to learn from "
+        raise sft.SFTDataError(f"{where}: field 'entities' has none of {', '.join(fields)}: nothing to learn from "
                                     f"this receipt (got {str(entities)[:80]})")
     target = {}
     for f in fields:
         value = entities.get(f)
         if value is not None and not isinstance(value, str):
-            raise sft_data.SFTDataError(f"{where}: entities.{f} must be a string, got {type(value).__name__}")
+            raise sft.SFTDataError(f"{where}: entities.{f} must be a string, got {type(value).__name__}")
         target[f] = value.strip() if value and value.strip() else None
     prompt = f"{ocr_text(row.get('ocr_boxes'), where)}\n\n{instruction(fields)}"
     return [{"role": "user", "content": prompt}, {"role": "assistant", "content": json.dumps(target, ensure_ascii=False)}]
@@ -306,28 +306,28 @@ class Receipts:
     val_index: list[int]
     val_prompts: list[list[int]]
     val_targets: list[dict]
-    stats: sft_data.SFTStats
-    eval_stats: sft_data.SFTStats | None = None  # data.eval_files' counts, when given
+    stats: sft.SFTStats
+    eval_stats: sft.SFTStats | None = None  # data.eval_files' counts, when given
 
 
 def _tokenize_receipts(sources: list[tuple[str, list[dict]]], cfg: DataConfig, tokenizer, kwargs: dict | None):
     """Messages and tokenized examples of the rows of `sources` (``(name, rows)`` pairs) that fit in
     ``cfg.max_length``, in order, with their 0-based positions over all sources and the statistics. A receipt
     longer than ``max_length`` is dropped, not cut (a cut JSON teaches the model to stop mid-object), and
-    counted. Raises `sft_data.SFTDataError` for a bad row or more than ``cfg.max_dropped_fraction`` of a
+    counted. Raises `sft.SFTDataError` for a bad row or more than ``cfg.max_dropped_fraction`` of a
     file's rows dropped."""
     messages, examples, kept, parts = [], [], [], []
     for source, file_rows in sources:
         file_messages = [receipt_messages(row, f"{source} row {n}" + (f" (id {row['id']})" if "id" in row else ""),
                                           cfg.fields) for n, row in enumerate(file_rows, 1)]
-        file_examples, st = sft_data.prepare([{"messages": m} for m in file_messages], tokenizer, cfg.max_length, source,
+        file_examples, st = sft.prepare([{"messages": m} for m in file_messages], tokenizer, cfg.max_length, source,
                                              kwargs, max_dropped_fraction=cfg.max_dropped_fraction, truncate=False)
         assert not st.empty_answers  # every receipt has a non-empty JSON answer
         kept += [len(messages) + n - 1 for n in st.example_rows]  # 0-based over all files
         messages += file_messages
         examples += file_examples
         parts.append(st)
-    return [messages[i] for i in kept], examples, kept, sft_data.SFTStats.merge(parts)
+    return [messages[i] for i in kept], examples, kept, sft.SFTStats.merge(parts)
 
 
 def load_receipts(cfg: DataConfig, tokenizer, seed: int) -> Receipts:
@@ -339,15 +339,15 @@ def load_receipts(cfg: DataConfig, tokenizer, seed: int) -> Receipts:
     cut, and counted in ``stats`` (row and token count).
 
     Raises:
-        sft_data.SFTDataError: a bad file or row (see `receipt_messages`), more than ``max_dropped_fraction``
+        sft.SFTDataError: a bad file or row (see `receipt_messages`), more than ``max_dropped_fraction``
             of a file's rows longer than ``max_length``, or a tokenizer without a chat template.
     """
     kwargs = dict(cfg.chat_template_kwargs) or None
-    sources = [(f, sft_data.load_rows(f)) for f in cfg.train_files] or [(cfg.hub_id, sft_data.load_hub_rows(cfg.hub_id))]
+    sources = [(f, sft.load_rows(f)) for f in cfg.train_files] or [(cfg.hub_id, sft.load_hub_rows(cfg.hub_id))]
     messages, examples, kept, stats = _tokenize_receipts(sources, cfg, tokenizer, kwargs)
     if cfg.eval_files:
         val_messages, val_examples, val_kept, eval_stats = _tokenize_receipts(
-            [(f, sft_data.load_rows(f)) for f in cfg.eval_files], cfg, tokenizer, kwargs)
+            [(f, sft.load_rows(f)) for f in cfg.eval_files], cfg, tokenizer, kwargs)
         train_idx, val_idx = list(range(len(examples))), list(range(len(val_examples)))
     else:
         n_val = max(1, int(len(examples) * cfg.eval_fraction)) if cfg.eval_fraction > 0 else 0
@@ -364,7 +364,7 @@ def load_receipts(cfg: DataConfig, tokenizer, seed: int) -> Receipts:
 
 def collate_packed(rows: list[dict]) -> dict[str, torch.Tensor]:
     """Stack packed rows (``input_ids``, ``labels``, ``position_ids``, all ``max_length`` long). No attention
-    mask: transformers then builds a block-diagonal causal mask from the position ids (see `sft_data.pack`)."""
+    mask: transformers then builds a block-diagonal causal mask from the position ids (see `sft.pack`)."""
     return {k: torch.tensor([r[k] for r in rows], dtype=torch.long) for k in ("input_ids", "labels", "position_ids")}
 
 
@@ -633,11 +633,11 @@ def main(argv: list[str]) -> None:
         except OSError as exc:
             raise ConfigError(f"model.name_or_path / model.tokenizer: cannot load {cfg.model.name_or_path!r}: "
                               f"{str(exc).splitlines()[0]}") from None
-        sft_data.check_vocab(tokenizer, vocab_size)
+        sft.check_vocab(tokenizer, vocab_size)
         check_resume(cfg, world_size)
         data = load_receipts(cfg.data, tokenizer, cfg.train.seed)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        n_rows = len(sft_data.pack(data.train, cfg.data.max_length, pad_id)) if cfg.data.packing else len(data.train)
+        n_rows = len(sft.pack(data.train, cfg.data.max_length, pad_id)) if cfg.data.packing else len(data.train)
         per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * world_size
         if n_rows < per_step:
             raise ConfigError(f"{n_rows} training rows (after holding out {len(data.val)} receipts for validation) are "
@@ -678,8 +678,8 @@ def train(cfg: Config, on_cpu: bool) -> None:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     data = load_receipts(cfg.data, tokenizer, cfg.train.seed)
     if cfg.data.packing:
-        train_rows, val_rows = (sft_data.pack(data.train, cfg.data.max_length, pad_id),
-                                sft_data.pack(data.val, cfg.data.max_length, pad_id))
+        train_rows, val_rows = (sft.pack(data.train, cfg.data.max_length, pad_id),
+                                sft.pack(data.val, cfg.data.max_length, pad_id))
     else:
         train_rows, val_rows = data.train, data.val
     per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * info.world_size
@@ -755,7 +755,7 @@ def train(cfg: Config, on_cpu: bool) -> None:
 
             Replaces the Trainer's loop, which pads the last rank's share with duplicate rows and averages
             per-batch means weighted by rows. Here each rank takes every world_size-th row
-            (`sft_data.shard_for_eval`: label-free fillers keep the number of forward passes equal, as ZeRO-3
+            (`sft.shard_for_eval`: label-free fillers keep the number of forward passes equal, as ZeRO-3
             gathers parameters collectively), sums token losses and counts, and one all-reduce gives
             ``sum of losses / number of label tokens``. Logs ``<prefix>_loss``, ``_mean_token_accuracy`` and
             ``_tokens`` and calls the callbacks' ``on_evaluate`` (the generation eval runs there), as the
@@ -767,7 +767,7 @@ def train(cfg: Config, on_cpu: bool) -> None:
             was_training = model.training
             model.eval()
             start = time.perf_counter()
-            rows = sft_data.shard_for_eval(val_rows, info.rank, info.world_size)
+            rows = sft.shard_for_eval(val_rows, info.rank, info.world_size)
             size = self.args.per_device_eval_batch_size
             sums = {k: torch.zeros((), dtype=torch.float64) for k in ("loss_sum", "tokens", "correct")}
             for i in range(0, len(rows), size):
@@ -896,4 +896,4 @@ def export_final(trainer, tokenizer, out_dir: Path, cfg: Config, hf_config, info
 
 
 if __name__ == "__main__":
-    cookbook.run_main(main, user_errors=(ConfigError, sft_data.SFTDataError, CheckpointError))
+    cookbook.run_main(main, user_errors=(ConfigError, sft.SFTDataError, CheckpointError))

@@ -11,7 +11,7 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from cookbook.config import ConfigError
-from cookbook.sft_data import IGNORE_INDEX
+from cookbook.sft import IGNORE_INDEX
 
 
 def count_tokens(batch: dict[str, torch.Tensor], pad_id: int) -> torch.Tensor:
@@ -22,10 +22,10 @@ def count_tokens(batch: dict[str, torch.Tensor], pad_id: int) -> torch.Tensor:
     every real turn.
 
     - Right-padded rows (``attention_mask`` (B, L), 1 on real tokens): the mask's sum.
-    - Packed rows (``position_ids`` (B, L), no mask; `cookbook.sft_data.pack`): every document counts,
+    - Packed rows (``position_ids`` (B, L), no mask; `cookbook.sft.pack`): every document counts,
       except the padding that fills a row's end, which `pack` lays out as the row's last document
       (position ids from 0) made of `pad_id` only and without any label. A real document always has a
-      label (`sft_data.prepare` drops the others), so it is never taken for padding.
+      label (`sft.prepare` drops the others), so it is never taken for padding.
     - Otherwise every token is real.
     """
     ids = batch["input_ids"]

@@ -14,8 +14,8 @@ across ranks and writes one record to:
   and tracking is switched off: it never stops training.
 
 Keys of a train record: ``step``, ``loss``, ``lr``, ``grad_norm``, ``step_time_s``,
-``samples_per_s``, ``tokens_per_s`` (totals over ranks), ``samples_per_s_per_gpu`` and
-``tokens_per_s_per_gpu`` (``*_per_rank`` on CPU), ``mfu`` (CUDA only, fraction 0-1),
+``samples_per_s``, ``tokens_per_s`` (totals over ranks), ``samples_per_s_per_device`` and
+``tokens_per_s_per_device`` (per GPU on GPUs, per process on CPU: the same keys on both), ``mfu`` (CUDA only, fraction 0-1),
 ``mem_allocated_gib``/``mem_reserved_gib`` (CUDA peak since start, max over ranks),
 ``rss_gib`` (CPU resident memory, max over ranks), ``data_wait_s`` (per step, mean over ranks)
 and ``data_wait_frac``.
@@ -131,13 +131,13 @@ class ModelFlops:
         return 6.0 * self.num_params + 12.0 * self.num_layers * self.attn_width * seq_len
 
 
-def mfu(tokens_per_s_per_gpu: float, flops_per_token: float, peak_flops: float) -> float:
+def mfu(tokens_per_s_per_device: float, flops_per_token: float, peak_flops: float) -> float:
     """Model FLOPs utilisation (fraction 0-1): achieved model FLOP/s over the GPU's peak.
 
     MFU as defined in PaLM (Chowdhery et al. 2022, section 4.1): recomputation for
     activation checkpointing does not count as useful work.
     """
-    return tokens_per_s_per_gpu * flops_per_token / peak_flops
+    return tokens_per_s_per_device * flops_per_token / peak_flops
 
 
 class _MLflowSink:
@@ -242,7 +242,7 @@ class MetricsLogger:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             if mlflow:
                 self._mlflow = _MLflowSink(self.out_dir, run_name, experiment, params or {})
-        self._suffix = "per_gpu" if info.device.type == "cuda" else "per_rank"
+        self._unit = "gpu" if info.device.type == "cuda" else "rank"  # what one device is, for the console
         self._reset_window(step=None)
         self._t_start = time.perf_counter()
 
@@ -347,9 +347,9 @@ class MetricsLogger:
         rec["samples_per_s"] = samples / elapsed
         if self.count_tokens:
             rec["tokens_per_s"] = tok / elapsed
-        rec[f"samples_per_s_{self._suffix}"] = samples / elapsed / world
+        rec["samples_per_s_per_device"] = samples / elapsed / world
         if self.count_tokens:
-            rec[f"tokens_per_s_{self._suffix}"] = tok / elapsed / world
+            rec["tokens_per_s_per_device"] = tok / elapsed / world
         if self.flops is not None and self._peak is not None and samples > 0 and self.count_tokens:
             fpt = self.flops.per_token(tok / samples)
             rec["mfu"] = mfu(tok / elapsed / world, fpt, self._peak)
@@ -392,9 +392,9 @@ class MetricsLogger:
         if "grad_norm" in rec:
             parts.append(f"gnorm {rec['grad_norm']:.2f}")
         parts.append(f"{rec['step_time_s'] * 1000:.0f} ms/step")
-        parts.append(f"{rec[f'samples_per_s_{self._suffix}']:.1f} samples/s/{self._suffix[4:]}")
+        parts.append(f"{rec['samples_per_s_per_device']:.1f} samples/s/{self._unit}")
         if self.count_tokens:
-            parts.append(f"{rec[f'tokens_per_s_{self._suffix}']:,.0f} tok/s/{self._suffix[4:]}")
+            parts.append(f"{rec['tokens_per_s_per_device']:,.0f} tok/s/{self._unit}")
         if "mfu" in rec:
             parts.append(f"mfu {rec['mfu'] * 100:.1f}%")
         if "mem_allocated_gib" in rec:
