@@ -92,7 +92,6 @@ class ModelConfig:
 
 @dataclass
 class FSDPConfig:
-    param_dtype: str = "bf16"  # compute dtype of gathered parameters ("fp32" on CPU)
     reduce_dtype: str = "fp32"  # gradient reduce-scatter dtype
     reshard_after_forward: bool = True  # False keeps gathered layers until backward (more memory, less traffic)
     cpu_offload: bool = False  # parameters, gradients and optimizer state in CPU memory
@@ -127,6 +126,7 @@ class OptimConfig:
 @dataclass
 class TrainConfig:
     seed: int = 42
+    mixed_precision: str = "bf16"  # compute dtype of gathered parameters (FSDP2 MixedPrecisionPolicy); fp32 on CPU
     micro_batch_size: int = 2  # rows per rank per micro-step
     grad_accum_steps: int = 1
     epochs: int = 1
@@ -175,7 +175,7 @@ def check_config(cfg: Config, config_dir: Path) -> None:
     check_fields(cfg, at_least={"train.micro_batch_size": 1, "train.grad_accum_steps": 1, "train.log_every": 1,
                                 "data.max_length": 1, "fsdp.replicate_degree": 1, "checkpoint.keep_last": 0,
                                 "checkpoint.every_steps": -1},
-                 one_of={"fsdp.param_dtype": sorted(DTYPES), "fsdp.reduce_dtype": sorted(DTYPES),
+                 one_of={"train.mixed_precision": sorted(DTYPES), "fsdp.reduce_dtype": sorted(DTYPES),
                          "checkpoint.export_dtype": sorted(DTYPES),
                          "train.activation_checkpointing": ("none", "selective", "full"),
                          "optim.scheduler": [t.value for t in SchedulerType]},
@@ -295,7 +295,7 @@ def build_model(cfg: Config, info: cookbook.DistInfo, vocab_size_needed: int) ->
                                 mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("shard",))
-    param_dtype = DTYPES[cfg.fsdp.param_dtype] if info.device.type == "cuda" else torch.float32
+    param_dtype = DTYPES[cfg.train.mixed_precision] if info.device.type == "cuda" else torch.float32
     fsdp_kwargs = dict(mesh=mesh, reshard_after_forward=cfg.fsdp.reshard_after_forward,
                        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=DTYPES[cfg.fsdp.reduce_dtype]))
     if cfg.fsdp.cpu_offload:
