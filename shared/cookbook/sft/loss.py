@@ -77,7 +77,7 @@ def evaluate(model: torch.nn.Module, batches: Iterable[dict[str, torch.Tensor]],
 
     Args:
         model: the causal LM; put in eval mode for the loop, then back in the mode it was in.
-        batches: a DataLoader or any iterable of `collate` batches; moved to `device`.
+        batches: a DataLoader or any iterable of `collate` batches; their tensors are moved to `device`.
         device: this rank's device (that of its collectives).
         context: called around each forward, e.g. an autocast or the Trainer's loss context.
         on_batch: called with each batch after its forward (e.g. to drop a hook's records).
@@ -94,7 +94,7 @@ def evaluate(model: torch.nn.Module, batches: Iterable[dict[str, torch.Tensor]],
     sums = {k: torch.zeros((), device=device, dtype=torch.float64) for k in ("loss_sum", "tokens", "correct")}
     try:
         for batch in batches:
-            batch = {k: v.to(device) for k, v in batch.items()}
+            batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
             with context():
                 for k, v in token_loss_sums(model, batch).items():
                     sums[k] += v.double()
