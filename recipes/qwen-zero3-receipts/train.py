@@ -42,6 +42,7 @@ import shutil
 import time
 import warnings
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -335,37 +336,6 @@ def load_receipts(cfg: DataConfig, tokenizer, seed: int) -> Receipts:
                     [val_kept[i] for i in val_idx], val_prompts, val_targets, stats, eval_stats)
 
 
-def collate_packed(rows: list[dict]) -> dict[str, torch.Tensor]:
-    """Stack packed rows (``input_ids``, ``labels``, ``position_ids``, all ``max_length`` long). No attention
-    mask: transformers then builds a block-diagonal causal mask from the position ids (see `sft.pack`)."""
-    return {k: torch.tensor([r[k] for r in rows], dtype=torch.long) for k in ("input_ids", "labels", "position_ids")}
-
-
-# ----------------------------------------------------------------------------- loss eval
-@torch.no_grad()
-def token_loss_sums(model, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Summed next-token cross entropy, labelled-token count and correct argmax count of one batch.
-
-    Args:
-        model: a causal LM (or its DeepSpeed / PEFT wrapper) returning ``logits`` of shape (B, L, V).
-        batch: ``input_ids`` and ``labels`` (B, L; -100 where no loss), optionally ``attention_mask`` /
-            ``position_ids`` (packed rows), on the model's device.
-
-    Returns:
-        ``loss_sum`` (nats, fp32 logits), ``tokens`` and ``correct``: 0-d tensors. Label t is predicted from
-        position t - 1, as in transformers' ``ForCausalLMLoss``; the mean loss per token is
-        ``loss_sum / tokens``, which is what training minimises.
-    """
-    # use_cache=False: with a cache, transformers does not derive document boundaries from position_ids.
-    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
-    logits = model(**inputs, use_cache=False).logits[:, :-1].float()
-    labels = batch["labels"][:, 1:]
-    mask = labels != -100
-    loss_sum = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
-                                                 reduction="sum")
-    return {"loss_sum": loss_sum, "tokens": mask.sum(), "correct": ((logits.argmax(-1) == labels) & mask).sum()}
-
-
 # ----------------------------------------------------------------------------- generation eval
 def parse_fields(text: str) -> dict | None:
     """The JSON object in a generated answer, or ``None`` if the text is not one JSON object."""
@@ -432,7 +402,7 @@ def generation_eval(model, tokenizer, prompts: list[list[int]], targets: list[di
     mine = list(range(info.rank, len(prompts), info.world_size))
     per_rank = -(-len(prompts) // info.world_size)
     padded = mine + [0] * (per_rank - len(mine))
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = sft.pad_token_id(tokenizer)
     was_training = model.training
     model.eval()
     predictions = []
@@ -555,7 +525,7 @@ def main(argv: list[str]) -> None:
         sft.check_vocab(tokenizer, vocab_size)
         check_resume(cfg, world_size)
         data = load_receipts(cfg.data, tokenizer, cfg.train.seed)
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        pad_id = sft.pad_token_id(tokenizer)
         n_rows = len(sft.pack(data.train, cfg.data.max_length, pad_id)) if cfg.data.packing else len(data.train)
         per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * world_size
         if n_rows < per_step:
@@ -584,7 +554,7 @@ def train(cfg: Config, on_cpu: bool) -> None:
     ds_config = check_deepspeed_config(cfg, info.world_size)
     stage = ds_config["zero_optimization"]["stage"]
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = sft.pad_token_id(tokenizer)
     data = load_receipts(cfg.data, tokenizer, cfg.train.seed)
     if cfg.data.packing:
         train_rows, val_rows = (sft.pack(data.train, cfg.data.max_length, pad_id),
@@ -665,31 +635,23 @@ def train(cfg: Config, on_cpu: bool) -> None:
             Replaces the Trainer's loop, which pads the last rank's share with duplicate rows and averages
             per-batch means weighted by rows. Here each rank takes every world_size-th row
             (`sft.shard_for_eval`: label-free fillers keep the number of forward passes equal, as ZeRO-3
-            gathers parameters collectively), sums token losses and counts, and one all-reduce gives
-            ``sum of losses / number of label tokens``. Logs ``<prefix>_loss``, ``_mean_token_accuracy`` and
-            ``_tokens`` and calls the callbacks' ``on_evaluate`` (the generation eval runs there), as the
+            gathers parameters collectively), and `sft.evaluate` sums token losses and counts, then one
+            all-reduce gives ``sum of losses / number of label tokens``. Logs ``<prefix>_loss``,
+            ``_mean_token_accuracy`` and ``_tokens`` and calls the callbacks' ``on_evaluate`` (the generation eval runs there), as the
             Trainer's own ``evaluate`` does.
             """
             if eval_dataset is not None:
                 raise ValueError("ReceiptTrainer.evaluate scores the validation split given at construction")
             model = self.model_wrapped
             was_training = model.training
-            model.eval()
+            model.eval()  # until self.log below (sft.evaluate leaves the mode it finds)
             start = time.perf_counter()
             rows = sft.shard_for_eval(val_rows, info.rank, info.world_size)
             size = self.args.per_device_eval_batch_size
-            sums = {k: torch.zeros((), dtype=torch.float64) for k in ("loss_sum", "tokens", "correct")}
-            for i in range(0, len(rows), size):
-                batch = self._prepare_inputs(self.data_collator(rows[i:i + size]))
-                with self.compute_loss_context_manager():
-                    for k, v in token_loss_sums(model, batch).items():
-                        sums[k] += v.double().cpu()
-            totals = cookbook.all_reduce_sum(sums, info.device)
-            n = max(totals["tokens"], 1.0)
-            out = {f"{metric_key_prefix}_loss": totals["loss_sum"] / n,
-                   f"{metric_key_prefix}_mean_token_accuracy": totals["correct"] / n,
-                   f"{metric_key_prefix}_tokens": totals["tokens"],
-                   f"{metric_key_prefix}_runtime": round(time.perf_counter() - start, 4)}
+            batches = (self._prepare_inputs(self.data_collator(rows[i:i + size])) for i in range(0, len(rows), size))
+            result = sft.evaluate(model, batches, info.device, context=self.compute_loss_context_manager, accuracy=True)
+            out = {f"{metric_key_prefix}_{k}": v for k, v in result.items()}  # loss, tokens, mean_token_accuracy
+            out[f"{metric_key_prefix}_runtime"] = round(time.perf_counter() - start, 4)
             self.log(out)  # while the model is in eval mode: TRL adds no training metrics to these logs
             if was_training:
                 model.train()
@@ -700,7 +662,7 @@ def train(cfg: Config, on_cpu: bool) -> None:
         model=model, args=args, processing_class=tokenizer, peft_config=peft_config,
         train_dataset=datasets.Dataset.from_list(train_rows),
         eval_dataset=datasets.Dataset.from_list(val_rows) if val_rows else None,
-        data_collator=collate_packed if cfg.data.packing else None,
+        data_collator=partial(sft.collate, pad_id=pad_id, cu_seq_lens=False) if cfg.data.packing else None,
         # StopAtStep sets should_save before MetricsCallback sees the step end; MetricsCallback, last, pauses
         # its window over the evaluation and the save (publishing included).
         callbacks=[hf_trainer.StopAtStep(cfg.train.stop_at_step),
