@@ -39,7 +39,6 @@ import os
 import warnings
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
 from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -55,7 +54,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, SchedulerType, get_scheduler
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
 from transformers import logging as hf_logging
 
 import cookbook
@@ -69,6 +68,7 @@ from cookbook.checkpoint import (
     TrainState,
     export_hf,
 )
+from cookbook import config
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
 from cookbook.hub import model_folder
 from cookbook.loop import EpochBatches, TrainLoop, already_complete
@@ -96,71 +96,31 @@ class FSDPConfig:
 
 
 @dataclass
-class DataConfig:
-    train_files: list[str] = field(default_factory=list)  # JSON / JSONL; empty: hub_id
-    eval_files: list[str] = field(default_factory=list)
-    hub_id: str = "tatsu-lab/alpaca"
-    eval_fraction: float = 0.02
-    max_length: int = 2048  # tokens per packed row / per example when not packing
-    packing: bool = True
-    num_workers: int = 1
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. {enable_thinking: false} for Qwen3
-    max_dropped_fraction: float = 0.1  # refuse when more of a file's rows are dropped (cut before the answer, empty answer)
-    split_turns: bool = False  # one example per assistant turn (templates that rewrite earlier turns: Qwen3)
-
-
-@dataclass
-class OptimConfig:
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    scheduler: str = "cosine"
-    warmup_ratio: float = 0.03
-    max_grad_norm: float = 1.0
-
-
-@dataclass
-class TrainConfig:
-    seed: int = 42
-    mixed_precision: str = "bf16"  # compute dtype of gathered parameters (FSDP2 MixedPrecisionPolicy); fp32 on CPU
-    micro_batch_size: int = 2  # rows per rank per micro-step
-    grad_accum_steps: int = 1
-    epochs: int = 1
-    max_steps: int = -1
-    stop_at_step: int = -1
-    activation_checkpointing: str = "selective"  # none, selective, full
+class TrainConfig(config.TrainConfig):
+    activation_checkpointing: str = "selective"  # none, selective (saves matmul and attention outputs), full
     compile: bool = False  # torch.compile each decoder layer
-    log_every: int = 10
-    eval_every: int = 0  # 0: at the end only
-    profile_step: int = 0  # > 0: torch.profiler trace of this step in <output_dir>/profile
 
 
 @dataclass
-class CheckpointConfig:
-    every_steps: int = 500  # 0: only at the end (and at stop_at_step); -1: never (benchmarks)
-    keep_last: int = 2
-    resume: str = "auto"
-    export_hf: bool = True
+class CheckpointConfig(config.CheckpointConfig):
+    export_hf: bool = True  # write <output_dir>/final in Hugging Face format
     export_dtype: str = "bf16"
 
 
 @dataclass
-class Config:
+class Config(config.RunConfig):
     output_dir: str = "outputs/qwen3-8b-sft"
     run_name: str = "qwen3-8b-sft"
-    mlflow: bool = True
     model: ModelConfig = field(default_factory=ModelConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: sft.DataConfig = field(default_factory=sft.DataConfig)
+    optim: config.OptimConfig = field(default_factory=config.OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 # Settings that may differ between a checkpoint and the run that resumes it; any other change is refused.
-MAY_CHANGE = ("output_dir", "run_name", "mlflow", "train.stop_at_step", "train.log_every", "train.eval_every", "train.profile_step",
-              "data.num_workers", "data.max_dropped_fraction", "checkpoint.*")
+MAY_CHANGE = config.MAY_CHANGE + sft.MAY_CHANGE
 
 
 def check_config(cfg: Config, config_dir: Path) -> None:
@@ -169,22 +129,11 @@ def check_config(cfg: Config, config_dir: Path) -> None:
     cfg.model.tokenizer = resolve_path(cfg.model.tokenizer or cfg.model.name_or_path, config_dir)
     cfg.data.train_files = [resolve_path(f, config_dir) for f in cfg.data.train_files]
     cfg.data.eval_files = [resolve_path(f, config_dir) for f in cfg.data.eval_files]
-    check_fields(cfg, at_least={"train.micro_batch_size": 1, "train.grad_accum_steps": 1, "train.log_every": 1,
-                                "data.max_length": 1, "fsdp.replicate_degree": 1, "checkpoint.keep_last": 0,
-                                "checkpoint.every_steps": -1},
-                 one_of={"train.mixed_precision": sorted(DTYPES), "fsdp.reduce_dtype": sorted(DTYPES),
-                         "checkpoint.export_dtype": sorted(DTYPES),
-                         "train.activation_checkpointing": ("none", "selective", "full"),
-                         "optim.scheduler": [t.value for t in SchedulerType]},
-                 within={"data.eval_fraction": "[0, 1)", "data.max_dropped_fraction": "[0, 1]"},
-                 notes={"checkpoint.every_steps": "-1: never", "data.eval_fraction": "0: no evaluation"})
-    if cfg.data.eval_files and not cfg.data.train_files:
-        raise ConfigError("data.eval_files is set but data.train_files is empty")
-    if cfg.train.max_steps <= 0 and cfg.train.epochs <= 0:
-        raise ConfigError("set train.max_steps > 0 or train.epochs > 0")
-    if cfg.checkpoint.every_steps == -1 and cfg.train.stop_at_step > 0:
-        raise ConfigError("train.stop_at_step needs a checkpoint to resume from: checkpoint.every_steps=-1 saves none")
-
+    config.check_run(cfg)
+    sft.check_data_config(cfg)
+    check_fields(cfg, at_least={"fsdp.replicate_degree": 1},
+                 one_of={"fsdp.reduce_dtype": sorted(DTYPES), "checkpoint.export_dtype": sorted(DTYPES),
+                         "train.activation_checkpointing": ("none", "selective", "full")})
 
 # ----------------------------------------------------------------------------- model
 def _sac_policy(ctx, op, *args, **kwargs):

@@ -543,6 +543,7 @@ def train(cfg: Config, on_cpu: bool) -> None:
     import datasets
     from transformers import AutoModelForCausalLM, PrinterCallback
 
+    from cookbook.loop import log_outputs
     from cookbook.metrics import MetricsLogger, ModelFlops, count_parameters
 
     info = hf_trainer.init_deepspeed(on_cpu)  # the process group, and DeepSpeed's communication over it
@@ -693,17 +694,11 @@ def train(cfg: Config, on_cpu: bool) -> None:
             trainer.evaluate()  # validation loss + generation metrics, through MetricsCallback.on_evaluate
         final = metrics_cb.last_eval
         export_dir = hf_trainer.export_final(trainer, tokenizer, out_dir) if cfg.checkpoint.export_hf else None
-        metrics.log_summary({"step": trainer.state.global_step, **{f"eval/{k}": v for k, v in final.items()},
+        outputs = {"export_dir": (export_dir, "AutoModelForCausalLM.from_pretrained")}
+        metrics.log_summary({"step": step, **{f"eval/{k}": v for k, v in final.items()},
                              "export_dir": str(export_dir) if export_dir else None, "mlflow_uri": metrics.mlflow_uri,
                              "mlflow_run_id": metrics.mlflow_run_id})
-        if info.is_main:
-            log.info(f"done: {step} steps" + (f" | {eval_line(final, cfg.data.fields)}" if final else ""))
-            log.info(f"metrics:     {metrics.jsonl_path}")
-            if metrics.mlflow_uri:
-                log.info(f"MLflow:      {metrics.mlflow_uri} (run {metrics.mlflow_run_id})")
-            log.info(f"checkpoints: {root}")
-            if export_dir:
-                log.info(f"model:       {export_dir} (AutoModelForCausalLM.from_pretrained)")
+        log_outputs(step, final, metrics, root, outputs, eval_text=eval_line(final, cfg.data.fields) if final else "")
     except BaseException:
         failed = True
         raise

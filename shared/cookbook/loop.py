@@ -326,14 +326,20 @@ class TrainLoop:
 
 
 def log_outputs(step: int, final_eval: Mapping[str, float], metrics: MetricsLogger, checkpoints: Path | None,
-                outputs: Outputs) -> None:
+                outputs: Outputs, eval_text: str | None = None) -> None:
     """The closing log lines of a finished run (rank 0 only): steps and final evaluation, then where the
-    metrics, the MLflow run, the checkpoints and each exported artefact are, and how to load it."""
+    metrics, the MLflow run, the checkpoints and each exported artefact are, and how to load it.
+
+    Args:
+        eval_text: the final evaluation as the recipe words it; default: ``eval`` and the ``name value`` pairs
+            of `final_eval`.
+    """
     if not get_dist_info().is_main:
         return
     log = get_logger()
-    shown = " ".join(f"{k} {v:.4f}" for k, v in final_eval.items() if k != "tokens")
-    log.info(f"done: {step} steps" + (f" | eval {shown}" if shown else ""))
+    pairs = " ".join(f"{k} {v:.4f}" for k, v in final_eval.items() if k != "tokens")
+    shown = eval_text if eval_text is not None else f"eval {pairs}" if pairs else ""
+    log.info(f"done: {step} steps" + (f" | {shown}" if shown else ""))
     rows = [("metrics", f"{metrics.jsonl_path}")]
     if metrics.mlflow_uri:
         rows.append(("MLflow", f"{metrics.mlflow_uri} (run {metrics.mlflow_run_id}); browse with "

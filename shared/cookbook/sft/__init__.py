@@ -65,3 +65,7 @@ __all__ = [
     "check_one_step",
     "load_tokenizer",
 ]
+
+from cookbook.sft.config import MAY_CHANGE, DataConfig, check_data_config  # noqa: E402
+
+__all__ += ["MAY_CHANGE", "DataConfig", "check_data_config"]
