@@ -48,7 +48,7 @@ from torch.utils.data import DistributedSampler, Subset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 from transformers import AttentionInterface, AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
-from transformers import DataCollatorWithPadding, SchedulerType, get_scheduler
+from transformers import DataCollatorWithPadding, get_scheduler
 from transformers import logging as hf_logging
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -57,9 +57,10 @@ import cookbook
 from cookbook import lm
 from cookbook.checkpoint import Checkpointer, CheckpointError, ModelOptimizerState, RankLocalState, RNGState, TrainState
 from cookbook.checkpoint import export_hf
+from cookbook import config
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
 from cookbook.loop import EpochBatches, TrainLoop, already_complete
-from cookbook.metrics import MetricsLogger, ModelFlops, count_parameters
+from cookbook.metrics import MetricsLogger, ModelFlops, StepProfiler, count_parameters
 from cookbook.tabular import DataError, first_csv_row, records, to_int
 
 LABELS = ["World", "Sports", "Business", "Sci/Tech"]
@@ -89,52 +90,23 @@ class DataConfig:
 
 
 @dataclass
-class OptimConfig:
-    lr: float = 5e-5
-    weight_decay: float = 0.01
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
-    eps: float = 1e-6
-    scheduler: str = "linear"  # any transformers.get_scheduler name: linear, cosine, constant_with_warmup
-    warmup_ratio: float = 0.06  # of max_steps
-    max_grad_norm: float = 1.0  # 0 disables clipping
-
-
-@dataclass
-class TrainConfig:
-    seed: int = 42
-    micro_batch_size: int = 32  # per rank
-    grad_accum_steps: int = 1  # global batch = micro_batch_size * grad_accum_steps * world size
-    epochs: int = 2
-    max_steps: int = -1  # > 0 overrides epochs; also the length of the LR schedule
-    stop_at_step: int = -1  # > 0: checkpoint and stop early (time-sliced jobs); resume=auto continues
-    mixed_precision: str = "bf16"  # "bf16" or "fp32"; bf16 applies on GPU only
-    log_every: int = 10  # steps
-    eval_every: int = 500  # steps; 0 evaluates only at the end
-
-
-@dataclass
-class CheckpointConfig:
-    every_steps: int = 500  # -1: never; 0: only at the end (and at stop_at_step); N: also every N steps
-    keep_last: int = 2
-    resume: str = "auto"  # "auto", "none" or a step_* folder
+class CheckpointConfig(config.CheckpointConfig):
     export_hf: bool = True  # write <output_dir>/final in Hugging Face format
 
 
 @dataclass
-class Config:
+class Config(config.RunConfig):
     output_dir: str = "outputs/modernbert-agnews"
     run_name: str = "modernbert-agnews"
-    mlflow: bool = True
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: config.OptimConfig = field(default_factory=config.OptimConfig)
+    train: config.TrainConfig = field(default_factory=config.TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 # Settings that may differ between a checkpoint and the run that resumes it; any other change is refused.
-MAY_CHANGE = ("output_dir", "run_name", "mlflow", "train.stop_at_step", "train.log_every", "train.eval_every",
-              "data.num_workers", "checkpoint.*")
+MAY_CHANGE = (*config.MAY_CHANGE, "data.num_workers")
 
 
 def check_config(cfg: Config, config_dir: Path) -> None:
@@ -145,19 +117,14 @@ def check_config(cfg: Config, config_dir: Path) -> None:
     cfg.data.eval_files = [resolve_path(f, config_dir) for f in cfg.data.eval_files]
     if cfg.data.eval_files and not cfg.data.train_files:
         raise ConfigError("data.eval_files is set but data.train_files is empty: give both, or neither to use data.hub_id")
-    check_fields(cfg, at_least={"train.micro_batch_size": 1, "train.grad_accum_steps": 1, "train.log_every": 1,
-                                "data.max_length": 1, "checkpoint.keep_last": 0, "checkpoint.every_steps": -1},
-                 one_of={"data.padding": ("max_length", "longest"), "train.mixed_precision": ("bf16", "fp32"),
-                         "optim.scheduler": [t.value for t in SchedulerType],
+    config.check_run(cfg)
+    check_fields(cfg, at_least={"data.max_length": 1},
+                 one_of={"data.padding": ("max_length", "longest"), "train.activation_checkpointing": ("none", "full"),
                          "model.attn_implementation": ("sdpa_padsafe", "sdpa", "eager", "flash_attention_2", "flex_attention")},
-                 within={"data.eval_fraction": "(0, 1)"}, notes={"checkpoint.every_steps": "-1: never"})
+                 within={"data.eval_fraction": "(0, 1)"})
     if cfg.model.compile and cfg.data.padding != "max_length":
         raise ConfigError("model.compile=true needs data.padding=max_length (static shapes); with 'longest', "
                           "torch.compile's dynamic shapes failed in inductor on torch 2.11")
-    if cfg.train.max_steps <= 0 and cfg.train.epochs <= 0:
-        raise ConfigError("set train.max_steps > 0 or train.epochs > 0")
-    if cfg.checkpoint.every_steps == -1 and cfg.train.stop_at_step > 0:
-        raise ConfigError("train.stop_at_step needs a checkpoint to resume from: checkpoint.every_steps=-1 saves none")
     local = Path(cfg.model.name_or_path).exists()
     if not cfg.model.pretrained and not local and "/" not in cfg.model.name_or_path:
         raise ConfigError(f"model.name_or_path={cfg.model.name_or_path!r}: not a folder and not a hub id")
@@ -394,6 +361,8 @@ def main(argv: list[str]) -> None:
     max_steps = cfg.train.max_steps if cfg.train.max_steps > 0 else cfg.train.epochs * steps_per_epoch
 
     model = build_model(cfg.model, tokenizer).to(info.device)
+    if cfg.train.activation_checkpointing == "full":  # recompute each encoder layer in backward
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     flops = ModelFlops(count_parameters(model), model.config.num_hidden_layers, model.config.hidden_size)
     if cfg.model.compile:
         model.compile()
@@ -440,7 +409,7 @@ def main(argv: list[str]) -> None:
                      log_every=cfg.train.log_every, eval_every=cfg.train.eval_every,
                      evaluate=lambda: evaluate(model.module, eval_loader, info.device, autocast),
                      checkpointer=checkpointer, checkpoint_every=cfg.checkpoint.every_steps, checkpoint_state=ckpt_state,
-                     config=to_dict(cfg))
+                     config=to_dict(cfg), profiler=StepProfiler(cfg.train.profile_step, out_dir, info))
     with loop:
         for _ in loop.steps():
             micro_batches, waits = batches.take(cfg.train.grad_accum_steps)

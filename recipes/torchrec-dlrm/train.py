@@ -71,6 +71,7 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 import cookbook
 from cookbook.checkpoint import Checkpointer, CheckpointError, TrainState
+from cookbook import config
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
 from cookbook.loop import TrainLoop, already_complete
 from cookbook.metrics import MetricsLogger, StepProfiler
@@ -138,27 +139,19 @@ class TrainConfig:
 
 
 @dataclass
-class CheckpointConfig:
-    every_steps: int = 2000  # 0: only at the end (and at stop_at_step); -1: never (benchmarks)
-    keep_last: int = 2
-    resume: str = "auto"
-
-
-@dataclass
-class Config:
+class Config(config.RunConfig):
     output_dir: str = "outputs/dlrm-criteo"
     run_name: str = "dlrm-criteo"
-    mlflow: bool = True
     model: ModelConfig = field(default_factory=ModelConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    checkpoint: config.CheckpointConfig = field(default_factory=config.CheckpointConfig)
 
 
-MAY_CHANGE = ("output_dir", "run_name", "mlflow", "train.stop_at_step", "train.log_every", "train.eval_every",
-              "train.profile_step", "train.pipeline", "data.check_rows", "data.max_eval_rows", "checkpoint.*")
+# Settings that may differ between a checkpoint and the run that resumes it; any other change is refused.
+MAY_CHANGE = (*config.MAY_CHANGE, "train.pipeline", "data.check_rows", "data.max_eval_rows")
 
 
 def table_sizes(cfg: ModelConfig) -> list[int]:
@@ -194,20 +187,15 @@ def check_config(cfg: Config, config_dir: Path) -> None:
         raise ConfigError(f"sharding.tables: no table named {unknown} (tables are C1..C26)")
     if "auto" in cfg.sharding.tables.values():
         raise ConfigError("sharding.tables: name a kind per table; 'auto' is for sharding.plan")
-    check_fields(cfg, at_least={"train.batch_size": 1, "train.log_every": 1, "model.embedding_dim": 1,
-                                "checkpoint.keep_last": 0, "checkpoint.every_steps": -1},
-                 one_of={"optim.sparse": ("rowwise_adagrad", "sgd"), "optim.dense": ("adagrad", "sgd")},
-                 notes={"checkpoint.every_steps": "-1: never"})
+    config.check_run(cfg)
+    check_fields(cfg, at_least={"train.batch_size": 1, "model.embedding_dim": 1},
+                 one_of={"optim.sparse": ("rowwise_adagrad", "sgd"), "optim.dense": ("adagrad", "sgd")})
     if not cfg.data.train_files and cfg.data.hub_id:  # --check writes the hub rows here, before any worker starts
         cfg.data.train_files = [str(hub_file(cfg))]
     if not cfg.data.train_files:
         raise ConfigError("data.train_files is empty: give Criteo-format text files (or data.hub_id)")
     if cfg.data.holdout_every < 0 or cfg.data.holdout_every == 1:
         raise ConfigError(f"data.holdout_every must be 0 (off) or >= 2, got {cfg.data.holdout_every}")
-    if cfg.train.max_steps <= 0 and cfg.train.epochs <= 0:
-        raise ConfigError("set train.max_steps > 0 or train.epochs > 0")
-    if cfg.checkpoint.every_steps == -1 and cfg.train.stop_at_step > 0:
-        raise ConfigError("train.stop_at_step needs a checkpoint to resume from: checkpoint.every_steps=-1 saves none")
     # Last, once the settings are known to be valid: a conversion reads the whole file.
     cfg.data.train_files = [criteo_text_file(f, cfg.output_dir) for f in cfg.data.train_files]
     cfg.data.eval_files = [criteo_text_file(f, cfg.output_dir) for f in cfg.data.eval_files]
