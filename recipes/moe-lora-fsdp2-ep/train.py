@@ -49,7 +49,6 @@ What this recipe supports:
 from __future__ import annotations
 
 import os
-import time
 import warnings
 from dataclasses import dataclass, field
 from functools import partial
@@ -72,6 +71,7 @@ from cookbook import lm, moe, sft
 from cookbook.checkpoint import Checkpointer, CheckpointError, RankLocalState, RNGState, TrainState
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, save_config, to_dict
 from cookbook.hub import model_folder
+from cookbook.loop import EpochBatches, TrainLoop, already_complete
 from cookbook.metrics import MetricsLogger, ModelFlops
 from cookbook.moe import DTYPES
 from cookbook.sft.lazy_load import load_base_lazily
@@ -207,20 +207,21 @@ def main(argv: list[str]) -> None:
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     train_ex, eval_ex, stats = sft.load_examples(cfg.data, tokenizer, cfg.train.seed)
-    if cfg.data.packing:
+    if cfg.data.packing:  # rows of exactly max_length tokens, documents separated by position ids
         train_rows, eval_rows = sft.pack(train_ex, cfg.data.max_length, pad_id), sft.pack(eval_ex, cfg.data.max_length, pad_id)
     else:
         train_rows, eval_rows = train_ex, eval_ex
-    eval_rows = sft.shard_for_eval(eval_rows, info.rank, info.world_size)
     sampler = DistributedSampler(train_rows, num_replicas=info.world_size, rank=info.rank, shuffle=True,
                                  seed=cfg.train.seed, drop_last=True)
     loader_kw = dict(collate_fn=partial(collate, pad_id=pad_id), num_workers=cfg.data.num_workers,
                      pin_memory=info.device.type == "cuda")
     train_loader = StatefulDataLoader(train_rows, batch_size=cfg.train.micro_batch_size, sampler=sampler, drop_last=True, **loader_kw)
-    eval_loader = StatefulDataLoader(eval_rows, batch_size=cfg.train.micro_batch_size, **loader_kw)
+    eval_loader = StatefulDataLoader(sft.shard_for_eval(eval_rows, info.rank, info.world_size),
+                                     batch_size=cfg.train.micro_batch_size, **loader_kw)
     steps_per_epoch = len(train_loader) // cfg.train.grad_accum_steps
     if steps_per_epoch == 0:
-        raise ConfigError(f"{len(train_rows)} training rows are too few for one step")
+        raise ConfigError(f"{len(train_rows)} training rows are too few for one step of {cfg.train.micro_batch_size} x "
+                          f"{cfg.train.grad_accum_steps} x {info.world_size} rows")
     max_steps = cfg.train.max_steps if cfg.train.max_steps > 0 else cfg.train.epochs * steps_per_epoch
 
     model, flops, meshes = build_model(cfg, info)
@@ -238,11 +239,7 @@ def main(argv: list[str]) -> None:
                                             cfg.train.stop_at_step)
     if resume_from is not None:
         checkpointer.load(resume_from, ckpt_state)
-    sampler.set_epoch(state.epoch)
-    stop_at = cfg.train.stop_at_step if cfg.train.stop_at_step > 0 else max_steps
-    if state.step >= max_steps and (out_dir / "adapter").is_dir():
-        log.info(f"already complete: {state.step} of {max_steps} steps; adapter in {out_dir / 'adapter'}, metrics in "
-                 f"{out_dir / 'metrics.jsonl'}. To train again, use a new output_dir (or delete {out_dir}).")
+    if already_complete(state, max_steps, out_dir, out_dir / "adapter" if cfg.checkpoint.export_adapter else None, "adapter"):
         cookbook.destroy_distributed()
         return
 
@@ -258,92 +255,51 @@ def main(argv: list[str]) -> None:
              f"{len(train_rows)} train rows | {max_steps} steps | data: {stats.summary()}")
 
     # ---- train loop
-    data_iter = iter(train_loader)
-    window_loss, window_aux, window_steps = torch.zeros((), device=info.device), torch.zeros((), device=info.device), 0
-    failed = stopped = False
-    try:
-        cookbook.barrier()
-        metrics.start(state.step)
-        while state.step < min(max_steps, stop_at):
-            micro_batches, waits = [], []
-            for _ in range(cfg.train.grad_accum_steps):
-                t0 = time.perf_counter()
-                try:
-                    batch = next(data_iter)
-                except StopIteration:
-                    state.epoch += 1
-                    sampler.set_epoch(state.epoch)
-                    data_iter = iter(train_loader)
-                    batch = next(data_iter)
-                waits.append(time.perf_counter() - t0)
-                micro_batches.append({k: v.to(info.device, non_blocking=True) for k, v in batch.items()})
-            # Normalise by the labelled tokens of the global batch; FSDP averages gradients over ranks.
+    batches = EpochBatches(train_loader, state, sampler.set_epoch, info.device)
+    loop = TrainLoop(state=state, max_steps=max_steps, stop_at_step=cfg.train.stop_at_step, metrics=metrics,
+                     log_every=cfg.train.log_every, eval_every=cfg.train.eval_every,
+                     evaluate=(lambda: moe.evaluate(model, eval_loader, info.device, router)) if eval_rows else None,
+                     checkpointer=checkpointer, checkpoint_every=cfg.checkpoint.every_steps, checkpoint_state=ckpt_state,
+                     config=to_dict(cfg), log_extra=lambda: router.load_metrics(meshes.ep, info.device))
+    with loop:
+        for _ in loop.steps():
+            micro_batches, waits = batches.take(cfg.train.grad_accum_steps)
+            # Normalise by the labelled tokens of the whole global batch. FSDP averages gradients over
+            # ranks, so each rank scales its summed loss by world_size / global tokens.
             local_tokens = sum((mb["labels"][:, 1:] != -100).sum() for mb in micro_batches)
             global_tokens = max(cookbook.all_reduce_sum({"t": local_tokens}, info.device)["t"], 1.0)
-            step_loss = torch.zeros((), device=info.device)
+            step_loss, step_aux = torch.zeros((), device=info.device), torch.zeros((), device=info.device)
             for mb, wait in zip(micro_batches, waits):
                 loss_sum = moe.token_loss_sum(model, mb)
-                aux = router.take().to(info.device)
+                aux = router.take().to(info.device)  # load-balancing loss of this forward's MoE layers
                 loss = loss_sum * info.world_size / global_tokens
                 if cfg.moe.aux_loss_coef > 0:
                     loss = loss + cfg.moe.aux_loss_coef * aux / cfg.train.grad_accum_steps
                 loss.backward()
                 router.take()  # drop the routers' records of a recomputing backward
                 step_loss += loss_sum.detach() * info.world_size / global_tokens
-                window_aux += aux.detach() / cfg.train.grad_accum_steps
+                step_aux += aux.detach() / cfg.train.grad_accum_steps
                 metrics.add(samples=mb["input_ids"].shape[0], tokens=lm.count_tokens(mb, pad_id), data_wait_s=wait)
-            grad_norm = moe.clip_grad_norm(trainable, cfg.optim.max_grad_norm, info.device)
+            grad_norm = moe.clip_grad_norm(trainable, cfg.optim.max_grad_norm, info.device)  # over both meshes
+            if loop.skip_step(grad_norm):
+                continue
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            state.step += 1
-            window_loss += step_loss
-            window_steps += 1
-            if state.step % cfg.train.log_every == 0 or state.step == max_steps:
-                extra = {"moe/aux_loss": window_aux / window_steps, **router.load_metrics(meshes.ep, info.device)}
-                metrics.log_step(state.step, window_loss / window_steps, lr, grad_norm, extra=extra)
-                window_loss.zero_()
-                window_aux.zero_()
-                window_steps = 0
-            with metrics.paused():  # not counted in the step time and throughput
-                if eval_rows and cfg.train.eval_every > 0 and state.step % cfg.train.eval_every == 0 and state.step < max_steps:
-                    metrics.log_eval(state.step, moe.evaluate(model, eval_loader, info.device, router))
-                if cfg.checkpoint.every_steps >= 0 and (state.step in (stop_at, max_steps) or (
-                        cfg.checkpoint.every_steps > 0 and state.step % cfg.checkpoint.every_steps == 0)):
-                    checkpointer.save(state.step, ckpt_state, {"epoch": state.epoch, "config": to_dict(cfg)})
+            loop.end_step(step_loss, lr=lr, grad_norm=grad_norm, window={"moe/aux_loss": step_aux})
 
         # ---- save
-        if state.step < max_steps:
-            stopped = True
-            log.info(f"stopped at step {state.step} of {max_steps} (train.stop_at_step); to continue from "
-                     f"{checkpointer.latest()}, run again without train.stop_at_step (or with a larger value)")
-            return
-        final_eval = moe.evaluate(model, eval_loader, info.device, router) if eval_rows else {}
-        if final_eval:
-            metrics.log_eval(state.step, final_eval)
-        adapter_dir = moe.export_adapter(model, meshes, out_dir / "adapter") if cfg.checkpoint.export_adapter else None
-        merged_dir = (moe.export_merged(AutoModelForCausalLM, cfg.model.name_or_path, adapter_dir, out_dir / "merged",
-                                        [tokenizer]) if cfg.checkpoint.export_merged else None)
-        metrics.log_summary({"step": state.step, **{f"eval/{k}": v for k, v in final_eval.items()},
-                             "adapter_dir": str(adapter_dir) if adapter_dir else None,
-                             "merged_dir": str(merged_dir) if merged_dir else None, "mlflow_uri": metrics.mlflow_uri,
-                             "mlflow_run_id": metrics.mlflow_run_id})
-        if info.is_main:
-            log.info(f"done: {state.step} steps" + (f" | eval loss {final_eval['loss']:.4f}" if final_eval else ""))
-            log.info(f"metrics:     {metrics.jsonl_path}")
-            log.info(f"checkpoints: {checkpointer.root}")
-            if adapter_dir:
-                log.info(f"adapter:     {adapter_dir} (PeftModel.from_pretrained(base_model, adapter))")
-            if merged_dir:
-                log.info(f"merged:      {merged_dir} (a plain transformers model)")
-    except BaseException:
-        failed = True
-        raise
-    finally:
-        # ---- clean-up
-        metrics.close(failed=failed, stopped=stopped)
-        cookbook.destroy_distributed()
+        def export():
+            adapter = moe.export_adapter(model, meshes, out_dir / "adapter") if cfg.checkpoint.export_adapter else None
+            merged = (moe.export_merged(AutoModelForCausalLM, cfg.model.name_or_path, adapter, out_dir / "merged", [tokenizer])
+                      if cfg.checkpoint.export_merged else None)
+            return {"adapter_dir": (adapter, "PeftModel.from_pretrained(base_model, adapter)"),
+                    "merged_dir": (merged, "AutoModelForCausalLM.from_pretrained")}
+        loop.finish(export=export)
+
+    # ---- clean-up
+    cookbook.destroy_distributed()
 
 
 if __name__ == "__main__":
