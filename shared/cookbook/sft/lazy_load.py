@@ -59,7 +59,7 @@ def load_base_lazily(model: torch.nn.Module, name_or_path: str, key: str = "mode
     """
     from safetensors import safe_open
 
-    hf = model.base_model.model if hasattr(model, "base_model") else model
+    hf = model.base_model.model if type(model).__module__.startswith("peft.") else model  # a PeftModel: its inner model
     renames = CHECKPOINT_RENAMES.get(getattr(getattr(hf, "config", None), "model_type", None), [])
     with contextlib.ExitStack() as stack:
         dense, per_expert = {}, {}
