@@ -354,8 +354,9 @@ def active_flops(model: torch.nn.Module, hf_config, exclude: torch.nn.Module | N
     frac = text.num_experts_per_tok / experts[0][1].experts.num_experts if experts else 0.0
     types = getattr(text, "layers_block_type", None) or ["full_attention"] * text.num_hidden_layers
     excluded = count_parameters(exclude) if exclude is not None else 0
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     return ModelFlops(int(count_parameters(model) - excluded - routed * (1 - frac)), sum(t == "full_attention" for t in types),
-                      text.num_attention_heads * text.head_dim)
+                      text.num_attention_heads * head_dim)
 
 
 def init_lora(model: torch.nn.Module, seed: int) -> list[torch.nn.Parameter]:
