@@ -35,7 +35,6 @@ What this recipe supports:
 
 from __future__ import annotations
 
-import inspect
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -53,12 +52,10 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from torch.nn.attention.varlen import varlen_attn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
-from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer, SchedulerType, get_scheduler
-from transformers.masking_utils import AttentionMaskInterface
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, SchedulerType, get_scheduler
 from transformers import logging as hf_logging
 
 import cookbook
@@ -189,70 +186,6 @@ def check_config(cfg: Config, config_dir: Path) -> None:
         raise ConfigError("train.stop_at_step needs a checkpoint to resume from: checkpoint.every_steps=-1 saves none")
 
 
-# ----------------------------------------------------------------------------- data
-def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
-    """Packed rows (equal length, with ``position_ids``) are stacked, with ``cu_seq_lens``: the
-    (documents + 1,) int32 offsets of the documents in the flattened batch, for ``varlen``.
-    Other rows are right-padded."""
-    if "position_ids" in rows[0]:
-        batch = {k: torch.tensor([r[k] for r in rows], dtype=torch.long) for k in ("input_ids", "labels", "position_ids")}
-        flat = batch["position_ids"].flatten()
-        starts = torch.nonzero(flat == 0).flatten()
-        batch["cu_seq_lens"] = torch.cat([starts, torch.tensor([flat.numel()])]).to(torch.int32)
-        return batch
-    return sft.pad_batch(rows, pad_id, pad_to_multiple_of=8)
-
-
-# ----------------------------------------------------------------------------- attention
-_VARLEN_PARAMS = inspect.signature(varlen_attn).parameters
-
-
-def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                           attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                           cu_seq_lens_q: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """Causal attention with PyTorch's variable-length FlashAttention kernel
-    (``torch.nn.attention.varlen.varlen_attn``, CUDA, bf16/fp16): each packed document attends
-    only to itself, work is proportional to the documents' own lengths, and no T x T mask is built.
-
-    Registered as ``attn_implementation: varlen``; transformers calls it from each attention layer.
-
-    Args:
-        query: (batch, heads, T, head_dim). key, value: (batch, kv_heads, T, head_dim); kv_heads
-            divides heads (grouped-query attention).
-        attention_mask: ignored (``collate``'s ``cu_seq_lens`` carries the document boundaries).
-        scaling: softmax scale (default 1 / sqrt(head_dim)).
-        cu_seq_lens_q: (documents + 1,) int32 offsets of the documents in the flattened
-            (batch * T) tokens, from ``collate``; None treats each row as one document.
-
-    Returns:
-        ``(output, None)`` with output (batch, T, heads, head_dim), as transformers expects.
-
-    Raises:
-        ValueError: attention dropout is on (the kernel wrapper has none).
-    """
-    if dropout and module.training:
-        raise ValueError("varlen does not implement attention dropout; set the model's attention_dropout to 0")
-    b, h, t, d = query.shape
-    if cu_seq_lens_q is None:
-        cu_seq_lens_q = torch.arange(0, (b + 1) * t, t, device=query.device, dtype=torch.int32)
-    q, k, v = (x.transpose(1, 2).reshape(b * t, x.shape[1], d) for x in (query, key, value))
-    extra = {}
-    if "enable_gqa" in _VARLEN_PARAMS:
-        extra["enable_gqa"] = k.shape[1] != h
-    elif k.shape[1] != h:  # older torch: repeat the key/value heads
-        k, v = (x.repeat_interleave(h // x.shape[1], dim=1) for x in (k, v))
-    if "window_size" in _VARLEN_PARAMS:
-        extra["window_size"] = (-1, 0)  # causal
-    else:
-        extra["is_causal"] = True
-    out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, t, t, scale=scaling, **extra)
-    return out.view(b, t, h, d), None
-
-
-AttentionInterface.register("varlen", varlen_attention)
-AttentionMaskInterface.register("varlen", lambda *args, **kwargs: None)  # boundaries come from cu_seq_lens
-
-
 # ----------------------------------------------------------------------------- model
 def _sac_policy(ctx, op, *args, **kwargs):
     """Selective activation checkpointing: keep matmul and attention outputs, recompute the rest."""
@@ -269,6 +202,7 @@ def _sac_policy(ctx, op, *args, **kwargs):
 def build_model(cfg: Config, info: cookbook.DistInfo, vocab_size_needed: int) -> tuple[torch.nn.Module, ModelFlops]:
     """Build on the meta device, wrap layers (AC, compile), shard with FSDP2, then materialise:
     load the safetensors shards this rank owns, or initialise randomly."""
+    sft.register_varlen()  # attn_implementation: varlen (cookbook.sft.attention)
     hf_config = AutoConfig.from_pretrained(cfg.model.name_or_path, attn_implementation=cfg.model.attn_implementation)
     if vocab_size_needed > hf_config.vocab_size:
         raise ConfigError(f"the tokenizer has {vocab_size_needed} tokens but the model's vocab_size is "
@@ -317,34 +251,6 @@ def build_model(cfg: Config, info: cookbook.DistInfo, vocab_size_needed: int) ->
     return model, flops
 
 
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, loader, device: torch.device) -> dict[str, float]:
-    """Mean loss per assistant token over the evaluation rows of every rank."""
-    model.eval()
-    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
-    tokens = torch.zeros((), device=device, dtype=torch.float64)
-    for batch in loader:
-        batch = {k: v.to(device) for k, v in batch.items()}
-        loss_sum += token_loss_sum(model, batch).double()
-        tokens += (batch["labels"][:, 1:] != -100).sum()
-    totals = cookbook.all_reduce_sum({"loss": loss_sum, "tokens": tokens}, device)
-    model.train()
-    return {"loss": totals["loss"] / max(totals["tokens"], 1.0), "tokens": totals["tokens"]}
-
-
-def token_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Summed cross entropy of next-token prediction over labelled tokens (fp32 logits)."""
-    # use_cache=False: with a cache, transformers does not derive document boundaries from position_ids.
-    varlen = {}
-    if "cu_seq_lens" in batch:  # used by varlen only; T is an upper bound of any document's length
-        t = batch["input_ids"].shape[1]
-        varlen = dict(cu_seq_lens_q=batch["cu_seq_lens"], cu_seq_lens_k=batch["cu_seq_lens"], max_length_q=t, max_length_k=t)
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                   position_ids=batch.get("position_ids"), use_cache=False, **varlen).logits
-    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(),
-                                             ignore_index=-100, reduction="sum")
-
-
 # ----------------------------------------------------------------------------- recipe
 def main(argv: list[str]) -> None:
     args = cli_parser(__doc__).parse_args(argv)
@@ -354,13 +260,7 @@ def main(argv: list[str]) -> None:
         world_size = int(os.environ.get("COOKBOOK_WORLD_SIZE", "1"))  # launch.sh: NGPU x NNODES
         if cfg.model.pretrained:  # a hub id is downloaded here, once, before any worker starts
             model_folder(cfg.model.name_or_path)
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
-            vocab_size = AutoConfig.from_pretrained(cfg.model.name_or_path).vocab_size
-        except OSError as exc:
-            raise ConfigError(f"model.name_or_path / model.tokenizer: cannot load {cfg.model.name_or_path!r}: "
-                              f"{str(exc).splitlines()[0]}") from None
-        sft.check_vocab(tokenizer, vocab_size)
+        tokenizer = sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path)
         on_cpu = cookbook.get_dist_info().device.type == "cpu"  # COOKBOOK_DEVICE=cpu, or no GPU
         if cfg.model.attn_implementation == "varlen" and on_cpu:
             raise ConfigError("model.attn_implementation=varlen runs on CUDA GPUs only: use sdpa on CPU")
@@ -372,19 +272,9 @@ def main(argv: list[str]) -> None:
             raise ConfigError(f"fsdp.replicate_degree={cfg.fsdp.replicate_degree} does not divide the world size {world_size}")
         Checkpointer(Path(cfg.output_dir) / "checkpoints").check_resume(
             cfg.checkpoint.resume, world_size, to_dict(cfg), MAY_CHANGE, cfg.train.stop_at_step)
-        if cfg.data.train_files:
-            train, evals, stats = sft.load_examples(cfg.data, tokenizer, cfg.train.seed)
-            pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-            n_rows = len(sft.pack(train, cfg.data.max_length, pad_id)) if cfg.data.packing else len(train)
-            per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * world_size
-            if n_rows < per_step:
-                raise ConfigError(f"{n_rows} training rows (after holding out {len(evals)} examples for evaluation) are too "
-                                  f"few for one step of {cfg.train.micro_batch_size} x {cfg.train.grad_accum_steps} x "
-                                  f"{world_size} rows")
-            print(f"data: {stats.summary()}")
-            print(f"config OK: {args.config} ({len(train)} train / {len(evals)} eval examples)")
-        else:
-            print(f"config OK: {args.config} (data from {cfg.data.hub_id})")
+        data = sft.check_data(cfg.data, tokenizer, cfg.train.seed, cfg.train.micro_batch_size, cfg.train.grad_accum_steps,
+                              world_size)
+        print(f"config OK: {args.config} ({data})")
         return
 
     # ---- set-up
@@ -392,7 +282,7 @@ def main(argv: list[str]) -> None:
     log = cookbook.get_logger()
     out_dir = Path(cfg.output_dir)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = sft.pad_token_id(tokenizer)
     train_ex, eval_ex, stats = sft.load_examples(cfg.data, tokenizer, cfg.train.seed)
     if cfg.data.packing:  # rows of exactly max_length tokens, documents separated by position ids
         train_rows, eval_rows = sft.pack(train_ex, cfg.data.max_length, pad_id), sft.pack(eval_ex, cfg.data.max_length, pad_id)
@@ -400,7 +290,7 @@ def main(argv: list[str]) -> None:
         train_rows, eval_rows = train_ex, eval_ex
     sampler = DistributedSampler(train_rows, num_replicas=info.world_size, rank=info.rank, shuffle=True,
                                  seed=cfg.train.seed, drop_last=True)
-    loader_kw = dict(collate_fn=partial(collate, pad_id=pad_id), num_workers=cfg.data.num_workers,
+    loader_kw = dict(collate_fn=partial(sft.collate, pad_id=pad_id), num_workers=cfg.data.num_workers,
                      pin_memory=info.device.type == "cuda")
     train_loader = StatefulDataLoader(train_rows, batch_size=cfg.train.micro_batch_size, sampler=sampler, drop_last=True, **loader_kw)
     eval_loader = StatefulDataLoader(sft.shard_for_eval(eval_rows, info.rank, info.world_size),
@@ -444,7 +334,7 @@ def main(argv: list[str]) -> None:
     batches = EpochBatches(train_loader, state, sampler.set_epoch, info.device)
     loop = TrainLoop(state=state, max_steps=max_steps, stop_at_step=cfg.train.stop_at_step, metrics=metrics,
                      log_every=cfg.train.log_every, eval_every=cfg.train.eval_every,
-                     evaluate=(lambda: evaluate(model, eval_loader, info.device)) if eval_rows else None,
+                     evaluate=(lambda: sft.evaluate(model, eval_loader, info.device)) if eval_rows else None,
                      checkpointer=checkpointer, checkpoint_every=cfg.checkpoint.every_steps, checkpoint_state=ckpt_state,
                      config=to_dict(cfg), profiler=StepProfiler(cfg.train.profile_step, out_dir, info))
     with loop:
@@ -456,7 +346,7 @@ def main(argv: list[str]) -> None:
             global_tokens = cookbook.all_reduce_sum({"t": local_tokens}, info.device)["t"]
             step_loss = torch.zeros((), device=info.device)
             for mb, wait in zip(micro_batches, waits):
-                loss_sum = token_loss_sum(model, mb)
+                loss_sum = sft.token_loss_sum(model, mb)
                 (loss_sum * info.world_size / max(global_tokens, 1.0)).backward()
                 step_loss += loss_sum.detach() / max(global_tokens, 1.0) * info.world_size
                 metrics.add(samples=mb["input_ids"].shape[0], tokens=lm.count_tokens(mb, pad_id), data_wait_s=wait)
