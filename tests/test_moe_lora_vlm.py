@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import ROOT, check, free_port, load_recipe, read_jsonl, train_losses
 
-from cookbook import moe
+from cookbook import moe, sft
 from cookbook.sft import SFTDataError
 from cookbook.sft.vision import VLDataset, collate_vl, load_vl_items, load_vl_processors
 
@@ -99,7 +99,7 @@ def _worker(checkpoints: dict, out: str, ports: list[int]) -> dict:
     for ep in (2, 1):
         model, _, par = train.build_model(vl_config(*vl_overrides(checkpoints["qwen3-vl-moe"]), f"parallel.ep={ep}"), info)
         router = moe.RouterStats(model)
-        loss_sum = moe.token_loss_sum(model, mine)
+        loss_sum = sft.token_loss_sum(model, mine)
         aux = router.take()
         (loss_sum * info.world_size / tokens).backward()
         frozen = {n: local(p) for n, p in model.named_parameters() if not p.requires_grad}

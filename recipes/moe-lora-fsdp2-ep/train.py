@@ -112,14 +112,6 @@ def check_config(cfg: Config, config_dir: Path) -> None:
     check_fields(cfg, within={"data.max_dropped_fraction": "[0, 1]"})
 
 
-# ----------------------------------------------------------------------------- data
-def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
-    """Packed rows (equal length, with ``position_ids``) are stacked; other rows are right-padded."""
-    if "position_ids" in rows[0]:
-        return {k: torch.tensor([r[k] for r in rows], dtype=torch.long) for k in ("input_ids", "labels", "position_ids")}
-    return sft.pad_batch(rows, pad_id, pad_to_multiple_of=8)
-
-
 # ----------------------------------------------------------------------------- model
 def build_model(cfg: Config, info: cookbook.DistInfo) -> tuple[torch.nn.Module, ModelFlops, moe.Meshes]:
     """Build the base model on every rank (`moe.build_base`: random and seeded, whole from the checkpoint, or on
@@ -162,16 +154,11 @@ def preflight(cfg: Config, config_path: str) -> None:
     world_size = int(os.environ.get("COOKBOOK_WORLD_SIZE", "1"))  # launch.sh: NGPU x NNODES
     if cfg.model.pretrained and cfg.model.lazy_load:  # a hub id is downloaded here, once, before any worker starts
         model_folder(cfg.model.name_or_path)
-    try:
-        hf_config = AutoConfig.from_pretrained(cfg.model.name_or_path)
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
-    except OSError as exc:
-        raise ConfigError(f"model.name_or_path / model.tokenizer: cannot load {cfg.model.name_or_path!r}: "
-                          f"{str(exc).splitlines()[0]}") from None
+    tokenizer = sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path)
+    hf_config = AutoConfig.from_pretrained(cfg.model.name_or_path)
     if is_vision_language(hf_config):
         raise ConfigError(f"model.name_or_path: {hf_config.model_type} is a vision-language model: use the recipe "
                           f"moe-vl-lora-fsdp2-ep (image + text rows, frozen vision tower)")
-    sft.check_vocab(tokenizer, hf_config.vocab_size)
     moe.check_model(cfg, hf_config, AutoModelForCausalLM, world_size)
     lm.check_attention(cfg.model.attn_implementation, cookbook.get_dist_info().device.type == "cpu")
     if cfg.data.packing and hf_config.model_type == "nemotron_h":
@@ -179,17 +166,9 @@ def preflight(cfg: Config, config_path: str) -> None:
                           "into the next; use data.packing=false")
     Checkpointer(Path(cfg.output_dir) / "checkpoints").check_resume(
         cfg.checkpoint.resume, world_size, to_dict(cfg), MAY_CHANGE, cfg.train.stop_at_step)
-    if not cfg.data.train_files:
-        print(f"config OK: {config_path} (data from {cfg.data.hub_id})")
-        return
-    train, evals, stats = sft.load_examples(cfg.data, tokenizer, cfg.train.seed)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    n_rows = len(sft.pack(train, cfg.data.max_length, pad_id)) if cfg.data.packing else len(train)
-    if n_rows < cfg.train.micro_batch_size * cfg.train.grad_accum_steps * world_size:
-        raise ConfigError(f"{n_rows} training rows are too few for one step of {cfg.train.micro_batch_size} x "
-                          f"{cfg.train.grad_accum_steps} x {world_size} rows")
-    print(f"data: {stats.summary()}")
-    print(f"config OK: {config_path} ({len(train)} train / {len(evals)} eval examples)")
+    data = sft.check_data(cfg.data, tokenizer, cfg.train.seed, cfg.train.micro_batch_size, cfg.train.grad_accum_steps,
+                          world_size)
+    print(f"config OK: {config_path} ({data})")
 
 
 def main(argv: list[str]) -> None:
@@ -205,7 +184,7 @@ def main(argv: list[str]) -> None:
     log = cookbook.get_logger()
     out_dir = Path(cfg.output_dir)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = sft.pad_token_id(tokenizer)
     train_ex, eval_ex, stats = sft.load_examples(cfg.data, tokenizer, cfg.train.seed)
     if cfg.data.packing:  # rows of exactly max_length tokens, documents separated by position ids
         train_rows, eval_rows = sft.pack(train_ex, cfg.data.max_length, pad_id), sft.pack(eval_ex, cfg.data.max_length, pad_id)
@@ -213,8 +192,8 @@ def main(argv: list[str]) -> None:
         train_rows, eval_rows = train_ex, eval_ex
     sampler = DistributedSampler(train_rows, num_replicas=info.world_size, rank=info.rank, shuffle=True,
                                  seed=cfg.train.seed, drop_last=True)
-    loader_kw = dict(collate_fn=partial(collate, pad_id=pad_id), num_workers=cfg.data.num_workers,
-                     pin_memory=info.device.type == "cuda")
+    loader_kw = dict(collate_fn=partial(sft.collate, pad_id=pad_id, cu_seq_lens=False),  # sdpa: no varlen offsets
+                     num_workers=cfg.data.num_workers, pin_memory=info.device.type == "cuda")
     train_loader = StatefulDataLoader(train_rows, batch_size=cfg.train.micro_batch_size, sampler=sampler, drop_last=True, **loader_kw)
     eval_loader = StatefulDataLoader(sft.shard_for_eval(eval_rows, info.rank, info.world_size),
                                      batch_size=cfg.train.micro_batch_size, **loader_kw)
@@ -270,7 +249,7 @@ def main(argv: list[str]) -> None:
             global_tokens = max(cookbook.all_reduce_sum({"t": local_tokens}, info.device)["t"], 1.0)
             step_loss, step_aux = torch.zeros((), device=info.device), torch.zeros((), device=info.device)
             for mb, wait in zip(micro_batches, waits):
-                loss_sum = moe.token_loss_sum(model, mb)
+                loss_sum = sft.token_loss_sum(model, mb)
                 aux = router.take().to(info.device)  # load-balancing loss of this forward's MoE layers
                 loss = loss_sum * info.world_size / global_tokens
                 if cfg.moe.aux_loss_coef > 0:

@@ -174,7 +174,7 @@ def main(argv: list[str]) -> None:
     out_dir = Path(cfg.output_dir)
     image_token_id = AutoConfig.from_pretrained(cfg.model.name_or_path).image_token_id
     tokenizer, image_processor = load_vl_processors(cfg.model.tokenizer, cfg.data.image_min_pixels, cfg.data.image_max_pixels)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = sft.pad_token_id(tokenizer)
     train_items, eval_items = load_vl_items(cfg.data, cfg.train.seed)
     rows_kw = dict(tokenizer=tokenizer, image_processor=image_processor, image_token_id=image_token_id,
                    max_length=cfg.data.max_length, template_kwargs=dict(cfg.data.chat_template_kwargs) or None)
@@ -238,7 +238,7 @@ def main(argv: list[str]) -> None:
             global_tokens = max(cookbook.all_reduce_sum({"t": local_tokens}, info.device)["t"], 1.0)
             step_loss, step_aux = torch.zeros((), device=info.device), torch.zeros((), device=info.device)
             for mb, wait in zip(micro_batches, waits):
-                loss_sum = moe.token_loss_sum(model, mb)
+                loss_sum = sft.token_loss_sum(model, mb)
                 aux = router.take().to(info.device)  # load-balancing loss of this forward's MoE layers
                 loss = loss_sum * info.world_size / global_tokens
                 if cfg.moe.aux_loss_coef > 0:

@@ -10,7 +10,8 @@ the meshes, LoRA, the expert split, ``fully_shard`` and the step. This module ho
 - the base model on the meta device or whole (`build_base`), LoRA initialised the same for every EP degree
   (`init_lora`), active-parameter FLOPs (`active_flops`);
 - router statistics and the Switch-Transformer load-balancing loss (`RouterStats`);
-- the gradient norm over parameters of two meshes (`clip_grad_norm`);
+- the gradient norm over parameters of two meshes (`clip_grad_norm`), evaluation with the routers' records left
+  out (`evaluate`, over `cookbook.sft.evaluate`);
 - adapter checkpoints and exports: `AdapterState` (DCP), `gather_lora`, `export_adapter`, `export_merged`.
 """
 
@@ -428,14 +429,6 @@ class RouterStats:
                 "moe/ep_rank_load_max_over_mean": (per_rank.max(1).values / per_rank.mean(1).clamp(min=1.0)).mean().item()}
 
 
-def token_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Summed cross entropy of next-token prediction over labelled tokens (fp32 logits). `batch`: ``input_ids``,
-    ``labels`` and the other model inputs (``attention_mask`` or ``position_ids``; images for VL models)."""
-    logits = model(**{k: v for k, v in batch.items() if k != "labels"}, use_cache=False).logits  # (+ images)
-    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(),
-                                             ignore_index=-100, reduction="sum")
-
-
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, device: torch.device) -> torch.Tensor:
     """Total gradient norm over all ranks (a 0-d float64 tensor), then clip to `max_norm` (<= 0: no clipping).
     Parameters live on two meshes (world and dp), which torch's clip_grad_norm_ does not mix; every shard of
@@ -456,23 +449,17 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, device: to
     return norm
 
 
-@torch.no_grad()
 def evaluate(model: torch.nn.Module, loader, device: torch.device, router: RouterStats) -> dict[str, float]:
-    """Mean loss per assistant token over the evaluation rows of every rank (``loss``, ``tokens``); the router
-    loads logged for training are left as they were. Collective."""
-    model.eval()
-    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
-    tokens = torch.zeros((), device=device, dtype=torch.float64)
+    """`cookbook.sft.evaluate` (mean loss per labelled token over the evaluation rows of every rank) on a MoE model:
+    the routers' records of the evaluation forwards are dropped, and the loads logged for training are left as
+    they were. Collective."""
+    from cookbook.sft import evaluate as sft_evaluate
+
     saved = router.loads.clone()
-    for batch in loader:
-        batch = {k: v.to(device) for k, v in batch.items()}
-        loss_sum += token_loss_sum(model, batch).double()
-        router.take()
-        tokens += (batch["labels"][:, 1:] != -100).sum()
-    router.loads = saved  # the logged loads are those of training
-    totals = cookbook.all_reduce_sum({"loss": loss_sum, "tokens": tokens}, device)
-    model.train()
-    return {"loss": totals["loss"] / max(totals["tokens"], 1.0), "tokens": totals["tokens"]}
+    try:
+        return sft_evaluate(model, loader, device, on_batch=lambda batch: router.take())
+    finally:
+        router.loads = saved  # the logged loads are those of training
 
 
 # ----------------------------------------------------------------------------- checkpoint and export

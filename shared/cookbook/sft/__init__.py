@@ -65,3 +65,6 @@ __all__ = [
     "check_one_step",
     "load_tokenizer",
 ]
+
+# Submodules used by name (``cookbook.sft.vision.VLDataset``): image + text rows; shard-by-shard safetensors loading.
+from cookbook.sft import lazy_load, vision  # noqa: F401
