@@ -268,7 +268,7 @@ def test_sharding_and_data_options_train(tmp_path, options):
 def test_token_counts_are_exact_when_the_pad_token_is_the_end_of_turn_token(recipe, packing):
     """A tokenizer without a pad token (as Llama 3 Instruct's) pads with its end-of-sequence token, which also ends
     every assistant turn: the tokens/s and MFU counts of each recipe's batches still count every real token
-    (cookbook.sft.collate: qwen-fsdp2-sft, qwen-ray-sft; without cu_seq_lens: qwen-zero3-receipts)."""
+    (cookbook.sft.collate: qwen-fsdp2-sft, qwen-ray-sft; without cu_seq_lens: qwen-zero3-receipts, moe-lora-fsdp2-ep)."""
     from transformers import AutoTokenizer
 
     from cookbook import lm
@@ -282,10 +282,10 @@ def test_token_counts_are_exact_when_the_pad_token_is_the_end_of_turn_token(reci
     assert all(pad_id in ex["input_ids"] for ex in examples)  # real tokens with the pad id
     real = sum(len(ex["input_ids"]) for ex in examples)
     rows = sft.pack(examples, 128, pad_id) if packing else examples
-    if recipe == "qwen-zero3-receipts":  # its packed rows; unpacked ones come from TRL's collator, with a mask
+    if recipe != "cookbook.sft":  # qwen-zero3-receipts: its packed rows (unpacked ones come from TRL's collator)
         batch = sft.collate(rows, pad_id, cu_seq_lens=False)
     else:
-        batch = (sft.collate if recipe == "cookbook.sft" else load_recipe(recipe).collate)(rows, pad_id)
+        batch = sft.collate(rows, pad_id)
     assert batch["input_ids"].numel() > real  # there is padding to leave out
     assert lm.count_tokens(batch, pad_id) == real
     assert (batch["input_ids"] != pad_id).sum() < real  # what counting by token id gives

@@ -69,3 +69,6 @@ __all__ = [
 from cookbook.sft.config import MAY_CHANGE, DataConfig, check_data_config  # noqa: E402
 
 __all__ += ["MAY_CHANGE", "DataConfig", "check_data_config"]
+
+# Submodules used by name (``cookbook.sft.vision.VLDataset``): image + text rows; shard-by-shard safetensors loading.
+from cookbook.sft import lazy_load, vision  # noqa: F401
