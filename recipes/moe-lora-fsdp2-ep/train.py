@@ -53,7 +53,6 @@ import warnings
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 warnings.filterwarnings("ignore", message=".*set_vital.*")
@@ -72,7 +71,7 @@ from cookbook.checkpoint import Checkpointer, CheckpointError, RankLocalState, R
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, save_config, to_dict
 from cookbook.hub import model_folder
 from cookbook.loop import EpochBatches, TrainLoop, already_complete
-from cookbook.metrics import MetricsLogger, ModelFlops
+from cookbook.metrics import MetricsLogger, ModelFlops, StepProfiler
 from cookbook.moe import DTYPES
 from cookbook.sft.lazy_load import load_base_lazily
 from cookbook.sft.vision import is_vision_language
@@ -83,17 +82,8 @@ hf_logging.set_verbosity_error()
 
 # ----------------------------------------------------------------------------- config
 @dataclass
-class DataConfig:
-    train_files: list[str] = field(default_factory=list)  # JSON / JSONL; empty: hub_id
-    eval_files: list[str] = field(default_factory=list)
-    hub_id: str = "tatsu-lab/alpaca"
-    eval_fraction: float = 0.02
-    max_length: int = 2048
+class DataConfig(sft.DataConfig):
     packing: bool = False  # Nemotron-H: keep false (Mamba state would flow across packed documents)
-    num_workers: int = 1
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    max_dropped_fraction: float = 0.1  # refuse when more of a file's rows are dropped (cut before the answer, empty answer)
-    split_turns: bool = False  # one example per assistant turn (templates that rewrite earlier turns: Qwen3)
 
 
 @dataclass
@@ -103,7 +93,7 @@ class Config(moe.MoELoraConfig):  # model, parallel, lora, moe, optim, train, ch
     data: DataConfig = field(default_factory=DataConfig)
 
 
-MAY_CHANGE = (*moe.MAY_CHANGE, "data.max_dropped_fraction")
+MAY_CHANGE = (*moe.MAY_CHANGE, *sft.MAY_CHANGE)
 
 
 def check_config(cfg: Config, config_dir: Path) -> None:
@@ -239,7 +229,8 @@ def main(argv: list[str]) -> None:
                      log_every=cfg.train.log_every, eval_every=cfg.train.eval_every,
                      evaluate=(lambda: moe.evaluate(model, eval_loader, info.device, router)) if eval_rows else None,
                      checkpointer=checkpointer, checkpoint_every=cfg.checkpoint.every_steps, checkpoint_state=ckpt_state,
-                     config=to_dict(cfg), log_extra=lambda: router.load_metrics(meshes.ep, info.device))
+                     config=to_dict(cfg), profiler=StepProfiler(cfg.train.profile_step, out_dir, info),
+                     log_extra=lambda: router.load_metrics(meshes.ep, info.device))
     with loop:
         for _ in loop.steps():
             micro_batches, waits = batches.take(cfg.train.grad_accum_steps)

@@ -55,7 +55,7 @@ from cookbook.checkpoint import Checkpointer, CheckpointError, RankLocalState, R
 from cookbook.config import ConfigError, cli_parser, load_config, save_config, to_dict
 from cookbook.hub import model_folder
 from cookbook.loop import EpochBatches, TrainLoop, already_complete
-from cookbook.metrics import MetricsLogger, ModelFlops
+from cookbook.metrics import MetricsLogger, ModelFlops, StepProfiler
 from cookbook.moe import DTYPES
 from cookbook.sft.lazy_load import load_base_lazily
 from cookbook.sft.vision import (VLDataConfig, VLDataset, check_vl_items, collate_vl, is_vision_language, load_vl_items,
@@ -228,7 +228,8 @@ def main(argv: list[str]) -> None:
                      log_every=cfg.train.log_every, eval_every=cfg.train.eval_every,
                      evaluate=(lambda: moe.evaluate(model, eval_loader, info.device, router)) if eval_rows else None,
                      checkpointer=checkpointer, checkpoint_every=cfg.checkpoint.every_steps, checkpoint_state=ckpt_state,
-                     config=to_dict(cfg), log_extra=lambda: router.load_metrics(meshes.ep, info.device))
+                     config=to_dict(cfg), profiler=StepProfiler(cfg.train.profile_step, out_dir, info),
+                     log_extra=lambda: router.load_metrics(meshes.ep, info.device))
     with loop:
         for _ in loop.steps():
             micro_batches, waits = batches.take(cfg.train.grad_accum_steps)

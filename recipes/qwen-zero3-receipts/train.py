@@ -52,12 +52,13 @@ warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.* is depreca
 warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.* is deprecated")
 
 import torch
-from transformers import AutoConfig, AutoTokenizer, SchedulerType
+from transformers import AutoConfig, AutoTokenizer
 from transformers import logging as hf_logging
 
 import cookbook
 from cookbook import hf_trainer, sft
 from cookbook.checkpoint import CheckpointError, config_changes
+from cookbook import config
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
 
 hf_logging.disable_progress_bar()
@@ -105,15 +106,8 @@ class DataConfig:
 
 
 @dataclass
-class OptimConfig:
+class OptimConfig(config.OptimConfig):
     optimizer: str = "adamw_torch_fused"  # a transformers `optim` name; "adamw_torch" on CPU
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    scheduler: str = "cosine"
-    warmup_ratio: float = 0.03
-    max_grad_norm: float = 1.0
 
 
 @dataclass
@@ -138,18 +132,14 @@ class EvalConfig:
 
 
 @dataclass
-class CheckpointConfig:
-    every_steps: int = 200  # 0: only at the end (and at stop_at_step); -1: never (benchmarks)
-    keep_last: int = 2
-    resume: str = "auto"  # auto, none, or a checkpoint folder
-    export_hf: bool = True
+class CheckpointConfig(config.CheckpointConfig):
+    export_hf: bool = True  # write <output_dir>/final in Hugging Face format
 
 
 @dataclass
-class Config:
+class Config(config.RunConfig):
     output_dir: str = "outputs/qwen3-8b-receipts"
     run_name: str = "qwen3-8b-receipts-zero3"
-    mlflow: bool = True
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
@@ -161,8 +151,7 @@ class Config:
 
 
 # Settings that may differ between a checkpoint and the run that resumes it; any other change is refused.
-MAY_CHANGE = ("output_dir", "run_name", "mlflow", "train.stop_at_step", "train.log_every", "train.eval_every",
-              "data.num_workers", "data.max_dropped_fraction", "eval.*", "checkpoint.*")
+MAY_CHANGE = (*config.MAY_CHANGE, *sft.MAY_CHANGE, "eval.*")
 
 
 def check_config(cfg: Config, config_dir: Path) -> None:
@@ -172,22 +161,15 @@ def check_config(cfg: Config, config_dir: Path) -> None:
     cfg.data.train_files = [resolve_path(f, config_dir) for f in cfg.data.train_files]
     cfg.data.eval_files = [resolve_path(f, config_dir) for f in cfg.data.eval_files]
     cfg.deepspeed.config = resolve_path(cfg.deepspeed.config, config_dir)
-    check_fields(cfg, at_least={"train.micro_batch_size": 1, "train.grad_accum_steps": 1, "train.log_every": 1,
-                                "data.max_length": 1, "eval.max_new_tokens": 1, "eval.batch_size": 1, "lora.r": 1,
-                                "checkpoint.keep_last": 0, "checkpoint.every_steps": -1},
-                 one_of={"optim.scheduler": [t.value for t in SchedulerType], "train.mixed_precision": ("bf16", "fp32"),
-                         "train.activation_checkpointing": ("none", "full")},
+    config.check_run(cfg)
+    check_fields(cfg, at_least={"data.max_length": 1, "eval.max_new_tokens": 1, "eval.batch_size": 1, "lora.r": 1},
+                 one_of={"train.activation_checkpointing": ("none", "full")},
                  within={"data.eval_fraction": "[0, 1)", "data.max_dropped_fraction": "[0, 1]"},
-                 notes={"checkpoint.every_steps": "-1: never",
-                        "data.eval_fraction": "0: no evaluation unless data.eval_files are given"})
-    if cfg.checkpoint.every_steps == -1 and cfg.train.stop_at_step > 0:
-        raise ConfigError("train.stop_at_step needs a checkpoint to resume from: checkpoint.every_steps=-1 saves none")
+                 notes={"data.eval_fraction": "0: no evaluation unless data.eval_files are given"})
     if not cfg.data.fields or len(set(cfg.data.fields)) != len(cfg.data.fields):
         raise ConfigError(f"data.fields must be a non-empty list of distinct names, got {cfg.data.fields}")
     if not cfg.data.train_files and not cfg.data.hub_id:
         raise ConfigError("set data.train_files (SROIE JSONL files) or data.hub_id")
-    if cfg.train.max_steps <= 0 and cfg.train.epochs <= 0:
-        raise ConfigError("set train.max_steps > 0 or train.epochs > 0")
 
 
 def check_deepspeed_config(cfg: Config, world_size: int) -> dict:

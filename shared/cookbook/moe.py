@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 import cookbook
 from cookbook.checkpoint import ModelOptimizerState, publish
+from cookbook import config
 from cookbook.config import ConfigError, check_fields, resolve_path
 from cookbook.metrics import ModelFlops, count_parameters
 
@@ -70,57 +71,32 @@ class MoESection:
 
 
 @dataclass
-class OptimConfig:
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-    scheduler: str = "cosine"
-    warmup_ratio: float = 0.03
-    max_grad_norm: float = 1.0
-
-
-@dataclass
-class TrainConfig:
-    seed: int = 42
-    micro_batch_size: int = 2
-    grad_accum_steps: int = 1
-    epochs: int = 1
-    max_steps: int = -1
-    stop_at_step: int = -1
-    mixed_precision: str = "bf16"  # compute dtype (and storage dtype of the frozen base weights) on GPU; CPU: fp32
+class TrainConfig(config.TrainConfig):
     activation_checkpointing: str = "full"  # none, full: recompute each decoder layer in backward (transformers' own)
-    log_every: int = 10
-    eval_every: int = 0
 
 
 @dataclass
-class CheckpointConfig:
-    every_steps: int = 500  # 0: only at the end (and at stop_at_step); -1: never (benchmarks)
-    keep_last: int = 2
-    resume: str = "auto"
+class CheckpointConfig(config.CheckpointConfig):
     export_adapter: bool = True
     export_merged: bool = False  # also <output_dir>/merged: base + adapter folded in (needs model.pretrained)
 
 
 @dataclass
-class MoELoraConfig:
+class MoELoraConfig(config.RunConfig):
     """The sections of a MoE LoRA recipe's config but ``data``, which each recipe adds."""
     output_dir: str = "outputs/moe-lora"
     run_name: str = "moe-lora"
-    mlflow: bool = True
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: LoraSection = field(default_factory=LoraSection)
     moe: MoESection = field(default_factory=MoESection)
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    optim: config.OptimConfig = field(default_factory=config.OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 # Settings that may differ between a checkpoint and the run that resumes it (with the recipe's data keys).
-MAY_CHANGE = ("output_dir", "run_name", "mlflow", "model.lazy_load", "train.stop_at_step", "train.log_every",
-              "train.eval_every", "data.num_workers", "checkpoint.*")
+MAY_CHANGE = (*config.MAY_CHANGE, "model.lazy_load", "data.num_workers")
 
 
 def check_config(cfg: MoELoraConfig, config_dir: Path) -> None:
@@ -130,28 +106,19 @@ def check_config(cfg: MoELoraConfig, config_dir: Path) -> None:
     Raises:
         ConfigError: the first wrong value, naming its key.
     """
-    from transformers import SchedulerType
-
     cfg.model.name_or_path = resolve_path(cfg.model.name_or_path, config_dir)
     cfg.model.tokenizer = resolve_path(cfg.model.tokenizer or cfg.model.name_or_path, config_dir)
     cfg.data.train_files = [resolve_path(f, config_dir) for f in cfg.data.train_files]
     cfg.data.eval_files = [resolve_path(f, config_dir) for f in cfg.data.eval_files]
-    check_fields(cfg, at_least={"parallel.ep": 1, "lora.r": 1, "train.micro_batch_size": 1, "train.grad_accum_steps": 1,
-                                "train.log_every": 1, "data.max_length": 1, "moe.aux_loss_coef": 0,
-                                "checkpoint.keep_last": 0, "checkpoint.every_steps": -1},
-                 one_of={"train.mixed_precision": sorted(DTYPES), "parallel.reduce_dtype": sorted(DTYPES),
-                         "train.activation_checkpointing": ("none", "full"),
-                         "optim.scheduler": [t.value for t in SchedulerType]},
+    config.check_run(cfg)
+    check_fields(cfg, at_least={"parallel.ep": 1, "lora.r": 1, "data.max_length": 1, "moe.aux_loss_coef": 0},
+                 one_of={"parallel.reduce_dtype": sorted(DTYPES), "train.activation_checkpointing": ("none", "full")},
                  within={"lora.dropout": "[0, 1)", "data.eval_fraction": "[0, 1)"},
-                 notes={"checkpoint.every_steps": "-1: never", "data.eval_fraction": "0: no evaluation"})
+                 notes={"data.eval_fraction": "0: no evaluation"})
     if not cfg.lora.target_modules and not cfg.lora.target_parameters:
         raise ConfigError("lora.target_modules and lora.target_parameters are both empty: nothing would train")
     if cfg.lora.dropout > 0 and cfg.lora.target_parameters:
         raise ConfigError("lora.dropout > 0 is not supported by PEFT for lora.target_parameters (expert weights): set 0")
-    if cfg.train.max_steps <= 0 and cfg.train.epochs <= 0:
-        raise ConfigError("set train.max_steps > 0 or train.epochs > 0")
-    if cfg.checkpoint.every_steps == -1 and cfg.train.stop_at_step > 0:
-        raise ConfigError("train.stop_at_step needs a checkpoint to resume from: checkpoint.every_steps=-1 saves none")
     if cfg.checkpoint.export_merged and not (cfg.model.pretrained and cfg.checkpoint.export_adapter):
         raise ConfigError("checkpoint.export_merged=true folds the adapter into the base weights read from "
                           "model.name_or_path: it needs model.pretrained=true and checkpoint.export_adapter=true")
