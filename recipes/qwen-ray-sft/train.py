@@ -11,7 +11,7 @@ What this recipe supports:
     - Ray Train ``TorchTrainer`` with ``prepare_model`` (DDP: every GPU holds the whole model, fp32
       master weights and AdamW state, about 16 bytes per parameter: 3B parameters need ~50 GB before
       activations, which fits an 80 GB or larger GPU) and ``prepare_data_loader``.
-    - bf16 autocast on GPU; gradient checkpointing (``train.gradient_checkpointing``); gradient
+    - bf16 autocast on GPU; activation checkpointing (``train.activation_checkpointing``); gradient
       accumulation with DDP's ``no_sync``; AdamW (fused on GPU), warm-up + cosine decay, clipping.
     - Data as in the FSDP2 recipe (cookbook.sft): chat ``messages``, Alpaca and ShareGPT rows,
       the tokenizer's chat template, loss on assistant tokens only, packing with per-document
@@ -28,8 +28,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import sys
-import time
 import warnings
 from dataclasses import dataclass, field
 from functools import partial
@@ -46,9 +44,10 @@ from transformers import logging as hf_logging
 
 import cookbook
 from cookbook import lm, ray_train, sft
-from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
+from cookbook.checkpoint import CheckpointError
+from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path
 from cookbook.hub import model_folder
-from cookbook.metrics import MetricsLogger, ModelFlops, count_parameters
+from cookbook.metrics import ModelFlops, count_parameters
 
 hf_logging.disable_progress_bar()
 
@@ -94,13 +93,13 @@ class TrainConfig:
     max_steps: int = -1
     stop_at_step: int = -1  # > 0: checkpoint and stop at this step; re-run to continue
     mixed_precision: str = "bf16"  # bf16 autocast on GPU, or fp32
-    gradient_checkpointing: bool = True
+    activation_checkpointing: str = "full"  # full: recompute each layer's activations in backward; none
     log_every: int = 10
 
 
 @dataclass
 class CheckpointConfig:
-    every_steps: int = 500
+    every_steps: int = 500  # -1: never; 0: only at train.stop_at_step and the end; N: also every N steps
     keep_last: int = 2
     export_hf: bool = True
 
@@ -129,8 +128,9 @@ def check_config(cfg: Config, config_dir: Path) -> None:
     cfg.data.train_files = [resolve_path(f, config_dir) for f in cfg.data.train_files]
     cfg.output_dir = str(Path(cfg.output_dir).expanduser().resolve())
     check_fields(cfg, at_least={"train.micro_batch_size": 1, "train.grad_accum_steps": 1, "train.log_every": 1,
-                                "data.max_length": 1},
-                 one_of={"train.mixed_precision": ("bf16", "fp32"), "optim.scheduler": [t.value for t in SchedulerType]},
+                                "data.max_length": 1, "checkpoint.every_steps": -1},
+                 one_of={"train.mixed_precision": ("bf16", "fp32"), "train.activation_checkpointing": ("none", "full"),
+                         "optim.scheduler": [t.value for t in SchedulerType]},
                  within={"data.eval_fraction": "[0, 1)", "data.max_dropped_fraction": "[0, 1]"},
                  notes={"data.eval_fraction": "0: no evaluation"})
     if cfg.train.max_steps <= 0 and cfg.train.epochs <= 0:
@@ -214,15 +214,13 @@ def train_loop(config: dict) -> None:
 
     cfg: Config = ray_train.config_from_dict(Config, config)
     info = ray_train.worker_info()
-    log = cookbook.get_logger()
-    out_dir = Path(cfg.output_dir)
     torch.manual_seed(cfg.train.seed)
     use_bf16 = info.device.type == "cuda" and cfg.train.mixed_precision == "bf16"
 
     def autocast():
         return torch.autocast("cuda", dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
 
-    # ---- set-up
+    # ---- set-up: data, model (DDP), optimizer, resume
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
     pad_id = pad_token_id(tokenizer)
     train_rows, eval_rows, stats = load_rows(cfg.data, tokenizer, cfg.train.seed)
@@ -236,7 +234,7 @@ def train_loop(config: dict) -> None:
     max_steps = cfg.train.max_steps if cfg.train.max_steps > 0 else cfg.train.epochs * steps_per_epoch
 
     inner = build_model(cfg.model, len(tokenizer), info.device)
-    if cfg.train.gradient_checkpointing:
+    if cfg.train.activation_checkpointing == "full":
         inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     hf = inner.config
     flops = ModelFlops(count_parameters(inner), hf.num_hidden_layers,
@@ -246,108 +244,60 @@ def train_loop(config: dict) -> None:
                                   weight_decay=cfg.optim.weight_decay, fused=info.device.type == "cuda")
     scheduler = get_scheduler(cfg.optim.scheduler, optimizer, num_warmup_steps=int(cfg.optim.warmup_ratio * max_steps),
                               num_training_steps=max_steps)
-    step = 0
-    resumed = ray_train.load_checkpoint()  # memory-mapped on the CPU, copied into the model and optimizer
-    if resumed is not None:
-        state, meta = resumed
-        inner.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        step = meta["step"]
-        del state, resumed
-    stop_at = min(max_steps, cfg.train.stop_at_step) if cfg.train.stop_at_step > 0 else max_steps
+    run = ray_train.WorkerRun(cfg, info, "qwen-ray-sft", {"model": inner, "optimizer": optimizer, "scheduler": scheduler},
+                              max_steps=max_steps, steps_per_epoch=steps_per_epoch, flops=flops,
+                              stop_at=("train.stop_at_step", cfg.train.stop_at_step))
+    cookbook.get_logger().info(
+        f"world size {info.world_size} ({info.backend}, {info.device.type}) | {flops.num_params / 1e6:,.1f} M "
+        f"non-embedding params | {len(train_rows)} train / {len(eval_rows)} eval rows of "
+        f"{'packed ' if cfg.data.packing else ''}<= {cfg.data.max_length} tokens | global batch "
+        f"{cfg.train.micro_batch_size * cfg.train.grad_accum_steps * info.world_size} rows | {max_steps} steps | "
+        f"{'bf16 autocast' if use_bf16 else 'fp32'} | starting at step {run.step} | data: {stats.summary()}")
 
-    if info.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, out_dir / "config.yaml")
-    metrics = MetricsLogger(out_dir, info, flops=flops, run_name=cfg.run_name, experiment="qwen-ray-sft",
-                            params=to_dict(cfg), mlflow=cfg.mlflow, max_steps=max_steps)
-    log.info(f"world size {info.world_size} ({info.backend}, {info.device.type}) | {flops.num_params / 1e6:,.1f} M "
-             f"non-embedding params | {len(train_rows)} train / {len(eval_rows)} eval rows of "
-             f"{'packed ' if cfg.data.packing else ''}<= {cfg.data.max_length} tokens | global batch "
-             f"{cfg.train.micro_batch_size * cfg.train.grad_accum_steps * info.world_size} rows | {max_steps} steps | "
-             f"{'bf16 autocast' if use_bf16 else 'fp32'} | starting at step {step} | data: {stats.summary()}")
-
-    # ---- train loop
     def batches():
-        """Micro-batches from the current step on: the sampler's order of each epoch, replayed after a resume."""
-        epoch, skip = divmod(step, steps_per_epoch)
+        """Micro-batches from the resumed step on: the sampler's order of each epoch, replayed after a resume."""
+        epoch, skip = divmod(run.step, steps_per_epoch)
         while True:
             if info.world_size > 1:
                 loader.sampler.set_epoch(epoch)
-            it = iter(loader)
-            usable = itertools.islice(it, steps_per_epoch * cfg.train.grad_accum_steps)
+            usable = itertools.islice(iter(loader), steps_per_epoch * cfg.train.grad_accum_steps)
             yield from itertools.islice(usable, skip * cfg.train.grad_accum_steps, None)
             epoch, skip = epoch + 1, 0
 
-    data_iter = batches()
-    reports = 0
-    window_loss, window_steps = torch.zeros((), device=info.device), 0
-    failed = stopped = False
-    try:
-        cookbook.barrier()
-        metrics.start(step)
-        while step < stop_at:
-            micro, waits = [], []
-            for _ in range(cfg.train.grad_accum_steps):
-                t0 = time.perf_counter()
-                micro.append(next(data_iter))
-                waits.append(time.perf_counter() - t0)
+    # ---- train loop: DDP with gradient accumulation (no_sync), a checkpoint every checkpoint.every_steps
+    data_iter = run.timed(batches())
+    with run:
+        for _ in run.steps():
+            micro = [next(data_iter) for _ in range(cfg.train.grad_accum_steps)]  # (batch, data wait)
             # Normalise by the labelled tokens of the whole global batch; DDP averages over workers.
-            local_tokens = sum((mb["labels"][:, 1:] != sft.IGNORE_INDEX).sum() for mb in micro)
+            local_tokens = sum((mb["labels"][:, 1:] != sft.IGNORE_INDEX).sum() for mb, _ in micro)
             global_tokens = max(cookbook.all_reduce_sum({"t": local_tokens}, info.device)["t"], 1.0)
             step_loss = torch.zeros((), device=info.device)
-            for i, (mb, wait) in enumerate(zip(micro, waits)):
+            for i, (mb, wait) in enumerate(micro):
                 with contextlib.nullcontext() if i == len(micro) - 1 else model.no_sync():
                     with autocast():
                         loss_sum = token_loss_sum(model, mb)
                     (loss_sum * info.world_size / global_tokens).backward()
                 step_loss += loss_sum.detach() * info.world_size / global_tokens
-                metrics.add(samples=mb["input_ids"].shape[0], tokens=lm.count_tokens(mb, pad_id), data_wait_s=wait)
+                run.metrics.add(samples=mb["input_ids"].shape[0], tokens=lm.count_tokens(mb, pad_id), data_wait_s=wait)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf"))
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            step += 1
-            window_loss += step_loss
-            window_steps += 1
-            if step % cfg.train.log_every == 0 or step == max_steps:
-                metrics.log_step(step, window_loss / window_steps, lr, grad_norm)
-                window_loss.zero_()
-                window_steps = 0
-            with metrics.paused():  # not counted in the step time and throughput
-                if (cfg.checkpoint.every_steps > 0 and step % cfg.checkpoint.every_steps == 0) or step == stop_at:
-                    mean_loss = cookbook.all_reduce_mean({"loss": step_loss}, info.device)["loss"]  # over the global batch
-                    ray_train.report({"step": step, "loss": mean_loss},
-                                     state={"model": inner.state_dict(), "optimizer": optimizer.state_dict(),
-                                            "scheduler": scheduler.state_dict()},
-                                     label=f"step_{step:08d}", meta={"step": step, "world_size": info.world_size, "config": to_dict(cfg)})
-                    reports += 1
+            run.end_step(step_loss, lr=lr, grad_norm=grad_norm)
 
-        # ---- save
-        final_eval = evaluate(model, eval_rows, info, cfg.train.micro_batch_size, pad_id, autocast) if eval_rows else {}
-        if final_eval:
-            metrics.log_eval(step, final_eval)
-        workers = ray_train.worker_summary(inner, reports)
-        export_dir = None
-        if step < max_steps:
-            stopped = True
-            log.info(f"stopped at step {step} of {max_steps} (train.stop_at_step); run again without it to continue")
-        elif cfg.checkpoint.export_hf and info.is_main:
-            export_dir = out_dir / "final"
-            inner.save_pretrained(export_dir, safe_serialization=True)
-            tokenizer.save_pretrained(export_dir)
-        metrics.log_summary({"step": step, **workers,
-                             **{f"eval/{k}": v for k, v in final_eval.items()},
-                             "export_dir": str(export_dir) if export_dir else None,
-                             "mlflow_uri": metrics.mlflow_uri, "mlflow_run_id": metrics.mlflow_run_id})
-    except BaseException:
-        failed = True
-        raise
-    finally:
-        # ---- clean-up (Ray Train destroys the process group)
-        metrics.close(failed=failed, stopped=stopped)
+        # ---- save: evaluation, Hugging Face export (Ray Train destroys the process group)
+        def export() -> dict:
+            final = Path(cfg.output_dir) / "final"
+            if not (cfg.checkpoint.export_hf and info.is_main):
+                return {"export_dir": None}
+            inner.save_pretrained(final, safe_serialization=True)
+            tokenizer.save_pretrained(final)
+            return {"export_dir": str(final)}
+
+        run.finish(inner, export=export, evaluate=(lambda: evaluate(model, eval_rows, info, cfg.train.micro_batch_size,
+                                                                    pad_id, autocast)) if eval_rows else None)
 
 
 # ----------------------------------------------------------------------------- driver
@@ -355,7 +305,7 @@ def main(argv: list[str]) -> None:
     args = cli_parser(__doc__).parse_args(argv)
     cfg = load_config(Config, args.config, args.overrides)
     check_config(cfg, Path(args.config).resolve().parent)
-    nnodes, done, planned = ray_train.prepare_driver(cfg, MAY_CHANGE, ("train.stop_at_step", cfg.train.stop_at_step))
+    driver = ray_train.RayDriver(cfg, MAY_CHANGE, ("train.stop_at_step", cfg.train.stop_at_step))  # before Ray starts
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
         vocab_size = AutoConfig.from_pretrained(cfg.model.name_or_path).vocab_size
@@ -366,12 +316,12 @@ def main(argv: list[str]) -> None:
         raise ConfigError(f"model.name_or_path / model.tokenizer: cannot load {cfg.model.name_or_path!r}: "
                           f"{str(exc).splitlines()[0]}") from None
     sft.check_vocab(tokenizer, vocab_size)
-    lm.check_attention(cfg.model.attn_implementation, on_cpu=not planned[1] if planned else cfg.ray.use_gpu is False)
+    lm.check_attention(cfg.model.attn_implementation, on_cpu=driver.on_cpu)
     if cfg.model.pretrained:  # a hub id is downloaded here, once, before the workers start
         model_folder(cfg.model.name_or_path)
     if cfg.data.train_files:
         train, evals, stats = load_rows(cfg.data, tokenizer, cfg.train.seed)
-        per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * (planned[0] if planned else 1)
+        per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * (driver.workers or 1)
         if len(train) < per_step:
             raise ConfigError(f"{len(train)} training rows are too few for one step of {per_step} rows")
         data_note = f"{len(train)} train / {len(evals)} eval rows"
@@ -381,12 +331,10 @@ def main(argv: list[str]) -> None:
     if args.check:
         print(f"config OK: {args.config} ({data_note})")
         return
-    if done is not None and (Path(cfg.output_dir) / "final").is_dir():
-        print(f"already complete: {cfg.output_dir}/final exists; use a new output_dir to train again", file=sys.stderr)
-        return
-
-    ray_train.run(__file__, cfg, nnodes, planned)
+    total = cfg.train.max_steps if cfg.train.max_steps > 0 else None  # else the data decides, in the workers
+    if not driver.already_complete(total, {"model": Path(cfg.output_dir) / "final"}):
+        driver.run(__file__)
 
 
 if __name__ == "__main__":
-    cookbook.run_main(main, user_errors=(ConfigError, sft.SFTDataError))
+    cookbook.run_main(main, user_errors=(ConfigError, sft.SFTDataError, CheckpointError))
