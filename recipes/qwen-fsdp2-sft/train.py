@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import inspect
 import os
-import time
 import warnings
 from dataclasses import dataclass, field
 from functools import partial
@@ -75,6 +74,7 @@ from cookbook.checkpoint import (
 )
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
 from cookbook.hub import model_folder
+from cookbook.loop import EpochBatches, TrainLoop, already_complete
 from cookbook.metrics import MetricsLogger, ModelFlops, StepProfiler, count_parameters
 
 hf_logging.disable_progress_bar()
@@ -92,7 +92,6 @@ class ModelConfig:
 
 @dataclass
 class FSDPConfig:
-    param_dtype: str = "bf16"  # compute dtype of gathered parameters ("fp32" on CPU)
     reduce_dtype: str = "fp32"  # gradient reduce-scatter dtype
     reshard_after_forward: bool = True  # False keeps gathered layers until backward (more memory, less traffic)
     cpu_offload: bool = False  # parameters, gradients and optimizer state in CPU memory
@@ -127,6 +126,7 @@ class OptimConfig:
 @dataclass
 class TrainConfig:
     seed: int = 42
+    mixed_precision: str = "bf16"  # compute dtype of gathered parameters (FSDP2 MixedPrecisionPolicy); fp32 on CPU
     micro_batch_size: int = 2  # rows per rank per micro-step
     grad_accum_steps: int = 1
     epochs: int = 1
@@ -175,7 +175,7 @@ def check_config(cfg: Config, config_dir: Path) -> None:
     check_fields(cfg, at_least={"train.micro_batch_size": 1, "train.grad_accum_steps": 1, "train.log_every": 1,
                                 "data.max_length": 1, "fsdp.replicate_degree": 1, "checkpoint.keep_last": 0,
                                 "checkpoint.every_steps": -1},
-                 one_of={"fsdp.param_dtype": sorted(DTYPES), "fsdp.reduce_dtype": sorted(DTYPES),
+                 one_of={"train.mixed_precision": sorted(DTYPES), "fsdp.reduce_dtype": sorted(DTYPES),
                          "checkpoint.export_dtype": sorted(DTYPES),
                          "train.activation_checkpointing": ("none", "selective", "full"),
                          "optim.scheduler": [t.value for t in SchedulerType]},
@@ -295,7 +295,7 @@ def build_model(cfg: Config, info: cookbook.DistInfo, vocab_size_needed: int) ->
                                 mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("shard",))
-    param_dtype = DTYPES[cfg.fsdp.param_dtype] if info.device.type == "cuda" else torch.float32
+    param_dtype = DTYPES[cfg.train.mixed_precision] if info.device.type == "cuda" else torch.float32
     fsdp_kwargs = dict(mesh=mesh, reshard_after_forward=cfg.fsdp.reshard_after_forward,
                        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=DTYPES[cfg.fsdp.reduce_dtype]))
     if cfg.fsdp.cpu_offload:
@@ -425,11 +425,7 @@ def main(argv: list[str]) -> None:
                                             cfg.train.stop_at_step)
     if resume_from is not None:
         checkpointer.load(resume_from, ckpt_state)
-    sampler.set_epoch(state.epoch)
-    stop_at = cfg.train.stop_at_step if cfg.train.stop_at_step > 0 else max_steps
-    if state.step >= max_steps and (out_dir / "final").is_dir():
-        log.info(f"already complete: {state.step} of {max_steps} steps; model in {out_dir / 'final'}, metrics in "
-                 f"{out_dir / 'metrics.jsonl'}. To train again, use a new output_dir (or delete {out_dir}).")
+    if already_complete(state, max_steps, out_dir, out_dir / "final" if cfg.checkpoint.export_hf else None):
         cookbook.destroy_distributed()
         return
 
@@ -445,27 +441,15 @@ def main(argv: list[str]) -> None:
              f"{cfg.train.activation_checkpointing} | data: {stats.summary()}")
 
     # ---- train loop
-    profiler = StepProfiler(cfg.train.profile_step, out_dir, info)
-    data_iter = iter(train_loader)
-    window_loss, window_steps = torch.zeros((), device=info.device), 0
-    failed = stopped = False
-    try:
-        cookbook.barrier()  # start every rank's clock together (rank 0 set up MLflow)
-        metrics.start(state.step)
-        while state.step < min(max_steps, stop_at):
-            profiler.start(state.step + 1)
-            micro_batches, waits = [], []
-            for _ in range(cfg.train.grad_accum_steps):
-                t0 = time.perf_counter()
-                try:
-                    batch = next(data_iter)
-                except StopIteration:
-                    state.epoch += 1
-                    sampler.set_epoch(state.epoch)
-                    data_iter = iter(train_loader)
-                    batch = next(data_iter)
-                waits.append(time.perf_counter() - t0)
-                micro_batches.append({k: v.to(info.device, non_blocking=True) for k, v in batch.items()})
+    batches = EpochBatches(train_loader, state, sampler.set_epoch, info.device)
+    loop = TrainLoop(state=state, max_steps=max_steps, stop_at_step=cfg.train.stop_at_step, metrics=metrics,
+                     log_every=cfg.train.log_every, eval_every=cfg.train.eval_every,
+                     evaluate=(lambda: evaluate(model, eval_loader, info.device)) if eval_rows else None,
+                     checkpointer=checkpointer, checkpoint_every=cfg.checkpoint.every_steps, checkpoint_state=ckpt_state,
+                     config=to_dict(cfg), profiler=StepProfiler(cfg.train.profile_step, out_dir, info))
+    with loop:
+        for _ in loop.steps():
+            micro_batches, waits = batches.take(cfg.train.grad_accum_steps)
             # Normalise by the labelled tokens of the whole global batch. FSDP averages gradients over
             # ranks, so each rank scales its summed loss by world_size / global tokens.
             local_tokens = sum((mb["labels"][:, 1:] != -100).sum() for mb in micro_batches)
@@ -479,54 +463,21 @@ def main(argv: list[str]) -> None:
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf"))
             if isinstance(grad_norm, torch.distributed.tensor.DTensor):
                 grad_norm = grad_norm.full_tensor()
+            if loop.skip_step(grad_norm):
+                continue
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            state.step += 1
-            profiler.stop()
-            window_loss += step_loss
-            window_steps += 1
-            if state.step % cfg.train.log_every == 0 or state.step == max_steps:
-                metrics.log_step(state.step, window_loss / window_steps, lr, grad_norm)
-                window_loss.zero_()
-                window_steps = 0
-            with metrics.paused():  # not counted in the step time and throughput
-                if eval_rows and cfg.train.eval_every > 0 and state.step % cfg.train.eval_every == 0 and state.step < max_steps:
-                    metrics.log_eval(state.step, evaluate(model, eval_loader, info.device))
-                if cfg.checkpoint.every_steps >= 0 and (state.step in (stop_at, max_steps) or (
-                        cfg.checkpoint.every_steps > 0 and state.step % cfg.checkpoint.every_steps == 0)):
-                    checkpointer.save(state.step, ckpt_state, {"epoch": state.epoch, "config": to_dict(cfg)})
+            loop.end_step(step_loss, lr=lr, grad_norm=grad_norm)
 
         # ---- save
-        if state.step < max_steps:
-            stopped = True
-            log.info(f"stopped at step {state.step} of {max_steps} (train.stop_at_step); to continue from "
-                     f"{checkpointer.latest()}, run again without train.stop_at_step (or with a larger value)")
-            return
-        final_eval = evaluate(model, eval_loader, info.device) if eval_rows else {}
-        if final_eval:
-            metrics.log_eval(state.step, final_eval)
-        export_dir = (export_hf(model, out_dir / "final", tokenizer, dtype=DTYPES[cfg.checkpoint.export_dtype])
-                      if cfg.checkpoint.export_hf else None)
-        metrics.log_summary({"step": state.step, **{f"eval/{k}": v for k, v in final_eval.items()},
-                             "export_dir": str(export_dir) if export_dir else None, "mlflow_uri": metrics.mlflow_uri,
-                             "mlflow_run_id": metrics.mlflow_run_id})
-        if info.is_main:
-            log.info(f"done: {state.step} steps" + (f" | eval loss {final_eval['loss']:.4f}" if final_eval else ""))
-            log.info(f"metrics:     {metrics.jsonl_path}")
-            if metrics.mlflow_uri:
-                log.info(f"MLflow:      {metrics.mlflow_uri} (run {metrics.mlflow_run_id})")
-            log.info(f"checkpoints: {checkpointer.root}")
-            if export_dir:
-                log.info(f"model:       {export_dir} (AutoModelForCausalLM.from_pretrained)")
-    except BaseException:
-        failed = True
-        raise
-    finally:
-        # ---- clean-up
-        metrics.close(failed=failed, stopped=stopped)
-        cookbook.destroy_distributed()
+        loop.finish(export=lambda: {"export_dir": (
+            export_hf(model, out_dir / "final", tokenizer, dtype=DTYPES[cfg.checkpoint.export_dtype])
+            if cfg.checkpoint.export_hf else None, "AutoModelForCausalLM.from_pretrained")})
+
+    # ---- clean-up
+    cookbook.destroy_distributed()
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@
 - `cookbook.config`: typed YAML configs with dotted overrides (OmegaConf structured configs).
 - `cookbook.checkpoint`: atomic DCP checkpoints, resume, Hugging Face export.
 - `cookbook.metrics`: tokens/s, MFU, memory; console, JSONL and MLflow sinks.
+- `cookbook.loop`: the bookkeeping around a recipe's own step body: step counting, metric windows, eval and checkpoint cadence, stop and resume, the final eval, export and summary.
+- `cookbook.sft`: supervised fine-tuning of language models: chat / Alpaca / ShareGPT data, packing, collate, token-level loss.
 - `cookbook.entry`: ``run_main``, the end of every recipe's ``train.py``: errors from whichever rank found them, exit statuses, an exit that cannot hang.
 - `cookbook.torchrun`: ``python -m cookbook.torchrun``, torchrun with a one-line failure report.
 - `cookbook.hub`: a model's local folder from a path or a Hugging Face Hub id (through the hub cache).

@@ -1,0 +1,345 @@
+"""The bookkeeping around a training step, written once: a small helper that a recipe's plain loop calls.
+
+A recipe's ``train.py`` writes its step body out (forward, backward, ``no_sync``, gradient clipping,
+the optimizer step, the FSDP2 / expert-parallel / TorchRec specifics) and leaves the rest to `TrainLoop`:
+
+.. code-block:: python
+
+    batches = EpochBatches(train_loader, state, sampler.set_epoch, info.device)
+    loop = TrainLoop(state=state, max_steps=max_steps, stop_at_step=cfg.train.stop_at_step, metrics=metrics,
+                     log_every=cfg.train.log_every, eval_every=cfg.train.eval_every, evaluate=run_eval,
+                     checkpointer=checkpointer, checkpoint_every=cfg.checkpoint.every_steps,
+                     checkpoint_state=ckpt_state, config=to_dict(cfg))
+    with loop:                                  # ends the metrics run: FINISHED, KILLED (stopped early) or FAILED
+        for step in loop.steps():               # 1, 2, ... up to max_steps or train.stop_at_step
+            micro_batches, waits = batches.take(cfg.train.grad_accum_steps)
+            ...                                 # forward and backward of each micro-batch; metrics.add(...)
+            grad_norm = clip_grad_norm_(...)
+            if loop.skip_step(grad_norm):       # non-finite gradients
+                continue
+            optimizer.step(); scheduler.step(); optimizer.zero_grad()
+            loop.end_step(loss, lr=lr, grad_norm=grad_norm)   # log window, eval and checkpoint cadence
+        loop.finish(export=lambda: {"export_dir": (export_hf(...), "AutoModelForCausalLM.from_pretrained")})
+
+What it does, so that every recipe does it the same way:
+
+- counts optimizer steps in the checkpointed `TrainState` (``step``, ``epoch``);
+- keeps the metric window: the mean loss of the steps since the last log line, logged every
+  ``log_every`` steps and at the last step (`cookbook.metrics.MetricsLogger.log_step`);
+- runs evaluation every ``eval_every`` steps and saves a checkpoint every ``checkpoint_every`` steps,
+  at ``stop_at_step`` and at the last step, both inside ``metrics.paused()`` so that step time,
+  throughput and ETA measure training alone;
+- stops at ``stop_at_step`` (a planned interruption, to be resumed) or when `request_stop` was called
+  (a hook for preemption: the flag is read at step boundaries only);
+- at the end runs the final evaluation and the recipe's export, writes the summary record and the
+  closing log lines (`log_outputs`), or says how to continue a run that stopped early.
+
+The shape follows torchtitan's ``Trainer.train`` / ``train_step`` split and torchtune recipes'
+``train()``: a loop the reader can see, with the bookkeeping in named calls.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+
+from cookbook.checkpoint import Checkpointer, TrainState
+from cookbook.dist import barrier, get_dist_info, get_logger
+from cookbook.metrics import MetricsLogger, StepProfiler
+
+Outputs = Mapping[str, "tuple[Path | None, str]"]  # summary key -> (folder or None, how to load it)
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or the gradient norm of a step is NaN or infinite; the step was not applied."""
+
+
+def already_complete(state: TrainState, max_steps: int, out_dir: str | Path, final: str | Path | None = None,
+                     what: str = "model") -> bool:
+    """Whether a resumed run has nothing left to do, and if so say so (rank 0's log).
+
+    Args:
+        state: the train state after resuming (``state.step`` optimizer steps done).
+        max_steps: the run's total optimizer steps.
+        out_dir: the run's output folder.
+        final: the folder the finished run exported (``<out_dir>/final``); when given, the run counts as
+            complete only once it exists (a run killed between its last checkpoint and its export
+            resumes and exports). ``None``: the step count alone decides.
+        what: what `final` holds, for the message ("model", "adapter").
+
+    Returns:
+        ``True`` when ``state.step >= max_steps`` (and `final` exists): the caller cleans up and returns.
+    """
+    if state.step < max_steps or (final is not None and not Path(final).is_dir()):
+        return False
+    out_dir = Path(out_dir)
+    where = f"{what} in {final}, " if final is not None else ""
+    get_logger().info(f"already complete: {state.step} of {max_steps} steps; {where}metrics in {out_dir / 'metrics.jsonl'}. "
+                      f"To train again, use a new output_dir (or delete {out_dir}).")
+    return True
+
+
+class EpochBatches:
+    """Endless batches from a data loader, epoch after epoch, timed.
+
+    Each new pass over `loader` increments ``state.epoch`` and calls ``set_epoch(state.epoch)`` (a
+    ``DistributedSampler`` reshuffles), so the epoch is checkpointed with the step. The first pass
+    starts from wherever the loader's own state says (a ``StatefulDataLoader`` restored by resume
+    continues mid-epoch).
+
+    Args:
+        loader: an iterable of batches (dicts of tensors, or anything with ``.to(device)``).
+        state: the run's `TrainState`.
+        set_epoch: called with the epoch number before each pass (``sampler.set_epoch``); ``None`` if
+            the loader needs no reshuffle call.
+        device: batches are moved here (``non_blocking``); ``None`` leaves them where they are.
+    """
+
+    def __init__(self, loader, state: TrainState, set_epoch: Callable[[int], None] | None = None,
+                 device: torch.device | None = None):
+        self.loader, self.state, self.set_epoch, self.device = loader, state, set_epoch, device
+        self._it: Iterator | None = None
+
+    def _new_pass(self) -> None:
+        if self.set_epoch is not None:
+            self.set_epoch(self.state.epoch)
+        self._it = iter(self.loader)
+
+    def next(self) -> tuple[Any, float]:
+        """The next batch (on `device`) and the seconds spent waiting for it.
+
+        Raises:
+            RuntimeError: the loader yields no batch at all in a fresh pass.
+        """
+        t0 = time.perf_counter()
+        if self._it is None:
+            self._new_pass()
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            self.state.epoch += 1
+            self._new_pass()
+            try:
+                batch = next(self._it)
+            except StopIteration:
+                raise RuntimeError("the training data loader yields no batch: too few rows for one micro-batch") from None
+        wait = time.perf_counter() - t0
+        if self.device is not None:
+            if isinstance(batch, Mapping):
+                batch = {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            else:
+                batch = batch.to(self.device, non_blocking=True)
+        return batch, wait
+
+    def take(self, n: int) -> tuple[list[Any], list[float]]:
+        """`n` batches (the micro-batches of one optimizer step) and their waits in seconds."""
+        pairs = [self.next() for _ in range(n)]
+        return [b for b, _ in pairs], [w for _, w in pairs]
+
+
+class TrainLoop:
+    """Step counting, metric windows, eval and checkpoint cadence around a recipe's own step body.
+
+    Args:
+        state: the checkpointed `TrainState`; ``state.step`` is the number of optimizer steps done.
+        max_steps: total optimizer steps of the run.
+        stop_at_step: ``> 0``: stop after this step (a checkpoint is saved there), to resume later.
+        metrics: the run's `MetricsLogger`.
+        log_every: log the window's mean loss every this many steps (and at the last step).
+        eval_every: evaluate every this many steps (``0``: only at the end); needs `evaluate`.
+        evaluate: runs evaluation on every rank (collective) and returns metrics reduced over ranks,
+            e.g. ``{"loss": 1.9}``; ``None``: no evaluation.
+        checkpointer: saves checkpoints; ``None``: none.
+        checkpoint_every: ``-1``: never save; ``0``: only at `stop_at_step` and the last step;
+            ``N``: also every N steps.
+        checkpoint_state: what `Checkpointer.save` saves (stateful objects by name).
+        config: the run's config (a nested dict), stored in each checkpoint's ``meta.json`` so that a
+            resume can refuse other settings.
+        profiler: a `StepProfiler` started before and stopped after each step body, or ``None``.
+        log_extra: called at each log line for more numbers of that window (collective if it reduces).
+
+    Every method that logs, evaluates or saves is collective: call it on every rank in the same order.
+    """
+
+    def __init__(self, *, state: TrainState, max_steps: int, stop_at_step: int = -1, metrics: MetricsLogger,
+                 log_every: int = 10, eval_every: int = 0, evaluate: Callable[[], Mapping[str, float]] | None = None,
+                 checkpointer: Checkpointer | None = None, checkpoint_every: int = -1,
+                 checkpoint_state: Mapping[str, Any] | None = None, config: Mapping[str, Any] | None = None,
+                 profiler: StepProfiler | None = None,
+                 log_extra: Callable[[], Mapping[str, float | torch.Tensor]] | None = None):
+        if log_every < 1:
+            raise ValueError(f"log_every must be >= 1, got {log_every}")
+        if checkpointer is not None and checkpoint_every >= 0 and checkpoint_state is None:
+            raise ValueError("checkpoint_state is required to save checkpoints")
+        self.state, self.max_steps, self.metrics = state, max_steps, metrics
+        self.stop_at = min(stop_at_step, max_steps) if stop_at_step > 0 else max_steps
+        self.log_every, self.eval_every, self.evaluate = log_every, eval_every, evaluate
+        self.checkpointer, self.checkpoint_every = checkpointer, checkpoint_every
+        self.checkpoint_state, self.config = checkpoint_state, config
+        self.profiler, self.log_extra = profiler, log_extra
+        self.device = metrics.info.device
+        self.stopped = False  # the run ended before max_steps (stop_at_step or a stop request)
+        self._stop_requested = False
+        self._skipped = False  # the step body skipped its optimizer step
+        self._saved_step = -1
+        self._reset_window()
+
+    # ------------------------------------------------------------------ the loop
+    def __enter__(self) -> TrainLoop:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.metrics.close(failed=exc_type is not None, stopped=self.stopped)
+
+    def request_stop(self) -> None:
+        """Ask the loop to stop at the next step boundary, after saving a checkpoint there.
+
+        Safe to call from a signal handler. Every rank must request it for the same step (the caller
+        agrees on it across ranks); the loop reads the flag between steps only.
+        """
+        self._stop_requested = True
+
+    def steps(self) -> Iterator[int]:
+        """Yield the number of each step to run (``state.step + 1``) until `max_steps`, ``stop_at_step``
+        or a stop request. Starts the metrics clock on every rank together (a barrier)."""
+        barrier()
+        self.metrics.start(self.state.step)
+        while self.state.step < self.stop_at:
+            if self._stop_requested:
+                self._save(force=True)
+                break
+            done = self.state.step
+            if self.profiler is not None:
+                self.profiler.start(done + 1)
+            yield done + 1
+            if self.profiler is not None:
+                self.profiler.stop()
+            if self.state.step == done and not self._skipped:
+                raise RuntimeError("the step body must end with loop.end_step(...) (or `continue` after loop.skip_step)")
+            self._skipped = False
+
+    def skip_step(self, value: torch.Tensor | float | None) -> bool:
+        """Check a step's gradient norm (or loss) before the optimizer step.
+
+        Args:
+            value: a scalar the same on every rank (the total gradient norm after all-reduce), so that
+                every rank decides alike. ``None`` (no clipping): nothing to check.
+
+        Returns:
+            ``False``: finite, go on with the optimizer step.
+
+        Raises:
+            NonFiniteError: `value` is NaN or infinite. The optimizer step has not run, so the weights and
+                the newest checkpoint are the last good ones.
+        """
+        if value is None:
+            return False
+        v = float(value.full_tensor() if hasattr(value, "full_tensor") else value)
+        if math.isfinite(v):
+            return False
+        last = self.checkpointer.latest() if self.checkpointer is not None else None
+        raise NonFiniteError(f"the gradient norm of step {self.state.step + 1} is {v}: the step was not applied. Lower "
+                             f"optim.lr or raise the warm-up; the newest checkpoint is {last or 'none'}")
+
+    def end_step(self, loss: torch.Tensor | float, *, lr: float, grad_norm: torch.Tensor | float | None = None,
+                 window: Mapping[str, torch.Tensor | float] | None = None) -> None:
+        """Count one optimizer step and do what is due after it.
+
+        Args:
+            loss: this rank's loss of the step (a 0-d tensor on the device is best: no sync).
+            lr: the learning rate the step used.
+            grad_norm: total gradient norm before clipping, or ``None``.
+            window: more per-step numbers averaged over the log window under their own names
+                (e.g. ``{"moe/aux_loss": aux}``).
+        """
+        self.state.step += 1
+        step = self.state.step
+        self._loss = self._loss + (loss.detach() if isinstance(loss, torch.Tensor) else loss)
+        for k, v in (window or {}).items():
+            self._window[k] = self._window.get(k, 0.0) + (v.detach() if isinstance(v, torch.Tensor) else v)
+        self._steps += 1
+        if step % self.log_every == 0 or step == self.max_steps:
+            extra = {k: v / self._steps for k, v in self._window.items()}
+            extra.update(self.log_extra() if self.log_extra is not None else {})
+            self.metrics.log_step(step, self._loss / self._steps, lr, grad_norm, extra=extra or None)
+            self._reset_window()
+        with self.metrics.paused():  # not counted in the step time and throughput
+            if (self.evaluate is not None and self.eval_every > 0 and step % self.eval_every == 0
+                    and step < self.max_steps):
+                self.metrics.log_eval(step, self.evaluate())
+            self._save()
+
+    def _reset_window(self) -> None:
+        self._loss: torch.Tensor | float = torch.zeros((), device=self.device)
+        self._window: dict[str, Any] = {}
+        self._steps = 0
+
+    def _save(self, force: bool = False) -> None:
+        if self.checkpointer is None or self.checkpoint_every < 0:
+            return
+        step = self.state.step
+        every = self.checkpoint_every
+        if force or step in (self.stop_at, self.max_steps) or (every > 0 and step % every == 0):
+            if self._saved_step == step:
+                return  # saved at this step already
+            self._saved_step = step
+            meta = {"epoch": self.state.epoch, **({"config": dict(self.config)} if self.config is not None else {})}
+            self.checkpointer.save(step, self.checkpoint_state, meta)
+
+    # ------------------------------------------------------------------ the end
+    def finish(self, export: Callable[[], Outputs] | None = None,
+               summary: Callable[[], Mapping[str, Any]] | None = None) -> dict[str, float] | None:
+        """After the loop: the final evaluation, the export and the summary; or, for a run that stopped
+        before `max_steps`, how to continue it.
+
+        Args:
+            export: writes the final artefacts and returns ``{summary key: (folder or None, how to load it)}``,
+                e.g. ``{"export_dir": (path, "AutoModelForCausalLM.from_pretrained")}``; collective.
+            summary: more entries for the summary record, computed after the export (collective).
+
+        Returns:
+            The final evaluation metrics (``{}`` without `evaluate`), or ``None`` when the run stopped early.
+        """
+        if self.state.step < self.max_steps:
+            self.stopped = True
+            reason = "a stop request" if self._stop_requested else "train.stop_at_step"
+            latest = self.checkpointer.latest() if self.checkpointer is not None else None
+            get_logger().info(f"stopped at step {self.state.step} of {self.max_steps} ({reason}); to continue from "
+                              f"{latest}, run again without train.stop_at_step (or with a larger value)")
+            return None
+        final_eval = dict(self.evaluate()) if self.evaluate is not None else {}
+        if final_eval:
+            self.metrics.log_eval(self.state.step, final_eval)
+        outputs = dict(export()) if export is not None else {}
+        record = {"step": self.state.step, **{f"eval/{k}": v for k, v in final_eval.items()},
+                  **{k: str(path) if path else None for k, (path, _) in outputs.items()},
+                  "mlflow_uri": self.metrics.mlflow_uri, "mlflow_run_id": self.metrics.mlflow_run_id,
+                  **(dict(summary()) if summary is not None else {})}
+        self.metrics.log_summary(record)
+        log_outputs(self.state.step, final_eval, self.metrics,
+                    self.checkpointer.root if self.checkpointer is not None else None, outputs)
+        return final_eval
+
+
+def log_outputs(step: int, final_eval: Mapping[str, float], metrics: MetricsLogger, checkpoints: Path | None,
+                outputs: Outputs) -> None:
+    """The closing log lines of a finished run (rank 0 only): steps and final evaluation, then where the
+    metrics, the MLflow run, the checkpoints and each exported artefact are, and how to load it."""
+    if not get_dist_info().is_main:
+        return
+    log = get_logger()
+    shown = " ".join(f"{k} {v:.4f}" for k, v in final_eval.items() if k != "tokens")
+    log.info(f"done: {step} steps" + (f" | eval {shown}" if shown else ""))
+    rows = [("metrics", f"{metrics.jsonl_path}")]
+    if metrics.mlflow_uri:
+        rows.append(("MLflow", f"{metrics.mlflow_uri} (run {metrics.mlflow_run_id}); browse with "
+                               f"`mlflow ui --backend-store-uri {metrics.mlflow_uri}`"))
+    if checkpoints is not None:
+        rows.append(("checkpoints", str(checkpoints)))
+    rows += [(key.removesuffix("_dir"), f"{path} ({how})" if how else str(path)) for key, (path, how) in outputs.items() if path]
+    for name, text in rows:
+        log.info(f"{name + ':':<12} {text}")

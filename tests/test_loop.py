@@ -1,0 +1,141 @@
+"""cookbook.loop: the step bookkeeping every torchrun recipe shares, checked in one process on a toy model."""
+
+import json
+import time
+
+import pytest
+import torch
+
+from cookbook.checkpoint import Checkpointer, ModelOptimizerState, TrainState
+from cookbook.dist import DistInfo
+from cookbook.loop import EpochBatches, NonFiniteError, TrainLoop, already_complete
+from cookbook.metrics import MetricsLogger
+
+CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend="gloo")
+DATA = [(torch.full((4, 3), float(i)), torch.full((4, 1), float(i % 3))) for i in range(5)]  # one epoch: 5 batches
+
+
+class ResumableLoader:
+    """Like a restored StatefulDataLoader: the first pass starts at batch `start`, later passes at 0."""
+
+    def __init__(self, start: int):
+        self.start = start
+
+    def __iter__(self):
+        start, self.start = self.start, 0
+        return iter(DATA[start:])
+
+
+def _run(out, max_steps=7, stop_at_step=-1, eval_every=2, evaluate_sleep=0.0, export=True):
+    """Train a linear model with the loop; returns (per-step losses, loop, records of metrics.jsonl)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    state = TrainState()
+    checkpointer = Checkpointer(out / "checkpoints", keep_last=0)
+    ckpt_state = {"app": ModelOptimizerState(model, optimizer), "train": state}
+    latest = checkpointer.latest()
+    if latest is not None:
+        checkpointer.load(latest, ckpt_state)
+    epochs_set = []
+
+    def evaluate():
+        time.sleep(evaluate_sleep)
+        with torch.no_grad():
+            return {"loss": float(sum(torch.nn.functional.mse_loss(model(x), y) for x, y in DATA) / len(DATA))}
+
+    metrics = MetricsLogger(out, CPU, mlflow=False, max_steps=max_steps, count_tokens=False)
+    loop = TrainLoop(state=state, max_steps=max_steps, stop_at_step=stop_at_step, metrics=metrics, log_every=3,
+                     eval_every=eval_every, evaluate=evaluate, checkpointer=checkpointer, checkpoint_every=3,
+                     checkpoint_state=ckpt_state, config={"a": 1})
+    batches = EpochBatches(ResumableLoader(start=state.step % len(DATA)), state, epochs_set.append)
+    losses = {}
+    with loop:
+        for step in loop.steps():
+            (x, y), _ = batches.next()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            metrics.add(samples=4, tokens=0, data_wait_s=0.0)
+            losses[step] = loss.item()
+            loop.end_step(loss, lr=0.01, grad_norm=None)
+        final = loop.finish(export=(lambda: {"export_dir": (out / "final", "torch.load")}) if export else None)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return losses, loop, records, final, epochs_set
+
+
+def test_log_eval_and_checkpoint_cadence(tmp_path):
+    losses, loop, records, final, epochs = _run(tmp_path)
+    assert sorted(losses) == list(range(1, 8))
+    assert [r["step"] for r in records if r["event"] == "train"] == [3, 6, 7]
+    train = [r for r in records if r["event"] == "train"]
+    assert train[0]["loss"] == pytest.approx(sum(losses[s] for s in (1, 2, 3)) / 3)  # the window's mean
+    assert train[2]["loss"] == pytest.approx(losses[7])
+    assert [r["step"] for r in records if r["event"] == "eval"] == [2, 4, 6, 7]  # every 2, and the final one
+    steps = [int(p.name.split("_")[1]) for p in Checkpointer(tmp_path / "checkpoints").complete_checkpoints()]
+    assert steps == [3, 6, 7]
+    summary = [r for r in records if r["event"] == "summary"][-1]
+    assert summary["step"] == 7 and summary["export_dir"] == str(tmp_path / "final")
+    assert summary["eval/loss"] == pytest.approx(final["loss"])
+    assert epochs == [0, 1]  # 7 steps of 1 batch: the second pass over 5 batches starts at step 6
+    assert not loop.stopped
+
+
+def test_stop_and_resume_give_the_same_per_step_losses(tmp_path):
+    whole, *_ = _run(tmp_path / "whole")
+    first, loop, records, final, _ = _run(tmp_path / "split", stop_at_step=4)
+    assert final is None and loop.stopped and sorted(first) == [1, 2, 3, 4]
+    assert not [r for r in records if r["event"] == "summary"]
+    steps = [int(p.name.split("_")[1]) for p in Checkpointer(tmp_path / "split" / "checkpoints").complete_checkpoints()]
+    assert steps == [3, 4]  # every 3, and where it stopped
+    second, *_ = _run(tmp_path / "split")
+    assert sorted(second) == [5, 6, 7]
+    assert {**first, **second} == pytest.approx(whole, rel=0, abs=0)
+
+
+def test_eval_time_is_left_out_of_the_step_time(tmp_path):
+    _, _, records, _, _ = _run(tmp_path, max_steps=3, eval_every=1, evaluate_sleep=0.4)
+    (rec,) = [r for r in records if r["event"] == "train"]
+    assert rec["step_time_s"] < 0.1  # two evaluations of 0.4 s ran inside this window
+
+
+def test_already_complete(tmp_path):
+    state = TrainState()
+    state.step = 7
+    assert not already_complete(state, 8, tmp_path)
+    assert already_complete(state, 7, tmp_path)
+    assert not already_complete(state, 7, tmp_path, final=tmp_path / "final")  # killed before its export
+    (tmp_path / "final").mkdir()
+    assert already_complete(state, 7, tmp_path, final=tmp_path / "final")
+
+
+def _loop(tmp_path, **kw):
+    metrics = MetricsLogger(tmp_path, CPU, mlflow=False, count_tokens=False)
+    return TrainLoop(state=TrainState(), max_steps=3, metrics=metrics, **kw)
+
+
+def test_non_finite_gradient_norm_stops_before_the_optimizer_step(tmp_path):
+    loop = _loop(tmp_path)
+    assert loop.skip_step(torch.tensor(2.5)) is False and loop.skip_step(None) is False
+    with pytest.raises(NonFiniteError, match=r"gradient norm of step 1 is nan: the step was not applied"):
+        loop.skip_step(torch.tensor(float("nan")))
+    with pytest.raises(NonFiniteError, match=r"is inf"):
+        loop.skip_step(float("inf"))
+
+
+def test_a_step_body_without_end_step_is_an_error(tmp_path):
+    loop = _loop(tmp_path)
+    with pytest.raises(RuntimeError, match=r"must end with loop.end_step"):
+        for _ in loop.steps():
+            pass
+
+
+def test_epoch_batches_reshuffle_each_pass_and_time_the_wait(tmp_path):
+    state, seen = TrainState(), []
+    batches = EpochBatches([{"x": torch.tensor([i])} for i in range(3)], state, seen.append)
+    got, waits = batches.take(7)
+    assert [int(b["x"]) for b in got] == [0, 1, 2, 0, 1, 2, 0]
+    assert state.epoch == 2 and seen == [0, 1, 2] and all(w >= 0 for w in waits)
+    with pytest.raises(RuntimeError, match="yields no batch"):
+        EpochBatches([], TrainState()).next()
