@@ -290,11 +290,11 @@ def train_loop(config: dict) -> None:
         # ---- save: evaluation, Hugging Face export (Ray Train destroys the process group)
         def export() -> dict:
             final = Path(cfg.output_dir) / "final"
-            if not (cfg.checkpoint.export_hf and info.is_main):
-                return {"export_dir": None}
-            inner.save_pretrained(final, safe_serialization=True)
-            tokenizer.save_pretrained(final)
-            return {"export_dir": str(final)}
+            if cfg.checkpoint.export_hf and info.is_main:  # DDP: rank 0 holds the whole model
+                inner.save_pretrained(final, safe_serialization=True)
+                tokenizer.save_pretrained(final)
+            return {"export_dir": (final if cfg.checkpoint.export_hf and info.is_main else None,
+                                   "AutoModelForCausalLM.from_pretrained")}
 
         run.finish(inner, export=export, evaluate=(lambda: evaluate(model, eval_rows, info, cfg.train.micro_batch_size,
                                                                     pad_id, autocast)) if eval_rows else None)

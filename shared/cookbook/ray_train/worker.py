@@ -6,7 +6,9 @@ the bookkeeping of a worker's training run, written once: it resumes the model, 
 scheduler from the newest checkpoint (`load_checkpoint`), writes the config and opens the metrics
 (`cookbook.metrics.MetricsLogger`), keeps the metric window of the log lines, checkpoints each epoch
 or every ``checkpoint.every_steps`` steps through Ray (`report`), stops at ``train.stop_at_epoch`` /
-``train.stop_at_step`` and writes the summary with what every worker did (`worker_summary`):
+``train.stop_at_step`` and writes the summary with what every worker did (`worker_summary`). Its
+interface is `cookbook.loop.TrainLoop`'s (the torchrun recipes' loop), with Ray Train's checkpoints and
+runs counted in epochs:
 
 .. code-block:: python
 
@@ -41,6 +43,7 @@ import torch.distributed as dist
 from cookbook.checkpoint import META_FILE
 from cookbook.config import save_config, to_dict
 from cookbook.dist import DistInfo, _configure_logging, all_gather_object, all_reduce_mean, barrier, get_logger, param_fingerprint
+from cookbook.loop import Outputs, log_outputs
 from cookbook.metrics import MetricsLogger, ModelFlops
 
 _STATE_FILE = "state.pt"
@@ -164,6 +167,7 @@ class WorkerRun:
         self.checkpoint_every = getattr(cfg.checkpoint, "every_steps", 0) if self.unit == "step" else 0
         self.step = self.epoch = self.reports = 0
         self.stopped = False  # the run ended at its stop point, before the end
+        self._last_eval: dict[str, float] = {}
         resumed = load_checkpoint()  # memory-mapped on the CPU, copied into the model and optimizer
         if resumed is not None:
             saved, meta = resumed
@@ -260,7 +264,7 @@ class WorkerRun:
         over them) and checkpoint; neither counts in the step time. Returns the evaluation's metrics."""
         self.epoch += 1
         with self.metrics.paused():
-            values = dict(evaluate())
+            values = self._last_eval = dict(evaluate())
             self.metrics.log_eval(self.step, values)
             self._checkpoint(values)
         return values
@@ -281,24 +285,27 @@ class WorkerRun:
 
     # ------------------------------------------------------------------ the end
     def finish(self, model: torch.nn.Module, evaluate: Callable[[], Mapping[str, float]] | None = None,
-               export: Callable[[], Mapping[str, Any]] | None = None) -> dict[str, float]:
-        """After the loop: the final evaluation, what every worker did (`worker_summary`), the export of a
-        finished run or how to continue a stopped one, and the summary record.
+               export: Callable[[], Outputs] | None = None) -> dict[str, float]:
+        """After the loop: the final evaluation, what every worker did (`worker_summary`), the summary record,
+        and for a finished run its export and closing log lines (`cookbook.loop.log_outputs`), for a stopped
+        one how to continue it.
 
         Args:
             model: the unwrapped model (its parameters are fingerprinted on every worker).
-            evaluate: the final evaluation (collective), or ``None``.
-            export: for a run that reached its end, writes the final artefacts and returns summary entries
-                (``{"export_dir": ...}``); collective.
+            evaluate: the final evaluation (collective); ``None``: the last epoch's, if any.
+            export: for a run that reached its end, writes the final artefacts and returns ``{summary key:
+                (folder or None, how to load it)}``, e.g. ``{"export_dir": (path, "AutoModelForCausalLM.from_pretrained")}``.
 
         Returns:
-            The final evaluation's metrics (``{}`` without `evaluate`).
+            The final evaluation's metrics (``{}`` without one).
         """
         final_eval = dict(evaluate()) if evaluate is not None else {}
         if final_eval:
             self.metrics.log_eval(self.step, final_eval)
+        else:
+            final_eval = self._last_eval
         workers = worker_summary(model, self.reports)
-        outputs: dict[str, Any] = {}
+        outputs: dict[str, tuple[Path | None, str]] = {}
         if self.done < self.total:
             self.stopped = True
             get_logger().info(f"stopped {'after' if self.unit == 'epoch' else 'at'} {self.unit} {self.done} of "
@@ -306,6 +313,9 @@ class WorkerRun:
         elif export is not None:
             outputs = dict(export())
         self.metrics.log_summary({"step": self.step, **({"epoch": self.epoch} if self.unit == "epoch" else {}),
-                                  **workers, **{f"eval/{k}": v for k, v in final_eval.items()}, **outputs,
+                                  **workers, **{f"eval/{k}": v for k, v in final_eval.items()},
+                                  **{k: str(path) if path else None for k, (path, _) in outputs.items()},
                                   "mlflow_uri": self.metrics.mlflow_uri, "mlflow_run_id": self.metrics.mlflow_run_id})
+        if not self.stopped:
+            log_outputs(self.step, final_eval, self.metrics, Path(self.cfg.output_dir), outputs)
         return final_eval
