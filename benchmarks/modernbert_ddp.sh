@@ -29,7 +29,7 @@ for ngpu in ${NGPUS:-2}; do
     NGPU=$ngpu bash "$ROOT/recipes/modernbert-ddp/launch.sh" output_dir="$run" run_name="bench-${padding}-${ngpu}gpu" \
       model.name_or_path="$MODEL_DIR" model.pretrained=false "data.train_files=[$TRAIN_FILE]" "data.eval_files=[$EVAL_FILE]" \
       data.padding=$padding data.max_length=256 train.micro_batch_size=64 train.max_steps=$STEPS train.log_every=10 \
-      train.eval_every=0 checkpoint.every_steps=0 checkpoint.resume=none "$@"
+      train.eval_every=0 checkpoint.every_steps=-1 checkpoint.resume=none "$@"
     runs+=("$run")
   done
 done

@@ -25,8 +25,8 @@ settings up to bf16 rounding, which checks that the settings compute the same mo
 ``flops_per_token`` and ``mfu_pct`` (``null`` on a device without a known peak).
 
 MFU counts FLOPs over the *active* parameters: all non-embedding parameters except that each routed
-expert layer contributes top-k / E of its expert weights (as ``recipes/moe-lora-fsdp2-ep``'s
-``active_flops``). FLOPs per token are ``6 N + 12 L d T`` (PaLM, Chowdhery et al. 2022, appendix B;
+expert layer contributes top-k / E of its expert weights (``cookbook.moe.active_flops``, as the MoE
+recipes count them). FLOPs per token are ``6 N + 12 L d T`` (PaLM, Chowdhery et al. 2022, appendix B;
 ``cookbook.metrics.ModelFlops``) and MFU is achieved over peak FLOP/s (PaLM section 4.1;
 ``cookbook.metrics.mfu``), the peak being NVIDIA's dense bf16 datasheet figure
 (``cookbook.metrics.peak_bf16_flops``: 989 TFLOP/s for an H200 SXM). With a frozen base the backward
@@ -53,7 +53,8 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from cookbook.metrics import ModelFlops, count_parameters, mfu, peak_bf16_flops
+from cookbook.metrics import count_parameters, mfu, peak_bf16_flops
+from cookbook.moe import active_flops
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "recipes/moe-lora-fsdp2-ep/models/qwen3-30b-a3b/config.json"
 GIB = 2**30
@@ -99,18 +100,6 @@ def load_config(path: Path, dtype: torch.dtype):
     return config
 
 
-def active_model_flops(model: torch.nn.Module, config) -> ModelFlops:
-    """`ModelFlops` over the active parameters: non-embedding parameters, each layer's routed experts
-    counted at top-k / E of their size (``mlp.experts`` of each decoder layer; a shared expert or dense
-    MLP counts in full). Attention width is heads x head dim."""
-    routed = sum(p.numel() for layer in model.model.layers
-                 if hasattr(layer.mlp, "experts") for p in layer.mlp.experts.parameters())
-    frac = config.num_experts_per_tok / config.num_experts
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return ModelFlops(int(count_parameters(model) - routed * (1 - frac)), config.num_hidden_layers,
-                      config.num_attention_heads * head_dim)
-
-
 def kernel_table(prof: torch.profiler.profile, cuda: bool, rows: int = 15) -> str:
     """Markdown table of the `rows` CUDA kernels with the largest total time in `prof` (name, calls, total
     ms, share of all kernel time); on CPU the operators with the largest self CPU time."""
@@ -148,7 +137,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     model.requires_grad_(False)
     model.enable_input_require_grads()  # the embeddings' output requires grad: backward runs through all layers
     model.train()
-    flops = active_model_flops(model, config)
+    flops = active_flops(model, config)
     per_token = flops.per_token(args.seq_len)
     peak = peak_bf16_flops(torch.cuda.get_device_name(device)) if cuda and dtype == torch.bfloat16 else None
     gen = torch.Generator(device="cpu").manual_seed(args.seed)

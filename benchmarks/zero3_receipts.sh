@@ -30,7 +30,7 @@ for seq in ${SEQS:-2048}; do
   NGPU=${NGPU:-} bash "$ROOT/recipes/qwen-zero3-receipts/launch.sh" output_dir="$run" run_name="bench-$(basename "$run")" \
     model.name_or_path="$MODEL_DIR" model.pretrained=false "data.train_files=[$TRAIN_FILE]" data.max_length=$seq \
     data.packing=$PACKING data.eval_fraction=0 deepspeed.config=$DS_CONFIG train.micro_batch_size=$MICRO_BATCH \
-    train.grad_accum_steps=1 train.max_steps=$STEPS train.log_every=5 checkpoint.every_steps=0 \
+    train.grad_accum_steps=1 train.max_steps=$STEPS train.log_every=5 checkpoint.every_steps=-1 \
     checkpoint.export_hf=false "$@"
   runs+=("$run")
 done

@@ -2,13 +2,15 @@
 
 import json
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from cookbook.checkpoint import Checkpointer, ModelOptimizerState, TrainState
 from cookbook.dist import DistInfo
-from cookbook.loop import EpochBatches, NonFiniteError, TrainLoop, already_complete
+import cookbook.loop
+from cookbook.loop import EpochBatches, NonFiniteError, TrainLoop, already_complete, log_outputs
 from cookbook.metrics import MetricsLogger
 
 CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend="gloo")
@@ -139,3 +141,21 @@ def test_epoch_batches_reshuffle_each_pass_and_time_the_wait(tmp_path):
     assert state.epoch == 2 and seen == [0, 1, 2] and all(w >= 0 for w in waits)
     with pytest.raises(RuntimeError, match="yields no batch"):
         EpochBatches([], TrainState()).next()
+
+
+def test_the_closing_lines_show_the_final_metrics_and_where_each_output_is(tmp_path, monkeypatch):
+    lines = []
+    monkeypatch.setattr(cookbook.loop, "get_logger", lambda: SimpleNamespace(info=lines.append))
+    metrics = MetricsLogger(tmp_path, CPU, mlflow=False, count_tokens=False)
+    final_eval = {"loss": 0.5, "accuracy": 0.75, "samples": 400.0, "rows": 3.0, "tokens": 9.0}  # counts are not shown
+    outputs = {"export_dir": (tmp_path / "final", "AutoModel.from_pretrained"), "adapter_dir": (tmp_path / "a", ""),
+               "other_dir": (None, "torch.load")}
+    log_outputs(7, final_eval, metrics, tmp_path / "checkpoints", outputs)
+    assert lines == ["done: 7 steps | eval loss 0.5000 accuracy 0.7500",
+                     f"metrics:     {tmp_path / 'metrics.jsonl'}",
+                     f"checkpoints: {tmp_path / 'checkpoints'}",
+                     f"model:       {tmp_path / 'final'} (AutoModel.from_pretrained)",
+                     f"adapter:     {tmp_path / 'a'}"]
+    lines.clear()
+    log_outputs(3, {}, metrics, None, {})
+    assert lines == ["done: 3 steps", f"metrics:     {tmp_path / 'metrics.jsonl'}"]

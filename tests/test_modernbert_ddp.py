@@ -8,6 +8,7 @@ torchrun start-up (~20 s on 2 cores per run).
 
 import json
 import logging
+import re
 import shutil
 
 import pytest
@@ -68,7 +69,11 @@ def test_loss_falls_and_eval_is_logged(full_run):
     assert [e["step"] for e in evals] == [20, 40]
     assert evals[-1]["eval/accuracy"] > 0.5 and 0.0 < evals[-1]["eval/macro_f1"] <= 1.0
     assert evals[-1]["eval/samples"] == 400  # every validation row once, none duplicated across ranks
-    # The final lines tell the user where everything is.
+    # The final lines give the final evaluation (not the row count) and tell the user where everything is.
+    done = re.search(r"done: 40 steps \| eval loss ([\d.]+) accuracy ([\d.]+) macro_f1 ([\d.]+)\n", proc.stderr)
+    assert done, proc.stderr[-3000:]
+    assert [float(v) for v in done.groups()] == pytest.approx(
+        [evals[-1][f"eval/{k}"] for k in ("loss", "accuracy", "macro_f1")], abs=5e-5)
     for what in ("metrics:", "MLflow:", "checkpoints:", "model:"):
         assert what in proc.stderr
 
@@ -173,6 +178,8 @@ BAD_INPUTS = [
     (lambda d: ["optim.lrr=1e-4"], "key 'optim.lrr'"),
     (lambda d: ["train.micro_batch_size=big"], "key 'train.micro_batch_size'"),
     (lambda d: ["model.compile=true", "data.padding=longest"], "model.compile=true needs data.padding=max_length"),
+    (lambda d: ["checkpoint.every_steps=-2"], "checkpoint.every_steps must be >= -1, got -2 (-1: never)"),
+    (lambda d: ["checkpoint.every_steps=-1", "train.stop_at_step=10"], "train.stop_at_step needs a checkpoint to resume"),
 ]
 
 

@@ -13,6 +13,7 @@ import torch
 from conftest import ROOT, check, launch, load_recipe, main_in_workers, train_losses
 
 import cookbook
+from cookbook import moe, sft
 from cookbook.config import ConfigError
 
 RECIPE = ROOT / "recipes" / "moe-lora-fsdp2-ep"
@@ -86,18 +87,18 @@ def _one_step(init: str, overrides: tuple, eval_rows: list) -> dict:
     for ep in (2, 1):
         cfg = tiny_config(f"model.name_or_path={init}", "model.pretrained=true", f"parallel.ep={ep}", *overrides)
         model, flops, par = train.build_model(cfg, info)
-        router = train.RouterStats(model)
-        loss_sum = train.token_loss_sum(model, mine)
+        router = moe.RouterStats(model)
+        loss_sum = sft.token_loss_sum(model, mine)
         aux = router.take()
         (loss_sum * info.world_size / 46).backward()
-        grads = train.gather_lora(model, par, grads=True)
+        grads = moe.gather_lora(model, par, grads=True)
         losses = cookbook.all_reduce_sum({"loss": loss_sum}, info.device)["loss"]
         experts = next(p for n, p in model.named_parameters() if n.endswith("experts.base_layer.base_layer.down_proj")
                        or n.endswith("experts.base_layer.down_proj"))
         lora_a = next(p for n, p in model.named_parameters() if n in par.expert_lora_names and ".lora_A." in n) if ep > 1 else None
         eval_loader = StatefulDataLoader(train.sft.shard_for_eval(eval_rows, info.rank, info.world_size),
-                                         batch_size=cfg.train.micro_batch_size, collate_fn=partial(train.collate, pad_id=0))
-        evaluation = train.evaluate(model, eval_loader, info.device, router)
+                                         batch_size=cfg.train.micro_batch_size, collate_fn=partial(sft.collate, pad_id=0))
+        evaluation = moe.evaluate(model, eval_loader, info.device, router)
         loaded = {re.sub(r"\.base_layer\b", "", n.removeprefix("base_model.model.")): p.full_tensor() if hasattr(p, "full_tensor") else p
                   for n, p in model.named_parameters() if not p.requires_grad} if ep == 1 else None
         local = {n: (p.to_local() if hasattr(p, "to_local") else p) for n, p in model.named_parameters() if not p.requires_grad}
@@ -142,9 +143,9 @@ def test_ep2_equals_ep1_and_each_rank_holds_its_experts(init, model, overrides, 
     plain = AutoModelForCausalLM.from_pretrained(init[model]).eval()
     for name, tensor in plain.named_parameters():
         torch.testing.assert_close(ep1["loaded"][name], tensor.detach(), rtol=0, atol=0, msg=name)
-    batch = train.collate(evals[:1], pad_id=0)
+    batch = sft.collate(evals[:1], pad_id=0)
     with torch.no_grad():
-        expected = train.token_loss_sum(plain, batch) / (batch["labels"][:, 1:] != -100).sum()
+        expected = sft.token_loss_sum(plain, batch) / (batch["labels"][:, 1:] != -100).sum()
     for result in (ep2, ep1):
         assert result["eval"]["tokens"] == (batch["labels"][:, 1:] != -100).sum()
         assert float(result["eval"]["loss"]) == pytest.approx(float(expected), rel=1e-5)
@@ -192,7 +193,7 @@ def _trained_logits(init: str, checkpoint: str, ids: torch.Tensor):
     train = recipe_module()
     info = cookbook.get_dist_info()
     model, _, par = train.build_model(tiny_config(f"model.name_or_path={init}", "model.pretrained=true"), info)
-    dcp.load({"app": train.AdapterState(model, None, par)}, checkpoint_id=checkpoint)
+    dcp.load({"app": moe.AdapterState(model, None, par)}, checkpoint_id=checkpoint)
     model.eval()
     with torch.no_grad():
         return model(input_ids=ids, use_cache=False).logits
@@ -261,7 +262,7 @@ def test_shipped_configs_are_valid(config):
     cfg = train.load_config(train.Config, RECIPE / config)
     train.check_config(cfg, RECIPE)
     if config != "tiny.yaml":  # hub models: check EP and LoRA targets on the architecture shipped in models/
-        from transformers import AutoConfig
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         folder = {"config.yaml": "nemotron-3-nano-30b-a3b", "qwen3-30b-a3b.yaml": "qwen3-30b-a3b"}[config]
-        train.check_model(cfg, AutoConfig.from_pretrained(RECIPE / "models" / folder), world_size=8)
+        moe.check_model(cfg, AutoConfig.from_pretrained(RECIPE / "models" / folder), AutoModelForCausalLM, world_size=8)

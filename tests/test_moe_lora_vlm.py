@@ -1,4 +1,4 @@
-"""The MoE LoRA recipe on a vision-language MoE model (tiny Qwen3-VL-MoE: 2 layers, 4 experts, top-2; 2 vision
+"""The vision-language MoE LoRA recipe (moe-vl-lora-fsdp2-ep) on (tiny Qwen3-VL-MoE: 2 layers, 4 experts, top-2; 2 vision
 blocks) with image + text rows, and shard-by-shard loading of pretrained checkpoints (``model.lazy_load``), on
 CPU with 2 gloo ranks.
 
@@ -17,9 +17,12 @@ import pytest
 import torch
 from conftest import ROOT, check, free_port, load_recipe, read_jsonl, train_losses
 
+from cookbook import moe, sft
 from cookbook.sft import SFTDataError
+from cookbook.sft.vision import VLDataset, collate_vl, load_vl_items, load_vl_processors
 
-RECIPE = ROOT / "recipes" / "moe-lora-fsdp2-ep"
+RECIPE = ROOT / "recipes" / "moe-vl-lora-fsdp2-ep"
+TEXT_RECIPE = ROOT / "recipes" / "moe-lora-fsdp2-ep"  # its tiny text models: shard-by-shard loading
 TINY_VL = RECIPE / "tiny" / "qwen3-vl-moe"
 STEPS = 6
 # As in test_moe_lora_ep.py: EP=2 and EP=1 differ only in the order of sums (measured ~1e-7).
@@ -40,7 +43,8 @@ def checkpoints(tmp_path_factory):
     for name, auto in (("qwen3-vl-moe", AutoModelForImageTextToText), ("qwen3-moe", AutoModelForCausalLM),
                        ("nemotron-h", AutoModelForCausalLM)):
         torch.manual_seed(0)
-        auto.from_config(AutoConfig.from_pretrained(RECIPE / "tiny" / name)).save_pretrained(base / name, max_shard_size="100KB")
+        tiny = (RECIPE if name == "qwen3-vl-moe" else TEXT_RECIPE) / "tiny" / name
+        auto.from_config(AutoConfig.from_pretrained(tiny)).save_pretrained(base / name, max_shard_size="100KB")
         paths[name] = base / name
     files = sorted(paths["qwen3-vl-moe"].glob("*.safetensors"))
     assert len(files) > 3
@@ -57,22 +61,22 @@ def vl_overrides(init, *more):
 
 
 def vl_config(*overrides):
-    train = load_recipe("moe-lora-fsdp2-ep")
-    cfg = train.load_config(train.Config, RECIPE / "tiny_vl.yaml", list(overrides))
+    train = load_recipe("moe-vl-lora-fsdp2-ep")
+    cfg = train.load_config(train.Config, RECIPE / "tiny.yaml", list(overrides))
     train.check_config(cfg, RECIPE)
     return cfg
 
 
-def image_batch(train, cfg, rows: slice) -> dict:
+def image_batch(cfg, rows: slice) -> dict:
     """Rows of tiny/data/vl.jsonl through the recipe's own data path (tokenize, expand image tokens, patches)."""
     from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(cfg.model.name_or_path)
-    tokenizer, image_processor = train.load_processors(cfg, hf_config)
-    items, _ = train.load_vl_items(cfg.data, cfg.train.seed)
-    dataset = train.VLDataset(items[rows], tokenizer=tokenizer, image_processor=image_processor,
-                              image_token_id=hf_config.image_token_id, max_length=cfg.data.max_length)
-    return train.collate_vl([dataset[i] for i in range(len(dataset))], tokenizer.pad_token_id, hf_config.image_token_id)
+    tokenizer, image_processor = load_vl_processors(cfg.model.tokenizer, cfg.data.image_min_pixels, cfg.data.image_max_pixels)
+    items, _ = load_vl_items(cfg.data, cfg.train.seed)
+    dataset = VLDataset(items[rows], tokenizer=tokenizer, image_processor=image_processor,
+                        image_token_id=hf_config.image_token_id, max_length=cfg.data.max_length)
+    return collate_vl([dataset[i] for i in range(len(dataset))], tokenizer.pad_token_id, hf_config.image_token_id)
 
 
 def local(t):
@@ -83,19 +87,19 @@ def _worker(checkpoints: dict, out: str, ports: list[int]) -> dict:
     """All the distributed work of this file, on every rank (see the module docstring)."""
     import cookbook
 
-    train = load_recipe("moe-lora-fsdp2-ep")
+    train, text = load_recipe("moe-vl-lora-fsdp2-ep"), load_recipe("moe-lora-fsdp2-ep")
     os.environ["MASTER_PORT"] = str(ports[0])
     info = cookbook.init_distributed()
     result = {"ep": {}, "lazy": {}}
 
     # EP=2 and EP=1 on the same image + text batch: each rank its own 2 rows.
     cfg = vl_config(*vl_overrides(checkpoints["qwen3-vl-moe"]))
-    mine = image_batch(train, cfg, slice(2 * info.rank, 2 * info.rank + 2))
+    mine = image_batch(cfg, slice(2 * info.rank, 2 * info.rank + 2))
     tokens = cookbook.all_reduce_sum({"t": (mine["labels"][:, 1:] != -100).sum()}, info.device)["t"]
     for ep in (2, 1):
         model, _, par = train.build_model(vl_config(*vl_overrides(checkpoints["qwen3-vl-moe"]), f"parallel.ep={ep}"), info)
-        router = train.RouterStats(model)
-        loss_sum = train.token_loss_sum(model, mine)
+        router = moe.RouterStats(model)
+        loss_sum = sft.token_loss_sum(model, mine)
         aux = router.take()
         (loss_sum * info.world_size / tokens).backward()
         frozen = {n: local(p) for n, p in model.named_parameters() if not p.requires_grad}
@@ -104,13 +108,14 @@ def _worker(checkpoints: dict, out: str, ports: list[int]) -> dict:
         vision = [p for n, p in model.named_parameters() if ".visual.blocks." in n]
         result["ep"][ep] = {
             "loss": cookbook.all_reduce_sum({"l": loss_sum}, info.device)["l"], "aux": float(aux),
-            "grads": train.gather_lora(model, par, grads=True),
+            "grads": moe.gather_lora(model, par, grads=True),
             "changed": [n for n, p in model.named_parameters() if not p.requires_grad and not torch.equal(local(p), frozen[n])],
             "experts": (tuple(experts.shape), tuple(experts.to_local().shape)),
             "vision_sharded_frozen": all(hasattr(p, "to_local") and not p.requires_grad for p in vision) and len(vision) > 0}
 
-    # Shard-by-shard loading (default) against transformers' from_pretrained of the whole model, EP=2.
-    text = {"qwen3-moe": ("lora.target_parameters=[experts.gate_up_proj,experts.down_proj]",), "nemotron-h": ()}
+    # Shard-by-shard loading (default) against transformers' from_pretrained of the whole model, EP=2 (the text
+    # models through the text recipe's build_model).
+    text_overrides = {"qwen3-moe": ("lora.target_parameters=[experts.gate_up_proj,experts.down_proj]",), "nemotron-h": ()}
     for name, path in checkpoints.items():
         states = []
         for lazy in ("true", "false"):
@@ -118,9 +123,9 @@ def _worker(checkpoints: dict, out: str, ports: list[int]) -> dict:
             if name == "qwen3-vl-moe":
                 c = vl_config(*vl_overrides(path), f"model.lazy_load={lazy}")
             else:
-                c = load_recipe("moe-lora-fsdp2-ep").load_config(train.Config, RECIPE / "tiny.yaml", overrides + list(text[name]))
-                train.check_config(c, RECIPE)
-            model, _, _ = train.build_model(c, info)
+                c = text.load_config(text.Config, TEXT_RECIPE / "tiny.yaml", overrides + list(text_overrides[name]))
+                text.check_config(c, TEXT_RECIPE)
+            model, _, _ = (train if name == "qwen3-vl-moe" else text).build_model(c, info)
             states.append({**{n: local(p) for n, p in model.named_parameters()}, **{n: b.clone() for n, b in model.named_buffers()}})
         lazy_state, full_state = states
         result["lazy"][name] = {"names": sorted(lazy_state) == sorted(full_state),
@@ -132,7 +137,7 @@ def _worker(checkpoints: dict, out: str, ports: list[int]) -> dict:
 
     # The recipe's main: train, export the adapter and the merged model.
     os.environ["MASTER_PORT"] = str(ports[1])
-    train.main(["--config", str(RECIPE / "tiny_vl.yaml"), *vl_overrides(checkpoints["qwen3-vl-moe"]), f"output_dir={out}",
+    train.main(["--config", str(RECIPE / "tiny.yaml"), *vl_overrides(checkpoints["qwen3-vl-moe"]), f"output_dir={out}",
                 f"train.max_steps={STEPS}", "checkpoint.every_steps=0", "checkpoint.export_merged=true"])
 
     # The trained sharded model's logits on one image + text batch (the same on both ranks).
@@ -141,8 +146,8 @@ def _worker(checkpoints: dict, out: str, ports: list[int]) -> dict:
     os.environ["MASTER_PORT"] = str(ports[2])
     info = cookbook.init_distributed()
     model, _, par = train.build_model(vl_config(*vl_overrides(checkpoints["qwen3-vl-moe"])), info)
-    dcp.load({"app": train.AdapterState(model, None, par)}, checkpoint_id=f"{out}/checkpoints/step_{STEPS:08d}")
-    batch = {k: v for k, v in image_batch(train, cfg, slice(0, 2)).items() if k != "labels"}
+    dcp.load({"app": moe.AdapterState(model, None, par)}, checkpoint_id=f"{out}/checkpoints/step_{STEPS:08d}")
+    batch = {k: v for k, v in image_batch(cfg, slice(0, 2)).items() if k != "labels"}
     model.eval()
     with torch.no_grad():
         result["logits"] = model(**batch, use_cache=False).logits
@@ -188,7 +193,7 @@ def runs(checkpoints, tmp_path_factory):
     import peft  # noqa: F401  imported once here, inherited by the forked workers
 
     base = tmp_path_factory.mktemp("vlm")
-    load_recipe("moe-lora-fsdp2-ep")
+    load_recipe("moe-vl-lora-fsdp2-ep"), load_recipe("moe-lora-fsdp2-ep")
     results = run_2_workers(_worker, checkpoints, str(base / "out"), [free_port() for _ in range(3)], out_dir=base)
     return results, base / "out"
 
@@ -259,20 +264,20 @@ def test_bad_image_text_rows_are_refused_before_training(tmp_path, row, message)
     good["image"] = "insects/ant0.jpg"
     (data / "bad.jsonl").write_text(json.dumps(good) + "\n" + json.dumps(row) + "\n")
     with pytest.raises(SFTDataError, match=re.escape(message.replace("{data}", str(data)))):
-        check("moe-lora-fsdp2-ep", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{data / 'bad.jsonl'}]",
-              config="tiny_vl.yaml")
+        check("moe-vl-lora-fsdp2-ep", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{data / 'bad.jsonl'}]")
 
 
 def test_vl_configs_are_valid_and_packing_is_refused(tmp_path):
     from cookbook.config import ConfigError
 
-    out = check("moe-lora-fsdp2-ep", f"output_dir={tmp_path / 'out'}", config="tiny_vl.yaml")
+    out = check("moe-vl-lora-fsdp2-ep", f"output_dir={tmp_path / 'out'}")
     assert "18 train / 2 eval image + text rows; 20 rows with 24 images checked" in out
     with pytest.raises(ConfigError, match="data.packing=true with qwen3_vl_moe"):
-        check("moe-lora-fsdp2-ep", f"output_dir={tmp_path / 'out'}", "data.packing=true", config="tiny_vl.yaml")
-    from transformers import AutoConfig
+        check("moe-vl-lora-fsdp2-ep", f"output_dir={tmp_path / 'out'}", "data.packing=true")
+    from transformers import AutoConfig, AutoModelForImageTextToText
 
-    train = load_recipe("moe-lora-fsdp2-ep")
-    cfg = train.load_config(train.Config, RECIPE / "qwen3-vl-30b-a3b.yaml")
+    train = load_recipe("moe-vl-lora-fsdp2-ep")
+    cfg = train.load_config(train.Config, RECIPE / "config.yaml")
     train.check_config(cfg, RECIPE)
-    train.check_model(cfg, AutoConfig.from_pretrained(RECIPE / "models" / "qwen3-vl-30b-a3b"), world_size=8)
+    moe.check_model(cfg, AutoConfig.from_pretrained(RECIPE / "models" / "qwen3-vl-30b-a3b"), AutoModelForImageTextToText,
+                    world_size=8)

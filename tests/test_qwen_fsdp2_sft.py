@@ -9,6 +9,7 @@ from conftest import ROOT, check, launch, load_recipe, main_in_workers, read_jso
 import cookbook
 from cookbook.checkpoint import CheckpointError
 from cookbook.config import ConfigError
+from cookbook import sft
 from cookbook.sft import SFTDataError, tokenize_conversation
 
 RECIPE = ROOT / "recipes" / "qwen-fsdp2-sft"
@@ -83,8 +84,8 @@ def _hub_model_and_eval(repo_id: str, rows: list):
     model, _ = train.build_model(cfg, info, vocab_size_needed=100)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     loader = StatefulDataLoader(train.sft.shard_for_eval(rows, info.rank, info.world_size),
-                                batch_size=cfg.train.micro_batch_size, collate_fn=partial(train.collate, pad_id=0))
-    return full if info.rank == 0 else None, train.evaluate(model, loader, info.device)
+                                batch_size=cfg.train.micro_batch_size, collate_fn=partial(sft.collate, pad_id=0))
+    return full if info.rank == 0 else None, sft.evaluate(model, loader, info.device)
 
 
 def test_hub_id_loads_from_the_cache_offline_and_eval_of_one_row_on_two_ranks_is_exact(tmp_path, monkeypatch):
@@ -111,9 +112,9 @@ def test_hub_id_loads_from_the_cache_offline_and_eval_of_one_row_on_two_ranks_is
         torch.testing.assert_close(full[name], tensor, rtol=0, atol=0, msg=name)
 
     plain = AutoModelForCausalLM.from_pretrained(snapshot).eval()
-    batch = train.collate(rows, pad_id=0)
+    batch = sft.collate(rows, pad_id=0)
     with torch.no_grad():
-        expected = train.token_loss_sum(plain, batch) / (batch["labels"][:, 1:] != -100).sum()
+        expected = sft.token_loss_sum(plain, batch) / (batch["labels"][:, 1:] != -100).sum()
     assert result["tokens"] == (batch["labels"][:, 1:] != -100).sum()
     assert float(result["loss"]) == pytest.approx(float(expected), rel=1e-5)
 
@@ -262,34 +263,29 @@ def test_sharding_and_data_options_train(tmp_path, options):
         assert checkpoints == ["step_00000006"]
 
 
-def test_collate_marks_every_packed_document_for_varlen_attention():
-    train = recipe_module()
-    rows = [{"input_ids": [5] * 6, "labels": [-100] * 6, "position_ids": [0, 1, 2, 0, 1, 0]},
-            {"input_ids": [5] * 6, "labels": [-100] * 6, "position_ids": [0, 1, 2, 3, 4, 5]}]
-    batch = train.collate(rows, pad_id=0)
-    assert batch["cu_seq_lens"].tolist() == [0, 3, 5, 6, 12] and batch["cu_seq_lens"].dtype == torch.int32
-
-
-@pytest.mark.parametrize("recipe, packing", [(r, p) for r in ("qwen-fsdp2-sft", "moe-lora-fsdp2-ep", "qwen-ray-sft")
-                                             for p in (True, False)] + [("qwen-zero3-receipts", True)])
+@pytest.mark.parametrize("recipe, packing", [(r, p) for r in ("cookbook.sft", "moe-lora-fsdp2-ep") for p in (True, False)]
+                         + [("qwen-zero3-receipts", True)])
 def test_token_counts_are_exact_when_the_pad_token_is_the_end_of_turn_token(recipe, packing):
     """A tokenizer without a pad token (as Llama 3 Instruct's) pads with its end-of-sequence token, which also ends
-    every assistant turn: the tokens/s and MFU counts of each recipe's batches still count every real token."""
+    every assistant turn: the tokens/s and MFU counts of each recipe's batches still count every real token
+    (cookbook.sft.collate: qwen-fsdp2-sft, qwen-ray-sft; without cu_seq_lens: qwen-zero3-receipts, moe-lora-fsdp2-ep)."""
     from transformers import AutoTokenizer
 
-    from cookbook import lm, sft
+    from cookbook import lm
 
     tokenizer = AutoTokenizer.from_pretrained(RECIPE / "tiny" / "qwen3")
     tokenizer.pad_token = None
-    pad_id = tokenizer.eos_token_id  # what the recipes use without a pad token
+    pad_id = sft.pad_token_id(tokenizer)  # what the recipes use without a pad token
+    assert pad_id == tokenizer.eos_token_id
     examples, _ = sft.prepare(sft.load_rows(RECIPE / "tiny" / "data" / "chat.jsonl")[:6], tokenizer, 64, "chat.jsonl",
                                   split_turns=True)  # Qwen3's template rewrites earlier turns
     assert all(pad_id in ex["input_ids"] for ex in examples)  # real tokens with the pad id
     real = sum(len(ex["input_ids"]) for ex in examples)
-    if recipe == "qwen-zero3-receipts":  # its packed rows; unpacked ones come from TRL's collator, with a mask
-        batch = load_recipe(recipe).collate_packed(sft.pack(examples, 128, pad_id))
+    rows = sft.pack(examples, 128, pad_id) if packing else examples
+    if recipe != "cookbook.sft":  # qwen-zero3-receipts: its packed rows (unpacked ones come from TRL's collator)
+        batch = sft.collate(rows, pad_id, cu_seq_lens=False)
     else:
-        batch = load_recipe(recipe).collate(sft.pack(examples, 128, pad_id) if packing else examples, pad_id)
+        batch = sft.collate(rows, pad_id)
     assert batch["input_ids"].numel() > real  # there is padding to leave out
     assert lm.count_tokens(batch, pad_id) == real
     assert (batch["input_ids"] != pad_id).sum() < real  # what counting by token id gives

@@ -58,19 +58,23 @@ def tiny_config(*overrides):
 def _ddp_eval(rows: list) -> tuple:
     """The recipe's evaluate on the DDP-wrapped model (as Ray Train's prepare_model wraps it on 2 CPU workers) over
     `rows`; the model's weights from rank 0."""
-    import contextlib
+    from functools import partial
 
     import torch
     from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader
 
     import cookbook
+    from cookbook import sft
 
     train = recipe_module("qwen-ray-sft")
     info = cookbook.get_dist_info()
     cfg = tiny_config()
     torch.manual_seed(cfg.train.seed)
     inner = train.build_model(cfg.model, 100, info.device)
-    result = train.evaluate(DistributedDataParallel(inner), rows, info, cfg.train.micro_batch_size, 0, contextlib.nullcontext)
+    batches = DataLoader(rows[info.rank::info.world_size], batch_size=cfg.train.micro_batch_size,
+                         collate_fn=partial(sft.collate, pad_id=0))  # as train_loop's final evaluation
+    result = sft.evaluate(DistributedDataParallel(inner), batches, info.device)
     return result, inner.state_dict() if info.rank == 0 else None
 
 
@@ -81,16 +85,16 @@ def test_eval_of_one_row_on_two_workers_equals_one_process():
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     import cookbook
+    from cookbook import sft
 
-    train = recipe_module("qwen-ray-sft")
     cfg = tiny_config()
-    _, evals, _ = train.load_rows(cfg.data, AutoTokenizer.from_pretrained(cfg.model.tokenizer), cfg.train.seed)
+    _, evals, _ = sft.training_rows(cfg.data, AutoTokenizer.from_pretrained(cfg.model.tokenizer), cfg.train.seed)
     result, state = cookbook.distributed(num_processes=2, start_method="fork", timeout_minutes=1)(_ddp_eval).distributed(evals[:1])[0]
     plain = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model.name_or_path)).eval()
     plain.load_state_dict(state)
-    batch = train.collate(evals[:1], pad_id=0)
+    batch = sft.collate(evals[:1], pad_id=0)
     labels = (batch["labels"][:, 1:] != -100).sum()
     with torch.no_grad():
-        expected = train.token_loss_sum(plain, batch) / labels
+        expected = sft.token_loss_sum(plain, batch) / labels
     assert result["tokens"] == labels
     assert float(result["loss"]) == pytest.approx(float(expected), rel=1e-5)

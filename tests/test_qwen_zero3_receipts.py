@@ -281,7 +281,7 @@ def test_lora_loss_falls_and_merged_export_reloads(ds_config, eval_rows, init, t
     data = ([f"data.eval_files=[{one_receipt_file(tmp_path)}]"] if eval_rows == 1 else
             ["data.eval_fraction=0.225", "train.micro_batch_size=8"])
     out = run_forked("qwen-zero3-receipts", tmp_path / "lora", init, "lora.enabled=true", f"deepspeed.config={ds_config}",
-                     f"train.max_steps={STEPS}", "checkpoint.every_steps=0", "mlflow=false", "eval.max_new_tokens=2",
+                     f"train.max_steps={STEPS}", "checkpoint.every_steps=-1", "mlflow=false", "eval.max_new_tokens=2",
                      "optim.lr=2e-2", *data)
     losses = train_losses(out / "metrics.jsonl")
     assert losses[STEPS] < losses[1] - 0.3, losses  # LoRA on a random tiny model learns slowly
@@ -378,6 +378,19 @@ def test_deepspeed_batch_size_disagreeing_with_the_trainer(tmp_path):
         check(f"deepspeed.config={tmp_path / 'ds.json'}", f"output_dir={tmp_path / 'out'}")
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (("checkpoint.every_steps=-2",), "checkpoint.every_steps must be >= -1, got -2 (-1: never)"),
+    (("checkpoint.every_steps=-1", "train.stop_at_step=2"), "train.stop_at_step needs a checkpoint to resume from"),
+    (("train.mixed_precision=fp16",), "train.mixed_precision must be one of 'bf16', 'fp32', got 'fp16'"),
+    (("train.activation_checkpointing=true",), "train.activation_checkpointing must be one of 'none', 'full'"),
+])
+def test_bad_settings_are_refused(tmp_path, overrides, message):
+    from cookbook.config import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check(*overrides, f"output_dir={tmp_path / 'out'}")
+
+
 def test_bad_input_stops_launch_before_workers(tmp_path):
     bad = _receipts(tmp_path, lambda rows: rows[0].update(entities={"company": ""}))
     proc = launch("qwen-zero3-receipts", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{bad}]")
@@ -390,7 +403,7 @@ def test_one_process_launch(init, ds_env, tmp_path):
     evaluates all 8 validation rows itself."""
     out = tmp_path / "one"
     proc = launch("qwen-zero3-receipts", f"output_dir={out}", f"model.name_or_path={init}", "model.pretrained=true",
-                  "train.max_steps=1", "checkpoint.every_steps=0", "checkpoint.export_hf=false", "mlflow=false",
+                  "train.max_steps=1", "checkpoint.every_steps=-1", "checkpoint.export_hf=false", "mlflow=false",
                   "eval.max_new_tokens=4", ngpu=1, env=ds_env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "world size 1 (gloo)" in proc.stderr

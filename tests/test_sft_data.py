@@ -1,6 +1,6 @@
 """cookbook.sft on an offline tokenizer (a tiny byte-level BPE trained here, with a ChatML
 template) and a tiny random Qwen3: assistant-only labels, row formats, errors, truncation,
-packing, and packed-vs-unpacked loss equality."""
+packing, packed-vs-unpacked loss equality, collate, the token loss and evaluate, the --check helpers."""
 
 import hashlib
 import json
@@ -12,18 +12,28 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
+from cookbook.config import ConfigError
 from cookbook.sft import (
     IGNORE_INDEX,
     SFTDataError,
+    check_one_step,
     check_vocab,
+    collate,
+    evaluate,
+    load_tokenizer,
     load_hub_rows,
     load_rows,
     pack,
     pad_batch,
+    pad_token_id,
     prepare,
+    register_varlen,
     to_conversation,
     to_messages,
     tokenize_conversation,
+    token_loss_sum,
+    token_loss_sums,
+    varlen_attention,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -502,3 +512,91 @@ def test_load_rows_names_a_folder_a_utf16_file_and_the_column_of_bad_json(tmp_pa
     with pytest.raises(SFTDataError, match=rf"^{broken} line 2: not valid JSON: Unterminated string starting at "
                                            rf"\(column 43\)$"):  # the opening quote
         load_rows(broken)
+
+
+def test_pad_token_id_falls_back_to_the_end_of_sequence_token(tokenizer):
+    assert pad_token_id(tokenizer) == tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    no_pad = tokenizer.__class__(tokenizer_object=tokenizer.backend_tokenizer, eos_token="<|im_end|>")
+    assert no_pad.pad_token_id is None and pad_token_id(no_pad) == tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+
+def test_collate_packed_rows_carry_document_offsets_and_other_rows_are_padded():
+    rows = [{"input_ids": [5] * 6, "labels": [-100] * 6, "position_ids": [0, 1, 2, 0, 1, 0]},
+            {"input_ids": [6] * 6, "labels": [-100] * 6, "position_ids": [0, 1, 2, 3, 4, 5]}]
+    batch = collate(rows, pad_id=0)
+    assert sorted(batch) == ["cu_seq_lens", "input_ids", "labels", "position_ids"]
+    assert batch["cu_seq_lens"].tolist() == [0, 3, 5, 6, 12] and batch["cu_seq_lens"].dtype == torch.int32
+    assert batch["input_ids"].shape == (2, 6) and batch["input_ids"].dtype == torch.long
+    assert sorted(collate(rows, pad_id=0, cu_seq_lens=False)) == ["input_ids", "labels", "position_ids"]
+    padded = collate([{"input_ids": [4, 5, 6], "labels": [-100, 5, 6]}, {"input_ids": [7], "labels": [-100]}], pad_id=1)
+    assert padded["input_ids"].tolist() == [[4, 5, 6] + [1] * 5, [7] + [1] * 7]  # a multiple of 8
+    assert padded["attention_mask"].sum().item() == 4 and "cu_seq_lens" not in padded
+
+
+def tiny_qwen3(vocab_size: int) -> Qwen3ForCausalLM:
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    return Qwen3ForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+
+
+def hand_loss(model, ids: list[int], labels: list[int]) -> tuple[float, int, int]:
+    """One example alone: summed -log p(label t | tokens < t) over labelled t, their number, and how many are
+    the argmax."""
+    with torch.no_grad():
+        logp = model(torch.tensor([ids]), use_cache=False).logits[0].double().log_softmax(-1)
+    total, n, correct = 0.0, 0, 0
+    for t in range(1, len(ids)):
+        if labels[t] != IGNORE_INDEX:
+            total -= logp[t - 1, labels[t]].item()
+            n += 1
+            correct += int(logp[t - 1].argmax().item() == labels[t])
+    return total, n, correct
+
+
+def test_token_loss_sum_and_evaluate_equal_a_hand_computation(tokenizer):
+    rows = [{"messages": CONVERSATION}, {"instruction": "Say hi.", "output": "Hello! How can I help you today?"},
+            {"instruction": "Write a short poem.", "input": "about the sea", "output": "The sea is four."}]
+    examples, _ = prepare(rows, tokenizer, 512, "t")
+    model = tiny_qwen3(len(tokenizer))
+    hand = [hand_loss(model, ex["input_ids"], ex["labels"]) for ex in examples]
+    total, n, correct = (sum(h[i] for h in hand) for i in range(3))
+    pad_id = pad_token_id(tokenizer)
+    packed = collate(pack(examples, 512, pad_id), pad_id)  # one row, three documents
+    padded = collate(examples[:2], pad_id)
+    with torch.no_grad():
+        assert token_loss_sum(model, packed).item() == pytest.approx(total, rel=1e-5)
+        assert token_loss_sum(model, padded).item() == pytest.approx(hand[0][0] + hand[1][0], rel=1e-5)
+        sums = token_loss_sums(model, packed)
+    assert (sums["tokens"].item(), sums["correct"].item()) == (n, correct) and n > 20
+    assert sums["loss_sum"].item() == pytest.approx(total, rel=1e-5)
+    # Unequal batches, one process: the mean over tokens, not over batches.
+    seen = []
+    model.train()
+    result = evaluate(model, [padded, collate(examples[2:], pad_id)], torch.device("cpu"),
+                      on_batch=lambda b: seen.append(b["input_ids"].shape[0]), accuracy=True)
+    assert model.training and seen == [2, 1]
+    assert result["tokens"] == n and result["loss"] == pytest.approx(total / n, rel=1e-5)
+    assert result["mean_token_accuracy"] == pytest.approx(correct / n)
+    assert sorted(evaluate(model, [], torch.device("cpu"))) == ["loss", "tokens"]
+
+
+def test_varlen_is_registered_with_transformers(tokenizer):
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    register_varlen()
+    assert AttentionInterface._global_mapping["varlen"] is varlen_attention
+    assert AttentionMaskInterface._global_mapping["varlen"]() is None
+    with pytest.raises(ValueError, match="attention dropout"):
+        varlen_attention(torch.nn.Linear(1, 1), *(torch.zeros(1, 2, 4, 8),) * 3, None, dropout=0.1)
+
+
+def test_check_helpers_name_the_field_and_the_counts(tmp_path):
+    check_one_step(8, 2, 2, 2)
+    with pytest.raises(ConfigError, match=r"^7 training rows \(after x\) are too few for one step of 2 x 2 x 2 rows$"):
+        check_one_step(7, 2, 2, 2, note=" (after x)")
+    with pytest.raises(ConfigError, match="model.name_or_path: folder not found: /no/such/model"):
+        load_tokenizer("/no/such/model", "/no/such/model")
+    with pytest.raises(ConfigError, match=f"model.tokenizer: folder not found: {tmp_path / 'tok'}"):
+        load_tokenizer(str(tmp_path / "tok"), str(ROOT / "recipes" / "qwen-fsdp2-sft" / "tiny" / "qwen3"))

@@ -5,6 +5,7 @@ imported torch and TorchRec once (a launch through launch.sh costs ~20 s of star
 resumed run goes through launch.sh, the way users run the recipe, so its --check validates the resume.
 """
 
+import re
 
 import pytest
 import torch
@@ -89,6 +90,12 @@ def test_resume_gives_the_uninterrupted_losses(resumed):
     assert "row_wise: 1 tables" in proc.stderr and "data_parallel: 1 tables" in proc.stderr
     expected, got = train_losses(full / "metrics.jsonl"), train_losses(out / "metrics.jsonl")
     assert sorted(got) == list(range(1, STEPS + 1))
+    # The closing lines: the final AUC and log-loss (not the row count), then where the outputs are.
+    summary = [r for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "summary"][-1]
+    done = re.search(rf"done: {STEPS} steps \| eval auc ([\d.]+) logloss ([\d.]+)\n", proc.stderr)
+    assert done and [float(v) for v in done.groups()] == pytest.approx(
+        [summary["eval/auc"], summary["eval/logloss"]], abs=5e-5), proc.stderr[-3000:]
+    assert f"checkpoints: {out / 'checkpoints'}" in proc.stderr and "metrics:" in proc.stderr
     # Same data position, table shards, fused row-wise Adagrad state and dense Adagrad sums: the same math.
     torch.testing.assert_close(torch.tensor([got[s] for s in range(1, STEPS + 1)], dtype=torch.float64),
                                torch.tensor([expected[s] for s in range(1, STEPS + 1)], dtype=torch.float64),

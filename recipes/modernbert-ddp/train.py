@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 import warnings
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -47,32 +47,20 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler, Subset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
-from transformers import (
-    AttentionInterface,
-    AutoConfig,
-    AutoModelForSequenceClassification,
-    AutoTokenizer,
-    DataCollatorWithPadding,
-    SchedulerType,
-    get_scheduler,
-)
+from transformers import AttentionInterface, AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import DataCollatorWithPadding, get_scheduler
 from transformers import logging as hf_logging
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import cookbook
 from cookbook import lm
-from cookbook.checkpoint import (
-    Checkpointer,
-    CheckpointError,
-    ModelOptimizerState,
-    RankLocalState,
-    RNGState,
-    TrainState,
-    export_hf,
-)
+from cookbook.checkpoint import Checkpointer, CheckpointError, ModelOptimizerState, RankLocalState, RNGState, TrainState
+from cookbook.checkpoint import export_hf
+from cookbook import config
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
-from cookbook.metrics import MetricsLogger, ModelFlops, count_parameters
+from cookbook.loop import EpochBatches, TrainLoop, already_complete
+from cookbook.metrics import MetricsLogger, ModelFlops, StepProfiler, count_parameters
 from cookbook.tabular import DataError, first_csv_row, records, to_int
 
 LABELS = ["World", "Sports", "Business", "Sci/Tech"]
@@ -102,52 +90,23 @@ class DataConfig:
 
 
 @dataclass
-class OptimConfig:
-    lr: float = 5e-5
-    weight_decay: float = 0.01
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
-    eps: float = 1e-6
-    scheduler: str = "linear"  # any transformers.get_scheduler name: linear, cosine, constant_with_warmup
-    warmup_ratio: float = 0.06  # of max_steps
-    max_grad_norm: float = 1.0  # 0 disables clipping
-
-
-@dataclass
-class TrainConfig:
-    seed: int = 42
-    micro_batch_size: int = 32  # per rank
-    grad_accum_steps: int = 1  # global batch = micro_batch_size * grad_accum_steps * world size
-    epochs: int = 2
-    max_steps: int = -1  # > 0 overrides epochs; also the length of the LR schedule
-    stop_at_step: int = -1  # > 0: checkpoint and stop early (time-sliced jobs); resume=auto continues
-    mixed_precision: str = "bf16"  # "bf16" or "fp32"; bf16 applies on GPU only
-    log_every: int = 10  # steps
-    eval_every: int = 500  # steps; 0 evaluates only at the end
-
-
-@dataclass
-class CheckpointConfig:
-    every_steps: int = 500  # 0: only at the end (and at stop_at_step)
-    keep_last: int = 2
-    resume: str = "auto"  # "auto", "none" or a step_* folder
+class CheckpointConfig(config.CheckpointConfig):
     export_hf: bool = True  # write <output_dir>/final in Hugging Face format
 
 
 @dataclass
-class Config:
+class Config(config.RunConfig):
     output_dir: str = "outputs/modernbert-agnews"
     run_name: str = "modernbert-agnews"
-    mlflow: bool = True
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: config.OptimConfig = field(default_factory=config.OptimConfig)
+    train: config.TrainConfig = field(default_factory=config.TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 # Settings that may differ between a checkpoint and the run that resumes it; any other change is refused.
-MAY_CHANGE = ("output_dir", "run_name", "mlflow", "train.stop_at_step", "train.log_every", "train.eval_every",
-              "data.num_workers", "checkpoint.*")
+MAY_CHANGE = (*config.MAY_CHANGE, "data.num_workers")
 
 
 def check_config(cfg: Config, config_dir: Path) -> None:
@@ -158,17 +117,14 @@ def check_config(cfg: Config, config_dir: Path) -> None:
     cfg.data.eval_files = [resolve_path(f, config_dir) for f in cfg.data.eval_files]
     if cfg.data.eval_files and not cfg.data.train_files:
         raise ConfigError("data.eval_files is set but data.train_files is empty: give both, or neither to use data.hub_id")
-    check_fields(cfg, at_least={"train.micro_batch_size": 1, "train.grad_accum_steps": 1, "train.log_every": 1,
-                                "data.max_length": 1, "checkpoint.keep_last": 0, "checkpoint.every_steps": 0},
-                 one_of={"data.padding": ("max_length", "longest"), "train.mixed_precision": ("bf16", "fp32"),
-                         "optim.scheduler": [t.value for t in SchedulerType],
+    config.check_run(cfg)
+    check_fields(cfg, at_least={"data.max_length": 1},
+                 one_of={"data.padding": ("max_length", "longest"), "train.activation_checkpointing": ("none", "full"),
                          "model.attn_implementation": ("sdpa_padsafe", "sdpa", "eager", "flash_attention_2", "flex_attention")},
                  within={"data.eval_fraction": "(0, 1)"})
     if cfg.model.compile and cfg.data.padding != "max_length":
         raise ConfigError("model.compile=true needs data.padding=max_length (static shapes); with 'longest', "
                           "torch.compile's dynamic shapes failed in inductor on torch 2.11")
-    if cfg.train.max_steps <= 0 and cfg.train.epochs <= 0:
-        raise ConfigError("set train.max_steps > 0 or train.epochs > 0")
     local = Path(cfg.model.name_or_path).exists()
     if not cfg.model.pretrained and not local and "/" not in cfg.model.name_or_path:
         raise ConfigError(f"model.name_or_path={cfg.model.name_or_path!r}: not a folder and not a hub id")
@@ -383,10 +339,7 @@ def main(argv: list[str]) -> None:
     out_dir = Path(cfg.output_dir)
     torch.manual_seed(cfg.train.seed)
     use_bf16 = info.device.type == "cuda" and cfg.train.mixed_precision == "bf16"
-
-    def autocast():
-        return torch.autocast("cuda", dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
-
+    autocast = partial(torch.autocast, info.device.type, dtype=torch.bfloat16, enabled=use_bf16)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
     train_raw, eval_raw = load_splits(cfg.data, cfg.train.seed)
     train_ds, n_trunc = tokenize(train_raw, tokenizer, cfg.data)
@@ -408,6 +361,8 @@ def main(argv: list[str]) -> None:
     max_steps = cfg.train.max_steps if cfg.train.max_steps > 0 else cfg.train.epochs * steps_per_epoch
 
     model = build_model(cfg.model, tokenizer).to(info.device)
+    if cfg.train.activation_checkpointing == "full":  # recompute each encoder layer in backward
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     flops = ModelFlops(count_parameters(model), model.config.num_hidden_layers, model.config.hidden_size)
     if cfg.model.compile:
         model.compile()
@@ -424,21 +379,13 @@ def main(argv: list[str]) -> None:
 
     state = TrainState()
     checkpointer = Checkpointer(out_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last)
-    ckpt_state = {
-        "app": ModelOptimizerState(model, optimizer),
-        "scheduler": scheduler,
-        "train": state,
-        "rank_local": RankLocalState(dataloader=train_loader, rng=RNGState()),
-    }
+    ckpt_state = {"app": ModelOptimizerState(model, optimizer), "scheduler": scheduler, "train": state,
+                  "rank_local": RankLocalState(dataloader=train_loader, rng=RNGState())}
     resume_from = checkpointer.check_resume(cfg.checkpoint.resume, info.world_size, to_dict(cfg), MAY_CHANGE,
                                             cfg.train.stop_at_step)
     if resume_from is not None:
         checkpointer.load(resume_from, ckpt_state)
-    sampler.set_epoch(state.epoch)
-    stop_at = cfg.train.stop_at_step if cfg.train.stop_at_step > 0 else max_steps
-    if state.step >= max_steps and (out_dir / "final").is_dir():
-        log.info(f"already complete: {state.step} of {max_steps} steps; model in {out_dir / 'final'}, metrics in "
-                 f"{out_dir / 'metrics.jsonl'}. To train again, use a new output_dir (or delete {out_dir}).")
+    if already_complete(state, max_steps, out_dir, out_dir / "final" if cfg.checkpoint.export_hf else None):
         cookbook.destroy_distributed()
         return
 
@@ -457,85 +404,42 @@ def main(argv: list[str]) -> None:
         log.info(f"truncated to data.max_length={cfg.data.max_length}: {n_trunc} train and {n_trunc_eval} eval texts")
 
     # ---- train loop
-    data_iter = iter(train_loader)
-    window_loss = torch.zeros((), device=info.device)
-    window_steps = 0
-    failed = stopped = False
-    try:
-        cookbook.barrier()  # start every rank's clock together (rank 0 set up MLflow)
-        metrics.start(state.step)
-        while state.step < min(max_steps, stop_at):
+    batches = EpochBatches(train_loader, state, sampler.set_epoch, info.device)
+    loop = TrainLoop(state=state, max_steps=max_steps, stop_at_step=cfg.train.stop_at_step, metrics=metrics,
+                     log_every=cfg.train.log_every, eval_every=cfg.train.eval_every,
+                     evaluate=lambda: evaluate(model.module, eval_loader, info.device, autocast),
+                     checkpointer=checkpointer, checkpoint_every=cfg.checkpoint.every_steps, checkpoint_state=ckpt_state,
+                     config=to_dict(cfg), profiler=StepProfiler(cfg.train.profile_step, out_dir, info))
+    with loop:
+        for _ in loop.steps():
+            micro_batches, waits = batches.take(cfg.train.grad_accum_steps)
             step_loss = torch.zeros((), device=info.device)
-            for micro in range(cfg.train.grad_accum_steps):
-                t0 = time.perf_counter()
-                try:
-                    batch = next(data_iter)
-                except StopIteration:  # end of epoch: reshuffle and continue
-                    state.epoch += 1
-                    sampler.set_epoch(state.epoch)
-                    data_iter = iter(train_loader)
-                    batch = next(data_iter)
-                wait = time.perf_counter() - t0
-                batch = {k: v.to(info.device, non_blocking=True) for k, v in batch.items()}
-                last_micro = micro == cfg.train.grad_accum_steps - 1
+            for i, (batch, wait) in enumerate(zip(micro_batches, waits)):
                 # Skip DDP's gradient all-reduce on all but the last micro-batch of a step.
-                with (contextlib.nullcontext() if last_micro else model.no_sync()):
+                with (model.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext()):
                     with autocast():
                         loss = model(**batch).loss / cfg.train.grad_accum_steps
                     loss.backward()
                 step_loss += loss.detach()
                 metrics.add(samples=batch["labels"].numel(), tokens=batch["attention_mask"].sum(), data_wait_s=wait)
-            if cfg.optim.max_grad_norm > 0:
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
-            else:
-                grad_norm = None
+            grad_norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
+                         if cfg.optim.max_grad_norm > 0 else None)
+            if loop.skip_step(grad_norm):
+                continue
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            state.step += 1
-            window_loss += step_loss
-            window_steps += 1
-
-            if state.step % cfg.train.log_every == 0 or state.step == max_steps:
-                metrics.log_step(state.step, window_loss / window_steps, lr, grad_norm)
-                window_loss.zero_()
-                window_steps = 0
-            with metrics.paused():  # not counted in the step time and throughput
-                if cfg.train.eval_every > 0 and state.step % cfg.train.eval_every == 0 and state.step < max_steps:
-                    metrics.log_eval(state.step, evaluate(model.module, eval_loader, info.device, autocast))
-                if (cfg.checkpoint.every_steps > 0 and state.step % cfg.checkpoint.every_steps == 0) or state.step in (stop_at, max_steps):
-                    checkpointer.save(state.step, ckpt_state, {"epoch": state.epoch, "config": to_dict(cfg)})
+            loop.end_step(step_loss, lr=lr, grad_norm=grad_norm)
 
         # ---- save
-        if state.step < max_steps:
-            stopped = True
-            log.info(f"stopped at step {state.step} of {max_steps} (train.stop_at_step); to continue from "
-                     f"{checkpointer.latest()}, run again without train.stop_at_step (or with a larger value)")
-            return
-        final_eval = evaluate(model.module, eval_loader, info.device, autocast)
-        metrics.log_eval(state.step, final_eval)
-        fingerprints = cookbook.all_gather_object(cookbook.param_fingerprint(model.module))
-        export_dir = export_hf(model, out_dir / "final", tokenizer) if cfg.checkpoint.export_hf else None
-        metrics.log_summary({"step": state.step, "param_fingerprints": fingerprints, **{f"eval/{k}": v for k, v in final_eval.items()},
-                             "export_dir": str(export_dir) if export_dir else None, "mlflow_uri": metrics.mlflow_uri,
-                             "mlflow_run_id": metrics.mlflow_run_id})
-        if info.is_main:
-            log.info(f"done: {state.step} steps | eval accuracy {final_eval['accuracy']:.4f} macro-F1 {final_eval['macro_f1']:.4f}")
-            log.info(f"metrics:     {metrics.jsonl_path}")
-            if metrics.mlflow_uri:
-                log.info(f"MLflow:      {metrics.mlflow_uri} (run {metrics.mlflow_run_id}); browse with "
-                         f"`mlflow ui --backend-store-uri {metrics.mlflow_uri}`")
-            log.info(f"checkpoints: {checkpointer.root}")
-            if export_dir:
-                log.info(f"model:       {export_dir} (AutoModelForSequenceClassification.from_pretrained)")
-    except BaseException:
-        failed = True
-        raise
-    finally:
-        # ---- clean-up
-        metrics.close(failed=failed, stopped=stopped)
-        cookbook.destroy_distributed()
+        loop.finish(export=lambda: {"export_dir": (
+            export_hf(model, out_dir / "final", tokenizer) if cfg.checkpoint.export_hf else None,
+            "AutoModelForSequenceClassification.from_pretrained")},
+            summary=lambda: {"param_fingerprints": cookbook.all_gather_object(cookbook.param_fingerprint(model.module))})
+
+    # ---- clean-up
+    cookbook.destroy_distributed()
 
 
 if __name__ == "__main__":

@@ -35,12 +35,10 @@ What this recipe supports:
 
 from __future__ import annotations
 
-import inspect
 import os
 import warnings
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
 from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -53,12 +51,10 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from torch.nn.attention.varlen import varlen_attn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
-from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer, SchedulerType, get_scheduler
-from transformers.masking_utils import AttentionMaskInterface
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
 from transformers import logging as hf_logging
 
 import cookbook
@@ -72,6 +68,7 @@ from cookbook.checkpoint import (
     TrainState,
     export_hf,
 )
+from cookbook import config
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
 from cookbook.hub import model_folder
 from cookbook.loop import EpochBatches, TrainLoop, already_complete
@@ -99,71 +96,31 @@ class FSDPConfig:
 
 
 @dataclass
-class DataConfig:
-    train_files: list[str] = field(default_factory=list)  # JSON / JSONL; empty: hub_id
-    eval_files: list[str] = field(default_factory=list)
-    hub_id: str = "tatsu-lab/alpaca"
-    eval_fraction: float = 0.02
-    max_length: int = 2048  # tokens per packed row / per example when not packing
-    packing: bool = True
-    num_workers: int = 1
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. {enable_thinking: false} for Qwen3
-    max_dropped_fraction: float = 0.1  # refuse when more of a file's rows are dropped (cut before the answer, empty answer)
-    split_turns: bool = False  # one example per assistant turn (templates that rewrite earlier turns: Qwen3)
-
-
-@dataclass
-class OptimConfig:
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    scheduler: str = "cosine"
-    warmup_ratio: float = 0.03
-    max_grad_norm: float = 1.0
-
-
-@dataclass
-class TrainConfig:
-    seed: int = 42
-    mixed_precision: str = "bf16"  # compute dtype of gathered parameters (FSDP2 MixedPrecisionPolicy); fp32 on CPU
-    micro_batch_size: int = 2  # rows per rank per micro-step
-    grad_accum_steps: int = 1
-    epochs: int = 1
-    max_steps: int = -1
-    stop_at_step: int = -1
-    activation_checkpointing: str = "selective"  # none, selective, full
+class TrainConfig(config.TrainConfig):
+    activation_checkpointing: str = "selective"  # none, selective (saves matmul and attention outputs), full
     compile: bool = False  # torch.compile each decoder layer
-    log_every: int = 10
-    eval_every: int = 0  # 0: at the end only
-    profile_step: int = 0  # > 0: torch.profiler trace of this step in <output_dir>/profile
 
 
 @dataclass
-class CheckpointConfig:
-    every_steps: int = 500  # 0: only at the end (and at stop_at_step); -1: never (benchmarks)
-    keep_last: int = 2
-    resume: str = "auto"
-    export_hf: bool = True
+class CheckpointConfig(config.CheckpointConfig):
+    export_hf: bool = True  # write <output_dir>/final in Hugging Face format
     export_dtype: str = "bf16"
 
 
 @dataclass
-class Config:
+class Config(config.RunConfig):
     output_dir: str = "outputs/qwen3-8b-sft"
     run_name: str = "qwen3-8b-sft"
-    mlflow: bool = True
     model: ModelConfig = field(default_factory=ModelConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: sft.DataConfig = field(default_factory=sft.DataConfig)
+    optim: config.OptimConfig = field(default_factory=config.OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 # Settings that may differ between a checkpoint and the run that resumes it; any other change is refused.
-MAY_CHANGE = ("output_dir", "run_name", "mlflow", "train.stop_at_step", "train.log_every", "train.eval_every", "train.profile_step",
-              "data.num_workers", "data.max_dropped_fraction", "checkpoint.*")
+MAY_CHANGE = config.MAY_CHANGE + sft.MAY_CHANGE
 
 
 def check_config(cfg: Config, config_dir: Path) -> None:
@@ -172,86 +129,11 @@ def check_config(cfg: Config, config_dir: Path) -> None:
     cfg.model.tokenizer = resolve_path(cfg.model.tokenizer or cfg.model.name_or_path, config_dir)
     cfg.data.train_files = [resolve_path(f, config_dir) for f in cfg.data.train_files]
     cfg.data.eval_files = [resolve_path(f, config_dir) for f in cfg.data.eval_files]
-    check_fields(cfg, at_least={"train.micro_batch_size": 1, "train.grad_accum_steps": 1, "train.log_every": 1,
-                                "data.max_length": 1, "fsdp.replicate_degree": 1, "checkpoint.keep_last": 0,
-                                "checkpoint.every_steps": -1},
-                 one_of={"train.mixed_precision": sorted(DTYPES), "fsdp.reduce_dtype": sorted(DTYPES),
-                         "checkpoint.export_dtype": sorted(DTYPES),
-                         "train.activation_checkpointing": ("none", "selective", "full"),
-                         "optim.scheduler": [t.value for t in SchedulerType]},
-                 within={"data.eval_fraction": "[0, 1)", "data.max_dropped_fraction": "[0, 1]"},
-                 notes={"checkpoint.every_steps": "-1: never", "data.eval_fraction": "0: no evaluation"})
-    if cfg.data.eval_files and not cfg.data.train_files:
-        raise ConfigError("data.eval_files is set but data.train_files is empty")
-    if cfg.train.max_steps <= 0 and cfg.train.epochs <= 0:
-        raise ConfigError("set train.max_steps > 0 or train.epochs > 0")
-    if cfg.checkpoint.every_steps == -1 and cfg.train.stop_at_step > 0:
-        raise ConfigError("train.stop_at_step needs a checkpoint to resume from: checkpoint.every_steps=-1 saves none")
-
-
-# ----------------------------------------------------------------------------- data
-def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
-    """Packed rows (equal length, with ``position_ids``) are stacked, with ``cu_seq_lens``: the
-    (documents + 1,) int32 offsets of the documents in the flattened batch, for ``varlen``.
-    Other rows are right-padded."""
-    if "position_ids" in rows[0]:
-        batch = {k: torch.tensor([r[k] for r in rows], dtype=torch.long) for k in ("input_ids", "labels", "position_ids")}
-        flat = batch["position_ids"].flatten()
-        starts = torch.nonzero(flat == 0).flatten()
-        batch["cu_seq_lens"] = torch.cat([starts, torch.tensor([flat.numel()])]).to(torch.int32)
-        return batch
-    return sft.pad_batch(rows, pad_id, pad_to_multiple_of=8)
-
-
-# ----------------------------------------------------------------------------- attention
-_VARLEN_PARAMS = inspect.signature(varlen_attn).parameters
-
-
-def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                           attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                           cu_seq_lens_q: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """Causal attention with PyTorch's variable-length FlashAttention kernel
-    (``torch.nn.attention.varlen.varlen_attn``, CUDA, bf16/fp16): each packed document attends
-    only to itself, work is proportional to the documents' own lengths, and no T x T mask is built.
-
-    Registered as ``attn_implementation: varlen``; transformers calls it from each attention layer.
-
-    Args:
-        query: (batch, heads, T, head_dim). key, value: (batch, kv_heads, T, head_dim); kv_heads
-            divides heads (grouped-query attention).
-        attention_mask: ignored (``collate``'s ``cu_seq_lens`` carries the document boundaries).
-        scaling: softmax scale (default 1 / sqrt(head_dim)).
-        cu_seq_lens_q: (documents + 1,) int32 offsets of the documents in the flattened
-            (batch * T) tokens, from ``collate``; None treats each row as one document.
-
-    Returns:
-        ``(output, None)`` with output (batch, T, heads, head_dim), as transformers expects.
-
-    Raises:
-        ValueError: attention dropout is on (the kernel wrapper has none).
-    """
-    if dropout and module.training:
-        raise ValueError("varlen does not implement attention dropout; set the model's attention_dropout to 0")
-    b, h, t, d = query.shape
-    if cu_seq_lens_q is None:
-        cu_seq_lens_q = torch.arange(0, (b + 1) * t, t, device=query.device, dtype=torch.int32)
-    q, k, v = (x.transpose(1, 2).reshape(b * t, x.shape[1], d) for x in (query, key, value))
-    extra = {}
-    if "enable_gqa" in _VARLEN_PARAMS:
-        extra["enable_gqa"] = k.shape[1] != h
-    elif k.shape[1] != h:  # older torch: repeat the key/value heads
-        k, v = (x.repeat_interleave(h // x.shape[1], dim=1) for x in (k, v))
-    if "window_size" in _VARLEN_PARAMS:
-        extra["window_size"] = (-1, 0)  # causal
-    else:
-        extra["is_causal"] = True
-    out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, t, t, scale=scaling, **extra)
-    return out.view(b, t, h, d), None
-
-
-AttentionInterface.register("varlen", varlen_attention)
-AttentionMaskInterface.register("varlen", lambda *args, **kwargs: None)  # boundaries come from cu_seq_lens
-
+    config.check_run(cfg)
+    sft.check_data_config(cfg)
+    check_fields(cfg, at_least={"fsdp.replicate_degree": 1},
+                 one_of={"fsdp.reduce_dtype": sorted(DTYPES), "checkpoint.export_dtype": sorted(DTYPES),
+                         "train.activation_checkpointing": ("none", "selective", "full")})
 
 # ----------------------------------------------------------------------------- model
 def _sac_policy(ctx, op, *args, **kwargs):
@@ -269,6 +151,7 @@ def _sac_policy(ctx, op, *args, **kwargs):
 def build_model(cfg: Config, info: cookbook.DistInfo, vocab_size_needed: int) -> tuple[torch.nn.Module, ModelFlops]:
     """Build on the meta device, wrap layers (AC, compile), shard with FSDP2, then materialise:
     load the safetensors shards this rank owns, or initialise randomly."""
+    sft.register_varlen()  # attn_implementation: varlen (cookbook.sft.attention)
     hf_config = AutoConfig.from_pretrained(cfg.model.name_or_path, attn_implementation=cfg.model.attn_implementation)
     if vocab_size_needed > hf_config.vocab_size:
         raise ConfigError(f"the tokenizer has {vocab_size_needed} tokens but the model's vocab_size is "
@@ -317,34 +200,6 @@ def build_model(cfg: Config, info: cookbook.DistInfo, vocab_size_needed: int) ->
     return model, flops
 
 
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, loader, device: torch.device) -> dict[str, float]:
-    """Mean loss per assistant token over the evaluation rows of every rank."""
-    model.eval()
-    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
-    tokens = torch.zeros((), device=device, dtype=torch.float64)
-    for batch in loader:
-        batch = {k: v.to(device) for k, v in batch.items()}
-        loss_sum += token_loss_sum(model, batch).double()
-        tokens += (batch["labels"][:, 1:] != -100).sum()
-    totals = cookbook.all_reduce_sum({"loss": loss_sum, "tokens": tokens}, device)
-    model.train()
-    return {"loss": totals["loss"] / max(totals["tokens"], 1.0), "tokens": totals["tokens"]}
-
-
-def token_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Summed cross entropy of next-token prediction over labelled tokens (fp32 logits)."""
-    # use_cache=False: with a cache, transformers does not derive document boundaries from position_ids.
-    varlen = {}
-    if "cu_seq_lens" in batch:  # used by varlen only; T is an upper bound of any document's length
-        t = batch["input_ids"].shape[1]
-        varlen = dict(cu_seq_lens_q=batch["cu_seq_lens"], cu_seq_lens_k=batch["cu_seq_lens"], max_length_q=t, max_length_k=t)
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                   position_ids=batch.get("position_ids"), use_cache=False, **varlen).logits
-    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(),
-                                             ignore_index=-100, reduction="sum")
-
-
 # ----------------------------------------------------------------------------- recipe
 def main(argv: list[str]) -> None:
     args = cli_parser(__doc__).parse_args(argv)
@@ -354,13 +209,7 @@ def main(argv: list[str]) -> None:
         world_size = int(os.environ.get("COOKBOOK_WORLD_SIZE", "1"))  # launch.sh: NGPU x NNODES
         if cfg.model.pretrained:  # a hub id is downloaded here, once, before any worker starts
             model_folder(cfg.model.name_or_path)
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
-            vocab_size = AutoConfig.from_pretrained(cfg.model.name_or_path).vocab_size
-        except OSError as exc:
-            raise ConfigError(f"model.name_or_path / model.tokenizer: cannot load {cfg.model.name_or_path!r}: "
-                              f"{str(exc).splitlines()[0]}") from None
-        sft.check_vocab(tokenizer, vocab_size)
+        tokenizer = sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path)
         on_cpu = cookbook.get_dist_info().device.type == "cpu"  # COOKBOOK_DEVICE=cpu, or no GPU
         if cfg.model.attn_implementation == "varlen" and on_cpu:
             raise ConfigError("model.attn_implementation=varlen runs on CUDA GPUs only: use sdpa on CPU")
@@ -372,19 +221,9 @@ def main(argv: list[str]) -> None:
             raise ConfigError(f"fsdp.replicate_degree={cfg.fsdp.replicate_degree} does not divide the world size {world_size}")
         Checkpointer(Path(cfg.output_dir) / "checkpoints").check_resume(
             cfg.checkpoint.resume, world_size, to_dict(cfg), MAY_CHANGE, cfg.train.stop_at_step)
-        if cfg.data.train_files:
-            train, evals, stats = sft.load_examples(cfg.data, tokenizer, cfg.train.seed)
-            pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-            n_rows = len(sft.pack(train, cfg.data.max_length, pad_id)) if cfg.data.packing else len(train)
-            per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * world_size
-            if n_rows < per_step:
-                raise ConfigError(f"{n_rows} training rows (after holding out {len(evals)} examples for evaluation) are too "
-                                  f"few for one step of {cfg.train.micro_batch_size} x {cfg.train.grad_accum_steps} x "
-                                  f"{world_size} rows")
-            print(f"data: {stats.summary()}")
-            print(f"config OK: {args.config} ({len(train)} train / {len(evals)} eval examples)")
-        else:
-            print(f"config OK: {args.config} (data from {cfg.data.hub_id})")
+        data = sft.check_data(cfg.data, tokenizer, cfg.train.seed, cfg.train.micro_batch_size, cfg.train.grad_accum_steps,
+                              world_size)
+        print(f"config OK: {args.config} ({data})")
         return
 
     # ---- set-up
@@ -392,7 +231,7 @@ def main(argv: list[str]) -> None:
     log = cookbook.get_logger()
     out_dir = Path(cfg.output_dir)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = sft.pad_token_id(tokenizer)
     train_ex, eval_ex, stats = sft.load_examples(cfg.data, tokenizer, cfg.train.seed)
     if cfg.data.packing:  # rows of exactly max_length tokens, documents separated by position ids
         train_rows, eval_rows = sft.pack(train_ex, cfg.data.max_length, pad_id), sft.pack(eval_ex, cfg.data.max_length, pad_id)
@@ -400,7 +239,7 @@ def main(argv: list[str]) -> None:
         train_rows, eval_rows = train_ex, eval_ex
     sampler = DistributedSampler(train_rows, num_replicas=info.world_size, rank=info.rank, shuffle=True,
                                  seed=cfg.train.seed, drop_last=True)
-    loader_kw = dict(collate_fn=partial(collate, pad_id=pad_id), num_workers=cfg.data.num_workers,
+    loader_kw = dict(collate_fn=partial(sft.collate, pad_id=pad_id), num_workers=cfg.data.num_workers,
                      pin_memory=info.device.type == "cuda")
     train_loader = StatefulDataLoader(train_rows, batch_size=cfg.train.micro_batch_size, sampler=sampler, drop_last=True, **loader_kw)
     eval_loader = StatefulDataLoader(sft.shard_for_eval(eval_rows, info.rank, info.world_size),
@@ -444,7 +283,7 @@ def main(argv: list[str]) -> None:
     batches = EpochBatches(train_loader, state, sampler.set_epoch, info.device)
     loop = TrainLoop(state=state, max_steps=max_steps, stop_at_step=cfg.train.stop_at_step, metrics=metrics,
                      log_every=cfg.train.log_every, eval_every=cfg.train.eval_every,
-                     evaluate=(lambda: evaluate(model, eval_loader, info.device)) if eval_rows else None,
+                     evaluate=(lambda: sft.evaluate(model, eval_loader, info.device)) if eval_rows else None,
                      checkpointer=checkpointer, checkpoint_every=cfg.checkpoint.every_steps, checkpoint_state=ckpt_state,
                      config=to_dict(cfg), profiler=StepProfiler(cfg.train.profile_step, out_dir, info))
     with loop:
@@ -456,7 +295,7 @@ def main(argv: list[str]) -> None:
             global_tokens = cookbook.all_reduce_sum({"t": local_tokens}, info.device)["t"]
             step_loss = torch.zeros((), device=info.device)
             for mb, wait in zip(micro_batches, waits):
-                loss_sum = token_loss_sum(model, mb)
+                loss_sum = sft.token_loss_sum(model, mb)
                 (loss_sum * info.world_size / max(global_tokens, 1.0)).backward()
                 step_loss += loss_sum.detach() / max(global_tokens, 1.0) * info.world_size
                 metrics.add(samples=mb["input_ids"].shape[0], tokens=lm.count_tokens(mb, pad_id), data_wait_s=wait)

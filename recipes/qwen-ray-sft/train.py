@@ -137,28 +137,6 @@ def check_config(cfg: Config, config_dir: Path) -> None:
         raise ConfigError("set train.max_steps > 0 or train.epochs > 0")
 
 
-# ----------------------------------------------------------------------------- data
-def load_rows(cfg: DataConfig, tokenizer, seed: int) -> tuple[list[dict], list[dict], sft.SFTStats]:
-    """Train and eval rows (packed to ``max_length`` when ``packing``), and the statistics of every source
-    (`sft.load_examples`: a seeded ``eval_fraction`` of each source is held out)."""
-    train, evals, stats = sft.load_examples(cfg, tokenizer, seed)
-    pad_id = pad_token_id(tokenizer)
-    if cfg.packing:
-        train, evals = sft.pack(train, cfg.max_length, pad_id), sft.pack(evals, cfg.max_length, pad_id)
-    return train, evals, stats
-
-
-def pad_token_id(tokenizer) -> int:
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-
-
-def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
-    """Packed rows (equal length, with ``position_ids``) are stacked; other rows are right-padded."""
-    if "position_ids" in rows[0]:
-        return {k: torch.tensor([r[k] for r in rows], dtype=torch.long) for k in ("input_ids", "labels", "position_ids")}
-    return sft.pad_batch(rows, pad_id, pad_to_multiple_of=8)
-
-
 # ----------------------------------------------------------------------------- model
 def build_model(cfg: ModelConfig, vocab_needed: int, device: torch.device) -> torch.nn.Module:
     """The causal LM, pretrained or randomly initialised from its config (fp32 master weights), on
@@ -177,36 +155,6 @@ def build_model(cfg: ModelConfig, vocab_needed: int, device: torch.device) -> to
     return model
 
 
-def token_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Summed cross entropy of next-token prediction over labelled tokens (fp32 logits)."""
-    # use_cache=False: with a cache, transformers does not derive document boundaries from position_ids.
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                   position_ids=batch.get("position_ids"), use_cache=False).logits
-    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(),
-                                             ignore_index=sft.IGNORE_INDEX, reduction="sum")
-
-
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, rows: list[dict], info: cookbook.DistInfo, micro_batch: int, pad_id: int, autocast) -> dict[str, float]:
-    """Mean loss per assistant token over the evaluation rows (each worker a disjoint slice, possibly empty).
-
-    A DDP-wrapped model is evaluated through its inner module: DDP's forward broadcasts the buffers from
-    rank 0 (rotary tables), a collective that a worker with fewer rows (or none) would not join."""
-    model = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-    model.eval()
-    loss_sum = torch.zeros((), device=info.device, dtype=torch.float64)
-    tokens = torch.zeros((), device=info.device, dtype=torch.float64)
-    mine = rows[info.rank::info.world_size]
-    for start in range(0, len(mine), micro_batch):
-        batch = {k: v.to(info.device) for k, v in collate(mine[start:start + micro_batch], pad_id).items()}
-        with autocast():
-            loss_sum += token_loss_sum(model, batch).double()
-        tokens += (batch["labels"][:, 1:] != sft.IGNORE_INDEX).sum()
-    totals = cookbook.all_reduce_sum({"loss": loss_sum, "tokens": tokens}, info.device)
-    model.train()
-    return {"loss": totals["loss"] / max(totals["tokens"], 1.0), "tokens": totals["tokens"]}
-
-
 # ----------------------------------------------------------------------------- worker
 def train_loop(config: dict) -> None:
     """What every Ray Train worker runs: set-up, the step loop with periodic checkpoints, export."""
@@ -222,10 +170,10 @@ def train_loop(config: dict) -> None:
 
     # ---- set-up: data, model (DDP), optimizer, resume
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
-    pad_id = pad_token_id(tokenizer)
-    train_rows, eval_rows, stats = load_rows(cfg.data, tokenizer, cfg.train.seed)
+    pad_id = sft.pad_token_id(tokenizer)
+    train_rows, eval_rows, stats = sft.training_rows(cfg.data, tokenizer, cfg.train.seed)
     loader = ray.train.torch.prepare_data_loader(DataLoader(
-        train_rows, batch_size=cfg.train.micro_batch_size, shuffle=True, drop_last=True, collate_fn=partial(collate, pad_id=pad_id),
+        train_rows, batch_size=cfg.train.micro_batch_size, shuffle=True, drop_last=True, collate_fn=partial(sft.collate, pad_id=pad_id),
         num_workers=cfg.data.num_workers, pin_memory=info.device.type == "cuda"))
     steps_per_epoch = len(loader) // cfg.train.grad_accum_steps
     if steps_per_epoch == 0:
@@ -276,7 +224,7 @@ def train_loop(config: dict) -> None:
             for i, (mb, wait) in enumerate(micro):
                 with contextlib.nullcontext() if i == len(micro) - 1 else model.no_sync():
                     with autocast():
-                        loss_sum = token_loss_sum(model, mb)
+                        loss_sum = sft.token_loss_sum(model, mb)
                     (loss_sum * info.world_size / global_tokens).backward()
                 step_loss += loss_sum.detach() * info.world_size / global_tokens
                 run.metrics.add(samples=mb["input_ids"].shape[0], tokens=lm.count_tokens(mb, pad_id), data_wait_s=wait)
@@ -288,6 +236,11 @@ def train_loop(config: dict) -> None:
             run.end_step(step_loss, lr=lr, grad_norm=grad_norm)
 
         # ---- save: evaluation, Hugging Face export (Ray Train destroys the process group)
+        def final_eval() -> dict[str, float]:
+            eval_batches = DataLoader(eval_rows[info.rank::info.world_size], batch_size=cfg.train.micro_batch_size,
+                                      collate_fn=partial(sft.collate, pad_id=pad_id))  # each worker a disjoint slice
+            return sft.evaluate(model, eval_batches, info.device, context=autocast)
+
         def export() -> dict:
             final = Path(cfg.output_dir) / "final"
             if cfg.checkpoint.export_hf and info.is_main:  # DDP: rank 0 holds the whole model
@@ -296,8 +249,7 @@ def train_loop(config: dict) -> None:
             return {"export_dir": (final if cfg.checkpoint.export_hf and info.is_main else None,
                                    "AutoModelForCausalLM.from_pretrained")}
 
-        run.finish(inner, export=export, evaluate=(lambda: evaluate(model, eval_rows, info, cfg.train.micro_batch_size,
-                                                                    pad_id, autocast)) if eval_rows else None)
+        run.finish(inner, evaluate=final_eval if eval_rows else None, export=export)
 
 
 # ----------------------------------------------------------------------------- driver
@@ -306,28 +258,12 @@ def main(argv: list[str]) -> None:
     cfg = load_config(Config, args.config, args.overrides)
     check_config(cfg, Path(args.config).resolve().parent)
     driver = ray_train.RayDriver(cfg, MAY_CHANGE, ("train.stop_at_step", cfg.train.stop_at_step))  # before Ray starts
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
-        vocab_size = AutoConfig.from_pretrained(cfg.model.name_or_path).vocab_size
-    except OSError as exc:
-        for key, value in (("model.name_or_path", cfg.model.name_or_path), ("model.tokenizer", cfg.model.tokenizer)):
-            if value.startswith(("/", "./", "../", "~")) and not Path(value).expanduser().exists():
-                raise ConfigError(f"{key}: folder not found: {value}") from None
-        raise ConfigError(f"model.name_or_path / model.tokenizer: cannot load {cfg.model.name_or_path!r}: "
-                          f"{str(exc).splitlines()[0]}") from None
-    sft.check_vocab(tokenizer, vocab_size)
+    tokenizer = sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path)
     lm.check_attention(cfg.model.attn_implementation, on_cpu=driver.on_cpu)
     if cfg.model.pretrained:  # a hub id is downloaded here, once, before the workers start
         model_folder(cfg.model.name_or_path)
-    if cfg.data.train_files:
-        train, evals, stats = load_rows(cfg.data, tokenizer, cfg.train.seed)
-        per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * (driver.workers or 1)
-        if len(train) < per_step:
-            raise ConfigError(f"{len(train)} training rows are too few for one step of {per_step} rows")
-        data_note = f"{len(train)} train / {len(evals)} eval rows"
-        print(f"data: {stats.summary()}")
-    else:
-        data_note = f"data from {cfg.data.hub_id}"
+    data_note = sft.check_data(cfg.data, tokenizer, cfg.train.seed, cfg.train.micro_batch_size, cfg.train.grad_accum_steps,
+                               driver.workers or 1)
     if args.check:
         print(f"config OK: {args.config} ({data_note})")
         return

@@ -25,11 +25,13 @@ What this recipe supports:
       (token sums all-reduced), and greedy generation scored per field (exact match per field and for all
       fields, JSON-valid rate, count of unparsable answers), each receipt counted once; to ``metrics.jsonl``,
       the final log line and MLflow.
-    - Checkpoints every ``checkpoint.every_steps`` (DeepSpeed's sharded model + optimizer, scheduler, RNG, data
-      position), published atomically under ``output_dir/checkpoints``; ``checkpoint.resume: auto`` continues
+    - Checkpoints every ``checkpoint.every_steps`` and at the end (0: only at the end; -1: none) (DeepSpeed's
+      sharded model + optimizer, scheduler, RNG, data position), published atomically under
+      ``output_dir/checkpoints`` (`cookbook.hf_trainer.PublishCheckpoints`); ``checkpoint.resume: auto`` continues
       from the newest. At the end: the consolidated 16-bit model and tokenizer in Hugging Face format
       (``output_dir/final``; for LoRA the merged model, and the adapter in ``output_dir/adapter``).
-    - Metrics (cookbook.metrics, through a ``TrainerCallback``): loss, tokens/s per GPU, MFU, peak memory.
+    - Metrics (cookbook.metrics, through `cookbook.hf_trainer.MetricsCallback`): loss, tokens/s per GPU, MFU, peak
+      memory; evaluations and checkpoint saves are left out of the step time.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import shutil
 import time
 import warnings
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -49,12 +52,13 @@ warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.* is depreca
 warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.* is deprecated")
 
 import torch
-from transformers import AutoConfig, AutoTokenizer, SchedulerType
+from transformers import AutoConfig, AutoTokenizer
 from transformers import logging as hf_logging
 
 import cookbook
-from cookbook import lm, sft
-from cookbook.checkpoint import CheckpointError, ResumeGuard, publish, read_meta
+from cookbook import hf_trainer, sft
+from cookbook.checkpoint import CheckpointError, ResumeGuard, read_meta
+from cookbook import config
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
 
 hf_logging.disable_progress_bar()
@@ -102,15 +106,8 @@ class DataConfig:
 
 
 @dataclass
-class OptimConfig:
+class OptimConfig(config.OptimConfig):
     optimizer: str = "adamw_torch_fused"  # a transformers `optim` name; "adamw_torch" on CPU
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    scheduler: str = "cosine"
-    warmup_ratio: float = 0.03
-    max_grad_norm: float = 1.0
 
 
 @dataclass
@@ -121,8 +118,8 @@ class TrainConfig:
     epochs: int = 1
     max_steps: int = -1
     stop_at_step: int = -1  # stop (with a checkpoint) after this step; run again to continue
-    bf16: bool = True  # bf16 compute with fp32 master weights (GPU only; CPU runs in fp32)
-    gradient_checkpointing: bool = True
+    mixed_precision: str = "bf16"  # bf16 compute with fp32 master weights (GPU only; CPU runs in fp32), or fp32
+    activation_checkpointing: str = "full"  # none, full (recompute each decoder layer in backward)
     log_every: int = 10
     eval_every: int = 0  # validation loss + generation every N steps; 0: at the end only
 
@@ -135,18 +132,14 @@ class EvalConfig:
 
 
 @dataclass
-class CheckpointConfig:
-    every_steps: int = 200
-    keep_last: int = 2
-    resume: str = "auto"  # auto, none, or a checkpoint folder
-    export_hf: bool = True
+class CheckpointConfig(config.CheckpointConfig):
+    export_hf: bool = True  # write <output_dir>/final in Hugging Face format
 
 
 @dataclass
-class Config:
+class Config(config.RunConfig):
     output_dir: str = "outputs/qwen3-8b-receipts"
     run_name: str = "qwen3-8b-receipts-zero3"
-    mlflow: bool = True
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
@@ -158,13 +151,7 @@ class Config:
 
 
 # Settings that may differ between a checkpoint and the run that resumes it; any other change is refused.
-MAY_CHANGE = ("output_dir", "run_name", "mlflow", "train.stop_at_step", "train.log_every", "train.eval_every",
-              "data.num_workers", "data.max_dropped_fraction", "eval.*", "checkpoint.*")
-# DeepSpeed keys the trainer fills from this config when they are "auto"; a number must agree.
-DS_BATCH_KEYS = {"train_micro_batch_size_per_gpu": "train.micro_batch_size",
-                 "gradient_accumulation_steps": "train.grad_accum_steps",
-                 "train_batch_size": "train.micro_batch_size x train.grad_accum_steps x world size",
-                 "gradient_clipping": "optim.max_grad_norm"}
+MAY_CHANGE = (*config.MAY_CHANGE, *sft.MAY_CHANGE, "eval.*")
 
 
 def check_config(cfg: Config, config_dir: Path) -> None:
@@ -174,57 +161,26 @@ def check_config(cfg: Config, config_dir: Path) -> None:
     cfg.data.train_files = [resolve_path(f, config_dir) for f in cfg.data.train_files]
     cfg.data.eval_files = [resolve_path(f, config_dir) for f in cfg.data.eval_files]
     cfg.deepspeed.config = resolve_path(cfg.deepspeed.config, config_dir)
-    check_fields(cfg, at_least={"train.micro_batch_size": 1, "train.grad_accum_steps": 1, "train.log_every": 1,
-                                "data.max_length": 1, "eval.max_new_tokens": 1, "eval.batch_size": 1, "lora.r": 1,
-                                "checkpoint.keep_last": 0, "checkpoint.every_steps": 0},
-                 one_of={"optim.scheduler": [t.value for t in SchedulerType]},
+    config.check_run(cfg)
+    check_fields(cfg, at_least={"data.max_length": 1, "eval.max_new_tokens": 1, "eval.batch_size": 1, "lora.r": 1},
+                 one_of={"train.activation_checkpointing": ("none", "full")},
                  within={"data.eval_fraction": "[0, 1)", "data.max_dropped_fraction": "[0, 1]"},
                  notes={"data.eval_fraction": "0: no evaluation unless data.eval_files are given"})
     if not cfg.data.fields or len(set(cfg.data.fields)) != len(cfg.data.fields):
         raise ConfigError(f"data.fields must be a non-empty list of distinct names, got {cfg.data.fields}")
     if not cfg.data.train_files and not cfg.data.hub_id:
         raise ConfigError("set data.train_files (SROIE JSONL files) or data.hub_id")
-    if cfg.train.max_steps <= 0 and cfg.train.epochs <= 0:
-        raise ConfigError("set train.max_steps > 0 or train.epochs > 0")
 
 
 def check_deepspeed_config(cfg: Config, world_size: int) -> dict:
-    """Read the DeepSpeed JSON and check it against this config.
-
-    Returns:
-        The JSON as a dict.
+    """The DeepSpeed JSON (``deepspeed.config``) as a dict, checked against this config for `world_size` ranks.
 
     Raises:
-        ConfigError: the file is missing or not JSON; no ZeRO stage 1-3; fp16 is on (this recipe trains in bf16);
-            a batch-size or clipping value is a number that disagrees with the trainer's (names the key and
-            the config value it must equal, or "auto"); ZeRO-3 without 16-bit gathering on save while
-            ``checkpoint.export_hf`` is on.
+        ConfigError: see `cookbook.hf_trainer.check_deepspeed_config`.
     """
-    path = Path(cfg.deepspeed.config)
-    if not path.is_file():
-        raise ConfigError(f"deepspeed.config: file not found: {path}")
-    try:
-        ds = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"deepspeed.config {path}: not valid JSON: {exc}") from None
-    stage = ds.get("zero_optimization", {}).get("stage")
-    if stage not in (1, 2, 3):
-        raise ConfigError(f"{path}: zero_optimization.stage must be 1, 2 or 3, got {stage!r}")
-    if ds.get("fp16", {}).get("enabled") not in (None, False, "auto"):
-        raise ConfigError(f"{path}: fp16.enabled is set; this recipe trains in bf16 (train.bf16): remove the fp16 section")
-    expected = {"train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
-                "gradient_accumulation_steps": cfg.train.grad_accum_steps,
-                "train_batch_size": cfg.train.micro_batch_size * cfg.train.grad_accum_steps * world_size,
-                "gradient_clipping": cfg.optim.max_grad_norm}
-    for key, want in expected.items():
-        got = ds.get(key, "auto")
-        if got != "auto" and float(got) != float(want):
-            raise ConfigError(f"{path}: {key}={got} disagrees with {DS_BATCH_KEYS[key]} = {want}: set it to \"auto\" "
-                              f"(the trainer fills it in) or to {want}")
-    if stage == 3 and cfg.checkpoint.export_hf and not ds["zero_optimization"].get("stage3_gather_16bit_weights_on_model_save"):
-        raise ConfigError(f"{path}: ZeRO-3 needs zero_optimization.stage3_gather_16bit_weights_on_model_save=true to "
-                          f"write the final model (checkpoint.export_hf=true)")
-    return ds
+    return hf_trainer.check_deepspeed_config(
+        cfg.deepspeed.config, micro_batch_size=cfg.train.micro_batch_size, grad_accum_steps=cfg.train.grad_accum_steps,
+        world_size=world_size, max_grad_norm=cfg.optim.max_grad_norm, export_16bit=cfg.checkpoint.export_hf)
 
 
 # ----------------------------------------------------------------------------- data
@@ -362,37 +318,6 @@ def load_receipts(cfg: DataConfig, tokenizer, seed: int) -> Receipts:
                     [val_kept[i] for i in val_idx], val_prompts, val_targets, stats, eval_stats)
 
 
-def collate_packed(rows: list[dict]) -> dict[str, torch.Tensor]:
-    """Stack packed rows (``input_ids``, ``labels``, ``position_ids``, all ``max_length`` long). No attention
-    mask: transformers then builds a block-diagonal causal mask from the position ids (see `sft.pack`)."""
-    return {k: torch.tensor([r[k] for r in rows], dtype=torch.long) for k in ("input_ids", "labels", "position_ids")}
-
-
-# ----------------------------------------------------------------------------- loss eval
-@torch.no_grad()
-def token_loss_sums(model, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Summed next-token cross entropy, labelled-token count and correct argmax count of one batch.
-
-    Args:
-        model: a causal LM (or its DeepSpeed / PEFT wrapper) returning ``logits`` of shape (B, L, V).
-        batch: ``input_ids`` and ``labels`` (B, L; -100 where no loss), optionally ``attention_mask`` /
-            ``position_ids`` (packed rows), on the model's device.
-
-    Returns:
-        ``loss_sum`` (nats, fp32 logits), ``tokens`` and ``correct``: 0-d tensors. Label t is predicted from
-        position t - 1, as in transformers' ``ForCausalLMLoss``; the mean loss per token is
-        ``loss_sum / tokens``, which is what training minimises.
-    """
-    # use_cache=False: with a cache, transformers does not derive document boundaries from position_ids.
-    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
-    logits = model(**inputs, use_cache=False).logits[:, :-1].float()
-    labels = batch["labels"][:, 1:]
-    mask = labels != -100
-    loss_sum = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
-                                                 reduction="sum")
-    return {"loss_sum": loss_sum, "tokens": mask.sum(), "correct": ((logits.argmax(-1) == labels) & mask).sum()}
-
-
 # ----------------------------------------------------------------------------- generation eval
 def parse_fields(text: str) -> dict | None:
     """The JSON object in a generated answer, or ``None`` if the text is not one JSON object."""
@@ -459,7 +384,7 @@ def generation_eval(model, tokenizer, prompts: list[list[int]], targets: list[di
     mine = list(range(info.rank, len(prompts), info.world_size))
     per_rank = -(-len(prompts) // info.world_size)
     padded = mine + [0] * (per_rank - len(mine))
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = sft.pad_token_id(tokenizer)
     was_training = model.training
     model.eval()
     predictions = []
@@ -495,7 +420,7 @@ def eval_line(values: dict[str, float], fields: list[str]) -> str:
 # ----------------------------------------------------------------------------- checkpoints
 def resume_guard(cfg: Config) -> ResumeGuard:
     """The Trainer's ``checkpoint-<step>`` folders, published with ``meta.json`` under ``output_dir/checkpoints``
-    (``PublishCheckpoints``), under cookbook's resume guard. Another number of ranks is refused: DeepSpeed's ZeRO
+    (`cookbook.hf_trainer.PublishCheckpoints`), under cookbook's resume guard. Another number of ranks is refused: DeepSpeed's ZeRO
     partitions cannot be remapped. Its advice to start afresh deletes the whole output_dir, metrics.jsonl and
     MLflow run id included (deleting the checkpoints alone would append a new run to the old run's records)."""
     return ResumeGuard(Path(cfg.output_dir) / "checkpoints", folder="checkpoint-<n>", files=(), run_dir=cfg.output_dir,
@@ -523,61 +448,6 @@ def check_resume(cfg: Config, world_size: int) -> Path | None:
                                    ("train.stop_at_step", cfg.train.stop_at_step))
 
 
-def make_callbacks(cfg: Config, info, metrics_logger, staging: Path, root: Path, gen_eval, results: dict):
-    """The TrainerCallbacks of this recipe (built here so that transformers is imported lazily).
-
-    - ``PublishCheckpoints``: the Trainer writes ``checkpoint-<step>`` into `staging`; once every rank is done,
-      rank 0 adds ``meta.json`` and renames it into `root` (atomic), then keeps the newest ``keep_last``.
-    - ``StopAtStep``: ends training, with a checkpoint, after ``train.stop_at_step``.
-    - ``CookbookMetrics``: forwards each log to `metrics_logger` (``MetricsLogger.log_step``) and each evaluation
-      to ``log_eval``, and runs the generation eval (`gen_eval`) with every evaluation; the last evaluation's
-      values are kept in `results`.
-    """
-    import cookbook
-    from transformers import TrainerCallback
-
-    class PublishCheckpoints(TrainerCallback):
-        def on_save(self, args, state, control, **kwargs):
-            cookbook.barrier()  # every rank has written its ZeRO partitions and RNG state
-            if info.is_main:
-                root.mkdir(parents=True, exist_ok=True)
-                src = staging / f"checkpoint-{state.global_step}"
-                meta = {"step": state.global_step, "world_size": info.world_size, "time": time.time(),
-                        "config": to_dict(cfg)}
-                (src / "meta.json").write_text(json.dumps(meta, indent=2))
-                publish(src, root / src.name)
-                published = resume_guard(cfg).complete_checkpoints()
-                for old in published[: -cfg.checkpoint.keep_last] if cfg.checkpoint.keep_last else []:
-                    shutil.rmtree(old, ignore_errors=True)
-                cookbook.get_logger().info(f"checkpoint published: {root / src.name}")
-            cookbook.barrier()
-
-    class StopAtStep(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            if 0 < cfg.train.stop_at_step <= state.global_step < state.max_steps:
-                control.should_save = True
-                control.should_training_stop = True
-
-    class CookbookMetrics(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kwargs):
-            cookbook.barrier()
-            metrics_logger.start(state.global_step)
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                metrics_logger.log_step(state.global_step, logs["loss"], logs.get("learning_rate", 0.0), logs.get("grad_norm"))
-
-        def on_evaluate(self, args, state, control, metrics=None, model=None, **kwargs):
-            values = {k.removeprefix("eval_"): v for k, v in (metrics or {}).items()
-                      if k in ("eval_loss", "eval_mean_token_accuracy", "eval_tokens")}
-            values.update(gen_eval(model))
-            metrics_logger.log_eval(state.global_step, values)
-            results.clear()
-            results.update(values)
-
-    return [PublishCheckpoints(), StopAtStep(), CookbookMetrics()]
-
-
 # ----------------------------------------------------------------------------- recipe
 def main(argv: list[str]) -> None:
     args = cli_parser(__doc__).parse_args(argv)
@@ -596,7 +466,7 @@ def main(argv: list[str]) -> None:
         sft.check_vocab(tokenizer, vocab_size)
         check_resume(cfg, world_size)
         data = load_receipts(cfg.data, tokenizer, cfg.train.seed)
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        pad_id = sft.pad_token_id(tokenizer)
         n_rows = len(sft.pack(data.train, cfg.data.max_length, pad_id)) if cfg.data.packing else len(data.train)
         per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * world_size
         if n_rows < per_step:
@@ -614,28 +484,19 @@ def train(cfg: Config, on_cpu: bool) -> None:
     import datasets
     from transformers import AutoModelForCausalLM, PrinterCallback
 
-    import cookbook
+    from cookbook.loop import log_outputs
     from cookbook.metrics import MetricsLogger, ModelFlops, count_parameters
 
-    if on_cpu:
-        # DeepSpeed builds a shared-memory all-reduce op for CPU runs with a C++ JIT compile (~40 s); gloo's
-        # collectives do the same job for a CPU test, so skip it.
-        import importlib
-
-        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    info = hf_trainer.init_deepspeed(on_cpu)  # the process group, and DeepSpeed's communication over it
     from trl import SFTConfig, SFTTrainer
 
-    import deepspeed
-
-    info = cookbook.init_distributed()
-    deepspeed.init_distributed(dist_backend=info.backend)  # DeepSpeed's comm layer over the existing group
     log = cookbook.get_logger()
     out_dir = Path(cfg.output_dir)
     root, staging = out_dir / "checkpoints", out_dir / ".staging"
     ds_config = check_deepspeed_config(cfg, info.world_size)
     stage = ds_config["zero_optimization"]["stage"]
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = sft.pad_token_id(tokenizer)
     data = load_receipts(cfg.data, tokenizer, cfg.train.seed)
     if cfg.data.packing:
         train_rows, val_rows = (sft.pack(data.train, cfg.data.max_length, pad_id),
@@ -661,7 +522,7 @@ def train(cfg: Config, on_cpu: bool) -> None:
         flops = ModelFlops(count_parameters(AutoModelForCausalLM.from_config(hf_config)), hf_config.num_hidden_layers,
                            hf_config.num_attention_heads * (getattr(hf_config, "head_dim", None)
                                                             or hf_config.hidden_size // hf_config.num_attention_heads))
-    bf16 = cfg.train.bf16 and not on_cpu
+    bf16 = cfg.train.mixed_precision == "bf16" and not on_cpu
     # The SFTConfig (TrainingArguments) comes first: with a ZeRO-3 JSON it makes from_pretrained / from_config
     # partition the weights across ranks while loading (deepspeed.zero.Init) instead of materialising them.
     args = SFTConfig(
@@ -671,9 +532,9 @@ def train(cfg: Config, on_cpu: bool) -> None:
         optim=cfg.optim.optimizer, learning_rate=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
         adam_beta1=cfg.optim.betas[0], adam_beta2=cfg.optim.betas[1], adam_epsilon=cfg.optim.eps,
         lr_scheduler_type=cfg.optim.scheduler, warmup_steps=int(cfg.optim.warmup_ratio * max_steps),
-        max_grad_norm=cfg.optim.max_grad_norm, gradient_checkpointing=cfg.train.gradient_checkpointing,
+        max_grad_norm=cfg.optim.max_grad_norm, gradient_checkpointing=cfg.train.activation_checkpointing == "full",
         logging_steps=cfg.train.log_every, report_to="none", disable_tqdm=True, log_level="warning",
-        save_strategy="steps" if cfg.checkpoint.every_steps > 0 else "no",
+        save_strategy="steps" if cfg.checkpoint.every_steps >= 0 else "no",  # "steps" saves at the end too
         save_steps=cfg.checkpoint.every_steps or max_steps, save_total_limit=None,
         eval_strategy="steps" if cfg.train.eval_every > 0 and val_rows else "no", eval_steps=cfg.train.eval_every or None,
         dataloader_num_workers=cfg.data.num_workers, remove_unused_columns=False,
@@ -704,11 +565,11 @@ def train(cfg: Config, on_cpu: bool) -> None:
             return {}
         return generation_eval(model_for_eval, tokenizer, data.val_prompts, data.val_targets, cfg.data.fields, cfg.eval, info)
 
-    final_eval: dict[str, float] = {}
+    metrics_cb = hf_trainer.MetricsCallback(metrics, pad_id, evaluate_more=gen_eval)
 
-    class ReceiptTrainer(SFTTrainer):
-        """SFTTrainer that counts each micro-batch's rows, real tokens and data-loading time for the metrics,
-        and evaluates the loss per label token over exactly the validation rows (`evaluate`)."""
+    class ReceiptTrainer(hf_trainer.CountBatches, SFTTrainer):
+        """SFTTrainer that counts each micro-batch for the metrics (`hf_trainer.CountBatches`) and evaluates
+        the loss per label token over exactly the validation rows (`evaluate`)."""
 
         def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
             """Loss and next-token accuracy per label token over the validation rows, each counted once.
@@ -716,51 +577,38 @@ def train(cfg: Config, on_cpu: bool) -> None:
             Replaces the Trainer's loop, which pads the last rank's share with duplicate rows and averages
             per-batch means weighted by rows. Here each rank takes every world_size-th row
             (`sft.shard_for_eval`: label-free fillers keep the number of forward passes equal, as ZeRO-3
-            gathers parameters collectively), sums token losses and counts, and one all-reduce gives
-            ``sum of losses / number of label tokens``. Logs ``<prefix>_loss``, ``_mean_token_accuracy`` and
-            ``_tokens`` and calls the callbacks' ``on_evaluate`` (the generation eval runs there), as the
+            gathers parameters collectively), and `sft.evaluate` sums token losses and counts, then one
+            all-reduce gives ``sum of losses / number of label tokens``. Logs ``<prefix>_loss``,
+            ``_mean_token_accuracy`` and ``_tokens`` and calls the callbacks' ``on_evaluate`` (the generation eval runs there), as the
             Trainer's own ``evaluate`` does.
             """
             if eval_dataset is not None:
                 raise ValueError("ReceiptTrainer.evaluate scores the validation split given at construction")
             model = self.model_wrapped
             was_training = model.training
-            model.eval()
+            model.eval()  # until self.log below (sft.evaluate leaves the mode it finds)
             start = time.perf_counter()
             rows = sft.shard_for_eval(val_rows, info.rank, info.world_size)
             size = self.args.per_device_eval_batch_size
-            sums = {k: torch.zeros((), dtype=torch.float64) for k in ("loss_sum", "tokens", "correct")}
-            for i in range(0, len(rows), size):
-                batch = self._prepare_inputs(self.data_collator(rows[i:i + size]))
-                with self.compute_loss_context_manager():
-                    for k, v in token_loss_sums(model, batch).items():
-                        sums[k] += v.double().cpu()
-            totals = cookbook.all_reduce_sum(sums, info.device)
-            n = max(totals["tokens"], 1.0)
-            out = {f"{metric_key_prefix}_loss": totals["loss_sum"] / n,
-                   f"{metric_key_prefix}_mean_token_accuracy": totals["correct"] / n,
-                   f"{metric_key_prefix}_tokens": totals["tokens"],
-                   f"{metric_key_prefix}_runtime": round(time.perf_counter() - start, 4)}
+            batches = (self._prepare_inputs(self.data_collator(rows[i:i + size])) for i in range(0, len(rows), size))
+            result = sft.evaluate(model, batches, info.device, context=self.compute_loss_context_manager, accuracy=True)
+            out = {f"{metric_key_prefix}_{k}": v for k, v in result.items()}  # loss, tokens, mean_token_accuracy
+            out[f"{metric_key_prefix}_runtime"] = round(time.perf_counter() - start, 4)
             self.log(out)  # while the model is in eval mode: TRL adds no training metrics to these logs
             if was_training:
                 model.train()
             self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, out)
             return out
 
-        def get_batch_samples(self, epoch_iterator, num_batches, device):
-            t0 = time.perf_counter()
-            batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
-            wait = (time.perf_counter() - t0) / max(len(batches), 1)
-            for b in batches:
-                metrics.add(samples=b["input_ids"].shape[0], tokens=lm.count_tokens(b, pad_id), data_wait_s=wait)
-            return batches, num_items
-
     trainer = ReceiptTrainer(
         model=model, args=args, processing_class=tokenizer, peft_config=peft_config,
         train_dataset=datasets.Dataset.from_list(train_rows),
         eval_dataset=datasets.Dataset.from_list(val_rows) if val_rows else None,
-        data_collator=collate_packed if cfg.data.packing else None,
-        callbacks=make_callbacks(cfg, info, metrics, staging, root, gen_eval, final_eval),
+        data_collator=partial(sft.collate, pad_id=pad_id, cu_seq_lens=False) if cfg.data.packing else None,
+        # StopAtStep sets should_save before MetricsCallback sees the step end; MetricsCallback, last, pauses
+        # its window over the evaluation and the save (publishing included).
+        callbacks=[hf_trainer.StopAtStep(cfg.train.stop_at_step),
+                   hf_trainer.PublishCheckpoints(root, cfg.checkpoint.keep_last, to_dict(cfg)), metrics_cb],
     )
     trainer.remove_callback(PrinterCallback)  # cookbook's MetricsLogger prints the log lines
     n_trainable = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters() if p.requires_grad)
@@ -782,77 +630,22 @@ def train(cfg: Config, on_cpu: bool) -> None:
                      f"without train.stop_at_step (or with a larger value) to continue from {resume_guard(cfg).latest()}")
             return
         step = trainer.state.global_step
-        evaluated_last_step = final_eval and cfg.train.eval_every > 0 and step % cfg.train.eval_every == 0
+        evaluated_last_step = metrics_cb.last_eval and cfg.train.eval_every > 0 and step % cfg.train.eval_every == 0
         if val_rows and not evaluated_last_step:
-            trainer.evaluate()  # validation loss + generation metrics, through CookbookMetrics.on_evaluate
-        final = final_eval
-        export_dir = export_final(trainer, tokenizer, out_dir, cfg, hf_config, info) if cfg.checkpoint.export_hf else None
-        metrics.log_summary({"step": trainer.state.global_step, **{f"eval/{k}": v for k, v in final.items()},
+            trainer.evaluate()  # validation loss + generation metrics, through MetricsCallback.on_evaluate
+        final = metrics_cb.last_eval
+        export_dir = hf_trainer.export_final(trainer, tokenizer, out_dir) if cfg.checkpoint.export_hf else None
+        outputs = {"export_dir": (export_dir, "AutoModelForCausalLM.from_pretrained")}
+        metrics.log_summary({"step": step, **{f"eval/{k}": v for k, v in final.items()},
                              "export_dir": str(export_dir) if export_dir else None, "mlflow_uri": metrics.mlflow_uri,
                              "mlflow_run_id": metrics.mlflow_run_id})
-        if info.is_main:
-            log.info(f"done: {step} steps" + (f" | {eval_line(final, cfg.data.fields)}" if final else ""))
-            log.info(f"metrics:     {metrics.jsonl_path}")
-            if metrics.mlflow_uri:
-                log.info(f"MLflow:      {metrics.mlflow_uri} (run {metrics.mlflow_run_id})")
-            log.info(f"checkpoints: {root}")
-            if export_dir:
-                log.info(f"model:       {export_dir} (AutoModelForCausalLM.from_pretrained)")
+        log_outputs(step, final, metrics, root, outputs, eval_text=eval_line(final, cfg.data.fields) if final else "")
     except BaseException:
         failed = True
         raise
     finally:
         metrics.close(failed=failed, stopped=stopped)
         cookbook.destroy_distributed()
-
-
-def export_final(trainer, tokenizer, out_dir: Path, cfg: Config, hf_config, info) -> Path | None:
-    """Write the consolidated 16-bit model and the tokenizer to ``out_dir/final`` (Hugging Face format), atomically.
-
-    Collective. The full state dict comes from DeepSpeed (ZeRO-3 gathers every partition to rank 0, in the
-    training dtype: bf16 on GPU, fp32 on CPU). With LoRA, the adapter goes to ``out_dir/adapter`` and ``final``
-    holds the base model with the adapter merged in.
-
-    Returns:
-        ``out_dir/final`` on rank 0, ``None`` elsewhere.
-    """
-    import cookbook
-
-    state = trainer.accelerator.get_state_dict(trainer.model_wrapped)  # every rank takes part; rank 0 gets tensors
-    result = None
-    if info.is_main:
-        unwrapped = trainer.accelerator.unwrap_model(trainer.model_wrapped)
-        state = {k: v.detach().cpu() for k, v in state.items()}
-        dtype = next(v.dtype for v in state.values() if v.is_floating_point())
-        if cfg.lora.enabled:
-            tmp = out_dir / ".tmp-adapter"
-            shutil.rmtree(tmp, ignore_errors=True)
-            unwrapped.save_pretrained(tmp, state_dict=state)
-            tokenizer.save_pretrained(tmp)
-            publish(tmp, out_dir / "adapter")
-            from peft import get_peft_model
-
-            # The class's own constructor, not from_config: under ZeRO-3, from_config partitions the new model
-            # across ranks (a collective that rank 0 alone would wait on forever).
-            with torch.device("meta"):
-                merged = get_peft_model(type(unwrapped.get_base_model())(hf_config), unwrapped.peft_config["default"])
-            merged.load_state_dict(state, assign=True)
-            merged = merged.merge_and_unload()
-            state = {k: v.contiguous() for k, v in merged.state_dict().items()}
-            unwrapped = merged
-        tmp = out_dir / ".tmp-final"
-        shutil.rmtree(tmp, ignore_errors=True)
-        unwrapped.save_pretrained(tmp, state_dict=state, safe_serialization=True)
-        config_file = tmp / "config.json"
-        saved = json.loads(config_file.read_text())
-        saved["dtype"] = str(dtype).removeprefix("torch.")  # so from_pretrained(dtype="auto") keeps it
-        saved["use_cache"] = True
-        config_file.write_text(json.dumps(saved, indent=2))
-        tokenizer.save_pretrained(tmp)
-        publish(tmp, out_dir / "final")
-        result = out_dir / "final"
-    cookbook.barrier()
-    return result
 
 
 if __name__ == "__main__":

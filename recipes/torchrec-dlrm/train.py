@@ -33,13 +33,12 @@ What this recipe supports:
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import numbers
 import os
 import time
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -61,13 +60,8 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTens
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
-from torchrec.distributed.sharding_plan import (
-    column_wise,
-    construct_module_sharding_plan,
-    data_parallel,
-    row_wise,
-    table_wise,
-)
+from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, data_parallel, row_wise
+from torchrec.distributed.sharding_plan import table_wise
 from torchrec.distributed.types import ShardingPlan
 from torchrec.models.dlrm import DLRM, DLRMTrain
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
@@ -77,10 +71,12 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 import cookbook
 from cookbook.checkpoint import Checkpointer, CheckpointError, TrainState
+from cookbook import config
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
+from cookbook.loop import TrainLoop, already_complete
 from cookbook.metrics import MetricsLogger, StepProfiler
-from cookbook import tabular
-from cookbook.tabular import DataError, first_csv_row, records, to_int
+from cookbook import hub, tabular
+from cookbook.tabular import DataError, to_int
 
 for _name in ("torchrec", "root"):  # TorchRec logs planner and caching notices at WARNING on every rank
     logging.getLogger(_name).setLevel(logging.ERROR)
@@ -143,27 +139,19 @@ class TrainConfig:
 
 
 @dataclass
-class CheckpointConfig:
-    every_steps: int = 2000  # 0: only at the end (and at stop_at_step); -1: never (benchmarks)
-    keep_last: int = 2
-    resume: str = "auto"
-
-
-@dataclass
-class Config:
+class Config(config.RunConfig):
     output_dir: str = "outputs/dlrm-criteo"
     run_name: str = "dlrm-criteo"
-    mlflow: bool = True
     model: ModelConfig = field(default_factory=ModelConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    checkpoint: config.CheckpointConfig = field(default_factory=config.CheckpointConfig)
 
 
-MAY_CHANGE = ("output_dir", "run_name", "mlflow", "train.stop_at_step", "train.log_every", "train.eval_every",
-              "train.profile_step", "train.pipeline", "data.check_rows", "data.max_eval_rows", "checkpoint.*")
+# Settings that may differ between a checkpoint and the run that resumes it; any other change is refused.
+MAY_CHANGE = (*config.MAY_CHANGE, "train.pipeline", "data.check_rows", "data.max_eval_rows")
 
 
 def table_sizes(cfg: ModelConfig) -> list[int]:
@@ -199,20 +187,15 @@ def check_config(cfg: Config, config_dir: Path) -> None:
         raise ConfigError(f"sharding.tables: no table named {unknown} (tables are C1..C26)")
     if "auto" in cfg.sharding.tables.values():
         raise ConfigError("sharding.tables: name a kind per table; 'auto' is for sharding.plan")
-    check_fields(cfg, at_least={"train.batch_size": 1, "train.log_every": 1, "model.embedding_dim": 1,
-                                "checkpoint.keep_last": 0, "checkpoint.every_steps": -1},
-                 one_of={"optim.sparse": ("rowwise_adagrad", "sgd"), "optim.dense": ("adagrad", "sgd")},
-                 notes={"checkpoint.every_steps": "-1: never"})
+    config.check_run(cfg)
+    check_fields(cfg, at_least={"train.batch_size": 1, "model.embedding_dim": 1},
+                 one_of={"optim.sparse": ("rowwise_adagrad", "sgd"), "optim.dense": ("adagrad", "sgd")})
     if not cfg.data.train_files and cfg.data.hub_id:  # --check writes the hub rows here, before any worker starts
         cfg.data.train_files = [str(hub_file(cfg))]
     if not cfg.data.train_files:
         raise ConfigError("data.train_files is empty: give Criteo-format text files (or data.hub_id)")
     if cfg.data.holdout_every < 0 or cfg.data.holdout_every == 1:
         raise ConfigError(f"data.holdout_every must be 0 (off) or >= 2, got {cfg.data.holdout_every}")
-    if cfg.train.max_steps <= 0 and cfg.train.epochs <= 0:
-        raise ConfigError("set train.max_steps > 0 or train.epochs > 0")
-    if cfg.checkpoint.every_steps == -1 and cfg.train.stop_at_step > 0:
-        raise ConfigError("train.stop_at_step needs a checkpoint to resume from: checkpoint.every_steps=-1 saves none")
     # Last, once the settings are known to be valid: a conversion reads the whole file.
     cfg.data.train_files = [criteo_text_file(f, cfg.output_dir) for f in cfg.data.train_files]
     cfg.data.eval_files = [criteo_text_file(f, cfg.output_dir) for f in cfg.data.eval_files]
@@ -233,28 +216,12 @@ def check_sharding(cfg: Config, world_size: int, on_cpu: bool) -> None:
 
 
 # ----------------------------------------------------------------------------- data
-HUB_FORMAT = 2  # of the text hub_to_criteo_text writes; a file written by another version is written again
+HUB_FORMAT = 2  # of the lines criteo_line writes for a hub data set; a file written by another version is written again
 
 
 def hub_file(cfg: Config) -> Path:
-    """Where the rows of ``data.hub_id`` are written as Criteo text (in ``output_dir``, shared by all ranks);
-    beside it, ``<name>.json`` records what was written (`hub_is_current`)."""
+    """Where --check writes the rows of ``data.hub_id`` as Criteo text (in ``output_dir``, read by every rank)."""
     return Path(cfg.output_dir) / "hub_data" / f"{cfg.data.hub_id.replace('/', '__')}-{cfg.data.hub_split}.txt"
-
-
-def _hub_meta(hub_id: str, split: str, max_rows: int) -> dict:
-    return {"hub_id": hub_id, "split": split, "max_rows": max_rows, "format": HUB_FORMAT}
-
-
-def hub_is_current(cfg: Config) -> bool:
-    """Whether `hub_file` holds the rows these settings ask for (same data set, split and ``hub_max_rows``,
-    written by this version of the converter); otherwise --check writes it again."""
-    meta = hub_file(cfg).with_suffix(".json")
-    if not hub_file(cfg).is_file() or not meta.is_file():
-        return False
-    written = json.loads(meta.read_text())
-    return {k: written.get(k) for k in ("hub_id", "split", "max_rows", "format")} == _hub_meta(
-        cfg.data.hub_id, cfg.data.hub_split, cfg.data.hub_max_rows)
 
 
 def criteo_line(row: Mapping[str, Any], where: str, positions: Mapping[str, int] | None = None) -> str:
@@ -304,104 +271,23 @@ def criteo_line(row: Mapping[str, Any], where: str, positions: Mapping[str, int]
     return "\t".join(out) + "\n"
 
 
-def _write_criteo_text(rows: Iterator[tuple[str, Mapping[str, Any]]], dst: Path,
-                       positions: Mapping[str, int] | None = None, max_rows: int = 0) -> int:
-    """Write rows as Criteo text to a temporary file beside `dst` and rename it (an interrupted or refused
-    conversion never looks complete); returns the number of rows written."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(f"{dst.name}.{os.getpid()}.tmp")  # per process: ranks that convert at once do not collide
-    n = 0
-    try:
-        with open(tmp, "w") as f:
-            for where, row in rows:
-                f.write(criteo_line(row, where, positions))
-                n += 1
-                if n == max_rows:
-                    break
-        os.replace(tmp, dst)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return n
-
-
-def hub_to_criteo_text(hub_id: str, split: str, dst: Path, max_rows: int = 0) -> int:
-    """Write a Hugging Face data set with Criteo columns (``label``, ``I1``..``I13``, ``C1``..``C26``;
-    missing values as None, "" or NaN; counts may be floats such as ``260.0``) to `dst` as Criteo text,
-    one tab-separated row per line (`criteo_line`), so the training stream reads hub data and local files
-    alike. Streams the rows; publishes by rename, then records the settings in ``<dst>.json``
-    (`hub_is_current`).
-
-    Returns:
-        The number of rows written.
-
-    Raises:
-        DataError: the data set lacks some of those columns (they are named), or a value is malformed
-            (``data.hub_id=<id> row 7, column I4: 2.5 is not an integer``).
-    """
-    import datasets
-
-    def rows():
-        for n, row in enumerate(datasets.load_dataset(hub_id, split=split, streaming=True), 1):
-            if n == 1:
-                missing = [c for c in COLUMNS if c not in row]
-                if missing:
-                    raise DataError(f"data.hub_id={hub_id}: the data set has no column(s) {', '.join(missing)}; expected "
-                                    f"label, I1..I13, C1..C26 (found {', '.join(sorted(row))})")
-            yield f"data.hub_id={hub_id} row {n}", row
-
-    n = _write_criteo_text(rows(), dst, max_rows=max_rows)
-    dst.with_suffix(".json").write_text(json.dumps({**_hub_meta(hub_id, split, max_rows), "rows": n}))
-    return n
-
-
 def criteo_text_file(path: str, output_dir: str) -> str:
     """The Criteo text file to read for `path`: `path` itself, or for CSV, JSON, JSONL and parquet files
-    (`CONVERTED_SUFFIXES`) ``<output_dir>/converted/<name>-<sha256 of the file, 16 hex digits>.txt``,
-    converted now unless it exists. Keyed by content, so a changed source is converted again.
-
-    CSV: a header naming ``label``, ``I1``..``I13``, ``C1``..``C26`` (any order, any case; other columns
-    ignored), or no header and exactly those 40 columns in that order. JSON / JSONL / parquet: those
-    columns by name. Values as in `criteo_line`. The source is read once to hash it (sha256, about 1 GB/s)
-    by every process that starts.
+    (`CONVERTED_SUFFIXES`) ``<output_dir>/converted/<name>-<hash of its content>.txt``, converted once
+    (`cookbook.hub.file_to_text`: a CSV file has a header naming the 40 columns, or none and those columns
+    in order; values as in `criteo_line`).
 
     Raises:
         ConfigError: the file does not exist.
         DataError: a missing column, a row with an extra or a missing field, or a bad value, naming the file,
             the 1-based line (CSV, JSONL) or row (JSON array, parquet) and the column.
     """
-    p = Path(path)
-    if p.suffix.lower() not in CONVERTED_SUFFIXES:
+    if Path(path).suffix.lower() not in CONVERTED_SUFFIXES:
         return path
-    if not p.is_file():
-        raise ConfigError(f"data file not found: {path}")
-    with open(p, "rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()
-    dst = Path(output_dir) / "converted" / f"{p.stem}-{digest[:16]}.txt"
-    if dst.is_file():
-        return str(dst)
-    kw: dict[str, Any] = {}
-    positions = None
-    if p.suffix.lower() == ".csv":
-        first = first_csv_row(p) or []
-        try:
-            headerless = to_int(first[0]) in (0, 1) if first else False
-        except ValueError:
-            headerless = False
-        canonical = {c.lower(): c for c in COLUMNS}
-        columns = COLUMNS if headerless else [canonical.get(c.strip().lower(), c.strip()) for c in first]
-        kw = dict(csv_columns=columns, csv_header=not headerless)
-        positions = {c: i for i, c in enumerate(columns, 1)}
-    n = _write_criteo_text(records(p, required=COLUMNS, **kw), dst, positions)
-    print(f"{path}: {n} rows converted to Criteo text in {dst}")
+    dst, n = hub.file_to_text(path, Path(output_dir) / "converted", criteo_line, COLUMNS)
+    if n is not None:
+        print(f"{path}: {n} rows converted to Criteo text in {dst}")
     return str(dst)
-
-
-def _whole(value: str, where: str, col: int) -> int:
-    """A count written otherwise than as a plain integer: ``260.0`` is 260, NaN or blank is 0."""
-    try:
-        return to_int(value) or 0
-    except ValueError:
-        raise DataError(f"{where}, column {col} ({COLUMNS[col - 1]}): {value!r} is not an integer") from None
 
 
 def parse_row(line: str, sizes: list[int], where: str) -> tuple[float, list[float], list[int]]:
@@ -415,21 +301,21 @@ def parse_row(line: str, sizes: list[int], where: str) -> tuple[float, list[floa
     fields = line.rstrip("\r\n").split("\t")
     if len(fields) != 40:
         raise DataError(f"{where}: {len(fields)} tab-separated fields, expected 40 (label, I1-I13, C1-C26)")
-    label = fields[0]
-    if label not in ("0", "1"):
-        try:
-            n = to_int(label)
-        except ValueError:
-            n = None
-        if n not in (0, 1):
-            raise DataError(f"{where}, column 1 (label): {label!r} is not 0 or 1")
-        label = str(n)
+    try:
+        label = int(fields[0]) if fields[0] in ("0", "1") else to_int(fields[0])
+    except ValueError:
+        label = None
+    if label not in (0, 1):
+        raise DataError(f"{where}, column 1 (label): {fields[0]!r} is not 0 or 1")
     dense = []
     for col, value in enumerate(fields[1:14], start=2):
         try:
             n = int(value) if value else 0
-        except ValueError:
-            n = _whole(value, where, col)
+        except ValueError:  # written otherwise than as a plain integer: "260.0" is 260, NaN 0
+            try:
+                n = to_int(value) or 0
+            except ValueError:
+                raise DataError(f"{where}, column {col} ({COLUMNS[col - 1]}): {value!r} is not an integer") from None
         dense.append(math.log1p(n) if n > 0 else 0.0)
     ids = []
     for col, (value, size) in enumerate(zip(fields[14:], sizes), start=15):
@@ -476,7 +362,7 @@ class CriteoStream:
     ``[rank * B, (rank + 1) * B)`` of each. Deterministic, so the data position is (epoch, batches done in it):
     a resume skips that many batches without parsing them. A tail shorter than a global batch is dropped.
 
-    The position (a DCP `Stateful`) is that of the last batch the loop *finished* (`consumed`), not the last one
+    The position (a DCP `Stateful`) is that of the last batch the loop *finished* (`finished`), not the last one
     read: the GPU pipeline reads one batch ahead."""
 
     def __init__(self, cfg: Config, rank: int, world_size: int):
@@ -486,6 +372,7 @@ class CriteoStream:
         self.sizes = table_sizes(cfg.model)
         self.rank, self.world_size, self.batch_size = rank, world_size, cfg.train.batch_size
         self.epoch = self.batches = 0
+        self._read: list[tuple[float, tuple[int, int]]] = []  # (seconds waited, position) of batches read, oldest first
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "batches": self.batches}
@@ -493,8 +380,24 @@ class CriteoStream:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch, self.batches = int(state["epoch"]), int(state["batches"])
 
-    def consumed(self, position: tuple[int, int]) -> None:
-        self.epoch, self.batches = position
+    def __len__(self) -> int:
+        """Global batches in one pass over the training split (counts lines; no parsing)."""
+        return sum(1 for _ in split_lines(self.files, self.holdout_every, self.split)) // (self.world_size * self.batch_size)
+
+    def timed(self) -> Iterator[Batch]:
+        """The batches of `__iter__`, each timed and queued with its position until the loop has `finished` it."""
+        it = iter(self)
+        while True:
+            t0 = time.perf_counter()
+            batch, position = next(it)
+            self._read.append((time.perf_counter() - t0, position))
+            yield batch
+
+    def finished(self) -> float:
+        """The loop finished the oldest batch read by `timed`: its position becomes the saved one. Returns the
+        seconds the loop waited for that batch."""
+        wait, (self.epoch, self.batches) = self._read.pop(0)
+        return wait
 
     def __iter__(self) -> Iterator[tuple[Batch, tuple[int, int]]]:
         """Endless: (batch, its position) epoch after epoch, starting after the saved position."""
@@ -662,10 +565,8 @@ class IntsAsTensors:
 
 def describe_plan(model: DistributedModelParallel) -> str:
     """``table_wise: 20 tables, row_wise: 6 tables`` from the plan DMP applied."""
-    counts: dict[str, int] = {}
-    for module_plan in model.plan.plan.values():
-        for ps in module_plan.values():  # type: ignore[union-attr]
-            counts[ps.sharding_type] = counts.get(ps.sharding_type, 0) + 1
+    counts = Counter(ps.sharding_type for module_plan in model.plan.plan.values()
+                     for ps in module_plan.values())  # type: ignore[union-attr]
     return ", ".join(f"{k}: {v} tables" for k, v in sorted(counts.items()))
 
 
@@ -698,9 +599,11 @@ def main(argv: list[str]) -> None:
     if args.check:  # one process, before torchrun starts any worker
         world_size = int(os.environ.get("COOKBOOK_WORLD_SIZE", "1"))  # launch.sh: NGPU x NNODES
         check_sharding(cfg, world_size, on_cpu)
-        if cfg.data.hub_id and cfg.data.train_files == [str(hub_file(cfg))] and not hub_is_current(cfg):
-            n = hub_to_criteo_text(cfg.data.hub_id, cfg.data.hub_split, hub_file(cfg), cfg.data.hub_max_rows)
-            print(f"{cfg.data.hub_id} ({cfg.data.hub_split}): {n} rows written to {hub_file(cfg)}")
+        if cfg.data.hub_id and cfg.data.train_files == [str(hub_file(cfg))]:  # None: written before, for these settings
+            n = hub.dataset_to_text(cfg.data.hub_id, cfg.data.hub_split, hub_file(cfg), criteo_line, COLUMNS,
+                                    cfg.data.hub_max_rows, version=HUB_FORMAT)
+            if n is not None:
+                print(f"{cfg.data.hub_id} ({cfg.data.hub_split}): {n} rows written to {hub_file(cfg)}")
         Checkpointer(Path(cfg.output_dir) / "checkpoints").check_resume(
             cfg.checkpoint.resume, world_size, to_dict(cfg), MAY_CHANGE, cfg.train.stop_at_step)
         print(f"config OK: {args.config} ({check_data(cfg, world_size)})")
@@ -721,11 +624,8 @@ def main(argv: list[str]) -> None:
                                             cfg.train.stop_at_step)
     if resume_from is not None:
         checkpointer.load(resume_from, ckpt_state)
-    max_steps = cfg.train.max_steps if cfg.train.max_steps > 0 else cfg.train.epochs * steps_per_epoch(cfg, info.world_size)
-    stop_at = cfg.train.stop_at_step if cfg.train.stop_at_step > 0 else max_steps
-    if state.step >= max_steps:
-        log.info(f"already complete: {state.step} of {max_steps} steps; metrics in {out_dir / 'metrics.jsonl'}. "
-                 f"To train again, use a new output_dir (or delete {out_dir}).")
+    max_steps = cfg.train.max_steps if cfg.train.max_steps > 0 else cfg.train.epochs * len(stream)
+    if already_complete(state, max_steps, out_dir):
         cookbook.destroy_distributed()
         return
     if info.is_main:
@@ -740,89 +640,35 @@ def main(argv: list[str]) -> None:
              f"{cfg.optim.dense} (dense)")
 
     # ---- train loop
-    use_pipeline = cfg.train.pipeline and info.device.type == "cuda"
-    profiler = StepProfiler(cfg.train.profile_step, out_dir, info)
-    data_iter = iter(stream)
-    pulled: list[tuple[float, tuple[int, int]]] = []  # (seconds waited, position) of batches read, oldest first
-
-    def timed_batches() -> Iterator[Batch]:
-        while True:
-            t0 = time.perf_counter()
-            batch, position = next(data_iter)
-            pulled.append((time.perf_counter() - t0, position))
-            yield batch
-
-    batches = timed_batches()
-    if use_pipeline:
+    batches, pipeline = stream.timed(), None
+    if cfg.train.pipeline and info.device.type == "cuda":
         from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
         pipeline = TrainPipelineSparseDist(model, optimizer, info.device)
-    window_loss, window_steps = torch.zeros((), device=info.device), 0
-    failed = stopped = False
-    try:
-        cookbook.barrier()
-        metrics.start(state.step)
-        while state.step < min(max_steps, stop_at):
-            profiler.start(state.step + 1)
-            if use_pipeline:  # forward, backward and optimizer step, with the next batch's input dist overlapped
+    loop = TrainLoop(state=state, max_steps=max_steps, stop_at_step=cfg.train.stop_at_step, metrics=metrics,
+                     log_every=cfg.train.log_every, eval_every=cfg.train.eval_every,
+                     evaluate=(lambda: evaluate(model, evals, info.device)) if evals else None,
+                     checkpointer=checkpointer, checkpoint_every=cfg.checkpoint.every_steps, checkpoint_state=ckpt_state,
+                     config=to_dict(cfg), profiler=StepProfiler(cfg.train.profile_step, out_dir, info))
+    with loop:
+        for _ in loop.steps():
+            if pipeline is not None:  # forward, backward and optimizer step, with the next batch's input dist overlapped
                 loss, _ = pipeline.progress(batches)
             else:
-                batch = next(batches).to(info.device)
-                loss, _ = model(batch)
+                loss, _ = model(next(batches).to(info.device))
                 loss.backward()  # the sharded tables update here (fused optimizer)
-                optimizer.step()
+                optimizer.step()  # the dense part and data-parallel tables
                 optimizer.zero_grad(set_to_none=True)
-            wait, position = pulled.pop(0)  # the batch this step finished (the pipeline reads one ahead)
-            stream.consumed(position)
-            state.step += 1
+            wait = stream.finished()  # the batch this step finished (the pipeline reads one ahead) is the data position
             state.epoch = stream.epoch
-            profiler.stop()
             metrics.add(samples=cfg.train.batch_size, tokens=0, data_wait_s=wait)
-            window_loss += loss.detach()
-            window_steps += 1
-            if state.step % cfg.train.log_every == 0 or state.step == max_steps:
-                metrics.log_step(state.step, window_loss / window_steps, cfg.optim.dense_lr, None)
-                window_loss.zero_()
-                window_steps = 0
-            with metrics.paused():  # not counted in the step time and throughput
-                if evals and cfg.train.eval_every > 0 and state.step % cfg.train.eval_every == 0 and state.step < max_steps:
-                    metrics.log_eval(state.step, evaluate(model, evals, info.device))
-                if cfg.checkpoint.every_steps >= 0 and (state.step in (stop_at, max_steps) or (
-                        cfg.checkpoint.every_steps > 0 and state.step % cfg.checkpoint.every_steps == 0)):
-                    checkpointer.save(state.step, ckpt_state, {"epoch": state.epoch, "config": to_dict(cfg)})
+            loop.end_step(loss, lr=cfg.optim.dense_lr)
 
         # ---- finish
-        if state.step < max_steps:
-            stopped = True
-            log.info(f"stopped at step {state.step} of {max_steps} (train.stop_at_step); to continue from "
-                     f"{checkpointer.latest()}, run again without train.stop_at_step (or with a larger value)")
-            return
-        final_eval = evaluate(model, evals, info.device) if evals else {}
-        if final_eval:
-            metrics.log_eval(state.step, final_eval)
-        metrics.log_summary({"step": state.step, **{f"eval/{k}": v for k, v in final_eval.items()},
-                             "mlflow_uri": metrics.mlflow_uri, "mlflow_run_id": metrics.mlflow_run_id})
-        if info.is_main:
-            log.info(f"done: {state.step} steps" + (f" | eval AUC {final_eval['auc']:.4f} log-loss "
-                                                    f"{final_eval['logloss']:.4f}" if final_eval else ""))
-            log.info(f"metrics:     {metrics.jsonl_path}")
-            if metrics.mlflow_uri:
-                log.info(f"MLflow:      {metrics.mlflow_uri} (run {metrics.mlflow_run_id})")
-            log.info(f"checkpoints: {checkpointer.root}")
-    except BaseException:
-        failed = True
-        raise
-    finally:
-        # ---- clean-up
-        metrics.close(failed=failed, stopped=stopped)
-        cookbook.destroy_distributed()
+        loop.finish()
 
-
-def steps_per_epoch(cfg: Config, world_size: int) -> int:
-    """Global batches in one pass over the training split (counts lines; no parsing)."""
-    split = "train" if not cfg.data.eval_files else "all"
-    rows = sum(1 for _ in split_lines(cfg.data.train_files, cfg.data.holdout_every, split))
-    return rows // (world_size * cfg.train.batch_size)
+    # ---- clean-up
+    cookbook.destroy_distributed()
 
 
 if __name__ == "__main__":

@@ -186,3 +186,99 @@ def cli_parser(description: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--check", action="store_true", help="validate config and data, then exit")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-5")
     return parser
+
+
+# ----------------------------------------------------------------------------- sections every recipe shares
+# A recipe's schema reuses these (or subclasses one to add its own keys), so that the same setting has the same
+# name, type and meaning everywhere. Every value is overridden by the recipe's YAML file.
+@dataclasses.dataclass
+class RunConfig:
+    """The top level of a recipe's schema: where the run writes and how it is tracked. A recipe's ``Config``
+    subclasses it and adds its sections (``model``, ``data``, ``optim``, ``train``, ``checkpoint``, ...)."""
+
+    output_dir: str = "outputs/run"  # checkpoints, metrics.jsonl, MLflow store, the exported model
+    run_name: str = "run"  # MLflow run name
+    mlflow: bool = True
+
+
+@dataclasses.dataclass
+class OptimConfig:
+    """``optim``: AdamW (Loshchilov & Hutter, 2019) and a transformers ``get_scheduler`` learning-rate schedule."""
+
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: list[float] = dataclasses.field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    scheduler: str = "cosine"  # a transformers SchedulerType: linear, cosine, constant_with_warmup, ...
+    warmup_ratio: float = 0.03  # fraction of the optimizer steps
+    max_grad_norm: float = 1.0  # clip the total gradient norm; 0: no clipping
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """``train``: the step loop (`cookbook.loop`). One optimizer step takes ``micro_batch_size`` rows per rank,
+    ``grad_accum_steps`` times: the global batch is micro_batch_size x grad_accum_steps x world size rows."""
+
+    seed: int = 42
+    micro_batch_size: int = 2  # rows per rank per micro-step
+    grad_accum_steps: int = 1  # micro-batches per optimizer step
+    epochs: int = 1
+    max_steps: int = -1  # > 0: this many optimizer steps, whatever `epochs` says
+    stop_at_step: int = -1  # > 0: checkpoint and stop after this step; run again to continue
+    mixed_precision: str = "bf16"  # compute dtype on GPUs: bf16 or fp32 (CPU runs in fp32)
+    activation_checkpointing: str = "none"  # none, full (recompute each layer in backward); selective where offered
+    log_every: int = 10  # optimizer steps per log line
+    eval_every: int = 0  # optimizer steps between evaluations; 0: at the end only
+    profile_step: int = 0  # > 0: a torch.profiler trace of this step in <output_dir>/profile
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    """``checkpoint``: the cadence of resumable checkpoints (`cookbook.checkpoint`) and where a run resumes."""
+
+    every_steps: int = 500  # -1: never; 0: only at the end and at train.stop_at_step; N: also every N steps
+    keep_last: int = 2  # newest checkpoints kept; 0 keeps all
+    resume: str = "auto"  # auto (the newest complete checkpoint, if any), none, or a checkpoint folder
+
+
+# Settings of the shared sections that may differ between a checkpoint and the run that resumes it.
+MAY_CHANGE = ("output_dir", "run_name", "mlflow", "train.stop_at_step", "train.log_every", "train.eval_every",
+              "train.profile_step", "checkpoint.*")
+
+
+def check_run(cfg: Any) -> None:
+    """Check the keys of the shared sections that `cfg` has (`TrainConfig`, `OptimConfig`, `CheckpointConfig`).
+
+    Raises:
+        ConfigError: a value out of range (``train.micro_batch_size must be >= 1, got 0``), an unknown
+            ``train.mixed_precision`` or ``optim.scheduler``, neither ``train.max_steps`` nor ``train.epochs``
+            positive, or ``train.stop_at_step`` with ``checkpoint.every_steps=-1`` (nothing to resume from).
+    """
+    has = {k for k in ("train.micro_batch_size", "train.grad_accum_steps", "train.log_every", "train.eval_every",
+                       "train.mixed_precision", "train.max_steps", "train.stop_at_step", "optim.scheduler",
+                       "optim.max_grad_norm", "checkpoint.every_steps", "checkpoint.keep_last")
+           if _has(cfg, k)}
+    minimum = {"train.micro_batch_size": 1, "train.grad_accum_steps": 1, "train.log_every": 1, "train.eval_every": 0,
+               "optim.max_grad_norm": 0, "checkpoint.every_steps": -1, "checkpoint.keep_last": 0}
+    one_of: dict[str, Iterable[Any]] = {"train.mixed_precision": ("bf16", "fp32")}
+    if "optim.scheduler" in has:
+        from transformers import SchedulerType
+
+        one_of["optim.scheduler"] = [t.value for t in SchedulerType]
+    check_fields(cfg, at_least={k: v for k, v in minimum.items() if k in has},
+                 one_of={k: v for k, v in one_of.items() if k in has},
+                 notes={"checkpoint.every_steps": "-1: never", "optim.max_grad_norm": "0: no clipping",
+                        "checkpoint.keep_last": "0: keep all"})
+    if "train.max_steps" in has and cfg.train.max_steps <= 0 and getattr(cfg.train, "epochs", 0) <= 0:
+        raise ConfigError("set train.max_steps > 0 or train.epochs > 0")
+    if {"train.stop_at_step", "checkpoint.every_steps"} <= has and cfg.checkpoint.every_steps == -1 \
+            and cfg.train.stop_at_step > 0:
+        raise ConfigError("train.stop_at_step needs a checkpoint to resume from: checkpoint.every_steps=-1 saves none")
+
+
+def _has(cfg: Any, key: str) -> bool:
+    try:
+        field_value(cfg, key)
+    except ConfigError:
+        return False
+    return True

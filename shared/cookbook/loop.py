@@ -52,6 +52,8 @@ from cookbook.dist import barrier, get_dist_info, get_logger
 from cookbook.metrics import MetricsLogger, StepProfiler
 
 Outputs = Mapping[str, "tuple[Path | None, str]"]  # summary key -> (folder or None, how to load it)
+EVAL_COUNTS = ("tokens", "samples", "rows")  # evaluation results that count what was evaluated: not shown on `done:`
+OUTPUT_NAMES = {"export_dir": "model"}  # summary key -> its name on the closing lines (others: the key less "_dir")
 
 
 class NonFiniteError(RuntimeError):
@@ -326,20 +328,28 @@ class TrainLoop:
 
 
 def log_outputs(step: int, final_eval: Mapping[str, float], metrics: MetricsLogger, checkpoints: Path | None,
-                outputs: Outputs) -> None:
-    """The closing log lines of a finished run (rank 0 only): steps and final evaluation, then where the
-    metrics, the MLflow run, the checkpoints and each exported artefact are, and how to load it."""
+                outputs: Outputs, eval_text: str | None = None) -> None:
+    """The closing log lines of a finished run (rank 0 only): steps and final evaluation (its metrics, not
+    the counts in `EVAL_COUNTS`), then where the metrics, the MLflow run, the checkpoints and each exported
+    artefact are (``model:`` for ``export_dir``, see `OUTPUT_NAMES`), and how to load it.
+
+    Args:
+        eval_text: the final evaluation as the recipe words it; default: ``eval`` and the ``name value`` pairs
+            of `final_eval`.
+    """
     if not get_dist_info().is_main:
         return
     log = get_logger()
-    shown = " ".join(f"{k} {v:.4f}" for k, v in final_eval.items() if k != "tokens")
-    log.info(f"done: {step} steps" + (f" | eval {shown}" if shown else ""))
+    pairs = " ".join(f"{k} {v:.4f}" for k, v in final_eval.items() if k not in EVAL_COUNTS)
+    shown = eval_text if eval_text is not None else f"eval {pairs}" if pairs else ""
+    log.info(f"done: {step} steps" + (f" | {shown}" if shown else ""))
     rows = [("metrics", f"{metrics.jsonl_path}")]
     if metrics.mlflow_uri:
         rows.append(("MLflow", f"{metrics.mlflow_uri} (run {metrics.mlflow_run_id}); browse with "
                                f"`mlflow ui --backend-store-uri {metrics.mlflow_uri}`"))
     if checkpoints is not None:
         rows.append(("checkpoints", str(checkpoints)))
-    rows += [(key.removesuffix("_dir"), f"{path} ({how})" if how else str(path)) for key, (path, how) in outputs.items() if path]
+    rows += [(OUTPUT_NAMES.get(key, key.removesuffix("_dir")), f"{path} ({how})" if how else str(path))
+             for key, (path, how) in outputs.items() if path]
     for name, text in rows:
         log.info(f"{name + ':':<12} {text}")

@@ -2,8 +2,14 @@
 
 - `cookbook.sft.data`: chat / Alpaca / ShareGPT / completion rows, tokenization with the chat template
   (loss on assistant tokens only), per-file statistics, packing and padding.
+- `cookbook.sft.batch`: the padding id, train and eval rows (packed or not), ``collate`` into batches
+  (packed rows carry ``cu_seq_lens`` for the varlen attention).
+- `cookbook.sft.loss`: the summed next-token loss over labelled tokens, and ``evaluate`` (mean loss per
+  labelled token over every rank).
+- `cookbook.sft.attention`: the ``varlen`` attention back-end (``register_varlen``).
+- `cookbook.sft.check`: what a recipe's ``--check`` verifies (tokenizer against the model, one step of data).
 
-The names of `cookbook.sft.data` are importable from `cookbook.sft` directly.
+Their public names are importable from `cookbook.sft` directly.
 """
 
 from cookbook.sft.data import (
@@ -24,6 +30,10 @@ from cookbook.sft.data import (
     load_examples,
     shard_for_eval,
 )
+from cookbook.sft.batch import collate, pad_token_id, training_rows
+from cookbook.sft.loss import count_label_tokens, evaluate, token_loss_sum, token_loss_sums
+from cookbook.sft.attention import register_varlen, varlen_attention
+from cookbook.sft.check import check_data, check_one_step, load_tokenizer
 
 __all__ = [
     "IGNORE_INDEX",
@@ -42,4 +52,23 @@ __all__ = [
     "pad_batch",
     "load_examples",
     "shard_for_eval",
+    "collate",
+    "pad_token_id",
+    "training_rows",
+    "count_label_tokens",
+    "evaluate",
+    "token_loss_sum",
+    "token_loss_sums",
+    "register_varlen",
+    "varlen_attention",
+    "check_data",
+    "check_one_step",
+    "load_tokenizer",
 ]
+
+from cookbook.sft.config import MAY_CHANGE, DataConfig, check_data_config  # noqa: E402
+
+__all__ += ["MAY_CHANGE", "DataConfig", "check_data_config"]
+
+# Submodules used by name (``cookbook.sft.vision.VLDataset``): image + text rows; shard-by-shard safetensors loading.
+from cookbook.sft import lazy_load, vision  # noqa: F401

@@ -1,0 +1,516 @@
+"""Mixture-of-experts LoRA training with FSDP2 and expert parallelism (EP): the mechanism the MoE recipes share.
+
+The recipes (``recipes/moe-lora-fsdp2-ep``, ``recipes/moe-vl-lora-fsdp2-ep``) write their technique out:
+the meshes, LoRA, the expert split, ``fully_shard`` and the step. This module holds what they call:
+
+- config sections and checks every MoE LoRA recipe has (`MoELoraConfig`, `check_config`, `check_model`);
+- expert parallelism on Hugging Face MoE blocks with fused 3-D experts (transformers 5): `init_meshes`,
+  `split_experts` (each EP rank keeps its experts, base weights and LoRA factors) and `ep_dispatch` (tokens
+  travel to their expert's rank and back with an autograd all-to-all, `AllToAll`);
+- the base model on the meta device or whole (`build_base`), LoRA initialised the same for every EP degree
+  (`init_lora`), active-parameter FLOPs (`active_flops`);
+- router statistics and the Switch-Transformer load-balancing loss (`RouterStats`);
+- the gradient norm over parameters of two meshes (`clip_grad_norm`), evaluation with the routers' records left
+  out (`evaluate`, over `cookbook.sft.evaluate`);
+- adapter checkpoints and exports: `AdapterState` (DCP), `gather_lora`, `export_adapter`, `export_merged`.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import cookbook
+from cookbook.checkpoint import ModelOptimizerState, publish
+from cookbook import config
+from cookbook.config import ConfigError, check_fields, resolve_path
+from cookbook.metrics import ModelFlops, count_parameters
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+# ----------------------------------------------------------------------------- config
+@dataclass
+class ModelConfig:
+    name_or_path: str = "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16"  # hub id or local folder
+    pretrained: bool = True  # False: random init from config.json (benchmarks, CI)
+    lazy_load: bool = True  # pretrained: each rank reads its experts' slices and the dense weights from the
+    #                         safetensors files (False: transformers' from_pretrained of the whole model per rank)
+    tokenizer: str | None = None  # default: name_or_path (vision-language models: also the image processor)
+    attn_implementation: str = "sdpa"
+
+
+@dataclass
+class ParallelConfig:
+    ep: int = 1  # expert-parallel degree: divides the world size and the number of experts; 1 = off
+    reduce_dtype: str = "fp32"  # gradient reduce-scatter dtype
+    reshard_after_forward: bool = True
+
+
+@dataclass
+class LoraSection:
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    target_parameters: list[str] = field(default_factory=lambda: ["mixer.experts.up_proj", "mixer.experts.down_proj"])
+
+
+@dataclass
+class MoESection:
+    aux_loss_coef: float = 0.0  # > 0 adds coef x load-balancing loss to the objective (always reported)
+
+
+@dataclass
+class TrainConfig(config.TrainConfig):
+    activation_checkpointing: str = "full"  # none, full: recompute each decoder layer in backward (transformers' own)
+
+
+@dataclass
+class CheckpointConfig(config.CheckpointConfig):
+    export_adapter: bool = True
+    export_merged: bool = False  # also <output_dir>/merged: base + adapter folded in (needs model.pretrained)
+
+
+@dataclass
+class MoELoraConfig(config.RunConfig):
+    """The sections of a MoE LoRA recipe's config but ``data``, which each recipe adds."""
+    output_dir: str = "outputs/moe-lora"
+    run_name: str = "moe-lora"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoraSection = field(default_factory=LoraSection)
+    moe: MoESection = field(default_factory=MoESection)
+    optim: config.OptimConfig = field(default_factory=config.OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+# Settings that may differ between a checkpoint and the run that resumes it (with the recipe's data keys).
+MAY_CHANGE = (*config.MAY_CHANGE, "model.lazy_load", "data.num_workers")
+
+
+def check_config(cfg: MoELoraConfig, config_dir: Path) -> None:
+    """Resolve the model, tokenizer and data file paths against the config file's folder and reject values of
+    the shared sections (and ``data.max_length``, ``data.eval_fraction``) that are wrong on their own.
+
+    Raises:
+        ConfigError: the first wrong value, naming its key.
+    """
+    cfg.model.name_or_path = resolve_path(cfg.model.name_or_path, config_dir)
+    cfg.model.tokenizer = resolve_path(cfg.model.tokenizer or cfg.model.name_or_path, config_dir)
+    cfg.data.train_files = [resolve_path(f, config_dir) for f in cfg.data.train_files]
+    cfg.data.eval_files = [resolve_path(f, config_dir) for f in cfg.data.eval_files]
+    config.check_run(cfg)
+    check_fields(cfg, at_least={"parallel.ep": 1, "lora.r": 1, "data.max_length": 1, "moe.aux_loss_coef": 0},
+                 one_of={"parallel.reduce_dtype": sorted(DTYPES), "train.activation_checkpointing": ("none", "full")},
+                 within={"lora.dropout": "[0, 1)", "data.eval_fraction": "[0, 1)"},
+                 notes={"data.eval_fraction": "0: no evaluation"})
+    if not cfg.lora.target_modules and not cfg.lora.target_parameters:
+        raise ConfigError("lora.target_modules and lora.target_parameters are both empty: nothing would train")
+    if cfg.lora.dropout > 0 and cfg.lora.target_parameters:
+        raise ConfigError("lora.dropout > 0 is not supported by PEFT for lora.target_parameters (expert weights): set 0")
+    if cfg.checkpoint.export_merged and not (cfg.model.pretrained and cfg.checkpoint.export_adapter):
+        raise ConfigError("checkpoint.export_merged=true folds the adapter into the base weights read from "
+                          "model.name_or_path: it needs model.pretrained=true and checkpoint.export_adapter=true")
+
+
+def _matches(name: str, target: str) -> bool:
+    """PEFT's rule for a target given as a name: the whole name, or its dotted tail."""
+    return name == target or name.endswith("." + target)
+
+
+def check_model(cfg: MoELoraConfig, hf_config, auto_class, world_size: int) -> None:
+    """Refuse an EP degree that does not fit the model or the job, and LoRA targets that match nothing, on the
+    model built with `auto_class` on the meta device (no memory, a second even for 30 B parameters).
+
+    Raises:
+        ConfigError: ``parallel.ep`` > 1 without MoE layers, or not dividing the world size or the experts;
+            a ``lora.target_modules`` / ``lora.target_parameters`` entry matching nothing (the message lists the
+            names of the first layers); a target parameter that is not a fused 3-D expert weight.
+    """
+    with torch.device("meta"):
+        model = auto_class.from_config(hf_config)
+    experts = [m for _, m in moe_blocks(model)]
+    ep = cfg.parallel.ep
+    if ep > 1 and not experts:
+        raise ConfigError(f"parallel.ep={ep} but {cfg.model.name_or_path} ({hf_config.model_type}) has no MoE layers with "
+                          f"fused experts: use parallel.ep=1")
+    if world_size % ep:
+        raise ConfigError(f"parallel.ep={ep} does not divide the world size {world_size} (NGPU x NNODES)")
+    if experts and experts[0].experts.num_experts % ep:
+        raise ConfigError(f"parallel.ep={ep} does not divide the {experts[0].experts.num_experts} experts of each MoE layer")
+    modules = [n for n, _ in model.named_modules()]
+    params = [n for n, _ in model.named_parameters()]
+    for key, names, wanted in [("lora.target_modules", modules, cfg.lora.target_modules),
+                               ("lora.target_parameters", params, cfg.lora.target_parameters)]:
+        for target in wanted:
+            if not any(_matches(n, target) for n in names):
+                tails = sorted({".".join(n.split(".")[-2:]) for n in names if ".layers.0." in n or ".layers.1." in n})
+                raise ConfigError(f"{key}: {target!r} matches nothing in {hf_config.model_type}; names in its first "
+                                  f"layers end with: {', '.join(tails)}")
+        if key == "lora.target_parameters":
+            for target in wanted:
+                if any(_matches(n, target) and model.get_parameter(n).ndim != 3 for n in names):
+                    raise ConfigError(f"lora.target_parameters: {target!r} is not a fused 3-D expert weight; put "
+                                      f"linear layers in lora.target_modules")
+
+
+# ----------------------------------------------------------------------------- expert parallelism
+def moe_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(name, block) of every MoE block: a module with a router ``gate`` and fused ``experts``."""
+    return [(n, m) for n, m in model.named_modules()
+            if hasattr(m, "gate") and hasattr(getattr(m, "experts", None), "num_experts")]
+
+
+@dataclass
+class Meshes:
+    """``world`` (1-D, all ranks: the dense FSDP2 units) and ``dp_ep`` (2-D (dp, ep): the experts), and the names
+    of the LoRA parameters that hold only this EP rank's experts (set from `split_experts`)."""
+    world: DeviceMesh
+    dp_ep: DeviceMesh
+    expert_lora_names: list[str] = field(default_factory=list)
+
+    @property
+    def ep(self) -> int:
+        return self.dp_ep["ep"].size()
+
+
+def init_meshes(device_type: str, world_size: int, ep: int) -> Meshes:
+    """The device meshes of FSDP2 + EP: ``world`` (world_size,) and ``dp_ep`` (world_size // ep, ep), EP
+    groups of consecutive ranks. Collective. Raises ValueError when `ep` does not divide `world_size`."""
+    if world_size % ep:
+        raise ValueError(f"ep={ep} does not divide the world size {world_size}")
+    return Meshes(init_device_mesh(device_type, (world_size,), mesh_dim_names=("world",)),
+                  init_device_mesh(device_type, (world_size // ep, ep), mesh_dim_names=("dp", "ep")))
+
+
+class AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` with uneven splits whose backward sends the gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, recv_sizes: list[int], send_sizes: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.sizes, ctx.group = (send_sizes, recv_sizes), group
+        out = x.new_empty(sum(recv_sizes), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), recv_sizes, send_sizes, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return AllToAll.apply(grad, *ctx.sizes, ctx.group), None, None, None
+
+
+def ep_dispatch(experts: torch.nn.Module, local_forward, group: dist.ProcessGroup, hidden: torch.Tensor,
+                top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The experts' forward under expert parallelism; replaces ``experts.forward`` on every rank.
+
+    Args:
+        experts: the model's experts module, holding experts [j * n, (j + 1) * n) on EP rank j, n = experts.num_experts.
+        local_forward: its original forward, run on the tokens this rank receives.
+        group: the EP group (ranks holding the other experts of this layer).
+        hidden: (T, H) tokens of this rank. top_k_index, top_k_weights: (T, K) global expert ids, weights.
+
+    Returns:
+        (T, H): sum over k of weight[t, k] * expert[top_k_index[t, k]](hidden[t]), as the unsharded module.
+    """
+    per, k = experts.num_experts, top_k_index.shape[1]
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # (token, k) pairs grouped by expert, hence by destination rank
+    send = torch.bincount(flat // per, minlength=dist.get_world_size(group))
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    send_sizes, recv_sizes = send.tolist(), recv.tolist()
+    x = AllToAll.apply(hidden[order // k], recv_sizes, send_sizes, group)
+    local_ids = flat.new_empty(sum(recv_sizes))
+    dist.all_to_all_single(local_ids, flat[order] % per, recv_sizes, send_sizes, group=group)  # ids at the destination
+    y = local_forward(x, local_ids[:, None], torch.ones(len(local_ids), 1, dtype=top_k_weights.dtype, device=x.device))
+    if not len(local_ids):  # nothing to compute here: keep the experts (LoRA) in the graph for the collectives of backward
+        y = y + sum(getattr(experts, n).sum() for n in experts.ep_param_names) * 0
+    y = AllToAll.apply(y, send_sizes, recv_sizes, group)
+    out = torch.zeros(hidden.shape, dtype=y.dtype, device=y.device)
+    out.index_add_(0, order // k, y * top_k_weights.reshape(-1)[order, None].to(y.dtype))
+    return out.to(hidden.dtype)
+
+
+def split_experts(model: torch.nn.Module, ep_mesh: DeviceMesh) -> list[str]:
+    """Keep this rank's share of every expert tensor (base weights and LoRA factors) and route tokens with
+    `ep_dispatch`. PEFT's expert LoRA for E experts is lora_A (r*E, in), expert-major, and lora_B
+    (out, r*E) with the expert index fastest; each is cut along its expert axis. Base weights still on the
+    meta device stay there, with ``checkpoint_offset`` telling `cookbook.sft.lazy_load` where to read.
+
+    Returns:
+        Names of the LoRA parameters that now hold only local experts (stored per EP rank).
+    """
+    from peft.tuners.lora.layer import ParamWrapper
+
+    ep, rank, local_names = ep_mesh.size(), ep_mesh.get_local_rank(), []
+    for name, block in moe_blocks(model):
+        wrappers, experts = [], block.experts
+        while isinstance(experts, ParamWrapper):
+            wrappers.append(experts)
+            experts = experts.base_layer
+        per = experts.num_experts // ep
+        first = rank * per
+        experts.ep_param_names = [n for n, p in experts.named_parameters(recurse=False) if p.ndim == 3]
+        for pname in experts.ep_param_names:
+            p = getattr(experts, pname)
+            setattr(experts, pname, torch.nn.Parameter(p.detach()[first:first + per].clone(), requires_grad=p.requires_grad))
+        for w in wrappers:
+            for lora in (w.lora_A, w.lora_B):
+                for adapter, layer in lora.items():
+                    wt = layer.weight.detach()
+                    if lora is w.lora_A:
+                        wt = wt[first * w.r[adapter]:(first + per) * w.r[adapter]]
+                    else:
+                        wt = wt.reshape(wt.shape[0], -1, w.num_experts)[:, :, first:first + per].reshape(wt.shape[0], -1)
+                    layer.weight = torch.nn.Parameter(wt.clone(), requires_grad=layer.weight.requires_grad)
+                    local_names.append(f"{name}.experts.{_wrapper_path(block.experts, w)}{'lora_A' if lora is w.lora_A else 'lora_B'}.{adapter}.weight")
+            w.num_experts = per
+        experts.num_experts, experts.checkpoint_offset = per, first
+        experts.forward = partial(ep_dispatch, experts, experts.forward, ep_mesh.get_group())
+    return local_names
+
+
+def _wrapper_path(outer: torch.nn.Module, wrapper: torch.nn.Module) -> str:
+    """Dotted path from the outermost PEFT wrapper to a nested one ('' or 'base_layer.' ...)."""
+    path, m = "", outer
+    while m is not wrapper:
+        m, path = m.base_layer, path + "base_layer."
+    return path
+
+
+# ----------------------------------------------------------------------------- model
+def build_base(auto_class, hf_config, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int):
+    """The base model, before LoRA and the expert split, in `dtype`.
+
+    ``cfg.pretrained`` and ``cfg.lazy_load``: built on the meta device (buffers real), for
+    `cookbook.sft.lazy_load.load_base_lazily` once the experts are split, so that a rank reads only its own;
+    pretrained without lazy_load: transformers' ``from_pretrained`` of the whole model on this rank's CPU;
+    otherwise random weights from `seed`, generated on `device` (seconds for 30 B parameters on a GPU, where
+    the CPU's serial generator takes minutes): the same on every rank, so on a GPU the whole base must fit in
+    its memory once (61 GB for a 30 B model in bf16) before the experts are split and the rest sharded.
+    """
+    from accelerate import init_empty_weights
+
+    torch.manual_seed(seed)  # same base (random init) on every rank and every EP degree
+    if cfg.pretrained and cfg.lazy_load:
+        with init_empty_weights(include_buffers=False):  # parameters on meta; buffers (rotary tables) real
+            return auto_class.from_config(hf_config, dtype=dtype)
+    if cfg.pretrained:
+        return auto_class.from_pretrained(cfg.name_or_path, config=hf_config, dtype=dtype)
+    with torch.device(device):
+        return auto_class.from_config(hf_config, dtype=dtype)
+
+
+def active_flops(model: torch.nn.Module, hf_config, exclude: torch.nn.Module | None = None) -> ModelFlops:
+    """FLOPs per token counting the parameters a token uses: all non-embedding parameters but those of
+    `exclude` (a vision tower: it runs per image patch, not per token), except that a routed expert layer
+    contributes top-k / E of its experts. Attention FLOPs for the attention layers only; Mamba's scan is not
+    counted."""
+    experts = moe_blocks(model)
+    routed = sum(p.numel() for _, b in experts for p in b.experts.parameters())
+    text = hf_config.get_text_config()
+    frac = text.num_experts_per_tok / experts[0][1].experts.num_experts if experts else 0.0
+    types = getattr(text, "layers_block_type", None) or ["full_attention"] * text.num_hidden_layers
+    excluded = count_parameters(exclude) if exclude is not None else 0
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return ModelFlops(int(count_parameters(model) - excluded - routed * (1 - frac)), sum(t == "full_attention" for t in types),
+                      text.num_attention_heads * head_dim)
+
+
+def init_lora(model: torch.nn.Module, seed: int) -> list[torch.nn.Parameter]:
+    """(Re-)initialise every LoRA factor with PEFT's own initialisation (A: Kaiming-uniform, B: 0) from `seed`,
+    in module order, on CPU, in fp32 (the frozen base weights keep their dtype): the same initial adapter
+    whatever the load path (a model built on the meta device gives PEFT meta base weights, and PEFT then leaves
+    its factors on meta) and the EP degree.
+
+    Returns:
+        The trainable parameters.
+    """
+    from peft.tuners.lora.layer import LoraLayer
+
+    torch.manual_seed(seed)
+    for module in model.modules():
+        if isinstance(module, LoraLayer):
+            for adapter in module.lora_A:
+                for layer in (module.lora_A[adapter], module.lora_B[adapter]):
+                    if layer.weight.is_meta:
+                        layer.to_empty(device="cpu")
+                module.reset_lora_parameters(adapter, init_lora_weights=True)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for p in trainable:
+        p.data = p.data.float()
+    return trainable
+
+
+# ----------------------------------------------------------------------------- step
+class RouterStats:
+    """Forward hooks on the routers: the load-balancing loss and the expert loads of each forward."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.blocks = moe_blocks(model)
+        self.records: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for _, block in self.blocks:
+            block.gate.register_forward_hook(lambda mod, inp, out: self.records.append((out[0], out[2])))
+        self.num_experts = self.blocks[0][1].gate.num_experts if self.blocks else 0
+        self.loads = torch.zeros(len(self.blocks), self.num_experts, dtype=torch.float64)
+
+    def take(self) -> torch.Tensor:
+        """Mean Switch-Transformer aux loss, E * sum_e f_e * P_e (f: share of routed slots, P: mean router
+        probability; sigmoid routers normalised per token), over this forward's MoE layers; adds the loads.
+        A recomputed forward (activation checkpointing) records again: only the first pass is kept."""
+        records, self.records = self.records[:len(self.blocks)], []
+        if not records:
+            return torch.zeros(())
+        losses = []
+        for i, (logits, idx) in enumerate(records):
+            sigmoid = hasattr(self.blocks[i][1].gate, "e_score_correction_bias")
+            probs = logits.float().sigmoid() if sigmoid else logits.float().softmax(-1)
+            probs = probs / probs.sum(-1, keepdim=True)
+            counts = torch.bincount(idx.reshape(-1), minlength=self.num_experts).to(probs.dtype)
+            self.loads[i] += counts.detach().cpu().double()
+            losses.append(self.num_experts * (counts / counts.sum() * probs.mean(0)).sum())
+        return torch.stack(losses).mean()
+
+    def load_metrics(self, ep: int, device: torch.device) -> dict[str, float]:
+        """Load balance over the window (all ranks), then reset: ``moe/load_max_over_mean`` (busiest expert / mean,
+        mean over layers) and ``moe/ep_rank_load_max_over_mean`` (busiest EP rank / mean). Collective."""
+        if not self.blocks:
+            return {}
+        loads = self.loads.to(device, copy=True)
+        if dist.is_initialized():
+            dist.all_reduce(loads)
+        self.loads.zero_()
+        mean = loads.mean(1).clamp(min=1.0)
+        per_rank = loads.reshape(len(self.blocks), ep, -1).sum(-1)
+        return {"moe/load_max_over_mean": (loads.max(1).values / mean).mean().item(),
+                "moe/ep_rank_load_max_over_mean": (per_rank.max(1).values / per_rank.mean(1).clamp(min=1.0)).mean().item()}
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, device: torch.device) -> torch.Tensor:
+    """Total gradient norm over all ranks (a 0-d float64 tensor), then clip to `max_norm` (<= 0: no clipping).
+    Parameters live on two meshes (world and dp), which torch's clip_grad_norm_ does not mix; every shard of
+    every tensor is on exactly one rank, so the sum of the local squared norms over the world is the total.
+    Plain (non-DTensor) gradients count as this rank's share. Collective."""
+    sq = torch.zeros((), device=device, dtype=torch.float64)
+    for p in params:
+        if p.grad is not None:
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            sq += g.double().pow(2).sum()
+    dist.all_reduce(sq)
+    norm = sq.sqrt()
+    if max_norm > 0:
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0).float()
+        for p in params:
+            if p.grad is not None:
+                (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(scale)
+    return norm
+
+
+def evaluate(model: torch.nn.Module, loader, device: torch.device, router: RouterStats) -> dict[str, float]:
+    """`cookbook.sft.evaluate` (mean loss per labelled token over the evaluation rows of every rank) on a MoE model:
+    the routers' records of the evaluation forwards are dropped, and the loads logged for training are left as
+    they were. Collective."""
+    from cookbook.sft import evaluate as sft_evaluate
+
+    saved = router.loads.clone()
+    try:
+        return sft_evaluate(model, loader, device, on_batch=lambda batch: router.take())
+    finally:
+        router.loads = saved  # the logged loads are those of training
+
+
+# ----------------------------------------------------------------------------- checkpoint and export
+class AdapterState(ModelOptimizerState):
+    """DCP `Stateful`: LoRA weights and optimizer state, without the frozen base weights. Expert LoRA tensors hold
+    different experts on different EP ranks under one name, so they are stored as ``<name>@ep<rank>``."""
+
+    def __init__(self, model, optimizer, meshes: Meshes):
+        super().__init__(model, optimizer, StateDictOptions(ignore_frozen_params=True, strict=False))  # DCP still needs every saved key
+        self.local = set(meshes.expert_lora_names)
+        self.suffix = f"@ep{meshes.dp_ep['ep'].get_local_rank()}"
+
+    def _rename(self, state: dict[str, Any], fwd: bool) -> dict[str, Any]:
+        def key(k):
+            return (k + self.suffix if k in self.local else k) if fwd else k.removesuffix(self.suffix)
+        out = {"model": {key(k): v for k, v in state["model"].items()}}
+        if "optim" in state:
+            optim = state["optim"]
+            out["optim"] = {"state": {key(k): v for k, v in optim["state"].items()},
+                            "param_groups": [{**g, "params": [key(k) for k in g["params"]]} for g in optim["param_groups"]]}
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._rename(super().state_dict(), fwd=True)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(self._rename(state, fwd=False))
+
+
+def gather_lora(model: torch.nn.Module, meshes: Meshes, grads: bool = False) -> dict[str, torch.Tensor]:
+    """The LoRA weights (or their gradients) of the unsharded model, on CPU, keyed by parameter name: dense
+    LoRA gathered from FSDP shards, expert LoRA from the EP ranks (lora_A along rows, lora_B along its
+    expert-fastest columns). Collective."""
+    device = torch.device("cuda", torch.cuda.current_device()) if meshes.world.device_type == "cuda" else torch.device("cpu")
+    full = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        t = p.grad if grads else p
+        t = (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+        if name in meshes.expert_lora_names:  # this EP rank's experts: gather the others' in EP-rank order
+            parts = [torch.empty_like(t, device=device) for _ in range(meshes.ep)]
+            dist.all_gather(parts, t.to(device).contiguous(), group=meshes.dp_ep["ep"].get_group())
+            if ".lora_A." in name:
+                t = torch.cat(parts, 0)
+            else:
+                per = model.get_submodule(name.split(".lora_B.")[0]).num_experts
+                t = torch.cat([q.reshape(q.shape[0], -1, per) for q in parts], 2).reshape(t.shape[0], -1)
+        full[name] = t.cpu()
+    return full
+
+
+def export_adapter(model: torch.nn.Module, meshes: Meshes, out_dir: Path) -> Path | None:
+    """Write the adapter of the unsharded model in PEFT's format (``adapter_config.json``,
+    ``adapter_model.safetensors``), published atomically. Collective; returns the folder on rank 0."""
+    full = gather_lora(model, meshes)
+    result = None
+    if dist.get_rank() == 0:
+        tmp = out_dir.with_name(f".tmp-{out_dir.name}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp, state_dict=full)
+        publish(tmp, out_dir)
+        result = out_dir
+    cookbook.barrier()
+    return result
+
+
+def export_merged(auto_class, name_or_path: str, adapter_dir: Path | None, out_dir: Path, processors=()) -> Path | None:
+    """Write the base model (`auto_class` from `name_or_path`) with the adapter folded in (``merge_and_unload``), in
+    the checkpoint's dtype, with `processors` (tokenizer, image processor) saved beside it: a plain transformers
+    model. Rank 0 loads the whole base model on CPU for it (about 2 bytes per parameter in bf16); published
+    atomically. Collective; the folder on rank 0."""
+    from peft import PeftModel
+
+    result = None
+    if dist.get_rank() == 0:
+        base = auto_class.from_pretrained(name_or_path, dtype="auto")
+        merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+        tmp = out_dir.with_name(f".tmp-{out_dir.name}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        merged.save_pretrained(tmp)
+        for processor in processors:
+            processor.save_pretrained(tmp)
+        publish(tmp, out_dir)
+        result = out_dir
+    cookbook.barrier()
+    return result

@@ -1,0 +1,80 @@
+"""The ``varlen`` attention back-end for transformers: packed documents through PyTorch's variable-length
+FlashAttention kernel, with no attention across documents and no T x T mask.
+
+A recipe calls `register_varlen` once, before it builds its model; then ``attn_implementation="varlen"``
+selects it, and `cookbook.sft.collate` / `cookbook.sft.token_loss_sum` hand it the document boundaries.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+
+def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                     cu_seq_lens_q: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """Causal attention with PyTorch's variable-length FlashAttention kernel
+    (``torch.nn.attention.varlen.varlen_attn``, CUDA, bf16/fp16): each packed document attends
+    only to itself, work is proportional to the documents' own lengths, and no T x T mask is built.
+
+    Registered as ``attn_implementation: varlen`` by `register_varlen`; transformers calls it from each
+    attention layer.
+
+    Args:
+        query: (batch, heads, T, head_dim). key, value: (batch, kv_heads, T, head_dim); kv_heads
+            divides heads (grouped-query attention).
+        attention_mask: ignored (`cookbook.sft.collate`'s ``cu_seq_lens`` carries the document boundaries).
+        scaling: softmax scale (default 1 / sqrt(head_dim)).
+        cu_seq_lens_q: (documents + 1,) int32 offsets of the documents in the flattened
+            (batch * T) tokens, from ``collate``; None treats each row as one document.
+
+    Returns:
+        ``(output, None)`` with output (batch, T, heads, head_dim), as transformers expects.
+
+    Raises:
+        ValueError: attention dropout is on (the kernel wrapper has none).
+    """
+    from torch.nn.attention.varlen import varlen_attn
+
+    if dropout and module.training:
+        raise ValueError("varlen does not implement attention dropout; set the model's attention_dropout to 0")
+    b, h, t, d = query.shape
+    if cu_seq_lens_q is None:
+        cu_seq_lens_q = torch.arange(0, (b + 1) * t, t, device=query.device, dtype=torch.int32)
+    q, k, v = (x.transpose(1, 2).reshape(b * t, x.shape[1], d) for x in (query, key, value))
+    params = _varlen_params()
+    extra = {}
+    if "enable_gqa" in params:
+        extra["enable_gqa"] = k.shape[1] != h
+    elif k.shape[1] != h:  # older torch: repeat the key/value heads
+        k, v = (x.repeat_interleave(h // x.shape[1], dim=1) for x in (k, v))
+    if "window_size" in params:
+        extra["window_size"] = (-1, 0)  # causal
+    else:
+        extra["is_causal"] = True
+    out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, t, t, scale=scaling, **extra)
+    return out.view(b, t, h, d), None
+
+
+@functools.cache
+def _varlen_params() -> frozenset[str]:
+    from torch.nn.attention.varlen import varlen_attn
+
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def register_varlen() -> None:
+    """Register `varlen_attention` with transformers as ``attn_implementation="varlen"`` (attention and
+    mask interfaces: the mask is None, the boundaries come from ``cu_seq_lens``). Idempotent."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register("varlen", varlen_attention)
+    AttentionMaskInterface.register("varlen", _no_mask)
+
+
+def _no_mask(*args, **kwargs) -> None:
+    return None

@@ -1,0 +1,73 @@
+"""What an SFT recipe's ``--check`` verifies in one process before any worker starts: the tokenizer against
+the model, and enough data for one optimizer step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from cookbook.config import ConfigError
+from cookbook.sft.batch import pad_token_id
+from cookbook.sft.data import check_vocab, load_examples, pack
+
+
+def load_tokenizer(tokenizer: str, model: str):
+    """The tokenizer at `tokenizer` (``model.tokenizer``), checked against the vocab_size of the model's
+    ``config.json`` at `model` (``model.name_or_path``; a vision-language model's text config). Both are
+    local folders or hub ids.
+
+    Raises:
+        ConfigError: a local path that does not exist, or a folder / hub id that cannot be loaded.
+        SFTDataError: the tokenizer has more tokens than the model's embedding has rows (`check_vocab`).
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        loaded = AutoTokenizer.from_pretrained(tokenizer)
+        vocab_size = AutoConfig.from_pretrained(model).get_text_config().vocab_size
+    except OSError as exc:
+        for key, value in (("model.name_or_path", model), ("model.tokenizer", tokenizer)):
+            if value.startswith(("/", "./", "../", "~")) and not Path(value).expanduser().exists():
+                raise ConfigError(f"{key}: folder not found: {value}") from None
+        raise ConfigError(f"model.name_or_path / model.tokenizer: cannot load {model!r}: "
+                          f"{str(exc).splitlines()[0]}") from None
+    check_vocab(loaded, vocab_size)
+    return loaded
+
+
+def check_one_step(n_rows: int, micro_batch_size: int, grad_accum_steps: int, world_size: int, note: str = "") -> None:
+    """Refuse a data set with fewer rows than one optimizer step takes (micro_batch_size x grad_accum_steps
+    x world_size rows: the train loaders drop the last incomplete batch).
+
+    Raises:
+        ConfigError: "<n_rows> training rows<note> are too few for one step of <m> x <g> x <w> rows".
+    """
+    if n_rows < micro_batch_size * grad_accum_steps * world_size:
+        raise ConfigError(f"{n_rows} training rows{note} are too few for one step of {micro_batch_size} x "
+                          f"{grad_accum_steps} x {world_size} rows")
+
+
+def check_data(cfg: Any, tokenizer, seed: int, micro_batch_size: int, grad_accum_steps: int, world_size: int) -> str:
+    """The data part of a ``--check``: local files are read and tokenized (`load_examples`), packed when
+    ``cfg.packing``, and must give one optimizer step (`check_one_step`); prints ``data: <statistics>``.
+    A hub data set (no ``train_files``) is read by the workers only.
+
+    Args:
+        cfg: the recipe's data section (see `load_examples`, plus ``packing``).
+        seed: the seed of the held-out split, as in training.
+
+    Returns:
+        The note of the "config OK" line: "<n> train / <m> eval examples", or "data from <hub_id>".
+
+    Raises:
+        ConfigError, SFTDataError: too few rows; a bad file or row (see `load_examples`).
+    """
+    if not cfg.train_files:
+        return f"data from {cfg.hub_id}"
+    train, evals, stats = load_examples(cfg, tokenizer, seed)
+    n_rows = len(pack(train, cfg.max_length, pad_token_id(tokenizer))) if cfg.packing else len(train)
+    check_one_step(n_rows, micro_batch_size, grad_accum_steps, world_size,
+                   note=f" (after holding out {len(evals)} examples for evaluation)")
+    print(f"data: {stats.summary()}")
+    return f"{len(train)} train / {len(evals)} eval examples"
+

@@ -1,0 +1,298 @@
+"""Image + text rows for vision-language models (Qwen-VL family): rows -> chat messages with image
+parts -> token ids with assistant-only labels, each image placeholder repeated once per merged image
+patch, and the images decoded and cut into patches by the model's image processor.
+
+Pipeline, as a recipe uses it::
+
+    tokenizer, image_processor = load_vl_processors("Qwen/Qwen3-VL-30B-A3B-Instruct", max_pixels=512 * 512)
+    train_items, eval_items = load_vl_items(cfg.data, seed=42)          # (source, row, no_loss) items
+    dataset = VLDataset(train_items, tokenizer=tokenizer, image_processor=image_processor,
+                        image_token_id=hf_config.image_token_id, max_length=2048)
+    loader = DataLoader(dataset, collate_fn=partial(collate_vl, pad_id=..., image_token_id=...), num_workers=4)
+
+Rows are read when indexed (in the data loader's workers), so decoding and resizing overlap training.
+Bad rows raise `SFTDataError` naming the file (or hub data set), the 1-based row and the image file;
+`check_vl_items` reads every row of local files once, for a check before training starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cookbook.sft.data import IGNORE_INDEX, ROLES, SFTDataError, load_rows, pad_batch, tokenize_conversation
+
+
+@dataclass
+class VLDataConfig:
+    """The data section of an image + text recipe (`load_vl_items`, `VLDataset`, `load_vl_processors`)."""
+    train_files: list[str] = field(default_factory=list)  # JSON / JSONL of {"images": [path, ...], "messages": [...]}; empty: hub_id
+    eval_files: list[str] = field(default_factory=list)
+    hub_id: str = "HuggingFaceH4/llava-instruct-mix-vsft"
+    eval_fraction: float = 0.01
+    max_length: int = 2048  # tokens per row, image tokens included
+    packing: bool = False  # image + text rows are right-padded (3-D positions per row): true is refused
+    num_workers: int = 4  # image decoding and resizing run in the loader's workers
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    image_min_pixels: int | None = None  # resize bounds (pixels per image; None: the image processor's own),
+    image_max_pixels: int | None = None  # i.e. the number of image tokens
+
+
+def is_vision_language(hf_config) -> bool:
+    """True for a model config with a vision tower (``vision_config``: ``qwen3_vl_moe``, ``qwen2_5_vl``...)."""
+    return getattr(hf_config, "vision_config", None) is not None
+
+
+@dataclass
+class VLSource:
+    """The rows of one data file or hub data set of image + text pairs; image paths are relative to ``base_dir``."""
+    name: str
+    rows: Any  # list[dict] (a JSON / JSONL file) or a datasets.Dataset (rows and their images read on access)
+    base_dir: Path | None = None
+
+
+def to_vl_messages(row: dict, where: str) -> tuple[list[dict], list[Any]]:
+    """One image + text row -> chat messages and the row's images, in the order their image parts appear.
+
+    Formats (an image is a path, relative to the data file's folder, or a PIL image from a hub data set):
+        ``{"images": [image, ...], "messages": [{"role", "content": str | [part, ...]}, ...]}`` with parts
+        ``{"type": "image"}`` (takes the next image) and ``{"type": "text", "text": str}``: the layout of TRL
+        and of HuggingFaceH4/llava-instruct-mix-vsft;
+        ``{"image": image, "messages": [...]}``: one image. Images without image parts go before the first
+        user turn's text.
+
+    Returns:
+        ``(messages, images)``: user turns hold lists of parts, system and assistant turns strings.
+
+    Raises:
+        SFTDataError: ``"<where>: ..."``: the row has no image; images and image parts differ in number; an
+            image part outside a user turn; an unknown role or part; no assistant turn or an empty one.
+    """
+    images = row.get("images", row.get("image"))
+    images = images if isinstance(images, list) else [] if images is None else [images]
+    if not images or any(im is None for im in images):
+        raise SFTDataError(f"{where}: no image ('images': [...] or 'image' missing, empty or null); this data path "
+                           f"trains on image + text pairs")
+    turns = row.get("messages")
+    if not isinstance(turns, list) or not turns:
+        raise SFTDataError(f"{where}: field 'messages' must be a non-empty list of turns")
+    messages, n_parts = [], 0
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict) or turn.get("role") not in ROLES or "content" not in turn:
+            raise SFTDataError(f"{where}: messages[{i}] must be an object with 'role' (one of "
+                               f"{', '.join(ROLES)}) and 'content'")
+        content = turn["content"]
+        if isinstance(content, str):
+            content = [{"type": "text", "text": content}]
+        if not isinstance(content, list):
+            raise SFTDataError(f"{where}: messages[{i}].content must be a string or a list of parts")
+        parts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image" and turn["role"] == "user":
+                parts.append({"type": "image"})
+                n_parts += 1
+            elif kind == "text" and isinstance(part.get("text"), str):
+                parts.append({"type": "text", "text": part["text"]})
+            else:
+                raise SFTDataError(f"{where}: messages[{i}].content[{j}] must be {{'type': 'text', 'text': str}} or, in "
+                                   f"a user turn, {{'type': 'image'}}; got {part!r:.80}")
+        if turn["role"] == "user":
+            messages.append({"role": "user", "content": parts})
+        else:
+            messages.append({"role": turn["role"], "content": "".join(p["text"] for p in parts)})
+            if turn["role"] == "assistant" and not messages[-1]["content"].strip():
+                raise SFTDataError(f"{where}: messages[{i}] is an empty assistant turn")
+    if n_parts == 0:
+        first_user = next((m for m in messages if m["role"] == "user"), None)
+        if first_user is None:
+            raise SFTDataError(f"{where}: no user turn to hold the image")
+        first_user["content"] = [{"type": "image"}] * len(images) + first_user["content"]
+    elif n_parts != len(images):
+        raise SFTDataError(f"{where}: {len(images)} image(s) but {n_parts} {{'type': 'image'}} part(s) in the messages")
+    if messages[0]["role"] == "assistant" or not any(m["role"] == "assistant" for m in messages):
+        raise SFTDataError(f"{where}: a conversation must start with a system or user turn and hold an assistant turn")
+    return messages, images
+
+
+def open_image(ref: Any, base_dir: Path | None, where: str):
+    """Decode one image (a path, relative to `base_dir` unless absolute, or a PIL image) to an RGB PIL image.
+
+    Raises:
+        SFTDataError: ``"<where>: ..."`` naming the file: not found, or not decodable; or a reference that is
+            neither a path nor a PIL image.
+    """
+    from PIL import Image
+
+    if isinstance(ref, Image.Image):
+        return ref.convert("RGB")
+    if not isinstance(ref, str):
+        raise SFTDataError(f"{where}: an image must be a file path or a PIL image, got {type(ref).__name__}")
+    path = Path(ref) if base_dir is None or Path(ref).is_absolute() else base_dir / ref
+    if not path.is_file():
+        raise SFTDataError(f"{where}: image file not found: {path}")
+    try:
+        with Image.open(path) as img:
+            return img.convert("RGB")
+    except (OSError, ValueError, Image.DecompressionBombError) as exc:  # UnidentifiedImageError is an OSError
+        raise SFTDataError(f"{where}: cannot decode image {path}: {exc}") from None
+
+
+def vl_example(row: dict, where: str, base_dir: Path | None, tokenizer, image_processor, image_token_id: int,
+               max_length: int, template_kwargs: dict | None = None, no_loss: bool = False) -> dict[str, Any]:
+    """One image + text row -> model inputs: the chat rendered and tokenized with assistant-only labels
+    (`cookbook.sft.tokenize_conversation`), each image placeholder token repeated once per merged image patch
+    (what the Qwen-VL processors do), the images resized and cut into patches by the image processor.
+
+    Returns:
+        ``input_ids``, ``labels`` (lists of L <= max_length ints; ``no_loss``: all -100), ``pixel_values``
+        (P, C * T * p * p) for the P patches of all images, ``image_grid_thw`` (n_images, 3) patch grids.
+
+    Raises:
+        SFTDataError: ``"<where>: ..."``: see `to_vl_messages` and `open_image`; the template wrote another
+            number of image placeholders; the image tokens do not fit in max_length.
+    """
+    messages, refs = to_vl_messages(row, where)
+    images = [open_image(ref, base_dir, where) for ref in refs]
+    try:
+        ids, labels, _ = tokenize_conversation(tokenizer, messages, 1 << 30, template_kwargs)
+    except SFTDataError as exc:
+        raise SFTDataError(f"{where}: {exc}") from None
+    if ids.count(image_token_id) != len(images):
+        raise SFTDataError(f"{where}: the chat template wrote {ids.count(image_token_id)} image placeholder tokens "
+                           f"(id {image_token_id}) for {len(images)} image(s): use the model's own chat template")
+    pixels = image_processor(images=images, return_tensors="pt")
+    counts = iter((pixels["image_grid_thw"].prod(-1) // image_processor.merge_size ** 2).tolist())
+    out_ids, out_labels = [], []
+    for token, label in zip(ids, labels):
+        n = next(counts) if token == image_token_id else 1
+        out_ids += [token] * n
+        out_labels += [label if n == 1 and token != image_token_id else IGNORE_INDEX] * n
+    if len(out_ids) > max_length:
+        last = len(out_ids) - out_ids[::-1].index(image_token_id)
+        if last > max_length:
+            raise SFTDataError(f"{where}: its image tokens reach token {last}, beyond data.max_length={max_length}: "
+                               f"raise data.max_length or lower data.image_max_pixels")
+        out_ids, out_labels = out_ids[:max_length], out_labels[:max_length]
+    if no_loss:
+        out_labels = [IGNORE_INDEX] * len(out_ids)
+    return {"input_ids": out_ids, "labels": out_labels, "pixel_values": pixels["pixel_values"],
+            "image_grid_thw": pixels["image_grid_thw"]}
+
+
+class VLDataset(torch.utils.data.Dataset):
+    """Image + text rows, tokenized and their images decoded when read (in the DataLoader's workers).
+
+    Args:
+        items: ``(source, row index, no_loss)``; ``no_loss`` rows pad evaluation shards (labels all -100).
+        **kwargs: the arguments of `vl_example` after ``base_dir``.
+    """
+
+    def __init__(self, items: list[tuple[VLSource, int, bool]], **kwargs):
+        self.items, self.kwargs = items, kwargs
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        source, n, no_loss = self.items[i]
+        return vl_example(dict(source.rows[n]), f"{source.name} row {n + 1}", source.base_dir, no_loss=no_loss, **self.kwargs)
+
+
+def load_vl_items(cfg: Any, seed: int) -> tuple[list[tuple], list[tuple]]:
+    """Train and eval items ``(source, row index, no_loss)`` of image + text rows.
+
+    Args:
+        cfg: any object with ``train_files`` (JSON / JSONL; empty: the ``hub_id`` data set's train split, through
+            ``datasets``), ``eval_files``, ``hub_id`` and ``eval_fraction``: without eval files a seeded
+            ``eval_fraction`` of each train source is held out, as `cookbook.sft.load_examples` does for text.
+        seed: seeds the held-out split.
+
+    Raises:
+        SFTDataError: see `cookbook.sft.load_rows` (rows themselves are checked when read).
+    """
+    if cfg.train_files:
+        sources = [VLSource(f, load_rows(f), Path(f).parent) for f in cfg.train_files]
+    else:
+        import datasets
+
+        sources = [VLSource(cfg.hub_id, datasets.load_dataset(cfg.hub_id, split="train"))]
+    train, evals = [], []
+    for source in sources:
+        order = list(range(len(source.rows)))
+        if not cfg.eval_files and cfg.eval_fraction > 0:
+            order = torch.randperm(len(order), generator=torch.Generator().manual_seed(seed)).tolist()
+            n_eval = max(1, int(len(order) * cfg.eval_fraction))
+            evals += [(source, i, False) for i in sorted(order[:n_eval])]
+            order = sorted(order[n_eval:])
+        train += [(source, i, False) for i in order]
+    for f in cfg.eval_files:
+        source = VLSource(f, load_rows(f), Path(f).parent)
+        evals += [(source, i, False) for i in range(len(source.rows))]
+    return train, evals
+
+
+def shard_items_for_eval(items: list[tuple], rank: int, world_size: int) -> list[tuple]:
+    """This rank's evaluation items, padded with label-free copies so that every rank runs as many forwards
+    (see `cookbook.sft.shard_for_eval`)."""
+    if not items:
+        return []
+    mine = items[rank::world_size]
+    return mine + [(*items[0][:2], True)] * (-(-len(items) // world_size) - len(mine))
+
+
+def check_vl_items(dataset: VLDataset, hub_rows: int = 16) -> tuple[int, int]:
+    """Read every item of `dataset` whose source is a local file (each row tokenized, each image decoded) and
+    the first `hub_rows` items of hub data sets: a check before any training process starts.
+
+    Returns:
+        ``(rows checked, images decoded)``.
+
+    Raises:
+        SFTDataError: the first bad row, as `vl_example` raises it (file, row, image named).
+    """
+    local = [i for i, item in enumerate(dataset.items) if item[0].base_dir is not None]
+    hub = [i for i, item in enumerate(dataset.items) if item[0].base_dir is None][:hub_rows]
+    n_images = sum(len(dataset[i]["image_grid_thw"]) for i in local + hub)
+    return len(local) + len(hub), n_images
+
+
+def collate_vl(rows: list[dict], pad_id: int, image_token_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded ``input_ids`` / ``labels`` / ``attention_mask`` (B, L), ``mm_token_type_ids`` (B, L; 1 on
+    image tokens, which the model needs for its 3-D M-RoPE positions), and the patches of all images of the
+    batch concatenated: ``pixel_values`` (P, C * T * p * p), ``image_grid_thw`` (n_images, 3)."""
+    batch = pad_batch(rows, pad_id, pad_to_multiple_of=8)
+    batch["mm_token_type_ids"] = (batch["input_ids"] == image_token_id).long()
+    batch["pixel_values"] = torch.cat([r["pixel_values"] for r in rows])
+    batch["image_grid_thw"] = torch.cat([r["image_grid_thw"] for r in rows])
+    return batch
+
+
+def load_vl_processors(name_or_path: str, min_pixels: int | None = None, max_pixels: int | None = None):
+    """The tokenizer and the image processor of a vision-language model (folder or hub id).
+
+    Args:
+        min_pixels, max_pixels: resize bounds of each image in pixels (None: the image processor's own),
+            hence the number of image tokens.
+
+    Returns:
+        ``(tokenizer, image_processor)``; the tokenizer carries the chat template, taken from the processor
+        when the repository keeps it there only.
+
+    Raises:
+        OSError: a folder or hub id without tokenizer or image processor files (transformers' error).
+    """
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    image_processor = AutoImageProcessor.from_pretrained(name_or_path)
+    if min_pixels or max_pixels:
+        size = {"shortest_edge": min_pixels or image_processor.size["shortest_edge"],
+                "longest_edge": max_pixels or image_processor.size["longest_edge"]}
+        image_processor = AutoImageProcessor.from_pretrained(name_or_path, size=size)
+    if tokenizer.chat_template is None:  # some VL repositories keep the template with the processor only
+        tokenizer.chat_template = AutoProcessor.from_pretrained(name_or_path).chat_template
+    return tokenizer, image_processor
