@@ -32,18 +32,17 @@ import warnings
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 warnings.filterwarnings("ignore", message=".*set_vital.*")
 
 import torch
 from torch.utils.data import DataLoader
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, SchedulerType, get_scheduler
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
 from transformers import logging as hf_logging
 
 import cookbook
-from cookbook import lm, ray_train, sft
+from cookbook import config, lm, ray_train, sft
 from cookbook.checkpoint import CheckpointError
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path
 from cookbook.hub import model_folder
@@ -62,63 +61,32 @@ class ModelConfig:
 
 
 @dataclass
-class DataConfig:
-    train_files: list[str] = field(default_factory=list)  # JSON / JSONL; empty: hub_id
-    hub_id: str = "tatsu-lab/alpaca"
-    eval_fraction: float = 0.02
-    max_length: int = 2048
-    packing: bool = True
-    num_workers: int = 1
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    max_dropped_fraction: float = 0.1  # refuse when more of a file's rows are dropped (cut before the answer, empty answer)
-    split_turns: bool = False  # one example per assistant turn (templates that rewrite earlier turns: Qwen3)
-
-
-@dataclass
-class OptimConfig:
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    scheduler: str = "cosine"
-    warmup_ratio: float = 0.03
-    max_grad_norm: float = 1.0
-
-
-@dataclass
-class TrainConfig:
-    seed: int = 42
-    micro_batch_size: int = 2
+class TrainConfig(config.TrainConfig):
     grad_accum_steps: int = 4
-    epochs: int = 1
-    max_steps: int = -1
-    stop_at_step: int = -1  # > 0: checkpoint and stop at this step; re-run to continue
-    mixed_precision: str = "bf16"  # bf16 autocast on GPU, or fp32
     activation_checkpointing: str = "full"  # full: recompute each layer's activations in backward; none
-    log_every: int = 10
 
 
 @dataclass
-class CheckpointConfig:
+class CheckpointConfig:  # Ray Train resumes from output_dir's newest checkpoint: no checkpoint.resume
     every_steps: int = 500  # -1: never; 0: only at train.stop_at_step and the end; N: also every N steps
-    keep_last: int = 2
-    export_hf: bool = True
+    keep_last: int = 2  # newest checkpoints kept; 0 keeps all
+    export_hf: bool = True  # write <output_dir>/final in Hugging Face format
 
 
 @dataclass
-class Config:
+class Config(config.RunConfig):
     output_dir: str = "outputs/qwen2.5-3b-ray-sft"  # Ray's run folder; shared storage on several nodes
     run_name: str = "qwen2.5-3b-ray-sft"
-    mlflow: bool = True
     ray: ray_train.RayConfig = field(default_factory=ray_train.RayConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: sft.DataConfig = field(default_factory=sft.DataConfig)
+    optim: config.OptimConfig = field(default_factory=config.OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
-MAY_CHANGE = ("output_dir", "run_name", "mlflow", "ray.*", "train.stop_at_step", "train.log_every", "data.num_workers",
-              "data.max_dropped_fraction", "checkpoint.*")
+# Settings that may differ between a checkpoint and the run that resumes it; any other change is refused.
+MAY_CHANGE = (*config.MAY_CHANGE, *sft.MAY_CHANGE, "ray.*")
 
 
 def check_config(cfg: Config, config_dir: Path) -> None:
@@ -126,15 +94,11 @@ def check_config(cfg: Config, config_dir: Path) -> None:
     cfg.model.name_or_path = resolve_path(cfg.model.name_or_path, config_dir)
     cfg.model.tokenizer = resolve_path(cfg.model.tokenizer or cfg.model.name_or_path, config_dir)
     cfg.data.train_files = [resolve_path(f, config_dir) for f in cfg.data.train_files]
-    cfg.output_dir = str(Path(cfg.output_dir).expanduser().resolve())
-    check_fields(cfg, at_least={"train.micro_batch_size": 1, "train.grad_accum_steps": 1, "train.log_every": 1,
-                                "data.max_length": 1, "checkpoint.every_steps": -1},
-                 one_of={"train.mixed_precision": ("bf16", "fp32"), "train.activation_checkpointing": ("none", "full"),
-                         "optim.scheduler": [t.value for t in SchedulerType]},
-                 within={"data.eval_fraction": "[0, 1)", "data.max_dropped_fraction": "[0, 1]"},
-                 notes={"data.eval_fraction": "0: no evaluation"})
-    if cfg.train.max_steps <= 0 and cfg.train.epochs <= 0:
-        raise ConfigError("set train.max_steps > 0 or train.epochs > 0")
+    cfg.data.eval_files = [resolve_path(f, config_dir) for f in cfg.data.eval_files]
+    cfg.output_dir = str(Path(cfg.output_dir).expanduser().resolve())  # workers may start elsewhere
+    config.check_run(cfg)
+    sft.check_data_config(cfg)
+    check_fields(cfg, one_of={"train.activation_checkpointing": ("none", "full")})
 
 
 # ----------------------------------------------------------------------------- model
@@ -146,9 +110,9 @@ def build_model(cfg: ModelConfig, vocab_needed: int, device: torch.device) -> to
         model = AutoModelForCausalLM.from_pretrained(model_folder(cfg.name_or_path), dtype=torch.float32,
                                                      attn_implementation=cfg.attn_implementation).to(device)
     else:
-        config = AutoConfig.from_pretrained(cfg.name_or_path, attn_implementation=cfg.attn_implementation)
+        hf_config = AutoConfig.from_pretrained(cfg.name_or_path, attn_implementation=cfg.attn_implementation)
         with device:
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     if vocab_needed > model.config.vocab_size:
         raise ConfigError(f"the tokenizer has {vocab_needed} tokens but the model's vocab_size is "
                           f"{model.config.vocab_size}: use the model's own tokenizer")
@@ -156,11 +120,11 @@ def build_model(cfg: ModelConfig, vocab_needed: int, device: torch.device) -> to
 
 
 # ----------------------------------------------------------------------------- worker
-def train_loop(config: dict) -> None:
+def train_loop(config_dict: dict) -> None:
     """What every Ray Train worker runs: set-up, the step loop with periodic checkpoints, export."""
     import ray.train.torch
 
-    cfg: Config = ray_train.config_from_dict(Config, config)
+    cfg: Config = ray_train.config_from_dict(Config, config_dict)
     info = ray_train.worker_info()
     torch.manual_seed(cfg.train.seed)
     use_bf16 = info.device.type == "cuda" and cfg.train.mixed_precision == "bf16"
@@ -188,13 +152,19 @@ def train_loop(config: dict) -> None:
     flops = ModelFlops(count_parameters(inner), hf.num_hidden_layers,
                        hf.num_attention_heads * getattr(hf, "head_dim", hf.hidden_size // hf.num_attention_heads))
     model = ray.train.torch.prepare_model(inner)  # DDP
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
                                   weight_decay=cfg.optim.weight_decay, fused=info.device.type == "cuda")
     scheduler = get_scheduler(cfg.optim.scheduler, optimizer, num_warmup_steps=int(cfg.optim.warmup_ratio * max_steps),
                               num_training_steps=max_steps)
+
+    def evaluate() -> dict[str, float]:
+        eval_batches = DataLoader(eval_rows[info.rank::info.world_size], batch_size=cfg.train.micro_batch_size,
+                                  collate_fn=partial(sft.collate, pad_id=pad_id))  # each worker a disjoint slice
+        return sft.evaluate(model, eval_batches, info.device, context=autocast)
+
     run = ray_train.WorkerRun(cfg, info, "qwen-ray-sft", {"model": inner, "optimizer": optimizer, "scheduler": scheduler},
                               max_steps=max_steps, steps_per_epoch=steps_per_epoch, flops=flops,
-                              stop_at=("train.stop_at_step", cfg.train.stop_at_step))
+                              stop_at=("train.stop_at_step", cfg.train.stop_at_step), evaluate=evaluate if eval_rows else None)
     cookbook.get_logger().info(
         f"world size {info.world_size} ({info.backend}, {info.device.type}) | {flops.num_params / 1e6:,.1f} M "
         f"non-embedding params | {len(train_rows)} train / {len(eval_rows)} eval rows of "
@@ -235,12 +205,7 @@ def train_loop(config: dict) -> None:
             optimizer.zero_grad(set_to_none=True)
             run.end_step(step_loss, lr=lr, grad_norm=grad_norm)
 
-        # ---- save: evaluation, Hugging Face export (Ray Train destroys the process group)
-        def final_eval() -> dict[str, float]:
-            eval_batches = DataLoader(eval_rows[info.rank::info.world_size], batch_size=cfg.train.micro_batch_size,
-                                      collate_fn=partial(sft.collate, pad_id=pad_id))  # each worker a disjoint slice
-            return sft.evaluate(model, eval_batches, info.device, context=autocast)
-
+        # ---- save: final evaluation, Hugging Face export (Ray Train destroys the process group)
         def export() -> dict:
             final = Path(cfg.output_dir) / "final"
             if cfg.checkpoint.export_hf and info.is_main:  # DDP: rank 0 holds the whole model
@@ -249,7 +214,7 @@ def train_loop(config: dict) -> None:
             return {"export_dir": (final if cfg.checkpoint.export_hf and info.is_main else None,
                                    "AutoModelForCausalLM.from_pretrained")}
 
-        run.finish(inner, evaluate=final_eval if eval_rows else None, export=export)
+        run.finish(inner, export=export)
 
 
 # ----------------------------------------------------------------------------- driver

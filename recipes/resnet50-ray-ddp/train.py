@@ -44,7 +44,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 import cookbook
-from cookbook import ray_train
+from cookbook import config, ray_train
 from cookbook.checkpoint import CheckpointError
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path
 
@@ -99,10 +99,9 @@ class CheckpointConfig:
 
 
 @dataclass
-class Config:
+class Config(config.RunConfig):
     output_dir: str = "outputs/resnet50-ray"  # Ray's run folder: checkpoints, metrics, MLflow (shared storage on several nodes)
     run_name: str = "resnet50-ray"
-    mlflow: bool = True
     ray: ray_train.RayConfig = field(default_factory=ray_train.RayConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -112,8 +111,7 @@ class Config:
 
 
 # Settings that may differ between a checkpoint and the run that resumes it; any other change is refused.
-MAY_CHANGE = ("output_dir", "run_name", "mlflow", "ray.*", "train.stop_at_epoch", "train.log_every",
-              "data.num_workers", "data.verify_images", "checkpoint.*")
+MAY_CHANGE = (*config.MAY_CHANGE, "ray.*", "train.stop_at_epoch", "data.num_workers", "data.verify_images")
 
 
 def check_config(cfg: Config, config_dir: Path) -> None:
@@ -396,11 +394,11 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, bf16: bool, c
 
 
 # ----------------------------------------------------------------------------- worker
-def train_loop(config: dict) -> None:
+def train_loop(config_dict: dict) -> None:
     """What every Ray Train worker runs: set-up, epochs with a checkpoint each, summary."""
     import ray.train.torch
 
-    cfg: Config = ray_train.config_from_dict(Config, config)
+    cfg: Config = ray_train.config_from_dict(Config, config_dict)
     info = ray_train.worker_info()
     torch.manual_seed(cfg.train.seed)
     random.seed(cfg.train.seed + info.rank)

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import cookbook
-from cookbook import ray_train, tabular
+from cookbook import config, ray_train, tabular
 from cookbook.checkpoint import CheckpointError
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path
 from cookbook.tabular import DataError
@@ -92,10 +92,9 @@ class CheckpointConfig:
 
 
 @dataclass
-class Config:
+class Config(config.RunConfig):
     output_dir: str = "outputs/two-tower-ray"  # Ray's run folder; shared storage on several nodes
     run_name: str = "two-tower-ray"
-    mlflow: bool = True
     ray: ray_train.RayConfig = field(default_factory=ray_train.RayConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -104,7 +103,8 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
-MAY_CHANGE = ("output_dir", "run_name", "mlflow", "ray.*", "train.stop_at_epoch", "train.log_every", "checkpoint.*")
+# Settings that may differ between a checkpoint and the run that resumes it; any other change is refused.
+MAY_CHANGE = (*config.MAY_CHANGE, "ray.*", "train.stop_at_epoch")
 
 
 def check_config(cfg: Config, config_dir: Path) -> None:
@@ -319,11 +319,11 @@ def recall_at_k(model: TwoTower, data: Interactions, ks: list[int], rank: int, w
 
 
 # ----------------------------------------------------------------------------- worker
-def train_loop(config: dict) -> None:
+def train_loop(config_dict: dict) -> None:
     """What every Ray Train worker runs: set-up, epochs with a checkpoint each, summary."""
     import ray.train.torch
 
-    cfg: Config = ray_train.config_from_dict(Config, config)
+    cfg: Config = ray_train.config_from_dict(Config, config_dict)
     info = ray_train.worker_info()
     torch.manual_seed(cfg.train.seed)
     bf16 = info.device.type == "cuda" and cfg.train.mixed_precision == "bf16"

@@ -44,7 +44,7 @@ from cookbook.checkpoint import META_FILE
 from cookbook.config import save_config, to_dict
 from cookbook.dist import DistInfo, _configure_logging, all_gather_object, all_reduce_mean, barrier, get_logger, param_fingerprint
 from cookbook.loop import Outputs, log_outputs
-from cookbook.metrics import MetricsLogger, ModelFlops
+from cookbook.metrics import MetricsLogger, ModelFlops, StepProfiler
 
 _STATE_FILE = "state.pt"
 
@@ -151,20 +151,26 @@ class WorkerRun:
         stop_at: ``("train.stop_at_epoch", n)`` (one checkpoint per epoch, `end_epoch`) or
             ``("train.stop_at_step", n)`` (checkpoints by ``checkpoint.every_steps``, `end_step`); ``n > 0``
             stops there, after a checkpoint.
+        evaluate: for runs counted in steps, the evaluation (collective; metrics summed or averaged over the
+            workers): every ``train.eval_every`` steps when the config has it (> 0) and at the end (`finish`).
         flops, count_tokens: for the `MetricsLogger` (MFU; ``False`` for models without tokens).
+
+    ``train.profile_step`` (when the config has it, > 0) writes a ``torch.profiler`` trace of that step to
+    ``<output_dir>/profile`` (`cookbook.metrics.StepProfiler`).
 
     Every method that logs, evaluates or checkpoints is collective: call it on every worker in the same order.
     """
 
     def __init__(self, cfg: Any, info: DistInfo, experiment: str, state: Mapping[str, Any], *, max_steps: int,
-                 steps_per_epoch: int, stop_at: tuple[str, int], flops: ModelFlops | None = None,
-                 count_tokens: bool = True):
+                 steps_per_epoch: int, stop_at: tuple[str, int], evaluate: Callable[[], Mapping[str, float]] | None = None,
+                 flops: ModelFlops | None = None, count_tokens: bool = True):
         self.cfg, self.info, self.state = cfg, info, dict(state)
         self.max_steps, self.steps_per_epoch = max_steps, steps_per_epoch
         self.stop_key, self.unit = stop_at[0], stop_at[0].rsplit("_", 1)[-1]
         self.total = max_steps // steps_per_epoch if self.unit == "epoch" else max_steps
         self.stop = min(self.total, stop_at[1]) if stop_at[1] > 0 else self.total
         self.checkpoint_every = getattr(cfg.checkpoint, "every_steps", 0) if self.unit == "step" else 0
+        self.evaluate, self.eval_every = evaluate, getattr(cfg.train, "eval_every", 0)
         self.step = self.epoch = self.reports = 0
         self.stopped = False  # the run ended at its stop point, before the end
         self._last_eval: dict[str, float] = {}
@@ -182,6 +188,7 @@ class WorkerRun:
             save_config(cfg, out / "config.yaml")
         self.metrics = MetricsLogger(out, info, flops=flops, run_name=cfg.run_name, experiment=experiment,
                                      params=to_dict(cfg), mlflow=cfg.mlflow, max_steps=max_steps, count_tokens=count_tokens)
+        self.profiler = StepProfiler(getattr(cfg.train, "profile_step", 0), out, info)
         self._reset_window()
 
     @property
@@ -194,6 +201,7 @@ class WorkerRun:
         try:
             barrier()  # every worker starts the clock together
             self.metrics.start(self.step)
+            self.profiler.start(self.step + 1)
         except BaseException:
             self.metrics.close(failed=True)
             raise
@@ -244,6 +252,7 @@ class WorkerRun:
             grad_norm: the gradient norm before clipping, or ``None``.
             window: more per-step numbers averaged over the log window under their names (``{"top1": acc}``).
         """
+        self.profiler.stop()
         self.step += 1
         step = self.step
         self._loss = self._loss + (loss.detach() if isinstance(loss, torch.Tensor) else loss)
@@ -254,10 +263,13 @@ class WorkerRun:
             extra = {k: v / self._steps for k, v in self._window.items()}
             self.metrics.log_step(step, self._loss / self._steps, lr, grad_norm, extra=extra or None)
             self._reset_window()
-        every = self.checkpoint_every
-        if self.unit == "step" and every >= 0 and (step == self.stop or (every > 0 and step % every == 0)):
-            with self.metrics.paused():  # not counted in the step time and throughput
+        with self.metrics.paused():  # not counted in the step time and throughput
+            if self.evaluate is not None and self.eval_every > 0 and step % self.eval_every == 0 and step < self.max_steps:
+                self.metrics.log_eval(step, self.evaluate())
+            every = self.checkpoint_every
+            if self.unit == "step" and every >= 0 and (step == self.stop or (every > 0 and step % every == 0)):
                 self._checkpoint({"loss": all_reduce_mean({"loss": loss}, self.info.device)["loss"]})  # global batch
+        self.profiler.start(step + 1)
 
     def end_epoch(self, evaluate: Callable[[], Mapping[str, float]]) -> dict[str, float]:
         """Count one epoch, evaluate (`evaluate` runs on every worker and returns metrics summed or averaged
@@ -284,22 +296,20 @@ class WorkerRun:
         self._steps = 0
 
     # ------------------------------------------------------------------ the end
-    def finish(self, model: torch.nn.Module, evaluate: Callable[[], Mapping[str, float]] | None = None,
-               export: Callable[[], Outputs] | None = None) -> dict[str, float]:
-        """After the loop: the final evaluation, what every worker did (`worker_summary`), the summary record,
+    def finish(self, model: torch.nn.Module, export: Callable[[], Outputs] | None = None) -> dict[str, float]:
+        """After the loop: the final evaluation (`evaluate`; epoch runs: the last epoch's), what every worker did (`worker_summary`), the summary record,
         and for a finished run its export and closing log lines (`cookbook.loop.log_outputs`), for a stopped
         one how to continue it.
 
         Args:
             model: the unwrapped model (its parameters are fingerprinted on every worker).
-            evaluate: the final evaluation (collective); ``None``: the last epoch's, if any.
             export: for a run that reached its end, writes the final artefacts and returns ``{summary key:
                 (folder or None, how to load it)}``, e.g. ``{"export_dir": (path, "AutoModelForCausalLM.from_pretrained")}``.
 
         Returns:
             The final evaluation's metrics (``{}`` without one).
         """
-        final_eval = dict(evaluate()) if evaluate is not None else {}
+        final_eval = dict(self.evaluate()) if self.evaluate is not None else {}
         if final_eval:
             self.metrics.log_eval(self.step, final_eval)
         else:
