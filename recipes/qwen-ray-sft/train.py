@@ -162,15 +162,14 @@ def train_loop(config_dict: dict) -> None:
                                   collate_fn=partial(sft.collate, pad_id=pad_id))  # each worker a disjoint slice
         return sft.evaluate(model, eval_batches, info.device, context=autocast)
 
-    run = ray_train.WorkerRun(cfg, info, "qwen-ray-sft", {"model": inner, "optimizer": optimizer, "scheduler": scheduler},
-                              max_steps=max_steps, steps_per_epoch=steps_per_epoch, flops=flops,
-                              stop_at=("train.stop_at_step", cfg.train.stop_at_step), evaluate=evaluate if eval_rows else None)
-    cookbook.get_logger().info(
-        f"world size {info.world_size} ({info.backend}, {info.device.type}) | {flops.num_params / 1e6:,.1f} M "
-        f"non-embedding params | {len(train_rows)} train / {len(eval_rows)} eval rows of "
-        f"{'packed ' if cfg.data.packing else ''}<= {cfg.data.max_length} tokens | global batch "
-        f"{cfg.train.micro_batch_size * cfg.train.grad_accum_steps * info.world_size} rows | {max_steps} steps | "
-        f"{'bf16 autocast' if use_bf16 else 'fp32'} | starting at step {run.step} | data: {stats.summary()}")
+    run = ray_train.WorkerRun(
+        cfg, info, "qwen-ray-sft", {"model": inner, "optimizer": optimizer, "scheduler": scheduler}, max_steps=max_steps,
+        steps_per_epoch=steps_per_epoch, stop_at=("train.stop_at_step", cfg.train.stop_at_step),
+        evaluate=evaluate if eval_rows else None, flops=flops,
+        about=f"{flops.num_params / 1e6:,.1f} M non-embedding params | {len(train_rows)} train / {len(eval_rows)} eval "
+              f"rows of {'packed ' if cfg.data.packing else ''}<= {cfg.data.max_length} tokens | global batch "
+              f"{cfg.train.micro_batch_size * cfg.train.grad_accum_steps * info.world_size} rows | "
+              f"{'bf16 autocast' if use_bf16 else 'fp32'} | data: {stats.summary()}")
 
     def batches():
         """Micro-batches from the resumed step on: the sampler's order of each epoch, replayed after a resume."""

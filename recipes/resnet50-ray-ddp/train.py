@@ -435,16 +435,13 @@ def train_loop(config_dict: dict) -> None:
     warmup = int(cfg.optim.warmup_epochs * steps_per_epoch)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: (s + 1) / max(warmup, 1) if s < warmup else
                                                   0.5 * (1 + math.cos(math.pi * (s - warmup) / max(max_steps - warmup, 1))))
-    run = ray_train.WorkerRun(cfg, info, "resnet50-ray",
-                              {"model": inner, "optimizer": optimizer, "scheduler": scheduler, "classes": classes},
-                              max_steps=max_steps, steps_per_epoch=steps_per_epoch,
-                              stop_at=("train.stop_at_epoch", cfg.train.stop_at_epoch), count_tokens=False)
-    cookbook.get_logger().info(
-        f"world size {info.world_size} ({info.backend}, {info.device.type}) | ResNet "
-        f"{sum(p.numel() for p in inner.parameters()) / 1e6:.1f} M params ({type(inner).__module__.split('.')[0]}) | "
-        f"{len(classes)} classes | {len(train_set)} train / {len(val_set)} val images | global batch {global_batch} | "
-        f"lr {lr:g} | {max_steps} steps ({steps_per_epoch}/epoch) | {'bf16 autocast' if bf16 else 'fp32'}"
-        f"{', channels-last' if channels_last else ''} | starting at epoch {run.epoch}")
+    run = ray_train.WorkerRun(
+        cfg, info, "resnet50-ray", {"model": inner, "optimizer": optimizer, "scheduler": scheduler, "classes": classes},
+        max_steps=max_steps, steps_per_epoch=steps_per_epoch, stop_at=("train.stop_at_epoch", cfg.train.stop_at_epoch),
+        count_tokens=False, about=f"ResNet {sum(p.numel() for p in inner.parameters()) / 1e6:.1f} M params "
+                                  f"({type(inner).__module__.split('.')[0]}) | {len(classes)} classes | {len(train_set)} "
+                                  f"train / {len(val_set)} val images | global batch {global_batch} | lr {lr:g} | "
+                                  f"{'bf16 autocast' if bf16 else 'fp32'}{', channels-last' if channels_last else ''}")
 
     def evaluate_replicas() -> dict[str, float]:
         sync_buffers(inner)  # every worker evaluates the weights rank 0 checkpoints

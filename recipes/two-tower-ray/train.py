@@ -341,16 +341,13 @@ def train_loop(config_dict: dict) -> None:
     inner = TwoTower(data.num_users, data.num_items, cfg.model).to(info.device)
     model = ray.train.torch.prepare_model(inner)  # DDP
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
-    run = ray_train.WorkerRun(cfg, info, "two-tower-ray", {"model": inner, "optimizer": optimizer},
-                              max_steps=cfg.train.epochs * len(loader), steps_per_epoch=len(loader),
-                              stop_at=("train.stop_at_epoch", cfg.train.stop_at_epoch), count_tokens=False)
-    cookbook.get_logger().info(
-        f"world size {info.world_size} ({info.backend}, {info.device.type}) | {data.num_users:,} users, "
-        f"{data.num_items:,} items | {len(pairs):,} train interactions, {len(data.eval_users):,} held-out users | "
-        f"{sum(p.numel() for p in inner.parameters()) / 1e6:.2f} M params | global batch "
-        f"{cfg.train.micro_batch_size * info.world_size} | {run.max_steps} steps ({len(loader)}/epoch) | "
-        f"{'bf16 autocast' if bf16 else 'fp32'} | log-q correction {'on' if cfg.train.logq_correction else 'off'} | "
-        f"starting at epoch {run.epoch}")
+    run = ray_train.WorkerRun(
+        cfg, info, "two-tower-ray", {"model": inner, "optimizer": optimizer}, max_steps=cfg.train.epochs * len(loader),
+        steps_per_epoch=len(loader), stop_at=("train.stop_at_epoch", cfg.train.stop_at_epoch), count_tokens=False,
+        about=f"{data.num_users:,} users, {data.num_items:,} items | {len(pairs):,} train interactions, "
+              f"{len(data.eval_users):,} held-out users | {sum(p.numel() for p in inner.parameters()) / 1e6:.2f} M params | "
+              f"global batch {cfg.train.micro_batch_size * info.world_size} | {'bf16 autocast' if bf16 else 'fp32'} | "
+              f"log-q correction {'on' if cfg.train.logq_correction else 'off'}")
 
     # ---- train loop: one checkpoint per epoch
     with run:

@@ -42,7 +42,8 @@ import torch.distributed as dist
 
 from cookbook.checkpoint import META_FILE
 from cookbook.config import save_config, to_dict
-from cookbook.dist import DistInfo, _configure_logging, all_gather_object, all_reduce_mean, barrier, get_logger, param_fingerprint
+from cookbook.dist import (DistInfo, _configure_logging, all_gather_object, all_reduce_mean, barrier, get_logger,
+                           param_fingerprint)
 from cookbook.loop import Outputs, log_outputs
 from cookbook.metrics import MetricsLogger, ModelFlops, StepProfiler
 
@@ -122,7 +123,8 @@ def worker_summary(model: torch.nn.Module, reports: int) -> dict[str, list]:
     """What every worker did, gathered on all of them (collective): ``reports_per_worker`` (calls
     of `report`; equal counts mean no worker fell behind) and ``param_fingerprints`` (equal values
     mean the DDP replicas stayed identical)."""
-    return {"reports_per_worker": all_gather_object(reports), "param_fingerprints": all_gather_object(param_fingerprint(model))}
+    return {"reports_per_worker": all_gather_object(reports),
+            "param_fingerprints": all_gather_object(param_fingerprint(model))}
 
 
 def _facts(meta: Mapping[str, Any]) -> str:
@@ -154,6 +156,8 @@ class WorkerRun:
         evaluate: for runs counted in steps, the evaluation (collective; metrics summed or averaged over the
             workers): every ``train.eval_every`` steps when the config has it (> 0) and at the end (`finish`).
         flops, count_tokens: for the `MetricsLogger` (MFU; ``False`` for models without tokens).
+        about: what the run trains, for its first log line (``world size 2 (gloo, cpu) | <about> | 48 steps
+            (12/epoch) | starting at epoch 1``).
 
     ``train.profile_step`` (when the config has it, > 0) writes a ``torch.profiler`` trace of that step to
     ``<output_dir>/profile`` (`cookbook.metrics.StepProfiler`).
@@ -163,7 +167,7 @@ class WorkerRun:
 
     def __init__(self, cfg: Any, info: DistInfo, experiment: str, state: Mapping[str, Any], *, max_steps: int,
                  steps_per_epoch: int, stop_at: tuple[str, int], evaluate: Callable[[], Mapping[str, float]] | None = None,
-                 flops: ModelFlops | None = None, count_tokens: bool = True):
+                 flops: ModelFlops | None = None, count_tokens: bool = True, about: str = ""):
         self.cfg, self.info, self.state = cfg, info, dict(state)
         self.max_steps, self.steps_per_epoch = max_steps, steps_per_epoch
         self.stop_key, self.unit = stop_at[0], stop_at[0].rsplit("_", 1)[-1]
@@ -190,6 +194,9 @@ class WorkerRun:
                                      params=to_dict(cfg), mlflow=cfg.mlflow, max_steps=max_steps, count_tokens=count_tokens)
         self.profiler = StepProfiler(getattr(cfg.train, "profile_step", 0), out, info)
         self._reset_window()
+        get_logger().info(f"world size {info.world_size} ({info.backend}, {info.device.type}) | "
+                          f"{about + ' | ' if about else ''}{max_steps} steps ({steps_per_epoch}/epoch) | "
+                          f"starting at {self.unit} {self.done}")
 
     @property
     def done(self) -> int:
@@ -297,8 +304,8 @@ class WorkerRun:
 
     # ------------------------------------------------------------------ the end
     def finish(self, model: torch.nn.Module, export: Callable[[], Outputs] | None = None) -> dict[str, float]:
-        """After the loop: the final evaluation (`evaluate`; epoch runs: the last epoch's), what every worker did (`worker_summary`), the summary record,
-        and for a finished run its export and closing log lines (`cookbook.loop.log_outputs`), for a stopped
+        """After the loop: the final evaluation (`evaluate`; epoch runs: the last epoch's), what every worker did
+        (`worker_summary`), the summary record, and for a finished run its export and closing log lines (`cookbook.loop.log_outputs`), for a stopped
         one how to continue it.
 
         Args:
