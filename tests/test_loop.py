@@ -10,7 +10,7 @@ import torch
 from cookbook.checkpoint import Checkpointer, ModelOptimizerState, TrainState
 from cookbook.dist import DistInfo
 import cookbook.loop
-from cookbook.loop import EpochBatches, NonFiniteError, TrainLoop, already_complete, log_outputs
+from cookbook.loop import EpochBatches, NonFiniteError, TrainLoop, already_complete, log_outputs, start_run
 from cookbook.metrics import MetricsLogger
 
 CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend="gloo")
@@ -159,3 +159,51 @@ def test_the_closing_lines_show_the_final_metrics_and_where_each_output_is(tmp_p
     lines.clear()
     log_outputs(3, {}, metrics, None, {})
     assert lines == ["done: 3 steps", f"metrics:     {tmp_path / 'metrics.jsonl'}"]
+
+
+def test_start_run_resumes_and_from_config_takes_the_cadence_from_the_shared_sections(tmp_path):
+    from cookbook.config import CheckpointConfig, RunConfig, TrainConfig, load_config
+    from dataclasses import dataclass, field
+
+    @dataclass
+    class Config(RunConfig):
+        train: TrainConfig = field(default_factory=TrainConfig)
+        checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    cfg = load_config(Config, None, [f"output_dir={tmp_path}", "mlflow=false", "train.log_every=2",
+                                     "train.eval_every=3", "train.stop_at_step=4", "checkpoint.every_steps=0"])
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def start(state):
+        return start_run(cfg, CPU, state=state, checkpoint_state={"app": ModelOptimizerState(model, optimizer), "train": state},
+                         may_change=("train.stop_at_step",), max_steps=5, experiment="tests", final=tmp_path / "final",
+                         count_tokens=False)
+
+    state = TrainState()
+    checkpointer, metrics = start(state)
+    assert (tmp_path / "config.yaml").is_file() and state.step == 0
+    loop = TrainLoop.from_config(cfg, state=state, max_steps=5, metrics=metrics, checkpointer=checkpointer,
+                                 checkpoint_state={"app": ModelOptimizerState(model, optimizer), "train": state},
+                                 evaluate=lambda: {"loss": 1.0})
+    assert (loop.stop_at, loop.log_every, loop.eval_every, loop.checkpoint_every) == (4, 2, 3, 0)
+    assert loop.config["train"]["eval_every"] == 3 and loop.profiler is None
+    with loop:
+        for _ in loop.steps():
+            loop.end_step(torch.tensor(1.0), lr=0.1)
+    assert state.step == 4 and [p.name for p in checkpointer.complete_checkpoints()] == ["step_00000004"]
+    cfg.train.stop_at_step = -1
+    state = TrainState()
+    checkpointer, metrics = start(state)  # resumed: the checkpoint of step 4
+    assert state.step == 4
+    loop = TrainLoop.from_config(cfg, state=state, max_steps=5, metrics=metrics, checkpointer=checkpointer,
+                                 checkpoint_state={"app": ModelOptimizerState(model, optimizer), "train": state})
+    with loop:
+        for _ in loop.steps():
+            loop.end_step(torch.tensor(1.0), lr=0.1)
+    assert state.step == 5
+    state = TrainState()
+    assert start(state) is not None and state.step == 5  # the final model is not exported yet: finish the run
+    (tmp_path / "final").mkdir()
+    state = TrainState()
+    assert start(state) is None and state.step == 5  # already complete: no new metrics run

@@ -58,9 +58,9 @@ from cookbook import lm
 from cookbook.checkpoint import Checkpointer, CheckpointError, ModelOptimizerState, RankLocalState, RNGState, TrainState
 from cookbook.checkpoint import export_hf
 from cookbook import config
-from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
-from cookbook.loop import EpochBatches, TrainLoop, already_complete
-from cookbook.metrics import MetricsLogger, ModelFlops, StepProfiler, count_parameters
+from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, to_dict
+from cookbook.loop import EpochBatches, TrainLoop, start_run
+from cookbook.metrics import ModelFlops, count_parameters
 from cookbook.tabular import DataError, first_csv_row, records, to_int
 
 LABELS = ["World", "Sports", "Business", "Sci/Tech"]
@@ -90,19 +90,10 @@ class DataConfig:
 
 
 @dataclass
-class CheckpointConfig(config.CheckpointConfig):
-    export_hf: bool = True  # write <output_dir>/final in Hugging Face format
-
-
-@dataclass
 class Config(config.RunConfig):
-    output_dir: str = "outputs/modernbert-agnews"
-    run_name: str = "modernbert-agnews"
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    optim: config.OptimConfig = field(default_factory=config.OptimConfig)
-    train: config.TrainConfig = field(default_factory=config.TrainConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    checkpoint: config.HFCheckpointConfig = field(default_factory=config.HFCheckpointConfig)
 
 
 # Settings that may differ between a checkpoint and the run that resumes it; any other change is refused.
@@ -378,22 +369,14 @@ def main(argv: list[str]) -> None:
                               num_training_steps=max_steps)
 
     state = TrainState()
-    checkpointer = Checkpointer(out_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last)
     ckpt_state = {"app": ModelOptimizerState(model, optimizer), "scheduler": scheduler, "train": state,
                   "rank_local": RankLocalState(dataloader=train_loader, rng=RNGState())}
-    resume_from = checkpointer.check_resume(cfg.checkpoint.resume, info.world_size, to_dict(cfg), MAY_CHANGE,
-                                            cfg.train.stop_at_step)
-    if resume_from is not None:
-        checkpointer.load(resume_from, ckpt_state)
-    if already_complete(state, max_steps, out_dir, out_dir / "final" if cfg.checkpoint.export_hf else None):
+    run = start_run(cfg, info, state=state, checkpoint_state=ckpt_state, may_change=MAY_CHANGE, max_steps=max_steps,
+                    experiment="modernbert-ddp", final=out_dir / "final" if cfg.checkpoint.export_hf else None, flops=flops)
+    if run is None:  # already complete
         cookbook.destroy_distributed()
         return
-
-    if info.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, out_dir / "config.yaml")
-    metrics = MetricsLogger(out_dir, info, flops=flops, run_name=cfg.run_name, experiment="modernbert-ddp",
-                            params=to_dict(cfg), mlflow=cfg.mlflow, max_steps=max_steps)
+    checkpointer, metrics = run
     global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * info.world_size
     log.info(f"world size {info.world_size} ({info.backend}, {info.device.type}) | {flops.num_params / 1e6:.1f} M "
              f"non-embedding params | global batch {global_batch} = {cfg.train.micro_batch_size} micro-batch x "
@@ -405,11 +388,9 @@ def main(argv: list[str]) -> None:
 
     # ---- train loop
     batches = EpochBatches(train_loader, state, sampler.set_epoch, info.device)
-    loop = TrainLoop(state=state, max_steps=max_steps, stop_at_step=cfg.train.stop_at_step, metrics=metrics,
-                     log_every=cfg.train.log_every, eval_every=cfg.train.eval_every,
-                     evaluate=lambda: evaluate(model.module, eval_loader, info.device, autocast),
-                     checkpointer=checkpointer, checkpoint_every=cfg.checkpoint.every_steps, checkpoint_state=ckpt_state,
-                     config=to_dict(cfg), profiler=StepProfiler(cfg.train.profile_step, out_dir, info))
+    loop = TrainLoop.from_config(cfg, state=state, max_steps=max_steps, metrics=metrics, checkpointer=checkpointer,
+                                 checkpoint_state=ckpt_state,
+                                 evaluate=lambda: evaluate(model.module, eval_loader, info.device, autocast))
     with loop:
         for _ in loop.steps():
             micro_batches, waits = batches.take(cfg.train.grad_accum_steps)

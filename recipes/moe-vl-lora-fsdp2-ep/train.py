@@ -52,10 +52,10 @@ from transformers import logging as hf_logging
 import cookbook
 from cookbook import lm, moe, sft
 from cookbook.checkpoint import Checkpointer, CheckpointError, RankLocalState, RNGState, TrainState
-from cookbook.config import ConfigError, cli_parser, load_config, save_config, to_dict
+from cookbook.config import ConfigError, cli_parser, load_config, to_dict
 from cookbook.hub import model_folder
-from cookbook.loop import EpochBatches, TrainLoop, already_complete
-from cookbook.metrics import MetricsLogger, ModelFlops, StepProfiler
+from cookbook.loop import EpochBatches, TrainLoop, start_run
+from cookbook.metrics import ModelFlops
 from cookbook.moe import DTYPES
 from cookbook.sft.lazy_load import load_base_lazily
 from cookbook.sft.vision import (VLDataConfig, VLDataset, check_vl_items, collate_vl, is_vision_language, load_vl_items,
@@ -200,22 +200,15 @@ def main(argv: list[str]) -> None:
     scheduler = get_scheduler(cfg.optim.scheduler, optimizer, num_warmup_steps=int(cfg.optim.warmup_ratio * max_steps),
                               num_training_steps=max_steps)
     state = TrainState()
-    checkpointer = Checkpointer(out_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last)
     ckpt_state = {"app": moe.AdapterState(model, optimizer, meshes), "scheduler": scheduler, "train": state,
                   "rank_local": RankLocalState(dataloader=train_loader, rng=RNGState())}
-    resume_from = checkpointer.check_resume(cfg.checkpoint.resume, info.world_size, to_dict(cfg), moe.MAY_CHANGE,
-                                            cfg.train.stop_at_step)
-    if resume_from is not None:
-        checkpointer.load(resume_from, ckpt_state)
-    if already_complete(state, max_steps, out_dir, out_dir / "adapter" if cfg.checkpoint.export_adapter else None, "adapter"):
+    run = start_run(cfg, info, state=state, checkpoint_state=ckpt_state, may_change=moe.MAY_CHANGE, max_steps=max_steps,
+                    experiment="moe-vl-lora-fsdp2-ep", flops=flops,
+                    final=out_dir / "adapter" if cfg.checkpoint.export_adapter else None, what="adapter")
+    if run is None:  # already complete
         cookbook.destroy_distributed()
         return
-
-    if info.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, out_dir / "config.yaml")
-    metrics = MetricsLogger(out_dir, info, flops=flops, run_name=cfg.run_name, experiment="moe-vl-lora-fsdp2-ep",
-                            params=to_dict(cfg), mlflow=cfg.mlflow, max_steps=max_steps)
+    checkpointer, metrics = run
     n_train = sum(p.numel() for p in trainable)
     log.info(f"world size {info.world_size} ({info.backend}) | mesh dp {meshes.dp_ep['dp'].size()} x ep {meshes.ep} | "
              f"{len(router.blocks)} MoE layers x {router.num_experts} experts ({router.num_experts // meshes.ep} per rank) | "
@@ -224,12 +217,10 @@ def main(argv: list[str]) -> None:
 
     # ---- train loop
     batches = EpochBatches(train_loader, state, sampler.set_epoch, info.device)
-    loop = TrainLoop(state=state, max_steps=max_steps, stop_at_step=cfg.train.stop_at_step, metrics=metrics,
-                     log_every=cfg.train.log_every, eval_every=cfg.train.eval_every,
-                     evaluate=(lambda: moe.evaluate(model, eval_loader, info.device, router)) if eval_rows else None,
-                     checkpointer=checkpointer, checkpoint_every=cfg.checkpoint.every_steps, checkpoint_state=ckpt_state,
-                     config=to_dict(cfg), profiler=StepProfiler(cfg.train.profile_step, out_dir, info),
-                     log_extra=lambda: router.load_metrics(meshes.ep, info.device))
+    loop = TrainLoop.from_config(cfg, state=state, max_steps=max_steps, metrics=metrics, checkpointer=checkpointer,
+                                 checkpoint_state=ckpt_state,
+                                 evaluate=(lambda: moe.evaluate(model, eval_loader, info.device, router)) if eval_rows else None,
+                                 log_extra=lambda: router.load_metrics(meshes.ep, info.device))
     with loop:
         for _ in loop.steps():
             micro_batches, waits = batches.take(cfg.train.grad_accum_steps)

@@ -69,10 +69,10 @@ from cookbook.checkpoint import (
     export_hf,
 )
 from cookbook import config
-from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
+from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, to_dict
 from cookbook.hub import model_folder
-from cookbook.loop import EpochBatches, TrainLoop, already_complete
-from cookbook.metrics import MetricsLogger, ModelFlops, StepProfiler, count_parameters
+from cookbook.loop import EpochBatches, TrainLoop, start_run
+from cookbook.metrics import ModelFlops, count_parameters
 
 hf_logging.disable_progress_bar()
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -102,19 +102,15 @@ class TrainConfig(config.TrainConfig):
 
 
 @dataclass
-class CheckpointConfig(config.CheckpointConfig):
-    export_hf: bool = True  # write <output_dir>/final in Hugging Face format
-    export_dtype: str = "bf16"
+class CheckpointConfig(config.HFCheckpointConfig):
+    export_dtype: str = "bf16"  # dtype of the exported weights
 
 
 @dataclass
 class Config(config.RunConfig):
-    output_dir: str = "outputs/qwen3-8b-sft"
-    run_name: str = "qwen3-8b-sft"
     model: ModelConfig = field(default_factory=ModelConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     data: sft.DataConfig = field(default_factory=sft.DataConfig)
-    optim: config.OptimConfig = field(default_factory=config.OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
@@ -257,22 +253,14 @@ def main(argv: list[str]) -> None:
     scheduler = get_scheduler(cfg.optim.scheduler, optimizer, num_warmup_steps=int(cfg.optim.warmup_ratio * max_steps),
                               num_training_steps=max_steps)
     state = TrainState()
-    checkpointer = Checkpointer(out_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last)
     ckpt_state = {"app": ModelOptimizerState(model, optimizer), "scheduler": scheduler, "train": state,
                   "rank_local": RankLocalState(dataloader=train_loader, rng=RNGState())}
-    resume_from = checkpointer.check_resume(cfg.checkpoint.resume, info.world_size, to_dict(cfg), MAY_CHANGE,
-                                            cfg.train.stop_at_step)
-    if resume_from is not None:
-        checkpointer.load(resume_from, ckpt_state)
-    if already_complete(state, max_steps, out_dir, out_dir / "final" if cfg.checkpoint.export_hf else None):
+    run = start_run(cfg, info, state=state, checkpoint_state=ckpt_state, may_change=MAY_CHANGE, max_steps=max_steps,
+                    experiment="fsdp2-sft", final=out_dir / "final" if cfg.checkpoint.export_hf else None, flops=flops)
+    if run is None:  # already complete
         cookbook.destroy_distributed()
         return
-
-    if info.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, out_dir / "config.yaml")
-    metrics = MetricsLogger(out_dir, info, flops=flops, run_name=cfg.run_name, experiment="fsdp2-sft",
-                            params=to_dict(cfg), mlflow=cfg.mlflow, max_steps=max_steps)
+    checkpointer, metrics = run
     log.info(f"world size {info.world_size} ({info.backend}) | FSDP2 mesh {'x'.join(map(str, model.model.embed_tokens.weight.device_mesh.shape))} | "
              f"{flops.num_params / 1e6:,.1f} M non-embedding params | {len(train_rows)} train rows of "
              f"{'packed ' if cfg.data.packing else ''}<= {cfg.data.max_length} tokens | global batch "
@@ -281,11 +269,9 @@ def main(argv: list[str]) -> None:
 
     # ---- train loop
     batches = EpochBatches(train_loader, state, sampler.set_epoch, info.device)
-    loop = TrainLoop(state=state, max_steps=max_steps, stop_at_step=cfg.train.stop_at_step, metrics=metrics,
-                     log_every=cfg.train.log_every, eval_every=cfg.train.eval_every,
-                     evaluate=(lambda: sft.evaluate(model, eval_loader, info.device)) if eval_rows else None,
-                     checkpointer=checkpointer, checkpoint_every=cfg.checkpoint.every_steps, checkpoint_state=ckpt_state,
-                     config=to_dict(cfg), profiler=StepProfiler(cfg.train.profile_step, out_dir, info))
+    loop = TrainLoop.from_config(cfg, state=state, max_steps=max_steps, metrics=metrics, checkpointer=checkpointer,
+                                 checkpoint_state=ckpt_state,
+                                 evaluate=(lambda: sft.evaluate(model, eval_loader, info.device)) if eval_rows else None)
     with loop:
         for _ in loop.steps():
             micro_batches, waits = batches.take(cfg.train.grad_accum_steps)

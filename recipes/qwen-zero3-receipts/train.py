@@ -132,14 +132,7 @@ class EvalConfig:
 
 
 @dataclass
-class CheckpointConfig(config.CheckpointConfig):
-    export_hf: bool = True  # write <output_dir>/final in Hugging Face format
-
-
-@dataclass
 class Config(config.RunConfig):
-    output_dir: str = "outputs/qwen3-8b-receipts"
-    run_name: str = "qwen3-8b-receipts-zero3"
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
@@ -147,7 +140,7 @@ class Config(config.RunConfig):
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    checkpoint: config.HFCheckpointConfig = field(default_factory=config.HFCheckpointConfig)
 
 
 # Settings that may differ between a checkpoint and the run that resumes it; any other change is refused.

@@ -72,9 +72,8 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 import cookbook
 from cookbook.checkpoint import Checkpointer, CheckpointError, TrainState
 from cookbook import config
-from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
-from cookbook.loop import TrainLoop, already_complete
-from cookbook.metrics import MetricsLogger, StepProfiler
+from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, to_dict
+from cookbook.loop import TrainLoop, start_run
 from cookbook import hub, tabular
 from cookbook.tabular import DataError, to_int
 
@@ -140,14 +139,11 @@ class TrainConfig:
 
 @dataclass
 class Config(config.RunConfig):
-    output_dir: str = "outputs/dlrm-criteo"
-    run_name: str = "dlrm-criteo"
     model: ModelConfig = field(default_factory=ModelConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    checkpoint: config.CheckpointConfig = field(default_factory=config.CheckpointConfig)
 
 
 # Settings that may differ between a checkpoint and the run that resumes it; any other change is refused.
@@ -612,27 +608,19 @@ def main(argv: list[str]) -> None:
     # ---- set-up
     info = cookbook.init_distributed()
     log = cookbook.get_logger()
-    out_dir = Path(cfg.output_dir)
     check_sharding(cfg, info.world_size, on_cpu)
     model, optimizer = shard_model(cfg, info)
     stream = CriteoStream(cfg, info.rank, info.world_size)
     evals = eval_batches(cfg, info.rank, info.world_size)
     state = TrainState()
-    checkpointer = Checkpointer(out_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last)
     ckpt_state = {"app": DLRMState(model, optimizer), "train": IntsAsTensors(state), "data": IntsAsTensors(stream)}
-    resume_from = checkpointer.check_resume(cfg.checkpoint.resume, info.world_size, to_dict(cfg), MAY_CHANGE,
-                                            cfg.train.stop_at_step)
-    if resume_from is not None:
-        checkpointer.load(resume_from, ckpt_state)
     max_steps = cfg.train.max_steps if cfg.train.max_steps > 0 else cfg.train.epochs * len(stream)
-    if already_complete(state, max_steps, out_dir):
+    run = start_run(cfg, info, state=state, checkpoint_state=ckpt_state, may_change=MAY_CHANGE, max_steps=max_steps,
+                    experiment="torchrec-dlrm", count_tokens=False)
+    if run is None:  # already complete
         cookbook.destroy_distributed()
         return
-    if info.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, out_dir / "config.yaml")
-    metrics = MetricsLogger(out_dir, info, run_name=cfg.run_name, experiment="torchrec-dlrm", params=to_dict(cfg),
-                            mlflow=cfg.mlflow, max_steps=max_steps, count_tokens=False)
+    checkpointer, metrics = run
     n_rows = sum(table_sizes(cfg.model))
     log.info(f"world size {info.world_size} ({info.backend}) | {describe_plan(model)} | 26 tables, {n_rows:,} rows x "
              f"{cfg.model.embedding_dim} ({n_rows * cfg.model.embedding_dim * 4 / 2**30:.2f} GiB fp32) | global batch "
@@ -645,11 +633,9 @@ def main(argv: list[str]) -> None:
         from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
         pipeline = TrainPipelineSparseDist(model, optimizer, info.device)
-    loop = TrainLoop(state=state, max_steps=max_steps, stop_at_step=cfg.train.stop_at_step, metrics=metrics,
-                     log_every=cfg.train.log_every, eval_every=cfg.train.eval_every,
-                     evaluate=(lambda: evaluate(model, evals, info.device)) if evals else None,
-                     checkpointer=checkpointer, checkpoint_every=cfg.checkpoint.every_steps, checkpoint_state=ckpt_state,
-                     config=to_dict(cfg), profiler=StepProfiler(cfg.train.profile_step, out_dir, info))
+    loop = TrainLoop.from_config(cfg, state=state, max_steps=max_steps, metrics=metrics, checkpointer=checkpointer,
+                                 checkpoint_state=ckpt_state,
+                                 evaluate=(lambda: evaluate(model, evals, info.device)) if evals else None)
     with loop:
         for _ in loop.steps():
             if pipeline is not None:  # forward, backward and optimizer step, with the next batch's input dist overlapped

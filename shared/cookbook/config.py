@@ -192,16 +192,6 @@ def cli_parser(description: str | None = None) -> argparse.ArgumentParser:
 # A recipe's schema reuses these (or subclasses one to add its own keys), so that the same setting has the same
 # name, type and meaning everywhere. Every value is overridden by the recipe's YAML file.
 @dataclasses.dataclass
-class RunConfig:
-    """The top level of a recipe's schema: where the run writes and how it is tracked. A recipe's ``Config``
-    subclasses it and adds its sections (``model``, ``data``, ``optim``, ``train``, ``checkpoint``, ...)."""
-
-    output_dir: str = "outputs/run"  # checkpoints, metrics.jsonl, MLflow store, the exported model
-    run_name: str = "run"  # MLflow run name
-    mlflow: bool = True
-
-
-@dataclasses.dataclass
 class OptimConfig:
     """``optim``: AdamW (Loshchilov & Hutter, 2019) and a transformers ``get_scheduler`` learning-rate schedule."""
 
@@ -239,6 +229,27 @@ class CheckpointConfig:
     every_steps: int = 500  # -1: never; 0: only at the end and at train.stop_at_step; N: also every N steps
     keep_last: int = 2  # newest checkpoints kept; 0 keeps all
     resume: str = "auto"  # auto (the newest complete checkpoint, if any), none, or a checkpoint folder
+
+
+@dataclasses.dataclass
+class HFCheckpointConfig(CheckpointConfig):
+    """``checkpoint`` of a recipe whose final model is a Hugging Face model folder."""
+
+    export_hf: bool = True  # write <output_dir>/final in Hugging Face format (from_pretrained reads it)
+
+
+@dataclasses.dataclass
+class RunConfig:
+    """The top level of a recipe's schema: where the run writes, how it is tracked, and the shared sections. A
+    recipe's ``Config`` subclasses it, adds its own sections (``model``, ``data``, ...) and redeclares a shared
+    one only to use a subclass of it (``train: TrainConfig = field(default_factory=TrainConfig)``)."""
+
+    output_dir: str = "outputs/run"  # checkpoints, metrics.jsonl, MLflow store, the exported model
+    run_name: str = "run"  # MLflow run name
+    mlflow: bool = True
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
 
 
 # Settings of the shared sections that may differ between a checkpoint and the run that resumes it.

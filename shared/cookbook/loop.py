@@ -48,8 +48,9 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from cookbook.checkpoint import Checkpointer, TrainState
-from cookbook.dist import barrier, get_dist_info, get_logger
-from cookbook.metrics import MetricsLogger, StepProfiler
+from cookbook.config import save_config, to_dict
+from cookbook.dist import DistInfo, barrier, get_dist_info, get_logger
+from cookbook.metrics import MetricsLogger, ModelFlops, StepProfiler
 
 Outputs = Mapping[str, "tuple[Path | None, str]"]  # summary key -> (folder or None, how to load it)
 EVAL_COUNTS = ("tokens", "samples", "rows")  # evaluation results that count what was evaluated: not shown on `done:`
@@ -190,6 +191,24 @@ class TrainLoop:
         self._saved_step = -1
         self._reset_window()
 
+    @classmethod
+    def from_config(cls, cfg: Any, *, state: TrainState, max_steps: int, metrics: MetricsLogger,
+                    checkpointer: Checkpointer | None, checkpoint_state: Mapping[str, Any] | None,
+                    evaluate: Callable[[], Mapping[str, float]] | None = None,
+                    log_extra: Callable[[], Mapping[str, float | torch.Tensor]] | None = None) -> TrainLoop:
+        """A loop whose cadence comes from a recipe config with `cookbook.config`'s shared sections:
+        ``train.stop_at_step``, ``train.log_every``, ``train.eval_every``, ``train.profile_step`` (a
+        `StepProfiler` writing to ``<output_dir>/profile``) and ``checkpoint.every_steps``; the config is
+        stored in each checkpoint. The other arguments are `TrainLoop`'s."""
+        train = cfg.train
+        profile_step = getattr(train, "profile_step", 0)
+        return cls(state=state, max_steps=max_steps, stop_at_step=train.stop_at_step, metrics=metrics,
+                   log_every=train.log_every, eval_every=getattr(train, "eval_every", 0), evaluate=evaluate,
+                   checkpointer=checkpointer, checkpoint_every=cfg.checkpoint.every_steps,
+                   checkpoint_state=checkpoint_state, config=to_dict(cfg),
+                   profiler=StepProfiler(profile_step, metrics.out_dir, metrics.info) if profile_step > 0 else None,
+                   log_extra=log_extra)
+
     # ------------------------------------------------------------------ the loop
     def __enter__(self) -> TrainLoop:
         return self
@@ -325,6 +344,50 @@ class TrainLoop:
         log_outputs(self.state.step, final_eval, self.metrics,
                     self.checkpointer.root if self.checkpointer is not None else None, outputs)
         return final_eval
+
+
+def start_run(cfg: Any, info: DistInfo, *, state: TrainState, checkpoint_state: Mapping[str, Any],
+              may_change: tuple[str, ...], max_steps: int, experiment: str, final: str | Path | None = None,
+              what: str = "model", flops: ModelFlops | None = None,
+              count_tokens: bool = True) -> tuple[Checkpointer, MetricsLogger] | None:
+    """The start of a run, after its model, optimizer and data exist: resume, then write the config and start metrics.
+
+    Resumes from the checkpoint ``checkpoint.resume`` names (``auto``: the newest complete one under
+    ``<output_dir>/checkpoints``), after `Checkpointer.check_resume` has checked that it was written with the same
+    settings (`may_change` lists the keys allowed to differ) and world size. A run with nothing left to do
+    (`already_complete`) says so and returns ``None``; else rank 0 writes ``<output_dir>/config.yaml`` and the
+    `MetricsLogger` starts (its MLflow run too).
+
+    Args:
+        cfg: the recipe config (`cookbook.config.RunConfig` with ``train`` and ``checkpoint`` sections).
+        info: this rank's `DistInfo`.
+        state: the `TrainState` inside `checkpoint_state`, restored by the resume.
+        checkpoint_state: what the checkpoints hold (stateful objects by name).
+        may_change, max_steps: as in `Checkpointer.check_resume` and `TrainLoop`.
+        experiment: the MLflow experiment name.
+        final, what: as in `already_complete`.
+        flops, count_tokens: as in `MetricsLogger`.
+
+    Returns:
+        ``(checkpointer, metrics)``, or ``None`` when the run is already complete (the caller cleans up and returns).
+
+    Raises:
+        CheckpointError: the checkpoint to resume from does not fit this run (`Checkpointer.check_resume`).
+    """
+    out_dir = Path(cfg.output_dir)
+    checkpointer = Checkpointer(out_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last)
+    resume_from = checkpointer.check_resume(cfg.checkpoint.resume, info.world_size, to_dict(cfg), may_change,
+                                            cfg.train.stop_at_step)
+    if resume_from is not None:
+        checkpointer.load(resume_from, checkpoint_state)
+    if already_complete(state, max_steps, out_dir, final, what):
+        return None
+    if info.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, out_dir / "config.yaml")
+    metrics = MetricsLogger(out_dir, info, flops=flops, run_name=cfg.run_name, experiment=experiment,
+                            params=to_dict(cfg), mlflow=cfg.mlflow, max_steps=max_steps, count_tokens=count_tokens)
+    return checkpointer, metrics
 
 
 def log_outputs(step: int, final_eval: Mapping[str, float], metrics: MetricsLogger, checkpoints: Path | None,

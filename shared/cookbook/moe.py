@@ -90,7 +90,6 @@ class MoELoraConfig(config.RunConfig):
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: LoraSection = field(default_factory=LoraSection)
     moe: MoESection = field(default_factory=MoESection)
-    optim: config.OptimConfig = field(default_factory=config.OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
