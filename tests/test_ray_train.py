@@ -38,13 +38,19 @@ def test_a_rerun_resumes_from_the_checkpoint_ray_registered(tmp_path, capsys):
     assert guard.latest().name == "checkpoint_step_00000024"  # no snapshot: newest on disk
     _snapshot(tmp_path, "checkpoint_step_00000016")  # 24 was written, then the run stopped before Ray registered it
     assert guard.latest().name == "checkpoint_step_00000016"
-    path = _check_resume(guard, {}, (), ("train.stop_at_step", 20))  # 20 is after 16
+    path = _check_resume(guard, "auto", {}, (), ("train.stop_at_step", 20))  # 20 is after 16
     assert path.name == "checkpoint_step_00000016"
     err = capsys.readouterr().err
     assert "resuming from" in err and "checkpoint_step_00000016 (step 16)" in err
     assert "checkpoint_step_00000024 were written after it but not registered" in err
     with pytest.raises(CheckpointError, match=r"train.stop_at_step=16 is not after the checkpoint .*checkpoint_step_00000016"):
-        _check_resume(guard, {}, (), ("train.stop_at_step", 16))
+        _check_resume(guard, "auto", {}, (), ("train.stop_at_step", 16))
+    with pytest.raises(CheckpointError, match="checkpoint.resume='none' but .* holds checkpoints of an earlier run"):
+        _check_resume(guard, "none", {}, (), ("train.stop_at_step", -1))
+    with pytest.raises(CheckpointError, match=r"resumes a run from the newest checkpoint it registered in its output_dir, "
+                                              r"\S+checkpoint_step_00000016; use checkpoint.resume=auto"):
+        _check_resume(guard, str(tmp_path / "checkpoint_step_00000024"), {}, (), ("train.stop_at_step", -1))
+    assert _check_resume(guard, str(tmp_path / "checkpoint_step_00000016"), {}, (), ("train.stop_at_step", -1)) == path
     _snapshot(tmp_path, None)  # a snapshot without a registered checkpoint: Ray starts afresh
     assert guard.latest() is None
     (tmp_path / _SNAPSHOT_FILE).write_text("{not json")

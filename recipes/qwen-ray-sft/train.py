@@ -67,22 +67,14 @@ class TrainConfig(config.TrainConfig):
 
 
 @dataclass
-class CheckpointConfig:  # Ray Train resumes from output_dir's newest checkpoint: no checkpoint.resume
-    every_steps: int = 500  # -1: never; 0: only at train.stop_at_step and the end; N: also every N steps
-    keep_last: int = 2  # newest checkpoints kept; 0 keeps all
-    export_hf: bool = True  # write <output_dir>/final in Hugging Face format
-
-
-@dataclass
 class Config(config.RunConfig):
     output_dir: str = "outputs/qwen2.5-3b-ray-sft"  # Ray's run folder; shared storage on several nodes
     run_name: str = "qwen2.5-3b-ray-sft"
     ray: ray_train.RayConfig = field(default_factory=ray_train.RayConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: sft.DataConfig = field(default_factory=sft.DataConfig)
-    optim: config.OptimConfig = field(default_factory=config.OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    checkpoint: config.HFCheckpointConfig = field(default_factory=config.HFCheckpointConfig)
 
 
 # Settings that may differ between a checkpoint and the run that resumes it; any other change is refused.

@@ -44,7 +44,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 import cookbook
-from cookbook import config, ray_train
+from cookbook import ray_train
 from cookbook.checkpoint import CheckpointError
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path
 
@@ -99,9 +99,10 @@ class CheckpointConfig:
 
 
 @dataclass
-class Config(config.RunConfig):
+class Config:
     output_dir: str = "outputs/resnet50-ray"  # Ray's run folder: checkpoints, metrics, MLflow (shared storage on several nodes)
     run_name: str = "resnet50-ray"
+    mlflow: bool = True
     ray: ray_train.RayConfig = field(default_factory=ray_train.RayConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -111,7 +112,8 @@ class Config(config.RunConfig):
 
 
 # Settings that may differ between a checkpoint and the run that resumes it; any other change is refused.
-MAY_CHANGE = (*config.MAY_CHANGE, "ray.*", "train.stop_at_epoch", "data.num_workers", "data.verify_images")
+MAY_CHANGE = ("output_dir", "run_name", "mlflow", "ray.*", "train.stop_at_epoch", "train.log_every",
+              "data.num_workers", "data.verify_images", "checkpoint.*")
 
 
 def check_config(cfg: Config, config_dir: Path) -> None:

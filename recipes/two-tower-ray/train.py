@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import cookbook
-from cookbook import config, ray_train, tabular
+from cookbook import ray_train, tabular
 from cookbook.checkpoint import CheckpointError
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path
 from cookbook.tabular import DataError
@@ -92,9 +92,10 @@ class CheckpointConfig:
 
 
 @dataclass
-class Config(config.RunConfig):
+class Config:
     output_dir: str = "outputs/two-tower-ray"  # Ray's run folder; shared storage on several nodes
     run_name: str = "two-tower-ray"
+    mlflow: bool = True
     ray: ray_train.RayConfig = field(default_factory=ray_train.RayConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -104,7 +105,7 @@ class Config(config.RunConfig):
 
 
 # Settings that may differ between a checkpoint and the run that resumes it; any other change is refused.
-MAY_CHANGE = (*config.MAY_CHANGE, "ray.*", "train.stop_at_epoch")
+MAY_CHANGE = ("output_dir", "run_name", "mlflow", "ray.*", "train.stop_at_epoch", "train.log_every", "checkpoint.*")
 
 
 def check_config(cfg: Config, config_dir: Path) -> None:

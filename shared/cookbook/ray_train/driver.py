@@ -27,7 +27,7 @@ from typing import Any, Mapping
 
 import torch
 
-from cookbook.checkpoint import ResumeGuard, read_meta
+from cookbook.checkpoint import CheckpointError, ResumeGuard, read_meta
 from cookbook.config import ConfigError, to_dict
 from cookbook.ray_train.worker import _STATE_FILE
 
@@ -82,7 +82,8 @@ class RayDriver:
         check_output_dir(cfg.output_dir, self.nnodes)
         self.unit = stop_at[0].rsplit("_", 1)[-1]
         self.guard = _RayCheckpoints(cfg.output_dir, self.unit)
-        self.resume = _check_resume(self.guard, to_dict(cfg), may_change, stop_at)
+        self.resume = _check_resume(self.guard, getattr(cfg.checkpoint, "resume", "auto"), to_dict(cfg), may_change,
+                                    stop_at)
         self.meta = read_meta(self.resume) if self.resume is not None else None
         planned = _plan_workers_locally(cfg.ray, self.nnodes)
         self.workers, self.use_gpu = planned if planned is not None else (None, None)
@@ -159,11 +160,23 @@ class _RayCheckpoints(ResumeGuard):
         return self.root / name if name and self.is_complete(self.root / name) else None
 
 
-def _check_resume(guard: _RayCheckpoints, config: Mapping[str, Any], may_change: tuple[str, ...],
+def _check_resume(guard: _RayCheckpoints, resume: str | None, config: Mapping[str, Any], may_change: tuple[str, ...],
                   stop_at: tuple[str, int]) -> Path | None:
-    """`ResumeGuard.check` of the checkpoint Ray resumes from (Ray always resumes: ``auto``), before the
-    worker count is known; says which one it is, and which later folders Ray had not registered."""
-    path = guard.check("auto", None, config, may_change, stop_at)
+    """`ResumeGuard.check` of ``checkpoint.resume`` before the worker count is known; says which checkpoint
+    the run resumes from, and which later folders Ray had not registered.
+
+    Ray Train resumes a run from the newest checkpoint it registered in the run folder, so ``resume`` is
+    ``auto`` (that one), ``none`` (refused over an earlier run's checkpoints, as everywhere) or that same folder.
+
+    Raises:
+        CheckpointError: see `ResumeGuard.check`; or another folder than the one Ray resumes from.
+    """
+    path = guard.check(resume, None, config, may_change, stop_at)
+    latest = guard.latest()
+    if path is not None and latest is not None and path.resolve() != latest.resolve():
+        raise CheckpointError(f"{guard.resume_key}={resume!r}: Ray Train resumes a run from the newest checkpoint it "
+                              f"registered in its output_dir, {latest}; use {guard.resume_key}=auto, or start afresh "
+                              f"with {guard.start_afresh()}")
     if path is not None:
         found = guard.complete_checkpoints()
         later = [p.name for p in found[found.index(path) + 1:]] if path in found else []
