@@ -1,4 +1,6 @@
+import json
 import os
+import re
 
 import pytest
 import torch
@@ -6,7 +8,7 @@ import torch.distributed as dist
 
 import cookbook.checkpoint as ckpt_mod
 from cookbook import distributed_context
-from cookbook.checkpoint import Checkpointer, CheckpointError, ModelOptimizerState, RankLocalState, RNGState
+from cookbook.checkpoint import Checkpointer, CheckpointError, ModelOptimizerState, RankLocalState, ResumeGuard, RNGState
 
 
 class Counter:
@@ -126,3 +128,34 @@ def test_resume_none_over_old_checkpoints_is_refused(tmp_path, group):
     with pytest.raises(CheckpointError, match=r"other settings \(lr: 0.1 -> 0.2\)"):
         ck.save(2, {"counter": Counter(2)}, {"config": {"lr": 0.1}})
         ck.check_resume("auto", world_size=1, config={"lr": 0.2})
+
+
+def test_the_resume_guard_over_another_folder_layout(tmp_path):
+    """Checkpoints published as Hugging Face Trainer folders (checkpoint-<n> with meta.json alone), counted in
+    epochs, under the same guard."""
+    run, root = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    for step in (3, 10, 6):
+        (root / f"checkpoint-{step}").mkdir(parents=True)
+        meta = {"step": step, "epoch": step // 3, "world_size": 2, "config": {"lr": 0.1}}
+        (root / f"checkpoint-{step}" / "meta.json").write_text(json.dumps(meta))
+    (root / "checkpoint-12").mkdir()  # not published: no meta.json
+    guard = ResumeGuard(root, folder="checkpoint-<n>", files=(), run_dir=run, cannot_remap="ZeRO partitions cannot be "
+                        "remapped", same_size="NGPU x NNODES = {n}")
+    assert [p.name for p in guard.complete_checkpoints()] == ["checkpoint-3", "checkpoint-6", "checkpoint-10"]  # by number
+    assert guard.check("auto", 2, {"lr": 0.1}, stop_at=("train.stop_at_epoch", 4)) == root / "checkpoint-10"
+    assert guard.check(str(root / "checkpoint-3"), 2, {"lr": 0.1}) == root / "checkpoint-3"
+    with pytest.raises(CheckpointError, match=r"checkpoint.resume='\S+checkpoint-12' is not a complete checkpoint folder "
+                                              r"\(no meta.json inside\).* or the path of a checkpoint-<n> folder"):
+        guard.check(str(root / "checkpoint-12"), 2)
+    fresh = rf"start afresh with a new output_dir \(or delete {re.escape(str(run))}\)$"
+    with pytest.raises(CheckpointError, match=r"checkpoint-10 was written by 2 ranks but this job has 4: ZeRO partitions "
+                                              r"cannot be remapped. Resume with NGPU x NNODES = 2, or " + fresh):
+        guard.check("auto", 4)
+    with pytest.raises(CheckpointError, match=r"other settings \(lr: 0.1 -> 0.2\); resuming would mix two runs.* " + fresh):
+        guard.check("auto", 2, {"lr": 0.2})
+    with pytest.raises(CheckpointError, match="holds checkpoints of an earlier run.*" + fresh):
+        guard.check("none", 2)
+    with pytest.raises(CheckpointError, match=r"train.stop_at_epoch=3 is not after the checkpoint \S+checkpoint-10 \(epoch 3\)"):
+        guard.check("auto", 2, stop_at=("train.stop_at_epoch", 3))
+    assert guard.already_complete(10, 10, "step", {"model": run / "final"}) == (
+        f"already complete: 10 of 10 steps; model in {run / 'final'}. To train again, use a new output_dir (or delete {run}).")

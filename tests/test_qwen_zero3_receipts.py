@@ -434,7 +434,7 @@ def _follow(message: str, out, world_size: int, *overrides) -> int:
         assert train.check_resume(cfg, n) == out / "checkpoints" / f"checkpoint-{STEPS}"
     if "new output_dir" in advice:
         remedies.append((None, [], world_size))
-    if advice.endswith(f"delete {out}"):  # the whole folder: its metrics.jsonl and MLflow run id too
+    if f"(or delete {out})" in advice:  # the whole folder: its metrics.jsonl and MLflow run id too
         remedies.append(("delete", [], world_size))
     for i, (source, extra, ranks) in enumerate(remedies):
         run_dir = out.parent / f"follow-{i}"

@@ -1,6 +1,6 @@
-"""cookbook.ray_train and cookbook.ray_launch pieces that need no Ray cluster: which checkpoint a
-re-run resumes from, the worker-count check, a recipe's own exception leaving a worker, and the
-launcher passing SIGTERM / Ctrl-C on to the driver."""
+"""cookbook.ray_train pieces that need no Ray cluster: which checkpoint a re-run resumes from, the
+worker-count check, a recipe's own exception leaving a worker, and the launcher passing SIGTERM /
+Ctrl-C on to the driver."""
 
 import json
 import os
@@ -14,43 +14,56 @@ import pytest
 from conftest import ROOT
 
 from cookbook import ray_train
-from cookbook.config import ConfigError
+from cookbook.checkpoint import CheckpointError
+from cookbook.ray_train.driver import _SNAPSHOT_FILE, _check_resume, _RayCheckpoints, _worker_entry
+from cookbook.ray_train.worker import _STATE_FILE
 
 
 def _checkpoint(root, name, step, world_size=2):
     d = root / name
     d.mkdir(parents=True)
-    (d / ray_train.STATE_FILE).write_bytes(b"x")
-    (d / ray_train.META_FILE).write_text(json.dumps({"step": step, "world_size": world_size, "config": {}}))
+    (d / _STATE_FILE).write_bytes(b"x")
+    (d / "meta.json").write_text(json.dumps({"step": step, "world_size": world_size, "config": {}}))
 
 
 def _snapshot(root, latest):
     result = {"checkpoint_dir_name": latest, "metrics": {}} if latest else None
-    (root / ray_train.SNAPSHOT_FILE).write_text(json.dumps({"ray_version": "2.60.0", "latest_checkpoint_result": result}))
+    (root / _SNAPSHOT_FILE).write_text(json.dumps({"ray_version": "2.60.0", "latest_checkpoint_result": result}))
 
 
 def test_a_rerun_resumes_from_the_checkpoint_ray_registered(tmp_path, capsys):
     for step in (8, 16, 24):
         _checkpoint(tmp_path, f"checkpoint_step_{step:08d}", step)
-    assert ray_train.latest_checkpoint(tmp_path)[0] == "checkpoint_step_00000024"  # no snapshot: newest on disk
+    guard = _RayCheckpoints(tmp_path, "step")
+    assert guard.latest().name == "checkpoint_step_00000024"  # no snapshot: newest on disk
     _snapshot(tmp_path, "checkpoint_step_00000016")  # 24 was written, then the run stopped before Ray registered it
-    name, meta = ray_train.latest_checkpoint(tmp_path)
-    assert (name, meta["step"]) == ("checkpoint_step_00000016", 16)
-    assert ray_train.check_resume(str(tmp_path), {}, (), ("train.stop_at_step", 20))["step"] == 16  # 20 is after 16
+    assert guard.latest().name == "checkpoint_step_00000016"
+    path = _check_resume(guard, "auto", {}, (), ("train.stop_at_step", 20))  # 20 is after 16
+    assert path.name == "checkpoint_step_00000016"
     err = capsys.readouterr().err
     assert "resuming from" in err and "checkpoint_step_00000016 (step 16)" in err
     assert "checkpoint_step_00000024 were written after it but not registered" in err
+    with pytest.raises(CheckpointError, match=r"train.stop_at_step=16 is not after the checkpoint .*checkpoint_step_00000016"):
+        _check_resume(guard, "auto", {}, (), ("train.stop_at_step", 16))
+    with pytest.raises(CheckpointError, match="checkpoint.resume='none' but .* holds checkpoints of an earlier run"):
+        _check_resume(guard, "none", {}, (), ("train.stop_at_step", -1))
+    with pytest.raises(CheckpointError, match=r"resumes a run from the newest checkpoint it registered in its output_dir, "
+                                              r"\S+checkpoint_step_00000016; use checkpoint.resume=auto"):
+        _check_resume(guard, str(tmp_path / "checkpoint_step_00000024"), {}, (), ("train.stop_at_step", -1))
+    assert _check_resume(guard, str(tmp_path / "checkpoint_step_00000016"), {}, (), ("train.stop_at_step", -1)) == path
     _snapshot(tmp_path, None)  # a snapshot without a registered checkpoint: Ray starts afresh
-    assert ray_train.latest_checkpoint(tmp_path) is None
-    (tmp_path / ray_train.SNAPSHOT_FILE).write_text("{not json")
-    assert ray_train.latest_checkpoint(tmp_path)[0] == "checkpoint_step_00000024"
+    assert guard.latest() is None
+    (tmp_path / _SNAPSHOT_FILE).write_text("{not json")
+    assert guard.latest().name == "checkpoint_step_00000024"
 
 
 def test_resuming_with_another_worker_count_is_refused(tmp_path):
-    ray_train.check_resume_world_size(str(tmp_path), {"step": 4, "world_size": 2}, 2)
-    ray_train.check_resume_world_size(str(tmp_path), {"step": 4}, 3)  # a checkpoint that did not record it
-    with pytest.raises(ConfigError, match="written by 2 workers and this run has 1.*ray.num_workers=2"):
-        ray_train.check_resume_world_size(str(tmp_path), {"step": 4, "world_size": 2}, 1)
+    guard = _RayCheckpoints(tmp_path, "epoch")
+    guard.check_world_size(tmp_path, {"step": 4, "world_size": 2}, 2)
+    guard.check_world_size(tmp_path, {"step": 4}, 3)  # a checkpoint that did not record it
+    with pytest.raises(CheckpointError, match=rf"written by 2 workers but this job has 1.*ray.num_workers=2.*"
+                                              rf"a new output_dir \(or delete {tmp_path}\)"):
+        guard.check_world_size(tmp_path, {"step": 4, "world_size": 2}, 1)
 
 
 def test_a_recipe_exception_leaves_the_worker_as_an_importable_error(tmp_path):
@@ -58,7 +71,7 @@ def test_a_recipe_exception_leaves_the_worker_as_an_importable_error(tmp_path):
     script.write_text("class DataError(ValueError):\n    pass\n\n"
                       "def train_loop(config):\n    raise DataError(f\"cannot decode {config['file']}\")\n")
     with pytest.raises(ray_train.RecipeError) as err:
-        ray_train._worker_entry({"script": str(script), "config": {"file": "x.jpg"}})
+        _worker_entry({"script": str(script), "config": {"file": "x.jpg"}})
     assert str(err.value) == "DataError: cannot decode x.jpg"
     # Ray's controller and the driver unpickle it without the recipe module:
     code = "import pickle, sys; e = pickle.loads(sys.stdin.buffer.read()); print(type(e).__name__, e)"
@@ -67,7 +80,7 @@ def test_a_recipe_exception_leaves_the_worker_as_an_importable_error(tmp_path):
     assert out.stdout.decode().strip() == "RecipeError DataError: cannot decode x.jpg", out.stderr.decode()
     script.write_text("def train_loop(config):\n    raise KeyError('other errors pass unchanged')\n")
     with pytest.raises(KeyError):
-        ray_train._worker_entry({"script": str(script), "config": {}})
+        _worker_entry({"script": str(script), "config": {}})
 
 
 DRIVER = """
@@ -92,7 +105,7 @@ def test_the_launcher_passes_sigterm_and_ctrl_c_to_the_driver_once_and_waits(tmp
     driver.write_text(DRIVER)
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "NNODES")}
     env["PYTHONPATH"] = str(ROOT / "shared")
-    launcher = subprocess.Popen([sys.executable, "-m", "cookbook.ray_launch", str(driver), str(log)], env=env,
+    launcher = subprocess.Popen([sys.executable, "-m", "cookbook.ray_train.launch", str(driver), str(log)], env=env,
                                 start_new_session=True, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 30
     while not log.exists():  # the driver is up and has its handlers

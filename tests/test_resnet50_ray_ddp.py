@@ -12,6 +12,8 @@ from PIL import Image
 from conftest import ROOT, read_jsonl
 from ray_cluster import recipe_module, run_driver_forked, run_launch, summary
 
+from cookbook.checkpoint import CheckpointError
+
 RECIPE = ROOT / "recipes" / "resnet50-ray-ddp"
 
 
@@ -30,7 +32,7 @@ def test_stop_after_the_first_checkpoint_resume_and_learn(ray_env, tmp_path, mon
     meta = json.loads((out / "checkpoint_epoch_0002" / "meta.json").read_text())
     (out / "checkpoint_epoch_0002" / "meta.json").write_text(json.dumps({**meta, "epoch": 2, "step": 8}))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)  # plan on this machine, as launch.sh's check does
-    with pytest.raises(ValueError, match="written by 2 workers and this run has 1"):  # before Ray starts
+    with pytest.raises(CheckpointError, match="written by 2 workers but this job has 1"):  # before Ray starts
         recipe_module("resnet50-ray-ddp").main(["--config", str(RECIPE / "tiny.yaml"), "--check", f"output_dir={out}",
                                                 "ray.num_workers=1"])
 

@@ -11,7 +11,7 @@ What this recipe supports:
     - Ray Train ``TorchTrainer`` with ``prepare_model`` (DDP: every GPU holds the whole model, fp32
       master weights and AdamW state, about 16 bytes per parameter: 3B parameters need ~50 GB before
       activations, which fits an 80 GB or larger GPU) and ``prepare_data_loader``.
-    - bf16 autocast on GPU; gradient checkpointing (``train.gradient_checkpointing``); gradient
+    - bf16 autocast on GPU; activation checkpointing (``train.activation_checkpointing``); gradient
       accumulation with DDP's ``no_sync``; AdamW (fused on GPU), warm-up + cosine decay, clipping.
     - Data as in the FSDP2 recipe (cookbook.sft): chat ``messages``, Alpaca and ShareGPT rows,
       the tokenizer's chat template, loss on assistant tokens only, packing with per-document
@@ -28,27 +28,25 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import sys
-import time
 import warnings
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 warnings.filterwarnings("ignore", message=".*set_vital.*")
 
 import torch
 from torch.utils.data import DataLoader
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, SchedulerType, get_scheduler
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
 from transformers import logging as hf_logging
 
 import cookbook
-from cookbook import lm, ray_train, sft
-from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
+from cookbook import config, lm, ray_train, sft
+from cookbook.checkpoint import CheckpointError
+from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path
 from cookbook.hub import model_folder
-from cookbook.metrics import MetricsLogger, ModelFlops, count_parameters
+from cookbook.metrics import ModelFlops, count_parameters
 
 hf_logging.disable_progress_bar()
 
@@ -63,63 +61,24 @@ class ModelConfig:
 
 
 @dataclass
-class DataConfig:
-    train_files: list[str] = field(default_factory=list)  # JSON / JSONL; empty: hub_id
-    hub_id: str = "tatsu-lab/alpaca"
-    eval_fraction: float = 0.02
-    max_length: int = 2048
-    packing: bool = True
-    num_workers: int = 1
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    max_dropped_fraction: float = 0.1  # refuse when more of a file's rows are dropped (cut before the answer, empty answer)
-    split_turns: bool = False  # one example per assistant turn (templates that rewrite earlier turns: Qwen3)
-
-
-@dataclass
-class OptimConfig:
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    scheduler: str = "cosine"
-    warmup_ratio: float = 0.03
-    max_grad_norm: float = 1.0
-
-
-@dataclass
-class TrainConfig:
-    seed: int = 42
-    micro_batch_size: int = 2
+class TrainConfig(config.TrainConfig):
     grad_accum_steps: int = 4
-    epochs: int = 1
-    max_steps: int = -1
-    stop_at_step: int = -1  # > 0: checkpoint and stop at this step; re-run to continue
-    mixed_precision: str = "bf16"  # bf16 autocast on GPU, or fp32
-    gradient_checkpointing: bool = True
-    log_every: int = 10
+    activation_checkpointing: str = "full"  # full: recompute each layer's activations in backward; none
 
 
 @dataclass
-class CheckpointConfig:
-    every_steps: int = 500
-    keep_last: int = 2
-    export_hf: bool = True
-
-
-@dataclass
-class Config:
+class Config(config.RunConfig):
     output_dir: str = "outputs/qwen2.5-3b-ray-sft"  # Ray's run folder; shared storage on several nodes
     run_name: str = "qwen2.5-3b-ray-sft"
-    mlflow: bool = True
     ray: ray_train.RayConfig = field(default_factory=ray_train.RayConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: sft.DataConfig = field(default_factory=sft.DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    checkpoint: config.HFCheckpointConfig = field(default_factory=config.HFCheckpointConfig)
 
 
-MAY_CHANGE = ("output_dir", "run_name", "mlflow", "ray.*", "train.stop_at_step", "train.log_every", "data.num_workers",
-              "data.max_dropped_fraction", "checkpoint.*")
+# Settings that may differ between a checkpoint and the run that resumes it; any other change is refused.
+MAY_CHANGE = (*config.MAY_CHANGE, *sft.MAY_CHANGE, "ray.*")
 
 
 def check_config(cfg: Config, config_dir: Path) -> None:
@@ -127,14 +86,11 @@ def check_config(cfg: Config, config_dir: Path) -> None:
     cfg.model.name_or_path = resolve_path(cfg.model.name_or_path, config_dir)
     cfg.model.tokenizer = resolve_path(cfg.model.tokenizer or cfg.model.name_or_path, config_dir)
     cfg.data.train_files = [resolve_path(f, config_dir) for f in cfg.data.train_files]
-    cfg.output_dir = str(Path(cfg.output_dir).expanduser().resolve())
-    check_fields(cfg, at_least={"train.micro_batch_size": 1, "train.grad_accum_steps": 1, "train.log_every": 1,
-                                "data.max_length": 1},
-                 one_of={"train.mixed_precision": ("bf16", "fp32"), "optim.scheduler": [t.value for t in SchedulerType]},
-                 within={"data.eval_fraction": "[0, 1)", "data.max_dropped_fraction": "[0, 1]"},
-                 notes={"data.eval_fraction": "0: no evaluation"})
-    if cfg.train.max_steps <= 0 and cfg.train.epochs <= 0:
-        raise ConfigError("set train.max_steps > 0 or train.epochs > 0")
+    cfg.data.eval_files = [resolve_path(f, config_dir) for f in cfg.data.eval_files]
+    cfg.output_dir = str(Path(cfg.output_dir).expanduser().resolve())  # workers may start elsewhere
+    config.check_run(cfg)
+    sft.check_data_config(cfg)
+    check_fields(cfg, one_of={"train.activation_checkpointing": ("none", "full")})
 
 
 # ----------------------------------------------------------------------------- model
@@ -146,9 +102,9 @@ def build_model(cfg: ModelConfig, vocab_needed: int, device: torch.device) -> to
         model = AutoModelForCausalLM.from_pretrained(model_folder(cfg.name_or_path), dtype=torch.float32,
                                                      attn_implementation=cfg.attn_implementation).to(device)
     else:
-        config = AutoConfig.from_pretrained(cfg.name_or_path, attn_implementation=cfg.attn_implementation)
+        hf_config = AutoConfig.from_pretrained(cfg.name_or_path, attn_implementation=cfg.attn_implementation)
         with device:
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     if vocab_needed > model.config.vocab_size:
         raise ConfigError(f"the tokenizer has {vocab_needed} tokens but the model's vocab_size is "
                           f"{model.config.vocab_size}: use the model's own tokenizer")
@@ -156,21 +112,19 @@ def build_model(cfg: ModelConfig, vocab_needed: int, device: torch.device) -> to
 
 
 # ----------------------------------------------------------------------------- worker
-def train_loop(config: dict) -> None:
+def train_loop(config_dict: dict) -> None:
     """What every Ray Train worker runs: set-up, the step loop with periodic checkpoints, export."""
     import ray.train.torch
 
-    cfg: Config = ray_train.config_from_dict(Config, config)
+    cfg: Config = ray_train.config_from_dict(Config, config_dict)
     info = ray_train.worker_info()
-    log = cookbook.get_logger()
-    out_dir = Path(cfg.output_dir)
     torch.manual_seed(cfg.train.seed)
     use_bf16 = info.device.type == "cuda" and cfg.train.mixed_precision == "bf16"
 
     def autocast():
         return torch.autocast("cuda", dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
 
-    # ---- set-up
+    # ---- set-up: data, model (DDP), optimizer, resume
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
     pad_id = sft.pad_token_id(tokenizer)
     train_rows, eval_rows, stats = sft.training_rows(cfg.data, tokenizer, cfg.train.seed)
@@ -184,120 +138,74 @@ def train_loop(config: dict) -> None:
     max_steps = cfg.train.max_steps if cfg.train.max_steps > 0 else cfg.train.epochs * steps_per_epoch
 
     inner = build_model(cfg.model, len(tokenizer), info.device)
-    if cfg.train.gradient_checkpointing:
+    if cfg.train.activation_checkpointing == "full":
         inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     hf = inner.config
     flops = ModelFlops(count_parameters(inner), hf.num_hidden_layers,
                        hf.num_attention_heads * getattr(hf, "head_dim", hf.hidden_size // hf.num_attention_heads))
     model = ray.train.torch.prepare_model(inner)  # DDP
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
                                   weight_decay=cfg.optim.weight_decay, fused=info.device.type == "cuda")
     scheduler = get_scheduler(cfg.optim.scheduler, optimizer, num_warmup_steps=int(cfg.optim.warmup_ratio * max_steps),
                               num_training_steps=max_steps)
-    step = 0
-    resumed = ray_train.load_checkpoint()  # memory-mapped on the CPU, copied into the model and optimizer
-    if resumed is not None:
-        state, meta = resumed
-        inner.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        step = meta["step"]
-        del state, resumed
-    stop_at = min(max_steps, cfg.train.stop_at_step) if cfg.train.stop_at_step > 0 else max_steps
 
-    if info.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, out_dir / "config.yaml")
-    metrics = MetricsLogger(out_dir, info, flops=flops, run_name=cfg.run_name, experiment="qwen-ray-sft",
-                            params=to_dict(cfg), mlflow=cfg.mlflow, max_steps=max_steps)
-    log.info(f"world size {info.world_size} ({info.backend}, {info.device.type}) | {flops.num_params / 1e6:,.1f} M "
-             f"non-embedding params | {len(train_rows)} train / {len(eval_rows)} eval rows of "
-             f"{'packed ' if cfg.data.packing else ''}<= {cfg.data.max_length} tokens | global batch "
-             f"{cfg.train.micro_batch_size * cfg.train.grad_accum_steps * info.world_size} rows | {max_steps} steps | "
-             f"{'bf16 autocast' if use_bf16 else 'fp32'} | starting at step {step} | data: {stats.summary()}")
+    def evaluate() -> dict[str, float]:
+        eval_batches = DataLoader(eval_rows[info.rank::info.world_size], batch_size=cfg.train.micro_batch_size,
+                                  collate_fn=partial(sft.collate, pad_id=pad_id))  # each worker a disjoint slice
+        return sft.evaluate(model, eval_batches, info.device, context=autocast)
 
-    # ---- train loop
+    run = ray_train.WorkerRun(
+        cfg, info, "qwen-ray-sft", {"model": inner, "optimizer": optimizer, "scheduler": scheduler}, max_steps=max_steps,
+        steps_per_epoch=steps_per_epoch, stop_at=("train.stop_at_step", cfg.train.stop_at_step),
+        evaluate=evaluate if eval_rows else None, flops=flops,
+        about=f"{flops.num_params / 1e6:,.1f} M non-embedding params | {len(train_rows)} train / {len(eval_rows)} eval "
+              f"rows of {'packed ' if cfg.data.packing else ''}<= {cfg.data.max_length} tokens | global batch "
+              f"{cfg.train.micro_batch_size * cfg.train.grad_accum_steps * info.world_size} rows | "
+              f"{'bf16 autocast' if use_bf16 else 'fp32'} | data: {stats.summary()}")
+
     def batches():
-        """Micro-batches from the current step on: the sampler's order of each epoch, replayed after a resume."""
-        epoch, skip = divmod(step, steps_per_epoch)
+        """Micro-batches from the resumed step on: the sampler's order of each epoch, replayed after a resume."""
+        epoch, skip = divmod(run.step, steps_per_epoch)
         while True:
             if info.world_size > 1:
                 loader.sampler.set_epoch(epoch)
-            it = iter(loader)
-            usable = itertools.islice(it, steps_per_epoch * cfg.train.grad_accum_steps)
+            usable = itertools.islice(iter(loader), steps_per_epoch * cfg.train.grad_accum_steps)
             yield from itertools.islice(usable, skip * cfg.train.grad_accum_steps, None)
             epoch, skip = epoch + 1, 0
 
-    data_iter = batches()
-    reports = 0
-    window_loss, window_steps = torch.zeros((), device=info.device), 0
-    failed = stopped = False
-    try:
-        cookbook.barrier()
-        metrics.start(step)
-        while step < stop_at:
-            micro, waits = [], []
-            for _ in range(cfg.train.grad_accum_steps):
-                t0 = time.perf_counter()
-                micro.append(next(data_iter))
-                waits.append(time.perf_counter() - t0)
+    # ---- train loop: DDP with gradient accumulation (no_sync), a checkpoint every checkpoint.every_steps
+    data_iter = run.timed(batches())
+    with run:
+        for _ in run.steps():
+            micro = [next(data_iter) for _ in range(cfg.train.grad_accum_steps)]  # (batch, data wait)
             # Normalise by the labelled tokens of the whole global batch; DDP averages over workers.
-            local_tokens = sum((mb["labels"][:, 1:] != sft.IGNORE_INDEX).sum() for mb in micro)
+            local_tokens = sum((mb["labels"][:, 1:] != sft.IGNORE_INDEX).sum() for mb, _ in micro)
             global_tokens = max(cookbook.all_reduce_sum({"t": local_tokens}, info.device)["t"], 1.0)
             step_loss = torch.zeros((), device=info.device)
-            for i, (mb, wait) in enumerate(zip(micro, waits)):
+            for i, (mb, wait) in enumerate(micro):
                 with contextlib.nullcontext() if i == len(micro) - 1 else model.no_sync():
                     with autocast():
                         loss_sum = sft.token_loss_sum(model, mb)
                     (loss_sum * info.world_size / global_tokens).backward()
                 step_loss += loss_sum.detach() * info.world_size / global_tokens
-                metrics.add(samples=mb["input_ids"].shape[0], tokens=lm.count_tokens(mb, pad_id), data_wait_s=wait)
+                run.metrics.add(samples=mb["input_ids"].shape[0], tokens=lm.count_tokens(mb, pad_id), data_wait_s=wait)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf"))
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            step += 1
-            window_loss += step_loss
-            window_steps += 1
-            if step % cfg.train.log_every == 0 or step == max_steps:
-                metrics.log_step(step, window_loss / window_steps, lr, grad_norm)
-                window_loss.zero_()
-                window_steps = 0
-            with metrics.paused():  # not counted in the step time and throughput
-                if (cfg.checkpoint.every_steps > 0 and step % cfg.checkpoint.every_steps == 0) or step == stop_at:
-                    mean_loss = cookbook.all_reduce_mean({"loss": step_loss}, info.device)["loss"]  # over the global batch
-                    ray_train.report({"step": step, "loss": mean_loss},
-                                     state={"model": inner.state_dict(), "optimizer": optimizer.state_dict(),
-                                            "scheduler": scheduler.state_dict()},
-                                     label=f"step_{step:08d}", meta={"step": step, "world_size": info.world_size, "config": to_dict(cfg)})
-                    reports += 1
+            run.end_step(step_loss, lr=lr, grad_norm=grad_norm)
 
-        # ---- save
-        eval_batches = DataLoader(eval_rows[info.rank::info.world_size], batch_size=cfg.train.micro_batch_size,
-                                  collate_fn=partial(sft.collate, pad_id=pad_id))  # each worker a disjoint slice
-        final_eval = sft.evaluate(model, eval_batches, info.device, context=autocast) if eval_rows else {}
-        if final_eval:
-            metrics.log_eval(step, final_eval)
-        workers = ray_train.worker_summary(inner, reports)
-        export_dir = None
-        if step < max_steps:
-            stopped = True
-            log.info(f"stopped at step {step} of {max_steps} (train.stop_at_step); run again without it to continue")
-        elif cfg.checkpoint.export_hf and info.is_main:
-            export_dir = out_dir / "final"
-            inner.save_pretrained(export_dir, safe_serialization=True)
-            tokenizer.save_pretrained(export_dir)
-        metrics.log_summary({"step": step, **workers,
-                             **{f"eval/{k}": v for k, v in final_eval.items()},
-                             "export_dir": str(export_dir) if export_dir else None,
-                             "mlflow_uri": metrics.mlflow_uri, "mlflow_run_id": metrics.mlflow_run_id})
-    except BaseException:
-        failed = True
-        raise
-    finally:
-        # ---- clean-up (Ray Train destroys the process group)
-        metrics.close(failed=failed, stopped=stopped)
+        # ---- save: final evaluation, Hugging Face export (Ray Train destroys the process group)
+        def export() -> dict:
+            final = Path(cfg.output_dir) / "final"
+            if cfg.checkpoint.export_hf and info.is_main:  # DDP: rank 0 holds the whole model
+                inner.save_pretrained(final, safe_serialization=True)
+                tokenizer.save_pretrained(final)
+            return {"export_dir": (final if cfg.checkpoint.export_hf and info.is_main else None,
+                                   "AutoModelForCausalLM.from_pretrained")}
+
+        run.finish(inner, export=export)
 
 
 # ----------------------------------------------------------------------------- driver
@@ -305,22 +213,20 @@ def main(argv: list[str]) -> None:
     args = cli_parser(__doc__).parse_args(argv)
     cfg = load_config(Config, args.config, args.overrides)
     check_config(cfg, Path(args.config).resolve().parent)
-    nnodes, done, planned = ray_train.prepare_driver(cfg, MAY_CHANGE, ("train.stop_at_step", cfg.train.stop_at_step))
+    driver = ray_train.RayDriver(cfg, MAY_CHANGE, ("train.stop_at_step", cfg.train.stop_at_step))  # before Ray starts
     tokenizer = sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path)
-    lm.check_attention(cfg.model.attn_implementation, on_cpu=not planned[1] if planned else cfg.ray.use_gpu is False)
+    lm.check_attention(cfg.model.attn_implementation, on_cpu=driver.on_cpu)
     if cfg.model.pretrained:  # a hub id is downloaded here, once, before the workers start
         model_folder(cfg.model.name_or_path)
     data_note = sft.check_data(cfg.data, tokenizer, cfg.train.seed, cfg.train.micro_batch_size, cfg.train.grad_accum_steps,
-                               planned[0] if planned else 1)
+                               driver.workers or 1)
     if args.check:
         print(f"config OK: {args.config} ({data_note})")
         return
-    if done is not None and (Path(cfg.output_dir) / "final").is_dir():
-        print(f"already complete: {cfg.output_dir}/final exists; use a new output_dir to train again", file=sys.stderr)
-        return
-
-    ray_train.run(__file__, cfg, nnodes, planned)
+    total = cfg.train.max_steps if cfg.train.max_steps > 0 else None  # else the data decides, in the workers
+    if not driver.already_complete(total, {"model": Path(cfg.output_dir) / "final"}):
+        driver.run(__file__)
 
 
 if __name__ == "__main__":
-    cookbook.run_main(main, user_errors=(ConfigError, sft.SFTDataError))
+    cookbook.run_main(main, user_errors=(ConfigError, sft.SFTDataError, CheckpointError))

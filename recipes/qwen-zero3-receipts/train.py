@@ -57,7 +57,7 @@ from transformers import logging as hf_logging
 
 import cookbook
 from cookbook import hf_trainer, sft
-from cookbook.checkpoint import CheckpointError, config_changes
+from cookbook.checkpoint import CheckpointError, ResumeGuard, read_meta
 from cookbook import config
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
 
@@ -411,75 +411,34 @@ def eval_line(values: dict[str, float], fields: list[str]) -> str:
 
 
 # ----------------------------------------------------------------------------- checkpoints
-def complete_checkpoints(root: Path) -> list[Path]:
-    """Published checkpoints ``checkpoint-<step>`` (with ``meta.json``) under `root`, oldest first."""
-    if not root.is_dir():
-        return []
-    found = [(int(p.name.split("-")[1]), p) for p in root.glob("checkpoint-*")
-             if p.name.split("-")[1].isdigit() and (p / "meta.json").is_file()]
-    return [p for _, p in sorted(found)]
-
-
-def start_fresh(root: Path) -> str:
-    """How to train from the start over an output_dir (``root`` is its ``checkpoints`` folder) that holds an
-    earlier run: ``checkpoint.resume=none`` is refused there, so that a later ``resume=auto`` cannot pick up the
-    old run's checkpoints, and deleting only the checkpoints would append the new run to the old run's
-    ``metrics.jsonl`` and MLflow run; so the whole folder goes."""
-    return f"to train from the start, use a new output_dir, or delete {root.parent}"
+def resume_guard(cfg: Config) -> ResumeGuard:
+    """The Trainer's ``checkpoint-<step>`` folders, published with ``meta.json`` under ``output_dir/checkpoints``
+    (`cookbook.hf_trainer.PublishCheckpoints`), under cookbook's resume guard. Another number of ranks is refused: DeepSpeed's ZeRO
+    partitions cannot be remapped. Its advice to start afresh deletes the whole output_dir, metrics.jsonl and
+    MLflow run id included (deleting the checkpoints alone would append a new run to the old run's records)."""
+    return ResumeGuard(Path(cfg.output_dir) / "checkpoints", folder="checkpoint-<n>", files=(), run_dir=cfg.output_dir,
+                       cannot_remap="DeepSpeed's ZeRO partitions of the optimizer state cannot be remapped",
+                       same_size="NGPU x NNODES = {n}")
 
 
 def already_complete(cfg: Config, resume_from: Path | None, max_steps: int) -> str | None:
     """The message for a run whose checkpoint `resume_from` is at or past `max_steps` and whose final model is
     written (nothing left to do), else ``None``."""
     final = Path(cfg.output_dir) / "final"
-    if resume_from is None or not final.is_dir():
-        return None
-    step = json.loads((resume_from / "meta.json").read_text())["step"]
-    if step < max_steps:
-        return None
-    return (f"already complete: {step} of {max_steps} steps; model in {final}; "
-            f"{start_fresh(Path(cfg.output_dir) / 'checkpoints')}")
+    step = read_meta(resume_from)["step"] if resume_from is not None and final.is_dir() else -1
+    return resume_guard(cfg).already_complete(step, max_steps, "step", {"model": final}) if step >= max_steps else None
 
 
 def check_resume(cfg: Config, world_size: int) -> Path | None:
     """The checkpoint to resume from (``checkpoint.resume``: auto, none or a folder), checked against this run.
 
     Raises:
-        CheckpointError: not a published checkpoint; "none" over an earlier run's checkpoints; written by another
-            number of ranks (ZeRO partitions cannot be remapped) or with other settings; ``train.stop_at_step`` not
-            after it.
+        CheckpointError: see `cookbook.checkpoint.ResumeGuard.check`: not a complete checkpoint; "none" over an
+            earlier run's checkpoints; written by another number of ranks or with other settings;
+            ``train.stop_at_step`` not after it.
     """
-    root = Path(cfg.output_dir) / "checkpoints"
-    resume = cfg.checkpoint.resume
-    if resume in ("", "none", "null"):
-        if complete_checkpoints(root):
-            raise CheckpointError(f"checkpoint.resume={resume!r} but {root} holds checkpoints of an earlier run, which a "
-                                  f"later resume=auto would pick up: {start_fresh(root)}")
-        return None
-    if resume == "auto":
-        found = complete_checkpoints(root)
-        if not found:
-            return None
-        path = found[-1]
-    else:
-        path = Path(resume)
-        if not (path / "meta.json").is_file():
-            raise CheckpointError(f"checkpoint.resume={resume!r} is not a published checkpoint folder (no meta.json "
-                                  f"inside): use checkpoint.resume=auto (the newest one under {root}) or the path of a "
-                                  f"checkpoint-<step> folder")
-    meta = json.loads((path / "meta.json").read_text())
-    if meta["world_size"] != world_size:
-        raise CheckpointError(f"{path} was written by {meta['world_size']} ranks but this job has {world_size}: DeepSpeed's "
-                              f"ZeRO partitions of the optimizer state cannot be remapped. Resume with NGPU x NNODES = "
-                              f"{meta['world_size']}; or {start_fresh(root)}")
-    diff = config_changes(meta["config"], to_dict(cfg), MAY_CHANGE)
-    if diff:
-        raise CheckpointError(f"{path} was written with other settings ({diff}); resuming would mix two runs. Use the "
-                              f"same settings; or {start_fresh(root)}")
-    if 0 < cfg.train.stop_at_step <= meta["step"]:
-        raise CheckpointError(f"train.stop_at_step={cfg.train.stop_at_step} is not after the checkpoint {path} (step "
-                              f"{meta['step']}): raise it, or remove it to train to the end")
-    return path
+    return resume_guard(cfg).check(cfg.checkpoint.resume, world_size, to_dict(cfg), MAY_CHANGE,
+                                   ("train.stop_at_step", cfg.train.stop_at_step))
 
 
 # ----------------------------------------------------------------------------- recipe
@@ -661,7 +620,7 @@ def train(cfg: Config, on_cpu: bool) -> None:
         if trainer.state.global_step < max_steps:
             stopped = True
             log.info(f"stopped at step {trainer.state.global_step} of {max_steps} (train.stop_at_step); run again "
-                     f"without train.stop_at_step (or with a larger value) to continue from {complete_checkpoints(root)[-1]}")
+                     f"without train.stop_at_step (or with a larger value) to continue from {resume_guard(cfg).latest()}")
             return
         step = trainer.state.global_step
         evaluated_last_step = metrics_cb.last_eval and cfg.train.eval_every > 0 and step % cfg.train.eval_every == 0

@@ -30,7 +30,6 @@ import contextlib
 import math
 import random
 import sys
-import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -46,8 +45,8 @@ from torch.utils.data import DataLoader, Dataset
 
 import cookbook
 from cookbook import ray_train
-from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
-from cookbook.metrics import MetricsLogger
+from cookbook.checkpoint import CheckpointError
+from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet, what the pretrained weights expect
@@ -397,20 +396,19 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, bf16: bool, c
 
 
 # ----------------------------------------------------------------------------- worker
-def train_loop(config: dict) -> None:
+def train_loop(config_dict: dict) -> None:
     """What every Ray Train worker runs: set-up, epochs with a checkpoint each, summary."""
     import ray.train.torch
 
-    cfg: Config = ray_train.config_from_dict(Config, config)
+    cfg: Config = ray_train.config_from_dict(Config, config_dict)
     info = ray_train.worker_info()
-    log = cookbook.get_logger()
     torch.manual_seed(cfg.train.seed)
     random.seed(cfg.train.seed + info.rank)
     on_gpu = info.device.type == "cuda"
     bf16 = on_gpu and cfg.train.mixed_precision == "bf16"
     channels_last = on_gpu and cfg.train.channels_last
 
-    # ---- set-up: data, model, optimizer, resume
+    # ---- set-up: data, model (DDP), optimizer, resume
     train_set, val_set, classes = load_data(cfg.data, cfg.train.seed, verify=False)  # the driver verified
     loader_kw = dict(num_workers=cfg.data.num_workers, pin_memory=on_gpu, persistent_workers=cfg.data.num_workers > 0)
     train_loader = ray.train.torch.prepare_data_loader(DataLoader(
@@ -426,12 +424,10 @@ def train_loop(config: dict) -> None:
                         f"{cfg.train.micro_batch_size} x {info.world_size} workers")
     max_steps = cfg.train.epochs * steps_per_epoch
 
-    model = build_model(cfg.model, len(classes)).to(info.device)
+    inner = build_model(cfg.model, len(classes)).to(info.device)
     if channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    n_params = sum(p.numel() for p in model.parameters())
-    inner = model
-    model = ray.train.torch.prepare_model(model)  # DDP (on one worker: the model itself)
+        inner = inner.to(memory_format=torch.channels_last)
+    model = ray.train.torch.prepare_model(inner)  # DDP (on one worker: the model itself)
     global_batch = cfg.train.micro_batch_size * info.world_size
     lr = cfg.optim.lr * global_batch / 256
     decay = [p for p in model.parameters() if p.ndim > 1]
@@ -441,81 +437,34 @@ def train_loop(config: dict) -> None:
     warmup = int(cfg.optim.warmup_epochs * steps_per_epoch)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: (s + 1) / max(warmup, 1) if s < warmup else
                                                   0.5 * (1 + math.cos(math.pi * (s - warmup) / max(max_steps - warmup, 1))))
-    epoch = step = 0
-    resumed = ray_train.load_checkpoint()  # memory-mapped on the CPU, copied into the model and optimizer
-    if resumed is not None:
-        state, meta = resumed
-        inner.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        epoch, step = meta["epoch"], meta["step"]
-        del state, resumed
-    stop_epoch = min(cfg.train.epochs, cfg.train.stop_at_epoch) if cfg.train.stop_at_epoch > 0 else cfg.train.epochs
+    run = ray_train.WorkerRun(
+        cfg, info, "resnet50-ray", {"model": inner, "optimizer": optimizer, "scheduler": scheduler, "classes": classes},
+        max_steps=max_steps, steps_per_epoch=steps_per_epoch, stop_at=("train.stop_at_epoch", cfg.train.stop_at_epoch),
+        count_tokens=False, about=f"ResNet {sum(p.numel() for p in inner.parameters()) / 1e6:.1f} M params "
+                                  f"({type(inner).__module__.split('.')[0]}) | {len(classes)} classes | {len(train_set)} "
+                                  f"train / {len(val_set)} val images | global batch {global_batch} | lr {lr:g} | "
+                                  f"{'bf16 autocast' if bf16 else 'fp32'}{', channels-last' if channels_last else ''}")
 
-    if info.is_main:
-        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-        save_config(cfg, Path(cfg.output_dir) / "config.yaml")
-    metrics = MetricsLogger(cfg.output_dir, info, run_name=cfg.run_name, experiment="resnet50-ray", params=to_dict(cfg),
-                            mlflow=cfg.mlflow, max_steps=max_steps, count_tokens=False)
-    log.info(f"world size {info.world_size} ({info.backend}, {info.device.type}) | ResNet {n_params / 1e6:.1f} M params "
-             f"({type(inner).__module__.split('.')[0]}) | {len(classes)} classes | "
-             f"{len(train_set)} train / {len(val_set)} val images | global batch {global_batch} | lr {lr:g} | "
-             f"{max_steps} steps ({steps_per_epoch}/epoch) | {'bf16 autocast' if bf16 else 'fp32'}"
-             f"{', channels-last' if channels_last else ''} | starting at epoch {epoch}")
+    def evaluate_replicas() -> dict[str, float]:
+        sync_buffers(inner)  # every worker evaluates the weights rank 0 checkpoints
+        return evaluate(inner, val_loader, info.device, bf16, channels_last)  # not DDP: no collective per batch
 
     # ---- train loop: one checkpoint per epoch
-    reports = 0
-    failed = stopped = False
-    try:
-        cookbook.barrier()
-        metrics.start(step)
-        window = {"loss": torch.zeros((), device=info.device), "correct": torch.zeros((), device=info.device), "n": 0, "steps": 0}
-        while epoch < stop_epoch:
+    with run:
+        for epoch in run.epochs():
             if info.world_size > 1:
                 train_loader.sampler.set_epoch(epoch)
-            t0 = time.perf_counter()
-            for images, labels in train_loader:
-                wait = time.perf_counter() - t0
+            for (images, labels), wait in run.timed(train_loader):
                 lr_now = scheduler.get_last_lr()[0]
                 loss, correct, grad_norm = train_step(model, optimizer, images, labels, bf16, channels_last,
                                                       cfg.optim.label_smoothing, cfg.optim.max_grad_norm)
                 scheduler.step()
-                step += 1
-                metrics.add(samples=labels.numel(), tokens=0, data_wait_s=wait)
-                window["loss"] += loss
-                window["correct"] += correct
-                window["n"] += labels.numel()
-                window["steps"] += 1
-                if step % cfg.train.log_every == 0 or step % steps_per_epoch == 0:
-                    metrics.log_step(step, window["loss"] / window["steps"], lr_now, grad_norm,
-                                     extra={"top1": window["correct"] / window["n"]})
-                    window = {"loss": torch.zeros((), device=info.device), "correct": torch.zeros((), device=info.device), "n": 0, "steps": 0}
-                t0 = time.perf_counter()
-            epoch += 1
-            with metrics.paused():  # not counted in the step time and throughput
-                sync_buffers(inner)  # every worker evaluates the weights rank 0 checkpoints
-                ev = evaluate(inner, val_loader, info.device, bf16, channels_last)  # not DDP: no collective per batch
-                metrics.log_eval(step, ev)
-                ray_train.report({"epoch": epoch, "step": step, "val_loss": ev["loss"], "val_top1": ev["top1"]},
-                                 state={"model": inner.state_dict(), "optimizer": optimizer.state_dict(),
-                                        "scheduler": scheduler.state_dict(), "classes": classes},
-                                 label=f"epoch_{epoch:04d}",
-                                 meta={"epoch": epoch, "step": step, "world_size": info.world_size, "config": to_dict(cfg)})
-            reports += 1
+                run.metrics.add(samples=labels.numel(), tokens=0, data_wait_s=wait)
+                run.end_step(loss, lr=lr_now, grad_norm=grad_norm, window={"top1": correct / labels.numel()})
+            run.end_epoch(evaluate_replicas)
 
-        # ---- summary
-        workers = ray_train.worker_summary(inner, reports)
-        if epoch < cfg.train.epochs:
-            stopped = True
-            log.info(f"stopped after epoch {epoch} of {cfg.train.epochs} (train.stop_at_epoch); run again without it to continue")
-        metrics.log_summary({"step": step, "epoch": epoch, **workers,
-                             "mlflow_uri": metrics.mlflow_uri, "mlflow_run_id": metrics.mlflow_run_id})
-    except BaseException:
-        failed = True
-        raise
-    finally:
-        # ---- clean-up (Ray Train destroys the process group)
-        metrics.close(failed=failed, stopped=stopped)
+        # ---- summary (Ray Train destroys the process group)
+        run.finish(inner)
 
 
 # ----------------------------------------------------------------------------- driver
@@ -523,29 +472,25 @@ def main(argv: list[str]) -> None:
     args = cli_parser(__doc__).parse_args(argv)
     cfg = load_config(Config, args.config, args.overrides)
     check_config(cfg, Path(args.config).resolve().parent)
-    nnodes, done, planned = ray_train.prepare_driver(cfg, MAY_CHANGE, ("train.stop_at_epoch", cfg.train.stop_at_epoch))
+    driver = ray_train.RayDriver(cfg, MAY_CHANGE, ("train.stop_at_epoch", cfg.train.stop_at_epoch))  # before Ray starts
     if cfg.data.train_dir:
         ignored: list[str] = []
         train, val, classes = load_data(cfg.data, cfg.train.seed, verify=cfg.data.verify_images, ignored=ignored)
         if ignored:
             print(f"note: {len(ignored)} file(s) in the image folders are not images by their name and are left out, "
                   f"e.g. {', '.join(ignored[:3])}", file=sys.stderr)
-        if planned and len(train) < cfg.train.micro_batch_size * planned[0]:
+        if driver.workers and len(train) < cfg.train.micro_batch_size * driver.workers:
             raise ConfigError(f"{len(train)} training images are too few for one step of {cfg.train.micro_batch_size} "
-                              f"x {planned[0]} workers")
+                              f"x {driver.workers} workers")
         data_note = f"{len(classes)} classes, {len(train)} train / {len(val)} val images"
     else:
         data_note = f"hub data set {cfg.data.hub_id}"
     if args.check:
         print(f"config OK: {args.config} ({data_note})")
         return
-    if done is not None and done.get("epoch", 0) >= cfg.train.epochs:
-        print(f"already complete: epoch {done['epoch']} of {cfg.train.epochs} in {cfg.output_dir}; use a new output_dir "
-              f"to train again", file=sys.stderr)
-        return
-
-    ray_train.run(__file__, cfg, nnodes, planned)
+    if not driver.already_complete(cfg.train.epochs):
+        driver.run(__file__)
 
 
 if __name__ == "__main__":
-    cookbook.run_main(main, user_errors=(ConfigError, DataError))
+    cookbook.run_main(main, user_errors=(ConfigError, DataError, CheckpointError))

@@ -13,4 +13,4 @@ export NNODES=${NNODES:-1} NODE_RANK=${NODE_RANK:-0} MASTER_ADDR=${MASTER_ADDR:-
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # Ray sets it per worker too; this covers the driver's checks
 python3 -c 'import importlib.util as u, sys; sys.exit(not (u.find_spec("ray") and u.find_spec("cookbook")))' ||
   { echo "error: python3 cannot import ray.train and cookbook: activate the environment that has the requirements installed" >&2; exit 2; }
-exec python3 -m cookbook.ray_launch "$HERE/train.py" --config "$CONFIG_FILE" "$@"
+exec python3 -m cookbook.ray_train.launch "$HERE/train.py" --config "$CONFIG_FILE" "$@"

@@ -27,10 +27,9 @@ What this recipe supports:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
-import sys
-import time
 import warnings
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -46,8 +45,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import cookbook
 from cookbook import ray_train, tabular
-from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
-from cookbook.metrics import MetricsLogger
+from cookbook.checkpoint import CheckpointError
+from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path
 from cookbook.tabular import DataError
 
 
@@ -81,6 +80,7 @@ class TrainConfig:
     micro_batch_size: int = 1024  # positives per worker per step; each is scored against the batch's other items
     epochs: int = 10
     stop_at_epoch: int = -1  # > 0: stop after this epoch's checkpoint; re-run to continue
+    mixed_precision: str = "fp32"  # bf16: the towers under bf16 autocast on GPU (the loss in fp32); fp32
     log_every: int = 50
     recall_k: list[int] = field(default_factory=lambda: [10, 50])
     logq_correction: bool = True
@@ -104,6 +104,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
+# Settings that may differ between a checkpoint and the run that resumes it; any other change is refused.
 MAY_CHANGE = ("output_dir", "run_name", "mlflow", "ray.*", "train.stop_at_epoch", "train.log_every", "checkpoint.*")
 
 
@@ -114,6 +115,7 @@ def check_config(cfg: Config, config_dir: Path) -> None:
     if not cfg.data.interactions:
         raise ConfigError("data.interactions is not set: give the interaction file (see the README's Data section)")
     check_fields(cfg, at_least={"train.micro_batch_size": 2, "train.epochs": 1, "train.log_every": 1, "model.output_dim": 1},
+                 one_of={"train.mixed_precision": ("bf16", "fp32")},
                  notes={"train.micro_batch_size": "the other items of the batch are the negatives"})
     if not cfg.train.recall_k or min(cfg.train.recall_k) < 1:
         raise ConfigError(f"train.recall_k must be a non-empty list of positive integers, got {cfg.train.recall_k}")
@@ -318,102 +320,55 @@ def recall_at_k(model: TwoTower, data: Interactions, ks: list[int], rank: int, w
 
 
 # ----------------------------------------------------------------------------- worker
-def train_loop(config: dict) -> None:
+def train_loop(config_dict: dict) -> None:
     """What every Ray Train worker runs: set-up, epochs with a checkpoint each, summary."""
     import ray.train.torch
 
-    cfg: Config = ray_train.config_from_dict(Config, config)
+    cfg: Config = ray_train.config_from_dict(Config, config_dict)
     info = ray_train.worker_info()
-    log = cookbook.get_logger()
     torch.manual_seed(cfg.train.seed)
+    bf16 = info.device.type == "cuda" and cfg.train.mixed_precision == "bf16"
 
-    # ---- set-up
+    # ---- set-up: data, model (DDP), optimizer, resume
     data = read_interactions(cfg.data)
     pairs = TensorDataset(torch.as_tensor(data.train_users), torch.as_tensor(data.train_items))
     loader = ray.train.torch.prepare_data_loader(DataLoader(pairs, batch_size=cfg.train.micro_batch_size, shuffle=True,
                                                             drop_last=True))
-    steps_per_epoch = len(loader)
-    if steps_per_epoch == 0:
+    if len(loader) == 0:
         raise DataError(f"{len(pairs)} training interactions are too few for one step of "
                         f"{cfg.train.micro_batch_size} x {info.world_size} workers")
-    max_steps = cfg.train.epochs * steps_per_epoch
     log_q = torch.log(torch.as_tensor(np.maximum(data.item_counts, 1) / data.item_counts.sum(), dtype=torch.float32,
                                       device=info.device))
     inner = TwoTower(data.num_users, data.num_items, cfg.model).to(info.device)
     model = ray.train.torch.prepare_model(inner)  # DDP
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
-    epoch = step = 0
-    resumed = ray_train.load_checkpoint()  # memory-mapped on the CPU, copied into the model and optimizer
-    if resumed is not None:
-        state, meta = resumed
-        inner.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        epoch, step = meta["epoch"], meta["step"]
-        del state, resumed
-    stop_epoch = min(cfg.train.epochs, cfg.train.stop_at_epoch) if cfg.train.stop_at_epoch > 0 else cfg.train.epochs
-
-    if info.is_main:
-        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-        save_config(cfg, Path(cfg.output_dir) / "config.yaml")
-    metrics = MetricsLogger(cfg.output_dir, info, run_name=cfg.run_name, experiment="two-tower-ray", params=to_dict(cfg),
-                            mlflow=cfg.mlflow, max_steps=max_steps, count_tokens=False)
-    log.info(f"world size {info.world_size} ({info.backend}, {info.device.type}) | {data.num_users:,} users, "
-             f"{data.num_items:,} items | {len(pairs):,} train interactions, {len(data.eval_users):,} held-out users | "
-             f"{sum(p.numel() for p in inner.parameters()) / 1e6:.2f} M params | global batch "
-             f"{cfg.train.micro_batch_size * info.world_size} | {max_steps} steps ({steps_per_epoch}/epoch) | "
-             f"log-q correction {'on' if cfg.train.logq_correction else 'off'} | starting at epoch {epoch}")
+    run = ray_train.WorkerRun(
+        cfg, info, "two-tower-ray", {"model": inner, "optimizer": optimizer}, max_steps=cfg.train.epochs * len(loader),
+        steps_per_epoch=len(loader), stop_at=("train.stop_at_epoch", cfg.train.stop_at_epoch), count_tokens=False,
+        about=f"{data.num_users:,} users, {data.num_items:,} items | {len(pairs):,} train interactions, "
+              f"{len(data.eval_users):,} held-out users | {sum(p.numel() for p in inner.parameters()) / 1e6:.2f} M params | "
+              f"global batch {cfg.train.micro_batch_size * info.world_size} | {'bf16 autocast' if bf16 else 'fp32'} | "
+              f"log-q correction {'on' if cfg.train.logq_correction else 'off'}")
 
     # ---- train loop: one checkpoint per epoch
-    reports = 0
-    failed = stopped = False
-    try:
-        cookbook.barrier()
-        metrics.start(step)
-        window_loss, window_steps = torch.zeros((), device=info.device), 0
-        while epoch < stop_epoch:
+    with run:
+        for epoch in run.epochs():
             if info.world_size > 1:
                 loader.sampler.set_epoch(epoch)
-            t0 = time.perf_counter()
-            for users, items in loader:
-                wait = time.perf_counter() - t0
-                user_emb, item_emb = model(users, items)
-                loss = sampled_softmax_loss(user_emb, item_emb, items, log_q[items] if cfg.train.logq_correction else None,
-                                            cfg.model.temperature)
+            for (users, items), wait in run.timed(loader):
+                with torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
+                    user_emb, item_emb = model(users, items)
+                loss = sampled_softmax_loss(user_emb.float(), item_emb.float(), items,
+                                            log_q[items] if cfg.train.logq_correction else None, cfg.model.temperature)
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-                step += 1
-                metrics.add(samples=len(users), tokens=0, data_wait_s=wait)
-                window_loss += loss.detach()
-                window_steps += 1
-                if step % cfg.train.log_every == 0 or step % steps_per_epoch == 0:
-                    metrics.log_step(step, window_loss / window_steps, cfg.optim.lr, None)
-                    window_loss.zero_()
-                    window_steps = 0
-                t0 = time.perf_counter()
-            epoch += 1
-            with metrics.paused():  # not counted in the step time and throughput
-                ev = recall_at_k(inner, data, cfg.train.recall_k, info.rank, info.world_size, info.device)
-                metrics.log_eval(step, ev)
-                ray_train.report({"epoch": epoch, "step": step, **ev},
-                                 state={"model": inner.state_dict(), "optimizer": optimizer.state_dict()},
-                                 label=f"epoch_{epoch:04d}",
-                                 meta={"epoch": epoch, "step": step, "world_size": info.world_size, "config": to_dict(cfg)})
-            reports += 1
+                run.metrics.add(samples=len(users), tokens=0, data_wait_s=wait)
+                run.end_step(loss, lr=cfg.optim.lr)
+            run.end_epoch(lambda: recall_at_k(inner, data, cfg.train.recall_k, info.rank, info.world_size, info.device))
 
-        # ---- summary
-        workers = ray_train.worker_summary(inner, reports)
-        if epoch < cfg.train.epochs:
-            stopped = True
-            log.info(f"stopped after epoch {epoch} of {cfg.train.epochs} (train.stop_at_epoch); run again without it to continue")
-        metrics.log_summary({"step": step, "epoch": epoch, **workers,
-                             "mlflow_uri": metrics.mlflow_uri, "mlflow_run_id": metrics.mlflow_run_id})
-    except BaseException:
-        failed = True
-        raise
-    finally:
-        # ---- clean-up (Ray Train destroys the process group)
-        metrics.close(failed=failed, stopped=stopped)
+        # ---- summary (Ray Train destroys the process group)
+        run.finish(inner)
 
 
 # ----------------------------------------------------------------------------- driver
@@ -421,22 +376,18 @@ def main(argv: list[str]) -> None:
     args = cli_parser(__doc__).parse_args(argv)
     cfg = load_config(Config, args.config, args.overrides)
     check_config(cfg, Path(args.config).resolve().parent)
-    nnodes, done, planned = ray_train.prepare_driver(cfg, MAY_CHANGE, ("train.stop_at_epoch", cfg.train.stop_at_epoch))
-    data = read_interactions(cfg.data)
-    if planned and len(data.train_users) < cfg.train.micro_batch_size * planned[0]:
+    data = read_interactions(cfg.data)  # bad rows are named before Ray starts, and so is a bad resume:
+    driver = ray_train.RayDriver(cfg, MAY_CHANGE, ("train.stop_at_epoch", cfg.train.stop_at_epoch))
+    if driver.workers and len(data.train_users) < cfg.train.micro_batch_size * driver.workers:
         raise ConfigError(f"{len(data.train_users)} training interactions are too few for one step of "
-                          f"{cfg.train.micro_batch_size} x {planned[0]} workers")
+                          f"{cfg.train.micro_batch_size} x {driver.workers} workers")
     if args.check:
         print(f"config OK: {args.config} ({data.num_users} users, {data.num_items} items, {len(data.train_users)} train "
               f"interactions, {len(data.eval_users)} held out)")
         return
-    if done is not None and done.get("epoch", 0) >= cfg.train.epochs:
-        print(f"already complete: epoch {done['epoch']} of {cfg.train.epochs} in {cfg.output_dir}; use a new output_dir "
-              f"to train again", file=sys.stderr)
-        return
-
-    ray_train.run(__file__, cfg, nnodes, planned)
+    if not driver.already_complete(cfg.train.epochs):
+        driver.run(__file__)
 
 
 if __name__ == "__main__":
-    cookbook.run_main(main, user_errors=(ConfigError, DataError))
+    cookbook.run_main(main, user_errors=(ConfigError, DataError, CheckpointError))

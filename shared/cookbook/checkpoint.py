@@ -12,8 +12,14 @@ What goes in is up to the recipe: a dict of DCP `Stateful` objects. `ModelOptimi
 covers model and optimizer (moments included) for DDP, FSDP2 or a plain module via
 ``torch.distributed.checkpoint.state_dict``; `RankLocalState` covers per-rank state (data-loader
 position, RNG streams) keyed by rank; `TrainState` holds the step and epoch; anything else with
-``state_dict``/``load_state_dict`` (an LR scheduler) can be passed as is. `Checkpointer.check_resume`
-refuses, before any worker starts, a resume that would mix two runs.
+``state_dict``/``load_state_dict`` (an LR scheduler) can be passed as is.
+
+`ResumeGuard` is the one resume check of every recipe, whatever writes its checkpoints (DCP here, the
+Hugging Face Trainer, Ray Train): a checkpoint is a folder named after its step or epoch that holds a
+``meta.json`` (``step``, ``world_size``, ``config``, ...); the guard finds the newest complete one, turns
+``checkpoint.resume`` (auto / none / a path) into a folder and refuses, before any worker starts, a
+resume that would mix two runs (other settings, another world size, a stop point not after it, "none"
+over an earlier run's checkpoints). `Checkpointer.check_resume` is the guard of DCP checkpoints.
 
 References: https://pytorch.org/docs/stable/distributed.checkpoint.html,
 https://pytorch.org/tutorials/recipes/distributed_checkpoint_recipe.html
@@ -43,7 +49,6 @@ from torch.distributed.checkpoint.state_dict import (
 from cookbook.config import flatten
 from cookbook.dist import barrier, get_logger
 
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 META_FILE = "meta.json"
 
 
@@ -155,46 +160,63 @@ class TrainState:
         self.step, self.epoch = int(state["step"]), int(state["epoch"])
 
 
-class Checkpointer:
-    """Save, find and load checkpoints under one folder.
+class ResumeGuard:
+    """Find a run's newest complete checkpoint and refuse a resume that would mix two runs.
+
+    A checkpoint is a folder under `root` named after `folder` that holds ``meta.json`` (``step``,
+    ``world_size``, ``config`` and, for runs counted in epochs, ``epoch``) and every file of `files`.
+    Cheap and collective-free: call it in one process before any worker starts, and again in the workers.
 
     Args:
-        root: the checkpoints folder (created if needed). Shared by all nodes.
-        keep_last: number of newest complete checkpoints to keep; older ones are deleted
-            after a new one is published. ``0`` keeps all.
-
-    Every method is collective: call it on every rank.
+        root: the folder holding the checkpoint folders.
+        folder: a checkpoint folder's name, ``<n>`` standing for its number (digits), which orders them:
+            ``"step_<n>"`` (DCP), ``"checkpoint-<n>"`` (Hugging Face Trainer), ``"checkpoint_epoch_<n>"`` (Ray).
+        files: files besides ``meta.json`` that a complete checkpoint holds (DCP's ``.metadata``).
+        run_dir: the run's output folder; the advice to start afresh names it ("or delete <run_dir>": its
+            metrics and MLflow run id go too). ``None``: the advice is a new output_dir alone.
+        resume_key: the config key of the resume setting, as messages name it.
+        processes: what the world size counts, as messages name it (``"ranks"``, ``"workers"``).
+        cannot_remap: why a checkpoint written by another world size cannot be resumed (the technique's reason:
+            per-rank state, ZeRO partitions, the global batch).
+        same_size: how to resume with the checkpoint's world size, ``{n}`` standing for it.
     """
 
-    def __init__(self, root: str | Path, keep_last: int = 3):
-        if keep_last < 0:
-            raise ValueError(f"keep_last must be >= 0, got {keep_last}")
+    def __init__(self, root: str | Path, *, folder: str = "step_<n>", files: tuple[str, ...] = (".metadata",),
+                 run_dir: str | Path | None = None, resume_key: str = "checkpoint.resume", processes: str = "ranks",
+                 cannot_remap: str = "its per-rank data-loader and RNG state cannot be remapped",
+                 same_size: str = "the same number of processes (NGPU x NNODES = {n})"):
         self.root = Path(root)
-        self.keep_last = keep_last
+        self.folder, self.files = folder, tuple(files)
+        self._name = re.compile(re.escape(folder).replace(re.escape("<n>"), r"(\d+)"))
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.resume_key, self.processes = resume_key, processes
+        self.cannot_remap, self.same_size = cannot_remap, same_size
 
     # ------------------------------------------------------------------ finding
+    def is_complete(self, path: str | Path) -> bool:
+        """Whether `path` holds ``meta.json`` and every file of `files`."""
+        return all((Path(path) / f).is_file() for f in (META_FILE, *self.files))
+
     def complete_checkpoints(self) -> list[Path]:
-        """Complete checkpoints, oldest first. Temporary folders of interrupted saves are ignored."""
+        """Complete checkpoints under `root`, oldest first (by the number in their name). Folders of
+        interrupted saves (another name, or a file missing) are left out."""
         if not self.root.is_dir():
             return []
-        found = []
-        for p in self.root.iterdir():
-            m = _STEP_DIR.match(p.name)
-            if m and (p / META_FILE).is_file() and (p / ".metadata").is_file():
-                found.append((int(m.group(1)), p))
+        found = [(int(m.group(1)), p) for p in self.root.iterdir()
+                 if (m := self._name.fullmatch(p.name)) and self.is_complete(p)]
         return [p for _, p in sorted(found)]
 
     def latest(self) -> Path | None:
-        """The newest complete checkpoint, or ``None``."""
-        ckpts = self.complete_checkpoints()
-        return ckpts[-1] if ckpts else None
+        """The checkpoint ``resume=auto`` takes: the newest complete one, or ``None``."""
+        found = self.complete_checkpoints()
+        return found[-1] if found else None
 
-    def resolve_resume(self, resume: str | None) -> Path | None:
-        """Turn a config's ``resume`` value into a checkpoint folder.
+    def resolve(self, resume: str | None) -> Path | None:
+        """Turn a ``resume`` value into a checkpoint folder.
 
         Args:
-            resume: ``"auto"`` (newest complete checkpoint under `root`, or none),
-                ``"none"``/``""``/``None`` (start fresh), or a path to a ``step_*`` folder.
+            resume: ``"auto"`` (`latest`, or none), ``"none"``/``""``/``None`` (start fresh), or the path
+                of a checkpoint folder.
 
         Raises:
             CheckpointError: an explicit path that is not a complete checkpoint.
@@ -204,59 +226,145 @@ class Checkpointer:
         if resume == "auto":
             return self.latest()
         path = Path(resume)
-        if not ((path / META_FILE).is_file() and (path / ".metadata").is_file()):
-            raise CheckpointError(
-                f"checkpoint.resume={resume!r} is not a complete checkpoint folder "
-                f"(expected {META_FILE} and .metadata inside); use 'auto' or 'none'"
-            )
+        if not self.is_complete(path):
+            missing = ", ".join(f for f in (META_FILE, *self.files) if not (path / f).is_file())
+            raise CheckpointError(f"{self.resume_key}={resume!r} is not a complete checkpoint folder (no {missing} "
+                                  f"inside): use {self.resume_key}=auto (the newest one under {self.root}), none, or "
+                                  f"the path of a {self.folder} folder")
         return path
 
-    def check_resume(self, resume: str | None, world_size: int, config: Mapping[str, Any] | None = None,
-                     may_change: tuple[str, ...] = (), stop_at_step: int = -1) -> Path | None:
+    # ------------------------------------------------------------------ checking
+    def start_afresh(self) -> str:
+        """The advice to start afresh that every message gives: ``"a new output_dir (or delete <run_dir>)"``."""
+        return "a new output_dir" + (f" (or delete {self.run_dir})" if self.run_dir is not None else "")
+
+    def check(self, resume: str | None, world_size: int | None, config: Mapping[str, Any] | None = None,
+              may_change: tuple[str, ...] = (), stop_at: tuple[str, int] = ("train.stop_at_step", -1)) -> Path | None:
         """Find the checkpoint to resume from and check that this run can continue it.
 
-        Cheap and collective-free: call it in a single process before any worker starts, and
-        again in the workers.
-
         Args:
-            resume: as in `resolve_resume`.
-            world_size: the number of processes this run will have.
-            config: this run's config as a flat or nested dict; compared with the one stored in the
-                checkpoint's ``meta.json`` (written by `save` when given ``extra_meta={"config": ...}``).
-            may_change: dotted keys allowed to differ (e.g. ``"train.log_every"``); a key ending in
-                ``.*`` allows a whole section.
-            stop_at_step: the run's ``train.stop_at_step``; when > 0 it must be after the checkpoint's step.
+            resume: as in `resolve`.
+            world_size: the number of processes this run will have; ``None`` when not known yet (check it
+                later with `check_world_size`).
+            config: this run's config as a flat or nested dict, compared with the checkpoint's ``config``.
+            may_change: dotted keys allowed to differ (``"train.log_every"``); a key ending in ``.*`` allows a
+                whole section.
+            stop_at: ``(key, value)`` of the run's stop setting, ``("train.stop_at_step", 20)`` or
+                ``("train.stop_at_epoch", 1)``; when ``value > 0`` it must be after the checkpoint's step or
+                epoch (the key's last word).
 
         Returns:
             The checkpoint folder, or ``None`` to start fresh.
 
         Raises:
-            CheckpointError: no such checkpoint; ``resume`` is "none" but the folder holds
-                checkpoints; it was written by a different number of ranks; it was written with
-                different settings (the message lists them and what to do); or `stop_at_step` is
-                not after it.
+            CheckpointError: no such checkpoint; ``resume`` is "none" but `root` holds checkpoints; it was
+                written by another world size or with other settings (the message lists them and what to
+                do); or the stop point is not after it.
         """
-        path = self.resolve_resume(resume)
+        path = self.resolve(resume)
         if path is None:
             if self.latest() is not None:
                 raise CheckpointError(
-                    f"checkpoint.resume={resume!r} but {self.root} holds checkpoints of an earlier run, which a later "
-                    f"resume=auto would pick up: use a new output_dir, or delete {self.root}"
-                )
+                    f"{self.resume_key}={resume!r} but {self.root} holds checkpoints of an earlier run, which a later "
+                    f"resume=auto would pick up: start afresh with a new output_dir (or delete "
+                    f"{self.run_dir or self.root})")
             return None
-        meta = json.loads((path / META_FILE).read_text())
-        _check_world_size(path, meta, world_size)
-        if config is not None and "config" in meta:
-            diff = config_changes(meta["config"], config, may_change)
-            if diff:
-                raise CheckpointError(
-                    f"{path} was written with other settings ({diff}); resuming "
-                    f"would mix two runs. Use the same settings, or a new output_dir to start afresh"
-                )
-        if 0 < stop_at_step <= meta["step"]:
-            raise CheckpointError(f"train.stop_at_step={stop_at_step} is not after the checkpoint {path} (step "
-                                  f"{meta['step']}): raise it, or remove it to train to the end")
+        meta = read_meta(path)
+        if world_size is not None:
+            self.check_world_size(path, meta, world_size)
+        diff = config_changes(meta["config"], config, may_change) if config is not None and "config" in meta else ""
+        if diff:
+            raise CheckpointError(f"{path} was written with other settings ({diff}); resuming would mix two runs. Use "
+                                  f"the same settings, or start afresh with {self.start_afresh()}")
+        key, value = stop_at
+        unit = key.rsplit("_", 1)[-1]
+        if 0 < value <= meta.get(unit, 0):
+            raise CheckpointError(f"{key}={value} is not after the checkpoint {path} ({unit} {meta[unit]}): raise it, "
+                                  f"or remove it to train to the end")
         return path
+
+    def check_world_size(self, path: str | Path, meta: Mapping[str, Any], world_size: int) -> None:
+        """Refuse a checkpoint that `meta` (its ``meta.json``) says another number of processes wrote; one
+        that did not record it passes.
+
+        Raises:
+            CheckpointError: naming both sizes, why (`cannot_remap`) and what to do.
+        """
+        if meta.get("world_size") not in (None, world_size):
+            n = meta["world_size"]
+            raise CheckpointError(f"{path} was written by {n} {self.processes} but this job has {world_size}: "
+                                  f"{self.cannot_remap}. Resume with {self.same_size.format(n=n)}, or start afresh "
+                                  f"with {self.start_afresh()}")
+
+    def already_complete(self, done: int, total: int | None, unit: str = "step",
+                         outputs: Mapping[str, str | Path] = {}) -> str:
+        """The message for a run that has nothing left to do (its newest checkpoint is at the end and its
+        outputs are written): ``already complete: 40 of 40 steps; model in <dir>/final, metrics in ...
+        To train again, use a new output_dir (or delete <run_dir>).``
+
+        Args:
+            done, total: steps or epochs done and planned (``total=None``: not known here).
+            unit: ``"step"`` or ``"epoch"``.
+            outputs: what is where, e.g. ``{"model": final_dir, "metrics": jsonl}``.
+        """
+        count = f"{done} of {total}" if total is not None else f"{done}"
+        where = "".join(f"{', ' if i else '; '}{what} in {path}" for i, (what, path) in enumerate(outputs.items()))
+        return f"already complete: {count} {unit}s{where}. To train again, use {self.start_afresh()}."
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    """The ``meta.json`` of the checkpoint folder `path`."""
+    return json.loads((Path(path) / META_FILE).read_text())
+
+
+class Checkpointer:
+    """Save, find and load checkpoints under one folder.
+
+    Args:
+        root: the checkpoints folder (created if needed). Shared by all nodes.
+        keep_last: number of newest complete checkpoints to keep; older ones are deleted
+            after a new one is published. ``0`` keeps all.
+        run_dir: the run's output folder, named in the resume guard's advice ("or delete <run_dir>").
+
+    Every method is collective: call it on every rank.
+    """
+
+    def __init__(self, root: str | Path, keep_last: int = 3, run_dir: str | Path | None = None):
+        if keep_last < 0:
+            raise ValueError(f"keep_last must be >= 0, got {keep_last}")
+        self.root = Path(root)
+        self.keep_last = keep_last
+        self.guard = ResumeGuard(self.root, run_dir=run_dir)
+
+    # ------------------------------------------------------------------ finding
+    def complete_checkpoints(self) -> list[Path]:
+        """Complete checkpoints, oldest first. Temporary folders of interrupted saves are ignored."""
+        return self.guard.complete_checkpoints()
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint, or ``None``."""
+        return self.guard.latest()
+
+    def resolve_resume(self, resume: str | None) -> Path | None:
+        """Turn a config's ``resume`` value into a checkpoint folder (`ResumeGuard.resolve`).
+
+        Raises:
+            CheckpointError: an explicit path that is not a complete checkpoint.
+        """
+        return self.guard.resolve(resume)
+
+    def check_resume(self, resume: str | None, world_size: int, config: Mapping[str, Any] | None = None,
+                     may_change: tuple[str, ...] = (), stop_at_step: int = -1) -> Path | None:
+        """Find the checkpoint to resume from and check that this run can continue it (`ResumeGuard.check`
+        with ``train.stop_at_step``).
+
+        Returns:
+            The checkpoint folder, or ``None`` to start fresh.
+
+        Raises:
+            CheckpointError: see `ResumeGuard.check`.
+        """
+        return self.guard.check(resume, world_size, config, may_change, ("train.stop_at_step", stop_at_step))
 
     # ------------------------------------------------------------------ saving
     def save(self, step: int, state: Mapping[str, Any], extra_meta: Mapping[str, Any] | None = None) -> Path:
@@ -317,7 +425,7 @@ class Checkpointer:
             raise CheckpointError(f"{path} is not a complete checkpoint (no {META_FILE})")
         meta = json.loads(meta_file.read_text())
         if any(isinstance(v, RankLocalState) for v in state.values()):
-            _check_world_size(path, meta, _world_size())
+            self.guard.check_world_size(path, meta, _world_size())
         dcp.load(dict(state), checkpoint_id=str(path))
         get_logger().info(f"resumed from {path} (step {meta['step']})")
         return meta
@@ -338,16 +446,6 @@ def publish(tmp: str | Path, final: str | Path) -> None:
     """Rename the finished folder `tmp` to `final` (atomic on one file system), replacing an older `final`
     only once the new one is complete. Call on one rank."""
     _publish(Path(tmp), Path(final))
-
-
-def _check_world_size(path: Path, meta: Mapping[str, Any], world_size: int) -> None:
-    """Refuse per-rank state written by another number of ranks (it cannot be remapped)."""
-    if meta.get("world_size") not in (None, world_size):
-        raise CheckpointError(
-            f"{path} was written by {meta['world_size']} ranks but this job has {world_size}: its per-rank "
-            f"data-loader and RNG state cannot be remapped. Resume with the same number of processes "
-            f"(NGPU x NNODES = {meta['world_size']}), or start afresh with a new output_dir"
-        )
 
 
 def _publish(tmp: Path, final: Path) -> None:

@@ -1,6 +1,6 @@
 """Start a Ray recipe's driver on one node, on a cluster it bootstraps, or on an existing cluster.
 
-    python -m cookbook.ray_launch train.py --config config.yaml [overrides...]
+    python -m cookbook.ray_train.launch train.py --config config.yaml [overrides...]
 
 Reads the same environment as the torchrun launch scripts:
 
@@ -8,7 +8,7 @@ Reads the same environment as the torchrun launch scripts:
 - ``NNODES=1`` (default): run the driver; it starts a local Ray instance itself.
 - ``NNODES>1``: node ``NODE_RANK=0`` validates the config (``--check``), starts the Ray head on
   ``MASTER_ADDR:RAY_PORT`` (default port 6379), runs the driver (which waits for ``NNODES`` nodes
-  to join, see ``cookbook.ray_train.resolve_workers``) and stops Ray when it ends. Every other
+  to join, see ``cookbook.ray_train.driver.resolve_workers``) and stops Ray when it ends. Every other
   node joins the head, retrying until it is up, and blocks until the head goes away, then exits.
   ``NGPU`` (optional) caps the GPUs each node offers.
 """
@@ -39,7 +39,7 @@ def _ray_cli() -> str:
     return found
 
 
-def run_forwarding_signals(cmd: list[str], env: dict[str, str] | None = None) -> int:
+def _run_forwarding_signals(cmd: list[str], env: dict[str, str] | None = None) -> int:
     """Run `cmd` and return its exit status; SIGINT and SIGTERM sent to this process are passed on
     to it once, and this process waits for it to finish (on SIGINT a Ray driver aborts its run
     gracefully; on SIGTERM Ray ends it at once, and Ray's processes go with it).
@@ -69,7 +69,7 @@ def main(argv: list[str]) -> int:
     nnodes, node_rank = _env_int("NNODES", 1), _env_int("NODE_RANK", 0)
     os.environ["COOKBOOK_NNODES"] = str(nnodes)
     if os.environ.get("RAY_ADDRESS") or nnodes == 1:
-        return run_forwarding_signals(driver)
+        return _run_forwarding_signals(driver)
     master = os.environ.get("MASTER_ADDR", "")
     if not master:
         sys.exit("error: NNODES>1 needs MASTER_ADDR, the address of node 0 (the Ray head)")
@@ -84,7 +84,7 @@ def main(argv: list[str]) -> int:
         subprocess.run([ray, "start", "--head", f"--port={port}", f"--node-ip-address={master}", "--disable-usage-stats",
                         "--include-dashboard=false", *gpus], check=True)
         try:
-            return run_forwarding_signals(driver, env={**os.environ, "RAY_ADDRESS": address})
+            return _run_forwarding_signals(driver, env={**os.environ, "RAY_ADDRESS": address})
         finally:
             subprocess.call([ray, "stop"])
     deadline = time.monotonic() + float(os.environ.get("RAY_JOIN_TIMEOUT_S", "600"))

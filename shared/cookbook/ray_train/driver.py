@@ -1,0 +1,358 @@
+"""The driver side of a Ray recipe: what ``python train.py`` does before and around Ray Train.
+
+`RayDriver` holds a recipe driver's work in three calls: constructing it checks, before Ray starts,
+the output folder (`check_output_dir`), the resume (cookbook's `ResumeGuard` over Ray's checkpoint
+folders) and the worker count planned on this machine (`plan_workers`); `RayDriver.already_complete`
+says when a re-run has nothing left to do; `RayDriver.run` starts or joins Ray (`init_ray`), sizes the
+worker group on the running cluster (`resolve_workers`), checks that every node sees the storage
+(`check_shared_storage`) and trains (`fit`: ``TorchTrainer``, one DDP process per GPU).
+
+Layout: ``output_dir`` is Ray's run folder (``storage_path`` = its parent, ``name`` = its last part),
+so checkpoints (``checkpoint_epoch_<n>/`` or ``checkpoint_step_<n>/``: ``state.pt`` and ``meta.json``),
+``metrics.jsonl`` and the MLflow store sit side by side. With several nodes it must be on storage every
+node mounts. A re-run with the same ``output_dir`` resumes from the newest checkpoint Ray registered
+(its snapshot file), the one ``ray.train.get_checkpoint()`` gives the workers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from cookbook.checkpoint import CheckpointError, ResumeGuard, read_meta
+from cookbook.config import ConfigError, to_dict
+from cookbook.ray_train.worker import _STATE_FILE
+
+_SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"  # Ray Train's record of the run's registered checkpoints
+
+
+@dataclass
+class RayConfig:
+    """The ``ray`` section of a Ray recipe's config."""
+
+    num_workers: int = -1  # training processes; -1: one per GPU in the cluster (2 on a CPU-only cluster)
+    use_gpu: bool | None = None  # null: GPUs when the cluster has any (COOKBOOK_DEVICE=cpu forces CPU)
+    cpus_per_worker: float = 1.0
+    reserve_cpus: int = 1  # extra CPUs a local Ray instance declares beyond the workers' (Ray's own actors, Ray Data)
+    max_failures: int = 0  # restarts of the worker group after a failure, each from the newest checkpoint
+    join_timeout_s: float = 300.0  # how long to wait for the nodes NNODES announces
+    temp_dir: str | None = None  # Ray's session folder for a local instance (default /tmp/ray)
+
+
+class RecipeError(RuntimeError):
+    """An exception of a class defined in the recipe's ``train.py`` (its ``DataError``, say), raised in a
+    Ray worker and re-raised as this: the driver and Ray's controller cannot import the recipe module
+    under the worker's name, so the original could not be sent back. The message starts with the
+    original class name; the worker's traceback is in the run's log."""
+
+
+# ----------------------------------------------------------------------------- the driver of a recipe
+class RayDriver:
+    """A Ray recipe's driver: the checks before Ray starts, then the run.
+
+    Args:
+        cfg: the recipe's config dataclass: ``output_dir``, ``ray`` (`RayConfig`), ``checkpoint.keep_last``.
+        may_change: dotted config keys a resume may change (a key ending in ``.*``: a whole section).
+        stop_at: ``(key, value)`` of the run's stop setting, ``("train.stop_at_epoch", 1)`` or
+            ``("train.stop_at_step", 8)``; its last word is the unit the run checkpoints in.
+
+    Attributes:
+        nnodes: ``COOKBOOK_NNODES`` (launch.sh's NNODES).
+        resume: the checkpoint a run resumes from, or ``None``; ``meta``: its ``meta.json``.
+        workers, use_gpu: as planned on this machine; ``None`` when joining ``RAY_ADDRESS`` or on
+            several nodes (only the cluster knows its size).
+
+    Raises:
+        ConfigError: see `check_output_dir` and `plan_workers`.
+        CheckpointError: the newest checkpoint was written with other settings or by another number of
+            workers, or the stop point is not after it (`ResumeGuard.check`).
+    """
+
+    def __init__(self, cfg: Any, may_change: tuple[str, ...], stop_at: tuple[str, int]):
+        self.cfg = cfg
+        self.nnodes = int(os.environ.get("COOKBOOK_NNODES", "1"))
+        check_output_dir(cfg.output_dir, self.nnodes)
+        self.unit = stop_at[0].rsplit("_", 1)[-1]
+        self.guard = _RayCheckpoints(cfg.output_dir, self.unit)
+        self.resume = _check_resume(self.guard, getattr(cfg.checkpoint, "resume", "auto"), to_dict(cfg), may_change,
+                                    stop_at)
+        self.meta = read_meta(self.resume) if self.resume is not None else None
+        planned = _plan_workers_locally(cfg.ray, self.nnodes)
+        self.workers, self.use_gpu = planned if planned is not None else (None, None)
+        if self.workers is not None and self.resume is not None:
+            self.guard.check_world_size(self.resume, self.meta, self.workers)
+
+    @property
+    def on_cpu(self) -> bool:
+        """Whether the workers will train on CPUs (as planned here, else as ``ray.use_gpu`` says)."""
+        return not self.use_gpu if self.use_gpu is not None else self.cfg.ray.use_gpu is False
+
+    def already_complete(self, total: int | None, outputs: Mapping[str, str | Path] = {}) -> bool:
+        """Whether the newest checkpoint ends the run and its `outputs` exist; if so, say so (stderr).
+
+        Args:
+            total: the run's epochs or steps (the unit of ``stop_at``); ``None``: not known before the
+                workers start, the checkpoint and `outputs` decide.
+            outputs: what a finished run wrote, e.g. ``{"model": <output_dir>/final}``.
+        """
+        if self.meta is None:
+            return False
+        done = self.meta.get(self.unit, 0)
+        if (total is not None and done < total) or not all(Path(p).exists() for p in outputs.values()):
+            return False
+        where = {**outputs, "metrics": Path(self.cfg.output_dir) / "metrics.jsonl"}
+        print(self.guard.already_complete(done, total, self.unit, where), file=sys.stderr)
+        return True
+
+    def run(self, script: str) -> Any:
+        """Start or join Ray (`init_ray`), size the worker group (`resolve_workers`), check the worker count
+        against the checkpoint and the storage (`check_shared_storage`), train (`fit`) and say where the
+        results are; returns Ray's ``Result``.
+
+        Args:
+            script: the recipe's ``train.py`` (``__file__``), which defines ``train_loop(config)``.
+        """
+        cfg = self.cfg
+        init_ray(cfg.ray, self.workers or 0)
+        num_workers, use_gpu = resolve_workers(cfg.ray, self.nnodes)
+        if self.resume is not None:
+            self.guard.check_world_size(self.resume, self.meta, num_workers)
+        check_shared_storage(cfg.output_dir)
+        result = fit(script, to_dict(cfg), cfg.output_dir, cfg.ray, num_workers, use_gpu, cfg.checkpoint.keep_last)
+        print(f"done: {result.metrics} | checkpoint {result.checkpoint.path if result.checkpoint else None} | metrics "
+              f"{Path(cfg.output_dir) / 'metrics.jsonl'}", file=sys.stderr)
+        return result
+
+
+# ----------------------------------------------------------------------------- resume
+class _RayCheckpoints(ResumeGuard):
+    """Ray Train's checkpoint folders ``checkpoint_<unit>_<n>`` (``state.pt``, ``meta.json``) in the run
+    folder, under cookbook's resume guard. The workers' global batch depends on their count, so another
+    count is refused.
+
+    `latest` is the checkpoint a re-run resumes from: the newest in Ray Train's snapshot
+    (``checkpoint_manager_snapshot.json``), the one ``ray.train.get_checkpoint()`` returns to the workers.
+    Ray registers a reported checkpoint once every worker has reported it, so after an interruption the
+    folder of a later checkpoint can exist on disk although Ray will not resume from it. Without a
+    readable snapshot (a run that stopped before its first checkpoint, or a Ray version that writes
+    another format) the newest complete folder on disk is taken.
+    """
+
+    def __init__(self, output_dir: str | Path, unit: str):
+        super().__init__(output_dir, folder=f"checkpoint_{unit}_<n>", files=(_STATE_FILE,), run_dir=output_dir,
+                         processes="workers", same_size="ray.num_workers={n}",
+                         cannot_remap="the global batch, learning rate and steps per epoch would change mid-run")
+
+    def latest(self) -> Path | None:
+        try:
+            latest = json.loads((self.root / _SNAPSHOT_FILE).read_text()).get("latest_checkpoint_result")
+        except (OSError, ValueError, AttributeError):
+            return super().latest()
+        name = (latest or {}).get("checkpoint_dir_name")
+        return self.root / name if name and self.is_complete(self.root / name) else None
+
+
+def _check_resume(guard: _RayCheckpoints, resume: str | None, config: Mapping[str, Any], may_change: tuple[str, ...],
+                  stop_at: tuple[str, int]) -> Path | None:
+    """`ResumeGuard.check` of ``checkpoint.resume`` before the worker count is known; says which checkpoint
+    the run resumes from, and which later folders Ray had not registered.
+
+    Ray Train resumes a run from the newest checkpoint it registered in the run folder, so ``resume`` is
+    ``auto`` (that one), ``none`` (refused over an earlier run's checkpoints, as everywhere) or that same folder.
+
+    Raises:
+        CheckpointError: see `ResumeGuard.check`; or another folder than the one Ray resumes from.
+    """
+    path = guard.check(resume, None, config, may_change, stop_at)
+    latest = guard.latest()
+    if path is not None and latest is not None and path.resolve() != latest.resolve():
+        raise CheckpointError(f"{guard.resume_key}={resume!r}: Ray Train resumes a run from the newest checkpoint it "
+                              f"registered in its output_dir, {latest}; use {guard.resume_key}=auto, or start afresh "
+                              f"with {guard.start_afresh()}")
+    if path is not None:
+        found = guard.complete_checkpoints()
+        later = [p.name for p in found[found.index(path) + 1:]] if path in found else []
+        unit = stop_at[0].rsplit("_", 1)[-1]
+        print(f"resuming from {path} ({unit} {read_meta(path).get(unit)})"
+              + (f"; {', '.join(later)} were written after it but not registered by Ray before the run stopped, "
+                 f"and will be replaced" if later else ""), file=sys.stderr)
+    return path
+
+
+# ----------------------------------------------------------------------------- checks and Ray
+def check_output_dir(output_dir: str, nnodes: int) -> None:
+    """Refuse an ``output_dir`` that cannot be Ray's storage; cheap, call before `init_ray`.
+
+    A URI (``s3://...``) is refused: the recipes write metrics and MLflow files with plain file
+    I/O, so use a shared file system mount. With several nodes the parent folder must exist
+    already (it is the shared mount; a typo would otherwise create a local folder on one node).
+
+    Raises:
+        ConfigError: naming ``output_dir`` and what to do.
+    """
+    if "://" in output_dir:
+        raise ConfigError(f"output_dir={output_dir!r}: use a folder on a shared file system (NFS, Lustre, a "
+                          f"mounted bucket), not a URI")
+    parent = Path(output_dir).expanduser().resolve().parent
+    if nnodes > 1 and not parent.is_dir():
+        raise ConfigError(f"output_dir={output_dir!r}: the folder {parent} does not exist. With {nnodes} nodes "
+                          f"output_dir must be on storage every node mounts; create it there first")
+
+
+def init_ray(cfg: RayConfig, num_workers: int) -> None:
+    """Join the cluster at ``RAY_ADDRESS``, or start a local Ray instance (session files in
+    ``cfg.temp_dir`` when set) that declares at least `num_workers` x ``cpus_per_worker`` +
+    ``reserve_cpus`` CPUs. The dashboard is off."""
+    import ray
+
+    address = os.environ.get("RAY_ADDRESS") or None
+    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
+    if address is None:
+        if cfg.temp_dir:
+            kwargs["_temp_dir"] = str(Path(cfg.temp_dir).resolve())
+        needed = int(max(num_workers, 1) * cfg.cpus_per_worker + 0.999) + cfg.reserve_cpus
+        kwargs["num_cpus"] = max(os.cpu_count() or 1, needed)
+    ray.init(address=address, **kwargs)
+
+
+def plan_workers(cfg: RayConfig, gpus: int, cpus: int) -> tuple[int, bool]:
+    """``(num_workers, use_gpu)`` for a cluster of `gpus` GPUs and `cpus` CPUs.
+
+    Raises:
+        ConfigError: ``ray.use_gpu=true`` without GPUs, or more workers than GPUs or CPUs
+            (``ray.num_workers`` x ``ray.cpus_per_worker``).
+    """
+    force_cpu = os.environ.get("COOKBOOK_DEVICE", "").lower() == "cpu"
+    use_gpu = (gpus > 0 and not force_cpu) if cfg.use_gpu is None else cfg.use_gpu
+    if use_gpu and gpus == 0:
+        raise ConfigError("ray.use_gpu=true but the Ray cluster has no GPUs")
+    n = cfg.num_workers if cfg.num_workers > 0 else (gpus if use_gpu else 2)
+    if use_gpu and n > gpus:
+        raise ConfigError(f"ray.num_workers={n} but the Ray cluster has {gpus} GPU(s): one worker per GPU, so at most {gpus}")
+    if n * cfg.cpus_per_worker > cpus:
+        raise ConfigError(f"ray.num_workers={n} x ray.cpus_per_worker={cfg.cpus_per_worker:g} CPUs, but the Ray cluster "
+                          f"has {cpus} CPUs: at most {int(cpus // cfg.cpus_per_worker)} worker(s)")
+    return n, use_gpu
+
+
+def _plan_workers_locally(cfg: RayConfig, nnodes: int) -> tuple[int, bool] | None:
+    """`plan_workers` against this machine, before Ray starts (None when joining ``RAY_ADDRESS``
+    or on several nodes, where only the cluster knows its size)."""
+    if os.environ.get("RAY_ADDRESS") or nnodes > 1:
+        return None
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return plan_workers(cfg, gpus, os.cpu_count() or 1)
+
+
+def resolve_workers(cfg: RayConfig, nnodes: int = 1) -> tuple[int, bool]:
+    """`plan_workers` against the running Ray cluster, after waiting up to ``cfg.join_timeout_s``
+    for `nnodes` nodes (the launch script's NNODES) to join.
+
+    Raises:
+        ConfigError: too few nodes joined in time, or see `plan_workers`.
+    """
+    import ray
+
+    deadline = time.monotonic() + cfg.join_timeout_s
+    while (alive := len([n for n in ray.nodes() if n["Alive"]])) < nnodes:
+        if time.monotonic() > deadline:
+            raise ConfigError(f"only {alive} of NNODES={nnodes} Ray nodes joined within ray.join_timeout_s="
+                              f"{cfg.join_timeout_s:g}: start launch.sh on every node")
+        time.sleep(2.0)
+    res = ray.cluster_resources()
+    return plan_workers(cfg, int(res.get("GPU", 0)), int(res.get("CPU", 0)))
+
+
+def check_shared_storage(output_dir: str) -> None:
+    """On a cluster of several nodes, check that every node sees the same `output_dir`.
+
+    Writes a marker file with a random token on the driver's node and reads it back from a task
+    pinned to each node. Refuses a node-local path before training starts (Ray would otherwise
+    write each node's checkpoints to its own disk, and a resume would miss them).
+
+    Raises:
+        ConfigError: a node cannot read the marker; the message names the node.
+    """
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes = [n for n in ray.nodes() if n["Alive"]]
+    if len(nodes) < 2:
+        return
+    out = Path(output_dir).expanduser().resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    token = uuid.uuid4().hex
+    marker = out / f".shared-storage-{token}"
+    marker.write_text(token)
+
+    @ray.remote(num_cpus=0)
+    def probe(path: str) -> str | None:
+        p = Path(path)
+        return p.read_text() if p.is_file() else None
+
+    try:
+        seen = ray.get([probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
+                        .remote(str(marker)) for n in nodes])
+    finally:
+        marker.unlink(missing_ok=True)
+    blind = [n["NodeManagerAddress"] for n, s in zip(nodes, seen) if s != token]
+    if blind:
+        raise ConfigError(f"output_dir={output_dir!r} is not shared: node(s) {', '.join(blind)} do not see {out}. "
+                          f"Checkpoints must be on storage every node mounts (NFS, Lustre, a mounted bucket)")
+
+
+def _worker_entry(loop_config: dict) -> None:
+    """Import the recipe's train.py by path in the worker and call its ``train_loop(config)``.
+
+    Importing by path (rather than letting Ray pickle the driver's ``__main__`` by value) gives
+    the recipe's config dataclasses a real module, which OmegaConf needs to read their type hints.
+    """
+    import importlib.util
+
+    script = loop_config["script"]
+    name = f"cookbook_recipe_{abs(hash(script))}"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, script)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    try:
+        sys.modules[name].train_loop(loop_config["config"])
+    except Exception as exc:
+        if type(exc).__module__ != name:
+            raise
+        raise RecipeError(f"{type(exc).__name__}: {exc}") from None
+
+
+def fit(script: str, config: Mapping[str, Any], output_dir: str, cfg: RayConfig, num_workers: int,
+        use_gpu: bool, keep_last: int = 2) -> Any:
+    """Run the function ``train_loop(config)`` of the recipe file `script` on `num_workers` Ray Train
+    workers with DDP; returns the ``Result``. `script` must exist at the same path on every node;
+    `config` is the run's config as a plain dict (rebuild it with `config_from_dict`).
+
+    ``output_dir`` is the run folder (see the module docstring); a second call with the same one
+    resumes from its newest checkpoint. Raises the training error when the run failed after
+    ``cfg.max_failures`` restarts. `keep_last` newest checkpoints are kept (0: all).
+    """
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    out = Path(output_dir).expanduser().resolve()  # Ray's run folder is output_dir itself
+    trainer = TorchTrainer(
+        _worker_entry,
+        train_loop_config={"script": str(Path(script).resolve()), "config": dict(config)},
+        scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu,
+                                     resources_per_worker={"CPU": cfg.cpus_per_worker, **({"GPU": 1} if use_gpu else {})}),
+        run_config=RunConfig(name=out.name, storage_path=str(out.parent),
+                             failure_config=FailureConfig(max_failures=cfg.max_failures),
+                             checkpoint_config=CheckpointConfig(num_to_keep=keep_last or None)),
+    )
+    return trainer.fit()

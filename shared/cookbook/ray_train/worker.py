@@ -1,0 +1,338 @@
+"""The worker side of a Ray recipe: what every Ray Train worker runs around the recipe's step body.
+
+`worker_info` gives the same `DistInfo` torchrun recipes get (and rank-0-only logging);
+`config_from_dict` rebuilds the recipe's config from the plain dict the driver sent. `WorkerRun` is
+the bookkeeping of a worker's training run, written once: it resumes the model, optimizer and
+scheduler from the newest checkpoint (`load_checkpoint`), writes the config and opens the metrics
+(`cookbook.metrics.MetricsLogger`), keeps the metric window of the log lines, checkpoints each epoch
+or every ``checkpoint.every_steps`` steps through Ray (`report`), stops at ``train.stop_at_epoch`` /
+``train.stop_at_step`` and writes the summary with what every worker did (`worker_summary`). Its
+interface is `cookbook.loop.TrainLoop`'s (the torchrun recipes' loop), with Ray Train's checkpoints and
+runs counted in epochs:
+
+.. code-block:: python
+
+    run = ray_train.WorkerRun(cfg, info, "two-tower-ray", {"model": inner, "optimizer": optimizer},
+                              max_steps=max_steps, steps_per_epoch=len(loader),
+                              stop_at=("train.stop_at_epoch", cfg.train.stop_at_epoch))
+    with run:                                   # closes the metrics: FINISHED, KILLED (stopped) or FAILED
+        for epoch in run.epochs():              # from the resumed epoch to the stop point (or run.steps())
+            loader.sampler.set_epoch(epoch)
+            for batch, wait in run.timed(loader):
+                ...                             # the step body; run.metrics.add(samples, tokens, wait)
+                run.end_step(loss, lr=lr)       # the log window
+            run.end_epoch(evaluate)             # evaluation, then a checkpoint through ray.train.report
+        run.finish(inner)                       # summary record, or how to continue a stopped run
+
+A checkpoint is a folder ``checkpoint_<unit>_<n>`` holding ``state.pt`` (`torch.save` of the state
+dicts, from rank 0) and ``meta.json`` (``epoch`` for epoch runs, ``step``, ``world_size``, ``config``),
+which the driver's resume guard reads (`cookbook.ray_train.RayDriver`).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+
+from cookbook.checkpoint import META_FILE
+from cookbook.config import save_config, to_dict
+from cookbook.dist import (DistInfo, _configure_logging, all_gather_object, all_reduce_mean, barrier, get_logger,
+                           param_fingerprint)
+from cookbook.loop import Outputs, log_outputs
+from cookbook.metrics import MetricsLogger, ModelFlops, StepProfiler
+
+_STATE_FILE = "state.pt"
+
+
+def config_from_dict(schema: type, data: Mapping[str, Any]) -> Any:
+    """The recipe's config dataclass from the plain dict `fit` sent (a worker's first call)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), dict(data)))
+
+
+def worker_info() -> DistInfo:
+    """This Ray Train worker's rank, local rank, world size and device, as a `DistInfo`; also
+    switches the ``cookbook`` logger to INFO from rank 0 only (warnings from every rank)."""
+    import ray.train
+    import ray.train.torch
+
+    ctx = ray.train.get_context()
+    device = ray.train.torch.get_device()
+    backend = dist.get_backend() if dist.is_initialized() else ("nccl" if device.type == "cuda" else "gloo")
+    info = DistInfo(ctx.get_world_rank(), ctx.get_local_rank(), ctx.get_world_size(), device, backend)
+    _configure_logging(info.rank)
+    return info
+
+
+def report(metrics: Mapping[str, float], state: Mapping[str, Any] | None = None, label: str | None = None,
+           meta: Mapping[str, Any] | None = None) -> None:
+    """``ray.train.report`` on every worker; rank 0 also saves `state` as a checkpoint.
+
+    Collective: every worker must call it the same number of times (it is Ray Train's barrier).
+
+    Args:
+        metrics: numbers attached to the report (rank 0's are kept by Ray).
+        state: on rank 0, the objects to checkpoint (state dicts, ints); ``None``: metrics only.
+            Other ranks' `state` is ignored (DDP replicas are identical).
+        label: the checkpoint folder is ``checkpoint_<label>`` (e.g. ``epoch_0003``).
+        meta: JSON facts written beside the state as ``meta.json`` (step, epoch, config).
+    """
+    import ray.train
+    from ray.train import Checkpoint
+
+    rank = ray.train.get_context().get_world_rank()
+    if state is None or rank != 0:
+        ray.train.report(dict(metrics))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.save(dict(state), Path(tmp) / _STATE_FILE)
+        (Path(tmp) / META_FILE).write_text(json.dumps(dict(meta or {}), indent=2))
+        ray.train.report(dict(metrics), checkpoint=Checkpoint.from_directory(tmp),
+                         checkpoint_dir_name=f"checkpoint_{label}" if label else None)
+    get_logger().info(f"checkpoint saved: {label or ''} ({_facts(meta or {})})")
+
+
+def load_checkpoint(map_location: torch.device | str = "cpu") -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """The newest checkpoint of this run as ``(state, meta)``, or ``None`` on a fresh start.
+
+    On the CPU (the default) the file is memory-mapped (``torch.load(mmap=True)``): the workers of
+    a node share one copy in the page cache instead of each reading the whole state (model and
+    optimizer: 12 bytes per parameter for AdamW in fp32) into its own memory or GPU. Copy the values
+    into the model and optimizer with ``load_state_dict``, then drop `state`."""
+    import ray.train
+
+    ckpt = ray.train.get_checkpoint()
+    if ckpt is None:
+        return None
+    with ckpt.as_directory() as d:
+        state = torch.load(Path(d) / _STATE_FILE, map_location=map_location, weights_only=False,
+                           mmap=torch.device(map_location).type == "cpu")
+        meta = json.loads((Path(d) / META_FILE).read_text())
+    get_logger().info(f"resumed from {ckpt.path} ({_facts(meta)})")
+    return state, meta
+
+
+def worker_summary(model: torch.nn.Module, reports: int) -> dict[str, list]:
+    """What every worker did, gathered on all of them (collective): ``reports_per_worker`` (calls
+    of `report`; equal counts mean no worker fell behind) and ``param_fingerprints`` (equal values
+    mean the DDP replicas stayed identical)."""
+    return {"reports_per_worker": all_gather_object(reports),
+            "param_fingerprints": all_gather_object(param_fingerprint(model))}
+
+
+def _facts(meta: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in meta.items() if k != "config")
+
+
+class WorkerRun:
+    """Resume, metrics, log window, checkpoints through Ray and the summary of one Ray Train worker.
+
+    Constructing it resumes: when Ray hands the worker a checkpoint (a restart after a failure, or a
+    re-run with the same ``output_dir``), every object of `state` that has ``load_state_dict`` gets its
+    saved state back, and `step` and `epoch` continue from the checkpoint's. Then rank 0 writes the
+    config to ``<output_dir>/config.yaml`` and the `metrics` logger is opened.
+
+    Args:
+        cfg: the recipe's config: ``output_dir``, ``run_name``, ``mlflow``, ``train.log_every``, and for
+            runs counted in steps ``checkpoint.every_steps`` (-1: never save; 0: only at the stop point and
+            the end; N: also every N steps).
+        info: this worker's `worker_info`.
+        experiment: the MLflow experiment name.
+        state: name -> what a checkpoint holds: objects with ``state_dict``/``load_state_dict`` (the unwrapped
+            model, not DDP; the optimizer; the scheduler) are saved and restored, other values (a class list)
+            are saved as they are.
+        max_steps: optimizer steps of the whole run.
+        steps_per_epoch: optimizer steps of one epoch; a log line ends every epoch.
+        stop_at: ``("train.stop_at_epoch", n)`` (one checkpoint per epoch, `end_epoch`) or
+            ``("train.stop_at_step", n)`` (checkpoints by ``checkpoint.every_steps``, `end_step`); ``n > 0``
+            stops there, after a checkpoint.
+        evaluate: for runs counted in steps, the evaluation (collective; metrics summed or averaged over the
+            workers): every ``train.eval_every`` steps when the config has it (> 0) and at the end (`finish`).
+        flops, count_tokens: for the `MetricsLogger` (MFU; ``False`` for models without tokens).
+        about: what the run trains, for its first log line (``world size 2 (gloo, cpu) | <about> | 48 steps
+            (12/epoch) | starting at epoch 1``).
+
+    ``train.profile_step`` (when the config has it, > 0) writes a ``torch.profiler`` trace of that step to
+    ``<output_dir>/profile`` (`cookbook.metrics.StepProfiler`).
+
+    Every method that logs, evaluates or checkpoints is collective: call it on every worker in the same order.
+    """
+
+    def __init__(self, cfg: Any, info: DistInfo, experiment: str, state: Mapping[str, Any], *, max_steps: int,
+                 steps_per_epoch: int, stop_at: tuple[str, int], evaluate: Callable[[], Mapping[str, float]] | None = None,
+                 flops: ModelFlops | None = None, count_tokens: bool = True, about: str = ""):
+        self.cfg, self.info, self.state = cfg, info, dict(state)
+        self.max_steps, self.steps_per_epoch = max_steps, steps_per_epoch
+        self.stop_key, self.unit = stop_at[0], stop_at[0].rsplit("_", 1)[-1]
+        self.total = max_steps // steps_per_epoch if self.unit == "epoch" else max_steps
+        self.stop = min(self.total, stop_at[1]) if stop_at[1] > 0 else self.total
+        self.checkpoint_every = getattr(cfg.checkpoint, "every_steps", 0) if self.unit == "step" else 0
+        self.evaluate, self.eval_every = evaluate, getattr(cfg.train, "eval_every", 0)
+        self.step = self.epoch = self.reports = 0
+        self.stopped = False  # the run ended at its stop point, before the end
+        self._last_eval: dict[str, float] = {}
+        resumed = load_checkpoint()  # memory-mapped on the CPU, copied into the model and optimizer
+        if resumed is not None:
+            saved, meta = resumed
+            for name, obj in self.state.items():
+                if hasattr(obj, "load_state_dict"):
+                    obj.load_state_dict(saved[name])
+            self.step, self.epoch = meta["step"], meta.get("epoch", 0)
+            del saved, resumed
+        out = Path(cfg.output_dir)
+        if info.is_main:
+            out.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, out / "config.yaml")
+        self.metrics = MetricsLogger(out, info, flops=flops, run_name=cfg.run_name, experiment=experiment,
+                                     params=to_dict(cfg), mlflow=cfg.mlflow, max_steps=max_steps, count_tokens=count_tokens)
+        self.profiler = StepProfiler(getattr(cfg.train, "profile_step", 0), out, info)
+        self._reset_window()
+        get_logger().info(f"world size {info.world_size} ({info.backend}, {info.device.type}) | "
+                          f"{about + ' | ' if about else ''}{max_steps} steps ({steps_per_epoch}/epoch) | "
+                          f"starting at {self.unit} {self.done}")
+
+    @property
+    def done(self) -> int:
+        """Epochs or steps (the unit of ``stop_at``) done."""
+        return self.epoch if self.unit == "epoch" else self.step
+
+    # ------------------------------------------------------------------ the loop
+    def __enter__(self) -> WorkerRun:
+        try:
+            barrier()  # every worker starts the clock together
+            self.metrics.start(self.step)
+            self.profiler.start(self.step + 1)
+        except BaseException:
+            self.metrics.close(failed=True)
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.metrics.close(failed=exc_type is not None, stopped=self.stopped)
+
+    def steps(self) -> Iterator[int]:
+        """The number of each optimizer step to run (1-based), from the resumed one to the stop point (runs
+        counted in steps); each must end with `end_step`."""
+        while self.step < self.stop:
+            started = self.step
+            yield started + 1
+            if self.step == started:
+                raise RuntimeError("each step must end with run.end_step(...)")
+
+    def epochs(self) -> Iterator[int]:
+        """The number of each epoch to run (0-based), from the resumed one to the stop point; each must end
+        with `end_epoch`."""
+        while self.epoch < self.stop:
+            started = self.epoch
+            yield started
+            if self.epoch == started:
+                raise RuntimeError("each epoch must end with run.end_epoch(...)")
+
+    @staticmethod
+    def timed(batches: Iterable) -> Iterator[tuple[Any, float]]:
+        """``(batch, seconds waited for it)`` for each batch of `batches` (the data-wait of the metrics)."""
+        it = iter(batches)
+        while True:
+            t0 = time.perf_counter()
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            yield batch, time.perf_counter() - t0
+
+    def end_step(self, loss: torch.Tensor | float, *, lr: float, grad_norm: torch.Tensor | float | None = None,
+                 window: Mapping[str, torch.Tensor | float] | None = None) -> None:
+        """Count one optimizer step; log the window's mean loss (and of each `window` value) every
+        ``train.log_every`` steps, at each epoch's end and at the last step; for runs counted in steps,
+        checkpoint when due.
+
+        Args:
+            loss: this worker's loss of the step (a 0-d device tensor: no host sync).
+            lr: the learning rate the step used.
+            grad_norm: the gradient norm before clipping, or ``None``.
+            window: more per-step numbers averaged over the log window under their names (``{"top1": acc}``).
+        """
+        self.profiler.stop()
+        self.step += 1
+        step = self.step
+        self._loss = self._loss + (loss.detach() if isinstance(loss, torch.Tensor) else loss)
+        for k, v in (window or {}).items():
+            self._window[k] = self._window.get(k, 0.0) + (v.detach() if isinstance(v, torch.Tensor) else v)
+        self._steps += 1
+        if step % self.cfg.train.log_every == 0 or step % self.steps_per_epoch == 0 or step == self.max_steps:
+            extra = {k: v / self._steps for k, v in self._window.items()}
+            self.metrics.log_step(step, self._loss / self._steps, lr, grad_norm, extra=extra or None)
+            self._reset_window()
+        with self.metrics.paused():  # not counted in the step time and throughput
+            if self.evaluate is not None and self.eval_every > 0 and step % self.eval_every == 0 and step < self.max_steps:
+                self.metrics.log_eval(step, self.evaluate())
+            every = self.checkpoint_every
+            if self.unit == "step" and every >= 0 and (step == self.stop or (every > 0 and step % every == 0)):
+                self._checkpoint({"loss": all_reduce_mean({"loss": loss}, self.info.device)["loss"]})  # global batch
+        self.profiler.start(step + 1)
+
+    def end_epoch(self, evaluate: Callable[[], Mapping[str, float]]) -> dict[str, float]:
+        """Count one epoch, evaluate (`evaluate` runs on every worker and returns metrics summed or averaged
+        over them) and checkpoint; neither counts in the step time. Returns the evaluation's metrics."""
+        self.epoch += 1
+        with self.metrics.paused():
+            values = self._last_eval = dict(evaluate())
+            self.metrics.log_eval(self.step, values)
+            self._checkpoint(values)
+        return values
+
+    def _checkpoint(self, values: Mapping[str, float]) -> None:
+        n = self.done
+        counts = {"epoch": self.epoch} if self.unit == "epoch" else {}
+        report({**counts, "step": self.step, **values},
+               state={k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in self.state.items()},
+               label=f"{self.unit}_{n:0{4 if self.unit == 'epoch' else 8}d}",
+               meta={**counts, "step": self.step, "world_size": self.info.world_size, "config": to_dict(self.cfg)})
+        self.reports += 1
+
+    def _reset_window(self) -> None:
+        self._loss: torch.Tensor | float = torch.zeros((), device=self.info.device)
+        self._window: dict[str, Any] = {}
+        self._steps = 0
+
+    # ------------------------------------------------------------------ the end
+    def finish(self, model: torch.nn.Module, export: Callable[[], Outputs] | None = None) -> dict[str, float]:
+        """After the loop: the final evaluation (`evaluate`; epoch runs: the last epoch's), what every worker did
+        (`worker_summary`), the summary record, and for a finished run its export and closing log lines (`cookbook.loop.log_outputs`), for a stopped
+        one how to continue it.
+
+        Args:
+            model: the unwrapped model (its parameters are fingerprinted on every worker).
+            export: for a run that reached its end, writes the final artefacts and returns ``{summary key:
+                (folder or None, how to load it)}``, e.g. ``{"export_dir": (path, "AutoModelForCausalLM.from_pretrained")}``.
+
+        Returns:
+            The final evaluation's metrics (``{}`` without one).
+        """
+        final_eval = dict(self.evaluate()) if self.evaluate is not None else {}
+        if final_eval:
+            self.metrics.log_eval(self.step, final_eval)
+        else:
+            final_eval = self._last_eval
+        workers = worker_summary(model, self.reports)
+        outputs: dict[str, tuple[Path | None, str]] = {}
+        if self.done < self.total:
+            self.stopped = True
+            get_logger().info(f"stopped {'after' if self.unit == 'epoch' else 'at'} {self.unit} {self.done} of "
+                              f"{self.total} ({self.stop_key}); run again without it to continue")
+        elif export is not None:
+            outputs = dict(export())
+        self.metrics.log_summary({"step": self.step, **({"epoch": self.epoch} if self.unit == "epoch" else {}),
+                                  **workers, **{f"eval/{k}": v for k, v in final_eval.items()},
+                                  **{k: str(path) if path else None for k, (path, _) in outputs.items()},
+                                  "mlflow_uri": self.metrics.mlflow_uri, "mlflow_run_id": self.metrics.mlflow_run_id})
+        if not self.stopped:
+            log_outputs(self.step, final_eval, self.metrics, Path(self.cfg.output_dir), outputs)
+        return final_eval
