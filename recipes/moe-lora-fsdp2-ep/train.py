@@ -175,11 +175,8 @@ def main(argv: list[str]) -> None:
     out_dir = Path(cfg.output_dir)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
     pad_id = sft.pad_token_id(tokenizer)
-    train_ex, eval_ex, stats = sft.load_examples(cfg.data, tokenizer, cfg.train.seed)
-    if cfg.data.packing:  # rows of exactly max_length tokens, documents separated by position ids
-        train_rows, eval_rows = sft.pack(train_ex, cfg.data.max_length, pad_id), sft.pack(eval_ex, cfg.data.max_length, pad_id)
-    else:
-        train_rows, eval_rows = train_ex, eval_ex
+    # Packing: rows of exactly max_length tokens, documents separated by position ids.
+    train_rows, eval_rows, stats = sft.training_rows(cfg.data, tokenizer, cfg.train.seed)
     sampler = DistributedSampler(train_rows, num_replicas=info.world_size, rank=info.rank, shuffle=True,
                                  seed=cfg.train.seed, drop_last=True)
     loader_kw = dict(collate_fn=partial(sft.collate, pad_id=pad_id, cu_seq_lens=False),  # sdpa: no varlen offsets

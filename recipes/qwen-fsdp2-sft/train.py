@@ -69,7 +69,7 @@ from cookbook.checkpoint import (
     export_hf,
 )
 from cookbook import config
-from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, to_dict
+from cookbook.config import ConfigError, check_fields, cli_parser, load_config, to_dict
 from cookbook.hub import model_folder
 from cookbook.loop import EpochBatches, TrainLoop, start_run
 from cookbook.metrics import ModelFlops, count_parameters
@@ -121,10 +121,7 @@ MAY_CHANGE = config.MAY_CHANGE + sft.MAY_CHANGE
 
 def check_config(cfg: Config, config_dir: Path) -> None:
     """Resolve paths against the config file's folder and reject incompatible values."""
-    cfg.model.name_or_path = resolve_path(cfg.model.name_or_path, config_dir)
-    cfg.model.tokenizer = resolve_path(cfg.model.tokenizer or cfg.model.name_or_path, config_dir)
-    cfg.data.train_files = [resolve_path(f, config_dir) for f in cfg.data.train_files]
-    cfg.data.eval_files = [resolve_path(f, config_dir) for f in cfg.data.eval_files]
+    sft.resolve_paths(cfg, config_dir)  # model, tokenizer and data files beside the config file
     config.check_run(cfg)
     sft.check_data_config(cfg)
     check_fields(cfg, at_least={"fsdp.replicate_degree": 1},
@@ -228,11 +225,8 @@ def main(argv: list[str]) -> None:
     out_dir = Path(cfg.output_dir)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
     pad_id = sft.pad_token_id(tokenizer)
-    train_ex, eval_ex, stats = sft.load_examples(cfg.data, tokenizer, cfg.train.seed)
-    if cfg.data.packing:  # rows of exactly max_length tokens, documents separated by position ids
-        train_rows, eval_rows = sft.pack(train_ex, cfg.data.max_length, pad_id), sft.pack(eval_ex, cfg.data.max_length, pad_id)
-    else:
-        train_rows, eval_rows = train_ex, eval_ex
+    # Packing: rows of exactly max_length tokens, documents separated by position ids.
+    train_rows, eval_rows, stats = sft.training_rows(cfg.data, tokenizer, cfg.train.seed)
     sampler = DistributedSampler(train_rows, num_replicas=info.world_size, rank=info.rank, shuffle=True,
                                  seed=cfg.train.seed, drop_last=True)
     loader_kw = dict(collate_fn=partial(sft.collate, pad_id=pad_id), num_workers=cfg.data.num_workers,

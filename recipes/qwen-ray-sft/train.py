@@ -44,7 +44,7 @@ from transformers import logging as hf_logging
 import cookbook
 from cookbook import config, lm, ray_train, sft
 from cookbook.checkpoint import CheckpointError
-from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path
+from cookbook.config import ConfigError, check_fields, cli_parser, load_config
 from cookbook.hub import model_folder
 from cookbook.metrics import ModelFlops, count_parameters
 
@@ -83,10 +83,7 @@ MAY_CHANGE = (*config.MAY_CHANGE, *sft.MAY_CHANGE, "ray.*")
 
 def check_config(cfg: Config, config_dir: Path) -> None:
     """Resolve paths against the config file's folder and reject incompatible values."""
-    cfg.model.name_or_path = resolve_path(cfg.model.name_or_path, config_dir)
-    cfg.model.tokenizer = resolve_path(cfg.model.tokenizer or cfg.model.name_or_path, config_dir)
-    cfg.data.train_files = [resolve_path(f, config_dir) for f in cfg.data.train_files]
-    cfg.data.eval_files = [resolve_path(f, config_dir) for f in cfg.data.eval_files]
+    sft.resolve_paths(cfg, config_dir)  # model, tokenizer and data files beside the config file
     cfg.output_dir = str(Path(cfg.output_dir).expanduser().resolve())  # workers may start elsewhere
     config.check_run(cfg)
     sft.check_data_config(cfg)

@@ -94,26 +94,15 @@ class TrainConfig:
 
 
 @dataclass
-class CheckpointConfig:
-    keep_last: int = 2  # newest checkpoints kept; 0 keeps all
-
-
-@dataclass
-class Config:
-    output_dir: str = "outputs/resnet50-ray"  # Ray's run folder: checkpoints, metrics, MLflow (shared storage on several nodes)
-    run_name: str = "resnet50-ray"
-    mlflow: bool = True
-    ray: ray_train.RayConfig = field(default_factory=ray_train.RayConfig)
+class Config(ray_train.EpochRunConfig):  # output_dir, run_name, mlflow, ray, checkpoint: cookbook.ray_train's
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 # Settings that may differ between a checkpoint and the run that resumes it; any other change is refused.
-MAY_CHANGE = ("output_dir", "run_name", "mlflow", "ray.*", "train.stop_at_epoch", "train.log_every",
-              "data.num_workers", "data.verify_images", "checkpoint.*")
+MAY_CHANGE = (*ray_train.EPOCH_MAY_CHANGE, "data.num_workers", "data.verify_images")
 
 
 def check_config(cfg: Config, config_dir: Path) -> None:

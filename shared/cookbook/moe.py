@@ -31,8 +31,8 @@ from torch.distributed.tensor import DTensor
 
 import cookbook
 from cookbook.checkpoint import ModelOptimizerState, publish
-from cookbook import config
-from cookbook.config import ConfigError, check_fields, resolve_path
+from cookbook import config, sft
+from cookbook.config import ConfigError, check_fields
 from cookbook.metrics import ModelFlops, count_parameters
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -105,10 +105,7 @@ def check_config(cfg: MoELoraConfig, config_dir: Path) -> None:
     Raises:
         ConfigError: the first wrong value, naming its key.
     """
-    cfg.model.name_or_path = resolve_path(cfg.model.name_or_path, config_dir)
-    cfg.model.tokenizer = resolve_path(cfg.model.tokenizer or cfg.model.name_or_path, config_dir)
-    cfg.data.train_files = [resolve_path(f, config_dir) for f in cfg.data.train_files]
-    cfg.data.eval_files = [resolve_path(f, config_dir) for f in cfg.data.eval_files]
+    sft.resolve_paths(cfg, config_dir)  # model, tokenizer and data files beside the config file
     config.check_run(cfg)
     check_fields(cfg, at_least={"parallel.ep": 1, "lora.r": 1, "data.max_length": 1, "moe.aux_loss_coef": 0},
                  one_of={"parallel.reduce_dtype": sorted(DTYPES), "train.activation_checkpointing": ("none", "full")},

@@ -16,6 +16,9 @@ An exception of a class defined in the recipe reaches the driver as `RecipeError
 """
 
 from cookbook.ray_train.driver import (
+    EPOCH_MAY_CHANGE,
+    EpochCheckpointConfig,
+    EpochRunConfig,
     RayConfig,
     RayDriver,
     RecipeError,
@@ -29,6 +32,9 @@ from cookbook.ray_train.driver import (
 from cookbook.ray_train.worker import WorkerRun, config_from_dict, load_checkpoint, report, worker_info, worker_summary
 
 __all__ = [
+    "EPOCH_MAY_CHANGE",
+    "EpochCheckpointConfig",
+    "EpochRunConfig",
     "RayConfig",
     "RayDriver",
     "RecipeError",

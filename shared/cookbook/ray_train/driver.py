@@ -21,7 +21,7 @@ import os
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -45,6 +45,29 @@ class RayConfig:
     max_failures: int = 0  # restarts of the worker group after a failure, each from the newest checkpoint
     join_timeout_s: float = 300.0  # how long to wait for the nodes NNODES announces
     temp_dir: str | None = None  # Ray's session folder for a local instance (default /tmp/ray)
+
+
+@dataclass
+class EpochCheckpointConfig:
+    """The ``checkpoint`` section of a Ray recipe that checkpoints once per epoch (Ray Train keeps them)."""
+
+    keep_last: int = 2  # newest checkpoints kept; 0 keeps all
+
+
+@dataclass
+class EpochRunConfig:
+    """The top level of an epoch-based Ray recipe's schema; the recipe's ``Config`` subclasses it and adds
+    ``model``, ``data``, ``optim`` and ``train`` (with ``epochs``, ``stop_at_epoch``, ``log_every``)."""
+
+    output_dir: str = "outputs/run"  # Ray's run folder: checkpoints, metrics, MLflow (shared storage on several nodes)
+    run_name: str = "run"  # MLflow run name
+    mlflow: bool = True
+    ray: RayConfig = field(default_factory=RayConfig)
+    checkpoint: EpochCheckpointConfig = field(default_factory=EpochCheckpointConfig)
+
+
+# Settings of an epoch-based Ray recipe that may differ between a checkpoint and the run that resumes it.
+EPOCH_MAY_CHANGE = ("output_dir", "run_name", "mlflow", "ray.*", "train.stop_at_epoch", "train.log_every", "checkpoint.*")
 
 
 class RecipeError(RuntimeError):

@@ -66,9 +66,9 @@ __all__ = [
     "load_tokenizer",
 ]
 
-from cookbook.sft.config import MAY_CHANGE, DataConfig, check_data_config  # noqa: E402
+from cookbook.sft.config import MAY_CHANGE, DataConfig, check_data_config, resolve_paths  # noqa: E402
 
-__all__ += ["MAY_CHANGE", "DataConfig", "check_data_config"]
+__all__ += ["MAY_CHANGE", "DataConfig", "check_data_config", "resolve_paths"]
 
 # Submodules used by name (``cookbook.sft.vision.VLDataset``): image + text rows; shard-by-shard safetensors loading.
 from cookbook.sft import lazy_load, vision  # noqa: F401
