@@ -121,9 +121,8 @@ def test_hub_id_loads_from_the_cache_offline_and_eval_of_one_row_on_two_ranks_is
 
 def test_resume_matches_an_uninterrupted_run(full_run, tmp_path):
     out = tmp_path / "run"
-    first = launch("qwen-fsdp2-sft", f"output_dir={out}", "train.stop_at_step=15")
-    assert first.returncode == 0, first.stderr[-3000:]
-    second = launch("qwen-fsdp2-sft", f"output_dir={out}")
+    main_in_workers("qwen-fsdp2-sft", f"output_dir={out}", "train.stop_at_step=15")  # forked: no start-up
+    second = launch("qwen-fsdp2-sft", f"output_dir={out}")  # the resume goes through launch.sh, as users run it
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from" in second.stderr and "(step 15)" in second.stderr
     expected, got = train_losses(full_run / "metrics.jsonl"), train_losses(out / "metrics.jsonl")
@@ -234,9 +233,8 @@ def test_a_finished_run_says_how_to_train_again_and_the_advice_works(full_run, t
 
 
 def test_llama_config_trains(tmp_path):
-    proc = launch("qwen-fsdp2-sft", f"output_dir={tmp_path / 'out'}", "model.name_or_path=tiny/llama", "train.max_steps=12",
-                  "checkpoint.every_steps=0", "mlflow=false", "train.activation_checkpointing=full")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    main_in_workers("qwen-fsdp2-sft", f"output_dir={tmp_path / 'out'}", "model.name_or_path=tiny/llama",
+                    "train.max_steps=12", "checkpoint.every_steps=0", "mlflow=false", "train.activation_checkpointing=full")
     losses = train_losses(tmp_path / "out" / "metrics.jsonl")
     assert losses[12] < losses[1] - 0.5, losses
 
@@ -245,14 +243,14 @@ def test_llama_config_trains(tmp_path):
                                      ("fsdp.reshard_after_forward=false", "train.activation_checkpointing=none",
                                       "train.profile_step=3", "checkpoint.every_steps=-1"),
                                      ("data.packing=false",)])
-def test_sharding_and_data_options_train(tmp_path, options):
+def test_sharding_and_data_options_train(tmp_path, options, capfd):
     out = tmp_path / "out"
-    proc = launch("qwen-fsdp2-sft", f"output_dir={out}", "train.max_steps=6", "mlflow=false", *options)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    main_in_workers("qwen-fsdp2-sft", f"output_dir={out}", "train.max_steps=6", "mlflow=false", *options)
+    stderr = capfd.readouterr().err
     losses = train_losses(out / "metrics.jsonl")
     assert sorted(losses) == list(range(1, 7)) and losses[6] < losses[1]
     if "fsdp.replicate_degree=2" in options:
-        assert "FSDP2 mesh 2x1" in proc.stderr
+        assert "FSDP2 mesh 2x1" in stderr
     checkpoints = sorted(p.name for p in (out / "checkpoints").glob("step_*"))
     if "checkpoint.every_steps=-1" in options:  # benchmarks: no checkpoint at all
         assert checkpoints == []

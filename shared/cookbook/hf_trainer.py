@@ -37,7 +37,7 @@ import torch
 from transformers import TrainerCallback
 
 from cookbook import lm
-from cookbook.checkpoint import publish
+from cookbook.checkpoint import ResumeGuard, publish
 from cookbook.config import ConfigError
 from cookbook.dist import DistInfo, barrier, get_logger
 from cookbook.metrics import MetricsLogger
@@ -228,13 +228,9 @@ class CountBatches:
 
 # ----------------------------------------------------------------------------- checkpoints
 def published_checkpoints(root: str | Path) -> list[Path]:
-    """Published checkpoints ``checkpoint-<step>`` (with ``meta.json``) under `root`, oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [(int(p.name.split("-")[1]), p) for p in root.glob("checkpoint-*")
-             if p.name.split("-")[1].isdigit() and (p / "meta.json").is_file()]
-    return [p for _, p in sorted(found)]
+    """Published checkpoints ``checkpoint-<step>`` (with ``meta.json``) under `root`, oldest first: the resume
+    guard's own discovery (`cookbook.checkpoint.ResumeGuard`), so that what is pruned is what a resume would find."""
+    return ResumeGuard(root, folder="checkpoint-<n>", files=()).complete_checkpoints()
 
 
 class PublishCheckpoints(TrainerCallback):

@@ -47,7 +47,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-from cookbook.checkpoint import Checkpointer, TrainState
+from cookbook.checkpoint import Checkpointer, ResumeGuard, TrainState
 from cookbook.config import save_config, to_dict
 from cookbook.dist import DistInfo, barrier, get_dist_info, get_logger
 from cookbook.metrics import MetricsLogger, ModelFlops, StepProfiler
@@ -80,9 +80,9 @@ def already_complete(state: TrainState, max_steps: int, out_dir: str | Path, fin
     if state.step < max_steps or (final is not None and not Path(final).is_dir()):
         return False
     out_dir = Path(out_dir)
-    where = f"{what} in {final}, " if final is not None else ""
-    get_logger().info(f"already complete: {state.step} of {max_steps} steps; {where}metrics in {out_dir / 'metrics.jsonl'}. "
-                      f"To train again, use a new output_dir (or delete {out_dir}).")
+    outputs = {**({what: final} if final is not None else {}), "metrics": out_dir / "metrics.jsonl"}
+    guard = ResumeGuard(out_dir / "checkpoints", run_dir=out_dir)  # one wording for every recipe's message
+    get_logger().info(guard.already_complete(state.step, max_steps, outputs=outputs))
     return True
 
 

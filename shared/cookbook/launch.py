@@ -1,0 +1,100 @@
+"""``python -m cookbook.launch``: what every torchrun recipe's ``launch.sh`` does, written once.
+
+.. code-block:: bash
+
+    python -m cookbook.launch --ngpu "${NGPU:-}" --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" \\
+        --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-}" \\
+        recipes/x/train.py --config tiny.yaml train.max_steps=100
+
+1. Checks the process counts: ``--ngpu`` empty means every GPU of this node, or 2 CPU processes (gloo)
+   on a node without one; more than the node has is refused.
+2. Runs ``train.py --check`` in one process (with ``COOKBOOK_WORLD_SIZE`` = ngpu x nnodes), so a bad
+   config, data file or checkpoint is reported once, before any worker starts.
+3. Starts the workers with torchrun (`cookbook.torchrun`: one line naming the rank that failed first):
+   ``--standalone`` on one node, else a static rendezvous at ``--master-addr:--master-port`` (29500).
+
+A relative ``--config`` that is not a file from the current folder is looked up beside ``train.py``.
+``OMP_NUM_THREADS`` defaults to 1 per process. Exit status: the check's or the workers' (2: bad input).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from cookbook.entry import EXIT_USER_ERROR
+
+
+def _positive(name: str, value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise SystemExit(f"error: {name}={value} is not a positive integer")
+    return int(value)
+
+
+def plan(ngpu: str, nnodes: str, gpus: int) -> tuple[int, int]:
+    """The processes per node and the number of nodes.
+
+    Args:
+        ngpu: the ``NGPU`` value; ``""`` takes every GPU of this node, or 2 processes without one.
+        nnodes: the ``NNODES`` value.
+        gpus: the GPUs this node has.
+
+    Raises:
+        SystemExit: a value that is not a positive integer, or more processes than the node has GPUs
+            (the message names the variable).
+    """
+    per_node = _positive("NGPU", ngpu) if ngpu else (gpus if gpus > 0 else 2)
+    nodes = _positive("NNODES", nnodes)
+    if gpus > 0 and per_node > gpus:
+        raise SystemExit(f"error: NGPU={per_node} but this node has {gpus} GPU(s)")
+    return per_node, nodes
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Check, then launch; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="python -m cookbook.launch", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ngpu", default="", help="processes on this node (default: one per GPU, else 2)")
+    parser.add_argument("--nnodes", default="1")
+    parser.add_argument("--node-rank", default="0")
+    parser.add_argument("--master-addr", default="127.0.0.1")
+    parser.add_argument("--master-port", default="", help="default: a free port on one node, 29500 on several")
+    parser.add_argument("script", help="the recipe's train.py")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="--config FILE and config overrides")
+    args = parser.parse_args(argv)
+    script = Path(args.script).resolve()
+    script_args = list(args.script_args)
+    if "--config" in script_args[:-1]:  # a relative config from the recipe's folder, as launch.sh documents
+        i = script_args.index("--config") + 1
+        config = Path(script_args[i])
+        if not config.is_absolute() and not config.is_file() and (script.parent / config).is_file():
+            script_args[i] = str(script.parent / config)
+
+    import torch
+
+    try:
+        per_node, nodes = plan(args.ngpu, args.nnodes, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    except SystemExit as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_USER_ERROR
+    env = {**os.environ, "COOKBOOK_WORLD_SIZE": str(per_node * nodes)}
+    env.setdefault("OMP_NUM_THREADS", "1")  # one thread per process unless told otherwise
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    check = subprocess.run([sys.executable, str(script), "--check", *script_args], env=env)
+    if check.returncode != 0:
+        return check.returncode
+    if nodes == 1 and not args.master_port:
+        rdzv = ["--standalone"]  # one node: torchrun picks a free port
+    else:
+        rdzv = ["--nnodes", str(nodes), "--node-rank", args.node_rank, "--master-addr", args.master_addr,
+                "--master-port", args.master_port or "29500"]
+    from cookbook.torchrun import main as torchrun
+
+    return torchrun([*rdzv, "--nproc-per-node", str(per_node), str(script), *script_args])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
