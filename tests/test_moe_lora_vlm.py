@@ -15,7 +15,7 @@ import traceback
 
 import pytest
 import torch
-from conftest import ROOT, check, free_port, load_recipe, read_jsonl, train_losses
+from conftest import ROOT, check, free_ports, load_recipe, read_jsonl, train_losses
 
 from cookbook import moe, sft
 from cookbook.sft import SFTDataError
@@ -194,7 +194,7 @@ def runs(checkpoints, tmp_path_factory):
 
     base = tmp_path_factory.mktemp("vlm")
     load_recipe("moe-vl-lora-fsdp2-ep"), load_recipe("moe-lora-fsdp2-ep")
-    results = run_2_workers(_worker, checkpoints, str(base / "out"), [free_port() for _ in range(3)], out_dir=base)
+    results = run_2_workers(_worker, checkpoints, str(base / "out"), free_ports(3), out_dir=base)
     return results, base / "out"
 
 
