@@ -1,6 +1,8 @@
 """cookbook.loop: the step bookkeeping every torchrun recipe shares, checked in one process on a toy model."""
 
 import json
+import os
+import signal
 import time
 from types import SimpleNamespace
 
@@ -61,10 +63,15 @@ def _run(out, max_steps=7, stop_at_step=-1, eval_every=2, evaluate_sleep=0.0, ex
             optimizer.zero_grad()
             metrics.add(samples=4, tokens=0, data_wait_s=0.0)
             losses[step] = loss.item()
+            if step == _run.signal_at:
+                os.kill(os.getpid(), signal.SIGUSR1)  # a preemption warning, delivered mid-step
             loop.end_step(loss, lr=0.01, grad_norm=None)
         final = loop.finish(export=(lambda: {"export_dir": (out / "final", "torch.load")}) if export else None)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return losses, loop, records, final, epochs_set
+
+
+_run.signal_at = None  # a step during which the process signals itself (SIGUSR1)
 
 
 def test_log_eval_and_checkpoint_cadence(tmp_path):
@@ -207,3 +214,25 @@ def test_start_run_resumes_and_from_config_takes_the_cadence_from_the_shared_sec
     (tmp_path / "final").mkdir()
     state = TrainState()
     assert start(state) is None and state.step == 5  # already complete: no new metrics run
+
+
+def test_a_preemption_signal_stops_after_the_step_with_a_checkpoint_and_the_resume_loses_nothing(tmp_path):
+    from cookbook.entry import EXIT_PREEMPTED
+    from cookbook.loop import Preempted
+
+    whole, *_ = _run(tmp_path / "whole")
+    out = tmp_path / "split"
+    before = signal.getsignal(signal.SIGUSR1)
+    _run.signal_at = 3  # SIGUSR1 (Slurm's warning before a job's end) arrives during step 3
+    try:
+        with pytest.raises(Preempted) as stop:
+            _run(out)
+    finally:
+        _run.signal_at = None
+    assert stop.value.code == EXIT_PREEMPTED == 75
+    assert signal.getsignal(signal.SIGUSR1) is before  # the loop's handler is gone with the loop
+    steps = [int(p.name.split("_")[1]) for p in Checkpointer(out / "checkpoints").complete_checkpoints()]
+    assert steps == [3]  # step 3 finished, then the checkpoint; step 4 never started
+    second, *_ = _run(out)
+    assert sorted(second) == [4, 5, 6, 7]
+    assert second == pytest.approx({s: whole[s] for s in (4, 5, 6, 7)}, rel=0, abs=0)

@@ -140,6 +140,45 @@ def test_resume_gives_the_same_losses_as_an_uninterrupted_run(full_run, tmp_path
                                torch.tensor([expected[s] for s in range(1, 41)], dtype=torch.float64), rtol=1e-5, atol=0)
 
 
+def test_sigterm_to_the_launcher_checkpoints_every_rank_at_one_step_and_the_rerun_loses_none(full_run, tmp_path,
+                                                                                            monkeypatch, capfd):
+    """A scheduler's preemption, for real: SIGTERM to the launcher (torchrun passes it to the workers) while
+    the run trains. Every rank stops after the same step, a checkpoint is saved there, the launcher exits with
+    75; the same command then resumes, and the per-step losses equal an uninterrupted run's."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import free_port
+
+    out = tmp_path / "run"
+    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}",
+           "CONFIG_FILE": "tiny.yaml", "NGPU": "2", "MASTER_PORT": str(free_port()), "COOKBOOK_DEVICE": "cpu",
+           "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.Popen(["bash", str(RECIPE / "launch.sh"), f"output_dir={out}"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if (out / "metrics.jsonl").is_file() and len(train_losses(out / "metrics.jsonl")) >= 5:
+            break
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 75, err[-3000:]
+    stopped = re.search(r"preempted \(SIGTERM\) after step (\d+) of 40: checkpoint (\S+); run the same command again", err)
+    assert stopped and "preempted: the workers were asked to save a checkpoint" in err, err[-3000:]
+    step = int(stopped[1])
+    assert 5 <= step < 40 and stopped[2].endswith(f"step_{step:08d}")
+    assert sorted(train_losses(out / "metrics.jsonl")) == list(range(1, step + 1))
+    second = run_in_workers(monkeypatch, capfd, f"output_dir={out}")  # the same command resumes
+    assert f"(step {step})" in second and "resumed from" in second, second[-3000:]
+    expected, got = train_losses(full_run[0] / "metrics.jsonl"), train_losses(out / "metrics.jsonl")
+    torch.testing.assert_close(torch.tensor([got[s] for s in range(1, 41)], dtype=torch.float64),
+                               torch.tensor([expected[s] for s in range(1, 41)], dtype=torch.float64), rtol=1e-5, atol=0)
+
+
 def test_recipe_folder_works_from_a_copy(full_run):
     out, _ = full_run  # launched from a copy of the folder, with output_dir=out relative to it
     assert out.name == "out" and out.parent.name == "my-recipe"

@@ -15,6 +15,8 @@ status      meaning
 1           a bug or a library failure: the traceback is printed
 2           bad configuration, data or checkpoint (one of ``user_errors``): one line, no traceback
 3           this rank lost contact with another rank (the other rank's message says why)
+75          preempted: SIGTERM or SIGUSR1 made every rank stop after the same step and save a checkpoint
+            (`cookbook.loop`); the same command resumes with no step lost (``EX_TEMPFAIL``: try again)
 130         interrupted (Ctrl-C)
 ==========  ==================================================================================
 
@@ -45,6 +47,7 @@ import traceback
 from typing import Any, Callable, NoReturn, Sequence
 
 EXIT_OK, EXIT_BUG, EXIT_USER_ERROR, EXIT_PEER_LOST, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on SIGTERM / SIGUSR1 after a checkpoint; run the same command again
 
 # Seconds a rank that lost a peer waits before exiting: long enough for torchrun (which polls its
 # workers every 0.1 s by default) to see the peer's exit first and stop this rank itself.

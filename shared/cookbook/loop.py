@@ -41,20 +41,32 @@ The shape follows torchtitan's ``Trainer.train`` / ``train_step`` split and torc
 from __future__ import annotations
 
 import math
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
+import torch.distributed as dist
 
 from cookbook.checkpoint import Checkpointer, ResumeGuard, TrainState
 from cookbook.config import save_config, to_dict
 from cookbook.dist import DistInfo, barrier, get_dist_info, get_logger
+from cookbook.entry import EXIT_PREEMPTED
 from cookbook.metrics import MetricsLogger, ModelFlops, StepProfiler
 
 Outputs = Mapping[str, "tuple[Path | None, str]"]  # summary key -> (folder or None, how to load it)
 EVAL_COUNTS = ("tokens", "samples", "rows")  # evaluation results that count what was evaluated: not shown on `done:`
 OUTPUT_NAMES = {"export_dir": "model"}  # summary key -> its name on the closing lines (others: the key less "_dir")
+
+
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Preempted(SystemExit):
+    """The run stopped at a step boundary on a preemption signal, after saving a checkpoint; its code is
+    `cookbook.entry.EXIT_PREEMPTED` (75, ``EX_TEMPFAIL``: try again), the status the process exits with."""
 
 
 class NonFiniteError(RuntimeError):
@@ -187,6 +199,8 @@ class TrainLoop:
         self.device = metrics.info.device
         self.stopped = False  # the run ended before max_steps (stop_at_step or a stop request)
         self._stop_requested = False
+        self._stop_signal: int | None = None
+        self._handlers: dict = {}
         self._skipped = False  # the step body skipped its optimizer step
         self._saved_step = -1
         self._reset_window()
@@ -211,18 +225,41 @@ class TrainLoop:
 
     # ------------------------------------------------------------------ the loop
     def __enter__(self) -> TrainLoop:
+        """Start listening for preemption: SIGTERM (a scheduler's or torchrun's stop) and SIGUSR1 (Slurm's
+        ``--signal`` warning before the end of a job) call `request_stop` (main thread only)."""
+        self._handlers = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in PREEMPT_SIGNALS:
+                self._handlers[sig] = signal.signal(sig, lambda signum, frame: self.request_stop(signum))
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.metrics.close(failed=exc_type is not None, stopped=self.stopped)
+        for sig, handler in self._handlers.items():
+            signal.signal(sig, handler)
+        preempted = isinstance(exc, Preempted)
+        self.metrics.close(failed=exc_type is not None and not preempted, stopped=self.stopped or preempted)
 
-    def request_stop(self) -> None:
-        """Ask the loop to stop at the next step boundary, after saving a checkpoint there.
+    def request_stop(self, signum: int | None = None) -> None:
+        """Ask the loop to stop at the next step boundary, after saving a checkpoint there (preemption).
 
-        Safe to call from a signal handler. Every rank must request it for the same step (the caller
-        agrees on it across ranks); the loop reads the flag between steps only.
+        Safe to call from a signal handler. The ranks agree on the step: at each boundary the flag is
+        reduced over all ranks (max), so a request on any rank stops every rank after the same step.
+
+        Args:
+            signum: the signal that asked, for the message (``None``: a call from code).
         """
         self._stop_requested = True
+        self._stop_signal = signum
+
+    def _agree_stop(self) -> bool:
+        """Whether any rank has asked to stop (collective when a process group exists: one tiny all-reduce)."""
+        if not dist.is_initialized():
+            return self._stop_requested
+        flag = torch.tensor([1.0 if self._stop_requested else 0.0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() > 0 and not self._stop_requested:
+            self._stop_requested = True
+        return flag.item() > 0
 
     def steps(self) -> Iterator[int]:
         """Yield the number of each step to run (``state.step + 1``) until `max_steps`, ``stop_at_step``
@@ -230,7 +267,7 @@ class TrainLoop:
         barrier()
         self.metrics.start(self.state.step)
         while self.state.step < self.stop_at:
-            if self._stop_requested:
+            if self._agree_stop():
                 self._save(force=True)
                 break
             done = self.state.step
@@ -327,10 +364,14 @@ class TrainLoop:
         """
         if self.state.step < self.max_steps:
             self.stopped = True
-            reason = "a stop request" if self._stop_requested else "train.stop_at_step"
             latest = self.checkpointer.latest() if self.checkpointer is not None else None
-            get_logger().info(f"stopped at step {self.state.step} of {self.max_steps} ({reason}); to continue from "
-                              f"{latest}, run again without train.stop_at_step (or with a larger value)")
+            if self._stop_requested:  # preempted: a distinct exit status, so that a scheduler can requeue the job
+                what = signal.Signals(self._stop_signal).name if self._stop_signal else "a stop request"
+                get_logger().info(f"preempted ({what}) after step {self.state.step} of {self.max_steps}: checkpoint "
+                                  f"{latest}; run the same command again to continue (exit status {EXIT_PREEMPTED})")
+                raise Preempted(EXIT_PREEMPTED)
+            get_logger().info(f"stopped at step {self.state.step} of {self.max_steps} (train.stop_at_step); to continue "
+                              f"from {latest}, run again without train.stop_at_step (or with a larger value)")
             return None
         final_eval = dict(self.evaluate()) if self.evaluate is not None else {}
         if final_eval:

@@ -14,10 +14,13 @@ from __future__ import annotations
 import signal
 import sys
 
-from cookbook.entry import EXIT_BUG, EXIT_INTERRUPTED, EXIT_PEER_LOST, EXIT_USER_ERROR
+from cookbook.entry import EXIT_BUG, EXIT_INTERRUPTED, EXIT_PEER_LOST, EXIT_PREEMPTED, EXIT_USER_ERROR
 
 _MEANING = {EXIT_BUG: "a failure, its traceback is above", EXIT_USER_ERROR: "bad configuration, data or checkpoint",
-            EXIT_PEER_LOST: "it lost contact with another rank", EXIT_INTERRUPTED: "interrupted"}
+            EXIT_PEER_LOST: "it lost contact with another rank", EXIT_INTERRUPTED: "interrupted",
+            EXIT_PREEMPTED: "preempted after a checkpoint"}
+PREEMPTED = ("preempted: the workers were asked to save a checkpoint at a step boundary and stop; run the same "
+             f"command again to continue (exit status {EXIT_PREEMPTED})")
 
 
 def describe_failure(rank: int, exitcode: int) -> tuple[str, int]:
@@ -46,15 +49,38 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     args = parse_args(argv)
+    # SIGUSR1 (Slurm's warning before a job's end) is passed on to the workers, whose training loop then
+    # stops at the next step boundary with a checkpoint; torchrun itself passes SIGTERM on.
+    signal.signal(signal.SIGUSR1, _forward_to_workers)
     try:
         run(args)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
+        if all(f.exitcode == EXIT_PREEMPTED for f in exc.failures.values()):
+            print(PREEMPTED, file=sys.stderr)
+            return EXIT_PREEMPTED
         line, status = describe_failure(rank, failure.exitcode)
         print(line, file=sys.stderr)
         return status or EXIT_BUG
+    except SignalException as exc:  # SIGTERM to torchrun: it has passed it on and waited for the workers
+        if exc.sigval == signal.SIGTERM:
+            print(PREEMPTED, file=sys.stderr)
+            return EXIT_PREEMPTED
+        raise
     return 0
+
+
+def _forward_to_workers(signum: int, frame) -> None:
+    import psutil
+
+    for child in psutil.Process().children():  # the workers (not their data-loader processes)
+        try:
+            child.send_signal(signum)
+        except psutil.Error:
+            pass
 
 
 if __name__ == "__main__":
