@@ -201,6 +201,7 @@ class TrainLoop:
         self._stop_requested = False
         self._stop_signal: int | None = None
         self._handlers: dict = {}
+        self._pending = None  # (work, flag) of the stop all-reduce started at the last step boundary
         self._skipped = False  # the step body skipped its optimizer step
         self._saved_step = -1
         self._reset_window()
@@ -236,14 +237,17 @@ class TrainLoop:
     def __exit__(self, exc_type, exc, tb) -> None:
         for sig, handler in self._handlers.items():
             signal.signal(sig, handler)
+        if self._pending is not None and exc_type is None:  # the last boundary's all-reduce, never read
+            self._pending[0].wait()
+            self._pending = None
         preempted = isinstance(exc, Preempted)
         self.metrics.close(failed=exc_type is not None and not preempted, stopped=self.stopped or preempted)
 
     def request_stop(self, signum: int | None = None) -> None:
         """Ask the loop to stop at the next step boundary, after saving a checkpoint there (preemption).
 
-        Safe to call from a signal handler. The ranks agree on the step: at each boundary the flag is
-        reduced over all ranks (max), so a request on any rank stops every rank after the same step.
+        Safe to call from a signal handler. The ranks agree on the step: the flag is reduced over all
+        ranks (max) at the step boundaries, so a request on any rank stops every rank after the same step.
 
         Args:
             signum: the signal that asked, for the message (``None``: a call from code).
@@ -252,14 +256,22 @@ class TrainLoop:
         self._stop_signal = signum
 
     def _agree_stop(self) -> bool:
-        """Whether any rank has asked to stop (collective when a process group exists: one tiny all-reduce)."""
+        """Whether the ranks have agreed to stop here (collective when a process group exists).
+
+        Each boundary starts an asynchronous all-reduce (max) of this rank's flag and reads the one started
+        at the previous boundary, whose result is long there: every rank decides on the same reduction, so
+        they all stop after the same step (one step after the request), and no step waits on the GPU for it.
+        """
         if not dist.is_initialized():
             return self._stop_requested
+        decided = False
+        if self._pending is not None:
+            work, flag = self._pending
+            work.wait()
+            decided = flag.item() > 0
         flag = torch.tensor([1.0 if self._stop_requested else 0.0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() > 0 and not self._stop_requested:
-            self._stop_requested = True
-        return flag.item() > 0
+        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
+        return decided
 
     def steps(self) -> Iterator[int]:
         """Yield the number of each step to run (``state.step + 1``) until `max_steps`, ``stop_at_step``
