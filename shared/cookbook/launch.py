@@ -80,9 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:
         print(exc, file=sys.stderr)
         return EXIT_USER_ERROR
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per process (the check's and torchrun's) unless told otherwise
     env = {**os.environ, "COOKBOOK_WORLD_SIZE": str(per_node * nodes)}
-    env.setdefault("OMP_NUM_THREADS", "1")  # one thread per process unless told otherwise
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     check = subprocess.run([sys.executable, str(script), "--check", *script_args], env=env)
     if check.returncode != 0:
         return check.returncode

@@ -202,7 +202,6 @@ class TrainLoop:
         self._stop_signal: int | None = None
         self._handlers: dict = {}
         self._pending = None  # (work, flag) of the stop all-reduce started at the last step boundary
-        self._skipped = False  # the step body skipped its optimizer step
         self._saved_step = -1
         self._reset_window()
 
@@ -288,9 +287,8 @@ class TrainLoop:
             yield done + 1
             if self.profiler is not None:
                 self.profiler.stop()
-            if self.state.step == done and not self._skipped:
-                raise RuntimeError("the step body must end with loop.end_step(...) (or `continue` after loop.skip_step)")
-            self._skipped = False
+            if self.state.step == done:
+                raise RuntimeError("the step body must end with loop.end_step(...)")
 
     def skip_step(self, value: torch.Tensor | float | None) -> bool:
         """Check a step's gradient norm (or loss) before the optimizer step.
