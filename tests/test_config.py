@@ -76,3 +76,25 @@ def test_check_fields_names_the_key_the_rule_and_the_value(overrides, rules, exp
     with pytest.raises(ConfigError) as err:
         check_fields(cfg, **rules)
     assert str(err.value) == expected
+
+
+def test_values_from_the_environment_are_used_but_never_written_out(tmp_path, monkeypatch):
+    from cookbook.config import save_config, to_dict
+    from cookbook.ray_train.worker import config_from_dict
+
+    monkeypatch.setenv("COOKBOOK_TEST_SECRET", "hf_s3cret")
+    f = tmp_path / "c.yaml"
+    f.write_text("name: ${oc.env:COOKBOOK_TEST_SECRET}\n")
+    cfg = load_config(Schema, f, ["optim.lr=0.5"])
+    assert cfg.name == "hf_s3cret"  # the run uses the value
+    written = to_dict(cfg)  # what goes into config.yaml, meta.json, MLflow params
+    assert written["name"] == "${oc.env:COOKBOOK_TEST_SECRET}" and written["optim"]["lr"] == 0.5
+    save_config(cfg, tmp_path / "out.yaml")
+    text = (tmp_path / "out.yaml").read_text()
+    assert "hf_s3cret" not in text and "${oc.env:COOKBOOK_TEST_SECRET}" in text
+    # a process that rebuilds the config from that dict (a Ray worker) reads its own environment
+    monkeypatch.setenv("COOKBOOK_TEST_SECRET", "worker_value")
+    rebuilt = config_from_dict(Schema, written)
+    assert rebuilt.name == "worker_value" and to_dict(rebuilt) == written
+    # another token is not "other settings" on resume
+    assert to_dict(load_config(Schema, f, ["optim.lr=0.5"])) == written

@@ -92,3 +92,16 @@ def test_paused_time_is_not_counted_in_the_window(tmp_path):
     rec = logger.log_step(1, loss=1.0, lr=1e-3, grad_norm=None)
     logger.close()
     assert 0.05 <= rec["step_time_s"] < 0.3, rec["step_time_s"]
+
+
+@pytest.mark.parametrize("uri, shown", [
+    ("https://alice:s3cret@mlflow.example.com:5000/x", "https://alice:***@mlflow.example.com:5000/x"),
+    ("https://t0ken@mlflow.example.com", "https://***@mlflow.example.com"),
+    ("http://mlflow.example.com/?token=abc&workspace=7", "http://mlflow.example.com/?token=***&workspace=7"),
+    ("sqlite:////tmp/run/mlflow.db", "sqlite:////tmp/run/mlflow.db"),
+    ("databricks", "databricks"),
+])
+def test_tracking_uri_credentials_are_masked(uri, shown):
+    from cookbook.metrics import redact_uri
+
+    assert redact_uri(uri) == shown

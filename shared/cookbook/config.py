@@ -80,9 +80,24 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: Sequ
     if missing:
         raise ConfigError(f"required config value(s) not set: {', '.join(missing)}")
     try:
-        return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+        return to_object(cfg)
     except OmegaConfBaseException as exc:
         raise ConfigError(_describe(exc)) from None
+
+
+def to_object(cfg: Any) -> Any:
+    """``OmegaConf.to_object(cfg)`` (interpolations resolved), remembering which keys were ``${oc.env:...}``
+    so that `to_dict` writes their text, not their value.
+
+    Raises:
+        omegaconf.errors.OmegaConfBaseException: as ``OmegaConf.to_object`` (an unset environment variable).
+    """
+    from_env = {k: v for k, v in flatten(OmegaConf.to_container(cfg, resolve=False)).items()
+                if isinstance(v, str) and "${oc.env:" in v}
+    obj = OmegaConf.to_object(cfg)
+    if from_env:
+        object.__setattr__(obj, _FROM_ENV, from_env)
+    return obj
 
 
 def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -96,14 +111,32 @@ def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+_FROM_ENV = "_cookbook_from_env"  # attribute of a loaded config: dotted key -> its ``${oc.env:...}`` text
+
+
 def to_dict(cfg: object) -> dict:
-    """A config instance as a plain nested dict (for logging and MLflow params)."""
-    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]
+    """A config instance as a plain nested dict, for what is written out: ``config.yaml``, each checkpoint's
+    ``meta.json``, MLflow params, resume comparisons.
+
+    Values that `load_config` took from the environment (``${oc.env:HF_TOKEN}`` in the YAML or an override)
+    are given as that text, not as the value: a token in the environment never lands in a file, a log or
+    MLflow, and a resume with another token is not "other settings". A process that rebuilds the config
+    from this dict (a Ray worker, `to_object`) reads those variables from its own environment.
+    """
+    out = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    for key, text in getattr(cfg, _FROM_ENV, {}).items():
+        *parents, leaf = key.split(".")
+        node = out
+        for part in parents:
+            node = node[part]
+        node[leaf] = text
+    return out  # type: ignore[return-value]
 
 
 def save_config(cfg: object, path: str | Path) -> None:
-    """Write the resolved config as YAML (e.g. into the run's output folder)."""
-    Path(path).write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    """Write the config as YAML (e.g. into the run's output folder), with values from the environment as
+    their ``${oc.env:...}`` text (`to_dict`)."""
+    Path(path).write_text(OmegaConf.to_yaml(OmegaConf.create(to_dict(cfg))))
 
 
 def resolve_path(value: str, base_dir: str | Path) -> str:

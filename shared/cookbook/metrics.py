@@ -140,6 +140,36 @@ def mfu(tokens_per_s_per_device: float, flops_per_token: float, peak_flops: floa
     return tokens_per_s_per_device * flops_per_token / peak_flops
 
 
+_SECRET_QUERY = ("token", "key", "secret", "password", "passwd", "pwd", "auth", "signature", "credential")
+
+
+def redact_uri(uri: str | None) -> str | None:
+    """`uri` with its password (``https://user:pw@host``) and the values of secret-looking query parameters
+    (``?token=...``, ``sig``, ``key``) replaced by ``***``, for logs and summaries (``MLFLOW_TRACKING_URI`` may
+    embed credentials). Other URIs are returned unchanged."""
+    from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+    if not uri:
+        return uri
+    try:
+        parts = urlsplit(uri)
+    except ValueError:
+        return "***"
+    netloc = parts.netloc
+    if parts.password is not None:
+        netloc = f"{parts.username}:***@{netloc.rsplit('@', 1)[1]}"
+    elif "@" in netloc and parts.scheme not in ("file", "sqlite"):  # a bare token as the user name
+        netloc = f"***@{netloc.rsplit('@', 1)[1]}"
+    query = parts.query
+    if query:
+        pairs = parse_qsl(query, keep_blank_values=True)
+        query = urlencode([(k, "***" if any(s in k.lower() for s in _SECRET_QUERY) or k.lower() == "sig" else v)
+                           for k, v in pairs], safe="*")
+    if (netloc, query) == (parts.netloc, parts.query):
+        return uri  # nothing to mask (rebuilding would drop the empty authority of sqlite:////abs/path)
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
 class _MLflowSink:
     """MLflow logging that switches itself off, with one warning, at the first failure."""
 
@@ -248,8 +278,9 @@ class MetricsLogger:
 
     @property
     def mlflow_uri(self) -> str | None:
-        """Where the MLflow run lives (``None`` off rank 0 or when tracking is off)."""
-        return self._mlflow.tracking_uri if self._mlflow and self._mlflow.enabled else None
+        """Where the MLflow run lives, with any password or token in it masked (`redact_uri`); ``None`` off
+        rank 0 or when tracking is off."""
+        return redact_uri(self._mlflow.tracking_uri) if self._mlflow and self._mlflow.enabled else None
 
     @property
     def mlflow_run_id(self) -> str | None:

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from cookbook.checkpoint import META_FILE
-from cookbook.config import save_config, to_dict
+from cookbook.config import save_config, to_dict, to_object
 from cookbook.dist import (DistInfo, _configure_logging, all_gather_object, all_reduce_mean, barrier, get_logger,
                            param_fingerprint)
 from cookbook.loop import Outputs, log_outputs
@@ -51,10 +51,11 @@ _STATE_FILE = "state.pt"
 
 
 def config_from_dict(schema: type, data: Mapping[str, Any]) -> Any:
-    """The recipe's config dataclass from the plain dict `fit` sent (a worker's first call)."""
+    """The recipe's config dataclass from the plain dict `fit` sent (a worker's first call); values the driver's
+    config took from the environment (``${oc.env:...}``) are read from this worker's environment."""
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), dict(data)))
+    return to_object(OmegaConf.merge(OmegaConf.structured(schema), dict(data)))
 
 
 def worker_info() -> DistInfo:
