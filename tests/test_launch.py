@@ -1,6 +1,9 @@
 """cookbook.launch: the process counts and the --check before any worker (what each torchrun recipe's launch.sh runs)."""
 
 
+import os
+import signal
+
 import pytest
 
 from cookbook.launch import main, plan
@@ -41,3 +44,133 @@ def test_a_failed_check_stops_before_any_worker(tmp_path, capsys):
     assert main(["--ngpu", "x", str(script), "--config", "tiny.yaml"]) == 2
     assert "error: NGPU=x is not a positive integer" in capsys.readouterr().err
     assert len((tmp_path / "calls").read_text().splitlines()) == 1  # nothing ran for the bad NGPU
+
+
+# ----------------------------------------------------------------------------- restarts (cookbook.torchrun)
+@pytest.mark.parametrize("exitcode, others, restart", [
+    (-9, [], True),  # SIGKILL: the out-of-memory killer, a lost node's process
+    (-11, [], True),  # SIGSEGV
+    (-6, [3], True),  # SIGABRT (a collective's watchdog), a peer that lost it
+    (1, [], True),  # a bug or library failure
+    (3, [3], True),  # this node's ranks lost a peer on another node
+    (2, [], False),  # bad input: it would fail again
+    (75, [75], False),  # preempted: the scheduler takes over (Slurm's SIGUSR1 path ends with 75)
+    (130, [], False),  # Ctrl-C
+    (1, [75], False),  # a rank preempted beside the crash: no restart
+    (-15, [], False),  # SIGTERM: asked to stop
+    (-2, [], False),  # SIGINT
+    (-10, [], False),  # SIGUSR1 before the training loop listens for it
+    (4, [], False),  # a status that means nothing known
+])
+def test_which_failures_restart(exitcode, others, restart):
+    from cookbook.torchrun import should_restart
+
+    assert should_restart(exitcode, [exitcode, *others]) is restart
+
+
+def _failure(rank: int, exitcode: int, tmp_path):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(tmp_path / "none.json"))
+
+
+@pytest.mark.parametrize("outcomes, status, restarts", [
+    ([-9, 0], 0, ["restart 1 of 3: rank 1 was killed by SIGKILL; the workers resume from the newest checkpoint"]),
+    ([1, 3, 0], 0, ["restart 1 of 3: rank 1 failed (exit status 1: a failure, its traceback is above); the workers "
+                    "resume from the newest checkpoint",
+                    "restart 2 of 3: rank 1 failed (exit status 3: it lost contact with another rank); the workers "
+                    "resume from the newest checkpoint"]),
+    ([-9, -9, -9, -9], 137, [f"restart {k} of 3: rank 1 was killed by SIGKILL; the workers resume from the newest "
+                             f"checkpoint" for k in (1, 2, 3)]),
+    ([2], 2, []),
+    ([-9, 2], 2, ["restart 1 of 3: rank 1 was killed by SIGKILL; the workers resume from the newest checkpoint"]),
+    ([75], 75, []),
+    ([130], 130, []),
+])
+def test_the_launcher_restarts_the_group_only_for_what_a_restart_can_cure(outcomes, status, restarts, tmp_path,
+                                                                         monkeypatch, capsys):
+    """`cookbook.torchrun.main` around a stand-in for torchrun's agent whose worker group ends as `outcomes` says,
+    one attempt after the other (0: success; else rank 1's status): the restarts, their lines, the exit status,
+    the restart count the workers see and the rendezvous port of each attempt."""
+    import torch.distributed.run as torchrun_module
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    import cookbook.torchrun as torchrun
+
+    seen = []
+
+    def run(args):
+        seen.append((os.environ[torchrun.RESTART_COUNT_ENV], args.max_restarts, args.master_port, args.standalone))
+        code = outcomes[len(seen) - 1]
+        if code:
+            raise ChildFailedError("train.py", {1: _failure(1, code, tmp_path)})
+
+    monkeypatch.setattr(torchrun_module, "run", run)
+    monkeypatch.setattr(torchrun, "_stop_asked", False)
+    monkeypatch.delenv(torchrun.RESTART_COUNT_ENV, raising=False)
+    argv = ["--nnodes", "2", "--node-rank", "0", "--master-addr", "10.0.0.1", "--master-port", "29500",
+            "--nproc-per-node", "2", "--max-restarts", "3", "train.py"]
+    assert torchrun.main(argv) == status
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if line.startswith("restart ")] == restarts
+    attempts = len(restarts) + 1
+    # Each attempt: the count in the workers' environment, torchrun's own restarts off, its own port.
+    assert seen == [(str(k), 0, 29500 + k, False) for k in range(attempts)]
+    assert torchrun.RESTART_COUNT_ENV not in os.environ  # this process's environment is left as it was
+    if status == 137:
+        assert "error: rank 1 was killed by SIGKILL; the other ranks were stopped (after 3 restarts)" in err
+
+
+def test_no_restart_once_the_launcher_was_asked_to_stop(tmp_path, monkeypatch, capsys):
+    """After SIGUSR1 to the launcher (Slurm's warning, passed on to the workers), a worker that then dies is not
+    restarted: the job ends, for the scheduler to requeue."""
+    import torch.distributed.run as torchrun_module
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    import cookbook.torchrun as torchrun
+
+    calls = []
+
+    def run(args):
+        calls.append(args)
+        assert signal.getsignal(signal.SIGUSR1) is torchrun._forward_to_workers
+        torchrun._stop_asked = True  # what that handler sets, besides passing the signal on to the workers
+        raise ChildFailedError("train.py", {1: _failure(1, -9, tmp_path)})
+
+    monkeypatch.setattr(torchrun_module, "run", run)
+    monkeypatch.setattr(torchrun, "_stop_asked", False)
+    assert torchrun.main(["--standalone", "--nproc-per-node", "2", "--max-restarts", "3", "train.py"]) == 137
+    assert len(calls) == 1 and "restart " not in capsys.readouterr().err
+
+
+def test_each_restart_meets_at_a_rendezvous_of_its_own():
+    from torch.distributed.run import parse_args
+
+    from cookbook.torchrun import attempt_args
+
+    one_node = parse_args(["--nnodes", "1", "--master-port", "29600", "--nproc-per-node", "2", "train.py"])
+    assert (attempt_args(one_node, 0).standalone, attempt_args(one_node, 0).master_port) == (False, 29600)
+    assert attempt_args(one_node, 1).standalone  # a free port: 29600 may still be held by the failed attempt
+    nodes = parse_args(["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", "--master-port", "29600",
+                        "--nproc-per-node", "8", "train.py"])
+    assert [attempt_args(nodes, k).master_port for k in range(3)] == [29600, 29601, 29602]  # the same on every node
+    assert nodes.master_port == 29600  # the parsed arguments are not changed
+    c10d = parse_args(["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "head:29400", "--rdzv-id", "job",
+                       "--nproc-per-node", "8", "train.py"])
+    assert (attempt_args(c10d, 2).rdzv_endpoint, attempt_args(c10d, 2).rdzv_id) == ("head:29402", "job-restart2")
+
+
+def test_max_restarts_is_checked_and_passed_to_torchrun(tmp_path, monkeypatch, capsys):
+    import cookbook.torchrun
+
+    script = tmp_path / "train.py"
+    script.write_text("import sys\nsys.exit(0)\n")
+    passed = []
+    monkeypatch.setattr(cookbook.torchrun, "main", lambda argv: passed.append(argv) or 0)
+    assert main(["--ngpu", "2", str(script)]) == 0
+    assert passed[-1][passed[-1].index("--max-restarts") + 1] == "3"  # the default
+    assert main(["--ngpu", "2", "--max-restarts", "0", str(script)]) == 0
+    assert passed[-1][passed[-1].index("--max-restarts") + 1] == "0"
+    assert main(["--ngpu", "2", "--max-restarts", "-1", str(script)]) == 2
+    assert "error: MAX_RESTARTS=-1 is not a whole number (0 or more)" in capsys.readouterr().err
+    assert len(passed) == 2

@@ -1,20 +1,25 @@
 """The ModernBERT DDP recipe, run as a user runs it: launch.sh, tiny config, 2 CPU ranks (gloo).
 
-The uninterrupted run (``full_run``, from a copy of the recipe folder) and the bad-input refusal go through
-launch.sh; the runs that check what ``main`` does on a later call (stop and resume, re-run of a finished run)
+The uninterrupted run (``full_run``, from a copy of the recipe folder), the bad-input refusal and the two real
+faults (SIGTERM to the launcher; SIGKILL to a worker, which the launcher restarts) go through launch.sh; the runs that check what ``main`` does on a later call (stop and resume, re-run of a finished run)
 call it on 2 workers forked from this process (``main_in_workers``), which saves launch.sh's --check and
 torchrun start-up (~20 s on 2 cores per run).
 """
 
 import json
 import logging
+import os
 import re
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import ROOT, check, launch, load_recipe, main_in_workers, read_jsonl, train_losses
+from conftest import ROOT, check, free_port, launch, load_recipe, main_in_workers, read_jsonl, train_losses
 
 import cookbook
 from cookbook.checkpoint import CheckpointError
@@ -57,6 +62,16 @@ def run_in_workers(monkeypatch, capfd, *overrides, config: str = "tiny.yaml") ->
     finally:
         for h in inherited:
             log.addHandler(h)
+
+
+def start_launch(out) -> subprocess.Popen:
+    """launch.sh of tiny.yaml on 2 CPU ranks with ``output_dir=out``, started in the background with its output
+    piped: for a test that signals the launcher, or one of its workers, while the run trains."""
+    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}",
+           "CONFIG_FILE": "tiny.yaml", "NGPU": "2", "MASTER_PORT": str(free_port()), "COOKBOOK_DEVICE": "cpu",
+           "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.Popen(["bash", str(RECIPE / "launch.sh"), f"output_dir={out}"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def test_loss_falls_and_eval_is_logged(full_run):
@@ -145,20 +160,8 @@ def test_sigterm_to_the_launcher_checkpoints_every_rank_at_one_step_and_the_reru
     """A scheduler's preemption, for real: SIGTERM to the launcher (torchrun passes it to the workers) while
     the run trains. Every rank stops after the same step, a checkpoint is saved there, the launcher exits with
     75; the same command then resumes, and the per-step losses equal an uninterrupted run's."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    from conftest import free_port
-
     out = tmp_path / "run"
-    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}",
-           "CONFIG_FILE": "tiny.yaml", "NGPU": "2", "MASTER_PORT": str(free_port()), "COOKBOOK_DEVICE": "cpu",
-           "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.Popen(["bash", str(RECIPE / "launch.sh"), f"output_dir={out}"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start_launch(out)
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
         if (out / "metrics.jsonl").is_file() and len(train_losses(out / "metrics.jsonl")) >= 5:
@@ -177,6 +180,54 @@ def test_sigterm_to_the_launcher_checkpoints_every_rank_at_one_step_and_the_reru
     expected, got = train_losses(full_run[0] / "metrics.jsonl"), train_losses(out / "metrics.jsonl")
     torch.testing.assert_close(torch.tensor([got[s] for s in range(1, 41)], dtype=torch.float64),
                                torch.tensor([expected[s] for s in range(1, 41)], dtype=torch.float64), rtol=1e-5, atol=0)
+
+
+def test_a_killed_worker_restarts_the_group_which_resumes_and_ends_like_an_uninterrupted_run(full_run, tmp_path):
+    """A worker lost mid-run, for real: SIGKILL to rank 1 (a child of the launcher, which runs torchrun's agent)
+    right after the checkpoint of step 20 is published. The launcher restarts the whole group once, the workers
+    resume from that checkpoint by themselves, and the job exits 0 with every planned step done: the per-step
+    losses (a replayed step's later record wins), the exported weights and the MLflow run equal those of an
+    uninterrupted run."""
+    import psutil
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    proc = start_launch(out)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and proc.poll() is None and not (out / "checkpoints" / "step_00000020").is_dir():
+            time.sleep(0.05)
+        workers = {c.environ().get("RANK"): c for c in psutil.Process(proc.pid).children()}  # bash exec'd the launcher
+        workers["1"].send_signal(signal.SIGKILL)
+        _, err = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-4000:]
+    restarts = [line for line in err.splitlines() if line.startswith("restart ")]
+    assert restarts == ["restart 1 of 3: rank 1 was killed by SIGKILL; the workers resume from the newest checkpoint"], \
+        err[-4000:]
+    assert "(step 20)" in err and "resumed from" in err and "done: 40 steps" in err, err[-4000:]
+    records = read_jsonl(out / "metrics.jsonl")
+    steps = [r["step"] for r in records if r["event"] == "train"]
+    assert steps[:20] == list(range(1, 21)) and steps[-20:] == list(range(21, 41))  # steps after 20 replayed
+    expected, got = train_losses(full_run[0] / "metrics.jsonl"), train_losses(out / "metrics.jsonl")
+    assert sorted(got) == list(range(1, 41))
+    torch.testing.assert_close(torch.tensor([got[s] for s in range(1, 41)], dtype=torch.float64),
+                               torch.tensor([expected[s] for s in range(1, 41)], dtype=torch.float64), rtol=1e-5, atol=0)
+    trained, reference = load_file(out / "final" / "model.safetensors"), load_file(full_run[0] / "final" / "model.safetensors")
+    assert sorted(trained) == sorted(reference)
+    for name in reference:
+        torch.testing.assert_close(trained[name], reference[name], rtol=0, atol=0, msg=name)
+    summaries = [r for r in records if r["event"] == "summary"]
+    assert len(summaries) == 1 and summaries[0]["step"] == 40
+
+    from mlflow.tracking import MlflowClient
+
+    run = MlflowClient(summaries[0]["mlflow_uri"]).get_run(summaries[0]["mlflow_run_id"])  # one run, continued
+    assert run.info.status == "FINISHED"
+    assert {m.step for m in MlflowClient(summaries[0]["mlflow_uri"]).get_metric_history(run.info.run_id, "loss")} == \
+        set(range(1, 41))
 
 
 def test_recipe_folder_works_from_a_copy(full_run):

@@ -4,7 +4,7 @@
 
     python -m cookbook.launch --ngpu "${NGPU:-}" --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" \\
         --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-}" \\
-        recipes/x/train.py --config tiny.yaml train.max_steps=100
+        --max-restarts "${MAX_RESTARTS:-3}" recipes/x/train.py --config tiny.yaml train.max_steps=100
 
 1. Checks the process counts: ``--ngpu`` empty means every GPU of this node, or 2 CPU processes (gloo)
    on a node without one; more than the node has is refused.
@@ -12,6 +12,13 @@
    config, data file or checkpoint is reported once, before any worker starts.
 3. Starts the workers with torchrun (`cookbook.torchrun`: one line naming the rank that failed first):
    ``--standalone`` on one node, else a static rendezvous at ``--master-addr:--master-port`` (29500).
+4. Restarts the whole group, up to ``--max-restarts`` times (default 3, the number torchrun's documentation
+   uses for a fault-tolerant job; torchrun's own default is 0, torchtitan's run_train.sh passes none), when a worker
+   is killed (SIGKILL, SIGSEGV, ...) or fails with status 1 or 3; the workers resume from the newest
+   complete checkpoint (``checkpoint.resume: auto``), and finish the planned steps. Bad input (2), a
+   preemption (75), Ctrl-C (130) and SIGTERM to the launcher end the job at once: a restart would only
+   repeat them. One line per restart; ``--max-restarts 0`` turns them off. What holds over several nodes
+   (each restart meets at ``--master-port`` + k): `cookbook.torchrun`.
 
 A relative ``--config`` that is not a file from the current folder is looked up beside ``train.py``.
 ``OMP_NUM_THREADS`` defaults to 1 per process. Exit status: the check's or the workers' (2: bad input).
@@ -31,6 +38,12 @@ from cookbook.entry import EXIT_USER_ERROR
 def _positive(name: str, value: str) -> int:
     if not value.isdigit() or int(value) < 1:
         raise SystemExit(f"error: {name}={value} is not a positive integer")
+    return int(value)
+
+
+def _count(name: str, value: str) -> int:
+    if not value.isdigit():
+        raise SystemExit(f"error: {name}={value} is not a whole number (0 or more)")
     return int(value)
 
 
@@ -62,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--node-rank", default="0")
     parser.add_argument("--master-addr", default="127.0.0.1")
     parser.add_argument("--master-port", default="", help="default: a free port on one node, 29500 on several")
+    parser.add_argument("--max-restarts", default="3",
+                        help="restarts of the whole group after a killed or crashed worker (default 3; 0: none)")
     parser.add_argument("script", help="the recipe's train.py")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="--config FILE and config overrides")
     args = parser.parse_args(argv)
@@ -77,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         per_node, nodes = plan(args.ngpu, args.nnodes, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+        restarts = _count("MAX_RESTARTS", args.max_restarts)
     except SystemExit as exc:
         print(exc, file=sys.stderr)
         return EXIT_USER_ERROR
@@ -92,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
                 "--master-port", args.master_port or "29500"]
     from cookbook.torchrun import main as torchrun
 
-    return torchrun([*rdzv, "--nproc-per-node", str(per_node), str(script), *script_args])
+    return torchrun([*rdzv, "--nproc-per-node", str(per_node), "--max-restarts", str(restarts), str(script),
+                     *script_args])
 
 
 if __name__ == "__main__":

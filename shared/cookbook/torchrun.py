@@ -1,5 +1,5 @@
 """``python -m cookbook.torchrun [torchrun options] train.py [args]``: torchrun, with its failure report
-cut to one line.
+cut to one line and restarts only for failures that a restart can cure.
 
 It takes torchrun's own options (https://pytorch.org/docs/stable/elastic/run.html) and runs the same
 elastic agent (``torch.distributed.run.run``). When workers fail, torchrun prints a framed summary of
@@ -7,12 +7,50 @@ every failed process, picking as "root cause" the earliest failure by time. Here
 failed first has already printed its own one-line message (`cookbook.entry.run_main`), so the launcher
 adds one line naming that rank and its exit status, and exits with that status (2 for bad input,
 128 + N for a worker killed by signal N), so scripts and schedulers can tell the failures apart.
+
+**Restarts** (``--max-restarts N``, torchrun's option; default 0). torchrun's own restarts follow any
+failure, also those that would only repeat. Here the agent runs with ``max_restarts=0`` and the whole
+group is started again, up to N times, only when the first failure (`should_restart`) is
+
+- a worker killed by a signal other than one that asks to stop (SIGKILL from the out-of-memory killer,
+  SIGSEGV, SIGBUS, SIGABRT from a collective's watchdog, ...), or
+- exit status 1 (a bug or library failure, e.g. a GPU's fault) or 3 (lost contact with another rank),
+
+and never after 2 (bad input), 75 (preempted), 130 (interrupted), a worker ended by SIGTERM, SIGINT,
+SIGHUP, SIGQUIT or SIGUSR1, nor once the launcher itself was sent SIGTERM or SIGUSR1 (Slurm's warning:
+the job still ends with 75). Each restart prints one line::
+
+    restart 1 of 3: rank 1 was killed by SIGKILL; the workers resume from the newest checkpoint
+
+The restarted workers find ``COOKBOOK_RESTART_COUNT`` (1, 2, ...; 0 on the first start) in their
+environment; they resume as any re-run does (``checkpoint.resume: auto``, every recipe's default: the
+newest complete checkpoint, or a fresh start when the failure came before the first one). After the last
+restart the failure line says how many were used.
+
+Each attempt meets at a rendezvous of its own, so that nothing of the failed attempt's store is reused:
+on one node a free port (torchrun's ``--standalone``); with a static rendezvous over several nodes
+(``--master-addr``/``--master-port``, what `cookbook.launch` uses), attempt k meets at ``--master-port + k``
+(open those ports between the nodes); with ``--rdzv-endpoint host:port``, at ``port + k`` under the id
+``<rdzv-id>-restart<k>``.
+
+Several nodes: every node runs this launcher, and every node sees the failure: the node of the failed
+worker as that worker's status, the others as their workers' exit 3 (they lose the peer; with NCCL this
+can take until the collective's timeout, which ends in SIGABRT, also restarted). Each launcher decides
+by itself from what its workers did, so all nodes restart together when the failure is one that restarts
+(a kill, a crash, a lost peer) and all stop when every node's workers stopped alike (preemption: 75 on
+every node). A node whose own workers failed with 2 stops while the others, which saw only the lost
+peer (3), restart and wait at the next rendezvous until its timeout (600 s; ``--rdzv-conf timeout=S``)
+before they fail too. The restart counts are per node and agree as long as every failure reaches every
+node.
 """
 
 from __future__ import annotations
 
+import copy
+import os
 import signal
 import sys
+from typing import Iterable
 
 from cookbook.entry import EXIT_BUG, EXIT_INTERRUPTED, EXIT_PEER_LOST, EXIT_PREEMPTED, EXIT_USER_ERROR
 
@@ -21,6 +59,12 @@ _MEANING = {EXIT_BUG: "a failure, its traceback is above", EXIT_USER_ERROR: "bad
             EXIT_PREEMPTED: "preempted after a checkpoint"}
 PREEMPTED = ("preempted: the workers were asked to save a checkpoint at a step boundary and stop; run the same "
              f"command again to continue (exit status {EXIT_PREEMPTED})")
+RESTART_COUNT_ENV = "COOKBOOK_RESTART_COUNT"  # what the workers of a restarted group find: 1, 2, ... (0 at first)
+RESTARTED_STATUSES = (EXIT_BUG, EXIT_PEER_LOST)
+# Signals that ask a process to stop (a scheduler, a terminal, Slurm's warning): a worker they ended is not restarted.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
+
+_stop_asked = False  # the launcher was sent SIGUSR1 (or SIGTERM): no restart after it
 
 
 def describe_failure(rank: int, exitcode: int) -> tuple[str, int]:
@@ -35,47 +79,129 @@ def describe_failure(rank: int, exitcode: int) -> tuple[str, int]:
         shell's convention).
     """
     if exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = f"signal {-exitcode}"
-        return f"error: rank {rank} was killed by {name}; the other ranks were stopped", 128 - exitcode
+        line = f"error: rank {rank} was killed by {_signal_name(-exitcode)}; the other ranks were stopped"
+        return line, 128 - exitcode
     meaning = _MEANING.get(exitcode, "see its output above")
     return f"error: rank {rank} failed first (exit status {exitcode}: {meaning}); the other ranks were stopped", exitcode
 
 
+def should_restart(exitcode: int, exitcodes: Iterable[int] = ()) -> bool:
+    """Whether a failed worker group is worth starting again (resuming from its newest checkpoint).
+
+    Args:
+        exitcode: the first failed worker's exit status as torch's elastic agent reports it (negative:
+            killed by that signal).
+        exitcodes: every failed worker's status (the first one's included, or not).
+
+    Returns:
+        ``True`` when the first failure is a kill by a signal not in `STOP_SIGNALS`, or status 1 (a bug or
+        library failure) or 3 (lost a peer), and no worker stopped with 2 (bad input: it would fail again),
+        75 (preempted: the scheduler takes over) or 130 (interrupted). ``False`` for any other status.
+    """
+    if any(code in (EXIT_USER_ERROR, EXIT_PREEMPTED, EXIT_INTERRUPTED) for code in (exitcode, *exitcodes)):
+        return False
+    if exitcode < 0:
+        return -exitcode not in [int(s) for s in STOP_SIGNALS]
+    return exitcode in RESTARTED_STATUSES
+
+
+def restart_line(attempt: int, max_restarts: int, rank: int, exitcode: int) -> str:
+    """The line printed before restart `attempt` (1-based) of `max_restarts`, naming the failure (`rank`'s
+    `exitcode`, negative for a signal) that caused it."""
+    if exitcode < 0:
+        what = f"rank {rank} was killed by {_signal_name(-exitcode)}"
+    else:
+        what = f"rank {rank} failed (exit status {exitcode}: {_MEANING.get(exitcode, 'see its output above')})"
+    return f"restart {attempt} of {max_restarts}: {what}; the workers resume from the newest checkpoint"
+
+
+def attempt_args(args, attempt: int):
+    """torchrun's parsed arguments for restart `attempt` (``0``: the first start): a copy that meets at a
+    rendezvous of its own (see the module docstring), so that the failed attempt's store is not reused.
+
+    Args:
+        args: ``torch.distributed.run.parse_args``'s namespace (not changed).
+        attempt: ``0`` for the first start, ``k`` for the k-th restart.
+
+    Returns:
+        A new namespace; for ``attempt == 0`` an unchanged copy.
+    """
+    from torch.distributed.run import parse_min_max_nnodes
+
+    args = copy.deepcopy(args)
+    if attempt == 0 or args.standalone:  # standalone: torchrun picks a free port and a new id on every run
+        return args
+    if parse_min_max_nnodes(args.nnodes)[1] == 1 and args.rdzv_backend == "static" and not args.rdzv_endpoint:
+        args.standalone = True  # one node: a free port (--master-port may still be held by the failed attempt)
+    elif args.rdzv_backend == "static" and not args.rdzv_endpoint:
+        args.master_port = (args.master_port or 29500) + attempt  # every node computes the same port
+    elif args.rdzv_endpoint:
+        host, _, port = args.rdzv_endpoint.rpartition(":")
+        if host and port.isdigit():
+            args.rdzv_endpoint = f"{host}:{int(port) + attempt}"
+        args.rdzv_id = f"{args.rdzv_id}-restart{attempt}"
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Parse torchrun's arguments, run the workers, and return the exit status (0 when all succeeded)."""
+    """Parse torchrun's arguments, run the workers (restarting them as the module docstring says), and
+    return the exit status (0 when all succeeded)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-
     args = parse_args(argv)
+    max_restarts, args.max_restarts = args.max_restarts, 0  # the restarts are decided here
     # SIGUSR1 (Slurm's warning before a job's end) is passed on to the workers, whose training loop then
     # stops at the next step boundary with a checkpoint; torchrun itself passes SIGTERM on.
-    signal.signal(signal.SIGUSR1, _forward_to_workers)
+    previous = signal.signal(signal.SIGUSR1, _forward_to_workers), os.environ.get(RESTART_COUNT_ENV)
+    attempt = 0
     try:
-        run(args)
-    except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
-        if all(f.exitcode == EXIT_PREEMPTED for f in exc.failures.values()):
-            print(PREEMPTED, file=sys.stderr)
-            return EXIT_PREEMPTED
-        line, status = describe_failure(rank, failure.exitcode)
-        print(line, file=sys.stderr)
-        return status or EXIT_BUG
+        while True:
+            os.environ[RESTART_COUNT_ENV] = str(attempt)  # the workers inherit the launcher's environment
+            try:
+                run(attempt_args(args, attempt))
+                return 0
+            except ChildFailedError as exc:
+                rank, failure = exc.get_first_failure()
+                codes = [f.exitcode for f in exc.failures.values()]
+                if all(code == EXIT_PREEMPTED for code in codes):
+                    print(PREEMPTED, file=sys.stderr)
+                    return EXIT_PREEMPTED
+                if attempt < max_restarts and not _stop_asked and should_restart(failure.exitcode, codes):
+                    attempt += 1
+                    print(restart_line(attempt, max_restarts, rank, failure.exitcode), file=sys.stderr, flush=True)
+                    continue
+                line, status = describe_failure(rank, failure.exitcode)
+                if attempt:
+                    line += f" (after {attempt} restart{'s' if attempt > 1 else ''})"
+                print(line, file=sys.stderr)
+                return status or EXIT_BUG
     except SignalException as exc:  # SIGTERM to torchrun: it has passed it on and waited for the workers
         if exc.sigval == signal.SIGTERM:
             print(PREEMPTED, file=sys.stderr)
             return EXIT_PREEMPTED
         raise
-    return 0
+    finally:  # as they were, for a caller in the same process
+        signal.signal(signal.SIGUSR1, previous[0])
+        if previous[1] is None:
+            os.environ.pop(RESTART_COUNT_ENV, None)
+        else:
+            os.environ[RESTART_COUNT_ENV] = previous[1]
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def _forward_to_workers(signum: int, frame) -> None:
     import psutil
 
+    global _stop_asked
+    _stop_asked = True
     for child in psutil.Process().children():  # the workers (not their data-loader processes)
         try:
             child.send_signal(signum)
