@@ -1,11 +1,14 @@
 """``cookbook.run_main`` and ``python -m cookbook.torchrun`` with real worker processes (2 gloo ranks): a user
 error found by rank 1 alone reaches the user as rank 1's one line, first, with no traceback, and the job exits
-with status 2; a worker killed by a signal is named; a DDP job exits 0 within seconds, run after run."""
+with status 2; a worker killed by a signal is named; a DDP job exits 0 within seconds, run after run; a diverged
+run is one line with status 4; a rank stopped mid-run is named by the rank whose collective times out (status 3)."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
+import socket
 import subprocess
 import sys
 import textwrap
@@ -104,3 +107,135 @@ def test_peer_lost_reads_the_cause_chain():
     except ValueError as outer:
         assert peer_lost(outer)
     assert not peer_lost(RuntimeError("CUDA out of memory"))
+
+
+def _run_main_here(monkeypatch, capsys, main, world: int = 1) -> tuple[int, str]:
+    """`run_main(main)` in this process, with its exit replaced by a return: (status, what it printed to stderr)."""
+    import cookbook.entry
+
+    class Exited(Exception):
+        pass
+
+    statuses = []
+
+    def fake_exit(status, wait=0.0):
+        statuses.append(status)
+        raise Exited
+
+    monkeypatch.setattr(cookbook.entry, "_exit", fake_exit)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(Exited):
+        cookbook.entry.run_main(main, argv=[])
+    return statuses[0], capsys.readouterr().err
+
+
+def test_a_diverged_run_is_one_line_with_status_4(monkeypatch, capsys):
+    from cookbook.loop import NonFiniteError
+
+    def main(argv):
+        raise NonFiniteError("the gradient norm of step 7 is nan: the step was not applied and the run stops")
+
+    status, err = _run_main_here(monkeypatch, capsys, main, world=2)
+    assert (status, err) == (4, "error: [rank 0] the gradient norm of step 7 is nan: the step was not applied and the "
+                                "run stops\n")
+
+
+def test_a_collective_timeout_outside_the_loop_is_one_line_with_status_3(monkeypatch, capsys):
+    import torch.distributed
+
+    import cookbook.dist
+
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)  # no group (and no store) here
+    monkeypatch.setattr(cookbook.dist, "_STALL", {**cookbook.dist._STALL, "timeout_s": None, "store": None})
+
+    def main(argv):
+        raise RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for recv operation")
+
+    status, err = _run_main_here(monkeypatch, capsys, main, world=2)
+    assert status == 3 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("error: [rank 0] a collective timed out (`raise RuntimeError(") and "test_entry.py:" in err
+    assert err.endswith("): which rank is behind is not known (no process group store to read their progress from)\n")
+
+
+STALL_TIMEOUT_S = 10
+
+
+def _stalling_rank(rank: int, port: int, out: Path) -> None:
+    """One of 2 ranks training a DDP model with `TrainLoop`; rank 1 stops itself (SIGSTOP) as step 4 begins."""
+    import signal
+
+    import torch
+
+    import cookbook
+    from cookbook.checkpoint import TrainState
+    from cookbook.loop import TrainLoop
+    from cookbook.metrics import MetricsLogger
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), COOKBOOK_DEVICE="cpu")
+    sys.stderr = open(out / f"stderr{rank}.txt", "w", buffering=1)  # run_main's line and the log: this rank's file
+    os.dup2(sys.stderr.fileno(), 2)
+
+    def main(argv):
+        info = cookbook.init_distributed(STALL_TIMEOUT_S, debug_dir=out / "debug")
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        metrics = MetricsLogger(out, info, mlflow=False, max_steps=50, count_tokens=False)
+        with TrainLoop(state=TrainState(), max_steps=50, metrics=metrics, log_every=1) as loop:
+            for step in loop.steps():
+                if info.rank == 1 and step == 4:
+                    (out / "pid1").write_text(str(os.getpid()))
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                loss = model(torch.randn(4, 8)).pow(2).mean()
+                loss.backward()  # DDP's gradient all-reduce: rank 0 waits here for the stopped rank
+                optimizer.step()
+                optimizer.zero_grad()
+                loop.end_step(loss, lr=0.01)
+
+    cookbook.run_main(main, argv=[])
+
+
+def test_a_stalled_rank_is_named_by_the_rank_whose_collective_times_out(tmp_path):
+    """2 gloo ranks for real: rank 1 is stopped (SIGSTOP) at step 4; rank 0's gradient all-reduce times out after
+    train.collective_timeout_s and its one line names rank 1, its pid, where rank 0 waited and the step."""
+    import multiprocessing
+    import signal
+
+    import psutil
+    import torch  # noqa: F401 - imported here, once: the forked ranks inherit it
+
+    import cookbook.loop  # noqa: F401
+
+    ctx = multiprocessing.get_context("fork")  # the ranks inherit this process's imports: no interpreter start-up
+    port = free_port()
+    ranks = [ctx.Process(target=_stalling_rank, args=(r, port, tmp_path)) for r in (0, 1)]
+    t0 = time.perf_counter()
+    for p in ranks:
+        p.start()
+    try:
+        ranks[0].join(timeout=120)
+        seconds = time.perf_counter() - t0
+        err = (tmp_path / "stderr0.txt").read_text()
+        assert ranks[0].exitcode == 3, err[-3000:]
+        assert seconds < STALL_TIMEOUT_S + 40, seconds
+        pid = int((tmp_path / "pid1").read_text())
+        assert psutil.Process(pid).status() == psutil.STATUS_STOPPED
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        lines, first = inspect.getsourcelines(_stalling_rank)
+        backward = first + next(i for i, line in enumerate(lines) if "loss.backward()" in line)
+        assert errors == [
+            f"error: [rank 0] a collective did not finish within {STALL_TIMEOUT_S} s (a gradient collective in "
+            f"backward: `loss.backward()`, test_entry.py:{backward}) at step 4: "
+            f"rank 1 (pid {pid} on {socket.gethostname()}) did not reach it (every rank last finished step 3, but it "
+            f"did not time out with this rank within 2.5 s) - it is stalled (stopped, hung, or much slower); "
+            f"`py-spy dump --pid {pid}` on {socket.gethostname()} shows where it is; this rank's stacks: "
+            f"{tmp_path / 'debug' / 'stacks_rank0.txt'}"], err[-3000:]
+        assert "Traceback" not in err
+    finally:
+        for p in ranks:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGCONT)
+                p.kill()
+            p.join(timeout=30)
+    assert not psutil.pid_exists(ranks[1].pid) or psutil.Process(ranks[1].pid).status() == psutil.STATUS_ZOMBIE

@@ -1,6 +1,7 @@
 """cookbook.loop: the step bookkeeping every torchrun recipe shares, checked in one process on a toy model."""
 
 import json
+import math
 import os
 import signal
 import time
@@ -236,3 +237,117 @@ def test_a_preemption_signal_stops_after_the_step_with_a_checkpoint_and_the_resu
     second, *_ = _run(out)
     assert sorted(second) == [4, 5, 6, 7]
     assert second == pytest.approx({s: whole[s] for s in (4, 5, 6, 7)}, rel=0, abs=0)
+
+
+def _train_with_nan(out, nan_at, on_nonfinite="skip", max_consecutive_skips=5, max_steps=6, applied=False):
+    """Train the linear model of `_run` with a NaN loss in the attempts listed in `nan_at` (1-based, counting
+    skipped ones); returns (loop, model, scheduler, records of metrics.jsonl, the step numbers run)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
+    state = TrainState()
+    checkpointer = Checkpointer(out / "checkpoints", keep_last=0)
+    ckpt_state = {"app": ModelOptimizerState(model, optimizer), "train": state}
+    metrics = MetricsLogger(out, CPU, mlflow=False, max_steps=max_steps, count_tokens=False)
+    loop = TrainLoop(state=state, max_steps=max_steps, metrics=metrics, log_every=1, checkpointer=checkpointer,
+                     checkpoint_every=2, checkpoint_state=ckpt_state, on_nonfinite=on_nonfinite,
+                     max_consecutive_skips=max_consecutive_skips)
+    batches = EpochBatches(DATA, state)
+    run, attempt = [], 0
+    try:
+        with loop:
+            for step in loop.steps():
+                attempt += 1
+                run.append(step)
+                (x, y), _ = batches.next()
+                loss = torch.nn.functional.mse_loss(model(x), y) * (float("nan") if attempt in nan_at else 1.0)
+                loss.backward()
+                if applied:  # the update first, then the check (TorchRec's pipeline)
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    loop.skip_step(loss=loss, applied=True)
+                else:
+                    if loop.skip_step(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))):
+                        optimizer.zero_grad(set_to_none=True)
+                        continue
+                    optimizer.step()
+                    optimizer.zero_grad()
+                lr = scheduler.get_last_lr()[0]
+                scheduler.step()
+                metrics.add(samples=4, tokens=0, data_wait_s=0.0)
+                loop.end_step(loss, lr=lr)
+            loop.finish()
+    finally:
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return loop, model, scheduler, records, run
+
+
+def _checkpoint_steps(out):
+    return [int(p.name.split("_")[1]) for p in Checkpointer(out / "checkpoints").complete_checkpoints()]
+
+
+def test_skip_drops_a_non_finite_step_without_touching_the_weights_or_the_schedule(tmp_path, monkeypatch):
+    lines = []
+    monkeypatch.setattr(cookbook.loop, "get_logger", lambda: SimpleNamespace(info=lines.append))
+    loop, model, scheduler, records, run = _train_with_nan(tmp_path, nan_at={3})
+    assert run == [1, 2, 3, 3, 4, 5, 6]  # step 3 came again with the next batch
+    assert lines[0] == "step 3: non-finite gradient norm (nan), step skipped (1 skipped so far)"
+    assert loop.skipped_steps == 1 and loop.state.step == 6
+    assert scheduler.last_epoch == 6  # stepped once per applied step: the skipped one did not advance it
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    train = [r for r in records if r["event"] == "train"]
+    assert [(r["step"], r["skipped_steps"]) for r in train] == [(1, 0), (2, 0), (3, 1), (4, 1), (5, 1), (6, 1)]
+    assert all(math.isfinite(r["loss"]) for r in train)
+    assert _checkpoint_steps(tmp_path) == [2, 4, 6]
+
+
+def test_skip_stops_after_max_consecutive_skips(tmp_path):
+    with pytest.raises(NonFiniteError) as stop:
+        _train_with_nan(tmp_path, nan_at={4, 5, 6}, max_consecutive_skips=2)
+    assert str(stop.value).startswith("the gradient norm of step 4 is nan: the step was not applied, and that makes 3 "
+                                      "non-finite steps in a row (train.max_consecutive_skips=2), so the run stops; "
+                                      f"the newest checkpoint, from before it, is {tmp_path / 'checkpoints'}"), stop.value
+    assert stop.value.exit_status == 4
+    assert _checkpoint_steps(tmp_path) == [2]
+
+
+def test_stop_names_the_step_and_the_newest_checkpoint(tmp_path):
+    with pytest.raises(NonFiniteError) as stop:
+        _train_with_nan(tmp_path, nan_at={5}, on_nonfinite="stop")
+    latest = tmp_path / "checkpoints" / "step_00000004"
+    assert str(stop.value) == (
+        "the gradient norm of step 5 is nan: the step was not applied and the run stops (train.on_nonfinite=stop); "
+        f"the newest checkpoint, from before it, is {latest}. Lower optim.lr or raise the warm-up, check the data of "
+        "this step, or set train.on_nonfinite=skip to drop such steps")
+    assert _checkpoint_steps(tmp_path) == [2, 4]
+
+
+def test_an_applied_non_finite_update_stops_before_the_next_save(tmp_path):
+    # NaN at step 3: the update has run (the check comes after it); the next save is at step 4, and it does not happen
+    with pytest.raises(NonFiniteError, match=r"^the loss of step 3 is not finite on every rank and its update was "
+                                             r"already applied .* so the run stops before saving it"):
+        _train_with_nan(tmp_path, nan_at={3}, on_nonfinite="skip", applied=True)
+    assert _checkpoint_steps(tmp_path) == [2]
+
+
+def test_a_loss_is_checked_when_there_is_no_gradient_norm(tmp_path):
+    loop = _loop(tmp_path, on_nonfinite="skip")
+    assert loop.skip_step(loss=torch.tensor(1.5)) is False and loop.skip_step() is False
+    assert loop.skip_step(loss=torch.tensor([1.0, float("-inf")])) is True and loop.skipped_steps == 1
+    with pytest.raises(NonFiniteError, match=r"^the loss of step 1 is not finite on every rank: the step was not"):
+        _loop(tmp_path).skip_step(loss=float("nan"))
+
+
+def test_on_nonfinite_is_checked(tmp_path):
+    from cookbook.config import ConfigError, RunConfig, load_config
+
+    cfg = load_config(RunConfig, None, [f"output_dir={tmp_path}", "train.on_nonfinite=ignore"])
+    metrics = MetricsLogger(tmp_path, CPU, mlflow=False, count_tokens=False)
+    with pytest.raises(ConfigError, match=r"^train.on_nonfinite must be one of stop, skip, got 'ignore'$"):
+        TrainLoop.from_config(cfg, state=TrainState(), max_steps=3, metrics=metrics, checkpointer=None,
+                              checkpoint_state=None)
+    cfg.train.on_nonfinite, cfg.train.max_consecutive_skips = "skip", 2
+    loop = TrainLoop.from_config(cfg, state=TrainState(), max_steps=3, metrics=metrics, checkpointer=None,
+                                 checkpoint_state=None)
+    assert (loop.on_nonfinite, loop.max_consecutive_skips) == ("skip", 2)

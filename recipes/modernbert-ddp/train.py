@@ -325,7 +325,7 @@ def main(argv: list[str]) -> None:
         return
 
     # ---- set-up
-    info = cookbook.init_distributed()
+    info = cookbook.init_distributed(cfg.train.collective_timeout_s, debug_dir=Path(cfg.output_dir) / "debug")
     log = cookbook.get_logger()
     out_dir = Path(cfg.output_dir)
     torch.manual_seed(cfg.train.seed)
@@ -403,9 +403,10 @@ def main(argv: list[str]) -> None:
                     loss.backward()
                 step_loss += loss.detach()
                 metrics.add(samples=batch["labels"].numel(), tokens=batch["attention_mask"].sum(), data_wait_s=wait)
-            grad_norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
-                         if cfg.optim.max_grad_norm > 0 else None)
-            if loop.skip_step(grad_norm):
+            grad_norm = torch.nn.utils.clip_grad_norm_(  # max_grad_norm 0: no clipping, but the norm is checked
+                model.parameters(), cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf"))
+            if loop.skip_step(grad_norm):  # NaN / inf: the run stops, or (train.on_nonfinite=skip) the step is dropped
+                optimizer.zero_grad(set_to_none=True)
                 continue
             lr = scheduler.get_last_lr()[0]
             optimizer.step()

@@ -170,7 +170,7 @@ def main(argv: list[str]) -> None:
         return
 
     # ---- set-up
-    info = cookbook.init_distributed()
+    info = cookbook.init_distributed(cfg.train.collective_timeout_s, debug_dir=Path(cfg.output_dir) / "debug")
     log = cookbook.get_logger()
     out_dir = Path(cfg.output_dir)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
@@ -239,7 +239,8 @@ def main(argv: list[str]) -> None:
                 step_aux += aux.detach() / cfg.train.grad_accum_steps
                 metrics.add(samples=mb["input_ids"].shape[0], tokens=lm.count_tokens(mb, pad_id), data_wait_s=wait)
             grad_norm = moe.clip_grad_norm(trainable, cfg.optim.max_grad_norm, info.device)  # over both meshes
-            if loop.skip_step(grad_norm):
+            if loop.skip_step(grad_norm):  # NaN / inf: the run stops, or (train.on_nonfinite=skip) the step is dropped
+                optimizer.zero_grad(set_to_none=True)
                 continue
             lr = scheduler.get_last_lr()[0]
             optimizer.step()

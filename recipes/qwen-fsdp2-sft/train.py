@@ -220,7 +220,7 @@ def main(argv: list[str]) -> None:
         return
 
     # ---- set-up
-    info = cookbook.init_distributed()
+    info = cookbook.init_distributed(cfg.train.collective_timeout_s, debug_dir=Path(cfg.output_dir) / "debug")
     log = cookbook.get_logger()
     out_dir = Path(cfg.output_dir)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
@@ -282,7 +282,8 @@ def main(argv: list[str]) -> None:
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf"))
             if isinstance(grad_norm, torch.distributed.tensor.DTensor):
                 grad_norm = grad_norm.full_tensor()
-            if loop.skip_step(grad_norm):
+            if loop.skip_step(grad_norm):  # NaN / inf: the run stops, or (train.on_nonfinite=skip) the step is dropped
+                optimizer.zero_grad(set_to_none=True)
                 continue
             lr = scheduler.get_last_lr()[0]
             optimizer.step()

@@ -606,7 +606,7 @@ def main(argv: list[str]) -> None:
         return
 
     # ---- set-up
-    info = cookbook.init_distributed()
+    info = cookbook.init_distributed(debug_dir=Path(cfg.output_dir) / "debug")  # collectives time out after 30 min
     log = cookbook.get_logger()
     check_sharding(cfg, info.world_size, on_cpu)
     model, optimizer = shard_model(cfg, info)
@@ -640,8 +640,12 @@ def main(argv: list[str]) -> None:
         for _ in loop.steps():
             if pipeline is not None:  # forward, backward and optimizer step, with the next batch's input dist overlapped
                 loss, _ = pipeline.progress(batches)
+                loop.skip_step(loss=loss, applied=True)  # checked before the next log or save: NaN stops the run
             else:
                 loss, _ = model(next(batches).to(info.device))
+                if loop.skip_step(loss=loss):  # NaN / inf on any rank, before backward (where the tables update)
+                    stream.finished()  # train.on_nonfinite=skip: this batch is passed over
+                    continue
                 loss.backward()  # the sharded tables update here (fused optimizer)
                 optimizer.step()  # the dense part and data-parallel tables
                 optimizer.zero_grad(set_to_none=True)

@@ -253,6 +253,9 @@ class TrainConfig:
     log_every: int = 10  # optimizer steps per log line
     eval_every: int = 0  # optimizer steps between evaluations; 0: at the end only
     profile_step: int = 0  # > 0: a torch.profiler trace of this step in <output_dir>/profile
+    on_nonfinite: str = "stop"  # a step with a NaN/inf loss or gradient norm: stop (exit 4) or skip (drop it, go on)
+    max_consecutive_skips: int = 5  # on_nonfinite=skip: the run stops at one more non-finite step in a row
+    collective_timeout_s: float = 1800.0  # a collective waiting longer ends the run, naming the rank that is behind
 
 
 @dataclasses.dataclass
@@ -287,7 +290,8 @@ class RunConfig:
 
 # Settings of the shared sections that may differ between a checkpoint and the run that resumes it.
 MAY_CHANGE = ("output_dir", "run_name", "mlflow", "train.stop_at_step", "train.log_every", "train.eval_every",
-              "train.profile_step", "checkpoint.*")
+              "train.profile_step", "train.on_nonfinite", "train.max_consecutive_skips", "train.collective_timeout_s",
+              "checkpoint.*")
 
 
 def check_run(cfg: Any) -> None:

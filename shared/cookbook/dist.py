@@ -7,6 +7,15 @@ group's destruction at exit. `distributed_context` does the same as a context ma
 that also tears the group down when the body raises.
 
 A plain `python train.py` (no torchrun) runs as a world of one, with a process group of one.
+
+Stalls: a collective that waits longer than the group's timeout (``train.collective_timeout_s``) fails
+instead of hanging. Each rank records its last finished step in the group's store at every step boundary
+(`record_progress`, one small ``set``); a rank whose collective timed out reads them (`describe_stall`) and
+names the rank that is behind, so the run's error points at the stalled rank, not at the healthy one that
+noticed. With gloo the timeout raises in the waiting rank and `cookbook.run_main` prints that line (exit
+status 3); with NCCL, torch's watchdog ends the process, after its flight recorder has written each rank's
+last collectives to the debug folder (read them with ``python -m torch.distributed.flight_recorder.fr_trace
+-j <folder>``, which names the rank that did not join).
 """
 
 from __future__ import annotations
@@ -14,15 +23,21 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import faulthandler
 import logging
 import os
 import socket
 import sys
+import time
+import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
+
+from cookbook.entry import EXIT_PEER_LOST, OneLineError, _first_line
 
 logger = logging.getLogger("cookbook")
 
@@ -93,7 +108,22 @@ def get_dist_info() -> DistInfo:
     return DistInfo(rank, local_rank, world_size, device, backend)
 
 
-def init_distributed(timeout_minutes: float = 30.0) -> DistInfo:
+class CollectiveTimeout(OneLineError):
+    """A collective waited past the group's timeout on this rank; the message (`describe_stall`) names the rank
+    that is behind. `cookbook.run_main` prints it as one line and exits with status 3 (a peer lost)."""
+
+    exit_status = EXIT_PEER_LOST
+
+
+# What `init_distributed` set up, for `record_progress` and `describe_stall`.
+_STALL = {"timeout_s": None, "debug_dir": None, "store": None, "step": None, "host": socket.gethostname()}
+_PROGRESS_KEY, _TIMED_OUT_KEY = "cookbook/progress/{}", "cookbook/timed_out/{}"
+# What gloo (CPU) and NCCL say when a collective waited past the group's timeout.
+_TIMEOUT_MARKERS = ("timed out waiting", "application timeout caused pair closure", "collective operation timeout")
+FLIGHT_RECORDER_ENTRIES = 2000  # collectives each rank keeps in torch's flight recorder (NCCL), as torch's tutorial advises
+
+
+def init_distributed(timeout_s: float = 1800.0, debug_dir: str | Path | None = None) -> DistInfo:
     """Create the default process group from torchrun's environment.
 
     NCCL when CUDA is available (each rank bound to ``cuda:LOCAL_RANK``), gloo otherwise.
@@ -103,30 +133,228 @@ def init_distributed(timeout_minutes: float = 30.0) -> DistInfo:
     `destroy_distributed` earlier if you like.
 
     Args:
-        timeout_minutes: collective timeout; a hung peer raises after this long.
+        timeout_s: seconds a collective may wait for the other ranks (``train.collective_timeout_s``);
+            past it, gloo raises in the waiting rank (`cookbook.run_main` then names the rank that is
+            behind, see `describe_stall`) and NCCL's watchdog ends the process. A group that exists
+            already (`cookbook.distributed` made it) is given this timeout too.
+        debug_dir: where a timeout leaves what to read: with NCCL, torch's flight recorder dumps each
+            rank's last collectives there (``rank_<r>``; turned on here unless ``TORCH_FR_BUFFER_SIZE``,
+            ``TORCH_NCCL_TRACE_BUFFER_SIZE`` or ``TORCH_FR_DUMP_TEMP_FILE`` is set); with any backend, the
+            rank whose collective timed out writes its Python stacks there (``stacks_rank<r>.txt``).
+            ``None``: nothing is written.
 
     Returns:
         This process's `DistInfo`.
 
     Raises:
+        ValueError: `timeout_s` is not positive.
         RuntimeError: more local ranks than GPUs on the node (see `get_dist_info`).
     """
+    if not timeout_s > 0:
+        raise ValueError(f"the collective timeout must be > 0 seconds, got {timeout_s}")
     info = get_dist_info()
     if info.device.type == "cuda":
         torch.cuda.set_device(info.device)
     if "MASTER_ADDR" not in os.environ and info.world_size == 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if info.backend == "nccl" and debug_dir is not None:
+        _enable_flight_recorder(Path(debug_dir))
     if not dist.is_initialized():
         # Binding the device id lets NCCL create its communicator eagerly and pick the right GPU.
         kwargs = {"device_id": info.device} if info.device.type == "cuda" else {}
-        dist.init_process_group(
-            backend=info.backend,
-            timeout=datetime.timedelta(minutes=timeout_minutes),
-            **kwargs,
-        )
+        dist.init_process_group(backend=info.backend, timeout=timeout, **kwargs)
         atexit.register(destroy_distributed)
+    elif _STALL["timeout_s"] != timeout_s and hasattr(dist.distributed_c10d, "_set_pg_timeout"):
+        dist.distributed_c10d._set_pg_timeout(timeout)  # the group `cookbook.distributed` made, with its own timeout
+    _STALL.update(timeout_s=timeout_s, debug_dir=Path(debug_dir) if debug_dir is not None else None, store=None,
+                  step=None)
     _configure_logging(info.rank)
     return info
+
+
+def _enable_flight_recorder(debug_dir: Path) -> None:
+    """Turn on torch's NCCL flight recorder, dumping into `debug_dir` on a timeout, unless the user set it up.
+    Both the current names (``TORCH_FR_*``) and the older ones (``TORCH_NCCL_*``) are set: torch reads either."""
+    if not any(os.environ.get(k) for k in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")):
+        os.environ["TORCH_FR_BUFFER_SIZE"] = os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] = str(FLIGHT_RECORDER_ENTRIES)
+    if not any(os.environ.get(k) for k in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")):
+        debug_dir.mkdir(parents=True, exist_ok=True)
+        os.environ["TORCH_FR_DUMP_TEMP_FILE"] = os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = str(debug_dir / "rank_")
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+
+
+def _store():
+    """The default group's store (shared by every rank: torchrun's agent holds it), or ``None``."""
+    if _STALL["store"] is None and dist.is_available() and dist.is_initialized():
+        try:
+            _STALL["store"] = dist.distributed_c10d._get_default_store()
+        except (AttributeError, RuntimeError, ValueError):
+            _STALL["store"] = False
+    return _STALL["store"] or None
+
+
+def record_progress(step: int) -> None:
+    """Record that this rank has finished `step` optimizer steps, in the process group's store (one small
+    ``set``: well under a millisecond), so that a rank whose collective times out can tell which rank is behind
+    (`describe_stall`). Call it at each step boundary (`cookbook.loop.TrainLoop` does). Never raises: a store that
+    cannot be written turns the records off. No-op without a group of several ranks."""
+    _STALL["step"] = step
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return
+    store = _store()
+    if store is None:
+        return
+    try:
+        store.set(_PROGRESS_KEY.format(dist.get_rank()), f"{step} {os.getpid()} {_STALL['host']}")
+    except Exception:  # noqa: BLE001 - a diagnostic must not stop training
+        _STALL["store"] = False
+
+
+def collective_timed_out(exc: BaseException) -> bool:
+    """True if `exc` (or an exception it was raised from) is a collective that waited past the group's timeout:
+    gloo's "Timed out waiting ... for recv operation" or "Application timeout caused pair closure", NCCL's
+    "Watchdog caught collective operation timeout"."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if any(m in str(exc).lower() for m in _TIMEOUT_MARKERS):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def describe_stall(exc: BaseException, grace_s: float | None = None) -> str:
+    """One line for a collective that timed out on this rank: where this rank waited, and which rank stalled.
+
+    The ranks' progress records (`record_progress`) say who is behind: a rank whose last finished step is
+    lower than this rank's never reached this step's collectives. When every rank finished the same step,
+    this rank marks itself as timed out in the store and waits up to `grace_s` for the others to do the
+    same: a healthy rank waits in the same collective and times out within about as long, so a rank that
+    does not is the stalled one. The store is read with a 5 s limit (it may live in a stopped process).
+    With a debug folder (`init_distributed`), this rank's Python stacks are written there first.
+
+    Args:
+        exc: the timeout (`collective_timed_out` is true for it).
+        grace_s: seconds to wait for the other ranks' timeouts; default a quarter of the group's timeout,
+            at most 10.
+
+    Returns:
+        e.g. ``a collective did not finish within 10 s (a gradient collective in backward: `loss.backward()`,
+        train.py:402) at step 4: rank 1 (pid 4242 on node7) last finished step 2, this rank step 3 - it is
+        stalled (stopped, hung, or much slower); `py-spy dump --pid 4242` on node7 shows where it is; this
+        rank's stacks: <file>``. Never raises.
+    """
+    timeout_s = _STALL["timeout_s"]
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0") or 0)
+    world = (dist.get_world_size() if dist.is_available() and dist.is_initialized()
+             else int(os.environ.get("WORLD_SIZE", "1") or 1))
+    mine = _STALL["step"]
+    head = (f"a collective did not finish within {timeout_s:g} s" if timeout_s else "a collective timed out") + \
+        f" ({_collective_site(exc)})" + (f" at step {mine + 1}" if mine is not None else "")
+    stacks = _dump_stacks(exc, rank)
+    dumps = ""
+    if stacks is not None:
+        dumps = f"; this rank's stacks: {stacks}"
+    fr = os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    if fr and dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        dumps += f"; see the flight recorder dump in {Path(fr).parent}"
+    if grace_s is None:
+        grace_s = min(10.0, (timeout_s or 40.0) / 4)
+    try:
+        read = _read_progress(rank, world, mine, grace_s)
+    except Exception as read_error:  # noqa: BLE001 - the store itself may be gone or stopped
+        return f"{head}: the other ranks' progress could not be read ({_first_line(read_error)}){dumps}"
+    if read is None:
+        return f"{head}: which rank is behind is not known (no process group store to read their progress from){dumps}"
+    progress, timed_out = read
+    others = [r for r in range(world) if r != rank]
+    behind = [r for r in others if mine is not None and (progress.get(r) or (-1, 0, ""))[0] < mine]
+    silent = [r for r in others if r not in timed_out]
+    if behind:
+        finished = {progress[r][0] if r in progress else None for r in behind}
+        what = (f"last finished step {finished.pop()}" if len(finished) == 1 and None not in finished else
+                "are behind (" + ", ".join(f"rank {r}: {_step_text(progress.get(r))}" for r in behind) + ")")
+        suspects, detail = behind, f"{what}, this rank step {mine}"
+    elif silent:
+        suspects = silent
+        detail = ("did not reach it (" + (f"every rank last finished step {mine}, but " if mine is not None else "") +
+                  f"{'it' if len(silent) == 1 else 'they'} did not time out with this rank within {grace_s:g} s)")
+    else:
+        return (f"{head}: every rank timed out waiting, none is behind: the ranks are in different collectives "
+                f"(a code path that not every rank takes){dumps}")
+    names = ", ".join(_rank_text(r, progress.get(r)) for r in suspects)
+    verb = "it is" if len(suspects) == 1 else "they are"
+    hint = ""
+    if len(suspects) == 1 and suspects[0] in progress:
+        _, pid, host = progress[suspects[0]]
+        hint = f"; `py-spy dump --pid {pid}` on {host} shows where it is"
+    return f"{head}: {names} {detail} - {verb} stalled (stopped, hung, or much slower){hint}{dumps}"
+
+
+def _read_progress(rank: int, world: int, mine: int | None, grace_s: float) -> tuple[dict, set] | None:
+    """Every rank's progress record ``{rank: (step, pid, host)}`` and the ranks that marked a timeout, after
+    marking this rank's and waiting up to `grace_s` for the others' when no rank is behind; ``None`` without a
+    store."""
+    store = _store()
+    if store is None:
+        return None
+    store.set_timeout(datetime.timedelta(seconds=5))
+    store.set(_TIMED_OUT_KEY.format(rank), str(mine))
+    deadline = time.monotonic() + grace_s
+    while True:
+        progress = {}
+        for r in range(world):
+            key = _PROGRESS_KEY.format(r)
+            if store.check([key]):
+                step, pid, host = store.get(key).decode().split(" ", 2)
+                progress[r] = (int(step), int(pid), host)
+        timed_out = {r for r in range(world) if store.check([_TIMED_OUT_KEY.format(r)])}
+        behind = mine is not None and any(progress.get(r, (-1,))[0] < mine for r in range(world) if r != rank)
+        if behind or len(timed_out) == world or time.monotonic() >= deadline:
+            return progress, timed_out
+        time.sleep(0.2)
+
+
+def _step_text(record) -> str:
+    return f"step {record[0]}" if record else "no step"
+
+
+def _rank_text(rank: int, record) -> str:
+    return f"rank {rank}" + (f" (pid {record[1]} on {record[2]})" if record else "")
+
+
+def _collective_site(exc: BaseException) -> str:
+    """Where this rank waited: the torch.distributed function (or backward, whose gradient collectives DDP and
+    FSDP run), then the innermost call outside torch: its source line, file and line number, e.g.
+    ``all_reduce: `dist.all_reduce(flat)`, dist.py:262``."""
+    torch_dir = os.path.dirname(torch.__file__) + os.sep
+    frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ is not None else []
+    op = next((f.name for f in reversed(frames) if f.filename.startswith(torch_dir + "distributed")), None)
+    if op is None and any(f.filename.startswith(torch_dir + "autograd") for f in frames):
+        op = "a gradient collective in backward"
+    site = next((f for f in reversed(frames) if not f.filename.startswith(torch_dir)), None)
+    if site is None:
+        return op or "where is not known"
+    code = f"`{site.line.split('  #')[0].strip()}`, " if site.line else ""  # without an inline comment
+    return (f"{op}: " if op else "") + f"{code}{Path(site.filename).name}:{site.lineno}"
+
+
+def _dump_stacks(exc: BaseException, rank: int) -> Path | None:
+    """Write the timeout's traceback and every thread's stack of this process to the debug folder."""
+    folder = _STALL["debug_dir"]
+    if folder is None:
+        return None
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"stacks_rank{rank}.txt"
+        with open(path, "w") as f:
+            f.write("".join(traceback.format_exception(exc)) + "\nEvery thread of this process:\n")
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        return path
+    except OSError:
+        return None
 
 
 def _free_port() -> int:
@@ -151,6 +379,7 @@ def destroy_distributed() -> None:
     ``~ProcessGroupGloo`` under ``~Reducer``). Recipes end with `cookbook.run_main`, which exits
     without freeing it at all.
     """
+    _STALL.update(timeout_s=None, debug_dir=None, store=None, step=None)  # of the group that ends here
     if dist.is_available() and dist.is_initialized():
         world = getattr(dist.distributed_c10d, "_world", None)  # every group: the default one and subgroups (meshes)
         _DESTROYED_GROUPS.extend(list(world.pg_map) if world is not None else [dist.group.WORLD])
@@ -159,9 +388,9 @@ def destroy_distributed() -> None:
 
 @contextlib.contextmanager
 def distributed_context(timeout_minutes: float = 30.0) -> Iterator[DistInfo]:
-    """``with distributed_context() as info:`` initialises the group and always destroys it,
-    also when the body raises."""
-    info = init_distributed(timeout_minutes)
+    """``with distributed_context() as info:`` initialises the group (collective timeout `timeout_minutes`)
+    and always destroys it, also when the body raises."""
+    info = init_distributed(timeout_minutes * 60)
     try:
         yield info
     finally:

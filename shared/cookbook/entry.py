@@ -14,7 +14,13 @@ status      meaning
 0           finished (or stopped at ``train.stop_at_step``); every output is written
 1           a bug or a library failure: the traceback is printed
 2           bad configuration, data or checkpoint (one of ``user_errors``): one line, no traceback
-3           this rank lost contact with another rank (the other rank's message says why)
+3           this rank lost contact with another rank: the other rank exited (its message says why), or
+            stalled: a collective waited past ``train.collective_timeout_s`` and this rank's one line names
+            the rank that is behind (`cookbook.dist.describe_stall`)
+4           diverged: a step's loss or gradient norm was NaN or infinite (``train.on_nonfinite=stop``, or one
+            more after ``train.max_consecutive_skips`` skipped in a row): one line naming the step and the newest
+            checkpoint, which is from before it (`cookbook.loop.NonFiniteError`); running the same command
+            again repeats it, so change ``optim.lr``, the data or ``train.on_nonfinite`` first
 75          preempted: SIGTERM or SIGUSR1 made every rank stop after the same step and save a checkpoint
             (`cookbook.loop`); the same command resumes with no step lost (``EX_TEMPFAIL``: try again)
 130         interrupted (Ctrl-C)
@@ -47,6 +53,7 @@ import traceback
 from typing import Any, Callable, NoReturn, Sequence
 
 EXIT_OK, EXIT_BUG, EXIT_USER_ERROR, EXIT_PEER_LOST, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_DIVERGED = 4  # a non-finite loss or gradient norm stopped the run before the update (cookbook.loop)
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on SIGTERM / SIGUSR1 after a checkpoint; run the same command again
 
 # Seconds a rank that lost a peer waits before exiting: long enough for torchrun (which polls its
@@ -56,6 +63,13 @@ PEER_LOST_GRACE_S = 5.0
 # What gloo and NCCL say when the process at the other end of a collective is gone.
 _PEER_LOST_MARKERS = ("connection closed by peer", "connection reset by peer", "broken pipe",
                       "remote process exited", "socket closed", "connection refused", "nccl communicator was aborted")
+
+
+class OneLineError(RuntimeError):
+    """A failure that its message explains whole: `run_main` prints it as one line, ``error: [rank N] <message>``,
+    without a traceback, and exits with the class's `exit_status` (`cookbook.loop.NonFiniteError`: 4)."""
+
+    exit_status = EXIT_BUG
 
 
 def run_main(main: Callable[[list[str]], Any], user_errors: Sequence[type[BaseException]] = (),
@@ -79,8 +93,12 @@ def run_main(main: Callable[[list[str]], Any], user_errors: Sequence[type[BaseEx
         main(sys.argv[1:] if argv is None else argv)
     except tuple(user_errors) as exc:
         _record(exc)
-        print(f"error: {where}{exc}", file=sys.stderr)
+        _say(f"error: {where}{exc}")
         _exit(EXIT_USER_ERROR)
+    except OneLineError as exc:
+        _record(exc)
+        _say(f"error: {where}{exc}")
+        _exit(exc.exit_status)
     except KeyboardInterrupt:
         print(f"{where}interrupted", file=sys.stderr)
         _exit(EXIT_INTERRUPTED)
@@ -90,6 +108,13 @@ def run_main(main: Callable[[list[str]], Any], user_errors: Sequence[type[BaseEx
             print(code, file=sys.stderr)
         _exit(code if isinstance(code, int) else (0 if code is None else EXIT_BUG))
     except BaseException as exc:  # noqa: BLE001 - every failure ends the process with a status
+        from cookbook.dist import collective_timed_out, describe_stall
+
+        if world > 1 and collective_timed_out(exc):  # this rank is healthy: its line names the stalled one, first
+            line = describe_stall(exc)
+            _record(RuntimeError(line))
+            _say(f"error: {where}{line}")
+            _exit(EXIT_PEER_LOST)
         if world > 1 and peer_lost(exc):
             print(f"error: {where}stopped: another rank is gone ({_first_line(exc)}); the first rank to fail "
                   f"says why", file=sys.stderr)
@@ -114,6 +139,12 @@ def peer_lost(exc: BaseException) -> bool:
             return True
         exc = exc.__cause__ or exc.__context__
     return False
+
+
+def _say(line: str) -> None:
+    """Print one line to stderr in a single write, so that the lines of ranks printing at once do not interleave."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def _first_line(exc: BaseException, limit: int = 160) -> str:

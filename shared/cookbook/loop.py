@@ -14,8 +14,9 @@ the optimizer step, the FSDP2 / expert-parallel / TorchRec specifics) and leaves
         for step in loop.steps():               # 1, 2, ... up to max_steps or train.stop_at_step
             micro_batches, waits = batches.take(cfg.train.grad_accum_steps)
             ...                                 # forward and backward of each micro-batch; metrics.add(...)
-            grad_norm = clip_grad_norm_(...)
-            if loop.skip_step(grad_norm):       # non-finite gradients
+            grad_norm = clip_grad_norm_(...)    # reduced over ranks: the same number on every rank
+            if loop.skip_step(grad_norm):       # NaN / inf: stops the run, or (train.on_nonfinite=skip) drops the step
+                optimizer.zero_grad(set_to_none=True)
                 continue
             optimizer.step(); scheduler.step(); optimizer.zero_grad()
             loop.end_step(loss, lr=lr, grad_norm=grad_norm)   # log window, eval and checkpoint cadence
@@ -31,6 +32,17 @@ What it does, so that every recipe does it the same way:
   throughput and ETA measure training alone;
 - stops at ``stop_at_step`` (a planned interruption, to be resumed) or when `request_stop` was called
   (a hook for preemption: the flag is read at step boundaries only);
+- checks each step for a non-finite loss or gradient norm before its update (`skip_step`), on every rank
+  alike: ``on_nonfinite="stop"`` (the default, as in torchtitan, whose maintainers prefer stopping to
+  skipping so that a divergence is debugged rather than hidden) ends the run with `NonFiniteError` (exit
+  status 4, one line naming the step and the newest checkpoint, which is from before it); ``"skip"`` drops
+  the step (its gradients are zeroed, neither the optimizer nor the scheduler steps, the step number comes
+  again with the next batch), logs it, counts it in the ``skipped_steps`` metric, and stops at the next
+  non-finite step once ``max_consecutive_skips`` were skipped in a row. A step that diverged never reaches a
+  checkpoint;
+- records each rank's progress in the process group's store at every step boundary
+  (`cookbook.dist.record_progress`), so that a collective that times out ends the run with one line naming
+  the rank that is behind (`cookbook.dist.CollectiveTimeout`, exit status 3);
 - at the end runs the final evaluation and the recipe's export, writes the summary record and the
   closing log lines (`log_outputs`), or says how to continue a run that stopped early.
 
@@ -51,9 +63,10 @@ import torch
 import torch.distributed as dist
 
 from cookbook.checkpoint import Checkpointer, ResumeGuard, TrainState
-from cookbook.config import save_config, to_dict
-from cookbook.dist import DistInfo, barrier, get_dist_info, get_logger
-from cookbook.entry import EXIT_PREEMPTED
+from cookbook.config import ConfigError, save_config, to_dict
+from cookbook.dist import (CollectiveTimeout, DistInfo, barrier, collective_timed_out, describe_stall, get_dist_info,
+                           get_logger, record_progress)
+from cookbook.entry import EXIT_DIVERGED, EXIT_PREEMPTED, OneLineError
 from cookbook.metrics import MetricsLogger, ModelFlops, StepProfiler
 
 Outputs = Mapping[str, "tuple[Path | None, str]"]  # summary key -> (folder or None, how to load it)
@@ -62,6 +75,8 @@ OUTPUT_NAMES = {"export_dir": "model"}  # summary key -> its name on the closing
 
 
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+ON_NONFINITE = ("stop", "skip")  # what a step with a NaN / inf loss or gradient norm does (TrainLoop.skip_step)
+NONE_BAD = 2**62  # "no non-finite step" in the all-reduce (min) of the first bad step of updates already applied
 
 
 class Preempted(SystemExit):
@@ -69,8 +84,12 @@ class Preempted(SystemExit):
     `cookbook.entry.EXIT_PREEMPTED` (75, ``EX_TEMPFAIL``: try again), the status the process exits with."""
 
 
-class NonFiniteError(RuntimeError):
-    """The loss or the gradient norm of a step is NaN or infinite; the step was not applied."""
+class NonFiniteError(OneLineError):
+    """The loss or the gradient norm of a step is NaN or infinite, and the run stops: the step was not applied
+    (or, for a recipe that checks after its update, not saved). `cookbook.run_main` prints the message as one
+    line and exits with status 4 (`cookbook.entry.EXIT_DIVERGED`)."""
+
+    exit_status = EXIT_DIVERGED
 
 
 def already_complete(state: TrainState, max_steps: int, out_dir: str | Path, final: str | Path | None = None,
@@ -176,6 +195,9 @@ class TrainLoop:
             resume can refuse other settings.
         profiler: a `StepProfiler` started before and stopped after each step body, or ``None``.
         log_extra: called at each log line for more numbers of that window (collective if it reduces).
+        on_nonfinite: a step whose loss or gradient norm is NaN or infinite: ``"stop"`` the run
+            (`NonFiniteError`) or ``"skip"`` the step (see `skip_step`).
+        max_consecutive_skips: with ``"skip"``: the most steps skipped in a row; the next non-finite one stops.
 
     Every method that logs, evaluates or saves is collective: call it on every rank in the same order.
     """
@@ -185,9 +207,14 @@ class TrainLoop:
                  checkpointer: Checkpointer | None = None, checkpoint_every: int = -1,
                  checkpoint_state: Mapping[str, Any] | None = None, config: Mapping[str, Any] | None = None,
                  profiler: StepProfiler | None = None,
-                 log_extra: Callable[[], Mapping[str, float | torch.Tensor]] | None = None):
+                 log_extra: Callable[[], Mapping[str, float | torch.Tensor]] | None = None,
+                 on_nonfinite: str = "stop", max_consecutive_skips: int = 5):
         if log_every < 1:
             raise ValueError(f"log_every must be >= 1, got {log_every}")
+        if on_nonfinite not in ON_NONFINITE:
+            raise ValueError(f"on_nonfinite must be one of {', '.join(ON_NONFINITE)}, got {on_nonfinite!r}")
+        if max_consecutive_skips < 0:
+            raise ValueError(f"max_consecutive_skips must be >= 0, got {max_consecutive_skips}")
         if checkpointer is not None and checkpoint_every >= 0 and checkpoint_state is None:
             raise ValueError("checkpoint_state is required to save checkpoints")
         self.state, self.max_steps, self.metrics = state, max_steps, metrics
@@ -203,6 +230,11 @@ class TrainLoop:
         self._handlers: dict = {}
         self._pending = None  # (work, flag) of the stop all-reduce started at the last step boundary
         self._saved_step = -1
+        self.on_nonfinite, self.max_consecutive_skips = on_nonfinite, max_consecutive_skips
+        self.skipped_steps = 0  # steps skipped for a non-finite loss or gradient norm since this process started
+        self._consecutive = 0  # of them, in a row up to now
+        self._skipped_now = False  # the step being run was skipped
+        self._applied_bad: torch.Tensor | None = None  # first step whose applied update was non-finite (0: none)
         self._reset_window()
 
     @classmethod
@@ -212,16 +244,26 @@ class TrainLoop:
                     log_extra: Callable[[], Mapping[str, float | torch.Tensor]] | None = None) -> TrainLoop:
         """A loop whose cadence comes from a recipe config with `cookbook.config`'s shared sections:
         ``train.stop_at_step``, ``train.log_every``, ``train.eval_every``, ``train.profile_step`` (a
-        `StepProfiler` writing to ``<output_dir>/profile``) and ``checkpoint.every_steps``; the config is
-        stored in each checkpoint. The other arguments are `TrainLoop`'s."""
+        `StepProfiler` writing to ``<output_dir>/profile``), ``train.on_nonfinite``,
+        ``train.max_consecutive_skips`` and ``checkpoint.every_steps``; the config is stored in each
+        checkpoint. The other arguments are `TrainLoop`'s.
+
+        Raises:
+            ConfigError: ``train.on_nonfinite`` is not stop or skip, or ``train.max_consecutive_skips`` < 0."""
         train = cfg.train
         profile_step = getattr(train, "profile_step", 0)
+        on_nonfinite = getattr(train, "on_nonfinite", "stop")
+        max_skips = getattr(train, "max_consecutive_skips", 5)
+        if on_nonfinite not in ON_NONFINITE:
+            raise ConfigError(f"train.on_nonfinite must be one of {', '.join(ON_NONFINITE)}, got {on_nonfinite!r}")
+        if max_skips < 0:
+            raise ConfigError(f"train.max_consecutive_skips must be >= 0, got {max_skips}")
         return cls(state=state, max_steps=max_steps, stop_at_step=train.stop_at_step, metrics=metrics,
                    log_every=train.log_every, eval_every=getattr(train, "eval_every", 0), evaluate=evaluate,
                    checkpointer=checkpointer, checkpoint_every=cfg.checkpoint.every_steps,
                    checkpoint_state=checkpoint_state, config=to_dict(cfg),
                    profiler=StepProfiler(profile_step, metrics.out_dir, metrics.info) if profile_step > 0 else None,
-                   log_extra=log_extra)
+                   log_extra=log_extra, on_nonfinite=on_nonfinite, max_consecutive_skips=max_skips)
 
     # ------------------------------------------------------------------ the loop
     def __enter__(self) -> TrainLoop:
@@ -234,6 +276,11 @@ class TrainLoop:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        """Restore the signal handlers and end the metrics run.
+
+        Raises:
+            CollectiveTimeout: the body raised a collective timeout (a rank stalled); its one line names the rank
+                that is behind (`cookbook.dist.describe_stall`)."""
         for sig, handler in self._handlers.items():
             signal.signal(sig, handler)
         if self._pending is not None and exc_type is None:  # the last boundary's all-reduce, never read
@@ -241,6 +288,9 @@ class TrainLoop:
             self._pending = None
         preempted = isinstance(exc, Preempted)
         self.metrics.close(failed=exc_type is not None and not preempted, stopped=self.stopped or preempted)
+        if (exc is not None and not isinstance(exc, OneLineError) and dist.is_initialized()
+                and dist.get_world_size() > 1 and collective_timed_out(exc)):
+            raise CollectiveTimeout(describe_stall(exc)) from exc
 
     def request_stop(self, signum: int | None = None) -> None:
         """Ask the loop to stop at the next step boundary, after saving a checkpoint there (preemption).
@@ -278,40 +328,110 @@ class TrainLoop:
         barrier()
         self.metrics.start(self.state.step)
         while self.state.step < self.stop_at:
+            record_progress(self.state.step)  # for the message of a rank whose collective times out
             if self._agree_stop():
                 self._save(force=True)
                 break
             done = self.state.step
+            self._skipped_now = False
             if self.profiler is not None:
                 self.profiler.start(done + 1)
             yield done + 1
             if self.profiler is not None:
                 self.profiler.stop()
-            if self.state.step == done:
-                raise RuntimeError("the step body must end with loop.end_step(...)")
+            if self.state.step == done and not self._skipped_now:
+                raise RuntimeError("the step body must end with loop.end_step(...) or a skip (loop.skip_step)")
 
-    def skip_step(self, value: torch.Tensor | float | None) -> bool:
-        """Check a step's gradient norm (or loss) before the optimizer step.
+    def skip_step(self, grad_norm: torch.Tensor | float | None = None, *, loss: torch.Tensor | float | None = None,
+                  applied: bool = False) -> bool:
+        """Check a step for a NaN or infinite loss or gradient norm before its update; every rank decides alike.
 
         Args:
-            value: a scalar the same on every rank (the total gradient norm after all-reduce), so that
-                every rank decides alike. ``None`` (no clipping): nothing to check.
+            grad_norm: the step's total gradient norm, the same number on every rank (reduced over ranks: what
+                ``clip_grad_norm_`` returns for DDP gradients, the ``full_tensor()`` of FSDP2's DTensor norm); a
+                NaN loss on any rank makes it NaN. No collective. ``None``: check `loss` instead.
+            loss: this rank's loss of the step, for a recipe without such a norm (TorchRec: the sharded tables
+                update inside backward, so it checks before backward): a non-finite flag is reduced over ranks
+                (one all-reduce and a device sync). Used only when `grad_norm` is ``None``.
+            applied: the update of this step has already run (TorchRec's pipeline updates inside its step): the
+                `loss` is noted on the device only (no collective, no sync) and checked before the next log line
+                or checkpoint, where a non-finite one stops the run (`NonFiniteError`) before anything is saved,
+                whatever ``on_nonfinite`` says.
 
         Returns:
-            ``False``: finite, go on with the optimizer step.
+            ``False``: finite, go on with the update. ``True`` (``on_nonfinite="skip"``): drop the step: zero the
+            gradients and ``continue``; neither the optimizer nor the scheduler steps, the loop counts it in
+            `skipped_steps` and logs it, and the same step number comes again with the next batch.
 
         Raises:
-            NonFiniteError: `value` is NaN or infinite. The optimizer step has not run, so the weights and
-                the newest checkpoint are the last good ones.
+            NonFiniteError: a non-finite value with ``on_nonfinite="stop"``, or one more than
+                ``max_consecutive_skips`` in a row. The update has not run, so the weights and the newest checkpoint
+                are the last good ones; the message names the step and that checkpoint.
         """
-        if value is None:
+        step = self.state.step + 1
+        if grad_norm is not None:
+            value = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+            if math.isfinite(value):
+                return False
+            what, short = f"the gradient norm of step {step} is {value}", f"non-finite gradient norm ({value})"
+        elif loss is None:
             return False
-        v = float(value.full_tensor() if hasattr(value, "full_tensor") else value)
-        if math.isfinite(v):
+        elif applied:
+            self._note_applied(loss, step)
             return False
-        last = self.checkpointer.latest() if self.checkpointer is not None else None
-        raise NonFiniteError(f"the gradient norm of step {self.state.step + 1} is {v}: the step was not applied. Lower "
-                             f"optim.lr or raise the warm-up; the newest checkpoint is {last or 'none'}")
+        elif self._finite_on_every_rank(loss):
+            return False
+        else:
+            what, short = f"the loss of step {step} is not finite on every rank", "non-finite loss"
+        self._consecutive += 1
+        if self.on_nonfinite == "stop":
+            raise NonFiniteError(f"{what}: the step was not applied and the run stops (train.on_nonfinite=stop); "
+                                 f"{self._newest_checkpoint()}. Lower optim.lr or raise the warm-up, check the data "
+                                 f"of this step, or set train.on_nonfinite=skip to drop such steps")
+        if self._consecutive > self.max_consecutive_skips:
+            raise NonFiniteError(f"{what}: the step was not applied, and that makes {self._consecutive} non-finite "
+                                 f"steps in a row (train.max_consecutive_skips={self.max_consecutive_skips}), so the "
+                                 f"run stops; {self._newest_checkpoint()}. Lower optim.lr or raise the warm-up, or "
+                                 f"check the data")
+        self.skipped_steps += 1
+        self._skipped_now = True
+        get_logger().info(f"step {step}: {short}, step skipped ({self.skipped_steps} skipped so far)")
+        return True
+
+    def _newest_checkpoint(self) -> str:
+        latest = self.checkpointer.latest() if self.checkpointer is not None else None
+        return f"the newest checkpoint, from before it, is {latest}" if latest else "no checkpoint was saved before it"
+
+    def _finite_on_every_rank(self, loss: torch.Tensor | float) -> bool:
+        if isinstance(loss, torch.Tensor):
+            flag = (~torch.isfinite(loss.detach())).any().to(torch.float32).reshape(1)
+        else:
+            flag = torch.tensor([0.0 if math.isfinite(loss) else 1.0], device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag.item() == 0
+
+    def _note_applied(self, loss: torch.Tensor | float, step: int) -> None:
+        """Keep the first step whose (applied) loss was not finite, on the device: no sync."""
+        loss = torch.as_tensor(loss, device=self.device)
+        if self._applied_bad is None:
+            self._applied_bad = torch.zeros((), dtype=torch.int64, device=loss.device)
+        bad = (~torch.isfinite(loss.detach())).any() & (self._applied_bad == 0)
+        self._applied_bad = torch.where(bad, torch.full_like(self._applied_bad, step), self._applied_bad)
+
+    def _check_applied(self) -> None:
+        """Stop if an update already applied was non-finite on any rank (collective once `applied` was used)."""
+        if self._applied_bad is None:
+            return
+        first = torch.where(self._applied_bad == 0, torch.full_like(self._applied_bad, NONE_BAD), self._applied_bad)
+        if dist.is_initialized():
+            dist.all_reduce(first, op=dist.ReduceOp.MIN)
+        step = int(first.item())
+        if step != NONE_BAD:
+            raise NonFiniteError(f"the loss of step {step} is not finite on every rank and its update was already "
+                                 f"applied (this recipe checks after its step), so the run stops before saving it, "
+                                 f"whatever train.on_nonfinite says; {self._newest_checkpoint()}. Lower optim.lr or "
+                                 f"raise the warm-up, or check the data")
 
     def end_step(self, loss: torch.Tensor | float, *, lr: float, grad_norm: torch.Tensor | float | None = None,
                  window: Mapping[str, torch.Tensor | float] | None = None) -> None:
@@ -325,14 +445,18 @@ class TrainLoop:
                 (e.g. ``{"moe/aux_loss": aux}``).
         """
         self.state.step += 1
+        self._consecutive = 0
         step = self.state.step
         self._loss = self._loss + (loss.detach() if isinstance(loss, torch.Tensor) else loss)
         for k, v in (window or {}).items():
             self._window[k] = self._window.get(k, 0.0) + (v.detach() if isinstance(v, torch.Tensor) else v)
         self._steps += 1
         if step % self.log_every == 0 or step == self.max_steps:
+            self._check_applied()
             extra = {k: v / self._steps for k, v in self._window.items()}
             extra.update(self.log_extra() if self.log_extra is not None else {})
+            if self.on_nonfinite == "skip":
+                extra["skipped_steps"] = float(self.skipped_steps)
             self.metrics.log_step(step, self._loss / self._steps, lr, grad_norm, extra=extra or None)
             self._reset_window()
         with self.metrics.paused():  # not counted in the step time and throughput
@@ -354,6 +478,7 @@ class TrainLoop:
         if force or step in (self.stop_at, self.max_steps) or (every > 0 and step % every == 0):
             if self._saved_step == step:
                 return  # saved at this step already
+            self._check_applied()  # never save an update that diverged
             self._saved_step = step
             meta = {"epoch": self.state.epoch, **({"config": dict(self.config)} if self.config is not None else {})}
             self.checkpointer.save(step, self.checkpoint_state, meta)
@@ -372,6 +497,7 @@ class TrainLoop:
         Returns:
             The final evaluation metrics (``{}`` without `evaluate`), or ``None`` when the run stopped early.
         """
+        self._check_applied()
         if self.state.step < self.max_steps:
             self.stopped = True
             latest = self.checkpointer.latest() if self.checkpointer is not None else None
