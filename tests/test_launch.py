@@ -54,13 +54,14 @@ def test_a_failed_check_stops_before_any_worker(tmp_path, capsys):
     (1, [], True),  # a bug or library failure
     (3, [3], True),  # this node's ranks lost a peer on another node
     (2, [], False),  # bad input: it would fail again
+    (4, [], False),  # diverged (train.on_nonfinite=stop): it would diverge again
     (75, [75], False),  # preempted: the scheduler takes over (Slurm's SIGUSR1 path ends with 75)
     (130, [], False),  # Ctrl-C
     (1, [75], False),  # a rank preempted beside the crash: no restart
     (-15, [], False),  # SIGTERM: asked to stop
     (-2, [], False),  # SIGINT
     (-10, [], False),  # SIGUSR1 before the training loop listens for it
-    (4, [], False),  # a status that means nothing known
+    (5, [], False),  # a status that means nothing known
 ])
 def test_which_failures_restart(exitcode, others, restart):
     from cookbook.torchrun import should_restart

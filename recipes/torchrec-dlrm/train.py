@@ -135,6 +135,9 @@ class TrainConfig:
     log_every: int = 100
     eval_every: int = 0  # 0: at the end only
     profile_step: int = 0
+    on_nonfinite: str = "stop"  # a step with a NaN/inf loss: stop (exit 4) or skip (GPU pipeline: always stop)
+    max_consecutive_skips: int = 5  # on_nonfinite=skip: the run stops at one more non-finite step in a row
+    collective_timeout_s: float = 1800.0  # a collective waiting longer ends the run, naming the rank that is behind
 
 
 @dataclass
@@ -606,7 +609,7 @@ def main(argv: list[str]) -> None:
         return
 
     # ---- set-up
-    info = cookbook.init_distributed(debug_dir=Path(cfg.output_dir) / "debug")  # collectives time out after 30 min
+    info = cookbook.init_distributed(cfg.train.collective_timeout_s, debug_dir=Path(cfg.output_dir) / "debug")
     log = cookbook.get_logger()
     check_sharding(cfg, info.world_size, on_cpu)
     model, optimizer = shard_model(cfg, info)

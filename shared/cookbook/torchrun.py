@@ -52,11 +52,12 @@ import signal
 import sys
 from typing import Iterable
 
-from cookbook.entry import EXIT_BUG, EXIT_INTERRUPTED, EXIT_PEER_LOST, EXIT_PREEMPTED, EXIT_USER_ERROR
+from cookbook.entry import (EXIT_BUG, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_PEER_LOST, EXIT_PREEMPTED,
+                            EXIT_USER_ERROR)
 
 _MEANING = {EXIT_BUG: "a failure, its traceback is above", EXIT_USER_ERROR: "bad configuration, data or checkpoint",
             EXIT_PEER_LOST: "it lost contact with another rank", EXIT_INTERRUPTED: "interrupted",
-            EXIT_PREEMPTED: "preempted after a checkpoint"}
+            EXIT_PREEMPTED: "preempted after a checkpoint", EXIT_DIVERGED: "a non-finite loss or gradient"}
 PREEMPTED = ("preempted: the workers were asked to save a checkpoint at a step boundary and stop; run the same "
              f"command again to continue (exit status {EXIT_PREEMPTED})")
 RESTART_COUNT_ENV = "COOKBOOK_RESTART_COUNT"  # what the workers of a restarted group find: 1, 2, ... (0 at first)
@@ -95,10 +96,11 @@ def should_restart(exitcode: int, exitcodes: Iterable[int] = ()) -> bool:
 
     Returns:
         ``True`` when the first failure is a kill by a signal not in `STOP_SIGNALS`, or status 1 (a bug or
-        library failure) or 3 (lost a peer), and no worker stopped with 2 (bad input: it would fail again),
-        75 (preempted: the scheduler takes over) or 130 (interrupted). ``False`` for any other status.
+        library failure) or 3 (lost a peer, or a collective timed out), and no worker stopped with 2 (bad input:
+        it would fail again), 4 (diverged: it would diverge again), 75 (preempted: the scheduler takes over) or
+        130 (interrupted). ``False`` for any other status.
     """
-    if any(code in (EXIT_USER_ERROR, EXIT_PREEMPTED, EXIT_INTERRUPTED) for code in (exitcode, *exitcodes)):
+    if any(code in (EXIT_USER_ERROR, EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_INTERRUPTED) for code in (exitcode, *exitcodes)):
         return False
     if exitcode < 0:
         return -exitcode not in [int(s) for s in STOP_SIGNALS]
