@@ -58,7 +58,7 @@ def test_crash_mid_save_keeps_the_last_good_checkpoint(tmp_path, group, monkeypa
     ck.save(1, {"counter": Counter(1)})
     real_save = ckpt_mod.dcp.save
 
-    def dying_save(state, checkpoint_id):  # writes part of a checkpoint, then the process "dies"
+    def dying_save(state, checkpoint_id, **writer):  # writes part of a checkpoint, then the process "dies"
         os.makedirs(checkpoint_id, exist_ok=True)
         open(os.path.join(checkpoint_id, "__0_0.distcp"), "wb").write(b"partial")
         raise RuntimeError("node lost")

@@ -145,8 +145,19 @@ def test_resume_gives_the_same_losses_as_an_uninterrupted_run(full_run, tmp_path
     run_in_workers(monkeypatch, capfd, f"output_dir={out}", "train.stop_at_step=20")
     assert sorted(train_losses(out / "metrics.jsonl")) == list(range(1, 21))
     assert not (out / "final").exists()
+    # A newer checkpoint whose shard is truncated (a disk that failed after the publish): resume=auto skips it.
+    ckpts = out / "checkpoints"
+    damaged = shutil.copytree(ckpts / "step_00000020", ckpts / "step_00000030")
+    (damaged / "meta.json").write_text((damaged / "meta.json").read_text().replace('"step": 20', '"step": 30'))
+    with open(damaged / "__0_0.distcp", "r+b") as f:
+        f.truncate(1000)
     second = run_in_workers(monkeypatch, capfd, f"output_dir={out}")  # same command, checkpoint.resume=auto
     assert "(step 20)" in second and "resumed from" in second, second[-3000:]
+    warnings = [line for line in second.splitlines() if "damaged" in line]
+    assert len(warnings) == 1 and re.search(
+        rf"warning: checkpoint {re.escape(str(damaged))} is damaged \(__0_0.distcp is 1000 bytes, its index says \d+ "
+        rf"are needed\); resuming from {re.escape(str(ckpts / 'step_00000020'))} instead$", warnings[0]), warnings
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000020", "step_00000040"]  # the damaged one is gone
     resumed_steps = [r["step"] for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "train"][20:]
     assert resumed_steps == list(range(21, 41))
     expected, got = train_losses(out_full / "metrics.jsonl"), train_losses(out / "metrics.jsonl")

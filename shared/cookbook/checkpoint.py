@@ -21,12 +21,34 @@ Hugging Face Trainer, Ray Train): a checkpoint is a folder named after its step 
 resume that would mix two runs (other settings, another world size, a stop point not after it, "none"
 over an earlier run's checkpoints). `Checkpointer.check_resume` is the guard of DCP checkpoints.
 
+What survives which failure (each one is injected for real in ``tests/test_checkpoint_faults.py``):
+
+- **A damaged checkpoint** (a truncated or missing shard, ``.metadata`` missing or unreadable,
+  ``meta.json`` missing, empty or not JSON) is not complete: `ResumeGuard.problem` says what is wrong,
+  from ``meta.json`` and DCP's index alone (every file ``.metadata`` names exists and is as long as its
+  entries need; no collective, no tensor read). ``resume=auto`` skips a damaged newest checkpoint and
+  resumes from the previous complete one, with one warning line (rank 0 / the ``--check`` process)
+  naming the folder and what is wrong; with none left it refuses and says so. An explicit
+  ``resume=<path>`` that is damaged is refused, naming what is wrong. Every reader (the resume, `latest`,
+  the pruning of old checkpoints, `Checkpointer.load`) uses this one notion of complete.
+- **A crash during a save** (the job killed, a node lost) leaves the previous checkpoints as they were
+  and ``resume=auto`` picks the newest of them; the next save removes every leftover ``.tmp-*`` and
+  ``.old-*`` folder under ``root`` before it writes.
+- **A failed save** (disk full, a file too large, an I/O error, a read-only file system) on any rank
+  fails the save on every rank (DCP gathers its errors; rank 0's ``meta.json`` and rename failures are
+  broadcast), removes its temporary folder, keeps the previous checkpoint and raises
+  `CheckpointSaveError`, whose one-line message names the checkpoint, the OS error and its rank, the
+  previous checkpoint that is intact and what to do; `cookbook.run_main` prints it and exits with 2.
+- **An unwritable output folder** is refused before any worker starts (`cookbook.config.check_run`).
+
 References: https://pytorch.org/docs/stable/distributed.checkpoint.html,
 https://pytorch.org/tutorials/recipes/distributed_checkpoint_recipe.html
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import random
@@ -39,6 +61,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -50,10 +73,21 @@ from cookbook.config import flatten
 from cookbook.dist import barrier, get_logger
 
 META_FILE = "meta.json"
+DCP_METADATA = ".metadata"  # DCP's index of a checkpoint: which bytes of which file hold each tensor
+LEFTOVER_PREFIXES = (".tmp-", ".old-")  # folders of a save or a publish that did not finish
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be used for this run; the message says why and what to do."""
+
+
+class CheckpointSaveError(CheckpointError, OSError):
+    """A checkpoint could not be written (disk full, file too large, I/O error, read-only file system).
+
+    Raised on every rank. Nothing of the failed checkpoint was kept and the previous one is intact; the
+    one-line message names the checkpoint, the OS error (and the rank that met it), the previous checkpoint
+    and what to do. ``errno`` is the OS error's. An `OSError` too, so that code catching storage errors
+    catches it."""
 
 
 def _rank() -> int:
@@ -193,44 +227,128 @@ class ResumeGuard:
         self.cannot_remap, self.same_size = cannot_remap, same_size
 
     # ------------------------------------------------------------------ finding
+    def problem(self, path: str | Path) -> str | None:
+        """What is wrong with the checkpoint folder `path`, or ``None`` when it is complete.
+
+        Cheap and collective-free: reads ``meta.json`` and, when `files` holds DCP's ``.metadata``, DCP's
+        index (``FileSystemReader(path).read_metadata()``), and checks that every file the index names
+        exists and holds the bytes its entries need (``offset + length``); no tensor is read.
+
+        Returns:
+            ``None``, or what is wrong as words for a message: ``"no meta.json inside"``, ``"meta.json is
+            empty"``, ``"meta.json is not JSON (...)"``, ``".metadata is unreadable (...)"``,
+            ``"__0_0.distcp is missing (its index names it)"``, ``"__0_0.distcp is 1234 bytes, its index says
+            5678 are needed"``.
+        """
+        path = Path(path)
+        missing = self._missing(path)
+        if missing:
+            return f"no {', '.join(missing)} inside"
+        try:
+            text = (path / META_FILE).read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            return f"{META_FILE} is unreadable ({_reason(exc)})"
+        if not text.strip():
+            return f"{META_FILE} is empty"
+        try:
+            meta = json.loads(text)
+        except ValueError as exc:
+            return f"{META_FILE} is not JSON ({_reason(exc)})"
+        if not isinstance(meta, dict):
+            return f"{META_FILE} is not a JSON object"
+        return _dcp_problem(path) if DCP_METADATA in self.files else None
+
+    def _missing(self, path: Path) -> list[str]:
+        """The files of a checkpoint (``meta.json`` and `files`) that `path` lacks."""
+        return [f for f in (META_FILE, *self.files) if not (path / f).is_file()]
+
     def is_complete(self, path: str | Path) -> bool:
-        """Whether `path` holds ``meta.json`` and every file of `files`."""
-        return all((Path(path) / f).is_file() for f in (META_FILE, *self.files))
+        """Whether `path` is a complete checkpoint (`problem` finds nothing wrong)."""
+        return self.problem(path) is None
+
+    def number(self, path: str | Path) -> int:
+        """The step or epoch in the name of the checkpoint folder `path`; ``-1`` for another name."""
+        m = self._name.fullmatch(Path(path).name)
+        return int(m.group(1)) if m else -1
+
+    def candidates(self) -> list[tuple[int, Path]]:
+        """``(number, folder)`` of every folder under `root` named like a checkpoint (complete or not), oldest
+        first."""
+        if not self.root.is_dir():
+            return []
+        return sorted((int(m.group(1)), p) for p in self.root.iterdir() if (m := self._name.fullmatch(p.name)))
 
     def complete_checkpoints(self) -> list[Path]:
         """Complete checkpoints under `root`, oldest first (by the number in their name). Folders of
-        interrupted saves (another name, or a file missing) are left out."""
-        if not self.root.is_dir():
-            return []
-        found = [(int(m.group(1)), p) for p in self.root.iterdir()
-                 if (m := self._name.fullmatch(p.name)) and self.is_complete(p)]
-        return [p for _, p in sorted(found)]
+        interrupted saves (another name) and damaged or unpublished ones (`problem`) are left out."""
+        return [p for _, p in self.candidates() if self.is_complete(p)]
 
     def latest(self) -> Path | None:
         """The checkpoint ``resume=auto`` takes: the newest complete one, or ``None``."""
-        found = self.complete_checkpoints()
-        return found[-1] if found else None
+        for _, path in reversed(self.candidates()):
+            if self.is_complete(path):
+                return path
+        return None
+
+    def damaged(self, newer_than: str | Path | None = None) -> list[tuple[Path, str]]:
+        """Checkpoint folders that are damaged, oldest first, with what is wrong (`problem`).
+
+        A folder whose ``meta.json`` or a file of `files` is missing counts as damaged for DCP checkpoints
+        (published only once complete); for other layouts (Ray Train writes its folders in place) it is an
+        interrupted save and is left out.
+
+        Args:
+            newer_than: only folders numbered after this checkpoint folder; ``None``: all.
+        """
+        after = self.number(newer_than) if newer_than is not None else -1
+        found = []
+        for number, path in self.candidates():
+            if number <= after:
+                continue
+            problem = self.problem(path)
+            if problem is not None and (DCP_METADATA in self.files or not self._missing(path)):
+                found.append((path, problem))
+        return found
 
     def resolve(self, resume: str | None) -> Path | None:
         """Turn a ``resume`` value into a checkpoint folder.
+
+        With ``"auto"``, damaged checkpoints newer than the one found are skipped with one warning line
+        (rank 0): ``checkpoint <folder> is damaged (<what>); resuming from <folder> instead``.
 
         Args:
             resume: ``"auto"`` (`latest`, or none), ``"none"``/``""``/``None`` (start fresh), or the path
                 of a checkpoint folder.
 
         Raises:
-            CheckpointError: an explicit path that is not a complete checkpoint.
+            CheckpointError: an explicit path that is not a complete checkpoint (the message says what is
+                missing or damaged); ``"auto"`` where every checkpoint under `root` is damaged.
         """
         if resume in (None, "", "none", "null"):
             return None
         if resume == "auto":
-            return self.latest()
+            path = self.latest()
+            skipped = self.damaged(newer_than=path)
+            what = "; ".join(f"{p} ({problem})" for p, problem in skipped)
+            if skipped and path is None:
+                raise CheckpointError(
+                    f"{self.resume_key}=auto: no complete checkpoint remains under {self.root}, every one is damaged: "
+                    f"{what}. Restore them from a copy, or start afresh with {self.start_afresh()}")
+            if skipped and _rank() == 0:
+                which = (f"checkpoint {skipped[0][0]} is damaged ({skipped[0][1]})" if len(skipped) == 1
+                         else f"checkpoints {what} are damaged")
+                get_logger().warning(f"warning: {which}; resuming from {path} instead")
+            return path
         path = Path(resume)
-        if not self.is_complete(path):
-            missing = ", ".join(f for f in (META_FILE, *self.files) if not (path / f).is_file())
-            raise CheckpointError(f"{self.resume_key}={resume!r} is not a complete checkpoint folder (no {missing} "
-                                  f"inside): use {self.resume_key}=auto (the newest one under {self.root}), none, or "
-                                  f"the path of a {self.folder} folder")
+        problem = self.problem(path)
+        if self._missing(path):
+            raise CheckpointError(f"{self.resume_key}={resume!r} is not a complete checkpoint folder ({problem}): "
+                                  f"use {self.resume_key}=auto (the newest one under {self.root}), none, or the path "
+                                  f"of a {self.folder} folder")
+        if problem is not None:
+            raise CheckpointError(f"{self.resume_key}={resume!r} is a damaged checkpoint ({problem}): use "
+                                  f"{self.resume_key}=auto (the newest complete one under {self.root}), none, or the "
+                                  f"path of another {self.folder} folder")
         return path
 
     # ------------------------------------------------------------------ checking
@@ -263,7 +381,7 @@ class ResumeGuard:
         """
         path = self.resolve(resume)
         if path is None:
-            if self.latest() is not None:
+            if self.latest() is not None or self.damaged():
                 raise CheckpointError(
                     f"{self.resume_key}={resume!r} but {self.root} holds checkpoints of an earlier run, which a later "
                     f"resume=auto would pick up: start afresh with a new output_dir (or delete "
@@ -315,6 +433,126 @@ class ResumeGuard:
 def read_meta(path: str | Path) -> dict[str, Any]:
     """The ``meta.json`` of the checkpoint folder `path`."""
     return json.loads((Path(path) / META_FILE).read_text())
+
+
+def _reason(exc: BaseException, limit: int = 120) -> str:
+    """An exception as a short phrase for a one-line message: ``"JSONDecodeError: Expecting value: ..."``; an OS
+    error as its name and text, and its file if it has one: ``"ENOSPC, No space left on device: '/ckpt/meta.json'"``."""
+    if isinstance(exc, OSError) and exc.errno in errno.errorcode:
+        text = f"{errno.errorcode[exc.errno]}, {exc.strerror or os.strerror(exc.errno)}"
+        return text + (f": {exc.filename!r}" if exc.filename else "")
+    text = (str(exc).strip().splitlines() or [""])[0]
+    text = text if len(text) <= limit else text[: limit - 3] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _dcp_problem(path: Path) -> str | None:
+    """What is wrong with the DCP files of the checkpoint folder `path` (see `ResumeGuard.problem`), or ``None``.
+
+    Reads DCP's index (``.metadata``: ``storage_data`` maps each tensor chunk to a ``_StorageInfo(relative_path,
+    offset, length)``) and checks that each file it names exists and is at least as long as its last entry
+    ends (bytes)."""
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as exc:  # noqa: BLE001 - a damaged pickle raises anything (EOFError, UnpicklingError, ...)
+        return f"{DCP_METADATA} is unreadable ({_reason(exc)})"
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(storage, Mapping):
+        return f"{DCP_METADATA} holds no index of the files"
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        name = getattr(info, "relative_path", None)
+        if name is not None:
+            needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
+    for name, size in sorted(needed.items()):
+        try:
+            have = (path / name).stat().st_size
+        except FileNotFoundError:
+            return f"{name} is missing (its index names it)"
+        except OSError as exc:
+            return f"{name} is unreadable ({_reason(exc)})"
+        if have < size:
+            return f"{name} is {have} bytes, its index says {size} are needed"
+    return None
+
+
+def _mount_point(path: Path) -> Path:
+    """The mount point of the file system holding `path` (or of its nearest existing folder)."""
+    path = path.expanduser().absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    path = path.resolve()
+    while not os.path.ismount(path) and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _what_to_do(code: int | None, root: Path) -> str:
+    """The advice of a failed save for the OS error number `code`, naming the file system of `root`."""
+    fs = _mount_point(root)
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        try:
+            free = f" ({shutil.disk_usage(fs).free / 2**30:.1f} GiB free now)"
+        except OSError:
+            free = ""
+        quota = " or raise your quota there" if code == errno.EDQUOT else ""
+        return f"free space on {fs}{free}{quota}"
+    if code == errno.EFBIG:
+        return f"raise the file size limit (ulimit -f) or the largest file size of {fs}"
+    if code == errno.EROFS:
+        return f"make {fs} writable (it is mounted read-only)"
+    if code in (errno.EACCES, errno.EPERM):
+        return f"give this user write access to {root}"
+    if code == errno.EIO:
+        return f"check the storage of {fs} (the system log names the failing device)"
+    return f"fix the cause on {fs}"
+
+
+def _from_rank0(value: Any) -> Any:
+    """Rank 0's `value` on every rank (a broadcast; without a process group, `value` itself)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _os_error_in(exc: BaseException) -> OSError | None:
+    """The `OSError` in `exc`'s chain of causes and contexts (itself included), or ``None``."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+class _Writer(dcp.FileSystemWriter):
+    """DCP's `FileSystemWriter`, whose failed write raises the OS error beneath it.
+
+    ``torch.save`` writes each tensor through a zip writer that reports a failed write (disk full, file too
+    large) as ``RuntimeError: ... unexpected pos 704 vs 598``, with the `OSError` only as its context, which
+    DCP's gathering of errors from every rank drops (exceptions pickle without their context)."""
+
+    def write_data(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().write_data(*args, **kwargs)
+        except Exception as exc:
+            os_error = _os_error_in(exc)
+            if os_error is None or os_error is exc:
+                raise
+            raise OSError(os_error.errno, os_error.strerror, os_error.filename) from exc
+
+
+def _os_failure(exc: BaseException) -> tuple[int, OSError] | None:
+    """``(rank, OSError)`` of the first rank whose part of a DCP save failed with an OS error, from DCP's
+    `CheckpointException` (its ``failures``: rank -> (exception, traceback)); ``None`` when none did."""
+    for rank, failure in sorted(getattr(exc, "failures", {}).items()):
+        os_error = _os_error_in(failure[0] if isinstance(failure, tuple) else failure)
+        if os_error is not None:
+            return rank, os_error
+    return None
 
 
 class Checkpointer:
@@ -370,6 +608,10 @@ class Checkpointer:
     def save(self, step: int, state: Mapping[str, Any], extra_meta: Mapping[str, Any] | None = None) -> Path:
         """Write `state` with DCP and publish it atomically as ``step_<step>``.
 
+        Rank 0 first removes every leftover ``.tmp-*`` / ``.old-*`` folder under `root` (saves or publishes
+        that a crash interrupted). After publishing, checkpoints beyond `keep_last` and damaged folders
+        older than this one are deleted.
+
         Args:
             step: optimizer steps completed; names the folder.
             state: name -> DCP `Stateful` or (nested) dict of tensors / picklable objects.
@@ -377,32 +619,106 @@ class Checkpointer:
 
         Returns:
             The published folder.
+
+        Raises:
+            CheckpointSaveError: on every rank, when any rank could not write its part, or rank 0 could not
+                prepare the folder, write ``meta.json`` or publish (an `OSError`: disk full, file too large,
+                I/O error, ...). The temporary folder is removed and the previous checkpoint is intact.
+            Other exceptions of ``dcp.save`` (a bug in a ``state_dict``, a lost peer) pass through as they
+                are; the next save removes what they left.
         """
         final = self.root / f"step_{step:08d}"
         tmp = self.root / f".tmp-step_{step:08d}"
         start = time.perf_counter()
+        failure = None
         if _rank() == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that crashed
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                self._remove_leftovers()
+                tmp.mkdir()
+            except OSError as exc:
+                failure = ("os", _reason(exc), exc.errno)
+        self._raise_failure(step, final, _from_rank0(failure))
+        try:
+            dcp.save(dict(state), checkpoint_id=str(tmp), storage_writer=_Writer(str(tmp)))
+        except OSError as exc:  # raised here before DCP's collectives agreed: only this rank knows
+            raise self._save_error(step, final, _rank(), exc) from exc
+        except CheckpointException as exc:  # every rank has it (DCP gathers and broadcasts failures)
+            if _rank() == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            barrier()
+            found = _os_failure(exc)
+            if found is None:
+                raise
+            raise self._save_error(step, final, *found) from None
         barrier()
-        dcp.save(dict(state), checkpoint_id=str(tmp))
-        barrier()
+        failure, error = None, None
         if _rank() == 0:
             meta = {"step": step, "world_size": _world_size(), "time": time.time(), **(extra_meta or {})}
-            with open(tmp / META_FILE, "w") as f:
-                json.dump(meta, f, indent=2)
-                f.flush()
-                os.fsync(f.fileno())
-            _publish(tmp, final)
-            self._prune()
-        barrier()
+            try:
+                with open(tmp / META_FILE, "w") as f:
+                    json.dump(meta, f, indent=2)
+                    f.flush()
+                    os.fsync(f.fileno())
+                _publish(tmp, final)
+            except Exception as exc:  # noqa: BLE001 - every rank must hear of it, or they would wait forever
+                error = exc
+                failure = ("os", _reason(exc), exc.errno) if isinstance(exc, OSError) else ("bug", _reason(exc), None)
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                self._prune(final)
+        failure = _from_rank0(failure)
+        if error is not None and failure[0] == "bug":
+            raise error
+        self._raise_failure(step, final, failure, error)
         get_logger().info(f"checkpoint saved: {final} ({time.perf_counter() - start:.1f}s)")
         return final
 
-    def _prune(self) -> None:
-        if self.keep_last == 0:
+    def _remove_leftovers(self) -> None:
+        """Delete what interrupted saves left under `root`: ``.tmp-*`` and ``.old-*`` folders (rank 0)."""
+        for path in self.root.iterdir():
+            if path.name.startswith(LEFTOVER_PREFIXES):
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    with contextlib.suppress(OSError):
+                        path.unlink()
+
+    def _raise_failure(self, step: int, final: Path, failure: tuple[str, str, int | None] | None,
+                       error: BaseException | None = None) -> None:
+        """Raise, on every rank, the failure that rank 0 met (``(kind, reason, errno)`` as broadcast)."""
+        if failure is None:
             return
-        for old in self.complete_checkpoints()[: -self.keep_last]:
+        kind, reason, code = failure
+        if kind == "bug":
+            raise RuntimeError(f"rank 0 failed to publish the checkpoint {final}: {reason}")
+        exc = OSError(code, reason) if code is not None else OSError(reason)
+        raise self._save_error(step, final, 0, exc, reason) from error
+
+    def _save_error(self, step: int, final: Path, rank: int, exc: OSError, reason: str | None = None) -> CheckpointSaveError:
+        """The one-line `CheckpointSaveError` of a save that failed on `rank` with `exc`."""
+        previous = self.latest()
+        where = f"rank {rank}: " if _world_size() > 1 else ""
+        kept = (f"the previous checkpoint {previous} is intact" if previous is not None
+                else "there is no earlier checkpoint")
+        again = f"it resumes from {previous}" if previous is not None else "it starts from step 0"
+        todo = _what_to_do(exc.errno, self.root)
+        error = CheckpointSaveError(
+            f"could not save the checkpoint of step {step} to {final} ({where}{reason or _reason(exc)}); {kept}. "
+            f"{todo[0].upper()}{todo[1:]} and run the same command again: {again}")
+        error.errno = exc.errno
+        return error
+
+    def _prune(self, published: Path) -> None:
+        """Delete checkpoints beyond `keep_last` and damaged folders older than `published` (rank 0)."""
+        complete, stale = [], []
+        for number, path in self.guard.candidates():
+            if self.guard.is_complete(path):
+                complete.append(path)
+            elif number < self.guard.number(published):
+                stale.append(path)
+        stale += complete[: -self.keep_last] if self.keep_last > 0 else []
+        for old in stale:
             shutil.rmtree(old, ignore_errors=True)
 
     # ------------------------------------------------------------------ loading
@@ -416,14 +732,14 @@ class Checkpointer:
             The checkpoint's ``meta.json`` as a dict (``step``, ``world_size``, extras).
 
         Raises:
-            CheckpointError: the folder is incomplete, or it holds per-rank state written by a
-                different number of ranks.
+            CheckpointError: the folder is incomplete or damaged (`ResumeGuard.problem`), or it holds
+                per-rank state written by a different number of ranks.
         """
         path = Path(path)
-        meta_file = path / META_FILE
-        if not meta_file.is_file():
-            raise CheckpointError(f"{path} is not a complete checkpoint (no {META_FILE})")
-        meta = json.loads(meta_file.read_text())
+        problem = self.guard.problem(path)
+        if problem is not None:
+            raise CheckpointError(f"{path} is not a complete checkpoint ({problem})")
+        meta = read_meta(path)
         if any(isinstance(v, RankLocalState) for v in state.values()):
             self.guard.check_world_size(path, meta, _world_size())
         dcp.load(dict(state), checkpoint_id=str(path))
@@ -449,12 +765,17 @@ def publish(tmp: str | Path, final: str | Path) -> None:
 
 
 def _publish(tmp: Path, final: Path) -> None:
-    """Rename a finished folder to its final name (atomic), replacing an older one of that name."""
+    """Rename a finished folder to its final name (atomic), replacing an older one of that name; if the
+    rename fails, the older one is put back."""
     if final.exists():
         trash = final.with_name(f".old-{final.name}")
         shutil.rmtree(trash, ignore_errors=True)
         os.rename(final, trash)
-        os.rename(tmp, final)
+        try:
+            os.rename(tmp, final)
+        except BaseException:
+            os.rename(trash, final)
+            raise
         shutil.rmtree(trash, ignore_errors=True)
     else:
         os.rename(tmp, final)

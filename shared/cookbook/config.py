@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
+import os
+import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence, TypeVar
 
@@ -300,7 +303,10 @@ def check_run(cfg: Any) -> None:
     Raises:
         ConfigError: a value out of range (``train.micro_batch_size must be >= 1, got 0``), an unknown
             ``train.mixed_precision`` or ``optim.scheduler``, neither ``train.max_steps`` nor ``train.epochs``
-            positive, or ``train.stop_at_step`` with ``checkpoint.every_steps=-1`` (nothing to resume from).
+            positive, ``train.stop_at_step`` with ``checkpoint.every_steps=-1`` (nothing to resume from), or an
+            ``output_dir`` (or its ``checkpoints`` folder) where no file can be created: a small file is
+            created and removed in it (or in its nearest existing parent folder, which the run will create it
+            in), and the message names ``output_dir``, the folder and the OS reason.
     """
     has = {k for k in ("train.micro_batch_size", "train.grad_accum_steps", "train.log_every", "train.eval_every",
                        "train.mixed_precision", "train.max_steps", "train.stop_at_step", "optim.scheduler",
@@ -322,6 +328,27 @@ def check_run(cfg: Any) -> None:
     if {"train.stop_at_step", "checkpoint.every_steps"} <= has and cfg.checkpoint.every_steps == -1 \
             and cfg.train.stop_at_step > 0:
         raise ConfigError("train.stop_at_step needs a checkpoint to resume from: checkpoint.every_steps=-1 saves none")
+    if _has(cfg, "output_dir") and isinstance(cfg.output_dir, str) and "://" not in cfg.output_dir:
+        out = Path(cfg.output_dir).expanduser()
+        probed = set()
+        for folder in (out, out / "checkpoints"):
+            while not os.path.lexists(folder) and folder != folder.parent:  # the run creates the rest
+                folder = folder.parent
+            if folder in probed:
+                continue
+            probed.add(folder)
+            try:
+                fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=folder)
+                try:
+                    os.write(fd, b"probe")
+                finally:
+                    os.close(fd)
+                    os.unlink(probe)
+            except OSError as exc:
+                what = "is not a folder" if exc.errno == errno.ENOTDIR else "cannot be written to"
+                raise ConfigError(f"output_dir={cfg.output_dir!r}: {folder} {what} ({exc.strerror}, "
+                                  f"{errno.errorcode.get(exc.errno, exc.errno)}); set output_dir to a folder this user "
+                                  f"can write to") from None
 
 
 def _has(cfg: Any, key: str) -> bool:
