@@ -130,6 +130,21 @@ def test_resume_none_over_old_checkpoints_is_refused(tmp_path, group):
         ck.check_resume("auto", world_size=1, config={"lr": 0.2})
 
 
+def test_a_restarted_group_continues_its_own_checkpoints_whatever_resume_says(tmp_path, group, monkeypatch):
+    """After a failure the launcher starts the workers again (``COOKBOOK_RESTART_COUNT`` > 0): a run configured
+    with resume=none (or an older path) resumes from the newest checkpoint it wrote itself."""
+    ck = Checkpointer(tmp_path)
+    monkeypatch.setenv("COOKBOOK_RESTART_COUNT", "1")
+    assert ck.check_resume("none", world_size=1) is None  # failed before its first checkpoint: starts fresh
+    first = ck.save(1, {"counter": Counter(1)})
+    newest = ck.save(2, {"counter": Counter(2)})
+    assert ck.check_resume("none", world_size=1) == newest
+    assert ck.check_resume(str(first), world_size=1) == newest
+    monkeypatch.setenv("COOKBOOK_RESTART_COUNT", "0")
+    with pytest.raises(CheckpointError, match="holds checkpoints of an earlier run"):
+        ck.check_resume("none", world_size=1)
+
+
 def test_the_resume_guard_over_another_folder_layout(tmp_path):
     """Checkpoints published as Hugging Face Trainer folders (checkpoint-<n> with meta.json alone), counted in
     epochs, under the same guard."""

@@ -378,7 +378,12 @@ class ResumeGuard:
             CheckpointError: no such checkpoint; ``resume`` is "none" but `root` holds checkpoints; it was
                 written by another world size or with other settings (the message lists them and what to
                 do); or the stop point is not after it.
+
+        A worker of a group that its launcher restarted after a failure (`restarted`) resumes from the newest
+        checkpoint whatever `resume` says, once the job has one: it continues its own run.
         """
+        if restarted() and self.latest() is not None:
+            resume = "auto"
         path = self.resolve(resume)
         if path is None:
             if self.latest() is not None or self.damaged():
@@ -428,6 +433,13 @@ class ResumeGuard:
         count = f"{done} of {total}" if total is not None else f"{done}"
         where = "".join(f"{', ' if i else '; '}{what} in {path}" for i, (what, path) in enumerate(outputs.items()))
         return f"already complete: {count} {unit}s{where}. To train again, use {self.start_afresh()}."
+
+
+def restarted() -> bool:
+    """Whether this process is a worker of a group that its launcher started again after a failure:
+    ``COOKBOOK_RESTART_COUNT`` (`cookbook.torchrun`) or torchrun's own ``TORCHELASTIC_RESTART_COUNT`` above 0."""
+    return any(os.environ.get(k, "0").strip() not in ("", "0")
+               for k in ("COOKBOOK_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"))
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:
