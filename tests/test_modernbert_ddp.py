@@ -166,62 +166,55 @@ def test_resume_gives_the_same_losses_as_an_uninterrupted_run(full_run, tmp_path
                                torch.tensor([expected[s] for s in range(1, 41)], dtype=torch.float64), rtol=1e-5, atol=0)
 
 
-def test_sigterm_to_the_launcher_checkpoints_every_rank_at_one_step_and_the_rerun_loses_none(full_run, tmp_path,
-                                                                                            monkeypatch, capfd):
-    """A scheduler's preemption, for real: SIGTERM to the launcher (torchrun passes it to the workers) while
-    the run trains. Every rank stops after the same step, a checkpoint is saved there, the launcher exits with
-    75; the same command then resumes, and the per-step losses equal an uninterrupted run's."""
-    out = tmp_path / "run"
-    proc = start_launch(out)
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        if (out / "metrics.jsonl").is_file() and len(train_losses(out / "metrics.jsonl")) >= 5:
-            break
-        time.sleep(0.1)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 75, err[-3000:]
-    stopped = re.search(r"preempted \(SIGTERM\) after step (\d+) of 40: checkpoint (\S+); run the same command again", err)
-    assert stopped and "preempted: the workers were asked to save a checkpoint" in err, err[-3000:]
-    step = int(stopped[1])
-    assert 5 <= step < 40 and stopped[2].endswith(f"step_{step:08d}")
-    assert sorted(train_losses(out / "metrics.jsonl")) == list(range(1, step + 1))
-    second = run_in_workers(monkeypatch, capfd, f"output_dir={out}")  # the same command resumes
-    assert f"(step {step})" in second and "resumed from" in second, second[-3000:]
-    expected, got = train_losses(full_run[0] / "metrics.jsonl"), train_losses(out / "metrics.jsonl")
-    torch.testing.assert_close(torch.tensor([got[s] for s in range(1, 41)], dtype=torch.float64),
-                               torch.tensor([expected[s] for s in range(1, 41)], dtype=torch.float64), rtol=1e-5, atol=0)
+def _wait_for(proc: subprocess.Popen, ready, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None and not ready():
+        time.sleep(0.05)
 
 
-def test_a_killed_worker_restarts_the_group_which_resumes_and_ends_like_an_uninterrupted_run(full_run, tmp_path):
-    """A worker lost mid-run, for real: SIGKILL to rank 1 (a child of the launcher, which runs torchrun's agent)
-    right after the checkpoint of step 20 is published. The launcher restarts the whole group once, the workers
-    resume from that checkpoint by themselves, and the job exits 0 with every planned step done: the per-step
-    losses (a replayed step's later record wins), the exported weights and the MLflow run equal those of an
-    uninterrupted run."""
+def test_a_killed_worker_and_then_a_preemption_lose_no_step(full_run, tmp_path, monkeypatch, capfd):
+    """Two faults of one job, for real, and an end equal to an uninterrupted run's.
+
+    1. A worker lost mid-run: SIGKILL to rank 1 (a child of the launcher, which runs torchrun's agent) right after
+       the checkpoint of step 20 is published. The launcher restarts the whole group once, and the workers resume
+       from that checkpoint by themselves.
+    2. A scheduler's preemption: SIGTERM to the launcher (torchrun passes it on) a few steps later. Every rank
+       stops after the same step, a checkpoint is saved there and the launcher exits with 75.
+    3. The same command then resumes and finishes: the per-step losses (a replayed step's later record wins),
+       the exported weights and the MLflow run equal those of the uninterrupted run.
+    """
     import psutil
     from safetensors.torch import load_file
 
     out = tmp_path / "run"
     proc = start_launch(out)
     try:
-        deadline = time.time() + 300
-        while time.time() < deadline and proc.poll() is None and not (out / "checkpoints" / "step_00000020").is_dir():
-            time.sleep(0.05)
+        _wait_for(proc, lambda: (out / "checkpoints" / "step_00000020").is_dir())
         workers = {c.environ().get("RANK"): c for c in psutil.Process(proc.pid).children()}  # bash exec'd the launcher
         workers["1"].send_signal(signal.SIGKILL)
-        _, err = proc.communicate(timeout=400)
+        after_restart = lambda: (out / "metrics.jsonl").is_file() and sum(  # noqa: E731
+            r["event"] == "train" and r["step"] > 20 for r in read_jsonl(out / "metrics.jsonl")) >= 3
+        _wait_for(proc, after_restart)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 0, err[-4000:]
+    assert proc.returncode == 75, err[-4000:]
     restarts = [line for line in err.splitlines() if line.startswith("restart ")]
     assert restarts == ["restart 1 of 3: rank 1 was killed by SIGKILL; the workers resume from the newest checkpoint"], \
         err[-4000:]
-    assert "(step 20)" in err and "resumed from" in err and "done: 40 steps" in err, err[-4000:]
+    assert "(step 20)" in err and "resumed from" in err, err[-4000:]
+    stopped = re.search(r"preempted \(SIGTERM\) after step (\d+) of 40: checkpoint (\S+); run the same command again", err)
+    assert stopped and "preempted: the workers were asked to save a checkpoint" in err, err[-3000:]
+    step = int(stopped[1])
+    assert 23 <= step < 40 and stopped[2].endswith(f"step_{step:08d}")
+    steps = [r["step"] for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "train"]
+    assert steps[:20] == list(range(1, 21)) and steps[-(step - 20):] == list(range(21, step + 1))
+
+    second = run_in_workers(monkeypatch, capfd, f"output_dir={out}")  # the same command resumes
+    assert f"(step {step})" in second and "resumed from" in second and "done: 40 steps" in second, second[-3000:]
     records = read_jsonl(out / "metrics.jsonl")
-    steps = [r["step"] for r in records if r["event"] == "train"]
-    assert steps[:20] == list(range(1, 21)) and steps[-20:] == list(range(21, 41))  # steps after 20 replayed
     expected, got = train_losses(full_run[0] / "metrics.jsonl"), train_losses(out / "metrics.jsonl")
     assert sorted(got) == list(range(1, 41))
     torch.testing.assert_close(torch.tensor([got[s] for s in range(1, 41)], dtype=torch.float64),
