@@ -109,7 +109,7 @@ def test_peer_lost_reads_the_cause_chain():
     assert not peer_lost(RuntimeError("CUDA out of memory"))
 
 
-def _run_main_here(monkeypatch, capsys, main, world: int = 1) -> tuple[int, str]:
+def _run_main_here(monkeypatch, capsys, main, world: int = 1, rank: int = 0) -> tuple[int, str]:
     """`run_main(main)` in this process, with its exit replaced by a return: (status, what it printed to stderr)."""
     import cookbook.entry
 
@@ -123,8 +123,9 @@ def _run_main_here(monkeypatch, capsys, main, world: int = 1) -> tuple[int, str]
         raise Exited
 
     monkeypatch.setattr(cookbook.entry, "_exit", fake_exit)
-    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("RANK", str(rank))
     monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setattr(cookbook.entry, "_QUIET_RANK_WAIT_S", 0.0)
     with pytest.raises(Exited):
         cookbook.entry.run_main(main, argv=[])
     return statuses[0], capsys.readouterr().err
@@ -139,6 +140,8 @@ def test_a_diverged_run_is_one_line_with_status_4(monkeypatch, capsys):
     status, err = _run_main_here(monkeypatch, capsys, main, world=2)
     assert (status, err) == (4, "error: [rank 0] the gradient norm of step 7 is nan: the step was not applied and the "
                                 "run stops\n")
+    # every rank decided alike and raises alike: the user reads it once, from rank 0
+    assert _run_main_here(monkeypatch, capsys, main, world=2, rank=1) == (4, "")
 
 
 def test_a_collective_timeout_outside_the_loop_is_one_line_with_status_3(monkeypatch, capsys):

@@ -84,10 +84,12 @@ class CheckpointError(RuntimeError):
 class CheckpointSaveError(CheckpointError, OSError):
     """A checkpoint could not be written (disk full, file too large, I/O error, read-only file system).
 
-    Raised on every rank. Nothing of the failed checkpoint was kept and the previous one is intact; the
+    Raised on every rank, with the same message (`cookbook.run_main` prints rank 0's). Nothing of the failed checkpoint was kept and the previous one is intact; the
     one-line message names the checkpoint, the OS error (and the rank that met it), the previous checkpoint
     and what to do. ``errno`` is the OS error's. An `OSError` too, so that code catching storage errors
     catches it."""
+
+    same_on_every_rank = True
 
 
 def _rank() -> int:
@@ -334,7 +336,8 @@ class ResumeGuard:
                 raise CheckpointError(
                     f"{self.resume_key}=auto: no complete checkpoint remains under {self.root}, every one is damaged: "
                     f"{what}. Restore them from a copy, or start afresh with {self.start_afresh()}")
-            if skipped and _rank() == 0:
+            if skipped and _rank() == 0 and not (os.environ.get("COOKBOOK_CHECKED") and not restarted()):
+                # (workers of a first attempt are quiet: `cookbook.launch`'s --check process has said it)
                 which = (f"checkpoint {skipped[0][0]} is damaged ({skipped[0][1]})" if len(skipped) == 1
                          else f"checkpoints {what} are damaged")
                 get_logger().warning(f"warning: {which}; resuming from {path} instead")

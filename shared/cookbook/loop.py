@@ -90,6 +90,7 @@ class NonFiniteError(OneLineError):
     line and exits with status 4 (`cookbook.entry.EXIT_DIVERGED`)."""
 
     exit_status = EXIT_DIVERGED
+    same_on_every_rank = True  # every rank decides on the same reduced value: rank 0 prints it
 
 
 def already_complete(state: TrainState, max_steps: int, out_dir: str | Path, final: str | Path | None = None,
