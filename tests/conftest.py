@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -33,17 +35,46 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-def launch(recipe: str, *overrides: str, config: str = "tiny.yaml", ngpu: int = 2, cwd: Path | None = None,
-           env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run ``recipes/<recipe>/launch.sh`` on CPU with `ngpu` processes; returns the finished process."""
+def start_launch(recipe: str, *overrides: str, config: str = "tiny.yaml", ngpu: int = 2, cwd: Path | None = None,
+                 env: dict | None = None) -> subprocess.Popen:
+    """Start ``recipes/<recipe>/launch.sh`` on CPU with `ngpu` processes in the background, its output piped."""
     full_env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
                 "CONFIG_FILE": config, "NGPU": str(ngpu), "MASTER_PORT": str(free_port()),
                 "COOKBOOK_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": "", **(env or {})}
     full_env.pop("MLFLOW_TRACKING_URI", None)
     full_env.pop("MLFLOW_RUN_ID", None)
     script = (cwd / "launch.sh") if cwd else ROOT / "recipes" / recipe / "launch.sh"
-    return subprocess.run(["bash", str(script), *overrides], cwd=cwd or ROOT, env=full_env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.Popen(["bash", str(script), *overrides], cwd=cwd or ROOT, env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def launch(recipe: str, *overrides: str, config: str = "tiny.yaml", ngpu: int = 2, cwd: Path | None = None,
+           env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run ``recipes/<recipe>/launch.sh`` on CPU with `ngpu` processes; returns the finished process."""
+    proc = start_launch(recipe, *overrides, config=config, ngpu=ngpu, cwd=cwd, env=env)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def wait_for(proc: subprocess.Popen, ready, timeout: float = 300) -> None:
+    """Poll `ready()` every 50 ms until it is true, `proc` has ended, or `timeout` seconds passed."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None and not ready():
+        time.sleep(0.05)
+
+
+def kill_worker(proc: subprocess.Popen, rank: str = "1") -> int:
+    """SIGKILL the worker of global rank `rank` among the children of a launcher `start_launch` started (bash
+    execs ``cookbook.launch``, which runs torchrun's agent in-process); returns its pid."""
+    import psutil
+
+    workers = {c.environ().get("RANK"): c for c in psutil.Process(proc.pid).children()}
+    workers[rank].send_signal(signal.SIGKILL)
+    return workers[rank].pid
 
 
 def load_recipe(recipe: str):

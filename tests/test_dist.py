@@ -62,7 +62,7 @@ def _timeout_in_a_collective():
 def test_describe_stall_names_the_rank_that_is_behind(tmp_path, monkeypatch, others, expected):
     from cookbook.dist import describe_stall, record_progress
 
-    with cookbook.distributed_context() as info:
+    with cookbook.distributed_context():
         cookbook.init_distributed(10, debug_dir=tmp_path / "debug")
         monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)  # this process is rank 0 of 2
         store = dist.distributed_c10d._get_default_store()

@@ -8,18 +8,15 @@ torchrun start-up (~20 s on 2 cores per run).
 
 import json
 import logging
-import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import ROOT, check, free_port, launch, load_recipe, main_in_workers, read_jsonl, train_losses
+from conftest import (ROOT, check, kill_worker, launch, load_recipe, main_in_workers, read_jsonl, start_launch,
+                      train_losses, wait_for)
 
 import cookbook
 from cookbook.checkpoint import CheckpointError
@@ -62,16 +59,6 @@ def run_in_workers(monkeypatch, capfd, *overrides, config: str = "tiny.yaml") ->
     finally:
         for h in inherited:
             log.addHandler(h)
-
-
-def start_launch(out) -> subprocess.Popen:
-    """launch.sh of tiny.yaml on 2 CPU ranks with ``output_dir=out``, started in the background with its output
-    piped: for a test that signals the launcher, or one of its workers, while the run trains."""
-    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}",
-           "CONFIG_FILE": "tiny.yaml", "NGPU": "2", "MASTER_PORT": str(free_port()), "COOKBOOK_DEVICE": "cpu",
-           "CUDA_VISIBLE_DEVICES": ""}
-    return subprocess.Popen(["bash", str(RECIPE / "launch.sh"), f"output_dir={out}"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def test_loss_falls_and_eval_is_logged(full_run):
@@ -166,12 +153,6 @@ def test_resume_gives_the_same_losses_as_an_uninterrupted_run(full_run, tmp_path
                                torch.tensor([expected[s] for s in range(1, 41)], dtype=torch.float64), rtol=1e-5, atol=0)
 
 
-def _wait_for(proc: subprocess.Popen, ready, timeout: float = 300) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline and proc.poll() is None and not ready():
-        time.sleep(0.05)
-
-
 def test_a_killed_worker_and_then_a_preemption_lose_no_step(full_run, tmp_path, monkeypatch, capfd):
     """Two faults of one job, for real, and an end equal to an uninterrupted run's.
 
@@ -183,18 +164,16 @@ def test_a_killed_worker_and_then_a_preemption_lose_no_step(full_run, tmp_path, 
     3. The same command then resumes and finishes: the per-step losses (a replayed step's later record wins),
        the exported weights and the MLflow run equal those of the uninterrupted run.
     """
-    import psutil
     from safetensors.torch import load_file
 
     out = tmp_path / "run"
-    proc = start_launch(out)
+    proc = start_launch("modernbert-ddp", f"output_dir={out}")
     try:
-        _wait_for(proc, lambda: (out / "checkpoints" / "step_00000020").is_dir())
-        workers = {c.environ().get("RANK"): c for c in psutil.Process(proc.pid).children()}  # bash exec'd the launcher
-        workers["1"].send_signal(signal.SIGKILL)
+        wait_for(proc, lambda: (out / "checkpoints" / "step_00000020").is_dir())
+        kill_worker(proc, rank="1")
         after_restart = lambda: (out / "metrics.jsonl").is_file() and sum(  # noqa: E731
             r["event"] == "train" and r["step"] > 20 for r in read_jsonl(out / "metrics.jsonl")) >= 3
-        _wait_for(proc, after_restart)
+        wait_for(proc, after_restart)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=300)
     finally:

@@ -6,10 +6,12 @@ resumed run goes through launch.sh, the way users run the recipe, so its --check
 """
 
 import re
+import subprocess
 
 import pytest
 import torch
-from conftest import ROOT, check, launch, load_recipe, main_in_workers, read_jsonl, train_losses
+from conftest import (ROOT, check, kill_worker, launch, load_recipe, main_in_workers, read_jsonl, start_launch,
+                      train_losses, wait_for)
 
 import cookbook
 from cookbook.checkpoint import CheckpointError
@@ -75,13 +77,22 @@ def test_every_sharding_kind_trains_and_the_loss_falls(plan_runs, kind):
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
     """The tiny config as shipped (table-wise with a row-wise, a column-wise and a data-parallel table):
-    uninterrupted (forked), and stopped at step 15 (forked) then resumed to the end by launch.sh."""
+    uninterrupted (forked), and through launch.sh with rank 1 SIGKILLed right after the checkpoint of step 15
+    is published: the launcher restarts the group, which resumes from that checkpoint by itself."""
     base = tmp_path_factory.mktemp("dlrm-resume")
     full = run_forked(base / "full", *COMMON, "checkpoint.every_steps=15")
-    out = run_forked(base / "resumed", *COMMON, "checkpoint.every_steps=15", "train.stop_at_step=15")
-    proc = launch("torchrec-dlrm", f"output_dir={out}", *COMMON, "checkpoint.every_steps=15")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return full, out, proc
+    out = base / "resumed"
+    proc = start_launch("torchrec-dlrm", f"output_dir={out}", *COMMON, "checkpoint.every_steps=15")
+    try:
+        wait_for(proc, lambda: (out / "checkpoints" / "step_00000015").is_dir())
+        kill_worker(proc, rank="1")
+        stdout, stderr = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert "restart 1 of 3: rank 1 was killed by SIGKILL" in stderr, stderr[-3000:]
+    return full, out, subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 def test_resume_gives_the_uninterrupted_losses(resumed):
