@@ -108,10 +108,16 @@ def main(argv: list[str] | None = None) -> int:
                 "--master-port", args.master_port or "29500"]
     from cookbook.torchrun import main as torchrun
 
+    before = os.environ.get("COOKBOOK_CHECKED")
     os.environ["COOKBOOK_CHECKED"] = "1"  # the workers need not repeat what the check printed (a damaged checkpoint)
-
-    return torchrun([*rdzv, "--nproc-per-node", str(per_node), "--max-restarts", str(restarts), str(script),
-                     *script_args])
+    try:
+        return torchrun([*rdzv, "--nproc-per-node", str(per_node), "--max-restarts", str(restarts), str(script),
+                         *script_args])
+    finally:  # (this function is also called in-process, by tests)
+        if before is None:
+            os.environ.pop("COOKBOOK_CHECKED", None)
+        else:
+            os.environ["COOKBOOK_CHECKED"] = before
 
 
 if __name__ == "__main__":
