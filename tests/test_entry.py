@@ -82,8 +82,8 @@ def test_a_killed_worker_is_named_with_its_signal(tmp_path):
 
 def test_a_ddp_job_exits_zero_within_seconds_run_after_run(tmp_path):
     # Freeing a DDP model in Python's interpreter shutdown once deadlocked with a gloo thread; run_main exits
-    # without that shutdown. Five runs of a DDP job, each must end by itself well inside its timeout.
-    for _ in range(5):
+    # without that shutdown. Three runs of a DDP job, each must end by itself well inside its timeout.
+    for _ in range(3):
         proc, seconds = _torchrun(tmp_path, "ok", timeout=120)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert sorted(re.findall(r"done: rank \d", proc.stdout)) == ["done: rank 0", "done: rank 1"]  # lines may interleave
