@@ -25,13 +25,16 @@ runs counted in epochs:
         run.finish(inner)                       # summary record, or how to continue a stopped run
 
 A checkpoint is a folder ``checkpoint_<unit>_<n>`` holding ``state.pt`` (`torch.save` of the state
-dicts, from rank 0) and ``meta.json`` (``epoch`` for epoch runs, ``step``, ``world_size``, ``config``),
-which the driver's resume guard reads (`cookbook.ray_train.RayDriver`).
+dicts and of every worker's random streams, from rank 0) and ``meta.json`` (``epoch`` for epoch runs,
+``step``, ``world_size``, ``config``), which the driver's resume guard reads (`cookbook.ray_train.RayDriver`).
+``state.pt`` holds tensors and plain Python values only, and is read with ``torch.load(weights_only=True)``
+(no code runs when it is read).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -40,7 +43,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from cookbook.checkpoint import META_FILE
+from cookbook.checkpoint import META_FILE, RNGState
 from cookbook.config import save_config, to_dict, to_object
 from cookbook.dist import (DistInfo, _configure_logging, all_gather_object, all_reduce_mean, barrier, get_logger,
                            param_fingerprint)
@@ -48,6 +51,11 @@ from cookbook.loop import Outputs, log_outputs
 from cookbook.metrics import MetricsLogger, ModelFlops, StepProfiler
 
 _STATE_FILE = "state.pt"
+_RNG_KEY = "rng_per_worker"  # in state.pt: the random streams of each worker, indexed by rank
+
+# The checkpoint folder name the driver announced ("resuming from ..."), or None: set in each worker by the
+# driver's entry function, checked against what Ray hands the worker (`load_checkpoint`).
+_announced: str | None = None
 
 
 def config_from_dict(schema: type, data: Mapping[str, Any]) -> Any:
@@ -103,21 +111,69 @@ def report(metrics: Mapping[str, float], state: Mapping[str, Any] | None = None,
 def load_checkpoint(map_location: torch.device | str = "cpu") -> tuple[dict[str, Any], dict[str, Any]] | None:
     """The newest checkpoint of this run as ``(state, meta)``, or ``None`` on a fresh start.
 
+    The checkpoint is the one ``ray.train.get_checkpoint()`` hands the worker: on a re-run, the one the
+    driver announced (``resuming from ...``); after a restart of the worker group (``ray.max_failures``),
+    the newest Ray registered since. ``state.pt`` is read with ``torch.load(weights_only=True)``: tensors
+    and plain Python values only, no code runs.
+
     On the CPU (the default) the file is memory-mapped (``torch.load(mmap=True)``): the workers of
     a node share one copy in the page cache instead of each reading the whole state (model and
     optimizer: 12 bytes per parameter for AdamW in fp32) into its own memory or GPU. Copy the values
-    into the model and optimizer with ``load_state_dict``, then drop `state`."""
+    into the model and optimizer with ``load_state_dict``, then drop `state`.
+
+    Raises:
+        RuntimeError: Ray hands no checkpoint, or an older one, than the driver announced (a bug: the
+            run would silently start over).
+    """
     import ray.train
 
     ckpt = ray.train.get_checkpoint()
+    _check_announced(Path(ckpt.path).name if ckpt is not None else None)
     if ckpt is None:
         return None
     with ckpt.as_directory() as d:
-        state = torch.load(Path(d) / _STATE_FILE, map_location=map_location, weights_only=False,
+        state = torch.load(Path(d) / _STATE_FILE, map_location=map_location, weights_only=True,
                            mmap=torch.device(map_location).type == "cpu")
         meta = json.loads((Path(d) / META_FILE).read_text())
     get_logger().info(f"resumed from {ckpt.path} ({_facts(meta)})")
     return state, meta
+
+
+def _check_announced(handed: str | None) -> None:
+    """Refuse to start from an older state than the driver announced (`_announced`): Ray hands `handed`
+    (a checkpoint folder name, or ``None``); a newer one is a restart after a failure, and fine."""
+    if _announced is None:
+        return
+
+    def number(name: str) -> int:
+        return int(re.findall(r"\d+", name)[-1])
+
+    if handed is None or number(handed) < number(_announced):
+        raise RuntimeError(f"Ray Train handed the workers {handed or 'no checkpoint'}, but the driver announced a "
+                           f"resume from {_announced}: the workers would not continue the run it named. This is a "
+                           f"bug; start afresh with a new output_dir")
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's random streams (Python, NumPy, torch CPU and CUDA; `cookbook.checkpoint.RNGState`) as
+    tensors and plain Python values, which ``torch.load(weights_only=True)`` reads back: NumPy's key
+    (624 uint32) becomes an int64 tensor. Restore with `set_rng_state`."""
+    state = RNGState().state_dict()
+    if "numpy" in state:
+        name, key, pos, has_gauss, gauss = state["numpy"]
+        state["numpy"] = (str(name), torch.from_numpy(key.astype("int64")), int(pos), int(has_gauss), float(gauss))
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore the random streams `rng_state` returned (in this or another process)."""
+    state = dict(state)
+    if "numpy" in state:
+        import numpy as np
+
+        name, key, pos, has_gauss, gauss = state["numpy"]
+        state["numpy"] = (name, key.numpy().astype(np.uint32), pos, has_gauss, gauss)
+    RNGState().load_state_dict(state)
 
 
 def worker_summary(model: torch.nn.Module, reports: int) -> dict[str, list]:
@@ -137,8 +193,12 @@ class WorkerRun:
 
     Constructing it resumes: when Ray hands the worker a checkpoint (a restart after a failure, or a
     re-run with the same ``output_dir``), every object of `state` that has ``load_state_dict`` gets its
-    saved state back, and `step` and `epoch` continue from the checkpoint's. Then rank 0 writes the
-    config to ``<output_dir>/config.yaml`` and the `metrics` logger is opened.
+    saved state back, this worker's random streams (Python, NumPy, torch: data augmentation, dropout,
+    the data loader's seeds) continue where they were at the checkpoint (`rng_state`; each worker's are
+    saved), and `step` and `epoch` continue from the checkpoint's; so a resumed run takes the steps an
+    uninterrupted one would. Construct it after the set-up that draws random numbers (the model's
+    initialisation). Then rank 0 writes the config to ``<output_dir>/config.yaml`` and the `metrics`
+    logger is opened.
 
     Args:
         cfg: the recipe's config: ``output_dir``, ``run_name``, ``mlflow``, ``train.log_every``, and for
@@ -148,7 +208,7 @@ class WorkerRun:
         experiment: the MLflow experiment name.
         state: name -> what a checkpoint holds: objects with ``state_dict``/``load_state_dict`` (the unwrapped
             model, not DDP; the optimizer; the scheduler) are saved and restored, other values (a class list)
-            are saved as they are.
+            are saved as they are; tensors and plain Python values only (``weights_only`` loading).
         max_steps: optimizer steps of the whole run.
         steps_per_epoch: optimizer steps of one epoch; a log line ends every epoch.
         stop_at: ``("train.stop_at_epoch", n)`` (one checkpoint per epoch, `end_epoch`) or
@@ -169,6 +229,9 @@ class WorkerRun:
     def __init__(self, cfg: Any, info: DistInfo, experiment: str, state: Mapping[str, Any], *, max_steps: int,
                  steps_per_epoch: int, stop_at: tuple[str, int], evaluate: Callable[[], Mapping[str, float]] | None = None,
                  flops: ModelFlops | None = None, count_tokens: bool = True, about: str = ""):
+        if _RNG_KEY in state:
+            raise ValueError(f"state: {_RNG_KEY!r} is the name of the workers' random streams in a checkpoint; "
+                             f"use another name")
         self.cfg, self.info, self.state = cfg, info, dict(state)
         self.max_steps, self.steps_per_epoch = max_steps, steps_per_epoch
         self.stop_key, self.unit = stop_at[0], stop_at[0].rsplit("_", 1)[-1]
@@ -185,6 +248,11 @@ class WorkerRun:
             for name, obj in self.state.items():
                 if hasattr(obj, "load_state_dict"):
                     obj.load_state_dict(saved[name])
+            if _RNG_KEY in saved:
+                set_rng_state(saved[_RNG_KEY][info.rank])
+            else:
+                get_logger().warning("the checkpoint holds no random streams (an older version wrote it): data "
+                                     "augmentation and dropout continue from this run's seeds")
             self.step, self.epoch = meta["step"], meta.get("epoch", 0)
             del saved, resumed
         out = Path(cfg.output_dir)
@@ -292,8 +360,10 @@ class WorkerRun:
     def _checkpoint(self, values: Mapping[str, float]) -> None:
         n = self.done
         counts = {"epoch": self.epoch} if self.unit == "epoch" else {}
+        rng = all_gather_object(rng_state())  # every worker's streams, saved by rank 0
         report({**counts, "step": self.step, **values},
-               state={k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in self.state.items()},
+               state={**{k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in self.state.items()},
+                      _RNG_KEY: rng},
                label=f"{self.unit}_{n:0{4 if self.unit == 'epoch' else 8}d}",
                meta={**counts, "step": self.step, "world_size": self.info.world_size, "config": to_dict(self.cfg)})
         self.reports += 1
