@@ -111,22 +111,31 @@ def registered(out: Path) -> str | None:
     return (latest or {}).get("checkpoint_dir_name")
 
 
-def has_trained(out: Path) -> bool:
-    """Whether the run in `out` has logged a training step (its workers are in the loop)."""
+def train_steps(out: Path) -> list[int]:
+    """The steps of the training records in the run folder `out`'s metrics.jsonl so far, in order (all runs)."""
     try:
-        return '"event": "train"' in (Path(out) / "metrics.jsonl").read_text()
+        lines = (Path(out) / "metrics.jsonl").read_text().splitlines()
     except OSError:
-        return False
+        return []
+    steps = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:  # the line being written
+            continue
+        if record["event"] == "train":
+            steps.append(record["step"])
+    return steps
 
 
 @contextlib.contextmanager
-def _alongside(action: Callable[[], None] | None) -> Iterator[None]:
-    """Run `action` in a thread while the body runs; re-raise what it raised once the body is done."""
+def _alongside(action: Callable[[int], None] | None, pid: int) -> Iterator[None]:
+    """Run ``action(pid)`` in a thread while the body runs; re-raise what it raised once the body is done."""
     errors: list[BaseException] = []
 
     def run() -> None:
         try:
-            action()
+            action(pid)
         except BaseException as exc:  # noqa: BLE001  re-raised in the test
             errors.append(exc)
 
@@ -141,15 +150,16 @@ def _alongside(action: Callable[[], None] | None) -> Iterator[None]:
 
 
 def run_launch(recipe: str, env: dict, *overrides: str, config: str = "tiny.yaml", timeout: int = 300,
-               alongside: Callable[[], None] | None = None) -> subprocess.CompletedProcess:
-    """``recipes/<recipe>/launch.sh`` with `env` (from `ray_env`), as a user runs it; `alongside` runs in a
-    thread meanwhile (a fault to inject), and what it raises is raised after the run."""
+               alongside: Callable[[int], None] | None = None) -> subprocess.CompletedProcess:
+    """``recipes/<recipe>/launch.sh`` with `env` (from `ray_env`), as a user runs it; ``alongside(pid)`` runs in
+    a thread meanwhile (a fault to inject; `pid`: the launcher's, which launch.sh execs), and what it raises is
+    raised after the run."""
     env = {k: v for k, v in env.items() if not k.startswith("_")}
     env.update(CONFIG_FILE=config)
     env.pop("MLFLOW_TRACKING_URI", None)
     proc = subprocess.Popen(["bash", str(ROOT / "recipes" / recipe / "launch.sh"), *overrides], env=env, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    with _alongside(alongside):
+    with _alongside(alongside, proc.pid):
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -159,10 +169,11 @@ def run_launch(recipe: str, env: dict, *overrides: str, config: str = "tiny.yaml
 
 
 def run_driver_forked(recipe: str, env: dict, *overrides: str, config: str = "tiny.yaml", timeout: int = 300,
-                      alongside: Callable[[], None] | None = None) -> subprocess.CompletedProcess:
+                      alongside: Callable[[int], None] | None = None) -> subprocess.CompletedProcess:
     """The recipe's driver (``train.py``'s ``main``, what launch.sh runs against ``RAY_ADDRESS``) in a child
     forked from this process, with `env` (from `ray_env`); returns what it printed as a finished process.
-    `alongside` runs in a thread of this process meanwhile (started after the fork), as in `run_launch`.
+    ``alongside(pid)`` runs in a thread of this process meanwhile (started after the fork; `pid`: the
+    child's), as in `run_launch`.
 
     The child inherits the recipe and Ray Train already imported here, which saves the driver's interpreter
     start-up and imports (~10 s on 2 cores); Ray starts the workers as for launch.sh. This process never
@@ -210,7 +221,7 @@ def run_driver_forked(recipe: str, env: dict, *overrides: str, config: str = "ti
                 finally:
                     os._exit(code)
         deadline = time.monotonic() + timeout
-        with _alongside(alongside):
+        with _alongside(alongside, pid):
             while True:
                 done, status = os.waitpid(pid, os.WNOHANG)
                 if done:

@@ -4,8 +4,8 @@ import re
 
 import pytest
 from conftest import ROOT, read_jsonl, train_losses
-from ray_cluster import (has_trained, kill_a_worker, paused, ray_processes, recipe_module, registered, run_driver_forked,
-                         run_launch, summary, wait_for)
+from ray_cluster import (kill_a_worker, paused, ray_processes, recipe_module, registered, run_driver_forked, summary,
+                         train_steps, wait_for)
 
 RECIPE = ROOT / "recipes" / "qwen-ray-sft"
 
@@ -17,13 +17,15 @@ def test_killed_before_ray_registers_then_stop_resume_survive_a_killed_worker_le
        paused from the first step on, so the workers write step 8's and step 16's checkpoints and then block
        on the second report; one is SIGKILLed;
     2. the re-run says it starts afresh, and does, stopping at step 8 (``train.stop_at_step=8``);
-    3. the same command through launch.sh resumes at step 9 with ``ray.max_failures=1``: a worker SIGKILLed
-       once Ray registered step 12's checkpoint; Ray restarts the group from it, which finishes and exports.
+    3. the same command resumes at step 9 with ``ray.max_failures=1``: a worker SIGKILLed once Ray registered
+       step 12's checkpoint; Ray restarts the group from it, which finishes and exports.
+
+    Each run is the driver forked from pytest (no interpreter start-up); launch.sh is tested with resnet50-ray-ddp.
     """
     out = tmp_path / "run"
 
-    def kill_before_registration():
-        wait_for(lambda: has_trained(out), "the first step")
+    def kill_before_registration(driver: int):
+        wait_for(lambda: train_steps(out), "the first step")
         [controller] = ray_processes(ray_env, "TrainController")
         with paused(controller):
             wait_for(lambda: (out / "checkpoint_step_00000016" / "meta.json").is_file(), "step 16's checkpoint")
@@ -36,7 +38,6 @@ def test_killed_before_ray_registers_then_stop_resume_survive_a_killed_worker_le
     assert sorted(uninterrupted) == list(range(1, 17))
     seen = len(read_jsonl(out / "metrics.jsonl"))
 
-    # The stopped run: the driver forked from pytest (no interpreter start-up); the resume goes through launch.sh.
     first = run_driver_forked("qwen-ray-sft", ray_env, f"output_dir={out}", "train.stop_at_step=8")
     assert first.returncode == 0, first.stderr[-4000:]
     assert "resuming" not in first.stderr  # it announced step 16 and started at step 0 before
@@ -48,12 +49,12 @@ def test_killed_before_ray_registers_then_stop_resume_survive_a_killed_worker_le
     assert losses == {s: uninterrupted[s] for s in range(1, 9)}
     seen += len(records)
 
-    def kill_after_registration():
+    def kill_after_registration(driver: int):
         wait_for(lambda: registered(out) == "checkpoint_step_00000012", "step 12's checkpoint registered")
         kill_a_worker(ray_env)
 
-    second = run_launch("qwen-ray-sft", ray_env, f"output_dir={out}", "checkpoint.every_steps=4", "ray.max_failures=1",
-                        alongside=kill_after_registration)
+    second = run_driver_forked("qwen-ray-sft", ray_env, f"output_dir={out}", "checkpoint.every_steps=4",
+                               "ray.max_failures=1", alongside=kill_after_registration)
     assert second.returncode == 0, second.stderr[-4000:]
     assert "checkpoint_step_00000008 (step 8); checkpoint_step_00000016 were written after it but not registered" in second.stderr
     loaded = re.findall(r"resumed from \S+/(checkpoint_step_\d+) \(step (\d+), world_size 2\)", second.stderr)

@@ -138,13 +138,16 @@ DRIVER = """
 import signal, sys, time
 from pathlib import Path
 log = Path(sys.argv[1])
-def on(signum, frame):
+def note(signum, frame):
     with log.open("a") as f:
         f.write(signal.Signals(signum).name + "\\n")
+def on(signum, frame):
+    note(signum, frame)
     time.sleep(0.3)  # a driver shutting down gracefully
     sys.exit(7)
 signal.signal(signal.SIGINT, on)
 signal.signal(signal.SIGTERM, on)
+signal.signal(signal.SIGUSR1, note)  # Slurm's warning before the end of a job: the driver carries on
 log.write_text("")
 time.sleep(60)
 """
@@ -164,8 +167,24 @@ def test_the_launcher_passes_sigterm_and_ctrl_c_to_the_driver_once_and_waits(tmp
         time.sleep(0.05)
     if to_group:  # a Ctrl-C in the terminal goes to the launcher's whole process group
         os.killpg(launcher.pid, sig)
-    else:  # `kill <pid>` / a scheduler's SIGTERM goes to the launcher alone
+    else:  # `kill <pid>` / a scheduler's SIGTERM goes to the launcher alone, as does Slurm's SIGUSR1 before it
+        launcher.send_signal(signal.SIGUSR1)
+        while "SIGUSR1" not in log.read_text():
+            assert time.monotonic() < deadline and launcher.poll() is None, launcher.stderr.read()
+            time.sleep(0.05)
         launcher.send_signal(sig)
     assert launcher.wait(timeout=30) == 7  # it waited for the driver and returned its status
-    assert log.read_text().split() == [sig.name]  # the driver got the signal exactly once
+    assert log.read_text().split() == ([] if to_group else ["SIGUSR1"]) + [sig.name]  # the driver got each once
     assert "Traceback" not in launcher.stderr.read()
+
+
+def test_the_ray_recipes_launch_scripts_run_the_same_commands():
+    """Each Ray recipe's launch.sh is the same program (their comments differ): the recipe tests run one
+    recipe's resume through its launch.sh and the others' through the driver, forked (no interpreter start-up)."""
+    def commands(recipe: str) -> list[str]:
+        lines = (ROOT / "recipes" / recipe / "launch.sh").read_text().splitlines()
+        return [line.split("  #")[0].rstrip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+
+    scripts = {r: commands(r) for r in ("resnet50-ray-ddp", "qwen-ray-sft", "two-tower-ray")}
+    assert scripts["resnet50-ray-ddp"][-1].startswith('exec python3 -m cookbook.ray_train.launch "$HERE/train.py"')
+    assert scripts["qwen-ray-sft"] == scripts["resnet50-ray-ddp"] == scripts["two-tower-ray"]

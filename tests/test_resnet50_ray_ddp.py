@@ -1,8 +1,11 @@
 """The ResNet Ray Train recipe on CPU: 2 Ray workers (gloo) on a Ray head in the test's folder."""
 
 import io
+import os
 import re
 import shutil
+import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -11,20 +14,29 @@ import torch
 from PIL import Image
 from conftest import ROOT, read_jsonl
 from ray_cluster import (kill_a_worker, paused, ray_processes, recipe_module, registered, run_driver_forked, run_launch,
-                         summary, wait_for)
+                         summary, train_steps, wait_for)
 
 from cookbook.checkpoint import CheckpointError
 
 RECIPE = ROOT / "recipes" / "resnet50-ray-ddp"
 
 
-def test_killed_resume_takes_the_uninterrupted_steps_and_learns(ray_env, tmp_path, monkeypatch):
-    out = tmp_path / "run"
+def test_killed_then_preempted_resumes_take_the_uninterrupted_steps_and_learn(ray_env, tmp_path, monkeypatch):
+    """Three runs in one folder, 8 steps per epoch (64 images / (4 x 2 workers)), each step's loss and top-1
+    compared with the first run's uninterrupted steps 1-24:
 
-    # The interrupted run, killed with epoch 1's checkpoint registered and epochs 2 and 3 written after it: Ray's
-    # controller (which collects the workers' reports) is paused once it registered epoch 1, so the workers report
-    # epoch 2, then block on epoch 3's report; one is SIGKILLed. Its 12 steps are an uninterrupted run's.
-    def kill_with_two_checkpoints_unregistered():
+    1. killed with epoch 1's checkpoint registered and epochs 2 and 3 written after it: Ray's controller (which
+       collects the workers' reports) is paused once it registered epoch 1, so the workers report epoch 2, then
+       block on epoch 3's report; one is SIGKILLed;
+    2. the same command through launch.sh resumes from epoch 1 and gets SIGTERM a few steps into epoch 2 (one
+       worker paused meanwhile, so that the stop falls mid-epoch): every worker stops after the same step, saves
+       a checkpoint there, and the run exits 75;
+    3. the same command resumes mid-epoch (the augmentations' random streams restored) and finishes.
+    """
+    out = tmp_path / "run"
+    batch = "train.micro_batch_size=4"
+
+    def kill_with_two_checkpoints_unregistered(driver: int):
         wait_for(lambda: registered(out) == "checkpoint_epoch_0001", "epoch 1's checkpoint registered")
         [controller] = ray_processes(ray_env, "TrainController")
         with paused(controller):
@@ -32,39 +44,60 @@ def test_killed_resume_takes_the_uninterrupted_steps_and_learns(ray_env, tmp_pat
             kill_a_worker(ray_env)
 
     # The driver forked from pytest (no interpreter start-up); the resume goes through launch.sh.
-    first = run_driver_forked("resnet50-ray-ddp", ray_env, f"output_dir={out}", alongside=kill_with_two_checkpoints_unregistered)
+    first = run_driver_forked("resnet50-ray-ddp", ray_env, f"output_dir={out}", batch,
+                              alongside=kill_with_two_checkpoints_unregistered)
     assert first.returncode == 1 and "Training failed due to worker errors" in first.stderr, first.stderr[-4000:]
     assert registered(out) == "checkpoint_epoch_0001" and (out / "checkpoint_epoch_0003" / "state.pt").is_file()
     records = read_jsonl(out / "metrics.jsonl")
     uninterrupted = {r["step"]: r for r in records if r["event"] == "train"}
-    assert [r["step"] for r in records if r["event"] == "train"] == list(range(1, 13))  # 64 images / (8 x 2 workers)
-    seen = len(records)
+    assert [r["step"] for r in records if r["event"] == "train"] == list(range(1, 25))
+    uninterrupted_evals = [r for r in records if r["event"] == "eval"]  # epochs 1-3
+    seen = after_first = len(records)
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)  # plan on this machine, as launch.sh's check does
     with pytest.raises(CheckpointError, match="written by 2 workers but this job has 1"):  # before Ray starts
         recipe_module("resnet50-ray-ddp").main(["--config", str(RECIPE / "tiny.yaml"), "--check", f"output_dir={out}",
-                                                "ray.num_workers=1"])
+                                                batch, "ray.num_workers=1"])
 
-    second = run_launch("resnet50-ray-ddp", ray_env, f"output_dir={out}")  # same command: Ray resumes the run
-    assert second.returncode == 0, second.stderr[-4000:]
+    def preempt_mid_epoch(launcher: int):
+        wait_for(lambda: len(train_steps(out)) >= 24 + 2, "the resumed run's second step")
+        with paused(ray_processes(ray_env, "RayTrainWorker")[-1]):  # the other worker waits for it in a collective
+            os.kill(launcher, signal.SIGTERM)  # a scheduler's stop; launch.sh's launcher passes it to the driver
+            time.sleep(1.5)  # the driver asks the workers to stop; rank 0 reads it at its next step boundary
+
+    second = run_launch("resnet50-ray-ddp", ray_env, f"output_dir={out}", batch, alongside=preempt_mid_epoch)
+    assert second.returncode == 75, second.stderr[-4000:]
     assert ("resuming from" in second.stderr and "checkpoint_epoch_0001 (epoch 1); checkpoint_epoch_0002, "
             "checkpoint_epoch_0003 were written after it but not registered" in second.stderr)
-    assert re.search(r"resumed from \S+/checkpoint_epoch_0001 \(epoch 1, step 4, world_size 2\)", second.stderr)
+    assert re.search(r"resumed from \S+/checkpoint_epoch_0001 \(epoch 1, step 8, world_size 2\)", second.stderr)
+    assert "SIGTERM: the workers stop after their next step and save a checkpoint" in second.stderr
+    stopped = [r["step"] for r in read_jsonl(out / "metrics.jsonl")[seen:] if r["event"] == "train"]
+    stop = stopped[-1]
+    assert 10 < stop < 16 and stopped == list(range(9, stop + 1)), stopped  # mid-epoch 2 (steps 9-16)
+    assert (f"preempted (SIGTERM): every worker stopped after step {stop} and saved {out}/checkpoint_epoch_0001_step_"
+            f"{stop:08d}; run the same command again to continue (exit status 75)") in second.stderr
+    assert registered(out) == f"checkpoint_epoch_0001_step_{stop:08d}"
+    seen = len(read_jsonl(out / "metrics.jsonl"))
+
+    third = run_driver_forked("resnet50-ray-ddp", ray_env, f"output_dir={out}", batch)
+    assert third.returncode == 0, third.stderr[-4000:]
+    assert f"resuming from {out}/checkpoint_epoch_0001_step_{stop:08d} (epoch 1, step {stop})" in third.stderr
     records = read_jsonl(out / "metrics.jsonl")
     train = [r for r in records[seen:] if r["event"] == "train"]
-    assert [r["step"] for r in train] == list(range(5, 17))  # the second run continued at step 5
-    for r in train[:8]:  # the augmentations' random streams continue: the uninterrupted run's loss and top-1
-        assert (r["loss"], r["top1"]) == (uninterrupted[r["step"]]["loss"], uninterrupted[r["step"]]["top1"]), r["step"]
-    loss = {r["step"]: r["loss"] for r in [*uninterrupted.values(), *train]}
-    first_epoch, last_epoch = sum(loss[s] for s in range(1, 5)) / 4, sum(loss[s] for s in range(13, 17)) / 4
+    assert [r["step"] for r in train] == list(range(stop + 1, 33))  # continued after the step it stopped at
+    resumed = {r["step"]: r for r in records[after_first:] if r["event"] == "train"}  # the 2nd and 3rd runs
+    for step in range(9, 25):  # after each resume: the uninterrupted run's loss and top-1 (its augmentations)
+        assert (resumed[step]["loss"], resumed[step]["top1"]) == (uninterrupted[step]["loss"], uninterrupted[step]["top1"]), step
+    loss = {**{k: r["loss"] for k, r in uninterrupted.items()}, **{k: r["loss"] for k, r in resumed.items()}}
+    first_epoch, last_epoch = sum(loss[s] for s in range(1, 9)) / 8, sum(loss[s] for s in range(25, 33)) / 8
     assert last_epoch < 0.85 * first_epoch, (first_epoch, last_epoch)
     end = summary(records)
     assert end["reports_per_worker"] == [3, 3] and end["epoch"] == 4  # every worker reported each epoch
     assert end["param_fingerprints"][0] == end["param_fingerprints"][1]  # DDP replicas agree
     evals = [r for r in records[seen:] if r["event"] == "eval"]
-    assert [e["step"] for e in evals] == [8, 12, 16] and all(e["eval/images"] == 16 for e in evals)
-    before = [r for r in records[:seen] if r["event"] == "eval"]  # epochs 1-3 of the interrupted run
-    assert [(e["eval/loss"], e["eval/top1"]) for e in evals[:2]] == [(e["eval/loss"], e["eval/top1"]) for e in before[1:]]
+    assert [e["step"] for e in evals] == [16, 24, 32] and all(e["eval/images"] == 16 for e in evals)
+    assert [(e["eval/loss"], e["eval/top1"]) for e in evals[:2]] == \
+        [(e["eval/loss"], e["eval/top1"]) for e in uninterrupted_evals[1:]]  # epochs 2 and 3
     alone = evaluate_checkpoint(out)  # the same weights in one process: each image counted once, same numbers
     assert alone["images"] == 16 and evals[-1]["eval/top1"] == alone["top1"]
     assert evals[-1]["eval/loss"] == pytest.approx(alone["loss"], rel=1e-5), (evals[-1], alone)

@@ -52,10 +52,15 @@ from cookbook.metrics import MetricsLogger, ModelFlops, StepProfiler
 
 _STATE_FILE = "state.pt"
 _RNG_KEY = "rng_per_worker"  # in state.pt: the random streams of each worker, indexed by rank
+_EPOCH_RNG_KEY = "epoch_rng_per_worker"  # mid-epoch checkpoints: each worker's streams when the epoch's batches began
 
 # The checkpoint folder name the driver announced ("resuming from ..."), or None: set in each worker by the
 # driver's entry function, checked against what Ray hands the worker (`load_checkpoint`).
 _announced: str | None = None
+# The key under which the driver asks the workers to stop (preemption: SIGTERM or SIGUSR1 to the driver), in
+# Ray's key-value store, or None: set in each worker by the driver's entry function (`stop_requested`).
+_stop_key: str | None = None
+STOP_POLL_S = 0.5  # rank 0 asks Ray whether a stop was requested at most this often
 
 
 def config_from_dict(schema: type, data: Mapping[str, Any]) -> Any:
@@ -176,6 +181,16 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     RNGState().load_state_dict(state)
 
 
+def stop_requested(key: str | None) -> bool:
+    """Whether the driver asked the workers to stop under `key` (`cookbook.ray_train.driver.request_stop`):
+    one read of Ray's key-value store (a round trip to its control store, ~1 ms). ``None``: never."""
+    if key is None:
+        return False
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    return _internal_kv_get(key) is not None
+
+
 def worker_summary(model: torch.nn.Module, reports: int) -> dict[str, list]:
     """What every worker did, gathered on all of them (collective): ``reports_per_worker`` (calls
     of `report`; equal counts mean no worker fell behind) and ``param_fingerprints`` (equal values
@@ -223,15 +238,28 @@ class WorkerRun:
     ``train.profile_step`` (when the config has it, > 0) writes a ``torch.profiler`` trace of that step to
     ``<output_dir>/profile`` (`cookbook.metrics.StepProfiler`).
 
+    Preemption: when the driver is asked to stop (SIGTERM or SIGUSR1; `cookbook.ray_train.RayDriver.run`),
+    rank 0 sees it within `STOP_POLL_S` (`stop_requested`) and the workers agree on a step through an
+    asynchronous all-reduce started at each step boundary and read at the next (as
+    `cookbook.loop.TrainLoop`'s): every worker stops after the same step, saves a checkpoint there (in an
+    epoch run mid-epoch: ``checkpoint_epoch_<n>_step_<s>``, epochs done and steps done) and `finish`
+    ends the run as stopped (`preempted` is true). Resuming a mid-epoch checkpoint reads the epoch's
+    first batches again, from the random streams the epoch began with, and drops them (`timed`; a data
+    loader that reads ahead, as Ray's does, draws the next batch's augmentation as it did), then restores
+    the streams of the checkpoint: the resumed run takes the uninterrupted run's steps as long as the
+    model draws from other streams than the data pipeline (dropout from torch's, augmentations from
+    Python's or NumPy's), and with loader processes (``num_workers`` > 0) their augmentations start
+    from other seeds.
+
     Every method that logs, evaluates or checkpoints is collective: call it on every worker in the same order.
     """
 
     def __init__(self, cfg: Any, info: DistInfo, experiment: str, state: Mapping[str, Any], *, max_steps: int,
                  steps_per_epoch: int, stop_at: tuple[str, int], evaluate: Callable[[], Mapping[str, float]] | None = None,
                  flops: ModelFlops | None = None, count_tokens: bool = True, about: str = ""):
-        if _RNG_KEY in state:
-            raise ValueError(f"state: {_RNG_KEY!r} is the name of the workers' random streams in a checkpoint; "
-                             f"use another name")
+        if {_RNG_KEY, _EPOCH_RNG_KEY} & set(state):
+            raise ValueError(f"state: {_RNG_KEY!r} and {_EPOCH_RNG_KEY!r} name the workers' random streams in a "
+                             f"checkpoint; use other names")
         self.cfg, self.info, self.state = cfg, info, dict(state)
         self.max_steps, self.steps_per_epoch = max_steps, steps_per_epoch
         self.stop_key, self.unit = stop_at[0], stop_at[0].rsplit("_", 1)[-1]
@@ -240,8 +268,12 @@ class WorkerRun:
         self.checkpoint_every = getattr(cfg.checkpoint, "every_steps", 0) if self.unit == "step" else 0
         self.evaluate, self.eval_every = evaluate, getattr(cfg.train, "eval_every", 0)
         self.step = self.epoch = self.reports = 0
-        self.stopped = False  # the run ended at its stop point, before the end
+        self.stopped = False  # the run ended at its stop point (or on a stop request), before the end
+        self.preempted = False  # the run stopped on the driver's stop request (SIGTERM / SIGUSR1), after a checkpoint
         self._last_eval: dict[str, float] = {}
+        self._stop_seen, self._next_poll, self._pending = False, 0.0, None
+        self._rng: Mapping[str, Any] | None = None  # the resumed random streams, restored again after a skip
+        self._epoch_rng: Mapping[str, Any] | None = None  # the streams when this epoch's batches began
         resumed = load_checkpoint()  # memory-mapped on the CPU, copied into the model and optimizer
         if resumed is not None:
             saved, meta = resumed
@@ -249,12 +281,18 @@ class WorkerRun:
                 if hasattr(obj, "load_state_dict"):
                     obj.load_state_dict(saved[name])
             if _RNG_KEY in saved:
-                set_rng_state(saved[_RNG_KEY][info.rank])
+                self._rng = saved[_RNG_KEY][info.rank]
+                set_rng_state(self._rng)
+            if _EPOCH_RNG_KEY in saved:  # mid-epoch: replayed from these in `timed`
+                self._epoch_rng = saved[_EPOCH_RNG_KEY][info.rank]
             else:
                 get_logger().warning("the checkpoint holds no random streams (an older version wrote it): data "
                                      "augmentation and dropout continue from this run's seeds")
             self.step, self.epoch = meta["step"], meta.get("epoch", 0)
             del saved, resumed
+        self._saved_step = self.step  # the newest checkpoint's step
+        # An epoch run resumed mid-epoch (a preemption checkpoint): batches of this epoch already taken.
+        self._skip = self.step - self.epoch * steps_per_epoch if self.unit == "epoch" else 0
         out = Path(cfg.output_dir)
         if info.is_main:
             out.mkdir(parents=True, exist_ok=True)
@@ -284,31 +322,51 @@ class WorkerRun:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        if self._pending is not None and exc_type is None:  # the last boundary's all-reduce, never read
+            self._pending[0].wait()
+            self._pending = None
         self.metrics.close(failed=exc_type is not None, stopped=self.stopped)
 
     def steps(self) -> Iterator[int]:
-        """The number of each optimizer step to run (1-based), from the resumed one to the stop point (runs
-        counted in steps); each must end with `end_step`."""
+        """The number of each optimizer step to run (1-based), from the resumed one to the stop point or a
+        stop request (runs counted in steps); each must end with `end_step`."""
         while self.step < self.stop:
+            if self._agree_stop():
+                self._preempt()
+                return
             started = self.step
             yield started + 1
             if self.step == started:
                 raise RuntimeError("each step must end with run.end_step(...)")
 
     def epochs(self) -> Iterator[int]:
-        """The number of each epoch to run (0-based), from the resumed one to the stop point; each must end
-        with `end_epoch`."""
-        while self.epoch < self.stop:
+        """The number of each epoch to run (0-based), from the resumed one to the stop point or a stop
+        request; each must end with `end_epoch`."""
+        while self.epoch < self.stop and not self.preempted:
             started = self.epoch
             yield started
-            if self.epoch == started:
+            if self.epoch == started and not self.preempted:
                 raise RuntimeError("each epoch must end with run.end_epoch(...)")
 
-    @staticmethod
-    def timed(batches: Iterable) -> Iterator[tuple[Any, float]]:
-        """``(batch, seconds waited for it)`` for each batch of `batches` (the data-wait of the metrics)."""
+    def timed(self, batches: Iterable) -> Iterator[tuple[Any, float]]:
+        """``(batch, seconds waited for it)`` for each batch of `batches` (the data-wait of the metrics). In an
+        epoch run, the batches of one epoch: it ends early on a stop request (after a checkpoint), and after a
+        mid-epoch resume it first reads the batches already taken and drops them."""
+        if self._skip and self._epoch_rng is not None:
+            set_rng_state(self._epoch_rng)  # the epoch's batches are read again as they were first
+        if self.unit == "epoch":
+            self._epoch_rng = rng_state()
         it = iter(batches)
+        if self._skip:
+            for _ in range(self._skip):
+                next(it)
+            if self._rng is not None:
+                set_rng_state(self._rng)  # as at the checkpoint
+            self._skip = 0
         while True:
+            if self.unit == "epoch" and self._agree_stop():
+                self._preempt()
+                return
             t0 = time.perf_counter()
             try:
                 batch = next(it)
@@ -349,7 +407,10 @@ class WorkerRun:
 
     def end_epoch(self, evaluate: Callable[[], Mapping[str, float]]) -> dict[str, float]:
         """Count one epoch, evaluate (`evaluate` runs on every worker and returns metrics summed or averaged
-        over them) and checkpoint; neither counts in the step time. Returns the evaluation's metrics."""
+        over them) and checkpoint; neither counts in the step time. Returns the evaluation's metrics (``{}``
+        for an epoch cut short by a stop request: nothing is counted)."""
+        if self.preempted:
+            return {}
         self.epoch += 1
         with self.metrics.paused():
             values = self._last_eval = dict(evaluate())
@@ -358,15 +419,49 @@ class WorkerRun:
         return values
 
     def _checkpoint(self, values: Mapping[str, float]) -> None:
-        n = self.done
         counts = {"epoch": self.epoch} if self.unit == "epoch" else {}
-        rng = all_gather_object(rng_state())  # every worker's streams, saved by rank 0
+        if self.unit == "step":
+            label = f"step_{self.step:08d}"
+        else:  # mid-epoch (a preemption): epochs done and steps done
+            label = f"epoch_{self.epoch:04d}" + (f"_step_{self.step:08d}" if self.step % self.steps_per_epoch else "")
+        rng = {_RNG_KEY: all_gather_object(rng_state())}  # every worker's streams, saved by rank 0
+        if self.unit == "epoch" and self.step % self.steps_per_epoch:
+            rng[_EPOCH_RNG_KEY] = all_gather_object(self._epoch_rng)
         report({**counts, "step": self.step, **values},
-               state={**{k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in self.state.items()},
-                      _RNG_KEY: rng},
-               label=f"{self.unit}_{n:0{4 if self.unit == 'epoch' else 8}d}",
+               state={**{k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in self.state.items()}, **rng},
+               label=label,
                meta={**counts, "step": self.step, "world_size": self.info.world_size, "config": to_dict(self.cfg)})
         self.reports += 1
+        self._saved_step = self.step
+
+    def _agree_stop(self) -> bool:
+        """Whether the workers have agreed to stop here (collective: call it at every step boundary on every worker).
+
+        Rank 0 reads the driver's request (`stop_requested`, at most every `STOP_POLL_S`); each boundary starts an
+        asynchronous all-reduce (max) of that flag and reads the one started at the previous boundary, so every
+        worker decides on the same reduction and stops after the same step, without waiting on the device."""
+        if _stop_key is None:
+            return False
+        if self.info.is_main and not self._stop_seen and time.monotonic() >= self._next_poll:
+            self._stop_seen = stop_requested(_stop_key)
+            self._next_poll = time.monotonic() + STOP_POLL_S
+        if not dist.is_initialized():
+            return self._stop_seen
+        decided = False
+        if self._pending is not None:
+            work, flag = self._pending
+            work.wait()
+            decided = flag.item() > 0
+        flag = torch.tensor([1.0 if self._stop_seen else 0.0], device=self.info.device)
+        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
+        return decided
+
+    def _preempt(self) -> None:
+        """Stop here on the driver's request: a checkpoint at this step unless the newest is at it."""
+        self.preempted = True
+        if self._saved_step != self.step:
+            with self.metrics.paused():
+                self._checkpoint({"preempted": 1.0})
 
     def _reset_window(self) -> None:
         self._loss: torch.Tensor | float = torch.zeros((), device=self.info.device)
@@ -387,14 +482,18 @@ class WorkerRun:
         Returns:
             The final evaluation's metrics (``{}`` without one).
         """
-        final_eval = dict(self.evaluate()) if self.evaluate is not None else {}
+        final_eval = dict(self.evaluate()) if self.evaluate is not None and not self.preempted else {}
         if final_eval:
             self.metrics.log_eval(self.step, final_eval)
         else:
             final_eval = self._last_eval
         workers = worker_summary(model, self.reports)
         outputs: dict[str, tuple[Path | None, str]] = {}
-        if self.done < self.total:
+        if self.preempted:
+            self.stopped = True
+            get_logger().info(f"stopped after step {self.step} ({self.unit} {self.done} of {self.total}) on the "
+                              f"driver's stop request, with a checkpoint at it; run the same command again to continue")
+        elif self.done < self.total:
             self.stopped = True
             get_logger().info(f"stopped {'after' if self.unit == 'epoch' else 'at'} {self.unit} {self.done} of "
                               f"{self.total} ({self.stop_key}); run again without it to continue")
