@@ -21,7 +21,8 @@ What this recipe supports:
     - A checkpoint each epoch through ``ray.train.report`` (model, optimizer, scheduler, epoch, each
       worker's random streams); re-running with the same ``output_dir`` resumes, and the resumed run's
       steps (augmentations included) are the uninterrupted run's; ``ray.max_failures`` restarts the
-      workers from the newest checkpoint when one dies.
+      workers from the newest checkpoint when one dies; SIGTERM or SIGUSR1 to ``launch.sh`` stops every
+      worker after the same step with a checkpoint (mid-epoch) and exits 75.
     - Metrics (cookbook.metrics): loss, top-1 accuracy, images/s per GPU, data-wait, memory; eval
       loss and top-1 each epoch; console, metrics.jsonl and MLflow.
 """

@@ -166,8 +166,8 @@ class RayDriver:
         checkpoint = result.checkpoint.path if result.checkpoint else None
         if stop.signum is not None and (result.metrics or {}).get("preempted"):
             print(f"preempted ({signal.Signals(stop.signum).name}): every worker stopped after step "
-                  f"{result.metrics.get('step')} and saved {checkpoint}; run the same command again to continue "
-                  f"(exit status {EXIT_PREEMPTED})", file=sys.stderr)
+                  f"{result.metrics.get('step')}{f' and saved {checkpoint}' if checkpoint else ''}; run the same "
+                  f"command again to continue (exit status {EXIT_PREEMPTED})", file=sys.stderr)
             raise Preempted(EXIT_PREEMPTED)
         print(f"done: {result.metrics} | checkpoint {checkpoint} | metrics {Path(cfg.output_dir) / 'metrics.jsonl'}",
               file=sys.stderr)

@@ -457,11 +457,15 @@ class WorkerRun:
         return decided
 
     def _preempt(self) -> None:
-        """Stop here on the driver's request: a checkpoint at this step unless the newest is at it."""
+        """Stop here on the driver's request: a checkpoint at this step unless the newest is at it (then a report
+        alone); either way the last report says ``preempted``, which the driver reads."""
         self.preempted = True
-        if self._saved_step != self.step:
-            with self.metrics.paused():
+        with self.metrics.paused():
+            if self._saved_step != self.step:
                 self._checkpoint({"preempted": 1.0})
+            else:
+                report({**({"epoch": self.epoch} if self.unit == "epoch" else {}), "step": self.step, "preempted": 1.0})
+                self.reports += 1
 
     def _reset_window(self) -> None:
         self._loss: torch.Tensor | float = torch.zeros((), device=self.info.device)
