@@ -3,17 +3,26 @@ session), inside a temporary folder (session files, and ``HOME`` for Ray's auth 
 
 The recipes join it through ``RAY_ADDRESS``, the path users take for an existing cluster; a fresh
 local instance per run would cost ~10 s more each time on a 2-core machine.
+
+Faults are injected for real while a run goes on (``alongside=`` of `run_driver_forked` and `run_launch`):
+`ray_processes` finds the run's Ray Train workers and controller among this head's processes, to be
+killed (SIGKILL) or paused (`paused`: SIGSTOP, then SIGCONT); `registered` reads which checkpoint Ray
+registered.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Callable, Iterator
 
 from conftest import ROOT, free_port, load_recipe
 
@@ -41,7 +50,7 @@ def start_head(base: Path, num_cpus: int = 3) -> tuple[subprocess.Popen, dict]:
             raise RuntimeError("the Ray head did not start")
         time.sleep(0.3)
     time.sleep(2.0)  # the raylet registers after the GCS port opens
-    return head, {**env, "RAY_ADDRESS": f"127.0.0.1:{port}"}
+    return head, {**env, "RAY_ADDRESS": f"127.0.0.1:{port}", "_HEAD_SESSION": str(head.pid)}
 
 
 def stop_head(head: subprocess.Popen) -> None:
@@ -53,19 +62,118 @@ def stop_head(head: subprocess.Popen) -> None:
         pass
 
 
-def run_launch(recipe: str, env: dict, *overrides: str, config: str = "tiny.yaml", timeout: int = 300) -> subprocess.CompletedProcess:
-    """``recipes/<recipe>/launch.sh`` with `env` (from `ray_env`), as a user runs it."""
+def ray_processes(env: dict, name: str) -> list[int]:
+    """Process ids of the ``ray::<name>`` processes (``RayTrainWorker``, ``TrainController``) of the Ray head
+    `env` (from `ray_env`) started: those of its session, not another Ray instance's on this machine."""
+    session, found = int(env["_HEAD_SESSION"]), []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and os.getsid(int(proc.name)) == session and \
+                    (proc / "cmdline").read_bytes().startswith(f"ray::{name}".encode()):
+                found.append(int(proc.name))
+        except OSError:  # gone meanwhile
+            pass
+    return sorted(found)
+
+
+def kill_a_worker(env: dict) -> int:
+    """SIGKILL one Ray Train worker of the running run (the newest process); returns its pid."""
+    workers = ray_processes(env, "RayTrainWorker")
+    assert len(workers) == 2, f"expected the run's 2 Ray Train workers, found {workers}"
+    os.kill(workers[-1], signal.SIGKILL)
+    return workers[-1]
+
+
+@contextlib.contextmanager
+def paused(pid: int) -> Iterator[None]:
+    """SIGSTOP the process `pid` for the body (e.g. Ray Train's controller: no report gets registered), then SIGCONT."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def wait_for(condition: Callable[[], object], what: str, timeout: float = 240.0) -> None:
+    """Poll `condition` every 20 ms until it is true. Raises AssertionError naming `what` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout:g} s waiting for {what}"
+        time.sleep(0.02)
+
+
+def registered(out: Path) -> str | None:
+    """The checkpoint folder Ray Train registered last in the run folder `out` (its snapshot), or ``None``."""
+    try:
+        latest = json.loads((Path(out) / "checkpoint_manager_snapshot.json").read_text())["latest_checkpoint_result"]
+    except (OSError, ValueError, KeyError):  # none yet, or being written
+        return None
+    return (latest or {}).get("checkpoint_dir_name")
+
+
+def train_steps(out: Path) -> list[int]:
+    """The steps of the training records in the run folder `out`'s metrics.jsonl so far, in order (all runs)."""
+    try:
+        lines = (Path(out) / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return []
+    steps = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:  # the line being written
+            continue
+        if record["event"] == "train":
+            steps.append(record["step"])
+    return steps
+
+
+@contextlib.contextmanager
+def _alongside(action: Callable[[int], None] | None, pid: int) -> Iterator[None]:
+    """Run ``action(pid)`` in a thread while the body runs; re-raise what it raised once the body is done."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            action(pid)
+        except BaseException as exc:  # noqa: BLE001  re-raised in the test
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True) if action is not None else None
+    if thread is not None:
+        thread.start()
+    yield
+    if thread is not None:
+        thread.join(timeout=30)
+    if errors:
+        raise errors[0]
+
+
+def run_launch(recipe: str, env: dict, *overrides: str, config: str = "tiny.yaml", timeout: int = 300,
+               alongside: Callable[[int], None] | None = None) -> subprocess.CompletedProcess:
+    """``recipes/<recipe>/launch.sh`` with `env` (from `ray_env`), as a user runs it; ``alongside(pid)`` runs in
+    a thread meanwhile (a fault to inject; `pid`: the launcher's, which launch.sh execs), and what it raises is
+    raised after the run."""
     env = {k: v for k, v in env.items() if not k.startswith("_")}
     env.update(CONFIG_FILE=config)
     env.pop("MLFLOW_TRACKING_URI", None)
-    return subprocess.run(["bash", str(ROOT / "recipes" / recipe / "launch.sh"), *overrides], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.Popen(["bash", str(ROOT / "recipes" / recipe / "launch.sh"), *overrides], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with _alongside(alongside, proc.pid):
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def run_driver_forked(recipe: str, env: dict, *overrides: str, config: str = "tiny.yaml",
-                      timeout: int = 300) -> subprocess.CompletedProcess:
+def run_driver_forked(recipe: str, env: dict, *overrides: str, config: str = "tiny.yaml", timeout: int = 300,
+                      alongside: Callable[[int], None] | None = None) -> subprocess.CompletedProcess:
     """The recipe's driver (``train.py``'s ``main``, what launch.sh runs against ``RAY_ADDRESS``) in a child
     forked from this process, with `env` (from `ray_env`); returns what it printed as a finished process.
+    ``alongside(pid)`` runs in a thread of this process meanwhile (started after the fork; `pid`: the
+    child's), as in `run_launch`.
 
     The child inherits the recipe and Ray Train already imported here, which saves the driver's interpreter
     start-up and imports (~10 s on 2 cores); Ray starts the workers as for launch.sh. This process never
@@ -113,15 +221,16 @@ def run_driver_forked(recipe: str, env: dict, *overrides: str, config: str = "ti
                 finally:
                     os._exit(code)
         deadline = time.monotonic() + timeout
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                status = os.waitpid(pid, 0)[1]
-                break
-            time.sleep(0.2)
+        with _alongside(alongside, pid):
+            while True:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    break
+                if time.monotonic() > deadline:
+                    os.kill(pid, signal.SIGKILL)
+                    status = os.waitpid(pid, 0)[1]
+                    break
+                time.sleep(0.2)
         log.seek(0)
         text = log.read().decode(errors="replace")
     return subprocess.CompletedProcess(["train.py", *argv], os.waitstatus_to_exitcode(status), "", text)

@@ -1,26 +1,70 @@
 """The Qwen SFT Ray Train recipe on CPU: 2 Ray workers, tiny Qwen2 config, offline tokenizer and data."""
 
+import re
+
 import pytest
 from conftest import ROOT, read_jsonl, train_losses
-from ray_cluster import recipe_module, run_driver_forked, run_launch, summary
+from ray_cluster import (kill_a_worker, paused, ray_processes, recipe_module, registered, run_driver_forked, summary,
+                         train_steps, wait_for)
 
 RECIPE = ROOT / "recipes" / "qwen-ray-sft"
 
 
-def test_stop_after_the_first_checkpoint_resume_learn_and_export(ray_env, tmp_path):
+def test_killed_before_ray_registers_then_stop_resume_survive_a_killed_worker_learn_and_export(ray_env, tmp_path):
+    """Three runs in one folder, each step's loss compared with the first run's (16 uninterrupted steps):
+
+    1. killed before Ray registered a checkpoint: Ray's controller (which collects the workers' reports) is
+       paused from the first step on, so the workers write step 8's and step 16's checkpoints and then block
+       on the second report; one is SIGKILLed;
+    2. the re-run says it starts afresh, and does, stopping at step 8 (``train.stop_at_step=8``);
+    3. the same command resumes at step 9 with ``ray.max_failures=1``: a worker SIGKILLed once Ray registered
+       step 12's checkpoint; Ray restarts the group from it, which finishes and exports.
+
+    Each run is the driver forked from pytest (no interpreter start-up); launch.sh is tested with resnet50-ray-ddp.
+    """
     out = tmp_path / "run"
-    # The stopped run: the driver forked from pytest (no interpreter start-up); the resume goes through launch.sh.
+
+    def kill_before_registration(driver: int):
+        wait_for(lambda: train_steps(out), "the first step")
+        [controller] = ray_processes(ray_env, "TrainController")
+        with paused(controller):
+            wait_for(lambda: (out / "checkpoint_step_00000016" / "meta.json").is_file(), "step 16's checkpoint")
+            kill_a_worker(ray_env)
+
+    killed = run_driver_forked("qwen-ray-sft", ray_env, f"output_dir={out}", alongside=kill_before_registration)
+    assert killed.returncode == 1 and "Training failed due to worker errors" in killed.stderr, killed.stderr[-4000:]
+    assert registered(out) is None and (out / "checkpoint_step_00000008" / "state.pt").is_file()
+    uninterrupted = train_losses(out / "metrics.jsonl")
+    assert sorted(uninterrupted) == list(range(1, 17))
+    seen = len(read_jsonl(out / "metrics.jsonl"))
+
     first = run_driver_forked("qwen-ray-sft", ray_env, f"output_dir={out}", "train.stop_at_step=8")
     assert first.returncode == 0, first.stderr[-4000:]
-    assert sorted(train_losses(out / "metrics.jsonl")) == list(range(1, 9)) and not (out / "final").exists()
+    assert "resuming" not in first.stderr  # it announced step 16 and started at step 0 before
+    assert (f"starting at step 0: checkpoint_step_00000008, checkpoint_step_00000016 in {out} were written but not "
+            f"registered by Ray Train") in first.stderr and "| starting at step 0" in first.stderr
+    records = read_jsonl(out / "metrics.jsonl")[seen:]
+    losses = {r["step"]: r["loss"] for r in records if r["event"] == "train"}
+    assert sorted(losses) == list(range(1, 9)) and not (out / "final").exists()
+    assert losses == {s: uninterrupted[s] for s in range(1, 9)}
+    seen += len(records)
 
-    second = run_launch("qwen-ray-sft", ray_env, f"output_dir={out}")
+    def kill_after_registration(driver: int):
+        wait_for(lambda: registered(out) == "checkpoint_step_00000012", "step 12's checkpoint registered")
+        kill_a_worker(ray_env)
+
+    second = run_driver_forked("qwen-ray-sft", ray_env, f"output_dir={out}", "checkpoint.every_steps=4",
+                               "ray.max_failures=1", alongside=kill_after_registration)
     assert second.returncode == 0, second.stderr[-4000:]
-    assert "checkpoint_step_00000008 (step 8)" in second.stderr
-    records = read_jsonl(out / "metrics.jsonl")
+    assert "checkpoint_step_00000008 (step 8); checkpoint_step_00000016 were written after it but not registered" in second.stderr
+    loaded = re.findall(r"resumed from \S+/(checkpoint_step_\d+) \(step (\d+), world_size 2\)", second.stderr)
+    assert loaded == [("checkpoint_step_00000008", "8"), ("checkpoint_step_00000012", "12")]  # then the restarted group
+    records = read_jsonl(out / "metrics.jsonl")[seen:]
     steps = [r["step"] for r in records if r["event"] == "train"]
-    assert steps == list(range(1, 17))  # the second run started at step 9
-    losses = train_losses(out / "metrics.jsonl")
+    last = len(steps) + 4  # steps 9..last before the kill (12 <= last), 13..16 after the restart
+    assert 12 <= last <= 16 and steps == [*range(9, last + 1), 13, 14, 15, 16], steps
+    assert train_losses(out / "metrics.jsonl") == uninterrupted  # every step after the resume and the restart
+    losses = uninterrupted
     assert sum(losses[s] for s in (14, 15, 16)) / 3 < 0.75 * sum(losses[s] for s in (1, 2, 3)) / 3, losses
     end = summary(records)
     assert end["reports_per_worker"] == [1, 1] and end["param_fingerprints"][0] == end["param_fingerprints"][1]

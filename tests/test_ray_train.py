@@ -10,13 +10,21 @@ import subprocess
 import sys
 import time
 
+import importlib.metadata
+import random
+
+import numpy as np
 import pytest
+import torch
 from conftest import ROOT
 
 from cookbook import ray_train
 from cookbook.checkpoint import CheckpointError
 from cookbook.ray_train.driver import _SNAPSHOT_FILE, _check_resume, _RayCheckpoints, _worker_entry
-from cookbook.ray_train.worker import _STATE_FILE
+from cookbook.ray_train import worker
+from cookbook.ray_train.worker import _STATE_FILE, _check_announced, rng_state, set_rng_state
+
+RAY = importlib.metadata.version("ray")
 
 
 def _checkpoint(root, name, step, world_size=2):
@@ -28,14 +36,20 @@ def _checkpoint(root, name, step, world_size=2):
 
 def _snapshot(root, latest):
     result = {"checkpoint_dir_name": latest, "metrics": {}} if latest else None
-    (root / _SNAPSHOT_FILE).write_text(json.dumps({"ray_version": "2.60.0", "latest_checkpoint_result": result}))
+    (root / _SNAPSHOT_FILE).write_text(json.dumps({"ray_version": RAY, "latest_checkpoint_result": result}))
 
 
 def test_a_rerun_resumes_from_the_checkpoint_ray_registered(tmp_path, capsys):
     for step in (8, 16, 24):
         _checkpoint(tmp_path, f"checkpoint_step_{step:08d}", step)
     guard = _RayCheckpoints(tmp_path, "step")
-    assert guard.latest().name == "checkpoint_step_00000024"  # no snapshot: newest on disk
+    # No snapshot: the run stopped before Ray registered any checkpoint, and Ray starts afresh; so does the driver.
+    assert guard.latest() is None
+    assert _check_resume(guard, "auto", {}, (), ("train.stop_at_step", -1)) is None
+    err = capsys.readouterr().err
+    assert "resuming" not in err and err.startswith("starting at step 0: checkpoint_step_00000008, checkpoint_step_"
+                                                    "00000016, checkpoint_step_00000024 in ")
+    assert "were written but not registered by Ray Train before the run stopped" in err and "will be replaced" in err
     _snapshot(tmp_path, "checkpoint_step_00000016")  # 24 was written, then the run stopped before Ray registered it
     assert guard.latest().name == "checkpoint_step_00000016"
     path = _check_resume(guard, "auto", {}, (), ("train.stop_at_step", 20))  # 20 is after 16
@@ -53,8 +67,45 @@ def test_a_rerun_resumes_from_the_checkpoint_ray_registered(tmp_path, capsys):
     assert _check_resume(guard, str(tmp_path / "checkpoint_step_00000016"), {}, (), ("train.stop_at_step", -1)) == path
     _snapshot(tmp_path, None)  # a snapshot without a registered checkpoint: Ray starts afresh
     assert guard.latest() is None
+    # What Ray itself refuses to resume from is refused before Ray starts, named:
     (tmp_path / _SNAPSHOT_FILE).write_text("{not json")
-    assert guard.latest().name == "checkpoint_step_00000024"
+    with pytest.raises(CheckpointError, match=rf"{_SNAPSHOT_FILE}: Ray Train's record of the run's checkpoints is "
+                                              rf"unreadable \(JSONDecodeError: .*start afresh with a new output_dir"):
+        guard.latest()
+    (tmp_path / _SNAPSHOT_FILE).write_text(json.dumps({"ray_version": "1.0.0", "latest_checkpoint_result": None}))
+    with pytest.raises(CheckpointError, match=rf"was written by Ray 1.0.0, and Ray {RAY} does not resume "
+                                              rf"from it: install ray==1.0.0 to continue this run"):
+        guard.latest()
+    _snapshot(tmp_path, "checkpoint_step_00000032")
+    with pytest.raises(CheckpointError, match=r"checkpoint_step_00000032: Ray Train registered it as the run's newest "
+                                              r"checkpoint, but it is missing or incomplete \(it needs meta.json, state.pt\)"):
+        guard.latest()
+
+
+def test_the_workers_refuse_an_older_state_than_the_driver_announced(monkeypatch):
+    monkeypatch.setattr(worker, "_announced", None)
+    _check_announced(None)  # a fresh start
+    _check_announced("checkpoint_step_00000005")  # a restart after a failure, from a checkpoint of this run
+    monkeypatch.setattr(worker, "_announced", "checkpoint_step_00000010")
+    _check_announced("checkpoint_step_00000010")
+    _check_announced("checkpoint_step_00000015")  # restarted after Ray registered a newer one
+    for handed in (None, "checkpoint_step_00000005"):
+        with pytest.raises(RuntimeError, match=rf"Ray Train handed the workers {handed or 'no checkpoint'}, but the "
+                                               rf"driver announced a resume from checkpoint_step_00000010"):
+            _check_announced(handed)
+
+
+def test_the_random_streams_survive_a_weights_only_checkpoint(tmp_path):
+    def draws():
+        return random.random(), float(np.random.rand()), float(torch.rand(()))
+
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    draws()
+    torch.save({"rng_per_worker": [rng_state()]}, tmp_path / _STATE_FILE)
+    expected = draws()
+    random.seed(4), np.random.seed(5), torch.manual_seed(6)
+    set_rng_state(torch.load(tmp_path / _STATE_FILE, weights_only=True)["rng_per_worker"][0])  # no pickled code
+    assert draws() == expected
 
 
 def test_resuming_with_another_worker_count_is_refused(tmp_path):
@@ -87,13 +138,16 @@ DRIVER = """
 import signal, sys, time
 from pathlib import Path
 log = Path(sys.argv[1])
-def on(signum, frame):
+def note(signum, frame):
     with log.open("a") as f:
         f.write(signal.Signals(signum).name + "\\n")
+def on(signum, frame):
+    note(signum, frame)
     time.sleep(0.3)  # a driver shutting down gracefully
     sys.exit(7)
 signal.signal(signal.SIGINT, on)
 signal.signal(signal.SIGTERM, on)
+signal.signal(signal.SIGUSR1, note)  # Slurm's warning before the end of a job: the driver carries on
 log.write_text("")
 time.sleep(60)
 """
@@ -113,8 +167,24 @@ def test_the_launcher_passes_sigterm_and_ctrl_c_to_the_driver_once_and_waits(tmp
         time.sleep(0.05)
     if to_group:  # a Ctrl-C in the terminal goes to the launcher's whole process group
         os.killpg(launcher.pid, sig)
-    else:  # `kill <pid>` / a scheduler's SIGTERM goes to the launcher alone
+    else:  # `kill <pid>` / a scheduler's SIGTERM goes to the launcher alone, as does Slurm's SIGUSR1 before it
+        launcher.send_signal(signal.SIGUSR1)
+        while "SIGUSR1" not in log.read_text():
+            assert time.monotonic() < deadline and launcher.poll() is None, launcher.stderr.read()
+            time.sleep(0.05)
         launcher.send_signal(sig)
     assert launcher.wait(timeout=30) == 7  # it waited for the driver and returned its status
-    assert log.read_text().split() == [sig.name]  # the driver got the signal exactly once
+    assert log.read_text().split() == ([] if to_group else ["SIGUSR1"]) + [sig.name]  # the driver got each once
     assert "Traceback" not in launcher.stderr.read()
+
+
+def test_the_ray_recipes_launch_scripts_run_the_same_commands():
+    """Each Ray recipe's launch.sh is the same program (their comments differ): the recipe tests run one
+    recipe's resume through its launch.sh and the others' through the driver, forked (no interpreter start-up)."""
+    def commands(recipe: str) -> list[str]:
+        lines = (ROOT / "recipes" / recipe / "launch.sh").read_text().splitlines()
+        return [line.split("  #")[0].rstrip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+
+    scripts = {r: commands(r) for r in ("resnet50-ray-ddp", "qwen-ray-sft", "two-tower-ray")}
+    assert scripts["resnet50-ray-ddp"][-1].startswith('exec python3 -m cookbook.ray_train.launch "$HERE/train.py"')
+    assert scripts["qwen-ray-sft"] == scripts["resnet50-ray-ddp"] == scripts["two-tower-ray"]

@@ -1,8 +1,11 @@
 """The ResNet Ray Train recipe on CPU: 2 Ray workers (gloo) on a Ray head in the test's folder."""
 
 import io
-import json
+import os
+import re
 import shutil
+import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -10,47 +13,91 @@ import pytest
 import torch
 from PIL import Image
 from conftest import ROOT, read_jsonl
-from ray_cluster import recipe_module, run_driver_forked, run_launch, summary
+from ray_cluster import (kill_a_worker, paused, ray_processes, recipe_module, registered, run_driver_forked, run_launch,
+                         summary, train_steps, wait_for)
 
 from cookbook.checkpoint import CheckpointError
 
 RECIPE = ROOT / "recipes" / "resnet50-ray-ddp"
 
 
-def test_stop_after_the_first_checkpoint_resume_and_learn(ray_env, tmp_path, monkeypatch):
-    out = tmp_path / "run"
-    # The stopped run: the driver forked from pytest (no interpreter start-up); the resume goes through launch.sh.
-    first = run_driver_forked("resnet50-ray-ddp", ray_env, f"output_dir={out}", "train.stop_at_epoch=1")
-    assert first.returncode == 0, first.stderr[-4000:]
-    assert (out / "checkpoint_epoch_0001" / "state.pt").is_file() and not (out / "checkpoint_epoch_0002").exists()
-    records = read_jsonl(out / "metrics.jsonl")
-    assert [r["step"] for r in records if r["event"] == "train"] == [1, 2, 3, 4]  # 64 images / (8 x 2 workers)
-    assert summary(records)["reports_per_worker"] == [1, 1]
+def test_killed_then_preempted_resumes_take_the_uninterrupted_steps_and_learn(ray_env, tmp_path, monkeypatch):
+    """Three runs in one folder, 8 steps per epoch (64 images / (4 x 2 workers)), each step's loss and top-1
+    compared with the first run's uninterrupted steps 1-24:
 
-    # As after an interruption: a later checkpoint folder that Ray had not registered yet.
-    shutil.copytree(out / "checkpoint_epoch_0001", out / "checkpoint_epoch_0002")
-    meta = json.loads((out / "checkpoint_epoch_0002" / "meta.json").read_text())
-    (out / "checkpoint_epoch_0002" / "meta.json").write_text(json.dumps({**meta, "epoch": 2, "step": 8}))
+    1. killed with epoch 1's checkpoint registered and epochs 2 and 3 written after it: Ray's controller (which
+       collects the workers' reports) is paused once it registered epoch 1, so the workers report epoch 2, then
+       block on epoch 3's report; one is SIGKILLed;
+    2. the same command through launch.sh resumes from epoch 1 and gets SIGTERM a few steps into epoch 2 (one
+       worker paused meanwhile, so that the stop falls mid-epoch): every worker stops after the same step, saves
+       a checkpoint there, and the run exits 75;
+    3. the same command resumes mid-epoch (the augmentations' random streams restored) and finishes.
+    """
+    out = tmp_path / "run"
+    batch = "train.micro_batch_size=4"
+
+    def kill_with_two_checkpoints_unregistered(driver: int):
+        wait_for(lambda: registered(out) == "checkpoint_epoch_0001", "epoch 1's checkpoint registered")
+        [controller] = ray_processes(ray_env, "TrainController")
+        with paused(controller):
+            wait_for(lambda: (out / "checkpoint_epoch_0003" / "meta.json").is_file(), "epoch 3's checkpoint")
+            kill_a_worker(ray_env)
+
+    # The driver forked from pytest (no interpreter start-up); the resume goes through launch.sh.
+    first = run_driver_forked("resnet50-ray-ddp", ray_env, f"output_dir={out}", batch,
+                              alongside=kill_with_two_checkpoints_unregistered)
+    assert first.returncode == 1 and "Training failed due to worker errors" in first.stderr, first.stderr[-4000:]
+    assert registered(out) == "checkpoint_epoch_0001" and (out / "checkpoint_epoch_0003" / "state.pt").is_file()
+    records = read_jsonl(out / "metrics.jsonl")
+    uninterrupted = {r["step"]: r for r in records if r["event"] == "train"}
+    assert [r["step"] for r in records if r["event"] == "train"] == list(range(1, 25))
+    uninterrupted_evals = [r for r in records if r["event"] == "eval"]  # epochs 1-3
+    seen = after_first = len(records)
+
     monkeypatch.delenv("RAY_ADDRESS", raising=False)  # plan on this machine, as launch.sh's check does
     with pytest.raises(CheckpointError, match="written by 2 workers but this job has 1"):  # before Ray starts
         recipe_module("resnet50-ray-ddp").main(["--config", str(RECIPE / "tiny.yaml"), "--check", f"output_dir={out}",
-                                                "ray.num_workers=1"])
+                                                batch, "ray.num_workers=1"])
 
-    second = run_launch("resnet50-ray-ddp", ray_env, f"output_dir={out}")  # same command: Ray resumes the run
-    assert second.returncode == 0, second.stderr[-4000:]
-    assert "resuming from" in second.stderr and "checkpoint_epoch_0002 were written after it but not registered" in second.stderr
-    assert "resumed from" in second.stderr and "checkpoint_epoch_0001 (epoch 1, step 4, world_size 2)" in second.stderr
+    def preempt_mid_epoch(launcher: int):
+        wait_for(lambda: len(train_steps(out)) >= 24 + 2, "the resumed run's second step")
+        with paused(ray_processes(ray_env, "RayTrainWorker")[-1]):  # the other worker waits for it in a collective
+            os.kill(launcher, signal.SIGTERM)  # a scheduler's stop; launch.sh's launcher passes it to the driver
+            time.sleep(1.5)  # the driver asks the workers to stop; rank 0 reads it at its next step boundary
+
+    second = run_launch("resnet50-ray-ddp", ray_env, f"output_dir={out}", batch, alongside=preempt_mid_epoch)
+    assert second.returncode == 75, second.stderr[-4000:]
+    assert ("resuming from" in second.stderr and "checkpoint_epoch_0001 (epoch 1); checkpoint_epoch_0002, "
+            "checkpoint_epoch_0003 were written after it but not registered" in second.stderr)
+    assert re.search(r"resumed from \S+/checkpoint_epoch_0001 \(epoch 1, step 8, world_size 2\)", second.stderr)
+    assert "SIGTERM: the workers stop after their next step and save a checkpoint" in second.stderr
+    stopped = [r["step"] for r in read_jsonl(out / "metrics.jsonl")[seen:] if r["event"] == "train"]
+    stop = stopped[-1]
+    assert 10 < stop < 16 and stopped == list(range(9, stop + 1)), stopped  # mid-epoch 2 (steps 9-16)
+    assert (f"preempted (SIGTERM): every worker stopped after step {stop} and saved {out}/checkpoint_epoch_0001_step_"
+            f"{stop:08d}; run the same command again to continue (exit status 75)") in second.stderr
+    assert registered(out) == f"checkpoint_epoch_0001_step_{stop:08d}"
+    seen = len(read_jsonl(out / "metrics.jsonl"))
+
+    third = run_driver_forked("resnet50-ray-ddp", ray_env, f"output_dir={out}", batch)
+    assert third.returncode == 0, third.stderr[-4000:]
+    assert f"resuming from {out}/checkpoint_epoch_0001_step_{stop:08d} (epoch 1, step {stop})" in third.stderr
     records = read_jsonl(out / "metrics.jsonl")
-    train = [r for r in records if r["event"] == "train"]
-    assert [r["step"] for r in train] == list(range(1, 17))  # the second run continued at step 5
-    loss = {r["step"]: r["loss"] for r in train}
-    first_epoch, last_epoch = sum(loss[s] for s in range(1, 5)) / 4, sum(loss[s] for s in range(13, 17)) / 4
+    train = [r for r in records[seen:] if r["event"] == "train"]
+    assert [r["step"] for r in train] == list(range(stop + 1, 33))  # continued after the step it stopped at
+    resumed = {r["step"]: r for r in records[after_first:] if r["event"] == "train"}  # the 2nd and 3rd runs
+    for step in range(9, 25):  # after each resume: the uninterrupted run's loss and top-1 (its augmentations)
+        assert (resumed[step]["loss"], resumed[step]["top1"]) == (uninterrupted[step]["loss"], uninterrupted[step]["top1"]), step
+    loss = {**{k: r["loss"] for k, r in uninterrupted.items()}, **{k: r["loss"] for k, r in resumed.items()}}
+    first_epoch, last_epoch = sum(loss[s] for s in range(1, 9)) / 8, sum(loss[s] for s in range(25, 33)) / 8
     assert last_epoch < 0.85 * first_epoch, (first_epoch, last_epoch)
     end = summary(records)
     assert end["reports_per_worker"] == [3, 3] and end["epoch"] == 4  # every worker reported each epoch
     assert end["param_fingerprints"][0] == end["param_fingerprints"][1]  # DDP replicas agree
-    evals = [r for r in records if r["event"] == "eval"]
-    assert [e["step"] for e in evals] == [4, 8, 12, 16] and all(e["eval/images"] == 16 for e in evals)
+    evals = [r for r in records[seen:] if r["event"] == "eval"]
+    assert [e["step"] for e in evals] == [16, 24, 32] and all(e["eval/images"] == 16 for e in evals)
+    assert [(e["eval/loss"], e["eval/top1"]) for e in evals[:2]] == \
+        [(e["eval/loss"], e["eval/top1"]) for e in uninterrupted_evals[1:]]  # epochs 2 and 3
     alone = evaluate_checkpoint(out)  # the same weights in one process: each image counted once, same numbers
     assert alone["images"] == 16 and evals[-1]["eval/top1"] == alone["top1"]
     assert evals[-1]["eval/loss"] == pytest.approx(alone["loss"], rel=1e-5), (evals[-1], alone)
@@ -68,22 +115,54 @@ def evaluate_checkpoint(out: Path) -> dict[str, float]:
     _, val, classes = train.load_data(cfg.data, cfg.train.seed, verify=False)
     model = train.build_model(cfg.model, len(classes))
     newest = sorted(out.glob("checkpoint_epoch_*"))[-1]
-    model.load_state_dict(torch.load(newest / "state.pt", weights_only=False)["model"])
+    model.load_state_dict(torch.load(newest / "state.pt", weights_only=True)["model"])
     loader = torch.utils.data.DataLoader(train.ImageDataset(val, train.ImageTransform(cfg.data.image_size, train=False)),
                                          batch_size=5)
     return train.evaluate(model, loader, torch.device("cpu"), bf16=False, channels_last=False)
 
 
-def test_eval_set_smaller_than_the_world_finishes_and_counts_each_image_once(ray_env, tmp_path):
-    out = tmp_path / "run"
-    # 80 images x 0.0125: one validation image for two workers, so worker 1 evaluates nothing.
-    proc = run_driver_forked("resnet50-ray-ddp", ray_env, f"output_dir={out}", "train.epochs=1",
-                             "data.val_fraction=0.0125", timeout=180)  # a hang is killed at the timeout
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    final = [r for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "eval"][-1]
-    alone = evaluate_checkpoint(out)
-    assert final["eval/images"] == alone["images"] == 1
-    assert final["eval/top1"] == alone["top1"] and final["eval/loss"] == pytest.approx(alone["loss"], rel=1e-5)
+def _evaluate_replicas(overrides: list[str]) -> tuple[dict, dict | None]:
+    """The recipe's evaluation on each of 2 workers, as its train loop runs it: replicas with the same weights
+    but their own BatchNorm statistics (each trained on its own batches), `sync_buffers`, then `evaluate` of
+    this worker's `validation_shard`. Returns the result and rank 0's weights."""
+    import cookbook
+
+    train = recipe_module("resnet50-ray-ddp")
+    info = cookbook.get_dist_info()
+    cfg = train.load_config(train.Config, RECIPE / "tiny.yaml", overrides)
+    train.check_config(cfg, RECIPE)
+    _, val, classes = train.load_data(cfg.data, cfg.train.seed, verify=False)
+    torch.manual_seed(cfg.train.seed)
+    model = train.build_model(cfg.model, len(classes))
+    with torch.no_grad():  # BatchNorm running statistics that differ between the workers
+        model.train()
+        model(torch.rand(4, 3, cfg.data.image_size, cfg.data.image_size, generator=torch.Generator().manual_seed(info.rank)))
+    train.sync_buffers(model)
+    shard = torch.utils.data.DataLoader(train.validation_shard(val, cfg.data.image_size, info.rank, info.world_size),
+                                        batch_size=cfg.train.micro_batch_size)
+    result = train.evaluate(model, shard, info.device, bf16=False, channels_last=False)
+    return result, model.state_dict() if info.is_main else None
+
+
+def test_eval_set_smaller_than_the_world_finishes_and_counts_each_image_once(tmp_path):
+    """80 images x 0.0125: one validation image for two workers, so worker 1 evaluates nothing (and must not hang)."""
+    import cookbook
+
+    overrides = ["data.val_fraction=0.0125", f"output_dir={tmp_path / 'run'}"]
+    results = cookbook.distributed(num_processes=2, start_method="fork", timeout_minutes=1)(_evaluate_replicas).distributed(overrides)
+    (final, state), (other, _) = results
+    assert final == other  # summed over both workers: the same on each
+    train = recipe_module("resnet50-ray-ddp")
+    cfg = train.load_config(train.Config, RECIPE / "tiny.yaml", overrides)
+    train.check_config(cfg, RECIPE)
+    _, val, classes = train.load_data(cfg.data, cfg.train.seed, verify=False)
+    model = train.build_model(cfg.model, len(classes))
+    model.load_state_dict(state)  # rank 0's weights and statistics, evaluated in one process
+    loader = torch.utils.data.DataLoader(train.ImageDataset(val, train.ImageTransform(cfg.data.image_size, train=False)),
+                                         batch_size=5)
+    alone = train.evaluate(model, loader, torch.device("cpu"), bf16=False, channels_last=False)
+    assert final["images"] == alone["images"] == 1
+    assert final["top1"] == alone["top1"] and final["loss"] == pytest.approx(alone["loss"], rel=1e-5)
 
 
 # ----------------------------------------------------------------------------- bad input (before Ray starts)

@@ -18,7 +18,8 @@ What this recipe supports:
       position ids; loss normalised by the assistant tokens of the whole global batch.
     - Checkpoints every ``checkpoint.every_steps`` through ``ray.train.report`` (model, optimizer,
       scheduler, step); re-running with the same ``output_dir`` resumes at that step (the data order
-      is replayed); ``ray.max_failures`` restarts failed workers from the newest checkpoint.
+      is replayed); ``ray.max_failures`` restarts failed workers from the newest checkpoint; SIGTERM
+      or SIGUSR1 to ``launch.sh`` stops every worker after the same step with a checkpoint and exits 75.
       Final export in Hugging Face format.
     - Metrics (cookbook.metrics): loss, tokens/s per GPU, MFU, memory; console, metrics.jsonl, MLflow.
 """

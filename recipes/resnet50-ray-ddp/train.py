@@ -18,8 +18,11 @@ What this recipe supports:
       random-resized-crop + flip for training, resize + centre crop for evaluation (PIL); images
       travel as uint8 and are normalised on the device.
     - bf16 autocast and channels-last on GPU; SGD with momentum, warm-up + cosine decay, label smoothing.
-    - A checkpoint each epoch through ``ray.train.report`` (model, optimizer, scheduler, epoch);
-      re-running with the same ``output_dir`` resumes; ``ray.max_failures`` restarts failed workers.
+    - A checkpoint each epoch through ``ray.train.report`` (model, optimizer, scheduler, epoch, each
+      worker's random streams); re-running with the same ``output_dir`` resumes, and the resumed run's
+      steps (augmentations included) are the uninterrupted run's; ``ray.max_failures`` restarts the
+      workers from the newest checkpoint when one dies; SIGTERM or SIGUSR1 to ``launch.sh`` stops every
+      worker after the same step with a checkpoint (mid-epoch) and exits 75.
     - Metrics (cookbook.metrics): loss, top-1 accuracy, images/s per GPU, data-wait, memory; eval
       loss and top-1 each epoch; console, metrics.jsonl and MLflow.
 """
@@ -268,6 +271,13 @@ class ImageDataset(Dataset):
         return self.transform(row["image"]), int(row["label"])
 
 
+def validation_shard(samples, image_size: int, rank: int, world_size: int) -> Dataset:
+    """Worker `rank`'s share of the validation `samples` (as `ImageDataset` takes them): every `world_size`-th
+    from `rank` on, possibly none, with the evaluation transform; the shards of all workers cover each once."""
+    return torch.utils.data.Subset(ImageDataset(samples, ImageTransform(image_size, train=False)),
+                                   range(rank, len(samples), world_size))
+
+
 # ----------------------------------------------------------------------------- model and step
 def torchvision_available() -> bool:
     """True when torchvision imports beside this torch (it does not beside the CPU torch 2.13 wheel)."""
@@ -399,12 +409,13 @@ def train_loop(config_dict: dict) -> None:
 
     # ---- set-up: data, model (DDP), optimizer, resume
     train_set, val_set, classes = load_data(cfg.data, cfg.train.seed, verify=False)  # the driver verified
-    loader_kw = dict(num_workers=cfg.data.num_workers, pin_memory=on_gpu, persistent_workers=cfg.data.num_workers > 0)
+    # Loader processes start afresh each epoch (not persistent): their augmentation streams are seeded from this
+    # worker's torch stream, which checkpoints restore, so a resumed run augments as an uninterrupted one.
+    loader_kw = dict(num_workers=cfg.data.num_workers, pin_memory=on_gpu)
     train_loader = ray.train.torch.prepare_data_loader(DataLoader(
         ImageDataset(train_set, ImageTransform(cfg.data.image_size, train=True)),
         batch_size=cfg.train.micro_batch_size, shuffle=True, drop_last=True, **loader_kw))
-    val_shard = torch.utils.data.Subset(ImageDataset(val_set, ImageTransform(cfg.data.image_size, train=False)),
-                                        range(info.rank, len(val_set), info.world_size))
+    val_shard = validation_shard(val_set, cfg.data.image_size, info.rank, info.world_size)
     val_loader = ray.train.torch.prepare_data_loader(
         DataLoader(val_shard, batch_size=cfg.train.micro_batch_size, **loader_kw), add_dist_sampler=False)
     steps_per_epoch = len(train_loader)

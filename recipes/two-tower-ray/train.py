@@ -21,7 +21,8 @@ What this recipe supports:
       a disjoint slice of the users (possibly none) and the counts are summed once.
     - Ray Train ``TorchTrainer`` with ``prepare_model`` (DDP) and ``prepare_data_loader``; a checkpoint
       each epoch through ``ray.train.report``; re-running with the same ``output_dir`` resumes;
-      ``ray.max_failures`` restarts failed workers. Metrics through cookbook.metrics (console,
+      ``ray.max_failures`` restarts failed workers; SIGTERM or SIGUSR1 to ``launch.sh`` stops every worker
+      after the same step with a checkpoint and exits 75. Metrics through cookbook.metrics (console,
       metrics.jsonl, MLflow).
 """
 

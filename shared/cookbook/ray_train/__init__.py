@@ -13,6 +13,10 @@ A Ray recipe's ``train.py`` has two halves, and so has this package:
 ``python -m cookbook.ray_train.launch train.py --config ...`` (`cookbook.ray_train.launch`, what each
 ``launch.sh`` runs) starts the driver on one node, bootstraps a cluster of several, or joins one.
 An exception of a class defined in the recipe reaches the driver as `RecipeError`.
+
+Faults: a re-run resumes from the newest checkpoint Ray registered (the driver names it, the workers
+check it); ``ray.max_failures`` restarts the worker group from it when a worker dies; SIGTERM or SIGUSR1
+to the driver stops every worker after the same step with a checkpoint, and the driver exits 75.
 """
 
 from cookbook.ray_train.driver import (

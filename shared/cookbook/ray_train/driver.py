@@ -11,14 +11,23 @@ Layout: ``output_dir`` is Ray's run folder (``storage_path`` = its parent, ``nam
 so checkpoints (``checkpoint_epoch_<n>/`` or ``checkpoint_step_<n>/``: ``state.pt`` and ``meta.json``),
 ``metrics.jsonl`` and the MLflow store sit side by side. With several nodes it must be on storage every
 node mounts. A re-run with the same ``output_dir`` resumes from the newest checkpoint Ray registered
-(its snapshot file), the one ``ray.train.get_checkpoint()`` gives the workers.
+(its snapshot file), the one ``ray.train.get_checkpoint()`` gives the workers; the driver names that one
+(``resuming from ...``), and the workers check that they got it.
+
+Preemption: SIGTERM or SIGUSR1 to the driver (``launch.sh`` passes SIGTERM on; a scheduler's stop, Slurm's
+``--signal`` warning) asks the workers to stop (`request_stop`); every worker stops after the same step,
+saves a checkpoint there, and the driver exits 75 (`cookbook.entry.EXIT_PREEMPTED`); the same command
+resumes with no step lost. A second signal ends the driver at once.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
+import signal
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -29,6 +38,8 @@ import torch
 
 from cookbook.checkpoint import CheckpointError, ResumeGuard, read_meta
 from cookbook.config import ConfigError, to_dict
+from cookbook.entry import EXIT_PREEMPTED
+from cookbook.loop import PREEMPT_SIGNALS, Preempted
 from cookbook.ray_train.worker import _STATE_FILE
 
 _SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"  # Ray Train's record of the run's registered checkpoints
@@ -149,10 +160,71 @@ class RayDriver:
         if self.resume is not None:
             self.guard.check_world_size(self.resume, self.meta, num_workers)
         check_shared_storage(cfg.output_dir)
-        result = fit(script, to_dict(cfg), cfg.output_dir, cfg.ray, num_workers, use_gpu, cfg.checkpoint.keep_last)
-        print(f"done: {result.metrics} | checkpoint {result.checkpoint.path if result.checkpoint else None} | metrics "
-              f"{Path(cfg.output_dir) / 'metrics.jsonl'}", file=sys.stderr)
+        with _StopOnSignal() as stop:
+            result = fit(script, to_dict(cfg), cfg.output_dir, cfg.ray, num_workers, use_gpu, cfg.checkpoint.keep_last,
+                         announced=self.resume.name if self.resume is not None else None, stop_key=stop.key)
+        checkpoint = result.checkpoint.path if result.checkpoint else None
+        if stop.signum is not None and (result.metrics or {}).get("preempted"):
+            print(f"preempted ({signal.Signals(stop.signum).name}): every worker stopped after step "
+                  f"{result.metrics.get('step')}{f' and saved {checkpoint}' if checkpoint else ''}; run the same "
+                  f"command again to continue (exit status {EXIT_PREEMPTED})", file=sys.stderr)
+            raise Preempted(EXIT_PREEMPTED)
+        print(f"done: {result.metrics} | checkpoint {checkpoint} | metrics {Path(cfg.output_dir) / 'metrics.jsonl'}",
+              file=sys.stderr)
         return result
+
+
+class _StopOnSignal:
+    """While the run goes on (a ``with`` block in the main thread, Ray connected): the first SIGTERM or SIGUSR1
+    asks the workers to stop (`request_stop` under `key`, from a thread: no Ray call inside a signal handler),
+    a second one ends the process at once. ``signum``: the first signal, or ``None``."""
+
+    def __init__(self) -> None:
+        self.key = f"cookbook-stop-{uuid.uuid4().hex}"
+        self.signum: int | None = None
+        self._asked, self._done = threading.Event(), threading.Event()
+        self._previous: dict = {}
+
+    def __enter__(self) -> _StopOnSignal:
+        def on_signal(signum, frame):
+            if self.signum is not None:  # the second: at once
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+            self.signum = signum
+            self._asked.set()
+
+        def ask() -> None:
+            while not self._done.is_set():
+                if self._asked.wait(0.2):
+                    print(f"{signal.Signals(self.signum).name}: the workers stop after their next step and save a "
+                          f"checkpoint (send it again to stop at once)", file=sys.stderr)
+                    request_stop(self.key)
+                    return
+
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, on_signal) for sig in PREEMPT_SIGNALS}
+        self._thread = threading.Thread(target=ask, name="cookbook-stop", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        self._done.set()
+        self._thread.join(timeout=5)
+        if self.signum is not None:
+            from ray.experimental.internal_kv import _internal_kv_del
+
+            _internal_kv_del(self.key)
+
+
+def request_stop(key: str) -> None:
+    """Ask the workers of the run that got `key` (`fit`'s ``stop_key``) to stop after their next step and save a
+    checkpoint there (`cookbook.ray_train.WorkerRun`): sets `key` in Ray's key-value store, which rank 0 reads
+    (`cookbook.ray_train.worker.stop_requested`). Needs Ray connected (``ray.init``)."""
+    from ray.experimental.internal_kv import _internal_kv_put
+
+    _internal_kv_put(key, b"1")
 
 
 # ----------------------------------------------------------------------------- resume
@@ -162,11 +234,10 @@ class _RayCheckpoints(ResumeGuard):
     count is refused.
 
     `latest` is the checkpoint a re-run resumes from: the newest in Ray Train's snapshot
-    (``checkpoint_manager_snapshot.json``), the one ``ray.train.get_checkpoint()`` returns to the workers.
-    Ray registers a reported checkpoint once every worker has reported it, so after an interruption the
-    folder of a later checkpoint can exist on disk although Ray will not resume from it. Without a
-    readable snapshot (a run that stopped before its first checkpoint, or a Ray version that writes
-    another format) the newest complete folder on disk is taken.
+    (``checkpoint_manager_snapshot.json``), the one ``ray.train.get_checkpoint()`` returns to the workers,
+    and nothing without a snapshot (Ray then starts afresh). Ray registers a reported checkpoint once
+    every worker has reported it, so after an interruption the folder of a later checkpoint can exist on
+    disk, complete, although Ray will not resume from it (and none may be registered yet).
     """
 
     def __init__(self, output_dir: str | Path, unit: str):
@@ -175,12 +246,44 @@ class _RayCheckpoints(ResumeGuard):
                          cannot_remap="the global batch, learning rate and steps per epoch would change mid-run")
 
     def latest(self) -> Path | None:
+        """The newest checkpoint Ray Train registered in the run folder, or ``None`` (no snapshot, or none
+        registered in it).
+
+        Raises:
+            CheckpointError: the snapshot is unreadable, was written by another Ray version (Ray refuses
+                both), or names a folder that is not a complete checkpoint.
+        """
+        snapshot = self.root / _SNAPSHOT_FILE
+        if not snapshot.is_file():
+            return None
         try:
-            latest = json.loads((self.root / _SNAPSHOT_FILE).read_text()).get("latest_checkpoint_result")
-        except (OSError, ValueError, AttributeError):
-            return super().latest()
-        name = (latest or {}).get("checkpoint_dir_name")
-        return self.root / name if name and self.is_complete(self.root / name) else None
+            data = json.loads(snapshot.read_text())
+            latest = data.get("latest_checkpoint_result")
+            name = (latest or {}).get("checkpoint_dir_name")
+        except (OSError, ValueError, AttributeError) as exc:
+            raise CheckpointError(f"{snapshot}: Ray Train's record of the run's checkpoints is unreadable "
+                                  f"({type(exc).__name__}: {exc}), and Ray cannot resume without it: start afresh "
+                                  f"with {self.start_afresh()}") from None
+        wrote, installed = data.get("ray_version"), _ray_version()
+        if wrote and installed and wrote != installed:
+            raise CheckpointError(f"{snapshot} was written by Ray {wrote}, and Ray {installed} does not resume from "
+                                  f"it: install ray=={wrote} to continue this run, or start afresh with "
+                                  f"{self.start_afresh()}")
+        if not name:
+            return None
+        path = self.root / name
+        if not self.is_complete(path):
+            raise CheckpointError(f"{path}: Ray Train registered it as the run's newest checkpoint, but it is missing "
+                                  f"or incomplete (it needs {', '.join(('meta.json', *self.files))}): restore it, or "
+                                  f"start afresh with {self.start_afresh()}")
+        return path
+
+
+def _ray_version() -> str | None:
+    try:
+        return importlib.metadata.version("ray")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def _check_resume(guard: _RayCheckpoints, resume: str | None, config: Mapping[str, Any], may_change: tuple[str, ...],
@@ -200,13 +303,19 @@ def _check_resume(guard: _RayCheckpoints, resume: str | None, config: Mapping[st
         raise CheckpointError(f"{guard.resume_key}={resume!r}: Ray Train resumes a run from the newest checkpoint it "
                               f"registered in its output_dir, {latest}; use {guard.resume_key}=auto, or start afresh "
                               f"with {guard.start_afresh()}")
+    found = guard.complete_checkpoints()
+    unit = stop_at[0].rsplit("_", 1)[-1]
     if path is not None:
-        found = guard.complete_checkpoints()
         later = [p.name for p in found[found.index(path) + 1:]] if path in found else []
-        unit = stop_at[0].rsplit("_", 1)[-1]
-        print(f"resuming from {path} ({unit} {read_meta(path).get(unit)})"
+        meta = read_meta(path)
+        mid_epoch = f", step {meta.get('step')}" if unit == "epoch" and "_step_" in path.name else ""
+        print(f"resuming from {path} ({unit} {meta.get(unit)}{mid_epoch})"
               + (f"; {', '.join(later)} were written after it but not registered by Ray before the run stopped, "
                  f"and will be replaced" if later else ""), file=sys.stderr)
+    elif found:  # written, but the run stopped before Ray registered any: Ray starts afresh
+        print(f"starting at {unit} 0: {', '.join(p.name for p in found)} in {guard.root} were written but not "
+              f"registered by Ray Train before the run stopped (Ray resumes only from a checkpoint it registered), "
+              f"and will be replaced", file=sys.stderr)
     return path
 
 
@@ -337,9 +446,15 @@ def _worker_entry(loop_config: dict) -> None:
 
     Importing by path (rather than letting Ray pickle the driver's ``__main__`` by value) gives
     the recipe's config dataclasses a real module, which OmegaConf needs to read their type hints.
+    The checkpoint the driver announced (``loop_config["announced"]``) is what the worker's
+    `cookbook.ray_train.load_checkpoint` checks Ray's against.
     """
     import importlib.util
 
+    from cookbook.ray_train import worker
+
+    worker._announced = loop_config.get("announced")
+    worker._stop_key = loop_config.get("stop_key")
     script = loop_config["script"]
     name = f"cookbook_recipe_{abs(hash(script))}"
     if name not in sys.modules:
@@ -356,14 +471,18 @@ def _worker_entry(loop_config: dict) -> None:
 
 
 def fit(script: str, config: Mapping[str, Any], output_dir: str, cfg: RayConfig, num_workers: int,
-        use_gpu: bool, keep_last: int = 2) -> Any:
+        use_gpu: bool, keep_last: int = 2, announced: str | None = None, stop_key: str | None = None) -> Any:
     """Run the function ``train_loop(config)`` of the recipe file `script` on `num_workers` Ray Train
     workers with DDP; returns the ``Result``. `script` must exist at the same path on every node;
     `config` is the run's config as a plain dict (rebuild it with `config_from_dict`).
 
     ``output_dir`` is the run folder (see the module docstring); a second call with the same one
-    resumes from its newest checkpoint. Raises the training error when the run failed after
-    ``cfg.max_failures`` restarts. `keep_last` newest checkpoints are kept (0: all).
+    resumes from its newest registered checkpoint, whose folder name the driver passes as `announced`
+    (the workers refuse to start from an older state). A worker that dies (its process killed, its node
+    lost) or raises stops the group; Ray then restarts the whole group from the newest checkpoint it
+    registered, at most ``cfg.max_failures`` times, and raises the training error after that.
+    `keep_last` newest checkpoints are kept (0: all). `stop_key`: the key `request_stop` sets to stop the
+    workers early, after a checkpoint (``None``: no such request is read).
     """
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -371,7 +490,8 @@ def fit(script: str, config: Mapping[str, Any], output_dir: str, cfg: RayConfig,
     out = Path(output_dir).expanduser().resolve()  # Ray's run folder is output_dir itself
     trainer = TorchTrainer(
         _worker_entry,
-        train_loop_config={"script": str(Path(script).resolve()), "config": dict(config)},
+        train_loop_config={"script": str(Path(script).resolve()), "config": dict(config), "announced": announced,
+                           "stop_key": stop_key},
         scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu,
                                      resources_per_worker={"CPU": cfg.cpus_per_worker, **({"GPU": 1} if use_gpu else {})}),
         run_config=RunConfig(name=out.name, storage_path=str(out.parent),

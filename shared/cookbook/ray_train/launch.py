@@ -40,9 +40,10 @@ def _ray_cli() -> str:
 
 
 def _run_forwarding_signals(cmd: list[str], env: dict[str, str] | None = None) -> int:
-    """Run `cmd` and return its exit status; SIGINT and SIGTERM sent to this process are passed on
-    to it once, and this process waits for it to finish (on SIGINT a Ray driver aborts its run
-    gracefully; on SIGTERM Ray ends it at once, and Ray's processes go with it).
+    """Run `cmd` and return its exit status; SIGINT, SIGTERM and SIGUSR1 sent to this process are passed
+    on to it, and this process waits for it to finish (on SIGINT a Ray driver aborts its run gracefully;
+    on SIGTERM or SIGUSR1 a cookbook driver has every worker stop after its next step and save a
+    checkpoint, and exits 75: `cookbook.ray_train.RayDriver.run`).
 
     The child gets its own session, so a Ctrl-C in the terminal reaches it once, through this
     process, rather than twice (Ray's driver aborts at once on a second SIGINT).
@@ -53,7 +54,7 @@ def _run_forwarding_signals(cmd: list[str], env: dict[str, str] | None = None) -
         if child.poll() is None:
             child.send_signal(signum)
 
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
     try:
         return child.wait()  # resumed after each forwarded signal (PEP 475)
     finally:

@@ -25,13 +25,16 @@ runs counted in epochs:
         run.finish(inner)                       # summary record, or how to continue a stopped run
 
 A checkpoint is a folder ``checkpoint_<unit>_<n>`` holding ``state.pt`` (`torch.save` of the state
-dicts, from rank 0) and ``meta.json`` (``epoch`` for epoch runs, ``step``, ``world_size``, ``config``),
-which the driver's resume guard reads (`cookbook.ray_train.RayDriver`).
+dicts and of every worker's random streams, from rank 0) and ``meta.json`` (``epoch`` for epoch runs,
+``step``, ``world_size``, ``config``), which the driver's resume guard reads (`cookbook.ray_train.RayDriver`).
+``state.pt`` holds tensors and plain Python values only, and is read with ``torch.load(weights_only=True)``
+(no code runs when it is read).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -40,7 +43,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from cookbook.checkpoint import META_FILE
+from cookbook.checkpoint import META_FILE, RNGState
 from cookbook.config import save_config, to_dict, to_object
 from cookbook.dist import (DistInfo, _configure_logging, all_gather_object, all_reduce_mean, barrier, get_logger,
                            param_fingerprint)
@@ -48,6 +51,16 @@ from cookbook.loop import Outputs, log_outputs
 from cookbook.metrics import MetricsLogger, ModelFlops, StepProfiler
 
 _STATE_FILE = "state.pt"
+_RNG_KEY = "rng_per_worker"  # in state.pt: the random streams of each worker, indexed by rank
+_EPOCH_RNG_KEY = "epoch_rng_per_worker"  # mid-epoch checkpoints: each worker's streams when the epoch's batches began
+
+# The checkpoint folder name the driver announced ("resuming from ..."), or None: set in each worker by the
+# driver's entry function, checked against what Ray hands the worker (`load_checkpoint`).
+_announced: str | None = None
+# The key under which the driver asks the workers to stop (preemption: SIGTERM or SIGUSR1 to the driver), in
+# Ray's key-value store, or None: set in each worker by the driver's entry function (`stop_requested`).
+_stop_key: str | None = None
+STOP_POLL_S = 0.5  # rank 0 asks Ray whether a stop was requested at most this often
 
 
 def config_from_dict(schema: type, data: Mapping[str, Any]) -> Any:
@@ -103,21 +116,79 @@ def report(metrics: Mapping[str, float], state: Mapping[str, Any] | None = None,
 def load_checkpoint(map_location: torch.device | str = "cpu") -> tuple[dict[str, Any], dict[str, Any]] | None:
     """The newest checkpoint of this run as ``(state, meta)``, or ``None`` on a fresh start.
 
+    The checkpoint is the one ``ray.train.get_checkpoint()`` hands the worker: on a re-run, the one the
+    driver announced (``resuming from ...``); after a restart of the worker group (``ray.max_failures``),
+    the newest Ray registered since. ``state.pt`` is read with ``torch.load(weights_only=True)``: tensors
+    and plain Python values only, no code runs.
+
     On the CPU (the default) the file is memory-mapped (``torch.load(mmap=True)``): the workers of
     a node share one copy in the page cache instead of each reading the whole state (model and
     optimizer: 12 bytes per parameter for AdamW in fp32) into its own memory or GPU. Copy the values
-    into the model and optimizer with ``load_state_dict``, then drop `state`."""
+    into the model and optimizer with ``load_state_dict``, then drop `state`.
+
+    Raises:
+        RuntimeError: Ray hands no checkpoint, or an older one, than the driver announced (a bug: the
+            run would silently start over).
+    """
     import ray.train
 
     ckpt = ray.train.get_checkpoint()
+    _check_announced(Path(ckpt.path).name if ckpt is not None else None)
     if ckpt is None:
         return None
     with ckpt.as_directory() as d:
-        state = torch.load(Path(d) / _STATE_FILE, map_location=map_location, weights_only=False,
+        state = torch.load(Path(d) / _STATE_FILE, map_location=map_location, weights_only=True,
                            mmap=torch.device(map_location).type == "cpu")
         meta = json.loads((Path(d) / META_FILE).read_text())
     get_logger().info(f"resumed from {ckpt.path} ({_facts(meta)})")
     return state, meta
+
+
+def _check_announced(handed: str | None) -> None:
+    """Refuse to start from an older state than the driver announced (`_announced`): Ray hands `handed`
+    (a checkpoint folder name, or ``None``); a newer one is a restart after a failure, and fine."""
+    if _announced is None:
+        return
+
+    def number(name: str) -> int:
+        return int(re.findall(r"\d+", name)[-1])
+
+    if handed is None or number(handed) < number(_announced):
+        raise RuntimeError(f"Ray Train handed the workers {handed or 'no checkpoint'}, but the driver announced a "
+                           f"resume from {_announced}: the workers would not continue the run it named. This is a "
+                           f"bug; start afresh with a new output_dir")
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's random streams (Python, NumPy, torch CPU and CUDA; `cookbook.checkpoint.RNGState`) as
+    tensors and plain Python values, which ``torch.load(weights_only=True)`` reads back: NumPy's key
+    (624 uint32) becomes an int64 tensor. Restore with `set_rng_state`."""
+    state = RNGState().state_dict()
+    if "numpy" in state:
+        name, key, pos, has_gauss, gauss = state["numpy"]
+        state["numpy"] = (str(name), torch.from_numpy(key.astype("int64")), int(pos), int(has_gauss), float(gauss))
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore the random streams `rng_state` returned (in this or another process)."""
+    state = dict(state)
+    if "numpy" in state:
+        import numpy as np
+
+        name, key, pos, has_gauss, gauss = state["numpy"]
+        state["numpy"] = (name, key.numpy().astype(np.uint32), pos, has_gauss, gauss)
+    RNGState().load_state_dict(state)
+
+
+def stop_requested(key: str | None) -> bool:
+    """Whether the driver asked the workers to stop under `key` (`cookbook.ray_train.driver.request_stop`):
+    one read of Ray's key-value store (a round trip to its control store, ~1 ms). ``None``: never."""
+    if key is None:
+        return False
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    return _internal_kv_get(key) is not None
 
 
 def worker_summary(model: torch.nn.Module, reports: int) -> dict[str, list]:
@@ -137,8 +208,12 @@ class WorkerRun:
 
     Constructing it resumes: when Ray hands the worker a checkpoint (a restart after a failure, or a
     re-run with the same ``output_dir``), every object of `state` that has ``load_state_dict`` gets its
-    saved state back, and `step` and `epoch` continue from the checkpoint's. Then rank 0 writes the
-    config to ``<output_dir>/config.yaml`` and the `metrics` logger is opened.
+    saved state back, this worker's random streams (Python, NumPy, torch: data augmentation, dropout,
+    the data loader's seeds) continue where they were at the checkpoint (`rng_state`; each worker's are
+    saved), and `step` and `epoch` continue from the checkpoint's; so a resumed run takes the steps an
+    uninterrupted one would. Construct it after the set-up that draws random numbers (the model's
+    initialisation). Then rank 0 writes the config to ``<output_dir>/config.yaml`` and the `metrics`
+    logger is opened.
 
     Args:
         cfg: the recipe's config: ``output_dir``, ``run_name``, ``mlflow``, ``train.log_every``, and for
@@ -148,7 +223,7 @@ class WorkerRun:
         experiment: the MLflow experiment name.
         state: name -> what a checkpoint holds: objects with ``state_dict``/``load_state_dict`` (the unwrapped
             model, not DDP; the optimizer; the scheduler) are saved and restored, other values (a class list)
-            are saved as they are.
+            are saved as they are; tensors and plain Python values only (``weights_only`` loading).
         max_steps: optimizer steps of the whole run.
         steps_per_epoch: optimizer steps of one epoch; a log line ends every epoch.
         stop_at: ``("train.stop_at_epoch", n)`` (one checkpoint per epoch, `end_epoch`) or
@@ -163,12 +238,28 @@ class WorkerRun:
     ``train.profile_step`` (when the config has it, > 0) writes a ``torch.profiler`` trace of that step to
     ``<output_dir>/profile`` (`cookbook.metrics.StepProfiler`).
 
+    Preemption: when the driver is asked to stop (SIGTERM or SIGUSR1; `cookbook.ray_train.RayDriver.run`),
+    rank 0 sees it within `STOP_POLL_S` (`stop_requested`) and the workers agree on a step through an
+    asynchronous all-reduce started at each step boundary and read at the next (as
+    `cookbook.loop.TrainLoop`'s): every worker stops after the same step, saves a checkpoint there (in an
+    epoch run mid-epoch: ``checkpoint_epoch_<n>_step_<s>``, epochs done and steps done) and `finish`
+    ends the run as stopped (`preempted` is true). Resuming a mid-epoch checkpoint reads the epoch's
+    first batches again, from the random streams the epoch began with, and drops them (`timed`; a data
+    loader that reads ahead, as Ray's does, draws the next batch's augmentation as it did), then restores
+    the streams of the checkpoint: the resumed run takes the uninterrupted run's steps as long as the
+    model draws from other streams than the data pipeline (dropout from torch's, augmentations from
+    Python's or NumPy's), and with loader processes (``num_workers`` > 0) their augmentations start
+    from other seeds.
+
     Every method that logs, evaluates or checkpoints is collective: call it on every worker in the same order.
     """
 
     def __init__(self, cfg: Any, info: DistInfo, experiment: str, state: Mapping[str, Any], *, max_steps: int,
                  steps_per_epoch: int, stop_at: tuple[str, int], evaluate: Callable[[], Mapping[str, float]] | None = None,
                  flops: ModelFlops | None = None, count_tokens: bool = True, about: str = ""):
+        if {_RNG_KEY, _EPOCH_RNG_KEY} & set(state):
+            raise ValueError(f"state: {_RNG_KEY!r} and {_EPOCH_RNG_KEY!r} name the workers' random streams in a "
+                             f"checkpoint; use other names")
         self.cfg, self.info, self.state = cfg, info, dict(state)
         self.max_steps, self.steps_per_epoch = max_steps, steps_per_epoch
         self.stop_key, self.unit = stop_at[0], stop_at[0].rsplit("_", 1)[-1]
@@ -177,16 +268,31 @@ class WorkerRun:
         self.checkpoint_every = getattr(cfg.checkpoint, "every_steps", 0) if self.unit == "step" else 0
         self.evaluate, self.eval_every = evaluate, getattr(cfg.train, "eval_every", 0)
         self.step = self.epoch = self.reports = 0
-        self.stopped = False  # the run ended at its stop point, before the end
+        self.stopped = False  # the run ended at its stop point (or on a stop request), before the end
+        self.preempted = False  # the run stopped on the driver's stop request (SIGTERM / SIGUSR1), after a checkpoint
         self._last_eval: dict[str, float] = {}
+        self._stop_seen, self._next_poll, self._pending = False, 0.0, None
+        self._rng: Mapping[str, Any] | None = None  # the resumed random streams, restored again after a skip
+        self._epoch_rng: Mapping[str, Any] | None = None  # the streams when this epoch's batches began
         resumed = load_checkpoint()  # memory-mapped on the CPU, copied into the model and optimizer
         if resumed is not None:
             saved, meta = resumed
             for name, obj in self.state.items():
                 if hasattr(obj, "load_state_dict"):
                     obj.load_state_dict(saved[name])
+            if _RNG_KEY in saved:
+                self._rng = saved[_RNG_KEY][info.rank]
+                set_rng_state(self._rng)
+            if _EPOCH_RNG_KEY in saved:  # mid-epoch: replayed from these in `timed`
+                self._epoch_rng = saved[_EPOCH_RNG_KEY][info.rank]
+            else:
+                get_logger().warning("the checkpoint holds no random streams (an older version wrote it): data "
+                                     "augmentation and dropout continue from this run's seeds")
             self.step, self.epoch = meta["step"], meta.get("epoch", 0)
             del saved, resumed
+        self._saved_step = self.step  # the newest checkpoint's step
+        # An epoch run resumed mid-epoch (a preemption checkpoint): batches of this epoch already taken.
+        self._skip = self.step - self.epoch * steps_per_epoch if self.unit == "epoch" else 0
         out = Path(cfg.output_dir)
         if info.is_main:
             out.mkdir(parents=True, exist_ok=True)
@@ -216,31 +322,51 @@ class WorkerRun:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        if self._pending is not None and exc_type is None:  # the last boundary's all-reduce, never read
+            self._pending[0].wait()
+            self._pending = None
         self.metrics.close(failed=exc_type is not None, stopped=self.stopped)
 
     def steps(self) -> Iterator[int]:
-        """The number of each optimizer step to run (1-based), from the resumed one to the stop point (runs
-        counted in steps); each must end with `end_step`."""
+        """The number of each optimizer step to run (1-based), from the resumed one to the stop point or a
+        stop request (runs counted in steps); each must end with `end_step`."""
         while self.step < self.stop:
+            if self._agree_stop():
+                self._preempt()
+                return
             started = self.step
             yield started + 1
             if self.step == started:
                 raise RuntimeError("each step must end with run.end_step(...)")
 
     def epochs(self) -> Iterator[int]:
-        """The number of each epoch to run (0-based), from the resumed one to the stop point; each must end
-        with `end_epoch`."""
-        while self.epoch < self.stop:
+        """The number of each epoch to run (0-based), from the resumed one to the stop point or a stop
+        request; each must end with `end_epoch`."""
+        while self.epoch < self.stop and not self.preempted:
             started = self.epoch
             yield started
-            if self.epoch == started:
+            if self.epoch == started and not self.preempted:
                 raise RuntimeError("each epoch must end with run.end_epoch(...)")
 
-    @staticmethod
-    def timed(batches: Iterable) -> Iterator[tuple[Any, float]]:
-        """``(batch, seconds waited for it)`` for each batch of `batches` (the data-wait of the metrics)."""
+    def timed(self, batches: Iterable) -> Iterator[tuple[Any, float]]:
+        """``(batch, seconds waited for it)`` for each batch of `batches` (the data-wait of the metrics). In an
+        epoch run, the batches of one epoch: it ends early on a stop request (after a checkpoint), and after a
+        mid-epoch resume it first reads the batches already taken and drops them."""
+        if self._skip and self._epoch_rng is not None:
+            set_rng_state(self._epoch_rng)  # the epoch's batches are read again as they were first
+        if self.unit == "epoch":
+            self._epoch_rng = rng_state()
         it = iter(batches)
+        if self._skip:
+            for _ in range(self._skip):
+                next(it)
+            if self._rng is not None:
+                set_rng_state(self._rng)  # as at the checkpoint
+            self._skip = 0
         while True:
+            if self.unit == "epoch" and self._agree_stop():
+                self._preempt()
+                return
             t0 = time.perf_counter()
             try:
                 batch = next(it)
@@ -281,7 +407,10 @@ class WorkerRun:
 
     def end_epoch(self, evaluate: Callable[[], Mapping[str, float]]) -> dict[str, float]:
         """Count one epoch, evaluate (`evaluate` runs on every worker and returns metrics summed or averaged
-        over them) and checkpoint; neither counts in the step time. Returns the evaluation's metrics."""
+        over them) and checkpoint; neither counts in the step time. Returns the evaluation's metrics (``{}``
+        for an epoch cut short by a stop request: nothing is counted)."""
+        if self.preempted:
+            return {}
         self.epoch += 1
         with self.metrics.paused():
             values = self._last_eval = dict(evaluate())
@@ -290,13 +419,53 @@ class WorkerRun:
         return values
 
     def _checkpoint(self, values: Mapping[str, float]) -> None:
-        n = self.done
         counts = {"epoch": self.epoch} if self.unit == "epoch" else {}
+        if self.unit == "step":
+            label = f"step_{self.step:08d}"
+        else:  # mid-epoch (a preemption): epochs done and steps done
+            label = f"epoch_{self.epoch:04d}" + (f"_step_{self.step:08d}" if self.step % self.steps_per_epoch else "")
+        rng = {_RNG_KEY: all_gather_object(rng_state())}  # every worker's streams, saved by rank 0
+        if self.unit == "epoch" and self.step % self.steps_per_epoch:
+            rng[_EPOCH_RNG_KEY] = all_gather_object(self._epoch_rng)
         report({**counts, "step": self.step, **values},
-               state={k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in self.state.items()},
-               label=f"{self.unit}_{n:0{4 if self.unit == 'epoch' else 8}d}",
+               state={**{k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in self.state.items()}, **rng},
+               label=label,
                meta={**counts, "step": self.step, "world_size": self.info.world_size, "config": to_dict(self.cfg)})
         self.reports += 1
+        self._saved_step = self.step
+
+    def _agree_stop(self) -> bool:
+        """Whether the workers have agreed to stop here (collective: call it at every step boundary on every worker).
+
+        Rank 0 reads the driver's request (`stop_requested`, at most every `STOP_POLL_S`); each boundary starts an
+        asynchronous all-reduce (max) of that flag and reads the one started at the previous boundary, so every
+        worker decides on the same reduction and stops after the same step, without waiting on the device."""
+        if _stop_key is None:
+            return False
+        if self.info.is_main and not self._stop_seen and time.monotonic() >= self._next_poll:
+            self._stop_seen = stop_requested(_stop_key)
+            self._next_poll = time.monotonic() + STOP_POLL_S
+        if not dist.is_initialized():
+            return self._stop_seen
+        decided = False
+        if self._pending is not None:
+            work, flag = self._pending
+            work.wait()
+            decided = flag.item() > 0
+        flag = torch.tensor([1.0 if self._stop_seen else 0.0], device=self.info.device)
+        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
+        return decided
+
+    def _preempt(self) -> None:
+        """Stop here on the driver's request: a checkpoint at this step unless the newest is at it (then a report
+        alone); either way the last report says ``preempted``, which the driver reads."""
+        self.preempted = True
+        with self.metrics.paused():
+            if self._saved_step != self.step:
+                self._checkpoint({"preempted": 1.0})
+            else:
+                report({**({"epoch": self.epoch} if self.unit == "epoch" else {}), "step": self.step, "preempted": 1.0})
+                self.reports += 1
 
     def _reset_window(self) -> None:
         self._loss: torch.Tensor | float = torch.zeros((), device=self.info.device)
@@ -317,14 +486,18 @@ class WorkerRun:
         Returns:
             The final evaluation's metrics (``{}`` without one).
         """
-        final_eval = dict(self.evaluate()) if self.evaluate is not None else {}
+        final_eval = dict(self.evaluate()) if self.evaluate is not None and not self.preempted else {}
         if final_eval:
             self.metrics.log_eval(self.step, final_eval)
         else:
             final_eval = self._last_eval
         workers = worker_summary(model, self.reports)
         outputs: dict[str, tuple[Path | None, str]] = {}
-        if self.done < self.total:
+        if self.preempted:
+            self.stopped = True
+            get_logger().info(f"stopped after step {self.step} ({self.unit} {self.done} of {self.total}) on the "
+                              f"driver's stop request, with a checkpoint at it; run the same command again to continue")
+        elif self.done < self.total:
             self.stopped = True
             get_logger().info(f"stopped {'after' if self.unit == 'epoch' else 'at'} {self.unit} {self.done} of "
                               f"{self.total} ({self.stop_key}); run again without it to continue")
