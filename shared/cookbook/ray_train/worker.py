@@ -283,11 +283,11 @@ class WorkerRun:
             if _RNG_KEY in saved:
                 self._rng = saved[_RNG_KEY][info.rank]
                 set_rng_state(self._rng)
-            if _EPOCH_RNG_KEY in saved:  # mid-epoch: replayed from these in `timed`
-                self._epoch_rng = saved[_EPOCH_RNG_KEY][info.rank]
             else:
                 get_logger().warning("the checkpoint holds no random streams (an older version wrote it): data "
                                      "augmentation and dropout continue from this run's seeds")
+            if _EPOCH_RNG_KEY in saved:  # mid-epoch: replayed from these in `timed`
+                self._epoch_rng = saved[_EPOCH_RNG_KEY][info.rank]
             self.step, self.epoch = meta["step"], meta.get("epoch", 0)
             del saved, resumed
         self._saved_step = self.step  # the newest checkpoint's step
