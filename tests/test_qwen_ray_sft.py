@@ -59,6 +59,7 @@ def test_killed_before_ray_registers_then_stop_resume_survive_a_killed_worker_le
     assert "checkpoint_step_00000008 (step 8); checkpoint_step_00000016 were written after it but not registered" in second.stderr
     loaded = re.findall(r"resumed from \S+/(checkpoint_step_\d+) \(step (\d+), world_size 2\)", second.stderr)
     assert loaded == [("checkpoint_step_00000008", "8"), ("checkpoint_step_00000012", "12")]  # then the restarted group
+    assert "holds no random streams" not in second.stderr
     records = read_jsonl(out / "metrics.jsonl")[seen:]
     steps = [r["step"] for r in records if r["event"] == "train"]
     last = len(steps) + 4  # steps 9..last before the kill (12 <= last), 13..16 after the restart

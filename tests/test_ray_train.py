@@ -89,6 +89,12 @@ def test_the_workers_refuse_an_older_state_than_the_driver_announced(monkeypatch
     monkeypatch.setattr(worker, "_announced", "checkpoint_step_00000010")
     _check_announced("checkpoint_step_00000010")
     _check_announced("checkpoint_step_00000015")  # restarted after Ray registered a newer one
+    monkeypatch.setattr(worker, "_announced", "checkpoint_epoch_0001_step_00000012")  # a preemption mid-epoch 2
+    _check_announced("checkpoint_epoch_0001_step_00000012")
+    _check_announced("checkpoint_epoch_0002")
+    with pytest.raises(RuntimeError, match="handed the workers checkpoint_epoch_0001, but the driver announced"):
+        _check_announced("checkpoint_epoch_0001")
+    monkeypatch.setattr(worker, "_announced", "checkpoint_step_00000010")
     for handed in (None, "checkpoint_step_00000005"):
         with pytest.raises(RuntimeError, match=rf"Ray Train handed the workers {handed or 'no checkpoint'}, but the "
                                                rf"driver announced a resume from checkpoint_step_00000010"):

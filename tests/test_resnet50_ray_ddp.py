@@ -82,6 +82,7 @@ def test_killed_then_preempted_resumes_take_the_uninterrupted_steps_and_learn(ra
     third = run_driver_forked("resnet50-ray-ddp", ray_env, f"output_dir={out}", batch)
     assert third.returncode == 0, third.stderr[-4000:]
     assert f"resuming from {out}/checkpoint_epoch_0001_step_{stop:08d} (epoch 1, step {stop})" in third.stderr
+    assert "holds no random streams" not in second.stderr + third.stderr
     records = read_jsonl(out / "metrics.jsonl")
     train = [r for r in records[seen:] if r["event"] == "train"]
     assert [r["step"] for r in train] == list(range(stop + 1, 33))  # continued after the step it stopped at

@@ -150,10 +150,10 @@ def _check_announced(handed: str | None) -> None:
     if _announced is None:
         return
 
-    def number(name: str) -> int:
-        return int(re.findall(r"\d+", name)[-1])
+    def position(name: str) -> tuple[int, ...]:  # (step,), (epoch,) or, mid-epoch, (epoch, step)
+        return tuple(int(n) for n in re.findall(r"\d+", name))
 
-    if handed is None or number(handed) < number(_announced):
+    if handed is None or position(handed) < position(_announced):
         raise RuntimeError(f"Ray Train handed the workers {handed or 'no checkpoint'}, but the driver announced a "
                            f"resume from {_announced}: the workers would not continue the run it named. This is a "
                            f"bug; start afresh with a new output_dir")
@@ -283,11 +283,11 @@ class WorkerRun:
             if _RNG_KEY in saved:
                 self._rng = saved[_RNG_KEY][info.rank]
                 set_rng_state(self._rng)
-            if _EPOCH_RNG_KEY in saved:  # mid-epoch: replayed from these in `timed`
-                self._epoch_rng = saved[_EPOCH_RNG_KEY][info.rank]
             else:
                 get_logger().warning("the checkpoint holds no random streams (an older version wrote it): data "
                                      "augmentation and dropout continue from this run's seeds")
+            if _EPOCH_RNG_KEY in saved:  # mid-epoch: replayed from these in `timed`
+                self._epoch_rng = saved[_EPOCH_RNG_KEY][info.rank]
             self.step, self.epoch = meta["step"], meta.get("epoch", 0)
             del saved, resumed
         self._saved_step = self.step  # the newest checkpoint's step
