@@ -51,7 +51,7 @@ def main() -> None:
     print(f"{args.mode}, {'fused' if args.fused else 'foreach'} AdamW, "
           f"{sum(q.numel() for q in model.parameters()) / 1e6:.1f} M params | built: {mem()}")
     if args.mode == "resume":
-        state = torch.load(args.state, map_location="cpu", mmap=True, weights_only=False)
+        state = torch.load(args.state, map_location="cpu", mmap=True, weights_only=True)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         del state
