@@ -4,7 +4,8 @@ import json
 
 import pytest
 import torch
-from conftest import ROOT, check, launch, load_recipe, main_in_workers, read_jsonl, train_losses
+from conftest import (ROOT, check, kill_worker, launch, load_recipe, main_in_workers, read_jsonl, start_launch,
+                      train_losses, wait_for)
 
 import cookbook
 from cookbook.checkpoint import CheckpointError
@@ -28,9 +29,9 @@ def tiny_config(*overrides):
 
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
+    """An uninterrupted run of tiny.yaml (2 forked workers; `test_a_killed_worker_...` goes through launch.sh)."""
     out = tmp_path_factory.mktemp("fsdp-full") / "run"
-    proc = launch("qwen-fsdp2-sft", f"output_dir={out}")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    main_in_workers("qwen-fsdp2-sft", f"output_dir={out}")
     return out
 
 
@@ -119,12 +120,22 @@ def test_hub_id_loads_from_the_cache_offline_and_eval_of_one_row_on_two_ranks_is
     assert float(result["loss"]) == pytest.approx(float(expected), rel=1e-5)
 
 
-def test_resume_matches_an_uninterrupted_run(full_run, tmp_path):
+def test_a_killed_worker_restarts_and_the_run_ends_like_an_uninterrupted_one(full_run, tmp_path):
+    """FSDP2 under a real fault: launch.sh as users run it, rank 0 SIGKILLed right after the checkpoint of step 15
+    is published; the launcher restarts the group, which reloads the sharded model and optimizer (DCP) and the
+    data position, and finishes with the uninterrupted run's per-step losses."""
     out = tmp_path / "run"
-    main_in_workers("qwen-fsdp2-sft", f"output_dir={out}", "train.stop_at_step=15")  # forked: no start-up
-    second = launch("qwen-fsdp2-sft", f"output_dir={out}")  # the resume goes through launch.sh, as users run it
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert "resumed from" in second.stderr and "(step 15)" in second.stderr
+    proc = start_launch("qwen-fsdp2-sft", f"output_dir={out}")
+    try:
+        wait_for(proc, lambda: (out / "checkpoints" / "step_00000015").is_dir())
+        kill_worker(proc, rank="0")
+        _, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert "restart 1 of 3: rank 0 was killed by SIGKILL" in err, err[-3000:]
+    assert "resumed from" in err and "(step 15)" in err, err[-3000:]
     expected, got = train_losses(full_run / "metrics.jsonl"), train_losses(out / "metrics.jsonl")
     torch.testing.assert_close(torch.tensor([got[s] for s in range(1, 31)], dtype=torch.float64),
                                torch.tensor([expected[s] for s in range(1, 31)], dtype=torch.float64), rtol=1e-5, atol=0)
