@@ -77,6 +77,21 @@ def kill_worker(proc: subprocess.Popen, rank: str = "1") -> int:
     return workers[rank].pid
 
 
+def launch_and_kill(recipe: str, *overrides: str, once: Path, rank: str = "1",
+                    timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run ``launch.sh`` of `recipe` (as `start_launch`), SIGKILL the worker of global rank `rank` as soon as the
+    folder `once` exists (a checkpoint just published), and wait for the launcher; returns it finished."""
+    proc = start_launch(recipe, *overrides)
+    try:
+        wait_for(proc, once.is_dir)
+        kill_worker(proc, rank=rank)
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 def load_recipe(recipe: str):
     """``recipes/<recipe>/train.py`` as a module (recipes are folders, not packages), loaded once."""
     import importlib.util

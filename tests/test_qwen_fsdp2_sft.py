@@ -4,8 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import (ROOT, check, kill_worker, launch, load_recipe, main_in_workers, read_jsonl, start_launch,
-                      train_losses, wait_for)
+from conftest import ROOT, check, launch, launch_and_kill, load_recipe, main_in_workers, read_jsonl, train_losses
 
 import cookbook
 from cookbook.checkpoint import CheckpointError
@@ -125,14 +124,8 @@ def test_a_killed_worker_restarts_and_the_run_ends_like_an_uninterrupted_one(ful
     is published; the launcher restarts the group, which reloads the sharded model and optimizer (DCP) and the
     data position, and finishes with the uninterrupted run's per-step losses."""
     out = tmp_path / "run"
-    proc = start_launch("qwen-fsdp2-sft", f"output_dir={out}")
-    try:
-        wait_for(proc, lambda: (out / "checkpoints" / "step_00000015").is_dir())
-        kill_worker(proc, rank="0")
-        _, err = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    proc = launch_and_kill("qwen-fsdp2-sft", f"output_dir={out}", once=out / "checkpoints" / "step_00000015", rank="0")
+    err = proc.stderr
     assert proc.returncode == 0, err[-3000:]
     assert "restart 1 of 3: rank 0 was killed by SIGKILL" in err, err[-3000:]
     assert "resumed from" in err and "(step 15)" in err, err[-3000:]

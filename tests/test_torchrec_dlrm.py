@@ -6,12 +6,10 @@ resumed run goes through launch.sh, the way users run the recipe, so its --check
 """
 
 import re
-import subprocess
 
 import pytest
 import torch
-from conftest import (ROOT, check, kill_worker, launch, load_recipe, main_in_workers, read_jsonl, start_launch,
-                      train_losses, wait_for)
+from conftest import ROOT, check, launch, launch_and_kill, load_recipe, main_in_workers, read_jsonl, train_losses
 
 import cookbook
 from cookbook.checkpoint import CheckpointError
@@ -82,17 +80,11 @@ def resumed(tmp_path_factory):
     base = tmp_path_factory.mktemp("dlrm-resume")
     full = run_forked(base / "full", *COMMON, "checkpoint.every_steps=15")
     out = base / "resumed"
-    proc = start_launch("torchrec-dlrm", f"output_dir={out}", *COMMON, "checkpoint.every_steps=15")
-    try:
-        wait_for(proc, lambda: (out / "checkpoints" / "step_00000015").is_dir())
-        kill_worker(proc, rank="1")
-        stdout, stderr = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
-    assert "restart 1 of 3: rank 1 was killed by SIGKILL" in stderr, stderr[-3000:]
-    return full, out, subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    proc = launch_and_kill("torchrec-dlrm", f"output_dir={out}", *COMMON, "checkpoint.every_steps=15",
+                           once=out / "checkpoints" / "step_00000015", rank="1")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "restart 1 of 3: rank 1 was killed by SIGKILL" in proc.stderr, proc.stderr[-3000:]
+    return full, out, proc
 
 
 def test_resume_gives_the_uninterrupted_losses(resumed):
