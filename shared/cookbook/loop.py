@@ -176,6 +176,43 @@ class EpochBatches:
         return [b for b, _ in pairs], [w for _, w in pairs]
 
 
+class StopVote:
+    """The ranks' agreement on stopping at a step boundary, without a device wait.
+
+    Each call (one per step boundary, on every rank) starts an asynchronous all-reduce (max) of this rank's flag
+    and returns the result of the one started at the previous boundary, long finished by then: every rank
+    decides on the same reduction, so all stop after the same step, one boundary after the first request.
+    Without a process group the flag is the answer.
+
+    Args:
+        device: where the flag lives (the process group's device: a GPU for NCCL).
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._pending = None  # (work, flag) of the all-reduce started at the last boundary
+
+    def __call__(self, requested: bool) -> bool:
+        """Vote `requested` at this boundary; ``True`` when the vote of the previous boundary was to stop
+        (collective)."""
+        if not dist.is_initialized():
+            return requested
+        decided = False
+        if self._pending is not None:
+            work, flag = self._pending
+            work.wait()
+            decided = flag.item() > 0
+        flag = torch.tensor([1.0 if requested else 0.0], device=self.device)
+        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
+        return decided
+
+    def finish(self) -> None:
+        """Wait for the last boundary's all-reduce, never read (call on every rank after the loop)."""
+        if self._pending is not None:
+            self._pending[0].wait()
+            self._pending = None
+
+
 class TrainLoop:
     """Step counting, metric windows, eval and checkpoint cadence around a recipe's own step body.
 
@@ -229,7 +266,7 @@ class TrainLoop:
         self._stop_requested = False
         self._stop_signal: int | None = None
         self._handlers: dict = {}
-        self._pending = None  # (work, flag) of the stop all-reduce started at the last step boundary
+        self._vote = StopVote(self.device)  # the ranks' agreement on a preemption stop
         self._saved_step = -1
         self.on_nonfinite, self.max_consecutive_skips = on_nonfinite, max_consecutive_skips
         self.skipped_steps = 0  # steps skipped for a non-finite loss or gradient norm since this process started
@@ -284,9 +321,8 @@ class TrainLoop:
                 that is behind (`cookbook.dist.describe_stall`)."""
         for sig, handler in self._handlers.items():
             signal.signal(sig, handler)
-        if self._pending is not None and exc_type is None:  # the last boundary's all-reduce, never read
-            self._pending[0].wait()
-            self._pending = None
+        if exc_type is None:
+            self._vote.finish()
         preempted = isinstance(exc, Preempted)
         self.metrics.close(failed=exc_type is not None and not preempted, stopped=self.stopped or preempted)
         if (exc is not None and not isinstance(exc, OneLineError) and dist.is_initialized()
@@ -306,22 +342,8 @@ class TrainLoop:
         self._stop_signal = signum
 
     def _agree_stop(self) -> bool:
-        """Whether the ranks have agreed to stop here (collective when a process group exists).
-
-        Each boundary starts an asynchronous all-reduce (max) of this rank's flag and reads the one started
-        at the previous boundary, whose result is long there: every rank decides on the same reduction, so
-        they all stop after the same step (one step after the request), and no step waits on the GPU for it.
-        """
-        if not dist.is_initialized():
-            return self._stop_requested
-        decided = False
-        if self._pending is not None:
-            work, flag = self._pending
-            work.wait()
-            decided = flag.item() > 0
-        flag = torch.tensor([1.0 if self._stop_requested else 0.0], device=self.device)
-        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
-        return decided
+        """Whether the ranks have agreed to stop here (collective when a process group exists; `StopVote`)."""
+        return self._vote(self._stop_requested)
 
     def steps(self) -> Iterator[int]:
         """Yield the number of each step to run (``state.step + 1``) until `max_steps`, ``stop_at_step``

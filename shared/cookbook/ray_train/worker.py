@@ -47,7 +47,7 @@ from cookbook.checkpoint import META_FILE, RNGState
 from cookbook.config import save_config, to_dict, to_object
 from cookbook.dist import (DistInfo, _configure_logging, all_gather_object, all_reduce_mean, barrier, get_logger,
                            param_fingerprint)
-from cookbook.loop import Outputs, log_outputs
+from cookbook.loop import Outputs, StopVote, log_outputs
 from cookbook.metrics import MetricsLogger, ModelFlops, StepProfiler
 
 _STATE_FILE = "state.pt"
@@ -271,7 +271,7 @@ class WorkerRun:
         self.stopped = False  # the run ended at its stop point (or on a stop request), before the end
         self.preempted = False  # the run stopped on the driver's stop request (SIGTERM / SIGUSR1), after a checkpoint
         self._last_eval: dict[str, float] = {}
-        self._stop_seen, self._next_poll, self._pending = False, 0.0, None
+        self._stop_seen, self._next_poll, self._vote = False, 0.0, StopVote(self.info.device)
         self._rng: Mapping[str, Any] | None = None  # the resumed random streams, restored again after a skip
         self._epoch_rng: Mapping[str, Any] | None = None  # the streams when this epoch's batches began
         resumed = load_checkpoint()  # memory-mapped on the CPU, copied into the model and optimizer
@@ -322,9 +322,8 @@ class WorkerRun:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if self._pending is not None and exc_type is None:  # the last boundary's all-reduce, never read
-            self._pending[0].wait()
-            self._pending = None
+        if exc_type is None:
+            self._vote.finish()
         self.metrics.close(failed=exc_type is not None, stopped=self.stopped)
 
     def steps(self) -> Iterator[int]:
@@ -437,24 +436,14 @@ class WorkerRun:
     def _agree_stop(self) -> bool:
         """Whether the workers have agreed to stop here (collective: call it at every step boundary on every worker).
 
-        Rank 0 reads the driver's request (`stop_requested`, at most every `STOP_POLL_S`); each boundary starts an
-        asynchronous all-reduce (max) of that flag and reads the one started at the previous boundary, so every
-        worker decides on the same reduction and stops after the same step, without waiting on the device."""
+        Rank 0 reads the driver's request (`stop_requested`, at most every `STOP_POLL_S`); the workers agree on it
+        with `cookbook.loop.StopVote`, so all stop after the same step, without waiting on the device."""
         if _stop_key is None:
             return False
         if self.info.is_main and not self._stop_seen and time.monotonic() >= self._next_poll:
             self._stop_seen = stop_requested(_stop_key)
             self._next_poll = time.monotonic() + STOP_POLL_S
-        if not dist.is_initialized():
-            return self._stop_seen
-        decided = False
-        if self._pending is not None:
-            work, flag = self._pending
-            work.wait()
-            decided = flag.item() > 0
-        flag = torch.tensor([1.0 if self._stop_seen else 0.0], device=self.info.device)
-        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
-        return decided
+        return self._vote(self._stop_seen)
 
     def _preempt(self) -> None:
         """Stop here on the driver's request: a checkpoint at this step unless the newest is at it (then a report
