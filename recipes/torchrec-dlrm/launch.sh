@@ -7,7 +7,7 @@
 # process first (train.py --check), then torchrun starts the workers (python -m cookbook.launch).
 # A worker killed (SIGKILL, out of memory) or crashed mid-run restarts the whole group, which resumes from the
 # newest checkpoint: MAX_RESTARTS times at most (default 3, as torchrun's fault-tolerant example; 0: none).
-# Bad input (exit 2), a preemption (75), Ctrl-C (130) and SIGTERM to this script are never restarted.
+# Bad input (exit 2), a divergence (4), a preemption (75), Ctrl-C (130) and SIGTERM to this script are never restarted.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 exec python3 -m cookbook.launch --ngpu "${NGPU:-}" --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" \

@@ -71,6 +71,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from cookbook.config import flatten
 from cookbook.dist import barrier, get_logger
+from cookbook.torchrun import RESTART_COUNT_ENV
 
 META_FILE = "meta.json"
 DCP_METADATA = ".metadata"  # DCP's index of a checkpoint: which bytes of which file hold each tensor
@@ -442,7 +443,7 @@ def restarted() -> bool:
     """Whether this process is a worker of a group that its launcher started again after a failure:
     ``COOKBOOK_RESTART_COUNT`` (`cookbook.torchrun`) or torchrun's own ``TORCHELASTIC_RESTART_COUNT`` above 0."""
     return any(os.environ.get(k, "0").strip() not in ("", "0")
-               for k in ("COOKBOOK_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"))
+               for k in (RESTART_COUNT_ENV, "TORCHELASTIC_RESTART_COUNT"))
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:

@@ -16,7 +16,7 @@ group is started again, up to N times, only when the first failure (`should_rest
   SIGSEGV, SIGBUS, SIGABRT from a collective's watchdog, ...), or
 - exit status 1 (a bug or library failure, e.g. a GPU's fault) or 3 (lost contact with another rank),
 
-and never after 2 (bad input), 75 (preempted), 130 (interrupted), a worker ended by SIGTERM, SIGINT,
+and never after 2 (bad input), 4 (diverged), 75 (preempted), 130 (interrupted), a worker ended by SIGTERM, SIGINT,
 SIGHUP, SIGQUIT or SIGUSR1, nor once the launcher itself was sent SIGTERM or SIGUSR1 (Slurm's warning:
 the job still ends with 75). Each restart prints one line::
 
