@@ -16,23 +16,52 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def free_port() -> int:
+# Ports for rendezvous and Ray heads come from a block of this test process's own, below Linux's ephemeral range
+# (32768-60999, where the kernel picks the ports of gloo's connections and of bind(0)): the pytest-xdist workers
+# (README's test command: -n 2) never hand out the same port, and no connection takes one between its pick and
+# its use. Picks step by 8, so a launcher's restarts (MASTER_PORT + attempt) stay inside the pick.
+_PORT_BLOCK = 4000
+_PORT_STEP = 8
+_worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+_PORT_BASE = 20000 + _PORT_BLOCK * (int(_worker[2:]) % 3 if _worker[2:].isdigit() else 0)
+_next_port = _PORT_BASE
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1, never the same twice in one test session (see `_PORT_BLOCK`)."""
+    return free_ports(1)[0]
 
 
 def free_ports(n: int) -> list[int]:
-    """`n` distinct free ports: the sockets are held together while the ports are picked (one at a time, a
-    closed port can be handed out again by the next pick)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """`n` distinct free ports from this test process's block (each the start of `_PORT_STEP` free ones)."""
+    global _next_port
+    ports: list[int] = []
+    for _ in range(_PORT_BLOCK // _PORT_STEP):
+        port = _next_port
+        _next_port = _PORT_BASE + (_next_port - _PORT_BASE + _PORT_STEP) % _PORT_BLOCK
+        if all(_bindable(port + k) for k in range(_PORT_STEP)):
+            ports.append(port)
+            if len(ports) == n:
+                return ports
+    raise RuntimeError(f"no {n} free ports in {_PORT_BASE}-{_PORT_BASE + _PORT_BLOCK - 1}")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Groups for pytest-xdist's ``--dist loadgroup``: a module's tests run in one worker (its module fixtures are
+    built once), and every test that joins the session's Ray head runs in the same worker (one head at a time:
+    a second would compete for Ray's fixed ports)."""
+    for item in items:
+        group = "ray" if "ray_env" in getattr(item, "fixturenames", ()) else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 def start_launch(recipe: str, *overrides: str, config: str = "tiny.yaml", ngpu: int = 2, cwd: Path | None = None,

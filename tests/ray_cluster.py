@@ -30,7 +30,8 @@ from conftest import ROOT, free_port, load_recipe
 def start_head(base: Path, num_cpus: int = 3) -> tuple[subprocess.Popen, dict]:
     """Start ``ray start --head --block`` in its own session; returns the process and the environment
     (``RAY_ADDRESS`` set) a launch needs. 3 CPUs: 2 one-CPU workers and one left free (a Ray Data read needs a CPU of its own)."""
-    port = free_port()
+    port = free_port()  # and the 7 after it (conftest._PORT_STEP): every port the head's own processes listen on,
+    # so a second Ray head on this machine (another test process, an engineer's) cannot take one of Ray's defaults first
     env = {**os.environ, "HOME": str(base / "home"), "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
            "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",  # one actor less per run
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
@@ -38,7 +39,10 @@ def start_head(base: Path, num_cpus: int = 3) -> tuple[subprocess.Popen, dict]:
     env.pop("RAY_ADDRESS", None)
     (base / "home").mkdir(parents=True, exist_ok=True)
     head = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", f"--port={port}",
-                             "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}", "--num-gpus=0",
+                             f"--dashboard-agent-listen-port={port + 2}",
+                             f"--dashboard-agent-grpc-port={port + 3}", f"--runtime-env-agent-port={port + 4}",
+                             f"--metrics-export-port={port + 5}", f"--object-manager-port={port + 6}",
+                             f"--node-manager-port={port + 7}", "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}", "--num-gpus=0",
                              f"--temp-dir={base / 'ray'}", "--include-dashboard=false", "--disable-usage-stats"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 60
