@@ -1,9 +1,12 @@
 """Summarise recipe runs from their metrics.jsonl files as a Markdown table.
 
     python benchmarks/summarize.py --skip-steps 20 outputs/run-a outputs/run-b
+    python benchmarks/summarize.py --skip-steps 4 --json results.jsonl outputs/run-a outputs/run-b
 
 Throughput columns are medians over the logged windows after `--skip-steps` (warm-up and
 first-step compilation excluded); memory is the peak over the run; accuracy is the final eval.
+``--json PATH`` also appends one JSON object per run to PATH: the table's row, the loss of every logged
+step (``losses``, step -> loss) and the software (``date``, ``device``, ``torch``, ``transformers``, ``cuda``).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", type=Path, help="run output folders (holding metrics.jsonl)")
     parser.add_argument("--skip-steps", type=int, default=20)
+    parser.add_argument("--json", type=Path, default=None, help="JSONL file to append one object per run to")
     args = parser.parse_args()
     import torch
     import transformers
@@ -69,6 +73,19 @@ def main() -> None:
     for row in rows:
         cells = [f"{v:,.1f}" if isinstance(v, float) else ("" if v is None else str(v)) for v in (row.get(c) for c in cols)]
         print("| " + " | ".join(cells) + " |")
+    if args.json:
+        software = {"date": datetime.date.today().isoformat(), "device": gpu, "torch": torch.__version__,
+                    "transformers": transformers.__version__, "cuda": torch.version.cuda}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        with args.json.open("a") as f:
+            for run, row in zip(args.runs, rows):
+                f.write(json.dumps({**row, "losses": losses(run), **software}) + "\n")
+
+
+def losses(run: Path) -> dict[int, float]:
+    """Step -> training loss of every logged step of `run`."""
+    recs = (json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines())
+    return {r["step"]: r["loss"] for r in recs if r["event"] == "train"}
 
 
 if __name__ == "__main__":

@@ -70,7 +70,9 @@ def tiny_config(*overrides):
 
 @cookbook.distributed(num_processes=2, start_method="fork")
 def _one_step(init: str, overrides: tuple, eval_rows: list) -> dict:
-    """One forward/backward on the same batch with EP=2, then EP=1; LoRA gradients of the unsharded model,
+    """One forward/backward on the same batch with EP=2, then EP=1 (expert LoRA on the routed tokens, the
+    default), then EP=2 with PEFT's expert forward (``"2-peft"``) and EP=2 with the MoE blocks recomputed in
+    backward, all-to-all included (``"2-ckpt"``); LoRA gradients of the unsharded model,
     what each rank holds, and whether an optimizer step left the base weights alone. Before that step: the
     eval loss over `eval_rows` (sharded over the ranks as the recipe does it) and, for EP=1, the full base
     weights as loaded (the LoRA factors start as the identity: B = 0)."""
@@ -84,8 +86,10 @@ def _one_step(init: str, overrides: tuple, eval_rows: list) -> dict:
     batch = {"input_ids": torch.randint(3, 500, (2, 24)), "labels": torch.randint(3, 500, (2, 24))}
     mine = {k: v[info.rank:info.rank + 1] for k, v in batch.items()}  # each rank its own row, as in training
     result = {}
-    for ep in (2, 1):
-        cfg = tiny_config(f"model.name_or_path={init}", "model.pretrained=true", f"parallel.ep={ep}", *overrides)
+    for key in (2, 1, "2-peft", "2-ckpt"):
+        ep, path, ckpt = {"2-peft": (2, "peft", "none"), "2-ckpt": (2, "routed", "experts")}.get(key, (key, "routed", "none"))
+        cfg = tiny_config(f"model.name_or_path={init}", "model.pretrained=true", f"parallel.ep={ep}",
+                          f"lora.expert_lora={path}", f"train.activation_checkpointing={ckpt}", *overrides)
         model, flops, par = train.build_model(cfg, info)
         router = moe.RouterStats(model)
         loss_sum = sft.token_loss_sum(model, mine)
@@ -106,7 +110,7 @@ def _one_step(init: str, overrides: tuple, eval_rows: list) -> dict:
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1, foreach=False)
         optimizer.step()
         changed = [n for n, t in local.items() if not torch.equal(t, base[n])]
-        result[ep] = {"loss": losses, "aux": float(aux), "grads": grads, "changed": changed,
+        result[key] = {"loss": losses, "aux": float(aux), "grads": grads, "changed": changed,
                       "local_experts": tuple(experts.to_local().shape), "global_experts": tuple(experts.shape),
                       "lora_a_local": tuple(lora_a.to_local().shape) if lora_a is not None else None,
                       "active": flops.num_params, "eval": evaluation, "loaded": loaded}
@@ -128,6 +132,11 @@ def test_ep2_equals_ep1_and_each_rank_holds_its_experts(init, model, overrides, 
     r = _one_step.distributed(f"cookbook-tests/{model}", overrides, evals[:1])[0]
     ep2, ep1 = r[2], r[1]
     torch.testing.assert_close(ep2["loss"], ep1["loss"], rtol=LOSS_RTOL, atol=0)
+    for other in ("2-peft", "2-ckpt"):  # PEFT's expert forward; the MoE blocks recomputed: the same loss and gradients
+        torch.testing.assert_close(r[other]["loss"], ep1["loss"], rtol=LOSS_RTOL, atol=0)
+        assert set(r[other]["grads"]) == set(ep1["grads"])
+        for name in ep1["grads"]:
+            torch.testing.assert_close(r[other]["grads"][name], ep1["grads"][name], **GRAD_TOL, msg=f"{other} {name}")
     assert ep2["aux"] > 0.5  # Switch aux loss is ~1 at balance
     assert set(ep2["grads"]) == set(ep1["grads"]) and any("experts" in n for n in ep1["grads"])
     for name in ep1["grads"]:

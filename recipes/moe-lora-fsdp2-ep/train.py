@@ -19,8 +19,8 @@ What this recipe supports:
     - Expert parallelism (``parallel.ep``, 1 = off): a (dp, ep) device mesh; rank j of each EP group keeps
       experts [j*E/ep, (j+1)*E/ep) of every MoE layer, base weights and LoRA factors alike
       (``cookbook.moe.split_experts``). Routing runs on every rank; each (token, expert) pair is sent to the
-      rank that holds the expert with an autograd ``all_to_all_single`` (counts exchanged first), computed by
-      the model's own expert code on the local experts, sent back, weighted and summed (``ep_dispatch``).
+      rank that holds the expert with an autograd ``all_to_all_single`` (counts exchanged first), computed on
+      the local experts, sent back, weighted and summed (``ep_dispatch``).
       Everything else is FSDP2.
     - FSDP2: ``fully_shard`` on each MoE experts module over the dp dimension (gradients divided by the
       world size), on every decoder layer and on the root over all ranks; ``train.mixed_precision`` bf16
@@ -29,7 +29,12 @@ What this recipe supports:
     - LoRA (PEFT): ``lora.target_modules`` (attention projections) and ``lora.target_parameters`` (the
       fused expert weights, PEFT's ``target_parameters``); rank, alpha, dropout in the config; base
       weights frozen. The adapter is created on the whole model before the experts are split, so its
-      initial values do not depend on the EP degree.
+      initial values do not depend on the EP degree. ``lora.expert_lora=routed`` (default) computes the
+      experts, base and LoRA, as grouped GEMMs over the tokens routed to them, x_e W_e^T + s (x_e A_e^T) B_e^T
+      (``cookbook.moe.use_routed_lora``); ``peft`` runs PEFT's own forward, which folds W_e + s B_e A_e for
+      every expert in every forward. Both keep PEFT's modules and adapter format.
+    - Activation checkpointing (``train.activation_checkpointing``): ``full`` (each decoder layer), ``attention``
+      or ``experts`` (that part of each layer, ``cookbook.moe.checkpoint_parts``), ``none``.
     - Data (cookbook.sft): chat / Alpaca / ShareGPT rows, chat template, loss on assistant tokens
       only, packing (Qwen3-MoE) or right padding (Nemotron-H: Mamba layers would carry state across
       packed documents). Loss normalised by the assistant tokens of the global batch.
@@ -118,8 +123,12 @@ def build_model(cfg: Config, info: cookbook.DistInfo) -> tuple[torch.nn.Module, 
                                              target_modules=list(cfg.lora.target_modules) or None,
                                              target_parameters=list(cfg.lora.target_parameters) or None))
     moe.init_lora(model, cfg.train.seed)  # the same factors whatever the EP degree; fp32
+    if cfg.lora.expert_lora == "routed":  # expert LoRA on the routed tokens: grouped GEMMs, no B @ A per expert
+        moe.use_routed_lora(model)
     if cfg.train.activation_checkpointing == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif cfg.train.activation_checkpointing != "none":  # attention or experts of each decoder layer
+        moe.checkpoint_parts(model.base_model.model.model.layers, cfg.train.activation_checkpointing)
 
     meshes = moe.init_meshes(info.device.type, info.world_size, cfg.parallel.ep)  # world (all ranks), (dp, ep)
     if cfg.parallel.ep > 1:

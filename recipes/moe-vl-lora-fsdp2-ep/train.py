@@ -104,6 +104,8 @@ def build_model(cfg: Config, info: cookbook.DistInfo) -> tuple[torch.nn.Module, 
                       exclude_modules=r".*\.visual\..*")  # the vision tower stays frozen, without adapters
     model = get_peft_model(model, lora)
     moe.init_lora(model, cfg.train.seed)  # the same factors whatever the EP degree; fp32
+    if cfg.lora.expert_lora == "routed":  # expert LoRA on the routed tokens: grouped GEMMs, no B @ A per expert
+        moe.use_routed_lora(model)
     if cfg.parallel.ep > 1:
         meshes.expert_lora_names = moe.split_experts(model, meshes.dp_ep["ep"])
     if cfg.model.pretrained and cfg.model.lazy_load:
@@ -121,6 +123,8 @@ def build_model(cfg: Config, info: cookbook.DistInfo) -> tuple[torch.nn.Module, 
     fully_shard(model, mesh=meshes.world, mp_policy=mp, reshard_after_forward=cfg.parallel.reshard_after_forward)
     if cfg.train.activation_checkpointing == "full":  # decoder layers only: no gradient flows into the vision tower
         inner.language_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif cfg.train.activation_checkpointing != "none":  # attention or experts of each decoder layer
+        moe.checkpoint_parts(inner.language_model.layers, cfg.train.activation_checkpointing)
     model.to(info.device)
     return model, flops, meshes
 

@@ -7,6 +7,11 @@ the meshes, LoRA, the expert split, ``fully_shard`` and the step. This module ho
 - expert parallelism on Hugging Face MoE blocks with fused 3-D experts (transformers 5): `init_meshes`,
   `split_experts` (each EP rank keeps its experts, base weights and LoRA factors) and `ep_dispatch` (tokens
   travel to their expert's rank and back with an autograd all-to-all, `AllToAll`);
+- expert LoRA on the routed tokens (`use_routed_lora`): each projection of the local experts, base and LoRA, as
+  grouped GEMMs over the tokens sorted by expert (`grouped_mm`), y_e = x_e W_e^T + s (x_e A_e^T) B_e^T, instead
+  of PEFT's forward, which folds W_e + s B_e A_e for every expert in every forward; PEFT's modules, parameter
+  names and adapter format are kept;
+- activation checkpointing of one part of every decoder layer (`checkpoint_parts`: attention or MoE blocks);
 - the base model on the meta device or whole (`build_base`), LoRA initialised the same for every EP degree
   (`init_lora`), active-parameter FLOPs (`active_flops`);
 - router statistics and the Switch-Transformer load-balancing loss (`RouterStats`);
@@ -63,6 +68,8 @@ class LoraSection:
     dropout: float = 0.0
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     target_parameters: list[str] = field(default_factory=lambda: ["mixer.experts.up_proj", "mixer.experts.down_proj"])
+    expert_lora: str = "routed"  # routed: LoRA on the routed tokens with grouped GEMMs (`use_routed_lora`);
+    #                              peft: PEFT's forward (base + B @ A folded for every expert, every forward)
 
 
 @dataclass
@@ -72,7 +79,8 @@ class MoESection:
 
 @dataclass
 class TrainConfig(config.TrainConfig):
-    activation_checkpointing: str = "full"  # none, full: recompute each decoder layer in backward (transformers' own)
+    activation_checkpointing: str = "full"  # none; full: recompute each decoder layer in backward (transformers' own);
+    #                                         attention / experts: recompute only that part of each layer (`checkpoint_parts`)
 
 
 @dataclass
@@ -95,7 +103,8 @@ class MoELoraConfig(config.RunConfig):
 
 
 # Settings that may differ between a checkpoint and the run that resumes it (with the recipe's data keys).
-MAY_CHANGE = (*config.MAY_CHANGE, "model.lazy_load", "data.num_workers")
+MAY_CHANGE = (*config.MAY_CHANGE, "model.lazy_load", "data.num_workers", "lora.expert_lora", "train.activation_checkpointing")
+ACTIVATION_CHECKPOINTING = ("none", "full", "attention", "experts")
 
 
 def check_config(cfg: MoELoraConfig, config_dir: Path) -> None:
@@ -108,7 +117,8 @@ def check_config(cfg: MoELoraConfig, config_dir: Path) -> None:
     sft.resolve_paths(cfg, config_dir)  # model, tokenizer and data files beside the config file
     config.check_run(cfg)
     check_fields(cfg, at_least={"parallel.ep": 1, "lora.r": 1, "data.max_length": 1, "moe.aux_loss_coef": 0},
-                 one_of={"parallel.reduce_dtype": sorted(DTYPES), "train.activation_checkpointing": ("none", "full")},
+                 one_of={"parallel.reduce_dtype": sorted(DTYPES), "train.activation_checkpointing": ACTIVATION_CHECKPOINTING,
+                         "lora.expert_lora": ("routed", "peft")},
                  within={"lora.dropout": "[0, 1)", "data.eval_fraction": "[0, 1)"},
                  notes={"data.eval_fraction": "0: no evaluation"})
     if not cfg.lora.target_modules and not cfg.lora.target_parameters:
@@ -132,7 +142,8 @@ def check_model(cfg: MoELoraConfig, hf_config, auto_class, world_size: int) -> N
     Raises:
         ConfigError: ``parallel.ep`` > 1 without MoE layers, or not dividing the world size or the experts;
             a ``lora.target_modules`` / ``lora.target_parameters`` entry matching nothing (the message lists the
-            names of the first layers); a target parameter that is not a fused 3-D expert weight.
+            names of the first layers); a target parameter that is not a fused 3-D expert weight;
+            ``lora.expert_lora=routed`` on experts whose forward `routed_experts_forward` does not reproduce.
     """
     with torch.device("meta"):
         model = auto_class.from_config(hf_config)
@@ -159,6 +170,11 @@ def check_model(cfg: MoELoraConfig, hf_config, auto_class, world_size: int) -> N
                 if any(_matches(n, target) and model.get_parameter(n).ndim != 3 for n in names):
                     raise ConfigError(f"lora.target_parameters: {target!r} is not a fused 3-D expert weight; put "
                                       f"linear layers in lora.target_modules")
+    if cfg.lora.expert_lora == "routed" and cfg.lora.target_parameters and experts:
+        reason = routed_lora_unsupported(experts[0].experts)
+        if reason:
+            raise ConfigError(f"lora.expert_lora=routed: the experts of {hf_config.model_type} {reason}; "
+                              f"use lora.expert_lora=peft")
 
 
 # ----------------------------------------------------------------------------- expert parallelism
@@ -210,8 +226,10 @@ def ep_dispatch(experts: torch.nn.Module, local_forward, group: dist.ProcessGrou
     """The experts' forward under expert parallelism; replaces ``experts.forward`` on every rank.
 
     Args:
-        experts: the model's experts module, holding experts [j * n, (j + 1) * n) on EP rank j, n = experts.num_experts.
-        local_forward: its original forward, run on the tokens this rank receives.
+        experts: the model's experts module (the outermost PEFT wrapper, if any), holding experts [j * n, (j + 1) * n)
+            on EP rank j, n = experts.num_experts.
+        local_forward: its forward before the split (PEFT's, or `routed_experts_forward`), run on the tokens this
+            rank receives, with top-k 1 and weight 1.
         group: the EP group (ranks holding the other experts of this layer).
         hidden: (T, H) tokens of this rank. top_k_index, top_k_weights: (T, K) global expert ids, weights.
 
@@ -230,30 +248,37 @@ def ep_dispatch(experts: torch.nn.Module, local_forward, group: dist.ProcessGrou
     dist.all_to_all_single(local_ids, flat[order] % per, recv_sizes, send_sizes, group=group)  # ids at the destination
     y = local_forward(x, local_ids[:, None], torch.ones(len(local_ids), 1, dtype=top_k_weights.dtype, device=x.device))
     if not len(local_ids):  # nothing to compute here: keep the experts (LoRA) in the graph for the collectives of backward
-        y = y + sum(getattr(experts, n).sum() for n in experts.ep_param_names) * 0
+        y = y + sum(p.sum() for p in experts.parameters()) * 0
     y = AllToAll.apply(y, send_sizes, recv_sizes, group)
     out = torch.zeros(hidden.shape, dtype=y.dtype, device=y.device)
     out.index_add_(0, order // k, y * top_k_weights.reshape(-1)[order, None].to(y.dtype))
     return out.to(hidden.dtype)
 
 
+def _experts_chain(module: torch.nn.Module) -> tuple[list[torch.nn.Module], torch.nn.Module]:
+    """(the PEFT ``ParamWrapper`` layers from the outside in, the experts module they wrap)."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    wrappers = []
+    while isinstance(module, ParamWrapper):
+        wrappers.append(module)
+        module = module.base_layer
+    return wrappers, module
+
+
 def split_experts(model: torch.nn.Module, ep_mesh: DeviceMesh) -> list[str]:
     """Keep this rank's share of every expert tensor (base weights and LoRA factors) and route tokens with
-    `ep_dispatch`. PEFT's expert LoRA for E experts is lora_A (r*E, in), expert-major, and lora_B
+    `ep_dispatch` around the experts module's forward (PEFT's, or `routed_experts_forward` when `use_routed_lora`
+    ran first). PEFT's expert LoRA for E experts is lora_A (r*E, in), expert-major, and lora_B
     (out, r*E) with the expert index fastest; each is cut along its expert axis. Base weights still on the
     meta device stay there, with ``checkpoint_offset`` telling `cookbook.sft.lazy_load` where to read.
 
     Returns:
         Names of the LoRA parameters that now hold only local experts (stored per EP rank).
     """
-    from peft.tuners.lora.layer import ParamWrapper
-
     ep, rank, local_names = ep_mesh.size(), ep_mesh.get_local_rank(), []
     for name, block in moe_blocks(model):
-        wrappers, experts = [], block.experts
-        while isinstance(experts, ParamWrapper):
-            wrappers.append(experts)
-            experts = experts.base_layer
+        wrappers, experts = _experts_chain(block.experts)
         per = experts.num_experts // ep
         first = rank * per
         experts.ep_param_names = [n for n, p in experts.named_parameters(recurse=False) if p.ndim == 3]
@@ -272,7 +297,7 @@ def split_experts(model: torch.nn.Module, ep_mesh: DeviceMesh) -> list[str]:
                     local_names.append(f"{name}.experts.{_wrapper_path(block.experts, w)}{'lora_A' if lora is w.lora_A else 'lora_B'}.{adapter}.weight")
             w.num_experts = per
         experts.num_experts, experts.checkpoint_offset = per, first
-        experts.forward = partial(ep_dispatch, experts, experts.forward, ep_mesh.get_group())
+        block.experts.forward = partial(ep_dispatch, block.experts, block.experts.forward, ep_mesh.get_group())
     return local_names
 
 
@@ -282,6 +307,156 @@ def _wrapper_path(outer: torch.nn.Module, wrapper: torch.nn.Module) -> str:
     while m is not wrapper:
         m, path = m.base_layer, path + "base_layer."
     return path
+
+
+# ----------------------------------------------------------------------------- expert LoRA on the routed tokens
+_GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Grouped matrix product: rows ``offs[g-1]:offs[g]`` of `x` times ``w[g]``, differentiable in both.
+
+    Args:
+        x: (S, K) rows sorted by group, S = offs[-1].
+        w: (G, K, N), any strides (a transposed view of (G, N, K) weights is fine).
+        offs: (G,) int32 cumulative row counts (end of each group; empty groups allowed).
+
+    Returns:
+        (S, N) in the dtype of `w` (`x` is cast to it). On CUDA in bf16 with 16-byte aligned rows (K and N
+        multiples of 8) one kernel: ``torch.nn.functional.grouped_mm`` (torch >= 2.10), else ``torch._grouped_mm``;
+        otherwise (CPU, fp32, unaligned sizes, S = 0) a loop of matrix products over the groups, which also
+        runs the empty ones so that the result always depends on `x` and `w` (autograd, collectives).
+    """
+    x = x.to(w.dtype)
+    if (_GROUPED_MM is not None and x.is_cuda and w.dtype == torch.bfloat16 and len(x)
+            and x.shape[1] % 8 == 0 and w.shape[2] % 8 == 0):
+        return _GROUPED_MM(x, w, offs=offs)
+    ends = offs.tolist()
+    return torch.cat([x[start:end] @ w[g] for g, (start, end) in enumerate(zip([0] + ends[:-1], ends))])
+
+
+def routed_lora_unsupported(experts: torch.nn.Module) -> str | None:
+    """Why `routed_experts_forward` would not compute what `experts` (a transformers 5 experts module, before
+    PEFT) computes, or None: it reproduces the ``@use_experts_implementation`` experts without bias or post-expert
+    norm (gated ``gate_up_proj`` or plain ``up_proj``, then ``down_proj``; either weight layout)."""
+    if not hasattr(experts, "has_gate"):
+        return "are not transformers' fused experts (@use_experts_implementation)"
+    if getattr(experts, "has_bias", False) or getattr(experts, "has_post_expert_norm", False):
+        return "have biases or a post-expert norm"
+    return None
+
+
+def _lora_factors(wrappers: list[torch.nn.Module], param: str) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+    """(A (E, in, r), B (E, r, out), scaling) of each active, unmerged adapter on the expert parameter `param`,
+    from PEFT's lora_A (r*E, in), expert-major (a view), and lora_B (out, r*E), expert index fastest (copied,
+    r*E*out elements: its permuted view would have the expert index innermost, which grouped GEMM refuses)."""
+    factors = []
+    for w in wrappers:
+        if w.parameter_name != param or w.disable_adapters or w.merged:
+            continue
+        for name in w.active_adapters:
+            if name in w.lora_A:
+                a, b, r = w.lora_A[name].weight, w.lora_B[name].weight, w.r[name]
+                factors.append((a.reshape(w.num_experts, r, -1).transpose(1, 2),
+                                b.reshape(b.shape[0], r, w.num_experts).permute(2, 1, 0).contiguous(), w.scaling[name]))
+    return factors
+
+
+def _expert_projection(experts, wrappers, param: str, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """x (S, in) sorted by expert -> (S, out): x_e W_e^T + sum over adapters of s (x_e A_e^T) B_e^T, each a grouped GEMM."""
+    weight = getattr(experts, param)
+    y = grouped_mm(x, weight if experts.is_transposed else weight.transpose(1, 2), offs)
+    for a, b, scaling in _lora_factors(wrappers, param):
+        y = y + grouped_mm(grouped_mm(x, a, offs) * scaling, b, offs)
+    return y
+
+
+def routed_experts_forward(module: torch.nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                           top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The experts' forward with their LoRA applied to the routed tokens: what transformers' ``grouped_mm`` experts
+    compute on PEFT's folded weights W_e + s B_e A_e, without building them.
+
+    Args:
+        module: the experts module, or the outermost PEFT ``ParamWrapper`` around it (its LoRA factors are
+            read at call time, so FSDP2's unsharded parameters are the ones used).
+        hidden: (T, H) tokens. top_k_index: (T, K) expert ids in [0, module.num_experts). top_k_weights: (T, K).
+
+    Returns:
+        (T, H) in the dtype of `hidden`: sum over k of weight[t, k] * expert[top_k_index[t, k]](hidden[t]), each
+        expert down(act(gate) * up) (or down(act(up))), every projection plus its LoRA term.
+    """
+    wrappers, experts = _experts_chain(module)
+    num_tokens, top_k = top_k_index.shape
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # (token, k) pairs grouped by expert
+    counts = torch.zeros(experts.num_experts, dtype=flat.dtype, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)  # no host sync (bincount on CUDA would wait for its max)
+    x = hidden[order // top_k]
+    if experts.has_gate:
+        h = experts._apply_gate(_expert_projection(experts, wrappers, "gate_up_proj", x, offs))
+    else:
+        h = experts.act_fn(_expert_projection(experts, wrappers, "up_proj", x, offs))
+    y = _expert_projection(experts, wrappers, "down_proj", h, offs) * top_k_weights.reshape(-1)[order, None]
+    unsorted = torch.empty_like(order)
+    unsorted[order] = torch.arange(len(order), device=order.device)
+    return y[unsorted].view(num_tokens, top_k, -1).sum(1).to(hidden.dtype)
+
+
+def use_routed_lora(model: torch.nn.Module) -> int:
+    """Run every MoE block's experts with `routed_experts_forward` (set as the ``forward`` of its ``experts``
+    module, the outermost PEFT wrapper) instead of PEFT's forward. Parameters, their names and the adapter's
+    saved format stay PEFT's. Call after LoRA is added and before `split_experts`.
+
+    Returns:
+        The number of experts modules switched.
+
+    Raises:
+        ValueError: the experts are already split, or `routed_lora_unsupported` gives a reason.
+    """
+    blocks = moe_blocks(model)
+    for name, block in blocks:
+        _, experts = _experts_chain(block.experts)
+        if hasattr(experts, "checkpoint_offset"):
+            raise ValueError(f"{name}: use_routed_lora must run before split_experts")
+        reason = routed_lora_unsupported(experts)
+        if reason:
+            raise ValueError(f"{name}: the experts {reason}")
+        block.experts.forward = partial(routed_experts_forward, block.experts)
+    return len(blocks)
+
+
+# ----------------------------------------------------------------------------- activation checkpointing
+def _checkpointed(forward, *args, **kwargs):
+    """`forward` under non-reentrant activation checkpointing when autograd records (training), else plainly.
+    Early stop is off so that a recompute runs every collective of the forward (EP all-to-all) on every rank."""
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    with set_checkpoint_early_stop(False):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def checkpoint_parts(layers, part: str) -> int:
+    """Recompute one part of every decoder layer in backward instead of keeping its activations: ``attention``
+    (each module whose class name ends in ``Attention``) or ``experts`` (each MoE block: router and experts,
+    with the EP all-to-all). Module names, and so parameter names, do not change (the modules' ``forward`` is
+    wrapped in place). ``full`` (whole layers) is transformers' ``gradient_checkpointing_enable``.
+
+    Returns:
+        The number of modules wrapped. Raises ValueError for another `part`.
+    """
+    if part not in ("attention", "experts"):
+        raise ValueError(f"part must be 'attention' or 'experts', got {part!r}")
+    targets = []
+    for layer in layers:
+        if part == "experts":
+            targets += [block for _, block in moe_blocks(layer)]
+        else:
+            targets += [m for m in layer.modules() if type(m).__name__.endswith("Attention")]
+    for module in targets:
+        module.forward = partial(_checkpointed, module.forward)
+    return len(targets)
 
 
 # ----------------------------------------------------------------------------- model

@@ -1,0 +1,205 @@
+"""Expert LoRA on the routed tokens (`cookbook.moe.use_routed_lora`) against PEFT's own expert LoRA, in one
+process, fp32, on CPU: the experts modules of the tiny Qwen3-MoE (gated, SiLU) and Nemotron-H (plain, ReLU^2)
+twins with PEFT ``target_parameters`` LoRA (random A and B), for several routings, experts without tokens
+included; and activation checkpointing of one part of each decoder layer (`cookbook.moe.checkpoint_parts`)
+against none, on the whole tiny Qwen3-MoE.
+
+PEFT's reference runs transformers' ``eager`` experts (a loop over the experts hit) on the folded weights
+W_e + s B_e A_e; the routed path runs grouped GEMMs (here the loop fallback of `cookbook.moe.grouped_mm`) on the
+sorted tokens. Same math, other summation order: measured, the largest difference of each compared tensor is
+under 1e-6 of its largest value (values ~1), so 1e-5 leaves a margin of 10; a wrong scaling, expert order or
+missing LoRA term changes them by > 1e-2.
+"""
+
+import pytest
+import torch
+from conftest import ROOT
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from cookbook import moe
+
+TINY = ROOT / "recipes" / "moe-lora-fsdp2-ep" / "tiny"
+TOL = dict(rtol=1e-5, atol=1e-5)
+TOKENS, EXPERTS, TOP_K = 12, 4, 2
+
+
+def experts_with_lora(model: str, seed: int = 0):
+    """(PEFT-wrapped experts module, its parent) of one MoE layer of the tiny model, LoRA r 4 with random
+    factors (B != 0, so both factors get gradients), transformers' eager experts underneath."""
+    from peft import LoraConfig, inject_adapter_in_model
+    from transformers import AutoConfig
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    config = AutoConfig.from_pretrained(TINY / model)
+    config._experts_implementation = "eager"
+    torch.manual_seed(seed)
+    parent = torch.nn.Module()
+    parent.experts = (Qwen3MoeExperts if model == "qwen3-moe" else NemotronHExperts)(config)
+    for p in parent.experts.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+        p.requires_grad_(False)
+    names = ["experts.gate_up_proj" if model == "qwen3-moe" else "experts.up_proj", "experts.down_proj"]
+    inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, target_parameters=names), parent)
+    for n, p in parent.named_parameters():
+        if "lora_" in n:
+            torch.nn.init.normal_(p, std=0.1)
+    return parent.experts, parent
+
+
+ROUTINGS = {  # (tokens, top-k) distinct expert ids per token
+    "random": torch.stack([torch.randperm(EXPERTS, generator=torch.Generator().manual_seed(t))[:TOP_K]
+                           for t in range(TOKENS)]),
+    "tail-empty": torch.tensor([[0, 1], [1, 0]] * (TOKENS // 2)),  # experts 2 and 3 get no token
+    "ends-empty": torch.tensor([[2, 1]] * TOKENS),  # experts 0 and 3 get no token
+    "one-token": torch.tensor([[3, 0]]),  # experts 1 and 2 get no token
+}
+
+
+def run(module, hidden, index, weights, routed: bool):
+    """Output and the gradients (input, routing weights, every LoRA factor) of sum(out * probe)."""
+    hidden = hidden.clone().requires_grad_(True)
+    weights = weights.clone().requires_grad_(True)
+    out = moe.routed_experts_forward(module, hidden, index, weights) if routed else module(hidden, index, weights)
+    probe = torch.linspace(-1, 1, out.numel()).reshape(out.shape)
+    (out * probe).sum().backward()
+    grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.requires_grad}
+    for p in module.parameters():
+        p.grad = None
+    return out.detach(), hidden.grad, weights.grad, grads
+
+
+class Shapes(TorchDispatchMode):
+    """Records the shape of every new tensor an operator returns (views of its inputs left out)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if any(r.alias_info is not None for r in func._schema.returns):
+            return out
+        for t in (out if isinstance(out, (tuple, list)) else [out]):
+            if isinstance(t, torch.Tensor):
+                self.seen.add(tuple(t.shape))
+        return out
+
+
+@pytest.mark.parametrize("model", ["qwen3-moe", "nemotron-h"])
+@pytest.mark.parametrize("pattern", sorted(ROUTINGS))
+def test_routed_lora_equals_peft(model, pattern):
+    """Outputs and the gradients of the input, the routing weights and every LoRA factor."""
+    module, _ = experts_with_lora(model)
+    index = ROUTINGS[pattern]
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(len(index), module.get_base_layer().hidden_dim, generator=g)
+    weights = torch.rand(index.shape, generator=g)
+    expected = run(module, hidden, index, weights, routed=False)
+    got = run(module, hidden, index, weights, routed=True)
+    torch.testing.assert_close(got[0], expected[0], **TOL)
+    torch.testing.assert_close(got[1], expected[1], **TOL)
+    torch.testing.assert_close(got[2], expected[2], **TOL)
+    assert sorted(got[3]) == sorted(expected[3]) and len(got[3]) == 4  # lora_A and lora_B of both projections
+    for name, grad in expected[3].items():
+        torch.testing.assert_close(got[3][name], grad, **TOL, msg=name)
+        assert grad.abs().sum() > 0, name
+    empty = sorted(set(range(EXPERTS)) - set(index.reshape(-1).tolist()))
+    for name, grad in got[3].items():  # experts without tokens: zero gradient in their slices (rank 4)
+        for e in empty:
+            part = grad[e * 4:(e + 1) * 4] if "lora_A" in name else grad.reshape(grad.shape[0], 4, EXPERTS)[:, :, e]
+            assert part.abs().max() == 0, (name, e)
+
+
+@pytest.mark.parametrize("model", ["qwen3-moe", "nemotron-h"])
+def test_routed_lora_builds_no_per_expert_weight_delta(model):
+    """No operator of the routed forward and backward returns a tensor the shape of the expert weights
+    (B_e @ A_e for every expert, W_e + delta, or a weight gradient); PEFT's forward does (the check can fail)."""
+    module, _ = experts_with_lora(model)
+    weight_shapes = {tuple(p.shape) for p in module.get_base_layer().parameters()}
+    hidden = torch.randn(TOKENS, module.get_base_layer().hidden_dim)
+    for routed in (True, False):
+        with Shapes() as shapes:
+            run(module, hidden, ROUTINGS["random"], torch.rand(TOKENS, TOP_K), routed=routed)
+        assert bool(shapes.seen & weight_shapes) is not routed, (routed, shapes.seen & weight_shapes)
+
+
+def test_use_routed_lora_switches_the_model_and_keeps_peft_names():
+    """On the tiny Qwen3-MoE with PEFT: every MoE block switched, the same parameter names, the same logits as
+    PEFT's forward; refused after the experts are split."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY / "qwen3-moe"))
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
+                                             target_parameters=["experts.gate_up_proj", "experts.down_proj"]))
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.1)
+    ids = torch.arange(3, 40).unsqueeze(0)
+    names = [n for n, _ in model.named_parameters()]
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    assert moe.use_routed_lora(model) == 2
+    assert [n for n, _ in model.named_parameters()] == names
+    with torch.no_grad():
+        got = model(input_ids=ids).logits
+        with model.disable_adapter():  # no LoRA when PEFT disables the adapters
+            plain = model(input_ids=ids).logits
+    torch.testing.assert_close(got, expected, **TOL)
+    assert not torch.allclose(plain, expected, atol=1e-3)
+    for _, block in moe.moe_blocks(model):
+        block.experts.base_layer.base_layer.checkpoint_offset = 0
+    with pytest.raises(ValueError, match="use_routed_lora must run before split_experts"):
+        moe.use_routed_lora(model)
+    experts = moe.moe_blocks(model)[0][1].experts.get_base_layer()
+    assert moe.routed_lora_unsupported(experts) is None
+    experts.has_bias = True
+    assert moe.routed_lora_unsupported(experts) == "have biases or a post-expert norm"
+    assert "not transformers' fused experts" in moe.routed_lora_unsupported(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("part, wrapped", [("attention", 2), ("experts", 2)])
+def test_checkpoint_parts_recomputes_and_keeps_the_gradients(part, wrapped):
+    """The tiny Qwen3-MoE (2 layers) with routed LoRA: the same loss and LoRA gradients with one part of each
+    layer checkpointed as with none, that part run again in backward (counted by a forward hook), names kept."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    def build():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY / "qwen3-moe"))
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                 target_parameters=["experts.gate_up_proj", "experts.down_proj"]))
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                torch.nn.init.normal_(p, std=0.1)
+        moe.use_routed_lora(model)
+        return model
+
+    def step(model):
+        calls = []
+        layer = model.base_model.model.model.layers[0]
+        probe = layer.self_attn.k_proj if part == "attention" else layer.mlp.gate  # a child: its hooks run in the recompute
+        probe.register_forward_hook(lambda *_: calls.append(1))
+        ids = torch.arange(3, 35).unsqueeze(0)
+        loss = model(input_ids=ids, labels=ids).loss
+        forward_calls = len(calls)
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}, forward_calls, len(calls)
+
+    plain = step(build())
+    model = build()
+    names = [n for n, _ in model.named_parameters()]
+    assert moe.checkpoint_parts(model.base_model.model.model.layers, part) == wrapped
+    assert [n for n, _ in model.named_parameters()] == names
+    loss, grads, forward_calls, all_calls = step(model)
+    assert (plain[2], plain[3]) == (1, 1)  # without checkpointing: one forward, nothing run in backward
+    assert (forward_calls, all_calls) == (1, 2)  # checkpointed: run again in backward
+    torch.testing.assert_close(loss, plain[0], rtol=0, atol=0)
+    assert sorted(grads) == sorted(plain[1]) and any("experts" in n for n in grads)
+    for name, grad in plain[1].items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-6, atol=1e-7, msg=name)
+    with pytest.raises(ValueError, match="part must be 'attention' or 'experts'"):
+        moe.checkpoint_parts(model.base_model.model.model.layers, "full")
