@@ -199,8 +199,8 @@ def main(argv: list[str]) -> None:
     model, flops, meshes = build_model(cfg, info)
     router = moe.RouterStats(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
-                                  weight_decay=cfg.optim.weight_decay, foreach=False)
+    optimizer = torch.optim.AdamW(moe.param_groups_by_mesh(trainable), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
+                                  weight_decay=cfg.optim.weight_decay, fused=info.device.type == "cuda")
     scheduler = get_scheduler(cfg.optim.scheduler, optimizer, num_warmup_steps=int(cfg.optim.warmup_ratio * max_steps),
                               num_training_steps=max_steps)
     state = TrainState()

@@ -22,6 +22,7 @@ the meshes, LoRA, the expert split, ``fully_shard`` and the step. This module ho
 
 from __future__ import annotations
 
+import re
 import shutil
 from dataclasses import dataclass, field
 from functools import partial
@@ -567,23 +568,38 @@ class RouterStats:
                 "moe/ep_rank_load_max_over_mean": (per_rank.max(1).values / per_rank.mean(1).clamp(min=1.0)).mean().item()}
 
 
+def param_groups_by_mesh(params: list[torch.nn.Parameter]) -> list[dict[str, Any]]:
+    """`params` as optimizer parameter groups, one per device mesh (plain tensors in a group of their own).
+
+    A foreach or fused optimizer (``torch.optim.AdamW(..., fused=True)``) runs each step as a few kernels over
+    all the tensors of a group, and DTensors of different meshes cannot share such a kernel. The experts' LoRA
+    is sharded over the dp mesh and the rest over the world mesh, hence the groups; a single-tensor loop
+    (``foreach=False``) over the ~600 LoRA tensors of Qwen3-30B-A3B took 276 ms of a 1,020 ms step on one H200.
+
+    Returns:
+        ``[{"params": [...]}, ...]`` in first-seen order of the meshes; every parameter in exactly one group.
+    """
+    groups: dict[Any, list[torch.nn.Parameter]] = {}
+    for p in params:
+        groups.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+    return [{"params": ps} for ps in groups.values()]
+
+
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, device: torch.device) -> torch.Tensor:
     """Total gradient norm over all ranks (a 0-d float64 tensor), then clip to `max_norm` (<= 0: no clipping).
     Parameters live on two meshes (world and dp), which torch's clip_grad_norm_ does not mix; every shard of
     every tensor is on exactly one rank, so the sum of the local squared norms over the world is the total.
-    Plain (non-DTensor) gradients count as this rank's share. Collective."""
+    Plain (non-DTensor) gradients count as this rank's share. The local norms and the scaling are foreach
+    kernels (one launch over all tensors), as in ``torch.nn.utils.clip_grad_norm_``. Collective."""
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
     sq = torch.zeros((), device=device, dtype=torch.float64)
-    for p in params:
-        if p.grad is not None:
-            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            sq += g.double().pow(2).sum()
+    if grads:
+        sq += torch.stack(torch._foreach_norm(grads, 2.0)).double().pow(2).sum()
     dist.all_reduce(sq)
     norm = sq.sqrt()
-    if max_norm > 0:
+    if max_norm > 0 and grads:
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0).float()
-        for p in params:
-            if p.grad is not None:
-                (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(scale)
+        torch._foreach_mul_(grads, scale)
     return norm
 
 
@@ -615,9 +631,12 @@ class AdapterState(ModelOptimizerState):
             return (k + self.suffix if k in self.local else k) if fwd else k.removesuffix(self.suffix)
         out = {"model": {key(k): v for k, v in state["model"].items()}}
         if "optim" in state:
+            # Tensors are per EP rank; the parameter groups (hyperparameters, parameter names) are the same on every
+            # rank and are stored once, under the plain names (checkpoints from before kept rank 0's suffixes).
             optim = state["optim"]
             out["optim"] = {"state": {key(k): v for k, v in optim["state"].items()},
-                            "param_groups": [{**g, "params": [key(k) for k in g["params"]]} for g in optim["param_groups"]]}
+                            "param_groups": [{**g, "params": [re.sub(r"@ep\d+$", "", k) for k in g["params"]]}
+                                             for g in optim["param_groups"]]}
         return out
 
     def state_dict(self) -> dict[str, Any]:
