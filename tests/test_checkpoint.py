@@ -164,7 +164,9 @@ def test_the_resume_guard_over_another_folder_layout(tmp_path):
         guard.check(str(root / "checkpoint-12"), 2)
     fresh = rf"start afresh with a new output_dir \(or delete {re.escape(str(run))}\)$"
     with pytest.raises(CheckpointError, match=r"checkpoint-10 was written by 2 ranks but this job has 4: ZeRO partitions "
-                                              r"cannot be remapped. Resume with NGPU x NNODES = 2, or " + fresh):
+                                              r"cannot be remapped \(resuming on another number of processes is "
+                                              r"supported by modernbert-ddp \(DDP\) and qwen-fsdp2-sft \(FSDP2\) only\)\. "
+                                              r"Resume with NGPU x NNODES = 2, or " + fresh):
         guard.check("auto", 4)
     with pytest.raises(CheckpointError, match=r"other settings \(lr: 0.1 -> 0.2\); resuming would mix two runs.* " + fresh):
         guard.check("auto", 2, {"lr": 0.2})
@@ -174,3 +176,73 @@ def test_the_resume_guard_over_another_folder_layout(tmp_path):
         guard.check("auto", 2, stop_at=("train.stop_at_epoch", 3))
     assert guard.already_complete(10, 10, "step", {"model": run / "final"}) == (
         f"already complete: 10 of 10 steps; model in {run / 'final'}. To train again, use a new output_dir (or delete {run}).")
+
+
+def test_a_resizable_guard_keeps_the_global_batch(tmp_path):
+    """A resizable guard resumes another world size when micro-batch x accumulation x ranks is the checkpoint's
+    (the two keys may change within it), and otherwise says which value keeps it."""
+    root = tmp_path / "checkpoints"
+    (root / "step_00000010").mkdir(parents=True)
+    written = {"train": {"micro_batch_size": 4, "grad_accum_steps": 2, "seed": 1}}
+    meta = {"step": 10, "world_size": 2, "config": written}
+    (root / "step_00000010" / "meta.json").write_text(json.dumps(meta))
+    (root / "step_00000010" / ".metadata").write_bytes(b"")
+    guard = ResumeGuard(root, files=(), resizable=True)
+    same = {"train": {"micro_batch_size": 4, "grad_accum_steps": 2, "seed": 1}}
+    assert guard.check("auto", 2, same) == root / "step_00000010"
+    assert guard.check("auto", 1, {"train": {"micro_batch_size": 4, "grad_accum_steps": 4, "seed": 1}})
+    assert guard.check("auto", 4, {"train": {"micro_batch_size": 2, "grad_accum_steps": 2, "seed": 1}})
+    assert guard.check("auto", 2, {"train": {"micro_batch_size": 8, "grad_accum_steps": 1, "seed": 1}})
+    with pytest.raises(CheckpointError, match=r"step_00000010 was written with a global batch of 16 samples \(4 micro-batch "
+                                              r"x 2 accumulation x 2 ranks\) but this job's is 8 \(4 x 2 x 1\); a resume "
+                                              r"keeps the global batch, .* To continue on 1 rank, set "
+                                              r"train.grad_accum_steps=4 \(4 x 4 x 1 = 16\) or train.micro_batch_size=8 "
+                                              r"\(8 x 2 x 1 = 16\); or resume with the same number of processes \(NGPU x "
+                                              r"NNODES = 2\), or start afresh with a new output_dir$"):
+        guard.check("auto", 1, same)
+    with pytest.raises(CheckpointError, match=r"To continue on 3 ranks, no micro-batch x accumulation x 3 makes 16;"):
+        guard.check("auto", 3, same)
+    with pytest.raises(CheckpointError, match=r"other settings \(train.seed: 1 -> 2\)"):
+        guard.check("auto", 1, {"train": {"micro_batch_size": 4, "grad_accum_steps": 4, "seed": 2}})
+    plain = ResumeGuard(root, files=())  # not resizable: the batch keys are settings like any other
+    with pytest.raises(CheckpointError, match=r"this job has 1: its per-rank data-loader and RNG state cannot be remapped"):
+        plain.check("auto", 1, {"train": {"micro_batch_size": 4, "grad_accum_steps": 4, "seed": 1}})
+    with pytest.raises(CheckpointError, match=r"other settings \(train.grad_accum_steps: 2 -> 1, train.micro_batch_size"):
+        plain.check("auto", 2, {"train": {"micro_batch_size": 8, "grad_accum_steps": 1, "seed": 1}})
+
+
+def test_a_resizable_checkpointer_loads_another_world_size_without_the_per_rank_state(tmp_path, group, capfd):
+    """On another world size: the global entries (a counter, the data position) are loaded, the per-rank state is
+    left as it is, and one line says what was resharded, remapped and not restored."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from cookbook.sampler import DataPosition, ResizableSampler
+
+    def loader():
+        return StatefulDataLoader(range(40), batch_size=2, sampler=ResizableSampler(range(40), 1, 0, drop_last=True),
+                                  collate_fn=lambda rows: rows)
+
+    saved = loader()
+    it = iter(saved)
+    for _ in range(3):
+        next(it)
+    path = Checkpointer(tmp_path).save(5, {"counter": Counter(5), "data": DataPosition(saved),
+                                           "local": RankLocalState(counter=Counter(7))},
+                                       {"config": {"train": {"micro_batch_size": 2, "grad_accum_steps": 1}}})
+    meta = path / "meta.json"
+    meta.write_text(meta.read_text().replace('"world_size": 1', '"world_size": 2'))  # as if 2 ranks wrote it
+    counter, local, fresh = Counter(), Counter(-1), loader()
+    state = {"counter": counter, "data": DataPosition(fresh), "local": RankLocalState(counter=local)}
+    with pytest.raises(CheckpointError, match="written by 2 ranks but this job has 1"):
+        Checkpointer(tmp_path).load(path, state)  # not resizable
+    capfd.readouterr()
+    Checkpointer(tmp_path, resizable=True).load(path, state)
+    assert counter.value == 5 and local.value == -1  # per-rank state untouched
+    assert fresh.sampler.start == 6 and [i for b in fresh for i in b] == fresh.sampler.order()[6:40]
+    lines = [line.split(" ", 1)[1] for line in capfd.readouterr().err.splitlines() if " resized: " in line]
+    assert lines == [f"resized: {path} was written by 2 ranks, this job has 1. Resharded by DCP: the model and optimizer "
+                     f"state. Remapped: the data position, epoch 0 at sample 6 of 40 in the same order (global batch 4 "
+                     f"samples, as before). Not restored, as in a fresh run (seeded at start-up): the per-rank state "
+                     f"(local: counter)"]
+    with pytest.raises(ValueError, match="only with a DataPosition"):
+        Checkpointer(tmp_path, resizable=True).load(path, {"counter": Counter()})

@@ -8,6 +8,7 @@ torchrun start-up (~20 s on 2 cores per run).
 
 import json
 import logging
+import os
 import re
 import shutil
 import signal
@@ -44,8 +45,8 @@ def copied_config(out) -> str:
     return str(out.parent / "tiny.yaml")
 
 
-def run_in_workers(monkeypatch, capfd, *overrides, config: str = "tiny.yaml") -> str:
-    """``main`` of tiny.yaml on 2 forked workers (what launch.sh runs after its --check); returns their stderr."""
+def run_in_workers(monkeypatch, capfd, *overrides, config: str = "tiny.yaml", ranks: int = 2) -> str:
+    """``main`` of tiny.yaml on `ranks` forked workers (what launch.sh runs after its --check); returns their stderr."""
     monkeypatch.setenv("COOKBOOK_DEVICE", "cpu")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     log = logging.getLogger("cookbook")
@@ -54,11 +55,19 @@ def run_in_workers(monkeypatch, capfd, *overrides, config: str = "tiny.yaml") ->
         log.removeHandler(h)
     try:
         capfd.readouterr()
-        main_in_workers("modernbert-ddp", *overrides, config=config)
+        if ranks == 2:
+            main_in_workers("modernbert-ddp", *overrides, config=config)
+        else:
+            cookbook.distributed(num_processes=ranks, start_method="fork")(_main).distributed(
+                ["--config", str(RECIPE / config), *overrides])
         return capfd.readouterr().err
     finally:
         for h in inherited:
             log.addHandler(h)
+
+
+def _main(argv: list[str]) -> None:
+    load_recipe("modernbert-ddp").main(argv)
 
 
 def test_loss_falls_and_eval_is_logged(full_run):
@@ -151,6 +160,70 @@ def test_resume_gives_the_same_losses_as_an_uninterrupted_run(full_run, tmp_path
     assert sorted(got) == sorted(expected)
     torch.testing.assert_close(torch.tensor([got[s] for s in range(1, 41)], dtype=torch.float64),
                                torch.tensor([expected[s] for s in range(1, 41)], dtype=torch.float64), rtol=1e-5, atol=0)
+
+
+def test_a_run_resized_from_2_ranks_to_1_and_back_to_2_consumes_each_sample_once_and_keeps_its_losses(
+        full_run, tmp_path, monkeypatch, capfd):
+    """The uninterrupted run's checkpoint of step 20 (2 ranks) resumes on 1 rank (accumulation 4: the same global
+    batch of 64), which stops at step 30; 2 ranks resume from there and finish the 40 steps. Epoch 0 ends at step 25.
+
+    Every sample index the data loader drew after a resize (recorded by a sampler subclass in each rank), together
+    with what 2 ranks of torch's DistributedSampler drew in the first 20 steps, is each index of epoch 0 once; epoch
+    1's are that epoch's first ones, once each, in order of the parts. The losses after each resize are the
+    uninterrupted run's within float tolerance (the same samples per step, summed in another order), so the model,
+    the optimizer moments and the schedule were restored. Each resize says so in one line."""
+    from torch.utils.data import DistributedSampler
+
+    train = load_recipe("modernbert-ddp")
+    records = tmp_path / "drawn"
+    records.mkdir()
+
+    class Recording(train.ResizableSampler):  # what each rank's loader draws, one line per index
+        def __iter__(self):
+            for index in super().__iter__():
+                with open(records / f"{os.getpid()}-{self.num_replicas}-ranks-{self.rank}", "a") as f:
+                    f.write(f"{self.epoch} {index}\n")
+                yield index
+
+    monkeypatch.setattr(train, "ResizableSampler", Recording)
+    full, out = full_run[0], tmp_path / "run"
+    shutil.copytree(full, out, ignore=shutil.ignore_patterns("step_00000040", "final", "mlflow*"))
+    ckpts, config, common = out / "checkpoints", copied_config(full), ("mlflow=false", "train.eval_every=0")
+    with pytest.raises(CheckpointError, match=r"global batch of 64 samples \(16 micro-batch x 2 accumulation x 2 ranks\) "
+                                              r"but this job's is 32 .* set train.grad_accum_steps=4 \(16 x 4 x 1 = 64\)"):
+        check("modernbert-ddp", f"output_dir={out}", *common, config=config, world_size=1)  # launch.sh's check
+    one = run_in_workers(monkeypatch, capfd, f"output_dir={out}", *common, "train.grad_accum_steps=4",
+                         "train.stop_at_step=30", config=config, ranks=1)
+    two = run_in_workers(monkeypatch, capfd, f"output_dir={out}", *common, config=config)
+    for text, ckpt, n, m, at in ((one, "step_00000020", 2, 1, "epoch 0 at sample 1280"),
+                                 (two, "step_00000030", 1, 2, "epoch 1 at sample 320")):
+        lines = [line.split(" ", 1)[1] for line in text.splitlines() if " resized: " in line]
+        assert lines == [f"resized: {ckpts / ckpt} was written by {n} rank{'s' * (n > 1)}, this job has {m}. Resharded "
+                         f"by DCP: the model and optimizer state. Remapped: the data position, {at} of 1600 in the same "
+                         f"order (global batch 64 samples, as before). Not restored, as in a fresh run (seeded at "
+                         f"start-up): the per-rank state (rank_local: dataloader, rng)"], text[-3000:]
+    assert "done: 40 steps" in two
+
+    drawn = {(ranks, epoch): [] for ranks in (1, 2) for epoch in (0, 1)}
+    for path in records.iterdir():
+        for line in path.read_text().splitlines():
+            epoch, index = map(int, line.split())
+            drawn[int(path.name.split("-")[1]), epoch].append(index)
+    before = []  # what the first 20 steps drew: 2 ranks x 20 steps x 2 micro-batches x 16 of torch's sampler
+    for rank in range(2):
+        sampler = DistributedSampler(range(1600), num_replicas=2, rank=rank, shuffle=True, seed=42, drop_last=True)
+        before += list(sampler)[: 20 * 2 * 16]
+    assert drawn[2, 0] == []  # the 2-rank resume starts in epoch 1
+    assert sorted(before + drawn[1, 0]) == list(range(1600))  # every sample of epoch 0 once, over both world sizes
+    epoch1 = torch.randperm(1600, generator=torch.Generator().manual_seed(42 + 1)).tolist()  # DistributedSampler's
+    assert sorted(drawn[1, 1]) == sorted(epoch1[: 5 * 64])  # steps 26-30 on 1 rank
+    assert sorted(drawn[2, 1]) == sorted(epoch1[5 * 64: 15 * 64])  # steps 31-40 on 2 ranks
+
+    expected, got = train_losses(full / "metrics.jsonl"), train_losses(out / "metrics.jsonl")
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "train"][40:] == list(range(21, 41))
+    want = torch.tensor([expected[s] for s in range(21, 41)], dtype=torch.float64)
+    have = torch.tensor([got[s] for s in range(21, 41)], dtype=torch.float64)
+    torch.testing.assert_close(have, want, rtol=1e-5, atol=0)  # measured: 6e-7 at most
 
 
 def test_a_killed_worker_and_then_a_preemption_lose_no_step(full_run, tmp_path, monkeypatch, capfd):

@@ -9,15 +9,17 @@ Commands (from this folder; NGPU defaults to all visible GPUs, else 2 CPU proces
     NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 ./launch.sh     # on each node, with its NODE_RANK
 
 What this recipe supports:
-    - DDP (one process per GPU, NCCL; gloo on CPU), DistributedSampler, any number of nodes.
+    - DDP (one process per GPU, NCCL; gloo on CPU), any number of nodes; DistributedSampler's split
+      (cookbook.sampler.ResizableSampler), whose position is global.
     - bf16 autocast on GPU (fp32 master weights), fp32 on CPU; optional torch.compile.
     - Gradient accumulation (DDP's no_sync on all but the last micro-batch), gradient clipping,
       AdamW (fused on GPU) with linear/cosine warm-up and decay.
     - Evaluation on a validation split: loss, accuracy and macro-F1 (torchmetrics), reduced
       across ranks, each rank on a disjoint shard with no padding samples.
     - Checkpoints (cookbook.checkpoint, DCP): model, optimizer moments, LR scheduler,
-      data-loader position, RNG streams and step, published atomically; keep-last-N;
-      ``checkpoint.resume=auto`` continues from the newest complete one.
+      data position, data-loader and RNG state per rank, and step, published atomically; keep-last-N;
+      ``checkpoint.resume=auto`` continues from the newest complete one, on the same or another
+      number of GPUs (with the same global batch: set ``train.grad_accum_steps`` to keep it).
     - Metrics (cookbook.metrics): loss, lr, grad norm, step time, samples/s and tokens/s
       (total and per GPU), MFU, peak memory, data-wait time; console, metrics.jsonl, MLflow.
     - Final export in Hugging Face format (safetensors + config + tokenizer).
@@ -44,7 +46,7 @@ warnings.filterwarnings("ignore", message=".*set_vital.*")
 import datasets
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DistributedSampler, Subset
+from torch.utils.data import Subset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 from transformers import AttentionInterface, AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
@@ -61,6 +63,7 @@ from cookbook import config
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, to_dict
 from cookbook.loop import EpochBatches, TrainLoop, start_run
 from cookbook.metrics import ModelFlops, count_parameters
+from cookbook.sampler import DataPosition, ResizableSampler
 from cookbook.tabular import DataError, first_csv_row, records, to_int
 
 LABELS = ["World", "Sports", "Business", "Sci/Tech"]
@@ -318,7 +321,7 @@ def main(argv: list[str]) -> None:
         if train_ds is not None and len(train_ds) < per_step:
             raise ConfigError(f"the training set ({len(train_ds)} rows) is too small for one step of "
                               f"{cfg.train.micro_batch_size} x {cfg.train.grad_accum_steps} x {world_size} samples")
-        Checkpointer(Path(cfg.output_dir) / "checkpoints").check_resume(
+        Checkpointer(Path(cfg.output_dir) / "checkpoints", resizable=True).check_resume(
             cfg.checkpoint.resume, world_size, to_dict(cfg), MAY_CHANGE, cfg.train.stop_at_step)
         rows = f"{len(train_ds)} train / {len(eval_ds)} eval rows" if train_ds is not None else f"hub data set {cfg.data.hub_id}"
         print(f"config OK: {args.config} ({rows})")
@@ -336,8 +339,9 @@ def main(argv: list[str]) -> None:
     train_ds, n_trunc = tokenize(train_raw, tokenizer, cfg.data)
     eval_ds, n_trunc_eval = tokenize(eval_raw, tokenizer, cfg.data)
     collate = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8)
-    sampler = DistributedSampler(train_ds, num_replicas=info.world_size, rank=info.rank, shuffle=True,
-                                 seed=cfg.train.seed, drop_last=True)
+    # DistributedSampler's order and split, with a global position: a checkpoint resumes on another world size.
+    sampler = ResizableSampler(train_ds, num_replicas=info.world_size, rank=info.rank, shuffle=True,
+                               seed=cfg.train.seed, drop_last=True)
     loader_kw = dict(collate_fn=collate, num_workers=cfg.data.num_workers, pin_memory=info.device.type == "cuda",
                      persistent_workers=False)
     train_loader = StatefulDataLoader(train_ds, batch_size=cfg.train.micro_batch_size, sampler=sampler, drop_last=True, **loader_kw)
@@ -370,7 +374,8 @@ def main(argv: list[str]) -> None:
 
     state = TrainState()
     ckpt_state = {"app": ModelOptimizerState(model, optimizer), "scheduler": scheduler, "train": state,
-                  "rank_local": RankLocalState(dataloader=train_loader, rng=RNGState())}
+                  "data": DataPosition(train_loader),  # global: remapped when the world size changes
+                  "rank_local": RankLocalState(dataloader=train_loader, rng=RNGState())}  # same world size only
     run = start_run(cfg, info, state=state, checkpoint_state=ckpt_state, may_change=MAY_CHANGE, max_steps=max_steps,
                     experiment="modernbert-ddp", final=out_dir / "final" if cfg.checkpoint.export_hf else None, flops=flops)
     if run is None:  # already complete

@@ -27,8 +27,10 @@ What this recipe supports:
     - Loss normalised by the number of assistant tokens in the whole global batch (all
       micro-batches and ranks), so packing and accumulation do not change the objective.
     - Checkpoints (cookbook.checkpoint, DCP): sharded model and optimizer (each rank writes its
-      shards), scheduler, data position, RNG, step; atomic publish; ``resume: auto``. Final
-      export of the consolidated model in Hugging Face format.
+      shards), scheduler, data position (global: cookbook.sampler), data-loader and RNG state per
+      rank, step; atomic publish; ``resume: auto``, on the same or another number of GPUs (DCP
+      reshards; the global batch stays: set ``train.grad_accum_steps`` to keep it). Final export of
+      the consolidated model in Hugging Face format.
     - Metrics (cookbook.metrics): loss, tokens/s per GPU, MFU, peak memory, per step;
       ``train.profile_step`` writes a torch.profiler trace of one step.
 """
@@ -52,7 +54,6 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
 from transformers import logging as hf_logging
@@ -73,6 +74,7 @@ from cookbook.config import ConfigError, check_fields, cli_parser, load_config, 
 from cookbook.hub import model_folder
 from cookbook.loop import EpochBatches, TrainLoop, start_run
 from cookbook.metrics import ModelFlops, count_parameters
+from cookbook.sampler import DataPosition, ResizableSampler
 
 hf_logging.disable_progress_bar()
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -212,7 +214,7 @@ def main(argv: list[str]) -> None:
                               "they are in CPU memory already")
         if cfg.fsdp.replicate_degree > 1 and world_size % cfg.fsdp.replicate_degree:
             raise ConfigError(f"fsdp.replicate_degree={cfg.fsdp.replicate_degree} does not divide the world size {world_size}")
-        Checkpointer(Path(cfg.output_dir) / "checkpoints").check_resume(
+        Checkpointer(Path(cfg.output_dir) / "checkpoints", resizable=True).check_resume(
             cfg.checkpoint.resume, world_size, to_dict(cfg), MAY_CHANGE, cfg.train.stop_at_step)
         data = sft.check_data(cfg.data, tokenizer, cfg.train.seed, cfg.train.micro_batch_size, cfg.train.grad_accum_steps,
                               world_size)
@@ -227,8 +229,9 @@ def main(argv: list[str]) -> None:
     pad_id = sft.pad_token_id(tokenizer)
     # Packing: rows of exactly max_length tokens, documents separated by position ids.
     train_rows, eval_rows, stats = sft.training_rows(cfg.data, tokenizer, cfg.train.seed)
-    sampler = DistributedSampler(train_rows, num_replicas=info.world_size, rank=info.rank, shuffle=True,
-                                 seed=cfg.train.seed, drop_last=True)
+    # DistributedSampler's order and split, with a global position: a checkpoint resumes on another world size.
+    sampler = ResizableSampler(train_rows, num_replicas=info.world_size, rank=info.rank, shuffle=True,
+                               seed=cfg.train.seed, drop_last=True)
     loader_kw = dict(collate_fn=partial(sft.collate, pad_id=pad_id), num_workers=cfg.data.num_workers,
                      pin_memory=info.device.type == "cuda")
     train_loader = StatefulDataLoader(train_rows, batch_size=cfg.train.micro_batch_size, sampler=sampler, drop_last=True, **loader_kw)
@@ -248,7 +251,8 @@ def main(argv: list[str]) -> None:
                               num_training_steps=max_steps)
     state = TrainState()
     ckpt_state = {"app": ModelOptimizerState(model, optimizer), "scheduler": scheduler, "train": state,
-                  "rank_local": RankLocalState(dataloader=train_loader, rng=RNGState())}
+                  "data": DataPosition(train_loader),  # global: remapped when the world size changes
+                  "rank_local": RankLocalState(dataloader=train_loader, rng=RNGState())}  # same world size only
     run = start_run(cfg, info, state=state, checkpoint_state=ckpt_state, may_change=MAY_CHANGE, max_steps=max_steps,
                     experiment="fsdp2-sft", final=out_dir / "final" if cfg.checkpoint.export_hf else None, flops=flops)
     if run is None:  # already complete

@@ -11,8 +11,20 @@ With several nodes, ``root`` must be on a file system every node sees.
 What goes in is up to the recipe: a dict of DCP `Stateful` objects. `ModelOptimizerState`
 covers model and optimizer (moments included) for DDP, FSDP2 or a plain module via
 ``torch.distributed.checkpoint.state_dict``; `RankLocalState` covers per-rank state (data-loader
-position, RNG streams) keyed by rank; `TrainState` holds the step and epoch; anything else with
-``state_dict``/``load_state_dict`` (an LR scheduler) can be passed as is.
+position, RNG streams) keyed by rank; `TrainState` holds the step and epoch; `cookbook.sampler.DataPosition`
+holds the data position of the whole job; anything else with ``state_dict``/``load_state_dict`` (an LR
+scheduler) can be passed as is.
+
+**Resize.** A checkpoint written by ``N`` ranks resumes on ``M`` ranks when the recipe allows it
+(``Checkpointer(..., resizable=True)``, `ResumeGuard` ``resizable``) and its state holds a `DataPosition`:
+DCP reshards the model and optimizer, the data continues at the global position (the samples of the epoch
+the whole job consumed, the same whatever the number of ranks), and the per-rank state (`RankLocalState`:
+data-loader workers, RNG streams) is not restored but starts as in a fresh run, with one line saying so
+(`Checkpointer.load`). The global batch (``train.micro_batch_size x train.grad_accum_steps x ranks``) must stay
+the checkpoint's, so that a step, ``max_steps``, the learning-rate schedule and the position keep their meaning;
+``train.micro_batch_size`` and ``train.grad_accum_steps`` may change within it (`ResumeGuard.check`). Recipes
+that cannot resize refuse another world size before any worker starts, naming the size to use and the recipes
+that can (`RESIZABLE_RECIPES`).
 
 `ResumeGuard` is the one resume check of every recipe, whatever writes its checkpoints (DCP here, the
 Hugging Face Trainer, Ray Train): a checkpoint is a folder named after its step or epoch that holds a
@@ -71,11 +83,14 @@ from torch.distributed.checkpoint.state_dict import (
 
 from cookbook.config import flatten
 from cookbook.dist import barrier, get_logger
+from cookbook.sampler import DataPosition
 from cookbook.torchrun import RESTART_COUNT_ENV
 
 META_FILE = "meta.json"
 DCP_METADATA = ".metadata"  # DCP's index of a checkpoint: which bytes of which file hold each tensor
 LEFTOVER_PREFIXES = (".tmp-", ".old-")  # folders of a save or a publish that did not finish
+RESIZABLE_RECIPES = "modernbert-ddp (DDP) and qwen-fsdp2-sft (FSDP2)"  # the recipes that resume on another world size
+BATCH_KEYS = ("train.micro_batch_size", "train.grad_accum_steps")  # with the world size, they make the global batch
 
 
 class CheckpointError(RuntimeError):
@@ -140,8 +155,9 @@ class RankLocalState:
         items: name -> object with ``state_dict()``/``load_state_dict()`` (e.g. a torchdata
             ``StatefulDataLoader``), or `RNGState()`.
 
-    Restoring on a different world size is refused by `Checkpointer.load` (per-rank
-    positions cannot be remapped), with a message that says so.
+    On a different world size `Checkpointer.load` refuses it (per-rank positions cannot be remapped), or, for a
+    resizable checkpoint (one with a `cookbook.sampler.DataPosition`), leaves it out: these objects then keep
+    the state this run gave them at its start.
     """
 
     def __init__(self, **items: Any):
@@ -216,18 +232,22 @@ class ResumeGuard:
         cannot_remap: why a checkpoint written by another world size cannot be resumed (the technique's reason:
             per-rank state, ZeRO partitions, the global batch).
         same_size: how to resume with the checkpoint's world size, ``{n}`` standing for it.
+        resizable: the run resumes a checkpoint of another world size when the global batch is the checkpoint's
+            (`check_world_size`); ``train.micro_batch_size`` and ``train.grad_accum_steps`` may then change as long
+            as it is. For DCP checkpoints whose data position is global (`cookbook.sampler.DataPosition`).
     """
 
     def __init__(self, root: str | Path, *, folder: str = "step_<n>", files: tuple[str, ...] = (".metadata",),
                  run_dir: str | Path | None = None, resume_key: str = "checkpoint.resume", processes: str = "ranks",
                  cannot_remap: str = "its per-rank data-loader and RNG state cannot be remapped",
-                 same_size: str = "the same number of processes (NGPU x NNODES = {n})"):
+                 same_size: str = "the same number of processes (NGPU x NNODES = {n})", resizable: bool = False):
         self.root = Path(root)
         self.folder, self.files = folder, tuple(files)
         self._name = re.compile(re.escape(folder).replace(re.escape("<n>"), r"(\d+)"))
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.resume_key, self.processes = resume_key, processes
         self.cannot_remap, self.same_size = cannot_remap, same_size
+        self.resizable = resizable
 
     # ------------------------------------------------------------------ finding
     def problem(self, path: str | Path) -> str | None:
@@ -380,8 +400,8 @@ class ResumeGuard:
 
         Raises:
             CheckpointError: no such checkpoint; ``resume`` is "none" but `root` holds checkpoints; it was
-                written by another world size or with other settings (the message lists them and what to
-                do); or the stop point is not after it.
+                written by another world size (unless `resizable`), with another global batch (`resizable`), or
+                with other settings (the message lists them and what to do); or the stop point is not after it.
 
         A worker of a group that its launcher restarted after a failure (`restarted`) resumes from the newest
         checkpoint whatever `resume` says, once the job has one: it continues its own run.
@@ -398,7 +418,9 @@ class ResumeGuard:
             return None
         meta = read_meta(path)
         if world_size is not None:
-            self.check_world_size(path, meta, world_size)
+            self.check_world_size(path, meta, world_size, config)
+            if self.resizable:  # checked as one number, the global batch
+                may_change = (*may_change, *BATCH_KEYS)
         diff = config_changes(meta["config"], config, may_change) if config is not None and "config" in meta else ""
         if diff:
             raise CheckpointError(f"{path} was written with other settings ({diff}); resuming would mix two runs. Use "
@@ -410,18 +432,61 @@ class ResumeGuard:
                                   f"or remove it to train to the end")
         return path
 
-    def check_world_size(self, path: str | Path, meta: Mapping[str, Any], world_size: int) -> None:
+    def check_world_size(self, path: str | Path, meta: Mapping[str, Any], world_size: int,
+                         config: Mapping[str, Any] | None = None) -> None:
         """Refuse a checkpoint that `meta` (its ``meta.json``) says another number of processes wrote; one
-        that did not record it passes.
+        that did not record it passes. With `resizable`, refuse instead a global batch other than the
+        checkpoint's (`global_batch` of its ``config`` and of `config`), on any world size.
+
+        Args:
+            config: this run's config (flat or nested); needed with `resizable`.
 
         Raises:
-            CheckpointError: naming both sizes, why (`cannot_remap`) and what to do.
+            CheckpointError: not `resizable`: naming both sizes, why (`cannot_remap`), what to do and which recipes
+                resume on another size. `resizable`: naming both global batches and the ``train.grad_accum_steps``
+                or ``train.micro_batch_size`` that keeps it, or (without both configs) that it cannot be told.
         """
-        if meta.get("world_size") not in (None, world_size):
-            n = meta["world_size"]
+        n = meta.get("world_size")
+        if self.resizable:
+            self._check_global_batch(path, meta, world_size, config)
+        elif n not in (None, world_size):
             raise CheckpointError(f"{path} was written by {n} {self.processes} but this job has {world_size}: "
-                                  f"{self.cannot_remap}. Resume with {self.same_size.format(n=n)}, or start afresh "
-                                  f"with {self.start_afresh()}")
+                                  f"{self.cannot_remap} (resuming on another number of processes is supported by "
+                                  f"{RESIZABLE_RECIPES} only). Resume with {self.same_size.format(n=n)}, or start "
+                                  f"afresh with {self.start_afresh()}")
+
+    def _check_global_batch(self, path: str | Path, meta: Mapping[str, Any], world_size: int,
+                            config: Mapping[str, Any] | None) -> None:
+        """`check_world_size` of a resizable run: the global batch must be the checkpoint's."""
+        n = meta.get("world_size")
+        if config is None or "config" not in meta:
+            if n not in (None, world_size):
+                raise CheckpointError(f"{path} was written by {n} {self.processes} but this job has {world_size}, and "
+                                      f"its global batch cannot be told (no config to compare): resume with "
+                                      f"{self.same_size.format(n=n)}")
+            return
+        if n is None:
+            return
+        was, now = global_batch(meta["config"], n), global_batch(config, world_size)
+        target, micro, accum = was[0], now[1], now[2]
+        if now[0] == target:
+            return
+        ways = []  # one key changed, the other kept
+        if target % (micro * world_size) == 0:
+            k = target // (micro * world_size)
+            ways.append(f"{BATCH_KEYS[1]}={k} ({micro} x {k} x {world_size} = {target})")
+        if target % (accum * world_size) == 0 and target // (accum * world_size) != micro:
+            k = target // (accum * world_size)
+            ways.append(f"{BATCH_KEYS[0]}={k} ({k} x {accum} x {world_size} = {target})")
+        todo = (f"set {' or '.join(ways)}" if ways else
+                f"no micro-batch x accumulation x {world_size} makes {target}" if target % world_size else
+                f"set {BATCH_KEYS[0]} x {BATCH_KEYS[1]} = {target // world_size}")
+        raise CheckpointError(
+            f"{path} was written with a global batch of {target} samples ({was[1]} micro-batch x {was[2]} accumulation "
+            f"x {n} {_plural(self.processes, n)}) but this job's is {now[0]} ({micro} x {accum} x {world_size}); a resume "
+            f"keeps the global batch, so that a step, max_steps, the learning-rate schedule and the data position keep "
+            f"their meaning. To continue on {world_size} {_plural(self.processes, world_size)}, {todo}; or resume with "
+            f"{self.same_size.format(n=n)}, or start afresh with {self.start_afresh()}")
 
     def already_complete(self, done: int, total: int | None, unit: str = "step",
                          outputs: Mapping[str, str | Path] = {}) -> str:
@@ -437,6 +502,20 @@ class ResumeGuard:
         count = f"{done} of {total}" if total is not None else f"{done}"
         where = "".join(f"{', ' if i else '; '}{what} in {path}" for i, (what, path) in enumerate(outputs.items()))
         return f"already complete: {count} {unit}s{where}. To train again, use {self.start_afresh()}."
+
+
+def _plural(word: str, n: int) -> str:
+    """`word` (a plural: ``"ranks"``) for a count of `n`: ``"rank"`` for 1."""
+    return word.removesuffix("s") if n == 1 else word
+
+
+def global_batch(config: Mapping[str, Any], world_size: int) -> tuple[int, int, int]:
+    """``(global batch, micro-batch, accumulation)`` of a run's config (flat or nested) on `world_size` processes:
+    ``train.micro_batch_size x train.grad_accum_steps x world_size`` samples per optimizer step (a key the config
+    lacks counts as 1)."""
+    flat = flatten(config)
+    micro, accum = (int(flat.get(k) or 1) for k in BATCH_KEYS)
+    return micro * accum * world_size, micro, accum
 
 
 def restarted() -> bool:
@@ -579,16 +658,19 @@ class Checkpointer:
         keep_last: number of newest complete checkpoints to keep; older ones are deleted
             after a new one is published. ``0`` keeps all.
         run_dir: the run's output folder, named in the resume guard's advice ("or delete <run_dir>").
+        resizable: a checkpoint written by another world size may be resumed when the global batch is kept
+            (`ResumeGuard` ``resizable``); `load` then needs a `cookbook.sampler.DataPosition` in the state.
 
     Every method is collective: call it on every rank.
     """
 
-    def __init__(self, root: str | Path, keep_last: int = 3, run_dir: str | Path | None = None):
+    def __init__(self, root: str | Path, keep_last: int = 3, run_dir: str | Path | None = None,
+                 resizable: bool = False):
         if keep_last < 0:
             raise ValueError(f"keep_last must be >= 0, got {keep_last}")
         self.root = Path(root)
         self.keep_last = keep_last
-        self.guard = ResumeGuard(self.root, run_dir=run_dir)
+        self.guard = ResumeGuard(self.root, run_dir=run_dir, resizable=resizable)
 
     # ------------------------------------------------------------------ finding
     def complete_checkpoints(self) -> list[Path]:
@@ -741,24 +823,48 @@ class Checkpointer:
     def load(self, path: str | Path, state: Mapping[str, Any]) -> dict[str, Any]:
         """Load `state` in place from the checkpoint folder `path`.
 
-        Model and optimizer states reshard automatically (DCP); per-rank state
-        (`RankLocalState`) needs the world size the checkpoint was written with.
+        Model and optimizer states reshard automatically (DCP). Per-rank state (`RankLocalState`) needs the
+        world size the checkpoint was written with; on another one a `resizable` checkpointer whose `state`
+        holds a `cookbook.sampler.DataPosition` loads everything else (the data then continues at the global
+        position) and leaves the per-rank state as this run set it up, with one line (rank 0) saying what was
+        resharded, where the data continues and what was not restored. Check the global batch before, with
+        `check_resume` (the guard's `ResumeGuard.check_world_size`).
 
         Returns:
             The checkpoint's ``meta.json`` as a dict (``step``, ``world_size``, extras).
 
         Raises:
             CheckpointError: the folder is incomplete or damaged (`ResumeGuard.problem`), or it holds
-                per-rank state written by a different number of ranks.
+                per-rank state written by a different number of ranks (not `resizable`).
+            ValueError: `resizable`, another world size, and `state` holds no `DataPosition`.
         """
         path = Path(path)
         problem = self.guard.problem(path)
         if problem is not None:
             raise CheckpointError(f"{path} is not a complete checkpoint ({problem})")
         meta = read_meta(path)
-        if any(isinstance(v, RankLocalState) for v in state.values()):
-            self.guard.check_world_size(path, meta, _world_size())
+        local = [k for k, v in state.items() if isinstance(v, RankLocalState)]
+        written_by, now = meta.get("world_size"), _world_size()
+        resized = written_by not in (None, now)
+        if resized and not self.guard.resizable and local:
+            self.guard.check_world_size(path, meta, now)  # raises
+        if resized and self.guard.resizable:
+            positions = [v for v in state.values() if isinstance(v, DataPosition)]
+            if not positions:
+                raise ValueError("a resizable Checkpointer loads another world size's checkpoint only with a "
+                                 "DataPosition in the state (the data position of the whole job)")
+            dropped = "; ".join(f"{k}: {', '.join(state[k].items)}" for k in local)
+            state = {k: v for k, v in state.items() if k not in local}
         dcp.load(dict(state), checkpoint_id=str(path))
+        if resized and self.guard.resizable:
+            batch = global_batch(meta["config"], written_by)[0] if "config" in meta else None
+            get_logger().info(
+                f"resized: {path} was written by {written_by} {_plural(self.guard.processes, written_by)}, this job has "
+                f"{now}. Resharded by "
+                f"DCP: the model and optimizer state. Remapped: the data position, {positions[0].describe()} in the "
+                f"same order" + (f" (global batch {batch} samples, as before)" if batch else "")
+                + (f". Not restored, as in a fresh run (seeded at start-up): the per-rank state ({dropped})"
+                   if local else ""))
         get_logger().info(f"resumed from {path} (step {meta['step']})")
         return meta
 

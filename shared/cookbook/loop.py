@@ -68,6 +68,7 @@ from cookbook.dist import (CollectiveTimeout, DistInfo, barrier, collective_time
                            get_logger, record_progress)
 from cookbook.entry import EXIT_DIVERGED, EXIT_PREEMPTED, OneLineError
 from cookbook.metrics import MetricsLogger, ModelFlops, StepProfiler
+from cookbook.sampler import DataPosition
 
 Outputs = Mapping[str, "tuple[Path | None, str]"]  # summary key -> (folder or None, how to load it)
 EVAL_COUNTS = ("tokens", "samples", "rows")  # evaluation results that count what was evaluated: not shown on `done:`
@@ -124,7 +125,8 @@ class EpochBatches:
     Each new pass over `loader` increments ``state.epoch`` and calls ``set_epoch(state.epoch)`` (a
     ``DistributedSampler`` reshuffles), so the epoch is checkpointed with the step. The first pass
     starts from wherever the loader's own state says (a ``StatefulDataLoader`` restored by resume
-    continues mid-epoch).
+    continues mid-epoch), or, after a resume on another world size, at the global position of a
+    `cookbook.sampler.ResizableSampler` (``set_epoch`` of the same epoch keeps it).
 
     Args:
         loader: an iterable of batches (dicts of tensors, or anything with ``.to(device)``).
@@ -554,7 +556,9 @@ def start_run(cfg: Any, info: DistInfo, *, state: TrainState, checkpoint_state: 
 
     Resumes from the checkpoint ``checkpoint.resume`` names (``auto``: the newest complete one under
     ``<output_dir>/checkpoints``), after `Checkpointer.check_resume` has checked that it was written with the same
-    settings (`may_change` lists the keys allowed to differ) and world size. A run with nothing left to do
+    settings (`may_change` lists the keys allowed to differ) and world size; a `checkpoint_state` that holds a
+    `cookbook.sampler.DataPosition` (a global data position) resumes on another world size too, when the global
+    batch is the checkpoint's (``Checkpointer(resizable=True)``). A run with nothing left to do
     (`already_complete`) says so and returns ``None``; else rank 0 writes ``<output_dir>/config.yaml`` and the
     `MetricsLogger` starts (its MLflow run too).
 
@@ -575,7 +579,8 @@ def start_run(cfg: Any, info: DistInfo, *, state: TrainState, checkpoint_state: 
         CheckpointError: the checkpoint to resume from does not fit this run (`Checkpointer.check_resume`).
     """
     out_dir = Path(cfg.output_dir)
-    checkpointer = Checkpointer(out_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last)
+    resizable = any(isinstance(v, DataPosition) for v in checkpoint_state.values())
+    checkpointer = Checkpointer(out_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last, resizable=resizable)
     resume_from = checkpointer.check_resume(cfg.checkpoint.resume, info.world_size, to_dict(cfg), may_change,
                                             cfg.train.stop_at_step)
     if resume_from is not None:
