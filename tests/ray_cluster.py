@@ -248,3 +248,84 @@ def recipe_module(recipe: str):
 def summary(records: list[dict]) -> dict:
     """The last summary record of a metrics.jsonl."""
     return [r for r in records if r["event"] == "summary"][-1]
+
+
+
+def fit_forked(script: str, config: dict, output_dir: str, cfg, num_workers: int, use_gpu: bool, keep_last: int = 2,
+               announced: str | None = None, stop_key: str | None = None):
+    """`cookbook.ray_train.driver.fit` (same arguments) without Ray, for the driver's and the workers' handling of
+    a run at no Ray start-up (~20 s a fit on 2 cores): the recipe's worker function (the driver's
+    ``_worker_entry``) on `num_workers` gloo workers forked from this process, each in Ray Train's local mode (its
+    ``LocalTrainFnUtils``: ``ray.train.get_context()``'s rank, world size and device, ``prepare_model`` and
+    ``prepare_data_loader`` as in a Ray worker). What Ray's storage and controller do with checkpoints is done
+    here: the folder rank 0 reports is copied to ``<output_dir>/<checkpoint_dir_name>`` and named the newest in
+    Ray's snapshot file (the one the driver's resume reads), and the checkpoint the driver `announced` is what
+    ``ray.train.get_checkpoint()`` hands the workers. Returns a ``ray.train.Result`` whose ``return_value`` is
+    rank 0's and whose ``metrics`` and ``checkpoint`` are the newest checkpoint's, as Ray's.
+
+    Not covered: Ray's restarts (``ray.max_failures``), ``keep_last``, stop requests (`stop_key`)."""
+    import cookbook
+
+    out = Path(output_dir).expanduser().resolve()
+    loop_config = {"script": str(Path(script).resolve()), "config": dict(config), "announced": announced,
+                   "stop_key": None}  # no Ray key-value store to read a stop request from
+    values = cookbook.distributed(num_processes=num_workers, start_method="fork")(_local_worker).distributed(
+        loop_config, out, announced)
+    return_value, metrics, name = values[0]
+    from ray.train import Checkpoint, Result
+
+    return Result(metrics=metrics, checkpoint=Checkpoint.from_directory(out / name) if name else None, error=None,
+                  path=str(out), return_value=return_value)
+
+
+def _local_worker(loop_config: dict, out: Path, announced: str | None) -> tuple:
+    """One worker of `fit_forked`: ``(return value, the newest checkpoint's metrics, its folder name)``."""
+    import importlib.metadata
+    import logging
+    import shutil
+
+    from ray.train import Checkpoint
+    from ray.train.v2._internal.execution.train_fn_utils import LocalTrainFnUtils, set_train_fn_utils
+
+    from cookbook import get_dist_info
+    from cookbook.ray_train.driver import _worker_entry
+
+    class Stored(LocalTrainFnUtils):
+        newest, metrics = announced, None
+        handed = Checkpoint.from_directory(out / announced) if announced else None
+
+        def report(self, metrics, checkpoint=None, checkpoint_dir_name=None, **kwargs):
+            if checkpoint is not None and self.get_context().get_world_rank() == 0:  # its folder goes after the call
+                shutil.copytree(checkpoint.path, out / checkpoint_dir_name)
+                snapshot = {"ray_version": importlib.metadata.version("ray"),
+                            "latest_checkpoint_result": {"checkpoint_dir_name": checkpoint_dir_name}}
+                (out / "checkpoint_manager_snapshot.json").write_text(json.dumps(snapshot))
+                self.newest, self.metrics = checkpoint_dir_name, dict(metrics)
+            super().report(metrics, checkpoint, checkpoint_dir_name, **kwargs)
+
+        def get_checkpoint(self):
+            return self.handed
+
+    log = logging.getLogger("cookbook")
+    for handler in [h for h in log.handlers if getattr(h, "_cookbook", False)]:
+        log.removeHandler(handler)  # inherited from pytest's process: each worker sets up its own (rank 0's INFO)
+    logging.getLogger("ray").setLevel(logging.WARNING)  # local mode's "Reported metrics", to a stream pytest may have closed
+    info = get_dist_info()
+    utils = Stored(experiment_name=out.name, world_size=info.world_size, world_rank=info.rank,
+                   local_rank=info.local_rank, local_world_size=info.world_size)
+    set_train_fn_utils(utils)
+    return _worker_entry(loop_config), utils.metrics, utils.newest
+
+
+def without_ray(monkeypatch) -> None:
+    """Make a recipe's driver (``train.py``'s ``main``, in this process) train through `fit_forked`: no Ray instance
+    is started or joined (2 CPU workers, no shared-storage probe)."""
+    from cookbook.ray_train import driver
+
+    monkeypatch.setenv("COOKBOOK_DEVICE", "cpu")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(driver, "init_ray", lambda cfg, num_workers: None)
+    monkeypatch.setattr(driver, "resolve_workers", lambda cfg, nnodes=1: (2, False))
+    monkeypatch.setattr(driver, "check_shared_storage", lambda output_dir: None)
+    monkeypatch.setattr(driver, "fit", fit_forked)

@@ -1,11 +1,13 @@
 """The Qwen SFT Ray Train recipe on CPU: 2 Ray workers, tiny Qwen2 config, offline tokenizer and data."""
 
+import os
 import re
 
 import pytest
+import torch
 from conftest import ROOT, read_jsonl, train_losses
 from ray_cluster import (kill_a_worker, paused, ray_processes, recipe_module, registered, run_driver_forked, summary,
-                         train_steps, wait_for)
+                         train_steps, wait_for, without_ray)
 
 RECIPE = ROOT / "recipes" / "qwen-ray-sft"
 
@@ -143,3 +145,109 @@ def test_eval_of_one_row_on_two_workers_equals_one_process():
         expected = sft.token_loss_sum(plain, batch) / labels
     assert result["tokens"] == labels
     assert float(result["loss"]) == pytest.approx(float(expected), rel=1e-5)
+
+
+# ----------------------------------------------------------------------------- a NaN step (train.on_nonfinite)
+BAD_STEP, ACCUM = 5, 2  # the step whose first micro-batch gets a NaN on worker 1; tiny.yaml's grad_accum_steps
+NAN_RUN = ("mlflow=false", "train.max_steps=8", "checkpoint.every_steps=2", f"train.grad_accum_steps={ACCUM}")
+
+
+@pytest.fixture
+def nan_on_worker_1(monkeypatch):
+    """Worker 1's training forward of the first micro-batch of step `BAD_STEP` returns NaN logits (patched here,
+    before the workers are forked from this process; each worker counts its own forwards, skipped steps too). Its
+    gradients reach worker 0 through DDP's all-reduce at the step's last micro-batch: both see a NaN gradient norm."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    forward, calls = DistributedDataParallel.forward, []
+
+    def nan_forward(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        if self.training:
+            calls.append(1)
+            if os.environ.get("RANK") == "1" and len(calls) == (BAD_STEP - 1) * ACCUM + 1:
+                out.logits = out.logits * float("nan")
+        return out
+
+    monkeypatch.setattr(DistributedDataParallel, "forward", nan_forward)
+    without_ray(monkeypatch)
+
+
+def _driver(capfd, out, *overrides) -> str:
+    """The recipe's driver (``main``) on tiny.yaml, its workers forked without Ray (`without_ray`); returns stderr."""
+    capfd.readouterr()
+    recipe_module("qwen-ray-sft").main(["--config", str(RECIPE / "tiny.yaml"), f"output_dir={out}", *NAN_RUN,
+                                        *overrides])
+    return capfd.readouterr().err
+
+
+def _floats(state) -> list:
+    if isinstance(state, torch.Tensor):
+        return [state] if state.is_floating_point() else []
+    if isinstance(state, dict):
+        state = list(state.values())
+    return [t for v in state for t in _floats(v)] if isinstance(state, (list, tuple)) else []
+
+
+def test_a_nan_step_is_skipped_on_both_workers_and_a_resume_after_it_continues_its_data(tmp_path, capfd,
+                                                                                         nan_on_worker_1):
+    """``train.on_nonfinite=skip``: the NaN step is dropped (no optimizer or scheduler step), every checkpoint and
+    the export stay finite; a run stopped after it and resumed takes the uninterrupted run's steps (the data
+    continues after the batches the skipped step took)."""
+    out = tmp_path / "run"
+    err = _driver(capfd, out, "train.on_nonfinite=skip")
+    assert f"step {BAD_STEP}: non-finite gradient norm (nan), step skipped (1 skipped so far)" in err, err[-3000:]
+    train = [r for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "train"]
+    assert [(r["step"], r["skipped_steps"]) for r in train] == [(s, int(s >= BAD_STEP)) for s in range(1, 9)]
+    assert all(torch.isfinite(torch.tensor([r["loss"], r["grad_norm"]])).all() for r in train)
+    end = summary(read_jsonl(out / "metrics.jsonl"))
+    assert end["param_fingerprints"][0] == end["param_fingerprints"][1]
+    assert torch.isfinite(torch.tensor(end["param_fingerprints"])).all()
+    folders = sorted(out.glob("checkpoint_step_*"))
+    assert [f.name for f in folders] == [f"checkpoint_step_{s:08d}" for s in (2, 4, 6, 8)]
+    for folder in folders:
+        state = torch.load(folder / "state.pt", weights_only=True)
+        step = int(folder.name.rsplit("_", 1)[1])
+        assert state["scheduler"]["last_epoch"] == step  # the skipped step stepped neither the scheduler ...
+        assert {int(s["step"]) for s in state["optimizer"]["state"].values()} == {step}  # ... nor AdamW
+        assert state["skipped_steps"] == int(step >= BAD_STEP)
+        floats = _floats({k: state[k] for k in ("model", "optimizer")})
+        assert len(floats) > 20 and all(torch.isfinite(t).all() for t in floats), folder
+    from safetensors.torch import load_file
+
+    exported = load_file(out / "final" / "model.safetensors")
+    assert exported and all(torch.isfinite(t).all() for t in exported.values())
+
+    again = tmp_path / "again"  # the same run, stopped at step 6 (after the skip) and resumed
+    _driver(capfd, again, "train.on_nonfinite=skip", "train.stop_at_step=6")
+    err = _driver(capfd, again, "train.on_nonfinite=skip")
+    assert f"resuming from {again / 'checkpoint_step_00000006'} (step 6)" in err, err[-3000:]
+    resumed = [r for r in read_jsonl(again / "metrics.jsonl") if r["event"] == "train"][6:]
+    assert [(r["step"], r["skipped_steps"]) for r in resumed] == [(7, 1), (8, 1)]
+    assert train_losses(again / "metrics.jsonl") == {r["step"]: r["loss"] for r in train}
+
+
+def test_a_nan_step_stops_the_run_and_the_driver_exits_4_naming_the_checkpoint_before_it(tmp_path, capfd,
+                                                                                          nan_on_worker_1):
+    """``train.on_nonfinite=stop`` (the default): both workers stop before the update of step 5; the driver (through
+    ``cookbook.run_main``, as ``python train.py`` runs it) prints one line naming the step and step 4's checkpoint
+    and exits 4. Ray is not asked to restart the workers (they end normally and hand the message back)."""
+    out = tmp_path / "run"
+    capfd.readouterr()
+    pid = os.fork()
+    if pid == 0:  # the driver's process (its output goes to capfd's files): run_main ends it with the exit status
+        import cookbook
+
+        cookbook.run_main(recipe_module("qwen-ray-sft").main,
+                          argv=["--config", str(RECIPE / "tiny.yaml"), f"output_dir={out}", *NAN_RUN])
+    status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    err = capfd.readouterr().err
+    newest = out / f"checkpoint_step_{BAD_STEP - 1:08d}"
+    line = (f"error: the gradient norm of step {BAD_STEP} is nan: the step was not applied and the run stops "
+            f"(train.on_nonfinite=stop); the newest checkpoint, from before it, is {newest}. Lower optim.lr or raise "
+            f"the warm-up, check the data of this step, or set train.on_nonfinite=skip to drop such steps")
+    assert status == 4, err[-3000:]
+    assert [l for l in err.splitlines() if "error" in l.lower() or "Traceback" in l] == [line], err[-3000:]
+    assert sorted(p.name for p in out.glob("checkpoint_step_*")) == ["checkpoint_step_00000002", "checkpoint_step_00000004"]
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "train"] == [1, 2, 3, 4]
+    assert not (out / "final").exists() and "done:" not in err

@@ -19,8 +19,9 @@ What this recipe supports:
     - Checkpoints every ``checkpoint.every_steps`` through ``ray.train.report`` (model, optimizer,
       scheduler, step); re-running with the same ``output_dir`` resumes at that step (the data order
       is replayed); ``ray.max_failures`` restarts failed workers from the newest checkpoint; SIGTERM
-      or SIGUSR1 to ``launch.sh`` stops every worker after the same step with a checkpoint and exits 75.
-      Final export in Hugging Face format.
+      or SIGUSR1 to ``launch.sh`` stops every worker after the same step with a checkpoint and exits 75;
+      a NaN or infinite gradient norm stops the run before its update (exit 4), or with
+      ``train.on_nonfinite=skip`` drops the step. Final export in Hugging Face format.
     - Metrics (cookbook.metrics): loss, tokens/s per GPU, MFU, memory; console, metrics.jsonl, MLflow.
 """
 
@@ -162,8 +163,9 @@ def train_loop(config_dict: dict) -> None:
               f"{'bf16 autocast' if use_bf16 else 'fp32'} | data: {stats.summary()}")
 
     def batches():
-        """Micro-batches from the resumed step on: the sampler's order of each epoch, replayed after a resume."""
-        epoch, skip = divmod(run.step, steps_per_epoch)
+        """Micro-batches from the resumed step on: the sampler's order of each epoch, replayed after a resume
+        (a skipped non-finite step took a step's batches too)."""
+        epoch, skip = divmod(run.step + run.skipped_steps, steps_per_epoch)
         while True:
             if info.world_size > 1:
                 loader.sampler.set_epoch(epoch)
@@ -188,6 +190,9 @@ def train_loop(config_dict: dict) -> None:
                 step_loss += loss_sum.detach() * info.world_size / global_tokens
                 run.metrics.add(samples=mb["input_ids"].shape[0], tokens=lm.count_tokens(mb, pad_id), data_wait_s=wait)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf"))
+            if run.skip_step(grad_norm):  # NaN / inf: the run stops, or (train.on_nonfinite=skip) the step is dropped
+                optimizer.zero_grad(set_to_none=True)
+                continue
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()

@@ -39,7 +39,7 @@ What it does, so that every recipe does it the same way:
   the step (its gradients are zeroed, neither the optimizer nor the scheduler steps, the step number comes
   again with the next batch), logs it, counts it in the ``skipped_steps`` metric, and stops at the next
   non-finite step once ``max_consecutive_skips`` were skipped in a row. A step that diverged never reaches a
-  checkpoint;
+  checkpoint. The decision is `NonFinitePolicy`'s, which the Ray workers' `cookbook.ray_train.WorkerRun` uses too;
 - records each rank's progress in the process group's store at every step boundary
   (`cookbook.dist.record_progress`), so that a collective that times out ends the run with one line naming
   the rank that is behind (`cookbook.dist.CollectiveTimeout`, exit status 3);
@@ -215,6 +215,132 @@ class StopVote:
             self._pending = None
 
 
+class NonFinitePolicy:
+    """What a step with a NaN or infinite loss or gradient norm does, decided alike on every rank before its update:
+    the shared part of `TrainLoop.skip_step` and of the Ray workers' `cookbook.ray_train.WorkerRun.skip_step`.
+
+    ``"stop"`` raises `NonFiniteError` (exit status 4; the message names the step and the newest checkpoint, which
+    is from before it); ``"skip"`` tells the caller to drop the step, logs it and counts it in `skipped_steps`, and
+    stops at one more than ``max_consecutive_skips`` in a row.
+
+    Args:
+        on_nonfinite: ``"stop"`` or ``"skip"`` (`ON_NONFINITE`).
+        max_consecutive_skips: with ``"skip"``: the most steps skipped in a row.
+        device: where the flags of a loss check live (the process group's device).
+        newest_checkpoint: returns the newest checkpoint saved (a folder), or ``None``; for the message.
+        skipped_steps: steps skipped before (a resumed count), ``0`` for a fresh start.
+
+    Raises:
+        ValueError: an unknown `on_nonfinite`, or `max_consecutive_skips` < 0.
+    """
+
+    def __init__(self, on_nonfinite: str = "stop", max_consecutive_skips: int = 5, *, device: torch.device,
+                 newest_checkpoint: Callable[[], Path | str | None], skipped_steps: int = 0):
+        if on_nonfinite not in ON_NONFINITE:
+            raise ValueError(f"on_nonfinite must be one of {', '.join(ON_NONFINITE)}, got {on_nonfinite!r}")
+        if max_consecutive_skips < 0:
+            raise ValueError(f"max_consecutive_skips must be >= 0, got {max_consecutive_skips}")
+        self.on_nonfinite, self.max_consecutive_skips = on_nonfinite, max_consecutive_skips
+        self.device, self.newest_checkpoint = device, newest_checkpoint
+        self.skipped_steps = skipped_steps  # steps skipped for a non-finite loss or gradient norm
+        self._consecutive = 0  # of them, in a row up to now
+        self._applied_bad: torch.Tensor | None = None  # first step whose applied update was non-finite (0: none)
+
+    @staticmethod
+    def settings(train: Any) -> tuple[str, int]:
+        """``(train.on_nonfinite, train.max_consecutive_skips)`` of a config's ``train`` section (``"stop"`` and 5
+        where it lacks them).
+
+        Raises:
+            ConfigError: ``train.on_nonfinite`` is not stop or skip, or ``train.max_consecutive_skips`` < 0."""
+        on_nonfinite = getattr(train, "on_nonfinite", "stop")
+        max_skips = getattr(train, "max_consecutive_skips", 5)
+        if on_nonfinite not in ON_NONFINITE:
+            raise ConfigError(f"train.on_nonfinite must be one of {', '.join(ON_NONFINITE)}, got {on_nonfinite!r}")
+        if max_skips < 0:
+            raise ConfigError(f"train.max_consecutive_skips must be >= 0, got {max_skips}")
+        return on_nonfinite, max_skips
+
+    def skip(self, step: int, grad_norm: torch.Tensor | float | None = None, *,
+             loss: torch.Tensor | float | None = None, applied: bool = False) -> bool:
+        """Check step `step` (1-based, the one about to be applied); the arguments and the result are
+        `TrainLoop.skip_step`'s.
+
+        Raises:
+            NonFiniteError: as `TrainLoop.skip_step`.
+        """
+        if grad_norm is not None:
+            value = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+            if math.isfinite(value):
+                return False
+            what, short = f"the gradient norm of step {step} is {value}", f"non-finite gradient norm ({value})"
+        elif loss is None:
+            return False
+        elif applied:
+            self._note_applied(loss, step)
+            return False
+        elif self._finite_on_every_rank(loss):
+            return False
+        else:
+            what, short = f"the loss of step {step} is not finite on every rank", "non-finite loss"
+        self._consecutive += 1
+        if self.on_nonfinite == "stop":
+            raise NonFiniteError(f"{what}: the step was not applied and the run stops (train.on_nonfinite=stop); "
+                                 f"{self._newest_text()}. Lower optim.lr or raise the warm-up, check the data "
+                                 f"of this step, or set train.on_nonfinite=skip to drop such steps")
+        if self._consecutive > self.max_consecutive_skips:
+            raise NonFiniteError(f"{what}: the step was not applied, and that makes {self._consecutive} non-finite "
+                                 f"steps in a row (train.max_consecutive_skips={self.max_consecutive_skips}), so the "
+                                 f"run stops; {self._newest_text()}. Lower optim.lr or raise the warm-up, or "
+                                 f"check the data")
+        self.skipped_steps += 1
+        get_logger().info(f"step {step}: {short}, step skipped ({self.skipped_steps} skipped so far)")
+        return True
+
+    def stepped(self) -> None:
+        """A step was applied: the count of non-finite steps in a row starts again."""
+        self._consecutive = 0
+
+    def log_extra(self) -> dict[str, float]:
+        """``{"skipped_steps": n}`` for a log line with ``"skip"``; ``{}`` with ``"stop"``."""
+        return {"skipped_steps": float(self.skipped_steps)} if self.on_nonfinite == "skip" else {}
+
+    def _newest_text(self) -> str:
+        latest = self.newest_checkpoint()
+        return f"the newest checkpoint, from before it, is {latest}" if latest else "no checkpoint was saved before it"
+
+    def _finite_on_every_rank(self, loss: torch.Tensor | float) -> bool:
+        if isinstance(loss, torch.Tensor):
+            flag = (~torch.isfinite(loss.detach())).any().to(torch.float32).reshape(1)
+        else:
+            flag = torch.tensor([0.0 if math.isfinite(loss) else 1.0], device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag.item() == 0
+
+    def _note_applied(self, loss: torch.Tensor | float, step: int) -> None:
+        """Keep the first step whose (applied) loss was not finite, on the device: no sync."""
+        loss = torch.as_tensor(loss, device=self.device)
+        if self._applied_bad is None:
+            self._applied_bad = torch.zeros((), dtype=torch.int64, device=loss.device)
+        bad = (~torch.isfinite(loss.detach())).any() & (self._applied_bad == 0)
+        self._applied_bad = torch.where(bad, torch.full_like(self._applied_bad, step), self._applied_bad)
+
+    def check_applied(self) -> None:
+        """Stop if an update already applied was non-finite on any rank (collective once `applied` was used)."""
+        if self._applied_bad is None:
+            return
+        first = torch.where(self._applied_bad == 0, torch.full_like(self._applied_bad, NONE_BAD), self._applied_bad)
+        if dist.is_initialized():
+            dist.all_reduce(first, op=dist.ReduceOp.MIN)
+        step = int(first.item())
+        if step != NONE_BAD:
+            raise NonFiniteError(f"the loss of step {step} is not finite on every rank and its update was already "
+                                 f"applied (this recipe checks after its step), so the run stops before saving it, "
+                                 f"whatever train.on_nonfinite says; {self._newest_text()}. Lower optim.lr or "
+                                 f"raise the warm-up, or check the data")
+
+
 class TrainLoop:
     """Step counting, metric windows, eval and checkpoint cadence around a recipe's own step body.
 
@@ -251,10 +377,6 @@ class TrainLoop:
                  on_nonfinite: str = "stop", max_consecutive_skips: int = 5):
         if log_every < 1:
             raise ValueError(f"log_every must be >= 1, got {log_every}")
-        if on_nonfinite not in ON_NONFINITE:
-            raise ValueError(f"on_nonfinite must be one of {', '.join(ON_NONFINITE)}, got {on_nonfinite!r}")
-        if max_consecutive_skips < 0:
-            raise ValueError(f"max_consecutive_skips must be >= 0, got {max_consecutive_skips}")
         if checkpointer is not None and checkpoint_every >= 0 and checkpoint_state is None:
             raise ValueError("checkpoint_state is required to save checkpoints")
         self.state, self.max_steps, self.metrics = state, max_steps, metrics
@@ -270,11 +392,9 @@ class TrainLoop:
         self._handlers: dict = {}
         self._vote = StopVote(self.device)  # the ranks' agreement on a preemption stop
         self._saved_step = -1
-        self.on_nonfinite, self.max_consecutive_skips = on_nonfinite, max_consecutive_skips
-        self.skipped_steps = 0  # steps skipped for a non-finite loss or gradient norm since this process started
-        self._consecutive = 0  # of them, in a row up to now
+        self.nonfinite = NonFinitePolicy(on_nonfinite, max_consecutive_skips, device=self.device,
+                                         newest_checkpoint=lambda: checkpointer.latest() if checkpointer is not None else None)
         self._skipped_now = False  # the step being run was skipped
-        self._applied_bad: torch.Tensor | None = None  # first step whose applied update was non-finite (0: none)
         self._reset_window()
 
     @classmethod
@@ -292,18 +412,27 @@ class TrainLoop:
             ConfigError: ``train.on_nonfinite`` is not stop or skip, or ``train.max_consecutive_skips`` < 0."""
         train = cfg.train
         profile_step = getattr(train, "profile_step", 0)
-        on_nonfinite = getattr(train, "on_nonfinite", "stop")
-        max_skips = getattr(train, "max_consecutive_skips", 5)
-        if on_nonfinite not in ON_NONFINITE:
-            raise ConfigError(f"train.on_nonfinite must be one of {', '.join(ON_NONFINITE)}, got {on_nonfinite!r}")
-        if max_skips < 0:
-            raise ConfigError(f"train.max_consecutive_skips must be >= 0, got {max_skips}")
+        on_nonfinite, max_skips = NonFinitePolicy.settings(train)
         return cls(state=state, max_steps=max_steps, stop_at_step=train.stop_at_step, metrics=metrics,
                    log_every=train.log_every, eval_every=getattr(train, "eval_every", 0), evaluate=evaluate,
                    checkpointer=checkpointer, checkpoint_every=cfg.checkpoint.every_steps,
                    checkpoint_state=checkpoint_state, config=to_dict(cfg),
                    profiler=StepProfiler(profile_step, metrics.out_dir, metrics.info) if profile_step > 0 else None,
                    log_extra=log_extra, on_nonfinite=on_nonfinite, max_consecutive_skips=max_skips)
+
+    @property
+    def on_nonfinite(self) -> str:
+        """``"stop"`` or ``"skip"``: what a non-finite step does (`skip_step`)."""
+        return self.nonfinite.on_nonfinite
+
+    @property
+    def max_consecutive_skips(self) -> int:
+        return self.nonfinite.max_consecutive_skips
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for a non-finite loss or gradient norm since this process started."""
+        return self.nonfinite.skipped_steps
 
     # ------------------------------------------------------------------ the loop
     def __enter__(self) -> TrainLoop:
@@ -393,70 +522,9 @@ class TrainLoop:
                 ``max_consecutive_skips`` in a row. The update has not run, so the weights and the newest checkpoint
                 are the last good ones; the message names the step and that checkpoint.
         """
-        step = self.state.step + 1
-        if grad_norm is not None:
-            value = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-            if math.isfinite(value):
-                return False
-            what, short = f"the gradient norm of step {step} is {value}", f"non-finite gradient norm ({value})"
-        elif loss is None:
-            return False
-        elif applied:
-            self._note_applied(loss, step)
-            return False
-        elif self._finite_on_every_rank(loss):
-            return False
-        else:
-            what, short = f"the loss of step {step} is not finite on every rank", "non-finite loss"
-        self._consecutive += 1
-        if self.on_nonfinite == "stop":
-            raise NonFiniteError(f"{what}: the step was not applied and the run stops (train.on_nonfinite=stop); "
-                                 f"{self._newest_checkpoint()}. Lower optim.lr or raise the warm-up, check the data "
-                                 f"of this step, or set train.on_nonfinite=skip to drop such steps")
-        if self._consecutive > self.max_consecutive_skips:
-            raise NonFiniteError(f"{what}: the step was not applied, and that makes {self._consecutive} non-finite "
-                                 f"steps in a row (train.max_consecutive_skips={self.max_consecutive_skips}), so the "
-                                 f"run stops; {self._newest_checkpoint()}. Lower optim.lr or raise the warm-up, or "
-                                 f"check the data")
-        self.skipped_steps += 1
-        self._skipped_now = True
-        get_logger().info(f"step {step}: {short}, step skipped ({self.skipped_steps} skipped so far)")
-        return True
-
-    def _newest_checkpoint(self) -> str:
-        latest = self.checkpointer.latest() if self.checkpointer is not None else None
-        return f"the newest checkpoint, from before it, is {latest}" if latest else "no checkpoint was saved before it"
-
-    def _finite_on_every_rank(self, loss: torch.Tensor | float) -> bool:
-        if isinstance(loss, torch.Tensor):
-            flag = (~torch.isfinite(loss.detach())).any().to(torch.float32).reshape(1)
-        else:
-            flag = torch.tensor([0.0 if math.isfinite(loss) else 1.0], device=self.device)
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return flag.item() == 0
-
-    def _note_applied(self, loss: torch.Tensor | float, step: int) -> None:
-        """Keep the first step whose (applied) loss was not finite, on the device: no sync."""
-        loss = torch.as_tensor(loss, device=self.device)
-        if self._applied_bad is None:
-            self._applied_bad = torch.zeros((), dtype=torch.int64, device=loss.device)
-        bad = (~torch.isfinite(loss.detach())).any() & (self._applied_bad == 0)
-        self._applied_bad = torch.where(bad, torch.full_like(self._applied_bad, step), self._applied_bad)
-
-    def _check_applied(self) -> None:
-        """Stop if an update already applied was non-finite on any rank (collective once `applied` was used)."""
-        if self._applied_bad is None:
-            return
-        first = torch.where(self._applied_bad == 0, torch.full_like(self._applied_bad, NONE_BAD), self._applied_bad)
-        if dist.is_initialized():
-            dist.all_reduce(first, op=dist.ReduceOp.MIN)
-        step = int(first.item())
-        if step != NONE_BAD:
-            raise NonFiniteError(f"the loss of step {step} is not finite on every rank and its update was already "
-                                 f"applied (this recipe checks after its step), so the run stops before saving it, "
-                                 f"whatever train.on_nonfinite says; {self._newest_checkpoint()}. Lower optim.lr or "
-                                 f"raise the warm-up, or check the data")
+        skipped = self.nonfinite.skip(self.state.step + 1, grad_norm, loss=loss, applied=applied)
+        self._skipped_now = self._skipped_now or skipped
+        return skipped
 
     def end_step(self, loss: torch.Tensor | float, *, lr: float, grad_norm: torch.Tensor | float | None = None,
                  window: Mapping[str, torch.Tensor | float] | None = None) -> None:
@@ -470,18 +538,17 @@ class TrainLoop:
                 (e.g. ``{"moe/aux_loss": aux}``).
         """
         self.state.step += 1
-        self._consecutive = 0
+        self.nonfinite.stepped()
         step = self.state.step
         self._loss = self._loss + (loss.detach() if isinstance(loss, torch.Tensor) else loss)
         for k, v in (window or {}).items():
             self._window[k] = self._window.get(k, 0.0) + (v.detach() if isinstance(v, torch.Tensor) else v)
         self._steps += 1
         if step % self.log_every == 0 or step == self.max_steps:
-            self._check_applied()
+            self.nonfinite.check_applied()
             extra = {k: v / self._steps for k, v in self._window.items()}
             extra.update(self.log_extra() if self.log_extra is not None else {})
-            if self.on_nonfinite == "skip":
-                extra["skipped_steps"] = float(self.skipped_steps)
+            extra.update(self.nonfinite.log_extra())
             self.metrics.log_step(step, self._loss / self._steps, lr, grad_norm, extra=extra or None)
             self._reset_window()
         with self.metrics.paused():  # not counted in the step time and throughput
@@ -503,7 +570,7 @@ class TrainLoop:
         if force or step in (self.stop_at, self.max_steps) or (every > 0 and step % every == 0):
             if self._saved_step == step:
                 return  # saved at this step already
-            self._check_applied()  # never save an update that diverged
+            self.nonfinite.check_applied()  # never save an update that diverged
             self._saved_step = step
             meta = {"epoch": self.state.epoch, **({"config": dict(self.config)} if self.config is not None else {})}
             self.checkpointer.save(step, self.checkpoint_state, meta)
@@ -522,7 +589,7 @@ class TrainLoop:
         Returns:
             The final evaluation metrics (``{}`` without `evaluate`), or ``None`` when the run stopped early.
         """
-        self._check_applied()
+        self.nonfinite.check_applied()
         if self.state.step < self.max_steps:
             self.stopped = True
             latest = self.checkpointer.latest() if self.checkpointer is not None else None

@@ -18,6 +18,12 @@ Preemption: SIGTERM or SIGUSR1 to the driver (``launch.sh`` passes SIGTERM on; a
 ``--signal`` warning) asks the workers to stop (`request_stop`); every worker stops after the same step,
 saves a checkpoint there, and the driver exits 75 (`cookbook.entry.EXIT_PREEMPTED`); the same command
 resumes with no step lost. A second signal ends the driver at once.
+
+Divergence: a step whose gradient norm (or loss) is NaN or infinite with ``train.on_nonfinite=stop`` (or one
+more than ``train.max_consecutive_skips`` skipped in a row) stops every worker before its update
+(`cookbook.ray_train.WorkerRun.skip_step`); the workers end normally and hand the message to the driver (so Ray
+does not restart them for ``ray.max_failures``: the same step would diverge again), which raises it as
+`cookbook.loop.NonFiniteError`: one line naming the step and the newest checkpoint, exit status 4.
 """
 
 from __future__ import annotations
@@ -39,10 +45,11 @@ import torch
 from cookbook.checkpoint import CheckpointError, ResumeGuard, read_meta
 from cookbook.config import ConfigError, to_dict
 from cookbook.entry import EXIT_PREEMPTED
-from cookbook.loop import PREEMPT_SIGNALS, Preempted
+from cookbook.loop import PREEMPT_SIGNALS, NonFiniteError, Preempted
 from cookbook.ray_train.worker import _STATE_FILE
 
 _SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"  # Ray Train's record of the run's registered checkpoints
+DIVERGED = "diverged"  # in rank 0's return value (Ray's ``Result.return_value``): the NonFiniteError's message
 
 
 @dataclass
@@ -153,6 +160,11 @@ class RayDriver:
 
         Args:
             script: the recipe's ``train.py`` (``__file__``), which defines ``train_loop(config)``.
+
+        Raises:
+            NonFiniteError: the workers stopped at a non-finite step (`cookbook.ray_train.WorkerRun.skip_step`);
+                its message names the step and the newest checkpoint (`cookbook.run_main`: one line, exit 4).
+            Preempted: the workers stopped on SIGTERM / SIGUSR1 after a checkpoint (exit 75).
         """
         cfg = self.cfg
         init_ray(cfg.ray, self.workers or 0)
@@ -163,6 +175,9 @@ class RayDriver:
         with _StopOnSignal() as stop:
             result = fit(script, to_dict(cfg), cfg.output_dir, cfg.ray, num_workers, use_gpu, cfg.checkpoint.keep_last,
                          announced=self.resume.name if self.resume is not None else None, stop_key=stop.key)
+        diverged = result.return_value.get(DIVERGED) if isinstance(result.return_value, dict) else None
+        if diverged:
+            raise NonFiniteError(diverged)
         checkpoint = result.checkpoint.path if result.checkpoint else None
         if stop.signum is not None and (result.metrics or {}).get("preempted"):
             print(f"preempted ({signal.Signals(stop.signum).name}): every worker stopped after step "
@@ -441,8 +456,11 @@ def check_shared_storage(output_dir: str) -> None:
                           f"Checkpoints must be on storage every node mounts (NFS, Lustre, a mounted bucket)")
 
 
-def _worker_entry(loop_config: dict) -> None:
-    """Import the recipe's train.py by path in the worker and call its ``train_loop(config)``.
+def _worker_entry(loop_config: dict) -> dict[str, str] | None:
+    """Import the recipe's train.py by path in the worker and call its ``train_loop(config)``; returns
+    ``{DIVERGED: message}`` when it stopped at a non-finite step (`NonFiniteError`, raised alike on every
+    worker), else ``None``. The divergence is returned, not raised, so that Ray does not restart the workers
+    for it (``ray.max_failures``): they would resume from the same checkpoint and diverge at the same step.
 
     Importing by path (rather than letting Ray pickle the driver's ``__main__`` by value) gives
     the recipe's config dataclasses a real module, which OmegaConf needs to read their type hints.
@@ -464,10 +482,13 @@ def _worker_entry(loop_config: dict) -> None:
         spec.loader.exec_module(module)
     try:
         sys.modules[name].train_loop(loop_config["config"])
+    except NonFiniteError as exc:
+        return {DIVERGED: str(exc)}
     except Exception as exc:
         if type(exc).__module__ != name:
             raise
         raise RecipeError(f"{type(exc).__name__}: {exc}") from None
+    return None
 
 
 def fit(script: str, config: Mapping[str, Any], output_dir: str, cfg: RayConfig, num_workers: int,

@@ -24,8 +24,12 @@ runs counted in epochs:
             run.end_epoch(evaluate)             # evaluation, then a checkpoint through ray.train.report
         run.finish(inner)                       # summary record, or how to continue a stopped run
 
+A run counted in steps checks each step before its update with ``run.skip_step(grad_norm)``, the torchrun
+loop's non-finite policy (`cookbook.loop.NonFinitePolicy`): ``train.on_nonfinite=stop`` ends the run (the
+driver exits 4), ``skip`` drops the step.
+
 A checkpoint is a folder ``checkpoint_<unit>_<n>`` holding ``state.pt`` (`torch.save` of the state
-dicts and of every worker's random streams, from rank 0) and ``meta.json`` (``epoch`` for epoch runs,
+dicts, of every worker's random streams and of the count of skipped steps, from rank 0) and ``meta.json`` (``epoch`` for epoch runs,
 ``step``, ``world_size``, ``config``), which the driver's resume guard reads (`cookbook.ray_train.RayDriver`).
 ``state.pt`` holds tensors and plain Python values only, and is read with ``torch.load(weights_only=True)``
 (no code runs when it is read).
@@ -47,12 +51,13 @@ from cookbook.checkpoint import META_FILE, RNGState
 from cookbook.config import save_config, to_dict, to_object
 from cookbook.dist import (DistInfo, _configure_logging, all_gather_object, all_reduce_mean, barrier, get_logger,
                            param_fingerprint)
-from cookbook.loop import Outputs, StopVote, log_outputs
+from cookbook.loop import NonFinitePolicy, Outputs, StopVote, log_outputs
 from cookbook.metrics import MetricsLogger, ModelFlops, StepProfiler
 
 _STATE_FILE = "state.pt"
 _RNG_KEY = "rng_per_worker"  # in state.pt: the random streams of each worker, indexed by rank
 _EPOCH_RNG_KEY = "epoch_rng_per_worker"  # mid-epoch checkpoints: each worker's streams when the epoch's batches began
+_SKIPPED_KEY = "skipped_steps"  # in state.pt: the steps skipped for a non-finite value so far (WorkerRun.skip_step)
 
 # The checkpoint folder name the driver announced ("resuming from ..."), or None: set in each worker by the
 # driver's entry function, checked against what Ray hands the worker (`load_checkpoint`).
@@ -257,9 +262,10 @@ class WorkerRun:
     def __init__(self, cfg: Any, info: DistInfo, experiment: str, state: Mapping[str, Any], *, max_steps: int,
                  steps_per_epoch: int, stop_at: tuple[str, int], evaluate: Callable[[], Mapping[str, float]] | None = None,
                  flops: ModelFlops | None = None, count_tokens: bool = True, about: str = ""):
-        if {_RNG_KEY, _EPOCH_RNG_KEY} & set(state):
-            raise ValueError(f"state: {_RNG_KEY!r} and {_EPOCH_RNG_KEY!r} name the workers' random streams in a "
-                             f"checkpoint; use other names")
+        if {_RNG_KEY, _EPOCH_RNG_KEY, _SKIPPED_KEY} & set(state):
+            raise ValueError(f"state: {_RNG_KEY!r}, {_EPOCH_RNG_KEY!r} and {_SKIPPED_KEY!r} name the workers' random "
+                             f"streams and skipped steps in a checkpoint; use other names")
+        on_nonfinite, max_skips = NonFinitePolicy.settings(cfg.train)
         self.cfg, self.info, self.state = cfg, info, dict(state)
         self.max_steps, self.steps_per_epoch = max_steps, steps_per_epoch
         self.stop_key, self.unit = stop_at[0], stop_at[0].rsplit("_", 1)[-1]
@@ -274,6 +280,9 @@ class WorkerRun:
         self._stop_seen, self._next_poll, self._vote = False, 0.0, StopVote(self.info.device)
         self._rng: Mapping[str, Any] | None = None  # the resumed random streams, restored again after a skip
         self._epoch_rng: Mapping[str, Any] | None = None  # the streams when this epoch's batches began
+        self._newest: Path | None = None  # the newest checkpoint folder (resumed or saved)
+        self._skipped_now = False  # the step being run was skipped (skip_step)
+        skipped = 0
         resumed = load_checkpoint()  # memory-mapped on the CPU, copied into the model and optimizer
         if resumed is not None:
             saved, meta = resumed
@@ -289,7 +298,11 @@ class WorkerRun:
             if _EPOCH_RNG_KEY in saved:  # mid-epoch: replayed from these in `timed`
                 self._epoch_rng = saved[_EPOCH_RNG_KEY][info.rank]
             self.step, self.epoch = meta["step"], meta.get("epoch", 0)
+            skipped = int(saved.get(_SKIPPED_KEY, 0))
+            self._newest = Path(cfg.output_dir).expanduser().resolve() / f"checkpoint_{self._label()}"
             del saved, resumed
+        self.nonfinite = NonFinitePolicy(on_nonfinite, max_skips, device=info.device,
+                                         newest_checkpoint=lambda: self._newest, skipped_steps=skipped)
         self._saved_step = self.step  # the newest checkpoint's step
         # An epoch run resumed mid-epoch (a preemption checkpoint): batches of this epoch already taken.
         self._skip = self.step - self.epoch * steps_per_epoch if self.unit == "epoch" else 0
@@ -309,6 +322,12 @@ class WorkerRun:
     def done(self) -> int:
         """Epochs or steps (the unit of ``stop_at``) done."""
         return self.epoch if self.unit == "epoch" else self.step
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps dropped by `skip_step` over the whole run (restored on resume). Each took a step's batches: the
+        data continues at ``step + skipped_steps`` steps' worth of batches."""
+        return self.nonfinite.skipped_steps
 
     # ------------------------------------------------------------------ the loop
     def __enter__(self) -> WorkerRun:
@@ -333,10 +352,37 @@ class WorkerRun:
             if self._agree_stop():
                 self._preempt()
                 return
-            started = self.step
+            started, self._skipped_now = self.step, False
             yield started + 1
-            if self.step == started:
-                raise RuntimeError("each step must end with run.end_step(...)")
+            if self.step == started and not self._skipped_now:
+                raise RuntimeError("each step must end with run.end_step(...) or a skip (run.skip_step)")
+
+    def skip_step(self, grad_norm: torch.Tensor | float | None = None, *,
+                  loss: torch.Tensor | float | None = None) -> bool:
+        """Check the step being run for a NaN or infinite gradient norm (or loss) before its update, alike on every
+        worker (`cookbook.loop.NonFinitePolicy`, the torchrun recipes' `cookbook.loop.TrainLoop.skip_step`), by
+        ``train.on_nonfinite`` and ``train.max_consecutive_skips``. For runs counted in steps.
+
+        Args:
+            grad_norm: the step's total gradient norm, the same number on every worker (DDP's gradients are
+                all-reduced, so a NaN on one worker makes it NaN on all). No collective.
+            loss: without `grad_norm`: this worker's loss, whose non-finite flag is reduced over the workers.
+
+        Returns:
+            ``False``: finite, go on with the update. ``True`` (``train.on_nonfinite=skip``): drop the step: zero the
+            gradients and ``continue``; neither the optimizer nor the scheduler steps, the step number comes again
+            with the next batches, and the step is logged and counted in `skipped_steps` (the ``skipped_steps``
+            metric of each log line).
+
+        Raises:
+            NonFiniteError: ``train.on_nonfinite=stop``, or one more than ``train.max_consecutive_skips`` in a row:
+                the update has not run, and the message names the step and the newest checkpoint, from before it.
+                The Ray worker returns it to the driver, which prints it as one line and exits with status 4
+                (`cookbook.ray_train.RayDriver.run`); Ray does not restart the workers for it.
+        """
+        skipped = self.nonfinite.skip(self.step + 1, grad_norm, loss=loss)
+        self._skipped_now = self._skipped_now or skipped
+        return skipped
 
     def epochs(self) -> Iterator[int]:
         """The number of each epoch to run (0-based), from the resumed one to the stop point or a stop
@@ -387,6 +433,7 @@ class WorkerRun:
         """
         self.profiler.stop()
         self.step += 1
+        self.nonfinite.stepped()
         step = self.step
         self._loss = self._loss + (loss.detach() if isinstance(loss, torch.Tensor) else loss)
         for k, v in (window or {}).items():
@@ -394,6 +441,7 @@ class WorkerRun:
         self._steps += 1
         if step % self.cfg.train.log_every == 0 or step % self.steps_per_epoch == 0 or step == self.max_steps:
             extra = {k: v / self._steps for k, v in self._window.items()}
+            extra.update(self.nonfinite.log_extra())
             self.metrics.log_step(step, self._loss / self._steps, lr, grad_norm, extra=extra or None)
             self._reset_window()
         with self.metrics.paused():  # not counted in the step time and throughput
@@ -417,21 +465,26 @@ class WorkerRun:
             self._checkpoint(values)
         return values
 
+    def _label(self) -> str:
+        """The name of a checkpoint at this point, less ``checkpoint_``."""
+        if self.unit == "step":
+            return f"step_{self.step:08d}"
+        # mid-epoch (a preemption): epochs done and steps done
+        return f"epoch_{self.epoch:04d}" + (f"_step_{self.step:08d}" if self.step % self.steps_per_epoch else "")
+
     def _checkpoint(self, values: Mapping[str, float]) -> None:
         counts = {"epoch": self.epoch} if self.unit == "epoch" else {}
-        if self.unit == "step":
-            label = f"step_{self.step:08d}"
-        else:  # mid-epoch (a preemption): epochs done and steps done
-            label = f"epoch_{self.epoch:04d}" + (f"_step_{self.step:08d}" if self.step % self.steps_per_epoch else "")
-        rng = {_RNG_KEY: all_gather_object(rng_state())}  # every worker's streams, saved by rank 0
+        label = self._label()
+        run = {_RNG_KEY: all_gather_object(rng_state()), _SKIPPED_KEY: self.nonfinite.skipped_steps}  # from every worker
         if self.unit == "epoch" and self.step % self.steps_per_epoch:
-            rng[_EPOCH_RNG_KEY] = all_gather_object(self._epoch_rng)
+            run[_EPOCH_RNG_KEY] = all_gather_object(self._epoch_rng)
         report({**counts, "step": self.step, **values},
-               state={**{k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in self.state.items()}, **rng},
+               state={**{k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in self.state.items()}, **run},
                label=label,
                meta={**counts, "step": self.step, "world_size": self.info.world_size, "config": to_dict(self.cfg)})
         self.reports += 1
         self._saved_step = self.step
+        self._newest = Path(self.cfg.output_dir).expanduser().resolve() / f"checkpoint_{label}"
 
     def _agree_stop(self) -> bool:
         """Whether the workers have agreed to stop here (collective: call it at every step boundary on every worker).
