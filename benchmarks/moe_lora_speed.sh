@@ -46,7 +46,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 python3 -c "import torch, transformers, peft; print('torch', torch.__version__, '| transformers', transformers.__version__, '| peft', peft.__version__)"
 
 # shellcheck disable=SC2086  # CEILING_EXPERTS and CEILING_ARGS are word lists
-python3 "$ROOT/benchmarks/moe_ceiling.py" --config "$MODEL_CONFIG" --experts $CEILING_EXPERTS --seq-len "$SEQ" \
+[ "${RUN_CEILING:-1}" = 0 ] || python3 "$ROOT/benchmarks/moe_ceiling.py" --config "$MODEL_CONFIG" --experts $CEILING_EXPERTS --seq-len "$SEQ" \
   --tokens $((SEQ * MICRO_BATCH)) --out "$RESULTS/moe-ceiling.jsonl" ${CEILING_ARGS:-}
 
 done_runs=()

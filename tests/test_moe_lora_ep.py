@@ -111,7 +111,8 @@ def _one_step(init: str, overrides: tuple, eval_rows: list) -> dict:
         optimizer.step()
         changed = [n for n, t in local.items() if not torch.equal(t, base[n])]
         result[key] = {"loss": losses, "aux": float(aux), "grads": grads, "changed": changed,
-                      "local_experts": tuple(experts.to_local().shape), "global_experts": tuple(experts.shape),
+                      "local_experts": tuple((experts.to_local() if hasattr(experts, "to_local") else experts).shape),
+                      "global_experts": tuple(experts.shape), "experts_fsdp": hasattr(experts, "to_local"),
                       "lora_a_local": tuple(lora_a.to_local().shape) if lora_a is not None else None,
                       "active": flops.num_params, "eval": evaluation, "loaded": loaded}
     return result
@@ -145,6 +146,8 @@ def test_ep2_equals_ep1_and_each_rank_holds_its_experts(init, model, overrides, 
     # 4 experts of 32 x 64: EP=2 keeps 2 per rank (dp=1 shard: all of them); EP=1 shards the 4 over 2 ranks.
     assert ep2["global_experts"][0] == 2 and ep2["local_experts"][0] == 2
     assert ep1["global_experts"][0] == 4 and ep1["local_experts"][0] == 2
+    # dp = 1 at EP=2: the frozen expert weights stay out of FSDP2 (used in place, moe.frozen_if_unsharded)
+    assert not ep2["experts_fsdp"] and ep1["experts_fsdp"]
     assert ep2["lora_a_local"][0] == 2 * 4  # 2 local experts x rank 4
     assert ep2["changed"] == [] and ep1["changed"] == []  # frozen base weights do not move
     assert ep2["active"] == ep1["active"]

@@ -110,7 +110,7 @@ def _worker(checkpoints: dict, out: str, ports: list[int]) -> dict:
             "loss": cookbook.all_reduce_sum({"l": loss_sum}, info.device)["l"], "aux": float(aux),
             "grads": moe.gather_lora(model, par, grads=True),
             "changed": [n for n, p in model.named_parameters() if not p.requires_grad and not torch.equal(local(p), frozen[n])],
-            "experts": (tuple(experts.shape), tuple(experts.to_local().shape)),
+            "experts": (tuple(experts.shape), tuple((experts.to_local() if hasattr(experts, "to_local") else experts).shape)),
             "vision_sharded_frozen": all(hasattr(p, "to_local") and not p.requires_grad for p in vision) and len(vision) > 0}
 
     # Shard-by-shard loading (default) against transformers' from_pretrained of the whole model, EP=2 (the text

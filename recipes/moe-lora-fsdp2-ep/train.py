@@ -138,7 +138,8 @@ def build_model(cfg: Config, info: cookbook.DistInfo) -> tuple[torch.nn.Module, 
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=DTYPES[cfg.parallel.reduce_dtype] if on_gpu else torch.float32)
     for layer in model.base_model.model.model.layers:
         for _, block in moe.moe_blocks(layer):
-            fully_shard(block.experts, mesh=meshes.dp_ep["dp"], mp_policy=mp, reshard_after_forward=cfg.parallel.reshard_after_forward)
+            fully_shard(block.experts, mesh=meshes.dp_ep["dp"], mp_policy=mp, reshard_after_forward=cfg.parallel.reshard_after_forward,
+                        ignored_params=moe.frozen_if_unsharded(block.experts, meshes.dp_ep["dp"]))  # dp = 1: base used in place
             block.experts.set_gradient_divide_factor(float(info.world_size))  # tokens of all ranks reach these experts
         fully_shard(layer, mesh=meshes.world, mp_policy=mp, reshard_after_forward=cfg.parallel.reshard_after_forward)
     fully_shard(model, mesh=meshes.world, mp_policy=mp, reshard_after_forward=cfg.parallel.reshard_after_forward)

@@ -525,6 +525,19 @@ def init_lora(model: torch.nn.Module, seed: int) -> list[torch.nn.Parameter]:
 
 
 # ----------------------------------------------------------------------------- step
+def frozen_if_unsharded(module: torch.nn.Module, mesh: DeviceMesh) -> set[torch.nn.Parameter] | None:
+    """The frozen parameters of `module` when `mesh` has one rank (``fully_shard(..., ignored_params=...)``), else None.
+
+    On a one-rank mesh FSDP2 shards nothing, yet it still copies every parameter into its all-gather buffer at
+    each unshard (forward, and backward again with ``reshard_after_forward``). For the experts of an EP rank
+    with dp = 1 (EP = world size, or one GPU) those are the frozen base weights, ~97% of a Qwen3-30B-A3B: left
+    out of FSDP2 they are used in place (they need no gradient reduction), and only LoRA goes through FSDP2.
+    """
+    if mesh.size() != 1:
+        return None
+    return {p for p in module.parameters() if not p.requires_grad} or None
+
+
 class RouterStats:
     """Forward hooks on the routers: the load-balancing loss and the expert loads of each forward."""
 
@@ -548,8 +561,12 @@ class RouterStats:
             sigmoid = hasattr(self.blocks[i][1].gate, "e_score_correction_bias")
             probs = logits.float().sigmoid() if sigmoid else logits.float().softmax(-1)
             probs = probs / probs.sum(-1, keepdim=True)
-            counts = torch.bincount(idx.reshape(-1), minlength=self.num_experts).to(probs.dtype)
-            self.loads[i] += counts.detach().cpu().double()
+            flat = idx.reshape(-1)  # scatter_add, not bincount: bincount on CUDA waits for the host to learn its max
+            counts = torch.zeros(self.num_experts, dtype=probs.dtype, device=probs.device).scatter_add_(
+                0, flat, torch.ones_like(flat, dtype=probs.dtype))
+            if self.loads.device != counts.device:  # kept on the device: no copy to the host (a wait) per layer
+                self.loads = self.loads.to(counts.device)
+            self.loads[i] += counts.detach().double()
             losses.append(self.num_experts * (counts / counts.sum() * probs.mean(0)).sum())
         return torch.stack(losses).mean()
 
