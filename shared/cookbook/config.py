@@ -148,12 +148,21 @@ def resolve_path(value: str, base_dir: str | Path) -> str:
     Lets a recipe folder be copied anywhere: ``tiny/data/train.csv`` in ``tiny.yaml`` means
     the file beside ``tiny.yaml`` when that exists. Otherwise the value is returned unchanged, so
     paths relative to the working directory, absolute paths and Hugging Face hub ids
-    (``answerdotai/ModernBERT-base``) keep their meaning.
+    (``answerdotai/ModernBERT-base``) keep their meaning. A value left as a hub id makes sure, once per process,
+    that the hub answers, or else that the process works offline from the cache at once
+    (`cookbook.hub.prepare_access`: at most 3 s, instead of minutes of retries), and shows the hub's download bars
+    on a terminal.
     """
     if not value or Path(value).is_absolute():
         return value
     candidate = Path(base_dir) / value
-    return str(candidate) if candidate.exists() else value
+    if candidate.exists():
+        return str(candidate)
+    from cookbook import hub
+
+    if hub.looks_like_hub_id(value):
+        hub.prepare_access()
+    return value
 
 
 def field_value(cfg: object, key: str) -> Any:
@@ -300,6 +309,7 @@ class HFCheckpointConfig(CheckpointConfig):
     """``checkpoint`` of a recipe whose final model is a Hugging Face model folder."""
 
     export_hf: bool = True  # write <output_dir>/final in Hugging Face format (from_pretrained reads it)
+    push_to_hub: str = ""  # a Hub repo id (org/name): upload the final export there, with a model card (cookbook.hub)
 
 
 @dataclasses.dataclass
@@ -333,7 +343,8 @@ def check_run(cfg: Any) -> None:
             ``output_dir`` (or its ``checkpoints`` folder) where no file can be created: a small file is
             created and removed in it (or in its nearest existing parent folder, which the run will create it
             in), and the message names ``output_dir``, the folder and the OS reason; a tracker in ``trackers`` that is
-            unknown or not installed (`check_trackers`).
+            unknown or not installed (`check_trackers`); a ``checkpoint.push_to_hub`` that cannot work
+            (`cookbook.hub.check_push`: not a repo id, nothing exported, offline, no token).
     """
     has = {k for k in ("train.micro_batch_size", "train.grad_accum_steps", "train.log_every", "train.eval_every",
                        "train.mixed_precision", "train.max_steps", "train.stop_at_step", "optim.scheduler",
@@ -357,6 +368,10 @@ def check_run(cfg: Any) -> None:
         raise ConfigError("train.stop_at_step needs a checkpoint to resume from: checkpoint.every_steps=-1 saves none")
     if _has(cfg, "trackers"):
         check_trackers(cfg.trackers if getattr(cfg, "mlflow", True) else [t for t in cfg.trackers if t != "mlflow"])
+    if _has(cfg, "checkpoint.push_to_hub") and cfg.checkpoint.push_to_hub:
+        from cookbook.hub import check_push
+
+        check_push(cfg.checkpoint)
     if _has(cfg, "output_dir") and isinstance(cfg.output_dir, str) and "://" not in cfg.output_dir:
         out = Path(cfg.output_dir).expanduser()
         probed = set()

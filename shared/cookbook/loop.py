@@ -43,8 +43,9 @@ What it does, so that every recipe does it the same way:
 - records each rank's progress in the process group's store at every step boundary
   (`cookbook.dist.record_progress`), so that a collective that times out ends the run with one line naming
   the rank that is behind (`cookbook.dist.CollectiveTimeout`, exit status 3);
-- at the end runs the final evaluation and the recipe's export, writes the summary record and the
-  closing log lines (`log_outputs`), or says how to continue a run that stopped early.
+- at the end runs the final evaluation and the recipe's export, writes the summary record (which uploads the
+  export to ``checkpoint.push_to_hub`` when set: `MetricsLogger.log_summary`) and the closing log lines
+  (`log_outputs`), or says how to continue a run that stopped early.
 
 The shape follows torchtitan's ``Trainer.train`` / ``train_step`` split and torchtune recipes'
 ``train()``: a loop the reader can see, with the bookkeeping in named calls.
@@ -520,6 +521,10 @@ class TrainLoop:
 
         Returns:
             The final evaluation metrics (``{}`` without `evaluate`), or ``None`` when the run stopped early.
+
+        Raises:
+            cookbook.hub.HubPushError: ``checkpoint.push_to_hub`` is set and the upload of the export failed
+                (`MetricsLogger.log_summary`; exit status 2).
         """
         self._check_applied()
         if self.state.step < self.max_steps:
@@ -595,7 +600,8 @@ def log_outputs(step: int, final_eval: Mapping[str, float], metrics: MetricsLogg
                 outputs: Outputs, eval_text: str | None = None) -> None:
     """The closing log lines of a finished run (rank 0 only): steps and final evaluation (its metrics, not
     the counts in `EVAL_COUNTS`), then where the metrics, each tracker's run (and the command that shows it:
-    `MetricsLogger.tracker_lines`), the checkpoints and each exported artefact are (``model:`` for ``export_dir``, see `OUTPUT_NAMES`), and how to load it.
+    `MetricsLogger.tracker_lines`), the checkpoints and each exported artefact are (``model:`` for ``export_dir``,
+    see `OUTPUT_NAMES`), and how to load it.
 
     Args:
         eval_text: the final evaluation as the recipe words it; default: ``eval`` and the ``name value`` pairs

@@ -47,6 +47,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from cookbook import hub
 from cookbook.config import TRACKER_UIS, check_trackers, flatten
 from cookbook.dist import DistInfo, get_logger
 from cookbook.progress import ProgressBar
@@ -404,7 +405,7 @@ class MetricsLogger:
         run_name: the trackers' run name.
         experiment: the MLflow experiment (the W&B project unless ``WANDB_PROJECT`` is set).
         params: the run's config, logged as the trackers' params (flattened for MLflow, a text table for
-            TensorBoard, W&B's config); its ``trackers`` key is read when `trackers` is ``None``.
+            TensorBoard, W&B's config); its ``trackers`` and ``checkpoint.push_to_hub`` are read (`log_summary`).
         mlflow: ``False`` to turn MLflow off (whatever `trackers` says).
         max_steps: total steps, for the console's progress and ETA.
         count_tokens: ``False`` for models without tokens (images, ids): the ``tokens_per_s*``
@@ -438,6 +439,7 @@ class MetricsLogger:
             trackers = (params or {}).get("trackers", ["mlflow"])
         self.trackers = [t for t in dict.fromkeys(trackers) if mlflow or t != "mlflow"]
         check_trackers(self.trackers)
+        self.params = dict(params or {})
         self.out_dir = Path(out_dir)
         self.info = info
         self.flops = flops
@@ -607,8 +609,23 @@ class MetricsLogger:
         get_logger().info("eval  step %d | %s", step, " | ".join(shown))
 
     def log_summary(self, summary: Mapping[str, Any]) -> None:
-        """Write one final record (event ``summary``) to the JSONL file."""
+        """Write one final record (event ``summary``) to the JSONL file; then, on rank 0, when the config (`params`)
+        sets ``checkpoint.push_to_hub``, upload the export the record names to that Hub repo with a model card
+        (`cookbook.hub.push_to_hub`): the first of ``export_dir``, ``merged_dir``, ``adapter_dir``
+        (`cookbook.hub.PUSHED`), with the final metrics (``steps``, the last train loss, the record's ``eval/*``).
+
+        Raises:
+            cookbook.hub.HubPushError: the upload failed (one line; the export on disk is complete).
+        """
         self._emit("summary", dict(summary), mlflow=False)
+        repo_id = (self.params.get("checkpoint") or {}).get("push_to_hub") if self.info.is_main else None
+        folder = next((summary[k] for k in hub.PUSHED if summary.get(k)), None)
+        if repo_id and folder:
+            numbers = {"steps": float(summary.get("step", self.last_train.get("step", 0))),
+                       **({"train/loss": self.last_train["loss"]} if "loss" in self.last_train else {}),
+                       **{k: float(v) for k, v in summary.items() if k.startswith("eval/") and isinstance(v, (int, float))}}
+            url = hub.push_to_hub(repo_id, folder, self.params, numbers)
+            get_logger().info(f"{'hub:':<12} {url} ({folder} with its model card)")
 
     def _emit(self, event: str, rec: Mapping[str, Any], mlflow: bool = True) -> None:
         if not self.info.is_main:
