@@ -115,7 +115,8 @@ def test_wandb_without_a_key_runs_offline_into_the_output_folder_and_a_resume_co
     assert first.tracker_lines() == [("W&B", f"{folder} (offline); upload with `wandb sync {folder}`")]
     second = _log_three_steps(tmp_path, trackers=["wandb"])  # resumed in the same output folder
     assert (tmp_path / "wandb_run_id.txt").read_text() == run_id
-    assert second.tracker_lines()[0][1].endswith(f"-{run_id}`")
+    # W&B's folder of the continued run: offline-run-<time>-<the same id>, with -1 added within the same second
+    assert re.search(rf"/offline-run-\d+_\d+-{run_id}(-\d+)?`$", second.tracker_lines()[0][1])
 
 
 def test_a_tracking_uri_secret_is_masked_in_every_tracker_file_and_line(tmp_path, monkeypatch, wandb_offline, caplog):
