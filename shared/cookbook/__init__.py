@@ -2,15 +2,21 @@
 
 - `cookbook.dist`: process group from torchrun's environment, rank helpers, all-reduce.
 - `cookbook.config`: typed YAML configs with dotted overrides (OmegaConf structured configs).
+<<<<<<< HEAD
 - `cookbook.checkpoint`: atomic DCP checkpoints, resume (on the same or, for a global data position, another world size), Hugging Face export.
 - `cookbook.sampler`: `ResizableSampler` (DistributedSampler's order, with a position of the whole job) and `DataPosition`, its checkpoint entry: a run resumes on another number of ranks.
 - `cookbook.metrics`: tokens/s, MFU, memory; console, JSONL and MLflow sinks.
+=======
+- `cookbook.checkpoint`: atomic DCP checkpoints, resume, Hugging Face export.
+- `cookbook.metrics`: tokens/s, MFU, memory; console, JSONL, MLflow, TensorBoard and W&B sinks (``trackers`` in the config).
+- `cookbook.progress`: rank 0's progress bar on a terminal (steps, loss, throughput, time left); plain log lines elsewhere.
+>>>>>>> wt-ux
 - `cookbook.loop`: the bookkeeping around a recipe's own step body: step counting, metric windows, eval and checkpoint cadence, stop and resume, the final eval, export and summary.
 - `cookbook.sft`: supervised fine-tuning of language models: chat / Alpaca / ShareGPT data, packing, collate, token-level loss.
 - `cookbook.moe`: mixture-of-experts LoRA with FSDP2 and expert parallelism: all-to-all dispatch, expert split, router statistics, adapter checkpoints and export.
 - `cookbook.entry`: ``run_main``, the end of every recipe's ``train.py``: errors from whichever rank found them, exit statuses, an exit that cannot hang.
 - `cookbook.torchrun`: ``python -m cookbook.torchrun``, torchrun with a one-line failure report.
-- `cookbook.hub`: a model's local folder from a path or a Hugging Face Hub id (through the hub cache).
+- `cookbook.hub`: a model's local folder from a path or a Hugging Face Hub id (through the hub cache), offline at once when the hub cannot be reached, the push of the final export (``checkpoint.push_to_hub``).
 - `cookbook.lm`: causal-LM model helpers: real-token counts, world-size-independent init of FSDP2 shards.
 - `cookbook.tabular`: CSV / TSV / JSON(L) / parquet rows with their file and 1-based line, BOMs, CRLF and `3.0` integers accepted.
 - `cookbook.hf_trainer`: Hugging Face Trainer / TRL callbacks (metrics windows, published checkpoints, stop-at-step), DeepSpeed JSON checks, export.

@@ -148,12 +148,21 @@ def resolve_path(value: str, base_dir: str | Path) -> str:
     Lets a recipe folder be copied anywhere: ``tiny/data/train.csv`` in ``tiny.yaml`` means
     the file beside ``tiny.yaml`` when that exists. Otherwise the value is returned unchanged, so
     paths relative to the working directory, absolute paths and Hugging Face hub ids
-    (``answerdotai/ModernBERT-base``) keep their meaning.
+    (``answerdotai/ModernBERT-base``) keep their meaning. A value left as a hub id makes sure, once per process,
+    that the hub answers, or else that the process works offline from the cache at once
+    (`cookbook.hub.prepare_access`: at most 3 s, instead of minutes of retries), and shows the hub's download bars
+    on a terminal.
     """
     if not value or Path(value).is_absolute():
         return value
     candidate = Path(base_dir) / value
-    return str(candidate) if candidate.exists() else value
+    if candidate.exists():
+        return str(candidate)
+    from cookbook import hub
+
+    if hub.looks_like_hub_id(value):
+        hub.prepare_access()
+    return value
 
 
 def field_value(cfg: object, key: str) -> Any:
@@ -224,6 +233,31 @@ def cli_parser(description: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+# Where the metrics of a run go besides <output_dir>/metrics.jsonl (always written): the `trackers` key, e.g.
+# `trackers: [mlflow, tensorboard]`. Each name -> (the package that writes it, the requirements file pinning it).
+TRACKERS = {"mlflow": ("mlflow", "requirements/base.txt"), "tensorboard": ("tensorboardX", "requirements/base.txt"),
+            "wandb": ("wandb", "requirements/trackers.txt")}
+TRACKER_UIS = "requirements/trackers.txt"  # the full mlflow (its UI server), tensorboard (its UI) and wandb
+
+
+def check_trackers(trackers: Sequence[str], key: str = "trackers") -> None:
+    """Refuse a tracker name that is not in `TRACKERS`, or one whose package is not installed.
+
+    Raises:
+        ConfigError: one line naming `key`, the name, and the choices or the requirements file to install.
+    """
+    import importlib.util
+
+    for name in trackers:
+        if name not in TRACKERS:
+            raise ConfigError(f"{key}: unknown tracker {name!r}; choose from {', '.join(TRACKERS)} (metrics.jsonl is "
+                              f"always written)")
+        package, requirements = TRACKERS[name]
+        if importlib.util.find_spec(package) is None:
+            raise ConfigError(f"{key}: {name} is selected but the {package} package is not installed: "
+                              f"pip install -r {requirements}")
+
+
 # ----------------------------------------------------------------------------- sections every recipe shares
 # A recipe's schema reuses these (or subclasses one to add its own keys), so that the same setting has the same
 # name, type and meaning everywhere. Every value is overridden by the recipe's YAML file.
@@ -275,6 +309,7 @@ class HFCheckpointConfig(CheckpointConfig):
     """``checkpoint`` of a recipe whose final model is a Hugging Face model folder."""
 
     export_hf: bool = True  # write <output_dir>/final in Hugging Face format (from_pretrained reads it)
+    push_to_hub: str = ""  # a Hub repo id (org/name): upload the final export there, with a model card (cookbook.hub)
 
 
 @dataclasses.dataclass
@@ -284,15 +319,16 @@ class RunConfig:
     one only to use a subclass of it (``train: TrainConfig = field(default_factory=TrainConfig)``)."""
 
     output_dir: str = "outputs/run"  # checkpoints, metrics.jsonl, MLflow store, the exported model
-    run_name: str = "run"  # MLflow run name
-    mlflow: bool = True
+    run_name: str = "run"  # the trackers' run name
+    mlflow: bool = True  # false: no MLflow, whatever `trackers` says
+    trackers: list[str] = dataclasses.field(default_factory=lambda: ["mlflow"])  # beside metrics.jsonl: TRACKERS
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
 
 
 # Settings of the shared sections that may differ between a checkpoint and the run that resumes it.
-MAY_CHANGE = ("output_dir", "run_name", "mlflow", "train.stop_at_step", "train.log_every", "train.eval_every",
+MAY_CHANGE = ("output_dir", "run_name", "mlflow", "trackers", "train.stop_at_step", "train.log_every", "train.eval_every",
               "train.profile_step", "train.on_nonfinite", "train.max_consecutive_skips", "train.collective_timeout_s",
               "checkpoint.*")
 
@@ -306,7 +342,9 @@ def check_run(cfg: Any) -> None:
             positive, ``train.stop_at_step`` with ``checkpoint.every_steps=-1`` (nothing to resume from), or an
             ``output_dir`` (or its ``checkpoints`` folder) where no file can be created: a small file is
             created and removed in it (or in its nearest existing parent folder, which the run will create it
-            in), and the message names ``output_dir``, the folder and the OS reason.
+            in), and the message names ``output_dir``, the folder and the OS reason; a tracker in ``trackers`` that is
+            unknown or not installed (`check_trackers`); a ``checkpoint.push_to_hub`` that cannot work
+            (`cookbook.hub.check_push`: not a repo id, nothing exported, offline, no token).
     """
     has = {k for k in ("train.micro_batch_size", "train.grad_accum_steps", "train.log_every", "train.eval_every",
                        "train.mixed_precision", "train.max_steps", "train.stop_at_step", "optim.scheduler",
@@ -328,6 +366,12 @@ def check_run(cfg: Any) -> None:
     if {"train.stop_at_step", "checkpoint.every_steps"} <= has and cfg.checkpoint.every_steps == -1 \
             and cfg.train.stop_at_step > 0:
         raise ConfigError("train.stop_at_step needs a checkpoint to resume from: checkpoint.every_steps=-1 saves none")
+    if _has(cfg, "trackers"):
+        check_trackers(cfg.trackers if getattr(cfg, "mlflow", True) else [t for t in cfg.trackers if t != "mlflow"])
+    if _has(cfg, "checkpoint.push_to_hub") and cfg.checkpoint.push_to_hub:
+        from cookbook.hub import check_push
+
+        check_push(cfg.checkpoint)
     if _has(cfg, "output_dir") and isinstance(cfg.output_dir, str) and "://" not in cfg.output_dir:
         out = Path(cfg.output_dir).expanduser()
         probed = set()

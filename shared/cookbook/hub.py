@@ -12,6 +12,19 @@ it: ``dataset_to_text`` writes the rows of a hub data set once, in the recipe's 
 file beside a record of what was written, and ``file_to_text`` does the same for a local CSV, JSON,
 JSONL or parquet file, keyed by its content. Later runs (and every rank) read those files offline.
 ``write_lines`` is the atomic write both use.
+
+Before the first hub id is used (`cookbook.config.resolve_path`, `model_folder` and `dataset_to_text` call
+`prepare_access`):
+
+- offline, the hub libraries retry each request for about 25 s before they give up (measured: 73 to 85 s for the
+  ModernBERT recipe's ``--check`` with its default config and no network); `offline_unless_reachable` asks the hub
+  once, within 3 s, and without an answer the process continues in offline mode (as ``HF_HUB_OFFLINE=1``): what
+  is in the cache loads, and what is not fails at once with one line;
+- the recipes switch transformers' progress bars off (``hf_logging.disable_progress_bar()``: weight-loading bars
+  from every rank would fill the logs), which switches the hub's download bars off too; `show_download_bars`
+  turns those back on where someone watches: on local rank 0, when stderr is a terminal.
+
+``push_to_hub`` uploads a run's final export (``checkpoint.push_to_hub``) with a model card (`model_card`).
 """
 
 from __future__ import annotations
@@ -19,13 +32,103 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import sys
+import threading
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from cookbook.config import ConfigError
+from cookbook.entry import EXIT_USER_ERROR, OneLineError
 from cookbook.tabular import DataError, first_csv_row, records
 
 WEIGHT_FILES = ("*.json", "*.safetensors")  # config.json, the safetensors index and shards
+REACH_TIMEOUT_S = 3.0  # how long `offline_unless_reachable` waits for the hub's answer
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # org/name, the shape of a hub id (validate_repo_id checks more)
+_reachable: bool | None = None  # this process's answer, once asked
+
+
+def looks_like_hub_id(value: str) -> bool:
+    """Whether `value` has the shape of a Hugging Face Hub id (``org/name``) and is not a path on disk."""
+    return bool(value) and _HUB_ID.fullmatch(value) is not None and not Path(value).exists()
+
+
+def offline_unless_reachable(timeout_s: float = REACH_TIMEOUT_S) -> bool:
+    """Make sure that a hub request fails at once rather than after minutes of retries when there is no network.
+
+    Unless ``HF_HUB_OFFLINE`` is set already, sends one HEAD request to the hub (``HF_ENDPOINT``, default
+    https://huggingface.co, through huggingface_hub's own HTTP client: proxies apply) and waits at most
+    `timeout_s` for any answer (DNS included). Without one, it switches this process to offline mode
+    (`go_offline`), and rank 0 says so in one line. Asked once per process.
+
+    Returns:
+        ``True`` when the process is in offline mode (set before, or now).
+    """
+    global _reachable
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return True
+    if _reachable is None:
+        endpoint, answer = constants.ENDPOINT, {}
+
+        def ask() -> None:
+            from huggingface_hub.utils import get_session
+
+            try:
+                get_session().head(endpoint, timeout=timeout_s)
+                answer["ok"] = True
+            except Exception as exc:  # noqa: BLE001 - any failure to get an answer
+                answer["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
+
+        asker = threading.Thread(target=ask, daemon=True)  # a hung DNS lookup is not bounded by the HTTP timeout
+        asker.start()
+        asker.join(timeout_s)
+        _reachable = bool(answer.get("ok"))
+        if not _reachable:
+            go_offline()
+            if os.environ.get("RANK", "0") == "0":
+                why = answer.get("error") or f"no answer within {timeout_s:g} s"
+                print(f"warning: the Hugging Face Hub ({endpoint}) cannot be reached ({why}): working offline, from "
+                      f"the cache {constants.HF_HUB_CACHE} only (set HF_HUB_OFFLINE=1 to skip this check)",
+                      file=sys.stderr)
+    return not _reachable
+
+
+def show_download_bars() -> bool:
+    """Turn huggingface_hub's download bars (its ``huggingface_hub.*`` progress bars: files, snapshots) on, on local
+    rank 0 when stderr is a terminal; elsewhere they stay as they are. ``HF_HUB_DISABLE_PROGRESS_BARS=1`` wins.
+
+    Returns:
+        Whether they are on now.
+    """
+    from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
+
+    from cookbook.progress import is_terminal
+
+    if os.environ.get("LOCAL_RANK", "0") == "0" and is_terminal(sys.stderr) and \
+            os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS") is None:
+        enable_progress_bars("huggingface_hub")
+    return not are_progress_bars_disabled("huggingface_hub.http_get")
+
+
+def prepare_access() -> None:
+    """What comes before the first use of a hub id: `offline_unless_reachable`, then `show_download_bars` when
+    the hub answers."""
+    if not offline_unless_reachable():
+        show_download_bars()
+
+
+def go_offline() -> None:
+    """Switch this process to the hub's offline mode, as ``HF_HUB_OFFLINE=1`` at its start would have: the
+    constant huggingface_hub read it into (which transformers consults at each call, and datasets at its import),
+    and datasets' copy if it is imported already. The environment is left as it is."""
+    from huggingface_hub import constants
+
+    constants.HF_HUB_OFFLINE = True
+    datasets_config = sys.modules.get("datasets.config")
+    if datasets_config is not None and hasattr(datasets_config, "HF_HUB_OFFLINE"):
+        datasets_config.HF_HUB_OFFLINE = True
 
 
 def model_folder(name_or_path: str, key: str = "model.name_or_path") -> Path:
@@ -62,6 +165,7 @@ def _download(repo_id: str, key: str) -> Path:
     from huggingface_hub.errors import GatedRepoError, HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     cache = constants.HF_HUB_CACHE
+    prepare_access()
     try:
         return Path(snapshot_download(repo_id, allow_patterns=list(WEIGHT_FILES)))
     except HFValidationError:
@@ -73,8 +177,10 @@ def _download(repo_id: str, key: str) -> Path:
         raise ConfigError(f"{key}: {repo_id!r} is not a folder and not a model on the Hugging Face Hub") from None
     except LocalEntryNotFoundError as exc:
         if constants.HF_HUB_OFFLINE:
+            asked = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE")
+            why = "HF_HUB_OFFLINE=1" if asked else "the Hugging Face Hub cannot be reached"
             raise ConfigError(f"{key}: {repo_id} is not a folder and not in the Hugging Face cache {cache} "
-                              f"(HF_HUB_OFFLINE=1): download it there first (`hf download {repo_id}`) or give a local "
+                              f"({why}): download it there first (`hf download {repo_id}`) or give a local "
                               f"folder") from None
         raise ConfigError(f"{key}: {repo_id} is not in the Hugging Face cache {cache} and could not be downloaded: "
                           f"{str(exc).splitlines()[0]}") from None
@@ -151,6 +257,7 @@ def dataset_to_text(hub_id: str, split: str, dst: str | Path, to_line: Callable[
         if {k: written.get(k) for k in wanted} == wanted:
             return None
 
+    prepare_access()
     import datasets
 
     def lines():
@@ -212,3 +319,115 @@ def file_to_text(path: str | Path, folder: str | Path,
         positions = {c: i for i, c in enumerate(kw["csv_columns"], 1)}
     rows = records(p, required=columns, **kw)
     return dst, write_lines(dst, (to_line(row, where, positions) for where, row in rows))
+
+
+# ----------------------------------------------------------------------------- push to the hub
+PUSHED = ("export_dir", "merged_dir", "adapter_dir")  # the export pushed: the first of these a run wrote
+
+
+class HubPushError(OneLineError):
+    """The upload of ``checkpoint.push_to_hub`` failed; the export on disk is complete. Exit status 2, so that the
+    launcher does not restart a finished run for it."""
+
+    exit_status = EXIT_USER_ERROR
+
+
+def check_push(checkpoint: Any, key: str = "checkpoint.push_to_hub") -> None:
+    """Refuse, before training, a ``checkpoint.push_to_hub`` that cannot work.
+
+    Args:
+        checkpoint: the config's ``checkpoint`` section (``push_to_hub``, and ``export_hf`` or
+            ``export_adapter`` / ``export_merged``).
+
+    Raises:
+        ConfigError: one line naming `key`: not a repo id (``org/name``); nothing is exported
+            (``export_hf=false``, or neither adapter nor merged export); ``HF_HUB_OFFLINE`` is set; no Hugging Face
+            token (``HF_TOKEN`` or ``hf auth login``).
+    """
+    from huggingface_hub import constants, get_token
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    repo_id = checkpoint.push_to_hub
+    try:
+        validate_repo_id(repo_id)
+        if "/" not in repo_id:
+            raise HFValidationError("it has no owner")
+    except HFValidationError as exc:
+        raise ConfigError(f"{key}={repo_id!r} is not a Hugging Face Hub repo id (org/name): "
+                          f"{str(exc).splitlines()[0]}") from None
+    exports = [getattr(checkpoint, k) for k in ("export_hf", "export_adapter", "export_merged") if hasattr(checkpoint, k)]
+    if exports and not any(exports):
+        raise ConfigError(f"{key}={repo_id}: nothing to push, the run exports no model (checkpoint.export_hf or "
+                          f"checkpoint.export_adapter is false)")
+    if constants.HF_HUB_OFFLINE:
+        raise ConfigError(f"{key}={repo_id}: HF_HUB_OFFLINE is set; unset it to push, or leave {key} empty")
+    if get_token() is None:
+        raise ConfigError(f"{key}={repo_id}: no Hugging Face token; log in (`hf auth login`) or set HF_TOKEN")
+
+
+def model_card(repo_id: str, config: Mapping[str, Any], metrics: Mapping[str, float], folder: Path) -> str:
+    """The ``README.md`` of a pushed export: Hub metadata (library, base model, tags), the final metrics, how to
+    load it and the run's config (as `cookbook.config.to_dict` gives it: values from the environment as their
+    ``${oc.env:...}`` text).
+
+    Args:
+        repo_id: the Hub repo.
+        config: the run's config (nested dict).
+        metrics: the final numbers, name -> value (``train/loss``, ``eval/accuracy``, ...).
+        folder: the export (a PEFT adapter folder holds ``adapter_config.json``).
+    """
+    from huggingface_hub import ModelCard, ModelCardData
+    from omegaconf import OmegaConf
+
+    adapter = (folder / "adapter_config.json").is_file()
+    base = None
+    if adapter:
+        base = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    model = config.get("model", {}) if isinstance(config.get("model"), Mapping) else {}
+    if base is None and model.get("pretrained", True) and looks_like_hub_id(str(model.get("name_or_path") or "")):
+        base = model["name_or_path"]
+    data = ModelCardData(library_name="peft" if adapter else "transformers", base_model=base or None,
+                         tags=["distributed-training-cookbook", str(config.get("run_name", "run"))])
+    load = (f"from peft import AutoPeftModel\nmodel = AutoPeftModel.from_pretrained({repo_id!r})" if adapter else
+            f"from transformers import AutoModel\nmodel = AutoModel.from_pretrained({repo_id!r})  # or the task's "
+            f"AutoModelFor... class")
+    rows = "\n".join(f"| {k} | {v:.6g} |" for k, v in metrics.items())
+    body = (f"# {repo_id}\n\nTrained with the distributed training cookbook (run `{config.get('run_name', 'run')}`)"
+            f"{f', from {base}' if base else ''}.\n\n## Final metrics\n\n| metric | value |\n|---|---|\n{rows}\n\n"
+            f"## Load\n\n```python\n{load}\n```\n\n## Config\n\n```yaml\n{OmegaConf.to_yaml(OmegaConf.create(dict(config)))}```\n")
+    return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}"))
+
+
+def push_to_hub(repo_id: str, folder: str | Path, config: Mapping[str, Any], metrics: Mapping[str, float],
+                key: str = "checkpoint.push_to_hub") -> str:
+    """Write the model card into `folder` (`model_card`, as ``README.md``) and upload the folder to the model
+    repo `repo_id` (created if missing, private or not as the account's default) with ``HfApi.upload_folder``.
+
+    Args:
+        repo_id: the Hub repo (``org/name``).
+        folder: a finished export (``save_pretrained`` output: model or adapter, tokenizer).
+        config: the run's config (nested dict), for the card.
+        metrics: the final numbers, for the card.
+        key: the config key, for messages.
+
+    Returns:
+        The URL of the commit.
+
+    Raises:
+        HubPushError: the repo could not be created or the upload failed: one line with the reason and the
+            command that retries it.
+    """
+    from huggingface_hub import HfApi
+
+    folder = Path(folder)
+    (folder / "README.md").write_text(model_card(repo_id, config, metrics, folder))
+    api = HfApi()
+    try:
+        api.create_repo(repo_id, repo_type="model", exist_ok=True)
+        commit = api.upload_folder(repo_id=repo_id, folder_path=str(folder), repo_type="model",
+                                   commit_message=f"{config.get('run_name', 'run')}: final export")
+    except Exception as exc:  # noqa: BLE001 - network, authentication, permissions: one line either way
+        raise HubPushError(f"{key}={repo_id}: the upload of {folder} failed ({type(exc).__name__}: "
+                           f"{(str(exc).splitlines() or [''])[0]}); the export is complete on disk: retry with "
+                           f"`hf upload {repo_id} {folder} .`") from None
+    return str(getattr(commit, "commit_url", commit))

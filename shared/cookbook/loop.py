@@ -43,8 +43,9 @@ What it does, so that every recipe does it the same way:
 - records each rank's progress in the process group's store at every step boundary
   (`cookbook.dist.record_progress`), so that a collective that times out ends the run with one line naming
   the rank that is behind (`cookbook.dist.CollectiveTimeout`, exit status 3);
-- at the end runs the final evaluation and the recipe's export, writes the summary record and the
-  closing log lines (`log_outputs`), or says how to continue a run that stopped early.
+- at the end runs the final evaluation and the recipe's export, writes the summary record (which uploads the
+  export to ``checkpoint.push_to_hub`` when set: `MetricsLogger.log_summary`) and the closing log lines
+  (`log_outputs`), or says how to continue a run that stopped early.
 
 The shape follows torchtitan's ``Trainer.train`` / ``train_step`` split and torchtune recipes'
 ``train()``: a loop the reader can see, with the bookkeeping in named calls.
@@ -544,6 +545,7 @@ class TrainLoop:
         for k, v in (window or {}).items():
             self._window[k] = self._window.get(k, 0.0) + (v.detach() if isinstance(v, torch.Tensor) else v)
         self._steps += 1
+        self.metrics.advance(step)  # rank 0's progress bar, on a terminal
         if step % self.log_every == 0 or step == self.max_steps:
             self.nonfinite.check_applied()
             extra = {k: v / self._steps for k, v in self._window.items()}
@@ -588,6 +590,10 @@ class TrainLoop:
 
         Returns:
             The final evaluation metrics (``{}`` without `evaluate`), or ``None`` when the run stopped early.
+
+        Raises:
+            cookbook.hub.HubPushError: ``checkpoint.push_to_hub`` is set and the upload of the export failed
+                (`MetricsLogger.log_summary`; exit status 2).
         """
         self.nonfinite.check_applied()
         if self.state.step < self.max_steps:
@@ -665,8 +671,9 @@ def start_run(cfg: Any, info: DistInfo, *, state: TrainState, checkpoint_state: 
 def log_outputs(step: int, final_eval: Mapping[str, float], metrics: MetricsLogger, checkpoints: Path | None,
                 outputs: Outputs, eval_text: str | None = None) -> None:
     """The closing log lines of a finished run (rank 0 only): steps and final evaluation (its metrics, not
-    the counts in `EVAL_COUNTS`), then where the metrics, the MLflow run, the checkpoints and each exported
-    artefact are (``model:`` for ``export_dir``, see `OUTPUT_NAMES`), and how to load it.
+    the counts in `EVAL_COUNTS`), then where the metrics, each tracker's run (and the command that shows it:
+    `MetricsLogger.tracker_lines`), the checkpoints and each exported artefact are (``model:`` for ``export_dir``,
+    see `OUTPUT_NAMES`), and how to load it.
 
     Args:
         eval_text: the final evaluation as the recipe words it; default: ``eval`` and the ``name value`` pairs
@@ -678,10 +685,7 @@ def log_outputs(step: int, final_eval: Mapping[str, float], metrics: MetricsLogg
     pairs = " ".join(f"{k} {v:.4f}" for k, v in final_eval.items() if k not in EVAL_COUNTS)
     shown = eval_text if eval_text is not None else f"eval {pairs}" if pairs else ""
     log.info(f"done: {step} steps" + (f" | {shown}" if shown else ""))
-    rows = [("metrics", f"{metrics.jsonl_path}")]
-    if metrics.mlflow_uri:
-        rows.append(("MLflow", f"{metrics.mlflow_uri} (run {metrics.mlflow_run_id}); browse with "
-                               f"`mlflow ui --backend-store-uri {metrics.mlflow_uri}`"))
+    rows = [("metrics", f"{metrics.jsonl_path}"), *metrics.tracker_lines()]
     if checkpoints is not None:
         rows.append(("checkpoints", str(checkpoints)))
     rows += [(OUTPUT_NAMES.get(key, key.removesuffix("_dir")), f"{path} ({how})" if how else str(path))

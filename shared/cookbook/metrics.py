@@ -1,4 +1,4 @@
-"""Training metrics: throughput, MFU, memory, and the sinks they go to (console, JSONL, MLflow).
+"""Training metrics: throughput, MFU, memory, and the sinks they go to (console, JSONL, MLflow, TensorBoard, W&B).
 
 `MetricsLogger` is the one object a recipe talks to. Each step it is told how many samples
 and tokens were processed and how long the step waited for data (`MetricsLogger.add`); every
@@ -8,10 +8,20 @@ across ranks and writes one record to:
 
 - the console (rank 0, one concise line),
 - ``<out_dir>/metrics.jsonl`` (rank 0, one JSON object per line, flushed each time),
-- MLflow: ``MLFLOW_TRACKING_URI`` if set, else an embedded SQLite store
-  ``sqlite:///<out_dir>/mlflow.db``; ``MLFLOW_RUN_ID`` attaches to an existing run. A resumed
-  run continues the MLflow run it started. Any tracking failure is logged once as a warning
-  and tracking is switched off: it never stops training.
+- rank 0's progress bar, on a terminal only (`cookbook.progress`),
+- the trackers the config's ``trackers`` key names (`cookbook.config.TRACKERS`; default ``[mlflow]``):
+
+  - ``mlflow``: ``MLFLOW_TRACKING_URI`` if set, else an embedded SQLite store ``sqlite:///<out_dir>/mlflow.db``;
+    ``MLFLOW_RUN_ID`` attaches to an existing run. ``mlflow: false`` in the config turns it off.
+  - ``tensorboard``: event files in ``<out_dir>/tensorboard`` (tensorboardX), one scalar per key, the config as text.
+  - ``wandb``: Weights & Biases, online when ``WANDB_API_KEY`` is set, else offline into ``<out_dir>/wandb``
+    (``wandb sync`` uploads it later; ``WANDB_MODE`` decides when set); project: ``WANDB_PROJECT`` or the
+    experiment name.
+
+  A resumed run continues the tracker runs it started (their ids are kept in the output folder). Any
+  tracking failure is logged once as a warning and that tracker is switched off: it never stops training.
+  The closing lines say where each run is and how to browse it (`MetricsLogger.tracker_lines`), with any
+  password or token in a URI masked (`redact_uri`).
 
 Keys of a train record: ``step``, ``loss``, ``lr``, ``grad_norm``, ``step_time_s``,
 ``samples_per_s``, ``tokens_per_s`` (totals over ranks), ``samples_per_s_per_device`` and
@@ -24,20 +34,23 @@ and ``data_wait_frac``.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import logging
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import psutil
 import torch
 import torch.distributed as dist
 
-from cookbook.config import flatten
+from cookbook import hub
+from cookbook.config import TRACKER_UIS, check_trackers, flatten
 from cookbook.dist import DistInfo, get_logger
+from cookbook.progress import ProgressBar
 
 # Dense (no sparsity) bf16 tensor-core peak, FLOP/s, from NVIDIA's data sheets:
 # A10: "NVIDIA A10 Tensor Core GPU" datasheet, BF16 125 TFLOPS.
@@ -170,15 +183,43 @@ def redact_uri(uri: str | None) -> str | None:
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
-class _MLflowSink:
-    """MLflow logging that switches itself off, with one warning, at the first failure."""
+TRACKING_URI_VARIABLES = ("MLFLOW_TRACKING_URI", "WANDB_BASE_URL")  # URIs of trackers, from the environment
 
-    def __init__(self, out_dir: Path, run_name: str, experiment: str, params: Mapping[str, Any]):
+
+def redact_text(text: str, uris: Sequence[str | None] = ()) -> str:
+    """`text` (an error message, say) with the secrets that `redact_uri` masks in `uris` and in the tracking URIs
+    of the environment (`TRACKING_URI_VARIABLES`) replaced by ``***``, wherever they occur: a library's message
+    may quote the URI with a path or a query appended."""
+    from urllib.parse import parse_qsl, unquote, urlsplit
+
+    secrets = set()
+    for uri in [*uris, *(os.environ.get(v) for v in TRACKING_URI_VARIABLES)]:
+        if not uri or redact_uri(uri) == uri:
+            continue
+        try:
+            parts = urlsplit(uri)
+        except ValueError:
+            secrets.add(uri)
+            continue
+        if parts.password:
+            secrets.update({parts.password, unquote(parts.password)})
+        elif "@" in parts.netloc and parts.username:
+            secrets.update({parts.username, unquote(parts.username)})
+        for k, v in parse_qsl(parts.query, keep_blank_values=True):
+            if v and (any(w in k.lower() for w in _SECRET_QUERY) or k.lower() == "sig"):
+                secrets.add(v)
+    for secret in sorted(secrets, key=len, reverse=True):
+        text = text.replace(secret, "***")
+    return text
+
+
+class _Sink:
+    """A tracker beside ``metrics.jsonl`` that switches itself off, with one warning, at its first failure."""
+
+    name = ""
+
+    def __init__(self) -> None:
         self.enabled = True
-        self._run_id_file = out_dir / "mlflow_run_id.txt"
-        self.run_id: str | None = None
-        self.tracking_uri: str | None = None
-        self._guard(self._start, out_dir, run_name, experiment, params)
 
     def _guard(self, fn, *args) -> None:
         if not self.enabled:
@@ -187,7 +228,38 @@ class _MLflowSink:
             fn(*args)
         except Exception as exc:  # tracking must never stop training
             self.enabled = False
-            get_logger().warning(f"MLflow tracking switched off after an error: {type(exc).__name__}: {exc}")
+            why = redact_text(f"{type(exc).__name__}: {exc}")  # a message may quote a tracking URI with its token
+            get_logger().warning(f"{self.name} tracking switched off after an error: {why}")
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        """Write numbers of one step (names as in the JSONL records)."""
+
+    def close(self, status: str = "FINISHED") -> None:
+        """End the run: ``FINISHED``, ``FAILED`` or ``KILLED`` (stopped early, to be resumed)."""
+
+    def where(self) -> str | None:
+        """Where the run is and the command that shows it, for the closing lines; ``None`` once switched off."""
+        return None
+
+
+def _run_id_of_last_time(path: Path) -> str | None:
+    """The run id a tracker stored in the output folder, so that a resumed run continues its tracker run."""
+    if not path.is_file():
+        return None
+    return path.read_text().strip() or None
+
+
+class _MLflowSink(_Sink):
+    """MLflow: ``MLFLOW_TRACKING_URI``, else an embedded SQLite store in the output folder."""
+
+    name = "MLflow"
+
+    def __init__(self, out_dir: Path, run_name: str, experiment: str, params: Mapping[str, Any]):
+        super().__init__()
+        self._run_id_file = out_dir / "mlflow_run_id.txt"
+        self.run_id: str | None = None
+        self.tracking_uri: str | None = None
+        self._guard(self._start, out_dir, run_name, experiment, params)
 
     def _start(self, out_dir: Path, run_name: str, experiment: str, params: Mapping[str, Any]) -> None:
         import mlflow
@@ -197,9 +269,7 @@ class _MLflowSink:
 
         self.tracking_uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{out_dir.resolve()}/mlflow.db"
         mlflow.set_tracking_uri(self.tracking_uri)
-        run_id = os.environ.get("MLFLOW_RUN_ID")
-        if not run_id and self._run_id_file.is_file():
-            run_id = self._run_id_file.read_text().strip()  # a resumed run continues its MLflow run
+        run_id = os.environ.get("MLFLOW_RUN_ID") or _run_id_of_last_time(self._run_id_file)
         if not run_id:
             mlflow.set_experiment(experiment)
         run = mlflow.start_run(run_id=run_id or None, run_name=None if run_id else run_name)
@@ -229,6 +299,101 @@ class _MLflowSink:
 
         self._guard(_end)
 
+    def where(self) -> str | None:
+        if not self.enabled:
+            return None
+        uri = redact_uri(self.tracking_uri)
+        if uri is not None and uri.startswith(("http://", "https://", "databricks")):
+            return f"{uri} (run {self.run_id})"  # a server: its own UI shows the run
+        ui = f"`mlflow ui --backend-store-uri {uri}`"
+        if importlib.util.find_spec("flask") is None:  # mlflow-skinny has no UI server
+            ui += f" (after `pip install -r {TRACKER_UIS}`: mlflow-skinny has no UI)"
+        return f"{uri} (run {self.run_id}); browse with {ui}"
+
+
+class _TensorBoardSink(_Sink):
+    """TensorBoard event files in ``<out_dir>/tensorboard`` (written with tensorboardX), one scalar per key."""
+
+    name = "TensorBoard"
+
+    def __init__(self, out_dir: Path, params: Mapping[str, Any]):
+        super().__init__()
+        self.log_dir = out_dir / "tensorboard"
+        self._writer = None
+        self._guard(self._start, params)
+
+    def _start(self, params: Mapping[str, Any]) -> None:
+        from tensorboardX import SummaryWriter
+
+        self._writer = SummaryWriter(logdir=str(self.log_dir), flush_secs=10)
+        table = "\n".join(f"| {k} | {str(v)[:500]} |" for k, v in flatten(params).items())
+        self._writer.add_text("config", "| key | value |\n|---|---|\n" + table, 0)
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        def _log() -> None:
+            for k, v in metrics.items():
+                self._writer.add_scalar(k, float(v), step)
+            self._writer.flush()
+
+        self._guard(_log)
+
+    def close(self, status: str = "FINISHED") -> None:
+        self._guard(lambda: self._writer.close())
+
+    def where(self) -> str | None:
+        if not self.enabled:
+            return None
+        ui = f"`tensorboard --logdir {self.log_dir}`"
+        if importlib.util.find_spec("tensorboard") is None:
+            ui += f" (after `pip install -r {TRACKER_UIS}`)"
+        return f"{self.log_dir}; browse with {ui}"
+
+
+class _WandbSink(_Sink):
+    """Weights & Biases: online when ``WANDB_API_KEY`` is set, else offline into ``<out_dir>/wandb``
+    (``WANDB_MODE`` decides when set); a resumed run continues its W&B run (``wandb_run_id.txt``)."""
+
+    name = "W&B"
+
+    def __init__(self, out_dir: Path, run_name: str, experiment: str, params: Mapping[str, Any]):
+        super().__init__()
+        self._run = None
+        self._run_id_file = out_dir / "wandb_run_id.txt"
+        self.mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+        self._guard(self._start, out_dir, run_name, experiment, params)
+
+    def _start(self, out_dir: Path, run_name: str, experiment: str, params: Mapping[str, Any]) -> None:
+        import wandb
+
+        run_id = os.environ.get("WANDB_RUN_ID") or _run_id_of_last_time(self._run_id_file)
+        settings = wandb.Settings(console="off", silent=True, disable_git=True, save_code=False)
+        self._run = wandb.init(project=os.environ.get("WANDB_PROJECT") or experiment, name=run_name, dir=str(out_dir),
+                               config=dict(params), mode=self.mode, id=run_id, resume="allow" if run_id else None,
+                               settings=settings)
+        self._run_id_file.write_text(self._run.id)
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        self._guard(lambda: self._run.log(dict(metrics), step=step))
+
+    def close(self, status: str = "FINISHED") -> None:
+        def _end() -> None:
+            import wandb
+
+            if status == "KILLED":
+                self._run.mark_preempting()
+            self._run.finish(exit_code=1 if status == "FAILED" else 0)
+            wandb.teardown()  # waits until W&B's service has written everything (finish alone does not, offline)
+
+        self._guard(_end)
+
+    def where(self) -> str | None:
+        if not self.enabled or self._run is None:
+            return None
+        if self.mode == "offline":
+            folder = Path(self._run.dir).parent  # <out_dir>/wandb/offline-run-<time>-<id>
+            return f"{folder} (offline); upload with `wandb sync {folder}`"
+        return f"{redact_uri(self._run.url)} (run {self._run.id})"
+
 
 class MetricsLogger:
     """Per-step metrics for a distributed run; see the module docstring for the keys and sinks.
@@ -237,13 +402,21 @@ class MetricsLogger:
         out_dir: the run's output folder (JSONL and the default MLflow store go here).
         info: this rank's `DistInfo`.
         flops: the model's `ModelFlops`, for MFU; ``None`` to omit MFU.
-        run_name: MLflow run name.
-        experiment: MLflow experiment name.
-        params: the run's config, logged as MLflow params (flattened).
-        mlflow: ``False`` to turn MLflow off.
+        run_name: the trackers' run name.
+        experiment: the MLflow experiment (the W&B project unless ``WANDB_PROJECT`` is set).
+        params: the run's config, logged as the trackers' params (flattened for MLflow, a text table for
+            TensorBoard, W&B's config); its ``trackers`` and ``checkpoint.push_to_hub`` are read (`log_summary`).
+        mlflow: ``False`` to turn MLflow off (whatever `trackers` says).
         max_steps: total steps, for the console's progress and ETA.
         count_tokens: ``False`` for models without tokens (images, ids): the ``tokens_per_s*``
             keys and the console's tok/s are left out.
+        trackers: the sinks besides ``metrics.jsonl``, names of `cookbook.config.TRACKERS` (``mlflow``,
+            ``tensorboard``, ``wandb``); ``None``: the ``trackers`` key of `params` (the config's), else
+            ``["mlflow"]``.
+        progress: draw rank 0's progress bar (`cookbook.progress.ProgressBar`) when stderr is a terminal.
+
+    Raises:
+        ConfigError: a tracker that is unknown or not installed (`cookbook.config.check_trackers`), on every rank.
 
     Every method that reduces across ranks (`log_step`, `log_eval`) is collective.
     """
@@ -259,7 +432,14 @@ class MetricsLogger:
         mlflow: bool = True,
         max_steps: int | None = None,
         count_tokens: bool = True,
+        trackers: Sequence[str] | None = None,
+        progress: bool = True,
     ):
+        if trackers is None:
+            trackers = (params or {}).get("trackers", ["mlflow"])
+        self.trackers = [t for t in dict.fromkeys(trackers) if mlflow or t != "mlflow"]
+        check_trackers(self.trackers)
+        self.params = dict(params or {})
         self.out_dir = Path(out_dir)
         self.info = info
         self.flops = flops
@@ -268,10 +448,20 @@ class MetricsLogger:
         self.jsonl_path = self.out_dir / "metrics.jsonl"
         self._peak = peak_bf16_flops(torch.cuda.get_device_name(info.device)) if info.device.type == "cuda" else None
         self._mlflow: _MLflowSink | None = None
+        self._sinks: list[_Sink] = []
         if info.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            if mlflow:
-                self._mlflow = _MLflowSink(self.out_dir, run_name, experiment, params or {})
+            for name in self.trackers:
+                if name == "mlflow":
+                    self._mlflow = _MLflowSink(self.out_dir, run_name, experiment, params or {})
+                    self._sinks.append(self._mlflow)
+                elif name == "tensorboard":
+                    self._sinks.append(_TensorBoardSink(self.out_dir, params or {}))
+                else:
+                    self._sinks.append(_WandbSink(self.out_dir, run_name, experiment, params or {}))
+        self._progress = progress
+        self._bar: ProgressBar | None = None
+        self.last_train: dict[str, float] = {}  # the newest train record (`log_step`)
         self._unit = "gpu" if info.device.type == "cuda" else "rank"  # what one device is, for the console
         self._reset_window(step=None)
         self._t_start = time.perf_counter()
@@ -286,6 +476,12 @@ class MetricsLogger:
     def mlflow_run_id(self) -> str | None:
         return self._mlflow.run_id if self._mlflow and self._mlflow.enabled else None
 
+    def tracker_lines(self) -> list[tuple[str, str]]:
+        """``(tracker name, where its run is and the command that shows it)`` for each tracker still on (rank 0;
+        ``[]`` elsewhere); URIs are masked (`redact_uri`). Every command shown works once the packages of
+        ``requirements/`` are installed: when the one it needs is missing, the line names the file to install."""
+        return [(sink.name, where) for sink in self._sinks if (where := sink.where())]
+
     def _reset_window(self, step: int | None) -> None:
         self._last_step = step
         self._last_time = time.perf_counter()
@@ -298,7 +494,16 @@ class MetricsLogger:
         if self.info.device.type == "cuda":
             torch.cuda.synchronize(self.info.device)
             torch.cuda.reset_peak_memory_stats(self.info.device)
+        if self.info.is_main and self._progress:
+            if self._bar is not None:
+                self._bar.close()
+            self._bar = ProgressBar(self.max_steps, step, unit=self._unit)
         self._reset_window(step)
+
+    def advance(self, step: int) -> None:
+        """Move rank 0's progress bar to `step` (optimizer steps done; call after every step). No collective."""
+        if self._bar is not None:
+            self._bar.advance(step)
 
     @contextlib.contextmanager
     def paused(self):
@@ -393,6 +598,7 @@ class MetricsLogger:
         self._emit("train", rec)
         self._console(rec)
         self._reset_window(step)
+        self.last_train = rec
         return rec
 
     def log_eval(self, step: int, metrics: Mapping[str, float]) -> None:
@@ -403,16 +609,33 @@ class MetricsLogger:
         get_logger().info("eval  step %d | %s", step, " | ".join(shown))
 
     def log_summary(self, summary: Mapping[str, Any]) -> None:
-        """Write one final record (event ``summary``) to the JSONL file."""
+        """Write one final record (event ``summary``) to the JSONL file; then, on rank 0, when the config (`params`)
+        sets ``checkpoint.push_to_hub``, upload the export the record names to that Hub repo with a model card
+        (`cookbook.hub.push_to_hub`): the first of ``export_dir``, ``merged_dir``, ``adapter_dir``
+        (`cookbook.hub.PUSHED`), with the final metrics (``steps``, the last train loss, the record's ``eval/*``).
+
+        Raises:
+            cookbook.hub.HubPushError: the upload failed (one line; the export on disk is complete).
+        """
         self._emit("summary", dict(summary), mlflow=False)
+        repo_id = (self.params.get("checkpoint") or {}).get("push_to_hub") if self.info.is_main else None
+        folder = next((summary[k] for k in hub.PUSHED if summary.get(k)), None)
+        if repo_id and folder:
+            numbers = {"steps": float(summary.get("step", self.last_train.get("step", 0))),
+                       **({"train/loss": self.last_train["loss"]} if "loss" in self.last_train else {}),
+                       **{k: float(v) for k, v in summary.items() if k.startswith("eval/") and isinstance(v, (int, float))}}
+            url = hub.push_to_hub(repo_id, folder, self.params, numbers)
+            get_logger().info(f"{'hub:':<12} {url} ({folder} with its model card)")
 
     def _emit(self, event: str, rec: Mapping[str, Any], mlflow: bool = True) -> None:
         if not self.info.is_main:
             return
         with open(self.jsonl_path, "a") as f:
             f.write(json.dumps({"event": event, "time": time.time(), **rec}) + "\n")
-        if mlflow and self._mlflow is not None:
-            self._mlflow.log({k: v for k, v in rec.items() if k != "step" and isinstance(v, (int, float))}, int(rec["step"]))
+        if mlflow:
+            numbers = {k: v for k, v in rec.items() if k != "step" and isinstance(v, (int, float))}
+            for sink in self._sinks:
+                sink.log(numbers, int(rec["step"]))
 
     def _console(self, rec: Mapping[str, float]) -> None:
         if not self.info.is_main:
@@ -437,11 +660,17 @@ class MetricsLogger:
             eta = rec["step_time_s"] * (self.max_steps - step)
             parts.append(f"eta {eta / 60:.1f} min" if eta >= 60 else f"eta {eta:.0f} s")
         get_logger().info(" | ".join(parts))
+        if self._bar is not None:
+            self._bar.show(rec)
 
     def close(self, failed: bool = False, stopped: bool = False) -> None:
-        """End the MLflow run: FAILED when `failed`, KILLED when `stopped` early (to be resumed), else FINISHED."""
-        if self._mlflow is not None:
-            self._mlflow.close("FAILED" if failed else "KILLED" if stopped else "FINISHED")
+        """Close the progress bar and end the trackers' runs: FAILED when `failed`, KILLED when `stopped` early
+        (to be resumed), else FINISHED."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        for sink in self._sinks:
+            sink.close("FAILED" if failed else "KILLED" if stopped else "FINISHED")
 
 
 class StepProfiler:

@@ -88,6 +88,7 @@ class TrainConfig(config.TrainConfig):
 class CheckpointConfig(config.CheckpointConfig):
     export_adapter: bool = True
     export_merged: bool = False  # also <output_dir>/merged: base + adapter folded in (needs model.pretrained)
+    push_to_hub: str = ""  # as config.HFCheckpointConfig's: the merged model if exported, else the adapter
 
 
 @dataclass

@@ -78,14 +78,15 @@ class EpochRunConfig:
     ``model``, ``data``, ``optim`` and ``train`` (with ``epochs``, ``stop_at_epoch``, ``log_every``)."""
 
     output_dir: str = "outputs/run"  # Ray's run folder: checkpoints, metrics, MLflow (shared storage on several nodes)
-    run_name: str = "run"  # MLflow run name
-    mlflow: bool = True
+    run_name: str = "run"  # the trackers' run name
+    mlflow: bool = True  # false: no MLflow, whatever `trackers` says
+    trackers: list[str] = field(default_factory=lambda: ["mlflow"])  # beside metrics.jsonl: cookbook.config.TRACKERS
     ray: RayConfig = field(default_factory=RayConfig)
     checkpoint: EpochCheckpointConfig = field(default_factory=EpochCheckpointConfig)
 
 
 # Settings of an epoch-based Ray recipe that may differ between a checkpoint and the run that resumes it.
-EPOCH_MAY_CHANGE = ("output_dir", "run_name", "mlflow", "ray.*", "train.stop_at_epoch", "train.log_every", "checkpoint.*")
+EPOCH_MAY_CHANGE = ("output_dir", "run_name", "mlflow", "trackers", "ray.*", "train.stop_at_epoch", "train.log_every", "checkpoint.*")
 
 
 class RecipeError(RuntimeError):
