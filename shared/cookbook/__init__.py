@@ -2,15 +2,10 @@
 
 - `cookbook.dist`: process group from torchrun's environment, rank helpers, all-reduce.
 - `cookbook.config`: typed YAML configs with dotted overrides (OmegaConf structured configs).
-<<<<<<< HEAD
 - `cookbook.checkpoint`: atomic DCP checkpoints, resume (on the same or, for a global data position, another world size), Hugging Face export.
 - `cookbook.sampler`: `ResizableSampler` (DistributedSampler's order, with a position of the whole job) and `DataPosition`, its checkpoint entry: a run resumes on another number of ranks.
-- `cookbook.metrics`: tokens/s, MFU, memory; console, JSONL and MLflow sinks.
-=======
-- `cookbook.checkpoint`: atomic DCP checkpoints, resume, Hugging Face export.
 - `cookbook.metrics`: tokens/s, MFU, memory; console, JSONL, MLflow, TensorBoard and W&B sinks (``trackers`` in the config).
 - `cookbook.progress`: rank 0's progress bar on a terminal (steps, loss, throughput, time left); plain log lines elsewhere.
->>>>>>> wt-ux
 - `cookbook.loop`: the bookkeeping around a recipe's own step body: step counting, metric windows, eval and checkpoint cadence, stop and resume, the final eval, export and summary.
 - `cookbook.sft`: supervised fine-tuning of language models: chat / Alpaca / ShareGPT data, packing, collate, token-level loss.
 - `cookbook.moe`: mixture-of-experts LoRA with FSDP2 and expert parallelism: all-to-all dispatch, expert split, router statistics, adapter checkpoints and export.
