@@ -64,8 +64,7 @@ import torch.distributed as dist
 
 from cookbook.checkpoint import Checkpointer, ResumeGuard, TrainState
 from cookbook.config import ConfigError, save_config, to_dict
-from cookbook.dist import (CollectiveTimeout, DistInfo, barrier, collective_timed_out, describe_stall, get_dist_info,
-                           get_logger, record_progress)
+from cookbook.dist import DistInfo, barrier, get_dist_info, get_logger, record_progress, stall_error
 from cookbook.entry import EXIT_DIVERGED, EXIT_PREEMPTED, OneLineError
 from cookbook.metrics import MetricsLogger, ModelFlops, StepProfiler
 
@@ -213,6 +212,114 @@ class StopVote:
             self._pending = None
 
 
+def _newest_text(newest: Path | None) -> str:
+    """The newest checkpoint before a diverged step, for `NonFiniteError`'s message."""
+    return f"the newest checkpoint, from before it, is {newest}" if newest else "no checkpoint was saved before it"
+
+
+class StopRequest:
+    """A request to stop at the next step boundary: preemption. While `listening`, SIGTERM (a scheduler's or
+    torchrun's stop) and SIGUSR1 (Slurm's ``--signal`` warning before the end of a job) call it (main thread only;
+    elsewhere nothing is installed). Safe to call from a signal handler: it only sets `requested`. The ranks agree
+    on the step with `StopVote`."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.signum: int | None = None  # the signal that asked; None: a call from code
+        self._handlers: dict = {}
+
+    def __call__(self, signum: int | None = None) -> None:
+        self.requested, self.signum = True, signum
+
+    def listen(self) -> None:
+        """Install the handlers of `PREEMPT_SIGNALS` (main thread only)."""
+        self._handlers = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in PREEMPT_SIGNALS:
+                self._handlers[sig] = signal.signal(sig, lambda signum, frame: self(signum))
+
+    def restore(self) -> None:
+        """Put back the handlers that `listen` replaced."""
+        for sig, handler in self._handlers.items():
+            signal.signal(sig, handler)
+        self._handlers = {}
+
+    def preempted(self, step: int, max_steps: int, checkpoint: Path | None) -> Preempted:
+        """Log that the run stopped after `step` of `max_steps` on this request, with `checkpoint` (rank 0's log),
+        and return the `Preempted` to raise (exit status 75)."""
+        what = signal.Signals(self.signum).name if self.signum else "a stop request"
+        get_logger().info(f"preempted ({what}) after step {step} of {max_steps}: checkpoint {checkpoint}; run the "
+                          f"same command again to continue (exit status {EXIT_PREEMPTED})")
+        return Preempted(EXIT_PREEMPTED)
+
+
+class NonFinitePolicy:
+    """What a step whose loss or gradient norm is NaN or infinite does (``train.on_nonfinite``): ``"stop"`` the run
+    (`NonFiniteError`) or ``"skip"`` the step, at most ``max_consecutive_skips`` in a row. It decides; the caller
+    detects the value (`TrainLoop.skip_step`, `cookbook.hf_trainer.NonFiniteSteps`) and drops the update.
+
+    Args:
+        on_nonfinite: ``"stop"`` or ``"skip"``.
+        max_consecutive_skips: with ``"skip"``: the most steps skipped in a row; the next non-finite one stops.
+
+    Raises:
+        ValueError: another `on_nonfinite`, or `max_consecutive_skips` < 0.
+    """
+
+    def __init__(self, on_nonfinite: str = "stop", max_consecutive_skips: int = 5):
+        if on_nonfinite not in ON_NONFINITE:
+            raise ValueError(f"on_nonfinite must be one of {', '.join(ON_NONFINITE)}, got {on_nonfinite!r}")
+        if max_consecutive_skips < 0:
+            raise ValueError(f"max_consecutive_skips must be >= 0, got {max_consecutive_skips}")
+        self.on_nonfinite, self.max_consecutive_skips = on_nonfinite, max_consecutive_skips
+        self.skipped_steps = 0  # steps skipped since this process started
+        self.consecutive = 0  # non-finite steps in a row up to now
+
+    @classmethod
+    def from_config(cls, train: Any) -> NonFinitePolicy:
+        """The policy of a ``train`` config section (``train.on_nonfinite``, ``train.max_consecutive_skips``;
+        ``stop`` and 5 where it has none).
+
+        Raises:
+            ConfigError: ``train.on_nonfinite`` is not stop or skip, or ``train.max_consecutive_skips`` < 0."""
+        on_nonfinite = getattr(train, "on_nonfinite", "stop")
+        max_skips = getattr(train, "max_consecutive_skips", 5)
+        if on_nonfinite not in ON_NONFINITE:
+            raise ConfigError(f"train.on_nonfinite must be one of {', '.join(ON_NONFINITE)}, got {on_nonfinite!r}")
+        if max_skips < 0:
+            raise ConfigError(f"train.max_consecutive_skips must be >= 0, got {max_skips}")
+        return cls(on_nonfinite, max_skips)
+
+    def finite(self) -> None:
+        """A step was applied: the count of non-finite steps in a row starts again."""
+        self.consecutive = 0
+
+    def nonfinite(self, step: int, what: str, short: str, newest: Path | None) -> None:
+        """Step `step` was not finite and its update was not applied: stop, or count and log a skip.
+
+        Args:
+            what: the value, for the stop message: ``"the gradient norm of step 5 is nan"``.
+            short: the same for the skip's log line: ``"non-finite gradient norm (nan)"``.
+            newest: the newest checkpoint (from before the step), or ``None``.
+
+        Raises:
+            NonFiniteError: with ``"stop"``, or at one more than ``max_consecutive_skips`` in a row; the message
+                names the step and `newest`.
+        """
+        self.consecutive += 1
+        latest = _newest_text(newest)
+        if self.on_nonfinite == "stop":
+            raise NonFiniteError(f"{what}: the step was not applied and the run stops (train.on_nonfinite=stop); "
+                                 f"{latest}. Lower optim.lr or raise the warm-up, check the data of this step, or set "
+                                 f"train.on_nonfinite=skip to drop such steps")
+        if self.consecutive > self.max_consecutive_skips:
+            raise NonFiniteError(f"{what}: the step was not applied, and that makes {self.consecutive} non-finite "
+                                 f"steps in a row (train.max_consecutive_skips={self.max_consecutive_skips}), so the "
+                                 f"run stops; {latest}. Lower optim.lr or raise the warm-up, or check the data")
+        self.skipped_steps += 1
+        get_logger().info(f"step {step}: {short}, step skipped ({self.skipped_steps} skipped so far)")
+
+
 class TrainLoop:
     """Step counting, metric windows, eval and checkpoint cadence around a recipe's own step body.
 
@@ -249,10 +356,7 @@ class TrainLoop:
                  on_nonfinite: str = "stop", max_consecutive_skips: int = 5):
         if log_every < 1:
             raise ValueError(f"log_every must be >= 1, got {log_every}")
-        if on_nonfinite not in ON_NONFINITE:
-            raise ValueError(f"on_nonfinite must be one of {', '.join(ON_NONFINITE)}, got {on_nonfinite!r}")
-        if max_consecutive_skips < 0:
-            raise ValueError(f"max_consecutive_skips must be >= 0, got {max_consecutive_skips}")
+        self.nonfinite = NonFinitePolicy(on_nonfinite, max_consecutive_skips)
         if checkpointer is not None and checkpoint_every >= 0 and checkpoint_state is None:
             raise ValueError("checkpoint_state is required to save checkpoints")
         self.state, self.max_steps, self.metrics = state, max_steps, metrics
@@ -263,14 +367,9 @@ class TrainLoop:
         self.profiler, self.log_extra = profiler, log_extra
         self.device = metrics.info.device
         self.stopped = False  # the run ended before max_steps (stop_at_step or a stop request)
-        self._stop_requested = False
-        self._stop_signal: int | None = None
-        self._handlers: dict = {}
+        self._stop = StopRequest()  # preemption: SIGTERM / SIGUSR1 while the loop runs
         self._vote = StopVote(self.device)  # the ranks' agreement on a preemption stop
         self._saved_step = -1
-        self.on_nonfinite, self.max_consecutive_skips = on_nonfinite, max_consecutive_skips
-        self.skipped_steps = 0  # steps skipped for a non-finite loss or gradient norm since this process started
-        self._consecutive = 0  # of them, in a row up to now
         self._skipped_now = False  # the step being run was skipped
         self._applied_bad: torch.Tensor | None = None  # first step whose applied update was non-finite (0: none)
         self._reset_window()
@@ -290,27 +389,20 @@ class TrainLoop:
             ConfigError: ``train.on_nonfinite`` is not stop or skip, or ``train.max_consecutive_skips`` < 0."""
         train = cfg.train
         profile_step = getattr(train, "profile_step", 0)
-        on_nonfinite = getattr(train, "on_nonfinite", "stop")
-        max_skips = getattr(train, "max_consecutive_skips", 5)
-        if on_nonfinite not in ON_NONFINITE:
-            raise ConfigError(f"train.on_nonfinite must be one of {', '.join(ON_NONFINITE)}, got {on_nonfinite!r}")
-        if max_skips < 0:
-            raise ConfigError(f"train.max_consecutive_skips must be >= 0, got {max_skips}")
+        policy = NonFinitePolicy.from_config(train)
         return cls(state=state, max_steps=max_steps, stop_at_step=train.stop_at_step, metrics=metrics,
                    log_every=train.log_every, eval_every=getattr(train, "eval_every", 0), evaluate=evaluate,
                    checkpointer=checkpointer, checkpoint_every=cfg.checkpoint.every_steps,
                    checkpoint_state=checkpoint_state, config=to_dict(cfg),
                    profiler=StepProfiler(profile_step, metrics.out_dir, metrics.info) if profile_step > 0 else None,
-                   log_extra=log_extra, on_nonfinite=on_nonfinite, max_consecutive_skips=max_skips)
+                   log_extra=log_extra, on_nonfinite=policy.on_nonfinite,
+                   max_consecutive_skips=policy.max_consecutive_skips)
 
     # ------------------------------------------------------------------ the loop
     def __enter__(self) -> TrainLoop:
         """Start listening for preemption: SIGTERM (a scheduler's or torchrun's stop) and SIGUSR1 (Slurm's
         ``--signal`` warning before the end of a job) call `request_stop` (main thread only)."""
-        self._handlers = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in PREEMPT_SIGNALS:
-                self._handlers[sig] = signal.signal(sig, lambda signum, frame: self.request_stop(signum))
+        self._stop.listen()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -319,15 +411,14 @@ class TrainLoop:
         Raises:
             CollectiveTimeout: the body raised a collective timeout (a rank stalled); its one line names the rank
                 that is behind (`cookbook.dist.describe_stall`)."""
-        for sig, handler in self._handlers.items():
-            signal.signal(sig, handler)
+        self._stop.restore()
         if exc_type is None:
             self._vote.finish()
         preempted = isinstance(exc, Preempted)
         self.metrics.close(failed=exc_type is not None and not preempted, stopped=self.stopped or preempted)
-        if (exc is not None and not isinstance(exc, OneLineError) and dist.is_initialized()
-                and dist.get_world_size() > 1 and collective_timed_out(exc)):
-            raise CollectiveTimeout(describe_stall(exc)) from exc
+        stalled = stall_error(exc) if exc is not None else None
+        if stalled is not None:
+            raise stalled from exc
 
     def request_stop(self, signum: int | None = None) -> None:
         """Ask the loop to stop at the next step boundary, after saving a checkpoint there (preemption).
@@ -338,12 +429,11 @@ class TrainLoop:
         Args:
             signum: the signal that asked, for the message (``None``: a call from code).
         """
-        self._stop_requested = True
-        self._stop_signal = signum
+        self._stop(signum)
 
     def _agree_stop(self) -> bool:
         """Whether the ranks have agreed to stop here (collective when a process group exists; `StopVote`)."""
-        return self._vote(self._stop_requested)
+        return self._vote(self._stop.requested)
 
     def steps(self) -> Iterator[int]:
         """Yield the number of each step to run (``state.step + 1``) until `max_steps`, ``stop_at_step``
@@ -406,24 +496,30 @@ class TrainLoop:
             return False
         else:
             what, short = f"the loss of step {step} is not finite on every rank", "non-finite loss"
-        self._consecutive += 1
-        if self.on_nonfinite == "stop":
-            raise NonFiniteError(f"{what}: the step was not applied and the run stops (train.on_nonfinite=stop); "
-                                 f"{self._newest_checkpoint()}. Lower optim.lr or raise the warm-up, check the data "
-                                 f"of this step, or set train.on_nonfinite=skip to drop such steps")
-        if self._consecutive > self.max_consecutive_skips:
-            raise NonFiniteError(f"{what}: the step was not applied, and that makes {self._consecutive} non-finite "
-                                 f"steps in a row (train.max_consecutive_skips={self.max_consecutive_skips}), so the "
-                                 f"run stops; {self._newest_checkpoint()}. Lower optim.lr or raise the warm-up, or "
-                                 f"check the data")
-        self.skipped_steps += 1
+        self.nonfinite.nonfinite(step, what, short, self._latest())
         self._skipped_now = True
-        get_logger().info(f"step {step}: {short}, step skipped ({self.skipped_steps} skipped so far)")
         return True
 
+    @property
+    def on_nonfinite(self) -> str:
+        """``"stop"`` or ``"skip"`` (`NonFinitePolicy`)."""
+        return self.nonfinite.on_nonfinite
+
+    @property
+    def max_consecutive_skips(self) -> int:
+        """With ``"skip"``: the most steps skipped in a row (`NonFinitePolicy`)."""
+        return self.nonfinite.max_consecutive_skips
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for a non-finite loss or gradient norm since this process started."""
+        return self.nonfinite.skipped_steps
+
+    def _latest(self) -> Path | None:
+        return self.checkpointer.latest() if self.checkpointer is not None else None
+
     def _newest_checkpoint(self) -> str:
-        latest = self.checkpointer.latest() if self.checkpointer is not None else None
-        return f"the newest checkpoint, from before it, is {latest}" if latest else "no checkpoint was saved before it"
+        return _newest_text(self._latest())
 
     def _finite_on_every_rank(self, loss: torch.Tensor | float) -> bool:
         if isinstance(loss, torch.Tensor):
@@ -468,7 +564,7 @@ class TrainLoop:
                 (e.g. ``{"moe/aux_loss": aux}``).
         """
         self.state.step += 1
-        self._consecutive = 0
+        self.nonfinite.finite()
         step = self.state.step
         self._loss = self._loss + (loss.detach() if isinstance(loss, torch.Tensor) else loss)
         for k, v in (window or {}).items():
@@ -523,12 +619,9 @@ class TrainLoop:
         self._check_applied()
         if self.state.step < self.max_steps:
             self.stopped = True
-            latest = self.checkpointer.latest() if self.checkpointer is not None else None
-            if self._stop_requested:  # preempted: a distinct exit status, so that a scheduler can requeue the job
-                what = signal.Signals(self._stop_signal).name if self._stop_signal else "a stop request"
-                get_logger().info(f"preempted ({what}) after step {self.state.step} of {self.max_steps}: checkpoint "
-                                  f"{latest}; run the same command again to continue (exit status {EXIT_PREEMPTED})")
-                raise Preempted(EXIT_PREEMPTED)
+            latest = self._latest()
+            if self._stop.requested:  # preempted: a distinct exit status, so that a scheduler can requeue the job
+                raise self._stop.preempted(self.state.step, self.max_steps, latest)
             get_logger().info(f"stopped at step {self.state.step} of {self.max_steps} (train.stop_at_step); to continue "
                               f"from {latest}, run again without train.stop_at_step (or with a larger value)")
             return None
