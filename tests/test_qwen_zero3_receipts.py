@@ -299,6 +299,27 @@ def test_checkpoints_are_published_with_meta(zero3):
     assert not list((zero3[0] / ".staging").glob("checkpoint-*"))  # nothing left unpublished
 
 
+def test_a_truncated_shard_of_the_newest_checkpoint_is_passed_over_with_one_warning(zero3, init, tmp_path, caplog):
+    """On a copy of the ZeRO-3 run: rank 1's optimizer partition of checkpoint-10 cut to 1000 bytes (a copy cut
+    short, a disk fault) makes the resume check take checkpoint-9, with one warning naming the file; an explicit
+    checkpoint.resume of the damaged folder is refused."""
+    from cookbook.checkpoint import CheckpointError
+
+    out = _copy_run(zero3, tmp_path)
+    shard = out / "checkpoints" / "checkpoint-10" / "global_step10" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    size = shard.stat().st_size
+    os.truncate(shard, 1000)
+    overrides = (*COMMON, f"model.name_or_path={init}", "model.pretrained=true", f"output_dir={out}")
+    with caplog.at_level("WARNING", logger="cookbook"):
+        assert recipe_module().check_resume(tiny_config(*overrides), 2) == out / "checkpoints" / "checkpoint-9"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"warning: checkpoint {out / 'checkpoints' / 'checkpoint-10'} is damaged (global_step10/"
+        f"zero_pp_rank_1_mp_rank_00_optim_states.pt is 1000 bytes, meta.json says {size}); resuming from "
+        f"{out / 'checkpoints' / 'checkpoint-9'} instead"]
+    with pytest.raises(CheckpointError, match=r"is a damaged checkpoint \(global_step10/zero_pp_rank_1_mp_rank_00_"):
+        recipe_module().check_resume(tiny_config(*overrides, f"checkpoint.resume={shard.parent.parent}"), 2)
+
+
 def test_final_model_is_full_and_reloads_with_the_trained_logits(zero3, init):
     """Every tensor of the export has the model's shape; its logits equal those of the fp32 weights that
     DeepSpeed's own zero_to_fp32 rebuilds from the ZeRO-3 partitions of the last checkpoint."""
