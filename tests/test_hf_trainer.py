@@ -2,15 +2,21 @@
 (`CallbackHandler`, `DefaultFlowCallback`) with the event order of ``Trainer._inner_training_loop``."""
 
 import json
+import os
+import signal
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import TrainingArguments
 from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback, TrainerControl, TrainerState
 
+from cookbook.checkpoint import CheckpointSaveError, ResumeGuard
 from cookbook.dist import DistInfo
-from cookbook.hf_trainer import MetricsCallback, PublishCheckpoints, StopAtStep, published_checkpoints
+from cookbook.hf_trainer import (MetricsCallback, NonFiniteSteps, Preemption, PublishCheckpoints, StopAtStep,
+                                 published_checkpoints)
+from cookbook.loop import NonFiniteError, NonFinitePolicy, Preempted
 from cookbook.metrics import MetricsLogger
 
 CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend="gloo")
@@ -86,3 +92,106 @@ def test_checkpoints_are_published_with_meta_and_the_oldest_deleted(tmp_path):
     assert (root / "checkpoint-6" / "weights").read_text() == "6" and not list(staging.iterdir())
     meta = json.loads((root / "checkpoint-6" / "meta.json").read_text())
     assert (meta["step"], meta["world_size"], meta["config"]) == (6, 1, {"optim": {"lr": 0.1}})
+
+
+def _publish(publisher, staging, args, step):
+    folder = staging / f"checkpoint-{step}"
+    (folder / f"global_step{step}").mkdir(parents=True)
+    (folder / f"global_step{step}" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"x" * 1000)
+    (folder / "trainer_state.json").write_text("{}")
+    publisher.on_save(args, TrainerState(global_step=step), TrainerControl())
+
+
+def test_a_truncated_shard_makes_the_resume_fall_back_with_one_warning(tmp_path, caplog):
+    """meta.json lists every file of the checkpoint with its size: a shard cut short after publishing (a copy
+    interrupted, a disk fault) makes the checkpoint damaged; resume=auto takes the one before, with one warning."""
+    staging, root = tmp_path / ".staging", tmp_path / "checkpoints"
+    args = TrainingArguments(output_dir=str(staging), use_cpu=True, report_to="none")
+    publisher = PublishCheckpoints(root, keep_last=0, config={})
+    for step in (3, 6):
+        _publish(publisher, staging, args, step)
+    meta = json.loads((root / "checkpoint-6" / "meta.json").read_text())
+    assert meta["files"] == {"global_step6/zero_pp_rank_0_mp_rank_00_optim_states.pt": 1000, "trainer_state.json": 2}
+    shard = root / "checkpoint-6" / "global_step6" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    os.truncate(shard, 100)
+    guard = ResumeGuard(root, folder="checkpoint-<n>", files=())
+    assert [p.name for p in published_checkpoints(root)] == ["checkpoint-3"]
+    with caplog.at_level("WARNING", logger="cookbook"):
+        assert guard.resolve("auto") == root / "checkpoint-3"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"warning: checkpoint {root / 'checkpoint-6'} is damaged (global_step6/zero_pp_rank_0_mp_rank_00_optim_states.pt "
+        f"is 100 bytes, meta.json says 1000); resuming from {root / 'checkpoint-3'} instead"]
+    shard.unlink()
+    assert guard.problem(root / "checkpoint-6") == \
+        "global_step6/zero_pp_rank_0_mp_rank_00_optim_states.pt is missing (meta.json lists it)"
+    (staging / "checkpoint-7").mkdir()  # what a failed save left unpublished
+    publisher.on_train_begin(args, TrainerState(), TrainerControl())
+    assert not list(staging.iterdir())
+
+
+def test_a_publish_that_fails_names_the_checkpoint_and_the_os_error(tmp_path):
+    staging, root = tmp_path / ".staging", tmp_path / "checkpoints"
+    args = TrainingArguments(output_dir=str(staging), use_cpu=True, report_to="none")
+    root.write_text("")  # a file where the checkpoints folder should be: mkdir fails
+    with pytest.raises(CheckpointSaveError) as failed:
+        _publish(PublishCheckpoints(root, keep_last=0, config={}), staging, args, 2)
+    assert str(failed.value).startswith(
+        f"could not save the checkpoint of step 2 to {root / 'checkpoint-2'} (EEXIST, File exists: '{root}'); there is "
+        f"no earlier checkpoint. Fix the cause on ")
+    assert str(failed.value).endswith(" and run the same command again: it starts from step 0")
+
+
+def test_a_preemption_signal_stops_after_the_step_with_a_checkpoint(tmp_path, caplog):
+    """SIGUSR1 during step 3 (one process: no vote to wait for) sets should_save and should_training_stop at the end
+    of step 3; after the run, `raise_if_stopped` raises Preempted (75) naming the checkpoint; the handler is gone."""
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="steps",
+                             save_steps=100)
+    state = TrainerState(max_steps=6, save_steps=100)
+    before = signal.getsignal(signal.SIGUSR1)
+    preemption = Preemption()
+    handler = CallbackHandler([DefaultFlowCallback(), preemption], None, None, None, None)
+    control, saved = handler.on_train_begin(args, state, TrainerControl()), []
+    while not control.should_training_stop:
+        control = handler.on_step_begin(args, state, control)
+        if state.global_step == 2:
+            os.kill(os.getpid(), signal.SIGUSR1)  # during step 3
+        state.global_step += 1
+        control = handler.on_step_end(args, state, control)
+        if control.should_save:
+            saved.append(state.global_step)
+            control = handler.on_save(args, state, control)
+    handler.on_train_end(args, state, control)
+    assert state.global_step == 3 and saved == [3]
+    assert signal.getsignal(signal.SIGUSR1) is before
+    with caplog.at_level("INFO", logger="cookbook"), pytest.raises(Preempted) as stop:
+        preemption.raise_if_stopped(state, tmp_path / "checkpoint-3")
+    assert stop.value.code == 75
+    assert caplog.messages[-1] == (f"preempted (SIGUSR1) after step 3 of 6: checkpoint {tmp_path / 'checkpoint-3'}; "
+                                   f"run the same command again to continue (exit status 75)")
+
+
+def test_nonfinite_steps_reads_deepspeeds_decision_and_applies_the_policy(tmp_path):
+    """on_optimizer_step after DeepSpeed discarded the update (``optimizer.step_was_skipped``): stop names the step
+    and the newest checkpoint; skip counts it for the train records. Without DeepSpeed it refuses to start."""
+    (tmp_path / "checkpoint-4").mkdir()
+    (tmp_path / "checkpoint-4" / "meta.json").write_text('{"step": 4}')
+    args, control = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none"), TrainerControl()
+    discarded, applied = SimpleNamespace(step_was_skipped=True), SimpleNamespace(step_was_skipped=False)
+    stop = NonFiniteSteps(NonFinitePolicy("stop"), tmp_path)
+    stop.on_optimizer_step(args, TrainerState(global_step=4), control, optimizer=applied)
+    with pytest.raises(NonFiniteError) as failed:
+        stop.on_optimizer_step(args, TrainerState(global_step=4), control, optimizer=discarded)
+    assert str(failed.value) == (
+        f"the gradient norm of step 5 is not finite (DeepSpeed discarded the update): the step was not applied and the "
+        f"run stops (train.on_nonfinite=stop); the newest checkpoint, from before it, is {tmp_path / 'checkpoint-4'}. "
+        f"Lower optim.lr or raise the warm-up, check the data of this step, or set train.on_nonfinite=skip to drop "
+        f"such steps")
+    skip = NonFiniteSteps(NonFinitePolicy("skip", max_consecutive_skips=1), tmp_path)
+    for step, optimizer in enumerate([discarded, applied, discarded], start=5):
+        skip.on_optimizer_step(args, TrainerState(global_step=step - 1), control, optimizer=optimizer)
+    assert skip.log_extra() == {"skipped_steps": 2.0} and stop.log_extra() == {}
+    with pytest.raises(NonFiniteError, match=r"^the gradient norm of step 8 is not finite .* that makes 2 non-finite "
+                                             r"steps in a row \(train.max_consecutive_skips=1\)"):
+        skip.on_optimizer_step(args, TrainerState(global_step=7), control, optimizer=discarded)
+    with pytest.raises(ValueError, match=r"^NonFiniteSteps reads DeepSpeed's check of the gradient norm"):
+        stop.on_train_begin(args, TrainerState(), control, optimizer=torch.optim.SGD([torch.zeros(1)], lr=0.1))

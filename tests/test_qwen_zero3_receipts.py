@@ -4,22 +4,33 @@ Every run starts from the same random weights saved to disk (``init``), trains o
 one global step = the whole training set (16 rows x 2 ranks), constant lr and clipping at 1.0, so the losses
 of different sharding schemes and of the FSDP2 recipe are directly comparable.
 
-A launch through launch.sh costs ~25-40 s of imports and start-up on 2 cores, so only the resumed ZeRO-3 run
-and the bad-input refusal go through it (the way users run the recipe). The other runs call the same
-``main`` in 2 forked workers (``@cookbook.distributed``) of this process, which has imported the libraries once.
+A launch through launch.sh costs ~25-40 s of imports and start-up on 2 cores, so only the ZeRO-3 run with
+its faults (a killed worker, then a preemption) and the bad-input refusal go through it (the way users run the
+recipe). The other runs call the same ``main`` in 2 forked workers (``@cookbook.distributed``) of this process,
+which has imported the libraries once; the other faults (a NaN step, a failed save, a stalled rank) are
+injected into those workers.
 """
 
+import contextlib
 import json
+import os
 import re
 import shutil
+import signal
+import socket
+import sys
+import time
 
 import pytest
 import torch
-from conftest import ROOT, launch, load_recipe, main_in_workers, read_jsonl, train_losses
+from conftest import (ROOT, kill_worker, launch, load_recipe, main_in_workers, read_jsonl, start_launch, train_losses,
+                      wait_for)
 
+import cookbook
 
 RECIPE = ROOT / "recipes" / "qwen-zero3-receipts"
-STEPS = 6
+STEPS = 10  # the ZeRO-3 run (killed, restarted, preempted, resumed) and its uninterrupted ZeRO-2 reference
+SHORT = 6  # the FSDP2 and LoRA runs
 # Same math on CPU in fp32 (ZeRO-2 vs ZeRO-3 vs FSDP2; a resumed vs an uninterrupted run): only the order
 # of floating-point sums differs. Measured: <= 8e-8 (ZeRO-3 resumed vs ZeRO-2) and <= 2e-7 (ZeRO-2 vs FSDP2)
 # relative over 6 steps; 1e-5 leaves room, while a lost optimizer state or a wrong step changes the loss by >1e-3.
@@ -49,20 +60,19 @@ def ds_env(tmp_path_factory):
     return {"TORCH_EXTENSIONS_DIR": str(tmp_path_factory.mktemp("torch_extensions"))}
 
 
-def run(out, init, ds_env, *overrides):
-    """The recipe through launch.sh (--check, then torchrun with 2 workers)."""
-    proc = launch("qwen-zero3-receipts", f"output_dir={out}", f"model.name_or_path={init}", "model.pretrained=true",
-                  *overrides, env=ds_env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc
-
-
 def run_forked(recipe, out, init, *overrides):
-    """A recipe's ``main`` on 2 forked workers, as its launch.sh would run it after the --check."""
+    """A recipe's ``main`` on 2 forked workers, as its launch.sh would run it after the --check.
+
+    Garbage is collected here first: an earlier launch that failed (a test's injected fault) leaves its
+    rendezvous store in reference cycles, and a worker that collected it (accelerate calls ``gc.collect()``
+    as training starts) would end that store's server thread, which a forked child does not have: a crash."""
+    import gc
+
     import deepspeed  # noqa: F401  imported once here, inherited by the forked workers
     import peft  # noqa: F401
     import trl  # noqa: F401
 
+    gc.collect()
     main_in_workers(recipe, f"output_dir={out}", f"model.name_or_path={init}", "model.pretrained=true", *overrides)
     return out
 
@@ -113,17 +123,63 @@ def _cpu_env(monkeypatch, ds_env):
         monkeypatch.setenv(k, v)
 
 
+@contextlib.contextmanager
+def stderr_to(path):
+    """This process's stderr, fd 2 and ``sys.stderr`` (where cookbook's log writes), into the file `path`; workers
+    forked meanwhile inherit both."""
+    with open(path, "w", buffering=1) as f:
+        saved_fd, saved = os.dup(2), sys.stderr
+        os.dup2(f.fileno(), 2)
+        sys.stderr = f
+        try:
+            yield
+        finally:
+            sys.stderr = saved
+            os.dup2(saved_fd, 2)
+            os.close(saved_fd)
+
+
+def logged_since(path, since: float) -> list[int]:
+    """The steps of the train records that a run writing the metrics.jsonl `path` logged after the time `since`
+    (``time.time()``; a line being written is left out)."""
+    steps = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        with contextlib.suppress(ValueError):
+            record = json.loads(line)
+            if record["event"] == "train" and record["time"] > since:
+                steps.append(record["step"])
+    return steps
+
+
 @pytest.fixture(scope="session")
 def zero3(tmp_path_factory, init, ds_env):
-    """ZeRO-3, full fine-tuning: stopped after step 3 (a checkpoint, forked workers), then resumed to the end by
-    launch.sh (its --check validates the resume), with evaluation, export and MLflow."""
-    import os
+    """ZeRO-3, full fine-tuning, through launch.sh, with two faults of one job for real:
 
+    1. rank 1 is SIGKILLed as soon as checkpoint-3 is published; the launcher restarts the group, which resumes
+       from it by itself;
+    2. once the restarted workers have logged a step (each record needs both ranks: one logged after the kill is
+       theirs), SIGTERM to the launcher (torchrun passes it on): every rank finishes its step, they agree on the
+       step to stop after (one step later), a checkpoint is published there and the launcher exits with 75.
+
+    The same command then resumes (in forked workers, as launch.sh runs them) and finishes with evaluation,
+    export and MLflow. Returns ``(out, (the launch's exit status, its stderr), the resumed run's stderr)``."""
     out = tmp_path_factory.mktemp("zero3") / "run"
     os.environ.update(COOKBOOK_DEVICE="cpu", **ds_env)
-    run_forked("qwen-zero3-receipts", out, init, *COMMON, "train.stop_at_step=3", "mlflow=false")
-    second = run(out, init, ds_env, *COMMON)
-    return out, second
+    proc = start_launch("qwen-zero3-receipts", f"output_dir={out}", f"model.name_or_path={init}",
+                        "model.pretrained=true", *COMMON, env=ds_env)
+    try:
+        wait_for(proc, (out / "checkpoints" / "checkpoint-3").is_dir)
+        kill_worker(proc, rank="1")
+        killed = time.time()
+        wait_for(proc, lambda: logged_since(out / "metrics.jsonl", killed))
+        proc.send_signal(signal.SIGTERM)
+        _, first = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    with stderr_to(out.parent / "resumed.txt"):
+        run_forked("qwen-zero3-receipts", out, init, *COMMON)
+    return out, (proc.returncode, first), (out.parent / "resumed.txt").read_text()
 
 
 @pytest.fixture(scope="session")
@@ -137,16 +193,39 @@ def zero2(tmp_path_factory, init, ds_env):
                       "checkpoint.export_hf=false", "eval.max_samples=2")
 
 
-def test_zero3_resume_continues_with_the_uninterrupted_losses(zero3, zero2):
-    out, second = zero3
-    assert "resumed from" in second.stderr and "checkpoint-3" in second.stderr
+def test_a_killed_worker_and_then_a_preemption_lose_no_step(zero3, zero2):
+    """The restart after the kill resumes from checkpoint-3; the SIGTERM stops every rank after the same step, with
+    a checkpoint there and exit status 75; the same command continues from it. The per-step losses of the three
+    attempts together equal the uninterrupted run's (a replayed step's later record wins), and the MLflow run is
+    one, continued, FINISHED."""
+    out, (status, first), second = zero3
+    root = out / "checkpoints"
+    assert status == 75, first[-4000:]
+    restarts = [line for line in first.splitlines() if line.startswith("restart ")]
+    assert restarts == ["restart 1 of 3: rank 1 was killed by SIGKILL; the workers resume from the newest checkpoint"], \
+        first[-4000:]
+    assert f"resumed from {root / 'checkpoint-3'}" in first, first[-4000:]
+    stopped = re.search(rf"preempted \(SIGTERM\) after step (\d+) of {STEPS}: checkpoint (\S+); run the same command "
+                        rf"again to continue \(exit status 75\)", first)
+    assert stopped and "preempted: the workers were asked to save a checkpoint" in first, first[-4000:]
+    step = int(stopped[1])
+    assert 5 <= step < STEPS and stopped[2] == str(root / f"checkpoint-{step}"), first[-4000:]
+    assert f"resumed from {root / f'checkpoint-{step}'}" in second and f"done: {STEPS} steps" in second, second[-3000:]
+    steps = [r["step"] for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "train"]
+    assert steps[:3] == [1, 2, 3] and steps[-(STEPS - 3):] == list(range(4, STEPS + 1)), steps
     losses = train_losses(out / "metrics.jsonl")
-    assert sorted(losses) == list(range(1, STEPS + 1))
     # The uninterrupted reference is the ZeRO-2 run: same weights, data and optimizer, so the same math.
     reference = train_losses(zero2 / "metrics.jsonl")
     torch.testing.assert_close(torch.tensor([losses[s] for s in range(1, STEPS + 1)], dtype=torch.float64),
                                torch.tensor([reference[s] for s in range(1, STEPS + 1)], dtype=torch.float64),
                                rtol=PARITY_RTOL, atol=0)
+    summaries = [r for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "summary"]
+    assert len(summaries) == 1 and summaries[0]["step"] == STEPS
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(summaries[0]["mlflow_uri"])
+    assert client.get_run(summaries[0]["mlflow_run_id"]).info.status == "FINISHED"
+    assert {m.step for m in client.get_metric_history(summaries[0]["mlflow_run_id"], "loss")} == set(range(1, STEPS + 1))
 
 
 @pytest.mark.parametrize("which", ["zero3", "zero2"])
@@ -170,7 +249,7 @@ def test_metrics_have_throughput_and_generation_eval(zero3):
         hits = ev[f"eval/{key}"] * 8  # rates over the 8 receipts: whole counts
         assert 0 <= hits <= 8 and hits == pytest.approx(round(hits), abs=1e-9), (key, ev)
     assert ev["eval/unparsable"] + round(ev["eval/json_valid"] * 8) == 8
-    summary_line = [line for line in zero3[1].stderr.splitlines() if " done: " in line][-1]
+    summary_line = [line for line in zero3[2].splitlines() if " done: " in line][-1]
     assert "exact match on 8 receipts: company" in summary_line and f"unparsable {ev['eval/unparsable']:.0f}" in summary_line
     assert ev["eval/loss"] < train[0]["loss"]
     summary = [r for r in records if r["event"] == "summary"][-1]
@@ -214,10 +293,31 @@ def test_score_counts_exact_matches_per_field_and_unparsable_answers():
 def test_checkpoints_are_published_with_meta(zero3):
     root = zero3[0] / "checkpoints"
     names = sorted(p.name for p in root.iterdir())
-    assert names == ["checkpoint-3", "checkpoint-6"], names
-    meta = json.loads((root / "checkpoint-6" / "meta.json").read_text())
-    assert meta["step"] == 6 and meta["world_size"] == 2
+    assert names == ["checkpoint-10", "checkpoint-9"], names  # keep_last=2
+    meta = json.loads((root / "checkpoint-10" / "meta.json").read_text())
+    assert meta["step"] == 10 and meta["world_size"] == 2
     assert not list((zero3[0] / ".staging").glob("checkpoint-*"))  # nothing left unpublished
+
+
+def test_a_truncated_shard_of_the_newest_checkpoint_is_passed_over_with_one_warning(zero3, init, tmp_path, caplog):
+    """On a copy of the ZeRO-3 run: rank 1's optimizer partition of checkpoint-10 cut to 1000 bytes (a copy cut
+    short, a disk fault) makes the resume check take checkpoint-9, with one warning naming the file; an explicit
+    checkpoint.resume of the damaged folder is refused."""
+    from cookbook.checkpoint import CheckpointError
+
+    out = _copy_run(zero3, tmp_path)
+    shard = out / "checkpoints" / "checkpoint-10" / "global_step10" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    size = shard.stat().st_size
+    os.truncate(shard, 1000)
+    overrides = (*COMMON, f"model.name_or_path={init}", "model.pretrained=true", f"output_dir={out}")
+    with caplog.at_level("WARNING", logger="cookbook"):
+        assert recipe_module().check_resume(tiny_config(*overrides), 2) == out / "checkpoints" / "checkpoint-9"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"warning: checkpoint {out / 'checkpoints' / 'checkpoint-10'} is damaged (global_step10/"
+        f"zero_pp_rank_1_mp_rank_00_optim_states.pt is 1000 bytes, meta.json says {size}); resuming from "
+        f"{out / 'checkpoints' / 'checkpoint-9'} instead"]
+    with pytest.raises(CheckpointError, match=r"is a damaged checkpoint \(global_step10/zero_pp_rank_1_mp_rank_00_"):
+        recipe_module().check_resume(tiny_config(*overrides, f"checkpoint.resume={shard.parent.parent}"), 2)
 
 
 def test_final_model_is_full_and_reloads_with_the_trained_logits(zero3, init):
@@ -234,7 +334,7 @@ def test_final_model_is_full_and_reloads_with_the_trained_logits(zero3, init):
     assert set(saved) == set(expected)
     for name, tensor in saved.items():
         assert tensor.shape == expected[name].shape, name
-    trained = get_fp32_state_dict_from_zero_checkpoint(str(zero3[0] / "checkpoints" / "checkpoint-6"))
+    trained = get_fp32_state_dict_from_zero_checkpoint(str(zero3[0] / "checkpoints" / f"checkpoint-{STEPS}"))
     reference.load_state_dict(trained)
     assert not torch.equal(trained["model.layers.0.mlp.up_proj.weight"],
                            AutoModelForCausalLM.from_pretrained(init).state_dict()["model.layers.0.mlp.up_proj.weight"])
@@ -263,14 +363,177 @@ def test_loss_parity_with_the_fsdp2_recipe(zero2, init, tmp_path):
                              for i in split.train_index))
     out = run_forked("qwen-fsdp2-sft", tmp_path / "fsdp2", init, f"model.tokenizer={init}", f"data.train_files=[{chats}]",
                      "data.eval_fraction=0", "data.packing=false", "data.max_length=256", "train.micro_batch_size=16",
-                     "train.grad_accum_steps=1", f"train.max_steps={STEPS}", "train.activation_checkpointing=none",
+                     "train.grad_accum_steps=1", f"train.max_steps={SHORT}", "train.activation_checkpointing=none",
                      "optim.scheduler=constant", "optim.warmup_ratio=0", "optim.lr=3e-3", "optim.betas=[0.9,0.95]",
                      "optim.weight_decay=0", "optim.max_grad_norm=1.0", "checkpoint.every_steps=0",
                      "checkpoint.export_hf=false", "mlflow=false")
     fsdp, zero = train_losses(out / "metrics.jsonl"), train_losses(zero2 / "metrics.jsonl")
-    torch.testing.assert_close(torch.tensor([zero[s] for s in range(1, STEPS + 1)], dtype=torch.float64),
-                               torch.tensor([fsdp[s] for s in range(1, STEPS + 1)], dtype=torch.float64),
+    torch.testing.assert_close(torch.tensor([zero[s] for s in range(1, SHORT + 1)], dtype=torch.float64),
+                               torch.tensor([fsdp[s] for s in range(1, SHORT + 1)], dtype=torch.float64),
                                rtol=PARITY_RTOL, atol=0)
+
+
+# ----------------------------------------------------------------------------- faults in forked workers
+def run_in_workers(monkeypatch, capfd, out, init, *overrides) -> str:
+    """`run_forked` of the ZeRO-3 recipe, returning the workers' stderr (this test's, through `capfd`)."""
+    import logging
+
+    log = logging.getLogger("cookbook")
+    inherited = [h for h in log.handlers if getattr(h, "_cookbook", False)]
+    for h in inherited:  # each worker then logs to this test's stderr, not to a stream set up earlier
+        log.removeHandler(h)
+    try:
+        capfd.readouterr()
+        try:
+            run_forked("qwen-zero3-receipts", out, init, *overrides)
+        finally:
+            run_in_workers.err = capfd.readouterr().err
+        return run_in_workers.err
+    finally:
+        for h in inherited:
+            log.addHandler(h)
+
+
+NAN_STEP, FAILED_SAVE = 3, 4
+
+
+@pytest.fixture
+def nan_then_full_disk_on_rank_1(monkeypatch):
+    """On rank 1 only: its token embeddings of step `NAN_STEP` are multiplied by NaN (so its loss and gradients are
+    NaN, and through ZeRO's gradient reduce-scatter both ranks' gradient norm), and its checkpoint save of
+    step `FAILED_SAVE` meets a file-size limit (RLIMIT_FSIZE of 500 kB, below its 1.2 MB optimizer partition: EFBIG,
+    as a full disk's ENOSPC would). Patched here, before the workers are forked from this process."""
+    import resource
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    forward, save, calls = torch.nn.Embedding.forward, DeepSpeedEngine.save_checkpoint, []
+
+    def nan_forward(self, *args, **kwargs):  # the token embedding: one call per training micro-batch
+        out = forward(self, *args, **kwargs)
+        if self.training and os.environ.get("RANK") == "1":
+            calls.append(1)
+            if len(calls) == NAN_STEP:  # one micro-batch per step
+                out = out * float("nan")
+        return out
+
+    def limited_save(self, save_dir, *args, **kwargs):
+        if os.environ.get("RANK") == "1" and save_dir.endswith(f"checkpoint-{FAILED_SAVE}"):
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing the process
+            resource.setrlimit(resource.RLIMIT_FSIZE, (500_000, resource.RLIM_INFINITY))
+        return save(self, save_dir, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Embedding, "forward", nan_forward)
+    monkeypatch.setattr(DeepSpeedEngine, "save_checkpoint", limited_save)
+
+
+def test_a_nan_step_is_skipped_and_a_failed_save_keeps_the_previous_checkpoint(init, tmp_path, monkeypatch, capfd,
+                                                                              nan_then_full_disk_on_rank_1):
+    """train.on_nonfinite=skip: DeepSpeed discards the update of the NaN step (the weights and the LR schedule of
+    checkpoint-3 are checkpoint-2's), the step is logged and counted, nothing published holds a NaN. Then rank 1's
+    save of step 4 fails: one line from rank 1 naming the checkpoint, the OS error and the intact checkpoint-3."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import load_file
+
+    from cookbook.checkpoint import _mount_point
+    from cookbook.hf_trainer import published_checkpoints
+
+    out = tmp_path / "run"
+    root = out / "checkpoints"
+    with pytest.raises(cookbook.WorkerError) as failed:
+        run_in_workers(monkeypatch, capfd, out, init, "train.max_steps=6", "checkpoint.every_steps=1",
+                       "checkpoint.keep_last=0", "train.on_nonfinite=skip", "mlflow=false")
+    err = run_in_workers.err
+    assert f"step {NAN_STEP}: non-finite gradient norm, update discarded, step skipped (1 skipped so far)" in err, \
+        err[-3000:]
+    partition = out / ".staging" / f"checkpoint-{FAILED_SAVE}" / f"global_step{FAILED_SAVE}" / \
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    assert failed.value.exc_type == "cookbook.checkpoint.CheckpointSaveError" and failed.value.rank == 1, \
+        f"{failed.value}\n{err[-5000:]}"
+    assert str(failed.value.exception) == (
+        f"could not save the checkpoint of step {FAILED_SAVE} to {root / f'checkpoint-{FAILED_SAVE}'} (rank 1: EFBIG, "
+        f"File too large: '{partition}'); the previous checkpoint {root / 'checkpoint-3'} is intact. Raise the file "
+        f"size limit (ulimit -f) or the largest file size of {_mount_point(root)} and run the "
+        f"same command again: it resumes from {root / 'checkpoint-3'}")
+    train = [r for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "train"]
+    assert [(r["step"], r["skipped_steps"]) for r in train] == [(1, 0), (2, 0), (3, 1), (4, 1)]
+    assert train[NAN_STEP - 1]["grad_norm"] == float("inf") and all(r["grad_norm"] < 10 for r in train if r["step"] != 3)
+    assert [p.name for p in published_checkpoints(root)] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    weights = {n: get_fp32_state_dict_from_zero_checkpoint(str(root / f"checkpoint-{n}")) for n in (1, 2, 3)}
+    for name, tensor in weights[3].items():
+        assert torch.equal(tensor, weights[2][name]), name  # the NaN step's update was discarded
+    assert not torch.equal(weights[2]["model.layers.0.mlp.up_proj.weight"], weights[1]["model.layers.0.mlp.up_proj.weight"])
+    schedules = [torch.load(root / f"checkpoint-{n}" / "scheduler.pt", weights_only=True)["last_epoch"] for n in (1, 2, 3)]
+    assert schedules == [1, 2, 2]  # no scheduler step for the discarded update
+    for n in (1, 2, 3):
+        assert all(torch.isfinite(t).all() for t in weights[n].values())
+        assert all(torch.isfinite(t).all() for t in load_file(root / f"checkpoint-{n}" / "model.safetensors").values())
+
+
+STALL_TIMEOUT_S = 4
+
+
+@pytest.fixture
+def rank_1_stalls_at_step_3(monkeypatch, tmp_path):
+    """Rank 1 stops itself (SIGSTOP) after its backward of step 3, before DeepSpeed's optimizer step, as a rank that
+    hangs would (a stuck read, a wedged GPU): under ZeRO-2, rank 0 then waits in the step's gradient-norm all-reduce,
+    on the copy of the world group that DeepSpeed made for ZeRO (not on the default group). Each rank writes its pid to
+    ``rank<r>.pid`` in the returned folder first. Patched before the workers are forked. A thread here SIGKILLs
+    rank 1 once rank 0 has exited (or after 60 s), as a launcher would."""
+    import threading
+
+    import psutil
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    step, calls, pids = DeepSpeedEngine.step, [], tmp_path / "pids"
+    pids.mkdir()
+
+    def stalling_step(self, *args, **kwargs):
+        calls.append(1)
+        (pids / f"rank{os.environ['RANK']}.pid").write_text(str(os.getpid()))
+        if len(calls) == 3 and os.environ["RANK"] == "1":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return step(self, *args, **kwargs)
+
+    def kill_rank_1():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (pids / "rank1.pid").is_file():
+            time.sleep(0.05)
+        while time.monotonic() < deadline:
+            with contextlib.suppress(psutil.Error, ValueError):
+                if psutil.Process(int((pids / "rank0.pid").read_text())).status() != psutil.STATUS_ZOMBIE:
+                    time.sleep(0.05)
+                    continue
+            break
+        with contextlib.suppress(OSError, ValueError):
+            os.kill(int((pids / "rank1.pid").read_text()), signal.SIGKILL)
+
+    monkeypatch.setattr(DeepSpeedEngine, "step", stalling_step)
+    threading.Thread(target=kill_rank_1, daemon=True).start()
+    return pids
+
+
+def test_a_stalled_rank_is_named_by_the_rank_whose_collective_times_out(init, tmp_path, monkeypatch, capfd,
+                                                                        rank_1_stalls_at_step_3):
+    """train.collective_timeout_s reaches DeepSpeed's own process group (torch gives a new group 30 minutes; without
+    `cookbook.dist.apply_collective_timeout` rank 0 waits until rank 1 is killed, 60 s): rank 0 waits there
+    STALL_TIMEOUT_S, and its one line names rank 1, its pid and the step, with where it waited."""
+    out = tmp_path / "run"
+    with pytest.raises(cookbook.WorkerError) as failed:
+        run_in_workers(monkeypatch, capfd, out, init, "deepspeed.config=zero2.json", "train.max_steps=6",
+                       "checkpoint.every_steps=-1", "checkpoint.export_hf=false", "mlflow=false",
+                       f"train.collective_timeout_s={STALL_TIMEOUT_S}")
+    assert failed.value.exc_type == "cookbook.dist.CollectiveTimeout" and failed.value.rank == 0, \
+        f"{failed.value}\n{run_in_workers.err[-30000:]}"
+    pid, host = int((rank_1_stalls_at_step_3 / "rank1.pid").read_text()), socket.gethostname()
+    message = str(failed.value.exception)
+    site = re.fullmatch(
+        rf"a collective did not finish within {STALL_TIMEOUT_S} s \((.+)\) at step 3: rank 1 \(pid {pid} on {host}\) did not "
+        rf"reach it \(every rank last finished step 2, but it did not time out with this rank within "
+        rf"{STALL_TIMEOUT_S / 4:g} s\) - it is stalled \(stopped, hung, or much slower\); `py-spy dump --pid {pid}` on "
+        rf"{host} shows where it is; this rank's stacks: {re.escape(str(out / 'debug' / 'stacks_rank0.txt'))}", message)
+    assert site, message
+    assert re.fullmatch(r"(\w+: )?`.+`, \w+\.py:\d+", site[1]) and "(*args, **kwargs)" not in site[1], site[1]
 
 
 @pytest.mark.parametrize("ds_config, eval_rows", [("zero3.json", 1), ("zero2.json", 9)])
@@ -281,10 +544,10 @@ def test_lora_loss_falls_and_merged_export_reloads(ds_config, eval_rows, init, t
     data = ([f"data.eval_files=[{one_receipt_file(tmp_path)}]"] if eval_rows == 1 else
             ["data.eval_fraction=0.225", "train.micro_batch_size=8"])
     out = run_forked("qwen-zero3-receipts", tmp_path / "lora", init, "lora.enabled=true", f"deepspeed.config={ds_config}",
-                     f"train.max_steps={STEPS}", "checkpoint.every_steps=-1", "mlflow=false", "eval.max_new_tokens=2",
+                     f"train.max_steps={SHORT}", "checkpoint.every_steps=-1", "mlflow=false", "eval.max_new_tokens=2",
                      "optim.lr=2e-2", *data)
     losses = train_losses(out / "metrics.jsonl")
-    assert losses[STEPS] < losses[1] - 0.3, losses  # LoRA on a random tiny model learns slowly
+    assert losses[SHORT] < losses[1] - 0.3, losses  # LoRA on a random tiny model learns slowly
     ev = [r for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "eval"][-1]
     loss, tokens = per_token_loss(out / "final", validation_rows(init, *data))
     assert ev["eval/loss"] == pytest.approx(loss, rel=1e-5, abs=0)
@@ -368,13 +631,22 @@ def test_eval_files_are_the_validation_split(tmp_path, capsys):
         check(f"data.eval_files=[{bad}]", f"output_dir={tmp_path / 'out'}")
 
 
-def test_deepspeed_batch_size_disagreeing_with_the_trainer(tmp_path):
+@pytest.mark.parametrize("edit, message", [
+    (lambda ds: ds.update(train_micro_batch_size_per_gpu=4),
+     "train_micro_batch_size_per_gpu=4 disagrees with train.micro_batch_size = 16"),
+    # DeepSpeed would apply a step whose gradient norm is NaN: neither train.on_nonfinite=stop nor skip could hold
+    (lambda ds: ds["bf16"].update(check_grad_overflow=False), "bf16.check_grad_overflow=false makes DeepSpeed apply a "
+     "step whose gradient norm is NaN or infinite, which train.on_nonfinite (stop or skip) cannot undo: remove it"),
+    (lambda ds: ds["zero_optimization"].update(stage=2, compute_grad_norm=False),
+     "zero_optimization.compute_grad_norm=false leaves DeepSpeed without the gradient norm"),
+])
+def test_deepspeed_settings_disagreeing_with_the_recipe(tmp_path, edit, message):
     from cookbook.config import ConfigError
 
     ds = json.loads((RECIPE / "zero3.json").read_text())
-    ds["train_micro_batch_size_per_gpu"] = 4
+    edit(ds)
     (tmp_path / "ds.json").write_text(json.dumps(ds))
-    with pytest.raises(ConfigError, match=r"train_micro_batch_size_per_gpu=4 disagrees with train.micro_batch_size = 16"):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         check(f"deepspeed.config={tmp_path / 'ds.json'}", f"output_dir={tmp_path / 'out'}")
 
 
@@ -383,6 +655,7 @@ def test_deepspeed_batch_size_disagreeing_with_the_trainer(tmp_path):
     (("checkpoint.every_steps=-1", "train.stop_at_step=2"), "train.stop_at_step needs a checkpoint to resume from"),
     (("train.mixed_precision=fp16",), "train.mixed_precision must be one of 'bf16', 'fp32', got 'fp16'"),
     (("train.activation_checkpointing=true",), "train.activation_checkpointing must be one of 'none', 'full'"),
+    (("train.on_nonfinite=ignore",), "train.on_nonfinite must be one of stop, skip, got 'ignore'"),
 ])
 def test_bad_settings_are_refused(tmp_path, overrides, message):
     from cookbook.config import ConfigError
@@ -449,7 +722,7 @@ def _follow(message: str, out, world_size: int, *overrides) -> int:
 
 
 @pytest.mark.parametrize("overrides, world_size, message", [
-    ((), 2, "already complete: 6 of 6 steps"),
+    ((), 2, f"already complete: {STEPS} of {STEPS} steps"),
     (("checkpoint.resume=none",), 2, "holds checkpoints of an earlier run"),
     ((), 4, "written by 2 ranks but this job has 4"),
     (("optim.lr=1e-3",), 2, "was written with other settings"),

@@ -32,13 +32,19 @@ What this recipe supports:
       (``output_dir/final``; for LoRA the merged model, and the adapter in ``output_dir/adapter``).
     - Metrics (cookbook.metrics, through `cookbook.hf_trainer.MetricsCallback`): loss, tokens/s per GPU, MFU, peak
       memory; evaluations and checkpoint saves are left out of the step time.
+    - When things fail (`cookbook.hf_trainer`, with cookbook.loop's code): SIGTERM / SIGUSR1 stop every rank after
+      the same step with a checkpoint (exit 75; the same command resumes with no step lost); a step whose gradient
+      norm is NaN or infinite, which DeepSpeed discards, stops the run (``train.on_nonfinite=stop``, exit 4) or is
+      skipped and counted (``skip``, at most ``train.max_consecutive_skips`` in a row); a failed save ends the run
+      with one line naming the checkpoint and the OS error (exit 2); a collective waiting past
+      ``train.collective_timeout_s`` names the rank that is behind (exit 3); a damaged newest checkpoint (a file
+      shorter than ``meta.json`` lists) is passed over with a warning.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -58,8 +64,10 @@ from transformers import logging as hf_logging
 import cookbook
 from cookbook import hf_trainer, sft
 from cookbook.checkpoint import CheckpointError, ResumeGuard, read_meta
+from cookbook.loop import NonFinitePolicy, Preempted
 from cookbook import config
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
+from cookbook.dist import stall_error
 
 hf_logging.disable_progress_bar()
 FIELDS = ("company", "date", "address", "total")
@@ -122,6 +130,9 @@ class TrainConfig:
     activation_checkpointing: str = "full"  # none, full (recompute each decoder layer in backward)
     log_every: int = 10
     eval_every: int = 0  # validation loss + generation every N steps; 0: at the end only
+    on_nonfinite: str = "stop"  # a step whose gradient norm is NaN/inf (DeepSpeed discards it): stop (exit 4) or skip
+    max_consecutive_skips: int = 5  # on_nonfinite=skip: the run stops at one more non-finite step in a row
+    collective_timeout_s: float = 1800.0  # a collective waiting longer ends the run, naming the rank that is behind
 
 
 @dataclass
@@ -163,6 +174,7 @@ def check_config(cfg: Config, config_dir: Path) -> None:
         raise ConfigError(f"data.fields must be a non-empty list of distinct names, got {cfg.data.fields}")
     if not cfg.data.train_files and not cfg.data.hub_id:
         raise ConfigError("set data.train_files (SROIE JSONL files) or data.hub_id")
+    NonFinitePolicy.from_config(cfg.train)  # train.on_nonfinite, train.max_consecutive_skips
 
 
 def check_deepspeed_config(cfg: Config, world_size: int) -> dict:
@@ -480,7 +492,8 @@ def train(cfg: Config, on_cpu: bool) -> None:
     from cookbook.loop import log_outputs
     from cookbook.metrics import MetricsLogger, ModelFlops, count_parameters
 
-    info = hf_trainer.init_deepspeed(on_cpu)  # the process group, and DeepSpeed's communication over it
+    # the process group, and DeepSpeed's communication over it
+    info = hf_trainer.init_deepspeed(on_cpu, cfg.train.collective_timeout_s, debug_dir=Path(cfg.output_dir) / "debug")
     from trl import SFTConfig, SFTTrainer
 
     log = cookbook.get_logger()
@@ -502,8 +515,6 @@ def train(cfg: Config, on_cpu: bool) -> None:
         raise ConfigError(f"{len(train_rows)} training rows are too few for one step of {per_step} rows")
     max_steps = cfg.train.max_steps if cfg.train.max_steps > 0 else cfg.train.epochs * steps_per_epoch
     resume_from = check_resume(cfg, info.world_size)
-    if resume_from is None and info.is_main:
-        shutil.rmtree(staging, ignore_errors=True)  # unpublished leftovers of an earlier run
     done = already_complete(cfg, resume_from, max_steps)
     if done:
         log.info(done)
@@ -558,11 +569,16 @@ def train(cfg: Config, on_cpu: bool) -> None:
             return {}
         return generation_eval(model_for_eval, tokenizer, data.val_prompts, data.val_targets, cfg.data.fields, cfg.eval, info)
 
-    metrics_cb = hf_trainer.MetricsCallback(metrics, pad_id, evaluate_more=gen_eval)
+    # What TrainLoop does when things fail (cookbook.hf_trainer): preemption, non-finite steps, stalls, failed saves.
+    preemption = hf_trainer.Preemption()
+    nonfinite = hf_trainer.NonFiniteSteps(NonFinitePolicy.from_config(cfg.train), root)
+    publisher = hf_trainer.PublishCheckpoints(root, cfg.checkpoint.keep_last, to_dict(cfg))
+    metrics_cb = hf_trainer.MetricsCallback(metrics, pad_id, evaluate_more=gen_eval, log_extra=nonfinite.log_extra)
 
-    class ReceiptTrainer(hf_trainer.CountBatches, SFTTrainer):
-        """SFTTrainer that counts each micro-batch for the metrics (`hf_trainer.CountBatches`) and evaluates
-        the loss per label token over exactly the validation rows (`evaluate`)."""
+    class ReceiptTrainer(hf_trainer.ReportSaveErrors, hf_trainer.CountBatches, SFTTrainer):
+        """SFTTrainer that reports a failed save in one line (`hf_trainer.ReportSaveErrors`), counts each
+        micro-batch for the metrics (`hf_trainer.CountBatches`) and evaluates the loss per label token over
+        exactly the validation rows (`evaluate`)."""
 
         def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
             """Loss and next-token accuracy per label token over the validation rows, each counted once.
@@ -598,10 +614,10 @@ def train(cfg: Config, on_cpu: bool) -> None:
         train_dataset=datasets.Dataset.from_list(train_rows),
         eval_dataset=datasets.Dataset.from_list(val_rows) if val_rows else None,
         data_collator=partial(sft.collate, pad_id=pad_id, cu_seq_lens=False) if cfg.data.packing else None,
-        # StopAtStep sets should_save before MetricsCallback sees the step end; MetricsCallback, last, pauses
-        # its window over the evaluation and the save (publishing included).
-        callbacks=[hf_trainer.StopAtStep(cfg.train.stop_at_step),
-                   hf_trainer.PublishCheckpoints(root, cfg.checkpoint.keep_last, to_dict(cfg)), metrics_cb],
+        # StopAtStep and Preemption set should_save before MetricsCallback sees the step end; MetricsCallback,
+        # last, pauses its window over the evaluation and the save (publishing included).
+        callbacks=[hf_trainer.StopAtStep(cfg.train.stop_at_step), preemption, nonfinite, hf_trainer.StallReport(),
+                   publisher, metrics_cb],
     )
     trainer.remove_callback(PrinterCallback)  # cookbook's MetricsLogger prints the log lines
     n_trainable = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters() if p.requires_grad)
@@ -619,8 +635,9 @@ def train(cfg: Config, on_cpu: bool) -> None:
             log.info(f"resumed from {resume_from}")
         if trainer.state.global_step < max_steps:
             stopped = True
+            preemption.raise_if_stopped(trainer.state, publisher.latest())  # exit status 75
             log.info(f"stopped at step {trainer.state.global_step} of {max_steps} (train.stop_at_step); run again "
-                     f"without train.stop_at_step (or with a larger value) to continue from {resume_guard(cfg).latest()}")
+                     f"without train.stop_at_step (or with a larger value) to continue from {publisher.latest()}")
             return
         step = trainer.state.global_step
         evaluated_last_step = metrics_cb.last_eval and cfg.train.eval_every > 0 and step % cfg.train.eval_every == 0
@@ -633,10 +650,16 @@ def train(cfg: Config, on_cpu: bool) -> None:
                              "export_dir": str(export_dir) if export_dir else None, "mlflow_uri": metrics.mlflow_uri,
                              "mlflow_run_id": metrics.mlflow_run_id})
         log_outputs(step, final, metrics, root, outputs, eval_text=eval_line(final, cfg.data.fields) if final else "")
-    except BaseException:
+    except Preempted:
+        raise
+    except BaseException as exc:
         failed = True
+        stalled = stall_error(exc)  # a collective that timed out: name the rank behind while the group exists
+        if stalled is not None:
+            raise stalled from exc
         raise
     finally:
+        preemption.close()
         metrics.close(failed=failed, stopped=stopped)
         cookbook.destroy_distributed()
 

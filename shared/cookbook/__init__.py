@@ -14,7 +14,7 @@
 - `cookbook.hub`: a model's local folder from a path or a Hugging Face Hub id (through the hub cache), offline at once when the hub cannot be reached, the push of the final export (``checkpoint.push_to_hub``).
 - `cookbook.lm`: causal-LM model helpers: real-token counts, world-size-independent init of FSDP2 shards.
 - `cookbook.tabular`: CSV / TSV / JSON(L) / parquet rows with their file and 1-based line, BOMs, CRLF and `3.0` integers accepted.
-- `cookbook.hf_trainer`: Hugging Face Trainer / TRL callbacks (metrics windows, published checkpoints, stop-at-step), DeepSpeed JSON checks, export.
+- `cookbook.hf_trainer`: Hugging Face Trainer / TRL callbacks (metrics windows, published checkpoints, stop-at-step, preemption, non-finite steps, stalls, failed saves), DeepSpeed JSON checks, export.
 - `cookbook.launcher`: the ``@distributed`` decorator (``fn.distributed(...)`` runs ``fn`` once per GPU) for notebooks and scripts.
 """
 

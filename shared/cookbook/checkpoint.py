@@ -38,7 +38,8 @@ What survives which failure (each one is injected for real in ``tests/test_check
 - **A damaged checkpoint** (a truncated or missing shard, ``.metadata`` missing or unreadable,
   ``meta.json`` missing, empty or not JSON) is not complete: `ResumeGuard.problem` says what is wrong,
   from ``meta.json`` and DCP's index alone (every file ``.metadata`` names exists and is as long as its
-  entries need; no collective, no tensor read). ``resume=auto`` skips a damaged newest checkpoint and
+  entries need; no collective, no tensor read); in a layout without such an index (the Hugging Face
+  Trainer's), from the file sizes that ``meta.json`` lists (`file_sizes`). ``resume=auto`` skips a damaged newest checkpoint and
   resumes from the previous complete one, with one warning line (rank 0 / the ``--check`` process)
   naming the folder and what is wrong; with none left it refuses and says so. An explicit
   ``resume=<path>`` that is damaged is refused, naming what is wrong. Every reader (the resume, `latest`,
@@ -88,6 +89,7 @@ from cookbook.torchrun import RESTART_COUNT_ENV
 
 META_FILE = "meta.json"
 DCP_METADATA = ".metadata"  # DCP's index of a checkpoint: which bytes of which file hold each tensor
+FILES_KEY = "files"  # meta.json's list of a checkpoint's files and sizes, where no index names them (file_sizes)
 LEFTOVER_PREFIXES = (".tmp-", ".old-")  # folders of a save or a publish that did not finish
 RESIZABLE_RECIPES = "modernbert-ddp (DDP) and qwen-fsdp2-sft (FSDP2)"  # the recipes that resume on another world size
 BATCH_KEYS = ("train.micro_batch_size", "train.grad_accum_steps")  # with the world size, they make the global batch
@@ -255,13 +257,16 @@ class ResumeGuard:
 
         Cheap and collective-free: reads ``meta.json`` and, when `files` holds DCP's ``.metadata``, DCP's
         index (``FileSystemReader(path).read_metadata()``), and checks that every file the index names
-        exists and holds the bytes its entries need (``offset + length``); no tensor is read.
+        exists and holds the bytes its entries need (``offset + length``); no tensor is read. A ``meta.json``
+        that lists the folder's files with their sizes (``files``, `file_sizes`: the Hugging Face Trainer's
+        layout, which has no such index) has each of them checked for that exact size.
 
         Returns:
             ``None``, or what is wrong as words for a message: ``"no meta.json inside"``, ``"meta.json is
             empty"``, ``"meta.json is not JSON (...)"``, ``".metadata is unreadable (...)"``,
             ``"__0_0.distcp is missing (its index names it)"``, ``"__0_0.distcp is 1234 bytes, its index says
-            5678 are needed"``.
+            5678 are needed"``, ``"global_step6/zero_pp_rank_1_mp_rank_00_optim_states.pt is 1000 bytes,
+            meta.json says 1236479"``.
         """
         path = Path(path)
         missing = self._missing(path)
@@ -279,6 +284,10 @@ class ResumeGuard:
             return f"{META_FILE} is not JSON ({_reason(exc)})"
         if not isinstance(meta, dict):
             return f"{META_FILE} is not a JSON object"
+        if isinstance(meta.get(FILES_KEY), Mapping):
+            listed = _sizes_problem(path, meta[FILES_KEY], listed=True)
+            if listed is not None:
+                return listed
         return _dcp_problem(path) if DCP_METADATA in self.files else None
 
     def _missing(self, path: Path) -> list[str]:
@@ -541,6 +550,34 @@ def _reason(exc: BaseException, limit: int = 120) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+def file_sizes(folder: str | Path) -> dict[str, int]:
+    """Every file under `folder` but ``meta.json``, by its path relative to `folder` (``/``-separated), with its
+    size in bytes: what a checkpoint layout without an index of its own (the Hugging Face Trainer's:
+    DeepSpeed's shards, ``model.safetensors``, ...) lists in ``meta.json`` under ``files``, for `ResumeGuard.problem`
+    to check."""
+    folder = Path(folder)
+    return {p.relative_to(folder).as_posix(): p.stat().st_size for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.relative_to(folder).as_posix() != META_FILE}
+
+
+def _sizes_problem(path: Path, sizes: Mapping[str, Any], listed: bool) -> str | None:
+    """What is wrong with the files of the checkpoint folder `path` that `sizes` names (relative path -> bytes), or
+    ``None``. `listed`: the sizes are ``meta.json``'s list of the folder's files (`file_sizes`), which each must
+    match exactly; else DCP's index, which says how many bytes each file must hold at least."""
+    for name, size in sorted(sizes.items()):
+        try:
+            have = (path / name).stat().st_size
+        except FileNotFoundError:
+            return f"{name} is missing ({META_FILE} lists it)" if listed else f"{name} is missing (its index names it)"
+        except OSError as exc:
+            return f"{name} is unreadable ({_reason(exc)})"
+        if listed and have != size:
+            return f"{name} is {have} bytes, {META_FILE} says {size}"
+        if have < size:
+            return f"{name} is {have} bytes, its index says {size} are needed"
+    return None
+
+
 def _dcp_problem(path: Path) -> str | None:
     """What is wrong with the DCP files of the checkpoint folder `path` (see `ResumeGuard.problem`), or ``None``.
 
@@ -559,16 +596,7 @@ def _dcp_problem(path: Path) -> str | None:
         name = getattr(info, "relative_path", None)
         if name is not None:
             needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
-    for name, size in sorted(needed.items()):
-        try:
-            have = (path / name).stat().st_size
-        except FileNotFoundError:
-            return f"{name} is missing (its index names it)"
-        except OSError as exc:
-            return f"{name} is unreadable ({_reason(exc)})"
-        if have < size:
-            return f"{name} is {have} bytes, its index says {size} are needed"
-    return None
+    return _sizes_problem(path, needed, listed=False)
 
 
 def _mount_point(path: Path) -> Path:
@@ -795,17 +823,7 @@ class Checkpointer:
 
     def _save_error(self, step: int, final: Path, rank: int, exc: OSError, reason: str | None = None) -> CheckpointSaveError:
         """The one-line `CheckpointSaveError` of a save that failed on `rank` with `exc`."""
-        previous = self.latest()
-        where = f"rank {rank}: " if _world_size() > 1 else ""
-        kept = (f"the previous checkpoint {previous} is intact" if previous is not None
-                else "there is no earlier checkpoint")
-        again = f"it resumes from {previous}" if previous is not None else "it starts from step 0"
-        todo = _what_to_do(exc.errno, self.root)
-        error = CheckpointSaveError(
-            f"could not save the checkpoint of step {step} to {final} ({where}{reason or _reason(exc)}); {kept}. "
-            f"{todo[0].upper()}{todo[1:]} and run the same command again: {again}")
-        error.errno = exc.errno
-        return error
+        return save_error(step, final, self.latest(), rank if _world_size() > 1 else None, exc, reason)
 
     def _prune(self, published: Path) -> None:
         """Delete checkpoints beyond `keep_last` and damaged folders older than `published` (rank 0)."""
@@ -867,6 +885,31 @@ class Checkpointer:
                    if local else ""))
         get_logger().info(f"resumed from {path} (step {meta['step']})")
         return meta
+
+
+def save_error(step: int, final: Path, previous: Path | None, rank: int | None, exc: OSError,
+               reason: str | None = None) -> CheckpointSaveError:
+    """The one-line `CheckpointSaveError` of the save of step `step` to the folder `final` that failed with `exc`.
+
+    Args:
+        previous: the newest complete checkpoint, which the failed save left intact (``None``: there is none).
+        rank: the rank that met the error, named in the message; ``None`` in a job of one process.
+        reason: the error as words, when `exc` was rebuilt from another rank's (default: from `exc`).
+
+    Returns:
+        ``could not save the checkpoint of step 4 to <final> (rank 1: EFBIG, File too large: '<file>'); the previous
+        checkpoint <previous> is intact. Raise the file size limit (ulimit -f) ... and run the same command again: it
+        resumes from <previous>``, with ``errno`` set to the OS error's.
+    """
+    where = f"rank {rank}: " if rank is not None else ""
+    kept = f"the previous checkpoint {previous} is intact" if previous is not None else "there is no earlier checkpoint"
+    again = f"it resumes from {previous}" if previous is not None else "it starts from step 0"
+    todo = _what_to_do(exc.errno, Path(final).parent)
+    error = CheckpointSaveError(
+        f"could not save the checkpoint of step {step} to {final} ({where}{reason or _reason(exc)}); {kept}. "
+        f"{todo[0].upper()}{todo[1:]} and run the same command again: {again}")
+    error.errno = exc.errno
+    return error
 
 
 def config_changes(old: Mapping[str, Any], new: Mapping[str, Any], may_change: tuple[str, ...] = ()) -> str:

@@ -26,6 +26,7 @@ import datetime
 import faulthandler
 import logging
 import os
+import re
 import socket
 import sys
 import time
@@ -173,6 +174,26 @@ def init_distributed(timeout_s: float = 1800.0, debug_dir: str | Path | None = N
     return info
 
 
+def apply_collective_timeout() -> None:
+    """Give every process group that exists now the collective timeout that `init_distributed` set
+    (``train.collective_timeout_s``).
+
+    A library's own groups get torch's default timeout (30 minutes for gloo, 10 for NCCL), not the default
+    group's: DeepSpeed reduces ZeRO-1/2's gradients and their norm on a copy of the world group
+    (``dist.new_group``). Call this once they exist (`cookbook.hf_trainer.StallReport` does, when training
+    begins). No-op without a group or timeout.
+    """
+    timeout_s = _STALL["timeout_s"]
+    if timeout_s is None or not (dist.is_available() and dist.is_initialized()):
+        return
+    world = getattr(dist.distributed_c10d, "_world", None)
+    for group in list(world.pg_map) if world is not None else [dist.group.WORLD]:
+        try:
+            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s), group)
+        except (ValueError, AssertionError, RuntimeError):  # a group this rank is not in
+            pass
+
+
 def _enable_flight_recorder(debug_dir: Path) -> None:
     """Turn on torch's NCCL flight recorder, dumping into `debug_dir` on a timeout, unless the user set it up.
     Both the current names (``TORCH_FR_*``) and the older ones (``TORCH_NCCL_*``) are set: torch reads either."""
@@ -222,6 +243,16 @@ def collective_timed_out(exc: BaseException) -> bool:
             return True
         exc = exc.__cause__ or exc.__context__
     return False
+
+
+def stall_error(exc: BaseException) -> CollectiveTimeout | None:
+    """The `CollectiveTimeout` for `exc` (its one line from `describe_stall`) when `exc` is a collective that timed
+    out in a group of several ranks and not already a one-line error, else ``None``. Call it where the exception
+    is caught, before the process group is destroyed (the line reads the ranks' progress from its store)."""
+    if (isinstance(exc, OneLineError) or not (dist.is_available() and dist.is_initialized())
+            or dist.get_world_size() < 2 or not collective_timed_out(exc)):
+        return None
+    return CollectiveTimeout(describe_stall(exc))
 
 
 def describe_stall(exc: BaseException, grace_s: float | None = None) -> str:
@@ -324,16 +355,22 @@ def _rank_text(rank: int, record) -> str:
     return f"rank {rank}" + (f" (pid {record[1]} on {record[2]})" if record else "")
 
 
+# A decorator's wrapper line, which says nothing of where a rank waited (DeepSpeed's `instrument_w_nvtx`).
+_PASS_THROUGH = re.compile(r"(return |\w+ = )?\w+\(\*args, \*\*kwargs\)")
+
+
 def _collective_site(exc: BaseException) -> str:
     """Where this rank waited: the torch.distributed function (or backward, whose gradient collectives DDP and
-    FSDP run), then the innermost call outside torch: its source line, file and line number, e.g.
+    FSDP run), then the innermost call outside torch that is not a decorator's pass-through
+    (``ret_val = func(*args, **kwargs)``): its source line, file and line number, e.g.
     ``all_reduce: `dist.all_reduce(flat)`, dist.py:262``."""
     torch_dir = os.path.dirname(torch.__file__) + os.sep
     frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ is not None else []
     op = next((f.name for f in reversed(frames) if f.filename.startswith(torch_dir + "distributed")), None)
     if op is None and any(f.filename.startswith(torch_dir + "autograd") for f in frames):
         op = "a gradient collective in backward"
-    site = next((f for f in reversed(frames) if not f.filename.startswith(torch_dir)), None)
+    site = next((f for f in reversed(frames) if not f.filename.startswith(torch_dir)
+                 and not _PASS_THROUGH.fullmatch(f.line or "")), None)
     if site is None:
         return op or "where is not known"
     code = f"`{site.line.split('  #')[0].strip()}`, " if site.line else ""  # without an inline comment

@@ -8,38 +8,66 @@ The Trainer runs the step loop; these pieces connect it to the rest of the cookb
   (``evaluate_more``, e.g. generation scored against references), as one eval record.
 - `CountBatches`, a Trainer mixin, counts each micro-batch's rows, real tokens and data-loading wait into it.
 - `PublishCheckpoints` turns the Trainer's ``checkpoint-<step>`` folders into published checkpoints: written
-  in a staging folder (the Trainer's ``output_dir``), completed with ``meta.json`` (step, world size, config),
-  renamed into the checkpoints folder once every rank is done (atomic), the newest ``keep_last`` kept.
+  in a staging folder (the Trainer's ``output_dir``), completed with ``meta.json`` (step, world size, config,
+  the files and their sizes), renamed into the checkpoints folder once every rank is done (atomic), the
+  newest ``keep_last`` kept.
 - `StopAtStep` ends training with a checkpoint after ``train.stop_at_step``.
+- What the torchrun recipes' `cookbook.loop.TrainLoop` does when things fail, with the same code:
+  `Preemption` (SIGTERM / SIGUSR1: every rank finishes its step, they agree on it with
+  `cookbook.loop.StopVote`, a checkpoint is published there and the run exits with 75), `NonFiniteSteps`
+  (``train.on_nonfinite`` through `cookbook.loop.NonFinitePolicy`, on DeepSpeed's own check of the gradient
+  norm), `ReportSaveErrors` (a Trainer mixin: a save that fails with an OS error ends the run with
+  `cookbook.checkpoint.CheckpointSaveError`'s one line, exit 2) and `StallReport` (``train.collective_timeout_s``
+  on every process group, DeepSpeed's included, and the progress records that let the rank whose collective
+  timed out name the one that stalled, exit 3). A damaged checkpoint (a truncated shard) is found by the resume
+  guard from the file sizes `PublishCheckpoints` lists in ``meta.json``.
 - `check_deepspeed_config` refuses, before any worker starts, a DeepSpeed JSON that disagrees with the
   recipe's config; `init_deepspeed` starts DeepSpeed's communication over the cookbook's process group.
 - `export_final` writes the consolidated model (and a LoRA adapter) in Hugging Face format.
 
 Use::
 
-    metrics_cb = MetricsCallback(metrics, pad_id, evaluate_more=generation_eval)
-    class MyTrainer(CountBatches, SFTTrainer): ...
+    info = init_deepspeed(on_cpu, cfg.train.collective_timeout_s, debug_dir=out_dir / "debug")
+    preemption, nonfinite = Preemption(), NonFiniteSteps(NonFinitePolicy.from_config(cfg.train), root)
+    publisher = PublishCheckpoints(root, cfg.checkpoint.keep_last, to_dict(cfg))
+    metrics_cb = MetricsCallback(metrics, pad_id, evaluate_more=generation_eval, log_extra=nonfinite.log_extra)
+    class MyTrainer(ReportSaveErrors, CountBatches, SFTTrainer): ...
     trainer = MyTrainer(..., args=SFTConfig(output_dir=staging, ...),
-                        callbacks=[StopAtStep(cfg.train.stop_at_step),
-                                   PublishCheckpoints(root, cfg.checkpoint.keep_last, to_dict(cfg)), metrics_cb])
+                        callbacks=[StopAtStep(cfg.train.stop_at_step), preemption, nonfinite, StallReport(),
+                                   publisher, metrics_cb])
     trainer.remove_callback(PrinterCallback)  # MetricsLogger prints the log lines
+    try:
+        trainer.train(resume_from_checkpoint=...)
+        preemption.raise_if_stopped(trainer.state, publisher.latest())  # exit 75 after a preemption
+    except BaseException as exc:
+        stalled = cookbook.dist.stall_error(exc)  # a collective timed out: the line naming the rank behind
+        ...
+    finally:
+        preemption.close()
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import json
+import os
+import re
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from transformers import TrainerCallback
 
 from cookbook import lm
-from cookbook.checkpoint import ResumeGuard, publish
+from cookbook.checkpoint import (FILES_KEY, ResumeGuard, _from_rank0, _os_error_in, _reason, file_sizes, publish,
+                                 save_error)
 from cookbook.config import ConfigError
-from cookbook.dist import DistInfo, barrier, get_logger
+from cookbook.dist import (DistInfo, apply_collective_timeout, barrier, get_dist_info, get_logger, init_distributed,
+                           record_progress)
+from cookbook.loop import NonFinitePolicy, StopRequest, StopVote
 from cookbook.metrics import MetricsLogger
 
 # DeepSpeed keys the Trainer fills from its TrainingArguments when they are "auto"; a number must agree.
@@ -71,7 +99,9 @@ def check_deepspeed_config(path: str | Path, *, micro_batch_size: int, grad_accu
         ConfigError: the file is missing or not JSON; no ZeRO stage 1-3; fp16 is on (recipes train in bf16 or
             fp32: ``train.mixed_precision``); a batch-size or clipping value is a number that disagrees with the
             config (names the key and the config value it must equal, or "auto"); ZeRO-3 without
-            ``stage3_gather_16bit_weights_on_model_save`` while `export_16bit`.
+            ``stage3_gather_16bit_weights_on_model_save`` while `export_16bit`; ``bf16.check_grad_overflow=false``
+            or ``zero_optimization.compute_grad_norm=false``, with which DeepSpeed applies a step whose gradient
+            norm is NaN or infinite (`NonFiniteSteps` relies on DeepSpeed discarding it).
     """
     path = Path(path)
     if not path.is_file():
@@ -93,32 +123,44 @@ def check_deepspeed_config(path: str | Path, *, micro_batch_size: int, grad_accu
         if got != "auto" and float(got) != float(want):
             raise ConfigError(f"{path}: {key}={got} disagrees with {DS_TRAINER_KEYS[key]} = {want}: set it to \"auto\" "
                               f"(the trainer fills it in) or to {want}")
+    if ds.get("bf16", {}).get("check_grad_overflow") is False:
+        raise ConfigError(f"{path}: bf16.check_grad_overflow=false makes DeepSpeed apply a step whose gradient norm is "
+                          f"NaN or infinite, which train.on_nonfinite (stop or skip) cannot undo: remove it")
+    if ds["zero_optimization"].get("compute_grad_norm") is False:
+        raise ConfigError(f"{path}: zero_optimization.compute_grad_norm=false leaves DeepSpeed without the gradient "
+                          f"norm that it checks before each update (train.on_nonfinite) and that the metrics log: "
+                          f"remove it")
     if stage == 3 and export_16bit and not ds["zero_optimization"].get("stage3_gather_16bit_weights_on_model_save"):
         raise ConfigError(f"{path}: ZeRO-3 needs zero_optimization.stage3_gather_16bit_weights_on_model_save=true to "
                           f"write the final model (checkpoint.export_hf=true)")
     return ds
 
 
-def init_deepspeed(on_cpu: bool) -> DistInfo:
+def init_deepspeed(on_cpu: bool, timeout_s: float = 1800.0, debug_dir: str | Path | None = None) -> DistInfo:
     """Start the cookbook's process group (`cookbook.init_distributed`) and DeepSpeed's communication over it.
 
     On a CPU run DeepSpeed would build a shared-memory all-reduce op with a C++ JIT compile (~40 s); gloo's
     collectives do the same job for a CPU test, so that build is skipped. Call before creating
     ``TrainingArguments`` (with ZeRO-3, they make ``from_pretrained`` partition the weights while loading).
 
+    Args:
+        on_cpu: the run is on CPU (gloo).
+        timeout_s: the collective timeout (``train.collective_timeout_s``), for the default group and DeepSpeed;
+            the groups DeepSpeed creates itself get it from `StallReport` when training begins.
+        debug_dir: where stack dumps and NCCL's flight recorder write on a timeout (``<output_dir>/debug``).
+
     Returns:
         This process's `DistInfo`.
     """
     import importlib
 
-    from cookbook.dist import init_distributed
-
     if on_cpu:
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     import deepspeed
 
-    info = init_distributed()
-    deepspeed.init_distributed(dist_backend=info.backend)  # DeepSpeed's comm layer over the existing group
+    info = init_distributed(timeout_s, debug_dir=debug_dir)
+    # DeepSpeed's comm layer over the existing group
+    deepspeed.init_distributed(dist_backend=info.backend, timeout=datetime.timedelta(seconds=timeout_s))
     return info
 
 
@@ -142,13 +184,17 @@ class MetricsCallback(TrainerCallback):
         pad_id: the padding token id, to count real tokens (`cookbook.lm.count_tokens`).
         evaluate_more: ``model -> {name: value}`` run with every evaluation on every rank (collective), its
             values reduced over ranks already; ``None``: the Trainer's values alone.
+        log_extra: more numbers for each train record (``NonFiniteSteps.log_extra``: ``skipped_steps``), the same
+            on every rank.
     """
 
     def __init__(self, metrics: MetricsLogger, pad_id: int,
-                 evaluate_more: Callable[[torch.nn.Module], Mapping[str, float]] | None = None):
+                 evaluate_more: Callable[[torch.nn.Module], Mapping[str, float]] | None = None,
+                 log_extra: Callable[[], Mapping[str, float]] | None = None):
         self.metrics = metrics
         self.pad_id = pad_id
         self.evaluate_more = evaluate_more
+        self.log_extra = log_extra
         self.last_eval: dict[str, float] = {}  # the last evaluation's values, as logged
         self._pause = None  # the open MetricsLogger.paused() context, between a step's end and its eval / save
 
@@ -187,7 +233,8 @@ class MetricsCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
             self._resume()
-            self.metrics.log_step(state.global_step, logs["loss"], logs.get("learning_rate", 0.0), logs.get("grad_norm"))
+            self.metrics.log_step(state.global_step, logs["loss"], logs.get("learning_rate", 0.0), logs.get("grad_norm"),
+                                  extra=dict(self.log_extra()) if self.log_extra is not None else None)
             self._pause_if(control)
 
     def on_evaluate(self, args, state, control, metrics=None, model=None, **kwargs):
@@ -238,33 +285,133 @@ class PublishCheckpoints(TrainerCallback):
 
     The Trainer writes ``checkpoint-<step>`` into its ``output_dir`` (the staging folder: DeepSpeed's
     partitions of every rank, scheduler, RNG, data position). Once every rank is done, rank 0 adds
-    ``meta.json`` (``step``, ``world_size``, ``time``, ``config``) and renames the folder to
-    ``<root>/checkpoint-<step>`` (atomic on one file system; `published_checkpoints` lists only those), then
-    deletes all but the newest `keep_last` (0: keeps all). Set ``save_total_limit=None`` in the arguments: the
-    staging folder is emptied by the renames.
+    ``meta.json`` (``step``, ``world_size``, ``time``, ``config``, and ``files``: every file of the checkpoint
+    with its size, `cookbook.checkpoint.file_sizes`, so that the resume guard finds a truncated or missing shard)
+    and renames the folder to ``<root>/checkpoint-<step>`` (atomic on one file system; `published_checkpoints`
+    lists only those), then deletes all but the newest `keep_last` (0: keeps all). Set ``save_total_limit=None``
+    in the arguments: the staging folder is emptied by the renames. When training begins, rank 0 deletes what an
+    interrupted or failed save left in the staging folder.
 
     Args:
         root: the published checkpoints' folder (``output_dir/checkpoints``), on the Trainer's file system.
         keep_last: published checkpoints to keep, >= 0.
         config: the run's config (a dict), stored in ``meta.json`` for the resume check.
+
+    Raises (from ``on_save``, on every rank):
+        CheckpointSaveError: rank 0 could not write ``meta.json`` or publish (disk full, ...): one line naming
+            the checkpoint, the OS error and the previous checkpoint, which is intact.
     """
 
     def __init__(self, root: str | Path, keep_last: int, config: Mapping[str, Any]):
         self.root, self.keep_last, self.config = Path(root), keep_last, dict(config)
 
+    def latest(self) -> Path | None:
+        """The newest published checkpoint, or ``None``."""
+        found = published_checkpoints(self.root)
+        return found[-1] if found else None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:  # unpublished leftovers of an interrupted or failed save
+            for old in Path(args.output_dir).glob("checkpoint-*"):
+                shutil.rmtree(old, ignore_errors=True)
+        barrier()
+
     def on_save(self, args, state, control, **kwargs):
         barrier()  # every rank has written its ZeRO partitions and RNG state
+        src = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        failure = None
         if state.is_world_process_zero:
-            self.root.mkdir(parents=True, exist_ok=True)
-            src = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-            meta = {"step": state.global_step, "world_size": args.world_size, "time": time.time(),
-                    "config": self.config}
-            (src / "meta.json").write_text(json.dumps(meta, indent=2))
-            publish(src, self.root / src.name)
-            for old in published_checkpoints(self.root)[: -self.keep_last] if self.keep_last else []:
-                shutil.rmtree(old, ignore_errors=True)
-            get_logger().info(f"checkpoint published: {self.root / src.name}")
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                meta = {"step": state.global_step, "world_size": args.world_size, "time": time.time(),
+                        "config": self.config, FILES_KEY: file_sizes(src)}
+                (src / "meta.json").write_text(json.dumps(meta, indent=2))
+                publish(src, self.root / src.name)
+            except OSError as exc:  # every rank must hear of it, or they would wait at the next collective
+                failure = (_reason(exc), exc.errno)
+            else:
+                for old in published_checkpoints(self.root)[: -self.keep_last] if self.keep_last else []:
+                    shutil.rmtree(old, ignore_errors=True)
+                get_logger().info(f"checkpoint published: {self.root / src.name}")
+        failure = _from_rank0(failure)
+        if failure is not None:
+            reason, code = failure
+            raise save_error(state.global_step, self.root / src.name, self.latest(),
+                             0 if args.world_size > 1 else None, OSError(code, reason), reason)
         barrier()
+
+
+class ReportSaveErrors:
+    """Trainer mixin, before the Trainer in the bases (``class MyTrainer(ReportSaveErrors, CountBatches,
+    SFTTrainer)``): a checkpoint save that fails with an OS error (disk full, file too large, I/O error, a
+    read-only file system) ends the run with `CheckpointSaveError` (exit status 2, which the launcher does not
+    restart: the disk would still be full) instead of a traceback.
+
+    The message names the checkpoint (its published folder), the OS error and the rank that met it, the previous
+    checkpoint (intact: the failed one stays in the staging folder, never published, and is deleted when the next
+    run begins) and what to do. Only the rank that met the error knows of it: it prints the line; the other ranks,
+    waiting for it in a collective, stop with "another rank is gone" (exit 3) or are stopped by the launcher.
+    Failures of `PublishCheckpoints` (rank 0's ``meta.json`` and rename) are raised by it on every rank.
+
+    Raises:
+        CheckpointSaveError: from ``_save_checkpoint``, the Trainer's save (model, DeepSpeed's partitions,
+            scheduler, RNG, trainer state), when an `OSError` is behind its failure and a `PublishCheckpoints`
+            is among the callbacks; other failures pass through unchanged.
+    """
+
+    def _save_checkpoint(self, model, trial):
+        try:
+            with _torch_saves_raise_os_errors():
+                return super()._save_checkpoint(model, trial)
+        except Exception as exc:
+            os_error = _os_error_behind(exc)
+            publisher = next((c for c in self.callback_handler.callbacks if isinstance(c, PublishCheckpoints)), None)
+            if os_error is None or publisher is None:
+                raise
+            info = get_dist_info()
+            step = self.state.global_step
+            error = save_error(step, publisher.root / f"checkpoint-{step}", publisher.latest(),
+                               info.rank if info.world_size > 1 else None, os_error)
+            error.same_on_every_rank = False  # this rank alone met it, so this rank prints it
+            raise error from exc
+
+
+@contextlib.contextmanager
+def _torch_saves_raise_os_errors() -> Iterator[None]:
+    """While the Trainer saves a checkpoint, ``torch.save`` to a path writes through a Python file object, so that
+    a failed write raises the `OSError` (its errno and the file) instead of torch's ``RuntimeError: ... unexpected
+    pos 704 vs 598``, whose C++ file writer keeps no errno. DeepSpeed writes its ZeRO partitions with
+    ``torch.save(state, path)``, as the Trainer does its scheduler, RNG states and arguments; the bytes written are
+    the same."""
+    original = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        if not isinstance(f, (str, os.PathLike)):
+            return original(obj, f, *args, **kwargs)
+        try:
+            with open(f, "wb") as stream:
+                return original(obj, stream, *args, **kwargs)
+        except Exception as exc:
+            os_error = _os_error_in(exc)
+            if os_error is None:
+                raise
+            raise OSError(os_error.errno, os_error.strerror, os.fspath(f)) from exc
+
+    torch.save = save
+    try:
+        yield
+    finally:
+        torch.save = original
+
+
+def _os_error_behind(exc: BaseException) -> OSError | None:
+    """The OS error behind a failed write: an `OSError` in `exc`'s chain, or the one that safetensors (Rust) gives
+    as text only (``SafetensorError: Error while serializing: I/O error: File too large (os error 27)``)."""
+    found = _os_error_in(exc)
+    if found is not None:
+        return found
+    code = re.search(r"\(os error (\d+)\)", str(exc))
+    return OSError(int(code[1]), os.strerror(int(code[1]))) if code else None
 
 
 class StopAtStep(TrainerCallback):
@@ -278,6 +425,126 @@ class StopAtStep(TrainerCallback):
         if 0 < self.stop_at_step <= state.global_step < state.max_steps:
             control.should_save = True
             control.should_training_stop = True
+
+
+class Preemption(TrainerCallback):
+    """Preemption of a Trainer run, as `cookbook.loop.TrainLoop` does it: SIGTERM (a scheduler's, or torchrun's
+    passing on the launcher's) or SIGUSR1 (Slurm's warning before a job's end) asks to stop
+    (`cookbook.loop.StopRequest`, listening from ``on_train_begin`` to ``on_train_end`` or `close`); at each step
+    end the ranks vote on it (`cookbook.loop.StopVote`: an asynchronous all-reduce, decided one step later), so
+    every rank finishes the same step, the Trainer saves a checkpoint there (unless ``save_strategy="no"``:
+    ``checkpoint.every_steps=-1``) and training stops. After ``trainer.train()`` returns, `raise_if_stopped` logs
+    the stop and raises `cookbook.loop.Preempted` (exit status 75); the same command resumes with no step lost.
+    A request at the last step is too late: the run finishes as planned.
+
+    Put it before `MetricsCallback` in the callbacks (the save it asks for is left out of the step time).
+    """
+
+    def __init__(self) -> None:
+        self.request = StopRequest()
+        self._vote: StopVote | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._vote = StopVote(get_dist_info().device)
+        self.request.listen()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self._vote(self.request.requested) and state.global_step < state.max_steps:
+            control.should_training_stop = True
+            if args.save_strategy != "no":
+                control.should_save = True
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._vote is not None:
+            self._vote.finish()
+        self.request.restore()
+
+    def close(self) -> None:
+        """Stop listening (after a failed ``train()``, which skips ``on_train_end``); safe to call twice."""
+        self.request.restore()
+
+    def raise_if_stopped(self, state, checkpoint: Path | None) -> None:
+        """After ``trainer.train()``: if a preemption stopped it before ``state.max_steps``, log the stop with
+        `checkpoint` (the one published at that step) and raise `cookbook.loop.Preempted` (75).
+
+        Raises:
+            Preempted: the run stopped on a preemption signal."""
+        if self.request.requested and state.global_step < state.max_steps:
+            raise self.request.preempted(state.global_step, state.max_steps, checkpoint)
+
+
+class NonFiniteSteps(TrainerCallback):
+    """``train.on_nonfinite`` for the Trainer under DeepSpeed, with the torchrun recipes' policy
+    (`cookbook.loop.NonFinitePolicy`: stop, or skip at most ``train.max_consecutive_skips`` in a row).
+
+    DeepSpeed's ZeRO optimizers (stages 1-3, bf16 or fp32; DeepSpeed 0.19.8, as ``requirements/base.txt`` pins)
+    reduce the gradient norm over the ranks before each update and discard a step whose norm is NaN or infinite: the gradients are zeroed, no weight or optimizer
+    state changes, the Trainer's LR scheduler does not step (``optimizer.step_was_skipped``), and the Trainer
+    logs the norm as ``inf``. That update happens inside the backward of the step's last micro-batch, before any
+    callback runs, so this callback reads DeepSpeed's decision in ``on_optimizer_step``, on every rank alike:
+
+    - ``stop``: `cookbook.loop.NonFiniteError` (exit status 4) naming the step and the newest published
+      checkpoint, which is from before it;
+    - ``skip``: the step is logged and counted (``skipped_steps`` in the train records, through
+      `MetricsCallback`'s ``log_extra``). The Trainer counts batches, so a skipped step keeps its number: the run
+      ends after ``max_steps`` batches, ``skipped_steps`` of them not applied (the torchrun recipes give the
+      number to the next batch instead).
+
+    No checkpoint holds a discarded step's values. `check_deepspeed_config` refuses the DeepSpeed settings under
+    which DeepSpeed would apply such a step (``bf16.check_grad_overflow=false``, ``compute_grad_norm=false``).
+
+    Args:
+        policy: ``NonFinitePolicy.from_config(cfg.train)``.
+        root: the published checkpoints' folder, for the stop message.
+
+    Raises:
+        ValueError: (``on_train_begin``) the Trainer does not run under DeepSpeed: nothing would stop the update.
+        NonFiniteError: see above.
+    """
+
+    def __init__(self, policy: NonFinitePolicy, root: str | Path):
+        self.policy, self.root = policy, Path(root)
+        policy.newest_checkpoint = self._newest  # for the stop message: the newest published checkpoint
+
+    def _newest(self) -> Path | None:
+        found = published_checkpoints(self.root)
+        return found[-1] if found else None
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        from accelerate.utils import DeepSpeedOptimizerWrapper
+
+        if not isinstance(optimizer, DeepSpeedOptimizerWrapper):
+            raise ValueError("NonFiniteSteps reads DeepSpeed's check of the gradient norm before each update: run the "
+                             "Trainer with a DeepSpeed config (TrainingArguments(deepspeed=...))")
+
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        if not optimizer.step_was_skipped:
+            self.policy.stepped()
+            return
+        step = state.global_step + 1
+        self.policy.nonfinite(step, f"the gradient norm of step {step} is not finite (DeepSpeed discarded the update)",
+                              "non-finite gradient norm, update discarded")
+
+    def log_extra(self) -> dict[str, float]:
+        """``{"skipped_steps": n}`` with ``skip``, else ``{}``: for `MetricsCallback`'s ``log_extra``."""
+        return self.policy.log_extra()
+
+
+class StallReport(TrainerCallback):
+    """A stalled rank, named: when training begins, every process group (DeepSpeed's copy of the world group, on
+    which ZeRO-1/2 reduce gradients and their norm, included) gets the collective timeout of
+    ``train.collective_timeout_s`` (`cookbook.dist.apply_collective_timeout`;
+    the default group has it from `init_deepspeed`), and at each step end this rank's progress is recorded in the
+    group's store (`cookbook.dist.record_progress`). A collective that then waits past the timeout raises on the
+    rank that waited (gloo), and `cookbook.run_main` prints one line naming the rank that is behind (exit status 3).
+    """
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        apply_collective_timeout()
+        record_progress(state.global_step)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        record_progress(state.global_step)
 
 
 # ----------------------------------------------------------------------------- export

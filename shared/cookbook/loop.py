@@ -65,8 +65,7 @@ import torch.distributed as dist
 
 from cookbook.checkpoint import Checkpointer, ResumeGuard, TrainState
 from cookbook.config import ConfigError, save_config, to_dict
-from cookbook.dist import (CollectiveTimeout, DistInfo, barrier, collective_timed_out, describe_stall, get_dist_info,
-                           get_logger, record_progress)
+from cookbook.dist import DistInfo, barrier, get_dist_info, get_logger, record_progress, stall_error
 from cookbook.entry import EXIT_DIVERGED, EXIT_PREEMPTED, OneLineError
 from cookbook.metrics import MetricsLogger, ModelFlops, StepProfiler
 from cookbook.sampler import DataPosition
@@ -216,6 +215,42 @@ class StopVote:
             self._pending = None
 
 
+class StopRequest:
+    """A request to stop at the next step boundary: preemption. While `listening`, SIGTERM (a scheduler's or
+    torchrun's stop) and SIGUSR1 (Slurm's ``--signal`` warning before the end of a job) call it (main thread only;
+    elsewhere nothing is installed). Safe to call from a signal handler: it only sets `requested`. The ranks agree
+    on the step with `StopVote`."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.signum: int | None = None  # the signal that asked; None: a call from code
+        self._handlers: dict = {}
+
+    def __call__(self, signum: int | None = None) -> None:
+        self.requested, self.signum = True, signum
+
+    def listen(self) -> None:
+        """Install the handlers of `PREEMPT_SIGNALS` (main thread only)."""
+        self._handlers = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in PREEMPT_SIGNALS:
+                self._handlers[sig] = signal.signal(sig, lambda signum, frame: self(signum))
+
+    def restore(self) -> None:
+        """Put back the handlers that `listen` replaced."""
+        for sig, handler in self._handlers.items():
+            signal.signal(sig, handler)
+        self._handlers = {}
+
+    def preempted(self, step: int, max_steps: int, checkpoint: Path | None) -> Preempted:
+        """Log that the run stopped after `step` of `max_steps` on this request, with `checkpoint` (rank 0's log),
+        and return the `Preempted` to raise (exit status 75)."""
+        what = signal.Signals(self.signum).name if self.signum else "a stop request"
+        get_logger().info(f"preempted ({what}) after step {step} of {max_steps}: checkpoint {checkpoint}; run the "
+                          f"same command again to continue (exit status {EXIT_PREEMPTED})")
+        return Preempted(EXIT_PREEMPTED)
+
+
 class NonFinitePolicy:
     """What a step with a NaN or infinite loss or gradient norm does, decided alike on every rank before its update:
     the shared part of `TrainLoop.skip_step` and of the Ray workers' `cookbook.ray_train.WorkerRun.skip_step`.
@@ -235,14 +270,15 @@ class NonFinitePolicy:
         ValueError: an unknown `on_nonfinite`, or `max_consecutive_skips` < 0.
     """
 
-    def __init__(self, on_nonfinite: str = "stop", max_consecutive_skips: int = 5, *, device: torch.device,
-                 newest_checkpoint: Callable[[], Path | str | None], skipped_steps: int = 0):
+    def __init__(self, on_nonfinite: str = "stop", max_consecutive_skips: int = 5, *, device: torch.device | None = None,
+                 newest_checkpoint: Callable[[], Path | str | None] | None = None, skipped_steps: int = 0):
         if on_nonfinite not in ON_NONFINITE:
             raise ValueError(f"on_nonfinite must be one of {', '.join(ON_NONFINITE)}, got {on_nonfinite!r}")
         if max_consecutive_skips < 0:
             raise ValueError(f"max_consecutive_skips must be >= 0, got {max_consecutive_skips}")
         self.on_nonfinite, self.max_consecutive_skips = on_nonfinite, max_consecutive_skips
-        self.device, self.newest_checkpoint = device, newest_checkpoint
+        self.device = device if device is not None else torch.device("cpu")
+        self.newest_checkpoint = newest_checkpoint if newest_checkpoint is not None else (lambda: None)
         self.skipped_steps = skipped_steps  # steps skipped for a non-finite loss or gradient norm
         self._consecutive = 0  # of them, in a row up to now
         self._applied_bad: torch.Tensor | None = None  # first step whose applied update was non-finite (0: none)
@@ -261,6 +297,14 @@ class NonFinitePolicy:
         if max_skips < 0:
             raise ConfigError(f"train.max_consecutive_skips must be >= 0, got {max_skips}")
         return on_nonfinite, max_skips
+
+    @classmethod
+    def from_config(cls, train: Any, **kwargs: Any) -> NonFinitePolicy:
+        """The policy of a ``train`` config section (`settings`); `kwargs` go to the constructor.
+
+        Raises:
+            ConfigError: as `settings`."""
+        return cls(*cls.settings(train), **kwargs)
 
     def skip(self, step: int, grad_norm: torch.Tensor | float | None = None, *,
              loss: torch.Tensor | float | None = None, applied: bool = False) -> bool:
@@ -284,6 +328,21 @@ class NonFinitePolicy:
             return False
         else:
             what, short = f"the loss of step {step} is not finite on every rank", "non-finite loss"
+        self.nonfinite(step, what, short)
+        return True
+
+    def nonfinite(self, step: int, what: str, short: str) -> None:
+        """Step `step` was not finite on some rank and its update is not applied (the caller drops it, or, as
+        DeepSpeed does, already dropped it): stop, or count and log a skip. Every rank calls it alike.
+
+        Args:
+            what: the value, for the stop message: ``"the gradient norm of step 5 is nan"``.
+            short: the same for the skip's log line: ``"non-finite gradient norm (nan)"``.
+
+        Raises:
+            NonFiniteError: with ``"stop"``, or at one more than ``max_consecutive_skips`` in a row; the message
+                names the step and the newest checkpoint (from before it).
+        """
         self._consecutive += 1
         if self.on_nonfinite == "stop":
             raise NonFiniteError(f"{what}: the step was not applied and the run stops (train.on_nonfinite=stop); "
@@ -296,7 +355,6 @@ class NonFinitePolicy:
                                  f"check the data")
         self.skipped_steps += 1
         get_logger().info(f"step {step}: {short}, step skipped ({self.skipped_steps} skipped so far)")
-        return True
 
     def stepped(self) -> None:
         """A step was applied: the count of non-finite steps in a row starts again."""
@@ -388,9 +446,7 @@ class TrainLoop:
         self.profiler, self.log_extra = profiler, log_extra
         self.device = metrics.info.device
         self.stopped = False  # the run ended before max_steps (stop_at_step or a stop request)
-        self._stop_requested = False
-        self._stop_signal: int | None = None
-        self._handlers: dict = {}
+        self._stop = StopRequest()  # preemption: SIGTERM / SIGUSR1 while the loop runs
         self._vote = StopVote(self.device)  # the ranks' agreement on a preemption stop
         self._saved_step = -1
         self.nonfinite = NonFinitePolicy(on_nonfinite, max_consecutive_skips, device=self.device,
@@ -439,10 +495,7 @@ class TrainLoop:
     def __enter__(self) -> TrainLoop:
         """Start listening for preemption: SIGTERM (a scheduler's or torchrun's stop) and SIGUSR1 (Slurm's
         ``--signal`` warning before the end of a job) call `request_stop` (main thread only)."""
-        self._handlers = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in PREEMPT_SIGNALS:
-                self._handlers[sig] = signal.signal(sig, lambda signum, frame: self.request_stop(signum))
+        self._stop.listen()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -451,15 +504,14 @@ class TrainLoop:
         Raises:
             CollectiveTimeout: the body raised a collective timeout (a rank stalled); its one line names the rank
                 that is behind (`cookbook.dist.describe_stall`)."""
-        for sig, handler in self._handlers.items():
-            signal.signal(sig, handler)
+        self._stop.restore()
         if exc_type is None:
             self._vote.finish()
         preempted = isinstance(exc, Preempted)
         self.metrics.close(failed=exc_type is not None and not preempted, stopped=self.stopped or preempted)
-        if (exc is not None and not isinstance(exc, OneLineError) and dist.is_initialized()
-                and dist.get_world_size() > 1 and collective_timed_out(exc)):
-            raise CollectiveTimeout(describe_stall(exc)) from exc
+        stalled = stall_error(exc) if exc is not None else None
+        if stalled is not None:
+            raise stalled from exc
 
     def request_stop(self, signum: int | None = None) -> None:
         """Ask the loop to stop at the next step boundary, after saving a checkpoint there (preemption).
@@ -470,12 +522,11 @@ class TrainLoop:
         Args:
             signum: the signal that asked, for the message (``None``: a call from code).
         """
-        self._stop_requested = True
-        self._stop_signal = signum
+        self._stop(signum)
 
     def _agree_stop(self) -> bool:
         """Whether the ranks have agreed to stop here (collective when a process group exists; `StopVote`)."""
-        return self._vote(self._stop_requested)
+        return self._vote(self._stop.requested)
 
     def steps(self) -> Iterator[int]:
         """Yield the number of each step to run (``state.step + 1``) until `max_steps`, ``stop_at_step``
@@ -599,11 +650,8 @@ class TrainLoop:
         if self.state.step < self.max_steps:
             self.stopped = True
             latest = self.checkpointer.latest() if self.checkpointer is not None else None
-            if self._stop_requested:  # preempted: a distinct exit status, so that a scheduler can requeue the job
-                what = signal.Signals(self._stop_signal).name if self._stop_signal else "a stop request"
-                get_logger().info(f"preempted ({what}) after step {self.state.step} of {self.max_steps}: checkpoint "
-                                  f"{latest}; run the same command again to continue (exit status {EXIT_PREEMPTED})")
-                raise Preempted(EXIT_PREEMPTED)
+            if self._stop.requested:  # preempted: a distinct exit status, so that a scheduler can requeue the job
+                raise self._stop.preempted(self.state.step, self.max_steps, latest)
             get_logger().info(f"stopped at step {self.state.step} of {self.max_steps} (train.stop_at_step); to continue "
                               f"from {latest}, run again without train.stop_at_step (or with a larger value)")
             return None
