@@ -150,7 +150,8 @@ def test_a_collective_timeout_outside_the_loop_is_one_line_with_status_3(monkeyp
     import cookbook.dist
 
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)  # no group (and no store) here
-    monkeypatch.setattr(cookbook.dist, "_STALL", {**cookbook.dist._STALL, "timeout_s": None, "store": None})
+    monkeypatch.setattr(cookbook.dist, "_STALL", {**cookbook.dist._STALL, "timeout_s": None, "store": None,
+                                              "step": None})  # no step recorded (an earlier test in this process may have)
 
     def main(argv):
         raise RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for recv operation")
