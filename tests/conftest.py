@@ -20,10 +20,12 @@ ROOT = Path(__file__).resolve().parents[1]
 # (32768-60999, where the kernel picks the ports of gloo's connections and of bind(0)): the pytest-xdist workers
 # (README's test command: -n 2) never hand out the same port, and no connection takes one between its pick and
 # its use. Picks step by 8, so a launcher's restarts (MASTER_PORT + attempt) stay inside the pick.
-_PORT_BLOCK = 4000
+# A pytest run without xdist takes one of the last 4 blocks by its pid, so that two runs at once (an engineer's
+# and CI's) rarely share one.
+_PORT_BLOCK = 1000
 _PORT_STEP = 8
-_worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-_PORT_BASE = 20000 + _PORT_BLOCK * (int(_worker[2:]) % 3 if _worker[2:].isdigit() else 0)
+_worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+_PORT_BASE = 20000 + _PORT_BLOCK * (int(_worker[2:]) % 8 if _worker[2:].isdigit() else 8 + os.getpid() % 4)
 _next_port = _PORT_BASE
 
 
@@ -191,6 +193,23 @@ def ray_env(tmp_path_factory):
     head, env = start_head(base)
     yield {**env, "_BASE": str(base)}
     stop_head(head)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_mlflow_state():
+    """End what a test left of MLflow's process-wide state (an active run, a tracking or registry URI set by
+    ``mlflow.set_tracking_uri``): tests that fork workers from this process (`main_in_workers`) would inherit it,
+    and with ``-n 2`` any test module may come before them in the same process."""
+    yield
+    mlflow = sys.modules.get("mlflow")
+    if mlflow is not None:
+        while mlflow.active_run() is not None:
+            mlflow.end_run()
+        import mlflow.tracking._model_registry.utils as registry
+        import mlflow.tracking._tracking_service.utils as tracking
+
+        tracking._tracking_uri = None
+        registry._registry_uri = None
 
 
 @pytest.fixture(autouse=True)

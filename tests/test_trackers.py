@@ -161,10 +161,16 @@ def _console_of_a_run(tmp_path, monkeypatch, stream):
     monkeypatch.setattr("sys.stderr", stream)
     monkeypatch.delenv("TQDM_DISABLE", raising=False)
     monkeypatch.delenv("TERM", raising=False)
-    _configure_logging(0)
-    handlers = list(logging.getLogger("cookbook").handlers)
-    logger = _log_three_steps(tmp_path, mlflow=False)
-    assert logging.getLogger("cookbook").handlers == handlers  # given back as they were
+    log = logging.getLogger("cookbook")
+    saved = list(log.handlers), log.propagate, log.level
+    _configure_logging(0)  # as a recipe's process has it; put back after (later tests of this process read caplog)
+    try:
+        handlers = list(log.handlers)
+        _log_three_steps(tmp_path, mlflow=False)
+        assert log.handlers == handlers  # given back as they were
+    finally:
+        log.handlers[:], log.propagate = saved[0], saved[1]
+        log.setLevel(saved[2])
     return stream.getvalue()
 
 
