@@ -15,7 +15,7 @@ RUN = ("mlflow=false", "train.epochs=2")
 
 @pytest.fixture
 def nan_on_worker_1(monkeypatch):
-    """``nan_on_worker_1(bad)``: worker 1's `bad`-th training forward returns NaN (logits, or the user embeddings
+    """``nan_on_worker_1(bad)``: worker 1's `bad`-th training forward (0: none) returns NaN (logits, or the user embeddings
     of two-tower-ray), patched before the workers are forked from this process; each worker counts
     its own forwards (a skipped step's too). DDP's all-reduce of the gradients takes the NaN to worker 0: both
     see a NaN gradient norm."""
@@ -42,26 +42,34 @@ def nan_on_worker_1(monkeypatch):
     return arm
 
 
-# recipe, the batch of the NaN, train.log_every, (step, skipped_steps) of each log line, the step of each epoch's end
-SKIPS = [("resnet50-ray-ddp", 6, 1, [(1, 0), (2, 0), (3, 0), (4, 0), (5, 0), (6, 1), (7, 1)], [4, 7]),  # mid-epoch 2
-         # the last batch of epoch 1: the epoch ends without an update, and its log line (step 11) comes at its end
-         ("two-tower-ray", 12, 5, [(5, 0), (10, 0), (11, 1), (15, 1), (20, 1), (23, 1)], [11, 23])]
+# recipe, the batch of the NaN, train.log_every, (step, skipped_steps) of each log line, the step of each epoch's
+# end, whether the run stops after epoch 1 (train.stop_at_epoch=1) and is resumed
+SKIPS = [("resnet50-ray-ddp", 6, 1, [(1, 0), (2, 0), (3, 0), (4, 0), (5, 0), (6, 1), (7, 1)], [4, 7], False),
+         # the last batch of epoch 1: the epoch ends without an update, its log line (step 11) comes at its end, and
+         # the resume from its checkpoint continues at the batches of epoch 2 (step 12 + 1 skipped)
+         ("two-tower-ray", 12, 5, [(5, 0), (10, 0), (11, 1), (15, 1), (20, 1), (23, 1)], [11, 23], True)]
 
 
-@pytest.mark.parametrize("recipe, bad, log_every, logged, epoch_ends", SKIPS)
+@pytest.mark.parametrize("recipe, bad, log_every, logged, epoch_ends, resume", SKIPS)
 def test_a_nan_step_is_skipped_the_epoch_takes_all_its_batches_and_its_checkpoint_stays_finite(
-        recipe, bad, log_every, logged, epoch_ends, tmp_path, capfd, nan_on_worker_1):
+        recipe, bad, log_every, logged, epoch_ends, resume, tmp_path, capfd, nan_on_worker_1):
     """``train.on_nonfinite=skip``: the NaN step's batch is dropped on both workers (no optimizer or scheduler
     step), the epoch still takes all its batches, so its checkpoint is the epoch's (``checkpoint_epoch_<n>``, one
     step fewer, ``skipped_steps`` 1 in ``state.pt``: where the data of a resume continues), and every checkpoint
     is finite."""
     nan_on_worker_1(bad)
     spe, out = STEPS_PER_EPOCH[recipe], tmp_path / "run"
+    argv = ["--config", str(ROOT / "recipes" / recipe / "tiny.yaml"), f"output_dir={out}", *RUN,
+            f"train.log_every={log_every}", "train.on_nonfinite=skip"]
     capfd.readouterr()
-    recipe_module(recipe).main(["--config", str(ROOT / "recipes" / recipe / "tiny.yaml"), f"output_dir={out}", *RUN,
-                                f"train.log_every={log_every}", "train.on_nonfinite=skip"])
+    recipe_module(recipe).main(argv + (["train.stop_at_epoch=1"] if resume else []))
     err = capfd.readouterr().err
     assert f"step {bad}: non-finite gradient norm (nan), step skipped (1 skipped so far)" in err, err[-3000:]
+    if resume:
+        nan_on_worker_1(0)  # no NaN in the resumed run (its workers count their forwards from 0 again)
+        recipe_module(recipe).main(argv)
+        err = capfd.readouterr().err
+        assert f"resuming from {out / 'checkpoint_epoch_0001'} (epoch 1)" in err, err[-3000:]
     records = read_jsonl(out / "metrics.jsonl")
     train = [r for r in records if r["event"] == "train"]
     assert [(r["step"], r["skipped_steps"]) for r in train] == logged

@@ -299,10 +299,12 @@ class WorkerRun:
                 self._epoch_rng = saved[_EPOCH_RNG_KEY][info.rank]
             self.step, self.epoch = meta["step"], meta.get("epoch", 0)
             skipped = int(saved.get(_SKIPPED_KEY, 0))
-            self._newest = Path(cfg.output_dir).expanduser().resolve() / f"checkpoint_{self._label()}"
-            del saved, resumed
+            del saved
         self.nonfinite = NonFinitePolicy(on_nonfinite, max_skips, device=info.device,
                                          newest_checkpoint=lambda: self._newest, skipped_steps=skipped)
+        if resumed is not None:  # its name (`_label`) counts the skipped steps
+            self._newest = Path(cfg.output_dir).expanduser().resolve() / f"checkpoint_{self._label()}"
+            del resumed
         self._saved_at = self.batches  # the newest checkpoint's data position
         self._lr = 0.0  # the learning rate of the newest applied step (an epoch's last log line after a skip)
         # An epoch run resumed mid-epoch (a preemption checkpoint): batches of this epoch already taken.
