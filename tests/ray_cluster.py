@@ -329,3 +329,14 @@ def without_ray(monkeypatch) -> None:
     monkeypatch.setattr(driver, "resolve_workers", lambda cfg, nnodes=1: (2, False))
     monkeypatch.setattr(driver, "check_shared_storage", lambda output_dir: None)
     monkeypatch.setattr(driver, "fit", fit_forked)
+
+
+def floats_in(state) -> list:
+    """The floating-point tensors of a checkpoint's state (nested dicts, lists and tuples of tensors)."""
+    import torch
+
+    if isinstance(state, torch.Tensor):
+        return [state] if state.is_floating_point() else []
+    if isinstance(state, dict):
+        state = list(state.values())
+    return [t for v in state for t in floats_in(v)] if isinstance(state, (list, tuple)) else []

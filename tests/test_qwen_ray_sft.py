@@ -6,8 +6,8 @@ import re
 import pytest
 import torch
 from conftest import ROOT, read_jsonl, train_losses
-from ray_cluster import (kill_a_worker, paused, ray_processes, recipe_module, registered, run_driver_forked, summary,
-                         train_steps, wait_for, without_ray)
+from ray_cluster import (floats_in, kill_a_worker, paused, ray_processes, recipe_module, registered, run_driver_forked,
+                         summary, train_steps, wait_for, without_ray)
 
 RECIPE = ROOT / "recipes" / "qwen-ray-sft"
 
@@ -181,14 +181,6 @@ def _driver(capfd, out, *overrides) -> str:
     return capfd.readouterr().err
 
 
-def _floats(state) -> list:
-    if isinstance(state, torch.Tensor):
-        return [state] if state.is_floating_point() else []
-    if isinstance(state, dict):
-        state = list(state.values())
-    return [t for v in state for t in _floats(v)] if isinstance(state, (list, tuple)) else []
-
-
 def test_a_nan_step_is_skipped_on_both_workers_and_a_resume_after_it_continues_its_data(tmp_path, capfd,
                                                                                          nan_on_worker_1):
     """``train.on_nonfinite=skip``: the NaN step is dropped (no optimizer or scheduler step), every checkpoint and
@@ -211,7 +203,7 @@ def test_a_nan_step_is_skipped_on_both_workers_and_a_resume_after_it_continues_i
         assert state["scheduler"]["last_epoch"] == step  # the skipped step stepped neither the scheduler ...
         assert {int(s["step"]) for s in state["optimizer"]["state"].values()} == {step}  # ... nor AdamW
         assert state["skipped_steps"] == int(step >= BAD_STEP)
-        floats = _floats({k: state[k] for k in ("model", "optimizer")})
+        floats = floats_in({k: state[k] for k in ("model", "optimizer")})
         assert len(floats) > 20 and all(torch.isfinite(t).all() for t in floats), folder
     from safetensors.torch import load_file
 

@@ -22,7 +22,8 @@ What this recipe supports:
       worker's random streams); re-running with the same ``output_dir`` resumes, and the resumed run's
       steps (augmentations included) are the uninterrupted run's; ``ray.max_failures`` restarts the
       workers from the newest checkpoint when one dies; SIGTERM or SIGUSR1 to ``launch.sh`` stops every
-      worker after the same step with a checkpoint (mid-epoch) and exits 75.
+      worker after the same step with a checkpoint (mid-epoch) and exits 75. A NaN or infinite gradient
+      norm stops the run before its update (exit 4), or with ``train.on_nonfinite=skip`` drops that batch.
     - Metrics (cookbook.metrics): loss, top-1 accuracy, images/s per GPU, data-wait, memory; eval
       loss and top-1 each epoch; console, metrics.jsonl and MLflow.
 """
@@ -37,6 +38,7 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 warnings.filterwarnings("ignore", message=".*set_vital.*")
 
@@ -86,7 +88,7 @@ class OptimConfig:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(ray_train.EpochTrainConfig):  # on_nonfinite, max_consecutive_skips: cookbook.ray_train's
     seed: int = 42
     micro_batch_size: int = 128  # images per worker per step
     epochs: int = 10
@@ -334,16 +336,26 @@ def logits_of(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, images: torch.Tensor, labels: torch.Tensor,
-               bf16: bool, channels_last: bool, label_smoothing: float = 0.0, max_grad_norm: float = 0.0
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+               bf16: bool, channels_last: bool, label_smoothing: float = 0.0, max_grad_norm: float = 0.0,
+               skip: Callable[[torch.Tensor], bool] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """One optimizer step on a uint8 batch; returns ``(loss, correct, grad_norm)`` as device tensors
-    (no host sync). Also used by ``benchmarks/resnet50_ray.py`` without Ray."""
+    (``grad_norm``: the total norm before clipping by `max_grad_norm` (0: none), ``None`` without clipping or
+    `skip`). Also used by ``benchmarks/resnet50_ray.py`` without Ray.
+
+    `skip` (``WorkerRun.skip_step``) checks the gradient norm before the update (a host sync); when it says
+    ``True`` the gradients are dropped and no update is made, and the result is ``None``."""
     x = normalize(images, channels_last)
     with torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
         logits = logits_of(model, x)
     loss = F.cross_entropy(logits.float(), labels, label_smoothing=label_smoothing)
     loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm) if max_grad_norm > 0 else None
+    grad_norm = None  # DDP all-reduced the gradients: the norm is the same on every worker (a NaN on one: on all)
+    if max_grad_norm > 0 or skip is not None:
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else float("inf"))
+    if skip is not None and skip(grad_norm):  # NaN / inf: the run stops, or (train.on_nonfinite=skip) the batch is dropped
+        optimizer.zero_grad(set_to_none=True)
+        return None
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss.detach(), (logits.argmax(-1) == labels).sum(), grad_norm
@@ -456,10 +468,13 @@ def train_loop(config_dict: dict) -> None:
                 train_loader.sampler.set_epoch(epoch)
             for (images, labels), wait in run.timed(train_loader):
                 lr_now = scheduler.get_last_lr()[0]
-                loss, correct, grad_norm = train_step(model, optimizer, images, labels, bf16, channels_last,
-                                                      cfg.optim.label_smoothing, cfg.optim.max_grad_norm)
-                scheduler.step()
                 run.metrics.add(samples=labels.numel(), tokens=0, data_wait_s=wait)
+                stepped = train_step(model, optimizer, images, labels, bf16, channels_last, cfg.optim.label_smoothing,
+                                     cfg.optim.max_grad_norm, skip=run.skip_step)
+                if stepped is None:  # a non-finite step dropped (train.on_nonfinite=skip): no scheduler step either
+                    continue
+                loss, correct, grad_norm = stepped
+                scheduler.step()
                 run.end_step(loss, lr=lr_now, grad_norm=grad_norm, window={"top1": correct / labels.numel()})
             run.end_epoch(evaluate_replicas)
 

@@ -22,7 +22,8 @@ What this recipe supports:
     - Ray Train ``TorchTrainer`` with ``prepare_model`` (DDP) and ``prepare_data_loader``; a checkpoint
       each epoch through ``ray.train.report``; re-running with the same ``output_dir`` resumes;
       ``ray.max_failures`` restarts failed workers; SIGTERM or SIGUSR1 to ``launch.sh`` stops every worker
-      after the same step with a checkpoint and exits 75. Metrics through cookbook.metrics (console,
+      after the same step with a checkpoint and exits 75. A NaN or infinite gradient norm stops the run
+      before its update (exit 4), or with ``train.on_nonfinite=skip`` drops that batch. Metrics through cookbook.metrics (console,
       metrics.jsonl, MLflow).
 """
 
@@ -76,7 +77,7 @@ class OptimConfig:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(ray_train.EpochTrainConfig):  # on_nonfinite, max_consecutive_skips: cookbook.ray_train's
     seed: int = 42
     micro_batch_size: int = 1024  # positives per worker per step; each is scored against the batch's other items
     epochs: int = 10
@@ -352,10 +353,15 @@ def train_loop(config_dict: dict) -> None:
                 loss = sampled_softmax_loss(user_emb.float(), item_emb.float(), items,
                                             log_q[items] if cfg.train.logq_correction else None, cfg.model.temperature)
                 loss.backward()
+                run.metrics.add(samples=len(users), tokens=0, data_wait_s=wait)
+                # DDP all-reduced the gradients: the norm is the same on every worker (a NaN on one is a NaN on all)
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))  # measured, not clipped
+                if run.skip_step(grad_norm):  # NaN / inf: the run stops, or (train.on_nonfinite=skip) the batch is dropped
+                    optimizer.zero_grad(set_to_none=True)
+                    continue
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-                run.metrics.add(samples=len(users), tokens=0, data_wait_s=wait)
-                run.end_step(loss, lr=cfg.optim.lr)
+                run.end_step(loss, lr=cfg.optim.lr, grad_norm=grad_norm)
             run.end_epoch(lambda: recall_at_k(inner, data, cfg.train.recall_k, info.rank, info.world_size, info.device))
 
         # ---- summary (Ray Train destroys the process group)

@@ -45,7 +45,7 @@ import torch
 from cookbook.checkpoint import CheckpointError, ResumeGuard, read_meta
 from cookbook.config import ConfigError, to_dict
 from cookbook.entry import EXIT_PREEMPTED
-from cookbook.loop import PREEMPT_SIGNALS, NonFiniteError, Preempted
+from cookbook.loop import PREEMPT_SIGNALS, NonFiniteError, NonFinitePolicy, Preempted
 from cookbook.ray_train.worker import _STATE_FILE
 
 _SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"  # Ray Train's record of the run's registered checkpoints
@@ -73,9 +73,20 @@ class EpochCheckpointConfig:
 
 
 @dataclass
+class EpochTrainConfig:
+    """The keys of an epoch-based Ray recipe's ``train`` section that cookbook reads; the recipe's ``TrainConfig``
+    subclasses it and adds its own (``epochs``, ``stop_at_epoch``, ``log_every``). The names, defaults and checks
+    (`cookbook.loop.NonFinitePolicy.settings`) are those of `cookbook.config.TrainConfig`."""
+
+    on_nonfinite: str = "stop"  # a step with a NaN/inf loss or gradient norm: stop (exit 4) or skip (drop its batch, go on)
+    max_consecutive_skips: int = 5  # on_nonfinite=skip: the run stops at one more non-finite step in a row
+
+
+@dataclass
 class EpochRunConfig:
     """The top level of an epoch-based Ray recipe's schema; the recipe's ``Config`` subclasses it and adds
-    ``model``, ``data``, ``optim`` and ``train`` (with ``epochs``, ``stop_at_epoch``, ``log_every``)."""
+    ``model``, ``data``, ``optim`` and ``train`` (a subclass of `EpochTrainConfig`, with ``epochs``,
+    ``stop_at_epoch``, ``log_every``)."""
 
     output_dir: str = "outputs/run"  # Ray's run folder: checkpoints, metrics, MLflow (shared storage on several nodes)
     run_name: str = "run"  # the trackers' run name
@@ -83,10 +94,12 @@ class EpochRunConfig:
     trackers: list[str] = field(default_factory=lambda: ["mlflow"])  # beside metrics.jsonl: cookbook.config.TRACKERS
     ray: RayConfig = field(default_factory=RayConfig)
     checkpoint: EpochCheckpointConfig = field(default_factory=EpochCheckpointConfig)
+    train: EpochTrainConfig = field(default_factory=EpochTrainConfig)
 
 
 # Settings of an epoch-based Ray recipe that may differ between a checkpoint and the run that resumes it.
-EPOCH_MAY_CHANGE = ("output_dir", "run_name", "mlflow", "trackers", "ray.*", "train.stop_at_epoch", "train.log_every", "checkpoint.*")
+EPOCH_MAY_CHANGE = ("output_dir", "run_name", "mlflow", "trackers", "ray.*", "train.stop_at_epoch", "train.log_every",
+                    "train.on_nonfinite", "train.max_consecutive_skips", "checkpoint.*")
 
 
 class RecipeError(RuntimeError):
@@ -113,13 +126,15 @@ class RayDriver:
             several nodes (only the cluster knows its size).
 
     Raises:
-        ConfigError: see `check_output_dir` and `plan_workers`.
+        ConfigError: see `check_output_dir` and `plan_workers`; a bad ``train.on_nonfinite`` or
+            ``train.max_consecutive_skips`` (`cookbook.loop.NonFinitePolicy.settings`).
         CheckpointError: the newest checkpoint was written with other settings or by another number of
             workers, or the stop point is not after it (`ResumeGuard.check`).
     """
 
     def __init__(self, cfg: Any, may_change: tuple[str, ...], stop_at: tuple[str, int]):
         self.cfg = cfg
+        NonFinitePolicy.settings(cfg.train)  # train.on_nonfinite, train.max_consecutive_skips: before Ray starts
         self.nnodes = int(os.environ.get("COOKBOOK_NNODES", "1"))
         check_output_dir(cfg.output_dir, self.nnodes)
         self.unit = stop_at[0].rsplit("_", 1)[-1]

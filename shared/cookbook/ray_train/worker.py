@@ -24,9 +24,9 @@ runs counted in epochs:
             run.end_epoch(evaluate)             # evaluation, then a checkpoint through ray.train.report
         run.finish(inner)                       # summary record, or how to continue a stopped run
 
-A run counted in steps checks each step before its update with ``run.skip_step(grad_norm)``, the torchrun
-loop's non-finite policy (`cookbook.loop.NonFinitePolicy`): ``train.on_nonfinite=stop`` ends the run (the
-driver exits 4), ``skip`` drops the step.
+Each step is checked before its update with ``run.skip_step(grad_norm)``, the torchrun loop's non-finite
+policy (`cookbook.loop.NonFinitePolicy`): ``train.on_nonfinite=stop`` ends the run (the driver exits 4),
+``skip`` drops the step (in an epoch run its batch is dropped and the epoch goes on with the next).
 
 A checkpoint is a folder ``checkpoint_<unit>_<n>`` holding ``state.pt`` (`torch.save` of the state
 dicts, of every worker's random streams and of the count of skipped steps, from rank 0) and ``meta.json`` (``epoch`` for epoch runs,
@@ -299,13 +299,16 @@ class WorkerRun:
                 self._epoch_rng = saved[_EPOCH_RNG_KEY][info.rank]
             self.step, self.epoch = meta["step"], meta.get("epoch", 0)
             skipped = int(saved.get(_SKIPPED_KEY, 0))
-            self._newest = Path(cfg.output_dir).expanduser().resolve() / f"checkpoint_{self._label()}"
-            del saved, resumed
+            del saved
         self.nonfinite = NonFinitePolicy(on_nonfinite, max_skips, device=info.device,
                                          newest_checkpoint=lambda: self._newest, skipped_steps=skipped)
-        self._saved_step = self.step  # the newest checkpoint's step
+        if resumed is not None:  # its name (`_label`) counts the skipped steps
+            self._newest = Path(cfg.output_dir).expanduser().resolve() / f"checkpoint_{self._label()}"
+            del resumed
+        self._saved_at = self.batches  # the newest checkpoint's data position
+        self._lr = 0.0  # the learning rate of the newest applied step (an epoch's last log line after a skip)
         # An epoch run resumed mid-epoch (a preemption checkpoint): batches of this epoch already taken.
-        self._skip = self.step - self.epoch * steps_per_epoch if self.unit == "epoch" else 0
+        self._skip = self.batches - self.epoch * steps_per_epoch if self.unit == "epoch" else 0
         out = Path(cfg.output_dir)
         if info.is_main:
             out.mkdir(parents=True, exist_ok=True)
@@ -322,6 +325,12 @@ class WorkerRun:
     def done(self) -> int:
         """Epochs or steps (the unit of ``stop_at``) done."""
         return self.epoch if self.unit == "epoch" else self.step
+
+    @property
+    def batches(self) -> int:
+        """Steps' worth of batches taken over the whole run: the applied steps and the skipped ones (`skip_step`).
+        In an epoch run, an epoch is ``steps_per_epoch`` of them, whatever was skipped in it."""
+        return self.step + self.nonfinite.skipped_steps
 
     @property
     def skipped_steps(self) -> int:
@@ -361,7 +370,7 @@ class WorkerRun:
                   loss: torch.Tensor | float | None = None) -> bool:
         """Check the step being run for a NaN or infinite gradient norm (or loss) before its update, alike on every
         worker (`cookbook.loop.NonFinitePolicy`, the torchrun recipes' `cookbook.loop.TrainLoop.skip_step`), by
-        ``train.on_nonfinite`` and ``train.max_consecutive_skips``. For runs counted in steps.
+        ``train.on_nonfinite`` and ``train.max_consecutive_skips``.
 
         Args:
             grad_norm: the step's total gradient norm, the same number on every worker (DDP's gradients are
@@ -372,7 +381,8 @@ class WorkerRun:
             ``False``: finite, go on with the update. ``True`` (``train.on_nonfinite=skip``): drop the step: zero the
             gradients and ``continue``; neither the optimizer nor the scheduler steps, the step number comes again
             with the next batches, and the step is logged and counted in `skipped_steps` (the ``skipped_steps``
-            metric of each log line).
+            metric of each log line). In an epoch run the epoch still takes all its batches (it ends with
+            ``steps_per_epoch - skipped`` steps), and a checkpoint at its end is the epoch's.
 
         Raises:
             NonFiniteError: ``train.on_nonfinite=stop``, or one more than ``train.max_consecutive_skips`` in a row:
@@ -439,7 +449,9 @@ class WorkerRun:
         for k, v in (window or {}).items():
             self._window[k] = self._window.get(k, 0.0) + (v.detach() if isinstance(v, torch.Tensor) else v)
         self._steps += 1
-        if step % self.cfg.train.log_every == 0 or step % self.steps_per_epoch == 0 or step == self.max_steps:
+        self._lr = lr
+        epoch_end = (self.batches if self.unit == "epoch" else step) % self.steps_per_epoch == 0
+        if step % self.cfg.train.log_every == 0 or epoch_end or step == self.max_steps:
             extra = {k: v / self._steps for k, v in self._window.items()}
             extra.update(self.nonfinite.log_extra())
             self.metrics.log_step(step, self._loss / self._steps, lr, grad_norm, extra=extra or None)
@@ -459,6 +471,11 @@ class WorkerRun:
         if self.preempted:
             return {}
         self.epoch += 1
+        if self._steps:  # the epoch's last batch was skipped (skip_step): its last log line comes here
+            self.metrics.log_step(self.step, self._loss / self._steps, self._lr, None,
+                                  extra={**{k: v / self._steps for k, v in self._window.items()},
+                                         **self.nonfinite.log_extra()})
+            self._reset_window()
         with self.metrics.paused():
             values = self._last_eval = dict(evaluate())
             self.metrics.log_eval(self.step, values)
@@ -470,20 +487,20 @@ class WorkerRun:
         if self.unit == "step":
             return f"step_{self.step:08d}"
         # mid-epoch (a preemption): epochs done and steps done
-        return f"epoch_{self.epoch:04d}" + (f"_step_{self.step:08d}" if self.step % self.steps_per_epoch else "")
+        return f"epoch_{self.epoch:04d}" + (f"_step_{self.step:08d}" if self.batches % self.steps_per_epoch else "")
 
     def _checkpoint(self, values: Mapping[str, float]) -> None:
         counts = {"epoch": self.epoch} if self.unit == "epoch" else {}
         label = self._label()
         run = {_RNG_KEY: all_gather_object(rng_state()), _SKIPPED_KEY: self.nonfinite.skipped_steps}  # from every worker
-        if self.unit == "epoch" and self.step % self.steps_per_epoch:
+        if self.unit == "epoch" and self.batches % self.steps_per_epoch:
             run[_EPOCH_RNG_KEY] = all_gather_object(self._epoch_rng)
         report({**counts, "step": self.step, **values},
                state={**{k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in self.state.items()}, **run},
                label=label,
                meta={**counts, "step": self.step, "world_size": self.info.world_size, "config": to_dict(self.cfg)})
         self.reports += 1
-        self._saved_step = self.step
+        self._saved_at = self.batches
         self._newest = Path(self.cfg.output_dir).expanduser().resolve() / f"checkpoint_{label}"
 
     def _agree_stop(self) -> bool:
@@ -503,7 +520,7 @@ class WorkerRun:
         alone); either way the last report says ``preempted``, which the driver reads."""
         self.preempted = True
         with self.metrics.paused():
-            if self._saved_step != self.step:
+            if self._saved_at != self.batches:
                 self._checkpoint({"preempted": 1.0})
             else:
                 report({**({"epoch": self.epoch} if self.unit == "epoch" else {}), "step": self.step, "preempted": 1.0})
