@@ -15,10 +15,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -38,22 +40,29 @@ def start_head(base: Path, num_cpus: int = 3) -> tuple[subprocess.Popen, dict]:
            "COOKBOOK_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": ""}
     env.pop("RAY_ADDRESS", None)
     (base / "home").mkdir(parents=True, exist_ok=True)
+    # Ray's session folder holds Unix sockets, whose paths may not exceed 107 bytes: a short folder of its own
+    # (pytest's base/, with -n 2's popen-gw0/ in it, was too long), removed by `stop_head`.
+    ray_tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+    log = open(base / "head.log", "w")  # noqa: SIM115  the head's own output, for the error below
     head = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", f"--port={port}",
                              f"--dashboard-agent-listen-port={port + 2}",
                              f"--dashboard-agent-grpc-port={port + 3}", f"--runtime-env-agent-port={port + 4}",
                              f"--metrics-export-port={port + 5}", f"--object-manager-port={port + 6}",
                              f"--node-manager-port={port + 7}", "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}", "--num-gpus=0",
-                             f"--temp-dir={base / 'ray'}", "--include-dashboard=false", "--disable-usage-stats"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                             f"--temp-dir={ray_tmp}", "--include-dashboard=false", "--disable-usage-stats"],
+                            env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
     deadline = time.monotonic() + 60
     while True:
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", port)) == 0:
                 break
         if head.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("the Ray head did not start")
+            tail = "".join((base / "head.log").read_text(errors="replace").splitlines(keepends=True)[-15:])
+            raise RuntimeError(f"the Ray head did not start; its output ends:\n{tail}")
         time.sleep(0.3)
     time.sleep(2.0)  # the raylet registers after the GCS port opens
+    head.ray_tmp = ray_tmp  # type: ignore[attr-defined]
     return head, {**env, "RAY_ADDRESS": f"127.0.0.1:{port}", "_HEAD_SESSION": str(head.pid)}
 
 
@@ -64,6 +73,7 @@ def stop_head(head: subprocess.Popen) -> None:
         head.wait(timeout=10)
     except (ProcessLookupError, subprocess.TimeoutExpired):
         pass
+    shutil.rmtree(getattr(head, "ray_tmp", ""), ignore_errors=True)
 
 
 def ray_processes(env: dict, name: str) -> list[int]:
