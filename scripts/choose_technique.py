@@ -109,6 +109,9 @@ def load_config(model: str) -> dict:
         try:
             from transformers import AutoConfig
 
+            from cookbook.hub import offline_unless_reachable
+
+            offline_unless_reachable()  # no hub: the cache at once, not ~25 s of retries
             cfg = AutoConfig.from_pretrained(model).to_dict()
         except Exception as exc:  # noqa: BLE001  offline, unknown id, gated repo: one sentence
             raise ChooserError(f"{model}: not a local config file and not loadable from the hub "

@@ -29,7 +29,8 @@ def read_run(path: str | Path) -> tuple[dict[int, dict], dict[int, dict]]:
     logged twice keeps its newest record.
 
     Raises:
-        SystemExit: the file does not exist or a line is not JSON (the message names file and line).
+        SystemExit: the file does not exist or a line before the last is not JSON (the message names file
+            and line); a last line that is not JSON (a run killed mid-write) is left out with a warning.
     """
     path = Path(path)
     if path.is_dir():
@@ -38,12 +39,16 @@ def read_run(path: str | Path) -> tuple[dict[int, dict], dict[int, dict]]:
         raise SystemExit(f"error: {path}: no such metrics file")
     train: dict[int, dict] = {}
     evals: dict[int, dict] = {}
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    lines = path.read_text().splitlines()
+    for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as exc:
+            if n == len(lines):  # a run killed while it wrote its last record: the records before it stand
+                print(f"warning: {path} line {n}: not JSON ({exc.msg}), the last line, cut short: left out", file=sys.stderr)
+                break
             raise SystemExit(f"error: {path} line {n}: not JSON ({exc.msg})") from None
         if rec.get("event") == "train" and "step" in rec:
             train[int(rec["step"])] = rec

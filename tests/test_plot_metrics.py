@@ -41,6 +41,14 @@ def test_the_command_writes_a_png_and_the_function_returns_its_panels(tmp_path):
     assert done.returncode == 0, done.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"event": "train", "step": 1}\nnot json\n')
+    bad.write_text('{"event": "train", "step": 1}\nnot json\n{"event": "train", "step": 2}\n')
     with pytest.raises(SystemExit, match=rf"^error: {bad} line 2: not JSON"):
         plot_metrics.read_run(bad)
+
+
+def test_a_last_record_cut_short_is_left_out_with_a_warning(tmp_path, capsys):
+    cut = tmp_path / "metrics.jsonl"  # a run killed while it wrote its last record
+    cut.write_text('{"event": "train", "step": 1, "loss": 2.0}\n{"event": "train", "step": 2, "loss": 1.5}\n{"event": "tr')
+    train, evals = plot_metrics.read_run(tmp_path)
+    assert list(train) == [1, 2] and train[2]["loss"] == 1.5 and evals == {}
+    assert capsys.readouterr().err == f"warning: {cut} line 3: not JSON (Unterminated string starting at), the last line, cut short: left out\n"

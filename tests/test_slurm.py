@@ -101,3 +101,16 @@ def test_the_time_limit_warning_reaches_node_0s_launcher_and_a_preempted_job_req
     assert "preempted (exit status 75): requeueing job 4242" in out
     log = (tmp_path / "log").read_text().splitlines()
     assert log[-1] == "scontrol requeue 4242"
+
+
+def test_outside_slurm_or_with_dry_run_0_it_says_so_or_runs(slurm, tmp_path):
+    """DRY_RUN=0 runs (as unset does); without scontrol on the PATH: one line, exit 2."""
+    env = {**slurm, "DRY_RUN": "0", "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "localhost"}
+    done = subprocess.run(["bash", str(SLURM / "run_on_nodes.sh"), "train.max_steps=5"], env=env, capture_output=True,
+                          text=True, timeout=30)
+    assert done.returncode == 0 and "node 0: " not in done.stdout, (done.stdout, done.stderr)
+    assert (tmp_path / "node0").read_text().startswith("NODE_RANK=0 NNODES=1 ") and "args=train.max_steps=5" in (tmp_path / "node0").read_text()
+    no_slurm = {**env, "PATH": os.environ["PATH"]}
+    done = subprocess.run(["bash", str(SLURM / "run_on_nodes.sh")], env=no_slurm, capture_output=True, text=True,
+                          timeout=30)
+    assert (done.returncode, done.stderr) == (2, "error: scontrol (Slurm's) is not on the PATH: run this inside a Slurm job\n")

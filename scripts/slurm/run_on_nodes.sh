@@ -18,6 +18,7 @@ LAUNCH=${LAUNCH:-$ROOT/recipes/${RECIPE:?set RECIPE to a folder of recipes/ (or 
 [[ -f "$LAUNCH" ]] || { echo "error: $LAUNCH not found: submit from the repository root, or set ROOT or LAUNCH" >&2; exit 2; }
 : "${SLURM_JOB_NODELIST:?not inside a Slurm job (sbatch or salloc)}"
 export NNODES=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:?}}
+command -v scontrol >/dev/null || { echo "error: scontrol (Slurm's) is not on the PATH: run this inside a Slurm job" >&2; exit 2; }
 HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | awk "NR == 1")  # awk reads it all: no SIGPIPE
 if [[ -z "${MASTER_ADDR:-}" ]]; then  # node 0's address: Ray's head needs an IP address, torchrun takes either
   MASTER_ADDR=$(getent ahostsv4 "$HEAD_NODE" 2>/dev/null | awk 'NR == 1 {print $1}' || true)
@@ -31,7 +32,7 @@ if (( NNODES > 1 )); then  # one task on each other node; its NODE_RANK: 1 + its
   rest_cmd=(srun --nodes=$((NNODES - 1)) --ntasks=$((NNODES - 1)) --ntasks-per-node=1 --exclude="$HEAD_NODE"
             --kill-on-bad-exit=1 bash -c 'export NODE_RANK=$((SLURM_PROCID + 1)); exec bash "$0" "$@"' "$LAUNCH" "$@")
 fi
-if [[ -n "${DRY_RUN:-}" ]]; then
+if [[ "${DRY_RUN:-0}" != 0 ]]; then
   printf 'node 0: '; printf '%q ' "${head_cmd[@]}"; echo
   if (( NNODES > 1 )); then printf 'nodes 1-%d: ' $((NNODES - 1)); printf '%q ' "${rest_cmd[@]}"; echo; fi
   exit 0
