@@ -196,11 +196,22 @@ def ray_env(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def _fresh_mlflow_state():
-    """End what a test left of MLflow's process-wide state (an active run, a tracking or registry URI set by
-    ``mlflow.set_tracking_uri``): tests that fork workers from this process (`main_in_workers`) would inherit it,
-    and with ``-n 2`` any test module may come before them in the same process."""
+def _fresh_process_state():
+    """End what a test left of this process's global state, since with ``-n 2`` any test module may run before
+    another in the same process, and tests that fork workers from it (`main_in_workers`) inherit it: a process
+    group (a forked child's gloo group has no worker threads: its first collective never returns), the
+    ``cookbook`` logger as `cookbook.init_distributed` sets it up (no propagation: ``caplog`` sees nothing), and
+    MLflow's active run and tracking / registry URIs."""
+    import logging
+
+    log = logging.getLogger("cookbook")
+    saved = list(log.handlers), log.propagate, log.level
     yield
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    log.handlers[:], log.propagate = saved[0], saved[1]
+    log.setLevel(saved[2])
     mlflow = sys.modules.get("mlflow")
     if mlflow is not None:
         while mlflow.active_run() is not None:

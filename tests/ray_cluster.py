@@ -63,7 +63,8 @@ def start_head(base: Path, num_cpus: int = 3) -> tuple[subprocess.Popen, dict]:
         time.sleep(0.3)
     time.sleep(2.0)  # the raylet registers after the GCS port opens
     head.ray_tmp = ray_tmp  # type: ignore[attr-defined]
-    return head, {**env, "RAY_ADDRESS": f"127.0.0.1:{port}", "_HEAD_SESSION": str(head.pid)}
+    return head, {**env, "RAY_ADDRESS": f"127.0.0.1:{port}", "_HEAD_SESSION": str(head.pid),
+                  "_RAY_TMP": ray_tmp}
 
 
 def stop_head(head: subprocess.Popen) -> None:

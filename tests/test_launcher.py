@@ -117,6 +117,14 @@ def test_more_processes_than_gpus_is_a_clear_error(monkeypatch):
         cookbook.distributed(start_method="threads")
 
 
+def test_fork_from_a_process_that_has_a_process_group_is_refused():
+    """A forked worker would inherit the group without its threads and hang in its first collective."""
+    with cookbook.distributed_context():  # a process group of one here
+        with pytest.raises(RuntimeError, match=r"^start_method='fork' from a process that has a process group .* "
+                                               r"call cookbook.destroy_distributed\(\) first, or use start_method='spawn'$"):
+            cookbook.distributed(num_processes=2, start_method="fork")(_collectives.__wrapped__).distributed(1)
+
+
 SCRIPT = textwrap.dedent('''
     import dataclasses, json, os, signal, sys, time
     import torch, cookbook

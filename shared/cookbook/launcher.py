@@ -270,6 +270,12 @@ def _run_local(fn: Callable, args: tuple, kwargs: dict, n: int, start_method: st
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    if start_method == "fork" and torch.distributed.is_available() and torch.distributed.is_initialized():
+        # A forked worker would inherit this group without its threads: its first collective would never return.
+        raise RuntimeError("start_method='fork' from a process that has a process group (init_process_group or "
+                           "cookbook.init_distributed ran here): the forked workers would inherit it and hang in "
+                           "their first collective; call cookbook.destroy_distributed() first, or use "
+                           "start_method='spawn'")
     # fork inherits the objects as they are; spawn / forkserver need them pickled (cloudpickle: by value
     # for notebook and __main__ functions, and for modules that the children could not import by name).
     payload = (fn, args, kwargs) if start_method == "fork" else _dumps_call(fn, args, kwargs)
