@@ -212,6 +212,8 @@ def _fresh_process_state():
         dist.destroy_process_group()
     log.handlers[:], log.propagate = saved[0], saved[1]
     log.setLevel(saved[2])
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID"):  # `mlflow.set_tracking_uri` exports the first
+        os.environ.pop(name, None)
     mlflow = sys.modules.get("mlflow")
     if mlflow is not None:
         while mlflow.active_run() is not None:

@@ -154,7 +154,7 @@ def test_a_preemption_signal_stops_after_the_step_with_a_checkpoint(tmp_path, ca
     while not control.should_training_stop:
         control = handler.on_step_begin(args, state, control)
         if state.global_step == 2:
-            os.kill(os.getpid(), signal.SIGUSR1)  # during step 3
+            signal.raise_signal(signal.SIGUSR1)  # during step 3 (to this thread: handled now, whatever other threads run)
         state.global_step += 1
         control = handler.on_step_end(args, state, control)
         if control.should_save:

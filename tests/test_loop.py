@@ -65,7 +65,7 @@ def _run(out, max_steps=7, stop_at_step=-1, eval_every=2, evaluate_sleep=0.0, ex
             metrics.add(samples=4, tokens=0, data_wait_s=0.0)
             losses[step] = loss.item()
             if step == _run.signal_at:
-                os.kill(os.getpid(), signal.SIGUSR1)  # a preemption warning, delivered mid-step
+                signal.raise_signal(signal.SIGUSR1)  # a preemption warning, mid-step (to this thread: handled now)
             loop.end_step(loss, lr=0.01, grad_norm=None)
         final = loop.finish(export=(lambda: {"export_dir": (out / "final", "torch.load")}) if export else None)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -1,4 +1,5 @@
 import json
+import os
 import time
 
 import pytest
@@ -73,6 +74,16 @@ def test_a_resumed_run_continues_its_mlflow_run(tmp_path):
     first, _ = _log_a_few_steps(tmp_path)
     second, _ = _log_a_few_steps(tmp_path)
     assert second.mlflow_run_id == first.mlflow_run_id
+
+
+def test_a_second_run_in_one_process_logs_to_its_own_store(tmp_path):
+    """mlflow.set_tracking_uri exports the URI into os.environ; the next run of the process (a notebook cell, a
+    forked worker) must not take it for the user's MLFLOW_TRACKING_URI."""
+    first, _ = _log_a_few_steps(tmp_path / "a")
+    assert "MLFLOW_TRACKING_URI" not in os.environ
+    second, _ = _log_a_few_steps(tmp_path / "b")
+    assert second.mlflow_uri == f"sqlite:///{(tmp_path / 'b').resolve()}/mlflow.db" != first.mlflow_uri
+    assert second.mlflow_run_id != first.mlflow_run_id
 
 
 def test_tracking_failure_never_stops_training(tmp_path, monkeypatch, caplog):

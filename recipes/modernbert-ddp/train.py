@@ -398,6 +398,7 @@ def main(argv: list[str]) -> None:
                                  evaluate=lambda: evaluate(model.module, eval_loader, info.device, autocast))
     with loop:
         for _ in loop.steps():
+            optimizer.zero_grad(set_to_none=True)  # also drops a skipped step's gradients
             micro_batches, waits = batches.take(cfg.train.grad_accum_steps)
             step_loss = torch.zeros((), device=info.device)
             for i, (batch, wait) in enumerate(zip(micro_batches, waits)):
@@ -410,13 +411,10 @@ def main(argv: list[str]) -> None:
                 metrics.add(samples=batch["labels"].numel(), tokens=batch["attention_mask"].sum(), data_wait_s=wait)
             grad_norm = torch.nn.utils.clip_grad_norm_(  # max_grad_norm 0: no clipping, but the norm is checked
                 model.parameters(), cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf"))
-            if loop.skip_step(grad_norm):  # NaN / inf: the run stops, or (train.on_nonfinite=skip) the step is dropped
-                optimizer.zero_grad(set_to_none=True)
-                continue
+            if loop.skip_step(grad_norm): continue  # NaN / inf: the run stops, or (train.on_nonfinite=skip) the step is dropped
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
             loop.end_step(step_loss, lr=lr, grad_norm=grad_norm)
 
         # ---- save

@@ -228,6 +228,7 @@ def main(argv: list[str]) -> None:
                                  log_extra=lambda: router.load_metrics(meshes.ep, info.device))
     with loop:
         for _ in loop.steps():
+            optimizer.zero_grad(set_to_none=True)  # also drops a skipped step's gradients
             micro_batches, waits = batches.take(cfg.train.grad_accum_steps)
             # Normalise by the labelled tokens of the whole global batch. FSDP averages gradients over
             # ranks, so each rank scales its summed loss by world_size / global tokens.
@@ -246,13 +247,10 @@ def main(argv: list[str]) -> None:
                 step_aux += aux.detach() / cfg.train.grad_accum_steps
                 metrics.add(samples=mb["input_ids"].shape[0], tokens=lm.count_tokens(mb, pad_id), data_wait_s=wait)
             grad_norm = moe.clip_grad_norm(trainable, cfg.optim.max_grad_norm, info.device)  # over both meshes
-            if loop.skip_step(grad_norm):  # NaN / inf: the run stops, or (train.on_nonfinite=skip) the step is dropped
-                optimizer.zero_grad(set_to_none=True)
-                continue
+            if loop.skip_step(grad_norm): continue  # NaN / inf: the run stops, or (train.on_nonfinite=skip) the step is dropped
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
             loop.end_step(step_loss, lr=lr, grad_norm=grad_norm, window={"moe/aux_loss": step_aux})
 
         # ---- save

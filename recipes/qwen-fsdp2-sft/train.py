@@ -272,6 +272,7 @@ def main(argv: list[str]) -> None:
                                  evaluate=(lambda: sft.evaluate(model, eval_loader, info.device)) if eval_rows else None)
     with loop:
         for _ in loop.steps():
+            optimizer.zero_grad(set_to_none=True)  # also drops a skipped step's gradients
             micro_batches, waits = batches.take(cfg.train.grad_accum_steps)
             # Normalise by the labelled tokens of the whole global batch. FSDP averages gradients over
             # ranks, so each rank scales its summed loss by world_size / global tokens.
@@ -286,13 +287,10 @@ def main(argv: list[str]) -> None:
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf"))
             if isinstance(grad_norm, torch.distributed.tensor.DTensor):
                 grad_norm = grad_norm.full_tensor()
-            if loop.skip_step(grad_norm):  # NaN / inf: the run stops, or (train.on_nonfinite=skip) the step is dropped
-                optimizer.zero_grad(set_to_none=True)
-                continue
+            if loop.skip_step(grad_norm): continue  # NaN / inf: the run stops, or (train.on_nonfinite=skip) the step is dropped
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
             loop.end_step(step_loss, lr=lr, grad_norm=grad_norm)
 
         # ---- save

@@ -177,6 +177,7 @@ def train_loop(config_dict: dict) -> None:
     data_iter = run.timed(batches())
     with run:
         for _ in run.steps():
+            optimizer.zero_grad(set_to_none=True)  # also drops a skipped step's gradients
             micro = [next(data_iter) for _ in range(cfg.train.grad_accum_steps)]  # (batch, data wait)
             # Normalise by the labelled tokens of the whole global batch; DDP averages over workers.
             local_tokens = sum((mb["labels"][:, 1:] != sft.IGNORE_INDEX).sum() for mb, _ in micro)
@@ -190,13 +191,10 @@ def train_loop(config_dict: dict) -> None:
                 step_loss += loss_sum.detach() * info.world_size / global_tokens
                 run.metrics.add(samples=mb["input_ids"].shape[0], tokens=lm.count_tokens(mb, pad_id), data_wait_s=wait)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf"))
-            if run.skip_step(grad_norm):  # NaN / inf: the run stops, or (train.on_nonfinite=skip) the step is dropped
-                optimizer.zero_grad(set_to_none=True)
-                continue
+            if run.skip_step(grad_norm): continue  # NaN / inf: the run stops, or (train.on_nonfinite=skip) the step is dropped
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
             run.end_step(step_loss, lr=lr, grad_norm=grad_norm)
 
         # ---- save: final evaluation, Hugging Face export (Ray Train destroys the process group)

@@ -267,8 +267,11 @@ class _MLflowSink(_Sink):
         for name in ("alembic", "mlflow"):  # after the import, which sets mlflow's own level
             logging.getLogger(name).setLevel(logging.WARNING)
 
-        self.tracking_uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{out_dir.resolve()}/mlflow.db"
+        users = os.environ.get("MLFLOW_TRACKING_URI")
+        self.tracking_uri = users or f"sqlite:///{out_dir.resolve()}/mlflow.db"
         mlflow.set_tracking_uri(self.tracking_uri)
+        if users is None:  # mlflow also exports it into os.environ, where the next run of this process (a notebook
+            os.environ.pop("MLFLOW_TRACKING_URI", None)  # cell, a forked worker) would take it for the user's
         run_id = os.environ.get("MLFLOW_RUN_ID") or _run_id_of_last_time(self._run_id_file)
         if not run_id:
             mlflow.set_experiment(experiment)
