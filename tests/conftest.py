@@ -206,14 +206,20 @@ def _fresh_process_state():
 
     log = logging.getLogger("cookbook")
     saved = list(log.handlers), log.propagate, log.level
+    environ = dict(os.environ)
     yield
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    # torchrun's variables that `cookbook.init_distributed` sets for a group of one (accelerate's PartialState,
+    # which TrainingArguments creates, would start a group from them), and whatever else a test set directly
+    os.environ.clear()
+    os.environ.update(environ)
+    accelerate_state = sys.modules.get("accelerate.state")
+    if accelerate_state is not None:  # a singleton: the next TrainingArguments looks at the process afresh
+        accelerate_state.AcceleratorState._reset_state(reset_partial_state=True)
     log.handlers[:], log.propagate = saved[0], saved[1]
     log.setLevel(saved[2])
-    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID"):  # `mlflow.set_tracking_uri` exports the first
-        os.environ.pop(name, None)
     mlflow = sys.modules.get("mlflow")
     if mlflow is not None:
         while mlflow.active_run() is not None:
