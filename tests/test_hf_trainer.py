@@ -13,6 +13,7 @@ from transformers import TrainingArguments
 from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback, TrainerControl, TrainerState
 
 from cookbook.checkpoint import CheckpointSaveError, ResumeGuard
+from cookbook.config import ConfigError
 from cookbook.dist import DistInfo
 from cookbook.hf_trainer import (MetricsCallback, NonFiniteSteps, Preemption, PublishCheckpoints, StopAtStep,
                                  published_checkpoints)
@@ -195,3 +196,25 @@ def test_nonfinite_steps_reads_deepspeeds_decision_and_applies_the_policy(tmp_pa
         skip.on_optimizer_step(args, TrainerState(global_step=7), control, optimizer=discarded)
     with pytest.raises(ValueError, match=r"^NonFiniteSteps reads DeepSpeed's check of the gradient norm"):
         stop.on_train_begin(args, TrainerState(), control, optimizer=torch.optim.SGD([torch.zeros(1)], lr=0.1))
+
+
+def test_an_accelerate_config_naming_another_deepspeed_json_is_refused(tmp_path, monkeypatch):
+    """`accelerate launch` exports its config's deepspeed_config_file; the Trainer would ignore it, so a file other
+    than deepspeed.config is refused by name, the same file (relative to the working directory or to the recipe
+    folder) is accepted."""
+    from cookbook.hf_trainer import check_accelerate_deepspeed_file
+
+    recipe = tmp_path / "recipe"
+    recipe.mkdir()
+    for name in ("zero2.json", "zero3.json"):
+        (recipe / name).write_text("{}")
+    zero3 = recipe / "zero3.json"
+    monkeypatch.chdir(tmp_path)
+    check_accelerate_deepspeed_file(zero3, env={})
+    check_accelerate_deepspeed_file(zero3, env={"ACCELERATE_DEEPSPEED_CONFIG_FILE": "zero3.json"})  # recipe folder
+    check_accelerate_deepspeed_file(zero3, env={"ACCELERATE_DEEPSPEED_CONFIG_FILE": "recipe/zero3.json"})  # cwd
+    with pytest.raises(ConfigError, match=r"deepspeed_config_file '.*zero2.json' disagrees with deepspeed.config = "
+                                          r".*zero3.json: .*deepspeed.config=zero2.json"):
+        check_accelerate_deepspeed_file(zero3, env={"ACCELERATE_DEEPSPEED_CONFIG_FILE": "zero2.json"})
+    with pytest.raises(ConfigError, match=r"deepspeed_config_file 'zero1.json' .* is not a file"):
+        check_accelerate_deepspeed_file(zero3, env={"ACCELERATE_DEEPSPEED_CONFIG_FILE": "zero1.json"})

@@ -18,13 +18,15 @@ import re
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import (ROOT, kill_worker, launch, load_recipe, main_in_workers, read_jsonl, start_launch, train_losses,
-                      wait_for)
+from conftest import (ROOT, free_port, kill_worker, launch, load_recipe, main_in_workers, read_jsonl, start_launch,
+                      train_losses, wait_for)
 
 import cookbook
 
@@ -685,6 +687,27 @@ def test_one_process_launch(init, ds_env, tmp_path):
     ev = [r for r in records if r["event"] == "eval"][-1]
     assert ev["eval/samples"] == 8 and ev["eval/tokens"] == sum(
         sum(label != -100 for label in row["labels"][1:]) for row in validation_rows(init))
+
+
+def test_accelerate_launch_with_the_shipped_config_trains_the_same_steps(zero3, init, ds_env, tmp_path):
+    """`accelerate launch --config_file accelerate_zero3.yaml` (2 processes, no GPU) runs the same job as launch.sh:
+    its first two losses equal those of the ZeRO-3 launch above (same seed, data and weights)."""
+    out = tmp_path / "acc"
+    env = {**os.environ, **ds_env, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "COOKBOOK_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    proc = subprocess.run(
+        ["accelerate", "launch", "--config_file", str(RECIPE / "accelerate_zero3.yaml"), "--num_processes",
+         "2", "--main_process_port", str(free_port()), str(RECIPE / "train.py"), "--config", str(RECIPE / "tiny.yaml"),
+         f"output_dir={out}", f"model.name_or_path={init}", "model.pretrained=true", "train.max_steps=2",
+         "checkpoint.every_steps=-1", "checkpoint.export_hf=false", "mlflow=false", "eval.max_new_tokens=2"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "world size 2 (gloo) | DeepSpeed ZeRO-3 (zero3.json)" in proc.stderr
+    ours, reference = train_losses(out / "metrics.jsonl"), train_losses(zero3[0] / "metrics.jsonl")
+    assert sorted(ours) == [1, 2]
+    for step in (1, 2):
+        assert ours[step] == pytest.approx(reference[step], rel=PARITY_RTOL), step
 
 
 def _copy_run(zero3, tmp_path):

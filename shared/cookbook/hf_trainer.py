@@ -22,7 +22,7 @@ The Trainer runs the step loop; these pieces connect it to the rest of the cookb
   timed out name the one that stalled, exit 3). A damaged checkpoint (a truncated shard) is found by the resume
   guard from the file sizes `PublishCheckpoints` lists in ``meta.json``.
 - `check_deepspeed_config` refuses, before any worker starts, a DeepSpeed JSON that disagrees with the
-  recipe's config; `init_deepspeed` starts DeepSpeed's communication over the cookbook's process group.
+  recipe's config (or with the one an ``accelerate launch`` config names: `check_accelerate_deepspeed_file`); `init_deepspeed` starts DeepSpeed's communication over the cookbook's process group.
 - `export_final` writes the consolidated model (and a LoRA adapter) in Hugging Face format.
 
 Use::
@@ -101,11 +101,13 @@ def check_deepspeed_config(path: str | Path, *, micro_batch_size: int, grad_accu
             config (names the key and the config value it must equal, or "auto"); ZeRO-3 without
             ``stage3_gather_16bit_weights_on_model_save`` while `export_16bit`; ``bf16.check_grad_overflow=false``
             or ``zero_optimization.compute_grad_norm=false``, with which DeepSpeed applies a step whose gradient
-            norm is NaN or infinite (`NonFiniteSteps` relies on DeepSpeed discarding it).
+            norm is NaN or infinite (`NonFiniteSteps` relies on DeepSpeed discarding it); an ``accelerate launch``
+            config naming another DeepSpeed JSON (`check_accelerate_deepspeed_file`).
     """
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"deepspeed.config: file not found: {path}")
+    check_accelerate_deepspeed_file(path)
     try:
         ds = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
@@ -134,6 +136,36 @@ def check_deepspeed_config(path: str | Path, *, micro_batch_size: int, grad_accu
         raise ConfigError(f"{path}: ZeRO-3 needs zero_optimization.stage3_gather_16bit_weights_on_model_save=true to "
                           f"write the final model (checkpoint.export_hf=true)")
     return ds
+
+
+def check_accelerate_deepspeed_file(path: str | Path, env: Mapping[str, str] | None = None) -> None:
+    """Refuse an ``accelerate launch`` whose DeepSpeed JSON is not the recipe's ``deepspeed.config``.
+
+    ``accelerate launch --config_file <yaml>`` with ``deepspeed_config.deepspeed_config_file`` exports it to the
+    workers as ``ACCELERATE_DEEPSPEED_CONFIG_FILE``; the Trainer trains with its own ``deepspeed`` argument (the
+    recipe's ``deepspeed.config``) and would silently ignore a different file. A relative path is looked up from the
+    working directory (as accelerate does), then from the folder of `path`.
+
+    Args:
+        path: the recipe's DeepSpeed JSON (an existing file).
+        env: the environment to read (default ``os.environ``).
+
+    Raises:
+        ConfigError: the variable names a file that does not exist, or another file than `path`.
+    """
+    given = (os.environ if env is None else env).get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if not given:
+        return
+    candidates = [Path(given), Path(path).parent / given] if not Path(given).is_absolute() else [Path(given)]
+    found = next((c for c in candidates if c.is_file()), None)
+    if found is None:
+        raise ConfigError(f"accelerate's deepspeed_config_file {given!r} (ACCELERATE_DEEPSPEED_CONFIG_FILE) is not a "
+                          f"file; this recipe trains with deepspeed.config = {path}: name that file there, or leave "
+                          f"deepspeed_config_file out")
+    if not found.samefile(path):
+        raise ConfigError(f"accelerate's deepspeed_config_file {str(found)!r} disagrees with deepspeed.config = {path}: "
+                          f"the Trainer would train with {Path(path).name} and ignore it; name the same file in both "
+                          f"(e.g. ./launch.sh deepspeed.config={found.name}), or leave deepspeed_config_file out")
 
 
 def init_deepspeed(on_cpu: bool, timeout_s: float = 1800.0, debug_dir: str | Path | None = None) -> DistInfo:
