@@ -230,6 +230,13 @@ def test_a_killed_worker_and_then_a_preemption_lose_no_step(zero3, zero2):
     assert {m.step for m in client.get_metric_history(summaries[0]["mlflow_run_id"], "loss")} == set(range(1, STEPS + 1))
 
 
+def test_a_launch_without_gpus_does_not_warn_about_a_missing_accelerator(zero3):
+    """On a node without GPUs the launcher tells DeepSpeed it runs on CPU (DS_ACCELERATOR=cpu), so no process
+    prints DeepSpeed's "unable to detect" warning."""
+    launched = zero3[1][1]
+    assert "world size 2 (gloo)" in launched and "Setting accelerator to CPU" not in launched, launched[-3000:]
+
+
 @pytest.mark.parametrize("which", ["zero3", "zero2"])
 def test_full_fine_tuning_loss_falls(which, request):
     out = request.getfixturevalue(which)

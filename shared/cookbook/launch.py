@@ -21,7 +21,7 @@
    (each restart meets at ``--master-port`` + k): `cookbook.torchrun`.
 
 A relative ``--config`` that is not a file from the current folder is looked up beside ``train.py``.
-``OMP_NUM_THREADS`` defaults to 1 per process. Exit status: the check's or the workers' (2: bad input).
+``OMP_NUM_THREADS`` defaults to 1 per process; on a node without GPUs ``DS_ACCELERATOR`` defaults to ``cpu``. Exit status: the check's or the workers' (2: bad input).
 """
 
 from __future__ import annotations
@@ -90,13 +90,16 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     try:
-        per_node, nodes = plan(args.ngpu, args.nnodes, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+        per_node, nodes = plan(args.ngpu, args.nnodes, gpus)
         restarts = _count("MAX_RESTARTS", args.max_restarts)
     except SystemExit as exc:
         print(exc, file=sys.stderr)
         return EXIT_USER_ERROR
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per process (the check's and torchrun's) unless told otherwise
+    if gpus == 0:  # DeepSpeed (the ZeRO recipe) otherwise warns in every process that it found no accelerator
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     env = {**os.environ, "COOKBOOK_WORLD_SIZE": str(per_node * nodes)}
     check = subprocess.run([sys.executable, str(script), "--check", *script_args], env=env)
     if check.returncode != 0:
