@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import logging
 import signal
 import time
 from types import SimpleNamespace
@@ -92,10 +93,16 @@ def test_log_eval_and_checkpoint_cadence(tmp_path):
     assert not loop.stopped
 
 
-def test_stop_and_resume_give_the_same_per_step_losses(tmp_path):
+def test_stop_and_resume_give_the_same_per_step_losses(tmp_path, caplog):
     whole, *_ = _run(tmp_path / "whole")
-    first, loop, records, final, _ = _run(tmp_path / "split", stop_at_step=4)
+    with caplog.at_level(logging.INFO, logger="cookbook"):
+        first, loop, records, final, _ = _run(tmp_path / "split", stop_at_step=4)
     assert final is None and loop.stopped and sorted(first) == [1, 2, 3, 4]
+    # a run that stops early still says where its metrics are, then how to continue
+    assert caplog.messages[-2:] == [f"metrics:     {tmp_path / 'split' / 'metrics.jsonl'}",
+                                    f"stopped at step 4 of 7 (train.stop_at_step); to continue from "
+                                    f"{tmp_path / 'split' / 'checkpoints' / 'step_00000004'}, run again without "
+                                    f"train.stop_at_step (or with a larger value)"]
     assert not [r for r in records if r["event"] == "summary"]
     steps = [int(p.name.split("_")[1]) for p in Checkpointer(tmp_path / "split" / "checkpoints").complete_checkpoints()]
     assert steps == [3, 4]  # every 3, and where it stopped

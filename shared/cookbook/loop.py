@@ -650,6 +650,9 @@ class TrainLoop:
         if self.state.step < self.max_steps:
             self.stopped = True
             latest = self.checkpointer.latest() if self.checkpointer is not None else None
+            if get_dist_info().is_main:  # where this part of the run is: its metrics and tracker runs
+                for name, text in [("metrics", f"{self.metrics.jsonl_path}"), *self.metrics.tracker_lines()]:
+                    get_logger().info(f"{name + ':':<12} {text}")
             if self._stop.requested:  # preempted: a distinct exit status, so that a scheduler can requeue the job
                 raise self._stop.preempted(self.state.step, self.max_steps, latest)
             get_logger().info(f"stopped at step {self.state.step} of {self.max_steps} (train.stop_at_step); to continue "
