@@ -1,0 +1,267 @@
+"""LoRA fine-tune of Llama-3.2-3B with Unsloth, one model copy per GPU (DDP), TRL's SFTTrainer underneath.
+
+    pip install -r recipes/unsloth-lora-ddp/requirements.txt -e shared     # its own environment (see README)
+    bash recipes/unsloth-lora-ddp/launch.sh                                 # every GPU of this node, DDP
+    NGPU=1 bash recipes/unsloth-lora-ddp/launch.sh train.max_steps=50 lora.r=32
+    CONFIG_FILE=tiny.yaml bash recipes/unsloth-lora-ddp/launch.sh          # tiny twin (model.loader=transformers on CPU)
+
+Unsloth's multi-GPU mode is plain data parallelism: each rank of a torchrun (or ``accelerate launch``) job loads
+the whole model on its own device (``device_map={"": "cuda:LOCAL_RANK"}``), and the Hugging Face Trainer inside
+TRL's ``SFTTrainer`` wraps it in DistributedDataParallel and gives each rank its own part of the data.
+
+``model.loader`` picks how the model and its adapters are built; everything else (data, LoRA settings, trainer
+arguments, metrics) is the same code, so the two loaders compare one to one:
+  * ``unsloth``: ``FastLanguageModel.from_pretrained`` + ``FastLanguageModel.get_peft_model`` (Unsloth's patched
+    Llama forward, its Triton kernels and its gradient checkpointing);
+  * ``transformers``: ``AutoModelForCausalLM`` + PEFT's ``get_peft_model``, the plain TRL + PEFT path.
+``model.pretrained=false`` builds the architecture of ``model.name_or_path``'s ``config.json`` with random weights
+(rank 0 saves it once to ``<output_dir>/random-init`` so Unsloth's loader reads it like any checkpoint).
+Rows are chat / Alpaca / ShareGPT (`cookbook.sft.to_messages`), rendered by the tokenizer's chat template; the
+loss is on the last assistant turn (TRL's prompt-completion rows) or on every token (``data.completion_only=false``).
+Writes ``<output_dir>/metrics.jsonl`` (tokens/s per GPU, MFU, peak memory; `cookbook.metrics`) and the adapter.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cookbook import config as cfgmod
+from cookbook.config import ConfigError
+
+LOADERS = ("unsloth", "transformers")
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = "meta-llama/Llama-3.2-3B"   # a hub id or a folder (config.json, weights, tokenizer)
+    pretrained: bool = True                         # false: random init from the config (benchmarks)
+    tokenizer: str | None = None                    # default: name_or_path
+    loader: str = "unsloth"                         # unsloth | transformers (plain TRL + PEFT)
+    load_in_4bit: bool = False                      # QLoRA through bitsandbytes (Unsloth only)
+
+
+@dataclass
+class LoraConfig:
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                               "gate_proj", "up_proj", "down_proj"])
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=lambda: ["alpaca_data_sample5000.json"])
+    max_length: int = 2048
+    packing: bool = False
+    completion_only: bool = True                    # loss on the answer (the last assistant turn) only
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 42
+    micro_batch_size: int = 4
+    grad_accum_steps: int = 1
+    max_steps: int = 200
+    lr: float = 2.0e-4
+    warmup_steps: int = 10
+    scheduler: str = "cosine"
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    mixed_precision: str = "bf16"                   # bf16 | fp32
+    gradient_checkpointing: bool = True             # Unsloth's own ("unsloth") with the unsloth loader
+    log_every: int = 5
+
+
+@dataclass
+class Config:
+    output_dir: str = "outputs/unsloth-llama3.2-3b-lora"
+    run_name: str = "unsloth-llama3.2-3b-lora"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+def load(path: str | Path, overrides: list[str] = ()) -> Config:
+    """The config of `path` with `overrides`, checked; relative paths resolve against the config's folder.
+
+    Raises:
+        ConfigError: an unknown key or a wrong type (naming the key and the file), or a value out of range.
+    """
+    cfg = cfgmod.load_config(Config, path, overrides)
+    where = f"{path}"
+    if cfg.model.loader not in LOADERS:
+        raise ConfigError(f"{where}: model.loader must be one of {', '.join(LOADERS)}, got {cfg.model.loader!r}")
+    if cfg.train.mixed_precision not in ("bf16", "fp32"):
+        raise ConfigError(f"{where}: train.mixed_precision must be bf16 or fp32, got {cfg.train.mixed_precision!r}")
+    if cfg.model.load_in_4bit and cfg.model.loader != "unsloth":
+        raise ConfigError(f"{where}: model.load_in_4bit needs model.loader=unsloth")
+    for key in ("lora.r", "lora.alpha", "data.max_length", "train.micro_batch_size", "train.grad_accum_steps",
+                "train.max_steps", "train.log_every"):
+        if cfgmod.field_value(cfg, key) < 1:
+            raise ConfigError(f"{where}: {key} must be at least 1, got {cfgmod.field_value(cfg, key)}")
+    if not 0.0 <= cfg.lora.dropout < 1.0:
+        raise ConfigError(f"{where}: lora.dropout must be in [0, 1), got {cfg.lora.dropout}")
+    if not cfg.lora.target_modules:
+        raise ConfigError(f"{where}: lora.target_modules is empty")
+    base = Path(path).parent
+    cfg.data.train_files = [cfgmod.resolve_path(f, base) for f in cfg.data.train_files]
+    cfg.model.name_or_path = cfgmod.resolve_path(cfg.model.name_or_path, base)
+    if cfg.model.tokenizer:
+        cfg.model.tokenizer = cfgmod.resolve_path(cfg.model.tokenizer, base)
+    return cfg
+
+
+def training_rows(cfg: Config) -> list[dict]:
+    """Every row of `data.train_files` as a conversational prompt-completion row, ``{"prompt": [turns before the
+    last], "completion": [the last assistant turn]}`` (TRL's format: the loss is on the completion); rows with an
+    empty answer are skipped.
+
+    Raises:
+        cookbook.sft.SFTDataError: a file or row that cannot be read, naming the file and the 1-based row.
+    """
+    from cookbook import sft
+
+    rows = []
+    for path in cfg.data.train_files:
+        for n, row in enumerate(sft.load_rows(path), 1):
+            try:
+                messages = sft.to_messages(row, n, path)
+            except sft.EmptyAnswerError:
+                continue
+            rows.append({"prompt": messages[:-1], "completion": messages[-1:]})
+    if not rows:
+        raise sft.SFTDataError(f"{', '.join(cfg.data.train_files)}: no row with an answer to train on")
+    return rows
+
+
+def build_model(cfg: Config, info, dtype):
+    """The model with LoRA adapters and its tokenizer, on this rank's device (the whole model per rank: DDP)."""
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = cfg.model.name_or_path
+    tokenizer_path = cfg.model.tokenizer or path
+    if not cfg.model.pretrained:  # random weights from the config, saved once so every loader reads a checkpoint
+        path = str(Path(cfg.output_dir) / "random-init")
+        if info.rank == 0 and not (Path(path) / "config.json").is_file():
+            torch.manual_seed(cfg.train.seed)
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model.name_or_path), dtype=dtype)
+            model.save_pretrained(path)
+            AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(path)
+            del model
+        if dist.is_initialized():
+            dist.barrier()
+        tokenizer_path = path
+    device_map = {"": str(info.device)}  # this rank's whole copy: cuda:LOCAL_RANK (or cpu)
+    lora = cfg.lora
+    if cfg.model.loader == "unsloth":
+        from unsloth import FastLanguageModel
+
+        model, tokenizer = FastLanguageModel.from_pretrained(
+            model_name=path, tokenizer_name=tokenizer_path, max_seq_length=cfg.data.max_length, dtype=dtype,
+            load_in_4bit=cfg.model.load_in_4bit, device_map=device_map, local_files_only=Path(path).is_dir())
+        model = FastLanguageModel.get_peft_model(
+            model, r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules,
+            bias="none", use_gradient_checkpointing="unsloth" if cfg.train.gradient_checkpointing else False,
+            random_state=cfg.train.seed, max_seq_length=cfg.data.max_length)
+    else:
+        from peft import LoraConfig as PeftLora, get_peft_model
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map)
+        model = get_peft_model(model, PeftLora(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                               target_modules=list(lora.target_modules), bias="none",
+                                               task_type="CAUSAL_LM"))
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def main(argv: list[str]) -> None:
+    args = cfgmod.cli_parser(__doc__).parse_args(argv)
+    cfg = load(args.config, args.overrides)
+    if cfg.model.loader == "unsloth":
+        import unsloth  # noqa: F401  (first: it patches transformers, PEFT and TRL when imported)
+    rows = training_rows(cfg)
+    if args.check:
+        print(f"config {args.config} and {len(rows)} rows of {', '.join(cfg.data.train_files)}: ok "
+              f"(loader {cfg.model.loader}, LoRA r={cfg.lora.r} alpha={cfg.lora.alpha}, seq {cfg.data.max_length})")
+        return
+
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    import cookbook
+    from cookbook.metrics import MetricsLogger, ModelFlops, count_parameters
+
+    info = cookbook.init_distributed()  # the Trainer reuses this process group for DDP
+    on_gpu = info.device.type == "cuda"
+    dtype = torch.bfloat16 if cfg.train.mixed_precision == "bf16" and on_gpu else torch.float32
+    model, tokenizer = build_model(cfg, info, dtype)
+    mc = model.config
+    flops = ModelFlops(count_parameters(model), mc.num_hidden_layers,
+                       mc.num_attention_heads * getattr(mc, "head_dim", mc.hidden_size // mc.num_attention_heads))
+    metrics = MetricsLogger(cfg.output_dir, info, flops=flops, run_name=cfg.run_name, mlflow=False,
+                            max_steps=cfg.train.max_steps, params=cfgmod.to_dict(cfg), progress=False)
+    t = cfg.train
+    args_ = SFTConfig(
+        output_dir=cfg.output_dir, per_device_train_batch_size=t.micro_batch_size,
+        gradient_accumulation_steps=t.grad_accum_steps, max_steps=t.max_steps, learning_rate=t.lr,
+        lr_scheduler_type=t.scheduler, warmup_steps=t.warmup_steps, weight_decay=t.weight_decay,
+        max_grad_norm=t.max_grad_norm, bf16=dtype == torch.bfloat16, use_cpu=not on_gpu,
+        gradient_checkpointing=t.gradient_checkpointing and cfg.model.loader == "transformers",
+        max_length=cfg.data.max_length, packing=cfg.data.packing, completion_only_loss=cfg.data.completion_only,
+        logging_steps=t.log_every, save_strategy="no", report_to="none", seed=t.seed, dataset_num_proc=1,
+        ddp_find_unused_parameters=False, dataloader_num_workers=1,
+    )
+
+    class Metrics(TrainerCallback):
+        """One `MetricsLogger` record per optimizer step."""
+
+        last_loss = torch.zeros(())
+
+        def on_train_begin(self, args, state, control, **kw):
+            metrics.start(state.global_step)
+
+        def on_step_end(self, args, state, control, optimizer=None, **kw):
+            lr = optimizer.param_groups[0]["lr"] if optimizer is not None else 0.0
+            metrics.log_step(state.global_step, self.last_loss, lr, None)
+
+    cb = Metrics()
+
+    class CountingSFTTrainer(SFTTrainer):
+        """`SFTTrainer` that counts each micro-batch's real (unpadded) tokens for tokens/s."""
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            mask = inputs.get("attention_mask")
+            tokens = mask.sum() if mask is not None else inputs["input_ids"].numel()
+            metrics.add(samples=inputs["input_ids"].shape[0], tokens=tokens, data_wait_s=0.0)
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            cb.last_loss = loss.detach()
+            return loss
+
+    trainer = CountingSFTTrainer(model=model, args=args_, train_dataset=Dataset.from_list(rows),
+                                 processing_class=tokenizer, callbacks=[cb])
+    t0 = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - t0
+    if info.rank == 0:
+        model.save_pretrained(Path(cfg.output_dir) / "adapter")
+    metrics.log_summary({"step": t.max_steps, "wall_s": wall, "loader": cfg.model.loader})
+    metrics.close()
+    cookbook.destroy_distributed()
+
+
+if __name__ == "__main__":
+    from cookbook import run_main
+    from cookbook.sft import SFTDataError
+
+    run_main(main, user_errors=(ConfigError, SFTDataError))

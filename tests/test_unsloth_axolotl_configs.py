@@ -1,0 +1,165 @@
+"""The Unsloth and Axolotl recipes on CPU, without Unsloth or Axolotl in this environment (their pins conflict with
+it; each recipe has its own requirements.txt): config validation, the launch scripts' dry runs, the Axolotl data set
+against rows that Axolotl 0.19.0's `axolotl preprocess` built, the same LoRA settings on the three paths, and the
+Unsloth recipe's TRL + PEFT path (model.loader=transformers) end to end on 2 ranks."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import ROOT, check, load_recipe, main_in_workers, read_jsonl
+
+UNSLOTH = ROOT / "recipes" / "unsloth-lora-ddp"
+AXOLOTL = ROOT / "recipes" / "axolotl-lora-ddp"
+
+
+def _axolotl_check():
+    name = "axolotl_lora_ddp_check"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, AXOLOTL / "check.py")
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+def _dry_run(recipe_dir, *args, **env):
+    out = subprocess.run(["bash", str(recipe_dir / "launch.sh"), *args], capture_output=True, text=True,
+                         env={**os.environ, "DRY_RUN": "1", **env}, timeout=60)
+    return out.returncode, out.stdout.splitlines(), out.stderr
+
+
+def test_unsloth_config_is_checked():
+    assert "loader transformers, LoRA r=16 alpha=32, seq 128" in check("unsloth-lora-ddp")
+    mod = load_recipe("unsloth-lora-ddp")
+    with pytest.raises(mod.ConfigError, match=r"^override 'lora.rank=8': key 'lora.rank': Key 'rank' not in"):
+        check("unsloth-lora-ddp", "lora.rank=8")
+    with pytest.raises(mod.ConfigError, match=r"tiny.yaml: model.loader must be one of unsloth, transformers, got 'trl'$"):
+        check("unsloth-lora-ddp", "model.loader=trl")
+    with pytest.raises(mod.ConfigError, match=r"tiny.yaml: model.load_in_4bit needs model.loader=unsloth$"):
+        check("unsloth-lora-ddp", "model.load_in_4bit=true")
+    with pytest.raises(mod.ConfigError, match=r"tiny.yaml: lora.r must be at least 1, got 0$"):
+        check("unsloth-lora-ddp", "lora.r=0")
+    cfg = mod.load(UNSLOTH / "config.yaml")  # the real config passes the same checks
+    assert (cfg.model.name_or_path, cfg.model.loader, cfg.lora.r) == ("meta-llama/Llama-3.2-3B", "unsloth", 16)
+
+
+def test_unsloth_launch_dry_run():
+    rc, lines, _ = _dry_run(UNSLOTH, "train.max_steps=3", NGPU="4", CONFIG_FILE="tiny.yaml")
+    tiny, train = UNSLOTH / "tiny.yaml", UNSLOTH / "train.py"
+    assert rc == 0
+    assert lines == [f"check: python3 {train} --config {tiny} --check train.max_steps=3 ",
+                     f"run: torchrun --standalone --nproc-per-node 4 {train} --config {tiny} train.max_steps=3 "]
+
+
+def test_axolotl_config_is_checked(tmp_path):
+    chk = _axolotl_check()
+    cfg = chk.load(AXOLOTL / "tiny.yaml")
+    assert cfg["datasets"][0]["path"] == str(ROOT / "recipes/qwen-fsdp2-sft/tiny/data/chat.jsonl")
+    good = yaml.safe_load((AXOLOTL / "tiny.yaml").read_text())
+    good["datasets"][0]["path"] = cfg["datasets"][0]["path"]
+    cases = [({"lora_rr": 8}, "key 'lora_rr' is not an Axolotl key this recipe uses; did you mean 'lora_r'? "
+                              "(Axolotl would ignore it silently)"),
+             ({"lora_r": "16"}, "key 'lora_r' must be int, got '16'"),
+             ({"adapter": "qlora"}, "key 'load_in_4bit' must be true with adapter: qlora, and only then"),
+             ({"sequence_len": 0}, "key 'sequence_len' must be at least 1, got 0"),
+             ({"datasets": [{"path": "missing.jsonl", "type": "chat_template"}]},
+              f"datasets[0].path: file not found: {tmp_path / 'missing.jsonl'}"),
+             ({"datasets": [{**good["datasets"][0], "type": "alpaca"}]},
+              "datasets[0].type must be chat_template (chat rows), got 'alpaca'")]
+    for change, message in cases:
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(yaml.safe_dump({**good, **change}))
+        with pytest.raises(chk.ConfigError) as err:
+            chk.load(bad)
+        assert str(err.value) == f"{bad}: {message}"
+    bad.write_text(yaml.safe_dump({k: v for k, v in good.items() if k != "lora_alpha"}))
+    assert chk.main([str(bad)]) == 2
+    for name in ("config.yaml", "qlora.yaml"):  # the real configs pass until their data file (prepare_data.py)
+        with pytest.raises(chk.ConfigError, match=r"datasets\[0\].path: file not found: .*data/alpaca_chat.jsonl$"):
+            chk.load(AXOLOTL / name)
+
+
+def test_axolotl_dataset_equals_axolotl_preprocess():
+    """check.py renders the tiny twin's rows as Axolotl 0.19.0 did: tests/data/axolotl_0.19.0_tiny_rows.json holds
+    the first 8 rows of `axolotl preprocess recipes/axolotl-lora-ddp/tiny.yaml` (run once in a separate folder; all
+    600 rows were equal then), input ids and labels (-100 outside the assistant turns)."""
+    from transformers import AutoTokenizer
+
+    chk = _axolotl_check()
+    cfg = chk.load(AXOLOTL / "tiny.yaml")
+    tokenizer = AutoTokenizer.from_pretrained(cfg["tokenizer_config"])
+    rows = chk.build_dataset(cfg, tokenizer)
+    expected = json.loads((ROOT / "tests/data/axolotl_0.19.0_tiny_rows.json").read_text())
+    assert len(rows) == 600
+    assert rows[:8] == expected
+    # row 2 has a system turn: only the answer and its end-of-turn token carry a loss
+    assert tokenizer.decode([t for t in rows[1]["labels"] if t != -100]) == "The colour of plum is purple.<|im_end|>"
+
+
+def test_axolotl_launch_dry_run():
+    rc, lines, _ = _dry_run(AXOLOTL, "--max-steps", "5", NGPU="2", CONFIG_FILE="qlora.yaml")
+    assert rc == 0
+    assert lines == [f"check: python3 {AXOLOTL}/check.py {AXOLOTL}/qlora.yaml ",
+                     f"run (in {AXOLOTL}): axolotl train {AXOLOTL}/qlora.yaml --launcher torchrun --max-steps 5 -- "
+                     "--nproc_per_node 2 --nnodes 1 "]
+    rc, lines, _ = _dry_run(AXOLOTL, NGPU="8", LAUNCHER="accelerate")
+    assert lines[1].endswith("--launcher accelerate -- --num_processes 8 --num_machines 1 ")
+    rc, _, err = _dry_run(AXOLOTL, LAUNCHER="deepspeed", NGPU="1")
+    assert (rc, err) == (2, "error: LAUNCHER must be torchrun or accelerate, got 'deepspeed'\n")
+
+
+@pytest.mark.parametrize("unsloth_cfg, axolotl_cfgs", [("config.yaml", ["config.yaml", "qlora.yaml"]),
+                                                       ("tiny.yaml", ["tiny.yaml"])])
+def test_same_settings_on_every_path(unsloth_cfg, axolotl_cfgs):
+    """Unsloth (model.loader=unsloth), the TRL + PEFT path (the same train.py, model.loader=transformers) and Axolotl
+    train with the same LoRA, sequence length, batch, steps and schedule."""
+    u = load_recipe("unsloth-lora-ddp").load(UNSLOTH / unsloth_cfg)
+    for name in axolotl_cfgs:
+        a = yaml.safe_load((AXOLOTL / name).read_text())
+        assert (a["lora_r"], a["lora_alpha"], a["lora_dropout"], a["lora_target_modules"]) == \
+            (u.lora.r, u.lora.alpha, u.lora.dropout, u.lora.target_modules)
+        assert (a["sequence_len"], a["sample_packing"], a["micro_batch_size"], a["gradient_accumulation_steps"]) == \
+            (u.data.max_length, u.data.packing, u.train.micro_batch_size, u.train.grad_accum_steps)
+        assert (a["max_steps"], a["learning_rate"], a["warmup_steps"], a["lr_scheduler"], a["weight_decay"],
+                a["max_grad_norm"], a["seed"], a["gradient_checkpointing"]) == \
+            (u.train.max_steps, u.train.lr, u.train.warmup_steps, u.train.scheduler, u.train.weight_decay,
+             u.train.max_grad_norm, u.train.seed, u.train.gradient_checkpointing)
+    if unsloth_cfg == "tiny.yaml":  # the same rows, converted alike
+        a = _axolotl_check().load(AXOLOTL / "tiny.yaml")
+        assert [str(Path(f).resolve()) for f in u.data.train_files] == [a["datasets"][0]["path"]]
+
+
+def test_prepare_data_matches_the_unsloth_rows(tmp_path):
+    spec = importlib.util.spec_from_file_location("axolotl_prepare_data", AXOLOTL / "prepare_data.py")
+    prep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prep)
+    src = ROOT / "recipes/qwen-fsdp2-sft/tiny/data/alpaca.json"
+    n = prep.convert(str(src), str(tmp_path / "chat.jsonl"))
+    u = load_recipe("unsloth-lora-ddp")
+    cfg = u.load(UNSLOTH / "tiny.yaml", [f"data.train_files=[{src}]"])
+    rows = u.training_rows(cfg)
+    chats = [r["messages"] for r in read_jsonl(tmp_path / "chat.jsonl")]
+    assert n == len(rows) == 200
+    assert chats == [r["prompt"] + r["completion"] for r in rows]
+
+
+def test_unsloth_recipe_trl_path_trains(tmp_path):
+    """model.loader=transformers (AutoModelForCausalLM + PEFT under TRL's SFTTrainer) on 2 ranks: the loss falls,
+    the metrics count tokens, and the adapter has the config's LoRA settings."""
+    out = tmp_path / "run"
+    main_in_workers("unsloth-lora-ddp", f"output_dir={out}")
+    train = [r for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
+    assert train[-1]["loss"] < train[0]["loss"] - 0.1
+    assert all(r["tokens_per_s_per_device"] > 0 for r in train)
+    adapter = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert (adapter["r"], adapter["lora_alpha"], adapter["lora_dropout"]) == (16, 32, 0.0)
+    assert sorted(adapter["target_modules"]) == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                        "up_proj", "down_proj"])
