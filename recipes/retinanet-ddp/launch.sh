@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Launch train.py with torchrun on this node. Extra arguments are config overrides:
+#   ./launch.sh train.max_steps=100 optim.lr=3e-5
+#   CONFIG_FILE=tiny.yaml NGPU=2 ./launch.sh
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 ./launch.sh   # then NODE_RANK=1 on the second node
+# NGPU processes per node (default: every GPU, else 2 CPU processes); the config and data are checked in one
+# process first (train.py --check), then torchrun starts the workers (python -m cookbook.launch).
+# A worker killed (SIGKILL, out of memory) or crashed mid-run restarts the whole group, which resumes from the
+# newest checkpoint: MAX_RESTARTS times at most (default 3, as torchrun's fault-tolerant example; 0: none).
+# Bad input (exit 2), a divergence (4), a preemption (75), Ctrl-C (130) and SIGTERM to this script are never restarted.
+set -euo pipefail
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+exec python3 -m cookbook.launch --ngpu "${NGPU:-}" --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" \
+  --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-}" --max-restarts "${MAX_RESTARTS:-3}" \
+  "$HERE/train.py" --config "${CONFIG_FILE:-$HERE/config.yaml}" "$@"

@@ -1,0 +1,155 @@
+"""The RetinaNet DDP recipe on its tiny twin (ResNet-18-FPN, 9 real images with hand-drawn boxes), 2 CPU ranks.
+
+PyPI's torchvision does not import beside the CPU torch (its compiled ops need CUDA libraries): the README's test
+command installs it into ``.torchvision-cpu`` and `torchvision_cpu.apply` makes it importable in this process, with a
+pure-PyTorch nms. The runs are ``main`` on 2 workers forked from this process (`main_in_workers`), which inherit it.
+"""
+
+import json
+import logging
+import shutil
+
+import pytest
+import torch
+import torchvision_cpu
+from conftest import ROOT, check, load_recipe, main_in_workers, read_jsonl, train_losses
+
+torchvision_cpu.apply()
+
+RECIPE = ROOT / "recipes" / "retinanet-ddp"
+recipe = load_recipe("retinanet-ddp")
+STEPS = 30
+
+
+def run_workers(monkeypatch, *overrides: str) -> None:
+    monkeypatch.setenv("COOKBOOK_DEVICE", "cpu")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    log = logging.getLogger("cookbook")
+    inherited = [h for h in log.handlers if getattr(h, "_cookbook", False)]
+    for h in inherited:
+        log.removeHandler(h)
+    try:
+        main_in_workers("retinanet-ddp", *overrides)
+    finally:
+        for h in inherited:
+            log.addHandler(h)
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    """One uninterrupted 30-step run of tiny.yaml (evaluated at step 0 and at the end, checkpoints at 10, 20, 30)."""
+    out = tmp_path_factory.mktemp("retina") / "full"
+    mp = pytest.MonkeyPatch()
+    try:
+        run_workers(mp, f"output_dir={out}")
+    finally:
+        mp.undo()
+    return out
+
+
+def test_nms_equals_a_brute_force_reference():
+    from torchvision.ops import batched_nms, nms
+
+    g = torch.Generator().manual_seed(0)
+    for n in (0, 1, 7, 60):
+        xy = torch.rand(n, 2, generator=g) * 50
+        boxes = torch.cat([xy, xy + 1 + torch.rand(n, 2, generator=g) * 30], 1)
+        scores = torch.rand(n, generator=g)
+        for thr in (0.3, 0.5):
+            kept = nms(boxes, scores, thr)
+            assert kept.dtype == torch.int64
+            ref = []  # brute force: each box, by score, survives unless a kept box overlaps it by IoU > thr
+            for i in sorted(range(n), key=lambda i: -scores[i].item()):
+                if all(_iou(boxes[i], boxes[j]) <= thr for j in ref):
+                    ref.append(i)
+            assert kept.tolist() == ref
+    labels = torch.randint(0, 3, (60,), generator=g)
+    kept = batched_nms(boxes, scores, labels, 0.5)
+    ref = sorted((i for c in range(3) for i in (labels == c).nonzero()[:, 0][nms(boxes[labels == c], scores[labels == c], 0.5)].tolist()),
+                 key=lambda i: -scores[i].item())
+    assert kept.tolist() == ref
+
+
+def _iou(a, b) -> float:
+    iw = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
+    ih = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
+    inter = iw * ih
+    return float(inter / ((a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter))
+
+
+def test_loss_falls_and_map_rises(full_run):
+    losses = train_losses(full_run / "metrics.jsonl")
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    first, last = sum(losses[s] for s in range(1, 4)) / 3, sum(losses[s] for s in range(STEPS - 2, STEPS + 1)) / 3
+    assert last < 0.6 * first, (first, last)
+    evals = [r for r in read_jsonl(full_run / "metrics.jsonl") if r["event"] == "eval"]
+    assert [e["step"] for e in evals] == [0, STEPS]
+    assert all(e["eval/images"] == 9 for e in evals)  # every image once, none duplicated across ranks
+    start, end = evals[0], evals[-1]
+    assert end["eval/map_50"] > start["eval/map_50"] + 0.05, (start, end)
+    assert end["eval/map"] > start["eval/map"], (start, end)
+    rec = [r for r in read_jsonl(full_run / "metrics.jsonl") if r["event"] == "train"][-1]
+    assert rec["samples_per_s_per_device"] == pytest.approx(rec["samples_per_s"] / 2) and "tokens_per_s" not in rec
+    summary = [r for r in read_jsonl(full_run / "metrics.jsonl") if r["event"] == "summary"][-1]
+    assert summary["param_fingerprints"][0] == summary["param_fingerprints"][1]
+    assert json.loads((full_run / "final" / "categories.json").read_text())[1]["name"] == "bee"
+
+
+def test_sharded_evaluation_equals_single_process(full_run):
+    """The final model, evaluated in this one process over the whole set, gives the 2-rank run's numbers exactly."""
+    cfg = recipe.load_config(recipe.Config, RECIPE / "tiny.yaml")
+    recipe.check_config(cfg, RECIPE)
+    records, cats = recipe.load_coco(cfg.data.eval_images, cfg.data.eval_annotations, "data.eval_annotations")
+    model = recipe.build_model(cfg.model, len(cats) + 1, logging.getLogger("test"))
+    model.load_state_dict(torch.load(full_run / "final" / "model.pt"))
+    loader = torch.utils.data.DataLoader(recipe.CocoDetection(records, train=False), batch_size=1,
+                                         collate_fn=recipe.collate)
+    torch.set_num_threads(1)  # as each rank ran
+    single = recipe.evaluate(model, loader, torch.device("cpu"), lambda: torch.autocast("cpu", enabled=False))
+    sharded = [r for r in read_jsonl(full_run / "metrics.jsonl") if r["event"] == "eval"][-1]
+    assert single["images"] == 9
+    assert (single["map"], single["map_50"]) == (sharded["eval/map"], sharded["eval/map_50"])
+    assert single["map_50"] > 0
+
+
+def test_resume_gives_the_same_losses_as_an_uninterrupted_run(full_run, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    shutil.copytree(full_run / "checkpoints" / "step_00000020", out / "checkpoints" / "step_00000020")
+    run_workers(monkeypatch, f"output_dir={out}", "train.eval_at_start=false")  # resume=auto: from step 20
+    resumed, full = train_losses(out / "metrics.jsonl"), train_losses(full_run / "metrics.jsonl")
+    assert sorted(resumed) == list(range(21, STEPS + 1))
+    assert [resumed[s] for s in range(21, STEPS + 1)] == [full[s] for s in range(21, STEPS + 1)]
+
+
+def _write(tmp_path, mutate, raw: str | None = None):
+    coco = json.loads((RECIPE / "tiny" / "instances.json").read_text())
+    mutate(coco)
+    path = tmp_path / "instances.json"
+    path.write_text(raw if raw is not None else json.dumps(coco), encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda c: c["images"][0].update(file_name="missing.jpg"),
+     r"images\[0\] \(id 1\): field 'file_name': image file not found: .*missing.jpg"),
+    (lambda c: c["annotations"][0].update(bbox=[100, 40, 154, 58]),
+     r"annotations\[0\] \(annotation id 1\): field 'bbox' \[100, 40, 154, 58\] lies outside its image 1 \(224 x 149"),
+    (lambda c: c["annotations"][2].update(category_id=7),
+     r"annotations\[2\] \(annotation id 3\): field 'category_id': unknown category id 7 \(categories: \[1, 2\]\)"),
+    (lambda c: c["annotations"][1].update(bbox=[56, 22, -36, 22]),
+     r"annotations\[1\] \(annotation id 2\): field 'bbox': width and height must be > 0, got \[56, 22, -36, 22\]"),
+    (lambda c: c["annotations"][3].update(image_id=3.0),
+     r"annotations\[3\] \(annotation id 4\): field 'image_id' must be an integer, got 3.0"),
+])
+def test_bad_input_names_file_field_and_annotation(tmp_path, mutate, message):
+    path = _write(tmp_path, mutate)
+    with pytest.raises(recipe.DataError, match=rf"^{tmp_path}/instances.json: {message}"):
+        check("retinanet-ddp", f"data.train_annotations={path}", f"data.train_images={RECIPE / 'tiny' / 'images'}")
+
+
+def test_a_bom_is_accepted_with_the_same_records(tmp_path):
+    plain = RECIPE / "tiny" / "instances.json"
+    path = tmp_path / "bom.json"
+    path.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    images = str(RECIPE / "tiny" / "images")
+    assert recipe.load_coco(images, str(path), "f") == recipe.load_coco(images, str(plain), "f")
