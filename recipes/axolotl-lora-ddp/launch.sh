@@ -13,6 +13,8 @@ CONFIG="${CONFIG_FILE:-config.yaml}"
 [[ "$CONFIG" = /* ]] || CONFIG="$HERE/$CONFIG"
 NGPU=${NGPU:-$(python3 -c 'import torch; print(torch.cuda.device_count() or 1)' 2>/dev/null || echo 1)}
 LAUNCHER=${LAUNCHER:-torchrun}
+# Axolotl sends usage telemetry unless told not to; offline it retries for seconds. Set AXOLOTL_DO_NOT_TRACK=0 to allow it.
+export AXOLOTL_DO_NOT_TRACK="${AXOLOTL_DO_NOT_TRACK:-1}"
 case "$LAUNCHER" in
   torchrun) launcher_args=(--nproc_per_node "$NGPU" --nnodes 1) ;;
   accelerate) launcher_args=(--num_processes "$NGPU" --num_machines 1) ;;
