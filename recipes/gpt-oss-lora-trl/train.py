@@ -44,8 +44,6 @@ import cookbook
 from cookbook import config, hf_trainer, lm, sft
 from cookbook.checkpoint import CheckpointError, ResumeGuard, read_meta
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
-from cookbook.dist import stall_error
-from cookbook.loop import Preempted
 
 PARALLEL = ("ddp", "fsdp")
 FINAL_START = "<|channel|>final<|message|>"  # the final channel's header; its text ends at <|return|> or <|end|>
@@ -409,33 +407,13 @@ def train(cfg: Config, on_cpu: bool) -> None:
              f"{cfg.model.attn_implementation} | global batch {per_step} rows | {max_steps} steps | "
              f"{'bf16' if bf16 else 'fp32'} | data: {stats.summary()}")
 
-    failed = stopped = False
-    try:
-        trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
-        if resume_from is not None:
-            log.info(f"resumed from {resume_from}")
-        if trainer.state.global_step < max_steps:
-            stopped = True
-            preemption.raise_if_stopped(trainer.state, publisher.latest())  # exit status 75
-            log.info(f"stopped at step {trainer.state.global_step} of {max_steps} (train.stop_at_step); run again "
-                     f"without train.stop_at_step (or with a larger value) to continue from {publisher.latest()}")
-            return
+    with hf_trainer.TrainerRun(preemption, metrics) as run:  # closes metrics and the group whatever happens
+        if not run.train(trainer, resume_from, max_steps, publisher):
+            return  # train.stop_at_step: a checkpoint is published there
         step = trainer.state.global_step
         export_dir = hf_trainer.export_final(trainer, tokenizer, out_dir) if cfg.checkpoint.export_hf else None
         metrics.log_summary({"step": step, "export_dir": str(export_dir) if export_dir else None})
         log_outputs(step, {}, metrics, root, {"export_dir": (export_dir, "AutoModelForCausalLM.from_pretrained")})
-    except Preempted:
-        raise
-    except BaseException as exc:
-        failed = True
-        stalled = stall_error(exc)  # a collective that timed out: name the rank behind while the group exists
-        if stalled is not None:
-            raise stalled from exc
-        raise
-    finally:
-        preemption.close()
-        metrics.close(failed=failed, stopped=stopped)
-        cookbook.destroy_distributed()
 
 
 if __name__ == "__main__":
