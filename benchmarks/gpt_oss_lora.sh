@@ -92,7 +92,7 @@ EOF
 
 if [[ "$TINY" == 1 ]]; then attn=eager; else attn=flex_attention; fi
 common=("model.name_or_path=$RUNS/model" model.pretrained=false "model.attn_implementation=$attn"
-        "data.train_files=[$RUNS/rows.jsonl]" data.hub_id= "data.max_length=$SEQ" data.chat_template_kwargs={}
+        "data.train_files=[$RUNS/rows.jsonl]" "data.max_length=$SEQ" data.chat_template_kwargs={}
         "train.micro_batch_size=$MB" train.grad_accum_steps=1 "train.max_steps=$STEPS" train.log_every=1
         checkpoint.every_steps=-1 checkpoint.export_hf=false mlflow=false trackers=[])
 
