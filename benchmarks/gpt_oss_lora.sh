@@ -13,8 +13,9 @@
 #     flex_attention; STEPS steps each; no checkpoints and no export (a merged 20B export is 40 GB of disk).
 #   bash benchmarks/gpt_oss_lora.sh                              # on the device, from the repository root
 #   NGPU=2 STEPS=30 OUT=/tmp/out bash benchmarks/gpt_oss_lora.sh
+#   FSDP=1 bash benchmarks/gpt_oss_lora.sh                      # also (c) parallel=fsdp (+ AC), FSDP_STEPS=10 steps
 #   CPU check of this code path: TINY=1 SKIP_INSTALL=1 bash benchmarks/gpt_oss_lora.sh
-# Writes $OUT/results.jsonl (one record per run, or its error) and $OUT/{noac,ac}.log (each run's last lines).
+# Writes $OUT/results.jsonl (one record per run, or its error) and $OUT/{noac,ac,fsdp}.log (each run's last lines).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -96,13 +97,14 @@ common=("model.name_or_path=$RUNS/model" model.pretrained=false "model.attn_impl
         "train.micro_batch_size=$MB" train.grad_accum_steps=1 "train.max_steps=$STEPS" train.log_every=1
         checkpoint.every_steps=-1 checkpoint.export_hf=false mlflow=false trackers=[])
 
-run() {  # name activation_checkpointing
+run() {  # name activation_checkpointing [more overrides]
   local name=$1 ac=$2 rc
+  shift 2
   say "[$name] $STEPS steps on $NGPU GPU(s), micro-batch $MB x $SEQ tokens, activation checkpointing $ac (at most ${RUN_TIMEOUT}s)"
   timeout --signal=TERM --kill-after=20 "$RUN_TIMEOUT" \
     torchrun --standalone --nproc-per-node "$NGPU" recipes/gpt-oss-lora-trl/train.py \
       --config recipes/gpt-oss-lora-trl/config.yaml "output_dir=$RUNS/$name" "run_name=bench-gpt-oss-$name" \
-      "train.activation_checkpointing=$ac" "${common[@]}" > "$RUNS/$name.log" 2>&1
+      "train.activation_checkpointing=$ac" "${common[@]}" "train.max_steps=$STEPS" "$@" > "$RUNS/$name.log" 2>&1
   rc=$?
   tail -n 40 "$RUNS/$name.log" > "$OUT/$name.log"
   if [[ $rc -eq 0 ]]; then
@@ -119,6 +121,9 @@ run() {  # name activation_checkpointing
 
 run noac none
 run ac full
+if [[ "${FSDP:-0}" != 0 ]]; then  # the recipe's parallel=fsdp path (120B's), on the same model: FSDP_STEPS steps
+  STEPS=${FSDP_STEPS:-10} SKIP_STEPS=${FSDP_SKIP_STEPS:-3} run fsdp full parallel=fsdp
+fi
 say "results ($RESULTS):"
 cat "$RESULTS"
-python3 benchmarks/summarize.py --skip-steps "$SKIP_STEPS" $(for r in noac ac; do [[ -f "$RUNS/$r/metrics.jsonl" ]] && echo "$RUNS/$r"; done) || true
+python3 benchmarks/summarize.py --skip-steps "$SKIP_STEPS" $(for r in noac ac fsdp; do [[ -f "$RUNS/$r/metrics.jsonl" ]] && echo "$RUNS/$r"; done) || true

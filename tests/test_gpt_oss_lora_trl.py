@@ -1,7 +1,7 @@
 """recipes/gpt-oss-lora-trl on 2 CPU ranks (forked workers): the tiny gpt_oss twin trained with TRL's SFTTrainer +
 PEFT under DDP. One uninterrupted run and one stopped at step 4 then resumed are shared by the assertions: loss falls,
-the resumed run's per-step losses equal the uninterrupted run's, the exported adapter reloads onto the base with the
-merged model's logits; plus the final-channel label mask (decoded) and the refusal of a bad row."""
+the resumed run's per-step losses equal the uninterrupted run's, the exported adapter (attention projections and
+experts) reloads onto the base with the merged model's logits; plus the final-channel label mask (decoded) and the refusal of a bad row."""
 
 from __future__ import annotations
 
@@ -20,13 +20,16 @@ def _train_losses(out: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "train"}
 
 
+EXPERTS = "lora.target_parameters=[mlp.experts.gate_up_proj,mlp.experts.down_proj]"  # LoRA on the experts too
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     full, resumed = tmp_path_factory.mktemp("full"), tmp_path_factory.mktemp("resumed")
-    main_in_workers("gpt-oss-lora-trl", f"output_dir={full}")
-    main_in_workers("gpt-oss-lora-trl", f"output_dir={resumed}", "train.stop_at_step=4")
+    main_in_workers("gpt-oss-lora-trl", f"output_dir={full}", EXPERTS)
+    main_in_workers("gpt-oss-lora-trl", f"output_dir={resumed}", EXPERTS, "train.stop_at_step=4")
     stopped = _train_losses(resumed)
-    main_in_workers("gpt-oss-lora-trl", f"output_dir={resumed}")
+    main_in_workers("gpt-oss-lora-trl", f"output_dir={resumed}", EXPERTS)
     return full, resumed, stopped
 
 
@@ -52,8 +55,8 @@ def test_adapter_reloads_with_equal_logits(runs):
 
     out = runs[0]
     adapter = json.loads((out / "adapter" / "adapter_config.json").read_text())
-    assert (adapter["r"], adapter["lora_alpha"], sorted(adapter["target_modules"])) == \
-        (8, 16, ["k_proj", "o_proj", "q_proj", "v_proj"])
+    assert (adapter["r"], adapter["lora_alpha"], sorted(adapter["target_modules"]), adapter["target_parameters"]) == \
+        (8, 16, ["k_proj", "o_proj", "q_proj", "v_proj"], ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
     torch.manual_seed(42)  # the recipe's random init (model.pretrained=false, train.seed=42)
     base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY / "gpt_oss", attn_implementation="eager"),
                                             dtype=torch.float32)
@@ -115,6 +118,8 @@ def test_bad_rows_are_refused(tmp_path):
         check("gpt-oss-lora-trl", f"data.train_files=[{bad}]")
     with pytest.raises(mod.ConfigError, match=r"model.attn_implementation"):
         check("gpt-oss-lora-trl", "model.attn_implementation=sdpa")
+    with pytest.raises(mod.ConfigError, match=r"^parallel=fsdp needs CUDA GPUs: on CPU the Trainer ignores"):
+        check("gpt-oss-lora-trl", "parallel=fsdp")
     cfg = mod.load_config(mod.Config, RECIPE / "gpt-oss-120b.yaml")
     assert (cfg.parallel, cfg.model.name_or_path, cfg.train.activation_checkpointing) == \
         ("fsdp", "openai/gpt-oss-120b", "full")

@@ -112,7 +112,7 @@ def check_config(cfg: Config, config_dir: Path, on_cpu: bool) -> None:
 
     Raises:
         ConfigError: a value out of range or not one of its choices (naming the key), ``sdpa`` attention,
-            flex_attention on CPU, no data source.
+            flex_attention or ``parallel=fsdp`` on CPU, no data source.
     """
     cfg.model.name_or_path = resolve_path(cfg.model.name_or_path, config_dir)
     cfg.model.tokenizer = resolve_path(cfg.model.tokenizer or cfg.model.name_or_path, config_dir)
@@ -124,6 +124,9 @@ def check_config(cfg: Config, config_dir: Path, on_cpu: bool) -> None:
                  within={"lora.dropout": "[0, 1)", "data.max_dropped_fraction": "[0, 1]"},
                  notes={"model.attn_implementation": "sdpa is refused by transformers for gpt_oss (attention sinks)"})
     lm.check_attention(cfg.model.attn_implementation, on_cpu)
+    if on_cpu and cfg.parallel == "fsdp":  # accelerate's MULTI_CPU: the Trainer would wrap the model in DDP
+        raise ConfigError("parallel=fsdp needs CUDA GPUs: on CPU the Trainer ignores its fsdp settings and runs DDP; "
+                          "use parallel=ddp on CPU")
     if not cfg.lora.target_modules and not cfg.lora.target_parameters:
         raise ConfigError("lora.target_modules and lora.target_parameters are both empty: nothing to train")
     if not cfg.data.train_files and not cfg.data.hub_id:
