@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # GPT-OSS 20B LoRA through recipes/gpt-oss-lora-trl/train.py (TRL SFTTrainer + PEFT, DDP) on this machine's GPUs:
 # tokens/s/GPU, MFU on active parameters and peak memory, from the run's metrics.jsonl (benchmarks/summarize.py).
-#   - Model: the gpt_oss 20B architecture (transformers' GptOssConfig defaults: 24 layers, hidden 2880, 32 experts,
-#     4 per token, 64 heads / 8 kv of 64, sliding window 128 on alternate layers, YaRN x32) with random weights in
-#     bf16 (model.pretrained=false): no hub here, so not openai/gpt-oss-20b's weights.
+#   - Model: the gpt_oss 20B architecture (GptOssConfig with 24 layers and 32 experts, 4 per token; its defaults:
+#     hidden 2880, 64 heads / 8 kv of 64, sliding window 128 on alternate layers, YaRN x32 over 4096, vocab 201,088)
+#     with random weights in bf16 (model.pretrained=false): no hub here, so not openai/gpt-oss-20b's weights.
 #   - Tokenizer: the o200k tokenizer of gpt-oss is not offline here; .data/qwen3's tokenizer (151,643 tokens) with the
 #     harmony special tokens added and the recipe's tiny harmony chat template (tiny/gpt_oss/chat_template.jinja),
 #     built at run time. The vocab (201,088 rows) covers it.
@@ -66,7 +66,9 @@ if tiny:
     cfg = AutoConfig.from_pretrained(recipe / "tiny/gpt_oss")
     cfg.vocab_size = -(-len(tok) // 64) * 64
 else:
-    cfg = GptOssConfig()  # the 20B architecture
+    # gpt-oss-20b's architecture (its config.json): GptOssConfig's defaults are 120B's (36 layers, 128 experts)
+    cfg = GptOssConfig(num_hidden_layers=24, num_local_experts=32, num_experts_per_tok=4,
+                       layer_types=["sliding_attention", "full_attention"] * 12)
 cfg.pad_token_id, cfg.eos_token_id = tok.pad_token_id, tok.eos_token_id
 assert len(tok) <= cfg.vocab_size, (len(tok), cfg.vocab_size)
 cfg.save_pretrained(model)
@@ -74,6 +76,13 @@ print(f"model: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.nu
       f"({cfg.num_experts_per_tok} per token), heads {cfg.num_attention_heads}/{cfg.num_key_value_heads} x "
       f"{cfg.head_dim}, vocab {cfg.vocab_size}, sliding window {cfg.sliding_window}, rope {cfg.rope_parameters}; "
       f"tokenizer {len(tok)} tokens", flush=True)
+with torch.device("meta"):
+    from transformers import AutoModelForCausalLM
+    meta = AutoModelForCausalLM.from_config(cfg)
+experts = sum(p.numel() for n, p in meta.named_parameters() if ".mlp.experts." in n)
+total = sum(p.numel() for p in meta.parameters())
+print(f"parameters: {total / 1e9:.2f} B in all, {(total - experts * (1 - cfg.num_experts_per_tok / cfg.num_local_experts)) / 1e9:.2f} B "
+      f"active per token (embeddings included)", flush=True)
 rows, turns, est = [], [], 0
 for r in json.load(open(".data/alpaca_data_sample5000.json")):
     prompt = r["instruction"] + (f"\n\n{r['input']}" if r.get("input", "").strip() else "")
