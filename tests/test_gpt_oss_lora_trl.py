@@ -6,6 +6,8 @@ experts) reloads onto the base with the merged model's logits; plus the final-ch
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -45,7 +47,8 @@ def test_resume_equals_uninterrupted(runs):
     assert sorted(p.name for p in (resumed / "checkpoints").iterdir() if p.name.startswith("checkpoint-")) == \
         ["checkpoint-4", "checkpoint-8"]
     want, got = _train_losses(full), _train_losses(resumed)
-    assert sorted(got) == list(range(1, 9))
+    # the second run continued at step 5 (a run started afresh would log steps 1-8 again, with the same losses)
+    assert [r["step"] for r in read_jsonl(resumed / "metrics.jsonl") if r["event"] == "train"] == list(range(1, 9))
     assert [got[s] for s in range(1, 9)] == pytest.approx([want[s] for s in range(1, 9)], rel=1e-5, abs=1e-6)
 
 
@@ -102,6 +105,19 @@ def test_labels_are_the_final_channel_only():
     # cut inside the final channel: the labels run to the cut
     ids = examples[1]["input_ids"]
     assert mod.final_channel_labels(ids[:-3], tokenizer)[-1] == ids[-4]
+
+
+def test_launch_dry_run_for_two_nodes():
+    env = {**os.environ, "DRY_RUN": "1", "NGPU": "8", "NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1",
+           "CONFIG_FILE": "gpt-oss-120b.yaml"}
+    out = subprocess.run(["bash", str(RECIPE / "launch.sh"), "train.max_steps=3"], capture_output=True, text=True,
+                         env=env, timeout=60)
+    config, train = RECIPE / "gpt-oss-120b.yaml", RECIPE / "train.py"
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        f"check: env COOKBOOK_WORLD_SIZE=16 python3 {train} --config {config} --check train.max_steps=3 ",
+        f"run: torchrun --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500 --nproc-per-node 8 "
+        f"{train} --config {config} train.max_steps=3 "]
 
 
 def test_bad_rows_are_refused(tmp_path):
