@@ -26,7 +26,7 @@ STEPS=${STEPS:-35}
 SKIP_STEPS=${SKIP_STEPS:-5}
 SEQ=${SEQ:-4096}
 MB=${MB:-1}
-RUN_TIMEOUT=${RUN_TIMEOUT:-220}             # seconds per run, model build included
+RUN_TIMEOUT=${RUN_TIMEOUT:-200}             # seconds per run, model build included (2 runs + setup < 10 min)
 TINY=${TINY:-0}                              # 1: the tiny gpt_oss (CPU check of this script)
 RESULTS="$OUT/results.jsonl"
 : > "$RESULTS"
