@@ -64,10 +64,9 @@ from transformers import logging as hf_logging
 import cookbook
 from cookbook import hf_trainer, sft
 from cookbook.checkpoint import CheckpointError, ResumeGuard, read_meta
-from cookbook.loop import NonFinitePolicy, Preempted
+from cookbook.loop import NonFinitePolicy
 from cookbook import config
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
-from cookbook.dist import stall_error
 
 hf_logging.disable_progress_bar()
 FIELDS = ("company", "date", "address", "total")
@@ -628,17 +627,9 @@ def train(cfg: Config, on_cpu: bool) -> None:
              f"receipts | global batch {per_step} rows | {max_steps} steps | {'bf16' if bf16 else 'fp32'} | data: "
              f"{data.stats.summary()}")
 
-    failed = stopped = False
-    try:
-        trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
-        if resume_from is not None:
-            log.info(f"resumed from {resume_from}")
-        if trainer.state.global_step < max_steps:
-            stopped = True
-            preemption.raise_if_stopped(trainer.state, publisher.latest())  # exit status 75
-            log.info(f"stopped at step {trainer.state.global_step} of {max_steps} (train.stop_at_step); run again "
-                     f"without train.stop_at_step (or with a larger value) to continue from {publisher.latest()}")
-            return
+    with hf_trainer.TrainerRun(preemption, metrics) as run:  # closes metrics and the group whatever happens
+        if not run.train(trainer, resume_from, max_steps, publisher):
+            return  # train.stop_at_step: a checkpoint is published there
         step = trainer.state.global_step
         evaluated_last_step = metrics_cb.last_eval and cfg.train.eval_every > 0 and step % cfg.train.eval_every == 0
         if val_rows and not evaluated_last_step:
@@ -650,18 +641,6 @@ def train(cfg: Config, on_cpu: bool) -> None:
                              "export_dir": str(export_dir) if export_dir else None, "mlflow_uri": metrics.mlflow_uri,
                              "mlflow_run_id": metrics.mlflow_run_id})
         log_outputs(step, final, metrics, root, outputs, eval_text=eval_line(final, cfg.data.fields) if final else "")
-    except Preempted:
-        raise
-    except BaseException as exc:
-        failed = True
-        stalled = stall_error(exc)  # a collective that timed out: name the rank behind while the group exists
-        if stalled is not None:
-            raise stalled from exc
-        raise
-    finally:
-        preemption.close()
-        metrics.close(failed=failed, stopped=stopped)
-        cookbook.destroy_distributed()
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ The Trainer runs the step loop; these pieces connect it to the rest of the cookb
   guard from the file sizes `PublishCheckpoints` lists in ``meta.json``.
 - `check_deepspeed_config` refuses, before any worker starts, a DeepSpeed JSON that disagrees with the
   recipe's config (or with the one an ``accelerate launch`` config names: `check_accelerate_deepspeed_file`); `init_deepspeed` starts DeepSpeed's communication over the cookbook's process group.
+- `TrainerRun` runs ``trainer.train()`` and closes the run whatever happens (stop, preemption, failure, stall).
 - `export_final` writes the consolidated model (and a LoRA adapter) in Hugging Face format.
 
 Use::
@@ -36,14 +37,10 @@ Use::
                         callbacks=[StopAtStep(cfg.train.stop_at_step), preemption, nonfinite, StallReport(),
                                    publisher, metrics_cb])
     trainer.remove_callback(PrinterCallback)  # MetricsLogger prints the log lines
-    try:
-        trainer.train(resume_from_checkpoint=...)
-        preemption.raise_if_stopped(trainer.state, publisher.latest())  # exit 75 after a preemption
-    except BaseException as exc:
-        stalled = cookbook.dist.stall_error(exc)  # a collective timed out: the line naming the rank behind
-        ...
-    finally:
-        preemption.close()
+    with TrainerRun(preemption, metrics) as run:  # closes everything; a timed-out collective names the rank behind
+        if not run.train(trainer, resume_from, max_steps, publisher):  # Preempted (exit 75) after a preemption
+            return  # stopped at train.stop_at_step
+        export_final(trainer, tokenizer, out_dir)
 """
 
 from __future__ import annotations
@@ -65,9 +62,9 @@ from cookbook import lm
 from cookbook.checkpoint import (FILES_KEY, ResumeGuard, _from_rank0, _os_error_in, _reason, file_sizes, publish,
                                  save_error)
 from cookbook.config import ConfigError
-from cookbook.dist import (DistInfo, apply_collective_timeout, barrier, get_dist_info, get_logger, init_distributed,
-                           record_progress)
-from cookbook.loop import NonFinitePolicy, StopRequest, StopVote
+from cookbook.dist import (DistInfo, apply_collective_timeout, barrier, destroy_distributed, get_dist_info, get_logger,
+                           init_distributed, record_progress, stall_error)
+from cookbook.loop import NonFinitePolicy, Preempted, StopRequest, StopVote
 from cookbook.metrics import MetricsLogger
 
 # DeepSpeed keys the Trainer fills from its TrainingArguments when they are "auto"; a number must agree.
@@ -577,6 +574,59 @@ class StallReport(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         record_progress(state.global_step)
+
+
+# ----------------------------------------------------------------------------- the run
+class TrainerRun:
+    """How a Trainer recipe runs ``trainer.train()`` and ends, whatever happens (the ``try`` of `TrainLoop.run`):
+
+        with TrainerRun(preemption, metrics) as run:
+            if not run.train(trainer, resume_from, max_steps, publisher):
+                return  # stopped at train.stop_at_step, with a checkpoint
+            ...evaluate, export, log the outputs...
+
+    `train` resumes from `resume_from`, raises `cookbook.loop.Preempted` (exit status 75) after a preemption and
+    logs where to continue after ``train.stop_at_step``. Leaving the block stops listening for signals
+    (`Preemption.close`), closes `metrics` (failed, stopped early or finished) and the process group; a collective
+    that timed out is raised as the one line naming the rank that is behind (`cookbook.dist.stall_error`).
+    """
+
+    def __init__(self, preemption: Preemption, metrics: MetricsLogger):
+        self.preemption, self.metrics = preemption, metrics
+        self.stopped = False
+
+    def train(self, trainer, resume_from: Path | None, max_steps: int, publisher: PublishCheckpoints) -> bool:
+        """``trainer.train()``; True when it reached `max_steps`, False when ``train.stop_at_step`` stopped it.
+
+        Raises:
+            Preempted: a preemption signal stopped it (a checkpoint is published at that step).
+        """
+        log = get_logger()
+        trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+        if resume_from is not None:
+            log.info(f"resumed from {resume_from}")
+        if trainer.state.global_step >= max_steps:
+            return True
+        self.stopped = True
+        self.preemption.raise_if_stopped(trainer.state, publisher.latest())  # exit status 75
+        log.info(f"stopped at step {trainer.state.global_step} of {max_steps} (train.stop_at_step); run again "
+                 f"without train.stop_at_step (or with a larger value) to continue from {publisher.latest()}")
+        return False
+
+    def __enter__(self) -> "TrainerRun":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        failed = exc is not None and not isinstance(exc, Preempted)
+        stalled = stall_error(exc) if failed else None  # name the rank behind while the group exists
+        try:
+            self.preemption.close()
+            self.metrics.close(failed=failed, stopped=self.stopped)
+            destroy_distributed()
+        finally:
+            if stalled is not None:
+                raise stalled from exc
+        return False
 
 
 # ----------------------------------------------------------------------------- export

@@ -1,0 +1,423 @@
+"""LoRA fine-tune of GPT-OSS (``gpt_oss``, a mixture-of-experts model) with TRL's SFTTrainer and PEFT, under torchrun.
+
+    bash recipes/gpt-oss-lora-trl/launch.sh                                   # gpt-oss-20b, DDP on this node's GPUs
+    CONFIG_FILE=gpt-oss-120b.yaml bash recipes/gpt-oss-lora-trl/launch.sh     # gpt-oss-120b, FSDP2 + activation ckpt
+    NGPU=1 bash recipes/gpt-oss-lora-trl/launch.sh train.max_steps=50 lora.r=32
+    CONFIG_FILE=tiny.yaml bash recipes/gpt-oss-lora-trl/launch.sh             # tiny twin, 2 CPU processes
+
+``parallel`` is the one place the technique differs:
+  * ``ddp``: every rank loads the whole model on its own GPU (``device_map={"": "cuda:LOCAL_RANK"}``); the
+    Trainer wraps it in DistributedDataParallel (20B in bf16 is ~42 GB: one copy fits one H200).
+  * ``fsdp``: the Trainer shards the model with FSDP2 (``fsdp="full_shard auto_wrap"``, one unit per
+    ``GptOssDecoderLayer``, activation checkpointing inside FSDP) for 120B, which does not fit one GPU.
+Weights: a hub MXFP4 checkpoint (``quantization_config.quant_method: mxfp4``) is loaded dequantized to bf16
+(``Mxfp4Config(dequantize=True)``, logged once): transformers' MXFP4 quantizer cannot train (the Trainer refuses
+it). ``model.pretrained=false`` builds the architecture from ``config.json`` with random weights (benchmarks, CI).
+Attention: ``flex_attention`` on GPU (``sdpa`` is refused by transformers for gpt_oss: its attention sinks),
+``eager`` on CPU (FlexAttention has no CPU backward).
+
+Data: chat rows (`cookbook.sft.to_conversation`: messages, tools, tool calls and results; an assistant turn's
+``thinking`` and a row's ``reasoning_effort`` are kept) rendered with the tokenizer's harmony chat template; only
+the assistant's final-channel tokens carry labels (`final_channel_labels`). Bookkeeping through
+`cookbook.hf_trainer` (metrics.jsonl with tokens/s per GPU, MFU on active parameters, peak memory; published
+checkpoints, resume=auto, train.stop_at_step, SIGTERM/SIGUSR1 preemption with exit 75, stalled ranks named, failed
+saves in one line); at the end the adapter (``output_dir/adapter``) and the merged model (``output_dir/final``).
+A step with a non-finite loss or gradient norm is not detected (as in the unsloth recipe):
+`cookbook.hf_trainer.NonFiniteSteps` reads DeepSpeed's check, which this recipe does not run under.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+warnings.filterwarnings("ignore", message=".*set_vital.*")
+
+import torch
+
+import cookbook
+from cookbook import config, hf_trainer, lm, sft
+from cookbook.checkpoint import CheckpointError, ResumeGuard, read_meta
+from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
+
+PARALLEL = ("ddp", "fsdp")
+FINAL_START = "<|channel|>final<|message|>"  # the final channel's header; its text ends at <|return|> or <|end|>
+FINAL_ENDS = ("<|return|>", "<|end|>")
+
+
+# ----------------------------------------------------------------------------- config
+@dataclass
+class ModelConfig:
+    name_or_path: str = "openai/gpt-oss-20b"  # hub id or local folder (config.json, *.safetensors, tokenizer)
+    pretrained: bool = True  # false: random init from config.json (benchmarks, CI)
+    tokenizer: str | None = None  # default: name_or_path
+    attn_implementation: str = "flex_attention"  # flex_attention (GPU) or eager; sdpa is refused for gpt_oss
+
+
+@dataclass
+class LoraConfig:
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    target_parameters: list[str] = field(default_factory=list)  # e.g. [mlp.experts.gate_up_proj, mlp.experts.down_proj]
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)  # chat JSONL / JSON / parquet; empty: hub_id
+    hub_id: str = "HuggingFaceH4/Multilingual-Thinking"
+    max_length: int = 2048  # tokens per example; longer ones are cut (and dropped if no final-channel token is left)
+    num_workers: int = 1
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. {reasoning_effort: medium}
+    max_dropped_fraction: float = 0.1  # refuse when more of the rows are dropped (no final-channel token kept)
+
+
+@dataclass
+class OptimConfig(config.OptimConfig):
+    optimizer: str = "adamw_torch_fused"  # a transformers `optim` name; "adamw_torch" on CPU
+    lr: float = 2.0e-4
+
+
+@dataclass
+class TrainConfig(config.TrainConfig):
+    micro_batch_size: int = 4
+    max_steps: int = 200
+    activation_checkpointing: str = "full"  # none, full (with parallel=fsdp: FSDP's own activation checkpointing)
+
+
+@dataclass
+class Config(config.RunConfig):
+    output_dir: str = "outputs/gpt-oss-20b-lora"
+    run_name: str = "gpt-oss-20b-lora"
+    parallel: str = "ddp"  # ddp (one model copy per GPU) or fsdp (FSDP2 shards, for 120B)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: config.HFCheckpointConfig = field(default_factory=config.HFCheckpointConfig)
+
+
+MAY_CHANGE = (*config.MAY_CHANGE, "data.num_workers", "data.max_dropped_fraction")
+
+
+def check_config(cfg: Config, config_dir: Path, on_cpu: bool) -> None:
+    """Resolve paths against the config file's folder and reject values that cannot work (before any worker).
+
+    Raises:
+        ConfigError: a value out of range or not one of its choices (naming the key), ``sdpa`` attention,
+            flex_attention or ``parallel=fsdp`` on CPU, no data source.
+    """
+    cfg.model.name_or_path = resolve_path(cfg.model.name_or_path, config_dir)
+    cfg.model.tokenizer = resolve_path(cfg.model.tokenizer or cfg.model.name_or_path, config_dir)
+    cfg.data.train_files = [resolve_path(f, config_dir) for f in cfg.data.train_files]
+    config.check_run(cfg)
+    check_fields(cfg, at_least={"data.max_length": 1, "lora.r": 1, "lora.alpha": 1},
+                 one_of={"parallel": PARALLEL, "train.activation_checkpointing": ("none", "full"),
+                         "model.attn_implementation": ("flex_attention", "eager")},
+                 within={"lora.dropout": "[0, 1)", "data.max_dropped_fraction": "[0, 1]"},
+                 notes={"model.attn_implementation": "sdpa is refused by transformers for gpt_oss (attention sinks)"})
+    lm.check_attention(cfg.model.attn_implementation, on_cpu)
+    if on_cpu and cfg.parallel == "fsdp":  # accelerate's MULTI_CPU: the Trainer would wrap the model in DDP
+        raise ConfigError("parallel=fsdp needs CUDA GPUs: on CPU the Trainer ignores its fsdp settings and runs DDP; "
+                          "use parallel=ddp on CPU")
+    if not cfg.lora.target_modules and not cfg.lora.target_parameters:
+        raise ConfigError("lora.target_modules and lora.target_parameters are both empty: nothing to train")
+    if not cfg.data.train_files and not cfg.data.hub_id:
+        raise ConfigError("set data.train_files (chat JSONL files) or data.hub_id")
+
+
+# ----------------------------------------------------------------------------- data
+def harmony_conversation(row: dict, n: int, source: str) -> tuple[list[dict], list[dict] | None]:
+    """One row as harmony messages and its tools: `cookbook.sft.to_conversation` (which checks the row and names
+    ``<source> row <n>`` in its errors), with what it drops put back for chat rows: an assistant turn's
+    ``thinking`` (the analysis channel; ``reasoning_content`` is read too) and the ``developer`` role (checked as
+    ``system``).
+
+    Raises:
+        sft.SFTDataError: see `cookbook.sft.to_conversation`; a ``thinking`` that is not a string.
+    """
+    turns = row.get("messages") if isinstance(row.get("messages"), list) else None
+    if turns is not None:  # "developer" is a harmony role that to_conversation does not know: check it as system
+        row = {**row, "messages": [{**t, "role": "system"} if isinstance(t, dict) and t.get("role") == "developer"
+                                   else t for t in turns]}
+    messages, tools = sft.to_conversation(row, n, source)
+    if turns is not None and len(turns) == len(messages):
+        for i, (turn, m) in enumerate(zip(turns, messages)):
+            thinking = turn.get("thinking", turn.get("reasoning_content"))
+            if thinking is not None and m["role"] == "assistant":
+                if not isinstance(thinking, str):
+                    raise sft.SFTDataError(f"{source} row {n}: messages[{i}].thinking must be a string, "
+                                           f"got {type(thinking).__name__}")
+                m["thinking"] = thinking
+            if turn.get("role") == "developer":
+                m["role"] = "developer"
+    return messages, tools
+
+
+def final_channel_labels(input_ids: list[int], tokenizer) -> list[int]:
+    """Labels for `input_ids` that keep only the assistant's final-channel tokens, `sft.IGNORE_INDEX` elsewhere.
+
+    A labelled span starts right after each ``<|channel|>final<|message|>`` token sequence and ends at the next
+    ``<|return|>`` or ``<|end|>``, inclusive (the model learns to stop); a span cut by truncation runs to the end.
+    Everything else (system, developer, user, tool text, the analysis and commentary channels, the headers) is
+    -100. Robust to any harmony template: it looks at the rendered tokens, not at how the template was written.
+
+    Raises:
+        sft.SFTDataError: the tokenizer lacks a harmony special token (not a GPT-OSS tokenizer).
+    """
+    header = tokenizer.encode(FINAL_START, add_special_tokens=False)
+    ends = {tokenizer.convert_tokens_to_ids(t) for t in FINAL_ENDS}
+    if tokenizer.unk_token_id in ends or None in ends or len(header) < 3:
+        raise sft.SFTDataError(f"the tokenizer has no harmony tokens {FINAL_START} / {' / '.join(FINAL_ENDS)}: use a "
+                               f"GPT-OSS (harmony) tokenizer")
+    labels, inside, k, h = [sft.IGNORE_INDEX] * len(input_ids), False, 0, len(header)
+    while k < len(input_ids):
+        if inside:
+            labels[k] = input_ids[k]
+            inside = input_ids[k] not in ends
+            k += 1
+        elif input_ids[k:k + h] == header:
+            inside, k = True, k + h
+        else:
+            k += 1
+    return labels
+
+
+def tokenize_rows(rows: list[dict], tokenizer, cfg: DataConfig, source: str) -> tuple[list[dict], sft.SFTStats]:
+    """Render each row with the chat template (its ``reasoning_effort``, else ``data.chat_template_kwargs``'s) and
+    label its final-channel tokens (`final_channel_labels`); cut at ``max_length``.
+
+    Returns:
+        ``(examples, stats)``: ``{"input_ids", "labels"}`` lists in row order, without rows left with no label
+        (counted as dropped) and rows whose answers are empty (``stats.empty_answers``).
+
+    Raises:
+        sft.SFTDataError: a bad row (``<source> row <n>: ...``), a template that fails on it, more than
+            ``max_dropped_fraction`` of the rows dropped.
+    """
+    stats = sft.SFTStats(source=source, max_length=cfg.max_length, truncate=True, rows=len(rows))
+    examples = []
+    for n, row in enumerate(rows, 1):
+        try:
+            messages, tools = harmony_conversation(row, n, source)
+        except sft.EmptyAnswerError:
+            stats.empty_answers.append(n)
+            continue
+        kwargs = dict(cfg.chat_template_kwargs)
+        if row.get("reasoning_effort") is not None:
+            kwargs["reasoning_effort"] = row["reasoning_effort"]
+        try:
+            ids = list(tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=False, **kwargs))
+        except Exception as exc:  # jinja2's TemplateError / UndefinedError, or TypeError inside the template
+            raise sft.SFTDataError(f"{source} row {n}: the chat template cannot render it: {type(exc).__name__}: "
+                                   f"{exc}") from None
+        labels = final_channel_labels(ids, tokenizer)[: cfg.max_length]
+        n_loss = sum(x != sft.IGNORE_INDEX for x in labels)
+        if n_loss == 0:
+            stats.dropped += 1
+            stats.dropped_rows.append((n, len(ids)))
+            continue
+        stats.truncated += len(ids) > cfg.max_length
+        examples.append({"input_ids": ids[: cfg.max_length], "labels": labels})
+        stats.example_rows.append(n)
+        stats.examples += 1
+        stats.tokens += len(labels)
+        stats.loss_tokens += n_loss
+    stats.check_dropped(cfg.max_dropped_fraction)
+    return examples, stats
+
+
+def load_data(cfg: DataConfig, tokenizer) -> tuple[list[dict], sft.SFTStats]:
+    """The training examples of ``data.train_files`` (in order), else of ``data.hub_id``'s train split."""
+    sources = [(f, sft.load_rows(f)) for f in cfg.train_files] or [(cfg.hub_id, sft.load_hub_rows(cfg.hub_id))]
+    parts = [tokenize_rows(rows, tokenizer, cfg, source) for source, rows in sources]
+    return [e for examples, _ in parts for e in examples], sft.SFTStats.merge([st for _, st in parts])
+
+
+# ----------------------------------------------------------------------------- model
+def active_flops(model: torch.nn.Module, hf_config):
+    """`cookbook.metrics.ModelFlops` on the parameters a token uses: the experts (``*.mlp.experts``) count
+    ``num_experts_per_tok / num_local_experts`` of theirs; all layers' attention counted as full (an upper bound
+    for the sliding-window layers)."""
+    from cookbook.metrics import ModelFlops, count_parameters
+
+    routed = sum(p.numel() for name, m in model.named_modules() if name.endswith("mlp.experts") for p in m.parameters())
+    frac = hf_config.num_experts_per_tok / hf_config.num_local_experts
+    return ModelFlops(int(count_parameters(model) - routed * (1 - frac)), hf_config.num_hidden_layers,
+                      hf_config.num_attention_heads * hf_config.head_dim)
+
+
+def load_model(cfg: Config, hf_config, dtype, device_map, log):
+    """The base model: random init from the config, or the checkpoint (MXFP4 dequantized to bf16)."""
+    from transformers import AutoModelForCausalLM
+
+    if not cfg.model.pretrained:
+        torch.manual_seed(cfg.train.seed)
+        with torch.device(device_map[""] if device_map else "cpu"):
+            return AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    kwargs = {}
+    quant = getattr(hf_config, "quantization_config", None) or {}
+    if (quant if isinstance(quant, dict) else quant.to_dict()).get("quant_method") == "mxfp4":
+        from transformers import Mxfp4Config
+
+        # transformers' MXFP4 quantizer is not trainable (is_trainable is False, the Trainer refuses it)
+        kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
+        log.info(f"{cfg.model.name_or_path}: MXFP4 expert weights dequantized to {str(dtype).removeprefix('torch.')} "
+                 f"for training (Mxfp4Config(dequantize=True)): transformers' MXFP4 kernels cannot train")
+    return AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path, config=hf_config, dtype=dtype,
+                                                device_map=device_map, **kwargs)
+
+
+def _checkpointing_args(args_class, on: bool) -> dict:
+    """The Trainer's activation checkpointing arguments (transformers >= 5.24 calls ``gradient_checkpointing``
+    ``activation_checkpointing``; the GPU image's 5.17 knows only the old names)."""
+    name = "activation_checkpointing" if "activation_checkpointing" in args_class.__dataclass_fields__ else \
+        "gradient_checkpointing"
+    return {name: on, **({f"{name}_kwargs": {"use_reentrant": False}} if on else {})}
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def resume_guard(cfg: Config) -> ResumeGuard:
+    """The Trainer's ``checkpoint-<step>`` folders, published with ``meta.json`` under ``output_dir/checkpoints``."""
+    return ResumeGuard(Path(cfg.output_dir) / "checkpoints", folder="checkpoint-<n>", files=(), run_dir=cfg.output_dir,
+                       cannot_remap="the Trainer's data order and per-rank RNG states depend on it",
+                       same_size="NGPU x NNODES = {n}")
+
+
+def check_resume(cfg: Config, world_size: int) -> Path | None:
+    """The checkpoint to resume from (``checkpoint.resume``: auto, none or a folder), checked against this run.
+
+    Raises:
+        CheckpointError: see `cookbook.checkpoint.ResumeGuard.check`.
+    """
+    return resume_guard(cfg).check(cfg.checkpoint.resume, world_size, to_dict(cfg), MAY_CHANGE,
+                                   ("train.stop_at_step", cfg.train.stop_at_step))
+
+
+# ----------------------------------------------------------------------------- recipe
+def main(argv: list[str]) -> None:
+    args = cli_parser(__doc__).parse_args(argv)
+    cfg = load_config(Config, args.config, args.overrides)
+    on_cpu = cookbook.get_dist_info().device.type == "cpu"  # COOKBOOK_DEVICE=cpu, or no GPU
+    check_config(cfg, Path(args.config).resolve().parent, on_cpu)
+    if args.check:  # one process, before any worker starts
+        world_size = int(os.environ.get("COOKBOOK_WORLD_SIZE", "1"))  # launch.sh: NGPU x NNODES
+        tokenizer = sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path)
+        check_resume(cfg, world_size)
+        note = f"data from {cfg.data.hub_id}"
+        if cfg.data.train_files:
+            examples, stats = load_data(cfg.data, tokenizer)
+            sft.check_one_step(len(examples), cfg.train.micro_batch_size, cfg.train.grad_accum_steps, world_size)
+            print(f"data: {stats.summary()}")
+            note = f"{len(examples)} train examples"
+        print(f"config OK: {args.config} ({note}; parallel {cfg.parallel}, LoRA r={cfg.lora.r} alpha={cfg.lora.alpha})")
+        return
+    train(cfg, on_cpu)
+
+
+def train(cfg: Config, on_cpu: bool) -> None:
+    """Set up the model with LoRA, the data and the SFTTrainer (DDP or FSDP2); train; export. Run on every rank."""
+    import datasets
+    from peft import LoraConfig as PeftLoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoTokenizer, PrinterCallback
+    from transformers import logging as hf_logging
+    from trl import SFTConfig, SFTTrainer
+
+    from cookbook.loop import log_outputs
+    from cookbook.metrics import MetricsLogger
+
+    hf_logging.disable_progress_bar()
+    info = cookbook.init_distributed(cfg.train.collective_timeout_s, debug_dir=Path(cfg.output_dir) / "debug")
+    log = cookbook.get_logger()
+    out_dir = Path(cfg.output_dir)
+    root, staging = out_dir / "checkpoints", out_dir / ".staging"
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
+    pad_id = sft.pad_token_id(tokenizer)
+    examples, stats = load_data(cfg.data, tokenizer)
+    t = cfg.train
+    per_step = t.micro_batch_size * t.grad_accum_steps * info.world_size
+    sft.check_one_step(len(examples), t.micro_batch_size, t.grad_accum_steps, info.world_size)
+    max_steps = t.max_steps if t.max_steps > 0 else t.epochs * (len(examples) // per_step)
+    resume_from = check_resume(cfg, info.world_size)
+    final = out_dir / "final"
+    if resume_from is not None and read_meta(resume_from)["step"] >= max_steps and final.is_dir():
+        log.info(resume_guard(cfg).already_complete(read_meta(resume_from)["step"], max_steps, "step", {"model": final}))
+        cookbook.destroy_distributed()
+        return
+
+    fsdp = cfg.parallel == "fsdp"
+    bf16 = t.mixed_precision == "bf16" and not on_cpu
+    ac = t.activation_checkpointing == "full"
+    # The SFTConfig (TrainingArguments) comes first: with fsdp it sets the environment from_pretrained reads.
+    args = SFTConfig(
+        output_dir=str(staging), use_cpu=on_cpu, bf16=bf16, seed=t.seed,
+        per_device_train_batch_size=t.micro_batch_size, gradient_accumulation_steps=t.grad_accum_steps,
+        max_steps=max_steps, optim=cfg.optim.optimizer, learning_rate=cfg.optim.lr,
+        weight_decay=cfg.optim.weight_decay, adam_beta1=cfg.optim.betas[0], adam_beta2=cfg.optim.betas[1],
+        adam_epsilon=cfg.optim.eps, lr_scheduler_type=cfg.optim.scheduler,
+        warmup_steps=int(cfg.optim.warmup_ratio * max_steps), max_grad_norm=cfg.optim.max_grad_norm,
+        # the technique: DDP (the Trainer's default under torchrun) or FSDP2 with its own activation checkpointing
+        fsdp="full_shard auto_wrap" if fsdp else "",
+        fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["GptOssDecoderLayer"],
+                     "activation_checkpointing": ac} if fsdp else None,
+        **_checkpointing_args(SFTConfig, ac and not fsdp),
+        ddp_find_unused_parameters=False,
+        logging_steps=t.log_every, report_to="none", disable_tqdm=True, log_level="warning",
+        save_strategy="steps" if cfg.checkpoint.every_steps >= 0 else "no",  # "steps" saves at the end too
+        save_steps=cfg.checkpoint.every_steps or max_steps, save_total_limit=None,
+        dataloader_num_workers=cfg.data.num_workers, remove_unused_columns=False,
+        max_length=cfg.data.max_length, packing=False, dataset_kwargs={"skip_prepare_dataset": True},
+        average_tokens_across_devices=True,
+    )
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    hf_config = AutoConfig.from_pretrained(cfg.model.name_or_path, attn_implementation=cfg.model.attn_implementation)
+    device_map = None if fsdp else {"": str(info.device)}  # DDP: this rank's whole copy on cuda:LOCAL_RANK
+    model = load_model(cfg, hf_config, dtype, device_map, log)
+    flops = active_flops(model, hf_config)
+    lora = cfg.lora
+    model = get_peft_model(model, PeftLoraConfig(
+        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules) or None,
+        target_parameters=list(lora.target_parameters) or None, bias="none", task_type="CAUSAL_LM"))
+    if info.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, out_dir / "config.yaml")
+    metrics = MetricsLogger(out_dir, info, flops=flops, run_name=cfg.run_name, experiment="gpt-oss-lora",
+                            params=to_dict(cfg), mlflow=cfg.mlflow, max_steps=max_steps)
+
+    preemption = hf_trainer.Preemption()
+    publisher = hf_trainer.PublishCheckpoints(root, cfg.checkpoint.keep_last, to_dict(cfg))
+    metrics_cb = hf_trainer.MetricsCallback(metrics, pad_id)
+
+    class Trainer(hf_trainer.ReportSaveErrors, hf_trainer.CountBatches, SFTTrainer):
+        """SFTTrainer that reports a failed save in one line and counts each micro-batch for the metrics."""
+
+    trainer = Trainer(
+        model=model, args=args, processing_class=tokenizer, train_dataset=datasets.Dataset.from_list(examples),
+        data_collator=partial(sft.collate, pad_id=pad_id, cu_seq_lens=False),
+        callbacks=[hf_trainer.StopAtStep(t.stop_at_step), preemption, hf_trainer.StallReport(), publisher, metrics_cb],
+    )
+    trainer.remove_callback(PrinterCallback)  # cookbook's MetricsLogger prints the log lines
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    log.info(f"world size {info.world_size} ({info.backend}) | {cfg.parallel.upper()} | {flops.num_params / 1e6:,.1f} M "
+             f"active non-embedding params, {n_trainable / 1e6:,.2f} M trainable (LoRA r={lora.r}) | "
+             f"{cfg.model.attn_implementation} | global batch {per_step} rows | {max_steps} steps | "
+             f"{'bf16' if bf16 else 'fp32'} | data: {stats.summary()}")
+
+    with hf_trainer.TrainerRun(preemption, metrics) as run:  # closes metrics and the group whatever happens
+        if not run.train(trainer, resume_from, max_steps, publisher):
+            return  # train.stop_at_step: a checkpoint is published there
+        step = trainer.state.global_step
+        export_dir = hf_trainer.export_final(trainer, tokenizer, out_dir) if cfg.checkpoint.export_hf else None
+        metrics.log_summary({"step": step, "export_dir": str(export_dir) if export_dir else None})
+        log_outputs(step, {}, metrics, root, {"export_dir": (export_dir, "AutoModelForCausalLM.from_pretrained")})
+
+
+if __name__ == "__main__":
+    cookbook.run_main(main, user_errors=(ConfigError, sft.SFTDataError, CheckpointError))

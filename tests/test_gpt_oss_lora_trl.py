@@ -1,0 +1,141 @@
+"""recipes/gpt-oss-lora-trl on 2 CPU ranks (forked workers): the tiny gpt_oss twin trained with TRL's SFTTrainer +
+PEFT under DDP. One uninterrupted run and one stopped at step 4 then resumed are shared by the assertions: loss falls,
+the resumed run's per-step losses equal the uninterrupted run's, the exported adapter (attention projections and
+experts) reloads onto the base with the merged model's logits; plus the final-channel label mask (decoded) and the refusal of a bad row."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, check, load_recipe, main_in_workers, read_jsonl
+
+RECIPE = ROOT / "recipes" / "gpt-oss-lora-trl"
+TINY = RECIPE / "tiny"
+
+
+def _train_losses(out: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "train"}
+
+
+EXPERTS = "lora.target_parameters=[mlp.experts.gate_up_proj,mlp.experts.down_proj]"  # LoRA on the experts too
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    full, resumed = tmp_path_factory.mktemp("full"), tmp_path_factory.mktemp("resumed")
+    main_in_workers("gpt-oss-lora-trl", f"output_dir={full}", EXPERTS)
+    main_in_workers("gpt-oss-lora-trl", f"output_dir={resumed}", EXPERTS, "train.stop_at_step=4")
+    stopped = _train_losses(resumed)
+    main_in_workers("gpt-oss-lora-trl", f"output_dir={resumed}", EXPERTS)
+    return full, resumed, stopped
+
+
+def test_loss_falls(runs):
+    losses = _train_losses(runs[0])
+    assert sorted(losses) == list(range(1, 9))
+    assert losses[8] < losses[1] - 0.2
+
+
+def test_resume_equals_uninterrupted(runs):
+    full, resumed, stopped = runs
+    assert sorted(stopped) == [1, 2, 3, 4]
+    assert sorted(p.name for p in (resumed / "checkpoints").iterdir() if p.name.startswith("checkpoint-")) == \
+        ["checkpoint-4", "checkpoint-8"]
+    want, got = _train_losses(full), _train_losses(resumed)
+    # the second run continued at step 5 (a run started afresh would log steps 1-8 again, with the same losses)
+    assert [r["step"] for r in read_jsonl(resumed / "metrics.jsonl") if r["event"] == "train"] == list(range(1, 9))
+    assert [got[s] for s in range(1, 9)] == pytest.approx([want[s] for s in range(1, 9)], rel=1e-5, abs=1e-6)
+
+
+def test_adapter_reloads_with_equal_logits(runs):
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = runs[0]
+    adapter = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert (adapter["r"], adapter["lora_alpha"], sorted(adapter["target_modules"]), adapter["target_parameters"]) == \
+        (8, 16, ["k_proj", "o_proj", "q_proj", "v_proj"], ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    torch.manual_seed(42)  # the recipe's random init (model.pretrained=false, train.seed=42)
+    base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY / "gpt_oss", attn_implementation="eager"),
+                                            dtype=torch.float32)
+    reloaded = PeftModel.from_pretrained(base, out / "adapter").eval()
+    merged = AutoModelForCausalLM.from_pretrained(out / "final", attn_implementation="eager").eval()
+    ids = torch.randint(0, 700, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = reloaded(input_ids=ids).logits, merged(input_ids=ids).logits
+        plain = reloaded.get_base_model()  # the adapter changed the model
+        with reloaded.disable_adapter():
+            c = plain(input_ids=ids).logits
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert (a - c).abs().max() > 1e-3
+
+
+def test_labels_are_the_final_channel_only():
+    from transformers import AutoTokenizer
+
+    mod = load_recipe("gpt-oss-lora-trl")
+    tokenizer = AutoTokenizer.from_pretrained(TINY / "gpt_oss")
+    path = TINY / "data" / "chat.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    cfg = mod.DataConfig(train_files=[str(path)], max_length=512)
+    examples, stats = mod.tokenize_rows(rows, tokenizer, cfg, path.name)
+    assert (stats.rows, stats.examples) == (28, 28)
+    with_tools = 0
+    for row, ex in zip(rows, examples):
+        finals = [m for m in row["messages"] if m["role"] == "assistant" and m.get("content")]
+        want = "".join(m["content"] + ("<|return|>" if m is row["messages"][-1] else "<|end|>") for m in finals)
+        got = tokenizer.decode([t for t, label in zip(ex["input_ids"], ex["labels"]) if label != -100])
+        assert got == want
+        assert [t for t, label in zip(ex["input_ids"], ex["labels"]) if label != -100] == \
+            [label for label in ex["labels"] if label != -100]
+        text = tokenizer.decode(ex["input_ids"])  # what the mask left out is rendered: thinking, tool calls, effort
+        for m in row["messages"]:
+            if m.get("thinking"):
+                assert f"<|channel|>analysis<|message|>{m['thinking']}<|end|>" in text
+            for call in m.get("tool_calls") or []:
+                with_tools += 1
+                assert f"to=functions.{call['function']['name']} <|constrain|>json<|message|>" in text
+        assert f"Reasoning: {row.get('reasoning_effort', 'medium')}\n" in text
+    assert with_tools == 12
+    # cut inside the final channel: the labels run to the cut
+    ids = examples[1]["input_ids"]
+    assert mod.final_channel_labels(ids[:-3], tokenizer)[-1] == ids[-4]
+
+
+def test_launch_dry_run_for_two_nodes():
+    env = {**os.environ, "DRY_RUN": "1", "NGPU": "8", "NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1",
+           "CONFIG_FILE": "gpt-oss-120b.yaml"}
+    out = subprocess.run(["bash", str(RECIPE / "launch.sh"), "train.max_steps=3"], capture_output=True, text=True,
+                         env=env, timeout=60)
+    config, train = RECIPE / "gpt-oss-120b.yaml", RECIPE / "train.py"
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        f"check: env COOKBOOK_WORLD_SIZE=16 python3 {train} --config {config} --check train.max_steps=3 ",
+        f"run: torchrun --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500 --nproc-per-node 8 "
+        f"{train} --config {config} train.max_steps=3 "]
+
+
+def test_bad_rows_are_refused(tmp_path):
+    mod = load_recipe("gpt-oss-lora-trl")
+    good = (TINY / "data" / "chat.jsonl").read_text().splitlines()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(good[:2] + ['{"messages": [{"role": "robot", "content": "hi"}]}'] + good[2:]) + "\n")
+    with pytest.raises(mod.sft.SFTDataError, match=rf"^{bad} row 3: messages\[0\]\.role is 'robot', expected one of"):
+        check("gpt-oss-lora-trl", f"data.train_files=[{bad}]")
+    row = json.loads(good[0])
+    row["messages"][-1]["thinking"] = 7
+    bad.write_text("\n".join([good[1], json.dumps(row)]) + "\n")
+    with pytest.raises(mod.sft.SFTDataError, match=rf"^{bad} row 2: messages\[2\]\.thinking must be a string, got int$"):
+        check("gpt-oss-lora-trl", f"data.train_files=[{bad}]")
+    with pytest.raises(mod.ConfigError, match=r"model.attn_implementation"):
+        check("gpt-oss-lora-trl", "model.attn_implementation=sdpa")
+    with pytest.raises(mod.ConfigError, match=r"^parallel=fsdp needs CUDA GPUs: on CPU the Trainer ignores"):
+        check("gpt-oss-lora-trl", "parallel=fsdp")
+    cfg = mod.load_config(mod.Config, RECIPE / "gpt-oss-120b.yaml")
+    assert (cfg.parallel, cfg.model.name_or_path, cfg.train.activation_checkpointing) == \
+        ("fsdp", "openai/gpt-oss-120b", "full")
