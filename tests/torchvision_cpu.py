@@ -83,3 +83,13 @@ def apply() -> None:
     finally:
         sys.path.remove(str(FOLDER))  # the package stays in sys.modules; nothing else is found there
     torchvision.extension._has_ops = lambda: True
+    # torchmetrics decides once whether torchvision is installed (from the package metadata, which is not on
+    # sys.path any more): tell it, and give torchmetrics.detection the classes it leaves out without torchvision.
+    import importlib
+
+    import torchmetrics.detection
+    from torchmetrics.utilities import imports as tm_imports
+
+    tm_imports._TORCHVISION_AVAILABLE.available = True
+    tm_imports._TORCHVISION_AVAILABLE.message = "Requirement 'torchvision' met (tests/torchvision_cpu.py)"
+    importlib.reload(torchmetrics.detection)

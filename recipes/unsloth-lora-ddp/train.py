@@ -219,7 +219,7 @@ def main(argv: list[str]) -> None:
         max_grad_norm=t.max_grad_norm, bf16=dtype == torch.bfloat16, use_cpu=not on_gpu,
         gradient_checkpointing=t.gradient_checkpointing and cfg.model.loader == "transformers",
         max_length=cfg.data.max_length, packing=cfg.data.packing, completion_only_loss=cfg.data.completion_only,
-        logging_steps=t.log_every, save_strategy="no", report_to="none", seed=t.seed, dataset_num_proc=1,
+        logging_steps=t.log_every, save_strategy="no", report_to="none", seed=t.seed, dataset_num_proc=None,
         ddp_find_unused_parameters=False, dataloader_num_workers=1,
     )
 
@@ -262,6 +262,7 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     from cookbook import run_main
+    from cookbook.checkpoint import CheckpointError
     from cookbook.sft import SFTDataError
 
-    run_main(main, user_errors=(ConfigError, SFTDataError))
+    run_main(main, user_errors=(ConfigError, SFTDataError, CheckpointError))
