@@ -9,19 +9,21 @@
 #     built at run time. The vocab (201,088 rows) covers it.
 #   - Data: .data/alpaca_data_sample5000.json, consecutive rows joined into one multi-turn conversation of about
 #     SEQ tokens each (every answer is a final-channel turn, so labelled), cut at SEQ; micro-batch MB, no packing.
-#   - Runs: (a) no activation checkpointing, (b) activation checkpointing (train.activation_checkpointing=full);
+#   - Runs (RUNS): by default (a) no activation checkpointing, (b) train.activation_checkpointing=full;
 #     flex_attention; STEPS steps each; no checkpoints and no export (a merged 20B export is 40 GB of disk).
 #   bash benchmarks/gpt_oss_lora.sh                              # on the device, from the repository root
 #   NGPU=2 STEPS=30 OUT=/tmp/out bash benchmarks/gpt_oss_lora.sh
-#   FSDP=1 bash benchmarks/gpt_oss_lora.sh                      # also (c) parallel=fsdp (+ AC), FSDP_STEPS=10 steps
+#   FSDP=1 bash benchmarks/gpt_oss_lora.sh                      # also (c) parallel=fsdp (+ full AC)
+#   RUNS="noac:none:1 mb2:none:2 experts:experts:1 fsdp:full:1:parallel=fsdp" bash benchmarks/gpt_oss_lora.sh
+#     (name:activation_checkpointing:micro_batch[:override,...]; AC_STEPS steps for the full-checkpointing runs)
 #   CPU check of this code path: TINY=1 SKIP_INSTALL=1 bash benchmarks/gpt_oss_lora.sh
-# Writes $OUT/results.jsonl (one record per run, or its error) and $OUT/{noac,ac,fsdp}.log (each run's last lines).
+# Writes $OUT/results.jsonl (one record per run, or its error) and $OUT/<run>.log (each run's last lines).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 OUT=${OUT:-outputs/bench-gpt-oss}
 mkdir -p "$OUT"
-RUNS=${RUNS_DIR:-/tmp/bench-gpt-oss}
+WORK=${RUNS_DIR:-/tmp/bench-gpt-oss}
 STEPS=${STEPS:-35}
 SKIP_STEPS=${SKIP_STEPS:-5}
 SEQ=${SEQ:-4096}
@@ -42,10 +44,10 @@ else
 fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TQDM_DISABLE=1 TOKENIZERS_PARALLELISM=false
 NGPU=${NGPU:-$(python3 -c 'import torch; print(torch.cuda.device_count() or 1)')}
-rm -rf "$RUNS"
-mkdir -p "$RUNS"
-say "building the model config, the tokenizer and $RUNS/rows.jsonl"
-python3 - "$RUNS" "$SEQ" "$TINY" "$((STEPS * MB * NGPU + 16))" <<'EOF' || { echo '{"run": "setup", "error": "data/model preparation failed"}' >> "$RESULTS"; exit 1; }
+rm -rf "$WORK"
+mkdir -p "$WORK"
+say "building the model config, the tokenizer and $WORK/rows.jsonl"
+python3 - "$WORK" "$SEQ" "$TINY" "$((STEPS * ${MAX_MB:-4} * NGPU + 16))" <<'EOF' || { echo '{"run": "setup", "error": "data/model preparation failed"}' >> "$RESULTS"; exit 1; }
 import importlib, json, sys
 from pathlib import Path
 import torch
@@ -101,8 +103,8 @@ print(f"{len(rows)} conversations of ~{seq} tokens", flush=True)
 EOF
 
 if [[ "$TINY" == 1 ]]; then attn=eager; else attn=flex_attention; fi
-common=("model.name_or_path=$RUNS/model" model.pretrained=false "model.attn_implementation=$attn"
-        "data.train_files=[$RUNS/rows.jsonl]" "data.max_length=$SEQ" data.chat_template_kwargs={}
+common=("model.name_or_path=$WORK/model" model.pretrained=false "model.attn_implementation=$attn"
+        "data.train_files=[$WORK/rows.jsonl]" "data.max_length=$SEQ" data.chat_template_kwargs={}
         "train.micro_batch_size=$MB" train.grad_accum_steps=1 "train.max_steps=$STEPS" train.log_every=1
         checkpoint.every_steps=-1 checkpoint.export_hf=false mlflow=false trackers=[])
 
@@ -112,27 +114,32 @@ run() {  # name activation_checkpointing [more overrides]
   say "[$name] $STEPS steps on $NGPU GPU(s), micro-batch $MB x $SEQ tokens, activation checkpointing $ac (at most ${RUN_TIMEOUT}s)"
   timeout --signal=TERM --kill-after=20 "$RUN_TIMEOUT" \
     torchrun --standalone --nproc-per-node "$NGPU" recipes/gpt-oss-lora-trl/train.py \
-      --config recipes/gpt-oss-lora-trl/config.yaml "output_dir=$RUNS/$name" "run_name=bench-gpt-oss-$name" \
-      "train.activation_checkpointing=$ac" "${common[@]}" "train.max_steps=$STEPS" "$@" > "$RUNS/$name.log" 2>&1
+      --config recipes/gpt-oss-lora-trl/config.yaml "output_dir=$WORK/$name" "run_name=bench-gpt-oss-$name" \
+      "train.activation_checkpointing=$ac" "${common[@]}" "train.max_steps=$STEPS" "$@" > "$WORK/$name.log" 2>&1
   rc=$?
-  tail -n 40 "$RUNS/$name.log" > "$OUT/$name.log"
+  tail -n 40 "$WORK/$name.log" > "$OUT/$name.log"
   if [[ $rc -eq 0 ]]; then
-    python3 benchmarks/summarize.py --skip-steps "$SKIP_STEPS" --json "$RUNS/$name.json" "$RUNS/$name" > /dev/null \
+    python3 benchmarks/summarize.py --skip-steps "$SKIP_STEPS" --json "$WORK/$name.json" "$WORK/$name" > /dev/null \
       && python3 -c "import json,sys; r=json.loads(open(sys.argv[1]).readline()); r.update(run=sys.argv[2], activation_checkpointing=sys.argv[3], gpus=int(sys.argv[4]), seq=int(sys.argv[5]), micro_batch=int(sys.argv[6])); print(json.dumps(r))" \
-         "$RUNS/$name.json" "$name" "$ac" "$NGPU" "$SEQ" "$MB" >> "$RESULTS" \
+         "$WORK/$name.json" "$name" "$ac" "$NGPU" "$SEQ" "$MB" >> "$RESULTS" \
       || echo "{\"run\": \"$name\", \"error\": \"summarize.py failed\"}" >> "$RESULTS"
   else
     python3 -c "import json,sys; print(json.dumps({'run': sys.argv[1], 'exit_status': int(sys.argv[2]), 'error': sys.argv[3]}))" \
-      "$name" "$rc" "$(grep -E 'Error|error' "$RUNS/$name.log" | tail -n 3 | tr '\n' ' ' | cut -c1-600)" >> "$RESULTS"
+      "$name" "$rc" "$(grep -E 'Error|error' "$WORK/$name.log" | tail -n 3 | tr '\n' ' ' | cut -c1-600)" >> "$RESULTS"
   fi
   say "[$name] exit status $rc"
 }
 
-run noac none
-run ac full
-if [[ "${FSDP:-0}" != 0 ]]; then  # the recipe's parallel=fsdp path (120B's), on the same model: FSDP_STEPS steps
-  STEPS=${FSDP_STEPS:-10} SKIP_STEPS=${FSDP_SKIP_STEPS:-3} run fsdp full parallel=fsdp
-fi
+# RUNS: name:activation_checkpointing:micro_batch[:override,override...]; each run STEPS steps (ac=full: AC_STEPS)
+RUNS_LIST=${RUNS:-"noac:none:$MB ac:full:$MB"}
+[[ "${FSDP:-0}" != 0 ]] && RUNS_LIST="$RUNS_LIST fsdp:full:$MB:parallel=fsdp"  # the recipe's 120B path on this model
+names=()
+for spec in $RUNS_LIST; do
+  IFS=: read -r name ac mb extra <<< "$spec"
+  names+=("$name")
+  steps=$STEPS; [[ "$ac" == full ]] && steps=${AC_STEPS:-$STEPS}
+  MB=$mb STEPS=$steps run "$name" "$ac" "train.micro_batch_size=$mb" ${extra:+${extra//,/ }}
+done
 say "results ($RESULTS):"
 cat "$RESULTS"
-python3 benchmarks/summarize.py --skip-steps "$SKIP_STEPS" $(for r in noac ac fsdp; do [[ -f "$RUNS/$r/metrics.jsonl" ]] && echo "$RUNS/$r"; done) || true
+python3 benchmarks/summarize.py --skip-steps "$SKIP_STEPS" $(for r in "${names[@]}"; do [[ -f "$WORK/$r/metrics.jsonl" ]] && echo "$WORK/$r"; done) || true

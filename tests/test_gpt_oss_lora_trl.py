@@ -52,6 +52,15 @@ def test_resume_equals_uninterrupted(runs):
     assert [got[s] for s in range(1, 9)] == pytest.approx([want[s] for s in range(1, 9)], rel=1e-5, abs=1e-6)
 
 
+def test_checkpointing_only_the_experts_leaves_the_losses_equal(runs, tmp_path):
+    # train.activation_checkpointing=experts recomputes each layer's MoE block in backward: the same numbers
+    main_in_workers("gpt-oss-lora-trl", f"output_dir={tmp_path}", EXPERTS, "train.activation_checkpointing=experts",
+                    "train.stop_at_step=3")
+    want, got = _train_losses(runs[0]), _train_losses(tmp_path)
+    assert sorted(got) == [1, 2, 3]
+    assert [got[s] for s in (1, 2, 3)] == pytest.approx([want[s] for s in (1, 2, 3)], rel=1e-5, abs=1e-6)
+
+
 def test_adapter_reloads_with_equal_logits(runs):
     from peft import PeftModel
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -41,7 +41,7 @@ warnings.filterwarnings("ignore", message=".*set_vital.*")
 import torch
 
 import cookbook
-from cookbook import config, hf_trainer, lm, sft
+from cookbook import config, hf_trainer, lm, moe, sft
 from cookbook.checkpoint import CheckpointError, ResumeGuard, read_meta
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
 
@@ -88,7 +88,9 @@ class OptimConfig(config.OptimConfig):
 class TrainConfig(config.TrainConfig):
     micro_batch_size: int = 4
     max_steps: int = 200
-    activation_checkpointing: str = "full"  # none, full (with parallel=fsdp: FSDP's own activation checkpointing)
+    # none; experts (recompute only each layer's MoE block: router + experts; attention keeps its activations);
+    # full (whole decoder layers; with parallel=fsdp: FSDP's own activation checkpointing)
+    activation_checkpointing: str = "full"
 
 
 @dataclass
@@ -119,7 +121,7 @@ def check_config(cfg: Config, config_dir: Path, on_cpu: bool) -> None:
     cfg.data.train_files = [resolve_path(f, config_dir) for f in cfg.data.train_files]
     config.check_run(cfg)
     check_fields(cfg, at_least={"data.max_length": 1, "lora.r": 1, "lora.alpha": 1},
-                 one_of={"parallel": PARALLEL, "train.activation_checkpointing": ("none", "full"),
+                 one_of={"parallel": PARALLEL, "train.activation_checkpointing": ("none", "experts", "full"),
                          "model.attn_implementation": ("flex_attention", "eager")},
                  within={"lora.dropout": "[0, 1)", "data.max_dropped_fraction": "[0, 1]"},
                  notes={"model.attn_implementation": "sdpa is refused by transformers for gpt_oss (attention sinks)"})
@@ -385,6 +387,12 @@ def train(cfg: Config, on_cpu: bool) -> None:
     model = get_peft_model(model, PeftLoraConfig(
         r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules) or None,
         target_parameters=list(lora.target_parameters) or None, bias="none", task_type="CAUSAL_LM"))
+    before = lm.align_autograd_threads(info.device)  # else compiled flex_attention recompiles when recomputed
+    if before is not None and before != torch.get_num_threads():
+        log.info(f"autograd's {info.device} thread: {before} -> {torch.get_num_threads()} intra-op threads "
+                 f"(as the training thread: compiled graphs guard on it)")
+    if t.activation_checkpointing == "experts":  # recompute the MoE blocks only; attention keeps its activations
+        moe.checkpoint_modules(m.mlp for m in model.modules() if type(m).__name__ == "GptOssDecoderLayer")
     if info.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, out_dir / "config.yaml")

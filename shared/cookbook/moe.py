@@ -456,9 +456,20 @@ def checkpoint_parts(layers, part: str) -> int:
             targets += [block for _, block in moe_blocks(layer)]
         else:
             targets += [m for m in layer.modules() if type(m).__name__.endswith("Attention")]
-    for module in targets:
+    return checkpoint_modules(targets)
+
+
+def checkpoint_modules(modules) -> int:
+    """Recompute each module of `modules` in backward instead of keeping its activations (non-reentrant
+    activation checkpointing, early stop off), by wrapping its ``forward`` in place: names and parameters stay.
+
+    Returns:
+        The number of modules wrapped.
+    """
+    modules = list(modules)
+    for module in modules:
         module.forward = partial(_checkpointed, module.forward)
-    return len(targets)
+    return len(modules)
 
 
 # ----------------------------------------------------------------------------- model
