@@ -4,7 +4,7 @@ transformer, with the arithmetic shown, and the simplest technique that fits wit
     python scripts/choose_technique.py Qwen/Qwen3-8B --gpus 2 --gpu-mem-gib 141 --seq 2048 --micro-batch 4
     python scripts/choose_technique.py path/to/config.json --gpus 8 --gpu-mem-gib 80 --seq 4096 --micro-batch 1
     python scripts/choose_technique.py path/to/config.json --gpus 2 --gpu-mem-gib 141 --seq 2048 --micro-batch 4 \
-        --compile --loss chunked          # per-layer torch.compile; a loss that never holds the full logits
+        --compile --loss chunked          # per-layer torch.compile; cookbook's chunked loss (recipes/qwen-fsdp2-sft)
 
 MODEL is a ``config.json`` (or a folder holding one) or a Hugging Face hub id (read with
 ``transformers.AutoConfig`` when the hub is reachable). Nothing is downloaded but the config.
@@ -22,8 +22,13 @@ Assumptions (what the numbers are of):
     - Attention by a FlashAttention-style kernel (flash, memory-efficient SDPA, varlen): no
       sequence x sequence matrix is kept. Eager attention would add 2 x heads x seq bytes per token
       per layer (Korthikanti et al. 2022, eq. (1), the 5as/h term).
-    - Activation checkpointing ("AC") is full, per decoder layer; no dropout; no tensor or
-      sequence parallelism; gradient accumulation does not change the peak.
+    - Activation checkpointing ("AC") is full, per decoder layer; "selective AC" is the FSDP2
+      recipe's policy (each layer keeps its input and the outputs of its matmuls and of the
+      attention kernel, and recomputes the rest); no dropout; no tensor or sequence parallelism;
+      gradient accumulation does not change the peak.
+    - Loss (``--loss``): ``full`` fp32 logits of the whole micro-batch; ``chunked`` the recipes'
+      ``train.loss=chunked`` (``cookbook.sft.linear_cross_entropy_sum``, ``--loss-chunk`` tokens at a
+      time); ``fused`` a tiled loss that keeps no logits (TRL's ``SFTTrainer``, Liger Kernel).
 """
 
 from __future__ import annotations
@@ -208,19 +213,22 @@ def model_shape(model: str, meta: bool = True) -> ModelShape:
 @dataclass(frozen=True)
 class Technique:
     """One way to train. ``zero``: DeepSpeed ZeRO stage (0 for the native PyTorch ones);
-    ``fsdp``: FSDP2; ``ac``: full activation checkpointing per layer; ``offload``: FSDP2's
+    ``fsdp``: FSDP2; ``ac``: full activation checkpointing per layer; ``sac``: selective activation
+    checkpointing per layer (`selective_bytes_per_token_layer`); ``offload``: FSDP2's
     ``CPUOffloadPolicy`` (parameters, gradients and optimizer state in host memory)."""
 
     name: str
     zero: int = 0
     fsdp: bool = False
     ac: bool = False
+    sac: bool = False
     offload: bool = False
 
 
 TECHNIQUES = [
     Technique("DDP"),
     Technique("FSDP2", fsdp=True),
+    Technique("FSDP2 + selective AC", fsdp=True, sac=True),
     Technique("FSDP2 + AC", fsdp=True, ac=True),
     Technique("FSDP2 + AC + CPU offload", fsdp=True, ac=True, offload=True),
     Technique("ZeRO-1", zero=1),
@@ -231,7 +239,7 @@ TECHNIQUES = [
     Technique("ZeRO-3 + AC", zero=3, ac=True),
 ]
 # The order a recommendation tries them: fewer moving parts first.
-NATIVE_ORDER = ["DDP", "FSDP2", "FSDP2 + AC", "FSDP2 + AC + CPU offload"]
+NATIVE_ORDER = ["DDP", "FSDP2", "FSDP2 + selective AC", "FSDP2 + AC", "FSDP2 + AC + CPU offload"]
 ZERO_ORDER = ["ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-1 + AC", "ZeRO-2 + AC", "ZeRO-3 + AC"]
 
 
@@ -303,19 +311,51 @@ def activation_bytes_per_token_layer(m: ModelShape, compiled: bool = False) -> d
     return out
 
 
-def logits_bytes(m: ModelShape, tokens: int, loss: str = "full") -> tuple[float, str]:
+def selective_bytes_per_token_layer(m: ModelShape) -> dict[str, int]:
+    """Bytes per token per layer that selective activation checkpointing keeps (bf16), as the FSDP2
+    recipe's policy does (``_sac_policy`` in ``recipes/qwen-fsdp2-sft/train.py``: the outputs of
+    ``mm`` / ``addmm`` / ``bmm`` and of the attention kernels are saved, everything else is
+    recomputed in the backward): the layer's input (the checkpoint's argument) and the output of
+    every projection and of the attention. The norms, rotary embedding, activation function and
+    residual sums are recomputed, so they cost nothing here; while one layer is recomputed its
+    other tensors exist too (`estimate` adds one layer of `activation_bytes_per_token_layer`).
+
+    Returns:
+        item -> bytes per token per layer; their sum is the layer's total.
+    """
+    h, q, kv, f = m.hidden, m.q_dim, m.kv_dim, m.ffn
+    return {"layer input (2h)": 2 * h,
+            "q, k, v projections (2q + 2kv + 2kv)": 2 * q + 4 * kv,
+            "attention output (2q)": 2 * q,
+            "output projection (2h)": 2 * h,
+            "MLP: " + ("gate and up projections (2f + 2f)" if m.gated else "up projection (2f)"): 4 * f if m.gated else 2 * f,
+            "MLP down projection (2h)": 2 * h}
+
+
+def logits_bytes(m: ModelShape, tokens: int, loss: str = "full", chunk: int = 4096) -> tuple[float, str]:
     """Peak bytes of the vocabulary logits and the loss (added to the activations).
 
-    ``full`` (the recipes and ``transformers``' ``ForCausalLMLoss``: bf16 logits upcast to fp32,
-    then cross-entropy): at the start of the backward three fp32 tensors of tokens x vocab are
-    alive: the log-softmax output saved by the forward, the gradient the NLL loss hands back,
+    ``full`` (``train.loss=full`` and ``transformers``' ``ForCausalLMLoss``: bf16 logits upcast to
+    fp32, then cross-entropy): at the start of the backward three fp32 tensors of tokens x vocab
+    are alive: the log-softmax output saved by the forward, the gradient the NLL loss hands back,
     and the gradient log-softmax produces (12 bytes per logit; the forward's bf16 logits + fp32
-    copy + log-softmax output, 10 bytes, is lower). ``chunked`` (TRL's fused LM head, Liger's
-    fused linear cross-entropy): the logits exist one tile at a time, taken as 0. Models without
-    a head over the vocabulary (classifiers) have none.
+    copy + log-softmax output, 10 bytes, is lower).
+    ``chunked`` (``train.loss=chunked``, ``cookbook.sft.linear_cross_entropy_sum``): one chunk of
+    min(chunk, tokens) labelled tokens at a time, 8 bytes per logit (the fp32 logits, reused in place
+    for the softmax and its gradient, and the log-sum-exp's fp32 temporary), plus what the loss's
+    forward computes and keeps until its backward: the head's gradient (2 B x vocab x h, bf16) and the
+    hidden states of the labelled positions with their gradient (2 x 2 B x tokens x h; all tokens
+    counted as labelled).
+    ``fused`` (TRL's fused LM head, Liger's fused linear cross-entropy): the logits exist one tile at
+    a time, taken as 0. Models without a head over the vocabulary (classifiers) have none.
     """
-    if not m.lm_head or loss == "chunked":
-        return 0.0, "0 (no vocabulary head)" if not m.lm_head else "0 (chunked loss: logits one tile at a time)"
+    if not m.lm_head or loss == "fused":
+        return 0.0, "0 (no vocabulary head)" if not m.lm_head else "0 (fused loss: logits one tile at a time)"
+    if loss == "chunked":
+        c = min(chunk, tokens)
+        return (8.0 * c * m.vocab + 2.0 * m.vocab * m.hidden + 4.0 * tokens * m.hidden,
+                f"8 B x {c:,} tokens x {m.vocab:,} vocab (one chunk) + 2 B x {m.vocab:,} x {m.hidden} (head gradient) "
+                f"+ 4 B x {tokens:,} x {m.hidden} (labelled hidden states and their gradient)")
     return 12.0 * tokens * m.vocab, f"12 B x {tokens:,} tokens x {m.vocab:,} vocab (3 fp32 copies at the start of backward)"
 
 
@@ -378,12 +418,14 @@ class Estimate:
 
 
 def estimate(t: Technique, m: ModelShape, gpus: int, seq: int, micro_batch: int, compiled: bool = False,
-             loss: str = "full") -> Estimate:
+             loss: str = "full", chunk: int = 4096) -> Estimate:
     """Peak GPU memory per GPU (bytes) of technique `t` for `micro_batch` sequences of `seq` tokens
     per GPU: model states (`bytes_per_param`), activations (`activation_bytes_per_token_layer` x
     tokens x layers; with AC, each layer's bf16 input, 2h bytes per token, plus one layer's full
-    activations while it is recomputed), one final norm (8h per token), logits (`logits_bytes`)
-    and working buffers (`working_bytes`); or the optimizer step (`step_bytes`) if larger."""
+    activations while it is recomputed; with selective AC, `selective_bytes_per_token_layer` x
+    layers plus that one recomputed layer), one final norm (8h per token), logits (`logits_bytes`,
+    `chunk` tokens per chunk of the chunked loss) and working buffers (`working_bytes`); or the
+    optimizer step (`step_bytes`) if larger."""
     if gpus < 1:
         raise ChooserError(f"--gpus must be a positive number of GPUs, got {gpus}")
     if seq < 1 or micro_batch < 1:
@@ -394,11 +436,15 @@ def estimate(t: Technique, m: ModelShape, gpus: int, seq: int, micro_batch: int,
     if t.ac:
         acts = tokens * (2 * m.hidden * m.layers + per_layer)
         act_note = f"{tokens:,} tokens x (2h x {m.layers} layer inputs + {per_layer:,} B for the layer being recomputed)"
+    elif t.sac:
+        kept = sum(selective_bytes_per_token_layer(m).values())
+        acts = tokens * (kept * m.layers + per_layer)
+        act_note = f"{tokens:,} tokens x ({kept:,} B kept x {m.layers} layers + {per_layer:,} B for the layer being recomputed)"
     else:
         acts = tokens * per_layer * m.layers
         act_note = f"{tokens:,} tokens x {per_layer:,} B x {m.layers} layers"
     acts += tokens * 8 * m.hidden
-    logits, logits_note = logits_bytes(m, tokens, loss)
+    logits, logits_note = logits_bytes(m, tokens, loss, chunk)
     work, work_note = working_bytes(t, m)
     step, step_note = step_bytes(t, m, gpus)
     return Estimate(t, bpp * m.params, acts, logits, work, step, host=16 * m.params / gpus if t.offload else 0.0,
@@ -416,10 +462,10 @@ def recommend(estimates: dict[str, Estimate], gpu_mem_gib: float, headroom: floa
 
 # ----------------------------------------------------------------------------- the command
 def report(m: ModelShape, gpus: int, gpu_mem_gib: float, seq: int, micro_batch: int, compiled: bool, loss: str,
-           headroom: float) -> str:
+           headroom: float, chunk: int = 4096) -> str:
     """The printed arithmetic, the table and the recommendation."""
     g = lambda b: f"{b / GIB:.1f}"
-    est = {t.name: estimate(t, m, gpus, seq, micro_batch, compiled, loss) for t in TECHNIQUES}
+    est = {t.name: estimate(t, m, gpus, seq, micro_batch, compiled, loss, chunk) for t in TECHNIQUES}
     lines = [f"model: {m.name}  ({m.counted_by})",
              (f"  parameters {m.params:,} = embedding {m.embed_params:,} + untied head {m.head_params:,} + "
               f"{m.layers} layers x ~{m.layer_params:,} + rest"),
@@ -432,6 +478,10 @@ def report(m: ModelShape, gpus: int, gpu_mem_gib: float, seq: int, micro_batch: 
     for k, v in activation_bytes_per_token_layer(m, compiled).items():
         lines.append(f"  {v:>9,} B  {k}")
     lines.append(f"  {sum(activation_bytes_per_token_layer(m, compiled).values()):>9,} B  total")
+    lines.append("kept per token per layer with selective AC:")
+    for k, v in selective_bytes_per_token_layer(m).items():
+        lines.append(f"  {v:>9,} B  {k}")
+    lines.append(f"  {sum(selective_bytes_per_token_layer(m).values()):>9,} B  total")
     lines += ["", "bytes per parameter on each GPU (model states):"]
     for t in TECHNIQUES:
         lines.append(f"  {t.name:<26} {est[t.name].notes['states']}")
@@ -460,8 +510,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, required=True, help="sequence length, tokens")
     p.add_argument("--micro-batch", type=int, required=True, help="sequences per GPU per forward")
     p.add_argument("--compile", action="store_true", help="per-layer torch.compile (fewer saved activations)")
-    p.add_argument("--loss", choices=["full", "chunked"], default="full",
-                   help="full: fp32 logits for the whole micro-batch (default); chunked: TRL / Liger fused loss")
+    p.add_argument("--loss", choices=["full", "chunked", "fused"], default="full",
+                   help="full: fp32 logits for the whole micro-batch (default); chunked: the recipes' train.loss=chunked "
+                        "(--loss-chunk tokens at a time); fused: TRL / Liger fused loss (no logits kept)")
+    p.add_argument("--loss-chunk", type=int, default=4096, help="tokens per chunk of --loss chunked (default 4096)")
     p.add_argument("--headroom", type=float, default=0.10, help="fraction of GPU memory kept free (default 0.10)")
     p.add_argument("--no-meta", action="store_true", help="count parameters from config fields, not transformers")
     a = p.parse_args(argv)
@@ -470,8 +522,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ChooserError(f"--gpus must be a positive number of GPUs, got {a.gpus}")
         if a.gpu_mem_gib <= 0 or not 0 <= a.headroom < 1:
             raise ChooserError("--gpu-mem-gib must be positive and --headroom in [0, 1)")
+        if a.loss_chunk < 1:
+            raise ChooserError(f"--loss-chunk must be a positive number of tokens, got {a.loss_chunk}")
         m = model_shape(a.model, meta=not a.no_meta)
-        print(report(m, a.gpus, a.gpu_mem_gib, a.seq, a.micro_batch, a.compile, a.loss, a.headroom))
+        print(report(m, a.gpus, a.gpu_mem_gib, a.seq, a.micro_batch, a.compile, a.loss, a.headroom, a.loss_chunk))
     except ChooserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

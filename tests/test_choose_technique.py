@@ -12,11 +12,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 QWEN3_8B = ROOT / "tests" / "data" / "config_Qwen3-8B.json"
+QWEN3_4B = ROOT / "tests" / "data" / "config_Qwen3-4B.json"  # the 1-GPU benchmark of benchmarks/fsdp2_sft.sh
 _spec = importlib.util.spec_from_file_location("choose_technique", ROOT / "scripts" / "choose_technique.py")
 ct = importlib.util.module_from_spec(_spec)
 sys.modules["choose_technique"] = ct  # dataclasses look their module up there
 _spec.loader.exec_module(ct)
 
+TECHNIQUE = {t.name: t for t in ct.TECHNIQUES}
 TINY = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 1000, "tie_word_embeddings": False}
 
@@ -65,8 +67,7 @@ def test_activations_per_token_layer(tiny_path):
 
 def test_peak_fsdp2_ac_qwen3_8b():
     m = ct.model_shape(str(QWEN3_8B), meta=False)
-    e = ct.estimate(ct.TECHNIQUES[2], m, gpus=2, seq=2048, micro_batch=4)
-    assert e.technique.name == "FSDP2 + AC"
+    e = ct.estimate(TECHNIQUE["FSDP2 + AC"], m, gpus=2, seq=2048, micro_batch=4)
     assert e.states == 8 * 8_190_735_360
     # 8192 tokens x (2h x 36 layer inputs + 215,040 B of the layer being recomputed + 8h final norm)
     assert e.activations == 8192 * (2 * 4096 * 36 + 215_040 + 8 * 4096)
@@ -75,11 +76,47 @@ def test_peak_fsdp2_ac_qwen3_8b():
     assert e.peak == 89_326_545_408  # 83.2 GiB
 
 
+def test_peak_fsdp2_selective_ac_chunked_loss_qwen3_8b():
+    """config.yaml's settings (selective AC, chunked loss of 4096 tokens, per-layer compile), 2 GPUs, 4 x 2048."""
+    m = ct.model_shape(str(QWEN3_8B), meta=False)
+    h, q, kv, f, vocab, tokens = 4096, 4096, 1024, 12288, 151_936, 8192
+    # kept per layer: input 2h + q/k/v 2q + 4kv + attention 2q + o_proj 2h + gate/up 4f + down 2h
+    assert sum(ct.selective_bytes_per_token_layer(m).values()) == 6 * h + 4 * q + 4 * kv + 4 * f == 94_208
+    compiled = 8 * h + (2 * q + 2 * kv) + (4 * q + 4 * kv) + 4 * f  # the layer being recomputed
+    assert sum(ct.activation_bytes_per_token_layer(m, compiled=True).values()) == compiled == 112_640
+    e = ct.estimate(TECHNIQUE["FSDP2 + selective AC"], m, gpus=2, seq=2048, micro_batch=4, compiled=True,
+                    loss="chunked", chunk=4096)
+    assert e.states == 8 * 8_190_735_360 == 65_525_882_880
+    # 8192 x (94,208 x 36 + 112,640 + 8h final norm) = 8192 x 3,536,896
+    assert e.activations == tokens * (94_208 * 36 + 112_640 + 8 * h) == 28_974_252_032
+    # one chunk of fp32 logits (8 B) 4,978,638,848 + head gradient (2 B x V x h) 1,244,659,712
+    # + labelled hidden states and their gradient (4 B x 8192 x h) 134,217,728 = 6,357,516,288 (5.9 GiB)
+    assert e.logits == 8 * 4096 * vocab + 2 * vocab * h + 4 * tokens * h == 6_357_516_288
+    assert e.logits < ct.logits_bytes(m, tokens, "full")[0] / 2 == 7_467_958_272  # 12 B x 8192 x V = 13.9 GiB, halved
+    assert ct.logits_bytes(m, tokens, "fused")[0] == 0  # TRL / Liger: no logits kept
+    assert ct.logits_bytes(m, 1000, "chunked", chunk=4096)[0] == 8 * 1000 * vocab + 2 * vocab * h + 4 * 1000 * h
+    assert e.working == 2 * 2 * 622_329_856 + 10 * 192_946_432 == 4_418_783_744
+    # 65,525,882,880 + 28,974,252,032 + 6,357,516,288 + 4,418,783,744
+    assert e.peak == 105_276_434_944  # 98.0 GiB; 110.2 with no AC and the full loss (benchmarks/README.md)
+
+
+def test_qwen3_4b_fits_one_141_gib_gpu_and_qwen3_8b_does_not():
+    """The 1-GPU benchmark's choice: the largest Qwen3 whose AdamW states fit one H200 with the shipped settings."""
+    m4, m8 = (ct.model_shape(str(p), meta=False) for p in (QWEN3_4B, QWEN3_8B))
+    assert (m4.params, m4.head_params) == (4_022_468_096, 0)  # tied embeddings: no separate head
+    budget = 0.9 * 141 * ct.GIB
+    kw = dict(gpus=1, seq=2048, micro_batch=4, compiled=True, loss="chunked", chunk=4096)
+    assert ct.estimate(TECHNIQUE["FSDP2 + selective AC"], m4, **kw).peak < budget  # 88.4 GiB
+    assert ct.estimate(TECHNIQUE["FSDP2 + selective AC"], m8, **kw).peak > budget  # 159.1 GiB: states alone 122.1
+    assert ct.estimate(TECHNIQUE["FSDP2 + AC"], m8, **kw).peak > budget
+
+
 def test_recommendation_flips_as_memory_shrinks():
     m = ct.model_shape(str(QWEN3_8B), meta=False)
     est = {t.name: ct.estimate(t, m, gpus=8, seq=2048, micro_batch=4) for t in ct.TECHNIQUES}
-    picks = [ct.recommend(est, gib)[0] for gib in (1000, 141, 80, 30, 10)]
-    assert picks == ["DDP", "FSDP2", "FSDP2 + AC", "FSDP2 + AC + CPU offload", None]
+    picks = [ct.recommend(est, gib)[0] for gib in (1000, 141, 80, 60, 30, 10)]
+    # peaks (GiB): FSDP2 92.6, selective AC 61.0, AC 37.4, offload 22.2 against budgets of 0.9 x memory
+    assert picks == ["DDP", "FSDP2", "FSDP2 + selective AC", "FSDP2 + AC", "FSDP2 + AC + CPU offload", None]
     assert ct.recommend(est, 80)[1] == "ZeRO-1 + AC"
 
 
@@ -94,3 +131,6 @@ def test_bad_input(tiny_path, capsys):
         ct.estimate(ct.TECHNIQUES[0], m, gpus=0, seq=16, micro_batch=1)
     assert ct.main([str(QWEN3_8B), "--gpus", "-1", "--gpu-mem-gib", "80", "--seq", "16", "--micro-batch", "1"]) == 2
     assert "positive number of GPUs" in capsys.readouterr().err
+    assert ct.main([str(QWEN3_8B), "--gpus", "1", "--gpu-mem-gib", "80", "--seq", "16", "--micro-batch", "1",
+                    "--loss", "chunked", "--loss-chunk", "0", "--no-meta"]) == 2
+    assert "--loss-chunk must be a positive number of tokens, got 0" in capsys.readouterr().err

@@ -16,12 +16,14 @@ from cookbook.config import ConfigError
 from cookbook.sft import (
     IGNORE_INDEX,
     SFTDataError,
+    chunked_token_loss_sum,
     check_one_step,
     check_vocab,
     collate,
     evaluate,
     load_tokenizer,
     load_hub_rows,
+    linear_cross_entropy_sum,
     load_rows,
     pack,
     pad_batch,
@@ -533,10 +535,10 @@ def test_collate_packed_rows_carry_document_offsets_and_other_rows_are_padded():
     assert padded["attention_mask"].sum().item() == 4 and "cu_seq_lens" not in padded
 
 
-def tiny_qwen3(vocab_size: int) -> Qwen3ForCausalLM:
+def tiny_qwen3(vocab_size: int, **overrides) -> Qwen3ForCausalLM:
     torch.manual_seed(0)
     config = Qwen3Config(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, **overrides)
     return Qwen3ForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
 
 
@@ -579,6 +581,99 @@ def test_token_loss_sum_and_evaluate_equal_a_hand_computation(tokenizer):
     assert result["tokens"] == n and result["loss"] == pytest.approx(total / n, rel=1e-5)
     assert result["mean_token_accuracy"] == pytest.approx(correct / n)
     assert sorted(evaluate(model, [], torch.device("cpu"))) == ["loss", "tokens"]
+
+
+def _full_ce_and_grads(hidden, weight, labels, scale, softcap=None):
+    """The reference: fp32 logits of every row, F.cross_entropy summed, times `scale`, and its gradients."""
+    h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+    logits = (h @ w.t()).float()
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    loss = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    (loss * scale).backward()
+    return loss.detach(), h.grad, w.grad
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 16, 40, 1000])  # 7 does not divide 40 rows; 1000 > 40: one chunk
+def test_chunked_linear_cross_entropy_equals_the_full_loss_and_its_gradients(chunk_size):
+    torch.manual_seed(1)
+    hidden, weight = torch.randn(40, 24), torch.randn(96, 24) * 0.5
+    labels = torch.randint(0, 96, (40,))
+    labels[7:14] = IGNORE_INDEX  # with chunk_size 7: rows 7-13 are one chunk without any label
+    labels[30] = IGNORE_INDEX
+    for softcap in (None, 5.0):  # Gemma 2's final_logit_softcapping
+        want, want_h, want_w = _full_ce_and_grads(hidden, weight, labels, 0.37, softcap)
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        got = linear_cross_entropy_sum(h, w, labels, chunk_size, softcap=softcap)
+        (got * 0.37).backward()  # the recipe scales the summed loss by world size / global tokens
+        assert got.dtype == torch.float32 and got.item() == pytest.approx(want.item(), rel=1e-6)
+        torch.testing.assert_close(h.grad, want_h, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(w.grad, want_w, rtol=1e-5, atol=1e-7)
+        assert h.grad[7:14].abs().max() == 0 and h.grad[30].abs().max() == 0 and h.grad[0].abs().max() > 0
+        with torch.no_grad():  # no gradients wanted: loss only
+            assert linear_cross_entropy_sum(hidden, weight, labels, chunk_size, softcap=softcap).item() == \
+                pytest.approx(want.item(), rel=1e-6)
+    all_ignored = torch.full((40,), IGNORE_INDEX)
+    h = hidden.clone().requires_grad_()
+    loss = linear_cross_entropy_sum(h, weight, all_ignored, chunk_size)
+    loss.backward()
+    assert loss.item() == 0 and h.grad.abs().max() == 0
+
+
+def test_chunked_linear_cross_entropy_with_tied_weights_and_bad_input():
+    """Tied weights: the embedding's gradient is the sum of the lookup's and the loss's, as with the full loss."""
+    torch.manual_seed(2)
+    ids, labels = torch.randint(0, 50, (30,)), torch.randint(0, 50, (30,))
+    labels[::4] = IGNORE_INDEX
+    grads = []
+    for chunked in (False, True):
+        embed = torch.nn.Embedding(50, 16)
+        torch.nn.init.normal_(embed.weight, generator=torch.Generator().manual_seed(3))
+        hidden = torch.tanh(embed(ids))  # a stand-in for the decoder
+        if chunked:
+            loss = linear_cross_entropy_sum(hidden, embed.weight, labels, 8)
+        else:
+            loss = F.cross_entropy((hidden @ embed.weight.t()).float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        loss.backward()
+        grads.append((loss.item(), embed.weight.grad))
+    assert grads[1][0] == pytest.approx(grads[0][0], rel=1e-6)
+    torch.testing.assert_close(grads[1][1], grads[0][1], rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="chunk_size must be >= 1, got 0"):
+        linear_cross_entropy_sum(torch.zeros(3, 4), torch.zeros(5, 4), torch.zeros(3, dtype=torch.long), 0)
+    with pytest.raises(ValueError, match=r"got \(3, 4\), \(5, 2\) and \(3,\)"):
+        linear_cross_entropy_sum(torch.zeros(3, 4), torch.zeros(5, 2), torch.zeros(3, dtype=torch.long), 2)
+    with pytest.raises(ValueError, match="not gathered"):  # a ZeRO-3 partition outside the forward
+        linear_cross_entropy_sum(torch.zeros(3, 4), torch.zeros(0, 4), torch.zeros(3, dtype=torch.long), 2)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_chunked_token_loss_sum_equals_the_full_one_on_a_model(tokenizer, tied):
+    """The model path: logits_to_keep empty, the decoder's output caught, labelled positions only. The loss and every
+    parameter's gradient equal the full loss's (packed documents, padding without labels; tied embeddings)."""
+    rows = [{"messages": CONVERSATION}, {"instruction": "Say hi.", "output": "Hello! How can I help you today?"},
+            {"instruction": "Write a short poem.", "input": "about the sea", "output": "The sea is four."}]
+    examples, _ = prepare(rows, tokenizer, 512, "t")
+    pad_id = pad_token_id(tokenizer)
+    batch = collate(pack(examples, 96, pad_id), pad_id)  # 2 rows, the second padded
+    assert batch["input_ids"].shape[0] == 2
+    results = []
+    for chunk_size in (0, 5, 4096):
+        model = tiny_qwen3(len(tokenizer), tie_word_embeddings=tied).train()
+        assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+        projected = []  # positions the head projects inside the model: all (full) or none (chunked)
+        model.lm_head.register_forward_hook(lambda _m, args, _out: projected.append(args[0].shape[1]))
+        loss = token_loss_sum(model, batch, chunk_size)
+        loss.backward()
+        assert projected == [0 if chunk_size else 96]
+        results.append((loss.item(), {n: p.grad for n, p in model.named_parameters()}))
+    (full, full_grads), *chunked = results
+    for loss, grads in chunked:
+        assert loss == pytest.approx(full, rel=1e-6)
+        for name, grad in full_grads.items():
+            torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")  # fp32 sums in another order
+    with torch.no_grad():  # evaluation: no gradients computed
+        assert chunked_token_loss_sum(tiny_qwen3(len(tokenizer), tie_word_embeddings=tied), batch, 8).item() == \
+            pytest.approx(full, rel=1e-6)
 
 
 def test_varlen_is_registered_with_transformers(tokenizer):

@@ -26,6 +26,10 @@ What this recipe supports:
       default on GPU, runs PyTorch's variable-length FlashAttention kernel per document).
     - Loss normalised by the number of assistant tokens in the whole global batch (all
       micro-batches and ranks), so packing and accumulation do not change the objective.
+      ``train.loss=chunked`` (default) computes it from the final hidden states of the labelled
+      positions, ``train.loss_chunk_size`` tokens at a time, so the fp32 logits over the vocabulary
+      never exist for the whole micro-batch (``cookbook.sft.linear_cross_entropy_sum``); ``full``
+      takes the model's logits as transformers computes them.
     - Checkpoints (cookbook.checkpoint, DCP): sharded model and optimizer (each rank writes its
       shards), scheduler, data position (global: cookbook.sampler), data-loader and RNG state per
       rank, step; atomic publish; ``resume: auto``, on the same or another number of GPUs (DCP
@@ -37,6 +41,7 @@ What this recipe supports:
 
 from __future__ import annotations
 
+import inspect
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -101,6 +106,8 @@ class FSDPConfig:
 class TrainConfig(config.TrainConfig):
     activation_checkpointing: str = "selective"  # none, selective (saves matmul and attention outputs), full
     compile: bool = False  # torch.compile each decoder layer
+    loss: str = "chunked"  # chunked (logits loss_chunk_size labelled tokens at a time) or full (the model's logits)
+    loss_chunk_size: int = 4096  # labelled tokens per chunk of train.loss=chunked
 
 
 @dataclass
@@ -118,7 +125,7 @@ class Config(config.RunConfig):
 
 
 # Settings that may differ between a checkpoint and the run that resumes it; any other change is refused.
-MAY_CHANGE = config.MAY_CHANGE + sft.MAY_CHANGE
+MAY_CHANGE = config.MAY_CHANGE + sft.MAY_CHANGE + ("train.loss", "train.loss_chunk_size")  # the same objective
 
 
 def check_config(cfg: Config, config_dir: Path) -> None:
@@ -126,9 +133,10 @@ def check_config(cfg: Config, config_dir: Path) -> None:
     sft.resolve_paths(cfg, config_dir)  # model, tokenizer and data files beside the config file
     config.check_run(cfg)
     sft.check_data_config(cfg)
-    check_fields(cfg, at_least={"fsdp.replicate_degree": 1},
+    check_fields(cfg, at_least={"fsdp.replicate_degree": 1, "train.loss_chunk_size": 1},
                  one_of={"fsdp.reduce_dtype": sorted(DTYPES), "checkpoint.export_dtype": sorted(DTYPES),
-                         "train.activation_checkpointing": ("none", "selective", "full")})
+                         "train.activation_checkpointing": ("none", "selective", "full"),
+                         "train.loss": ("chunked", "full")})
 
 # ----------------------------------------------------------------------------- model
 def _sac_policy(ctx, op, *args, **kwargs):
@@ -153,6 +161,9 @@ def build_model(cfg: Config, info: cookbook.DistInfo, vocab_size_needed: int) ->
                           f"{hf_config.vocab_size}: use the model's own tokenizer")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    if cfg.train.loss == "chunked" and "logits_to_keep" not in inspect.signature(model.forward).parameters:
+        raise ConfigError(f"train.loss=chunked: {type(model).__name__}.forward takes no logits_to_keep, so it cannot "
+                          f"skip its logits; use train.loss=full")
     flops = ModelFlops(count_parameters(model), hf_config.num_hidden_layers,
                        hf_config.num_attention_heads * getattr(hf_config, "head_dim", hf_config.hidden_size // hf_config.num_attention_heads))
     layers = model.model.layers
@@ -263,10 +274,12 @@ def main(argv: list[str]) -> None:
              f"{flops.num_params / 1e6:,.1f} M non-embedding params | {len(train_rows)} train rows of "
              f"{'packed ' if cfg.data.packing else ''}<= {cfg.data.max_length} tokens | global batch "
              f"{cfg.train.micro_batch_size * cfg.train.grad_accum_steps * info.world_size} rows | {max_steps} steps | AC "
-             f"{cfg.train.activation_checkpointing} | data: {stats.summary()}")
+             f"{cfg.train.activation_checkpointing} | loss {cfg.train.loss}"
+             f"{f' ({cfg.train.loss_chunk_size} tokens per chunk)' if cfg.train.loss == 'chunked' else ''} | data: {stats.summary()}")
 
     # ---- train loop
     batches = EpochBatches(train_loader, state, sampler.set_epoch, info.device)
+    chunk_size = cfg.train.loss_chunk_size if cfg.train.loss == "chunked" else 0  # 0: the model's full logits
     loop = TrainLoop.from_config(cfg, state=state, max_steps=max_steps, metrics=metrics, checkpointer=checkpointer,
                                  checkpoint_state=ckpt_state,
                                  evaluate=(lambda: sft.evaluate(model, eval_loader, info.device)) if eval_rows else None)
@@ -280,7 +293,7 @@ def main(argv: list[str]) -> None:
             global_tokens = cookbook.all_reduce_sum({"t": local_tokens}, info.device)["t"]
             step_loss = torch.zeros((), device=info.device)
             for mb, wait in zip(micro_batches, waits):
-                loss_sum = sft.token_loss_sum(model, mb)
+                loss_sum = sft.token_loss_sum(model, mb, chunk_size)
                 (loss_sum * info.world_size / max(global_tokens, 1.0)).backward()
                 step_loss += loss_sum.detach() / max(global_tokens, 1.0) * info.world_size
                 metrics.add(samples=mb["input_ids"].shape[0], tokens=lm.count_tokens(mb, pad_id), data_wait_s=wait)

@@ -31,7 +31,14 @@ from cookbook.sft.data import (
     shard_for_eval,
 )
 from cookbook.sft.batch import collate, pad_token_id, training_rows
-from cookbook.sft.loss import count_label_tokens, evaluate, token_loss_sum, token_loss_sums
+from cookbook.sft.loss import (
+    chunked_token_loss_sum,
+    count_label_tokens,
+    evaluate,
+    linear_cross_entropy_sum,
+    token_loss_sum,
+    token_loss_sums,
+)
 from cookbook.sft.attention import register_varlen, varlen_attention
 from cookbook.sft.check import check_data, check_one_step, load_tokenizer
 
@@ -55,7 +62,9 @@ __all__ = [
     "collate",
     "pad_token_id",
     "training_rows",
+    "chunked_token_loss_sum",
     "count_label_tokens",
+    "linear_cross_entropy_sum",
     "evaluate",
     "token_loss_sum",
     "token_loss_sums",
