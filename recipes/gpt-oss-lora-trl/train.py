@@ -262,8 +262,19 @@ def load_model(cfg: Config, hf_config, dtype, device_map, log):
 
     if not cfg.model.pretrained:
         torch.manual_seed(cfg.train.seed)
-        with torch.device(device_map[""] if device_map else "cpu"):
-            return AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        if device_map:  # DDP: on this rank's GPU
+            with torch.device(device_map[""]):
+                return AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        # FSDP with cpu_ram_efficient_loading: rank 0 makes the weights on its CPU (every core: torchrun gives each
+        # process one thread), the other ranks only shapes; the Trainer broadcasts rank 0's to the shards
+        rank0 = int(os.environ.get("RANK", "0")) == 0
+        threads = torch.get_num_threads()
+        torch.set_num_threads(max(threads, os.cpu_count() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")) or 1))
+        try:
+            with torch.device("cpu" if rank0 else "meta"):
+                return AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        finally:
+            torch.set_num_threads(threads)
     kwargs = {}
     quant = getattr(hf_config, "quantization_config", None) or {}
     if (quant if isinstance(quant, dict) else quant.to_dict()).get("quant_method") == "mxfp4":
@@ -368,7 +379,8 @@ def train(cfg: Config, on_cpu: bool) -> None:
         # the technique: DDP (the Trainer's default under torchrun) or FSDP2 with its own activation checkpointing
         fsdp="full_shard auto_wrap" if fsdp else "",
         fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["GptOssDecoderLayer"],
-                     "activation_checkpointing": ac} if fsdp else None,
+                     "activation_checkpointing": ac,  # whole layers; "experts" is the recipe's own (below)
+                     "cpu_ram_efficient_loading": True} if fsdp else None,  # only rank 0 reads the weights
         **_checkpointing_args(SFTConfig, ac and not fsdp),
         ddp_find_unused_parameters=False,
         logging_steps=t.log_every, report_to="none", disable_tqdm=True, log_level="warning",
