@@ -23,7 +23,9 @@
 #   bash ../shared/device/wheels.sh transformers==5.24.0 torchdata==0.11.0 omegaconf==2.3.0 peft==0.21.2
 #   pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3
 #   mkdir -p .data && cp -r ../shared/data/models/qwen3 .data/ && cp ../shared/data/datasets/alpaca/alpaca_data_sample5000.json .data/
-# then, with carry [".whl", ".data"], one call of about 6 minutes on one H200 (3 runs):
+# then, with carry [".whl", ".data"], one call on one H200 (the ceiling and the 3 default runs; the 3 eager runs of
+# the earlier default took about 6 minutes; the two compiled runs add inductor's build, not yet timed on the GPU,
+# and each run is cut at RUN_TIMEOUT seconds, a cut run recorded as failed):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
 #     && export PYTHONPATH=/tmp/site || exit; TOKENIZER_DIR=.data/qwen3 TRAIN_FILE=.data/alpaca_data_sample5000.json \
 #     RESULTS_DIR=$OUT bash benchmarks/moe_lora_speed.sh 2>&1 | tee $OUT/log.txt
