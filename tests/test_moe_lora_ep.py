@@ -69,10 +69,12 @@ def tiny_config(*overrides):
 
 
 @cookbook.distributed(num_processes=2, start_method="fork")
-def _one_step(init: str, overrides: tuple, eval_rows: list) -> dict:
+def _one_step(init: str, overrides: tuple, eval_rows: list, keys: tuple) -> dict:
     """One forward/backward on the same batch with EP=2, then EP=1 (expert LoRA on the routed tokens, the
-    default), then EP=2 with PEFT's expert forward (``"2-peft"``) and EP=2 with the MoE blocks recomputed in
-    backward, all-to-all included (``"2-ckpt"``); LoRA gradients of the unsharded model,
+    default), then EP=2 with PEFT's expert forward (``"2-peft"``), EP=2 with the MoE blocks recomputed in
+    backward, all-to-all included (``"2-ckpt"``), EP=2 with each MoE block's router and routed experts compiled
+    (``"2-moe"``) and EP=1 with each decoder layer compiled (``"1-layers"``; both with the backend the test
+    sets), those of `keys`; LoRA gradients of the unsharded model,
     what each rank holds, and whether an optimizer step left the base weights alone. Before that step: the
     eval loss over `eval_rows` (sharded over the ranks as the recipe does it) and, for EP=1, the full base
     weights as loaded (the LoRA factors start as the identity: B = 0)."""
@@ -86,15 +88,22 @@ def _one_step(init: str, overrides: tuple, eval_rows: list) -> dict:
     batch = {"input_ids": torch.randint(3, 500, (2, 24)), "labels": torch.randint(3, 500, (2, 24))}
     mine = {k: v[info.rank:info.rank + 1] for k, v in batch.items()}  # each rank its own row, as in training
     result = {}
-    for key in (2, 1, "2-peft", "2-ckpt"):
-        ep, path, ckpt = {"2-peft": (2, "peft", "none"), "2-ckpt": (2, "routed", "experts")}.get(key, (key, "routed", "none"))
+    for key in keys:
+        ep, path, ckpt, compiled = {"2-peft": (2, "peft", "none", "none"), "2-ckpt": (2, "routed", "experts", "none"),
+                                    "2-moe": (2, "routed", "none", "moe"), "1-layers": (1, "routed", "none", "layers")
+                                    }.get(key, (key, "routed", "none", "none"))
         cfg = tiny_config(f"model.name_or_path={init}", "model.pretrained=true", f"parallel.ep={ep}",
-                          f"lora.expert_lora={path}", f"train.activation_checkpointing={ckpt}", *overrides)
+                          f"lora.expert_lora={path}", f"train.activation_checkpointing={ckpt}", f"train.compile={compiled}",
+                          *overrides)
+        from torch._dynamo.utils import counters
+
+        counters.clear()
         model, flops, par = train.build_model(cfg, info)
         router = moe.RouterStats(model)
         loss_sum = sft.token_loss_sum(model, mine)
         aux = router.take()
         (loss_sum * info.world_size / 46).backward()
+        graphs, breaks = counters["stats"]["unique_graphs"], dict(counters["graph_break"])
         grads = moe.gather_lora(model, par, grads=True)
         losses = cookbook.all_reduce_sum({"loss": loss_sum}, info.device)["loss"]
         experts = next(p for n, p in model.named_parameters() if n.endswith("experts.base_layer.base_layer.down_proj")
@@ -114,7 +123,7 @@ def _one_step(init: str, overrides: tuple, eval_rows: list) -> dict:
                       "local_experts": tuple((experts.to_local() if hasattr(experts, "to_local") else experts).shape),
                       "global_experts": tuple(experts.shape), "experts_fsdp": hasattr(experts, "to_local"),
                       "lora_a_local": tuple(lora_a.to_local().shape) if lora_a is not None else None,
-                      "active": flops.num_params, "eval": evaluation, "loaded": loaded}
+                      "active": flops.num_params, "eval": evaluation, "loaded": loaded, "graphs": graphs, "breaks": breaks}
     return result
 
 
@@ -126,18 +135,25 @@ def test_ep2_equals_ep1_and_each_rank_holds_its_experts(init, model, overrides, 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     train = recipe_module()
+    monkeypatch.setattr(moe, "COMPILE_BACKEND", "aot_eager")  # inherited by the forked workers
     make_hub_cache(tmp_path / "hub", f"cookbook-tests/{model}", init[model])
     use_offline_cache(monkeypatch, tmp_path / "hub")
     cfg = tiny_config(f"model.name_or_path={init[model]}", *overrides)
     _, evals, _ = train.sft.load_examples(cfg.data, AutoTokenizer.from_pretrained(init[model]), cfg.train.seed)
-    r = _one_step.distributed(f"cookbook-tests/{model}", overrides, evals[:1])[0]
+    # compiled (Qwen3-MoE, the benchmarked architecture; Nemotron-H's compiled MoE blocks: the compiled run below)
+    keys = (2, 1, "2-peft", "2-ckpt", *(("2-moe", "1-layers") if model == "qwen3-moe" else ()))
+    r = _one_step.distributed(f"cookbook-tests/{model}", overrides, evals[:1], keys)[0]
     ep2, ep1 = r[2], r[1]
     torch.testing.assert_close(ep2["loss"], ep1["loss"], rtol=LOSS_RTOL, atol=0)
-    for other in ("2-peft", "2-ckpt"):  # PEFT's expert forward; the MoE blocks recomputed: the same loss and gradients
+    for other in keys[2:]:  # PEFT's expert forward; the MoE blocks recomputed; compiled: the same loss and gradients
         torch.testing.assert_close(r[other]["loss"], ep1["loss"], rtol=LOSS_RTOL, atol=0)
         assert set(r[other]["grads"]) == set(ep1["grads"])
         for name in ep1["grads"]:
             torch.testing.assert_close(r[other]["grads"][name], ep1["grads"][name], **GRAD_TOL, msg=f"{other} {name}")
+    if "2-moe" in r:  # compiled: graphs made (not a silent eager run); the MoE blocks' without a graph break (the
+        # layers' break at the FSDP2 hooks of the experts module, which dynamo leaves eager)
+        assert r["2-moe"]["graphs"] > 0 and r["1-layers"]["graphs"] > 0 and r["2-moe"]["breaks"] == {}, r["2-moe"]["breaks"]
+    assert ep1["graphs"] == 0
     assert ep2["aux"] > 0.5  # Switch aux loss is ~1 at balance
     assert set(ep2["grads"]) == set(ep1["grads"]) and any("experts" in n for n in ep1["grads"])
     for name in ep1["grads"]:
@@ -189,6 +205,23 @@ def test_resumed_ep2_run_has_the_losses_of_an_uninterrupted_ep1_run(runs):
     torch.testing.assert_close(torch.tensor([b[s] for s in range(1, STEPS + 1)], dtype=torch.float64),
                                torch.tensor([a[s] for s in range(1, STEPS + 1)], dtype=torch.float64), rtol=LOSS_RTOL, atol=0)
     assert b[STEPS] < b[1] - 0.2, b
+
+
+def test_a_compiled_ep2_run_has_the_losses_of_the_eager_ep1_run(runs, init, tmp_path, monkeypatch):
+    """``train.compile=moe`` at EP=2 (each MoE block's router and routed experts compiled; backend aot_eager, which
+    traces forward and backward as inductor does but runs eager's kernels: in one process its loss and gradients
+    equal eager's to the last bit, test_moe_routed_lora) logs every step's loss of the eager EP=1 run within the
+    EP=2-against-EP=1 tolerance. The tokens each rank's experts receive change from step to step, so the
+    compiled experts see new shapes (dynamic after the first recompile)."""
+    monkeypatch.setattr(moe, "COMPILE_BACKEND", "aot_eager")  # inherited by the forked workers
+    steps = 4  # of the eager run's 6 (constant learning rate: the same first steps)
+    out = run_forked(tmp_path / "compiled", init["nemotron-h"], *COMMON, "train.compile=moe", f"train.max_steps={steps}",
+                     "checkpoint.every_steps=-1", "checkpoint.export_adapter=false")
+    a, b = train_losses(runs[0] / "metrics.jsonl"), train_losses(out / "metrics.jsonl")
+    assert sorted(b) == list(range(1, steps + 1))
+    torch.testing.assert_close(torch.tensor([b[s] for s in range(1, steps + 1)], dtype=torch.float64),
+                               torch.tensor([a[s] for s in range(1, steps + 1)], dtype=torch.float64), rtol=LOSS_RTOL, atol=0)
+    assert b[steps] < b[1] - 0.1, b
 
 
 def test_a_killed_worker_restarts_and_the_run_ends_like_an_uninterrupted_one(runs):
@@ -275,6 +308,9 @@ def test_exported_adapter_loads_with_peft_onto_the_plain_model(runs, init, tmp_p
     (QWEN, 2, "lora.target_parameters: 'experts.gate_up_proj' matches nothing in nemotron_h"),
     (("model.name_or_path=tiny/dense-qwen3", "lora.target_parameters=[]"), 2, "parallel.ep=2 but"),
     (("data.packing=true",), 2, "data.packing=true with nemotron_h"),
+    (("train.compile=true",), 2, "train.compile must be one of"),
+    (("train.compile=moe", "lora.expert_lora=peft"), 2, "train.compile=moe compiles the routed expert LoRA"),
+    (("train.compile=layers", "train.activation_checkpointing=full"), 2, "train.compile=layers with train.activation_checkpointing=full"),
     (("model.attn_implementation=flex_attention",), 2, "model.attn_implementation=flex_attention cannot train on CPU"),
 ])
 def test_bad_input_is_refused_before_training(tmp_path, overrides, world_size, message):

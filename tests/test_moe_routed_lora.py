@@ -160,24 +160,26 @@ def test_use_routed_lora_switches_the_model_and_keeps_peft_names():
     assert "not transformers' fused experts" in moe.routed_lora_unsupported(torch.nn.Linear(2, 2))
 
 
+def tiny_qwen_with_lora():
+    """The tiny Qwen3-MoE (2 MoE layers) with LoRA on q/v and the experts (B random), routed expert LoRA."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY / "qwen3-moe"))
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                             target_parameters=["experts.gate_up_proj", "experts.down_proj"]))
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.1)
+    moe.use_routed_lora(model)
+    return model
+
+
 @pytest.mark.parametrize("part, wrapped", [("attention", 2), ("experts", 2)])
 def test_checkpoint_parts_recomputes_and_keeps_the_gradients(part, wrapped):
     """The tiny Qwen3-MoE (2 layers) with routed LoRA: the same loss and LoRA gradients with one part of each
     layer checkpointed as with none, that part run again in backward (counted by a forward hook), names kept."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    def build():
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY / "qwen3-moe"))
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                 target_parameters=["experts.gate_up_proj", "experts.down_proj"]))
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                torch.nn.init.normal_(p, std=0.1)
-        moe.use_routed_lora(model)
-        return model
-
     def step(model):
         calls = []
         layer = model.base_model.model.model.layers[0]
@@ -189,8 +191,8 @@ def test_checkpoint_parts_recomputes_and_keeps_the_gradients(part, wrapped):
         loss.backward()
         return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}, forward_calls, len(calls)
 
-    plain = step(build())
-    model = build()
+    plain = step(tiny_qwen_with_lora())
+    model = tiny_qwen_with_lora()
     names = [n for n, _ in model.named_parameters()]
     assert moe.checkpoint_parts(model.base_model.model.model.layers, part) == wrapped
     assert [n for n, _ in model.named_parameters()] == names
@@ -203,3 +205,88 @@ def test_checkpoint_parts_recomputes_and_keeps_the_gradients(part, wrapped):
         torch.testing.assert_close(grads[name], grad, rtol=1e-6, atol=1e-7, msg=name)
     with pytest.raises(ValueError, match="part must be 'attention' or 'experts'"):
         moe.checkpoint_parts(model.base_model.model.model.layers, "full")
+
+
+# ----------------------------------------------------------------------------- the grouped GEMM operator, torch.compile
+GROUP_ROWS = {  # rows per group of 4: empty groups first, inside, last; all rows in one group
+    "inner-empty": [3, 0, 2, 1], "ends-empty": [0, 4, 2, 0], "one-group": [0, 0, 5, 0], "no-empty": [1, 2, 1, 3]}
+
+
+def grouped_reference(x, w, rows):
+    """Each row times its own group's matrix, an einsum over the per-row matrices: no slicing by offsets."""
+    group = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(rows))
+    return torch.einsum("sk,skn->sn", x, w[group])
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+@pytest.mark.parametrize("rows", sorted(GROUP_ROWS))
+def test_grouped_mm_operator_equals_the_per_row_reference(rows, kernel, monkeypatch):
+    """`moe.grouped_mm` and the custom operator (with its backward) against the per-row reference: output and both
+    gradients, weights given contiguous, as a transposed view (the experts' (E, out, in) weights) and as the
+    expert-innermost view of lora_B that grouped GEMM refuses (copied). ``kernel``: the path that calls torch's
+    grouped GEMM (CUDA bf16 in training; torch 2.13 also runs it on CPU in fp32, stride checks included), forced
+    here on CPU; else the loop over groups. Empty groups get zero weight gradients."""
+    if kernel:
+        monkeypatch.setattr(moe, "_kernel_ok", lambda x, k, n: len(x) > 0)
+    counts = GROUP_ROWS[rows]
+    offs = torch.cumsum(torch.tensor(counts), 0, dtype=torch.int32)
+    g = torch.Generator().manual_seed(3)
+    x0, dy = torch.randn(sum(counts), 8, generator=g), torch.randn(sum(counts), 16, generator=g)
+    base = torch.randn(4, 8, 16, generator=g)
+    layouts = {"contiguous": lambda t: t, "transposed": lambda t: t.transpose(1, 2).contiguous().transpose(1, 2),
+               "expert-innermost": lambda t: t.permute(1, 2, 0).contiguous().permute(2, 0, 1)}
+    for name, layout in layouts.items():
+        results = []
+        for fn in (lambda x, w, o: grouped_reference(x, w, counts), moe.grouped_mm, torch.ops.cookbook.grouped_mm):
+            x, w = x0.clone().requires_grad_(True), base.clone().requires_grad_(True)
+            y = fn(x, layout(w), offs)
+            (y * dy).sum().backward()
+            results.append((y.detach(), x.grad, w.grad))
+        for got in results[1:]:  # the wrapper (eager, kernel path: torch's own autograd) and the operator itself
+            for tensor, expected in zip(got, results[0]):
+                torch.testing.assert_close(tensor, expected, rtol=1e-5, atol=1e-5, msg=name)
+            for e, n in enumerate(counts):
+                assert bool(got[2][e].abs().max() == 0) == (n == 0), (name, e)
+    torch.library.opcheck(torch.ops.cookbook.grouped_mm.default, (x0, base, offs))  # fake impl, autograd, schema
+    torch.library.opcheck(torch.ops.cookbook.grouped_mm_weight_grad.default, (x0, dy, offs))
+
+
+def loss_and_grads(model):
+    ids = torch.arange(3, 35).unsqueeze(0)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+@pytest.mark.parametrize("part, graphs", [("moe", 2), ("layers", 2)])
+def test_compiled_parts_equal_eager(part, graphs):
+    """`moe.compile_parts` on the tiny Qwen3-MoE, backend aot_eager (dynamo and AOTAutograd trace forward and
+    backward as for inductor; inductor's C++ build takes ~40 s here): the same loss and LoRA gradients as eager,
+    twice (the second step runs the cached code), no graph break, and the layers share their compiled code
+    (moe: the router's graph and the routed experts' graph, `grouped_mm` in it as one operator; layers: the
+    first layer's graph and the second's, whose input requires grad). aot_eager runs the same kernels as eager
+    in the same order: measured, equal to the last bit."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    expected = loss_and_grads(tiny_qwen_with_lora())
+    model = tiny_qwen_with_lora()
+    names = [n for n, _ in model.named_parameters()]
+    backend = CompileCounterWithBackend("aot_eager")
+    assert moe.compile_parts(model.base_model.model.model.layers, part, backend=backend) == (4 if part == "moe" else 2)
+    assert [n for n, _ in model.named_parameters()] == names
+    for _ in range(2):
+        loss, grads = loss_and_grads(model)
+        torch.testing.assert_close(loss, expected[0], rtol=0, atol=0)
+        assert sorted(grads) == sorted(expected[1]) and any("experts" in n for n in grads)
+        for name, grad in expected[1].items():
+            torch.testing.assert_close(grads[name], grad, rtol=1e-6, atol=1e-7, msg=name)
+    assert backend.frame_count == graphs and not counters["graph_break"], (backend.frame_count, dict(counters["graph_break"]))
+    ops = {str(node.target) for gm in backend.graphs for node in gm.graph.nodes}
+    assert any("cookbook.grouped_mm" in op for op in ops), sorted(ops)
+    with pytest.raises(ValueError, match="part must be 'moe' or 'layers'"):
+        moe.compile_parts(model.base_model.model.model.layers, "experts")

@@ -35,6 +35,9 @@ What this recipe supports:
       every expert in every forward. Both keep PEFT's modules and adapter format.
     - Activation checkpointing (``train.activation_checkpointing``): ``full`` (each decoder layer), ``attention``
       or ``experts`` (that part of each layer, ``cookbook.moe.checkpoint_parts``), ``none``.
+    - ``torch.compile`` (``train.compile``, ``cookbook.moe.compile_parts``): ``moe`` (each MoE block's router and
+      routed experts, routing included; the grouped GEMMs are one custom operator, ``cookbook.moe.grouped_mm``),
+      ``layers`` (each decoder layer whole, before FSDP2), ``none``.
     - Data (cookbook.sft): chat / Alpaca / ShareGPT rows, chat template, loss on assistant tokens
       only, packing (Qwen3-MoE) or right padding (Nemotron-H: Mamba layers would carry state across
       packed documents). Loss normalised by the assistant tokens of the global batch.
@@ -125,6 +128,8 @@ def build_model(cfg: Config, info: cookbook.DistInfo) -> tuple[torch.nn.Module, 
     moe.init_lora(model, cfg.train.seed)  # the same factors whatever the EP degree; fp32
     if cfg.lora.expert_lora == "routed":  # expert LoRA on the routed tokens: grouped GEMMs, no B @ A per expert
         moe.use_routed_lora(model)
+    if cfg.train.compile != "none":  # torch.compile each layer, or each MoE block's router and routed experts
+        moe.compile_parts(model.base_model.model.model.layers, cfg.train.compile)
     if cfg.train.activation_checkpointing == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     elif cfg.train.activation_checkpointing != "none":  # attention or experts of each decoder layer

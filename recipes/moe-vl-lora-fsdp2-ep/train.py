@@ -106,6 +106,8 @@ def build_model(cfg: Config, info: cookbook.DistInfo) -> tuple[torch.nn.Module, 
     moe.init_lora(model, cfg.train.seed)  # the same factors whatever the EP degree; fp32
     if cfg.lora.expert_lora == "routed":  # expert LoRA on the routed tokens: grouped GEMMs, no B @ A per expert
         moe.use_routed_lora(model)
+    if cfg.train.compile != "none":  # torch.compile each decoder layer, or each MoE block's router and routed experts
+        moe.compile_parts(model.base_model.model.model.language_model.layers, cfg.train.compile)
     if cfg.parallel.ep > 1:
         meshes.expert_lora_names = moe.split_experts(model, meshes.dp_ep["ep"])
     if cfg.model.pretrained and cfg.model.lazy_load:

@@ -82,6 +82,8 @@ class MoESection:
 class TrainConfig(config.TrainConfig):
     activation_checkpointing: str = "full"  # none; full: recompute each decoder layer in backward (transformers' own);
     #                                         attention / experts: recompute only that part of each layer (`checkpoint_parts`)
+    compile: str = "none"  # torch.compile (`compile_parts`): moe: each MoE block's router and routed experts (routing
+    #                        included); layers: each decoder layer whole (per-layer, before FSDP2); none
 
 
 @dataclass
@@ -105,8 +107,10 @@ class MoELoraConfig(config.RunConfig):
 
 
 # Settings that may differ between a checkpoint and the run that resumes it (with the recipe's data keys).
-MAY_CHANGE = (*config.MAY_CHANGE, "model.lazy_load", "data.num_workers", "lora.expert_lora", "train.activation_checkpointing")
+MAY_CHANGE = (*config.MAY_CHANGE, "model.lazy_load", "data.num_workers", "lora.expert_lora", "train.activation_checkpointing",
+              "train.compile")
 ACTIVATION_CHECKPOINTING = ("none", "full", "attention", "experts")
+COMPILE = ("none", "moe", "layers")
 
 
 def check_config(cfg: MoELoraConfig, config_dir: Path) -> None:
@@ -120,13 +124,22 @@ def check_config(cfg: MoELoraConfig, config_dir: Path) -> None:
     config.check_run(cfg)
     check_fields(cfg, at_least={"parallel.ep": 1, "lora.r": 1, "data.max_length": 1, "moe.aux_loss_coef": 0},
                  one_of={"parallel.reduce_dtype": sorted(DTYPES), "train.activation_checkpointing": ACTIVATION_CHECKPOINTING,
-                         "lora.expert_lora": ("routed", "peft")},
+                         "lora.expert_lora": ("routed", "peft"), "train.compile": COMPILE},
                  within={"lora.dropout": "[0, 1)", "data.eval_fraction": "[0, 1)"},
                  notes={"data.eval_fraction": "0: no evaluation"})
     if not cfg.lora.target_modules and not cfg.lora.target_parameters:
         raise ConfigError("lora.target_modules and lora.target_parameters are both empty: nothing would train")
     if cfg.lora.dropout > 0 and cfg.lora.target_parameters:
         raise ConfigError("lora.dropout > 0 is not supported by PEFT for lora.target_parameters (expert weights): set 0")
+    if cfg.train.compile != "none" and cfg.lora.expert_lora != "routed":
+        raise ConfigError(f"train.compile={cfg.train.compile} compiles the routed expert LoRA: it needs lora.expert_lora=routed "
+                          f"(or train.compile=none)")
+    if cfg.train.compile == "layers" and cfg.train.activation_checkpointing != "none":
+        # full: transformers' checkpointed layer call bypasses the compiled one (measured: no graph made, eager
+        # silently); attention / experts: not tried
+        raise ConfigError(f"train.compile=layers with train.activation_checkpointing={cfg.train.activation_checkpointing} "
+                          f"is not supported: use train.compile=moe (works with every activation_checkpointing), or "
+                          f"train.activation_checkpointing=none")
     if cfg.checkpoint.export_merged and not (cfg.model.pretrained and cfg.checkpoint.export_adapter):
         raise ConfigError("checkpoint.export_merged=true folds the adapter into the base weights read from "
                           "model.name_or_path: it needs model.pretrained=true and checkpoint.export_adapter=true")
@@ -313,14 +326,86 @@ def _wrapper_path(outer: torch.nn.Module, wrapper: torch.nn.Module) -> str:
 
 # ----------------------------------------------------------------------------- expert LoRA on the routed tokens
 _GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+# Inductor must hand the ops below their inputs with the strides eager mode has (torch.compile of a layer once laid
+# lora_B's expert-major copy out with the expert index innermost, which grouped GEMM refuses); the ops also fix an
+# unusable layout themselves (`_gemm_layout`).
+_EXACT_STRIDES = tuple(t for t in (getattr(torch.Tag, "needs_exact_strides", None),) if t is not None)
+
+
+def _kernel_ok(x: torch.Tensor, k: int, n: int) -> bool:
+    """Whether torch's grouped GEMM kernel takes these operands: CUDA, bf16, a non-empty S and 16-byte aligned
+    rows (K and N multiples of 8)."""
+    return _GROUPED_MM is not None and x.is_cuda and x.dtype == torch.bfloat16 and len(x) > 0 and k % 8 == 0 and n % 8 == 0
+
+
+def _gemm_layout(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself if its last two dimensions are row- or column-major (what grouped GEMM accepts), else a
+    contiguous copy."""
+    s, (rows, cols) = t.stride(), t.shape[-2:]
+    if (s[-1] == 1 and s[-2] >= max(1, cols)) or (s[-2] == 1 and s[-1] >= max(1, rows)):
+        return t
+    return t.contiguous()
+
+
+@torch.library.custom_op("cookbook::grouped_mm", mutates_args=(), tags=_EXACT_STRIDES)
+def _grouped_mm_op(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """(S, K) x (G, K, N) -> (S, N), rows offs[g-1]:offs[g] times w[g]; `x` and `w` of one dtype."""
+    if _kernel_ok(x, w.shape[1], w.shape[2]):
+        return _GROUPED_MM(_gemm_layout(x), _gemm_layout(w), offs=offs)
+    ends = offs.tolist()  # the loop: CPU, fp32, unaligned or no rows; every group runs, empty ones too
+    return torch.cat([x[start:end] @ w[g] for g, (start, end) in enumerate(zip([0] + ends[:-1], ends))])
+
+
+@_grouped_mm_op.register_fake
+def _(x, w, offs):
+    return x.new_empty(x.shape[0], w.shape[2], dtype=w.dtype)
+
+
+@torch.library.custom_op("cookbook::grouped_mm_weight_grad", mutates_args=(), tags=_EXACT_STRIDES)
+def _grouped_mm_weight_grad_op(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """(S, K), (S, N) -> (G, K, N): x_g^T dy_g for the rows of each group (zeros for an empty group)."""
+    if _kernel_ok(x, x.shape[1], dy.shape[1]):  # torch's 2-D x 2-D form: the rows of both split by offs
+        return _GROUPED_MM(_gemm_layout(x.t()), _gemm_layout(dy), offs=offs)
+    ends = offs.tolist()
+    return torch.stack([x[start:end].t() @ dy[start:end] for start, end in zip([0] + ends[:-1], ends)])
+
+
+@_grouped_mm_weight_grad_op.register_fake
+def _(x, dy, offs):
+    return x.new_empty(offs.shape[0], x.shape[1], dy.shape[1])
+
+
+def _grouped_mm_setup(ctx, inputs, output):
+    x, w, offs = inputs
+    ctx.save_for_backward(x if w.requires_grad else None, w if x.requires_grad else None, offs)
+
+
+def _grouped_mm_backward(ctx, dy):
+    """dX = dY W_g^T per group (the same op on the transposed weights), dW_g = X_g^T dY_g."""
+    x, w, offs = ctx.saved_tensors
+    dy = dy.contiguous()  # an expanded or strided gradient (sum(), a slice) is no GEMM operand
+    dx = _grouped_mm_op(dy, w.transpose(1, 2), offs) if ctx.needs_input_grad[0] else None
+    dw = _grouped_mm_weight_grad_op(x, dy, offs) if ctx.needs_input_grad[1] else None
+    return dx, dw, None
+
+
+_grouped_mm_op.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Grouped matrix product: rows ``offs[g-1]:offs[g]`` of `x` times ``w[g]``, differentiable in both.
 
+    Under ``torch.compile``, and wherever torch's kernel does not apply, one operator,
+    ``torch.ops.cookbook.grouped_mm`` (a ``torch.library.custom_op``) whose backward is grouped GEMMs too:
+    dX = dY W_g^T per group, dW_g = X_g^T dY_g (``torch.ops.cookbook.grouped_mm_weight_grad``). Compiled, it stays
+    one opaque node that gets the input strides eager mode gives it, and its loop fallback (which reads the
+    offsets on the host) stays out of the graph. Eager with the kernel: torch's own differentiable grouped GEMM
+    (no Python autograd node per call; the step is bound by the host's kernel launches).
+
     Args:
         x: (S, K) rows sorted by group, S = offs[-1].
-        w: (G, K, N), any strides (a transposed view of (G, N, K) weights is fine).
+        w: (G, K, N), any strides (a transposed view of (G, N, K) weights is used in place; a layout the kernel
+            refuses, such as lora_B's expert-major view, is copied).
         offs: (G,) int32 cumulative row counts (end of each group; empty groups allowed).
 
     Returns:
@@ -330,11 +415,9 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
         runs the empty ones so that the result always depends on `x` and `w` (autograd, collectives).
     """
     x = x.to(w.dtype)
-    if (_GROUPED_MM is not None and x.is_cuda and w.dtype == torch.bfloat16 and len(x)
-            and x.shape[1] % 8 == 0 and w.shape[2] % 8 == 0):
-        return _GROUPED_MM(x, w, offs=offs)
-    ends = offs.tolist()
-    return torch.cat([x[start:end] @ w[g] for g, (start, end) in enumerate(zip([0] + ends[:-1], ends))])
+    if not torch.compiler.is_compiling() and _kernel_ok(x, w.shape[1], w.shape[2]):
+        return _GROUPED_MM(x, _gemm_layout(w), offs=offs)
+    return _grouped_mm_op(x, w, offs)
 
 
 def routed_lora_unsupported(experts: torch.nn.Module) -> str | None:
@@ -348,10 +431,12 @@ def routed_lora_unsupported(experts: torch.nn.Module) -> str | None:
     return None
 
 
-def _lora_factors(wrappers: list[torch.nn.Module], param: str) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
-    """(A (E, in, r), B (E, r, out), scaling) of each active, unmerged adapter on the expert parameter `param`,
-    from PEFT's lora_A (r*E, in), expert-major (a view), and lora_B (out, r*E), expert index fastest (copied,
-    r*E*out elements: its permuted view would have the expert index innermost, which grouped GEMM refuses)."""
+def _lora_factors(wrappers: list[torch.nn.Module], param: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(A (E, in, r), s B (E, r, out)) of each active, unmerged adapter on the expert parameter `param`, from
+    PEFT's lora_A (r*E, in), expert-major (a view), and lora_B (out, r*E), expert index fastest, times the
+    adapter's scaling s = alpha / r (one elementwise pass that writes the copy: r*E*out elements, its permuted view
+    would have the expert index innermost, which grouped GEMM refuses). s (x A^T) B^T = (x A^T)(s B)^T; with s a
+    power of two (alpha = 2 r, the shipped configs) the two round identically."""
     factors = []
     for w in wrappers:
         if w.parameter_name != param or w.disable_adapters or w.merged:
@@ -360,16 +445,16 @@ def _lora_factors(wrappers: list[torch.nn.Module], param: str) -> list[tuple[tor
             if name in w.lora_A:
                 a, b, r = w.lora_A[name].weight, w.lora_B[name].weight, w.r[name]
                 factors.append((a.reshape(w.num_experts, r, -1).transpose(1, 2),
-                                b.reshape(b.shape[0], r, w.num_experts).permute(2, 1, 0).contiguous(), w.scaling[name]))
+                                (b.reshape(b.shape[0], r, w.num_experts).permute(2, 1, 0) * w.scaling[name]).contiguous()))
     return factors
 
 
 def _expert_projection(experts, wrappers, param: str, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """x (S, in) sorted by expert -> (S, out): x_e W_e^T + sum over adapters of s (x_e A_e^T) B_e^T, each a grouped GEMM."""
+    """x (S, in) sorted by expert -> (S, out): x_e W_e^T + sum over adapters of (x_e A_e^T)(s B_e)^T, each a grouped GEMM."""
     weight = getattr(experts, param)
     y = grouped_mm(x, weight if experts.is_transposed else weight.transpose(1, 2), offs)
-    for a, b, scaling in _lora_factors(wrappers, param):
-        y = y + grouped_mm(grouped_mm(x, a, offs) * scaling, b, offs)
+    for a, b in _lora_factors(wrappers, param):
+        y = y + grouped_mm(grouped_mm(x, a, offs), b, offs)
     return y
 
 
@@ -425,6 +510,48 @@ def use_routed_lora(model: torch.nn.Module) -> int:
             raise ValueError(f"{name}: the experts {reason}")
         block.experts.forward = partial(routed_experts_forward, block.experts)
     return len(blocks)
+
+
+COMPILE_BACKEND = "inductor"  # `compile_parts`' default backend (the CPU tests set aot_eager: inductor's C++ build is slow)
+_COMPILED_ROUTED: dict = {}  # backend -> torch.compile(routed_experts_forward), made once: every layer shares its code
+
+
+def compile_parts(layers, part: str, backend=None) -> int:
+    """``torch.compile`` parts of every decoder layer in place (module and parameter names unchanged):
+
+    - ``moe``: each MoE block's router (``gate``, ``Module.compile``) and, where `use_routed_lora` set it, its
+      experts' `routed_experts_forward`: routing (sort, offsets, gather, weights, unsort) and the grouped GEMMs,
+      base and LoRA, in one graph (the GEMMs are the opaque `grouped_mm` operator). The experts module's own
+      ``__call__`` (FSDP2's hooks) and, under EP, the all-to-all of `ep_dispatch` stay eager.
+    - ``layers``: each decoder layer whole (``Module.compile``, as torchtitan does), before ``fully_shard``.
+
+    Call after `use_routed_lora` and before `split_experts` (which wraps the experts' forward as it finds it) and
+    ``fully_shard``. Every layer runs the same compiled code (parameters are graph inputs, not constants).
+    `backend`: torch.compile's, a name or a callable; default `COMPILE_BACKEND` (``aot_eager`` traces forward and
+    backward as inductor does, without generating code).
+
+    Returns:
+        The number of modules or forwards compiled. Raises ValueError for another `part`.
+    """
+    if part not in ("moe", "layers"):
+        raise ValueError(f"part must be 'moe' or 'layers', got {part!r}")
+    backend = backend or COMPILE_BACKEND
+    count = 0
+    for layer in layers:
+        if part == "layers":
+            layer.compile(backend=backend)
+            count += 1
+            continue
+        for _, block in moe_blocks(layer):
+            block.gate.compile(backend=backend)
+            forward = block.experts.forward
+            if isinstance(forward, partial) and forward.func is routed_experts_forward:
+                if backend not in _COMPILED_ROUTED:
+                    _COMPILED_ROUTED[backend] = torch.compile(routed_experts_forward, backend=backend)
+                block.experts.forward = partial(_COMPILED_ROUTED[backend], *forward.args)
+                count += 1
+            count += 1
+    return count
 
 
 # ----------------------------------------------------------------------------- activation checkpointing
