@@ -8,11 +8,15 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import ROOT, check, load_recipe, main_in_workers, read_jsonl
+from safetensors.torch import load_file
+
+from cookbook import WorkerError
 
 RECIPE = ROOT / "recipes" / "gpt-oss-lora-trl"
 TINY = RECIPE / "tiny"
@@ -116,17 +120,43 @@ def test_labels_are_the_final_channel_only():
     assert mod.final_channel_labels(ids[:-3], tokenizer)[-1] == ids[-4]
 
 
+def test_a_nonfinite_step_is_skipped_and_the_next_one_in_a_row_stops_the_run(tmp_path, capfd):
+    """A learning rate of 1e30 turns step 1's update into weights that make step 2's gradients NaN:
+    train.on_nonfinite=skip leaves step 2 out and counts it (in the train records and the checkpoint), and step 3,
+    NaN again, is one more than train.max_consecutive_skips=1 in a row: the run stops, exit status 4."""
+    out = tmp_path / "run"
+    with pytest.raises(WorkerError) as failed:
+        main_in_workers("gpt-oss-lora-trl", f"output_dir={out}", "optim.lr=1e30", "train.on_nonfinite=skip",
+                        "train.max_consecutive_skips=1", "checkpoint.every_steps=1", "checkpoint.keep_last=0")
+    assert failed.value.exc_type == "cookbook.loop.NonFiniteError" and failed.value.exception.exit_status == 4
+    ckpt = out / "checkpoints"
+    assert str(failed.value.exception) == (
+        f"the gradients of step 3 are not finite on every rank (the optimizer step was left out): the step was not "
+        f"applied, and that makes 2 non-finite steps in a row (train.max_consecutive_skips=1), so the run stops; the "
+        f"newest checkpoint, from before it, is {ckpt / 'checkpoint-2'}. Lower optim.lr or raise the warm-up, or "
+        f"check the data")
+    assert "step 2: non-finite gradients, optimizer step left out, step skipped (1 skipped so far)" in capfd.readouterr().err
+    train = [r for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "train"]
+    assert [(r["step"], r["skipped_steps"]) for r in train] == [(1, 0), (2, 1)]
+    assert [json.loads((ckpt / f"checkpoint-{s}" / "meta.json").read_text())["skipped_steps"] for s in (1, 2)] == [0, 1]
+    one, two = (load_file(ckpt / f"checkpoint-{s}" / "adapter_model.safetensors") for s in (1, 2))
+    assert one and all(torch.equal(one[k], two[k]) for k in one)  # step 2 changed no weight
+
+
 def test_launch_dry_run_for_two_nodes():
-    env = {**os.environ, "DRY_RUN": "1", "NGPU": "8", "NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1",
-           "CONFIG_FILE": "gpt-oss-120b.yaml"}
+    """launch.sh calls cookbook.launch, whose dry run (DRY_RUN=1) prints the check and the torchrun command."""
+    python3 = Path(sys.executable).parent / "python3"
+    env = {**os.environ, "PATH": f"{python3.parent}{os.pathsep}{os.environ['PATH']}", "DRY_RUN": "1", "NGPU": "8",
+           "NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1", "CONFIG_FILE": "gpt-oss-120b.yaml"}
+    env.pop("MASTER_PORT", None)
     out = subprocess.run(["bash", str(RECIPE / "launch.sh"), "train.max_steps=3"], capture_output=True, text=True,
                          env=env, timeout=60)
     config, train = RECIPE / "gpt-oss-120b.yaml", RECIPE / "train.py"
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == [
-        f"check: env COOKBOOK_WORLD_SIZE=16 python3 {train} --config {config} --check train.max_steps=3 ",
-        f"run: torchrun --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500 --nproc-per-node 8 "
-        f"{train} --config {config} train.max_steps=3 "]
+        f"check: env COOKBOOK_WORLD_SIZE=16 {python3} {train} --check --config {config} train.max_steps=3",
+        f"run: {python3} -m cookbook.torchrun --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500 "
+        f"--nproc-per-node 8 --max-restarts 3 {train} --config {config} train.max_steps=3"]
 
 
 def test_bad_rows_are_refused(tmp_path):

@@ -171,14 +171,27 @@ def test_a_preemption_signal_stops_after_the_step_with_a_checkpoint(tmp_path, ca
                                    f"run the same command again to continue (exit status 75)")
 
 
+def _as_deepspeed(callback: NonFiniteSteps, args, control) -> NonFiniteSteps:
+    """`callback` after ``on_train_begin`` with a DeepSpeed optimizer (an object of its wrapper's class)."""
+    from accelerate.utils import DeepSpeedOptimizerWrapper
+
+    callback.on_train_begin(args, TrainerState(), control, optimizer=object.__new__(DeepSpeedOptimizerWrapper))
+    return callback
+
+
 def test_nonfinite_steps_reads_deepspeeds_decision_and_applies_the_policy(tmp_path):
     """on_optimizer_step after DeepSpeed discarded the update (``optimizer.step_was_skipped``): stop names the step
-    and the newest checkpoint; skip counts it for the train records. Without DeepSpeed it refuses to start."""
+    and the newest checkpoint; skip counts it for the train records. Under DeepSpeed the gradients are not looked
+    at before the step (DeepSpeed has already applied or discarded it)."""
     (tmp_path / "checkpoint-4").mkdir()
     (tmp_path / "checkpoint-4" / "meta.json").write_text('{"step": 4}')
     args, control = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none"), TrainerControl()
     discarded, applied = SimpleNamespace(step_was_skipped=True), SimpleNamespace(step_was_skipped=False)
-    stop = NonFiniteSteps(NonFinitePolicy("stop"), tmp_path)
+    stop = _as_deepspeed(NonFiniteSteps(NonFinitePolicy("stop"), tmp_path), args, control)
+    nan_model = torch.nn.Linear(2, 1)
+    nan_model.weight.grad = torch.full_like(nan_model.weight, float("nan"))
+    stop.on_pre_optimizer_step(args, TrainerState(global_step=4), control, model=nan_model)  # not DeepSpeed's way
+    assert torch.isnan(nan_model.weight.grad).all()
     stop.on_optimizer_step(args, TrainerState(global_step=4), control, optimizer=applied)
     with pytest.raises(NonFiniteError) as failed:
         stop.on_optimizer_step(args, TrainerState(global_step=4), control, optimizer=discarded)
@@ -187,15 +200,72 @@ def test_nonfinite_steps_reads_deepspeeds_decision_and_applies_the_policy(tmp_pa
         f"run stops (train.on_nonfinite=stop); the newest checkpoint, from before it, is {tmp_path / 'checkpoint-4'}. "
         f"Lower optim.lr or raise the warm-up, check the data of this step, or set train.on_nonfinite=skip to drop "
         f"such steps")
-    skip = NonFiniteSteps(NonFinitePolicy("skip", max_consecutive_skips=1), tmp_path)
+    skip = _as_deepspeed(NonFiniteSteps(NonFinitePolicy("skip", max_consecutive_skips=1), tmp_path), args, control)
     for step, optimizer in enumerate([discarded, applied, discarded], start=5):
         skip.on_optimizer_step(args, TrainerState(global_step=step - 1), control, optimizer=optimizer)
     assert skip.log_extra() == {"skipped_steps": 2.0} and stop.log_extra() == {}
     with pytest.raises(NonFiniteError, match=r"^the gradient norm of step 8 is not finite .* that makes 2 non-finite "
                                              r"steps in a row \(train.max_consecutive_skips=1\)"):
         skip.on_optimizer_step(args, TrainerState(global_step=7), control, optimizer=discarded)
-    with pytest.raises(ValueError, match=r"^NonFiniteSteps reads DeepSpeed's check of the gradient norm"):
-        stop.on_train_begin(args, TrainerState(), control, optimizer=torch.optim.SGD([torch.zeros(1)], lr=0.1))
+
+
+def test_nonfinite_steps_without_deepspeed_leaves_the_optimizer_step_out(tmp_path):
+    """A plain Trainer: on_pre_optimizer_step (after clipping, before ``optimizer.step()``) finds a NaN or
+    infinite gradient, sets every trainable gradient to None, so that AdamW changes neither the weights nor its
+    state, and counts the step; finite gradients pass untouched; the count starts from a resumed checkpoint's
+    ``skipped_steps`` and goes into the next one's meta.json; stop raises before the step with the newest
+    checkpoint."""
+    (tmp_path / "checkpoint-4").mkdir()
+    (tmp_path / "checkpoint-4" / "meta.json").write_text('{"step": 4, "skipped_steps": 2}')
+    args, control = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none"), TrainerControl()
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    model[1].bias.requires_grad_(False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    skip = NonFiniteSteps(NonFinitePolicy("skip", max_consecutive_skips=1), tmp_path,
+                          resume_from=tmp_path / "checkpoint-4")
+    skip.on_train_begin(args, TrainerState(), control, optimizer=optimizer)
+    publisher = PublishCheckpoints(tmp_path / "published", 0, {}, more_meta=skip.meta)
+
+    def step(global_step: int, bad: float | None) -> bool:
+        """One optimizer step whose gradients are finite, or hold `bad` in one element; True: it changed weights."""
+        optimizer.zero_grad()
+        model(torch.ones(4, 3)).sum().backward()
+        if bad is not None:
+            model[0].weight.grad[0, 1] = bad
+        before = [p.detach().clone() for p in model.parameters()]
+        skip.on_pre_optimizer_step(args, TrainerState(global_step=global_step), control, model=model)
+        optimizer.step()
+        return any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+    assert step(4, None) and len(optimizer.state) == 3
+    adam_state = {k: v.clone() for k, v in optimizer.state[model[0].weight].items()}
+    assert not step(5, float("inf"))  # step 6 of the run skipped: no weight, no optimizer state changed
+    assert all(torch.equal(v, optimizer.state[model[0].weight][k]) for k, v in adam_state.items())
+    assert all(p.grad is None for p in model.parameters() if p.requires_grad)
+    assert skip.log_extra() == {"skipped_steps": 3.0}
+    assert step(6, None)  # finite again: the run in a row starts over
+    assert not step(7, float("nan"))
+    (tmp_path / ".staging" / "checkpoint-8").mkdir(parents=True)
+    state = TrainerState(global_step=8, is_world_process_zero=True)
+    publisher.on_save(TrainingArguments(output_dir=str(tmp_path / ".staging"), use_cpu=True, report_to="none"),
+                      state, control)
+    assert json.loads((tmp_path / "published" / "checkpoint-8" / "meta.json").read_text())["skipped_steps"] == 4
+    with pytest.raises(NonFiniteError, match=r"^the gradients of step 9 are not finite on every rank \(the optimizer "
+                                             r"step was left out\): the step was not applied, and that makes 2 "
+                                             r"non-finite steps in a row"):
+        step(8, float("nan"))
+    stop = NonFiniteSteps(NonFinitePolicy("stop"), tmp_path)
+    stop.on_train_begin(args, TrainerState(), control, optimizer=optimizer)
+    with pytest.raises(NonFiniteError) as failed:
+        optimizer.zero_grad()
+        model(torch.ones(4, 3)).sum().backward()
+        model[1].weight.grad[0, 0] = float("nan")
+        stop.on_pre_optimizer_step(args, TrainerState(global_step=9), control, model=model)
+    assert str(failed.value) == (
+        f"the gradients of step 10 are not finite on every rank (the optimizer step was left out): the step was not "
+        f"applied and the run stops (train.on_nonfinite=stop); the newest checkpoint, from before it, is "
+        f"{tmp_path / 'checkpoint-4'}. Lower optim.lr or raise the warm-up, check the data of this step, or set "
+        f"train.on_nonfinite=skip to drop such steps")
 
 
 def test_an_accelerate_config_naming_another_deepspeed_json_is_refused(tmp_path, monkeypatch):

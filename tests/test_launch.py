@@ -46,6 +46,38 @@ def test_a_failed_check_stops_before_any_worker(tmp_path, capsys):
     assert len((tmp_path / "calls").read_text().splitlines()) == 1  # nothing ran for the bad NGPU
 
 
+def test_a_dry_run_prints_the_commands_and_runs_nothing(tmp_path, capsys, monkeypatch):
+    """--dry-run (or DRY_RUN set, not 0): the process counts are checked, the check's and torchrun's commands printed
+    (copy-pastable), and neither is run."""
+    import sys
+
+    import cookbook.torchrun
+
+    script = tmp_path / "train.py"
+    script.write_text("open(__file__ + '.ran', 'w')\n")
+    (tmp_path / "tiny.yaml").write_text("{}\n")
+    monkeypatch.setattr(cookbook.torchrun, "main", lambda argv: pytest.fail("torchrun ran in a dry run"))
+    monkeypatch.delenv("DRY_RUN", raising=False)
+    assert main(["--dry-run", "--ngpu", "3", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1",
+                 str(script), "--config", "tiny.yaml", "optim.lr=1e-3", "data.name=a b"]) == 0
+    config = tmp_path / "tiny.yaml"
+    assert capsys.readouterr().out.splitlines() == [
+        f"check: env COOKBOOK_WORLD_SIZE=6 {sys.executable} {script} --check --config {config} optim.lr=1e-3 "
+        f"'data.name=a b'",
+        f"run: {sys.executable} -m cookbook.torchrun --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port "
+        f"29500 --nproc-per-node 3 --max-restarts 3 {script} --config {config} optim.lr=1e-3 'data.name=a b'"]
+    monkeypatch.setenv("DRY_RUN", "1")
+    assert main(["--ngpu", "2", "--max-restarts", "0", str(script)]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == \
+        f"run: {sys.executable} -m cookbook.torchrun --standalone --nproc-per-node 2 --max-restarts 0 {script}"
+    assert main(["--ngpu", "0", str(script)]) == 2  # the process counts are still checked
+    assert "error: NGPU=0 is not a positive integer" in capsys.readouterr().err
+    assert not (tmp_path / "train.py.ran").exists()
+    monkeypatch.setenv("DRY_RUN", "0")  # runs (the check fails here: its script is no recipe)
+    script.write_text("import sys\nsys.exit(2)\n")
+    assert main(["--ngpu", "2", str(script)]) == 2 and capsys.readouterr().out == ""
+
+
 # ----------------------------------------------------------------------------- restarts (cookbook.torchrun)
 @pytest.mark.parametrize("exitcode, others, restart", [
     (-9, [], True),  # SIGKILL: the out-of-memory killer, a lost node's process

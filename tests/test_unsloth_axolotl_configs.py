@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
-from conftest import ROOT, check, load_recipe, main_in_workers, read_jsonl
+from conftest import ROOT, check, load_recipe, main_in_workers, read_jsonl, train_losses
+
+from cookbook import WorkerError
 
 UNSLOTH = ROOT / "recipes" / "unsloth-lora-ddp"
 AXOLOTL = ROOT / "recipes" / "axolotl-lora-ddp"
@@ -29,9 +33,13 @@ def _axolotl_check():
     return sys.modules[name]
 
 
+PYTHON3 = Path(sys.executable).parent / "python3"  # what launch.sh runs, with this interpreter's folder first on PATH
+
+
 def _dry_run(recipe_dir, *args, **env):
+    path = f"{PYTHON3.parent}{os.pathsep}{os.environ['PATH']}"
     out = subprocess.run(["bash", str(recipe_dir / "launch.sh"), *args], capture_output=True, text=True,
-                         env={**os.environ, "DRY_RUN": "1", **env}, timeout=60)
+                         env={**os.environ, "PATH": path, "DRY_RUN": "1", **env}, timeout=60)
     return out.returncode, out.stdout.splitlines(), out.stderr
 
 
@@ -54,8 +62,9 @@ def test_unsloth_launch_dry_run():
     rc, lines, _ = _dry_run(UNSLOTH, "train.max_steps=3", NGPU="4", CONFIG_FILE="tiny.yaml")
     tiny, train = UNSLOTH / "tiny.yaml", UNSLOTH / "train.py"
     assert rc == 0
-    assert lines == [f"check: python3 {train} --config {tiny} --check train.max_steps=3 ",
-                     f"run: torchrun --standalone --nproc-per-node 4 {train} --config {tiny} train.max_steps=3 "]
+    assert lines == [f"check: env COOKBOOK_WORLD_SIZE=4 {PYTHON3} {train} --check --config {tiny} train.max_steps=3",
+                     f"run: {PYTHON3} -m cookbook.torchrun --standalone --nproc-per-node 4 --max-restarts 3 {train} "
+                     f"--config {tiny} train.max_steps=3"]
 
 
 def test_axolotl_config_is_checked(tmp_path):
@@ -150,11 +159,36 @@ def test_prepare_data_matches_the_unsloth_rows(tmp_path):
     assert chats == [r["prompt"] + r["completion"] for r in rows]
 
 
-def test_unsloth_recipe_trl_path_trains(tmp_path):
+# ----------------------------------------------------------------------------- the TRL path on 2 ranks
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    """``data.train_files`` of the tiny twin's first 64 rows (6 steps take 48): TRL tokenizes every row in every
+    worker. DeepSpeed is imported here once, inherited by the forked workers: transformers' ``save_pretrained``
+    imports it (~3 s) when it is installed."""
+    import deepspeed  # noqa: F401
+
+    path = tmp_path_factory.mktemp("data") / "chat64.jsonl"
+    lines = (ROOT / "recipes/qwen-fsdp2-sft/tiny/data/chat.jsonl").read_text().splitlines()
+    path.write_text("\n".join(lines[:64]) + "\n")
+    return f"data.train_files=[{path}]"
+
+
+@pytest.fixture(scope="module")
+def trl_runs(tmp_path_factory, rows):
+    """model.loader=transformers on 2 ranks: one uninterrupted run (6 steps, checkpoints at 3 and 6), and one
+    stopped at step 3 (train.stop_at_step) then run again with the same command (checkpoint.resume=auto)."""
+    full, resumed = tmp_path_factory.mktemp("full"), tmp_path_factory.mktemp("resumed")
+    main_in_workers("unsloth-lora-ddp", f"output_dir={full}", rows)
+    main_in_workers("unsloth-lora-ddp", f"output_dir={resumed}", rows, "train.stop_at_step=3")
+    stopped = train_losses(resumed / "metrics.jsonl")
+    main_in_workers("unsloth-lora-ddp", f"output_dir={resumed}", rows)
+    return full, resumed, stopped
+
+
+def test_unsloth_recipe_trl_path_trains(trl_runs):
     """model.loader=transformers (AutoModelForCausalLM + PEFT under TRL's SFTTrainer) on 2 ranks: the loss falls,
     the metrics count tokens, and the adapter has the config's LoRA settings."""
-    out = tmp_path / "run"
-    main_in_workers("unsloth-lora-ddp", f"output_dir={out}")
+    out = trl_runs[0]
     train = [r for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "train"]
     assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
     assert train[-1]["loss"] < train[0]["loss"] - 0.1
@@ -163,3 +197,79 @@ def test_unsloth_recipe_trl_path_trains(tmp_path):
     assert (adapter["r"], adapter["lora_alpha"], adapter["lora_dropout"]) == (16, 32, 0.0)
     assert sorted(adapter["target_modules"]) == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                         "up_proj", "down_proj"])
+    assert (out / "final" / "model.safetensors").is_file()  # checkpoint.export_merged: the base with the adapter merged
+
+
+def test_unsloth_recipe_resume_equals_uninterrupted(trl_runs):
+    full, resumed, stopped = trl_runs
+    assert sorted(stopped) == [1, 2, 3]
+    assert sorted(p.name for p in (resumed / "checkpoints").iterdir()) == ["checkpoint-3", "checkpoint-6"]
+    # the second run continued at step 4 (a fresh start would have logged steps 1-6 again)
+    assert [r["step"] for r in read_jsonl(resumed / "metrics.jsonl") if r["event"] == "train"] == list(range(1, 7))
+    want, got = train_losses(full / "metrics.jsonl"), train_losses(resumed / "metrics.jsonl")
+    assert [got[s] for s in range(1, 7)] == pytest.approx([want[s] for s in range(1, 7)], rel=1e-5, abs=1e-6)
+    assert got[6] < got[1] - 0.1
+
+
+NAN_AT = {"forward": 0}  # the training forward (1-based, one per step here) that rank 1 makes NaN; 0: none
+
+
+@pytest.fixture
+def nan_on_rank_1(monkeypatch):
+    """Rank 1's training forward number ``NAN_AT["forward"]`` returns its outputs times NaN (every floating-point
+    output with a gradient: TRL computes the loss from the model's log-probabilities); patched here, before the
+    workers are forked from this process. The NaN reaches rank 0 through DDP's gradient all-reduce."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    forward, calls = DistributedDataParallel.forward, []
+
+    def nan_forward(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        if self.training:
+            calls.append(1)
+            if os.environ.get("RANK") == "1" and len(calls) == NAN_AT["forward"]:
+                for key, value in out.items():
+                    if torch.is_tensor(value) and value.is_floating_point() and value.requires_grad:
+                        out[key] = value * float("nan")
+        return out
+
+    monkeypatch.setattr(DistributedDataParallel, "forward", nan_forward)
+    yield NAN_AT
+    NAN_AT["forward"] = 0
+
+
+def test_unsloth_recipe_skips_a_nan_step_and_a_resume_continues_the_count(tmp_path, capfd, nan_on_rank_1, rows):
+    """train.on_nonfinite=skip: step 2's NaN (rank 1 only) is found on both ranks, its optimizer step left out
+    (the adapter and the optimizer state after step 2 are those after step 1) and counted; the count is in the
+    checkpoint, and the resumed run goes on from it: step 3 trains, and step 4's NaN, with
+    train.max_consecutive_skips=0, stops the run (exit status 4) naming the checkpoint from before it."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    run = (f"output_dir={out}", rows, "train.max_steps=4", "train.on_nonfinite=skip", "checkpoint.every_steps=1",
+           "checkpoint.keep_last=0", "checkpoint.export_merged=false")
+    nan_on_rank_1["forward"] = 2  # step 2
+    main_in_workers("unsloth-lora-ddp", *run, "train.stop_at_step=2")
+    assert "step 2: non-finite gradients, optimizer step left out, step skipped (1 skipped so far)" in capfd.readouterr().err
+    ckpt = out / "checkpoints"
+    assert json.loads((ckpt / "checkpoint-2" / "meta.json").read_text())["skipped_steps"] == 1
+    one, two = (load_file(ckpt / f"checkpoint-{s}" / "adapter_model.safetensors") for s in (1, 2))
+    assert len(one) == 28 and one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
+    opt1, opt2 = (torch.load(ckpt / f"checkpoint-{s}" / "optimizer.pt", weights_only=True)["state"] for s in (1, 2))
+    assert len(opt1) == 28 and all(torch.equal(opt1[i][k], opt2[i][k]) for i in opt1 for k in ("exp_avg", "step"))
+
+    nan_on_rank_1["forward"] = 2  # the resumed run's second step: step 4
+    with pytest.raises(WorkerError) as failed:
+        main_in_workers("unsloth-lora-ddp", *run, "train.max_consecutive_skips=0")  # resumes from checkpoint-2
+    assert failed.value.exc_type == "cookbook.loop.NonFiniteError" and failed.value.exception.exit_status == 4
+    assert str(failed.value.exception) == (
+        f"the gradients of step 4 are not finite on every rank (the optimizer step was left out): the step was not "
+        f"applied, and that makes 1 non-finite steps in a row (train.max_consecutive_skips=0), so the run stops; the "
+        f"newest checkpoint, from before it, is {ckpt / 'checkpoint-3'}. Lower optim.lr or raise the warm-up, or "
+        f"check the data")
+    train = [r for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "train"]
+    assert [(r["step"], r["skipped_steps"]) for r in train] == [(1, 0), (2, 1), (3, 1)]
+    assert all(math.isfinite(r["loss"]) for r in train)
+    assert json.loads((ckpt / "checkpoint-3" / "meta.json").read_text())["skipped_steps"] == 1
+    three = load_file(ckpt / "checkpoint-3" / "adapter_model.safetensors")
+    assert any(not torch.equal(two[k], three[k]) for k in two)  # step 3 was applied

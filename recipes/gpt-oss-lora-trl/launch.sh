@@ -5,26 +5,13 @@
 #   CONFIG_FILE=gpt-oss-120b.yaml NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 bash launch.sh   # NODE_RANK=1 on the second
 #   NGPU=2 CONFIG_FILE=tiny.yaml bash launch.sh
 #   DRY_RUN=1 bash launch.sh          # print the two commands (check, then torchrun) and exit
-# The config and data are checked in one process first (train.py --check), then torchrun starts NGPU workers per
-# node (default: every visible GPU, else 2 CPU processes).
+# NGPU processes per node (default: every GPU, else 2 CPU processes); the config and data are checked in one
+# process first (train.py --check), then torchrun starts the workers (python -m cookbook.launch).
+# A worker killed (SIGKILL, out of memory) or crashed mid-run restarts the whole group, which resumes from the
+# newest checkpoint: MAX_RESTARTS times at most (default 3, as torchrun's fault-tolerant example; 0: none).
+# Bad input (exit 2), a divergence (4), a preemption (75), Ctrl-C (130) and SIGTERM to this script are never restarted.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-CONFIG="${CONFIG_FILE:-config.yaml}"
-[[ "$CONFIG" = /* ]] || CONFIG="$HERE/$CONFIG"
-NGPU=${NGPU:-$(python3 -c 'import torch; print(torch.cuda.device_count() or 2)' 2>/dev/null || echo 2)}
-NNODES=${NNODES:-1}
-if [[ "$NNODES" = 1 ]]; then
-  rdzv=(--standalone)
-else
-  rdzv=(--nnodes "$NNODES" --node-rank "${NODE_RANK:-0}" --master-addr "${MASTER_ADDR:?set MASTER_ADDR}"
-        --master-port "${MASTER_PORT:-29500}")
-fi
-check=(env COOKBOOK_WORLD_SIZE=$((NGPU * NNODES)) python3 "$HERE/train.py" --config "$CONFIG" --check "$@")
-run=(torchrun "${rdzv[@]}" --nproc-per-node "$NGPU" "$HERE/train.py" --config "$CONFIG" "$@")
-if [[ "${DRY_RUN:-0}" != 0 ]]; then
-  printf 'check: '; printf '%q ' "${check[@]}"; echo
-  printf 'run: '; printf '%q ' "${run[@]}"; echo
-  exit 0
-fi
-"${check[@]}"
-exec "${run[@]}"
+exec python3 -m cookbook.launch --ngpu "${NGPU:-}" --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" \
+  --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-}" --max-restarts "${MAX_RESTARTS:-3}" \
+  "$HERE/train.py" --config "${CONFIG_FILE:-$HERE/config.yaml}" "$@"

@@ -22,8 +22,10 @@ the assistant's final-channel tokens carry labels (`final_channel_labels`). Book
 `cookbook.hf_trainer` (metrics.jsonl with tokens/s per GPU, MFU on active parameters, peak memory; published
 checkpoints, resume=auto, train.stop_at_step, SIGTERM/SIGUSR1 preemption with exit 75, stalled ranks named, failed
 saves in one line); at the end the adapter (``output_dir/adapter``) and the merged model (``output_dir/final``).
-A step with a non-finite loss or gradient norm is not detected (as in the unsloth recipe):
-`cookbook.hf_trainer.NonFiniteSteps` reads DeepSpeed's check, which this recipe does not run under.
+A step whose gradients are NaN or infinite on any rank is never applied (`cookbook.hf_trainer.NonFiniteSteps`, an
+all-reduced check before ``optimizer.step()``): ``train.on_nonfinite=stop`` ends the run (exit 4, naming the newest
+checkpoint); ``skip`` leaves the step out and counts it (``skipped_steps``, kept in the checkpoints), at most
+``train.max_consecutive_skips`` in a row.
 """
 
 from __future__ import annotations
@@ -42,12 +44,14 @@ import torch
 
 import cookbook
 from cookbook import config, hf_trainer, lm, moe, sft
-from cookbook.checkpoint import CheckpointError, ResumeGuard, read_meta
+from cookbook.checkpoint import CheckpointError
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
+from cookbook.loop import NonFinitePolicy
 
 PARALLEL = ("ddp", "fsdp")
 FINAL_START = "<|channel|>final<|message|>"  # the final channel's header; its text ends at <|return|> or <|end|>
 FINAL_ENDS = ("<|return|>", "<|end|>")
+CANNOT_REMAP = "the Trainer's data order and per-rank RNG states depend on it"  # why a resume keeps the world size
 
 
 # ----------------------------------------------------------------------------- config
@@ -113,13 +117,15 @@ def check_config(cfg: Config, config_dir: Path, on_cpu: bool) -> None:
     """Resolve paths against the config file's folder and reject values that cannot work (before any worker).
 
     Raises:
-        ConfigError: a value out of range or not one of its choices (naming the key), ``sdpa`` attention,
+        ConfigError: a value out of range or not one of its choices (naming the key; ``train.on_nonfinite`` and
+            ``train.max_consecutive_skips`` too), ``sdpa`` attention,
             flex_attention or ``parallel=fsdp`` on CPU, no data source.
     """
     cfg.model.name_or_path = resolve_path(cfg.model.name_or_path, config_dir)
     cfg.model.tokenizer = resolve_path(cfg.model.tokenizer or cfg.model.name_or_path, config_dir)
     cfg.data.train_files = [resolve_path(f, config_dir) for f in cfg.data.train_files]
     config.check_run(cfg)
+    NonFinitePolicy.settings(cfg.train)  # train.on_nonfinite, train.max_consecutive_skips
     check_fields(cfg, at_least={"data.max_length": 1, "lora.r": 1, "lora.alpha": 1},
                  one_of={"parallel": PARALLEL, "train.activation_checkpointing": ("none", "experts", "full"),
                          "model.attn_implementation": ("flex_attention", "eager")},
@@ -296,24 +302,6 @@ def _checkpointing_args(args_class, on: bool) -> dict:
     return {name: on, **({f"{name}_kwargs": {"use_reentrant": False}} if on else {})}
 
 
-# ----------------------------------------------------------------------------- checkpoints
-def resume_guard(cfg: Config) -> ResumeGuard:
-    """The Trainer's ``checkpoint-<step>`` folders, published with ``meta.json`` under ``output_dir/checkpoints``."""
-    return ResumeGuard(Path(cfg.output_dir) / "checkpoints", folder="checkpoint-<n>", files=(), run_dir=cfg.output_dir,
-                       cannot_remap="the Trainer's data order and per-rank RNG states depend on it",
-                       same_size="NGPU x NNODES = {n}")
-
-
-def check_resume(cfg: Config, world_size: int) -> Path | None:
-    """The checkpoint to resume from (``checkpoint.resume``: auto, none or a folder), checked against this run.
-
-    Raises:
-        CheckpointError: see `cookbook.checkpoint.ResumeGuard.check`.
-    """
-    return resume_guard(cfg).check(cfg.checkpoint.resume, world_size, to_dict(cfg), MAY_CHANGE,
-                                   ("train.stop_at_step", cfg.train.stop_at_step))
-
-
 # ----------------------------------------------------------------------------- recipe
 def main(argv: list[str]) -> None:
     args = cli_parser(__doc__).parse_args(argv)
@@ -323,7 +311,7 @@ def main(argv: list[str]) -> None:
     if args.check:  # one process, before any worker starts
         world_size = int(os.environ.get("COOKBOOK_WORLD_SIZE", "1"))  # launch.sh: NGPU x NNODES
         tokenizer = sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path)
-        check_resume(cfg, world_size)
+        hf_trainer.check_resume(cfg, world_size, MAY_CHANGE, CANNOT_REMAP)
         note = f"data from {cfg.data.hub_id}"
         if cfg.data.train_files:
             examples, stats = load_data(cfg.data, tokenizer)
@@ -358,10 +346,10 @@ def train(cfg: Config, on_cpu: bool) -> None:
     per_step = t.micro_batch_size * t.grad_accum_steps * info.world_size
     sft.check_one_step(len(examples), t.micro_batch_size, t.grad_accum_steps, info.world_size)
     max_steps = t.max_steps if t.max_steps > 0 else t.epochs * (len(examples) // per_step)
-    resume_from = check_resume(cfg, info.world_size)
-    final = out_dir / "final"
-    if resume_from is not None and read_meta(resume_from)["step"] >= max_steps and final.is_dir():
-        log.info(resume_guard(cfg).already_complete(read_meta(resume_from)["step"], max_steps, "step", {"model": final}))
+    resume_from = hf_trainer.check_resume(cfg, info.world_size, MAY_CHANGE, CANNOT_REMAP)
+    done = hf_trainer.already_complete(out_dir, resume_from, max_steps)
+    if done:
+        log.info(done)
         cookbook.destroy_distributed()
         return
 
@@ -411,9 +399,11 @@ def train(cfg: Config, on_cpu: bool) -> None:
     metrics = MetricsLogger(out_dir, info, flops=flops, run_name=cfg.run_name, experiment="gpt-oss-lora",
                             params=to_dict(cfg), mlflow=cfg.mlflow, max_steps=max_steps)
 
+    # What TrainLoop does when things fail (cookbook.hf_trainer): preemption, non-finite steps, stalls, failed saves.
     preemption = hf_trainer.Preemption()
-    publisher = hf_trainer.PublishCheckpoints(root, cfg.checkpoint.keep_last, to_dict(cfg))
-    metrics_cb = hf_trainer.MetricsCallback(metrics, pad_id)
+    nonfinite = hf_trainer.NonFiniteSteps(NonFinitePolicy.from_config(t), root, resume_from)
+    publisher = hf_trainer.PublishCheckpoints(root, cfg.checkpoint.keep_last, to_dict(cfg), more_meta=nonfinite.meta)
+    metrics_cb = hf_trainer.MetricsCallback(metrics, pad_id, log_extra=nonfinite.log_extra)
 
     class Trainer(hf_trainer.ReportSaveErrors, hf_trainer.CountBatches, SFTTrainer):
         """SFTTrainer that reports a failed save in one line and counts each micro-batch for the metrics."""
@@ -421,7 +411,8 @@ def train(cfg: Config, on_cpu: bool) -> None:
     trainer = Trainer(
         model=model, args=args, processing_class=tokenizer, train_dataset=datasets.Dataset.from_list(examples),
         data_collator=partial(sft.collate, pad_id=pad_id, cu_seq_lens=False),
-        callbacks=[hf_trainer.StopAtStep(t.stop_at_step), preemption, hf_trainer.StallReport(), publisher, metrics_cb],
+        callbacks=[hf_trainer.StopAtStep(t.stop_at_step), preemption, nonfinite, hf_trainer.StallReport(), publisher,
+                   metrics_cb],
     )
     trainer.remove_callback(PrinterCallback)  # cookbook's MetricsLogger prints the log lines
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

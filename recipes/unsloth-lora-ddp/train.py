@@ -18,13 +18,21 @@ arguments, metrics) is the same code, so the two loaders compare one to one:
 (rank 0 saves it once to ``<output_dir>/random-init`` so Unsloth's loader reads it like any checkpoint).
 Rows are chat / Alpaca / ShareGPT (`cookbook.sft.to_messages`), rendered by the tokenizer's chat template; the
 loss is on the last assistant turn (TRL's prompt-completion rows) or on every token (``data.completion_only=false``).
-Writes ``<output_dir>/metrics.jsonl`` (tokens/s per GPU, MFU, peak memory; `cookbook.metrics`) and the adapter.
+
+Bookkeeping through `cookbook.hf_trainer`, as in ``../gpt-oss-lora-trl``: ``<output_dir>/metrics.jsonl`` (tokens/s
+per GPU, MFU, peak memory); checkpoints every ``checkpoint.every_steps`` published atomically under
+``<output_dir>/checkpoints`` (the newest ``checkpoint.keep_last`` kept), ``checkpoint.resume: auto`` (the same
+command continues from the newest), ``train.stop_at_step``, SIGTERM/SIGUSR1 preemption with a checkpoint and exit 75,
+stalled ranks named, failed saves in one line. A step whose gradients are NaN or infinite on any rank is never
+applied (`cookbook.hf_trainer.NonFiniteSteps`): ``train.on_nonfinite=stop`` ends the run (exit 4), ``skip`` leaves it
+out and counts it (``skipped_steps``, kept in the checkpoints), at most ``train.max_consecutive_skips`` in a row.
+At the end: the adapter (``<output_dir>/adapter``) and, with ``checkpoint.export_merged``, the base with the adapter
+merged in (``<output_dir>/final``).
 """
 
 from __future__ import annotations
 
-import sys
-import time
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +40,7 @@ from cookbook import config as cfgmod
 from cookbook.config import ConfigError
 
 LOADERS = ("unsloth", "transformers")
+CANNOT_REMAP = "the Trainer's data order and per-rank RNG states depend on it"  # why a resume keeps the world size
 
 
 @dataclass
@@ -74,6 +83,15 @@ class TrainConfig:
     mixed_precision: str = "bf16"                   # bf16 | fp32
     gradient_checkpointing: bool = True             # Unsloth's own ("unsloth") with the unsloth loader
     log_every: int = 5
+    stop_at_step: int = -1                          # > 0: checkpoint and stop after this step; run again to continue
+    on_nonfinite: str = "stop"                      # a step with NaN/inf gradients: stop (exit 4) or skip (leave it out)
+    max_consecutive_skips: int = 5                  # on_nonfinite=skip: the run stops at one more non-finite step in a row
+    collective_timeout_s: float = 1800.0            # a collective waiting longer ends the run, naming the rank behind
+
+
+@dataclass
+class CheckpointConfig(cfgmod.CheckpointConfig):   # every_steps, keep_last, resume
+    export_merged: bool = True                      # also <output_dir>/final: the base with the adapter merged in
 
 
 @dataclass
@@ -84,13 +102,18 @@ class Config:
     lora: LoraConfig = field(default_factory=LoraConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+MAY_CHANGE = cfgmod.MAY_CHANGE  # what may differ from the checkpoint a run resumes (train.stop_at_step, checkpoint.*, ...)
 
 
 def load(path: str | Path, overrides: list[str] = ()) -> Config:
     """The config of `path` with `overrides`, checked; relative paths resolve against the config's folder.
 
     Raises:
-        ConfigError: an unknown key or a wrong type (naming the key and the file), or a value out of range.
+        ConfigError: an unknown key or a wrong type (naming the key and the file), or a value out of range
+            (`cookbook.config.check_run` for the checkpoint keys and ``output_dir``; ``train.on_nonfinite``).
     """
     cfg = cfgmod.load_config(Config, path, overrides)
     where = f"{path}"
@@ -108,6 +131,16 @@ def load(path: str | Path, overrides: list[str] = ()) -> Config:
         raise ConfigError(f"{where}: lora.dropout must be in [0, 1), got {cfg.lora.dropout}")
     if not cfg.lora.target_modules:
         raise ConfigError(f"{where}: lora.target_modules is empty")
+    if cfg.model.load_in_4bit and cfg.checkpoint.export_merged:
+        raise ConfigError(f"{where}: model.load_in_4bit cannot merge the adapter into 4-bit weights: set "
+                          f"checkpoint.export_merged=false (the adapter is still written to <output_dir>/adapter)")
+    from cookbook.loop import NonFinitePolicy
+
+    try:
+        cfgmod.check_run(cfg)  # checkpoint.every_steps / keep_last, train.stop_at_step, output_dir writable
+        NonFinitePolicy.settings(cfg.train)  # train.on_nonfinite, train.max_consecutive_skips
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
     base = Path(path).parent
     cfg.data.train_files = [cfgmod.resolve_path(f, base) for f in cfg.data.train_files]
     cfg.model.name_or_path = cfgmod.resolve_path(cfg.model.name_or_path, base)
@@ -188,76 +221,91 @@ def main(argv: list[str]) -> None:
     cfg = load(args.config, args.overrides)
     if cfg.model.loader == "unsloth":
         import unsloth  # noqa: F401  (first: it patches transformers, PEFT and TRL when imported)
+    from cookbook import hf_trainer
+
     rows = training_rows(cfg)
-    if args.check:
+    if args.check:  # one process, before any worker starts
+        world_size = int(os.environ.get("COOKBOOK_WORLD_SIZE", "1"))  # launch.sh: NGPU x NNODES
+        hf_trainer.check_resume(cfg, world_size, MAY_CHANGE, CANNOT_REMAP)
         print(f"config {args.config} and {len(rows)} rows of {', '.join(cfg.data.train_files)}: ok "
               f"(loader {cfg.model.loader}, LoRA r={cfg.lora.r} alpha={cfg.lora.alpha}, seq {cfg.data.max_length})")
         return
+    train(cfg, rows)
 
+
+def train(cfg: Config, rows: list[dict]) -> None:
+    """Build the model with LoRA and TRL's SFTTrainer (DDP), train, export the adapter. Run on every rank."""
     import torch
     from datasets import Dataset
-    from transformers import TrainerCallback
+    from transformers import PrinterCallback
     from trl import SFTConfig, SFTTrainer
 
     import cookbook
+    from cookbook import hf_trainer, sft
+    from cookbook.loop import NonFinitePolicy, log_outputs
     from cookbook.metrics import MetricsLogger, ModelFlops, count_parameters
 
-    info = cookbook.init_distributed()  # the Trainer reuses this process group for DDP
+    out_dir, t = Path(cfg.output_dir), cfg.train
+    root, staging = out_dir / "checkpoints", out_dir / ".staging"
+    info = cookbook.init_distributed(t.collective_timeout_s, debug_dir=out_dir / "debug")  # the Trainer's DDP group
+    log = cookbook.get_logger()
+    resume_from = hf_trainer.check_resume(cfg, info.world_size, MAY_CHANGE, CANNOT_REMAP)
+    done = hf_trainer.already_complete(out_dir, resume_from, t.max_steps,
+                                       "final" if cfg.checkpoint.export_merged else "adapter")
+    if done:
+        log.info(done)
+        cookbook.destroy_distributed()
+        return
+
     on_gpu = info.device.type == "cuda"
-    dtype = torch.bfloat16 if cfg.train.mixed_precision == "bf16" and on_gpu else torch.float32
+    dtype = torch.bfloat16 if t.mixed_precision == "bf16" and on_gpu else torch.float32
     model, tokenizer = build_model(cfg, info, dtype)
     mc = model.config
     flops = ModelFlops(count_parameters(model), mc.num_hidden_layers,
                        mc.num_attention_heads * getattr(mc, "head_dim", mc.hidden_size // mc.num_attention_heads))
-    metrics = MetricsLogger(cfg.output_dir, info, flops=flops, run_name=cfg.run_name, mlflow=False,
-                            max_steps=cfg.train.max_steps, params=cfgmod.to_dict(cfg), progress=False)
-    t = cfg.train
-    args_ = SFTConfig(
-        output_dir=cfg.output_dir, per_device_train_batch_size=t.micro_batch_size,
+    metrics = MetricsLogger(out_dir, info, flops=flops, run_name=cfg.run_name, mlflow=False,
+                            max_steps=t.max_steps, params=cfgmod.to_dict(cfg), progress=False)
+    args = SFTConfig(
+        output_dir=str(staging), per_device_train_batch_size=t.micro_batch_size,
         gradient_accumulation_steps=t.grad_accum_steps, max_steps=t.max_steps, learning_rate=t.lr,
         lr_scheduler_type=t.scheduler, warmup_steps=t.warmup_steps, weight_decay=t.weight_decay,
         max_grad_norm=t.max_grad_norm, bf16=dtype == torch.bfloat16, use_cpu=not on_gpu,
         gradient_checkpointing=t.gradient_checkpointing and cfg.model.loader == "transformers",
         max_length=cfg.data.max_length, packing=cfg.data.packing, completion_only_loss=cfg.data.completion_only,
-        logging_steps=t.log_every, save_strategy="no", report_to="none", seed=t.seed, dataset_num_proc=None,
-        ddp_find_unused_parameters=False, dataloader_num_workers=1,
+        logging_steps=t.log_every, report_to="none", disable_tqdm=True, log_level="warning", seed=t.seed,
+        save_strategy="steps" if cfg.checkpoint.every_steps >= 0 else "no",  # "steps" saves at the end too
+        save_steps=cfg.checkpoint.every_steps or t.max_steps, save_total_limit=None,
+        dataset_num_proc=None, ddp_find_unused_parameters=False, dataloader_num_workers=1,
     )
 
-    class Metrics(TrainerCallback):
-        """One `MetricsLogger` record per optimizer step."""
+    # What TrainLoop does when things fail (cookbook.hf_trainer): preemption, non-finite steps, stalls, failed saves.
+    preemption = hf_trainer.Preemption()
+    nonfinite = hf_trainer.NonFiniteSteps(NonFinitePolicy.from_config(t), root, resume_from)
+    publisher = hf_trainer.PublishCheckpoints(root, cfg.checkpoint.keep_last, cfgmod.to_dict(cfg),
+                                              more_meta=nonfinite.meta)
+    metrics_cb = hf_trainer.MetricsCallback(metrics, sft.pad_token_id(tokenizer), log_extra=nonfinite.log_extra)
 
-        last_loss = torch.zeros(())
+    class Trainer(hf_trainer.ReportSaveErrors, hf_trainer.CountBatches, SFTTrainer):
+        """SFTTrainer that reports a failed save in one line and counts each micro-batch for the metrics."""
 
-        def on_train_begin(self, args, state, control, **kw):
-            metrics.start(state.global_step)
+    trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
+                      callbacks=[hf_trainer.StopAtStep(t.stop_at_step), preemption, nonfinite,
+                                 hf_trainer.StallReport(), publisher, metrics_cb])
+    trainer.remove_callback(PrinterCallback)  # cookbook's MetricsLogger prints the log lines
+    log.info(f"world size {info.world_size} ({info.backend}) | DDP | loader {cfg.model.loader} | "
+             f"{flops.num_params / 1e6:,.1f} M non-embedding params | LoRA r={cfg.lora.r} | {len(rows)} rows | "
+             f"{t.max_steps} steps | {'bf16' if dtype == torch.bfloat16 else 'fp32'}")
 
-        def on_step_end(self, args, state, control, optimizer=None, **kw):
-            lr = optimizer.param_groups[0]["lr"] if optimizer is not None else 0.0
-            metrics.log_step(state.global_step, self.last_loss, lr, None)
-
-    cb = Metrics()
-
-    class CountingSFTTrainer(SFTTrainer):
-        """`SFTTrainer` that counts each micro-batch's real (unpadded) tokens for tokens/s."""
-
-        def training_step(self, model, inputs, num_items_in_batch=None):
-            mask = inputs.get("attention_mask")
-            tokens = mask.sum() if mask is not None else inputs["input_ids"].numel()
-            metrics.add(samples=inputs["input_ids"].shape[0], tokens=tokens, data_wait_s=0.0)
-            loss = super().training_step(model, inputs, num_items_in_batch)
-            cb.last_loss = loss.detach()
-            return loss
-
-    trainer = CountingSFTTrainer(model=model, args=args_, train_dataset=Dataset.from_list(rows),
-                                 processing_class=tokenizer, callbacks=[cb])
-    t0 = time.perf_counter()
-    trainer.train()
-    wall = time.perf_counter() - t0
-    if info.rank == 0:
-        model.save_pretrained(Path(cfg.output_dir) / "adapter")
-    metrics.log_summary({"step": t.max_steps, "wall_s": wall, "loader": cfg.model.loader})
-    metrics.close()
-    cookbook.destroy_distributed()
+    with hf_trainer.TrainerRun(preemption, metrics) as run:  # closes metrics and the group whatever happens
+        if not run.train(trainer, resume_from, t.max_steps, publisher):
+            return  # train.stop_at_step: a checkpoint is published there
+        step = trainer.state.global_step
+        export_dir = hf_trainer.export_final(trainer, tokenizer, out_dir, merge=cfg.checkpoint.export_merged)
+        metrics.log_summary({"step": step, "loader": cfg.model.loader,
+                             "export_dir": str(export_dir) if export_dir else None})
+        log_outputs(step, {}, metrics, root, {"export_dir": (export_dir, "AutoModelForCausalLM.from_pretrained"
+                                                             if cfg.checkpoint.export_merged else
+                                                             "PeftModel.from_pretrained")})
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The bookkeeping of a recipe built on the Hugging Face ``Trainer`` (or TRL's ``SFTTrainer``) with DeepSpeed.
+"""The bookkeeping of a recipe built on the Hugging Face ``Trainer`` (or TRL's ``SFTTrainer``), with DeepSpeed or
+without (DDP, FSDP2).
 
 The Trainer runs the step loop; these pieces connect it to the rest of the cookbook, unchanged for any model:
 
@@ -10,13 +11,15 @@ The Trainer runs the step loop; these pieces connect it to the rest of the cookb
 - `PublishCheckpoints` turns the Trainer's ``checkpoint-<step>`` folders into published checkpoints: written
   in a staging folder (the Trainer's ``output_dir``), completed with ``meta.json`` (step, world size, config,
   the files and their sizes), renamed into the checkpoints folder once every rank is done (atomic), the
-  newest ``keep_last`` kept.
+  newest ``keep_last`` kept. `resume_guard`, `check_resume` and `already_complete` find and check the
+  checkpoint a run continues (``checkpoint.resume``: auto, none or a folder).
 - `StopAtStep` ends training with a checkpoint after ``train.stop_at_step``.
 - What the torchrun recipes' `cookbook.loop.TrainLoop` does when things fail, with the same code:
   `Preemption` (SIGTERM / SIGUSR1: every rank finishes its step, they agree on it with
   `cookbook.loop.StopVote`, a checkpoint is published there and the run exits with 75), `NonFiniteSteps`
-  (``train.on_nonfinite`` through `cookbook.loop.NonFinitePolicy`, on DeepSpeed's own check of the gradient
-  norm), `ReportSaveErrors` (a Trainer mixin: a save that fails with an OS error ends the run with
+  (``train.on_nonfinite`` through `cookbook.loop.NonFinitePolicy`: DeepSpeed's own check of the gradient norm,
+  or, without DeepSpeed, an all-reduced check of the gradients before ``optimizer.step()``; the skip count is
+  kept in the checkpoints), `ReportSaveErrors` (a Trainer mixin: a save that fails with an OS error ends the run with
   `cookbook.checkpoint.CheckpointSaveError`'s one line, exit 2) and `StallReport` (``train.collective_timeout_s``
   on every process group, DeepSpeed's included, and the progress records that let the rank whose collective
   timed out name the one that stalled, exit 3). A damaged checkpoint (a truncated shard) is found by the resume
@@ -29,8 +32,10 @@ The Trainer runs the step loop; these pieces connect it to the rest of the cookb
 Use::
 
     info = init_deepspeed(on_cpu, cfg.train.collective_timeout_s, debug_dir=out_dir / "debug")
-    preemption, nonfinite = Preemption(), NonFiniteSteps(NonFinitePolicy.from_config(cfg.train), root)
-    publisher = PublishCheckpoints(root, cfg.checkpoint.keep_last, to_dict(cfg))
+    resume_from = check_resume(cfg, info.world_size, MAY_CHANGE, "DeepSpeed's ZeRO partitions cannot be remapped")
+    preemption = Preemption()
+    nonfinite = NonFiniteSteps(NonFinitePolicy.from_config(cfg.train), root, resume_from)
+    publisher = PublishCheckpoints(root, cfg.checkpoint.keep_last, to_dict(cfg), more_meta=nonfinite.meta)
     metrics_cb = MetricsCallback(metrics, pad_id, evaluate_more=generation_eval, log_extra=nonfinite.log_extra)
     class MyTrainer(ReportSaveErrors, CountBatches, SFTTrainer): ...
     trainer = MyTrainer(..., args=SFTConfig(output_dir=staging, ...),
@@ -60,7 +65,7 @@ from transformers import TrainerCallback
 
 from cookbook import lm
 from cookbook.checkpoint import (FILES_KEY, ResumeGuard, _from_rank0, _os_error_in, _reason, file_sizes, publish,
-                                 save_error)
+                                 read_meta, save_error)
 from cookbook.config import ConfigError
 from cookbook.dist import (DistInfo, apply_collective_timeout, barrier, destroy_distributed, get_dist_info, get_logger,
                            init_distributed, record_progress, stall_error)
@@ -325,14 +330,18 @@ class PublishCheckpoints(TrainerCallback):
         root: the published checkpoints' folder (``output_dir/checkpoints``), on the Trainer's file system.
         keep_last: published checkpoints to keep, >= 0.
         config: the run's config (a dict), stored in ``meta.json`` for the resume check.
+        more_meta: called on rank 0 at each save for more ``meta.json`` entries (JSON values), e.g.
+            `NonFiniteSteps.meta` (the skip count a resume continues).
 
     Raises (from ``on_save``, on every rank):
         CheckpointSaveError: rank 0 could not write ``meta.json`` or publish (disk full, ...): one line naming
             the checkpoint, the OS error and the previous checkpoint, which is intact.
     """
 
-    def __init__(self, root: str | Path, keep_last: int, config: Mapping[str, Any]):
+    def __init__(self, root: str | Path, keep_last: int, config: Mapping[str, Any],
+                 more_meta: Callable[[], Mapping[str, Any]] | None = None):
         self.root, self.keep_last, self.config = Path(root), keep_last, dict(config)
+        self.more_meta = more_meta
 
     def latest(self) -> Path | None:
         """The newest published checkpoint, or ``None``."""
@@ -353,7 +362,8 @@ class PublishCheckpoints(TrainerCallback):
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
                 meta = {"step": state.global_step, "world_size": args.world_size, "time": time.time(),
-                        "config": self.config, FILES_KEY: file_sizes(src)}
+                        "config": self.config, FILES_KEY: file_sizes(src),
+                        **(self.more_meta() if self.more_meta is not None else {})}
                 (src / "meta.json").write_text(json.dumps(meta, indent=2))
                 publish(src, self.root / src.name)
             except OSError as exc:  # every rank must hear of it, or they would wait at the next collective
@@ -368,6 +378,43 @@ class PublishCheckpoints(TrainerCallback):
             raise save_error(state.global_step, self.root / src.name, self.latest(),
                              0 if args.world_size > 1 else None, OSError(code, reason), reason)
         barrier()
+
+
+def resume_guard(output_dir: str | Path, cannot_remap: str) -> ResumeGuard:
+    """The resume guard of a Trainer recipe: the Trainer's ``checkpoint-<step>`` folders, published with
+    ``meta.json`` under ``output_dir/checkpoints`` (`PublishCheckpoints`). Another number of ranks is refused
+    (`cannot_remap` says why: ``"the Trainer's data order and per-rank RNG states depend on it"``); its advice to
+    start afresh deletes the whole `output_dir` (metrics.jsonl included: deleting the checkpoints alone would append
+    a new run to the old run's records)."""
+    return ResumeGuard(Path(output_dir) / "checkpoints", folder="checkpoint-<n>", files=(), run_dir=output_dir,
+                       cannot_remap=cannot_remap, same_size="NGPU x NNODES = {n}")
+
+
+def check_resume(cfg: Any, world_size: int, may_change: tuple[str, ...], cannot_remap: str) -> Path | None:
+    """The checkpoint to resume from (``cfg.checkpoint.resume``: auto, none or a folder), checked against the run
+    of `cfg` (a recipe's config with ``output_dir``, ``checkpoint.resume`` and ``train.stop_at_step``) on
+    `world_size` processes; `may_change` lists the config keys that may differ from the checkpoint's.
+
+    Raises:
+        CheckpointError: see `cookbook.checkpoint.ResumeGuard.check`: not a complete checkpoint; "none" over an
+            earlier run's checkpoints; written by another number of ranks or with other settings;
+            ``train.stop_at_step`` not after it.
+    """
+    from cookbook.config import to_dict
+
+    return resume_guard(cfg.output_dir, cannot_remap).check(cfg.checkpoint.resume, world_size, to_dict(cfg), may_change,
+                                                            ("train.stop_at_step", cfg.train.stop_at_step))
+
+
+def already_complete(output_dir: str | Path, resume_from: Path | None, max_steps: int,
+                     model: str = "final") -> str | None:
+    """The message for a run whose checkpoint `resume_from` is at or past `max_steps` and whose final model
+    (``output_dir/<model>``, a folder `export_final` writes) is there, so nothing is left to do; else ``None``."""
+    final = Path(output_dir) / model
+    step = read_meta(resume_from)["step"] if resume_from is not None and final.is_dir() else -1
+    if step < max_steps:
+        return None
+    return resume_guard(output_dir, "").already_complete(step, max_steps, "step", {"model": final})
 
 
 class ReportSaveErrors:
@@ -503,14 +550,30 @@ class Preemption(TrainerCallback):
 
 
 class NonFiniteSteps(TrainerCallback):
-    """``train.on_nonfinite`` for the Trainer under DeepSpeed, with the torchrun recipes' policy
-    (`cookbook.loop.NonFinitePolicy`: stop, or skip at most ``train.max_consecutive_skips`` in a row).
+    """``train.on_nonfinite`` for the Trainer, with the torchrun recipes' policy (`cookbook.loop.NonFinitePolicy`:
+    stop, or skip at most ``train.max_consecutive_skips`` in a row), under DeepSpeed or a plain Trainer (DDP, FSDP2).
 
-    DeepSpeed's ZeRO optimizers (stages 1-3, bf16 or fp32; DeepSpeed 0.19.8, as ``requirements/base.txt`` pins)
-    reduce the gradient norm over the ranks before each update and discard a step whose norm is NaN or infinite: the gradients are zeroed, no weight or optimizer
-    state changes, the Trainer's LR scheduler does not step (``optimizer.step_was_skipped``), and the Trainer
-    logs the norm as ``inf``. That update happens inside the backward of the step's last micro-batch, before any
-    callback runs, so this callback reads DeepSpeed's decision in ``on_optimizer_step``, on every rank alike:
+    Under DeepSpeed, its ZeRO optimizers (stages 1-3, bf16 or fp32; DeepSpeed 0.19.8, as ``requirements/base.txt``
+    pins) reduce the gradient norm over the ranks before each update and discard a step whose norm is NaN or
+    infinite: the gradients are zeroed, no weight or optimizer state changes, the Trainer's LR scheduler does not
+    step (``optimizer.step_was_skipped``), and the Trainer logs the norm as ``inf``. That update happens inside the
+    backward of the step's last micro-batch, before any callback runs, so this callback reads DeepSpeed's decision
+    in ``on_optimizer_step``, on every rank alike. `check_deepspeed_config` refuses the DeepSpeed settings under
+    which DeepSpeed would apply such a step (``bf16.check_grad_overflow=false``, ``compute_grad_norm=false``).
+
+    Without DeepSpeed the decision is made here, in ``on_pre_optimizer_step``: the Trainer (transformers 5.24,
+    ``_inner_training_loop``) calls it after the gradients are reduced (DDP) and clipped, right before
+    ``optimizer.step()``. Clipping by a NaN or infinite total norm leaves NaN in the gradients (a non-finite loss
+    gives such gradients), so the check looks at the clipped gradients: one flag, "some trainable gradient of this
+    rank has a NaN or infinite norm", is
+    all-reduced (MAX) so that every rank decides alike (under FSDP2 each rank checks its own shards). A step found
+    non-finite has every trainable gradient set to ``None``, so ``optimizer.step()`` leaves those parameters and
+    their optimizer state as they were (torch's optimizers pass over a parameter without a gradient). The Trainer
+    still steps its LR scheduler (it follows the step number). Not caught: finite gradients whose total norm alone
+    overflows float32, which clipping turns into zeros (as plain ``clip_grad_norm_`` does). The check costs one
+    scalar all-reduce and one host sync per optimizer step.
+
+    Either way:
 
     - ``stop``: `cookbook.loop.NonFiniteError` (exit status 4) naming the step and the newest published
       checkpoint, which is from before it;
@@ -519,21 +582,28 @@ class NonFiniteSteps(TrainerCallback):
       ends after ``max_steps`` batches, ``skipped_steps`` of them not applied (the torchrun recipes give the
       number to the next batch instead).
 
-    No checkpoint holds a discarded step's values. `check_deepspeed_config` refuses the DeepSpeed settings under
-    which DeepSpeed would apply such a step (``bf16.check_grad_overflow=false``, ``compute_grad_norm=false``).
+    No checkpoint holds a discarded step's values. The count is kept in each published checkpoint's ``meta.json``
+    (``skipped_steps``: pass `meta` to `PublishCheckpoints`'s ``more_meta``) and a resumed run continues it
+    (`resume_from`).
 
     Args:
         policy: ``NonFinitePolicy.from_config(cfg.train)``.
         root: the published checkpoints' folder, for the stop message.
+        resume_from: the checkpoint this run resumes from (its ``meta.json``'s ``skipped_steps``, 0 if absent),
+            or ``None`` for a fresh start.
 
     Raises:
-        ValueError: (``on_train_begin``) the Trainer does not run under DeepSpeed: nothing would stop the update.
         NonFiniteError: see above.
     """
 
-    def __init__(self, policy: NonFinitePolicy, root: str | Path):
+    META_KEY = "skipped_steps"  # in meta.json
+
+    def __init__(self, policy: NonFinitePolicy, root: str | Path, resume_from: str | Path | None = None):
         self.policy, self.root = policy, Path(root)
         policy.newest_checkpoint = self._newest  # for the stop message: the newest published checkpoint
+        if resume_from is not None:
+            policy.skipped_steps = int(read_meta(resume_from).get(self.META_KEY, 0))
+        self._deepspeed = False  # set in on_train_begin
 
     def _newest(self) -> Path | None:
         found = published_checkpoints(self.root)
@@ -542,11 +612,24 @@ class NonFiniteSteps(TrainerCallback):
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
         from accelerate.utils import DeepSpeedOptimizerWrapper
 
-        if not isinstance(optimizer, DeepSpeedOptimizerWrapper):
-            raise ValueError("NonFiniteSteps reads DeepSpeed's check of the gradient norm before each update: run the "
-                             "Trainer with a DeepSpeed config (TrainingArguments(deepspeed=...))")
+        self._deepspeed = isinstance(optimizer, DeepSpeedOptimizerWrapper)
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if self._deepspeed:  # DeepSpeed has already applied or discarded the update (on_optimizer_step)
+            return
+        grads = [p.grad for p in model.parameters() if p.requires_grad and p.grad is not None]
+        if nonfinite_on_some_rank(grads, get_dist_info().device):
+            for p in model.parameters():
+                p.grad = None
+            step = state.global_step + 1
+            self.policy.nonfinite(step, f"the gradients of step {step} are not finite on every rank (the optimizer "
+                                        f"step was left out)", "non-finite gradients, optimizer step left out")
+        else:
+            self.policy.stepped()
 
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        if not self._deepspeed:  # decided in on_pre_optimizer_step
+            return
         if not optimizer.step_was_skipped:
             self.policy.stepped()
             return
@@ -557,6 +640,24 @@ class NonFiniteSteps(TrainerCallback):
     def log_extra(self) -> dict[str, float]:
         """``{"skipped_steps": n}`` with ``skip``, else ``{}``: for `MetricsCallback`'s ``log_extra``."""
         return self.policy.log_extra()
+
+    def meta(self) -> dict[str, int]:
+        """``{"skipped_steps": n}``, steps skipped up to now (this run and the ones it resumed): for
+        `PublishCheckpoints`'s ``more_meta``."""
+        return {self.META_KEY: self.policy.skipped_steps}
+
+
+def nonfinite_on_some_rank(grads: list[torch.Tensor], device: torch.device) -> bool:
+    """Whether any of `grads` (this rank's gradients, any shapes; DTensors are checked by their local shard) has a
+    NaN or infinite norm on any rank. Collective (one all-reduce of a scalar, MAX, over the default group) when a
+    process group exists: call it on every rank, with or without gradients."""
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    norms = [torch.linalg.vector_norm(g.detach(), dtype=torch.float32).to(device) for g in local if g.numel()]
+    flag = (~torch.isfinite(torch.stack(norms))).any().to(torch.float32).reshape(1) if norms else \
+        torch.zeros(1, device=device)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 class StallReport(TrainerCallback):
@@ -630,17 +731,18 @@ class TrainerRun:
 
 
 # ----------------------------------------------------------------------------- export
-def export_final(trainer, tokenizer, out_dir: str | Path) -> Path | None:
+def export_final(trainer, tokenizer, out_dir: str | Path, merge: bool = True) -> Path | None:
     """Write the consolidated model and the tokenizer to ``out_dir/final`` (Hugging Face format), atomically.
 
     Collective. The full state dict comes from the Trainer's accelerator (under ZeRO-3 DeepSpeed gathers every
     partition to rank 0, in the training dtype: bf16 on GPU, fp32 on CPU; the JSON needs
     ``stage3_gather_16bit_weights_on_model_save``). For a PEFT (LoRA) model the adapter goes to
     ``out_dir/adapter`` and ``final`` holds the base model with the adapter merged in. ``config.json`` records
-    the dtype (so ``from_pretrained(dtype="auto")`` keeps it) and ``use_cache: true``.
+    the dtype (so ``from_pretrained(dtype="auto")`` keeps it) and ``use_cache: true``. ``merge=False`` writes the
+    adapter alone (a base whose weights cannot take a merge, e.g. 4-bit quantized).
 
     Returns:
-        ``out_dir/final`` on rank 0, ``None`` elsewhere.
+        ``out_dir/final`` on rank 0 (``out_dir/adapter`` without `merge`), ``None`` elsewhere.
     """
     out_dir = Path(out_dir)
     state = trainer.accelerator.get_state_dict(trainer.model_wrapped)  # every rank takes part; rank 0 gets tensors
@@ -657,6 +759,8 @@ def export_final(trainer, tokenizer, out_dir: str | Path) -> Path | None:
             unwrapped.save_pretrained(tmp, state_dict=state)
             tokenizer.save_pretrained(tmp)
             publish(tmp, out_dir / "adapter")
+            result = out_dir / "adapter"
+        if result is not None and merge:
             base = unwrapped.get_base_model()
             # The class's own constructor, not from_config: under ZeRO-3, from_config partitions the new model
             # across ranks (a collective that rank 0 alone would wait on forever).
@@ -665,6 +769,7 @@ def export_final(trainer, tokenizer, out_dir: str | Path) -> Path | None:
             merged.load_state_dict(state, assign=True)
             unwrapped = merged.merge_and_unload()
             state = {k: v.contiguous() for k, v in unwrapped.state_dict().items()}
+    if trainer.is_world_process_zero() and (result is None or merge):  # the (merged) model
         tmp = out_dir / ".tmp-final"
         shutil.rmtree(tmp, ignore_errors=True)
         unwrapped.save_pretrained(tmp, state_dict=state, safe_serialization=True)

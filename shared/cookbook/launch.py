@@ -20,6 +20,14 @@
    repeat them. One line per restart; ``--max-restarts 0`` turns them off. What holds over several nodes
    (each restart meets at ``--master-port`` + k): `cookbook.torchrun`.
 
+**Dry run** (``--dry-run``, or ``DRY_RUN`` set to anything but ``0`` in the environment): after step 1's
+checks, print the two commands instead of running them, one line each, and exit 0::
+
+    check: env COOKBOOK_WORLD_SIZE=2 <python> recipes/x/train.py --check --config ...
+    run: <python> -m cookbook.torchrun --standalone --nproc-per-node 2 --max-restarts 3 recipes/x/train.py --config ...
+
+(``cookbook.torchrun`` runs in this process when not a dry run; the line is the same command as its own process.)
+
 A relative ``--config`` that is not a file from the current folder is looked up beside ``train.py``.
 ``OMP_NUM_THREADS`` defaults to 1 per process; on a node without GPUs ``DS_ACCELERATOR`` defaults to ``cpu``. Exit status: the check's or the workers' (2: bad input).
 """
@@ -28,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -77,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--master-port", default="", help="default: a free port on one node, 29500 on several")
     parser.add_argument("--max-restarts", default="3",
                         help="restarts of the whole group after a killed or crashed worker (default 3; 0: none)")
+    parser.add_argument("--dry-run", action="store_true", default=os.environ.get("DRY_RUN", "0") not in ("", "0"),
+                        help="print the check's and torchrun's commands and exit 0 (default: on when DRY_RUN is set "
+                             "and not 0)")
     parser.add_argument("script", help="the recipe's train.py")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="--config FILE and config overrides")
     args = parser.parse_args(argv)
@@ -100,22 +112,28 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per process (the check's and torchrun's) unless told otherwise
     if gpus == 0:  # DeepSpeed (the ZeRO recipe) otherwise warns in every process that it found no accelerator
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    env = {**os.environ, "COOKBOOK_WORLD_SIZE": str(per_node * nodes)}
-    check = subprocess.run([sys.executable, str(script), "--check", *script_args], env=env)
-    if check.returncode != 0:
-        return check.returncode
+    world_size = str(per_node * nodes)
+    check_cmd = [sys.executable, str(script), "--check", *script_args]
     if nodes == 1 and not args.master_port:
         rdzv = ["--standalone"]  # one node: torchrun picks a free port
     else:
         rdzv = ["--nnodes", str(nodes), "--node-rank", args.node_rank, "--master-addr", args.master_addr,
                 "--master-port", args.master_port or "29500"]
+    torchrun_args = [*rdzv, "--nproc-per-node", str(per_node), "--max-restarts", str(restarts), str(script),
+                     *script_args]
+    if args.dry_run:
+        print(f"check: {shlex.join(['env', f'COOKBOOK_WORLD_SIZE={world_size}', *check_cmd])}")
+        print(f"run: {shlex.join([sys.executable, '-m', 'cookbook.torchrun', *torchrun_args])}")
+        return 0
+    check = subprocess.run(check_cmd, env={**os.environ, "COOKBOOK_WORLD_SIZE": world_size})
+    if check.returncode != 0:
+        return check.returncode
     from cookbook.torchrun import main as torchrun
 
     before = os.environ.get("COOKBOOK_CHECKED")
     os.environ["COOKBOOK_CHECKED"] = "1"  # the workers need not repeat what the check printed (a damaged checkpoint)
     try:
-        return torchrun([*rdzv, "--nproc-per-node", str(per_node), "--max-restarts", str(restarts), str(script),
-                         *script_args])
+        return torchrun(torchrun_args)
     finally:  # (this function is also called in-process, by tests)
         if before is None:
             os.environ.pop("COOKBOOK_CHECKED", None)
