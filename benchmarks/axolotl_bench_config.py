@@ -2,7 +2,7 @@
 left none, and the YAML with the TRL path's settings (recipes/unsloth-lora-ddp/config.yaml and the script's overrides).
 
     python benchmarks/axolotl_bench_config.py --model DIR --rows alpaca_data_sample5000.json --run-dir RUN \\
-        --seq 2048 --steps 40 [--init-from CONFIG_DIR] [--cpu]
+        --seq 2048 --steps 40 [--init-from CONFIG_DIR] [--cpu] [--no-lora-kernels]
 
 ``--init-from``: when ``--model`` holds no ``config.json``, build ``CONFIG_DIR``'s architecture with random weights
 (``torch.manual_seed(42)``, bf16 on a GPU, fp32 with ``--cpu``; as train.py's ``model.pretrained=false``) and save it
@@ -22,7 +22,7 @@ LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 
 def axolotl_config(model: str, data: str, run_dir: str, seq: int, steps: int, cpu: bool,
-                   pad_token: str | None) -> dict:
+                   pad_token: str | None, lora_kernels: bool = True) -> dict:
     """The Axolotl config (a dict for `yaml.safe_dump`) of the benchmark's LoRA run.
 
     Args:
@@ -35,6 +35,7 @@ def axolotl_config(model: str, data: str, run_dir: str, seq: int, steps: int, cp
             Axolotl's default (on for single-GPU LoRA).
         pad_token: the pad token to set (the EOS token, as train.py does) when the tokenizer has none; ``None``
             keeps the tokenizer's.
+        lora_kernels: ``False`` turns Axolotl's LoRA Triton kernels off on a GPU too.
     """
     cfg = {
         "base_model": model, "tokenizer_config": model, "trust_remote_code": False,
@@ -53,7 +54,7 @@ def axolotl_config(model: str, data: str, run_dir: str, seq: int, steps: int, cp
     }
     if pad_token is not None:
         cfg["special_tokens"] = {"pad_token": pad_token}
-    if cpu:
+    if cpu or not lora_kernels:
         cfg.update(lora_qkv_kernel=False, lora_o_kernel=False, lora_mlp_kernel=False)
     return cfg
 
@@ -78,6 +79,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--init-from", default=None)
     p.add_argument("--cpu", action="store_true")
+    p.add_argument("--no-lora-kernels", action="store_true")
     a = p.parse_args(argv)
     import yaml
     from transformers import AutoTokenizer
@@ -102,7 +104,7 @@ def main(argv: list[str]) -> int:
         return 2
     tok = AutoTokenizer.from_pretrained(model)
     pad = tok.eos_token if tok.pad_token is None else None
-    cfg = axolotl_config(model, str(data), str(run), a.seq, a.steps, a.cpu, pad)
+    cfg = axolotl_config(model, str(data), str(run), a.seq, a.steps, a.cpu, pad, not a.no_lora_kernels)
     path = run / "axolotl.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     print(f"{path} ({n} conversations of {a.rows}; pad token {pad or tok.pad_token!r})")

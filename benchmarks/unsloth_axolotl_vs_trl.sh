@@ -14,8 +14,8 @@
 #       tokenizer has none (as train.py), adapter lora r 16 / alpha 32 / dropout 0 on q,k,v,o,gate,up,down,
 #       micro-batch 4, lr 2e-4 cosine, warmup 10, adamw_torch_fused (TRL's default), bf16, gradient checkpointing
 #       with use_reentrant false (both libraries' default), seed 42, STEPS steps; Axolotl's own defaults elsewhere
-#       (its LoRA Triton kernels, which it turns on for this set-up on a GPU). Both shuffle the rows with seed 42,
-#       but not into the same order, so per-step losses agree in level, not step by step.
+#       (its LoRA Triton kernels, which it turns on for this set-up on a GPU; AXO_LORA_KERNELS=0 turns them off).
+#       Both shuffle the rows with seed 42, but not into the same order, so per-step losses agree in level only.
 #       Its numbers come from recipes/axolotl-lora-ddp/cookbook_metrics.py, an Axolotl plugin that writes the same
 #       metrics.jsonl as train.py: real tokens = attention_mask.sum() of each micro-batch, step time between two
 #       optimizer steps after torch.cuda.synchronize, peak = torch.cuda.max_memory_allocated/reserved.
@@ -156,6 +156,7 @@ run_axolotl() {  # the same checkpoint as the TRL path (or the same random init 
   local dir="$RUNS/axolotl" model="$RUNS/trl/random-init" rc cpu=()
   [[ -f "$model/config.json" ]] || model="$dir/random-init"
   [[ "$TINY" != 0 ]] && cpu=(--cpu)
+  [[ "${AXO_LORA_KERNELS:-1}" == 0 ]] && cpu+=(--no-lora-kernels)
   mkdir -p "$dir"
   say "[axolotl] axolotl train, $STEPS steps on $model (at most ${RUN_TIMEOUT}s)"
   PYTHONPATH="$AXO_PP" "$PYTHON" benchmarks/axolotl_bench_config.py --model "$model" --init-from "$RUNS/model" \
