@@ -3,57 +3,110 @@
 # recipes/unsloth-lora-ddp/models/llama-3.2-3b/config.json, bf16, the Llama-3 tokenizer, real Alpaca rows) through
 #   (b) the TRL path: recipes/unsloth-lora-ddp/train.py model.loader=transformers (AutoModelForCausalLM + PEFT's
 #       get_peft_model under TRL's SFTTrainer, transformers' gradient checkpointing), run first; it writes the
-#       random-init checkpoint that (a) then loads, so both train the same weights;
+#       random-init checkpoint that (a) and (c) then load, so all train the same weights;
 #   (a) Unsloth: the same train.py, model.loader=unsloth (FastLanguageModel.from_pretrained / get_peft_model, its
 #       gradient checkpointing);
-#   (c) Axolotl: not run (see the record it writes: its pins need another transformers, peft, trl and accelerate
-#       than the image's, and ~60 more packages, beyond what one call can bring).
+#   (c) Axolotl 0.19.0: `axolotl train` (torchrun -m axolotl.cli.train, what `axolotl train --launcher torchrun`
+#       runs) of a YAML written here: the same checkpoint and tokenizer, the same rows converted to chat JSONL by
+#       recipes/axolotl-lora-ddp/prepare_data.py (the same cookbook.sft.to_messages), chat_template
+#       tokenizer_default with the loss on the assistant turn, sequence_len SEQ, sample_packing false and
+#       pad_to_sequence_len false (each batch padded to its longest row, as TRL pads), pad token = EOS when the
+#       tokenizer has none (as train.py), adapter lora r 16 / alpha 32 / dropout 0 on q,k,v,o,gate,up,down,
+#       micro-batch 4, lr 2e-4 cosine, warmup 10, adamw_torch_fused (TRL's default), bf16, gradient checkpointing
+#       with use_reentrant false (both libraries' default), seed 42, STEPS steps; Axolotl's own defaults elsewhere
+#       (its LoRA Triton kernels, which it turns on for this set-up on a GPU; AXO_LORA_KERNELS=0 turns them off).
+#       Both shuffle the rows with seed 42, but not into the same order, so per-step losses agree in level only.
+#       Its numbers come from recipes/axolotl-lora-ddp/cookbook_metrics.py, an Axolotl plugin that writes the same
+#       metrics.jsonl as train.py: real tokens = attention_mask.sum() of each micro-batch, step time between two
+#       optimizer steps after torch.cuda.synchronize, peak = torch.cuda.max_memory_allocated/reserved.
 # Same rows, seq 2048 (no packing), LoRA r 16 / alpha 32 on q,k,v,o,gate,up,down, micro-batch 4, STEPS steps.
-# Both run in one environment: the image's torch 2.11, transformers 5.17, accelerate 1.15, peft 0.21.0, plus
-# .whl-ft/ (unsloth 2026.10.9 without its studio/ web UI, unsloth_zoo, trl 1.15.0, datasets 4.8.4, cut_cross_entropy,
-# xxhash) and omegaconf/pydantic/dill/multiprocess from .whl/, installed into their own --target (not .whl's
-# transformers 5.24 / trl 1.16 / datasets 5.2, which Unsloth refuses). No bitsandbytes, no xformers: 16-bit LoRA.
+# Environments (each path its own --target folder on top of the image's torch 2.11, transformers 5.17,
+# accelerate 1.15, peft 0.21.0, numba, llvmlite, triton):
+#   unsloth + trl: .whl-ft/ (unsloth 2026.10.9 without its studio/ web UI, unsloth_zoo, trl 1.15.0, datasets
+#       4.8.4, cut_cross_entropy, xxhash, bitsandbytes 0.50.2) and omegaconf/pydantic/dill/multiprocess from .whl/;
+#   trl alone (PATHS without unsloth) when .whl-ft/ is not there: .whl/*.whl (transformers 5.24, trl 1.16,
+#       peft 0.21.2, datasets 5.2; the repository's own environment);
+#   axolotl: .whl-axo/ (bash benchmarks/axolotl_wheels.sh: axolotl 0.19.0 and its pins transformers 5.16.1,
+#       trl 1.9.0, peft 0.20.0, accelerate 1.13.0, datasets 4.8.4, huggingface_hub 1.17.0, tokenizers 0.23.1,
+#       pydantic 2.12.5, bitsandbytes 0.50.2 with its CPU and CUDA 13.0 libraries only, wandb 0.31.0 without its
+#       Go service binaries, ~30 more; 27 MB; tokenizers is the image's) plus omegaconf/antlr4 of .whl/ for the repository's cookbook.
+# Each record names its transformers/trl/peft versions.
 #   bash benchmarks/unsloth_axolotl_vs_trl.sh          # on the device, from the repository root
-#   STEPS=60 SKIP_STEPS=10 OUT=/tmp/out bash benchmarks/unsloth_axolotl_vs_trl.sh
+#   PATHS="trl axolotl" STEPS=40 SKIP_STEPS=10 RUN_TIMEOUT=260 OUT=$OUT bash benchmarks/unsloth_axolotl_vs_trl.sh
+#     carry .whl (21M) .whl-axo (27M, bash benchmarks/axolotl_wheels.sh) .data/alpaca_data_sample5000.json (2.0M)
+#     .data/llama-3-tokenizer (~9M): about 59 MB of the 64 MiB (recipes/axolotl-lora-ddp/README.md)
+#   TINY=1 SKIP_INSTALL=1 PYTHON=... AXO_SITE=... bash benchmarks/unsloth_axolotl_vs_trl.sh   # CPU check, tiny
+#     models (the 2-layer Llama of recipes/qwen-fsdp2-sft/tiny, seq 128, 4 steps, fp32); Unsloth: 'not run on CPU'
 # Writes $OUT/results.jsonl (one record per path: tokens/s/GPU median, MFU, peak memory, losses, or the error),
-# $OUT/{trl,unsloth}.log (each run's last lines) and $OUT/{trl,unsloth}-metrics.jsonl.
+# $OUT/{trl,unsloth,axolotl}.log (each run's last lines), $OUT/{trl,unsloth,axolotl}-metrics.jsonl and
+# $OUT/axolotl.yaml.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 OUT=${OUT:-outputs/bench-unsloth}
 mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
 RUNS=${RUNS_DIR:-/tmp/bench-unsloth}
+PATHS=${PATHS:-trl unsloth axolotl}         # which paths to run, in this order of dependence: trl first
+PYTHON=${PYTHON:-python3}
+TINY=${TINY:-0}
+if [[ "$TINY" != 0 ]]; then                 # CPU check of the whole script: tiny Llama, tiny Alpaca rows
+  STEPS=${STEPS:-4}; SKIP_STEPS=${SKIP_STEPS:-1}; SEQ=${SEQ:-128}
+  MODEL_CONFIG=${MODEL_CONFIG:-$ROOT/recipes/qwen-fsdp2-sft/tiny/llama/config.json}
+  TOKENIZER_DIR=${TOKENIZER_DIR:-$ROOT/recipes/qwen-fsdp2-sft/tiny/llama}
+  TRAIN_FILE=${TRAIN_FILE:-$ROOT/recipes/qwen-fsdp2-sft/tiny/data/alpaca.json}
+fi
 STEPS=${STEPS:-60}
 SKIP_STEPS=${SKIP_STEPS:-10}
 SEQ=${SEQ:-2048}
 RUN_TIMEOUT=${RUN_TIMEOUT:-240}             # seconds per path, model saving and loading included
-SITE=${FT_SITE:-/tmp/ft}
+SITE=${FT_SITE:-/tmp/ft}                    # the TRL / Unsloth environment
+AXO_SITE=${AXO_SITE:-/tmp/axo-site}         # the Axolotl environment
 MODEL_CONFIG=${MODEL_CONFIG:-$ROOT/recipes/unsloth-lora-ddp/models/llama-3.2-3b/config.json}
 TOKENIZER_DIR=${TOKENIZER_DIR:-$ROOT/.data/llama-3-tokenizer}
 TRAIN_FILE=${TRAIN_FILE:-$ROOT/.data/alpaca_data_sample5000.json}
 RESULTS="$OUT/results.jsonl"
 : > "$RESULTS"
 say() { echo "$(date -u +%H:%M:%S) $*"; }
+wants() { [[ " $PATHS " == *" $1 "* ]]; }
+fail() {  # path error: one JSON line in results.jsonl
+  "$PYTHON" -c "import json,sys; print(json.dumps({'path': sys.argv[1], 'error': sys.argv[2]}))" "$1" "$2" >> "$RESULTS"
+}
+TRL_PP="$SITE:$ROOT/shared"
+AXO_PP="$AXO_SITE:$ROOT/recipes/axolotl-lora-ddp:$ROOT/shared"
+pip_target() { "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$@"; }
+cookbook_wheels=()  # the repository's cookbook needs omegaconf (and its antlr4 4.9.3) in every environment
+for w in .whl/omegaconf-*.whl .whl/antlr4_python3_runtime-*.whl; do [[ -f "$w" ]] && cookbook_wheels+=("$w"); done
 
 if [[ "${SKIP_INSTALL:-0}" == 0 ]]; then
-  say "installing .whl-ft/*.whl and omegaconf/pydantic/dill/multiprocess of .whl/ into $SITE"
-  extra=()
-  for w in .whl/omegaconf-*.whl .whl/antlr4_python3_runtime-*.whl .whl/pydantic-*.whl .whl/pydantic_core-*.whl \
-           .whl/annotated_types-*.whl .whl/typing_inspection-*.whl .whl/dill-*.whl .whl/multiprocess-*.whl; do
-    [[ -f "$w" ]] && extra+=("$w")
-  done
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
-    .whl-ft/*.whl "${extra[@]}" || { echo '{"path": "setup", "error": "pip install of .whl-ft failed"}' >> "$RESULTS"; exit 1; }
+  if wants trl || wants unsloth; then
+    if ls .whl-ft/*.whl >/dev/null 2>&1; then
+      say "installing .whl-ft/*.whl and omegaconf/pydantic/dill/multiprocess of .whl/ into $SITE"
+      extra=("${cookbook_wheels[@]}")
+      for w in .whl/pydantic-*.whl .whl/pydantic_core-*.whl .whl/annotated_types-*.whl .whl/typing_inspection-*.whl \
+               .whl/dill-*.whl .whl/multiprocess-*.whl; do
+        [[ -f "$w" ]] && extra+=("$w")
+      done
+      pip_target "$SITE" .whl-ft/*.whl "${extra[@]}" || fail setup "pip install of .whl-ft failed"
+    else
+      say "no .whl-ft/: installing .whl/*.whl into $SITE (the TRL path in the repository's environment)"
+      trl_wheels=()  # .whl without deepspeed (accelerate would import it, and the TRL path has no use for it)
+      for w in .whl/*.whl .whl-axo/xxhash-*.whl; do [[ "$w" == .whl/deepspeed-* ]] || trl_wheels+=("$w"); done
+      pip_target "$SITE" "${trl_wheels[@]}" || fail setup "pip install of .whl failed"  # datasets needs xxhash
+    fi
+  fi
+  if wants axolotl; then
+    say "installing .whl-axo/*.whl and omegaconf/antlr4 of .whl/ into $AXO_SITE"
+    pip_target "$AXO_SITE" .whl-axo/*.whl "${cookbook_wheels[@]}" || fail axolotl "pip install of .whl-axo failed"
+  fi
 fi
-export PYTHONPATH="$SITE:$ROOT/shared"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 UNSLOTH_DISABLE_STATISTICS=1 TQDM_DISABLE=1
-export TOKENIZERS_PARALLELISM=false
-python3 - <<'EOF'
-import importlib, torch
-for m in ("transformers", "peft", "trl", "datasets", "accelerate", "torch"):
-    print(m, importlib.import_module(m).__version__, flush=True)
-print("cuda", torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")
-EOF
+export TOKENIZERS_PARALLELISM=false AXOLOTL_DO_NOT_TRACK=1
+versions='import importlib.metadata as md, torch
+print(" ".join(f"{m} {md.version(m)}" for m in ("transformers", "peft", "trl", "datasets", "accelerate", "torch")),
+      "| cuda", torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")'
+wants trl || wants unsloth && { printf 'trl/unsloth environment: '; PYTHONPATH="$TRL_PP" "$PYTHON" -c "$versions"; }
+wants axolotl && { printf 'axolotl environment: '; PYTHONPATH="$AXO_PP" "$PYTHON" -c "$versions"; }
 
 rm -rf "$RUNS"
 mkdir -p "$RUNS/model"
@@ -62,37 +115,77 @@ cp "$MODEL_CONFIG" "$RUNS/model/config.json"
 common=("data.train_files=[$TRAIN_FILE]" "data.max_length=$SEQ" data.packing=false train.micro_batch_size=4
         train.grad_accum_steps=1 "train.max_steps=$STEPS" train.log_every=1 train.gradient_checkpointing=true)
 
-run_path() {  # name loader model pretrained
-  local name=$1 loader=$2 model=$3 pretrained=$4 rc
-  say "[$name] model.loader=$loader, $STEPS steps (at most ${RUN_TIMEOUT}s)"
-  timeout --signal=TERM --kill-after=20 "$RUN_TIMEOUT" \
-    torchrun --standalone --nproc-per-node 1 recipes/unsloth-lora-ddp/train.py \
-      --config recipes/unsloth-lora-ddp/config.yaml "output_dir=$RUNS/$name" "run_name=bench-$name" \
-      "model.loader=$loader" "model.name_or_path=$model" "model.pretrained=$pretrained" "${common[@]}" \
-      > "$RUNS/$name.log" 2>&1
-  rc=$?
+record() {  # name loader rc pythonpath run_dir: the summarize.py record (with versions) or the error
+  local name=$1 loader=$2 rc=$3 pp=$4 dir=$5
   tail -n 60 "$RUNS/$name.log" > "$OUT/$name.log"
-  [[ -f "$RUNS/$name/metrics.jsonl" ]] && cp "$RUNS/$name/metrics.jsonl" "$OUT/$name-metrics.jsonl"
-  if [[ $rc -eq 0 ]]; then
-    python3 benchmarks/summarize.py --skip-steps "$SKIP_STEPS" --json "$RUNS/$name.json" "$RUNS/$name" > /dev/null \
-      && python3 -c "import json,sys; r=json.loads(open(sys.argv[1]).readline()); r.update(path=sys.argv[2], loader=sys.argv[3]); print(json.dumps(r))" \
-         "$RUNS/$name.json" "$name" "$loader" >> "$RESULTS" \
-      || echo "{\"path\": \"$name\", \"error\": \"summarize.py failed\"}" >> "$RESULTS"
+  [[ -f "$dir/metrics.jsonl" ]] && cp "$dir/metrics.jsonl" "$OUT/$name-metrics.jsonl"
+  if [[ $rc -eq 0 && -f "$dir/metrics.jsonl" ]]; then
+    PYTHONPATH="$pp" "$PYTHON" benchmarks/summarize.py --skip-steps "$SKIP_STEPS" --json "$RUNS/$name.json" "$dir" > /dev/null \
+      && PYTHONPATH="$pp" "$PYTHON" -c "
+import importlib.metadata as md, json, sys
+r = json.loads(open(sys.argv[1]).readline())
+r.update(path=sys.argv[2], loader=sys.argv[3], steps_run=int(sys.argv[4]), seq=int(sys.argv[5]))
+for m in ('trl', 'peft', 'accelerate', 'datasets', 'axolotl', 'unsloth'):
+    try:
+        r[m] = md.version(m)
+    except md.PackageNotFoundError:
+        pass
+print(json.dumps(r))" "$RUNS/$name.json" "$name" "$loader" "$STEPS" "$SEQ" >> "$RESULTS" \
+      || fail "$name" "summarize.py failed"
   else
-    python3 -c "import json,sys; print(json.dumps({'path': sys.argv[1], 'loader': sys.argv[2], 'exit_status': int(sys.argv[3]), 'error': sys.argv[4]}))" \
-      "$name" "$loader" "$rc" "$(grep -E 'Error|error' "$RUNS/$name.log" | tail -n 3 | tr '\n' ' ' | cut -c1-600)" >> "$RESULTS"
+    local why="exit status $rc"
+    [[ $rc -eq 124 || $rc -eq 137 ]] && why="timed out after ${RUN_TIMEOUT}s"
+    fail "$name" "$why: $(grep -E 'Error|error' "$RUNS/$name.log" | tail -n 3 | tr '\n' ' ' | cut -c1-600)"
   fi
   say "[$name] exit status $rc"
 }
 
-run_path trl transformers "$RUNS/model" false
-init="$RUNS/trl/random-init"
-if [[ -f "$init/config.json" ]]; then
-  run_path unsloth unsloth "$init" true
-else
-  run_path unsloth unsloth "$RUNS/model" false
+run_path() {  # name loader model pretrained
+  local name=$1 loader=$2 model=$3 pretrained=$4 rc
+  say "[$name] model.loader=$loader, $STEPS steps (at most ${RUN_TIMEOUT}s)"
+  PYTHONPATH="$TRL_PP" timeout --signal=TERM --kill-after=20 "$RUN_TIMEOUT" \
+    "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 1 recipes/unsloth-lora-ddp/train.py \
+      --config recipes/unsloth-lora-ddp/config.yaml "output_dir=$RUNS/$name" "run_name=bench-$name" \
+      "model.loader=$loader" "model.name_or_path=$model" "model.pretrained=$pretrained" "${common[@]}" \
+      > "$RUNS/$name.log" 2>&1
+  rc=$?
+  record "$name" "$loader" "$rc" "$TRL_PP" "$RUNS/$name"
+}
+
+run_axolotl() {  # the same checkpoint as the TRL path (or the same random init made here), `axolotl train`
+  local dir="$RUNS/axolotl" model="$RUNS/trl/random-init" rc cpu=()
+  [[ -f "$model/config.json" ]] || model="$dir/random-init"
+  [[ "$TINY" != 0 ]] && cpu=(--cpu)
+  [[ "${AXO_LORA_KERNELS:-1}" == 0 ]] && cpu+=(--no-lora-kernels)
+  mkdir -p "$dir"
+  say "[axolotl] axolotl train, $STEPS steps on $model (at most ${RUN_TIMEOUT}s)"
+  PYTHONPATH="$AXO_PP" "$PYTHON" benchmarks/axolotl_bench_config.py --model "$model" --init-from "$RUNS/model" \
+      --rows "$TRAIN_FILE" --run-dir "$dir" --seq "$SEQ" --steps "$STEPS" "${cpu[@]}" > "$RUNS/axolotl.log" 2>&1
+  rc=$?
+  if [[ $rc -eq 0 ]]; then
+    cp "$dir/axolotl.yaml" "$OUT/axolotl.yaml"
+    (cd "$dir" && PYTHONPATH="$AXO_PP" timeout --signal=TERM --kill-after=20 "$RUN_TIMEOUT" \
+      "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 1 -m axolotl.cli.train "$dir/axolotl.yaml") \
+      >> "$RUNS/axolotl.log" 2>&1
+    rc=$?
+  fi
+  record axolotl axolotl "$rc" "$AXO_PP" "$dir/axolotl"
+}
+
+wants trl && run_path trl transformers "$RUNS/model" false
+if wants unsloth; then
+  if [[ "$TINY" != 0 ]]; then
+    fail unsloth "not run on CPU (TINY=1): Unsloth's kernels need a CUDA GPU"
+  elif [[ -f "$RUNS/trl/random-init/config.json" ]]; then
+    run_path unsloth unsloth "$RUNS/trl/random-init" true
+  else
+    run_path unsloth unsloth "$RUNS/model" false
+  fi
 fi
-echo '{"path": "axolotl", "error": "not run: axolotl 0.19.0 pins transformers==5.16.1, peft==0.20.0, trl==1.9.0, accelerate==1.13.0, datasets==4.8.4 and ~60 more packages (numba, gradio, lm_eval, ...); its CPU preprocess needed 222 MB of extra packages here"}' >> "$RESULTS"
+wants axolotl && run_axolotl
 say "results ($RESULTS):"
 cat "$RESULTS"
-python3 benchmarks/summarize.py --skip-steps "$SKIP_STEPS" $(for r in trl unsloth; do [[ -f "$RUNS/$r/metrics.jsonl" ]] && echo "$RUNS/$r"; done) || true
+done_runs=()
+for r in trl unsloth; do [[ -f "$RUNS/$r/metrics.jsonl" ]] && done_runs+=("$RUNS/$r"); done
+[[ -f "$RUNS/axolotl/axolotl/metrics.jsonl" ]] && done_runs+=("$RUNS/axolotl/axolotl")
+[[ ${#done_runs[@]} -gt 0 ]] && PYTHONPATH="$TRL_PP" "$PYTHON" benchmarks/summarize.py --skip-steps "$SKIP_STEPS" "${done_runs[@]}" || true

@@ -124,6 +124,19 @@ def test_axolotl_launch_dry_run():
     assert (rc, err) == (2, "error: LAUNCHER must be torchrun or accelerate, got 'deepspeed'\n")
 
 
+def _assert_same_training(a: dict, u, seq: int | None = None, steps: int | None = None) -> None:
+    """Axolotl config `a` has the LoRA, batch, schedule and checkpointing of the Unsloth / TRL config `u` (with the
+    sequence length and steps `seq` / `steps` when given, as the benchmark script overrides them)."""
+    assert (a["lora_r"], a["lora_alpha"], a["lora_dropout"], a["lora_target_modules"]) == \
+        (u.lora.r, u.lora.alpha, u.lora.dropout, u.lora.target_modules)
+    assert (a["sequence_len"], a["sample_packing"], a["micro_batch_size"], a["gradient_accumulation_steps"]) == \
+        (seq or u.data.max_length, u.data.packing, u.train.micro_batch_size, u.train.grad_accum_steps)
+    assert (a["max_steps"], a["learning_rate"], a["warmup_steps"], a["lr_scheduler"], a["weight_decay"],
+            a["max_grad_norm"], a["seed"], a["gradient_checkpointing"]) == \
+        (steps or u.train.max_steps, u.train.lr, u.train.warmup_steps, u.train.scheduler, u.train.weight_decay,
+         u.train.max_grad_norm, u.train.seed, u.train.gradient_checkpointing)
+
+
 @pytest.mark.parametrize("unsloth_cfg, axolotl_cfgs", [("config.yaml", ["config.yaml", "qlora.yaml"]),
                                                        ("tiny.yaml", ["tiny.yaml"])])
 def test_same_settings_on_every_path(unsloth_cfg, axolotl_cfgs):
@@ -131,15 +144,7 @@ def test_same_settings_on_every_path(unsloth_cfg, axolotl_cfgs):
     train with the same LoRA, sequence length, batch, steps and schedule."""
     u = load_recipe("unsloth-lora-ddp").load(UNSLOTH / unsloth_cfg)
     for name in axolotl_cfgs:
-        a = yaml.safe_load((AXOLOTL / name).read_text())
-        assert (a["lora_r"], a["lora_alpha"], a["lora_dropout"], a["lora_target_modules"]) == \
-            (u.lora.r, u.lora.alpha, u.lora.dropout, u.lora.target_modules)
-        assert (a["sequence_len"], a["sample_packing"], a["micro_batch_size"], a["gradient_accumulation_steps"]) == \
-            (u.data.max_length, u.data.packing, u.train.micro_batch_size, u.train.grad_accum_steps)
-        assert (a["max_steps"], a["learning_rate"], a["warmup_steps"], a["lr_scheduler"], a["weight_decay"],
-                a["max_grad_norm"], a["seed"], a["gradient_checkpointing"]) == \
-            (u.train.max_steps, u.train.lr, u.train.warmup_steps, u.train.scheduler, u.train.weight_decay,
-             u.train.max_grad_norm, u.train.seed, u.train.gradient_checkpointing)
+        _assert_same_training(yaml.safe_load((AXOLOTL / name).read_text()), u)
     if unsloth_cfg == "tiny.yaml":  # the same rows, converted alike
         a = _axolotl_check().load(AXOLOTL / "tiny.yaml")
         assert [str(Path(f).resolve()) for f in u.data.train_files] == [a["datasets"][0]["path"]]
@@ -273,3 +278,59 @@ def test_unsloth_recipe_skips_a_nan_step_and_a_resume_continues_the_count(tmp_pa
     assert json.loads((ckpt / "checkpoint-3" / "meta.json").read_text())["skipped_steps"] == 1
     three = load_file(ckpt / "checkpoint-3" / "adapter_model.safetensors")
     assert any(not torch.equal(two[k], three[k]) for k in two)  # step 3 was applied
+
+
+
+def _bench_config():
+    name = "axolotl_bench_config"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "axolotl_bench_config.py")
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+def test_benchmark_axolotl_yaml_has_the_trl_path_settings():
+    """benchmarks/unsloth_axolotl_vs_trl.sh's Axolotl YAML trains as its TRL path does (config.yaml with the script's
+    overrides: seq, steps, micro-batch 4, no packing, gradient checkpointing) and pads each batch to its longest row."""
+    u = load_recipe("unsloth-lora-ddp").load(UNSLOTH / "config.yaml")
+    a = _bench_config().axolotl_config("/m", "/d.jsonl", "/r", seq=2048, steps=40, cpu=False, pad_token="<eos>")
+    _assert_same_training(a, u, seq=2048, steps=40)
+    assert (a["pad_to_sequence_len"], a["bf16"]) == (False, True)
+    assert a["gradient_checkpointing"] and a["gradient_checkpointing_kwargs"] == {"use_reentrant": False}
+    assert a["optimizer"] == "adamw_torch_fused" and a["special_tokens"] == {"pad_token": "<eos>"}
+    assert "lora_mlp_kernel" not in a  # Axolotl's default on a GPU
+    cpu = _bench_config().axolotl_config("/m", "/d.jsonl", "/r", seq=128, steps=4, cpu=True, pad_token=None)
+    assert not cpu["bf16"] and cpu["lora_mlp_kernel"] is False and "special_tokens" not in cpu
+
+
+def test_axolotl_metrics_plugin_counts_real_tokens(tmp_path):
+    """The Axolotl plugin, attached to a plain HF Trainer (no Axolotl here), writes one train record per step whose
+    tokens are the batch's attention_mask sum, and a summary."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    sys.path.insert(0, str(AXOLOTL))
+    try:
+        from cookbook_metrics import CookbookMetricsPlugin
+    finally:
+        sys.path.remove(str(AXOLOTL))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    lengths = [5, 9, 3, 7]  # two batches of 2: 14 and 10 real tokens
+    rows = [{"input_ids": torch.arange(1, 10), "attention_mask": (torch.arange(9) < n).long(),
+             "labels": torch.where(torch.arange(9) < n, torch.arange(1, 10), -100)} for n in lengths]
+    args = TrainingArguments(str(tmp_path), per_device_train_batch_size=2, max_steps=2, use_cpu=True,
+                             report_to="none", save_strategy="no", logging_steps=1, dataloader_num_workers=0)
+    trainer = Trainer(model=model, args=args, train_dataset=rows)
+    trainer.get_train_dataloader = lambda: torch.utils.data.DataLoader(
+        rows, batch_size=2, collate_fn=lambda b: {k: torch.stack([r[k] for r in b]) for k in b[0]})
+    CookbookMetricsPlugin().post_trainer_create(None, trainer)
+    trainer.train()
+    recs = read_jsonl(tmp_path / "metrics.jsonl")
+    train = [r for r in recs if r["event"] == "train"]
+    assert [r["step"] for r in train] == [1, 2]
+    assert [round(r["tokens_per_s"] * r["step_time_s"]) for r in train] == [14, 10]
+    assert all(r["loss"] > 3.0 for r in train)  # ln(64) ~ 4.16 at random init
+    assert recs[-1]["event"] == "summary" and recs[-1]["loader"] == "axolotl"
