@@ -101,6 +101,17 @@ def test_loaders_yield_file_bytes_crops_and_labels(train, jpegs):
     assert seen == samples
 
 
+def test_hub_rows_cast_without_decoding_yield_the_file_bytes(train, jpegs):
+    """A hub data set's ``image`` column as ``train_loop`` casts it for data.decode=gpu (``decode=False``)."""
+    import datasets
+
+    samples, _ = jpegs
+    rows = datasets.Dataset.from_dict({"image": [p for p, _ in samples[:2]], "label": [l for _, l in samples[:2]]})
+    rows = rows.cast_column("image", datasets.Image()).cast_column("image", datasets.Image(decode=False))
+    encoded, crop, label, name = train.EncodedImageDataset(rows)[1]
+    assert encoded.numpy().tobytes() == open(samples[1][0], "rb").read() and label == samples[1][1] and name == "row 1"
+
+
 def test_device_crop_matches_the_cpu_path_for_the_same_draws(train, jpegs):
     """Item by item, with the same seed: the CPU path's PIL crop and the GPU path's crop of the same decoded image
     (decoded here by PIL, as nvJPEG would on a GPU) use the same box and flip; the pixels agree within one level

@@ -226,9 +226,9 @@ def load_data(cfg: DataConfig, seed: int, verify: bool, ignored: list[str] | Non
 def sample_crop(width: int, height: int, rng=random) -> tuple[int, int, int, int]:
     """The box ``(x, y, w, h)`` in pixels of a random resized crop of a `width` x `height` image: area
     8-100% of the image's, aspect ratio w/h log-uniform in 3/4-4/3, position uniform; after 10 draws
-    that do not fit, the centred square of the short side. The sampling of torchvision's
-    ``RandomResizedCrop.get_params`` (Szegedy et al. 2015, "Going deeper with convolutions"), drawn
-    from `rng` (Python's ``random`` module, or a ``random.Random``), so both decode paths
+    that do not fit, the centred square of the short side. The draws of torchvision's
+    ``RandomResizedCrop.get_params`` (Szegedy et al. 2015, "Going deeper with convolutions"; its
+    fallback is a centre crop at the nearest allowed aspect ratio instead), drawn from `rng` (Python's ``random`` module, or a ``random.Random``), so both decode paths
     (`ImageTransform`, `EncodedImageDataset`) draw the same boxes from the same stream."""
     for _ in range(10):
         area = width * height * rng.uniform(0.08, 1.0)
