@@ -16,7 +16,9 @@ What this recipe supports:
       init otherwise; new classifier for the data set's classes.
     - Data: an ImageFolder layout on disk, or a hub data set with ``image`` and ``label`` columns;
       random-resized-crop + flip for training, resize + centre crop for evaluation (PIL); images
-      travel as uint8 and are normalised on the device.
+      travel as uint8 and are normalised on the device. ``data.decode=gpu``: the training JPEGs are
+      decoded on the GPU (nvJPEG, batched) and cropped, resized and flipped there, the loader processes
+      only read the files (evaluation stays on PIL).
     - bf16 autocast and channels-last on GPU; SGD with momentum, warm-up + cosine decay, label smoothing.
     - A checkpoint each epoch through ``ray.train.report`` (model, optimizer, scheduler, epoch, each
       worker's random streams); re-running with the same ``output_dir`` resumes, and the resumed run's
@@ -31,6 +33,7 @@ What this recipe supports:
 from __future__ import annotations
 
 import contextlib
+import io
 import math
 import random
 import sys
@@ -75,6 +78,7 @@ class DataConfig:
     image_size: int = 224
     num_workers: int = 8  # data-loader processes per Ray worker (JPEG decoding)
     verify_images: bool = True  # decode every file once before training; a bad one stops the run, named
+    decode: str = "cpu"  # training images: cpu (PIL in the loader processes) or gpu (nvJPEG on the worker's GPU)
 
 
 @dataclass
@@ -107,7 +111,7 @@ class Config(ray_train.EpochRunConfig):  # output_dir, run_name, mlflow, ray, ch
 
 
 # Settings that may differ between a checkpoint and the run that resumes it; any other change is refused.
-MAY_CHANGE = (*ray_train.EPOCH_MAY_CHANGE, "data.num_workers", "data.verify_images")
+MAY_CHANGE = (*ray_train.EPOCH_MAY_CHANGE, "data.num_workers", "data.verify_images", "data.decode")
 
 
 def check_config(cfg: Config, config_dir: Path) -> None:
@@ -117,7 +121,8 @@ def check_config(cfg: Config, config_dir: Path) -> None:
     cfg.model.name_or_path = resolve_path(cfg.model.name_or_path, config_dir)
     cfg.output_dir = str(Path(cfg.output_dir).expanduser().resolve())  # workers may start elsewhere
     check_fields(cfg, at_least={"train.micro_batch_size": 1, "train.epochs": 1, "train.log_every": 1, "data.image_size": 1},
-                 one_of={"model.backend": ("auto", "torchvision", "transformers"), "train.mixed_precision": ("bf16", "fp32")})
+                 one_of={"model.backend": ("auto", "torchvision", "transformers"), "train.mixed_precision": ("bf16", "fp32"),
+                         "data.decode": ("cpu", "gpu")})
     if cfg.data.val_dir and not cfg.data.train_dir:
         raise ConfigError("data.val_dir is set but data.train_dir is empty")
     if not cfg.data.val_dir and not 0.0 < cfg.data.val_fraction < 1.0:
@@ -218,10 +223,27 @@ def load_data(cfg: DataConfig, seed: int, verify: bool, ignored: list[str] | Non
     return train, val, classes
 
 
+def sample_crop(width: int, height: int, rng=random) -> tuple[int, int, int, int]:
+    """The box ``(x, y, w, h)`` in pixels of a random resized crop of a `width` x `height` image: area
+    8-100% of the image's, aspect ratio w/h log-uniform in 3/4-4/3, position uniform; after 10 draws
+    that do not fit, the centred square of the short side. The draws of torchvision's
+    ``RandomResizedCrop.get_params`` (Szegedy et al. 2015, "Going deeper with convolutions"; its
+    fallback is a centre crop at the nearest allowed aspect ratio instead), drawn from `rng` (Python's ``random`` module, or a ``random.Random``), so both decode paths
+    (`ImageTransform`, `EncodedImageDataset`) draw the same boxes from the same stream."""
+    for _ in range(10):
+        area = width * height * rng.uniform(0.08, 1.0)
+        ratio = math.exp(rng.uniform(math.log(3 / 4), math.log(4 / 3)))
+        cw, ch = round(math.sqrt(area * ratio)), round(math.sqrt(area / ratio))
+        if 0 < cw <= width and 0 < ch <= height:
+            return rng.randint(0, width - cw), rng.randint(0, height - ch), cw, ch
+    side = min(width, height)
+    return (width - side) // 2, (height - side) // 2, side, side
+
+
 class ImageTransform:
-    """PIL image -> uint8 tensor (3, size, size). Training: random resized crop (scale 0.08-1,
-    aspect 3/4-4/3) and horizontal flip; evaluation: resize the short side to size / 0.875 and
-    centre crop (the torchvision ImageNet recipe)."""
+    """PIL image -> uint8 tensor (3, size, size). Training: random resized crop (`sample_crop`) and
+    horizontal flip (probability 0.5); evaluation: resize the short side to size / 0.875 and centre
+    crop (the torchvision ImageNet recipe)."""
 
     def __init__(self, size: int, train: bool):
         self.size, self.train = size, train
@@ -230,16 +252,7 @@ class ImageTransform:
         img = img.convert("RGB")
         w, h = img.size
         if self.train:
-            for _ in range(10):
-                area = w * h * random.uniform(0.08, 1.0)
-                ratio = math.exp(random.uniform(math.log(3 / 4), math.log(4 / 3)))
-                cw, ch = round(math.sqrt(area * ratio)), round(math.sqrt(area / ratio))
-                if 0 < cw <= w and 0 < ch <= h:
-                    x, y = random.randint(0, w - cw), random.randint(0, h - ch)
-                    break
-            else:
-                cw = ch = min(w, h)
-                x, y = (w - cw) // 2, (h - ch) // 2
+            x, y, cw, ch = sample_crop(w, h)
             img = img.resize((self.size, self.size), Image.BILINEAR, box=(x, y, x + cw, y + ch))
             if random.random() < 0.5:
                 img = img.transpose(Image.FLIP_LEFT_RIGHT)
@@ -271,6 +284,165 @@ class ImageDataset(Dataset):
                 raise DataError(f"cannot decode {path}: {exc}") from None
         row = self.samples[i]
         return self.transform(row["image"]), int(row["label"])
+
+
+class EncodedImageDataset(Dataset):
+    """``data.decode=gpu``: the training samples for decoding on the GPU. Each item is ``(encoded, crop,
+    label, name)``:
+
+    - ``encoded``: a JPEG's file bytes as a 1-D uint8 tensor when the file is a JPEG in colour (YCbCr,
+      PIL's mode ``RGB``), for `decode_on_device`; any other image (PNG, WebP, ..., grayscale or CMYK
+      JPEGs, which nvJPEG's RGB output does not promise) decoded here with PIL and converted to RGB,
+      uint8 (3, H, W), as the CPU path converts it;
+    - ``crop``: int64 (5,) ``x, y, w, h, flip``: the box of `sample_crop` and the flip, drawn from
+      Python's ``random`` in this loader process in the CPU path's order (`ImageTransform`), so the two
+      paths draw the same boxes and flips from the same streams;
+    - ``label``: int; ``name``: the file's path (or the hub row's index), for error messages.
+
+    Only the file's header is parsed here (its size and kind), so the loader processes do little work.
+    `samples` as `ImageDataset` takes them; a hub data set's ``image`` column cast with
+    ``decode=False`` (``{"bytes", "path"}``). Raises `DataError` naming a file PIL cannot open."""
+
+    def __init__(self, samples):
+        self.samples = samples
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int, str]:
+        if isinstance(self.samples, list):
+            name, label = self.samples[i]
+            data = Path(name).read_bytes()
+        else:
+            row = self.samples[i]
+            image, label, name = row["image"], int(row["label"]), f"row {i}"
+            data = image["bytes"] if image.get("bytes") is not None else Path(image["path"]).read_bytes()
+        try:
+            with Image.open(io.BytesIO(data)) as im:
+                w, h = im.size
+                if im.format == "JPEG" and im.mode == "RGB":
+                    encoded = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                else:
+                    encoded = torch.from_numpy(np.asarray(im.convert("RGB"), dtype=np.uint8).copy()).permute(2, 0, 1)
+        except OSError as exc:
+            raise DataError(f"cannot decode {name}: {exc}") from None
+        x, y, cw, ch = sample_crop(w, h)
+        flip = random.random() < 0.5
+        return encoded, torch.tensor([x, y, cw, ch, int(flip)]), label, name
+
+
+def collate_encoded(items: list[tuple[torch.Tensor, torch.Tensor, int, str]]) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, list[str]]:
+    """`EncodedImageDataset` items -> ``(encoded list, crops int64 (B, 5), labels int64 (B,), names)``."""
+    encoded, crops, labels, names = zip(*items)
+    return list(encoded), torch.stack(crops), torch.tensor(labels), list(names)
+
+
+def gpu_decode_problem() -> str | None:
+    """Why ``torchvision.io.decode_jpeg(device="cuda")`` cannot run here, or ``None`` when it can."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        import torchvision.io  # noqa: F401
+    except Exception as exc:  # beside the CPU torch wheel: RuntimeError (torchvision::nms), or not installed
+        return f"torchvision.io does not import ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+    if not hasattr(torch.ops.image, "decode_jpegs_cuda"):
+        return "this torchvision has no nvJPEG decoder (torch.ops.image.decode_jpegs_cuda)"
+    return None
+
+
+def check_decode(decode: str, on_cpu: bool, here: bool = True) -> None:
+    """Refuse ``data.decode=gpu`` where it cannot run; called by the driver before Ray starts and by each
+    worker before its data loaders start.
+
+    Args:
+        decode: ``data.decode``.
+        on_cpu: the workers will train on CPUs.
+        here: the workers run on this machine, so CUDA and torchvision are checked here too (the driver on
+            a cluster's head leaves that to the workers).
+
+    Raises:
+        ConfigError: one line naming ``data.decode`` and what to use instead.
+    """
+    if decode != "gpu":
+        return
+    problem = ("the workers train on CPUs (no GPU, ray.use_gpu=false or COOKBOOK_DEVICE=cpu)" if on_cpu
+               else gpu_decode_problem() if here else None)
+    if problem:
+        raise ConfigError(f"data.decode=gpu decodes the training JPEGs with nvJPEG on the GPU, but {problem}: "
+                          f"set data.decode=cpu (PIL in the loader processes)")
+
+
+def decode_on_device(encoded: list[torch.Tensor], names: list[str], device: torch.device) -> list[torch.Tensor]:
+    """Each item of `encoded` (`EncodedImageDataset`'s: 1-D uint8 JPEG bytes, or an image the loader
+    decoded, uint8 (3, H, W)) as a uint8 (3, H, W) image on `device`. The JPEGs are decoded in one batched
+    ``torchvision.io.decode_jpeg(..., device=device)`` call (nvJPEG, RGB, EXIF orientation not applied,
+    as in the CPU path). Should nvJPEG refuse the batch (an encoding it does not handle), each of its JPEGs
+    is decoded alone, those nvJPEG refuses again with PIL on this process's CPU (a warning names the
+    first of them).
+
+    Raises:
+        DataError: a JPEG that PIL cannot decode either, named from `names`.
+    """
+    jpegs = [i for i, e in enumerate(encoded) if e.ndim == 1]
+    out = [e.to(device, non_blocking=True) if e.ndim == 3 else None for e in encoded]
+    if jpegs:
+        from torchvision.io import ImageReadMode, decode_jpeg  # only here: it does not import beside CPU torch
+
+        try:
+            for i, image in zip(jpegs, decode_jpeg([encoded[i] for i in jpegs], mode=ImageReadMode.RGB, device=device)):
+                out[i] = image
+        except RuntimeError:
+            for i in jpegs:
+                try:
+                    out[i] = decode_jpeg(encoded[i], mode=ImageReadMode.RGB, device=device)
+                except RuntimeError as exc:
+                    try:
+                        with Image.open(io.BytesIO(encoded[i].numpy().tobytes())) as im:
+                            rgb = np.asarray(im.convert("RGB"), dtype=np.uint8).copy()
+                    except OSError as pil_exc:
+                        raise DataError(f"cannot decode {names[i]}: {pil_exc}") from None
+                    cookbook.get_logger().warning(f"nvJPEG cannot decode {names[i]} ({str(exc).splitlines()[0]}); "
+                                                  f"decoded with PIL on the CPU")
+                    out[i] = torch.from_numpy(rgb).permute(2, 0, 1).to(device)
+    return out
+
+
+def random_resized_crop(images: list[torch.Tensor], crops: torch.Tensor, size: int) -> torch.Tensor:
+    """Crop, resize and flip each image as `crops` say; plain torch ops on the images' device (GPU in
+    training, CPU in the tests). The resize is bilinear with antialiasing (``F.interpolate(...,
+    antialias=True)``, which follows PIL's filter), in float, rounded to uint8: the CPU path's
+    ``Image.resize(BILINEAR, box=...)`` within rounding.
+
+    Args:
+        images: B uint8 images (3, H_i, W_i), any sizes.
+        crops: int64 (B, 5): ``x, y, w, h, flip`` per image (`EncodedImageDataset`), the box inside the image.
+        size: the output side S in pixels.
+
+    Returns:
+        uint8 (B, 3, S, S) on the images' device.
+
+    Raises:
+        ValueError: a box that is empty or reaches outside its image.
+    """
+    out = torch.empty((len(images), 3, size, size), dtype=torch.uint8, device=images[0].device)
+    for i, (image, (x, y, w, h, flip)) in enumerate(zip(images, crops.tolist())):
+        if not (w > 0 and h > 0 and 0 <= x <= image.shape[2] - w and 0 <= y <= image.shape[1] - h):
+            raise ValueError(f"crop box x={x} y={y} w={w} h={h} does not fit image {i} of {tuple(image.shape)}")
+        box = image[None, :, y:y + h, x:x + w].float()
+        resized = F.interpolate(box, size=(size, size), mode="bilinear", align_corners=False, antialias=True)[0]
+        out[i] = (resized.flip(-1) if flip else resized).round_().clamp_(0, 255).to(torch.uint8)
+    return out
+
+
+def device_batch(batch, device: torch.device, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A training loader's batch as ``(uint8 images (B, 3, S, S), labels (B,))`` on `device`: with
+    ``data.decode=cpu`` the batch already is (Ray's loader moved it); with ``gpu`` the `collate_encoded`
+    batch decoded (`decode_on_device`), cropped, resized and flipped (`random_resized_crop`) there."""
+    if len(batch) == 2:
+        return batch
+    encoded, crops, labels, names = batch
+    return (random_resized_crop(decode_on_device(encoded, names, device), crops, size),
+            labels.to(device, non_blocking=True))
 
 
 def validation_shard(samples, image_size: int, rank: int, world_size: int) -> Dataset:
@@ -420,13 +592,23 @@ def train_loop(config_dict: dict) -> None:
     channels_last = on_gpu and cfg.train.channels_last
 
     # ---- set-up: data, model (DDP), optimizer, resume
+    check_decode(cfg.data.decode, on_cpu=not on_gpu)  # the driver checked where it planned the workers
     train_set, val_set, classes = load_data(cfg.data, cfg.train.seed, verify=False)  # the driver verified
     # Loader processes start afresh each epoch (not persistent): their augmentation streams are seeded from this
     # worker's torch stream, which checkpoints restore, so a resumed run augments as an uninterrupted one.
     loader_kw = dict(num_workers=cfg.data.num_workers, pin_memory=on_gpu)
-    train_loader = ray.train.torch.prepare_data_loader(DataLoader(
-        ImageDataset(train_set, ImageTransform(cfg.data.image_size, train=True)),
-        batch_size=cfg.train.micro_batch_size, shuffle=True, drop_last=True, **loader_kw))
+    batch_kw = dict(batch_size=cfg.train.micro_batch_size, shuffle=True, drop_last=True, **loader_kw)
+    if cfg.data.decode == "gpu":  # loaders read file bytes and draw the crops; device_batch decodes on the GPU
+        if not isinstance(train_set, list):
+            import datasets
+
+            train_set = train_set.cast_column("image", datasets.Image(decode=False))
+        train_loader = ray.train.torch.prepare_data_loader(DataLoader(
+            EncodedImageDataset(train_set), collate_fn=collate_encoded, **{**batch_kw, "pin_memory": False}),
+            move_to_device=False)
+    else:
+        train_loader = ray.train.torch.prepare_data_loader(DataLoader(
+            ImageDataset(train_set, ImageTransform(cfg.data.image_size, train=True)), **batch_kw))
     val_shard = validation_shard(val_set, cfg.data.image_size, info.rank, info.world_size)
     val_loader = ray.train.torch.prepare_data_loader(
         DataLoader(val_shard, batch_size=cfg.train.micro_batch_size, **loader_kw), add_dist_sampler=False)
@@ -466,7 +648,8 @@ def train_loop(config_dict: dict) -> None:
         for epoch in run.epochs():
             if info.world_size > 1:
                 train_loader.sampler.set_epoch(epoch)
-            for (images, labels), wait in run.timed(train_loader):
+            for batch, wait in run.timed(train_loader):
+                images, labels = device_batch(batch, info.device, cfg.data.image_size)  # data.decode=gpu: decoded here
                 lr_now = scheduler.get_last_lr()[0]
                 run.metrics.add(samples=labels.numel(), tokens=0, data_wait_s=wait)
                 stepped = train_step(model, optimizer, images, labels, bf16, channels_last, cfg.optim.label_smoothing,
@@ -488,6 +671,7 @@ def main(argv: list[str]) -> None:
     cfg = load_config(Config, args.config, args.overrides)
     check_config(cfg, Path(args.config).resolve().parent)
     driver = ray_train.RayDriver(cfg, MAY_CHANGE, ("train.stop_at_epoch", cfg.train.stop_at_epoch))  # before Ray starts
+    check_decode(cfg.data.decode, driver.on_cpu, here=driver.use_gpu is not None)
     if cfg.data.train_dir:
         ignored: list[str] = []
         train, val, classes = load_data(cfg.data, cfg.train.seed, verify=cfg.data.verify_images, ignored=ignored)
