@@ -57,13 +57,13 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import cookbook
 from cookbook import lm
-from cookbook.checkpoint import Checkpointer, CheckpointError, ModelOptimizerState, RankLocalState, RNGState, TrainState
+from cookbook.checkpoint import Checkpointer, CheckpointError, ModelOptimizerState
 from cookbook.checkpoint import export_hf
 from cookbook import config
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, to_dict
-from cookbook.loop import EpochBatches, TrainLoop, start_run
+from cookbook.loop import EpochBatches, TrainLoop, checkpoint_state, start_run
 from cookbook.metrics import ModelFlops, count_parameters
-from cookbook.sampler import DataPosition, ResizableSampler
+from cookbook.sampler import ResizableSampler
 from cookbook.tabular import DataError, first_csv_row, records, to_int
 
 LABELS = ["World", "Sports", "Business", "Sci/Tech"]
@@ -372,10 +372,7 @@ def main(argv: list[str]) -> None:
     scheduler = get_scheduler(cfg.optim.scheduler, optimizer, num_warmup_steps=int(cfg.optim.warmup_ratio * max_steps),
                               num_training_steps=max_steps)
 
-    state = TrainState()
-    ckpt_state = {"app": ModelOptimizerState(model, optimizer), "scheduler": scheduler, "train": state,
-                  "data": DataPosition(train_loader),  # global: remapped when the world size changes
-                  "rank_local": RankLocalState(dataloader=train_loader, rng=RNGState())}  # same world size only
+    state, ckpt_state = checkpoint_state(ModelOptimizerState(model, optimizer), scheduler, train_loader)
     run = start_run(cfg, info, state=state, checkpoint_state=ckpt_state, may_change=MAY_CHANGE, max_steps=max_steps,
                     experiment="modernbert-ddp", final=out_dir / "final" if cfg.checkpoint.export_hf else None, flops=flops)
     if run is None:  # already complete

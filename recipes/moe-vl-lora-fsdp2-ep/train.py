@@ -51,10 +51,10 @@ from transformers import logging as hf_logging
 
 import cookbook
 from cookbook import lm, moe, sft
-from cookbook.checkpoint import Checkpointer, CheckpointError, RankLocalState, RNGState, TrainState
+from cookbook.checkpoint import Checkpointer, CheckpointError
 from cookbook.config import ConfigError, cli_parser, load_config, to_dict
 from cookbook.hub import model_folder
-from cookbook.loop import EpochBatches, TrainLoop, start_run
+from cookbook.loop import EpochBatches, TrainLoop, checkpoint_state, start_run
 from cookbook.metrics import ModelFlops
 from cookbook.moe import DTYPES
 from cookbook.sft.lazy_load import load_base_lazily
@@ -206,9 +206,7 @@ def main(argv: list[str]) -> None:
                                   weight_decay=cfg.optim.weight_decay, fused=info.device.type == "cuda")
     scheduler = get_scheduler(cfg.optim.scheduler, optimizer, num_warmup_steps=int(cfg.optim.warmup_ratio * max_steps),
                               num_training_steps=max_steps)
-    state = TrainState()
-    ckpt_state = {"app": moe.AdapterState(model, optimizer, meshes), "scheduler": scheduler, "train": state,
-                  "rank_local": RankLocalState(dataloader=train_loader, rng=RNGState())}
+    state, ckpt_state = checkpoint_state(moe.AdapterState(model, optimizer, meshes), scheduler, train_loader, resizable=False)
     run = start_run(cfg, info, state=state, checkpoint_state=ckpt_state, may_change=moe.MAY_CHANGE, max_steps=max_steps,
                     experiment="moe-vl-lora-fsdp2-ep", flops=flops,
                     final=out_dir / "adapter" if cfg.checkpoint.export_adapter else None, what="adapter")

@@ -48,10 +48,10 @@ from transformers import get_scheduler
 
 import cookbook
 from cookbook import config
-from cookbook.checkpoint import CheckpointError, Checkpointer, ModelOptimizerState, RankLocalState, RNGState, TrainState
+from cookbook.checkpoint import CheckpointError, Checkpointer, ModelOptimizerState
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, to_dict
-from cookbook.loop import EpochBatches, TrainLoop, start_run
-from cookbook.sampler import DataPosition, ResizableSampler
+from cookbook.loop import EpochBatches, TrainLoop, checkpoint_state, start_run
+from cookbook.sampler import ResizableSampler
 from cookbook.tabular import DataError
 
 ARCHS = ("retinanet_resnet50_fpn_v2", "retinanet_resnet50_fpn", "retinanet_resnet18_fpn")
@@ -440,10 +440,7 @@ def main(argv: list[str]) -> None:
     scheduler = get_scheduler(cfg.optim.scheduler, optimizer, num_warmup_steps=int(cfg.optim.warmup_ratio * max_steps),
                               num_training_steps=max_steps)
 
-    state = TrainState()
-    ckpt_state = {"app": ModelOptimizerState(model, optimizer), "scheduler": scheduler, "train": state,
-                  "data": DataPosition(train_loader),  # global: remapped when the world size changes
-                  "rank_local": RankLocalState(dataloader=train_loader, rng=RNGState())}  # same world size only
+    state, ckpt_state = checkpoint_state(ModelOptimizerState(model, optimizer), scheduler, train_loader)
     run = start_run(cfg, info, state=state, checkpoint_state=ckpt_state, may_change=MAY_CHANGE, max_steps=max_steps,
                     experiment="retinanet-ddp", final=out_dir / "final", count_tokens=False)
     if run is None:  # already complete

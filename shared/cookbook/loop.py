@@ -63,7 +63,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from cookbook.checkpoint import Checkpointer, ResumeGuard, TrainState
+from cookbook.checkpoint import Checkpointer, RankLocalState, ResumeGuard, RNGState, TrainState
 from cookbook.config import ConfigError, save_config, to_dict
 from cookbook.dist import DistInfo, barrier, get_dist_info, get_logger, record_progress, stall_error
 from cookbook.entry import EXIT_DIVERGED, EXIT_PREEMPTED, OneLineError
@@ -670,6 +670,30 @@ class TrainLoop:
         log_outputs(self.state.step, final_eval, self.metrics,
                     self.checkpointer.root if self.checkpointer is not None else None, outputs)
         return final_eval
+
+
+def checkpoint_state(app: Any, scheduler: Any, train_loader: Any, *,
+                     resizable: bool = True) -> tuple[TrainState, dict[str, Any]]:
+    """What a `TrainLoop` recipe's checkpoints hold, by name, and the `TrainState` among them.
+
+    Args:
+        app: the model and optimizer as one stateful object (`cookbook.checkpoint.ModelOptimizerState`, or the
+            recipe's own, e.g. `cookbook.moe.AdapterState`), saved as ``app``.
+        scheduler: the learning-rate scheduler, saved as ``scheduler``.
+        train_loader: the training ``StatefulDataLoader``; its workers' state and the RNG states are saved per rank
+            as ``rank_local`` (restored at the same world size only).
+        resizable: also save ``data``, the loader's global position (`cookbook.sampler.DataPosition`, its sampler a
+            `ResizableSampler`), so that `start_run` can resume on another world size.
+
+    Returns:
+        ``(state, checkpoint_state)``: a new `TrainState` (saved as ``train``) and the mapping for `start_run`.
+    """
+    state = TrainState()
+    entries = {"app": app, "scheduler": scheduler, "train": state}
+    if resizable:
+        entries["data"] = DataPosition(train_loader)  # global: remapped when the world size changes
+    entries["rank_local"] = RankLocalState(dataloader=train_loader, rng=RNGState())  # same world size only
+    return state, entries
 
 
 def start_run(cfg: Any, info: DistInfo, *, state: TrainState, checkpoint_state: Mapping[str, Any],
