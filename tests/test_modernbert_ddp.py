@@ -501,6 +501,25 @@ def test_an_eval_set_smaller_than_the_world_size_counts_its_row_once(tmp_path, m
     assert summary["eval/macro_f1"] == pytest.approx(MulticlassF1Score(num_classes=4, average="macro")(preds, labels).item())
 
 
+def test_tokenize_in_one_pass_gives_the_truncated_rows_and_counts_the_long_texts():
+    """`tokenize` (one tokenizer pass with overflowing chunks) against the tokenizer's own truncation and an
+    untruncated pass that counts the texts longer than max_length, with both paddings."""
+    from transformers import AutoTokenizer
+
+    train = load_recipe("modernbert-ddp")
+    tok = AutoTokenizer.from_pretrained(RECIPE / "tiny" / "model")
+    rows = train._read_file(str(RECIPE / "tiny" / "data" / "train.csv"), "data.train_files").select(range(1200))
+    texts = list(rows["text"])
+    lengths = [len(ids) for ids in tok(texts)["input_ids"]]
+    for max_length, padding in ((30, "max_length"), (16, "longest"), (64, "max_length")):  # 16: texts of 3+ chunks
+        out, truncated = train.tokenize(rows, tok, train.DataConfig(max_length=max_length, padding=padding))
+        ref = tok(texts, truncation=True, max_length=max_length,
+                  padding="max_length" if padding == "max_length" else False)
+        assert list(out["input_ids"]) == ref["input_ids"] and list(out["attention_mask"]) == ref["attention_mask"]
+        assert list(out["labels"]) == list(rows["label"])
+        assert truncated == sum(n > max_length for n in lengths) and (max_length == 64 or truncated > 100)
+
+
 # ----------------------------------------------------------------------------- input formats
 def test_every_input_format_gives_the_same_rows(tmp_path):
     """The same 80 rows as AG News CSV without and with its header, with a BOM and CRLF line ends, labels

@@ -229,12 +229,19 @@ def load_splits(cfg: DataConfig, seed: int) -> tuple[datasets.Dataset, datasets.
 
 def tokenize(ds: datasets.Dataset, tokenizer, cfg: DataConfig) -> tuple[datasets.Dataset, int]:
     """Tokenize to ``input_ids``/``attention_mask``/``labels``; returns the data set and how many
-    texts were truncated to ``max_length``."""
+    texts were truncated to ``max_length``.
+
+    One pass of the tokenizer (the start-up of every rank tokenizes both splits): with ``return_overflowing_tokens``
+    a text longer than ``max_length`` comes back as its truncated encoding (the first chunk, what ``truncation=True``
+    alone gives) followed by chunks of the rest, which are dropped and counted.
+    """
     def fn(batch):
-        enc = tokenizer(batch["text"], truncation=False)
-        n_long = sum(len(ids) > cfg.max_length for ids in enc["input_ids"])
-        enc = tokenizer(batch["text"], truncation=True, max_length=cfg.max_length,
+        enc = tokenizer(batch["text"], truncation=True, max_length=cfg.max_length, return_overflowing_tokens=True,
                         padding="max_length" if cfg.padding == "max_length" else False)
+        owner = enc.pop("overflow_to_sample_mapping")  # the text of each chunk, in order: 0, 1, 1, 2, ...
+        first = [i for i in range(len(owner)) if i == 0 or owner[i] != owner[i - 1]]
+        n_long = len({owner[i] for i in range(1, len(owner)) if owner[i] == owner[i - 1]})
+        enc = {k: [v[i] for i in first] for k, v in enc.items()}
         enc["labels"] = batch["label"]
         enc["n_truncated"] = [n_long] + [0] * (len(batch["text"]) - 1)
         return enc
