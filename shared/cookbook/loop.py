@@ -673,7 +673,9 @@ class TrainLoop:
         final_eval = {}
         if self.evaluate is not None:
             t0 = time.perf_counter()
-            final_eval = dict(self.evaluate())  # its results are host numbers: the device is done
+            final_eval = dict(self.evaluate())
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # results left on the device count too
             timings["final_eval_s"] = time.perf_counter() - t0
         if final_eval:
             self.metrics.log_eval(self.state.step, final_eval)
