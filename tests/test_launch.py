@@ -3,6 +3,7 @@
 
 import os
 import signal
+import time
 
 import pytest
 
@@ -34,13 +35,17 @@ def test_a_failed_check_stops_before_any_worker(tmp_path, capsys):
     script = tmp_path / "train.py"
     script.write_text("import os, sys\n"
                       "open(os.path.join(os.path.dirname(__file__), 'calls'), 'a').write(' '.join(sys.argv[1:]) + '|' +"
-                      " os.environ['COOKBOOK_WORLD_SIZE'] + '\\n')\n"
+                      " os.environ['COOKBOOK_WORLD_SIZE'] + '|' + os.environ['COOKBOOK_LAUNCH_TIME'] + '\\n')\n"
                       "sys.exit(2 if '--check' in sys.argv else 0)\n")
     (tmp_path / "tiny.yaml").write_text("{}\n")
+    t0 = time.time()
     status = main(["--ngpu", "3", "--nnodes", "2", str(script), "--config", "tiny.yaml", "optim.lr=1e-3"])
+    t1 = time.time()
     assert status == 2
     calls = (tmp_path / "calls").read_text().splitlines()  # only the check ran; the config was found beside train.py
-    assert calls == [f"--check --config {tmp_path / 'tiny.yaml'} optim.lr=1e-3|6"]
+    assert [c.rsplit("|", 1)[0] for c in calls] == [f"--check --config {tmp_path / 'tiny.yaml'} optim.lr=1e-3|6"]
+    assert t0 <= float(calls[0].rsplit("|", 1)[1]) <= t1  # the launch time the workers' startup_s counts from
+    assert "COOKBOOK_LAUNCH_TIME" not in os.environ  # this process's environment is left as it was
     assert main(["--ngpu", "x", str(script), "--config", "tiny.yaml"]) == 2
     assert "error: NGPU=x is not a positive integer" in capsys.readouterr().err
     assert len((tmp_path / "calls").read_text().splitlines()) == 1  # nothing ran for the bad NGPU
@@ -130,10 +135,11 @@ def test_the_launcher_restarts_the_group_only_for_what_a_restart_can_cure(outcom
 
     import cookbook.torchrun as torchrun
 
-    seen = []
+    seen, launched = [], []
 
     def run(args):
         seen.append((os.environ[torchrun.RESTART_COUNT_ENV], args.max_restarts, args.master_port, args.standalone))
+        launched.append(os.environ.get("COOKBOOK_LAUNCH_TIME"))
         code = outcomes[len(seen) - 1]
         if code:
             raise ChildFailedError("train.py", {1: _failure(1, code, tmp_path)})
@@ -141,6 +147,8 @@ def test_the_launcher_restarts_the_group_only_for_what_a_restart_can_cure(outcom
     monkeypatch.setattr(torchrun_module, "run", run)
     monkeypatch.setattr(torchrun, "_stop_asked", False)
     monkeypatch.delenv(torchrun.RESTART_COUNT_ENV, raising=False)
+    monkeypatch.setenv("COOKBOOK_LAUNCH_TIME", "100.0")  # as cookbook.launch sets it
+    t0 = time.time()
     argv = ["--nnodes", "2", "--node-rank", "0", "--master-addr", "10.0.0.1", "--master-port", "29500",
             "--nproc-per-node", "2", "--max-restarts", "3", "train.py"]
     assert torchrun.main(argv) == status
@@ -150,6 +158,10 @@ def test_the_launcher_restarts_the_group_only_for_what_a_restart_can_cure(outcom
     # Each attempt: the count in the workers' environment, torchrun's own restarts off, its own port.
     assert seen == [(str(k), 0, 29500 + k, False) for k in range(attempts)]
     assert torchrun.RESTART_COUNT_ENV not in os.environ  # this process's environment is left as it was
+    # A restarted group's startup_s counts from its restart: each attempt after the first gets its own time.
+    assert launched[0] == "100.0" and all(t0 <= float(t) for t in launched[1:])
+    assert sorted(map(float, launched)) == list(map(float, launched)) and len(set(launched)) == attempts
+    assert os.environ["COOKBOOK_LAUNCH_TIME"] == "100.0"
     if status == 137:
         assert "error: rank 1 was killed by SIGKILL; the other ranks were stopped (after 3 restarts)" in err
 

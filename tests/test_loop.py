@@ -111,10 +111,17 @@ def test_stop_and_resume_give_the_same_per_step_losses(tmp_path, caplog):
     assert {**first, **second} == pytest.approx(whole, rel=0, abs=0)
 
 
-def test_eval_time_is_left_out_of_the_step_time(tmp_path):
+def test_eval_time_is_left_out_of_the_step_time(tmp_path, monkeypatch):
+    launched = time.time()
+    monkeypatch.setenv("COOKBOOK_LAUNCH_TIME", repr(launched))  # as cookbook.launch sets it
     _, _, records, _, _ = _run(tmp_path, max_steps=3, eval_every=1, evaluate_sleep=0.4)
+    wall = time.time() - launched
     (rec,) = [r for r in records if r["event"] == "train"]
     assert rec["step_time_s"] < 0.1  # two evaluations of 0.4 s ran inside this window
+    # The summary times the start-up (launch to the end of step 1) and the final evaluation (one sleep of 0.4 s).
+    summary = [r for r in records if r["event"] == "summary"][-1]
+    assert 0 < summary["first_step_s"] <= summary["startup_s"] < wall - 1.2  # before 3 evaluations of 0.4 s
+    assert 0.4 <= summary["final_eval_s"] < 0.4 + (wall - 1.2)
 
 
 def test_already_complete(tmp_path):
@@ -158,6 +165,32 @@ def test_epoch_batches_reshuffle_each_pass_and_time_the_wait(tmp_path):
         EpochBatches([], TrainState()).next()
 
 
+class SlowStart:
+    """A loader whose every pass waits `delay` seconds before its first batch (workers that start afresh)."""
+
+    def __init__(self, n: int, delay: float):
+        self.n, self.delay = n, delay
+
+    def __iter__(self):
+        time.sleep(self.delay)
+        return iter([{"x": torch.tensor([i])} for i in range(self.n)])
+
+
+def test_the_wait_for_the_first_batch_of_each_pass_is_in_that_windows_record(tmp_path):
+    metrics = MetricsLogger(tmp_path, CPU, mlflow=False, count_tokens=False)
+    batches = EpochBatches(SlowStart(3, delay=0.2), TrainState(), metrics=metrics)
+    metrics.start(0)
+    windows = []
+    for step in range(1, 7):  # passes start at steps 1 and 4; a window of 2 steps
+        _, waits = batches.take(1)
+        metrics.add(samples=1, tokens=0, data_wait_s=waits[0])
+        if step % 2 == 0:
+            windows.append(metrics.log_step(step, 0.0, 0.1, None))
+    assert [w.get("epoch_start_wait_s") is not None for w in windows] == [True, True, False]
+    assert 0.2 <= windows[0]["epoch_start_wait_s"] < 0.2 + 2 * windows[0]["step_time_s"]
+    assert windows[1]["epoch_start_wait_s"] >= 0.2
+
+
 def test_the_closing_lines_show_the_final_metrics_and_where_each_output_is(tmp_path, monkeypatch):
     lines = []
     monkeypatch.setattr(cookbook.loop, "get_logger", lambda: SimpleNamespace(info=lines.append))
@@ -174,6 +207,9 @@ def test_the_closing_lines_show_the_final_metrics_and_where_each_output_is(tmp_p
     lines.clear()
     log_outputs(3, {}, metrics, None, {})
     assert lines == ["done: 3 steps", f"metrics:     {tmp_path / 'metrics.jsonl'}"]
+    lines.clear()
+    log_outputs(3, {}, metrics, None, {}, timings={"startup_s": 25.08, "first_step_s": 12.0, "final_eval_s": 1.94})
+    assert lines[:2] == ["done: 3 steps", "time:        startup 25.1 s (first step 12.0 s) | final eval 1.9 s"]
 
 
 def test_start_run_resumes_and_from_config_takes_the_cadence_from_the_shared_sections(tmp_path):

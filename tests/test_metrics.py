@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cookbook.dist import DistInfo
-from cookbook.metrics import MetricsLogger, ModelFlops, count_parameters, mfu, peak_bf16_flops
+from cookbook.metrics import MetricsLogger, ModelFlops, count_parameters, launch_time, mfu, peak_bf16_flops
 
 CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend="gloo")
 
@@ -116,3 +116,15 @@ def test_tracking_uri_credentials_are_masked(uri, shown):
     from cookbook.metrics import redact_uri
 
     assert redact_uri(uri) == shown
+
+
+def test_launch_time_is_the_launchers_else_this_processs_start(monkeypatch):
+    import psutil
+
+    monkeypatch.setenv("COOKBOOK_LAUNCH_TIME", "1234.5")
+    assert launch_time() == 1234.5
+    for value in ("", "soon"):  # unset or not a number: this process's start
+        monkeypatch.setenv("COOKBOOK_LAUNCH_TIME", value)
+        assert launch_time() == psutil.Process().create_time() < time.time()
+    monkeypatch.delenv("COOKBOOK_LAUNCH_TIME")
+    assert launch_time() == psutil.Process().create_time()

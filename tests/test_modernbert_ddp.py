@@ -6,12 +6,15 @@ call it on 2 workers forked from this process (``main_in_workers``), which saves
 torchrun start-up (~20 s on 2 cores per run).
 """
 
+import contextlib
 import json
 import logging
 import os
 import re
 import shutil
 import signal
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -35,7 +38,9 @@ def full_run(tmp_path_factory):
     ones beside it, and a resume refuses other paths."""
     copy = tmp_path_factory.mktemp("full") / "my-recipe"
     shutil.copytree(RECIPE, copy)
+    t0 = time.time()
     proc = launch("modernbert-ddp", "output_dir=out", cwd=copy)
+    proc.wall_s = time.time() - t0  # the whole command, as a user times it
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return copy / "out", proc
 
@@ -97,6 +102,52 @@ def test_throughput_metrics_are_per_device_on_cpu(full_run):
     assert 0 <= rec["data_wait_frac"] <= 1 and rec["rss_gib"] > 0 and rec["grad_norm"] > 0
 
 
+def test_the_summary_times_the_start_up_and_the_final_evaluation(full_run):
+    """``startup_s`` counts from the launcher's start (the check included) to the end of step 1, ``final_eval_s`` is
+    the final evaluation alone: both positive, both within the command's wall time, together with the 40 steps."""
+    out, proc = full_run
+    records = read_jsonl(out / "metrics.jsonl")
+    summary = [r for r in records if r["event"] == "summary"][-1]
+    steps_s = sum(r["step_time_s"] for r in records if r["event"] == "train")  # steps 2-40 at least
+    assert 0 < summary["first_step_s"] < summary["startup_s"]
+    assert 0 < summary["final_eval_s"] and summary["startup_s"] + summary["final_eval_s"] + 0.9 * steps_s < proc.wall_s
+    shown = re.search(r"time: +startup ([\d.]+) s \(first step ([\d.]+) s\) \| final eval ([\d.]+) s\n", proc.stderr)
+    assert shown, proc.stderr[-3000:]
+    assert [float(v) for v in shown.groups()] == pytest.approx(
+        [summary[k] for k in ("startup_s", "first_step_s", "final_eval_s")], abs=0.051)
+
+
+def test_evaluation_is_eager_unless_model_compile_eval():
+    """With model.compile, ``run_eval`` evaluates without compiling anything (torch.compiler's force_eager stance)
+    unless ``compiled``; either way the metrics are the same. A counting backend stands in for inductor."""
+    train = load_recipe("modernbert-ddp")
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    class Classifier(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(3, 4)
+
+        def forward(self, x, labels):
+            logits = self.linear(x)
+            return SimpleNamespace(logits=logits, loss=torch.nn.functional.cross_entropy(logits, labels))
+
+    torch.manual_seed(0)
+    model = Classifier()
+    model.compile(backend=backend)
+    loader = [{"x": torch.randn(n, 3), "labels": torch.randint(0, 4, (n,))} for n in (8, 8, 3)]
+    autocast = lambda: contextlib.nullcontext()  # noqa: E731
+    eager = train.run_eval(model, loader, torch.device("cpu"), autocast, compiled=False)
+    assert graphs == [] and eager["samples"] == 19
+    compiled = train.run_eval(model, loader, torch.device("cpu"), autocast, compiled=True)
+    assert len(graphs) >= 1
+    assert compiled == pytest.approx(eager, rel=1e-6)
+
+
 def test_ranks_hold_identical_parameters_and_the_export_matches(full_run):
     out, _ = full_run
     summary = [r for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "summary"][-1]
@@ -136,18 +187,33 @@ def test_mlflow_run_holds_the_metrics(full_run):
 
 
 def test_resume_gives_the_same_losses_as_an_uninterrupted_run(full_run, tmp_path, monkeypatch, capfd):
+    """A run stopped at step 20 resumes (past a damaged newer checkpoint) and finishes with the uninterrupted run's
+    losses. Both parts load data in a worker process per rank (data.num_workers=1, persistent workers; the
+    uninterrupted run has none): after the resume every training batch of a rank comes from one worker, the same
+    before and after epoch 1 starts at step 26 (a loader that restarts its workers each epoch gives two)."""
+    train = load_recipe("modernbert-ddp")
+    collated = tmp_path / "collated"
+
+    class Recording(train.DataCollatorWithPadding):  # runs in the loader's worker: which process, which batch size
+        def __call__(self, features):
+            with open(collated, "a") as f:
+                f.write(f"{os.getppid()} {os.getpid()} {len(features)}\n")
+            return super().__call__(features)
+
+    monkeypatch.setattr(train, "DataCollatorWithPadding", Recording)
     out_full, _ = full_run
     out = tmp_path / "run"
-    run_in_workers(monkeypatch, capfd, f"output_dir={out}", "train.stop_at_step=20")
+    run_in_workers(monkeypatch, capfd, f"output_dir={out}", "data.num_workers=1", "train.stop_at_step=20")
     assert sorted(train_losses(out / "metrics.jsonl")) == list(range(1, 21))
     assert not (out / "final").exists()
+    collated.unlink()
     # A newer checkpoint whose shard is truncated (a disk that failed after the publish): resume=auto skips it.
     ckpts = out / "checkpoints"
     damaged = shutil.copytree(ckpts / "step_00000020", ckpts / "step_00000030")
     (damaged / "meta.json").write_text((damaged / "meta.json").read_text().replace('"step": 20', '"step": 30'))
     with open(damaged / "__0_0.distcp", "r+b") as f:
         f.truncate(1000)
-    second = run_in_workers(monkeypatch, capfd, f"output_dir={out}")  # same command, checkpoint.resume=auto
+    second = run_in_workers(monkeypatch, capfd, f"output_dir={out}", "data.num_workers=1")  # checkpoint.resume=auto
     assert "(step 20)" in second and "resumed from" in second, second[-3000:]
     warnings = [line for line in second.splitlines() if "damaged" in line]
     assert len(warnings) == 1 and re.search(
@@ -160,6 +226,18 @@ def test_resume_gives_the_same_losses_as_an_uninterrupted_run(full_run, tmp_path
     assert sorted(got) == sorted(expected)
     torch.testing.assert_close(torch.tensor([got[s] for s in range(1, 41)], dtype=torch.float64),
                                torch.tensor([expected[s] for s in range(1, 41)], dtype=torch.float64), rtol=1e-5, atol=0)
+    workers = {}  # rank process -> the worker processes that collated its training batches (16 rows)
+    for line in collated.read_text().splitlines():
+        parent, pid, size = map(int, line.split())
+        assert pid != parent  # collated in a worker, not in the rank
+        if size == 16:
+            workers.setdefault(parent, []).append(pid)
+    assert len(workers) == 2
+    for pids in workers.values():  # the first batches may come from the iterator that DCP's load made and dropped
+        assert len(pids) >= 2 * 20 and len(set(pids[-2 * 20:])) == 1  # 20 steps of 2 micro-batches, epoch start included
+    records = read_jsonl(out / "metrics.jsonl")
+    epoch_start = [r["step"] for r in records if r["event"] == "train" and "epoch_start_wait_s" in r]
+    assert epoch_start == [1, 21, 26]  # each process's first pass, and epoch 1's (log_every 1)
 
 
 def test_a_run_resized_from_2_ranks_to_1_and_back_to_2_consumes_each_sample_once_and_keeps_its_losses(
@@ -421,6 +499,25 @@ def test_an_eval_set_smaller_than_the_world_size_counts_its_row_once(tmp_path, m
     assert summary["eval/loss"] == pytest.approx(ref.loss.item(), rel=1e-5)
     assert summary["eval/accuracy"] == float((preds == labels).sum())
     assert summary["eval/macro_f1"] == pytest.approx(MulticlassF1Score(num_classes=4, average="macro")(preds, labels).item())
+
+
+def test_tokenize_in_one_pass_gives_the_truncated_rows_and_counts_the_long_texts():
+    """`tokenize` (one tokenizer pass with overflowing chunks) against the tokenizer's own truncation and an
+    untruncated pass that counts the texts longer than max_length, with both paddings."""
+    from transformers import AutoTokenizer
+
+    train = load_recipe("modernbert-ddp")
+    tok = AutoTokenizer.from_pretrained(RECIPE / "tiny" / "model")
+    rows = train._read_file(str(RECIPE / "tiny" / "data" / "train.csv"), "data.train_files").select(range(1200))
+    texts = list(rows["text"])
+    lengths = [len(ids) for ids in tok(texts)["input_ids"]]
+    for max_length, padding in ((30, "max_length"), (16, "longest"), (64, "max_length")):  # 16: texts of 3+ chunks
+        out, truncated = train.tokenize(rows, tok, train.DataConfig(max_length=max_length, padding=padding))
+        ref = tok(texts, truncation=True, max_length=max_length,
+                  padding="max_length" if padding == "max_length" else False)
+        assert list(out["input_ids"]) == ref["input_ids"] and list(out["attention_mask"]) == ref["attention_mask"]
+        assert list(out["labels"]) == list(rows["label"])
+        assert truncated == sum(n > max_length for n in lengths) and (max_length == 64 or truncated > 100)
 
 
 # ----------------------------------------------------------------------------- input formats

@@ -11,7 +11,8 @@ Commands (from this folder; NGPU defaults to all visible GPUs, else 2 CPU proces
 What this recipe supports:
     - DDP (one process per GPU, NCCL; gloo on CPU), any number of nodes; DistributedSampler's split
       (cookbook.sampler.ResizableSampler), whose position is global.
-    - bf16 autocast on GPU (fp32 master weights), fp32 on CPU; optional torch.compile.
+    - bf16 autocast on GPU (fp32 master weights), fp32 on CPU; optional torch.compile (training; evaluation
+      eager unless model.compile_eval).
     - Gradient accumulation (DDP's no_sync on all but the last micro-batch), gradient clipping,
       AdamW (fused on GPU) with linear/cosine warm-up and decay.
     - Evaluation on a validation split: loss, accuracy and macro-F1 (torchmetrics), reduced
@@ -78,6 +79,7 @@ class ModelConfig:
     pretrained: bool = True  # False: random init from the folder's config.json (benchmarks, CI)
     tokenizer: str | None = None  # default: name_or_path
     compile: bool = False  # torch.compile the model (in place: checkpoint keys are unchanged)
+    compile_eval: bool = False  # with compile: evaluate with the compiled model too (false: eagerly, see run_eval)
     attn_implementation: str = "sdpa_padsafe"  # "sdpa_padsafe" (see sdpa_padsafe_attention), "sdpa", "eager", "flash_attention_2"
 
 
@@ -227,12 +229,19 @@ def load_splits(cfg: DataConfig, seed: int) -> tuple[datasets.Dataset, datasets.
 
 def tokenize(ds: datasets.Dataset, tokenizer, cfg: DataConfig) -> tuple[datasets.Dataset, int]:
     """Tokenize to ``input_ids``/``attention_mask``/``labels``; returns the data set and how many
-    texts were truncated to ``max_length``."""
+    texts were truncated to ``max_length``.
+
+    One pass of the tokenizer (the start-up of every rank tokenizes both splits): with ``return_overflowing_tokens``
+    a text longer than ``max_length`` comes back as its truncated encoding (the first chunk, what ``truncation=True``
+    alone gives) followed by chunks of the rest, which are dropped and counted.
+    """
     def fn(batch):
-        enc = tokenizer(batch["text"], truncation=False)
-        n_long = sum(len(ids) > cfg.max_length for ids in enc["input_ids"])
-        enc = tokenizer(batch["text"], truncation=True, max_length=cfg.max_length,
+        enc = tokenizer(batch["text"], truncation=True, max_length=cfg.max_length, return_overflowing_tokens=True,
                         padding="max_length" if cfg.padding == "max_length" else False)
+        owner = enc.pop("overflow_to_sample_mapping")  # the text of each chunk, in order: 0, 1, 1, 2, ...
+        first = [i for i in range(len(owner)) if i == 0 or owner[i] != owner[i - 1]]
+        n_long = len({owner[i] for i in range(1, len(owner)) if owner[i] == owner[i - 1]})
+        enc = {k: [v[i] for i in first] for k, v in enc.items()}
         enc["labels"] = batch["label"]
         enc["n_truncated"] = [n_long] + [0] * (len(batch["text"]) - 1)
         return enc
@@ -275,6 +284,20 @@ def build_model(cfg: ModelConfig, tokenizer) -> torch.nn.Module:
         raise ConfigError(f"model.tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
                           f"{model.config.vocab_size}: use the model's own tokenizer")
     return model
+
+
+def run_eval(model: torch.nn.Module, loader, device: torch.device, autocast, compiled: bool) -> dict[str, float]:
+    """`evaluate`, with the compiled model when `compiled`, else eagerly (``torch.compiler.set_stance("force_eager")``
+    skips the compiled code of a ``model.compile()`` model, and compiles nothing).
+
+    Why eager by default (reasoned, not yet measured on GPU): a compiled training graph does not serve evaluation
+    (eval mode, ``no_grad`` and another batch size each fail its guards), so the first evaluation compiles a graph
+    of its own (and a short last batch may compile another), which costs tens of seconds, while a forward pass
+    alone over a validation split of a few thousand rows takes about a second eagerly on a GPU, so compiling pays
+    only after many evaluations of a large split.
+    """
+    with contextlib.nullcontext() if compiled else torch.compiler.set_stance("force_eager"):
+        return evaluate(model, loader, device, autocast)
 
 
 @torch.no_grad()
@@ -342,8 +365,12 @@ def main(argv: list[str]) -> None:
     # DistributedSampler's order and split, with a global position: a checkpoint resumes on another world size.
     sampler = ResizableSampler(train_ds, num_replicas=info.world_size, rank=info.rank, shuffle=True,
                                seed=cfg.train.seed, drop_last=True)
+    # Loader processes live for the whole run (persistent_workers), so no epoch and no evaluation waits for new
+    # ones: the rows are tokenized already and the collator pads them, nothing in a worker depends on the epoch
+    # or on a random stream, so a kept worker gives what a fresh one would. The sampler runs in this process
+    # (set_epoch reaches it), and StatefulDataLoader restores a mid-epoch position either way.
     loader_kw = dict(collate_fn=collate, num_workers=cfg.data.num_workers, pin_memory=info.device.type == "cuda",
-                     persistent_workers=False)
+                     persistent_workers=cfg.data.num_workers > 0)
     train_loader = StatefulDataLoader(train_ds, batch_size=cfg.train.micro_batch_size, sampler=sampler, drop_last=True, **loader_kw)
     # Each rank evaluates a disjoint slice; no sample is duplicated to even out the shards.
     eval_shard = Subset(eval_ds, range(info.rank, len(eval_ds), info.world_size))
@@ -389,10 +416,11 @@ def main(argv: list[str]) -> None:
         log.info(f"truncated to data.max_length={cfg.data.max_length}: {n_trunc} train and {n_trunc_eval} eval texts")
 
     # ---- train loop
-    batches = EpochBatches(train_loader, state, sampler.set_epoch, info.device)
+    batches = EpochBatches(train_loader, state, sampler.set_epoch, info.device, metrics=metrics)
     loop = TrainLoop.from_config(cfg, state=state, max_steps=max_steps, metrics=metrics, checkpointer=checkpointer,
                                  checkpoint_state=ckpt_state,
-                                 evaluate=lambda: evaluate(model.module, eval_loader, info.device, autocast))
+                                 evaluate=lambda: run_eval(model.module, eval_loader, info.device, autocast,
+                                                           compiled=cfg.model.compile_eval))
     with loop:
         for _ in loop.steps():
             optimizer.zero_grad(set_to_none=True)  # also drops a skipped step's gradients

@@ -227,7 +227,7 @@ def main(argv: list[str]) -> None:
              f"{len(train_rows)} train rows | {max_steps} steps | data: {stats.summary()}")
 
     # ---- train loop
-    batches = EpochBatches(train_loader, state, sampler.set_epoch, info.device)
+    batches = EpochBatches(train_loader, state, sampler.set_epoch, info.device, metrics=metrics)
     loop = TrainLoop.from_config(cfg, state=state, max_steps=max_steps, metrics=metrics, checkpointer=checkpointer,
                                  checkpoint_state=ckpt_state,
                                  evaluate=(lambda: moe.evaluate(model, eval_loader, info.device, router)) if eval_rows else None,

@@ -221,7 +221,7 @@ def main(argv: list[str]) -> None:
              f"{len(train_items)} train / {len(eval_items)} eval image + text rows | {max_steps} steps")
 
     # ---- train loop
-    batches = EpochBatches(train_loader, state, sampler.set_epoch, info.device)
+    batches = EpochBatches(train_loader, state, sampler.set_epoch, info.device, metrics=metrics)
     loop = TrainLoop.from_config(cfg, state=state, max_steps=max_steps, metrics=metrics, checkpointer=checkpointer,
                                  checkpoint_state=ckpt_state,
                                  evaluate=(lambda: moe.evaluate(model, eval_loader, info.device, router)) if eval_rows else None,

@@ -272,7 +272,7 @@ def main(argv: list[str]) -> None:
              f"{f' ({cfg.train.loss_chunk_size} tokens per chunk)' if cfg.train.loss == 'chunked' else ''} | data: {stats.summary()}")
 
     # ---- train loop
-    batches = EpochBatches(train_loader, state, sampler.set_epoch, info.device)
+    batches = EpochBatches(train_loader, state, sampler.set_epoch, info.device, metrics=metrics)
     chunk_size = cfg.train.loss_chunk_size if cfg.train.loss == "chunked" else 0  # 0: the model's full logits
     loop = TrainLoop.from_config(cfg, state=state, max_steps=max_steps, metrics=metrics, checkpointer=checkpointer,
                                  checkpoint_state=ckpt_state,

@@ -406,6 +406,9 @@ def main(argv: list[str]) -> None:
     train_ds = CocoDetection(train_records, train=True, hflip_prob=cfg.data.hflip_prob, seed=cfg.train.seed)
     sampler = ResizableSampler(train_ds, num_replicas=info.world_size, rank=info.rank, shuffle=True,
                                seed=cfg.train.seed, drop_last=True)
+    # Loader processes start afresh each epoch (not persistent): the flips depend on the epoch, which set_epoch
+    # sets on the data set in this process, and only workers started after it see it (persistent ones would flip
+    # every epoch as the first one).
     loader_kw = dict(collate_fn=collate, num_workers=cfg.data.num_workers, pin_memory=info.device.type == "cuda",
                      persistent_workers=False)
     train_loader = StatefulDataLoader(train_ds, batch_size=cfg.train.micro_batch_size, sampler=sampler, drop_last=True,
@@ -462,7 +465,7 @@ def main(argv: list[str]) -> None:
         sampler.set_epoch(epoch)
         train_ds.set_epoch(epoch)  # the flips of this pass
 
-    batches = EpochBatches(train_loader, state, set_epoch, info.device)
+    batches = EpochBatches(train_loader, state, set_epoch, info.device, metrics=metrics)
     loop = TrainLoop.from_config(cfg, state=state, max_steps=max_steps, metrics=metrics, checkpointer=checkpointer,
                                  checkpoint_state=ckpt_state, evaluate=run_eval)
     with loop:

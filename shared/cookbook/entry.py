@@ -55,6 +55,7 @@ from typing import Any, Callable, NoReturn, Sequence
 EXIT_OK, EXIT_BUG, EXIT_USER_ERROR, EXIT_PEER_LOST, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 EXIT_DIVERGED = 4  # a non-finite loss or gradient norm stopped the run before the update (cookbook.loop)
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on SIGTERM / SIGUSR1 after a checkpoint; run the same command again
+LAUNCH_TIME_ENV = "COOKBOOK_LAUNCH_TIME"  # Unix time (s) of the launch (cookbook.launch, cookbook.torchrun): startup_s
 
 # Seconds a rank that lost a peer waits before exiting: long enough for torchrun (which polls its
 # workers every 0.1 s by default) to see the peer's exit first and stop this rank itself.

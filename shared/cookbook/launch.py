@@ -29,6 +29,8 @@ checks, print the two commands instead of running them, one line each, and exit 
 (``cookbook.torchrun`` runs in this process when not a dry run; the line is the same command as its own process.)
 
 A relative ``--config`` that is not a file from the current folder is looked up beside ``train.py``.
+``COOKBOOK_LAUNCH_TIME`` (`cookbook.entry.LAUNCH_TIME_ENV`) is set to the time this launcher started, unless it
+is set already, so that each run's summary counts its ``startup_s`` from the launch, the check included.
 ``OMP_NUM_THREADS`` defaults to 1 per process; on a node without GPUs ``DS_ACCELERATOR`` defaults to ``cpu``. Exit status: the check's or the workers' (2: bad input).
 """
 
@@ -39,9 +41,10 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-from cookbook.entry import EXIT_USER_ERROR
+from cookbook.entry import EXIT_USER_ERROR, LAUNCH_TIME_ENV
 
 
 def _positive(name: str, value: str) -> int:
@@ -77,6 +80,7 @@ def plan(ngpu: str, nnodes: str, gpus: int) -> tuple[int, int]:
 
 def main(argv: list[str] | None = None) -> int:
     """Check, then launch; returns the exit status."""
+    started = time.time()
     parser = argparse.ArgumentParser(prog="python -m cookbook.launch", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ngpu", default="", help="processes on this node (default: one per GPU, else 2)")
@@ -92,6 +96,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("script", help="the recipe's train.py")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="--config FILE and config overrides")
     args = parser.parse_args(argv)
+    before = os.environ.get(LAUNCH_TIME_ENV)
+    if before is None:  # the workers' startup_s counts from here (cookbook.metrics.launch_time)
+        os.environ[LAUNCH_TIME_ENV] = repr(started)
+    try:
+        return _launch(args)
+    finally:  # (this function is also called in-process, by tests)
+        if before is None:
+            os.environ.pop(LAUNCH_TIME_ENV, None)
+
+
+def _launch(args: argparse.Namespace) -> int:
     script = Path(args.script).resolve()
     script_args = list(args.script_args)
     if "--config" in script_args[:-1]:  # a relative config from the recipe's folder, as launch.sh documents

@@ -5,7 +5,7 @@ the optimizer step, the FSDP2 / expert-parallel / TorchRec specifics) and leaves
 
 .. code-block:: python
 
-    batches = EpochBatches(train_loader, state, sampler.set_epoch, info.device)
+    batches = EpochBatches(train_loader, state, sampler.set_epoch, info.device, metrics=metrics)
     loop = TrainLoop(state=state, max_steps=max_steps, stop_at_step=cfg.train.stop_at_step, metrics=metrics,
                      log_every=cfg.train.log_every, eval_every=cfg.train.eval_every, evaluate=run_eval,
                      checkpointer=checkpointer, checkpoint_every=cfg.checkpoint.every_steps,
@@ -43,8 +43,10 @@ What it does, so that every recipe does it the same way:
 - records each rank's progress in the process group's store at every step boundary
   (`cookbook.dist.record_progress`), so that a collective that times out ends the run with one line naming
   the rank that is behind (`cookbook.dist.CollectiveTimeout`, exit status 3);
-- at the end runs the final evaluation and the recipe's export, writes the summary record (which uploads the
-  export to ``checkpoint.push_to_hub`` when set: `MetricsLogger.log_summary`) and the closing log lines
+- times the start-up (``startup_s``: from the launch to the end of this process's first optimizer step, and
+  ``first_step_s``, that step alone: `MetricsLogger.first_step_done`) and the final evaluation (``final_eval_s``);
+- at the end runs the final evaluation and the recipe's export, writes the summary record (with those times; it
+  uploads the export to ``checkpoint.push_to_hub`` when set: `MetricsLogger.log_summary`) and the closing log lines
   (`log_outputs`), or says how to continue a run that stopped early.
 
 The shape follows torchtitan's ``Trainer.train`` / ``train_step`` split and torchtune recipes'
@@ -134,11 +136,14 @@ class EpochBatches:
         set_epoch: called with the epoch number before each pass (``sampler.set_epoch``); ``None`` if
             the loader needs no reshuffle call.
         device: batches are moved here (``non_blocking``); ``None`` leaves them where they are.
+        metrics: when given, the wait for the first batch of each pass is noted there
+            (`MetricsLogger.note_pass_start`: ``epoch_start_wait_s`` in that window's train record), so that a
+            loader that restarts its worker processes each epoch shows as a spike there.
     """
 
     def __init__(self, loader, state: TrainState, set_epoch: Callable[[int], None] | None = None,
-                 device: torch.device | None = None):
-        self.loader, self.state, self.set_epoch, self.device = loader, state, set_epoch, device
+                 device: torch.device | None = None, metrics: MetricsLogger | None = None):
+        self.loader, self.state, self.set_epoch, self.device, self.metrics = loader, state, set_epoch, device, metrics
         self._it: Iterator | None = None
 
     def _new_pass(self) -> None:
@@ -153,18 +158,22 @@ class EpochBatches:
             RuntimeError: the loader yields no batch at all in a fresh pass.
         """
         t0 = time.perf_counter()
-        if self._it is None:
+        new_pass = self._it is None
+        if new_pass:
             self._new_pass()
         try:
             batch = next(self._it)
         except StopIteration:
             self.state.epoch += 1
+            new_pass = True
             self._new_pass()
             try:
                 batch = next(self._it)
             except StopIteration:
                 raise RuntimeError("the training data loader yields no batch: too few rows for one micro-batch") from None
         wait = time.perf_counter() - t0
+        if new_pass and self.metrics is not None:
+            self.metrics.note_pass_start(wait)
         if self.device is not None:
             if isinstance(batch, Mapping):
                 batch = {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
@@ -592,6 +601,8 @@ class TrainLoop:
         self.state.step += 1
         self.nonfinite.stepped()
         step = self.state.step
+        if not self.metrics.timings:
+            self.metrics.first_step_done()  # startup_s, first_step_s: this process's first optimizer step
         self._loss = self._loss + (loss.detach() if isinstance(loss, torch.Tensor) else loss)
         for k, v in (window or {}).items():
             self._window[k] = self._window.get(k, 0.0) + (v.detach() if isinstance(v, torch.Tensor) else v)
@@ -658,17 +669,24 @@ class TrainLoop:
             get_logger().info(f"stopped at step {self.state.step} of {self.max_steps} (train.stop_at_step); to continue "
                               f"from {latest}, run again without train.stop_at_step (or with a larger value)")
             return None
-        final_eval = dict(self.evaluate()) if self.evaluate is not None else {}
+        timings = dict(self.metrics.timings)  # startup_s, first_step_s
+        final_eval = {}
+        if self.evaluate is not None:
+            t0 = time.perf_counter()
+            final_eval = dict(self.evaluate())
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # results left on the device count too
+            timings["final_eval_s"] = time.perf_counter() - t0
         if final_eval:
             self.metrics.log_eval(self.state.step, final_eval)
         outputs = dict(export()) if export is not None else {}
         record = {"step": self.state.step, **{f"eval/{k}": v for k, v in final_eval.items()},
                   **{k: str(path) if path else None for k, (path, _) in outputs.items()},
-                  "mlflow_uri": self.metrics.mlflow_uri, "mlflow_run_id": self.metrics.mlflow_run_id,
+                  "mlflow_uri": self.metrics.mlflow_uri, "mlflow_run_id": self.metrics.mlflow_run_id, **timings,
                   **(dict(summary()) if summary is not None else {})}
         self.metrics.log_summary(record)
         log_outputs(self.state.step, final_eval, self.metrics,
-                    self.checkpointer.root if self.checkpointer is not None else None, outputs)
+                    self.checkpointer.root if self.checkpointer is not None else None, outputs, timings=timings)
         return final_eval
 
 
@@ -744,15 +762,17 @@ def start_run(cfg: Any, info: DistInfo, *, state: TrainState, checkpoint_state: 
 
 
 def log_outputs(step: int, final_eval: Mapping[str, float], metrics: MetricsLogger, checkpoints: Path | None,
-                outputs: Outputs, eval_text: str | None = None) -> None:
+                outputs: Outputs, eval_text: str | None = None, timings: Mapping[str, float] | None = None) -> None:
     """The closing log lines of a finished run (rank 0 only): steps and final evaluation (its metrics, not
-    the counts in `EVAL_COUNTS`), then where the metrics, each tracker's run (and the command that shows it:
-    `MetricsLogger.tracker_lines`), the checkpoints and each exported artefact are (``model:`` for ``export_dir``,
-    see `OUTPUT_NAMES`), and how to load it.
+    the counts in `EVAL_COUNTS`), the start-up and final-evaluation times when given, then where the metrics, each
+    tracker's run (and the command that shows it: `MetricsLogger.tracker_lines`), the checkpoints and each exported
+    artefact are (``model:`` for ``export_dir``, see `OUTPUT_NAMES`), and how to load it.
 
     Args:
         eval_text: the final evaluation as the recipe words it; default: ``eval`` and the ``name value`` pairs
             of `final_eval`.
+        timings: seconds under the summary's names (``startup_s``, ``first_step_s``, ``final_eval_s``), shown
+            on a ``time:`` line: ``time:        startup 25.1 s (first step 12.0 s) | final eval 1.9 s``.
     """
     if not get_dist_info().is_main:
         return
@@ -760,6 +780,13 @@ def log_outputs(step: int, final_eval: Mapping[str, float], metrics: MetricsLogg
     pairs = " ".join(f"{k} {v:.4f}" for k, v in final_eval.items() if k not in EVAL_COUNTS)
     shown = eval_text if eval_text is not None else f"eval {pairs}" if pairs else ""
     log.info(f"done: {step} steps" + (f" | {shown}" if shown else ""))
+    timings = timings or {}
+    times = ([f"startup {timings['startup_s']:.1f} s"
+              + (f" (first step {timings['first_step_s']:.1f} s)" if "first_step_s" in timings else "")]
+             if "startup_s" in timings else [])
+    times += [f"final eval {timings['final_eval_s']:.1f} s"] if "final_eval_s" in timings else []
+    if times:
+        log.info(f"{'time:':<12} " + " | ".join(times))
     rows = [("metrics", f"{metrics.jsonl_path}"), *metrics.tracker_lines()]
     if checkpoints is not None:
         rows.append(("checkpoints", str(checkpoints)))

@@ -28,7 +28,13 @@ Keys of a train record: ``step``, ``loss``, ``lr``, ``grad_norm``, ``step_time_s
 ``tokens_per_s_per_device`` (per GPU on GPUs, per process on CPU: the same keys on both), ``mfu`` (CUDA only, fraction 0-1),
 ``mem_allocated_gib``/``mem_reserved_gib`` (CUDA peak since start, max over ranks),
 ``rss_gib`` (CPU resident memory, max over ranks), ``data_wait_s`` (per step, mean over ranks)
-and ``data_wait_frac``.
+and ``data_wait_frac``; a window in which a new pass over the training data began (`note_pass_start`) also has
+``epoch_start_wait_s``, the wait for that pass's first batch (max over ranks).
+
+Start-up and end of a run (`first_step_done`, `cookbook.loop.TrainLoop.finish`): the summary record has
+``startup_s``, the seconds from the launch (`launch_time`: ``COOKBOOK_LAUNCH_TIME``, which ``cookbook.launch`` sets,
+else this process's start) to the end of the first optimizer step of this process, ``first_step_s``, that first
+step alone (a ``torch.compile`` compiles there), and ``final_eval_s``, the final evaluation's wall time.
 """
 
 from __future__ import annotations
@@ -50,7 +56,22 @@ import torch.distributed as dist
 from cookbook import hub
 from cookbook.config import TRACKER_UIS, check_trackers, flatten
 from cookbook.dist import DistInfo, get_logger
+from cookbook.entry import LAUNCH_TIME_ENV
 from cookbook.progress import ProgressBar
+
+def launch_time() -> float:
+    """The Unix time (seconds) at which this run was launched, for ``startup_s``.
+
+    ``COOKBOOK_LAUNCH_TIME`` when it holds a number (``cookbook.launch`` sets it when it starts, before the
+    ``--check`` and torchrun, and `cookbook.torchrun` again at each restart of the group); otherwise the start of
+    this process (``psutil.Process().create_time()``: under torchrun alone, when the agent started the worker).
+    """
+    value = os.environ.get(LAUNCH_TIME_ENV, "")
+    try:
+        return float(value)
+    except ValueError:
+        return psutil.Process().create_time()
+
 
 # Dense (no sparsity) bf16 tensor-core peak, FLOP/s, from NVIDIA's data sheets:
 # A10: "NVIDIA A10 Tensor Core GPU" datasheet, BF16 125 TFLOPS.
@@ -465,9 +486,10 @@ class MetricsLogger:
         self._progress = progress
         self._bar: ProgressBar | None = None
         self.last_train: dict[str, float] = {}  # the newest train record (`log_step`)
+        self.timings: dict[str, float] = {}  # startup_s, first_step_s (`first_step_done`): this rank's
         self._unit = "gpu" if info.device.type == "cuda" else "rank"  # what one device is, for the console
         self._reset_window(step=None)
-        self._t_start = time.perf_counter()
+        self._t_start = self._t_loop = time.perf_counter()  # creation; the loop's start (`start`)
 
     @property
     def mlflow_uri(self) -> str | None:
@@ -491,6 +513,7 @@ class MetricsLogger:
         self._samples = 0
         self._tokens: torch.Tensor | int = 0
         self._data_wait = 0.0
+        self._pass_wait = -1.0  # the wait for the first batch of a pass that began in this window; -1: none
 
     def start(self, step: int) -> None:
         """Mark the start of timing at `step` (call just before the loop, also after a resume)."""
@@ -502,6 +525,31 @@ class MetricsLogger:
                 self._bar.close()
             self._bar = ProgressBar(self.max_steps, step, unit=self._unit)
         self._reset_window(step)
+        self._t_loop = time.perf_counter()
+
+    def first_step_done(self) -> dict[str, float]:
+        """Note the end of this process's first optimizer step (call once, right after it; no collective): sets
+        `timings` ``startup_s`` (from `launch_time` to now) and ``first_step_s`` (from `start` to now), waiting
+        for the device first, and rank 0 logs them in one line.
+
+        Returns:
+            `timings` (seconds, this rank's clock).
+        """
+        if self.info.device.type == "cuda":
+            torch.cuda.synchronize(self.info.device)  # the step's kernels, not just their launch
+        now = time.perf_counter()
+        first = now - self._t_loop
+        self.timings.update(startup_s=max(0.0, time.time() - launch_time()), first_step_s=first)
+        if self.info.is_main:
+            get_logger().info(f"first step done {self.timings['startup_s']:.1f} s after the launch (set-up "
+                              f"{self.timings['startup_s'] - first:.1f} s, the step itself {first:.1f} s)")
+        return self.timings
+
+    def note_pass_start(self, wait_s: float) -> None:
+        """A new pass over the training data began and its first batch took `wait_s` seconds to come: the
+        window's train record gets ``epoch_start_wait_s`` (the largest such wait of the window, max over ranks).
+        No collective (`cookbook.loop.EpochBatches` calls it)."""
+        self._pass_wait = max(self._pass_wait, float(wait_s))
 
     def advance(self, step: int) -> None:
         """Move rank 0's progress bar to `step` (optimizer steps done; call after every step). No collective."""
@@ -567,12 +615,13 @@ class MetricsLogger:
             torch.cuda.max_memory_reserved(dev) / 2**30 if dev.type == "cuda" else 0.0,
             psutil.Process().memory_info().rss / 2**30,
             elapsed,
+            self._pass_wait,
         ], dtype=torch.float64, device=dev)
         if dist.is_initialized():
             dist.all_reduce(sums, op=dist.ReduceOp.SUM)
             dist.all_reduce(mem, op=dist.ReduceOp.MAX)
         loss_sum, tok, samples, wait, *extra_sums = sums.tolist()
-        alloc, reserved, rss, elapsed = mem.tolist()
+        alloc, reserved, rss, elapsed, pass_wait = mem.tolist()
         world = self.info.world_size
         rec: dict[str, float] = {
             "step": step,
@@ -598,6 +647,8 @@ class MetricsLogger:
         rec["rss_gib"] = rss
         rec["data_wait_s"] = wait / world / steps
         rec["data_wait_frac"] = min(1.0, wait / world / elapsed) if elapsed > 0 else 0.0
+        if pass_wait >= 0:
+            rec["epoch_start_wait_s"] = pass_wait
         self._emit("train", rec)
         self._console(rec)
         self._reset_window(step)

@@ -23,7 +23,8 @@ the job still ends with 75). Each restart prints one line::
     restart 1 of 3: rank 1 was killed by SIGKILL; the workers resume from the newest checkpoint
 
 The restarted workers find ``COOKBOOK_RESTART_COUNT`` (1, 2, ...; 0 on the first start) in their
-environment; they resume as any re-run does (``checkpoint.resume: auto``, every recipe's default: the
+environment, and ``COOKBOOK_LAUNCH_TIME`` set to the restart's time (their ``startup_s`` counts from it); they
+resume as any re-run does (``checkpoint.resume: auto``, every recipe's default: the
 newest complete checkpoint, or a fresh start when the failure came before the first one). After the last
 restart the failure line says how many were used.
 
@@ -50,10 +51,11 @@ import copy
 import os
 import signal
 import sys
+import time
 from typing import Iterable
 
 from cookbook.entry import (EXIT_BUG, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_PEER_LOST, EXIT_PREEMPTED,
-                            EXIT_USER_ERROR)
+                            EXIT_USER_ERROR, LAUNCH_TIME_ENV)
 
 _MEANING = {EXIT_BUG: "a failure, its traceback is above", EXIT_USER_ERROR: "bad configuration, data or checkpoint",
             EXIT_PEER_LOST: "it lost contact with another rank", EXIT_INTERRUPTED: "interrupted",
@@ -157,10 +159,13 @@ def main(argv: list[str] | None = None) -> int:
     # SIGUSR1 (Slurm's warning before a job's end) is passed on to the workers, whose training loop then
     # stops at the next step boundary with a checkpoint; torchrun itself passes SIGTERM on.
     previous = signal.signal(signal.SIGUSR1, _forward_to_workers), os.environ.get(RESTART_COUNT_ENV)
+    launched = os.environ.get(LAUNCH_TIME_ENV)
     attempt = 0
     try:
         while True:
             os.environ[RESTART_COUNT_ENV] = str(attempt)  # the workers inherit the launcher's environment
+            if attempt:  # a restarted group's startup_s counts from its restart (cookbook.metrics.launch_time)
+                os.environ[LAUNCH_TIME_ENV] = repr(time.time())
             try:
                 run(attempt_args(args, attempt))
                 return 0
@@ -190,6 +195,10 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.pop(RESTART_COUNT_ENV, None)
         else:
             os.environ[RESTART_COUNT_ENV] = previous[1]
+        if launched is None:
+            os.environ.pop(LAUNCH_TIME_ENV, None)
+        else:
+            os.environ[LAUNCH_TIME_ENV] = launched
 
 
 def _signal_name(signum: int) -> str:
