@@ -456,6 +456,9 @@ def test_resume_with_other_settings_is_refused(full_run):
     with pytest.raises(CheckpointError) as err:  # launch.sh's check, before any worker starts
         check("modernbert-ddp", f"output_dir={out}", "train.max_steps=41", "optim.lr=1e-3", config=copied_config(out))
     assert "written with other settings (optim.lr: 0.002 -> 0.001, train.max_steps: 40 -> 41)" in str(err.value)
+    with pytest.raises(CheckpointError) as err:  # the loader state of each rank has one entry per worker
+        check("modernbert-ddp", f"output_dir={out}", "data.num_workers=3", config=copied_config(out))
+    assert "written with other settings (data.num_workers: " in str(err.value)
 
 
 def test_stop_at_step_not_after_the_checkpoint_is_refused(full_run, tmp_path):

@@ -102,7 +102,8 @@ class Config(config.RunConfig):
 
 
 # Settings that may differ between a checkpoint and the run that resumes it; any other change is refused.
-MAY_CHANGE = (*config.MAY_CHANGE, "data.num_workers")
+# not data.num_workers: the loader state each rank checkpoints has one entry per worker
+MAY_CHANGE = config.MAY_CHANGE
 
 
 def check_config(cfg: Config, config_dir: Path) -> None:

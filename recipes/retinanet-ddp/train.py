@@ -93,7 +93,8 @@ class Config(config.RunConfig):
     train: Train = field(default_factory=Train)
 
 
-MAY_CHANGE = (*config.MAY_CHANGE, "data.num_workers", "data.eval_batch_size", "train.eval_at_start")
+# not data.num_workers: the loader state each rank checkpoints has one entry per worker
+MAY_CHANGE = (*config.MAY_CHANGE, "data.eval_batch_size", "train.eval_at_start")
 
 
 def check_config(cfg: Config, config_dir: Path) -> None:
