@@ -3,7 +3,7 @@ transformer, with the arithmetic shown, and the simplest technique that fits wit
 
     python scripts/choose_technique.py Qwen/Qwen3-8B --gpus 2 --gpu-mem-gib 141 --seq 2048 --micro-batch 4
     python scripts/choose_technique.py path/to/config.json --gpus 8 --gpu-mem-gib 80 --seq 4096 --micro-batch 1
-    python scripts/choose_technique.py path/to/config.json --gpus 2 --gpu-mem-gib 141 --seq 2048 --micro-batch 4 \
+    python scripts/choose_technique.py path/to/config.json --gpus 2 --gpu-mem-gib 141 --seq 2048 --micro-batch 4 \\
         --compile --loss chunked          # per-layer torch.compile; cookbook's chunked loss (recipes/qwen-fsdp2-sft)
 
 MODEL is a ``config.json`` (or a folder holding one) or a Hugging Face hub id (read with

@@ -43,7 +43,7 @@ def _dry_run(recipe_dir, *args, **env):
     return out.returncode, out.stdout.splitlines(), out.stderr
 
 
-def test_unsloth_config_is_checked():
+def test_unsloth_config_is_checked(monkeypatch):
     assert "loader transformers, LoRA r=16 alpha=32, seq 128" in check("unsloth-lora-ddp")
     mod = load_recipe("unsloth-lora-ddp")
     with pytest.raises(mod.ConfigError, match=r"^override 'lora.rank=8': key 'lora.rank': Key 'rank' not in"):
@@ -54,6 +54,10 @@ def test_unsloth_config_is_checked():
         check("unsloth-lora-ddp", "model.load_in_4bit=true")
     with pytest.raises(mod.ConfigError, match=r"tiny.yaml: lora.r must be at least 1, got 0$"):
         check("unsloth-lora-ddp", "lora.r=0")
+    monkeypatch.setitem(sys.modules, "unsloth", None)  # Unsloth not installed: one line before any worker
+    with pytest.raises(mod.ConfigError, match=r"tiny.yaml: model.loader=unsloth, but Unsloth does not import \(.*\): "
+                                              r"install the recipe's own environment .*, or set model.loader=transformers$"):
+        check("unsloth-lora-ddp", "model.loader=unsloth")
     cfg = mod.load(UNSLOTH / "config.yaml")  # the real config passes the same checks
     assert (cfg.model.name_or_path, cfg.model.loader, cfg.lora.r) == ("meta-llama/Llama-3.2-3B", "unsloth", 16)
 

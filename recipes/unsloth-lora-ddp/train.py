@@ -220,7 +220,12 @@ def main(argv: list[str]) -> None:
     args = cfgmod.cli_parser(__doc__).parse_args(argv)
     cfg = load(args.config, args.overrides)
     if cfg.model.loader == "unsloth":
-        import unsloth  # noqa: F401  (first: it patches transformers, PEFT and TRL when imported)
+        try:
+            import unsloth  # noqa: F401  (first: it patches transformers, PEFT and TRL when imported)
+        except ImportError as exc:  # raised by --check too, before any worker starts
+            raise ConfigError(f"{args.config}: model.loader=unsloth, but Unsloth does not import ({exc}): install the "
+                              f"recipe's own environment (pip install -r recipes/unsloth-lora-ddp/requirements.txt "
+                              f"-e shared, on a CUDA GPU), or set model.loader=transformers") from None
     from cookbook import hf_trainer
 
     rows = training_rows(cfg)
