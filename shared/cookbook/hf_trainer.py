@@ -703,9 +703,9 @@ class TrainerRun:
             Preempted: a preemption signal stopped it (a checkpoint is published at that step).
         """
         log = get_logger()
+        if resume_from is not None:  # before the steps, so that the log reads in order
+            log.info(f"resumed from {resume_from} (the Trainer restores it as training starts)")
         trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
-        if resume_from is not None:
-            log.info(f"resumed from {resume_from}")
         if trainer.state.global_step >= max_steps:
             return True
         self.stopped = True
