@@ -468,6 +468,9 @@ def test_a_nan_step_is_skipped_and_a_failed_save_keeps_the_previous_checkpoint(i
     assert [(r["step"], r["skipped_steps"]) for r in train] == [(1, 0), (2, 0), (3, 1), (4, 1)]
     assert train[NAN_STEP - 1]["grad_norm"] == float("inf") and all(r["grad_norm"] < 10 for r in train if r["step"] != 3)
     assert [p.name for p in published_checkpoints(root)] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    # the skip count is in each checkpoint, for a resume to continue it
+    assert [json.loads((root / f"checkpoint-{n}" / "meta.json").read_text())["skipped_steps"] for n in (1, 2, 3)] == \
+        [0, 0, 1]
     weights = {n: get_fp32_state_dict_from_zero_checkpoint(str(root / f"checkpoint-{n}")) for n in (1, 2, 3)}
     for name, tensor in weights[3].items():
         assert torch.equal(tensor, weights[2][name]), name  # the NaN step's update was discarded

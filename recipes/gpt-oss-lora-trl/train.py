@@ -400,10 +400,7 @@ def train(cfg: Config, on_cpu: bool) -> None:
                             params=to_dict(cfg), mlflow=cfg.mlflow, max_steps=max_steps)
 
     # What TrainLoop does when things fail (cookbook.hf_trainer): preemption, non-finite steps, stalls, failed saves.
-    preemption = hf_trainer.Preemption()
-    nonfinite = hf_trainer.NonFiniteSteps(NonFinitePolicy.from_config(t), root, resume_from)
-    publisher = hf_trainer.PublishCheckpoints(root, cfg.checkpoint.keep_last, to_dict(cfg), more_meta=nonfinite.meta)
-    metrics_cb = hf_trainer.MetricsCallback(metrics, pad_id, log_extra=nonfinite.log_extra)
+    callbacks = hf_trainer.RunCallbacks(cfg, root, metrics, pad_id, resume_from)
 
     class Trainer(hf_trainer.ReportSaveErrors, hf_trainer.CountBatches, SFTTrainer):
         """SFTTrainer that reports a failed save in one line and counts each micro-batch for the metrics."""
@@ -411,8 +408,7 @@ def train(cfg: Config, on_cpu: bool) -> None:
     trainer = Trainer(
         model=model, args=args, processing_class=tokenizer, train_dataset=datasets.Dataset.from_list(examples),
         data_collator=partial(sft.collate, pad_id=pad_id, cu_seq_lens=False),
-        callbacks=[hf_trainer.StopAtStep(t.stop_at_step), preemption, nonfinite, hf_trainer.StallReport(), publisher,
-                   metrics_cb],
+        callbacks=callbacks.all,
     )
     trainer.remove_callback(PrinterCallback)  # cookbook's MetricsLogger prints the log lines
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -421,8 +417,8 @@ def train(cfg: Config, on_cpu: bool) -> None:
              f"{cfg.model.attn_implementation} | global batch {per_step} rows | {max_steps} steps | "
              f"{'bf16' if bf16 else 'fp32'} | data: {stats.summary()}")
 
-    with hf_trainer.TrainerRun(preemption, metrics) as run:  # closes metrics and the group whatever happens
-        if not run.train(trainer, resume_from, max_steps, publisher):
+    with hf_trainer.TrainerRun(callbacks.preemption, metrics) as run:  # closes metrics and the group whatever happens
+        if not run.train(trainer, resume_from, max_steps, callbacks.publisher):
             return  # train.stop_at_step: a checkpoint is published there
         step = trainer.state.global_step
         export_dir = hf_trainer.export_final(trainer, tokenizer, out_dir) if cfg.checkpoint.export_hf else None

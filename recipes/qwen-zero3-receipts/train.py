@@ -569,10 +569,7 @@ def train(cfg: Config, on_cpu: bool) -> None:
         return generation_eval(model_for_eval, tokenizer, data.val_prompts, data.val_targets, cfg.data.fields, cfg.eval, info)
 
     # What TrainLoop does when things fail (cookbook.hf_trainer): preemption, non-finite steps, stalls, failed saves.
-    preemption = hf_trainer.Preemption()
-    nonfinite = hf_trainer.NonFiniteSteps(NonFinitePolicy.from_config(cfg.train), root)
-    publisher = hf_trainer.PublishCheckpoints(root, cfg.checkpoint.keep_last, to_dict(cfg))
-    metrics_cb = hf_trainer.MetricsCallback(metrics, pad_id, evaluate_more=gen_eval, log_extra=nonfinite.log_extra)
+    callbacks = hf_trainer.RunCallbacks(cfg, root, metrics, pad_id, resume_from, evaluate_more=gen_eval)
 
     class ReceiptTrainer(hf_trainer.ReportSaveErrors, hf_trainer.CountBatches, SFTTrainer):
         """SFTTrainer that reports a failed save in one line (`hf_trainer.ReportSaveErrors`), counts each
@@ -613,10 +610,7 @@ def train(cfg: Config, on_cpu: bool) -> None:
         train_dataset=datasets.Dataset.from_list(train_rows),
         eval_dataset=datasets.Dataset.from_list(val_rows) if val_rows else None,
         data_collator=partial(sft.collate, pad_id=pad_id, cu_seq_lens=False) if cfg.data.packing else None,
-        # StopAtStep and Preemption set should_save before MetricsCallback sees the step end; MetricsCallback,
-        # last, pauses its window over the evaluation and the save (publishing included).
-        callbacks=[hf_trainer.StopAtStep(cfg.train.stop_at_step), preemption, nonfinite, hf_trainer.StallReport(),
-                   publisher, metrics_cb],
+        callbacks=callbacks.all,  # in the order RunCallbacks gives them
     )
     trainer.remove_callback(PrinterCallback)  # cookbook's MetricsLogger prints the log lines
     n_trainable = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters() if p.requires_grad)
@@ -627,14 +621,14 @@ def train(cfg: Config, on_cpu: bool) -> None:
              f"receipts | global batch {per_step} rows | {max_steps} steps | {'bf16' if bf16 else 'fp32'} | data: "
              f"{data.stats.summary()}")
 
-    with hf_trainer.TrainerRun(preemption, metrics) as run:  # closes metrics and the group whatever happens
-        if not run.train(trainer, resume_from, max_steps, publisher):
+    with hf_trainer.TrainerRun(callbacks.preemption, metrics) as run:  # closes metrics and the group whatever happens
+        if not run.train(trainer, resume_from, max_steps, callbacks.publisher):
             return  # train.stop_at_step: a checkpoint is published there
         step = trainer.state.global_step
-        evaluated_last_step = metrics_cb.last_eval and cfg.train.eval_every > 0 and step % cfg.train.eval_every == 0
+        evaluated_last_step = callbacks.metrics.last_eval and cfg.train.eval_every > 0 and step % cfg.train.eval_every == 0
         if val_rows and not evaluated_last_step:
             trainer.evaluate()  # validation loss + generation metrics, through MetricsCallback.on_evaluate
-        final = metrics_cb.last_eval
+        final = callbacks.metrics.last_eval
         export_dir = hf_trainer.export_final(trainer, tokenizer, out_dir) if cfg.checkpoint.export_hf else None
         outputs = {"export_dir": (export_dir, "AutoModelForCausalLM.from_pretrained")}
         metrics.log_summary({"step": step, **{f"eval/{k}": v for k, v in final.items()},

@@ -247,7 +247,7 @@ def train(cfg: Config, rows: list[dict]) -> None:
 
     import cookbook
     from cookbook import hf_trainer, sft
-    from cookbook.loop import NonFinitePolicy, log_outputs
+    from cookbook.loop import log_outputs
     from cookbook.metrics import MetricsLogger, ModelFlops, count_parameters
 
     out_dir, t = Path(cfg.output_dir), cfg.train
@@ -284,25 +284,20 @@ def train(cfg: Config, rows: list[dict]) -> None:
     )
 
     # What TrainLoop does when things fail (cookbook.hf_trainer): preemption, non-finite steps, stalls, failed saves.
-    preemption = hf_trainer.Preemption()
-    nonfinite = hf_trainer.NonFiniteSteps(NonFinitePolicy.from_config(t), root, resume_from)
-    publisher = hf_trainer.PublishCheckpoints(root, cfg.checkpoint.keep_last, cfgmod.to_dict(cfg),
-                                              more_meta=nonfinite.meta)
-    metrics_cb = hf_trainer.MetricsCallback(metrics, sft.pad_token_id(tokenizer), log_extra=nonfinite.log_extra)
+    callbacks = hf_trainer.RunCallbacks(cfg, root, metrics, sft.pad_token_id(tokenizer), resume_from)
 
     class Trainer(hf_trainer.ReportSaveErrors, hf_trainer.CountBatches, SFTTrainer):
         """SFTTrainer that reports a failed save in one line and counts each micro-batch for the metrics."""
 
     trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
-                      callbacks=[hf_trainer.StopAtStep(t.stop_at_step), preemption, nonfinite,
-                                 hf_trainer.StallReport(), publisher, metrics_cb])
+                      callbacks=callbacks.all)
     trainer.remove_callback(PrinterCallback)  # cookbook's MetricsLogger prints the log lines
     log.info(f"world size {info.world_size} ({info.backend}) | DDP | loader {cfg.model.loader} | "
              f"{flops.num_params / 1e6:,.1f} M non-embedding params | LoRA r={cfg.lora.r} | {len(rows)} rows | "
              f"{t.max_steps} steps | {'bf16' if dtype == torch.bfloat16 else 'fp32'}")
 
-    with hf_trainer.TrainerRun(preemption, metrics) as run:  # closes metrics and the group whatever happens
-        if not run.train(trainer, resume_from, t.max_steps, publisher):
+    with hf_trainer.TrainerRun(callbacks.preemption, metrics) as run:  # closes metrics and the group whatever happens
+        if not run.train(trainer, resume_from, t.max_steps, callbacks.publisher):
             return  # train.stop_at_step: a checkpoint is published there
         step = trainer.state.global_step
         export_dir = hf_trainer.export_final(trainer, tokenizer, out_dir, merge=cfg.checkpoint.export_merged)

@@ -33,17 +33,12 @@ Use::
 
     info = init_deepspeed(on_cpu, cfg.train.collective_timeout_s, debug_dir=out_dir / "debug")
     resume_from = check_resume(cfg, info.world_size, MAY_CHANGE, "DeepSpeed's ZeRO partitions cannot be remapped")
-    preemption = Preemption()
-    nonfinite = NonFiniteSteps(NonFinitePolicy.from_config(cfg.train), root, resume_from)
-    publisher = PublishCheckpoints(root, cfg.checkpoint.keep_last, to_dict(cfg), more_meta=nonfinite.meta)
-    metrics_cb = MetricsCallback(metrics, pad_id, evaluate_more=generation_eval, log_extra=nonfinite.log_extra)
+    callbacks = RunCallbacks(cfg, root, metrics, pad_id, resume_from, evaluate_more=generation_eval)
     class MyTrainer(ReportSaveErrors, CountBatches, SFTTrainer): ...
-    trainer = MyTrainer(..., args=SFTConfig(output_dir=staging, ...),
-                        callbacks=[StopAtStep(cfg.train.stop_at_step), preemption, nonfinite, StallReport(),
-                                   publisher, metrics_cb])
+    trainer = MyTrainer(..., args=SFTConfig(output_dir=staging, ...), callbacks=callbacks.all)
     trainer.remove_callback(PrinterCallback)  # MetricsLogger prints the log lines
-    with TrainerRun(preemption, metrics) as run:  # closes everything; a timed-out collective names the rank behind
-        if not run.train(trainer, resume_from, max_steps, publisher):  # Preempted (exit 75) after a preemption
+    with TrainerRun(callbacks.preemption, metrics) as run:  # closes everything; a timed-out collective names the rank
+        if not run.train(trainer, resume_from, max_steps, callbacks.publisher):  # Preempted (exit 75) after a preemption
             return  # stopped at train.stop_at_step
         export_final(trainer, tokenizer, out_dir)
 """
@@ -678,6 +673,34 @@ class StallReport(TrainerCallback):
 
 
 # ----------------------------------------------------------------------------- the run
+class RunCallbacks:
+    """The callbacks of a Trainer recipe's run, wired to each other: `Preemption`, `NonFiniteSteps` (its skip count
+    written into each checkpoint's ``meta.json`` by `PublishCheckpoints` and continued from `resume_from`),
+    `MetricsCallback` (the skip count in its records). `all` lists them in the order the Trainer must call them:
+    `StopAtStep` and `Preemption` set ``should_save`` before `MetricsCallback` sees the step end, and
+    `MetricsCallback`, last, pauses its window over the evaluation and the save (publishing included).
+
+    Args:
+        cfg: the recipe config (``train.stop_at_step``, ``train.on_nonfinite``, ``train.max_consecutive_skips``,
+            ``checkpoint.keep_last``; all of it goes into ``meta.json`` for the resume check).
+        root: the published checkpoints' folder (``output_dir/checkpoints``).
+        metrics, pad_id, evaluate_more: as in `MetricsCallback`.
+        resume_from: the checkpoint this run resumes from, or None.
+    """
+
+    def __init__(self, cfg: Any, root: str | Path, metrics: MetricsLogger, pad_id: int,
+                 resume_from: str | Path | None = None,
+                 evaluate_more: Callable[[torch.nn.Module], Mapping[str, float]] | None = None):
+        from cookbook.config import to_dict
+
+        self.preemption = Preemption()
+        self.nonfinite = NonFiniteSteps(NonFinitePolicy.from_config(cfg.train), root, resume_from)
+        self.publisher = PublishCheckpoints(root, cfg.checkpoint.keep_last, to_dict(cfg), more_meta=self.nonfinite.meta)
+        self.metrics = MetricsCallback(metrics, pad_id, evaluate_more=evaluate_more, log_extra=self.nonfinite.log_extra)
+        self.all = [StopAtStep(cfg.train.stop_at_step), self.preemption, self.nonfinite, StallReport(), self.publisher,
+                    self.metrics]
+
+
 class TrainerRun:
     """How a Trainer recipe runs ``trainer.train()`` and ends, whatever happens (the ``try`` of `TrainLoop.run`):
 
