@@ -288,3 +288,19 @@ def test_an_accelerate_config_naming_another_deepspeed_json_is_refused(tmp_path,
         check_accelerate_deepspeed_file(zero3, env={"ACCELERATE_DEEPSPEED_CONFIG_FILE": "zero2.json"})
     with pytest.raises(ConfigError, match=r"deepspeed_config_file 'zero1.json' .* is not a file"):
         check_accelerate_deepspeed_file(zero3, env={"ACCELERATE_DEEPSPEED_CONFIG_FILE": "zero1.json"})
+
+
+def test_nonfinite_steps_start_where_deepspeed_is_not_installed(tmp_path, monkeypatch):
+    """accelerate exports ``DeepSpeedOptimizerWrapper`` only where DeepSpeed is installed (the GPU image has no
+    DeepSpeed): on_train_begin must then take the plain-Trainer path instead of raising ImportError, and a NaN
+    gradient is still left out before the optimizer step."""
+    import accelerate.utils
+
+    monkeypatch.delattr(accelerate.utils, "DeepSpeedOptimizerWrapper")
+    args, control = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none"), TrainerControl()
+    model = torch.nn.Linear(2, 1)
+    skip = NonFiniteSteps(NonFinitePolicy("skip", max_consecutive_skips=2), tmp_path)
+    skip.on_train_begin(args, TrainerState(), control, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    model.weight.grad = torch.full_like(model.weight, float("nan"))
+    skip.on_pre_optimizer_step(args, TrainerState(global_step=0), control, model=model)
+    assert model.weight.grad is None and skip.log_extra() == {"skipped_steps": 1.0}

@@ -605,8 +605,11 @@ class NonFiniteSteps(TrainerCallback):
         return found[-1] if found else None
 
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
-        from accelerate.utils import DeepSpeedOptimizerWrapper
-
+        try:  # accelerate exports the wrapper only where DeepSpeed is installed
+            from accelerate.utils import DeepSpeedOptimizerWrapper
+        except ImportError:
+            self._deepspeed = False
+            return
         self._deepspeed = isinstance(optimizer, DeepSpeedOptimizerWrapper)
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
