@@ -160,13 +160,13 @@ def test_use_routed_lora_switches_the_model_and_keeps_peft_names():
     assert "not transformers' fused experts" in moe.routed_lora_unsupported(torch.nn.Linear(2, 2))
 
 
-def tiny_qwen_with_lora():
-    """The tiny Qwen3-MoE (2 MoE layers) with LoRA on q/v and the experts (B random), routed expert LoRA."""
+def tiny_qwen_with_lora(layers: int = 2):
+    """The tiny Qwen3-MoE (`layers` MoE layers) with LoRA on q/v and the experts (B random), routed expert LoRA."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY / "qwen3-moe"))
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY / "qwen3-moe", num_hidden_layers=layers))
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                                              target_parameters=["experts.gate_up_proj", "experts.down_proj"]))
     for n, p in model.named_parameters():
@@ -260,6 +260,32 @@ def loss_and_grads(model):
     return loss.detach(), grads
 
 
+def test_router_hooks_do_not_make_compiled_layers_recompile():
+    """Compiled layers (``train.compile=layers``) whose MoE block resumes after a graph break, as at FSDP2's hooks
+    on the experts module in the recipe (emulated here by a hook dynamo leaves eager): the routers'
+    `RouterStats` hooks run inside that compiled code, and the number of compiled frames must not grow with the
+    number of layers. A hook appending to a shared list made dynamo guard on the list's length, so each layer
+    recompiled (measured on one H200: 48 layers hit dynamo's recompile limit of 8, the rest ran eager)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    frames = {}
+    for layers in (2, 4):
+        torch._dynamo.reset()
+        model = tiny_qwen_with_lora(layers)
+        router = moe.RouterStats(model)
+        for _, block in moe.moe_blocks(model):
+            block.experts.register_forward_pre_hook(torch.compiler.disable(lambda mod, args: None))
+        backend = CompileCounterWithBackend("aot_eager")
+        moe.compile_parts(model.base_model.model.model.layers, "layers", backend=backend)
+        ids = torch.arange(3, 35).unsqueeze(0)
+        for _ in range(2):
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()  # no KV cache, as in training
+            assert float(router.take()) > 0.5  # Switch aux loss: ~1 at balance, from every layer's router
+        assert router.loads.sum().item() == 2 * layers * 32 * 2  # steps x layers x tokens x top_k slots counted
+        frames[layers] = backend.frame_count
+    assert frames[4] == frames[2], frames
+
+
 @pytest.mark.parametrize("part, graphs", [("moe", 2), ("layers", 2)])
 def test_compiled_parts_equal_eager(part, graphs):
     """`moe.compile_parts` on the tiny Qwen3-MoE, backend aot_eager (dynamo and AOTAutograd trace forward and
@@ -273,8 +299,12 @@ def test_compiled_parts_equal_eager(part, graphs):
 
     torch._dynamo.reset()
     counters.clear()
-    expected = loss_and_grads(tiny_qwen_with_lora())
+    eager = tiny_qwen_with_lora()
+    eager_router = moe.RouterStats(eager)
+    expected = loss_and_grads(eager)
+    expected_aux = eager_router.take()
     model = tiny_qwen_with_lora()
+    router = moe.RouterStats(model)  # its hooks run inside the compiled code: they must not make it recompile
     names = [n for n, _ in model.named_parameters()]
     backend = CompileCounterWithBackend("aot_eager")
     assert moe.compile_parts(model.base_model.model.model.layers, part, backend=backend) == (4 if part == "moe" else 2)
@@ -282,6 +312,7 @@ def test_compiled_parts_equal_eager(part, graphs):
     for _ in range(2):
         loss, grads = loss_and_grads(model)
         torch.testing.assert_close(loss, expected[0], rtol=0, atol=0)
+        torch.testing.assert_close(router.take(), expected_aux, rtol=0, atol=0)
         assert sorted(grads) == sorted(expected[1]) and any("experts" in n for n in grads)
         for name, grad in expected[1].items():
             torch.testing.assert_close(grads[name], grad, rtol=1e-6, atol=1e-7, msg=name)

@@ -248,7 +248,7 @@ def main(argv: list[str]) -> None:
                 if cfg.moe.aux_loss_coef > 0:
                     loss = loss + cfg.moe.aux_loss_coef * aux / cfg.train.grad_accum_steps
                 loss.backward()
-                router.take()  # drop the routers' records of a recomputing backward
+                router.drop()  # the records of a recomputing backward (activation checkpointing) are not counted
                 step_loss += loss_sum.detach() * info.world_size / global_tokens
                 step_aux += aux.detach() / cfg.train.grad_accum_steps
                 metrics.add(samples=mb["input_ids"].shape[0], tokens=lm.count_tokens(mb, pad_id), data_wait_s=wait)

@@ -678,36 +678,67 @@ def frozen_if_unsharded(module: torch.nn.Module, mesh: DeviceMesh) -> set[torch.
 
 
 class RouterStats:
-    """Forward hooks on the routers: the load-balancing loss and the expert loads of each forward."""
+    """Forward hooks on the routers: the load-balancing loss and the expert loads of each forward.
+
+    Each router's hook keeps its latest output on the router module itself (attribute ``router_record``), not in
+    a list: under ``torch.compile`` (`compile_parts`) a hook appending to a shared list makes dynamo guard on the
+    list's length, so every layer's call failed its guard and recompiled until dynamo's recompile limit (8) sent
+    the remaining layers back to eager (measured on one H200, Qwen3-30B-A3B, ``train.compile=layers``). An
+    attribute store has no such guard, and every layer runs the same compiled code.
+    """
+
+    ATTR = "router_record"
 
     def __init__(self, model: torch.nn.Module):
         self.blocks = moe_blocks(model)
-        self.records: list[tuple[torch.Tensor, torch.Tensor]] = []
         for _, block in self.blocks:
-            block.gate.register_forward_hook(lambda mod, inp, out: self.records.append((out[0], out[2])))
+            setattr(block.gate, self.ATTR, None)
+            block.gate.register_forward_hook(RouterStats._record)
         self.num_experts = self.blocks[0][1].gate.num_experts if self.blocks else 0
+        self.sigmoid = bool(self.blocks) and hasattr(self.blocks[0][1].gate, "e_score_correction_bias")
         self.loads = torch.zeros(len(self.blocks), self.num_experts, dtype=torch.float64)
 
+    @staticmethod
+    def _record(module: torch.nn.Module, inputs, out) -> None:
+        """Forward hook: keep the router's logits (tokens, experts) and chosen experts (tokens, top_k)."""
+        setattr(module, RouterStats.ATTR, (out[0], out[2]))
+
+    def drop(self) -> None:
+        """Forget the routers' records without counting them: those of a recomputing backward (activation
+        checkpointing repeats each forward) or of evaluation forwards."""
+        for _, block in self.blocks:
+            setattr(block.gate, self.ATTR, None)
+
     def take(self) -> torch.Tensor:
-        """Mean Switch-Transformer aux loss, E * sum_e f_e * P_e (f: share of routed slots, P: mean router
-        probability; sigmoid routers normalised per token), over this forward's MoE layers; adds the loads.
-        A recomputed forward (activation checkpointing) records again: only the first pass is kept."""
-        records, self.records = self.records[:len(self.blocks)], []
-        if not records:
+        """Mean Switch-Transformer aux loss over this forward's MoE layers (Fedus et al. 2021, "Switch
+        Transformers", eq. 4): E * sum_e f_e * P_e, f_e the share of routed slots that chose expert e, P_e the mean
+        router probability of e (sigmoid routers normalised per token); adds the loads, then forgets the records.
+
+        Returns:
+            A 0-dim float32 tensor (zero when no router ran since the last `take` / `drop`), differentiable
+            through the router logits. Computed for all layers at once (one set of kernels, not one per layer).
+        """
+        records = [getattr(block.gate, self.ATTR) for _, block in self.blocks]
+        self.drop()
+        kept = [(i, r) for i, r in enumerate(records) if r is not None]
+        if not kept:
             return torch.zeros(())
-        losses = []
-        for i, (logits, idx) in enumerate(records):
-            sigmoid = hasattr(self.blocks[i][1].gate, "e_score_correction_bias")
-            probs = logits.float().sigmoid() if sigmoid else logits.float().softmax(-1)
-            probs = probs / probs.sum(-1, keepdim=True)
-            flat = idx.reshape(-1)  # scatter_add, not bincount: bincount on CUDA waits for the host to learn its max
-            counts = torch.zeros(self.num_experts, dtype=probs.dtype, device=probs.device).scatter_add_(
-                0, flat, torch.ones_like(flat, dtype=probs.dtype))
-            if self.loads.device != counts.device:  # kept on the device: no copy to the host (a wait) per layer
-                self.loads = self.loads.to(counts.device)
-            self.loads[i] += counts.detach().double()
-            losses.append(self.num_experts * (counts / counts.sum() * probs.mean(0)).sum())
-        return torch.stack(losses).mean()
+        layers = [i for i, _ in kept]
+        logits = torch.stack([r[0] for _, r in kept]).float()  # (layers, tokens, experts)
+        idx = torch.stack([r[1] for _, r in kept])  # (layers, tokens, top_k)
+        probs = logits.sigmoid() if self.sigmoid else logits.softmax(-1)
+        probs = probs / probs.sum(-1, keepdim=True)
+        n, e = len(kept), self.num_experts
+        # counts per (layer, expert) with one scatter_add (not bincount: on CUDA it waits for the host to learn
+        # its max); the layer offset l * E makes one flat index space of n * E bins
+        flat = (idx.reshape(n, -1) + torch.arange(n, device=idx.device).unsqueeze(1) * e).reshape(-1)
+        counts = torch.zeros(n * e, dtype=probs.dtype, device=probs.device).scatter_add_(
+            0, flat, torch.ones_like(flat, dtype=probs.dtype)).reshape(n, e)
+        if self.loads.device != counts.device:  # kept on the device: no copy to the host (a wait) per step
+            self.loads = self.loads.to(counts.device)
+        self.loads.index_add_(0, torch.tensor(layers, device=counts.device), counts.detach().double())
+        losses = e * (counts / counts.sum(-1, keepdim=True) * probs.mean(1)).sum(-1)
+        return losses.mean()
 
     def load_metrics(self, ep: int, device: torch.device) -> dict[str, float]:
         """Load balance over the window (all ranks), then reset: ``moe/load_max_over_mean`` (busiest expert / mean,
@@ -761,15 +792,11 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, device: to
 
 def evaluate(model: torch.nn.Module, loader, device: torch.device, router: RouterStats) -> dict[str, float]:
     """`cookbook.sft.evaluate` (mean loss per labelled token over the evaluation rows of every rank) on a MoE model:
-    the routers' records of the evaluation forwards are dropped, and the loads logged for training are left as
-    they were. Collective."""
+    the routers' records of the evaluation forwards are dropped uncounted (`RouterStats.drop`), so the loads
+    logged for training are those of training. Collective."""
     from cookbook.sft import evaluate as sft_evaluate
 
-    saved = router.loads.clone()
-    try:
-        return sft_evaluate(model, loader, device, on_batch=lambda batch: router.take())
-    finally:
-        router.loads = saved  # the logged loads are those of training
+    return sft_evaluate(model, loader, device, on_batch=lambda batch: router.drop())
 
 
 # ----------------------------------------------------------------------------- checkpoint and export
