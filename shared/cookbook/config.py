@@ -234,17 +234,29 @@ def cli_parser(description: str | None = None) -> argparse.ArgumentParser:
 
 
 # Where the metrics of a run go besides <output_dir>/metrics.jsonl (always written): the `trackers` key, e.g.
-# `trackers: [mlflow, tensorboard]`. Each name -> (the package that writes it, the requirements file pinning it).
-TRACKERS = {"mlflow": ("mlflow", "requirements/base.txt"), "tensorboard": ("tensorboardX", "requirements/base.txt"),
-            "wandb": ("wandb", "requirements/trackers.txt")}
-TRACKER_UIS = "requirements/trackers.txt"  # the full mlflow (its UI server), tensorboard (its UI) and wandb
+# `trackers: [mlflow, tensorboard]`. Each name -> (the module that writes it, the pip packages that install it, the
+# repository's requirements file that pins them: the same pins, which tests/test_trackers.py compares).
+TRACKERS = {"mlflow": ("mlflow", "mlflow-skinny==3.17.2 sqlalchemy==2.0.44 alembic==1.17.1", "requirements/base.txt"),
+            "tensorboard": ("tensorboardX", "tensorboardX==2.6.5", "requirements/base.txt"),
+            "wandb": ("wandb", "wandb==0.31.0", "requirements/trackers.txt")}
+# The viewers a run's closing lines name: tracker -> the pip package (pinned as in TRACKER_UIS_FILE).
+TRACKER_UIS = {"mlflow": "mlflow==3.17.2", "tensorboard": "tensorboard==2.21.0"}  # mlflow: the full one, with its UI
+TRACKER_UIS_FILE = "requirements/trackers.txt"
+
+
+def install_hint(packages: str, requirements: str) -> str:
+    """How to install `packages` (pip requirement specifiers, space-separated) where a recipe runs: the packages
+    themselves, which work anywhere (a recipe folder copied out of the repository too), and the repository's
+    file that pins them: ```pip install wandb==0.31.0`, or `pip install -r requirements/trackers.txt` from the
+    cookbook repository's root``."""
+    return f"`pip install {packages}`, or `pip install -r {requirements}` from the cookbook repository's root"
 
 
 def check_trackers(trackers: Sequence[str], key: str = "trackers") -> None:
     """Refuse a tracker name that is not in `TRACKERS`, or one whose package is not installed.
 
     Raises:
-        ConfigError: one line naming `key`, the name, and the choices or the requirements file to install.
+        ConfigError: one line naming `key`, the name, and the choices or what to install (`install_hint`).
     """
     import importlib.util
 
@@ -252,10 +264,10 @@ def check_trackers(trackers: Sequence[str], key: str = "trackers") -> None:
         if name not in TRACKERS:
             raise ConfigError(f"{key}: unknown tracker {name!r}; choose from {', '.join(TRACKERS)} (metrics.jsonl is "
                               f"always written)")
-        package, requirements = TRACKERS[name]
-        if importlib.util.find_spec(package) is None:
-            raise ConfigError(f"{key}: {name} is selected but the {package} package is not installed: "
-                              f"pip install -r {requirements}")
+        module, packages, requirements = TRACKERS[name]
+        if importlib.util.find_spec(module) is None:
+            raise ConfigError(f"{key}: {name} is selected but the {module} package is not installed: "
+                              f"{install_hint(packages, requirements)}")
 
 
 # ----------------------------------------------------------------------------- sections every recipe shares
