@@ -324,6 +324,42 @@ class HFCheckpointConfig(CheckpointConfig):
     push_to_hub: str = ""  # a Hub repo id (org/name): upload the final export there, with a model card (cookbook.hub)
 
 
+# The linear layers of a Llama-style decoder layer (attention and gated MLP): LoRA on all of them.
+DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclasses.dataclass
+class LoraConfig:
+    """``lora``: LoRA adapters (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models"): each targeted
+    weight W (out x in) trains W + (alpha / r) B A with A (r x in) and B (out x r), dropout on A's input. A recipe
+    sets its own defaults with ``field(default_factory=lambda: LoraConfig(target_modules=[...]))`` or a subclass
+    that redeclares them (and adds its keys: ``enabled``, the experts' `ExpertLoraConfig`)."""
+
+    r: int = 16  # rank of A and B
+    alpha: int = 32  # the update is scaled by alpha / r
+    dropout: float = 0.0  # on the adapter's input, in [0, 1)
+    target_modules: list[str] = dataclasses.field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+    def peft_kwargs(self) -> dict[str, Any]:
+        """The settings as `peft.LoraConfig` (and Unsloth's ``get_peft_model``) name them: ``r``, ``lora_alpha``,
+        ``lora_dropout``, ``target_modules`` (a list of module-name suffixes)."""
+        return {"r": self.r, "lora_alpha": self.alpha, "lora_dropout": self.dropout,
+                "target_modules": list(self.target_modules)}
+
+
+@dataclasses.dataclass
+class ExpertLoraConfig(LoraConfig):
+    """``lora`` of a mixture-of-experts recipe: `LoraConfig` plus ``target_parameters``, the fused 3-D expert weights
+    (``mlp.experts.gate_up_proj``) that PEFT adapts through its ``target_parameters``; empty: none."""
+
+    target_parameters: list[str] = dataclasses.field(default_factory=list)
+
+    def peft_kwargs(self) -> dict[str, Any]:
+        """`LoraConfig.peft_kwargs` with ``target_parameters``; an empty list of either kind is ``None`` for PEFT."""
+        return {**super().peft_kwargs(), "target_modules": list(self.target_modules) or None,
+                "target_parameters": list(self.target_parameters) or None}
+
+
 @dataclasses.dataclass
 class RunConfig:
     """The top level of a recipe's schema: where the run writes, how it is tracked, and the shared sections. A
