@@ -273,9 +273,14 @@ def test_a_resume_that_changes_the_runs_length_says_why_and_what_to_do(tmp_path)
     with pytest.raises(CheckpointError, match=r"\(optim.lr: 0.1 -> 0.2, train.max_steps: 40 -> 80\); resuming would mix "
                                               r"two runs\. It is the end of a finished run"):
         guard.check("auto", 1, {**longer, "optim": {"lr": 0.2}})  # every change is listed
+    by_steps = {**written, "train": {**written["train"], "epochs": 3}}  # train.max_steps > 0 decides: epochs are no length
+    with pytest.raises(CheckpointError, match=r"\(train.epochs: 1 -> 3\); resuming would mix two runs\. Use the same"):
+        guard.check("auto", 1, by_steps)
+    by_epochs = {**written, "train": {**written["train"], "max_steps": -1}}  # a run counted in epochs (Ray's)
+    (root / "step_00000040" / "meta.json").write_text(json.dumps({**meta, "config": by_epochs}))
     with pytest.raises(CheckpointError, match=r"It is the end of a finished run \(epoch 1 of train.epochs=1\), and a "
                                               r"finished run cannot be extended: .* new run with train.epochs=2 in"):
-        guard.check("auto", 1, {**written, "train": {**written["train"], "epochs": 2}})
+        guard.check("auto", 1, {**by_epochs, "train": {**by_epochs["train"], "epochs": 2}})
     meta["step"] = 20  # not finished: a resume may not shorten or lengthen it either
     (root / "step_00000040" / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match=r"It is step 20 of a run of train.max_steps=40, and a resume cannot change "

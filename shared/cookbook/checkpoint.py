@@ -453,13 +453,16 @@ class ResumeGuard:
         ``optim.warmup_ratio`` is a fraction of it), so the steps after the checkpoint would follow another
         schedule than the one the run that wrote it followed."""
         old, new = flatten(meta["config"]), flatten(config)
-        key = next((k for k in LENGTH_KEYS if k in old and old.get(k) != new.get(k)), None)
+        by_steps = all(isinstance(c.get("train.max_steps"), int) and c["train.max_steps"] > 0 for c in (old, new))
+        key = next((k for k in LENGTH_KEYS if k in old and old.get(k) != new.get(k)
+                    and not (k == "train.epochs" and by_steps)), None)  # train.max_steps > 0 overrides train.epochs
         if key is None:
             return None
         unit, was, done = LENGTH_KEYS[key], old[key], meta.get(LENGTH_KEYS[key], 0)
         finished = isinstance(was, int) and 0 < was <= done
+        where = f"It is {unit} {done} of a run of {key}={was}" if unit == "step" else f"It was written by a run of {key}={was}"
         what = (f"It is the end of a finished run ({unit} {done} of {key}={was}), and a finished run cannot be extended"
-                if finished else f"It is {unit} {done} of a run of {key}={was}, and a resume cannot change a run's length")
+                if finished else f"{where}, and a resume cannot change a run's length")
         stop = next((k for k in (f"train.stop_at_{unit}", "train.stop_at_step", "train.stop_at_epoch") if k in new), None)
         weights = ("; it starts from model.name_or_path, so name the model this run exported there (such as its "
                    "output_dir's final folder) to start from this run's weights" if "model.name_or_path" in new else "")
