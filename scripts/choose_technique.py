@@ -26,9 +26,11 @@ Assumptions (what the numbers are of):
       recipe's policy (each layer keeps its input and the outputs of its matmuls and of the
       attention kernel, and recomputes the rest); no dropout; no tensor or sequence parallelism;
       gradient accumulation does not change the peak.
-    - Loss (``--loss``): ``full`` fp32 logits of the whole micro-batch; ``chunked`` the recipes'
-      ``train.loss=chunked`` (``cookbook.sft.linear_cross_entropy_sum``, ``--loss-chunk`` tokens at a
-      time); ``fused`` a tiled loss that keeps no logits (TRL's ``SFTTrainer``, Liger Kernel).
+    - Loss (``--loss``): ``full`` fp32 logits of the whole micro-batch; ``chunked`` the FSDP2
+      recipe's ``train.loss=chunked`` (``cookbook.sft.linear_cross_entropy_sum``, ``--loss-chunk``
+      tokens at a time); ``fused`` a tiled loss that keeps no logits (TRL's ``SFTTrainer``, as in
+      ``recipes/qwen-zero3-receipts``). A row whose recipe has not the loss asked for (chunked: only
+      the FSDP2 rows; fused: only the ZeRO rows) is counted with the full logits, and the output says so.
 """
 
 from __future__ import annotations
@@ -215,7 +217,8 @@ class Technique:
     """One way to train. ``zero``: DeepSpeed ZeRO stage (0 for the native PyTorch ones);
     ``fsdp``: FSDP2; ``ac``: full activation checkpointing per layer; ``sac``: selective activation
     checkpointing per layer (`selective_bytes_per_token_layer`); ``offload``: FSDP2's
-    ``CPUOffloadPolicy`` (parameters, gradients and optimizer state in host memory)."""
+    ``CPUOffloadPolicy`` (parameters, gradients and optimizer state in host memory); ``losses``: the
+    ``--loss`` choices its recipe has (`logits_bytes`); any other is counted as ``full``."""
 
     name: str
     zero: int = 0
@@ -223,20 +226,32 @@ class Technique:
     ac: bool = False
     sac: bool = False
     offload: bool = False
+    losses: tuple[str, ...] = ("full",)
+
+    @property
+    def recipe(self) -> str:
+        """The cookbook recipe whose set-up the row's arithmetic follows."""
+        return "recipes/qwen-fsdp2-sft" if self.fsdp else "recipes/qwen-zero3-receipts" if self.zero else "recipes/modernbert-ddp"
+
+    def loss_for(self, loss: str) -> str:
+        """The loss this row is counted with: `loss` if its recipe has it, else ``full``."""
+        return loss if loss in self.losses else "full"
 
 
+FSDP2_LOSSES = ("full", "chunked")  # recipes/qwen-fsdp2-sft: train.loss
+ZERO_LOSSES = ("full", "fused")  # recipes/qwen-zero3-receipts: TRL's SFTTrainer, fused LM head
 TECHNIQUES = [
     Technique("DDP"),
-    Technique("FSDP2", fsdp=True),
-    Technique("FSDP2 + selective AC", fsdp=True, sac=True),
-    Technique("FSDP2 + AC", fsdp=True, ac=True),
-    Technique("FSDP2 + AC + CPU offload", fsdp=True, ac=True, offload=True),
-    Technique("ZeRO-1", zero=1),
-    Technique("ZeRO-2", zero=2),
-    Technique("ZeRO-3", zero=3),
-    Technique("ZeRO-1 + AC", zero=1, ac=True),
-    Technique("ZeRO-2 + AC", zero=2, ac=True),
-    Technique("ZeRO-3 + AC", zero=3, ac=True),
+    Technique("FSDP2", fsdp=True, losses=FSDP2_LOSSES),
+    Technique("FSDP2 + selective AC", fsdp=True, sac=True, losses=FSDP2_LOSSES),
+    Technique("FSDP2 + AC", fsdp=True, ac=True, losses=FSDP2_LOSSES),
+    Technique("FSDP2 + AC + CPU offload", fsdp=True, ac=True, offload=True, losses=FSDP2_LOSSES),
+    Technique("ZeRO-1", zero=1, losses=ZERO_LOSSES),
+    Technique("ZeRO-2", zero=2, losses=ZERO_LOSSES),
+    Technique("ZeRO-3", zero=3, losses=ZERO_LOSSES),
+    Technique("ZeRO-1 + AC", zero=1, ac=True, losses=ZERO_LOSSES),
+    Technique("ZeRO-2 + AC", zero=2, ac=True, losses=ZERO_LOSSES),
+    Technique("ZeRO-3 + AC", zero=3, ac=True, losses=ZERO_LOSSES),
 ]
 # The order a recommendation tries them: fewer moving parts first.
 NATIVE_ORDER = ["DDP", "FSDP2", "FSDP2 + selective AC", "FSDP2 + AC", "FSDP2 + AC + CPU offload"]
@@ -396,7 +411,8 @@ def step_bytes(t: Technique, m: ModelShape, gpus: int) -> tuple[float, str]:
 
 @dataclass
 class Estimate:
-    """Peak allocated bytes per GPU of one technique, and its parts (bytes)."""
+    """Peak allocated bytes per GPU of one technique, and its parts (bytes); ``loss``: the loss the
+    logits were counted with (`Technique.loss_for`)."""
 
     technique: Technique
     states: float
@@ -405,6 +421,7 @@ class Estimate:
     working: float
     step: float
     host: float = 0.0
+    loss: str = "full"
     notes: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -423,9 +440,10 @@ def estimate(t: Technique, m: ModelShape, gpus: int, seq: int, micro_batch: int,
     per GPU: model states (`bytes_per_param`), activations (`activation_bytes_per_token_layer` x
     tokens x layers; with AC, each layer's bf16 input, 2h bytes per token, plus one layer's full
     activations while it is recomputed; with selective AC, `selective_bytes_per_token_layer` x
-    layers plus that one recomputed layer), one final norm (8h per token), logits (`logits_bytes`,
-    `chunk` tokens per chunk of the chunked loss) and working buffers (`working_bytes`); or the
-    optimizer step (`step_bytes`) if larger."""
+    layers plus that one recomputed layer), one final norm (8h per token), logits (`logits_bytes` of
+    ``t.loss_for(loss)``: a loss the row's recipe does not have is counted as ``full``; `chunk`
+    tokens per chunk of the chunked loss) and working buffers (`working_bytes`); or the optimizer
+    step (`step_bytes`) if larger."""
     if gpus < 1:
         raise ChooserError(f"--gpus must be a positive number of GPUs, got {gpus}")
     if seq < 1 or micro_batch < 1:
@@ -444,10 +462,11 @@ def estimate(t: Technique, m: ModelShape, gpus: int, seq: int, micro_batch: int,
         acts = tokens * per_layer * m.layers
         act_note = f"{tokens:,} tokens x {per_layer:,} B x {m.layers} layers"
     acts += tokens * 8 * m.hidden
-    logits, logits_note = logits_bytes(m, tokens, loss, chunk)
+    used = t.loss_for(loss)
+    logits, logits_note = logits_bytes(m, tokens, used, chunk)
     work, work_note = working_bytes(t, m)
     step, step_note = step_bytes(t, m, gpus)
-    return Estimate(t, bpp * m.params, acts, logits, work, step, host=16 * m.params / gpus if t.offload else 0.0,
+    return Estimate(t, bpp * m.params, acts, logits, work, step, host=16 * m.params / gpus if t.offload else 0.0, loss=used,
                     notes={"states": f"{bpp:.2f} B/param = {bpp_note}", "activations": act_note + " + final norm 8h/token",
                            "logits": logits_note, "working": work_note, "step": step_note})
 
@@ -472,7 +491,8 @@ def report(m: ModelShape, gpus: int, gpu_mem_gib: float, seq: int, micro_batch: 
              (f"  h={m.hidden} q={m.q_dim} kv={m.kv_dim} f={m.ffn} ({'gated' if m.gated else 'plain'} MLP"
               f"{', q/k norms' if m.qk_norm else ''}) vocab={m.vocab:,}{'' if m.lm_head else ' (no vocabulary head)'}"),
              (f"run: {gpus} GPU(s) x {gpu_mem_gib:g} GiB, seq {seq} x micro-batch {micro_batch} = {seq * micro_batch:,} "
-              f"tokens per GPU, {'per-layer torch.compile' if compiled else 'eager'}, {loss} loss"),
+              f"tokens per GPU, {'per-layer torch.compile' if compiled else 'eager'}, {loss} loss"
+              f"{'' if loss == 'full' else ' where the recipe has it (' + ', '.join(sorted({t.recipe for t in TECHNIQUES if loss in t.losses})) + ')'}"),
              "",
              f"activations per token per layer ({'compiled' if compiled else 'eager'}; Korthikanti et al. 2022 eq. (1) adapted):"]
     for k, v in activation_bytes_per_token_layer(m, compiled).items():
@@ -485,8 +505,13 @@ def report(m: ModelShape, gpus: int, gpu_mem_gib: float, seq: int, micro_batch: 
     lines += ["", "bytes per parameter on each GPU (model states):"]
     for t in TECHNIQUES:
         lines.append(f"  {t.name:<26} {est[t.name].notes['states']}")
-    one = next(iter(est.values()))
-    lines += ["", f"logits: {one.notes['logits']}", ""]
+    lines.append("")
+    for used in dict.fromkeys(e.loss for e in est.values()):  # each loss counted, in table order
+        rows = [n for n, e in est.items() if e.loss == used]
+        why = "" if used == loss else f"; their recipes have no {loss} loss, so the full logits are counted"
+        which = "all rows" if len(rows) == len(est) else ", ".join(rows)
+        lines.append(f"logits, {used} loss ({which}{why}): {est[rows[0]].notes['logits']}")
+    lines.append("")
     head = f"{'technique':<26} {'states':>7} {'activ.':>7} {'logits':>7} {'buffers':>7} {'step':>6} {'PEAK':>7}  GiB per GPU"
     lines += [head, "-" * len(head)]
     budget = (1 - headroom) * gpu_mem_gib
@@ -496,9 +521,17 @@ def report(m: ModelShape, gpus: int, gpu_mem_gib: float, seq: int, micro_batch: 
         lines.append(f"{n:<26} {g(e.states):>7} {g(e.activations):>7} {g(e.logits):>7} {g(e.working):>7} {g(e.step):>6} "
                      f"{g(e.peak):>7}  {fits}{host}")
     native, zero = recommend(est, gpu_mem_gib, headroom)
+
+    def why(pick: str | None, order: list[str]) -> str:
+        tried = order[:order.index(pick)] if pick else order
+        over = ", ".join(f"{n} {g(est[n].peak)}" for n in tried)
+        fit = f" ({g(est[pick].peak)} GiB <= {budget:.1f}; {est[pick].technique.recipe}, {est[pick].loss} loss)" if pick else ""
+        return f"{fit}{'; too big before it: ' + over if pick and over else '; all too big: ' + over if over else ''}"
+
     lines += ["", f"budget: {gpu_mem_gib:g} GiB x (1 - {headroom:g} headroom) = {budget:.1f} GiB per GPU",
-              f"recommended: {native or 'none fits: more GPUs, a shorter sequence or a smaller micro-batch'}"]
-    lines.append(f"on DeepSpeed: {zero or 'no ZeRO stage fits'}")
+              f"recommended: {native or 'none fits: more GPUs, a shorter sequence or a smaller micro-batch'}"
+              f"{why(native, NATIVE_ORDER)}"]
+    lines.append(f"on DeepSpeed: {zero or 'no ZeRO stage fits'}{why(zero, ZERO_ORDER)}")
     return "\n".join(lines)
 
 

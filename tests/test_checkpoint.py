@@ -246,3 +246,47 @@ def test_a_resizable_checkpointer_loads_another_world_size_without_the_per_rank_
                      f"(local: counter)"]
     with pytest.raises(ValueError, match="only with a DataPosition"):
         Checkpointer(tmp_path, resizable=True).load(path, {"counter": Counter()})
+
+
+def test_a_resume_that_changes_the_runs_length_says_why_and_what_to_do(tmp_path):
+    """A bigger train.max_steps (or train.epochs) over a finished run's checkpoint is refused with the reason (the
+    learning-rate schedule is laid out over the length) and the ways that work: a new run, or train.stop_at_step."""
+    run, root = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    (root / "step_00000040").mkdir(parents=True)
+    written = {"model": {"name_or_path": "m"}, "optim": {"lr": 0.1},
+               "train": {"max_steps": 40, "epochs": 1, "stop_at_step": -1}}
+    meta = {"step": 40, "epoch": 1, "world_size": 1, "config": written}
+    (root / "step_00000040" / "meta.json").write_text(json.dumps(meta))
+    guard = ResumeGuard(root, files=(), run_dir=run)
+    longer = {**written, "train": {**written["train"], "max_steps": 80}}
+    with pytest.raises(CheckpointError) as err:
+        guard.check("auto", 1, longer)
+    assert str(err.value) == (
+        f"{root / 'step_00000040'} was written with other settings (train.max_steps: 40 -> 80); resuming would mix two "
+        "runs. It is the end of a finished run (step 40 of train.max_steps=40), and a finished run cannot be extended: "
+        "the learning-rate schedule is laid out over train.max_steps (its decay ends there, a warm-up ratio is a "
+        "fraction of it), so the steps after the checkpoint would follow another schedule than the one that brought "
+        f"the run there. To train longer, start a new run with train.max_steps=80 in a new output_dir (or delete {run}); "
+        "it starts from model.name_or_path, so name the model this run exported there (such as its output_dir's final "
+        "folder) to start from this run's weights. To split one run into parts, keep train.max_steps and set "
+        "train.stop_at_step (each part resumes the last)")
+    with pytest.raises(CheckpointError, match=r"\(optim.lr: 0.1 -> 0.2, train.max_steps: 40 -> 80\); resuming would mix "
+                                              r"two runs\. It is the end of a finished run"):
+        guard.check("auto", 1, {**longer, "optim": {"lr": 0.2}})  # every change is listed
+    by_steps = {**written, "train": {**written["train"], "epochs": 3}}  # train.max_steps > 0 decides: epochs are no length
+    with pytest.raises(CheckpointError, match=r"\(train.epochs: 1 -> 3\); resuming would mix two runs\. Use the same"):
+        guard.check("auto", 1, by_steps)
+    by_epochs = {**written, "train": {**written["train"], "max_steps": -1}}  # a run counted in epochs (Ray's)
+    (root / "step_00000040" / "meta.json").write_text(json.dumps({**meta, "config": by_epochs}))
+    with pytest.raises(CheckpointError, match=r"It is the end of a finished run \(epoch 1 of train.epochs=1\), and a "
+                                              r"finished run cannot be extended: .* new run with train.epochs=2 in"):
+        guard.check("auto", 1, {**by_epochs, "train": {**by_epochs["train"], "epochs": 2}})
+    meta["step"] = 20  # not finished: a resume may not shorten or lengthen it either
+    (root / "step_00000040" / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=r"It is step 20 of a run of train.max_steps=40, and a resume cannot change "
+                                              r"a run's length: the learning-rate schedule"):
+        guard.check("auto", 1, {**written, "train": {**written["train"], "max_steps": 30}})
+    with pytest.raises(CheckpointError, match=r"other settings \(optim.lr: 0.1 -> 0.2\); resuming would mix two runs\. "
+                                              r"Use the same settings, or start afresh"):
+        guard.check("auto", 1, {**written, "optim": {"lr": 0.2}})  # other keys: the message as before
+    assert guard.check("auto", 1, written) == root / "step_00000040"

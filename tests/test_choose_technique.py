@@ -134,3 +134,31 @@ def test_bad_input(tiny_path, capsys):
     assert ct.main([str(QWEN3_8B), "--gpus", "1", "--gpu-mem-gib", "80", "--seq", "16", "--micro-batch", "1",
                     "--loss", "chunked", "--loss-chunk", "0", "--no-meta"]) == 2
     assert "--loss-chunk must be a positive number of tokens, got 0" in capsys.readouterr().err
+
+
+def test_chunked_loss_only_where_the_recipe_has_it(capsys):
+    """--loss chunked is the FSDP2 recipe's train.loss=chunked: the DDP and ZeRO rows keep the full logits,
+    and the output says so. Qwen3-4B on one 141 GiB GPU (the 1-GPU benchmark's settings) still picks DDP."""
+    m = ct.model_shape(str(QWEN3_4B), meta=False)
+    kw = dict(gpus=1, seq=2048, micro_batch=4, compiled=True, loss="chunked", chunk=4096)
+    tokens, vocab, h = 8192, 151_936, 2560
+    full, chunked = 12 * tokens * vocab, 8 * 4096 * vocab + 2 * vocab * h + 4 * tokens * h
+    est = {t.name: ct.estimate(t, m, **kw) for t in ct.TECHNIQUES}
+    assert {n: (e.loss, e.logits) for n, e in est.items()} == {
+        n: ("chunked", chunked) if n.startswith("FSDP2") else ("full", full) for n in est}
+    ddp = est["DDP"]
+    # 22 B x 4,022,468,096 + 8192 x (90,112 B x 36 compiled layers + 8h final norm) + 12 B x 8192 x V
+    assert ddp.peak == 22 * 4_022_468_096 + tokens * (90_112 * 36 + 8 * h) + full == 130_173_096_960  # 121.2 GiB
+    assert ddp.peak <= 0.9 * 141 * ct.GIB  # 126.9 GiB budget: DDP fits, so it is the simplest choice
+    assert ct.recommend(est, 141) == ("DDP", "ZeRO-1")
+    # --loss fused is TRL's (the ZeRO recipe): the FSDP2 rows count the full logits then
+    fused = {t.name: ct.estimate(t, m, **{**kw, "loss": "fused"}) for t in ct.TECHNIQUES}
+    assert fused["ZeRO-3 + AC"].logits == 0 and fused["FSDP2 + AC"].logits == fused["DDP"].logits == full
+    assert ct.main([str(QWEN3_4B), "--gpus", "1", "--gpu-mem-gib", "141", "--seq", "2048", "--micro-batch", "4",
+                    "--compile", "--loss", "chunked", "--no-meta"]) == 0
+    out = capsys.readouterr().out
+    assert ("logits, full loss (DDP, ZeRO-1, ZeRO-2, ZeRO-3, ZeRO-1 + AC, ZeRO-2 + AC, ZeRO-3 + AC; their recipes "
+            "have no chunked loss, so the full logits are counted)") in out
+    assert "logits, chunked loss (FSDP2, FSDP2 + selective AC, FSDP2 + AC, FSDP2 + AC + CPU offload)" in out
+    assert "\nDDP                           82.4    24.9    13.9     0.0    0.0   121.2  fits\n" in out
+    assert "recommended: DDP (121.2 GiB <= 126.9; recipes/modernbert-ddp, full loss)" in out

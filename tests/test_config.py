@@ -98,3 +98,34 @@ def test_values_from_the_environment_are_used_but_never_written_out(tmp_path, mo
     assert rebuilt.name == "worker_value" and to_dict(rebuilt) == written
     # another token is not "other settings" on resume
     assert to_dict(load_config(Schema, f, ["optim.lr=0.5"])) == written
+
+
+def test_one_lora_section_serves_every_lora_recipe_with_its_own_defaults():
+    """cookbook.config's LoRA section, as PEFT takes it, and the defaults each recipe sets on it (YAML overrides them)."""
+    from conftest import load_recipe
+    from peft import LoraConfig as PeftLoraConfig
+
+    from cookbook import config, moe
+
+    lora = config.ExpertLoraConfig(r=8, alpha=16, dropout=0.0, target_modules=[], target_parameters=["experts.down_proj"])
+    peft = PeftLoraConfig(**lora.peft_kwargs())
+    assert (peft.r, peft.lora_alpha, peft.lora_dropout, peft.target_modules, peft.target_parameters) == (
+        8, 16, 0.0, None, ["experts.down_proj"])  # an empty list of targets is None for PEFT: none of that kind
+    assert config.LoraConfig(dropout=0.1).peft_kwargs() == {
+        "r": 16, "lora_alpha": 32, "lora_dropout": 0.1, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+    defaults = {}
+    for name in ("gpt-oss-lora-trl", "moe-lora-fsdp2-ep", "moe-vl-lora-fsdp2-ep", "unsloth-lora-ddp", "qwen-zero3-receipts"):
+        section = load_config(load_recipe(name).Config).lora
+        assert isinstance(section, config.LoraConfig), name
+        defaults[name] = {k: v for k, v in vars(section).items() if k not in ("r", "alpha")}
+        assert (section.r, section.alpha) == (16, 32), name
+    attention, every_linear = ["q_proj", "k_proj", "v_proj", "o_proj"], list(config.DECODER_LINEARS)
+    assert defaults == {
+        "gpt-oss-lora-trl": {"dropout": 0.0, "target_modules": attention, "target_parameters": []},
+        "moe-lora-fsdp2-ep": {"dropout": 0.0, "target_modules": attention, "expert_lora": "routed",
+                              "target_parameters": ["mixer.experts.up_proj", "mixer.experts.down_proj"]},
+        "moe-vl-lora-fsdp2-ep": {"dropout": 0.0, "target_modules": attention, "expert_lora": "routed",
+                                 "target_parameters": ["experts.gate_up_proj", "experts.down_proj"]},
+        "unsloth-lora-ddp": {"dropout": 0.0, "target_modules": every_linear},
+        "qwen-zero3-receipts": {"dropout": 0.05, "target_modules": every_linear, "enabled": False}}
+    assert isinstance(load_config(load_recipe("moe-lora-fsdp2-ep").Config).lora, moe.LoraSection)

@@ -14,6 +14,8 @@ import torch
 import torchvision_cpu
 from conftest import ROOT, check, load_recipe, main_in_workers, read_jsonl, train_losses
 
+from cookbook.checkpoint import CheckpointError
+
 torchvision_cpu.apply()
 
 RECIPE = ROOT / "recipes" / "retinanet-ddp"
@@ -121,6 +123,16 @@ def test_resume_gives_the_same_losses_as_an_uninterrupted_run(full_run, tmp_path
     assert [resumed[s] for s in range(21, STEPS + 1)] == [full[s] for s in range(21, STEPS + 1)]
 
 
+
+def test_resume_with_other_data_workers_is_refused(full_run):
+    """launch.sh's check of a resume: each rank's checkpointed loader state has one entry per data-loader worker, so
+    data.num_workers must not change (data.eval_batch_size, in MAY_CHANGE, may)."""
+    ckpt = full_run / "checkpoints" / "step_00000030"
+    with pytest.raises(CheckpointError) as err:
+        check("retinanet-ddp", f"output_dir={full_run}", "data.num_workers=2")
+    assert str(err.value).startswith(f"{ckpt} was written with other settings (data.num_workers: 0 -> 2); resuming would "
+                                     "mix two runs. Use the same settings")
+    assert "config OK" in check("retinanet-ddp", f"output_dir={full_run}", "data.eval_batch_size=2")
 def _write(tmp_path, mutate, raw: str | None = None):
     coco = json.loads((RECIPE / "tiny" / "instances.json").read_text())
     mutate(coco)

@@ -86,7 +86,8 @@ def test_tensorboard_event_file_holds_every_scalar_and_the_config(tmp_path):
 def _install_note(module):
     import importlib.util
 
-    return "" if importlib.util.find_spec(module) else " (after `pip install -r requirements/trackers.txt`)"
+    return "" if importlib.util.find_spec(module) else (" (after `pip install tensorboard==2.21.0`, or `pip install -r "
+                                                        "requirements/trackers.txt` from the cookbook repository's root)")
 
 
 @pytest.fixture
@@ -142,9 +143,29 @@ def test_trackers_are_checked_by_name_and_by_package(tmp_path, monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     with pytest.raises(ConfigError, match=r"^trackers: wandb is selected but the wandb package is not installed: "
-                                          r"pip install -r requirements/trackers.txt$"):
+                                          r"`pip install wandb==0\.31\.0`, or `pip install -r requirements/trackers\.txt` "
+                                          r"from the cookbook repository's root$"):
         MetricsLogger(tmp_path, CPU, params={"trackers": ["wandb"]})
     assert MetricsLogger(tmp_path, CPU, mlflow=False, params={"trackers": ["mlflow"]}).trackers == []
+
+
+def test_install_hints_name_the_packages_with_the_requirements_files_pins():
+    """A recipe folder copied out of the repository has no requirements/: the hints give the pip packages themselves,
+    pinned as the files the repository's hints name (so the two cannot drift apart)."""
+    from cookbook import config
+
+    root = Path(__file__).resolve().parents[1]
+
+    def pins(path):
+        lines = (line.split("#")[0].strip() for line in (root / path).read_text().splitlines())
+        return {line.split("==")[0]: line for line in lines if line}
+
+    for name, (module, packages, path) in config.TRACKERS.items():
+        assert [pins(path).get(spec.split("==")[0]) for spec in packages.split()] == packages.split(), name
+    assert [pins(config.TRACKER_UIS_FILE).get(spec.split("==")[0]) for spec in config.TRACKER_UIS.values()] == [
+        "mlflow==3.17.2", "tensorboard==2.21.0"]
+    assert config.install_hint("wandb==0.31.0", "requirements/trackers.txt") == (
+        "`pip install wandb==0.31.0`, or `pip install -r requirements/trackers.txt` from the cookbook repository's root")
 
 
 # ----------------------------------------------------------------------------- the progress bar

@@ -64,15 +64,6 @@ class ModelConfig:
 
 
 @dataclass
-class LoraConfig:
-    r: int = 16
-    alpha: int = 32
-    dropout: float = 0.0
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    target_parameters: list[str] = field(default_factory=list)  # e.g. [mlp.experts.gate_up_proj, mlp.experts.down_proj]
-
-
-@dataclass
 class DataConfig:
     train_files: list[str] = field(default_factory=list)  # chat JSONL / JSON / parquet; empty: hub_id
     hub_id: str = "HuggingFaceH4/Multilingual-Thinking"
@@ -103,7 +94,9 @@ class Config(config.RunConfig):
     run_name: str = "gpt-oss-20b-lora"
     parallel: str = "ddp"  # ddp (one model copy per GPU) or fsdp (FSDP2 shards, for 120B)
     model: ModelConfig = field(default_factory=ModelConfig)
-    lora: LoraConfig = field(default_factory=LoraConfig)
+    # r, alpha, dropout, target_modules (attention) and target_parameters (e.g. [mlp.experts.gate_up_proj,
+    # mlp.experts.down_proj]; empty: no expert LoRA)
+    lora: config.ExpertLoraConfig = field(default_factory=config.ExpertLoraConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -383,10 +376,7 @@ def train(cfg: Config, on_cpu: bool) -> None:
     device_map = None if fsdp else {"": str(info.device)}  # DDP: this rank's whole copy on cuda:LOCAL_RANK
     model = load_model(cfg, hf_config, dtype, device_map, log)
     flops = active_flops(model, hf_config)
-    lora = cfg.lora
-    model = get_peft_model(model, PeftLoraConfig(
-        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules) or None,
-        target_parameters=list(lora.target_parameters) or None, bias="none", task_type="CAUSAL_LM"))
+    model = get_peft_model(model, PeftLoraConfig(**cfg.lora.peft_kwargs(), bias="none", task_type="CAUSAL_LM"))
     before = lm.align_autograd_threads(info.device)  # else compiled flex_attention recompiles when recomputed
     if before is not None and before != torch.get_num_threads():
         log.info(f"autograd's {info.device} thread: {before} -> {torch.get_num_threads()} intra-op threads "
@@ -413,7 +403,7 @@ def train(cfg: Config, on_cpu: bool) -> None:
     trainer.remove_callback(PrinterCallback)  # cookbook's MetricsLogger prints the log lines
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log.info(f"world size {info.world_size} ({info.backend}) | {cfg.parallel.upper()} | {flops.num_params / 1e6:,.1f} M "
-             f"active non-embedding params, {n_trainable / 1e6:,.2f} M trainable (LoRA r={lora.r}) | "
+             f"active non-embedding params, {n_trainable / 1e6:,.2f} M trainable (LoRA r={cfg.lora.r}) | "
              f"{cfg.model.attn_implementation} | global batch {per_step} rows | {max_steps} steps | "
              f"{'bf16' if bf16 else 'fp32'} | data: {stats.summary()}")
 

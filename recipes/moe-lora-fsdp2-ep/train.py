@@ -122,9 +122,7 @@ def build_model(cfg: Config, info: cookbook.DistInfo) -> tuple[torch.nn.Module, 
     hf_config = AutoConfig.from_pretrained(cfg.model.name_or_path, attn_implementation=cfg.model.attn_implementation)
     model = moe.build_base(AutoModelForCausalLM, hf_config, cfg.model, dtype, info.device, cfg.train.seed)
     flops = moe.active_flops(model, hf_config)
-    model = get_peft_model(model, LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
-                                             target_modules=list(cfg.lora.target_modules) or None,
-                                             target_parameters=list(cfg.lora.target_parameters) or None))
+    model = get_peft_model(model, LoraConfig(**cfg.lora.peft_kwargs()))
     moe.init_lora(model, cfg.train.seed)  # the same factors whatever the EP degree; fp32
     if cfg.lora.expert_lora == "routed":  # expert LoRA on the routed tokens: grouped GEMMs, no B @ A per expert
         moe.use_routed_lora(model)

@@ -98,9 +98,7 @@ def build_model(cfg: Config, info: cookbook.DistInfo) -> tuple[torch.nn.Module, 
     reduce_dtype = DTYPES[cfg.parallel.reduce_dtype] if info.device.type == "cuda" else torch.float32
     model = moe.build_base(AutoModelForImageTextToText, hf_config, cfg.model, dtype, info.device, cfg.train.seed)
     flops = moe.active_flops(model, hf_config, exclude=model.model.visual)  # the vision tower runs per patch, not per token
-    lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
-                      target_modules=list(cfg.lora.target_modules) or None,
-                      target_parameters=list(cfg.lora.target_parameters) or None,
+    lora = LoraConfig(**cfg.lora.peft_kwargs(),
                       exclude_modules=r".*\.visual\..*")  # the vision tower stays frozen, without adapters
     model = get_peft_model(model, lora)
     moe.init_lora(model, cfg.train.seed)  # the same factors whatever the EP degree; fp32

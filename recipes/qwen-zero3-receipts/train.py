@@ -84,13 +84,10 @@ class ModelConfig:
 
 
 @dataclass
-class LoraConfig:
-    enabled: bool = False
-    r: int = 16
-    alpha: int = 32
+class LoraConfig(config.LoraConfig):  # r, alpha, dropout, target_modules; here every linear layer of the decoder
     dropout: float = 0.05
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                                "up_proj", "down_proj"])
+    target_modules: list[str] = field(default_factory=lambda: list(config.DECODER_LINEARS))
+    enabled: bool = False  # false: full fine-tuning
 
 
 @dataclass
@@ -554,8 +551,7 @@ def train(cfg: Config, on_cpu: bool) -> None:
     if cfg.lora.enabled:
         from peft import LoraConfig as PeftLoraConfig
 
-        peft_config = PeftLoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
-                                     target_modules=list(cfg.lora.target_modules), task_type="CAUSAL_LM")
+        peft_config = PeftLoraConfig(**cfg.lora.peft_kwargs(), task_type="CAUSAL_LM")
 
     if info.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -53,15 +53,6 @@ class ModelConfig:
 
 
 @dataclass
-class LoraConfig:
-    r: int = 16
-    alpha: int = 32
-    dropout: float = 0.0
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
-                                                               "gate_proj", "up_proj", "down_proj"])
-
-
-@dataclass
 class DataConfig:
     train_files: list[str] = field(default_factory=lambda: ["alpaca_data_sample5000.json"])
     max_length: int = 2048
@@ -99,7 +90,7 @@ class Config:
     output_dir: str = "outputs/unsloth-llama3.2-3b-lora"
     run_name: str = "unsloth-llama3.2-3b-lora"
     model: ModelConfig = field(default_factory=ModelConfig)
-    lora: LoraConfig = field(default_factory=LoraConfig)
+    lora: cfgmod.LoraConfig = field(default_factory=lambda: cfgmod.LoraConfig(target_modules=list(cfgmod.DECODER_LINEARS)))
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -192,7 +183,6 @@ def build_model(cfg: Config, info, dtype):
             dist.barrier()
         tokenizer_path = path
     device_map = {"": str(info.device)}  # this rank's whole copy: cuda:LOCAL_RANK (or cpu)
-    lora = cfg.lora
     if cfg.model.loader == "unsloth":
         from unsloth import FastLanguageModel
 
@@ -200,17 +190,15 @@ def build_model(cfg: Config, info, dtype):
             model_name=path, tokenizer_name=tokenizer_path, max_seq_length=cfg.data.max_length, dtype=dtype,
             load_in_4bit=cfg.model.load_in_4bit, device_map=device_map, local_files_only=Path(path).is_dir())
         model = FastLanguageModel.get_peft_model(
-            model, r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules,
-            bias="none", use_gradient_checkpointing="unsloth" if cfg.train.gradient_checkpointing else False,
+            model, **cfg.lora.peft_kwargs(), bias="none",
+            use_gradient_checkpointing="unsloth" if cfg.train.gradient_checkpointing else False,
             random_state=cfg.train.seed, max_seq_length=cfg.data.max_length)
     else:
         from peft import LoraConfig as PeftLora, get_peft_model
 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map)
-        model = get_peft_model(model, PeftLora(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                               target_modules=list(lora.target_modules), bias="none",
-                                               task_type="CAUSAL_LM"))
+        model = get_peft_model(model, PeftLora(**cfg.lora.peft_kwargs(), bias="none", task_type="CAUSAL_LM"))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer

@@ -93,6 +93,7 @@ FILES_KEY = "files"  # meta.json's list of a checkpoint's files and sizes, where
 LEFTOVER_PREFIXES = (".tmp-", ".old-")  # folders of a save or a publish that did not finish
 RESIZABLE_RECIPES = "modernbert-ddp (DDP) and qwen-fsdp2-sft (FSDP2)"  # the recipes that resume on another world size
 BATCH_KEYS = ("train.micro_batch_size", "train.grad_accum_steps")  # with the world size, they make the global batch
+LENGTH_KEYS = {"train.max_steps": "step", "train.epochs": "epoch"}  # the run's length, with the unit meta.json counts
 
 
 class CheckpointError(RuntimeError):
@@ -432,14 +433,44 @@ class ResumeGuard:
                 may_change = (*may_change, *BATCH_KEYS)
         diff = config_changes(meta["config"], config, may_change) if config is not None and "config" in meta else ""
         if diff:
-            raise CheckpointError(f"{path} was written with other settings ({diff}); resuming would mix two runs. Use "
-                                  f"the same settings, or start afresh with {self.start_afresh()}")
+            raise CheckpointError(f"{path} was written with other settings ({diff}); resuming would mix two runs. " +
+                                  (self._length_changed(path, meta, config) or
+                                   f"Use the same settings, or start afresh with {self.start_afresh()}"))
         key, value = stop_at
         unit = key.rsplit("_", 1)[-1]
         if 0 < value <= meta.get(unit, 0):
             raise CheckpointError(f"{key}={value} is not after the checkpoint {path} ({unit} {meta[unit]}): raise it, "
                                   f"or remove it to train to the end")
         return path
+
+    def _length_changed(self, path: Path, meta: Mapping[str, Any], config: Mapping[str, Any]) -> str | None:
+        """Why a resume may not change the run's length (`LENGTH_KEYS`: ``train.max_steps``, ``train.epochs``)
+        and what to do instead, as sentences that follow the list of changed settings; ``None`` when the length
+        is the checkpoint's.
+
+        A finished run (its checkpoint at the end of its length) cannot be extended, nor an unfinished one
+        lengthened or shortened: the learning-rate schedule is laid out over the length (the decay ends there,
+        ``optim.warmup_ratio`` is a fraction of it), so the steps after the checkpoint would follow another
+        schedule than the one the run that wrote it followed."""
+        old, new = flatten(meta["config"]), flatten(config)
+        by_steps = all(isinstance(c.get("train.max_steps"), int) and c["train.max_steps"] > 0 for c in (old, new))
+        key = next((k for k in LENGTH_KEYS if k in old and old.get(k) != new.get(k)
+                    and not (k == "train.epochs" and by_steps)), None)  # train.max_steps > 0 overrides train.epochs
+        if key is None:
+            return None
+        unit, was, done = LENGTH_KEYS[key], old[key], meta.get(LENGTH_KEYS[key], 0)
+        finished = isinstance(was, int) and 0 < was <= done
+        where = f"It is {unit} {done} of a run of {key}={was}" if unit == "step" else f"It was written by a run of {key}={was}"
+        what = (f"It is the end of a finished run ({unit} {done} of {key}={was}), and a finished run cannot be extended"
+                if finished else f"{where}, and a resume cannot change a run's length")
+        stop = next((k for k in (f"train.stop_at_{unit}", "train.stop_at_step", "train.stop_at_epoch") if k in new), None)
+        weights = ("; it starts from model.name_or_path, so name the model this run exported there (such as its "
+                   "output_dir's final folder) to start from this run's weights" if "model.name_or_path" in new else "")
+        split = f". To split one run into parts, keep {key} and set {stop} (each part resumes the last)" if stop else ""
+        return (f"{what}: the learning-rate schedule is laid out over {key} (its decay ends there, a warm-up ratio is a "
+                f"fraction of it), so the steps after the checkpoint would follow another schedule than the one that "
+                f"brought the run there. To train longer, start a new run with {key}={new.get(key)} in "
+                f"{self.start_afresh()}{weights}{split}")
 
     def check_world_size(self, path: str | Path, meta: Mapping[str, Any], world_size: int,
                          config: Mapping[str, Any] | None = None) -> None:

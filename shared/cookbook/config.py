@@ -234,17 +234,29 @@ def cli_parser(description: str | None = None) -> argparse.ArgumentParser:
 
 
 # Where the metrics of a run go besides <output_dir>/metrics.jsonl (always written): the `trackers` key, e.g.
-# `trackers: [mlflow, tensorboard]`. Each name -> (the package that writes it, the requirements file pinning it).
-TRACKERS = {"mlflow": ("mlflow", "requirements/base.txt"), "tensorboard": ("tensorboardX", "requirements/base.txt"),
-            "wandb": ("wandb", "requirements/trackers.txt")}
-TRACKER_UIS = "requirements/trackers.txt"  # the full mlflow (its UI server), tensorboard (its UI) and wandb
+# `trackers: [mlflow, tensorboard]`. Each name -> (the module that writes it, the pip packages that install it, the
+# repository's requirements file that pins them: the same pins, which tests/test_trackers.py compares).
+TRACKERS = {"mlflow": ("mlflow", "mlflow-skinny==3.17.2 sqlalchemy==2.0.44 alembic==1.17.1", "requirements/base.txt"),
+            "tensorboard": ("tensorboardX", "tensorboardX==2.6.5", "requirements/base.txt"),
+            "wandb": ("wandb", "wandb==0.31.0", "requirements/trackers.txt")}
+# The viewers a run's closing lines name: tracker -> the pip package (pinned as in TRACKER_UIS_FILE).
+TRACKER_UIS = {"mlflow": "mlflow==3.17.2", "tensorboard": "tensorboard==2.21.0"}  # mlflow: the full one, with its UI
+TRACKER_UIS_FILE = "requirements/trackers.txt"
+
+
+def install_hint(packages: str, requirements: str) -> str:
+    """How to install `packages` (pip requirement specifiers, space-separated) where a recipe runs: the packages
+    themselves, which work anywhere (a recipe folder copied out of the repository too), and the repository's
+    file that pins them: ```pip install wandb==0.31.0`, or `pip install -r requirements/trackers.txt` from the
+    cookbook repository's root``."""
+    return f"`pip install {packages}`, or `pip install -r {requirements}` from the cookbook repository's root"
 
 
 def check_trackers(trackers: Sequence[str], key: str = "trackers") -> None:
     """Refuse a tracker name that is not in `TRACKERS`, or one whose package is not installed.
 
     Raises:
-        ConfigError: one line naming `key`, the name, and the choices or the requirements file to install.
+        ConfigError: one line naming `key`, the name, and the choices or what to install (`install_hint`).
     """
     import importlib.util
 
@@ -252,10 +264,10 @@ def check_trackers(trackers: Sequence[str], key: str = "trackers") -> None:
         if name not in TRACKERS:
             raise ConfigError(f"{key}: unknown tracker {name!r}; choose from {', '.join(TRACKERS)} (metrics.jsonl is "
                               f"always written)")
-        package, requirements = TRACKERS[name]
-        if importlib.util.find_spec(package) is None:
-            raise ConfigError(f"{key}: {name} is selected but the {package} package is not installed: "
-                              f"pip install -r {requirements}")
+        module, packages, requirements = TRACKERS[name]
+        if importlib.util.find_spec(module) is None:
+            raise ConfigError(f"{key}: {name} is selected but the {module} package is not installed: "
+                              f"{install_hint(packages, requirements)}")
 
 
 # ----------------------------------------------------------------------------- sections every recipe shares
@@ -310,6 +322,42 @@ class HFCheckpointConfig(CheckpointConfig):
 
     export_hf: bool = True  # write <output_dir>/final in Hugging Face format (from_pretrained reads it)
     push_to_hub: str = ""  # a Hub repo id (org/name): upload the final export there, with a model card (cookbook.hub)
+
+
+# The linear layers of a Llama-style decoder layer (attention and gated MLP): LoRA on all of them.
+DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclasses.dataclass
+class LoraConfig:
+    """``lora``: LoRA adapters (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models"): each targeted
+    weight W (out x in) trains W + (alpha / r) B A with A (r x in) and B (out x r), dropout on A's input. A recipe
+    sets its own defaults with ``field(default_factory=lambda: LoraConfig(target_modules=[...]))`` or a subclass
+    that redeclares them (and adds its keys: ``enabled``, the experts' `ExpertLoraConfig`)."""
+
+    r: int = 16  # rank of A and B
+    alpha: int = 32  # the update is scaled by alpha / r
+    dropout: float = 0.0  # on the adapter's input, in [0, 1)
+    target_modules: list[str] = dataclasses.field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+    def peft_kwargs(self) -> dict[str, Any]:
+        """The settings as `peft.LoraConfig` (and Unsloth's ``get_peft_model``) name them: ``r``, ``lora_alpha``,
+        ``lora_dropout``, ``target_modules`` (a list of module-name suffixes)."""
+        return {"r": self.r, "lora_alpha": self.alpha, "lora_dropout": self.dropout,
+                "target_modules": list(self.target_modules)}
+
+
+@dataclasses.dataclass
+class ExpertLoraConfig(LoraConfig):
+    """``lora`` of a mixture-of-experts recipe: `LoraConfig` plus ``target_parameters``, the fused 3-D expert weights
+    (``mlp.experts.gate_up_proj``) that PEFT adapts through its ``target_parameters``; empty: none."""
+
+    target_parameters: list[str] = dataclasses.field(default_factory=list)
+
+    def peft_kwargs(self) -> dict[str, Any]:
+        """`LoraConfig.peft_kwargs` with ``target_parameters``; an empty list of either kind is ``None`` for PEFT."""
+        return {**super().peft_kwargs(), "target_modules": list(self.target_modules) or None,
+                "target_parameters": list(self.target_parameters) or None}
 
 
 @dataclasses.dataclass

@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 from cookbook import hub
-from cookbook.config import TRACKER_UIS, check_trackers, flatten
+from cookbook.config import TRACKER_UIS, TRACKER_UIS_FILE, check_trackers, flatten, install_hint
 from cookbook.dist import DistInfo, get_logger
 from cookbook.entry import LAUNCH_TIME_ENV
 from cookbook.progress import ProgressBar
@@ -331,7 +331,7 @@ class _MLflowSink(_Sink):
             return f"{uri} (run {self.run_id})"  # a server: its own UI shows the run
         ui = f"`mlflow ui --backend-store-uri {uri}`"
         if importlib.util.find_spec("flask") is None:  # mlflow-skinny has no UI server
-            ui += f" (after `pip install -r {TRACKER_UIS}`: mlflow-skinny has no UI)"
+            ui += f" (after {install_hint(TRACKER_UIS['mlflow'], TRACKER_UIS_FILE)}; mlflow-skinny has no UI)"
         return f"{uri} (run {self.run_id}); browse with {ui}"
 
 
@@ -369,7 +369,7 @@ class _TensorBoardSink(_Sink):
             return None
         ui = f"`tensorboard --logdir {self.log_dir}`"
         if importlib.util.find_spec("tensorboard") is None:
-            ui += f" (after `pip install -r {TRACKER_UIS}`)"
+            ui += f" (after {install_hint(TRACKER_UIS['tensorboard'], TRACKER_UIS_FILE)})"
         return f"{self.log_dir}; browse with {ui}"
 
 

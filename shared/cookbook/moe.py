@@ -63,11 +63,10 @@ class ParallelConfig:
 
 
 @dataclass
-class LoraSection:
-    r: int = 16
-    alpha: int = 32
-    dropout: float = 0.0
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+class LoraSection(config.ExpertLoraConfig):
+    """``lora`` of the MoE recipes: `cookbook.config.ExpertLoraConfig` (r, alpha, dropout, target_modules,
+    target_parameters), Nemotron-H's experts by default, and how the expert LoRA runs."""
+
     target_parameters: list[str] = field(default_factory=lambda: ["mixer.experts.up_proj", "mixer.experts.down_proj"])
     expert_lora: str = "routed"  # routed: LoRA on the routed tokens with grouped GEMMs (`use_routed_lora`);
     #                              peft: PEFT's forward (base + B @ A folded for every expert, every forward)
