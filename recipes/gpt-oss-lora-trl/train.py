@@ -377,10 +377,6 @@ def train(cfg: Config, on_cpu: bool) -> None:
     model = load_model(cfg, hf_config, dtype, device_map, log)
     flops = active_flops(model, hf_config)
     model = get_peft_model(model, PeftLoraConfig(**cfg.lora.peft_kwargs(), bias="none", task_type="CAUSAL_LM"))
-    before = lm.align_autograd_threads(info.device)  # else compiled flex_attention recompiles when recomputed
-    if before is not None and before != torch.get_num_threads():
-        log.info(f"autograd's {info.device} thread: {before} -> {torch.get_num_threads()} intra-op threads "
-                 f"(as the training thread: compiled graphs guard on it)")
     if t.activation_checkpointing == "experts":  # recompute the MoE blocks only; attention keeps its activations
         moe.checkpoint_modules(m.mlp for m in model.modules() if type(m).__name__ == "GptOssDecoderLayer")
     if info.is_main:

@@ -131,7 +131,8 @@ def init_distributed(timeout_s: float = 1800.0, debug_dir: str | Path | None = N
     Set ``COOKBOOK_DEVICE=cpu`` to force CPU/gloo on a GPU machine. A plain ``python train.py``
     (no torchrun, so no MASTER_ADDR) gets a group of one on a free local port, so DDP and
     collectives work unchanged. The group is destroyed at interpreter exit (``atexit``); call
-    `destroy_distributed` earlier if you like.
+    `destroy_distributed` earlier if you like. On CUDA, autograd's worker thread gets this thread's intra-op
+    thread count (`align_autograd_threads`), so compiled code recomputed in backward does not recompile.
 
     Args:
         timeout_s: seconds a collective may wait for the other ranks (``train.collective_timeout_s``);
@@ -171,7 +172,48 @@ def init_distributed(timeout_s: float = 1800.0, debug_dir: str | Path | None = N
     _STALL.update(timeout_s=timeout_s, debug_dir=Path(debug_dir) if debug_dir is not None else None, store=None,
                   step=None)
     _configure_logging(info.rank)
+    before = align_autograd_threads(info.device)  # else compiled code recomputed in backward recompiles
+    if before is not None and before != torch.get_num_threads() and info.rank == 0:
+        logger.info(
+            f"autograd's {info.device} thread: {before} -> {torch.get_num_threads()} intra-op threads (as the training "
+            f"thread: compiled graphs guard on it)")
     return info
+
+
+def align_autograd_threads(device: torch.device) -> int | None:
+    """Give the autograd engine's worker thread of `device` this thread's intra-op thread count, once per process.
+
+    Backward on a CUDA device runs in a worker thread of the autograd engine, whose thread count
+    (``torch.get_num_threads()``, thread-local under OpenMP) is not the training thread's. torch.compile guards its
+    graphs on that count (dynamo's GLOBAL_STATE guard), so a compiled function called in backward, such as
+    transformers' compiled ``flex_attention`` recomputed under activation checkpointing, fails the guard, recompiles,
+    and after ``torch._dynamo.config.recompile_limit`` graphs runs uncompiled (pytorch/pytorch issues 111569 and
+    186537 describe the thread-local state). One tiny backward sets the worker's count; the worker thread lives on,
+    so the setting holds for the rest of the process.
+
+    `init_distributed` calls it on CUDA, with the thread count the process has then; a recipe that changes
+    ``torch.set_num_threads`` for good afterwards should call it again.
+
+    Args:
+        device: the training device; nothing is done on CPU, where backward runs in the calling thread.
+
+    Returns:
+        The thread count the worker had before (None on CPU).
+    """
+    if device.type != "cuda":
+        return None
+    wanted, seen = torch.get_num_threads(), []
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:  # runs in the engine's thread for `device`
+        seen.append(torch.get_num_threads())
+        torch.set_num_threads(wanted)
+        return grad
+
+    x = torch.ones(1, device=device, requires_grad=True)
+    y = x * 2
+    y.register_hook(hook)
+    y.sum().backward()
+    return seen[0] if seen else None
 
 
 def apply_collective_timeout() -> None:

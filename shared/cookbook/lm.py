@@ -113,34 +113,3 @@ def check_attention(attn_implementation: str, on_cpu: bool) -> None:
                           "no CPU backward): use sdpa (or eager) on CPU; flex_attention needs CUDA GPUs")
 
 
-def align_autograd_threads(device: torch.device) -> int | None:
-    """Give the autograd engine's worker thread of `device` this thread's intra-op thread count, once per process.
-
-    Backward on a CUDA device runs in a worker thread of the autograd engine, whose thread count
-    (``torch.get_num_threads()``, thread-local under OpenMP) is not the training thread's. torch.compile guards its
-    graphs on that count (dynamo's GLOBAL_STATE guard), so a compiled function called in backward, such as
-    transformers' compiled ``flex_attention`` recomputed under activation checkpointing, fails the guard, recompiles,
-    and after ``torch._dynamo.config.recompile_limit`` graphs runs uncompiled (pytorch/pytorch issues 111569 and
-    186537 describe the thread-local state). One tiny backward sets the worker's count; the worker thread lives on,
-    so the setting holds for the rest of the process.
-
-    Args:
-        device: the training device; nothing is done on CPU, where backward runs in the calling thread.
-
-    Returns:
-        The thread count the worker had before (None on CPU).
-    """
-    if device.type != "cuda":
-        return None
-    wanted, seen = torch.get_num_threads(), []
-
-    def hook(grad: torch.Tensor) -> torch.Tensor:  # runs in the engine's thread for `device`
-        seen.append(torch.get_num_threads())
-        torch.set_num_threads(wanted)
-        return grad
-
-    x = torch.ones(1, device=device, requires_grad=True)
-    y = x * 2
-    y.register_hook(hook)
-    y.sum().backward()
-    return seen[0] if seen else None
