@@ -31,6 +31,7 @@ checkpoint); ``skip`` leaves the step out and counts it (``skipped_steps``, kept
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from dataclasses import dataclass, field
 from functools import partial
@@ -374,7 +375,10 @@ def train(cfg: Config, on_cpu: bool) -> None:
     dtype = torch.bfloat16 if bf16 else torch.float32
     hf_config = AutoConfig.from_pretrained(cfg.model.name_or_path, attn_implementation=cfg.model.attn_implementation)
     device_map = None if fsdp else {"": str(info.device)}  # DDP: this rank's whole copy on cuda:LOCAL_RANK
+    started = time.perf_counter()
     model = load_model(cfg, hf_config, dtype, device_map, log)
+    log.info(f"base model {'loaded' if cfg.model.pretrained else 'made (random init)'} in "
+             f"{time.perf_counter() - started:.1f} s ({'on the CPU, for FSDP to shard' if fsdp else info.device})")
     flops = active_flops(model, hf_config)
     model = get_peft_model(model, PeftLoraConfig(**cfg.lora.peft_kwargs(), bias="none", task_type="CAUSAL_LM"))
     if t.activation_checkpointing == "experts":  # recompute the MoE blocks only; attention keeps its activations
