@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import signal
@@ -57,13 +58,58 @@ def free_ports(n: int) -> list[int]:
     raise RuntimeError(f"no {n} free ports in {_PORT_BASE}-{_PORT_BASE + _PORT_BLOCK - 1}")
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Groups for pytest-xdist's ``--dist loadgroup``: a module's tests run in one worker (its module fixtures are
     built once), and every test that joins the session's Ray head runs in the same worker (one head at a time:
-    a second would compete for Ray's fixed ports)."""
+    a second would compete for Ray's fixed ports). First among the hooks: xdist's worker reads the marks in its own
+    ``pytest_collection_modifyitems`` (it appends ``@<group>`` to each test id); marks added after it group nothing,
+    and the tests were handed out one by one, each module's fixtures built on both workers."""
     for item in items:
         group = "ray" if "ray_env" in getattr(item, "fixturenames", ()) else item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(group))
+
+
+# Seconds each group's tests take (setup + call + teardown), measured one module at a time on the 2-core CPU machine
+# on 2026-12-02 with `python -m pytest -q -p no:randomly --durations=0 tests/<module>.py`. Groups not listed took
+# under 4 s. Used only to hand the groups out longest first (`_LongestGroupsFirst`); a stale figure costs balance,
+# never a test.
+GROUP_SECONDS = {
+    "ray": 293, "tests/test_qwen_zero3_receipts.py": 161, "tests/test_modernbert_ddp.py": 125,
+    "tests/test_qwen_fsdp2_sft.py": 110, "tests/test_moe_lora_ep.py": 78, "tests/test_notebooks.py": 77,
+    "tests/test_torchrec_dlrm.py": 69, "tests/test_gpt_oss_lora_trl.py": 42, "tests/test_retinanet_ddp.py": 36,
+    "tests/test_entry.py": 36, "tests/test_unsloth_axolotl_configs.py": 30, "tests/test_launcher.py": 25,
+    "tests/test_qwen_ray_sft.py": 19, "tests/test_ray_epoch_nonfinite.py": 14, "tests/test_moe_lora_vlm.py": 14,
+    "tests/test_metrics.py": 11, "tests/test_ray_train.py": 11, "tests/test_nonfinite.py": 10,
+    "tests/test_moe_routed_lora.py": 9, "tests/test_hub.py": 8, "tests/test_config_checks.py": 6,
+    "tests/test_checkpoint_faults.py": 5, "tests/test_moe_ceiling.py": 5, "tests/test_sft_data.py": 5,
+    "tests/test_sft_vision_lazy_load.py": 5, "tests/test_trackers.py": 4,
+}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` with the groups handed out longest first (`GROUP_SECONDS`)."""
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class _LongestGroupsFirst(LoadGroupScheduling):
+        """pytest-xdist 3.8's loadgroup queues the groups by their number of tests, so the Ray group (5 tests,
+        the longest) started near the end, and the other worker ran out of groups long before it finished.
+        Longest first, the two workers end within about one short group of each other. Groups of equal (or no
+        listed) time keep xdist's order: more tests first."""
+
+        _ordered = False
+
+        def _assign_work_unit(self, node):
+            if not self._ordered:  # the first hand-out: the queue of groups is complete
+                self.workqueue = collections.OrderedDict(sorted(
+                    self.workqueue.items(), key=lambda unit: (-GROUP_SECONDS.get(unit[0], 0), -len(unit[1]))))
+                self._ordered = True
+            super()._assign_work_unit(node)
+
+    return _LongestGroupsFirst(config, log)
 
 
 def start_launch(recipe: str, *overrides: str, config: str = "tiny.yaml", ngpu: int = 2, cwd: Path | None = None,
