@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import os
 import signal
 import socket
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+_ROOT_LOG_LEVEL = logging.getLogger().level  # see `_fresh_process_state`
 
 
 # Ports for rendezvous and Ray heads come from a block of this test process's own, below Linux's ephemeral range
@@ -246,10 +248,9 @@ def _fresh_process_state():
     """End what a test left of this process's global state, since with ``-n 2`` any test module may run before
     another in the same process, and tests that fork workers from it (`main_in_workers`) inherit it: a process
     group (a forked child's gloo group has no worker threads: its first collective never returns), the
-    ``cookbook`` logger as `cookbook.init_distributed` sets it up (no propagation: ``caplog`` sees nothing), and
-    MLflow's active run and tracking / registry URIs."""
-    import logging
-
+    ``cookbook`` logger as `cookbook.init_distributed` sets it up (no propagation: ``caplog`` sees nothing), the root
+    logger's level (importing torchrec sets it to ERROR: the ``cookbook`` logger's warnings were then dropped in
+    every later test of the process), and MLflow's active run and tracking / registry URIs."""
     log = logging.getLogger("cookbook")
     saved = list(log.handlers), log.propagate, log.level
     environ = dict(os.environ)
@@ -266,6 +267,7 @@ def _fresh_process_state():
         accelerate_state.AcceleratorState._reset_state(reset_partial_state=True)
     log.handlers[:], log.propagate = saved[0], saved[1]
     log.setLevel(saved[2])
+    logging.root.setLevel(_ROOT_LOG_LEVEL)  # as this process started: a module fixture may have imported torchrec
     mlflow = sys.modules.get("mlflow")
     if mlflow is not None:
         while mlflow.active_run() is not None:
