@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import collections
 import json
-import logging
 import os
 import signal
 import socket
@@ -16,7 +14,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-_ROOT_LOG_LEVEL = logging.getLogger().level  # see `_fresh_process_state`
 
 
 # Ports for rendezvous and Ray heads come from a block of this test process's own, below Linux's ephemeral range
@@ -60,58 +57,13 @@ def free_ports(n: int) -> list[int]:
     raise RuntimeError(f"no {n} free ports in {_PORT_BASE}-{_PORT_BASE + _PORT_BLOCK - 1}")
 
 
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Groups for pytest-xdist's ``--dist loadgroup``: a module's tests run in one worker (its module fixtures are
     built once), and every test that joins the session's Ray head runs in the same worker (one head at a time:
-    a second would compete for Ray's fixed ports). First among the hooks: xdist's worker reads the marks in its own
-    ``pytest_collection_modifyitems`` (it appends ``@<group>`` to each test id); marks added after it group nothing,
-    and the tests were handed out one by one, each module's fixtures built on both workers."""
+    a second would compete for Ray's fixed ports)."""
     for item in items:
         group = "ray" if "ray_env" in getattr(item, "fixturenames", ()) else item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(group))
-
-
-# Seconds each group's tests take (setup + call + teardown), measured one module at a time on the 2-core CPU machine
-# on 2026-12-02 with `python -m pytest -q -p no:randomly --durations=0 tests/<module>.py`. Groups not listed took
-# under 4 s. Used only to hand the groups out longest first (`_LongestGroupsFirst`); a stale figure costs balance,
-# never a test.
-GROUP_SECONDS = {
-    "ray": 293, "tests/test_qwen_zero3_receipts.py": 161, "tests/test_modernbert_ddp.py": 125,
-    "tests/test_qwen_fsdp2_sft.py": 110, "tests/test_moe_lora_ep.py": 78, "tests/test_notebooks.py": 77,
-    "tests/test_torchrec_dlrm.py": 69, "tests/test_gpt_oss_lora_trl.py": 42, "tests/test_retinanet_ddp.py": 36,
-    "tests/test_entry.py": 36, "tests/test_unsloth_axolotl_configs.py": 30, "tests/test_launcher.py": 25,
-    "tests/test_qwen_ray_sft.py": 19, "tests/test_ray_epoch_nonfinite.py": 14, "tests/test_moe_lora_vlm.py": 14,
-    "tests/test_metrics.py": 11, "tests/test_ray_train.py": 11, "tests/test_nonfinite.py": 10,
-    "tests/test_moe_routed_lora.py": 9, "tests/test_hub.py": 8, "tests/test_config_checks.py": 6,
-    "tests/test_checkpoint_faults.py": 5, "tests/test_moe_ceiling.py": 5, "tests/test_sft_data.py": 5,
-    "tests/test_sft_vision_lazy_load.py": 5, "tests/test_trackers.py": 4,
-}
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    """``--dist loadgroup`` with the groups handed out longest first (`GROUP_SECONDS`)."""
-    if config.getoption("dist") != "loadgroup":
-        return None
-    from xdist.scheduler import LoadGroupScheduling
-
-    class _LongestGroupsFirst(LoadGroupScheduling):
-        """pytest-xdist 3.8's loadgroup queues the groups by their number of tests, so the Ray group (5 tests,
-        the longest) started near the end, and the other worker ran out of groups long before it finished.
-        Longest first, the two workers end within about one short group of each other. Groups of equal (or no
-        listed) time keep xdist's order: more tests first."""
-
-        _ordered = False
-
-        def _assign_work_unit(self, node):
-            if not self._ordered:  # the first hand-out: the queue of groups is complete
-                self.workqueue = collections.OrderedDict(sorted(
-                    self.workqueue.items(), key=lambda unit: (-GROUP_SECONDS.get(unit[0], 0), -len(unit[1]))))
-                self._ordered = True
-            super()._assign_work_unit(node)
-
-    return _LongestGroupsFirst(config, log)
 
 
 def start_launch(recipe: str, *overrides: str, config: str = "tiny.yaml", ngpu: int = 2, cwd: Path | None = None,
@@ -248,9 +200,10 @@ def _fresh_process_state():
     """End what a test left of this process's global state, since with ``-n 2`` any test module may run before
     another in the same process, and tests that fork workers from it (`main_in_workers`) inherit it: a process
     group (a forked child's gloo group has no worker threads: its first collective never returns), the
-    ``cookbook`` logger as `cookbook.init_distributed` sets it up (no propagation: ``caplog`` sees nothing), the root
-    logger's level (importing torchrec sets it to ERROR: the ``cookbook`` logger's warnings were then dropped in
-    every later test of the process), and MLflow's active run and tracking / registry URIs."""
+    ``cookbook`` logger as `cookbook.init_distributed` sets it up (no propagation: ``caplog`` sees nothing), and
+    MLflow's active run and tracking / registry URIs."""
+    import logging
+
     log = logging.getLogger("cookbook")
     saved = list(log.handlers), log.propagate, log.level
     environ = dict(os.environ)
@@ -267,7 +220,6 @@ def _fresh_process_state():
         accelerate_state.AcceleratorState._reset_state(reset_partial_state=True)
     log.handlers[:], log.propagate = saved[0], saved[1]
     log.setLevel(saved[2])
-    logging.root.setLevel(_ROOT_LOG_LEVEL)  # as this process started: a module fixture may have imported torchrec
     mlflow = sys.modules.get("mlflow")
     if mlflow is not None:
         while mlflow.active_run() is not None:
