@@ -178,3 +178,38 @@ def test_bad_rows_are_refused(tmp_path):
     cfg = mod.load_config(mod.Config, RECIPE / "gpt-oss-120b.yaml")
     assert (cfg.parallel, cfg.model.name_or_path, cfg.train.activation_checkpointing) == \
         ("fsdp", "openai/gpt-oss-120b", "full")
+
+
+def test_fsdp_random_init_rank0_draws_every_weight_and_the_other_ranks_hold_shapes(monkeypatch):
+    """parallel=fsdp with model.pretrained=false: rank 0 gets a CPU model whose every weight was drawn by
+    transformers' init rules (norms ones, biases zero, weights normal(0, initializer_range), rotary tables
+    recomputed), the other ranks a model on the meta device (the Trainer broadcasts rank 0's weights)."""
+    import logging
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    mod = load_recipe("gpt-oss-lora-trl")
+    cfg = mod.Config()
+    cfg.model.pretrained = False
+    hf_config = AutoConfig.from_pretrained(TINY / "gpt_oss")
+    log = logging.getLogger("test")
+    monkeypatch.setenv("RANK", "1")
+    other = mod.load_model(cfg, hf_config, torch.float32, None, log, init_device=torch.device("cpu"))
+    assert {p.device.type for p in other.parameters()} == {"meta"}
+    monkeypatch.setenv("RANK", "0")
+    model = mod.load_model(cfg, hf_config, torch.float32, None, log, init_device=torch.device("cpu"))
+    reference = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    std = hf_config.initializer_range
+    params = dict(model.named_parameters())
+    assert {p.device.type for p in params.values()} == {"cpu"}
+    for name, p in params.items():
+        if name.endswith("norm.weight"):
+            assert torch.equal(p, torch.ones_like(p)), name
+        elif name.endswith("_bias") or name.endswith(".bias") and "router" not in name:
+            assert torch.equal(p, torch.zeros_like(p)), name
+        elif p.numel() >= 1000:
+            assert abs(p.std().item() - std) < 0.1 * std, (name, p.std().item())
+    for name, b in model.named_buffers():
+        torch.testing.assert_close(b, dict(reference.named_buffers())[name], msg=name)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    assert torch.isfinite(model(input_ids=ids).logits).all()

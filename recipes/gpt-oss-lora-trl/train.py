@@ -256,8 +256,13 @@ def active_flops(model: torch.nn.Module, hf_config):
                       hf_config.num_attention_heads * hf_config.head_dim)
 
 
-def load_model(cfg: Config, hf_config, dtype, device_map, log):
-    """The base model: random init from the config, or the checkpoint (MXFP4 dequantized to bf16)."""
+def load_model(cfg: Config, hf_config, dtype, device_map, log, init_device: torch.device | None = None):
+    """The base model: random init from the config, or the checkpoint (MXFP4 dequantized to bf16).
+
+    With ``device_map`` (DDP) the whole model is built on that device. Without it (FSDP, random init): on
+    meta on every rank, and on rank 0 materialised on the CPU with values drawn module by module on
+    `init_device` (``cookbook.lm.init_sharded_weights``).
+    """
     from transformers import AutoModelForCausalLM
 
     if not cfg.model.pretrained:
@@ -265,16 +270,16 @@ def load_model(cfg: Config, hf_config, dtype, device_map, log):
         if device_map:  # DDP: on this rank's GPU
             with torch.device(device_map[""]):
                 return AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-        # FSDP with cpu_ram_efficient_loading: rank 0 makes the weights on its CPU (every core: torchrun gives each
-        # process one thread), the other ranks only shapes; the Trainer broadcasts rank 0's to the shards
-        rank0 = int(os.environ.get("RANK", "0")) == 0
-        threads = torch.get_num_threads()
-        torch.set_num_threads(max(threads, os.cpu_count() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")) or 1))
-        try:
-            with torch.device("cpu" if rank0 else "meta"):
-                return AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-        finally:
-            torch.set_num_threads(threads)
+        # FSDP with cpu_ram_efficient_loading: rank 0 holds the weights on its CPU, the other ranks only shapes
+        # (meta); the Trainer broadcasts rank 0's to the shards. Rank 0 builds on meta too and draws the values
+        # module by module on its GPU (transformers' init rules): drawing 21 B values on the CPU did not finish
+        # in 4 minutes (CPU random number generation runs on one thread).
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        if int(os.environ.get("RANK", "0")) == 0:
+            model.to_empty(device="cpu")
+            lm.init_sharded_weights(model, cfg.train.seed, init_device or torch.device("cpu"))
+        return model
     kwargs = {}
     quant = getattr(hf_config, "quantization_config", None) or {}
     if (quant if isinstance(quant, dict) else quant.to_dict()).get("quant_method") == "mxfp4":
@@ -376,7 +381,7 @@ def train(cfg: Config, on_cpu: bool) -> None:
     hf_config = AutoConfig.from_pretrained(cfg.model.name_or_path, attn_implementation=cfg.model.attn_implementation)
     device_map = None if fsdp else {"": str(info.device)}  # DDP: this rank's whole copy on cuda:LOCAL_RANK
     started = time.perf_counter()
-    model = load_model(cfg, hf_config, dtype, device_map, log)
+    model = load_model(cfg, hf_config, dtype, device_map, log, init_device=info.device)
     log.info(f"base model {'loaded' if cfg.model.pretrained else 'made (random init)'} in "
              f"{time.perf_counter() - started:.1f} s ({'on the CPU, for FSDP to shard' if fsdp else info.device})")
     flops = active_flops(model, hf_config)
