@@ -55,7 +55,7 @@ python3 -c "import torch, transformers, peft; print('torch', torch.__version__, 
 [ "${RUN_CEILING:-1}" = 0 ] || python3 "$ROOT/benchmarks/moe_ceiling.py" --config "$MODEL_CONFIG" --experts $CEILING_EXPERTS --seq-len "$SEQ" \
   --tokens $((SEQ * MICRO_BATCH)) --out "$RESULTS/moe-ceiling.jsonl" ${CEILING_ARGS:-}
 
-done_runs=()
+source "$ROOT/benchmarks/record_runs.sh"  # record_run, summarize_runs
 for run in $RUNS; do
   dir="$WORK/$run"
   rm -rf "$dir"
@@ -69,15 +69,7 @@ for run in $RUNS; do
     "data.train_files=[$TRAIN_FILE]" data.max_length="$SEQ" data.packing=true data.eval_fraction=0 \
     train.micro_batch_size="$MICRO_BATCH" train.grad_accum_steps=1 train.max_steps="$STEPS" train.log_every=2 \
     checkpoint.every_steps=-1 checkpoint.export_adapter=false "$@" || rc=$?
-  [ -f "$dir/metrics.jsonl" ] && cp "$dir/metrics.jsonl" "$RESULTS/metrics-$run.jsonl"
   [ -f "$dir/profile/ops_rank0.txt" ] && cp "$dir/profile/ops_rank0.txt" "$RESULTS/ops-$run.txt"
-  if [ "$rc" = 0 ]; then
-    done_runs+=("$dir")
-  else
-    echo "run $run failed with exit status $rc" >&2
-    echo "{\"run\": \"$run\", \"failed\": $rc}" >> "$RESULTS/moe-lora-speed.jsonl"
-  fi
+  record_run "$run" "$dir" "$rc" "$RESULTS/moe-lora-speed.jsonl"
 done
-if [ ${#done_runs[@]} -gt 0 ]; then
-  python3 "$ROOT/benchmarks/summarize.py" --skip-steps "$SKIP_STEPS" --json "$RESULTS/moe-lora-speed.jsonl" "${done_runs[@]}"
-fi
+summarize_runs "$RESULTS/moe-lora-speed.jsonl"

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -608,17 +609,57 @@ def build_base(auto_class, hf_config, cfg: ModelConfig, dtype: torch.dtype, devi
     otherwise random weights from `seed`, generated on `device` (seconds for 30 B parameters on a GPU, where
     the CPU's serial generator takes minutes): the same on every rank, so on a GPU the whole base must fit in
     its memory once (61 GB for a 30 B model in bf16) before the experts are split and the rest sharded.
+    Logs (rank 0) how it was made and in how many seconds, and for a model with Mamba layers which
+    implementation they run (`mamba_kernels`).
     """
     from accelerate import init_empty_weights
 
     torch.manual_seed(seed)  # same base (random init) on every rank and every EP degree
+    started = time.perf_counter()
     if cfg.pretrained and cfg.lazy_load:
         with init_empty_weights(include_buffers=False):  # parameters on meta; buffers (rotary tables) real
-            return auto_class.from_config(hf_config, dtype=dtype)
-    if cfg.pretrained:
-        return auto_class.from_pretrained(cfg.name_or_path, config=hf_config, dtype=dtype)
-    with torch.device(device):
-        return auto_class.from_config(hf_config, dtype=dtype)
+            model, how = auto_class.from_config(hf_config, dtype=dtype), "built on the meta device"
+    elif cfg.pretrained:
+        model, how = auto_class.from_pretrained(cfg.name_or_path, config=hf_config, dtype=dtype), "loaded whole on the CPU"
+    else:
+        with torch.device(device):
+            model, how = auto_class.from_config(hf_config, dtype=dtype), f"made (random init) on {device}"
+    log = cookbook.get_logger()
+    log.info(f"base model {how} in {time.perf_counter() - started:.1f} s")
+    if (kernels := mamba_kernels(hf_config)) is not None:
+        log.info(kernels)
+    return model
+
+
+# The packages whose kernels transformers' modeling code of a model type calls when they import
+# (`transformers.integrations.hub_kernels.use_kernel_func_from_hub_with_fallback`), else its PyTorch path.
+MAMBA_KERNEL_PACKAGES = {"nemotron_h": ("mamba_ssm", "causal_conv1d")}
+
+
+def mamba_kernels(hf_config) -> str | None:
+    """One line saying which implementation the Mamba-2 layers of `hf_config` run: the ``mamba_ssm`` /
+    ``causal_conv1d`` kernels where the package imports, transformers' PyTorch reference path where it does
+    not (correct, slower; transformers' own warning about it is below the recipes' log level). None for a model
+    type without Mamba layers (`MAMBA_KERNEL_PACKAGES`). A package that is installed but fails to import (a
+    CUDA extension built for another torch) counts as missing, as transformers counts it."""
+    import importlib
+
+    packages = MAMBA_KERNEL_PACKAGES.get(hf_config.get_text_config().model_type)
+    if packages is None:
+        return None
+    found, missing = [], []
+    for name in packages:
+        try:
+            importlib.import_module(name)
+            found.append(name)
+        except Exception as exc:  # noqa: BLE001 - ImportError, or a broken extension's OSError / RuntimeError
+            missing.append(f"{name} ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
+    line = f"Mamba-2 layers ({hf_config.get_text_config().model_type}): "
+    line += f"kernels of {', '.join(found)}" if found else ""
+    if missing:
+        line += ("; " if found else "") + f"not importable: {', '.join(missing)}: transformers runs its PyTorch path " \
+                "for those parts (correct, slower)"
+    return line
 
 
 def active_flops(model: torch.nn.Module, hf_config, exclude: torch.nn.Module | None = None) -> ModelFlops:
