@@ -5,6 +5,8 @@ transformer, with the arithmetic shown, and the simplest technique that fits wit
     python scripts/choose_technique.py path/to/config.json --gpus 8 --gpu-mem-gib 80 --seq 4096 --micro-batch 1
     python scripts/choose_technique.py path/to/config.json --gpus 2 --gpu-mem-gib 141 --seq 2048 --micro-batch 4 \\
         --compile --loss chunked          # per-layer torch.compile; cookbook's chunked loss (recipes/qwen-fsdp2-sft)
+    python scripts/choose_technique.py openai/gpt-oss-120b --gpus 4 --gpu-mem-gib 139 --seq 2048 --micro-batch 2 \\
+        --lora --lora-r 16 --lora-targets q_proj,k_proj,v_proj,o_proj   # LoRA rows (recipes/gpt-oss-lora-trl)
 
 MODEL is a ``config.json`` (or a folder holding one) or a Hugging Face hub id (read with
 ``transformers.AutoConfig`` when the hub is reachable). Nothing is downloaded but the config.
@@ -31,6 +33,24 @@ Assumptions (what the numbers are of):
       tokens at a time); ``fused`` a tiled loss that keeps no logits (TRL's ``SFTTrainer``, as in
       ``recipes/qwen-zero3-receipts``). A row whose recipe has not the loss asked for (chunked: only
       the FSDP2 rows; fused: only the ZeRO rows) is counted with the full logits, and the output says so.
+    - Mixture of experts (``num_local_experts`` / ``num_experts`` / ``n_routed_experts`` with
+      ``num_experts_per_tok``): the parameters count every expert, the activations ``top_k``
+      routed copies of each token (`moe_fields`, `activation_bytes_per_token_layer`); gpt_oss's
+      clamped SwiGLU and attention sinks are modelled. Not modelled: ``--compile`` with MoE, models
+      mixing dense and MoE layers.
+
+LoRA (``--lora``, ``--lora-r``, ``--lora-targets``): the rows of ``recipes/gpt-oss-lora-trl``
+(``parallel=ddp`` or ``fsdp``, ``train.activation_checkpointing=none`` or ``full``) in place of the
+table above. The base is frozen and held in bf16 (2 B per parameter: DDP a whole copy per GPU,
+FSDP2 a 1/N shard plus the gathered layers and the gathered output head); only the adapters have
+fp32 weights, gradients and AdamW moments (`lora_state_bytes`). Activations: the frozen base still
+passes activation gradients back, but a frozen matmul keeps none of its inputs; what autograd keeps
+is in `lora_activation_bytes_per_token_layer` (checked tensor by tensor on an H200). The loss
+defaults to ``fused``: TRL's ``SFTTrainer`` (1.16) computes it with its fused LM head (no logits
+kept); ``--loss full`` counts the full fp32 logits of an older TRL. The LoRA rows against
+1-H200 peaks of gpt_oss 20B (r 16 on q/k/v/o, 4,096 tokens): DDP 60.2 GiB estimated / 60.6
+measured, DDP + AC 40.6 / 41.0, DDP micro-batch 2 81.3 / 82.0, FSDP2 + AC 43.1 / 42.5
+(tests/test_choose_technique.py). ZeRO with LoRA is not modelled.
 """
 
 from __future__ import annotations
@@ -78,6 +98,13 @@ class ModelShape:
         vocab: vocabulary size.
         lm_head: the model produces logits over the vocabulary for every token.
         counted_by: "meta device" (transformers, exact) or "config fields" (formula).
+        experts: routed experts per mixture-of-experts (MoE) layer (0: a dense MLP); ``ffn`` is then
+            the intermediate size of one expert.
+        top_k: experts each token is routed to (``num_experts_per_tok``).
+        shared_ffn: intermediate size of the shared experts every token also goes through (0: none).
+        heads: attention (query) heads.
+        sinks: attention sinks (a learned logit per head in the softmax's denominator: gpt_oss).
+        model_type: the config's ``model_type``.
     """
 
     name: str
@@ -95,6 +122,12 @@ class ModelShape:
     vocab: int
     lm_head: bool
     counted_by: str
+    experts: int = 0
+    top_k: int = 0
+    shared_ffn: int = 0
+    heads: int = 0
+    sinks: bool = False
+    model_type: str = ""
 
 
 # ----------------------------------------------------------------------------- the model
@@ -138,25 +171,64 @@ def _dims(cfg: dict) -> tuple[int, int, int, int, int, int]:
     return h, layers, heads * head_dim, kv_heads * head_dim, ffn, head_dim
 
 
+def moe_fields(cfg: dict) -> tuple[int, int, int, int]:
+    """``(experts, top_k, expert_ffn, shared_ffn)`` of a mixture-of-experts config; ``experts`` is 0
+    for a dense model. Field names: ``num_local_experts`` (gpt_oss, Mixtral), ``num_experts``
+    (Qwen2/3-MoE) or ``n_routed_experts`` (DeepSeek); ``num_experts_per_tok``; the expert width
+    ``moe_intermediate_size``, else ``intermediate_size`` (gpt_oss and Mixtral: each expert's);
+    shared experts ``shared_expert_intermediate_size`` or ``n_shared_experts`` x the expert width.
+
+    Raises:
+        ChooserError: routed experts without ``num_experts_per_tok``, or dense and MoE layers mixed
+            (``mlp_only_layers``, ``decoder_sparse_step`` > 1, ``first_k_dense_replace``), which the
+            per-layer arithmetic does not model.
+    """
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0)
+    if not experts:
+        return 0, 0, 0, 0
+    if not cfg.get("num_experts_per_tok"):
+        raise ChooserError(f"the config has {experts} experts but no num_experts_per_tok")
+    if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step") or 1) > 1 or cfg.get("first_k_dense_replace"):
+        raise ChooserError("dense and MoE layers mixed (mlp_only_layers / decoder_sparse_step / first_k_dense_replace): "
+                           "not modelled")
+    f = int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0) or int(cfg.get("n_shared_experts") or 0) * f
+    return experts, int(cfg["num_experts_per_tok"]), f, shared
+
+
 def shape_from_fields(cfg: dict, name: str = "config") -> ModelShape:
     """Parameter count of a Llama-style decoder (GQA attention, gated MLP, RMSNorm) from its
     config fields: embedding V·h; per layer h·q + 2·h·kv + q·h (attention) + 3·h·f (gated MLP)
     + 2·h (norms) + 2·head_dim (q/k norms, Qwen3) + q + 2·kv (biases, Qwen2 or
     ``attention_bias``); final norm h; an untied head V·h.
+    Mixture of experts (`moe_fields`): the MLP is a router E·h and E experts of 3·h·f each, plus
+    shared experts 3·h·f_shared (and Qwen2-MoE's h-wide shared-expert gate); gpt_oss adds the
+    router bias E, the expert biases E·(2f + h) and one attention sink per head.
 
-    Exact for Llama, Mistral, Qwen2/2.5/3 dense; other architectures need `shape_from_meta`.
+    Exact for Llama, Mistral, Qwen2/2.5/3 dense, Mixtral, Qwen3-MoE and gpt_oss; other
+    architectures need `shape_from_meta`.
     """
     h, layers, q, kv, f, head_dim = _dims(cfg)
+    experts, top_k, f_expert, shared = moe_fields(cfg)
+    kind = cfg.get("model_type", "")
+    heads = int(cfg.get("num_attention_heads", 1))
     vocab = int(cfg["vocab_size"])
-    qk_norm = cfg.get("model_type") in ("qwen3", "olmo2")
-    bias = q + 2 * kv if (cfg.get("attention_bias") or cfg.get("model_type") in QKV_BIAS_TYPES) else 0
+    qk_norm = kind in ("qwen3", "olmo2", "qwen3_moe")
+    bias = q + 2 * kv if (cfg.get("attention_bias") or kind in QKV_BIAS_TYPES) else 0
     if cfg.get("attention_bias"):
         bias += h  # o_proj bias too
-    layer = h * q + 2 * h * kv + q * h + 3 * h * f + 2 * h + (2 * head_dim if qk_norm else 0) + bias
+    if experts:
+        f = f_expert
+        mlp = experts * h + experts * 3 * h * f + 3 * h * shared + (h if kind == "qwen2_moe" and shared else 0)
+        if kind == "gpt_oss":  # router bias, gate_up / down biases per expert, attention sinks
+            mlp += experts + experts * (2 * f + h) + heads
+    else:
+        mlp = 3 * h * f
+    layer = h * q + 2 * h * kv + q * h + mlp + 2 * h + (2 * head_dim if qk_norm else 0) + bias
     embed = vocab * h
     head = 0 if cfg.get("tie_word_embeddings", False) else vocab * h
     return ModelShape(name, embed + head + layers * layer + h, embed, head, layer, layers, h, q, kv, f, True,
-                      qk_norm, vocab, True, "config fields")
+                      qk_norm, vocab, True, "config fields", experts, top_k, shared, heads, kind == "gpt_oss", kind)
 
 
 def shape_from_meta(cfg: dict, name: str = "config") -> ModelShape:
@@ -182,6 +254,8 @@ def shape_from_meta(cfg: dict, name: str = "config") -> ModelShape:
     if model is None:
         raise ChooserError(f"{name}: transformers could not build the model: {'; '.join(errors)[:300]}")
     h, layers, q, kv, f, _ = _dims(cfg)
+    experts, top_k, f_expert, shared = moe_fields(cfg)
+    f = f_expert if experts else f
     params = sum(p.numel() for p in model.parameters())
     embed_mod = model.get_input_embeddings()
     embed = embed_mod.weight.numel() if embed_mod is not None else 0
@@ -193,11 +267,13 @@ def shape_from_meta(cfg: dict, name: str = "config") -> ModelShape:
     layer = max(sum(p.numel() for p in blk.parameters()) for blk in stacks[0])
     names = {n.split(".")[-2] for n, _ in stacks[0][0].named_parameters() if "." in n}
     mlp = layer - (h * q + 2 * h * kv + q * h)
-    gated = round(mlp / (h * f)) >= 3 if f else True
+    gated = experts > 0 or (round(mlp / (h * f)) >= 3 if f else True)
     vocab = int(cfg.get("vocab_size") or 0)
     lm_head = out is not None and out.weight.shape[0] == vocab
+    sinks = any(n.split(".")[-1] == "sinks" for n, _ in stacks[0][0].named_parameters())
     return ModelShape(name, params, embed, head, layer, layers, h, q, kv, f, gated,
-                      bool(names & {"q_norm", "k_norm"}), vocab, lm_head, f"meta device ({type(model).__name__})")
+                      bool(names & {"q_norm", "k_norm"}), vocab, lm_head, f"meta device ({type(model).__name__})",
+                      experts, top_k, shared, int(cfg.get("num_attention_heads", 1)), sinks, cfg.get("model_type", ""))
 
 
 def model_shape(model: str, meta: bool = True) -> ModelShape:
@@ -218,7 +294,8 @@ class Technique:
     ``fsdp``: FSDP2; ``ac``: full activation checkpointing per layer; ``sac``: selective activation
     checkpointing per layer (`selective_bytes_per_token_layer`); ``offload``: FSDP2's
     ``CPUOffloadPolicy`` (parameters, gradients and optimizer state in host memory); ``losses``: the
-    ``--loss`` choices its recipe has (`logits_bytes`); any other is counted as ``full``."""
+    ``--loss`` choices its recipe has (`logits_bytes`); any other is counted as ``full``; ``lora``: a
+    LoRA fine-tune of a frozen bf16 base (`LoraSpec`, `lora_state_bytes`)."""
 
     name: str
     zero: int = 0
@@ -227,10 +304,13 @@ class Technique:
     sac: bool = False
     offload: bool = False
     losses: tuple[str, ...] = ("full",)
+    lora: bool = False
 
     @property
     def recipe(self) -> str:
         """The cookbook recipe whose set-up the row's arithmetic follows."""
+        if self.lora:
+            return "recipes/gpt-oss-lora-trl"
         return "recipes/qwen-fsdp2-sft" if self.fsdp else "recipes/qwen-zero3-receipts" if self.zero else "recipes/modernbert-ddp"
 
     def loss_for(self, loss: str) -> str:
@@ -256,6 +336,52 @@ TECHNIQUES = [
 # The order a recommendation tries them: fewer moving parts first.
 NATIVE_ORDER = ["DDP", "FSDP2", "FSDP2 + selective AC", "FSDP2 + AC", "FSDP2 + AC + CPU offload"]
 ZERO_ORDER = ["ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-1 + AC", "ZeRO-2 + AC", "ZeRO-3 + AC"]
+# --lora: recipes/gpt-oss-lora-trl (parallel=ddp|fsdp, train.activation_checkpointing=none|full; TRL's
+# SFTTrainer, whose loss is its fused LM head, or the full logits with an older TRL)
+LORA_LOSSES = ("fused", "full")
+LORA_TECHNIQUES = [
+    Technique("LoRA DDP", losses=LORA_LOSSES, lora=True),
+    Technique("LoRA DDP + AC", ac=True, losses=LORA_LOSSES, lora=True),
+    Technique("LoRA FSDP2", fsdp=True, losses=LORA_LOSSES, lora=True),
+    Technique("LoRA FSDP2 + AC", fsdp=True, ac=True, losses=LORA_LOSSES, lora=True),
+]
+LORA_ORDER = [t.name for t in LORA_TECHNIQUES]
+# LoRA target modules: (input width, output width) in terms of the model's dims
+LORA_DIMS = {"q_proj": ("h", "q"), "k_proj": ("h", "kv"), "v_proj": ("h", "kv"), "o_proj": ("q", "h"),
+             "gate_proj": ("h", "f"), "up_proj": ("h", "f"), "down_proj": ("f", "h")}
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """LoRA adapters (PEFT ``LoraConfig``): rank ``r`` on the modules named in ``targets`` (each a key
+    of `LORA_DIMS`) of every layer. A target of input width i and output width o adds r·(i + o)
+    parameters (A: r x i, B: o x r)."""
+
+    r: int
+    targets: tuple[str, ...]
+
+    def layer_params(self, m: ModelShape) -> int:
+        """Adapter parameters per layer: sum of r·(in + out) over the targets.
+
+        Raises:
+            ChooserError: an unknown target, a non-positive rank, or MLP targets on a MoE model (its
+                experts are parameters, not ``nn.Linear`` modules: PEFT's ``target_parameters``,
+                which the chooser does not count).
+        """
+        if self.r < 1:
+            raise ChooserError(f"--lora-r must be a positive rank, got {self.r}")
+        unknown = [t for t in self.targets if t not in LORA_DIMS]
+        if unknown or not self.targets:
+            raise ChooserError(f"--lora-targets: {', '.join(unknown) or 'none given'}; known: {', '.join(LORA_DIMS)}")
+        if m.experts and set(self.targets) & {"gate_proj", "up_proj", "down_proj"}:
+            raise ChooserError("--lora-targets: MLP modules of a mixture-of-experts model are not modelled "
+                               "(expert LoRA goes through PEFT's target_parameters)")
+        width = {"h": m.hidden, "q": m.q_dim, "kv": m.kv_dim, "f": m.ffn}
+        return sum(self.r * (width[LORA_DIMS[t][0]] + width[LORA_DIMS[t][1]]) for t in self.targets)
+
+    def params(self, m: ModelShape) -> int:
+        """All adapter parameters: `layer_params` x layers."""
+        return self.layer_params(m) * m.layers
 
 
 def bytes_per_param(t: Technique, gpus: int) -> tuple[float, str]:
@@ -286,6 +412,80 @@ def bytes_per_param(t: Technique, gpus: int) -> tuple[float, str]:
     return 22.0, "4 fp32 weights + 4 fp32 grads + 4 DDP buckets + 8 AdamW + 2 autocast bf16 cache"
 
 
+def lora_state_bytes(t: Technique, m: ModelShape, lora: LoraSpec, gpus: int) -> tuple[float, str]:
+    """Bytes of model state on each GPU for the whole run of a LoRA row, and where they come from.
+
+    The base is frozen and held in bf16 (``recipes/gpt-oss-lora-trl``: the Trainer with ``bf16``
+    loads it in bf16), with no gradient and no optimizer state: 2 B per base parameter. The
+    adapters are fp32 (PEFT's ``autocast_adapter_dtype``; accelerate's FSDP2 preparation upcasts
+    trainable parameters to fp32 too) with fp32 gradients and AdamW moments: DDP 22 B per adapter
+    parameter as for a full DDP fine-tune (`bytes_per_param`), FSDP2 16 B.
+    DDP: 2·P + 22·P_lora; FSDP2: (2·P + 16·P_lora) / N (the gathered layers: `working_bytes`).
+    """
+    n_lora = lora.params(m)
+    if t.fsdp:
+        return ((2 * m.params + 16 * n_lora) / gpus,
+                f"(2 B x {m.params:,} bf16 frozen base + 16 B x {n_lora:,} fp32 adapters with grads and AdamW) / {gpus}")
+    return (2.0 * m.params + 22 * n_lora,
+            f"2 B x {m.params:,} bf16 frozen base + 22 B x {n_lora:,} adapters (fp32 weights, grads, DDP buckets, "
+            f"AdamW; bf16 autocast copies)")
+
+
+def lora_activation_bytes_per_token_layer(m: ModelShape, lora: LoraSpec, bf16_adapters: bool = False) -> dict[str, int]:
+    """Bytes that autograd keeps per token per layer for the backward of a LoRA fine-tune (no AC, eager).
+
+    The frozen base still needs activation gradients (the adapters sit inside every layer), but
+    autograd saves a matmul's input only to compute its weight's gradient (PyTorch saves each
+    input of ``mm`` / ``grouped_mm`` only if the other one requires grad), so the frozen
+    projections keep nothing of their inputs; what is kept:
+      - each RMSNorm: its fp32 upcast input (4h; the normalised tensor is not kept: the weight is frozen);
+      - each LoRA target: its input (2 B x in width) for the gradient of A, and A's output (2r) for B.
+        The adapters are fp32, so PEFT casts the input to fp32 and autocast casts it back, a
+        separate bf16 copy per target (q, k and v: three copies of the same 2h); under FSDP2,
+        whose ``param_dtype`` gathers the adapters in bf16 (``bf16_adapters``), one copy is shared;
+      - the attention kernel (flash / flex): q, k, v, output and its fp32 log-sum-exp (4 x heads);
+        gpt_oss's attention sinks renormalise the output with the log-sum-exp (16 x heads more);
+      - a dense MLP that is not a target: gated 6f (the activation's input and output, the up
+        projection), plain 2f (the activation's input);
+      - MoE: per routed token (top_k per token) the expert's gate/up output (4f), the gate's
+        pointwise results (gpt_oss's clamped SwiGLU: 4 x 2f; act(gate)·up: 2f) and the expert's
+        output before the routing weight (2h), and its routing indices and weights (36 B);
+        shared experts as a dense gated MLP.
+    Checked against a per-tensor count of ``saved_tensors_hooks`` on an H200 (gpt_oss 20B layer,
+    flex_attention, grouped_mm experts, 4,096 tokens): 218,268 B per token per layer with bf16
+    adapters, against this function's 218,256.
+
+    Returns:
+        item -> bytes per token per layer; their sum is the layer's total.
+    """
+    h, q, kv, f, r = m.hidden, m.q_dim, m.kv_dim, m.ffn, lora.r
+    width = {"h": h, "q": q, "kv": kv, "f": f}
+    out = {"2 norms: fp32 upcast input (4h each)": 8 * h}
+    if m.qk_norm:
+        out["q/k norms: fp32 inputs (4q + 4kv)"] = 4 * q + 4 * kv
+    kept, copies = 0, []
+    for group in (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",)):
+        hit = [x for x in group if x in lora.targets]
+        if hit:
+            n = 1 if bf16_adapters else len(hit)
+            kept += n * 2 * width[LORA_DIMS[hit[0]][0]]
+            copies.append(f"{'+'.join(x.removesuffix('_proj') for x in hit)}: {n} x 2 x {width[LORA_DIMS[hit[0]][0]]}")
+    kept += 2 * r * len(lora.targets)
+    out[f"LoRA inputs ({'; '.join(copies)}) + A outputs (2r x {len(lora.targets)})"] = kept
+    out["attention kernel: q, k, v, output (4q + 4kv) + fp32 log-sum-exp (4 x heads)"] = 4 * q + 4 * kv + 4 * m.heads
+    if m.sinks:
+        out["attention sinks: renormalisation (16 x heads)"] = 16 * m.heads
+    if m.experts:
+        gate = 12 * f if m.model_type == "gpt_oss" else 6 * f
+        what = "4f gate/up + 4 x 2f clamped SwiGLU" if m.model_type == "gpt_oss" else "4f gate/up + 2f act"
+        out[f"MoE, {m.top_k} experts per token x ({what} + 2h output + 36 B routing)"] = m.top_k * (gate + 2 * h + 36)
+        if m.shared_ffn:
+            out["shared experts: gated MLP (6 x f_shared)"] = 6 * m.shared_ffn
+    else:
+        out["MLP: " + ("gated, activation input/output + up (6f)" if m.gated else "activation input (2f)")] = 6 * f if m.gated else 2 * f
+    return out
+
+
 def activation_bytes_per_token_layer(m: ModelShape, compiled: bool = False) -> dict[str, int]:
     """Bytes that autograd keeps per token per transformer layer for the backward pass (bf16, no AC).
 
@@ -304,10 +504,20 @@ def activation_bytes_per_token_layer(m: ModelShape, compiled: bool = False) -> d
     q/k projections before their norms, the attention's q, k, v and output, and the gated MLP's
     two projections (its product is recomputed).
 
+    MoE (``m.experts``): the MLP is top_k experts per token, each keeping its gathered input (2h),
+    its gate/up output and gate (as in `lora_activation_bytes_per_token_layer`), its down projection's
+    input (2f) and its output before the routing weight (2h); shared experts as a gated MLP;
+    gpt_oss's attention sinks add 16 bytes per head. ``compiled`` is not modelled for MoE.
+
     Returns:
         item -> bytes per token per layer; their sum is the layer's total.
+
+    Raises:
+        ChooserError: ``compiled`` with a MoE model.
     """
     h, q, kv, f = m.hidden, m.q_dim, m.kv_dim, m.ffn
+    if compiled and m.experts:
+        raise ChooserError("--compile with a mixture-of-experts model is not modelled")
     if compiled:
         out = {"2 norms: bf16 input + output (2h + 2h each)": 8 * h}
         if m.qk_norm:
@@ -319,7 +529,15 @@ def activation_bytes_per_token_layer(m: ModelShape, compiled: bool = False) -> d
     if m.qk_norm:
         out["q/k norms (6q + 6kv)"] = 6 * q + 6 * kv
     out["attention: q, k, v, output (2q + 2kv + 2kv + 2q)"] = 4 * q + 4 * kv
-    if m.gated:
+    if m.sinks:
+        out["attention sinks: renormalisation (16 x heads)"] = 16 * m.heads
+    if m.experts:
+        gate = 12 * f if m.model_type == "gpt_oss" else 6 * f
+        out[f"MoE, {m.top_k} experts per token x (2h input + gate/up {gate // f}f + 2f down input + 2h output "
+            f"+ 36 B routing)"] = m.top_k * (4 * h + gate + 2 * f + 36)
+        if m.shared_ffn:
+            out["shared experts: gated MLP (8 x f_shared)"] = 8 * m.shared_ffn
+    elif m.gated:
         out["gated MLP: gate, act(gate), up, product (4 x 2f)"] = 8 * f
     else:
         out["MLP: activation input and output (2 x 2f)"] = 4 * f
@@ -343,8 +561,9 @@ def selective_bytes_per_token_layer(m: ModelShape) -> dict[str, int]:
             "q, k, v projections (2q + 2kv + 2kv)": 2 * q + 4 * kv,
             "attention output (2q)": 2 * q,
             "output projection (2h)": 2 * h,
-            "MLP: " + ("gate and up projections (2f + 2f)" if m.gated else "up projection (2f)"): 4 * f if m.gated else 2 * f,
-            "MLP down projection (2h)": 2 * h}
+            **({"MoE router logits (2 x experts; the experts' grouped_mm is recomputed)": 2 * m.experts} if m.experts else {
+                "MLP: " + ("gate and up projections (2f + 2f)" if m.gated else "up projection (2f)"): 4 * f if m.gated else 2 * f,
+                "MLP down projection (2h)": 2 * h})}
 
 
 def logits_bytes(m: ModelShape, tokens: int, loss: str = "full", chunk: int = 4096) -> tuple[float, str]:
@@ -372,6 +591,27 @@ def logits_bytes(m: ModelShape, tokens: int, loss: str = "full", chunk: int = 40
                 f"8 B x {c:,} tokens x {m.vocab:,} vocab (one chunk) + 2 B x {m.vocab:,} x {m.hidden} (head gradient) "
                 f"+ 4 B x {tokens:,} x {m.hidden} (labelled hidden states and their gradient)")
     return 12.0 * tokens * m.vocab, f"12 B x {tokens:,} tokens x {m.vocab:,} vocab (3 fp32 copies at the start of backward)"
+
+
+def lora_working_bytes(t: Technique, m: ModelShape, lora: LoraSpec, gpus: int) -> tuple[float, str]:
+    """Transient buffers of a LoRA row that do not scale with the batch.
+
+    FSDP2 as accelerate prepares it for the Trainer (``fsdp2_prepare_model``, accelerate 1.15): the
+    tail unit (final norm and output head; the embedding too when tied) is not resharded after
+    forward, so it stays gathered in bf16 until the backward (2 x head); decoder layers are gathered
+    in bf16, the running one and the prefetched one (2 x 2 x layer), and one layer's adapter
+    gradients (6 B x adapter params of a layer, bf16 and fp32). With one GPU FSDP2 does no
+    all-gather (``world_size == 1`` in ``_fsdp_param_group.py``, torch 2.11 to 2.13): it copies a
+    layer's shards into its unsharded tensors when the layer runs, so one layer is counted. The
+    frozen base has no gradients to reduce-scatter. DDP: 0 (its buckets are in `lora_state_bytes`).
+    """
+    if not t.fsdp:
+        return 0.0, "0"
+    tail = m.head_params or m.embed_params
+    gathered = 1 if gpus == 1 else 2
+    return (2.0 * tail + gathered * 2 * m.layer_params + 6 * lora.layer_params(m),
+            f"2 B x {tail:,} (output head, kept gathered) + {gathered} x 2 B x {m.layer_params:,} "
+            f"(gathered layer{'s' if gathered > 1 else ''}) + 6 B x {lora.layer_params(m):,} (a layer's adapter grads)")
 
 
 def working_bytes(t: Technique, m: ModelShape) -> tuple[float, str]:
@@ -435,7 +675,7 @@ class Estimate:
 
 
 def estimate(t: Technique, m: ModelShape, gpus: int, seq: int, micro_batch: int, compiled: bool = False,
-             loss: str = "full", chunk: int = 4096) -> Estimate:
+             loss: str = "full", chunk: int = 4096, lora: LoraSpec | None = None) -> Estimate:
     """Peak GPU memory per GPU (bytes) of technique `t` for `micro_batch` sequences of `seq` tokens
     per GPU: model states (`bytes_per_param`), activations (`activation_bytes_per_token_layer` x
     tokens x layers; with AC, each layer's bf16 input, 2h bytes per token, plus one layer's full
@@ -443,14 +683,36 @@ def estimate(t: Technique, m: ModelShape, gpus: int, seq: int, micro_batch: int,
     layers plus that one recomputed layer), one final norm (8h per token), logits (`logits_bytes` of
     ``t.loss_for(loss)``: a loss the row's recipe does not have is counted as ``full``; `chunk`
     tokens per chunk of the chunked loss) and working buffers (`working_bytes`); or the optimizer
-    step (`step_bytes`) if larger."""
+    step (`step_bytes`) if larger.
+
+    A LoRA row (``t.lora``, with `lora`): `lora_state_bytes`, `lora_activation_bytes_per_token_layer`
+    (bf16 adapters under FSDP2) in the same AC arithmetic, a final norm of 4h per token (its fp32
+    input; the weight is frozen), `lora_working_bytes`, no optimizer-step transient (the adapters'
+    fused AdamW allocates nothing of note).
+
+    Raises:
+        ChooserError: non-positive GPUs, sequence or micro-batch; a LoRA row without `lora`;
+            ``compiled`` with a LoRA row (not modelled).
+    """
     if gpus < 1:
         raise ChooserError(f"--gpus must be a positive number of GPUs, got {gpus}")
     if seq < 1 or micro_batch < 1:
         raise ChooserError(f"--seq and --micro-batch must be positive, got {seq} and {micro_batch}")
+    if t.lora:
+        if lora is None:
+            raise ChooserError(f"{t.name}: a LoRA row needs the adapters (LoraSpec)")
+        if compiled:
+            raise ChooserError("--compile with --lora is not modelled")
     tokens = seq * micro_batch
-    bpp, bpp_note = bytes_per_param(t, gpus)
-    per_layer = sum(activation_bytes_per_token_layer(m, compiled).values())
+    if t.lora:
+        bpp_total, bpp_note = lora_state_bytes(t, m, lora, gpus)
+        per_layer = sum(lora_activation_bytes_per_token_layer(m, lora, bf16_adapters=t.fsdp).values())
+        norm, work_pair = 4, lora_working_bytes(t, m, lora, gpus)
+    else:
+        bpp, bpp_note = bytes_per_param(t, gpus)
+        bpp_total, bpp_note = bpp * m.params, f"{bpp:.2f} B/param = {bpp_note}"
+        per_layer = sum(activation_bytes_per_token_layer(m, compiled).values())
+        norm, work_pair = 8, working_bytes(t, m)
     if t.ac:
         acts = tokens * (2 * m.hidden * m.layers + per_layer)
         act_note = f"{tokens:,} tokens x (2h x {m.layers} layer inputs + {per_layer:,} B for the layer being recomputed)"
@@ -461,50 +723,63 @@ def estimate(t: Technique, m: ModelShape, gpus: int, seq: int, micro_batch: int,
     else:
         acts = tokens * per_layer * m.layers
         act_note = f"{tokens:,} tokens x {per_layer:,} B x {m.layers} layers"
-    acts += tokens * 8 * m.hidden
+    acts += tokens * norm * m.hidden
     used = t.loss_for(loss)
     logits, logits_note = logits_bytes(m, tokens, used, chunk)
-    work, work_note = working_bytes(t, m)
-    step, step_note = step_bytes(t, m, gpus)
-    return Estimate(t, bpp * m.params, acts, logits, work, step, host=16 * m.params / gpus if t.offload else 0.0, loss=used,
-                    notes={"states": f"{bpp:.2f} B/param = {bpp_note}", "activations": act_note + " + final norm 8h/token",
+    work, work_note = work_pair
+    step, step_note = (0.0, "0") if t.lora else step_bytes(t, m, gpus)
+    return Estimate(t, bpp_total, acts, logits, work, step, host=16 * m.params / gpus if t.offload else 0.0, loss=used,
+                    notes={"states": bpp_note, "activations": act_note + f" + final norm {norm}h/token",
                            "logits": logits_note, "working": work_note, "step": step_note})
 
 
 def recommend(estimates: dict[str, Estimate], gpu_mem_gib: float, headroom: float = 0.10) -> tuple[str | None, str | None]:
-    """The first technique in `NATIVE_ORDER` and in `ZERO_ORDER` whose peak is at most
-    (1 - headroom) x gpu_mem_gib; ``None`` where none fits."""
+    """The first technique in `NATIVE_ORDER` and in `ZERO_ORDER` (LoRA rows: `LORA_ORDER`, and
+    ``None`` for ZeRO) whose peak is at most (1 - headroom) x gpu_mem_gib; ``None`` where none fits."""
     budget = (1 - headroom) * gpu_mem_gib * GIB
-    pick = lambda order: next((n for n in order if estimates[n].peak <= budget), None)
+    pick = lambda order: next((n for n in order if n in estimates and estimates[n].peak <= budget), None)
+    if all(e.technique.lora for e in estimates.values()):
+        return pick(LORA_ORDER), None
     return pick(NATIVE_ORDER), pick(ZERO_ORDER)
 
 
 # ----------------------------------------------------------------------------- the command
 def report(m: ModelShape, gpus: int, gpu_mem_gib: float, seq: int, micro_batch: int, compiled: bool, loss: str,
-           headroom: float, chunk: int = 4096) -> str:
-    """The printed arithmetic, the table and the recommendation."""
+           headroom: float, chunk: int = 4096, lora: LoraSpec | None = None) -> str:
+    """The printed arithmetic, the table and the recommendation (the LoRA rows with `lora`)."""
     g = lambda b: f"{b / GIB:.1f}"
-    est = {t.name: estimate(t, m, gpus, seq, micro_batch, compiled, loss, chunk) for t in TECHNIQUES}
+    techniques = LORA_TECHNIQUES if lora else TECHNIQUES
+    est = {t.name: estimate(t, m, gpus, seq, micro_batch, compiled, loss, chunk, lora) for t in techniques}
+    moe = (f" MoE: {m.experts} experts, {m.top_k} per token, f={m.ffn} each"
+           f"{f', shared f={m.shared_ffn}' if m.shared_ffn else ''}{', attention sinks' if m.sinks else ''}") if m.experts else ""
     lines = [f"model: {m.name}  ({m.counted_by})",
              (f"  parameters {m.params:,} = embedding {m.embed_params:,} + untied head {m.head_params:,} + "
               f"{m.layers} layers x ~{m.layer_params:,} + rest"),
              (f"  h={m.hidden} q={m.q_dim} kv={m.kv_dim} f={m.ffn} ({'gated' if m.gated else 'plain'} MLP"
-              f"{', q/k norms' if m.qk_norm else ''}) vocab={m.vocab:,}{'' if m.lm_head else ' (no vocabulary head)'}"),
-             (f"run: {gpus} GPU(s) x {gpu_mem_gib:g} GiB, seq {seq} x micro-batch {micro_batch} = {seq * micro_batch:,} "
-              f"tokens per GPU, {'per-layer torch.compile' if compiled else 'eager'}, {loss} loss"
-              f"{'' if loss == 'full' else ' where the recipe has it (' + ', '.join(sorted({t.recipe for t in TECHNIQUES if loss in t.losses})) + ')'}"),
-             "",
-             f"activations per token per layer ({'compiled' if compiled else 'eager'}; Korthikanti et al. 2022 eq. (1) adapted):"]
-    for k, v in activation_bytes_per_token_layer(m, compiled).items():
-        lines.append(f"  {v:>9,} B  {k}")
-    lines.append(f"  {sum(activation_bytes_per_token_layer(m, compiled).values()):>9,} B  total")
-    lines.append("kept per token per layer with selective AC:")
-    for k, v in selective_bytes_per_token_layer(m).items():
-        lines.append(f"  {v:>9,} B  {k}")
-    lines.append(f"  {sum(selective_bytes_per_token_layer(m).values()):>9,} B  total")
-    lines += ["", "bytes per parameter on each GPU (model states):"]
-    for t in TECHNIQUES:
+              f"{', q/k norms' if m.qk_norm else ''}) vocab={m.vocab:,}{'' if m.lm_head else ' (no vocabulary head)'}{moe}")]
+    if lora:
+        lines.append(f"  LoRA r={lora.r} on {', '.join(lora.targets)}: {lora.params(m):,} adapter parameters "
+                     f"({m.layers} layers x {lora.layer_params(m):,} = sum of r x (in + out)); the base frozen in bf16")
+    lines += [(f"run: {gpus} GPU(s) x {gpu_mem_gib:g} GiB, seq {seq} x micro-batch {micro_batch} = {seq * micro_batch:,} "
+               f"tokens per GPU, {'per-layer torch.compile' if compiled else 'eager'}, {loss} loss"
+               f"{'' if loss == 'full' else ' where the recipe has it (' + ', '.join(sorted({t.recipe for t in techniques if loss in t.losses})) + ')'}"),
+              ""]
+    tables = ([("LoRA, adapters fp32 (DDP rows)", lora_activation_bytes_per_token_layer(m, lora)),
+               ("LoRA, adapters gathered in bf16 (FSDP2 rows)", lora_activation_bytes_per_token_layer(m, lora, True))]
+              if lora else [(f"{'compiled' if compiled else 'eager'}; Korthikanti et al. 2022 eq. (1) adapted",
+                             activation_bytes_per_token_layer(m, compiled)),
+                            ("kept with selective AC", selective_bytes_per_token_layer(m))])
+    for title, items in tables:
+        lines.append(f"activations per token per layer ({title}):")
+        lines += [f"  {v:>9,} B  {k}" for k, v in items.items()]
+        lines.append(f"  {sum(items.values()):>9,} B  total")
+    lines += ["", "model states on each GPU:" if lora else "bytes per parameter on each GPU (model states):"]
+    for t in techniques:
         lines.append(f"  {t.name:<26} {est[t.name].notes['states']}")
+    if lora:
+        for t in techniques:
+            if t.fsdp and not t.ac:
+                lines.append(f"  FSDP2 buffers: {est[t.name].notes['working']}")
     lines.append("")
     for used in dict.fromkeys(e.loss for e in est.values()):  # each loss counted, in table order
         rows = [n for n, e in est.items() if e.loss == used]
@@ -521,6 +796,7 @@ def report(m: ModelShape, gpus: int, gpu_mem_gib: float, seq: int, micro_batch: 
         lines.append(f"{n:<26} {g(e.states):>7} {g(e.activations):>7} {g(e.logits):>7} {g(e.working):>7} {g(e.step):>6} "
                      f"{g(e.peak):>7}  {fits}{host}")
     native, zero = recommend(est, gpu_mem_gib, headroom)
+    native_order = LORA_ORDER if lora else NATIVE_ORDER
 
     def why(pick: str | None, order: list[str]) -> str:
         tried = order[:order.index(pick)] if pick else order
@@ -530,8 +806,11 @@ def report(m: ModelShape, gpus: int, gpu_mem_gib: float, seq: int, micro_batch: 
 
     lines += ["", f"budget: {gpu_mem_gib:g} GiB x (1 - {headroom:g} headroom) = {budget:.1f} GiB per GPU",
               f"recommended: {native or 'none fits: more GPUs, a shorter sequence or a smaller micro-batch'}"
-              f"{why(native, NATIVE_ORDER)}"]
-    lines.append(f"on DeepSpeed: {zero or 'no ZeRO stage fits'}{why(zero, ZERO_ORDER)}")
+              f"{why(native, native_order)}"]
+    if lora:
+        lines.append("on DeepSpeed: LoRA with ZeRO is not modelled")
+    else:
+        lines.append(f"on DeepSpeed: {zero or 'no ZeRO stage fits'}{why(zero, ZERO_ORDER)}")
     return "\n".join(lines)
 
 
@@ -543,12 +822,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, required=True, help="sequence length, tokens")
     p.add_argument("--micro-batch", type=int, required=True, help="sequences per GPU per forward")
     p.add_argument("--compile", action="store_true", help="per-layer torch.compile (fewer saved activations)")
-    p.add_argument("--loss", choices=["full", "chunked", "fused"], default="full",
-                   help="full: fp32 logits for the whole micro-batch (default); chunked: the recipes' train.loss=chunked "
-                        "(--loss-chunk tokens at a time); fused: TRL / Liger fused loss (no logits kept)")
+    p.add_argument("--loss", choices=["full", "chunked", "fused"], default=None,
+                   help="full: fp32 logits for the whole micro-batch (default; with --lora: fused); chunked: the recipes' "
+                        "train.loss=chunked (--loss-chunk tokens at a time); fused: TRL / Liger fused loss (no logits kept; "
+                        "TRL's SFTTrainer uses its fused LM head)")
     p.add_argument("--loss-chunk", type=int, default=4096, help="tokens per chunk of --loss chunked (default 4096)")
     p.add_argument("--headroom", type=float, default=0.10, help="fraction of GPU memory kept free (default 0.10)")
     p.add_argument("--no-meta", action="store_true", help="count parameters from config fields, not transformers")
+    p.add_argument("--lora", action="store_true",
+                   help="LoRA rows instead (recipes/gpt-oss-lora-trl): frozen bf16 base, fp32 adapters with AdamW; "
+                        "DDP and FSDP2, without and with full AC")
+    p.add_argument("--lora-r", type=int, default=16, help="LoRA rank (default 16)")
+    p.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj",
+                   help=f"comma-separated target modules (default q_proj,k_proj,v_proj,o_proj, the recipe's); of {', '.join(LORA_DIMS)}")
     a = p.parse_args(argv)
     try:
         if a.gpus < 1:
@@ -558,7 +844,11 @@ def main(argv: list[str] | None = None) -> int:
         if a.loss_chunk < 1:
             raise ChooserError(f"--loss-chunk must be a positive number of tokens, got {a.loss_chunk}")
         m = model_shape(a.model, meta=not a.no_meta)
-        print(report(m, a.gpus, a.gpu_mem_gib, a.seq, a.micro_batch, a.compile, a.loss, a.headroom, a.loss_chunk))
+        lora = LoraSpec(a.lora_r, tuple(x.strip() for x in a.lora_targets.split(",") if x.strip())) if a.lora else None
+        if lora:
+            lora.layer_params(m)  # bad targets or rank: one sentence
+        loss = a.loss or ("fused" if a.lora else "full")
+        print(report(m, a.gpus, a.gpu_mem_gib, a.seq, a.micro_batch, a.compile, loss, a.headroom, a.loss_chunk, lora))
     except ChooserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -1,5 +1,6 @@
 """scripts/choose_technique.py: hand-checked parameter counts, bytes per parameter, a peak, the
-recommendation as GPU memory shrinks, and bad input. Pure arithmetic (config fields, no transformers)."""
+recommendation as GPU memory shrinks, bad input, and the LoRA rows (--lora) with gpt_oss's MoE.
+Pure arithmetic (config fields), except the gpt_oss counts checked against a meta-device model."""
 
 from __future__ import annotations
 
@@ -19,6 +20,15 @@ sys.modules["choose_technique"] = ct  # dataclasses look their module up there
 _spec.loader.exec_module(ct)
 
 TECHNIQUE = {t.name: t for t in ct.TECHNIQUES}
+LORA_ROW = {t.name: t for t in ct.LORA_TECHNIQUES}
+QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
+# gpt_oss: GptOssConfig().to_dict() (120B: 36 layers, 128 experts) and the 20B architecture benchmarks/gpt_oss_lora.sh
+# builds (GptOssConfig(num_hidden_layers=24, num_local_experts=32, num_experts_per_tok=4, layer_types=[...] * 12))
+GPT_OSS_20B = ROOT / "tests" / "data" / "config_gpt-oss-20b-arch.json"
+GPT_OSS_120B = ROOT / "tests" / "data" / "config_gpt-oss-120b-arch.json"
+TINY_OSS = {"model_type": "gpt_oss", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 32, "num_local_experts": 4,
+            "num_experts_per_tok": 2, "vocab_size": 1000, "attention_bias": True, "tie_word_embeddings": False}
 TINY = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 1000, "tie_word_embeddings": False}
 
@@ -162,3 +172,103 @@ def test_chunked_loss_only_where_the_recipe_has_it(capsys):
     assert "logits, chunked loss (FSDP2, FSDP2 + selective AC, FSDP2 + AC, FSDP2 + AC + CPU offload)" in out
     assert "\nDDP                           82.4    24.9    13.9     0.0    0.0   121.2  fits\n" in out
     assert "recommended: DDP (121.2 GiB <= 126.9; recipes/modernbert-ddp, full loss)" in out
+
+
+def test_parameter_count_gpt_oss_moe():
+    """gpt_oss from its config fields: 20.91 B (20B architecture) and 116.83 B (120B), equal to the meta-device model."""
+    m20, m120 = (ct.model_shape(str(p), meta=False) for p in (GPT_OSS_20B, GPT_OSS_120B))
+    h, q, kv, f = 2880, 4096, 512, 2880
+    # per layer: attention h·q + 2h·kv + q·h + biases (q + 2kv + h) + 64 sinks; router 32·h + 32; experts
+    # 32 x (h·2f + f·h) + biases 32 x (2f + h); 2 norms 2h
+    attention = h * q + 2 * h * kv + q * h + (q + 2 * kv + h) + 64
+    assert m20.layer_params == attention + 32 * h + 32 + 32 * 3 * h * f + 32 * (2 * f + h) + 2 * h == 823_186_976
+    assert m20.params == 2 * 201_088 * h + 24 * 823_186_976 + h == 20_914_757_184  # + embedding, untied head, final norm
+    assert m120.layer_params == attention + 128 * h + 128 + 128 * 3 * h * f + 128 * (2 * f + h) + 2 * h == 3_213_080_192
+    assert m120.params == 2 * 201_088 * h + 36 * 3_213_080_192 + h == 116_829_156_672
+    assert (m20.experts, m20.top_k, m20.ffn, m20.heads, m20.sinks) == (32, 4, 2880, 64, True)
+    meta20, meta120 = (ct.model_shape(str(p)) for p in (GPT_OSS_20B, GPT_OSS_120B))  # transformers on the meta device
+    assert meta20.counted_by == "meta device (GptOssForCausalLM)"
+    assert (meta20.params, meta20.layer_params, meta20.experts, meta20.top_k, meta20.sinks) == (
+        20_914_757_184, 823_186_976, 32, 4, True)
+    assert (meta120.params, meta120.layer_params, meta120.experts) == (116_829_156_672, 3_213_080_192, 128)
+
+
+def test_lora_rows_tiny_moe():
+    """The LoRA rows by hand on a tiny gpt_oss: h=64, q=64 (4 heads x 16), kv=32, 4 experts of f=32, 2 per token, V=1000."""
+    m = ct.shape_from_fields(TINY_OSS)
+    # layer: attention 4096 + 2 x 2048 + 4096 + biases 64 + 2 x 32 + 64 + 4 sinks; router 4 x 64 + 4;
+    # experts 4 x 3 x 64 x 32 + biases 4 x (2 x 32 + 64); norms 2 x 64
+    assert m.layer_params == 12_288 + 192 + 4 + 260 + 24_576 + 512 + 128 == 37_960
+    assert m.params == 2 * 1000 * 64 + 2 * 37_960 + 64 == 203_984
+    lora = ct.LoraSpec(4, QKVO)
+    assert lora.layer_params(m) == 4 * (64 + 64) + 2 * 4 * (64 + 32) + 4 * (64 + 64) == 1792  # r·(in + out) per target
+    assert lora.params(m) == 3584
+    # per token per layer, fp32 adapters (DDP): norms 8h 512; LoRA inputs q, k, v 3 x 2h + o 2q + 4 x 2r = 544;
+    # attention 4q + 4kv + 4 x heads = 400; sinks 16 x heads = 64; MoE k x (12f + 2h + 36) = 2 x 548 = 1096
+    ddp_layer = 512 + 544 + 400 + 64 + 1096
+    assert sum(ct.lora_activation_bytes_per_token_layer(m, lora).values()) == ddp_layer == 2616
+    fsdp_layer = ddp_layer - 2 * 2 * 64  # bf16 adapters under FSDP2: q, k and v share one copy of their input
+    assert sum(ct.lora_activation_bytes_per_token_layer(m, lora, bf16_adapters=True).values()) == fsdp_layer == 2360
+    tokens = 32  # seq 16 x micro-batch 2
+    kw = dict(seq=16, micro_batch=2, loss="fused", lora=lora)
+    ddp = ct.estimate(LORA_ROW["LoRA DDP"], m, gpus=2, **kw)
+    assert ddp.states == 2 * 203_984 + 22 * 3584 == 486_816  # bf16 base + 22 B per adapter parameter
+    assert ddp.activations == tokens * (2616 * 2 + 4 * 64) == 175_616  # 2 layers + final norm's fp32 input
+    assert (ddp.logits, ddp.working, ddp.step) == (0, 0, 0)
+    assert ddp.peak == 662_432
+    ac = ct.estimate(LORA_ROW["LoRA DDP + AC"], m, gpus=2, **kw)
+    assert ac.activations == tokens * (2 * 64 * 2 + 2616 + 4 * 64) == 100_096  # layer inputs + one layer recomputed
+    assert ac.peak == 486_816 + 100_096 == 586_912
+    fsdp = ct.estimate(LORA_ROW["LoRA FSDP2 + AC"], m, gpus=2, **kw)
+    assert fsdp.states == (2 * 203_984 + 16 * 3584) / 2 == 232_656
+    # output head kept gathered 2 x 64,000 + 2 gathered layers 2 x 2 x 37,960 + one layer's adapter grads 6 x 1792
+    assert fsdp.working == 128_000 + 151_840 + 10_752 == 290_592
+    assert fsdp.activations == tokens * (2 * 64 * 2 + 2360 + 4 * 64) == 91_904
+    assert fsdp.peak == 232_656 + 290_592 + 91_904 == 615_152
+    one = ct.estimate(LORA_ROW["LoRA FSDP2 + AC"], m, gpus=1, **kw)  # 1 GPU: no all-gather, one layer unsharded at a time
+    assert one.working == 128_000 + 75_920 + 10_752 and one.peak == 465_312 + 214_672 + 91_904 == 771_888
+    full = ct.estimate(LORA_ROW["LoRA DDP"], m, gpus=2, **{**kw, "loss": "full"})
+    assert full.logits == 12 * tokens * 1000 and full.peak == 662_432 + 384_000
+    with pytest.raises(ct.ChooserError, match="needs the adapters"):
+        ct.estimate(LORA_ROW["LoRA DDP"], m, gpus=1, seq=16, micro_batch=1)
+    with pytest.raises(ct.ChooserError, match="mixture-of-experts"):
+        ct.LoraSpec(4, ("q_proj", "down_proj")).layer_params(m)
+    with pytest.raises(ct.ChooserError, match="known: q_proj"):
+        ct.LoraSpec(4, ("qkv",)).layer_params(m)
+
+
+def test_lora_gpt_oss_20b_against_h200_peaks():
+    """The LoRA rows for the measured 1-H200 runs (benchmarks/results/gpt-oss-20b-lora-h200-2026-12-0*.jsonl: r 16 on
+    q/k/v/o, 4,096-token sequences, TRL's fused LM head), each within 2% of torch.cuda.max_memory_allocated."""
+    m, lora = ct.model_shape(str(GPT_OSS_20B), meta=False), ct.LoraSpec(16, QKVO)
+    assert lora.params(m) == 7_962_624  # the 7.96 M trainable the recipe logs
+    measured = [("LoRA DDP", 1, 60.58), ("LoRA DDP + AC", 1, 41.03), ("LoRA DDP", 2, 82.04), ("LoRA FSDP2 + AC", 1, 42.5)]
+    peaks = [ct.estimate(LORA_ROW[n], m, gpus=1, seq=4096, micro_batch=mb, loss="fused", lora=lora).peak / ct.GIB
+             for n, mb, _ in measured]
+    assert [round(p, 1) for p in peaks] == [60.2, 40.6, 81.3, 43.1]
+    assert all(abs(p / gib - 1) < 0.02 for p, (_, _, gib) in zip(peaks, measured))
+    # with the full fp32 logits (12 B x 4,096 x 201,088 = 9.2 GiB) the AC run would be 49.8 GiB, not the 41.0 measured
+    full = ct.estimate(LORA_ROW["LoRA DDP + AC"], m, gpus=1, seq=4096, micro_batch=1, loss="full", lora=lora)
+    assert round(full.peak / ct.GIB, 1) == 49.8
+
+
+def test_lora_gpt_oss_120b_fsdp2_planned_settings(capsys):
+    """gpt-oss-120b.yaml: FSDP2 + full AC, micro-batch 2 x 2,048; 139 GiB H200s with 10% headroom (125.1 GiB)."""
+    m, lora = ct.model_shape(str(GPT_OSS_120B), meta=False), ct.LoraSpec(16, QKVO)
+    peaks = {n: ct.estimate(LORA_ROW["LoRA FSDP2 + AC"], m, gpus=n, seq=2048, micro_batch=2, loss="fused", lora=lora)
+             for n in (2, 4, 8)}
+    # states (2 B x 116,829,156,672 + 16 B x 11,943,936) / N; head 2 B x 579,133,440 + 2 layers 2 x 2 B x 3,213,080,192
+    # + 6 B x 331,776; 4,096 tokens x (2h x 36 + 218,256 + 4h)
+    assert peaks[2].states == (2 * 116_829_156_672 + 16 * 11_943_936) / 2
+    assert peaks[2].working == 2 * 579_133_440 + 4 * 3_213_080_192 + 6 * 331_776
+    assert peaks[2].activations == 4096 * (2 * 2880 * 36 + 218_256 + 4 * 2880)
+    assert {n: round(e.peak / ct.GIB, 1) for n, e in peaks.items()} == {2: 123.6, 4: 69.2, 8: 41.9}
+    assert ct.recommend({"LoRA FSDP2 + AC": peaks[2]}, 139) == ("LoRA FSDP2 + AC", None)  # 123.6 <= 125.1
+    assert ct.main([str(QWEN3_8B), "--gpus", "2", "--gpu-mem-gib", "139", "--seq", "2048", "--micro-batch", "2",
+                    "--lora", "--no-meta"]) == 0
+    out = capsys.readouterr().out
+    assert "LoRA r=16 on q_proj, k_proj, v_proj, o_proj: 15,335,424 adapter parameters" in out  # 36 x 16 x (2 x 8192 + 2 x 5120)
+    assert "fused loss where the recipe has it (recipes/gpt-oss-lora-trl)" in out
+    assert ct.main([str(QWEN3_8B), "--gpus", "1", "--gpu-mem-gib", "80", "--seq", "16", "--micro-batch", "1",
+                    "--lora", "--lora-r", "0", "--no-meta"]) == 2
+    assert "--lora-r must be a positive rank, got 0" in capsys.readouterr().err
