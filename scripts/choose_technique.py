@@ -45,7 +45,7 @@ table above. The base is frozen and held in bf16 (2 B per parameter: DDP a whole
 FSDP2 a 1/N shard plus the gathered layers and the gathered output head); only the adapters have
 fp32 weights, gradients and AdamW moments (`lora_state_bytes`). Activations: the frozen base still
 passes activation gradients back, but a frozen matmul keeps none of its inputs; what autograd keeps
-is in `lora_activation_bytes_per_token_layer` (checked tensor by tensor on an H200). The loss
+is in `lora_activation_bytes_per_token_layer`. The loss
 defaults to ``fused``: TRL's ``SFTTrainer`` (1.16) computes it with its fused LM head (no logits
 kept); ``--loss full`` counts the full fp32 logits of an older TRL. The LoRA rows against
 1-H200 peaks of gpt_oss 20B (r 16 on q/k/v/o, 4,096 tokens): DDP 60.2 GiB estimated / 60.6
@@ -451,9 +451,7 @@ def lora_activation_bytes_per_token_layer(m: ModelShape, lora: LoraSpec, bf16_ad
         pointwise results (gpt_oss's clamped SwiGLU: 4 x 2f; act(gate)·up: 2f) and the expert's
         output before the routing weight (2h), and its routing indices and weights (36 B);
         shared experts as a dense gated MLP.
-    Checked against a per-tensor count of ``saved_tensors_hooks`` on an H200 (gpt_oss 20B layer,
-    flex_attention, grouped_mm experts, 4,096 tokens): 218,268 B per token per layer with bf16
-    adapters, against this function's 218,256.
+    The totals are checked against measured peaks (``tests/test_choose_technique.py``), not tensor by tensor.
 
     Returns:
         item -> bytes per token per layer; their sum is the layer's total.
