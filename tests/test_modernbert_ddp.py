@@ -240,6 +240,23 @@ def test_resume_gives_the_same_losses_as_an_uninterrupted_run(full_run, tmp_path
     assert epoch_start == [1, 21, 26]  # each process's first pass, and epoch 1's (log_every 1)
 
 
+def test_ddp_speed_settings_leave_the_losses_unchanged(full_run, tmp_path, monkeypatch, capfd):
+    """ddp.bucket_cap_mb, ddp.gradient_as_bucket_view and ddp.static_graph change how DDP all-reduces the gradients
+    (here: buckets of 10 KiB, so many all-reduces a step), not their values: the first 10 steps equal the
+    uninterrupted run's. That run accumulates 2 micro-batches of 16, which static_graph refuses (PyTorch's
+    static-graph reducer fails under no_sync), so this one takes the same 32 rows per rank in one micro-batch."""
+    out = tmp_path / "run"
+    run_in_workers(monkeypatch, capfd, f"output_dir={out}", "ddp.bucket_cap_mb=0.01", "ddp.gradient_as_bucket_view=true",
+                   "ddp.static_graph=true", "train.micro_batch_size=32", "train.grad_accum_steps=1",
+                   "train.stop_at_step=10")
+    expected, got = train_losses(full_run[0] / "metrics.jsonl"), train_losses(out / "metrics.jsonl")
+    assert sorted(got) == list(range(1, 11))
+    torch.testing.assert_close(torch.tensor([got[s] for s in range(1, 11)], dtype=torch.float64),
+                               torch.tensor([expected[s] for s in range(1, 11)], dtype=torch.float64), rtol=1e-5, atol=0)
+    assert load_recipe("modernbert-ddp").Config().ddp.kwargs() == {
+        "bucket_cap_mb": 25.0, "gradient_as_bucket_view": False, "static_graph": False}  # PyTorch's defaults
+
+
 def test_a_run_resized_from_2_ranks_to_1_and_back_to_2_consumes_each_sample_once_and_keeps_its_losses(
         full_run, tmp_path, monkeypatch, capfd):
     """The uninterrupted run's checkpoint of step 20 (2 ranks) resumes on 1 rank (accumulation 4: the same global
@@ -404,6 +421,8 @@ BAD_INPUTS = [
     (lambda d: ["model.compile=true", "data.padding=longest"], "model.compile=true needs data.padding=max_length"),
     (lambda d: ["checkpoint.every_steps=-2"], "checkpoint.every_steps must be >= -1, got -2 (-1: never)"),
     (lambda d: ["checkpoint.every_steps=-1", "train.stop_at_step=10"], "train.stop_at_step needs a checkpoint to resume"),
+    (lambda d: ["ddp.bucket_cap_mb=0"], "ddp.bucket_cap_mb=0.0: must be above 0"),
+    (lambda d: ["ddp.static_graph=true"], "ddp.static_graph=true with train.grad_accum_steps=2"),
 ]
 
 

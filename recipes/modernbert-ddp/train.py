@@ -99,11 +99,12 @@ class Config(config.RunConfig):
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: config.HFCheckpointConfig = field(default_factory=config.HFCheckpointConfig)
+    ddp: config.DDPConfig = field(default_factory=config.DDPConfig)
 
 
 # Settings that may differ between a checkpoint and the run that resumes it; any other change is refused.
 # not data.num_workers: the loader state each rank checkpoints has one entry per worker
-MAY_CHANGE = config.MAY_CHANGE
+MAY_CHANGE = (*config.MAY_CHANGE, "ddp.*")
 
 
 def check_config(cfg: Config, config_dir: Path) -> None:
@@ -115,6 +116,11 @@ def check_config(cfg: Config, config_dir: Path) -> None:
     if cfg.data.eval_files and not cfg.data.train_files:
         raise ConfigError("data.eval_files is set but data.train_files is empty: give both, or neither to use data.hub_id")
     config.check_run(cfg)
+    cfg.ddp.kwargs()  # raises on a bad value
+    if cfg.ddp.static_graph and cfg.train.grad_accum_steps > 1:
+        raise ConfigError(f"ddp.static_graph=true with train.grad_accum_steps={cfg.train.grad_accum_steps}: DDP's static-graph "
+                          "reducer fails under no_sync(), which gradient accumulation uses (PyTorch issue 143580); "
+                          "use one or the other")
     check_fields(cfg, at_least={"data.max_length": 1},
                  one_of={"data.padding": ("max_length", "longest"), "train.activation_checkpointing": ("none", "full"),
                          "model.attn_implementation": ("sdpa_padsafe", "sdpa", "eager", "flash_attention_2", "flex_attention")},
@@ -389,7 +395,7 @@ def main(argv: list[str]) -> None:
     flops = ModelFlops(count_parameters(model), model.config.num_hidden_layers, model.config.hidden_size)
     if cfg.model.compile:
         model.compile()
-    model = DDP(model, device_ids=[info.local_rank] if info.device.type == "cuda" else None)
+    model = DDP(model, device_ids=[info.local_rank] if info.device.type == "cuda" else None, **cfg.ddp.kwargs())
 
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]  # biases and norms

@@ -348,6 +348,31 @@ class LoraConfig:
 
 
 @dataclasses.dataclass
+class DDPConfig:
+    """``ddp``: the settings of ``torch.nn.parallel.DistributedDataParallel`` that change its speed, not its result
+    (PyTorch's defaults; https://pytorch.org/docs/stable/generated/torch.nn.parallel.DistributedDataParallel.html).
+    Gradients are all-reduced in buckets of ``bucket_cap_mb`` MiB, each launched as soon as its gradients are ready
+    in backward; ``gradient_as_bucket_view`` lets each ``.grad`` be a view into its bucket (no copy into the bucket,
+    one gradient-sized buffer less); ``static_graph`` declares that every step uses the same parameters in the
+    same order, which lets DDP skip per-step bookkeeping. A resume may change any of them."""
+
+    bucket_cap_mb: float = 25.0
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+
+    def kwargs(self) -> dict[str, Any]:
+        """The settings as ``DistributedDataParallel``'s keyword arguments.
+
+        Raises:
+            ConfigError: ``bucket_cap_mb`` not above 0.
+        """
+        if not self.bucket_cap_mb > 0:
+            raise ConfigError(f"ddp.bucket_cap_mb={self.bucket_cap_mb}: must be above 0 (MiB per gradient bucket)")
+        return {"bucket_cap_mb": float(self.bucket_cap_mb), "gradient_as_bucket_view": bool(self.gradient_as_bucket_view),
+                "static_graph": bool(self.static_graph)}
+
+
+@dataclasses.dataclass
 class ExpertLoraConfig(LoraConfig):
     """``lora`` of a mixture-of-experts recipe: `LoraConfig` plus ``target_parameters``, the fused 3-D expert weights
     (``mlp.experts.gate_up_proj``) that PEFT adapts through its ``target_parameters``; empty: none."""
