@@ -308,6 +308,41 @@ def test_benchmark_axolotl_yaml_has_the_trl_path_settings():
     assert not cpu["bf16"] and cpu["lora_mlp_kernel"] is False and "special_tokens" not in cpu
 
 
+def test_benchmark_axolotl_qlora_yaml_and_attention_kernels():
+    """The QLoRA variant of the benchmark's Axolotl YAML differs from the LoRA one only in adapter and 4-bit loading
+    (recipes/axolotl-lora-ddp/qlora.yaml's keys), and a model whose attention Axolotl's QKV/O kernels cannot patch
+    keeps the MLP kernel only; an unknown adapter is refused."""
+    b = _bench_config()
+    lora = b.axolotl_config("/m", "/d.jsonl", "/r", seq=2048, steps=30, cpu=False, pad_token=None)
+    q = b.axolotl_config("/m", "/d.jsonl", "/r", seq=2048, steps=30, cpu=False, pad_token=None, adapter="qlora",
+                         prepared="/p", attn_kernels=False)
+    recipe = yaml.safe_load((AXOLOTL / "qlora.yaml").read_text())
+    assert (q["adapter"], q["load_in_4bit"]) == (recipe["adapter"], recipe["load_in_4bit"]) == ("qlora", True)
+    assert q["dataset_prepared_path"] == "/p" and lora["dataset_prepared_path"] == "/r/prepared"
+    assert (q["lora_qkv_kernel"], q["lora_o_kernel"], q["lora_mlp_kernel"]) == (False, False, True)
+    differ = {k for k in set(q) | set(lora) if q.get(k) != lora.get(k)}
+    assert differ == {"adapter", "load_in_4bit", "dataset_prepared_path", "lora_qkv_kernel", "lora_o_kernel",
+                      "lora_mlp_kernel"}
+    cpu = b.axolotl_config("/m", "/d.jsonl", "/r", seq=128, steps=4, cpu=True, pad_token=None, attn_kernels=False)
+    assert cpu["lora_mlp_kernel"] is False  # no Triton kernel on CPU
+    with pytest.raises(ValueError, match="adapter"):
+        b.axolotl_config("/m", "/d.jsonl", "/r", seq=128, steps=4, cpu=True, pad_token=None, adapter="dora")
+
+
+def test_olmo3_tokenizer_refuses_a_small_vocabulary(tmp_path):
+    """benchmarks/olmo3_tokenizer.py keeps Llama-3's cl100k_base ids 0..100255: a tokenizer with fewer ordinary
+    tokens (the 512-id tiny Llama one) is refused with ValueError, and nothing is written."""
+    spec = importlib.util.spec_from_file_location("olmo3_tokenizer", ROOT / "benchmarks" / "olmo3_tokenizer.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert (mod.BASE_IDS, mod.VOCAB_SIZE) == (100256, 100278)
+    assert json.loads((AXOLOTL / "models" / "olmo-3-7b" / "config.json").read_text())["vocab_size"] == mod.VOCAB_SIZE
+    assert max(mod.SPECIALS.values()) < mod.VOCAB_SIZE and min(mod.SPECIALS.values()) >= mod.BASE_IDS
+    with pytest.raises(ValueError, match="100256"):
+        mod.build(str(ROOT / "recipes" / "qwen-fsdp2-sft" / "tiny" / "llama"), str(tmp_path / "tok"))
+    assert not (tmp_path / "tok").exists()
+
+
 def test_axolotl_metrics_plugin_counts_real_tokens(tmp_path):
     """The Axolotl plugin, attached to a plain HF Trainer (no Axolotl here), writes one train record per step whose
     tokens are the batch's attention_mask sum, and a summary."""
