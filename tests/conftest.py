@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -14,6 +15,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# A child forked from a test process (the tests' forked ranks, ``main_in_workers``, the Ray drivers) never collects
+# the garbage it inherited: that garbage holds what earlier tests of the same process left in reference cycles, e.g. a
+# failed launch's rendezvous store, whose destructor joins a server thread that exists only in the parent. A child
+# that collected it died with SIGSEGV ("Garbage-collecting" in accelerate's free_memory, which calls gc.collect() as
+# the Trainer starts: test_unsloth_axolotl_configs's forked ranks in a fresh-clone CI run, 2026-12-02). The child's
+# own garbage is collected as usual.
+os.register_at_fork(after_in_child=gc.freeze)
 
 
 # Ports for rendezvous and Ray heads come from a block of this test process's own, below Linux's ephemeral range
