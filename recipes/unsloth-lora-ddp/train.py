@@ -175,10 +175,13 @@ def build_model(cfg: Config, info, dtype):
         path = str(Path(cfg.output_dir) / "random-init")
         if info.rank == 0 and not (Path(path) / "config.json").is_file():
             torch.manual_seed(cfg.train.seed)
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model.name_or_path), dtype=dtype)
+            with torch.device(info.device):  # drawn on the GPU: the CPU's random generator runs on one thread
+                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model.name_or_path), dtype=dtype)
             model.save_pretrained(path)
             AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(path)
             del model
+            if info.device.type == "cuda":
+                torch.cuda.empty_cache()
         if dist.is_initialized():
             dist.barrier()
         tokenizer_path = path
