@@ -272,8 +272,8 @@ def load_model(cfg: Config, hf_config, dtype, device_map, log, init_device: torc
                 return AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
         # FSDP with cpu_ram_efficient_loading: rank 0 holds the weights on its CPU, the other ranks only shapes
         # (meta); the Trainer broadcasts rank 0's to the shards. Rank 0 builds on meta too and draws the values
-        # module by module on its GPU (transformers' init rules): drawing 21 B values on the CPU did not finish
-        # in 4 minutes (CPU random number generation runs on one thread).
+        # module by module on its GPU (transformers' init rules): drawing 21 B values on the CPU was not done
+        # after 3.6 minutes on the H200 machine (CPU random number generation runs on one thread).
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
         if int(os.environ.get("RANK", "0")) == 0:
