@@ -25,7 +25,10 @@
 #   ag_news/{hf_subset_train_5000.csv,train.csv}        (5,000 rows, HF layout; the first 2,000 rows of the original CSV)
 #   sroie/sroie2019_train.jsonl                         (the 626 SROIE 2019 train receipts, {id, entities, ocr_boxes})
 #   llama-3.2-1b/config.json                            (Llama-3.2-1B's) with the Llama 3 tokenizer.json and
-#   llama-3.2-1b/tokenizer_config.json                  (its chat template); made with `tar -cJf` of that folder.
+#   llama-3.2-1b/tokenizer_config.json                  (the Llama 3 tokenizer's own, with its chat template: with
+#                                                       another tokenizer_config.json beside that tokenizer.json the
+#                                                       recipe counted 128,259 tokens against the model's 128,256
+#                                                       rows and refused to start); made with `tar -cJf`.
 # Time: BUDGET_S (default 450) bounds the whole script; each part gets min(its own limit: MODERNBERT_LIMIT_S 200,
 # RAY_LIMIT_S 120, ZERO_LIMIT_S 120 per stage; what is left) and is skipped (recorded) when under 45 s would be left.
 # After a part, its run's processes get 30 s to end (a timed-out launcher stops its workers after timeout returns),

@@ -148,6 +148,35 @@ def test_evaluation_is_eager_unless_model_compile_eval():
     assert compiled == pytest.approx(eager, rel=1e-6)
 
 
+def test_the_compiled_model_is_not_compiled_again_at_the_second_step():
+    """build_model fixes ``config.problem_type``: the model's forward sets it on its first call with labels, which
+    failed torch.compile's guard on it and compiled the whole model a second time at step 2 (seen with
+    TORCH_LOGS=recompiles). A counting backend stands in for inductor: the second step adds no graph."""
+    train = load_recipe("modernbert-ddp")
+    cfg = cookbook.config.load_config(train.Config, str(ROOT / "recipes" / "modernbert-ddp" / "tiny.yaml"), [])
+    cfg.model.name_or_path = str(ROOT / "recipes" / "modernbert-ddp" / "tiny" / "model")
+    from transformers import AutoTokenizer
+
+    model = train.build_model(cfg.model, AutoTokenizer.from_pretrained(cfg.model.name_or_path), torch.device("cpu"))
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    model.compile(backend=backend)
+    torch.manual_seed(0)
+    batch = {"input_ids": torch.randint(5, 100, (4, 16)), "attention_mask": torch.ones(4, 16, dtype=torch.long),
+             "labels": torch.randint(0, 4, (4,))}
+    counts = []
+    for _ in range(2):
+        model(**batch).loss.backward()
+        counts.append(len(graphs))
+    torch._dynamo.reset()
+    assert counts[0] >= 1 and counts[1] == counts[0]
+
+
 def test_ranks_hold_identical_parameters_and_the_export_matches(full_run):
     out, _ = full_run
     summary = [r for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "summary"][-1]

@@ -350,6 +350,37 @@ def test_cpu_offload_on_a_cpu_run_is_refused(tmp_path):
         check("qwen-fsdp2-sft", f"output_dir={tmp_path / 'out'}", "fsdp.cpu_offload=true")
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["train.float8=true"], "train.float8=true needs train.compile=true"),
+    (["train.float8=true", "train.compile=true", "train.activation_checkpointing=selective"],
+     "train.float8=true does not work with train.activation_checkpointing=selective"),
+    (["train.float8=true", "train.compile=true", "train.activation_checkpointing=full"],
+     "train.float8=true needs a CUDA GPU of compute capability 8.9 or newer (float8 matmuls); this run has a cpu device"),
+])
+def test_float8_where_it_cannot_run_is_refused_by_the_check(tmp_path, overrides, message):
+    with pytest.raises(ConfigError) as err:
+        check("qwen-fsdp2-sft", f"output_dir={tmp_path / 'out'}", *overrides)
+    assert str(err.value).startswith(message)
+
+
+def test_float8_converts_every_projection_of_a_qwen3_decoder_layer():
+    """All seven linears of a Qwen3-4B decoder layer have sizes that float8 matmuls take (multiples of 16); a
+    linear with 10 outputs is left alone."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    train = recipe_module()
+    hf_config = AutoConfig.from_pretrained(ROOT / "tests" / "data" / "config_Qwen3-4B.json")
+    hf_config.num_hidden_layers = 1
+    with torch.device("meta"):
+        layer = AutoModelForCausalLM.from_config(hf_config).model.layers[0]
+    linears = {n for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert linears == {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                       "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}
+    assert all(train.float8_module_filter(m, n) for n, m in layer.named_modules() if n in linears)
+    assert not train.float8_module_filter(torch.nn.Linear(64, 10, device="meta"), "head")
+    assert not train.float8_module_filter(layer.input_layernorm, "input_layernorm")
+
+
 @pytest.mark.parametrize("config", ["config.yaml", "qwen2.5-3b.yaml", "llama3.1-8b-2nodes.yaml", "gemma2-27b-4nodes.yaml", "fsdp-10m.yaml"])
 def test_shipped_configs_are_valid(config):
     train = recipe_module()

@@ -14,7 +14,8 @@ What this recipe supports:
       mesh that replicates across groups, e.g. nodes, and shards within each).
     - Activation checkpointing per decoder layer: none, selective (saves matmul and attention
       outputs, recomputes the rest) or full; optional ``torch.compile`` of each decoder layer;
-      fused AdamW on GPU.
+      fused AdamW on GPU; optional float8 matmuls in the decoder layers (``train.float8``: torchao's
+      ``Float8Linear``, dynamic tensorwise scaling, on GPUs of compute capability 8.9+, compiled).
     - Model loading without materialising the model on any rank: built on the meta device,
       sharded, then either read shard by shard from Hugging Face safetensors with DCP's
       ``HuggingFaceStorageReader`` (a local folder, or a hub id through the Hugging Face cache:
@@ -105,6 +106,7 @@ class TrainConfig(config.TrainConfig):
     compile: bool = False  # torch.compile each decoder layer
     loss: str = "chunked"  # chunked (logits loss_chunk_size labelled tokens at a time) or full (the model's logits)
     loss_chunk_size: int = 4096  # labelled tokens per chunk of train.loss=chunked
+    float8: bool = False  # torchao Float8Linear for the decoder layers' linears (GPU capability >= 8.9, train.compile)
 
 
 @dataclass
@@ -148,6 +150,42 @@ def _sac_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def check_float8(cfg: TrainConfig, device: torch.device) -> None:
+    """Refuse ``train.float8=true`` where it cannot run or would not pay.
+
+    Raises:
+        ConfigError: without ``train.compile`` (torchao's float8 training is documented for use with
+            ``torch.compile``, which fuses the scaling and casting around each matmul), with selective
+            activation checkpointing (its recomputation did not find a saved op of the float8 forward; eager
+            and compiled, on CPU, torch 2.13, torchao 0.18), on a device other than a
+            CUDA GPU of compute capability 8.9 or newer (``torch._scaled_mm``'s float8 kernels: Ada, Hopper,
+            Blackwell), or when torchao is not installed.
+    """
+    if not cfg.float8:
+        return
+    if not cfg.compile:
+        raise ConfigError("train.float8=true needs train.compile=true: uncompiled, torchao's scaling and casting run "
+                          "as separate kernels around every matmul")
+    if cfg.activation_checkpointing == "selective":
+        raise ConfigError("train.float8=true does not work with train.activation_checkpointing=selective (its backward "
+                          "failed: 'aten.slice.Tensor invocation ... not found in storage', torchao 0.18): use none or full")
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    if capability is None or capability < (8, 9):
+        where = f"compute capability {capability[0]}.{capability[1]}" if capability else f"a {device.type} device"
+        raise ConfigError(f"train.float8=true needs a CUDA GPU of compute capability 8.9 or newer (float8 matmuls); "
+                          f"this run has {where}: set train.float8=false")
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(f"train.float8=true needs torchao: pip install -r requirements/float8.txt ({exc})") from None
+
+
+def float8_module_filter(module: torch.nn.Module, fqn: str) -> bool:
+    """Which linears ``train.float8`` converts: those whose input and output sizes are multiples of 16
+    (``torch._scaled_mm`` needs them; a decoder layer's projections of the supported models all are)."""
+    return isinstance(module, torch.nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
 def build_model(cfg: Config, info: cookbook.DistInfo, vocab_size_needed: int) -> tuple[torch.nn.Module, ModelFlops]:
     """Build on the meta device, wrap layers (AC, compile), shard with FSDP2, then materialise:
     load the safetensors shards this rank owns, or initialise randomly."""
@@ -164,6 +202,11 @@ def build_model(cfg: Config, info: cookbook.DistInfo, vocab_size_needed: int) ->
     flops = ModelFlops(count_parameters(model), hf_config.num_hidden_layers,
                        hf_config.num_attention_heads * getattr(hf_config, "head_dim", hf_config.hidden_size // hf_config.num_attention_heads))
     layers = model.model.layers
+    if cfg.train.float8:  # the decoder layers' linears only: embeddings and lm_head stay in bf16
+        from torchao.float8 import convert_to_float8_training
+
+        check_float8(cfg.train, info.device)
+        convert_to_float8_training(layers, module_filter_fn=float8_module_filter)
     for i, layer in enumerate(layers):
         if cfg.train.activation_checkpointing == "full":
             layer = checkpoint_wrapper(layer, preserve_rng_state=False)
@@ -217,6 +260,7 @@ def main(argv: list[str]) -> None:
         if cfg.model.attn_implementation == "varlen" and on_cpu:
             raise ConfigError("model.attn_implementation=varlen runs on CUDA GPUs only: use sdpa on CPU")
         lm.check_attention(cfg.model.attn_implementation, on_cpu)
+        check_float8(cfg.train, cookbook.get_dist_info().device)
         if cfg.fsdp.cpu_offload and on_cpu:
             raise ConfigError("fsdp.cpu_offload=true needs GPUs: it moves shards from GPU to CPU memory, and on a CPU run "
                               "they are in CPU memory already")

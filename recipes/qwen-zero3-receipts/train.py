@@ -43,6 +43,7 @@ What this recipe supports:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -546,7 +547,10 @@ def train(cfg: Config, on_cpu: bool) -> None:
         model = AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path, config=hf_config, dtype=dtype)
     else:
         torch.manual_seed(cfg.train.seed)
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        # ZeRO-3's zero.Init draws each partition on the rank's GPU; ZeRO-2/1 would draw the whole model on the
+        # CPU's one-threaded generator unless it is built on the GPU here.
+        with torch.device(info.device) if stage < 3 else contextlib.nullcontext():
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     peft_config = None
     if cfg.lora.enabled:
         from peft import LoraConfig as PeftLoraConfig

@@ -43,7 +43,7 @@ import numpy as np
 import pandas as pd
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
 
 import cookbook
 from cookbook import ray_train, tabular
@@ -324,8 +324,14 @@ def train_loop(config_dict: dict) -> None:
     # ---- set-up: data, model (DDP), optimizer, resume
     data = read_interactions(cfg.data)
     pairs = TensorDataset(torch.as_tensor(data.train_users), torch.as_tensor(data.train_items))
-    loader = ray.train.torch.prepare_data_loader(DataLoader(pairs, batch_size=cfg.train.micro_batch_size, shuffle=True,
-                                                            drop_last=True))
+    # One index gather per micro-batch (the sampler yields index lists, batch_size=None): a per-row __getitem__ and
+    # collate of 4,096 (user, item) pairs took longer than the step on a GPU. The DistributedSampler shards the rows
+    # over the workers (and shuffles by seed and epoch with one); Ray only moves the batches to the device.
+    sampler = DistributedSampler(pairs, num_replicas=info.world_size, rank=info.rank, shuffle=True,
+                                 seed=cfg.train.seed, drop_last=True)
+    loader = ray.train.torch.prepare_data_loader(
+        DataLoader(pairs, sampler=BatchSampler(sampler, cfg.train.micro_batch_size, drop_last=True), batch_size=None),
+        add_dist_sampler=False)
     if len(loader) == 0:
         raise DataError(f"{len(pairs)} training interactions are too few for one step of "
                         f"{cfg.train.micro_batch_size} x {info.world_size} workers")
@@ -345,8 +351,7 @@ def train_loop(config_dict: dict) -> None:
     # ---- train loop: one checkpoint per epoch
     with run:
         for epoch in run.epochs():
-            if info.world_size > 1:
-                loader.sampler.set_epoch(epoch)
+            sampler.set_epoch(epoch)
             for (users, items), wait in run.timed(loader):
                 with torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
                     user_emb, item_emb = model(users, items)
