@@ -281,8 +281,11 @@ AttentionMaskInterface.register("sdpa_padsafe", sdpa_mask)
 
 def build_model(cfg: ModelConfig, tokenizer, device: torch.device) -> torch.nn.Module:
     """ModernBERT with a 4-way classification head on `device`: pretrained weights, or random init from a config
-    (drawn on `device`: the CPU's generator runs on one thread, 13.6 s of ModernBERT-base's 15.7 s build on a
-    2-core CPU by cProfile; DDP then broadcasts rank 0's weights)."""
+    (drawn on `device`, not by the CPU's generator on one thread; DDP then broadcasts rank 0's weights).
+
+    Raises:
+        ConfigError: the tokenizer has more tokens than the model's vocabulary.
+    """
     # problem_type fixed here: the model's forward sets it on its first call with labels, and that change of the
     # config fails torch.compile's guard on it, so the whole model would be compiled a second time at step 2.
     kwargs = dict(num_labels=len(LABELS), id2label=dict(enumerate(LABELS)), label2id={n: i for i, n in enumerate(LABELS)},

@@ -188,7 +188,13 @@ def float8_module_filter(module: torch.nn.Module, fqn: str) -> bool:
 
 def build_model(cfg: Config, info: cookbook.DistInfo, vocab_size_needed: int) -> tuple[torch.nn.Module, ModelFlops]:
     """Build on the meta device, wrap layers (AC, compile), shard with FSDP2, then materialise:
-    load the safetensors shards this rank owns, or initialise randomly."""
+    load the safetensors shards this rank owns, or initialise randomly.
+
+    Raises:
+        ConfigError: the tokenizer has more tokens than the model's vocabulary, ``train.loss=chunked`` on a model
+            whose forward takes no ``logits_to_keep``, ``train.float8`` where it cannot run (`check_float8`), or an
+            ``fsdp.replicate_degree`` that does not divide the world size.
+    """
     sft.register_varlen()  # attn_implementation: varlen (cookbook.sft.attention)
     hf_config = AutoConfig.from_pretrained(cfg.model.name_or_path, attn_implementation=cfg.model.attn_implementation)
     if vocab_size_needed > hf_config.vocab_size:
@@ -203,9 +209,9 @@ def build_model(cfg: Config, info: cookbook.DistInfo, vocab_size_needed: int) ->
                        hf_config.num_attention_heads * getattr(hf_config, "head_dim", hf_config.hidden_size // hf_config.num_attention_heads))
     layers = model.model.layers
     if cfg.train.float8:  # the decoder layers' linears only: embeddings and lm_head stay in bf16
+        check_float8(cfg.train, info.device)  # before the import: a missing torchao is refused with the fix
         from torchao.float8 import convert_to_float8_training
 
-        check_float8(cfg.train, info.device)
         convert_to_float8_training(layers, module_filter_fn=float8_module_filter)
     for i, layer in enumerate(layers):
         if cfg.train.activation_checkpointing == "full":
