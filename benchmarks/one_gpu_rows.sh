@@ -8,6 +8,8 @@
 #               (156 steps per epoch, so step 157 starts epoch 2) and 2,000 real AG News evaluation rows, 300 steps:
 #               the summary's startup_s (launch to the end of the first step, the compilation included), first_step_s
 #               and final_eval_s, and the train records' epoch_start_wait_s next to the median data wait and step time.
+#               Each modernbert part compiles with empty caches (inductor's and Triton's, in a folder of its own).
+#   modernbert_layers  the same with model.compile_scope=layers (each encoder layer compiled on its own).
 #   ray         recipes/two-tower-ray with config.yaml's defaults (one Ray Train worker per GPU, micro-batch 4,096,
 #               10 epochs) on generated interactions (scripts/make_tiny_interactions.py at USERS x PER_USER rows, the
 #               tiny set's construction: no real interaction data is offline): samples/s per GPU and recall@k of the
@@ -111,9 +113,9 @@ print(" | ".join(f"{m} {importlib.import_module(m).__version__}" for m in ("torc
 PY
 
 # ------------------------------------------------------------------ (a) ModernBERT start-up, final eval, epoch start
-part_modernbert() {
-  local run="$WORK/modernbert" log="$WORK/modernbert.log" t rc extra=()
-  t=$(limit "${MODERNBERT_LIMIT_S:-200}"); [[ $t == 0 ]] && { skip modernbert; return; }
+part_modernbert() {  # name [override ...]: the part's name and overrides of config.yaml's defaults
+  local name=$1 run="$WORK/$1" log="$WORK/$1.log" t rc extra=("${@:2}")
+  t=$(limit "${MODERNBERT_LIMIT_S:-200}"); [[ $t == 0 ]] && { skip "$name"; return; }
   python3 - "$WORK/modernbert-base" "$DATA/modernbert" "$TINY" <<'PY' || { record modernbert 1 /dev/null; return; }
 import sys
 from transformers import AutoTokenizer, ModernBertConfig
@@ -124,18 +126,20 @@ cfg.save_pretrained(sys.argv[1])
 AutoTokenizer.from_pretrained(sys.argv[2]).save_pretrained(sys.argv[1])
 PY
   # TINY: 9 steps per epoch on 2 CPU processes, so step 10 starts epoch 2
-  [[ "$TINY" == 1 ]] && extra=(model.compile=false data.max_length=64 data.num_workers=1 train.micro_batch_size=256
-                               train.log_every=2)
-  say "[modernbert] $MB_STEPS steps, config.yaml's defaults (at most ${t}s)"
-  timeout --signal=TERM --kill-after=20 "$t" env NGPU="${NGPU:-}" MAX_RESTARTS=0 bash recipes/modernbert-ddp/launch.sh \
-    output_dir="$run" run_name=one-gpu-modernbert mlflow=false model.name_or_path="$WORK/modernbert-base" \
+  [[ "$TINY" == 1 ]] && extra+=(model.compile=false data.max_length=64 data.num_workers=1 train.micro_batch_size=256
+                                train.log_every=2)
+  say "[$name] $MB_STEPS steps, config.yaml's defaults ${extra[*]} (at most ${t}s; compile caches empty)"
+  # each part compiles from nothing: inductor's and Triton's caches in a folder of its own
+  timeout --signal=TERM --kill-after=20 "$t" env NGPU="${NGPU:-}" MAX_RESTARTS=0 \
+    TORCHINDUCTOR_CACHE_DIR="$WORK/$name-inductor" TRITON_CACHE_DIR="$WORK/$name-triton" bash recipes/modernbert-ddp/launch.sh \
+    output_dir="$run" run_name="one-gpu-$name" mlflow=false model.name_or_path="$WORK/modernbert-base" \
     model.pretrained=false "data.train_files=[$DATA/ag_news/hf_subset_train_5000.csv]" \
-    "data.eval_files=[$DATA/ag_news/train.csv]" train.max_steps=$MB_STEPS "${extra[@]}" > "$log" 2>&1
+    "data.eval_files=[$DATA/ag_news/train.csv]" train.max_steps=$MB_STEPS ${extra[@]+"${extra[@]}"} > "$log" 2>&1
   rc=$?
   settle "$run"
-  keep modernbert "$log" "$run/metrics.jsonl" $rc
-  record modernbert $rc "$log" "$(python3 benchmarks/one_gpu_rows.py modernbert "$run/metrics.jsonl")"
-  say "[modernbert] exit status $rc"
+  keep "$name" "$log" "$run/metrics.jsonl" $rc
+  record "$name" $rc "$log" "$(python3 benchmarks/one_gpu_rows.py modernbert "$run/metrics.jsonl")"
+  say "[$name] exit status $rc"
 }
 
 # ------------------------------------------------------------------ (c) two-tower Ray: samples/s/GPU, recall@k
@@ -184,7 +188,8 @@ intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16
 
 for part in $PARTS; do
   case $part in
-    modernbert) part_modernbert ;;
+    modernbert) part_modernbert modernbert ;;
+    modernbert_layers) part_modernbert modernbert_layers model.compile_scope=layers ;;
     ray) part_ray ;;
     zero3|zero2|zero1) part_zero "$part" ;;
     *) echo "one_gpu_rows.sh: unknown part $part" >&2 ;;

@@ -129,3 +129,45 @@ def test_one_lora_section_serves_every_lora_recipe_with_its_own_defaults():
         "unsloth-lora-ddp": {"dropout": 0.0, "target_modules": every_linear},
         "qwen-zero3-receipts": {"dropout": 0.05, "target_modules": every_linear, "enabled": False}}
     assert isinstance(load_config(load_recipe("moe-lora-fsdp2-ep").Config).lora, moe.LoraSection)
+
+
+def test_a_required_package_that_is_missing_or_broken_is_refused_in_one_line(tmp_path, monkeypatch):
+    """`cookbook.config.require` (a recipe's --check, before any worker): the package's pin from the requirements file
+    and that file's install line; an installed package whose import fails (a compiled extension built for another
+    torch) is named with its version and the cause, and a torch build gets the install line of the matching build."""
+    import torch
+
+    from cookbook import config
+
+    reqs = tmp_path / "requirements.txt"
+    reqs.write_text("# extra packages\ncookbook-no-such-package==1.2  # a comment\nbrokenpkg==1.0\n")
+    missing = (f"cookbook_no_such_package is not installed: `pip install cookbook-no-such-package==1.2`, or "
+               f"`pip install -r {reqs}`")
+    with pytest.raises(ConfigError) as err:
+        config.require("cookbook_no_such_package", reqs)
+    assert str(err.value) == missing
+    with pytest.raises(ConfigError, match=r"^cookbook_no_such_package is not installed: `pip install "
+                                          r"cookbook_no_such_package`, or `pip install -r requirements/base\.txt` from "
+                                          r"the cookbook repository's root$"):
+        config.require("cookbook_no_such_package", "requirements/base.txt")
+    assert [config.pinned(p, "requirements/base.txt") for p in ("ray[train]", "peft", "PEFT")] == [
+        "ray[train]==2.60.0", "peft==0.21.2", "peft==0.21.2"]
+
+    (tmp_path / "brokenpkg").mkdir()
+    (tmp_path / "brokenpkg" / "__init__.py").write_text("raise RuntimeError('operator brokenpkg::nms does not exist')\n")
+    (tmp_path / "brokenpkg-1.0.dist-info").mkdir()
+    (tmp_path / "brokenpkg-1.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: brokenpkg\nVersion: 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    broken = "brokenpkg 1.0 is installed but does not import (RuntimeError: operator brokenpkg::nms does not exist)"
+    monkeypatch.setattr(torch.version, "hip", None)
+    for cuda, index in ((None, "cpu"), ("13.0", "cu130")):  # the index of the installed torch's build
+        monkeypatch.setattr(torch.version, "cuda", cuda)
+        with pytest.raises(ConfigError) as err:
+            config.require("brokenpkg", reqs, torch_build=True)
+        assert str(err.value) == (f"{broken}: its build does not match torch {torch.__version__}: install the "
+                                  f"brokenpkg build made for that torch: `pip install --force-reinstall --no-deps "
+                                  f"brokenpkg==1.0 --index-url https://download.pytorch.org/whl/{index}`")
+    with pytest.raises(ConfigError) as err:
+        config.require("brokenpkg", reqs)
+    assert str(err.value) == f"{broken}; install it again: `pip install brokenpkg==1.0`, or `pip install -r {reqs}`"
+    config.require("omegaconf", reqs)  # installed and importable: nothing to say

@@ -144,6 +144,33 @@ def test_a_diverged_run_is_one_line_with_status_4(monkeypatch, capsys):
     assert _run_main_here(monkeypatch, capsys, main, world=2, rank=1) == (4, "")
 
 
+def test_a_missing_or_broken_package_is_one_line_with_status_2_and_never_restarted(monkeypatch, capsys, tmp_path):
+    """A restart cannot install a package: an ImportError is bad input (2), which the launcher does not restart, in
+    one line that names the module (or, through transformers' wrapping, the innermost cause) and the install line
+    of the requirements.txt beside the recipe's train.py."""
+    from cookbook.torchrun import should_restart
+
+    (tmp_path / "requirements.txt").write_text("torchvision==0.28.0\n")
+    recipe = {}
+    exec(compile("def main(argv):\n    import cookbook_no_such_package\n", str(tmp_path / "train.py"), "exec"), recipe)
+    status, err = _run_main_here(monkeypatch, capsys, recipe["main"], world=2, rank=1)
+    assert (status, err) == (2, "error: [rank 1] importing cookbook_no_such_package failed (No module named "
+                                "'cookbook_no_such_package'): a restart cannot install or repair a package; install "
+                                f"the recipe's requirements (`pip install -r {tmp_path / 'requirements.txt'}`)\n")
+    assert not should_restart(status, [status, status])
+
+    def main(argv):  # what `from transformers import get_scheduler` raises beside a torchvision built for another torch
+        try:
+            raise RuntimeError("operator torchvision::nms does not exist")
+        except RuntimeError as exc:
+            raise ModuleNotFoundError("Could not import module 'get_scheduler'. Are this object's requirements defined "
+                                      "correctly?") from exc
+
+    assert _run_main_here(monkeypatch, capsys, main) == (
+        2, "error: an import failed (RuntimeError: operator torchvision::nms does not exist): a restart cannot install "
+           "or repair a package; install the recipe's requirements (its README's install line)\n")
+
+
 def test_a_collective_timeout_outside_the_loop_is_one_line_with_status_3(monkeypatch, capsys):
     import torch.distributed
 

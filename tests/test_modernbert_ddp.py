@@ -177,6 +177,58 @@ def test_the_compiled_model_is_not_compiled_again_at_the_second_step():
     assert counts[0] >= 1 and counts[1] == counts[0]
 
 
+@pytest.mark.parametrize("scope", ["model", "layers"])
+def test_compile_model_keeps_the_losses_and_compiles_nothing_at_the_second_step(scope, tmp_path):
+    """``compile_model`` (whole model, or each encoder layer: regional compilation) gives the eager model's losses
+    and parameter names. With ``layers`` the 5 layers of the tiny model made deeper (global attention every 2nd)
+    share 2 graphs in the forward (layer 0, which has no attention norm, and the rest: the global and local layers
+    differ only in their mask tensors), not one each; neither scope adds a graph at the second step. A counting
+    backend stands in for inductor."""
+    train = load_recipe("modernbert-ddp")
+    cfg = cookbook.config.load_config(train.Config, str(ROOT / "recipes" / "modernbert-ddp" / "tiny.yaml"), [])
+    shutil.copytree(ROOT / "recipes" / "modernbert-ddp" / "tiny" / "model", tmp_path / "model")
+    model_config = json.loads((tmp_path / "model" / "config.json").read_text())
+    model_config.update(num_hidden_layers=5)
+    model_config.pop("layer_types", None)  # drawn again from global_attn_every_n_layers
+    (tmp_path / "model" / "config.json").write_text(json.dumps(model_config))
+    cfg.model.name_or_path = str(tmp_path / "model")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.name_or_path)
+    torch.manual_seed(0)
+    batch = {"input_ids": torch.randint(5, 100, (4, 16)), "attention_mask": torch.ones(4, 16, dtype=torch.long),
+             "labels": torch.randint(0, 4, (4,))}
+    batch["attention_mask"][1, 10:] = 0  # a padded row: the masks are tensors, as in training
+    losses, names, graphs = {}, {}, []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    for mode in ("eager", scope):
+        torch.manual_seed(0)
+        model = train.build_model(cfg.model, tokenizer, torch.device("cpu"))
+        torch._dynamo.reset()
+        if mode != "eager":
+            train.compile_model(model, scope, backend=backend)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses[mode], counts = [], []
+        for _ in range(2):
+            loss = model(**batch).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses[mode].append(loss.item())
+            counts.append(len(graphs))
+        names[mode] = list(model.state_dict())
+    torch._dynamo.reset()
+    assert [layer.attention_type for layer in model.model.layers] == ["full_attention", "sliding_attention"] * 2 + [
+        "full_attention"]
+    assert counts[0] == (2 if scope == "layers" else 1) and counts[1] == counts[0]
+    assert losses[scope] == pytest.approx(losses["eager"], rel=1e-5) and losses["eager"][1] != losses["eager"][0]
+    assert names[scope] == names["eager"]
+
+
 def test_ranks_hold_identical_parameters_and_the_export_matches(full_run):
     out, _ = full_run
     summary = [r for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "summary"][-1]

@@ -7,7 +7,10 @@ pure-PyTorch nms. The runs are ``main`` on 2 workers forked from this process (`
 
 import json
 import logging
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -150,13 +153,46 @@ def _write(tmp_path, mutate, raw: str | None = None):
      r"annotations\[2\] \(annotation id 3\): field 'category_id': unknown category id 7 \(categories: \[1, 2\]\)"),
     (lambda c: c["annotations"][1].update(bbox=[56, 22, -36, 22]),
      r"annotations\[1\] \(annotation id 2\): field 'bbox': width and height must be > 0, got \[56, 22, -36, 22\]"),
-    (lambda c: c["annotations"][3].update(image_id=3.0),
-     r"annotations\[3\] \(annotation id 4\): field 'image_id' must be an integer, got 3.0"),
+    (lambda c: c["annotations"][3].update(image_id=3.5),
+     r"annotations\[3\] \(annotation id 4\): field 'image_id' must be an integer, got 3.5"),
+    (lambda c: c["annotations"][3].update(iscrowd="no"),
+     r"annotations\[3\] \(annotation id 4\): field 'iscrowd' must be an integer, got 'no'"),
+    (lambda c: c["annotations"][3].update(iscrowd=2),
+     r"annotations\[3\] \(annotation id 4\): field 'iscrowd' must be 0 or 1, got 2"),
+    (lambda c: c["annotations"][3].pop("image_id"), r"annotations\[3\] \(annotation id 4\): field 'image_id' is missing"),
+    (lambda c: c["annotations"][2].pop("id"), r"annotations\[2\]: field 'id' is missing"),
+    (lambda c: c["annotations"][1].pop("category_id"),
+     r"annotations\[1\] \(annotation id 2\): field 'category_id' is missing"),
+    (lambda c: c["annotations"][0].pop("bbox"), r"annotations\[0\] \(annotation id 1\): field 'bbox' is missing"),
+    (lambda c: c["images"][1].pop("file_name"), r"images\[1\] \(id 2\): field 'file_name' is missing"),
+    (lambda c: c["images"][0].pop("height"), r"images\[0\] \(id 1\): field 'height' is missing"),
+    (lambda c: c["categories"][1].pop("id"), r"categories\[1\]: field 'id' is missing"),
+    (lambda c: c.pop("categories"), r"field 'categories' is missing"),
+    (lambda c: c["annotations"].append(7), r"annotations\[11\] must be an object, got 7"),
 ])
 def test_bad_input_names_file_field_and_annotation(tmp_path, mutate, message):
     path = _write(tmp_path, mutate)
     with pytest.raises(recipe.DataError, match=rf"^{tmp_path}/instances.json: {message}"):
         check("retinanet-ddp", f"data.train_annotations={path}", f"data.train_images={RECIPE / 'tiny' / 'images'}")
+
+
+@pytest.mark.parametrize("prelude, message", [
+    ("sys.modules['torchvision'] = None",  # not importable, wherever the environment has it
+     "torchvision is not installed: `pip install torchvision==0.28.0`, or `pip install -r {requirements}`"),
+    (f"sys.path.insert(0, {str(torchvision_cpu.FOLDER)!r})",  # PyPI's wheel beside the CPU torch, without the shim
+     "torchvision 0.28.0 is installed but does not import (RuntimeError: operator torchvision::nms does not exist): "
+     "its build does not match torch {torch}: install the torchvision build made for that torch: `pip install "
+     "--force-reinstall --no-deps torchvision==0.28.0 --index-url https://download.pytorch.org/whl/cpu`"),
+], ids=["missing", "built-for-cuda-torch"])
+def test_a_missing_or_mismatched_torchvision_is_refused_by_the_check_in_one_line(prelude, message):
+    """launch.sh's check in a process of its own: one line and status 2 (never restarted, no worker started), before
+    transformers (which imports torchvision) is imported; the test process itself has torchvision through the shim."""
+    argv = [str(RECIPE / "train.py"), "--check", "--config", str(RECIPE / "tiny.yaml")]
+    code = f"import runpy, sys; {prelude}; sys.argv = {argv!r}; runpy.run_path(sys.argv[0], run_name='__main__')"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "COOKBOOK_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": ""})
+    assert (proc.returncode, proc.stdout, proc.stderr) == (
+        2, "", f"error: {message.format(requirements=RECIPE / 'requirements.txt', torch=torch.__version__)}\n")
 
 
 def test_a_bom_is_accepted_with_the_same_records(tmp_path):
@@ -165,3 +201,21 @@ def test_a_bom_is_accepted_with_the_same_records(tmp_path):
     path.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
     images = str(RECIPE / "tiny" / "images")
     assert recipe.load_coco(images, str(path), "f") == recipe.load_coco(images, str(plain), "f")
+
+
+def test_integral_floats_and_a_null_iscrowd_read_as_the_integers_they_hold(tmp_path):
+    """Some exporters write ids, sizes and iscrowd as floats (``3.0``) or iscrowd as null: the same records."""
+    def floats(coco):
+        for img in coco["images"]:
+            img.update(id=float(img["id"]), width=float(img["width"]), height=float(img["height"]))
+        for ann in coco["annotations"]:
+            ann.update(id=float(ann["id"]), image_id=float(ann["image_id"]), category_id=float(ann["category_id"]),
+                       iscrowd=None)
+        for cat in coco["categories"]:
+            cat["id"] = float(cat["id"])
+
+    images = str(RECIPE / "tiny" / "images")
+    records, cats = recipe.load_coco(images, str(_write(tmp_path, floats)), "f")
+    plain_records, plain_cats = recipe.load_coco(images, str(RECIPE / "tiny" / "instances.json"), "f")
+    assert records == plain_records and [c["id"] for c in cats] == [c["id"] for c in plain_cats] == [1, 2]
+    assert all(type(r["image_id"]) is int and type(r["width"]) is int for r in records)

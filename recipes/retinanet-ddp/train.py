@@ -24,8 +24,9 @@ What this recipe supports:
 Data: a folder of images and a COCO ``instances.json`` (``images``: id, file_name, width, height;
 ``annotations``: id, image_id, category_id, bbox ``[x, y, width, height]`` in pixels, iscrowd;
 ``categories``: id, name). ``--check`` refuses, naming the file, the field and the annotation id: a missing
-image file, a box outside its image or with a width/height <= 0, an unknown category or image id, an id that is
-not an integer (``3.0`` included). A UTF-8 BOM is accepted.
+image file or key, a box outside its image or with a width/height <= 0, an unknown category or image id, an id
+that is not an integer (``3.0`` included). A UTF-8 BOM is accepted. It also refuses, in one line, a torchvision
+that is not installed or was built for another torch (PyPI's wheel beside the CPU torch), and a missing pycocotools.
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ from PIL import Image
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Dataset, Subset
 from torchdata.stateful_dataloader import StatefulDataLoader
-from transformers import get_scheduler
 
 import cookbook
 from cookbook import config
@@ -55,6 +55,7 @@ from cookbook.sampler import ResizableSampler
 from cookbook.tabular import DataError
 
 ARCHS = ("retinanet_resnet50_fpn_v2", "retinanet_resnet50_fpn", "retinanet_resnet18_fpn")
+REQUIREMENTS = Path(__file__).resolve().with_name("requirements.txt")  # torchvision, pycocotools: beside this file
 BOX_SLACK = 1.0  # pixels a box may reach past its image's edge (rounding in annotation tools)
 
 
@@ -98,11 +99,18 @@ MAY_CHANGE = (*config.MAY_CHANGE, "data.eval_batch_size", "train.eval_at_start")
 
 
 def check_config(cfg: Config, config_dir: Path) -> None:
-    """Resolve paths against the config file's folder and reject values out of range."""
+    """Resolve paths against the config file's folder and reject values out of range.
+
+    Raises:
+        ConfigError: a value out of range, eval images without annotations (or the reverse), a shared section's
+            value (`cookbook.config.check_run`), or no pycocotools with an evaluation set (it scores the mAP).
+    """
     for key in ("train_images", "train_annotations", "eval_images", "eval_annotations"):
         setattr(cfg.data, key, resolve_path(getattr(cfg.data, key), config_dir))
     if bool(cfg.data.eval_images) != bool(cfg.data.eval_annotations):
         raise ConfigError("data.eval_images and data.eval_annotations: give both, or neither (no evaluation)")
+    if cfg.data.eval_annotations:  # MeanAveragePrecision's backend, imported at the first evaluation
+        config.require("pycocotools", REQUIREMENTS)
     config.check_run(cfg)
     check_fields(cfg, at_least={"model.min_size": 32, "model.max_size": 32, "model.fpn_channels": 8,
                                 "data.num_workers": 0, "data.eval_batch_size": 1},
@@ -114,8 +122,20 @@ def check_config(cfg: Config, config_dir: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- data
-def _int_field(obj: dict, key: str, where: str) -> int:
-    value = obj.get(key)
+def _field(obj: dict, key: str, where: str):
+    if key not in obj:
+        raise DataError(f"{where}: field '{key}' is missing")
+    return obj[key]
+
+
+def _int_field(obj: dict, key: str, where: str, default: int | None = None) -> int:
+    """`obj[key]` as an int: an integer, or a float with no fraction (``3.0``, as some exporters write ids);
+    `default` where the key is absent or null, if given."""
+    value = obj.get(key) if default is not None else _field(obj, key, where)
+    if value is None and default is not None:
+        return default
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise DataError(f"{where}: field '{key}' must be an integer, got {value!r}")
     return value
@@ -135,10 +155,11 @@ def load_coco(images_dir: str, annotations: str, field_name: str) -> tuple[list[
         the category id) and ``iscrowd``; ``categories`` as in the file, by increasing id.
 
     Raises:
-        DataError: one line naming the file, the field and the image or annotation id: a missing file, invalid
-            JSON, a missing section, an id that is not an integer, a duplicate id, an unknown image or category
-            id, a bbox that is not 4 numbers, has a width or height <= 0 or lies outside its image, a missing
-            image file.
+        DataError: one line naming the file, the field and the image or annotation index and id: a missing file,
+            invalid JSON, a missing section or field, an entry that is not an object, an id that is not an integer (a float
+            with no fraction, ``3.0``, is taken as one), an ``iscrowd`` other than 0 or 1,
+            a duplicate id, an unknown image or category id, a bbox that is not 4 numbers, has a width or height
+            <= 0 or lies outside its image, a missing image file.
     """
     path = Path(annotations)
     if not path.is_file():
@@ -152,8 +173,11 @@ def load_coco(images_dir: str, annotations: str, field_name: str) -> tuple[list[
     if not isinstance(coco, dict):
         raise DataError(f"{path}: the top level must be an object with images, annotations, categories")
     for section in ("images", "annotations", "categories"):
-        if not isinstance(coco.get(section), list):
+        if not isinstance(_field(coco, section, str(path)), list):
             raise DataError(f"{path}: field '{section}' must be a list")
+        for i, entry in enumerate(coco[section]):
+            if not isinstance(entry, dict):
+                raise DataError(f"{path}: {section}[{i}] must be an object, got {entry!r}")
     categories = {}
     for i, cat in enumerate(coco["categories"]):
         cid = _int_field(cat, "id", f"{path}: categories[{i}]")
@@ -166,7 +190,7 @@ def load_coco(images_dir: str, annotations: str, field_name: str) -> tuple[list[
         if iid in images:
             raise DataError(f"{where}: duplicate image id {iid}")
         w, h = _int_field(img, "width", f"{where} (id {iid})"), _int_field(img, "height", f"{where} (id {iid})")
-        name = img.get("file_name")
+        name = _field(img, "file_name", f"{where} (id {iid})")
         if not isinstance(name, str) or not name:
             raise DataError(f"{where} (id {iid}): field 'file_name' must be a file name, got {name!r}")
         file = Path(images_dir) / name
@@ -187,7 +211,7 @@ def load_coco(images_dir: str, annotations: str, field_name: str) -> tuple[list[
             raise DataError(f"{where}: field 'image_id': unknown image id {iid}")
         if cid not in categories:
             raise DataError(f"{where}: field 'category_id': unknown category id {cid} (categories: {sorted(categories)})")
-        box = ann.get("bbox")
+        box = _field(ann, "bbox", where)
         if (not isinstance(box, list) or len(box) != 4
                 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in box)):
             raise DataError(f"{where}: field 'bbox' must be 4 numbers [x, y, width, height], got {box!r}")
@@ -200,7 +224,10 @@ def load_coco(images_dir: str, annotations: str, field_name: str) -> tuple[list[
                             f"({img['width']} x {img['height']} pixels)")
         img["boxes"].append([max(x, 0.0), max(y, 0.0), min(x + w, img["width"]), min(y + h, img["height"])])
         img["labels"].append(labels[cid])
-        img["iscrowd"].append(int(ann.get("iscrowd", 0) or 0))
+        crowd = _int_field(ann, "iscrowd", where, default=0)
+        if crowd not in (0, 1):
+            raise DataError(f"{where}: field 'iscrowd' must be 0 or 1, got {ann['iscrowd']!r}")
+        img["iscrowd"].append(crowd)
     return [images[k] for k in sorted(images)], [categories[k] for k in sorted(categories)]
 
 
@@ -377,6 +404,9 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, autocast) -> 
 # ----------------------------------------------------------------------------- recipe
 def main(argv: list[str]) -> None:
     args = cli_parser(__doc__).parse_args(argv)
+    # First: transformers (check_config's scheduler names, get_scheduler) imports torchvision wherever it is installed,
+    # and one built for another torch (PyPI's wheel beside the CPU torch) fails there in a chain of tracebacks.
+    config.require("torchvision", REQUIREMENTS, torch_build=True)
     cfg = load_config(Config, args.config, args.overrides)
     check_config(cfg, Path(args.config).resolve().parent)
     if args.check:  # one process, before torchrun starts any worker
@@ -397,6 +427,8 @@ def main(argv: list[str]) -> None:
         return
 
     # ---- set-up
+    from transformers import get_scheduler  # here, after torchvision was checked (see above)
+
     info = cookbook.init_distributed(cfg.train.collective_timeout_s, debug_dir=Path(cfg.output_dir) / "debug")
     log = cookbook.get_logger()
     out_dir = Path(cfg.output_dir)

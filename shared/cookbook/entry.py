@@ -13,7 +13,9 @@ status      meaning
 ==========  ==================================================================================
 0           finished (or stopped at ``train.stop_at_step``); every output is written
 1           a bug or a library failure: the traceback is printed
-2           bad configuration, data or checkpoint (one of ``user_errors``): one line, no traceback
+2           bad configuration, data or checkpoint (one of ``user_errors``), or a package that is missing or does not
+            import (an ``ImportError``, `cookbook.config.import_error_line`: a restart cannot install it): one line,
+            no traceback
 3           this rank lost contact with another rank: the other rank exited (its message says why), or
             stalled: a collective waited past ``train.collective_timeout_s`` and this rank's one line names
             the rank that is behind (`cookbook.dist.describe_stall`)
@@ -50,6 +52,7 @@ import os
 import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence
 
 EXIT_OK, EXIT_BUG, EXIT_USER_ERROR, EXIT_PEER_LOST, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -82,7 +85,9 @@ def run_main(main: Callable[[list[str]], Any], user_errors: Sequence[type[BaseEx
         main: the recipe's ``main``; it returns normally when the run finished or stopped.
         user_errors: exception classes that mean bad input (configuration, data, checkpoint): their
             message is printed as one line ``error: <message>`` (``error: [rank N] <message>`` in a
-            job of several processes), without a traceback, and the status is 2.
+            job of several processes), without a traceback, and the status is 2. An ``ImportError``
+            (``ModuleNotFoundError`` included) is bad input too: one line naming the module, the innermost
+            cause and the install line of the requirements.txt beside `main`'s file, if there is one.
         argv: the arguments (default: the command line).
 
     Raises:
@@ -94,6 +99,12 @@ def run_main(main: Callable[[list[str]], Any], user_errors: Sequence[type[BaseEx
         main(sys.argv[1:] if argv is None else argv)
     except tuple(user_errors) as exc:
         _say_once(exc, rank, where)
+        _exit(EXIT_USER_ERROR)
+    except ImportError as exc:  # a missing or broken package: the launcher does not restart 2, which would fail alike
+        from cookbook.config import import_error_line
+
+        _record(exc)
+        _say(f"error: {where}{import_error_line(exc, _requirements_beside(main))}")
         _exit(EXIT_USER_ERROR)
     except OneLineError as exc:
         _say_once(exc, rank, where)
@@ -157,6 +168,13 @@ def peer_lost(exc: BaseException) -> bool:
             return True
         exc = exc.__cause__ or exc.__context__
     return False
+
+
+def _requirements_beside(main: Callable) -> Path | None:
+    """The requirements.txt in the folder of `main`'s file (a recipe's own extra packages), if there is one."""
+    code = getattr(main, "__code__", None)
+    path = Path(code.co_filename).resolve().with_name("requirements.txt") if code is not None else None
+    return path if path is not None and path.is_file() else None
 
 
 def _say(line: str) -> None:

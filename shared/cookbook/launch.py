@@ -15,10 +15,10 @@
 4. Restarts the whole group, up to ``--max-restarts`` times (default 3, the number torchrun's documentation
    uses for a fault-tolerant job; torchrun's own default is 0, torchtitan's run_train.sh passes none), when a worker
    is killed (SIGKILL, SIGSEGV, ...) or fails with status 1 or 3; the workers resume from the newest
-   complete checkpoint (``checkpoint.resume: auto``), and finish the planned steps. Bad input (2), a
-   preemption (75), Ctrl-C (130) and SIGTERM to the launcher end the job at once: a restart would only
-   repeat them. One line per restart; ``--max-restarts 0`` turns them off. What holds over several nodes
-   (each restart meets at ``--master-port`` + k): `cookbook.torchrun`.
+   complete checkpoint (``checkpoint.resume: auto``), and finish the planned steps. Bad input (2; a package that
+   is missing or does not import too, `cookbook.run_main`), a preemption (75), Ctrl-C (130) and SIGTERM to the
+   launcher end the job at once: a restart would only repeat them. One line per restart; ``--max-restarts 0``
+   turns them off. What holds over several nodes (each restart meets at ``--master-port`` + k): `cookbook.torchrun`.
 
 **Dry run** (``--dry-run``, or ``DRY_RUN`` set to anything but ``0`` in the environment): after step 1's
 checks, print the two commands instead of running them, one line each, and exit 0::
