@@ -38,7 +38,7 @@ cut="$OUT/cut-2-layers.json"
 python3 -c "import json, sys; c = json.load(open(sys.argv[1])); c.update(num_hidden_layers=2); c.pop('layer_types', None)
 json.dump(c, open(sys.argv[2], 'w'))" "$MODEL_CONFIG" "$cut"
 for name in bf16 float8; do
-  OUT_DIR="$OUT/export-$name" MODEL_CONFIG="$cut" STEPS=6 SKIP_STEPS=2 \
+  OUT_DIR="$OUT/export-$name" MODEL_CONFIG="$cut" STEPS=6 SKIP_STEPS=2 JSON= \
     VARIANTS="$name:train.float8=$([[ $name == float8 ]] && echo true || echo false)" \
     bash "$ROOT/benchmarks/fsdp2_sft.sh" "${common[@]}" "$@" checkpoint.export_hf=true > "$OUT/export-$name.log" 2>&1 \
     || { echo "float8_vs_bf16.sh: the $name export run failed (its log: $OUT/export-$name.log)" >&2; tail -5 "$OUT/export-$name.log" >&2; }
