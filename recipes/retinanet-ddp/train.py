@@ -25,7 +25,7 @@ Data: a folder of images and a COCO ``instances.json`` (``images``: id, file_nam
 ``annotations``: id, image_id, category_id, bbox ``[x, y, width, height]`` in pixels, iscrowd;
 ``categories``: id, name). ``--check`` refuses, naming the file, the field and the annotation id: a missing
 image file or key, a box outside its image or with a width/height <= 0, an unknown category or image id, an id
-that is not an integer (``3.0`` included). A UTF-8 BOM is accepted. It also refuses, in one line, a torchvision
+that is not an integer (``3.0`` is read as 3, ``3.5`` refused). A UTF-8 BOM is accepted. It also refuses, in one line, a torchvision
 that is not installed or was built for another torch (PyPI's wheel beside the CPU torch), and a missing pycocotools.
 """
 
