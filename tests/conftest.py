@@ -16,6 +16,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# One torch / OpenMP thread per process: 2 xdist workers, each forking or launching 2 ranks, share 2 cores; more
+# threads than cores oversubscribe them (set before torch is imported, so this process's pool has one thread too).
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
 # A child forked from a test process (the tests' forked ranks, ``main_in_workers``, the Ray drivers) never collects
 # the garbage it inherited: that garbage holds what earlier tests of the same process left in reference cycles, e.g. a
 # failed launch's rendezvous store, whose destructor joins a server thread that exists only in the parent. A child
@@ -66,13 +71,33 @@ def free_ports(n: int) -> list[int]:
     raise RuntimeError(f"no {n} free ports in {_PORT_BASE}-{_PORT_BASE + _PORT_BLOCK - 1}")
 
 
+RECORD = Path(__file__).with_name("suite_record.json")  # the last recorded run: scripts/record_test_run.sh
+
+
+def order_groups(groups: dict[str, list], seconds: dict[str, float]) -> list[str]:
+    """Group names, the longest first by `seconds` (a recorded run), unrecorded ones first of all (unknown cost);
+    ties keep the collection order. ``--dist loadgroup`` hands groups out in this order, so the long ones start
+    early and the short ones fill the gaps at the end."""
+    return sorted(groups, key=lambda g: -seconds.get(g, float("inf")))
+
+
+# tryfirst: xdist's own hook turns the marks into node ids in the workers, so the marks must be there before it runs
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Groups for pytest-xdist's ``--dist loadgroup``: a module's tests run in one worker (its module fixtures are
-    built once), and every test that joins the session's Ray head runs in the same worker (one head at a time:
-    a second would compete for Ray's fixed ports)."""
+    """Marks for ``--dist loadgroup`` (`xdist_group`), and the items reordered group by group, longest first
+    (`order_groups`; pytest.ini turns xdist's own reordering by test count off)."""
+    ray_modules = {i.nodeid.split("::")[0] for i in items if "ray_env" in getattr(i, "fixturenames", ())}
+    groups: dict[str, list] = {}
     for item in items:
-        group = "ray" if "ray_env" in getattr(item, "fixturenames", ()) else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+        module = item.nodeid.split("::")[0]
+        groups.setdefault("ray" if module in ray_modules else module, []).append(item)
+    recorded = json.loads(RECORD.read_text())["module_seconds"] if RECORD.is_file() else {}
+    seconds = {g: sum(recorded[m] for m in {i.nodeid.split("::")[0] for i in members} if m in recorded)
+               for g, members in groups.items() if any(i.nodeid.split("::")[0] in recorded for i in members)}
+    items[:] = [item for g in order_groups(groups, seconds) for item in groups[g]]
+    for name, members in groups.items():
+        for item in members:
+            item.add_marker(pytest.mark.xdist_group(name))
 
 
 def start_launch(recipe: str, *overrides: str, config: str = "tiny.yaml", ngpu: int = 2, cwd: Path | None = None,
