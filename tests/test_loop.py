@@ -282,11 +282,16 @@ def test_a_preemption_signal_stops_after_the_step_with_a_checkpoint_and_the_resu
     assert second == pytest.approx({s: whole[s] for s in (4, 5, 6, 7)}, rel=0, abs=0)
 
 
-def _train_with_nan(out, nan_at, on_nonfinite="skip", max_consecutive_skips=5, max_steps=6, applied=False):
+def _train_with_nan(out, nan_at, on_nonfinite="skip", max_consecutive_skips=5, max_steps=6, applied=False,
+                    batchnorm=False, huge_at=(), checkpoint_every=2, buffers=None):
     """Train the linear model of `_run` with a NaN loss in the attempts listed in `nan_at` (1-based, counting
-    skipped ones); returns (loop, model, scheduler, records of metrics.jsonl, the step numbers run)."""
+    skipped ones); returns (loop, model, scheduler, records of metrics.jsonl, the step numbers run).
+
+    `batchnorm`: a BatchNorm1d before the linear layer, and the NaN goes into its input; the inputs of the attempts
+    in `huge_at` are scaled by 1e20 (finite loss and gradients, an infinite running variance). `buffers`: a dict
+    that gets the model's buffers at the start of each attempt."""
     torch.manual_seed(0)
-    model = torch.nn.Linear(3, 1)
+    model = torch.nn.Sequential(torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 1)) if batchnorm else torch.nn.Linear(3, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
     state = TrainState()
@@ -294,7 +299,7 @@ def _train_with_nan(out, nan_at, on_nonfinite="skip", max_consecutive_skips=5, m
     ckpt_state = {"app": ModelOptimizerState(model, optimizer), "train": state}
     metrics = MetricsLogger(out, CPU, mlflow=False, max_steps=max_steps, count_tokens=False)
     loop = TrainLoop(state=state, max_steps=max_steps, metrics=metrics, log_every=1, checkpointer=checkpointer,
-                     checkpoint_every=2, checkpoint_state=ckpt_state, on_nonfinite=on_nonfinite,
+                     checkpoint_every=checkpoint_every, checkpoint_state=ckpt_state, on_nonfinite=on_nonfinite,
                      max_consecutive_skips=max_consecutive_skips)
     batches = EpochBatches(DATA, state)
     run, attempt = [], 0
@@ -303,8 +308,14 @@ def _train_with_nan(out, nan_at, on_nonfinite="skip", max_consecutive_skips=5, m
             for step in loop.steps():
                 attempt += 1
                 run.append(step)
+                if buffers is not None:
+                    buffers[attempt] = {k: b.clone() for k, b in model.named_buffers()}
                 (x, y), _ = batches.next()
-                loss = torch.nn.functional.mse_loss(model(x), y) * (float("nan") if attempt in nan_at else 1.0)
+                nan = float("nan") if attempt in nan_at else 1.0
+                if batchnorm:  # rows differ, so that the batch variance is not 0
+                    x = (x + torch.arange(4.0)[:, None]) * nan * (1e20 if attempt in huge_at else 1.0)
+                    nan = 1.0
+                loss = torch.nn.functional.mse_loss(model(x), y) * nan
                 loss.backward()
                 if applied:  # the update first, then the check (TorchRec's pipeline)
                     optimizer.step()
@@ -364,6 +375,69 @@ def test_stop_names_the_step_and_the_newest_checkpoint(tmp_path):
         f"the newest checkpoint, from before it, is {latest}. Lower optim.lr or raise the warm-up, check the data of "
         "this step, or set train.on_nonfinite=skip to drop such steps")
     assert _checkpoint_steps(tmp_path) == [2, 4]
+
+
+def _checkpoint_tensors(out):
+    """Every tensor of every checkpoint under ``<out>/checkpoints``, by checkpoint step."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    found = {}
+    for folder in Checkpointer(out / "checkpoints").complete_checkpoints():
+        dcp_to_torch_save(folder, out / f"{folder.name}.pt")
+        state = torch.load(out / f"{folder.name}.pt", weights_only=False)
+        found[int(folder.name.split("_")[1])] = list(_tensors(state))
+    return found
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+
+
+def summary_of(records):
+    return [r for r in records if r["event"] == "summary"][-1]
+
+
+def test_skip_leaves_the_batchnorm_statistics_of_a_non_finite_step_as_they_were(tmp_path):
+    buffers = {}
+    loop, model, _, records, run = _train_with_nan(tmp_path, nan_at={3}, batchnorm=True, buffers=buffers)
+    assert run == [1, 2, 3, 3, 4, 5, 6] and loop.skipped_steps == 1
+    names = ["0.running_mean", "0.running_var", "0.num_batches_tracked"]
+    assert sorted(buffers[4]) == sorted(names)
+    assert all(torch.equal(buffers[4][k], buffers[3][k]) for k in names)  # the NaN forward's statistics are gone
+    assert not torch.equal(buffers[3]["0.running_mean"], buffers[2]["0.running_mean"])  # an applied step's stay
+    assert int(model[0].num_batches_tracked) == 6  # the applied steps' batches
+    assert all(torch.isfinite(t).all() for t in [*model.parameters(), *model.buffers()])
+    saved = _checkpoint_tensors(tmp_path)
+    assert sorted(saved) == [2, 4, 6]
+    assert all(len(ts) > 5 and all(torch.isfinite(t).all() for t in ts if t.is_floating_point()) for ts in saved.values())
+    assert summary_of(records)["step"] == 6
+
+
+@pytest.mark.parametrize("on_nonfinite", ["skip", "stop"])
+@pytest.mark.parametrize("checkpoint_every, refused", [(2, "its checkpoint is not saved"),
+                                                        (-1, "the run is not done (no final evaluation, export or "
+                                                             "summary)")])
+def test_non_finite_weights_or_statistics_are_never_saved_nor_called_done(tmp_path, on_nonfinite, checkpoint_every,
+                                                                           refused):
+    # step 2's loss and gradient norm are finite, but its input makes BatchNorm's running variance infinite
+    with pytest.raises(NonFiniteError) as stop:
+        _train_with_nan(tmp_path, nan_at=(), on_nonfinite=on_nonfinite, batchnorm=True, huge_at={2},
+                        checkpoint_every=checkpoint_every)
+    step = 2 if checkpoint_every == 2 else 6
+    assert str(stop.value) == (
+        f"after step {step}, 3 values of the model's parameters and buffers are NaN or infinite (0.running_var): "
+        f"{refused} and the run stops, whatever train.on_nonfinite says; no checkpoint was saved before it. Lower "
+        f"optim.lr or raise the warm-up, or check the data")
+    assert stop.value.exit_status == 4 and _checkpoint_steps(tmp_path) == []
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert not [r for r in records if r["event"] == "summary"]
 
 
 def test_an_applied_non_finite_update_stops_before_the_next_save(tmp_path):

@@ -1,8 +1,10 @@
 """A NaN step in the epoch-counted Ray recipes (resnet50-ray-ddp, two-tower-ray): ``train.on_nonfinite`` skip and
-stop, on 2 gloo workers forked without Ray (`ray_cluster.without_ray`), 2 epochs of tiny.yaml."""
+stop, and a step that leaves BatchNorm's statistics infinite, on 2 gloo workers forked without Ray
+(`ray_cluster.without_ray`), 1 or 2 epochs of tiny.yaml."""
 
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -18,20 +20,29 @@ def nan_on_worker_1(monkeypatch):
     """``nan_on_worker_1(bad)``: worker 1's `bad`-th training forward (0: none) returns NaN (logits, or the user embeddings
     of two-tower-ray), patched before the workers are forked from this process; each worker counts
     its own forwards (a skipped step's too). DDP's all-reduce of the gradients takes the NaN to worker 0: both
-    see a NaN gradient norm."""
+    see a NaN gradient norm. ``rank="0", images=factor``: worker 0's images are multiplied by `factor` instead
+    (through every BatchNorm layer of resnet50-ray-ddp); ``buffers=path``: that worker's buffers before the `bad`-th
+    forward and the next go to `path` (``{"before": ..., "after": ...}``)."""
     from torch.nn.parallel import DistributedDataParallel
 
     forward = DistributedDataParallel.forward
     without_ray(monkeypatch)
 
-    def arm(bad: int) -> None:
-        calls = []
+    def arm(bad: int, rank: str = "1", images: float | None = None, buffers=None) -> None:
+        calls, seen = [], {}
 
         def nan_forward(self, *args, **kwargs):
+            here, n = self.training and os.environ.get("RANK") == rank, len(calls) + 1
+            if here and buffers is not None and n in (bad, bad + 1):
+                seen["before" if n == bad else "after"] = {k: b.clone() for k, b in self.module.named_buffers()}
+                if len(seen) == 2:
+                    torch.save(seen, buffers)
+            if here and images is not None and n == bad:
+                args = (args[0] * images, *args[1:])  # before the first BatchNorm
             out = forward(self, *args, **kwargs)
             if self.training:
                 calls.append(1)
-                if os.environ.get("RANK") == "1" and len(calls) == bad:
+                if here and images is None and n == bad:
                     if isinstance(out, tuple):
                         return (out[0] * float("nan"), *out[1:])
                     out.logits = out.logits * float("nan")
@@ -43,7 +54,8 @@ def nan_on_worker_1(monkeypatch):
 
 
 # recipe, the batch of the NaN, train.log_every, (step, skipped_steps) of each log line, the step of each epoch's
-# end, whether the run stops after epoch 1 (train.stop_at_epoch=1) and is resumed
+# end, whether the run stops after epoch 1 (train.stop_at_epoch=1) and is resumed; resnet50-ray-ddp's NaN is in
+# worker 0's images, whose BatchNorm statistics are the ones checkpointed and broadcast
 SKIPS = [("resnet50-ray-ddp", 6, 1, [(1, 0), (2, 0), (3, 0), (4, 0), (5, 0), (6, 1), (7, 1)], [4, 7], False),
          # the last batch of epoch 1: the epoch ends without an update, its log line (step 11) comes at its end, and
          # the resume from its checkpoint continues at the batches of epoch 2 (step 12 + 1 skipped)
@@ -55,9 +67,10 @@ def test_a_nan_step_is_skipped_the_epoch_takes_all_its_batches_and_its_checkpoin
         recipe, bad, log_every, logged, epoch_ends, resume, tmp_path, capfd, nan_on_worker_1):
     """``train.on_nonfinite=skip``: the NaN step's batch is dropped on both workers (no optimizer or scheduler
     step), the epoch still takes all its batches, so its checkpoint is the epoch's (``checkpoint_epoch_<n>``, one
-    step fewer, ``skipped_steps`` 1 in ``state.pt``: where the data of a resume continues), and every checkpoint
-    is finite."""
-    nan_on_worker_1(bad)
+    step fewer, ``skipped_steps`` 1 in ``state.pt``: where the data of a resume continues), every checkpoint
+    is finite, and a NaN through BatchNorm leaves its statistics as they were before the skipped step."""
+    buffers = tmp_path / "buffers.pt" if recipe == "resnet50-ray-ddp" else None
+    nan_on_worker_1(bad, **({"rank": "0", "images": float("nan"), "buffers": buffers} if buffers else {}))
     spe, out = STEPS_PER_EPOCH[recipe], tmp_path / "run"
     argv = ["--config", str(ROOT / "recipes" / recipe / "tiny.yaml"), f"output_dir={out}", *RUN,
             f"train.log_every={log_every}", "train.on_nonfinite=skip"]
@@ -94,6 +107,24 @@ def test_a_nan_step_is_skipped_the_epoch_takes_all_its_batches_and_its_checkpoin
             assert {int(s["step"]) for s in state["optimizer"]["state"].values()} == {applied}
         floats = floats_in({k: state[k] for k in ("model", "optimizer")})
         assert len(floats) > 10 and all(torch.isfinite(t).all() for t in floats), folder
+    if buffers:
+        seen = torch.load(buffers, weights_only=True)
+        assert any("running_var" in k for k in seen["after"]) and seen["after"].keys() == seen["before"].keys()
+        assert all(torch.equal(seen["after"][k], t) for k, t in seen["before"].items())
+
+
+def _driver(recipe: str, capfd, *overrides: str) -> tuple[int, str]:
+    """Run the recipe's driver on its tiny.yaml with `overrides` through ``cookbook.run_main``, as ``python train.py``,
+    in a forked process; returns its exit status and stderr."""
+    capfd.readouterr()
+    pid = os.fork()
+    if pid == 0:  # the driver's process (its output goes to capfd's files): run_main ends it with the exit status
+        import cookbook
+
+        cookbook.run_main(recipe_module(recipe).main,
+                          argv=["--config", str(ROOT / "recipes" / recipe / "tiny.yaml"), *overrides])
+    status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    return status, capfd.readouterr().err
 
 
 def test_a_nan_step_stops_an_epoch_run_and_the_driver_exits_4_naming_the_epoch_checkpoint(tmp_path, capfd,
@@ -104,16 +135,7 @@ def test_a_nan_step_stops_an_epoch_run_and_the_driver_exits_4_naming_the_epoch_c
     recipe = "two-tower-ray"
     bad, out = STEPS_PER_EPOCH[recipe] + 2, tmp_path / "run"  # mid-epoch 2
     nan_on_worker_1(bad)
-    capfd.readouterr()
-    pid = os.fork()
-    if pid == 0:  # the driver's process (its output goes to capfd's files): run_main ends it with the exit status
-        import cookbook
-
-        cookbook.run_main(recipe_module(recipe).main,
-                          argv=["--config", str(ROOT / "recipes" / recipe / "tiny.yaml"), f"output_dir={out}", *RUN,
-                                "train.log_every=1"])
-    status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-    err = capfd.readouterr().err
+    status, err = _driver(recipe, capfd, f"output_dir={out}", *RUN, "train.log_every=1")
     line = (f"error: the gradient norm of step {bad} is nan: the step was not applied and the run stops "
             f"(train.on_nonfinite=stop); the newest checkpoint, from before it, is {out / 'checkpoint_epoch_0001'}. "
             f"Lower optim.lr or raise the warm-up, check the data of this step, or set train.on_nonfinite=skip to "
@@ -122,6 +144,27 @@ def test_a_nan_step_stops_an_epoch_run_and_the_driver_exits_4_naming_the_epoch_c
     assert [l for l in err.splitlines() if "error" in l.lower() or "Traceback" in l] == [line], err[-3000:]
     assert sorted(p.name for p in out.glob("checkpoint_epoch_*")) == ["checkpoint_epoch_0001"]
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "train"] == list(range(1, bad))
+
+
+def test_a_finite_step_that_leaves_batchnorm_statistics_infinite_is_never_checkpointed(tmp_path, capfd, nan_on_worker_1):
+    """resnet50-ray-ddp, 1 epoch: the images of epoch 1's last step on worker 0 are scaled by 1e20, so its loss and
+    gradient norm are finite but BatchNorm's running variance becomes infinite; the epoch's checkpoint is refused and
+    the driver exits 4 with one line (train.on_nonfinite=stop, the default; skip does the same); no checkpoint and no
+    summary are written."""
+    out, last = tmp_path / "run", STEPS_PER_EPOCH["resnet50-ray-ddp"]
+    nan_on_worker_1(last, rank="0", images=1e20)
+    status, err = _driver("resnet50-ray-ddp", capfd, f"output_dir={out}", "mlflow=false", "train.epochs=1")
+    assert status == 4, err[-3000:]
+    lines = [l for l in err.splitlines() if "error" in l.lower() or "Traceback" in l]
+    assert len(lines) == 1 and re.fullmatch(
+        rf"error: after step {last}, \d+ values of the model's parameters and buffers are NaN or infinite "
+        r"\(\S+\.running_var( and \d+ more)?\): checkpoint_epoch_0001 is not saved and the run stops, whatever "
+        r"train.on_nonfinite says; no checkpoint was saved before it. Lower optim.lr or raise the warm-up, or check "
+        r"the data", lines[0]), err[-3000:]
+    assert not list(out.glob("checkpoint_*"))
+    records = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in records if r["event"] == "train"] == list(range(1, last + 1))
+    assert not [r for r in records if r["event"] == "summary"]
 
 
 def test_a_bad_on_nonfinite_is_refused_before_ray_starts(tmp_path):

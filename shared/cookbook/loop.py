@@ -36,10 +36,12 @@ What it does, so that every recipe does it the same way:
   alike: ``on_nonfinite="stop"`` (the default, as in torchtitan, whose maintainers prefer stopping to
   skipping so that a divergence is debugged rather than hidden) ends the run with `NonFiniteError` (exit
   status 4, one line naming the step and the newest checkpoint, which is from before it); ``"skip"`` drops
-  the step (its gradients are zeroed, neither the optimizer nor the scheduler steps, the step number comes
-  again with the next batch), logs it, counts it in the ``skipped_steps`` metric, and stops at the next
-  non-finite step once ``max_consecutive_skips`` were skipped in a row. A step that diverged never reaches a
-  checkpoint. The decision is `NonFinitePolicy`'s, which the Ray workers' `cookbook.ray_train.WorkerRun` uses too;
+  the step (its gradients are zeroed, neither the optimizer nor the scheduler steps, BatchNorm's running
+  statistics are put back as they were before its forward, the step number comes again with the next batch),
+  logs it, counts it in the ``skipped_steps`` metric, and stops at the next non-finite step once
+  ``max_consecutive_skips`` were skipped in a row. A step that diverged never reaches a checkpoint: a checkpoint,
+  and the end of a run, is refused (`NonFiniteError`) while a parameter or buffer of the model is NaN or
+  infinite. The decision is `NonFinitePolicy`'s, which the Ray workers' `cookbook.ray_train.WorkerRun` uses too;
 - records each rank's progress in the process group's store at every step boundary
   (`cookbook.dist.record_progress`), so that a collective that times out ends the run with one line naming
   the rank that is behind (`cookbook.dist.CollectiveTimeout`, exit status 3);
@@ -55,12 +57,13 @@ The shape follows torchtitan's ``Trainer.train`` / ``train_step`` split and torc
 
 from __future__ import annotations
 
+import itertools
 import math
 import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -265,8 +268,9 @@ class NonFinitePolicy:
     the shared part of `TrainLoop.skip_step` and of the Ray workers' `cookbook.ray_train.WorkerRun.skip_step`.
 
     ``"stop"`` raises `NonFiniteError` (exit status 4; the message names the step and the newest checkpoint, which
-    is from before it); ``"skip"`` tells the caller to drop the step, logs it and counts it in `skipped_steps`, and
-    stops at one more than ``max_consecutive_skips`` in a row.
+    is from before it); ``"skip"`` tells the caller to drop the step, puts the running statistics of `models` back
+    as they were at `begin_step`, logs it and counts it in `skipped_steps`, and stops at one more than
+    ``max_consecutive_skips`` in a row. `check_model` refuses a model with a NaN or infinite parameter or buffer.
 
     Args:
         on_nonfinite: ``"stop"`` or ``"skip"`` (`ON_NONFINITE`).
@@ -274,13 +278,16 @@ class NonFinitePolicy:
         device: where the flags of a loss check live (the process group's device).
         newest_checkpoint: returns the newest checkpoint saved (a folder), or ``None``; for the message.
         skipped_steps: steps skipped before (a resumed count), ``0`` for a fresh start.
+        models: the models trained (`models_in`): their running statistics are restored after a skip and their
+            parameters and buffers checked by `check_model`.
 
     Raises:
         ValueError: an unknown `on_nonfinite`, or `max_consecutive_skips` < 0.
     """
 
     def __init__(self, on_nonfinite: str = "stop", max_consecutive_skips: int = 5, *, device: torch.device | None = None,
-                 newest_checkpoint: Callable[[], Path | str | None] | None = None, skipped_steps: int = 0):
+                 newest_checkpoint: Callable[[], Path | str | None] | None = None, skipped_steps: int = 0,
+                 models: Iterable[torch.nn.Module] = ()):
         if on_nonfinite not in ON_NONFINITE:
             raise ValueError(f"on_nonfinite must be one of {', '.join(ON_NONFINITE)}, got {on_nonfinite!r}")
         if max_consecutive_skips < 0:
@@ -291,6 +298,9 @@ class NonFinitePolicy:
         self.skipped_steps = skipped_steps  # steps skipped for a non-finite loss or gradient norm
         self._consecutive = 0  # of them, in a row up to now
         self._applied_bad: torch.Tensor | None = None  # first step whose applied update was non-finite (0: none)
+        self.models = list(models)
+        self._stats: list[torch.Tensor] = []  # the models' running statistics (running_stats), as of begin_step
+        self._saved: list[torch.Tensor] = []  # ... and their values then
 
     @staticmethod
     def settings(train: Any) -> tuple[str, int]:
@@ -362,8 +372,51 @@ class NonFinitePolicy:
                                  f"steps in a row (train.max_consecutive_skips={self.max_consecutive_skips}), so the "
                                  f"run stops; {self._newest_text()}. Lower optim.lr or raise the warm-up, or "
                                  f"check the data")
+        if self._stats:
+            with torch.no_grad():  # the dropped batch's forward updated them
+                torch._foreach_copy_(self._stats, self._saved)
         self.skipped_steps += 1
         get_logger().info(f"step {step}: {short}, step skipped ({self.skipped_steps} skipped so far)")
+
+    def begin_step(self) -> None:
+        """Before a step's forward, with ``"skip"``: keep the models' running statistics (`running_stats`), which a
+        skipped step puts back (`nonfinite`)."""
+        if self.on_nonfinite != "skip" or not self.models:
+            return
+        stats = running_stats(self.models)
+        with torch.no_grad():
+            if len(stats) != len(self._stats) or any(a is not b for a, b in zip(stats, self._stats)):
+                self._stats, self._saved = stats, [t.detach().clone() for t in stats]
+            elif stats:
+                torch._foreach_copy_(self._saved, stats)
+
+    def check_model(self, step: int, outcome: str) -> None:
+        """Stop when a parameter or buffer of the models is NaN or infinite on some rank, whatever ``on_nonfinite``
+        says (collective: one all-reduce; nothing without models).
+
+        Args:
+            step: the steps done, for the message.
+            outcome: what is refused, for the message: ``"its checkpoint is not saved"``.
+
+        Raises:
+            NonFiniteError: naming the count, this rank's first such tensor and the newest checkpoint.
+        """
+        if not self.models:
+            return
+        tensors = local_tensors(self.models)
+        counts = torch.stack([(~torch.isfinite(t)).sum().to(self.device) for _, t in tensors]) if tensors else \
+            torch.zeros(1, dtype=torch.int64, device=self.device)
+        total = counts.sum().reshape(1)
+        if dist.is_initialized():
+            dist.all_reduce(total)
+        n = int(total.item())
+        if n == 0:
+            return
+        bad = [name for (name, _), count in zip(tensors, counts.tolist()) if count]
+        where = f" ({bad[0]}{f' and {len(bad) - 1} more' if len(bad) > 1 else ''})" if bad else ""
+        raise NonFiniteError(f"after step {step}, {n} values of the model's parameters and buffers are NaN or "
+                             f"infinite{where}: {outcome} and the run stops, whatever train.on_nonfinite says; "
+                             f"{self._newest_text()}. Lower optim.lr or raise the warm-up, or check the data")
 
     def stepped(self) -> None:
         """A step was applied: the count of non-finite steps in a row starts again."""
@@ -407,6 +460,41 @@ class NonFinitePolicy:
                                  f"applied (this recipe checks after its step), so the run stops before saving it, "
                                  f"whatever train.on_nonfinite says; {self._newest_text()}. Lower optim.lr or "
                                  f"raise the warm-up, or check the data")
+
+
+def models_in(state: Mapping[str, Any] | None) -> list[torch.nn.Module]:
+    """The models among the objects a checkpoint holds: its `torch.nn.Module` values and the ``model`` of the others
+    (`cookbook.checkpoint.ModelOptimizerState`)."""
+    found: list[torch.nn.Module] = []
+    for obj in (state or {}).values():
+        model = obj if isinstance(obj, torch.nn.Module) else getattr(obj, "model", None)
+        if isinstance(model, torch.nn.Module) and all(model is not m for m in found):
+            found.append(model)
+    return found
+
+
+def running_stats(models: Iterable[torch.nn.Module]) -> list[torch.Tensor]:
+    """The buffers a training forward updates in place: the running mean, variance and batch count of the
+    BatchNorm (and InstanceNorm) layers with running statistics of `models`."""
+    from torch.nn.modules.batchnorm import _NormBase
+
+    return [b for model in models for m in model.modules() if isinstance(m, _NormBase)
+            for b in m.buffers(recurse=False) if b is not None]
+
+
+def local_tensors(models: Iterable[torch.nn.Module]) -> list[tuple[str, torch.Tensor]]:
+    """``(name, values)`` of the floating-point parameters and buffers of `models` held on this rank: a DTensor's
+    local shard, a ShardedTensor's local shards, a plain tensor whole."""
+    found, seen = [], set()
+    for model in models:
+        for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            parts = ([s.tensor for s in t.local_shards()] if hasattr(t, "local_shards")
+                     else [t.to_local() if hasattr(t, "to_local") else t])
+            found += [(name, p.detach()) for p in parts if p.is_floating_point() and p.numel() and not p.is_meta]
+    return found
 
 
 class TrainLoop:
@@ -459,7 +547,8 @@ class TrainLoop:
         self._vote = StopVote(self.device)  # the ranks' agreement on a preemption stop
         self._saved_step = -1
         self.nonfinite = NonFinitePolicy(on_nonfinite, max_consecutive_skips, device=self.device,
-                                         newest_checkpoint=lambda: checkpointer.latest() if checkpointer is not None else None)
+                                         newest_checkpoint=lambda: checkpointer.latest() if checkpointer is not None else None,
+                                         models=models_in(checkpoint_state))
         self._skipped_now = False  # the step being run was skipped
         self._reset_window()
 
@@ -551,6 +640,7 @@ class TrainLoop:
             self._skipped_now = False
             if self.profiler is not None:
                 self.profiler.start(done + 1)
+            self.nonfinite.begin_step()
             yield done + 1
             if self.profiler is not None:
                 self.profiler.stop()
@@ -575,8 +665,9 @@ class TrainLoop:
 
         Returns:
             ``False``: finite, go on with the update. ``True`` (``on_nonfinite="skip"``): drop the step: zero the
-            gradients and ``continue``; neither the optimizer nor the scheduler steps, the loop counts it in
-            `skipped_steps` and logs it, and the same step number comes again with the next batch.
+            gradients and ``continue``; neither the optimizer nor the scheduler steps, the model's BatchNorm
+            statistics are put back as they were when the step began, the loop counts it in `skipped_steps` and
+            logs it, and the same step number comes again with the next batch.
 
         Raises:
             NonFiniteError: a non-finite value with ``on_nonfinite="stop"``, or one more than
@@ -635,6 +726,7 @@ class TrainLoop:
             if self._saved_step == step:
                 return  # saved at this step already
             self.nonfinite.check_applied()  # never save an update that diverged
+            self.nonfinite.check_model(step, "its checkpoint is not saved")
             self._saved_step = step
             meta = {"epoch": self.state.epoch, **({"config": dict(self.config)} if self.config is not None else {})}
             self.checkpointer.save(step, self.checkpoint_state, meta)
@@ -656,6 +748,7 @@ class TrainLoop:
         Raises:
             cookbook.hub.HubPushError: ``checkpoint.push_to_hub`` is set and the upload of the export failed
                 (`MetricsLogger.log_summary`; exit status 2).
+            NonFiniteError: a parameter or buffer of the model is NaN or infinite (`NonFinitePolicy.check_model`).
         """
         self.nonfinite.check_applied()
         if self.state.step < self.max_steps:
@@ -669,6 +762,7 @@ class TrainLoop:
             get_logger().info(f"stopped at step {self.state.step} of {self.max_steps} (train.stop_at_step); to continue "
                               f"from {latest}, run again without train.stop_at_step (or with a larger value)")
             return None
+        self.nonfinite.check_model(self.state.step, "the run is not done (no final evaluation, export or summary)")
         timings = dict(self.metrics.timings)  # startup_s, first_step_s
         final_eval = {}
         if self.evaluate is not None:

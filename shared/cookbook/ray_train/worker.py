@@ -26,7 +26,9 @@ runs counted in epochs:
 
 Each step is checked before its update with ``run.skip_step(grad_norm)``, the torchrun loop's non-finite
 policy (`cookbook.loop.NonFinitePolicy`): ``train.on_nonfinite=stop`` ends the run (the driver exits 4),
-``skip`` drops the step (in an epoch run its batch is dropped and the epoch goes on with the next).
+``skip`` drops the step (in an epoch run its batch is dropped and the epoch goes on with the next) and puts the
+model's BatchNorm statistics back as they were before it. A checkpoint, and the end of a run, is refused (exit 4)
+while a parameter or buffer of the model is NaN or infinite.
 
 A checkpoint is a folder ``checkpoint_<unit>_<n>`` holding ``state.pt`` (`torch.save` of the state
 dicts, of every worker's random streams and of the count of skipped steps, from rank 0) and ``meta.json`` (``epoch`` for epoch runs,
@@ -51,7 +53,7 @@ from cookbook.checkpoint import META_FILE, RNGState
 from cookbook.config import save_config, to_dict, to_object
 from cookbook.dist import (DistInfo, _configure_logging, all_gather_object, all_reduce_mean, barrier, get_logger,
                            param_fingerprint)
-from cookbook.loop import NonFinitePolicy, Outputs, StopVote, log_outputs
+from cookbook.loop import NonFinitePolicy, Outputs, StopVote, log_outputs, models_in
 from cookbook.metrics import MetricsLogger, ModelFlops, StepProfiler
 
 _STATE_FILE = "state.pt"
@@ -300,7 +302,7 @@ class WorkerRun:
             self.step, self.epoch = meta["step"], meta.get("epoch", 0)
             skipped = int(saved.get(_SKIPPED_KEY, 0))
             del saved
-        self.nonfinite = NonFinitePolicy(on_nonfinite, max_skips, device=info.device,
+        self.nonfinite = NonFinitePolicy(on_nonfinite, max_skips, device=info.device, models=models_in(self.state),
                                          newest_checkpoint=lambda: self._newest, skipped_steps=skipped)
         if resumed is not None:  # its name (`_label`) counts the skipped steps
             self._newest = Path(cfg.output_dir).expanduser().resolve() / f"checkpoint_{self._label()}"
@@ -362,6 +364,7 @@ class WorkerRun:
                 self._preempt()
                 return
             started, self._skipped_now = self.step, False
+            self.nonfinite.begin_step()
             yield started + 1
             if self.step == started and not self._skipped_now:
                 raise RuntimeError("each step must end with run.end_step(...) or a skip (run.skip_step)")
@@ -379,7 +382,8 @@ class WorkerRun:
 
         Returns:
             ``False``: finite, go on with the update. ``True`` (``train.on_nonfinite=skip``): drop the step: zero the
-            gradients and ``continue``; neither the optimizer nor the scheduler steps, the step number comes again
+            gradients and ``continue``; neither the optimizer nor the scheduler steps, the model's BatchNorm
+            statistics are put back as they were when the step began, the step number comes again
             with the next batches, and the step is logged and counted in `skipped_steps` (the ``skipped_steps``
             metric of each log line). In an epoch run the epoch still takes all its batches (it ends with
             ``steps_per_epoch - skipped`` steps), and a checkpoint at its end is the epoch's.
@@ -427,6 +431,8 @@ class WorkerRun:
                 batch = next(it)
             except StopIteration:
                 return
+            if self.unit == "epoch":  # a batch is a step (runs counted in steps: `steps`)
+                self.nonfinite.begin_step()
             yield batch, time.perf_counter() - t0
 
     def end_step(self, loss: torch.Tensor | float, *, lr: float, grad_norm: torch.Tensor | float | None = None,
@@ -492,6 +498,7 @@ class WorkerRun:
     def _checkpoint(self, values: Mapping[str, float]) -> None:
         counts = {"epoch": self.epoch} if self.unit == "epoch" else {}
         label = self._label()
+        self.nonfinite.check_model(self.step, f"checkpoint_{label} is not saved")
         run = {_RNG_KEY: all_gather_object(rng_state()), _SKIPPED_KEY: self.nonfinite.skipped_steps}  # from every worker
         if self.unit == "epoch" and self.batches % self.steps_per_epoch:
             run[_EPOCH_RNG_KEY] = all_gather_object(self._epoch_rng)
@@ -544,7 +551,13 @@ class WorkerRun:
 
         Returns:
             The final evaluation's metrics (``{}`` without one).
+
+        Raises:
+            NonFiniteError: a run that reached its end has a NaN or infinite parameter or buffer
+                (`cookbook.loop.NonFinitePolicy.check_model`).
         """
+        if not self.preempted and self.done >= self.total:
+            self.nonfinite.check_model(self.step, "the run is not done (no final evaluation, export or summary)")
         final_eval = dict(self.evaluate()) if self.evaluate is not None and not self.preempted else {}
         if final_eval:
             self.metrics.log_eval(self.step, final_eval)
