@@ -67,3 +67,9 @@ def test_groups_are_handed_out_longest_first_and_unrecorded_ones_before_them():
 def test_the_readme_test_command_distributes_by_group():
     readme = (ROOT / "README.md").read_text()
     assert "-n 2 --dist loadgroup" in readme and "--no-loadscope-reorder" in Path(ROOT / "pytest.ini").read_text()
+
+
+def test_each_test_process_uses_one_thread():
+    import torch
+
+    assert torch.get_num_threads() == 1 and os.environ["OMP_NUM_THREADS"] == "1"
