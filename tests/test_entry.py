@@ -44,7 +44,7 @@ SCRIPT = textwrap.dedent("""
             os.kill(os.getpid(), 9)
         cookbook.all_reduce_sum({"x": 1.0}, info.device)  # rank 0 waits here for the rank that failed
         cookbook.all_gather_object(info.rank)  # the collective whose clean-up a gloo thread was still doing
-        print(f"done: rank {info.rank}", flush=True)
+        print(f"done: rank {info.rank} at {time.time():.3f}", flush=True)
         cookbook.destroy_distributed()  # the DDP model, a local, is freed when main returns
 
     if __name__ == "__main__":
@@ -85,8 +85,12 @@ def test_a_ddp_job_exits_zero_within_seconds_run_after_run(tmp_path):
     # without that shutdown. Three runs of a DDP job, each must end by itself well inside its timeout.
     for _ in range(3):
         proc, seconds = _torchrun(tmp_path, "ok", timeout=120)
+        ended = time.time()
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert sorted(re.findall(r"done: rank \d", proc.stdout)) == ["done: rank 0", "done: rank 1"]  # lines may interleave
+        done = max(float(t) for t in re.findall(r"done: rank \d at ([\d.]+)", proc.stdout))
+        # done to exit, not start-up (slow under load): 1.3 s at load 10 on 2 cores; 15 s is 10x that, and fails a hang
+        assert ended - done < 15, (ended - done, seconds)
 
 
 @pytest.mark.parametrize("exitcode, line, status", [

@@ -1,7 +1,8 @@
 """recipes/gpt-oss-lora-trl on 2 CPU ranks (forked workers): the tiny gpt_oss twin trained with TRL's SFTTrainer +
 PEFT under DDP. One uninterrupted run and one stopped at step 4 then resumed are shared by the assertions: loss falls,
 the resumed run's per-step losses equal the uninterrupted run's, the exported adapter (attention projections and
-experts) reloads onto the base with the merged model's logits; plus the final-channel label mask (decoded) and the refusal of a bad row."""
+experts) and the merged model give the logits of the trained model rebuilt from the last checkpoint; plus the
+final-channel label mask (decoded) and the refusal of a bad row."""
 
 from __future__ import annotations
 
@@ -65,25 +66,39 @@ def test_checkpointing_only_the_experts_leaves_the_losses_equal(runs, tmp_path):
     assert [got[s] for s in (1, 2, 3)] == pytest.approx([want[s] for s in (1, 2, 3)], rel=1e-5, abs=1e-6)
 
 
-def test_adapter_reloads_with_equal_logits(runs):
-    from peft import PeftModel
+def _base_model():
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(42)  # the recipe's random init (model.pretrained=false, train.seed=42)
+    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY / "gpt_oss", attn_implementation="eager"),
+                                            dtype=torch.float32)
+
+
+def test_adapter_reloads_with_equal_logits(runs):
+    """The exported adapter and the merged export are the trained model of the run's last checkpoint (step 8)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
 
     out = runs[0]
     adapter = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert (adapter["r"], adapter["lora_alpha"], sorted(adapter["target_modules"]), adapter["target_parameters"]) == \
         (8, 16, ["k_proj", "o_proj", "q_proj", "v_proj"], ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-    torch.manual_seed(42)  # the recipe's random init (model.pretrained=false, train.seed=42)
-    base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY / "gpt_oss", attn_implementation="eager"),
-                                            dtype=torch.float32)
-    reloaded = PeftModel.from_pretrained(base, out / "adapter").eval()
+    last = out / "checkpoints" / "checkpoint-8"
+    saved, exported = load_file(last / "adapter_model.safetensors"), load_file(out / "adapter" / "adapter_model.safetensors")
+    assert sorted(exported) == sorted(saved) and len(saved) > 10
+    for name, tensor in saved.items():
+        torch.testing.assert_close(exported[name], tensor, rtol=0, atol=0, msg=name)
+    trained = PeftModel.from_pretrained(_base_model(), last).eval()
+    reloaded = PeftModel.from_pretrained(_base_model(), out / "adapter").eval()
     merged = AutoModelForCausalLM.from_pretrained(out / "final", attn_implementation="eager").eval()
     ids = torch.randint(0, 700, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        a, b = reloaded(input_ids=ids).logits, merged(input_ids=ids).logits
+        t, a, b = trained(input_ids=ids).logits, reloaded(input_ids=ids).logits, merged(input_ids=ids).logits
         plain = reloaded.get_base_model()  # the adapter changed the model
         with reloaded.disable_adapter():
             c = plain(input_ids=ids).logits
+    torch.testing.assert_close(a, t, rtol=0, atol=0)  # the same weights, the same float32 computation
+    torch.testing.assert_close(b, t, rtol=1e-4, atol=1e-5)  # merging rounds W + B @ A to float32
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     assert (a - c).abs().max() > 1e-3
 

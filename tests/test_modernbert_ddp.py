@@ -463,9 +463,19 @@ def test_a_killed_worker_and_then_a_preemption_lose_no_step(full_run, tmp_path, 
 
 
 def test_recipe_folder_works_from_a_copy(full_run):
-    out, _ = full_run  # launched from a copy of the folder, with output_dir=out relative to it
-    assert out.name == "out" and out.parent.name == "my-recipe"
-    assert (out / "final" / "model.safetensors").is_file()
+    """The run launched from the copy (its own launch.sh, output_dir=out) read the copy's model and data, and wrote
+    into the copy: the config it wrote, with paths resolved beside the copy's tiny.yaml, and its summary say so."""
+    from omegaconf import OmegaConf
+
+    out, _ = full_run
+    copy, written = out.parent, OmegaConf.load(out / "config.yaml")
+    assert (written.model.name_or_path, written.model.tokenizer) == (str(copy / "tiny" / "model"),) * 2
+    assert (list(written.data.train_files), list(written.data.eval_files)) == \
+        ([str(copy / "tiny" / "data" / "train.csv")], [str(copy / "tiny" / "data" / "val.csv")])
+    summary = [r for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "summary"][-1]
+    assert summary["step"] == 40 and (copy / summary["export_dir"] / "model.safetensors").is_file()  # relative to the copy
+    assert summary["mlflow_uri"] == f"sqlite:///{out / 'mlflow.db'}"
+    assert not (RECIPE / "out").exists()
 
 
 # ----------------------------------------------------------------------------- bad input

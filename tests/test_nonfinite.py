@@ -18,14 +18,21 @@ BAD_STEP = 5
 
 
 @pytest.fixture
-def nan_on_rank_1(monkeypatch):
+def nan_on_rank_1(monkeypatch, tmp_path):
     """Rank 1's training forward of step `BAD_STEP` returns its loss times NaN (patched here, before the workers are
-    forked from this process; one micro-batch per step, so the forward calls count the steps, skipped ones too)."""
+    forked from this process; one micro-batch per step, so the forward calls count the steps, skipped ones too).
+    Rank 0 saves its weights as its forwards `BAD_STEP` to `BAD_STEP` + 2 start (before, after the skipped step, after
+    the next one) to ``weights_<call>.pt`` in the folder returned."""
     from torch.nn.parallel import DistributedDataParallel
 
     forward, calls = DistributedDataParallel.forward, []
+    folder = tmp_path / "weights"
+    folder.mkdir()
 
     def nan_forward(self, *args, **kwargs):
+        if self.training and os.environ.get("RANK") == "0" and BAD_STEP <= len(calls) + 1 <= BAD_STEP + 2:
+            torch.save({n: p.detach().clone() for n, p in self.module.named_parameters()},
+                       folder / f"weights_{len(calls) + 1}.pt")
         out = forward(self, *args, **kwargs)
         if self.training:
             calls.append(1)
@@ -34,6 +41,7 @@ def nan_on_rank_1(monkeypatch):
         return out
 
     monkeypatch.setattr(DistributedDataParallel, "forward", nan_forward)
+    return folder
 
 
 def _tensors_of_checkpoint(folder, tmp_path) -> dict:
@@ -78,6 +86,15 @@ def test_skip_drops_the_nan_step_and_every_weight_and_checkpoint_stays_finite(tm
         tensors = _tensors_of_checkpoint(folder, tmp_path)
         floats = {k: t for k, t in tensors.items() if t.is_floating_point()}
         assert len(floats) > 10 and all(torch.isfinite(t).all() for t in floats.values()), folder
+        steps = {int(t) for k, t in tensors.items() if k.endswith(".step")}  # AdamW's, one per parameter
+        assert steps == {int(folder.name.rsplit("_", 1)[1])}, folder  # the applied steps: the skipped one is left out
+    before, after, next_step = (torch.load(nan_on_rank_1 / f"weights_{c}.pt") for c in range(BAD_STEP, BAD_STEP + 3))
+    saved = _tensors_of_checkpoint(folders[1], tmp_path)  # step 4, the last update before the skipped step
+    assert sorted(before) == sorted(after) == sorted(next_step) and len(before) > 10
+    for name, weight in before.items():
+        torch.testing.assert_close(weight, saved[f".app.model.{name}"], rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(after[name], weight, rtol=0, atol=0, msg=name)  # the skipped step changed nothing
+    assert any(not torch.equal(next_step[n], after[n]) for n in after)  # an applied step does
 
 
 def test_stop_ends_the_run_at_the_nan_step_with_the_checkpoint_before_it(tmp_path, monkeypatch, capfd, nan_on_rank_1):

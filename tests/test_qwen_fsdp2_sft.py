@@ -285,26 +285,32 @@ def test_llama_config_trains(tmp_path):
     assert losses[12] < losses[1] - 0.5, losses
 
 
-@pytest.mark.parametrize("options", [("fsdp.replicate_degree=2",),  # HSDP: 2 replicas of 1 shard each
-                                     ("fsdp.reshard_after_forward=false", "train.activation_checkpointing=none",
-                                      "train.profile_step=3", "checkpoint.every_steps=-1"),
-                                     ("data.packing=false",)])
-def test_sharding_and_data_options_train(tmp_path, options, capfd):
+# The sharding options keep full_run's 30-step schedule (HSDP stops at 6; stop_at_step needs checkpoints) and its losses.
+@pytest.mark.parametrize("options, steps", [(("fsdp.replicate_degree=2", "train.stop_at_step=6"), 6),  # HSDP: 2 x 1
+                                            (("fsdp.reshard_after_forward=false", "train.activation_checkpointing=none",
+                                              "train.profile_step=3", "checkpoint.every_steps=-1"), 30),
+                                            (("data.packing=false", "train.max_steps=6"), 6)])
+def test_sharding_and_data_options_train(full_run, tmp_path, options, steps, capfd):
     out = tmp_path / "out"
-    main_in_workers("qwen-fsdp2-sft", f"output_dir={out}", "train.max_steps=6", "mlflow=false", *options)
+    main_in_workers("qwen-fsdp2-sft", f"output_dir={out}", "mlflow=false", *options)
     stderr = capfd.readouterr().err
     losses = train_losses(out / "metrics.jsonl")
-    assert sorted(losses) == list(range(1, 7)) and losses[6] < losses[1]
+    assert sorted(losses) == list(range(1, steps + 1)) and losses[steps] < losses[1]
     if "fsdp.replicate_degree=2" in options:
         assert "FSDP2 mesh 2x1" in stderr
+    if "data.packing=false" not in options:  # the same rows per step: replicas that never all-reduce drift from step 3
+        expected = train_losses(full_run / "metrics.jsonl")
+        torch.testing.assert_close(torch.tensor([losses[s] for s in range(1, steps + 1)], dtype=torch.float64),
+                                   torch.tensor([expected[s] for s in range(1, steps + 1)], dtype=torch.float64),
+                                   rtol=1e-5, atol=0)  # float32 losses, as the resume tests compare them
     checkpoints = sorted(p.name for p in (out / "checkpoints").glob("step_*"))
     if "checkpoint.every_steps=-1" in options:  # benchmarks: no checkpoint at all
         assert checkpoints == []
         for rank in (0, 1):  # the profiled step's operator table names the FSDP collectives
             assert "all_gather" in (out / "profile" / f"ops_rank{rank}.txt").read_text()
             assert (out / "profile" / f"trace_rank{rank}.json").stat().st_size > 1000
-    else:  # the tiny config saves every 15 steps, and always at the end
-        assert checkpoints == ["step_00000006"]
+    else:  # the tiny config saves every 15 steps, and always at the end or at train.stop_at_step
+        assert checkpoints == [f"step_{steps:08d}"]
 
 
 @pytest.mark.parametrize("recipe, packing", [(r, p) for r in ("cookbook.sft", "moe-lora-fsdp2-ep") for p in (True, False)]
