@@ -26,6 +26,17 @@ def test_yaml_and_overrides_merge_in_order(tmp_path):
     assert (cfg.steps, cfg.name, cfg.optim.lr, cfg.optim.betas) == (5, "run1", 3e-5, [0.8, 0.9])
 
 
+@pytest.mark.parametrize("overrides, hint", [
+    (["optim.lrr=1"], "(did you mean 'optim.lr'?)"),   # a key of the section
+    (["optm.lr=1"], "(did you mean 'optim'?)"),        # a section
+    (["optim.zzz=1"], None),                           # nothing close: no guess
+])
+def test_an_unknown_key_suggests_the_closest_known_one(overrides, hint):
+    with pytest.raises(ConfigError) as err:
+        load_config(Schema, None, overrides)
+    assert (hint in str(err.value)) if hint else "did you mean" not in str(err.value), str(err.value)
+
+
 @pytest.mark.parametrize("yaml_text, overrides, expected", [
     ("optim:\n  beta: 3\n", [], "key 'optim.beta'"),          # unknown key in the file
     ("", ["optim.lrr=1"], "key 'optim.lrr'"),                   # unknown key on the command line

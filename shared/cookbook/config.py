@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import errno
 import os
 import tempfile
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence, TypeVar
 
 from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 T = TypeVar("T")
 
@@ -32,6 +33,18 @@ def _describe(exc: OmegaConfBaseException) -> str:
     key = getattr(exc, "full_key", None)
     msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     return f"key '{key}': {msg}" if key else msg
+
+
+def _did_you_mean(cfg: Any, exc: OmegaConfBaseException) -> str:
+    """``" (did you mean 'optim.lr'?)"`` for an unknown key close to a key of its section, else ``""``."""
+    full = getattr(exc, "full_key", None)
+    if not isinstance(exc, ConfigKeyError) or not full:
+        return ""
+    parent, _, name = str(full).rpartition(".")
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    keys = [str(k) for k in node.keys()] if OmegaConf.is_dict(node) else []
+    close = difflib.get_close_matches(name, keys, n=1, cutoff=0.6)
+    return f" (did you mean '{parent + '.' if parent else ''}{close[0]}'?)" if close else ""
 
 
 def load_config(schema: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
@@ -77,7 +90,7 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: Sequ
         try:
             cfg = OmegaConf.merge(cfg, src)
         except OmegaConfBaseException as exc:
-            hint = " (a list is written [a,b])" if "ListConfig" in str(exc) else ""
+            hint = " (a list is written [a,b])" if "ListConfig" in str(exc) else _did_you_mean(cfg, exc)
             raise ConfigError(f"{where}: {_describe(exc)}{hint}") from None
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
