@@ -219,3 +219,35 @@ def test_max_restarts_is_checked_and_passed_to_torchrun(tmp_path, monkeypatch, c
     assert main(["--ngpu", "2", "--max-restarts", "-1", str(script)]) == 2
     assert "error: MAX_RESTARTS=-1 is not a whole number (0 or more)" in capsys.readouterr().err
     assert len(passed) == 2
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"COOKBOOK_WORLD_SIZE": "3", "NGPU": "2"}, 3),  # set by launch.sh's launcher for its check
+    ({"NGPU": "2", "NNODES": "2"}, 4),               # `python train.py --check` of its own, as launch.sh would run
+    ({}, 2),                                         # no GPU here: launch.sh's 2 CPU processes
+])
+def test_check_world_size_is_the_world_launch_sh_starts(monkeypatch, env, expected):
+    from cookbook.launch import check_world_size
+
+    for var in ("COOKBOOK_WORLD_SIZE", "NGPU", "NNODES"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert check_world_size() == expected
+
+
+def test_a_check_run_alone_plans_for_ngpu_processes(monkeypatch, capsys):
+    """`NGPU=2 python train.py --check` with expert parallelism over 2 ranks: checked for 2 ranks, not 1."""
+    from conftest import ROOT, load_recipe
+
+    for var in ("COOKBOOK_WORLD_SIZE", "NNODES"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NGPU", "2")
+    monkeypatch.setenv("COOKBOOK_DEVICE", "cpu")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    recipe = ROOT / "recipes" / "moe-lora-fsdp2-ep"
+    load_recipe("moe-lora-fsdp2-ep").main(["--config", str(recipe / "tiny.yaml"), "--check", "parallel.ep=2"])
+    monkeypatch.setenv("NGPU", "3")
+    with pytest.raises(Exception, match="parallel.ep=2 does not divide the world size 3"):
+        load_recipe("moe-lora-fsdp2-ep").main(["--config", str(recipe / "tiny.yaml"), "--check", "parallel.ep=2"])

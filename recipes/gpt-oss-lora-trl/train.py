@@ -47,6 +47,7 @@ import cookbook
 from cookbook import config, hf_trainer, lm, moe, sft
 from cookbook.checkpoint import CheckpointError
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
+from cookbook.launch import check_world_size
 from cookbook.loop import NonFinitePolicy
 
 PARALLEL = ("ddp", "fsdp")
@@ -308,7 +309,7 @@ def main(argv: list[str]) -> None:
     on_cpu = cookbook.get_dist_info().device.type == "cpu"  # COOKBOOK_DEVICE=cpu, or no GPU
     check_config(cfg, Path(args.config).resolve().parent, on_cpu)
     if args.check:  # one process, before any worker starts
-        world_size = int(os.environ.get("COOKBOOK_WORLD_SIZE", "1"))  # launch.sh: NGPU x NNODES
+        world_size = check_world_size()  # NGPU x NNODES, as launch.sh
         tokenizer = sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path)
         hf_trainer.check_resume(cfg, world_size, MAY_CHANGE, CANNOT_REMAP)
         note = f"data from {cfg.data.hub_id}"

@@ -63,6 +63,7 @@ from cookbook.checkpoint import Checkpointer, CheckpointError, ModelOptimizerSta
 from cookbook.checkpoint import export_hf
 from cookbook import config
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, to_dict
+from cookbook.launch import check_world_size
 from cookbook.loop import EpochBatches, TrainLoop, checkpoint_state, start_run
 from cookbook.metrics import ModelFlops, count_parameters
 from cookbook.sampler import ResizableSampler
@@ -367,7 +368,7 @@ def main(argv: list[str]) -> None:
     cfg = load_config(Config, args.config, args.overrides)
     check_config(cfg, Path(args.config).resolve().parent)
     if args.check:  # one process, before torchrun starts any worker
-        world_size = int(os.environ.get("COOKBOOK_WORLD_SIZE", "1"))  # launch.sh: NGPU x NNODES
+        world_size = check_world_size()  # NGPU x NNODES, as launch.sh
         lm.check_attention(cfg.model.attn_implementation, on_cpu=cookbook.get_dist_info().device.type == "cpu")
         train_ds, eval_ds = load_splits(cfg.data, cfg.train.seed) if cfg.data.train_files else (None, None)
         try:

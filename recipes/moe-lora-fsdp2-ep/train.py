@@ -78,6 +78,7 @@ from cookbook import lm, moe, sft
 from cookbook.checkpoint import Checkpointer, CheckpointError
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, to_dict
 from cookbook.hub import model_folder
+from cookbook.launch import check_world_size
 from cookbook.loop import EpochBatches, TrainLoop, checkpoint_state, start_run
 from cookbook.metrics import ModelFlops
 from cookbook.moe import DTYPES
@@ -154,7 +155,7 @@ def build_model(cfg: Config, info: cookbook.DistInfo) -> tuple[torch.nn.Module, 
 def preflight(cfg: Config, config_path: str) -> None:
     """What launch.sh runs in one process before torchrun starts any worker: model, EP and LoRA checks,
     tokenizer, resume, and enough data for one step."""
-    world_size = int(os.environ.get("COOKBOOK_WORLD_SIZE", "1"))  # launch.sh: NGPU x NNODES
+    world_size = check_world_size()  # NGPU x NNODES, as launch.sh
     if cfg.model.pretrained and cfg.model.lazy_load:  # a hub id is downloaded here, once, before any worker starts
         model_folder(cfg.model.name_or_path)
     tokenizer = sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path)

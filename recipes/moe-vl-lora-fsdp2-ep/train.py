@@ -54,6 +54,7 @@ from cookbook import lm, moe, sft
 from cookbook.checkpoint import Checkpointer, CheckpointError
 from cookbook.config import ConfigError, cli_parser, load_config, to_dict
 from cookbook.hub import model_folder
+from cookbook.launch import check_world_size
 from cookbook.loop import EpochBatches, TrainLoop, checkpoint_state, start_run
 from cookbook.metrics import ModelFlops
 from cookbook.moe import DTYPES
@@ -134,7 +135,7 @@ def build_model(cfg: Config, info: cookbook.DistInfo) -> tuple[torch.nn.Module, 
 def preflight(cfg: Config, config_path: str) -> None:
     """What launch.sh runs in one process before torchrun starts any worker: model, EP and LoRA checks,
     processors, resume, and every row of local files tokenized and its images decoded (hub data: its first rows)."""
-    world_size = int(os.environ.get("COOKBOOK_WORLD_SIZE", "1"))  # launch.sh: NGPU x NNODES
+    world_size = check_world_size()  # NGPU x NNODES, as launch.sh
     if cfg.model.pretrained and cfg.model.lazy_load:  # a hub id is downloaded here, once, before any worker starts
         model_folder(cfg.model.name_or_path)
     try:

@@ -75,6 +75,7 @@ from cookbook.checkpoint import (
 from cookbook import config
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, to_dict
 from cookbook.hub import model_folder
+from cookbook.launch import check_world_size
 from cookbook.loop import EpochBatches, TrainLoop, checkpoint_state, start_run
 from cookbook.metrics import ModelFlops, count_parameters
 from cookbook.sampler import ResizableSampler
@@ -258,7 +259,7 @@ def main(argv: list[str]) -> None:
     cfg = load_config(Config, args.config, args.overrides)
     check_config(cfg, Path(args.config).resolve().parent)
     if args.check:  # one process, before torchrun starts any worker
-        world_size = int(os.environ.get("COOKBOOK_WORLD_SIZE", "1"))  # launch.sh: NGPU x NNODES
+        world_size = check_world_size()  # NGPU x NNODES, as launch.sh
         if cfg.model.pretrained:  # a hub id is downloaded here, once, before any worker starts
             model_folder(cfg.model.name_or_path)
         tokenizer = sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path)

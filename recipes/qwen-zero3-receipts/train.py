@@ -65,6 +65,7 @@ from transformers import logging as hf_logging
 import cookbook
 from cookbook import hf_trainer, sft
 from cookbook.checkpoint import CheckpointError, ResumeGuard, read_meta
+from cookbook.launch import check_world_size
 from cookbook.loop import NonFinitePolicy
 from cookbook import config
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
@@ -457,7 +458,7 @@ def main(argv: list[str]) -> None:
     check_config(cfg, Path(args.config).resolve().parent)
     on_cpu = cookbook.get_dist_info().device.type == "cpu"  # COOKBOOK_DEVICE=cpu, or no GPU
     if args.check:  # one process, before any worker starts
-        world_size = int(os.environ.get("COOKBOOK_WORLD_SIZE", "1"))  # launch.sh: NGPU x NNODES
+        world_size = check_world_size()  # NGPU x NNODES, as launch.sh
         check_deepspeed_config(cfg, world_size)
         try:
             tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)

@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -50,6 +49,7 @@ import cookbook
 from cookbook import config
 from cookbook.checkpoint import CheckpointError, Checkpointer, ModelOptimizerState
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, to_dict
+from cookbook.launch import check_world_size
 from cookbook.loop import EpochBatches, TrainLoop, checkpoint_state, start_run
 from cookbook.sampler import ResizableSampler
 from cookbook.tabular import DataError
@@ -410,7 +410,7 @@ def main(argv: list[str]) -> None:
     cfg = load_config(Config, args.config, args.overrides)
     check_config(cfg, Path(args.config).resolve().parent)
     if args.check:  # one process, before torchrun starts any worker
-        world_size = int(os.environ.get("COOKBOOK_WORLD_SIZE", "1"))  # launch.sh: NGPU x NNODES
+        world_size = check_world_size()  # NGPU x NNODES, as launch.sh
         train, cats = load_coco(cfg.data.train_images, cfg.data.train_annotations, "data.train_annotations")
         n_eval = 0
         if cfg.data.eval_annotations:

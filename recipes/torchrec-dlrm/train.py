@@ -73,6 +73,7 @@ import cookbook
 from cookbook.checkpoint import Checkpointer, CheckpointError, TrainState
 from cookbook import config
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, to_dict
+from cookbook.launch import check_world_size
 from cookbook.loop import TrainLoop, start_run
 from cookbook import hub, tabular
 from cookbook.tabular import DataError, to_int
@@ -596,7 +597,7 @@ def main(argv: list[str]) -> None:
     check_config(cfg, Path(args.config).resolve().parent)
     on_cpu = cookbook.get_dist_info().device.type == "cpu"  # COOKBOOK_DEVICE=cpu, or no GPU
     if args.check:  # one process, before torchrun starts any worker
-        world_size = int(os.environ.get("COOKBOOK_WORLD_SIZE", "1"))  # launch.sh: NGPU x NNODES
+        world_size = check_world_size()  # NGPU x NNODES, as launch.sh
         check_sharding(cfg, world_size, on_cpu)
         if cfg.data.hub_id and cfg.data.train_files == [str(hub_file(cfg))]:  # None: written before, for these settings
             n = hub.dataset_to_text(cfg.data.hub_id, cfg.data.hub_split, hub_file(cfg), criteo_line, COLUMNS,

@@ -32,12 +32,12 @@ merged in (``<output_dir>/final``).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from cookbook import config as cfgmod
 from cookbook.config import ConfigError
+from cookbook.launch import check_world_size
 
 LOADERS = ("unsloth", "transformers")
 CANNOT_REMAP = "the Trainer's data order and per-rank RNG states depend on it"  # why a resume keeps the world size
@@ -221,7 +221,7 @@ def main(argv: list[str]) -> None:
 
     rows = training_rows(cfg)
     if args.check:  # one process, before any worker starts
-        world_size = int(os.environ.get("COOKBOOK_WORLD_SIZE", "1"))  # launch.sh: NGPU x NNODES
+        world_size = check_world_size()  # NGPU x NNODES, as launch.sh
         hf_trainer.check_resume(cfg, world_size, MAY_CHANGE, CANNOT_REMAP)
         print(f"config {args.config} and {len(rows)} rows of {', '.join(cfg.data.train_files)}: ok "
               f"(loader {cfg.model.loader}, LoRA r={cfg.lora.r} alpha={cfg.lora.alpha}, seq {cfg.data.max_length})")

@@ -47,6 +47,9 @@ from pathlib import Path
 from cookbook.entry import EXIT_USER_ERROR, LAUNCH_TIME_ENV
 
 
+WORLD_SIZE_ENV = "COOKBOOK_WORLD_SIZE"  # the check's world size (NGPU x NNODES), set for train.py --check
+
+
 def _positive(name: str, value: str) -> int:
     if not value.isdigit() or int(value) < 1:
         raise SystemExit(f"error: {name}={value} is not a positive integer")
@@ -76,6 +79,23 @@ def plan(ngpu: str, nnodes: str, gpus: int) -> tuple[int, int]:
     if gpus > 0 and per_node > gpus:
         raise SystemExit(f"error: NGPU={per_node} but this node has {gpus} GPU(s)")
     return per_node, nodes
+
+
+def check_world_size() -> int:
+    """The world size a recipe's ``--check`` plans for: ``COOKBOOK_WORLD_SIZE`` (set by this launcher), else
+    ``NGPU`` x ``NNODES`` as launch.sh reads them (``NGPU`` unset: every GPU of this node, else 2 processes; a
+    ``python train.py --check`` of its own sees the same world as ``launch.sh`` would).
+
+    Raises:
+        SystemExit: a value that is not a positive integer (the message names the variable).
+    """
+    if os.environ.get(WORLD_SIZE_ENV):
+        return _positive(WORLD_SIZE_ENV, os.environ[WORLD_SIZE_ENV])
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    per_node, nodes = plan(os.environ.get("NGPU", ""), os.environ.get("NNODES", "1") or "1", gpus)
+    return per_node * nodes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,10 +157,10 @@ def _launch(args: argparse.Namespace) -> int:
     torchrun_args = [*rdzv, "--nproc-per-node", str(per_node), "--max-restarts", str(restarts), str(script),
                      *script_args]
     if args.dry_run:
-        print(f"check: {shlex.join(['env', f'COOKBOOK_WORLD_SIZE={world_size}', *check_cmd])}")
+        print(f"check: {shlex.join(['env', f'{WORLD_SIZE_ENV}={world_size}', *check_cmd])}")
         print(f"run: {shlex.join([sys.executable, '-m', 'cookbook.torchrun', *torchrun_args])}")
         return 0
-    check = subprocess.run(check_cmd, env={**os.environ, "COOKBOOK_WORLD_SIZE": world_size})
+    check = subprocess.run(check_cmd, env={**os.environ, WORLD_SIZE_ENV: world_size})
     if check.returncode != 0:
         return check.returncode
     from cookbook.torchrun import main as torchrun
