@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 import signal
 import socket
@@ -28,6 +29,31 @@ for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 # the Trainer starts: test_unsloth_axolotl_configs's forked ranks in a fresh-clone CI run, 2026-12-02). The child's
 # own garbage is collected as usual.
 os.register_at_fork(after_in_child=gc.freeze)
+
+
+FP32_EPS = 2.0 ** -23  # torch.finfo(torch.float32).eps
+
+
+def fp32_sum_atol(terms: int, scale: float) -> float:
+    """Absolute tolerance for an fp32 result that sums `terms` values of magnitude up to `scale`, compared with the
+    same sum in another order or in float64: rounding grows as ~eps * sqrt(terms) * scale, times 4 for the few
+    roundings each term carries (a product, an exp). A wrong term, scale or order of ops is far outside it."""
+    return 4 * FP32_EPS * math.sqrt(terms) * float(scale)
+
+
+def fp32_sum_rtol(terms: int) -> float:
+    """Relative tolerance for an fp32 sum of `terms` positive values (a summed loss) against float64 or another
+    order: each addition rounds at ~eps of the partial sum, ~eps * sqrt(terms) of the total in all."""
+    return FP32_EPS * math.sqrt(terms)
+
+
+def assert_fp32_close(got, want, terms: int, msg: str | None = None) -> None:
+    """`got` (fp32) equals the float64 reference `want` up to `fp32_sum_atol` of `terms` terms of want's largest
+    magnitude."""
+    import torch
+
+    torch.testing.assert_close(got.double(), want.double(), rtol=0, atol=fp32_sum_atol(terms, want.abs().max()),
+                               msg=msg)
 
 
 # Ports for rendezvous and Ray heads come from a block of this test process's own, below Linux's ephemeral range

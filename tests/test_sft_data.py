@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from conftest import assert_fp32_close, fp32_sum_rtol
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from cookbook.config import ConfigError
@@ -584,9 +585,9 @@ def test_token_loss_sum_and_evaluate_equal_a_hand_computation(tokenizer):
 
 
 def _full_ce_and_grads(hidden, weight, labels, scale, softcap=None):
-    """The reference: fp32 logits of every row, F.cross_entropy summed, times `scale`, and its gradients."""
-    h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
-    logits = (h @ w.t()).float()
+    """The reference, in float64: the logits of every row, F.cross_entropy summed, times `scale`, and its gradients."""
+    h, w = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    logits = h @ w.t()
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
     loss = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
@@ -601,18 +602,20 @@ def test_chunked_linear_cross_entropy_equals_the_full_loss_and_its_gradients(chu
     labels = torch.randint(0, 96, (40,))
     labels[7:14] = IGNORE_INDEX  # with chunk_size 7: rows 7-13 are one chunk without any label
     labels[30] = IGNORE_INDEX
+    rows = int((labels != IGNORE_INDEX).sum())
     for softcap in (None, 5.0):  # Gemma 2's final_logit_softcapping
         want, want_h, want_w = _full_ce_and_grads(hidden, weight, labels, 0.37, softcap)
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         got = linear_cross_entropy_sum(h, w, labels, chunk_size, softcap=softcap)
         (got * 0.37).backward()  # the recipe scales the summed loss by world size / global tokens
-        assert got.dtype == torch.float32 and got.item() == pytest.approx(want.item(), rel=1e-6)
-        torch.testing.assert_close(h.grad, want_h, rtol=1e-5, atol=1e-7)
-        torch.testing.assert_close(w.grad, want_w, rtol=1e-5, atol=1e-7)
+        # fp32 against the float64 reference: the loss sums the rows' losses, h's gradient the 96 classes, w's the rows
+        assert got.dtype == torch.float32 and got.item() == pytest.approx(want.item(), rel=fp32_sum_rtol(rows))
+        assert_fp32_close(h.grad, want_h, terms=96)
+        assert_fp32_close(w.grad, want_w, terms=rows)
         assert h.grad[7:14].abs().max() == 0 and h.grad[30].abs().max() == 0 and h.grad[0].abs().max() > 0
         with torch.no_grad():  # no gradients wanted: loss only
             assert linear_cross_entropy_sum(hidden, weight, labels, chunk_size, softcap=softcap).item() == \
-                pytest.approx(want.item(), rel=1e-6)
+                pytest.approx(want.item(), rel=fp32_sum_rtol(rows))
     all_ignored = torch.full((40,), IGNORE_INDEX)
     h = hidden.clone().requires_grad_()
     loss = linear_cross_entropy_sum(h, weight, all_ignored, chunk_size)
@@ -626,18 +629,20 @@ def test_chunked_linear_cross_entropy_with_tied_weights_and_bad_input():
     ids, labels = torch.randint(0, 50, (30,)), torch.randint(0, 50, (30,))
     labels[::4] = IGNORE_INDEX
     grads = []
-    for chunked in (False, True):
+    for chunked in (False, True):  # the full loss in float64 (the reference), the chunked one in fp32
         embed = torch.nn.Embedding(50, 16)
         torch.nn.init.normal_(embed.weight, generator=torch.Generator().manual_seed(3))
+        embed = embed if chunked else embed.double()
         hidden = torch.tanh(embed(ids))  # a stand-in for the decoder
         if chunked:
             loss = linear_cross_entropy_sum(hidden, embed.weight, labels, 8)
         else:
-            loss = F.cross_entropy((hidden @ embed.weight.t()).float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+            loss = F.cross_entropy(hidden @ embed.weight.t(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
         loss.backward()
         grads.append((loss.item(), embed.weight.grad))
-    assert grads[1][0] == pytest.approx(grads[0][0], rel=1e-6)
-    torch.testing.assert_close(grads[1][1], grads[0][1], rtol=1e-5, atol=1e-7)
+    # the loss sums the 30 rows' losses; an embedding row's gradient sums its lookups' and the 30 rows' terms
+    assert grads[1][0] == pytest.approx(grads[0][0], rel=fp32_sum_rtol(30))
+    assert_fp32_close(grads[1][1], grads[0][1], terms=2 * 30)
     with pytest.raises(ValueError, match="chunk_size must be >= 1, got 0"):
         linear_cross_entropy_sum(torch.zeros(3, 4), torch.zeros(5, 4), torch.zeros(3, dtype=torch.long), 0)
     with pytest.raises(ValueError, match=r"got \(3, 4\), \(5, 2\) and \(3,\)"):
@@ -656,7 +661,14 @@ def test_chunked_token_loss_sum_equals_the_full_one_on_a_model(tokenizer, tied):
     pad_id = pad_token_id(tokenizer)
     batch = collate(pack(examples, 96, pad_id), pad_id)  # 2 rows, the second padded
     assert batch["input_ids"].shape[0] == 2
-    results = []
+    reference = tiny_qwen3(len(tokenizer), tie_word_embeddings=tied).train().double()  # the full loss in float64
+    logits = reference(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+    loss.backward()
+    full = loss.item()
+    full_grads = {n: p.grad for n, p in reference.named_parameters()}
+    tokens, labelled = batch["input_ids"].numel(), int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
     for chunk_size in (0, 5, 4096):
         model = tiny_qwen3(len(tokenizer), tie_word_embeddings=tied).train()
         assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
@@ -665,15 +677,12 @@ def test_chunked_token_loss_sum_equals_the_full_one_on_a_model(tokenizer, tied):
         loss = token_loss_sum(model, batch, chunk_size)
         loss.backward()
         assert projected == [0 if chunk_size else 96]
-        results.append((loss.item(), {n: p.grad for n, p in model.named_parameters()}))
-    (full, full_grads), *chunked = results
-    for loss, grads in chunked:
-        assert loss == pytest.approx(full, rel=1e-6)
-        for name, grad in full_grads.items():
-            torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")  # fp32 sums in another order
+        assert loss.item() == pytest.approx(full, rel=fp32_sum_rtol(labelled))
+        for name, p in model.named_parameters():
+            assert_fp32_close(p.grad, full_grads[name], terms=tokens, msg=f"chunk_size {chunk_size}: {name}")
     with torch.no_grad():  # evaluation: no gradients computed
         assert chunked_token_loss_sum(tiny_qwen3(len(tokenizer), tie_word_embeddings=tied), batch, 8).item() == \
-            pytest.approx(full, rel=1e-6)
+            pytest.approx(full, rel=fp32_sum_rtol(labelled))
 
 
 def test_varlen_is_registered_with_transformers(tokenizer):
