@@ -155,6 +155,10 @@ def _write(tmp_path, mutate, raw: str | None = None):
      r"annotations\[1\] \(annotation id 2\): field 'bbox': width and height must be > 0, got \[56, 22, -36, 22\]"),
     (lambda c: c["annotations"][3].update(image_id=3.5),
      r"annotations\[3\] \(annotation id 4\): field 'image_id' must be an integer, got 3.5"),
+    (lambda c: c["annotations"][3].update(image_id=10**400),  # json.loads reads it: a tensor cannot hold it
+     r"annotations\[3\] \(annotation id 4\): field 'image_id' must be an integer of 64 bits, got a 401-digit integer"),
+    (lambda c: c["annotations"][3].update(image_id=float("inf")),  # written 1e999 or Infinity
+     r"annotations\[3\] \(annotation id 4\): field 'image_id' must be an integer, got inf"),
     (lambda c: c["annotations"][3].update(iscrowd="no"),
      r"annotations\[3\] \(annotation id 4\): field 'iscrowd' must be an integer, got 'no'"),
     (lambda c: c["annotations"][3].update(iscrowd=2),

@@ -205,6 +205,31 @@ def test_a_non_numeric_count_names_its_line_and_column(tmp_path):
         check("torchrec-dlrm", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{path}]", "train.batch_size=8")
 
 
+@pytest.mark.parametrize("value, message", [
+    ("9" * 400, r"'9+\.\.\.9+' is outside the 64-bit integer range"),
+    ("-9223372036854775809", r"'-9223372036854775809' is outside the 64-bit integer range"),
+    ("1e999", r"'1e999' is not an integer"),
+    ("inf", r"'inf' is not an integer"),
+], ids=["400 digits", "below int64", "1e999", "inf"])
+@pytest.mark.parametrize("suffix", [".txt", ".csv"])
+def test_a_count_too_large_or_infinite_is_one_line_naming_its_line_and_column(tmp_path, value, message, suffix):
+    """Criteo text and CSV alike (a 400-digit count once ended in a bare OverflowError), before any worker."""
+    train = recipe_module()
+    lines = _tiny_rows()[:20]
+    fields = lines[6].split("\t")
+    fields[4] = value
+    lines[6] = "\t".join(fields)
+    if suffix == ".csv":
+        text = ",".join(train.COLUMNS) + "\n" + "".join(line.replace("\t", ",") + "\n" for line in lines)
+        line = 8  # after the header
+    else:
+        text, line = "".join(line + "\n" for line in lines), 7
+    path = tmp_path / f"rows{suffix}"
+    path.write_text(text)
+    with pytest.raises(train.DataError, match=rf"rows{suffix} line {line}, column 5 \(I4\): {message}"):
+        check("torchrec-dlrm", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{path}]", "train.batch_size=8")
+
+
 def test_a_table_of_size_zero_is_refused(tmp_path):
     sizes = [10] * 26
     sizes[2] = 0

@@ -52,7 +52,7 @@ from cookbook.config import ConfigError, check_fields, cli_parser, load_config, 
 from cookbook.launch import check_world_size
 from cookbook.loop import EpochBatches, TrainLoop, checkpoint_state, start_run
 from cookbook.sampler import ResizableSampler
-from cookbook.tabular import DataError
+from cookbook.tabular import INT64, DataError
 
 ARCHS = ("retinanet_resnet50_fpn_v2", "retinanet_resnet50_fpn", "retinanet_resnet18_fpn")
 REQUIREMENTS = Path(__file__).resolve().with_name("requirements.txt")  # torchvision, pycocotools: beside this file
@@ -136,8 +136,10 @@ def _int_field(obj: dict, key: str, where: str, default: int | None = None) -> i
         return default
     if isinstance(value, float) and math.isfinite(value) and value.is_integer():
         return int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise DataError(f"{where}: field '{key}' must be an integer, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not INT64[0] <= value <= INT64[1]:
+        shown = repr(value) if len(repr(value)) <= 40 else f"a {len(str(abs(value)))}-digit integer"
+        raise DataError(f"{where}: field '{key}' must be an integer{' of 64 bits' if type(value) is int else ''}, "
+                        f"got {shown}")
     return value
 
 

@@ -76,7 +76,7 @@ from cookbook.config import ConfigError, check_fields, cli_parser, load_config, 
 from cookbook.launch import check_world_size
 from cookbook.loop import TrainLoop, start_run
 from cookbook import hub, tabular
-from cookbook.tabular import DataError, to_int
+from cookbook.tabular import DataError, check_int64, to_int
 
 for _name in ("torchrec", "root"):  # TorchRec logs planner and caching notices at WARNING on every rank
     logging.getLogger(_name).setLevel(logging.ERROR)
@@ -243,18 +243,18 @@ def criteo_line(row: Mapping[str, Any], where: str, positions: Mapping[str, int]
     """
     def bad(name: str, value: Any, what: str) -> DataError:
         col = f"column {positions[name]} ({name})" if positions else f"column {name}"
-        return DataError(f"{where}, {col}: {value!r} {what}")
+        return DataError(f"{where}, {col}: {_short(value)} {what}")
 
     out = []
     for name in COLUMNS[:14]:  # label and counts
         try:
             n = to_int(row[name])
-        except ValueError:
-            n = "bad"
+        except ValueError as exc:
+            n, why = "bad", ("is outside the 64-bit integer range" if "64-bit" in str(exc) else "is not an integer")
         if name == "label" and n not in (0, 1):
             raise bad(name, row[name], "is not 0 or 1")
         if n == "bad":
-            raise bad(name, row[name], "is not an integer")
+            raise bad(name, row[name], why)
         out.append("" if n is None else str(n))
     for name in CATEGORICAL:
         value = row[name].strip() if isinstance(row[name], str) else row[name]
@@ -290,6 +290,12 @@ def criteo_text_file(path: str, output_dir: str) -> str:
     return str(dst)
 
 
+def _short(value: Any) -> str:
+    """`value` as repr, its middle elided past 40 characters (a 400-digit count stays one readable line)."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:18]}...{text[-18:]}"
+
+
 def parse_row(line: str, sizes: list[int], where: str) -> tuple[float, list[float], list[int]]:
     """One Criteo row: label, 13 log-transformed counts, 26 ids (-1: missing), each hashed into its table.
     Integer-valued floats (``260.0``, label ``1.0``) are read as integers; a line may end in LF or CRLF.
@@ -310,12 +316,13 @@ def parse_row(line: str, sizes: list[int], where: str) -> tuple[float, list[floa
     dense = []
     for col, value in enumerate(fields[1:14], start=2):
         try:
-            n = int(value) if value else 0
+            n = check_int64(int(value)) if value else 0
         except ValueError:  # written otherwise than as a plain integer: "260.0" is 260, NaN 0
             try:
                 n = to_int(value) or 0
-            except ValueError:
-                raise DataError(f"{where}, column {col} ({COLUMNS[col - 1]}): {value!r} is not an integer") from None
+            except ValueError as exc:
+                what = "is outside the 64-bit integer range" if "64-bit" in str(exc) else "is not an integer"
+                raise DataError(f"{where}, column {col} ({COLUMNS[col - 1]}): {_short(value)} {what}") from None
         dense.append(math.log1p(n) if n > 0 else 0.0)
     ids = []
     for col, (value, size) in enumerate(zip(fields[14:], sizes), start=15):

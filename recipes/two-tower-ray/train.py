@@ -148,8 +148,8 @@ def _time(value, column: str, where: str) -> float:
         number = float(value)
     except (TypeError, ValueError):
         number = math.nan
-    if math.isnan(number) or isinstance(value, bool):
-        raise DataError(f"{where}: {column} {value!r} is not a number")
+    if not math.isfinite(number) or isinstance(value, bool):  # "1e999" is inf: no order of events
+        raise DataError(f"{where}: {column} {value!r} is not a {'finite ' if not math.isnan(number) else ''}number")
     return number
 
 

@@ -259,8 +259,23 @@ def to_int(value: Any) -> int | None:
     None, ``""`` or NaN.
 
     Raises:
-        ValueError: a value that is not a whole number (``"2.5"``, ``"x"``, ``inf``, a bool).
+        ValueError: a value that is not a whole number (``"2.5"``, ``"x"``, ``inf``, ``"1e999"``, a bool), or one
+            outside the 64-bit integer range that tensors hold (`check_int64`).
     """
+    return check_int64(_to_int(value))
+
+
+INT64 = (-(2**63), 2**63 - 1)
+
+
+def check_int64(n: int | None) -> int | None:
+    """`n` itself when it fits a 64-bit integer (``torch.int64``); ValueError otherwise."""
+    if n is not None and not INT64[0] <= n <= INT64[1]:
+        raise ValueError(f"{len(str(abs(n)))}-digit integer is outside the 64-bit range")
+    return n
+
+
+def _to_int(value: Any) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool):
