@@ -337,3 +337,53 @@ def test_shipped_configs_are_valid(config):
 
         folder = {"config.yaml": "nemotron-3-nano-30b-a3b", "qwen3-30b-a3b.yaml": "qwen3-30b-a3b"}[config]
         moe.check_model(cfg, AutoConfig.from_pretrained(RECIPE / "models" / folder), AutoModelForCausalLM, world_size=8)
+
+
+# ----------------------------------------------------------------------------- router statistics without padding
+def _router_outputs(model, router, batches):
+    """The aux loss and expert loads that `router` gives for the forwards of `batches` taken as one batch: each
+    MoE layer's router records (logits, chosen experts) of every forward concatenated, then `RouterStats.take`."""
+    records = []
+    for batch in batches:
+        with torch.no_grad():
+            sft.token_loss_sum(model, batch)
+        records.append([getattr(block.gate, router.ATTR) for _, block in router.blocks])
+        router.drop()
+    for (_, block), layer in zip(router.blocks, zip(*records)):
+        setattr(block.gate, router.ATTR, tuple(torch.cat(parts) for parts in zip(*layer)))
+    aux = router.take()
+    loads = router.loads.clone()
+    router.loads.zero_()
+    return aux, loads
+
+
+@pytest.mark.parametrize("model, packed", [("qwen3-moe", False), ("qwen3-moe", True), ("nemotron-h", False)])
+def test_router_stats_and_aux_loss_leave_padding_out(model, packed):
+    """A right-padded batch, or packed rows ending in padding, gives with `moe.token_mask` the aux loss and expert
+    loads of its documents run alone without padding; counting the padding changes both. The model in float64:
+    the real tokens' router records are equal to the last bit (Nemotron-H's router casts to fp32 alike), so the loads
+    must be equal; `RouterStats.take` sums in fp32, measured equal to the last bit too, and 1e-6 (a few fp32 ulps of
+    ~1) allows another summation order. Counting the padding moved the aux loss by 5e-3 to 1e-2."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(RECIPE / "tiny" / model)
+    config._experts_implementation = "eager"  # transformers' grouped_mm experts take no float64
+    torch.manual_seed(0)
+    net = AutoModelForCausalLM.from_config(config).double().eval()
+    router = moe.RouterStats(net)
+    g = torch.Generator().manual_seed(3)
+    docs = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (13, 29, 7)]
+    rows = [{"input_ids": d, "labels": [-100] + d[1:]} for d in docs]
+    batch = sft.collate(sft.pack(rows, 48, pad_id=0) if packed else rows, pad_id=0, cu_seq_lens=False)
+    mask = moe.token_mask(batch, pad_id=0)
+    assert mask.shape == batch["input_ids"].shape and int(mask.sum()) == 49 < mask.numel()
+    expected = _router_outputs(net, router, [{k: torch.tensor([v]) for k, v in r.items()} for r in rows])  # no padding
+    with torch.no_grad():
+        sft.token_loss_sum(net, batch)
+    aux = router.take(mask)
+    torch.testing.assert_close(aux, expected[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(router.loads, expected[1], rtol=0, atol=0)
+    router.loads.zero_()
+    with torch.no_grad():
+        sft.token_loss_sum(net, batch)
+    assert abs(float(router.take()) - float(expected[0])) > 1e-4 and router.loads.sum() > expected[1].sum()

@@ -1,8 +1,9 @@
 """Expert LoRA on the routed tokens (`cookbook.moe.use_routed_lora`) against PEFT's own expert LoRA, in one
 process, fp32, on CPU: the experts modules of the tiny Qwen3-MoE (gated, SiLU) and Nemotron-H (plain, ReLU^2)
 twins with PEFT ``target_parameters`` LoRA (random A and B), for several routings, experts without tokens
-included; and activation checkpointing of one part of each decoder layer (`cookbook.moe.checkpoint_parts`)
-against none, on the whole tiny Qwen3-MoE.
+included; the experts split over 2 forked EP ranks, one of which receives no token, against the unsharded ones;
+and activation checkpointing of one part of each decoder layer (`cookbook.moe.checkpoint_parts`) against none,
+on the whole tiny Qwen3-MoE.
 
 PEFT's reference runs transformers' ``eager`` experts (a loop over the experts hit) on the folded weights
 W_e + s B_e A_e; the routed path runs grouped GEMMs (here the loop fallback of `cookbook.moe.grouped_mm`) on the
@@ -16,6 +17,7 @@ import torch
 from conftest import ROOT
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import cookbook
 from cookbook import moe
 
 TINY = ROOT / "recipes" / "moe-lora-fsdp2-ep" / "tiny"
@@ -56,16 +58,18 @@ ROUTINGS = {  # (tokens, top-k) distinct expert ids per token
 }
 
 
-def run(module, hidden, index, weights, routed: bool):
-    """Output and the gradients (input, routing weights, every LoRA factor) of sum(out * probe)."""
+def run(module, hidden, index, weights, routed: bool, keep_grads: bool = False):
+    """Output and the gradients (input, routing weights, every LoRA factor) of sum(out * probe); `keep_grads`:
+    the parameters keep theirs."""
     hidden = hidden.clone().requires_grad_(True)
     weights = weights.clone().requires_grad_(True)
     out = moe.routed_experts_forward(module, hidden, index, weights) if routed else module(hidden, index, weights)
     probe = torch.linspace(-1, 1, out.numel()).reshape(out.shape)
     (out * probe).sum().backward()
     grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.requires_grad}
-    for p in module.parameters():
-        p.grad = None
+    if not keep_grads:
+        for p in module.parameters():
+            p.grad = None
     return out.detach(), hidden.grad, weights.grad, grads
 
 
@@ -109,6 +113,59 @@ def test_routed_lora_equals_peft(model, pattern):
         for e in empty:
             part = grad[e * 4:(e + 1) * 4] if "lora_A" in name else grad.reshape(grad.shape[0], 4, EXPERTS)[:, :, e]
             assert part.abs().max() == 0, (name, e)
+
+
+def zero_token_batch(rank: int, hidden_dim: int, receiver: int):
+    """Rank `rank`'s tokens, all routed to the two experts of EP rank `receiver` (the other rank receives none)."""
+    g = torch.Generator().manual_seed(10 + rank)
+    index = torch.tensor([[0, 1], [1, 0]] * (TOKENS // 2)) + 2 * receiver
+    return torch.randn(TOKENS, hidden_dim, generator=g), index, torch.rand(index.shape, generator=g)
+
+
+ZERO_TOKEN_CASES = [(routed, receiver) for routed in (True, False) for receiver in (0, 1)]  # routed LoRA, PEFT's
+
+
+@cookbook.distributed(num_processes=2, start_method="fork", timeout_minutes=1)  # a rank left waiting fails, not hangs
+def _ep2_experts(cases: list) -> list:
+    """For each (routed, receiver) of `cases`: one experts layer split over 2 EP ranks (`moe.split_experts`,
+    `moe.ep_dispatch`), every token sent to EP rank `receiver`; this rank's output and input / routing-weight
+    gradients, and the LoRA gradients of the unsharded layer (`moe.gather_lora`)."""
+    results = []
+    for routed, receiver in cases:
+        module, block = experts_with_lora("qwen3-moe")
+        block.gate = torch.nn.Identity()  # `moe.moe_blocks` finds a block by its router
+        model = torch.nn.ModuleDict({"mlp": block})
+        if routed:
+            moe.use_routed_lora(model)
+        meshes = moe.init_meshes("cpu", 2, 2)
+        meshes.expert_lora_names = moe.split_experts(model, meshes.dp_ep["ep"])
+        batch = zero_token_batch(cookbook.get_dist_info().rank, module.get_base_layer().hidden_dim, receiver)
+        out, dh, dw, _ = run(module, *batch, routed=False, keep_grads=True)  # its forward is now ep_dispatch
+        grads = {n.removeprefix("mlp.experts."): g for n, g in moe.gather_lora(model, meshes, grads=True).items()}
+        results.append((out, dh, dw, grads))
+    return results
+
+
+def test_ep2_rank_without_tokens_equals_the_unsharded_experts():
+    """EP=2 where every token of both ranks goes to the experts of one EP rank, so the other computes on no token
+    (either rank; routed LoRA and PEFT's forward): each rank's output and gradients (input, routing weights) and
+    the LoRA gradients gathered from both ranks equal the unsharded layer's on the same tokens; the idle rank's
+    experts get zero gradients, not none, and it joins every all-to-all of backward (else the other rank hangs)."""
+    got = _ep2_experts.distributed(ZERO_TOKEN_CASES)
+    module, _ = experts_with_lora("qwen3-moe")
+    hidden_dim = module.get_base_layer().hidden_dim
+    for case, (routed, receiver) in enumerate(ZERO_TOKEN_CASES):
+        expected = [run(module, *zero_token_batch(rank, hidden_dim, receiver), routed=routed) for rank in (0, 1)]
+        for rank in (0, 1):
+            for tensor, reference in zip(got[rank][case][:3], expected[rank][:3]):
+                torch.testing.assert_close(tensor, reference, **TOL, msg=f"{routed} {receiver} {rank}")
+        grads, idle = got[0][case][3], 1 - receiver
+        assert sorted(grads) == sorted(expected[0][3]) and len(grads) == 4
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, expected[0][3][name] + expected[1][3][name], **TOL, msg=f"{routed} {name}")
+            first = 2 * idle  # the idle rank's 2 experts, rank 4 each
+            part = grad[first * 4:(first + 2) * 4] if "lora_A" in name else grad.reshape(grad.shape[0], 4, EXPERTS)[:, :, first:first + 2]
+            assert part.abs().max() == 0 and grad.abs().max() > 0, (routed, receiver, name)
 
 
 @pytest.mark.parametrize("model", ["qwen3-moe", "nemotron-h"])

@@ -43,7 +43,8 @@ What this recipe supports:
       packed documents). Loss normalised by the assistant tokens of the global batch.
     - Load balancing: the Switch-Transformer auxiliary loss (mean over MoE layers) is reported every step
       and added with ``moe.aux_loss_coef`` (> 0); ``moe/load_max_over_mean`` (busiest expert / mean, mean
-      over layers) and ``moe/ep_rank_load_max_over_mean`` (busiest EP rank / mean) are logged.
+      over layers) and ``moe/ep_rank_load_max_over_mean`` (busiest EP rank / mean) are logged. Padding counts
+      in none of them (``cookbook.moe.token_mask``).
     - Checkpoints (cookbook.checkpoint, DCP): LoRA weights and AdamW state only (frozen weights are not
       saved), scheduler, data position, RNG, step; atomic publish; ``resume: auto``. Expert adapters are
       stored per EP rank, so a resume needs the same ``parallel.ep`` (refused otherwise, before start).
@@ -242,7 +243,7 @@ def main(argv: list[str]) -> None:
             step_loss, step_aux = torch.zeros((), device=info.device), torch.zeros((), device=info.device)
             for mb, wait in zip(micro_batches, waits):
                 loss_sum = sft.token_loss_sum(model, mb)
-                aux = router.take().to(info.device)  # load-balancing loss of this forward's MoE layers
+                aux = router.take(moe.token_mask(mb, pad_id)).to(info.device)  # load-balancing loss, padding left out
                 loss = loss_sum * info.world_size / global_tokens
                 if cfg.moe.aux_loss_coef > 0:
                     loss = loss + cfg.moe.aux_loss_coef * aux / cfg.train.grad_accum_steps

@@ -236,7 +236,7 @@ def main(argv: list[str]) -> None:
             step_loss, step_aux = torch.zeros((), device=info.device), torch.zeros((), device=info.device)
             for mb, wait in zip(micro_batches, waits):
                 loss_sum = sft.token_loss_sum(model, mb)
-                aux = router.take().to(info.device)  # load-balancing loss of this forward's MoE layers
+                aux = router.take(moe.token_mask(mb, pad_id)).to(info.device)  # load-balancing loss, padding left out
                 loss = loss_sum * info.world_size / global_tokens
                 if cfg.moe.aux_loss_coef > 0:
                     loss = loss + cfg.moe.aux_loss_coef * aux / cfg.train.grad_accum_steps

@@ -14,7 +14,8 @@ the meshes, LoRA, the expert split, ``fully_shard`` and the step. This module ho
 - activation checkpointing of one part of every decoder layer (`checkpoint_parts`: attention or MoE blocks);
 - the base model on the meta device or whole (`build_base`), LoRA initialised the same for every EP degree
   (`init_lora`), active-parameter FLOPs (`active_flops`);
-- router statistics and the Switch-Transformer load-balancing loss (`RouterStats`);
+- router statistics and the Switch-Transformer load-balancing loss over the tokens that are not padding
+  (`RouterStats`, `token_mask`);
 - the gradient norm over parameters of two meshes (`clip_grad_norm`), evaluation with the routers' records left
   out (`evaluate`, over `cookbook.sft.evaluate`);
 - adapter checkpoints and exports: `AdapterState` (DCP), `gather_lora`, `export_adapter`, `export_merged`.
@@ -262,8 +263,8 @@ def ep_dispatch(experts: torch.nn.Module, local_forward, group: dist.ProcessGrou
     local_ids = flat.new_empty(sum(recv_sizes))
     dist.all_to_all_single(local_ids, flat[order] % per, recv_sizes, send_sizes, group=group)  # ids at the destination
     y = local_forward(x, local_ids[:, None], torch.ones(len(local_ids), 1, dtype=top_k_weights.dtype, device=x.device))
-    if not len(local_ids):  # nothing to compute here: keep the experts (LoRA) in the graph for the collectives of backward
-        y = y + sum(p.sum() for p in experts.parameters()) * 0
+    if not len(local_ids):  # no token here: keep x and the LoRA in the graph, for backward's all-to-all and zero gradients
+        y = y + (x.sum() + sum(p.sum() for p in experts.parameters() if p.requires_grad)) * 0
     y = AllToAll.apply(y, send_sizes, recv_sizes, group)
     out = torch.zeros(hidden.shape, dtype=y.dtype, device=y.device)
     out.index_add_(0, order // k, y * top_k_weights.reshape(-1)[order, None].to(y.dtype))
@@ -486,7 +487,7 @@ def routed_experts_forward(module: torch.nn.Module, hidden: torch.Tensor, top_k_
     y = _expert_projection(experts, wrappers, "down_proj", h, offs) * top_k_weights.reshape(-1)[order, None]
     unsorted = torch.empty_like(order)
     unsorted[order] = torch.arange(len(order), device=order.device)
-    return y[unsorted].view(num_tokens, top_k, -1).sum(1).to(hidden.dtype)
+    return y[unsorted].view(num_tokens, top_k, y.shape[-1]).sum(1).to(hidden.dtype)  # -1 is ambiguous for 0 tokens
 
 
 def use_routed_lora(model: torch.nn.Module) -> int:
@@ -717,6 +718,20 @@ def frozen_if_unsharded(module: torch.nn.Module, mesh: DeviceMesh) -> set[torch.
     return {p for p in module.parameters() if not p.requires_grad} or None
 
 
+def token_mask(batch: dict[str, torch.Tensor], pad_id: int) -> torch.Tensor | None:
+    """(B, L) bool: the tokens of a `cookbook.sft.collate` batch that are not padding, for `RouterStats.take`.
+    Right-padded rows: the ``attention_mask``. Packed rows (``position_ids``, no mask): all but each row's
+    trailing padding, the last document when it holds only `pad_id` (`cookbook.sft.pack`). None: neither key."""
+    if "attention_mask" in batch:
+        return batch["attention_mask"].bool()
+    if "position_ids" not in batch:
+        return None
+    document = (batch["position_ids"] == 0).cumsum(1)
+    last = document == document[:, -1:]
+    padding = last & (~last | (batch["input_ids"] == pad_id)).all(1, keepdim=True)
+    return ~padding
+
+
 class RouterStats:
     """Forward hooks on the routers: the load-balancing loss and the expert loads of each forward.
 
@@ -749,14 +764,18 @@ class RouterStats:
         for _, block in self.blocks:
             setattr(block.gate, self.ATTR, None)
 
-    def take(self) -> torch.Tensor:
+    def take(self, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Mean Switch-Transformer aux loss over this forward's MoE layers (Fedus et al. 2021, "Switch
         Transformers", eq. 4): E * sum_e f_e * P_e, f_e the share of routed slots that chose expert e, P_e the mean
         router probability of e (sigmoid routers normalised per token); adds the loads, then forgets the records.
 
+        Args:
+            mask: the tokens to count, (B, L) of the forward's batch (`token_mask`: padding left out); None: all.
+
         Returns:
-            A 0-dim float32 tensor (zero when no router ran since the last `take` / `drop`), differentiable
-            through the router logits. Computed for all layers at once (one set of kernels, not one per layer).
+            A 0-dim float32 tensor (zero when no router ran since the last `take` / `drop`, or no token is
+            counted), differentiable through the router logits. Computed for all layers at once (one set of
+            kernels, not one per layer). Raises ValueError when `mask` does not have one entry per routed token.
         """
         records = [getattr(block.gate, self.ATTR) for _, block in self.blocks]
         self.drop()
@@ -769,15 +788,22 @@ class RouterStats:
         probs = logits.sigmoid() if self.sigmoid else logits.softmax(-1)
         probs = probs / probs.sum(-1, keepdim=True)
         n, e = len(kept), self.num_experts
+        if mask is None:
+            slots, mean_probs = torch.ones(idx.numel(), dtype=probs.dtype, device=probs.device), probs.mean(1)
+        else:
+            if mask.numel() != idx.shape[1]:
+                raise ValueError(f"mask has {mask.numel()} entries for {idx.shape[1]} routed tokens")
+            w = mask.reshape(-1).to(device=probs.device, dtype=probs.dtype)
+            slots = w[None, :, None].expand(idx.shape).reshape(-1)  # each (layer, token, k) slot weighs as its token
+            mean_probs = (probs * w[:, None]).sum(1) / w.sum().clamp(min=1)
         # counts per (layer, expert) with one scatter_add (not bincount: on CUDA it waits for the host to learn
         # its max); the layer offset l * E makes one flat index space of n * E bins
         flat = (idx.reshape(n, -1) + torch.arange(n, device=idx.device).unsqueeze(1) * e).reshape(-1)
-        counts = torch.zeros(n * e, dtype=probs.dtype, device=probs.device).scatter_add_(
-            0, flat, torch.ones_like(flat, dtype=probs.dtype)).reshape(n, e)
+        counts = torch.zeros(n * e, dtype=probs.dtype, device=probs.device).scatter_add_(0, flat, slots).reshape(n, e)
         if self.loads.device != counts.device:  # kept on the device: no copy to the host (a wait) per step
             self.loads = self.loads.to(counts.device)
         self.loads.index_add_(0, torch.tensor(layers, device=counts.device), counts.detach().double())
-        losses = e * (counts / counts.sum(-1, keepdim=True) * probs.mean(1)).sum(-1)
+        losses = e * (counts / counts.sum(-1, keepdim=True).clamp(min=1) * mean_probs).sum(-1)
         return losses.mean()
 
     def load_metrics(self, ep: int, device: torch.device) -> dict[str, float]:
