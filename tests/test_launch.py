@@ -251,3 +251,44 @@ def test_a_check_run_alone_plans_for_ngpu_processes(monkeypatch, capsys):
     monkeypatch.setenv("NGPU", "3")
     with pytest.raises(Exception, match="parallel.ep=2 does not divide the world size 3"):
         load_recipe("moe-lora-fsdp2-ep").main(["--config", str(recipe / "tiny.yaml"), "--check", "parallel.ep=2"])
+
+
+def test_a_run_holds_its_output_dir_and_its_workers_end_with_a_killed_launcher(tmp_path):
+    """launch.sh as users run it: a second launch on the same output_dir is refused in one line naming the first
+    launcher's pid and host, before any worker; ``kill -9`` of the first launcher ends its workers within seconds
+    (no checkpoint after it), and frees the folder."""
+    import socket
+
+    import psutil
+    from conftest import start_launch
+
+    from cookbook import run_lock
+
+    out = tmp_path / "run"
+    run = ("train.epochs=50", "train.max_steps=2000", "checkpoint.every_steps=5", "train.eval_every=0", "mlflow=false")
+    first = start_launch("modernbert-ddp", f"output_dir={out}", *run)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and first.poll() is None and not list(out.glob("checkpoints/step_*")):
+            time.sleep(0.2)
+        assert first.poll() is None, first.communicate()[1][-3000:]
+        second = start_launch("modernbert-ddp", f"output_dir={out}", *run)
+        _, err = second.communicate(timeout=300)
+        assert second.returncode == 2, err[-3000:]
+        assert err.strip().splitlines()[-1] == (
+            f"error: output_dir={out} is in use by the run of pid {first.pid} on host {socket.gethostname()} "
+            f"(since {(out / '.run.lock.node0').read_text().split('(since ')[1]}; wait for it to end, stop it, or "
+            f"choose another output_dir"), err[-3000:]
+        workers = [p for p in psutil.Process(first.pid).children() if p.environ().get("RANK") in ("0", "1")]
+        assert len(workers) == 2
+        first.kill()  # SIGKILL: the launcher cannot stop its workers itself
+        first.communicate()
+        gone, alive = psutil.wait_procs(workers, timeout=15)
+        assert not alive, f"workers outlived their launcher: {alive}"
+        saved = sorted(p.name for p in out.glob("checkpoints/step_*"))
+        time.sleep(1)
+        assert sorted(p.name for p in out.glob("checkpoints/step_*")) == saved  # nothing writes the folder any more
+        os.close(run_lock.acquire(out))  # the kernel released the dead launcher's lock
+    finally:
+        if first.poll() is None:
+            first.kill()

@@ -566,6 +566,9 @@ def check_run(cfg: Any) -> None:
 
         check_push(cfg.checkpoint)
     if _has(cfg, "output_dir") and isinstance(cfg.output_dir, str) and "://" not in cfg.output_dir:
+        from cookbook.run_lock import report_output_dir
+
+        report_output_dir(cfg.output_dir)  # the launcher takes the folder's run lock before any worker starts
         out = Path(cfg.output_dir).expanduser()
         probed = set()
         for folder in (out, out / "checkpoints"):

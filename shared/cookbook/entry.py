@@ -76,6 +76,23 @@ class OneLineError(RuntimeError):
     exit_status = EXIT_BUG
 
 
+AGENT_PID_ENV = "COOKBOOK_AGENT_PID"  # the launcher process that runs torchrun's agent (cookbook.torchrun)
+
+
+def die_with_parent() -> None:
+    """On Linux, have the kernel SIGKILL this process when its parent dies (``PR_SET_PDEATHSIG``): a launcher
+    killed with ``kill -9`` cannot stop its workers itself, and they must not go on writing its output_dir."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def run_main(main: Callable[[list[str]], Any], user_errors: Sequence[type[BaseException]] = (),
              argv: list[str] | None = None) -> NoReturn:
     """Run ``main(argv)`` (default ``sys.argv[1:]``) and exit the process with the statuses in the
@@ -95,6 +112,10 @@ def run_main(main: Callable[[list[str]], Any], user_errors: Sequence[type[BaseEx
     """
     rank, world = os.environ.get("RANK", "0"), int(os.environ.get("WORLD_SIZE", "1") or 1)
     where = f"[rank {rank}] " if world > 1 else ""
+    if os.environ.get(AGENT_PID_ENV) == str(os.getppid()):  # a worker of cookbook.torchrun: ends with its launcher
+        die_with_parent()
+        if os.getppid() != int(os.environ[AGENT_PID_ENV]):  # it died before the line above
+            _exit(EXIT_PEER_LOST)
     try:
         main(sys.argv[1:] if argv is None else argv)
     except tuple(user_errors) as exc:

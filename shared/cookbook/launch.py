@@ -41,9 +41,11 @@ import os
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+from cookbook import run_lock
 from cookbook.entry import EXIT_USER_ERROR, LAUNCH_TIME_ENV
 
 
@@ -160,9 +162,20 @@ def _launch(args: argparse.Namespace) -> int:
         print(f"check: {shlex.join(['env', f'{WORLD_SIZE_ENV}={world_size}', *check_cmd])}")
         print(f"run: {shlex.join([sys.executable, '-m', 'cookbook.torchrun', *torchrun_args])}")
         return 0
-    check = subprocess.run(check_cmd, env={**os.environ, WORLD_SIZE_ENV: world_size})
-    if check.returncode != 0:
-        return check.returncode
+    with tempfile.TemporaryDirectory(prefix="cookbook-check-") as tmp:
+        reported = Path(tmp) / "output_dir"
+        check = subprocess.run(check_cmd, env={**os.environ, WORLD_SIZE_ENV: world_size,
+                                               run_lock.OUTPUT_DIR_FILE_ENV: str(reported)})
+        if check.returncode != 0:
+            return check.returncode
+        output_dir = run_lock.read_reported(reported)
+    lock = None
+    if output_dir is not None:  # held until this process ends (SIGKILL too): one run per output_dir
+        try:
+            lock = run_lock.acquire(output_dir, args.node_rank)
+        except run_lock.RunLocked as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_USER_ERROR
     from cookbook.torchrun import main as torchrun
 
     before = os.environ.get("COOKBOOK_CHECKED")
@@ -170,6 +183,8 @@ def _launch(args: argparse.Namespace) -> int:
     try:
         return torchrun(torchrun_args)
     finally:  # (this function is also called in-process, by tests)
+        if lock is not None:
+            os.close(lock)
         if before is None:
             os.environ.pop("COOKBOOK_CHECKED", None)
         else:

@@ -69,6 +69,7 @@ import cloudpickle
 import torch
 
 from cookbook.dist import distributed_context
+from cookbook.entry import die_with_parent
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -221,7 +222,7 @@ def _worker(payload: bytes | tuple, error_dir: str, threads: int, timeout_minute
     # Like torchrun, one intra-op thread per worker by default. It also matters for safety: a
     # forked child that inherits the parent's OpenMP thread pool can hang in its first parallel op.
     torch.set_num_threads(threads)
-    _die_with_parent()
+    die_with_parent()
     rank = int(os.environ.get("RANK", "0"))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     path = Path(error_dir) / f"attempt{attempt:04d}-rank{rank:05d}.pkl"
@@ -246,19 +247,6 @@ def _worker(payload: bytes | tuple, error_dir: str, threads: int, timeout_minute
     except BaseException as exc:
         save(exc)
         raise
-
-
-def _die_with_parent() -> None:
-    """On Linux, have the kernel kill this worker if the process that started it dies (a notebook
-    kernel killed, ``kill -9`` of a script): the agent that would stop it is gone then."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def _run_local(fn: Callable, args: tuple, kwargs: dict, n: int, start_method: str, timeout_minutes: float,

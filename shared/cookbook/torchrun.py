@@ -54,7 +54,7 @@ import sys
 import time
 from typing import Iterable
 
-from cookbook.entry import (EXIT_BUG, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_PEER_LOST, EXIT_PREEMPTED,
+from cookbook.entry import (AGENT_PID_ENV, EXIT_BUG, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_PEER_LOST, EXIT_PREEMPTED,
                             EXIT_USER_ERROR, LAUNCH_TIME_ENV)
 
 _MEANING = {EXIT_BUG: "a failure, its traceback is above", EXIT_USER_ERROR: "bad configuration, data or checkpoint",
@@ -160,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     # stops at the next step boundary with a checkpoint; torchrun itself passes SIGTERM on.
     previous = signal.signal(signal.SIGUSR1, _forward_to_workers), os.environ.get(RESTART_COUNT_ENV)
     launched = os.environ.get(LAUNCH_TIME_ENV)
+    agent = os.environ.get(AGENT_PID_ENV)
+    os.environ[AGENT_PID_ENV] = str(os.getpid())  # its workers end when this process does (cookbook.entry.run_main)
     attempt = 0
     try:
         while True:
@@ -199,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.pop(LAUNCH_TIME_ENV, None)
         else:
             os.environ[LAUNCH_TIME_ENV] = launched
+        if agent is None:
+            os.environ.pop(AGENT_PID_ENV, None)
+        else:
+            os.environ[AGENT_PID_ENV] = agent
 
 
 def _signal_name(signum: int) -> str:

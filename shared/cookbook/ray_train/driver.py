@@ -42,6 +42,7 @@ from typing import Any, Mapping
 
 import torch
 
+from cookbook import run_lock
 from cookbook.checkpoint import CheckpointError, ResumeGuard, read_meta
 from cookbook.config import ConfigError, to_dict
 from cookbook.entry import EXIT_PREEMPTED
@@ -182,6 +183,14 @@ class RayDriver:
                 its message names the step and the newest checkpoint (`cookbook.run_main`: one line, exit 4).
             Preempted: the workers stopped on SIGTERM / SIGUSR1 after a checkpoint (exit 75).
         """
+        cfg = self.cfg
+        lock = run_lock.acquire(cfg.output_dir, os.environ.get("NODE_RANK", "0"))  # one run per output_dir
+        try:
+            return self._run(script)
+        finally:
+            os.close(lock)
+
+    def _run(self, script: str) -> Any:
         cfg = self.cfg
         init_ray(cfg.ray, self.workers or 0)
         num_workers, use_gpu = resolve_workers(cfg.ray, self.nnodes)

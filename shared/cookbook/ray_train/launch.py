@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from cookbook.entry import die_with_parent
+
 
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name, "") or str(default)
@@ -48,7 +50,7 @@ def _run_forwarding_signals(cmd: list[str], env: dict[str, str] | None = None) -
     The child gets its own session, so a Ctrl-C in the terminal reaches it once, through this
     process, rather than twice (Ray's driver aborts at once on a second SIGINT).
     """
-    child = subprocess.Popen(cmd, env=env, start_new_session=True)
+    child = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=die_with_parent)  # ends with this one
 
     def forward(signum, frame):
         if child.poll() is None:
