@@ -46,7 +46,7 @@ def main() -> None:
         return
     a = p.parse_args()
     lines = open(a.log, encoding="utf-8", errors="replace").read().splitlines()
-    summary = next(ln.strip("= ") for ln in reversed(lines) if re.search(r"\d+ (passed|failed).* in [\d.]+s", ln))
+    summary = next(ln.strip("= ") for ln in lines if re.search(r"\d+ (passed|failed).* in [\d.]+s", ln))  # the README command's
     command = next(ln[2:] for ln in lines if ln.startswith("+ python3 -m venv"))
     modules: dict[str, float] = defaultdict(float)
     for case in ET.parse(a.junit).getroot().iter("testcase"):
