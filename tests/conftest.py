@@ -266,6 +266,7 @@ def _fresh_process_state():
 
     log = logging.getLogger("cookbook")
     saved = list(log.handlers), log.propagate, log.level
+    root_level = logging.getLogger().level  # a recipe imported in-process may set it (torchrec-dlrm: ERROR)
     environ = dict(os.environ)
     yield
     dist = sys.modules.get("torch.distributed")
@@ -280,6 +281,7 @@ def _fresh_process_state():
         accelerate_state.AcceleratorState._reset_state(reset_partial_state=True)
     log.handlers[:], log.propagate = saved[0], saved[1]
     log.setLevel(saved[2])
+    logging.getLogger().setLevel(root_level)
     mlflow = sys.modules.get("mlflow")
     if mlflow is not None:
         while mlflow.active_run() is not None:
