@@ -3,7 +3,7 @@ left none, and the YAML with the TRL path's settings (recipes/unsloth-lora-ddp/c
 
     python benchmarks/axolotl_bench_config.py --model DIR --rows alpaca_data_sample5000.json --run-dir RUN \\
         --seq 2048 --steps 40 [--init-from CONFIG_DIR] [--cpu] [--no-lora-kernels] [--adapter qlora]
-        [--prepared DIR]
+        [--prepared DIR] [--packing]
     python benchmarks/axolotl_bench_config.py --init-only --model DIR --init-from CONFIG_DIR [--cpu]
 
 ``--init-from``: when ``--model`` holds no ``config.json``, build ``CONFIG_DIR``'s architecture with random weights
@@ -29,7 +29,7 @@ LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 def axolotl_config(model: str, data: str, run_dir: str, seq: int, steps: int, cpu: bool,
                    pad_token: str | None, lora_kernels: bool = True, adapter: str = "lora",
-                   prepared: str | None = None, attn_kernels: bool = True) -> dict:
+                   prepared: str | None = None, attn_kernels: bool = True, packing: bool = False) -> dict:
     """The Axolotl config (a dict for `yaml.safe_dump`) of the benchmark's LoRA run.
 
     Args:
@@ -37,7 +37,7 @@ def axolotl_config(model: str, data: str, run_dir: str, seq: int, steps: int, cp
         data: chat JSONL (``{"messages": [...]}`` rows).
         run_dir: where Axolotl writes its prepared data set and outputs (``<run_dir>/<its name>/``, with
             ``metrics.jsonl``, so that benchmarks/summarize.py names the run as the folder).
-        seq: ``sequence_len`` (tokens); rows are not packed and each batch is padded to its longest row.
+        seq: ``sequence_len`` (tokens); unpacked rows: each batch padded to its longest row.
         steps: ``max_steps``.
         cpu: fp32 and Axolotl's LoRA Triton kernels off (they need a GPU); else bf16 and the kernels left to
             Axolotl's default (on for single-GPU LoRA).
@@ -49,6 +49,9 @@ def axolotl_config(model: str, data: str, run_dir: str, seq: int, steps: int, cp
         attn_kernels: ``False`` (a model whose attention Axolotl's QKV/O kernels cannot patch, see
             `attn_kernels_apply`): ``lora_qkv_kernel`` and ``lora_o_kernel`` off and ``lora_mlp_kernel`` on (Axolotl
             turns all three on only when none is set); with `cpu` or not `lora_kernels` all stay off.
+        packing: ``sample_packing`` (rows packed into ``seq``-token bins, as TRL's ``packing``), each bin padded to
+            ``seq``, ``attn_implementation: sdpa`` (packed documents through ``varlen_attn``: no attention
+            across them).
 
     Raises:
         ValueError: `adapter` is neither ``lora`` nor ``qlora``.
@@ -70,6 +73,8 @@ def axolotl_config(model: str, data: str, run_dir: str, seq: int, steps: int, cp
         "dataloader_num_workers": 1, "logging_steps": 1, "save_strategy": "no", "output_dir": f"{run_dir}/{Path(run_dir).name}",
         "plugins": ["cookbook_metrics.CookbookMetricsPlugin"],
     }
+    if packing:
+        cfg.update(sample_packing=True, pad_to_sequence_len=True, attn_implementation="sdpa")
     if adapter == "qlora":
         cfg["load_in_4bit"] = True
     if pad_token is not None:
@@ -128,6 +133,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--no-lora-kernels", action="store_true")
     p.add_argument("--adapter", choices=("lora", "qlora"), default="lora")
     p.add_argument("--prepared", default=None)
+    p.add_argument("--packing", action="store_true")
     a = p.parse_args(argv)
     if a.init_only:
         if a.init_from is None:
@@ -165,7 +171,7 @@ def main(argv: list[str]) -> int:
     if not (a.cpu or a.no_lora_kernels):
         attn, why = attn_kernels_apply(model)
     cfg = axolotl_config(model, str(data), str(run), a.seq, a.steps, a.cpu, pad, not a.no_lora_kernels, a.adapter,
-                         a.prepared and str(Path(a.prepared).resolve()), attn)
+                         a.prepared and str(Path(a.prepared).resolve()), attn, a.packing)
     path = run / "axolotl.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     print(f"{path} ({n} conversations of {a.rows}; pad token {pad or tok.pad_token!r})")

@@ -39,23 +39,7 @@ python3 -m pip wheel -q --no-deps -w "$dest" "$tmp"/axolotl_contribs_*.tar.gz
 #   wandb 0.31.0 (axolotl.utils.callbacks imports it): drop wandb/bin (wandb-core and its helpers), which only a
 #     W&B run (use_wandb) would start.
 python3 -m pip download -q --no-deps "${plat[@]}" -d "$tmp" bitsandbytes==0.50.2 wandb==0.31.0
-python3 - "$dest" "$tmp"/bitsandbytes-0.50.2-*.whl "$tmp"/wandb-0.31.0-*.whl <<'PY'
-import re, sys, zipfile
-from pathlib import Path
-dest = Path(sys.argv[1])
-rules = {"bitsandbytes": lambda n: n.endswith(".so") and "/libbitsandbytes_" in n
-                                   and not re.search(r"libbitsandbytes_(cpu|cuda130)\.so$", n),
-         "wandb": lambda n: n.startswith("wandb/bin/")}
-for src in map(Path, sys.argv[2:]):
-    drop = rules[src.name.split("-")[0]]
-    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dest / src.name, "w", zipfile.ZIP_DEFLATED) as zout:
-        for item in zin.infolist():
-            if drop(item.filename):
-                continue
-            data = zin.read(item)
-            if item.filename.endswith(".dist-info/RECORD"):
-                data = "".join(l for l in data.decode().splitlines(True) if not drop(l.split(",")[0])).encode()
-            zout.writestr(item, data)
-    print(f"{dest / src.name}: {src.stat().st_size / 2**20:.1f} -> {(dest / src.name).stat().st_size / 2**20:.1f} MiB")
-PY
+strip="$(dirname "$0")/strip_wheel.py"
+python3 "$strip" "$dest" "$tmp"/bitsandbytes-0.50.2-*.whl '/libbitsandbytes_(?!(cpu|cuda130)\.so$)[^/]*\.so$'
+python3 "$strip" "$dest" "$tmp"/wandb-0.31.0-*.whl '^wandb/bin/'
 ls -la "$dest"; du -sh "$dest"

@@ -10,8 +10,11 @@
 #   (c) Axolotl 0.19.0: `axolotl train` (torchrun -m axolotl.cli.train, what `axolotl train --launcher torchrun`
 #       runs) of a YAML written here: the same checkpoint and tokenizer, the same rows converted to chat JSONL by
 #       recipes/axolotl-lora-ddp/prepare_data.py (the same cookbook.sft.to_messages), chat_template
-#       tokenizer_default with the loss on the assistant turn, sequence_len SEQ, sample_packing false and
-#       pad_to_sequence_len false (each batch padded to its longest row, as TRL pads), pad token = EOS when the
+#       tokenizer_default with the loss on the assistant turn, sequence_len SEQ, PACKING=1 (default): sample_packing
+#       true, pad_to_sequence_len true, attn_implementation sdpa (Axolotl's sdpa_varlen: varlen_attn over the packed
+#       documents), as the TRL path's data.packing=true (TRL's bfd, padding-free, attn_implementation varlen);
+#       PACKING=0: sample_packing false and pad_to_sequence_len false (each batch padded to its longest row, as TRL
+#       pads), pad token = EOS when the
 #       tokenizer has none (as train.py), adapter lora r 16 / alpha 32 / dropout 0 on q,k,v,o,gate,up,down,
 #       micro-batch 4, lr 2e-4 cosine, warmup 10, adamw_torch_fused (TRL's default), bf16, gradient checkpointing
 #       with use_reentrant false (both libraries' default), seed 42, STEPS steps; Axolotl's own defaults elsewhere
@@ -20,13 +23,13 @@
 #       Its numbers come from recipes/axolotl-lora-ddp/cookbook_metrics.py, an Axolotl plugin that writes the same
 #       metrics.jsonl as train.py: real tokens = attention_mask.sum() of each micro-batch, step time between two
 #       optimizer steps after torch.cuda.synchronize, peak = torch.cuda.max_memory_allocated/reserved.
-# Same rows, seq 2048 (no packing), LoRA r 16 / alpha 32 on q,k,v,o,gate,up,down, micro-batch 4, STEPS steps.
+# Same rows, seq 2048 (packed unless PACKING=0), LoRA r 16 / alpha 32 on q,k,v,o,gate,up,down, micro-batch 4, STEPS steps.
 # Environments (each path its own --target folder on top of the image's torch 2.11, transformers 5.17,
 # accelerate 1.15, peft 0.21.0, numba, llvmlite, triton):
-#   unsloth + trl: .whl-ft/ (unsloth 2026.10.9 without its studio/ web UI, unsloth_zoo, trl 1.15.0, datasets
-#       4.8.4, cut_cross_entropy, xxhash, bitsandbytes 0.50.2) and omegaconf/pydantic/dill/multiprocess from .whl/;
-#   trl alone (PATHS without unsloth) when .whl-ft/ is not there: .whl/*.whl (transformers 5.24, trl 1.16,
-#       peft 0.21.2, datasets 5.2; the repository's own environment);
+#   trl (and unsloth): .whl/*.whl less deepspeed (bash ../shared/device/wheels.sh: trl 1.16, datasets 5.2,
+#       pydantic, dill, multiprocess; plus omegaconf 2.3.0 and antlr4 4.9.3) and .whl-axo's xxhash; with unsloth in
+#       PATHS also .whl-ft/ (bash benchmarks/unsloth_wheels.sh: unsloth 2026.10.9 without studio/, unsloth_zoo,
+#       cut_cross_entropy) and .whl-axo's bitsandbytes 0.50.2;
 #   axolotl: .whl-axo/ (bash benchmarks/axolotl_wheels.sh: axolotl 0.19.0 and its pins transformers 5.16.1,
 #       trl 1.9.0, peft 0.20.0, accelerate 1.13.0, datasets 4.8.4, huggingface_hub 1.17.0, tokenizers 0.23.1,
 #       pydantic 2.12.5, bitsandbytes 0.50.2 with its CPU and CUDA 13.0 libraries only, wandb 0.31.0 without its
@@ -83,6 +86,7 @@ TINY=${TINY:-0}
 MODEL=${MODEL:-llama3-3b}                   # llama3-3b | olmo3-7b
 ADAPTERS=${ADAPTERS:-lora}                  # lora and/or qlora
 BUDGET_S=${BUDGET_S:-570}
+PACKING=${PACKING:-1}                       # 1: packed 2,048-token rows on every path (the shipped setting); 0: unpacked
 case "$MODEL" in
   llama3-3b) tiny_config=qwen-fsdp2-sft/tiny/llama/config.json; full_config=unsloth-lora-ddp/models/llama-3.2-3b/config.json ;;
   olmo3-7b) tiny_config=axolotl-lora-ddp/tiny/olmo3/config.json; full_config=axolotl-lora-ddp/models/olmo-3-7b/config.json ;;
@@ -125,20 +129,13 @@ for w in .whl/omegaconf-*.whl .whl/antlr4_python3_runtime-*.whl; do [[ -f "$w" ]
 
 if [[ "${SKIP_INSTALL:-0}" == 0 ]]; then
   if wants trl || wants unsloth; then
-    if ls .whl-ft/*.whl >/dev/null 2>&1; then
-      say "installing .whl-ft/*.whl and omegaconf/pydantic/dill/multiprocess of .whl/ into $SITE"
-      extra=("${cookbook_wheels[@]}")
-      for w in .whl/pydantic-*.whl .whl/pydantic_core-*.whl .whl/annotated_types-*.whl .whl/typing_inspection-*.whl \
-               .whl/dill-*.whl .whl/multiprocess-*.whl; do
-        [[ -f "$w" ]] && extra+=("$w")
-      done
-      pip_target "$SITE" .whl-ft/*.whl "${extra[@]}" || fail setup "pip install of .whl-ft failed"
-    else
-      say "no .whl-ft/: installing .whl/*.whl into $SITE (the TRL path in the repository's environment)"
-      trl_wheels=()  # .whl without deepspeed (accelerate would import it, and the TRL path has no use for it)
-      for w in .whl/*.whl .whl-axo/xxhash-*.whl; do [[ "$w" == .whl/deepspeed-* ]] || trl_wheels+=("$w"); done
-      pip_target "$SITE" "${trl_wheels[@]}" || fail setup "pip install of .whl failed"  # datasets needs xxhash
+    trl_wheels=()  # .whl without deepspeed (accelerate would import it, and the TRL path has no use for it)
+    for w in .whl/*.whl .whl-axo/xxhash-*.whl; do [[ "$w" == .whl/deepspeed-* ]] || trl_wheels+=("$w"); done
+    if wants unsloth && ls .whl-ft/*.whl >/dev/null 2>&1; then  # Unsloth on top (its bitsandbytes: .whl-axo's)
+      trl_wheels+=(.whl-ft/*.whl .whl-axo/bitsandbytes-*.whl)
     fi
+    say "installing ${#trl_wheels[@]} wheels into $SITE (the TRL path in the repository's environment)"
+    pip_target "$SITE" "${trl_wheels[@]}" || fail setup "pip install of .whl failed"  # datasets needs xxhash
   fi
   if wants axolotl; then
     say "installing .whl-axo/*.whl and omegaconf/antlr4 of .whl/ into $AXO_SITE"
@@ -171,7 +168,9 @@ say "random init of $MODEL_CONFIG in $INIT"
 PYTHONPATH="$init_pp" "$PYTHON" benchmarks/axolotl_bench_config.py --init-only --model "$INIT" --init-from "$RUNS/model" \
   "${init_cpu[@]}" || { fail setup "random init failed"; cat "$RESULTS"; exit 1; }
 # no checkpoints and only the adapter at the end (as Axolotl's save_strategy "no"): no merged 16-bit copy written
-common=("data.train_files=[$TRAIN_FILE]" "data.max_length=$SEQ" data.packing=false train.micro_batch_size=4
+packing=false axo_packing=()
+[[ "$PACKING" == 1 ]] && { packing=true; axo_packing=(--packing); }
+common=("data.train_files=[$TRAIN_FILE]" "data.max_length=$SEQ" "data.packing=$packing" train.micro_batch_size=4
         train.grad_accum_steps=1 "train.max_steps=$STEPS" train.log_every=1 train.gradient_checkpointing=true
         checkpoint.every_steps=-1 checkpoint.export_merged=false)
 
@@ -186,13 +185,13 @@ record() {  # name loader rc pythonpath run_dir [limit_s]: the summarize.py reco
 import importlib.metadata as md, json, sys
 r = json.loads(open(sys.argv[1]).readline())
 r.update(path=sys.argv[2], loader=sys.argv[3], steps_run=int(sys.argv[4]), seq=int(sys.argv[5]),
-         model=sys.argv[6], adapter=sys.argv[7])
+         model=sys.argv[6], adapter=sys.argv[7], packing=sys.argv[8] == 'true')
 for m in ('trl', 'peft', 'accelerate', 'datasets', 'axolotl', 'unsloth'):
     try:
         r[m] = md.version(m)
     except md.PackageNotFoundError:
         pass
-print(json.dumps(r))" "$RUNS/$name.json" "$name" "$loader" "$STEPS" "$SEQ" "$MODEL" "$adapter" >> "$RESULTS" \
+print(json.dumps(r))" "$RUNS/$name.json" "$name" "$loader" "$STEPS" "$SEQ" "$MODEL" "$adapter" "$packing" >> "$RESULTS" \
       || fail "$name" "summarize.py failed"
   else
     local why="exit status $rc"
@@ -229,7 +228,7 @@ run_axolotl() {  # name adapter: `axolotl train` on the checkpoint every path lo
   say "[$name] axolotl train, adapter $adapter, $STEPS steps on $model (at most ${limit}s)"
   PYTHONPATH="$AXO_PP" "$PYTHON" benchmarks/axolotl_bench_config.py --model "$model" \
       --rows "$TRAIN_FILE" --run-dir "$dir" --seq "$SEQ" --steps "$STEPS" --adapter "$adapter" \
-      --prepared "$RUNS/axolotl-prepared" "${cpu[@]}" > "$RUNS/$name.log" 2>&1
+      --prepared "$RUNS/axolotl-prepared" "${cpu[@]}" "${axo_packing[@]}" > "$RUNS/$name.log" 2>&1
   rc=$?
   if [[ $rc -eq 0 ]]; then
     cp "$dir/axolotl.yaml" "$OUT/$name.yaml"

@@ -54,12 +54,20 @@ def test_unsloth_config_is_checked(monkeypatch):
         check("unsloth-lora-ddp", "model.load_in_4bit=true")
     with pytest.raises(mod.ConfigError, match=r"tiny.yaml: lora.r must be at least 1, got 0$"):
         check("unsloth-lora-ddp", "lora.r=0")
+    with pytest.raises(mod.ConfigError, match=r"tiny.yaml: model.attn_implementation must be one of auto, varlen, "
+                                              r"sdpa, eager, got 'flash'$"):
+        check("unsloth-lora-ddp", "model.attn_implementation=flash")
+    with pytest.raises(mod.ConfigError, match=r"tiny.yaml: model.attn_implementation=varlen runs on CUDA GPUs only"):
+        check("unsloth-lora-ddp", "model.attn_implementation=varlen")  # this machine has no GPU
+    tiny = mod.load(UNSLOTH / "tiny.yaml")
+    assert (mod.attention(tiny, on_gpu=False), mod.attention(tiny, on_gpu=True)) == ("sdpa", "varlen")
     monkeypatch.setitem(sys.modules, "unsloth", None)  # Unsloth not installed: one line before any worker
     with pytest.raises(mod.ConfigError, match=r"tiny.yaml: model.loader=unsloth, but Unsloth does not import \(.*\): "
                                               r"install the recipe's own environment .*, or set model.loader=transformers$"):
         check("unsloth-lora-ddp", "model.loader=unsloth")
     cfg = mod.load(UNSLOTH / "config.yaml")  # the real config passes the same checks
     assert (cfg.model.name_or_path, cfg.model.loader, cfg.lora.r) == ("meta-llama/Llama-3.2-3B", "unsloth", 16)
+    assert (cfg.data.packing, cfg.model.attn_implementation) == (True, "auto")  # packed rows ship (issue 37)
 
 
 def test_unsloth_launch_dry_run():
@@ -296,11 +304,16 @@ def _bench_config():
 
 def test_benchmark_axolotl_yaml_has_the_trl_path_settings():
     """benchmarks/unsloth_axolotl_vs_trl.sh's Axolotl YAML trains as its TRL path does (config.yaml with the script's
-    overrides: seq, steps, micro-batch 4, no packing, gradient checkpointing) and pads each batch to its longest row."""
+    overrides: seq, steps, micro-batch 4, packing, gradient checkpointing): packed bins padded to seq through sdpa
+    (varlen_attn), or unpacked rows padded to the batch's longest."""
     u = load_recipe("unsloth-lora-ddp").load(UNSLOTH / "config.yaml")
-    a = _bench_config().axolotl_config("/m", "/d.jsonl", "/r", seq=2048, steps=40, cpu=False, pad_token="<eos>")
+    a = _bench_config().axolotl_config("/m", "/d.jsonl", "/r", seq=2048, steps=40, cpu=False, pad_token="<eos>",
+                                       packing=True)
     _assert_same_training(a, u, seq=2048, steps=40)
-    assert (a["pad_to_sequence_len"], a["bf16"]) == (False, True)
+    assert (a["pad_to_sequence_len"], a["attn_implementation"], a["bf16"]) == (True, "sdpa", True)
+    unpacked = _bench_config().axolotl_config("/m", "/d.jsonl", "/r", seq=2048, steps=40, cpu=False, pad_token=None)
+    assert (unpacked["sample_packing"], unpacked["pad_to_sequence_len"], "attn_implementation" in unpacked) == \
+        (False, False, False)
     assert a["gradient_checkpointing"] and a["gradient_checkpointing_kwargs"] == {"use_reentrant": False}
     assert a["optimizer"] == "adamw_torch_fused" and a["special_tokens"] == {"pad_token": "<eos>"}
     assert "lora_mlp_kernel" not in a  # Axolotl's default on a GPU
@@ -345,7 +358,8 @@ def test_olmo3_tokenizer_refuses_a_small_vocabulary(tmp_path):
 
 def test_axolotl_metrics_plugin_counts_real_tokens(tmp_path):
     """The Axolotl plugin, attached to a plain HF Trainer (no Axolotl here), writes one train record per step whose
-    tokens are the batch's attention_mask sum, and a summary."""
+    tokens are the batch's non-zero attention_mask entries (packed bins number their documents 1, 2, ...), and a
+    summary."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
@@ -357,9 +371,9 @@ def test_axolotl_metrics_plugin_counts_real_tokens(tmp_path):
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=2))
-    lengths = [5, 9, 3, 7]  # two batches of 2: 14 and 10 real tokens
-    rows = [{"input_ids": torch.arange(1, 10), "attention_mask": (torch.arange(9) < n).long(),
-             "labels": torch.where(torch.arange(9) < n, torch.arange(1, 10), -100)} for n in lengths]
+    lengths = [5, 9, 3, 7]  # two batches of 2: 14 and 10 real tokens; 3 and 7 as Axolotl's packed mask (1, 2, 0)
+    rows = [{"input_ids": torch.arange(1, 10), "attention_mask": (torch.arange(9) < n).long() * (1 + (torch.arange(9) >= 2) * (i >= 2)),
+             "labels": torch.where(torch.arange(9) < n, torch.arange(1, 10), -100)} for i, n in enumerate(lengths)]
     args = TrainingArguments(str(tmp_path), per_device_train_batch_size=2, max_steps=2, use_cpu=True,
                              report_to="none", save_strategy="no", logging_steps=1, dataloader_num_workers=0)
     trainer = Trainer(model=model, args=args, train_dataset=rows)

@@ -29,6 +29,7 @@ KEYS = {
     "lora_r": (int, True), "lora_alpha": (int, True), "lora_dropout": (float, True), "lora_target_modules": (list, True),
     "chat_template": (str, False), "datasets": (list, True), "dataset_prepared_path": (str, False),
     "val_set_size": (float, False), "sequence_len": (int, True), "sample_packing": (bool, False),
+    "pad_to_sequence_len": (bool, False), "attn_implementation": (str, False),
     "micro_batch_size": (int, True), "gradient_accumulation_steps": (int, True), "max_steps": (int, True),
     "learning_rate": (float, True), "warmup_steps": (int, False), "lr_scheduler": (str, False),
     "weight_decay": (float, False), "max_grad_norm": (float, False), "optimizer": (str, False), "seed": (int, False),

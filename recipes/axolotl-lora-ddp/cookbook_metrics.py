@@ -72,7 +72,8 @@ class CookbookMetricsPlugin(BasePlugin):
 
         def training_step(model, inputs, *args, **kwargs):
             mask = inputs.get("attention_mask")
-            tokens = mask.sum() if mask is not None else inputs["input_ids"].numel()
+            # packed bins number their documents 1, 2, ... in the mask (0 = padding): count the non-zero entries
+            tokens = (mask != 0).sum() if mask is not None else inputs["input_ids"].numel()
             metrics.add(samples=inputs["input_ids"].shape[0], tokens=tokens, data_wait_s=0.0)
             loss = step(model, inputs, *args, **kwargs)
             last_loss["value"] = loss.detach()

@@ -40,6 +40,7 @@ from cookbook.config import ConfigError
 from cookbook.launch import check_world_size
 
 LOADERS = ("unsloth", "transformers")
+ATTENTION = ("auto", "varlen", "sdpa", "eager")  # model.attn_implementation of the transformers loader
 CANNOT_REMAP = "the Trainer's data order and per-rank RNG states depend on it"  # why a resume keeps the world size
 
 
@@ -50,6 +51,7 @@ class ModelConfig:
     tokenizer: str | None = None                    # default: name_or_path
     loader: str = "unsloth"                         # unsloth | transformers (plain TRL + PEFT)
     load_in_4bit: bool = False                      # QLoRA through bitsandbytes (Unsloth only)
+    attn_implementation: str = "auto"               # transformers loader: auto (varlen on CUDA, sdpa on CPU), varlen, sdpa, eager
 
 
 @dataclass
@@ -112,6 +114,9 @@ def load(path: str | Path, overrides: list[str] = ()) -> Config:
         raise ConfigError(f"{where}: model.loader must be one of {', '.join(LOADERS)}, got {cfg.model.loader!r}")
     if cfg.train.mixed_precision not in ("bf16", "fp32"):
         raise ConfigError(f"{where}: train.mixed_precision must be bf16 or fp32, got {cfg.train.mixed_precision!r}")
+    if cfg.model.attn_implementation not in ATTENTION:
+        raise ConfigError(f"{where}: model.attn_implementation must be one of {', '.join(ATTENTION)}, "
+                          f"got {cfg.model.attn_implementation!r}")
     if cfg.model.load_in_4bit and cfg.model.loader != "unsloth":
         raise ConfigError(f"{where}: model.load_in_4bit needs model.loader=unsloth")
     for key in ("lora.r", "lora.alpha", "data.max_length", "train.micro_batch_size", "train.grad_accum_steps",
@@ -163,6 +168,22 @@ def training_rows(cfg: Config) -> list[dict]:
     return rows
 
 
+def attention(cfg: Config, on_gpu: bool) -> str:
+    """The transformers loader's ``attn_implementation``: ``auto`` is ``varlen`` on CUDA (packed rows through
+    PyTorch's variable-length FlashAttention, document boundaries from TRL's padding-free ``cu_seq_lens_q``;
+    unpacked rows are right-padded, which causal attention never reads), else ``sdpa``.
+
+    Raises:
+        ConfigError: ``varlen`` asked for on CPU (the kernel is CUDA only).
+    """
+    attn = cfg.model.attn_implementation
+    if attn == "auto":
+        return "varlen" if on_gpu else "sdpa"
+    if attn == "varlen" and not on_gpu:
+        raise ConfigError("model.attn_implementation=varlen runs on CUDA GPUs only: use sdpa (or auto) on CPU")
+    return attn
+
+
 def build_model(cfg: Config, info, dtype):
     """The model with LoRA adapters and its tokenizer, on this rank's device (the whole model per rank: DDP)."""
     import torch
@@ -199,8 +220,12 @@ def build_model(cfg: Config, info, dtype):
     else:
         from peft import LoraConfig as PeftLora, get_peft_model
 
+        from cookbook import sft
+
+        sft.register_varlen()  # attn_implementation: varlen (cookbook.sft.attention)
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map,
+                                                     attn_implementation=attention(cfg, info.device.type == "cuda"))
         model = get_peft_model(model, PeftLora(**cfg.lora.peft_kwargs(), bias="none", task_type="CAUSAL_LM"))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -223,6 +248,13 @@ def main(argv: list[str]) -> None:
     if args.check:  # one process, before any worker starts
         world_size = check_world_size()  # NGPU x NNODES, as launch.sh
         hf_trainer.check_resume(cfg, world_size, MAY_CHANGE, CANNOT_REMAP)
+        if cfg.model.loader == "transformers":
+            import torch
+
+            try:
+                attention(cfg, torch.cuda.is_available())
+            except ConfigError as exc:
+                raise ConfigError(f"{args.config}: {exc}") from None
         print(f"config {args.config} and {len(rows)} rows of {', '.join(cfg.data.train_files)}: ok "
               f"(loader {cfg.model.loader}, LoRA r={cfg.lora.r} alpha={cfg.lora.alpha}, seq {cfg.data.max_length})")
         return
