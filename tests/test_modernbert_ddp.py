@@ -115,6 +115,22 @@ def test_the_summary_times_the_start_up_and_the_final_evaluation(full_run):
     assert shown, proc.stderr[-3000:]
     assert [float(v) for v in shown.groups()] == pytest.approx(
         [summary[k] for k in ("startup_s", "first_step_s", "final_eval_s")], abs=0.051)
+    # the check tokenized the splits once; the workers memory-mapped them (issue 37): the same rows as tokenize()
+    phases = summary["startup_phases"]
+    assert summary["tokenized_cache"] is True
+    assert list(phases) == ["worker_start", "module_start", "imports", "distributed", "data", "model"]
+    assert 0 <= phases["worker_start"] <= phases["module_start"] <= phases["imports"] <= phases["distributed"] \
+        <= phases["data"] <= phases["model"] < summary["startup_s"]
+    mod = load_recipe("modernbert-ddp")
+    cfg = mod.load_config(mod.Config, copied_config(out), [f"output_dir={out}"])
+    mod.check_config(cfg, out.parent)
+    from transformers import AutoTokenizer
+    cached = mod.tokenized_splits(cfg, None, write=False)
+    assert cached[4] is True and (out / ".cache").is_dir()
+    train_raw, eval_raw = mod.load_splits(cfg.data, cfg.train.seed)
+    fresh = mod.tokenize(eval_raw, AutoTokenizer.from_pretrained(cfg.model.tokenizer), cfg.data)[0]
+    assert cached[1]["input_ids"] == fresh["input_ids"] and cached[1]["labels"] == fresh["labels"]
+    assert len(cached[0]) == len(train_raw)
 
 
 def test_evaluation_is_eager_unless_model_compile_eval():

@@ -34,8 +34,15 @@ layout (``text``, ``label`` 0-3; CSV with or without that header), or the hub da
 
 from __future__ import annotations
 
+import time
+
+STARTED = time.time()  # before the heavy imports: the start-up phases (startup_phases) count from the launch
+
 import contextlib
+import hashlib
+import json
 import os
+import shutil
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,11 +53,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 warnings.filterwarnings("ignore", message=".*set_vital.*")
 
 import datasets
+import psutil
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Subset
 from torchdata.stateful_dataloader import StatefulDataLoader
-from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 from transformers import AttentionInterface, AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 from transformers import DataCollatorWithPadding, get_scheduler
 from transformers import logging as hf_logging
@@ -65,11 +72,12 @@ from cookbook import config
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, to_dict
 from cookbook.launch import check_world_size
 from cookbook.loop import EpochBatches, TrainLoop, checkpoint_state, start_run
-from cookbook.metrics import ModelFlops, count_parameters
+from cookbook.metrics import ModelFlops, count_parameters, launch_time
 from cookbook.sampler import ResizableSampler
 from cookbook.tabular import DataError, first_csv_row, records, to_int
 
 LABELS = ["World", "Sports", "Business", "Sci/Tech"]
+IMPORTED = time.time()
 datasets.disable_progress_bars()
 hf_logging.disable_progress_bar()
 
@@ -262,6 +270,53 @@ def tokenize(ds: datasets.Dataset, tokenizer, cfg: DataConfig) -> tuple[datasets
     return out.remove_columns("n_truncated"), truncated
 
 
+def cache_dir(cfg: Config) -> Path | None:
+    """``<output_dir>/.cache/tokenized-<key>``: the tokenized splits that ``--check`` writes and every worker
+    memory-maps; the key hashes what the tokens depend on (each data file's path, size and mtime, the tokenizer
+    folder's files, ``data.max_length``, ``data.padding``, ``data.eval_fraction``, ``train.seed``). None for
+    hub data (no local files to key on)."""
+    if not cfg.data.train_files:
+        return None
+    def stamp(path: str) -> list:
+        p = Path(path)
+        files = sorted(p.iterdir()) if p.is_dir() else [p] if p.exists() else []
+        return [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files if f.is_file()]
+    key = {"train": [stamp(f) for f in cfg.data.train_files], "eval": [stamp(f) for f in cfg.data.eval_files],
+           "tokenizer": stamp(cfg.model.tokenizer) or cfg.model.tokenizer, "max_length": cfg.data.max_length,
+           "padding": cfg.data.padding, "eval_fraction": cfg.data.eval_fraction, "seed": cfg.train.seed}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(cfg.output_dir) / ".cache" / f"tokenized-{digest}"
+
+
+def tokenized_splits(cfg: Config, tokenizer, write: bool) -> tuple[datasets.Dataset, datasets.Dataset, int, int, bool]:
+    """(train, eval, truncated train texts, truncated eval texts, read from the cache): `cache_dir`'s splits
+    (memory-mapped Arrow files) when they are complete, else `load_splits` + `tokenize`, saved there when `write`
+    (``--check``; atomically: a folder renamed into place, so a worker never reads half a cache).
+
+    Raises:
+        DataError: as `load_splits`.
+    """
+    where = cache_dir(cfg)
+    if where is not None and (where / "meta.json").is_file():
+        meta = json.loads((where / "meta.json").read_text())
+        return (datasets.load_from_disk(str(where / "train")), datasets.load_from_disk(str(where / "eval")),
+                meta["truncated_train"], meta["truncated_eval"], True)
+    train_raw, eval_raw = load_splits(cfg.data, cfg.train.seed)
+    train_ds, n_trunc = tokenize(train_raw, tokenizer, cfg.data)
+    eval_ds, n_trunc_eval = tokenize(eval_raw, tokenizer, cfg.data)
+    if write and where is not None:
+        tmp = where.with_name(f"{where.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        train_ds.save_to_disk(str(tmp / "train"))
+        eval_ds.save_to_disk(str(tmp / "eval"))
+        (tmp / "meta.json").write_text(json.dumps({"truncated_train": n_trunc, "truncated_eval": n_trunc_eval}))
+        try:
+            os.replace(tmp, where)
+        except OSError:  # another process wrote it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return train_ds, eval_ds, n_trunc, n_trunc_eval, False
+
+
 # ----------------------------------------------------------------------------- model
 def sdpa_padsafe_attention(module, query, key, value, attention_mask, **kwargs):
     """PyTorch SDPA in which a query row that may see no key attends to every key instead.
@@ -341,25 +396,28 @@ def run_eval(model: torch.nn.Module, loader, device: torch.device, autocast, com
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, loader, device: torch.device, autocast) -> dict[str, float]:
-    """Loss, accuracy and macro-F1 over the whole validation split (every rank's shard)."""
+    """Loss, accuracy and macro-F1 over the whole validation split (every rank's shard), from one confusion
+    matrix summed over ranks; macro-F1 averages the classes that occur as a label or a prediction (torchmetrics'
+    ``MulticlassF1Score(average="macro")``)."""
     model.eval()
-    acc = MulticlassAccuracy(num_classes=len(LABELS), average="micro").to(device)
-    f1 = MulticlassF1Score(num_classes=len(LABELS), average="macro").to(device)
+    n = len(LABELS)
+    confusion = torch.zeros(n * n, device=device, dtype=torch.float64)  # row: label, column: prediction
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
-    count = torch.zeros((), device=device, dtype=torch.float64)
     for batch in loader:
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         with autocast():
             out = model(**batch)
         loss_sum += out.loss.double() * batch["labels"].numel()
-        count += batch["labels"].numel()
-        preds = out.logits.argmax(-1)
-        acc.update(preds, batch["labels"])
-        f1.update(preds, batch["labels"])
-    totals = cookbook.all_reduce_sum({"loss": loss_sum, "n": count}, device)
+        confusion += torch.bincount(batch["labels"] * n + out.logits.argmax(-1), minlength=n * n).double()
+    totals = cookbook.all_reduce_sum({"loss": loss_sum, **{f"c{i}": c for i, c in enumerate(confusion)}}, device)
     model.train()
-    return {"loss": totals["loss"] / max(totals["n"], 1.0), "accuracy": acc.compute().item(),
-            "macro_f1": f1.compute().item(), "samples": totals["n"]}
+    cm = torch.tensor([totals[f"c{i}"] for i in range(n * n)], dtype=torch.float64).view(n, n)
+    count = float(cm.sum())
+    tp, fp, fn = cm.diag(), cm.sum(0) - cm.diag(), cm.sum(1) - cm.diag()
+    seen = tp + fp + fn > 0
+    f1 = (2 * tp / (2 * tp + fp + fn).clamp(min=1))[seen].mean().item() if bool(seen.any()) else 0.0
+    return {"loss": totals["loss"] / max(count, 1.0), "accuracy": float(tp.sum()) / max(count, 1.0),
+            "macro_f1": f1, "samples": count}
 
 
 # ----------------------------------------------------------------------------- recipe
@@ -370,7 +428,6 @@ def main(argv: list[str]) -> None:
     if args.check:  # one process, before torchrun starts any worker
         world_size = check_world_size()  # NGPU x NNODES, as launch.sh
         lm.check_attention(cfg.model.attn_implementation, on_cpu=cookbook.get_dist_info().device.type == "cpu")
-        train_ds, eval_ds = load_splits(cfg.data, cfg.train.seed) if cfg.data.train_files else (None, None)
         try:
             tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
             config = AutoConfig.from_pretrained(cfg.model.name_or_path)
@@ -379,6 +436,8 @@ def main(argv: list[str]) -> None:
                               f"{str(exc).splitlines()[0]}") from None
         if len(tok) > config.vocab_size:
             raise ConfigError(f"model.tokenizer has {len(tok)} tokens but the model's vocab_size is {config.vocab_size}")
+        # local files: read, checked and tokenized once here; the workers memory-map the result (cache_dir)
+        train_ds, eval_ds = tokenized_splits(cfg, tok, write=True)[:2] if cfg.data.train_files else (None, None)
         per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * world_size
         if train_ds is not None and len(train_ds) < per_step:
             raise ConfigError(f"the training set ({len(train_ds)} rows) is too small for one step of "
@@ -390,16 +449,18 @@ def main(argv: list[str]) -> None:
         return
 
     # ---- set-up
+    launched = launch_time()
+    phases = {"worker_start": psutil.Process().create_time(), "module_start": STARTED, "imports": IMPORTED}  # seconds after the launch, below
     info = cookbook.init_distributed(cfg.train.collective_timeout_s, debug_dir=Path(cfg.output_dir) / "debug")
+    phases["distributed"] = time.time()
     log = cookbook.get_logger()
     out_dir = Path(cfg.output_dir)
     torch.manual_seed(cfg.train.seed)
     use_bf16 = info.device.type == "cuda" and cfg.train.mixed_precision == "bf16"
     autocast = partial(torch.autocast, info.device.type, dtype=torch.bfloat16, enabled=use_bf16)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
-    train_raw, eval_raw = load_splits(cfg.data, cfg.train.seed)
-    train_ds, n_trunc = tokenize(train_raw, tokenizer, cfg.data)
-    eval_ds, n_trunc_eval = tokenize(eval_raw, tokenizer, cfg.data)
+    train_ds, eval_ds, n_trunc, n_trunc_eval, cached = tokenized_splits(cfg, tokenizer, write=False)
+    phases["data"] = time.time()
     collate = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8)
     # DistributedSampler's order and split, with a global position: a checkpoint resumes on another world size.
     sampler = ResizableSampler(train_ds, num_replicas=info.world_size, rank=info.rank, shuffle=True,
@@ -428,6 +489,7 @@ def main(argv: list[str]) -> None:
     if cfg.model.compile:
         compile_model(model, cfg.model.compile_scope)
     model = DDP(model, device_ids=[info.local_rank] if info.device.type == "cuda" else None, **cfg.ddp.kwargs())
+    phases["model"] = time.time()
 
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]  # biases and norms
@@ -451,6 +513,9 @@ def main(argv: list[str]) -> None:
              f"{cfg.train.grad_accum_steps} accumulation x {info.world_size} ranks | {len(train_ds)} train / "
              f"{len(eval_ds)} eval rows | {max_steps} steps ({steps_per_epoch}/epoch) | precision "
              f"{'bf16 autocast' if use_bf16 else 'fp32'}")
+    startup_phases = {k: round(t - launched, 3) for k, t in phases.items()}
+    log.info(f"start-up (s after the launch): {startup_phases} | tokenized splits "
+             f"{'memory-mapped from ' + str(cache_dir(cfg)) if cached else 'tokenized here'}")
     if n_trunc or n_trunc_eval:
         log.info(f"truncated to data.max_length={cfg.data.max_length}: {n_trunc} train and {n_trunc_eval} eval texts")
 
@@ -485,7 +550,8 @@ def main(argv: list[str]) -> None:
         loop.finish(export=lambda: {"export_dir": (
             export_hf(model, out_dir / "final", tokenizer) if cfg.checkpoint.export_hf else None,
             "AutoModelForSequenceClassification.from_pretrained")},
-            summary=lambda: {"param_fingerprints": cookbook.all_gather_object(cookbook.param_fingerprint(model.module))})
+            summary=lambda: {"param_fingerprints": cookbook.all_gather_object(cookbook.param_fingerprint(model.module)),
+                             "startup_phases": startup_phases, "tokenized_cache": cached})
 
     # ---- clean-up
     cookbook.destroy_distributed()
