@@ -547,7 +547,7 @@ class TrainLoop:
         self._vote = StopVote(self.device)  # the ranks' agreement on a preemption stop
         self._saved_step = -1
         self.nonfinite = NonFinitePolicy(on_nonfinite, max_consecutive_skips, device=self.device,
-                                         newest_checkpoint=lambda: checkpointer.latest() if checkpointer is not None else None,
+                                         newest_checkpoint=lambda: checkpointer.verified_latest() if checkpointer is not None else None,
                                          models=models_in(checkpoint_state))
         self._skipped_now = False  # the step being run was skipped
         self._reset_window()
