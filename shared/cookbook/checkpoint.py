@@ -829,17 +829,20 @@ class Checkpointer:
         run_dir: the run's output folder, named in the resume guard's advice ("or delete <run_dir>").
         resizable: a checkpoint written by another world size may be resumed when the global batch is kept
             (`ResumeGuard` ``resizable``); `load` then needs a `cookbook.sampler.DataPosition` in the state.
+        cannot_remap: why another world size's checkpoint cannot be resumed, for the refusal (`ResumeGuard`);
+            default: the per-rank data-loader and RNG state.
 
     Every method is collective: call it on every rank.
     """
 
     def __init__(self, root: str | Path, keep_last: int = 3, run_dir: str | Path | None = None,
-                 resizable: bool = False):
+                 resizable: bool = False, cannot_remap: str | None = None):
         if keep_last < 0:
             raise ValueError(f"keep_last must be >= 0, got {keep_last}")
         self.root = Path(root)
         self.keep_last = keep_last
-        self.guard = ResumeGuard(self.root, run_dir=run_dir, resizable=resizable)
+        self.guard = ResumeGuard(self.root, run_dir=run_dir, resizable=resizable,
+                                 **({"cannot_remap": cannot_remap} if cannot_remap else {}))
 
     # ------------------------------------------------------------------ finding
     def complete_checkpoints(self) -> list[Path]:
