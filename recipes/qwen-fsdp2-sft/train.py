@@ -126,6 +126,7 @@ class Config(config.RunConfig):
 
 # Settings that may differ between a checkpoint and the run that resumes it; any other change is refused.
 MAY_CHANGE = config.MAY_CHANGE + sft.MAY_CHANGE + ("train.loss", "train.loss_chunk_size")  # the same objective
+RESIZABLE = True  # resumes on another world size (global data position); cookbook.checkpoint.resizable_recipes
 
 
 def check_config(cfg: Config, config_dir: Path) -> None:
@@ -273,7 +274,7 @@ def main(argv: list[str]) -> None:
                               "they are in CPU memory already")
         if cfg.fsdp.replicate_degree > 1 and world_size % cfg.fsdp.replicate_degree:
             raise ConfigError(f"fsdp.replicate_degree={cfg.fsdp.replicate_degree} does not divide the world size {world_size}")
-        Checkpointer(Path(cfg.output_dir) / "checkpoints", resizable=True).check_resume(
+        Checkpointer(Path(cfg.output_dir) / "checkpoints", resizable=RESIZABLE).check_resume(
             cfg.checkpoint.resume, world_size, to_dict(cfg), MAY_CHANGE, cfg.train.stop_at_step)
         data = sft.check_data(cfg.data, tokenizer, cfg.train.seed, cfg.train.micro_batch_size, cfg.train.grad_accum_steps,
                               world_size)

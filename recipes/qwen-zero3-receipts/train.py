@@ -423,12 +423,11 @@ def eval_line(values: dict[str, float], fields: list[str]) -> str:
 # ----------------------------------------------------------------------------- checkpoints
 def resume_guard(cfg: Config) -> ResumeGuard:
     """The Trainer's ``checkpoint-<step>`` folders, published with ``meta.json`` under ``output_dir/checkpoints``
-    (`cookbook.hf_trainer.PublishCheckpoints`), under cookbook's resume guard. Another number of ranks is refused: DeepSpeed's ZeRO
+    (`cookbook.hf_trainer.PublishCheckpoints`), under cookbook's resume guard (`cookbook.hf_trainer.resume_guard`: a
+    published folder without meta.json is damaged). Another number of ranks is refused: DeepSpeed's ZeRO
     partitions cannot be remapped. Its advice to start afresh deletes the whole output_dir, metrics.jsonl and
     MLflow run id included (deleting the checkpoints alone would append a new run to the old run's records)."""
-    return ResumeGuard(Path(cfg.output_dir) / "checkpoints", folder="checkpoint-<n>", files=(), run_dir=cfg.output_dir,
-                       cannot_remap="DeepSpeed's ZeRO partitions of the optimizer state cannot be remapped",
-                       same_size="NGPU x NNODES = {n}")
+    return hf_trainer.resume_guard(cfg.output_dir, "DeepSpeed's ZeRO partitions of the optimizer state cannot be remapped")
 
 
 def already_complete(cfg: Config, resume_from: Path | None, max_steps: int) -> str | None:

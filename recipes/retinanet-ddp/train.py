@@ -96,6 +96,7 @@ class Config(config.RunConfig):
 
 # not data.num_workers: the loader state each rank checkpoints has one entry per worker
 MAY_CHANGE = (*config.MAY_CHANGE, "data.eval_batch_size", "train.eval_at_start")
+RESIZABLE = True  # resumes on another world size (global data position); cookbook.checkpoint.resizable_recipes
 
 
 def check_config(cfg: Config, config_dir: Path) -> None:
@@ -423,7 +424,7 @@ def main(argv: list[str]) -> None:
         if len(train) < per_step:
             raise ConfigError(f"the training set ({len(train)} images) is too small for one step of "
                               f"{cfg.train.micro_batch_size} x {cfg.train.grad_accum_steps} x {world_size} images")
-        Checkpointer(Path(cfg.output_dir) / "checkpoints", resizable=True).check_resume(
+        Checkpointer(Path(cfg.output_dir) / "checkpoints", resizable=RESIZABLE).check_resume(
             cfg.checkpoint.resume, world_size, to_dict(cfg), MAY_CHANGE, cfg.train.stop_at_step)
         print(f"config OK: {args.config} ({len(train)} train / {n_eval} eval images, {len(cats)} categories)")
         return

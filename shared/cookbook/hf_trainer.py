@@ -22,8 +22,9 @@ The Trainer runs the step loop; these pieces connect it to the rest of the cookb
   kept in the checkpoints), `ReportSaveErrors` (a Trainer mixin: a save that fails with an OS error ends the run with
   `cookbook.checkpoint.CheckpointSaveError`'s one line, exit 2) and `StallReport` (``train.collective_timeout_s``
   on every process group, DeepSpeed's included, and the progress records that let the rank whose collective
-  timed out name the one that stalled, exit 3). A damaged checkpoint (a truncated shard) is found by the resume
-  guard from the file sizes `PublishCheckpoints` lists in ``meta.json``.
+  timed out name the one that stalled, exit 3). A damaged checkpoint (a truncated shard, bytes overwritten in place, no
+  ``meta.json``) is found by the resume guard from the file sizes and checksums `PublishCheckpoints` lists in
+  ``meta.json`` (a folder is published under ``checkpoints/`` only once its ``meta.json`` is written).
 - `check_deepspeed_config` refuses, before any worker starts, a DeepSpeed JSON that disagrees with the
   recipe's config (or with the one an ``accelerate launch`` config names: `check_accelerate_deepspeed_file`); `init_deepspeed` starts DeepSpeed's communication over the cookbook's process group.
 - `TrainerRun` runs ``trainer.train()`` and closes the run whatever happens (stop, preemption, failure, stall).
@@ -59,8 +60,8 @@ import torch
 from transformers import TrainerCallback
 
 from cookbook import lm
-from cookbook.checkpoint import (FILES_KEY, ResumeGuard, _from_rank0, _os_error_in, _reason, file_sizes, publish,
-                                 read_meta, save_error)
+from cookbook.checkpoint import (CHECKSUMS_KEY, FILES_KEY, ResumeGuard, _from_rank0, _os_error_in, _reason, checksums,
+                                 file_sizes, publish, read_meta, save_error)
 from cookbook.config import ConfigError
 from cookbook.dist import (DistInfo, apply_collective_timeout, barrier, destroy_distributed, get_dist_info, get_logger,
                            init_distributed, record_progress, stall_error)
@@ -314,8 +315,9 @@ class PublishCheckpoints(TrainerCallback):
 
     The Trainer writes ``checkpoint-<step>`` into its ``output_dir`` (the staging folder: DeepSpeed's
     partitions of every rank, scheduler, RNG, data position). Once every rank is done, rank 0 adds
-    ``meta.json`` (``step``, ``world_size``, ``time``, ``config``, and ``files``: every file of the checkpoint
-    with its size, `cookbook.checkpoint.file_sizes`, so that the resume guard finds a truncated or missing shard)
+    ``meta.json`` (``step``, ``world_size``, ``time``, ``config``, ``files``: every file of the checkpoint
+    with its size, `cookbook.checkpoint.file_sizes`, so that the resume guard finds a truncated or missing shard, and
+    ``checksums``, `cookbook.checkpoint.checksums`, for bytes overwritten in place)
     and renames the folder to ``<root>/checkpoint-<step>`` (atomic on one file system; `published_checkpoints`
     lists only those), then deletes all but the newest `keep_last` (0: keeps all). Set ``save_total_limit=None``
     in the arguments: the staging folder is emptied by the renames. When training begins, rank 0 deletes what an
@@ -357,12 +359,13 @@ class PublishCheckpoints(TrainerCallback):
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
                 meta = {"step": state.global_step, "world_size": args.world_size, "time": time.time(),
-                        "config": self.config, FILES_KEY: file_sizes(src),
+                        "config": self.config, FILES_KEY: file_sizes(src), CHECKSUMS_KEY: checksums(src),
                         **(self.more_meta() if self.more_meta is not None else {})}
                 (src / "meta.json").write_text(json.dumps(meta, indent=2))
                 publish(src, self.root / src.name)
             except OSError as exc:  # every rank must hear of it, or they would wait at the next collective
                 failure = (_reason(exc), exc.errno)
+                shutil.rmtree(src, ignore_errors=True)  # never published: its space goes back to the full disk
             else:
                 for old in published_checkpoints(self.root)[: -self.keep_last] if self.keep_last else []:
                     shutil.rmtree(old, ignore_errors=True)
@@ -382,7 +385,7 @@ def resume_guard(output_dir: str | Path, cannot_remap: str) -> ResumeGuard:
     start afresh deletes the whole `output_dir` (metrics.jsonl included: deleting the checkpoints alone would append
     a new run to the old run's records)."""
     return ResumeGuard(Path(output_dir) / "checkpoints", folder="checkpoint-<n>", files=(), run_dir=output_dir,
-                       cannot_remap=cannot_remap, same_size="NGPU x NNODES = {n}")
+                       cannot_remap=cannot_remap, same_size="NGPU x NNODES = {n}", published=True)
 
 
 def check_resume(cfg: Any, world_size: int, may_change: tuple[str, ...], cannot_remap: str) -> Path | None:
@@ -419,8 +422,8 @@ class ReportSaveErrors:
     restart: the disk would still be full) instead of a traceback.
 
     The message names the checkpoint (its published folder), the OS error and the rank that met it, the previous
-    checkpoint (intact: the failed one stays in the staging folder, never published, and is deleted when the next
-    run begins) and what to do. Only the rank that met the error knows of it: it prints the line; the other ranks,
+    checkpoint (intact: the failed one is never published, and the rank that met the error deletes it from the
+    staging folder, so that a full disk gets its space back) and what to do. Only the rank that met the error knows of it: it prints the line; the other ranks,
     waiting for it in a collective, stop with "another rank is gone" (exit 3) or are stopped by the launcher.
     Failures of `PublishCheckpoints` (rank 0's ``meta.json`` and rename) are raised by it on every rank.
 
@@ -441,6 +444,8 @@ class ReportSaveErrors:
                 raise
             info = get_dist_info()
             step = self.state.global_step
+            # the unpublished folder: its bytes would keep the disk full (the other ranks' writes there fail too)
+            shutil.rmtree(Path(self.args.output_dir) / f"checkpoint-{step}", ignore_errors=True)
             error = save_error(step, publisher.root / f"checkpoint-{step}", publisher.latest(),
                                info.rank if info.world_size > 1 else None, os_error)
             error.same_on_every_rank = False  # this rank alone met it, so this rank prints it

@@ -547,7 +547,7 @@ class TrainLoop:
         self._vote = StopVote(self.device)  # the ranks' agreement on a preemption stop
         self._saved_step = -1
         self.nonfinite = NonFinitePolicy(on_nonfinite, max_consecutive_skips, device=self.device,
-                                         newest_checkpoint=lambda: checkpointer.latest() if checkpointer is not None else None,
+                                         newest_checkpoint=lambda: checkpointer.verified_latest() if checkpointer is not None else None,
                                          models=models_in(checkpoint_state))
         self._skipped_now = False  # the step being run was skipped
         self._reset_window()
@@ -811,7 +811,7 @@ def checkpoint_state(app: Any, scheduler: Any, train_loader: Any, *,
 def start_run(cfg: Any, info: DistInfo, *, state: TrainState, checkpoint_state: Mapping[str, Any],
               may_change: tuple[str, ...], max_steps: int, experiment: str, final: str | Path | None = None,
               what: str = "model", flops: ModelFlops | None = None,
-              count_tokens: bool = True) -> tuple[Checkpointer, MetricsLogger] | None:
+              count_tokens: bool = True, cannot_remap: str | None = None) -> tuple[Checkpointer, MetricsLogger] | None:
     """The start of a run, after its model, optimizer and data exist: resume, then write the config and start metrics.
 
     Resumes from the checkpoint ``checkpoint.resume`` names (``auto``: the newest complete one under
@@ -831,6 +831,7 @@ def start_run(cfg: Any, info: DistInfo, *, state: TrainState, checkpoint_state: 
         experiment: the MLflow experiment name.
         final, what: as in `already_complete`.
         flops, count_tokens: as in `MetricsLogger`.
+        cannot_remap: as in `Checkpointer`: why another world size is refused.
 
     Returns:
         ``(checkpointer, metrics)``, or ``None`` when the run is already complete (the caller cleans up and returns).
@@ -840,7 +841,8 @@ def start_run(cfg: Any, info: DistInfo, *, state: TrainState, checkpoint_state: 
     """
     out_dir = Path(cfg.output_dir)
     resizable = any(isinstance(v, DataPosition) for v in checkpoint_state.values())
-    checkpointer = Checkpointer(out_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last, resizable=resizable)
+    checkpointer = Checkpointer(out_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last, resizable=resizable,
+                                cannot_remap=cannot_remap)
     resume_from = checkpointer.check_resume(cfg.checkpoint.resume, info.world_size, to_dict(cfg), may_change,
                                             cfg.train.stop_at_step)
     if resume_from is not None:
