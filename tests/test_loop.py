@@ -468,3 +468,28 @@ def test_on_nonfinite_is_checked(tmp_path):
     loop = TrainLoop.from_config(cfg, state=TrainState(), max_steps=3, metrics=metrics, checkpointer=None,
                                  checkpoint_state=None)
     assert (loop.on_nonfinite, loop.max_consecutive_skips) == ("skip", 2)
+
+
+def _dropout_draws(tmp_path, eval_every):
+    """A step body that draws a dropout mask, an evaluation that iterates a DataLoader (which draws its seed from
+    torch's generator): the masks of 6 steps."""
+    torch.manual_seed(0)
+    metrics = MetricsLogger(tmp_path / str(eval_every), CPU, mlflow=False, count_tokens=False)
+
+    def evaluate():
+        list(torch.utils.data.DataLoader(list(range(4)), batch_size=2, shuffle=True))
+        return {"loss": 1.0}
+
+    loop = TrainLoop(state=TrainState(), max_steps=6, metrics=metrics, eval_every=eval_every, evaluate=evaluate)
+    masks = []
+    with loop:
+        for _ in loop.steps():
+            masks.append(torch.nn.functional.dropout(torch.ones(32), 0.5).tolist())
+            loop.end_step(torch.tensor(1.0), lr=0.1)
+    return masks
+
+
+def test_evaluation_does_not_change_the_training_runs_random_draws(tmp_path):
+    """train.eval_every=2 and 0 draw the same dropout masks (before: equal up to step 2, different from step 3)."""
+    assert _dropout_draws(tmp_path, 2) == _dropout_draws(tmp_path, 0)
+
