@@ -177,7 +177,7 @@ def test_a_required_package_that_is_missing_or_broken_is_refused_in_one_line(tmp
             config.require("brokenpkg", reqs, torch_build=True)
         assert str(err.value) == (f"{broken}: its build does not match torch {torch.__version__}: install the "
                                   f"brokenpkg build made for that torch: `pip install --force-reinstall --no-deps "
-                                  f"brokenpkg==1.0 --index-url https://download.pytorch.org/whl/{index}`")
+                                  f"'brokenpkg==1.0' --index-url https://download.pytorch.org/whl/{index}`")
     with pytest.raises(ConfigError) as err:
         config.require("brokenpkg", reqs)
     assert str(err.value) == f"{broken}; install it again: `pip install brokenpkg==1.0`, or `pip install -r {reqs}`"

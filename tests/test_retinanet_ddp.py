@@ -149,6 +149,10 @@ def _write(tmp_path, mutate, raw: str | None = None):
      r"images\[0\] \(id 1\): field 'file_name': image file not found: .*missing.jpg"),
     (lambda c: c["annotations"][0].update(bbox=[100, 40, 154, 58]),
      r"annotations\[0\] \(annotation id 1\): field 'bbox' \[100, 40, 154, 58\] lies outside its image 1 \(224 x 149"),
+    (lambda c: c["annotations"][0].update(bbox=[224, 40, 1, 20]),  # 1 pixel on the right border: clipped to none
+     r"annotations\[0\] \(annotation id 1\): field 'bbox' \[224, 40, 1, 20\] is 0 x 20 pixels once clipped to its "
+     r"image 1 \(224 x 149\) and 0 x 17.047 resized to 192 x 127 \(model.min_size / max_size\): training would "
+     r"see a box without area, which torchvision refuses; fix or remove the annotation"),
     (lambda c: c["annotations"][2].update(category_id=7),
      r"annotations\[2\] \(annotation id 3\): field 'category_id': unknown category id 7 \(categories: \[1, 2\]\)"),
     (lambda c: c["annotations"][1].update(bbox=[56, 22, -36, 22]),
@@ -180,18 +184,27 @@ def test_bad_input_names_file_field_and_annotation(tmp_path, mutate, message):
         check("retinanet-ddp", f"data.train_annotations={path}", f"data.train_images={RECIPE / 'tiny' / 'images'}")
 
 
-@pytest.mark.parametrize("prelude, message", [
-    ("sys.modules['torchvision'] = None",  # not importable, wherever the environment has it
-     "torchvision is not installed: `pip install torchvision==0.28.0`, or `pip install -r {requirements}`"),
-    (f"sys.path.insert(0, {str(torchvision_cpu.FOLDER)!r})",  # PyPI's wheel beside the CPU torch, without the shim
+@pytest.mark.parametrize("name, prelude, message", [
+    ("retinanet-ddp", "sys.modules['torchvision'] = None",  # not importable, wherever the environment has it
+     "torchvision is not installed: `pip install 'torchvision==0.28.*' --index-url https://download.pytorch.org/whl/"
+     "cpu` (the build for torch {torch})"),
+    ("retinanet-ddp", f"sys.path.insert(0, {str(torchvision_cpu.FOLDER)!r})",  # PyPI's wheel beside the CPU torch
      "torchvision 0.28.0 is installed but does not import (RuntimeError: operator torchvision::nms does not exist): "
      "its build does not match torch {torch}: install the torchvision build made for that torch: `pip install "
-     "--force-reinstall --no-deps torchvision==0.28.0 --index-url https://download.pytorch.org/whl/cpu`"),
-], ids=["missing", "built-for-cuda-torch"])
-def test_a_missing_or_mismatched_torchvision_is_refused_by_the_check_in_one_line(prelude, message):
+     "--force-reinstall --no-deps 'torchvision==0.28.*' --index-url https://download.pytorch.org/whl/cpu`"),
+    ("modernbert-ddp", f"sys.path.insert(0, {str(torchvision_cpu.FOLDER)!r})",  # a recipe that never uses it
+     "torchvision 0.28.0 is installed but does not import (RuntimeError: operator torchvision::nms does not exist): "
+     "its build does not match torch {torch}: install the torchvision build made for that torch: `pip install "
+     "--force-reinstall --no-deps 'torchvision==0.28.*' --index-url https://download.pytorch.org/whl/cpu`"),
+], ids=["missing", "built-for-cuda-torch", "modernbert-imports-it"])
+def test_a_missing_or_mismatched_torchvision_is_refused_by_the_check_in_one_line(name, prelude, message):
     """launch.sh's check in a process of its own: one line and status 2 (never restarted, no worker started), before
-    transformers (which imports torchvision) is imported; the test process itself has torchvision through the shim."""
-    argv = [str(RECIPE / "train.py"), "--check", "--config", str(RECIPE / "tiny.yaml")]
+    transformers (which imports torchvision) is imported; the test process itself has torchvision through the shim.
+    The hint installs the build for the installed torch (PyPI's plain ``pip install torchvision==0.28.0`` brings
+    the CUDA build beside a CPU torch). Any recipe (modernbert-ddp: torchmetrics imports torchvision at the
+    recipe's top level, before: a 40-line traceback, exit 1) says it in one line (`cookbook.builds`)."""
+    recipe_dir = ROOT / "recipes" / name
+    argv = [str(recipe_dir / "train.py"), "--check", "--config", str(recipe_dir / "tiny.yaml")]
     code = f"import runpy, sys; {prelude}; sys.argv = {argv!r}; runpy.run_path(sys.argv[0], run_name='__main__')"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "COOKBOOK_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": ""})

@@ -58,11 +58,11 @@ warnings.filterwarnings("ignore", message=".*set_vital.*")
 warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.* is deprecated")  # DeepSpeed's collectives
 warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.* is deprecated")
 
+import cookbook  # first: a package built for another torch is one line (cookbook.builds)
 import torch
 from transformers import AutoConfig, AutoTokenizer
 from transformers import logging as hf_logging
 
-import cookbook
 from cookbook import hf_trainer, sft
 from cookbook.checkpoint import CheckpointError, ResumeGuard, read_meta
 from cookbook.launch import check_world_size

@@ -143,13 +143,17 @@ def _int_field(obj: dict, key: str, where: str, default: int | None = None) -> i
     return value
 
 
-def load_coco(images_dir: str, annotations: str, field_name: str) -> tuple[list[dict], list[dict]]:
+def load_coco(images_dir: str, annotations: str, field_name: str,
+              resize: tuple[int, int] | None = None) -> tuple[list[dict], list[dict]]:
     """Read and check a COCO-format detection set.
 
     Args:
         images_dir: the folder the ``file_name`` of each image is relative to.
         annotations: the ``instances.json`` path.
         field_name: the config key of `annotations` (``data.train_annotations``), for messages.
+        resize: ``(model.min_size, model.max_size)`` for a training set: each non-crowd box is also checked as
+            training sees it (`_as_trained`: clipped, flipped or not, resized in float32), where torchvision
+            refuses a box of zero width or height.
 
     Returns:
         ``(records, categories)``: one record per image, by increasing image id, with ``image_id``, ``path``,
@@ -161,7 +165,8 @@ def load_coco(images_dir: str, annotations: str, field_name: str) -> tuple[list[
             invalid JSON, a missing section or field, an entry that is not an object, an id that is not an integer (a float
             with no fraction, ``3.0``, is taken as one), an ``iscrowd`` other than 0 or 1,
             a duplicate id, an unknown image or category id, a bbox that is not 4 numbers, has a width or height
-            <= 0 or lies outside its image, a missing image file.
+            <= 0, lies outside its image or (with `resize`) has none left once clipped and resized, a missing
+            image file.
     """
     path = Path(annotations)
     if not path.is_file():
@@ -224,13 +229,41 @@ def load_coco(images_dir: str, annotations: str, field_name: str) -> tuple[list[
         if x < -BOX_SLACK or y < -BOX_SLACK or x + w > img["width"] + BOX_SLACK or y + h > img["height"] + BOX_SLACK:
             raise DataError(f"{where}: field 'bbox' {box!r} lies outside its image {iid} "
                             f"({img['width']} x {img['height']} pixels)")
-        img["boxes"].append([max(x, 0.0), max(y, 0.0), min(x + w, img["width"]), min(y + h, img["height"])])
-        img["labels"].append(labels[cid])
+        clipped = [max(x, 0.0), max(y, 0.0), min(x + w, img["width"]), min(y + h, img["height"])]
         crowd = _int_field(ann, "iscrowd", where, default=0)
         if crowd not in (0, 1):
             raise DataError(f"{where}: field 'iscrowd' must be 0 or 1, got {ann['iscrowd']!r}")
+        if resize is not None and crowd == 0:  # crowd boxes never reach the loss
+            trained, size = _as_trained(clipped, img["width"], img["height"], *resize)
+            if any(b[2] <= b[0] or b[3] <= b[1] for b in trained):
+                raise DataError(f"{where}: field 'bbox' {box!r} is {clipped[2] - clipped[0]:g} x "
+                                f"{clipped[3] - clipped[1]:g} pixels once clipped to its image {iid} ({img['width']} "
+                                f"x {img['height']}) and {trained[0][2] - trained[0][0]:g} x {trained[0][3] - trained[0][1]:g} "
+                                f"resized to {size[1]} x {size[0]} (model.min_size / max_size): training would see "
+                                f"a box without area, which torchvision refuses; fix or remove the annotation")
+        img["boxes"].append(clipped)
+        img["labels"].append(labels[cid])
         img["iscrowd"].append(crowd)
     return [images[k] for k in sorted(images)], [categories[k] for k in sorted(categories)]
+
+
+def _as_trained(box: list[float], width: int, height: int, min_size: int,
+                max_size: int) -> tuple[list[list[float]], tuple[int, int]]:
+    """A clipped ``[x1, y1, x2, y2]`` box as training hands it to torchvision's RetinaNet: in float32, as is and
+    flipped (`CocoDetection`), then resized as ``GeneralizedRCNNTransform`` resizes (scale ``min(min_size /
+    shorter side, max_size / longer side)``, image ``floor(side x scale)``, box x new / old side in float32).
+
+    Returns:
+        ``([box, flipped box], (new height, new width))``.
+    """
+    scale = min(min_size / min(height, width), max_size / max(height, width))
+    new = (math.floor(height * scale), math.floor(width * scale))
+    b = torch.tensor([box], dtype=torch.float32)
+    flipped = torch.stack([width - b[:, 2], b[:, 1], width - b[:, 0], b[:, 3]], 1)
+    ratio_w = torch.tensor(new[1], dtype=torch.float32) / torch.tensor(width, dtype=torch.float32)
+    ratio_h = torch.tensor(new[0], dtype=torch.float32) / torch.tensor(height, dtype=torch.float32)
+    ratio = torch.stack([ratio_w, ratio_h, ratio_w, ratio_h])
+    return [(v * ratio).reshape(4).tolist() for v in (b, flipped)], new
 
 
 def _same_categories(train: list[dict], other: list[dict], field_name: str) -> None:
@@ -413,7 +446,8 @@ def main(argv: list[str]) -> None:
     check_config(cfg, Path(args.config).resolve().parent)
     if args.check:  # one process, before torchrun starts any worker
         world_size = check_world_size()  # NGPU x NNODES, as launch.sh
-        train, cats = load_coco(cfg.data.train_images, cfg.data.train_annotations, "data.train_annotations")
+        train, cats = load_coco(cfg.data.train_images, cfg.data.train_annotations, "data.train_annotations",
+                                (cfg.model.min_size, cfg.model.max_size))  # boxes as training sees them
         n_eval = 0
         if cfg.data.eval_annotations:
             evals, eval_cats = load_coco(cfg.data.eval_images, cfg.data.eval_annotations, "data.eval_annotations")
@@ -437,7 +471,8 @@ def main(argv: list[str]) -> None:
     torch.manual_seed(cfg.train.seed)
     use_bf16 = info.device.type == "cuda" and cfg.train.mixed_precision == "bf16"
     autocast = partial(torch.autocast, info.device.type, dtype=torch.bfloat16, enabled=use_bf16)
-    train_records, categories = load_coco(cfg.data.train_images, cfg.data.train_annotations, "data.train_annotations")
+    train_records, categories = load_coco(cfg.data.train_images, cfg.data.train_annotations, "data.train_annotations",
+                                          (cfg.model.min_size, cfg.model.max_size))
     train_ds = CocoDetection(train_records, train=True, hflip_prob=cfg.data.hflip_prob, seed=cfg.train.seed)
     sampler = ResizableSampler(train_ds, num_replicas=info.world_size, rank=info.rank, shuffle=True,
                                seed=cfg.train.seed, drop_last=True)

@@ -321,19 +321,30 @@ def require(module: str, requirements: str | Path, *, torch_build: bool = False)
             build does not match the installed torch, and gives the line that installs the matching build.
 
     Raises:
-        ConfigError: one line naming the package and what to run: ``torchvision is not installed: `pip install
-            torchvision==0.28.0`, or `pip install -r .../requirements.txt```; or, for any other exception of the
+        ConfigError: one line naming the package and what to run: ``ray is not installed: `pip install
+            ray[train]==2.60.0`, or `pip install -r .../requirements.txt```, for a `torch_build` package the build
+            for the installed torch (``pip install 'torchvision==0.28.*' --index-url .../whl/cpu``); or, for any other exception of the
             import (a compiled extension that does not load), ``torchvision 0.28.0 is installed but does not import
             (RuntimeError: operator torchvision::nms does not exist): its build does not match torch 2.13.0+cpu: ...``.
     """
     import importlib
+
+    from cookbook import builds
 
     spec = pinned(module, requirements)
     try:
         importlib.import_module(module)
     except Exception as exc:  # noqa: BLE001 - whatever the import raises is one line for the user
         if isinstance(exc, ModuleNotFoundError) and exc.name == module.split(".")[0]:
+            if torch_build:  # PyPI's build is made for PyPI's CUDA torch: name the one for the installed torch
+                import torch
+
+                raise ConfigError(f"{module} is not installed: `{builds.install_line(_project_name(spec), spec=spec)}` (the "
+                                  f"build for torch {torch.__version__})") from None
             raise ConfigError(f"{module} is not installed: {install_hint(spec, requirements)}") from None
+        found = builds.broken_build_in(exc)
+        if found is not None:  # cookbook.builds names the build to install
+            raise ConfigError(str(found)) from None
         broken = f"{module}{_installed_version(spec)} is installed but does not import ({_cause_line(exc)})"
         if torch_build:
             raise ConfigError(f"{broken}: {_torch_build_hint(spec)}") from None
@@ -350,16 +361,16 @@ def _installed_version(spec: str) -> str:
 
 
 def _torch_build_hint(spec: str) -> str:
-    """What to do about a package compiled against another torch build than the installed one: reinstall it from the
-    PyTorch index of the installed torch's build (``https://download.pytorch.org/whl/cpu`` for the CPU torch); a plain
-    ``pip install`` of the same version would find it installed and change nothing."""
+    """What to do about a package compiled against another torch build than the installed one: reinstall the build
+    made for it (`cookbook.builds.install_line`); a plain ``pip install`` of the same version would find it
+    installed and change nothing."""
     import torch
 
-    cuda, hip = torch.version.cuda, getattr(torch.version, "hip", None)
-    build = f"cu{cuda.replace('.', '')}" if cuda else f"rocm{'.'.join(hip.split('.')[:2])}" if hip else "cpu"
-    return (f"its build does not match torch {torch.__version__}: install the {_project_name(spec)} build made for "
-            f"that torch: `pip install --force-reinstall --no-deps {spec} --index-url "
-            f"https://download.pytorch.org/whl/{build}`")
+    from cookbook import builds
+
+    name = _project_name(spec)
+    return (f"its build does not match torch {torch.__version__}: install the {name} build made for that torch: "
+            f"`{builds.install_line(name, reinstall=True, spec=spec)}`")
 
 
 def _cause_line(exc: BaseException, limit: int = 200) -> str:

@@ -122,10 +122,12 @@ def run_main(main: Callable[[list[str]], Any], user_errors: Sequence[type[BaseEx
         _say_once(exc, rank, where)
         _exit(EXIT_USER_ERROR)
     except ImportError as exc:  # a missing or broken package: the launcher does not restart 2, which would fail alike
+        from cookbook.builds import broken_build_in
         from cookbook.config import import_error_line
 
         _record(exc)
-        _say(f"error: {where}{import_error_line(exc, _requirements_beside(main))}")
+        broken = broken_build_in(exc)  # a package built for another torch: its own line names the build
+        _say(f"error: {where}{broken if broken is not None else import_error_line(exc, _requirements_beside(main))}")
         _exit(EXIT_USER_ERROR)
     except OneLineError as exc:
         _say_once(exc, rank, where)
@@ -146,6 +148,12 @@ def run_main(main: Callable[[list[str]], Any], user_errors: Sequence[type[BaseEx
             _record(RuntimeError(line))
             _say(f"error: {where}{line}")
             _exit(EXIT_PEER_LOST)
+        from cookbook.builds import broken_build_in
+
+        if (broken := broken_build_in(exc)) is not None:  # re-raised by a library (transformers) as another error
+            _record(broken)
+            _say(f"error: {where}{broken}")
+            _exit(EXIT_USER_ERROR)
         if world > 1 and peer_lost(exc):
             print(f"error: {where}stopped: another rank is gone ({_first_line(exc)}); the first rank to fail "
                   f"says why", file=sys.stderr)
