@@ -47,6 +47,27 @@ def _did_you_mean(cfg: Any, exc: OmegaConfBaseException) -> str:
     return f" (did you mean '{parent + '.' if parent else ''}{close[0]}'?)" if close else ""
 
 
+def _yaml_line(path: Path, dotted: str | None) -> int | None:
+    """The 1-based line of key `dotted` (``train.eval_every``) in the YAML file `path`, or ``None``."""
+    if not dotted:
+        return None
+    import yaml
+
+    try:
+        node = yaml.compose(path.read_text(encoding="utf-8"))
+    except Exception:  # noqa: BLE001 - already loaded once; a line number is only a help
+        return None
+    line = None
+    for part in str(dotted).split("."):
+        if not isinstance(node, yaml.MappingNode):
+            break
+        found = next(((k, v) for k, v in node.value if getattr(k, "value", None) == part), None)
+        if found is None:
+            break
+        line, node = found[0].start_mark.line + 1, found[1]
+    return line
+
+
 def load_config(schema: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
     """Build a recipe config from its schema, a YAML file and dotted overrides.
 
@@ -60,9 +81,10 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: Sequ
         An instance of `schema` with every field of the declared type.
 
     Raises:
-        ConfigError: the file is missing or not a mapping; a key is not in the schema; a value
-            has the wrong type; an override is not ``key=value``; a required (``MISSING``)
-            value was not given. The message names the key and the file or override.
+        ConfigError: the file is missing or not a mapping; a key is not in the schema (with the closest
+            known key at any depth: "did you mean 'train.eval_every'?"); a value has the wrong type; an
+            override is not ``key=value``; a required (``MISSING``) value was not given. The message names
+            the key and the file (with the key's line) or override.
     """
     if not dataclasses.is_dataclass(schema):
         raise TypeError(f"schema must be a dataclass type, got {schema!r}")
@@ -91,7 +113,8 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: Sequ
             cfg = OmegaConf.merge(cfg, src)
         except OmegaConfBaseException as exc:
             hint = " (a list is written [a,b])" if "ListConfig" in str(exc) else _did_you_mean(cfg, exc)
-            raise ConfigError(f"{where}: {_describe(exc)}{hint}") from None
+            line = _yaml_line(Path(path), getattr(exc, "full_key", None)) if where == str(path) else None
+            raise ConfigError(f"{where}{f' line {line}' if line else ''}: {_describe(exc)}{hint}") from None
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ConfigError(f"required config value(s) not set: {', '.join(missing)}")
