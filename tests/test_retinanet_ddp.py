@@ -236,3 +236,58 @@ def test_integral_floats_and_a_null_iscrowd_read_as_the_integers_they_hold(tmp_p
     plain_records, plain_cats = recipe.load_coco(images, str(RECIPE / "tiny" / "instances.json"), "f")
     assert records == plain_records and [c["id"] for c in cats] == [c["id"] for c in plain_cats] == [1, 2]
     assert all(type(r["image_id"]) is int and type(r["width"]) is int for r in records)
+
+
+def _crowd_and_empty_image_set():
+    """5 images, 4 targets each (image 2: one crowd region; image 3: none), 6 detections each, 4 of them near
+    the targets (seeded)."""
+    g = torch.Generator().manual_seed(0)
+    items = []
+    for iid in range(1, 6):
+        n = 0 if iid == 3 else 4
+        xy, wh = torch.rand(n, 2, generator=g) * 80, 10 + torch.rand(n, 2, generator=g) * 30
+        crowd = torch.tensor([int(iid == 2 and i == 0) for i in range(n)], dtype=torch.int64)
+        dxy = torch.rand(6, 2, generator=g) * 80
+        if n:
+            dxy[:n] = xy + torch.randn(n, 2, generator=g) * 3
+        dwh = 10 + torch.rand(6, 2, generator=g) * 30
+        if n:
+            dwh[:n] = wh + torch.randn(n, 2, generator=g) * 3
+        det = {"boxes": torch.cat([dxy, dxy + dwh], 1), "scores": torch.rand(6, generator=g),
+               "labels": torch.ones(6, dtype=torch.int64)}
+        items.append((iid, det, {"boxes": torch.cat([xy, xy + wh], 1), "labels": torch.ones(n, dtype=torch.int64),
+                                 "iscrowd": crowd}))
+    return items
+
+
+def test_map_is_cocoevals_on_a_crowd_and_empty_image_set(tmp_path, capsys):
+    """recipe.coco_map equals pycocotools' COCOeval run from files, as COCO's tools run it (0.114659...); the
+    torchmetrics MeanAveragePrecision it replaced gave 0.114329 (float32 recall thresholds)."""
+    from pycocotools.coco import COCO
+    from pycocotools.cocoeval import COCOeval
+    from torchmetrics.detection import MeanAveragePrecision
+
+    items = _crowd_and_empty_image_set()
+    gt = {"images": [{"id": i} for i, _, _ in items], "categories": [{"id": 1}], "annotations": []}
+    dt = []
+    for iid, det, tgt in items:
+        for (x1, y1, x2, y2), crowd in zip(tgt["boxes"].tolist(), tgt["iscrowd"].tolist()):
+            gt["annotations"].append({"id": len(gt["annotations"]) + 1, "image_id": iid, "category_id": 1,
+                                      "bbox": [x1, y1, x2 - x1, y2 - y1], "area": (x2 - x1) * (y2 - y1),
+                                      "iscrowd": crowd})
+        for (x1, y1, x2, y2), score in zip(det["boxes"].tolist(), det["scores"].tolist()):
+            dt.append({"image_id": iid, "category_id": 1, "bbox": [x1, y1, x2 - x1, y2 - y1], "score": score})
+    (tmp_path / "gt.json").write_text(json.dumps(gt))
+    (tmp_path / "dt.json").write_text(json.dumps(dt))
+    coco = COCO(str(tmp_path / "gt.json"))
+    ref = COCOeval(coco, coco.loadRes(str(tmp_path / "dt.json")), iouType="bbox")
+    ref.evaluate()
+    ref.accumulate()
+    ref.summarize()
+    capsys.readouterr()
+    assert recipe.coco_map(items) == {"map": ref.stats[0], "map_50": ref.stats[1]}
+    assert ref.stats[0] == pytest.approx(0.1146594659)
+    before = MeanAveragePrecision(box_format="xyxy", iou_type="bbox", backend="pycocotools")
+    before.update([d for _, d, _ in items], [t for _, _, t in items])
+    assert before.compute()["map"].item() == pytest.approx(0.1143294349)
+    assert recipe.coco_map(items[2:3]) == {"map": -1.0, "map_50": -1.0}  # no target at all: COCOeval's "absent"

@@ -15,7 +15,7 @@ What this recipe supports:
       set's categories; or a ResNet-18-FPN RetinaNet (``model.arch=retinanet_resnet18_fpn``, the tiny twin).
     - Horizontal-flip augmentation, decided per (seed, epoch, image): the same on any number of workers.
     - bf16 autocast on GPU (fp32 master weights), fp32 on CPU; gradient accumulation, clipping, AdamW.
-    - Evaluation: mAP@[.5:.95] and mAP@.5 (torchmetrics MeanAveragePrecision, pycocotools backend), each
+    - Evaluation: mAP@[.5:.95] and mAP@.5 (pycocotools' COCOeval itself, `coco_map`), each
       rank on a disjoint shard; the detections are gathered and scored in image-id order, so the numbers
       equal a single-process evaluation.
     - Checkpoints (cookbook.checkpoint, DCP), resume=auto, metrics (images/s per GPU, peak memory), as the
@@ -109,7 +109,7 @@ def check_config(cfg: Config, config_dir: Path) -> None:
         setattr(cfg.data, key, resolve_path(getattr(cfg.data, key), config_dir))
     if bool(cfg.data.eval_images) != bool(cfg.data.eval_annotations):
         raise ConfigError("data.eval_images and data.eval_annotations: give both, or neither (no evaluation)")
-    if cfg.data.eval_annotations:  # MeanAveragePrecision's backend, imported at the first evaluation
+    if cfg.data.eval_annotations:  # coco_map's COCOeval, imported at the first evaluation
         config.require("pycocotools", REQUIREMENTS)
     config.check_run(cfg)
     check_fields(cfg, at_least={"model.min_size": 32, "model.max_size": 32, "model.fpn_channels": 8,
@@ -405,11 +405,9 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, autocast) -> 
     """mAP@[.5:.95] (``map``) and mAP@.5 (``map_50``) over every rank's shard of the evaluation set.
 
     Each rank detects on its shard; the detections and targets are gathered to rank 0 and scored there in
-    image-id order by torchmetrics' MeanAveragePrecision (pycocotools), so the result equals one process
-    scoring the whole set; rank 0 sends it to the others. Returns also ``images`` (the count scored).
+    image-id order by pycocotools' COCOeval (`coco_map`), so the result equals one process scoring the whole
+    set; rank 0 sends it to the others. Returns also ``images`` (the count scored).
     """
-    from torchmetrics.detection import MeanAveragePrecision
-
     model.eval()
     local = []
     for batch in loader:
@@ -426,14 +424,57 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, autocast) -> 
     result = [None]
     if not dist.is_initialized() or dist.get_rank() == 0:
         items = sorted((x for part in gathered for x in part), key=lambda x: x[0])
-        metric = MeanAveragePrecision(box_format="xyxy", iou_type="bbox", backend="pycocotools",
-                                      sync_on_compute=False)  # scored on rank 0 alone: no collective inside
-        metric.update([p for _, p, _ in items], [t for _, _, t in items])
-        scores = metric.compute()
-        result = [{"map": scores["map"].item(), "map_50": scores["map_50"].item(), "images": float(len(items))}]
+        result = [{**coco_map(items), "images": float(len(items))}]
     if dist.is_initialized():
         dist.broadcast_object_list(result, src=0)
     return result[0]
+
+
+def coco_map(items: list[tuple[int, dict, dict]]) -> dict[str, float]:
+    """``{"map": mAP@[.5:.95], "map_50": mAP@.5}`` of detections against targets, by pycocotools' COCOeval itself.
+
+    Args:
+        items: ``(image_id, detections, targets)`` per image: detections ``boxes`` (N, 4) xyxy pixels,
+            ``scores`` (N,), ``labels`` (N,); targets ``boxes``, ``labels``, ``iscrowd`` (M,). An image may have
+            no target (it still counts its false positives) and targets may be crowd regions (COCOeval ignores
+            detections matched to them).
+
+    Boxes go in as COCO ``[x, y, width, height]``, a target's ``area`` is its box's. torchmetrics'
+    MeanAveragePrecision differs from COCOeval on such sets (its recall thresholds are float32: 0.124046 against
+    0.124764 on a crowd / empty-image set). -1 where no category has a non-crowd target (COCOeval's "absent"); 0
+    where there are targets and no detection.
+    """
+    import io
+
+    from pycocotools.coco import COCO
+    from pycocotools.cocoeval import COCOeval
+
+    def xywh(boxes: torch.Tensor) -> list[list[float]]:
+        return [[x1, y1, x2 - x1, y2 - y1] for x1, y1, x2, y2 in boxes.double().tolist()]
+
+    images, gts, dts, cats = [], [], [], set()
+    for iid, det, tgt in items:
+        images.append({"id": int(iid)})
+        for box, label, crowd in zip(xywh(tgt["boxes"]), tgt["labels"].tolist(), tgt["iscrowd"].tolist()):
+            gts.append({"id": len(gts) + 1, "image_id": int(iid), "category_id": label, "bbox": box,
+                        "area": box[2] * box[3], "iscrowd": crowd})
+            cats.add(label)
+        for box, label, score in zip(xywh(det["boxes"]), det["labels"].tolist(), det["scores"].double().tolist()):
+            dts.append({"image_id": int(iid), "category_id": label, "bbox": box, "score": score})
+            cats.add(label)
+    if not any(g["iscrowd"] == 0 for g in gts):
+        return {"map": -1.0, "map_50": -1.0}
+    if not dts:
+        return {"map": 0.0, "map_50": 0.0}
+    with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints its progress and the summary table
+        gt = COCO()
+        gt.dataset = {"images": images, "annotations": gts, "categories": [{"id": c} for c in sorted(cats)]}
+        gt.createIndex()
+        coco_eval = COCOeval(gt, gt.loadRes(dts), iouType="bbox")
+        coco_eval.evaluate()
+        coco_eval.accumulate()
+        coco_eval.summarize()
+    return {"map": float(coco_eval.stats[0]), "map_50": float(coco_eval.stats[1])}
 
 
 # ----------------------------------------------------------------------------- recipe
