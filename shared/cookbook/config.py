@@ -572,6 +572,9 @@ def check_run(cfg: Any) -> None:
             in), and the message names ``output_dir``, the folder and the OS reason; a tracker in ``trackers`` that is
             unknown or not installed (`check_trackers`); a ``checkpoint.push_to_hub`` that cannot work
             (`cookbook.hub.check_push`: not a repo id, nothing exported, offline, no token).
+        cookbook.entry.AlreadyComplete: in a launcher's check (``launch.sh``), ``output_dir`` holds a run finished
+            with these settings (but for `MAY_CHANGE`): `cookbook.run_lock.complete_message`, said in the first
+            second of the check; the launcher then starts no worker.
     """
     has = {k for k in ("train.micro_batch_size", "train.grad_accum_steps", "train.log_every", "train.eval_every",
                        "train.mixed_precision", "train.max_steps", "train.stop_at_step", "optim.scheduler",
@@ -603,6 +606,14 @@ def check_run(cfg: Any) -> None:
         from cookbook.run_lock import report_output_dir
 
         report_output_dir(cfg.output_dir)  # the launcher takes the folder's run lock before any worker starts
+        from cookbook.entry import AlreadyComplete
+        from cookbook.run_lock import OUTPUT_DIR_FILE_ENV, complete_message, report_complete
+
+        done = complete_message(cfg.output_dir, to_dict(cfg), MAY_CHANGE) if os.environ.get(OUTPUT_DIR_FILE_ENV) \
+            else None  # a launcher's check: the same command again, after the run finished, is answered at once
+        if done is not None:
+            report_complete()
+            raise AlreadyComplete(done)
         out = Path(cfg.output_dir).expanduser()
         probed = set()
         for folder in (out, out / "checkpoints"):

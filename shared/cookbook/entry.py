@@ -76,6 +76,11 @@ class OneLineError(RuntimeError):
     exit_status = EXIT_BUG
 
 
+class AlreadyComplete(Exception):
+    """The run in this output_dir finished with these settings (`cookbook.run_lock.complete_message`): `run_main`
+    prints the message as it is (no ``error:``) and exits with status 0; a launcher starts no worker."""
+
+
 AGENT_PID_ENV = "COOKBOOK_AGENT_PID"  # the launcher process that runs torchrun's agent (cookbook.torchrun)
 
 
@@ -118,6 +123,10 @@ def run_main(main: Callable[[list[str]], Any], user_errors: Sequence[type[BaseEx
             _exit(EXIT_PEER_LOST)
     try:
         main(sys.argv[1:] if argv is None else argv)
+    except AlreadyComplete as exc:  # nothing to do: said once, by rank 0
+        if rank in ("", "0"):
+            print(str(exc), file=sys.stderr, flush=True)
+        _exit(EXIT_OK)
     except tuple(user_errors) as exc:
         _say_once(exc, rank, where)
         _exit(EXIT_USER_ERROR)

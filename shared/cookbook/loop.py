@@ -70,6 +70,7 @@ import torch.distributed as dist
 
 from cookbook.checkpoint import Checkpointer, RankLocalState, ResumeGuard, RNGState, TrainState, rng_kept, seed_per_rank
 from cookbook.config import ConfigError, save_config, to_dict
+from cookbook.run_lock import mark_complete
 from cookbook.dist import DistInfo, barrier, get_dist_info, get_logger, record_progress, stall_error
 from cookbook.entry import EXIT_DIVERGED, EXIT_PREEMPTED, OneLineError
 from cookbook.metrics import MetricsLogger, ModelFlops, StepProfiler
@@ -784,6 +785,12 @@ class TrainLoop:
         self.metrics.log_summary(record)
         log_outputs(self.state.step, final_eval, self.metrics,
                     self.checkpointer.root if self.checkpointer is not None else None, outputs, timings=timings)
+        if get_dist_info().is_main and self.config is not None:  # the same command again says so at once
+            out_dir = self.metrics.out_dir
+            kept = {**{k: str(p) for k, (p, _) in outputs.items() if p}, "metrics": str(self.metrics.jsonl_path)}
+            guard = ResumeGuard(out_dir / "checkpoints", run_dir=out_dir)
+            mark_complete(out_dir, self.config, guard.already_complete(self.state.step, self.max_steps, outputs={
+                k.removesuffix("_dir"): p for k, p in kept.items()}), kept)
         return final_eval
 
 
