@@ -398,7 +398,7 @@ def train(cfg: Config, on_cpu: bool) -> None:
     # What TrainLoop does when things fail (cookbook.hf_trainer): preemption, non-finite steps, stalls, failed saves.
     callbacks = hf_trainer.RunCallbacks(cfg, root, metrics, pad_id, resume_from)
 
-    class Trainer(hf_trainer.ReportSaveErrors, hf_trainer.CountBatches, SFTTrainer):
+    class Trainer(hf_trainer.ReportSaveErrors, hf_trainer.WholeEpochs, hf_trainer.CountBatches, SFTTrainer):
         """SFTTrainer that reports a failed save in one line and counts each micro-batch for the metrics."""
 
     trainer = Trainer(
@@ -412,6 +412,7 @@ def train(cfg: Config, on_cpu: bool) -> None:
              f"active non-embedding params, {n_trainable / 1e6:,.2f} M trainable (LoRA r={cfg.lora.r}) | "
              f"{cfg.model.attn_implementation} | global batch {per_step} rows | {max_steps} steps | "
              f"{'bf16' if bf16 else 'fp32'} | data: {stats.summary()}")
+    log.info(hf_trainer.epoch_line(len(examples), per_step))  # WholeEpochs: what one epoch reads
 
     with hf_trainer.TrainerRun(callbacks.preemption, metrics) as run:  # closes metrics and the group whatever happens
         if not run.train(trainer, resume_from, max_steps, callbacks.publisher):

@@ -45,6 +45,7 @@ from pathlib import Path
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 warnings.filterwarnings("ignore", message=".*set_vital.*")
 
+import cookbook  # first: a package built for another torch is one line (cookbook.builds)
 import datasets
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -57,7 +58,6 @@ from transformers import logging as hf_logging
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-import cookbook
 from cookbook import lm
 from cookbook.checkpoint import Checkpointer, CheckpointError, ModelOptimizerState
 from cookbook.checkpoint import export_hf

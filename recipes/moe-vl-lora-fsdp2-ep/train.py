@@ -42,6 +42,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 warnings.filterwarnings("ignore", message=".*set_vital.*")
 warnings.filterwarnings("ignore", message=".*falling back to its reference PyTorch implementation.*")
 
+import cookbook  # first: a package built for another torch is one line (cookbook.builds)
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DistributedSampler
@@ -49,7 +50,6 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from transformers import AutoConfig, AutoModelForImageTextToText, get_scheduler
 from transformers import logging as hf_logging
 
-import cookbook
 from cookbook import lm, moe, sft
 from cookbook.checkpoint import Checkpointer, CheckpointError
 from cookbook.config import ConfigError, cli_parser, load_config, to_dict

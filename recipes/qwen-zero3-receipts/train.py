@@ -58,11 +58,11 @@ warnings.filterwarnings("ignore", message=".*set_vital.*")
 warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.* is deprecated")  # DeepSpeed's collectives
 warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.* is deprecated")
 
+import cookbook  # first: a package built for another torch is one line (cookbook.builds)
 import torch
 from transformers import AutoConfig, AutoTokenizer
 from transformers import logging as hf_logging
 
-import cookbook
 from cookbook import hf_trainer, sft
 from cookbook.checkpoint import CheckpointError, ResumeGuard, read_meta
 from cookbook.launch import check_world_size
@@ -571,7 +571,7 @@ def train(cfg: Config, on_cpu: bool) -> None:
     # What TrainLoop does when things fail (cookbook.hf_trainer): preemption, non-finite steps, stalls, failed saves.
     callbacks = hf_trainer.RunCallbacks(cfg, root, metrics, pad_id, resume_from, evaluate_more=gen_eval)
 
-    class ReceiptTrainer(hf_trainer.ReportSaveErrors, hf_trainer.CountBatches, SFTTrainer):
+    class ReceiptTrainer(hf_trainer.ReportSaveErrors, hf_trainer.WholeEpochs, hf_trainer.CountBatches, SFTTrainer):
         """SFTTrainer that reports a failed save in one line (`hf_trainer.ReportSaveErrors`), counts each
         micro-batch for the metrics (`hf_trainer.CountBatches`) and evaluates the loss per label token over
         exactly the validation rows (`evaluate`)."""
@@ -620,6 +620,7 @@ def train(cfg: Config, on_cpu: bool) -> None:
              f"{'packed ' if cfg.data.packing else ''}<= {cfg.data.max_length} tokens, {len(data.val)} validation "
              f"receipts | global batch {per_step} rows | {max_steps} steps | {'bf16' if bf16 else 'fp32'} | data: "
              f"{data.stats.summary()}")
+    log.info(hf_trainer.epoch_line(len(train_rows), per_step))  # WholeEpochs: what one epoch reads
 
     with hf_trainer.TrainerRun(callbacks.preemption, metrics) as run:  # closes metrics and the group whatever happens
         if not run.train(trainer, resume_from, max_steps, callbacks.publisher):

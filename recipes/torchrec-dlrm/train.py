@@ -52,6 +52,7 @@ warnings.filterwarnings("ignore", message="fbgemm::dense_embedding_codegen_looku
 
 import logging
 
+import cookbook  # first: a package built for another torch is one line (cookbook.builds)
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -69,7 +70,6 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-import cookbook
 from cookbook.checkpoint import Checkpointer, CheckpointError, TrainState
 from cookbook import config
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, to_dict

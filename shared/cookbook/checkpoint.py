@@ -73,7 +73,7 @@ import shutil
 import time
 import zlib
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -204,6 +204,31 @@ class RNGState:
             np.random.set_state(state["numpy"])
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state(state["cuda"].cpu())
+
+
+def seed_per_rank(seed: int, rank: int) -> None:
+    """Seed this process's random streams (Python, NumPy if installed, torch CPU and every CUDA device) with
+    ``seed + rank``, so that each rank draws its own dropout masks (and augmentations). Call after the model's
+    initialisation (which must be the same on every rank) and before a resume restores the saved streams."""
+    random.seed(seed + rank)
+    try:
+        import numpy as np
+
+        np.random.seed(seed + rank)
+    except ImportError:
+        pass
+    torch.manual_seed(seed + rank)  # also seeds every CUDA device
+
+
+@contextlib.contextmanager
+def rng_kept() -> Iterator[None]:
+    """Leave this process's random streams (`RNGState`) as they were before the block: an evaluation (its data
+    loader draws a seed from torch's generator) does not change what training draws next."""
+    saved = RNGState().state_dict()
+    try:
+        yield
+    finally:
+        RNGState().load_state_dict(saved)
 
 
 class TrainState:
