@@ -704,6 +704,11 @@ def test_check_helpers_name_the_field_and_the_counts(tmp_path):
         load_tokenizer("/no/such/model", "/no/such/model")
     with pytest.raises(ConfigError, match=f"model.tokenizer: folder not found: {tmp_path / 'tok'}"):
         load_tokenizer(str(tmp_path / "tok"), str(ROOT / "recipes" / "qwen-fsdp2-sft" / "tiny" / "qwen3"))
+    qwen3 = str(ROOT / "recipes" / "qwen-fsdp2-sft" / "tiny" / "qwen3")
+    assert len(load_tokenizer(qwen3, qwen3, max_length=512)) > 0
+    with pytest.raises(ConfigError, match=r"^data\.max_length=8192 is beyond the max_position_embeddings=512 of .*qwen3: "
+                                          r"the model has no trained positions past 512; set data\.max_length to 512"):
+        load_tokenizer(qwen3, qwen3, max_length=8192)
 
 
 THINK_ROW = {"messages": [{"role": "user", "content": "What is two plus two?"},

@@ -310,7 +310,7 @@ def main(argv: list[str]) -> None:
     check_config(cfg, Path(args.config).resolve().parent, on_cpu)
     if args.check:  # one process, before any worker starts
         world_size = check_world_size()  # NGPU x NNODES, as launch.sh
-        tokenizer = sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path)
+        tokenizer = sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path, cfg.data.max_length)
         hf_trainer.check_resume(cfg, world_size, MAY_CHANGE, CANNOT_REMAP)
         note = f"data from {cfg.data.hub_id}"
         if cfg.data.train_files:

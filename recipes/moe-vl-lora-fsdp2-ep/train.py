@@ -151,6 +151,7 @@ def preflight(cfg: Config, config_path: str) -> None:
         raise ConfigError(f"data.packing=true with {hf_config.model_type}: image + text rows are right-padded (the "
                           f"model computes its 3-D image positions per row); use data.packing=false")
     sft.check_vocab(tokenizer, hf_config.get_text_config().vocab_size)
+    sft.check_positions(cfg.data.max_length, hf_config, cfg.model.name_or_path)
     moe.check_model(cfg, hf_config, AutoModelForImageTextToText, world_size)
     lm.check_attention(cfg.model.attn_implementation, cookbook.get_dist_info().device.type == "cpu")
     Checkpointer(Path(cfg.output_dir) / "checkpoints").check_resume(

@@ -262,7 +262,7 @@ def main(argv: list[str]) -> None:
         world_size = check_world_size()  # NGPU x NNODES, as launch.sh
         if cfg.model.pretrained:  # a hub id is downloaded here, once, before any worker starts
             model_folder(cfg.model.name_or_path)
-        tokenizer = sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path)
+        tokenizer = sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path, cfg.data.max_length)
         on_cpu = cookbook.get_dist_info().device.type == "cpu"  # COOKBOOK_DEVICE=cpu, or no GPU
         if cfg.model.attn_implementation == "varlen" and on_cpu:
             raise ConfigError("model.attn_implementation=varlen runs on CUDA GPUs only: use sdpa on CPU")

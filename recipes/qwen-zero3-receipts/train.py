@@ -462,11 +462,12 @@ def main(argv: list[str]) -> None:
         check_deepspeed_config(cfg, world_size)
         try:
             tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
-            vocab_size = AutoConfig.from_pretrained(cfg.model.name_or_path).vocab_size
+            hf_config = AutoConfig.from_pretrained(cfg.model.name_or_path)
         except OSError as exc:
             raise ConfigError(f"model.name_or_path / model.tokenizer: cannot load {cfg.model.name_or_path!r}: "
                               f"{str(exc).splitlines()[0]}") from None
-        sft.check_vocab(tokenizer, vocab_size)
+        sft.check_vocab(tokenizer, hf_config.vocab_size)
+        sft.check_positions(cfg.data.max_length, hf_config, cfg.model.name_or_path)
         check_resume(cfg, world_size)
         data = load_receipts(cfg.data, tokenizer, cfg.train.seed)
         pad_id = sft.pad_token_id(tokenizer)

@@ -223,6 +223,13 @@ def main(argv: list[str]) -> None:
     if args.check:  # one process, before any worker starts
         world_size = check_world_size()  # NGPU x NNODES, as launch.sh
         hf_trainer.check_resume(cfg, world_size, MAY_CHANGE, CANNOT_REMAP)
+        if (Path(cfg.model.name_or_path) / "config.json").is_file():  # a hub id: checked when the workers load it
+            from transformers import AutoConfig
+
+            from cookbook import sft
+
+            sft.check_positions(cfg.data.max_length, AutoConfig.from_pretrained(cfg.model.name_or_path),
+                                cfg.model.name_or_path)
         print(f"config {args.config} and {len(rows)} rows of {', '.join(cfg.data.train_files)}: ok "
               f"(loader {cfg.model.loader}, LoRA r={cfg.lora.r} alpha={cfg.lora.alpha}, seq {cfg.data.max_length})")
         return

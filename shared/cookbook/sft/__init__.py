@@ -21,6 +21,7 @@ from cookbook.sft.data import (
     EmptyAnswerError,
     to_conversation,
     to_messages,
+    reasoning_field,
     tokenize_conversation,
     check_vocab,
     SFTStats,
@@ -40,7 +41,7 @@ from cookbook.sft.loss import (
     token_loss_sums,
 )
 from cookbook.sft.attention import register_varlen, varlen_attention
-from cookbook.sft.check import check_data, check_one_step, load_tokenizer
+from cookbook.sft.check import check_data, check_one_step, check_positions, load_tokenizer
 
 __all__ = [
     "IGNORE_INDEX",
@@ -51,6 +52,7 @@ __all__ = [
     "EmptyAnswerError",
     "to_conversation",
     "to_messages",
+    "reasoning_field",
     "tokenize_conversation",
     "check_vocab",
     "SFTStats",
@@ -72,6 +74,7 @@ __all__ = [
     "varlen_attention",
     "check_data",
     "check_one_step",
+    "check_positions",
     "load_tokenizer",
 ]
 
