@@ -563,6 +563,8 @@ class SFTStats:
     dropped: int = 0  # examples cut before their first labelled token (not kept)
     dropped_rows: list[tuple[int, int]] = field(default_factory=list)  # (1-based row, tokens before the cut) of those
     empty_answers: list[int] = field(default_factory=list)  # 1-based numbers of rows skipped for an empty answer
+    unanswered: list[int] = field(default_factory=list)  # rows not kept: they end in a tool call, with no answer to label
+    call_endings: list[int] = field(default_factory=list)  # rows kept up to their last answer; a tool call after it not trained
     example_rows: list[int] = field(default_factory=list)  # the 1-based row of each kept example, in order
     split_rows: int = 0  # rows with several assistant turns split into one example per turn
     tokens: int = 0
@@ -572,6 +574,8 @@ class SFTStats:
     reasoning_unrendered: int = 0  # assistant turns whose reasoning the chat template left out (earlier turns)
     reasoning_dropped: int = 0  # assistant turns whose reasoning data.reasoning=drop removed
     ignored: dict[str, int] = field(default_factory=dict)  # keys of rows / turns not used -> how many had them
+    unrendered_why: str = ("it renders only the reasoning of the turns after the last user turn: data.split_turns=true "
+                           "keeps every turn's")
     parts: list[SFTStats] = field(default_factory=list)  # per-source stats of a merge
 
     @property
@@ -582,7 +586,7 @@ class SFTStats:
     @property
     def dropped_fraction(self) -> float:
         """Fraction (0-1) of examples not kept: cut before their answer, or with an empty answer."""
-        lost = self.dropped + len(self.empty_answers)
+        lost = self.dropped + len(self.empty_answers) + len(self.unanswered)
         return lost / (self.examples + lost) if self.examples + lost else 0.0
 
     def longest_dropped(self, n: int = 5) -> str:
@@ -605,7 +609,10 @@ class SFTStats:
         for key in ("rows", "examples", "truncated", "dropped", "split_rows", "tokens", "loss_tokens",
                     "reasoning_turns", "reasoning_unrendered", "reasoning_dropped"):
             setattr(total, key, sum(getattr(p, key) for p in parts))
+        total.unanswered = [r for p in parts for r in p.unanswered]
+        total.call_endings = [r for p in parts for r in p.call_endings]
         total.reasoning = parts[0].reasoning if parts else "train"
+        total.unrendered_why = parts[0].unrendered_why if parts else total.unrendered_why
         total.ignored = dict(sum((Counter(p.ignored) for p in parts), Counter()))
         return total
 
@@ -614,8 +621,7 @@ class SFTStats:
         done = {"train": "trained", "context": "in context (no loss)", "drop": "dropped"}[self.reasoning]
         items = [f"{self.reasoning_turns} turns {done}"] if self.reasoning_turns else []
         if self.reasoning_unrendered:
-            items.append(f"{self.reasoning_unrendered} left out by the chat template (it renders only the reasoning "
-                         f"of the turns after the last user turn: data.split_turns=true keeps every turn's)")
+            items.append(f"{self.reasoning_unrendered} left out by the chat template ({self.unrendered_why})")
         if self.reasoning_dropped:
             items.append(f"{self.reasoning_dropped} turns dropped (data.reasoning=drop)")
         return f"reasoning: {', '.join(items)}" if items else ""
@@ -633,6 +639,12 @@ class SFTStats:
             text += f" ({self._drop_reason(limit)}: {self.longest_dropped(3)})"
         if self.empty_answers:
             text += f", {len(self.empty_answers)} skipped with an empty answer (rows {_rows_list(self.empty_answers)})"
+        if self.unanswered:
+            text += (f", {len(self.unanswered)} skipped as they end in a tool call with no answer to label (rows "
+                     f"{_rows_list(self.unanswered)})")
+        if self.call_endings:
+            text += (f", {len(self.call_endings)} end in a tool call after their last answer, not trained (rows "
+                     f"{_rows_list(self.call_endings)})")
         if self.reasoning_note():
             text += f", {self.reasoning_note()}"
         if self.ignored:
@@ -650,7 +662,7 @@ class SFTStats:
         naming the longest dropped rows and what to change."""
         if self.dropped_fraction <= max_dropped_fraction:
             return
-        lost = self.dropped + len(self.empty_answers)
+        lost = self.dropped + len(self.empty_answers) + len(self.unanswered)
         unit = "examples (one per assistant turn)" if self.split_rows else "rows"
         why = []
         if self.dropped:
@@ -660,6 +672,9 @@ class SFTStats:
         if self.empty_answers:
             why.append(f"{len(self.empty_answers)} with an empty answer (rows {_rows_list(self.empty_answers)}): check "
                        f"the answer field")
+        if self.unanswered:
+            why.append(f"{len(self.unanswered)} end in a tool call with no answer to label (rows "
+                       f"{_rows_list(self.unanswered)}): only answers carry labels; add the tool result and the answer")
         raise SFTDataError(f"{self.source}: {lost} of {self.examples + lost} {unit} dropped ({self.dropped_fraction:.0%}, "
                            f"more than data.max_dropped_fraction={max_dropped_fraction:g}): {'; '.join(why)}; or raise "
                            f"data.max_dropped_fraction")
