@@ -8,6 +8,7 @@
   labelled token over every rank).
 - `cookbook.sft.attention`: the ``varlen`` attention back-end (``register_varlen``).
 - `cookbook.sft.check`: what a recipe's ``--check`` verifies (tokenizer against the model, one step of data).
+- `cookbook.sft.show`: what ``--show-examples N`` prints (rendered rows, labelled spans marked, counts per field).
 
 Their public names are importable from `cookbook.sft` directly.
 """
@@ -81,6 +82,10 @@ __all__ = [
 from cookbook.sft.config import MAY_CHANGE, DataConfig, check_data_config, resolve_paths  # noqa: E402
 
 __all__ += ["MAY_CHANGE", "DataConfig", "check_data_config", "resolve_paths"]
+
+from cookbook.sft.show import show_data, show_examples  # noqa: E402
+
+__all__ += ["show_data", "show_examples"]
 
 # Submodules used by name (``cookbook.sft.vision.VLDataset``): image + text rows; shard-by-shard safetensors loading.
 from cookbook.sft import lazy_load, vision  # noqa: F401
