@@ -11,8 +11,27 @@ from cookbook.sft.data import IGNORE_INDEX, SFTStats
 OPEN, CLOSE = "[[", "]]"  # around the labelled tokens (those in the loss)
 
 
+def _decode(tokenizer, ids: list[int], repeat: int = 4) -> str:
+    """`ids` decoded, a run of one token `repeat` times or more (image placeholders) written ``<tok> x N``."""
+    out, k = [], 0
+    while k < len(ids):
+        j = k
+        while j < len(ids) and ids[j] == ids[k]:
+            j += 1
+        if j - k >= repeat and tokenizer.decode(ids[k:k + 1]).startswith("<"):
+            out.append(f"{tokenizer.decode(ids[k:k + 1])} x {j - k}")
+            k = j
+            continue
+        while j < len(ids) and not (j + repeat <= len(ids) and len(set(ids[j:j + repeat])) == 1):
+            j += 1
+        out.append(tokenizer.decode(ids[k:j]))
+        k = j
+    return "".join(out)
+
+
 def render_example(example: dict, tokenizer) -> str:
-    """The decoded ``input_ids`` of one example, each run of labelled tokens between ``[[`` and ``]]``."""
+    """The decoded ``input_ids`` of one example, each run of labelled tokens between ``[[`` and ``]]`` (a run of
+    4 or more of one special token, such as image placeholders, written ``<tok> x N``)."""
     ids, labels = example["input_ids"], example["labels"]
     out, k = [], 0
     while k < len(ids):
@@ -20,7 +39,7 @@ def render_example(example: dict, tokenizer) -> str:
         j = k
         while j < len(ids) and (labels[j] != IGNORE_INDEX) == on:
             j += 1
-        text = tokenizer.decode(ids[k:j])
+        text = _decode(tokenizer, ids[k:j])
         out.append(f"{OPEN}{text}{CLOSE}" if on else text)
         k = j
     return "".join(out)
@@ -30,10 +49,11 @@ def field_counts(stats: SFTStats) -> list[str]:
     """Lines of kept / truncated / dropped counts per field of one source's `SFTStats`."""
     lines = [f"  rows            {stats.rows} read"
              + (f", {stats.split_rows} split into one example per answer" if stats.split_rows else "")]
-    cut = f"{stats.truncated} truncated to max_length={stats.max_length}" if stats.truncate else \
-        f"longer than max_length={stats.max_length}: dropped, not cut"
-    lines.append(f"  examples        {stats.examples} kept, {cut}, {stats.dropped} dropped"
-                 + (f" (no labelled token left: {stats.longest_dropped(3)})" if stats.dropped else ""))
+    why = "no labelled token left after the cut" if stats.truncate else \
+        f"longer than max_length={stats.max_length}, dropped rather than cut"
+    cut = f"{stats.truncated} truncated to max_length={stats.max_length}, " if stats.truncate else ""
+    lines.append(f"  examples        {stats.examples} kept, {cut}{stats.dropped} dropped"
+                 + (f" ({why}: {stats.longest_dropped(3)})" if stats.dropped else ""))
     lines.append(f"  answers         {len(stats.empty_answers)} empty (row skipped), {len(stats.unanswered)} rows end in "
                  f"a tool call with no answer (skipped), {len(stats.call_endings)} tool calls after the last answer "
                  f"(not trained)")

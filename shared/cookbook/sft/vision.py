@@ -296,3 +296,36 @@ def load_vl_processors(name_or_path: str, min_pixels: int | None = None, max_pix
     if tokenizer.chat_template is None:  # some VL repositories keep the template with the processor only
         tokenizer.chat_template = AutoProcessor.from_pretrained(name_or_path).chat_template
     return tokenizer, image_processor
+
+
+def show_vl(cfg: Any, tokenizer, image_processor, image_token_id: int, n: int,
+            template_kwargs: dict | None = None) -> str:
+    """`cookbook.sft.show_examples` for image + text rows: each train file's rows as `vl_example` renders them
+    (image placeholders written ``<tok> x N``), the first `n` shown, all counted (rows cut at ``max_length``).
+    Every row of a local file is read and its images decoded, as ``--check`` does; of a hub data set, `n` rows."""
+    from cookbook.sft.data import SFTStats
+    from cookbook.sft.show import show_examples
+
+    train, _ = load_vl_items(cfg, 0)
+    sources = list({id(item[0]): item[0] for item in train}.values())
+    parts = []
+    for source in sources:
+        rows = range(len(source.rows)) if source.base_dir is not None else range(min(n, len(source.rows)))
+        st, examples = SFTStats(source=source.name, max_length=cfg.max_length, rows=len(rows)), []
+        for i in rows:
+            ex = vl_example(dict(source.rows[i]), f"{source.name} row {i + 1}", source.base_dir, tokenizer,
+                            image_processor, image_token_id, 1 << 30, template_kwargs)
+            ids, labels = ex["input_ids"][:cfg.max_length], ex["labels"][:cfg.max_length]
+            n_loss = sum(label != IGNORE_INDEX for label in labels)
+            if n_loss == 0:
+                st.dropped += 1
+                st.dropped_rows.append((i + 1, len(ex["input_ids"])))
+                continue
+            st.truncated += len(ex["input_ids"]) > cfg.max_length
+            examples.append({"input_ids": ids, "labels": labels})
+            st.example_rows.append(i + 1)
+            st.examples += 1
+            st.tokens += len(ids)
+            st.loss_tokens += n_loss
+        parts.append((examples, st))
+    return show_examples(parts, tokenizer, n)
