@@ -758,9 +758,15 @@ def test_reasoning_a_template_cannot_render_is_refused_and_a_stray_think_tag_nam
     with pytest.raises(SFTDataError, match=r"enable_thinking: false"):
         prepare([THINK_ROW], tok, 4096, "t.jsonl", {"enable_thinking": False})
     stray = {"messages": [THINK_ROW["messages"][0], {"role": "assistant", "content": "Four.</think> It is four."}]}
-    with pytest.raises(SFTDataError, match=r"^t\.jsonl row 1: messages\[1\]\.content \(assistant\) holds '</think>'") as err:
+    with pytest.raises(SFTDataError, match=r"^t\.jsonl row 1: messages\[1\]\.content \(assistant\) holds a stray "
+                                           r"'</think>'") as err:
         prepare([stray], tok, 4096, "t.jsonl", {"enable_thinking": False}, split_turns=True)
     assert "split_turns" not in str(err.value)
+    # an inline <think> block (DeepSeek-R1-style rows) is reasoning: the same example as reasoning_content gives
+    inline = {"messages": [THINK_ROW["messages"][0],
+                           {"role": "assistant", "content": "<think>\nTwo plus two: four.\n</think>\n\nIt is four."}]}
+    assert prepare([inline], tok, 4096, "t.jsonl", {"enable_thinking": True})[0] == \
+        prepare([THINK_ROW], tok, 4096, "t.jsonl", {"enable_thinking": True})[0]
 
 
 def test_a_checkpoint_from_before_data_reasoning_resumes_at_its_default():

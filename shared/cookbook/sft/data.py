@@ -399,21 +399,39 @@ def reasoning_field(tokenizer) -> str | None:
     return next((k for k in ("reasoning_content", "thinking") if k in template), None)
 
 
-def _check_markup(tokenizer, messages: list[dict]) -> None:
-    """Refuse a turn whose text holds the template's reasoning tags (a stray ``</think>``): Qwen3's template
-    takes the text before it as reasoning, rewriting the turn."""
+def _inline_reasoning(tokenizer, messages: list[dict]) -> list[dict]:
+    """Messages with an assistant turn's inline ``<think>...</think>`` prefix (DeepSeek-R1-style data) moved to
+    ``reasoning_content``, for templates with ``<think>`` blocks (Qwen3's splits it so itself).
+
+    Raises:
+        SFTDataError: a stray ``<think>`` / ``</think>`` elsewhere in an assistant turn (the template would move
+            text out of the turn).
+    """
     try:
         template = tokenizer.get_chat_template()
     except ValueError:
-        return
-    for tag in ("</think>", "<think>"):
-        if tag not in template:
-            continue
-        for i, m in enumerate(messages):
-            if tag in m["content"]:
-                raise SFTDataError(f"messages[{i}].content ({m['role']}) holds {tag!r}, which the chat template "
-                                   f"reads as the edge of a reasoning block (it would move text out of the turn): "
-                                   f"put the reasoning in 'reasoning_content' and remove the tag from the content")
+        return messages
+    if "</think>" not in template:
+        return messages
+    out = []
+    for i, m in enumerate(messages):
+        text = m["content"] if m["role"] == "assistant" else ""
+        if "<think>" in text or "</think>" in text:
+            head, sep, tail = text.lstrip().partition("</think>")
+            if not (head.startswith("<think>") and sep and "<think>" not in head[7:] and "</think>" not in tail
+                    and "<think>" not in tail):
+                raise SFTDataError(f"messages[{i}].content (assistant) holds a stray '</think>' or '<think>', which "
+                                   f"the chat template reads as the edge of a reasoning block (it would move text "
+                                   f"out of the turn): put the reasoning in 'reasoning_content' (or the content as "
+                                   f"'<think>reasoning</think>answer') and remove the stray tag")
+            if m.get("reasoning_content"):
+                raise SFTDataError(f"messages[{i}] has both 'reasoning_content' and a <think> block in its content: "
+                                   f"keep one")
+            m = {**m, "content": tail.lstrip("\n"), "reasoning_content": head[7:].strip("\n")}
+            if not m["reasoning_content"].strip():
+                del m["reasoning_content"]
+        out.append(m)
+    return out
 
 
 def _check_tools_rendered(tokenizer, messages: list[dict], tools: list[dict] | None, kwargs: dict | None,
@@ -720,8 +738,8 @@ def prepare(rows: Sequence[dict], tokenizer, max_length: int, source: str,
     for n, row in enumerate(rows, 1):
         try:
             messages, tools = to_conversation(row, n, source, ignored)
+            messages = _inline_reasoning(tokenizer, messages)
             messages = _place_reasoning(messages, reasoning, target, chat_template_kwargs, stats)
-            _check_markup(tokenizer, messages)
         except EmptyAnswerError:  # e.g. a few rows of tatsu-lab/alpaca: nothing to learn from them
             stats.empty_answers.append(n)
             continue

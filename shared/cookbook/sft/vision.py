@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from cookbook.sft.data import IGNORE_INDEX, ROLES, SFTDataError, load_rows, pad_batch, tokenize_conversation
+from cookbook.sft.data import (IGNORE_INDEX, REASONING_KEYS, ROLES, SFTDataError, load_rows, pad_batch,
+                               tokenize_conversation)
 
 
 @dataclass
@@ -84,6 +85,10 @@ def to_vl_messages(row: dict, where: str) -> tuple[list[dict], list[Any]]:
         if not isinstance(turn, dict) or turn.get("role") not in ROLES or "content" not in turn:
             raise SFTDataError(f"{where}: messages[{i}] must be an object with 'role' (one of "
                                f"{', '.join(ROLES)}) and 'content'")
+        held = [k for k in REASONING_KEYS if turn.get(k)]
+        if held:  # never dropped in silence
+            raise SFTDataError(f"{where}: messages[{i}].{held[0]} is set, but image + text rows train no reasoning: "
+                               f"remove it from the rows, or train on text rows (data.reasoning in the text recipes)")
         content = turn["content"]
         if isinstance(content, str):
             content = [{"type": "text", "text": content}]
@@ -95,8 +100,8 @@ def to_vl_messages(row: dict, where: str) -> tuple[list[dict], list[Any]]:
             if kind == "image" and turn["role"] == "user":
                 parts.append({"type": "image"})
                 n_parts += 1
-            elif kind == "text" and isinstance(part.get("text"), str):
-                parts.append({"type": "text", "text": part["text"]})
+            elif kind == "text" and isinstance(part.get("text", part.get("value")), str):  # "value": another layout
+                parts.append({"type": "text", "text": part.get("text", part.get("value"))})
             else:
                 raise SFTDataError(f"{where}: messages[{i}].content[{j}] must be {{'type': 'text', 'text': str}} or, in "
                                    f"a user turn, {{'type': 'image'}}; got {part!r:.80}")
