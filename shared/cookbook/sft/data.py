@@ -10,7 +10,8 @@ Pipeline, as a recipe uses it::
     packed = pack(examples, seq_len=2048, pad_id=tokenizer.pad_token_id)   # or pad_batch(...)
 
 Accepted row formats (`to_conversation`): chat ``{"messages": [{"role", "content"}], "tools": [...]}``
-(OpenAI style: typed text parts, ``tool_calls``, ``tool`` results), Alpaca
+(OpenAI style: typed text parts with ``text`` or ``value``, reasoning and tool-call parts, ``tool_calls``,
+``tool`` results; an assistant turn's ``reasoning_content`` / ``thinking`` / ``reasoning``), Alpaca
 ``{"instruction", "input", "output"}`` and ShareGPT ``{"conversations": [{"from", "value"}], "tools": ...}``
 (LLaMA-Factory style, with ``function_call`` / ``observation`` turns).
 
