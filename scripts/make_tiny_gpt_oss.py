@@ -49,9 +49,7 @@ CHAT_TEMPLATE = r"""{#- The harmony chat template of openai/gpt-oss (20b / 120b)
             {{- "any[]" }}{%- if param_spec.nullable -%}{{- " | null" }}{%- endif -%}
         {%- endif -%}
     {%- elif param_spec.type is defined and param_spec.type is iterable and param_spec.type is not string and param_spec.type is not mapping and param_spec.type[0] is defined -%}
-        {%- for t in param_spec.type -%}
-            {{- render_typescript_type({"type": t}, required_params) }}{%- if not loop.last -%}{{- " | " }}{%- endif -%}
-        {%- endfor -%}
+        {%- if param_spec.type | length > 1 -%}{{- param_spec.type | join(" | ") }}{%- else -%}{{- param_spec.type[0] }}{%- endif -%}
     {%- elif param_spec.oneOf -%}
         {%- set has_object_variants = false -%}
         {%- for variant in param_spec.oneOf -%}{%- if variant.type == "object" -%}{%- set has_object_variants = true -%}{%- endif -%}{%- endfor -%}
