@@ -256,14 +256,17 @@ def build_model(cfg: Config, info: cookbook.DistInfo, vocab_size_needed: int) ->
 
 # ----------------------------------------------------------------------------- recipe
 def main(argv: list[str]) -> None:
-    args = cli_parser(__doc__).parse_args(argv)
+    args = cli_parser(__doc__, show_examples=True).parse_args(argv)
     cfg = load_config(Config, args.config, args.overrides)
     check_config(cfg, Path(args.config).resolve().parent)
+    if args.show_examples:  # one process, no worker: what training sees
+        print(sft.show_data(cfg.data, sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path), args.show_examples))
+        return
     if args.check:  # one process, before torchrun starts any worker
         world_size = check_world_size()  # NGPU x NNODES, as launch.sh
         if cfg.model.pretrained:  # a hub id is downloaded here, once, before any worker starts
             model_folder(cfg.model.name_or_path)
-        tokenizer = sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path)
+        tokenizer = sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path, cfg.data.max_length)
         on_cpu = cookbook.get_dist_info().device.type == "cpu"  # COOKBOOK_DEVICE=cpu, or no GPU
         if cfg.model.attn_implementation == "varlen" and on_cpu:
             raise ConfigError("model.attn_implementation=varlen runs on CUDA GPUs only: use sdpa on CPU")

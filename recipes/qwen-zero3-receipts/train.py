@@ -289,6 +289,21 @@ def _tokenize_receipts(sources: list[tuple[str, list[dict]]], cfg: DataConfig, t
     return [messages[i] for i in kept], examples, kept, sft.SFTStats.merge(parts)
 
 
+def show_receipts(cfg: DataConfig, tokenizer, n: int) -> str:
+    """`cookbook.sft.show_examples` of each train file's receipts, tokenized as `load_receipts` does (before the
+    validation split); a source that training would refuse is shown with the refusal instead of stopping."""
+    from cookbook.sft.show import refusal
+
+    kwargs, parts = dict(cfg.chat_template_kwargs) or None, []
+    for source in cfg.train_files or [cfg.hub_id]:
+        rows = sft.load_rows(source) if cfg.train_files else sft.load_hub_rows(source)
+        messages = [receipt_messages(row, f"{source} row {k}", cfg.fields) for k, row in enumerate(rows, 1)]
+        parts.append(sft.prepare([{"messages": m} for m in messages], tokenizer, cfg.max_length, source, kwargs,
+                                 truncate=False))
+    notes = [refusal(st, cfg.max_dropped_fraction) for _, st in parts]
+    return sft.show_examples(parts, tokenizer, n) + "".join(f"\n{x}" for x in notes if x)
+
+
 def load_receipts(cfg: DataConfig, tokenizer, seed: int) -> Receipts:
     """Read, validate, tokenize and split the receipts.
 
@@ -452,20 +467,24 @@ def check_resume(cfg: Config, world_size: int) -> Path | None:
 
 # ----------------------------------------------------------------------------- recipe
 def main(argv: list[str]) -> None:
-    args = cli_parser(__doc__).parse_args(argv)
+    args = cli_parser(__doc__, show_examples=True).parse_args(argv)
     cfg = load_config(Config, args.config, args.overrides)
     check_config(cfg, Path(args.config).resolve().parent)
+    if args.show_examples:  # one process, no worker: what training sees (each receipt as load_receipts renders it)
+        print(show_receipts(cfg.data, AutoTokenizer.from_pretrained(cfg.model.tokenizer), args.show_examples))
+        return
     on_cpu = cookbook.get_dist_info().device.type == "cpu"  # COOKBOOK_DEVICE=cpu, or no GPU
     if args.check:  # one process, before any worker starts
         world_size = check_world_size()  # NGPU x NNODES, as launch.sh
         check_deepspeed_config(cfg, world_size)
         try:
             tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
-            vocab_size = AutoConfig.from_pretrained(cfg.model.name_or_path).vocab_size
+            hf_config = AutoConfig.from_pretrained(cfg.model.name_or_path)
         except OSError as exc:
             raise ConfigError(f"model.name_or_path / model.tokenizer: cannot load {cfg.model.name_or_path!r}: "
                               f"{str(exc).splitlines()[0]}") from None
-        sft.check_vocab(tokenizer, vocab_size)
+        sft.check_vocab(tokenizer, hf_config.vocab_size)
+        sft.check_positions(cfg.data.max_length, hf_config, cfg.model.name_or_path)
         check_resume(cfg, world_size)
         data = load_receipts(cfg.data, tokenizer, cfg.train.seed)
         pad_id = sft.pad_token_id(tokenizer)

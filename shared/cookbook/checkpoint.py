@@ -1093,10 +1093,13 @@ def save_error(step: int, final: Path, previous: Path | None, rank: int | None, 
 def config_changes(old: Mapping[str, Any], new: Mapping[str, Any], may_change: tuple[str, ...] = ()) -> str:
     """The settings that differ between two configs (flat or nested dicts), as ``"key: old -> new, ..."``
     (at most six, then ``...``); ``""`` when none. Keys in `may_change` are ignored (a key ending in ``.*``
-    ignores a whole section)."""
+    ignores a whole section; ``"key=value"`` ignores a key that `old` lacks, a setting added since, when `new`
+    has it at that value, its default)."""
     old, new = flatten(old), flatten(new)
+    added = dict(m.split("=", 1) for m in may_change if "=" in m)
     changed = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)
-               and not any(k == m or (m.endswith(".*") and k.startswith(m[:-1])) for m in may_change)]
+               and not any(k == m or (m.endswith(".*") and k.startswith(m[:-1])) for m in may_change)
+               and not (k in added and k not in old and str(new.get(k)) == added[k])]
     diff = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed[:6])
     return diff + (", ..." if len(changed) > 6 else "")
 

@@ -256,15 +256,20 @@ def check_fields(cfg: object, *, at_least: Mapping[str, float] = {}, one_of: Map
             fail(key, f"in {interval}", value)
 
 
-def cli_parser(description: str | None = None) -> argparse.ArgumentParser:
+def cli_parser(description: str | None = None, show_examples: bool = False) -> argparse.ArgumentParser:
     """The argument parser every recipe shares: ``--config FILE``, ``--check`` and overrides.
 
     ``--check`` validates the config and data in one process and exits, so a launch script can
-    reject bad input before starting any worker.
+    reject bad input before starting any worker. With `show_examples` (the SFT recipes):
+    ``--show-examples N`` (``args.show_examples``, default 0) prints N rendered training rows and exits.
     """
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML config file")
     parser.add_argument("--check", action="store_true", help="validate config and data, then exit")
+    if show_examples:
+        parser.add_argument("--show-examples", type=int, default=0, metavar="N",
+                            help="print N rendered training rows per data file (labelled tokens between [[ and ]]) "
+                                 "and the counts of what was kept, truncated and dropped, then exit (one process)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-5")
     return parser
 
