@@ -308,10 +308,15 @@ class Technique:
 
     @property
     def recipe(self) -> str:
-        """The cookbook recipe whose set-up the row's arithmetic follows."""
+        """The cookbook recipe whose set-up the row's arithmetic follows (DDP: the decoder one, `recipe_for`)."""
         if self.lora:
             return "recipes/gpt-oss-lora-trl"
-        return "recipes/qwen-fsdp2-sft" if self.fsdp else "recipes/qwen-zero3-receipts" if self.zero else "recipes/modernbert-ddp"
+        return "recipes/qwen-fsdp2-sft" if self.fsdp else "recipes/qwen-zero3-receipts" if self.zero else "recipes/qwen-ray-sft"
+
+    def recipe_for(self, m: ModelShape) -> str:
+        """`recipe` for model `m`: DDP of a model without a vocabulary head (an encoder classifier) is
+        ``recipes/modernbert-ddp``; of a decoder (a causal LM), the DDP SFT recipe ``recipes/qwen-ray-sft``."""
+        return "recipes/modernbert-ddp" if self.name == "DDP" and not m.lm_head else self.recipe
 
     def loss_for(self, loss: str) -> str:
         """The loss this row is counted with: `loss` if its recipe has it, else ``full``."""
@@ -760,7 +765,7 @@ def report(m: ModelShape, gpus: int, gpu_mem_gib: float, seq: int, micro_batch: 
                      f"({m.layers} layers x {lora.layer_params(m):,} = sum of r x (in + out)); the base frozen in bf16")
     lines += [(f"run: {gpus} GPU(s) x {gpu_mem_gib:g} GiB, seq {seq} x micro-batch {micro_batch} = {seq * micro_batch:,} "
                f"tokens per GPU, {'per-layer torch.compile' if compiled else 'eager'}, {loss} loss"
-               f"{'' if loss == 'full' else ' where the recipe has it (' + ', '.join(sorted({t.recipe for t in techniques if loss in t.losses})) + ')'}"),
+               f"{'' if loss == 'full' else ' where the recipe has it (' + ', '.join(sorted({t.recipe_for(m) for t in techniques if loss in t.losses})) + ')'}"),
               ""]
     tables = ([("LoRA, adapters fp32 (DDP rows)", lora_activation_bytes_per_token_layer(m, lora)),
                ("LoRA, adapters gathered in bf16 (FSDP2 rows)", lora_activation_bytes_per_token_layer(m, lora, True))]
@@ -799,7 +804,7 @@ def report(m: ModelShape, gpus: int, gpu_mem_gib: float, seq: int, micro_batch: 
     def why(pick: str | None, order: list[str]) -> str:
         tried = order[:order.index(pick)] if pick else order
         over = ", ".join(f"{n} {g(est[n].peak)}" for n in tried)
-        fit = f" ({g(est[pick].peak)} GiB <= {budget:.1f}; {est[pick].technique.recipe}, {est[pick].loss} loss)" if pick else ""
+        fit = f" ({g(est[pick].peak)} GiB <= {budget:.1f}; {est[pick].technique.recipe_for(m)}, {est[pick].loss} loss)" if pick else ""
         return f"{fit}{'; too big before it: ' + over if pick and over else '; all too big: ' + over if over else ''}"
 
     lines += ["", f"budget: {gpu_mem_gib:g} GiB x (1 - {headroom:g} headroom) = {budget:.1f} GiB per GPU",

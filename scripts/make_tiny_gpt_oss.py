@@ -5,9 +5,9 @@ with the harmony special tokens and a harmony-format chat template, and a 2-laye
 
 The rows are written here (no download): arithmetic and unit questions with an assistant ``thinking`` (the
 analysis channel), weather / currency look-ups with a tool call and its result, some with ``reasoning_effort``.
-The chat template is this cookbook's own rendering of the harmony format (roles system / developer / user /
-assistant / tool; thinking -> analysis channel, content -> final channel, tool calls -> commentary channel
-``to=functions.NAME`` ending in ``<|call|>``; the last assistant turn ends in ``<|return|>``).
+The chat template is that of openai/gpt-oss (the harmony format; `CHAT_TEMPLATE`), so the tiny twin renders
+as the real models do: earlier assistant turns lose their thinking and end in ``<|end|>``, the last one keeps it and
+ends in ``<|return|>``.
 """
 
 from __future__ import annotations
@@ -24,44 +24,233 @@ RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "gpt-oss-lora-trl"
 HARMONY = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>", "<|constrain|>"]
 PAD = "<|endoftext|>"
 
-# The harmony format: <|start|>{role}<|message|>{text}<|end|>, assistant turns with <|channel|>{analysis|final|
-# commentary}; the last assistant turn ends in <|return|> (the end of generation), a tool call in <|call|>.
-CHAT_TEMPLATE = r"""{%- set ns = namespace(call="tool", start=0) -%}
-<|start|>system<|message|>You are a helpful assistant.
-Reasoning: {{ reasoning_effort | default("medium") }}
+# The chat template of openai/gpt-oss-20b and -120b (the harmony format), written out here: the tiny twin renders
+# exactly as the official one does. What the recipe relies on: a system message (model identity, knowledge cutoff,
+# today's date, "Reasoning: <effort>", the valid channels); a first system / developer message and the tools as one
+# developer message ("# Instructions", "# Tools" as a TypeScript namespace); an assistant tool call as
+# "<|start|>assistant to=functions.NAME<|channel|>commentary json<|message|>ARGS<|call|>" (its first call only),
+# its thinking (or content) as an analysis message only when no final answer follows it; a tool result as
+# "<|start|>functions.NAME to=assistant<|channel|>commentary<|message|>JSON-QUOTED<|end|>"; the last assistant
+# turn (add_generation_prompt false) with its thinking in the analysis channel and its answer in the final channel,
+# ending in <|return|>; every earlier final answer without its thinking, ending in <|end|>.
+CHAT_TEMPLATE = r"""{#- The harmony chat template of openai/gpt-oss (20b / 120b) -#}
+{%- macro render_typescript_type(param_spec, required_params, is_nullable=false) -%}
+    {%- if param_spec.type == "array" -%}
+        {%- if param_spec['items'] -%}
+            {%- if param_spec['items']['type'] == "string" -%}{{- "string[]" }}
+            {%- elif param_spec['items']['type'] == "number" or param_spec['items']['type'] == "integer" -%}{{- "number[]" }}
+            {%- elif param_spec['items']['type'] == "boolean" -%}{{- "boolean[]" }}
+            {%- else -%}
+                {%- set inner_type = render_typescript_type(param_spec['items'], required_params) -%}
+                {%- if inner_type == "object | object" or inner_type|length > 50 -%}{{- "any[]" }}{%- else -%}{{- inner_type + "[]" }}{%- endif -%}
+            {%- endif -%}
+            {%- if param_spec.nullable -%}{{- " | null" }}{%- endif -%}
+        {%- else -%}
+            {{- "any[]" }}{%- if param_spec.nullable -%}{{- " | null" }}{%- endif -%}
+        {%- endif -%}
+    {%- elif param_spec.type is defined and param_spec.type is iterable and param_spec.type is not string and param_spec.type is not mapping and param_spec.type[0] is defined -%}
+        {%- if param_spec.type | length > 1 -%}{{- param_spec.type | join(" | ") }}{%- else -%}{{- param_spec.type[0] }}{%- endif -%}
+    {%- elif param_spec.oneOf -%}
+        {%- set has_object_variants = false -%}
+        {%- for variant in param_spec.oneOf -%}{%- if variant.type == "object" -%}{%- set has_object_variants = true -%}{%- endif -%}{%- endfor -%}
+        {%- if has_object_variants and param_spec.oneOf|length > 1 -%}{{- "any" }}
+        {%- else -%}
+            {%- for variant in param_spec.oneOf -%}
+                {{- render_typescript_type(variant, required_params) -}}
+                {%- if variant.description %}{{- "// " + variant.description }}{%- endif -%}
+                {%- if variant.default is defined %}{{ "// default: " + variant.default|tojson }}{%- endif -%}
+                {%- if not loop.last %}{{- " | " }}{% endif -%}
+            {%- endfor -%}
+        {%- endif -%}
+    {%- elif param_spec.type == "string" -%}
+        {%- if param_spec.enum -%}
+            {{- '"' + param_spec.enum|join('" | "') + '"' -}}
+        {%- else -%}
+            {{- "string" }}{%- if param_spec.nullable %}{{- " | null" }}{%- endif -%}
+        {%- endif -%}
+    {%- elif param_spec.type == "number" -%}{{- "number" }}
+    {%- elif param_spec.type == "integer" -%}{{- "number" }}
+    {%- elif param_spec.type == "boolean" -%}{{- "boolean" }}
+    {%- elif param_spec.type == "object" -%}
+        {%- if param_spec.properties -%}
+            {{- "{\n" }}
+            {%- for prop_name, prop_spec in param_spec.properties.items() -%}
+                {{- prop_name -}}{%- if prop_name not in (param_spec.required or []) -%}{{- "?" }}{%- endif -%}{{- ": " }}
+                {{ render_typescript_type(prop_spec, param_spec.required or []) }}
+                {%- if not loop.last -%}{{-", " }}{%- endif -%}
+            {%- endfor -%}
+            {{- "}" }}
+        {%- else -%}
+            {{- "object" }}
+        {%- endif -%}
+    {%- else -%}
+        {{- "any" }}
+    {%- endif -%}
+{%- endmacro -%}
 
-# Valid channels: analysis, commentary, final.<|end|>
-{%- if messages and messages[0].role in ["system", "developer"] %}{% set ns.start = 1 %}{% endif -%}
-{%- if ns.start or tools -%}
-<|start|>developer<|message|>
-{%- if ns.start %}# Instructions
+{%- macro render_tool_namespace(namespace_name, tools) -%}
+    {{- "## " + namespace_name + "\n\n" }}
+    {{- "namespace " + namespace_name + " {\n\n" }}
+    {%- for tool in tools %}
+        {%- set tool = tool.function %}
+        {{- "// " + tool.description + "\n" }}
+        {{- "type "+ tool.name + " = " }}
+        {%- if tool.parameters and tool.parameters.properties %}
+            {{- "(_: {\n" }}
+            {%- for param_name, param_spec in tool.parameters.properties.items() %}
+                {%- if param_spec.description %}
+                    {{- "// " + param_spec.description + "\n" }}
+                {%- endif %}
+                {{- param_name }}
+                {%- if param_name not in (tool.parameters.required or []) -%}
+                    {{- "?" }}
+                {%- endif -%}
+                {{- ": " }}
+                {{- render_typescript_type(param_spec, tool.parameters.required or []) }}
+                {%- if param_spec.default is defined -%}
+                    {%- if param_spec.enum %}
+                        {{- ", // default: " + param_spec.default }}
+                    {%- elif param_spec.oneOf %}
+                        {{- "// default: " + param_spec.default }}
+                    {%- else %}
+                        {{- ", // default: " + param_spec.default|tojson }}
+                    {%- endif -%}
+                {%- endif -%}
+                {%- if not loop.last %}
+                    {{- ",\n" }}
+                {%- else %}
+                    {{- ",\n" }}
+                {%- endif -%}
+            {%- endfor %}
+            {{- "}) => any;\n\n" }}
+        {%- else -%}
+            {{- "() => any;\n\n" }}
+        {%- endif -%}
+    {%- endfor %}
+    {{- "} // namespace " + namespace_name }}
+{%- endmacro -%}
 
-{{ messages[0].content }}{% endif -%}
-{%- if tools %}{% if ns.start %}{{ "\n\n" }}{% endif %}# Tools
-{%- for tool in tools %}{% set f = tool.function if tool.function is defined else tool %}{{ "\n" }}functions.{{ f.name }}: {{ f.description | default("") }} {{ f.parameters | default({}) | tojson }}
-{%- endfor %}{% endif %}<|end|>
-{%- endif -%}
-{%- for m in messages[ns.start:] -%}
-{%- if m.role == "user" -%}
-<|start|>user<|message|>{{ m.content }}<|end|>
-{%- elif m.role == "assistant" -%}
-{%- if m.thinking %}<|start|>assistant<|channel|>analysis<|message|>{{ m.thinking }}<|end|>{% endif -%}
-{%- for call in m.tool_calls or [] -%}
-{%- set f = call.function if call.function is defined else call -%}
-{%- set ns.call = f.name -%}
-<|start|>assistant<|channel|>commentary to=functions.{{ f.name }} <|constrain|>json<|message|>
-{{- f.arguments | tojson if f.arguments is mapping else f.arguments }}<|call|>
+{%- macro build_system_message() -%}
+    {%- if reasoning_effort is not defined %}
+        {%- set reasoning_effort = "medium" %}
+    {%- endif %}
+    {%- if not model_identity is defined %}
+        {%- set model_identity = "You are ChatGPT, a large language model trained by OpenAI." %}
+    {%- endif %}
+    {{- model_identity + "\n" }}
+    {{- "Knowledge cutoff: 2024-06\n" }}
+    {{- "Current date: " + strftime_now("%Y-%m-%d") + "\n\n" }}
+    {{- "Reasoning: " + reasoning_effort + "\n\n" }}
+    {{- "# Valid channels: analysis, commentary, final. Channel must be included for every message." }}
+    {%- if tools -%}
+        {{- "\nCalls to these tools must go to the commentary channel: 'functions'." }}
+    {%- endif -%}
+{%- endmacro -%}
+
+{#- Main system message #}
+{{- "<|start|>system<|message|>" }}
+{{- build_system_message() }}
+{{- "<|end|>" }}
+
+{#- Extract developer message #}
+{%- if messages[0].role == "developer" or messages[0].role == "system" %}
+    {%- set developer_message = messages[0].content %}
+    {%- set loop_messages = messages[1:] %}
+{%- else %}
+    {%- set developer_message = "" %}
+    {%- set loop_messages = messages %}
+{%- endif %}
+
+{#- Render developer message #}
+{%- if developer_message or tools %}
+    {{- "<|start|>developer<|message|>" }}
+    {%- if developer_message %}
+        {{- "# Instructions\n\n" }}
+        {{- developer_message }}
+        {{- "\n\n" }}
+    {%- endif %}
+    {%- if tools -%}
+        {{- "# Tools\n\n" }}
+        {{- render_tool_namespace("functions", tools) }}
+    {%- endif -%}
+    {{- "<|end|>" }}
+{%- endif %}
+
+{#- Render messages #}
+{%- set last_tool_call = namespace(name=none) %}
+{%- for message in loop_messages -%}
+    {#- At this point only assistant/user/tool messages should remain #}
+    {%- if message.role == 'assistant' -%}
+        {#- Checks to ensure the messages are being passed in the format we expect #}
+        {%- if "content" in message %}
+            {%- if "<|channel|>analysis<|message|>" in message.content or "<|channel|>final<|message|>" in message.content %}
+                {{- raise_exception("You have passed a message containing <|channel|> tags in the content field. Instead of doing this, you should pass analysis messages (the string between '<|message|>' and '<|end|>') in the 'thinking' field, and final messages (the string between '<|message|>' and '<|end|>') in the 'content' field.") }}
+            {%- endif %}
+        {%- endif %}
+        {%- if "thinking" in message %}
+            {%- if "<|channel|>analysis<|message|>" in message.thinking or "<|channel|>final<|message|>" in message.thinking %}
+                {{- raise_exception("You have passed a message containing <|channel|> tags in the thinking field. Instead of doing this, you should pass analysis messages (the string between '<|message|>' and '<|end|>') in the 'thinking' field, and final messages (the string between '<|message|>' and '<|end|>') in the 'content' field.") }}
+            {%- endif %}
+        {%- endif %}
+        {%- if "tool_calls" in message %}
+            {#- We need very careful handling here - we want to drop the tool call analysis message if the model #}
+            {#- has output a later <|final|> message, but otherwise we want to retain it. This is the only case #}
+            {#- when we render CoT/analysis messages in inference. #}
+            {%- set future_final_message = namespace(found=false) %}
+            {%- for future_message in loop_messages[loop.index:] %}
+                {%- if future_message.role == 'assistant' and "tool_calls" not in future_message %}
+                    {%- set future_final_message.found = true %}
+                {%- endif %}
+            {%- endfor %}
+            {#- We assume max 1 tool call per message, and so we infer the tool call name #}
+            {#- in "tool" messages from the most recent assistant tool call name #}
+            {%- set tool_call = message.tool_calls[0] %}
+            {%- if tool_call.function %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {%- if message.content and message.thinking %}
+                {{- raise_exception("Cannot pass both content and thinking in an assistant message with tool calls! Put the analysis message in one or the other, but not both.") }}
+            {%- elif message.content and not future_final_message.found %}
+                {{- "<|start|>assistant<|channel|>analysis<|message|>" + message.content + "<|end|>" }}
+            {%- elif message.thinking and not future_final_message.found %}
+                {{- "<|start|>assistant<|channel|>analysis<|message|>" + message.thinking + "<|end|>" }}
+            {%- endif %}
+            {{- "<|start|>assistant to=" }}
+            {{- "functions." + tool_call.name + "<|channel|>commentary " }}
+            {{- (tool_call.content_type if tool_call.content_type is defined else "json") + "<|message|>" }}
+            {{- tool_call.arguments|tojson }}
+            {{- "<|call|>" }}
+            {%- set last_tool_call.name = tool_call.name %}
+        {%- elif loop.last and not add_generation_prompt %}
+            {#- Only render the CoT if the final turn is an assistant turn and add_generation_prompt is false #}
+            {#- This is a situation that should only occur in training, never in inference. #}
+            {%- if "thinking" in message %}
+                {{- "<|start|>assistant<|channel|>analysis<|message|>" + message.thinking + "<|end|>" }}
+            {%- endif %}
+            {#- <|return|> indicates the end of generation, but <|end|> does not #}
+            {#- <|return|> should never be an input to the model, but we include it as the final token #}
+            {#- when training, so the model learns to emit it. #}
+            {{- "<|start|>assistant<|channel|>final<|message|>" + message.content + "<|return|>" }}
+        {%- else %}
+            {#- CoT is dropped during all previous turns, so we never render it for inference #}
+            {{- "<|start|>assistant<|channel|>final<|message|>" + message.content + "<|end|>" }}
+            {%- set last_tool_call.name = none %}
+        {%- endif %}
+    {%- elif message.role == 'tool' -%}
+        {%- if last_tool_call.name is none %}
+            {{- raise_exception("Message has tool role, but there was no previous assistant message with a tool call!") }}
+        {%- endif %}
+        {{- "<|start|>functions." + last_tool_call.name }}
+        {{- " to=assistant<|channel|>commentary<|message|>" + message.content|tojson + "<|end|>" }}
+    {%- elif message.role == 'user' -%}
+        {{- "<|start|>user<|message|>" + message.content + "<|end|>" }}
+    {%- endif -%}
 {%- endfor -%}
-{%- if m.content -%}
-<|start|>assistant<|channel|>final<|message|>{{ m.content }}{% if loop.last %}<|return|>{% else %}<|end|>{% endif %}
-{%- endif -%}
-{%- elif m.role == "tool" -%}
-<|start|>functions.{{ m.name | default(ns.call) }} to=assistant<|channel|>commentary<|message|>{{ m.content }}<|end|>
-{%- elif m.role in ["system", "developer"] -%}
-<|start|>developer<|message|>{{ m.content }}<|end|>
-{%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt %}<|start|>assistant{% endif -%}"""
+
+{#- Generation prompt #}
+{%- if add_generation_prompt -%}
+<|start|>assistant
+{%- endif -%}"""
 
 WEATHER = {"name": "get_weather", "description": "Current weather of a city.",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}

@@ -165,7 +165,7 @@ def test_the_resume_guard_over_another_folder_layout(tmp_path):
     fresh = rf"start afresh with a new output_dir \(or delete {re.escape(str(run))}\)$"
     with pytest.raises(CheckpointError, match=r"checkpoint-10 was written by 2 ranks but this job has 4: ZeRO partitions "
                                               r"cannot be remapped \(resuming on another number of processes is "
-                                              r"supported by modernbert-ddp \(DDP\) and qwen-fsdp2-sft \(FSDP2\) only\)\. "
+                                              r"supported by modernbert-ddp, qwen-fsdp2-sft and retinanet-ddp only\)\. "
                                               r"Resume with NGPU x NNODES = 2, or " + fresh):
         guard.check("auto", 4)
     with pytest.raises(CheckpointError, match=r"other settings \(lr: 0.1 -> 0.2\); resuming would mix two runs.* " + fresh):

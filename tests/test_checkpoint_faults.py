@@ -77,7 +77,19 @@ def _truncate(folder: Path) -> None:
         f.truncate(shard.stat().st_size // 2)
 
 
+def _overwrite_4k(folder: Path) -> None:
+    """4 KiB of the shard overwritten with 0xFF bytes (NaN as float32), its size unchanged: a disk fault in place."""
+    shard = _shard(folder)
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        f.seek(size // 4)
+        f.write(b"\xff" * 4096)
+    assert shard.stat().st_size == size
+
+
 DAMAGES = {
+    "4 KiB overwritten in a shard": (_overwrite_4k, r"__0_0\.distcp does not match its checksum \(xxh3_64:[0-9a-f]{16} in "
+                                                    r"meta\.json, xxh3_64:[0-9a-f]{16} now\)"),
     "truncated shard": (_truncate, r"__0_0\.distcp is \d+ bytes, its index says \d+ are needed"),
     "missing shard": (lambda d: _shard(d).unlink(), r"__0_0\.distcp is missing \(its index names it\)"),
     "no .metadata": (lambda d: (d / ".metadata").unlink(), r"no \.metadata inside"),
@@ -98,11 +110,11 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_one_warning(two_checkpoints
     apply, problem = DAMAGES[damage]
     apply(newest)
 
-    assert re.fullmatch(problem + ".*", ck.guard.problem(newest))
-    assert ck.latest() == previous and ck.complete_checkpoints() == [previous]
+    assert re.fullmatch(problem + ".*", Checkpointer(root).guard.verify(newest))
     capsys.readouterr()
     caplog.clear()
     assert ck.check_resume("auto", world_size=1) == previous
+    assert ck.latest() == previous and ck.complete_checkpoints() == [previous]
     # The cookbook logger writes to stderr once a process group set it up, else it reaches pytest's log capture.
     lines = capsys.readouterr().err.splitlines() + [r.getMessage() for r in caplog.records]
     warnings = [line for line in lines if "damaged" in line]

@@ -4,6 +4,7 @@ Pure arithmetic (config fields), except the gpt_oss counts checked against a met
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -171,7 +172,9 @@ def test_chunked_loss_only_where_the_recipe_has_it(capsys):
             "have no chunked loss, so the full logits are counted)") in out
     assert "logits, chunked loss (FSDP2, FSDP2 + selective AC, FSDP2 + AC, FSDP2 + AC + CPU offload)" in out
     assert "\nDDP                           82.4    24.9    13.9     0.0    0.0   121.2  fits\n" in out
-    assert "recommended: DDP (121.2 GiB <= 126.9; recipes/modernbert-ddp, full loss)" in out
+    # a decoder is pointed at the DDP SFT recipe, never the encoder classifier's
+    assert "recommended: DDP (121.2 GiB <= 126.9; recipes/qwen-ray-sft, full loss)" in out
+    assert ct.TECHNIQUES[0].recipe_for(dataclasses.replace(m, lm_head=False)) == "recipes/modernbert-ddp"
 
 
 def test_parameter_count_gpt_oss_moe():

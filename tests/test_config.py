@@ -37,6 +37,21 @@ def test_an_unknown_key_suggests_the_closest_known_one(overrides, hint):
     assert (hint in str(err.value)) if hint else "did you mean" not in str(err.value), str(err.value)
 
 
+@pytest.mark.parametrize("text, message", [
+    ("steps: 5\noptim:\n  betas: [0.9, 0.95]\n  lrr: 0.1\n",
+     "line 4: key 'optim.lrr': Key 'lrr' not in 'Optim' (did you mean 'optim.lr'?)"),
+    ("optm:\n  lr: 0.1\n", "line 1: key 'optm': Key 'optm' not in 'Schema' (did you mean 'optim'?)"),
+    ("steps: 5\noptim:\n  lr: fast\n", "line 3: key 'optim.lr': Value 'fast' of type 'str' could not be converted"),
+])
+def test_a_bad_key_in_the_yaml_file_is_named_with_its_line_and_the_closest_known_key(tmp_path, text, message):
+    """Before: the file and the key alone (no line)."""
+    f = tmp_path / "c.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(Schema, f)
+    assert str(err.value).startswith(f"{f} {message}"), str(err.value)
+
+
 @pytest.mark.parametrize("yaml_text, overrides, expected", [
     ("optim:\n  beta: 3\n", [], "key 'optim.beta'"),          # unknown key in the file
     ("", ["optim.lrr=1"], "key 'optim.lrr'"),                   # unknown key on the command line
@@ -177,7 +192,7 @@ def test_a_required_package_that_is_missing_or_broken_is_refused_in_one_line(tmp
             config.require("brokenpkg", reqs, torch_build=True)
         assert str(err.value) == (f"{broken}: its build does not match torch {torch.__version__}: install the "
                                   f"brokenpkg build made for that torch: `pip install --force-reinstall --no-deps "
-                                  f"brokenpkg==1.0 --index-url https://download.pytorch.org/whl/{index}`")
+                                  f"'brokenpkg==1.0' --index-url https://download.pytorch.org/whl/{index}`")
     with pytest.raises(ConfigError) as err:
         config.require("brokenpkg", reqs)
     assert str(err.value) == f"{broken}; install it again: `pip install brokenpkg==1.0`, or `pip install -r {reqs}`"

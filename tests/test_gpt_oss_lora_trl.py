@@ -113,26 +113,86 @@ def test_labels_are_the_final_channel_only():
     cfg = mod.DataConfig(train_files=[str(path)], max_length=512)
     examples, stats = mod.tokenize_rows(rows, tokenizer, cfg, path.name)
     assert (stats.rows, stats.examples) == (28, 28)
+    # the harmony template drops a tool call's thinking when an answer follows (6 rows): counted, not silent
+    assert (stats.reasoning_turns, stats.reasoning_unrendered) == (22, 6)
     with_tools = 0
     for row, ex in zip(rows, examples):
-        finals = [m for m in row["messages"] if m["role"] == "assistant" and m.get("content")]
-        want = "".join(m["content"] + ("<|return|>" if m is row["messages"][-1] else "<|end|>") for m in finals)
+        want = row["messages"][-1]["content"] + "<|return|>"
         got = tokenizer.decode([t for t, label in zip(ex["input_ids"], ex["labels"]) if label != -100])
         assert got == want
-        assert [t for t, label in zip(ex["input_ids"], ex["labels"]) if label != -100] == \
-            [label for label in ex["labels"] if label != -100]
         text = tokenizer.decode(ex["input_ids"])  # what the mask left out is rendered: thinking, tool calls, effort
+        last = row["messages"][-1]
+        if last.get("thinking"):
+            assert f"<|channel|>analysis<|message|>{last['thinking']}<|end|>" in text
         for m in row["messages"]:
-            if m.get("thinking"):
-                assert f"<|channel|>analysis<|message|>{m['thinking']}<|end|>" in text
             for call in m.get("tool_calls") or []:
                 with_tools += 1
-                assert f"to=functions.{call['function']['name']} <|constrain|>json<|message|>" in text
+                assert f"<|start|>assistant to=functions.{call['function']['name']}<|channel|>commentary json<|message|>" in text
         assert f"Reasoning: {row.get('reasoning_effort', 'medium')}\n" in text
     assert with_tools == 12
     # cut inside the final channel: the labels run to the cut
     ids = examples[1]["input_ids"]
     assert mod.final_channel_labels(ids[:-3], tokenizer)[-1] == ids[-4]
+    # data.reasoning=train labels the answer's analysis message too
+    (ex,), _ = mod.tokenize_rows(rows[1:2], tokenizer, mod.DataConfig(max_length=512, reasoning="train"), path.name)
+    assert tokenizer.decode([t for t, label in zip(ex["input_ids"], ex["labels"]) if label != -100]) == \
+        rows[1]["messages"][-1]["thinking"] + "<|end|>" + rows[1]["messages"][-1]["content"] + "<|return|>"
+
+
+def test_tiny_template_renders_as_the_official_harmony_one_token_by_token():
+    """A multi-turn row with a developer message and a tool call, rendered by the tiny twin's template, equals the
+    text the official openai/gpt-oss template writes (harmony format), token by token; each answer is one example
+    that ends in <|return|> with its own thinking; a row ending in a tool call gets the true reason."""
+    import datetime
+
+    from transformers import AutoTokenizer
+
+    mod = load_recipe("gpt-oss-lora-trl")
+    tok = AutoTokenizer.from_pretrained(TINY / "gpt_oss")
+    weather = {"name": "get_weather", "description": "Current weather of a city.",
+               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+    row = {"tools": [weather], "messages": [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": "What is 2 plus 3?"},
+        {"role": "assistant", "content": "5.", "thinking": "2 + 3 = 5."},
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "", "thinking": "Look it up.",
+         "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+        {"role": "tool", "content": '{"sky": "snow"}'},
+        {"role": "assistant", "content": "Snow.", "thinking": "The tool says snow."}]}
+    messages, tools = mod.harmony_conversation(row, 1, "t.jsonl")
+    today = datetime.date.today().strftime("%Y-%m-%d")
+    official = (
+        "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\nKnowledge cutoff: "
+        f"2024-06\nCurrent date: {today}\n\nReasoning: medium\n\n# Valid channels: analysis, commentary, final. "
+        "Channel must be included for every message.\nCalls to these tools must go to the commentary channel: "
+        "'functions'.<|end|><|start|>developer<|message|># Instructions\n\nBe brief.\n\n# Tools\n\n## functions\n\n"
+        "namespace functions {\n\n// Current weather of a city.\ntype get_weather = (_: {\ncity: string,\n}) => any;"
+        "\n\n} // namespace functions<|end|><|start|>user<|message|>What is 2 plus 3?<|end|>"
+        "<|start|>assistant<|channel|>final<|message|>5.<|end|>"  # an earlier answer: no thinking, <|end|>
+        "<|start|>user<|message|>Weather in Oslo?<|end|>"
+        '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Oslo"}<|call|>'
+        '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"{\\"sky\\": \\"snow\\"}"<|end|>'
+        "<|start|>assistant<|channel|>analysis<|message|>The tool says snow.<|end|>"
+        "<|start|>assistant<|channel|>final<|message|>Snow.<|return|>")
+    ids = tok.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=False)
+    assert list(ids) == tok.encode(official, add_special_tokens=False)
+    examples, st = mod.tokenize_rows([row], tok, mod.DataConfig(max_length=512), "t.jsonl")
+    first = tok.decode(examples[0]["input_ids"])
+    assert first.endswith("<|start|>assistant<|channel|>analysis<|message|>2 + 3 = 5.<|end|>"
+                          "<|start|>assistant<|channel|>final<|message|>5.<|return|>")
+    assert [tok.decode([t for t, lab in zip(e["input_ids"], e["labels"]) if lab != -100]) for e in examples] == \
+        ["5.<|return|>", "Snow.<|return|>"]
+    assert (st.examples, st.split_rows, st.reasoning_turns, st.reasoning_unrendered) == (2, 1, 2, 1)
+    # a row that ends in a tool call: the true reason, not "cut by data.max_length"
+    call_only = {"tools": [weather], "messages": row["messages"][3:5]}
+    _, st = mod.tokenize_rows([row, {**row, "messages": row["messages"][:5]}, call_only], tok,
+                              mod.DataConfig(max_length=512, max_dropped_fraction=1.0), "t.jsonl")
+    assert (st.call_endings, st.unanswered, st.dropped) == ([2], [3], 0)
+    assert ("1 skipped as they end in a tool call with no answer to label (rows 3), 1 end in a tool call after their "
+            "last answer, not trained (rows 2)") in st.summary()
+    with pytest.raises(mod.sft.SFTDataError, match=r"1 end in a tool call with no answer to label \(rows 1\)"):
+        mod.tokenize_rows([call_only], tok, mod.DataConfig(max_length=512), "t.jsonl")
 
 
 def test_a_nonfinite_step_is_skipped_and_the_next_one_in_a_row_stops_the_run(tmp_path, capfd):
@@ -184,7 +244,7 @@ def test_bad_rows_are_refused(tmp_path):
     row = json.loads(good[0])
     row["messages"][-1]["thinking"] = 7
     bad.write_text("\n".join([good[1], json.dumps(row)]) + "\n")
-    with pytest.raises(mod.sft.SFTDataError, match=rf"^{bad} row 2: messages\[2\]\.thinking must be a string, got int$"):
+    with pytest.raises(mod.sft.SFTDataError, match=rf"^{bad} row 2: field 'messages\[2\]\.thinking' must be a string, got int$"):
         check("gpt-oss-lora-trl", f"data.train_files=[{bad}]")
     with pytest.raises(mod.ConfigError, match=r"model.attn_implementation"):
         check("gpt-oss-lora-trl", "model.attn_implementation=sdpa")

@@ -32,7 +32,7 @@ def test_evaluations_and_saves_are_left_out_of_the_step_time(tmp_path):
     """Steps of 0.05 s; after step 2 an evaluation (0.5 s in the Trainer's loop + 0.5 s of generation in
     ``evaluate_more``), after step 3 a checkpoint save (0.5 s), step 4 evaluates and stops with a save
     (StopAtStep). Every window's step time is the step's alone, and the tokens counted per step give the
-    throughput."""
+    throughput. Each evaluation leaves the random streams as they were (before: changed by its loader)."""
     args = TrainingArguments(output_dir=str(tmp_path / ".staging"), use_cpu=True, report_to="none", logging_steps=1,
                              eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=3)
     state = TrainerState(max_steps=6, logging_steps=1, eval_steps=2, save_steps=3)
@@ -46,7 +46,7 @@ def test_evaluations_and_saves_are_left_out_of_the_step_time(tmp_path):
     handler = CallbackHandler([DefaultFlowCallback(), StopAtStep(4), callback], None, None, None, None)
     batch = {"input_ids": torch.ones(2, 5, dtype=torch.long),
              "attention_mask": torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]])}  # 7 real tokens
-    saved = []
+    saved, kept = [], []
     control = handler.on_train_begin(args, state, TrainerControl())
     while not control.should_training_stop:
         control = handler.on_step_begin(args, state, control)
@@ -58,9 +58,12 @@ def test_evaluations_and_saves_are_left_out_of_the_step_time(tmp_path):
         if control.should_log:
             control = handler.on_log(args, state, control, logs={"loss": 1.0, "learning_rate": 1e-3, "grad_norm": 0.5})
         if control.should_evaluate:
+            rng = torch.get_rng_state()
             time.sleep(EVAL)  # Trainer.evaluate's loop, then its on_evaluate
+            torch.rand(3)  # the eval loader draws its seed from torch's generator
             control = handler.on_evaluate(args, state, control, metrics={"eval_loss": 2.0, "eval_runtime": EVAL,
                                                                          "epoch": 1.0})
+            kept.append(torch.equal(torch.get_rng_state(), rng))  # training draws next what it would without eval
         if control.should_save:
             time.sleep(SAVE)
             saved.append(state.global_step)
@@ -69,7 +72,7 @@ def test_evaluations_and_saves_are_left_out_of_the_step_time(tmp_path):
 
     records = read_jsonl(tmp_path / "metrics.jsonl")
     train = [r for r in records if r["event"] == "train"]
-    assert [r["step"] for r in train] == [1, 2, 3, 4] and saved == [3, 4]
+    assert [r["step"] for r in train] == [1, 2, 3, 4] and saved == [3, 4] and kept == [True, True]
     for r in train:  # without the pause, step 3 took 1.05 s (both evaluations) and step 4 0.55 s (the save)
         assert STEP <= r["step_time_s"] < STEP + 0.3, train
         assert r["tokens_per_s"] * r["step_time_s"] == pytest.approx(7, rel=1e-6)
@@ -304,3 +307,71 @@ def test_nonfinite_steps_start_where_deepspeed_is_not_installed(tmp_path, monkey
     model.weight.grad = torch.full_like(model.weight, float("nan"))
     skip.on_pre_optimizer_step(args, TrainerState(global_step=0), control, model=model)
     assert model.weight.grad is None and skip.log_extra() == {"skipped_steps": 1.0}
+
+
+def _epoch_reads(sampler_for, rows=28, micro=1, accum=4, ranks=2, epochs=2):
+    """Rows each Trainer update step reads on `ranks` ranks, per epoch: the micro-batches of accelerate's
+    sharded loader (as the Trainer prepares it), grouped into updates as ``Trainer._run_epoch`` does."""
+    from accelerate.data_loader import prepare_data_loader
+
+    out, now = [], {"epoch": 0}
+    for epoch in range(epochs):
+        per_rank = []
+        for rank in range(ranks):
+            loader = prepare_data_loader(torch.utils.data.DataLoader(list(range(rows)), batch_size=micro,
+                                                                     sampler=sampler_for(rows, lambda: now["epoch"])),
+                                         num_processes=ranks, process_index=rank, put_on_device=False)
+            now["epoch"] = epoch
+            batches = [b.tolist() for b in loader]
+            updates = -(-len(batches) // accum)  # the Trainer's num_update_steps_per_epoch
+            per_rank.append([sum(batches[i * accum:(i + 1) * accum], []) for i in range(updates)])
+        out.append([sum(step, []) for step in zip(*per_rank)])
+    return out
+
+
+def test_an_epoch_reads_every_row_once_in_full_global_batches():
+    """28 rows, global batch 1 x 4 x 2 = 8: the recipes count 3 steps per epoch. The Trainer's own sampler made
+    3.5 updates of it (epochs=2 ran 6 steps = 1.71 passes, the last update of 4 rows); WholeEpochs: 3 full steps
+    of 8 distinct rows per epoch, 4 rows left out (others each epoch), the order seeded by args.seed + the Trainer's epoch."""
+    from cookbook.hf_trainer import FullBatchesSampler, epoch_line
+
+    epochs = _epoch_reads(lambda n, epoch_of: FullBatchesSampler(n, 8, 42, epoch_of))
+    for steps in epochs:
+        assert [len(s) for s in steps] == [8, 8, 8]
+        read = sum(steps, [])
+        assert len(set(read)) == 24 and set(read) <= set(range(28))
+    assert sum(epochs[0], []) != sum(epochs[1], [])
+    assert epochs == _epoch_reads(lambda n, epoch_of: FullBatchesSampler(n, 8, 42, epoch_of))  # a resume reads the same
+    assert epoch_line(28, 8) == ("epoch: 28 rows = 3 steps of 8 rows, every row read once; the last partial global "
+                                 "batch (4 rows, others each epoch) is dropped")
+    before = _epoch_reads(lambda n, epoch_of: torch.utils.data.RandomSampler(list(range(n))))
+    assert [len(s) for s in before[0]] == [8, 8, 8, 4]  # the Trainer's own: 4 updates per epoch, one of 4 rows
+
+
+def test_each_rank_draws_its_own_dropout_masks_and_a_resume_its_saved_ones():
+    """cookbook.checkpoint.seed_per_rank (start_run, Ray's WorkerRun, the Trainer's SeedPerRank): seed + rank."""
+    from transformers import set_seed
+
+    from cookbook.checkpoint import RNGState, seed_per_rank
+    from cookbook.hf_trainer import SeedPerRank
+
+    def mask():
+        return torch.nn.functional.dropout(torch.ones(64), 0.5).tolist()
+
+    def trainer_mask(rank):
+        set_seed(42)  # what the Trainer does on every rank
+        SeedPerRank().on_train_begin(SimpleNamespace(seed=42, process_index=rank), None, None)
+        return mask()
+
+    assert trainer_mask(0) != trainer_mask(1)
+    assert trainer_mask(1) == trainer_mask(1)
+    set_seed(42)
+    before = mask()
+    set_seed(42)
+    assert mask() == before  # the Trainer alone: the same mask on every rank
+    seed_per_rank(42, 0)
+    saved = RNGState().state_dict()
+    first = mask()
+    seed_per_rank(42, 1)
+    RNGState().load_state_dict(saved)  # a resume restores this rank's own streams after seeding
+    assert mask() == first

@@ -254,25 +254,39 @@ def test_a_check_run_alone_plans_for_ngpu_processes(monkeypatch, capsys):
 
 
 def test_a_run_holds_its_output_dir_and_its_workers_end_with_a_killed_launcher(tmp_path):
-    """launch.sh as users run it: a second launch on the same output_dir is refused in one line naming the first
-    launcher's pid and host, before any worker; ``kill -9`` of the first launcher ends its workers within seconds
-    (no checkpoint after it), and frees the folder."""
+    """A recipe's launch.sh as users run it: a second launch on the same output_dir is refused in one line naming the
+    first launcher's pid and host, before any worker; ``kill -9`` of the first launcher ends its workers within
+    seconds (no checkpoint after it), and frees the folder. The recipe is a stand-in with a real check (it reports
+    its output_dir, as every recipe's check does) and workers under `run_main` that publish a checkpoint every 50 ms."""
+    import shutil
     import socket
 
     import psutil
-    from conftest import start_launch
+    from conftest import ROOT, start_launch
 
     from cookbook import run_lock
 
+    recipe = tmp_path / "my-recipe"
+    recipe.mkdir()
+    shutil.copy(ROOT / "recipes" / "modernbert-ddp" / "launch.sh", recipe / "launch.sh")
+    (recipe / "tiny.yaml").write_text("{}\n")
+    (recipe / "train.py").write_text(
+        "import os, sys, time\nfrom pathlib import Path\nfrom cookbook import run_lock\nfrom cookbook.entry import run_main\n"
+        "def main(argv):\n"
+        "    out = Path(next(a.split('=', 1)[1] for a in argv if a.startswith('output_dir=')))\n"
+        "    if '--check' in argv:\n        return run_lock.report_output_dir(out)\n"
+        "    for step in range(1, 6001):\n        time.sleep(0.05)\n"
+        "        if os.environ['RANK'] == '0':\n"
+        "            (out / 'checkpoints' / f'step_{step:08d}').mkdir(parents=True, exist_ok=True)\n"
+        "if __name__ == '__main__':\n    run_main(main)\n")
     out = tmp_path / "run"
-    run = ("train.epochs=50", "train.max_steps=2000", "checkpoint.every_steps=5", "train.eval_every=0", "mlflow=false")
-    first = start_launch("modernbert-ddp", f"output_dir={out}", *run)
+    first = start_launch("my-recipe", f"output_dir={out}", cwd=recipe)
     try:
         deadline = time.time() + 300
         while time.time() < deadline and first.poll() is None and not list(out.glob("checkpoints/step_*")):
             time.sleep(0.2)
         assert first.poll() is None, first.communicate()[1][-3000:]
-        second = start_launch("modernbert-ddp", f"output_dir={out}", *run)
+        second = start_launch("my-recipe", f"output_dir={out}", cwd=recipe)
         _, err = second.communicate(timeout=300)
         assert second.returncode == 2, err[-3000:]
         assert err.strip().splitlines()[-1] == (
@@ -282,7 +296,7 @@ def test_a_run_holds_its_output_dir_and_its_workers_end_with_a_killed_launcher(t
         workers = [p for p in psutil.Process(first.pid).children() if p.environ().get("RANK") in ("0", "1")]
         assert len(workers) == 2
         first.kill()  # SIGKILL: the launcher cannot stop its workers itself
-        first.communicate()
+        first.wait()  # (not communicate(): live workers would hold its pipes open)
         gone, alive = psutil.wait_procs(workers, timeout=15)
         assert not alive, f"workers outlived their launcher: {alive}"
         saved = sorted(p.name for p in out.glob("checkpoints/step_*"))

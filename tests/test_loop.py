@@ -4,6 +4,7 @@ import json
 import math
 import os
 import logging
+import shutil
 import signal
 import time
 from types import SimpleNamespace
@@ -468,3 +469,68 @@ def test_on_nonfinite_is_checked(tmp_path):
     loop = TrainLoop.from_config(cfg, state=TrainState(), max_steps=3, metrics=metrics, checkpointer=None,
                                  checkpoint_state=None)
     assert (loop.on_nonfinite, loop.max_consecutive_skips) == ("skip", 2)
+
+
+def _dropout_draws(tmp_path, eval_every):
+    """A step body that draws a dropout mask, an evaluation that iterates a DataLoader (which draws its seed from
+    torch's generator): the masks of 6 steps."""
+    torch.manual_seed(0)
+    metrics = MetricsLogger(tmp_path / str(eval_every), CPU, mlflow=False, count_tokens=False)
+
+    def evaluate():
+        list(torch.utils.data.DataLoader(list(range(4)), batch_size=2, shuffle=True))
+        return {"loss": 1.0}
+
+    loop = TrainLoop(state=TrainState(), max_steps=6, metrics=metrics, eval_every=eval_every, evaluate=evaluate)
+    masks = []
+    with loop:
+        for _ in loop.steps():
+            masks.append(torch.nn.functional.dropout(torch.ones(32), 0.5).tolist())
+            loop.end_step(torch.tensor(1.0), lr=0.1)
+    return masks
+
+
+def test_evaluation_does_not_change_the_training_runs_random_draws(tmp_path):
+    """train.eval_every=2 and 0 draw the same dropout masks (before: equal up to step 2, different from step 3)."""
+    assert _dropout_draws(tmp_path, 2) == _dropout_draws(tmp_path, 0)
+
+
+
+def test_a_finished_run_is_answered_by_the_check_at_once_and_the_launcher_starts_no_worker(tmp_path, monkeypatch):
+    """TrainLoop.finish leaves complete.json; check_run (the first thing every recipe's --check and worker do)
+    then says "already complete" with exit status 0 (before: the check passed and the workers built the model and
+    read the data to find it out, ~60 s for modernbert-ddp); other settings (train.max_steps) are another run."""
+    from dataclasses import dataclass, field
+
+    from cookbook.config import CheckpointConfig, RunConfig, TrainConfig, check_run, load_config
+    from cookbook.entry import AlreadyComplete
+    from cookbook.run_lock import OUTPUT_DIR_FILE_ENV, reported_complete
+
+    @dataclass
+    class Config(RunConfig):
+        train: TrainConfig = field(default_factory=TrainConfig)
+        checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    out = tmp_path / "run"
+    cfg = load_config(Config, None, [f"output_dir={out}", "mlflow=false", "train.max_steps=2", "checkpoint.every_steps=-1"])
+    monkeypatch.setenv(OUTPUT_DIR_FILE_ENV, str(tmp_path / "reported"))  # as cookbook.launch runs the check
+    check_run(cfg)
+    assert not reported_complete(tmp_path / "reported")
+    metrics = MetricsLogger(out, CPU, mlflow=False, count_tokens=False)
+    loop = TrainLoop.from_config(cfg, state=TrainState(), max_steps=2, metrics=metrics, checkpointer=None,
+                                 checkpoint_state=None)
+    with loop:
+        for _ in loop.steps():
+            loop.end_step(torch.tensor(1.0), lr=0.1)
+        loop.finish()
+    with pytest.raises(AlreadyComplete) as done:
+        check_run(load_config(Config, None, [f"output_dir={out}", "mlflow=false", "train.max_steps=2",
+                                             "checkpoint.every_steps=-1", "train.log_every=5"]))  # may change
+    assert str(done.value) == (f"already complete: 2 of 2 steps; metrics in {out / 'metrics.jsonl'}. To train "
+                               f"again, use a new output_dir (or delete {out}).")
+    assert reported_complete(tmp_path / "reported")
+    check_run(load_config(Config, None, [f"output_dir={out}", "mlflow=false", "train.max_steps=3",
+                                         "checkpoint.every_steps=-1"]))  # more steps: the run continues
+    shutil.copytree(out, tmp_path / "copy")
+    check_run(load_config(Config, None, [f"output_dir={tmp_path / 'copy'}", "mlflow=false", "train.max_steps=2",
+                                         "checkpoint.every_steps=-1"]))  # a copied folder: the run decides

@@ -128,3 +128,31 @@ def test_launch_time_is_the_launchers_else_this_processs_start(monkeypatch):
         assert launch_time() == psutil.Process().create_time() < time.time()
     monkeypatch.delenv("COOKBOOK_LAUNCH_TIME")
     assert launch_time() == psutil.Process().create_time()
+
+
+def test_a_full_disk_switches_mlflow_off_in_one_line(tmp_path, capfd, caplog):
+    """The SQLite store cannot grow (a file-size limit just above its size: SQLite reports "disk I/O error", as
+    on a full disk): one warning line, training goes on. Before: MLflow's own ~40-line traceback came first."""
+    import resource
+    import signal
+
+    logger = MetricsLogger(tmp_path, CPU, run_name="t", experiment="tests", params={"a": 1}, count_tokens=False)
+    logger.start(0)
+    capfd.readouterr()
+    largest = max(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file())
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN), resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (largest + 10, previous[1][1]))
+    try:
+        for step in range(1, 30):  # until the journal or the WAL outgrows the limit
+            logger.add(samples=1, tokens=0, data_wait_s=0.0)
+            logger.log_step(step, loss=1.0, lr=1e-3, grad_norm=None)
+            if logger.mlflow_uri is None:
+                break
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, previous[1])
+        signal.signal(signal.SIGXFSZ, previous[0])
+    logger.close()
+    assert logger.mlflow_uri is None
+    assert [line for line in capfd.readouterr().err.splitlines() if "step " not in line] == []  # MLflow's own
+    assert [r.getMessage() for r in caplog.records if "MLflow" in r.getMessage()] == [
+        "MLflow tracking switched off after an error: MlflowException: (sqlite3.OperationalError) disk I/O error"]

@@ -310,12 +310,20 @@ def test_resume_gives_the_same_losses_as_an_uninterrupted_run(full_run, tmp_path
     (damaged / "meta.json").write_text((damaged / "meta.json").read_text().replace('"step": 20', '"step": 30'))
     with open(damaged / "__0_0.distcp", "r+b") as f:
         f.truncate(1000)
+    # And a newer one with 4 KiB of a shard overwritten in place (same size): only its checksum tells.
+    overwritten = shutil.copytree(ckpts / "step_00000020", ckpts / "step_00000035")
+    (overwritten / "meta.json").write_text((overwritten / "meta.json").read_text().replace('"step": 20', '"step": 35'))
+    with open(overwritten / "__1_0.distcp", "r+b") as f:
+        f.seek(4096)
+        f.write(b"\xff" * 4096)
     second = run_in_workers(monkeypatch, capfd, f"output_dir={out}", "data.num_workers=1")  # checkpoint.resume=auto
     assert "(step 20)" in second and "resumed from" in second, second[-3000:]
     warnings = [line for line in second.splitlines() if "damaged" in line]
     assert len(warnings) == 1 and re.search(
-        rf"warning: checkpoint {re.escape(str(damaged))} is damaged \(__0_0.distcp is 1000 bytes, its index says \d+ "
-        rf"are needed\); resuming from {re.escape(str(ckpts / 'step_00000020'))} instead$", warnings[0]), warnings
+        rf"warning: checkpoints {re.escape(str(damaged))} \(__0_0.distcp is 1000 bytes, its index says \d+ "
+        rf"are needed\); {re.escape(str(overwritten))} \(__1_0.distcp does not match its checksum \(xxh3_64:\w+ in "
+        rf"meta.json, xxh3_64:\w+ now\)\) are damaged; resuming from {re.escape(str(ckpts / 'step_00000020'))} "
+        rf"instead$", warnings[0]), warnings
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000020", "step_00000040"]  # the damaged one is gone
     resumed_steps = [r["step"] for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "train"][20:]
     assert resumed_steps == list(range(21, 41))

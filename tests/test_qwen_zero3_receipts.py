@@ -311,22 +311,38 @@ def test_checkpoints_are_published_with_meta(zero3):
 def test_a_truncated_shard_of_the_newest_checkpoint_is_passed_over_with_one_warning(zero3, init, tmp_path, caplog):
     """On a copy of the ZeRO-3 run: rank 1's optimizer partition of checkpoint-10 cut to 1000 bytes (a copy cut
     short, a disk fault) makes the resume check take checkpoint-9, with one warning naming the file; an explicit
-    checkpoint.resume of the damaged folder is refused."""
+    checkpoint.resume of the damaged folder is refused. The same for 4 KiB of it overwritten in place (its checksum)
+    and for its meta.json deleted."""
     from cookbook.checkpoint import CheckpointError
 
     out = _copy_run(zero3, tmp_path)
-    shard = out / "checkpoints" / "checkpoint-10" / "global_step10" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    newest, previous = out / "checkpoints" / "checkpoint-10", out / "checkpoints" / "checkpoint-9"
+    shard = newest / "global_step10" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     size = shard.stat().st_size
-    os.truncate(shard, 1000)
     overrides = (*COMMON, f"model.name_or_path={init}", "model.pretrained=true", f"output_dir={out}")
-    with caplog.at_level("WARNING", logger="cookbook"):
-        assert recipe_module().check_resume(tiny_config(*overrides), 2) == out / "checkpoints" / "checkpoint-9"
-    assert [r.getMessage() for r in caplog.records] == [
-        f"warning: checkpoint {out / 'checkpoints' / 'checkpoint-10'} is damaged (global_step10/"
-        f"zero_pp_rank_1_mp_rank_00_optim_states.pt is 1000 bytes, meta.json says {size}); resuming from "
-        f"{out / 'checkpoints' / 'checkpoint-9'} instead"]
+
+    def warnings() -> list[str]:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="cookbook"):
+            assert recipe_module().check_resume(tiny_config(*overrides), 2) == previous
+        return [r.getMessage() for r in caplog.records]
+
+    with open(shard, "r+b") as f:  # 4 KiB overwritten in place, the size unchanged: only the checksum tells
+        f.seek(size // 2)
+        f.write(b"\xff" * 4096)
+    [line] = warnings()
+    assert re.fullmatch(re.escape(f"warning: checkpoint {newest} is damaged (global_step10/zero_pp_rank_1_mp_rank_00_"
+                                  f"optim_states.pt does not match its checksum (xxh3_64:") + r"\w+ in meta\.json, "
+                        r"xxh3_64:\w+ now\)\); resuming from " + re.escape(f"{previous} instead"), line), line
+    os.truncate(shard, 1000)
+    assert warnings() == [
+        f"warning: checkpoint {newest} is damaged (global_step10/zero_pp_rank_1_mp_rank_00_optim_states.pt is 1000 "
+        f"bytes, meta.json says {size}); resuming from {previous} instead"]
     with pytest.raises(CheckpointError, match=r"is a damaged checkpoint \(global_step10/zero_pp_rank_1_mp_rank_00_"):
         recipe_module().check_resume(tiny_config(*overrides, f"checkpoint.resume={shard.parent.parent}"), 2)
+    (newest / "meta.json").unlink()  # published folders always hold one: its loss is damage, not a save under way
+    assert warnings() == [f"warning: checkpoint {newest} is damaged (no meta.json inside); resuming from {previous} "
+                          f"instead"]
 
 
 def test_final_model_is_full_and_reloads_with_the_trained_logits(zero3, init):
@@ -468,6 +484,7 @@ def test_a_nan_step_is_skipped_and_a_failed_save_keeps_the_previous_checkpoint(i
     assert [(r["step"], r["skipped_steps"]) for r in train] == [(1, 0), (2, 0), (3, 1), (4, 1)]
     assert train[NAN_STEP - 1]["grad_norm"] == float("inf") and all(r["grad_norm"] < 10 for r in train if r["step"] != 3)
     assert [p.name for p in published_checkpoints(root)] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    assert not partition.parent.parent.exists()  # the failed save's staging folder is gone: it would hold the space
     # the skip count is in each checkpoint, for a resume to continue it
     assert [json.loads((root / f"checkpoint-{n}" / "meta.json").read_text())["skipped_steps"] for n in (1, 2, 3)] == \
         [0, 0, 1]

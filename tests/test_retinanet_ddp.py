@@ -149,6 +149,10 @@ def _write(tmp_path, mutate, raw: str | None = None):
      r"images\[0\] \(id 1\): field 'file_name': image file not found: .*missing.jpg"),
     (lambda c: c["annotations"][0].update(bbox=[100, 40, 154, 58]),
      r"annotations\[0\] \(annotation id 1\): field 'bbox' \[100, 40, 154, 58\] lies outside its image 1 \(224 x 149"),
+    (lambda c: c["annotations"][0].update(bbox=[224, 40, 1, 20]),  # 1 pixel on the right border: clipped to none
+     r"annotations\[0\] \(annotation id 1\): field 'bbox' \[224, 40, 1, 20\] is 0 x 20 pixels once clipped to its "
+     r"image 1 \(224 x 149\) and 0 x 17.047 resized to 192 x 127 \(model.min_size / max_size\): training would "
+     r"see a box without area, which torchvision refuses; fix or remove the annotation"),
     (lambda c: c["annotations"][2].update(category_id=7),
      r"annotations\[2\] \(annotation id 3\): field 'category_id': unknown category id 7 \(categories: \[1, 2\]\)"),
     (lambda c: c["annotations"][1].update(bbox=[56, 22, -36, 22]),
@@ -180,18 +184,27 @@ def test_bad_input_names_file_field_and_annotation(tmp_path, mutate, message):
         check("retinanet-ddp", f"data.train_annotations={path}", f"data.train_images={RECIPE / 'tiny' / 'images'}")
 
 
-@pytest.mark.parametrize("prelude, message", [
-    ("sys.modules['torchvision'] = None",  # not importable, wherever the environment has it
-     "torchvision is not installed: `pip install torchvision==0.28.0`, or `pip install -r {requirements}`"),
-    (f"sys.path.insert(0, {str(torchvision_cpu.FOLDER)!r})",  # PyPI's wheel beside the CPU torch, without the shim
+@pytest.mark.parametrize("name, prelude, message", [
+    ("retinanet-ddp", "sys.modules['torchvision'] = None",  # not importable, wherever the environment has it
+     "torchvision is not installed: `pip install 'torchvision==0.28.*' --index-url https://download.pytorch.org/whl/"
+     "cpu` (the build for torch {torch})"),
+    ("retinanet-ddp", f"sys.path.insert(0, {str(torchvision_cpu.FOLDER)!r})",  # PyPI's wheel beside the CPU torch
      "torchvision 0.28.0 is installed but does not import (RuntimeError: operator torchvision::nms does not exist): "
      "its build does not match torch {torch}: install the torchvision build made for that torch: `pip install "
-     "--force-reinstall --no-deps torchvision==0.28.0 --index-url https://download.pytorch.org/whl/cpu`"),
-], ids=["missing", "built-for-cuda-torch"])
-def test_a_missing_or_mismatched_torchvision_is_refused_by_the_check_in_one_line(prelude, message):
+     "--force-reinstall --no-deps 'torchvision==0.28.*' --index-url https://download.pytorch.org/whl/cpu`"),
+    ("modernbert-ddp", f"sys.path.insert(0, {str(torchvision_cpu.FOLDER)!r})",  # a recipe that never uses it
+     "torchvision 0.28.0 is installed but does not import (RuntimeError: operator torchvision::nms does not exist): "
+     "its build does not match torch {torch}: install the torchvision build made for that torch: `pip install "
+     "--force-reinstall --no-deps 'torchvision==0.28.*' --index-url https://download.pytorch.org/whl/cpu`"),
+], ids=["missing", "built-for-cuda-torch", "modernbert-imports-it"])
+def test_a_missing_or_mismatched_torchvision_is_refused_by_the_check_in_one_line(name, prelude, message):
     """launch.sh's check in a process of its own: one line and status 2 (never restarted, no worker started), before
-    transformers (which imports torchvision) is imported; the test process itself has torchvision through the shim."""
-    argv = [str(RECIPE / "train.py"), "--check", "--config", str(RECIPE / "tiny.yaml")]
+    transformers (which imports torchvision) is imported; the test process itself has torchvision through the shim.
+    The hint installs the build for the installed torch (PyPI's plain ``pip install torchvision==0.28.0`` brings
+    the CUDA build beside a CPU torch). Any recipe (modernbert-ddp: torchmetrics imports torchvision at the
+    recipe's top level, before: a 40-line traceback, exit 1) says it in one line (`cookbook.builds`)."""
+    recipe_dir = ROOT / "recipes" / name
+    argv = [str(recipe_dir / "train.py"), "--check", "--config", str(recipe_dir / "tiny.yaml")]
     code = f"import runpy, sys; {prelude}; sys.argv = {argv!r}; runpy.run_path(sys.argv[0], run_name='__main__')"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "COOKBOOK_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": ""})
@@ -223,3 +236,58 @@ def test_integral_floats_and_a_null_iscrowd_read_as_the_integers_they_hold(tmp_p
     plain_records, plain_cats = recipe.load_coco(images, str(RECIPE / "tiny" / "instances.json"), "f")
     assert records == plain_records and [c["id"] for c in cats] == [c["id"] for c in plain_cats] == [1, 2]
     assert all(type(r["image_id"]) is int and type(r["width"]) is int for r in records)
+
+
+def _crowd_and_empty_image_set():
+    """5 images, 4 targets each (image 2: one crowd region; image 3: none), 6 detections each, 4 of them near
+    the targets (seeded)."""
+    g = torch.Generator().manual_seed(0)
+    items = []
+    for iid in range(1, 6):
+        n = 0 if iid == 3 else 4
+        xy, wh = torch.rand(n, 2, generator=g) * 80, 10 + torch.rand(n, 2, generator=g) * 30
+        crowd = torch.tensor([int(iid == 2 and i == 0) for i in range(n)], dtype=torch.int64)
+        dxy = torch.rand(6, 2, generator=g) * 80
+        if n:
+            dxy[:n] = xy + torch.randn(n, 2, generator=g) * 3
+        dwh = 10 + torch.rand(6, 2, generator=g) * 30
+        if n:
+            dwh[:n] = wh + torch.randn(n, 2, generator=g) * 3
+        det = {"boxes": torch.cat([dxy, dxy + dwh], 1), "scores": torch.rand(6, generator=g),
+               "labels": torch.ones(6, dtype=torch.int64)}
+        items.append((iid, det, {"boxes": torch.cat([xy, xy + wh], 1), "labels": torch.ones(n, dtype=torch.int64),
+                                 "iscrowd": crowd}))
+    return items
+
+
+def test_map_is_cocoevals_on_a_crowd_and_empty_image_set(tmp_path, capsys):
+    """recipe.coco_map equals pycocotools' COCOeval run from files, as COCO's tools run it (0.114659...); the
+    torchmetrics MeanAveragePrecision it replaced gave 0.114329 (float32 recall thresholds)."""
+    from pycocotools.coco import COCO
+    from pycocotools.cocoeval import COCOeval
+    from torchmetrics.detection import MeanAveragePrecision
+
+    items = _crowd_and_empty_image_set()
+    gt = {"images": [{"id": i} for i, _, _ in items], "categories": [{"id": 1}], "annotations": []}
+    dt = []
+    for iid, det, tgt in items:
+        for (x1, y1, x2, y2), crowd in zip(tgt["boxes"].tolist(), tgt["iscrowd"].tolist()):
+            gt["annotations"].append({"id": len(gt["annotations"]) + 1, "image_id": iid, "category_id": 1,
+                                      "bbox": [x1, y1, x2 - x1, y2 - y1], "area": (x2 - x1) * (y2 - y1),
+                                      "iscrowd": crowd})
+        for (x1, y1, x2, y2), score in zip(det["boxes"].tolist(), det["scores"].tolist()):
+            dt.append({"image_id": iid, "category_id": 1, "bbox": [x1, y1, x2 - x1, y2 - y1], "score": score})
+    (tmp_path / "gt.json").write_text(json.dumps(gt))
+    (tmp_path / "dt.json").write_text(json.dumps(dt))
+    coco = COCO(str(tmp_path / "gt.json"))
+    ref = COCOeval(coco, coco.loadRes(str(tmp_path / "dt.json")), iouType="bbox")
+    ref.evaluate()
+    ref.accumulate()
+    ref.summarize()
+    capsys.readouterr()
+    assert recipe.coco_map(items) == {"map": ref.stats[0], "map_50": ref.stats[1]}
+    assert ref.stats[0] == pytest.approx(0.1146594659)
+    before = MeanAveragePrecision(box_format="xyxy", iou_type="bbox", backend="pycocotools")
+    before.update([d for _, d, _ in items], [t for _, _, t in items])
+    assert before.compute()["map"].item() == pytest.approx(0.1143294349)
+    assert recipe.coco_map(items[2:3]) == {"map": -1.0, "map_50": -1.0}  # no target at all: COCOeval's "absent"

@@ -704,3 +704,76 @@ def test_check_helpers_name_the_field_and_the_counts(tmp_path):
         load_tokenizer("/no/such/model", "/no/such/model")
     with pytest.raises(ConfigError, match=f"model.tokenizer: folder not found: {tmp_path / 'tok'}"):
         load_tokenizer(str(tmp_path / "tok"), str(ROOT / "recipes" / "qwen-fsdp2-sft" / "tiny" / "qwen3"))
+    qwen3 = str(ROOT / "recipes" / "qwen-fsdp2-sft" / "tiny" / "qwen3")
+    assert len(load_tokenizer(qwen3, qwen3, max_length=512)) > 0
+    with pytest.raises(ConfigError, match=r"^data\.max_length=8192 is beyond the max_position_embeddings=512 of .*qwen3: "
+                                          r"the model has no trained positions past 512; set data\.max_length to 512"):
+        load_tokenizer(qwen3, qwen3, max_length=8192)
+
+
+THINK_ROW = {"messages": [{"role": "user", "content": "What is two plus two?"},
+                          {"role": "assistant", "content": "It is four.", "reasoning_content": "Two plus two: four."}]}
+
+
+def test_reasoning_is_rendered_through_the_template_and_trained_masked_or_dropped_counted(tokenizer):
+    tok = real_template(tokenizer, "qwen3")
+    (ex,), st = prepare([THINK_ROW], tok, 4096, "t.jsonl", {"enable_thinking": True})
+    assert labelled(tok, ex) == ["<think>\nTwo plus two: four.\n</think>\n\nIt is four.<|im_end|>"]
+    assert (st.reasoning_turns, st.reasoning_dropped) == (1, 0) and "reasoning: 1 turns trained" in st.summary()
+    (ctx,), st = prepare([THINK_ROW], tok, 4096, "t.jsonl", {"enable_thinking": True}, reasoning="context")
+    assert ctx["input_ids"] == ex["input_ids"] and labelled(tok, ctx) == ["\n</think>\n\nIt is four.<|im_end|>"]
+    (drop,), st = prepare([THINK_ROW], tok, 4096, "t.jsonl", {"enable_thinking": True}, reasoning="drop")
+    assert "Two plus two" not in tok.decode(drop["input_ids"]) and st.reasoning_dropped == 1
+    assert "reasoning: 1 turns dropped (data.reasoning=drop)" in st.summary()
+    # Typed parts in other layouts: text under "value", a reasoning part, a tool_call part; unknown ones named.
+    typed = {"messages": [{"role": "user", "content": [{"type": "text", "value": "What is two plus two?"}]},
+                          {"role": "assistant", "content": [{"type": "reasoning", "text": "Two plus two: four."},
+                                                            {"type": "text", "value": "It is four."}], "weight": 1}]}
+    counted = __import__("collections").Counter()
+    assert to_conversation(typed, 1, "t.jsonl", counted)[0] == [
+        {"role": "user", "content": "What is two plus two?"},
+        {"role": "assistant", "content": "It is four.", "reasoning_content": "Two plus two: four."}]
+    assert counted == {"messages[].weight": 1}
+    call = {"messages": [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": [
+        {"type": "tool_call", "name": "get_weather", "arguments": {"city": "Paris"}}]}]}
+    assert to_conversation(call, 1, "t.jsonl")[0][1]["tool_calls"] == [
+        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]
+    with pytest.raises(SFTDataError, match=r"^t\.jsonl row 2: messages\[1\]\.content\[0\] is a part of type 'refusal'; "
+                                           r"expected one of 'text', "):
+        to_conversation({"messages": [THINK_ROW["messages"][0], {"role": "assistant", "content": [
+            {"type": "refusal", "refusal": "no"}]}]}, 2, "t.jsonl")
+    with pytest.raises(SFTDataError, match=r"row 2: messages\[0\]\.content\[0\] \(type 'text'\) has no string 'text' / "
+                                           r"'value' / 'content' \(keys found: \['txt', 'type'\]\)"):
+        to_conversation({"messages": [{"role": "user", "content": [{"type": "text", "txt": "hi"}]},
+                                      THINK_ROW["messages"][1]]}, 2, "t.jsonl")
+
+
+def test_reasoning_a_template_cannot_render_is_refused_and_a_stray_think_tag_named(tokenizer):
+    with pytest.raises(SFTDataError, match=r"^t\.jsonl row 1: messages\[1\] has reasoning, but the chat template has no "
+                                           r"place for it .*set data\.reasoning=drop"):
+        prepare([THINK_ROW], tokenizer, 4096, "t.jsonl")
+    (ex,), st = prepare([THINK_ROW], tokenizer, 4096, "t.jsonl", reasoning="drop")
+    assert st.reasoning_dropped == 1 and labelled(tokenizer, ex) == ["It is four.<|im_end|>"]
+    tok = real_template(tokenizer, "qwen3")
+    with pytest.raises(SFTDataError, match=r"enable_thinking: false"):
+        prepare([THINK_ROW], tok, 4096, "t.jsonl", {"enable_thinking": False})
+    stray = {"messages": [THINK_ROW["messages"][0], {"role": "assistant", "content": "Four.</think> It is four."}]}
+    with pytest.raises(SFTDataError, match=r"^t\.jsonl row 1: messages\[1\]\.content \(assistant\) holds a stray "
+                                           r"'</think>'") as err:
+        prepare([stray], tok, 4096, "t.jsonl", {"enable_thinking": False}, split_turns=True)
+    assert "split_turns" not in str(err.value)
+    # an inline <think> block (DeepSeek-R1-style rows) is reasoning: the same example as reasoning_content gives
+    inline = {"messages": [THINK_ROW["messages"][0],
+                           {"role": "assistant", "content": "<think>\nTwo plus two: four.\n</think>\n\nIt is four."}]}
+    assert prepare([inline], tok, 4096, "t.jsonl", {"enable_thinking": True})[0] == \
+        prepare([THINK_ROW], tok, 4096, "t.jsonl", {"enable_thinking": True})[0]
+
+
+def test_a_checkpoint_from_before_data_reasoning_resumes_at_its_default():
+    from cookbook.checkpoint import config_changes
+    from cookbook.sft import MAY_CHANGE
+
+    old = {"data": {"max_length": 64}}
+    assert config_changes(old, {"data": {"max_length": 64, "reasoning": "train"}}, MAY_CHANGE) == ""
+    assert config_changes(old, {"data": {"max_length": 64, "reasoning": "drop"}}, MAY_CHANGE) == \
+        "data.reasoning: None -> 'drop'"

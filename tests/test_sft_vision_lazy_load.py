@@ -77,6 +77,13 @@ def test_vl_rows_become_messages_with_image_parts():
     with pytest.raises(SFTDataError, match=r"t\.jsonl row 1: messages\[1\]\.content\[0\] must be"):
         to_vl_messages({"image": "a.jpg", "messages": [{"role": "user", "content": "Q"},
                                                        {"role": "assistant", "content": [{"type": "image"}]}]}, "t.jsonl row 1")
+    # text parts under "value" are read; reasoning is refused in one line, never dropped in silence
+    row["messages"][2] = {"role": "assistant", "content": [{"type": "text", "value": "An ant."}]}
+    assert to_vl_messages(row, "t.jsonl row 1")[0][2] == {"role": "assistant", "content": "An ant."}
+    row["messages"][2]["reasoning_content"] = "Six legs."
+    with pytest.raises(SFTDataError, match=r"^t\.jsonl row 1: messages\[2\]\.reasoning_content is set, but image \+ text "
+                                           r"rows train no reasoning"):
+        to_vl_messages(row, "t.jsonl row 1")
 
 
 def test_collate_vl_pads_rows_and_concatenates_the_patches_of_all_images():

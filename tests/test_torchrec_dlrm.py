@@ -109,8 +109,36 @@ def test_resume_gives_the_uninterrupted_losses(resumed):
 
 
 def test_resume_on_another_world_size_is_refused_before_start(resumed):
-    with pytest.raises(CheckpointError, match="written by 2 ranks but this job has 1"):
+    with pytest.raises(CheckpointError, match=r"written by 2 ranks but this job has 1: its data position counts global "
+                                              r"batches of world_size x train.batch_size rows, .*\(resuming on another "
+                                              r"number of processes is supported by modernbert-ddp, qwen-fsdp2-sft and "
+                                              r"retinanet-ddp only\)"):
         check("torchrec-dlrm", f"output_dir={resumed[1]}", *COMMON, "checkpoint.every_steps=15", world_size=1)
+
+
+def test_a_checkpoint_damaged_in_place_is_passed_over_with_one_warning(resumed, tmp_path, caplog):
+    """On a copy of the resumed run's checkpoints: 4 KiB of a table shard of the newest one overwritten in place (its
+    size kept) makes the --check take the previous one, with one warning naming the folder and the file. The recipe
+    imported as a fresh process imports it (its module code runs again), since it must not silence the warning."""
+    import importlib.util
+    import shutil
+
+    spec = importlib.util.spec_from_file_location("torchrec_dlrm_train", ROOT / "recipes" / "torchrec-dlrm" / "train.py")
+    spec.loader.exec_module(load_recipe("torchrec-dlrm"))  # what a new --check process runs at its start
+    out = tmp_path / "run"
+    shutil.copytree(resumed[1] / "checkpoints", out / "checkpoints")
+    newest, previous = sorted((out / "checkpoints").glob("step_*"))[-1], sorted((out / "checkpoints").glob("step_*"))[-2]
+    shard = max(newest.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    with open(shard, "r+b") as f:
+        f.seek(shard.stat().st_size // 2)
+        f.write(b"\xff" * 4096)
+    caplog.clear()
+    check("torchrec-dlrm", f"output_dir={out}", *COMMON, "checkpoint.every_steps=15")
+    warnings = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
+    assert len(warnings) == 1 and re.fullmatch(
+        re.escape(f"warning: checkpoint {newest} is damaged ({shard.name} does not match its checksum (xxh3_64:") +
+        r"\w+ in meta\.json, xxh3_64:\w+ now\)\); resuming from " + re.escape(f"{previous} instead"), warnings[0]), \
+        warnings
 
 
 # ----------------------------------------------------------------------------- correctness

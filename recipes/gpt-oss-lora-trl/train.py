@@ -17,8 +17,10 @@ Attention: ``flex_attention`` on GPU (``sdpa`` is refused by transformers for gp
 ``eager`` on CPU (FlexAttention has no CPU backward).
 
 Data: chat rows (`cookbook.sft.to_conversation`: messages, tools, tool calls and results; an assistant turn's
-``thinking`` and a row's ``reasoning_effort`` are kept) rendered with the tokenizer's harmony chat template; only
-the assistant's final-channel tokens carry labels (`final_channel_labels`). Bookkeeping through
+``thinking`` and a row's ``reasoning_effort`` are kept) rendered with the tokenizer's harmony chat template, one
+example per final answer (the conversation up to it, ending in ``<|return|>`` with its own thinking, as the model
+sees it); only that answer's final-channel tokens carry labels (`final_channel_labels`; ``data.reasoning=train``:
+its thinking too). Bookkeeping through
 `cookbook.hf_trainer` (metrics.jsonl with tokens/s per GPU, MFU on active parameters, peak memory; published
 checkpoints, resume=auto, train.stop_at_step, SIGTERM/SIGUSR1 preemption with exit 75, stalled ranks named, failed
 saves in one line); at the end the adapter (``output_dir/adapter``) and the merged model (``output_dir/final``).
@@ -33,7 +35,8 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -52,6 +55,7 @@ from cookbook.loop import NonFinitePolicy
 
 PARALLEL = ("ddp", "fsdp")
 FINAL_START = "<|channel|>final<|message|>"  # the final channel's header; its text ends at <|return|> or <|end|>
+ANALYSIS_START = "<|channel|>analysis<|message|>"  # the analysis channel's (an assistant turn's thinking)
 FINAL_ENDS = ("<|return|>", "<|end|>")
 CANNOT_REMAP = "the Trainer's data order and per-rank RNG states depend on it"  # why a resume keeps the world size
 
@@ -73,6 +77,7 @@ class DataConfig:
     num_workers: int = 1
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. {reasoning_effort: medium}
     max_dropped_fraction: float = 0.1  # refuse when more of the rows are dropped (no final-channel token kept)
+    reasoning: str = "context"  # an answer's thinking (analysis channel): context (rendered, no loss), train, drop
 
 
 @dataclass
@@ -105,7 +110,7 @@ class Config(config.RunConfig):
     checkpoint: config.HFCheckpointConfig = field(default_factory=config.HFCheckpointConfig)
 
 
-MAY_CHANGE = (*config.MAY_CHANGE, "data.num_workers", "data.max_dropped_fraction")
+MAY_CHANGE = (*config.MAY_CHANGE, "data.num_workers", "data.max_dropped_fraction", "data.reasoning=context")
 
 
 def check_config(cfg: Config, config_dir: Path, on_cpu: bool) -> None:
@@ -123,6 +128,7 @@ def check_config(cfg: Config, config_dir: Path, on_cpu: bool) -> None:
     NonFinitePolicy.settings(cfg.train)  # train.on_nonfinite, train.max_consecutive_skips
     check_fields(cfg, at_least={"data.max_length": 1, "lora.r": 1, "lora.alpha": 1},
                  one_of={"parallel": PARALLEL, "train.activation_checkpointing": ("none", "experts", "full"),
+                         "data.reasoning": ("context", "train", "drop"),
                          "model.attn_implementation": ("flex_attention", "eager")},
                  within={"lora.dropout": "[0, 1)", "data.max_dropped_fraction": "[0, 1]"},
                  notes={"model.attn_implementation": "sdpa is refused by transformers for gpt_oss (attention sinks)"})
@@ -137,34 +143,57 @@ def check_config(cfg: Config, config_dir: Path, on_cpu: bool) -> None:
 
 
 # ----------------------------------------------------------------------------- data
-def harmony_conversation(row: dict, n: int, source: str) -> tuple[list[dict], list[dict] | None]:
-    """One row as harmony messages and its tools: `cookbook.sft.to_conversation` (which checks the row and names
-    ``<source> row <n>`` in its errors), with what it drops put back for chat rows: an assistant turn's
-    ``thinking`` (the analysis channel; ``reasoning_content`` is read too) and the ``developer`` role (checked as
-    ``system``).
+def harmony_conversation(row: dict, n: int, source: str, ignored=None) -> tuple[list[dict], list[dict] | None]:
+    """One row as harmony messages and its tools: `cookbook.sft.to_conversation` (which checks the row, names
+    ``<source> row <n>`` in its errors and keeps an assistant turn's reasoning: ``thinking`` or
+    ``reasoning_content``, put under ``thinking``, the template's field), with the ``developer`` role (checked as
+    ``system``) put back.
 
     Raises:
-        sft.SFTDataError: see `cookbook.sft.to_conversation`; a ``thinking`` that is not a string.
+        sft.SFTDataError: see `cookbook.sft.to_conversation`; an assistant turn with more than one tool call (the
+            harmony template renders the first only).
     """
     turns = row.get("messages") if isinstance(row.get("messages"), list) else None
     if turns is not None:  # "developer" is a harmony role that to_conversation does not know: check it as system
         row = {**row, "messages": [{**t, "role": "system"} if isinstance(t, dict) and t.get("role") == "developer"
                                    else t for t in turns]}
-    messages, tools = sft.to_conversation(row, n, source)
+    messages, tools = sft.to_conversation(row, n, source, ignored)
+    for i, m in enumerate(messages):
+        if "reasoning_content" in m:
+            m["thinking"] = m.pop("reasoning_content")
+        if len(m.get("tool_calls", ())) > 1:
+            raise sft.SFTDataError(f"{source} row {n}: messages[{i}] has {len(m['tool_calls'])} tool calls, but the "
+                                   f"harmony chat template renders only the first of a turn: give each call its own "
+                                   f"assistant turn (each followed by its tool result)")
     if turns is not None and len(turns) == len(messages):
-        for i, (turn, m) in enumerate(zip(turns, messages)):
-            thinking = turn.get("thinking", turn.get("reasoning_content"))
-            if thinking is not None and m["role"] == "assistant":
-                if not isinstance(thinking, str):
-                    raise sft.SFTDataError(f"{source} row {n}: messages[{i}].thinking must be a string, "
-                                           f"got {type(thinking).__name__}")
-                m["thinking"] = thinking
+        for turn, m in zip(turns, messages):
             if turn.get("role") == "developer":
                 m["role"] = "developer"
     return messages, tools
 
 
-def final_channel_labels(input_ids: list[int], tokenizer) -> list[int]:
+def _spans(input_ids: list[int], tokenizer, header: str) -> list[tuple[int, int]]:
+    """``(start, stop)`` of each message body after the token sequence `header`, through its closing
+    ``<|return|>`` / ``<|end|>`` (inclusive; a body cut by truncation runs to the end)."""
+    head = tokenizer.encode(header, add_special_tokens=False)
+    ends = {tokenizer.convert_tokens_to_ids(t) for t in FINAL_ENDS}
+    if tokenizer.unk_token_id in ends or None in ends or len(head) < 3:
+        raise sft.SFTDataError(f"the tokenizer has no harmony tokens {header} / {' / '.join(FINAL_ENDS)}: use a "
+                               f"GPT-OSS (harmony) tokenizer")
+    spans, k, h = [], 0, len(head)
+    while k < len(input_ids):
+        if input_ids[k:k + h] == head:
+            start = k = k + h
+            while k < len(input_ids) and input_ids[k] not in ends:
+                k += 1
+            k = min(k + 1, len(input_ids))
+            spans.append((start, k))
+        else:
+            k += 1
+    return spans
+
+
+def final_channel_labels(input_ids: list[int], tokenizer, last_only: bool = False, analysis: bool = False) -> list[int]:
     """Labels for `input_ids` that keep only the assistant's final-channel tokens, `sft.IGNORE_INDEX` elsewhere.
 
     A labelled span starts right after each ``<|channel|>final<|message|>`` token sequence and ends at the next
@@ -172,67 +201,98 @@ def final_channel_labels(input_ids: list[int], tokenizer) -> list[int]:
     Everything else (system, developer, user, tool text, the analysis and commentary channels, the headers) is
     -100. Robust to any harmony template: it looks at the rendered tokens, not at how the template was written.
 
+    Args:
+        last_only: label the last final answer only (`tokenize_rows`: one example per answer).
+        analysis: label the analysis message just before that answer too (``data.reasoning=train``).
+
     Raises:
         sft.SFTDataError: the tokenizer lacks a harmony special token (not a GPT-OSS tokenizer).
     """
-    header = tokenizer.encode(FINAL_START, add_special_tokens=False)
-    ends = {tokenizer.convert_tokens_to_ids(t) for t in FINAL_ENDS}
-    if tokenizer.unk_token_id in ends or None in ends or len(header) < 3:
-        raise sft.SFTDataError(f"the tokenizer has no harmony tokens {FINAL_START} / {' / '.join(FINAL_ENDS)}: use a "
-                               f"GPT-OSS (harmony) tokenizer")
-    labels, inside, k, h = [sft.IGNORE_INDEX] * len(input_ids), False, 0, len(header)
-    while k < len(input_ids):
-        if inside:
-            labels[k] = input_ids[k]
-            inside = input_ids[k] not in ends
-            k += 1
-        elif input_ids[k:k + h] == header:
-            inside, k = True, k + h
-        else:
-            k += 1
+    labels = [sft.IGNORE_INDEX] * len(input_ids)
+    finals = _spans(input_ids, tokenizer, FINAL_START)
+    for start, stop in finals[-1:] if last_only else finals:
+        labels[start:stop] = input_ids[start:stop]
+    if analysis and finals:
+        before = [sp for sp in _spans(input_ids, tokenizer, ANALYSIS_START) if sp[1] <= finals[-1][0]]
+        if before and before[-1][1] > (finals[-2][1] if len(finals) > 1 else 0):
+            labels[before[-1][0]:before[-1][1]] = input_ids[before[-1][0]:before[-1][1]]
     return labels
 
 
-def tokenize_rows(rows: list[dict], tokenizer, cfg: DataConfig, source: str) -> tuple[list[dict], sft.SFTStats]:
-    """Render each row with the chat template (its ``reasoning_effort``, else ``data.chat_template_kwargs``'s) and
-    label its final-channel tokens (`final_channel_labels`); cut at ``max_length``.
+def _answers(messages: list[dict]) -> list[int]:
+    """Indices of the assistant final answers (assistant turns without tool calls)."""
+    return [i for i, m in enumerate(messages) if m["role"] == "assistant" and not m.get("tool_calls")]
 
-    Returns:
-        ``(examples, stats)``: ``{"input_ids", "labels"}`` lists in row order, without rows left with no label
-        (counted as dropped) and rows whose answers are empty (``stats.empty_answers``).
+
+def tokenize_rows(rows: list[dict], tokenizer, cfg: DataConfig, source: str) -> tuple[list[dict], sft.SFTStats]:
+    """One example per final answer of each row: the conversation up to that answer rendered with the chat template
+    (its ``reasoning_effort``, else ``data.chat_template_kwargs``'s), as the model sees it when it writes the answer
+    (the harmony template renders the thinking of the last turn only, and ends it in ``<|return|>``); that answer's
+    final channel is labelled (`final_channel_labels`), and with ``data.reasoning=train`` its analysis message too.
+    Cut at ``max_length``.
+
+    Counted in the statistics: examples cut, dropped (no label left after the cut), rows whose answer is empty, rows
+    that end in a tool call with no answer after it (that part is not trained; a row with no answer at all is not
+    kept), thinking the template leaves out (a tool call's, when an answer follows it) or that
+    ``data.reasoning=drop`` removed, keys not used.
 
     Raises:
         sft.SFTDataError: a bad row (``<source> row <n>: ...``), a template that fails on it, more than
             ``max_dropped_fraction`` of the rows dropped.
     """
-    stats = sft.SFTStats(source=source, max_length=cfg.max_length, truncate=True, rows=len(rows))
-    examples = []
+    stats = sft.SFTStats(source=source, max_length=cfg.max_length, truncate=True, rows=len(rows),
+                         reasoning=cfg.reasoning, unrendered_why="the harmony template drops a tool call's thinking "
+                                                                 "when an answer follows it, as the model never sees it")
+    examples, ignored = [], Counter()
     for n, row in enumerate(rows, 1):
         try:
-            messages, tools = harmony_conversation(row, n, source)
+            messages, tools = harmony_conversation(row, n, source, ignored)
         except sft.EmptyAnswerError:
             stats.empty_answers.append(n)
             continue
+        ignored.update(k for k in row if k not in ("messages", "conversations", "tools", "system", "instruction",
+                                                   "input", "output", "reasoning_effort"))
         kwargs = dict(cfg.chat_template_kwargs)
         if row.get("reasoning_effort") is not None:
             kwargs["reasoning_effort"] = row["reasoning_effort"]
-        try:
-            ids = list(tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=False, **kwargs))
-        except Exception as exc:  # jinja2's TemplateError / UndefinedError, or TypeError inside the template
-            raise sft.SFTDataError(f"{source} row {n}: the chat template cannot render it: {type(exc).__name__}: "
-                                   f"{exc}") from None
-        labels = final_channel_labels(ids, tokenizer)[: cfg.max_length]
-        n_loss = sum(x != sft.IGNORE_INDEX for x in labels)
-        if n_loss == 0:
-            stats.dropped += 1
-            stats.dropped_rows.append((n, len(ids)))
+        answers = _answers(messages)
+        thinking = [i for i, m in enumerate(messages) if m.get("thinking")]
+        if cfg.reasoning == "drop":
+            stats.reasoning_dropped += len(thinking)
+            for i in thinking:
+                del messages[i]["thinking"]
+        else:
+            shown = [i for i in thinking if i in answers]  # the template renders a tool call's only when no answer follows
+            stats.reasoning_turns += len(shown)
+            stats.reasoning_unrendered += len(thinking) - len(shown)
+        if not answers:  # only tool calls: nothing the final-channel mask could label
+            stats.unanswered.append(n)
             continue
-        stats.truncated += len(ids) > cfg.max_length
-        examples.append({"input_ids": ids[: cfg.max_length], "labels": labels})
-        stats.example_rows.append(n)
-        stats.examples += 1
-        stats.tokens += len(labels)
-        stats.loss_tokens += n_loss
+        if answers[-1] < max(i for i, m in enumerate(messages) if m["role"] == "assistant"):
+            stats.call_endings.append(n)  # kept up to its last answer; the tool call after it is not trained
+        split = len(answers) > 1
+        stats.split_rows += split
+        for end in answers:
+            try:
+                ids = list(tokenizer.apply_chat_template(messages[:end + 1], tools=tools, tokenize=True,
+                                                         return_dict=False, **kwargs))
+            except Exception as exc:  # jinja2's TemplateError / UndefinedError, or TypeError inside the template
+                raise sft.SFTDataError(f"{source} row {n}: the chat template cannot render it: {type(exc).__name__}: "
+                                       f"{exc}") from None
+            labels = final_channel_labels(ids, tokenizer, last_only=True,
+                                          analysis=cfg.reasoning == "train")[: cfg.max_length]
+            n_loss = sum(x != sft.IGNORE_INDEX for x in labels)
+            if n_loss == 0:
+                stats.dropped += 1
+                stats.dropped_rows.append((n, len(ids)))
+                continue
+            stats.truncated += len(ids) > cfg.max_length
+            examples.append({"input_ids": ids[: cfg.max_length], "labels": labels})
+            stats.example_rows.append(n)
+            stats.examples += 1
+            stats.tokens += len(labels)
+            stats.loss_tokens += n_loss
+    stats.ignored = dict(ignored)
     stats.check_dropped(cfg.max_dropped_fraction)
     return examples, stats
 
@@ -304,13 +364,21 @@ def _checkpointing_args(args_class, on: bool) -> dict:
 
 # ----------------------------------------------------------------------------- recipe
 def main(argv: list[str]) -> None:
-    args = cli_parser(__doc__).parse_args(argv)
+    args = cli_parser(__doc__, show_examples=True).parse_args(argv)
     cfg = load_config(Config, args.config, args.overrides)
     on_cpu = cookbook.get_dist_info().device.type == "cpu"  # COOKBOOK_DEVICE=cpu, or no GPU
     check_config(cfg, Path(args.config).resolve().parent, on_cpu)
+    if args.show_examples:  # one process, no worker: what training sees
+        tokenizer = sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path)
+        sources = [(f, sft.load_rows(f)) for f in cfg.data.train_files] or \
+            [(cfg.data.hub_id, sft.load_hub_rows(cfg.data.hub_id))]
+        shown = replace(cfg.data, max_dropped_fraction=1.0)  # show what would be refused too
+        parts = [tokenize_rows(rows, tokenizer, shown, source) for source, rows in sources]
+        print(sft.show_examples(parts, tokenizer, args.show_examples))
+        return
     if args.check:  # one process, before any worker starts
         world_size = check_world_size()  # NGPU x NNODES, as launch.sh
-        tokenizer = sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path)
+        tokenizer = sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path, cfg.data.max_length)
         hf_trainer.check_resume(cfg, world_size, MAY_CHANGE, CANNOT_REMAP)
         note = f"data from {cfg.data.hub_id}"
         if cfg.data.train_files:
@@ -398,7 +466,7 @@ def train(cfg: Config, on_cpu: bool) -> None:
     # What TrainLoop does when things fail (cookbook.hf_trainer): preemption, non-finite steps, stalls, failed saves.
     callbacks = hf_trainer.RunCallbacks(cfg, root, metrics, pad_id, resume_from)
 
-    class Trainer(hf_trainer.ReportSaveErrors, hf_trainer.CountBatches, SFTTrainer):
+    class Trainer(hf_trainer.ReportSaveErrors, hf_trainer.WholeEpochs, hf_trainer.CountBatches, SFTTrainer):
         """SFTTrainer that reports a failed save in one line and counts each micro-batch for the metrics."""
 
     trainer = Trainer(
@@ -412,6 +480,7 @@ def train(cfg: Config, on_cpu: bool) -> None:
              f"active non-embedding params, {n_trainable / 1e6:,.2f} M trainable (LoRA r={cfg.lora.r}) | "
              f"{cfg.model.attn_implementation} | global batch {per_step} rows | {max_steps} steps | "
              f"{'bf16' if bf16 else 'fp32'} | data: {stats.summary()}")
+    log.info(hf_trainer.epoch_line(len(examples), per_step))  # WholeEpochs: what one epoch reads
 
     with hf_trainer.TrainerRun(callbacks.preemption, metrics) as run:  # closes metrics and the group whatever happens
         if not run.train(trainer, resume_from, max_steps, callbacks.publisher):

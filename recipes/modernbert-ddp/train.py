@@ -52,6 +52,7 @@ from pathlib import Path
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 warnings.filterwarnings("ignore", message=".*set_vital.*")
 
+import cookbook  # first: a package built for another torch is one line (cookbook.builds)
 import datasets
 import psutil
 import torch
@@ -64,7 +65,6 @@ from transformers import logging as hf_logging
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-import cookbook
 from cookbook import lm
 from cookbook.checkpoint import Checkpointer, CheckpointError, ModelOptimizerState
 from cookbook.checkpoint import export_hf
@@ -116,6 +116,7 @@ class Config(config.RunConfig):
 # Settings that may differ between a checkpoint and the run that resumes it; any other change is refused.
 # not data.num_workers: the loader state each rank checkpoints has one entry per worker
 MAY_CHANGE = (*config.MAY_CHANGE, "ddp.*")
+RESIZABLE = True  # resumes on another world size (global data position); cookbook.checkpoint.resizable_recipes
 
 
 def check_config(cfg: Config, config_dir: Path) -> None:
@@ -442,7 +443,7 @@ def main(argv: list[str]) -> None:
         if train_ds is not None and len(train_ds) < per_step:
             raise ConfigError(f"the training set ({len(train_ds)} rows) is too small for one step of "
                               f"{cfg.train.micro_batch_size} x {cfg.train.grad_accum_steps} x {world_size} samples")
-        Checkpointer(Path(cfg.output_dir) / "checkpoints", resizable=True).check_resume(
+        Checkpointer(Path(cfg.output_dir) / "checkpoints", resizable=RESIZABLE).check_resume(
             cfg.checkpoint.resume, world_size, to_dict(cfg), MAY_CHANGE, cfg.train.stop_at_step)
         rows = f"{len(train_ds)} train / {len(eval_ds)} eval rows" if train_ds is not None else f"hub data set {cfg.data.hub_id}"
         print(f"config OK: {args.config} ({rows})")

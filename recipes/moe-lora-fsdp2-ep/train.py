@@ -67,6 +67,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 warnings.filterwarnings("ignore", message=".*set_vital.*")
 warnings.filterwarnings("ignore", message=".*falling back to its reference PyTorch implementation.*")
 
+import cookbook  # first: a package built for another torch is one line (cookbook.builds)
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DistributedSampler
@@ -74,7 +75,6 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
 from transformers import logging as hf_logging
 
-import cookbook
 from cookbook import lm, moe, sft
 from cookbook.checkpoint import Checkpointer, CheckpointError
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, to_dict
@@ -109,7 +109,7 @@ MAY_CHANGE = (*moe.MAY_CHANGE, *sft.MAY_CHANGE)
 def check_config(cfg: Config, config_dir: Path) -> None:
     """Resolve paths against the config file's folder and reject values that are wrong on their own."""
     moe.check_config(cfg, config_dir)
-    check_fields(cfg, within={"data.max_dropped_fraction": "[0, 1]"})
+    check_fields(cfg, within={"data.max_dropped_fraction": "[0, 1]"}, one_of={"data.reasoning": sft.config.REASONING})
 
 
 # ----------------------------------------------------------------------------- model
@@ -159,7 +159,7 @@ def preflight(cfg: Config, config_path: str) -> None:
     world_size = check_world_size()  # NGPU x NNODES, as launch.sh
     if cfg.model.pretrained and cfg.model.lazy_load:  # a hub id is downloaded here, once, before any worker starts
         model_folder(cfg.model.name_or_path)
-    tokenizer = sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path)
+    tokenizer = sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path, cfg.data.max_length)
     hf_config = AutoConfig.from_pretrained(cfg.model.name_or_path)
     if is_vision_language(hf_config):
         raise ConfigError(f"model.name_or_path: {hf_config.model_type} is a vision-language model: use the recipe "
@@ -177,9 +177,12 @@ def preflight(cfg: Config, config_path: str) -> None:
 
 
 def main(argv: list[str]) -> None:
-    args = cli_parser(__doc__).parse_args(argv)
+    args = cli_parser(__doc__, show_examples=True).parse_args(argv)
     cfg = load_config(Config, args.config, args.overrides)
     check_config(cfg, Path(args.config).resolve().parent)
+    if args.show_examples:  # one process, no worker: what training sees
+        print(sft.show_data(cfg.data, sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path), args.show_examples))
+        return
     if args.check:
         preflight(cfg, args.config)
         return

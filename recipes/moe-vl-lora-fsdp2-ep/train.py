@@ -42,6 +42,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 warnings.filterwarnings("ignore", message=".*set_vital.*")
 warnings.filterwarnings("ignore", message=".*falling back to its reference PyTorch implementation.*")
 
+import cookbook  # first: a package built for another torch is one line (cookbook.builds)
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DistributedSampler
@@ -49,7 +50,6 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from transformers import AutoConfig, AutoModelForImageTextToText, get_scheduler
 from transformers import logging as hf_logging
 
-import cookbook
 from cookbook import lm, moe, sft
 from cookbook.checkpoint import Checkpointer, CheckpointError
 from cookbook.config import ConfigError, cli_parser, load_config, to_dict
@@ -60,7 +60,7 @@ from cookbook.metrics import ModelFlops
 from cookbook.moe import DTYPES
 from cookbook.sft.lazy_load import load_base_lazily
 from cookbook.sft.vision import (VLDataConfig, VLDataset, check_vl_items, collate_vl, is_vision_language, load_vl_items,
-                                 load_vl_processors, shard_items_for_eval)
+                                 load_vl_processors, shard_items_for_eval, show_vl)
 
 hf_logging.disable_progress_bar()
 hf_logging.set_verbosity_error()
@@ -151,6 +151,7 @@ def preflight(cfg: Config, config_path: str) -> None:
         raise ConfigError(f"data.packing=true with {hf_config.model_type}: image + text rows are right-padded (the "
                           f"model computes its 3-D image positions per row); use data.packing=false")
     sft.check_vocab(tokenizer, hf_config.get_text_config().vocab_size)
+    sft.check_positions(cfg.data.max_length, hf_config, cfg.model.name_or_path)
     moe.check_model(cfg, hf_config, AutoModelForImageTextToText, world_size)
     lm.check_attention(cfg.model.attn_implementation, cookbook.get_dist_info().device.type == "cpu")
     Checkpointer(Path(cfg.output_dir) / "checkpoints").check_resume(
@@ -167,9 +168,15 @@ def preflight(cfg: Config, config_path: str) -> None:
 
 
 def main(argv: list[str]) -> None:
-    args = cli_parser(__doc__).parse_args(argv)
+    args = cli_parser(__doc__, show_examples=True).parse_args(argv)
     cfg = load_config(Config, args.config, args.overrides)
     check_config(cfg, Path(args.config).resolve().parent)
+    if args.show_examples:  # one process, no worker: what training sees
+        tokenizer, image_processor = load_vl_processors(cfg.model.tokenizer, cfg.data.image_min_pixels,
+                                                        cfg.data.image_max_pixels)
+        print(show_vl(cfg.data, tokenizer, image_processor, AutoConfig.from_pretrained(cfg.model.name_or_path).image_token_id,
+                      args.show_examples, dict(cfg.data.chat_template_kwargs) or None))
+        return
     if args.check:
         preflight(cfg, args.config)
         return

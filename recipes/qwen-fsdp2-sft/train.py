@@ -52,6 +52,7 @@ from pathlib import Path
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 warnings.filterwarnings("ignore", message=".*set_vital.*")
 
+import cookbook  # first: a package built for another torch is one line (cookbook.builds)
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -64,7 +65,6 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
 from transformers import logging as hf_logging
 
-import cookbook
 from cookbook import lm, sft
 from cookbook.checkpoint import (
     Checkpointer,
@@ -126,6 +126,7 @@ class Config(config.RunConfig):
 
 # Settings that may differ between a checkpoint and the run that resumes it; any other change is refused.
 MAY_CHANGE = config.MAY_CHANGE + sft.MAY_CHANGE + ("train.loss", "train.loss_chunk_size")  # the same objective
+RESIZABLE = True  # resumes on another world size (global data position); cookbook.checkpoint.resizable_recipes
 
 
 def check_config(cfg: Config, config_dir: Path) -> None:
@@ -255,14 +256,17 @@ def build_model(cfg: Config, info: cookbook.DistInfo, vocab_size_needed: int) ->
 
 # ----------------------------------------------------------------------------- recipe
 def main(argv: list[str]) -> None:
-    args = cli_parser(__doc__).parse_args(argv)
+    args = cli_parser(__doc__, show_examples=True).parse_args(argv)
     cfg = load_config(Config, args.config, args.overrides)
     check_config(cfg, Path(args.config).resolve().parent)
+    if args.show_examples:  # one process, no worker: what training sees
+        print(sft.show_data(cfg.data, sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path), args.show_examples))
+        return
     if args.check:  # one process, before torchrun starts any worker
         world_size = check_world_size()  # NGPU x NNODES, as launch.sh
         if cfg.model.pretrained:  # a hub id is downloaded here, once, before any worker starts
             model_folder(cfg.model.name_or_path)
-        tokenizer = sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path)
+        tokenizer = sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path, cfg.data.max_length)
         on_cpu = cookbook.get_dist_info().device.type == "cpu"  # COOKBOOK_DEVICE=cpu, or no GPU
         if cfg.model.attn_implementation == "varlen" and on_cpu:
             raise ConfigError("model.attn_implementation=varlen runs on CUDA GPUs only: use sdpa on CPU")
@@ -273,7 +277,7 @@ def main(argv: list[str]) -> None:
                               "they are in CPU memory already")
         if cfg.fsdp.replicate_degree > 1 and world_size % cfg.fsdp.replicate_degree:
             raise ConfigError(f"fsdp.replicate_degree={cfg.fsdp.replicate_degree} does not divide the world size {world_size}")
-        Checkpointer(Path(cfg.output_dir) / "checkpoints", resizable=True).check_resume(
+        Checkpointer(Path(cfg.output_dir) / "checkpoints", resizable=RESIZABLE).check_resume(
             cfg.checkpoint.resume, world_size, to_dict(cfg), MAY_CHANGE, cfg.train.stop_at_step)
         data = sft.check_data(cfg.data, tokenizer, cfg.train.seed, cfg.train.micro_batch_size, cfg.train.grad_accum_steps,
                               world_size)

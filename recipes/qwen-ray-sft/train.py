@@ -38,12 +38,12 @@ from pathlib import Path
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 warnings.filterwarnings("ignore", message=".*set_vital.*")
 
+import cookbook  # first: a package built for another torch is one line (cookbook.builds)
 import torch
 from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
 from transformers import logging as hf_logging
 
-import cookbook
 from cookbook import config, lm, ray_train, sft
 from cookbook.checkpoint import CheckpointError
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config
@@ -211,11 +211,14 @@ def train_loop(config_dict: dict) -> None:
 
 # ----------------------------------------------------------------------------- driver
 def main(argv: list[str]) -> None:
-    args = cli_parser(__doc__).parse_args(argv)
+    args = cli_parser(__doc__, show_examples=True).parse_args(argv)
     cfg = load_config(Config, args.config, args.overrides)
     check_config(cfg, Path(args.config).resolve().parent)
+    if args.show_examples:  # one process, no worker: what training sees
+        print(sft.show_data(cfg.data, sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path), args.show_examples))
+        return
     driver = ray_train.RayDriver(cfg, MAY_CHANGE, ("train.stop_at_step", cfg.train.stop_at_step))  # before Ray starts
-    tokenizer = sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path)
+    tokenizer = sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path, cfg.data.max_length)
     lm.check_attention(cfg.model.attn_implementation, on_cpu=driver.on_cpu)
     if cfg.model.pretrained:  # a hub id is downloaded here, once, before the workers start
         model_folder(cfg.model.name_or_path)

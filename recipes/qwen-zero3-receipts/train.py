@@ -58,11 +58,11 @@ warnings.filterwarnings("ignore", message=".*set_vital.*")
 warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.* is deprecated")  # DeepSpeed's collectives
 warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.* is deprecated")
 
+import cookbook  # first: a package built for another torch is one line (cookbook.builds)
 import torch
 from transformers import AutoConfig, AutoTokenizer
 from transformers import logging as hf_logging
 
-import cookbook
 from cookbook import hf_trainer, sft
 from cookbook.checkpoint import CheckpointError, ResumeGuard, read_meta
 from cookbook.launch import check_world_size
@@ -289,6 +289,21 @@ def _tokenize_receipts(sources: list[tuple[str, list[dict]]], cfg: DataConfig, t
     return [messages[i] for i in kept], examples, kept, sft.SFTStats.merge(parts)
 
 
+def show_receipts(cfg: DataConfig, tokenizer, n: int) -> str:
+    """`cookbook.sft.show_examples` of each train file's receipts, tokenized as `load_receipts` does (before the
+    validation split); a source that training would refuse is shown with the refusal instead of stopping."""
+    from cookbook.sft.show import refusal
+
+    kwargs, parts = dict(cfg.chat_template_kwargs) or None, []
+    for source in cfg.train_files or [cfg.hub_id]:
+        rows = sft.load_rows(source) if cfg.train_files else sft.load_hub_rows(source)
+        messages = [receipt_messages(row, f"{source} row {k}", cfg.fields) for k, row in enumerate(rows, 1)]
+        parts.append(sft.prepare([{"messages": m} for m in messages], tokenizer, cfg.max_length, source, kwargs,
+                                 truncate=False))
+    notes = [refusal(st, cfg.max_dropped_fraction) for _, st in parts]
+    return sft.show_examples(parts, tokenizer, n) + "".join(f"\n{x}" for x in notes if x)
+
+
 def load_receipts(cfg: DataConfig, tokenizer, seed: int) -> Receipts:
     """Read, validate, tokenize and split the receipts.
 
@@ -423,12 +438,11 @@ def eval_line(values: dict[str, float], fields: list[str]) -> str:
 # ----------------------------------------------------------------------------- checkpoints
 def resume_guard(cfg: Config) -> ResumeGuard:
     """The Trainer's ``checkpoint-<step>`` folders, published with ``meta.json`` under ``output_dir/checkpoints``
-    (`cookbook.hf_trainer.PublishCheckpoints`), under cookbook's resume guard. Another number of ranks is refused: DeepSpeed's ZeRO
+    (`cookbook.hf_trainer.PublishCheckpoints`), under cookbook's resume guard (`cookbook.hf_trainer.resume_guard`: a
+    published folder without meta.json is damaged). Another number of ranks is refused: DeepSpeed's ZeRO
     partitions cannot be remapped. Its advice to start afresh deletes the whole output_dir, metrics.jsonl and
     MLflow run id included (deleting the checkpoints alone would append a new run to the old run's records)."""
-    return ResumeGuard(Path(cfg.output_dir) / "checkpoints", folder="checkpoint-<n>", files=(), run_dir=cfg.output_dir,
-                       cannot_remap="DeepSpeed's ZeRO partitions of the optimizer state cannot be remapped",
-                       same_size="NGPU x NNODES = {n}")
+    return hf_trainer.resume_guard(cfg.output_dir, "DeepSpeed's ZeRO partitions of the optimizer state cannot be remapped")
 
 
 def already_complete(cfg: Config, resume_from: Path | None, max_steps: int) -> str | None:
@@ -453,20 +467,24 @@ def check_resume(cfg: Config, world_size: int) -> Path | None:
 
 # ----------------------------------------------------------------------------- recipe
 def main(argv: list[str]) -> None:
-    args = cli_parser(__doc__).parse_args(argv)
+    args = cli_parser(__doc__, show_examples=True).parse_args(argv)
     cfg = load_config(Config, args.config, args.overrides)
     check_config(cfg, Path(args.config).resolve().parent)
+    if args.show_examples:  # one process, no worker: what training sees (each receipt as load_receipts renders it)
+        print(show_receipts(cfg.data, AutoTokenizer.from_pretrained(cfg.model.tokenizer), args.show_examples))
+        return
     on_cpu = cookbook.get_dist_info().device.type == "cpu"  # COOKBOOK_DEVICE=cpu, or no GPU
     if args.check:  # one process, before any worker starts
         world_size = check_world_size()  # NGPU x NNODES, as launch.sh
         check_deepspeed_config(cfg, world_size)
         try:
             tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
-            vocab_size = AutoConfig.from_pretrained(cfg.model.name_or_path).vocab_size
+            hf_config = AutoConfig.from_pretrained(cfg.model.name_or_path)
         except OSError as exc:
             raise ConfigError(f"model.name_or_path / model.tokenizer: cannot load {cfg.model.name_or_path!r}: "
                               f"{str(exc).splitlines()[0]}") from None
-        sft.check_vocab(tokenizer, vocab_size)
+        sft.check_vocab(tokenizer, hf_config.vocab_size)
+        sft.check_positions(cfg.data.max_length, hf_config, cfg.model.name_or_path)
         check_resume(cfg, world_size)
         data = load_receipts(cfg.data, tokenizer, cfg.train.seed)
         pad_id = sft.pad_token_id(tokenizer)
@@ -572,7 +590,7 @@ def train(cfg: Config, on_cpu: bool) -> None:
     # What TrainLoop does when things fail (cookbook.hf_trainer): preemption, non-finite steps, stalls, failed saves.
     callbacks = hf_trainer.RunCallbacks(cfg, root, metrics, pad_id, resume_from, evaluate_more=gen_eval)
 
-    class ReceiptTrainer(hf_trainer.ReportSaveErrors, hf_trainer.CountBatches, SFTTrainer):
+    class ReceiptTrainer(hf_trainer.ReportSaveErrors, hf_trainer.WholeEpochs, hf_trainer.CountBatches, SFTTrainer):
         """SFTTrainer that reports a failed save in one line (`hf_trainer.ReportSaveErrors`), counts each
         micro-batch for the metrics (`hf_trainer.CountBatches`) and evaluates the loss per label token over
         exactly the validation rows (`evaluate`)."""
@@ -621,6 +639,7 @@ def train(cfg: Config, on_cpu: bool) -> None:
              f"{'packed ' if cfg.data.packing else ''}<= {cfg.data.max_length} tokens, {len(data.val)} validation "
              f"receipts | global batch {per_step} rows | {max_steps} steps | {'bf16' if bf16 else 'fp32'} | data: "
              f"{data.stats.summary()}")
+    log.info(hf_trainer.epoch_line(len(train_rows), per_step))  # WholeEpochs: what one epoch reads
 
     with hf_trainer.TrainerRun(callbacks.preemption, metrics) as run:  # closes metrics and the group whatever happens
         if not run.train(trainer, resume_from, max_steps, callbacks.publisher):

@@ -15,7 +15,7 @@ What this recipe supports:
       set's categories; or a ResNet-18-FPN RetinaNet (``model.arch=retinanet_resnet18_fpn``, the tiny twin).
     - Horizontal-flip augmentation, decided per (seed, epoch, image): the same on any number of workers.
     - bf16 autocast on GPU (fp32 master weights), fp32 on CPU; gradient accumulation, clipping, AdamW.
-    - Evaluation: mAP@[.5:.95] and mAP@.5 (torchmetrics MeanAveragePrecision, pycocotools backend), each
+    - Evaluation: mAP@[.5:.95] and mAP@.5 (pycocotools' COCOeval itself, `coco_map`), each
       rank on a disjoint shard; the detections are gathered and scored in image-id order, so the numbers
       equal a single-process evaluation.
     - Checkpoints (cookbook.checkpoint, DCP), resume=auto, metrics (images/s per GPU, peak memory), as the
@@ -96,6 +96,7 @@ class Config(config.RunConfig):
 
 # not data.num_workers: the loader state each rank checkpoints has one entry per worker
 MAY_CHANGE = (*config.MAY_CHANGE, "data.eval_batch_size", "train.eval_at_start")
+RESIZABLE = True  # resumes on another world size (global data position); cookbook.checkpoint.resizable_recipes
 
 
 def check_config(cfg: Config, config_dir: Path) -> None:
@@ -109,7 +110,7 @@ def check_config(cfg: Config, config_dir: Path) -> None:
         setattr(cfg.data, key, resolve_path(getattr(cfg.data, key), config_dir))
     if bool(cfg.data.eval_images) != bool(cfg.data.eval_annotations):
         raise ConfigError("data.eval_images and data.eval_annotations: give both, or neither (no evaluation)")
-    if cfg.data.eval_annotations:  # MeanAveragePrecision's backend, imported at the first evaluation
+    if cfg.data.eval_annotations:  # coco_map's COCOeval, imported at the first evaluation
         config.require("pycocotools", REQUIREMENTS)
     config.check_run(cfg)
     check_fields(cfg, at_least={"model.min_size": 32, "model.max_size": 32, "model.fpn_channels": 8,
@@ -143,13 +144,17 @@ def _int_field(obj: dict, key: str, where: str, default: int | None = None) -> i
     return value
 
 
-def load_coco(images_dir: str, annotations: str, field_name: str) -> tuple[list[dict], list[dict]]:
+def load_coco(images_dir: str, annotations: str, field_name: str,
+              resize: tuple[int, int] | None = None) -> tuple[list[dict], list[dict]]:
     """Read and check a COCO-format detection set.
 
     Args:
         images_dir: the folder the ``file_name`` of each image is relative to.
         annotations: the ``instances.json`` path.
         field_name: the config key of `annotations` (``data.train_annotations``), for messages.
+        resize: ``(model.min_size, model.max_size)`` for a training set: each non-crowd box is also checked as
+            training sees it (`_as_trained`: clipped, flipped or not, resized in float32), where torchvision
+            refuses a box of zero width or height.
 
     Returns:
         ``(records, categories)``: one record per image, by increasing image id, with ``image_id``, ``path``,
@@ -161,7 +166,8 @@ def load_coco(images_dir: str, annotations: str, field_name: str) -> tuple[list[
             invalid JSON, a missing section or field, an entry that is not an object, an id that is not an integer (a float
             with no fraction, ``3.0``, is taken as one), an ``iscrowd`` other than 0 or 1,
             a duplicate id, an unknown image or category id, a bbox that is not 4 numbers, has a width or height
-            <= 0 or lies outside its image, a missing image file.
+            <= 0, lies outside its image or (with `resize`) has none left once clipped and resized, a missing
+            image file.
     """
     path = Path(annotations)
     if not path.is_file():
@@ -224,13 +230,41 @@ def load_coco(images_dir: str, annotations: str, field_name: str) -> tuple[list[
         if x < -BOX_SLACK or y < -BOX_SLACK or x + w > img["width"] + BOX_SLACK or y + h > img["height"] + BOX_SLACK:
             raise DataError(f"{where}: field 'bbox' {box!r} lies outside its image {iid} "
                             f"({img['width']} x {img['height']} pixels)")
-        img["boxes"].append([max(x, 0.0), max(y, 0.0), min(x + w, img["width"]), min(y + h, img["height"])])
-        img["labels"].append(labels[cid])
+        clipped = [max(x, 0.0), max(y, 0.0), min(x + w, img["width"]), min(y + h, img["height"])]
         crowd = _int_field(ann, "iscrowd", where, default=0)
         if crowd not in (0, 1):
             raise DataError(f"{where}: field 'iscrowd' must be 0 or 1, got {ann['iscrowd']!r}")
+        if resize is not None and crowd == 0:  # crowd boxes never reach the loss
+            trained, size = _as_trained(clipped, img["width"], img["height"], *resize)
+            if any(b[2] <= b[0] or b[3] <= b[1] for b in trained):
+                raise DataError(f"{where}: field 'bbox' {box!r} is {clipped[2] - clipped[0]:g} x "
+                                f"{clipped[3] - clipped[1]:g} pixels once clipped to its image {iid} ({img['width']} "
+                                f"x {img['height']}) and {trained[0][2] - trained[0][0]:g} x {trained[0][3] - trained[0][1]:g} "
+                                f"resized to {size[1]} x {size[0]} (model.min_size / max_size): training would see "
+                                f"a box without area, which torchvision refuses; fix or remove the annotation")
+        img["boxes"].append(clipped)
+        img["labels"].append(labels[cid])
         img["iscrowd"].append(crowd)
     return [images[k] for k in sorted(images)], [categories[k] for k in sorted(categories)]
+
+
+def _as_trained(box: list[float], width: int, height: int, min_size: int,
+                max_size: int) -> tuple[list[list[float]], tuple[int, int]]:
+    """A clipped ``[x1, y1, x2, y2]`` box as training hands it to torchvision's RetinaNet: in float32, as is and
+    flipped (`CocoDetection`), then resized as ``GeneralizedRCNNTransform`` resizes (scale ``min(min_size /
+    shorter side, max_size / longer side)``, image ``floor(side x scale)``, box x new / old side in float32).
+
+    Returns:
+        ``([box, flipped box], (new height, new width))``.
+    """
+    scale = min(min_size / min(height, width), max_size / max(height, width))
+    new = (math.floor(height * scale), math.floor(width * scale))
+    b = torch.tensor([box], dtype=torch.float32)
+    flipped = torch.stack([width - b[:, 2], b[:, 1], width - b[:, 0], b[:, 3]], 1)
+    ratio_w = torch.tensor(new[1], dtype=torch.float32) / torch.tensor(width, dtype=torch.float32)
+    ratio_h = torch.tensor(new[0], dtype=torch.float32) / torch.tensor(height, dtype=torch.float32)
+    ratio = torch.stack([ratio_w, ratio_h, ratio_w, ratio_h])
+    return [(v * ratio).reshape(4).tolist() for v in (b, flipped)], new
 
 
 def _same_categories(train: list[dict], other: list[dict], field_name: str) -> None:
@@ -372,11 +406,9 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, autocast) -> 
     """mAP@[.5:.95] (``map``) and mAP@.5 (``map_50``) over every rank's shard of the evaluation set.
 
     Each rank detects on its shard; the detections and targets are gathered to rank 0 and scored there in
-    image-id order by torchmetrics' MeanAveragePrecision (pycocotools), so the result equals one process
-    scoring the whole set; rank 0 sends it to the others. Returns also ``images`` (the count scored).
+    image-id order by pycocotools' COCOeval (`coco_map`), so the result equals one process scoring the whole
+    set; rank 0 sends it to the others. Returns also ``images`` (the count scored).
     """
-    from torchmetrics.detection import MeanAveragePrecision
-
     model.eval()
     local = []
     for batch in loader:
@@ -393,14 +425,57 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, autocast) -> 
     result = [None]
     if not dist.is_initialized() or dist.get_rank() == 0:
         items = sorted((x for part in gathered for x in part), key=lambda x: x[0])
-        metric = MeanAveragePrecision(box_format="xyxy", iou_type="bbox", backend="pycocotools",
-                                      sync_on_compute=False)  # scored on rank 0 alone: no collective inside
-        metric.update([p for _, p, _ in items], [t for _, _, t in items])
-        scores = metric.compute()
-        result = [{"map": scores["map"].item(), "map_50": scores["map_50"].item(), "images": float(len(items))}]
+        result = [{**coco_map(items), "images": float(len(items))}]
     if dist.is_initialized():
         dist.broadcast_object_list(result, src=0)
     return result[0]
+
+
+def coco_map(items: list[tuple[int, dict, dict]]) -> dict[str, float]:
+    """``{"map": mAP@[.5:.95], "map_50": mAP@.5}`` of detections against targets, by pycocotools' COCOeval itself.
+
+    Args:
+        items: ``(image_id, detections, targets)`` per image: detections ``boxes`` (N, 4) xyxy pixels,
+            ``scores`` (N,), ``labels`` (N,); targets ``boxes``, ``labels``, ``iscrowd`` (M,). An image may have
+            no target (it still counts its false positives) and targets may be crowd regions (COCOeval ignores
+            detections matched to them).
+
+    Boxes go in as COCO ``[x, y, width, height]``, a target's ``area`` is its box's. torchmetrics'
+    MeanAveragePrecision differs from COCOeval on such sets (its recall thresholds are float32: 0.124046 against
+    0.124764 on a crowd / empty-image set). -1 where no category has a non-crowd target (COCOeval's "absent"); 0
+    where there are targets and no detection.
+    """
+    import io
+
+    from pycocotools.coco import COCO
+    from pycocotools.cocoeval import COCOeval
+
+    def xywh(boxes: torch.Tensor) -> list[list[float]]:
+        return [[x1, y1, x2 - x1, y2 - y1] for x1, y1, x2, y2 in boxes.double().tolist()]
+
+    images, gts, dts, cats = [], [], [], set()
+    for iid, det, tgt in items:
+        images.append({"id": int(iid)})
+        for box, label, crowd in zip(xywh(tgt["boxes"]), tgt["labels"].tolist(), tgt["iscrowd"].tolist()):
+            gts.append({"id": len(gts) + 1, "image_id": int(iid), "category_id": label, "bbox": box,
+                        "area": box[2] * box[3], "iscrowd": crowd})
+            cats.add(label)
+        for box, label, score in zip(xywh(det["boxes"]), det["labels"].tolist(), det["scores"].double().tolist()):
+            dts.append({"image_id": int(iid), "category_id": label, "bbox": box, "score": score})
+            cats.add(label)
+    if not any(g["iscrowd"] == 0 for g in gts):
+        return {"map": -1.0, "map_50": -1.0}
+    if not dts:
+        return {"map": 0.0, "map_50": 0.0}
+    with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints its progress and the summary table
+        gt = COCO()
+        gt.dataset = {"images": images, "annotations": gts, "categories": [{"id": c} for c in sorted(cats)]}
+        gt.createIndex()
+        coco_eval = COCOeval(gt, gt.loadRes(dts), iouType="bbox")
+        coco_eval.evaluate()
+        coco_eval.accumulate()
+        coco_eval.summarize()
+    return {"map": float(coco_eval.stats[0]), "map_50": float(coco_eval.stats[1])}
 
 
 # ----------------------------------------------------------------------------- recipe
@@ -413,7 +488,8 @@ def main(argv: list[str]) -> None:
     check_config(cfg, Path(args.config).resolve().parent)
     if args.check:  # one process, before torchrun starts any worker
         world_size = check_world_size()  # NGPU x NNODES, as launch.sh
-        train, cats = load_coco(cfg.data.train_images, cfg.data.train_annotations, "data.train_annotations")
+        train, cats = load_coco(cfg.data.train_images, cfg.data.train_annotations, "data.train_annotations",
+                                (cfg.model.min_size, cfg.model.max_size))  # boxes as training sees them
         n_eval = 0
         if cfg.data.eval_annotations:
             evals, eval_cats = load_coco(cfg.data.eval_images, cfg.data.eval_annotations, "data.eval_annotations")
@@ -423,7 +499,7 @@ def main(argv: list[str]) -> None:
         if len(train) < per_step:
             raise ConfigError(f"the training set ({len(train)} images) is too small for one step of "
                               f"{cfg.train.micro_batch_size} x {cfg.train.grad_accum_steps} x {world_size} images")
-        Checkpointer(Path(cfg.output_dir) / "checkpoints", resizable=True).check_resume(
+        Checkpointer(Path(cfg.output_dir) / "checkpoints", resizable=RESIZABLE).check_resume(
             cfg.checkpoint.resume, world_size, to_dict(cfg), MAY_CHANGE, cfg.train.stop_at_step)
         print(f"config OK: {args.config} ({len(train)} train / {n_eval} eval images, {len(cats)} categories)")
         return
@@ -437,7 +513,8 @@ def main(argv: list[str]) -> None:
     torch.manual_seed(cfg.train.seed)
     use_bf16 = info.device.type == "cuda" and cfg.train.mixed_precision == "bf16"
     autocast = partial(torch.autocast, info.device.type, dtype=torch.bfloat16, enabled=use_bf16)
-    train_records, categories = load_coco(cfg.data.train_images, cfg.data.train_annotations, "data.train_annotations")
+    train_records, categories = load_coco(cfg.data.train_images, cfg.data.train_annotations, "data.train_annotations",
+                                          (cfg.model.min_size, cfg.model.max_size))
     train_ds = CocoDetection(train_records, train=True, hflip_prob=cfg.data.hflip_prob, seed=cfg.train.seed)
     sampler = ResizableSampler(train_ds, num_replicas=info.world_size, rank=info.rank, shuffle=True,
                                seed=cfg.train.seed, drop_last=True)

@@ -52,6 +52,7 @@ warnings.filterwarnings("ignore", message="fbgemm::dense_embedding_codegen_looku
 
 import logging
 
+import cookbook  # first: a package built for another torch is one line (cookbook.builds)
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -69,7 +70,6 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-import cookbook
 from cookbook.checkpoint import Checkpointer, CheckpointError, TrainState
 from cookbook import config
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, to_dict
@@ -78,8 +78,11 @@ from cookbook.loop import TrainLoop, start_run
 from cookbook import hub, tabular
 from cookbook.tabular import DataError, check_int64, to_int
 
-for _name in ("torchrec", "root"):  # TorchRec logs planner and caching notices at WARNING on every rank
-    logging.getLogger(_name).setLevel(logging.ERROR)
+logging.getLogger("torchrec").setLevel(logging.ERROR)  # TorchRec logs planner and caching notices at WARNING on every
+logging.getLogger().addFilter(  # rank, some through the root logger: those are dropped there, others' warnings kept
+    lambda record: record.levelno >= logging.ERROR or f"{os.sep}torchrec{os.sep}" not in record.pathname)
+CANNOT_REMAP = ("its data position counts global batches of world_size x train.batch_size rows, so on another number "
+                "of ranks it would point at other rows and the steps per epoch would change")
 
 DENSE = [f"I{i}" for i in range(1, 14)]
 CATEGORICAL = [f"C{i}" for i in range(1, 27)]
@@ -611,7 +614,7 @@ def main(argv: list[str]) -> None:
                                     cfg.data.hub_max_rows, version=HUB_FORMAT)
             if n is not None:
                 print(f"{cfg.data.hub_id} ({cfg.data.hub_split}): {n} rows written to {hub_file(cfg)}")
-        Checkpointer(Path(cfg.output_dir) / "checkpoints").check_resume(
+        Checkpointer(Path(cfg.output_dir) / "checkpoints", cannot_remap=CANNOT_REMAP).check_resume(
             cfg.checkpoint.resume, world_size, to_dict(cfg), MAY_CHANGE, cfg.train.stop_at_step)
         print(f"config OK: {args.config} ({check_data(cfg, world_size)})")
         return
@@ -627,7 +630,7 @@ def main(argv: list[str]) -> None:
     ckpt_state = {"app": DLRMState(model, optimizer), "train": IntsAsTensors(state), "data": IntsAsTensors(stream)}
     max_steps = cfg.train.max_steps if cfg.train.max_steps > 0 else cfg.train.epochs * len(stream)
     run = start_run(cfg, info, state=state, checkpoint_state=ckpt_state, may_change=MAY_CHANGE, max_steps=max_steps,
-                    experiment="torchrec-dlrm", count_tokens=False)
+                    experiment="torchrec-dlrm", count_tokens=False, cannot_remap=CANNOT_REMAP)
     if run is None:  # already complete
         cookbook.destroy_distributed()
         return

@@ -184,6 +184,35 @@ def attention(cfg: Config, on_gpu: bool) -> str:
     return attn
 
 
+def trl_examples(rows: list[dict], tokenizer, cfg: Config) -> tuple[list[dict], "sft.SFTStats"]:
+    """The prompt-completion `rows` tokenized as TRL's SFTTrainer does (the prompt rendered with the generation
+    prompt, the whole conversation after it; ``data.completion_only``: labels on the completion's tokens only),
+    cut at ``data.max_length``, and their counts (`cookbook.sft.SFTStats`; an example with no label left is
+    dropped). For ``--show-examples``."""
+    from cookbook import sft
+
+    stats = sft.SFTStats(source=", ".join(cfg.data.train_files), max_length=cfg.data.max_length, rows=len(rows))
+    examples = []
+    for n, row in enumerate(rows, 1):
+        prompt = list(tokenizer.apply_chat_template(row["prompt"], tokenize=True, add_generation_prompt=True,
+                                                    return_dict=False))
+        ids = list(tokenizer.apply_chat_template(row["prompt"] + row["completion"], tokenize=True, return_dict=False))
+        labels = ([sft.IGNORE_INDEX] * len(prompt) + ids[len(prompt):]) if cfg.data.completion_only else list(ids)
+        labels = labels[: cfg.data.max_length]
+        n_loss = sum(x != sft.IGNORE_INDEX for x in labels)
+        if n_loss == 0:
+            stats.dropped += 1
+            stats.dropped_rows.append((n, len(ids)))
+            continue
+        stats.truncated += len(ids) > cfg.data.max_length
+        examples.append({"input_ids": ids[: cfg.data.max_length], "labels": labels})
+        stats.example_rows.append(n)
+        stats.examples += 1
+        stats.tokens += len(labels)
+        stats.loss_tokens += n_loss
+    return examples, stats
+
+
 def build_model(cfg: Config, info, dtype):
     """The model with LoRA adapters and its tokenizer, on this rank's device (the whole model per rank: DDP)."""
     import torch
@@ -233,8 +262,16 @@ def build_model(cfg: Config, info, dtype):
 
 
 def main(argv: list[str]) -> None:
-    args = cfgmod.cli_parser(__doc__).parse_args(argv)
+    args = cfgmod.cli_parser(__doc__, show_examples=True).parse_args(argv)
     cfg = load(args.config, args.overrides)
+    if args.show_examples:  # one process, no worker, no Unsloth import: what TRL's SFTTrainer trains on
+        from transformers import AutoTokenizer
+
+        from cookbook import sft
+
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.name_or_path)
+        print(sft.show_examples([trl_examples(training_rows(cfg), tokenizer, cfg)], tokenizer, args.show_examples))
+        return
     if cfg.model.loader == "unsloth":
         try:
             import unsloth  # noqa: F401  (first: it patches transformers, PEFT and TRL when imported)
@@ -255,6 +292,13 @@ def main(argv: list[str]) -> None:
                 attention(cfg, torch.cuda.is_available())
             except ConfigError as exc:
                 raise ConfigError(f"{args.config}: {exc}") from None
+        if (Path(cfg.model.name_or_path) / "config.json").is_file():  # a hub id: checked when the workers load it
+            from transformers import AutoConfig
+
+            from cookbook import sft
+
+            sft.check_positions(cfg.data.max_length, AutoConfig.from_pretrained(cfg.model.name_or_path),
+                                cfg.model.name_or_path)
         print(f"config {args.config} and {len(rows)} rows of {', '.join(cfg.data.train_files)}: ok "
               f"(loader {cfg.model.loader}, LoRA r={cfg.lora.r} alpha={cfg.lora.alpha}, seq {cfg.data.max_length})")
         return

@@ -15,8 +15,13 @@
 - `cookbook.lm`: causal-LM model helpers: real-token counts, world-size-independent init of FSDP2 shards.
 - `cookbook.tabular`: CSV / TSV / JSON(L) / parquet rows with their file and 1-based line, BOMs, CRLF and `3.0` integers accepted.
 - `cookbook.hf_trainer`: Hugging Face Trainer / TRL callbacks (metrics windows, published checkpoints, stop-at-step, preemption, non-finite steps, stalls, failed saves), DeepSpeed JSON checks, export.
+- `cookbook.builds`: a package built for another torch (PyPI's torchvision beside a CPU torch) is one line naming the build to install, in every recipe (``import cookbook`` first).
 - `cookbook.launcher`: the ``@distributed`` decorator (``fn.distributed(...)`` runs ``fn`` once per GPU) for notebooks and scripts.
 """
+
+from cookbook import builds
+
+builds.guard()  # first: a torchvision built for another torch is one line (exit 2), not a traceback
 
 from cookbook.dist import (
     DistInfo,

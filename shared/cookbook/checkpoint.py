@@ -24,7 +24,7 @@ data-loader workers, RNG streams) is not restored but starts as in a fresh run, 
 the checkpoint's, so that a step, ``max_steps``, the learning-rate schedule and the position keep their meaning;
 ``train.micro_batch_size`` and ``train.grad_accum_steps`` may change within it (`ResumeGuard.check`). Recipes
 that cannot resize refuse another world size before any worker starts, naming the size to use and the recipes
-that can (`RESIZABLE_RECIPES`).
+that can (`resizable_recipes`: those whose train.py says ``RESIZABLE = True``).
 
 `ResumeGuard` is the one resume check of every recipe, whatever writes its checkpoints (DCP here, the
 Hugging Face Trainer, Ray Train): a checkpoint is a folder named after its step or epoch that holds a
@@ -36,10 +36,13 @@ over an earlier run's checkpoints). `Checkpointer.check_resume` is the guard of 
 What survives which failure (each one is injected for real in ``tests/test_checkpoint_faults.py``):
 
 - **A damaged checkpoint** (a truncated or missing shard, ``.metadata`` missing or unreadable,
-  ``meta.json`` missing, empty or not JSON) is not complete: `ResumeGuard.problem` says what is wrong,
+  ``meta.json`` missing, empty or not JSON, bytes overwritten in place) is not complete: `ResumeGuard.problem` says what is wrong,
   from ``meta.json`` and DCP's index alone (every file ``.metadata`` names exists and is as long as its
   entries need; no collective, no tensor read); in a layout without such an index (the Hugging Face
-  Trainer's), from the file sizes that ``meta.json`` lists (`file_sizes`). ``resume=auto`` skips a damaged newest checkpoint and
+  Trainer's), from the file sizes that ``meta.json`` lists (`file_sizes`). The checkpoint a resume takes is also
+  read whole once and compared with the checksum of each file that ``meta.json`` holds (`checksums`, written at
+  publish time: xxh3_64, or crc32 without the ``xxhash`` package), which finds bytes overwritten in place
+  (`ResumeGuard.verify`). ``resume=auto`` skips a damaged newest checkpoint and
   resumes from the previous complete one, with one warning line (rank 0 / the ``--check`` process)
   naming the folder and what is wrong; with none left it refuses and says so. An explicit
   ``resume=<path>`` that is damaged is refused, naming what is wrong. Every reader (the resume, `latest`,
@@ -68,8 +71,9 @@ import random
 import re
 import shutil
 import time
+import zlib
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -90,8 +94,8 @@ from cookbook.torchrun import RESTART_COUNT_ENV
 META_FILE = "meta.json"
 DCP_METADATA = ".metadata"  # DCP's index of a checkpoint: which bytes of which file hold each tensor
 FILES_KEY = "files"  # meta.json's list of a checkpoint's files and sizes, where no index names them (file_sizes)
+CHECKSUMS_KEY = "checksums"  # meta.json's checksum of each file, written at publish time (checksums)
 LEFTOVER_PREFIXES = (".tmp-", ".old-")  # folders of a save or a publish that did not finish
-RESIZABLE_RECIPES = "modernbert-ddp (DDP) and qwen-fsdp2-sft (FSDP2)"  # the recipes that resume on another world size
 BATCH_KEYS = ("train.micro_batch_size", "train.grad_accum_steps")  # with the world size, they make the global batch
 LENGTH_KEYS = {"train.max_steps": "step", "train.epochs": "epoch"}  # the run's length, with the unit meta.json counts
 
@@ -202,6 +206,31 @@ class RNGState:
             torch.cuda.set_rng_state(state["cuda"].cpu())
 
 
+def seed_per_rank(seed: int, rank: int) -> None:
+    """Seed this process's random streams (Python, NumPy if installed, torch CPU and every CUDA device) with
+    ``seed + rank``, so that each rank draws its own dropout masks (and augmentations). Call after the model's
+    initialisation (which must be the same on every rank) and before a resume restores the saved streams."""
+    random.seed(seed + rank)
+    try:
+        import numpy as np
+
+        np.random.seed(seed + rank)
+    except ImportError:
+        pass
+    torch.manual_seed(seed + rank)  # also seeds every CUDA device
+
+
+@contextlib.contextmanager
+def rng_kept() -> Iterator[None]:
+    """Leave this process's random streams (`RNGState`) as they were before the block: an evaluation (its data
+    loader draws a seed from torch's generator) does not change what training draws next."""
+    saved = RNGState().state_dict()
+    try:
+        yield
+    finally:
+        RNGState().load_state_dict(saved)
+
+
 class TrainState:
     """Optimizer steps done and the current epoch, as a DCP `Stateful` (``step``, ``epoch``)."""
 
@@ -238,13 +267,20 @@ class ResumeGuard:
         resizable: the run resumes a checkpoint of another world size when the global batch is the checkpoint's
             (`check_world_size`); ``train.micro_batch_size`` and ``train.grad_accum_steps`` may then change as long
             as it is. For DCP checkpoints whose data position is global (`cookbook.sampler.DataPosition`).
+        published: a folder appears under `root` only once complete (renamed there), so one without ``meta.json``
+            or a file of `files` is damaged (warned of); ``False``: written in place (Ray Train), so it is an
+            interrupted save, passed over silently. Default: whether `files` holds DCP's ``.metadata``.
     """
 
     def __init__(self, root: str | Path, *, folder: str = "step_<n>", files: tuple[str, ...] = (".metadata",),
                  run_dir: str | Path | None = None, resume_key: str = "checkpoint.resume", processes: str = "ranks",
                  cannot_remap: str = "its per-rank data-loader and RNG state cannot be remapped",
-                 same_size: str = "the same number of processes (NGPU x NNODES = {n})", resizable: bool = False):
+                 same_size: str = "the same number of processes (NGPU x NNODES = {n})", resizable: bool = False,
+                 published: bool | None = None):
         self.root = Path(root)
+        self.published = DCP_METADATA in files if published is None else published
+        self.bad: dict[Path, str] = {}  # folders whose files did not match their checksums (verify), with why
+        self.verified: set[Path] = set()  # folders this process verified (verify) or wrote itself
         self.folder, self.files = folder, tuple(files)
         self._name = re.compile(re.escape(folder).replace(re.escape("<n>"), r"(\d+)"))
         self.run_dir = Path(run_dir) if run_dir is not None else None
@@ -270,6 +306,8 @@ class ResumeGuard:
             meta.json says 1236479"``.
         """
         path = Path(path)
+        if path in self.bad:
+            return self.bad[path]
         missing = self._missing(path)
         if missing:
             return f"no {', '.join(missing)} inside"
@@ -294,6 +332,33 @@ class ResumeGuard:
     def _missing(self, path: Path) -> list[str]:
         """The files of a checkpoint (``meta.json`` and `files`) that `path` lacks."""
         return [f for f in (META_FILE, *self.files) if not (path / f).is_file()]
+
+    def verify(self, path: str | Path) -> str | None:
+        """What is wrong with the checkpoint folder `path`, reading every file it lists in ``meta.json``'s
+        ``checksums`` (`checksums`) and comparing: `problem`, then ``"__0_0.distcp does not match its checksum
+        (xxh3_64 ... in meta.json, ... now)"``, or ``None``. A folder without checksums (written before they
+        existed) passes on `problem` alone. A folder found wrong is remembered (`bad`): `problem`, `latest` and
+        the pruning of old checkpoints treat it as damaged from then on; one found right joins `verified`.
+        Costs one read of the folder (xxh3_64: several GB/s)."""
+        path = Path(path)
+        found = self.problem(path)
+        if found is None:
+            sums = read_meta(path).get(CHECKSUMS_KEY)
+            found = _checksum_problem(path, sums) if isinstance(sums, Mapping) else None
+            if found is not None:
+                self.bad[path] = found
+        if found is None:
+            self.verified.add(path)
+        return found
+
+    def verified_latest(self) -> Path | None:
+        """The newest complete checkpoint that this process verified or wrote (`verified`), or ``None``: what a
+        message may call the last good one (it held finite weights when written: `cookbook.loop` saves none
+        else)."""
+        for _, path in reversed(self.candidates()):
+            if path in self.verified and self.is_complete(path):
+                return path
+        return None
 
     def is_complete(self, path: str | Path) -> bool:
         """Whether `path` is a complete checkpoint (`problem` finds nothing wrong)."""
@@ -339,7 +404,7 @@ class ResumeGuard:
             if number <= after:
                 continue
             problem = self.problem(path)
-            if problem is not None and (DCP_METADATA in self.files or not self._missing(path)):
+            if problem is not None and (self.published or path in self.bad or not self._missing(path)):
                 found.append((path, problem))
         return found
 
@@ -361,6 +426,8 @@ class ResumeGuard:
             return None
         if resume == "auto":
             path = self.latest()
+            while path is not None and self.verify(path) is not None:  # remembered as bad: latest moves on
+                path = self.latest()
             skipped = self.damaged(newer_than=path)
             what = "; ".join(f"{p} ({problem})" for p, problem in skipped)
             if skipped and path is None:
@@ -374,7 +441,7 @@ class ResumeGuard:
                 get_logger().warning(f"warning: {which}; resuming from {path} instead")
             return path
         path = Path(resume)
-        problem = self.problem(path)
+        problem = self.verify(path)
         if self._missing(path):
             raise CheckpointError(f"{self.resume_key}={resume!r} is not a complete checkpoint folder ({problem}): "
                                   f"use {self.resume_key}=auto (the newest one under {self.root}), none, or the path "
@@ -492,7 +559,7 @@ class ResumeGuard:
         elif n not in (None, world_size):
             raise CheckpointError(f"{path} was written by {n} {self.processes} but this job has {world_size}: "
                                   f"{self.cannot_remap} (resuming on another number of processes is supported by "
-                                  f"{RESIZABLE_RECIPES} only). Resume with {self.same_size.format(n=n)}, or start "
+                                  f"{resizable_recipes()} only). Resume with {self.same_size.format(n=n)}, or start "
                                   f"afresh with {self.start_afresh()}")
 
     def _check_global_batch(self, path: str | Path, meta: Mapping[str, Any], world_size: int,
@@ -544,6 +611,18 @@ class ResumeGuard:
         return f"already complete: {count} {unit}s{where}. To train again, use {self.start_afresh()}."
 
 
+def resizable_recipes() -> str:
+    """The recipes that resume on another world size, as words (``"modernbert-ddp, qwen-fsdp2-sft and
+    retinanet-ddp"``): those whose ``train.py`` declares ``RESIZABLE = True`` beside this package (in the
+    repository); installed elsewhere, ``"the recipes whose train.py says RESIZABLE = True"``."""
+    recipes = Path(__file__).resolve().parents[2] / "recipes"
+    names = sorted(t.parent.name for t in recipes.glob("*/train.py")
+                   if re.search(r"^RESIZABLE = True\b", t.read_text(), re.M))
+    if not names:
+        return "the recipes whose train.py says RESIZABLE = True"
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
 def _plural(word: str, n: int) -> str:
     """`word` (a plural: ``"ranks"``) for a count of `n`: ``"rank"`` for 1."""
     return word.removesuffix("s") if n == 1 else word
@@ -589,6 +668,62 @@ def file_sizes(folder: str | Path) -> dict[str, int]:
     folder = Path(folder)
     return {p.relative_to(folder).as_posix(): p.stat().st_size for p in sorted(folder.rglob("*"))
             if p.is_file() and p.relative_to(folder).as_posix() != META_FILE}
+
+
+def _hasher() -> tuple[str, Any]:
+    """``(name, new)`` of the checksum `checksums` writes: xxh3_64 (``xxhash``), else zlib's crc32."""
+    try:
+        import xxhash
+
+        return "xxh3_64", xxhash.xxh3_64
+    except ImportError:
+        return "crc32", _Crc32
+
+
+class _Crc32:
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, data: bytes) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def hexdigest(self) -> str:
+        return f"{self.value:08x}"
+
+
+def _file_checksum(file: Path, kind: str) -> str:
+    """``"<kind>:<hex>"`` of the bytes of `file` (read in 4 MiB blocks)."""
+    new = {"crc32": _Crc32}.get(kind) or _hasher()[1]
+    h = new()
+    with open(file, "rb") as f:
+        while block := f.read(4 << 20):
+            h.update(block)
+    return f"{kind}:{h.hexdigest()}"
+
+
+def checksums(folder: str | Path) -> dict[str, str]:
+    """Every file under `folder` but ``meta.json``, by its path relative to `folder`, with the checksum of its bytes:
+    ``{"__0_0.distcp": "xxh3_64:9f0c..."}`` (crc32 without the ``xxhash`` package). What a writer stores in
+    ``meta.json`` under ``checksums`` at publish time, for `ResumeGuard.verify` to compare on resume."""
+    folder, kind = Path(folder), _hasher()[0]
+    return {p.relative_to(folder).as_posix(): _file_checksum(p, kind) for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.relative_to(folder).as_posix() != META_FILE}
+
+
+def _checksum_problem(path: Path, sums: Mapping[str, Any]) -> str | None:
+    """The first file of `sums` (``meta.json``'s ``checksums``) whose bytes under `path` do not match, as words:
+    ``"__0_0.distcp does not match its checksum (xxh3_64:... in meta.json, xxh3_64:... now)"``; ``None``."""
+    for name, want in sorted(sums.items()):
+        kind = str(want).split(":", 1)[0]
+        try:
+            have = _file_checksum(path / name, kind if kind in ("xxh3_64", "crc32") else "xxh3_64")
+        except FileNotFoundError:
+            return f"{name} is missing ({META_FILE} lists it)"
+        except OSError as exc:
+            return f"{name} is unreadable ({_reason(exc)})"
+        if have != want:
+            return f"{name} does not match its checksum ({want} in {META_FILE}, {have} now)"
+    return None
 
 
 def _sizes_problem(path: Path, sizes: Mapping[str, Any], listed: bool) -> str | None:
@@ -719,17 +854,20 @@ class Checkpointer:
         run_dir: the run's output folder, named in the resume guard's advice ("or delete <run_dir>").
         resizable: a checkpoint written by another world size may be resumed when the global batch is kept
             (`ResumeGuard` ``resizable``); `load` then needs a `cookbook.sampler.DataPosition` in the state.
+        cannot_remap: why another world size's checkpoint cannot be resumed, for the refusal (`ResumeGuard`);
+            default: the per-rank data-loader and RNG state.
 
     Every method is collective: call it on every rank.
     """
 
     def __init__(self, root: str | Path, keep_last: int = 3, run_dir: str | Path | None = None,
-                 resizable: bool = False):
+                 resizable: bool = False, cannot_remap: str | None = None):
         if keep_last < 0:
             raise ValueError(f"keep_last must be >= 0, got {keep_last}")
         self.root = Path(root)
         self.keep_last = keep_last
-        self.guard = ResumeGuard(self.root, run_dir=run_dir, resizable=resizable)
+        self.guard = ResumeGuard(self.root, run_dir=run_dir, resizable=resizable,
+                                 **({"cannot_remap": cannot_remap} if cannot_remap else {}))
 
     # ------------------------------------------------------------------ finding
     def complete_checkpoints(self) -> list[Path]:
@@ -739,6 +877,11 @@ class Checkpointer:
     def latest(self) -> Path | None:
         """The newest complete checkpoint, or ``None``."""
         return self.guard.latest()
+
+    def verified_latest(self) -> Path | None:
+        """The newest checkpoint this process saved or verified on resume (`ResumeGuard.verified_latest`), or
+        ``None``: the one the stop message of a diverged run names."""
+        return self.guard.verified_latest()
 
     def resolve_resume(self, resume: str | None) -> Path | None:
         """Turn a config's ``resume`` value into a checkpoint folder (`ResumeGuard.resolve`).
@@ -813,6 +956,7 @@ class Checkpointer:
         if _rank() == 0:
             meta = {"step": step, "world_size": _world_size(), "time": time.time(), **(extra_meta or {})}
             try:
+                meta[CHECKSUMS_KEY] = checksums(tmp)
                 with open(tmp / META_FILE, "w") as f:
                     json.dump(meta, f, indent=2)
                     f.flush()
@@ -825,6 +969,9 @@ class Checkpointer:
             else:
                 self._prune(final)
         failure = _from_rank0(failure)
+        if failure is None:
+            self.guard.bad.pop(final, None)
+            self.guard.verified.add(final)
         if error is not None and failure[0] == "bug":
             raise error
         self._raise_failure(step, final, failure, error)
@@ -946,10 +1093,13 @@ def save_error(step: int, final: Path, previous: Path | None, rank: int | None, 
 def config_changes(old: Mapping[str, Any], new: Mapping[str, Any], may_change: tuple[str, ...] = ()) -> str:
     """The settings that differ between two configs (flat or nested dicts), as ``"key: old -> new, ..."``
     (at most six, then ``...``); ``""`` when none. Keys in `may_change` are ignored (a key ending in ``.*``
-    ignores a whole section)."""
+    ignores a whole section; ``"key=value"`` ignores a key that `old` lacks, a setting added since, when `new`
+    has it at that value, its default)."""
     old, new = flatten(old), flatten(new)
+    added = dict(m.split("=", 1) for m in may_change if "=" in m)
     changed = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)
-               and not any(k == m or (m.endswith(".*") and k.startswith(m[:-1])) for m in may_change)]
+               and not any(k == m or (m.endswith(".*") and k.startswith(m[:-1])) for m in may_change)
+               and not (k in added and k not in old and str(new.get(k)) == added[k])]
     diff = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed[:6])
     return diff + (", ..." if len(changed) > 6 else "")
 

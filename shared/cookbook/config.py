@@ -47,6 +47,27 @@ def _did_you_mean(cfg: Any, exc: OmegaConfBaseException) -> str:
     return f" (did you mean '{parent + '.' if parent else ''}{close[0]}'?)" if close else ""
 
 
+def _yaml_line(path: Path, dotted: str | None) -> int | None:
+    """The 1-based line of key `dotted` (``train.eval_every``) in the YAML file `path`, or ``None``."""
+    if not dotted:
+        return None
+    import yaml
+
+    try:
+        node = yaml.compose(path.read_text(encoding="utf-8"))
+    except Exception:  # noqa: BLE001 - already loaded once; a line number is only a help
+        return None
+    line = None
+    for part in str(dotted).split("."):
+        if not isinstance(node, yaml.MappingNode):
+            break
+        found = next(((k, v) for k, v in node.value if getattr(k, "value", None) == part), None)
+        if found is None:
+            break
+        line, node = found[0].start_mark.line + 1, found[1]
+    return line
+
+
 def load_config(schema: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
     """Build a recipe config from its schema, a YAML file and dotted overrides.
 
@@ -60,9 +81,10 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: Sequ
         An instance of `schema` with every field of the declared type.
 
     Raises:
-        ConfigError: the file is missing or not a mapping; a key is not in the schema; a value
-            has the wrong type; an override is not ``key=value``; a required (``MISSING``)
-            value was not given. The message names the key and the file or override.
+        ConfigError: the file is missing or not a mapping; a key is not in the schema (with the closest
+            known key at any depth: "did you mean 'train.eval_every'?"); a value has the wrong type; an
+            override is not ``key=value``; a required (``MISSING``) value was not given. The message names
+            the key and the file (with the key's line) or override.
     """
     if not dataclasses.is_dataclass(schema):
         raise TypeError(f"schema must be a dataclass type, got {schema!r}")
@@ -91,7 +113,8 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: Sequ
             cfg = OmegaConf.merge(cfg, src)
         except OmegaConfBaseException as exc:
             hint = " (a list is written [a,b])" if "ListConfig" in str(exc) else _did_you_mean(cfg, exc)
-            raise ConfigError(f"{where}: {_describe(exc)}{hint}") from None
+            line = _yaml_line(Path(path), getattr(exc, "full_key", None)) if where == str(path) else None
+            raise ConfigError(f"{where}{f' line {line}' if line else ''}: {_describe(exc)}{hint}") from None
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ConfigError(f"required config value(s) not set: {', '.join(missing)}")
@@ -233,15 +256,20 @@ def check_fields(cfg: object, *, at_least: Mapping[str, float] = {}, one_of: Map
             fail(key, f"in {interval}", value)
 
 
-def cli_parser(description: str | None = None) -> argparse.ArgumentParser:
+def cli_parser(description: str | None = None, show_examples: bool = False) -> argparse.ArgumentParser:
     """The argument parser every recipe shares: ``--config FILE``, ``--check`` and overrides.
 
     ``--check`` validates the config and data in one process and exits, so a launch script can
-    reject bad input before starting any worker.
+    reject bad input before starting any worker. With `show_examples` (the SFT recipes):
+    ``--show-examples N`` (``args.show_examples``, default 0) prints N rendered training rows and exits.
     """
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML config file")
     parser.add_argument("--check", action="store_true", help="validate config and data, then exit")
+    if show_examples:
+        parser.add_argument("--show-examples", type=int, default=0, metavar="N",
+                            help="print N rendered training rows per data file (labelled tokens between [[ and ]]) "
+                                 "and the counts of what was kept, truncated and dropped, then exit (one process)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-5")
     return parser
 
@@ -321,19 +349,30 @@ def require(module: str, requirements: str | Path, *, torch_build: bool = False)
             build does not match the installed torch, and gives the line that installs the matching build.
 
     Raises:
-        ConfigError: one line naming the package and what to run: ``torchvision is not installed: `pip install
-            torchvision==0.28.0`, or `pip install -r .../requirements.txt```; or, for any other exception of the
+        ConfigError: one line naming the package and what to run: ``ray is not installed: `pip install
+            ray[train]==2.60.0`, or `pip install -r .../requirements.txt```, for a `torch_build` package the build
+            for the installed torch (``pip install 'torchvision==0.28.*' --index-url .../whl/cpu``); or, for any other exception of the
             import (a compiled extension that does not load), ``torchvision 0.28.0 is installed but does not import
             (RuntimeError: operator torchvision::nms does not exist): its build does not match torch 2.13.0+cpu: ...``.
     """
     import importlib
+
+    from cookbook import builds
 
     spec = pinned(module, requirements)
     try:
         importlib.import_module(module)
     except Exception as exc:  # noqa: BLE001 - whatever the import raises is one line for the user
         if isinstance(exc, ModuleNotFoundError) and exc.name == module.split(".")[0]:
+            if torch_build:  # PyPI's build is made for PyPI's CUDA torch: name the one for the installed torch
+                import torch
+
+                raise ConfigError(f"{module} is not installed: `{builds.install_line(_project_name(spec), spec=spec)}` (the "
+                                  f"build for torch {torch.__version__})") from None
             raise ConfigError(f"{module} is not installed: {install_hint(spec, requirements)}") from None
+        found = builds.broken_build_in(exc)
+        if found is not None:  # cookbook.builds names the build to install
+            raise ConfigError(str(found)) from None
         broken = f"{module}{_installed_version(spec)} is installed but does not import ({_cause_line(exc)})"
         if torch_build:
             raise ConfigError(f"{broken}: {_torch_build_hint(spec)}") from None
@@ -350,16 +389,16 @@ def _installed_version(spec: str) -> str:
 
 
 def _torch_build_hint(spec: str) -> str:
-    """What to do about a package compiled against another torch build than the installed one: reinstall it from the
-    PyTorch index of the installed torch's build (``https://download.pytorch.org/whl/cpu`` for the CPU torch); a plain
-    ``pip install`` of the same version would find it installed and change nothing."""
+    """What to do about a package compiled against another torch build than the installed one: reinstall the build
+    made for it (`cookbook.builds.install_line`); a plain ``pip install`` of the same version would find it
+    installed and change nothing."""
     import torch
 
-    cuda, hip = torch.version.cuda, getattr(torch.version, "hip", None)
-    build = f"cu{cuda.replace('.', '')}" if cuda else f"rocm{'.'.join(hip.split('.')[:2])}" if hip else "cpu"
-    return (f"its build does not match torch {torch.__version__}: install the {_project_name(spec)} build made for "
-            f"that torch: `pip install --force-reinstall --no-deps {spec} --index-url "
-            f"https://download.pytorch.org/whl/{build}`")
+    from cookbook import builds
+
+    name = _project_name(spec)
+    return (f"its build does not match torch {torch.__version__}: install the {name} build made for that torch: "
+            f"`{builds.install_line(name, reinstall=True, spec=spec)}`")
 
 
 def _cause_line(exc: BaseException, limit: int = 200) -> str:
@@ -538,6 +577,9 @@ def check_run(cfg: Any) -> None:
             in), and the message names ``output_dir``, the folder and the OS reason; a tracker in ``trackers`` that is
             unknown or not installed (`check_trackers`); a ``checkpoint.push_to_hub`` that cannot work
             (`cookbook.hub.check_push`: not a repo id, nothing exported, offline, no token).
+        cookbook.entry.AlreadyComplete: in a launcher's check (``launch.sh``), ``output_dir`` holds a run finished
+            with these settings (but for `MAY_CHANGE`): `cookbook.run_lock.complete_message`, said in the first
+            second of the check; the launcher then starts no worker.
     """
     has = {k for k in ("train.micro_batch_size", "train.grad_accum_steps", "train.log_every", "train.eval_every",
                        "train.mixed_precision", "train.max_steps", "train.stop_at_step", "optim.scheduler",
@@ -569,6 +611,14 @@ def check_run(cfg: Any) -> None:
         from cookbook.run_lock import report_output_dir
 
         report_output_dir(cfg.output_dir)  # the launcher takes the folder's run lock before any worker starts
+        from cookbook.entry import AlreadyComplete
+        from cookbook.run_lock import OUTPUT_DIR_FILE_ENV, complete_message, report_complete
+
+        done = complete_message(cfg.output_dir, to_dict(cfg), MAY_CHANGE) if os.environ.get(OUTPUT_DIR_FILE_ENV) \
+            else None  # a launcher's check: the same command again, after the run finished, is answered at once
+        if done is not None:
+            report_complete()
+            raise AlreadyComplete(done)
         out = Path(cfg.output_dir).expanduser()
         probed = set()
         for folder in (out, out / "checkpoints"):

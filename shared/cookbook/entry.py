@@ -76,6 +76,11 @@ class OneLineError(RuntimeError):
     exit_status = EXIT_BUG
 
 
+class AlreadyComplete(Exception):
+    """The run in this output_dir finished with these settings (`cookbook.run_lock.complete_message`): `run_main`
+    prints the message as it is (no ``error:``) and exits with status 0; a launcher starts no worker."""
+
+
 AGENT_PID_ENV = "COOKBOOK_AGENT_PID"  # the launcher process that runs torchrun's agent (cookbook.torchrun)
 
 
@@ -118,14 +123,20 @@ def run_main(main: Callable[[list[str]], Any], user_errors: Sequence[type[BaseEx
             _exit(EXIT_PEER_LOST)
     try:
         main(sys.argv[1:] if argv is None else argv)
+    except AlreadyComplete as exc:  # nothing to do: said once, by rank 0
+        if rank in ("", "0"):
+            print(str(exc), file=sys.stderr, flush=True)
+        _exit(EXIT_OK)
     except tuple(user_errors) as exc:
         _say_once(exc, rank, where)
         _exit(EXIT_USER_ERROR)
     except ImportError as exc:  # a missing or broken package: the launcher does not restart 2, which would fail alike
+        from cookbook.builds import broken_build_in
         from cookbook.config import import_error_line
 
         _record(exc)
-        _say(f"error: {where}{import_error_line(exc, _requirements_beside(main))}")
+        broken = broken_build_in(exc)  # a package built for another torch: its own line names the build
+        _say(f"error: {where}{broken if broken is not None else import_error_line(exc, _requirements_beside(main))}")
         _exit(EXIT_USER_ERROR)
     except OneLineError as exc:
         _say_once(exc, rank, where)
@@ -146,6 +157,12 @@ def run_main(main: Callable[[list[str]], Any], user_errors: Sequence[type[BaseEx
             _record(RuntimeError(line))
             _say(f"error: {where}{line}")
             _exit(EXIT_PEER_LOST)
+        from cookbook.builds import broken_build_in
+
+        if (broken := broken_build_in(exc)) is not None:  # re-raised by a library (transformers) as another error
+            _record(broken)
+            _say(f"error: {where}{broken}")
+            _exit(EXIT_USER_ERROR)
         if world > 1 and peer_lost(exc):
             print(f"error: {where}stopped: another rank is gone ({_first_line(exc)}); the first rank to fail "
                   f"says why", file=sys.stderr)

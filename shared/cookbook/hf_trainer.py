@@ -7,13 +7,16 @@ The Trainer runs the step loop; these pieces connect it to the rest of the cookb
   learning rate, gradient norm, step time, rows and real tokens per second, MFU), paused while the
   Trainer evaluates or saves a checkpoint; each evaluation's ``eval_*`` values, plus a recipe's own
   (``evaluate_more``, e.g. generation scored against references), as one eval record.
+- `WholeEpochs`, a Trainer mixin, makes an epoch read every row once, in full global batches (`epoch_line` logs
+  what is dropped).
 - `CountBatches`, a Trainer mixin, counts each micro-batch's rows, real tokens and data-loading wait into it.
 - `PublishCheckpoints` turns the Trainer's ``checkpoint-<step>`` folders into published checkpoints: written
   in a staging folder (the Trainer's ``output_dir``), completed with ``meta.json`` (step, world size, config,
   the files and their sizes), renamed into the checkpoints folder once every rank is done (atomic), the
   newest ``keep_last`` kept. `resume_guard`, `check_resume` and `already_complete` find and check the
   checkpoint a run continues (``checkpoint.resume``: auto, none or a folder).
-- `StopAtStep` ends training with a checkpoint after ``train.stop_at_step``.
+- `StopAtStep` ends training with a checkpoint after ``train.stop_at_step``; `SeedPerRank` seeds each rank's
+  random streams ``seed + rank`` (its own dropout masks).
 - What the torchrun recipes' `cookbook.loop.TrainLoop` does when things fail, with the same code:
   `Preemption` (SIGTERM / SIGUSR1: every rank finishes its step, they agree on it with
   `cookbook.loop.StopVote`, a checkpoint is published there and the run exits with 75), `NonFiniteSteps`
@@ -22,8 +25,9 @@ The Trainer runs the step loop; these pieces connect it to the rest of the cookb
   kept in the checkpoints), `ReportSaveErrors` (a Trainer mixin: a save that fails with an OS error ends the run with
   `cookbook.checkpoint.CheckpointSaveError`'s one line, exit 2) and `StallReport` (``train.collective_timeout_s``
   on every process group, DeepSpeed's included, and the progress records that let the rank whose collective
-  timed out name the one that stalled, exit 3). A damaged checkpoint (a truncated shard) is found by the resume
-  guard from the file sizes `PublishCheckpoints` lists in ``meta.json``.
+  timed out name the one that stalled, exit 3). A damaged checkpoint (a truncated shard, bytes overwritten in place, no
+  ``meta.json``) is found by the resume guard from the file sizes and checksums `PublishCheckpoints` lists in
+  ``meta.json`` (a folder is published under ``checkpoints/`` only once its ``meta.json`` is written).
 - `check_deepspeed_config` refuses, before any worker starts, a DeepSpeed JSON that disagrees with the
   recipe's config (or with the one an ``accelerate launch`` config names: `check_accelerate_deepspeed_file`); `init_deepspeed` starts DeepSpeed's communication over the cookbook's process group.
 - `TrainerRun` runs ``trainer.train()`` and closes the run whatever happens (stop, preemption, failure, stall).
@@ -59,8 +63,8 @@ import torch
 from transformers import TrainerCallback
 
 from cookbook import lm
-from cookbook.checkpoint import (FILES_KEY, ResumeGuard, _from_rank0, _os_error_in, _reason, file_sizes, publish,
-                                 read_meta, save_error)
+from cookbook.checkpoint import (CHECKSUMS_KEY, FILES_KEY, ResumeGuard, RNGState, _from_rank0, _os_error_in, _reason,
+                                 checksums, file_sizes, publish, read_meta, save_error, seed_per_rank)
 from cookbook.config import ConfigError
 from cookbook.dist import (DistInfo, apply_collective_timeout, barrier, destroy_distributed, get_dist_info, get_logger,
                            init_distributed, record_progress, stall_error)
@@ -202,6 +206,8 @@ class MetricsCallback(TrainerCallback):
       ``learning_rate``, ``grad_norm``, and the rows and tokens counted by `CountBatches`).
     - ``on_evaluate``: the ``eval_*`` values (without the prefix and the Trainer's timing keys), then
       ``evaluate_more(model)``'s, as one eval record (``MetricsLogger.log_eval``); kept in `last_eval`.
+    - An evaluation inside the step loop leaves the random streams as they were at the step's end (they are
+      restored after ``on_evaluate``): with dropout on, ``train.eval_every`` does not change the training run.
     - Evaluations and checkpoint saves inside the step loop are left out of the step time, throughput and ETA
       (``MetricsLogger.paused``): when a step ends with ``should_evaluate`` or ``should_save`` set, the window
       pauses (after the step's own log record) until the last of them is done. Put this callback after
@@ -226,6 +232,7 @@ class MetricsCallback(TrainerCallback):
         self.log_extra = log_extra
         self.last_eval: dict[str, float] = {}  # the last evaluation's values, as logged
         self._pause = None  # the open MetricsLogger.paused() context, between a step's end and its eval / save
+        self._rng = None  # the random streams when a step ended with should_evaluate, restored after on_evaluate
 
     def count(self, batches: list[dict[str, torch.Tensor]], data_wait_s: float) -> None:
         """Count the micro-batches of one optimizer step: rows, real tokens, and `data_wait_s` (seconds spent
@@ -235,6 +242,8 @@ class MetricsCallback(TrainerCallback):
             self.metrics.add(samples=b["input_ids"].shape[0], tokens=lm.count_tokens(b, self.pad_id), data_wait_s=wait)
 
     def _pause_if(self, control) -> None:
+        if control.should_evaluate and self._rng is None:  # the evaluation must not change what training draws
+            self._rng = RNGState().state_dict()
         if (control.should_evaluate or control.should_save) and self._pause is None:
             if self.metrics.info.device.type == "cuda":
                 torch.cuda.synchronize(self.metrics.info.device)  # the step's queued kernels belong to the window
@@ -273,6 +282,9 @@ class MetricsCallback(TrainerCallback):
             values.update(self.evaluate_more(model))
         self.metrics.log_eval(state.global_step, values)
         self.last_eval = values
+        if self._rng is not None:
+            RNGState().load_state_dict(self._rng)
+            self._rng = None
         if not control.should_save:
             self._resume()
 
@@ -302,6 +314,62 @@ class CountBatches:
         return batches, num_items
 
 
+class WholeEpochs:
+    """Trainer mixin (``class MyTrainer(WholeEpochs, CountBatches, SFTTrainer)``): an epoch reads every row at
+    most once, in full global batches.
+
+    The Trainer's own sampler gives each rank its share of micro-batches and accelerate pads the ranks to equal
+    counts by repeating rows from the epoch's start; with ``gradient_accumulation_steps`` the epoch's last
+    optimizer step takes fewer micro-batches. The recipes count ``epochs x (rows // global batch)`` steps, so a
+    run of ``train.epochs`` passes ran a fraction of the passes, some rows twice. Here the sampler
+    (`FullBatchesSampler`) yields, per epoch, ``rows // global batch`` full global batches from a fresh
+    permutation (seeded ``args.seed + epoch``, so a resume continues the same order); the remainder (fewer than
+    one global batch, other rows each epoch) is dropped and said once in the log (`epoch_line`).
+    """
+
+    def _get_train_sampler(self, train_dataset=None):
+        dataset = self.train_dataset if train_dataset is None else train_dataset
+        a = self.args
+        return FullBatchesSampler(len(dataset), a.per_device_train_batch_size * a.gradient_accumulation_steps
+                                  * a.world_size, a.seed, epoch_of=lambda: int(self.state.epoch or 0))
+
+
+class FullBatchesSampler(torch.utils.data.Sampler):
+    """Row indices of one epoch: ``torch.randperm(num_rows)`` seeded ``seed + epoch_of()``, cut to
+    ``num_rows // global_batch`` whole global batches. Split round-robin into micro-batches across ranks
+    (accelerate's ``BatchSamplerShard``), every rank gets the same number of micro-batches, a multiple of the
+    accumulation steps, and no row comes twice in an epoch.
+
+    `epoch_of` reads the epoch from the Trainer's state (``int(state.epoch)``: after a resume too, where the
+    loader that skips the epoch's first batches does not pass ``set_epoch`` down to its sampler).
+
+    Raises:
+        ValueError: fewer rows than one global batch.
+    """
+
+    def __init__(self, num_rows: int, global_batch: int, seed: int, epoch_of: Callable[[], int]):
+        if num_rows < global_batch:
+            raise ValueError(f"{num_rows} rows are fewer than one global batch of {global_batch}")
+        self.num_rows, self.global_batch, self.seed, self.epoch_of = num_rows, global_batch, seed, epoch_of
+
+    def __len__(self) -> int:
+        return self.num_rows // self.global_batch * self.global_batch
+
+    def __iter__(self):
+        seed = self.seed + int(self.epoch_of())
+        order = torch.randperm(self.num_rows, generator=torch.Generator().manual_seed(seed))
+        return iter(order[:len(self)].tolist())
+
+
+def epoch_line(num_rows: int, global_batch: int) -> str:
+    """The log's line on what one epoch reads: ``num_rows`` rows in full global batches of ``global_batch`` rows,
+    and the remainder that is dropped (`WholeEpochs`)."""
+    steps, rest = divmod(num_rows, global_batch)
+    tail = f"the last partial global batch ({rest} rows, others each epoch) is dropped" if rest else \
+        "no partial global batch"
+    return f"epoch: {num_rows} rows = {steps} steps of {global_batch} rows, every row read once; {tail}"
+
+
 # ----------------------------------------------------------------------------- checkpoints
 def published_checkpoints(root: str | Path) -> list[Path]:
     """Published checkpoints ``checkpoint-<step>`` (with ``meta.json``) under `root`, oldest first: the resume
@@ -314,8 +382,9 @@ class PublishCheckpoints(TrainerCallback):
 
     The Trainer writes ``checkpoint-<step>`` into its ``output_dir`` (the staging folder: DeepSpeed's
     partitions of every rank, scheduler, RNG, data position). Once every rank is done, rank 0 adds
-    ``meta.json`` (``step``, ``world_size``, ``time``, ``config``, and ``files``: every file of the checkpoint
-    with its size, `cookbook.checkpoint.file_sizes`, so that the resume guard finds a truncated or missing shard)
+    ``meta.json`` (``step``, ``world_size``, ``time``, ``config``, ``files``: every file of the checkpoint
+    with its size, `cookbook.checkpoint.file_sizes`, so that the resume guard finds a truncated or missing shard, and
+    ``checksums``, `cookbook.checkpoint.checksums`, for bytes overwritten in place)
     and renames the folder to ``<root>/checkpoint-<step>`` (atomic on one file system; `published_checkpoints`
     lists only those), then deletes all but the newest `keep_last` (0: keeps all). Set ``save_total_limit=None``
     in the arguments: the staging folder is emptied by the renames. When training begins, rank 0 deletes what an
@@ -357,12 +426,13 @@ class PublishCheckpoints(TrainerCallback):
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
                 meta = {"step": state.global_step, "world_size": args.world_size, "time": time.time(),
-                        "config": self.config, FILES_KEY: file_sizes(src),
+                        "config": self.config, FILES_KEY: file_sizes(src), CHECKSUMS_KEY: checksums(src),
                         **(self.more_meta() if self.more_meta is not None else {})}
                 (src / "meta.json").write_text(json.dumps(meta, indent=2))
                 publish(src, self.root / src.name)
             except OSError as exc:  # every rank must hear of it, or they would wait at the next collective
                 failure = (_reason(exc), exc.errno)
+                shutil.rmtree(src, ignore_errors=True)  # never published: its space goes back to the full disk
             else:
                 for old in published_checkpoints(self.root)[: -self.keep_last] if self.keep_last else []:
                     shutil.rmtree(old, ignore_errors=True)
@@ -382,7 +452,7 @@ def resume_guard(output_dir: str | Path, cannot_remap: str) -> ResumeGuard:
     start afresh deletes the whole `output_dir` (metrics.jsonl included: deleting the checkpoints alone would append
     a new run to the old run's records)."""
     return ResumeGuard(Path(output_dir) / "checkpoints", folder="checkpoint-<n>", files=(), run_dir=output_dir,
-                       cannot_remap=cannot_remap, same_size="NGPU x NNODES = {n}")
+                       cannot_remap=cannot_remap, same_size="NGPU x NNODES = {n}", published=True)
 
 
 def check_resume(cfg: Any, world_size: int, may_change: tuple[str, ...], cannot_remap: str) -> Path | None:
@@ -419,8 +489,8 @@ class ReportSaveErrors:
     restart: the disk would still be full) instead of a traceback.
 
     The message names the checkpoint (its published folder), the OS error and the rank that met it, the previous
-    checkpoint (intact: the failed one stays in the staging folder, never published, and is deleted when the next
-    run begins) and what to do. Only the rank that met the error knows of it: it prints the line; the other ranks,
+    checkpoint (intact: the failed one is never published, and the rank that met the error deletes it from the
+    staging folder, so that a full disk gets its space back) and what to do. Only the rank that met the error knows of it: it prints the line; the other ranks,
     waiting for it in a collective, stop with "another rank is gone" (exit 3) or are stopped by the launcher.
     Failures of `PublishCheckpoints` (rank 0's ``meta.json`` and rename) are raised by it on every rank.
 
@@ -441,6 +511,8 @@ class ReportSaveErrors:
                 raise
             info = get_dist_info()
             step = self.state.global_step
+            # the unpublished folder: its bytes would keep the disk full (the other ranks' writes there fail too)
+            shutil.rmtree(Path(self.args.output_dir) / f"checkpoint-{step}", ignore_errors=True)
             error = save_error(step, publisher.root / f"checkpoint-{step}", publisher.latest(),
                                info.rank if info.world_size > 1 else None, os_error)
             error.same_on_every_rank = False  # this rank alone met it, so this rank prints it
@@ -483,6 +555,16 @@ def _os_error_behind(exc: BaseException) -> OSError | None:
         return found
     code = re.search(r"\(os error (\d+)\)", str(exc))
     return OSError(int(code[1]), os.strerror(int(code[1]))) if code else None
+
+
+class SeedPerRank(TrainerCallback):
+    """Each rank its own dropout masks: when training begins (after the model and its LoRA layers are built),
+    the random streams are seeded ``args.seed + args.process_index`` (`cookbook.checkpoint.seed_per_rank`). The
+    Trainer seeds every rank with ``args.seed`` alone, so all ranks drew the same masks. A resumed run then
+    restores each rank's saved streams from the checkpoint, as before."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        seed_per_rank(args.seed, args.process_index)
 
 
 class StopAtStep(TrainerCallback):
@@ -700,7 +782,7 @@ class RunCallbacks:
         self.nonfinite = NonFiniteSteps(NonFinitePolicy.from_config(cfg.train), root, resume_from)
         self.publisher = PublishCheckpoints(root, cfg.checkpoint.keep_last, to_dict(cfg), more_meta=self.nonfinite.meta)
         self.metrics = MetricsCallback(metrics, pad_id, evaluate_more=evaluate_more, log_extra=self.nonfinite.log_extra)
-        self.all = [StopAtStep(cfg.train.stop_at_step), self.preemption, self.nonfinite, StallReport(), self.publisher,
+        self.all = [SeedPerRank(), StopAtStep(cfg.train.stop_at_step), self.preemption, self.nonfinite, StallReport(), self.publisher,
                     self.metrics]
 
 

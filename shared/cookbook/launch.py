@@ -166,7 +166,7 @@ def _launch(args: argparse.Namespace) -> int:
         reported = Path(tmp) / "output_dir"
         check = subprocess.run(check_cmd, env={**os.environ, WORLD_SIZE_ENV: world_size,
                                                run_lock.OUTPUT_DIR_FILE_ENV: str(reported)})
-        if check.returncode != 0:
+        if check.returncode != 0 or run_lock.reported_complete(reported):  # complete: the check said so
             return check.returncode
         output_dir = run_lock.read_reported(reported)
     lock = None

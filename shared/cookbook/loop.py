@@ -68,8 +68,9 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from cookbook.checkpoint import Checkpointer, RankLocalState, ResumeGuard, RNGState, TrainState
+from cookbook.checkpoint import Checkpointer, RankLocalState, ResumeGuard, RNGState, TrainState, rng_kept, seed_per_rank
 from cookbook.config import ConfigError, save_config, to_dict
+from cookbook.run_lock import mark_complete
 from cookbook.dist import DistInfo, barrier, get_dist_info, get_logger, record_progress, stall_error
 from cookbook.entry import EXIT_DIVERGED, EXIT_PREEMPTED, OneLineError
 from cookbook.metrics import MetricsLogger, ModelFlops, StepProfiler
@@ -506,7 +507,8 @@ class TrainLoop:
         stop_at_step: ``> 0``: stop after this step (a checkpoint is saved there), to resume later.
         metrics: the run's `MetricsLogger`.
         log_every: log the window's mean loss every this many steps (and at the last step).
-        eval_every: evaluate every this many steps (``0``: only at the end); needs `evaluate`.
+        eval_every: evaluate every this many steps (``0``: only at the end); needs `evaluate`. The random
+            streams are put back after each such evaluation (`cookbook.checkpoint.rng_kept`).
         evaluate: runs evaluation on every rank (collective) and returns metrics reduced over ranks,
             e.g. ``{"loss": 1.9}``; ``None``: no evaluation.
         checkpointer: saves checkpoints; ``None``: none.
@@ -547,7 +549,7 @@ class TrainLoop:
         self._vote = StopVote(self.device)  # the ranks' agreement on a preemption stop
         self._saved_step = -1
         self.nonfinite = NonFinitePolicy(on_nonfinite, max_consecutive_skips, device=self.device,
-                                         newest_checkpoint=lambda: checkpointer.latest() if checkpointer is not None else None,
+                                         newest_checkpoint=lambda: checkpointer.verified_latest() if checkpointer is not None else None,
                                          models=models_in(checkpoint_state))
         self._skipped_now = False  # the step being run was skipped
         self._reset_window()
@@ -709,7 +711,9 @@ class TrainLoop:
         with self.metrics.paused():  # not counted in the step time and throughput
             if (self.evaluate is not None and self.eval_every > 0 and step % self.eval_every == 0
                     and step < self.max_steps):
-                self.metrics.log_eval(step, self.evaluate())
+                with rng_kept():  # the evaluation does not change what training draws next (dropout)
+                    values = self.evaluate()
+                self.metrics.log_eval(step, values)
             self._save()
 
     def _reset_window(self) -> None:
@@ -781,6 +785,12 @@ class TrainLoop:
         self.metrics.log_summary(record)
         log_outputs(self.state.step, final_eval, self.metrics,
                     self.checkpointer.root if self.checkpointer is not None else None, outputs, timings=timings)
+        if get_dist_info().is_main and self.config is not None:  # the same command again says so at once
+            out_dir = self.metrics.out_dir
+            kept = {**{k: str(p) for k, (p, _) in outputs.items() if p}, "metrics": str(self.metrics.jsonl_path)}
+            guard = ResumeGuard(out_dir / "checkpoints", run_dir=out_dir)
+            mark_complete(out_dir, self.config, guard.already_complete(self.state.step, self.max_steps, outputs={
+                k.removesuffix("_dir"): p for k, p in kept.items()}), kept)
         return final_eval
 
 
@@ -811,14 +821,15 @@ def checkpoint_state(app: Any, scheduler: Any, train_loader: Any, *,
 def start_run(cfg: Any, info: DistInfo, *, state: TrainState, checkpoint_state: Mapping[str, Any],
               may_change: tuple[str, ...], max_steps: int, experiment: str, final: str | Path | None = None,
               what: str = "model", flops: ModelFlops | None = None,
-              count_tokens: bool = True) -> tuple[Checkpointer, MetricsLogger] | None:
+              count_tokens: bool = True, cannot_remap: str | None = None) -> tuple[Checkpointer, MetricsLogger] | None:
     """The start of a run, after its model, optimizer and data exist: resume, then write the config and start metrics.
 
     Resumes from the checkpoint ``checkpoint.resume`` names (``auto``: the newest complete one under
     ``<output_dir>/checkpoints``), after `Checkpointer.check_resume` has checked that it was written with the same
     settings (`may_change` lists the keys allowed to differ) and world size; a `checkpoint_state` that holds a
     `cookbook.sampler.DataPosition` (a global data position) resumes on another world size too, when the global
-    batch is the checkpoint's (``Checkpointer(resizable=True)``). A run with nothing left to do
+    batch is the checkpoint's (``Checkpointer(resizable=True)``). Before that, the random streams are seeded
+    ``train.seed + rank`` (`cookbook.checkpoint.seed_per_rank`: each rank its own dropout masks). A run with nothing left to do
     (`already_complete`) says so and returns ``None``; else rank 0 writes ``<output_dir>/config.yaml`` and the
     `MetricsLogger` starts (its MLflow run too).
 
@@ -831,6 +842,7 @@ def start_run(cfg: Any, info: DistInfo, *, state: TrainState, checkpoint_state: 
         experiment: the MLflow experiment name.
         final, what: as in `already_complete`.
         flops, count_tokens: as in `MetricsLogger`.
+        cannot_remap: as in `Checkpointer`: why another world size is refused.
 
     Returns:
         ``(checkpointer, metrics)``, or ``None`` when the run is already complete (the caller cleans up and returns).
@@ -840,9 +852,12 @@ def start_run(cfg: Any, info: DistInfo, *, state: TrainState, checkpoint_state: 
     """
     out_dir = Path(cfg.output_dir)
     resizable = any(isinstance(v, DataPosition) for v in checkpoint_state.values())
-    checkpointer = Checkpointer(out_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last, resizable=resizable)
+    checkpointer = Checkpointer(out_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last, resizable=resizable,
+                                cannot_remap=cannot_remap)
     resume_from = checkpointer.check_resume(cfg.checkpoint.resume, info.world_size, to_dict(cfg), may_change,
                                             cfg.train.stop_at_step)
+    if getattr(cfg.train, "seed", None) is not None:
+        seed_per_rank(cfg.train.seed, info.rank)  # each rank its own dropout masks; a resume restores the saved ones
     if resume_from is not None:
         checkpointer.load(resume_from, checkpoint_state)
     if already_complete(state, max_steps, out_dir, final, what):

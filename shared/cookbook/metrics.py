@@ -235,7 +235,7 @@ def redact_text(text: str, uris: Sequence[str | None] = ()) -> str:
 
 
 class _Sink:
-    """A tracker beside ``metrics.jsonl`` that switches itself off, with one warning, at its first failure."""
+    """A tracker beside ``metrics.jsonl`` that switches itself off, with one warning line, at its first failure."""
 
     name = ""
 
@@ -249,7 +249,8 @@ class _Sink:
             fn(*args)
         except Exception as exc:  # tracking must never stop training
             self.enabled = False
-            why = redact_text(f"{type(exc).__name__}: {exc}")  # a message may quote a tracking URI with its token
+            first = (str(exc).strip().splitlines() or [""])[0]  # SQLAlchemy's go on with the SQL and a link
+            why = redact_text(f"{type(exc).__name__}: {first}")  # a message may quote a tracking URI with its token
             get_logger().warning(f"{self.name} tracking switched off after an error: {why}")
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
@@ -287,6 +288,9 @@ class _MLflowSink(_Sink):
 
         for name in ("alembic", "mlflow"):  # after the import, which sets mlflow's own level
             logging.getLogger(name).setLevel(logging.WARNING)
+        # It logs each database error with its ~40-line traceback before re-raising it (a full disk): _guard's
+        # one line says it.
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
 
         users = os.environ.get("MLFLOW_TRACKING_URI")
         self.tracking_uri = users or f"sqlite:///{out_dir.resolve()}/mlflow.db"

@@ -5,6 +5,10 @@ The check (``train.py --check``) writes the resolved ``output_dir`` to the file 
 (`cookbook.config.check_run`), and `cookbook.launch` `acquire`s the lock before any worker starts; a Ray driver
 holds it while it runs (`cookbook.ray_train.RayDriver.run`). A second run on the same folder is refused in one line
 naming the holder's host and pid.
+
+A finished run leaves ``<output_dir>/complete.json`` (`mark_complete`: its settings, its outputs and the "already
+complete" line). Running the same command again is answered by `check_run` (`complete_message`) within the first
+second of the check, before data or model are read: the line, exit status 0, and the launcher starts no worker.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import time
 from pathlib import Path
 
 from cookbook.entry import EXIT_USER_ERROR, OneLineError
+
+COMPLETE_FILE = "complete.json"  # in output_dir: written when a run has finished (`mark_complete`)
 
 OUTPUT_DIR_FILE_ENV = "COOKBOOK_OUTPUT_DIR_FILE"  # where the check writes the run's output_dir for its launcher
 
@@ -64,3 +70,53 @@ def read_reported(target: str | Path) -> str | None:
     """The output_dir a check reported to `target`, or None (the recipe reports none)."""
     p = Path(target)
     return p.read_text() or None if p.is_file() else None
+
+
+def _comparable(config: dict, may_change: tuple[str, ...]) -> dict:
+    import fnmatch
+
+    from cookbook.config import flatten
+
+    return {k: v for k, v in flatten(config).items() if not any(fnmatch.fnmatch(k, p) for p in may_change)}
+
+
+def mark_complete(output_dir: str | Path, config: dict, message: str, outputs: dict[str, str]) -> None:
+    """Rank 0, at the very end of a finished run: write `COMPLETE_FILE` (atomically) with the run's `config` (a
+    nested dict), the `message` that a second run prints and the `outputs` (name -> path) that must still exist."""
+    import json
+
+    path = Path(output_dir) / COMPLETE_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"output_dir": os.path.abspath(output_dir), "config": config, "message": message,
+                               "outputs": outputs}, default=str))
+    os.replace(tmp, path)
+
+
+def complete_message(output_dir: str | Path, config: dict, may_change: tuple[str, ...]) -> str | None:
+    """The "already complete" line when `output_dir` holds a run finished there (`mark_complete`) whose settings equal
+    `config` but for the keys `may_change` names (glob patterns: ``checkpoint.*``) and whose outputs all exist;
+    else ``None`` (the run starts or continues as usual). Another ``train.max_steps`` is another run: ``None``."""
+    import json
+
+    path = Path(output_dir).expanduser() / COMPLETE_FILE
+    try:
+        done = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(done, dict) or done.get("output_dir") != os.path.abspath(Path(output_dir).expanduser()) \
+            or not all(Path(p).exists() for p in done.get("outputs", {}).values()):
+        return None  # a copied folder, or outputs deleted since: the run decides as usual
+    same = _comparable(done.get("config", {}), may_change) == _comparable(json.loads(json.dumps(config, default=str)),
+                                                                         may_change)
+    return str(done.get("message")) if same else None
+
+
+def report_complete() -> None:
+    """In a check started by a launcher: tell it that the run is complete (it starts no worker)."""
+    target = os.environ.get(OUTPUT_DIR_FILE_ENV)
+    if target:
+        Path(target + ".complete").write_text("1")
+
+
+def reported_complete(target: str | Path) -> bool:
+    return Path(str(target) + ".complete").is_file()

@@ -49,7 +49,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from cookbook.checkpoint import META_FILE, RNGState
+from cookbook.checkpoint import META_FILE, RNGState, rng_kept, seed_per_rank
 from cookbook.config import save_config, to_dict, to_object
 from cookbook.dist import (DistInfo, _configure_logging, all_gather_object, all_reduce_mean, barrier, get_logger,
                            param_fingerprint)
@@ -285,6 +285,8 @@ class WorkerRun:
         self._newest: Path | None = None  # the newest checkpoint folder (resumed or saved)
         self._skipped_now = False  # the step being run was skipped (skip_step)
         skipped = 0
+        if getattr(cfg.train, "seed", None) is not None:
+            seed_per_rank(cfg.train.seed, info.rank)  # each worker its own dropout masks; a resume restores its own
         resumed = load_checkpoint()  # memory-mapped on the CPU, copied into the model and optimizer
         if resumed is not None:
             saved, meta = resumed
@@ -464,7 +466,9 @@ class WorkerRun:
             self._reset_window()
         with self.metrics.paused():  # not counted in the step time and throughput
             if self.evaluate is not None and self.eval_every > 0 and step % self.eval_every == 0 and step < self.max_steps:
-                self.metrics.log_eval(step, self.evaluate())
+                with rng_kept():  # the evaluation does not change what training draws next (dropout)
+                    values = self.evaluate()
+                self.metrics.log_eval(step, values)
             every = self.checkpoint_every
             if self.unit == "step" and every >= 0 and (step == self.stop or (every > 0 and step % every == 0)):
                 self._checkpoint({"loss": all_reduce_mean({"loss": loss}, self.info.device)["loss"]})  # global batch
@@ -483,7 +487,8 @@ class WorkerRun:
                                          **self.nonfinite.log_extra()})
             self._reset_window()
         with self.metrics.paused():
-            values = self._last_eval = dict(evaluate())
+            with rng_kept():  # the evaluation does not change what the next epoch draws
+                values = self._last_eval = dict(evaluate())
             self.metrics.log_eval(self.step, values)
             self._checkpoint(values)
         return values

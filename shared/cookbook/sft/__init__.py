@@ -8,6 +8,7 @@
   labelled token over every rank).
 - `cookbook.sft.attention`: the ``varlen`` attention back-end (``register_varlen``).
 - `cookbook.sft.check`: what a recipe's ``--check`` verifies (tokenizer against the model, one step of data).
+- `cookbook.sft.show`: what ``--show-examples N`` prints (rendered rows, labelled spans marked, counts per field).
 
 Their public names are importable from `cookbook.sft` directly.
 """
@@ -21,6 +22,7 @@ from cookbook.sft.data import (
     EmptyAnswerError,
     to_conversation,
     to_messages,
+    reasoning_field,
     tokenize_conversation,
     check_vocab,
     SFTStats,
@@ -40,7 +42,7 @@ from cookbook.sft.loss import (
     token_loss_sums,
 )
 from cookbook.sft.attention import register_varlen, varlen_attention
-from cookbook.sft.check import check_data, check_one_step, load_tokenizer
+from cookbook.sft.check import check_data, check_one_step, check_positions, load_tokenizer
 
 __all__ = [
     "IGNORE_INDEX",
@@ -51,6 +53,7 @@ __all__ = [
     "EmptyAnswerError",
     "to_conversation",
     "to_messages",
+    "reasoning_field",
     "tokenize_conversation",
     "check_vocab",
     "SFTStats",
@@ -72,12 +75,17 @@ __all__ = [
     "varlen_attention",
     "check_data",
     "check_one_step",
+    "check_positions",
     "load_tokenizer",
 ]
 
 from cookbook.sft.config import MAY_CHANGE, DataConfig, check_data_config, resolve_paths  # noqa: E402
 
 __all__ += ["MAY_CHANGE", "DataConfig", "check_data_config", "resolve_paths"]
+
+from cookbook.sft.show import show_data, show_examples  # noqa: E402
+
+__all__ += ["show_data", "show_examples"]
 
 # Submodules used by name (``cookbook.sft.vision.VLDataset``): image + text rows; shard-by-shard safetensors loading.
 from cookbook.sft import lazy_load, vision  # noqa: F401

@@ -11,20 +11,35 @@ from cookbook.sft.batch import pad_token_id
 from cookbook.sft.data import check_vocab, load_examples, pack
 
 
-def load_tokenizer(tokenizer: str, model: str):
+def check_positions(max_length: int, hf_config, model: str, key: str = "data.max_length") -> None:
+    """Refuse `max_length` (tokens per row) beyond the model's ``max_position_embeddings`` (its text config's):
+    positions past it were never trained (and learned position embeddings have no row for them).
+
+    Raises:
+        ConfigError: "data.max_length=8192 is beyond the max_position_embeddings=512 of <model> ...".
+    """
+    limit = getattr(hf_config.get_text_config(), "max_position_embeddings", None)
+    if isinstance(limit, int) and max_length > limit:
+        raise ConfigError(f"{key}={max_length} is beyond the max_position_embeddings={limit} of {model}: the model "
+                          f"has no trained positions past {limit}; set {key} to {limit} or less")
+
+
+def load_tokenizer(tokenizer: str, model: str, max_length: int | None = None):
     """The tokenizer at `tokenizer` (``model.tokenizer``), checked against the vocab_size of the model's
     ``config.json`` at `model` (``model.name_or_path``; a vision-language model's text config). Both are
     local folders or hub ids.
 
     Raises:
-        ConfigError: a local path that does not exist, or a folder / hub id that cannot be loaded.
+        ConfigError: a local path that does not exist, a folder / hub id that cannot be loaded, `max_length`
+            beyond the model's positions.
         SFTDataError: the tokenizer has more tokens than the model's embedding has rows (`check_vocab`).
     """
     from transformers import AutoConfig, AutoTokenizer
 
     try:
         loaded = AutoTokenizer.from_pretrained(tokenizer)
-        vocab_size = AutoConfig.from_pretrained(model).get_text_config().vocab_size
+        hf_config = AutoConfig.from_pretrained(model)
+        vocab_size = hf_config.get_text_config().vocab_size
     except OSError as exc:
         for key, value in (("model.name_or_path", model), ("model.tokenizer", tokenizer)):
             if value.startswith(("/", "./", "../", "~")) and not Path(value).expanduser().exists():
@@ -32,6 +47,8 @@ def load_tokenizer(tokenizer: str, model: str):
         raise ConfigError(f"model.name_or_path / model.tokenizer: cannot load {model!r}: "
                           f"{str(exc).splitlines()[0]}") from None
     check_vocab(loaded, vocab_size)
+    if max_length is not None:
+        check_positions(max_length, hf_config, model)
     return loaded
 
 

@@ -23,10 +23,13 @@ class DataConfig:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. {enable_thinking: false} for Qwen3
     max_dropped_fraction: float = 0.1  # refuse when more of a file's rows are dropped (cut before the answer, empty answer)
     split_turns: bool = False  # one example per assistant turn (templates that rewrite earlier turns: Qwen3)
+    reasoning: str = "train"  # an assistant turn's reasoning: train (in the loss), context (rendered, no loss), drop
 
 
-# Data settings that may differ between a checkpoint and the run that resumes it.
-MAY_CHANGE = ("data.num_workers", "data.max_dropped_fraction")
+# Data settings that may differ between a checkpoint and the run that resumes it ("key=value": a key that a
+# checkpoint written before it existed lacks, equal when the resuming run has it at that value, its default).
+MAY_CHANGE = ("data.num_workers", "data.max_dropped_fraction", "data.reasoning=train")
+REASONING = ("train", "context", "drop")
 
 
 def check_data_config(cfg: Any) -> None:
@@ -34,9 +37,10 @@ def check_data_config(cfg: Any) -> None:
 
     Raises:
         ConfigError: ``data.max_length`` < 1, ``data.eval_fraction`` outside [0, 1), ``data.max_dropped_fraction``
-            outside [0, 1], or ``data.eval_files`` without ``data.train_files``.
+            outside [0, 1], ``data.reasoning`` not train / context / drop, or ``data.eval_files`` without
+            ``data.train_files``.
     """
-    check_fields(cfg, at_least={"data.max_length": 1},
+    check_fields(cfg, at_least={"data.max_length": 1}, one_of={"data.reasoning": REASONING},
                  within={"data.eval_fraction": "[0, 1)", "data.max_dropped_fraction": "[0, 1]"},
                  notes={"data.eval_fraction": "0: no evaluation"})
     if cfg.data.eval_files and not cfg.data.train_files:

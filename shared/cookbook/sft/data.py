@@ -10,7 +10,8 @@ Pipeline, as a recipe uses it::
     packed = pack(examples, seq_len=2048, pad_id=tokenizer.pad_token_id)   # or pad_batch(...)
 
 Accepted row formats (`to_conversation`): chat ``{"messages": [{"role", "content"}], "tools": [...]}``
-(OpenAI style: typed text parts, ``tool_calls``, ``tool`` results), Alpaca
+(OpenAI style: typed text parts with ``text`` or ``value``, reasoning and tool-call parts, ``tool_calls``,
+``tool`` results; an assistant turn's ``reasoning_content`` / ``thinking`` / ``reasoning``), Alpaca
 ``{"instruction", "input", "output"}`` and ShareGPT ``{"conversations": [{"from", "value"}], "tools": ...}``
 (LLaMA-Factory style, with ``function_call`` / ``observation`` turns).
 
@@ -25,6 +26,7 @@ Invalid input raises one `SFTDataError` that names the file, the row (1-based) a
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -118,23 +120,61 @@ def _text(value: Any, where: str, field: str, allow_empty: bool = True, answer: 
     return value
 
 
-def _content(value: Any, where: str, field: str) -> str:
-    """A message's content: a string, or a list of typed parts whose text parts are joined with
-    ``"\\n"`` (as vLLM's OpenAI server does); a non-text part is refused (this path is text-only)."""
+TEXT_KEYS = ("text", "value", "content")  # where a typed part keeps its text (OpenAI: text; Hugging Face / others: value)
+REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # a turn's reasoning (TRL / Qwen3, GPT-OSS, others)
+_PART_KINDS = {"text": "text", "input_text": "text", "output_text": "text", "reasoning": "reasoning",
+               "thinking": "reasoning", "tool_call": "tool_call", "tool_use": "tool_call", "function_call": "tool_call"}
+_IMAGE_KINDS = ("image", "image_url", "input_image", "video", "audio", "input_audio")
+
+
+def _part_text(part: dict, kind: str, where: str, path: str, keys: tuple[str, ...] = TEXT_KEYS) -> str:
+    for key in (kind, *keys) if kind not in keys else keys:
+        if isinstance(part.get(key), str):
+            return part[key]
+    raise SFTDataError(f"{where}: {path} (type {kind!r}) has no string {' / '.join(repr(k) for k in keys)} "
+                       f"(keys found: {sorted(part)})")
+
+
+def _parts(value: Any, where: str, field: str) -> tuple[str, list[str], list]:
+    """A message's content: a string, or a list of typed parts. Returns ``(text, reasoning, calls)``: text
+    parts (``{"type": "text", "text" | "value": ...}``) joined with ``"\\n"`` (as vLLM's OpenAI server does),
+    reasoning parts (``{"type": "reasoning" | "thinking", ...}``) and tool-call parts (``{"type": "tool_call" |
+    "tool_use", ...}``, checked by `_tool_calls`). Any other part (an image) is refused, naming it."""
     if not isinstance(value, list):
-        return _text(value, where, field)
-    texts = []
+        return _text(value, where, field), [], []
+    texts, reasoning, calls = [], [], []
     for k, part in enumerate(value):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "text":
-            texts.append(_text(part.get("text"), where, f"{field}[{k}].text"))
-        elif kind is None:
-            raise SFTDataError(f"{where}: {field}[{k}] must be an object with 'type' (e.g. {{\"type\": \"text\", "
+        raw = part.get("type") if isinstance(part, dict) else None
+        kind = _PART_KINDS.get(raw) if isinstance(raw, str) else None
+        path = f"{field}[{k}]"
+        if raw is None:
+            raise SFTDataError(f"{where}: {path} must be an object with 'type' (e.g. {{\"type\": \"text\", "
                                f"\"text\": ...}}), got {json.dumps(part)[:60]}")
-        else:
-            raise SFTDataError(f"{where}: {field}[{k}] is a part of type {kind!r}, but this data path trains on text only: "
+        if kind == "text":
+            texts.append(_part_text(part, "text", where, path))
+        elif kind == "reasoning":
+            reasoning.append(_part_text(part, raw, where, path, (raw, "reasoning", "text", "value", "content")))
+        elif kind == "tool_call":
+            call = {k2: v for k2, v in part.items() if k2 != "type"}
+            if "input" in call and "arguments" not in call:  # Anthropic's tool_use: name + input
+                call["arguments"] = call.pop("input")
+            calls.append(call.get("tool_call", call))
+        elif raw in _IMAGE_KINDS:
+            raise SFTDataError(f"{where}: {path} is a part of type {raw!r}, but this data path trains on text only: "
                                f"remove the part, or use a vision-language recipe for images")
-    return "\n".join(texts)
+        else:
+            raise SFTDataError(f"{where}: {path} is a part of type {raw!r}; expected one of "
+                               f"{', '.join(repr(t) for t in _PART_KINDS)} (images: a vision-language recipe)")
+    return "\n".join(texts), reasoning, calls
+
+
+def _content(value: Any, where: str, field: str) -> str:
+    """The text of `_parts` (reasoning and tool-call parts refused): system, user and tool turns."""
+    text, reasoning, calls = _parts(value, where, field)
+    if reasoning or calls:
+        raise SFTDataError(f"{where}: {field} holds a {'reasoning' if reasoning else 'tool_call'} part, which only an "
+                           f"assistant turn can have")
+    return text
 
 
 def _tool_calls(value: Any, where: str, field: str) -> list[dict]:
@@ -189,7 +229,8 @@ def _tools(value: Any, where: str) -> list[dict] | None:
     return tools or None
 
 
-def to_conversation(row: dict, row_number: int, source: str) -> tuple[list[dict], list[dict] | None]:
+def to_conversation(row: dict, row_number: int, source: str,
+                    ignored: Counter | None = None) -> tuple[list[dict], list[dict] | None]:
     """Convert one data row to chat messages and the tools its prompt declares.
 
     Formats:
@@ -198,7 +239,10 @@ def to_conversation(row: dict, row_number: int, source: str) -> tuple[list[dict]
             parts are joined with ``"\\n"``, other parts are refused). An assistant message may carry
             ``tool_calls`` (OpenAI: ``[{"type": "function", "function": {"name", "arguments"}}]``,
             arguments a mapping or a JSON string) and then may have empty or null content; a ``tool``
-            message is a tool's result (``name`` and ``tool_call_id`` are kept). Other keys are dropped.
+            message is a tool's result (``name`` and ``tool_call_id`` are kept). An assistant turn's reasoning
+            (``reasoning_content``, ``thinking`` or ``reasoning``, and reasoning parts) is kept as
+            ``reasoning_content``; tool-call parts join ``tool_calls``. Other keys are not used: they are
+            counted in `ignored` (``"messages[].weight"``) when it is given.
         Alpaca: ``{"instruction", "input" (optional, may be empty), "output"}`` -> one user turn
             (instruction, plus ``"\\n\\n" + input`` when input is not empty) and one assistant turn.
         ShareGPT / LLaMA-Factory: ``{"conversations": [{"from", "value"}, ...], "system": str, "tools": str | list}``,
@@ -212,10 +256,11 @@ def to_conversation(row: dict, row_number: int, source: str) -> tuple[list[dict]
         row: one object of the data file.
         row_number: its 1-based position in the file, for messages.
         source: the file name (or data set name), for messages.
+        ignored: a Counter that gets one count per key of a turn that is not used.
 
     Returns:
         ``(messages, tools)``: messages are ``{"role", "content": str}`` (+ ``tool_calls`` / ``name`` /
-        ``tool_call_id``); tools is None when the row declares none.
+        ``tool_call_id`` / ``reasoning_content``); tools is None when the row declares none.
 
     Raises:
         SFTDataError: ``"<source> row <n>: ..."`` for an unknown format (listing the keys found
@@ -254,6 +299,9 @@ def to_conversation(row: dict, row_number: int, source: str) -> tuple[list[dict]
         if role is None:
             allowed = ", ".join(role_map or _CHAT_ROLES)
             raise SFTDataError(f"{where}: {path}.{role_key} is {raw!r}, expected one of {allowed}")
+        if ignored is not None:
+            used = {role_key, text_key, "tool_calls", *REASONING_KEYS, *(("name", "tool_call_id") if role == "tool" else ())}
+            ignored.update(f"{field}[].{k}" for k in turn if k not in used)
         if raw == "function_call":  # LLaMA-Factory: the call as JSON text
             try:
                 call = json.loads(_text(turn[text_key], where, f"{path}.{text_key}"))
@@ -262,19 +310,34 @@ def to_conversation(row: dict, row_number: int, source: str) -> tuple[list[dict]
             messages.append({"role": "assistant", "content": "",
                              "tool_calls": _tool_calls(call, where, f"{path}.{text_key}")})
             continue
-        if role == "assistant" and turn.get("tool_calls"):
-            content = turn.get(text_key)
-            messages.append({"role": "assistant", "content": "" if content is None else _content(content, where, f"{path}.{text_key}"),
-                             "tool_calls": _tool_calls(turn["tool_calls"], where, f"{path}.tool_calls")})
+        if role != "assistant":
+            content = _content(turn.get(text_key), where, f"{path}.{text_key}")
+            message = {"role": role, "content": content}
+            if role == "tool":
+                if not messages or not (messages[-1].get("tool_calls") or messages[-1]["role"] == "tool"):
+                    raise SFTDataError(f"{where}: {path} is a tool result, but no assistant tool call comes before it")
+                message.update({k: turn[k] for k in ("name", "tool_call_id") if isinstance(turn.get(k), str)})
+            for key in REASONING_KEYS:
+                if turn.get(key):
+                    raise SFTDataError(f"{where}: {path}.{key} is set on a {role} turn; only assistant turns have "
+                                       f"reasoning")
+            messages.append(message)
             continue
-        content = _content(turn.get(text_key), where, f"{path}.{text_key}")
-        if role == "assistant" and not content.strip():
+        value = turn.get(text_key)
+        content, reasoning, part_calls = ("", [], []) if value is None else _parts(value, where, f"{path}.{text_key}")
+        for key in REASONING_KEYS:
+            if turn.get(key) is not None:
+                reasoning.insert(0, _text(turn[key], where, f"{path}.{key}"))
+        calls = ([*(turn["tool_calls"] if isinstance(turn["tool_calls"], list) else [turn["tool_calls"]])]
+                 if turn.get("tool_calls") else []) + part_calls
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = _tool_calls(calls, where, f"{path}.tool_calls" if turn.get("tool_calls")
+                                                else f"{path}.{text_key}")
+        elif not content.strip():
             raise EmptyAnswerError(f"{where}: field '{path}.{text_key}' is empty")
-        message = {"role": role, "content": content}
-        if role == "tool":
-            if not messages or not (messages[-1].get("tool_calls") or messages[-1]["role"] == "tool"):
-                raise SFTDataError(f"{where}: {path} is a tool result, but no assistant tool call comes before it")
-            message.update({k: turn[k] for k in ("name", "tool_call_id") if isinstance(turn.get(k), str)})
+        if any(r.strip() for r in reasoning):
+            message["reasoning_content"] = "\n".join(r for r in reasoning if r.strip())
         messages.append(message)
     if not any(m["role"] == "assistant" for m in messages):
         raise SFTDataError(f"{where}: the conversation has no assistant turn (roles: "
@@ -312,16 +375,64 @@ def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, kwargs
     return list(out) if tokenize else out
 
 
-def _unstable(tokenizer, full: list[int], part: list[int], what: str) -> SFTDataError:
+def _unstable(tokenizer, full: list[int], part: list[int], what: str, split_turns: bool = False) -> SFTDataError:
     j = next((k for k, (a, b) in enumerate(zip(full, part)) if a != b), min(len(full), len(part)))
     got, want = tokenizer.decode(part[j:j + 8]), tokenizer.decode(full[j:j + 8])
+    advice = ("data.split_turns is already true, so the turn being labelled itself renders differently as the last "
+              "turn and inside the conversation: check that row's text for template markup, or set a prefix-stable "
+              "tokenizer.chat_template") if split_turns else (
+        "use single-turn rows, set data.split_turns=true (one example per assistant turn, each as the model sees it "
+        "when it writes that turn), or set a prefix-stable tokenizer.chat_template")
     return SFTDataError(
         f"the chat template is not prefix-stable: {what} rendered differs from the whole "
         f"conversation at token {j} ({got!r} vs {want!r}), so assistant turns cannot be located by rendering "
         f"prefixes. Templates that rewrite earlier turns do this (Qwen3's adds a <think> block to the assistant "
-        f"turn after the last user turn only); use single-turn rows, set data.split_turns=true (one example "
-        f"per assistant turn, each as the model sees it when it writes that turn), or set a prefix-stable "
-        f"tokenizer.chat_template")
+        f"turn after the last user turn only); {advice}")
+
+
+def reasoning_field(tokenizer) -> str | None:
+    """The message key the tokenizer's chat template reads a turn's reasoning from: ``"reasoning_content"``
+    (Qwen3, DeepSeek-R1, TRL), ``"thinking"`` (GPT-OSS harmony), or None when the template reads neither."""
+    try:
+        template = tokenizer.get_chat_template()
+    except ValueError:
+        return None
+    return next((k for k in ("reasoning_content", "thinking") if k in template), None)
+
+
+def _inline_reasoning(tokenizer, messages: list[dict]) -> list[dict]:
+    """Messages with an assistant turn's inline ``<think>...</think>`` prefix (DeepSeek-R1-style data) moved to
+    ``reasoning_content``, for templates with ``<think>`` blocks (Qwen3's splits it so itself).
+
+    Raises:
+        SFTDataError: a stray ``<think>`` / ``</think>`` elsewhere in an assistant turn (the template would move
+            text out of the turn).
+    """
+    try:
+        template = tokenizer.get_chat_template()
+    except ValueError:
+        return messages
+    if "</think>" not in template:
+        return messages
+    out = []
+    for i, m in enumerate(messages):
+        text = m["content"] if m["role"] == "assistant" else ""
+        if "<think>" in text or "</think>" in text:
+            head, sep, tail = text.lstrip().partition("</think>")
+            if not (head.startswith("<think>") and sep and "<think>" not in head[7:] and "</think>" not in tail
+                    and "<think>" not in tail):
+                raise SFTDataError(f"messages[{i}].content (assistant) holds a stray '</think>' or '<think>', which "
+                                   f"the chat template reads as the edge of a reasoning block (it would move text "
+                                   f"out of the turn): put the reasoning in 'reasoning_content' (or the content as "
+                                   f"'<think>reasoning</think>answer') and remove the stray tag")
+            if m.get("reasoning_content"):
+                raise SFTDataError(f"messages[{i}] has both 'reasoning_content' and a <think> block in its content: "
+                                   f"keep one")
+            m = {**m, "content": tail.lstrip("\n"), "reasoning_content": head[7:].strip("\n")}
+            if not m["reasoning_content"].strip():
+                del m["reasoning_content"]
+        out.append(m)
+    return out
 
 
 def _check_tools_rendered(tokenizer, messages: list[dict], tools: list[dict] | None, kwargs: dict | None,
@@ -353,15 +464,29 @@ def _check_tools_rendered(tokenizer, messages: list[dict], tools: list[dict] | N
                                f"from the rendered conversation")
 
 
+def _covering(tokenizer, ids: list[int], start: int, stop: int, text: str) -> int:
+    """The smallest ``end`` in ``(start, stop]`` whose decoded ``ids[start:end]`` contains `text` (binary search)."""
+    lo, hi = start + 1, stop
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if text in tokenizer.decode(ids[start:mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
 def _encode(tokenizer, messages: list[dict], kwargs: dict | None, tools: list[dict] | None,
-            last_turn_only: bool) -> tuple[list[int], list[int]]:
-    """Untruncated ``(input_ids, labels)`` of `tokenize_conversation`; with `last_turn_only`, only the
-    last assistant turn is labelled (and only its prefixes need to be stable)."""
+            last_turn_only: bool, reasoning: str = "train") -> tuple[list[int], list[int], dict[str, int]]:
+    """Untruncated ``(input_ids, labels, counts)`` of `tokenize_conversation`; with `last_turn_only`, only the
+    last assistant turn is labelled (and only its prefixes need to be stable). `reasoning` ``"context"`` masks
+    each labelled turn from its start through its reasoning. ``counts``: ``reasoning`` (labelled turns whose
+    reasoning the template rendered) and ``reasoning_unrendered`` (those whose reasoning it left out)."""
     special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
     full = _render(tokenizer, messages, False, kwargs, tools)
     labels = [IGNORE_INDEX] * len(full)
     assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    turns = {}
+    turns, counts = {}, {"reasoning": 0, "reasoning_unrendered": 0}
     for i in assistant[-1:] if last_turn_only else assistant:
         if i == 0:
             raise SFTDataError("messages[0] is an assistant turn; a conversation must start with a system or user turn")
@@ -369,7 +494,7 @@ def _encode(tokenizer, messages: list[dict], kwargs: dict | None, tools: list[di
         through = _render(tokenizer, messages[: i + 1], False, kwargs, tools)
         for part, what in ((before, f"messages[:{i}] + generation prompt"), (through, f"messages[:{i + 1}]")):
             if full[: len(part)] != part:
-                raise _unstable(tokenizer, full, part, what)
+                raise _unstable(tokenizer, full, part, what, last_turn_only)
         start, stop = len(before), len(through)
         end = stop
         while end > start and not tokenizer.decode(full[end - 1 : end]).strip():
@@ -377,10 +502,19 @@ def _encode(tokenizer, messages: list[dict], kwargs: dict | None, tools: list[di
         if end > start and full[end - 1] in special:
             stop = end  # trailing whitespace after the end-of-turn token
         labels[start:stop] = full[start:stop]
+        thought = next((messages[i][k] for k in ("reasoning_content", "thinking") if messages[i].get(k)), "").strip()
+        if thought:
+            if thought in tokenizer.decode(full[start:stop]):
+                counts["reasoning"] += 1
+                if reasoning == "context":
+                    labels[start:_covering(tokenizer, full, start, stop, thought)] = \
+                        [IGNORE_INDEX] * (_covering(tokenizer, full, start, stop, thought) - start)
+            else:
+                counts["reasoning_unrendered"] += 1
         if messages[i].get("tool_calls"):
             turns[i] = tokenizer.decode(full[start:stop])
     _check_tools_rendered(tokenizer, messages, tools, kwargs, turns)
-    return full, labels
+    return full, labels, counts
 
 
 def tokenize_conversation(tokenizer, messages: list[dict], max_length: int,
@@ -414,7 +548,7 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_length: int,
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length}")
     _require_chat_template(tokenizer)
-    full, labels = _encode(tokenizer, messages, chat_template_kwargs, tools, last_turn_only=False)
+    full, labels, _ = _encode(tokenizer, messages, chat_template_kwargs, tools, last_turn_only=False)
     return full[:max_length], labels[:max_length], len(full) > max_length
 
 
@@ -448,10 +582,19 @@ class SFTStats:
     dropped: int = 0  # examples cut before their first labelled token (not kept)
     dropped_rows: list[tuple[int, int]] = field(default_factory=list)  # (1-based row, tokens before the cut) of those
     empty_answers: list[int] = field(default_factory=list)  # 1-based numbers of rows skipped for an empty answer
+    unanswered: list[int] = field(default_factory=list)  # rows not kept: they end in a tool call, with no answer to label
+    call_endings: list[int] = field(default_factory=list)  # rows kept up to their last answer; a tool call after it not trained
     example_rows: list[int] = field(default_factory=list)  # the 1-based row of each kept example, in order
     split_rows: int = 0  # rows with several assistant turns split into one example per turn
     tokens: int = 0
     loss_tokens: int = 0  # tokens with a label
+    reasoning: str = "train"  # data.reasoning: train (in the loss), context (rendered, no loss), drop
+    reasoning_turns: int = 0  # labelled assistant turns whose reasoning was rendered
+    reasoning_unrendered: int = 0  # assistant turns whose reasoning the chat template left out (earlier turns)
+    reasoning_dropped: int = 0  # assistant turns whose reasoning data.reasoning=drop removed
+    ignored: dict[str, int] = field(default_factory=dict)  # keys of rows / turns not used -> how many had them
+    unrendered_why: str = ("it renders only the reasoning of the turns after the last user turn: data.split_turns=true "
+                           "keeps every turn's")
     parts: list[SFTStats] = field(default_factory=list)  # per-source stats of a merge
 
     @property
@@ -462,7 +605,7 @@ class SFTStats:
     @property
     def dropped_fraction(self) -> float:
         """Fraction (0-1) of examples not kept: cut before their answer, or with an empty answer."""
-        lost = self.dropped + len(self.empty_answers)
+        lost = self.dropped + len(self.empty_answers) + len(self.unanswered)
         return lost / (self.examples + lost) if self.examples + lost else 0.0
 
     def longest_dropped(self, n: int = 5) -> str:
@@ -482,9 +625,25 @@ class SFTStats:
         """Totals over several sources; `summary` then reports each source."""
         total = cls(source=" + ".join(p.source for p in parts), max_length=max((p.max_length for p in parts), default=0),
                     truncate=all(p.truncate for p in parts), parts=list(parts))
-        for key in ("rows", "examples", "truncated", "dropped", "split_rows", "tokens", "loss_tokens"):
+        for key in ("rows", "examples", "truncated", "dropped", "split_rows", "tokens", "loss_tokens",
+                    "reasoning_turns", "reasoning_unrendered", "reasoning_dropped"):
             setattr(total, key, sum(getattr(p, key) for p in parts))
+        total.unanswered = [r for p in parts for r in p.unanswered]
+        total.call_endings = [r for p in parts for r in p.call_endings]
+        total.reasoning = parts[0].reasoning if parts else "train"
+        total.unrendered_why = parts[0].unrendered_why if parts else total.unrendered_why
+        total.ignored = dict(sum((Counter(p.ignored) for p in parts), Counter()))
         return total
+
+    def reasoning_note(self) -> str:
+        """``"reasoning: 12 turns trained, 3 left out by the chat template (earlier turns)"``; ``""`` without any."""
+        done = {"train": "trained", "context": "in context (no loss)", "drop": "dropped"}[self.reasoning]
+        items = [f"{self.reasoning_turns} turns {done}"] if self.reasoning_turns else []
+        if self.reasoning_unrendered:
+            items.append(f"{self.reasoning_unrendered} left out by the chat template ({self.unrendered_why})")
+        if self.reasoning_dropped:
+            items.append(f"{self.reasoning_dropped} turns dropped (data.reasoning=drop)")
+        return f"reasoning: {', '.join(items)}" if items else ""
 
     def _drop_reason(self, limit: str) -> str:
         return f"cut by {limit} before any assistant token" if self.truncate else f"longer than {limit}, dropped rather than cut"
@@ -499,6 +658,16 @@ class SFTStats:
             text += f" ({self._drop_reason(limit)}: {self.longest_dropped(3)})"
         if self.empty_answers:
             text += f", {len(self.empty_answers)} skipped with an empty answer (rows {_rows_list(self.empty_answers)})"
+        if self.unanswered:
+            text += (f", {len(self.unanswered)} skipped as they end in a tool call with no answer to label (rows "
+                     f"{_rows_list(self.unanswered)})")
+        if self.call_endings:
+            text += (f", {len(self.call_endings)} end in a tool call after their last answer, not trained (rows "
+                     f"{_rows_list(self.call_endings)})")
+        if self.reasoning_note():
+            text += f", {self.reasoning_note()}"
+        if self.ignored:
+            text += ", keys not used: " + ", ".join(f"{k} ({n})" for k, n in sorted(self.ignored.items()))
         return text
 
     def summary(self) -> str:
@@ -512,7 +681,7 @@ class SFTStats:
         naming the longest dropped rows and what to change."""
         if self.dropped_fraction <= max_dropped_fraction:
             return
-        lost = self.dropped + len(self.empty_answers)
+        lost = self.dropped + len(self.empty_answers) + len(self.unanswered)
         unit = "examples (one per assistant turn)" if self.split_rows else "rows"
         why = []
         if self.dropped:
@@ -522,6 +691,9 @@ class SFTStats:
         if self.empty_answers:
             why.append(f"{len(self.empty_answers)} with an empty answer (rows {_rows_list(self.empty_answers)}): check "
                        f"the answer field")
+        if self.unanswered:
+            why.append(f"{len(self.unanswered)} end in a tool call with no answer to label (rows "
+                       f"{_rows_list(self.unanswered)}): only answers carry labels; add the tool result and the answer")
         raise SFTDataError(f"{self.source}: {lost} of {self.examples + lost} {unit} dropped ({self.dropped_fraction:.0%}, "
                            f"more than data.max_dropped_fraction={max_dropped_fraction:g}): {'; '.join(why)}; or raise "
                            f"data.max_dropped_fraction")
@@ -529,7 +701,7 @@ class SFTStats:
 
 def prepare(rows: Sequence[dict], tokenizer, max_length: int, source: str,
             chat_template_kwargs: dict | None = None, *, max_dropped_fraction: float | None = None,
-            split_turns: bool = False, truncate: bool = True) -> tuple[list[dict], SFTStats]:
+            split_turns: bool = False, truncate: bool = True, reasoning: str = "train") -> tuple[list[dict], SFTStats]:
     """`to_conversation` + `tokenize_conversation` (see there for the arguments) over a data set.
 
     Args:
@@ -541,6 +713,9 @@ def prepare(rows: Sequence[dict], tokenizer, max_length: int, source: str,
             ``turns / 2`` times the tokens of the whole conversation.
         truncate: False: an example longer than `max_length` is dropped (counted as cut before its
             answer) instead of cut, for answers that are useless when cut (a JSON object).
+        reasoning: an assistant turn's reasoning (``reasoning_content``), rendered through the template's own
+            field (`reasoning_field`): ``"train"`` in the loss, ``"context"`` rendered without loss, ``"drop"``
+            removed; counted in the stats either way (and turns whose reasoning the template leaves out).
 
     Returns:
         ``(examples, stats)``: examples are ``{"input_ids": list[int], "labels": list[int]}``, in
@@ -551,24 +726,36 @@ def prepare(rows: Sequence[dict], tokenizer, max_length: int, source: str,
 
     Raises:
         SFTDataError: the tokenizer has no chat template (once, before any row); a row is invalid
-            or its rendering not prefix-stable (``"<source> row <n>: ..."``); too many examples
-            dropped (see `max_dropped_fraction`).
+            or its rendering not prefix-stable (``"<source> row <n>: ..."``); a row has reasoning the
+            template has no place for (or Qwen3's ``enable_thinking: false`` would replace it); too many
+            examples dropped (see `max_dropped_fraction`).
     """
+    if reasoning not in ("train", "context", "drop"):
+        raise ValueError(f"reasoning must be train, context or drop, got {reasoning!r}")
     _require_chat_template(tokenizer)
-    stats, examples = SFTStats(source=source, max_length=max_length, truncate=truncate, rows=len(rows)), []
+    stats, examples = SFTStats(source=source, max_length=max_length, truncate=truncate, rows=len(rows),
+                               reasoning=reasoning), []
+    ignored, target = Counter(), reasoning_field(tokenizer)
     for n, row in enumerate(rows, 1):
         try:
-            messages, tools = to_conversation(row, n, source)
+            messages, tools = to_conversation(row, n, source, ignored)
+            messages = _inline_reasoning(tokenizer, messages)
+            messages = _place_reasoning(messages, reasoning, target, chat_template_kwargs, stats)
         except EmptyAnswerError:  # e.g. a few rows of tatsu-lab/alpaca: nothing to learn from them
             stats.empty_answers.append(n)
             continue
+        except SFTDataError as exc:
+            raise SFTDataError(str(exc) if str(exc).startswith(source) else f"{source} row {n}: {exc}") from None
         ends = [i + 1 for i, m in enumerate(messages) if m["role"] == "assistant"] if split_turns else [len(messages)]
         stats.split_rows += len(ends) > 1
         for end in ends:
             try:
-                ids, labels = _encode(tokenizer, messages[:end], chat_template_kwargs, tools, last_turn_only=split_turns)
+                ids, labels, counts = _encode(tokenizer, messages[:end], chat_template_kwargs, tools,
+                                              last_turn_only=split_turns, reasoning=reasoning)
             except SFTDataError as exc:
                 raise SFTDataError(f"{source} row {n}: {exc}") from None
+            stats.reasoning_turns += counts["reasoning"]
+            stats.reasoning_unrendered += counts["reasoning_unrendered"]
             n_loss = sum(label != IGNORE_INDEX for label in labels[:max_length])
             if n_loss == 0 or (len(ids) > max_length and not truncate):
                 stats.dropped += 1
@@ -580,9 +767,42 @@ def prepare(rows: Sequence[dict], tokenizer, max_length: int, source: str,
             stats.examples += 1
             stats.tokens += min(len(ids), max_length)
             stats.loss_tokens += n_loss
+    stats.ignored = dict(ignored)
     if max_dropped_fraction is not None:
         stats.check_dropped(max_dropped_fraction)
     return examples, stats
+
+
+def _place_reasoning(messages: list[dict], reasoning: str, target: str | None, kwargs: dict | None,
+                     stats: SFTStats) -> list[dict]:
+    """Messages with each assistant turn's ``reasoning_content`` under the template's own key `target` (or
+    removed for ``reasoning="drop"``, counted in ``stats.reasoning_dropped``).
+
+    Raises:
+        SFTDataError: a turn has reasoning but the template reads no reasoning field, or its
+            ``enable_thinking`` is false (Qwen3 then writes an empty ``<think>`` block in its place).
+    """
+    out = []
+    for i, m in enumerate(messages):
+        if "reasoning_content" not in m:
+            out.append(m)
+            continue
+        m = dict(m)
+        thought = m.pop("reasoning_content")
+        if reasoning == "drop":
+            stats.reasoning_dropped += 1
+        elif target is None:
+            raise SFTDataError(f"messages[{i}] has reasoning, but the chat template has no place for it (it reads "
+                               f"neither 'reasoning_content' nor 'thinking'): set data.reasoning=drop to train "
+                               f"without it (counted in the data summary), or use a template that renders reasoning")
+        elif (kwargs or {}).get("enable_thinking") is False:
+            raise SFTDataError(f"messages[{i}] has reasoning, but data.chat_template_kwargs has enable_thinking: "
+                               f"false, which makes the template write an empty reasoning block: set it to true "
+                               f"to keep the reasoning, or data.reasoning=drop to train without it")
+        else:
+            m[target] = thought
+        out.append(m)
+    return out
 
 
 # ----------------------------------------------------------------------------- batches
@@ -671,7 +891,7 @@ def load_examples(cfg: Any, tokenizer, seed: int) -> tuple[list[dict], list[dict
     Args:
         cfg: any object with ``train_files`` (JSON / JSONL; empty: the ``hub_id`` data set's train split),
             ``eval_files`` (optional), ``hub_id``, ``eval_fraction``, ``max_length``, ``chat_template_kwargs``,
-            ``max_dropped_fraction`` and ``split_turns`` (see `prepare`).
+            ``max_dropped_fraction``, ``split_turns`` and ``reasoning`` (see `prepare`).
         tokenizer: a tokenizer with a chat template.
         seed: seeds the held-out split: without eval files, a seeded ``eval_fraction`` of each train
             file is held out for evaluation.
@@ -680,7 +900,8 @@ def load_examples(cfg: Any, tokenizer, seed: int) -> tuple[list[dict], list[dict
         SFTDataError: see `load_rows` and `prepare` (each file is checked against ``max_dropped_fraction``).
     """
     kwargs = dict(cfg.chat_template_kwargs) or None
-    options = dict(max_dropped_fraction=cfg.max_dropped_fraction, split_turns=cfg.split_turns)
+    options = dict(max_dropped_fraction=cfg.max_dropped_fraction, split_turns=cfg.split_turns,
+                   reasoning=getattr(cfg, "reasoning", "train"))
     eval_files = getattr(cfg, "eval_files", [])
     sources = [(f, load_rows(f)) for f in cfg.train_files] or [(cfg.hub_id, load_hub_rows(cfg.hub_id))]
     train, evals, parts = [], [], []

@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from cookbook.sft.data import IGNORE_INDEX, ROLES, SFTDataError, load_rows, pad_batch, tokenize_conversation
+from cookbook.sft.data import (IGNORE_INDEX, REASONING_KEYS, ROLES, SFTDataError, load_rows, pad_batch,
+                               tokenize_conversation)
 
 
 @dataclass
@@ -84,6 +85,10 @@ def to_vl_messages(row: dict, where: str) -> tuple[list[dict], list[Any]]:
         if not isinstance(turn, dict) or turn.get("role") not in ROLES or "content" not in turn:
             raise SFTDataError(f"{where}: messages[{i}] must be an object with 'role' (one of "
                                f"{', '.join(ROLES)}) and 'content'")
+        held = [k for k in REASONING_KEYS if turn.get(k)]
+        if held:  # never dropped in silence
+            raise SFTDataError(f"{where}: messages[{i}].{held[0]} is set, but image + text rows train no reasoning: "
+                               f"remove it from the rows, or train on text rows (data.reasoning in the text recipes)")
         content = turn["content"]
         if isinstance(content, str):
             content = [{"type": "text", "text": content}]
@@ -95,8 +100,8 @@ def to_vl_messages(row: dict, where: str) -> tuple[list[dict], list[Any]]:
             if kind == "image" and turn["role"] == "user":
                 parts.append({"type": "image"})
                 n_parts += 1
-            elif kind == "text" and isinstance(part.get("text"), str):
-                parts.append({"type": "text", "text": part["text"]})
+            elif kind == "text" and isinstance(part.get("text", part.get("value")), str):  # "value": another layout
+                parts.append({"type": "text", "text": part.get("text", part.get("value"))})
             else:
                 raise SFTDataError(f"{where}: messages[{i}].content[{j}] must be {{'type': 'text', 'text': str}} or, in "
                                    f"a user turn, {{'type': 'image'}}; got {part!r:.80}")
@@ -296,3 +301,36 @@ def load_vl_processors(name_or_path: str, min_pixels: int | None = None, max_pix
     if tokenizer.chat_template is None:  # some VL repositories keep the template with the processor only
         tokenizer.chat_template = AutoProcessor.from_pretrained(name_or_path).chat_template
     return tokenizer, image_processor
+
+
+def show_vl(cfg: Any, tokenizer, image_processor, image_token_id: int, n: int,
+            template_kwargs: dict | None = None) -> str:
+    """`cookbook.sft.show_examples` for image + text rows: each train file's rows as `vl_example` renders them
+    (image placeholders written ``<tok> x N``), the first `n` shown, all counted (rows cut at ``max_length``).
+    Every row of a local file is read and its images decoded, as ``--check`` does; of a hub data set, `n` rows."""
+    from cookbook.sft.data import SFTStats
+    from cookbook.sft.show import show_examples
+
+    train, _ = load_vl_items(cfg, 0)
+    sources = list({id(item[0]): item[0] for item in train}.values())
+    parts = []
+    for source in sources:
+        rows = range(len(source.rows)) if source.base_dir is not None else range(min(n, len(source.rows)))
+        st, examples = SFTStats(source=source.name, max_length=cfg.max_length, rows=len(rows)), []
+        for i in rows:
+            ex = vl_example(dict(source.rows[i]), f"{source.name} row {i + 1}", source.base_dir, tokenizer,
+                            image_processor, image_token_id, 1 << 30, template_kwargs)
+            ids, labels = ex["input_ids"][:cfg.max_length], ex["labels"][:cfg.max_length]
+            n_loss = sum(label != IGNORE_INDEX for label in labels)
+            if n_loss == 0:
+                st.dropped += 1
+                st.dropped_rows.append((i + 1, len(ex["input_ids"])))
+                continue
+            st.truncated += len(ex["input_ids"]) > cfg.max_length
+            examples.append({"input_ids": ids, "labels": labels})
+            st.example_rows.append(i + 1)
+            st.examples += 1
+            st.tokens += len(ids)
+            st.loss_tokens += n_loss
+        parts.append((examples, st))
+    return show_examples(parts, tokenizer, n)

@@ -1,0 +1,121 @@
+"""A package compiled against another torch build (PyPI's CUDA torchvision beside a CPU torch) is one line, not a
+traceback, in every recipe.
+
+transformers, TRL, PEFT and torchmetrics import torchvision whenever it is installed; a torchvision whose compiled
+ops do not load (``RuntimeError: operator torchvision::nms does not exist``) ended any recipe at its imports with a
+traceback, exit status 1. `guard` (run by ``import cookbook``, so a recipe imports ``cookbook`` first) wraps the
+import of `TORCH_BUILT` packages: a failure raises `BrokenBuild` (an ``ImportError``) whose message names the
+installed versions and the install line of the matching build (`matching_build`), and an uncaught one, even at a
+module's top level, prints ``error: <message>`` and exits with status 2 (`cookbook.entry.EXIT_USER_ERROR`).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import os
+import sys
+
+TORCH_BUILT = ("torchvision", "torchaudio")  # packages compiled against one torch build
+EXIT_USER_ERROR = 2  # cookbook.entry's status for bad input (a package to install is one)
+
+
+class BrokenBuild(ImportError):
+    """A `TORCH_BUILT` package is installed but does not import beside this torch; the message says what to run."""
+
+
+def matching_build(package: str, spec: str | None = None) -> tuple[str, str]:
+    """``(specifier, index_url)`` of `package`'s build for the installed torch: PyTorch pairs torch 2.N with
+    torchvision 0.(N+15) and torchaudio 2.N (``torchvision==0.28.*`` for torch 2.13; another package: `spec`, or its
+    name), and the PyTorch index of torch's own build (``https://download.pytorch.org/whl/cpu`` for a CPU torch;
+    ``.../cu128`` for CUDA 12.8; ``.../rocm6.4``). PyPI's torchvision is built for PyPI's CUDA torch."""
+    import torch
+
+    major, minor = (int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    paired = {"torchvision": f"0.{minor + 15}.*", "torchaudio": f"{major}.{minor}.*"}
+    cuda, hip = torch.version.cuda, getattr(torch.version, "hip", None)
+    build = f"cu{cuda.replace('.', '')}" if cuda else f"rocm{'.'.join(hip.split('.')[:2])}" if hip else "cpu"
+    found = f"{package}=={paired[package]}" if package in paired else spec or package
+    return found, f"https://download.pytorch.org/whl/{build}"
+
+
+def install_line(package: str, reinstall: bool = False, spec: str | None = None) -> str:
+    """The pip command that installs `package`'s build for the installed torch (`matching_build`)."""
+    spec, index = matching_build(package, spec)
+    return f"pip install {'--force-reinstall --no-deps ' if reinstall else ''}'{spec}' --index-url {index}"
+
+
+def broken_message(package: str, exc: BaseException) -> str:
+    """One line: `package` and its version do not import beside the installed torch, the cause, the fix."""
+    from importlib import metadata
+
+    import torch
+
+    try:
+        version = " " + metadata.version(package)
+    except metadata.PackageNotFoundError:
+        version = ""
+    cause = (str(exc).strip().splitlines() or [""])[0]
+    return (f"{package}{version} is installed but does not import ({type(exc).__name__}: {cause}): its build does "
+            f"not match torch {torch.__version__}: install the {package} build made for that torch: "
+            f"`{install_line(package, reinstall=True)}`")
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, package: str, inner: importlib.abc.Loader):
+        self.package, self.inner = package, inner
+
+    def create_module(self, spec):
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module):
+        try:
+            self.inner.exec_module(module)
+        except BrokenBuild:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a compiled extension fails in many ways; all mean the same
+            raise BrokenBuild(broken_message(self.package, exc), name=self.package) from exc
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Finds `TORCH_BUILT` packages as the other finders do, and wraps their loader (`_Loader`)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name not in TORCH_BUILT:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                if spec.loader is not None and not isinstance(spec.loader, _Loader):
+                    spec.loader = _Loader(name, spec.loader)
+                return spec
+        return None
+
+
+def broken_build_in(exc: BaseException | None) -> BrokenBuild | None:
+    """The `BrokenBuild` that `exc` is or was raised from (transformers re-raises import failures), if any."""
+    seen = []
+    while exc is not None and exc not in seen:
+        if isinstance(exc, BrokenBuild):
+            return exc
+        seen.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _excepthook(kind, exc, tb, _previous=sys.excepthook):
+    broken = broken_build_in(exc)
+    if broken is None:
+        return _previous(kind, exc, tb)
+    print(f"error: {broken}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(EXIT_USER_ERROR)
+
+
+def guard() -> None:
+    """Install the finder and the hook (once per process)."""
+    if not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())
+        sys.excepthook = _excepthook

@@ -1,0 +1,110 @@
+"""``train.py --show-examples N``: the first N training examples as the model sees them, labelled spans marked,
+and what the data pipeline kept, cut and dropped, per field. One process, before any worker starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from cookbook.sft.data import IGNORE_INDEX, SFTStats
+
+OPEN, CLOSE = "[[", "]]"  # around the labelled tokens (those in the loss)
+
+
+def _decode(tokenizer, ids: list[int], repeat: int = 4) -> str:
+    """`ids` decoded, a run of one token `repeat` times or more (image placeholders) written ``<tok> x N``."""
+    out, k = [], 0
+    while k < len(ids):
+        j = k
+        while j < len(ids) and ids[j] == ids[k]:
+            j += 1
+        if j - k >= repeat and tokenizer.decode(ids[k:k + 1]).startswith("<"):
+            out.append(f"{tokenizer.decode(ids[k:k + 1])} x {j - k}")
+            k = j
+            continue
+        while j < len(ids) and not (j + repeat <= len(ids) and len(set(ids[j:j + repeat])) == 1):
+            j += 1
+        out.append(tokenizer.decode(ids[k:j]))
+        k = j
+    return "".join(out)
+
+
+def render_example(example: dict, tokenizer) -> str:
+    """The decoded ``input_ids`` of one example, each run of labelled tokens between ``[[`` and ``]]`` (a run of
+    4 or more of one special token, such as image placeholders, written ``<tok> x N``)."""
+    ids, labels = example["input_ids"], example["labels"]
+    out, k = [], 0
+    while k < len(ids):
+        on = labels[k] != IGNORE_INDEX
+        j = k
+        while j < len(ids) and (labels[j] != IGNORE_INDEX) == on:
+            j += 1
+        text = _decode(tokenizer, ids[k:j])
+        out.append(f"{OPEN}{text}{CLOSE}" if on else text)
+        k = j
+    return "".join(out)
+
+
+def field_counts(stats: SFTStats) -> list[str]:
+    """Lines of kept / truncated / dropped counts per field of one source's `SFTStats`."""
+    lines = [f"  rows            {stats.rows} read"
+             + (f", {stats.split_rows} split into one example per answer" if stats.split_rows else "")]
+    why = "no labelled token left after the cut" if stats.truncate else \
+        f"longer than max_length={stats.max_length}, dropped rather than cut"
+    cut = f"{stats.truncated} truncated to max_length={stats.max_length}, " if stats.truncate else ""
+    lines.append(f"  examples        {stats.examples} kept, {cut}{stats.dropped} dropped"
+                 + (f" ({why}: {stats.longest_dropped(3)})" if stats.dropped else ""))
+    lines.append(f"  answers         {len(stats.empty_answers)} empty (row skipped), {len(stats.unanswered)} rows end in "
+                 f"a tool call with no answer (skipped), {len(stats.call_endings)} tool calls after the last answer "
+                 f"(not trained)")
+    done = {"train": "trained", "context": "in context (no loss)", "drop": "dropped"}[stats.reasoning]
+    lines.append(f"  reasoning       {stats.reasoning_turns} turns {done}, {stats.reasoning_unrendered} left out by the "
+                 f"chat template, {stats.reasoning_dropped} dropped (data.reasoning=drop)")
+    unused = ", ".join(f"{k}: {n}" for k, n in sorted(stats.ignored.items())) or "none"
+    lines.append(f"  keys not used   {unused}")
+    lines.append(f"  tokens          {stats.tokens:,}, {stats.loss_tokens:,} labelled ({stats.loss_fraction:.1%})")
+    return lines
+
+
+def show_examples(parts: Sequence[tuple[list[dict], SFTStats]], tokenizer, n: int) -> str:
+    """The text `--show-examples` prints: per source, its first `n` examples (`render_example`, with the row each
+    came from) and its counts per field (`field_counts`).
+
+    Args:
+        parts: ``(examples, stats)`` per source, examples in row order (``stats.example_rows`` gives their rows).
+        n: examples shown per source (0: counts only).
+    """
+    out = [f"labelled tokens (in the loss) are between {OPEN} and {CLOSE}"]
+    for examples, stats in parts:
+        name = Path(stats.source).name or stats.source
+        for k, ex in enumerate(examples[:n]):
+            row = stats.example_rows[k] if k < len(stats.example_rows) else "?"
+            n_loss = sum(label != IGNORE_INDEX for label in ex["labels"])
+            out += ["", f"--- {name} example {k + 1} of {len(examples)} (row {row}, {len(ex['input_ids'])} tokens, "
+                        f"{n_loss} labelled)", render_example(ex, tokenizer)]
+        out += ["", f"--- {name}: counts per field", *field_counts(stats)]
+    return "\n".join(out)
+
+
+def refusal(stats: SFTStats, max_dropped_fraction: float) -> str:
+    """``""``, or the line training would refuse these data with (`SFTStats.check_dropped`)."""
+    try:
+        stats.check_dropped(max_dropped_fraction)
+    except ValueError as exc:
+        return f"  training would refuse this source: {exc}"
+    return ""
+
+
+def show_data(cfg, tokenizer, n: int) -> str:
+    """`show_examples` for a recipe's ``data`` section (`cookbook.sft.DataConfig`): each train file (or the hub
+    data set) tokenized as `cookbook.sft.load_examples` does, before the held-out split and packing; a source that
+    training would refuse (too many rows dropped) is shown with the refusal instead of stopping."""
+    from cookbook.sft.data import load_hub_rows, load_rows, prepare
+
+    kwargs = dict(cfg.chat_template_kwargs) or None
+    sources = [(f, load_rows(f)) for f in cfg.train_files] or [(cfg.hub_id, load_hub_rows(cfg.hub_id))]
+    parts = [prepare(rows, tokenizer, cfg.max_length, source, kwargs, split_turns=cfg.split_turns,
+                     truncate=getattr(cfg, "truncate", True), reasoning=getattr(cfg, "reasoning", "train"))
+             for source, rows in sources]
+    notes = [refusal(st, cfg.max_dropped_fraction) for _, st in parts]
+    return show_examples(parts, tokenizer, n) + "".join(f"\n{x}" for x in notes if x)
