@@ -3,19 +3,25 @@ Face Trainer, as its documentation writes it (datasets CSV, tokenizer map, DataC
 Trainer.predict), on one GPU.
 
     python benchmarks/modernbert_hf_trainer.py --model DIR --train train.csv --eval heldout.csv --out RUN \\
-        [--epochs 3] [--batch 64] [--max-length 256]
+        [--epochs 3] [--batch 64] [--max-length 256] [--attn sdpa_padsafe]
 
 DIR: a ModernBERT config.json and tokenizer (random init, seed 42). CSVs with the header ``text,label`` (0-3).
 The recipe's optimizer settings: AdamW (fused) lr 5e-5, weight decay 0.01, betas (0.9, 0.98), eps 1e-6, linear
-schedule with 6% warm-up, clipping at 1.0, bf16, sdpa attention, 2 loader workers. Prints one JSON line and writes it
-to ``RUN/result.json``: ``first_step_s`` (process start to the end of step 1), ``train_samples_per_s`` (Trainer's),
-``steady_samples_per_s`` (steps after the first 10), ``accuracy`` and ``macro_f1`` on the held-out rows, ``wall_s``.
+schedule with 6% warm-up, clipping at 1.0, bf16, 2 loader workers. Attention: the recipe's ``sdpa_padsafe``
+(registered by importing recipes/modernbert-ddp/train.py), as plain ``sdpa`` gives NaN gradients on padded batches
+(all-masked sliding-window rows; benchmarks/modernbert_attention.py); ``--attn sdpa``/``eager`` for the others.
+Prints one JSON line and writes it to ``RUN/result.json``: ``first_step_s`` (process start to the end of step 1),
+``train_samples_per_s`` (Trainer's), ``steady_samples_per_s`` (steps after the first 10), ``accuracy`` and
+``macro_f1`` on the held-out rows, ``nonfinite_grad_logs`` (logged grad norms that were NaN/inf), ``wall_s``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import math
+import sys
 import time
 from pathlib import Path
 
@@ -31,7 +37,15 @@ def main() -> None:
     p.add_argument("--epochs", type=float, default=3)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--max-length", type=int, default=256)
+    p.add_argument("--attn", default="sdpa_padsafe", choices=["sdpa_padsafe", "sdpa", "eager"])
     a = p.parse_args()
+
+    if a.attn == "sdpa_padsafe":  # the recipe's module registers it with transformers' AttentionInterface
+        root = Path(__file__).resolve().parents[1]
+        sys.path.insert(0, str(root / "shared"))
+        spec = importlib.util.spec_from_file_location("modernbert_ddp_train", root / "recipes/modernbert-ddp/train.py")
+        sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # its dataclasses look their module up
+        spec.loader.exec_module(sys.modules[spec.name])
 
     import numpy as np
     import torch
@@ -45,7 +59,7 @@ def main() -> None:
                 remove_columns=["text"])
     torch.manual_seed(42)
     model = AutoModelForSequenceClassification.from_config(
-        AutoConfig.from_pretrained(a.model, num_labels=4, attn_implementation="sdpa"))
+        AutoConfig.from_pretrained(a.model, num_labels=4, attn_implementation=a.attn))
     steps = int(a.epochs * (len(ds["train"]) // a.batch + (len(ds["train"]) % a.batch > 0)))
     times: list[float] = []
 
@@ -68,9 +82,11 @@ def main() -> None:
     labels, guess = pred.label_ids, pred.predictions.argmax(-1)
     f1 = [2 * ((guess == c) & (labels == c)).sum() / max((guess == c).sum() + (labels == c).sum(), 1) for c in range(4)]
     gaps = np.diff(times[10:])
-    r = {"path": "hf_trainer", "first_step_s": times[0] - START, "steps": len(times),
+    norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+    r = {"path": "hf_trainer", "attn_implementation": a.attn, "first_step_s": times[0] - START, "steps": len(times),
          "train_samples_per_s": out.metrics["train_samples_per_second"],
          "steady_samples_per_s": a.batch / float(np.median(gaps)) if len(gaps) else None,
+         "nonfinite_grad_logs": sum(not math.isfinite(g) for g in norms), "grad_logs": len(norms),
          "accuracy": float((labels == guess).mean()), "macro_f1": float(np.mean(f1)), "eval_rows": int(len(labels)),
          "wall_s": time.time() - START, "peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None}
     Path(a.out).mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,8 @@
 # empty. ModernBERT-base architecture (random init), the ModernBERT tokenizer, AG News rows of ../shared/data:
 # hf_subset_train_5000.csv to train on (EPOCHS epochs, micro-batch 64, max_length 256), and the rows of train.csv
 # whose text is not among them (about 1,900) held out for the evaluation at the end. The reference runs first
-# (benchmarks/modernbert_hf_trainer.py), then recipes/modernbert-ddp/launch.sh (NGPU=1) for each VARIANTS entry
+# (benchmarks/modernbert_hf_trainer.py, attention HF_ATTN: default the recipe's sdpa_padsafe; plain sdpa gives NaN
+# gradients on padded batches and chance accuracy), then recipes/modernbert-ddp/launch.sh (NGPU=1) for each VARIANTS entry
 # (name:override,override...), each with inductor's and Triton's caches in an empty folder of its own. The Python
 # imports are warmed once before all runs (page cache), so no run pays the cold disk alone.
 #   bash benchmarks/modernbert_vs_hf_trainer.sh       # device; DATA (ag_news) and TOKENIZER_DIR (modernbert) folders
@@ -51,7 +52,7 @@ if [[ "$HF" == 1 ]]; then
   say "[hf_trainer] Trainer, $EPOCHS epochs"
   t0=$(now)
   python3 benchmarks/modernbert_hf_trainer.py --model "$WORK/model" --train "$WORK/train.csv" --eval "$WORK/heldout.csv" \
-    --out "$WORK/hf_trainer" --epochs "$EPOCHS" > "$WORK/hf_trainer.log" 2>&1
+    --out "$WORK/hf_trainer" --epochs "$EPOCHS" --attn "${HF_ATTN:-sdpa_padsafe}" > "$WORK/hf_trainer.log" 2>&1
   rc=$?; t1=$(now)
   tail -n 40 "$WORK/hf_trainer.log" > "$OUT/hf_trainer.log"
   python3 - "$WORK/hf_trainer/result.json" "$t0" "$t1" "$rc" >> "$RESULTS" <<'PY'
