@@ -208,7 +208,7 @@ def _stalling_rank(rank: int, port: int, out: Path) -> None:
     from cookbook.metrics import MetricsLogger
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), COOKBOOK_DEVICE="cpu")
+                      MASTER_PORT=str(port), COOKBOOK_DEVICE="cpu", TORCHELASTIC_ERROR_FILE=str(out / f"error{rank}.json"))
     sys.stderr = open(out / f"stderr{rank}.txt", "w", buffering=1)  # run_main's line and the log: this rank's file
     os.dup2(sys.stderr.fileno(), 2)
 
@@ -231,9 +231,10 @@ def _stalling_rank(rank: int, port: int, out: Path) -> None:
     cookbook.run_main(main, argv=[])
 
 
-def test_a_stalled_rank_is_named_by_the_rank_whose_collective_times_out(tmp_path):
+def test_a_stalled_rank_is_named_by_the_rank_whose_collective_times_out(tmp_path, monkeypatch, capsys):
     """2 gloo ranks for real: rank 1 is stopped (SIGSTOP) at step 4; rank 0's gradient all-reduce times out after
-    train.collective_timeout_s and its one line names rank 1, its pid, where rank 0 waited and the step."""
+    train.collective_timeout_s and its one line names rank 1, its pid, where rank 0 waited and the step; so does the
+    launcher's restart line, from rank 0's error file."""
     import multiprocessing
     import signal
 
@@ -267,6 +268,28 @@ def test_a_stalled_rank_is_named_by_the_rank_whose_collective_times_out(tmp_path
             f"`py-spy dump --pid {pid}` on {socket.gethostname()} shows where it is; this rank's stacks: "
             f"{tmp_path / 'debug' / 'stacks_rank0.txt'}"], err[-3000:]
         assert "Traceback" not in err
+        # The launcher (`cookbook.torchrun.main` around a stand-in agent whose group fails once with rank 0's real
+        # record) names the stalled rank 1. Before: "restart 1 of 1: rank 0 failed (exit status 3: ...)".
+        import torch.distributed.run as torchrun_module
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+        import cookbook.torchrun as torchrun
+
+        record = ProcessFailure(local_rank=0, pid=ranks[0].pid, exitcode=3, error_file=str(tmp_path / "error0.json"))
+        attempts = []
+
+        def run(args):
+            attempts.append(args)
+            if len(attempts) == 1:
+                raise ChildFailedError("train.py", {0: record})
+
+        monkeypatch.setattr(torchrun_module, "run", run)
+        monkeypatch.setattr(torchrun, "_stop_asked", False)
+        capsys.readouterr()
+        assert torchrun.main(["--nproc-per-node", "2", "--max-restarts", "1", "train.py"]) == 0
+        assert [line for line in capsys.readouterr().err.splitlines() if line.startswith("restart ")] == [
+            "restart 1 of 1: rank 1 stalled (rank 0's collective timed out waiting for it); the workers resume from "
+            "the newest checkpoint"]
     finally:
         for p in ranks:
             if p.is_alive():

@@ -156,3 +156,60 @@ def test_a_full_disk_switches_mlflow_off_in_one_line(tmp_path, capfd, caplog):
     assert [line for line in capfd.readouterr().err.splitlines() if "step " not in line] == []  # MLflow's own
     assert [r.getMessage() for r in caplog.records if "MLflow" in r.getMessage()] == [
         "MLflow tracking switched off after an error: MlflowException: (sqlite3.OperationalError) disk I/O error"]
+
+
+def _metrics_on_a_full_disk(out: str) -> dict:
+    """On 2 gloo ranks: 2 steps logged, then rank 0's metrics.jsonl meets a file-size limit 10 bytes above its
+    size (SIGXFSZ ignored: EFBIG, as a full disk's ENOSPC) at step 3. Returns what rank 0 saw."""
+    import resource
+    import signal
+
+    import torch.distributed as dist
+
+    from cookbook.metrics import MetricsWriteError
+
+    rank = dist.get_rank()
+    info = DistInfo(rank=rank, local_rank=rank, world_size=2, device=torch.device("cpu"), backend="gloo")
+    logger = MetricsLogger(out, info, mlflow=False, count_tokens=False, progress=False)
+    logger.start(0)
+    seen = {}
+    for step in (1, 2, 3):
+        if step == 3 and rank == 0:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            size = os.path.getsize(logger.jsonl_path)
+            seen["size"] = size
+            resource.setrlimit(resource.RLIMIT_FSIZE, (size + 10, resource.RLIM_INFINITY))
+        logger.add(samples=1, tokens=0, data_wait_s=0.0)
+        try:
+            logger.log_step(step, loss=1.0, lr=1e-3, grad_norm=None)
+        except MetricsWriteError as exc:
+            seen.update(error=str(exc), status=exc.exit_status, errno=exc.errno)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    return seen
+
+
+def test_a_full_disk_on_metrics_jsonl_is_one_line_exit_2_and_no_torn_line(tmp_path, caplog):
+    """2 ranks for real; rank 0's write of step 3 fails: one line naming the file and the cause, exit status 2 (the
+    launcher does not restart it), the file cut back to its 2 whole records. Before: a traceback (exit 1, restarted)
+    and a torn 10-byte last line. A run that reopens a file whose last line is torn cuts it with one warning."""
+    import errno
+
+    import cookbook
+    from cookbook.torchrun import should_restart
+
+    seen = cookbook.distributed(num_processes=2, start_method="fork")(_metrics_on_a_full_disk).distributed(
+        str(tmp_path))[0]
+    path = tmp_path / "metrics.jsonl"
+    assert seen["error"] == (f"cannot write {path}: File too large (the disk is full or a file-size limit is "
+                             f"reached); free space, then run the same command again to resume")
+    assert (seen["status"], seen["errno"], should_restart(seen["status"], [seen["status"], 3])) == (2, errno.EFBIG, False)
+    assert path.stat().st_size == seen["size"]
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
+
+    with open(path, "a") as f:  # a crash mid-write
+        f.write('{"event": "train", "st')
+    MetricsLogger(tmp_path, CPU, mlflow=False, count_tokens=False, progress=False)
+    assert path.stat().st_size == seen["size"]
+    assert [r.getMessage() for r in caplog.records if "torn" in r.getMessage()] == [
+        f"{path}: cut its torn last line (22 bytes, a crash mid-write)"]

@@ -7,7 +7,8 @@ gradient norm, and the logger measures wall time since the previous log, reduces
 across ranks and writes one record to:
 
 - the console (rank 0, one concise line),
-- ``<out_dir>/metrics.jsonl`` (rank 0, one JSON object per line, flushed each time),
+- ``<out_dir>/metrics.jsonl`` (rank 0, one JSON object per line, written whole or not at all: a failed write
+  raises `MetricsWriteError`, exit 2; a torn last line left by a crash is cut when a run reopens the file),
 - rank 0's progress bar, on a terminal only (`cookbook.progress`),
 - the trackers the config's ``trackers`` key names (`cookbook.config.TRACKERS`; default ``[mlflow]``):
 
@@ -56,7 +57,7 @@ import torch.distributed as dist
 from cookbook import hub
 from cookbook.config import TRACKER_UIS, TRACKER_UIS_FILE, check_trackers, flatten, install_hint
 from cookbook.dist import DistInfo, get_logger
-from cookbook.entry import LAUNCH_TIME_ENV
+from cookbook.entry import EXIT_USER_ERROR, LAUNCH_TIME_ENV, OneLineError
 from cookbook.progress import ProgressBar
 
 def launch_time() -> float:
@@ -232,6 +233,67 @@ def redact_text(text: str, uris: Sequence[str | None] = ()) -> str:
     for secret in sorted(secrets, key=len, reverse=True):
         text = text.replace(secret, "***")
     return text
+
+
+class MetricsWriteError(OneLineError, OSError):
+    """``metrics.jsonl`` could not be written (disk full, file too large, I/O error): one line naming the file and
+    the OS error, exit status 2 (the launcher does not restart: it would fail alike). The file was cut back to its
+    size before the write, so it ends with a whole record. ``errno`` is the OS error's."""
+
+    exit_status = EXIT_USER_ERROR
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append `line` (text ending in a newline) to `path` whole or not at all.
+
+    Raises:
+        MetricsWriteError: the write failed; `path` was truncated back to its size before it (no torn line).
+    """
+    data = line.encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)
+            err = MetricsWriteError(f"cannot write {path}: {exc.strerror or exc} (the disk is full or a file-size "
+                                    f"limit is reached); free space, then run the same command again to resume")
+            err.errno = exc.errno
+            raise err from exc
+    finally:
+        os.close(fd)
+
+
+def cut_torn_line(path: Path) -> int:
+    """Cut a torn last line (no final newline, or not JSON: a crash mid-write) from the JSONL file `path`, with
+    one warning naming it. Returns the bytes cut (0: none, or no file)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 65536))
+            tail = f.read()
+    except FileNotFoundError:
+        return 0
+    if not tail:
+        return 0
+    body = tail[:-1] if tail.endswith(b"\n") else tail
+    start = body.rfind(b"\n") + 1
+    last = body[start:]
+    if tail.endswith(b"\n"):
+        try:
+            json.loads(last)
+            return 0
+        except ValueError:
+            pass
+    cut = len(tail) - start
+    os.truncate(path, size - cut)
+    get_logger().warning(f"{path}: cut its torn last line ({cut} bytes, a crash mid-write)")
+    return cut
 
 
 class _Sink:
@@ -445,6 +507,7 @@ class MetricsLogger:
 
     Raises:
         ConfigError: a tracker that is unknown or not installed (`cookbook.config.check_trackers`), on every rank.
+        MetricsWriteError: (`log_step`, `log_eval`, `log_summary`, rank 0) ``metrics.jsonl`` could not be written.
 
     Every method that reduces across ranks (`log_step`, `log_eval`) is collective.
     """
@@ -479,6 +542,7 @@ class MetricsLogger:
         self._sinks: list[_Sink] = []
         if info.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
+            cut_torn_line(self.jsonl_path)
             for name in self.trackers:
                 if name == "mlflow":
                     self._mlflow = _MLflowSink(self.out_dir, run_name, experiment, params or {})
@@ -688,8 +752,7 @@ class MetricsLogger:
     def _emit(self, event: str, rec: Mapping[str, Any], mlflow: bool = True) -> None:
         if not self.info.is_main:
             return
-        with open(self.jsonl_path, "a") as f:
-            f.write(json.dumps({"event": event, "time": time.time(), **rec}) + "\n")
+        append_line(self.jsonl_path, json.dumps({"event": event, "time": time.time(), **rec}) + "\n")
         if mlflow:
             numbers = {k: v for k, v in rec.items() if k != "step" and isinstance(v, (int, float))}
             for sink in self._sinks:

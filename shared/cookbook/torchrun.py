@@ -22,6 +22,9 @@ the job still ends with 75). Each restart prints one line::
 
     restart 1 of 3: rank 1 was killed by SIGKILL; the workers resume from the newest checkpoint
 
+(after a stall, the rank a healthy rank's timed-out collective waited for: ``rank 1 stalled (rank 0's collective
+timed out waiting for it)``).
+
 The restarted workers find ``COOKBOOK_RESTART_COUNT`` (1, 2, ...; 0 on the first start) in their
 environment, and ``COOKBOOK_LAUNCH_TIME`` set to the restart's time (their ``startup_s`` counts from it); they
 resume as any re-run does (``checkpoint.resume: auto``, every recipe's default: the
@@ -49,10 +52,11 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import signal
 import sys
 import time
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from cookbook.entry import (AGENT_PID_ENV, EXIT_BUG, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_PEER_LOST, EXIT_PREEMPTED,
                             EXIT_USER_ERROR, LAUNCH_TIME_ENV)
@@ -109,10 +113,30 @@ def should_restart(exitcode: int, exitcodes: Iterable[int] = ()) -> bool:
     return exitcode in RESTARTED_STATUSES
 
 
-def restart_line(attempt: int, max_restarts: int, rank: int, exitcode: int) -> str:
+# The stalled ranks in `cookbook.dist.describe_stall`'s line, which a healthy rank whose collective timed out
+# records in its error file: ": rank 1 (pid 4242 on node7) last finished step 2, ... - it is stalled".
+_STALLED = re.compile(r": ((?:rank \d+(?: \(pid [^)]*\))?, )*rank \d+(?: \(pid [^)]*\))?) "
+                      r"(?:last finished|are behind|did not reach).* - (?:it is|they are) stalled")
+
+
+def stalled_ranks(message: str | dict | None) -> list[int]:
+    """The ranks a failed worker's error-file message (``ProcessFailure.message``: text, or torch's record
+    ``{"message": text, ...}``) names as stalled (`cookbook.dist.describe_stall`); ``[]`` if none."""
+    if isinstance(message, dict):
+        message = message.get("message")
+    m = _STALLED.search(message) if isinstance(message, str) else None
+    return [int(r) for r in re.findall(r"rank (\d+)", m.group(1))] if m else []
+
+
+def restart_line(attempt: int, max_restarts: int, rank: int, exitcode: int, stalled: Sequence[int] = ()) -> str:
     """The line printed before restart `attempt` (1-based) of `max_restarts`, naming the failure (`rank`'s
-    `exitcode`, negative for a signal) that caused it."""
-    if exitcode < 0:
+    `exitcode`, negative for a signal) that caused it; with `stalled` (`stalled_ranks` of a failed worker's
+    record), the ranks that stalled instead: `rank`'s collective timed out waiting for them."""
+    if stalled:
+        many = len(stalled) > 1
+        what = (f"rank{'s' if many else ''} {', '.join(map(str, stalled))} stalled (rank {rank}'s collective timed "
+                f"out waiting for {'them' if many else 'it'})")
+    elif exitcode < 0:
         what = f"rank {rank} was killed by {_signal_name(-exitcode)}"
     else:
         what = f"rank {rank} failed (exit status {exitcode}: {_MEANING.get(exitcode, 'see its output above')})"
@@ -179,7 +203,10 @@ def main(argv: list[str] | None = None) -> int:
                     return EXIT_PREEMPTED
                 if attempt < max_restarts and not _stop_asked and should_restart(failure.exitcode, codes):
                     attempt += 1
-                    print(restart_line(attempt, max_restarts, rank, failure.exitcode), file=sys.stderr, flush=True)
+                    stalled = next((found for f in (failure, *exc.failures.values())
+                                    if (found := stalled_ranks(f.message))), [])
+                    print(restart_line(attempt, max_restarts, rank, failure.exitcode, stalled), file=sys.stderr,
+                          flush=True)
                     continue
                 line, status = describe_failure(rank, failure.exitcode)
                 if attempt:
