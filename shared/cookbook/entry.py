@@ -47,6 +47,7 @@ Three behaviours it guarantees:
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 import sys
@@ -81,6 +82,7 @@ class AlreadyComplete(Exception):
     prints the message as it is (no ``error:``) and exits with status 0; a launcher starts no worker."""
 
 
+LAST_STEP_KEY = "cookbook_last_step"  # in a worker's error file: its last finished optimizer step
 AGENT_PID_ENV = "COOKBOOK_AGENT_PID"  # the launcher process that runs torchrun's agent (cookbook.torchrun)
 
 
@@ -235,6 +237,15 @@ def _record(exc: BaseException) -> None:
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
         ErrorHandler().record_exception(exc)
+        from cookbook.dist import _STALL
+
+        if (step := _STALL.get("step")) is not None:  # the launcher tells a failure that repeats at one step
+            path = os.environ["TORCHELASTIC_ERROR_FILE"]
+            with open(path) as f:
+                data = json.load(f)
+            data["message"]["extraInfo"][LAST_STEP_KEY] = step
+            with open(path, "w") as f:
+                json.dump(data, f)
     except Exception:  # noqa: BLE001 - the error itself is printed either way
         pass
 

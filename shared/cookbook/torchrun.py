@@ -16,7 +16,8 @@ group is started again, up to N times, only when the first failure (`should_rest
   SIGSEGV, SIGBUS, SIGABRT from a collective's watchdog, ...), or
 - exit status 1 (a bug or library failure, e.g. a GPU's fault) or 3 (lost contact with another rank),
 
-and never after 2 (bad input), 4 (diverged), 75 (preempted), 130 (interrupted), a worker ended by SIGTERM, SIGINT,
+and not when the failure repeats the previous attempt's (same rank, status, error message and last finished step:
+`failure_signature`), and never after 2 (bad input), 4 (diverged), 75 (preempted), 130 (interrupted), a worker ended by SIGTERM, SIGINT,
 SIGHUP, SIGQUIT or SIGUSR1, nor once the launcher itself was sent SIGTERM or SIGUSR1 (Slurm's warning:
 the job still ends with 75). Each restart prints one line::
 
@@ -59,7 +60,7 @@ import time
 from typing import Iterable, Sequence
 
 from cookbook.entry import (AGENT_PID_ENV, EXIT_BUG, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_PEER_LOST, EXIT_PREEMPTED,
-                            EXIT_USER_ERROR, LAUNCH_TIME_ENV)
+                            EXIT_USER_ERROR, LAST_STEP_KEY, LAUNCH_TIME_ENV)
 
 _MEANING = {EXIT_BUG: "a failure, its traceback is above", EXIT_USER_ERROR: "bad configuration, data or checkpoint",
             EXIT_PEER_LOST: "it lost contact with another rank", EXIT_INTERRUPTED: "interrupted",
@@ -128,6 +129,17 @@ def stalled_ranks(message: str | dict | None) -> list[int]:
     return [int(r) for r in re.findall(r"rank (\d+)", m.group(1))] if m else []
 
 
+def failure_signature(rank: int, failure) -> tuple | None:
+    """``(rank, exit status, error message, last finished step)`` of a failed worker whose error file
+    (`cookbook.entry.run_main`) records both its message and its step; ``None`` otherwise (a signal, no step
+    yet). Two attempts with one signature fail deterministically: a restart would repeat it."""
+    info = failure.error_file_data.get("message", {})
+    step = info.get("extraInfo", {}).get(LAST_STEP_KEY) if isinstance(info, dict) else None
+    if failure.exitcode < 0 or step is None:
+        return None
+    return rank, failure.exitcode, info.get("message"), step
+
+
 def restart_line(attempt: int, max_restarts: int, rank: int, exitcode: int, stalled: Sequence[int] = ()) -> str:
     """The line printed before restart `attempt` (1-based) of `max_restarts`, naming the failure (`rank`'s
     `exitcode`, negative for a signal) that caused it; with `stalled` (`stalled_ranks` of a failed worker's
@@ -186,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     launched = os.environ.get(LAUNCH_TIME_ENV)
     agent = os.environ.get(AGENT_PID_ENV)
     os.environ[AGENT_PID_ENV] = str(os.getpid())  # its workers end when this process does (cookbook.entry.run_main)
-    attempt = 0
+    attempt, last_seen = 0, None
     try:
         while True:
             os.environ[RESTART_COUNT_ENV] = str(attempt)  # the workers inherit the launcher's environment
@@ -201,7 +213,12 @@ def main(argv: list[str] | None = None) -> int:
                 if all(code == EXIT_PREEMPTED for code in codes):
                     print(PREEMPTED, file=sys.stderr)
                     return EXIT_PREEMPTED
-                if attempt < max_restarts and not _stop_asked and should_restart(failure.exitcode, codes):
+                seen, repeated = failure_signature(rank, failure), None
+                if attempt and seen is not None and seen == last_seen:
+                    repeated = seen[-1]
+                last_seen = seen
+                if (attempt < max_restarts and not _stop_asked and repeated is None
+                        and should_restart(failure.exitcode, codes)):
                     attempt += 1
                     stalled = next((found for f in (failure, *exc.failures.values())
                                     if (found := stalled_ranks(f.message))), [])
@@ -209,7 +226,10 @@ def main(argv: list[str] | None = None) -> int:
                           flush=True)
                     continue
                 line, status = describe_failure(rank, failure.exitcode)
-                if attempt:
+                if repeated is not None:
+                    line += (f"; the same error as before restart {attempt}, after the same step "
+                             f"({repeated}): not restarted again, it would repeat")
+                elif attempt:
                     line += f" (after {attempt} restart{'s' if attempt > 1 else ''})"
                 print(line, file=sys.stderr)
                 return status or EXIT_BUG
