@@ -57,7 +57,7 @@ def test_parameter_count_qwen3_8b():
     # per layer: 4096^2 (q) + 2 x 4096x1024 (k, v) + 4096^2 (o) + 3 x 4096x12288 + 2 x 4096 + 2 x 128 (q/k norms)
     assert m.layer_params == 192_946_432
     assert m.params == 8_190_735_360  # 36 layers + 2 x 151936 x 4096 + 4096
-    assert m.params - m.embed_params == 7_568_405_504  # the 7,568 M of benchmarks/README.md
+    assert m.params - m.embed_params == 7_568_405_504  # the 7,568 M of benchmarks/qwen-fsdp2-sft.md
 
 
 def test_bytes_per_parameter():
@@ -108,7 +108,7 @@ def test_peak_fsdp2_selective_ac_chunked_loss_qwen3_8b():
     assert ct.logits_bytes(m, 1000, "chunked", chunk=4096)[0] == 8 * 1000 * vocab + 2 * vocab * h + 4 * 1000 * h
     assert e.working == 2 * 2 * 622_329_856 + 10 * 192_946_432 == 4_418_783_744
     # 65,525,882,880 + 28,974,252,032 + 6,357,516,288 + 4,418,783,744
-    assert e.peak == 105_276_434_944  # 98.0 GiB; 110.2 with no AC and the full loss (benchmarks/README.md)
+    assert e.peak == 105_276_434_944  # 98.0 GiB; 110.2 with no AC and the full loss (benchmarks/memory-estimates.md)
 
 
 def test_qwen3_4b_fits_one_141_gib_gpu_and_qwen3_8b_does_not():
