@@ -25,8 +25,8 @@ settings up to bf16 rounding, which checks that the settings compute the same mo
 ``flops_per_token`` and ``mfu_pct`` (``null`` on a device without a known peak).
 
 MFU counts FLOPs over the *active* parameters: all non-embedding parameters except that each routed
-expert layer contributes top-k / E of its expert weights (``cookbook.moe.active_flops``, as the MoE
-recipes count them). FLOPs per token are ``6 N + 12 L d T`` (PaLM, Chowdhery et al. 2022, appendix B;
+expert layer contributes top-k / E of its expert weights (the recipe's ``moe_model.active_flops``, as the MoE
+recipe counts them). FLOPs per token are ``6 N + 12 L d T`` (PaLM, Chowdhery et al. 2022, appendix B;
 ``cookbook.metrics.ModelFlops``) and MFU is achieved over peak FLOP/s (PaLM section 4.1;
 ``cookbook.metrics.mfu``), the peak being NVIDIA's dense bf16 datasheet figure
 (``cookbook.metrics.peak_bf16_flops``: 989 TFLOP/s for an H200 SXM). With a frozen base the backward
@@ -54,9 +54,11 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from cookbook.metrics import count_parameters, mfu, peak_bf16_flops
-from cookbook.moe import active_flops
+RECIPE = Path(__file__).resolve().parents[1] / "recipes/moe-lora-fsdp2-ep"
+sys.path.insert(0, str(RECIPE))  # the recipe's modules
+from moe_model import active_flops  # noqa: E402
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "recipes/moe-lora-fsdp2-ep/models/qwen3-30b-a3b/config.json"
+DEFAULT_CONFIG = RECIPE / "models/qwen3-30b-a3b/config.json"
 GIB = 2**30
 
 

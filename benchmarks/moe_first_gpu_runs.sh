@@ -6,7 +6,7 @@
 #             tokenizer (128,256 tokens: fits its 131,072 embedding rows, Qwen3's 151,669 do not; its template's
 #             assistant turns are what cookbook.sft labels), the first TEXT_ROWS Alpaca rows, right-padded (packing
 #             stays off for nemotron_h), TEXT_MICRO_BATCH rows per step;
-#   qwen3-vl  recipes/moe-vl-lora-fsdp2-ep, Qwen3-VL-30B-A3B, the Qwen3 tokenizer with the tiny twin's chat template
+#   qwen3-vl  recipes/moe-lora-fsdp2-ep/qwen3-vl-30b-a3b.yaml, Qwen3-VL-30B-A3B, the Qwen3 tokenizer with the tiny twin's chat template
 #             (ChatML, image parts as <|vision_start|><|image_pad|><|vision_end|>) and image processor settings
 #             (Qwen2-VL processor, patch 16, merge 2, temporal 2: the 30B vision config's), the image + text rows of
 #             DATA_DIR/vl/vl.jsonl (benchmarks/vl_rows.py), VL_MICRO_BATCH rows per step, images capped at 512 x 512.
@@ -35,7 +35,7 @@ DATA=$(realpath "${DATA_DIR:-$ROOT/.data}")
 RUNS=${RUNS:-nemotron qwen3-vl}
 TEXT_ROWS=${TEXT_ROWS:-1024}
 TEXT_RECIPE=$ROOT/recipes/moe-lora-fsdp2-ep
-VL_RECIPE=$ROOT/recipes/moe-vl-lora-fsdp2-ep
+VL_RECIPE=$TEXT_RECIPE  # the image + text variant: its qwen3-vl-30b-a3b.yaml
 TEXT_CONFIG=$TEXT_RECIPE/models/nemotron-3-nano-30b-a3b/config.json
 VL_CONFIG=$VL_RECIPE/models/qwen3-vl-30b-a3b/config.json
 mkdir -p "$RESULTS" "$WORK"
@@ -66,9 +66,9 @@ python3 -c "import json, sys; json.dump(json.load(open(sys.argv[1]))[:int(sys.ar
 source "$ROOT/benchmarks/record_runs.sh"  # record_run, summarize_runs
 for run in $RUNS; do
   case $run in
-    nemotron) recipe=$TEXT_RECIPE; args=(model.name_or_path="$TEXT_MODEL" "data.train_files=[$TEXT_FILE]" data.packing=false
+    nemotron) recipe=$TEXT_RECIPE; config=config.yaml; args=(model.name_or_path="$TEXT_MODEL" "data.train_files=[$TEXT_FILE]" data.packing=false
                 train.micro_batch_size="$TEXT_MICRO_BATCH" ${TEXT_ARGS:-}) ;;
-    qwen3-vl) recipe=$VL_RECIPE; args=(model.name_or_path="$VL_MODEL" "data.train_files=[$DATA/vl/vl.jsonl]"
+    qwen3-vl) recipe=$VL_RECIPE; config=qwen3-vl-30b-a3b.yaml; args=(model.name_or_path="$VL_MODEL" "data.train_files=[$DATA/vl/vl.jsonl]"
                 train.micro_batch_size="$VL_MICRO_BATCH" ${VL_ARGS:-}) ;;
     *) echo "unknown run $run (nemotron, qwen3-vl)" >&2; exit 2 ;;
   esac
@@ -77,7 +77,7 @@ for run in $RUNS; do
   rc=0
   # -k: SIGKILL if the launcher has not stopped 60 s after SIGTERM (its workers die with it)
   # shellcheck disable=SC2086  # TINY_ARGS is a word list
-  MAX_RESTARTS=0 NGPU=1 timeout -k 60 "$RUN_TIMEOUT" bash "$recipe/launch.sh" output_dir="$dir" run_name="first-$run" \
+  CONFIG_FILE=$recipe/$config MAX_RESTARTS=0 NGPU=1 timeout -k 60 "$RUN_TIMEOUT" bash "$recipe/launch.sh" output_dir="$dir" run_name="first-$run" \
     mlflow=false model.pretrained=false parallel.ep=1 data.eval_fraction=0 train.grad_accum_steps=1 \
     train.max_steps="$STEPS" train.log_every=1 checkpoint.every_steps=-1 checkpoint.export_adapter=false \
     ${TINY_ARGS:-} "${args[@]}" "$@" 2>&1 | tee "$RESULTS/$run.log" || rc=$?

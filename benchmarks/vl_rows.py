@@ -1,5 +1,5 @@
 """Image + text rows for the vision-language MoE benchmark (benchmarks/moe_first_gpu_runs.sh): real photos and
-real instruction text, in the recipe's input format (recipes/moe-vl-lora-fsdp2-ep/README.md#input-formats).
+real instruction text, in the recipe's input format (recipes/moe-lora-fsdp2-ep/README.md#image--text-input).
 
     python benchmarks/vl_rows.py --images ../shared/data/datasets/images/hymenoptera_data/train \\
         --alpaca .data/alpaca_data_sample5000.json --out .data/vl

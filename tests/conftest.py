@@ -183,12 +183,24 @@ def launch_and_kill(recipe: str, *overrides: str, once: Path, rank: str = "1",
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+def recipe_modules(recipe: str, *names: str) -> list:
+    """Modules beside ``recipes/<recipe>/train.py`` (``expert_parallel``...), imported with its folder on ``sys.path``."""
+    import importlib
+
+    folder = str(ROOT / "recipes" / recipe)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return [importlib.import_module(n) for n in names]
+
+
 def load_recipe(recipe: str):
-    """``recipes/<recipe>/train.py`` as a module (recipes are folders, not packages), loaded once."""
+    """``recipes/<recipe>/train.py`` as a module (recipes are folders, not packages; the folder goes on
+    ``sys.path``), loaded once."""
     import importlib.util
 
     name = recipe.replace("-", "_") + "_train"
     if name not in sys.modules:
+        recipe_modules(recipe)  # its folder on sys.path: its sibling modules import, as when train.py runs as a script
         spec = importlib.util.spec_from_file_location(name, ROOT / "recipes" / recipe / "train.py")
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module

@@ -131,7 +131,7 @@ def test_one_lora_section_serves_every_lora_recipe_with_its_own_defaults():
     from conftest import load_recipe
     from peft import LoraConfig as PeftLoraConfig
 
-    from cookbook import config, moe
+    from cookbook import config
 
     lora = config.ExpertLoraConfig(r=8, alpha=16, dropout=0.0, target_modules=[], target_parameters=["experts.down_proj"])
     peft = PeftLoraConfig(**lora.peft_kwargs())
@@ -141,7 +141,8 @@ def test_one_lora_section_serves_every_lora_recipe_with_its_own_defaults():
         "r": 16, "lora_alpha": 32, "lora_dropout": 0.1, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
     defaults = {}
     for name in ("gpt-oss-lora-trl", "moe-lora-fsdp2-ep", "moe-vl-lora-fsdp2-ep", "unsloth-lora-ddp", "qwen-zero3-receipts"):
-        section = load_config(load_recipe(name).Config).lora
+        recipe = load_recipe(name.replace("moe-vl-", "moe-"))
+        section = load_config(recipe.VLConfig if name == "moe-vl-lora-fsdp2-ep" else recipe.Config).lora
         assert isinstance(section, config.LoraConfig), name
         defaults[name] = {k: v for k, v in vars(section).items() if k not in ("r", "alpha")}
         assert (section.r, section.alpha) == (16, 32), name
@@ -154,7 +155,7 @@ def test_one_lora_section_serves_every_lora_recipe_with_its_own_defaults():
                                  "target_parameters": ["experts.gate_up_proj", "experts.down_proj"]},
         "unsloth-lora-ddp": {"dropout": 0.0, "target_modules": every_linear},
         "qwen-zero3-receipts": {"dropout": 0.05, "target_modules": every_linear, "enabled": False}}
-    assert isinstance(load_config(load_recipe("moe-lora-fsdp2-ep").Config).lora, moe.LoraSection)
+    assert isinstance(load_config(load_recipe("moe-lora-fsdp2-ep").Config).lora, load_recipe("moe-lora-fsdp2-ep").LoraSection)
 
 
 def test_a_required_package_that_is_missing_or_broken_is_refused_in_one_line(tmp_path, monkeypatch):

@@ -1,5 +1,5 @@
 """The inputs of benchmarks/moe_first_gpu_runs.sh: shrunken configs (benchmarks/tiny_config.py), image + text
-rows (benchmarks/vl_rows.py) through the VL recipe's data path, and the Mamba kernel line (cookbook.moe)."""
+rows (benchmarks/vl_rows.py) through the VL data path, and the Mamba kernel line (the recipe's moe_model)."""
 
 import importlib
 import importlib.util
@@ -9,12 +9,14 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig
 
-from cookbook import moe
+from conftest import recipe_modules
 from cookbook.sft.vision import load_vl_processors, vl_example
+
+(moe_model,) = recipe_modules("moe-lora-fsdp2-ep", "moe_model")
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = ROOT / "recipes" / "moe-lora-fsdp2-ep"
-VL = ROOT / "recipes" / "moe-vl-lora-fsdp2-ep"
+VL = TEXT  # the image + text variant (tiny-vl.yaml, qwen3-vl-30b-a3b.yaml)
 
 
 def load(name):
@@ -79,7 +81,7 @@ def test_mamba_kernels_names_the_missing_packages(monkeypatch):
 
     def only(*names):  # import_module with only `names` of the kernel packages installed (json stands in for them)
         def fake(name, *args):
-            if name not in moe.MAMBA_KERNEL_PACKAGES["nemotron_h"]:
+            if name not in moe_model.MAMBA_KERNEL_PACKAGES["nemotron_h"]:
                 return real(name, *args)
             if name not in names:
                 raise ImportError(f"No module named '{name}'")
@@ -87,12 +89,12 @@ def test_mamba_kernels_names_the_missing_packages(monkeypatch):
         return fake
 
     monkeypatch.setattr(importlib, "import_module", only())
-    assert moe.mamba_kernels(nemotron) == (
+    assert moe_model.mamba_kernels(nemotron) == (
         "Mamba-2 layers (nemotron_h): not importable: mamba_ssm (ImportError: No module named 'mamba_ssm'), causal_conv1d "
         "(ImportError: No module named 'causal_conv1d'): transformers runs its PyTorch path for those parts (correct, slower)")
     monkeypatch.setattr(importlib, "import_module", only("causal_conv1d"))
-    assert moe.mamba_kernels(nemotron).startswith("Mamba-2 layers (nemotron_h): kernels of causal_conv1d; not importable: "
+    assert moe_model.mamba_kernels(nemotron).startswith("Mamba-2 layers (nemotron_h): kernels of causal_conv1d; not importable: "
                                                   "mamba_ssm")
     monkeypatch.setattr(importlib, "import_module", only("mamba_ssm", "causal_conv1d"))
-    assert moe.mamba_kernels(nemotron) == "Mamba-2 layers (nemotron_h): kernels of mamba_ssm, causal_conv1d"
-    assert moe.mamba_kernels(AutoConfig.from_pretrained(TEXT / "tiny/qwen3-moe")) is None
+    assert moe_model.mamba_kernels(nemotron) == "Mamba-2 layers (nemotron_h): kernels of mamba_ssm, causal_conv1d"
+    assert moe_model.mamba_kernels(AutoConfig.from_pretrained(TEXT / "tiny/qwen3-moe")) is None

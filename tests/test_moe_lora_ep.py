@@ -10,11 +10,13 @@ import re
 
 import pytest
 import torch
-from conftest import ROOT, check, launch_and_kill, load_recipe, main_in_workers, train_losses
+from conftest import ROOT, check, launch_and_kill, load_recipe, main_in_workers, train_losses, recipe_modules
 
 import cookbook
-from cookbook import moe, sft
+from cookbook import sft
 from cookbook.config import ConfigError
+
+expert_parallel, moe_model = recipe_modules("moe-lora-fsdp2-ep", "expert_parallel", "moe_model")
 
 RECIPE = ROOT / "recipes" / "moe-lora-fsdp2-ep"
 STEPS = 6
@@ -99,19 +101,19 @@ def _one_step(init: str, overrides: tuple, eval_rows: list, keys: tuple) -> dict
 
         counters.clear()
         model, flops, par = train.build_model(cfg, info)
-        router = moe.RouterStats(model)
+        router = moe_model.RouterStats(model)
         loss_sum = sft.token_loss_sum(model, mine)
         aux = router.take()
         (loss_sum * info.world_size / 46).backward()
         graphs, breaks = counters["stats"]["unique_graphs"], dict(counters["graph_break"])
-        grads = moe.gather_lora(model, par, grads=True)
+        grads = expert_parallel.gather_lora(model, par, grads=True)
         losses = cookbook.all_reduce_sum({"loss": loss_sum}, info.device)["loss"]
         experts = next(p for n, p in model.named_parameters() if n.endswith("experts.base_layer.base_layer.down_proj")
                        or n.endswith("experts.base_layer.down_proj"))
         lora_a = next(p for n, p in model.named_parameters() if n in par.expert_lora_names and ".lora_A." in n) if ep > 1 else None
         eval_loader = StatefulDataLoader(train.sft.shard_for_eval(eval_rows, info.rank, info.world_size),
                                          batch_size=cfg.train.micro_batch_size, collate_fn=partial(sft.collate, pad_id=0))
-        evaluation = moe.evaluate(model, eval_loader, info.device, router)
+        evaluation = moe_model.evaluate(model, eval_loader, info.device, router)
         loaded = {re.sub(r"\.base_layer\b", "", n.removeprefix("base_model.model.")): p.full_tensor() if hasattr(p, "full_tensor") else p
                   for n, p in model.named_parameters() if not p.requires_grad} if ep == 1 else None
         local = {n: (p.to_local() if hasattr(p, "to_local") else p) for n, p in model.named_parameters() if not p.requires_grad}
@@ -135,7 +137,7 @@ def test_ep2_equals_ep1_and_each_rank_holds_its_experts(init, model, overrides, 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     train = recipe_module()
-    monkeypatch.setattr(moe, "COMPILE_BACKEND", "aot_eager")  # inherited by the forked workers
+    monkeypatch.setattr(moe_model, "COMPILE_BACKEND", "aot_eager")  # inherited by the forked workers
     make_hub_cache(tmp_path / "hub", f"cookbook-tests/{model}", init[model])
     use_offline_cache(monkeypatch, tmp_path / "hub")
     cfg = tiny_config(f"model.name_or_path={init[model]}", *overrides)
@@ -162,7 +164,7 @@ def test_ep2_equals_ep1_and_each_rank_holds_its_experts(init, model, overrides, 
     # 4 experts of 32 x 64: EP=2 keeps 2 per rank (dp=1 shard: all of them); EP=1 shards the 4 over 2 ranks.
     assert ep2["global_experts"][0] == 2 and ep2["local_experts"][0] == 2
     assert ep1["global_experts"][0] == 4 and ep1["local_experts"][0] == 2
-    # dp = 1 at EP=2: the frozen expert weights stay out of FSDP2 (used in place, moe.frozen_if_unsharded)
+    # dp = 1 at EP=2: the frozen expert weights stay out of FSDP2 (used in place, expert_parallel.frozen_if_unsharded)
     assert not ep2["experts_fsdp"] and ep1["experts_fsdp"]
     assert ep2["lora_a_local"][0] == 2 * 4  # 2 local experts x rank 4
     assert ep2["changed"] == [] and ep1["changed"] == []  # frozen base weights do not move
@@ -213,7 +215,7 @@ def test_a_compiled_ep2_run_has_the_losses_of_the_eager_ep1_run(runs, init, tmp_
     equal eager's to the last bit, test_moe_routed_lora) logs every step's loss of the eager EP=1 run within the
     EP=2-against-EP=1 tolerance. The tokens each rank's experts receive change from step to step, so the
     compiled experts see new shapes (dynamic after the first recompile)."""
-    monkeypatch.setattr(moe, "COMPILE_BACKEND", "aot_eager")  # inherited by the forked workers
+    monkeypatch.setattr(moe_model, "COMPILE_BACKEND", "aot_eager")  # inherited by the forked workers
     steps = 4  # of the eager run's 6 (constant learning rate: the same first steps)
     out = run_forked(tmp_path / "compiled", init["nemotron-h"], *COMMON, "train.compile=moe", f"train.max_steps={steps}",
                      "checkpoint.every_steps=-1", "checkpoint.export_adapter=false")
@@ -261,7 +263,7 @@ def _trained_logits(init: str, checkpoint: str, ids: torch.Tensor):
     train = recipe_module()
     info = cookbook.get_dist_info()
     model, _, par = train.build_model(tiny_config(f"model.name_or_path={init}", "model.pretrained=true"), info)
-    dcp.load({"app": moe.AdapterState(model, None, par)}, checkpoint_id=checkpoint)
+    dcp.load({"app": expert_parallel.AdapterState(model, None, par)}, checkpoint_id=checkpoint)
     model.eval()
     with torch.no_grad():
         return model(input_ids=ids, use_cache=False).logits
@@ -336,7 +338,7 @@ def test_shipped_configs_are_valid(config):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         folder = {"config.yaml": "nemotron-3-nano-30b-a3b", "qwen3-30b-a3b.yaml": "qwen3-30b-a3b"}[config]
-        moe.check_model(cfg, AutoConfig.from_pretrained(RECIPE / "models" / folder), AutoModelForCausalLM, world_size=8)
+        moe_model.check_model(cfg, AutoConfig.from_pretrained(RECIPE / "models" / folder), AutoModelForCausalLM, world_size=8)
 
 
 # ----------------------------------------------------------------------------- router statistics without padding
@@ -359,7 +361,7 @@ def _router_outputs(model, router, batches):
 
 @pytest.mark.parametrize("model, packed", [("qwen3-moe", False), ("qwen3-moe", True), ("nemotron-h", False)])
 def test_router_stats_and_aux_loss_leave_padding_out(model, packed):
-    """A right-padded batch, or packed rows ending in padding, gives with `moe.token_mask` the aux loss and expert
+    """A right-padded batch, or packed rows ending in padding, gives with `moe_model.token_mask` the aux loss and expert
     loads of its documents run alone without padding; counting the padding changes both. The model in float64:
     the real tokens' router records are equal to the last bit (Nemotron-H's router casts to fp32 alike), so the loads
     must be equal; `RouterStats.take` sums in fp32, measured equal to the last bit too, and 1e-6 (a few fp32 ulps of
@@ -370,12 +372,12 @@ def test_router_stats_and_aux_loss_leave_padding_out(model, packed):
     config._experts_implementation = "eager"  # transformers' grouped_mm experts take no float64
     torch.manual_seed(0)
     net = AutoModelForCausalLM.from_config(config).double().eval()
-    router = moe.RouterStats(net)
+    router = moe_model.RouterStats(net)
     g = torch.Generator().manual_seed(3)
     docs = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (13, 29, 7)]
     rows = [{"input_ids": d, "labels": [-100] + d[1:]} for d in docs]
     batch = sft.collate(sft.pack(rows, 48, pad_id=0) if packed else rows, pad_id=0, cu_seq_lens=False)
-    mask = moe.token_mask(batch, pad_id=0)
+    mask = moe_model.token_mask(batch, pad_id=0)
     assert mask.shape == batch["input_ids"].shape and int(mask.sum()) == 49 < mask.numel()
     expected = _router_outputs(net, router, [{k: torch.tensor([v]) for k, v in r.items()} for r in rows])  # no padding
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""The vision-language MoE LoRA recipe (moe-vl-lora-fsdp2-ep) on (tiny Qwen3-VL-MoE: 2 layers, 4 experts, top-2; 2 vision
+"""The image + text variant of the MoE LoRA recipe (moe-lora-fsdp2-ep, tiny-vl.yaml) on (tiny Qwen3-VL-MoE: 2 layers, 4 experts, top-2; 2 vision
 blocks) with image + text rows, and shard-by-shard loading of pretrained checkpoints (``model.lazy_load``), on
 CPU with 2 gloo ranks.
 
@@ -15,14 +15,15 @@ import traceback
 
 import pytest
 import torch
-from conftest import ROOT, check, free_ports, load_recipe, read_jsonl, train_losses
+from conftest import ROOT, check, free_ports, load_recipe, read_jsonl, train_losses, recipe_modules
 
-from cookbook import moe, sft
+from cookbook import sft
 from cookbook.sft import SFTDataError
 from cookbook.sft.vision import VLDataset, collate_vl, load_vl_items, load_vl_processors
 
-RECIPE = ROOT / "recipes" / "moe-vl-lora-fsdp2-ep"
-TEXT_RECIPE = ROOT / "recipes" / "moe-lora-fsdp2-ep"  # its tiny text models: shard-by-shard loading
+expert_parallel, moe_model = recipe_modules("moe-lora-fsdp2-ep", "expert_parallel", "moe_model")
+
+RECIPE = TEXT_RECIPE = ROOT / "recipes" / "moe-lora-fsdp2-ep"  # TEXT_RECIPE: its tiny text models (shard-by-shard loading)
 TINY_VL = RECIPE / "tiny" / "qwen3-vl-moe"
 STEPS = 6
 # As in test_moe_lora_ep.py: EP=2 and EP=1 differ only in the order of sums (measured ~1e-7).
@@ -43,7 +44,7 @@ def checkpoints(tmp_path_factory):
     for name, auto in (("qwen3-vl-moe", AutoModelForImageTextToText), ("qwen3-moe", AutoModelForCausalLM),
                        ("nemotron-h", AutoModelForCausalLM)):
         torch.manual_seed(0)
-        tiny = (RECIPE if name == "qwen3-vl-moe" else TEXT_RECIPE) / "tiny" / name
+        tiny = RECIPE / "tiny" / name
         auto.from_config(AutoConfig.from_pretrained(tiny)).save_pretrained(base / name, max_shard_size="100KB")
         paths[name] = base / name
     files = sorted(paths["qwen3-vl-moe"].glob("*.safetensors"))
@@ -61,8 +62,8 @@ def vl_overrides(init, *more):
 
 
 def vl_config(*overrides):
-    train = load_recipe("moe-vl-lora-fsdp2-ep")
-    cfg = train.load_config(train.Config, RECIPE / "tiny.yaml", list(overrides))
+    train = load_recipe("moe-lora-fsdp2-ep")
+    cfg = train.load_config(train.VLConfig, RECIPE / "tiny-vl.yaml", list(overrides))
     train.check_config(cfg, RECIPE)
     return cfg
 
@@ -87,7 +88,7 @@ def _worker(checkpoints: dict, out: str, ports: list[int]) -> dict:
     """All the distributed work of this file, on every rank (see the module docstring)."""
     import cookbook
 
-    train, text = load_recipe("moe-vl-lora-fsdp2-ep"), load_recipe("moe-lora-fsdp2-ep")
+    train = text = load_recipe("moe-lora-fsdp2-ep")
     os.environ["MASTER_PORT"] = str(ports[0])
     info = cookbook.init_distributed()
     result = {"ep": {}, "lazy": {}}
@@ -98,7 +99,7 @@ def _worker(checkpoints: dict, out: str, ports: list[int]) -> dict:
     tokens = cookbook.all_reduce_sum({"t": (mine["labels"][:, 1:] != -100).sum()}, info.device)["t"]
     for ep in (2, 1):
         model, _, par = train.build_model(vl_config(*vl_overrides(checkpoints["qwen3-vl-moe"]), f"parallel.ep={ep}"), info)
-        router = moe.RouterStats(model)
+        router = moe_model.RouterStats(model)
         loss_sum = sft.token_loss_sum(model, mine)
         aux = router.take()
         (loss_sum * info.world_size / tokens).backward()
@@ -108,7 +109,7 @@ def _worker(checkpoints: dict, out: str, ports: list[int]) -> dict:
         vision = [p for n, p in model.named_parameters() if ".visual.blocks." in n]
         result["ep"][ep] = {
             "loss": cookbook.all_reduce_sum({"l": loss_sum}, info.device)["l"], "aux": float(aux),
-            "grads": moe.gather_lora(model, par, grads=True),
+            "grads": expert_parallel.gather_lora(model, par, grads=True),
             "changed": [n for n, p in model.named_parameters() if not p.requires_grad and not torch.equal(local(p), frozen[n])],
             "experts": (tuple(experts.shape), tuple((experts.to_local() if hasattr(experts, "to_local") else experts).shape)),
             "vision_sharded_frozen": all(hasattr(p, "to_local") and not p.requires_grad for p in vision) and len(vision) > 0}
@@ -125,7 +126,7 @@ def _worker(checkpoints: dict, out: str, ports: list[int]) -> dict:
             else:
                 c = text.load_config(text.Config, TEXT_RECIPE / "tiny.yaml", overrides + list(text_overrides[name]))
                 text.check_config(c, TEXT_RECIPE)
-            model, _, _ = (train if name == "qwen3-vl-moe" else text).build_model(c, info)
+            model, _, _ = train.build_model(c, info)
             states.append({**{n: local(p) for n, p in model.named_parameters()}, **{n: b.clone() for n, b in model.named_buffers()}})
         lazy_state, full_state = states
         result["lazy"][name] = {"names": sorted(lazy_state) == sorted(full_state),
@@ -137,7 +138,7 @@ def _worker(checkpoints: dict, out: str, ports: list[int]) -> dict:
 
     # The recipe's main: train, export the adapter and the merged model.
     os.environ["MASTER_PORT"] = str(ports[1])
-    train.main(["--config", str(RECIPE / "tiny.yaml"), *vl_overrides(checkpoints["qwen3-vl-moe"]), f"output_dir={out}",
+    train.main(["--config", str(RECIPE / "tiny-vl.yaml"), *vl_overrides(checkpoints["qwen3-vl-moe"]), f"output_dir={out}",
                 f"train.max_steps={STEPS}", "checkpoint.every_steps=0", "checkpoint.export_merged=true"])
 
     # The trained sharded model's logits on one image + text batch (the same on both ranks).
@@ -146,7 +147,7 @@ def _worker(checkpoints: dict, out: str, ports: list[int]) -> dict:
     os.environ["MASTER_PORT"] = str(ports[2])
     info = cookbook.init_distributed()
     model, _, par = train.build_model(vl_config(*vl_overrides(checkpoints["qwen3-vl-moe"])), info)
-    dcp.load({"app": moe.AdapterState(model, None, par)}, checkpoint_id=f"{out}/checkpoints/step_{STEPS:08d}")
+    dcp.load({"app": expert_parallel.AdapterState(model, None, par)}, checkpoint_id=f"{out}/checkpoints/step_{STEPS:08d}")
     batch = {k: v for k, v in image_batch(cfg, slice(0, 2)).items() if k != "labels"}
     model.eval()
     with torch.no_grad():
@@ -193,7 +194,7 @@ def runs(checkpoints, tmp_path_factory):
     import peft  # noqa: F401  imported once here, inherited by the forked workers
 
     base = tmp_path_factory.mktemp("vlm")
-    load_recipe("moe-vl-lora-fsdp2-ep"), load_recipe("moe-lora-fsdp2-ep")
+    load_recipe("moe-lora-fsdp2-ep")
     results = run_2_workers(_worker, checkpoints, str(base / "out"), free_ports(3), out_dir=base)
     return results, base / "out"
 
@@ -264,20 +265,20 @@ def test_bad_image_text_rows_are_refused_before_training(tmp_path, row, message)
     good["image"] = "insects/ant0.jpg"
     (data / "bad.jsonl").write_text(json.dumps(good) + "\n" + json.dumps(row) + "\n")
     with pytest.raises(SFTDataError, match=re.escape(message.replace("{data}", str(data)))):
-        check("moe-vl-lora-fsdp2-ep", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{data / 'bad.jsonl'}]")
+        check("moe-lora-fsdp2-ep", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{data / 'bad.jsonl'}]", config="tiny-vl.yaml")
 
 
 def test_vl_configs_are_valid_and_packing_is_refused(tmp_path):
     from cookbook.config import ConfigError
 
-    out = check("moe-vl-lora-fsdp2-ep", f"output_dir={tmp_path / 'out'}")
+    out = check("moe-lora-fsdp2-ep", f"output_dir={tmp_path / 'out'}", config="tiny-vl.yaml")
     assert "18 train / 2 eval image + text rows; 20 rows with 24 images checked" in out
     with pytest.raises(ConfigError, match="data.packing=true with qwen3_vl_moe"):
-        check("moe-vl-lora-fsdp2-ep", f"output_dir={tmp_path / 'out'}", "data.packing=true")
+        check("moe-lora-fsdp2-ep", f"output_dir={tmp_path / 'out'}", "data.packing=true", config="tiny-vl.yaml")
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    train = load_recipe("moe-vl-lora-fsdp2-ep")
-    cfg = train.load_config(train.Config, RECIPE / "config.yaml")
+    train = load_recipe("moe-lora-fsdp2-ep")
+    cfg = train.load_config(train.VLConfig, RECIPE / "qwen3-vl-30b-a3b.yaml")
     train.check_config(cfg, RECIPE)
-    moe.check_model(cfg, AutoConfig.from_pretrained(RECIPE / "models" / "qwen3-vl-30b-a3b"), AutoModelForImageTextToText,
-                    world_size=8)
+    moe_model.check_model(cfg, AutoConfig.from_pretrained(RECIPE / "models" / "qwen3-vl-30b-a3b"), AutoModelForImageTextToText,
+                          world_size=8)

@@ -1,12 +1,12 @@
-"""Expert LoRA on the routed tokens (`cookbook.moe.use_routed_lora`) against PEFT's own expert LoRA, in one
+"""Expert LoRA on the routed tokens (`routed_lora.use_routed_lora`) against PEFT's own expert LoRA, in one
 process, fp32, on CPU: the experts modules of the tiny Qwen3-MoE (gated, SiLU) and Nemotron-H (plain, ReLU^2)
 twins with PEFT ``target_parameters`` LoRA (random A and B), for several routings, experts without tokens
 included; the experts split over 2 forked EP ranks, one of which receives no token, against the unsharded ones;
-and activation checkpointing of one part of each decoder layer (`cookbook.moe.checkpoint_parts`) against none,
+and activation checkpointing of one part of each decoder layer (`moe_model.checkpoint_parts`) against none,
 on the whole tiny Qwen3-MoE.
 
 PEFT's reference runs transformers' ``eager`` experts (a loop over the experts hit) on the folded weights
-W_e + s B_e A_e; the routed path runs grouped GEMMs (here the loop fallback of `cookbook.moe.grouped_mm`) on the
+W_e + s B_e A_e; the routed path runs grouped GEMMs (here the loop fallback of `routed_lora.grouped_mm`) on the
 sorted tokens. Same math, other summation order: measured, the largest difference of each compared tensor is
 under 1e-6 of its largest value (values ~1), so 1e-5 leaves a margin of 10; a wrong scaling, expert order or
 missing LoRA term changes them by > 1e-2.
@@ -14,11 +14,12 @@ missing LoRA term changes them by > 1e-2.
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, recipe_modules
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import cookbook
-from cookbook import moe
+
+expert_parallel, moe_model, routed_lora = recipe_modules("moe-lora-fsdp2-ep", "expert_parallel", "moe_model", "routed_lora")
 
 TINY = ROOT / "recipes" / "moe-lora-fsdp2-ep" / "tiny"
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -63,7 +64,7 @@ def run(module, hidden, index, weights, routed: bool, keep_grads: bool = False):
     the parameters keep theirs."""
     hidden = hidden.clone().requires_grad_(True)
     weights = weights.clone().requires_grad_(True)
-    out = moe.routed_experts_forward(module, hidden, index, weights) if routed else module(hidden, index, weights)
+    out = routed_lora.routed_experts_forward(module, hidden, index, weights) if routed else module(hidden, index, weights)
     probe = torch.linspace(-1, 1, out.numel()).reshape(out.shape)
     (out * probe).sum().backward()
     grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.requires_grad}
@@ -127,21 +128,21 @@ ZERO_TOKEN_CASES = [(routed, receiver) for routed in (True, False) for receiver 
 
 @cookbook.distributed(num_processes=2, start_method="fork", timeout_minutes=1)  # a rank left waiting fails, not hangs
 def _ep2_experts(cases: list) -> list:
-    """For each (routed, receiver) of `cases`: one experts layer split over 2 EP ranks (`moe.split_experts`,
-    `moe.ep_dispatch`), every token sent to EP rank `receiver`; this rank's output and input / routing-weight
-    gradients, and the LoRA gradients of the unsharded layer (`moe.gather_lora`)."""
+    """For each (routed, receiver) of `cases`: one experts layer split over 2 EP ranks (`expert_parallel.split_experts`,
+    `expert_parallel.ep_dispatch`), every token sent to EP rank `receiver`; this rank's output and input / routing-weight
+    gradients, and the LoRA gradients of the unsharded layer (`expert_parallel.gather_lora`)."""
     results = []
     for routed, receiver in cases:
         module, block = experts_with_lora("qwen3-moe")
-        block.gate = torch.nn.Identity()  # `moe.moe_blocks` finds a block by its router
+        block.gate = torch.nn.Identity()  # `expert_parallel.moe_blocks` finds a block by its router
         model = torch.nn.ModuleDict({"mlp": block})
         if routed:
-            moe.use_routed_lora(model)
-        meshes = moe.init_meshes("cpu", 2, 2)
-        meshes.expert_lora_names = moe.split_experts(model, meshes.dp_ep["ep"])
+            routed_lora.use_routed_lora(model)
+        meshes = expert_parallel.init_meshes("cpu", 2, 2)
+        meshes.expert_lora_names = expert_parallel.split_experts(model, meshes.dp_ep["ep"])
         batch = zero_token_batch(cookbook.get_dist_info().rank, module.get_base_layer().hidden_dim, receiver)
         out, dh, dw, _ = run(module, *batch, routed=False, keep_grads=True)  # its forward is now ep_dispatch
-        grads = {n.removeprefix("mlp.experts."): g for n, g in moe.gather_lora(model, meshes, grads=True).items()}
+        grads = {n.removeprefix("mlp.experts."): g for n, g in expert_parallel.gather_lora(model, meshes, grads=True).items()}
         results.append((out, dh, dw, grads))
     return results
 
@@ -198,7 +199,7 @@ def test_use_routed_lora_switches_the_model_and_keeps_peft_names():
     names = [n for n, _ in model.named_parameters()]
     with torch.no_grad():
         expected = model(input_ids=ids).logits
-    assert moe.use_routed_lora(model) == 2
+    assert routed_lora.use_routed_lora(model) == 2
     assert [n for n, _ in model.named_parameters()] == names
     with torch.no_grad():
         got = model(input_ids=ids).logits
@@ -206,15 +207,15 @@ def test_use_routed_lora_switches_the_model_and_keeps_peft_names():
             plain = model(input_ids=ids).logits
     torch.testing.assert_close(got, expected, **TOL)
     assert not torch.allclose(plain, expected, atol=1e-3)
-    for _, block in moe.moe_blocks(model):
+    for _, block in expert_parallel.moe_blocks(model):
         block.experts.base_layer.base_layer.checkpoint_offset = 0
     with pytest.raises(ValueError, match="use_routed_lora must run before split_experts"):
-        moe.use_routed_lora(model)
-    experts = moe.moe_blocks(model)[0][1].experts.get_base_layer()
-    assert moe.routed_lora_unsupported(experts) is None
+        routed_lora.use_routed_lora(model)
+    experts = expert_parallel.moe_blocks(model)[0][1].experts.get_base_layer()
+    assert routed_lora.routed_lora_unsupported(experts) is None
     experts.has_bias = True
-    assert moe.routed_lora_unsupported(experts) == "have biases or a post-expert norm"
-    assert "not transformers' fused experts" in moe.routed_lora_unsupported(torch.nn.Linear(2, 2))
+    assert routed_lora.routed_lora_unsupported(experts) == "have biases or a post-expert norm"
+    assert "not transformers' fused experts" in routed_lora.routed_lora_unsupported(torch.nn.Linear(2, 2))
 
 
 def tiny_qwen_with_lora(layers: int = 2):
@@ -229,7 +230,7 @@ def tiny_qwen_with_lora(layers: int = 2):
     for n, p in model.named_parameters():
         if "lora_B" in n:
             torch.nn.init.normal_(p, std=0.1)
-    moe.use_routed_lora(model)
+    routed_lora.use_routed_lora(model)
     return model
 
 
@@ -251,7 +252,7 @@ def test_checkpoint_parts_recomputes_and_keeps_the_gradients(part, wrapped):
     plain = step(tiny_qwen_with_lora())
     model = tiny_qwen_with_lora()
     names = [n for n, _ in model.named_parameters()]
-    assert moe.checkpoint_parts(model.base_model.model.model.layers, part) == wrapped
+    assert moe_model.checkpoint_parts(model.base_model.model.model.layers, part) == wrapped
     assert [n for n, _ in model.named_parameters()] == names
     loss, grads, forward_calls, all_calls = step(model)
     assert (plain[2], plain[3]) == (1, 1)  # without checkpointing: one forward, nothing run in backward
@@ -261,7 +262,7 @@ def test_checkpoint_parts_recomputes_and_keeps_the_gradients(part, wrapped):
     for name, grad in plain[1].items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-6, atol=1e-7, msg=name)
     with pytest.raises(ValueError, match="part must be 'attention' or 'experts'"):
-        moe.checkpoint_parts(model.base_model.model.model.layers, "full")
+        moe_model.checkpoint_parts(model.base_model.model.model.layers, "full")
 
 
 # ----------------------------------------------------------------------------- the grouped GEMM operator, torch.compile
@@ -278,13 +279,13 @@ def grouped_reference(x, w, rows):
 @pytest.mark.parametrize("kernel", [False, True])
 @pytest.mark.parametrize("rows", sorted(GROUP_ROWS))
 def test_grouped_mm_operator_equals_the_per_row_reference(rows, kernel, monkeypatch):
-    """`moe.grouped_mm` and the custom operator (with its backward) against the per-row reference: output and both
+    """`routed_lora.grouped_mm` and the custom operator (with its backward) against the per-row reference: output and both
     gradients, weights given contiguous, as a transposed view (the experts' (E, out, in) weights) and as the
     expert-innermost view of lora_B that grouped GEMM refuses (copied). ``kernel``: the path that calls torch's
     grouped GEMM (CUDA bf16 in training; torch 2.13 also runs it on CPU in fp32, stride checks included), forced
     here on CPU; else the loop over groups. Empty groups get zero weight gradients."""
     if kernel:
-        monkeypatch.setattr(moe, "_kernel_ok", lambda x, k, n: len(x) > 0)
+        monkeypatch.setattr(routed_lora, "_kernel_ok", lambda x, k, n: len(x) > 0)
     counts = GROUP_ROWS[rows]
     offs = torch.cumsum(torch.tensor(counts), 0, dtype=torch.int32)
     g = torch.Generator().manual_seed(3)
@@ -294,7 +295,7 @@ def test_grouped_mm_operator_equals_the_per_row_reference(rows, kernel, monkeypa
                "expert-innermost": lambda t: t.permute(1, 2, 0).contiguous().permute(2, 0, 1)}
     for name, layout in layouts.items():
         results = []
-        for fn in (lambda x, w, o: grouped_reference(x, w, counts), moe.grouped_mm, torch.ops.cookbook.grouped_mm):
+        for fn in (lambda x, w, o: grouped_reference(x, w, counts), routed_lora.grouped_mm, torch.ops.cookbook.grouped_mm):
             x, w = x0.clone().requires_grad_(True), base.clone().requires_grad_(True)
             y = fn(x, layout(w), offs)
             (y * dy).sum().backward()
@@ -329,11 +330,11 @@ def test_router_hooks_do_not_make_compiled_layers_recompile():
     for layers in (2, 4):
         torch._dynamo.reset()
         model = tiny_qwen_with_lora(layers)
-        router = moe.RouterStats(model)
-        for _, block in moe.moe_blocks(model):
+        router = moe_model.RouterStats(model)
+        for _, block in expert_parallel.moe_blocks(model):
             block.experts.register_forward_pre_hook(torch.compiler.disable(lambda mod, args: None))
         backend = CompileCounterWithBackend("aot_eager")
-        moe.compile_parts(model.base_model.model.model.layers, "layers", backend=backend)
+        moe_model.compile_parts(model.base_model.model.model.layers, "layers", backend=backend)
         ids = torch.arange(3, 35).unsqueeze(0)
         for _ in range(2):
             model(input_ids=ids, labels=ids, use_cache=False).loss.backward()  # no KV cache, as in training
@@ -345,7 +346,7 @@ def test_router_hooks_do_not_make_compiled_layers_recompile():
 
 @pytest.mark.parametrize("part, graphs", [("moe", 2), ("layers", 2)])
 def test_compiled_parts_equal_eager(part, graphs):
-    """`moe.compile_parts` on the tiny Qwen3-MoE, backend aot_eager (dynamo and AOTAutograd trace forward and
+    """`moe_model.compile_parts` on the tiny Qwen3-MoE, backend aot_eager (dynamo and AOTAutograd trace forward and
     backward as for inductor; inductor's C++ build takes ~40 s here): the same loss and LoRA gradients as eager,
     twice (the second step runs the cached code), no graph break, and the layers share their compiled code
     (moe: the router's graph and the routed experts' graph, `grouped_mm` in it as one operator; layers: the
@@ -357,14 +358,14 @@ def test_compiled_parts_equal_eager(part, graphs):
     torch._dynamo.reset()
     counters.clear()
     eager = tiny_qwen_with_lora()
-    eager_router = moe.RouterStats(eager)
+    eager_router = moe_model.RouterStats(eager)
     expected = loss_and_grads(eager)
     expected_aux = eager_router.take()
     model = tiny_qwen_with_lora()
-    router = moe.RouterStats(model)  # its hooks run inside the compiled code: they must not make it recompile
+    router = moe_model.RouterStats(model)  # its hooks run inside the compiled code: they must not make it recompile
     names = [n for n, _ in model.named_parameters()]
     backend = CompileCounterWithBackend("aot_eager")
-    assert moe.compile_parts(model.base_model.model.model.layers, part, backend=backend) == (4 if part == "moe" else 2)
+    assert moe_model.compile_parts(model.base_model.model.model.layers, part, backend=backend) == (4 if part == "moe" else 2)
     assert [n for n, _ in model.named_parameters()] == names
     for _ in range(2):
         loss, grads = loss_and_grads(model)
@@ -377,4 +378,4 @@ def test_compiled_parts_equal_eager(part, graphs):
     ops = {str(node.target) for gm in backend.graphs for node in gm.graph.nodes}
     assert any("cookbook.grouped_mm" in op for op in ops), sorted(ops)
     with pytest.raises(ValueError, match="part must be 'moe' or 'layers'"):
-        moe.compile_parts(model.base_model.model.model.layers, "experts")
+        moe_model.compile_parts(model.base_model.model.model.layers, "experts")

@@ -17,14 +17,14 @@ ROWS = [  # a reasoning turn (dropped with data.reasoning=drop, counted), a key 
 ]
 
 
-def show(recipe: str, *overrides: str) -> str:
+def show(recipe: str, *overrides: str, config: str = "tiny.yaml") -> str:
     out = io.StringIO()
     env = {"COOKBOOK_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": ""}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
         with contextlib.redirect_stdout(out):
-            load_recipe(recipe).main(["--config", str(ROOT / "recipes" / recipe / "tiny.yaml"), "--show-examples", "2",
+            load_recipe(recipe).main(["--config", str(ROOT / "recipes" / recipe / config), "--show-examples", "2",
                                       *overrides])
     finally:
         for k, v in saved.items():
@@ -63,6 +63,6 @@ def test_gpt_oss_receipts_and_vision_recipes_show_their_rows():
     out = show("qwen-zero3-receipts")
     assert "--- receipts.jsonl example 1 of 40 (row 1, 184 tokens, 61 labelled)" in out
     assert "  examples        40 kept, 0 dropped" in out
-    out = show("moe-vl-lora-fsdp2-ep")
+    out = show("moe-lora-fsdp2-ep", config="tiny-vl.yaml")
     assert "<|vision_start|><|image_pad|> x 4<|vision_end|>What insect is in the picture?" in out
     assert "[[An ant.<|im_end|>]]" in out and "  examples        20 kept, 4 truncated to max_length=64, 0 dropped" in out

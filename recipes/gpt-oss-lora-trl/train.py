@@ -47,7 +47,7 @@ warnings.filterwarnings("ignore", message=".*set_vital.*")
 import torch
 
 import cookbook
-from cookbook import config, hf_trainer, lm, moe, sft
+from cookbook import config, hf_trainer, lm, sft
 from cookbook.checkpoint import CheckpointError
 from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
 from cookbook.launch import check_world_size
@@ -456,7 +456,7 @@ def train(cfg: Config, on_cpu: bool) -> None:
     flops = active_flops(model, hf_config)
     model = get_peft_model(model, PeftLoraConfig(**cfg.lora.peft_kwargs(), bias="none", task_type="CAUSAL_LM"))
     if t.activation_checkpointing == "experts":  # recompute the MoE blocks only; attention keeps its activations
-        moe.checkpoint_modules(m.mlp for m in model.modules() if type(m).__name__ == "GptOssDecoderLayer")
+        lm.checkpoint_modules(m.mlp for m in model.modules() if type(m).__name__ == "GptOssDecoderLayer")
     if info.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, out_dir / "config.yaml")

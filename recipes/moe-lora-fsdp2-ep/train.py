@@ -1,5 +1,5 @@
-"""LoRA fine-tuning of mixture-of-experts LLMs: dense parts sharded with FSDP2, experts split across ranks
-(expert parallelism, all-to-all token dispatch).
+"""LoRA fine-tuning of mixture-of-experts LLMs, text or image + text: dense parts sharded with FSDP2, experts
+split across ranks (expert parallelism, all-to-all token dispatch).
 
 Commands (from this folder; NGPU defaults to all visible GPUs, else 2 CPU processes):
 
@@ -7,44 +7,48 @@ Commands (from this folder; NGPU defaults to all visible GPUs, else 2 CPU proces
     CONFIG_FILE=qwen3-30b-a3b.yaml ./launch.sh parallel.ep=8   # Qwen3-30B-A3B, 8 GPUs, experts on 8 ranks
     CONFIG_FILE=tiny.yaml ./launch.sh                      # tiny Nemotron-H, offline, CPU-friendly
     CONFIG_FILE=tiny.yaml ./launch.sh model.name_or_path=tiny/qwen3-moe data.packing=true
-
-Image + text pairs on a vision-language MoE (Qwen3-VL-30B-A3B): ``../moe-vl-lora-fsdp2-ep``, the same technique.
+    CONFIG_FILE=qwen3-vl-30b-a3b.yaml ./launch.sh          # Qwen3-VL-30B-A3B-Instruct (hub), llava-instruct-mix, EP=2
+    CONFIG_FILE=tiny-vl.yaml ./launch.sh                   # tiny Qwen3-VL-MoE on 8 ant / bee photos, offline
 
 What this recipe supports:
-    - Models: Hugging Face MoE causal LMs whose experts are fused 3-D parameters (transformers 5):
-      ``nemotron_h`` (hybrid Mamba-2 / attention / MoE, the default) and ``qwen3_moe``.
+    - Models: Hugging Face MoE models whose experts are fused 3-D parameters (transformers 5): causal LMs
+      ``nemotron_h`` (hybrid Mamba-2 / attention / MoE, the default) and ``qwen3_moe``; vision-language
+      ``qwen3_vl_moe`` (a model with a vision tower switches the recipe to image + text rows, `VLConfig`).
     - Loading (``model.pretrained``): by default each rank builds the model on the meta device and reads
       from the safetensors files only the dense weights and its own experts' slices
       (``cookbook.sft.lazy_load``); ``model.lazy_load=false`` loads the whole model per rank with transformers.
     - Expert parallelism (``parallel.ep``, 1 = off): a (dp, ep) device mesh; rank j of each EP group keeps
       experts [j*E/ep, (j+1)*E/ep) of every MoE layer, base weights and LoRA factors alike
-      (``cookbook.moe.split_experts``). Routing runs on every rank; each (token, expert) pair is sent to the
+      (``expert_parallel.split_experts``). Routing runs on every rank; each (token, expert) pair is sent to the
       rank that holds the expert with an autograd ``all_to_all_single`` (counts exchanged first), computed on
       the local experts, sent back, weighted and summed (``ep_dispatch``).
       Everything else is FSDP2.
     - FSDP2: ``fully_shard`` on each MoE experts module over the dp dimension (gradients divided by the
-      world size), on every decoder layer and on the root over all ranks; ``train.mixed_precision`` bf16
-      compute with fp32 gradient reduction on GPU; frozen base weights stored in the compute dtype, LoRA
-      factors in fp32.
+      world size), on every decoder layer (and vision block, frozen) and on the root over all ranks;
+      ``train.mixed_precision`` bf16 compute with fp32 gradient reduction on GPU; frozen base weights stored in
+      the compute dtype, LoRA factors in fp32.
     - LoRA (PEFT): ``lora.target_modules`` (attention projections) and ``lora.target_parameters`` (the
       fused expert weights, PEFT's ``target_parameters``); rank, alpha, dropout in the config; base
-      weights frozen. The adapter is created on the whole model before the experts are split, so its
-      initial values do not depend on the EP degree. ``lora.expert_lora=routed`` (default) computes the
-      experts, base and LoRA, as grouped GEMMs over the tokens routed to them, x_e W_e^T + s (x_e A_e^T) B_e^T
-      (``cookbook.moe.use_routed_lora``); ``peft`` runs PEFT's own forward, which folds W_e + s B_e A_e for
-      every expert in every forward. Both keep PEFT's modules and adapter format.
+      weights (and the whole vision tower) frozen. The adapter is created on the whole model before the experts
+      are split, so its initial values do not depend on the EP degree. ``lora.expert_lora=routed`` (default)
+      computes the experts, base and LoRA, as grouped GEMMs over the tokens routed to them,
+      x_e W_e^T + s (x_e A_e^T) B_e^T (``routed_lora.use_routed_lora``); ``peft`` runs PEFT's own forward, which
+      folds W_e + s B_e A_e for every expert in every forward. Both keep PEFT's modules and adapter format.
     - Activation checkpointing (``train.activation_checkpointing``): ``full`` (each decoder layer), ``attention``
-      or ``experts`` (that part of each layer, ``cookbook.moe.checkpoint_parts``), ``none``.
-    - ``torch.compile`` (``train.compile``, ``cookbook.moe.compile_parts``): ``moe`` (each MoE block's router and
-      routed experts, routing included; the grouped GEMMs are one custom operator, ``cookbook.moe.grouped_mm``),
+      or ``experts`` (that part of each layer, ``moe_model.checkpoint_parts``), ``none``.
+    - ``torch.compile`` (``train.compile``, ``moe_model.compile_parts``): ``moe`` (each MoE block's router and
+      routed experts, routing included; the grouped GEMMs are one custom operator, ``routed_lora.grouped_mm``),
       ``layers`` (each decoder layer whole, before FSDP2), ``none``.
     - Data (cookbook.sft): chat / Alpaca / ShareGPT rows, chat template, loss on assistant tokens
       only, packing (Qwen3-MoE) or right padding (Nemotron-H: Mamba layers would carry state across
-      packed documents). Loss normalised by the assistant tokens of the global batch.
+      packed documents). Loss normalised by the assistant tokens of the global batch. Image + text
+      (``cookbook.sft.vision``): ``{"images": [...], "messages": [...]}`` rows, images resized within
+      ``data.image_min_pixels`` / ``image_max_pixels`` in the loader's workers, right padding; bad rows are
+      refused with the file and row named, by ``--check`` before any worker starts.
     - Load balancing: the Switch-Transformer auxiliary loss (mean over MoE layers) is reported every step
       and added with ``moe.aux_loss_coef`` (> 0); ``moe/load_max_over_mean`` (busiest expert / mean, mean
       over layers) and ``moe/ep_rank_load_max_over_mean`` (busiest EP rank / mean) are logged. Padding counts
-      in none of them (``cookbook.moe.token_mask``).
+      in none of them (``moe_model.token_mask``).
     - Checkpoints (cookbook.checkpoint, DCP): LoRA weights and AdamW state only (frozen weights are not
       saved), scheduler, data position, RNG, step; atomic publish; ``resume: auto``. Expert adapters are
       stored per EP rank, so a resume needs the same ``parallel.ep`` (refused otherwise, before start).
@@ -52,14 +56,15 @@ What this recipe supports:
       factors gathered from every EP rank): ``PeftModel.from_pretrained(base, adapter)``; optionally
       (``checkpoint.export_merged``) ``<output_dir>/merged``, base + adapter folded in, a plain model.
     - Metrics (cookbook.metrics): loss, tokens/s per device, MFU over the active parameters (attention,
-      Mamba, shared experts, router and top-k of the routed experts), peak memory, the MoE keys above.
+      Mamba, shared experts, router and top-k of the routed experts; not the vision tower), peak memory, the
+      MoE keys above.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import partial
 from pathlib import Path
 
@@ -72,19 +77,24 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, get_scheduler
 from transformers import logging as hf_logging
 
-from cookbook import lm, moe, sft
+from cookbook import lm, sft
 from cookbook.checkpoint import Checkpointer, CheckpointError
-from cookbook.config import ConfigError, check_fields, cli_parser, load_config, to_dict
+from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, to_dict
 from cookbook.hub import model_folder
 from cookbook.launch import check_world_size
 from cookbook.loop import EpochBatches, TrainLoop, checkpoint_state, start_run
 from cookbook.metrics import ModelFlops
-from cookbook.moe import DTYPES
 from cookbook.sft.lazy_load import load_base_lazily
-from cookbook.sft.vision import is_vision_language
+from cookbook.sft.vision import (VLDataConfig, VLDataset, check_vl_items, collate_vl, is_vision_language, load_vl_items,
+                                 load_vl_processors, shard_items_for_eval, show_vl)
+import moe_model
+from expert_parallel import (AdapterState, Meshes, clip_grad_norm, export_adapter, export_merged, frozen_if_unsharded,
+                             init_meshes, moe_blocks, param_groups_by_mesh, split_experts)
+from moe_model import DTYPES, LoraSection, ModelConfig, MoELoraConfig, RouterStats, token_mask
+from routed_lora import use_routed_lora
 
 hf_logging.disable_progress_bar()
 hf_logging.set_verbosity_error()
@@ -97,74 +107,158 @@ class DataConfig(sft.DataConfig):
 
 
 @dataclass
-class Config(moe.MoELoraConfig):  # model, parallel, lora, moe, optim, train, checkpoint: cookbook.moe's sections
+class Config(MoELoraConfig):  # model, parallel, lora, moe, optim, train, checkpoint: moe_model's sections
     output_dir: str = "outputs/nemotron-nano-lora"
     run_name: str = "nemotron-nano-lora"
     data: DataConfig = field(default_factory=DataConfig)
 
 
-MAY_CHANGE = (*moe.MAY_CHANGE, *sft.MAY_CHANGE)
+@dataclass
+class VLConfig(MoELoraConfig):  # a model with a vision tower: image + text rows (cookbook.sft.vision)
+    output_dir: str = "outputs/qwen3-vl-30b-a3b-lora"
+    run_name: str = "qwen3-vl-30b-a3b-lora"
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(name_or_path="Qwen/Qwen3-VL-30B-A3B-Instruct"))
+    lora: LoraSection = field(default_factory=lambda: LoraSection(target_parameters=["experts.gate_up_proj", "experts.down_proj"]))
+    data: VLDataConfig = field(default_factory=VLDataConfig)
 
 
-def check_config(cfg: Config, config_dir: Path) -> None:
+MAY_CHANGE = (*moe_model.MAY_CHANGE, *sft.MAY_CHANGE)
+VL_MAY_CHANGE = moe_model.MAY_CHANGE
+
+
+def config_class(path: str, overrides: list[str]) -> type[Config] | type[VLConfig]:
+    """`VLConfig` when the model (``model.name_or_path`` of an override or the file) has a vision tower, else `Config`.
+    A model whose config cannot be read here: `VLConfig` if the file's ``data`` has a key only it knows."""
+    import yaml
+
+    try:
+        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError):
+        return Config  # load_config names the problem
+    raw = raw if isinstance(raw, dict) else {}
+    name = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("model.name_or_path=")), None)
+    name = name or (raw.get("model") or {}).get("name_or_path") or ModelConfig.name_or_path
+    try:
+        return VLConfig if is_vision_language(AutoConfig.from_pretrained(resolve_path(name, Path(path).resolve().parent))) else Config
+    except Exception:  # noqa: BLE001 - not found, offline: check_model / preflight say so with the schema below
+        vl_only = {f.name for f in fields(VLDataConfig)} - {f.name for f in fields(DataConfig)}
+        return VLConfig if vl_only & set(raw.get("data") or {}) else Config
+
+
+def check_config(cfg: Config | VLConfig, config_dir: Path) -> None:
     """Resolve paths against the config file's folder and reject values that are wrong on their own."""
-    moe.check_config(cfg, config_dir)
-    check_fields(cfg, within={"data.max_dropped_fraction": "[0, 1]"}, one_of={"data.reasoning": sft.config.REASONING})
+    moe_model.check_config(cfg, config_dir)
+    if isinstance(cfg, VLConfig):
+        for key, value in [("data.image_min_pixels", cfg.data.image_min_pixels), ("data.image_max_pixels", cfg.data.image_max_pixels)]:
+            if value is not None and value < 1:
+                raise ConfigError(f"{key} must be >= 1 or null, got {value}")
+    else:
+        check_fields(cfg, within={"data.max_dropped_fraction": "[0, 1]"}, one_of={"data.reasoning": sft.config.REASONING})
+
+
+def auto_class(cfg: Config | VLConfig):
+    return AutoModelForImageTextToText if isinstance(cfg, VLConfig) else AutoModelForCausalLM
 
 
 # ----------------------------------------------------------------------------- model
-def build_model(cfg: Config, info: cookbook.DistInfo) -> tuple[torch.nn.Module, ModelFlops, moe.Meshes]:
-    """Build the base model on every rank (`moe.build_base`: random and seeded, whole from the checkpoint, or on
-    the meta device), add LoRA, split the experts over the ep dimension, read a meta-device base shard by shard
-    (each rank its own experts), then shard with FSDP2: experts over dp; decoder layers and the root over all ranks."""
+def build_model(cfg: Config | VLConfig, info: cookbook.DistInfo) -> tuple[torch.nn.Module, ModelFlops, Meshes]:
+    """Build the base model on every rank (`moe_model.build_base`: random and seeded, whole from the checkpoint, or
+    on the meta device), add LoRA (not on a vision tower), split the experts over the ep dimension, read a
+    meta-device base shard by shard (each rank its own experts), then shard with FSDP2: experts over dp; decoder
+    layers, vision blocks (frozen) and the root over all ranks."""
     from peft import LoraConfig, get_peft_model
 
+    vl = isinstance(cfg, VLConfig)
     on_gpu = info.device.type == "cuda"
     dtype = DTYPES[cfg.train.mixed_precision] if on_gpu else torch.float32
     hf_config = AutoConfig.from_pretrained(cfg.model.name_or_path, attn_implementation=cfg.model.attn_implementation)
-    model = moe.build_base(AutoModelForCausalLM, hf_config, cfg.model, dtype, info.device, cfg.train.seed)
-    flops = moe.active_flops(model, hf_config)
-    model = get_peft_model(model, LoraConfig(**cfg.lora.peft_kwargs()))
-    moe.init_lora(model, cfg.train.seed)  # the same factors whatever the EP degree; fp32
+    model = moe_model.build_base(auto_class(cfg), hf_config, cfg.model, dtype, info.device, cfg.train.seed)
+    # the vision tower runs per patch, not per token; it stays frozen, without adapters
+    flops = moe_model.active_flops(model, hf_config, exclude=model.model.visual if vl else None)
+    model = get_peft_model(model, LoraConfig(**cfg.lora.peft_kwargs(), **({"exclude_modules": r".*\.visual\..*"} if vl else {})))
+    moe_model.init_lora(model, cfg.train.seed)  # the same factors whatever the EP degree; fp32
     if cfg.lora.expert_lora == "routed":  # expert LoRA on the routed tokens: grouped GEMMs, no B @ A per expert
-        moe.use_routed_lora(model)
+        use_routed_lora(model)
+    inner = model.base_model.model.model  # the decoder (text), or Qwen3VLMoeModel: visual, language_model
+    decoder = inner.language_model if vl else inner
     if cfg.train.compile != "none":  # torch.compile each layer, or each MoE block's router and routed experts
-        moe.compile_parts(model.base_model.model.model.layers, cfg.train.compile)
-    if cfg.train.activation_checkpointing == "full":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        moe_model.compile_parts(decoder.layers, cfg.train.compile)
+    if cfg.train.activation_checkpointing == "full":  # decoder layers only: no gradient flows into a vision tower
+        (decoder if vl else model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     elif cfg.train.activation_checkpointing != "none":  # attention or experts of each decoder layer
-        moe.checkpoint_parts(model.base_model.model.model.layers, cfg.train.activation_checkpointing)
+        moe_model.checkpoint_parts(decoder.layers, cfg.train.activation_checkpointing)
 
-    meshes = moe.init_meshes(info.device.type, info.world_size, cfg.parallel.ep)  # world (all ranks), (dp, ep)
+    meshes = init_meshes(info.device.type, info.world_size, cfg.parallel.ep)  # world (all ranks), (dp, ep)
     if cfg.parallel.ep > 1:
-        meshes.expert_lora_names = moe.split_experts(model, meshes.dp_ep["ep"])
+        meshes.expert_lora_names = split_experts(model, meshes.dp_ep["ep"])
     if cfg.model.pretrained and cfg.model.lazy_load:
         load_base_lazily(model, cfg.model.name_or_path)
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=DTYPES[cfg.parallel.reduce_dtype] if on_gpu else torch.float32)
-    for layer in model.base_model.model.model.layers:
-        for _, block in moe.moe_blocks(layer):
+    for layer in decoder.layers:
+        for _, block in moe_blocks(layer):
             fully_shard(block.experts, mesh=meshes.dp_ep["dp"], mp_policy=mp, reshard_after_forward=cfg.parallel.reshard_after_forward,
-                        ignored_params=moe.frozen_if_unsharded(block.experts, meshes.dp_ep["dp"]))  # dp = 1: base used in place
+                        ignored_params=frozen_if_unsharded(block.experts, meshes.dp_ep["dp"]))  # dp = 1: base used in place
             block.experts.set_gradient_divide_factor(float(info.world_size))  # tokens of all ranks reach these experts
         fully_shard(layer, mesh=meshes.world, mp_policy=mp, reshard_after_forward=cfg.parallel.reshard_after_forward)
+    for block in inner.visual.blocks if vl else ():  # frozen: all-gathered for the forward, no gradients
+        fully_shard(block, mesh=meshes.world, mp_policy=mp, reshard_after_forward=cfg.parallel.reshard_after_forward)
     fully_shard(model, mesh=meshes.world, mp_policy=mp, reshard_after_forward=cfg.parallel.reshard_after_forward)
     model.to(info.device)
     return model, flops, meshes
 
 
+# ----------------------------------------------------------------------------- data
+@dataclass
+class Rows:
+    """What the loop needs of the data: rows, this rank's evaluation rows, the collate function, processors."""
+    train: object
+    eval: object
+    has_eval: bool  # evaluation rows on any rank
+    collate: object
+    processors: list  # saved beside a merged export
+    pad_id: int
+    summary: str  # the set-up log line's data part
+
+
+def text_rows(cfg: Config, info: cookbook.DistInfo) -> Rows:
+    """Chat / Alpaca / ShareGPT rows (`cookbook.sft`); packing: rows of exactly max_length tokens, documents
+    separated by position ids."""
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
+    pad_id = sft.pad_token_id(tokenizer)
+    train_rows, eval_rows, stats = sft.training_rows(cfg.data, tokenizer, cfg.train.seed)
+    return Rows(train_rows, sft.shard_for_eval(eval_rows, info.rank, info.world_size), bool(eval_rows),
+                partial(sft.collate, pad_id=pad_id, cu_seq_lens=False), [tokenizer], pad_id,  # sdpa: no varlen offsets
+                f"{len(train_rows)} train rows | {{steps}} steps | data: {stats.summary()}")
+
+
+def vl_rows(cfg: VLConfig, info: cookbook.DistInfo) -> Rows:
+    """Image + text rows (`cookbook.sft.vision`), tokenized and their images decoded by the loader's workers."""
+    image_token_id = AutoConfig.from_pretrained(cfg.model.name_or_path).image_token_id
+    tokenizer, image_processor = load_vl_processors(cfg.model.tokenizer, cfg.data.image_min_pixels, cfg.data.image_max_pixels)
+    pad_id = sft.pad_token_id(tokenizer)
+    train_items, eval_items = load_vl_items(cfg.data, cfg.train.seed)
+    rows_kw = dict(tokenizer=tokenizer, image_processor=image_processor, image_token_id=image_token_id,
+                   max_length=cfg.data.max_length, template_kwargs=dict(cfg.data.chat_template_kwargs) or None)
+    eval_rows = VLDataset(shard_items_for_eval(eval_items, info.rank, info.world_size), **rows_kw)
+    return Rows(VLDataset(train_items, **rows_kw), eval_rows, bool(eval_rows),
+                partial(collate_vl, pad_id=pad_id, image_token_id=image_token_id), [tokenizer, image_processor], pad_id,
+                f"{len(train_items)} train / {len(eval_items)} eval image + text rows | {{steps}} steps")
+
+
 # ----------------------------------------------------------------------------- recipe
-def preflight(cfg: Config, config_path: str) -> None:
+def preflight(cfg: Config | VLConfig, config_path: str) -> None:
     """What launch.sh runs in one process before torchrun starts any worker: model, EP and LoRA checks,
-    tokenizer, resume, and enough data for one step."""
+    tokenizer (and image processor), resume, and enough data for one step (image + text, local files: every row
+    tokenized and its images decoded; hub data: its first rows)."""
     world_size = check_world_size()  # NGPU x NNODES, as launch.sh
     if cfg.model.pretrained and cfg.model.lazy_load:  # a hub id is downloaded here, once, before any worker starts
         model_folder(cfg.model.name_or_path)
+    if isinstance(cfg, VLConfig):
+        print(f"config OK: {config_path} ({check_vl(cfg, world_size)})")
+        return
     tokenizer = sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path, cfg.data.max_length)
     hf_config = AutoConfig.from_pretrained(cfg.model.name_or_path)
-    if is_vision_language(hf_config):
-        raise ConfigError(f"model.name_or_path: {hf_config.model_type} is a vision-language model: use the recipe "
-                          f"moe-vl-lora-fsdp2-ep (image + text rows, frozen vision tower)")
-    moe.check_model(cfg, hf_config, AutoModelForCausalLM, world_size)
+    moe_model.check_model(cfg, hf_config, AutoModelForCausalLM, world_size)
     lm.check_attention(cfg.model.attn_implementation, cookbook.get_dist_info().device.type == "cpu")
     if cfg.data.packing and hf_config.model_type == "nemotron_h":
         raise ConfigError("data.packing=true with nemotron_h: its Mamba layers would carry state from one packed document "
@@ -176,48 +270,84 @@ def preflight(cfg: Config, config_path: str) -> None:
     print(f"config OK: {config_path} ({data})")
 
 
+def check_vl(cfg: VLConfig, world_size: int) -> str:
+    """`preflight` of an image + text config; returns its summary of the rows."""
+    try:
+        hf_config = AutoConfig.from_pretrained(cfg.model.name_or_path)
+        tokenizer, image_processor = load_vl_processors(cfg.model.tokenizer, cfg.data.image_min_pixels, cfg.data.image_max_pixels)
+    except OSError as exc:
+        raise ConfigError(f"model.name_or_path / model.tokenizer: cannot load {cfg.model.name_or_path!r}: "
+                          f"{str(exc).splitlines()[0]}") from None
+    if not is_vision_language(hf_config):
+        raise ConfigError(f"model.name_or_path: {hf_config.model_type} has no vision tower: image + text rows "
+                          f"(data.image_min_pixels / data.image_max_pixels) need a vision-language model")
+    if cfg.data.packing:
+        raise ConfigError(f"data.packing=true with {hf_config.model_type}: image + text rows are right-padded (the "
+                          f"model computes its 3-D image positions per row); use data.packing=false")
+    sft.check_vocab(tokenizer, hf_config.get_text_config().vocab_size)
+    sft.check_positions(cfg.data.max_length, hf_config, cfg.model.name_or_path)
+    moe_model.check_model(cfg, hf_config, AutoModelForImageTextToText, world_size)
+    lm.check_attention(cfg.model.attn_implementation, cookbook.get_dist_info().device.type == "cpu")
+    Checkpointer(Path(cfg.output_dir) / "checkpoints").check_resume(
+        cfg.checkpoint.resume, world_size, to_dict(cfg), VL_MAY_CHANGE, cfg.train.stop_at_step)
+    train, evals = load_vl_items(cfg.data, cfg.train.seed)
+    n_rows, n_images = check_vl_items(VLDataset(train + evals, tokenizer=tokenizer, image_processor=image_processor,
+                                                image_token_id=hf_config.image_token_id, max_length=cfg.data.max_length,
+                                                template_kwargs=dict(cfg.data.chat_template_kwargs) or None))
+    if len(train) < cfg.train.micro_batch_size * cfg.train.grad_accum_steps * world_size:
+        raise ConfigError(f"{len(train)} training rows are too few for one step of {cfg.train.micro_batch_size} x "
+                          f"{cfg.train.grad_accum_steps} x {world_size} rows")
+    return f"{len(train)} train / {len(evals)} eval image + text rows; {n_rows} rows with {n_images} images checked"
+
+
+def show_examples(cfg: Config | VLConfig, n: int) -> str:
+    """N rendered training rows per data file, what training sees (one process, no worker)."""
+    if not isinstance(cfg, VLConfig):
+        return sft.show_data(cfg.data, sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path), n)
+    tokenizer, image_processor = load_vl_processors(cfg.model.tokenizer, cfg.data.image_min_pixels, cfg.data.image_max_pixels)
+    return show_vl(cfg.data, tokenizer, image_processor, AutoConfig.from_pretrained(cfg.model.name_or_path).image_token_id,
+                   n, dict(cfg.data.chat_template_kwargs) or None)
+
+
 def main(argv: list[str]) -> None:
     args = cli_parser(__doc__, show_examples=True).parse_args(argv)
-    cfg = load_config(Config, args.config, args.overrides)
+    cfg = load_config(config_class(args.config, args.overrides), args.config, args.overrides)
     check_config(cfg, Path(args.config).resolve().parent)
-    if args.show_examples:  # one process, no worker: what training sees
-        print(sft.show_data(cfg.data, sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path), args.show_examples))
+    if args.show_examples:
+        print(show_examples(cfg, args.show_examples))
         return
     if args.check:
         preflight(cfg, args.config)
         return
 
     # ---- set-up
+    vl = isinstance(cfg, VLConfig)
     info = cookbook.init_distributed(cfg.train.collective_timeout_s, debug_dir=Path(cfg.output_dir) / "debug")
     log = cookbook.get_logger()
     out_dir = Path(cfg.output_dir)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
-    pad_id = sft.pad_token_id(tokenizer)
-    # Packing: rows of exactly max_length tokens, documents separated by position ids.
-    train_rows, eval_rows, stats = sft.training_rows(cfg.data, tokenizer, cfg.train.seed)
-    sampler = DistributedSampler(train_rows, num_replicas=info.world_size, rank=info.rank, shuffle=True,
+    rows = vl_rows(cfg, info) if vl else text_rows(cfg, info)
+    pad_id = rows.pad_id
+    sampler = DistributedSampler(rows.train, num_replicas=info.world_size, rank=info.rank, shuffle=True,
                                  seed=cfg.train.seed, drop_last=True)
-    loader_kw = dict(collate_fn=partial(sft.collate, pad_id=pad_id, cu_seq_lens=False),  # sdpa: no varlen offsets
-                     num_workers=cfg.data.num_workers, pin_memory=info.device.type == "cuda")
-    train_loader = StatefulDataLoader(train_rows, batch_size=cfg.train.micro_batch_size, sampler=sampler, drop_last=True, **loader_kw)
-    eval_loader = StatefulDataLoader(sft.shard_for_eval(eval_rows, info.rank, info.world_size),
-                                     batch_size=cfg.train.micro_batch_size, **loader_kw)
+    loader_kw = dict(collate_fn=rows.collate, num_workers=cfg.data.num_workers, pin_memory=info.device.type == "cuda")
+    train_loader = StatefulDataLoader(rows.train, batch_size=cfg.train.micro_batch_size, sampler=sampler, drop_last=True, **loader_kw)
+    eval_loader = StatefulDataLoader(rows.eval, batch_size=cfg.train.micro_batch_size, **loader_kw)
     steps_per_epoch = len(train_loader) // cfg.train.grad_accum_steps
     if steps_per_epoch == 0:
-        raise ConfigError(f"{len(train_rows)} training rows are too few for one step of {cfg.train.micro_batch_size} x "
+        raise ConfigError(f"{len(rows.train)} training rows are too few for one step of {cfg.train.micro_batch_size} x "
                           f"{cfg.train.grad_accum_steps} x {info.world_size} rows")
     max_steps = cfg.train.max_steps if cfg.train.max_steps > 0 else cfg.train.epochs * steps_per_epoch
 
     model, flops, meshes = build_model(cfg, info)
-    router = moe.RouterStats(model)
+    router = RouterStats(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(moe.param_groups_by_mesh(trainable), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
+    optimizer = torch.optim.AdamW(param_groups_by_mesh(trainable), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
                                   weight_decay=cfg.optim.weight_decay, fused=info.device.type == "cuda")
     scheduler = get_scheduler(cfg.optim.scheduler, optimizer, num_warmup_steps=int(cfg.optim.warmup_ratio * max_steps),
                               num_training_steps=max_steps)
-    state, ckpt_state = checkpoint_state(moe.AdapterState(model, optimizer, meshes), scheduler, train_loader, resizable=False)
-    run = start_run(cfg, info, state=state, checkpoint_state=ckpt_state, may_change=MAY_CHANGE, max_steps=max_steps,
-                    experiment="moe-lora-fsdp2-ep", flops=flops,
+    state, ckpt_state = checkpoint_state(AdapterState(model, optimizer, meshes), scheduler, train_loader, resizable=False)
+    run = start_run(cfg, info, state=state, checkpoint_state=ckpt_state, may_change=VL_MAY_CHANGE if vl else MAY_CHANGE,
+                    max_steps=max_steps, experiment="moe-vl-lora-fsdp2-ep" if vl else "moe-lora-fsdp2-ep", flops=flops,
                     final=out_dir / "adapter" if cfg.checkpoint.export_adapter else None, what="adapter")
     if run is None:  # already complete
         cookbook.destroy_distributed()
@@ -227,13 +357,14 @@ def main(argv: list[str]) -> None:
     log.info(f"world size {info.world_size} ({info.backend}) | mesh dp {meshes.dp_ep['dp'].size()} x ep {meshes.ep} | "
              f"{len(router.blocks)} MoE layers x {router.num_experts} experts ({router.num_experts // meshes.ep} per rank) | "
              f"{flops.num_params / 1e6:,.1f} M active non-embedding params | LoRA {n_train:,} trainable params on this rank | "
-             f"{len(train_rows)} train rows | {max_steps} steps | data: {stats.summary()}")
+             + rows.summary.replace("{steps}", str(max_steps)))
+
 
     # ---- train loop
     batches = EpochBatches(train_loader, state, sampler.set_epoch, info.device, metrics=metrics)
     loop = TrainLoop.from_config(cfg, state=state, max_steps=max_steps, metrics=metrics, checkpointer=checkpointer,
                                  checkpoint_state=ckpt_state,
-                                 evaluate=(lambda: moe.evaluate(model, eval_loader, info.device, router)) if eval_rows else None,
+                                 evaluate=(lambda: moe_model.evaluate(model, eval_loader, info.device, router)) if rows.has_eval else None,
                                  log_extra=lambda: router.load_metrics(meshes.ep, info.device))
     with loop:
         for _ in loop.steps():
@@ -246,7 +377,7 @@ def main(argv: list[str]) -> None:
             step_loss, step_aux = torch.zeros((), device=info.device), torch.zeros((), device=info.device)
             for mb, wait in zip(micro_batches, waits):
                 loss_sum = sft.token_loss_sum(model, mb)
-                aux = router.take(moe.token_mask(mb, pad_id)).to(info.device)  # load-balancing loss, padding left out
+                aux = router.take(token_mask(mb, pad_id)).to(info.device)  # load-balancing loss, padding left out
                 loss = loss_sum * info.world_size / global_tokens
                 if cfg.moe.aux_loss_coef > 0:
                     loss = loss + cfg.moe.aux_loss_coef * aux / cfg.train.grad_accum_steps
@@ -255,7 +386,7 @@ def main(argv: list[str]) -> None:
                 step_loss += loss_sum.detach() * info.world_size / global_tokens
                 step_aux += aux.detach() / cfg.train.grad_accum_steps
                 metrics.add(samples=mb["input_ids"].shape[0], tokens=lm.count_tokens(mb, pad_id), data_wait_s=wait)
-            grad_norm = moe.clip_grad_norm(trainable, cfg.optim.max_grad_norm, info.device)  # over both meshes
+            grad_norm = clip_grad_norm(trainable, cfg.optim.max_grad_norm, info.device)  # over both meshes
             if loop.skip_step(grad_norm): continue  # NaN / inf: the run stops, or (train.on_nonfinite=skip) the step is dropped
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
@@ -264,11 +395,12 @@ def main(argv: list[str]) -> None:
 
         # ---- save
         def export():
-            adapter = moe.export_adapter(model, meshes, out_dir / "adapter") if cfg.checkpoint.export_adapter else None
-            merged = (moe.export_merged(AutoModelForCausalLM, cfg.model.name_or_path, adapter, out_dir / "merged", [tokenizer])
+            name = auto_class(cfg).__name__
+            adapter = export_adapter(model, meshes, out_dir / "adapter") if cfg.checkpoint.export_adapter else None
+            merged = (export_merged(auto_class(cfg), cfg.model.name_or_path, adapter, out_dir / "merged", rows.processors)
                       if cfg.checkpoint.export_merged else None)
             return {"adapter_dir": (adapter, "PeftModel.from_pretrained(base_model, adapter)"),
-                    "merged_dir": (merged, "AutoModelForCausalLM.from_pretrained")}
+                    "merged_dir": (merged, f"{name}.from_pretrained")}
         loop.finish(export=export)
 
     # ---- clean-up

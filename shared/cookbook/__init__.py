@@ -8,11 +8,10 @@
 - `cookbook.progress`: rank 0's progress bar on a terminal (steps, loss, throughput, time left); plain log lines elsewhere.
 - `cookbook.loop`: the bookkeeping around a recipe's own step body: step counting, metric windows, eval and checkpoint cadence, stop and resume, the final eval, export and summary.
 - `cookbook.sft`: supervised fine-tuning of language models: chat / Alpaca / ShareGPT data, packing, collate, token-level loss.
-- `cookbook.moe`: mixture-of-experts LoRA with FSDP2 and expert parallelism: all-to-all dispatch, expert split, router statistics, adapter checkpoints and export.
 - `cookbook.entry`: ``run_main``, the end of every recipe's ``train.py``: errors from whichever rank found them, exit statuses, an exit that cannot hang.
 - `cookbook.torchrun`: ``python -m cookbook.torchrun``, torchrun with a one-line failure report.
 - `cookbook.hub`: a model's local folder from a path or a Hugging Face Hub id (through the hub cache), offline at once when the hub cannot be reached, the push of the final export (``checkpoint.push_to_hub``).
-- `cookbook.lm`: causal-LM model helpers: real-token counts, world-size-independent init of FSDP2 shards.
+- `cookbook.lm`: causal-LM model helpers: real-token counts, world-size-independent init of FSDP2 shards, activation checkpointing of chosen modules.
 - `cookbook.tabular`: CSV / TSV / JSON(L) / parquet rows with their file and 1-based line, BOMs, CRLF and `3.0` integers accepted.
 - `cookbook.hf_trainer`: Hugging Face Trainer / TRL callbacks (metrics windows, published checkpoints, stop-at-step, preemption, non-finite steps, stalls, failed saves), DeepSpeed JSON checks, export.
 - `cookbook.builds`: a package built for another torch (PyPI's torchvision beside a CPU torch) is one line naming the build to install, in every recipe (``import cookbook`` first).

@@ -1,11 +1,13 @@
 """Model-side helpers of the causal language model recipes: real-token counts of a batch, random
 initialisation of FSDP2-sharded models that does not depend on the sharding, and attention
-implementations that cannot train where the run is.
+implementations that cannot train where the run is, and activation checkpointing of chosen modules
+(`checkpoint_modules`).
 """
 
 from __future__ import annotations
 
 import hashlib
+from functools import partial
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -113,3 +115,25 @@ def check_attention(attn_implementation: str, on_cpu: bool) -> None:
                           "no CPU backward): use sdpa (or eager) on CPU; flex_attention needs CUDA GPUs")
 
 
+def _checkpointed(forward, *args, **kwargs):
+    """`forward` under non-reentrant activation checkpointing when autograd records (training), else plainly.
+    Early stop is off so that a recompute runs every collective of the forward (EP all-to-all) on every rank."""
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    with set_checkpoint_early_stop(False):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def checkpoint_modules(modules) -> int:
+    """Recompute each module of `modules` in backward instead of keeping its activations (non-reentrant
+    activation checkpointing, early stop off), by wrapping its ``forward`` in place: names and parameters stay.
+
+    Returns:
+        The number of modules wrapped.
+    """
+    modules = list(modules)
+    for module in modules:
+        module.forward = partial(_checkpointed, module.forward)
+    return len(modules)

@@ -800,7 +800,7 @@ def checkpoint_state(app: Any, scheduler: Any, train_loader: Any, *,
 
     Args:
         app: the model and optimizer as one stateful object (`cookbook.checkpoint.ModelOptimizerState`, or the
-            recipe's own, e.g. `cookbook.moe.AdapterState`), saved as ``app``.
+            recipe's own, e.g. the MoE recipe's `AdapterState`), saved as ``app``.
         scheduler: the learning-rate scheduler, saved as ``scheduler``.
         train_loader: the training ``StatefulDataLoader``; its workers' state and the RNG states are saved per rank
             as ``rank_local`` (restored at the same world size only).

@@ -12,7 +12,7 @@ whole model, as transformers' ``from_pretrained`` would make it do first::
 
 Modules that keep only part of a checkpoint tensor along its first axis (expert parallelism: a slice of
 the experts) say where their part starts with an integer attribute ``checkpoint_offset``
-(`cookbook.moe.split_experts` sets it); their 3-D parameters are read from that row on.
+(the MoE recipe's `split_experts` sets it); their 3-D parameters are read from that row on.
 """
 
 from __future__ import annotations
