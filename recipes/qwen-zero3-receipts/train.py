@@ -62,6 +62,7 @@ import cookbook  # first: a package built for another torch is one line (cookboo
 import torch
 from transformers import AutoConfig, AutoTokenizer
 from transformers import logging as hf_logging
+from trl import SFTTrainer  # does not import DeepSpeed: init_deepspeed still comes first
 
 from cookbook import hf_trainer, sft
 from cookbook.checkpoint import CheckpointError, ResumeGuard, read_meta
@@ -500,6 +501,46 @@ def main(argv: list[str]) -> None:
     train(cfg, on_cpu)
 
 
+class ReceiptTrainer(hf_trainer.ReportSaveErrors, hf_trainer.WholeEpochs, hf_trainer.CountBatches, SFTTrainer):
+    """SFTTrainer that reports a failed save in one line (`hf_trainer.ReportSaveErrors`), counts each
+    micro-batch for the metrics (`hf_trainer.CountBatches`) and evaluates the loss per label token over
+    exactly the validation rows (`evaluate`): `val_rows` (tokenized rows, the whole split on every rank), sharded
+    by `info` (this process's `cookbook.DistInfo`)."""
+
+    def __init__(self, *args, val_rows: list[dict], info, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.val_rows, self.info = val_rows, info
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
+        """Loss and next-token accuracy per label token over the validation rows, each counted once.
+
+        Replaces the Trainer's loop, which pads the last rank's share with duplicate rows and averages
+        per-batch means weighted by rows. Here each rank takes every world_size-th row
+        (`sft.shard_for_eval`: label-free fillers keep the number of forward passes equal, as ZeRO-3
+        gathers parameters collectively), and `sft.evaluate` sums token losses and counts, then one
+        all-reduce gives ``sum of losses / number of label tokens``. Logs ``<prefix>_loss``,
+        ``_mean_token_accuracy`` and ``_tokens`` and calls the callbacks' ``on_evaluate`` (the generation eval runs there), as the
+        Trainer's own ``evaluate`` does.
+        """
+        if eval_dataset is not None:
+            raise ValueError("ReceiptTrainer.evaluate scores the validation split given at construction")
+        model = self.model_wrapped
+        was_training = model.training
+        model.eval()  # until self.log below (sft.evaluate leaves the mode it finds)
+        start = time.perf_counter()
+        rows = sft.shard_for_eval(self.val_rows, self.info.rank, self.info.world_size)
+        size = self.args.per_device_eval_batch_size
+        batches = (self._prepare_inputs(self.data_collator(rows[i:i + size])) for i in range(0, len(rows), size))
+        result = sft.evaluate(model, batches, self.info.device, context=self.compute_loss_context_manager, accuracy=True)
+        out = {f"{metric_key_prefix}_{k}": v for k, v in result.items()}  # loss, tokens, mean_token_accuracy
+        out[f"{metric_key_prefix}_runtime"] = round(time.perf_counter() - start, 4)
+        self.log(out)  # while the model is in eval mode: TRL adds no training metrics to these logs
+        if was_training:
+            model.train()
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, out)
+        return out
+
+
 def train(cfg: Config, on_cpu: bool) -> None:
     """Set up model, data and SFTTrainer under DeepSpeed; train; evaluate; export. Run on every rank."""
     import datasets
@@ -510,7 +551,7 @@ def train(cfg: Config, on_cpu: bool) -> None:
 
     # the process group, and DeepSpeed's communication over it
     info = hf_trainer.init_deepspeed(on_cpu, cfg.train.collective_timeout_s, debug_dir=Path(cfg.output_dir) / "debug")
-    from trl import SFTConfig, SFTTrainer
+    from trl import SFTConfig
 
     log = cookbook.get_logger()
     out_dir = Path(cfg.output_dir)
@@ -590,46 +631,13 @@ def train(cfg: Config, on_cpu: bool) -> None:
     # What TrainLoop does when things fail (cookbook.hf_trainer): preemption, non-finite steps, stalls, failed saves.
     callbacks = hf_trainer.RunCallbacks(cfg, root, metrics, pad_id, resume_from, evaluate_more=gen_eval)
 
-    class ReceiptTrainer(hf_trainer.ReportSaveErrors, hf_trainer.WholeEpochs, hf_trainer.CountBatches, SFTTrainer):
-        """SFTTrainer that reports a failed save in one line (`hf_trainer.ReportSaveErrors`), counts each
-        micro-batch for the metrics (`hf_trainer.CountBatches`) and evaluates the loss per label token over
-        exactly the validation rows (`evaluate`)."""
-
-        def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
-            """Loss and next-token accuracy per label token over the validation rows, each counted once.
-
-            Replaces the Trainer's loop, which pads the last rank's share with duplicate rows and averages
-            per-batch means weighted by rows. Here each rank takes every world_size-th row
-            (`sft.shard_for_eval`: label-free fillers keep the number of forward passes equal, as ZeRO-3
-            gathers parameters collectively), and `sft.evaluate` sums token losses and counts, then one
-            all-reduce gives ``sum of losses / number of label tokens``. Logs ``<prefix>_loss``,
-            ``_mean_token_accuracy`` and ``_tokens`` and calls the callbacks' ``on_evaluate`` (the generation eval runs there), as the
-            Trainer's own ``evaluate`` does.
-            """
-            if eval_dataset is not None:
-                raise ValueError("ReceiptTrainer.evaluate scores the validation split given at construction")
-            model = self.model_wrapped
-            was_training = model.training
-            model.eval()  # until self.log below (sft.evaluate leaves the mode it finds)
-            start = time.perf_counter()
-            rows = sft.shard_for_eval(val_rows, info.rank, info.world_size)
-            size = self.args.per_device_eval_batch_size
-            batches = (self._prepare_inputs(self.data_collator(rows[i:i + size])) for i in range(0, len(rows), size))
-            result = sft.evaluate(model, batches, info.device, context=self.compute_loss_context_manager, accuracy=True)
-            out = {f"{metric_key_prefix}_{k}": v for k, v in result.items()}  # loss, tokens, mean_token_accuracy
-            out[f"{metric_key_prefix}_runtime"] = round(time.perf_counter() - start, 4)
-            self.log(out)  # while the model is in eval mode: TRL adds no training metrics to these logs
-            if was_training:
-                model.train()
-            self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, out)
-            return out
-
     trainer = ReceiptTrainer(
         model=model, args=args, processing_class=tokenizer, peft_config=peft_config,
         train_dataset=datasets.Dataset.from_list(train_rows),
         eval_dataset=datasets.Dataset.from_list(val_rows) if val_rows else None,
         data_collator=partial(sft.collate, pad_id=pad_id, cu_seq_lens=False) if cfg.data.packing else None,
         callbacks=callbacks.all,  # in the order RunCallbacks gives them
+        val_rows=val_rows, info=info,
     )
     trainer.remove_callback(PrinterCallback)  # cookbook's MetricsLogger prints the log lines
     n_trainable = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters() if p.requires_grad)
