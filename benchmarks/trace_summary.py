@@ -1,0 +1,66 @@
+"""Where one profiled step's GPU time goes: a torch.profiler Chrome trace (``train.profile_step``'s
+``profile/trace_rank0.json``) summed by kind of kernel, with the GPU's busy and idle time over the step.
+
+    python benchmarks/trace_summary.py outputs/run/profile/trace_rank0.json [--json out.json]
+
+Kinds are matched on kernel names (first match wins; ``other`` for the rest). Times in ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections import defaultdict
+
+KINDS = [  # (kind, pattern on the kernel name)
+    ("matmul", r"gemm|cutlass|nvjet|xmma|sm90_|cublas|wgmma"),
+    ("attention", r"flash|fmha|attention"),
+    ("optimizer", r"adam|multi_tensor|foreach"),
+    ("communication", r"nccl"),
+    ("compiled (triton)", r"^triton_|triton"),
+    ("cross entropy / softmax", r"softmax|cross_entropy|nll|log_softmax"),
+    ("copy / cast", r"copy|cast|cat|convert|memcpy|memset|fill"),
+    ("reduction", r"reduce|norm|sum"),
+    ("elementwise (eager)", r"elementwise|vectorized|unrolled"),
+]
+
+
+def summarize(path: str) -> dict:
+    """{"kinds": {kind: [ms, kernels]}, "busy_ms", "span_ms", "idle_ms"} of the device events in `path`."""
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    kinds: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in kernels:
+        name = e["name"] if e["cat"] == "kernel" else e["cat"]
+        kind = next((k for k, pat in KINDS if re.search(pat, name, re.I)), "other")
+        kinds[kind][0] += e["dur"] / 1e3
+        kinds[kind][1] += 1
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels)
+    busy, end = 0.0, float("-inf")
+    for s, t in spans:  # union of the intervals (kernels on several streams overlap)
+        if t > end:
+            busy += t - max(s, end)
+            end = t
+    span = (spans[-1][1] - spans[0][0]) if spans else 0.0
+    return {"kinds": dict(sorted(kinds.items(), key=lambda kv: -kv[1][0])), "busy_ms": busy / 1e3,
+            "span_ms": span / 1e3, "idle_ms": (span - busy) / 1e3}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("trace")
+    p.add_argument("--json", help="also write the summary here")
+    a = p.parse_args()
+    s = summarize(a.trace)
+    print(f"{a.trace}: span {s['span_ms']:.1f} ms, GPU busy {s['busy_ms']:.1f} ms, idle {s['idle_ms']:.1f} ms")
+    for kind, (ms, n) in s["kinds"].items():
+        print(f"  {kind:26s} {ms:9.1f} ms  {n:6d} kernels")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(s, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
