@@ -262,35 +262,39 @@ def summary(records: list[dict]) -> dict:
 
 
 
-def fit_forked(script: str, config: dict, output_dir: str, cfg, num_workers: int, use_gpu: bool, keep_last: int = 2,
-               announced: str | None = None, stop_key: str | None = None):
-    """`cookbook.ray_train.driver.fit` (same arguments) without Ray, for the driver's and the workers' handling of
-    a run at no Ray start-up (~20 s a fit on 2 cores): the recipe's worker function (the driver's
-    ``_worker_entry``) on `num_workers` gloo workers forked from this process, each in Ray Train's local mode (its
-    ``LocalTrainFnUtils``: ``ray.train.get_context()``'s rank, world size and device, ``prepare_model`` and
-    ``prepare_data_loader`` as in a Ray worker). What Ray's storage and controller do with checkpoints is done
-    here: the folder rank 0 reports is copied to ``<output_dir>/<checkpoint_dir_name>`` and named the newest in
-    Ray's snapshot file (the one the driver's resume reads), and the checkpoint the driver `announced` is what
-    ``ray.train.get_checkpoint()`` hands the workers. Returns a ``ray.train.Result`` whose ``return_value`` is
-    rank 0's and whose ``metrics`` and ``checkpoint`` are the newest checkpoint's, as Ray's.
+class LocalTorchTrainer:
+    """``ray.train.torch.TorchTrainer`` (the arguments the recipes give it) without Ray, for the driver's and the
+    workers' handling of a run at no Ray start-up (~20 s a fit on 2 cores): `fit` runs the worker function
+    (``ray_train.worker_entry``) on ``scaling_config.num_workers`` gloo workers forked from this process, each in
+    Ray Train's local mode (its ``LocalTrainFnUtils``: ``ray.train.get_context()``'s rank, world size and device,
+    ``prepare_model`` and ``prepare_data_loader`` as in a Ray worker). What Ray's storage and controller do with
+    checkpoints is done here: the folder rank 0 reports is copied to ``<output_dir>/<checkpoint_dir_name>`` and
+    named the newest in Ray's snapshot file (the one the driver's resume reads), and the checkpoint the driver
+    announced is what ``ray.train.get_checkpoint()`` hands the workers. `fit` returns a ``ray.train.Result`` whose
+    ``return_value`` is rank 0's and whose ``metrics`` and ``checkpoint`` are the newest checkpoint's, as Ray's.
 
-    Not covered: Ray's restarts (``ray.max_failures``), ``keep_last``, stop requests (`stop_key`)."""
-    import cookbook
+    Not covered: Ray's restarts (``failure_config``), ``checkpoint_config.num_to_keep``, stop requests."""
 
-    out = Path(output_dir).expanduser().resolve()
-    loop_config = {"script": str(Path(script).resolve()), "config": dict(config), "announced": announced,
-                   "stop_key": None}  # no Ray key-value store to read a stop request from
-    values = cookbook.distributed(num_processes=num_workers, start_method="fork")(_local_worker).distributed(
-        loop_config, out, announced)
-    return_value, metrics, name = values[0]
-    from ray.train import Checkpoint, Result
+    def __init__(self, train_loop_per_worker, *, train_loop_config: dict, scaling_config, run_config):
+        self.fn, self.num_workers = train_loop_per_worker, scaling_config.num_workers
+        self.loop_config = {**train_loop_config, "stop_key": None}  # no Ray key-value store to read a request from
+        self.out = Path(run_config.storage_path) / run_config.name
 
-    return Result(metrics=metrics, checkpoint=Checkpoint.from_directory(out / name) if name else None, error=None,
-                  path=str(out), return_value=return_value)
+    def fit(self):
+        import cookbook
+
+        announced = self.loop_config["announced"]
+        values = cookbook.distributed(num_processes=self.num_workers, start_method="fork")(_local_worker).distributed(
+            self.fn, self.loop_config, self.out, announced)
+        return_value, metrics, name = values[0]
+        from ray.train import Checkpoint, Result
+
+        return Result(metrics=metrics, checkpoint=Checkpoint.from_directory(self.out / name) if name else None,
+                      error=None, path=str(self.out), return_value=return_value)
 
 
-def _local_worker(loop_config: dict, out: Path, announced: str | None) -> tuple:
-    """One worker of `fit_forked`: ``(return value, the newest checkpoint's metrics, its folder name)``."""
+def _local_worker(fn, loop_config: dict, out: Path, announced: str | None) -> tuple:
+    """One worker of `LocalTorchTrainer.fit`: ``(return value, the newest checkpoint's metrics, its folder name)``."""
     import importlib.metadata
     import logging
     import shutil
@@ -299,7 +303,6 @@ def _local_worker(loop_config: dict, out: Path, announced: str | None) -> tuple:
     from ray.train.v2._internal.execution.train_fn_utils import LocalTrainFnUtils, set_train_fn_utils
 
     from cookbook import get_dist_info
-    from cookbook.ray_train.driver import _worker_entry
 
     class Stored(LocalTrainFnUtils):
         newest, metrics = announced, None
@@ -325,12 +328,14 @@ def _local_worker(loop_config: dict, out: Path, announced: str | None) -> tuple:
     utils = Stored(experiment_name=out.name, world_size=info.world_size, world_rank=info.rank,
                    local_rank=info.local_rank, local_world_size=info.world_size)
     set_train_fn_utils(utils)
-    return _worker_entry(loop_config), utils.metrics, utils.newest
+    return fn(loop_config), utils.metrics, utils.newest
 
 
 def without_ray(monkeypatch) -> None:
-    """Make a recipe's driver (``train.py``'s ``main``, in this process) train through `fit_forked`: no Ray instance
-    is started or joined (2 CPU workers, no shared-storage probe)."""
+    """Make a recipe's driver (``train.py``'s ``main``, in this process) train through `LocalTorchTrainer`: no Ray
+    instance is started or joined (2 CPU workers, no shared-storage probe)."""
+    import ray.train.torch
+
     from cookbook.ray_train import driver
 
     monkeypatch.setenv("COOKBOOK_DEVICE", "cpu")
@@ -339,7 +344,7 @@ def without_ray(monkeypatch) -> None:
     monkeypatch.setattr(driver, "init_ray", lambda cfg, num_workers: None)
     monkeypatch.setattr(driver, "resolve_workers", lambda cfg, nnodes=1: (2, False))
     monkeypatch.setattr(driver, "check_shared_storage", lambda output_dir: None)
-    monkeypatch.setattr(driver, "fit", fit_forked)
+    monkeypatch.setattr(ray.train.torch, "TorchTrainer", LocalTorchTrainer)
 
 
 def floats_in(state) -> list:

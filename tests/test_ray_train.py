@@ -20,7 +20,7 @@ from conftest import ROOT
 
 from cookbook import ray_train
 from cookbook.checkpoint import CheckpointError
-from cookbook.ray_train.driver import _SNAPSHOT_FILE, _check_resume, _RayCheckpoints, _worker_entry
+from cookbook.ray_train.driver import _SNAPSHOT_FILE, _check_resume, _RayCheckpoints, worker_entry
 from cookbook.ray_train import worker
 from cookbook.ray_train.worker import _STATE_FILE, _check_announced, rng_state, set_rng_state
 
@@ -128,7 +128,7 @@ def test_a_recipe_exception_leaves_the_worker_as_an_importable_error(tmp_path):
     script.write_text("class DataError(ValueError):\n    pass\n\n"
                       "def train_loop(config):\n    raise DataError(f\"cannot decode {config['file']}\")\n")
     with pytest.raises(ray_train.RecipeError) as err:
-        _worker_entry({"script": str(script), "config": {"file": "x.jpg"}})
+        worker_entry({"script": str(script), "config": {"file": "x.jpg"}})
     assert str(err.value) == "DataError: cannot decode x.jpg"
     # Ray's controller and the driver unpickle it without the recipe module:
     code = "import pickle, sys; e = pickle.loads(sys.stdin.buffer.read()); print(type(e).__name__, e)"
@@ -137,7 +137,7 @@ def test_a_recipe_exception_leaves_the_worker_as_an_importable_error(tmp_path):
     assert out.stdout.decode().strip() == "RecipeError DataError: cannot decode x.jpg", out.stderr.decode()
     script.write_text("def train_loop(config):\n    raise KeyError('other errors pass unchanged')\n")
     with pytest.raises(KeyError):
-        _worker_entry({"script": str(script), "config": {}})
+        worker_entry({"script": str(script), "config": {}})
 
 
 DRIVER = """

@@ -195,7 +195,9 @@ def train_loop(config_dict: dict) -> None:
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
-            run.end_step(step_loss, lr=lr, grad_norm=grad_norm)
+            if run.end_step(step_loss, lr=lr, grad_norm=grad_norm):  # every checkpoint.every_steps, at the stop point
+                with run.checkpoint() as saved:  # state.pt + meta.json on rank 0, in a temporary folder
+                    ray.train.report(**saved)  # every worker; Ray registers checkpoint_step_<n> once all have reported
 
         # ---- save: final evaluation, Hugging Face export (Ray Train destroys the process group)
         def export() -> dict:
@@ -228,8 +230,22 @@ def main(argv: list[str]) -> None:
         print(f"config OK: {args.config} ({data_note})")
         return
     total = cfg.train.max_steps if cfg.train.max_steps > 0 else None  # else the data decides, in the workers
-    if not driver.already_complete(total, {"model": Path(cfg.output_dir) / "final"}):
-        driver.run(__file__)
+    if driver.already_complete(total, {"model": Path(cfg.output_dir) / "final"}):
+        return
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    out = Path(cfg.output_dir).expanduser().resolve()
+    with driver.started():  # Ray started or joined, the worker group sized; SIGTERM / SIGUSR1: a stop request
+        trainer = TorchTrainer(
+            ray_train.worker_entry,  # in each worker: imports this file, runs train_loop(train_loop_config["config"])
+            train_loop_config=driver.loop_config(__file__),
+            scaling_config=ScalingConfig(num_workers=driver.workers, use_gpu=driver.use_gpu,  # one DDP process per GPU
+                                         resources_per_worker=driver.resources_per_worker),
+            run_config=RunConfig(name=out.name, storage_path=str(out.parent),  # output_dir is Ray's run folder
+                                 failure_config=FailureConfig(max_failures=cfg.ray.max_failures),  # restarts
+                                 checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep_last or None)))
+        driver.finish(trainer.fit())
 
 
 if __name__ == "__main__":

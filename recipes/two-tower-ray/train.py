@@ -368,6 +368,8 @@ def train_loop(config_dict: dict) -> None:
                 optimizer.zero_grad(set_to_none=True)
                 run.end_step(loss, lr=cfg.optim.lr, grad_norm=grad_norm)
             run.end_epoch(lambda: recall_at_k(inner, data, cfg.train.recall_k, info.rank, info.world_size, info.device))
+            with run.checkpoint() as saved:  # state.pt + meta.json on rank 0 (also mid-epoch, after a stop request)
+                ray.train.report(**saved)  # every worker; Ray registers checkpoint_epoch_<n> once all have reported
 
         # ---- summary (Ray Train destroys the process group)
         run.finish(inner)
@@ -387,8 +389,22 @@ def main(argv: list[str]) -> None:
         print(f"config OK: {args.config} ({data.num_users} users, {data.num_items} items, {len(data.train_users)} train "
               f"interactions, {len(data.eval_users)} held out)")
         return
-    if not driver.already_complete(cfg.train.epochs):
-        driver.run(__file__)
+    if driver.already_complete(cfg.train.epochs):
+        return
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    out = Path(cfg.output_dir).expanduser().resolve()
+    with driver.started():  # Ray started or joined, the worker group sized; SIGTERM / SIGUSR1: a stop request
+        trainer = TorchTrainer(
+            ray_train.worker_entry,  # in each worker: imports this file, runs train_loop(train_loop_config["config"])
+            train_loop_config=driver.loop_config(__file__),
+            scaling_config=ScalingConfig(num_workers=driver.workers, use_gpu=driver.use_gpu,  # one DDP process per GPU
+                                         resources_per_worker=driver.resources_per_worker),
+            run_config=RunConfig(name=out.name, storage_path=str(out.parent),  # output_dir is Ray's run folder
+                                 failure_config=FailureConfig(max_failures=cfg.ray.max_failures),  # restarts
+                                 checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep_last or None)))
+        driver.finish(trainer.fit())
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ long as it lives, so the kernel releases it when the launcher ends in any way, S
 
 The check (``train.py --check``) writes the resolved ``output_dir`` to the file ``COOKBOOK_OUTPUT_DIR_FILE`` names
 (`cookbook.config.check_run`), and `cookbook.launch` `acquire`s the lock before any worker starts; a Ray driver
-holds it while it runs (`cookbook.ray_train.RayDriver.run`). A second run on the same folder is refused in one line
+holds it while it runs (`cookbook.ray_train.RayDriver.started`). A second run on the same folder is refused in one line
 naming the holder's host and pid.
 
 A finished run leaves ``<output_dir>/complete.json`` (`mark_complete`: its settings, its outputs and the "already

@@ -1,22 +1,14 @@
-"""Ray Train plumbing shared by the Ray recipes (https://docs.ray.io/en/latest/train/train.html).
+"""What the Ray recipes share around Ray Train (https://docs.ray.io/en/latest/train/train.html); each recipe's
+``train.py`` builds its own ``TorchTrainer`` and reports to Ray with ``ray.train.report``.
 
-A Ray recipe's ``train.py`` has two halves, and so has this package:
-
-- the driver (``python train.py``, `cookbook.ray_train.driver`): `RayDriver` checks the config's
-  output folder, the resume and the worker count before Ray starts, then runs the recipe's
-  ``train_loop`` with ``TorchTrainer`` (one DDP process per GPU) on a local Ray instance or the
-  cluster at ``RAY_ADDRESS``;
-- the workers (``train_loop(config)``, `cookbook.ray_train.worker`): `config_from_dict`, `worker_info`,
-  and `WorkerRun`, the bookkeeping around the recipe's step body (resume, metrics, checkpoints through
-  ``ray.train.report``, summary).
-
-``python -m cookbook.ray_train.launch train.py --config ...`` (`cookbook.ray_train.launch`, what each
-``launch.sh`` runs) starts the driver on one node, bootstraps a cluster of several, or joins one.
-An exception of a class defined in the recipe reaches the driver as `RecipeError`.
-
-Faults: a re-run resumes from the newest checkpoint Ray registered (the driver names it, the workers
-check it); ``ray.max_failures`` restarts the worker group from it when a worker dies; SIGTERM or SIGUSR1
-to the driver stops every worker after the same step with a checkpoint, and the driver exits 75.
+- the driver (``python train.py``, `cookbook.ray_train.driver`): `RayDriver`, the checks before Ray starts
+  (output folder, resume, worker count), ``with driver.started():`` (Ray started or joined, the worker group
+  sized, SIGTERM / SIGUSR1 turned into a stop request) and `RayDriver.finish` (how the run ended);
+- the workers (`cookbook.ray_train.worker`): `worker_entry` (imports the recipe and calls its ``train_loop``),
+  `config_from_dict`, `worker_info` and `WorkerRun`, the bookkeeping around the step body (resume, metrics,
+  the checkpoint the recipe hands to ``ray.train.report``, summary);
+- ``python -m cookbook.ray_train.launch`` (what each ``launch.sh`` runs): one node, a cluster it bootstraps, or
+  ``RAY_ADDRESS``.
 """
 
 from cookbook.ray_train.driver import (
@@ -29,12 +21,12 @@ from cookbook.ray_train.driver import (
     RecipeError,
     check_output_dir,
     check_shared_storage,
-    fit,
     init_ray,
     plan_workers,
     resolve_workers,
+    worker_entry,
 )
-from cookbook.ray_train.worker import WorkerRun, config_from_dict, load_checkpoint, report, worker_info, worker_summary
+from cookbook.ray_train.worker import WorkerRun, config_from_dict, load_checkpoint, worker_info, worker_summary
 
 __all__ = [
     "EPOCH_MAY_CHANGE",
@@ -48,12 +40,11 @@ __all__ = [
     "check_output_dir",
     "check_shared_storage",
     "config_from_dict",
-    "fit",
     "init_ray",
     "load_checkpoint",
     "plan_workers",
-    "report",
     "resolve_workers",
+    "worker_entry",
     "worker_info",
     "worker_summary",
 ]

@@ -1,33 +1,22 @@
-"""The driver side of a Ray recipe: what ``python train.py`` does before and around Ray Train.
+"""The driver side of a Ray recipe: the checks before Ray starts and the bookkeeping around the recipe's
+``TorchTrainer(...).fit()``.
 
-`RayDriver` holds a recipe driver's work in three calls: constructing it checks, before Ray starts,
-the output folder (`check_output_dir`), the resume (cookbook's `ResumeGuard` over Ray's checkpoint
-folders) and the worker count planned on this machine (`plan_workers`); `RayDriver.already_complete`
-says when a re-run has nothing left to do; `RayDriver.run` starts or joins Ray (`init_ray`), sizes the
-worker group on the running cluster (`resolve_workers`), checks that every node sees the storage
-(`check_shared_storage`) and trains (`fit`: ``TorchTrainer``, one DDP process per GPU).
+`RayDriver(cfg, ...)` checks the output folder (`check_output_dir`), the resume (cookbook's `ResumeGuard` over
+Ray's checkpoint folders) and the worker count on this machine (`plan_workers`); `already_complete` says when a
+re-run has nothing left to do; ``with driver.started():`` starts or joins Ray and sizes the worker group, and the
+recipe builds its ``TorchTrainer`` there from `RayDriver.loop_config`, ``workers``, ``use_gpu`` and
+``resources_per_worker``; `RayDriver.finish` reads the ``Result``.
 
-Layout: ``output_dir`` is Ray's run folder (``storage_path`` = its parent, ``name`` = its last part),
-so checkpoints (``checkpoint_epoch_<n>/`` or ``checkpoint_step_<n>/``: ``state.pt`` and ``meta.json``),
-``metrics.jsonl`` and the MLflow store sit side by side. With several nodes it must be on storage every
-node mounts. A re-run with the same ``output_dir`` resumes from the newest checkpoint Ray registered
-(its snapshot file), the one ``ray.train.get_checkpoint()`` gives the workers; the driver names that one
-(``resuming from ...``), and the workers check that they got it.
-
-Preemption: SIGTERM or SIGUSR1 to the driver (``launch.sh`` passes SIGTERM on; a scheduler's stop, Slurm's
-``--signal`` warning) asks the workers to stop (`request_stop`); every worker stops after the same step,
-saves a checkpoint there, and the driver exits 75 (`cookbook.entry.EXIT_PREEMPTED`); the same command
-resumes with no step lost. A second signal ends the driver at once.
-
-Divergence: a step whose gradient norm (or loss) is NaN or infinite with ``train.on_nonfinite=stop`` (or one
-more than ``train.max_consecutive_skips`` skipped in a row) stops every worker before its update
-(`cookbook.ray_train.WorkerRun.skip_step`); the workers end normally and hand the message to the driver (so Ray
-does not restart them for ``ray.max_failures``: the same step would diverge again), which raises it as
-`cookbook.loop.NonFiniteError`: one line naming the step and the newest checkpoint, exit status 4.
+``output_dir`` is Ray's run folder (``RunConfig(storage_path=<its parent>, name=<its last part>)``), so checkpoints
+(``checkpoint_epoch_<n>/`` or ``checkpoint_step_<n>/``: ``state.pt``, ``meta.json``), ``metrics.jsonl`` and MLflow
+sit side by side; a re-run resumes from the newest checkpoint Ray registered (the driver names it). SIGTERM or
+SIGUSR1 stops every worker after the same step with a checkpoint (exit 75); a non-finite step that stops the run is
+returned by the workers (Ray does not restart them for it) and raised here as `cookbook.loop.NonFiniteError` (exit 4).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -38,7 +27,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 
@@ -112,7 +101,7 @@ class RecipeError(RuntimeError):
 
 # ----------------------------------------------------------------------------- the driver of a recipe
 class RayDriver:
-    """A Ray recipe's driver: the checks before Ray starts, then the run.
+    """A Ray recipe's driver: the checks before Ray starts, then the bookkeeping around ``TorchTrainer.fit``.
 
     Args:
         cfg: the recipe's config dataclass: ``output_dir``, ``ray`` (`RayConfig`), ``checkpoint.keep_last``.
@@ -124,7 +113,7 @@ class RayDriver:
         nnodes: ``COOKBOOK_NNODES`` (launch.sh's NNODES).
         resume: the checkpoint a run resumes from, or ``None``; ``meta``: its ``meta.json``.
         workers, use_gpu: as planned on this machine; ``None`` when joining ``RAY_ADDRESS`` or on
-            several nodes (only the cluster knows its size).
+            several nodes (only the cluster knows its size); inside `started`, the worker group's.
 
     Raises:
         ConfigError: see `check_output_dir` and `plan_workers`; a bad ``train.on_nonfinite`` or
@@ -170,46 +159,54 @@ class RayDriver:
         print(self.guard.already_complete(done, total, self.unit, where), file=sys.stderr)
         return True
 
-    def run(self, script: str) -> Any:
-        """Start or join Ray (`init_ray`), size the worker group (`resolve_workers`), check the worker count
-        against the checkpoint and the storage (`check_shared_storage`), train (`fit`) and say where the
-        results are; returns Ray's ``Result``.
+    @contextlib.contextmanager
+    def started(self) -> Iterator[RayDriver]:
+        """The recipe's ``TorchTrainer(...).fit()`` goes in this block. It holds the lock of ``output_dir`` (one run
+        per folder, `cookbook.run_lock`), starts or joins Ray (`init_ray`), sizes the worker group on the cluster
+        (`resolve_workers`: `workers`, `use_gpu`), checks that count against the checkpoint and the storage
+        (`check_shared_storage`), and turns SIGTERM / SIGUSR1 into a stop request to the workers (`loop_config`'s
+        ``stop_key``; a second signal ends the driver at once)."""
+        lock = run_lock.acquire(self.cfg.output_dir, os.environ.get("NODE_RANK", "0"))
+        try:
+            init_ray(self.cfg.ray, self.workers or 0)
+            self.workers, self.use_gpu = resolve_workers(self.cfg.ray, self.nnodes)
+            if self.resume is not None:
+                self.guard.check_world_size(self.resume, self.meta, self.workers)
+            check_shared_storage(self.cfg.output_dir)
+            with _StopOnSignal() as self._stop:
+                yield self
+        finally:
+            os.close(lock)
 
-        Args:
-            script: the recipe's ``train.py`` (``__file__``), which defines ``train_loop(config)``.
+    def loop_config(self, script: str) -> dict[str, Any]:
+        """``train_loop_config`` for `worker_entry`: the recipe file `script` (``__file__``, at the same path on every
+        node), the config as a plain dict, the checkpoint announced (``resuming from ...``) and the stop key."""
+        return {"script": str(Path(script).resolve()), "config": to_dict(self.cfg), "stop_key": self._stop.key,
+                "announced": self.resume.name if self.resume is not None else None}
+
+    @property
+    def resources_per_worker(self) -> dict[str, float]:
+        """``ScalingConfig.resources_per_worker``: ``ray.cpus_per_worker`` CPUs, and a GPU when the workers use GPUs."""
+        return {"CPU": self.cfg.ray.cpus_per_worker, **({"GPU": 1} if self.use_gpu else {})}
+
+    def finish(self, result: Any) -> Any:
+        """Say how the run ended (stderr) and return Ray's ``Result``.
 
         Raises:
             NonFiniteError: the workers stopped at a non-finite step (`cookbook.ray_train.WorkerRun.skip_step`);
                 its message names the step and the newest checkpoint (`cookbook.run_main`: one line, exit 4).
             Preempted: the workers stopped on SIGTERM / SIGUSR1 after a checkpoint (exit 75).
         """
-        cfg = self.cfg
-        lock = run_lock.acquire(cfg.output_dir, os.environ.get("NODE_RANK", "0"))  # one run per output_dir
-        try:
-            return self._run(script)
-        finally:
-            os.close(lock)
-
-    def _run(self, script: str) -> Any:
-        cfg = self.cfg
-        init_ray(cfg.ray, self.workers or 0)
-        num_workers, use_gpu = resolve_workers(cfg.ray, self.nnodes)
-        if self.resume is not None:
-            self.guard.check_world_size(self.resume, self.meta, num_workers)
-        check_shared_storage(cfg.output_dir)
-        with _StopOnSignal() as stop:
-            result = fit(script, to_dict(cfg), cfg.output_dir, cfg.ray, num_workers, use_gpu, cfg.checkpoint.keep_last,
-                         announced=self.resume.name if self.resume is not None else None, stop_key=stop.key)
         diverged = result.return_value.get(DIVERGED) if isinstance(result.return_value, dict) else None
         if diverged:
             raise NonFiniteError(diverged)
         checkpoint = result.checkpoint.path if result.checkpoint else None
-        if stop.signum is not None and (result.metrics or {}).get("preempted"):
-            print(f"preempted ({signal.Signals(stop.signum).name}): every worker stopped after step "
+        if self._stop.signum is not None and (result.metrics or {}).get("preempted"):
+            print(f"preempted ({signal.Signals(self._stop.signum).name}): every worker stopped after step "
                   f"{result.metrics.get('step')}{f' and saved {checkpoint}' if checkpoint else ''}; run the same "
                   f"command again to continue (exit status {EXIT_PREEMPTED})", file=sys.stderr)
             raise Preempted(EXIT_PREEMPTED)
-        print(f"done: {result.metrics} | checkpoint {checkpoint} | metrics {Path(cfg.output_dir) / 'metrics.jsonl'}",
+        print(f"done: {result.metrics} | checkpoint {checkpoint} | metrics {Path(self.cfg.output_dir) / 'metrics.jsonl'}",
               file=sys.stderr)
         return result
 
@@ -259,7 +256,7 @@ class _StopOnSignal:
 
 
 def request_stop(key: str) -> None:
-    """Ask the workers of the run that got `key` (`fit`'s ``stop_key``) to stop after their next step and save a
+    """Ask the workers of the run that got `key` (`RayDriver.loop_config`'s ``stop_key``) to stop after their next step and save a
     checkpoint there (`cookbook.ray_train.WorkerRun`): sets `key` in Ray's key-value store, which rank 0 reads
     (`cookbook.ray_train.worker.stop_requested`). Needs Ray connected (``ray.init``)."""
     from ray.experimental.internal_kv import _internal_kv_put
@@ -481,7 +478,7 @@ def check_shared_storage(output_dir: str) -> None:
                           f"Checkpoints must be on storage every node mounts (NFS, Lustre, a mounted bucket)")
 
 
-def _worker_entry(loop_config: dict) -> dict[str, str] | None:
+def worker_entry(loop_config: dict) -> dict[str, str] | None:
     """Import the recipe's train.py by path in the worker and call its ``train_loop(config)``; returns
     ``{DIVERGED: message}`` when it stopped at a non-finite step (`NonFiniteError`, raised alike on every
     worker), else ``None``. The divergence is returned, not raised, so that Ray does not restart the workers
@@ -514,34 +511,3 @@ def _worker_entry(loop_config: dict) -> dict[str, str] | None:
             raise
         raise RecipeError(f"{type(exc).__name__}: {exc}") from None
     return None
-
-
-def fit(script: str, config: Mapping[str, Any], output_dir: str, cfg: RayConfig, num_workers: int,
-        use_gpu: bool, keep_last: int = 2, announced: str | None = None, stop_key: str | None = None) -> Any:
-    """Run the function ``train_loop(config)`` of the recipe file `script` on `num_workers` Ray Train
-    workers with DDP; returns the ``Result``. `script` must exist at the same path on every node;
-    `config` is the run's config as a plain dict (rebuild it with `config_from_dict`).
-
-    ``output_dir`` is the run folder (see the module docstring); a second call with the same one
-    resumes from its newest registered checkpoint, whose folder name the driver passes as `announced`
-    (the workers refuse to start from an older state). A worker that dies (its process killed, its node
-    lost) or raises stops the group; Ray then restarts the whole group from the newest checkpoint it
-    registered, at most ``cfg.max_failures`` times, and raises the training error after that.
-    `keep_last` newest checkpoints are kept (0: all). `stop_key`: the key `request_stop` sets to stop the
-    workers early, after a checkpoint (``None``: no such request is read).
-    """
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
-    out = Path(output_dir).expanduser().resolve()  # Ray's run folder is output_dir itself
-    trainer = TorchTrainer(
-        _worker_entry,
-        train_loop_config={"script": str(Path(script).resolve()), "config": dict(config), "announced": announced,
-                           "stop_key": stop_key},
-        scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu,
-                                     resources_per_worker={"CPU": cfg.cpus_per_worker, **({"GPU": 1} if use_gpu else {})}),
-        run_config=RunConfig(name=out.name, storage_path=str(out.parent),
-                             failure_config=FailureConfig(max_failures=cfg.max_failures),
-                             checkpoint_config=CheckpointConfig(num_to_keep=keep_last or None)),
-    )
-    return trainer.fit()

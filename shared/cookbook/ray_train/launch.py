@@ -45,7 +45,7 @@ def _run_forwarding_signals(cmd: list[str], env: dict[str, str] | None = None) -
     """Run `cmd` and return its exit status; SIGINT, SIGTERM and SIGUSR1 sent to this process are passed
     on to it, and this process waits for it to finish (on SIGINT a Ray driver aborts its run gracefully;
     on SIGTERM or SIGUSR1 a cookbook driver has every worker stop after its next step and save a
-    checkpoint, and exits 75: `cookbook.ray_train.RayDriver.run`).
+    checkpoint, and exits 75: `cookbook.ray_train.RayDriver.started`).
 
     The child gets its own session, so a Ctrl-C in the terminal reaches it once, through this
     process, rather than twice (Ray's driver aborts at once on a second SIGINT).

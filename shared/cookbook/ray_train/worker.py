@@ -1,44 +1,31 @@
-"""The worker side of a Ray recipe: what every Ray Train worker runs around the recipe's step body.
+"""The worker side of a Ray recipe: the bookkeeping every Ray Train worker runs around the recipe's step body.
 
-`worker_info` gives the same `DistInfo` torchrun recipes get (and rank-0-only logging);
-`config_from_dict` rebuilds the recipe's config from the plain dict the driver sent. `WorkerRun` is
-the bookkeeping of a worker's training run, written once: it resumes the model, optimizer and
-scheduler from the newest checkpoint (`load_checkpoint`), writes the config and opens the metrics
-(`cookbook.metrics.MetricsLogger`), keeps the metric window of the log lines, checkpoints each epoch
-or every ``checkpoint.every_steps`` steps through Ray (`report`), stops at ``train.stop_at_epoch`` /
-``train.stop_at_step`` and writes the summary with what every worker did (`worker_summary`). Its
-interface is `cookbook.loop.TrainLoop`'s (the torchrun recipes' loop), with Ray Train's checkpoints and
-runs counted in epochs:
+`worker_entry` (in `cookbook.ray_train.driver`) imports the recipe and calls its ``train_loop(config)``;
+`config_from_dict` rebuilds the config there, `worker_info` gives the `DistInfo` torchrun recipes get. `WorkerRun`
+resumes from the checkpoint Ray hands the worker (`load_checkpoint`), keeps the metrics and the log window, stops
+at ``train.stop_at_epoch`` / ``train.stop_at_step`` or on the driver's stop request, checks each step with the
+torchrun loop's non-finite policy (`cookbook.loop.NonFinitePolicy`) and writes the summary (`worker_summary`):
 
 .. code-block:: python
 
-    run = ray_train.WorkerRun(cfg, info, "two-tower-ray", {"model": inner, "optimizer": optimizer},
-                              max_steps=max_steps, steps_per_epoch=len(loader),
-                              stop_at=("train.stop_at_epoch", cfg.train.stop_at_epoch))
     with run:                                   # closes the metrics: FINISHED, KILLED (stopped) or FAILED
         for epoch in run.epochs():              # from the resumed epoch to the stop point (or run.steps())
-            loader.sampler.set_epoch(epoch)
             for batch, wait in run.timed(loader):
-                ...                             # the step body; run.metrics.add(samples, tokens, wait)
-                run.end_step(loss, lr=lr)       # the log window
-            run.end_epoch(evaluate)             # evaluation, then a checkpoint through ray.train.report
+                ...                             # the step body; if run.skip_step(grad_norm): continue
+                run.end_step(loss, lr=lr)       # the log window (runs in steps: True when a checkpoint is due)
+            run.end_epoch(evaluate)
+            with run.checkpoint() as saved:     # state.pt + meta.json (rank 0), in a temporary folder
+                ray.train.report(**saved)       # Ray copies it to <output_dir>/checkpoint_epoch_<n>
         run.finish(inner)                       # summary record, or how to continue a stopped run
 
-Each step is checked before its update with ``run.skip_step(grad_norm)``, the torchrun loop's non-finite
-policy (`cookbook.loop.NonFinitePolicy`): ``train.on_nonfinite=stop`` ends the run (the driver exits 4),
-``skip`` drops the step (in an epoch run its batch is dropped and the epoch goes on with the next) and puts the
-model's BatchNorm statistics back as they were before it. A checkpoint, and the end of a run, is refused (exit 4)
-while a parameter or buffer of the model is NaN or infinite.
-
-A checkpoint is a folder ``checkpoint_<unit>_<n>`` holding ``state.pt`` (`torch.save` of the state
-dicts, of every worker's random streams and of the count of skipped steps, from rank 0) and ``meta.json`` (``epoch`` for epoch runs,
-``step``, ``world_size``, ``config``), which the driver's resume guard reads (`cookbook.ray_train.RayDriver`).
-``state.pt`` holds tensors and plain Python values only, and is read with ``torch.load(weights_only=True)``
-(no code runs when it is read).
+``state.pt`` holds the state dicts, every worker's random streams and the count of skipped steps, as tensors and
+plain values (read with ``torch.load(weights_only=True)``); ``meta.json`` holds ``epoch`` (epoch runs), ``step``,
+``world_size`` and ``config``, which the driver's resume guard reads.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import tempfile
@@ -71,7 +58,7 @@ STOP_POLL_S = 0.5  # rank 0 asks Ray whether a stop was requested at most this o
 
 
 def config_from_dict(schema: type, data: Mapping[str, Any]) -> Any:
-    """The recipe's config dataclass from the plain dict `fit` sent (a worker's first call); values the driver's
+    """The recipe's config dataclass from the plain dict the driver sent (`RayDriver.loop_config`) (a worker's first call); values the driver's
     config took from the environment (``${oc.env:...}``) are read from this worker's environment."""
     from omegaconf import OmegaConf
 
@@ -90,34 +77,6 @@ def worker_info() -> DistInfo:
     info = DistInfo(ctx.get_world_rank(), ctx.get_local_rank(), ctx.get_world_size(), device, backend)
     _configure_logging(info.rank)
     return info
-
-
-def report(metrics: Mapping[str, float], state: Mapping[str, Any] | None = None, label: str | None = None,
-           meta: Mapping[str, Any] | None = None) -> None:
-    """``ray.train.report`` on every worker; rank 0 also saves `state` as a checkpoint.
-
-    Collective: every worker must call it the same number of times (it is Ray Train's barrier).
-
-    Args:
-        metrics: numbers attached to the report (rank 0's are kept by Ray).
-        state: on rank 0, the objects to checkpoint (state dicts, ints); ``None``: metrics only.
-            Other ranks' `state` is ignored (DDP replicas are identical).
-        label: the checkpoint folder is ``checkpoint_<label>`` (e.g. ``epoch_0003``).
-        meta: JSON facts written beside the state as ``meta.json`` (step, epoch, config).
-    """
-    import ray.train
-    from ray.train import Checkpoint
-
-    rank = ray.train.get_context().get_world_rank()
-    if state is None or rank != 0:
-        ray.train.report(dict(metrics))
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        torch.save(dict(state), Path(tmp) / _STATE_FILE)
-        (Path(tmp) / META_FILE).write_text(json.dumps(dict(meta or {}), indent=2))
-        ray.train.report(dict(metrics), checkpoint=Checkpoint.from_directory(tmp),
-                         checkpoint_dir_name=f"checkpoint_{label}" if label else None)
-    get_logger().info(f"checkpoint saved: {label or ''} ({_facts(meta or {})})")
 
 
 def load_checkpoint(map_location: torch.device | str = "cpu") -> tuple[dict[str, Any], dict[str, Any]] | None:
@@ -199,9 +158,9 @@ def stop_requested(key: str | None) -> bool:
 
 
 def worker_summary(model: torch.nn.Module, reports: int) -> dict[str, list]:
-    """What every worker did, gathered on all of them (collective): ``reports_per_worker`` (calls
-    of `report`; equal counts mean no worker fell behind) and ``param_fingerprints`` (equal values
-    mean the DDP replicas stayed identical)."""
+    """What every worker did, gathered on all of them (collective): ``reports_per_worker`` (`WorkerRun.checkpoint`
+    reports; equal counts mean no worker fell behind) and ``param_fingerprints`` (equal values mean the DDP
+    replicas stayed identical)."""
     return {"reports_per_worker": all_gather_object(reports),
             "param_fingerprints": all_gather_object(param_fingerprint(model))}
 
@@ -211,7 +170,7 @@ def _facts(meta: Mapping[str, Any]) -> str:
 
 
 class WorkerRun:
-    """Resume, metrics, log window, checkpoints through Ray and the summary of one Ray Train worker.
+    """Resume, metrics, log window, the checkpoints it hands to ``ray.train.report`` and the summary of one Ray Train worker.
 
     Constructing it resumes: when Ray hands the worker a checkpoint (a restart after a failure, or a
     re-run with the same ``output_dir``), every object of `state` that has ``load_state_dict`` gets its
@@ -245,10 +204,10 @@ class WorkerRun:
     ``train.profile_step`` (when the config has it, > 0) writes a ``torch.profiler`` trace of that step to
     ``<output_dir>/profile`` (`cookbook.metrics.StepProfiler`).
 
-    Preemption: when the driver is asked to stop (SIGTERM or SIGUSR1; `cookbook.ray_train.RayDriver.run`),
+    Preemption: when the driver is asked to stop (SIGTERM or SIGUSR1; `cookbook.ray_train.RayDriver.started`),
     rank 0 sees it within `STOP_POLL_S` (`stop_requested`) and the workers agree on a step through an
     asynchronous all-reduce started at each step boundary and read at the next (as
-    `cookbook.loop.TrainLoop`'s): every worker stops after the same step, saves a checkpoint there (in an
+    `cookbook.loop.TrainLoop`'s): every worker stops after the same step, and the next `checkpoint` is there (in an
     epoch run mid-epoch: ``checkpoint_epoch_<n>_step_<s>``, epochs done and steps done) and `finish`
     ends the run as stopped (`preempted` is true). Resuming a mid-epoch checkpoint reads the epoch's
     first batches again, from the random streams the epoch began with, and drops them (`timed`; a data
@@ -284,6 +243,8 @@ class WorkerRun:
         self._epoch_rng: Mapping[str, Any] | None = None  # the streams when this epoch's batches began
         self._newest: Path | None = None  # the newest checkpoint folder (resumed or saved)
         self._skipped_now = False  # the step being run was skipped (skip_step)
+        self._values: dict[str, Any] = {}  # the metrics of the next checkpoint's report (end_epoch, end_step)
+        self._stop_reported = False  # a report after the stop request was made (`checkpoint`)
         skipped = 0
         if getattr(cfg.train, "seed", None) is not None:
             seed_per_rank(cfg.train.seed, info.rank)  # each worker its own dropout masks; a resume restores its own
@@ -361,10 +322,7 @@ class WorkerRun:
     def steps(self) -> Iterator[int]:
         """The number of each optimizer step to run (1-based), from the resumed one to the stop point or a
         stop request (runs counted in steps); each must end with `end_step`."""
-        while self.step < self.stop:
-            if self._agree_stop():
-                self._preempt()
-                return
+        while self.step < self.stop and not self.preempted:
             started, self._skipped_now = self.step, False
             self.nonfinite.begin_step()
             yield started + 1
@@ -394,7 +352,7 @@ class WorkerRun:
             NonFiniteError: ``train.on_nonfinite=stop``, or one more than ``train.max_consecutive_skips`` in a row:
                 the update has not run, and the message names the step and the newest checkpoint, from before it.
                 The Ray worker returns it to the driver, which prints it as one line and exits with status 4
-                (`cookbook.ray_train.RayDriver.run`); Ray does not restart the workers for it.
+                (`cookbook.ray_train.RayDriver.finish`); Ray does not restart the workers for it.
         """
         skipped = self.nonfinite.skip(self.step + 1, grad_norm, loss=loss)
         self._skipped_now = self._skipped_now or skipped
@@ -426,7 +384,7 @@ class WorkerRun:
             self._skip = 0
         while True:
             if self.unit == "epoch" and self._agree_stop():
-                self._preempt()
+                self.preempted = True
                 return
             t0 = time.perf_counter()
             try:
@@ -438,10 +396,11 @@ class WorkerRun:
             yield batch, time.perf_counter() - t0
 
     def end_step(self, loss: torch.Tensor | float, *, lr: float, grad_norm: torch.Tensor | float | None = None,
-                 window: Mapping[str, torch.Tensor | float] | None = None) -> None:
+                 window: Mapping[str, torch.Tensor | float] | None = None) -> bool:
         """Count one optimizer step; log the window's mean loss (and of each `window` value) every
-        ``train.log_every`` steps, at each epoch's end and at the last step; for runs counted in steps,
-        checkpoint when due.
+        ``train.log_every`` steps, at each epoch's end and at the last step. For runs counted in steps, returns
+        whether a checkpoint is due here (`checkpoint`): every ``checkpoint.every_steps`` steps, at the stop point,
+        or when the workers agreed to stop on the driver's request (collective); ``False`` for epoch runs.
 
         Args:
             loss: this worker's loss of the step (a 0-d device tensor: no host sync).
@@ -469,16 +428,23 @@ class WorkerRun:
                 with rng_kept():  # the evaluation does not change what training draws next (dropout)
                     values = self.evaluate()
                 self.metrics.log_eval(step, values)
-            every = self.checkpoint_every
-            if self.unit == "step" and every >= 0 and (step == self.stop or (every > 0 and step % every == 0)):
-                self._checkpoint({"loss": all_reduce_mean({"loss": loss}, self.info.device)["loss"]})  # global batch
         self.profiler.start(step + 1)
+        if self.unit != "step":
+            return False
+        every = self.checkpoint_every
+        due = every >= 0 and (step == self.stop or (every > 0 and step % every == 0))
+        if step < self.stop and self._agree_stop():
+            self.preempted = due = True
+        if due:
+            self._values = {"loss": all_reduce_mean({"loss": loss}, self.info.device)["loss"]}  # of the global batch
+        return due
 
     def end_epoch(self, evaluate: Callable[[], Mapping[str, float]]) -> dict[str, float]:
-        """Count one epoch, evaluate (`evaluate` runs on every worker and returns metrics summed or averaged
-        over them) and checkpoint; neither counts in the step time. Returns the evaluation's metrics (``{}``
+        """Count one epoch and evaluate (`evaluate` runs on every worker and returns metrics summed or averaged
+        over them; not counted in the step time); its `checkpoint` follows. Returns the evaluation's metrics (``{}``
         for an epoch cut short by a stop request: nothing is counted)."""
         if self.preempted:
+            self._values = {}
             return {}
         self.epoch += 1
         if self._steps:  # the epoch's last batch was skipped (skip_step): its last log line comes here
@@ -490,7 +456,7 @@ class WorkerRun:
             with rng_kept():  # the evaluation does not change what the next epoch draws
                 values = self._last_eval = dict(evaluate())
             self.metrics.log_eval(self.step, values)
-            self._checkpoint(values)
+        self._values = values
         return values
 
     def _label(self) -> str:
@@ -500,20 +466,51 @@ class WorkerRun:
         # mid-epoch (a preemption): epochs done and steps done
         return f"epoch_{self.epoch:04d}" + (f"_step_{self.step:08d}" if self.batches % self.steps_per_epoch else "")
 
-    def _checkpoint(self, values: Mapping[str, float]) -> None:
+    @contextlib.contextmanager
+    def checkpoint(self) -> Iterator[dict[str, Any]]:
+        """The keyword arguments of this point's ``ray.train.report`` (collective: every worker, after `end_epoch`,
+        or after an `end_step` that returned ``True``), for the body of the ``with`` block; not counted in the step
+        time:
+
+        .. code-block:: python
+
+            with run.checkpoint() as saved:  # state.pt and meta.json in a temporary folder (rank 0)
+                ray.train.report(**saved)    # Ray copies the folder to <output_dir>/checkpoint_<label>
+
+        ``metrics``: the step (and epoch), the evaluation's or the global batch's loss, ``preempted`` after a stop
+        request; on rank 0 also ``checkpoint`` and ``checkpoint_dir_name``. A stop request just after a checkpoint
+        gives metrics alone. The folder is removed after the block.
+
+        Raises:
+            NonFiniteError: a parameter or buffer of the model is NaN or infinite (nothing is saved).
+        """
         counts = {"epoch": self.epoch} if self.unit == "epoch" else {}
-        label = self._label()
-        self.nonfinite.check_model(self.step, f"checkpoint_{label} is not saved")
-        run = {_RNG_KEY: all_gather_object(rng_state()), _SKIPPED_KEY: self.nonfinite.skipped_steps}  # from every worker
-        if self.unit == "epoch" and self.batches % self.steps_per_epoch:
-            run[_EPOCH_RNG_KEY] = all_gather_object(self._epoch_rng)
-        report({**counts, "step": self.step, **values},
-               state={**{k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in self.state.items()}, **run},
-               label=label,
-               meta={**counts, "step": self.step, "world_size": self.info.world_size, "config": to_dict(self.cfg)})
-        self.reports += 1
-        self._saved_at = self.batches
-        self._newest = Path(self.cfg.output_dir).expanduser().resolve() / f"checkpoint_{label}"
+        metrics = {**counts, "step": self.step, **self._values, **({"preempted": 1.0} if self.preempted else {})}
+        with self.metrics.paused():
+            if self.preempted and self._saved_at == self.batches:  # the newest checkpoint is at this step
+                yield {"metrics": metrics}
+                self.reports, self._stop_reported = self.reports + 1, True
+                return
+            label = self._label()
+            self.nonfinite.check_model(self.step, f"checkpoint_{label} is not saved")
+            run = {_RNG_KEY: all_gather_object(rng_state()), _SKIPPED_KEY: self.nonfinite.skipped_steps}  # every worker's
+            if self.unit == "epoch" and self.batches % self.steps_per_epoch:
+                run[_EPOCH_RNG_KEY] = all_gather_object(self._epoch_rng)
+            meta = {**counts, "step": self.step, "world_size": self.info.world_size, "config": to_dict(self.cfg)}
+            with tempfile.TemporaryDirectory() as tmp:
+                saved: dict[str, Any] = {"metrics": metrics}
+                if self.info.is_main:  # DDP replicas are identical: rank 0's state
+                    from ray.train import Checkpoint
+
+                    state = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in self.state.items()}
+                    torch.save({**state, **run}, Path(tmp) / _STATE_FILE)
+                    (Path(tmp) / META_FILE).write_text(json.dumps(meta, indent=2))
+                    saved.update(checkpoint=Checkpoint.from_directory(tmp), checkpoint_dir_name=f"checkpoint_{label}")
+                yield saved
+            get_logger().info(f"checkpoint saved: {label} ({_facts(meta)})")
+            self.reports, self._stop_reported = self.reports + 1, self.preempted
+            self._saved_at = self.batches
+            self._newest = Path(self.cfg.output_dir).expanduser().resolve() / f"checkpoint_{label}"
 
     def _agree_stop(self) -> bool:
         """Whether the workers have agreed to stop here (collective: call it at every step boundary on every worker).
@@ -526,17 +523,6 @@ class WorkerRun:
             self._stop_seen = stop_requested(_stop_key)
             self._next_poll = time.monotonic() + STOP_POLL_S
         return self._vote(self._stop_seen)
-
-    def _preempt(self) -> None:
-        """Stop here on the driver's request: a checkpoint at this step unless the newest is at it (then a report
-        alone); either way the last report says ``preempted``, which the driver reads."""
-        self.preempted = True
-        with self.metrics.paused():
-            if self._saved_at != self.batches:
-                self._checkpoint({"preempted": 1.0})
-            else:
-                report({**({"epoch": self.epoch} if self.unit == "epoch" else {}), "step": self.step, "preempted": 1.0})
-                self.reports += 1
 
     def _reset_window(self) -> None:
         self._loss: torch.Tensor | float = torch.zeros((), device=self.info.device)
@@ -561,6 +547,8 @@ class WorkerRun:
             NonFiniteError: a run that reached its end has a NaN or infinite parameter or buffer
                 (`cookbook.loop.NonFinitePolicy.check_model`).
         """
+        if self.preempted and not self._stop_reported:
+            raise RuntimeError("the run stopped on the driver's request: report run.checkpoint() before run.finish()")
         if not self.preempted and self.done >= self.total:
             self.nonfinite.check_model(self.step, "the run is not done (no final evaluation, export or summary)")
         final_eval = dict(self.evaluate()) if self.evaluate is not None and not self.preempted else {}
