@@ -274,6 +274,11 @@ def record_progress(step: int) -> None:
         _STALL["store"] = False
 
 
+def last_finished_step() -> int | None:
+    """The step this process last passed to `record_progress`, or ``None`` before the first."""
+    return _STALL["step"]
+
+
 def collective_timed_out(exc: BaseException) -> bool:
     """True if `exc` (or an exception it was raised from) is a collective that waited past the group's timeout:
     gloo's "Timed out waiting ... for recv operation" or "Application timeout caused pair closure", NCCL's

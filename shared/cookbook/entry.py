@@ -237,9 +237,9 @@ def _record(exc: BaseException) -> None:
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
         ErrorHandler().record_exception(exc)
-        from cookbook.dist import _STALL
+        from cookbook.dist import last_finished_step
 
-        if (step := _STALL.get("step")) is not None:  # the launcher tells a failure that repeats at one step
+        if (step := last_finished_step()) is not None:  # the launcher tells a failure that repeats at one step
             path = os.environ["TORCHELASTIC_ERROR_FILE"]
             with open(path) as f:
                 data = json.load(f)
