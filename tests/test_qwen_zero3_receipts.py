@@ -484,7 +484,9 @@ def test_a_nan_step_is_skipped_and_a_failed_save_keeps_the_previous_checkpoint(i
     assert [(r["step"], r["skipped_steps"]) for r in train] == [(1, 0), (2, 0), (3, 1), (4, 1)]
     assert train[NAN_STEP - 1]["grad_norm"] == float("inf") and all(r["grad_norm"] < 10 for r in train if r["step"] != 3)
     assert [p.name for p in published_checkpoints(root)] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
-    assert not partition.parent.parent.exists()  # the failed save's staging folder is gone: it would hold the space
+    # the failing rank deleted the failed save's staging folder (its bytes would keep a full disk full); rank 0 may
+    # still write its own files there before it stops, and the next start clears them (tests/test_hf_trainer.py)
+    assert not partition.exists()
     # the skip count is in each checkpoint, for a resume to continue it
     assert [json.loads((root / f"checkpoint-{n}" / "meta.json").read_text())["skipped_steps"] for n in (1, 2, 3)] == \
         [0, 0, 1]

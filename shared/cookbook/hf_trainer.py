@@ -490,7 +490,8 @@ class ReportSaveErrors:
 
     The message names the checkpoint (its published folder), the OS error and the rank that met it, the previous
     checkpoint (intact: the failed one is never published, and the rank that met the error deletes it from the
-    staging folder, so that a full disk gets its space back) and what to do. Only the rank that met the error knows of it: it prints the line; the other ranks,
+    staging folder, so that a full disk gets its space back; what other ranks still write there is cleared at the next
+    start) and what to do. Only the rank that met the error knows of it: it prints the line; the other ranks,
     waiting for it in a collective, stop with "another rank is gone" (exit 3) or are stopped by the launcher.
     Failures of `PublishCheckpoints` (rank 0's ``meta.json`` and rename) are raised by it on every rank.
 
