@@ -1,5 +1,10 @@
 """cookbook: the thin utilities every recipe of the distributed-training cookbook shares.
 
+Layers, top to bottom (`.importlinter`; a module imports only its own layer and those below): ops (entry, launch,
+launcher, torchrun), adapters (hf_trainer, ray_train), data (sft, lm), the spine (the rest), errors.
+
+- `cookbook.errors`: exit statuses, `OneLineError`, `ConfigError`, the launcher's environment variables.
+- `cookbook.requirements`: the trackers' and a recipe's packages, and the one line for a failed import.
 - `cookbook.dist`: process group from torchrun's environment, rank helpers, all-reduce.
 - `cookbook.config`: typed YAML configs with dotted overrides (OmegaConf structured configs).
 - `cookbook.checkpoint`: atomic DCP checkpoints, resume (on the same or, for a global data position, another world size), Hugging Face export.

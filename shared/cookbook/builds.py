@@ -6,7 +6,7 @@ ops do not load (``RuntimeError: operator torchvision::nms does not exist``) end
 traceback, exit status 1. `guard` (run by ``import cookbook``, so a recipe imports ``cookbook`` first) wraps the
 import of `TORCH_BUILT` packages: a failure raises `BrokenBuild` (an ``ImportError``) whose message names the
 installed versions and the install line of the matching build (`matching_build`), and an uncaught one, even at a
-module's top level, prints ``error: <message>`` and exits with status 2 (`cookbook.entry.EXIT_USER_ERROR`).
+module's top level, prints ``error: <message>`` and exits with status 2 (`cookbook.errors.EXIT_USER_ERROR`).
 """
 
 from __future__ import annotations

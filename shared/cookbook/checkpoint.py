@@ -89,7 +89,7 @@ from torch.distributed.checkpoint.state_dict import (
 from cookbook.config import flatten
 from cookbook.dist import barrier, get_logger
 from cookbook.sampler import DataPosition
-from cookbook.torchrun import RESTART_COUNT_ENV
+from cookbook.errors import RESTART_COUNT_ENV
 
 META_FILE = "meta.json"
 DCP_METADATA = ".metadata"  # DCP's index of a checkpoint: which bytes of which file hold each tensor

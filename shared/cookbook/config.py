@@ -22,11 +22,13 @@ from typing import Any, Iterable, Mapping, Sequence, TypeVar
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from cookbook import hub
+from cookbook.errors import AlreadyComplete, ConfigError
+from cookbook.requirements import (TRACKER_UIS, TRACKER_UIS_FILE, TRACKERS, check_trackers,  # noqa: F401 (their old home)
+                                   import_error_line, install_hint, pinned, require)
+from cookbook.run_lock import OUTPUT_DIR_FILE_ENV, complete_message, report_complete, report_output_dir
+
 T = TypeVar("T")
-
-
-class ConfigError(ValueError):
-    """A config file or override is invalid; the message names the key and its source."""
 
 
 def _describe(exc: OmegaConfBaseException) -> str:
@@ -194,8 +196,6 @@ def resolve_path(value: str, base_dir: str | Path) -> str:
     candidate = Path(base_dir) / value
     if candidate.exists():
         return str(candidate)
-    from cookbook import hub
-
     if hub.looks_like_hub_id(value):
         hub.prepare_access()
     return value
@@ -272,161 +272,6 @@ def cli_parser(description: str | None = None, show_examples: bool = False) -> a
                                  "and the counts of what was kept, truncated and dropped, then exit (one process)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-5")
     return parser
-
-
-# Where the metrics of a run go besides <output_dir>/metrics.jsonl (always written): the `trackers` key, e.g.
-# `trackers: [mlflow, tensorboard]`. Each name -> (the module that writes it, the pip packages that install it, the
-# repository's requirements file that pins them: the same pins, which tests/test_trackers.py compares).
-TRACKERS = {"mlflow": ("mlflow", "mlflow-skinny==3.17.2 sqlalchemy==2.0.44 alembic==1.17.1", "requirements/base.txt"),
-            "tensorboard": ("tensorboardX", "tensorboardX==2.6.5", "requirements/base.txt"),
-            "wandb": ("wandb", "wandb==0.31.0", "requirements/trackers.txt")}
-# The viewers a run's closing lines name: tracker -> the pip package (pinned as in TRACKER_UIS_FILE).
-TRACKER_UIS = {"mlflow": "mlflow==3.17.2", "tensorboard": "tensorboard==2.21.0"}  # mlflow: the full one, with its UI
-TRACKER_UIS_FILE = "requirements/trackers.txt"
-
-
-def install_hint(packages: str, requirements: str | Path) -> str:
-    """How to install `packages` (pip requirement specifiers, space-separated) where a recipe runs: the packages
-    themselves, which work anywhere (a recipe folder copied out of the repository too), and the file that pins
-    them: ```pip install wandb==0.31.0`, or `pip install -r requirements/trackers.txt` from the cookbook repository's
-    root``. A recipe's own file is named by its absolute path, which holds from any folder and in a copied recipe
-    folder: ```pip install -r /src/retinanet-ddp/requirements.txt```."""
-    where = "" if Path(requirements).is_absolute() else " from the cookbook repository's root"
-    return f"`pip install {packages}`, or `pip install -r {requirements}`{where}"
-
-
-def check_trackers(trackers: Sequence[str], key: str = "trackers") -> None:
-    """Refuse a tracker name that is not in `TRACKERS`, or one whose package is not installed.
-
-    Raises:
-        ConfigError: one line naming `key`, the name, and the choices or what to install (`install_hint`).
-    """
-    import importlib.util
-
-    for name in trackers:
-        if name not in TRACKERS:
-            raise ConfigError(f"{key}: unknown tracker {name!r}; choose from {', '.join(TRACKERS)} (metrics.jsonl is "
-                              f"always written)")
-        module, packages, requirements = TRACKERS[name]
-        if importlib.util.find_spec(module) is None:
-            raise ConfigError(f"{key}: {name} is selected but the {module} package is not installed: "
-                              f"{install_hint(packages, requirements)}")
-
-
-def pinned(package: str, requirements: str | Path) -> str:
-    """`package` as the requirements file `requirements` pins it (``torchvision==0.28.0``, ``ray[train]==2.60.0``), or
-    `package` itself where the file or its line is not found (a recipe folder copied without the repository). A
-    relative `requirements` is one of the cookbook repository's files (``requirements/base.txt``)."""
-    path = Path(requirements)
-    if not path.is_absolute():
-        path = Path(__file__).resolve().parents[2] / path  # shared/cookbook/config.py -> the repository's root
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return package
-    name = _project_name(package)
-    specs = (line.split("#")[0].strip() for line in lines)
-    return next((spec for spec in specs if spec and _project_name(spec) == name), package)
-
-
-def _project_name(spec: str) -> str:
-    """The project of a requirement specifier, compared as pip does: ``Ray[train]==2.60`` -> ``ray``."""
-    for stop in "[=<>!~ ;":
-        spec = spec.split(stop, 1)[0]
-    return spec.lower().replace("_", "-").replace(".", "-")
-
-
-def require(module: str, requirements: str | Path, *, torch_build: bool = False) -> None:
-    """Refuse, in one line, a package that a recipe needs and that is not installed or does not import, as
-    `check_trackers` refuses a tracker's: called by ``--check``, so that no worker starts only to fail at the import.
-
-    Args:
-        module: the import name, also the pip name (``torchvision``); its pin is read from `requirements` (`pinned`).
-        requirements: the requirements file that pins the package: a recipe's own by its absolute path
-            (``Path(__file__).with_name("requirements.txt")``, right in a copied recipe folder too), or one of the
-            cookbook repository's, relative to its root (``requirements/base.txt``).
-        torch_build: the package is compiled against torch (torchvision, torchaudio): an import that fails says its
-            build does not match the installed torch, and gives the line that installs the matching build.
-
-    Raises:
-        ConfigError: one line naming the package and what to run: ``ray is not installed: `pip install
-            ray[train]==2.60.0`, or `pip install -r .../requirements.txt```, for a `torch_build` package the build
-            for the installed torch (``pip install 'torchvision==0.28.*' --index-url .../whl/cpu``); or, for any other exception of the
-            import (a compiled extension that does not load), ``torchvision 0.28.0 is installed but does not import
-            (RuntimeError: operator torchvision::nms does not exist): its build does not match torch 2.13.0+cpu: ...``.
-    """
-    import importlib
-
-    from cookbook import builds
-
-    spec = pinned(module, requirements)
-    try:
-        importlib.import_module(module)
-    except Exception as exc:  # noqa: BLE001 - whatever the import raises is one line for the user
-        if isinstance(exc, ModuleNotFoundError) and exc.name == module.split(".")[0]:
-            if torch_build:  # PyPI's build is made for PyPI's CUDA torch: name the one for the installed torch
-                import torch
-
-                raise ConfigError(f"{module} is not installed: `{builds.install_line(_project_name(spec), spec=spec)}` (the "
-                                  f"build for torch {torch.__version__})") from None
-            raise ConfigError(f"{module} is not installed: {install_hint(spec, requirements)}") from None
-        found = builds.broken_build_in(exc)
-        if found is not None:  # cookbook.builds names the build to install
-            raise ConfigError(str(found)) from None
-        broken = f"{module}{_installed_version(spec)} is installed but does not import ({_cause_line(exc)})"
-        if torch_build:
-            raise ConfigError(f"{broken}: {_torch_build_hint(spec)}") from None
-        raise ConfigError(f"{broken}; install it again: {install_hint(spec, requirements)}") from None
-
-
-def _installed_version(spec: str) -> str:
-    from importlib import metadata
-
-    try:
-        return " " + metadata.version(_project_name(spec))
-    except metadata.PackageNotFoundError:
-        return ""
-
-
-def _torch_build_hint(spec: str) -> str:
-    """What to do about a package compiled against another torch build than the installed one: reinstall the build
-    made for it (`cookbook.builds.install_line`); a plain ``pip install`` of the same version would find it
-    installed and change nothing."""
-    import torch
-
-    from cookbook import builds
-
-    name = _project_name(spec)
-    return (f"its build does not match torch {torch.__version__}: install the {name} build made for that torch: "
-            f"`{builds.install_line(name, reinstall=True, spec=spec)}`")
-
-
-def _cause_line(exc: BaseException, limit: int = 200) -> str:
-    """The first line of the innermost exception `exc` was raised from (transformers' lazy imports wrap the real
-    failure in ``Could not import module ...``), with its class unless it is an import error."""
-    exc = _chain(exc)[-1]
-    text = (str(exc).strip().splitlines() or [""])[0]
-    text = text if isinstance(exc, ImportError) else f"{type(exc).__name__}: {text}".rstrip(": ")
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def import_error_line(exc: ImportError, requirements: str | Path | None = None) -> str:
-    """The one line `cookbook.run_main` prints for an ImportError that ended a process (exit status 2, never
-    restarted: a restart cannot install or repair a package): the module, the innermost cause, and the install line
-    of `requirements` (the recipe's own requirements.txt, by its absolute path) or else of the recipe's README."""
-    name = next((e.name for e in _chain(exc) if isinstance(e, ImportError) and e.name), None)
-    what = f"importing {name.split('.')[0]} failed" if name else "an import failed"
-    fix = f"`pip install -r {requirements}`" if requirements else "its README's install line"
-    return (f"{what} ({_cause_line(exc)}): a restart cannot install or repair a package; install the recipe's "
-            f"requirements ({fix})")
-
-
-def _chain(exc: BaseException) -> list[BaseException]:
-    """`exc` and the exceptions it was raised from, outermost first."""
-    chain = [exc]
-    while (cause := chain[-1].__cause__ or chain[-1].__context__) is not None and cause not in chain:
-        chain.append(cause)
-    return chain
 
 
 # ----------------------------------------------------------------------------- sections every recipe shares
@@ -577,7 +422,7 @@ def check_run(cfg: Any) -> None:
             in), and the message names ``output_dir``, the folder and the OS reason; a tracker in ``trackers`` that is
             unknown or not installed (`check_trackers`); a ``checkpoint.push_to_hub`` that cannot work
             (`cookbook.hub.check_push`: not a repo id, nothing exported, offline, no token).
-        cookbook.entry.AlreadyComplete: in a launcher's check (``launch.sh``), ``output_dir`` holds a run finished
+        cookbook.errors.AlreadyComplete: in a launcher's check (``launch.sh``), ``output_dir`` holds a run finished
             with these settings (but for `MAY_CHANGE`): `cookbook.run_lock.complete_message`, said in the first
             second of the check; the launcher then starts no worker.
     """
@@ -604,16 +449,9 @@ def check_run(cfg: Any) -> None:
     if _has(cfg, "trackers"):
         check_trackers(cfg.trackers if getattr(cfg, "mlflow", True) else [t for t in cfg.trackers if t != "mlflow"])
     if _has(cfg, "checkpoint.push_to_hub") and cfg.checkpoint.push_to_hub:
-        from cookbook.hub import check_push
-
-        check_push(cfg.checkpoint)
+        hub.check_push(cfg.checkpoint)
     if _has(cfg, "output_dir") and isinstance(cfg.output_dir, str) and "://" not in cfg.output_dir:
-        from cookbook.run_lock import report_output_dir
-
         report_output_dir(cfg.output_dir)  # the launcher takes the folder's run lock before any worker starts
-        from cookbook.entry import AlreadyComplete
-        from cookbook.run_lock import OUTPUT_DIR_FILE_ENV, complete_message, report_complete
-
         done = complete_message(cfg.output_dir, to_dict(cfg), MAY_CHANGE) if os.environ.get(OUTPUT_DIR_FILE_ENV) \
             else None  # a launcher's check: the same command again, after the run finished, is answered at once
         if done is not None:

@@ -38,7 +38,8 @@ from typing import Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from cookbook.entry import EXIT_PEER_LOST, OneLineError, _first_line
+from cookbook.errors import EXIT_PEER_LOST, OneLineError
+from cookbook.errors import first_line as _first_line
 
 logger = logging.getLogger("cookbook")
 

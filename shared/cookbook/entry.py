@@ -14,7 +14,7 @@ status      meaning
 0           finished (or stopped at ``train.stop_at_step``); every output is written
 1           a bug or a library failure: the traceback is printed
 2           bad configuration, data or checkpoint (one of ``user_errors``), or a package that is missing or does not
-            import (an ``ImportError``, `cookbook.config.import_error_line`: a restart cannot install it): one line,
+            import (an ``ImportError``, `cookbook.requirements.import_error_line`: a restart cannot install it): one line,
             no traceback
 3           this rank lost contact with another rank: the other rank exited (its message says why), or
             stalled: a collective waited past ``train.collective_timeout_s`` and this rank's one line names
@@ -56,10 +56,16 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence
 
-EXIT_OK, EXIT_BUG, EXIT_USER_ERROR, EXIT_PEER_LOST, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
-EXIT_DIVERGED = 4  # a non-finite loss or gradient norm stopped the run before the update (cookbook.loop)
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on SIGTERM / SIGUSR1 after a checkpoint; run the same command again
-LAUNCH_TIME_ENV = "COOKBOOK_LAUNCH_TIME"  # Unix time (s) of the launch (cookbook.launch, cookbook.torchrun): startup_s
+import torch.distributed as dist
+
+from cookbook.builds import broken_build_in
+from cookbook.dist import collective_timed_out, describe_stall, last_finished_step
+from cookbook.errors import (AGENT_PID_ENV, EXIT_BUG, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PEER_LOST,  # noqa: F401
+                             EXIT_PREEMPTED, EXIT_USER_ERROR, LAST_STEP_KEY, LAUNCH_TIME_ENV, AlreadyComplete,
+                             OneLineError)
+from cookbook.errors import first_line as _first_line
+from cookbook.requirements import import_error_line
+
 
 # Seconds a rank that lost a peer waits before exiting: long enough for torchrun (which polls its
 # workers every 0.1 s by default) to see the peer's exit first and stop this rank itself.
@@ -68,22 +74,6 @@ PEER_LOST_GRACE_S = 5.0
 # What gloo and NCCL say when the process at the other end of a collective is gone.
 _PEER_LOST_MARKERS = ("connection closed by peer", "connection reset by peer", "broken pipe",
                       "remote process exited", "socket closed", "connection refused", "nccl communicator was aborted")
-
-
-class OneLineError(RuntimeError):
-    """A failure that its message explains whole: `run_main` prints it as one line, ``error: [rank N] <message>``,
-    without a traceback, and exits with the class's `exit_status` (`cookbook.loop.NonFiniteError`: 4)."""
-
-    exit_status = EXIT_BUG
-
-
-class AlreadyComplete(Exception):
-    """The run in this output_dir finished with these settings (`cookbook.run_lock.complete_message`): `run_main`
-    prints the message as it is (no ``error:``) and exits with status 0; a launcher starts no worker."""
-
-
-LAST_STEP_KEY = "cookbook_last_step"  # in a worker's error file: its last finished optimizer step
-AGENT_PID_ENV = "COOKBOOK_AGENT_PID"  # the launcher process that runs torchrun's agent (cookbook.torchrun)
 
 
 def die_with_parent() -> None:
@@ -133,9 +123,6 @@ def run_main(main: Callable[[list[str]], Any], user_errors: Sequence[type[BaseEx
         _say_once(exc, rank, where)
         _exit(EXIT_USER_ERROR)
     except ImportError as exc:  # a missing or broken package: the launcher does not restart 2, which would fail alike
-        from cookbook.builds import broken_build_in
-        from cookbook.config import import_error_line
-
         _record(exc)
         broken = broken_build_in(exc)  # a package built for another torch: its own line names the build
         _say(f"error: {where}{broken if broken is not None else import_error_line(exc, _requirements_beside(main))}")
@@ -152,15 +139,11 @@ def run_main(main: Callable[[list[str]], Any], user_errors: Sequence[type[BaseEx
             print(code, file=sys.stderr)
         _exit(code if isinstance(code, int) else (0 if code is None else EXIT_BUG))
     except BaseException as exc:  # noqa: BLE001 - every failure ends the process with a status
-        from cookbook.dist import collective_timed_out, describe_stall
-
         if world > 1 and collective_timed_out(exc):  # this rank is healthy: its line names the stalled one, first
             line = describe_stall(exc)
             _record(RuntimeError(line))
             _say(f"error: {where}{line}")
             _exit(EXIT_PEER_LOST)
-        from cookbook.builds import broken_build_in
-
         if (broken := broken_build_in(exc)) is not None:  # re-raised by a library (transformers) as another error
             _record(broken)
             _say(f"error: {where}{broken}")
@@ -198,8 +181,6 @@ def peer_lost(exc: BaseException) -> bool:
     """True if `exc` (or an exception it was raised from) is a collective that failed because the
     process at the other end exited: gloo's "Connection closed by peer", NCCL's "remote process
     exited", torch's `DistNetworkError`."""
-    import torch.distributed as dist
-
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
@@ -223,11 +204,6 @@ def _say(line: str) -> None:
     sys.stderr.flush()
 
 
-def _first_line(exc: BaseException, limit: int = 160) -> str:
-    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def _record(exc: BaseException) -> None:
     """Write `exc` to torchrun's per-worker error file (if torchrun gave one), so that its failure
     summary holds this rank's message and the time it failed."""
@@ -237,8 +213,6 @@ def _record(exc: BaseException) -> None:
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
         ErrorHandler().record_exception(exc)
-        from cookbook.dist import last_finished_step
-
         if (step := last_finished_step()) is not None:  # the launcher tells a failure that repeats at one step
             path = os.environ["TORCHELASTIC_ERROR_FILE"]
             with open(path) as f:

@@ -65,7 +65,7 @@ from transformers import TrainerCallback
 from cookbook import lm
 from cookbook.checkpoint import (CHECKSUMS_KEY, FILES_KEY, ResumeGuard, RNGState, _from_rank0, _os_error_in, _reason,
                                  checksums, file_sizes, publish, read_meta, save_error, seed_per_rank)
-from cookbook.config import ConfigError
+from cookbook.config import ConfigError, to_dict
 from cookbook.dist import (DistInfo, apply_collective_timeout, barrier, destroy_distributed, get_dist_info, get_logger,
                            init_distributed, record_progress, stall_error)
 from cookbook.loop import NonFinitePolicy, Preempted, StopRequest, StopVote
@@ -465,8 +465,6 @@ def check_resume(cfg: Any, world_size: int, may_change: tuple[str, ...], cannot_
             earlier run's checkpoints; written by another number of ranks or with other settings;
             ``train.stop_at_step`` not after it.
     """
-    from cookbook.config import to_dict
-
     return resume_guard(cfg.output_dir, cannot_remap).check(cfg.checkpoint.resume, world_size, to_dict(cfg), may_change,
                                                             ("train.stop_at_step", cfg.train.stop_at_step))
 
@@ -777,8 +775,6 @@ class RunCallbacks:
     def __init__(self, cfg: Any, root: str | Path, metrics: MetricsLogger, pad_id: int,
                  resume_from: str | Path | None = None,
                  evaluate_more: Callable[[torch.nn.Module], Mapping[str, float]] | None = None):
-        from cookbook.config import to_dict
-
         self.preemption = Preemption()
         self.nonfinite = NonFiniteSteps(NonFinitePolicy.from_config(cfg.train), root, resume_from)
         self.publisher = PublishCheckpoints(root, cfg.checkpoint.keep_last, to_dict(cfg), more_meta=self.nonfinite.meta)

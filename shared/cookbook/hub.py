@@ -38,8 +38,8 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from cookbook.config import ConfigError
-from cookbook.entry import EXIT_USER_ERROR, OneLineError
+from cookbook.errors import EXIT_USER_ERROR, ConfigError, OneLineError
+from cookbook.progress import is_terminal
 from cookbook.tabular import DataError, first_csv_row, records
 
 WEIGHT_FILES = ("*.json", "*.safetensors")  # config.json, the safetensors index and shards
@@ -104,7 +104,6 @@ def show_download_bars() -> bool:
     """
     from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
 
-    from cookbook.progress import is_terminal
 
     if os.environ.get("LOCAL_RANK", "0") == "0" and is_terminal(sys.stderr) and \
             os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS") is None:

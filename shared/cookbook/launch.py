@@ -29,7 +29,7 @@ checks, print the two commands instead of running them, one line each, and exit 
 (``cookbook.torchrun`` runs in this process when not a dry run; the line is the same command as its own process.)
 
 A relative ``--config`` that is not a file from the current folder is looked up beside ``train.py``.
-``COOKBOOK_LAUNCH_TIME`` (`cookbook.entry.LAUNCH_TIME_ENV`) is set to the time this launcher started, unless it
+``COOKBOOK_LAUNCH_TIME`` (`cookbook.errors.LAUNCH_TIME_ENV`) is set to the time this launcher started, unless it
 is set already, so that each run's summary counts its ``startup_s`` from the launch, the check included.
 ``OMP_NUM_THREADS`` defaults to 1 per process; on a node without GPUs ``DS_ACCELERATOR`` defaults to ``cpu``. Exit status: the check's or the workers' (2: bad input).
 """
@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 
 from cookbook import run_lock
-from cookbook.entry import EXIT_USER_ERROR, LAUNCH_TIME_ENV
+from cookbook.errors import EXIT_USER_ERROR, LAUNCH_TIME_ENV
 
 
 WORLD_SIZE_ENV = "COOKBOOK_WORLD_SIZE"  # the check's world size (NGPU x NNODES), set for train.py --check

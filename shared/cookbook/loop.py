@@ -72,7 +72,7 @@ from cookbook.checkpoint import Checkpointer, RankLocalState, ResumeGuard, RNGSt
 from cookbook.config import ConfigError, save_config, to_dict
 from cookbook.run_lock import mark_complete
 from cookbook.dist import DistInfo, barrier, get_dist_info, get_logger, record_progress, stall_error
-from cookbook.entry import EXIT_DIVERGED, EXIT_PREEMPTED, OneLineError
+from cookbook.errors import EXIT_DIVERGED, EXIT_PREEMPTED, OneLineError
 from cookbook.metrics import MetricsLogger, ModelFlops, StepProfiler
 from cookbook.sampler import DataPosition
 
@@ -88,13 +88,13 @@ NONE_BAD = 2**62  # "no non-finite step" in the all-reduce (min) of the first ba
 
 class Preempted(SystemExit):
     """The run stopped at a step boundary on a preemption signal, after saving a checkpoint; its code is
-    `cookbook.entry.EXIT_PREEMPTED` (75, ``EX_TEMPFAIL``: try again), the status the process exits with."""
+    `cookbook.errors.EXIT_PREEMPTED` (75, ``EX_TEMPFAIL``: try again), the status the process exits with."""
 
 
 class NonFiniteError(OneLineError):
     """The loss or the gradient norm of a step is NaN or infinite, and the run stops: the step was not applied
     (or, for a recipe that checks after its update, not saved). `cookbook.run_main` prints the message as one
-    line and exits with status 4 (`cookbook.entry.EXIT_DIVERGED`)."""
+    line and exits with status 4 (`cookbook.errors.EXIT_DIVERGED`)."""
 
     exit_status = EXIT_DIVERGED
     same_on_every_rank = True  # every rank decides on the same reduced value: rank 0 prints it

@@ -57,7 +57,7 @@ import torch.distributed as dist
 from cookbook import hub
 from cookbook.config import TRACKER_UIS, TRACKER_UIS_FILE, check_trackers, flatten, install_hint
 from cookbook.dist import DistInfo, get_logger
-from cookbook.entry import EXIT_USER_ERROR, LAUNCH_TIME_ENV, OneLineError
+from cookbook.errors import EXIT_USER_ERROR, LAUNCH_TIME_ENV, OneLineError
 from cookbook.progress import ProgressBar
 
 def launch_time() -> float:

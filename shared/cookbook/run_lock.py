@@ -18,8 +18,9 @@ import os
 import socket
 import time
 from pathlib import Path
+from typing import Mapping
 
-from cookbook.entry import EXIT_USER_ERROR, OneLineError
+from cookbook.errors import EXIT_USER_ERROR, OneLineError
 
 COMPLETE_FILE = "complete.json"  # in output_dir: written when a run has finished (`mark_complete`)
 
@@ -72,12 +73,17 @@ def read_reported(target: str | Path) -> str | None:
     return p.read_text() or None if p.is_file() else None
 
 
-def _comparable(config: dict, may_change: tuple[str, ...]) -> dict:
+def _comparable(config: Mapping, may_change: tuple[str, ...], prefix: str = "") -> dict:
+    """`config`'s settings by dotted key (``train.max_steps``), but for those that `may_change` matches."""
     import fnmatch
 
-    from cookbook.config import flatten
-
-    return {k: v for k, v in flatten(config).items() if not any(fnmatch.fnmatch(k, p) for p in may_change)}
+    out: dict = {}
+    for k, v in config.items():
+        if isinstance(v, Mapping):
+            out.update(_comparable(v, may_change, f"{prefix}{k}."))
+        elif not any(fnmatch.fnmatch(f"{prefix}{k}", p) for p in may_change):
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def mark_complete(output_dir: str | Path, config: dict, message: str, outputs: dict[str, str]) -> None:

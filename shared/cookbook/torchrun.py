@@ -59,15 +59,14 @@ import sys
 import time
 from typing import Iterable, Sequence
 
-from cookbook.entry import (AGENT_PID_ENV, EXIT_BUG, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_PEER_LOST, EXIT_PREEMPTED,
-                            EXIT_USER_ERROR, LAST_STEP_KEY, LAUNCH_TIME_ENV)
+from cookbook.errors import (AGENT_PID_ENV, EXIT_BUG, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_PEER_LOST, EXIT_PREEMPTED,
+                             EXIT_USER_ERROR, LAST_STEP_KEY, LAUNCH_TIME_ENV, RESTART_COUNT_ENV)
 
 _MEANING = {EXIT_BUG: "a failure, its traceback is above", EXIT_USER_ERROR: "bad configuration, data or checkpoint",
             EXIT_PEER_LOST: "it lost contact with another rank", EXIT_INTERRUPTED: "interrupted",
             EXIT_PREEMPTED: "preempted after a checkpoint", EXIT_DIVERGED: "a non-finite loss or gradient"}
 PREEMPTED = ("preempted: the workers were asked to save a checkpoint at a step boundary and stop; run the same "
              f"command again to continue (exit status {EXIT_PREEMPTED})")
-RESTART_COUNT_ENV = "COOKBOOK_RESTART_COUNT"  # what the workers of a restarted group find: 1, 2, ... (0 at first)
 RESTARTED_STATUSES = (EXIT_BUG, EXIT_PEER_LOST)
 # Signals that ask a process to stop (a scheduler, a terminal, Slurm's warning): a worker they ended is not restarted.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)

@@ -1,0 +1,35 @@
+"""The bottom layer of `cookbook`: exit statuses, the errors every layer raises, and the environment variables a
+launcher sets for its workers. Imports nothing of `cookbook`; `cookbook.entry.run_main` maps them to statuses."""
+
+from __future__ import annotations
+
+EXIT_OK, EXIT_BUG, EXIT_USER_ERROR, EXIT_PEER_LOST, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_DIVERGED = 4  # a non-finite loss or gradient norm stopped the run before the update (cookbook.loop)
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on SIGTERM / SIGUSR1 after a checkpoint; run the same command again
+
+LAUNCH_TIME_ENV = "COOKBOOK_LAUNCH_TIME"  # Unix time (s) of the launch (cookbook.launch, cookbook.torchrun): startup_s
+AGENT_PID_ENV = "COOKBOOK_AGENT_PID"  # the launcher process that runs torchrun's agent (cookbook.torchrun)
+RESTART_COUNT_ENV = "COOKBOOK_RESTART_COUNT"  # what the workers of a restarted group find: 1, 2, ... (0 at first)
+LAST_STEP_KEY = "cookbook_last_step"  # in a worker's error file: its last finished optimizer step
+
+
+class OneLineError(RuntimeError):
+    """A failure that its message explains whole: `run_main` prints it as one line, ``error: [rank N] <message>``,
+    without a traceback, and exits with the class's `exit_status` (`cookbook.loop.NonFiniteError`: 4)."""
+
+    exit_status = EXIT_BUG
+
+
+class AlreadyComplete(Exception):
+    """The run in this output_dir finished with these settings (`cookbook.run_lock.complete_message`): `run_main`
+    prints the message as it is (no ``error:``) and exits with status 0; a launcher starts no worker."""
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the key and its source."""
+
+
+def first_line(exc: BaseException, limit: int = 160) -> str:
+    """The first line of `exc`'s message (its class name if empty), cut to `limit` characters."""
+    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return text if len(text) <= limit else text[: limit - 3] + "..."
