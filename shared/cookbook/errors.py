@@ -1,5 +1,7 @@
 """The bottom layer of `cookbook`: exit statuses, the errors every layer raises, and the environment variables a
-launcher sets for its workers. Imports nothing of `cookbook`; `cookbook.entry.run_main` maps them to statuses."""
+launcher sets for its workers. Imports nothing of `cookbook`; `cookbook.entry.run_main` maps them to statuses. Each
+class keeps as ``__module__`` the module recipes import it from (``cookbook.config.ConfigError``): tracebacks and
+`cookbook.launcher.WorkerError.exc_type` name it so, as before this module existed."""
 
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ class OneLineError(RuntimeError):
     """A failure that its message explains whole: `run_main` prints it as one line, ``error: [rank N] <message>``,
     without a traceback, and exits with the class's `exit_status` (`cookbook.loop.NonFiniteError`: 4)."""
 
+    __module__ = "cookbook.entry"
+
     exit_status = EXIT_BUG
 
 
@@ -24,9 +28,19 @@ class AlreadyComplete(Exception):
     """The run in this output_dir finished with these settings (`cookbook.run_lock.complete_message`): `run_main`
     prints the message as it is (no ``error:``) and exits with status 0; a launcher starts no worker."""
 
+    __module__ = "cookbook.entry"
+
 
 class ConfigError(ValueError):
     """A config file or override is invalid; the message names the key and its source."""
+
+    __module__ = "cookbook.config"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used for this run; the message says why and what to do."""
+
+    __module__ = "cookbook.checkpoint"
 
 
 def first_line(exc: BaseException, limit: int = 160) -> str:

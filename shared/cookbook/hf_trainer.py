@@ -63,13 +63,14 @@ import torch
 from transformers import TrainerCallback
 
 from cookbook import lm
-from cookbook.checkpoint import (CHECKSUMS_KEY, FILES_KEY, ResumeGuard, RNGState, _from_rank0, _os_error_in, _reason,
-                                 checksums, file_sizes, publish, read_meta, save_error, seed_per_rank)
+from cookbook.checkpoint import _from_rank0, _os_error_in, publish, save_error
 from cookbook.config import ConfigError, to_dict
 from cookbook.dist import (DistInfo, apply_collective_timeout, barrier, destroy_distributed, get_dist_info, get_logger,
                            init_distributed, record_progress, stall_error)
-from cookbook.loop import NonFinitePolicy, Preempted, StopRequest, StopVote
+from cookbook.policy import NonFinitePolicy, Preempted, StopRequest, StopVote
 from cookbook.metrics import MetricsLogger
+from cookbook.resume import CHECKSUMS_KEY, FILES_KEY, ResumeGuard, _reason, checksums, file_sizes, read_meta
+from cookbook.state import RNGState, seed_per_rank
 
 # DeepSpeed keys the Trainer fills from its TrainingArguments when they are "auto"; a number must agree.
 DS_TRAINER_KEYS = {"train_micro_batch_size_per_gpu": "train.micro_batch_size",
@@ -383,7 +384,7 @@ class PublishCheckpoints(TrainerCallback):
     The Trainer writes ``checkpoint-<step>`` into its ``output_dir`` (the staging folder: DeepSpeed's
     partitions of every rank, scheduler, RNG, data position). Once every rank is done, rank 0 adds
     ``meta.json`` (``step``, ``world_size``, ``time``, ``config``, ``files``: every file of the checkpoint
-    with its size, `cookbook.checkpoint.file_sizes`, so that the resume guard finds a truncated or missing shard, and
+    with its size, `cookbook.resume.file_sizes`, so that the resume guard finds a truncated or missing shard, and
     ``checksums``, `cookbook.checkpoint.checksums`, for bytes overwritten in place)
     and renames the folder to ``<root>/checkpoint-<step>`` (atomic on one file system; `published_checkpoints`
     lists only those), then deletes all but the newest `keep_last` (0: keeps all). Set ``save_total_limit=None``

@@ -1,0 +1,354 @@
+"""What stops a run, decided alike on every rank, written once for the step loop (`cookbook.loop.TrainLoop`), the
+Ray workers and the Hugging Face Trainer callbacks: a preemption signal (`StopRequest`, `StopVote`, `Preempted`) and
+a non-finite loss or gradient norm (`NonFinitePolicy`, `NonFiniteError`). `cookbook.loop` re-exports the names."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import signal
+import threading
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from cookbook.dist import get_logger
+from cookbook.errors import EXIT_DIVERGED, EXIT_PREEMPTED, ConfigError, OneLineError
+
+
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+ON_NONFINITE = ("stop", "skip")  # what a step with a NaN / inf loss or gradient norm does (TrainLoop.skip_step)
+
+
+NONE_BAD = 2**62  # "no non-finite step" in the all-reduce (min) of the first bad step of updates already applied
+
+
+class Preempted(SystemExit):
+    """The run stopped at a step boundary on a preemption signal, after saving a checkpoint; its code is
+    `cookbook.errors.EXIT_PREEMPTED` (75, ``EX_TEMPFAIL``: try again), the status the process exits with."""
+
+    __module__ = "cookbook.loop"  # its home before the split: tracebacks and WorkerError.exc_type name it so
+
+
+class NonFiniteError(OneLineError):
+    """The loss or the gradient norm of a step is NaN or infinite, and the run stops: the step was not applied
+    (or, for a recipe that checks after its update, not saved). `cookbook.run_main` prints the message as one
+    line and exits with status 4 (`cookbook.errors.EXIT_DIVERGED`)."""
+
+    __module__ = "cookbook.loop"  # its home before the split: tracebacks and WorkerError.exc_type name it so
+
+    exit_status = EXIT_DIVERGED
+    same_on_every_rank = True  # every rank decides on the same reduced value: rank 0 prints it
+
+
+class StopVote:
+    """The ranks' agreement on stopping at a step boundary, without a device wait.
+
+    Each call (one per step boundary, on every rank) starts an asynchronous all-reduce (max) of this rank's flag
+    and returns the result of the one started at the previous boundary, long finished by then: every rank
+    decides on the same reduction, so all stop after the same step, one boundary after the first request.
+    Without a process group the flag is the answer.
+
+    Args:
+        device: where the flag lives (the process group's device: a GPU for NCCL).
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._pending = None  # (work, flag) of the all-reduce started at the last boundary
+
+    def __call__(self, requested: bool) -> bool:
+        """Vote `requested` at this boundary; ``True`` when the vote of the previous boundary was to stop
+        (collective)."""
+        if not dist.is_initialized():
+            return requested
+        decided = False
+        if self._pending is not None:
+            work, flag = self._pending
+            work.wait()
+            decided = flag.item() > 0
+        flag = torch.tensor([1.0 if requested else 0.0], device=self.device)
+        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
+        return decided
+
+    def finish(self) -> None:
+        """Wait for the last boundary's all-reduce, never read (call on every rank after the loop)."""
+        if self._pending is not None:
+            self._pending[0].wait()
+            self._pending = None
+
+
+class StopRequest:
+    """A request to stop at the next step boundary: preemption. While `listening`, SIGTERM (a scheduler's or
+    torchrun's stop) and SIGUSR1 (Slurm's ``--signal`` warning before the end of a job) call it (main thread only;
+    elsewhere nothing is installed). Safe to call from a signal handler: it only sets `requested`. The ranks agree
+    on the step with `StopVote`."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.signum: int | None = None  # the signal that asked; None: a call from code
+        self._handlers: dict = {}
+
+    def __call__(self, signum: int | None = None) -> None:
+        self.requested, self.signum = True, signum
+
+    def listen(self) -> None:
+        """Install the handlers of `PREEMPT_SIGNALS` (main thread only)."""
+        self._handlers = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in PREEMPT_SIGNALS:
+                self._handlers[sig] = signal.signal(sig, lambda signum, frame: self(signum))
+
+    def restore(self) -> None:
+        """Put back the handlers that `listen` replaced."""
+        for sig, handler in self._handlers.items():
+            signal.signal(sig, handler)
+        self._handlers = {}
+
+    def preempted(self, step: int, max_steps: int, checkpoint: Path | None) -> Preempted:
+        """Log that the run stopped after `step` of `max_steps` on this request, with `checkpoint` (rank 0's log),
+        and return the `Preempted` to raise (exit status 75)."""
+        what = signal.Signals(self.signum).name if self.signum else "a stop request"
+        get_logger().info(f"preempted ({what}) after step {step} of {max_steps}: checkpoint {checkpoint}; run the "
+                          f"same command again to continue (exit status {EXIT_PREEMPTED})")
+        return Preempted(EXIT_PREEMPTED)
+
+
+class NonFinitePolicy:
+    """What a step with a NaN or infinite loss or gradient norm does, decided alike on every rank before its update:
+    the shared part of `TrainLoop.skip_step` and of the Ray workers' `cookbook.ray_train.WorkerRun.skip_step`.
+
+    ``"stop"`` raises `NonFiniteError` (exit status 4; the message names the step and the newest checkpoint, which
+    is from before it); ``"skip"`` tells the caller to drop the step, puts the running statistics of `models` back
+    as they were at `begin_step`, logs it and counts it in `skipped_steps`, and stops at one more than
+    ``max_consecutive_skips`` in a row. `check_model` refuses a model with a NaN or infinite parameter or buffer.
+
+    Args:
+        on_nonfinite: ``"stop"`` or ``"skip"`` (`ON_NONFINITE`).
+        max_consecutive_skips: with ``"skip"``: the most steps skipped in a row.
+        device: where the flags of a loss check live (the process group's device).
+        newest_checkpoint: returns the newest checkpoint saved (a folder), or ``None``; for the message.
+        skipped_steps: steps skipped before (a resumed count), ``0`` for a fresh start.
+        models: the models trained (`models_in`): their running statistics are restored after a skip and their
+            parameters and buffers checked by `check_model`.
+        log: writes the line of a skipped step (default: ``cookbook.dist.get_logger().info``).
+
+    Raises:
+        ValueError: an unknown `on_nonfinite`, or `max_consecutive_skips` < 0.
+    """
+
+    def __init__(self, on_nonfinite: str = "stop", max_consecutive_skips: int = 5, *, device: torch.device | None = None,
+                 newest_checkpoint: Callable[[], Path | str | None] | None = None, skipped_steps: int = 0,
+                 models: Iterable[torch.nn.Module] = (), log: Callable[[str], None] | None = None):
+        if on_nonfinite not in ON_NONFINITE:
+            raise ValueError(f"on_nonfinite must be one of {', '.join(ON_NONFINITE)}, got {on_nonfinite!r}")
+        if max_consecutive_skips < 0:
+            raise ValueError(f"max_consecutive_skips must be >= 0, got {max_consecutive_skips}")
+        self.on_nonfinite, self.max_consecutive_skips = on_nonfinite, max_consecutive_skips
+        self.device = device if device is not None else torch.device("cpu")
+        self.newest_checkpoint = newest_checkpoint if newest_checkpoint is not None else (lambda: None)
+        self.skipped_steps = skipped_steps  # steps skipped for a non-finite loss or gradient norm
+        self._consecutive = 0  # of them, in a row up to now
+        self._applied_bad: torch.Tensor | None = None  # first step whose applied update was non-finite (0: none)
+        self.models = list(models)
+        self._stats: list[torch.Tensor] = []  # the models' running statistics (running_stats), as of begin_step
+        self._saved: list[torch.Tensor] = []  # ... and their values then
+        self._log = log if log is not None else (lambda line: get_logger().info(line))
+
+    @staticmethod
+    def settings(train: Any) -> tuple[str, int]:
+        """``(train.on_nonfinite, train.max_consecutive_skips)`` of a config's ``train`` section (``"stop"`` and 5
+        where it lacks them).
+
+        Raises:
+            ConfigError: ``train.on_nonfinite`` is not stop or skip, or ``train.max_consecutive_skips`` < 0."""
+        on_nonfinite = getattr(train, "on_nonfinite", "stop")
+        max_skips = getattr(train, "max_consecutive_skips", 5)
+        if on_nonfinite not in ON_NONFINITE:
+            raise ConfigError(f"train.on_nonfinite must be one of {', '.join(ON_NONFINITE)}, got {on_nonfinite!r}")
+        if max_skips < 0:
+            raise ConfigError(f"train.max_consecutive_skips must be >= 0, got {max_skips}")
+        return on_nonfinite, max_skips
+
+    @classmethod
+    def from_config(cls, train: Any, **kwargs: Any) -> NonFinitePolicy:
+        """The policy of a ``train`` config section (`settings`); `kwargs` go to the constructor.
+
+        Raises:
+            ConfigError: as `settings`."""
+        return cls(*cls.settings(train), **kwargs)
+
+    def skip(self, step: int, grad_norm: torch.Tensor | float | None = None, *,
+             loss: torch.Tensor | float | None = None, applied: bool = False) -> bool:
+        """Check step `step` (1-based, the one about to be applied); the arguments and the result are
+        `TrainLoop.skip_step`'s.
+
+        Raises:
+            NonFiniteError: as `TrainLoop.skip_step`.
+        """
+        if grad_norm is not None:
+            value = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+            if math.isfinite(value):
+                return False
+            what, short = f"the gradient norm of step {step} is {value}", f"non-finite gradient norm ({value})"
+        elif loss is None:
+            return False
+        elif applied:
+            self._note_applied(loss, step)
+            return False
+        elif self._finite_on_every_rank(loss):
+            return False
+        else:
+            what, short = f"the loss of step {step} is not finite on every rank", "non-finite loss"
+        self.nonfinite(step, what, short)
+        return True
+
+    def nonfinite(self, step: int, what: str, short: str) -> None:
+        """Step `step` was not finite on some rank and its update is not applied (the caller drops it, or, as
+        DeepSpeed does, already dropped it): stop, or count and log a skip. Every rank calls it alike.
+
+        Args:
+            what: the value, for the stop message: ``"the gradient norm of step 5 is nan"``.
+            short: the same for the skip's log line: ``"non-finite gradient norm (nan)"``.
+
+        Raises:
+            NonFiniteError: with ``"stop"``, or at one more than ``max_consecutive_skips`` in a row; the message
+                names the step and the newest checkpoint (from before it).
+        """
+        self._consecutive += 1
+        if self.on_nonfinite == "stop":
+            raise NonFiniteError(f"{what}: the step was not applied and the run stops (train.on_nonfinite=stop); "
+                                 f"{self._newest_text()}. Lower optim.lr or raise the warm-up, check the data "
+                                 f"of this step, or set train.on_nonfinite=skip to drop such steps")
+        if self._consecutive > self.max_consecutive_skips:
+            raise NonFiniteError(f"{what}: the step was not applied, and that makes {self._consecutive} non-finite "
+                                 f"steps in a row (train.max_consecutive_skips={self.max_consecutive_skips}), so the "
+                                 f"run stops; {self._newest_text()}. Lower optim.lr or raise the warm-up, or "
+                                 f"check the data")
+        if self._stats:
+            with torch.no_grad():  # the dropped batch's forward updated them
+                torch._foreach_copy_(self._stats, self._saved)
+        self.skipped_steps += 1
+        self._log(f"step {step}: {short}, step skipped ({self.skipped_steps} skipped so far)")
+
+    def begin_step(self) -> None:
+        """Before a step's forward, with ``"skip"``: keep the models' running statistics (`running_stats`), which a
+        skipped step puts back (`nonfinite`)."""
+        if self.on_nonfinite != "skip" or not self.models:
+            return
+        stats = running_stats(self.models)
+        with torch.no_grad():
+            if len(stats) != len(self._stats) or any(a is not b for a, b in zip(stats, self._stats)):
+                self._stats, self._saved = stats, [t.detach().clone() for t in stats]
+            elif stats:
+                torch._foreach_copy_(self._saved, stats)
+
+    def check_model(self, step: int, outcome: str) -> None:
+        """Stop when a parameter or buffer of the models is NaN or infinite on some rank, whatever ``on_nonfinite``
+        says (collective: one all-reduce; nothing without models).
+
+        Args:
+            step: the steps done, for the message.
+            outcome: what is refused, for the message: ``"its checkpoint is not saved"``.
+
+        Raises:
+            NonFiniteError: naming the count, this rank's first such tensor and the newest checkpoint.
+        """
+        if not self.models:
+            return
+        tensors = local_tensors(self.models)
+        counts = torch.stack([(~torch.isfinite(t)).sum().to(self.device) for _, t in tensors]) if tensors else \
+            torch.zeros(1, dtype=torch.int64, device=self.device)
+        total = counts.sum().reshape(1)
+        if dist.is_initialized():
+            dist.all_reduce(total)
+        n = int(total.item())
+        if n == 0:
+            return
+        bad = [name for (name, _), count in zip(tensors, counts.tolist()) if count]
+        where = f" ({bad[0]}{f' and {len(bad) - 1} more' if len(bad) > 1 else ''})" if bad else ""
+        raise NonFiniteError(f"after step {step}, {n} values of the model's parameters and buffers are NaN or "
+                             f"infinite{where}: {outcome} and the run stops, whatever train.on_nonfinite says; "
+                             f"{self._newest_text()}. Lower optim.lr or raise the warm-up, or check the data")
+
+    def stepped(self) -> None:
+        """A step was applied: the count of non-finite steps in a row starts again."""
+        self._consecutive = 0
+
+    def log_extra(self) -> dict[str, float]:
+        """``{"skipped_steps": n}`` for a log line with ``"skip"``; ``{}`` with ``"stop"``."""
+        return {"skipped_steps": float(self.skipped_steps)} if self.on_nonfinite == "skip" else {}
+
+    def _newest_text(self) -> str:
+        latest = self.newest_checkpoint()
+        return f"the newest checkpoint, from before it, is {latest}" if latest else "no checkpoint was saved before it"
+
+    def _finite_on_every_rank(self, loss: torch.Tensor | float) -> bool:
+        if isinstance(loss, torch.Tensor):
+            flag = (~torch.isfinite(loss.detach())).any().to(torch.float32).reshape(1)
+        else:
+            flag = torch.tensor([0.0 if math.isfinite(loss) else 1.0], device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag.item() == 0
+
+    def _note_applied(self, loss: torch.Tensor | float, step: int) -> None:
+        """Keep the first step whose (applied) loss was not finite, on the device: no sync."""
+        loss = torch.as_tensor(loss, device=self.device)
+        if self._applied_bad is None:
+            self._applied_bad = torch.zeros((), dtype=torch.int64, device=loss.device)
+        bad = (~torch.isfinite(loss.detach())).any() & (self._applied_bad == 0)
+        self._applied_bad = torch.where(bad, torch.full_like(self._applied_bad, step), self._applied_bad)
+
+    def check_applied(self) -> None:
+        """Stop if an update already applied was non-finite on any rank (collective once `applied` was used)."""
+        if self._applied_bad is None:
+            return
+        first = torch.where(self._applied_bad == 0, torch.full_like(self._applied_bad, NONE_BAD), self._applied_bad)
+        if dist.is_initialized():
+            dist.all_reduce(first, op=dist.ReduceOp.MIN)
+        step = int(first.item())
+        if step != NONE_BAD:
+            raise NonFiniteError(f"the loss of step {step} is not finite on every rank and its update was already "
+                                 f"applied (this recipe checks after its step), so the run stops before saving it, "
+                                 f"whatever train.on_nonfinite says; {self._newest_text()}. Lower optim.lr or "
+                                 f"raise the warm-up, or check the data")
+
+
+def models_in(state: Mapping[str, Any] | None) -> list[torch.nn.Module]:
+    """The models among the objects a checkpoint holds: its `torch.nn.Module` values and the ``model`` of the others
+    (`cookbook.checkpoint.ModelOptimizerState`)."""
+    found: list[torch.nn.Module] = []
+    for obj in (state or {}).values():
+        model = obj if isinstance(obj, torch.nn.Module) else getattr(obj, "model", None)
+        if isinstance(model, torch.nn.Module) and all(model is not m for m in found):
+            found.append(model)
+    return found
+
+
+def running_stats(models: Iterable[torch.nn.Module]) -> list[torch.Tensor]:
+    """The buffers a training forward updates in place: the running mean, variance and batch count of the
+    BatchNorm (and InstanceNorm) layers with running statistics of `models`."""
+    from torch.nn.modules.batchnorm import _NormBase
+
+    return [b for model in models for m in model.modules() if isinstance(m, _NormBase)
+            for b in m.buffers(recurse=False) if b is not None]
+
+
+def local_tensors(models: Iterable[torch.nn.Module]) -> list[tuple[str, torch.Tensor]]:
+    """``(name, values)`` of the floating-point parameters and buffers of `models` held on this rank: a DTensor's
+    local shard, a ShardedTensor's local shards, a plain tensor whole."""
+    found, seen = [], set()
+    for model in models:
+        for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            parts = ([s.tensor for s in t.local_shards()] if hasattr(t, "local_shards")
+                     else [t.to_local() if hasattr(t, "to_local") else t])
+            found += [(name, p.detach()) for p in parts if p.is_floating_point() and p.numel() and not p.is_meta]
+    return found

@@ -1,0 +1,577 @@
+"""Which checkpoint a run resumes from, and whether it may: `ResumeGuard`, the one resume check of every recipe
+(DCP here, the Hugging Face Trainer, Ray Train), and the damage checks it runs on a checkpoint folder (DCP's
+index, the file sizes and checksums that ``meta.json`` lists). See `cookbook.checkpoint` for what survives which
+failure; `cookbook.checkpoint` re-exports the names recipes import."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import zlib
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from cookbook.config import flatten
+from cookbook.dist import get_logger
+from cookbook.errors import RESTART_COUNT_ENV, CheckpointError
+
+
+META_FILE = "meta.json"
+
+
+DCP_METADATA = ".metadata"  # DCP's index of a checkpoint: which bytes of which file hold each tensor
+
+
+FILES_KEY = "files"  # meta.json's list of a checkpoint's files and sizes, where no index names them (file_sizes)
+
+
+CHECKSUMS_KEY = "checksums"  # meta.json's checksum of each file, written at publish time (checksums)
+
+
+BATCH_KEYS = ("train.micro_batch_size", "train.grad_accum_steps")  # with the world size, they make the global batch
+
+
+LENGTH_KEYS = {"train.max_steps": "step", "train.epochs": "epoch"}  # the run's length, with the unit meta.json counts
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+class ResumeGuard:
+    """Find a run's newest complete checkpoint and refuse a resume that would mix two runs.
+
+    A checkpoint is a folder under `root` named after `folder` that holds ``meta.json`` (``step``,
+    ``world_size``, ``config`` and, for runs counted in epochs, ``epoch``) and every file of `files`.
+    Cheap and collective-free: call it in one process before any worker starts, and again in the workers.
+
+    Args:
+        root: the folder holding the checkpoint folders.
+        folder: a checkpoint folder's name, ``<n>`` standing for its number (digits), which orders them:
+            ``"step_<n>"`` (DCP), ``"checkpoint-<n>"`` (Hugging Face Trainer), ``"checkpoint_epoch_<n>"`` (Ray).
+        files: files besides ``meta.json`` that a complete checkpoint holds (DCP's ``.metadata``).
+        run_dir: the run's output folder; the advice to start afresh names it ("or delete <run_dir>": its
+            metrics and MLflow run id go too). ``None``: the advice is a new output_dir alone.
+        resume_key: the config key of the resume setting, as messages name it.
+        processes: what the world size counts, as messages name it (``"ranks"``, ``"workers"``).
+        cannot_remap: why a checkpoint written by another world size cannot be resumed (the technique's reason:
+            per-rank state, ZeRO partitions, the global batch).
+        same_size: how to resume with the checkpoint's world size, ``{n}`` standing for it.
+        resizable: the run resumes a checkpoint of another world size when the global batch is the checkpoint's
+            (`check_world_size`); ``train.micro_batch_size`` and ``train.grad_accum_steps`` may then change as long
+            as it is. For DCP checkpoints whose data position is global (`cookbook.sampler.DataPosition`).
+        published: a folder appears under `root` only once complete (renamed there), so one without ``meta.json``
+            or a file of `files` is damaged (warned of); ``False``: written in place (Ray Train), so it is an
+            interrupted save, passed over silently. Default: whether `files` holds DCP's ``.metadata``.
+    """
+
+    def __init__(self, root: str | Path, *, folder: str = "step_<n>", files: tuple[str, ...] = (".metadata",),
+                 run_dir: str | Path | None = None, resume_key: str = "checkpoint.resume", processes: str = "ranks",
+                 cannot_remap: str = "its per-rank data-loader and RNG state cannot be remapped",
+                 same_size: str = "the same number of processes (NGPU x NNODES = {n})", resizable: bool = False,
+                 published: bool | None = None):
+        self.root = Path(root)
+        self.published = DCP_METADATA in files if published is None else published
+        self.bad: dict[Path, str] = {}  # folders whose files did not match their checksums (verify), with why
+        self.verified: set[Path] = set()  # folders this process verified (verify) or wrote itself
+        self.folder, self.files = folder, tuple(files)
+        self._name = re.compile(re.escape(folder).replace(re.escape("<n>"), r"(\d+)"))
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.resume_key, self.processes = resume_key, processes
+        self.cannot_remap, self.same_size = cannot_remap, same_size
+        self.resizable = resizable
+
+    # ------------------------------------------------------------------ finding
+    def problem(self, path: str | Path) -> str | None:
+        """What is wrong with the checkpoint folder `path`, or ``None`` when it is complete.
+
+        Cheap and collective-free: reads ``meta.json`` and, when `files` holds DCP's ``.metadata``, DCP's
+        index (``FileSystemReader(path).read_metadata()``), and checks that every file the index names
+        exists and holds the bytes its entries need (``offset + length``); no tensor is read. A ``meta.json``
+        that lists the folder's files with their sizes (``files``, `file_sizes`: the Hugging Face Trainer's
+        layout, which has no such index) has each of them checked for that exact size.
+
+        Returns:
+            ``None``, or what is wrong as words for a message: ``"no meta.json inside"``, ``"meta.json is
+            empty"``, ``"meta.json is not JSON (...)"``, ``".metadata is unreadable (...)"``,
+            ``"__0_0.distcp is missing (its index names it)"``, ``"__0_0.distcp is 1234 bytes, its index says
+            5678 are needed"``, ``"global_step6/zero_pp_rank_1_mp_rank_00_optim_states.pt is 1000 bytes,
+            meta.json says 1236479"``.
+        """
+        path = Path(path)
+        if path in self.bad:
+            return self.bad[path]
+        missing = self._missing(path)
+        if missing:
+            return f"no {', '.join(missing)} inside"
+        try:
+            text = (path / META_FILE).read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            return f"{META_FILE} is unreadable ({_reason(exc)})"
+        if not text.strip():
+            return f"{META_FILE} is empty"
+        try:
+            meta = json.loads(text)
+        except ValueError as exc:
+            return f"{META_FILE} is not JSON ({_reason(exc)})"
+        if not isinstance(meta, dict):
+            return f"{META_FILE} is not a JSON object"
+        if isinstance(meta.get(FILES_KEY), Mapping):
+            listed = _sizes_problem(path, meta[FILES_KEY], listed=True)
+            if listed is not None:
+                return listed
+        return _dcp_problem(path) if DCP_METADATA in self.files else None
+
+    def _missing(self, path: Path) -> list[str]:
+        """The files of a checkpoint (``meta.json`` and `files`) that `path` lacks."""
+        return [f for f in (META_FILE, *self.files) if not (path / f).is_file()]
+
+    def verify(self, path: str | Path) -> str | None:
+        """What is wrong with the checkpoint folder `path`, reading every file it lists in ``meta.json``'s
+        ``checksums`` (`checksums`) and comparing: `problem`, then ``"__0_0.distcp does not match its checksum
+        (xxh3_64 ... in meta.json, ... now)"``, or ``None``. A folder without checksums (written before they
+        existed) passes on `problem` alone. A folder found wrong is remembered (`bad`): `problem`, `latest` and
+        the pruning of old checkpoints treat it as damaged from then on; one found right joins `verified`.
+        Costs one read of the folder (xxh3_64: several GB/s)."""
+        path = Path(path)
+        found = self.problem(path)
+        if found is None:
+            sums = read_meta(path).get(CHECKSUMS_KEY)
+            found = _checksum_problem(path, sums) if isinstance(sums, Mapping) else None
+            if found is not None:
+                self.bad[path] = found
+        if found is None:
+            self.verified.add(path)
+        return found
+
+    def verified_latest(self) -> Path | None:
+        """The newest complete checkpoint that this process verified or wrote (`verified`), or ``None``: what a
+        message may call the last good one (it held finite weights when written: `cookbook.loop` saves none
+        else)."""
+        for _, path in reversed(self.candidates()):
+            if path in self.verified and self.is_complete(path):
+                return path
+        return None
+
+    def is_complete(self, path: str | Path) -> bool:
+        """Whether `path` is a complete checkpoint (`problem` finds nothing wrong)."""
+        return self.problem(path) is None
+
+    def number(self, path: str | Path) -> int:
+        """The step or epoch in the name of the checkpoint folder `path`; ``-1`` for another name."""
+        m = self._name.fullmatch(Path(path).name)
+        return int(m.group(1)) if m else -1
+
+    def candidates(self) -> list[tuple[int, Path]]:
+        """``(number, folder)`` of every folder under `root` named like a checkpoint (complete or not), oldest
+        first."""
+        if not self.root.is_dir():
+            return []
+        return sorted((int(m.group(1)), p) for p in self.root.iterdir() if (m := self._name.fullmatch(p.name)))
+
+    def complete_checkpoints(self) -> list[Path]:
+        """Complete checkpoints under `root`, oldest first (by the number in their name). Folders of
+        interrupted saves (another name) and damaged or unpublished ones (`problem`) are left out."""
+        return [p for _, p in self.candidates() if self.is_complete(p)]
+
+    def latest(self) -> Path | None:
+        """The checkpoint ``resume=auto`` takes: the newest complete one, or ``None``."""
+        for _, path in reversed(self.candidates()):
+            if self.is_complete(path):
+                return path
+        return None
+
+    def damaged(self, newer_than: str | Path | None = None) -> list[tuple[Path, str]]:
+        """Checkpoint folders that are damaged, oldest first, with what is wrong (`problem`).
+
+        A folder whose ``meta.json`` or a file of `files` is missing counts as damaged for DCP checkpoints
+        (published only once complete); for other layouts (Ray Train writes its folders in place) it is an
+        interrupted save and is left out.
+
+        Args:
+            newer_than: only folders numbered after this checkpoint folder; ``None``: all.
+        """
+        after = self.number(newer_than) if newer_than is not None else -1
+        found = []
+        for number, path in self.candidates():
+            if number <= after:
+                continue
+            problem = self.problem(path)
+            if problem is not None and (self.published or path in self.bad or not self._missing(path)):
+                found.append((path, problem))
+        return found
+
+    def resolve(self, resume: str | None) -> Path | None:
+        """Turn a ``resume`` value into a checkpoint folder.
+
+        With ``"auto"``, damaged checkpoints newer than the one found are skipped with one warning line
+        (rank 0): ``checkpoint <folder> is damaged (<what>); resuming from <folder> instead``.
+
+        Args:
+            resume: ``"auto"`` (`latest`, or none), ``"none"``/``""``/``None`` (start fresh), or the path
+                of a checkpoint folder.
+
+        Raises:
+            CheckpointError: an explicit path that is not a complete checkpoint (the message says what is
+                missing or damaged); ``"auto"`` where every checkpoint under `root` is damaged.
+        """
+        if resume in (None, "", "none", "null"):
+            return None
+        if resume == "auto":
+            path = self.latest()
+            while path is not None and self.verify(path) is not None:  # remembered as bad: latest moves on
+                path = self.latest()
+            skipped = self.damaged(newer_than=path)
+            what = "; ".join(f"{p} ({problem})" for p, problem in skipped)
+            if skipped and path is None:
+                raise CheckpointError(
+                    f"{self.resume_key}=auto: no complete checkpoint remains under {self.root}, every one is damaged: "
+                    f"{what}. Restore them from a copy, or start afresh with {self.start_afresh()}")
+            if skipped and _rank() == 0 and not (os.environ.get("COOKBOOK_CHECKED") and not restarted()):
+                # (workers of a first attempt are quiet: `cookbook.launch`'s --check process has said it)
+                which = (f"checkpoint {skipped[0][0]} is damaged ({skipped[0][1]})" if len(skipped) == 1
+                         else f"checkpoints {what} are damaged")
+                get_logger().warning(f"warning: {which}; resuming from {path} instead")
+            return path
+        path = Path(resume)
+        problem = self.verify(path)
+        if self._missing(path):
+            raise CheckpointError(f"{self.resume_key}={resume!r} is not a complete checkpoint folder ({problem}): "
+                                  f"use {self.resume_key}=auto (the newest one under {self.root}), none, or the path "
+                                  f"of a {self.folder} folder")
+        if problem is not None:
+            raise CheckpointError(f"{self.resume_key}={resume!r} is a damaged checkpoint ({problem}): use "
+                                  f"{self.resume_key}=auto (the newest complete one under {self.root}), none, or the "
+                                  f"path of another {self.folder} folder")
+        return path
+
+    # ------------------------------------------------------------------ checking
+    def start_afresh(self) -> str:
+        """The advice to start afresh that every message gives: ``"a new output_dir (or delete <run_dir>)"``."""
+        return "a new output_dir" + (f" (or delete {self.run_dir})" if self.run_dir is not None else "")
+
+    def check(self, resume: str | None, world_size: int | None, config: Mapping[str, Any] | None = None,
+              may_change: tuple[str, ...] = (), stop_at: tuple[str, int] = ("train.stop_at_step", -1)) -> Path | None:
+        """Find the checkpoint to resume from and check that this run can continue it.
+
+        Args:
+            resume: as in `resolve`.
+            world_size: the number of processes this run will have; ``None`` when not known yet (check it
+                later with `check_world_size`).
+            config: this run's config as a flat or nested dict, compared with the checkpoint's ``config``.
+            may_change: dotted keys allowed to differ (``"train.log_every"``); a key ending in ``.*`` allows a
+                whole section.
+            stop_at: ``(key, value)`` of the run's stop setting, ``("train.stop_at_step", 20)`` or
+                ``("train.stop_at_epoch", 1)``; when ``value > 0`` it must be after the checkpoint's step or
+                epoch (the key's last word).
+
+        Returns:
+            The checkpoint folder, or ``None`` to start fresh.
+
+        Raises:
+            CheckpointError: no such checkpoint; ``resume`` is "none" but `root` holds checkpoints; it was
+                written by another world size (unless `resizable`), with another global batch (`resizable`), or
+                with other settings (the message lists them and what to do); or the stop point is not after it.
+
+        A worker of a group that its launcher restarted after a failure (`restarted`) resumes from the newest
+        checkpoint whatever `resume` says, once the job has one: it continues its own run.
+        """
+        if restarted() and self.latest() is not None:
+            resume = "auto"
+        path = self.resolve(resume)
+        if path is None:
+            if self.latest() is not None or self.damaged():
+                raise CheckpointError(
+                    f"{self.resume_key}={resume!r} but {self.root} holds checkpoints of an earlier run, which a later "
+                    f"resume=auto would pick up: start afresh with a new output_dir (or delete "
+                    f"{self.run_dir or self.root})")
+            return None
+        meta = read_meta(path)
+        if world_size is not None:
+            self.check_world_size(path, meta, world_size, config)
+            if self.resizable:  # checked as one number, the global batch
+                may_change = (*may_change, *BATCH_KEYS)
+        diff = config_changes(meta["config"], config, may_change) if config is not None and "config" in meta else ""
+        if diff:
+            raise CheckpointError(f"{path} was written with other settings ({diff}); resuming would mix two runs. " +
+                                  (self._length_changed(path, meta, config) or
+                                   f"Use the same settings, or start afresh with {self.start_afresh()}"))
+        key, value = stop_at
+        unit = key.rsplit("_", 1)[-1]
+        if 0 < value <= meta.get(unit, 0):
+            raise CheckpointError(f"{key}={value} is not after the checkpoint {path} ({unit} {meta[unit]}): raise it, "
+                                  f"or remove it to train to the end")
+        return path
+
+    def _length_changed(self, path: Path, meta: Mapping[str, Any], config: Mapping[str, Any]) -> str | None:
+        """Why a resume may not change the run's length (`LENGTH_KEYS`: ``train.max_steps``, ``train.epochs``)
+        and what to do instead, as sentences that follow the list of changed settings; ``None`` when the length
+        is the checkpoint's.
+
+        A finished run (its checkpoint at the end of its length) cannot be extended, nor an unfinished one
+        lengthened or shortened: the learning-rate schedule is laid out over the length (the decay ends there,
+        ``optim.warmup_ratio`` is a fraction of it), so the steps after the checkpoint would follow another
+        schedule than the one the run that wrote it followed."""
+        old, new = flatten(meta["config"]), flatten(config)
+        by_steps = all(isinstance(c.get("train.max_steps"), int) and c["train.max_steps"] > 0 for c in (old, new))
+        key = next((k for k in LENGTH_KEYS if k in old and old.get(k) != new.get(k)
+                    and not (k == "train.epochs" and by_steps)), None)  # train.max_steps > 0 overrides train.epochs
+        if key is None:
+            return None
+        unit, was, done = LENGTH_KEYS[key], old[key], meta.get(LENGTH_KEYS[key], 0)
+        finished = isinstance(was, int) and 0 < was <= done
+        where = f"It is {unit} {done} of a run of {key}={was}" if unit == "step" else f"It was written by a run of {key}={was}"
+        what = (f"It is the end of a finished run ({unit} {done} of {key}={was}), and a finished run cannot be extended"
+                if finished else f"{where}, and a resume cannot change a run's length")
+        stop = next((k for k in (f"train.stop_at_{unit}", "train.stop_at_step", "train.stop_at_epoch") if k in new), None)
+        weights = ("; it starts from model.name_or_path, so name the model this run exported there (such as its "
+                   "output_dir's final folder) to start from this run's weights" if "model.name_or_path" in new else "")
+        split = f". To split one run into parts, keep {key} and set {stop} (each part resumes the last)" if stop else ""
+        return (f"{what}: the learning-rate schedule is laid out over {key} (its decay ends there, a warm-up ratio is a "
+                f"fraction of it), so the steps after the checkpoint would follow another schedule than the one that "
+                f"brought the run there. To train longer, start a new run with {key}={new.get(key)} in "
+                f"{self.start_afresh()}{weights}{split}")
+
+    def check_world_size(self, path: str | Path, meta: Mapping[str, Any], world_size: int,
+                         config: Mapping[str, Any] | None = None) -> None:
+        """Refuse a checkpoint that `meta` (its ``meta.json``) says another number of processes wrote; one
+        that did not record it passes. With `resizable`, refuse instead a global batch other than the
+        checkpoint's (`global_batch` of its ``config`` and of `config`), on any world size.
+
+        Args:
+            config: this run's config (flat or nested); needed with `resizable`.
+
+        Raises:
+            CheckpointError: not `resizable`: naming both sizes, why (`cannot_remap`), what to do and which recipes
+                resume on another size. `resizable`: naming both global batches and the ``train.grad_accum_steps``
+                or ``train.micro_batch_size`` that keeps it, or (without both configs) that it cannot be told.
+        """
+        n = meta.get("world_size")
+        if self.resizable:
+            self._check_global_batch(path, meta, world_size, config)
+        elif n not in (None, world_size):
+            raise CheckpointError(f"{path} was written by {n} {self.processes} but this job has {world_size}: "
+                                  f"{self.cannot_remap} (resuming on another number of processes is supported by "
+                                  f"{resizable_recipes()} only). Resume with {self.same_size.format(n=n)}, or start "
+                                  f"afresh with {self.start_afresh()}")
+
+    def _check_global_batch(self, path: str | Path, meta: Mapping[str, Any], world_size: int,
+                            config: Mapping[str, Any] | None) -> None:
+        """`check_world_size` of a resizable run: the global batch must be the checkpoint's."""
+        n = meta.get("world_size")
+        if config is None or "config" not in meta:
+            if n not in (None, world_size):
+                raise CheckpointError(f"{path} was written by {n} {self.processes} but this job has {world_size}, and "
+                                      f"its global batch cannot be told (no config to compare): resume with "
+                                      f"{self.same_size.format(n=n)}")
+            return
+        if n is None:
+            return
+        was, now = global_batch(meta["config"], n), global_batch(config, world_size)
+        target, micro, accum = was[0], now[1], now[2]
+        if now[0] == target:
+            return
+        ways = []  # one key changed, the other kept
+        if target % (micro * world_size) == 0:
+            k = target // (micro * world_size)
+            ways.append(f"{BATCH_KEYS[1]}={k} ({micro} x {k} x {world_size} = {target})")
+        if target % (accum * world_size) == 0 and target // (accum * world_size) != micro:
+            k = target // (accum * world_size)
+            ways.append(f"{BATCH_KEYS[0]}={k} ({k} x {accum} x {world_size} = {target})")
+        todo = (f"set {' or '.join(ways)}" if ways else
+                f"no micro-batch x accumulation x {world_size} makes {target}" if target % world_size else
+                f"set {BATCH_KEYS[0]} x {BATCH_KEYS[1]} = {target // world_size}")
+        raise CheckpointError(
+            f"{path} was written with a global batch of {target} samples ({was[1]} micro-batch x {was[2]} accumulation "
+            f"x {n} {_plural(self.processes, n)}) but this job's is {now[0]} ({micro} x {accum} x {world_size}); a resume "
+            f"keeps the global batch, so that a step, max_steps, the learning-rate schedule and the data position keep "
+            f"their meaning. To continue on {world_size} {_plural(self.processes, world_size)}, {todo}; or resume with "
+            f"{self.same_size.format(n=n)}, or start afresh with {self.start_afresh()}")
+
+    def already_complete(self, done: int, total: int | None, unit: str = "step",
+                         outputs: Mapping[str, str | Path] = {}) -> str:
+        """The message for a run that has nothing left to do (its newest checkpoint is at the end and its
+        outputs are written): ``already complete: 40 of 40 steps; model in <dir>/final, metrics in ...
+        To train again, use a new output_dir (or delete <run_dir>).``
+
+        Args:
+            done, total: steps or epochs done and planned (``total=None``: not known here).
+            unit: ``"step"`` or ``"epoch"``.
+            outputs: what is where, e.g. ``{"model": final_dir, "metrics": jsonl}``.
+        """
+        count = f"{done} of {total}" if total is not None else f"{done}"
+        where = "".join(f"{', ' if i else '; '}{what} in {path}" for i, (what, path) in enumerate(outputs.items()))
+        return f"already complete: {count} {unit}s{where}. To train again, use {self.start_afresh()}."
+
+
+def resizable_recipes() -> str:
+    """The recipes that resume on another world size, as words (``"modernbert-ddp, qwen-fsdp2-sft and
+    retinanet-ddp"``): those whose ``train.py`` declares ``RESIZABLE = True`` beside this package (in the
+    repository); installed elsewhere, ``"the recipes whose train.py says RESIZABLE = True"``."""
+    recipes = Path(__file__).resolve().parents[2] / "recipes"
+    names = sorted(t.parent.name for t in recipes.glob("*/train.py")
+                   if re.search(r"^RESIZABLE = True\b", t.read_text(), re.M))
+    if not names:
+        return "the recipes whose train.py says RESIZABLE = True"
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def _plural(word: str, n: int) -> str:
+    """`word` (a plural: ``"ranks"``) for a count of `n`: ``"rank"`` for 1."""
+    return word.removesuffix("s") if n == 1 else word
+
+
+def global_batch(config: Mapping[str, Any], world_size: int) -> tuple[int, int, int]:
+    """``(global batch, micro-batch, accumulation)`` of a run's config (flat or nested) on `world_size` processes:
+    ``train.micro_batch_size x train.grad_accum_steps x world_size`` samples per optimizer step (a key the config
+    lacks counts as 1)."""
+    flat = flatten(config)
+    micro, accum = (int(flat.get(k) or 1) for k in BATCH_KEYS)
+    return micro * accum * world_size, micro, accum
+
+
+def restarted() -> bool:
+    """Whether this process is a worker of a group that its launcher started again after a failure:
+    ``COOKBOOK_RESTART_COUNT`` (`cookbook.torchrun`) or torchrun's own ``TORCHELASTIC_RESTART_COUNT`` above 0."""
+    return any(os.environ.get(k, "0").strip() not in ("", "0")
+               for k in (RESTART_COUNT_ENV, "TORCHELASTIC_RESTART_COUNT"))
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    """The ``meta.json`` of the checkpoint folder `path`."""
+    return json.loads((Path(path) / META_FILE).read_text())
+
+
+def _reason(exc: BaseException, limit: int = 120) -> str:
+    """An exception as a short phrase for a one-line message: ``"JSONDecodeError: Expecting value: ..."``; an OS
+    error as its name and text, and its file if it has one: ``"ENOSPC, No space left on device: '/ckpt/meta.json'"``."""
+    if isinstance(exc, OSError) and exc.errno in errno.errorcode:
+        text = f"{errno.errorcode[exc.errno]}, {exc.strerror or os.strerror(exc.errno)}"
+        return text + (f": {exc.filename!r}" if exc.filename else "")
+    text = (str(exc).strip().splitlines() or [""])[0]
+    text = text if len(text) <= limit else text[: limit - 3] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def file_sizes(folder: str | Path) -> dict[str, int]:
+    """Every file under `folder` but ``meta.json``, by its path relative to `folder` (``/``-separated), with its
+    size in bytes: what a checkpoint layout without an index of its own (the Hugging Face Trainer's:
+    DeepSpeed's shards, ``model.safetensors``, ...) lists in ``meta.json`` under ``files``, for `ResumeGuard.problem`
+    to check."""
+    folder = Path(folder)
+    return {p.relative_to(folder).as_posix(): p.stat().st_size for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.relative_to(folder).as_posix() != META_FILE}
+
+
+def _hasher() -> tuple[str, Any]:
+    """``(name, new)`` of the checksum `checksums` writes: xxh3_64 (``xxhash``), else zlib's crc32."""
+    try:
+        import xxhash
+
+        return "xxh3_64", xxhash.xxh3_64
+    except ImportError:
+        return "crc32", _Crc32
+
+
+class _Crc32:
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, data: bytes) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def hexdigest(self) -> str:
+        return f"{self.value:08x}"
+
+
+def _file_checksum(file: Path, kind: str) -> str:
+    """``"<kind>:<hex>"`` of the bytes of `file` (read in 4 MiB blocks)."""
+    new = {"crc32": _Crc32}.get(kind) or _hasher()[1]
+    h = new()
+    with open(file, "rb") as f:
+        while block := f.read(4 << 20):
+            h.update(block)
+    return f"{kind}:{h.hexdigest()}"
+
+
+def checksums(folder: str | Path) -> dict[str, str]:
+    """Every file under `folder` but ``meta.json``, by its path relative to `folder`, with the checksum of its bytes:
+    ``{"__0_0.distcp": "xxh3_64:9f0c..."}`` (crc32 without the ``xxhash`` package). What a writer stores in
+    ``meta.json`` under ``checksums`` at publish time, for `ResumeGuard.verify` to compare on resume."""
+    folder, kind = Path(folder), _hasher()[0]
+    return {p.relative_to(folder).as_posix(): _file_checksum(p, kind) for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.relative_to(folder).as_posix() != META_FILE}
+
+
+def _checksum_problem(path: Path, sums: Mapping[str, Any]) -> str | None:
+    """The first file of `sums` (``meta.json``'s ``checksums``) whose bytes under `path` do not match, as words:
+    ``"__0_0.distcp does not match its checksum (xxh3_64:... in meta.json, xxh3_64:... now)"``; ``None``."""
+    for name, want in sorted(sums.items()):
+        kind = str(want).split(":", 1)[0]
+        try:
+            have = _file_checksum(path / name, kind if kind in ("xxh3_64", "crc32") else "xxh3_64")
+        except FileNotFoundError:
+            return f"{name} is missing ({META_FILE} lists it)"
+        except OSError as exc:
+            return f"{name} is unreadable ({_reason(exc)})"
+        if have != want:
+            return f"{name} does not match its checksum ({want} in {META_FILE}, {have} now)"
+    return None
+
+
+def _sizes_problem(path: Path, sizes: Mapping[str, Any], listed: bool) -> str | None:
+    """What is wrong with the files of the checkpoint folder `path` that `sizes` names (relative path -> bytes), or
+    ``None``. `listed`: the sizes are ``meta.json``'s list of the folder's files (`file_sizes`), which each must
+    match exactly; else DCP's index, which says how many bytes each file must hold at least."""
+    for name, size in sorted(sizes.items()):
+        try:
+            have = (path / name).stat().st_size
+        except FileNotFoundError:
+            return f"{name} is missing ({META_FILE} lists it)" if listed else f"{name} is missing (its index names it)"
+        except OSError as exc:
+            return f"{name} is unreadable ({_reason(exc)})"
+        if listed and have != size:
+            return f"{name} is {have} bytes, {META_FILE} says {size}"
+        if have < size:
+            return f"{name} is {have} bytes, its index says {size} are needed"
+    return None
+
+
+def _dcp_problem(path: Path) -> str | None:
+    """What is wrong with the DCP files of the checkpoint folder `path` (see `ResumeGuard.problem`), or ``None``.
+
+    Reads DCP's index (``.metadata``: ``storage_data`` maps each tensor chunk to a ``_StorageInfo(relative_path,
+    offset, length)``) and checks that each file it names exists and is at least as long as its last entry
+    ends (bytes)."""
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as exc:  # noqa: BLE001 - a damaged pickle raises anything (EOFError, UnpicklingError, ...)
+        return f"{DCP_METADATA} is unreadable ({_reason(exc)})"
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(storage, Mapping):
+        return f"{DCP_METADATA} holds no index of the files"
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        name = getattr(info, "relative_path", None)
+        if name is not None:
+            needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
+    return _sizes_problem(path, needed, listed=False)
+
+
+def config_changes(old: Mapping[str, Any], new: Mapping[str, Any], may_change: tuple[str, ...] = ()) -> str:
+    """The settings that differ between two configs (flat or nested dicts), as ``"key: old -> new, ..."``
+    (at most six, then ``...``); ``""`` when none. Keys in `may_change` are ignored (a key ending in ``.*``
+    ignores a whole section; ``"key=value"`` ignores a key that `old` lacks, a setting added since, when `new`
+    has it at that value, its default)."""
+    old, new = flatten(old), flatten(new)
+    added = dict(m.split("=", 1) for m in may_change if "=" in m)
+    changed = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)
+               and not any(k == m or (m.endswith(".*") and k.startswith(m[:-1])) for m in may_change)
+               and not (k in added and k not in old and str(new.get(k)) == added[k])]
+    diff = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed[:6])
+    return diff + (", ..." if len(changed) > 6 else "")

@@ -1,0 +1,144 @@
+"""What a checkpoint holds: DCP `Stateful` wrappers for model and optimizer (`ModelOptimizerState`), per-rank state
+(`RankLocalState`), the RNG streams (`RNGState`, `seed_per_rank`, `rng_kept`) and the step and epoch (`TrainState`).
+`cookbook.checkpoint` re-exports them."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+class ModelOptimizerState:
+    """DCP `Stateful` for a model and its optimizer (DDP, FSDP2 or plain module).
+
+    Uses ``get_state_dict``/``set_state_dict``, which strip the DDP ``module.`` prefix, keep
+    FSDP2 parameters as sharded DTensors (so each rank writes only its shard) and key the
+    optimizer state (``exp_avg``, ``exp_avg_sq``, ``step``) by parameter name.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 options: StateDictOptions | None = None):
+        self.model = model
+        self.optimizer = optimizer
+        self.options = options  # e.g. StateDictOptions(ignore_frozen_params=True): adapters only (LoRA)
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.optimizer is None:
+            return {"model": get_model_state_dict(self.model, options=self.options)}
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.options)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        optimizers = [] if self.optimizer is None else self.optimizer
+        set_state_dict(
+            self.model,
+            optimizers,
+            model_state_dict=state["model"],
+            optim_state_dict=state.get("optim", {}) if self.optimizer is not None else {},
+            options=self.options,
+        )
+
+
+class RankLocalState:
+    """DCP `Stateful` for state that differs per rank: stored under ``rank<i>`` so ranks do not
+    overwrite each other, and restored to the same rank.
+
+    Args:
+        items: name -> object with ``state_dict()``/``load_state_dict()`` (e.g. a torchdata
+            ``StatefulDataLoader``), or `RNGState()`.
+
+    On a different world size `Checkpointer.load` refuses it (per-rank positions cannot be remapped), or, for a
+    resizable checkpoint (one with a `cookbook.sampler.DataPosition`), leaves it out: these objects then keep
+    the state this run gave them at its start.
+    """
+
+    def __init__(self, **items: Any):
+        self.items = items
+
+    def state_dict(self) -> dict[str, Any]:
+        return {f"rank{_rank()}": {name: obj.state_dict() for name, obj in self.items.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        mine = state[f"rank{_rank()}"]
+        for name, obj in self.items.items():
+            obj.load_state_dict(mine[name])
+
+
+class RNGState:
+    """The RNG streams of this process (Python, NumPy if installed, torch CPU and CUDA) as a
+    `Stateful`, so dropout and shuffling continue identically after a resume."""
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+        try:
+            import numpy as np
+
+            state["numpy"] = np.random.get_state()
+        except ImportError:
+            pass
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        random.setstate(state["python"])
+        torch.set_rng_state(state["torch"].cpu())
+        if "numpy" in state:
+            import numpy as np
+
+            np.random.set_state(state["numpy"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda"].cpu())
+
+
+def seed_per_rank(seed: int, rank: int) -> None:
+    """Seed this process's random streams (Python, NumPy if installed, torch CPU and every CUDA device) with
+    ``seed + rank``, so that each rank draws its own dropout masks (and augmentations). Call after the model's
+    initialisation (which must be the same on every rank) and before a resume restores the saved streams."""
+    random.seed(seed + rank)
+    try:
+        import numpy as np
+
+        np.random.seed(seed + rank)
+    except ImportError:
+        pass
+    torch.manual_seed(seed + rank)  # also seeds every CUDA device
+
+
+@contextlib.contextmanager
+def rng_kept() -> Iterator[None]:
+    """Leave this process's random streams (`RNGState`) as they were before the block: an evaluation (its data
+    loader draws a seed from torch's generator) does not change what training draws next."""
+    saved = RNGState().state_dict()
+    try:
+        yield
+    finally:
+        RNGState().load_state_dict(saved)
+
+
+class TrainState:
+    """Optimizer steps done and the current epoch, as a DCP `Stateful` (``step``, ``epoch``)."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.epoch = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step, self.epoch = int(state["step"]), int(state["epoch"])
