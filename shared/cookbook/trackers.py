@@ -1,0 +1,263 @@
+"""Where a run's metrics go besides ``metrics.jsonl``: the MLflow, TensorBoard and W&B sinks (``trackers`` in the
+config) that `cookbook.metrics.MetricsLogger` writes to on rank 0, and the redaction of credentials from the
+tracking URIs and texts they show. `cookbook.metrics` re-exports `redact_uri`."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from cookbook.config import TRACKER_UIS, TRACKER_UIS_FILE, flatten, install_hint
+from cookbook.dist import get_logger
+
+
+_SECRET_QUERY = ("token", "key", "secret", "password", "passwd", "pwd", "auth", "signature", "credential")
+
+
+def redact_uri(uri: str | None) -> str | None:
+    """`uri` with its password (``https://user:pw@host``) and the values of secret-looking query parameters
+    (``?token=...``, ``sig``, ``key``) replaced by ``***``, for logs and summaries (``MLFLOW_TRACKING_URI`` may
+    embed credentials). Other URIs are returned unchanged."""
+    from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+    if not uri:
+        return uri
+    try:
+        parts = urlsplit(uri)
+    except ValueError:
+        return "***"
+    netloc = parts.netloc
+    if parts.password is not None:
+        netloc = f"{parts.username}:***@{netloc.rsplit('@', 1)[1]}"
+    elif "@" in netloc and parts.scheme not in ("file", "sqlite"):  # a bare token as the user name
+        netloc = f"***@{netloc.rsplit('@', 1)[1]}"
+    query = parts.query
+    if query:
+        pairs = parse_qsl(query, keep_blank_values=True)
+        query = urlencode([(k, "***" if any(s in k.lower() for s in _SECRET_QUERY) or k.lower() == "sig" else v)
+                           for k, v in pairs], safe="*")
+    if (netloc, query) == (parts.netloc, parts.query):
+        return uri  # nothing to mask (rebuilding would drop the empty authority of sqlite:////abs/path)
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+TRACKING_URI_VARIABLES = ("MLFLOW_TRACKING_URI", "WANDB_BASE_URL")  # URIs of trackers, from the environment
+
+
+def redact_text(text: str, uris: Sequence[str | None] = ()) -> str:
+    """`text` (an error message, say) with the secrets that `redact_uri` masks in `uris` and in the tracking URIs
+    of the environment (`TRACKING_URI_VARIABLES`) replaced by ``***``, wherever they occur: a library's message
+    may quote the URI with a path or a query appended."""
+    from urllib.parse import parse_qsl, unquote, urlsplit
+
+    secrets = set()
+    for uri in [*uris, *(os.environ.get(v) for v in TRACKING_URI_VARIABLES)]:
+        if not uri or redact_uri(uri) == uri:
+            continue
+        try:
+            parts = urlsplit(uri)
+        except ValueError:
+            secrets.add(uri)
+            continue
+        if parts.password:
+            secrets.update({parts.password, unquote(parts.password)})
+        elif "@" in parts.netloc and parts.username:
+            secrets.update({parts.username, unquote(parts.username)})
+        for k, v in parse_qsl(parts.query, keep_blank_values=True):
+            if v and (any(w in k.lower() for w in _SECRET_QUERY) or k.lower() == "sig"):
+                secrets.add(v)
+    for secret in sorted(secrets, key=len, reverse=True):
+        text = text.replace(secret, "***")
+    return text
+
+
+class Sink:
+    """A tracker beside ``metrics.jsonl`` that switches itself off, with one warning line, at its first failure."""
+
+    name = ""
+
+    def __init__(self) -> None:
+        self.enabled = True
+
+    def _guard(self, fn, *args) -> None:
+        if not self.enabled:
+            return
+        try:
+            fn(*args)
+        except Exception as exc:  # tracking must never stop training
+            self.enabled = False
+            first = (str(exc).strip().splitlines() or [""])[0]  # SQLAlchemy's go on with the SQL and a link
+            why = redact_text(f"{type(exc).__name__}: {first}")  # a message may quote a tracking URI with its token
+            get_logger().warning(f"{self.name} tracking switched off after an error: {why}")
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        """Write numbers of one step (names as in the JSONL records)."""
+
+    def close(self, status: str = "FINISHED") -> None:
+        """End the run: ``FINISHED``, ``FAILED`` or ``KILLED`` (stopped early, to be resumed)."""
+
+    def where(self) -> str | None:
+        """Where the run is and the command that shows it, for the closing lines; ``None`` once switched off."""
+        return None
+
+
+def _run_id_of_last_time(path: Path) -> str | None:
+    """The run id a tracker stored in the output folder, so that a resumed run continues its tracker run."""
+    if not path.is_file():
+        return None
+    return path.read_text().strip() or None
+
+
+class MLflowSink(Sink):
+    """MLflow: ``MLFLOW_TRACKING_URI``, else an embedded SQLite store in the output folder."""
+
+    name = "MLflow"
+
+    def __init__(self, out_dir: Path, run_name: str, experiment: str, params: Mapping[str, Any]):
+        super().__init__()
+        self._run_id_file = out_dir / "mlflow_run_id.txt"
+        self.run_id: str | None = None
+        self.tracking_uri: str | None = None
+        self._guard(self._start, out_dir, run_name, experiment, params)
+
+    def _start(self, out_dir: Path, run_name: str, experiment: str, params: Mapping[str, Any]) -> None:
+        import mlflow
+
+        for name in ("alembic", "mlflow"):  # after the import, which sets mlflow's own level
+            logging.getLogger(name).setLevel(logging.WARNING)
+        # It logs each database error with its ~40-line traceback before re-raising it (a full disk): _guard's
+        # one line says it.
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
+
+        users = os.environ.get("MLFLOW_TRACKING_URI")
+        self.tracking_uri = users or f"sqlite:///{out_dir.resolve()}/mlflow.db"
+        mlflow.set_tracking_uri(self.tracking_uri)
+        if users is None:  # mlflow also exports it into os.environ, where the next run of this process (a notebook
+            os.environ.pop("MLFLOW_TRACKING_URI", None)  # cell, a forked worker) would take it for the user's
+        run_id = os.environ.get("MLFLOW_RUN_ID") or _run_id_of_last_time(self._run_id_file)
+        if not run_id:
+            mlflow.set_experiment(experiment)
+        run = mlflow.start_run(run_id=run_id or None, run_name=None if run_id else run_name)
+        self.run_id = run.info.run_id
+        self._run_id_file.write_text(self.run_id)
+        flat = {k: str(v)[:500] for k, v in flatten(params).items()}
+        items = list(flat.items())
+        for i in range(0, len(items), 100):
+            try:
+                mlflow.log_params(dict(items[i : i + 100]))
+            except Exception:
+                pass  # params already logged with other values (a resume with overrides): keep going
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        def _log() -> None:
+            import mlflow
+
+            mlflow.log_metrics({k.replace("/", "_"): float(v) for k, v in metrics.items()}, step=step)
+
+        self._guard(_log)
+
+    def close(self, status: str = "FINISHED") -> None:
+        def _end() -> None:
+            import mlflow
+
+            mlflow.end_run(status=status)
+
+        self._guard(_end)
+
+    def where(self) -> str | None:
+        if not self.enabled:
+            return None
+        uri = redact_uri(self.tracking_uri)
+        if uri is not None and uri.startswith(("http://", "https://", "databricks")):
+            return f"{uri} (run {self.run_id})"  # a server: its own UI shows the run
+        ui = f"`mlflow ui --backend-store-uri {uri}`"
+        if importlib.util.find_spec("flask") is None:  # mlflow-skinny has no UI server
+            ui += f" (after {install_hint(TRACKER_UIS['mlflow'], TRACKER_UIS_FILE)}; mlflow-skinny has no UI)"
+        return f"{uri} (run {self.run_id}); browse with {ui}"
+
+
+class TensorBoardSink(Sink):
+    """TensorBoard event files in ``<out_dir>/tensorboard`` (written with tensorboardX), one scalar per key."""
+
+    name = "TensorBoard"
+
+    def __init__(self, out_dir: Path, params: Mapping[str, Any]):
+        super().__init__()
+        self.log_dir = out_dir / "tensorboard"
+        self._writer = None
+        self._guard(self._start, params)
+
+    def _start(self, params: Mapping[str, Any]) -> None:
+        from tensorboardX import SummaryWriter
+
+        self._writer = SummaryWriter(logdir=str(self.log_dir), flush_secs=10)
+        table = "\n".join(f"| {k} | {str(v)[:500]} |" for k, v in flatten(params).items())
+        self._writer.add_text("config", "| key | value |\n|---|---|\n" + table, 0)
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        def _log() -> None:
+            for k, v in metrics.items():
+                self._writer.add_scalar(k, float(v), step)
+            self._writer.flush()
+
+        self._guard(_log)
+
+    def close(self, status: str = "FINISHED") -> None:
+        self._guard(lambda: self._writer.close())
+
+    def where(self) -> str | None:
+        if not self.enabled:
+            return None
+        ui = f"`tensorboard --logdir {self.log_dir}`"
+        if importlib.util.find_spec("tensorboard") is None:
+            ui += f" (after {install_hint(TRACKER_UIS['tensorboard'], TRACKER_UIS_FILE)})"
+        return f"{self.log_dir}; browse with {ui}"
+
+
+class WandbSink(Sink):
+    """Weights & Biases: online when ``WANDB_API_KEY`` is set, else offline into ``<out_dir>/wandb``
+    (``WANDB_MODE`` decides when set); a resumed run continues its W&B run (``wandb_run_id.txt``)."""
+
+    name = "W&B"
+
+    def __init__(self, out_dir: Path, run_name: str, experiment: str, params: Mapping[str, Any]):
+        super().__init__()
+        self._run = None
+        self._run_id_file = out_dir / "wandb_run_id.txt"
+        self.mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+        self._guard(self._start, out_dir, run_name, experiment, params)
+
+    def _start(self, out_dir: Path, run_name: str, experiment: str, params: Mapping[str, Any]) -> None:
+        import wandb
+
+        run_id = os.environ.get("WANDB_RUN_ID") or _run_id_of_last_time(self._run_id_file)
+        settings = wandb.Settings(console="off", silent=True, disable_git=True, save_code=False)
+        self._run = wandb.init(project=os.environ.get("WANDB_PROJECT") or experiment, name=run_name, dir=str(out_dir),
+                               config=dict(params), mode=self.mode, id=run_id, resume="allow" if run_id else None,
+                               settings=settings)
+        self._run_id_file.write_text(self._run.id)
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        self._guard(lambda: self._run.log(dict(metrics), step=step))
+
+    def close(self, status: str = "FINISHED") -> None:
+        def _end() -> None:
+            import wandb
+
+            if status == "KILLED":
+                self._run.mark_preempting()
+            self._run.finish(exit_code=1 if status == "FAILED" else 0)
+            wandb.teardown()  # waits until W&B's service has written everything (finish alone does not, offline)
+
+        self._guard(_end)
+
+    def where(self) -> str | None:
+        if not self.enabled or self._run is None:
+            return None
+        if self.mode == "offline":
+            folder = Path(self._run.dir).parent  # <out_dir>/wandb/offline-run-<time>-<id>
+            return f"{folder} (offline); upload with `wandb sync {folder}`"
+        return f"{redact_uri(self._run.url)} (run {self._run.id})"
