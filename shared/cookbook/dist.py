@@ -28,7 +28,6 @@ import logging
 import os
 import re
 import socket
-import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -40,6 +39,8 @@ import torch.distributed as dist
 
 from cookbook.errors import EXIT_PEER_LOST, OneLineError
 from cookbook.errors import first_line as _first_line
+from cookbook.logs import configure_logging as _configure_logging  # cookbook.ray_train.worker imports it from here
+from cookbook.logs import get_logger  # noqa: F401 (re-exported: the modules above import it from here)
 
 logger = logging.getLogger("cookbook")
 
@@ -66,11 +67,6 @@ class DistInfo:
     def is_main(self) -> bool:
         """True on global rank 0, the rank that logs and writes shared files."""
         return self.rank == 0
-
-    @property
-    def num_gpus(self) -> int:
-        """GPUs in the job (0 on CPU)."""
-        return self.world_size if self.device.type == "cuda" else 0
 
 
 def _env_int(name: str, default: int) -> int:
@@ -122,7 +118,7 @@ _STALL = {"timeout_s": None, "debug_dir": None, "store": None, "step": None, "ho
 _PROGRESS_KEY, _TIMED_OUT_KEY = "cookbook/progress/{}", "cookbook/timed_out/{}"
 # What gloo (CPU) and NCCL say when a collective waited past the group's timeout.
 _TIMEOUT_MARKERS = ("timed out waiting", "application timeout caused pair closure", "collective operation timeout")
-FLIGHT_RECORDER_ENTRIES = 2000  # collectives each rank keeps in torch's flight recorder (NCCL), as torch's tutorial advises
+_FLIGHT_RECORDER_ENTRIES = 2000  # collectives each rank keeps in torch's flight recorder (NCCL), as torch's tutorial advises
 
 
 def init_distributed(timeout_s: float = 1800.0, debug_dir: str | Path | None = None) -> DistInfo:
@@ -241,7 +237,7 @@ def _enable_flight_recorder(debug_dir: Path) -> None:
     """Turn on torch's NCCL flight recorder, dumping into `debug_dir` on a timeout, unless the user set it up.
     Both the current names (``TORCH_FR_*``) and the older ones (``TORCH_NCCL_*``) are set: torch reads either."""
     if not any(os.environ.get(k) for k in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")):
-        os.environ["TORCH_FR_BUFFER_SIZE"] = os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] = str(FLIGHT_RECORDER_ENTRIES)
+        os.environ["TORCH_FR_BUFFER_SIZE"] = os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] = str(_FLIGHT_RECORDER_ENTRIES)
     if not any(os.environ.get(k) for k in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")):
         debug_dir.mkdir(parents=True, exist_ok=True)
         os.environ["TORCH_FR_DUMP_TEMP_FILE"] = os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = str(debug_dir / "rank_")
@@ -480,53 +476,6 @@ def distributed_context(timeout_minutes: float = 30.0) -> Iterator[DistInfo]:
         yield info
     finally:
         destroy_distributed()
-
-
-class _RankFilter(logging.Filter):
-    def __init__(self, rank: int):
-        super().__init__()
-        self.rank = rank
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        # Warnings and errors from any rank get through, prefixed with the rank.
-        if record.levelno >= logging.WARNING:
-            record.msg = f"[rank{self.rank}] {record.msg}"
-            return True
-        return self.rank == 0
-
-
-class _StderrHandler(logging.StreamHandler):
-    """A stream handler that writes to whatever ``sys.stderr`` is when a record is emitted, not the one
-    that was current when the handler was made (notebooks and test runners replace ``sys.stderr``)."""
-
-    def __init__(self) -> None:
-        super().__init__(sys.stderr)
-
-    @property
-    def stream(self):  # type: ignore[override]
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value) -> None:
-        pass
-
-
-def _configure_logging(rank: int) -> None:
-    root = logging.getLogger("cookbook")
-    if any(getattr(h, "_cookbook", False) for h in root.handlers):
-        return
-    handler = _StderrHandler()
-    handler._cookbook = True  # type: ignore[attr-defined]
-    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
-    handler.addFilter(_RankFilter(rank))
-    root.addHandler(handler)
-    root.setLevel(logging.INFO)
-    root.propagate = False
-
-
-def get_logger() -> logging.Logger:
-    """The ``cookbook`` logger: INFO from rank 0 only, warnings and errors from every rank."""
-    return logging.getLogger("cookbook")
 
 
 def barrier() -> None:

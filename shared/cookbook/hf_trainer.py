@@ -33,6 +33,9 @@ The Trainer runs the step loop; these pieces connect it to the rest of the cookb
 - `TrainerRun` runs ``trainer.train()`` and closes the run whatever happens (stop, preemption, failure, stall).
 - `export_final` writes the consolidated model (and a LoRA adapter) in Hugging Face format.
 
+The checkpoint pieces and `export_final` are in `cookbook.hf_checkpoints`, the DeepSpeed ones in
+`cookbook.hf_deepspeed`; both are re-exported here.
+
 Use::
 
     info = init_deepspeed(on_cpu, cfg.train.collective_timeout_s, debug_dir=out_dir / "debug")
@@ -49,153 +52,28 @@ Use::
 
 from __future__ import annotations
 
-import contextlib
-import datetime
-import json
-import os
-import re
-import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from transformers import TrainerCallback
 
 from cookbook import lm
-from cookbook.checkpoint import _from_rank0, _os_error_in, publish, save_error
-from cookbook.config import ConfigError, to_dict
-from cookbook.dist import (DistInfo, apply_collective_timeout, barrier, destroy_distributed, get_dist_info, get_logger,
-                           init_distributed, record_progress, stall_error)
-from cookbook.policy import NonFinitePolicy, Preempted, StopRequest, StopVote
+from cookbook.config import to_dict
+from cookbook.dist import (apply_collective_timeout, barrier, destroy_distributed, get_dist_info, get_logger, record_progress,
+                           stall_error)
+from cookbook.hf_checkpoints import (PublishCheckpoints, ReportSaveErrors, already_complete, check_resume,  # noqa: F401 (re-exported)
+                                     export_final, published_checkpoints, resume_guard)
+from cookbook.hf_deepspeed import (DS_TRAINER_KEYS, check_accelerate_deepspeed_file, check_deepspeed_config,  # noqa: F401 (re-exported)
+                                   init_deepspeed)
 from cookbook.metrics import MetricsLogger
-from cookbook.resume import CHECKSUMS_KEY, FILES_KEY, ResumeGuard, _reason, checksums, file_sizes, read_meta
+from cookbook.policy import NonFinitePolicy, Preempted, StopRequest, StopVote
+from cookbook.resume import read_meta
 from cookbook.state import RNGState, seed_per_rank
 
-# DeepSpeed keys the Trainer fills from its TrainingArguments when they are "auto"; a number must agree.
-DS_TRAINER_KEYS = {"train_micro_batch_size_per_gpu": "train.micro_batch_size",
-                   "gradient_accumulation_steps": "train.grad_accum_steps",
-                   "train_batch_size": "train.micro_batch_size x train.grad_accum_steps x world size",
-                   "gradient_clipping": "optim.max_grad_norm"}
 # Trainer.evaluate's timing keys: not model metrics, left out of the eval record.
 _EVAL_TIMING = ("runtime", "samples_per_second", "steps_per_second")
-
-
-# ----------------------------------------------------------------------------- DeepSpeed
-def check_deepspeed_config(path: str | Path, *, micro_batch_size: int, grad_accum_steps: int, world_size: int,
-                           max_grad_norm: float, export_16bit: bool) -> dict:
-    """Read a DeepSpeed JSON (``deepspeed.config``) and check it against the recipe's config.
-
-    Args:
-        path: the JSON file.
-        micro_batch_size, grad_accum_steps, max_grad_norm: ``train.micro_batch_size``, ``train.grad_accum_steps``
-            and ``optim.max_grad_norm``, which the Trainer writes where the JSON says ``"auto"``.
-        world_size: processes of the job (GPUs x nodes).
-        export_16bit: the run writes the final model (``checkpoint.export_hf``), which under ZeRO-3 needs the
-            16-bit weights gathered on save.
-
-    Returns:
-        The JSON as a dict.
-
-    Raises:
-        ConfigError: the file is missing or not JSON; no ZeRO stage 1-3; fp16 is on (recipes train in bf16 or
-            fp32: ``train.mixed_precision``); a batch-size or clipping value is a number that disagrees with the
-            config (names the key and the config value it must equal, or "auto"); ZeRO-3 without
-            ``stage3_gather_16bit_weights_on_model_save`` while `export_16bit`; ``bf16.check_grad_overflow=false``
-            or ``zero_optimization.compute_grad_norm=false``, with which DeepSpeed applies a step whose gradient
-            norm is NaN or infinite (`NonFiniteSteps` relies on DeepSpeed discarding it); an ``accelerate launch``
-            config naming another DeepSpeed JSON (`check_accelerate_deepspeed_file`).
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"deepspeed.config: file not found: {path}")
-    check_accelerate_deepspeed_file(path)
-    try:
-        ds = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"deepspeed.config {path}: not valid JSON: {exc}") from None
-    stage = ds.get("zero_optimization", {}).get("stage")
-    if stage not in (1, 2, 3):
-        raise ConfigError(f"{path}: zero_optimization.stage must be 1, 2 or 3, got {stage!r}")
-    if ds.get("fp16", {}).get("enabled") not in (None, False, "auto"):
-        raise ConfigError(f"{path}: fp16.enabled is set; this recipe trains in bf16 or fp32 (train.mixed_precision): "
-                          f"remove the fp16 section")
-    expected = {"train_micro_batch_size_per_gpu": micro_batch_size, "gradient_accumulation_steps": grad_accum_steps,
-                "train_batch_size": micro_batch_size * grad_accum_steps * world_size, "gradient_clipping": max_grad_norm}
-    for key, want in expected.items():
-        got = ds.get(key, "auto")
-        if got != "auto" and float(got) != float(want):
-            raise ConfigError(f"{path}: {key}={got} disagrees with {DS_TRAINER_KEYS[key]} = {want}: set it to \"auto\" "
-                              f"(the trainer fills it in) or to {want}")
-    if ds.get("bf16", {}).get("check_grad_overflow") is False:
-        raise ConfigError(f"{path}: bf16.check_grad_overflow=false makes DeepSpeed apply a step whose gradient norm is "
-                          f"NaN or infinite, which train.on_nonfinite (stop or skip) cannot undo: remove it")
-    if ds["zero_optimization"].get("compute_grad_norm") is False:
-        raise ConfigError(f"{path}: zero_optimization.compute_grad_norm=false leaves DeepSpeed without the gradient "
-                          f"norm that it checks before each update (train.on_nonfinite) and that the metrics log: "
-                          f"remove it")
-    if stage == 3 and export_16bit and not ds["zero_optimization"].get("stage3_gather_16bit_weights_on_model_save"):
-        raise ConfigError(f"{path}: ZeRO-3 needs zero_optimization.stage3_gather_16bit_weights_on_model_save=true to "
-                          f"write the final model (checkpoint.export_hf=true)")
-    return ds
-
-
-def check_accelerate_deepspeed_file(path: str | Path, env: Mapping[str, str] | None = None) -> None:
-    """Refuse an ``accelerate launch`` whose DeepSpeed JSON is not the recipe's ``deepspeed.config``.
-
-    ``accelerate launch --config_file <yaml>`` with ``deepspeed_config.deepspeed_config_file`` exports it to the
-    workers as ``ACCELERATE_DEEPSPEED_CONFIG_FILE``; the Trainer trains with its own ``deepspeed`` argument (the
-    recipe's ``deepspeed.config``) and would silently ignore a different file. A relative path is looked up from the
-    working directory (as accelerate does), then from the folder of `path`.
-
-    Args:
-        path: the recipe's DeepSpeed JSON (an existing file).
-        env: the environment to read (default ``os.environ``).
-
-    Raises:
-        ConfigError: the variable names a file that does not exist, or another file than `path`.
-    """
-    given = (os.environ if env is None else env).get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
-    if not given:
-        return
-    candidates = [Path(given), Path(path).parent / given] if not Path(given).is_absolute() else [Path(given)]
-    found = next((c for c in candidates if c.is_file()), None)
-    if found is None:
-        raise ConfigError(f"accelerate's deepspeed_config_file {given!r} (ACCELERATE_DEEPSPEED_CONFIG_FILE) is not a "
-                          f"file; this recipe trains with deepspeed.config = {path}: name that file there, or leave "
-                          f"deepspeed_config_file out")
-    if not found.samefile(path):
-        raise ConfigError(f"accelerate's deepspeed_config_file {str(found)!r} disagrees with deepspeed.config = {path}: "
-                          f"the Trainer would train with {Path(path).name} and ignore it; name the same file in both "
-                          f"(e.g. ./launch.sh deepspeed.config={found.name}), or leave deepspeed_config_file out")
-
-
-def init_deepspeed(on_cpu: bool, timeout_s: float = 1800.0, debug_dir: str | Path | None = None) -> DistInfo:
-    """Start the cookbook's process group (`cookbook.init_distributed`) and DeepSpeed's communication over it.
-
-    On a CPU run DeepSpeed would build a shared-memory all-reduce op with a C++ JIT compile (~40 s); gloo's
-    collectives do the same job for a CPU test, so that build is skipped. Call before creating
-    ``TrainingArguments`` (with ZeRO-3, they make ``from_pretrained`` partition the weights while loading).
-
-    Args:
-        on_cpu: the run is on CPU (gloo).
-        timeout_s: the collective timeout (``train.collective_timeout_s``), for the default group and DeepSpeed;
-            the groups DeepSpeed creates itself get it from `StallReport` when training begins.
-        debug_dir: where stack dumps and NCCL's flight recorder write on a timeout (``<output_dir>/debug``).
-
-    Returns:
-        This process's `DistInfo`.
-    """
-    import importlib
-
-    if on_cpu:
-        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-    import deepspeed
-
-    info = init_distributed(timeout_s, debug_dir=debug_dir)
-    # DeepSpeed's comm layer over the existing group
-    deepspeed.init_distributed(dist_backend=info.backend, timeout=datetime.timedelta(seconds=timeout_s))
-    return info
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -371,192 +249,7 @@ def epoch_line(num_rows: int, global_batch: int) -> str:
     return f"epoch: {num_rows} rows = {steps} steps of {global_batch} rows, every row read once; {tail}"
 
 
-# ----------------------------------------------------------------------------- checkpoints
-def published_checkpoints(root: str | Path) -> list[Path]:
-    """Published checkpoints ``checkpoint-<step>`` (with ``meta.json``) under `root`, oldest first: the resume
-    guard's own discovery (`cookbook.checkpoint.ResumeGuard`), so that what is pruned is what a resume would find."""
-    return ResumeGuard(root, folder="checkpoint-<n>", files=()).complete_checkpoints()
-
-
-class PublishCheckpoints(TrainerCallback):
-    """Publishes each checkpoint the Trainer saves, atomically.
-
-    The Trainer writes ``checkpoint-<step>`` into its ``output_dir`` (the staging folder: DeepSpeed's
-    partitions of every rank, scheduler, RNG, data position). Once every rank is done, rank 0 adds
-    ``meta.json`` (``step``, ``world_size``, ``time``, ``config``, ``files``: every file of the checkpoint
-    with its size, `cookbook.resume.file_sizes`, so that the resume guard finds a truncated or missing shard, and
-    ``checksums``, `cookbook.checkpoint.checksums`, for bytes overwritten in place)
-    and renames the folder to ``<root>/checkpoint-<step>`` (atomic on one file system; `published_checkpoints`
-    lists only those), then deletes all but the newest `keep_last` (0: keeps all). Set ``save_total_limit=None``
-    in the arguments: the staging folder is emptied by the renames. When training begins, rank 0 deletes what an
-    interrupted or failed save left in the staging folder.
-
-    Args:
-        root: the published checkpoints' folder (``output_dir/checkpoints``), on the Trainer's file system.
-        keep_last: published checkpoints to keep, >= 0.
-        config: the run's config (a dict), stored in ``meta.json`` for the resume check.
-        more_meta: called on rank 0 at each save for more ``meta.json`` entries (JSON values), e.g.
-            `NonFiniteSteps.meta` (the skip count a resume continues).
-
-    Raises (from ``on_save``, on every rank):
-        CheckpointSaveError: rank 0 could not write ``meta.json`` or publish (disk full, ...): one line naming
-            the checkpoint, the OS error and the previous checkpoint, which is intact.
-    """
-
-    def __init__(self, root: str | Path, keep_last: int, config: Mapping[str, Any],
-                 more_meta: Callable[[], Mapping[str, Any]] | None = None):
-        self.root, self.keep_last, self.config = Path(root), keep_last, dict(config)
-        self.more_meta = more_meta
-
-    def latest(self) -> Path | None:
-        """The newest published checkpoint, or ``None``."""
-        found = published_checkpoints(self.root)
-        return found[-1] if found else None
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        if state.is_world_process_zero:  # unpublished leftovers of an interrupted or failed save
-            for old in Path(args.output_dir).glob("checkpoint-*"):
-                shutil.rmtree(old, ignore_errors=True)
-        barrier()
-
-    def on_save(self, args, state, control, **kwargs):
-        barrier()  # every rank has written its ZeRO partitions and RNG state
-        src = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        failure = None
-        if state.is_world_process_zero:
-            try:
-                self.root.mkdir(parents=True, exist_ok=True)
-                meta = {"step": state.global_step, "world_size": args.world_size, "time": time.time(),
-                        "config": self.config, FILES_KEY: file_sizes(src), CHECKSUMS_KEY: checksums(src),
-                        **(self.more_meta() if self.more_meta is not None else {})}
-                (src / "meta.json").write_text(json.dumps(meta, indent=2))
-                publish(src, self.root / src.name)
-            except OSError as exc:  # every rank must hear of it, or they would wait at the next collective
-                failure = (_reason(exc), exc.errno)
-                shutil.rmtree(src, ignore_errors=True)  # never published: its space goes back to the full disk
-            else:
-                for old in published_checkpoints(self.root)[: -self.keep_last] if self.keep_last else []:
-                    shutil.rmtree(old, ignore_errors=True)
-                get_logger().info(f"checkpoint published: {self.root / src.name}")
-        failure = _from_rank0(failure)
-        if failure is not None:
-            reason, code = failure
-            raise save_error(state.global_step, self.root / src.name, self.latest(),
-                             0 if args.world_size > 1 else None, OSError(code, reason), reason)
-        barrier()
-
-
-def resume_guard(output_dir: str | Path, cannot_remap: str) -> ResumeGuard:
-    """The resume guard of a Trainer recipe: the Trainer's ``checkpoint-<step>`` folders, published with
-    ``meta.json`` under ``output_dir/checkpoints`` (`PublishCheckpoints`). Another number of ranks is refused
-    (`cannot_remap` says why: ``"the Trainer's data order and per-rank RNG states depend on it"``); its advice to
-    start afresh deletes the whole `output_dir` (metrics.jsonl included: deleting the checkpoints alone would append
-    a new run to the old run's records)."""
-    return ResumeGuard(Path(output_dir) / "checkpoints", folder="checkpoint-<n>", files=(), run_dir=output_dir,
-                       cannot_remap=cannot_remap, same_size="NGPU x NNODES = {n}", published=True)
-
-
-def check_resume(cfg: Any, world_size: int, may_change: tuple[str, ...], cannot_remap: str) -> Path | None:
-    """The checkpoint to resume from (``cfg.checkpoint.resume``: auto, none or a folder), checked against the run
-    of `cfg` (a recipe's config with ``output_dir``, ``checkpoint.resume`` and ``train.stop_at_step``) on
-    `world_size` processes; `may_change` lists the config keys that may differ from the checkpoint's.
-
-    Raises:
-        CheckpointError: see `cookbook.checkpoint.ResumeGuard.check`: not a complete checkpoint; "none" over an
-            earlier run's checkpoints; written by another number of ranks or with other settings;
-            ``train.stop_at_step`` not after it.
-    """
-    return resume_guard(cfg.output_dir, cannot_remap).check(cfg.checkpoint.resume, world_size, to_dict(cfg), may_change,
-                                                            ("train.stop_at_step", cfg.train.stop_at_step))
-
-
-def already_complete(output_dir: str | Path, resume_from: Path | None, max_steps: int,
-                     model: str = "final") -> str | None:
-    """The message for a run whose checkpoint `resume_from` is at or past `max_steps` and whose final model
-    (``output_dir/<model>``, a folder `export_final` writes) is there, so nothing is left to do; else ``None``."""
-    final = Path(output_dir) / model
-    step = read_meta(resume_from)["step"] if resume_from is not None and final.is_dir() else -1
-    if step < max_steps:
-        return None
-    return resume_guard(output_dir, "").already_complete(step, max_steps, "step", {"model": final})
-
-
-class ReportSaveErrors:
-    """Trainer mixin, before the Trainer in the bases (``class MyTrainer(ReportSaveErrors, CountBatches,
-    SFTTrainer)``): a checkpoint save that fails with an OS error (disk full, file too large, I/O error, a
-    read-only file system) ends the run with `CheckpointSaveError` (exit status 2, which the launcher does not
-    restart: the disk would still be full) instead of a traceback.
-
-    The message names the checkpoint (its published folder), the OS error and the rank that met it, the previous
-    checkpoint (intact: the failed one is never published, and the rank that met the error deletes it from the
-    staging folder, so that a full disk gets its space back; what other ranks still write there is cleared at the next
-    start) and what to do. Only the rank that met the error knows of it: it prints the line; the other ranks,
-    waiting for it in a collective, stop with "another rank is gone" (exit 3) or are stopped by the launcher.
-    Failures of `PublishCheckpoints` (rank 0's ``meta.json`` and rename) are raised by it on every rank.
-
-    Raises:
-        CheckpointSaveError: from ``_save_checkpoint``, the Trainer's save (model, DeepSpeed's partitions,
-            scheduler, RNG, trainer state), when an `OSError` is behind its failure and a `PublishCheckpoints`
-            is among the callbacks; other failures pass through unchanged.
-    """
-
-    def _save_checkpoint(self, model, trial):
-        try:
-            with _torch_saves_raise_os_errors():
-                return super()._save_checkpoint(model, trial)
-        except Exception as exc:
-            os_error = _os_error_behind(exc)
-            publisher = next((c for c in self.callback_handler.callbacks if isinstance(c, PublishCheckpoints)), None)
-            if os_error is None or publisher is None:
-                raise
-            info = get_dist_info()
-            step = self.state.global_step
-            # the unpublished folder: its bytes would keep the disk full (the other ranks' writes there fail too)
-            shutil.rmtree(Path(self.args.output_dir) / f"checkpoint-{step}", ignore_errors=True)
-            error = save_error(step, publisher.root / f"checkpoint-{step}", publisher.latest(),
-                               info.rank if info.world_size > 1 else None, os_error)
-            error.same_on_every_rank = False  # this rank alone met it, so this rank prints it
-            raise error from exc
-
-
-@contextlib.contextmanager
-def _torch_saves_raise_os_errors() -> Iterator[None]:
-    """While the Trainer saves a checkpoint, ``torch.save`` to a path writes through a Python file object, so that
-    a failed write raises the `OSError` (its errno and the file) instead of torch's ``RuntimeError: ... unexpected
-    pos 704 vs 598``, whose C++ file writer keeps no errno. DeepSpeed writes its ZeRO partitions with
-    ``torch.save(state, path)``, as the Trainer does its scheduler, RNG states and arguments; the bytes written are
-    the same."""
-    original = torch.save
-
-    def save(obj, f, *args, **kwargs):
-        if not isinstance(f, (str, os.PathLike)):
-            return original(obj, f, *args, **kwargs)
-        try:
-            with open(f, "wb") as stream:
-                return original(obj, stream, *args, **kwargs)
-        except Exception as exc:
-            os_error = _os_error_in(exc)
-            if os_error is None:
-                raise
-            raise OSError(os_error.errno, os_error.strerror, os.fspath(f)) from exc
-
-    torch.save = save
-    try:
-        yield
-    finally:
-        torch.save = original
-
-
-def _os_error_behind(exc: BaseException) -> OSError | None:
-    """The OS error behind a failed write: an `OSError` in `exc`'s chain, or the one that safetensors (Rust) gives
-    as text only (``SafetensorError: Error while serializing: I/O error: File too large (os error 27)``)."""
-    found = _os_error_in(exc)
-    if found is not None:
-        return found
-    code = re.search(r"\(os error (\d+)\)", str(exc))
-    return OSError(int(code[1]), os.strerror(int(code[1]))) if code else None
-
-
+# ----------------------------------------------------------------------------- seeds, stops and failures
 class SeedPerRank(TrainerCallback):
     """Each rank its own dropout masks: when training begins (after the model and its LoRA layers are built),
     the random streams are seeded ``args.seed + args.process_index`` (`cookbook.checkpoint.seed_per_rank`). The
@@ -698,7 +391,7 @@ class NonFiniteSteps(TrainerCallback):
         if self._deepspeed:  # DeepSpeed has already applied or discarded the update (on_optimizer_step)
             return
         grads = [p.grad for p in model.parameters() if p.requires_grad and p.grad is not None]
-        if nonfinite_on_some_rank(grads, get_dist_info().device):
+        if _nonfinite_on_some_rank(grads, get_dist_info().device):
             for p in model.parameters():
                 p.grad = None
             step = state.global_step + 1
@@ -727,7 +420,7 @@ class NonFiniteSteps(TrainerCallback):
         return {self.META_KEY: self.policy.skipped_steps}
 
 
-def nonfinite_on_some_rank(grads: list[torch.Tensor], device: torch.device) -> bool:
+def _nonfinite_on_some_rank(grads: list[torch.Tensor], device: torch.device) -> bool:
     """Whether any of `grads` (this rank's gradients, any shapes; DTensors are checked by their local shard) has a
     NaN or infinite norm on any rank. Collective (one all-reduce of a scalar, MAX, over the default group) when a
     process group exists: call it on every rank, with or without gradients."""
@@ -836,64 +529,3 @@ class TrainerRun:
         return False
 
 
-# ----------------------------------------------------------------------------- export
-def export_final(trainer, tokenizer, out_dir: str | Path, merge: bool = True) -> Path | None:
-    """Write the consolidated model and the tokenizer to ``out_dir/final`` (Hugging Face format), atomically.
-
-    Collective. The full state dict comes from the Trainer's accelerator (under ZeRO-3 DeepSpeed gathers every
-    partition to rank 0, in the training dtype: bf16 on GPU, fp32 on CPU; the JSON needs
-    ``stage3_gather_16bit_weights_on_model_save``). For a PEFT (LoRA) model the adapter goes to
-    ``out_dir/adapter`` and ``final`` holds the base model with the adapter merged in. ``config.json`` records
-    the dtype (so ``from_pretrained(dtype="auto")`` keeps it) and ``use_cache: true``. ``merge=False`` writes the
-    adapter alone (a base whose weights cannot take a merge, e.g. 4-bit quantized).
-
-    Returns:
-        ``out_dir/final`` on rank 0 (``out_dir/adapter`` without `merge`), ``None`` elsewhere.
-    """
-    out_dir = Path(out_dir)
-    state = trainer.accelerator.get_state_dict(trainer.model_wrapped)  # every rank takes part; rank 0 gets tensors
-    result = None
-    if trainer.is_world_process_zero():
-        unwrapped = trainer.accelerator.unwrap_model(trainer.model_wrapped)
-        state = {k: v.detach().cpu() for k, v in state.items()}
-        dtype = next(v.dtype for v in state.values() if v.is_floating_point())
-        if _is_peft(unwrapped):
-            from peft import get_peft_model
-
-            tmp = out_dir / ".tmp-adapter"
-            shutil.rmtree(tmp, ignore_errors=True)
-            unwrapped.save_pretrained(tmp, state_dict=state)
-            tokenizer.save_pretrained(tmp)
-            publish(tmp, out_dir / "adapter")
-            result = out_dir / "adapter"
-        if result is not None and merge:
-            base = unwrapped.get_base_model()
-            # The class's own constructor, not from_config: under ZeRO-3, from_config partitions the new model
-            # across ranks (a collective that rank 0 alone would wait on forever).
-            with torch.device("meta"):
-                merged = get_peft_model(type(base)(base.config), unwrapped.peft_config["default"])
-            merged.load_state_dict(state, assign=True)
-            unwrapped = merged.merge_and_unload()
-            state = {k: v.contiguous() for k, v in unwrapped.state_dict().items()}
-    if trainer.is_world_process_zero() and (result is None or merge):  # the (merged) model
-        tmp = out_dir / ".tmp-final"
-        shutil.rmtree(tmp, ignore_errors=True)
-        unwrapped.save_pretrained(tmp, state_dict=state, safe_serialization=True)
-        config_file = tmp / "config.json"
-        saved = json.loads(config_file.read_text())
-        saved["dtype"] = str(dtype).removeprefix("torch.")
-        saved["use_cache"] = True
-        config_file.write_text(json.dumps(saved, indent=2))
-        tokenizer.save_pretrained(tmp)
-        publish(tmp, out_dir / "final")
-        result = out_dir / "final"
-    barrier()
-    return result
-
-
-def _is_peft(model: torch.nn.Module) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return False
-    return isinstance(model, PeftModel)

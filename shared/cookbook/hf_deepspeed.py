@@ -1,0 +1,138 @@
+"""DeepSpeed under the Hugging Face Trainer: `check_deepspeed_config` refuses, before any worker starts, a DeepSpeed
+JSON that disagrees with the recipe's config (or with the one an ``accelerate launch`` config names:
+`check_accelerate_deepspeed_file`); `init_deepspeed` starts DeepSpeed's communication over the cookbook's process
+group. `cookbook.hf_trainer` re-exports them."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from pathlib import Path
+from typing import Mapping
+
+from cookbook.config import ConfigError
+from cookbook.dist import DistInfo, init_distributed
+
+
+# DeepSpeed keys the Trainer fills from its TrainingArguments when they are "auto"; a number must agree.
+DS_TRAINER_KEYS = {"train_micro_batch_size_per_gpu": "train.micro_batch_size",
+                   "gradient_accumulation_steps": "train.grad_accum_steps",
+                   "train_batch_size": "train.micro_batch_size x train.grad_accum_steps x world size",
+                   "gradient_clipping": "optim.max_grad_norm"}
+
+
+def check_deepspeed_config(path: str | Path, *, micro_batch_size: int, grad_accum_steps: int, world_size: int,
+                           max_grad_norm: float, export_16bit: bool) -> dict:
+    """Read a DeepSpeed JSON (``deepspeed.config``) and check it against the recipe's config.
+
+    Args:
+        path: the JSON file.
+        micro_batch_size, grad_accum_steps, max_grad_norm: ``train.micro_batch_size``, ``train.grad_accum_steps``
+            and ``optim.max_grad_norm``, which the Trainer writes where the JSON says ``"auto"``.
+        world_size: processes of the job (GPUs x nodes).
+        export_16bit: the run writes the final model (``checkpoint.export_hf``), which under ZeRO-3 needs the
+            16-bit weights gathered on save.
+
+    Returns:
+        The JSON as a dict.
+
+    Raises:
+        ConfigError: the file is missing or not JSON; no ZeRO stage 1-3; fp16 is on (recipes train in bf16 or
+            fp32: ``train.mixed_precision``); a batch-size or clipping value is a number that disagrees with the
+            config (names the key and the config value it must equal, or "auto"); ZeRO-3 without
+            ``stage3_gather_16bit_weights_on_model_save`` while `export_16bit`; ``bf16.check_grad_overflow=false``
+            or ``zero_optimization.compute_grad_norm=false``, with which DeepSpeed applies a step whose gradient
+            norm is NaN or infinite (`NonFiniteSteps` relies on DeepSpeed discarding it); an ``accelerate launch``
+            config naming another DeepSpeed JSON (`check_accelerate_deepspeed_file`).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"deepspeed.config: file not found: {path}")
+    check_accelerate_deepspeed_file(path)
+    try:
+        ds = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"deepspeed.config {path}: not valid JSON: {exc}") from None
+    stage = ds.get("zero_optimization", {}).get("stage")
+    if stage not in (1, 2, 3):
+        raise ConfigError(f"{path}: zero_optimization.stage must be 1, 2 or 3, got {stage!r}")
+    if ds.get("fp16", {}).get("enabled") not in (None, False, "auto"):
+        raise ConfigError(f"{path}: fp16.enabled is set; this recipe trains in bf16 or fp32 (train.mixed_precision): "
+                          f"remove the fp16 section")
+    expected = {"train_micro_batch_size_per_gpu": micro_batch_size, "gradient_accumulation_steps": grad_accum_steps,
+                "train_batch_size": micro_batch_size * grad_accum_steps * world_size, "gradient_clipping": max_grad_norm}
+    for key, want in expected.items():
+        got = ds.get(key, "auto")
+        if got != "auto" and float(got) != float(want):
+            raise ConfigError(f"{path}: {key}={got} disagrees with {DS_TRAINER_KEYS[key]} = {want}: set it to \"auto\" "
+                              f"(the trainer fills it in) or to {want}")
+    if ds.get("bf16", {}).get("check_grad_overflow") is False:
+        raise ConfigError(f"{path}: bf16.check_grad_overflow=false makes DeepSpeed apply a step whose gradient norm is "
+                          f"NaN or infinite, which train.on_nonfinite (stop or skip) cannot undo: remove it")
+    if ds["zero_optimization"].get("compute_grad_norm") is False:
+        raise ConfigError(f"{path}: zero_optimization.compute_grad_norm=false leaves DeepSpeed without the gradient "
+                          f"norm that it checks before each update (train.on_nonfinite) and that the metrics log: "
+                          f"remove it")
+    if stage == 3 and export_16bit and not ds["zero_optimization"].get("stage3_gather_16bit_weights_on_model_save"):
+        raise ConfigError(f"{path}: ZeRO-3 needs zero_optimization.stage3_gather_16bit_weights_on_model_save=true to "
+                          f"write the final model (checkpoint.export_hf=true)")
+    return ds
+
+
+def check_accelerate_deepspeed_file(path: str | Path, env: Mapping[str, str] | None = None) -> None:
+    """Refuse an ``accelerate launch`` whose DeepSpeed JSON is not the recipe's ``deepspeed.config``.
+
+    ``accelerate launch --config_file <yaml>`` with ``deepspeed_config.deepspeed_config_file`` exports it to the
+    workers as ``ACCELERATE_DEEPSPEED_CONFIG_FILE``; the Trainer trains with its own ``deepspeed`` argument (the
+    recipe's ``deepspeed.config``) and would silently ignore a different file. A relative path is looked up from the
+    working directory (as accelerate does), then from the folder of `path`.
+
+    Args:
+        path: the recipe's DeepSpeed JSON (an existing file).
+        env: the environment to read (default ``os.environ``).
+
+    Raises:
+        ConfigError: the variable names a file that does not exist, or another file than `path`.
+    """
+    given = (os.environ if env is None else env).get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if not given:
+        return
+    candidates = [Path(given), Path(path).parent / given] if not Path(given).is_absolute() else [Path(given)]
+    found = next((c for c in candidates if c.is_file()), None)
+    if found is None:
+        raise ConfigError(f"accelerate's deepspeed_config_file {given!r} (ACCELERATE_DEEPSPEED_CONFIG_FILE) is not a "
+                          f"file; this recipe trains with deepspeed.config = {path}: name that file there, or leave "
+                          f"deepspeed_config_file out")
+    if not found.samefile(path):
+        raise ConfigError(f"accelerate's deepspeed_config_file {str(found)!r} disagrees with deepspeed.config = {path}: "
+                          f"the Trainer would train with {Path(path).name} and ignore it; name the same file in both "
+                          f"(e.g. ./launch.sh deepspeed.config={found.name}), or leave deepspeed_config_file out")
+
+
+def init_deepspeed(on_cpu: bool, timeout_s: float = 1800.0, debug_dir: str | Path | None = None) -> DistInfo:
+    """Start the cookbook's process group (`cookbook.init_distributed`) and DeepSpeed's communication over it.
+
+    On a CPU run DeepSpeed would build a shared-memory all-reduce op with a C++ JIT compile (~40 s); gloo's
+    collectives do the same job for a CPU test, so that build is skipped. Call before creating
+    ``TrainingArguments`` (with ZeRO-3, they make ``from_pretrained`` partition the weights while loading).
+
+    Args:
+        on_cpu: the run is on CPU (gloo).
+        timeout_s: the collective timeout (``train.collective_timeout_s``), for the default group and DeepSpeed;
+            the groups DeepSpeed creates itself get it from `StallReport` when training begins.
+        debug_dir: where stack dumps and NCCL's flight recorder write on a timeout (``<output_dir>/debug``).
+
+    Returns:
+        This process's `DistInfo`.
+    """
+    import importlib
+
+    if on_cpu:
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    import deepspeed
+
+    info = init_distributed(timeout_s, debug_dir=debug_dir)
+    # DeepSpeed's comm layer over the existing group
+    deepspeed.init_distributed(dist_backend=info.backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return info
