@@ -5,7 +5,7 @@ transformers, TRL, PEFT and torchmetrics import torchvision whenever it is insta
 ops do not load (``RuntimeError: operator torchvision::nms does not exist``) ended any recipe at its imports with a
 traceback, exit status 1. `guard` (run by ``import cookbook``, so a recipe imports ``cookbook`` first) wraps the
 import of `TORCH_BUILT` packages: a failure raises `BrokenBuild` (an ``ImportError``) whose message names the
-installed versions and the install line of the matching build (`matching_build`), and an uncaught one, even at a
+installed versions and the install line of the matching build (`_matching_build`), and an uncaught one, even at a
 module's top level, prints ``error: <message>`` and exits with status 2 (`cookbook.errors.EXIT_USER_ERROR`).
 """
 
@@ -24,7 +24,7 @@ class BrokenBuild(ImportError):
     """A `TORCH_BUILT` package is installed but does not import beside this torch; the message says what to run."""
 
 
-def matching_build(package: str, spec: str | None = None) -> tuple[str, str]:
+def _matching_build(package: str, spec: str | None = None) -> tuple[str, str]:
     """``(specifier, index_url)`` of `package`'s build for the installed torch: PyTorch pairs torch 2.N with
     torchvision 0.(N+15) and torchaudio 2.N (``torchvision==0.28.*`` for torch 2.13; another package: `spec`, or its
     name), and the PyTorch index of torch's own build (``https://download.pytorch.org/whl/cpu`` for a CPU torch;
@@ -40,12 +40,12 @@ def matching_build(package: str, spec: str | None = None) -> tuple[str, str]:
 
 
 def install_line(package: str, reinstall: bool = False, spec: str | None = None) -> str:
-    """The pip command that installs `package`'s build for the installed torch (`matching_build`)."""
-    spec, index = matching_build(package, spec)
+    """The pip command that installs `package`'s build for the installed torch (`_matching_build`)."""
+    spec, index = _matching_build(package, spec)
     return f"pip install {'--force-reinstall --no-deps ' if reinstall else ''}'{spec}' --index-url {index}"
 
 
-def broken_message(package: str, exc: BaseException) -> str:
+def _broken_message(package: str, exc: BaseException) -> str:
     """One line: `package` and its version do not import beside the installed torch, the cause, the fix."""
     from importlib import metadata
 
@@ -74,7 +74,7 @@ class _Loader(importlib.abc.Loader):
         except BrokenBuild:
             raise
         except Exception as exc:  # noqa: BLE001 - a compiled extension fails in many ways; all mean the same
-            raise BrokenBuild(broken_message(self.package, exc), name=self.package) from exc
+            raise BrokenBuild(_broken_message(self.package, exc), name=self.package) from exc
 
 
 class _Finder(importlib.abc.MetaPathFinder):

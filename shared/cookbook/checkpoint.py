@@ -89,7 +89,7 @@ from cookbook.sampler import DataPosition
 from cookbook.state import (ModelOptimizerState, RankLocalState, RNGState, TrainState, rng_kept,  # noqa: F401 (re-exported)
                             seed_per_rank)
 
-LEFTOVER_PREFIXES = (".tmp-", ".old-")  # folders of a save or a publish that did not finish
+_LEFTOVER_PREFIXES = (".tmp-", ".old-")  # folders of a save or a publish that did not finish
 
 
 class CheckpointSaveError(CheckpointError, OSError):
@@ -323,7 +323,7 @@ class Checkpointer:
     def _remove_leftovers(self) -> None:
         """Delete what interrupted saves left under `root`: ``.tmp-*`` and ``.old-*`` folders (rank 0)."""
         for path in self.root.iterdir():
-            if path.name.startswith(LEFTOVER_PREFIXES):
+            if path.name.startswith(_LEFTOVER_PREFIXES):
                 if path.is_dir() and not path.is_symlink():
                     shutil.rmtree(path, ignore_errors=True)
                 else:

@@ -69,7 +69,7 @@ from cookbook.requirements import import_error_line
 
 # Seconds a rank that lost a peer waits before exiting: long enough for torchrun (which polls its
 # workers every 0.1 s by default) to see the peer's exit first and stop this rank itself.
-PEER_LOST_GRACE_S = 5.0
+_PEER_LOST_GRACE_S = 5.0
 
 # What gloo and NCCL say when the process at the other end of a collective is gone.
 _PEER_LOST_MARKERS = ("connection closed by peer", "connection reset by peer", "broken pipe",
@@ -151,7 +151,7 @@ def run_main(main: Callable[[list[str]], Any], user_errors: Sequence[type[BaseEx
         if world > 1 and peer_lost(exc):
             print(f"error: {where}stopped: another rank is gone ({_first_line(exc)}); the first rank to fail "
                   f"says why", file=sys.stderr)
-            _exit(EXIT_PEER_LOST, wait=PEER_LOST_GRACE_S)
+            _exit(EXIT_PEER_LOST, wait=_PEER_LOST_GRACE_S)
         _record(exc)
         traceback.print_exc()
         _exit(EXIT_BUG)

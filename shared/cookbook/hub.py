@@ -24,7 +24,7 @@ Before the first hub id is used (`cookbook.config.resolve_path`, `model_folder` 
   from every rank would fill the logs), which switches the hub's download bars off too; `show_download_bars`
   turns those back on where someone watches: on local rank 0, when stderr is a terminal.
 
-``push_to_hub`` uploads a run's final export (``checkpoint.push_to_hub``) with a model card (`model_card`).
+``push_to_hub`` uploads a run's final export (``checkpoint.push_to_hub``) with a model card (`_model_card`).
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ from cookbook.errors import EXIT_USER_ERROR, ConfigError, OneLineError
 from cookbook.progress import is_terminal
 from cookbook.tabular import DataError, first_csv_row, records
 
-WEIGHT_FILES = ("*.json", "*.safetensors")  # config.json, the safetensors index and shards
-REACH_TIMEOUT_S = 3.0  # how long `offline_unless_reachable` waits for the hub's answer
+_WEIGHT_FILES = ("*.json", "*.safetensors")  # config.json, the safetensors index and shards
+_REACH_TIMEOUT_S = 3.0  # how long `offline_unless_reachable` waits for the hub's answer
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # org/name, the shape of a hub id (validate_repo_id checks more)
 _reachable: bool | None = None  # this process's answer, once asked
 
@@ -53,13 +53,13 @@ def looks_like_hub_id(value: str) -> bool:
     return bool(value) and _HUB_ID.fullmatch(value) is not None and not Path(value).exists()
 
 
-def offline_unless_reachable(timeout_s: float = REACH_TIMEOUT_S) -> bool:
+def offline_unless_reachable(timeout_s: float = _REACH_TIMEOUT_S) -> bool:
     """Make sure that a hub request fails at once rather than after minutes of retries when there is no network.
 
     Unless ``HF_HUB_OFFLINE`` is set already, sends one HEAD request to the hub (``HF_ENDPOINT``, default
     https://huggingface.co, through huggingface_hub's own HTTP client: proxies apply) and waits at most
     `timeout_s` for any answer (DNS included). Without one, it switches this process to offline mode
-    (`go_offline`), and rank 0 says so in one line. Asked once per process.
+    (`_go_offline`), and rank 0 says so in one line. Asked once per process.
 
     Returns:
         ``True`` when the process is in offline mode (set before, or now).
@@ -86,7 +86,7 @@ def offline_unless_reachable(timeout_s: float = REACH_TIMEOUT_S) -> bool:
         asker.join(timeout_s)
         _reachable = bool(answer.get("ok"))
         if not _reachable:
-            go_offline()
+            _go_offline()
             if os.environ.get("RANK", "0") == "0":
                 why = answer.get("error") or f"no answer within {timeout_s:g} s"
                 print(f"warning: the Hugging Face Hub ({endpoint}) cannot be reached ({why}): working offline, from "
@@ -118,7 +118,7 @@ def prepare_access() -> None:
         show_download_bars()
 
 
-def go_offline() -> None:
+def _go_offline() -> None:
     """Switch this process to the hub's offline mode, as ``HF_HUB_OFFLINE=1`` at its start would have: the
     constant huggingface_hub read it into (which transformers consults at each call, and datasets at its import),
     and datasets' copy if it is imported already. The environment is left as it is."""
@@ -166,7 +166,7 @@ def _download(repo_id: str, key: str) -> Path:
     cache = constants.HF_HUB_CACHE
     prepare_access()
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=list(WEIGHT_FILES)))
+        return Path(snapshot_download(repo_id, allow_patterns=list(_WEIGHT_FILES)))
     except HFValidationError:
         raise ConfigError(f"{key}: {repo_id!r} is not a folder and not a Hugging Face Hub id (org/name)") from None
     except GatedRepoError:
@@ -364,7 +364,7 @@ def check_push(checkpoint: Any, key: str = "checkpoint.push_to_hub") -> None:
         raise ConfigError(f"{key}={repo_id}: no Hugging Face token; log in (`hf auth login`) or set HF_TOKEN")
 
 
-def model_card(repo_id: str, config: Mapping[str, Any], metrics: Mapping[str, float], folder: Path) -> str:
+def _model_card(repo_id: str, config: Mapping[str, Any], metrics: Mapping[str, float], folder: Path) -> str:
     """The ``README.md`` of a pushed export: Hub metadata (library, base model, tags), the final metrics, how to
     load it and the run's config (as `cookbook.config.to_dict` gives it: values from the environment as their
     ``${oc.env:...}`` text).
@@ -399,7 +399,7 @@ def model_card(repo_id: str, config: Mapping[str, Any], metrics: Mapping[str, fl
 
 def push_to_hub(repo_id: str, folder: str | Path, config: Mapping[str, Any], metrics: Mapping[str, float],
                 key: str = "checkpoint.push_to_hub") -> str:
-    """Write the model card into `folder` (`model_card`, as ``README.md``) and upload the folder to the model
+    """Write the model card into `folder` (`_model_card`, as ``README.md``) and upload the folder to the model
     repo `repo_id` (created if missing, private or not as the account's default) with ``HfApi.upload_folder``.
 
     Args:
@@ -419,7 +419,7 @@ def push_to_hub(repo_id: str, folder: str | Path, config: Mapping[str, Any], met
     from huggingface_hub import HfApi
 
     folder = Path(folder)
-    (folder / "README.md").write_text(model_card(repo_id, config, metrics, folder))
+    (folder / "README.md").write_text(_model_card(repo_id, config, metrics, folder))
     api = HfApi()
     try:
         api.create_repo(repo_id, repo_type="model", exist_ok=True)

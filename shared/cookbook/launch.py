@@ -49,7 +49,7 @@ from cookbook import run_lock
 from cookbook.errors import EXIT_USER_ERROR, LAUNCH_TIME_ENV
 
 
-WORLD_SIZE_ENV = "COOKBOOK_WORLD_SIZE"  # the check's world size (NGPU x NNODES), set for train.py --check
+_WORLD_SIZE_ENV = "COOKBOOK_WORLD_SIZE"  # the check's world size (NGPU x NNODES), set for train.py --check
 
 
 def _positive(name: str, value: str) -> int:
@@ -91,8 +91,8 @@ def check_world_size() -> int:
     Raises:
         SystemExit: a value that is not a positive integer (the message names the variable).
     """
-    if os.environ.get(WORLD_SIZE_ENV):
-        return _positive(WORLD_SIZE_ENV, os.environ[WORLD_SIZE_ENV])
+    if os.environ.get(_WORLD_SIZE_ENV):
+        return _positive(_WORLD_SIZE_ENV, os.environ[_WORLD_SIZE_ENV])
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -159,12 +159,12 @@ def _launch(args: argparse.Namespace) -> int:
     torchrun_args = [*rdzv, "--nproc-per-node", str(per_node), "--max-restarts", str(restarts), str(script),
                      *script_args]
     if args.dry_run:
-        print(f"check: {shlex.join(['env', f'{WORLD_SIZE_ENV}={world_size}', *check_cmd])}")
+        print(f"check: {shlex.join(['env', f'{_WORLD_SIZE_ENV}={world_size}', *check_cmd])}")
         print(f"run: {shlex.join([sys.executable, '-m', 'cookbook.torchrun', *torchrun_args])}")
         return 0
     with tempfile.TemporaryDirectory(prefix="cookbook-check-") as tmp:
         reported = Path(tmp) / "output_dir"
-        check = subprocess.run(check_cmd, env={**os.environ, WORLD_SIZE_ENV: world_size,
+        check = subprocess.run(check_cmd, env={**os.environ, _WORLD_SIZE_ENV: world_size,
                                                run_lock.OUTPUT_DIR_FILE_ENV: str(reported)})
         if check.returncode != 0 or run_lock.reported_complete(reported):  # complete: the check said so
             return check.returncode

@@ -74,8 +74,8 @@ from cookbook.entry import die_with_parent
 P = ParamSpec("P")
 R = TypeVar("R")
 
-BACKENDS = ("torch", "ray")
-START_METHODS = ("spawn", "forkserver", "fork")
+_BACKENDS = ("torch", "ray")
+_START_METHODS = ("spawn", "forkserver", "fork")
 _HANDLED_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")  # the ones torch's elastic agent takes over
 
 
@@ -179,10 +179,10 @@ def distributed(fn: Callable[P, R] | None = None, *, num_processes: int | None =
             ``COOKBOOK_DEVICE=cpu`` to run CPU processes with gloo there instead).
         WorkerError: at the call, a worker raised or died (see `WorkerError`).
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r}: use one of {', '.join(BACKENDS)}")
-    if start_method not in START_METHODS:
-        raise ValueError(f"start_method={start_method!r}: use one of {', '.join(START_METHODS)}")
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend={backend!r}: use one of {', '.join(_BACKENDS)}")
+    if start_method not in _START_METHODS:
+        raise ValueError(f"start_method={start_method!r}: use one of {', '.join(_START_METHODS)}")
     if fn is not None and not callable(fn):
         raise TypeError(f"distributed({fn!r}): pass the number of processes by keyword, "
                         f"@distributed(num_processes={fn!r})")

@@ -183,7 +183,7 @@ class MetricsWriteError(OneLineError, OSError):
     exit_status = EXIT_USER_ERROR
 
 
-def append_line(path: Path, line: str) -> None:
+def _append_line(path: Path, line: str) -> None:
     """Append `line` (text ending in a newline) to `path` whole or not at all.
 
     Raises:
@@ -208,7 +208,7 @@ def append_line(path: Path, line: str) -> None:
         os.close(fd)
 
 
-def cut_torn_line(path: Path) -> int:
+def _cut_torn_line(path: Path) -> int:
     """Cut a torn last line (no final newline, or not JSON: a crash mid-write) from the JSONL file `path`, with
     one warning naming it. Returns the bytes cut (0: none, or no file)."""
     try:
@@ -293,7 +293,7 @@ class MetricsLogger:
         self._sinks: list[Sink] = []
         if info.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            cut_torn_line(self.jsonl_path)
+            _cut_torn_line(self.jsonl_path)
             for name in self.trackers:
                 if name == "mlflow":
                     self._mlflow = MLflowSink(self.out_dir, run_name, experiment, params or {})
@@ -503,7 +503,7 @@ class MetricsLogger:
     def _emit(self, event: str, rec: Mapping[str, Any], mlflow: bool = True) -> None:
         if not self.info.is_main:
             return
-        append_line(self.jsonl_path, json.dumps({"event": event, "time": time.time(), **rec}) + "\n")
+        _append_line(self.jsonl_path, json.dumps({"event": event, "time": time.time(), **rec}) + "\n")
         if mlflow:
             numbers = {k: v for k, v in rec.items() if k != "step" and isinstance(v, (int, float))}
             for sink in self._sinks:

@@ -33,10 +33,10 @@ FILES_KEY = "files"  # meta.json's list of a checkpoint's files and sizes, where
 CHECKSUMS_KEY = "checksums"  # meta.json's checksum of each file, written at publish time (checksums)
 
 
-BATCH_KEYS = ("train.micro_batch_size", "train.grad_accum_steps")  # with the world size, they make the global batch
+_BATCH_KEYS = ("train.micro_batch_size", "train.grad_accum_steps")  # with the world size, they make the global batch
 
 
-LENGTH_KEYS = {"train.max_steps": "step", "train.epochs": "epoch"}  # the run's length, with the unit meta.json counts
+_LENGTH_KEYS = {"train.max_steps": "step", "train.epochs": "epoch"}  # the run's length, with the unit meta.json counts
 
 
 def _rank() -> int:
@@ -295,7 +295,7 @@ class ResumeGuard:
         if world_size is not None:
             self.check_world_size(path, meta, world_size, config)
             if self.resizable:  # checked as one number, the global batch
-                may_change = (*may_change, *BATCH_KEYS)
+                may_change = (*may_change, *_BATCH_KEYS)
         diff = config_changes(meta["config"], config, may_change) if config is not None and "config" in meta else ""
         if diff:
             raise CheckpointError(f"{path} was written with other settings ({diff}); resuming would mix two runs. " +
@@ -309,7 +309,7 @@ class ResumeGuard:
         return path
 
     def _length_changed(self, path: Path, meta: Mapping[str, Any], config: Mapping[str, Any]) -> str | None:
-        """Why a resume may not change the run's length (`LENGTH_KEYS`: ``train.max_steps``, ``train.epochs``)
+        """Why a resume may not change the run's length (`_LENGTH_KEYS`: ``train.max_steps``, ``train.epochs``)
         and what to do instead, as sentences that follow the list of changed settings; ``None`` when the length
         is the checkpoint's.
 
@@ -319,11 +319,11 @@ class ResumeGuard:
         schedule than the one the run that wrote it followed."""
         old, new = flatten(meta["config"]), flatten(config)
         by_steps = all(isinstance(c.get("train.max_steps"), int) and c["train.max_steps"] > 0 for c in (old, new))
-        key = next((k for k in LENGTH_KEYS if k in old and old.get(k) != new.get(k)
+        key = next((k for k in _LENGTH_KEYS if k in old and old.get(k) != new.get(k)
                     and not (k == "train.epochs" and by_steps)), None)  # train.max_steps > 0 overrides train.epochs
         if key is None:
             return None
-        unit, was, done = LENGTH_KEYS[key], old[key], meta.get(LENGTH_KEYS[key], 0)
+        unit, was, done = _LENGTH_KEYS[key], old[key], meta.get(_LENGTH_KEYS[key], 0)
         finished = isinstance(was, int) and 0 < was <= done
         where = f"It is {unit} {done} of a run of {key}={was}" if unit == "step" else f"It was written by a run of {key}={was}"
         what = (f"It is the end of a finished run ({unit} {done} of {key}={was}), and a finished run cannot be extended"
@@ -379,13 +379,13 @@ class ResumeGuard:
         ways = []  # one key changed, the other kept
         if target % (micro * world_size) == 0:
             k = target // (micro * world_size)
-            ways.append(f"{BATCH_KEYS[1]}={k} ({micro} x {k} x {world_size} = {target})")
+            ways.append(f"{_BATCH_KEYS[1]}={k} ({micro} x {k} x {world_size} = {target})")
         if target % (accum * world_size) == 0 and target // (accum * world_size) != micro:
             k = target // (accum * world_size)
-            ways.append(f"{BATCH_KEYS[0]}={k} ({k} x {accum} x {world_size} = {target})")
+            ways.append(f"{_BATCH_KEYS[0]}={k} ({k} x {accum} x {world_size} = {target})")
         todo = (f"set {' or '.join(ways)}" if ways else
                 f"no micro-batch x accumulation x {world_size} makes {target}" if target % world_size else
-                f"set {BATCH_KEYS[0]} x {BATCH_KEYS[1]} = {target // world_size}")
+                f"set {_BATCH_KEYS[0]} x {_BATCH_KEYS[1]} = {target // world_size}")
         raise CheckpointError(
             f"{path} was written with a global batch of {target} samples ({was[1]} micro-batch x {was[2]} accumulation "
             f"x {n} {_plural(self.processes, n)}) but this job's is {now[0]} ({micro} x {accum} x {world_size}); a resume "
@@ -431,7 +431,7 @@ def global_batch(config: Mapping[str, Any], world_size: int) -> tuple[int, int, 
     ``train.micro_batch_size x train.grad_accum_steps x world_size`` samples per optimizer step (a key the config
     lacks counts as 1)."""
     flat = flatten(config)
-    micro, accum = (int(flat.get(k) or 1) for k in BATCH_KEYS)
+    micro, accum = (int(flat.get(k) or 1) for k in _BATCH_KEYS)
     return micro * accum * world_size, micro, accum
 
 

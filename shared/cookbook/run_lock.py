@@ -22,7 +22,7 @@ from typing import Mapping
 
 from cookbook.errors import EXIT_USER_ERROR, OneLineError
 
-COMPLETE_FILE = "complete.json"  # in output_dir: written when a run has finished (`mark_complete`)
+_COMPLETE_FILE = "complete.json"  # in output_dir: written when a run has finished (`mark_complete`)
 
 OUTPUT_DIR_FILE_ENV = "COOKBOOK_OUTPUT_DIR_FILE"  # where the check writes the run's output_dir for its launcher
 
@@ -33,7 +33,7 @@ class RunLocked(OneLineError):
     exit_status = EXIT_USER_ERROR
 
 
-def lock_path(output_dir: str | Path, node_rank: int | str = 0) -> Path:
+def _lock_path(output_dir: str | Path, node_rank: int | str = 0) -> Path:
     return Path(output_dir) / f".run.lock.node{node_rank}"
 
 
@@ -43,7 +43,7 @@ def acquire(output_dir: str | Path, node_rank: int | str = 0) -> int:
     Raises:
         RunLocked: a live process holds it: ``output_dir=... is in use by the run of pid P on host H (since T)``.
     """
-    path = lock_path(output_dir, node_rank)
+    path = _lock_path(output_dir, node_rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -87,11 +87,11 @@ def _comparable(config: Mapping, may_change: tuple[str, ...], prefix: str = "") 
 
 
 def mark_complete(output_dir: str | Path, config: dict, message: str, outputs: dict[str, str]) -> None:
-    """Rank 0, at the very end of a finished run: write `COMPLETE_FILE` (atomically) with the run's `config` (a
+    """Rank 0, at the very end of a finished run: write `_COMPLETE_FILE` (atomically) with the run's `config` (a
     nested dict), the `message` that a second run prints and the `outputs` (name -> path) that must still exist."""
     import json
 
-    path = Path(output_dir) / COMPLETE_FILE
+    path = Path(output_dir) / _COMPLETE_FILE
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"output_dir": os.path.abspath(output_dir), "config": config, "message": message,
                                "outputs": outputs}, default=str))
@@ -104,7 +104,7 @@ def complete_message(output_dir: str | Path, config: dict, may_change: tuple[str
     else ``None`` (the run starts or continues as usual). Another ``train.max_steps`` is another run: ``None``."""
     import json
 
-    path = Path(output_dir).expanduser() / COMPLETE_FILE
+    path = Path(output_dir).expanduser() / _COMPLETE_FILE
     try:
         done = json.loads(path.read_text())
     except (OSError, ValueError):

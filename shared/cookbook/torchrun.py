@@ -17,7 +17,7 @@ group is started again, up to N times, only when the first failure (`should_rest
 - exit status 1 (a bug or library failure, e.g. a GPU's fault) or 3 (lost contact with another rank),
 
 and not when the failure repeats the previous attempt's (same rank, status, error message and last finished step:
-`failure_signature`), and never after 2 (bad input), 4 (diverged), 75 (preempted), 130 (interrupted), a worker ended by SIGTERM, SIGINT,
+`_failure_signature`), and never after 2 (bad input), 4 (diverged), 75 (preempted), 130 (interrupted), a worker ended by SIGTERM, SIGINT,
 SIGHUP, SIGQUIT or SIGUSR1, nor once the launcher itself was sent SIGTERM or SIGUSR1 (Slurm's warning:
 the job still ends with 75). Each restart prints one line::
 
@@ -65,11 +65,11 @@ from cookbook.errors import (AGENT_PID_ENV, EXIT_BUG, EXIT_DIVERGED, EXIT_INTERR
 _MEANING = {EXIT_BUG: "a failure, its traceback is above", EXIT_USER_ERROR: "bad configuration, data or checkpoint",
             EXIT_PEER_LOST: "it lost contact with another rank", EXIT_INTERRUPTED: "interrupted",
             EXIT_PREEMPTED: "preempted after a checkpoint", EXIT_DIVERGED: "a non-finite loss or gradient"}
-PREEMPTED = ("preempted: the workers were asked to save a checkpoint at a step boundary and stop; run the same "
+_PREEMPTED = ("preempted: the workers were asked to save a checkpoint at a step boundary and stop; run the same "
              f"command again to continue (exit status {EXIT_PREEMPTED})")
-RESTARTED_STATUSES = (EXIT_BUG, EXIT_PEER_LOST)
+_RESTARTED_STATUSES = (EXIT_BUG, EXIT_PEER_LOST)
 # Signals that ask a process to stop (a scheduler, a terminal, Slurm's warning): a worker they ended is not restarted.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 
 _stop_asked = False  # the launcher was sent SIGUSR1 (or SIGTERM): no restart after it
 
@@ -101,7 +101,7 @@ def should_restart(exitcode: int, exitcodes: Iterable[int] = ()) -> bool:
         exitcodes: every failed worker's status (the first one's included, or not).
 
     Returns:
-        ``True`` when the first failure is a kill by a signal not in `STOP_SIGNALS`, or status 1 (a bug or
+        ``True`` when the first failure is a kill by a signal not in `_STOP_SIGNALS`, or status 1 (a bug or
         library failure) or 3 (lost a peer, or a collective timed out), and no worker stopped with 2 (bad input:
         it would fail again), 4 (diverged: it would diverge again), 75 (preempted: the scheduler takes over) or
         130 (interrupted). ``False`` for any other status.
@@ -109,8 +109,8 @@ def should_restart(exitcode: int, exitcodes: Iterable[int] = ()) -> bool:
     if any(code in (EXIT_USER_ERROR, EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_INTERRUPTED) for code in (exitcode, *exitcodes)):
         return False
     if exitcode < 0:
-        return -exitcode not in [int(s) for s in STOP_SIGNALS]
-    return exitcode in RESTARTED_STATUSES
+        return -exitcode not in [int(s) for s in _STOP_SIGNALS]
+    return exitcode in _RESTARTED_STATUSES
 
 
 # The stalled ranks in `cookbook.dist.describe_stall`'s line, which a healthy rank whose collective timed out
@@ -119,7 +119,7 @@ _STALLED = re.compile(r": ((?:rank \d+(?: \(pid [^)]*\))?, )*rank \d+(?: \(pid [
                       r"(?:last finished|are behind|did not reach).* - (?:it is|they are) stalled")
 
 
-def stalled_ranks(message: str | dict | None) -> list[int]:
+def _stalled_ranks(message: str | dict | None) -> list[int]:
     """The ranks a failed worker's error-file message (``ProcessFailure.message``: text, or torch's record
     ``{"message": text, ...}``) names as stalled (`cookbook.dist.describe_stall`); ``[]`` if none."""
     if isinstance(message, dict):
@@ -128,7 +128,7 @@ def stalled_ranks(message: str | dict | None) -> list[int]:
     return [int(r) for r in re.findall(r"rank (\d+)", m.group(1))] if m else []
 
 
-def failure_signature(rank: int, failure) -> tuple | None:
+def _failure_signature(rank: int, failure) -> tuple | None:
     """``(rank, exit status, error message, last finished step)`` of a failed worker whose error file
     (`cookbook.entry.run_main`) records both its message and its step; ``None`` otherwise (a signal, no step
     yet). Two attempts with one signature fail deterministically: a restart would repeat it."""
@@ -139,9 +139,9 @@ def failure_signature(rank: int, failure) -> tuple | None:
     return rank, failure.exitcode, info.get("message"), step
 
 
-def restart_line(attempt: int, max_restarts: int, rank: int, exitcode: int, stalled: Sequence[int] = ()) -> str:
+def _restart_line(attempt: int, max_restarts: int, rank: int, exitcode: int, stalled: Sequence[int] = ()) -> str:
     """The line printed before restart `attempt` (1-based) of `max_restarts`, naming the failure (`rank`'s
-    `exitcode`, negative for a signal) that caused it; with `stalled` (`stalled_ranks` of a failed worker's
+    `exitcode`, negative for a signal) that caused it; with `stalled` (`_stalled_ranks` of a failed worker's
     record), the ranks that stalled instead: `rank`'s collective timed out waiting for them."""
     if stalled:
         many = len(stalled) > 1
@@ -210,9 +210,9 @@ def main(argv: list[str] | None = None) -> int:
                 rank, failure = exc.get_first_failure()
                 codes = [f.exitcode for f in exc.failures.values()]
                 if all(code == EXIT_PREEMPTED for code in codes):
-                    print(PREEMPTED, file=sys.stderr)
+                    print(_PREEMPTED, file=sys.stderr)
                     return EXIT_PREEMPTED
-                seen, repeated = failure_signature(rank, failure), None
+                seen, repeated = _failure_signature(rank, failure), None
                 if attempt and seen is not None and seen == last_seen:
                     repeated = seen[-1]
                 last_seen = seen
@@ -220,8 +220,8 @@ def main(argv: list[str] | None = None) -> int:
                         and should_restart(failure.exitcode, codes)):
                     attempt += 1
                     stalled = next((found for f in (failure, *exc.failures.values())
-                                    if (found := stalled_ranks(f.message))), [])
-                    print(restart_line(attempt, max_restarts, rank, failure.exitcode, stalled), file=sys.stderr,
+                                    if (found := _stalled_ranks(f.message))), [])
+                    print(_restart_line(attempt, max_restarts, rank, failure.exitcode, stalled), file=sys.stderr,
                           flush=True)
                     continue
                 line, status = describe_failure(rank, failure.exitcode)
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
                 return status or EXIT_BUG
     except SignalException as exc:  # SIGTERM to torchrun: it has passed it on and waited for the workers
         if exc.sigval == signal.SIGTERM:
-            print(PREEMPTED, file=sys.stderr)
+            print(_PREEMPTED, file=sys.stderr)
             return EXIT_PREEMPTED
         raise
     finally:  # as they were, for a caller in the same process

@@ -44,17 +44,17 @@ def redact_uri(uri: str | None) -> str | None:
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
-TRACKING_URI_VARIABLES = ("MLFLOW_TRACKING_URI", "WANDB_BASE_URL")  # URIs of trackers, from the environment
+_TRACKING_URI_VARIABLES = ("MLFLOW_TRACKING_URI", "WANDB_BASE_URL")  # URIs of trackers, from the environment
 
 
-def redact_text(text: str, uris: Sequence[str | None] = ()) -> str:
+def _redact_text(text: str, uris: Sequence[str | None] = ()) -> str:
     """`text` (an error message, say) with the secrets that `redact_uri` masks in `uris` and in the tracking URIs
-    of the environment (`TRACKING_URI_VARIABLES`) replaced by ``***``, wherever they occur: a library's message
+    of the environment (`_TRACKING_URI_VARIABLES`) replaced by ``***``, wherever they occur: a library's message
     may quote the URI with a path or a query appended."""
     from urllib.parse import parse_qsl, unquote, urlsplit
 
     secrets = set()
-    for uri in [*uris, *(os.environ.get(v) for v in TRACKING_URI_VARIABLES)]:
+    for uri in [*uris, *(os.environ.get(v) for v in _TRACKING_URI_VARIABLES)]:
         if not uri or redact_uri(uri) == uri:
             continue
         try:
@@ -90,7 +90,7 @@ class Sink:
         except Exception as exc:  # tracking must never stop training
             self.enabled = False
             first = (str(exc).strip().splitlines() or [""])[0]  # SQLAlchemy's go on with the SQL and a link
-            why = redact_text(f"{type(exc).__name__}: {first}")  # a message may quote a tracking URI with its token
+            why = _redact_text(f"{type(exc).__name__}: {first}")  # a message may quote a tracking URI with its token
             get_logger().warning(f"{self.name} tracking switched off after an error: {why}")
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
