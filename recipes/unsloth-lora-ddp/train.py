@@ -5,29 +5,10 @@
     NGPU=1 bash recipes/unsloth-lora-ddp/launch.sh train.max_steps=50 lora.r=32
     CONFIG_FILE=tiny.yaml bash recipes/unsloth-lora-ddp/launch.sh          # tiny twin (model.loader=transformers on CPU)
 
-Unsloth's multi-GPU mode is plain data parallelism: each rank of a torchrun (or ``accelerate launch``) job loads
-the whole model on its own device (``device_map={"": "cuda:LOCAL_RANK"}``), and the Hugging Face Trainer inside
-TRL's ``SFTTrainer`` wraps it in DistributedDataParallel and gives each rank its own part of the data.
-
-``model.loader`` picks how the model and its adapters are built; everything else (data, LoRA settings, trainer
-arguments, metrics) is the same code, so the two loaders compare one to one:
-  * ``unsloth``: ``FastLanguageModel.from_pretrained`` + ``FastLanguageModel.get_peft_model`` (Unsloth's patched
-    Llama forward, its Triton kernels and its gradient checkpointing);
-  * ``transformers``: ``AutoModelForCausalLM`` + PEFT's ``get_peft_model``, the plain TRL + PEFT path.
-``model.pretrained=false`` builds the architecture of ``model.name_or_path``'s ``config.json`` with random weights
-(rank 0 saves it once to ``<output_dir>/random-init`` so Unsloth's loader reads it like any checkpoint).
-Rows are chat / Alpaca / ShareGPT (`cookbook.sft.to_messages`), rendered by the tokenizer's chat template; the
-loss is on the last assistant turn (TRL's prompt-completion rows) or on every token (``data.completion_only=false``).
-
-Bookkeeping through `cookbook.hf_trainer`, as in ``../gpt-oss-lora-trl``: ``<output_dir>/metrics.jsonl`` (tokens/s
-per GPU, MFU, peak memory); checkpoints every ``checkpoint.every_steps`` published atomically under
-``<output_dir>/checkpoints`` (the newest ``checkpoint.keep_last`` kept), ``checkpoint.resume: auto`` (the same
-command continues from the newest), ``train.stop_at_step``, SIGTERM/SIGUSR1 preemption with a checkpoint and exit 75,
-stalled ranks named, failed saves in one line. A step whose gradients are NaN or infinite on any rank is never
-applied (`cookbook.hf_trainer.NonFiniteSteps`): ``train.on_nonfinite=stop`` ends the run (exit 4), ``skip`` leaves it
-out and counts it (``skipped_steps``, kept in the checkpoints), at most ``train.max_consecutive_skips`` in a row.
-At the end: the adapter (``<output_dir>/adapter``) and, with ``checkpoint.export_merged``, the base with the adapter
-merged in (``<output_dir>/final``).
+``model.loader`` picks how the model and its adapters are built: ``unsloth`` (``FastLanguageModel``) or
+``transformers`` (``AutoModelForCausalLM`` + PEFT, the plain TRL path); data, LoRA settings, trainer arguments and
+metrics are the same code, so the two compare one to one. Each rank loads the whole model on its own GPU and the
+Trainer wraps it in DistributedDataParallel. What it supports: README.md beside this file.
 """
 
 from __future__ import annotations
