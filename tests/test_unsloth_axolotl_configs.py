@@ -292,6 +292,42 @@ def test_unsloth_recipe_skips_a_nan_step_and_a_resume_continues_the_count(tmp_pa
     assert any(not torch.equal(two[k], three[k]) for k in two)  # step 3 was applied
 
 
+def test_unsloth_recipe_epochs_read_every_row_once(tmp_path, capfd, monkeypatch):
+    """train.max_steps=-1 train.epochs=2 on 2 ranks, 20 rows, global batch 4 x 1 x 2 = 8: 2 steps per epoch, each
+    of 8 distinct rows, each epoch 16 distinct rows (4 left out, said in the log). The Trainer's own sampler read
+    3 steps per epoch there, one of them padded with 4 rows read twice."""
+    import re
+
+    from torch.nn.parallel import DistributedDataParallel
+    from transformers import AutoTokenizer
+
+    data = tmp_path / "numbered.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Question number {i}?"},
+                                                     {"role": "assistant", "content": f"Answer {i}."}]}) + "\n"
+                            for i in range(20)))
+    seen, forward = tmp_path / "seen", DistributedDataParallel.forward
+
+    def recording_forward(self, *args, **kwargs):
+        if self.training:
+            with open(f"{seen}-{os.environ['RANK']}", "a") as f:
+                f.write(json.dumps(kwargs["input_ids"].tolist()) + "\n")
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(DistributedDataParallel, "forward", recording_forward)
+    main_in_workers("unsloth-lora-ddp", f"output_dir={tmp_path / 'run'}", f"data.train_files=[{data}]",
+                    "train.max_steps=-1", "train.epochs=2", "checkpoint.every_steps=-1", "checkpoint.export_merged=false")
+    assert "epoch: 20 rows = 2 steps of 8 rows, every row read once; the last partial global batch (4 rows, " \
+           "others each epoch) is dropped" in capfd.readouterr().err
+    tok = AutoTokenizer.from_pretrained(ROOT / "recipes/qwen-fsdp2-sft/tiny/llama")
+    per_rank = [[[int(re.search(r"number (\d+)", tok.decode(ids)).group(1)) for ids in json.loads(line)]
+                 for line in Path(f"{seen}-{r}").read_text().splitlines()] for r in (0, 1)]
+    steps = [a + b for a, b in zip(*per_rank)]
+    assert [len(s) for s in steps] == [8, 8, 8, 8] and all(len(set(s)) == 8 for s in steps)
+    for epoch in (steps[:2], steps[2:]):
+        assert len(set(sum(epoch, []))) == 16
+    assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["event"] == "train"] == [1, 2, 3, 4]
+
+
 
 def _bench_config():
     name = "axolotl_bench_config"

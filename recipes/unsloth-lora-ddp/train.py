@@ -67,7 +67,8 @@ class TrainConfig:
     seed: int = 42
     micro_batch_size: int = 4
     grad_accum_steps: int = 1
-    max_steps: int = 200
+    epochs: int = 1                                 # passes over the rows, each row once (cookbook.hf_trainer.WholeEpochs)
+    max_steps: int = 200                            # > 0: this many optimizer steps, whatever epochs says; -1: epochs
     lr: float = 2.0e-4
     warmup_steps: int = 10
     scheduler: str = "cosine"
@@ -120,9 +121,12 @@ def load(path: str | Path, overrides: list[str] = ()) -> Config:
     if cfg.model.load_in_4bit and cfg.model.loader != "unsloth":
         raise ConfigError(f"{where}: model.load_in_4bit needs model.loader=unsloth")
     for key in ("lora.r", "lora.alpha", "data.max_length", "train.micro_batch_size", "train.grad_accum_steps",
-                "train.max_steps", "train.log_every"):
+                "train.epochs", "train.log_every"):
         if cfgmod.field_value(cfg, key) < 1:
             raise ConfigError(f"{where}: {key} must be at least 1, got {cfgmod.field_value(cfg, key)}")
+    if cfg.train.max_steps < 1 and cfg.train.max_steps != -1:
+        raise ConfigError(f"{where}: train.max_steps must be at least 1, or -1 (train.epochs passes), got "
+                          f"{cfg.train.max_steps}")
     if not 0.0 <= cfg.lora.dropout < 1.0:
         raise ConfigError(f"{where}: lora.dropout must be in [0, 1), got {cfg.lora.dropout}")
     if not cfg.lora.target_modules:
@@ -285,6 +289,9 @@ def main(argv: list[str]) -> None:
     if args.check:  # one process, before any worker starts
         world_size = check_world_size()  # NGPU x NNODES, as launch.sh
         hf_trainer.check_resume(cfg, world_size, MAY_CHANGE, CANNOT_REMAP)
+        from cookbook import sft
+
+        sft.check_one_step(len(rows), cfg.train.micro_batch_size, cfg.train.grad_accum_steps, world_size)
         if cfg.model.loader == "transformers":
             import torch
 
@@ -322,9 +329,9 @@ def train(cfg: Config, rows: list[dict]) -> None:
     info = cookbook.init_distributed(t.collective_timeout_s, debug_dir=out_dir / "debug")  # the Trainer's DDP group
     log = cookbook.get_logger()
     resume_from = hf_trainer.check_resume(cfg, info.world_size, MAY_CHANGE, CANNOT_REMAP)
-    done = hf_trainer.already_complete(out_dir, resume_from, t.max_steps,
-                                       "final" if cfg.checkpoint.export_merged else "adapter")
-    if done:
+    final = "final" if cfg.checkpoint.export_merged else "adapter"
+    done = hf_trainer.already_complete(out_dir, resume_from, t.max_steps, final) if t.max_steps > 0 else None
+    if done:  # train.max_steps=-1: the step count needs TRL's rows, checked once the trainer has them
         log.info(done)
         cookbook.destroy_distributed()
         return
@@ -336,35 +343,48 @@ def train(cfg: Config, rows: list[dict]) -> None:
     flops = ModelFlops(count_parameters(model), mc.num_hidden_layers,
                        mc.num_attention_heads * getattr(mc, "head_dim", mc.hidden_size // mc.num_attention_heads))
     metrics = MetricsLogger(out_dir, info, flops=flops, run_name=cfg.run_name, mlflow=False,
-                            max_steps=t.max_steps, params=cfgmod.to_dict(cfg), progress=False)
+                            max_steps=max(t.max_steps, 0), params=cfgmod.to_dict(cfg), progress=False)
     args = SFTConfig(
         output_dir=str(staging), per_device_train_batch_size=t.micro_batch_size,
-        gradient_accumulation_steps=t.grad_accum_steps, max_steps=t.max_steps, learning_rate=t.lr,
+        gradient_accumulation_steps=t.grad_accum_steps, max_steps=max(t.max_steps, 1), learning_rate=t.lr,
         lr_scheduler_type=t.scheduler, warmup_steps=t.warmup_steps, weight_decay=t.weight_decay,
         max_grad_norm=t.max_grad_norm, bf16=dtype == torch.bfloat16, use_cpu=not on_gpu,
         gradient_checkpointing=t.gradient_checkpointing and cfg.model.loader == "transformers",
         max_length=cfg.data.max_length, packing=cfg.data.packing, completion_only_loss=cfg.data.completion_only,
         logging_steps=t.log_every, report_to="none", disable_tqdm=True, log_level="warning", seed=t.seed,
         save_strategy="steps" if cfg.checkpoint.every_steps >= 0 else "no",  # "steps" saves at the end too
-        save_steps=cfg.checkpoint.every_steps or t.max_steps, save_total_limit=None,
+        save_steps=cfg.checkpoint.every_steps or max(t.max_steps, 1), save_total_limit=None,
         dataset_num_proc=None, ddp_find_unused_parameters=False, dataloader_num_workers=1,
     )
 
     # What TrainLoop does when things fail (cookbook.hf_trainer): preemption, non-finite steps, stalls, failed saves.
     callbacks = hf_trainer.RunCallbacks(cfg, root, metrics, sft.pad_token_id(tokenizer), resume_from)
 
-    class Trainer(hf_trainer.ReportSaveErrors, hf_trainer.CountBatches, SFTTrainer):
-        """SFTTrainer that reports a failed save in one line and counts each micro-batch for the metrics."""
+    class Trainer(hf_trainer.ReportSaveErrors, hf_trainer.WholeEpochs, hf_trainer.CountBatches, SFTTrainer):
+        """SFTTrainer whose epochs read every row once in full global batches, that reports a failed save in one
+        line and counts each micro-batch for the metrics."""
 
     trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
                       callbacks=callbacks.all)
     trainer.remove_callback(PrinterCallback)  # cookbook's MetricsLogger prints the log lines
+    examples, per_step = len(trainer.train_dataset), t.micro_batch_size * t.grad_accum_steps * info.world_size
+    sft.check_one_step(examples, t.micro_batch_size, t.grad_accum_steps, info.world_size,
+                       " (TRL's, after truncation and packing)")
+    max_steps = t.max_steps if t.max_steps > 0 else t.epochs * (examples // per_step)
+    args.max_steps, args.save_steps, metrics.max_steps = max_steps, cfg.checkpoint.every_steps or max_steps, max_steps
+    done = hf_trainer.already_complete(out_dir, resume_from, max_steps, final) if t.max_steps <= 0 else None
+    if done:
+        log.info(done)
+        metrics.close()
+        cookbook.destroy_distributed()
+        return
     log.info(f"world size {info.world_size} ({info.backend}) | DDP | loader {cfg.model.loader} | "
              f"{flops.num_params / 1e6:,.1f} M non-embedding params | LoRA r={cfg.lora.r} | {len(rows)} rows | "
-             f"{t.max_steps} steps | {'bf16' if dtype == torch.bfloat16 else 'fp32'}")
+             f"global batch {per_step} rows | {max_steps} steps | {'bf16' if dtype == torch.bfloat16 else 'fp32'}")
+    log.info(hf_trainer.epoch_line(examples, per_step))  # WholeEpochs: what one epoch reads
 
     with hf_trainer.TrainerRun(callbacks.preemption, metrics) as run:  # closes metrics and the group whatever happens
-        if not run.train(trainer, resume_from, t.max_steps, callbacks.publisher):
+        if not run.train(trainer, resume_from, max_steps, callbacks.publisher):
             return  # train.stop_at_step: a checkpoint is published there
         step = trainer.state.global_step
         export_dir = hf_trainer.export_final(trainer, tokenizer, out_dir, merge=cfg.checkpoint.export_merged)
