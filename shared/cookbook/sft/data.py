@@ -586,6 +586,8 @@ class SFTStats:
     call_endings: list[int] = field(default_factory=list)  # rows kept up to their last answer; a tool call after it not trained
     example_rows: list[int] = field(default_factory=list)  # the 1-based row of each kept example, in order
     split_rows: int = 0  # rows with several assistant turns split into one example per turn
+    tool_call_rows: int = 0  # rows (of those read, with an answer) whose assistant turns make tool calls
+    tool_calls: int = 0  # the tool calls of those rows
     tokens: int = 0
     loss_tokens: int = 0  # tokens with a label
     reasoning: str = "train"  # data.reasoning: train (in the loss), context (rendered, no loss), drop
@@ -625,7 +627,8 @@ class SFTStats:
         """Totals over several sources; `summary` then reports each source."""
         total = cls(source=" + ".join(p.source for p in parts), max_length=max((p.max_length for p in parts), default=0),
                     truncate=all(p.truncate for p in parts), parts=list(parts))
-        for key in ("rows", "examples", "truncated", "dropped", "split_rows", "tokens", "loss_tokens",
+        for key in ("rows", "examples", "truncated", "dropped", "split_rows", "tool_call_rows", "tool_calls", "tokens",
+                    "loss_tokens",
                     "reasoning_turns", "reasoning_unrendered", "reasoning_dropped"):
             setattr(total, key, sum(getattr(p, key) for p in parts))
         total.unanswered = [r for p in parts for r in p.unanswered]
@@ -644,6 +647,16 @@ class SFTStats:
         if self.reasoning_dropped:
             items.append(f"{self.reasoning_dropped} turns dropped (data.reasoning=drop)")
         return f"reasoning: {', '.join(items)}" if items else ""
+
+    def count_tool_calls(self, messages: Sequence[dict]) -> None:
+        """Count one row's tool calls (its messages' ``tool_calls``) in `tool_call_rows` and `tool_calls`."""
+        calls = sum(len(m.get("tool_calls") or ()) for m in messages)
+        self.tool_call_rows += calls > 0
+        self.tool_calls += calls
+
+    def tool_calls_note(self) -> str:
+        """``"tool calls: 5 in 3 rows"``."""
+        return f"tool calls: {self.tool_calls} in {self.tool_call_rows} rows"
 
     def _drop_reason(self, limit: str) -> str:
         return f"cut by {limit} before any assistant token" if self.truncate else f"longer than {limit}, dropped rather than cut"
@@ -664,6 +677,8 @@ class SFTStats:
         if self.call_endings:
             text += (f", {len(self.call_endings)} end in a tool call after their last answer, not trained (rows "
                      f"{_rows_list(self.call_endings)})")
+        if self.tool_calls:
+            text += f", {self.tool_calls_note()}"
         if self.reasoning_note():
             text += f", {self.reasoning_note()}"
         if self.ignored:
@@ -746,6 +761,7 @@ def prepare(rows: Sequence[dict], tokenizer, max_length: int, source: str,
             continue
         except SFTDataError as exc:
             raise SFTDataError(str(exc) if str(exc).startswith(source) else f"{source} row {n}: {exc}") from None
+        stats.count_tool_calls(messages)
         ends = [i + 1 for i, m in enumerate(messages) if m["role"] == "assistant"] if split_turns else [len(messages)]
         stats.split_rows += len(ends) > 1
         for end in ends:
