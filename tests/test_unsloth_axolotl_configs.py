@@ -170,11 +170,70 @@ def test_prepare_data_matches_the_unsloth_rows(tmp_path):
     n = prep.convert(str(src), str(tmp_path / "chat.jsonl"))
     u = load_recipe("unsloth-lora-ddp")
     cfg = u.load(UNSLOTH / "tiny.yaml", [f"data.train_files=[{src}]"])
-    rows = u.training_rows(cfg)
+    rows, _ = u.training_rows(cfg)
     chats = [r["messages"] for r in read_jsonl(tmp_path / "chat.jsonl")]
     assert n == len(rows) == 200
     assert chats == [r["prompt"] + r["completion"] for r in rows]
 
+
+
+THINK = {"messages": [{"role": "user", "content": "What is two plus two?"},
+                      {"role": "assistant", "content": "It is four.", "reasoning_content": "Two plus two: four."}],
+         "id": 7}
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}, "day": {"type": "string"}}}}}]
+
+
+def _call(args):
+    return {"messages": [{"role": "user", "content": "Weather?"},
+                         {"role": "assistant", "content": "", "tool_calls": [
+                             {"type": "function", "function": {"name": "get_weather", "arguments": args}}]},
+                         {"role": "tool", "content": "18 C"},
+                         {"role": "assistant", "content": "It is 18 C.", "thinking": "The tool said 18."}],
+            "tools": WEATHER}
+
+
+def test_unsloth_trl_rows_keep_reasoning_and_tools_as_trl_trains_them(tmp_path):
+    """The TRL path keeps an answer's reasoning (rendered by a template that reads it, Qwen3's, and in the loss),
+    the row's tools and tool calls (each call's arguments as written: no other row's keys as nulls), counts what it
+    drops or does not use, and refuses reasoning a template has no place for in one line. TRL's own SFTTrainer
+    data set equals what --show-examples shows (trl_examples)."""
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+    from trl import SFTConfig, SFTTrainer
+
+    from cookbook.sft import SFTDataError
+
+    u = load_recipe("unsloth-lora-ddp")
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in (THINK, _call({"city": "Paris"}), _call({"day": "Mon"}))))
+    qwen3 = ROOT / "recipes/qwen-fsdp2-sft/tiny/qwen3"
+    cfg = u.load(UNSLOTH / "tiny.yaml", [f"data.train_files=[{data}]", "data.max_length=1024"])
+    tok = AutoTokenizer.from_pretrained(qwen3)
+    rows, parts = u.training_rows(cfg, tok)
+    (examples, st), = u.trl_examples(rows, parts, tok, cfg)
+    labelled = [tok.decode([t for t in e["labels"] if t != -100]) for e in examples]
+    assert labelled[0] == "<think>\nTwo plus two: four.\n</think>\n\nIt is four.<|im_end|>\n"
+    assert labelled[1] == "<think>\nThe tool said 18.\n</think>\n\nIt is 18 C.<|im_end|>\n"
+    assert '"arguments": {"city": "Paris"}' in tok.decode(examples[1]["input_ids"])
+    assert '"arguments": {"day": "Mon"}' in tok.decode(examples[2]["input_ids"])
+    assert (st.reasoning_turns, st.tool_call_rows, st.tool_calls, st.ignored) == (3, 2, 2, {"id": 1})
+    assert "reasoning: 3 turns trained" in st.summary() and "keys not used: id (1)" in st.summary()
+
+    model = Qwen3ForCausalLM(Qwen3Config.from_pretrained(qwen3))
+    args = SFTConfig(output_dir=str(tmp_path / "out"), max_length=1024, completion_only_loss=True, use_cpu=True,
+                     report_to="none", dataset_num_proc=None)
+    trained = SFTTrainer(model=model, args=args, train_dataset=u.trl_dataset(rows), processing_class=tok).train_dataset
+    assert [(r["input_ids"], r["labels"]) for r in trained] == [(e["input_ids"], e["labels"]) for e in examples]
+
+    llama = AutoTokenizer.from_pretrained(ROOT / "recipes/qwen-fsdp2-sft/tiny/llama")  # reads no reasoning field
+    with pytest.raises(SFTDataError, match=r"rows\.jsonl row 1: messages\[1\] has reasoning, but the chat template "
+                                             r"has no place for it .*set data\.reasoning=drop"):
+        u.training_rows(cfg, llama)
+    drop = u.load(UNSLOTH / "tiny.yaml", [f"data.train_files=[{data}]", "data.reasoning=drop"])
+    _, parts = u.training_rows(drop, llama)
+    assert parts[0].reasoning_dropped == 3
+    with pytest.raises(u.ConfigError, match=r"data\.reasoning must be train or drop, got 'context': TRL's"):
+        u.load(UNSLOTH / "tiny.yaml", ["data.reasoning=context"])
 
 # ----------------------------------------------------------------------------- the TRL path on 2 ranks
 @pytest.fixture(scope="module")

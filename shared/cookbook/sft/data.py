@@ -750,18 +750,14 @@ def prepare(rows: Sequence[dict], tokenizer, max_length: int, source: str,
     _require_chat_template(tokenizer)
     stats, examples = SFTStats(source=source, max_length=max_length, truncate=truncate, rows=len(rows),
                                reasoning=reasoning), []
-    ignored, target = Counter(), reasoning_field(tokenizer)
+    ignored = Counter()
     for n, row in enumerate(rows, 1):
         try:
-            messages, tools = to_conversation(row, n, source, ignored)
-            messages = _inline_reasoning(tokenizer, messages)
-            messages = _place_reasoning(messages, reasoning, target, chat_template_kwargs, stats)
+            messages, tools = template_conversation(row, n, source, tokenizer, stats, ignored, chat_template_kwargs,
+                                                    reasoning)
         except EmptyAnswerError:  # e.g. a few rows of tatsu-lab/alpaca: nothing to learn from them
             stats.empty_answers.append(n)
             continue
-        except SFTDataError as exc:
-            raise SFTDataError(str(exc) if str(exc).startswith(source) else f"{source} row {n}: {exc}") from None
-        stats.count_tool_calls(messages)
         ends = [i + 1 for i, m in enumerate(messages) if m["role"] == "assistant"] if split_turns else [len(messages)]
         stats.split_rows += len(ends) > 1
         for end in ends:
@@ -787,6 +783,50 @@ def prepare(rows: Sequence[dict], tokenizer, max_length: int, source: str,
     if max_dropped_fraction is not None:
         stats.check_dropped(max_dropped_fraction)
     return examples, stats
+
+
+def template_conversation(row: dict, row_number: int, source: str, tokenizer, stats: SFTStats,
+                          ignored: Counter | None = None, chat_template_kwargs: dict | None = None,
+                          reasoning: str = "train") -> tuple[list[dict], list[dict] | None]:
+    """`to_conversation` made ready for `tokenizer`'s chat template, as `prepare` does: an inline ``<think>``
+    block moved to ``reasoning_content``, each turn's reasoning under the key the template reads (`reasoning_field`)
+    or removed with ``reasoning="drop"`` (counted in ``stats.reasoning_dropped``), the row's tool calls counted
+    (`SFTStats.count_tool_calls`), keys its format does not read counted in `ignored` (``"id"``, ``"messages[].weight"``). `tokenizer` None: the reasoning stays as ``reasoning_content``, unchecked.
+
+    Raises:
+        EmptyAnswerError: the row's answer is empty (the caller skips and counts it).
+        SFTDataError: ``"<source> row <n>: ..."``: see `to_conversation`; reasoning the template has no place
+            for (or ``enable_thinking: false``); a stray ``<think>`` tag.
+    """
+    if ignored is not None:  # the row's own keys that its format does not read
+        used = (("messages", "tools") if "messages" in row else ("conversations", "system", "tools")
+                if "conversations" in row else ("instruction", "input", "output"))
+        ignored.update(k for k in row if k not in used)
+    try:
+        messages, tools = to_conversation(row, row_number, source, ignored)
+        if tokenizer is not None:
+            messages = _inline_reasoning(tokenizer, messages)
+            messages = _place_reasoning(messages, reasoning, reasoning_field(tokenizer), chat_template_kwargs, stats)
+        elif reasoning == "drop":
+            messages = _place_reasoning(messages, reasoning, None, None, stats)
+    except EmptyAnswerError:
+        raise
+    except SFTDataError as exc:
+        raise SFTDataError(str(exc) if str(exc).startswith(source) else f"{source} row {row_number}: {exc}") from None
+    stats.count_tool_calls(messages)
+    return messages, tools
+
+
+def check_tools_rendered(tokenizer, messages: list[dict], tools: list[dict] | None, text: str,
+                         chat_template_kwargs: dict | None = None) -> None:
+    """Refuse a chat template that leaves out the row's tools, tool calls or tool results (`text`: the rendered
+    conversation, in which each call's name must appear).
+
+    Raises:
+        SFTDataError: naming what the template dropped.
+    """
+    calls = {i: text for i, m in enumerate(messages) if m.get("tool_calls")}
+    _check_tools_rendered(tokenizer, messages, tools, chat_template_kwargs, calls)
 
 
 def _place_reasoning(messages: list[dict], reasoning: str, target: str | None, kwargs: dict | None,
