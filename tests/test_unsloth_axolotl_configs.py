@@ -124,6 +124,42 @@ def test_axolotl_dataset_equals_axolotl_preprocess():
     assert tokenizer.decode([t for t in rows[1]["labels"] if t != -100]) == "The colour of plum is purple.<|im_end|>"
 
 
+def test_axolotl_show_examples_prints_rows_as_trained_with_the_counts(tmp_path, capsys):
+    """check.py --show-examples N: N conversations per file with the labelled tokens between [[ ]], then the counts
+    per field: a conversation longer than sequence_len dropped (Axolotl's excess_length_strategy default) or cut
+    (truncate), reasoning the tiny template does not render counted, keys not used counted; the val_set_size split
+    comes after the rows shown."""
+    chk = _axolotl_check()
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"messages": [{"role": "user", "content": "What is 2 plus 2?"},
+                      {"role": "assistant", "content": "It is 4.", "reasoning_content": "2 + 2 = 4.", "weight": 1}]},
+        {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi there."}], "id": 2},
+        {"messages": [{"role": "user", "content": "Count."}, {"role": "assistant", "content": " ".join(["one"] * 200)}]}]))
+    cfg = yaml.safe_load((AXOLOTL / "tiny.yaml").read_text())
+    cfg.update(datasets=[{**cfg["datasets"][0], "path": str(rows)}], val_set_size=0.5,
+               base_model=str(AXOLOTL / "tiny/olmo3"), tokenizer_config=str(ROOT / "recipes/qwen-fsdp2-sft/tiny/llama"))
+    path = tmp_path / "show.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert chk.main([str(path), "--show-examples", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("labelled tokens (in the loss) are between [[ and ]]\n")
+    assert "--- rows.jsonl example 1 of 2 (row 1, " in out and "--- rows.jsonl example 2 of 2 (row 2, " in out
+    assert "[[It is 4.<|im_end|>]]" in out and "[[Hi there.<|im_end|>]]" in out
+    assert "  examples        2 kept, 1 dropped (longer than max_length=128, dropped rather than cut: row 3 (" in out
+    assert "  reasoning       0 turns trained, 1 left out by the chat template, 0 dropped" in out
+    assert "  keys not used   id: 1, messages[].weight: 1" in out
+    assert out.rstrip().endswith("val_set_size=0.5: Axolotl holds out that share of these examples for evaluation "
+                                 "(seed 42); the rows above are before that split")
+    path.write_text(yaml.safe_dump({**cfg, "excess_length_strategy": "truncate"}))
+    assert chk.main([str(path), "--show-examples", "1"]) == 0
+    assert "  examples        3 kept, 1 truncated to max_length=128, 0 dropped" in capsys.readouterr().out
+    path.write_text(yaml.safe_dump({**cfg, "excess_length_strategy": "raise"}))
+    assert chk.main([str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {rows} row 3: ") and err.endswith(" tokens, longer than sequence_len=128 "
+                                                                     "(excess_length_strategy: raise)\n")
+
 def test_axolotl_launch_dry_run():
     rc, lines, _ = _dry_run(AXOLOTL, "--max-steps", "5", NGPU="2", CONFIG_FILE="qlora.yaml")
     assert rc == 0
