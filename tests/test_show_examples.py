@@ -51,6 +51,9 @@ def test_chat_recipes_show_rows_with_the_labels_marked_and_count_every_field(rec
     assert "2 + 2 = 4." not in out
     assert "  reasoning       0 turns dropped, 0 left out by the chat template, 1 dropped (data.reasoning=drop)" in out
     assert "  keys not used   messages[].weight: 1" in out
+    if recipe != "unsloth-lora-ddp":  # 1 of the 3 rows is held out for evaluation, after the rows shown
+        assert out.rstrip().endswith("data.eval_fraction=0.05: a seeded share of each file's examples is held out for "
+                                     "evaluation; the examples above are before that split")
 
 
 def test_gpt_oss_receipts_and_vision_recipes_show_their_rows():

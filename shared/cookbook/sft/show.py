@@ -98,8 +98,8 @@ def refusal(stats: SFTStats, max_dropped_fraction: float) -> str:
 
 def show_data(cfg, tokenizer, n: int) -> str:
     """`show_examples` for a recipe's ``data`` section (`cookbook.sft.DataConfig`): each train file (or the hub
-    data set) tokenized as `cookbook.sft.load_examples` does, before the held-out split and packing; a source that
-    training would refuse (too many rows dropped) is shown with the refusal instead of stopping."""
+    data set) tokenized as `cookbook.sft.load_examples` does, before the held-out split (said in a last line) and
+    packing; a source that training would refuse (too many rows dropped) is shown with the refusal instead of stopping."""
     from cookbook.sft.data import load_hub_rows, load_rows, prepare
 
     kwargs = dict(cfg.chat_template_kwargs) or None
@@ -108,4 +108,7 @@ def show_data(cfg, tokenizer, n: int) -> str:
                      truncate=getattr(cfg, "truncate", True), reasoning=getattr(cfg, "reasoning", "train"))
              for source, rows in sources]
     notes = [refusal(st, cfg.max_dropped_fraction) for _, st in parts]
+    if cfg.eval_fraction > 0 and not getattr(cfg, "eval_files", []):
+        notes.append(f"data.eval_fraction={cfg.eval_fraction:g}: a seeded share of each file's examples is held out for "
+                     f"evaluation; the examples above are before that split")
     return show_examples(parts, tokenizer, n) + "".join(f"\n{x}" for x in notes if x)
