@@ -409,10 +409,13 @@ def test_unsloth_recipe_epochs_read_every_row_once(tmp_path, capfd, monkeypatch)
         return forward(self, *args, **kwargs)
 
     monkeypatch.setattr(DistributedDataParallel, "forward", recording_forward)
-    main_in_workers("unsloth-lora-ddp", f"output_dir={tmp_path / 'run'}", f"data.train_files=[{data}]",
-                    "train.max_steps=-1", "train.epochs=2", "checkpoint.every_steps=-1", "checkpoint.export_merged=false")
+    run = (f"output_dir={tmp_path / 'run'}", f"data.train_files=[{data}]", "train.max_steps=-1", "train.epochs=2",
+           "checkpoint.every_steps=0", "checkpoint.export_merged=false")
+    main_in_workers("unsloth-lora-ddp", *run)
     assert "epoch: 20 rows = 2 steps of 8 rows, every row read once; the last partial global batch (4 rows, " \
            "others each epoch) is dropped" in capfd.readouterr().err
+    main_in_workers("unsloth-lora-ddp", *run)  # the step count (4) known once TRL has the rows: already complete
+    assert "already complete" in capfd.readouterr().err
     tok = AutoTokenizer.from_pretrained(ROOT / "recipes/qwen-fsdp2-sft/tiny/llama")
     per_rank = [[[int(re.search(r"number (\d+)", tok.decode(ids)).group(1)) for ids in json.loads(line)]
                  for line in Path(f"{seen}-{r}").read_text().splitlines()] for r in (0, 1)]
