@@ -232,6 +232,7 @@ def tokenize_rows(rows: list[dict], tokenizer, cfg: DataConfig, source: str) -> 
         except sft.EmptyAnswerError:
             stats.empty_answers.append(n)
             continue
+        stats.count_tool_calls(messages)
         ignored.update(k for k in row if k not in ("messages", "conversations", "tools", "system", "instruction",
                                                    "input", "output", "reasoning_effort"))
         kwargs = dict(cfg.chat_template_kwargs)
