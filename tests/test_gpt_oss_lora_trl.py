@@ -115,6 +115,9 @@ def test_labels_are_the_final_channel_only():
     assert (stats.rows, stats.examples) == (28, 28)
     # the harmony template drops a tool call's thinking when an answer follows (6 rows): counted, not silent
     assert (stats.reasoning_turns, stats.reasoning_unrendered) == (22, 6)
+    calls = [sum(len(m.get("tool_calls") or ()) for m in row["messages"]) for row in rows]
+    assert (stats.tool_call_rows, stats.tool_calls) == (sum(c > 0 for c in calls), sum(calls)) and sum(calls) > 0
+    assert stats.tool_calls_note() in stats.summary()
     with_tools = 0
     for row, ex in zip(rows, examples):
         want = row["messages"][-1]["content"] + "<|return|>"

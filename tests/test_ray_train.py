@@ -101,6 +101,52 @@ def test_the_workers_refuse_an_older_state_than_the_driver_announced(monkeypatch
             _check_announced(handed)
 
 
+def test_a_damaged_newest_checkpoint_falls_back_to_the_one_ray_registered_before_it(tmp_path, capsys, caplog,
+                                                                                    monkeypatch):
+    """A truncated state.pt of Ray's newest checkpoint fails its checksum: the driver warns, resumes from the one
+    registered before it and rewrites Ray's snapshot so that Ray hands that one; a worker handed it refuses it."""
+    from ray.train import Checkpoint
+    from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import _CheckpointManagerState
+
+    from cookbook.checkpoint import CHECKSUMS_KEY, checksums
+
+    names = [f"checkpoint_step_{step:08d}" for step in (8, 16, 24)]
+    for step, name in zip((8, 16, 24), names):
+        d = tmp_path / name
+        d.mkdir()
+        torch.save({"step": torch.tensor(step), "w": torch.randn(64)}, d / _STATE_FILE)
+        meta = {"step": step, "world_size": 2, "config": {}, CHECKSUMS_KEY: checksums(d)}
+        (d / "meta.json").write_text(json.dumps(meta))
+    results = [{"checkpoint_dir_name": n, "metrics": {"step": s}} for n, s in zip(names, (8, 16, 24))]
+    snapshot = {"ray_version": RAY, "checkpoint_results": results, "checkpoint_report_indices": [0, 1, 2],
+                "latest_checkpoint_result": results[2], "pending_training_results": [], "pending_validation_specs": [],
+                "current_report_index": 3, "validated_checkpoint_dir_names": [],
+                "timed_out_validation_checkpoint_dir_names": [], "failed_validation_checkpoint_dir_names": []}
+    _CheckpointManagerState.model_validate(snapshot)  # the form Ray writes
+    (tmp_path / _SNAPSHOT_FILE).write_text(json.dumps(snapshot))
+    state = tmp_path / names[2] / _STATE_FILE
+    state.write_bytes(state.read_bytes()[:-100])  # a copy cut short
+    monkeypatch.setattr(worker, "_announced", None)
+    monkeypatch.setattr("ray.train.get_checkpoint", lambda: Checkpoint.from_directory(str(tmp_path / names[2])))
+    with pytest.raises(CheckpointError, match=rf"{names[2]}: state.pt does not match its checksum in meta.json"):
+        worker.load_checkpoint()  # what Ray hands a restarted worker group: refused, not read
+    capsys.readouterr()
+    path = _check_resume(_RayCheckpoints(tmp_path, "step"), "auto", {}, (), ("train.stop_at_step", -1))
+    assert path == tmp_path / names[1]
+    warned = caplog.text  # rank 0's warning line
+    assert f"checkpoint {tmp_path / names[2]} is damaged (state.pt does not match its checksum" in warned, warned
+    assert f"resuming from {path} instead" in warned and f"resuming from {path} (step 16)" in capsys.readouterr().err
+    written = _CheckpointManagerState.model_validate(json.loads((tmp_path / _SNAPSHOT_FILE).read_text()))
+    assert written.latest_checkpoint_result.checkpoint_dir_name == names[1]
+    assert [r.checkpoint_dir_name for r in written.checkpoint_results] == names[:2]
+    assert written.checkpoint_report_indices == [0, 1]
+    assert _RayCheckpoints(tmp_path, "step").latest() == path  # a second look agrees, with no rewrite needed
+    (tmp_path / names[1] / _STATE_FILE).write_bytes(b"")  # and when every registered one is damaged, nothing is resumed in silence
+    (tmp_path / names[0] / _STATE_FILE).write_bytes(b"")
+    with pytest.raises(CheckpointError, match="no complete checkpoint remains"):
+        _check_resume(_RayCheckpoints(tmp_path, "step"), "auto", {}, (), ("train.stop_at_step", -1))
+
+
 def test_the_random_streams_survive_a_weights_only_checkpoint(tmp_path):
     def draws():
         return random.random(), float(np.random.rand()), float(torch.rand(()))

@@ -17,6 +17,7 @@ from cookbook.config import ConfigError
 from cookbook.sft import (
     IGNORE_INDEX,
     SFTDataError,
+    SFTStats,
     chunked_token_loss_sum,
     check_one_step,
     check_vocab,
@@ -396,6 +397,23 @@ def test_tool_rows_with_qwen25s_template(tokenizer):
     # Loss on both assistant turns (the call and the answer), none on the tool result.
     assert labelled(tok, ex) == [CALL_TEXT, "It is 18 C in Paris.<|im_end|>"]
     assert stats.examples == 1 and stats.loss_tokens == sum(b - a for a, b in spans(ex["labels"]))
+
+
+def test_tool_calls_are_counted_in_the_summary_and_the_shown_counts(tokenizer):
+    from cookbook.sft.show import field_counts
+
+    tok = real_template(tokenizer, "qwen2.5")
+    two = {"messages": [TOOL_ROW["messages"][0], {"role": "assistant", "content": None, "tool_calls": [CALL, CALL]},
+                        {"role": "tool", "content": "18"}, {"role": "tool", "content": "18"},
+                        TOOL_ROW["messages"][3]], "tools": TOOLS}
+    _, stats = prepare([TOOL_ROW, {"messages": CONVERSATION, "id": 2}, two], tok, 4096, "t.jsonl")
+    assert (stats.tool_call_rows, stats.tool_calls) == (2, 3)
+    assert stats.ignored == {"id": 1}  # a row's own key that no format reads is counted too
+    assert "t.jsonl: 3 rows read, 3 examples kept (0 truncated to max_length=4096), 0 dropped, tool calls: 3 in 2 rows, " \
+        "keys not used: id (1) |" in stats.summary()
+    assert "  tool calls      3 in 2 rows" in field_counts(stats)
+    merged = SFTStats.merge([stats, prepare([TOOL_ROW], tok, 4096, "u.jsonl")[1]])
+    assert (merged.tool_call_rows, merged.tool_calls) == (3, 4)
 
 
 def test_tool_rows_with_qwen3s_template_need_split_turns(tokenizer):

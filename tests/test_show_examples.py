@@ -42,17 +42,18 @@ def rows_file(tmp_path_factory):
 @pytest.mark.parametrize("recipe, end", [("qwen-fsdp2-sft", "<|im_end|>"), ("qwen-ray-sft", "<|im_end|>"),
                                          ("moe-lora-fsdp2-ep", "<|im_end|>"), ("unsloth-lora-ddp", "<|im_end|>\n")])
 def test_chat_recipes_show_rows_with_the_labels_marked_and_count_every_field(recipe, end, rows_file):
-    extra = () if recipe == "unsloth-lora-ddp" else ("data.reasoning=drop",)
-    out = show(recipe, f"data.train_files=[{rows_file}]", "data.max_length=100", *extra)
+    out = show(recipe, f"data.train_files=[{rows_file}]", "data.max_length=100", "data.reasoning=drop")
     assert out.startswith("labelled tokens (in the loss) are between [[ and ]]\n")
     assert "--- rows.jsonl example 1 of 3 (row 1, " in out and "--- rows.jsonl example 2 of 3 (row 2, " in out
     assert "example 3 of 3" not in out  # N=2
     assert f"[[It is 4.{end}]]" in out and f"[[Hi there.{end}]]" in out
     assert "  examples        3 kept, 1 truncated to max_length=100, 0 dropped" in out
-    if recipe != "unsloth-lora-ddp":  # TRL renders those rows itself
-        assert "2 + 2 = 4." not in out
-        assert "  reasoning       0 turns dropped, 0 left out by the chat template, 1 dropped (data.reasoning=drop)" in out
-        assert "  keys not used   messages[].weight: 1" in out
+    assert "2 + 2 = 4." not in out
+    assert "  reasoning       0 turns dropped, 0 left out by the chat template, 1 dropped (data.reasoning=drop)" in out
+    assert "  keys not used   messages[].weight: 1" in out
+    if recipe != "unsloth-lora-ddp":  # 1 of the 3 rows is held out for evaluation, after the rows shown
+        assert out.rstrip().endswith("data.eval_fraction=0.05: a seeded share of each file's examples is held out for "
+                                     "evaluation; the examples above are before that split")
 
 
 def test_gpt_oss_receipts_and_vision_recipes_show_their_rows():

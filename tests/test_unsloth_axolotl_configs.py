@@ -124,6 +124,42 @@ def test_axolotl_dataset_equals_axolotl_preprocess():
     assert tokenizer.decode([t for t in rows[1]["labels"] if t != -100]) == "The colour of plum is purple.<|im_end|>"
 
 
+def test_axolotl_show_examples_prints_rows_as_trained_with_the_counts(tmp_path, capsys):
+    """check.py --show-examples N: N conversations per file with the labelled tokens between [[ ]], then the counts
+    per field: a conversation longer than sequence_len dropped (Axolotl's excess_length_strategy default) or cut
+    (truncate), reasoning the tiny template does not render counted, keys not used counted; the val_set_size split
+    comes after the rows shown."""
+    chk = _axolotl_check()
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"messages": [{"role": "user", "content": "What is 2 plus 2?"},
+                      {"role": "assistant", "content": "It is 4.", "reasoning_content": "2 + 2 = 4.", "weight": 1}]},
+        {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi there."}], "id": 2},
+        {"messages": [{"role": "user", "content": "Count."}, {"role": "assistant", "content": " ".join(["one"] * 200)}]}]))
+    cfg = yaml.safe_load((AXOLOTL / "tiny.yaml").read_text())
+    cfg.update(datasets=[{**cfg["datasets"][0], "path": str(rows)}], val_set_size=0.5,
+               base_model=str(AXOLOTL / "tiny/olmo3"), tokenizer_config=str(ROOT / "recipes/qwen-fsdp2-sft/tiny/llama"))
+    path = tmp_path / "show.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert chk.main([str(path), "--show-examples", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("labelled tokens (in the loss) are between [[ and ]]\n")
+    assert "--- rows.jsonl example 1 of 2 (row 1, " in out and "--- rows.jsonl example 2 of 2 (row 2, " in out
+    assert "[[It is 4.<|im_end|>]]" in out and "[[Hi there.<|im_end|>]]" in out
+    assert "  examples        2 kept, 1 dropped (longer than max_length=128, dropped rather than cut: row 3 (" in out
+    assert "  reasoning       0 turns trained, 1 left out by the chat template, 0 dropped" in out
+    assert "  keys not used   id: 1, messages[].weight: 1" in out
+    assert out.rstrip().endswith("val_set_size=0.5: Axolotl holds out that share of these examples for evaluation "
+                                 "(seed 42); the rows above are before that split")
+    path.write_text(yaml.safe_dump({**cfg, "excess_length_strategy": "truncate"}))
+    assert chk.main([str(path), "--show-examples", "1"]) == 0
+    assert "  examples        3 kept, 1 truncated to max_length=128, 0 dropped" in capsys.readouterr().out
+    path.write_text(yaml.safe_dump({**cfg, "excess_length_strategy": "raise"}))
+    assert chk.main([str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {rows} row 3: ") and err.endswith(" tokens, longer than sequence_len=128 "
+                                                                     "(excess_length_strategy: raise)\n")
+
 def test_axolotl_launch_dry_run():
     rc, lines, _ = _dry_run(AXOLOTL, "--max-steps", "5", NGPU="2", CONFIG_FILE="qlora.yaml")
     assert rc == 0
@@ -170,11 +206,70 @@ def test_prepare_data_matches_the_unsloth_rows(tmp_path):
     n = prep.convert(str(src), str(tmp_path / "chat.jsonl"))
     u = load_recipe("unsloth-lora-ddp")
     cfg = u.load(UNSLOTH / "tiny.yaml", [f"data.train_files=[{src}]"])
-    rows = u.training_rows(cfg)
+    rows, _ = u.training_rows(cfg)
     chats = [r["messages"] for r in read_jsonl(tmp_path / "chat.jsonl")]
     assert n == len(rows) == 200
     assert chats == [r["prompt"] + r["completion"] for r in rows]
 
+
+
+THINK = {"messages": [{"role": "user", "content": "What is two plus two?"},
+                      {"role": "assistant", "content": "It is four.", "reasoning_content": "Two plus two: four."}],
+         "id": 7}
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}, "day": {"type": "string"}}}}}]
+
+
+def _call(args):
+    return {"messages": [{"role": "user", "content": "Weather?"},
+                         {"role": "assistant", "content": "", "tool_calls": [
+                             {"type": "function", "function": {"name": "get_weather", "arguments": args}}]},
+                         {"role": "tool", "content": "18 C"},
+                         {"role": "assistant", "content": "It is 18 C.", "thinking": "The tool said 18."}],
+            "tools": WEATHER}
+
+
+def test_unsloth_trl_rows_keep_reasoning_and_tools_as_trl_trains_them(tmp_path):
+    """The TRL path keeps an answer's reasoning (rendered by a template that reads it, Qwen3's, and in the loss),
+    the row's tools and tool calls (each call's arguments as written: no other row's keys as nulls), counts what it
+    drops or does not use, and refuses reasoning a template has no place for in one line. TRL's own SFTTrainer
+    data set equals what --show-examples shows (trl_examples)."""
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+    from trl import SFTConfig, SFTTrainer
+
+    from cookbook.sft import SFTDataError
+
+    u = load_recipe("unsloth-lora-ddp")
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in (THINK, _call({"city": "Paris"}), _call({"day": "Mon"}))))
+    qwen3 = ROOT / "recipes/qwen-fsdp2-sft/tiny/qwen3"
+    cfg = u.load(UNSLOTH / "tiny.yaml", [f"data.train_files=[{data}]", "data.max_length=1024"])
+    tok = AutoTokenizer.from_pretrained(qwen3)
+    rows, parts = u.training_rows(cfg, tok)
+    (examples, st), = u.trl_examples(rows, parts, tok, cfg)
+    labelled = [tok.decode([t for t in e["labels"] if t != -100]) for e in examples]
+    assert labelled[0] == "<think>\nTwo plus two: four.\n</think>\n\nIt is four.<|im_end|>\n"
+    assert labelled[1] == "<think>\nThe tool said 18.\n</think>\n\nIt is 18 C.<|im_end|>\n"
+    assert '"arguments": {"city": "Paris"}' in tok.decode(examples[1]["input_ids"])
+    assert '"arguments": {"day": "Mon"}' in tok.decode(examples[2]["input_ids"])
+    assert (st.reasoning_turns, st.tool_call_rows, st.tool_calls, st.ignored) == (3, 2, 2, {"id": 1})
+    assert "reasoning: 3 turns trained" in st.summary() and "keys not used: id (1)" in st.summary()
+
+    model = Qwen3ForCausalLM(Qwen3Config.from_pretrained(qwen3))
+    args = SFTConfig(output_dir=str(tmp_path / "out"), max_length=1024, completion_only_loss=True, use_cpu=True,
+                     report_to="none", dataset_num_proc=None)
+    trained = SFTTrainer(model=model, args=args, train_dataset=u.trl_dataset(rows), processing_class=tok).train_dataset
+    assert [(r["input_ids"], r["labels"]) for r in trained] == [(e["input_ids"], e["labels"]) for e in examples]
+
+    llama = AutoTokenizer.from_pretrained(ROOT / "recipes/qwen-fsdp2-sft/tiny/llama")  # reads no reasoning field
+    with pytest.raises(SFTDataError, match=r"rows\.jsonl row 1: messages\[1\] has reasoning, but the chat template "
+                                             r"has no place for it .*set data\.reasoning=drop"):
+        u.training_rows(cfg, llama)
+    drop = u.load(UNSLOTH / "tiny.yaml", [f"data.train_files=[{data}]", "data.reasoning=drop"])
+    _, parts = u.training_rows(drop, llama)
+    assert parts[0].reasoning_dropped == 3
+    with pytest.raises(u.ConfigError, match=r"data\.reasoning must be train or drop, got 'context': TRL's"):
+        u.load(UNSLOTH / "tiny.yaml", ["data.reasoning=context"])
 
 # ----------------------------------------------------------------------------- the TRL path on 2 ranks
 @pytest.fixture(scope="module")
@@ -290,6 +385,45 @@ def test_unsloth_recipe_skips_a_nan_step_and_a_resume_continues_the_count(tmp_pa
     assert json.loads((ckpt / "checkpoint-3" / "meta.json").read_text())["skipped_steps"] == 1
     three = load_file(ckpt / "checkpoint-3" / "adapter_model.safetensors")
     assert any(not torch.equal(two[k], three[k]) for k in two)  # step 3 was applied
+
+
+def test_unsloth_recipe_epochs_read_every_row_once(tmp_path, capfd, monkeypatch):
+    """train.max_steps=-1 train.epochs=2 on 2 ranks, 20 rows, global batch 4 x 1 x 2 = 8: 2 steps per epoch, each
+    of 8 distinct rows, each epoch 16 distinct rows (4 left out, said in the log). The Trainer's own sampler read
+    3 steps per epoch there, one of them padded with 4 rows read twice."""
+    import re
+
+    from torch.nn.parallel import DistributedDataParallel
+    from transformers import AutoTokenizer
+
+    data = tmp_path / "numbered.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Question number {i}?"},
+                                                     {"role": "assistant", "content": f"Answer {i}."}]}) + "\n"
+                            for i in range(20)))
+    seen, forward = tmp_path / "seen", DistributedDataParallel.forward
+
+    def recording_forward(self, *args, **kwargs):
+        if self.training:
+            with open(f"{seen}-{os.environ['RANK']}", "a") as f:
+                f.write(json.dumps(kwargs["input_ids"].tolist()) + "\n")
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(DistributedDataParallel, "forward", recording_forward)
+    run = (f"output_dir={tmp_path / 'run'}", f"data.train_files=[{data}]", "train.max_steps=-1", "train.epochs=2",
+           "checkpoint.every_steps=0", "checkpoint.export_merged=false")
+    main_in_workers("unsloth-lora-ddp", *run)
+    assert "epoch: 20 rows = 2 steps of 8 rows, every row read once; the last partial global batch (4 rows, " \
+           "others each epoch) is dropped" in capfd.readouterr().err
+    main_in_workers("unsloth-lora-ddp", *run)  # the step count (4) known once TRL has the rows: already complete
+    assert "already complete" in capfd.readouterr().err
+    tok = AutoTokenizer.from_pretrained(ROOT / "recipes/qwen-fsdp2-sft/tiny/llama")
+    per_rank = [[[int(re.search(r"number (\d+)", tok.decode(ids)).group(1)) for ids in json.loads(line)]
+                 for line in Path(f"{seen}-{r}").read_text().splitlines()] for r in (0, 1)]
+    steps = [a + b for a, b in zip(*per_rank)]
+    assert [len(s) for s in steps] == [8, 8, 8, 8] and all(len(set(s)) == 8 for s in steps)
+    for epoch in (steps[:2], steps[2:]):
+        assert len(set(sum(epoch, []))) == 16
+    assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["event"] == "train"] == [1, 2, 3, 4]
 
 
 

@@ -28,7 +28,8 @@ KEYS = {
     "adapter": (str, True), "load_in_4bit": (bool, False), "load_in_8bit": (bool, False),
     "lora_r": (int, True), "lora_alpha": (int, True), "lora_dropout": (float, True), "lora_target_modules": (list, True),
     "chat_template": (str, False), "datasets": (list, True), "dataset_prepared_path": (str, False),
-    "val_set_size": (float, False), "sequence_len": (int, True), "sample_packing": (bool, False),
+    "val_set_size": (float, False), "sequence_len": (int, True), "excess_length_strategy": (str, False),
+    "sample_packing": (bool, False),
     "pad_to_sequence_len": (bool, False), "attn_implementation": (str, False),
     "micro_batch_size": (int, True), "gradient_accumulation_steps": (int, True), "max_steps": (int, True),
     "learning_rate": (float, True), "warmup_steps": (int, False), "lr_scheduler": (str, False),
@@ -38,6 +39,9 @@ KEYS = {
 }
 DATASET_KEYS = {"path": str, "ds_type": str, "type": str, "field_messages": str, "roles_to_train": list,
                 "train_on_eos": str}
+
+
+EXCESS = ("drop", "truncate", "raise")  # excess_length_strategy: a row longer than sequence_len (Axolotl: drop)
 
 
 class ConfigError(ValueError):
@@ -83,6 +87,9 @@ def load(path: str | Path) -> dict:
     for key in ("lora_r", "lora_alpha", "sequence_len", "micro_batch_size", "gradient_accumulation_steps", "max_steps"):
         if cfg[key] < 1:
             raise ConfigError(f"{p}: key '{key}' must be at least 1, got {cfg[key]}")
+    if cfg.get("excess_length_strategy", "drop") not in EXCESS:
+        raise ConfigError(f"{p}: key 'excess_length_strategy' must be one of {', '.join(EXCESS)}, got "
+                          f"{cfg['excess_length_strategy']!r}")
     if not cfg["datasets"]:
         raise ConfigError(f"{p}: key 'datasets' is empty")
     for i, ds in enumerate(cfg["datasets"]):
@@ -103,42 +110,95 @@ def load(path: str | Path) -> dict:
     return cfg
 
 
-def build_dataset(cfg: dict, tokenizer) -> list[dict]:
-    """Every conversation of ``cfg["datasets"]`` as ``{"input_ids", "labels"}`` (lists of ints; -100 where no loss),
-    cut at ``sequence_len``: the chat template's rendering, loss on the assistant turns with their end-of-turn tokens.
+def build_examples(cfg: dict, tokenizer) -> list[tuple[list[dict], "SFTStats"]]:
+    """Per ``cfg["datasets"]`` entry, its conversations as ``{"input_ids", "labels"}`` (lists of ints; -100 where no
+    loss): the chat template's rendering, loss on the assistant turns with their end-of-turn tokens; a conversation
+    longer than ``sequence_len`` dropped (``excess_length_strategy: drop``, Axolotl's default) or cut (``truncate``);
+    and its counts (`cookbook.sft.SFTStats`: rows, kept, cut or dropped, tool calls, reasoning the template rendered
+    or left out, keys not used).
 
     Raises:
-        cookbook.sft.SFTDataError: a row that is not a conversation (naming the file and the 1-based row).
+        cookbook.sft.SFTDataError: a row that is not a conversation (naming the file and the 1-based row); a row
+            longer than ``sequence_len`` with ``excess_length_strategy: raise``.
     """
+    from collections import Counter
+
     from cookbook import sft
 
-    out = []
+    out, cut = [], cfg["sequence_len"]
+    strategy = cfg.get("excess_length_strategy", "drop")
     for ds in cfg["datasets"]:
         field = ds.get("field_messages", "messages")
         roles = set(ds.get("roles_to_train", ["assistant"]))
-        for n, row in enumerate(sft.load_rows(ds["path"]), 1):
-            messages = sft.to_messages({"messages": row[field]} if field in row else row, n, ds["path"])
-            ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+        rows, ignored = sft.load_rows(ds["path"]), Counter()
+        st = sft.SFTStats(source=ds["path"], max_length=cut, truncate=strategy == "truncate", rows=len(rows),
+                          unrendered_why="the chat template does not render them; Axolotl trains those turns "
+                                         "without it")
+        examples = []
+        for n, row in enumerate(rows, 1):
+            chat = {"messages": row[field], **{k: v for k, v in row.items() if k != field}} if field in row else row
+            messages, tools = sft.template_conversation(chat, n, ds["path"], None, st, ignored)
+            ids = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=False)
             labels = [-100] * len(ids)
             for i, m in enumerate(messages):
                 if m["role"] not in roles:
                     continue
-                start = len(tokenizer.apply_chat_template(messages[:i], tokenize=True, add_generation_prompt=True,
-                                                          return_dict=False))
-                end = len(tokenizer.apply_chat_template(messages[:i + 1], tokenize=True, return_dict=False))
+                start = len(tokenizer.apply_chat_template(messages[:i], tools=tools, tokenize=True,
+                                                          add_generation_prompt=True, return_dict=False))
+                end = len(tokenizer.apply_chat_template(messages[:i + 1], tools=tools, tokenize=True,
+                                                        return_dict=False))
                 turn = ids[start:end]  # the answer and its end-of-turn token, not what the template adds after it
                 if tokenizer.eos_token_id in turn:
                     end = start + len(turn) - turn[::-1].index(tokenizer.eos_token_id)
                 labels[start:end] = ids[start:end]
-            cut = cfg["sequence_len"]
-            out.append({"input_ids": list(ids[:cut]), "labels": labels[:cut]})
+                thought = (m.get("reasoning_content") or "").strip()
+                if thought and thought in tokenizer.decode(ids[start:end]):
+                    st.reasoning_turns += 1
+                elif thought:
+                    st.reasoning_unrendered += 1
+            if len(ids) > cut and strategy == "raise":
+                raise sft.SFTDataError(f"{ds['path']} row {n}: {len(ids)} tokens, longer than sequence_len={cut} "
+                                       f"(excess_length_strategy: raise)")
+            n_loss = sum(t != -100 for t in labels[:cut])
+            if (len(ids) > cut and strategy == "drop") or n_loss == 0:
+                st.dropped += 1
+                st.dropped_rows.append((n, len(ids)))
+                continue
+            st.truncated += len(ids) > cut
+            examples.append({"input_ids": list(ids[:cut]), "labels": labels[:cut]})
+            st.example_rows.append(n)
+            st.examples += 1
+            st.tokens += min(len(ids), cut)
+            st.loss_tokens += n_loss
+        st.ignored = dict(ignored)
+        out.append((examples, st))
     return out
+
+
+def build_dataset(cfg: dict, tokenizer) -> list[dict]:
+    """The kept conversations of every ``cfg["datasets"]`` entry, in order (`build_examples`)."""
+    return [e for examples, _ in build_examples(cfg, tokenizer) for e in examples]
+
+
+def show_examples(cfg: dict, tokenizer, n: int) -> str:
+    """``--show-examples N``: each data file's first `n` conversations as Axolotl trains them, labelled tokens
+    between ``[[`` and ``]]``, and the counts per field (`cookbook.sft.show_examples`); before the ``val_set_size``
+    split, which Axolotl draws after tokenizing."""
+    from cookbook import sft
+
+    text = sft.show_examples(build_examples(cfg, tokenizer), tokenizer, n)
+    if cfg.get("val_set_size"):
+        text += (f"\nval_set_size={cfg['val_set_size']:g}: Axolotl holds out that share of these examples for "
+                 f"evaluation (seed {cfg.get('seed', 42)}); the rows above are before that split")
+    return text
 
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("config")
     ap.add_argument("--random-init", metavar="DIR", help="save a random-init model of base_model's config here")
+    ap.add_argument("--show-examples", type=int, default=0, metavar="N",
+                    help="print N rendered conversations per data file (labels between [[ ]]) and the counts, then exit")
     a = ap.parse_args(argv)
     from cookbook.sft import SFTDataError
 
@@ -147,13 +207,19 @@ def main(argv: list[str]) -> int:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(cfg.get("tokenizer_config", cfg["base_model"]))
-        rows = build_dataset(cfg, tokenizer)
+        if a.show_examples:
+            print(show_examples(cfg, tokenizer, a.show_examples))
+            return 0
+        parts = build_examples(cfg, tokenizer)
     except (ConfigError, SFTDataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    trained = sum(sum(t != -100 for t in r["labels"]) for r in rows)
-    print(f"{a.config}: ok: {cfg['adapter']} r={cfg['lora_r']} alpha={cfg['lora_alpha']}, {len(rows)} conversations, "
-          f"{sum(len(r['input_ids']) for r in rows)} tokens ({trained} with loss) at sequence_len {cfg['sequence_len']}")
+    from cookbook.sft import SFTStats
+
+    stats = SFTStats.merge([st for _, st in parts])
+    print(f"data: {stats.summary()}")
+    print(f"{a.config}: ok: {cfg['adapter']} r={cfg['lora_r']} alpha={cfg['lora_alpha']}, {stats.examples} "
+          f"conversations, {stats.tokens} tokens ({stats.loss_tokens} with loss) at sequence_len {cfg['sequence_len']}")
     if a.random_init:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM

@@ -5,29 +5,11 @@
     NGPU=1 bash recipes/gpt-oss-lora-trl/launch.sh train.max_steps=50 lora.r=32
     CONFIG_FILE=tiny.yaml bash recipes/gpt-oss-lora-trl/launch.sh             # tiny twin, 2 CPU processes
 
-``parallel`` is the one place the technique differs:
-  * ``ddp``: every rank loads the whole model on its own GPU (``device_map={"": "cuda:LOCAL_RANK"}``); the
-    Trainer wraps it in DistributedDataParallel (20B in bf16 is ~42 GB: one copy fits one H200).
-  * ``fsdp``: the Trainer shards the model with FSDP2 (``fsdp="full_shard auto_wrap"``, one unit per
-    ``GptOssDecoderLayer``, activation checkpointing inside FSDP) for 120B, which does not fit one GPU.
-Weights: a hub MXFP4 checkpoint (``quantization_config.quant_method: mxfp4``) is loaded dequantized to bf16
-(``Mxfp4Config(dequantize=True)``, logged once): transformers' MXFP4 quantizer cannot train (the Trainer refuses
-it). ``model.pretrained=false`` builds the architecture from ``config.json`` with random weights (benchmarks, CI).
-Attention: ``flex_attention`` on GPU (``sdpa`` is refused by transformers for gpt_oss: its attention sinks),
-``eager`` on CPU (FlexAttention has no CPU backward).
-
-Data: chat rows (`cookbook.sft.to_conversation`: messages, tools, tool calls and results; an assistant turn's
-``thinking`` and a row's ``reasoning_effort`` are kept) rendered with the tokenizer's harmony chat template, one
-example per final answer (the conversation up to it, ending in ``<|return|>`` with its own thinking, as the model
-sees it); only that answer's final-channel tokens carry labels (`final_channel_labels`; ``data.reasoning=train``:
-its thinking too). Bookkeeping through
-`cookbook.hf_trainer` (metrics.jsonl with tokens/s per GPU, MFU on active parameters, peak memory; published
-checkpoints, resume=auto, train.stop_at_step, SIGTERM/SIGUSR1 preemption with exit 75, stalled ranks named, failed
-saves in one line); at the end the adapter (``output_dir/adapter``) and the merged model (``output_dir/final``).
-A step whose gradients are NaN or infinite on any rank is never applied (`cookbook.hf_trainer.NonFiniteSteps`, an
-all-reduced check before ``optimizer.step()``): ``train.on_nonfinite=stop`` ends the run (exit 4, naming the newest
-checkpoint); ``skip`` leaves the step out and counts it (``skipped_steps``, kept in the checkpoints), at most
-``train.max_consecutive_skips`` in a row.
+``parallel`` is the one place the technique differs: ``ddp`` loads the whole model on each rank's GPU and the
+Trainer wraps it in DistributedDataParallel; ``fsdp`` has the Trainer shard it with FSDP2 (one unit per
+``GptOssDecoderLayer``) for 120B. Hub MXFP4 weights are loaded dequantized to bf16. Rows are rendered with the
+harmony chat template, one example per final answer, labels on its final channel (`final_channel_labels`).
+What it supports (weights, attention, data, checkpoints, failures): README.md beside this file.
 """
 
 from __future__ import annotations
@@ -250,6 +232,7 @@ def tokenize_rows(rows: list[dict], tokenizer, cfg: DataConfig, source: str) -> 
         except sft.EmptyAnswerError:
             stats.empty_answers.append(n)
             continue
+        stats.count_tool_calls(messages)
         ignored.update(k for k in row if k not in ("messages", "conversations", "tools", "system", "instruction",
                                                    "input", "output", "reasoning_effort"))
         kwargs = dict(cfg.chat_template_kwargs)

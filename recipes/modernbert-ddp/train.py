@@ -8,28 +8,9 @@ Commands (from this folder; NGPU defaults to all visible GPUs, else 2 CPU proces
     ./launch.sh data.train_files=[train.csv] data.eval_files=[test.csv] model.name_or_path=/models/ModernBERT-base
     NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 ./launch.sh     # on each node, with its NODE_RANK
 
-What this recipe supports:
-    - DDP (one process per GPU, NCCL; gloo on CPU), any number of nodes; DistributedSampler's split
-      (cookbook.sampler.ResizableSampler), whose position is global.
-    - bf16 autocast on GPU (fp32 master weights), fp32 on CPU; optional torch.compile (training; evaluation
-      eager unless model.compile_eval).
-    - Gradient accumulation (DDP's no_sync on all but the last micro-batch), gradient clipping,
-      AdamW (fused on GPU) with linear/cosine warm-up and decay.
-    - Evaluation on a validation split: loss, accuracy and macro-F1 (torchmetrics), reduced
-      across ranks, each rank on a disjoint shard with no padding samples.
-    - Checkpoints (cookbook.checkpoint, DCP): model, optimizer moments, LR scheduler,
-      data position, data-loader and RNG state per rank, and step, published atomically; keep-last-N;
-      ``checkpoint.resume=auto`` continues from the newest complete one, on the same or another
-      number of GPUs (with the same global batch: set ``train.grad_accum_steps`` to keep it).
-    - Metrics (cookbook.metrics): loss, lr, grad norm, step time, samples/s and tokens/s
-      (total and per GPU), MFU, peak memory, data-wait time; console, metrics.jsonl, MLflow.
-    - Final export in Hugging Face format (safetensors + config + tokenizer).
-
-Data: local CSV / JSON / JSONL / parquet files, either the original AG News CSV layout (class 1-4,
-title, description; no header, or the header ``Class Index,Title,Description``) or the Hugging Face
-layout (``text``, ``label`` 0-3; CSV with or without that header), or the hub data set named by
-``data.hub_id`` when no files are given. A UTF-8 BOM, CRLF line ends and labels written as floats
-(``3.0``) are accepted; a bad row stops ``--check`` naming its file and 1-based line (see README).
+``build_model`` (attention guard, compile per layer), ``DDP`` and ``no_sync`` in ``main``'s step, evaluation
+reduced across ranks. What it supports (data formats, outputs, resume on another number of GPUs): README.md
+beside this file.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """LoRA fine-tuning of mixture-of-experts LLMs, text or image + text: dense parts sharded with FSDP2, experts
-split across ranks (expert parallelism, all-to-all token dispatch).
+split across ranks (expert parallelism, all-to-all token dispatch in ``expert_parallel.py``).
 
 Commands (from this folder; NGPU defaults to all visible GPUs, else 2 CPU processes):
 
@@ -10,54 +10,8 @@ Commands (from this folder; NGPU defaults to all visible GPUs, else 2 CPU proces
     CONFIG_FILE=qwen3-vl-30b-a3b.yaml ./launch.sh          # Qwen3-VL-30B-A3B-Instruct (hub), llava-instruct-mix, EP=2
     CONFIG_FILE=tiny-vl.yaml ./launch.sh                   # tiny Qwen3-VL-MoE on 8 ant / bee photos, offline
 
-What this recipe supports:
-    - Models: Hugging Face MoE models whose experts are fused 3-D parameters (transformers 5): causal LMs
-      ``nemotron_h`` (hybrid Mamba-2 / attention / MoE, the default) and ``qwen3_moe``; vision-language
-      ``qwen3_vl_moe`` (a model with a vision tower switches the recipe to image + text rows, `VLConfig`).
-    - Loading (``model.pretrained``): by default each rank builds the model on the meta device and reads
-      from the safetensors files only the dense weights and its own experts' slices
-      (``cookbook.sft.lazy_load``); ``model.lazy_load=false`` loads the whole model per rank with transformers.
-    - Expert parallelism (``parallel.ep``, 1 = off): a (dp, ep) device mesh; rank j of each EP group keeps
-      experts [j*E/ep, (j+1)*E/ep) of every MoE layer, base weights and LoRA factors alike
-      (``expert_parallel.split_experts``). Routing runs on every rank; each (token, expert) pair is sent to the
-      rank that holds the expert with an autograd ``all_to_all_single`` (counts exchanged first), computed on
-      the local experts, sent back, weighted and summed (``ep_dispatch``).
-      Everything else is FSDP2.
-    - FSDP2: ``fully_shard`` on each MoE experts module over the dp dimension (gradients divided by the
-      world size), on every decoder layer (and vision block, frozen) and on the root over all ranks;
-      ``train.mixed_precision`` bf16 compute with fp32 gradient reduction on GPU; frozen base weights stored in
-      the compute dtype, LoRA factors in fp32.
-    - LoRA (PEFT): ``lora.target_modules`` (attention projections) and ``lora.target_parameters`` (the
-      fused expert weights, PEFT's ``target_parameters``); rank, alpha, dropout in the config; base
-      weights (and the whole vision tower) frozen. The adapter is created on the whole model before the experts
-      are split, so its initial values do not depend on the EP degree. ``lora.expert_lora=routed`` (default)
-      computes the experts, base and LoRA, as grouped GEMMs over the tokens routed to them,
-      x_e W_e^T + s (x_e A_e^T) B_e^T (``routed_lora.use_routed_lora``); ``peft`` runs PEFT's own forward, which
-      folds W_e + s B_e A_e for every expert in every forward. Both keep PEFT's modules and adapter format.
-    - Activation checkpointing (``train.activation_checkpointing``): ``full`` (each decoder layer), ``attention``
-      or ``experts`` (that part of each layer, ``moe_model.checkpoint_parts``), ``none``.
-    - ``torch.compile`` (``train.compile``, ``moe_model.compile_parts``): ``moe`` (each MoE block's router and
-      routed experts, routing included; the grouped GEMMs are one custom operator, ``routed_lora.grouped_mm``),
-      ``layers`` (each decoder layer whole, before FSDP2), ``none``.
-    - Data (cookbook.sft): chat / Alpaca / ShareGPT rows, chat template, loss on assistant tokens
-      only, packing (Qwen3-MoE) or right padding (Nemotron-H: Mamba layers would carry state across
-      packed documents). Loss normalised by the assistant tokens of the global batch. Image + text
-      (``cookbook.sft.vision``): ``{"images": [...], "messages": [...]}`` rows, images resized within
-      ``data.image_min_pixels`` / ``image_max_pixels`` in the loader's workers, right padding; bad rows are
-      refused with the file and row named, by ``--check`` before any worker starts.
-    - Load balancing: the Switch-Transformer auxiliary loss (mean over MoE layers) is reported every step
-      and added with ``moe.aux_loss_coef`` (> 0); ``moe/load_max_over_mean`` (busiest expert / mean, mean
-      over layers) and ``moe/ep_rank_load_max_over_mean`` (busiest EP rank / mean) are logged. Padding counts
-      in none of them (``moe_model.token_mask``).
-    - Checkpoints (cookbook.checkpoint, DCP): LoRA weights and AdamW state only (frozen weights are not
-      saved), scheduler, data position, RNG, step; atomic publish; ``resume: auto``. Expert adapters are
-      stored per EP rank, so a resume needs the same ``parallel.ep`` (refused otherwise, before start).
-    - Export: ``<output_dir>/adapter``, the adapter of the unsharded model in PEFT's format (expert
-      factors gathered from every EP rank): ``PeftModel.from_pretrained(base, adapter)``; optionally
-      (``checkpoint.export_merged``) ``<output_dir>/merged``, base + adapter folded in, a plain model.
-    - Metrics (cookbook.metrics): loss, tokens/s per device, MFU over the active parameters (attention,
-      Mamba, shared experts, router and top-k of the routed experts; not the vision tower), peak memory, the
-      MoE keys above.
+``build_model``: load (each rank reads the dense weights and its own experts), LoRA, meshes, split experts,
+``fully_shard``; ``main``: the step with the load-balancing loss. What it supports: README.md beside this file.
 """
 
 from __future__ import annotations

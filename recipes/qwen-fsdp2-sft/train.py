@@ -1,4 +1,4 @@
-"""Full-parameter supervised fine-tuning of causal language models with FSDP2 (``fully_shard``).
+"""Full-parameter supervised fine-tuning of causal language models with FSDP2 (``fully_shard``), HSDP across nodes.
 
 Commands (from this folder; NGPU defaults to all visible GPUs, else 2 CPU processes):
 
@@ -7,37 +7,9 @@ Commands (from this folder; NGPU defaults to all visible GPUs, else 2 CPU proces
     CONFIG_FILE=qwen2.5-3b.yaml ./launch.sh data.train_files=[chat.jsonl]
     NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 CONFIG_FILE=llama3.1-8b-2nodes.yaml ./launch.sh   # each node
 
-What this recipe supports:
-    - FSDP2: ``fully_shard`` on every decoder layer and on the root; bf16 parameters with fp32
-      gradient reduction (MixedPrecisionPolicy); ``fsdp.reshard_after_forward``; CPU offload of
-      parameters, gradients and optimizer state; HSDP (``fsdp.replicate_degree`` > 1: a 2-D
-      mesh that replicates across groups, e.g. nodes, and shards within each).
-    - Activation checkpointing per decoder layer: none, selective (saves matmul and attention
-      outputs, recomputes the rest) or full; optional ``torch.compile`` of each decoder layer;
-      fused AdamW on GPU; optional float8 matmuls in the decoder layers (``train.float8``: torchao's
-      ``Float8Linear``, dynamic tensorwise scaling, on GPUs of compute capability 8.9+, compiled).
-    - Model loading without materialising the model on any rank: built on the meta device,
-      sharded, then either read shard by shard from Hugging Face safetensors with DCP's
-      ``HuggingFaceStorageReader`` (a local folder, or a hub id through the Hugging Face cache:
-      ``cookbook.hub.model_folder``) or randomly initialised module by module, the same for any
-      number of ranks (``cookbook.lm.init_sharded_weights``; benchmarks, tests).
-    - Data (cookbook.sft): chat ``messages``, Alpaca and ShareGPT rows; the tokenizer's chat
-      template; loss on assistant tokens only; sequence packing with per-document position ids
-      (no attention across documents with varlen, sdpa, eager and flex_attention; varlen, the
-      default on GPU, runs PyTorch's variable-length FlashAttention kernel per document).
-    - Loss normalised by the number of assistant tokens in the whole global batch (all
-      micro-batches and ranks), so packing and accumulation do not change the objective.
-      ``train.loss=chunked`` (default) computes it from the final hidden states of the labelled
-      positions, ``train.loss_chunk_size`` tokens at a time, so the fp32 logits over the vocabulary
-      never exist for the whole micro-batch (``cookbook.sft.linear_cross_entropy_sum``); ``full``
-      takes the model's logits as transformers computes them.
-    - Checkpoints (cookbook.checkpoint, DCP): sharded model and optimizer (each rank writes its
-      shards), scheduler, data position (global: cookbook.sampler), data-loader and RNG state per
-      rank, step; atomic publish; ``resume: auto``, on the same or another number of GPUs (DCP
-      reshards; the global batch stays: set ``train.grad_accum_steps`` to keep it). Final export of
-      the consolidated model in Hugging Face format.
-    - Metrics (cookbook.metrics): loss, tokens/s per GPU, MFU, peak memory, per step;
-      ``train.profile_step`` writes a torch.profiler trace of one step.
+``build_model`` builds on the meta device, wraps each decoder layer (activation checkpointing, optional compile and
+float8), shards it with ``fully_shard`` and then loads the safetensors shard by shard (or draws random weights);
+``main`` is the loop. What it supports (data, loss, checkpoints, float8): README.md beside this file.
 """
 
 from __future__ import annotations

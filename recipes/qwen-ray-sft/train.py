@@ -7,22 +7,9 @@ Commands (from this folder):
     CONFIG_FILE=tiny.yaml ./launch.sh                            # tiny Qwen2, offline tokenizer and data, CPU
     RAY_ADDRESS=10.0.0.1:6379 ./launch.sh                        # an existing Ray cluster
 
-What this recipe supports:
-    - Ray Train ``TorchTrainer`` with ``prepare_model`` (DDP: every GPU holds the whole model, fp32
-      master weights and AdamW state, about 16 bytes per parameter: 3B parameters need ~50 GB before
-      activations, which fits an 80 GB or larger GPU) and ``prepare_data_loader``.
-    - bf16 autocast on GPU; activation checkpointing (``train.activation_checkpointing``); gradient
-      accumulation with DDP's ``no_sync``; AdamW (fused on GPU), warm-up + cosine decay, clipping.
-    - Data as in the FSDP2 recipe (cookbook.sft): chat ``messages``, Alpaca and ShareGPT rows,
-      the tokenizer's chat template, loss on assistant tokens only, packing with per-document
-      position ids; loss normalised by the assistant tokens of the whole global batch.
-    - Checkpoints every ``checkpoint.every_steps`` through ``ray.train.report`` (model, optimizer,
-      scheduler, step); re-running with the same ``output_dir`` resumes at that step (the data order
-      is replayed); ``ray.max_failures`` restarts failed workers from the newest checkpoint; SIGTERM
-      or SIGUSR1 to ``launch.sh`` stops every worker after the same step with a checkpoint and exits 75;
-      a NaN or infinite gradient norm stops the run before its update (exit 4), or with
-      ``train.on_nonfinite=skip`` drops the step. Final export in Hugging Face format.
-    - Metrics (cookbook.metrics): loss, tokens/s per GPU, MFU, memory; console, metrics.jsonl, MLflow.
+The same data and loss as ../qwen-fsdp2-sft (cookbook.sft), DDP through Ray instead of FSDP2 under torchrun:
+``train_loop`` runs on every Ray worker (``prepare_model``, ``prepare_data_loader``, ``no_sync``, a checkpoint
+through ``ray.train.report``), ``main`` is the driver. What it supports: README.md beside this file.
 """
 
 from __future__ import annotations

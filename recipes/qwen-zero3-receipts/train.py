@@ -1,4 +1,4 @@
-"""Receipt OCR -> JSON extraction: supervised fine-tuning with TRL's SFTTrainer and DeepSpeed ZeRO.
+"""Receipt OCR -> JSON: supervised fine-tuning of Qwen3-8B with TRL's SFTTrainer and DeepSpeed ZeRO (3, 2 or 1).
 
 Commands (from this folder; NGPU defaults to all visible GPUs, else 2 CPU processes; NGPU=1 runs one process):
 
@@ -10,35 +10,7 @@ Commands (from this folder; NGPU defaults to all visible GPUs, else 2 CPU proces
     CONFIG_FILE=tiny.yaml ./launch.sh                      # tiny Qwen3, offline, CPU-friendly
     NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 ./launch.sh  # on each node (NODE_RANK=1 on the second)
 
-What this recipe supports:
-    - TRL ``SFTTrainer`` with a DeepSpeed JSON beside this file (``zero3.json`` by default; ``zero2.json``,
-      ``zero1.json``): bf16 with fp32 master weights in the optimizer, ``overlap_comm``, gradient clipping,
-      16-bit weights gathered on save. The trainer fills the JSON's ``"auto"`` values from this config;
-      a number that disagrees is refused before any worker starts.
-    - Full fine-tuning or LoRA (PEFT) on every linear layer of the decoder, under any ZeRO stage.
-    - Data: SROIE-style receipts ``{id, entities, ocr_boxes}`` (JSONL / JSON). Prompt = the OCR lines in
-      reading order + an instruction; completion = the entities as one JSON object. Loss on the completion
-      only (cookbook.sft: assistant tokens and end-of-turn token). The validation set is
-      ``data.eval_files`` (e.g. the SROIE test split), else a seeded split carved from train. Optional packing
-      into rows of ``data.max_length`` tokens (documents kept apart by position ids, as in the FSDP2 recipe).
-    - Evaluation (``ReceiptTrainer.evaluate``): the loss per label token over exactly the validation rows
-      (token sums all-reduced), and greedy generation scored per field (exact match per field and for all
-      fields, JSON-valid rate, count of unparsable answers), each receipt counted once; to ``metrics.jsonl``,
-      the final log line and MLflow.
-    - Checkpoints every ``checkpoint.every_steps`` and at the end (0: only at the end; -1: none) (DeepSpeed's
-      sharded model + optimizer, scheduler, RNG, data position), published atomically under
-      ``output_dir/checkpoints`` (`cookbook.hf_trainer.PublishCheckpoints`); ``checkpoint.resume: auto`` continues
-      from the newest. At the end: the consolidated 16-bit model and tokenizer in Hugging Face format
-      (``output_dir/final``; for LoRA the merged model, and the adapter in ``output_dir/adapter``).
-    - Metrics (cookbook.metrics, through `cookbook.hf_trainer.MetricsCallback`): loss, tokens/s per GPU, MFU, peak
-      memory; evaluations and checkpoint saves are left out of the step time.
-    - When things fail (`cookbook.hf_trainer`, with cookbook.loop's code): SIGTERM / SIGUSR1 stop every rank after
-      the same step with a checkpoint (exit 75; the same command resumes with no step lost); a step whose gradient
-      norm is NaN or infinite, which DeepSpeed discards, stops the run (``train.on_nonfinite=stop``, exit 4) or is
-      skipped and counted (``skip``, at most ``train.max_consecutive_skips`` in a row); a failed save ends the run
-      with one line naming the checkpoint and the OS error (exit 2); a collective waiting past
-      ``train.collective_timeout_s`` names the rank that is behind (exit 3); a damaged newest checkpoint (a file
-      shorter than ``meta.json`` lists) is passed over with a warning.
+What it supports (DeepSpeed JSONs, data, evaluation, checkpoints, failures): README.md beside this file.
 """
 
 from __future__ import annotations

@@ -8,26 +8,9 @@ Commands (from this folder):
     NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 ./launch.sh          # on each node, with its NODE_RANK
     RAY_ADDRESS=10.0.0.1:6379 ./launch.sh                          # an existing Ray cluster
 
-What this recipe supports:
-    - Ray Train ``TorchTrainer``: ``prepare_model`` (DDP, NCCL on GPU, gloo on CPU), ``prepare_data_loader``
-      (DistributedSampler, batches moved to the worker's device); any number of nodes.
-    - ResNet-50 from torchvision where it imports (GPU installs), else transformers'
-      ``ResNetForImageClassification`` (the same network); ImageNet weights when reachable, random
-      init otherwise; new classifier for the data set's classes.
-    - Data: an ImageFolder layout on disk, or a hub data set with ``image`` and ``label`` columns;
-      random-resized-crop + flip for training, resize + centre crop for evaluation (PIL); images
-      travel as uint8 and are normalised on the device. ``data.decode=gpu``: the training JPEGs are
-      decoded on the GPU (nvJPEG, batched) and cropped, resized and flipped there, the loader processes
-      only read the files (evaluation stays on PIL).
-    - bf16 autocast and channels-last on GPU; SGD with momentum, warm-up + cosine decay, label smoothing.
-    - A checkpoint each epoch through ``ray.train.report`` (model, optimizer, scheduler, epoch, each
-      worker's random streams); re-running with the same ``output_dir`` resumes, and the resumed run's
-      steps (augmentations included) are the uninterrupted run's; ``ray.max_failures`` restarts the
-      workers from the newest checkpoint when one dies; SIGTERM or SIGUSR1 to ``launch.sh`` stops every
-      worker after the same step with a checkpoint (mid-epoch) and exits 75. A NaN or infinite gradient
-      norm stops the run before its update (exit 4), or with ``train.on_nonfinite=skip`` drops that batch.
-    - Metrics (cookbook.metrics): loss, top-1 accuracy, images/s per GPU, data-wait, memory; eval
-      loss and top-1 each epoch; console, metrics.jsonl and MLflow.
+``train_loop`` runs on every Ray worker (``prepare_model``, ``prepare_data_loader``, epochs, a checkpoint each
+epoch through ``ray.train.report``); ``main`` is the driver. What it supports (data, GPU decoding, resume,
+preemption): README.md beside this file.
 """
 
 from __future__ import annotations

@@ -7,26 +7,9 @@ Commands (from this folder; NGPU defaults to all visible GPUs, else 2 CPU proces
     CONFIG_FILE=tiny.yaml ./launch.sh                # ResNet-18-FPN, 9 real images, offline, CPU
     NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 ./launch.sh ...   # on each node, with its NODE_RANK
 
-What this recipe supports:
-    - DDP (one process per GPU, NCCL; gloo on CPU), any number of nodes; DistributedSampler's split
-      (cookbook.sampler.ResizableSampler), whose position is global.
-    - RetinaNet ResNet-50-FPN v2 or v1 (torchvision), COCO-pretrained weights when reachable (else ImageNet
-      backbone, else random init: the fallback is logged), its classification head rebuilt for the data
-      set's categories; or a ResNet-18-FPN RetinaNet (``model.arch=retinanet_resnet18_fpn``, the tiny twin).
-    - Horizontal-flip augmentation, decided per (seed, epoch, image): the same on any number of workers.
-    - bf16 autocast on GPU (fp32 master weights), fp32 on CPU; gradient accumulation, clipping, AdamW.
-    - Evaluation: mAP@[.5:.95] and mAP@.5 (pycocotools' COCOeval itself, `coco_map`), each
-      rank on a disjoint shard; the detections are gathered and scored in image-id order, so the numbers
-      equal a single-process evaluation.
-    - Checkpoints (cookbook.checkpoint, DCP), resume=auto, metrics (images/s per GPU, peak memory), as the
-      other recipes; final export: ``<output_dir>/final/model.pt`` (state dict) + ``categories.json``.
-
-Data: a folder of images and a COCO ``instances.json`` (``images``: id, file_name, width, height;
-``annotations``: id, image_id, category_id, bbox ``[x, y, width, height]`` in pixels, iscrowd;
-``categories``: id, name). ``--check`` refuses, naming the file, the field and the annotation id: a missing
-image file or key, a box outside its image or with a width/height <= 0, an unknown category or image id, an id
-that is not an integer (``3.0`` is read as 3, ``3.5`` refused). A UTF-8 BOM is accepted. It also refuses, in one line, a torchvision
-that is not installed or was built for another torch (PyPI's wheel beside the CPU torch), and a missing pycocotools.
+``build_model`` (pretrained weights when reachable, the head rebuilt for the data set's categories), ``DDP`` and
+``no_sync`` in ``main``'s step, and ``coco_map`` (pycocotools' COCOeval over the detections of every rank, in
+image-id order). What it supports (COCO format and its refusals, outputs, tests): README.md beside this file.
 """
 
 from __future__ import annotations

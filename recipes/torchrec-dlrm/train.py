@@ -7,28 +7,10 @@ Commands (from this folder; NGPU defaults to all visible GPUs, else 2 CPU proces
     CONFIG_FILE=tiny.yaml ./launch.sh sharding.plan=row_wise 'sharding.tables={C1: data_parallel}'
     NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 ./launch.sh   # each node
 
-What this recipe supports:
-    - Data: Criteo display-advertising text (tab-separated label, I1-I13 counts, C1-C26 hashed categories),
-      from local files or a hub data set with those columns (``data.hub_id``; --check writes it once as text).
-      CSV (with or without a header), parquet and JSON(L) files with those columns are converted once to text,
-      keyed by their content (``criteo_text_file``). Integer-valued floats (``260.0``), a BOM and CRLF are read.
-      Missing counts are 0 and counts are log-transformed (log(1 + max(x, 0))); a category's hex hash is taken
-      modulo its table size; a missing category is an empty bag (its pooled embedding is zero). Rows stream from
-      the files: each global batch is world_size x batch_size consecutive rows and every rank parses its slice.
-      Every ``data.holdout_every``-th row (or ``data.eval_files``) is the validation split.
-    - Model: TorchRec's DLRM (dense MLP, ``EmbeddingBagCollection`` over the 26 features, dot interaction,
-      over-arch), with the embedding tables built on the meta device and materialised only as shards.
-    - Sharding: ``DistributedModelParallel`` with table-wise, row-wise, column-wise or data-parallel tables,
-      one kind for all (``sharding.plan``) or per table (``sharding.tables``); ``auto`` lets TorchRec's planner
-      choose. A plan with every table's kind given is built by hand (``construct_module_sharding_plan``): that
-      is how row-wise runs on CPU, where the planner does not offer it. The dense part is data parallel (DDP).
-    - Optimizers: the sharded tables' optimizer (row-wise Adagrad or SGD) is fused into the embedding backward
-      (FBGEMM); data-parallel tables get the same optimizer as a plain one; the dense part its own (Adagrad or SGD).
-      On GPU, ``TrainPipelineSparseDist`` overlaps the next batch's copy and input all-to-all with this step.
-    - Evaluation: AUC (torchmetrics, gathered from every rank) and log-loss on the validation split.
-    - Checkpoints (cookbook.checkpoint, DCP): every rank writes its own table shards and their optimizer state,
-      plus dense weights, Adagrad state and the data position; atomic publish; ``resume: auto``.
-    - Metrics (cookbook.metrics): loss, records/s per rank (or GPU), memory, data wait; MLflow.
+``build_model`` puts the tables on the meta device; ``sharding_plan`` and ``shard_model`` place them with
+``DistributedModelParallel`` (table-, row-, column-wise or data parallel; the MLPs under DDP) with the sparse
+optimizer fused into FBGEMM's backward; ``main`` is the loop. What it supports (Criteo formats, conversion,
+sharding, checkpoints): README.md beside this file.
 """
 
 from __future__ import annotations

@@ -7,24 +7,9 @@ Commands (from this folder):
     NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 ./launch.sh         # on each node, with its NODE_RANK
     RAY_ADDRESS=10.0.0.1:6379 ./launch.sh                         # an existing Ray cluster
 
-What this recipe supports:
-    - Interaction files (CSV, TSV, JSON lines, parquet): one row per (user_id, item_id) event, optional
-      timestamp. Each user's last interaction (by timestamp, else file order) is held out.
-    - Towers: an id embedding followed by a 2-layer MLP and L2 normalisation, one for users and one
-      for items; score = cosine / temperature.
-    - Loss: in-batch sampled softmax (each positive against the other items of the micro-batch) with
-      log-q correction (Yi et al. 2019, "Sampling-bias-corrected neural modeling for large corpus item
-      recommendations"): the log of an item's frequency in the training data is subtracted from its
-      logits, and other occurrences of a row's own item in the batch are masked out.
-    - Evaluation: recall@k over the whole catalogue for every held-out user (the other items the user
-      interacted with in training are excluded), next to the popularity baseline; each worker scores
-      a disjoint slice of the users (possibly none) and the counts are summed once.
-    - Ray Train ``TorchTrainer`` with ``prepare_model`` (DDP) and ``prepare_data_loader``; a checkpoint
-      each epoch through ``ray.train.report``; re-running with the same ``output_dir`` resumes;
-      ``ray.max_failures`` restarts failed workers; SIGTERM or SIGUSR1 to ``launch.sh`` stops every worker
-      after the same step with a checkpoint and exits 75. A NaN or infinite gradient norm stops the run
-      before its update (exit 4), or with ``train.on_nonfinite=skip`` drops that batch. Metrics through cookbook.metrics (console,
-      metrics.jsonl, MLflow).
+Towers: id embedding, 2-layer MLP, L2 normalisation; loss: in-batch sampled softmax with log-q correction
+(Yi et al. 2019); evaluation: recall@k over the whole catalogue beside popularity. ``train_loop`` runs on every
+Ray worker, ``main`` is the driver. What it supports (formats, resume, preemption): README.md beside this file.
 """
 
 from __future__ import annotations

@@ -5,29 +5,10 @@
     NGPU=1 bash recipes/unsloth-lora-ddp/launch.sh train.max_steps=50 lora.r=32
     CONFIG_FILE=tiny.yaml bash recipes/unsloth-lora-ddp/launch.sh          # tiny twin (model.loader=transformers on CPU)
 
-Unsloth's multi-GPU mode is plain data parallelism: each rank of a torchrun (or ``accelerate launch``) job loads
-the whole model on its own device (``device_map={"": "cuda:LOCAL_RANK"}``), and the Hugging Face Trainer inside
-TRL's ``SFTTrainer`` wraps it in DistributedDataParallel and gives each rank its own part of the data.
-
-``model.loader`` picks how the model and its adapters are built; everything else (data, LoRA settings, trainer
-arguments, metrics) is the same code, so the two loaders compare one to one:
-  * ``unsloth``: ``FastLanguageModel.from_pretrained`` + ``FastLanguageModel.get_peft_model`` (Unsloth's patched
-    Llama forward, its Triton kernels and its gradient checkpointing);
-  * ``transformers``: ``AutoModelForCausalLM`` + PEFT's ``get_peft_model``, the plain TRL + PEFT path.
-``model.pretrained=false`` builds the architecture of ``model.name_or_path``'s ``config.json`` with random weights
-(rank 0 saves it once to ``<output_dir>/random-init`` so Unsloth's loader reads it like any checkpoint).
-Rows are chat / Alpaca / ShareGPT (`cookbook.sft.to_messages`), rendered by the tokenizer's chat template; the
-loss is on the last assistant turn (TRL's prompt-completion rows) or on every token (``data.completion_only=false``).
-
-Bookkeeping through `cookbook.hf_trainer`, as in ``../gpt-oss-lora-trl``: ``<output_dir>/metrics.jsonl`` (tokens/s
-per GPU, MFU, peak memory); checkpoints every ``checkpoint.every_steps`` published atomically under
-``<output_dir>/checkpoints`` (the newest ``checkpoint.keep_last`` kept), ``checkpoint.resume: auto`` (the same
-command continues from the newest), ``train.stop_at_step``, SIGTERM/SIGUSR1 preemption with a checkpoint and exit 75,
-stalled ranks named, failed saves in one line. A step whose gradients are NaN or infinite on any rank is never
-applied (`cookbook.hf_trainer.NonFiniteSteps`): ``train.on_nonfinite=stop`` ends the run (exit 4), ``skip`` leaves it
-out and counts it (``skipped_steps``, kept in the checkpoints), at most ``train.max_consecutive_skips`` in a row.
-At the end: the adapter (``<output_dir>/adapter``) and, with ``checkpoint.export_merged``, the base with the adapter
-merged in (``<output_dir>/final``).
+``model.loader`` picks how the model and its adapters are built: ``unsloth`` (``FastLanguageModel``) or
+``transformers`` (``AutoModelForCausalLM`` + PEFT, the plain TRL path); data, LoRA settings, trainer arguments and
+metrics are the same code, so the two compare one to one. Each rank loads the whole model on its own GPU and the
+Trainer wraps it in DistributedDataParallel. What it supports: README.md beside this file.
 """
 
 from __future__ import annotations
@@ -60,6 +41,8 @@ class DataConfig:
     max_length: int = 2048
     packing: bool = False
     completion_only: bool = True                    # loss on the answer (the last assistant turn) only
+    reasoning: str = "train"                        # an answer's reasoning_content / thinking: train (rendered by the
+                                                    # chat template, in the loss) or drop (removed, counted)
 
 
 @dataclass
@@ -67,7 +50,8 @@ class TrainConfig:
     seed: int = 42
     micro_batch_size: int = 4
     grad_accum_steps: int = 1
-    max_steps: int = 200
+    epochs: int = 1                                 # passes over the rows, each row once (cookbook.hf_trainer.WholeEpochs)
+    max_steps: int = 200                            # > 0: this many optimizer steps, whatever epochs says; -1: epochs
     lr: float = 2.0e-4
     warmup_steps: int = 10
     scheduler: str = "cosine"
@@ -98,7 +82,9 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
-MAY_CHANGE = cfgmod.MAY_CHANGE  # what may differ from the checkpoint a run resumes (train.stop_at_step, checkpoint.*, ...)
+# What may differ from the checkpoint a run resumes (train.stop_at_step, checkpoint.*, ...; "key=value": a key that a
+# checkpoint from before it existed lacks, equal at its default).
+MAY_CHANGE = (*cfgmod.MAY_CHANGE, "train.epochs=1", "data.reasoning=train")
 
 
 def load(path: str | Path, overrides: list[str] = ()) -> Config:
@@ -120,9 +106,16 @@ def load(path: str | Path, overrides: list[str] = ()) -> Config:
     if cfg.model.load_in_4bit and cfg.model.loader != "unsloth":
         raise ConfigError(f"{where}: model.load_in_4bit needs model.loader=unsloth")
     for key in ("lora.r", "lora.alpha", "data.max_length", "train.micro_batch_size", "train.grad_accum_steps",
-                "train.max_steps", "train.log_every"):
+                "train.epochs", "train.log_every"):
         if cfgmod.field_value(cfg, key) < 1:
             raise ConfigError(f"{where}: {key} must be at least 1, got {cfgmod.field_value(cfg, key)}")
+    if cfg.data.reasoning not in ("train", "drop"):
+        why = (": TRL's prompt-completion rows put the whole answer in the loss, so reasoning in context without loss "
+               "cannot be marked" if cfg.data.reasoning == "context" else "")
+        raise ConfigError(f"{where}: data.reasoning must be train or drop, got {cfg.data.reasoning!r}{why}")
+    if cfg.train.max_steps < 1 and cfg.train.max_steps != -1:
+        raise ConfigError(f"{where}: train.max_steps must be at least 1, or -1 (train.epochs passes), got "
+                          f"{cfg.train.max_steps}")
     if not 0.0 <= cfg.lora.dropout < 1.0:
         raise ConfigError(f"{where}: lora.dropout must be in [0, 1), got {cfg.lora.dropout}")
     if not cfg.lora.target_modules:
@@ -145,27 +138,58 @@ def load(path: str | Path, overrides: list[str] = ()) -> Config:
     return cfg
 
 
-def training_rows(cfg: Config) -> list[dict]:
+def training_rows(cfg: Config, tokenizer=None) -> tuple[list[dict], list["sft.SFTStats"]]:
     """Every row of `data.train_files` as a conversational prompt-completion row, ``{"prompt": [turns before the
-    last], "completion": [the last assistant turn]}`` (TRL's format: the loss is on the completion); rows with an
-    empty answer are skipped.
+    last], "completion": [the last assistant turn]}`` (TRL's format: the loss is on the completion), plus
+    ``"tools"`` (the row's tool definitions as JSON text) when it declares tools; and per file the counts of the
+    conversion (`cookbook.sft.SFTStats`: rows, empty answers skipped, reasoning dropped, tool calls, keys not used;
+    ``example_rows`` the 1-based row of each returned row).
+
+    Reasoning (``reasoning_content`` / ``thinking`` / reasoning parts) is placed as `cookbook.sft.prepare` does:
+    under the key `tokenizer`'s chat template reads, or removed with ``data.reasoning=drop`` (counted).
 
     Raises:
-        cookbook.sft.SFTDataError: a file or row that cannot be read, naming the file and the 1-based row.
+        cookbook.sft.SFTDataError: a file or row that cannot be read, naming the file and the 1-based row; a
+            row with reasoning that the chat template has no place for (``data.reasoning=drop`` trains without it).
     """
+    import json
+    from collections import Counter
+
     from cookbook import sft
 
-    rows = []
+    rows, parts = [], []
     for path in cfg.data.train_files:
-        for n, row in enumerate(sft.load_rows(path), 1):
+        raw, ignored = sft.load_rows(path), Counter()
+        st = sft.SFTStats(source=path, max_length=cfg.data.max_length, rows=len(raw), reasoning=cfg.data.reasoning,
+                          unrendered_why="the chat template does not render them")
+        for n, row in enumerate(raw, 1):
             try:
-                messages = sft.to_messages(row, n, path)
+                messages, tools = sft.template_conversation(row, n, path, tokenizer, st, ignored,
+                                                            reasoning=cfg.data.reasoning)
             except sft.EmptyAnswerError:
+                st.empty_answers.append(n)
                 continue
-            rows.append({"prompt": messages[:-1], "completion": messages[-1:]})
+            rows.append({"prompt": messages[:-1], "completion": messages[-1:],
+                         **({"tools": json.dumps(tools)} if tools else {})})
+            st.example_rows.append(n)
+        st.ignored = dict(ignored)
+        parts.append(st)
     if not rows:
         raise sft.SFTDataError(f"{', '.join(cfg.data.train_files)}: no row with an answer to train on")
-    return rows
+    return rows, parts
+
+
+def trl_dataset(rows: list[dict]):
+    """`rows` as the ``datasets.Dataset`` TRL's SFTTrainer reads: each message stored as JSON (``datasets.Json``),
+    so that a message keeps exactly its own keys (Arrow's inferred struct would add every other row's keys as
+    nulls: tool-call arguments ``{"city": "Paris", "query": null}``); ``tools`` JSON text or None."""
+    from datasets import Dataset, Features, Json, List, Value
+
+    features = {"prompt": List(Json()), "completion": List(Json())}
+    if any("tools" in r for r in rows):
+        features["tools"] = Value("string")
+        rows = [{"tools": None, **r} for r in rows]
+    return Dataset.from_list(rows, features=Features(features))
 
 
 def attention(cfg: Config, on_gpu: bool) -> str:
@@ -184,33 +208,57 @@ def attention(cfg: Config, on_gpu: bool) -> str:
     return attn
 
 
-def trl_examples(rows: list[dict], tokenizer, cfg: Config) -> tuple[list[dict], "sft.SFTStats"]:
-    """The prompt-completion `rows` tokenized as TRL's SFTTrainer does (the prompt rendered with the generation
-    prompt, the whole conversation after it; ``data.completion_only``: labels on the completion's tokens only),
-    cut at ``data.max_length``, and their counts (`cookbook.sft.SFTStats`; an example with no label left is
-    dropped). For ``--show-examples``."""
+def trl_examples(rows: list[dict], parts: list["sft.SFTStats"], tokenizer,
+                 cfg: Config) -> list[tuple[list[dict], "sft.SFTStats"]]:
+    """`training_rows`' rows tokenized as TRL's SFTTrainer does (the prompt rendered with the generation prompt,
+    the whole conversation after it; the completion starts where the two first differ; ``data.completion_only``:
+    labels on the completion's tokens only), cut at ``data.max_length``, with per file `parts`' counts completed
+    (`cookbook.sft.SFTStats`: an example with no label left is dropped, as TRL drops it; reasoning the template
+    rendered in the answer, or left out). For ``--show-examples`` and the data summary.
+
+    Raises:
+        cookbook.sft.SFTDataError: the chat template leaves out a row's tools, tool calls or tool results.
+    """
+    import json
+
     from cookbook import sft
 
-    stats = sft.SFTStats(source=", ".join(cfg.data.train_files), max_length=cfg.data.max_length, rows=len(rows))
-    examples = []
-    for n, row in enumerate(rows, 1):
-        prompt = list(tokenizer.apply_chat_template(row["prompt"], tokenize=True, add_generation_prompt=True,
-                                                    return_dict=False))
-        ids = list(tokenizer.apply_chat_template(row["prompt"] + row["completion"], tokenize=True, return_dict=False))
-        labels = ([sft.IGNORE_INDEX] * len(prompt) + ids[len(prompt):]) if cfg.data.completion_only else list(ids)
-        labels = labels[: cfg.data.max_length]
-        n_loss = sum(x != sft.IGNORE_INDEX for x in labels)
-        if n_loss == 0:
-            stats.dropped += 1
-            stats.dropped_rows.append((n, len(ids)))
-            continue
-        stats.truncated += len(ids) > cfg.data.max_length
-        examples.append({"input_ids": ids[: cfg.data.max_length], "labels": labels})
-        stats.example_rows.append(n)
-        stats.examples += 1
-        stats.tokens += len(labels)
-        stats.loss_tokens += n_loss
-    return examples, stats
+    out, k = [], 0
+    for st in parts:
+        examples, numbers = [], st.example_rows
+        st.example_rows = []
+        for n in numbers:
+            row, k = rows[k], k + 1
+            messages, tools = row["prompt"] + row["completion"], json.loads(row["tools"]) if row.get("tools") else None
+            prompt = list(tokenizer.apply_chat_template(row["prompt"], tools=tools, tokenize=True,
+                                                        add_generation_prompt=True, return_dict=False))
+            ids = list(tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=False))
+            start = next((i for i, (a, b) in enumerate(zip(prompt, ids)) if a != b), min(len(prompt), len(ids)))
+            try:
+                sft.check_tools_rendered(tokenizer, messages, tools, tokenizer.decode(ids))
+            except sft.SFTDataError as exc:
+                raise sft.SFTDataError(f"{st.source} row {n}: {exc}") from None
+            for i, m in enumerate(messages):  # reasoning: rendered in the answer (trained) or left out
+                thought = (m.get("reasoning_content") or m.get("thinking") or "").strip()
+                if thought and i == len(messages) - 1 and thought in tokenizer.decode(ids[start:]):
+                    st.reasoning_turns += 1
+                elif thought and thought not in tokenizer.decode(ids):
+                    st.reasoning_unrendered += 1
+            labels = ([sft.IGNORE_INDEX] * start + ids[start:]) if cfg.data.completion_only else list(ids)
+            labels = labels[: cfg.data.max_length]
+            n_loss = sum(x != sft.IGNORE_INDEX for x in labels)
+            if n_loss == 0:
+                st.dropped += 1
+                st.dropped_rows.append((n, len(ids)))
+                continue
+            st.truncated += len(ids) > cfg.data.max_length
+            examples.append({"input_ids": ids[: cfg.data.max_length], "labels": labels})
+            st.example_rows.append(n)
+            st.examples += 1
+            st.tokens += len(labels)
+            st.loss_tokens += n_loss
+        out.append((examples, st))
+    return out
 
 
 def build_model(cfg: Config, info, dtype):
@@ -270,7 +318,8 @@ def main(argv: list[str]) -> None:
         from cookbook import sft
 
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.name_or_path)
-        print(sft.show_examples([trl_examples(training_rows(cfg), tokenizer, cfg)], tokenizer, args.show_examples))
+        print(sft.show_examples(trl_examples(*training_rows(cfg, tokenizer), tokenizer, cfg), tokenizer,
+                                args.show_examples))
         return
     if cfg.model.loader == "unsloth":
         try:
@@ -281,10 +330,17 @@ def main(argv: list[str]) -> None:
                               f"-e shared, on a CUDA GPU), or set model.loader=transformers") from None
     from cookbook import hf_trainer
 
-    rows = training_rows(cfg)
     if args.check:  # one process, before any worker starts
+        from transformers import AutoTokenizer
+
+        from cookbook import sft
+
         world_size = check_world_size()  # NGPU x NNODES, as launch.sh
         hf_trainer.check_resume(cfg, world_size, MAY_CHANGE, CANNOT_REMAP)
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.name_or_path)
+        rows, parts = training_rows(cfg, tokenizer)
+        stats = sft.SFTStats.merge([st for _, st in trl_examples(rows, parts, tokenizer, cfg)])
+        sft.check_one_step(stats.examples, cfg.train.micro_batch_size, cfg.train.grad_accum_steps, world_size)
         if cfg.model.loader == "transformers":
             import torch
 
@@ -295,20 +351,18 @@ def main(argv: list[str]) -> None:
         if (Path(cfg.model.name_or_path) / "config.json").is_file():  # a hub id: checked when the workers load it
             from transformers import AutoConfig
 
-            from cookbook import sft
-
             sft.check_positions(cfg.data.max_length, AutoConfig.from_pretrained(cfg.model.name_or_path),
                                 cfg.model.name_or_path)
+        print(f"data: {stats.summary()}")
         print(f"config {args.config} and {len(rows)} rows of {', '.join(cfg.data.train_files)}: ok "
               f"(loader {cfg.model.loader}, LoRA r={cfg.lora.r} alpha={cfg.lora.alpha}, seq {cfg.data.max_length})")
         return
-    train(cfg, rows)
+    train(cfg)
 
 
-def train(cfg: Config, rows: list[dict]) -> None:
+def train(cfg: Config) -> None:
     """Build the model with LoRA and TRL's SFTTrainer (DDP), train, export the adapter. Run on every rank."""
     import torch
-    from datasets import Dataset
     from transformers import PrinterCallback
     from trl import SFTConfig, SFTTrainer
 
@@ -322,9 +376,9 @@ def train(cfg: Config, rows: list[dict]) -> None:
     info = cookbook.init_distributed(t.collective_timeout_s, debug_dir=out_dir / "debug")  # the Trainer's DDP group
     log = cookbook.get_logger()
     resume_from = hf_trainer.check_resume(cfg, info.world_size, MAY_CHANGE, CANNOT_REMAP)
-    done = hf_trainer.already_complete(out_dir, resume_from, t.max_steps,
-                                       "final" if cfg.checkpoint.export_merged else "adapter")
-    if done:
+    final = "final" if cfg.checkpoint.export_merged else "adapter"
+    done = hf_trainer.already_complete(out_dir, resume_from, t.max_steps, final) if t.max_steps > 0 else None
+    if done:  # train.max_steps=-1: the step count needs TRL's rows, checked once the trainer has them
         log.info(done)
         cookbook.destroy_distributed()
         return
@@ -332,39 +386,54 @@ def train(cfg: Config, rows: list[dict]) -> None:
     on_gpu = info.device.type == "cuda"
     dtype = torch.bfloat16 if t.mixed_precision == "bf16" and on_gpu else torch.float32
     model, tokenizer = build_model(cfg, info, dtype)
+    rows, parts = training_rows(cfg, tokenizer)
+    log.info(f"data: {sft.SFTStats.merge([st for _, st in trl_examples(rows, parts, tokenizer, cfg)]).summary()}")
     mc = model.config
     flops = ModelFlops(count_parameters(model), mc.num_hidden_layers,
                        mc.num_attention_heads * getattr(mc, "head_dim", mc.hidden_size // mc.num_attention_heads))
     metrics = MetricsLogger(out_dir, info, flops=flops, run_name=cfg.run_name, mlflow=False,
-                            max_steps=t.max_steps, params=cfgmod.to_dict(cfg), progress=False)
+                            max_steps=max(t.max_steps, 0), params=cfgmod.to_dict(cfg), progress=False)
     args = SFTConfig(
         output_dir=str(staging), per_device_train_batch_size=t.micro_batch_size,
-        gradient_accumulation_steps=t.grad_accum_steps, max_steps=t.max_steps, learning_rate=t.lr,
+        gradient_accumulation_steps=t.grad_accum_steps, max_steps=max(t.max_steps, 1), learning_rate=t.lr,
         lr_scheduler_type=t.scheduler, warmup_steps=t.warmup_steps, weight_decay=t.weight_decay,
         max_grad_norm=t.max_grad_norm, bf16=dtype == torch.bfloat16, use_cpu=not on_gpu,
         gradient_checkpointing=t.gradient_checkpointing and cfg.model.loader == "transformers",
         max_length=cfg.data.max_length, packing=cfg.data.packing, completion_only_loss=cfg.data.completion_only,
         logging_steps=t.log_every, report_to="none", disable_tqdm=True, log_level="warning", seed=t.seed,
         save_strategy="steps" if cfg.checkpoint.every_steps >= 0 else "no",  # "steps" saves at the end too
-        save_steps=cfg.checkpoint.every_steps or t.max_steps, save_total_limit=None,
+        save_steps=cfg.checkpoint.every_steps or max(t.max_steps, 1), save_total_limit=None,
         dataset_num_proc=None, ddp_find_unused_parameters=False, dataloader_num_workers=1,
     )
 
     # What TrainLoop does when things fail (cookbook.hf_trainer): preemption, non-finite steps, stalls, failed saves.
     callbacks = hf_trainer.RunCallbacks(cfg, root, metrics, sft.pad_token_id(tokenizer), resume_from)
 
-    class Trainer(hf_trainer.ReportSaveErrors, hf_trainer.CountBatches, SFTTrainer):
-        """SFTTrainer that reports a failed save in one line and counts each micro-batch for the metrics."""
+    class Trainer(hf_trainer.ReportSaveErrors, hf_trainer.WholeEpochs, hf_trainer.CountBatches, SFTTrainer):
+        """SFTTrainer whose epochs read every row once in full global batches, that reports a failed save in one
+        line and counts each micro-batch for the metrics."""
 
-    trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
+    trainer = Trainer(model=model, args=args, train_dataset=trl_dataset(rows), processing_class=tokenizer,
                       callbacks=callbacks.all)
     trainer.remove_callback(PrinterCallback)  # cookbook's MetricsLogger prints the log lines
+    examples, per_step = len(trainer.train_dataset), t.micro_batch_size * t.grad_accum_steps * info.world_size
+    sft.check_one_step(examples, t.micro_batch_size, t.grad_accum_steps, info.world_size,
+                       " (TRL's, after truncation and packing)")
+    max_steps = t.max_steps if t.max_steps > 0 else t.epochs * (examples // per_step)
+    args.max_steps, args.save_steps, metrics.max_steps = max_steps, cfg.checkpoint.every_steps or max_steps, max_steps
+    done = hf_trainer.already_complete(out_dir, resume_from, max_steps, final) if t.max_steps <= 0 else None
+    if done:
+        log.info(done)
+        metrics.close()
+        cookbook.destroy_distributed()
+        return
     log.info(f"world size {info.world_size} ({info.backend}) | DDP | loader {cfg.model.loader} | "
              f"{flops.num_params / 1e6:,.1f} M non-embedding params | LoRA r={cfg.lora.r} | {len(rows)} rows | "
-             f"{t.max_steps} steps | {'bf16' if dtype == torch.bfloat16 else 'fp32'}")
+             f"global batch {per_step} rows | {max_steps} steps | {'bf16' if dtype == torch.bfloat16 else 'fp32'}")
+    log.info(hf_trainer.epoch_line(examples, per_step))  # WholeEpochs: what one epoch reads
 
     with hf_trainer.TrainerRun(callbacks.preemption, metrics) as run:  # closes metrics and the group whatever happens
-        if not run.train(trainer, resume_from, t.max_steps, callbacks.publisher):
+        if not run.train(trainer, resume_from, max_steps, callbacks.publisher):
             return  # train.stop_at_step: a checkpoint is published there
         step = trainer.state.global_step
         export_dir = hf_trainer.export_final(trainer, tokenizer, out_dir, merge=cfg.checkpoint.export_merged)

@@ -141,8 +141,8 @@ class ReportSaveErrors:
 
     The message names the checkpoint (its published folder), the OS error and the rank that met it, the previous
     checkpoint (intact: the failed one is never published, and the rank that met the error deletes it from the
-    staging folder, so that a full disk gets its space back; what other ranks still write there is cleared at the next
-    start) and what to do. Only the rank that met the error knows of it: it prints the line; the other ranks,
+    staging folder, as does every other rank whose save then fails, so that a full disk gets its space back) and
+    what to do. Only the rank that met the error knows of it: it prints the line; the other ranks,
     waiting for it in a collective, stop with "another rank is gone" (exit 3) or are stopped by the launcher.
     Failures of `PublishCheckpoints` (rank 0's ``meta.json`` and rename) are raised by it on every rank.
 
@@ -159,12 +159,13 @@ class ReportSaveErrors:
         except Exception as exc:
             os_error = _os_error_behind(exc)
             publisher = next((c for c in self.callback_handler.callbacks if isinstance(c, PublishCheckpoints)), None)
+            step = self.state.global_step
+            if publisher is not None:  # never published: its bytes would keep a full disk full. Every rank whose
+                # save fails deletes it (the others' fails when this rank is gone), after its own last write
+                shutil.rmtree(Path(self.args.output_dir) / f"checkpoint-{step}", ignore_errors=True)
             if os_error is None or publisher is None:
                 raise
             info = get_dist_info()
-            step = self.state.global_step
-            # the unpublished folder: its bytes would keep the disk full (the other ranks' writes there fail too)
-            shutil.rmtree(Path(self.args.output_dir) / f"checkpoint-{step}", ignore_errors=True)
             error = save_error(step, publisher.root / f"checkpoint-{step}", publisher.latest(),
                                info.rank if info.world_size > 1 else None, os_error)
             error.same_on_every_rank = False  # this rank alone met it, so this rank prints it

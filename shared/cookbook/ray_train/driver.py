@@ -284,19 +284,34 @@ class _RayCheckpoints(ResumeGuard):
 
     def latest(self) -> Path | None:
         """The newest checkpoint Ray Train registered in the run folder, or ``None`` (no snapshot, or none
-        registered in it).
+        registered in it). One found damaged (`ResumeGuard.verify`: a truncated ``state.pt`` does not match
+        its checksum) gives way to the newest earlier one Ray registered; `register` then makes it Ray's.
 
         Raises:
             CheckpointError: the snapshot is unreadable, was written by another Ray version (Ray refuses
                 both), or names a folder that is not a complete checkpoint.
         """
+        data = self._snapshot()
+        name = ((data or {}).get("latest_checkpoint_result") or {}).get("checkpoint_dir_name")
+        if not name:
+            return None
+        path = self.root / name
+        if path not in self.bad and not self.is_complete(path):
+            raise CheckpointError(f"{path}: Ray Train registered it as the run's newest checkpoint, but it is missing "
+                                  f"or incomplete (it needs {', '.join(('meta.json', *self.files))}): restore it, or "
+                                  f"start afresh with {self.start_afresh()}")
+        for earlier in [path, *self._registered(data)[::-1]]:
+            if earlier not in self.bad and self.is_complete(earlier):
+                return earlier
+        return None
+
+    def _snapshot(self) -> dict[str, Any] | None:
         snapshot = self.root / _SNAPSHOT_FILE
         if not snapshot.is_file():
             return None
         try:
             data = json.loads(snapshot.read_text())
-            latest = data.get("latest_checkpoint_result")
-            name = (latest or {}).get("checkpoint_dir_name")
+            data.get("latest_checkpoint_result")
         except (OSError, ValueError, AttributeError) as exc:
             raise CheckpointError(f"{snapshot}: Ray Train's record of the run's checkpoints is unreadable "
                                   f"({type(exc).__name__}: {exc}), and Ray cannot resume without it: start afresh "
@@ -306,14 +321,30 @@ class _RayCheckpoints(ResumeGuard):
             raise CheckpointError(f"{snapshot} was written by Ray {wrote}, and Ray {installed} does not resume from "
                                   f"it: install ray=={wrote} to continue this run, or start afresh with "
                                   f"{self.start_afresh()}")
-        if not name:
-            return None
-        path = self.root / name
-        if not self.is_complete(path):
-            raise CheckpointError(f"{path}: Ray Train registered it as the run's newest checkpoint, but it is missing "
-                                  f"or incomplete (it needs {', '.join(('meta.json', *self.files))}): restore it, or "
-                                  f"start afresh with {self.start_afresh()}")
-        return path
+        return data
+
+    def _registered(self, data: Mapping[str, Any]) -> list[Path]:
+        """The checkpoint folders the snapshot lists, in the order Ray registered them (its report indices)."""
+        results = data.get("checkpoint_results") or []
+        order = data.get("checkpoint_report_indices") or list(range(len(results)))
+        return [self.root / r["checkpoint_dir_name"] for _, r in sorted(zip(order, results), key=lambda x: x[0])]
+
+    def register(self, path: Path) -> None:
+        """Make `path` the checkpoint Ray resumes from: rewrite the snapshot (atomically) without the damaged
+        ones registered after it. Ray writes their folders again when the run reaches them."""
+        data = self._snapshot()
+        if ((data.get("latest_checkpoint_result") or {}).get("checkpoint_dir_name")) == path.name:
+            return
+        keep = [i for i, r in enumerate(data.get("checkpoint_results") or [])
+                if self.root / r["checkpoint_dir_name"] not in self.bad]
+        for key in ("checkpoint_results", "checkpoint_report_indices"):
+            if key in data:
+                data[key] = [data[key][i] for i in keep]
+        data["latest_checkpoint_result"] = next(r for r in data["checkpoint_results"]
+                                                if self.root / r["checkpoint_dir_name"] == path)
+        tmp = self.root / f".{_SNAPSHOT_FILE}.tmp"
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, self.root / _SNAPSHOT_FILE)
 
 
 def _ray_version() -> str | None:
@@ -336,6 +367,8 @@ def _check_resume(guard: _RayCheckpoints, resume: str | None, config: Mapping[st
     """
     path = guard.check(resume, None, config, may_change, stop_at)
     latest = guard.latest()
+    if path is not None and guard.bad:  # Ray's newest is damaged: Ray resumes from the one the guard fell back to
+        guard.register(path)
     if path is not None and latest is not None and path.resolve() != latest.resolve():
         raise CheckpointError(f"{guard.resume_key}={resume!r}: Ray Train resumes a run from the newest checkpoint it "
                               f"registered in its output_dir, {latest}; use {guard.resume_key}=auto, or start afresh "

@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from cookbook.checkpoint import META_FILE, RNGState, rng_kept, seed_per_rank
+from cookbook.checkpoint import CHECKSUMS_KEY, META_FILE, CheckpointError, RNGState, checksums, rng_kept, seed_per_rank
 from cookbook.config import save_config, to_dict, to_object
 from cookbook.dist import (DistInfo, _configure_logging, all_gather_object, all_reduce_mean, barrier, get_logger,
                            param_fingerprint)
@@ -95,6 +95,7 @@ def load_checkpoint(map_location: torch.device | str = "cpu") -> tuple[dict[str,
     Raises:
         RuntimeError: Ray hands no checkpoint, or an older one, than the driver announced (a bug: the
             run would silently start over).
+        CheckpointError: a file of the checkpoint does not match its checksum in ``meta.json``.
     """
     import ray.train
 
@@ -103,9 +104,14 @@ def load_checkpoint(map_location: torch.device | str = "cpu") -> tuple[dict[str,
     if ckpt is None:
         return None
     with ckpt.as_directory() as d:
+        meta = json.loads((Path(d) / META_FILE).read_text())
+        wrong = [n for n, c in checksums(d).items() if meta.get(CHECKSUMS_KEY, {}).get(n, c) != c]
+        if wrong:
+            raise CheckpointError(f"{ckpt.path}: {wrong[0]} does not match its checksum in {META_FILE} (damaged since "
+                                  f"it was saved): restore it, or run again (the driver then resumes from the "
+                                  f"checkpoint before it)")
         state = torch.load(Path(d) / _STATE_FILE, map_location=map_location, weights_only=True,
                            mmap=torch.device(map_location).type == "cpu")
-        meta = json.loads((Path(d) / META_FILE).read_text())
     get_logger().info(f"resumed from {ckpt.path} ({_facts(meta)})")
     return state, meta
 
@@ -504,6 +510,7 @@ class WorkerRun:
 
                     state = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in self.state.items()}
                     torch.save({**state, **run}, Path(tmp) / _STATE_FILE)
+                    meta[CHECKSUMS_KEY] = checksums(tmp)  # a resume finds a damaged state.pt (ResumeGuard.verify)
                     (Path(tmp) / META_FILE).write_text(json.dumps(meta, indent=2))
                     saved.update(checkpoint=Checkpoint.from_directory(tmp), checkpoint_dir_name=f"checkpoint_{label}")
                 yield saved

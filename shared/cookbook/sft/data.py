@@ -586,6 +586,8 @@ class SFTStats:
     call_endings: list[int] = field(default_factory=list)  # rows kept up to their last answer; a tool call after it not trained
     example_rows: list[int] = field(default_factory=list)  # the 1-based row of each kept example, in order
     split_rows: int = 0  # rows with several assistant turns split into one example per turn
+    tool_call_rows: int = 0  # rows (of those read, with an answer) whose assistant turns make tool calls
+    tool_calls: int = 0  # the tool calls of those rows
     tokens: int = 0
     loss_tokens: int = 0  # tokens with a label
     reasoning: str = "train"  # data.reasoning: train (in the loss), context (rendered, no loss), drop
@@ -625,7 +627,8 @@ class SFTStats:
         """Totals over several sources; `summary` then reports each source."""
         total = cls(source=" + ".join(p.source for p in parts), max_length=max((p.max_length for p in parts), default=0),
                     truncate=all(p.truncate for p in parts), parts=list(parts))
-        for key in ("rows", "examples", "truncated", "dropped", "split_rows", "tokens", "loss_tokens",
+        for key in ("rows", "examples", "truncated", "dropped", "split_rows", "tool_call_rows", "tool_calls", "tokens",
+                    "loss_tokens",
                     "reasoning_turns", "reasoning_unrendered", "reasoning_dropped"):
             setattr(total, key, sum(getattr(p, key) for p in parts))
         total.unanswered = [r for p in parts for r in p.unanswered]
@@ -644,6 +647,16 @@ class SFTStats:
         if self.reasoning_dropped:
             items.append(f"{self.reasoning_dropped} turns dropped (data.reasoning=drop)")
         return f"reasoning: {', '.join(items)}" if items else ""
+
+    def count_tool_calls(self, messages: Sequence[dict]) -> None:
+        """Count one row's tool calls (its messages' ``tool_calls``) in `tool_call_rows` and `tool_calls`."""
+        calls = sum(len(m.get("tool_calls") or ()) for m in messages)
+        self.tool_call_rows += calls > 0
+        self.tool_calls += calls
+
+    def tool_calls_note(self) -> str:
+        """``"tool calls: 5 in 3 rows"``."""
+        return f"tool calls: {self.tool_calls} in {self.tool_call_rows} rows"
 
     def _drop_reason(self, limit: str) -> str:
         return f"cut by {limit} before any assistant token" if self.truncate else f"longer than {limit}, dropped rather than cut"
@@ -664,6 +677,8 @@ class SFTStats:
         if self.call_endings:
             text += (f", {len(self.call_endings)} end in a tool call after their last answer, not trained (rows "
                      f"{_rows_list(self.call_endings)})")
+        if self.tool_calls:
+            text += f", {self.tool_calls_note()}"
         if self.reasoning_note():
             text += f", {self.reasoning_note()}"
         if self.ignored:
@@ -735,17 +750,14 @@ def prepare(rows: Sequence[dict], tokenizer, max_length: int, source: str,
     _require_chat_template(tokenizer)
     stats, examples = SFTStats(source=source, max_length=max_length, truncate=truncate, rows=len(rows),
                                reasoning=reasoning), []
-    ignored, target = Counter(), reasoning_field(tokenizer)
+    ignored = Counter()
     for n, row in enumerate(rows, 1):
         try:
-            messages, tools = to_conversation(row, n, source, ignored)
-            messages = _inline_reasoning(tokenizer, messages)
-            messages = _place_reasoning(messages, reasoning, target, chat_template_kwargs, stats)
+            messages, tools = template_conversation(row, n, source, tokenizer, stats, ignored, chat_template_kwargs,
+                                                    reasoning)
         except EmptyAnswerError:  # e.g. a few rows of tatsu-lab/alpaca: nothing to learn from them
             stats.empty_answers.append(n)
             continue
-        except SFTDataError as exc:
-            raise SFTDataError(str(exc) if str(exc).startswith(source) else f"{source} row {n}: {exc}") from None
         ends = [i + 1 for i, m in enumerate(messages) if m["role"] == "assistant"] if split_turns else [len(messages)]
         stats.split_rows += len(ends) > 1
         for end in ends:
@@ -771,6 +783,50 @@ def prepare(rows: Sequence[dict], tokenizer, max_length: int, source: str,
     if max_dropped_fraction is not None:
         stats.check_dropped(max_dropped_fraction)
     return examples, stats
+
+
+def template_conversation(row: dict, row_number: int, source: str, tokenizer, stats: SFTStats,
+                          ignored: Counter | None = None, chat_template_kwargs: dict | None = None,
+                          reasoning: str = "train") -> tuple[list[dict], list[dict] | None]:
+    """`to_conversation` made ready for `tokenizer`'s chat template, as `prepare` does: an inline ``<think>``
+    block moved to ``reasoning_content``, each turn's reasoning under the key the template reads (`reasoning_field`)
+    or removed with ``reasoning="drop"`` (counted in ``stats.reasoning_dropped``), the row's tool calls counted
+    (`SFTStats.count_tool_calls`), keys its format does not read counted in `ignored` (``"id"``, ``"messages[].weight"``). `tokenizer` None: the reasoning stays as ``reasoning_content``, unchecked.
+
+    Raises:
+        EmptyAnswerError: the row's answer is empty (the caller skips and counts it).
+        SFTDataError: ``"<source> row <n>: ..."``: see `to_conversation`; reasoning the template has no place
+            for (or ``enable_thinking: false``); a stray ``<think>`` tag.
+    """
+    if ignored is not None:  # the row's own keys that its format does not read
+        used = (("messages", "tools") if "messages" in row else ("conversations", "system", "tools")
+                if "conversations" in row else ("instruction", "input", "output"))
+        ignored.update(k for k in row if k not in used)
+    try:
+        messages, tools = to_conversation(row, row_number, source, ignored)
+        if tokenizer is not None:
+            messages = _inline_reasoning(tokenizer, messages)
+            messages = _place_reasoning(messages, reasoning, reasoning_field(tokenizer), chat_template_kwargs, stats)
+        elif reasoning == "drop":
+            messages = _place_reasoning(messages, reasoning, None, None, stats)
+    except EmptyAnswerError:
+        raise
+    except SFTDataError as exc:
+        raise SFTDataError(str(exc) if str(exc).startswith(source) else f"{source} row {row_number}: {exc}") from None
+    stats.count_tool_calls(messages)
+    return messages, tools
+
+
+def check_tools_rendered(tokenizer, messages: list[dict], tools: list[dict] | None, text: str,
+                         chat_template_kwargs: dict | None = None) -> None:
+    """Refuse a chat template that leaves out the row's tools, tool calls or tool results (`text`: the rendered
+    conversation, in which each call's name must appear).
+
+    Raises:
+        SFTDataError: naming what the template dropped.
+    """
+    calls = {i: text for i, m in enumerate(messages) if m.get("tool_calls")}
+    _check_tools_rendered(tokenizer, messages, tools, chat_template_kwargs, calls)
 
 
 def _place_reasoning(messages: list[dict], reasoning: str, target: str | None, kwargs: dict | None,

@@ -57,6 +57,7 @@ def field_counts(stats: SFTStats) -> list[str]:
     lines.append(f"  answers         {len(stats.empty_answers)} empty (row skipped), {len(stats.unanswered)} rows end in "
                  f"a tool call with no answer (skipped), {len(stats.call_endings)} tool calls after the last answer "
                  f"(not trained)")
+    lines.append(f"  tool calls      {stats.tool_calls} in {stats.tool_call_rows} rows")
     done = {"train": "trained", "context": "in context (no loss)", "drop": "dropped"}[stats.reasoning]
     lines.append(f"  reasoning       {stats.reasoning_turns} turns {done}, {stats.reasoning_unrendered} left out by the "
                  f"chat template, {stats.reasoning_dropped} dropped (data.reasoning=drop)")
@@ -97,8 +98,8 @@ def refusal(stats: SFTStats, max_dropped_fraction: float) -> str:
 
 def show_data(cfg, tokenizer, n: int) -> str:
     """`show_examples` for a recipe's ``data`` section (`cookbook.sft.DataConfig`): each train file (or the hub
-    data set) tokenized as `cookbook.sft.load_examples` does, before the held-out split and packing; a source that
-    training would refuse (too many rows dropped) is shown with the refusal instead of stopping."""
+    data set) tokenized as `cookbook.sft.load_examples` does, before the held-out split (said in a last line) and
+    packing; a source that training would refuse (too many rows dropped) is shown with the refusal instead of stopping."""
     from cookbook.sft.data import load_hub_rows, load_rows, prepare
 
     kwargs = dict(cfg.chat_template_kwargs) or None
@@ -107,4 +108,7 @@ def show_data(cfg, tokenizer, n: int) -> str:
                      truncate=getattr(cfg, "truncate", True), reasoning=getattr(cfg, "reasoning", "train"))
              for source, rows in sources]
     notes = [refusal(st, cfg.max_dropped_fraction) for _, st in parts]
+    if cfg.eval_fraction > 0 and not getattr(cfg, "eval_files", []):
+        notes.append(f"data.eval_fraction={cfg.eval_fraction:g}: a seeded share of each file's examples is held out for "
+                     f"evaluation; the examples above are before that split")
     return show_examples(parts, tokenizer, n) + "".join(f"\n{x}" for x in notes if x)
