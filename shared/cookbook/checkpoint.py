@@ -36,29 +36,12 @@ Hugging Face Trainer, Ray Train): a checkpoint is a folder named after its step 
 resume that would mix two runs (other settings, another world size, a stop point not after it, "none"
 over an earlier run's checkpoints). `Checkpointer.check_resume` is the guard of DCP checkpoints.
 
-What survives which failure (each one is injected for real in ``tests/test_checkpoint_faults.py``):
-
-- **A damaged checkpoint** (a truncated or missing shard, ``.metadata`` missing or unreadable,
-  ``meta.json`` missing, empty or not JSON, bytes overwritten in place) is not complete: `ResumeGuard.problem` says what is wrong,
-  from ``meta.json`` and DCP's index alone (every file ``.metadata`` names exists and is as long as its
-  entries need; no collective, no tensor read); in a layout without such an index (the Hugging Face
-  Trainer's), from the file sizes that ``meta.json`` lists (`file_sizes`). The checkpoint a resume takes is also
-  read whole once and compared with the checksum of each file that ``meta.json`` holds (`checksums`, written at
-  publish time: xxh3_64, or crc32 without the ``xxhash`` package), which finds bytes overwritten in place
-  (`ResumeGuard.verify`). ``resume=auto`` skips a damaged newest checkpoint and
-  resumes from the previous complete one, with one warning line (rank 0 / the ``--check`` process)
-  naming the folder and what is wrong; with none left it refuses and says so. An explicit
-  ``resume=<path>`` that is damaged is refused, naming what is wrong. Every reader (the resume, `latest`,
-  the pruning of old checkpoints, `Checkpointer.load`) uses this one notion of complete.
-- **A crash during a save** (the job killed, a node lost) leaves the previous checkpoints as they were
-  and ``resume=auto`` picks the newest of them; the next save removes every leftover ``.tmp-*`` and
-  ``.old-*`` folder under ``root`` before it writes.
-- **A failed save** (disk full, a file too large, an I/O error, a read-only file system) on any rank
-  fails the save on every rank (DCP gathers its errors; rank 0's ``meta.json`` and rename failures are
-  broadcast), removes its temporary folder, keeps the previous checkpoint and raises
-  `CheckpointSaveError`, whose one-line message names the checkpoint, the OS error and its rank, the
-  previous checkpoint that is intact and what to do; `cookbook.run_main` prints it and exits with 2.
-- **An unwritable output folder** is refused before any worker starts (`cookbook.config.check_run`).
+What survives which failure (each one is injected for real in ``tests/test_checkpoint_faults.py``; the user's
+view is docs/failures.md): a damaged checkpoint is not complete (`ResumeGuard.problem`, from ``meta.json`` and DCP's
+index, and `ResumeGuard.verify`, from the checksums written at publish time), and ``resume=auto`` falls back to the
+newest complete one with one warning; a crash during a save leaves the previous checkpoints as they were (the next
+save removes the leftover ``.tmp-*`` / ``.old-*`` folders); a failed save on any rank fails it on every rank, keeps
+the previous checkpoint and raises `CheckpointSaveError` (one line, exit 2).
 
 References: https://pytorch.org/docs/stable/distributed.checkpoint.html,
 https://pytorch.org/tutorials/recipes/distributed_checkpoint_recipe.html

@@ -32,16 +32,10 @@ What it does, so that every recipe does it the same way:
   throughput and ETA measure training alone;
 - stops at ``stop_at_step`` (a planned interruption, to be resumed) or when `request_stop` was called
   (a hook for preemption: the flag is read at step boundaries only);
-- checks each step for a non-finite loss or gradient norm before its update (`skip_step`), on every rank
-  alike: ``on_nonfinite="stop"`` (the default, as in torchtitan, whose maintainers prefer stopping to
-  skipping so that a divergence is debugged rather than hidden) ends the run with `NonFiniteError` (exit
-  status 4, one line naming the step and the newest checkpoint, which is from before it); ``"skip"`` drops
-  the step (its gradients are zeroed, neither the optimizer nor the scheduler steps, BatchNorm's running
-  statistics are put back as they were before its forward, the step number comes again with the next batch),
-  logs it, counts it in the ``skipped_steps`` metric, and stops at the next non-finite step once
-  ``max_consecutive_skips`` were skipped in a row. A step that diverged never reaches a checkpoint: a checkpoint,
-  and the end of a run, is refused (`NonFiniteError`) while a parameter or buffer of the model is NaN or
-  infinite. The decision is `NonFinitePolicy`'s, which the Ray workers' `cookbook.ray_train.WorkerRun` uses too;
+- checks each step for a non-finite loss or gradient norm before its update (`skip_step`), on every rank alike:
+  ``train.on_nonfinite=stop`` ends the run with `NonFiniteError` (exit 4), ``skip`` drops the step; a checkpoint
+  and the end of a run are refused while a parameter or buffer is NaN or infinite (`cookbook.policy.NonFinitePolicy`,
+  which the Ray workers and the Trainer callbacks use too);
 - records each rank's progress in the process group's store at every step boundary
   (`cookbook.dist.record_progress`), so that a collective that times out ends the run with one line naming
   the rank that is behind (`cookbook.dist.CollectiveTimeout`, exit status 3);
