@@ -10,20 +10,9 @@ across ranks and writes one record to:
 - ``<out_dir>/metrics.jsonl`` (rank 0, one JSON object per line, written whole or not at all: a failed write
   raises `MetricsWriteError`, exit 2; a torn last line left by a crash is cut when a run reopens the file),
 - rank 0's progress bar, on a terminal only (`cookbook.progress`),
-- the trackers the config's ``trackers`` key names (`cookbook.config.TRACKERS`; default ``[mlflow]``; their sinks are
-  in `cookbook.trackers`):
-
-  - ``mlflow``: ``MLFLOW_TRACKING_URI`` if set, else an embedded SQLite store ``sqlite:///<out_dir>/mlflow.db``;
-    ``MLFLOW_RUN_ID`` attaches to an existing run. ``mlflow: false`` in the config turns it off.
-  - ``tensorboard``: event files in ``<out_dir>/tensorboard`` (tensorboardX), one scalar per key, the config as text.
-  - ``wandb``: Weights & Biases, online when ``WANDB_API_KEY`` is set, else offline into ``<out_dir>/wandb``
-    (``wandb sync`` uploads it later; ``WANDB_MODE`` decides when set); project: ``WANDB_PROJECT`` or the
-    experiment name.
-
-  A resumed run continues the tracker runs it started (their ids are kept in the output folder). Any
-  tracking failure is logged once as a warning and that tracker is switched off: it never stops training.
-  The closing lines say where each run is and how to browse it (`MetricsLogger.tracker_lines`), with any
-  password or token in a URI masked (`redact_uri`).
+- the trackers the config's ``trackers`` key names (`cookbook.config.TRACKERS`; default ``[mlflow]``; their sinks,
+  what each writes and how a resumed run continues them: `cookbook.trackers`, docs/outputs.md). A tracking failure is
+  logged once as a warning and switches that tracker off; it never stops training.
 
 Keys of a train record: ``step``, ``loss``, ``lr``, ``grad_norm``, ``step_time_s``,
 ``samples_per_s``, ``tokens_per_s`` (totals over ranks), ``samples_per_s_per_device`` and
@@ -33,10 +22,8 @@ Keys of a train record: ``step``, ``loss``, ``lr``, ``grad_norm``, ``step_time_s
 and ``data_wait_frac``; a window in which a new pass over the training data began (`note_pass_start`) also has
 ``epoch_start_wait_s``, the wait for that pass's first batch (max over ranks).
 
-Start-up and end of a run (`first_step_done`, `cookbook.loop.TrainLoop.finish`): the summary record has
-``startup_s``, the seconds from the launch (`launch_time`: ``COOKBOOK_LAUNCH_TIME``, which ``cookbook.launch`` sets,
-else this process's start) to the end of the first optimizer step of this process, ``first_step_s``, that first
-step alone (a ``torch.compile`` compiles there), and ``final_eval_s``, the final evaluation's wall time.
+The summary record (`first_step_done`, `cookbook.loop.TrainLoop.finish`) has ``startup_s`` (from `launch_time`),
+``first_step_s`` and ``final_eval_s`` (docs/outputs.md).
 """
 
 from __future__ import annotations
