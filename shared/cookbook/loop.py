@@ -67,8 +67,8 @@ from cookbook.run_lock import mark_complete
 from cookbook.sampler import DataPosition
 
 Outputs = Mapping[str, "tuple[Path | None, str]"]  # summary key -> (folder or None, how to load it)
-EVAL_COUNTS = ("tokens", "samples", "rows")  # evaluation results that count what was evaluated: not shown on `done:`
-OUTPUT_NAMES = {"export_dir": "model"}  # summary key -> its name on the closing lines (others: the key less "_dir")
+_EVAL_COUNTS = ("tokens", "samples", "rows")  # evaluation results that count what was evaluated: not shown on `done:`
+_OUTPUT_NAMES = {"export_dir": "model"}  # summary key -> its name on the closing lines (others: the key less "_dir")
 
 
 def already_complete(state: TrainState, max_steps: int, out_dir: str | Path, final: str | Path | None = None,
@@ -537,9 +537,9 @@ def start_run(cfg: Any, info: DistInfo, *, state: TrainState, checkpoint_state: 
 def log_outputs(step: int, final_eval: Mapping[str, float], metrics: MetricsLogger, checkpoints: Path | None,
                 outputs: Outputs, eval_text: str | None = None, timings: Mapping[str, float] | None = None) -> None:
     """The closing log lines of a finished run (rank 0 only): steps and final evaluation (its metrics, not
-    the counts in `EVAL_COUNTS`), the start-up and final-evaluation times when given, then where the metrics, each
+    the counts in `_EVAL_COUNTS`), the start-up and final-evaluation times when given, then where the metrics, each
     tracker's run (and the command that shows it: `MetricsLogger.tracker_lines`), the checkpoints and each exported
-    artefact are (``model:`` for ``export_dir``, see `OUTPUT_NAMES`), and how to load it.
+    artefact are (``model:`` for ``export_dir``, see `_OUTPUT_NAMES`), and how to load it.
 
     Args:
         eval_text: the final evaluation as the recipe words it; default: ``eval`` and the ``name value`` pairs
@@ -550,7 +550,7 @@ def log_outputs(step: int, final_eval: Mapping[str, float], metrics: MetricsLogg
     if not get_dist_info().is_main:
         return
     log = get_logger()
-    pairs = " ".join(f"{k} {v:.4f}" for k, v in final_eval.items() if k not in EVAL_COUNTS)
+    pairs = " ".join(f"{k} {v:.4f}" for k, v in final_eval.items() if k not in _EVAL_COUNTS)
     shown = eval_text if eval_text is not None else f"eval {pairs}" if pairs else ""
     log.info(f"done: {step} steps" + (f" | {shown}" if shown else ""))
     timings = timings or {}
@@ -563,7 +563,7 @@ def log_outputs(step: int, final_eval: Mapping[str, float], metrics: MetricsLogg
     rows = [("metrics", f"{metrics.jsonl_path}"), *metrics.tracker_lines()]
     if checkpoints is not None:
         rows.append(("checkpoints", str(checkpoints)))
-    rows += [(OUTPUT_NAMES.get(key, key.removesuffix("_dir")), f"{path} ({how})" if how else str(path))
+    rows += [(_OUTPUT_NAMES.get(key, key.removesuffix("_dir")), f"{path} ({how})" if how else str(path))
              for key, (path, how) in outputs.items() if path]
     for name, text in rows:
         log.info(f"{name + ':':<12} {text}")

@@ -24,7 +24,7 @@ PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 ON_NONFINITE = ("stop", "skip")  # what a step with a NaN / inf loss or gradient norm does (TrainLoop.skip_step)
 
 
-NONE_BAD = 2**62  # "no non-finite step" in the all-reduce (min) of the first bad step of updates already applied
+_NONE_BAD = 2**62  # "no non-finite step" in the all-reduce (min) of the first bad step of updates already applied
 
 
 class Preempted(SystemExit):
@@ -308,11 +308,11 @@ class NonFinitePolicy:
         """Stop if an update already applied was non-finite on any rank (collective once `applied` was used)."""
         if self._applied_bad is None:
             return
-        first = torch.where(self._applied_bad == 0, torch.full_like(self._applied_bad, NONE_BAD), self._applied_bad)
+        first = torch.where(self._applied_bad == 0, torch.full_like(self._applied_bad, _NONE_BAD), self._applied_bad)
         if dist.is_initialized():
             dist.all_reduce(first, op=dist.ReduceOp.MIN)
         step = int(first.item())
-        if step != NONE_BAD:
+        if step != _NONE_BAD:
             raise NonFiniteError(f"the loss of step {step} is not finite on every rank and its update was already "
                                  f"applied (this recipe checks after its step), so the run stops before saving it, "
                                  f"whatever train.on_nonfinite says; {self._newest_text()}. Lower optim.lr or "
