@@ -65,6 +65,7 @@ from cookbook.errors import (AGENT_PID_ENV, EXIT_BUG, EXIT_DIVERGED, EXIT_INTERR
                              OneLineError)
 from cookbook.errors import first_line as _first_line
 from cookbook.requirements import import_error_line
+from cookbook.run_lock import die_with_parent
 
 
 # Seconds a rank that lost a peer waits before exiting: long enough for torchrun (which polls its
@@ -74,20 +75,6 @@ _PEER_LOST_GRACE_S = 5.0
 # What gloo and NCCL say when the process at the other end of a collective is gone.
 _PEER_LOST_MARKERS = ("connection closed by peer", "connection reset by peer", "broken pipe",
                       "remote process exited", "socket closed", "connection refused", "nccl communicator was aborted")
-
-
-def die_with_parent() -> None:
-    """On Linux, have the kernel SIGKILL this process when its parent dies (``PR_SET_PDEATHSIG``): a launcher
-    killed with ``kill -9`` cannot stop its workers itself, and they must not go on writing its output_dir."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-        import signal
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def run_main(main: Callable[[list[str]], Any], user_errors: Sequence[type[BaseException]] = (),

@@ -69,7 +69,7 @@ import cloudpickle
 import torch
 
 from cookbook.dist import distributed_context
-from cookbook.entry import die_with_parent
+from cookbook.run_lock import die_with_parent
 
 P = ParamSpec("P")
 R = TypeVar("R")

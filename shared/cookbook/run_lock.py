@@ -9,6 +9,7 @@ naming the holder's host and pid.
 A finished run leaves ``<output_dir>/complete.json`` (`mark_complete`: its settings, its outputs and the "already
 complete" line). Running the same command again is answered by `check_run` (`complete_message`) within the first
 second of the check, before data or model are read: the line, exit status 0, and the launcher starts no worker.
+`die_with_parent`: a worker ends with its launcher, so a killed launcher leaves none writing the folder.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import fcntl
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import Mapping
@@ -126,3 +128,17 @@ def report_complete() -> None:
 
 def reported_complete(target: str | Path) -> bool:
     return Path(str(target) + ".complete").is_file()
+
+
+def die_with_parent() -> None:
+    """On Linux, have the kernel SIGKILL this process when its parent dies (``PR_SET_PDEATHSIG``): a launcher
+    killed with ``kill -9`` cannot stop its workers itself, and they must not go on writing its output_dir."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass

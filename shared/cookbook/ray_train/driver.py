@@ -34,7 +34,7 @@ import torch
 from cookbook import run_lock
 from cookbook.checkpoint import CheckpointError, ResumeGuard, read_meta
 from cookbook.config import ConfigError, to_dict
-from cookbook.entry import EXIT_PREEMPTED
+from cookbook.errors import EXIT_PREEMPTED
 from cookbook.loop import PREEMPT_SIGNALS, NonFiniteError, NonFinitePolicy, Preempted
 from cookbook.ray_train.worker import _STATE_FILE
 

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from cookbook.entry import die_with_parent
+from cookbook.run_lock import die_with_parent
 
 
 def _env_int(name: str, default: int) -> int:
