@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # One torch / OpenMP thread per process: 2 xdist workers, each forking or launching 2 ranks, share 2 cores; more
 # threads than cores oversubscribe them (set before torch is imported, so this process's pool has one thread too).
-for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+# numpy's OpenBLAS starts a pool of its own (a thread per core, which spin a while after each call) in every process.
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
 # A child forked from a test process (the tests' forked ranks, ``main_in_workers``, the Ray drivers) never collects

@@ -1,6 +1,7 @@
 """``cookbook.distributed`` on 2 CPU processes (gloo): results in rank order, a worker's error with its rank
 and traceback and no process left behind, functions from a script's ``__main__`` with spawn, Ctrl-C,
-DDP / FSDP2 / DeepSpeed training in the workers, the GPU-count check and the Ray Train backend."""
+DDP / FSDP2 / DeepSpeed training in the workers and the GPU-count check (the Ray Train backend:
+test_launcher_ray.py, with the other tests on the session's Ray head)."""
 
 from __future__ import annotations
 
@@ -268,32 +269,3 @@ def test_ddp_fsdp2_and_deepspeed_train_in_the_workers_and_ranks_agree(tmp_path, 
     for kind in ("fsdp2", "deepspeed"):
         assert r0[kind]["fingerprint"] == pytest.approx(r0["ddp"]["fingerprint"], rel=1e-5), kind
     assert r0["fsdp2"]["sharded"] and r0["fsdp2"]["local_rows"] == 16  # 32 rows of the first layer over 2 ranks
-
-
-RAY_SCRIPT = textwrap.dedent('''
-    import json
-    import ray, torch, cookbook
-
-    @cookbook.distributed(num_processes=2, backend="ray")
-    def ranks(x: int):
-        info = cookbook.get_dist_info()
-        t = torch.tensor([float(info.rank)])
-        torch.distributed.all_reduce(t)
-        return {"rank": info.rank, "world": info.world_size, "sum": t.item(), "x": x}
-
-    if __name__ == "__main__":
-        out = ranks.distributed(7)
-        print(json.dumps({"out": out, "left": not ray.is_initialized()}), flush=True)
-''')
-
-
-def test_ray_backend_returns_every_rank_in_order(ray_env, tmp_path):
-    # In a child interpreter: a test process that joined Ray must not fork later (the Ray recipe tests fork).
-    script = tmp_path / "ray_ranks.py"
-    script.write_text(RAY_SCRIPT)
-    env = {**os.environ, **{k: v for k, v in ray_env.items() if not k.startswith("_")}}
-    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["out"] == [{"rank": 0, "world": 2, "sum": 1.0, "x": 7}, {"rank": 1, "world": 2, "sum": 1.0, "x": 7}]
-    assert result["left"]  # the call joined the cluster and left it

@@ -72,4 +72,4 @@ def test_the_readme_test_command_distributes_by_group():
 def test_each_test_process_uses_one_thread():
     import torch
 
-    assert torch.get_num_threads() == 1 and os.environ["OMP_NUM_THREADS"] == "1"
+    assert torch.get_num_threads() == 1 and os.environ["OMP_NUM_THREADS"] == os.environ["OPENBLAS_NUM_THREADS"] == "1"
