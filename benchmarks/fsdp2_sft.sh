@@ -15,7 +15,9 @@
 #
 # RUN_TIMEOUT_S bounds each run (SIGTERM, the launcher stops its workers); a run that fails or runs
 # out of time is reported (one line on stderr and, with JSON, one {"run", "failed", "exit_code"}
-# line) and the next one still runs. JSON also gets the table's rows (benchmarks/summarize.py --json).
+# line) and the next one still runs. JSON gets each run's table row as soon as it ends
+# (benchmarks/summarize.py --json), so a call cut short keeps the runs that finished. DEADLINE_S (seconds
+# from the script's start) cuts the last runs to the time left and skips those with under 45 s.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT=${OUT_DIR:-outputs/bench-fsdp2-sft}
@@ -33,15 +35,26 @@ for seq in ${SEQS:-2048}; do
     run="$OUT/${name:+$name-}seq${seq}"
     rm -rf "$run"
     rc=0
-    ${RUN_TIMEOUT_S:+timeout --kill-after=30 "$RUN_TIMEOUT_S"} env NGPU="${NGPU:-}" \
+    limit=${RUN_TIMEOUT_S:-}
+    if [[ -n ${DEADLINE_S:-} ]]; then
+      left=$((DEADLINE_S - SECONDS))
+      if ((left < 45)); then
+        echo "fsdp2_sft.sh: run $run skipped (${left} s left of DEADLINE_S=$DEADLINE_S)" >&2
+        [[ -n ${JSON:-} ]] && echo "{\"run\": \"$(basename "$run")\", \"skipped\": true}" >> "$JSON"
+        continue
+      fi
+      [[ -z $limit || $limit -gt $left ]] && limit=$left
+    fi
+    ${limit:+timeout --kill-after=30 "$limit"} env NGPU="${NGPU:-}" \
       bash "$ROOT/recipes/qwen-fsdp2-sft/launch.sh" output_dir="$run" run_name="bench-${name:+$name-}seq${seq}" \
       model.name_or_path="$MODEL_DIR" model.pretrained=false "data.train_files=[$TRAIN_FILE]" data.max_length=$seq \
       train.max_steps=$STEPS train.log_every=5 checkpoint.every_steps=-1 checkpoint.export_hf=false \
       data.eval_fraction=0 "$@" ${options[@]+"${options[@]}"} || rc=$?
     if [[ $rc -eq 0 && -s "$run/metrics.jsonl" ]]; then
       runs+=("$run")
+      [[ -n ${JSON:-} ]] && python3 "$ROOT/benchmarks/summarize.py" --skip-steps ${SKIP_STEPS:-10} --json "$JSON" "$run" >/dev/null || true
     else
-      why="exit $rc"; [[ $rc -eq 124 || $rc -eq 137 ]] && why="$why: over RUN_TIMEOUT_S=${RUN_TIMEOUT_S:-} s"
+      why="exit $rc"; [[ $rc -eq 124 || $rc -eq 137 ]] && why="$why: over its limit of ${limit} s"
       echo "fsdp2_sft.sh: run $run failed ($why)" >&2
       [[ -n ${JSON:-} ]] && mkdir -p "$(dirname "$JSON")" && \
         echo "{\"run\": \"$(basename "$run")\", \"failed\": true, \"exit_code\": $rc}" >> "$JSON"
@@ -49,4 +62,4 @@ for seq in ${SEQS:-2048}; do
   done
 done
 [[ ${#runs[@]} -gt 0 ]] || { echo "fsdp2_sft.sh: no run finished" >&2; exit 1; }
-python3 "$ROOT/benchmarks/summarize.py" --skip-steps ${SKIP_STEPS:-10} ${JSON:+--json "$JSON"} "${runs[@]}"
+python3 "$ROOT/benchmarks/summarize.py" --skip-steps ${SKIP_STEPS:-10} "${runs[@]}"

@@ -22,7 +22,8 @@ recipe = Path(__file__).resolve().parents[1] / "recipes" / "modernbert-ddp" / "t
 spec = importlib.util.spec_from_file_location("modernbert_ddp_train", recipe)
 module = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = module
-spec.loader.exec_module(module)  # registers the "sdpa_padsafe" attention
+spec.loader.exec_module(module)
+module.register_attention()  # the "sdpa_padsafe" attention
 
 torch.manual_seed(0)
 B, S = 64, 256

@@ -8,7 +8,7 @@ Trainer.predict), on one GPU.
 DIR: a ModernBERT config.json and tokenizer (random init, seed 42). CSVs with the header ``text,label`` (0-3).
 The recipe's optimizer settings: AdamW (fused) lr 5e-5, weight decay 0.01, betas (0.9, 0.98), eps 1e-6, linear
 schedule with 6% warm-up, clipping at 1.0, bf16, 2 loader workers. Attention: the recipe's ``sdpa_padsafe``
-(registered by importing recipes/modernbert-ddp/train.py), as plain ``sdpa`` gives NaN gradients on padded batches
+(registered by recipes/modernbert-ddp/train.py's register_attention), as plain ``sdpa`` gives NaN gradients on padded batches
 (all-masked sliding-window rows; benchmarks/modernbert_attention.py); ``--attn sdpa``/``eager`` for the others.
 Prints one JSON line and writes it to ``RUN/result.json``: ``first_step_s`` (process start to the end of step 1),
 ``train_samples_per_s`` (Trainer's), ``steady_samples_per_s`` (steps after the first 10), ``accuracy`` and
@@ -40,12 +40,13 @@ def main() -> None:
     p.add_argument("--attn", default="sdpa_padsafe", choices=["sdpa_padsafe", "sdpa", "eager"])
     a = p.parse_args()
 
-    if a.attn == "sdpa_padsafe":  # the recipe's module registers it with transformers' AttentionInterface
+    if a.attn == "sdpa_padsafe":  # the recipe's register_attention adds it to transformers' AttentionInterface
         root = Path(__file__).resolve().parents[1]
         sys.path.insert(0, str(root / "shared"))
         spec = importlib.util.spec_from_file_location("modernbert_ddp_train", root / "recipes/modernbert-ddp/train.py")
         sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # its dataclasses look their module up
         spec.loader.exec_module(sys.modules[spec.name])
+        sys.modules[spec.name].register_attention()
 
     import numpy as np
     import torch

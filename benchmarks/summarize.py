@@ -51,6 +51,7 @@ def summarise(run: Path, skip_steps: int) -> dict:
         "peak_reserved_gib": max((r["mem_reserved_gib"] for r in train if "mem_reserved_gib" in r), default=None),
         "data_wait_%": med("data_wait_frac") * 100,
         "eval_acc_%": final["eval/accuracy"] * 100 if "eval/accuracy" in final else None,
+        "startup_s": final.get("startup_s"),  # launch to the end of step 1 (the recipes' summary)
     }
 
 

@@ -3,7 +3,9 @@
 
     python benchmarks/trace_summary.py outputs/run/profile/trace_rank0.json [--json out.json]
 
-Kinds are matched on kernel names (first match wins; ``other`` for the rest). Times in ms.
+Kinds are matched on kernel names (first match wins; ``other`` for the rest; attention first, since
+FlashAttention's kernel names hold ``cutlass`` too). Also the 15 kernels with the most time, and the idle
+gaps of 1 ms or more (the host not keeping up, or a synchronisation). Times in ms.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ import re
 from collections import defaultdict
 
 KINDS = [  # (kind, pattern on the kernel name)
-    ("matmul", r"gemm|cutlass|nvjet|xmma|sm90_|cublas|wgmma"),
     ("attention", r"flash|fmha|attention"),
+    ("matmul", r"gemm|cutlass|nvjet|xmma|sm90_|cublas|wgmma"),
     ("optimizer", r"adam|multi_tensor|foreach"),
     ("communication", r"nccl"),
     ("compiled (triton)", r"^triton_|triton"),
@@ -27,25 +29,33 @@ KINDS = [  # (kind, pattern on the kernel name)
 
 
 def summarize(path: str) -> dict:
-    """{"kinds": {kind: [ms, kernels]}, "busy_ms", "span_ms", "idle_ms"} of the device events in `path`."""
+    """{"kinds": {kind: [ms, kernels]}, "busy_ms", "span_ms", "idle_ms", "top": [[name, ms, kernels]],
+    "gaps_over_1ms": [count, ms]} of the device events in `path`."""
     with open(path) as f:
         events = json.load(f)["traceEvents"]
     kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     kinds: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    names: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for e in kernels:
         name = e["name"] if e["cat"] == "kernel" else e["cat"]
         kind = next((k for k, pat in KINDS if re.search(pat, name, re.I)), "other")
-        kinds[kind][0] += e["dur"] / 1e3
-        kinds[kind][1] += 1
+        for acc in (kinds[kind], names[name[:160]]):
+            acc[0] += e["dur"] / 1e3
+            acc[1] += 1
     spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels)
     busy, end = 0.0, float("-inf")
+    gaps = [0, 0.0]
     for s, t in spans:  # union of the intervals (kernels on several streams overlap)
+        if end > float("-inf") and s - end >= 1e3:
+            gaps[0] += 1
+            gaps[1] += (s - end) / 1e3
         if t > end:
             busy += t - max(s, end)
             end = t
     span = (spans[-1][1] - spans[0][0]) if spans else 0.0
     return {"kinds": dict(sorted(kinds.items(), key=lambda kv: -kv[1][0])), "busy_ms": busy / 1e3,
-            "span_ms": span / 1e3, "idle_ms": (span - busy) / 1e3}
+            "span_ms": span / 1e3, "idle_ms": (span - busy) / 1e3, "gaps_over_1ms": gaps,
+            "top": [[n, ms, k] for n, (ms, k) in sorted(names.items(), key=lambda kv: -kv[1][0])[:15]]}
 
 
 def main() -> None:
@@ -54,7 +64,8 @@ def main() -> None:
     p.add_argument("--json", help="also write the summary here")
     a = p.parse_args()
     s = summarize(a.trace)
-    print(f"{a.trace}: span {s['span_ms']:.1f} ms, GPU busy {s['busy_ms']:.1f} ms, idle {s['idle_ms']:.1f} ms")
+    print(f"{a.trace}: span {s['span_ms']:.1f} ms, GPU busy {s['busy_ms']:.1f} ms, idle {s['idle_ms']:.1f} ms "
+          f"({s['gaps_over_1ms'][0]} gaps of 1 ms or more: {s['gaps_over_1ms'][1]:.1f} ms)")
     for kind, (ms, n) in s["kinds"].items():
         print(f"  {kind:26s} {ms:9.1f} ms  {n:6d} kernels")
     if a.json:

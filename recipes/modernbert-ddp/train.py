@@ -40,11 +40,11 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Subset
 from torchdata.stateful_dataloader import StatefulDataLoader
-from transformers import AttentionInterface, AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
-from transformers import DataCollatorWithPadding, get_scheduler
+# Only what the check process (--check) needs at module level: transformers' modeling code (AttentionInterface,
+# the model classes) and get_scheduler pull in 5 of the 10 s of imports on an H200 host (python -X importtime,
+# benchmarks/modernbert-ddp.md), so the workers import them where they are used (register_attention, build_model).
+from transformers import AutoConfig, AutoTokenizer, DataCollatorWithPadding
 from transformers import logging as hf_logging
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from cookbook import lm
 from cookbook.checkpoint import Checkpointer, CheckpointError, ModelOptimizerState
@@ -58,7 +58,6 @@ from cookbook.sampler import ResizableSampler
 from cookbook.tabular import DataError, first_csv_row, records, to_int
 
 LABELS = ["World", "Sports", "Business", "Sci/Tech"]
-IMPORTED = time.time()
 datasets.disable_progress_bars()
 hf_logging.disable_progress_bar()
 
@@ -313,11 +312,22 @@ def sdpa_padsafe_attention(module, query, key, value, attention_mask, **kwargs):
     """
     if attention_mask is not None and attention_mask.dtype == torch.bool:
         attention_mask = attention_mask | ~attention_mask.any(dim=-1, keepdim=True)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return _sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
-AttentionInterface.register("sdpa_padsafe", sdpa_padsafe_attention)
-AttentionMaskInterface.register("sdpa_padsafe", sdpa_mask)
+_sdpa_attention_forward = None  # transformers' sdpa_attention_forward, bound by register_attention
+
+
+def register_attention() -> None:
+    """Register ``sdpa_padsafe`` with transformers (attention and mask), before a model is built with it."""
+    global _sdpa_attention_forward
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    _sdpa_attention_forward = sdpa_attention_forward
+    AttentionInterface.register("sdpa_padsafe", sdpa_padsafe_attention)
+    AttentionMaskInterface.register("sdpa_padsafe", sdpa_mask)
 
 
 def build_model(cfg: ModelConfig, tokenizer, device: torch.device) -> torch.nn.Module:
@@ -329,6 +339,9 @@ def build_model(cfg: ModelConfig, tokenizer, device: torch.device) -> torch.nn.M
     """
     # problem_type fixed here: the model's forward sets it on its first call with labels, and that change of the
     # config fails torch.compile's guard on it, so the whole model would be compiled a second time at step 2.
+    from transformers import AutoModelForSequenceClassification
+
+    register_attention()
     kwargs = dict(num_labels=len(LABELS), id2label=dict(enumerate(LABELS)), label2id={n: i for i, n in enumerate(LABELS)},
                   problem_type="single_label_classification", attn_implementation=cfg.attn_implementation)
     if cfg.pretrained:
@@ -431,8 +444,11 @@ def main(argv: list[str]) -> None:
         return
 
     # ---- set-up
+    from transformers import get_scheduler
+
+    register_attention()  # the rest of the imports: transformers' modeling code
     launched = launch_time()
-    phases = {"worker_start": psutil.Process().create_time(), "module_start": STARTED, "imports": IMPORTED}  # seconds after the launch, below
+    phases = {"worker_start": psutil.Process().create_time(), "module_start": STARTED, "imports": time.time()}  # seconds after the launch, below
     info = cookbook.init_distributed(cfg.train.collective_timeout_s, debug_dir=Path(cfg.output_dir) / "debug")
     phases["distributed"] = time.time()
     log = cookbook.get_logger()

@@ -310,13 +310,16 @@ def main(argv: list[str]) -> None:
             micro_batches, waits = batches.take(cfg.train.grad_accum_steps)
             # Normalise by the labelled tokens of the whole global batch. FSDP averages gradients over
             # ranks, so each rank scales its summed loss by world_size / global tokens.
-            local_tokens = sum((mb["labels"][:, 1:] != -100).sum() for mb in micro_batches)
-            global_tokens = cookbook.all_reduce_sum({"t": local_tokens}, info.device)["t"]
+            # The count stays on the device (no wait for the previous step's kernels before this one's).
+            global_tokens = sum((mb["labels"][:, 1:] != -100).sum() for mb in micro_batches).float()
+            if info.world_size > 1:
+                torch.distributed.all_reduce(global_tokens)
+            global_tokens = global_tokens.clamp(min=1.0)
             step_loss = torch.zeros((), device=info.device)
             for mb, wait in zip(micro_batches, waits):
                 loss_sum = sft.token_loss_sum(model, mb, chunk_size)
-                (loss_sum * info.world_size / max(global_tokens, 1.0)).backward()
-                step_loss += loss_sum.detach() / max(global_tokens, 1.0) * info.world_size
+                (loss_sum * info.world_size / global_tokens).backward()
+                step_loss += loss_sum.detach() / global_tokens * info.world_size
                 metrics.add(samples=mb["input_ids"].shape[0], tokens=lm.count_tokens(mb, pad_id), data_wait_s=wait)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf"))
             if isinstance(grad_norm, torch.distributed.tensor.DTensor):
