@@ -30,33 +30,18 @@ from cookbook.sft.template import (_encode, _require_chat_template, check_tools_
 def prepare(rows: Sequence[dict], tokenizer, max_length: int, source: str,
             chat_template_kwargs: dict | None = None, *, max_dropped_fraction: float | None = None,
             split_turns: bool = False, truncate: bool = True, reasoning: str = "train") -> tuple[list[dict], SFTStats]:
-    """`to_conversation` + `tokenize_conversation` (see there for the arguments) over a data set.
+    """`to_conversation` + `tokenize_conversation` over a data set; returns ``(examples, stats)``, examples
+    ``{"input_ids", "labels"}`` in row order.
 
-    Args:
-        max_dropped_fraction: refuse (`SFTStats.check_dropped`) when more than this share (0-1) of
-            the examples is not kept; None: no limit.
-        split_turns: a row with several assistant turns becomes one example per assistant turn,
-            each the conversation up to that turn with only that turn labelled: what the model saw
-            when it wrote the turn, for templates that rewrite earlier turns (Qwen3). Costs about
-            ``turns / 2`` times the tokens of the whole conversation.
-        truncate: False: an example longer than `max_length` is dropped (counted as cut before its
-            answer) instead of cut, for answers that are useless when cut (a JSON object).
-        reasoning: an assistant turn's reasoning (``reasoning_content``), rendered through the template's own
-            field (`reasoning_field`): ``"train"`` in the loss, ``"context"`` rendered without loss, ``"drop"``
-            removed; counted in the stats either way (and turns whose reasoning the template leaves out).
-
-    Returns:
-        ``(examples, stats)``: examples are ``{"input_ids": list[int], "labels": list[int]}``, in
-        row order, without the ones that truncation left with no labelled token (counted in
-        ``stats.dropped`` with their row and length: they cost compute and, alone in a batch, make
-        a mean loss 0/0) and without rows whose answer is empty (their numbers in
-        ``stats.empty_answers``).
+    `max_dropped_fraction`: refuse (`SFTStats.check_dropped`) when more than this share (0-1) is not kept (None: no
+    limit). `split_turns`: one example per assistant turn, the conversation up to it with only it labelled (for
+    templates that rewrite earlier turns, Qwen3; about ``turns / 2`` times the tokens). `truncate` False: drop an
+    over-long example instead of cutting it. `reasoning`: ``"train"``, ``"context"`` (no loss) or ``"drop"``.
+    Examples left without a labelled token and rows with an empty answer are counted in `stats`, not kept.
 
     Raises:
-        SFTDataError: the tokenizer has no chat template (once, before any row); a row is invalid
-            or its rendering not prefix-stable (``"<source> row <n>: ..."``); a row has reasoning the
-            template has no place for (or Qwen3's ``enable_thinking: false`` would replace it); too many
-            examples dropped (see `max_dropped_fraction`).
+        SFTDataError: no chat template; ``"<source> row <n>: ..."`` for an invalid or not prefix-stable row, or
+            reasoning the template has no place for; too many examples dropped.
     """
     if reasoning not in ("train", "context", "drop"):
         raise ValueError(f"reasoning must be train, context or drop, got {reasoning!r}")
@@ -99,32 +84,15 @@ def prepare(rows: Sequence[dict], tokenizer, max_length: int, source: str,
 
 # ----------------------------------------------------------------------------- batches
 def pack(examples: Sequence[dict], seq_len: int, pad_id: int) -> list[dict]:
-    """Pack examples into rows of exactly `seq_len` tokens (next-fit, in order: a document goes
-    into the current row if it fits, else starts a new one; documents are never split).
-
-    Layout of a row (lists of ints, each `seq_len` long)::
+    """Pack examples into rows of exactly `seq_len` tokens (next-fit, in order; documents are never split)::
 
         input_ids     d0 d0 d0 d0 | d1 d1 d1 | pad pad
         labels        -100 .. a a | -100 .. a | -100 -100
         position_ids  0  1  2  3  | 0  1  2  | 0   1
 
-    Padding at the end of a row is its own document (position ids from 0, labels -100).
-    Labels are not shifted (the model shifts them). The first label of every document must be
-    `IGNORE_INDEX` (true for `prepare`'s output: chat templates start with a non-assistant
-    turn), so no token is ever trained to predict the next document's first token.
-
-    Document boundaries live only in ``position_ids``; pass no ``attention_mask``. In
-    transformers 5.x (checked in 5.24, ``masking_utils`` / ``modeling_flash_attention_utils``):
-
-    - ``sdpa``, ``eager``, ``flex_attention``: ``create_causal_mask`` finds documents with
-      ``find_packed_sequence_indices`` (a new one wherever a position id is not the previous +1)
-      and builds a block-diagonal causal mask, per batch row, ONLY if ``attention_mask`` is None
-      and there is no cache: call ``model(..., use_cache=False)``. With the config default
-      ``use_cache=True`` the model creates a DynamicCache even in training (unless gradient
-      checkpointing is on) and silently attends across documents.
-    - ``flash_attention_2``/``_3``: the varlen kernel, with ``cu_seqlens`` at every position id 0,
-      but only for batch size 1 (``_is_packed_sequence``): flatten a micro-batch to shape
-      ``(1, B * seq_len)``; with batch > 1 it attends across documents.
+    End padding is its own document. Labels are not shifted; each document's first label must be `IGNORE_INDEX`,
+    so no token learns to predict the next document. Boundaries live only in ``position_ids``: pass no
+    ``attention_mask`` and ``use_cache=False`` (docs/notes.md#packed-rows-and-transformers-attention-masks-transformers-524).
 
     Raises:
         SFTDataError: an example is longer than `seq_len` or empty, or labels its first token.
@@ -157,12 +125,8 @@ def pack(examples: Sequence[dict], seq_len: int, pad_id: int) -> list[dict]:
 
 
 def pad_batch(examples: Sequence[dict], pad_id: int, pad_to_multiple_of: int = 1) -> dict[str, torch.Tensor]:
-    """Right-pad examples to one batch (for unpacked training).
-
-    Returns:
-        ``input_ids``, ``attention_mask`` (1 real, 0 padding) and ``labels`` (`IGNORE_INDEX` on
-        padding): int64 tensors of shape (batch, L), L the longest example rounded up to a
-        multiple of `pad_to_multiple_of`.
+    """Right-pad examples to one batch: ``input_ids``, ``attention_mask`` (1 real, 0 padding) and ``labels``
+    (`IGNORE_INDEX` on padding), int64 of shape (batch, L), L the longest rounded up to `pad_to_multiple_of`.
     """
     longest = max(len(ex["input_ids"]) for ex in examples)
     width = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
@@ -177,19 +141,13 @@ def pad_batch(examples: Sequence[dict], pad_id: int, pad_to_multiple_of: int = 1
 
 
 def load_examples(cfg: Any, tokenizer, seed: int) -> tuple[list[dict], list[dict], SFTStats]:
-    """Tokenized train and eval examples (``input_ids``, ``labels``: assistant tokens only) and the train
-    statistics, for a recipe's data section.
-
-    Args:
-        cfg: any object with ``train_files`` (JSON / JSONL; empty: the ``hub_id`` data set's train split),
-            ``eval_files`` (optional), ``hub_id``, ``eval_fraction``, ``max_length``, ``chat_template_kwargs``,
-            ``max_dropped_fraction``, ``split_turns`` and ``reasoning`` (see `prepare`).
-        tokenizer: a tokenizer with a chat template.
-        seed: seeds the held-out split: without eval files, a seeded ``eval_fraction`` of each train
-            file is held out for evaluation.
+    """Train and eval examples and the train `SFTStats` for a recipe's data section `cfg` (``train_files`` or the
+    ``hub_id`` data set, ``eval_files``, ``eval_fraction``, ``max_length``, ``chat_template_kwargs``,
+    ``max_dropped_fraction``, ``split_turns``, ``reasoning``). Without eval files a ``eval_fraction`` of each train
+    file, seeded by `seed`, is held out.
 
     Raises:
-        SFTDataError: see `load_rows` and `prepare` (each file is checked against ``max_dropped_fraction``).
+        SFTDataError: see `load_rows` and `prepare` (each file checked against ``max_dropped_fraction``).
     """
     kwargs = dict(cfg.chat_template_kwargs) or None
     options = dict(max_dropped_fraction=cfg.max_dropped_fraction, split_turns=cfg.split_turns,

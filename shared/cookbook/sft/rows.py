@@ -24,15 +24,12 @@ class SFTDataError(ValueError):
 
 # ----------------------------------------------------------------------------- rows -> messages
 def load_rows(path: str | Path) -> list[dict]:
-    """Read a data file: a JSON array of objects (first non-blank character ``[``), JSONL, or a
-    single row object. A UTF-8 byte-order mark is ignored, and so are CRLF line ends.
-
-    JSONL lines are split at ``\\n`` only (not at the other line breaks `str.splitlines` knows,
-    such as U+2028, which JSON allows unescaped inside strings), so line numbers are an editor's.
+    """Read a data file: a JSON array of objects, JSONL, or one row object (UTF-8, a byte-order mark and CRLF
+    ignored). JSONL lines split at ``\n`` only (JSON allows U+2028 inside strings), so line numbers are an editor's.
 
     Raises:
-        SFTDataError: the file is missing, not UTF-8, not valid JSON (with the 1-based line for
-            JSONL), empty, or holds a row that is not an object.
+        SFTDataError: the file is missing, not UTF-8, not valid JSON (with the JSONL line), empty, or holds a row
+            that is not an object.
     """
     p = Path(path)
     if p.is_dir():
@@ -112,10 +109,9 @@ def _part_text(part: dict, kind: str, where: str, path: str, keys: tuple[str, ..
 
 
 def _parts(value: Any, where: str, field: str) -> tuple[str, list[str], list]:
-    """A message's content: a string, or a list of typed parts. Returns ``(text, reasoning, calls)``: text
-    parts (``{"type": "text", "text" | "value": ...}``) joined with ``"\\n"`` (as vLLM's OpenAI server does),
-    reasoning parts (``{"type": "reasoning" | "thinking", ...}``) and tool-call parts (``{"type": "tool_call" |
-    "tool_use", ...}``, checked by `_tool_calls`). Any other part (an image) is refused, naming it."""
+    """A message's content (a string or typed parts) as ``(text, reasoning, calls)``: text parts joined with
+    ``"\n"`` (as vLLM's OpenAI server does), reasoning parts, tool-call parts; any other part (an image) is refused.
+    """
     if not isinstance(value, list):
         return _text(value, where, field), [], []
     texts, reasoning, calls = [], [], []
@@ -154,10 +150,9 @@ def _content(value: Any, where: str, field: str) -> str:
 
 
 def _tool_calls(value: Any, where: str, field: str) -> list[dict]:
-    """OpenAI-style tool calls, normalised to ``[{"type": "function", "function": {"name": str,
-    "arguments": dict}}]`` (plus ``id`` when given). ``arguments`` may be a JSON string (OpenAI's
-    API sends one); it is parsed, as chat templates expect a mapping (Qwen2.5's and Llama 3.1's
-    apply ``tojson`` to it, which would quote a string a second time)."""
+    """Tool calls normalised to ``[{"type": "function", "function": {"name", "arguments": dict}}]`` (+ ``id``); a
+    JSON-string ``arguments`` is parsed, as templates apply ``tojson`` to a mapping (Qwen2.5, Llama 3.1).
+    """
     calls = value if isinstance(value, list) else [value]
     if not calls:
         raise SFTDataError(f"{where}: field '{field}' is an empty list")
@@ -207,43 +202,16 @@ def _tools(value: Any, where: str) -> list[dict] | None:
 
 def to_conversation(row: dict, row_number: int, source: str,
                     ignored: Counter | None = None) -> tuple[list[dict], list[dict] | None]:
-    """Convert one data row to chat messages and the tools its prompt declares.
-
-    Formats:
-        chat: ``{"messages": [{"role": "system"|"user"|"assistant"|"tool", "content"}, ...], "tools": [...]}``.
-            ``content`` is a string or a list of typed parts (``{"type": "text", "text": ...}``; text
-            parts are joined with ``"\\n"``, other parts are refused). An assistant message may carry
-            ``tool_calls`` (OpenAI: ``[{"type": "function", "function": {"name", "arguments"}}]``,
-            arguments a mapping or a JSON string) and then may have empty or null content; a ``tool``
-            message is a tool's result (``name`` and ``tool_call_id`` are kept). An assistant turn's reasoning
-            (``reasoning_content``, ``thinking`` or ``reasoning``, and reasoning parts) is kept as
-            ``reasoning_content``; tool-call parts join ``tool_calls``. Other keys are not used: they are
-            counted in `ignored` (``"messages[].weight"``) when it is given.
-        Alpaca: ``{"instruction", "input" (optional, may be empty), "output"}`` -> one user turn
-            (instruction, plus ``"\\n\\n" + input`` when input is not empty) and one assistant turn.
-        ShareGPT / LLaMA-Factory: ``{"conversations": [{"from", "value"}, ...], "system": str, "tools": str | list}``,
-            ``from`` one of system, human, gpt (user and assistant too), ``function_call`` (an assistant
-            tool call; value the JSON ``{"name", "arguments"}`` or a list of them) and ``observation``
-            (a tool result). ``system`` (optional) becomes the first message.
-        ``tools`` (chat and ShareGPT, optional): a list of JSON-schema function definitions (or that
-            list as a JSON string), normalised to ``{"type": "function", "function": {...}}``.
-
-    Args:
-        row: one object of the data file.
-        row_number: its 1-based position in the file, for messages.
-        source: the file name (or data set name), for messages.
-        ignored: a Counter that gets one count per key of a turn that is not used.
-
-    Returns:
-        ``(messages, tools)``: messages are ``{"role", "content": str}`` (+ ``tool_calls`` / ``name`` /
-        ``tool_call_id`` / ``reasoning_content``); tools is None when the row declares none.
+    """One data row as ``(messages, tools)``: chat, Alpaca or ShareGPT / LLaMA-Factory rows (the formats:
+    docs/sft-data.md#row-formats). Messages are ``{"role", "content": str}`` (+ ``tool_calls``, ``name``,
+    ``tool_call_id``, ``reasoning_content``); tools normalised to ``{"type": "function", "function": {...}}``, None
+    when the row declares none. `row_number` (1-based) and `source` name the row in messages; `ignored` counts the
+    keys of turns that are not used (``"messages[].weight"``).
 
     Raises:
-        SFTDataError: ``"<source> row <n>: ..."`` for an unknown format (listing the keys found
-            and expected), an unknown role, a non-string or empty field, a non-text content part,
-            a malformed tool call or tool definition, a tool result that follows no tool call, an
-            empty assistant turn (`EmptyAnswerError`, which `prepare` skips and counts), or a
-            conversation without an assistant turn.
+        SFTDataError: ``"<source> row <n>: ..."``: an unknown format (keys found and expected) or role, a non-string
+            or empty field, a non-text part, a malformed tool call or definition, a tool result after no call, no
+            assistant turn; `EmptyAnswerError` for an empty answer (`prepare` skips and counts it).
     """
     where = f"{source} row {row_number}"
     if "messages" in row:

@@ -56,12 +56,11 @@ def reasoning_field(tokenizer) -> str | None:
 
 
 def _inline_reasoning(tokenizer, messages: list[dict]) -> list[dict]:
-    """Messages with an assistant turn's inline ``<think>...</think>`` prefix (DeepSeek-R1-style data) moved to
-    ``reasoning_content``, for templates with ``<think>`` blocks (Qwen3's splits it so itself).
+    """Messages with an assistant turn's inline ``<think>...</think>`` prefix moved to ``reasoning_content``,
+    for templates with ``<think>`` blocks.
 
     Raises:
-        SFTDataError: a stray ``<think>`` / ``</think>`` elsewhere in an assistant turn (the template would move
-            text out of the turn).
+        SFTDataError: a stray ``<think>`` / ``</think>`` elsewhere in an assistant turn.
     """
     try:
         template = tokenizer.get_chat_template()
@@ -92,10 +91,10 @@ def _inline_reasoning(tokenizer, messages: list[dict]) -> list[dict]:
 
 def _check_tools_rendered(tokenizer, messages: list[dict], tools: list[dict] | None, kwargs: dict | None,
                           turns: dict[int, str]) -> None:
-    """Refuse a template that silently drops the row's tools, its tool calls or tool results: each
-    tool name must appear in the rendered conversation, each call's name in its assistant turn's
-    labelled text (`turns`: message index -> that text), each non-empty tool result in the text, as
-    it is or JSON-quoted (Llama 3.1's template writes ``content | tojson``)."""
+    """Refuse a template that drops the row's tools, tool calls or tool results: each tool name must appear in
+    the rendering, each call's name in its turn's labelled text (`turns`: message index -> text), each tool result as
+    is or JSON-quoted (Llama 3.1 writes ``content | tojson``).
+    """
     text = _render(tokenizer, messages, False, kwargs, tools, tokenize=False) if tools or any(
         m["role"] == "tool" for m in messages) else ""
     for tool in tools or ():
@@ -133,10 +132,10 @@ def _covering(tokenizer, ids: list[int], start: int, stop: int, text: str) -> in
 
 def _encode(tokenizer, messages: list[dict], kwargs: dict | None, tools: list[dict] | None,
             last_turn_only: bool, reasoning: str = "train") -> tuple[list[int], list[int], dict[str, int]]:
-    """Untruncated ``(input_ids, labels, counts)`` of `tokenize_conversation`; with `last_turn_only`, only the
-    last assistant turn is labelled (and only its prefixes need to be stable). `reasoning` ``"context"`` masks
-    each labelled turn from its start through its reasoning. ``counts``: ``reasoning`` (labelled turns whose
-    reasoning the template rendered) and ``reasoning_unrendered`` (those whose reasoning it left out)."""
+    """Untruncated ``(input_ids, labels, counts)`` of `tokenize_conversation`; `last_turn_only` labels the last
+    assistant turn only; `reasoning` ``"context"`` masks each turn's reasoning. ``counts``: labelled turns whose
+    reasoning was rendered (``reasoning``) or left out (``reasoning_unrendered``).
+    """
     special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
     full = _render(tokenizer, messages, False, kwargs, tools)
     labels = [IGNORE_INDEX] * len(full)
@@ -175,30 +174,15 @@ def _encode(tokenizer, messages: list[dict], kwargs: dict | None, tools: list[di
 def tokenize_conversation(tokenizer, messages: list[dict], max_length: int,
                           chat_template_kwargs: dict | None = None,
                           tools: list[dict] | None = None) -> tuple[list[int], list[int], bool]:
-    """Render `messages` with the tokenizer's chat template; label only the assistant turns.
+    """Render `messages` with the chat template (`tools` as ``tools=``) and label only the assistant turns;
+    returns ``(input_ids, labels, truncated)``, at most `max_length` long.
 
-    Incremental-prefix method: for assistant message ``i``, the tokens it adds are those between
-    the rendering of ``messages[:i]`` with ``add_generation_prompt=True`` (which ends in the
-    assistant header) and the rendering of ``messages[:i+1]``. Both renderings must be prefixes
-    of the rendering of the whole conversation, which is what is trained on. Whitespace-only
-    tokens after the turn's last special token (the ``"\\n"`` after ``<|im_end|>``) get no label.
-    Assistant turns that call tools are labelled like any other; tool results are not.
-
-    Args:
-        tokenizer: a Hugging Face tokenizer with a chat template.
-        messages: from `to_conversation`; the first is not an assistant turn.
-        max_length: tokens kept (the rest is cut off the end).
-        chat_template_kwargs: extra template variables, e.g. ``{"enable_thinking": False}`` for
-            Qwen3, whose generation prompt then ends in an empty ``<think>`` block (not labelled).
-        tools: function definitions passed to the template as ``tools=`` (from `to_conversation`).
-
-    Returns:
-        ``(input_ids, labels, truncated)``: two lists of equal length <= max_length, labels
-        `IGNORE_INDEX` outside assistant turns; ``truncated`` if tokens were cut.
+    The tokens of assistant turn ``i`` are those between the renderings of ``messages[:i]`` with the generation
+    prompt and of ``messages[:i+1]``; both must be prefixes of the whole conversation's. Whitespace after the turn's
+    last special token gets no label; tool results get none. `chat_template_kwargs`: e.g. ``{"enable_thinking": False}``.
 
     Raises:
-        SFTDataError: the tokenizer has no chat template; the template fails on the conversation,
-            is not prefix-stable, or drops its tools, tool calls or tool results.
+        SFTDataError: no chat template; the template fails, is not prefix-stable, or drops tools, calls or results.
     """
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length}")
@@ -208,10 +192,8 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_length: int,
 
 
 def check_vocab(tokenizer, vocab_size: int) -> None:
-    """Raise `SFTDataError` if the tokenizer can emit ids the model's embedding has no row for.
-
-    ``len(tokenizer)`` counts added tokens; ``vocab_size`` is ``model.config.vocab_size``
-    (it may be larger than the tokenizer: Qwen3 pads its embedding to 151936 rows for 151669 tokens).
+    """Raise `SFTDataError` if ``len(tokenizer)`` exceeds `vocab_size` (``model.config.vocab_size``, which may be
+    larger: Qwen3 pads its embedding to 151936 rows for 151669 tokens).
     """
     if len(tokenizer) > vocab_size:
         raise SFTDataError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {vocab_size}: "
@@ -220,15 +202,13 @@ def check_vocab(tokenizer, vocab_size: int) -> None:
 def template_conversation(row: dict, row_number: int, source: str, tokenizer, stats: SFTStats,
                           ignored: Counter | None = None, chat_template_kwargs: dict | None = None,
                           reasoning: str = "train") -> tuple[list[dict], list[dict] | None]:
-    """`to_conversation` made ready for `tokenizer`'s chat template, as `prepare` does: an inline ``<think>``
-    block moved to ``reasoning_content``, each turn's reasoning under the key the template reads (`reasoning_field`)
-    or removed with ``reasoning="drop"`` (counted in ``stats.reasoning_dropped``), the row's tool calls counted
-    (`SFTStats.count_tool_calls`), keys its format does not read counted in `ignored` (``"id"``, ``"messages[].weight"``). `tokenizer` None: the reasoning stays as ``reasoning_content``, unchecked.
+    """`to_conversation` made ready for `tokenizer`'s template, as `prepare` does: inline ``<think>`` moved,
+    reasoning under the key the template reads or dropped (``reasoning="drop"``), tool calls and unused keys counted.
+    `tokenizer` None: the reasoning stays as ``reasoning_content``, unchecked.
 
     Raises:
-        EmptyAnswerError: the row's answer is empty (the caller skips and counts it).
-        SFTDataError: ``"<source> row <n>: ..."``: see `to_conversation`; reasoning the template has no place
-            for (or ``enable_thinking: false``); a stray ``<think>`` tag.
+        EmptyAnswerError: the row's answer is empty.
+        SFTDataError: ``"<source> row <n>: ..."``: see `to_conversation`; reasoning with no place; a stray ``<think>``.
     """
     if ignored is not None:  # the row's own keys that its format does not read
         used = (("messages", "tools") if "messages" in row else ("conversations", "system", "tools")
@@ -252,10 +232,7 @@ def template_conversation(row: dict, row_number: int, source: str, tokenizer, st
 def check_tools_rendered(tokenizer, messages: list[dict], tools: list[dict] | None, text: str,
                          chat_template_kwargs: dict | None = None) -> None:
     """Refuse a chat template that leaves out the row's tools, tool calls or tool results (`text`: the rendered
-    conversation, in which each call's name must appear).
-
-    Raises:
-        SFTDataError: naming what the template dropped.
+    conversation); raises `SFTDataError` naming what it dropped.
     """
     calls = {i: text for i, m in enumerate(messages) if m.get("tool_calls")}
     _check_tools_rendered(tokenizer, messages, tools, chat_template_kwargs, calls)
@@ -263,12 +240,11 @@ def check_tools_rendered(tokenizer, messages: list[dict], tools: list[dict] | No
 
 def _place_reasoning(messages: list[dict], reasoning: str, target: str | None, kwargs: dict | None,
                      stats: SFTStats) -> list[dict]:
-    """Messages with each assistant turn's ``reasoning_content`` under the template's own key `target` (or
-    removed for ``reasoning="drop"``, counted in ``stats.reasoning_dropped``).
+    """Messages with each assistant turn's ``reasoning_content`` under the template's key `target` (removed and
+    counted for ``reasoning="drop"``).
 
     Raises:
-        SFTDataError: a turn has reasoning but the template reads no reasoning field, or its
-            ``enable_thinking`` is false (Qwen3 then writes an empty ``<think>`` block in its place).
+        SFTDataError: reasoning, but the template reads no reasoning field or ``enable_thinking`` is false.
     """
     out = []
     for i, m in enumerate(messages):
