@@ -279,10 +279,8 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ loading
     def load(self, path: str | Path, state: Mapping[str, Any]) -> dict[str, Any]:
-        """Load `state` in place from the checkpoint folder `path`; returns its ``meta.json``.
-
-        DCP reshards model and optimizer. On another world size a `resizable` checkpointer with a `DataPosition` in
-        `state` loads all but the per-rank state and says so in one line; check the global batch first (`check_resume`).
+        """Load `state` in place from the checkpoint folder `path` (DCP reshards model and optimizer); returns its
+        ``meta.json``. On another world size a `resizable` checkpointer loads all but the per-rank state, saying so.
 
         Raises:
             CheckpointError: the folder is incomplete or damaged, or holds per-rank state of another world size.

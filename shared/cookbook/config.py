@@ -375,13 +375,10 @@ def check_run(cfg: Any) -> None:
     """Check the keys of the shared sections that `cfg` has (`TrainConfig`, `OptimConfig`, `CheckpointConfig`).
 
     Raises:
-        ConfigError: a value out of range; an unknown ``train.mixed_precision`` or ``optim.scheduler``; neither
-            ``train.max_steps`` nor ``train.epochs`` positive; ``train.stop_at_step`` with
-            ``checkpoint.every_steps=-1``; an ``output_dir`` where no file can be created (a small file is tried
-            there or in its nearest existing parent); an unknown or missing tracker; a ``checkpoint.push_to_hub``
-            that cannot work.
-        cookbook.errors.AlreadyComplete: in a launcher's check, ``output_dir`` holds a run finished with these
-            settings (`cookbook.run_lock.complete_message`).
+        ConfigError: a value out of range or unknown; neither ``train.max_steps`` nor ``train.epochs`` positive;
+            ``train.stop_at_step`` with ``checkpoint.every_steps=-1``; an ``output_dir`` where no file can be created;
+            a bad tracker or ``checkpoint.push_to_hub``.
+        cookbook.errors.AlreadyComplete: in a launcher's check, ``output_dir`` holds a run finished with these settings.
     """
     has = {k for k in ("train.micro_batch_size", "train.grad_accum_steps", "train.log_every", "train.eval_every",
                        "train.mixed_precision", "train.max_steps", "train.stop_at_step", "optim.scheduler",

@@ -103,11 +103,10 @@ _FLIGHT_RECORDER_ENTRIES = 2000  # collectives each rank keeps in torch's flight
 
 
 def init_distributed(timeout_s: float = 1800.0, debug_dir: str | Path | None = None) -> DistInfo:
-    """Create the default process group from torchrun's environment and return this process's `DistInfo`.
+    """Create the default process group from torchrun's environment; returns this process's `DistInfo`.
 
-    NCCL with CUDA (``COOKBOOK_DEVICE=cpu`` forces gloo), gloo otherwise; without torchrun a group of one on a free
-    port. Destroyed at exit. `timeout_s`: seconds a collective may wait (an existing group gets it too). `debug_dir`:
-    NCCL's flight recorder dumps (``rank_<r>``) and a timed-out rank's Python stacks (``stacks_rank<r>.txt``) go there.
+    NCCL with CUDA (``COOKBOOK_DEVICE=cpu`` forces gloo), else gloo; without torchrun a group of one. `timeout_s`:
+    seconds a collective may wait; `debug_dir`: NCCL's flight recorder and a timed-out rank's stacks go there.
 
     Raises:
         ValueError: `timeout_s` is not positive.

@@ -31,12 +31,9 @@ def published_checkpoints(root: str | Path) -> list[Path]:
 
 
 class PublishCheckpoints(TrainerCallback):
-    """Publishes each checkpoint the Trainer saves, atomically.
-
-    Once every rank wrote ``checkpoint-<step>`` into the staging folder (the Trainer's ``output_dir``), rank 0 adds
-    ``meta.json`` (``step``, ``world_size``, ``time``, `config`, ``files`` with sizes, ``checksums``, and `more_meta`'s
-    entries) and renames it to ``<root>/checkpoint-<step>``, then keeps the newest `keep_last` (0: all). Set
-    ``save_total_limit=None``. When training begins, leftovers of a failed save are deleted.
+    """Publishes each checkpoint the Trainer saves: once every rank wrote ``checkpoint-<step>`` into the staging
+    folder, rank 0 adds ``meta.json`` (step, world size, `config`, file sizes, checksums, `more_meta`), renames it into
+    `root` and keeps the newest `keep_last` (0: all). Set ``save_total_limit=None``.
 
     Raises (from ``on_save``, on every rank):
         CheckpointSaveError: rank 0 could not write ``meta.json`` or publish; the previous checkpoint is intact.
@@ -116,14 +113,10 @@ def already_complete(output_dir: str | Path, resume_from: Path | None, max_steps
 
 
 class ReportSaveErrors:
-    """Trainer mixin, before the Trainer in the bases: a checkpoint save that fails with an `OSError` (disk full,
-    file too large, I/O error, read-only) ends the run with `CheckpointSaveError`'s one line (exit 2, not restarted)
-    instead of a traceback. The failed checkpoint is deleted from the staging folder (the disk gets its space back)
-    and never published; only the rank that met the error prints it, the others stop as having lost a peer (exit 3).
-
-    Raises:
-        CheckpointSaveError: from ``_save_checkpoint``, when an `OSError` is behind the failure and a
-            `PublishCheckpoints` is among the callbacks; other failures pass through.
+    """Trainer mixin, before the Trainer in the bases: a save that fails with an `OSError` ends the run with
+    `CheckpointSaveError`'s one line (exit 2, not restarted) from ``_save_checkpoint``, when a `PublishCheckpoints` is
+    among the callbacks. The failed checkpoint is deleted from staging and never published; the other ranks stop
+    as having lost a peer (exit 3). Other failures pass through.
     """
 
     def _save_checkpoint(self, model, trial):

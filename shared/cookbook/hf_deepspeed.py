@@ -24,17 +24,13 @@ DS_TRAINER_KEYS = {"train_micro_batch_size_per_gpu": "train.micro_batch_size",
 
 def check_deepspeed_config(path: str | Path, *, micro_batch_size: int, grad_accum_steps: int, world_size: int,
                            max_grad_norm: float, export_16bit: bool) -> dict:
-    """Read a DeepSpeed JSON at `path` and check it against the recipe's config; returns it as a dict.
-
-    `micro_batch_size`, `grad_accum_steps`, `max_grad_norm`: what the Trainer writes where the JSON says ``"auto"``;
-    `world_size`: the job's processes; `export_16bit`: the final model is written (ZeRO-3 then needs
-    ``stage3_gather_16bit_weights_on_model_save``).
+    """Read the DeepSpeed JSON at `path`, checked against the recipe's config (the values the Trainer writes
+    where it says ``"auto"``, `world_size`, `export_16bit`); returns it as a dict.
 
     Raises:
         ConfigError: missing or not JSON; no ZeRO stage 1-3; fp16 on; a batch or clipping number that disagrees
-            (naming the key and the value it must equal, or "auto"); ZeRO-3 without the 16-bit gather while
-            `export_16bit`; ``bf16.check_grad_overflow=false`` or ``zero_optimization.compute_grad_norm=false``
-            (DeepSpeed would apply a non-finite step); an ``accelerate launch`` config naming another JSON.
+            (naming the key); ZeRO-3 without ``stage3_gather_16bit_weights_on_model_save`` while `export_16bit`;
+            ``bf16.check_grad_overflow=false`` or ``compute_grad_norm=false``; another JSON in an accelerate config.
     """
     path = Path(path)
     if not path.is_file():

@@ -109,17 +109,14 @@ def distributed(fn: Callable[P, R] | None = None, *, num_processes: int | None =
                 start_method: str = "spawn", timeout_minutes: float = 30.0, max_restarts: int = 0,
                 cpus_per_worker: float = 1.0) -> Any:
     """Decorator: ``fn.distributed(*args, **kwargs)`` runs `fn` once per process; ``fn(...)`` still runs it here.
-    Bare (``@distributed``) or with arguments (``@distributed(num_processes=2)``); returns a `DistributedFunction`.
 
-    `num_processes` None: one per visible GPU, else 2 CPU processes (Ray: the cluster's GPUs, else 2); `backend`
-    ``"torch"`` or ``"ray"``; `start_method` ``"spawn"``, ``"forkserver"`` or ``"fork"`` (torch only);
-    `timeout_minutes`: the collective timeout; `max_restarts` (torch), `cpus_per_worker` (Ray).
+    `num_processes` None: one per visible GPU, else 2 CPU processes (Ray: the cluster's GPUs); `backend` ``"torch"``
+    or ``"ray"``; `start_method` ``"spawn"``, ``"forkserver"`` or ``"fork"``; `timeout_minutes`: collective timeout.
 
     Raises:
         TypeError: a positional argument that is not a function (``@distributed(2)``).
         ValueError: an unknown `backend` or `start_method`, `num_processes` < 1; at the call, more processes than
             visible GPUs (``COOKBOOK_DEVICE=cpu`` runs CPU processes instead).
-        WorkerError: at the call, a worker raised or died.
     """
     if backend not in _BACKENDS:
         raise ValueError(f"backend={backend!r}: use one of {', '.join(_BACKENDS)}")

@@ -105,13 +105,10 @@ class EpochBatches:
 class TrainLoop:
     """Step counting, metric windows, eval and checkpoint cadence around a recipe's own step body.
 
-    Args: ``state.step`` counts optimizer steps done; `stop_at_step` > 0 stops (and saves) after that step;
-    `eval_every` 0: evaluate only at the end (random streams put back after each evaluation); `evaluate` runs on
-    every rank and returns metrics reduced over ranks; `checkpoint_every` -1 never saves, 0 only at `stop_at_step`
-    and the last step, N also every N steps; `config` goes into each checkpoint's ``meta.json``; `log_extra` adds
-    numbers to each log line; `on_nonfinite` ``"stop"`` or ``"skip"``, at most `max_consecutive_skips` in a row.
-
-    Every method that logs, evaluates or saves is collective: call it on every rank in the same order.
+    `stop_at_step` > 0 stops (and saves) after that step; `eval_every` 0: evaluate at the end only; `evaluate` runs on
+    every rank and returns metrics reduced over ranks; `checkpoint_every` -1 never, 0 at `stop_at_step` and the end,
+    N every N steps; `config` goes into ``meta.json``; `on_nonfinite` ``"stop"`` or ``"skip"`` (at most
+    `max_consecutive_skips` in a row). Every method that logs, evaluates or saves is collective.
     """
 
     def __init__(self, *, state: TrainState, max_steps: int, stop_at_step: int = -1, metrics: MetricsLogger,
@@ -232,14 +229,12 @@ class TrainLoop:
                   applied: bool = False) -> bool:
         """Check a step for a NaN or infinite loss or gradient norm before its update; every rank decides alike.
 
-        `grad_norm`: the total norm, the same on every rank (no collective); None: check `loss` instead (one
-        all-reduce). `applied`: the update already ran (TorchRec): the loss is checked before the next log line or
-        checkpoint, where a non-finite one stops the run whatever ``on_nonfinite`` says.
-        Returns True (``on_nonfinite="skip"``) when the caller must drop the step (zero the gradients, ``continue``);
-        BatchNorm statistics are put back and the step is counted in `skipped_steps`.
+        `grad_norm`: the total norm, the same on every rank; None: check `loss` (one all-reduce). `applied`: the update
+        already ran (TorchRec): checked before the next log line or checkpoint. Returns True (``"skip"``) when the caller
+        must zero the gradients and ``continue``.
 
         Raises:
-            NonFiniteError: a non-finite value with ``"stop"``, or more than ``max_consecutive_skips`` in a row.
+            NonFiniteError: with ``"stop"``, or more than ``max_consecutive_skips`` in a row.
         """
         skipped = self.nonfinite.skip(self.state.step + 1, grad_norm, loss=loss, applied=applied)
         self._skipped_now = self._skipped_now or skipped

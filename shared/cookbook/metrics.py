@@ -182,18 +182,15 @@ def _cut_torn_line(path: Path) -> int:
 
 
 class MetricsLogger:
-    """Per-step metrics for a distributed run (keys and sinks: the module docstring, docs/outputs.md).
+    """Per-step metrics for a distributed run (keys and sinks: docs/outputs.md).
 
-    `flops`: for MFU (None: no MFU); `params`: the config, logged as the trackers' params (its ``trackers`` and
-    ``checkpoint.push_to_hub`` are read); `experiment`: the MLflow experiment (W&B project unless ``WANDB_PROJECT``);
-    `mlflow` False turns MLflow off; `count_tokens` False leaves out ``tokens_per_s*``; `trackers` None: the
-    config's, else ``["mlflow"]``; `progress`: rank 0's bar on a terminal.
+    `flops`: for MFU (None: none); `params`: the config, the trackers' params (its ``trackers`` and
+    ``checkpoint.push_to_hub`` are read); `mlflow` False turns MLflow off; `count_tokens` False leaves out
+    ``tokens_per_s*``; `trackers` None: the config's, else ``["mlflow"]``. `log_step` and `log_eval` are collective.
 
     Raises:
         ConfigError: a tracker that is unknown or not installed, on every rank.
         MetricsWriteError: (rank 0) ``metrics.jsonl`` could not be written.
-
-    `log_step` and `log_eval` reduce over ranks: collective.
     """
 
     def __init__(

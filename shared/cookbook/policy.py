@@ -114,12 +114,9 @@ class StopRequest:
 
 class NonFinitePolicy:
     """What a step with a NaN or infinite loss or gradient norm does, decided alike on every rank before its update
-    (shared by `TrainLoop.skip_step` and the Ray workers).
-
-    ``"stop"`` raises `NonFiniteError` (exit 4, naming the step and the newest checkpoint from `newest_checkpoint`);
-    ``"skip"`` has the caller drop the step, puts the running statistics of `models` back as at `begin_step`, logs it
-    (`log`) and counts it in `skipped_steps` (from a resumed count), up to `max_consecutive_skips` in a row.
-    `check_model` refuses a model with a NaN or infinite parameter or buffer. `device`: where loss flags live.
+    (shared by `TrainLoop.skip_step` and the Ray workers): ``"stop"`` raises `NonFiniteError` (exit 4); ``"skip"``
+    has the caller drop the step, puts the running statistics of `models` back, logs and counts it (`skipped_steps`,
+    from a resumed count), up to `max_consecutive_skips` in a row. `check_model` refuses a non-finite model.
 
     Raises:
         ValueError: an unknown `on_nonfinite`, or `max_consecutive_skips` < 0.

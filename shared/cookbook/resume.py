@@ -217,16 +217,13 @@ class ResumeGuard:
 
     def check(self, resume: str | None, world_size: int | None, config: Mapping[str, Any] | None = None,
               may_change: tuple[str, ...] = (), stop_at: tuple[str, int] = ("train.stop_at_step", -1)) -> Path | None:
-        """The checkpoint to resume from (None: start fresh), checked against this run.
-
-        `world_size` None: check later (`check_world_size`); `config` is compared with the checkpoint's, but for
-        `may_change` (dotted keys, ``section.*``); `stop_at` ``(key, value)``, e.g. ``("train.stop_at_step", 20)``: a
-        positive value must be after the checkpoint. A worker that its launcher restarted (`restarted`) resumes from the
-        newest checkpoint whatever `resume` says.
+        """The checkpoint to resume from (None: start fresh), checked against this run: `world_size` (None: later,
+        `check_world_size`), `config` but for `may_change` (dotted keys, ``section.*``), and `stop_at` ``(key, value)``,
+        a positive value after the checkpoint. A worker its launcher restarted resumes from the newest checkpoint.
 
         Raises:
-            CheckpointError: no such checkpoint; "none" over existing checkpoints; another world size (unless
-                `resizable`) or global batch; other settings (listed, with what to do); a stop point not after it.
+            CheckpointError: no such checkpoint; "none" over existing checkpoints; another world size or global batch;
+                other settings (listed, with what to do); a stop point not after it.
         """
         if restarted() and self.latest() is not None:
             resume = "auto"

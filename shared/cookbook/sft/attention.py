@@ -16,15 +16,10 @@ import torch
 def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                      cu_seq_lens_q: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """Causal attention with PyTorch's variable-length FlashAttention kernel (``varlen_attn``, CUDA, bf16/fp16):
-    each packed document attends only to itself, with no T x T mask; transformers calls it per layer.
-
-    `query` (batch, heads, T, head_dim), `key` / `value` (batch, kv_heads, T, head_dim); `attention_mask` ignored;
-    `scaling` default 1 / sqrt(head_dim); `cu_seq_lens_q` (documents + 1,) int32 offsets in the flattened tokens
-    (None: each row one document). Returns ``(output, None)``, output (batch, T, heads, head_dim).
-
-    Raises:
-        ValueError: attention dropout is on.
+    """Causal attention with PyTorch's variable-length FlashAttention kernel (``varlen_attn``, CUDA, bf16/fp16): each
+    packed document attends only to itself. `query` (batch, heads, T, head_dim), `key` / `value` (batch, kv_heads, T,
+    head_dim); `cu_seq_lens_q` (documents + 1,) int32 offsets (None: each row one document); `attention_mask` ignored.
+    Returns ``(output, None)``, output (batch, T, heads, head_dim). Raises ValueError with attention dropout on.
     """
     from torch.nn.attention.varlen import varlen_attn
 

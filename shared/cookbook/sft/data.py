@@ -30,18 +30,14 @@ from cookbook.sft.template import (_encode, _require_chat_template, check_tools_
 def prepare(rows: Sequence[dict], tokenizer, max_length: int, source: str,
             chat_template_kwargs: dict | None = None, *, max_dropped_fraction: float | None = None,
             split_turns: bool = False, truncate: bool = True, reasoning: str = "train") -> tuple[list[dict], SFTStats]:
-    """`to_conversation` + `tokenize_conversation` over a data set; returns ``(examples, stats)``, examples
-    ``{"input_ids", "labels"}`` in row order.
-
-    `max_dropped_fraction`: refuse (`SFTStats.check_dropped`) when more than this share (0-1) is not kept (None: no
-    limit). `split_turns`: one example per assistant turn, the conversation up to it with only it labelled (for
-    templates that rewrite earlier turns, Qwen3; about ``turns / 2`` times the tokens). `truncate` False: drop an
-    over-long example instead of cutting it. `reasoning`: ``"train"``, ``"context"`` (no loss) or ``"drop"``.
-    Examples left without a labelled token and rows with an empty answer are counted in `stats`, not kept.
+    """`to_conversation` + `tokenize_conversation` over a data set: ``(examples, stats)``, examples ``{"input_ids",
+    "labels"}`` in row order; examples left with no labelled token and rows with an empty answer are counted, not kept.
+    `max_dropped_fraction` (0-1, None: no limit): see `SFTStats.check_dropped`; `split_turns`: one example per
+    assistant turn (templates that rewrite earlier turns, Qwen3); `truncate` False drops over-long examples instead of
+    cutting them; `reasoning`: ``"train"``, ``"context"`` (no loss) or ``"drop"``.
 
     Raises:
-        SFTDataError: no chat template; ``"<source> row <n>: ..."`` for an invalid or not prefix-stable row, or
-            reasoning the template has no place for; too many examples dropped.
+        SFTDataError: no chat template; ``"<source> row <n>: ..."`` for a bad row; too many examples dropped.
     """
     if reasoning not in ("train", "context", "drop"):
         raise ValueError(f"reasoning must be train, context or drop, got {reasoning!r}")
@@ -84,15 +80,14 @@ def prepare(rows: Sequence[dict], tokenizer, max_length: int, source: str,
 
 # ----------------------------------------------------------------------------- batches
 def pack(examples: Sequence[dict], seq_len: int, pad_id: int) -> list[dict]:
-    """Pack examples into rows of exactly `seq_len` tokens (next-fit, in order; documents are never split)::
+    """Pack examples into rows of exactly `seq_len` tokens (next-fit, in order; documents never split)::
 
         input_ids     d0 d0 d0 d0 | d1 d1 d1 | pad pad
         labels        -100 .. a a | -100 .. a | -100 -100
         position_ids  0  1  2  3  | 0  1  2  | 0   1
 
-    End padding is its own document. Labels are not shifted; each document's first label must be `IGNORE_INDEX`,
-    so no token learns to predict the next document. Boundaries live only in ``position_ids``: pass no
-    ``attention_mask`` and ``use_cache=False`` (docs/notes.md#packed-rows-and-transformers-attention-masks-transformers-524).
+    Each document's first label must be `IGNORE_INDEX`. Pass no ``attention_mask`` and ``use_cache=False``
+    (docs/notes.md#packed-rows-and-transformers-attention-masks-transformers-524).
 
     Raises:
         SFTDataError: an example is longer than `seq_len` or empty, or labels its first token.
@@ -141,13 +136,11 @@ def pad_batch(examples: Sequence[dict], pad_id: int, pad_to_multiple_of: int = 1
 
 
 def load_examples(cfg: Any, tokenizer, seed: int) -> tuple[list[dict], list[dict], SFTStats]:
-    """Train and eval examples and the train `SFTStats` for a recipe's data section `cfg` (``train_files`` or the
-    ``hub_id`` data set, ``eval_files``, ``eval_fraction``, ``max_length``, ``chat_template_kwargs``,
-    ``max_dropped_fraction``, ``split_turns``, ``reasoning``). Without eval files a ``eval_fraction`` of each train
-    file, seeded by `seed`, is held out.
+    """Train and eval examples and the train `SFTStats` for a recipe's data section `cfg` (see `DataConfig`);
+    without eval files a ``eval_fraction`` of each train file, seeded by `seed`, is held out.
 
     Raises:
-        SFTDataError: see `load_rows` and `prepare` (each file checked against ``max_dropped_fraction``).
+        SFTDataError: see `load_rows` and `prepare`.
     """
     kwargs = dict(cfg.chat_template_kwargs) or None
     options = dict(max_dropped_fraction=cfg.max_dropped_fraction, split_turns=cfg.split_turns,

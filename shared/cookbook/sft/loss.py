@@ -67,16 +67,12 @@ def _causal_lm(model: torch.nn.Module) -> torch.nn.Module:
 
 def chunked_token_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk_size: int) -> torch.Tensor:
     """`token_loss_sum` without the (B, L, V) logits: the forward runs with an empty ``logits_to_keep`` and
-    `linear_cross_entropy_sum` takes the decoder's hidden states (B, L, H) of the labelled positions, `chunk_size`
-    tokens at a time; returns a 0-d fp32 tensor (nats) with the graph.
-
-    The loss is computed in a forward hook of the causal LM (``prepend=True``), where FSDP2 still holds the head's
-    gathered weight; its gradients are computed in that forward, so the backward needs no gathered weight. Tied
-    embeddings: autograd sums both gradients. Gemma 2's ``final_logit_softcapping`` is applied per chunk.
+    `linear_cross_entropy_sum` takes the decoder's hidden states of the labelled positions, `chunk_size` tokens at a
+    time, in a forward hook where FSDP2 still holds the head's gathered weight (the backward needs none). Tied
+    embeddings and Gemma 2's logit soft cap work. Returns a 0-d fp32 tensor (nats) with the graph.
 
     Raises:
-        ValueError: a model without ``logits_to_keep``, a decoder or a bias-free head; a head weight that is a
-            DTensor shard or empty inside the forward (DeepSpeed ZeRO-3).
+        ValueError: no ``logits_to_keep``, decoder or bias-free head; a head weight sharded or empty in the forward.
     """
     lm = _causal_lm(model)
     decoder, head = lm.get_decoder(), lm.get_output_embeddings()

@@ -202,16 +202,13 @@ def _tools(value: Any, where: str) -> list[dict] | None:
 
 def to_conversation(row: dict, row_number: int, source: str,
                     ignored: Counter | None = None) -> tuple[list[dict], list[dict] | None]:
-    """One data row as ``(messages, tools)``: chat, Alpaca or ShareGPT / LLaMA-Factory rows (the formats:
-    docs/sft-data.md#row-formats). Messages are ``{"role", "content": str}`` (+ ``tool_calls``, ``name``,
-    ``tool_call_id``, ``reasoning_content``); tools normalised to ``{"type": "function", "function": {...}}``, None
-    when the row declares none. `row_number` (1-based) and `source` name the row in messages; `ignored` counts the
-    keys of turns that are not used (``"messages[].weight"``).
+    """One data row (chat, Alpaca or ShareGPT: docs/sft-data.md#row-formats) as ``(messages, tools)``: messages
+    ``{"role", "content": str}`` (+ ``tool_calls``, ``name``, ``tool_call_id``, ``reasoning_content``), tools as
+    ``{"type": "function", ...}`` or None. `row_number` (1-based) and `source` name the row; `ignored` counts unused keys.
 
     Raises:
-        SFTDataError: ``"<source> row <n>: ..."``: an unknown format (keys found and expected) or role, a non-string
-            or empty field, a non-text part, a malformed tool call or definition, a tool result after no call, no
-            assistant turn; `EmptyAnswerError` for an empty answer (`prepare` skips and counts it).
+        SFTDataError: ``"<source> row <n>: ..."`` for an unknown format, role or part, a bad field, tool call or tool
+            result, no assistant turn; `EmptyAnswerError` for an empty answer.
     """
     where = f"{source} row {row_number}"
     if "messages" in row:

@@ -175,11 +175,9 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_length: int,
                           chat_template_kwargs: dict | None = None,
                           tools: list[dict] | None = None) -> tuple[list[int], list[int], bool]:
     """Render `messages` with the chat template (`tools` as ``tools=``) and label only the assistant turns;
-    returns ``(input_ids, labels, truncated)``, at most `max_length` long.
-
-    The tokens of assistant turn ``i`` are those between the renderings of ``messages[:i]`` with the generation
-    prompt and of ``messages[:i+1]``; both must be prefixes of the whole conversation's. Whitespace after the turn's
-    last special token gets no label; tool results get none. `chat_template_kwargs`: e.g. ``{"enable_thinking": False}``.
+    returns ``(input_ids, labels, truncated)``, at most `max_length` long. Turn ``i``'s tokens lie between the
+    renderings of ``messages[:i]`` with the generation prompt and of ``messages[:i+1]``, both prefixes of the whole
+    conversation's; whitespace after the turn's last special token gets no label.
 
     Raises:
         SFTDataError: no chat template; the template fails, is not prefix-stable, or drops tools, calls or results.
