@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 from cookbook.sft.rows import SFTDataError
 
@@ -63,10 +63,6 @@ class SFTStats:
             longest[row] = max(tokens, longest.get(row, 0))
         worst = sorted(longest.items(), key=lambda rt: (-rt[1], rt[0]))[:n]
         return ", ".join(f"row {r} ({t} tokens)" for r, t in worst)
-
-    def as_dict(self) -> dict[str, Any]:
-        out = {k: v for k, v in asdict(self).items() if k not in ("parts", "example_rows")}
-        return {**out, "loss_fraction": self.loss_fraction, "dropped_fraction": self.dropped_fraction}
 
     @classmethod
     def merge(cls, parts: Sequence[SFTStats]) -> SFTStats:
