@@ -1,7 +1,7 @@
 """``python -m cookbook.launch``: what every torchrun recipe's ``launch.sh`` does, written once.
 
-    python -m cookbook.launch --ngpu "${NGPU:-}" --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" \
-        --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-}" \
+    python -m cookbook.launch --ngpu "${NGPU:-}" --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" \\
+        --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-}" \\
         --max-restarts "${MAX_RESTARTS:-3}" recipes/x/train.py --config tiny.yaml train.max_steps=100
 
 It checks the process counts (`plan`), runs ``train.py --check`` in one process (``COOKBOOK_WORLD_SIZE`` set), then

@@ -25,7 +25,7 @@ class SFTDataError(ValueError):
 # ----------------------------------------------------------------------------- rows -> messages
 def load_rows(path: str | Path) -> list[dict]:
     """Read a data file: a JSON array of objects, JSONL, or one row object (UTF-8, a byte-order mark and CRLF
-    ignored). JSONL lines split at ``\n`` only (JSON allows U+2028 inside strings), so line numbers are an editor's.
+    ignored). JSONL lines split at ``\\n`` only (JSON allows U+2028 inside strings), so line numbers are an editor's.
 
     Raises:
         SFTDataError: the file is missing, not UTF-8, not valid JSON (with the JSONL line), empty, or holds a row
@@ -110,7 +110,7 @@ def _part_text(part: dict, kind: str, where: str, path: str, keys: tuple[str, ..
 
 def _parts(value: Any, where: str, field: str) -> tuple[str, list[str], list]:
     """A message's content (a string or typed parts) as ``(text, reasoning, calls)``: text parts joined with
-    ``"\n"`` (as vLLM's OpenAI server does), reasoning parts, tool-call parts; any other part (an image) is refused.
+    ``"\\n"`` (as vLLM's OpenAI server does), reasoning parts, tool-call parts; any other part (an image) is refused.
     """
     if not isinstance(value, list):
         return _text(value, where, field), [], []
