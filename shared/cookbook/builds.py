@@ -1,12 +1,10 @@
 """A package compiled against another torch build (PyPI's CUDA torchvision beside a CPU torch) is one line, not a
 traceback, in every recipe.
 
-transformers, TRL, PEFT and torchmetrics import torchvision whenever it is installed; a torchvision whose compiled
-ops do not load (``RuntimeError: operator torchvision::nms does not exist``) ended any recipe at its imports with a
-traceback, exit status 1. `guard` (run by ``import cookbook``, so a recipe imports ``cookbook`` first) wraps the
-import of `TORCH_BUILT` packages: a failure raises `BrokenBuild` (an ``ImportError``) whose message names the
-installed versions and the install line of the matching build (`_matching_build`), and an uncaught one, even at a
-module's top level, prints ``error: <message>`` and exits with status 2 (`cookbook.errors.EXIT_USER_ERROR`).
+transformers, TRL, PEFT and torchmetrics import torchvision whenever it is installed. `guard` (run by ``import
+cookbook``) wraps the import of `TORCH_BUILT` packages: a failure raises `BrokenBuild` (an ``ImportError``) naming
+the installed versions and the install line of the matching build; an uncaught one prints ``error: <message>``
+and exits with status 2.
 """
 
 from __future__ import annotations

@@ -1,50 +1,14 @@
-"""Resumable, atomically published checkpoints with torch.distributed.checkpoint (DCP), and
-Hugging Face export.
+"""Resumable, atomically published checkpoints with torch.distributed.checkpoint (DCP), and Hugging Face export.
 
-A checkpoint is a folder ``<root>/step_00000100/`` holding DCP's shards, its ``.metadata``
-and our ``meta.json``. Every rank writes into ``<root>/.tmp-step_00000100/``; only after all
-ranks finished does rank 0 write ``meta.json`` and rename the folder to its final name. A
-rename is atomic on POSIX file systems, so a crash at any point leaves either the old set of
-complete checkpoints or the old set plus the new one, never a half-written ``step_*``.
-With several nodes, ``root`` must be on a file system every node sees.
-
-This module writes and loads (`Checkpointer`, `publish`, `export_hf`); `cookbook.resume` finds and checks
-(`ResumeGuard`), `cookbook.state` holds the `Stateful` wrappers; the names are re-exported here.
-
-What goes in is up to the recipe: a dict of DCP `Stateful` objects. `ModelOptimizerState`
-covers model and optimizer (moments included) for DDP, FSDP2 or a plain module via
-``torch.distributed.checkpoint.state_dict``; `RankLocalState` covers per-rank state (data-loader
-position, RNG streams) keyed by rank; `TrainState` holds the step and epoch; `cookbook.sampler.DataPosition`
-holds the data position of the whole job; anything else with ``state_dict``/``load_state_dict`` (an LR
-scheduler) can be passed as is.
-
-**Resize.** A checkpoint written by ``N`` ranks resumes on ``M`` ranks when the recipe allows it
-(``Checkpointer(..., resizable=True)``, `ResumeGuard` ``resizable``) and its state holds a `DataPosition`:
-DCP reshards the model and optimizer, the data continues at the global position (the samples of the epoch
-the whole job consumed, the same whatever the number of ranks), and the per-rank state (`RankLocalState`:
-data-loader workers, RNG streams) is not restored but starts as in a fresh run, with one line saying so
-(`Checkpointer.load`). The global batch (``train.micro_batch_size x train.grad_accum_steps x ranks``) must stay
-the checkpoint's, so that a step, ``max_steps``, the learning-rate schedule and the position keep their meaning;
-``train.micro_batch_size`` and ``train.grad_accum_steps`` may change within it (`ResumeGuard.check`). Recipes
-that cannot resize refuse another world size before any worker starts, naming the size to use and the recipes
-that can (`resizable_recipes`: those whose train.py says ``RESIZABLE = True``).
-
-`ResumeGuard` is the one resume check of every recipe, whatever writes its checkpoints (DCP here, the
-Hugging Face Trainer, Ray Train): a checkpoint is a folder named after its step or epoch that holds a
-``meta.json`` (``step``, ``world_size``, ``config``, ...); the guard finds the newest complete one, turns
-``checkpoint.resume`` (auto / none / a path) into a folder and refuses, before any worker starts, a
-resume that would mix two runs (other settings, another world size, a stop point not after it, "none"
-over an earlier run's checkpoints). `Checkpointer.check_resume` is the guard of DCP checkpoints.
-
-What survives which failure (each one is injected for real in ``tests/test_checkpoint_faults.py``; the user's
-view is docs/failures.md): a damaged checkpoint is not complete (`ResumeGuard.problem`, from ``meta.json`` and DCP's
-index, and `ResumeGuard.verify`, from the checksums written at publish time), and ``resume=auto`` falls back to the
-newest complete one with one warning; a crash during a save leaves the previous checkpoints as they were (the next
-save removes the leftover ``.tmp-*`` / ``.old-*`` folders); a failed save on any rank fails it on every rank, keeps
-the previous checkpoint and raises `CheckpointSaveError` (one line, exit 2).
-
-References: https://pytorch.org/docs/stable/distributed.checkpoint.html,
-https://pytorch.org/tutorials/recipes/distributed_checkpoint_recipe.html
+A checkpoint is a folder ``<root>/step_00000100/`` holding DCP's shards, its ``.metadata`` and ``meta.json``.
+Every rank writes into ``<root>/.tmp-step_00000100/``; once all are done rank 0 writes ``meta.json`` and renames
+the folder (atomic on POSIX), so a crash never leaves a half-written ``step_*``. With several nodes `root` must be
+on a shared file system. What goes in is a dict of DCP ``Stateful`` objects (`cookbook.state`:
+`ModelOptimizerState`, `RankLocalState`, `TrainState`; `cookbook.sampler.DataPosition`; an LR scheduler as is).
+A resizable checkpoint resumes on another world size with the same global batch (docs/failures.md#another-number-of-gpus).
+`cookbook.resume` finds and checks checkpoints (`ResumeGuard`); its names and `cookbook.state`'s are re-exported
+here. What survives which failure: docs/failures.md (each injected in ``tests/test_checkpoint_faults.py``).
+Reference: https://pytorch.org/docs/stable/distributed.checkpoint.html
 """
 
 from __future__ import annotations
@@ -78,10 +42,9 @@ _LEFTOVER_PREFIXES = (".tmp-", ".old-")  # folders of a save or a publish that d
 class CheckpointSaveError(CheckpointError, OSError):
     """A checkpoint could not be written (disk full, file too large, I/O error, read-only file system).
 
-    Raised on every rank, with the same message (`cookbook.run_main` prints rank 0's). Nothing of the failed checkpoint was kept and the previous one is intact; the
-    one-line message names the checkpoint, the OS error (and the rank that met it), the previous checkpoint
-    and what to do. ``errno`` is the OS error's. An `OSError` too, so that code catching storage errors
-    catches it."""
+    Raised on every rank with the same one-line message (the checkpoint, the OS error and its rank, the intact
+    previous checkpoint, what to do); ``errno`` is the OS error's. An `OSError` too.
+    """
 
     same_on_every_rank = True
 
@@ -143,11 +106,9 @@ def _os_error_in(exc: BaseException) -> OSError | None:
 
 
 class _Writer(dcp.FileSystemWriter):
-    """DCP's `FileSystemWriter`, whose failed write raises the OS error beneath it.
-
-    ``torch.save`` writes each tensor through a zip writer that reports a failed write (disk full, file too
-    large) as ``RuntimeError: ... unexpected pos 704 vs 598``, with the `OSError` only as its context, which
-    DCP's gathering of errors from every rank drops (exceptions pickle without their context)."""
+    """DCP's `FileSystemWriter`, whose failed write raises the `OSError` beneath it (``torch.save``'s zip writer
+    reports it as ``RuntimeError: ... unexpected pos``, and DCP's gathering of errors drops the context).
+    """
 
     def write_data(self, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -170,19 +131,11 @@ def _os_failure(exc: BaseException) -> tuple[int, OSError] | None:
 
 
 class Checkpointer:
-    """Save, find and load checkpoints under one folder.
+    """Save, find and load checkpoints under `root` (shared by all nodes); every method is collective.
 
-    Args:
-        root: the checkpoints folder (created if needed). Shared by all nodes.
-        keep_last: number of newest complete checkpoints to keep; older ones are deleted
-            after a new one is published. ``0`` keeps all.
-        run_dir: the run's output folder, named in the resume guard's advice ("or delete <run_dir>").
-        resizable: a checkpoint written by another world size may be resumed when the global batch is kept
-            (`ResumeGuard` ``resizable``); `load` then needs a `cookbook.sampler.DataPosition` in the state.
-        cannot_remap: why another world size's checkpoint cannot be resumed, for the refusal (`ResumeGuard`);
-            default: the per-rank data-loader and RNG state.
-
-    Every method is collective: call it on every rank.
+    `keep_last`: newest complete checkpoints kept (0: all); `run_dir`: named in the resume advice; `resizable`: a
+    checkpoint of another world size resumes when the global batch is kept (`load` then needs a `DataPosition`);
+    `cannot_remap`: why another world size is refused (default: the per-rank loader and RNG state).
     """
 
     def __init__(self, root: str | Path, keep_last: int = 3, run_dir: str | Path | None = None,
@@ -209,7 +162,7 @@ class Checkpointer:
         return self.guard.verified_latest()
 
     def resolve_resume(self, resume: str | None) -> Path | None:
-        """Turn a config's ``resume`` value into a checkpoint folder (`ResumeGuard.resolve`).
+        """A config's ``resume`` value as a checkpoint folder (`ResumeGuard.resolve`).
 
         Raises:
             CheckpointError: an explicit path that is not a complete checkpoint.
@@ -218,11 +171,8 @@ class Checkpointer:
 
     def check_resume(self, resume: str | None, world_size: int, config: Mapping[str, Any] | None = None,
                      may_change: tuple[str, ...] = (), stop_at_step: int = -1) -> Path | None:
-        """Find the checkpoint to resume from and check that this run can continue it (`ResumeGuard.check`
-        with ``train.stop_at_step``).
-
-        Returns:
-            The checkpoint folder, or ``None`` to start fresh.
+        """The checkpoint folder to resume from (None: start fresh), checked by `ResumeGuard.check` with
+        ``train.stop_at_step``.
 
         Raises:
             CheckpointError: see `ResumeGuard.check`.
@@ -231,26 +181,13 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ saving
     def save(self, step: int, state: Mapping[str, Any], extra_meta: Mapping[str, Any] | None = None) -> Path:
-        """Write `state` with DCP and publish it atomically as ``step_<step>``.
-
-        Rank 0 first removes every leftover ``.tmp-*`` / ``.old-*`` folder under `root` (saves or publishes
-        that a crash interrupted). After publishing, checkpoints beyond `keep_last` and damaged folders
-        older than this one are deleted.
-
-        Args:
-            step: optimizer steps completed; names the folder.
-            state: name -> DCP `Stateful` or (nested) dict of tensors / picklable objects.
-            extra_meta: JSON-serialisable facts stored in ``meta.json`` (e.g. epoch, loss).
-
-        Returns:
-            The published folder.
+        """Write `state` (name -> ``Stateful`` or nested dict) with DCP and publish it as ``step_<step>``; returns the
+        folder. Leftover ``.tmp-*`` / ``.old-*`` folders go first; checkpoints beyond `keep_last` and older damaged ones
+        after. `extra_meta`: JSON facts for ``meta.json``.
 
         Raises:
-            CheckpointSaveError: on every rank, when any rank could not write its part, or rank 0 could not
-                prepare the folder, write ``meta.json`` or publish (an `OSError`: disk full, file too large,
-                I/O error, ...). The temporary folder is removed and the previous checkpoint is intact.
-            Other exceptions of ``dcp.save`` (a bug in a ``state_dict``, a lost peer) pass through as they
-                are; the next save removes what they left.
+            CheckpointSaveError: on every rank, when any rank could not write its part or rank 0 could not publish; the
+                previous checkpoint is intact. Other exceptions of ``dcp.save`` pass through.
         """
         final = self.root / f"step_{step:08d}"
         tmp = self.root / f".tmp-step_{step:08d}"
@@ -342,21 +279,11 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ loading
     def load(self, path: str | Path, state: Mapping[str, Any]) -> dict[str, Any]:
-        """Load `state` in place from the checkpoint folder `path`.
-
-        Model and optimizer states reshard automatically (DCP). Per-rank state (`RankLocalState`) needs the
-        world size the checkpoint was written with; on another one a `resizable` checkpointer whose `state`
-        holds a `cookbook.sampler.DataPosition` loads everything else (the data then continues at the global
-        position) and leaves the per-rank state as this run set it up, with one line (rank 0) saying what was
-        resharded, where the data continues and what was not restored. Check the global batch before, with
-        `check_resume` (the guard's `ResumeGuard.check_world_size`).
-
-        Returns:
-            The checkpoint's ``meta.json`` as a dict (``step``, ``world_size``, extras).
+        """Load `state` in place from the checkpoint folder `path` (DCP reshards model and optimizer); returns its
+        ``meta.json``. On another world size a `resizable` checkpointer loads all but the per-rank state, saying so.
 
         Raises:
-            CheckpointError: the folder is incomplete or damaged (`ResumeGuard.problem`), or it holds
-                per-rank state written by a different number of ranks (not `resizable`).
+            CheckpointError: the folder is incomplete or damaged, or holds per-rank state of another world size.
             ValueError: `resizable`, another world size, and `state` holds no `DataPosition`.
         """
         path = Path(path)
@@ -392,17 +319,8 @@ class Checkpointer:
 
 def save_error(step: int, final: Path, previous: Path | None, rank: int | None, exc: OSError,
                reason: str | None = None) -> CheckpointSaveError:
-    """The one-line `CheckpointSaveError` of the save of step `step` to the folder `final` that failed with `exc`.
-
-    Args:
-        previous: the newest complete checkpoint, which the failed save left intact (``None``: there is none).
-        rank: the rank that met the error, named in the message; ``None`` in a job of one process.
-        reason: the error as words, when `exc` was rebuilt from another rank's (default: from `exc`).
-
-    Returns:
-        ``could not save the checkpoint of step 4 to <final> (rank 1: EFBIG, File too large: '<file>'); the previous
-        checkpoint <previous> is intact. Raise the file size limit (ulimit -f) ... and run the same command again: it
-        resumes from <previous>``, with ``errno`` set to the OS error's.
+    """The one-line `CheckpointSaveError` of the failed save of step `step` to `final` (``errno`` set), naming
+    `exc` (or `reason`), the `rank` that met it (None: one process) and the intact `previous` checkpoint.
     """
     where = f"rank {rank}: " if rank is not None else ""
     kept = f"the previous checkpoint {previous} is intact" if previous is not None else "there is no earlier checkpoint"
@@ -453,22 +371,11 @@ def _fsync_dir(path: Path) -> None:
 
 
 def export_hf(model: torch.nn.Module, out_dir: str | Path, tokenizer: Any = None, dtype: torch.dtype | None = None) -> Path | None:
-    """Save the full model in Hugging Face format (safetensors + config [+ tokenizer]).
+    """Save the full model in Hugging Face format (safetensors + config [+ `tokenizer`]) into `out_dir`; collective.
 
-    Gathers a full, unsharded state dict on rank 0 (works for DDP, FSDP2 and plain
-    modules), writes it with ``save_pretrained`` into a temporary folder and renames it to
-    `out_dir`, replacing an older export only once the new one is complete. The result loads
-    with ``AutoModel*.from_pretrained(out_dir)``. Collective: call on every rank.
-
-    Args:
-        model: a ``transformers.PreTrainedModel``, possibly wrapped in DDP or sharded with FSDP2.
-        out_dir: destination folder.
-        tokenizer: saved beside the weights when given.
-        dtype: cast floating-point tensors to this dtype before writing (e.g. ``torch.bfloat16``
-            to halve the size of a model trained with fp32 master weights); ``None`` keeps them.
-
-    Returns:
-        `out_dir` on rank 0, ``None`` on other ranks.
+    A full state dict is gathered on rank 0 (DDP, FSDP2 or plain), written to a temporary folder and renamed over an
+    older export once complete. `dtype`: cast floating-point tensors first (None: keep). Returns `out_dir` on rank 0,
+    None elsewhere.
     """
     out = Path(out_dir)
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

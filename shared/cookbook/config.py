@@ -71,22 +71,13 @@ def _yaml_line(path: Path, dotted: str | None) -> int | None:
 
 
 def load_config(schema: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
-    """Build a recipe config from its schema, a YAML file and dotted overrides.
-
-    Args:
-        schema: a dataclass type (fields may be nested dataclasses) that defines every key.
-        path: YAML file whose keys override the dataclass defaults; ``None`` for defaults only.
-        overrides: ``"section.key=value"`` strings, applied last (values parsed as YAML:
-            ``3e-5``, ``true``, ``null``, ``[a,b]``).
-
-    Returns:
-        An instance of `schema` with every field of the declared type.
+    """Build a recipe config: the `schema` dataclass's defaults, then the YAML file at `path` (None: defaults
+    only), then the ``"section.key=value"`` `overrides` (values parsed as YAML); returns a `schema` instance.
 
     Raises:
-        ConfigError: the file is missing or not a mapping; a key is not in the schema (with the closest
-            known key at any depth: "did you mean 'train.eval_every'?"); a value has the wrong type; an
-            override is not ``key=value``; a required (``MISSING``) value was not given. The message names
-            the key and the file (with the key's line) or override.
+        ConfigError: naming the key and the file (with the line) or override: the file is missing or not a mapping;
+            an unknown key (with the closest known one); a wrong type; an override not ``key=value``; a required
+            (``MISSING``) value not given.
     """
     if not dataclasses.is_dataclass(schema):
         raise TypeError(f"schema must be a dataclass type, got {schema!r}")
@@ -127,11 +118,8 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: Sequ
 
 
 def to_object(cfg: Any) -> Any:
-    """``OmegaConf.to_object(cfg)`` (interpolations resolved), remembering which keys were ``${oc.env:...}``
-    so that `to_dict` writes their text, not their value.
-
-    Raises:
-        omegaconf.errors.OmegaConfBaseException: as ``OmegaConf.to_object`` (an unset environment variable).
+    """``OmegaConf.to_object(cfg)``, remembering which keys were ``${oc.env:...}`` so that `to_dict` writes their
+    text (an unset environment variable raises as ``OmegaConf.to_object`` does).
     """
     from_env = {k: v for k, v in flatten(OmegaConf.to_container(cfg, resolve=False)).items()
                 if isinstance(v, str) and "${oc.env:" in v}
@@ -156,13 +144,8 @@ _FROM_ENV = "_cookbook_from_env"  # attribute of a loaded config: dotted key -> 
 
 
 def to_dict(cfg: object) -> dict:
-    """A config instance as a plain nested dict, for what is written out: ``config.yaml``, each checkpoint's
-    ``meta.json``, MLflow params, resume comparisons.
-
-    Values that `load_config` took from the environment (``${oc.env:HF_TOKEN}`` in the YAML or an override)
-    are given as that text, not as the value: a token in the environment never lands in a file, a log or
-    MLflow, and a resume with another token is not "other settings". A process that rebuilds the config
-    from this dict (a Ray worker, `to_object`) reads those variables from its own environment.
+    """A config instance as a plain nested dict, for ``config.yaml``, ``meta.json``, tracker params and resume
+    checks; values taken from the environment (``${oc.env:HF_TOKEN}``) are given as that text, never their value.
     """
     out = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
     for key, text in getattr(cfg, _FROM_ENV, {}).items():
@@ -181,15 +164,9 @@ def save_config(cfg: object, path: str | Path) -> None:
 
 
 def resolve_path(value: str, base_dir: str | Path) -> str:
-    """Resolve a relative path in a config file against the file's folder, if it exists there.
-
-    Lets a recipe folder be copied anywhere: ``tiny/data/train.csv`` in ``tiny.yaml`` means
-    the file beside ``tiny.yaml`` when that exists. Otherwise the value is returned unchanged, so
-    paths relative to the working directory, absolute paths and Hugging Face hub ids
-    (``answerdotai/ModernBERT-base``) keep their meaning. A value left as a hub id makes sure, once per process,
-    that the hub answers, or else that the process works offline from the cache at once
-    (`cookbook.hub.prepare_access`: at most 3 s, instead of minutes of retries), and shows the hub's download bars
-    on a terminal.
+    """A relative path of a config file resolved against the file's folder when it exists there (so a recipe
+    folder can be copied anywhere); otherwise the value unchanged. A value left as a hub id calls
+    `cookbook.hub.prepare_access` once per process.
     """
     if not value or Path(value).is_absolute():
         return value
@@ -217,22 +194,11 @@ def field_value(cfg: object, key: str) -> Any:
 
 def check_fields(cfg: object, *, at_least: Mapping[str, float] = {}, one_of: Mapping[str, Iterable[Any]] = {},
                  within: Mapping[str, str] = {}, notes: Mapping[str, str] = {}) -> None:
-    """Check simple rules on single config values, the ones every recipe has.
-
-    Args:
-        cfg: a config instance from `load_config`.
-        at_least: ``{dotted key: minimum}``: the value must be >= the minimum
-            (``{"train.micro_batch_size": 1, "checkpoint.every_steps": -1}``).
-        one_of: ``{dotted key: allowed values}``.
-        within: ``{dotted key: interval}`` in interval notation: ``"[0, 1)"`` means
-            0 <= value < 1, ``"(0, 1)"`` 0 < value < 1.
-        notes: ``{dotted key: text}`` appended to that key's message, e.g. what a special value
-            means (``"-1: never"``).
+    """Check simple rules on single config values: `at_least` ``{key: minimum}``, `one_of` ``{key: allowed}``,
+    `within` ``{key: "[0, 1)"}`` (interval notation); `notes` ``{key: text}`` is appended to that key's message.
 
     Raises:
-        ConfigError: for the first value that breaks its rule (in the order at_least, one_of,
-            within), naming the key, the rule and the value: ``train.micro_batch_size must be
-            >= 1, got 0``.
+        ConfigError: for the first value that breaks its rule: ``train.micro_batch_size must be >= 1, got 0``.
     """
     def fail(key: str, rule: str, value: Any) -> None:
         note = f" ({notes[key]})" if key in notes else ""
@@ -257,11 +223,8 @@ def check_fields(cfg: object, *, at_least: Mapping[str, float] = {}, one_of: Map
 
 
 def cli_parser(description: str | None = None, show_examples: bool = False) -> argparse.ArgumentParser:
-    """The argument parser every recipe shares: ``--config FILE``, ``--check`` and overrides.
-
-    ``--check`` validates the config and data in one process and exits, so a launch script can
-    reject bad input before starting any worker. With `show_examples` (the SFT recipes):
-    ``--show-examples N`` (``args.show_examples``, default 0) prints N rendered training rows and exits.
+    """The argument parser every recipe shares: ``--config FILE``, ``--check`` (validate config and data in one
+    process and exit) and overrides; with `show_examples`, ``--show-examples N`` (default 0).
     """
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML config file")
@@ -336,8 +299,8 @@ DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 class LoraConfig:
     """``lora``: LoRA adapters (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models"): each targeted
     weight W (out x in) trains W + (alpha / r) B A with A (r x in) and B (out x r), dropout on A's input. A recipe
-    sets its own defaults with ``field(default_factory=lambda: LoraConfig(target_modules=[...]))`` or a subclass
-    that redeclares them (and adds its keys: ``enabled``, the experts' `ExpertLoraConfig`)."""
+    sets its defaults with ``field(default_factory=lambda: LoraConfig(target_modules=[...]))`` or a subclass.
+    """
 
     r: int = 16  # rank of A and B
     alpha: int = 32  # the update is scaled by alpha / r
@@ -353,12 +316,10 @@ class LoraConfig:
 
 @dataclasses.dataclass
 class DDPConfig:
-    """``ddp``: the settings of ``torch.nn.parallel.DistributedDataParallel`` that change its speed, not its result
-    (PyTorch's defaults; https://pytorch.org/docs/stable/generated/torch.nn.parallel.DistributedDataParallel.html).
-    Gradients are all-reduced in buckets of ``bucket_cap_mb`` MiB, each launched as soon as its gradients are ready
-    in backward; ``gradient_as_bucket_view`` lets each ``.grad`` be a view into its bucket (no copy into the bucket,
-    one gradient-sized buffer less); ``static_graph`` declares that every step uses the same parameters in the
-    same order, which lets DDP skip per-step bookkeeping. A resume may change any of them."""
+    """``ddp``: the settings of ``DistributedDataParallel`` that change its speed, not its result (PyTorch's defaults):
+    ``bucket_cap_mb`` (MiB per all-reduce bucket), ``gradient_as_bucket_view``, ``static_graph``. A resume may change
+    any of them (docs/config.md).
+    """
 
     bucket_cap_mb: float = 25.0
     gradient_as_bucket_view: bool = False
@@ -414,17 +375,10 @@ def check_run(cfg: Any) -> None:
     """Check the keys of the shared sections that `cfg` has (`TrainConfig`, `OptimConfig`, `CheckpointConfig`).
 
     Raises:
-        ConfigError: a value out of range (``train.micro_batch_size must be >= 1, got 0``), an unknown
-            ``train.mixed_precision`` or ``optim.scheduler``, neither ``train.max_steps`` nor ``train.epochs``
-            positive, ``train.stop_at_step`` with ``checkpoint.every_steps=-1`` (nothing to resume from), or an
-            ``output_dir`` (or its ``checkpoints`` folder) where no file can be created: a small file is
-            created and removed in it (or in its nearest existing parent folder, which the run will create it
-            in), and the message names ``output_dir``, the folder and the OS reason; a tracker in ``trackers`` that is
-            unknown or not installed (`check_trackers`); a ``checkpoint.push_to_hub`` that cannot work
-            (`cookbook.hub.check_push`: not a repo id, nothing exported, offline, no token).
-        cookbook.errors.AlreadyComplete: in a launcher's check (``launch.sh``), ``output_dir`` holds a run finished
-            with these settings (but for `MAY_CHANGE`): `cookbook.run_lock.complete_message`, said in the first
-            second of the check; the launcher then starts no worker.
+        ConfigError: a value out of range or unknown; neither ``train.max_steps`` nor ``train.epochs`` positive;
+            ``train.stop_at_step`` with ``checkpoint.every_steps=-1``; an ``output_dir`` where no file can be created;
+            a bad tracker or ``checkpoint.push_to_hub``.
+        cookbook.errors.AlreadyComplete: in a launcher's check, ``output_dir`` holds a run finished with these settings.
     """
     has = {k for k in ("train.micro_batch_size", "train.grad_accum_steps", "train.log_every", "train.eval_every",
                        "train.mixed_precision", "train.max_steps", "train.stop_at_step", "optim.scheduler",

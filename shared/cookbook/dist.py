@@ -1,21 +1,12 @@
-"""Process-group set-up and tear-down from torchrun's environment, and small rank helpers.
+"""Process-group set-up and tear-down from torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT), stall reports and small rank helpers.
 
-torchrun (https://pytorch.org/docs/stable/elastic/run.html) exports RANK, LOCAL_RANK,
-WORLD_SIZE, MASTER_ADDR and MASTER_PORT to every worker. `init_distributed` reads them,
-picks NCCL on CUDA and gloo on CPU, binds the worker to its GPU, and registers the
-group's destruction at exit. `distributed_context` does the same as a context manager
-that also tears the group down when the body raises.
-
-A plain `python train.py` (no torchrun) runs as a world of one, with a process group of one.
-
-Stalls: a collective that waits longer than the group's timeout (``train.collective_timeout_s``) fails
-instead of hanging. Each rank records its last finished step in the group's store at every step boundary
-(`record_progress`, one small ``set``); a rank whose collective timed out reads them (`describe_stall`) and
-names the rank that is behind, so the run's error points at the stalled rank, not at the healthy one that
-noticed. With gloo the timeout raises in the waiting rank and `cookbook.run_main` prints that line (exit
-status 3); with NCCL, torch's watchdog ends the process, after its flight recorder has written each rank's
-last collectives to the debug folder (read them with ``python -m torch.distributed.flight_recorder.fr_trace
--j <folder>``, which names the rank that did not join).
+`init_distributed` picks NCCL on CUDA and gloo on CPU, binds the worker to its GPU and destroys the group at exit;
+`distributed_context` does the same as a context manager. A plain ``python train.py`` runs as a world of one.
+A collective that waits past ``train.collective_timeout_s`` fails instead of hanging: each rank records its last
+finished step in the store (`record_progress`), and the rank whose collective timed out names the one behind
+(`describe_stall`, exit status 3). With NCCL, torch's flight recorder writes each rank's last collectives to the
+debug folder (docs/failures.md#a-rank-that-stalls).
 """
 
 from __future__ import annotations
@@ -47,14 +38,8 @@ logger = logging.getLogger("cookbook")
 
 @dataclass(frozen=True)
 class DistInfo:
-    """Where this process sits in the job.
-
-    Attributes:
-        rank: global rank, 0 .. world_size - 1.
-        local_rank: rank on this node; also the CUDA device index.
-        world_size: number of processes in the job.
-        device: the torch device this rank computes on (``cuda:<local_rank>`` or ``cpu``).
-        backend: ``"nccl"`` or ``"gloo"``.
+    """Where this process sits in the job: ``rank`` (global), ``local_rank`` (on this node; the CUDA index),
+    ``world_size``, ``device`` (``cuda:<local_rank>`` or ``cpu``), ``backend`` (``"nccl"`` or ``"gloo"``).
     """
 
     rank: int
@@ -80,14 +65,10 @@ def _env_int(name: str, default: int) -> int:
 
 
 def get_dist_info() -> DistInfo:
-    """Read rank, local rank and world size from the environment, without creating a group.
-
-    Returns:
-        A `DistInfo` whose `backend` is the one `init_distributed` would choose.
+    """A `DistInfo` from the environment, without creating a group (`backend`: what `init_distributed` would pick).
 
     Raises:
-        RuntimeError: CUDA is present but this node has fewer GPUs than local ranks
-            (e.g. ``NGPU=8`` on a 2-GPU node).
+        RuntimeError: this node has fewer GPUs than local ranks (``NGPU=8`` on a 2-GPU node).
     """
     rank = _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", 0)
@@ -122,32 +103,14 @@ _FLIGHT_RECORDER_ENTRIES = 2000  # collectives each rank keeps in torch's flight
 
 
 def init_distributed(timeout_s: float = 1800.0, debug_dir: str | Path | None = None) -> DistInfo:
-    """Create the default process group from torchrun's environment.
+    """Create the default process group from torchrun's environment; returns this process's `DistInfo`.
 
-    NCCL when CUDA is available (each rank bound to ``cuda:LOCAL_RANK``), gloo otherwise.
-    Set ``COOKBOOK_DEVICE=cpu`` to force CPU/gloo on a GPU machine. A plain ``python train.py``
-    (no torchrun, so no MASTER_ADDR) gets a group of one on a free local port, so DDP and
-    collectives work unchanged. The group is destroyed at interpreter exit (``atexit``); call
-    `destroy_distributed` earlier if you like. On CUDA, autograd's worker thread gets this thread's intra-op
-    thread count (`align_autograd_threads`), so compiled code recomputed in backward does not recompile.
-
-    Args:
-        timeout_s: seconds a collective may wait for the other ranks (``train.collective_timeout_s``);
-            past it, gloo raises in the waiting rank (`cookbook.run_main` then names the rank that is
-            behind, see `describe_stall`) and NCCL's watchdog ends the process. A group that exists
-            already (`cookbook.distributed` made it) is given this timeout too.
-        debug_dir: where a timeout leaves what to read: with NCCL, torch's flight recorder dumps each
-            rank's last collectives there (``rank_<r>``; turned on here unless ``TORCH_FR_BUFFER_SIZE``,
-            ``TORCH_NCCL_TRACE_BUFFER_SIZE`` or ``TORCH_FR_DUMP_TEMP_FILE`` is set); with any backend, the
-            rank whose collective timed out writes its Python stacks there (``stacks_rank<r>.txt``).
-            ``None``: nothing is written.
-
-    Returns:
-        This process's `DistInfo`.
+    NCCL with CUDA (``COOKBOOK_DEVICE=cpu`` forces gloo), else gloo; without torchrun a group of one. `timeout_s`:
+    seconds a collective may wait; `debug_dir`: NCCL's flight recorder and a timed-out rank's stacks go there.
 
     Raises:
         ValueError: `timeout_s` is not positive.
-        RuntimeError: more local ranks than GPUs on the node (see `get_dist_info`).
+        RuntimeError: more local ranks than GPUs on the node.
     """
     if not timeout_s > 0:
         raise ValueError(f"the collective timeout must be > 0 seconds, got {timeout_s}")
@@ -178,24 +141,9 @@ def init_distributed(timeout_s: float = 1800.0, debug_dir: str | Path | None = N
 
 
 def align_autograd_threads(device: torch.device) -> int | None:
-    """Give the autograd engine's worker thread of `device` this thread's intra-op thread count, once per process.
-
-    Backward on a CUDA device runs in a worker thread of the autograd engine, whose thread count
-    (``torch.get_num_threads()``, thread-local under OpenMP) is not the training thread's. torch.compile guards its
-    graphs on that count (dynamo's GLOBAL_STATE guard), so a compiled function called in backward, such as
-    transformers' compiled ``flex_attention`` recomputed under activation checkpointing, fails the guard, recompiles,
-    and after ``torch._dynamo.config.recompile_limit`` graphs runs uncompiled (pytorch/pytorch issues 111569 and
-    186537 describe the thread-local state). One tiny backward sets the worker's count; the worker thread lives on,
-    so the setting holds for the rest of the process.
-
-    `init_distributed` calls it on CUDA, with the thread count the process has then; a recipe that changes
-    ``torch.set_num_threads`` for good afterwards should call it again.
-
-    Args:
-        device: the training device; nothing is done on CPU, where backward runs in the calling thread.
-
-    Returns:
-        The thread count the worker had before (None on CPU).
+    """Give the autograd engine's worker thread of `device` this thread's intra-op thread count, once per
+    process, so that compiled code recomputed in backward does not recompile (docs/notes.md#recompiles-in-backward-under-activation-checkpointing-torch-213).
+    Returns the worker's previous count; None (nothing done) on CPU.
     """
     if device.type != "cuda":
         return None
@@ -214,13 +162,8 @@ def align_autograd_threads(device: torch.device) -> int | None:
 
 
 def apply_collective_timeout() -> None:
-    """Give every process group that exists now the collective timeout that `init_distributed` set
-    (``train.collective_timeout_s``).
-
-    A library's own groups get torch's default timeout (30 minutes for gloo, 10 for NCCL), not the default
-    group's: DeepSpeed reduces ZeRO-1/2's gradients and their norm on a copy of the world group
-    (``dist.new_group``). Call this once they exist (`cookbook.hf_trainer.StallReport` does, when training
-    begins). No-op without a group or timeout.
+    """Give every process group that exists now the timeout `init_distributed` set: a library's own groups
+    (DeepSpeed's copy of the world group) get torch's default (30 min gloo, 10 NCCL). No-op without a group or timeout.
     """
     timeout_s = _STALL["timeout_s"]
     if timeout_s is None or not (dist.is_available() and dist.is_initialized()):
@@ -255,10 +198,9 @@ def _store():
 
 
 def record_progress(step: int) -> None:
-    """Record that this rank has finished `step` optimizer steps, in the process group's store (one small
-    ``set``: well under a millisecond), so that a rank whose collective times out can tell which rank is behind
-    (`describe_stall`). Call it at each step boundary (`cookbook.loop.TrainLoop` does). Never raises: a store that
-    cannot be written turns the records off. No-op without a group of several ranks."""
+    """Record in the group's store that this rank finished `step` optimizer steps (one small ``set``), for
+    `describe_stall`. Never raises (a store that cannot be written turns the records off); no-op for one rank.
+    """
     _STALL["step"] = step
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return
@@ -300,25 +242,13 @@ def stall_error(exc: BaseException) -> CollectiveTimeout | None:
 
 
 def describe_stall(exc: BaseException, grace_s: float | None = None) -> str:
-    """One line for a collective that timed out on this rank: where this rank waited, and which rank stalled.
+    """One line for a collective that timed out on this rank: where it waited, and which rank stalled.
 
-    The ranks' progress records (`record_progress`) say who is behind: a rank whose last finished step is
-    lower than this rank's never reached this step's collectives. When every rank finished the same step,
-    this rank marks itself as timed out in the store and waits up to `grace_s` for the others to do the
-    same: a healthy rank waits in the same collective and times out within about as long, so a rank that
-    does not is the stalled one. The store is read with a 5 s limit (it may live in a stopped process).
-    With a debug folder (`init_distributed`), this rank's Python stacks are written there first.
-
-    Args:
-        exc: the timeout (`collective_timed_out` is true for it).
-        grace_s: seconds to wait for the other ranks' timeouts; default a quarter of the group's timeout,
-            at most 10.
-
-    Returns:
-        e.g. ``a collective did not finish within 10 s (a gradient collective in backward: `loss.backward()`,
-        train.py:402) at step 4: rank 1 (pid 4242 on node7) last finished step 2, this rank step 3 - it is
-        stalled (stopped, hung, or much slower); `py-spy dump --pid 4242` on node7 shows where it is; this
-        rank's stacks: <file>``. Never raises.
+    A rank whose last recorded step is lower never reached this collective; when all finished the same step, this rank
+    marks itself timed out and waits up to `grace_s` (default a quarter of the timeout, at most 10 s) for the others
+    to do the same: one that does not is the stalled one. Writes this rank's stacks to the debug folder first. Never
+    raises. E.g. ``a collective did not finish within 10 s (...) at step 4: rank 1 (pid 4242 on node7) last finished
+    step 2, this rank step 3 - it is stalled (stopped, hung, or much slower); ...``.
     """
     timeout_s = _STALL["timeout_s"]
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0") or 0)
@@ -404,10 +334,9 @@ _PASS_THROUGH = re.compile(r"(return |\w+ = )?\w+\(\*args, \*\*kwargs\)")
 
 
 def _collective_site(exc: BaseException) -> str:
-    """Where this rank waited: the torch.distributed function (or backward, whose gradient collectives DDP and
-    FSDP run), then the innermost call outside torch that is not a decorator's pass-through
-    (``ret_val = func(*args, **kwargs)``): its source line, file and line number, e.g.
-    ``all_reduce: `dist.all_reduce(flat)`, dist.py:262``."""
+    """Where this rank waited: the torch.distributed function (or backward), then the innermost call outside
+    torch that is not a decorator's pass-through, e.g. ``all_reduce: `dist.all_reduce(flat)`, dist.py:262``.
+    """
     torch_dir = os.path.dirname(torch.__file__) + os.sep
     frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ is not None else []
     op = next((f.name for f in reversed(frames) if f.filename.startswith(torch_dir + "distributed")), None)
@@ -449,16 +378,8 @@ _DESTROYED_GROUPS: list = []
 
 
 def destroy_distributed() -> None:
-    """Destroy the default process group if one exists (safe to call twice).
-
-    The group object itself is kept referenced until the process ends. A DDP reducer or an FSDP
-    mesh still holds it, and without this reference the group's C++ destructor would run whenever
-    the last such object is freed (often when ``main`` returns), joining gloo's worker threads
-    while the caller holds the GIL. A worker thread that is still releasing the tensors of the last
-    collective needs the GIL for that: the two wait for each other forever (seen at the end of 2 of
-    4 CPU runs of a DDP recipe; the worker thread in ``~AsyncAllgatherWork``, the main thread in
-    ``~ProcessGroupGloo`` under ``~Reducer``). Recipes end with `cookbook.run_main`, which exits
-    without freeing it at all.
+    """Destroy the default process group if one exists (safe to call twice); the group object stays referenced
+    until the process ends (docs/notes.md#a-hang-in-the-process-groups-destructor-torch-213-gloo).
     """
     _STALL.update(timeout_s=None, debug_dir=None, store=None, step=None)  # of the group that ends here
     if dist.is_available() and dist.is_initialized():
@@ -485,14 +406,8 @@ def barrier() -> None:
 
 
 def all_reduce_mean(values: Mapping[str, float | torch.Tensor], device: torch.device) -> dict[str, float]:
-    """Average scalar metrics over ranks in one collective.
-
-    Args:
-        values: metric name -> Python number or 0-d tensor (any device).
-        device: the device of this rank's collective (``cuda:i`` for NCCL, ``cpu`` for gloo).
-
-    Returns:
-        name -> mean over ranks, as Python floats. Without a group, the inputs as floats.
+    """Average scalar metrics (name -> number or 0-d tensor) over ranks in one collective on `device`; returns
+    name -> mean as Python floats (the inputs as floats without a group).
     """
     return _all_reduce(values, device, mean=True)
 
@@ -528,21 +443,9 @@ def all_gather_object(obj: object) -> list[object]:
 
 @torch.no_grad()
 def param_fingerprint(model: torch.nn.Module, chunk: int = 1 << 24) -> list[float]:
-    """Two float64 checksums of a model's parameters, to compare replicas across ranks.
-
-    The first is the plain sum of all entries, the second a position-weighted sum
-    (entry i of parameter p weighted by 1 + (i mod 97) / 97) so that swapped values change it.
-    Identical parameters give identical fingerprints; DDP replicas that drifted apart do not.
-    Works on plain tensors only (call it on a DDP module or an unwrapped model, not on
-    FSDP-sharded DTensors).
-
-    Computed where each parameter lives (the GPU for a model there), `chunk` entries at a time, so
-    a model of billions of parameters takes well under a second on a GPU and at most
-    ``chunk`` x 8 bytes x a few of temporary memory; values on different devices can differ in the
-    last bits (summation order), so compare fingerprints computed on the same kind of device.
-
-    Returns:
-        ``[sum, weighted_sum]`` as Python floats.
+    """``[sum, weighted_sum]`` (float64, as Python floats) of a model's parameters, to compare replicas across
+    ranks: the plain sum and a sum weighted by ``1 + (i mod 97) / 97`` (so swapped values change it). Plain tensors
+    only (not FSDP DTensors); computed in place, `chunk` entries at a time; compare values from the same device kind.
     """
     total = weighted = None
     for p in model.parameters():

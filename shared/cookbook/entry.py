@@ -1,47 +1,16 @@
-"""The entry point of a recipe's ``train.py``: errors from whichever rank found them, and an exit
-that cannot hang.
-
-Every recipe ends with::
+"""The entry point of a recipe's ``train.py``: errors from whichever rank found them, and an exit that cannot hang.
 
     if __name__ == "__main__":
         cookbook.run_main(main, user_errors=(ConfigError, DataError, CheckpointError))
 
-`run_main` calls ``main(sys.argv[1:])`` and ends the process itself, with these exit statuses:
-
-==========  ==================================================================================
-status      meaning
-==========  ==================================================================================
-0           finished (or stopped at ``train.stop_at_step``); every output is written
-1           a bug or a library failure: the traceback is printed
-2           bad configuration, data or checkpoint (one of ``user_errors``), or a package that is missing or does not
-            import (an ``ImportError``, `cookbook.requirements.import_error_line`: a restart cannot install it): one line,
-            no traceback
-3           this rank lost contact with another rank: the other rank exited (its message says why), or
-            stalled: a collective waited past ``train.collective_timeout_s`` and this rank's one line names
-            the rank that is behind (`cookbook.dist.describe_stall`)
-4           diverged: a step's loss or gradient norm was NaN or infinite (``train.on_nonfinite=stop``, or one
-            more after ``train.max_consecutive_skips`` skipped in a row): one line naming the step and the newest
-            checkpoint, which is from before it (`cookbook.loop.NonFiniteError`); running the same command
-            again repeats it, so change ``optim.lr``, the data or ``train.on_nonfinite`` first
-75          preempted: SIGTERM or SIGUSR1 made every rank stop after the same step and save a checkpoint
-            (`cookbook.loop`); the same command resumes with no step lost (``EX_TEMPFAIL``: try again)
-130         interrupted (Ctrl-C)
-==========  ==================================================================================
-
-Three behaviours it guarantees:
-
-- **The user sees the error of the rank that found it.** A data error found only by rank 1 (a bad
-  row in its slice of the data) is printed by rank 1 as ``error: [rank 1] <message>``. Ranks that then
-  fail in a collective because that peer is gone print one line instead of a traceback, and wait
-  a few seconds before exiting, so the launcher sees the first failure first (torchrun reports the
-  earliest failure as the root cause, by time; see `cookbook.torchrun`).
-- **The launcher knows the root cause.** Under torchrun, the failure is also written to the file
-  torchrun names in ``TORCHELASTIC_ERROR_FILE`` (torch's own elastic error format).
-- **The process exits within seconds.** After ``main`` returns, standard streams and log handlers
-  are flushed and the process ends with ``os._exit``: Python's interpreter shutdown frees objects in
-  no fixed order, and freeing a DDP model there joins a gloo worker thread that waits for the GIL the
-  main thread holds (a deadlock seen at exit in 2 of 4 CPU runs). Recipes close their metrics sinks,
-  checkpoint writers and process group inside ``main``, so nothing is left to flush by then.
+Exit statuses (docs/bad-input.md, docs/failures.md): 0 finished or stopped at ``train.stop_at_step``; 1 a bug or
+library failure, with its traceback; 2 bad configuration, data or checkpoint (`user_errors`) or a package that does
+not import, one line; 3 lost contact with another rank, or a stall naming the rank behind; 4 a non-finite loss or
+gradient norm; 75 preempted after a checkpoint; 130 interrupted. The rank that found an error prints
+``error: [rank 1] <message>``; ranks that then fail in a collective print one line and wait a few seconds, so the
+launcher sees the first failure first; under torchrun it is also written to ``TORCHELASTIC_ERROR_FILE``. The
+process ends with ``os._exit`` after flushing, skipping the interpreter's teardown
+(docs/notes.md#a-hang-in-the-process-groups-destructor-torch-213-gloo).
 """
 
 from __future__ import annotations
@@ -79,20 +48,12 @@ _PEER_LOST_MARKERS = ("connection closed by peer", "connection reset by peer", "
 
 def run_main(main: Callable[[list[str]], Any], user_errors: Sequence[type[BaseException]] = (),
              argv: list[str] | None = None) -> NoReturn:
-    """Run ``main(argv)`` (default ``sys.argv[1:]``) and exit the process with the statuses in the
-    module docstring.
+    """Run ``main(argv)`` (default ``sys.argv[1:]``) and exit the process with the module docstring's statuses;
+    never returns.
 
-    Args:
-        main: the recipe's ``main``; it returns normally when the run finished or stopped.
-        user_errors: exception classes that mean bad input (configuration, data, checkpoint): their
-            message is printed as one line ``error: <message>`` (``error: [rank N] <message>`` in a
-            job of several processes), without a traceback, and the status is 2. An ``ImportError``
-            (``ModuleNotFoundError`` included) is bad input too: one line naming the module, the innermost
-            cause and the install line of the requirements.txt beside `main`'s file, if there is one.
-        argv: the arguments (default: the command line).
-
-    Raises:
-        Nothing: the process ends here, in every case.
+    `user_errors`: exception classes that mean bad input: printed as one line ``error: <message>`` (``[rank N]`` with
+    several processes), status 2. An ``ImportError`` too: one line naming the module, its cause and the install line
+    of the requirements.txt beside `main`'s file.
     """
     rank, world = os.environ.get("RANK", "0"), int(os.environ.get("WORLD_SIZE", "1") or 1)
     where = f"[rank {rank}] " if world > 1 else ""
@@ -212,10 +173,9 @@ def _record(exc: BaseException) -> None:
 
 
 def _exit(status: int, wait: float = 0.0) -> NoReturn:
-    """Run the ``atexit`` handlers (libraries' own clean-up: Ray's shutdown, MLflow's run end), flush
-    what was printed and logged, optionally wait, and end the process without Python's interpreter
-    teardown (see the module docstring). A rank that lost a peer (``wait`` > 0) skips the handlers:
-    they may talk to the peer that is gone."""
+    """Run the ``atexit`` handlers, flush, optionally wait, and end the process with ``os._exit``. A rank that lost a
+    peer (``wait`` > 0) skips the handlers: they may talk to the peer that is gone.
+    """
     if not wait:
         atexit._run_exitfuncs()
     logging.shutdown()

@@ -31,28 +31,12 @@ def published_checkpoints(root: str | Path) -> list[Path]:
 
 
 class PublishCheckpoints(TrainerCallback):
-    """Publishes each checkpoint the Trainer saves, atomically.
-
-    The Trainer writes ``checkpoint-<step>`` into its ``output_dir`` (the staging folder: DeepSpeed's
-    partitions of every rank, scheduler, RNG, data position). Once every rank is done, rank 0 adds
-    ``meta.json`` (``step``, ``world_size``, ``time``, ``config``, ``files``: every file of the checkpoint
-    with its size, `cookbook.resume.file_sizes`, so that the resume guard finds a truncated or missing shard, and
-    ``checksums``, `cookbook.checkpoint.checksums`, for bytes overwritten in place)
-    and renames the folder to ``<root>/checkpoint-<step>`` (atomic on one file system; `published_checkpoints`
-    lists only those), then deletes all but the newest `keep_last` (0: keeps all). Set ``save_total_limit=None``
-    in the arguments: the staging folder is emptied by the renames. When training begins, rank 0 deletes what an
-    interrupted or failed save left in the staging folder.
-
-    Args:
-        root: the published checkpoints' folder (``output_dir/checkpoints``), on the Trainer's file system.
-        keep_last: published checkpoints to keep, >= 0.
-        config: the run's config (a dict), stored in ``meta.json`` for the resume check.
-        more_meta: called on rank 0 at each save for more ``meta.json`` entries (JSON values), e.g.
-            `NonFiniteSteps.meta` (the skip count a resume continues).
+    """Publishes each checkpoint the Trainer saves: once every rank wrote ``checkpoint-<step>`` into the staging
+    folder, rank 0 adds ``meta.json`` (step, world size, `config`, file sizes, checksums, `more_meta`), renames it into
+    `root` and keeps the newest `keep_last` (0: all). Set ``save_total_limit=None``.
 
     Raises (from ``on_save``, on every rank):
-        CheckpointSaveError: rank 0 could not write ``meta.json`` or publish (disk full, ...): one line naming
-            the checkpoint, the OS error and the previous checkpoint, which is intact.
+        CheckpointSaveError: rank 0 could not write ``meta.json`` or publish; the previous checkpoint is intact.
     """
 
     def __init__(self, root: str | Path, keep_last: int, config: Mapping[str, Any],
@@ -99,24 +83,19 @@ class PublishCheckpoints(TrainerCallback):
 
 
 def resume_guard(output_dir: str | Path, cannot_remap: str) -> ResumeGuard:
-    """The resume guard of a Trainer recipe: the Trainer's ``checkpoint-<step>`` folders, published with
-    ``meta.json`` under ``output_dir/checkpoints`` (`PublishCheckpoints`). Another number of ranks is refused
-    (`cannot_remap` says why: ``"the Trainer's data order and per-rank RNG states depend on it"``); its advice to
-    start afresh deletes the whole `output_dir` (metrics.jsonl included: deleting the checkpoints alone would append
-    a new run to the old run's records)."""
+    """The `ResumeGuard` of a Trainer recipe's published ``checkpoint-<step>`` folders under ``output_dir/checkpoints``;
+    another number of ranks is refused, and its advice to start afresh deletes the whole `output_dir`.
+    """
     return ResumeGuard(Path(output_dir) / "checkpoints", folder="checkpoint-<n>", files=(), run_dir=output_dir,
                        cannot_remap=cannot_remap, same_size="NGPU x NNODES = {n}", published=True)
 
 
 def check_resume(cfg: Any, world_size: int, may_change: tuple[str, ...], cannot_remap: str) -> Path | None:
-    """The checkpoint to resume from (``cfg.checkpoint.resume``: auto, none or a folder), checked against the run
-    of `cfg` (a recipe's config with ``output_dir``, ``checkpoint.resume`` and ``train.stop_at_step``) on
-    `world_size` processes; `may_change` lists the config keys that may differ from the checkpoint's.
+    """The checkpoint to resume from (``checkpoint.resume``: auto, none or a folder) checked against the run of `cfg`
+    on `world_size` processes (`may_change`: keys that may differ).
 
     Raises:
-        CheckpointError: see `cookbook.checkpoint.ResumeGuard.check`: not a complete checkpoint; "none" over an
-            earlier run's checkpoints; written by another number of ranks or with other settings;
-            ``train.stop_at_step`` not after it.
+        CheckpointError: see `cookbook.resume.ResumeGuard.check`.
     """
     return resume_guard(cfg.output_dir, cannot_remap).check(cfg.checkpoint.resume, world_size, to_dict(cfg), may_change,
                                                             ("train.stop_at_step", cfg.train.stop_at_step))
@@ -134,22 +113,10 @@ def already_complete(output_dir: str | Path, resume_from: Path | None, max_steps
 
 
 class ReportSaveErrors:
-    """Trainer mixin, before the Trainer in the bases (``class MyTrainer(ReportSaveErrors, CountBatches,
-    SFTTrainer)``): a checkpoint save that fails with an OS error (disk full, file too large, I/O error, a
-    read-only file system) ends the run with `CheckpointSaveError` (exit status 2, which the launcher does not
-    restart: the disk would still be full) instead of a traceback.
-
-    The message names the checkpoint (its published folder), the OS error and the rank that met it, the previous
-    checkpoint (intact: the failed one is never published, and the rank that met the error deletes it from the
-    staging folder, as does every other rank whose save then fails, so that a full disk gets its space back) and
-    what to do. Only the rank that met the error knows of it: it prints the line; the other ranks,
-    waiting for it in a collective, stop with "another rank is gone" (exit 3) or are stopped by the launcher.
-    Failures of `PublishCheckpoints` (rank 0's ``meta.json`` and rename) are raised by it on every rank.
-
-    Raises:
-        CheckpointSaveError: from ``_save_checkpoint``, the Trainer's save (model, DeepSpeed's partitions,
-            scheduler, RNG, trainer state), when an `OSError` is behind its failure and a `PublishCheckpoints`
-            is among the callbacks; other failures pass through unchanged.
+    """Trainer mixin, before the Trainer in the bases: a save that fails with an `OSError` ends the run with
+    `CheckpointSaveError`'s one line (exit 2, not restarted) from ``_save_checkpoint``, when a `PublishCheckpoints` is
+    among the callbacks. The failed checkpoint is deleted from staging and never published; the other ranks stop
+    as having lost a peer (exit 3). Other failures pass through.
     """
 
     def _save_checkpoint(self, model, trial):
@@ -174,11 +141,9 @@ class ReportSaveErrors:
 
 @contextlib.contextmanager
 def _torch_saves_raise_os_errors() -> Iterator[None]:
-    """While the Trainer saves a checkpoint, ``torch.save`` to a path writes through a Python file object, so that
-    a failed write raises the `OSError` (its errno and the file) instead of torch's ``RuntimeError: ... unexpected
-    pos 704 vs 598``, whose C++ file writer keeps no errno. DeepSpeed writes its ZeRO partitions with
-    ``torch.save(state, path)``, as the Trainer does its scheduler, RNG states and arguments; the bytes written are
-    the same."""
+    """While the Trainer saves, ``torch.save`` to a path writes through a Python file object, so a failed write
+    raises the `OSError` (errno, file) instead of torch's ``RuntimeError: ... unexpected pos``; the bytes are the same.
+    """
     original = torch.save
 
     def save(obj, f, *args, **kwargs):
@@ -211,17 +176,12 @@ def _os_error_behind(exc: BaseException) -> OSError | None:
 
 
 def export_final(trainer, tokenizer, out_dir: str | Path, merge: bool = True) -> Path | None:
-    """Write the consolidated model and the tokenizer to ``out_dir/final`` (Hugging Face format), atomically.
+    """Write the consolidated model and tokenizer to ``out_dir/final`` (Hugging Face format), atomically; collective.
 
-    Collective. The full state dict comes from the Trainer's accelerator (under ZeRO-3 DeepSpeed gathers every
-    partition to rank 0, in the training dtype: bf16 on GPU, fp32 on CPU; the JSON needs
-    ``stage3_gather_16bit_weights_on_model_save``). For a PEFT (LoRA) model the adapter goes to
-    ``out_dir/adapter`` and ``final`` holds the base model with the adapter merged in. ``config.json`` records
-    the dtype (so ``from_pretrained(dtype="auto")`` keeps it) and ``use_cache: true``. ``merge=False`` writes the
-    adapter alone (a base whose weights cannot take a merge, e.g. 4-bit quantized).
-
-    Returns:
-        ``out_dir/final`` on rank 0 (``out_dir/adapter`` without `merge`), ``None`` elsewhere.
+    Under ZeRO-3 DeepSpeed gathers to rank 0 in the training dtype (the JSON needs
+    ``stage3_gather_16bit_weights_on_model_save``). A PEFT model's adapter goes to ``out_dir/adapter`` and ``final``
+    holds the merged model (``merge=False``: the adapter alone). ``config.json`` records the dtype and
+    ``use_cache: true``. Returns ``out_dir/final`` (or ``adapter``) on rank 0, None elsewhere.
     """
     out_dir = Path(out_dir)
     state = trainer.accelerator.get_state_dict(trainer.model_wrapped)  # every rank takes part; rank 0 gets tensors

@@ -24,27 +24,13 @@ DS_TRAINER_KEYS = {"train_micro_batch_size_per_gpu": "train.micro_batch_size",
 
 def check_deepspeed_config(path: str | Path, *, micro_batch_size: int, grad_accum_steps: int, world_size: int,
                            max_grad_norm: float, export_16bit: bool) -> dict:
-    """Read a DeepSpeed JSON (``deepspeed.config``) and check it against the recipe's config.
-
-    Args:
-        path: the JSON file.
-        micro_batch_size, grad_accum_steps, max_grad_norm: ``train.micro_batch_size``, ``train.grad_accum_steps``
-            and ``optim.max_grad_norm``, which the Trainer writes where the JSON says ``"auto"``.
-        world_size: processes of the job (GPUs x nodes).
-        export_16bit: the run writes the final model (``checkpoint.export_hf``), which under ZeRO-3 needs the
-            16-bit weights gathered on save.
-
-    Returns:
-        The JSON as a dict.
+    """Read the DeepSpeed JSON at `path`, checked against the recipe's config (the values the Trainer writes
+    where it says ``"auto"``, `world_size`, `export_16bit`); returns it as a dict.
 
     Raises:
-        ConfigError: the file is missing or not JSON; no ZeRO stage 1-3; fp16 is on (recipes train in bf16 or
-            fp32: ``train.mixed_precision``); a batch-size or clipping value is a number that disagrees with the
-            config (names the key and the config value it must equal, or "auto"); ZeRO-3 without
-            ``stage3_gather_16bit_weights_on_model_save`` while `export_16bit`; ``bf16.check_grad_overflow=false``
-            or ``zero_optimization.compute_grad_norm=false``, with which DeepSpeed applies a step whose gradient
-            norm is NaN or infinite (`NonFiniteSteps` relies on DeepSpeed discarding it); an ``accelerate launch``
-            config naming another DeepSpeed JSON (`check_accelerate_deepspeed_file`).
+        ConfigError: missing or not JSON; no ZeRO stage 1-3; fp16 on; a batch or clipping number that disagrees
+            (naming the key); ZeRO-3 without ``stage3_gather_16bit_weights_on_model_save`` while `export_16bit`;
+            ``bf16.check_grad_overflow=false`` or ``compute_grad_norm=false``; another JSON in an accelerate config.
     """
     path = Path(path)
     if not path.is_file():
@@ -81,16 +67,8 @@ def check_deepspeed_config(path: str | Path, *, micro_batch_size: int, grad_accu
 
 
 def check_accelerate_deepspeed_file(path: str | Path, env: Mapping[str, str] | None = None) -> None:
-    """Refuse an ``accelerate launch`` whose DeepSpeed JSON is not the recipe's ``deepspeed.config``.
-
-    ``accelerate launch --config_file <yaml>`` with ``deepspeed_config.deepspeed_config_file`` exports it to the
-    workers as ``ACCELERATE_DEEPSPEED_CONFIG_FILE``; the Trainer trains with its own ``deepspeed`` argument (the
-    recipe's ``deepspeed.config``) and would silently ignore a different file. A relative path is looked up from the
-    working directory (as accelerate does), then from the folder of `path`.
-
-    Args:
-        path: the recipe's DeepSpeed JSON (an existing file).
-        env: the environment to read (default ``os.environ``).
+    """Refuse an ``accelerate launch`` whose DeepSpeed JSON (``ACCELERATE_DEEPSPEED_CONFIG_FILE`` in `env`,
+    relative to the working directory or `path`'s folder) is not the recipe's `path`: the Trainer would ignore it.
 
     Raises:
         ConfigError: the variable names a file that does not exist, or another file than `path`.
@@ -111,20 +89,9 @@ def check_accelerate_deepspeed_file(path: str | Path, env: Mapping[str, str] | N
 
 
 def init_deepspeed(on_cpu: bool, timeout_s: float = 1800.0, debug_dir: str | Path | None = None) -> DistInfo:
-    """Start the cookbook's process group (`cookbook.init_distributed`) and DeepSpeed's communication over it.
-
-    On a CPU run DeepSpeed would build a shared-memory all-reduce op with a C++ JIT compile (~40 s); gloo's
-    collectives do the same job for a CPU test, so that build is skipped. Call before creating
-    ``TrainingArguments`` (with ZeRO-3, they make ``from_pretrained`` partition the weights while loading).
-
-    Args:
-        on_cpu: the run is on CPU (gloo).
-        timeout_s: the collective timeout (``train.collective_timeout_s``), for the default group and DeepSpeed;
-            the groups DeepSpeed creates itself get it from `StallReport` when training begins.
-        debug_dir: where stack dumps and NCCL's flight recorder write on a timeout (``<output_dir>/debug``).
-
-    Returns:
-        This process's `DistInfo`.
+    """Start the cookbook's process group and DeepSpeed's communication over it; returns this process's `DistInfo`.
+    On CPU DeepSpeed's shared-memory all-reduce build (a ~40 s JIT compile) is skipped: gloo does the job. Call before
+    ``TrainingArguments``. `timeout_s`: the collective timeout; `debug_dir`: stacks and NCCL's flight recorder.
     """
     import importlib
 

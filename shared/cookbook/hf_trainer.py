@@ -1,53 +1,17 @@
-"""The bookkeeping of a recipe built on the Hugging Face ``Trainer`` (or TRL's ``SFTTrainer``), with DeepSpeed or
-without (DDP, FSDP2).
+"""The bookkeeping of a recipe built on the Hugging Face ``Trainer`` (or TRL's ``SFTTrainer``), with or without
+DeepSpeed: callbacks and mixins that connect it to the rest of the cookbook, for any model.
 
-The Trainer runs the step loop; these pieces connect it to the rest of the cookbook, unchanged for any model:
+`MetricsCallback` feeds `cookbook.metrics.MetricsLogger`; `CountBatches` counts rows, tokens and data wait;
+`WholeEpochs` makes an epoch full global batches; `SeedPerRank`, `StopAtStep`; the failure callbacks
+`Preemption` (exit 75), `NonFiniteSteps` (``train.on_nonfinite``, exit 4) and `StallReport` (exit 3), with the
+torchrun loop's policy (`cookbook.policy`); `RunCallbacks` wires them in order; `TrainerRun` runs
+``trainer.train()`` and closes the run. The checkpoint pieces (`PublishCheckpoints`, `ReportSaveErrors`,
+`check_resume`, `export_final`) live in `cookbook.hf_checkpoints` and the DeepSpeed ones (`check_deepspeed_config`,
+`init_deepspeed`) in `cookbook.hf_deepspeed`; both re-exported here (docs/failures.md, docs/notes.md).
 
-- `MetricsCallback` feeds `cookbook.metrics.MetricsLogger`: one window per ``logging_steps`` (loss,
-  learning rate, gradient norm, step time, rows and real tokens per second, MFU), paused while the
-  Trainer evaluates or saves a checkpoint; each evaluation's ``eval_*`` values, plus a recipe's own
-  (``evaluate_more``, e.g. generation scored against references), as one eval record.
-- `WholeEpochs`, a Trainer mixin, makes an epoch read every row once, in full global batches (`epoch_line` logs
-  what is dropped).
-- `CountBatches`, a Trainer mixin, counts each micro-batch's rows, real tokens and data-loading wait into it.
-- `PublishCheckpoints` turns the Trainer's ``checkpoint-<step>`` folders into published checkpoints: written
-  in a staging folder (the Trainer's ``output_dir``), completed with ``meta.json`` (step, world size, config,
-  the files and their sizes), renamed into the checkpoints folder once every rank is done (atomic), the
-  newest ``keep_last`` kept. `resume_guard`, `check_resume` and `already_complete` find and check the
-  checkpoint a run continues (``checkpoint.resume``: auto, none or a folder).
-- `StopAtStep` ends training with a checkpoint after ``train.stop_at_step``; `SeedPerRank` seeds each rank's
-  random streams ``seed + rank`` (its own dropout masks).
-- What the torchrun recipes' `cookbook.loop.TrainLoop` does when things fail, with the same code:
-  `Preemption` (SIGTERM / SIGUSR1: every rank finishes its step, they agree on it with
-  `cookbook.loop.StopVote`, a checkpoint is published there and the run exits with 75), `NonFiniteSteps`
-  (``train.on_nonfinite`` through `cookbook.loop.NonFinitePolicy`: DeepSpeed's own check of the gradient norm,
-  or, without DeepSpeed, an all-reduced check of the gradients before ``optimizer.step()``; the skip count is
-  kept in the checkpoints), `ReportSaveErrors` (a Trainer mixin: a save that fails with an OS error ends the run with
-  `cookbook.checkpoint.CheckpointSaveError`'s one line, exit 2) and `StallReport` (``train.collective_timeout_s``
-  on every process group, DeepSpeed's included, and the progress records that let the rank whose collective
-  timed out name the one that stalled, exit 3). A damaged checkpoint (a truncated shard, bytes overwritten in place, no
-  ``meta.json``) is found by the resume guard from the file sizes and checksums `PublishCheckpoints` lists in
-  ``meta.json`` (a folder is published under ``checkpoints/`` only once its ``meta.json`` is written).
-- `check_deepspeed_config` refuses, before any worker starts, a DeepSpeed JSON that disagrees with the
-  recipe's config (or with the one an ``accelerate launch`` config names: `check_accelerate_deepspeed_file`); `init_deepspeed` starts DeepSpeed's communication over the cookbook's process group.
-- `TrainerRun` runs ``trainer.train()`` and closes the run whatever happens (stop, preemption, failure, stall).
-- `export_final` writes the consolidated model (and a LoRA adapter) in Hugging Face format.
-
-The checkpoint pieces and `export_final` are in `cookbook.hf_checkpoints`, the DeepSpeed ones in
-`cookbook.hf_deepspeed`; both are re-exported here.
-
-Use::
-
-    info = init_deepspeed(on_cpu, cfg.train.collective_timeout_s, debug_dir=out_dir / "debug")
-    resume_from = check_resume(cfg, info.world_size, MAY_CHANGE, "DeepSpeed's ZeRO partitions cannot be remapped")
     callbacks = RunCallbacks(cfg, root, metrics, pad_id, resume_from, evaluate_more=generation_eval)
-    class MyTrainer(ReportSaveErrors, CountBatches, SFTTrainer): ...
-    trainer = MyTrainer(..., args=SFTConfig(output_dir=staging, ...), callbacks=callbacks.all)
-    trainer.remove_callback(PrinterCallback)  # MetricsLogger prints the log lines
-    with TrainerRun(callbacks.preemption, metrics) as run:  # closes everything; a timed-out collective names the rank
-        if not run.train(trainer, resume_from, max_steps, callbacks.publisher):  # Preempted (exit 75) after a preemption
-            return  # stopped at train.stop_at_step
-        export_final(trainer, tokenizer, out_dir)
+    trainer = MyTrainer(..., callbacks=callbacks.all)   # class MyTrainer(ReportSaveErrors, CountBatches, SFTTrainer)
+    with TrainerRun(callbacks.preemption, metrics) as run:   # if run.train(...): export_final(...)
 """
 
 from __future__ import annotations
@@ -78,28 +42,11 @@ _EVAL_TIMING = ("runtime", "samples_per_second", "steps_per_second")
 
 # ----------------------------------------------------------------------------- metrics
 class MetricsCallback(TrainerCallback):
-    """Feeds a `MetricsLogger` from the Trainer's events.
-
-    - ``on_train_begin``: starts the first window at the Trainer's step (after a resume, too).
-    - ``on_log`` with a training ``loss``: one train record (``MetricsLogger.log_step``: the window's loss,
-      ``learning_rate``, ``grad_norm``, and the rows and tokens counted by `CountBatches`).
-    - ``on_evaluate``: the ``eval_*`` values (without the prefix and the Trainer's timing keys), then
-      ``evaluate_more(model)``'s, as one eval record (``MetricsLogger.log_eval``); kept in `last_eval`.
-    - An evaluation inside the step loop leaves the random streams as they were at the step's end (they are
-      restored after ``on_evaluate``): with dropout on, ``train.eval_every`` does not change the training run.
-    - Evaluations and checkpoint saves inside the step loop are left out of the step time, throughput and ETA
-      (``MetricsLogger.paused``): when a step ends with ``should_evaluate`` or ``should_save`` set, the window
-      pauses (after the step's own log record) until the last of them is done. Put this callback after
-      those that set these flags in ``on_step_end`` (`StopAtStep`) and after those whose ``on_save`` or
-      ``on_evaluate`` take time (`PublishCheckpoints`).
-
-    Args:
-        metrics: the run's `MetricsLogger`.
-        pad_id: the padding token id, to count real tokens (`cookbook.lm.count_tokens`).
-        evaluate_more: ``model -> {name: value}`` run with every evaluation on every rank (collective), its
-            values reduced over ranks already; ``None``: the Trainer's values alone.
-        log_extra: more numbers for each train record (``NonFiniteSteps.log_extra``: ``skipped_steps``), the same
-            on every rank.
+    """Feeds a `MetricsLogger` from the Trainer's events: a train record per ``on_log`` with a ``loss``, one eval
+    record per ``on_evaluate`` (the ``eval_*`` values without prefix and timing keys, then ``evaluate_more(model)``'s,
+    a collective; kept in `last_eval`). Evaluations and saves inside the step loop are paused out of the step time and
+    leave the random streams as they were; put this callback after `StopAtStep` and `PublishCheckpoints`.
+    `log_extra`: more numbers for each train record, the same on every rank.
     """
 
     def __init__(self, metrics: MetricsLogger, pad_id: int,
@@ -175,8 +122,8 @@ class MetricsCallback(TrainerCallback):
 
 
 class CountBatches:
-    """Trainer mixin, first in the bases (``class MyTrainer(CountBatches, SFTTrainer)``): counts each
-    optimizer step's micro-batches (rows, real tokens, data-loading wait) into the trainer's `MetricsCallback`.
+    """Trainer mixin, first in the bases: counts each optimizer step's micro-batches (rows, real tokens,
+    data-loading wait) into the trainer's `MetricsCallback`.
 
     Raises:
         ValueError: the trainer has no `MetricsCallback` among its callbacks.
@@ -194,16 +141,8 @@ class CountBatches:
 
 
 class WholeEpochs:
-    """Trainer mixin (``class MyTrainer(WholeEpochs, CountBatches, SFTTrainer)``): an epoch reads every row at
-    most once, in full global batches.
-
-    The Trainer's own sampler gives each rank its share of micro-batches and accelerate pads the ranks to equal
-    counts by repeating rows from the epoch's start; with ``gradient_accumulation_steps`` the epoch's last
-    optimizer step takes fewer micro-batches. The recipes count ``epochs x (rows // global batch)`` steps, so a
-    run of ``train.epochs`` passes ran a fraction of the passes, some rows twice. Here the sampler
-    (`FullBatchesSampler`) yields, per epoch, ``rows // global batch`` full global batches from a fresh
-    permutation (seeded ``args.seed + epoch``, so a resume continues the same order); the remainder (fewer than
-    one global batch, other rows each epoch) is dropped and said once in the log (`epoch_line`).
+    """Trainer mixin: an epoch reads every row at most once, in ``rows // global batch`` full global batches
+    (`FullBatchesSampler`); the remainder is dropped and logged once (`epoch_line`). Why: docs/notes.md.
     """
 
     def _get_train_sampler(self, train_dataset=None):
@@ -215,12 +154,8 @@ class WholeEpochs:
 
 class FullBatchesSampler(torch.utils.data.Sampler):
     """Row indices of one epoch: ``torch.randperm(num_rows)`` seeded ``seed + epoch_of()``, cut to
-    ``num_rows // global_batch`` whole global batches. Split round-robin into micro-batches across ranks
-    (accelerate's ``BatchSamplerShard``), every rank gets the same number of micro-batches, a multiple of the
-    accumulation steps, and no row comes twice in an epoch.
-
-    `epoch_of` reads the epoch from the Trainer's state (``int(state.epoch)``: after a resume too, where the
-    loader that skips the epoch's first batches does not pass ``set_epoch`` down to its sampler).
+    ``num_rows // global_batch`` whole global batches, so every rank gets as many micro-batches and no row comes twice.
+    `epoch_of` reads ``int(state.epoch)`` from the Trainer.
 
     Raises:
         ValueError: fewer rows than one global batch.
@@ -251,10 +186,9 @@ def epoch_line(num_rows: int, global_batch: int) -> str:
 
 # ----------------------------------------------------------------------------- seeds, stops and failures
 class SeedPerRank(TrainerCallback):
-    """Each rank its own dropout masks: when training begins (after the model and its LoRA layers are built),
-    the random streams are seeded ``args.seed + args.process_index`` (`cookbook.checkpoint.seed_per_rank`). The
-    Trainer seeds every rank with ``args.seed`` alone, so all ranks drew the same masks. A resumed run then
-    restores each rank's saved streams from the checkpoint, as before."""
+    """Seeds the random streams ``args.seed + args.process_index`` when training begins (each rank its own dropout
+    masks); a resumed run then restores each rank's saved streams.
+    """
 
     def on_train_begin(self, args, state, control, **kwargs):
         seed_per_rank(args.seed, args.process_index)
@@ -274,16 +208,9 @@ class StopAtStep(TrainerCallback):
 
 
 class Preemption(TrainerCallback):
-    """Preemption of a Trainer run, as `cookbook.loop.TrainLoop` does it: SIGTERM (a scheduler's, or torchrun's
-    passing on the launcher's) or SIGUSR1 (Slurm's warning before a job's end) asks to stop
-    (`cookbook.loop.StopRequest`, listening from ``on_train_begin`` to ``on_train_end`` or `close`); at each step
-    end the ranks vote on it (`cookbook.loop.StopVote`: an asynchronous all-reduce, decided one step later), so
-    every rank finishes the same step, the Trainer saves a checkpoint there (unless ``save_strategy="no"``:
-    ``checkpoint.every_steps=-1``) and training stops. After ``trainer.train()`` returns, `raise_if_stopped` logs
-    the stop and raises `cookbook.loop.Preempted` (exit status 75); the same command resumes with no step lost.
-    A request at the last step is too late: the run finishes as planned.
-
-    Put it before `MetricsCallback` in the callbacks (the save it asks for is left out of the step time).
+    """SIGTERM or SIGUSR1 asks to stop (`cookbook.policy.StopRequest`); the ranks agree on the step (`StopVote`), the
+    Trainer saves a checkpoint there and stops, and `raise_if_stopped` raises `Preempted` (exit 75). A request at the
+    last step is too late. Put it before `MetricsCallback`.
     """
 
     def __init__(self) -> None:
@@ -310,60 +237,19 @@ class Preemption(TrainerCallback):
         self.request.restore()
 
     def raise_if_stopped(self, state, checkpoint: Path | None) -> None:
-        """After ``trainer.train()``: if a preemption stopped it before ``state.max_steps``, log the stop with
-        `checkpoint` (the one published at that step) and raise `cookbook.loop.Preempted` (75).
-
-        Raises:
-            Preempted: the run stopped on a preemption signal."""
+        """After ``trainer.train()``: if a preemption stopped it before ``state.max_steps``, log the stop
+        with `checkpoint` (published at that step) and raise `cookbook.policy.Preempted` (75).
+        """
         if self.request.requested and state.global_step < state.max_steps:
             raise self.request.preempted(state.global_step, state.max_steps, checkpoint)
 
 
 class NonFiniteSteps(TrainerCallback):
-    """``train.on_nonfinite`` for the Trainer, with the torchrun recipes' policy (`cookbook.loop.NonFinitePolicy`:
-    stop, or skip at most ``train.max_consecutive_skips`` in a row), under DeepSpeed or a plain Trainer (DDP, FSDP2).
-
-    Under DeepSpeed, its ZeRO optimizers (stages 1-3, bf16 or fp32; DeepSpeed 0.19.8, as ``requirements/base.txt``
-    pins) reduce the gradient norm over the ranks before each update and discard a step whose norm is NaN or
-    infinite: the gradients are zeroed, no weight or optimizer state changes, the Trainer's LR scheduler does not
-    step (``optimizer.step_was_skipped``), and the Trainer logs the norm as ``inf``. That update happens inside the
-    backward of the step's last micro-batch, before any callback runs, so this callback reads DeepSpeed's decision
-    in ``on_optimizer_step``, on every rank alike. `check_deepspeed_config` refuses the DeepSpeed settings under
-    which DeepSpeed would apply such a step (``bf16.check_grad_overflow=false``, ``compute_grad_norm=false``).
-
-    Without DeepSpeed the decision is made here, in ``on_pre_optimizer_step``: the Trainer (transformers 5.24,
-    ``_inner_training_loop``) calls it after the gradients are reduced (DDP) and clipped, right before
-    ``optimizer.step()``. Clipping by a NaN or infinite total norm leaves NaN in the gradients (a non-finite loss
-    gives such gradients), so the check looks at the clipped gradients: one flag, "some trainable gradient of this
-    rank has a NaN or infinite norm", is
-    all-reduced (MAX) so that every rank decides alike (under FSDP2 each rank checks its own shards). A step found
-    non-finite has every trainable gradient set to ``None``, so ``optimizer.step()`` leaves those parameters and
-    their optimizer state as they were (torch's optimizers pass over a parameter without a gradient). The Trainer
-    still steps its LR scheduler (it follows the step number). Not caught: finite gradients whose total norm alone
-    overflows float32, which clipping turns into zeros (as plain ``clip_grad_norm_`` does). The check costs one
-    scalar all-reduce and one host sync per optimizer step.
-
-    Either way:
-
-    - ``stop``: `cookbook.loop.NonFiniteError` (exit status 4) naming the step and the newest published
-      checkpoint, which is from before it;
-    - ``skip``: the step is logged and counted (``skipped_steps`` in the train records, through
-      `MetricsCallback`'s ``log_extra``). The Trainer counts batches, so a skipped step keeps its number: the run
-      ends after ``max_steps`` batches, ``skipped_steps`` of them not applied (the torchrun recipes give the
-      number to the next batch instead).
-
-    No checkpoint holds a discarded step's values. The count is kept in each published checkpoint's ``meta.json``
-    (``skipped_steps``: pass `meta` to `PublishCheckpoints`'s ``more_meta``) and a resumed run continues it
-    (`resume_from`).
-
-    Args:
-        policy: ``NonFinitePolicy.from_config(cfg.train)``.
-        root: the published checkpoints' folder, for the stop message.
-        resume_from: the checkpoint this run resumes from (its ``meta.json``'s ``skipped_steps``, 0 if absent),
-            or ``None`` for a fresh start.
-
-    Raises:
-        NonFiniteError: see above.
+    """``train.on_nonfinite`` for the Trainer, with the torchrun recipes' `NonFinitePolicy`: under DeepSpeed it reads
+    DeepSpeed's own skip of a non-finite step (``on_optimizer_step``); without it, it checks the clipped gradients
+    before ``optimizer.step()`` (one all-reduce) and drops a bad step's gradients. ``stop`` raises `NonFiniteError`
+    (exit 4); ``skip`` logs and counts the step (the Trainer keeps its number). The count goes into each checkpoint's
+    ``meta.json`` (`meta`) and continues from `resume_from`. How: docs/failures.md, docs/notes.md.
     """
 
     META_KEY = "skipped_steps"  # in meta.json
@@ -434,12 +320,9 @@ def _nonfinite_on_some_rank(grads: list[torch.Tensor], device: torch.device) -> 
 
 
 class StallReport(TrainerCallback):
-    """A stalled rank, named: when training begins, every process group (DeepSpeed's copy of the world group, on
-    which ZeRO-1/2 reduce gradients and their norm, included) gets the collective timeout of
-    ``train.collective_timeout_s`` (`cookbook.dist.apply_collective_timeout`;
-    the default group has it from `init_deepspeed`), and at each step end this rank's progress is recorded in the
-    group's store (`cookbook.dist.record_progress`). A collective that then waits past the timeout raises on the
-    rank that waited (gloo), and `cookbook.run_main` prints one line naming the rank that is behind (exit status 3).
+    """Gives every process group (DeepSpeed's copy of the world group included) ``train.collective_timeout_s`` when
+    training begins, and records this rank's progress at each step end, so that a timed-out collective names the rank
+    that is behind (exit status 3).
     """
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -452,18 +335,9 @@ class StallReport(TrainerCallback):
 
 # ----------------------------------------------------------------------------- the run
 class RunCallbacks:
-    """The callbacks of a Trainer recipe's run, wired to each other: `Preemption`, `NonFiniteSteps` (its skip count
-    written into each checkpoint's ``meta.json`` by `PublishCheckpoints` and continued from `resume_from`),
-    `MetricsCallback` (the skip count in its records). `all` lists them in the order the Trainer must call them:
-    `StopAtStep` and `Preemption` set ``should_save`` before `MetricsCallback` sees the step end, and
-    `MetricsCallback`, last, pauses its window over the evaluation and the save (publishing included).
-
-    Args:
-        cfg: the recipe config (``train.stop_at_step``, ``train.on_nonfinite``, ``train.max_consecutive_skips``,
-            ``checkpoint.keep_last``; all of it goes into ``meta.json`` for the resume check).
-        root: the published checkpoints' folder (``output_dir/checkpoints``).
-        metrics, pad_id, evaluate_more: as in `MetricsCallback`.
-        resume_from: the checkpoint this run resumes from, or None.
+    """A Trainer recipe's callbacks wired to each other (`Preemption`, `NonFiniteSteps`, `MetricsCallback`, the
+    publisher); `all` lists them in the order the Trainer must call them. `cfg` goes into ``meta.json`` for the resume
+    check; `root`: the published checkpoints' folder.
     """
 
     def __init__(self, cfg: Any, root: str | Path, metrics: MetricsLogger, pad_id: int,
@@ -478,17 +352,8 @@ class RunCallbacks:
 
 
 class TrainerRun:
-    """How a Trainer recipe runs ``trainer.train()`` and ends, whatever happens (the ``try`` of `TrainLoop.run`):
-
-        with TrainerRun(preemption, metrics) as run:
-            if not run.train(trainer, resume_from, max_steps, publisher):
-                return  # stopped at train.stop_at_step, with a checkpoint
-            ...evaluate, export, log the outputs...
-
-    `train` resumes from `resume_from`, raises `cookbook.loop.Preempted` (exit status 75) after a preemption and
-    logs where to continue after ``train.stop_at_step``. Leaving the block stops listening for signals
-    (`Preemption.close`), closes `metrics` (failed, stopped early or finished) and the process group; a collective
-    that timed out is raised as the one line naming the rank that is behind (`cookbook.dist.stall_error`).
+    """Runs ``trainer.train()`` and ends the run whatever happens: leaving the block stops listening for signals,
+    closes `metrics` and the process group; a timed-out collective becomes the one line naming the rank behind.
     """
 
     def __init__(self, preemption: Preemption, metrics: MetricsLogger):
@@ -496,7 +361,8 @@ class TrainerRun:
         self.stopped = False
 
     def train(self, trainer, resume_from: Path | None, max_steps: int, publisher: PublishCheckpoints) -> bool:
-        """``trainer.train()``; True when it reached `max_steps`, False when ``train.stop_at_step`` stopped it.
+        """``trainer.train()`` from `resume_from`; True when it reached `max_steps`, False when ``train.stop_at_step``
+        stopped it.
 
         Raises:
             Preempted: a preemption signal stopped it (a checkpoint is published at that step).

@@ -1,30 +1,11 @@
 """Model folders and data files on disk, from a local path or the Hugging Face Hub.
 
-Recipes that read safetensors files themselves (shard by shard, without ``from_pretrained``) need a
-folder; ``model_folder`` gives one for a local folder or a hub id, the latter through
-``huggingface_hub.snapshot_download`` (https://huggingface.co/docs/huggingface_hub/guides/download), so
-the usual environment applies: ``HF_HUB_CACHE`` / ``HF_HOME`` choose the cache, ``HF_HUB_OFFLINE=1``
-uses the cache only, ``HF_TOKEN`` authenticates for gated models. A model already in the cache is not
-downloaded again.
-
-Recipes whose data loader streams a local text format (one row a line) read other sources through
-it: ``dataset_to_text`` writes the rows of a hub data set once, in the recipe's own line format, to a
-file beside a record of what was written, and ``file_to_text`` does the same for a local CSV, JSON,
-JSONL or parquet file, keyed by its content. Later runs (and every rank) read those files offline.
-``write_lines`` is the atomic write both use.
-
-Before the first hub id is used (`cookbook.config.resolve_path`, `model_folder` and `dataset_to_text` call
-`prepare_access`):
-
-- offline, the hub libraries retry each request for about 25 s before they give up (measured: 73 to 85 s for the
-  ModernBERT recipe's ``--check`` with its default config and no network); `offline_unless_reachable` asks the hub
-  once, within 3 s, and without an answer the process continues in offline mode (as ``HF_HUB_OFFLINE=1``): what
-  is in the cache loads, and what is not fails at once with one line;
-- the recipes switch transformers' progress bars off (``hf_logging.disable_progress_bar()``: weight-loading bars
-  from every rank would fill the logs), which switches the hub's download bars off too; `show_download_bars`
-  turns those back on where someone watches: on local rank 0, when stderr is a terminal.
-
-``push_to_hub`` uploads a run's final export (``checkpoint.push_to_hub``) with a model card (`_model_card`).
+`model_folder` gives the folder of a local path or a hub id (``huggingface_hub.snapshot_download``: ``HF_HUB_CACHE``
+/ ``HF_HOME``, ``HF_HUB_OFFLINE``, ``HF_TOKEN`` apply). `dataset_to_text` and `file_to_text` write a hub data set
+or a local CSV / JSON / JSONL / parquet file once in a recipe's one-row-a-line format, which later runs read
+offline; `write_lines` is their atomic write. `prepare_access` runs before the first hub id is used: one quick
+reachability check (`offline_unless_reachable`) and the download bars (docs/notes.md#the-hub-without-a-network-huggingface_hub-1x).
+`push_to_hub` uploads a run's final export (``checkpoint.push_to_hub``) with a model card.
 """
 
 from __future__ import annotations
@@ -54,15 +35,8 @@ def looks_like_hub_id(value: str) -> bool:
 
 
 def offline_unless_reachable(timeout_s: float = _REACH_TIMEOUT_S) -> bool:
-    """Make sure that a hub request fails at once rather than after minutes of retries when there is no network.
-
-    Unless ``HF_HUB_OFFLINE`` is set already, sends one HEAD request to the hub (``HF_ENDPOINT``, default
-    https://huggingface.co, through huggingface_hub's own HTTP client: proxies apply) and waits at most
-    `timeout_s` for any answer (DNS included). Without one, it switches this process to offline mode
-    (`_go_offline`), and rank 0 says so in one line. Asked once per process.
-
-    Returns:
-        ``True`` when the process is in offline mode (set before, or now).
+    """Unless ``HF_HUB_OFFLINE`` is set, ask the hub once (at most `timeout_s`); without an answer switch this
+    process to offline mode (rank 0 says so). Returns True when the process is offline (before, or now).
     """
     global _reachable
     from huggingface_hub import constants
@@ -96,11 +70,8 @@ def offline_unless_reachable(timeout_s: float = _REACH_TIMEOUT_S) -> bool:
 
 
 def show_download_bars() -> bool:
-    """Turn huggingface_hub's download bars (its ``huggingface_hub.*`` progress bars: files, snapshots) on, on local
-    rank 0 when stderr is a terminal; elsewhere they stay as they are. ``HF_HUB_DISABLE_PROGRESS_BARS=1`` wins.
-
-    Returns:
-        Whether they are on now.
+    """Turn huggingface_hub's download bars on, on local rank 0 when stderr is a terminal
+    (``HF_HUB_DISABLE_PROGRESS_BARS=1`` wins); returns whether they are on.
     """
     from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
 
@@ -131,22 +102,12 @@ def _go_offline() -> None:
 
 
 def model_folder(name_or_path: str, key: str = "model.name_or_path") -> Path:
-    """The local folder holding ``config.json`` and the ``*.safetensors`` weights of a model.
-
-    Args:
-        name_or_path: a folder, or a Hugging Face Hub id (``Qwen/Qwen3-8B``), downloaded into the hub
-            cache when it is not there (only ``*.json`` and ``*.safetensors`` files).
-        key: the config key the value came from, for messages.
-
-    Returns:
-        The folder: `name_or_path` itself, or the cached snapshot
-        (``<HF_HUB_CACHE>/models--<org>--<name>/snapshots/<revision>``).
+    """The local folder holding ``config.json`` and the ``*.safetensors`` weights: `name_or_path` itself, or the
+    hub cache's snapshot of that id (only ``*.json`` and ``*.safetensors`` downloaded).
 
     Raises:
-        ConfigError: one line naming `key`: a path-like value (absolute, ``./``, ``../``, ``~``) that is not
-            a folder; not a valid hub id; a model the hub does not have or one that is gated; a model
-            not in the cache when ``HF_HUB_OFFLINE=1`` or the hub cannot be reached; a folder without
-            ``*.safetensors`` files.
+        ConfigError: one line naming `key`: a path-like value that is not a folder; not a valid hub id; a model the
+            hub lacks or gates; not in the cache while offline; a folder without ``*.safetensors``.
     """
     path = Path(name_or_path).expanduser()
     if not path.is_dir():
@@ -189,17 +150,8 @@ def _download(repo_id: str, key: str) -> Path:
 
 
 def write_lines(dst: str | Path, lines: Iterable[str], max_lines: int = 0) -> int:
-    """Write `lines` (each ending in a newline) to `dst` through a temporary file beside it, renamed into
-    place at the end, so that an interrupted or refused write never looks complete.
-
-    Args:
-        dst: the file to write; its folder is created. The temporary file is ``<dst>.<pid>.tmp``, so
-            processes that write the same file at once do not collide.
-        lines: the lines, consumed lazily (an error raised while producing them leaves `dst` as it was).
-        max_lines: stop after this many lines (``0``: all).
-
-    Returns:
-        The number of lines written.
+    """Write `lines` (each ending in a newline, consumed lazily; at most `max_lines`, 0: all) to `dst` through
+    ``<dst>.<pid>.tmp``, renamed into place at the end; returns the number written.
     """
     dst = Path(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -221,32 +173,12 @@ def write_lines(dst: str | Path, lines: Iterable[str], max_lines: int = 0) -> in
 def dataset_to_text(hub_id: str, split: str, dst: str | Path, to_line: Callable[[Mapping[str, Any], str], str],
                     columns: Sequence[str] = (), max_rows: int = 0, version: int = 1,
                     key: str = "data.hub_id") -> int | None:
-    """Write the rows of a Hugging Face data set split to a local text file, once.
-
-    The rows are streamed (``datasets.load_dataset(hub_id, split=split, streaming=True)``) and each is
-    written as ``to_line(row, where)`` with `write_lines`. Beside `dst`, ``<dst stem>.json`` records the
-    data set, split, `max_rows`, `version` and the number of rows; when that record matches the
-    arguments, `dst` is left as it is and nothing is read from the hub (a file without a record, or one
-    written by another `version` of `to_line`, is written again).
-
-    Args:
-        hub_id: the data set (``org/name``); reached through the usual Hugging Face environment
-            (``HF_HOME``, ``HF_HUB_OFFLINE``, ``HF_TOKEN``).
-        split: the split to write (``train``).
-        dst: the text file to write.
-        to_line: one row (column name -> value) as a line ending in a newline; `where` is
-            ``"<key>=<hub_id> row 7"`` (1-based), for its error messages.
-        columns: the columns every row needs; checked on the first row.
-        max_rows: write the first this many rows (``0``: all).
-        version: the version of `to_line`'s format; raise it when the format changes.
-        key: the config key that named `hub_id`, for messages.
-
-    Returns:
-        The number of rows written, or ``None`` when `dst` already held them.
+    """Write the rows of a hub data set split to `dst` once, streamed, each as ``to_line(row, where)``
+    (`where`: ``"<key>=<hub_id> row 7"``). A record ``<dst stem>.json`` (data set, split, `max_rows`, `version`,
+    rows) beside it: when it matches, nothing is read. Returns the rows written, or None when `dst` held them.
 
     Raises:
-        DataError: the data set lacks some of `columns` (named, with the columns it has), or whatever
-            `to_line` raises for a malformed row; `dst` and its record are then left as they were.
+        DataError: the data set lacks some of `columns`, or `to_line` raised; `dst` is then left as it was.
     """
     dst = Path(dst)
     record = dst.with_suffix(".json")
@@ -275,29 +207,14 @@ def dataset_to_text(hub_id: str, split: str, dst: str | Path, to_line: Callable[
 def file_to_text(path: str | Path, folder: str | Path,
                  to_line: Callable[[Mapping[str, Any], str, Mapping[str, int] | None], str],
                  columns: Sequence[str]) -> tuple[Path, int | None]:
-    """A local CSV, JSON, JSONL or parquet file written once as text, one line a row, keyed by its content.
-
-    The text file is ``<folder>/<stem>-<first 16 hex digits of the file's sha256>.txt``; when it exists
-    it is reused, and a changed source gets another name and is written again. The source is read once
-    to hash it (sha256, about 1 GB/s). Rows come from `cookbook.tabular.records`: a CSV file has a header
-    naming `columns` (any order, any case; other columns ignored) or, when no field of its first row is
-    one of `columns`, no header and exactly `columns` in that order.
-
-    Args:
-        path: the source file.
-        folder: where the text file goes (created).
-        to_line: ``(row, where, positions)`` -> one line ending in a newline. `row`: column name -> value;
-            `where`: ``"<file> line 7"`` (CSV, JSONL) or ``"<file> row 7"`` (JSON array, parquet);
-            `positions`: column name -> 1-based column of a CSV file (``None`` for other formats), for messages.
-        columns: the columns every row needs, in the order of a CSV file without a header.
-
-    Returns:
-        The text file, and the number of rows written (``None``: it existed).
+    """A local CSV, JSON, JSONL or parquet file written once as ``<folder>/<stem>-<sha256[:16]>.txt``, one line
+    a row by ``to_line(row, where, positions)``; reused while the source is unchanged. Rows: `cookbook.tabular.records`
+    (a CSV header names `columns`, or no header and exactly `columns`). Returns the file and the rows written (None:
+    it existed).
 
     Raises:
         ConfigError: `path` does not exist.
-        DataError: a missing column, a row with an extra or a missing field (naming file, line or row), or
-            whatever `to_line` raises; no text file is left then.
+        DataError: a missing column or field, an extra field, or what `to_line` raises; no text file is left.
     """
     p = Path(path)
     if not p.is_file():
@@ -334,14 +251,8 @@ class HubPushError(OneLineError):
 def check_push(checkpoint: Any, key: str = "checkpoint.push_to_hub") -> None:
     """Refuse, before training, a ``checkpoint.push_to_hub`` that cannot work.
 
-    Args:
-        checkpoint: the config's ``checkpoint`` section (``push_to_hub``, and ``export_hf`` or
-            ``export_adapter`` / ``export_merged``).
-
     Raises:
-        ConfigError: one line naming `key`: not a repo id (``org/name``); nothing is exported
-            (``export_hf=false``, or neither adapter nor merged export); ``HF_HUB_OFFLINE`` is set; no Hugging Face
-            token (``HF_TOKEN`` or ``hf auth login``).
+        ConfigError: not a repo id (``org/name``); nothing is exported; ``HF_HUB_OFFLINE`` is set; no token.
     """
     from huggingface_hub import constants, get_token
     from huggingface_hub.utils import HFValidationError, validate_repo_id
@@ -365,15 +276,8 @@ def check_push(checkpoint: Any, key: str = "checkpoint.push_to_hub") -> None:
 
 
 def _model_card(repo_id: str, config: Mapping[str, Any], metrics: Mapping[str, float], folder: Path) -> str:
-    """The ``README.md`` of a pushed export: Hub metadata (library, base model, tags), the final metrics, how to
-    load it and the run's config (as `cookbook.config.to_dict` gives it: values from the environment as their
-    ``${oc.env:...}`` text).
-
-    Args:
-        repo_id: the Hub repo.
-        config: the run's config (nested dict).
-        metrics: the final numbers, name -> value (``train/loss``, ``eval/accuracy``, ...).
-        folder: the export (a PEFT adapter folder holds ``adapter_config.json``).
+    """The ``README.md`` of a pushed export: Hub metadata (library, base model, tags), the final `metrics`, how to
+    load it (a PEFT adapter if `folder` holds ``adapter_config.json``) and the run's config (``${oc.env:...}`` as text).
     """
     from huggingface_hub import ModelCard, ModelCardData
     from omegaconf import OmegaConf
@@ -399,22 +303,11 @@ def _model_card(repo_id: str, config: Mapping[str, Any], metrics: Mapping[str, f
 
 def push_to_hub(repo_id: str, folder: str | Path, config: Mapping[str, Any], metrics: Mapping[str, float],
                 key: str = "checkpoint.push_to_hub") -> str:
-    """Write the model card into `folder` (`_model_card`, as ``README.md``) and upload the folder to the model
-    repo `repo_id` (created if missing, private or not as the account's default) with ``HfApi.upload_folder``.
-
-    Args:
-        repo_id: the Hub repo (``org/name``).
-        folder: a finished export (``save_pretrained`` output: model or adapter, tokenizer).
-        config: the run's config (nested dict), for the card.
-        metrics: the final numbers, for the card.
-        key: the config key, for messages.
-
-    Returns:
-        The URL of the commit.
+    """Write the model card into `folder` and upload it to the model repo `repo_id` (created if missing) with
+    ``HfApi.upload_folder``; returns the commit's URL.
 
     Raises:
-        HubPushError: the repo could not be created or the upload failed: one line with the reason and the
-            command that retries it.
+        HubPushError: the repo could not be created or the upload failed: one line with the reason and the retry command.
     """
     from huggingface_hub import HfApi
 

@@ -1,37 +1,16 @@
 """``python -m cookbook.launch``: what every torchrun recipe's ``launch.sh`` does, written once.
 
-.. code-block:: bash
-
     python -m cookbook.launch --ngpu "${NGPU:-}" --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" \\
         --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-}" \\
         --max-restarts "${MAX_RESTARTS:-3}" recipes/x/train.py --config tiny.yaml train.max_steps=100
 
-1. Checks the process counts: ``--ngpu`` empty means every GPU of this node, or 2 CPU processes (gloo)
-   on a node without one; more than the node has is refused.
-2. Runs ``train.py --check`` in one process (with ``COOKBOOK_WORLD_SIZE`` = ngpu x nnodes), so a bad
-   config, data file or checkpoint is reported once, before any worker starts.
-3. Starts the workers with torchrun (`cookbook.torchrun`: one line naming the rank that failed first):
-   ``--standalone`` on one node, else a static rendezvous at ``--master-addr:--master-port`` (29500).
-4. Restarts the whole group, up to ``--max-restarts`` times (default 3, the number torchrun's documentation
-   uses for a fault-tolerant job; torchrun's own default is 0, torchtitan's run_train.sh passes none), when a worker
-   is killed (SIGKILL, SIGSEGV, ...) or fails with status 1 or 3; the workers resume from the newest
-   complete checkpoint (``checkpoint.resume: auto``), and finish the planned steps. Bad input (2; a package that
-   is missing or does not import too, `cookbook.run_main`), a preemption (75), Ctrl-C (130) and SIGTERM to the
-   launcher end the job at once: a restart would only repeat them. One line per restart; ``--max-restarts 0``
-   turns them off. What holds over several nodes (each restart meets at ``--master-port`` + k): `cookbook.torchrun`.
-
-**Dry run** (``--dry-run``, or ``DRY_RUN`` set to anything but ``0`` in the environment): after step 1's
-checks, print the two commands instead of running them, one line each, and exit 0::
-
-    check: env COOKBOOK_WORLD_SIZE=2 <python> recipes/x/train.py --check --config ...
-    run: <python> -m cookbook.torchrun --standalone --nproc-per-node 2 --max-restarts 3 recipes/x/train.py --config ...
-
-(``cookbook.torchrun`` runs in this process when not a dry run; the line is the same command as its own process.)
-
-A relative ``--config`` that is not a file from the current folder is looked up beside ``train.py``.
-``COOKBOOK_LAUNCH_TIME`` (`cookbook.errors.LAUNCH_TIME_ENV`) is set to the time this launcher started, unless it
-is set already, so that each run's summary counts its ``startup_s`` from the launch, the check included.
-``OMP_NUM_THREADS`` defaults to 1 per process; on a node without GPUs ``DS_ACCELERATOR`` defaults to ``cpu``. Exit status: the check's or the workers' (2: bad input).
+It checks the process counts (`plan`), runs ``train.py --check`` in one process (``COOKBOOK_WORLD_SIZE`` set), then
+the workers with `cookbook.torchrun` (``--standalone`` on one node, else a static rendezvous at ``--master-addr``),
+restarted up to ``--max-restarts`` times (default 3, as torchrun's documentation uses for a fault-tolerant job)
+when a restart can cure the failure. ``--dry-run`` (or ``DRY_RUN`` not ``0``) prints the ``check:`` and ``run:``
+commands instead. A relative ``--config`` is also looked up beside ``train.py``; ``COOKBOOK_LAUNCH_TIME`` is set
+unless set; ``OMP_NUM_THREADS`` defaults to 1, ``DS_ACCELERATOR`` to ``cpu`` without GPUs. Exit status: the
+check's or the workers'.
 """
 
 from __future__ import annotations
@@ -65,16 +44,10 @@ def _count(name: str, value: str) -> int:
 
 
 def plan(ngpu: str, nnodes: str, gpus: int) -> tuple[int, int]:
-    """The processes per node and the number of nodes.
-
-    Args:
-        ngpu: the ``NGPU`` value; ``""`` takes every GPU of this node, or 2 processes without one.
-        nnodes: the ``NNODES`` value.
-        gpus: the GPUs this node has.
+    """``(processes per node, nodes)`` from `ngpu` (``""``: every GPU of this node, or 2 without one) and `nnodes`.
 
     Raises:
-        SystemExit: a value that is not a positive integer, or more processes than the node has GPUs
-            (the message names the variable).
+        SystemExit: not a positive integer, or more processes than the node's `gpus` (naming the variable).
     """
     per_node = _positive("NGPU", ngpu) if ngpu else (gpus if gpus > 0 else 2)
     nodes = _positive("NNODES", nnodes)
@@ -84,12 +57,11 @@ def plan(ngpu: str, nnodes: str, gpus: int) -> tuple[int, int]:
 
 
 def check_world_size() -> int:
-    """The world size a recipe's ``--check`` plans for: ``COOKBOOK_WORLD_SIZE`` (set by this launcher), else
-    ``NGPU`` x ``NNODES`` as launch.sh reads them (``NGPU`` unset: every GPU of this node, else 2 processes; a
-    ``python train.py --check`` of its own sees the same world as ``launch.sh`` would).
+    """The world size a recipe's ``--check`` plans for: ``COOKBOOK_WORLD_SIZE``, else ``NGPU`` x ``NNODES`` as
+    launch.sh reads them.
 
     Raises:
-        SystemExit: a value that is not a positive integer (the message names the variable).
+        SystemExit: a value that is not a positive integer (naming the variable).
     """
     if os.environ.get(_WORLD_SIZE_ENV):
         return _positive(_WORLD_SIZE_ENV, os.environ[_WORLD_SIZE_ENV])

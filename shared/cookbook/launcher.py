@@ -1,43 +1,14 @@
-"""``@distributed``: run a function once per GPU (or on 2 CPU processes) from a notebook or a script.
+"""``@distributed``: run a function once per GPU (or on 2 CPU processes) from a notebook or a script
+(its use: docs/cookbook.md#in-a-notebook-cookbookdistributed).
 
-    import cookbook
-
-    @cookbook.distributed                      # or @cookbook.distributed(num_processes=2)
-    def train(lr):
-        info = cookbook.get_dist_info()        # rank, local rank, world size, device
-        ...                                    # DDP, FSDP2 (fully_shard), DeepSpeed: the group exists
-        return final_loss
-
-    train(3e-4)                  # a plain call: this process, unchanged
-    train.distributed(3e-4)      # once per process; returns [rank 0's value, rank 1's value, ...]
-
-Each worker gets the environment torchrun would set (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
-MASTER_PORT); the process group (NCCL on GPUs, gloo on CPU) is created before the function runs
-and destroyed after it, also when it raises (`cookbook.dist.distributed_context`).
-
-How it runs:
-
-- ``backend="torch"`` (default): torch's elastic launcher, the engine behind torchrun
-  (https://pytorch.org/docs/stable/elastic/run.html), on this machine. Workers are started
-  with ``spawn`` by default: fresh interpreters, safe after the caller has touched CUDA. The
-  function and its arguments travel with cloudpickle, so functions defined in a notebook cell
-  or in a script's ``__main__`` work (a script needs the usual ``if __name__ == "__main__":``
-  guard, as with any spawned process). ``start_method="fork"`` skips the interpreter start-up
-  (the children inherit what the caller imported) but is only safe while the caller has not
-  used CUDA.
-- ``backend="ray"``: the function is the train loop of Ray Train's ``TorchTrainer``
-  (https://docs.ray.io/en/latest/train/api/doc/ray.train.torch.TorchTrainer.html) with one
-  worker per GPU of the Ray cluster (``RAY_ADDRESS``, or a local instance started and stopped
-  for the call), so the same call spans several nodes. Ray Train does not return the loop's
-  value, so each worker hands its cloudpickled result (or its error) to a small Ray actor
-  owned by the caller; no shared storage is needed for the results.
-
-A worker's exception is re-raised in the caller as one `WorkerError` naming the rank, the
-exception and the worker's traceback (the first rank to fail; ranks that failed later because
-of it are listed). The other workers are stopped, and so are all of them on Ctrl-C
-(``KeyboardInterrupt`` in the caller); none outlives the call. On Linux a local worker is also
-killed by the kernel if the caller itself dies (``PR_SET_PDEATHSIG``), e.g. a notebook kernel
-killed from outside.
+Each worker gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); the process
+group is created before the function runs and destroyed after it (`cookbook.dist.distributed_context`).
+``backend="torch"`` (default) runs torch's elastic launcher (the engine behind torchrun) on this machine: workers
+``spawn``ed (safe after CUDA), the function and its arguments sent with cloudpickle; ``start_method="fork"`` skips
+the start-up while the caller has not used CUDA. ``backend="ray"`` runs it as the train loop of Ray Train's
+``TorchTrainer`` on the cluster at ``RAY_ADDRESS`` (or a local one); each worker hands its result to a small actor
+owned by the caller. A worker's exception comes back as one `WorkerError`; the other workers are stopped, all of
+them on Ctrl-C, and on Linux a local worker dies with its caller (``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
@@ -80,19 +51,9 @@ _HANDLED_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")  # the ones torch'
 
 
 class WorkerError(RuntimeError):
-    """A worker of ``fn.distributed(...)`` raised, or died.
-
-    The message holds the failing rank, the exception's type and message and the worker's
-    traceback.
-
-    Attributes:
-        rank: global rank of the first worker that failed (``None`` if unknown).
-        exc_type: qualified name of its exception type (``"ValueError"``), or ``None`` when the
-            process died without a Python exception (killed, out of memory, ``os._exit``).
-        worker_traceback: the worker's formatted traceback ("" when there is none).
-        exitcode: the process's exit code when known (negative: killed by that signal).
-        exception: the worker's exception rebuilt here (also the ``__cause__``), or ``None``
-            when it could not be pickled.
+    """A worker of ``fn.distributed(...)`` raised, or died; the message holds the rank, the exception and the
+    worker's traceback. Attributes: ``rank`` (first to fail, or None), ``exc_type`` (None: died without a Python
+    exception), ``worker_traceback``, ``exitcode`` (negative: that signal), ``exception`` (rebuilt here, or None).
     """
 
     def __init__(self, message: str, rank: int | None = None, exc_type: str | None = None,
@@ -123,17 +84,13 @@ class DistributedFunction(Generic[P, R]):
         return self.__wrapped__(*args, **kwargs)  # type: ignore[attr-defined]
 
     def distributed(self, *args: P.args, **kwargs: P.kwargs) -> list[R]:
-        """Run the function once per process with these arguments.
-
-        Returns:
-            The return values as a list indexed by global rank (length = number of processes).
+        """Run the function once per process; returns the return values as a list in rank order.
 
         Raises:
             WorkerError: a worker raised or died; the others were stopped.
-            ValueError: more processes than visible GPUs (see `distributed`).
+            ValueError: more processes than visible GPUs.
             KeyboardInterrupt: Ctrl-C in the caller; every worker was stopped.
-            RuntimeError: called at import time of a spawned worker (a script without the
-                ``if __name__ == "__main__":`` guard).
+            RuntimeError: called at import time of a spawned worker (no ``if __name__ == "__main__":`` guard).
         """
         fn = self.__wrapped__  # type: ignore[attr-defined]
         if getattr(multiprocessing.current_process(), "_inheriting", False):  # what multiprocessing itself checks
@@ -151,33 +108,15 @@ class DistributedFunction(Generic[P, R]):
 def distributed(fn: Callable[P, R] | None = None, *, num_processes: int | None = None, backend: str = "torch",
                 start_method: str = "spawn", timeout_minutes: float = 30.0, max_restarts: int = 0,
                 cpus_per_worker: float = 1.0) -> Any:
-    """Decorator: ``fn.distributed(*args, **kwargs)`` runs `fn` once per process; ``fn(...)`` still
-    runs it here. Usable bare (``@distributed``) or with arguments (``@distributed(num_processes=2)``).
+    """Decorator: ``fn.distributed(*args, **kwargs)`` runs `fn` once per process; ``fn(...)`` still runs it here.
 
-    Args:
-        fn: the function (when used bare).
-        num_processes: processes to run. ``None``: one per visible GPU, else 2 CPU processes
-            (gloo). With ``backend="ray"``, the Ray cluster's GPUs (else 2) instead.
-        backend: ``"torch"`` (this machine, torch's elastic launcher) or ``"ray"`` (Ray Train's
-            ``TorchTrainer`` on the cluster at ``RAY_ADDRESS``, or a local Ray instance).
-        start_method: ``"spawn"`` (default: fresh interpreters; notebook functions and CUDA in
-            the caller are fine), ``"forkserver"`` (forked from a fresh server process; as safe),
-            or ``"fork"`` (no start-up cost, the workers inherit what the caller imported; only
-            while the caller has not used CUDA). Ignored by ``backend="ray"``.
-        timeout_minutes: collective timeout of the process group (a hung peer raises after it).
-        max_restarts: times the local worker group is restarted after a failure (torch backend).
-        cpus_per_worker: CPUs Ray reserves per worker (ray backend).
-
-    Returns:
-        A `DistributedFunction` (or, called with keyword arguments only, a decorator making one).
-        Its ``.distributed(...)`` returns the per-rank return values as a list in rank order.
+    `num_processes` None: one per visible GPU, else 2 CPU processes (Ray: the cluster's GPUs); `backend` ``"torch"``
+    or ``"ray"``; `start_method` ``"spawn"``, ``"forkserver"`` or ``"fork"``; `timeout_minutes`: collective timeout.
 
     Raises:
-        TypeError: at decoration, a positional argument that is not a function (``@distributed(2)``).
-        ValueError: at decoration, an unknown `backend` or `start_method`, or `num_processes` < 1;
-            at the call, more processes than visible GPUs on a GPU machine (set
-            ``COOKBOOK_DEVICE=cpu`` to run CPU processes with gloo there instead).
-        WorkerError: at the call, a worker raised or died (see `WorkerError`).
+        TypeError: a positional argument that is not a function (``@distributed(2)``).
+        ValueError: an unknown `backend` or `start_method`, `num_processes` < 1; at the call, more processes than
+            visible GPUs (``COOKBOOK_DEVICE=cpu`` runs CPU processes instead).
     """
     if backend not in _BACKENDS:
         raise ValueError(f"backend={backend!r}: use one of {', '.join(_BACKENDS)}")
@@ -304,10 +243,9 @@ def _run_local(fn: Callable, args: tuple, kwargs: dict, n: int, start_method: st
 
 @contextlib.contextmanager
 def _caller_signals_kept() -> Iterator[None]:
-    """The elastic agent installs handlers for SIGINT/SIGTERM/SIGHUP/SIGQUIT that raise its
-    ``SignalException`` (so that it can stop its workers) and leaves them installed. Put the
-    caller's handlers back afterwards, so that Ctrl-C in a notebook or script is a
-    ``KeyboardInterrupt`` again."""
+    """Put the caller's SIGINT/SIGTERM/SIGHUP/SIGQUIT handlers back after the elastic agent (which leaves its
+    own installed), so that Ctrl-C is a ``KeyboardInterrupt`` again.
+    """
     saved_env = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")
     saved = {}
     if threading.current_thread() is threading.main_thread():

@@ -17,18 +17,10 @@ from cookbook.sft import IGNORE_INDEX
 
 
 def count_tokens(batch: dict[str, torch.Tensor], pad_id: int) -> torch.Tensor:
-    """Real (non-padding) tokens of a batch, for throughput and MFU; a 0-d tensor on the batch's device.
-
-    Padding is found by structure, never by token id alone: the padding token is often the
-    end-of-sequence token (a tokenizer without a pad token, e.g. Llama 3 Instruct), which also ends
-    every real turn.
-
-    - Right-padded rows (``attention_mask`` (B, L), 1 on real tokens): the mask's sum.
-    - Packed rows (``position_ids`` (B, L), no mask; `cookbook.sft.pack`): every document counts,
-      except the padding that fills a row's end, which `pack` lays out as the row's last document
-      (position ids from 0) made of `pad_id` only and without any label. A real document always has a
-      label (`sft.prepare` drops the others), so it is never taken for padding.
-    - Otherwise every token is real.
+    """Real (non-padding) tokens of a batch, a 0-d tensor on its device, found by structure, never by token id (the
+    pad token is often the end-of-turn token): the ``attention_mask`` sum (right-padded rows); for packed rows
+    (``position_ids``, `cookbook.sft.pack`) every document but a row's final padding document (all `pad_id`, no
+    label); otherwise every token.
     """
     ids = batch["input_ids"]
     if "attention_mask" in batch:
@@ -50,23 +42,12 @@ def _seed(seed: int, name: str) -> int:
 
 @torch.no_grad()
 def init_sharded_weights(model: torch.nn.Module, seed: int, device: torch.device) -> None:
-    """Randomly initialise a Hugging Face model whose parameters are DTensor shards (after
-    ``fully_shard`` and ``to_empty``) so that the full weights are the same for any number of ranks,
-    any sharding (FSDP, HSDP) and wherever the shards live (``CPUOffloadPolicy``).
+    """Randomly initialise a Hugging Face model whose parameters are DTensor shards so that the full weights are the
+    same for any number of ranks, sharding and placement (CPU random operators on DTensor shards do not give that).
 
-    Random operators on DTensor shards do not give that: on CPU every rank draws the same values for
-    its own shard (PyTorch warns "DTensor random operators may not have complete support on cpu"), so
-    the model depends on the world size. Here, module by module, the module's own parameters are
-    materialised whole on `device`, initialised by the owning model's ``_init_weights`` (transformers'
-    rules: normal(0, initializer_range) for linear and embedding weights, ones for norms, the rotary
-    tables...) from a seed derived from `seed` and the module's name (its Hugging Face name: activation
-    checkpointing and compile wrappers are left out), and each rank copies out its shard. The values
-    depend on the device type (CPU and CUDA generators differ), not on the rank or the world size.
-
-    Args:
-        model: a ``transformers.PreTrainedModel``; parameters DTensors (or plain tensors), allocated.
-        seed: the run's seed.
-        device: where the whole tensors are generated; peak extra memory is one module's parameters.
+    Module by module, its own parameters are made whole on `device`, initialised by the model's ``_init_weights``
+    from a seed of `seed` and the module's Hugging Face name, and each rank copies out its shard. The values depend
+    on the device type, not the rank or world size; extra memory is one module's parameters.
     """
     from transformers import PreTrainedModel
 
@@ -106,9 +87,7 @@ def check_attention(attn_implementation: str, on_cpu: bool) -> None:
     """Refuse, before any worker starts, an attention implementation that cannot train on this device.
 
     Raises:
-        ConfigError: ``flex_attention`` on CPU: PyTorch's FlexAttention has no CPU backward (torch 2.13
-            raises "FlexAttention does not support backward on CPU" in the first forward whose inputs
-            require gradients).
+        ConfigError: ``flex_attention`` on CPU (torch 2.13: "FlexAttention does not support backward on CPU").
     """
     if on_cpu and attn_implementation == "flex_attention":
         raise ConfigError("model.attn_implementation=flex_attention cannot train on CPU (PyTorch's FlexAttention has "
@@ -127,11 +106,8 @@ def _checkpointed(forward, *args, **kwargs):
 
 
 def checkpoint_modules(modules) -> int:
-    """Recompute each module of `modules` in backward instead of keeping its activations (non-reentrant
-    activation checkpointing, early stop off), by wrapping its ``forward`` in place: names and parameters stay.
-
-    Returns:
-        The number of modules wrapped.
+    """Recompute each module of `modules` in backward (non-reentrant activation checkpointing, early stop off) by
+    wrapping its ``forward`` in place; returns how many were wrapped.
     """
     modules = list(modules)
     for module in modules:

@@ -1,52 +1,13 @@
-"""The bookkeeping around a training step, written once: a small helper that a recipe's plain loop calls.
+"""The bookkeeping around a recipe's own step body, written once (its use: README.md#how-a-trainpy-is-built).
 
-A recipe's ``train.py`` writes its step body out (forward, backward, ``no_sync``, gradient clipping,
-the optimizer step, the FSDP2 / expert-parallel / TorchRec specifics) and leaves the rest to `TrainLoop`:
-
-.. code-block:: python
-
-    batches = EpochBatches(train_loader, state, sampler.set_epoch, info.device, metrics=metrics)
-    loop = TrainLoop(state=state, max_steps=max_steps, stop_at_step=cfg.train.stop_at_step, metrics=metrics,
-                     log_every=cfg.train.log_every, eval_every=cfg.train.eval_every, evaluate=run_eval,
-                     checkpointer=checkpointer, checkpoint_every=cfg.checkpoint.every_steps,
-                     checkpoint_state=ckpt_state, config=to_dict(cfg))
-    with loop:                                  # ends the metrics run: FINISHED, KILLED (stopped early) or FAILED
-        for step in loop.steps():               # 1, 2, ... up to max_steps or train.stop_at_step
-            micro_batches, waits = batches.take(cfg.train.grad_accum_steps)
-            ...                                 # forward and backward of each micro-batch; metrics.add(...)
-            grad_norm = clip_grad_norm_(...)    # reduced over ranks: the same number on every rank
-            if loop.skip_step(grad_norm):       # NaN / inf: stops the run, or (train.on_nonfinite=skip) drops the step
-                optimizer.zero_grad(set_to_none=True)
-                continue
-            optimizer.step(); scheduler.step(); optimizer.zero_grad()
-            loop.end_step(loss, lr=lr, grad_norm=grad_norm)   # log window, eval and checkpoint cadence
-        loop.finish(export=lambda: {"export_dir": (export_hf(...), "AutoModelForCausalLM.from_pretrained")})
-
-What it does, so that every recipe does it the same way:
-
-- counts optimizer steps in the checkpointed `TrainState` (``step``, ``epoch``);
-- keeps the metric window: the mean loss of the steps since the last log line, logged every
-  ``log_every`` steps and at the last step (`cookbook.metrics.MetricsLogger.log_step`);
-- runs evaluation every ``eval_every`` steps and saves a checkpoint every ``checkpoint_every`` steps,
-  at ``stop_at_step`` and at the last step, both inside ``metrics.paused()`` so that step time,
-  throughput and ETA measure training alone;
-- stops at ``stop_at_step`` (a planned interruption, to be resumed) or when `request_stop` was called
-  (a hook for preemption: the flag is read at step boundaries only);
-- checks each step for a non-finite loss or gradient norm before its update (`skip_step`), on every rank alike:
-  ``train.on_nonfinite=stop`` ends the run with `NonFiniteError` (exit 4), ``skip`` drops the step; a checkpoint
-  and the end of a run are refused while a parameter or buffer is NaN or infinite (`cookbook.policy.NonFinitePolicy`,
-  which the Ray workers and the Trainer callbacks use too);
-- records each rank's progress in the process group's store at every step boundary
-  (`cookbook.dist.record_progress`), so that a collective that times out ends the run with one line naming
-  the rank that is behind (`cookbook.dist.CollectiveTimeout`, exit status 3);
-- times the start-up (``startup_s``: from the launch to the end of this process's first optimizer step, and
-  ``first_step_s``, that step alone: `MetricsLogger.first_step_done`) and the final evaluation (``final_eval_s``);
-- at the end runs the final evaluation and the recipe's export, writes the summary record (with those times; it
-  uploads the export to ``checkpoint.push_to_hub`` when set: `MetricsLogger.log_summary`) and the closing log lines
-  (`log_outputs`), or says how to continue a run that stopped early.
-
-The shape follows torchtitan's ``Trainer.train`` / ``train_step`` split and torchtune recipes'
-``train()``: a loop the reader can see, with the bookkeeping in named calls.
+`TrainLoop` counts optimizer steps in the checkpointed `TrainState`; logs the mean loss of each window of
+``log_every`` steps; evaluates every ``eval_every`` and saves every ``checkpoint_every`` steps (inside
+``metrics.paused()``, so step time measures training alone); stops at ``stop_at_step`` or on `request_stop`
+(preemption); checks each step for a non-finite loss or gradient norm (`skip_step`, `cookbook.policy`); records
+each rank's progress for the stall report (`cookbook.dist.record_progress`); times the start-up and the final
+evaluation; and at the end runs the final evaluation, the export, the summary record and the closing log lines.
+`EpochBatches` yields batches epoch after epoch; `start_run` resumes and starts the metrics run.
+The shape follows torchtitan's ``Trainer.train`` / ``train_step`` split.
 """
 
 from __future__ import annotations
@@ -73,19 +34,9 @@ _OUTPUT_NAMES = {"export_dir": "model"}  # summary key -> its name on the closin
 
 def already_complete(state: TrainState, max_steps: int, out_dir: str | Path, final: str | Path | None = None,
                      what: str = "model") -> bool:
-    """Whether a resumed run has nothing left to do, and if so say so (rank 0's log).
-
-    Args:
-        state: the train state after resuming (``state.step`` optimizer steps done).
-        max_steps: the run's total optimizer steps.
-        out_dir: the run's output folder.
-        final: the folder the finished run exported (``<out_dir>/final``); when given, the run counts as
-            complete only once it exists (a run killed between its last checkpoint and its export
-            resumes and exports). ``None``: the step count alone decides.
-        what: what `final` holds, for the message ("model", "adapter").
-
-    Returns:
-        ``True`` when ``state.step >= max_steps`` (and `final` exists): the caller cleans up and returns.
+    """Whether a resumed run has nothing left to do (``state.step >= max_steps``, and `final`, the folder
+    the finished run exported, exists when given); if so rank 0 says so (`what`: what `final` holds, "model" or
+    "adapter") and the caller cleans up and returns.
     """
     if state.step < max_steps or (final is not None and not Path(final).is_dir()):
         return False
@@ -97,23 +48,12 @@ def already_complete(state: TrainState, max_steps: int, out_dir: str | Path, fin
 
 
 class EpochBatches:
-    """Endless batches from a data loader, epoch after epoch, timed.
+    """Endless batches from `loader`, epoch after epoch, timed.
 
-    Each new pass over `loader` increments ``state.epoch`` and calls ``set_epoch(state.epoch)`` (a
-    ``DistributedSampler`` reshuffles), so the epoch is checkpointed with the step. The first pass
-    starts from wherever the loader's own state says (a ``StatefulDataLoader`` restored by resume
-    continues mid-epoch), or, after a resume on another world size, at the global position of a
-    `cookbook.sampler.ResizableSampler` (``set_epoch`` of the same epoch keeps it).
-
-    Args:
-        loader: an iterable of batches (dicts of tensors, or anything with ``.to(device)``).
-        state: the run's `TrainState`.
-        set_epoch: called with the epoch number before each pass (``sampler.set_epoch``); ``None`` if
-            the loader needs no reshuffle call.
-        device: batches are moved here (``non_blocking``); ``None`` leaves them where they are.
-        metrics: when given, the wait for the first batch of each pass is noted there
-            (`MetricsLogger.note_pass_start`: ``epoch_start_wait_s`` in that window's train record), so that a
-            loader that restarts its worker processes each epoch shows as a spike there.
+    Each new pass increments ``state.epoch`` and calls ``set_epoch(state.epoch)`` (None: no call); the first pass
+    continues from the loader's own restored state or a `cookbook.sampler.ResizableSampler`'s global position.
+    Batches are moved to `device` (None: left where they are). `metrics`: the wait for each pass's first batch is
+    noted there (``epoch_start_wait_s``).
     """
 
     def __init__(self, loader, state: TrainState, set_epoch: Callable[[int], None] | None = None,
@@ -165,29 +105,10 @@ class EpochBatches:
 class TrainLoop:
     """Step counting, metric windows, eval and checkpoint cadence around a recipe's own step body.
 
-    Args:
-        state: the checkpointed `TrainState`; ``state.step`` is the number of optimizer steps done.
-        max_steps: total optimizer steps of the run.
-        stop_at_step: ``> 0``: stop after this step (a checkpoint is saved there), to resume later.
-        metrics: the run's `MetricsLogger`.
-        log_every: log the window's mean loss every this many steps (and at the last step).
-        eval_every: evaluate every this many steps (``0``: only at the end); needs `evaluate`. The random
-            streams are put back after each such evaluation (`cookbook.checkpoint.rng_kept`).
-        evaluate: runs evaluation on every rank (collective) and returns metrics reduced over ranks,
-            e.g. ``{"loss": 1.9}``; ``None``: no evaluation.
-        checkpointer: saves checkpoints; ``None``: none.
-        checkpoint_every: ``-1``: never save; ``0``: only at `stop_at_step` and the last step;
-            ``N``: also every N steps.
-        checkpoint_state: what `Checkpointer.save` saves (stateful objects by name).
-        config: the run's config (a nested dict), stored in each checkpoint's ``meta.json`` so that a
-            resume can refuse other settings.
-        profiler: a `StepProfiler` started before and stopped after each step body, or ``None``.
-        log_extra: called at each log line for more numbers of that window (collective if it reduces).
-        on_nonfinite: a step whose loss or gradient norm is NaN or infinite: ``"stop"`` the run
-            (`NonFiniteError`) or ``"skip"`` the step (see `skip_step`).
-        max_consecutive_skips: with ``"skip"``: the most steps skipped in a row; the next non-finite one stops.
-
-    Every method that logs, evaluates or saves is collective: call it on every rank in the same order.
+    `stop_at_step` > 0 stops (and saves) after that step; `eval_every` 0: evaluate at the end only; `evaluate` runs on
+    every rank and returns metrics reduced over ranks; `checkpoint_every` -1 never, 0 at `stop_at_step` and the end,
+    N every N steps; `config` goes into ``meta.json``; `on_nonfinite` ``"stop"`` or ``"skip"`` (at most
+    `max_consecutive_skips` in a row). Every method that logs, evaluates or saves is collective.
     """
 
     def __init__(self, *, state: TrainState, max_steps: int, stop_at_step: int = -1, metrics: MetricsLogger,
@@ -223,14 +144,12 @@ class TrainLoop:
                     checkpointer: Checkpointer | None, checkpoint_state: Mapping[str, Any] | None,
                     evaluate: Callable[[], Mapping[str, float]] | None = None,
                     log_extra: Callable[[], Mapping[str, float | torch.Tensor]] | None = None) -> TrainLoop:
-        """A loop whose cadence comes from a recipe config with `cookbook.config`'s shared sections:
-        ``train.stop_at_step``, ``train.log_every``, ``train.eval_every``, ``train.profile_step`` (a
-        `StepProfiler` writing to ``<output_dir>/profile``), ``train.on_nonfinite``,
-        ``train.max_consecutive_skips`` and ``checkpoint.every_steps``; the config is stored in each
-        checkpoint. The other arguments are `TrainLoop`'s.
+        """A loop with its cadence from the config's ``train`` (``stop_at_step``, ``log_every``,
+        ``eval_every``, ``profile_step``, ``on_nonfinite``, ``max_consecutive_skips``) and ``checkpoint.every_steps``.
 
         Raises:
-            ConfigError: ``train.on_nonfinite`` is not stop or skip, or ``train.max_consecutive_skips`` < 0."""
+            ConfigError: ``train.on_nonfinite`` is not stop or skip, or ``train.max_consecutive_skips`` < 0.
+        """
         train = cfg.train
         profile_step = getattr(train, "profile_step", 0)
         on_nonfinite, max_skips = NonFinitePolicy.settings(train)
@@ -263,11 +182,9 @@ class TrainLoop:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        """Restore the signal handlers and end the metrics run.
-
-        Raises:
-            CollectiveTimeout: the body raised a collective timeout (a rank stalled); its one line names the rank
-                that is behind (`cookbook.dist.describe_stall`)."""
+        """Restore the signal handlers and end the metrics run; a collective timeout in the body becomes a
+        `CollectiveTimeout` whose line names the rank that is behind.
+        """
         self._stop.restore()
         if exc_type is None:
             self._vote.finish()
@@ -278,13 +195,8 @@ class TrainLoop:
             raise stalled from exc
 
     def request_stop(self, signum: int | None = None) -> None:
-        """Ask the loop to stop at the next step boundary, after saving a checkpoint there (preemption).
-
-        Safe to call from a signal handler. The ranks agree on the step: the flag is reduced over all
-        ranks (max) at the step boundaries, so a request on any rank stops every rank after the same step.
-
-        Args:
-            signum: the signal that asked, for the message (``None``: a call from code).
+        """Stop at the next step boundary after a checkpoint (preemption); safe in a signal handler. The
+        flag is reduced over ranks (max) at step boundaries, so every rank stops after the same step.
         """
         self._stop(signum)
 
@@ -317,28 +229,12 @@ class TrainLoop:
                   applied: bool = False) -> bool:
         """Check a step for a NaN or infinite loss or gradient norm before its update; every rank decides alike.
 
-        Args:
-            grad_norm: the step's total gradient norm, the same number on every rank (reduced over ranks: what
-                ``clip_grad_norm_`` returns for DDP gradients, the ``full_tensor()`` of FSDP2's DTensor norm); a
-                NaN loss on any rank makes it NaN. No collective. ``None``: check `loss` instead.
-            loss: this rank's loss of the step, for a recipe without such a norm (TorchRec: the sharded tables
-                update inside backward, so it checks before backward): a non-finite flag is reduced over ranks
-                (one all-reduce and a device sync). Used only when `grad_norm` is ``None``.
-            applied: the update of this step has already run (TorchRec's pipeline updates inside its step): the
-                `loss` is noted on the device only (no collective, no sync) and checked before the next log line
-                or checkpoint, where a non-finite one stops the run (`NonFiniteError`) before anything is saved,
-                whatever ``on_nonfinite`` says.
-
-        Returns:
-            ``False``: finite, go on with the update. ``True`` (``on_nonfinite="skip"``): drop the step: zero the
-            gradients and ``continue``; neither the optimizer nor the scheduler steps, the model's BatchNorm
-            statistics are put back as they were when the step began, the loop counts it in `skipped_steps` and
-            logs it, and the same step number comes again with the next batch.
+        `grad_norm`: the total norm, the same on every rank; None: check `loss` (one all-reduce). `applied`: the update
+        already ran (TorchRec): checked before the next log line or checkpoint. Returns True (``"skip"``) when the caller
+        must zero the gradients and ``continue``.
 
         Raises:
-            NonFiniteError: a non-finite value with ``on_nonfinite="stop"``, or one more than
-                ``max_consecutive_skips`` in a row. The update has not run, so the weights and the newest checkpoint
-                are the last good ones; the message names the step and that checkpoint.
+            NonFiniteError: with ``"stop"``, or more than ``max_consecutive_skips`` in a row.
         """
         skipped = self.nonfinite.skip(self.state.step + 1, grad_norm, loss=loss, applied=applied)
         self._skipped_now = self._skipped_now or skipped
@@ -346,14 +242,8 @@ class TrainLoop:
 
     def end_step(self, loss: torch.Tensor | float, *, lr: float, grad_norm: torch.Tensor | float | None = None,
                  window: Mapping[str, torch.Tensor | float] | None = None) -> None:
-        """Count one optimizer step and do what is due after it.
-
-        Args:
-            loss: this rank's loss of the step (a 0-d tensor on the device is best: no sync).
-            lr: the learning rate the step used.
-            grad_norm: total gradient norm before clipping, or ``None``.
-            window: more per-step numbers averaged over the log window under their own names
-                (e.g. ``{"moe/aux_loss": aux}``).
+        """Count one optimizer step and do what is due after it. `loss`: this rank's (a 0-d device tensor:
+        no sync); `grad_norm`: before clipping; `window`: more numbers averaged over the log window by name.
         """
         self.state.step += 1
         self.nonfinite.stepped()
@@ -402,21 +292,13 @@ class TrainLoop:
     # ------------------------------------------------------------------ the end
     def finish(self, export: Callable[[], Outputs] | None = None,
                summary: Callable[[], Mapping[str, Any]] | None = None) -> dict[str, float] | None:
-        """After the loop: the final evaluation, the export and the summary; or, for a run that stopped
-        before `max_steps`, how to continue it.
-
-        Args:
-            export: writes the final artefacts and returns ``{summary key: (folder or None, how to load it)}``,
-                e.g. ``{"export_dir": (path, "AutoModelForCausalLM.from_pretrained")}``; collective.
-            summary: more entries for the summary record, computed after the export (collective).
-
-        Returns:
-            The final evaluation metrics (``{}`` without `evaluate`), or ``None`` when the run stopped early.
+        """After the loop: final evaluation, `export` (collective; returns ``{summary key: (folder or None, how
+        to load it)}``), the summary record; or, for a run that stopped early, how to continue it (returns None).
+        Returns the final evaluation metrics (``{}`` without `evaluate`).
 
         Raises:
-            cookbook.hub.HubPushError: ``checkpoint.push_to_hub`` is set and the upload of the export failed
-                (`MetricsLogger.log_summary`; exit status 2).
-            NonFiniteError: a parameter or buffer of the model is NaN or infinite (`NonFinitePolicy.check_model`).
+            cookbook.hub.HubPushError: the ``checkpoint.push_to_hub`` upload failed (exit status 2).
+            NonFiniteError: a parameter or buffer of the model is NaN or infinite.
         """
         self.nonfinite.check_applied()
         if self.state.step < self.max_steps:
@@ -460,19 +342,9 @@ class TrainLoop:
 
 def checkpoint_state(app: Any, scheduler: Any, train_loader: Any, *,
                      resizable: bool = True) -> tuple[TrainState, dict[str, Any]]:
-    """What a `TrainLoop` recipe's checkpoints hold, by name, and the `TrainState` among them.
-
-    Args:
-        app: the model and optimizer as one stateful object (`cookbook.checkpoint.ModelOptimizerState`, or the
-            recipe's own, e.g. the MoE recipe's `AdapterState`), saved as ``app``.
-        scheduler: the learning-rate scheduler, saved as ``scheduler``.
-        train_loader: the training ``StatefulDataLoader``; its workers' state and the RNG states are saved per rank
-            as ``rank_local`` (restored at the same world size only).
-        resizable: also save ``data``, the loader's global position (`cookbook.sampler.DataPosition`, its sampler a
-            `ResizableSampler`), so that `start_run` can resume on another world size.
-
-    Returns:
-        ``(state, checkpoint_state)``: a new `TrainState` (saved as ``train``) and the mapping for `start_run`.
+    """``(state, checkpoint_state)``: a new `TrainState` (saved as ``train``) and what the checkpoints hold
+    by name: ``app`` (model and optimizer), ``scheduler``, ``rank_local`` (the loader's workers and RNG states, same
+    world size only) and, with `resizable`, ``data`` (the global `cookbook.sampler.DataPosition`).
     """
     state = TrainState()
     entries = {"app": app, "scheduler": scheduler, "train": state}
@@ -486,33 +358,13 @@ def start_run(cfg: Any, info: DistInfo, *, state: TrainState, checkpoint_state: 
               may_change: tuple[str, ...], max_steps: int, experiment: str, final: str | Path | None = None,
               what: str = "model", flops: ModelFlops | None = None,
               count_tokens: bool = True, cannot_remap: str | None = None) -> tuple[Checkpointer, MetricsLogger] | None:
-    """The start of a run, after its model, optimizer and data exist: resume, then write the config and start metrics.
+    """The start of a run: seed ``train.seed + rank``, resume from ``checkpoint.resume`` (``auto``: the newest
+    complete checkpoint) after `Checkpointer.check_resume`, then write ``config.yaml`` (rank 0) and start metrics.
 
-    Resumes from the checkpoint ``checkpoint.resume`` names (``auto``: the newest complete one under
-    ``<output_dir>/checkpoints``), after `Checkpointer.check_resume` has checked that it was written with the same
-    settings (`may_change` lists the keys allowed to differ) and world size; a `checkpoint_state` that holds a
-    `cookbook.sampler.DataPosition` (a global data position) resumes on another world size too, when the global
-    batch is the checkpoint's (``Checkpointer(resizable=True)``). Before that, the random streams are seeded
-    ``train.seed + rank`` (`cookbook.checkpoint.seed_per_rank`: each rank its own dropout masks). A run with nothing left to do
-    (`already_complete`) says so and returns ``None``; else rank 0 writes ``<output_dir>/config.yaml`` and the
-    `MetricsLogger` starts (its MLflow run too).
-
-    Args:
-        cfg: the recipe config (`cookbook.config.RunConfig` with ``train`` and ``checkpoint`` sections).
-        info: this rank's `DistInfo`.
-        state: the `TrainState` inside `checkpoint_state`, restored by the resume.
-        checkpoint_state: what the checkpoints hold (stateful objects by name).
-        may_change, max_steps: as in `Checkpointer.check_resume` and `TrainLoop`.
-        experiment: the MLflow experiment name.
-        final, what: as in `already_complete`.
-        flops, count_tokens: as in `MetricsLogger`.
-        cannot_remap: as in `Checkpointer`: why another world size is refused.
-
-    Returns:
-        ``(checkpointer, metrics)``, or ``None`` when the run is already complete (the caller cleans up and returns).
+    Returns ``(checkpointer, metrics)``, or None when the run is already complete (`already_complete`).
 
     Raises:
-        CheckpointError: the checkpoint to resume from does not fit this run (`Checkpointer.check_resume`).
+        CheckpointError: the checkpoint to resume from does not fit this run.
     """
     out_dir = Path(cfg.output_dir)
     resizable = any(isinstance(v, DataPosition) for v in checkpoint_state.values())
@@ -536,16 +388,8 @@ def start_run(cfg: Any, info: DistInfo, *, state: TrainState, checkpoint_state: 
 
 def log_outputs(step: int, final_eval: Mapping[str, float], metrics: MetricsLogger, checkpoints: Path | None,
                 outputs: Outputs, eval_text: str | None = None, timings: Mapping[str, float] | None = None) -> None:
-    """The closing log lines of a finished run (rank 0 only): steps and final evaluation (its metrics, not
-    the counts in `_EVAL_COUNTS`), the start-up and final-evaluation times when given, then where the metrics, each
-    tracker's run (and the command that shows it: `MetricsLogger.tracker_lines`), the checkpoints and each exported
-    artefact are (``model:`` for ``export_dir``, see `_OUTPUT_NAMES`), and how to load it.
-
-    Args:
-        eval_text: the final evaluation as the recipe words it; default: ``eval`` and the ``name value`` pairs
-            of `final_eval`.
-        timings: seconds under the summary's names (``startup_s``, ``first_step_s``, ``final_eval_s``), shown
-            on a ``time:`` line: ``time:        startup 25.1 s (first step 12.0 s) | final eval 1.9 s``.
+    """The closing log lines of a finished run (rank 0): steps, final evaluation, start-up and
+    final-evaluation times (`timings`), where the metrics, trackers, checkpoints and exports are, and how to load them.
     """
     if not get_dist_info().is_main:
         return

@@ -1,29 +1,10 @@
 """Training metrics: throughput, MFU, memory, and the sinks they go to (console, JSONL, MLflow, TensorBoard, W&B).
 
-`MetricsLogger` is the one object a recipe talks to. Each step it is told how many samples
-and tokens were processed and how long the step waited for data (`MetricsLogger.add`); every
-``log_every`` steps the recipe calls `MetricsLogger.log_step` with the loss, learning rate and
-gradient norm, and the logger measures wall time since the previous log, reduces counts
-across ranks and writes one record to:
-
-- the console (rank 0, one concise line),
-- ``<out_dir>/metrics.jsonl`` (rank 0, one JSON object per line, written whole or not at all: a failed write
-  raises `MetricsWriteError`, exit 2; a torn last line left by a crash is cut when a run reopens the file),
-- rank 0's progress bar, on a terminal only (`cookbook.progress`),
-- the trackers the config's ``trackers`` key names (`cookbook.config.TRACKERS`; default ``[mlflow]``; their sinks,
-  what each writes and how a resumed run continues them: `cookbook.trackers`, docs/outputs.md). A tracking failure is
-  logged once as a warning and switches that tracker off; it never stops training.
-
-Keys of a train record: ``step``, ``loss``, ``lr``, ``grad_norm``, ``step_time_s``,
-``samples_per_s``, ``tokens_per_s`` (totals over ranks), ``samples_per_s_per_device`` and
-``tokens_per_s_per_device`` (per GPU on GPUs, per process on CPU: the same keys on both), ``mfu`` (CUDA only, fraction 0-1),
-``mem_allocated_gib``/``mem_reserved_gib`` (CUDA peak since start, max over ranks),
-``rss_gib`` (CPU resident memory, max over ranks), ``data_wait_s`` (per step, mean over ranks)
-and ``data_wait_frac``; a window in which a new pass over the training data began (`note_pass_start`) also has
-``epoch_start_wait_s``, the wait for that pass's first batch (max over ranks).
-
-The summary record (`first_step_done`, `cookbook.loop.TrainLoop.finish`) has ``startup_s`` (from `launch_time`),
-``first_step_s`` and ``final_eval_s`` (docs/outputs.md).
+`MetricsLogger` is the one object a recipe talks to: `add` counts each micro-batch's samples, tokens and data
+wait; every ``log_every`` steps `log_step` measures the window's wall time, reduces the counts over ranks and
+writes one record to the console (rank 0), ``<out_dir>/metrics.jsonl`` (rank 0; a failed write raises
+`MetricsWriteError`, exit 2), rank 0's progress bar on a terminal (`cookbook.progress`) and the trackers of the
+config's ``trackers`` key (`cookbook.trackers`). The keys of the records: docs/outputs.md.
 """
 
 from __future__ import annotations
@@ -48,11 +29,8 @@ from cookbook.progress import ProgressBar
 from cookbook.trackers import MLflowSink, Sink, TensorBoardSink, WandbSink, redact_uri
 
 def launch_time() -> float:
-    """The Unix time (seconds) at which this run was launched, for ``startup_s``.
-
-    ``COOKBOOK_LAUNCH_TIME`` when it holds a number (``cookbook.launch`` sets it when it starts, before the
-    ``--check`` and torchrun, and `cookbook.torchrun` again at each restart of the group); otherwise the start of
-    this process (``psutil.Process().create_time()``: under torchrun alone, when the agent started the worker).
+    """The Unix time (s) this run was launched, for ``startup_s``: ``COOKBOOK_LAUNCH_TIME`` when it holds a number
+    (set by ``cookbook.launch`` and at each restart by `cookbook.torchrun`), else this process's start time.
     """
     value = os.environ.get(LAUNCH_TIME_ENV, "")
     try:
@@ -79,15 +57,9 @@ PEAK_BF16_FLOPS: dict[str, float] = {
 
 
 def peak_bf16_flops(device_name: str) -> float | None:
-    """Peak dense bf16 FLOP/s of one GPU, from `PEAK_BF16_FLOPS`.
-
-    Args:
-        device_name: ``torch.cuda.get_device_name()``, e.g. ``"NVIDIA H200"`` or
-            ``"NVIDIA H100 80GB HBM3"`` (an H100 or H200 named without NVL/PCIe is taken as SXM).
-
-    Returns:
-        FLOP/s, or ``None`` for a GPU not in the table. ``COOKBOOK_PEAK_TFLOPS`` in the
-        environment (TFLOP/s) overrides the table for any GPU.
+    """Peak dense bf16 FLOP/s of one GPU named `device_name` (``torch.cuda.get_device_name()``; an H100 or H200
+    without NVL/PCIe is taken as SXM), from `PEAK_BF16_FLOPS`; None for a GPU not in the table.
+    ``COOKBOOK_PEAK_TFLOPS`` (TFLOP/s) overrides it for any GPU.
     """
     override = os.environ.get("COOKBOOK_PEAK_TFLOPS")
     if override:
@@ -105,12 +77,9 @@ def peak_bf16_flops(device_name: str) -> float | None:
 
 
 def count_parameters(model: torch.nn.Module, exclude_embeddings: bool = True) -> int:
-    """Number of parameters, by default without those of ``nn.Embedding`` modules.
-
-    Embedding lookups cost no matrix FLOPs, so MFU counts only non-embedding parameters
-    (Kaplan et al. 2020, "Scaling Laws for Neural Language Models", section 2.1). Shared
-    (tied) parameters are counted once. DTensor shards count at their full (global) size, and so
-    do DeepSpeed ZeRO-3 partitions (their ``ds_numel``).
+    """Number of parameters, by default without ``nn.Embedding``'s (lookups cost no matrix FLOPs: Kaplan et al.
+    2020, "Scaling Laws for Neural Language Models", section 2.1). Tied parameters count once; DTensor shards and
+    DeepSpeed ZeRO-3 partitions at their full size.
     """
     embedding_ids = set()
     if exclude_embeddings:
@@ -129,19 +98,10 @@ def count_parameters(model: torch.nn.Module, exclude_embeddings: bool = True) ->
 
 @dataclass(frozen=True)
 class ModelFlops:
-    """FLOPs per token of a transformer's training step (forward + backward).
-
-    ``6 * N + 12 * L * d * T`` (PaLM, Chowdhery et al. 2022, appendix B), where N is the
-    number of non-embedding parameters, L the number of layers, d the attention width
-    (heads x head dim, the hidden size for most models) and T the sequence length. The first
-    term is the matrix multiplies (2 FLOPs per multiply-add, forward 1x and backward 2x);
-    the second the attention score and value products, counted over the full T x T matrix.
-    Layers with sliding-window attention are counted as full attention (an upper bound).
-
-    Attributes:
-        num_params: non-embedding parameters (see `count_parameters`).
-        num_layers: transformer layers.
-        attn_width: heads x head dim.
+    """FLOPs per token of a transformer's training step (forward + backward): ``6 * N + 12 * L * d * T`` (PaLM,
+    Chowdhery et al. 2022, appendix B), N the non-embedding parameters (`num_params`), L the layers (`num_layers`),
+    d the attention width, heads x head dim (`attn_width`), T the sequence length. Sliding-window layers count as full
+    attention (an upper bound).
     """
 
     num_params: int
@@ -154,10 +114,8 @@ class ModelFlops:
 
 
 def mfu(tokens_per_s_per_device: float, flops_per_token: float, peak_flops: float) -> float:
-    """Model FLOPs utilisation (fraction 0-1): achieved model FLOP/s over the GPU's peak.
-
-    MFU as defined in PaLM (Chowdhery et al. 2022, section 4.1): recomputation for
-    activation checkpointing does not count as useful work.
+    """Model FLOPs utilisation (fraction 0-1): achieved model FLOP/s over the GPU's peak, as defined in PaLM
+    (Chowdhery et al. 2022, section 4.1): recomputation does not count.
     """
     return tokens_per_s_per_device * flops_per_token / peak_flops
 
@@ -171,10 +129,10 @@ class MetricsWriteError(OneLineError, OSError):
 
 
 def _append_line(path: Path, line: str) -> None:
-    """Append `line` (text ending in a newline) to `path` whole or not at all.
+    """Append `line` to `path` whole or not at all.
 
     Raises:
-        MetricsWriteError: the write failed; `path` was truncated back to its size before it (no torn line).
+        MetricsWriteError: the write failed; `path` was truncated back to its size before it.
     """
     data = line.encode()
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -224,30 +182,15 @@ def _cut_torn_line(path: Path) -> int:
 
 
 class MetricsLogger:
-    """Per-step metrics for a distributed run; see the module docstring for the keys and sinks.
+    """Per-step metrics for a distributed run (keys and sinks: docs/outputs.md).
 
-    Args:
-        out_dir: the run's output folder (JSONL and the default MLflow store go here).
-        info: this rank's `DistInfo`.
-        flops: the model's `ModelFlops`, for MFU; ``None`` to omit MFU.
-        run_name: the trackers' run name.
-        experiment: the MLflow experiment (the W&B project unless ``WANDB_PROJECT`` is set).
-        params: the run's config, logged as the trackers' params (flattened for MLflow, a text table for
-            TensorBoard, W&B's config); its ``trackers`` and ``checkpoint.push_to_hub`` are read (`log_summary`).
-        mlflow: ``False`` to turn MLflow off (whatever `trackers` says).
-        max_steps: total steps, for the console's progress and ETA.
-        count_tokens: ``False`` for models without tokens (images, ids): the ``tokens_per_s*``
-            keys and the console's tok/s are left out.
-        trackers: the sinks besides ``metrics.jsonl``, names of `cookbook.config.TRACKERS` (``mlflow``,
-            ``tensorboard``, ``wandb``); ``None``: the ``trackers`` key of `params` (the config's), else
-            ``["mlflow"]``.
-        progress: draw rank 0's progress bar (`cookbook.progress.ProgressBar`) when stderr is a terminal.
+    `flops`: for MFU (None: none); `params`: the config, the trackers' params (its ``trackers`` and
+    ``checkpoint.push_to_hub`` are read); `mlflow` False turns MLflow off; `count_tokens` False leaves out
+    ``tokens_per_s*``; `trackers` None: the config's, else ``["mlflow"]``. `log_step` and `log_eval` are collective.
 
     Raises:
-        ConfigError: a tracker that is unknown or not installed (`cookbook.config.check_trackers`), on every rank.
-        MetricsWriteError: (`log_step`, `log_eval`, `log_summary`, rank 0) ``metrics.jsonl`` could not be written.
-
-    Every method that reduces across ranks (`log_step`, `log_eval`) is collective.
+        ConfigError: a tracker that is unknown or not installed, on every rank.
+        MetricsWriteError: (rank 0) ``metrics.jsonl`` could not be written.
     """
 
     def __init__(
@@ -334,12 +277,9 @@ class MetricsLogger:
         self._t_loop = time.perf_counter()
 
     def first_step_done(self) -> dict[str, float]:
-        """Note the end of this process's first optimizer step (call once, right after it; no collective): sets
-        `timings` ``startup_s`` (from `launch_time` to now) and ``first_step_s`` (from `start` to now), waiting
-        for the device first, and rank 0 logs them in one line.
-
-        Returns:
-            `timings` (seconds, this rank's clock).
+        """Note the end of this process's first optimizer step (once, no collective): sets and returns
+        `timings` ``startup_s`` (from `launch_time`) and ``first_step_s`` (from `start`), after a device sync; rank 0
+        logs them.
         """
         if self.info.device.type == "cuda":
             torch.cuda.synchronize(self.info.device)  # the step's kernels, not just their launch
@@ -364,10 +304,8 @@ class MetricsLogger:
 
     @contextlib.contextmanager
     def paused(self):
-        """Leave the time spent inside out of the current window's step time, throughput and ETA.
-
-        Wrap evaluation and checkpoint saves in the step loop with it, so that the window after
-        them measures training alone: ``with metrics.paused(): checkpointer.save(...)``.
+        """Leave the time spent inside out of the window's step time, throughput and ETA
+        (``with metrics.paused(): checkpointer.save(...)``).
         """
         t0 = time.perf_counter()
         try:
@@ -376,12 +314,8 @@ class MetricsLogger:
             self._last_time += time.perf_counter() - t0
 
     def add(self, samples: int, tokens: int | torch.Tensor, data_wait_s: float) -> None:
-        """Count one micro-batch on this rank.
-
-        Args:
-            samples: sequences in the micro-batch.
-            tokens: real (non-padding) tokens; a device tensor is fine and avoids a sync.
-            data_wait_s: seconds spent waiting for the batch from the data loader.
+        """Count one micro-batch on this rank: `samples` sequences, `tokens` real tokens (a device tensor avoids a
+        sync), `data_wait_s` seconds waited for it.
         """
         self._samples += samples
         self._tokens = self._tokens + (tokens.detach() if isinstance(tokens, torch.Tensor) else tokens)
@@ -389,18 +323,8 @@ class MetricsLogger:
 
     def log_step(self, step: int, loss: float | torch.Tensor, lr: float, grad_norm: float | torch.Tensor | None,
                  extra: Mapping[str, float | torch.Tensor] | None = None) -> dict[str, float]:
-        """Reduce this window's counts over ranks and write one train record.
-
-        Args:
-            step: optimizer steps completed.
-            loss: this rank's mean loss over the window's steps.
-            lr: current learning rate.
-            grad_norm: total gradient norm of the last step (before clipping).
-            extra: more per-rank numbers of the window (e.g. ``{"accuracy": ...}``), averaged over
-                ranks into the record under their own names.
-
-        Returns:
-            The record (same on every rank).
+        """Reduce this window's counts over ranks and write one train record (returned, the same on every
+        rank). `loss`: this rank's window mean; `grad_norm`: before clipping; `extra`: more numbers averaged over ranks.
         """
         dev = self.info.device
         if dev.type == "cuda":
@@ -469,13 +393,11 @@ class MetricsLogger:
         get_logger().info("eval  step %d | %s", step, " | ".join(shown))
 
     def log_summary(self, summary: Mapping[str, Any]) -> None:
-        """Write one final record (event ``summary``) to the JSONL file; then, on rank 0, when the config (`params`)
-        sets ``checkpoint.push_to_hub``, upload the export the record names to that Hub repo with a model card
-        (`cookbook.hub.push_to_hub`): the first of ``export_dir``, ``merged_dir``, ``adapter_dir``
-        (`cookbook.hub.PUSHED`), with the final metrics (``steps``, the last train loss, the record's ``eval/*``).
+        """Write the final ``summary`` record; then on rank 0, with ``checkpoint.push_to_hub`` set, upload
+        the export it names (the first of `cookbook.hub.PUSHED`) with a model card of the final metrics.
 
         Raises:
-            cookbook.hub.HubPushError: the upload failed (one line; the export on disk is complete).
+            cookbook.hub.HubPushError: the upload failed (the export on disk is complete).
         """
         self._emit("summary", dict(summary), mlflow=False)
         repo_id = (self.params.get("checkpoint") or {}).get("push_to_hub") if self.info.is_main else None
@@ -533,17 +455,9 @@ class MetricsLogger:
 
 
 class StepProfiler:
-    """Profile one training step with ``torch.profiler`` (CPU and CUDA activity) on every rank.
-
-    Call `start` before a step and `stop` after it; both do nothing unless the step is the one
-    asked for. Rank r writes ``<out_dir>/profile/trace_rank<r>.json`` (open it in Perfetto or
-    chrome://tracing) and ``ops_rank<r>.txt`` (the 40 operators with the most device time, or
-    CPU time on a CPU run).
-
-    Args:
-        step: the 1-based step to profile; 0 or less: off.
-        out_dir: the run's output folder.
-        info: this process's `DistInfo`.
+    """Profile the 1-based `step` (0 or less: off) with ``torch.profiler`` on every rank; `start` and `stop`
+    around each step. Rank r writes ``<out_dir>/profile/trace_rank<r>.json`` (Perfetto) and ``ops_rank<r>.txt`` (the
+    40 operators with the most device time, CPU time on CPU).
     """
 
     def __init__(self, step: int, out_dir: str | Path, info: DistInfo):

@@ -46,15 +46,9 @@ class NonFiniteError(OneLineError):
 
 
 class StopVote:
-    """The ranks' agreement on stopping at a step boundary, without a device wait.
-
-    Each call (one per step boundary, on every rank) starts an asynchronous all-reduce (max) of this rank's flag
-    and returns the result of the one started at the previous boundary, long finished by then: every rank
-    decides on the same reduction, so all stop after the same step, one boundary after the first request.
-    Without a process group the flag is the answer.
-
-    Args:
-        device: where the flag lives (the process group's device: a GPU for NCCL).
+    """The ranks' agreement on stopping at a step boundary, without a device wait: each call starts an asynchronous
+    all-reduce (max) of this rank's flag on `device` and returns the previous boundary's result, so all ranks stop
+    after the same step, one boundary after the first request. Without a group the flag is the answer.
     """
 
     def __init__(self, device: torch.device):
@@ -119,23 +113,10 @@ class StopRequest:
 
 
 class NonFinitePolicy:
-    """What a step with a NaN or infinite loss or gradient norm does, decided alike on every rank before its update:
-    the shared part of `TrainLoop.skip_step` and of the Ray workers' `cookbook.ray_train.WorkerRun.skip_step`.
-
-    ``"stop"`` raises `NonFiniteError` (exit status 4; the message names the step and the newest checkpoint, which
-    is from before it); ``"skip"`` tells the caller to drop the step, puts the running statistics of `models` back
-    as they were at `begin_step`, logs it and counts it in `skipped_steps`, and stops at one more than
-    ``max_consecutive_skips`` in a row. `check_model` refuses a model with a NaN or infinite parameter or buffer.
-
-    Args:
-        on_nonfinite: ``"stop"`` or ``"skip"`` (`ON_NONFINITE`).
-        max_consecutive_skips: with ``"skip"``: the most steps skipped in a row.
-        device: where the flags of a loss check live (the process group's device).
-        newest_checkpoint: returns the newest checkpoint saved (a folder), or ``None``; for the message.
-        skipped_steps: steps skipped before (a resumed count), ``0`` for a fresh start.
-        models: the models trained (`models_in`): their running statistics are restored after a skip and their
-            parameters and buffers checked by `check_model`.
-        log: writes the line of a skipped step (default: ``cookbook.dist.get_logger().info``).
+    """What a step with a NaN or infinite loss or gradient norm does, decided alike on every rank before its update
+    (shared by `TrainLoop.skip_step` and the Ray workers): ``"stop"`` raises `NonFiniteError` (exit 4); ``"skip"``
+    has the caller drop the step, puts the running statistics of `models` back, logs and counts it (`skipped_steps`,
+    from a resumed count), up to `max_consecutive_skips` in a row. `check_model` refuses a non-finite model.
 
     Raises:
         ValueError: an unknown `on_nonfinite`, or `max_consecutive_skips` < 0.
@@ -161,11 +142,11 @@ class NonFinitePolicy:
 
     @staticmethod
     def settings(train: Any) -> tuple[str, int]:
-        """``(train.on_nonfinite, train.max_consecutive_skips)`` of a config's ``train`` section (``"stop"`` and 5
-        where it lacks them).
+        """``(train.on_nonfinite, train.max_consecutive_skips)`` of a ``train`` section (default ``"stop"``, 5).
 
         Raises:
-            ConfigError: ``train.on_nonfinite`` is not stop or skip, or ``train.max_consecutive_skips`` < 0."""
+            ConfigError: ``train.on_nonfinite`` is not stop or skip, or ``train.max_consecutive_skips`` < 0.
+        """
         on_nonfinite = getattr(train, "on_nonfinite", "stop")
         max_skips = getattr(train, "max_consecutive_skips", 5)
         if on_nonfinite not in ON_NONFINITE:
@@ -184,12 +165,7 @@ class NonFinitePolicy:
 
     def skip(self, step: int, grad_norm: torch.Tensor | float | None = None, *,
              loss: torch.Tensor | float | None = None, applied: bool = False) -> bool:
-        """Check step `step` (1-based, the one about to be applied); the arguments and the result are
-        `TrainLoop.skip_step`'s.
-
-        Raises:
-            NonFiniteError: as `TrainLoop.skip_step`.
-        """
+        """Check step `step` (1-based, about to be applied), as `TrainLoop.skip_step` (arguments, result, errors)."""
         if grad_norm is not None:
             value = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
             if math.isfinite(value):
@@ -208,16 +184,11 @@ class NonFinitePolicy:
         return True
 
     def nonfinite(self, step: int, what: str, short: str) -> None:
-        """Step `step` was not finite on some rank and its update is not applied (the caller drops it, or, as
-        DeepSpeed does, already dropped it): stop, or count and log a skip. Every rank calls it alike.
-
-        Args:
-            what: the value, for the stop message: ``"the gradient norm of step 5 is nan"``.
-            short: the same for the skip's log line: ``"non-finite gradient norm (nan)"``.
+        """Step `step` was not finite on some rank and is not applied: stop, or count and log a skip; every rank
+        calls it alike. `what` words the stop message (``"the gradient norm of step 5 is nan"``), `short` the skip line.
 
         Raises:
-            NonFiniteError: with ``"stop"``, or at one more than ``max_consecutive_skips`` in a row; the message
-                names the step and the newest checkpoint (from before it).
+            NonFiniteError: with ``"stop"``, or one more than ``max_consecutive_skips`` in a row.
         """
         self._consecutive += 1
         if self.on_nonfinite == "stop":
@@ -248,12 +219,8 @@ class NonFinitePolicy:
                 torch._foreach_copy_(self._saved, stats)
 
     def check_model(self, step: int, outcome: str) -> None:
-        """Stop when a parameter or buffer of the models is NaN or infinite on some rank, whatever ``on_nonfinite``
-        says (collective: one all-reduce; nothing without models).
-
-        Args:
-            step: the steps done, for the message.
-            outcome: what is refused, for the message: ``"its checkpoint is not saved"``.
+        """Stop when a parameter or buffer of the models is NaN or infinite on some rank, whatever
+        ``on_nonfinite`` says (one all-reduce). `step` and `outcome` (``"its checkpoint is not saved"``) word the message.
 
         Raises:
             NonFiniteError: naming the count, this rank's first such tensor and the newest checkpoint.

@@ -1,17 +1,8 @@
 """A rank-0 progress bar for the step loop, on a terminal only.
 
-`ProgressBar` draws a tqdm bar (https://tqdm.github.io/) with the step count, the rate, the elapsed time
-and the time left (tqdm's estimate), and, after each log line, the window's loss and throughput:
-
-.. code-block:: text
-
-    12:04:31 step 40/300 | loss 1.2345 | lr 4.80e-05 | ... | eta 14 s
-    train  13%|█▍        | 40/300 [00:02<00:14, 18.10step/s, loss=1.2345, tok/s/gpu=12,345]
-
-It is drawn only when the stream (``sys.stderr``, where the ``cookbook`` log lines go) is a terminal: in CI,
-in a file or behind a pipe nothing of it is written and the log lines are exactly as without it. While it is
-drawn, the ``cookbook`` logger's lines are written above it (``tqdm.write``) so that the bar stays on the last
-line. ``TQDM_DISABLE=1`` turns it off on a terminal too (tqdm's own switch).
+`ProgressBar` draws a tqdm bar (steps, rate, elapsed and time left, and the last window's loss and throughput)
+only when ``sys.stderr`` is a terminal: in CI, a file or a pipe the log lines are exactly as without it. The
+``cookbook`` logger's lines are written above it (``tqdm.write``); ``TQDM_DISABLE=1`` turns it off (docs/outputs.md).
 """
 
 from __future__ import annotations
@@ -49,15 +40,8 @@ class _AboveBar(logging.Handler):
 
 
 class ProgressBar:
-    """A tqdm bar of optimizer steps, drawn on `stream` only when it is a terminal (`is_terminal`).
-
-    Args:
-        total: the run's total steps (``None``: unknown, no ETA).
-        initial: the steps already done (a resumed run starts there; the rate counts this run's steps).
-        stream: where the bar goes (default ``sys.stderr``, as the log lines).
-        unit: what one device is, for the throughput (``gpu`` or ``rank``).
-
-    Every method does nothing when the bar is not drawn (`active` is ``False``).
+    """A tqdm bar of optimizer steps on `stream` (default ``sys.stderr``), drawn only on a terminal; `total` None:
+    no ETA; `initial`: steps already done; `unit`: ``gpu`` or ``rank``. Every method does nothing when not `active`.
     """
 
     def __init__(self, total: int | None, initial: int = 0, stream: IO | None = None, unit: str = "gpu"):

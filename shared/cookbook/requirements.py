@@ -21,11 +21,9 @@ TRACKER_UIS_FILE = "requirements/trackers.txt"
 
 
 def install_hint(packages: str, requirements: str | Path) -> str:
-    """How to install `packages` (pip requirement specifiers, space-separated) where a recipe runs: the packages
-    themselves, which work anywhere (a recipe folder copied out of the repository too), and the file that pins
-    them: ```pip install wandb==0.31.0`, or `pip install -r requirements/trackers.txt` from the cookbook repository's
-    root``. A recipe's own file is named by its absolute path, which holds from any folder and in a copied recipe
-    folder: ```pip install -r /src/retinanet-ddp/requirements.txt```."""
+    """How to install `packages` (pip specifiers): ```pip install wandb==0.31.0`, or `pip install -r
+    requirements/trackers.txt` from the cookbook repository's root``; a recipe's own file by its absolute path.
+    """
     where = "" if Path(requirements).is_absolute() else " from the cookbook repository's root"
     return f"`pip install {packages}`, or `pip install -r {requirements}`{where}"
 
@@ -72,23 +70,15 @@ def _project_name(spec: str) -> str:
 
 
 def require(module: str, requirements: str | Path, *, torch_build: bool = False) -> None:
-    """Refuse, in one line, a package that a recipe needs and that is not installed or does not import, as
-    `check_trackers` refuses a tracker's: called by ``--check``, so that no worker starts only to fail at the import.
+    """Refuse in one line, at ``--check``, a package a recipe needs that is not installed or does not import.
 
-    Args:
-        module: the import name, also the pip name (``torchvision``); its pin is read from `requirements` (`pinned`).
-        requirements: the requirements file that pins the package: a recipe's own by its absolute path
-            (``Path(__file__).with_name("requirements.txt")``, right in a copied recipe folder too), or one of the
-            cookbook repository's, relative to its root (``requirements/base.txt``).
-        torch_build: the package is compiled against torch (torchvision, torchaudio): an import that fails says its
-            build does not match the installed torch, and gives the line that installs the matching build.
+    `module`: the import and pip name; `requirements`: the file that pins it (a recipe's own by absolute path, or
+    the repository's relative to its root); `torch_build`: compiled against torch, so a failed import names the
+    build for the installed torch.
 
     Raises:
-        ConfigError: one line naming the package and what to run: ``ray is not installed: `pip install
-            ray[train]==2.60.0`, or `pip install -r .../requirements.txt```, for a `torch_build` package the build
-            for the installed torch (``pip install 'torchvision==0.28.*' --index-url .../whl/cpu``); or, for any other exception of the
-            import (a compiled extension that does not load), ``torchvision 0.28.0 is installed but does not import
-            (RuntimeError: operator torchvision::nms does not exist): its build does not match torch 2.13.0+cpu: ...``.
+        ConfigError: ``ray is not installed: `pip install ray[train]==2.60.0`, or ...``, or ``torchvision 0.28.0 is
+            installed but does not import (...): its build does not match torch 2.13.0+cpu: ...``.
     """
     import importlib
 

@@ -44,30 +44,14 @@ def _rank() -> int:
 
 
 class ResumeGuard:
-    """Find a run's newest complete checkpoint and refuse a resume that would mix two runs.
+    """Find a run's newest complete checkpoint and refuse a resume that would mix two runs; collective-free.
 
-    A checkpoint is a folder under `root` named after `folder` that holds ``meta.json`` (``step``,
-    ``world_size``, ``config`` and, for runs counted in epochs, ``epoch``) and every file of `files`.
-    Cheap and collective-free: call it in one process before any worker starts, and again in the workers.
-
-    Args:
-        root: the folder holding the checkpoint folders.
-        folder: a checkpoint folder's name, ``<n>`` standing for its number (digits), which orders them:
-            ``"step_<n>"`` (DCP), ``"checkpoint-<n>"`` (Hugging Face Trainer), ``"checkpoint_epoch_<n>"`` (Ray).
-        files: files besides ``meta.json`` that a complete checkpoint holds (DCP's ``.metadata``).
-        run_dir: the run's output folder; the advice to start afresh names it ("or delete <run_dir>": its
-            metrics and MLflow run id go too). ``None``: the advice is a new output_dir alone.
-        resume_key: the config key of the resume setting, as messages name it.
-        processes: what the world size counts, as messages name it (``"ranks"``, ``"workers"``).
-        cannot_remap: why a checkpoint written by another world size cannot be resumed (the technique's reason:
-            per-rank state, ZeRO partitions, the global batch).
-        same_size: how to resume with the checkpoint's world size, ``{n}`` standing for it.
-        resizable: the run resumes a checkpoint of another world size when the global batch is the checkpoint's
-            (`check_world_size`); ``train.micro_batch_size`` and ``train.grad_accum_steps`` may then change as long
-            as it is. For DCP checkpoints whose data position is global (`cookbook.sampler.DataPosition`).
-        published: a folder appears under `root` only once complete (renamed there), so one without ``meta.json``
-            or a file of `files` is damaged (warned of); ``False``: written in place (Ray Train), so it is an
-            interrupted save, passed over silently. Default: whether `files` holds DCP's ``.metadata``.
+    A checkpoint is a folder under `root` named after `folder` (``<n>`` its number: ``"step_<n>"`` DCP,
+    ``"checkpoint-<n>"`` Trainer, ``"checkpoint_epoch_<n>"`` Ray) holding ``meta.json`` (``step``, ``world_size``,
+    ``config``, maybe ``epoch``) and every file of `files`. `run_dir`, `resume_key`, `processes`, `cannot_remap` and
+    `same_size` word the messages. `resizable`: another world size resumes when the global batch is kept. `published`:
+    folders appear only once complete, so an incomplete one is damaged (warned of); False (Ray writes in place): an
+    interrupted save, passed over. Default: whether `files` holds DCP's ``.metadata``.
     """
 
     def __init__(self, root: str | Path, *, folder: str = "step_<n>", files: tuple[str, ...] = (".metadata",),
@@ -88,20 +72,11 @@ class ResumeGuard:
 
     # ------------------------------------------------------------------ finding
     def problem(self, path: str | Path) -> str | None:
-        """What is wrong with the checkpoint folder `path`, or ``None`` when it is complete.
+        """What is wrong with the checkpoint folder `path` as words for a message, or None when it is complete.
 
-        Cheap and collective-free: reads ``meta.json`` and, when `files` holds DCP's ``.metadata``, DCP's
-        index (``FileSystemReader(path).read_metadata()``), and checks that every file the index names
-        exists and holds the bytes its entries need (``offset + length``); no tensor is read. A ``meta.json``
-        that lists the folder's files with their sizes (``files``, `file_sizes`: the Hugging Face Trainer's
-        layout, which has no such index) has each of them checked for that exact size.
-
-        Returns:
-            ``None``, or what is wrong as words for a message: ``"no meta.json inside"``, ``"meta.json is
-            empty"``, ``"meta.json is not JSON (...)"``, ``".metadata is unreadable (...)"``,
-            ``"__0_0.distcp is missing (its index names it)"``, ``"__0_0.distcp is 1234 bytes, its index says
-            5678 are needed"``, ``"global_step6/zero_pp_rank_1_mp_rank_00_optim_states.pt is 1000 bytes,
-            meta.json says 1236479"``.
+        Reads ``meta.json`` and DCP's index (every file it names must hold ``offset + length`` bytes) or, for layouts
+        without an index, the sizes ``meta.json`` lists (`file_sizes`); no tensor is read. E.g. ``"no meta.json inside"``,
+        ``"__0_0.distcp is 1234 bytes, its index says 5678 are needed"``.
         """
         path = Path(path)
         if path in self.bad:
@@ -132,12 +107,10 @@ class ResumeGuard:
         return [f for f in (META_FILE, *self.files) if not (path / f).is_file()]
 
     def verify(self, path: str | Path) -> str | None:
-        """What is wrong with the checkpoint folder `path`, reading every file it lists in ``meta.json``'s
-        ``checksums`` (`checksums`) and comparing: `problem`, then ``"__0_0.distcp does not match its checksum
-        (xxh3_64 ... in meta.json, ... now)"``, or ``None``. A folder without checksums (written before they
-        existed) passes on `problem` alone. A folder found wrong is remembered (`bad`): `problem`, `latest` and
-        the pruning of old checkpoints treat it as damaged from then on; one found right joins `verified`.
-        Costs one read of the folder (xxh3_64: several GB/s)."""
+        """`problem`, then each file's checksum against ``meta.json``'s ``checksums`` (xxh3_64; a folder without
+        them passes on `problem`); None when right. A folder found wrong joins `bad` (damaged from then on), one found
+        right `verified`. Costs one read of the folder.
+        """
         path = Path(path)
         found = self.problem(path)
         if found is None:
@@ -187,14 +160,8 @@ class ResumeGuard:
         return None
 
     def damaged(self, newer_than: str | Path | None = None) -> list[tuple[Path, str]]:
-        """Checkpoint folders that are damaged, oldest first, with what is wrong (`problem`).
-
-        A folder whose ``meta.json`` or a file of `files` is missing counts as damaged for DCP checkpoints
-        (published only once complete); for other layouts (Ray Train writes its folders in place) it is an
-        interrupted save and is left out.
-
-        Args:
-            newer_than: only folders numbered after this checkpoint folder; ``None``: all.
+        """Damaged checkpoint folders (numbered after `newer_than`, None: all), oldest first, with `problem`; an
+        incomplete folder counts only where folders are published complete.
         """
         after = self.number(newer_than) if newer_than is not None else -1
         found = []
@@ -207,18 +174,11 @@ class ResumeGuard:
         return found
 
     def resolve(self, resume: str | None) -> Path | None:
-        """Turn a ``resume`` value into a checkpoint folder.
-
-        With ``"auto"``, damaged checkpoints newer than the one found are skipped with one warning line
-        (rank 0): ``checkpoint <folder> is damaged (<what>); resuming from <folder> instead``.
-
-        Args:
-            resume: ``"auto"`` (`latest`, or none), ``"none"``/``""``/``None`` (start fresh), or the path
-                of a checkpoint folder.
+        """A ``resume`` value as a checkpoint folder: ``"auto"`` (`latest`, damaged newer ones skipped with one
+        warning), ``"none"`` / ``""`` / None (start fresh), or a folder's path.
 
         Raises:
-            CheckpointError: an explicit path that is not a complete checkpoint (the message says what is
-                missing or damaged); ``"auto"`` where every checkpoint under `root` is damaged.
+            CheckpointError: a path that is not a complete checkpoint; ``"auto"`` where every checkpoint is damaged.
         """
         if resume in (None, "", "none", "null"):
             return None
@@ -257,29 +217,13 @@ class ResumeGuard:
 
     def check(self, resume: str | None, world_size: int | None, config: Mapping[str, Any] | None = None,
               may_change: tuple[str, ...] = (), stop_at: tuple[str, int] = ("train.stop_at_step", -1)) -> Path | None:
-        """Find the checkpoint to resume from and check that this run can continue it.
-
-        Args:
-            resume: as in `resolve`.
-            world_size: the number of processes this run will have; ``None`` when not known yet (check it
-                later with `check_world_size`).
-            config: this run's config as a flat or nested dict, compared with the checkpoint's ``config``.
-            may_change: dotted keys allowed to differ (``"train.log_every"``); a key ending in ``.*`` allows a
-                whole section.
-            stop_at: ``(key, value)`` of the run's stop setting, ``("train.stop_at_step", 20)`` or
-                ``("train.stop_at_epoch", 1)``; when ``value > 0`` it must be after the checkpoint's step or
-                epoch (the key's last word).
-
-        Returns:
-            The checkpoint folder, or ``None`` to start fresh.
+        """The checkpoint to resume from (None: start fresh), checked against this run: `world_size` (None: later,
+        `check_world_size`), `config` but for `may_change` (dotted keys, ``section.*``), and `stop_at` ``(key, value)``,
+        a positive value after the checkpoint. A worker its launcher restarted resumes from the newest checkpoint.
 
         Raises:
-            CheckpointError: no such checkpoint; ``resume`` is "none" but `root` holds checkpoints; it was
-                written by another world size (unless `resizable`), with another global batch (`resizable`), or
-                with other settings (the message lists them and what to do); or the stop point is not after it.
-
-        A worker of a group that its launcher restarted after a failure (`restarted`) resumes from the newest
-        checkpoint whatever `resume` says, once the job has one: it continues its own run.
+            CheckpointError: no such checkpoint; "none" over existing checkpoints; another world size or global batch;
+                other settings (listed, with what to do); a stop point not after it.
         """
         if restarted() and self.latest() is not None:
             resume = "auto"
@@ -309,14 +253,9 @@ class ResumeGuard:
         return path
 
     def _length_changed(self, path: Path, meta: Mapping[str, Any], config: Mapping[str, Any]) -> str | None:
-        """Why a resume may not change the run's length (`_LENGTH_KEYS`: ``train.max_steps``, ``train.epochs``)
-        and what to do instead, as sentences that follow the list of changed settings; ``None`` when the length
-        is the checkpoint's.
-
-        A finished run (its checkpoint at the end of its length) cannot be extended, nor an unfinished one
-        lengthened or shortened: the learning-rate schedule is laid out over the length (the decay ends there,
-        ``optim.warmup_ratio`` is a fraction of it), so the steps after the checkpoint would follow another
-        schedule than the one the run that wrote it followed."""
+        """Why a resume may not change ``train.max_steps`` / ``train.epochs`` (the LR schedule is laid out over
+        the length), as sentences, or None when the length is the checkpoint's.
+        """
         old, new = flatten(meta["config"]), flatten(config)
         by_steps = all(isinstance(c.get("train.max_steps"), int) and c["train.max_steps"] > 0 for c in (old, new))
         key = next((k for k in _LENGTH_KEYS if k in old and old.get(k) != new.get(k)
@@ -339,17 +278,11 @@ class ResumeGuard:
 
     def check_world_size(self, path: str | Path, meta: Mapping[str, Any], world_size: int,
                          config: Mapping[str, Any] | None = None) -> None:
-        """Refuse a checkpoint that `meta` (its ``meta.json``) says another number of processes wrote; one
-        that did not record it passes. With `resizable`, refuse instead a global batch other than the
-        checkpoint's (`global_batch` of its ``config`` and of `config`), on any world size.
-
-        Args:
-            config: this run's config (flat or nested); needed with `resizable`.
+        """Refuse a checkpoint that `meta` says another number of processes wrote (one that did not record it
+        passes); with `resizable`, refuse instead another global batch (`config` needed).
 
         Raises:
-            CheckpointError: not `resizable`: naming both sizes, why (`cannot_remap`), what to do and which recipes
-                resume on another size. `resizable`: naming both global batches and the ``train.grad_accum_steps``
-                or ``train.micro_batch_size`` that keeps it, or (without both configs) that it cannot be told.
+            CheckpointError: naming both sizes (or global batches), why, and what to set instead.
         """
         n = meta.get("world_size")
         if self.resizable:
@@ -395,14 +328,9 @@ class ResumeGuard:
 
     def already_complete(self, done: int, total: int | None, unit: str = "step",
                          outputs: Mapping[str, str | Path] = {}) -> str:
-        """The message for a run that has nothing left to do (its newest checkpoint is at the end and its
-        outputs are written): ``already complete: 40 of 40 steps; model in <dir>/final, metrics in ...
-        To train again, use a new output_dir (or delete <run_dir>).``
-
-        Args:
-            done, total: steps or epochs done and planned (``total=None``: not known here).
-            unit: ``"step"`` or ``"epoch"``.
-            outputs: what is where, e.g. ``{"model": final_dir, "metrics": jsonl}``.
+        """The message for a run with nothing left to do: ``already complete: 40 of 40 steps; model in
+        <dir>/final, ... To train again, use a new output_dir (or delete <run_dir>).`` (`done` / `total` in `unit`s,
+        `outputs`: what is where).
         """
         count = f"{done} of {total}" if total is not None else f"{done}"
         where = "".join(f"{', ' if i else '; '}{what} in {path}" for i, (what, path) in enumerate(outputs.items()))
@@ -459,10 +387,9 @@ def _reason(exc: BaseException, limit: int = 120) -> str:
 
 
 def file_sizes(folder: str | Path) -> dict[str, int]:
-    """Every file under `folder` but ``meta.json``, by its path relative to `folder` (``/``-separated), with its
-    size in bytes: what a checkpoint layout without an index of its own (the Hugging Face Trainer's:
-    DeepSpeed's shards, ``model.safetensors``, ...) lists in ``meta.json`` under ``files``, for `ResumeGuard.problem`
-    to check."""
+    """Every file under `folder` but ``meta.json`` (relative ``/`` paths) with its size in bytes, for ``meta.json``'s
+    ``files`` in layouts without an index of their own (the Trainer's).
+    """
     folder = Path(folder)
     return {p.relative_to(folder).as_posix(): p.stat().st_size for p in sorted(folder.rglob("*"))
             if p.is_file() and p.relative_to(folder).as_posix() != META_FILE}
@@ -543,11 +470,9 @@ def _sizes_problem(path: Path, sizes: Mapping[str, Any], listed: bool) -> str | 
 
 
 def _dcp_problem(path: Path) -> str | None:
-    """What is wrong with the DCP files of the checkpoint folder `path` (see `ResumeGuard.problem`), or ``None``.
-
-    Reads DCP's index (``.metadata``: ``storage_data`` maps each tensor chunk to a ``_StorageInfo(relative_path,
-    offset, length)``) and checks that each file it names exists and is at least as long as its last entry
-    ends (bytes)."""
+    """What is wrong with the DCP files of `path`, or None: each file DCP's ``.metadata`` names must exist and be
+    at least as long as its last entry ends.
+    """
     try:
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as exc:  # noqa: BLE001 - a damaged pickle raises anything (EOFError, UnpicklingError, ...)
@@ -564,10 +489,10 @@ def _dcp_problem(path: Path) -> str | None:
 
 
 def config_changes(old: Mapping[str, Any], new: Mapping[str, Any], may_change: tuple[str, ...] = ()) -> str:
-    """The settings that differ between two configs (flat or nested dicts), as ``"key: old -> new, ..."``
-    (at most six, then ``...``); ``""`` when none. Keys in `may_change` are ignored (a key ending in ``.*``
-    ignores a whole section; ``"key=value"`` ignores a key that `old` lacks, a setting added since, when `new`
-    has it at that value, its default)."""
+    """The settings that differ between two configs, ``"key: old -> new, ..."`` (at most six), ``""`` when none.
+    `may_change` keys are ignored (``section.*`` a whole section; ``"key=value"`` a key `old` lacks that `new` has at
+    that default).
+    """
     old, new = flatten(old), flatten(new)
     added = dict(m.split("=", 1) for m in may_change if "=" in m)
     changed = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)

@@ -1,41 +1,15 @@
 """A data position that belongs to the whole job, not to a rank: resume a run on another number of ranks.
 
-`torch.utils.data.DistributedSampler` (``shuffle=True``, ``seed``) orders epoch ``e`` by
-``torch.randperm(len(dataset), generator=seeded(seed + e))`` and gives rank ``r`` of ``W`` the indices
-``order[r::W]``. After each rank has taken ``k`` indices, the job has consumed exactly ``order[:k * W]``,
-whatever ``W`` is. So one number, the samples the job consumed in the epoch, says where the data is, and a
-job of ``M`` ranks can continue from it: rank ``r`` takes ``order[consumed + r :: M]``. Nothing is skipped or
-repeated beyond the tail that ``drop_last`` drops (fewer than one global batch), as in any epoch.
+`DistributedSampler` gives rank ``r`` of ``W`` the indices ``order[r::W]`` of a seeded epoch order, so the samples
+the whole job consumed in the epoch say where the data is, whatever ``W``; ``M`` ranks continue with
+``order[consumed + r :: M]``. `ResizableSampler` is that sampler (the same as `DistributedSampler` from an epoch's
+start); `DataPosition` is the checkpoint entry that saves the position in the global state::
 
-`ResizableSampler` is that sampler: a `DistributedSampler` (the same order and the same split from the start of
-an epoch, so a fresh run is unchanged) that can start an epoch at a global position. `DataPosition` is the
-checkpoint entry that saves that position in the checkpoint's global (not per-rank) state and restores it, on
-any number of ranks:
+    sampler = ResizableSampler(train_ds, num_replicas=info.world_size, rank=info.rank, seed=seed, drop_last=True)
+    loader = StatefulDataLoader(train_ds, batch_size=micro_batch, sampler=sampler, drop_last=True)
+    ckpt_state = {..., "data": DataPosition(loader), "rank_local": RankLocalState(dataloader=loader, rng=RNGState())}
 
-.. code-block:: python
-
-    sampler = ResizableSampler(train_ds, num_replicas=info.world_size, rank=info.rank, seed=cfg.train.seed,
-                               drop_last=True)
-    loader = StatefulDataLoader(train_ds, batch_size=cfg.train.micro_batch_size, sampler=sampler, drop_last=True)
-    ckpt_state = {..., "data": DataPosition(loader),
-                  "rank_local": RankLocalState(dataloader=loader, rng=RNGState())}
-
-`cookbook.checkpoint.Checkpointer.load` restores the per-rank state only when the world size is the one that wrote
-the checkpoint; on another one it restores the model and optimizer (resharded by DCP) and the `DataPosition`, and
-drops the per-rank state, with one line saying so.
-
-How torchdata's `StatefulDataLoader` (0.11) keeps a sampler's state, which this relies on: a sampler with
-``state_dict``/``load_state_dict`` (a `Stateful`) is saved inside the loader's own ``state_dict()`` and, on
-``load_state_dict``, restored through its ``load_state_dict`` instead of the loader fast-forwarding it. With
-``num_workers > 0`` the loader's main process draws indices ahead of the batches it has yielded (``prefetch_factor
-x num_workers`` batches), so the sampler's own count runs ahead of what training consumed; the loader therefore
-snapshots the sampler's state when it sends each batch's indices and reports, in its ``state_dict()``, the
-snapshot of the last batch it yielded. `DataPosition` reads the position from there, never from the sampler
-directly, so prefetched batches are not counted as consumed. When the world size is unchanged the loader's
-per-rank copy restores the same position as the global one (they are the same number), so neither overrides
-the other with something different.
-
-Reference: https://github.com/pytorch/data/tree/main/torchdata/stateful_dataloader
+How it relies on torchdata's loader: docs/notes.md#a-resizable-data-position-and-torchdatas-statefuldataloader-torchdata-011.
 """
 
 from __future__ import annotations
@@ -50,21 +24,11 @@ STATE_TAG = "cookbook.ResizableSampler"  # marks this sampler's state inside a d
 
 
 class ResizableSampler(DistributedSampler):
-    """`DistributedSampler` whose position in the epoch is global: the number of samples the whole job consumed.
+    """`DistributedSampler` (same arguments) whose position in the epoch is global: the samples the whole job consumed.
 
-    From the start of an epoch it yields exactly what `DistributedSampler` yields with the same arguments (the
-    same ``order``: ``torch.randperm`` seeded ``seed + epoch``, or ``range`` without shuffling; rank ``r`` takes
-    ``order[r::num_replicas]``). After `load_state_dict` with ``consumed = c``, the pass yields ``order[c + r ::
-    num_replicas]``, cut (``drop_last``) or padded from the epoch's start (``drop_last=False``) so that every rank
-    yields the same number of indices, as `DistributedSampler` does. For a pass that starts at ``c = k x
-    num_replicas`` this is what the same `DistributedSampler` yields after its first ``k`` indices, so a resume on
-    the same number of ranks is unchanged too.
-
-    Args:
-        dataset, num_replicas, rank, shuffle, seed, drop_last: as for `DistributedSampler`.
-
-    Call ``set_epoch(e)`` before each pass, as with `DistributedSampler`: a new epoch starts at position 0.
-    ``len(sampler)`` is the number of indices this rank yields in the current pass.
+    From an epoch's start it yields what `DistributedSampler` yields; after `load_state_dict` with ``consumed = c`` the
+    pass yields ``order[c + r :: num_replicas]``, cut (``drop_last``) or padded so every rank yields as many indices.
+    Call ``set_epoch(e)`` before each pass (a new epoch starts at 0); ``len`` is this rank's count in the pass.
     """
 
     def __init__(self, dataset, num_replicas: int | None = None, rank: int | None = None, shuffle: bool = True,
@@ -121,7 +85,7 @@ class ResizableSampler(DistributedSampler):
         return {STATE_TAG: {"epoch": self.epoch, "consumed": self.consumed, "num_replicas": self.num_replicas}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue epoch ``state["epoch"]`` at global position ``state["consumed"]``, on this sampler's ranks.
+        """Continue epoch ``state["epoch"]`` at global position ``state["consumed"]``.
 
         Raises:
             ValueError: a state without this sampler's tag, or a negative position.
@@ -150,16 +114,8 @@ def _find_tagged(state: Any) -> Mapping[str, Any] | None:
 
 
 class DataPosition:
-    """DCP `Stateful`: the global data position of a loader whose sampler is a `ResizableSampler`.
-
-    Saved as one entry of the checkpoint's global state (the same on every rank), so a checkpoint written by
-    ``N`` ranks gives ``M`` ranks the epoch and the number of its samples consumed. The position is read from the
-    loader's ``state_dict()`` (the snapshot of the last batch it yielded: prefetched batches do not count, see the
-    module docstring); `load_state_dict` sets the sampler, whose next pass starts there.
-
-    Args:
-        loader: a torchdata ``StatefulDataLoader`` (any loader with ``state_dict()`` that keeps a `Stateful`
-            sampler's state in it) whose ``sampler`` is a `ResizableSampler`.
+    """DCP ``Stateful``: the global data position (epoch, samples consumed) of a ``StatefulDataLoader`` whose
+    sampler is a `ResizableSampler`, read from the loader's ``state_dict()`` (prefetched batches do not count).
 
     Raises:
         TypeError: the loader's sampler is not a `ResizableSampler`.

@@ -23,11 +23,8 @@ def _rank() -> int:
 
 
 class ModelOptimizerState:
-    """DCP `Stateful` for a model and its optimizer (DDP, FSDP2 or plain module).
-
-    Uses ``get_state_dict``/``set_state_dict``, which strip the DDP ``module.`` prefix, keep
-    FSDP2 parameters as sharded DTensors (so each rank writes only its shard) and key the
-    optimizer state (``exp_avg``, ``exp_avg_sq``, ``step``) by parameter name.
+    """DCP ``Stateful`` for a model and its optimizer (DDP, FSDP2 or plain) through ``get_state_dict`` /
+    ``set_state_dict``: no DDP ``module.`` prefix, FSDP2 parameters as sharded DTensors, optimizer state by name.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -54,16 +51,9 @@ class ModelOptimizerState:
 
 
 class RankLocalState:
-    """DCP `Stateful` for state that differs per rank: stored under ``rank<i>`` so ranks do not
-    overwrite each other, and restored to the same rank.
-
-    Args:
-        items: name -> object with ``state_dict()``/``load_state_dict()`` (e.g. a torchdata
-            ``StatefulDataLoader``), or `RNGState()`.
-
-    On a different world size `Checkpointer.load` refuses it (per-rank positions cannot be remapped), or, for a
-    resizable checkpoint (one with a `cookbook.sampler.DataPosition`), leaves it out: these objects then keep
-    the state this run gave them at its start.
+    """DCP ``Stateful`` for per-rank state (`items`: name -> a ``StatefulDataLoader``, `RNGState()`, ...), stored
+    under ``rank<i>`` and restored to the same rank; on another world size `Checkpointer.load` refuses it, or for a
+    resizable checkpoint leaves it as this run set it up.
     """
 
     def __init__(self, **items: Any):

@@ -1,17 +1,11 @@
 """Rows of tabular data files (CSV, TSV, JSON / JSONL, parquet), each with its 1-based place in the file.
 
-A recipe that reads users' tables does this::
-
-    first = first_csv_row("train.csv")           # to tell a header from a data row
     for where, row in records("train.csv", required=["text", "label"]):
         label = to_int(row["label"])             # "3", "3.0", 3 and 3.0 are all 3
 
-``where`` is ``"<path> line <n>"`` for CSV, TSV and JSONL (the line a row starts on) and ``"<path> row <n>"``
-for a JSON array and parquet, so that every message can name the file and the line or row. Accepted on
-input: a UTF-8 byte-order mark (as Excel and some editors write), CRLF or LF line endings, quoted CSV
-fields (``csv`` module, RFC 4180; a ``.tsv`` file is split on tabs), blank or whitespace-only lines
-(skipped). Anything else raises one `DataError` that
-names the file, the line or row and, where it applies, the field.
+``where`` is ``"<path> line <n>"`` (CSV, TSV, JSONL) or ``"<path> row <n>"`` (JSON array, parquet). Accepted: a
+UTF-8 byte-order mark, CRLF or LF, quoted CSV fields (RFC 4180), blank lines (skipped). Anything else raises one
+`DataError` naming the file, the line or row and the field.
 """
 
 from __future__ import annotations
@@ -76,8 +70,7 @@ def _csv_lines(path: Path) -> Iterator[tuple[int, list[str]]]:
 
 
 def first_csv_row(path: str | Path) -> list[str] | None:
-    """The fields of the first non-blank record of a CSV file (TSV for a ``.tsv`` path; a header or a data
-    row), or None if it has none.
+    """The fields of a CSV (``.tsv``: TSV) file's first non-blank record (header or data), or None.
 
     Raises:
         DataError: the file is not UTF-8 or not valid CSV.
@@ -87,17 +80,12 @@ def first_csv_row(path: str | Path) -> list[str] | None:
 
 def csv_records(path: str | Path, columns: Sequence[str] | None = None, header: bool = True
                 ) -> Iterator[tuple[str, dict[str, str]]]:
-    """The rows of a CSV file (TSV for a ``.tsv`` path) as ``(where, {column: field})``, every field a string.
-
-    Args:
-        path: the file.
-        columns: the column names; None takes them from the header (names stripped of spaces).
-        header: whether the first record is a header (skipped when `columns` is given).
+    """The rows of a CSV (``.tsv``: TSV) file as ``(where, {column: field})``, fields as strings; `columns` None
+    takes the header's names, else `header` says whether to skip a first record.
 
     Raises:
-        DataError: ``"<path> line <n>: 4 fields, expected 3 (label, title, description)"`` for a row with
-            an extra field, ``"<path> line <n>: missing field 'description' (2 of 3 fields)"`` for a row
-            with too few, invalid CSV, or text that is not UTF-8.
+        DataError: ``"<path> line <n>: 4 fields, expected 3 (label, title, description)"``, ``"... missing field
+            'description' (2 of 3 fields)"``, invalid CSV, or text that is not UTF-8.
     """
     if columns is None and not header:
         raise ValueError("csv_records: give the columns of a file without a header")
@@ -121,12 +109,10 @@ def csv_records(path: str | Path, columns: Sequence[str] | None = None, header: 
 
 
 def json_records(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    """The rows of a JSON array of objects (first non-blank character ``[``) or of JSONL (one object per
-    line; blank lines skipped) as ``(where, object)``.
+    """The rows of a JSON array of objects or of JSONL (blank lines skipped) as ``(where, object)``.
 
     Raises:
-        DataError: ``"<path> line <n>: not valid JSON: ..."`` (JSONL, 1-based), ``"<path>: not valid JSON:
-            ... (line <n>)"`` (a JSON array), a row that is not an object, or text that is not UTF-8.
+        DataError: not valid JSON (with the line), a row that is not an object, or text that is not UTF-8.
     """
     p = Path(path)
     try:
@@ -158,11 +144,11 @@ def _jsonl(p: Path, text: str) -> Iterator[tuple[str, Any]]:
 
 def parquet_records(path: str | Path, columns: Sequence[str] | None = None,
                     batch_rows: int = 65536) -> Iterator[tuple[str, dict[str, Any]]]:
-    """The rows of a parquet file as ``(where, {column: value})`` (Python values; a null is None), read one
-    record batch at a time; `columns` limits the columns read.
+    """The rows of a parquet file as ``(where, {column: value})`` (null: None), a record batch at a time, only
+    `columns` when given.
 
     Raises:
-        DataError: the file is not parquet, or lacks some of `columns` (they are named).
+        DataError: the file is not parquet, or lacks some of `columns`.
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -185,8 +171,7 @@ def parquet_records(path: str | Path, columns: Sequence[str] | None = None,
 
 
 def column_names(path: str | Path) -> list[str] | None:
-    """The columns of a CSV or TSV file (its first record, names stripped of spaces; ``[]`` for a file
-    without a record) or of a parquet file (its schema); None for JSON and JSONL, whose rows name their own.
+    """The columns of a CSV / TSV (its first record; ``[]`` when empty) or parquet file; None for JSON and JSONL.
 
     Raises:
         DataError: the file is missing, of another type, not UTF-8, not valid CSV or not parquet.
@@ -215,18 +200,12 @@ _SUPPORTED = ".csv, .tsv, .json, .jsonl or .parquet"
 
 def records(path: str | Path, required: Sequence[str] = (), csv_columns: Sequence[str] | None = None,
             csv_header: bool = True) -> Iterator[tuple[str, dict[str, Any]]]:
-    """The rows of a CSV, TSV, JSON, JSONL or parquet file (by suffix) as ``(where, {column: value})``.
-
-    Args:
-        path: the file.
-        required: columns every row must have (for parquet, the only ones read).
-        csv_columns, csv_header: for CSV and TSV, as in `csv_records` (default: names from the header).
+    """The rows of a CSV, TSV, JSON, JSONL or parquet file (by suffix) as ``(where, {column: value})``;
+    `required` columns every row must have (parquet: the only ones read); `csv_columns`, `csv_header` as in `csv_records`.
 
     Raises:
-        DataError: the file is missing or of another type; a required column is missing from the header
-            or the schema (``"<path>: no column(s) label (found text, title)"``) or from a JSON row
-            (``"<path> line 3: missing field 'label'"``); or as `csv_records`, `json_records`,
-            `parquet_records`.
+        DataError: the file is missing or of another type; a required column missing (``"<path>: no column(s) label
+            (found text, title)"``, ``"<path> line 3: missing field 'label'"``); or as the readers above.
     """
     p = Path(path)
     if not p.is_file():
@@ -254,13 +233,11 @@ def records(path: str | Path, required: Sequence[str] = (), csv_columns: Sequenc
 
 
 def to_int(value: Any) -> int | None:
-    """An integer written in any of the usual ways: ``3``, ``"3"``, ``" 3 "``, ``3.0``, ``"3.0"``, ``"3e2"``
-    (pandas writes an integer column that has a missing value as floats). None for a missing value:
-    None, ``""`` or NaN.
+    """An integer written in any usual way (``3``, ``" 3 "``, ``3.0``, ``"3.0"``, ``"3e2"``: pandas writes an integer
+    column with a missing value as floats); None for None, ``""`` or NaN.
 
     Raises:
-        ValueError: a value that is not a whole number (``"2.5"``, ``"x"``, ``inf``, ``"1e999"``, a bool), or one
-            outside the 64-bit integer range that tensors hold (`check_int64`).
+        ValueError: not a whole number (``"2.5"``, ``inf``, a bool), or outside the int64 range (`check_int64`).
     """
     return check_int64(_to_int(value))
 

@@ -1,52 +1,14 @@
-"""``python -m cookbook.torchrun [torchrun options] train.py [args]``: torchrun, with its failure report
-cut to one line and restarts only for failures that a restart can cure.
+"""``python -m cookbook.torchrun [torchrun options] train.py [args]``: torchrun, with its failure report cut to
+one line and restarts only for failures that a restart can cure.
 
-It takes torchrun's own options (https://pytorch.org/docs/stable/elastic/run.html) and runs the same
-elastic agent (``torch.distributed.run.run``). When workers fail, torchrun prints a framed summary of
-every failed process, picking as "root cause" the earliest failure by time. Here the worker that
-failed first has already printed its own one-line message (`cookbook.entry.run_main`), so the launcher
-adds one line naming that rank and its exit status, and exits with that status (2 for bad input,
-128 + N for a worker killed by signal N), so scripts and schedulers can tell the failures apart.
-
-**Restarts** (``--max-restarts N``, torchrun's option; default 0). torchrun's own restarts follow any
-failure, also those that would only repeat. Here the agent runs with ``max_restarts=0`` and the whole
-group is started again, up to N times, only when the first failure (`should_restart`) is
-
-- a worker killed by a signal other than one that asks to stop (SIGKILL from the out-of-memory killer,
-  SIGSEGV, SIGBUS, SIGABRT from a collective's watchdog, ...), or
-- exit status 1 (a bug or library failure, e.g. a GPU's fault) or 3 (lost contact with another rank),
-
-and not when the failure repeats the previous attempt's (same rank, status, error message and last finished step:
-`_failure_signature`), and never after 2 (bad input), 4 (diverged), 75 (preempted), 130 (interrupted), a worker ended by SIGTERM, SIGINT,
-SIGHUP, SIGQUIT or SIGUSR1, nor once the launcher itself was sent SIGTERM or SIGUSR1 (Slurm's warning:
-the job still ends with 75). Each restart prints one line::
-
-    restart 1 of 3: rank 1 was killed by SIGKILL; the workers resume from the newest checkpoint
-
-(after a stall, the rank a healthy rank's timed-out collective waited for: ``rank 1 stalled (rank 0's collective
-timed out waiting for it)``).
-
-The restarted workers find ``COOKBOOK_RESTART_COUNT`` (1, 2, ...; 0 on the first start) in their
-environment, and ``COOKBOOK_LAUNCH_TIME`` set to the restart's time (their ``startup_s`` counts from it); they
-resume as any re-run does (``checkpoint.resume: auto``, every recipe's default: the
-newest complete checkpoint, or a fresh start when the failure came before the first one). After the last
-restart the failure line says how many were used.
-
-Each attempt meets at a rendezvous of its own, so that nothing of the failed attempt's store is reused:
-on one node a free port (torchrun's ``--standalone``); with a static rendezvous over several nodes
-(``--master-addr``/``--master-port``, what `cookbook.launch` uses), attempt k meets at ``--master-port + k``
-(open those ports between the nodes); with ``--rdzv-endpoint host:port``, at ``port + k`` under the id
-``<rdzv-id>-restart<k>``.
-
-Several nodes: every node runs this launcher, and every node sees the failure: the node of the failed
-worker as that worker's status, the others as their workers' exit 3 (they lose the peer; with NCCL this
-can take until the collective's timeout, which ends in SIGABRT, also restarted). Each launcher decides
-by itself from what its workers did, so all nodes restart together when the failure is one that restarts
-(a kill, a crash, a lost peer) and all stop when every node's workers stopped alike (preemption: 75 on
-every node). A node whose own workers failed with 2 stops while the others, which saw only the lost
-peer (3), restart and wait at the next rendezvous until its timeout (600 s; ``--rdzv-conf timeout=S``)
-before they fail too. The restart counts are per node and agree as long as every failure reaches every
-node.
+It takes torchrun's options and runs the same elastic agent (``torch.distributed.run.run``). The worker that failed
+first has printed its own line (`cookbook.entry.run_main`); the launcher adds one naming that rank and its status,
+and exits with it (128 + N for signal N). ``--max-restarts N`` (default 0) starts the whole group again, up to N
+times, only when the first failure is a kill by a signal that does not ask to stop, or status 1 or 3
+(`should_restart`), and not the previous attempt's failure again (`_failure_signature`); never after 2, 4, 75,
+130 or a SIGTERM / SIGUSR1 to the launcher. Each restart prints ``restart 1 of 3: rank 1 was killed by SIGKILL;
+the workers resume from the newest checkpoint``, sets ``COOKBOOK_RESTART_COUNT`` and ``COOKBOOK_LAUNCH_TIME``, and
+meets at a rendezvous of its own (`attempt_args`). Several nodes: docs/failures.md.
 """
 
 from __future__ import annotations
@@ -75,15 +37,8 @@ _stop_asked = False  # the launcher was sent SIGUSR1 (or SIGTERM): no restart af
 
 
 def describe_failure(rank: int, exitcode: int) -> tuple[str, int]:
-    """One line for the first failed worker, and the status the launcher exits with.
-
-    Args:
-        rank: the worker's global rank.
-        exitcode: its exit status as torch's elastic agent reports it (negative: killed by that signal).
-
-    Returns:
-        ``(line, status)``: status is `exitcode`, or 128 + N for a worker killed by signal N (the
-        shell's convention).
+    """``(line, status)`` for the first failed worker `rank`: `exitcode` as torch's agent reports it (negative:
+    killed by that signal) becomes 128 + N for signal N.
     """
     if exitcode < 0:
         line = f"error: rank {rank} was killed by {_signal_name(-exitcode)}; the other ranks were stopped"
@@ -93,18 +48,8 @@ def describe_failure(rank: int, exitcode: int) -> tuple[str, int]:
 
 
 def should_restart(exitcode: int, exitcodes: Iterable[int] = ()) -> bool:
-    """Whether a failed worker group is worth starting again (resuming from its newest checkpoint).
-
-    Args:
-        exitcode: the first failed worker's exit status as torch's elastic agent reports it (negative:
-            killed by that signal).
-        exitcodes: every failed worker's status (the first one's included, or not).
-
-    Returns:
-        ``True`` when the first failure is a kill by a signal not in `_STOP_SIGNALS`, or status 1 (a bug or
-        library failure) or 3 (lost a peer, or a collective timed out), and no worker stopped with 2 (bad input:
-        it would fail again), 4 (diverged: it would diverge again), 75 (preempted: the scheduler takes over) or
-        130 (interrupted). ``False`` for any other status.
+    """Whether a failed group is worth starting again: the first failure (`exitcode`; negative: a signal) is a
+    kill by a signal not in `_STOP_SIGNALS`, or status 1 or 3, and none of `exitcodes` is 2, 4, 75 or 130.
     """
     if any(code in (EXIT_USER_ERROR, EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_INTERRUPTED) for code in (exitcode, *exitcodes)):
         return False
@@ -155,15 +100,8 @@ def _restart_line(attempt: int, max_restarts: int, rank: int, exitcode: int, sta
 
 
 def attempt_args(args, attempt: int):
-    """torchrun's parsed arguments for restart `attempt` (``0``: the first start): a copy that meets at a
-    rendezvous of its own (see the module docstring), so that the failed attempt's store is not reused.
-
-    Args:
-        args: ``torch.distributed.run.parse_args``'s namespace (not changed).
-        attempt: ``0`` for the first start, ``k`` for the k-th restart.
-
-    Returns:
-        A new namespace; for ``attempt == 0`` an unchanged copy.
+    """A copy of torchrun's parsed `args` for restart `attempt` (0: unchanged) that meets at a rendezvous of its own:
+    a free port (``--standalone``), ``--master-port + k``, or ``port + k`` with the id ``<rdzv-id>-restart<k>``.
     """
     from torch.distributed.run import parse_min_max_nnodes
 

@@ -1,16 +1,7 @@
 """Where a run's metrics go besides ``metrics.jsonl``: the MLflow, TensorBoard and W&B sinks (``trackers`` in the
 config) that `cookbook.metrics.MetricsLogger` writes to on rank 0, and the redaction of credentials from the
-tracking URIs and texts they show. `cookbook.metrics` re-exports `redact_uri`.
-
-- ``mlflow``: ``MLFLOW_TRACKING_URI`` if set, else an embedded SQLite store ``sqlite:///<out_dir>/mlflow.db``;
-  ``MLFLOW_RUN_ID`` attaches to an existing run. ``mlflow: false`` in the config turns it off.
-- ``tensorboard``: event files in ``<out_dir>/tensorboard`` (tensorboardX), one scalar per key, the config as text.
-- ``wandb``: Weights & Biases, online when ``WANDB_API_KEY`` is set, else offline into ``<out_dir>/wandb``
-  (``wandb sync`` uploads it later; ``WANDB_MODE`` decides when set); project: ``WANDB_PROJECT`` or the experiment name.
-
-A resumed run continues the tracker runs it started (their ids are kept in the output folder). The closing lines say
-where each run is and how to browse it (`cookbook.metrics.MetricsLogger.tracker_lines`), any password or token in a
-URI masked (`redact_uri`).
+tracking URIs and texts they show (`redact_uri`, re-exported by `cookbook.metrics`). What each writes, where, how
+to browse it and how a resumed run continues it: docs/outputs.md.
 """
 
 from __future__ import annotations

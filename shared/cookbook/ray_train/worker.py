@@ -4,19 +4,9 @@
 `config_from_dict` rebuilds the config there, `worker_info` gives the `DistInfo` torchrun recipes get. `WorkerRun`
 resumes from the checkpoint Ray hands the worker (`load_checkpoint`), keeps the metrics and the log window, stops
 at ``train.stop_at_epoch`` / ``train.stop_at_step`` or on the driver's stop request, checks each step with the
-torchrun loop's non-finite policy (`cookbook.loop.NonFinitePolicy`) and writes the summary (`worker_summary`):
-
-.. code-block:: python
-
-    with run:                                   # closes the metrics: FINISHED, KILLED (stopped) or FAILED
-        for epoch in run.epochs():              # from the resumed epoch to the stop point (or run.steps())
-            for batch, wait in run.timed(loader):
-                ...                             # the step body; if run.skip_step(grad_norm): continue
-                run.end_step(loss, lr=lr)       # the log window (runs in steps: True when a checkpoint is due)
-            run.end_epoch(evaluate)
-            with run.checkpoint() as saved:     # state.pt + meta.json (rank 0), in a temporary folder
-                ray.train.report(**saved)       # Ray copies it to <output_dir>/checkpoint_epoch_<n>
-        run.finish(inner)                       # summary record, or how to continue a stopped run
+torchrun loop's non-finite policy (`cookbook.loop.NonFinitePolicy`) and writes the summary (`worker_summary`).
+A recipe enters ``with run:``, loops over ``run.epochs()`` and ``run.timed(loader)``, calls ``run.end_step`` and
+``run.end_epoch``, reports ``with run.checkpoint() as saved: ray.train.report(**saved)`` and ends with ``run.finish``.
 
 ``state.pt`` holds the state dicts, every worker's random streams and the count of skipped steps, as tensors and
 plain values (read with ``torch.load(weights_only=True)``); ``meta.json`` holds ``epoch`` (epoch runs), ``step``,

@@ -1,7 +1,8 @@
 """Supervised fine-tuning of language models: the pieces every SFT recipe shares.
 
-- `cookbook.sft.data`: chat / Alpaca / ShareGPT / completion rows, tokenization with the chat template
-  (loss on assistant tokens only), per-file statistics, packing and padding.
+- `cookbook.sft.data`: `prepare` (rows -> labelled examples), packing and padding; it re-exports
+  `cookbook.sft.rows` (chat / Alpaca / ShareGPT rows), `cookbook.sft.template` (tokenization with the chat
+  template, loss on assistant tokens only) and `cookbook.sft.stats` (per-file statistics).
 - `cookbook.sft.batch`: the padding id, train and eval rows (packed or not), ``collate`` into batches
   (packed rows carry ``cu_seq_lens`` for the varlen attention).
 - `cookbook.sft.loss`: the summed next-token loss over labelled tokens, and ``evaluate`` (mean loss per

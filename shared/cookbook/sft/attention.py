@@ -16,26 +16,10 @@ import torch
 def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                      cu_seq_lens_q: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """Causal attention with PyTorch's variable-length FlashAttention kernel
-    (``torch.nn.attention.varlen.varlen_attn``, CUDA, bf16/fp16): each packed document attends
-    only to itself, work is proportional to the documents' own lengths, and no T x T mask is built.
-
-    Registered as ``attn_implementation: varlen`` by `register_varlen`; transformers calls it from each
-    attention layer.
-
-    Args:
-        query: (batch, heads, T, head_dim). key, value: (batch, kv_heads, T, head_dim); kv_heads
-            divides heads (grouped-query attention).
-        attention_mask: ignored (`cookbook.sft.collate`'s ``cu_seq_lens`` carries the document boundaries).
-        scaling: softmax scale (default 1 / sqrt(head_dim)).
-        cu_seq_lens_q: (documents + 1,) int32 offsets of the documents in the flattened
-            (batch * T) tokens, from ``collate``; None treats each row as one document.
-
-    Returns:
-        ``(output, None)`` with output (batch, T, heads, head_dim), as transformers expects.
-
-    Raises:
-        ValueError: attention dropout is on (the kernel wrapper has none).
+    """Causal attention with PyTorch's variable-length FlashAttention kernel (``varlen_attn``, CUDA, bf16/fp16): each
+    packed document attends only to itself. `query` (batch, heads, T, head_dim), `key` / `value` (batch, kv_heads, T,
+    head_dim); `cu_seq_lens_q` (documents + 1,) int32 offsets (None: each row one document); `attention_mask` ignored.
+    Returns ``(output, None)``, output (batch, T, heads, head_dim). Raises ValueError with attention dropout on.
     """
     from torch.nn.attention.varlen import varlen_attn
 

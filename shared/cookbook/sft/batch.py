@@ -10,12 +10,11 @@ from cookbook.sft.data import SFTStats, load_examples, pack, pad_batch
 
 
 def pad_token_id(tokenizer) -> int:
-    """The id that pads rows: the tokenizer's pad token, else its end-of-sequence token (Llama 3 Instruct
-    has no pad token). Padding is never trained (its labels are -100) and `cookbook.lm.count_tokens`
-    counts real tokens by mask or position, not by this id, so sharing it with a real token is safe.
+    """The tokenizer's pad token id, else its end-of-sequence id (safe: padding is never trained and real tokens
+    are counted by mask or position).
 
     Raises:
-        ValueError: the tokenizer has neither a pad nor an end-of-sequence token.
+        ValueError: the tokenizer has neither.
     """
     for pad_id in (tokenizer.pad_token_id, tokenizer.eos_token_id):
         if pad_id is not None:
@@ -38,18 +37,10 @@ def training_rows(cfg: Any, tokenizer, seed: int) -> tuple[list[dict], list[dict
 
 
 def collate(rows: Sequence[dict], pad_id: int, cu_seq_lens: bool = True) -> dict[str, torch.Tensor]:
-    """One batch of SFT rows, for a DataLoader's ``collate_fn`` (``partial(collate, pad_id=...)``).
-
-    Packed rows (`cookbook.sft.pack`: all of one length L, with ``position_ids``) are stacked:
-    ``input_ids``, ``labels``, ``position_ids`` of shape (B, L), int64, without an attention mask
-    (transformers then keeps each document to itself from the position ids). With `cu_seq_lens`, the
-    batch also has ``cu_seq_lens``: the (documents + 1,) int32 offsets of the documents in the flattened
-    (B * L) tokens, which `token_loss_sum` hands to the model for the ``varlen`` attention
-    (`cookbook.sft.attention`); leave it out for a caller that passes the whole batch to the model as
-    keyword arguments (Hugging Face Trainer), which would not know the key.
-
-    Other rows are right-padded (`cookbook.sft.pad_batch`, length rounded up to a multiple of 8):
-    ``input_ids``, ``attention_mask``, ``labels`` (B, L).
+    """One batch of SFT rows for a DataLoader's ``collate_fn``: packed rows stacked as ``input_ids``, ``labels``,
+    ``position_ids`` (B, L) int64 without a mask (with `cu_seq_lens`, also the (documents + 1,) int32 offsets for
+    the ``varlen`` attention; leave it out for the Trainer); other rows right-padded to a multiple of 8 with an
+    ``attention_mask``.
 
     Raises:
         ValueError: `rows` is empty.

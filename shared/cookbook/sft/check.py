@@ -25,14 +25,12 @@ def check_positions(max_length: int, hf_config, model: str, key: str = "data.max
 
 
 def load_tokenizer(tokenizer: str, model: str, max_length: int | None = None):
-    """The tokenizer at `tokenizer` (``model.tokenizer``), checked against the vocab_size of the model's
-    ``config.json`` at `model` (``model.name_or_path``; a vision-language model's text config). Both are
-    local folders or hub ids.
+    """The tokenizer at `tokenizer`, checked against the vocab_size of the model's ``config.json`` at `model`
+    (folders or hub ids).
 
     Raises:
-        ConfigError: a local path that does not exist, a folder / hub id that cannot be loaded, `max_length`
-            beyond the model's positions.
-        SFTDataError: the tokenizer has more tokens than the model's embedding has rows (`check_vocab`).
+        ConfigError: a local path that does not exist or cannot be loaded; `max_length` beyond the model's positions.
+        SFTDataError: more tokens than the model's embedding rows.
     """
     from transformers import AutoConfig, AutoTokenizer
 
@@ -65,19 +63,11 @@ def check_one_step(n_rows: int, micro_batch_size: int, grad_accum_steps: int, wo
 
 
 def check_data(cfg: Any, tokenizer, seed: int, micro_batch_size: int, grad_accum_steps: int, world_size: int) -> str:
-    """The data part of a ``--check``: local files are read and tokenized (`load_examples`), packed when
-    ``cfg.packing``, and must give one optimizer step (`check_one_step`); prints ``data: <statistics>``.
-    A hub data set (no ``train_files``) is read by the workers only.
-
-    Args:
-        cfg: the recipe's data section (see `load_examples`, plus ``packing``).
-        seed: the seed of the held-out split, as in training.
-
-    Returns:
-        The note of the "config OK" line: "<n> train / <m> eval examples", or "data from <hub_id>".
+    """The data part of a ``--check``: local files read and tokenized, packed with ``cfg.packing``, enough for one
+    step; prints ``data: <statistics>`` and returns the "config OK" note (a hub data set is read by workers only).
 
     Raises:
-        ConfigError, SFTDataError: too few rows; a bad file or row (see `load_examples`).
+        ConfigError, SFTDataError: too few rows; a bad file or row.
     """
     if not cfg.train_files:
         return f"data from {cfg.hub_id}"

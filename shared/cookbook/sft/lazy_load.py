@@ -1,18 +1,15 @@
 """Shard-by-shard loading of pretrained weights from safetensors files into a model built on the meta device.
 
-A recipe that shards a model builds it without memory (``accelerate.init_empty_weights``), changes it
-(adapters, expert split) and then fills each parameter from the checkpoint, reading only what this rank
-keeps: ``safe_open(...).get_slice`` reads the bytes of a slice, never the whole file. So no rank holds the
-whole model, as transformers' ``from_pretrained`` would make it do first::
+A recipe that shards a model builds it without memory, changes it (adapters, expert split) and fills each
+parameter from the checkpoint, reading only what this rank keeps (``safe_open(...).get_slice``), so no rank holds
+the whole model as ``from_pretrained`` would::
 
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(hf_config)
-    model = get_peft_model(model, lora_config)          # optional: adapter layers (their factors are not read)
+    model = get_peft_model(model, lora_config)          # optional: adapter factors are not read
     load_base_lazily(model, "Qwen/Qwen3-30B-A3B")     # a folder or a hub id (cookbook.hub.model_folder)
 
-Modules that keep only part of a checkpoint tensor along its first axis (expert parallelism: a slice of
-the experts) say where their part starts with an integer attribute ``checkpoint_offset``
-(the MoE recipe's `split_experts` sets it); their 3-D parameters are read from that row on.
+A module that keeps part of a tensor along its first axis (a slice of the experts) sets ``checkpoint_offset``.
 """
 
 from __future__ import annotations
@@ -33,29 +30,16 @@ _WRAPPER = re.compile(r"\.base_layer\b")  # PEFT's wrapper attribute: not in che
 
 @torch.no_grad()
 def load_base_lazily(model: torch.nn.Module, name_or_path: str, key: str = "model.lazy_load") -> int:
-    """Fill the parameters of `model` that are still on the meta device from the safetensors checkpoint of
-    `name_or_path`, reading only what this rank keeps. Persistent buffers found in the checkpoint are
-    copied too; parameters already materialised (adapter factors) are left alone. Tied parameters are read once.
+    """Fill the parameters of `model` still on the meta device (and persistent buffers) from the safetensors
+    checkpoint of `name_or_path`, reading only what this rank keeps; returns the tensor elements read.
 
-    Checkpoint layouts understood (those transformers 5 converts for its MoE models):
-    plain tensors under the parameter's name (PEFT's ``base_layer`` left out; `model` may be a ``PeftModel``);
-    fused 3-D ``...experts.<name>`` (E, a, b), or (E, b, a), which is transposed (Qwen3-VL-MoE hub checkpoints);
-    per-expert ``...experts.<e>.<name>.weight`` stacked, with ``gate_up_proj`` = concatenated ``gate_proj`` and
-    ``up_proj`` rows (Qwen3-MoE, Nemotron-H); and the prefix renames of `CHECKPOINT_RENAMES` for the model's
-    ``config.model_type``. A module with ``checkpoint_offset`` = o and a 3-D parameter of n rows gets rows
-    [o, o + n) of the checkpoint tensor.
-
-    Args:
-        name_or_path: a folder with ``*.safetensors`` files, or a hub id (downloaded into the Hugging Face cache
-            by `cookbook.hub.model_folder` when it is not there).
-        key: the config key that turned this loading on, for messages.
-
-    Returns:
-        The number of tensor elements read.
+    Layouts (those transformers 5 converts for its MoE models): tensors under the parameter's name (PEFT's
+    ``base_layer`` left out); fused 3-D ``...experts.<name>`` (E, a, b) or transposed (E, b, a); per-expert
+    ``...experts.<e>.<name>.weight`` stacked, ``gate_up_proj`` = ``gate_proj`` and ``up_proj`` rows concatenated;
+    the prefix renames of `CHECKPOINT_RENAMES`. A module with ``checkpoint_offset`` o and n rows gets rows [o, o + n).
 
     Raises:
-        ConfigError: a parameter has no tensor in the checkpoint, or one of another shape (the message names
-            it and says to set ``<key>=false``); see `cookbook.hub.model_folder` for the folder itself.
+        ConfigError: a parameter with no tensor in the checkpoint or one of another shape (says to set ``<key>=false``).
     """
     from safetensors import safe_open
 

@@ -39,22 +39,13 @@ def _shifted_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> t
 
 
 def token_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk_size: int = 0) -> torch.Tensor:
-    """Summed next-token cross entropy over the labelled tokens of one batch: the training loss before
-    normalisation (divide by the labelled tokens of the global batch, `count_label_tokens`).
+    """Summed next-token cross entropy over the labelled tokens of one batch (0-d fp32 tensor, nats, with the
+    graph): the training loss before dividing by the global batch's labelled tokens (`count_label_tokens`).
 
-    Args:
-        model: a causal LM (or a wrapper: DDP, FSDP2, PEFT, DeepSpeed) returning ``logits`` (B, L, V).
-        batch: ``input_ids`` and ``labels`` (B, L; `IGNORE_INDEX` where no loss) and the other model inputs
-            (``attention_mask`` or ``position_ids``; images for vision-language models), on the model's
-            device; its ``cu_seq_lens`` (`collate`) is passed as the varlen attention's
-            ``cu_seq_lens_q/k`` with ``max_length_q/k`` = L.
-        chunk_size: 0 (``train.loss=full``): the model's logits for every position, upcast to fp32.
-            > 0 (``train.loss=chunked``): the model runs without its logits (``logits_to_keep`` empty) and
-            `linear_cross_entropy_sum` computes them from the final hidden states of the labelled positions,
-            `chunk_size` tokens at a time (`chunked_token_loss_sum`). The same value up to float rounding.
-
-    Returns:
-        0-d fp32 tensor, in nats (logits cast to fp32 before the softmax), with the autograd graph.
+    `model`: a causal LM (or DDP, FSDP2, PEFT, DeepSpeed wrapper) returning ``logits`` (B, L, V); `batch`:
+    ``input_ids`` and ``labels`` (B, L) and the other inputs on its device (``cu_seq_lens`` goes to varlen attention).
+    `chunk_size` 0 (``train.loss=full``): the model's logits upcast to fp32; > 0 (``chunked``):
+    `chunked_token_loss_sum`, the same value up to rounding.
     """
     if chunk_size > 0:
         return chunked_token_loss_sum(model, batch, chunk_size)
@@ -75,33 +66,13 @@ def _causal_lm(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def chunked_token_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk_size: int) -> torch.Tensor:
-    """`token_loss_sum` without the (B, L, V) logits: the model's forward with an empty ``logits_to_keep``
-    (its head projects no position), and `linear_cross_entropy_sum` over the final hidden states (its
-    decoder's output, (B, L, H)) of the positions whose next token is labelled.
-
-    The loss is computed inside the model's forward, by a forward hook of the causal LM that runs before
-    any other (``prepend=True``), and returned as the output's ``loss``. Under FSDP2 (``fully_shard`` on the
-    model, the root) the head's weight is there still the gathered parameter, which the root's post-forward
-    hook reshards right after (with ``reshard_after_forward=True``); the loss's gradients are computed in
-    that forward, so the backward needs no gathered weight. The root's pre-backward hook, which FSDP2 puts
-    on the output's tensors, then runs first in the backward as it does with the full loss's logits
-    (gathering the final norm's weight for its backward), and its post-backward reduce-scatters the
-    gradient given to the head. Tied embeddings: the head's weight is the embedding's, autograd sums both
-    gradients. Gemma 2's ``final_logit_softcapping`` is applied per chunk.
-
-    Args:
-        model: a Hugging Face causal LM whose forward takes ``logits_to_keep`` and whose
-            ``get_decoder()`` / ``get_output_embeddings()`` give the decoder and a bias-free head, or such a
-            model inside DDP, FSDP2 or PEFT.
-        batch: as `token_loss_sum`.
-        chunk_size: labelled tokens per chunk (> 0).
-
-    Returns:
-        0-d fp32 tensor (nats), with the autograd graph.
+    """`token_loss_sum` without the (B, L, V) logits: the forward runs with an empty ``logits_to_keep`` and
+    `linear_cross_entropy_sum` takes the decoder's hidden states of the labelled positions, `chunk_size` tokens at a
+    time, in a forward hook where FSDP2 still holds the head's gathered weight (the backward needs none). Tied
+    embeddings and Gemma 2's logit soft cap work. Returns a 0-d fp32 tensor (nats) with the graph.
 
     Raises:
-        ValueError: a model without ``logits_to_keep``, a decoder or a bias-free head; a head weight that is
-            a DTensor shard or empty inside the forward (DeepSpeed ZeRO-3 gathers per submodule).
+        ValueError: no ``logits_to_keep``, decoder or bias-free head; a head weight sharded or empty in the forward.
     """
     lm = _causal_lm(model)
     decoder, head = lm.get_decoder(), lm.get_output_embeddings()
@@ -192,25 +163,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 4096,
                              *, softcap: float | None = None) -> torch.Tensor:
     """``cross_entropy((hidden @ weight.T).float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")``
-    without the (N, V) logits: `chunk_size` rows at a time, logits in the compute dtype of `hidden` and
-    `weight`, upcast to fp32 for the log-softmax, as `token_loss_sum`'s full path does.
+    without the (N, V) logits: `chunk_size` rows at a time, fp32 log-softmax as the full path does.
 
-    Memory: one chunk's logits, about 8 bytes per logit (the fp32 logits, reused in place for the softmax and
-    its gradient, and the log-sum-exp's fp32 temporary), i.e. 8 x chunk_size x V bytes, plus the gradients
-    w.r.t. `hidden` and `weight` in their dtype (computed in the forward, handed over in the backward),
-    instead of 12 x N x V bytes. Compute: the three matmuls of the full path, none repeated. The weight's
-    gradient is summed over chunks in its dtype (one rounding per chunk in bf16, as Liger Kernel does).
-
-    Args:
-        hidden: (N, H) final hidden states (after the final norm), compute dtype.
-        weight: (V, H) output projection (a plain tensor: under FSDP2 the gathered parameter).
-        labels: (N,) int64 target ids in [0, V), or `IGNORE_INDEX` (no loss, no gradient).
-        chunk_size: rows per chunk (> 0); the last chunk may be shorter.
-        softcap: Gemma 2's ``final_logit_softcapping``: logits become ``cap * tanh(logits / cap)``.
-
-    Returns:
-        0-d fp32 tensor: the summed loss in nats; differentiable w.r.t. `hidden` and `weight` (the gradients
-        are computed in the forward only when grad mode is on and one of them requires grad).
+    `hidden` (N, H) final hidden states; `weight` (V, H) the head (a plain tensor); `labels` (N,) int64 in [0, V) or
+    `IGNORE_INDEX`; `softcap`: Gemma 2's ``cap * tanh(logits / cap)``. Memory: about 8 x chunk_size x V bytes plus the
+    gradients of `hidden` and `weight` (computed in the forward when grad mode is on), instead of 12 x N x V; no
+    matmul repeated. Returns a 0-d fp32 tensor (nats), differentiable w.r.t. `hidden` and `weight`.
 
     Raises:
         ValueError: shapes that do not match, ``chunk_size < 1``, a weight that is a DTensor shard or empty.
@@ -243,11 +201,8 @@ def count_label_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def token_loss_sums(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`token_loss_sum` with the counts an evaluation needs, for one batch (see `token_loss_sum` for the args).
-
-    Returns:
-        ``loss_sum`` (nats), ``tokens`` (labelled tokens) and ``correct`` (labelled tokens whose label is
-        the argmax of the logits): 0-d tensors. ``loss_sum / tokens`` is the mean loss per token.
+    """`token_loss_sum` with an evaluation's counts: ``loss_sum`` (nats), ``tokens`` (labelled) and ``correct``
+    (labelled tokens that are the logits' argmax), 0-d tensors.
     """
     logits, labels = _shifted_logits(model, batch)
     mask = labels != IGNORE_INDEX
@@ -261,26 +216,13 @@ def evaluate(model: torch.nn.Module, batches: Iterable[dict[str, torch.Tensor]],
              context: Callable[[], ContextManager] = contextlib.nullcontext,
              on_batch: Callable[[dict[str, torch.Tensor]], None] | None = None,
              accuracy: bool = False) -> dict[str, float]:
-    """Mean loss per labelled token over this rank's `batches` and those of every other rank.
+    """Mean loss per labelled token over every rank's `batches` (one all-reduce of sums and counts): ``loss`` (nats;
+    0 without labelled tokens), ``tokens`` and, with `accuracy`, ``mean_token_accuracy``; Python floats, the same on
+    every rank.
 
-    Each rank sums token losses and counts over its own batches (possibly none), then one all-reduce
-    (`cookbook.all_reduce_sum`) gives ``sum of losses / labelled tokens`` over the whole evaluation set,
-    whatever the number of ranks and the batch sizes. A model sharded with FSDP2 or ZeRO-3 gathers its
-    parameters collectively in each forward: then every rank must get the same number of batches
-    (`cookbook.sft.shard_for_eval`). A `DistributedDataParallel` model is run through its inner module:
-    DDP's forward broadcasts buffers from rank 0, a collective that a rank with fewer batches would not join.
-
-    Args:
-        model: the causal LM; put in eval mode for the loop, then back in the mode it was in.
-        batches: a DataLoader or any iterable of `collate` batches; their tensors are moved to `device`.
-        device: this rank's device (that of its collectives).
-        context: called around each forward, e.g. an autocast or the Trainer's loss context.
-        on_batch: called with each batch after its forward (e.g. to drop a hook's records).
-        accuracy: also return ``mean_token_accuracy`` (share of labelled tokens predicted by the argmax).
-
-    Returns:
-        ``loss`` (nats per labelled token; 0 without labelled tokens), ``tokens`` (labelled tokens of all
-        ranks) and, with `accuracy`, ``mean_token_accuracy``: Python floats, the same on every rank.
+    Sharded models (FSDP2, ZeRO-3) gather in each forward, so every rank needs as many batches (`shard_for_eval`); a
+    DDP model runs through its inner module. The model is put in eval mode and back. `context` wraps each forward
+    (an autocast); `on_batch` is called after each.
     """
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         model = model.module

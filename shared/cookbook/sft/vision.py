@@ -1,18 +1,14 @@
-"""Image + text rows for vision-language models (Qwen-VL family): rows -> chat messages with image
-parts -> token ids with assistant-only labels, each image placeholder repeated once per merged image
-patch, and the images decoded and cut into patches by the model's image processor.
+"""Image + text rows for vision-language models (Qwen-VL family): rows -> chat messages with image parts ->
+token ids with assistant-only labels (each image placeholder repeated once per merged patch) and the images cut
+into patches by the model's image processor::
 
-Pipeline, as a recipe uses it::
-
-    tokenizer, image_processor = load_vl_processors("Qwen/Qwen3-VL-30B-A3B-Instruct", max_pixels=512 * 512)
+    tokenizer, image_processor = load_vl_processors(model_path, max_pixels=512 * 512)
     train_items, eval_items = load_vl_items(cfg.data, seed=42)          # (source, row, no_loss) items
     dataset = VLDataset(train_items, tokenizer=tokenizer, image_processor=image_processor,
                         image_token_id=hf_config.image_token_id, max_length=2048)
-    loader = DataLoader(dataset, collate_fn=partial(collate_vl, pad_id=..., image_token_id=...), num_workers=4)
 
-Rows are read when indexed (in the data loader's workers), so decoding and resizing overlap training.
-Bad rows raise `SFTDataError` naming the file (or hub data set), the 1-based row and the image file;
-`check_vl_items` reads every row of local files once, for a check before training starts.
+Rows are read when indexed (in the loader's workers); bad rows raise `SFTDataError` naming the file, the 1-based
+row and the image; `check_vl_items` reads every local row once before training.
 """
 
 from __future__ import annotations
@@ -56,21 +52,14 @@ class VLSource:
 
 
 def to_vl_messages(row: dict, where: str) -> tuple[list[dict], list[Any]]:
-    """One image + text row -> chat messages and the row's images, in the order their image parts appear.
-
-    Formats (an image is a path, relative to the data file's folder, or a PIL image from a hub data set):
-        ``{"images": [image, ...], "messages": [{"role", "content": str | [part, ...]}, ...]}`` with parts
-        ``{"type": "image"}`` (takes the next image) and ``{"type": "text", "text": str}``: the layout of TRL
-        and of HuggingFaceH4/llava-instruct-mix-vsft;
-        ``{"image": image, "messages": [...]}``: one image. Images without image parts go before the first
-        user turn's text.
-
-    Returns:
-        ``(messages, images)``: user turns hold lists of parts, system and assistant turns strings.
+    """One image + text row as ``(messages, images)``, images in the order of their parts (user turns hold lists
+    of parts, others strings). Rows: ``{"images": [...], "messages": [...]}`` with ``{"type": "image"}`` and
+    ``{"type": "text", "text"}`` parts (TRL's layout), or ``{"image": ..., "messages": [...]}``; an image is a path
+    relative to the data file or a PIL image. Images without image parts go before the first user turn's text.
 
     Raises:
-        SFTDataError: ``"<where>: ..."``: the row has no image; images and image parts differ in number; an
-            image part outside a user turn; an unknown role or part; no assistant turn or an empty one.
+        SFTDataError: ``"<where>: ..."``: no image; images and image parts differ in number; an image part outside a
+            user turn; an unknown role or part; no or an empty assistant turn.
     """
     images = row.get("images", row.get("image"))
     images = images if isinstance(images, list) else [] if images is None else [images]
@@ -124,11 +113,10 @@ def to_vl_messages(row: dict, where: str) -> tuple[list[dict], list[Any]]:
 
 
 def open_image(ref: Any, base_dir: Path | None, where: str):
-    """Decode one image (a path, relative to `base_dir` unless absolute, or a PIL image) to an RGB PIL image.
+    """Decode one image (a path, relative to `base_dir` unless absolute, or a PIL image) to RGB.
 
     Raises:
-        SFTDataError: ``"<where>: ..."`` naming the file: not found, or not decodable; or a reference that is
-            neither a path nor a PIL image.
+        SFTDataError: ``"<where>: ..."`` naming the file: not found or not decodable; neither a path nor an image.
     """
     from PIL import Image
 
@@ -148,17 +136,12 @@ def open_image(ref: Any, base_dir: Path | None, where: str):
 
 def vl_example(row: dict, where: str, base_dir: Path | None, tokenizer, image_processor, image_token_id: int,
                max_length: int, template_kwargs: dict | None = None, no_loss: bool = False) -> dict[str, Any]:
-    """One image + text row -> model inputs: the chat rendered and tokenized with assistant-only labels
-    (`cookbook.sft.tokenize_conversation`), each image placeholder token repeated once per merged image patch
-    (what the Qwen-VL processors do), the images resized and cut into patches by the image processor.
-
-    Returns:
-        ``input_ids``, ``labels`` (lists of L <= max_length ints; ``no_loss``: all -100), ``pixel_values``
-        (P, C * T * p * p) for the P patches of all images, ``image_grid_thw`` (n_images, 3) patch grids.
+    """One image + text row as model inputs: ``input_ids`` and ``labels`` (L <= max_length; ``no_loss``: all
+    -100), ``pixel_values`` (P, C * T * p * p) for the P patches of all images and ``image_grid_thw`` (n_images, 3).
 
     Raises:
-        SFTDataError: ``"<where>: ..."``: see `to_vl_messages` and `open_image`; the template wrote another
-            number of image placeholders; the image tokens do not fit in max_length.
+        SFTDataError: ``"<where>: ..."``: see `to_vl_messages` and `open_image`; another number of image placeholders
+            in the template's output; the image tokens do not fit in max_length.
     """
     messages, refs = to_vl_messages(row, where)
     images = [open_image(ref, base_dir, where) for ref in refs]
@@ -189,11 +172,8 @@ def vl_example(row: dict, where: str, base_dir: Path | None, tokenizer, image_pr
 
 
 class VLDataset(torch.utils.data.Dataset):
-    """Image + text rows, tokenized and their images decoded when read (in the DataLoader's workers).
-
-    Args:
-        items: ``(source, row index, no_loss)``; ``no_loss`` rows pad evaluation shards (labels all -100).
-        **kwargs: the arguments of `vl_example` after ``base_dir``.
+    """Image + text rows, tokenized and decoded when read; `items` are ``(source, row index, no_loss)``
+    (``no_loss`` rows pad eval shards); `kwargs` are `vl_example`'s after ``base_dir``.
     """
 
     def __init__(self, items: list[tuple[VLSource, int, bool]], **kwargs):
@@ -208,13 +188,8 @@ class VLDataset(torch.utils.data.Dataset):
 
 
 def load_vl_items(cfg: Any, seed: int) -> tuple[list[tuple], list[tuple]]:
-    """Train and eval items ``(source, row index, no_loss)`` of image + text rows.
-
-    Args:
-        cfg: any object with ``train_files`` (JSON / JSONL; empty: the ``hub_id`` data set's train split, through
-            ``datasets``), ``eval_files``, ``hub_id`` and ``eval_fraction``: without eval files a seeded
-            ``eval_fraction`` of each train source is held out, as `cookbook.sft.load_examples` does for text.
-        seed: seeds the held-out split.
+    """Train and eval items ``(source, row index, no_loss)`` of `cfg`'s ``train_files`` (or the ``hub_id`` data set)
+    and ``eval_files``; without eval files a ``eval_fraction`` of each source, seeded by `seed`, is held out.
 
     Raises:
         SFTDataError: see `cookbook.sft.load_rows` (rows themselves are checked when read).
@@ -250,14 +225,8 @@ def shard_items_for_eval(items: list[tuple], rank: int, world_size: int) -> list
 
 
 def check_vl_items(dataset: VLDataset, hub_rows: int = 16) -> tuple[int, int]:
-    """Read every item of `dataset` whose source is a local file (each row tokenized, each image decoded) and
-    the first `hub_rows` items of hub data sets: a check before any training process starts.
-
-    Returns:
-        ``(rows checked, images decoded)``.
-
-    Raises:
-        SFTDataError: the first bad row, as `vl_example` raises it (file, row, image named).
+    """Read every local item of `dataset` (tokenized, images decoded) and the first `hub_rows` hub items before
+    training; returns ``(rows checked, images decoded)``; raises the first bad row's `SFTDataError`.
     """
     local = [i for i, item in enumerate(dataset.items) if item[0].base_dir is not None]
     hub = [i for i, item in enumerate(dataset.items) if item[0].base_dir is None][:hub_rows]
@@ -277,18 +246,11 @@ def collate_vl(rows: list[dict], pad_id: int, image_token_id: int) -> dict[str, 
 
 
 def load_vl_processors(name_or_path: str, min_pixels: int | None = None, max_pixels: int | None = None):
-    """The tokenizer and the image processor of a vision-language model (folder or hub id).
-
-    Args:
-        min_pixels, max_pixels: resize bounds of each image in pixels (None: the image processor's own),
-            hence the number of image tokens.
-
-    Returns:
-        ``(tokenizer, image_processor)``; the tokenizer carries the chat template, taken from the processor
-        when the repository keeps it there only.
+    """``(tokenizer, image_processor)`` of a vision-language model (folder or hub id); the tokenizer carries the
+    chat template (from the processor when only it has one); `min_pixels` / `max_pixels` bound each image's size.
 
     Raises:
-        OSError: a folder or hub id without tokenizer or image processor files (transformers' error).
+        OSError: no tokenizer or image processor files (transformers' error).
     """
     from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
 

@@ -1,0 +1,294 @@
+"""SFT rows -> chat messages: the row formats (chat, Alpaca, ShareGPT; `to_conversation`), reading data files
+(`load_rows`, `load_hub_rows`) and the errors that name the file, the row (1-based) and the field. The formats:
+docs/sft-data.md."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from cookbook.tabular import not_utf8
+
+IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index
+ROLES = ("system", "user", "assistant")  # plain chat turns; "tool" (a tool's result) is accepted too
+_CHAT_ROLES = (*ROLES, "tool")
+_SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                   "function_call": "assistant", "observation": "tool", "tool": "tool"}
+
+
+class SFTDataError(ValueError):
+    """A data file, row or tokenizer is unusable for SFT; the message names the file, row and field."""
+
+
+# ----------------------------------------------------------------------------- rows -> messages
+def load_rows(path: str | Path) -> list[dict]:
+    """Read a data file: a JSON array of objects, JSONL, or one row object (UTF-8, a byte-order mark and CRLF
+    ignored). JSONL lines split at ``\\n`` only (JSON allows U+2028 inside strings), so line numbers are an editor's.
+
+    Raises:
+        SFTDataError: the file is missing, not UTF-8, not valid JSON (with the JSONL line), empty, or holds a row
+            that is not an object.
+    """
+    p = Path(path)
+    if p.is_dir():
+        raise SFTDataError(f"{p} is a folder: give the data files in it (JSON or JSONL) one by one")
+    if not p.is_file():
+        raise SFTDataError(f"data file not found: {p}")
+    try:
+        text = p.read_text(encoding="utf-8-sig")  # a byte-order mark, as some editors write, is dropped
+    except UnicodeDecodeError as exc:
+        raise SFTDataError(str(not_utf8(p, exc))) from None
+    try:
+        whole = json.loads(text)
+    except json.JSONDecodeError:
+        whole = None
+    if isinstance(whole, dict):  # one object: a one-row file, or a wrapper such as {"data": [...]}
+        wrapped = [k for k, v in whole.items() if isinstance(v, list) and v and all(isinstance(r, dict) for r in v)]
+        if wrapped and not any(k in whole for k in ("messages", "conversations", "instruction")):
+            raise SFTDataError(f"{p}: the file holds one JSON object whose '{wrapped[0]}' is a list of objects (keys "
+                               f"{sorted(whole)[:5]}); expected a JSON list of rows, or JSONL with one row per line: "
+                               f"write the list itself")
+        rows = [whole]
+    elif text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise SFTDataError(f"{p}: not valid JSON: {exc}") from None
+    else:
+        rows = []
+        for line_no, line in enumerate(text.split("\n"), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise SFTDataError(f"{p} line {line_no}: not valid JSON: {exc.msg} (column {exc.colno})") from None
+    if not rows:
+        raise SFTDataError(f"{p}: no rows")
+    for n, row in enumerate(rows, 1):
+        if not isinstance(row, dict):
+            raise SFTDataError(f"{p} row {n}: expected a JSON object, got {type(row).__name__}")
+    return rows
+
+
+def load_hub_rows(name: str, split: str = "train") -> list[dict]:
+    """Rows of a Hugging Face data set (a hub id, or a local folder of JSON / JSONL / CSV / Parquet
+    files) through `datasets.load_dataset`, as plain dicts. `datasets` drops a UTF-8 byte-order
+    mark itself (its JSON and CSV readers; checked in datasets 5.2)."""
+    import datasets
+
+    return [dict(r) for r in datasets.load_dataset(name, split=split)]
+
+
+class EmptyAnswerError(SFTDataError):
+    """An assistant turn (Alpaca ``output``) is empty: `prepare` skips such rows and counts them."""
+
+
+def _text(value: Any, where: str, field: str, allow_empty: bool = True, answer: bool = False) -> str:
+    if not isinstance(value, str):
+        raise SFTDataError(f"{where}: field '{field}' must be a string, got {type(value).__name__}")
+    if not allow_empty and not value.strip():
+        raise (EmptyAnswerError if answer else SFTDataError)(f"{where}: field '{field}' is empty")
+    return value
+
+
+TEXT_KEYS = ("text", "value", "content")  # where a typed part keeps its text (OpenAI: text; Hugging Face / others: value)
+REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # a turn's reasoning (TRL / Qwen3, GPT-OSS, others)
+_PART_KINDS = {"text": "text", "input_text": "text", "output_text": "text", "reasoning": "reasoning",
+               "thinking": "reasoning", "tool_call": "tool_call", "tool_use": "tool_call", "function_call": "tool_call"}
+_IMAGE_KINDS = ("image", "image_url", "input_image", "video", "audio", "input_audio")
+
+
+def _part_text(part: dict, kind: str, where: str, path: str, keys: tuple[str, ...] = TEXT_KEYS) -> str:
+    for key in (kind, *keys) if kind not in keys else keys:
+        if isinstance(part.get(key), str):
+            return part[key]
+    raise SFTDataError(f"{where}: {path} (type {kind!r}) has no string {' / '.join(repr(k) for k in keys)} "
+                       f"(keys found: {sorted(part)})")
+
+
+def _parts(value: Any, where: str, field: str) -> tuple[str, list[str], list]:
+    """A message's content (a string or typed parts) as ``(text, reasoning, calls)``: text parts joined with
+    ``"\\n"`` (as vLLM's OpenAI server does), reasoning parts, tool-call parts; any other part (an image) is refused.
+    """
+    if not isinstance(value, list):
+        return _text(value, where, field), [], []
+    texts, reasoning, calls = [], [], []
+    for k, part in enumerate(value):
+        raw = part.get("type") if isinstance(part, dict) else None
+        kind = _PART_KINDS.get(raw) if isinstance(raw, str) else None
+        path = f"{field}[{k}]"
+        if raw is None:
+            raise SFTDataError(f"{where}: {path} must be an object with 'type' (e.g. {{\"type\": \"text\", "
+                               f"\"text\": ...}}), got {json.dumps(part)[:60]}")
+        if kind == "text":
+            texts.append(_part_text(part, "text", where, path))
+        elif kind == "reasoning":
+            reasoning.append(_part_text(part, raw, where, path, (raw, "reasoning", "text", "value", "content")))
+        elif kind == "tool_call":
+            call = {k2: v for k2, v in part.items() if k2 != "type"}
+            if "input" in call and "arguments" not in call:  # Anthropic's tool_use: name + input
+                call["arguments"] = call.pop("input")
+            calls.append(call.get("tool_call", call))
+        elif raw in _IMAGE_KINDS:
+            raise SFTDataError(f"{where}: {path} is a part of type {raw!r}, but this data path trains on text only: "
+                               f"remove the part, or use a vision-language recipe for images")
+        else:
+            raise SFTDataError(f"{where}: {path} is a part of type {raw!r}; expected one of "
+                               f"{', '.join(repr(t) for t in _PART_KINDS)} (images: a vision-language recipe)")
+    return "\n".join(texts), reasoning, calls
+
+
+def _content(value: Any, where: str, field: str) -> str:
+    """The text of `_parts` (reasoning and tool-call parts refused): system, user and tool turns."""
+    text, reasoning, calls = _parts(value, where, field)
+    if reasoning or calls:
+        raise SFTDataError(f"{where}: {field} holds a {'reasoning' if reasoning else 'tool_call'} part, which only an "
+                           f"assistant turn can have")
+    return text
+
+
+def _tool_calls(value: Any, where: str, field: str) -> list[dict]:
+    """Tool calls normalised to ``[{"type": "function", "function": {"name", "arguments": dict}}]`` (+ ``id``); a
+    JSON-string ``arguments`` is parsed, as templates apply ``tojson`` to a mapping (Qwen2.5, Llama 3.1).
+    """
+    calls = value if isinstance(value, list) else [value]
+    if not calls:
+        raise SFTDataError(f"{where}: field '{field}' is an empty list")
+    out = []
+    for k, call in enumerate(calls):
+        path = f"{field}[{k}]" if isinstance(value, list) else field
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"].strip():
+            raise SFTDataError(f"{where}: {path} must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                               f"\"arguments\": {{...}}}}}} (or {{\"name\", \"arguments\"}}), got {json.dumps(call)[:80]}")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError as exc:
+                raise SFTDataError(f"{where}: {path} arguments are not valid JSON: {exc}") from None
+        if not isinstance(args, dict):
+            raise SFTDataError(f"{where}: {path} arguments must be a JSON object, got {type(args).__name__}")
+        normal = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+        if isinstance(call, dict) and isinstance(call.get("id"), str):
+            normal["id"] = call["id"]
+        out.append(normal)
+    return out
+
+
+def _tools(value: Any, where: str) -> list[dict] | None:
+    """A row's ``tools``: a list (or a JSON string of a list, as LLaMA-Factory stores it) of JSON-schema
+    function definitions, normalised to ``{"type": "function", "function": {...}}``; None if empty."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise SFTDataError(f"{where}: field 'tools' is a string but not valid JSON: {exc}") from None
+    if not isinstance(value, list):
+        raise SFTDataError(f"{where}: field 'tools' must be a list of function definitions, got {type(value).__name__}")
+    tools = []
+    for k, tool in enumerate(value):
+        fn = tool.get("function", tool) if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"].strip():
+            raise SFTDataError(f"{where}: tools[{k}] must be a function definition with a 'name' ({{\"type\": \"function\", "
+                               f"\"function\": {{\"name\", \"description\", \"parameters\"}}}}), got {json.dumps(tool)[:80]}")
+        tools.append({"type": "function", "function": fn})
+    return tools or None
+
+
+def to_conversation(row: dict, row_number: int, source: str,
+                    ignored: Counter | None = None) -> tuple[list[dict], list[dict] | None]:
+    """One data row (chat, Alpaca or ShareGPT: docs/sft-data.md#row-formats) as ``(messages, tools)``: messages
+    ``{"role", "content": str}`` (+ ``tool_calls``, ``name``, ``tool_call_id``, ``reasoning_content``), tools as
+    ``{"type": "function", ...}`` or None. `row_number` (1-based) and `source` name the row; `ignored` counts unused keys.
+
+    Raises:
+        SFTDataError: ``"<source> row <n>: ..."`` for an unknown format, role or part, a bad field, tool call or tool
+            result, no assistant turn; `EmptyAnswerError` for an empty answer.
+    """
+    where = f"{source} row {row_number}"
+    if "messages" in row:
+        turns, role_key, text_key, field, role_map = row["messages"], "role", "content", "messages", None
+    elif "conversations" in row:
+        turns, role_key, text_key, field, role_map = row["conversations"], "from", "value", "conversations", _SHAREGPT_ROLES
+    elif "instruction" in row and "output" in row:
+        prompt = _text(row["instruction"], where, "instruction", allow_empty=False)
+        extra = row.get("input") or ""
+        if _text(extra, where, "input").strip():
+            prompt = f"{prompt}\n\n{extra}"
+        return [{"role": "user", "content": prompt},
+                {"role": "assistant", "content": _text(row["output"], where, "output", allow_empty=False, answer=True)}], None
+    else:
+        raise SFTDataError(f"{where}: unknown format, found keys {sorted(row)}; expected 'messages' (chat), "
+                           f"'conversations' (ShareGPT) or 'instruction' + 'output' (Alpaca)")
+    if not isinstance(turns, list) or not turns:
+        raise SFTDataError(f"{where}: field '{field}' must be a non-empty list of turns")
+    tools = _tools(row.get("tools"), where)
+    messages = []
+    if field == "conversations" and row.get("system"):
+        messages.append({"role": "system", "content": _text(row["system"], where, "system")})
+    for i, turn in enumerate(turns):
+        path = f"{field}[{i}]"
+        if not isinstance(turn, dict) or role_key not in turn or (text_key not in turn and "tool_calls" not in turn):
+            raise SFTDataError(f"{where}: {path} must be an object with '{role_key}' and '{text_key}'")
+        raw = turn[role_key]
+        role = None if not isinstance(raw, str) else role_map.get(raw) if role_map else raw if raw in _CHAT_ROLES else None
+        if role is None:
+            allowed = ", ".join(role_map or _CHAT_ROLES)
+            raise SFTDataError(f"{where}: {path}.{role_key} is {raw!r}, expected one of {allowed}")
+        if ignored is not None:
+            used = {role_key, text_key, "tool_calls", *REASONING_KEYS, *(("name", "tool_call_id") if role == "tool" else ())}
+            ignored.update(f"{field}[].{k}" for k in turn if k not in used)
+        if raw == "function_call":  # LLaMA-Factory: the call as JSON text
+            try:
+                call = json.loads(_text(turn[text_key], where, f"{path}.{text_key}"))
+            except json.JSONDecodeError as exc:
+                raise SFTDataError(f"{where}: {path}.{text_key} (a function_call) is not valid JSON: {exc}") from None
+            messages.append({"role": "assistant", "content": "",
+                             "tool_calls": _tool_calls(call, where, f"{path}.{text_key}")})
+            continue
+        if role != "assistant":
+            content = _content(turn.get(text_key), where, f"{path}.{text_key}")
+            message = {"role": role, "content": content}
+            if role == "tool":
+                if not messages or not (messages[-1].get("tool_calls") or messages[-1]["role"] == "tool"):
+                    raise SFTDataError(f"{where}: {path} is a tool result, but no assistant tool call comes before it")
+                message.update({k: turn[k] for k in ("name", "tool_call_id") if isinstance(turn.get(k), str)})
+            for key in REASONING_KEYS:
+                if turn.get(key):
+                    raise SFTDataError(f"{where}: {path}.{key} is set on a {role} turn; only assistant turns have "
+                                       f"reasoning")
+            messages.append(message)
+            continue
+        value = turn.get(text_key)
+        content, reasoning, part_calls = ("", [], []) if value is None else _parts(value, where, f"{path}.{text_key}")
+        for key in REASONING_KEYS:
+            if turn.get(key) is not None:
+                reasoning.insert(0, _text(turn[key], where, f"{path}.{key}"))
+        calls = ([*(turn["tool_calls"] if isinstance(turn["tool_calls"], list) else [turn["tool_calls"]])]
+                 if turn.get("tool_calls") else []) + part_calls
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = _tool_calls(calls, where, f"{path}.tool_calls" if turn.get("tool_calls")
+                                                else f"{path}.{text_key}")
+        elif not content.strip():
+            raise EmptyAnswerError(f"{where}: field '{path}.{text_key}' is empty")
+        if any(r.strip() for r in reasoning):
+            message["reasoning_content"] = "\n".join(r for r in reasoning if r.strip())
+        messages.append(message)
+    if not any(m["role"] == "assistant" for m in messages):
+        raise SFTDataError(f"{where}: the conversation has no assistant turn (roles: "
+                           f"{', '.join(m['role'] for m in messages)}), so nothing would be trained")
+    if messages[0]["role"] == "assistant":
+        raise SFTDataError(f"{where}: {field}[0] is an assistant turn; a conversation must start with a "
+                           f"system or user turn")
+    return messages, tools
+
+
+def to_messages(row: dict, row_number: int, source: str) -> list[dict]:
+    """The messages of `to_conversation` (without the row's tools); see there."""
+    return to_conversation(row, row_number, source)[0]

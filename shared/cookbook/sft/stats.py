@@ -1,0 +1,156 @@
+"""`SFTStats`: what `prepare` did to a data set (rows read, examples kept, cut, dropped, and why)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from cookbook.sft.rows import SFTDataError
+
+def _rows_list(numbers: Sequence[int], shown: int = 5) -> str:
+    return ", ".join(map(str, numbers[:shown])) + (", ..." if len(numbers) > shown else "")
+
+
+@dataclass
+class SFTStats:
+    """What `prepare` did to a data set (one source, or several merged with `merge`). An example is
+    a row, or with ``split_turns`` one assistant turn of a row. Token counts are after truncation,
+    of kept examples."""
+
+    source: str = ""
+    max_length: int = 0
+    truncate: bool = True  # False: examples longer than max_length were dropped, not cut
+    rows: int = 0  # rows read
+    examples: int = 0  # examples kept
+    truncated: int = 0  # kept examples cut to max_length
+    dropped: int = 0  # examples cut before their first labelled token (not kept)
+    dropped_rows: list[tuple[int, int]] = field(default_factory=list)  # (1-based row, tokens before the cut) of those
+    empty_answers: list[int] = field(default_factory=list)  # 1-based numbers of rows skipped for an empty answer
+    unanswered: list[int] = field(default_factory=list)  # rows not kept: they end in a tool call, with no answer to label
+    call_endings: list[int] = field(default_factory=list)  # rows kept up to their last answer; a tool call after it not trained
+    example_rows: list[int] = field(default_factory=list)  # the 1-based row of each kept example, in order
+    split_rows: int = 0  # rows with several assistant turns split into one example per turn
+    tool_call_rows: int = 0  # rows (of those read, with an answer) whose assistant turns make tool calls
+    tool_calls: int = 0  # the tool calls of those rows
+    tokens: int = 0
+    loss_tokens: int = 0  # tokens with a label
+    reasoning: str = "train"  # data.reasoning: train (in the loss), context (rendered, no loss), drop
+    reasoning_turns: int = 0  # labelled assistant turns whose reasoning was rendered
+    reasoning_unrendered: int = 0  # assistant turns whose reasoning the chat template left out (earlier turns)
+    reasoning_dropped: int = 0  # assistant turns whose reasoning data.reasoning=drop removed
+    ignored: dict[str, int] = field(default_factory=dict)  # keys of rows / turns not used -> how many had them
+    unrendered_why: str = ("it renders only the reasoning of the turns after the last user turn: data.split_turns=true "
+                           "keeps every turn's")
+    parts: list[SFTStats] = field(default_factory=list)  # per-source stats of a merge
+
+    @property
+    def loss_fraction(self) -> float:
+        """Fraction (0-1) of tokens that carry a label."""
+        return self.loss_tokens / self.tokens if self.tokens else 0.0
+
+    @property
+    def dropped_fraction(self) -> float:
+        """Fraction (0-1) of examples not kept: cut before their answer, or with an empty answer."""
+        lost = self.dropped + len(self.empty_answers) + len(self.unanswered)
+        return lost / (self.examples + lost) if self.examples + lost else 0.0
+
+    def longest_dropped(self, n: int = 5) -> str:
+        """``"row 12 (812 tokens), row 7 (640 tokens)"``: the `n` rows with the longest dropped examples."""
+        longest: dict[int, int] = {}
+        for row, tokens in self.dropped_rows:
+            longest[row] = max(tokens, longest.get(row, 0))
+        worst = sorted(longest.items(), key=lambda rt: (-rt[1], rt[0]))[:n]
+        return ", ".join(f"row {r} ({t} tokens)" for r, t in worst)
+
+    @classmethod
+    def merge(cls, parts: Sequence[SFTStats]) -> SFTStats:
+        """Totals over several sources; `summary` then reports each source."""
+        total = cls(source=" + ".join(p.source for p in parts), max_length=max((p.max_length for p in parts), default=0),
+                    truncate=all(p.truncate for p in parts), parts=list(parts))
+        for key in ("rows", "examples", "truncated", "dropped", "split_rows", "tool_call_rows", "tool_calls", "tokens",
+                    "loss_tokens",
+                    "reasoning_turns", "reasoning_unrendered", "reasoning_dropped"):
+            setattr(total, key, sum(getattr(p, key) for p in parts))
+        total.unanswered = [r for p in parts for r in p.unanswered]
+        total.call_endings = [r for p in parts for r in p.call_endings]
+        total.reasoning = parts[0].reasoning if parts else "train"
+        total.unrendered_why = parts[0].unrendered_why if parts else total.unrendered_why
+        total.ignored = dict(sum((Counter(p.ignored) for p in parts), Counter()))
+        return total
+
+    def reasoning_note(self) -> str:
+        """``"reasoning: 12 turns trained, 3 left out by the chat template (earlier turns)"``; ``""`` without any."""
+        done = {"train": "trained", "context": "in context (no loss)", "drop": "dropped"}[self.reasoning]
+        items = [f"{self.reasoning_turns} turns {done}"] if self.reasoning_turns else []
+        if self.reasoning_unrendered:
+            items.append(f"{self.reasoning_unrendered} left out by the chat template ({self.unrendered_why})")
+        if self.reasoning_dropped:
+            items.append(f"{self.reasoning_dropped} turns dropped (data.reasoning=drop)")
+        return f"reasoning: {', '.join(items)}" if items else ""
+
+    def count_tool_calls(self, messages: Sequence[dict]) -> None:
+        """Count one row's tool calls (its messages' ``tool_calls``) in `tool_call_rows` and `tool_calls`."""
+        calls = sum(len(m.get("tool_calls") or ()) for m in messages)
+        self.tool_call_rows += calls > 0
+        self.tool_calls += calls
+
+    def tool_calls_note(self) -> str:
+        """``"tool calls: 5 in 3 rows"``."""
+        return f"tool calls: {self.tool_calls} in {self.tool_call_rows} rows"
+
+    def _drop_reason(self, limit: str) -> str:
+        return f"cut by {limit} before any assistant token" if self.truncate else f"longer than {limit}, dropped rather than cut"
+
+    def _counts(self) -> str:
+        split = f" ({self.split_rows} split into one example per assistant turn)" if self.split_rows else ""
+        cut = f" ({self.truncated} truncated to max_length={self.max_length})" if self.truncate else ""
+        text = (f"{Path(self.source).name or 'data'}: {self.rows} rows read{split}, {self.examples} examples kept{cut}, "
+                f"{self.dropped} dropped")
+        if self.dropped:
+            limit = "max_length" if self.truncate else f"max_length={self.max_length}"
+            text += f" ({self._drop_reason(limit)}: {self.longest_dropped(3)})"
+        if self.empty_answers:
+            text += f", {len(self.empty_answers)} skipped with an empty answer (rows {_rows_list(self.empty_answers)})"
+        if self.unanswered:
+            text += (f", {len(self.unanswered)} skipped as they end in a tool call with no answer to label (rows "
+                     f"{_rows_list(self.unanswered)})")
+        if self.call_endings:
+            text += (f", {len(self.call_endings)} end in a tool call after their last answer, not trained (rows "
+                     f"{_rows_list(self.call_endings)})")
+        if self.tool_calls:
+            text += f", {self.tool_calls_note()}"
+        if self.reasoning_note():
+            text += f", {self.reasoning_note()}"
+        if self.ignored:
+            text += ", keys not used: " + ", ".join(f"{k} ({n})" for k, n in sorted(self.ignored.items()))
+        return text
+
+    def summary(self) -> str:
+        """One line: per source, rows read, examples kept, truncated, dropped (and why, naming the
+        longest rows); then tokens and the share with loss."""
+        counts = "; ".join(p._counts() for p in self.parts) if self.parts else self._counts()
+        return f"{counts} | {self.tokens:,} tokens, {self.loss_fraction:.1%} with loss"
+
+    def check_dropped(self, max_dropped_fraction: float) -> None:
+        """Raise `SFTDataError` if more than `max_dropped_fraction` (0-1) of the examples were not kept,
+        naming the longest dropped rows and what to change."""
+        if self.dropped_fraction <= max_dropped_fraction:
+            return
+        lost = self.dropped + len(self.empty_answers) + len(self.unanswered)
+        unit = "examples (one per assistant turn)" if self.split_rows else "rows"
+        why = []
+        if self.dropped:
+            longest = max(t for _, t in self.dropped_rows)
+            why.append(f"{self.dropped} {self._drop_reason(f'data.max_length={self.max_length}')}, longest "
+                       f"{self.longest_dropped()}: raise data.max_length (to {longest} to keep them all)")
+        if self.empty_answers:
+            why.append(f"{len(self.empty_answers)} with an empty answer (rows {_rows_list(self.empty_answers)}): check "
+                       f"the answer field")
+        if self.unanswered:
+            why.append(f"{len(self.unanswered)} end in a tool call with no answer to label (rows "
+                       f"{_rows_list(self.unanswered)}): only answers carry labels; add the tool result and the answer")
+        raise SFTDataError(f"{self.source}: {lost} of {self.examples + lost} {unit} dropped ({self.dropped_fraction:.0%}, "
+                           f"more than data.max_dropped_fraction={max_dropped_fraction:g}): {'; '.join(why)}; or raise "
+                           f"data.max_dropped_fraction")

@@ -1,0 +1,267 @@
+"""SFT messages -> token ids with assistant-only labels, through the tokenizer's chat template
+(`tokenize_conversation`, `template_conversation`); reasoning and tool rendering checks."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+from cookbook.sft.rows import IGNORE_INDEX, SFTDataError, EmptyAnswerError, to_conversation
+from cookbook.sft.stats import SFTStats
+
+def _require_chat_template(tokenizer) -> None:
+    try:
+        tokenizer.get_chat_template()
+    except ValueError as exc:
+        raise SFTDataError(f"the tokenizer ({type(tokenizer).__name__}) has no usable chat template: set "
+                           f"tokenizer.chat_template or use a chat/instruct model's tokenizer ({exc})") from None
+
+
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, kwargs: dict | None,
+            tools: list[dict] | None = None, tokenize: bool = True) -> list[int] | str:
+    from jinja2.exceptions import TemplateError
+
+    try:
+        out = tokenizer.apply_chat_template(messages, tools=tools, tokenize=tokenize,
+                                            add_generation_prompt=add_generation_prompt, return_dict=False,
+                                            **(kwargs or {}))
+    except (TemplateError, TypeError) as exc:  # the template's raise_exception, or e.g. str + None in Jinja
+        raise SFTDataError(f"the chat template cannot render this conversation: {type(exc).__name__}: {exc}") from None
+    return list(out) if tokenize else out
+
+
+def _unstable(tokenizer, full: list[int], part: list[int], what: str, split_turns: bool = False) -> SFTDataError:
+    j = next((k for k, (a, b) in enumerate(zip(full, part)) if a != b), min(len(full), len(part)))
+    got, want = tokenizer.decode(part[j:j + 8]), tokenizer.decode(full[j:j + 8])
+    advice = ("data.split_turns is already true, so the turn being labelled itself renders differently as the last "
+              "turn and inside the conversation: check that row's text for template markup, or set a prefix-stable "
+              "tokenizer.chat_template") if split_turns else (
+        "use single-turn rows, set data.split_turns=true (one example per assistant turn, each as the model sees it "
+        "when it writes that turn), or set a prefix-stable tokenizer.chat_template")
+    return SFTDataError(
+        f"the chat template is not prefix-stable: {what} rendered differs from the whole "
+        f"conversation at token {j} ({got!r} vs {want!r}), so assistant turns cannot be located by rendering "
+        f"prefixes. Templates that rewrite earlier turns do this (Qwen3's adds a <think> block to the assistant "
+        f"turn after the last user turn only); {advice}")
+
+
+def reasoning_field(tokenizer) -> str | None:
+    """The message key the tokenizer's chat template reads a turn's reasoning from: ``"reasoning_content"``
+    (Qwen3, DeepSeek-R1, TRL), ``"thinking"`` (GPT-OSS harmony), or None when the template reads neither."""
+    try:
+        template = tokenizer.get_chat_template()
+    except ValueError:
+        return None
+    return next((k for k in ("reasoning_content", "thinking") if k in template), None)
+
+
+def _inline_reasoning(tokenizer, messages: list[dict]) -> list[dict]:
+    """Messages with an assistant turn's inline ``<think>...</think>`` prefix moved to ``reasoning_content``,
+    for templates with ``<think>`` blocks.
+
+    Raises:
+        SFTDataError: a stray ``<think>`` / ``</think>`` elsewhere in an assistant turn.
+    """
+    try:
+        template = tokenizer.get_chat_template()
+    except ValueError:
+        return messages
+    if "</think>" not in template:
+        return messages
+    out = []
+    for i, m in enumerate(messages):
+        text = m["content"] if m["role"] == "assistant" else ""
+        if "<think>" in text or "</think>" in text:
+            head, sep, tail = text.lstrip().partition("</think>")
+            if not (head.startswith("<think>") and sep and "<think>" not in head[7:] and "</think>" not in tail
+                    and "<think>" not in tail):
+                raise SFTDataError(f"messages[{i}].content (assistant) holds a stray '</think>' or '<think>', which "
+                                   f"the chat template reads as the edge of a reasoning block (it would move text "
+                                   f"out of the turn): put the reasoning in 'reasoning_content' (or the content as "
+                                   f"'<think>reasoning</think>answer') and remove the stray tag")
+            if m.get("reasoning_content"):
+                raise SFTDataError(f"messages[{i}] has both 'reasoning_content' and a <think> block in its content: "
+                                   f"keep one")
+            m = {**m, "content": tail.lstrip("\n"), "reasoning_content": head[7:].strip("\n")}
+            if not m["reasoning_content"].strip():
+                del m["reasoning_content"]
+        out.append(m)
+    return out
+
+
+def _check_tools_rendered(tokenizer, messages: list[dict], tools: list[dict] | None, kwargs: dict | None,
+                          turns: dict[int, str]) -> None:
+    """Refuse a template that drops the row's tools, tool calls or tool results: each tool name must appear in
+    the rendering, each call's name in its turn's labelled text (`turns`: message index -> text), each tool result as
+    is or JSON-quoted (Llama 3.1 writes ``content | tojson``).
+    """
+    text = _render(tokenizer, messages, False, kwargs, tools, tokenize=False) if tools or any(
+        m["role"] == "tool" for m in messages) else ""
+    for tool in tools or ():
+        name = tool["function"]["name"]
+        if name not in text:
+            raise SFTDataError(f"the chat template does not render the row's tools: the tool {name!r} is missing from "
+                               f"the rendered conversation (a template that ignores tools=). Use a tokenizer whose "
+                               f"template renders tools (Qwen2.5's and Qwen3's do) or remove 'tools' from the rows")
+    for i, rendered in turns.items():
+        for call in messages[i].get("tool_calls", ()):
+            name = call["function"]["name"]
+            if name not in rendered:
+                raise SFTDataError(f"the chat template does not render tool calls: messages[{i}] calls {name!r} but "
+                                   f"its rendered turn is {rendered[:80]!r} (a template that ignores tool_calls). Use "
+                                   f"a tokenizer whose template renders tool calls (Qwen2.5's and Qwen3's do)")
+    for i, m in enumerate(messages):
+        result = m["content"].strip() if m["role"] == "tool" else ""
+        if result and not any(form in text for form in (result, json.dumps(result, ensure_ascii=False)[1:-1],
+                                                         json.dumps(result)[1:-1])):
+            raise SFTDataError(f"the chat template does not render tool results: messages[{i}] (role tool) is missing "
+                               f"from the rendered conversation")
+
+
+def _covering(tokenizer, ids: list[int], start: int, stop: int, text: str) -> int:
+    """The smallest ``end`` in ``(start, stop]`` whose decoded ``ids[start:end]`` contains `text` (binary search)."""
+    lo, hi = start + 1, stop
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if text in tokenizer.decode(ids[start:mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _encode(tokenizer, messages: list[dict], kwargs: dict | None, tools: list[dict] | None,
+            last_turn_only: bool, reasoning: str = "train") -> tuple[list[int], list[int], dict[str, int]]:
+    """Untruncated ``(input_ids, labels, counts)`` of `tokenize_conversation`; `last_turn_only` labels the last
+    assistant turn only; `reasoning` ``"context"`` masks each turn's reasoning. ``counts``: labelled turns whose
+    reasoning was rendered (``reasoning``) or left out (``reasoning_unrendered``).
+    """
+    special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    full = _render(tokenizer, messages, False, kwargs, tools)
+    labels = [IGNORE_INDEX] * len(full)
+    assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    turns, counts = {}, {"reasoning": 0, "reasoning_unrendered": 0}
+    for i in assistant[-1:] if last_turn_only else assistant:
+        if i == 0:
+            raise SFTDataError("messages[0] is an assistant turn; a conversation must start with a system or user turn")
+        before = _render(tokenizer, messages[:i], True, kwargs, tools)
+        through = _render(tokenizer, messages[: i + 1], False, kwargs, tools)
+        for part, what in ((before, f"messages[:{i}] + generation prompt"), (through, f"messages[:{i + 1}]")):
+            if full[: len(part)] != part:
+                raise _unstable(tokenizer, full, part, what, last_turn_only)
+        start, stop = len(before), len(through)
+        end = stop
+        while end > start and not tokenizer.decode(full[end - 1 : end]).strip():
+            end -= 1
+        if end > start and full[end - 1] in special:
+            stop = end  # trailing whitespace after the end-of-turn token
+        labels[start:stop] = full[start:stop]
+        thought = next((messages[i][k] for k in ("reasoning_content", "thinking") if messages[i].get(k)), "").strip()
+        if thought:
+            if thought in tokenizer.decode(full[start:stop]):
+                counts["reasoning"] += 1
+                if reasoning == "context":
+                    labels[start:_covering(tokenizer, full, start, stop, thought)] = \
+                        [IGNORE_INDEX] * (_covering(tokenizer, full, start, stop, thought) - start)
+            else:
+                counts["reasoning_unrendered"] += 1
+        if messages[i].get("tool_calls"):
+            turns[i] = tokenizer.decode(full[start:stop])
+    _check_tools_rendered(tokenizer, messages, tools, kwargs, turns)
+    return full, labels, counts
+
+
+def tokenize_conversation(tokenizer, messages: list[dict], max_length: int,
+                          chat_template_kwargs: dict | None = None,
+                          tools: list[dict] | None = None) -> tuple[list[int], list[int], bool]:
+    """Render `messages` with the chat template (`tools` as ``tools=``) and label only the assistant turns;
+    returns ``(input_ids, labels, truncated)``, at most `max_length` long. Turn ``i``'s tokens lie between the
+    renderings of ``messages[:i]`` with the generation prompt and of ``messages[:i+1]``, both prefixes of the whole
+    conversation's; whitespace after the turn's last special token gets no label.
+
+    Raises:
+        SFTDataError: no chat template; the template fails, is not prefix-stable, or drops tools, calls or results.
+    """
+    if max_length < 1:
+        raise ValueError(f"max_length must be >= 1, got {max_length}")
+    _require_chat_template(tokenizer)
+    full, labels, _ = _encode(tokenizer, messages, chat_template_kwargs, tools, last_turn_only=False)
+    return full[:max_length], labels[:max_length], len(full) > max_length
+
+
+def check_vocab(tokenizer, vocab_size: int) -> None:
+    """Raise `SFTDataError` if ``len(tokenizer)`` exceeds `vocab_size` (``model.config.vocab_size``, which may be
+    larger: Qwen3 pads its embedding to 151936 rows for 151669 tokens).
+    """
+    if len(tokenizer) > vocab_size:
+        raise SFTDataError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {vocab_size}: "
+                           f"ids >= {vocab_size} have no embedding; use the model's own tokenizer")
+
+def template_conversation(row: dict, row_number: int, source: str, tokenizer, stats: SFTStats,
+                          ignored: Counter | None = None, chat_template_kwargs: dict | None = None,
+                          reasoning: str = "train") -> tuple[list[dict], list[dict] | None]:
+    """`to_conversation` made ready for `tokenizer`'s template, as `prepare` does: inline ``<think>`` moved,
+    reasoning under the key the template reads or dropped (``reasoning="drop"``), tool calls and unused keys counted.
+    `tokenizer` None: the reasoning stays as ``reasoning_content``, unchecked.
+
+    Raises:
+        EmptyAnswerError: the row's answer is empty.
+        SFTDataError: ``"<source> row <n>: ..."``: see `to_conversation`; reasoning with no place; a stray ``<think>``.
+    """
+    if ignored is not None:  # the row's own keys that its format does not read
+        used = (("messages", "tools") if "messages" in row else ("conversations", "system", "tools")
+                if "conversations" in row else ("instruction", "input", "output"))
+        ignored.update(k for k in row if k not in used)
+    try:
+        messages, tools = to_conversation(row, row_number, source, ignored)
+        if tokenizer is not None:
+            messages = _inline_reasoning(tokenizer, messages)
+            messages = _place_reasoning(messages, reasoning, reasoning_field(tokenizer), chat_template_kwargs, stats)
+        elif reasoning == "drop":
+            messages = _place_reasoning(messages, reasoning, None, None, stats)
+    except EmptyAnswerError:
+        raise
+    except SFTDataError as exc:
+        raise SFTDataError(str(exc) if str(exc).startswith(source) else f"{source} row {row_number}: {exc}") from None
+    stats.count_tool_calls(messages)
+    return messages, tools
+
+
+def check_tools_rendered(tokenizer, messages: list[dict], tools: list[dict] | None, text: str,
+                         chat_template_kwargs: dict | None = None) -> None:
+    """Refuse a chat template that leaves out the row's tools, tool calls or tool results (`text`: the rendered
+    conversation); raises `SFTDataError` naming what it dropped.
+    """
+    calls = {i: text for i, m in enumerate(messages) if m.get("tool_calls")}
+    _check_tools_rendered(tokenizer, messages, tools, chat_template_kwargs, calls)
+
+
+def _place_reasoning(messages: list[dict], reasoning: str, target: str | None, kwargs: dict | None,
+                     stats: SFTStats) -> list[dict]:
+    """Messages with each assistant turn's ``reasoning_content`` under the template's key `target` (removed and
+    counted for ``reasoning="drop"``).
+
+    Raises:
+        SFTDataError: reasoning, but the template reads no reasoning field or ``enable_thinking`` is false.
+    """
+    out = []
+    for i, m in enumerate(messages):
+        if "reasoning_content" not in m:
+            out.append(m)
+            continue
+        m = dict(m)
+        thought = m.pop("reasoning_content")
+        if reasoning == "drop":
+            stats.reasoning_dropped += 1
+        elif target is None:
+            raise SFTDataError(f"messages[{i}] has reasoning, but the chat template has no place for it (it reads "
+                               f"neither 'reasoning_content' nor 'thinking'): set data.reasoning=drop to train "
+                               f"without it (counted in the data summary), or use a template that renders reasoning")
+        elif (kwargs or {}).get("enable_thinking") is False:
+            raise SFTDataError(f"messages[{i}] has reasoning, but data.chat_template_kwargs has enable_thinking: "
+                               f"false, which makes the template write an empty reasoning block: set it to true "
+                               f"to keep the reasoning, or data.reasoning=drop to train without it")
+        else:
+            m[target] = thought
+        out.append(m)
+    return out
