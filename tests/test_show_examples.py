@@ -64,6 +64,8 @@ def test_gpt_oss_receipts_and_vision_recipes_show_their_rows():
     out = show("qwen-zero3-receipts")
     assert "--- receipts.jsonl example 1 of 40 (row 1, 184 tokens, 61 labelled)" in out
     assert "  examples        40 kept, 0 dropped" in out
+    assert out.rstrip().endswith("data.eval_fraction=0.2: a seeded share of each file's examples is held out for "
+                                 "evaluation; the examples above are before that split")
     out = show("moe-lora-fsdp2-ep", config="tiny-vl.yaml")
     assert "<|vision_start|><|image_pad|> x 4<|vision_end|>What insect is in the picture?" in out
     assert "[[An ant.<|im_end|>]]" in out and "  examples        20 kept, 4 truncated to max_length=64, 0 dropped" in out

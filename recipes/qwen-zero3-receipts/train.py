@@ -265,7 +265,7 @@ def _tokenize_receipts(sources: list[tuple[str, list[dict]]], cfg: DataConfig, t
 def show_receipts(cfg: DataConfig, tokenizer, n: int) -> str:
     """`cookbook.sft.show_examples` of each train file's receipts, tokenized as `load_receipts` does (before the
     validation split); a source that training would refuse is shown with the refusal instead of stopping."""
-    from cookbook.sft.show import refusal
+    from cookbook.sft.show import held_out_note, refusal
 
     kwargs, parts = dict(cfg.chat_template_kwargs) or None, []
     for source in cfg.train_files or [cfg.hub_id]:
@@ -273,7 +273,7 @@ def show_receipts(cfg: DataConfig, tokenizer, n: int) -> str:
         messages = [receipt_messages(row, f"{source} row {k}", cfg.fields) for k, row in enumerate(rows, 1)]
         parts.append(sft.prepare([{"messages": m} for m in messages], tokenizer, cfg.max_length, source, kwargs,
                                  truncate=False))
-    notes = [refusal(st, cfg.max_dropped_fraction) for _, st in parts]
+    notes = [refusal(st, cfg.max_dropped_fraction) for _, st in parts] + [held_out_note(cfg)]
     return sft.show_examples(parts, tokenizer, n) + "".join(f"\n{x}" for x in notes if x)
 
 

@@ -4,7 +4,7 @@ and what the data pipeline kept, cut and dropped, per field. One process, before
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from cookbook.sft.data import IGNORE_INDEX, SFTStats
 
@@ -108,7 +108,14 @@ def show_data(cfg, tokenizer, n: int) -> str:
                      truncate=getattr(cfg, "truncate", True), reasoning=getattr(cfg, "reasoning", "train"))
              for source, rows in sources]
     notes = [refusal(st, cfg.max_dropped_fraction) for _, st in parts]
-    if cfg.eval_fraction > 0 and not getattr(cfg, "eval_files", []):
-        notes.append(f"data.eval_fraction={cfg.eval_fraction:g}: a seeded share of each file's examples is held out for "
-                     f"evaluation; the examples above are before that split")
+    notes.append(held_out_note(cfg))
     return show_examples(parts, tokenizer, n) + "".join(f"\n{x}" for x in notes if x)
+
+
+def held_out_note(cfg: Any) -> str | None:
+    """The last line of a ``--show-examples`` whose rows come before a seeded ``data.eval_fraction`` split, or
+    ``None`` (no split, or ``data.eval_files`` given)."""
+    if getattr(cfg, "eval_fraction", 0) > 0 and not getattr(cfg, "eval_files", []):
+        return (f"data.eval_fraction={cfg.eval_fraction:g}: a seeded share of each file's examples is held out for "
+                f"evaluation; the examples above are before that split")
+    return None
