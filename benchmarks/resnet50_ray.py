@@ -247,7 +247,7 @@ def _time_pipeline(train, samples, num_classes: int, decode: str, workers: int, 
     if on_gpu:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    del it
+    it = None  # the loader's worker processes end with their iterator
     return {"timed_steps": steps, "timed_images": n, "seconds": seconds, "images_per_s": n / seconds,
             "data_wait_fraction": wait / seconds,
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None}

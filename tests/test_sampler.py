@@ -4,7 +4,6 @@ each rank's sampler is built with its rank and the number of ranks, as Distribut
 import itertools
 
 import pytest
-import torch
 from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 

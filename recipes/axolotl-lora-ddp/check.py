@@ -19,8 +19,12 @@ import argparse
 import difflib
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
+
+if TYPE_CHECKING:
+    from cookbook.sft import SFTStats
 
 # key -> (type, required); the keys the recipe's configs set and the data check reads.
 KEYS = {

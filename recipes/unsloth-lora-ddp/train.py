@@ -14,11 +14,15 @@ Trainer wraps it in DistributedDataParallel. What it supports: README.md beside 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 from pathlib import Path
 
 from cookbook import config as cfgmod
 from cookbook.config import ConfigError
 from cookbook.launch import check_world_size
+
+if TYPE_CHECKING:  # imported where used, after the config is checked
+    from cookbook import sft
 
 LOADERS = ("unsloth", "transformers")
 ATTENTION = ("auto", "varlen", "sdpa", "eager")  # model.attn_implementation of the transformers loader
