@@ -2,9 +2,14 @@
 error after the same step) ends the job instead of using up the restarts; one that moves on is restarted."""
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
+
+import pytest
 
 WORKER = textwrap.dedent("""
     import os, sys
@@ -46,3 +51,34 @@ def test_a_failure_at_a_later_step_each_time_uses_every_restart(tmp_path):
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert attempts == ["0", "1"], proc.stderr[-3000:]
     assert "(after 1 restart)" in proc.stderr and "not restarted again" not in proc.stderr
+
+
+SLEEPER = textwrap.dedent("""
+    import sys, time
+    import cookbook
+
+    def main(argv):
+        open(sys.argv[1], "w").close()
+        time.sleep(120)
+
+    cookbook.run_main(main, argv=[])
+""")
+
+
+@pytest.mark.parametrize("to_group", [False, True], ids=["the-launcher", "the-process-group"])
+def test_ctrl_c_ends_the_job_with_one_line_and_status_130(tmp_path, to_group):
+    """Ctrl-C in a terminal (SIGINT to the process group) or to the launcher alone: exit status 130, one line saying
+    how to resume, no traceback (before: torch's SignalException traceback and status 1)."""
+    script, ready = tmp_path / "worker.py", tmp_path / "ready"
+    script.write_text(SLEEPER)
+    proc = subprocess.Popen([sys.executable, "-m", "cookbook.torchrun", "--nproc-per-node", "1", str(script), str(ready)],
+                            stderr=subprocess.PIPE, text=True, cwd=tmp_path, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not ready.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    assert ready.exists(), proc.communicate(timeout=30)[1][-3000:]
+    os.killpg(proc.pid, signal.SIGINT) if to_group else proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130, err[-3000:]
+    assert "interrupted (Ctrl-C): the workers were stopped; run the same command again to resume from the newest " \
+           "checkpoint (exit status 130)" in err and "Traceback" not in err, err[-3000:]

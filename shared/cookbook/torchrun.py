@@ -29,6 +29,8 @@ _MEANING = {EXIT_BUG: "a failure, its traceback is above", EXIT_USER_ERROR: "bad
             EXIT_PREEMPTED: "preempted after a checkpoint", EXIT_DIVERGED: "a non-finite loss or gradient"}
 _PREEMPTED = ("preempted: the workers were asked to save a checkpoint at a step boundary and stop; run the same "
              f"command again to continue (exit status {EXIT_PREEMPTED})")
+_INTERRUPTED = ("interrupted (Ctrl-C): the workers were stopped; run the same command again to resume from the newest "
+                f"checkpoint (exit status {EXIT_INTERRUPTED})")
 _RESTARTED_STATUSES = (EXIT_BUG, EXIT_PEER_LOST)
 # Signals that ask a process to stop (a scheduler, a terminal, Slurm's warning): a worker they ended is not restarted.
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
@@ -170,10 +172,13 @@ def main(argv: list[str] | None = None) -> int:
                     line += f" (after {attempt} restart{'s' if attempt > 1 else ''})"
                 print(line, file=sys.stderr)
                 return status or EXIT_BUG
-    except SignalException as exc:  # SIGTERM to torchrun: it has passed it on and waited for the workers
+    except SignalException as exc:  # SIGTERM / Ctrl-C to torchrun: it has passed it on and waited for the workers
         if exc.sigval == signal.SIGTERM:
             print(_PREEMPTED, file=sys.stderr)
             return EXIT_PREEMPTED
+        if exc.sigval == signal.SIGINT:
+            print(_INTERRUPTED, file=sys.stderr)
+            return EXIT_INTERRUPTED
         raise
     finally:  # as they were, for a caller in the same process
         signal.signal(signal.SIGUSR1, previous[0])
