@@ -32,7 +32,7 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from cookbook import run_lock
-from cookbook.checkpoint import CheckpointError, ResumeGuard, read_meta
+from cookbook.checkpoint import CheckpointError, CheckpointSaveError, ResumeGuard, read_meta
 from cookbook.config import ConfigError, to_dict
 from cookbook.errors import EXIT_PREEMPTED
 from cookbook.loop import PREEMPT_SIGNALS, NonFiniteError, NonFinitePolicy, Preempted
@@ -40,6 +40,7 @@ from cookbook.ray_train.worker import _STATE_FILE
 
 _SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"  # Ray Train's record of the run's registered checkpoints
 DIVERGED = "diverged"  # in rank 0's return value (Ray's ``Result.return_value``): the NonFiniteError's message
+SAVE_FAILED = "save_failed"  # in rank 0's return value: the CheckpointSaveError's message and errno
 
 
 @dataclass
@@ -196,10 +197,16 @@ class RayDriver:
             NonFiniteError: the workers stopped at a non-finite step (`cookbook.ray_train.WorkerRun.skip_step`);
                 its message names the step and the newest checkpoint (`cookbook.run_main`: one line, exit 4).
             Preempted: the workers stopped on SIGTERM / SIGUSR1 after a checkpoint (exit 75).
+            CheckpointSaveError: a checkpoint could not be saved (`cookbook.ray_train.WorkerRun.checkpoint`): its
+                one line (a `CheckpointError`: exit 2, as the torchrun recipes').
         """
-        diverged = result.return_value.get(DIVERGED) if isinstance(result.return_value, dict) else None
-        if diverged:
-            raise NonFiniteError(diverged)
+        returned = result.return_value if isinstance(result.return_value, dict) else {}
+        if returned.get(DIVERGED):
+            raise NonFiniteError(returned[DIVERGED])
+        if returned.get(SAVE_FAILED):
+            error = CheckpointSaveError(returned[SAVE_FAILED][0])
+            error.errno = returned[SAVE_FAILED][1]
+            raise error
         checkpoint = result.checkpoint.path if result.checkpoint else None
         if self._stop.signum is not None and (result.metrics or {}).get("preempted"):
             print(f"preempted ({signal.Signals(self._stop.signum).name}): every worker stopped after step "
@@ -514,7 +521,8 @@ def check_shared_storage(output_dir: str) -> None:
 def worker_entry(loop_config: dict) -> dict[str, str] | None:
     """Import the recipe's train.py by path in the worker and call its ``train_loop(config)``; returns
     ``{DIVERGED: message}`` when it stopped at a non-finite step (`NonFiniteError`, raised alike on every
-    worker), else ``None``. The divergence is returned, not raised, so that Ray does not restart the workers
+    worker), ``{SAVE_FAILED: (message, errno)}`` when a checkpoint could not be saved (`CheckpointSaveError`), else
+    ``None``. The divergence is returned, not raised, so that Ray does not restart the workers
     for it (``ray.max_failures``): they would resume from the same checkpoint and diverge at the same step.
 
     Importing by path (rather than letting Ray pickle the driver's ``__main__`` by value) gives
@@ -539,6 +547,8 @@ def worker_entry(loop_config: dict) -> dict[str, str] | None:
         sys.modules[name].train_loop(loop_config["config"])
     except NonFiniteError as exc:
         return {DIVERGED: str(exc)}
+    except CheckpointSaveError as exc:  # returned, not raised: a restart would meet the same full disk
+        return {SAVE_FAILED: (str(exc), exc.errno)}
     except Exception as exc:
         if type(exc).__module__ != name:
             raise

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -36,7 +37,9 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from cookbook.checkpoint import CHECKSUMS_KEY, META_FILE, CheckpointError, RNGState, checksums, rng_kept, seed_per_rank
+from cookbook.checkpoint import (CHECKSUMS_KEY, META_FILE, CheckpointError, RNGState, _from_rank0, _os_error_in, checksums,
+                                 rng_kept, save_error, seed_per_rank)
+from cookbook.resume import _reason
 from cookbook.config import save_config, to_dict, to_object
 from cookbook.dist import (DistInfo, _configure_logging, all_gather_object, all_reduce_mean, barrier, get_logger,
                            param_fingerprint)
@@ -169,6 +172,15 @@ def worker_summary(model: torch.nn.Module, reports: int) -> dict[str, list]:
     replicas stayed identical)."""
     return {"reports_per_worker": all_gather_object(reports),
             "param_fingerprints": all_gather_object(param_fingerprint(model))}
+
+
+def _save_failure(exc: Exception) -> tuple[str, int | None]:
+    """``(the OS error as words, its errno)`` behind a failed write of a checkpoint; `exc` itself when no `OSError`
+    is behind it."""
+    os_error = _os_error_in(exc)
+    if os_error is None:
+        raise exc
+    return _reason(os_error), os_error.errno
 
 
 def _facts(meta: Mapping[str, Any]) -> str:
@@ -489,6 +501,10 @@ class WorkerRun:
 
         Raises:
             NonFiniteError: a parameter or buffer of the model is NaN or infinite (nothing is saved).
+            CheckpointSaveError: on every worker, when rank 0 could not write the checkpoint or Ray could not copy
+                it to ``output_dir`` (disk full, file too large, ...): nothing of it is kept, and the one-line
+                message names it, the OS error and the previous checkpoint. `worker_entry` returns it to the
+                driver, which exits with status 2; Ray does not restart the workers for it.
         """
         counts = {"epoch": self.epoch} if self.unit == "epoch" else {}
         metrics = {**counts, "step": self.step, **self._values, **({"preempted": 1.0} if self.preempted else {})}
@@ -503,21 +519,41 @@ class WorkerRun:
             if self.unit == "epoch" and self.batches % self.steps_per_epoch:
                 run[_EPOCH_RNG_KEY] = all_gather_object(self._epoch_rng)
             meta = {**counts, "step": self.step, "world_size": self.info.world_size, "config": to_dict(self.cfg)}
+            final = Path(self.cfg.output_dir).expanduser().resolve() / f"checkpoint_{label}"
             with tempfile.TemporaryDirectory() as tmp:
                 saved: dict[str, Any] = {"metrics": metrics}
+                failure = None
                 if self.info.is_main:  # DDP replicas are identical: rank 0's state
                     from ray.train import Checkpoint
 
                     state = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in self.state.items()}
-                    torch.save({**state, **run}, Path(tmp) / _STATE_FILE)
-                    meta[CHECKSUMS_KEY] = checksums(tmp)  # a resume finds a damaged state.pt (ResumeGuard.verify)
-                    (Path(tmp) / META_FILE).write_text(json.dumps(meta, indent=2))
+                    try:
+                        with open(Path(tmp) / _STATE_FILE, "wb") as f:  # a Python file: a failed write keeps its errno
+                            torch.save({**state, **run}, f)
+                        meta[CHECKSUMS_KEY] = checksums(tmp)  # a resume finds a damaged state.pt (ResumeGuard.verify)
+                        (Path(tmp) / META_FILE).write_text(json.dumps(meta, indent=2))
+                    except Exception as exc:
+                        failure = _save_failure(exc)
                     saved.update(checkpoint=Checkpoint.from_directory(tmp), checkpoint_dir_name=f"checkpoint_{label}")
-                yield saved
+                self._raise_save_error(_from_rank0(failure), final)  # before the report: no worker waits in it
+                try:
+                    yield saved
+                except Exception as exc:  # Ray's copy to output_dir (pyarrow) failed on rank 0
+                    failure = _save_failure(exc)
+                    shutil.rmtree(final, ignore_errors=True)  # not registered: its space goes back to the disk
+                self._raise_save_error(_from_rank0(failure), final)
             get_logger().info(f"checkpoint saved: {label} ({_facts(meta)})")
             self.reports, self._stop_reported = self.reports + 1, self.preempted
             self._saved_at = self.batches
             self._newest = Path(self.cfg.output_dir).expanduser().resolve() / f"checkpoint_{label}"
+
+    def _raise_save_error(self, failure: tuple[str, int | None] | None, final: Path) -> None:
+        """Raise `cookbook.checkpoint.CheckpointSaveError` on every worker when rank 0's save of `final` failed
+        (`failure`: the OS error as words and its errno, the same on every worker), naming the previous checkpoint."""
+        if failure is not None:
+            reason, code = failure
+            raise save_error(self.step, final, self._newest, 0 if self.info.world_size > 1 else None,
+                             OSError(code, reason), reason)
 
     def _agree_stop(self) -> bool:
         """Whether the workers have agreed to stop here (collective: call it at every step boundary on every worker).
