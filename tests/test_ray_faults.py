@@ -1,13 +1,17 @@
-"""Faults injected into two-tower-ray (tiny.yaml, 2 CPU workers): a full disk while Ray copies a checkpoint, a
-stopped worker. The driver runs through ``cookbook.run_main`` (as ``python train.py``) in a forked process, its
-workers forked without Ray (`ray_cluster.without_ray`)."""
+"""Faults injected into two-tower-ray (tiny.yaml, 2 CPU workers), its driver through ``cookbook.run_main`` (as
+``python train.py``) in a forked process: a full disk while Ray copies a checkpoint (workers forked without Ray,
+`ray_cluster.without_ray`), a stopped worker (Ray's workers: what Ray's controller does is the point)."""
 
+import contextlib
 import os
+import re
 import resource
 import shutil
+import signal
+import time
 
 from conftest import ROOT, read_jsonl
-from ray_cluster import recipe_module, without_ray
+from ray_cluster import ray_processes, recipe_module, run_driver_forked, train_steps, wait_for, without_ray
 
 RECIPE = "two-tower-ray"
 STEPS_PER_EPOCH = 12  # tiny.yaml on 2 workers
@@ -73,3 +77,30 @@ def test_a_full_disk_while_ray_copies_a_checkpoint_is_one_line_exit_2_naming_the
     assert (previous / "state.pt").is_file() and (previous / "meta.json").is_file()
     steps = [r["step"] for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "train"]
     assert steps[-1] == 2 * STEPS_PER_EPOCH  # no step after the failed save
+
+
+def test_a_stopped_worker_ends_the_run_within_the_collective_timeout_naming_it(ray_env, tmp_path):
+    """A Ray Train worker SIGSTOPped after step 5 (``train.collective_timeout_s=5``): the other worker's collective
+    times out, Ray ends the run (``ray.max_failures=0``) within seconds, not at its ~10 min health check, and the
+    driver prints one line naming the stopped worker by its pid, exit 3."""
+    out, stopped = tmp_path / "run", {}
+
+    def stop(driver: int) -> None:
+        wait_for(lambda: train_steps(out), "step 5's log line")
+        pid = ray_processes(ray_env, "RayTrainWorker")[-1]
+        os.kill(pid, signal.SIGSTOP)
+        stopped.update(pid=pid, at=time.monotonic())
+
+    try:
+        run = run_driver_forked(RECIPE, ray_env, f"output_dir={out}", "mlflow=false", "train.collective_timeout_s=5",
+                                alongside=stop, timeout=300, run_main=True)
+        took = time.monotonic() - stopped["at"]
+    finally:
+        with contextlib.suppress(ProcessLookupError, KeyError):
+            os.kill(stopped["pid"], signal.SIGCONT)
+    assert run.returncode == 3, run.stderr[-4000:]
+    lines = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and re.match(
+        rf"error: Ray Train worker (\d): a collective did not finish within 5 s \(.*\) at step \d+: rank (?!\1)\d "
+        rf"\(pid {stopped['pid']} on \S+\) .* - it is stalled", lines[0]), lines
+    assert took < 60, took  # 5 s, 1.25 s for the other worker's mark (describe_stall), Ray's teardown

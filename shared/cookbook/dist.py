@@ -177,6 +177,20 @@ def init_distributed(timeout_s: float = 1800.0, debug_dir: str | Path | None = N
     return info
 
 
+def set_collective_timeout(timeout_s: float) -> None:
+    """Give the default process group that another runtime made (Ray Train's workers) the collective timeout
+    ``train.collective_timeout_s``, as `init_distributed` does its own, for `describe_stall` too.
+
+    Raises:
+        ValueError: `timeout_s` is not positive.
+    """
+    if not timeout_s > 0:
+        raise ValueError(f"the collective timeout must be > 0 seconds, got {timeout_s}")
+    if dist.is_available() and dist.is_initialized() and hasattr(dist.distributed_c10d, "_set_pg_timeout"):
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s))
+    _STALL.update(timeout_s=timeout_s, store=None, step=None)
+
+
 def align_autograd_threads(device: torch.device) -> int | None:
     """Give the autograd engine's worker thread of `device` this thread's intra-op thread count, once per process.
 

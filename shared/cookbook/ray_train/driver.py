@@ -34,6 +34,7 @@ import torch
 from cookbook import run_lock
 from cookbook.checkpoint import CheckpointError, CheckpointSaveError, ResumeGuard, read_meta
 from cookbook.config import ConfigError, to_dict
+from cookbook.dist import CollectiveTimeout, stall_error
 from cookbook.errors import EXIT_PREEMPTED
 from cookbook.loop import PREEMPT_SIGNALS, NonFiniteError, NonFinitePolicy, Preempted
 from cookbook.ray_train.worker import _STATE_FILE
@@ -71,6 +72,7 @@ class EpochTrainConfig:
 
     on_nonfinite: str = "stop"  # a step with a NaN/inf loss or gradient norm: stop (exit 4) or skip (drop its batch, go on)
     max_consecutive_skips: int = 5  # on_nonfinite=skip: the run stops at one more non-finite step in a row
+    collective_timeout_s: float = 1800.0  # a collective waiting longer ends the run, naming the worker that is behind
 
 
 @dataclass
@@ -90,7 +92,7 @@ class EpochRunConfig:
 
 # Settings of an epoch-based Ray recipe that may differ between a checkpoint and the run that resumes it.
 EPOCH_MAY_CHANGE = ("output_dir", "run_name", "mlflow", "trackers", "ray.*", "train.stop_at_epoch", "train.log_every",
-                    "train.on_nonfinite", "train.max_consecutive_skips", "checkpoint.*")
+                    "train.on_nonfinite", "train.max_consecutive_skips", "train.collective_timeout_s", "checkpoint.*")
 
 
 class RecipeError(RuntimeError):
@@ -166,7 +168,13 @@ class RayDriver:
         per folder, `cookbook.run_lock`), starts or joins Ray (`init_ray`), sizes the worker group on the cluster
         (`resolve_workers`: `workers`, `use_gpu`), checks that count against the checkpoint and the storage
         (`check_shared_storage`), and turns SIGTERM / SIGUSR1 into a stop request to the workers (`loop_config`'s
-        ``stop_key``; a second signal ends the driver at once)."""
+        ``stop_key``; a second signal ends the driver at once).
+
+        Raises:
+            CollectiveTimeout: a worker's collective waited past ``train.collective_timeout_s`` (``TorchConfig``'s
+                ``timeout_s``) and Ray ended the run (no restart left): one line naming that worker and the
+                stalled one (`cookbook.dist.describe_stall`; exit 3).
+        """
         lock = run_lock.acquire(self.cfg.output_dir, os.environ.get("NODE_RANK", "0"))
         try:
             init_ray(self.cfg.ray, self.workers or 0)
@@ -175,7 +183,13 @@ class RayDriver:
                 self.guard.check_world_size(self.resume, self.meta, self.workers)
             check_shared_storage(self.cfg.output_dir)
             with _StopOnSignal() as self._stop:
-                yield self
+                try:
+                    yield self
+                except Exception as exc:  # Ray's WorkerGroupError: a stalled worker is one line (exit 3)
+                    stalled = _stalled_worker(exc)
+                    if stalled is None:
+                        raise
+                    raise stalled from None
         finally:
             os.close(lock)
 
@@ -216,6 +230,16 @@ class RayDriver:
         print(f"done: {result.metrics} | checkpoint {checkpoint} | metrics {Path(self.cfg.output_dir) / 'metrics.jsonl'}",
               file=sys.stderr)
         return result
+
+
+def _stalled_worker(exc: BaseException) -> CollectiveTimeout | None:
+    """The `CollectiveTimeout` a worker raised (`worker_entry`) among the failures of Ray's ``WorkerGroupError``
+    `exc`, naming that worker, or ``None``."""
+    for rank, failure in sorted((getattr(exc, "worker_failures", None) or {}).items()):
+        failure = getattr(failure, "_base_exc", failure)  # Ray's UserExceptionWithTraceback around it
+        if isinstance(failure, CollectiveTimeout):
+            return CollectiveTimeout(f"Ray Train worker {rank}: {failure}")
+    return None
 
 
 class _StopOnSignal:
@@ -523,7 +547,9 @@ def worker_entry(loop_config: dict) -> dict[str, str] | None:
     ``{DIVERGED: message}`` when it stopped at a non-finite step (`NonFiniteError`, raised alike on every
     worker), ``{SAVE_FAILED: (message, errno)}`` when a checkpoint could not be saved (`CheckpointSaveError`), else
     ``None``. The divergence is returned, not raised, so that Ray does not restart the workers
-    for it (``ray.max_failures``): they would resume from the same checkpoint and diverge at the same step.
+    for it (``ray.max_failures``): they would resume from the same checkpoint and diverge at the same step. A
+    collective that timed out (``train.collective_timeout_s``: another worker stalled) is raised as
+    `cookbook.dist.CollectiveTimeout`, whose line names the stalled worker (`cookbook.dist.describe_stall`).
 
     Importing by path (rather than letting Ray pickle the driver's ``__main__`` by value) gives
     the recipe's config dataclasses a real module, which OmegaConf needs to read their type hints.
@@ -550,6 +576,9 @@ def worker_entry(loop_config: dict) -> dict[str, str] | None:
     except CheckpointSaveError as exc:  # returned, not raised: a restart would meet the same full disk
         return {SAVE_FAILED: (str(exc), exc.errno)}
     except Exception as exc:
+        stalled = stall_error(exc)  # raised: Ray restarts the group (ray.max_failures) or the driver says it
+        if stalled is not None:
+            raise stalled from exc
         if type(exc).__module__ != name:
             raise
         raise RecipeError(f"{type(exc).__name__}: {exc}") from None

@@ -42,7 +42,7 @@ from cookbook.checkpoint import (CHECKSUMS_KEY, META_FILE, CheckpointError, RNGS
 from cookbook.resume import _reason
 from cookbook.config import save_config, to_dict, to_object
 from cookbook.dist import (DistInfo, _configure_logging, all_gather_object, all_reduce_mean, barrier, get_logger,
-                           param_fingerprint)
+                           param_fingerprint, record_progress, set_collective_timeout)
 from cookbook.loop import NonFinitePolicy, Outputs, StopVote, log_outputs, models_in
 from cookbook.metrics import MetricsLogger, ModelFlops, StepProfiler
 
@@ -245,6 +245,8 @@ class WorkerRun:
             raise ValueError(f"state: {_RNG_KEY!r}, {_EPOCH_RNG_KEY!r} and {_SKIPPED_KEY!r} name the workers' random "
                              f"streams and skipped steps in a checkpoint; use other names")
         on_nonfinite, max_skips = NonFinitePolicy.settings(cfg.train)
+        if getattr(cfg.train, "collective_timeout_s", None) is not None:  # a stalled worker: see `worker_entry`
+            set_collective_timeout(cfg.train.collective_timeout_s)
         self.cfg, self.info, self.state = cfg, info, dict(state)
         self.max_steps, self.steps_per_epoch = max_steps, steps_per_epoch
         self.stop_key, self.unit = stop_at[0], stop_at[0].rsplit("_", 1)[-1]
@@ -283,6 +285,7 @@ class WorkerRun:
             self.step, self.epoch = meta["step"], meta.get("epoch", 0)
             skipped = int(saved.get(_SKIPPED_KEY, 0))
             del saved
+        record_progress(self.step)  # each step's, for the line of a worker whose collective times out
         self.nonfinite = NonFinitePolicy(on_nonfinite, max_skips, device=info.device, models=models_in(self.state),
                                          newest_checkpoint=lambda: self._newest, skipped_steps=skipped)
         if resumed is not None:  # its name (`_label`) counts the skipped steps
@@ -428,6 +431,7 @@ class WorkerRun:
         """
         self.profiler.stop()
         self.step += 1
+        record_progress(self.step)
         self.nonfinite.stepped()
         step = self.step
         self._loss = self._loss + (loss.detach() if isinstance(loss, torch.Tensor) else loss)
