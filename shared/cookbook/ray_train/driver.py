@@ -120,7 +120,8 @@ class RayDriver:
 
     Raises:
         ConfigError: see `check_output_dir` and `plan_workers`; a bad ``train.on_nonfinite`` or
-            ``train.max_consecutive_skips`` (`cookbook.loop.NonFinitePolicy.settings`).
+            ``train.max_consecutive_skips`` (`cookbook.loop.NonFinitePolicy.settings`); a
+            ``train.collective_timeout_s`` that is not positive.
         CheckpointError: the newest checkpoint was written with other settings or by another number of
             workers, or the stop point is not after it (`ResumeGuard.check`).
     """
@@ -128,6 +129,9 @@ class RayDriver:
     def __init__(self, cfg: Any, may_change: tuple[str, ...], stop_at: tuple[str, int]):
         self.cfg = cfg
         NonFinitePolicy.settings(cfg.train)  # train.on_nonfinite, train.max_consecutive_skips: before Ray starts
+        timeout_s = getattr(cfg.train, "collective_timeout_s", None)
+        if timeout_s is not None and not timeout_s > 0:
+            raise ConfigError(f"train.collective_timeout_s must be > 0 seconds, got {timeout_s:g}")
         self.nnodes = int(os.environ.get("COOKBOOK_NNODES", "1"))
         check_output_dir(cfg.output_dir, self.nnodes)
         self.unit = stop_at[0].rsplit("_", 1)[-1]
