@@ -246,7 +246,7 @@ class WorkerRun:
                              f"streams and skipped steps in a checkpoint; use other names")
         on_nonfinite, max_skips = NonFinitePolicy.settings(cfg.train)
         if getattr(cfg.train, "collective_timeout_s", None) is not None:  # a stalled worker: see `worker_entry`
-            set_collective_timeout(cfg.train.collective_timeout_s)
+            set_collective_timeout(cfg.train.collective_timeout_s, store_rank=0)  # Ray's env:// store: rank 0's
         self.cfg, self.info, self.state = cfg, info, dict(state)
         self.max_steps, self.steps_per_epoch = max_steps, steps_per_epoch
         self.stop_key, self.unit = stop_at[0], stop_at[0].rsplit("_", 1)[-1]
