@@ -117,4 +117,4 @@ def test_a_stopped_worker_ends_the_run_within_the_collective_timeout_naming_it(r
         rf"error: Ray Train worker 1: a collective did not finish within 5 s \(.*\) at step \d+: rank 0 \(pid "
         rf"{stopped['pid']} on \S+\) serves the group's store, which did not answer \(.*\) - it is stalled",
         lines[0]), lines
-    assert took < 60, took  # 5 s, 1.25 s for the other worker's mark (describe_stall), Ray's teardown
+    assert took < 60, took  # 5 s, up to 7.25 s for the store (describe_stall), Ray's teardown: ~22 s on 2 busy cores
