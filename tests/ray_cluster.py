@@ -36,6 +36,7 @@ def start_head(base: Path, num_cpus: int = 3) -> tuple[subprocess.Popen, dict]:
     # so a second Ray head on this machine (another test process, an engineer's) cannot take one of Ray's defaults first
     env = {**os.environ, "HOME": str(base / "home"), "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
            "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",  # one actor less per run
+           "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S": "3",  # Ray's wait on a stopped worker's group teardown (30 s)
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
            "COOKBOOK_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": ""}
     env.pop("RAY_ADDRESS", None)
@@ -184,11 +185,12 @@ def run_launch(recipe: str, env: dict, *overrides: str, config: str = "tiny.yaml
 
 
 def run_driver_forked(recipe: str, env: dict, *overrides: str, config: str = "tiny.yaml", timeout: int = 300,
-                      alongside: Callable[[int], None] | None = None) -> subprocess.CompletedProcess:
+                      alongside: Callable[[int], None] | None = None, run_main: bool = False) -> subprocess.CompletedProcess:
     """The recipe's driver (``train.py``'s ``main``, what launch.sh runs against ``RAY_ADDRESS``) in a child
     forked from this process, with `env` (from `ray_env`); returns what it printed as a finished process.
     ``alongside(pid)`` runs in a thread of this process meanwhile (started after the fork; `pid`: the
-    child's), as in `run_launch`.
+    child's), as in `run_launch`. ``run_main``: through ``cookbook.run_main`` (one-line errors and their exit
+    statuses, as ``python train.py``; no user errors).
 
     The child inherits the recipe and Ray Train already imported here, which saves the driver's interpreter
     start-up and imports (~10 s on 2 cores); Ray starts the workers as for launch.sh. This process never
@@ -219,6 +221,10 @@ def run_driver_forked(recipe: str, env: dict, *overrides: str, config: str = "ti
                 import torch
 
                 torch.set_num_threads(1)  # an inherited OpenMP pool can hang a forked child's first parallel op
+                if run_main:
+                    import cookbook
+
+                    cookbook.run_main(module.main, argv=argv)  # exits
                 module.main(argv)
                 code = 0
             except SystemExit as exc:  # as the interpreter would exit
@@ -273,9 +279,10 @@ class LocalTorchTrainer:
     announced is what ``ray.train.get_checkpoint()`` hands the workers. `fit` returns a ``ray.train.Result`` whose
     ``return_value`` is rank 0's and whose ``metrics`` and ``checkpoint`` are the newest checkpoint's, as Ray's.
 
-    Not covered: Ray's restarts (``failure_config``), ``checkpoint_config.num_to_keep``, stop requests."""
+    Not covered: Ray's restarts (``failure_config``), ``checkpoint_config.num_to_keep``, stop requests,
+    ``torch_config`` (the workers' `WorkerRun` sets the collective timeout)."""
 
-    def __init__(self, train_loop_per_worker, *, train_loop_config: dict, scaling_config, run_config):
+    def __init__(self, train_loop_per_worker, *, train_loop_config: dict, scaling_config, run_config, torch_config=None):
         self.fn, self.num_workers = train_loop_per_worker, scaling_config.num_workers
         self.loop_config = {**train_loop_config, "stop_key": None}  # no Ray key-value store to read a request from
         self.out = Path(run_config.storage_path) / run_config.name

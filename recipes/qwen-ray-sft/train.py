@@ -220,7 +220,7 @@ def main(argv: list[str]) -> None:
     if driver.already_complete(total, {"model": Path(cfg.output_dir) / "final"}):
         return
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+    from ray.train.torch import TorchConfig, TorchTrainer
 
     out = Path(cfg.output_dir).expanduser().resolve()
     with driver.started():  # Ray started or joined, the worker group sized; SIGTERM / SIGUSR1: a stop request
@@ -229,6 +229,7 @@ def main(argv: list[str]) -> None:
             train_loop_config=driver.loop_config(__file__),
             scaling_config=ScalingConfig(num_workers=driver.workers, use_gpu=driver.use_gpu,  # one DDP process per GPU
                                          resources_per_worker=driver.resources_per_worker),
+            torch_config=TorchConfig(timeout_s=cfg.train.collective_timeout_s),  # a stalled worker ends the wait
             run_config=RunConfig(name=out.name, storage_path=str(out.parent),  # output_dir is Ray's run folder
                                  failure_config=FailureConfig(max_failures=cfg.ray.max_failures),  # restarts
                                  checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep_last or None)))

@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import socket
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -95,7 +96,8 @@ class CollectiveTimeout(OneLineError):
 
 
 # What `init_distributed` set up, for `record_progress` and `describe_stall`.
-_STALL = {"timeout_s": None, "debug_dir": None, "store": None, "step": None, "host": socket.gethostname()}
+_STALL = {"timeout_s": None, "debug_dir": None, "store": None, "step": None, "host": socket.gethostname(),
+          "holder": None}  # holder: (rank, pid, host) of the process that serves the store, when a rank's does
 _PROGRESS_KEY, _TIMED_OUT_KEY = "cookbook/progress/{}", "cookbook/timed_out/{}"
 # What gloo (CPU) and NCCL say when a collective waited past the group's timeout.
 _TIMEOUT_MARKERS = ("timed out waiting", "application timeout caused pair closure", "collective operation timeout")
@@ -138,6 +140,31 @@ def init_distributed(timeout_s: float = 1800.0, debug_dir: str | Path | None = N
             f"autograd's {info.device} thread: {before} -> {torch.get_num_threads()} intra-op threads (as the training "
             f"thread: compiled graphs guard on it)")
     return info
+
+
+def set_collective_timeout(timeout_s: float, store_rank: int | None = None) -> None:
+    """Give the default process group that another runtime made (Ray Train's workers) the collective timeout
+    ``train.collective_timeout_s``, as `init_distributed` does its own, for `describe_stall` too.
+
+    Args:
+        store_rank: the rank whose process serves the group's store (Ray Train's ``env://`` group: rank 0), or
+            ``None`` (torchrun's agent serves it). Its pid and host are gathered now (collective), so that a
+            timeout whose store does not answer names that rank: it is the stalled one.
+
+    Raises:
+        ValueError: `timeout_s` is not positive.
+    """
+    if not timeout_s > 0:
+        raise ValueError(f"the collective timeout must be > 0 seconds, got {timeout_s}")
+    holder = None
+    if dist.is_available() and dist.is_initialized():
+        if hasattr(dist.distributed_c10d, "_set_pg_timeout"):
+            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s))
+        if store_rank is not None and dist.get_world_size() > 1:
+            box = [(os.getpid(), _STALL["host"]) if dist.get_rank() == store_rank else None]
+            dist.broadcast_object_list(box, src=store_rank)
+            holder = (store_rank, *box[0])
+    _STALL.update(timeout_s=timeout_s, store=None, step=None, holder=holder)
 
 
 def align_autograd_threads(device: torch.device) -> int | None:
@@ -266,9 +293,14 @@ def describe_stall(exc: BaseException, grace_s: float | None = None) -> str:
         dumps += f"; see the flight recorder dump in {Path(fr).parent}"
     if grace_s is None:
         grace_s = min(10.0, (timeout_s or 40.0) / 4)
+    holder = _STALL["holder"] if _STALL["holder"] is not None and _STALL["holder"][0] != rank else None
+    if holder is not None and _STALL["store"] is False:  # a progress record failed: the store did not answer
+        return _holder_stalled(head, holder, "a write to it failed", dumps)
     try:
-        read = _read_progress(rank, world, mine, grace_s)
+        read = _within(grace_s + 6.0, _read_progress, rank, world, mine, grace_s)  # its reads: 5 s each, at most
     except Exception as read_error:  # noqa: BLE001 - the store itself may be gone or stopped
+        if holder is not None:
+            return _holder_stalled(head, holder, _first_line(read_error), dumps)
         return f"{head}: the other ranks' progress could not be read ({_first_line(read_error)}){dumps}"
     if read is None:
         return f"{head}: which rank is behind is not known (no process group store to read their progress from){dumps}"
@@ -295,6 +327,37 @@ def describe_stall(exc: BaseException, grace_s: float | None = None) -> str:
         _, pid, host = progress[suspects[0]]
         hint = f"; `py-spy dump --pid {pid}` on {host} shows where it is"
     return f"{head}: {names} {detail} - {verb} stalled (stopped, hung, or much slower){hint}{dumps}"
+
+
+def _holder_stalled(head: str, holder: tuple[int, int, str], why: str, dumps: str) -> str:
+    """`describe_stall`'s line when the store, which the process of rank ``holder[0]`` serves, did not answer."""
+    rank, pid, host = holder
+    return (f"{head}: rank {rank} (pid {pid} on {host}) serves the group's store, which did not answer ({why}) - it "
+            f"is stalled (stopped, hung, or much slower); `py-spy dump --pid {pid}` on {host} shows where it is{dumps}")
+
+
+def _within(seconds: float, fn, *args):
+    """``fn(*args)``, or `TimeoutError` when it has not returned within `seconds` (it goes on in a daemon thread:
+    a store read that a stopped process never answers)."""
+    import threading
+
+    result: list = []
+
+    def run() -> None:
+        try:
+            result.append((True, fn(*args)))
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller
+            result.append((False, exc))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if not result:
+        raise TimeoutError(f"no answer within {seconds:g} s")
+    ok, value = result[0]
+    if not ok:
+        raise value
+    return value
 
 
 def _read_progress(rank: int, world: int, mine: int | None, grace_s: float) -> tuple[dict, set] | None:

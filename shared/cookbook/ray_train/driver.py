@@ -32,14 +32,16 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from cookbook import run_lock
-from cookbook.checkpoint import CheckpointError, ResumeGuard, read_meta
+from cookbook.checkpoint import CheckpointError, CheckpointSaveError, ResumeGuard, read_meta
 from cookbook.config import ConfigError, to_dict
+from cookbook.dist import CollectiveTimeout, stall_error
 from cookbook.errors import EXIT_PREEMPTED
 from cookbook.loop import PREEMPT_SIGNALS, NonFiniteError, NonFinitePolicy, Preempted
 from cookbook.ray_train.worker import _STATE_FILE
 
 _SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"  # Ray Train's record of the run's registered checkpoints
 DIVERGED = "diverged"  # in rank 0's return value (Ray's ``Result.return_value``): the NonFiniteError's message
+SAVE_FAILED = "save_failed"  # in rank 0's return value: the CheckpointSaveError's message and errno
 
 
 @dataclass
@@ -70,6 +72,7 @@ class EpochTrainConfig:
 
     on_nonfinite: str = "stop"  # a step with a NaN/inf loss or gradient norm: stop (exit 4) or skip (drop its batch, go on)
     max_consecutive_skips: int = 5  # on_nonfinite=skip: the run stops at one more non-finite step in a row
+    collective_timeout_s: float = 1800.0  # a collective waiting longer ends the run, naming the worker that is behind
 
 
 @dataclass
@@ -89,7 +92,7 @@ class EpochRunConfig:
 
 # Settings of an epoch-based Ray recipe that may differ between a checkpoint and the run that resumes it.
 EPOCH_MAY_CHANGE = ("output_dir", "run_name", "mlflow", "trackers", "ray.*", "train.stop_at_epoch", "train.log_every",
-                    "train.on_nonfinite", "train.max_consecutive_skips", "checkpoint.*")
+                    "train.on_nonfinite", "train.max_consecutive_skips", "train.collective_timeout_s", "checkpoint.*")
 
 
 class RecipeError(RuntimeError):
@@ -117,7 +120,8 @@ class RayDriver:
 
     Raises:
         ConfigError: see `check_output_dir` and `plan_workers`; a bad ``train.on_nonfinite`` or
-            ``train.max_consecutive_skips`` (`cookbook.loop.NonFinitePolicy.settings`).
+            ``train.max_consecutive_skips`` (`cookbook.loop.NonFinitePolicy.settings`); a
+            ``train.collective_timeout_s`` that is not positive.
         CheckpointError: the newest checkpoint was written with other settings or by another number of
             workers, or the stop point is not after it (`ResumeGuard.check`).
     """
@@ -125,6 +129,9 @@ class RayDriver:
     def __init__(self, cfg: Any, may_change: tuple[str, ...], stop_at: tuple[str, int]):
         self.cfg = cfg
         NonFinitePolicy.settings(cfg.train)  # train.on_nonfinite, train.max_consecutive_skips: before Ray starts
+        timeout_s = getattr(cfg.train, "collective_timeout_s", None)
+        if timeout_s is not None and not timeout_s > 0:
+            raise ConfigError(f"train.collective_timeout_s must be > 0 seconds, got {timeout_s:g}")
         self.nnodes = int(os.environ.get("COOKBOOK_NNODES", "1"))
         check_output_dir(cfg.output_dir, self.nnodes)
         self.unit = stop_at[0].rsplit("_", 1)[-1]
@@ -165,7 +172,13 @@ class RayDriver:
         per folder, `cookbook.run_lock`), starts or joins Ray (`init_ray`), sizes the worker group on the cluster
         (`resolve_workers`: `workers`, `use_gpu`), checks that count against the checkpoint and the storage
         (`check_shared_storage`), and turns SIGTERM / SIGUSR1 into a stop request to the workers (`loop_config`'s
-        ``stop_key``; a second signal ends the driver at once)."""
+        ``stop_key``; a second signal ends the driver at once).
+
+        Raises:
+            CollectiveTimeout: a worker's collective waited past ``train.collective_timeout_s`` (``TorchConfig``'s
+                ``timeout_s``) and Ray ended the run (no restart left): one line naming that worker and the
+                stalled one (`cookbook.dist.describe_stall`; exit 3).
+        """
         lock = run_lock.acquire(self.cfg.output_dir, os.environ.get("NODE_RANK", "0"))
         try:
             init_ray(self.cfg.ray, self.workers or 0)
@@ -174,7 +187,13 @@ class RayDriver:
                 self.guard.check_world_size(self.resume, self.meta, self.workers)
             check_shared_storage(self.cfg.output_dir)
             with _StopOnSignal() as self._stop:
-                yield self
+                try:
+                    yield self
+                except Exception as exc:  # Ray's WorkerGroupError: a stalled worker is one line (exit 3)
+                    stalled = _stalled_worker(exc)
+                    if stalled is None:
+                        raise
+                    raise stalled from None
         finally:
             os.close(lock)
 
@@ -196,10 +215,16 @@ class RayDriver:
             NonFiniteError: the workers stopped at a non-finite step (`cookbook.ray_train.WorkerRun.skip_step`);
                 its message names the step and the newest checkpoint (`cookbook.run_main`: one line, exit 4).
             Preempted: the workers stopped on SIGTERM / SIGUSR1 after a checkpoint (exit 75).
+            CheckpointSaveError: a checkpoint could not be saved (`cookbook.ray_train.WorkerRun.checkpoint`): its
+                one line (a `CheckpointError`: exit 2, as the torchrun recipes').
         """
-        diverged = result.return_value.get(DIVERGED) if isinstance(result.return_value, dict) else None
-        if diverged:
-            raise NonFiniteError(diverged)
+        returned = result.return_value if isinstance(result.return_value, dict) else {}
+        if returned.get(DIVERGED):
+            raise NonFiniteError(returned[DIVERGED])
+        if returned.get(SAVE_FAILED):
+            error = CheckpointSaveError(returned[SAVE_FAILED][0])
+            error.errno = returned[SAVE_FAILED][1]
+            raise error
         checkpoint = result.checkpoint.path if result.checkpoint else None
         if self._stop.signum is not None and (result.metrics or {}).get("preempted"):
             print(f"preempted ({signal.Signals(self._stop.signum).name}): every worker stopped after step "
@@ -209,6 +234,16 @@ class RayDriver:
         print(f"done: {result.metrics} | checkpoint {checkpoint} | metrics {Path(self.cfg.output_dir) / 'metrics.jsonl'}",
               file=sys.stderr)
         return result
+
+
+def _stalled_worker(exc: BaseException) -> CollectiveTimeout | None:
+    """The `CollectiveTimeout` a worker raised (`worker_entry`) among the failures of Ray's ``WorkerGroupError``
+    `exc`, naming that worker, or ``None``."""
+    for rank, failure in sorted((getattr(exc, "worker_failures", None) or {}).items()):
+        failure = getattr(failure, "_base_exc", failure)  # Ray's UserExceptionWithTraceback around it
+        if isinstance(failure, CollectiveTimeout):
+            return CollectiveTimeout(f"Ray Train worker {rank}: {failure}")
+    return None
 
 
 class _StopOnSignal:
@@ -514,8 +549,11 @@ def check_shared_storage(output_dir: str) -> None:
 def worker_entry(loop_config: dict) -> dict[str, str] | None:
     """Import the recipe's train.py by path in the worker and call its ``train_loop(config)``; returns
     ``{DIVERGED: message}`` when it stopped at a non-finite step (`NonFiniteError`, raised alike on every
-    worker), else ``None``. The divergence is returned, not raised, so that Ray does not restart the workers
-    for it (``ray.max_failures``): they would resume from the same checkpoint and diverge at the same step.
+    worker), ``{SAVE_FAILED: (message, errno)}`` when a checkpoint could not be saved (`CheckpointSaveError`), else
+    ``None``. The divergence is returned, not raised, so that Ray does not restart the workers
+    for it (``ray.max_failures``): they would resume from the same checkpoint and diverge at the same step. A
+    collective that timed out (``train.collective_timeout_s``: another worker stalled) is raised as
+    `cookbook.dist.CollectiveTimeout`, whose line names the stalled worker (`cookbook.dist.describe_stall`).
 
     Importing by path (rather than letting Ray pickle the driver's ``__main__`` by value) gives
     the recipe's config dataclasses a real module, which OmegaConf needs to read their type hints.
@@ -539,7 +577,12 @@ def worker_entry(loop_config: dict) -> dict[str, str] | None:
         sys.modules[name].train_loop(loop_config["config"])
     except NonFiniteError as exc:
         return {DIVERGED: str(exc)}
+    except CheckpointSaveError as exc:  # returned, not raised: a restart would meet the same full disk
+        return {SAVE_FAILED: (str(exc), exc.errno)}
     except Exception as exc:
+        stalled = stall_error(exc)  # raised: Ray restarts the group (ray.max_failures) or the driver says it
+        if stalled is not None:
+            raise stalled from exc
         if type(exc).__module__ != name:
             raise
         raise RecipeError(f"{type(exc).__name__}: {exc}") from None

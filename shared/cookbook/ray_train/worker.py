@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -26,10 +27,12 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from cookbook.checkpoint import CHECKSUMS_KEY, META_FILE, CheckpointError, RNGState, checksums, rng_kept, seed_per_rank
+from cookbook.checkpoint import (CHECKSUMS_KEY, META_FILE, CheckpointError, RNGState, _from_rank0, _os_error_in, checksums,
+                                 rng_kept, save_error, seed_per_rank)
+from cookbook.resume import _reason
 from cookbook.config import save_config, to_dict, to_object
 from cookbook.dist import (DistInfo, _configure_logging, all_gather_object, all_reduce_mean, barrier, get_logger,
-                           param_fingerprint)
+                           param_fingerprint, record_progress, set_collective_timeout)
 from cookbook.loop import NonFinitePolicy, Outputs, StopVote, log_outputs, models_in
 from cookbook.metrics import MetricsLogger, ModelFlops, StepProfiler
 
@@ -161,6 +164,15 @@ def worker_summary(model: torch.nn.Module, reports: int) -> dict[str, list]:
             "param_fingerprints": all_gather_object(param_fingerprint(model))}
 
 
+def _save_failure(exc: Exception) -> tuple[str, int | None]:
+    """``(the OS error as words, its errno)`` behind a failed write of a checkpoint; `exc` itself when no `OSError`
+    is behind it."""
+    os_error = _os_error_in(exc)
+    if os_error is None:
+        raise exc
+    return _reason(os_error), os_error.errno
+
+
 def _facts(meta: Mapping[str, Any]) -> str:
     return ", ".join(f"{k} {v}" for k, v in meta.items() if k != "config")
 
@@ -223,6 +235,8 @@ class WorkerRun:
             raise ValueError(f"state: {_RNG_KEY!r}, {_EPOCH_RNG_KEY!r} and {_SKIPPED_KEY!r} name the workers' random "
                              f"streams and skipped steps in a checkpoint; use other names")
         on_nonfinite, max_skips = NonFinitePolicy.settings(cfg.train)
+        if getattr(cfg.train, "collective_timeout_s", None) is not None:  # a stalled worker: see `worker_entry`
+            set_collective_timeout(cfg.train.collective_timeout_s, store_rank=0)  # Ray's env:// store: rank 0's
         self.cfg, self.info, self.state = cfg, info, dict(state)
         self.max_steps, self.steps_per_epoch = max_steps, steps_per_epoch
         self.stop_key, self.unit = stop_at[0], stop_at[0].rsplit("_", 1)[-1]
@@ -261,6 +275,7 @@ class WorkerRun:
             self.step, self.epoch = meta["step"], meta.get("epoch", 0)
             skipped = int(saved.get(_SKIPPED_KEY, 0))
             del saved
+        record_progress(self.step)  # each step's, for the line of a worker whose collective times out
         self.nonfinite = NonFinitePolicy(on_nonfinite, max_skips, device=info.device, models=models_in(self.state),
                                          newest_checkpoint=lambda: self._newest, skipped_steps=skipped)
         if resumed is not None:  # its name (`_label`) counts the skipped steps
@@ -406,6 +421,7 @@ class WorkerRun:
         """
         self.profiler.stop()
         self.step += 1
+        record_progress(self.step)
         self.nonfinite.stepped()
         step = self.step
         self._loss = self._loss + (loss.detach() if isinstance(loss, torch.Tensor) else loss)
@@ -479,6 +495,10 @@ class WorkerRun:
 
         Raises:
             NonFiniteError: a parameter or buffer of the model is NaN or infinite (nothing is saved).
+            CheckpointSaveError: on every worker, when rank 0 could not write the checkpoint or Ray could not copy
+                it to ``output_dir`` (disk full, file too large, ...): nothing of it is kept, and the one-line
+                message names it, the OS error and the previous checkpoint. `worker_entry` returns it to the
+                driver, which exits with status 2; Ray does not restart the workers for it.
         """
         counts = {"epoch": self.epoch} if self.unit == "epoch" else {}
         metrics = {**counts, "step": self.step, **self._values, **({"preempted": 1.0} if self.preempted else {})}
@@ -493,21 +513,41 @@ class WorkerRun:
             if self.unit == "epoch" and self.batches % self.steps_per_epoch:
                 run[_EPOCH_RNG_KEY] = all_gather_object(self._epoch_rng)
             meta = {**counts, "step": self.step, "world_size": self.info.world_size, "config": to_dict(self.cfg)}
+            final = Path(self.cfg.output_dir).expanduser().resolve() / f"checkpoint_{label}"
             with tempfile.TemporaryDirectory() as tmp:
                 saved: dict[str, Any] = {"metrics": metrics}
+                failure = None
                 if self.info.is_main:  # DDP replicas are identical: rank 0's state
                     from ray.train import Checkpoint
 
                     state = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in self.state.items()}
-                    torch.save({**state, **run}, Path(tmp) / _STATE_FILE)
-                    meta[CHECKSUMS_KEY] = checksums(tmp)  # a resume finds a damaged state.pt (ResumeGuard.verify)
-                    (Path(tmp) / META_FILE).write_text(json.dumps(meta, indent=2))
+                    try:
+                        with open(Path(tmp) / _STATE_FILE, "wb") as f:  # a Python file: a failed write keeps its errno
+                            torch.save({**state, **run}, f)
+                        meta[CHECKSUMS_KEY] = checksums(tmp)  # a resume finds a damaged state.pt (ResumeGuard.verify)
+                        (Path(tmp) / META_FILE).write_text(json.dumps(meta, indent=2))
+                    except Exception as exc:
+                        failure = _save_failure(exc)
                     saved.update(checkpoint=Checkpoint.from_directory(tmp), checkpoint_dir_name=f"checkpoint_{label}")
-                yield saved
+                self._raise_save_error(_from_rank0(failure), final)  # before the report: no worker waits in it
+                try:
+                    yield saved
+                except Exception as exc:  # Ray's copy to output_dir (pyarrow) failed on rank 0
+                    failure = _save_failure(exc)
+                    shutil.rmtree(final, ignore_errors=True)  # not registered: its space goes back to the disk
+                self._raise_save_error(_from_rank0(failure), final)
             get_logger().info(f"checkpoint saved: {label} ({_facts(meta)})")
             self.reports, self._stop_reported = self.reports + 1, self.preempted
             self._saved_at = self.batches
             self._newest = Path(self.cfg.output_dir).expanduser().resolve() / f"checkpoint_{label}"
+
+    def _raise_save_error(self, failure: tuple[str, int | None] | None, final: Path) -> None:
+        """Raise `cookbook.checkpoint.CheckpointSaveError` on every worker when rank 0's save of `final` failed
+        (`failure`: the OS error as words and its errno, the same on every worker), naming the previous checkpoint."""
+        if failure is not None:
+            reason, code = failure
+            raise save_error(self.step, final, self._newest, 0 if self.info.world_size > 1 else None,
+                             OSError(code, reason), reason)
 
     def _agree_stop(self) -> bool:
         """Whether the workers have agreed to stop here (collective: call it at every step boundary on every worker).
