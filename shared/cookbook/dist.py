@@ -19,7 +19,6 @@ import logging
 import os
 import re
 import socket
-import threading
 import time
 import traceback
 from dataclasses import dataclass

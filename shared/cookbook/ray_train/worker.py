@@ -80,10 +80,7 @@ def load_checkpoint(map_location: torch.device | str = "cpu") -> tuple[dict[str,
     the newest Ray registered since. ``state.pt`` is read with ``torch.load(weights_only=True)``: tensors
     and plain Python values only, no code runs.
 
-    On the CPU (the default) the file is memory-mapped (``torch.load(mmap=True)``): the workers of
-    a node share one copy in the page cache instead of each reading the whole state (model and
-    optimizer: 12 bytes per parameter for AdamW in fp32) into its own memory or GPU. Copy the values
-    into the model and optimizer with ``load_state_dict``, then drop `state`.
+    On the CPU the file is memory-mapped (``mmap=True``): the workers of a node share one copy in the page cache.
 
     Raises:
         RuntimeError: Ray hands no checkpoint, or an older one, than the driver announced (a bug: the
@@ -174,20 +171,15 @@ def _save_failure(exc: Exception) -> tuple[str, int | None]:
 
 
 def _facts(meta: Mapping[str, Any]) -> str:
-    return ", ".join(f"{k} {v}" for k, v in meta.items() if k != "config")
+    return ", ".join(f"{k} {v}" for k, v in meta.items() if k not in ("config", CHECKSUMS_KEY))
 
 
 class WorkerRun:
     """Resume, metrics, log window, the checkpoints it hands to ``ray.train.report`` and the summary of one Ray Train worker.
 
-    Constructing it resumes: when Ray hands the worker a checkpoint (a restart after a failure, or a
-    re-run with the same ``output_dir``), every object of `state` that has ``load_state_dict`` gets its
-    saved state back, this worker's random streams (Python, NumPy, torch: data augmentation, dropout,
-    the data loader's seeds) continue where they were at the checkpoint (`rng_state`; each worker's are
-    saved), and `step` and `epoch` continue from the checkpoint's; so a resumed run takes the steps an
-    uninterrupted one would. Construct it after the set-up that draws random numbers (the model's
-    initialisation). Then rank 0 writes the config to ``<output_dir>/config.yaml`` and the `metrics`
-    logger is opened.
+    Constructing it resumes from the checkpoint Ray hands the worker: the state dicts of `state`, each worker's
+    random streams (`rng_state`), `step` and `epoch`, so a resumed run takes the uninterrupted run's steps.
+    Construct it after the model's initialisation; rank 0 then writes ``<output_dir>/config.yaml``.
 
     Args:
         cfg: the recipe's config: ``output_dir``, ``run_name``, ``mlflow``, ``train.log_every``, and for
@@ -212,18 +204,11 @@ class WorkerRun:
     ``train.profile_step`` (when the config has it, > 0) writes a ``torch.profiler`` trace of that step to
     ``<output_dir>/profile`` (`cookbook.metrics.StepProfiler`).
 
-    Preemption: when the driver is asked to stop (SIGTERM or SIGUSR1; `cookbook.ray_train.RayDriver.started`),
-    rank 0 sees it within `STOP_POLL_S` (`stop_requested`) and the workers agree on a step through an
-    asynchronous all-reduce started at each step boundary and read at the next (as
-    `cookbook.loop.TrainLoop`'s): every worker stops after the same step, and the next `checkpoint` is there (in an
-    epoch run mid-epoch: ``checkpoint_epoch_<n>_step_<s>``, epochs done and steps done) and `finish`
-    ends the run as stopped (`preempted` is true). Resuming a mid-epoch checkpoint reads the epoch's
-    first batches again, from the random streams the epoch began with, and drops them (`timed`; a data
-    loader that reads ahead, as Ray's does, draws the next batch's augmentation as it did), then restores
-    the streams of the checkpoint: the resumed run takes the uninterrupted run's steps as long as the
-    model draws from other streams than the data pipeline (dropout from torch's, augmentations from
-    Python's or NumPy's), and with loader processes (``num_workers`` > 0) their augmentations start
-    from other seeds.
+    Preemption (SIGTERM or SIGUSR1 to the driver): rank 0 sees the request within `STOP_POLL_S`, the workers agree on
+    a step (`cookbook.loop.StopVote`), the next `checkpoint` is there (mid-epoch: ``checkpoint_epoch_<n>_step_<s>``)
+    and `finish` ends the run as stopped. A mid-epoch resume reads the epoch's first batches again from the streams
+    the epoch began with and drops them (`timed`), so the data order and augmentations are the uninterrupted run's
+    (docs/failures.md).
 
     Every method that logs, evaluates or checkpoints is collective: call it on every worker in the same order.
     """
