@@ -70,9 +70,18 @@ def test_bad_config_names_the_key_and_source(tmp_path, yaml_text, overrides, exp
     assert where in str(err.value)
 
 
-def test_missing_file(tmp_path):
+def test_missing_file(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(Schema, tmp_path / "nope.yaml")
+    recipe, elsewhere = tmp_path / "recipe", tmp_path / "elsewhere"
+    recipe.mkdir(), elsewhere.mkdir()
+    (recipe / "tiny.yaml").write_text("steps: 5\n")
+    monkeypatch.setattr("sys.argv", [str(recipe / "train.py")])
+    monkeypatch.chdir(elsewhere)  # `python recipe/train.py --config tiny.yaml` from another folder
+    with pytest.raises(ConfigError) as err:
+        load_config(Schema, "tiny.yaml")
+    assert str(err.value) == (f"config file not found: tiny.yaml (from {elsewhere}); {recipe / 'tiny.yaml'} exists: "
+                              f"give that path")
 
 
 def test_resolve_path_prefers_the_config_folder(tmp_path, monkeypatch):

@@ -15,6 +15,7 @@ import dataclasses
 import difflib
 import errno
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence, TypeVar
@@ -86,7 +87,9 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: Sequ
     if path is not None:
         p = Path(path)
         if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
+            beside = None if p.is_absolute() else Path(sys.argv[0]).resolve().parent / p  # a recipe's own configs
+            hint = f"; {beside} exists: give that path" if beside is not None and beside.is_file() else ""
+            raise ConfigError(f"config file not found: {p} (from {Path.cwd()}){hint}")
         try:
             loaded = OmegaConf.load(p)
         except Exception as exc:  # YAML syntax errors come from several libraries
