@@ -127,9 +127,9 @@ def check_config(cfg: Config, config_dir: Path, on_cpu: bool) -> None:
 # ----------------------------------------------------------------------------- data
 def harmony_conversation(row: dict, n: int | str, source: str, ignored=None) -> tuple[list[dict], list[dict] | None]:
     """One row as harmony messages and its tools: `cookbook.sft.to_conversation` (which checks the row, names
-    ``<source> row <n>`` (or the label `n`, ``line <n>``) in its errors and keeps an assistant turn's reasoning: ``thinking`` or
-    ``reasoning_content``, put under ``thinking``, the template's field), with the ``developer`` role (checked as
-    ``system``) put back.
+    ``<source> row <n>`` (or the label `n`, such as ``line 19``) in its errors and keeps an assistant turn's
+    reasoning: ``thinking`` or ``reasoning_content``, put under ``thinking``, the template's field), with the
+    ``developer`` role (checked as ``system``) put back.
 
     Raises:
         sft.SFTDataError: see `cookbook.sft.to_conversation`; an assistant turn with more than one tool call (the

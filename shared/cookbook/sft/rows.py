@@ -226,8 +226,8 @@ def to_conversation(row: dict, row_number: int | str, source: str,
                     ignored: Counter | None = None) -> tuple[list[dict], list[dict] | None]:
     """One data row (chat, Alpaca or ShareGPT: docs/sft-data.md#row-formats) as ``(messages, tools)``: messages
     ``{"role", "content": str}`` (+ ``tool_calls``, ``name``, ``tool_call_id``, ``reasoning_content``), tools as
-    ``{"type": "function", ...}`` or None. `row_number` (1-based, or a label such as ``"line 19"``: `RowList.label`) and `source` name the
-    row; `ignored` counts unused keys.
+    ``{"type": "function", ...}`` or None. `row_number` (1-based, or a label such as ``"line 19"``: `RowList.label`)
+    and `source` name the row; `ignored` counts unused keys.
 
     Raises:
         SFTDataError: ``"<source> row <n>: ..."`` (or ``line <n>``) for an unknown format, role or part, a bad field, tool call or tool
