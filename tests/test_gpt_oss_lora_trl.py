@@ -242,12 +242,12 @@ def test_bad_rows_are_refused(tmp_path):
     good = (TINY / "data" / "chat.jsonl").read_text().splitlines()
     bad = tmp_path / "bad.jsonl"
     bad.write_text("\n".join(good[:2] + ['{"messages": [{"role": "robot", "content": "hi"}]}'] + good[2:]) + "\n")
-    with pytest.raises(mod.sft.SFTDataError, match=rf"^{bad} row 3: messages\[0\]\.role is 'robot', expected one of"):
+    with pytest.raises(mod.sft.SFTDataError, match=rf"^{bad} line 3: messages\[0\]\.role is 'robot', expected one of"):
         check("gpt-oss-lora-trl", f"data.train_files=[{bad}]")
     row = json.loads(good[0])
     row["messages"][-1]["thinking"] = 7
     bad.write_text("\n".join([good[1], json.dumps(row)]) + "\n")
-    with pytest.raises(mod.sft.SFTDataError, match=rf"^{bad} row 2: field 'messages\[2\]\.thinking' must be a string, got int$"):
+    with pytest.raises(mod.sft.SFTDataError, match=rf"^{bad} line 2: field 'messages\[2\]\.thinking' must be a string, got int$"):
         check("gpt-oss-lora-trl", f"data.train_files=[{bad}]")
     with pytest.raises(mod.ConfigError, match=r"model.attn_implementation"):
         check("gpt-oss-lora-trl", "model.attn_implementation=sdpa")

@@ -247,14 +247,14 @@ def test_vl_training_loss_falls_and_exports_load_with_peft_and_transformers(runs
 # ----------------------------------------------------------------------------- bad input (in-process --check)
 @pytest.mark.parametrize("row, message", [
     ({"image": "insects/missing.jpg", "messages": [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "A."}]},
-     "bad.jsonl row 2: image file not found: {data}/insects/missing.jpg"),
+     "bad.jsonl line 2: image file not found: {data}/insects/missing.jpg"),
     ({"image": "broken.jpg", "messages": [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "A."}]},
-     "bad.jsonl row 2: cannot decode image {data}/broken.jpg"),
+     "bad.jsonl line 2: cannot decode image {data}/broken.jpg"),
     ({"messages": [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "A."}]},
-     "bad.jsonl row 2: no image"),
+     "bad.jsonl line 2: no image"),
     ({"images": ["insects/ant0.jpg"], "messages": [{"role": "user", "content": [{"type": "image"}, {"type": "image"}]},
                                                    {"role": "assistant", "content": "A."}]},
-     "bad.jsonl row 2: 1 image(s) but 2 {'type': 'image'} part(s)"),
+     "bad.jsonl line 2: 1 image(s) but 2 {'type': 'image'} part(s)"),
 ])
 def test_bad_image_text_rows_are_refused_before_training(tmp_path, row, message):
     data = tmp_path / "data"

@@ -405,7 +405,7 @@ def test_bad_rows_fail_before_workers(tmp_path):
     bad = _jsonl(tmp_path / "bad.jsonl", [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
                                           {"messages": [{"role": "user", "content": "no answer here"}]}])
     proc = launch("qwen-fsdp2-sft", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{bad}]")
-    assert proc.returncode == 2 and "bad.jsonl row 2" in proc.stderr and "assistant" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "bad.jsonl line 2" in proc.stderr and "assistant" in proc.stderr, proc.stderr
     assert "torch/distributed/run.py" not in proc.stderr
 
 
@@ -445,19 +445,19 @@ def test_long_rows_are_truncated_or_dropped_and_counted(tmp_path):
     n = len(tokenize_conversation(tok, long_prompt["messages"], 10_000, {"enable_thinking": False})[0])
     out = check("qwen-fsdp2-sft", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{data}]", "data.max_length=64")
     assert (f"data: long.jsonl: 40 rows read, 37 examples kept (2 truncated to max_length=64), 3 dropped (cut by "
-            f"max_length before any assistant token: row 1 ({n} tokens), row 2 ({n} tokens), row 3 ({n} tokens)) | ") in out
+            f"max_length before any assistant token: line 1 ({n} tokens), line 2 ({n} tokens), line 3 ({n} tokens)) | ") in out
     with pytest.raises(SFTDataError) as err:  # 3 of 40 is more than 5%
         check("qwen-fsdp2-sft", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{data}]", "data.max_length=64",
               "data.max_dropped_fraction=0.05")
     assert str(err.value) == (
         f"{data}: 3 of 40 rows dropped (8%, more than data.max_dropped_fraction=0.05): 3 cut by data.max_length=64 "
-        f"before any assistant token, longest row 1 ({n} tokens), row 2 ({n} tokens), row 3 ({n} tokens): raise "
+        f"before any assistant token, longest line 1 ({n} tokens), line 2 ({n} tokens), line 3 ({n} tokens): raise "
         f"data.max_length (to {n} to keep them all); or raise data.max_dropped_fraction")
 
 
 def test_multi_turn_rows_need_split_turns_with_qwen3s_template(tmp_path):
     # tiny/qwen3 carries Qwen3's own template, which rewrites earlier assistant turns: row 5 has two.
-    with pytest.raises(SFTDataError, match=r"chat\.jsonl row 5: the chat template is not prefix-stable: .*"
+    with pytest.raises(SFTDataError, match=r"chat\.jsonl line 5: the chat template is not prefix-stable: .*"
                                            r"set data\.split_turns=true"):
         check("qwen-fsdp2-sft", f"output_dir={tmp_path / 'out'}", "data.split_turns=false")
     # A prefix-stable template (the ChatML of tiny/llama) takes the same rows whole.

@@ -87,7 +87,7 @@ def test_bad_input_fails_before_ray_starts(tmp_path, monkeypatch):
         train.main([*base, "ray.num_workers=64"])
     bad = tmp_path / "rows.jsonl"
     bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
-    with pytest.raises(ValueError, match="rows.jsonl row 1: the conversation has no assistant turn"):
+    with pytest.raises(ValueError, match="rows.jsonl line 1: the conversation has no assistant turn"):
         train.main([*base, f"data.train_files=[{bad}]"])
     with pytest.raises(ValueError, match="model.name_or_path: folder not found: /no/such/model"):
         train.main([*base, "model.name_or_path=/no/such/model"])

@@ -611,13 +611,13 @@ def _receipts(tmp_path, edit):
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda rows: rows[4].update(entities={}), "row 5 (id X00016469623): field 'entities' has none of"),
-    (lambda rows: rows[6].update(ocr_boxes=[]), "row 7 (id X00016469672): field 'ocr_boxes' is empty"),
-    (lambda rows: rows[2]["ocr_boxes"][1].pop(), "row 3 (id X00016469620): ocr_boxes[1] must be"),
+    (lambda rows: rows[4].update(entities={}), "line 5 (id X00016469623): field 'entities' has none of"),
+    (lambda rows: rows[6].update(ocr_boxes=[]), "line 7 (id X00016469672): field 'ocr_boxes' is empty"),
+    (lambda rows: rows[2]["ocr_boxes"][1].pop(), "line 3 (id X00016469620): ocr_boxes[1] must be"),
     # longer than data.max_length=256: dropped, not cut; 5 of 40 is more than data.max_dropped_fraction=0.1
     (lambda rows: [r["entities"].update(total="9.00 " * 200) for r in rows[9:14]],
      "receipts.jsonl: 5 of 40 rows dropped (12%, more than data.max_dropped_fraction=0.1): 5 longer than "
-     "data.max_length=256, dropped rather than cut, longest row 10 ("),
+     "data.max_length=256, dropped rather than cut, longest line 10 ("),
 ])
 def test_bad_receipts_are_named(tmp_path, edit, message):
     from cookbook.sft import SFTDataError
@@ -634,7 +634,7 @@ def test_a_receipt_longer_than_max_length_is_dropped_and_counted(tmp_path, capsy
     check(f"data.train_files=[{long}]", f"output_dir={tmp_path / 'out'}")
     out = capsys.readouterr().out
     assert re.search(r"data: receipts\.jsonl: 40 rows read, 39 examples kept, 1 dropped \(longer than max_length=256, "
-                     r"dropped rather than cut: row 10 \(\d+ tokens\)\)", out), out
+                     r"dropped rather than cut: line 10 \(\d+ tokens\)\)", out), out
     assert "(32 train / 7 validation receipts)" in out  # eval_fraction 0.2 of the 39 kept
     train = recipe_module()
     cfg = train.load_config(train.Config, RECIPE / "tiny.yaml", [f"data.train_files=[{long}]"])
@@ -658,7 +658,7 @@ def test_eval_files_are_the_validation_split(tmp_path, capsys):
     check(f"data.eval_files=[{one_receipt_file(tmp_path)}]", f"output_dir={tmp_path / 'out'}")
     assert "(40 train / 1 validation receipts)" in capsys.readouterr().out
     bad = _receipts(tmp_path, lambda rows: rows[6].update(ocr_boxes=[]))
-    with pytest.raises(SFTDataError, match=re.escape(f"{bad} row 7 (id X00016469672): field 'ocr_boxes' is empty")):
+    with pytest.raises(SFTDataError, match=re.escape(f"{bad} line 7 (id X00016469672): field 'ocr_boxes' is empty")):
         check(f"data.eval_files=[{bad}]", f"output_dir={tmp_path / 'out'}")
 
 
@@ -698,7 +698,7 @@ def test_bad_settings_are_refused(tmp_path, overrides, message):
 def test_bad_input_stops_launch_before_workers(tmp_path):
     bad = _receipts(tmp_path, lambda rows: rows[0].update(entities={"company": ""}))
     proc = launch("qwen-zero3-receipts", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{bad}]")
-    assert proc.returncode == 2 and "row 1 (id X00016469612)" in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == 2 and "line 1 (id X00016469612)" in proc.stderr, proc.stderr[-2000:]
     assert "torch/distributed/run.py" not in proc.stderr and "accelerate" not in proc.stderr
 
 

@@ -508,6 +508,25 @@ def test_bom_crlf_and_line_numbers(tmp_path):
         load_rows(tmp_path / "bad.jsonl")
 
 
+def test_jsonl_row_errors_and_counts_name_the_editors_line(tmp_path, tokenizer):
+    good = json.dumps({"messages": CONVERSATION[1:3]})
+    bad = json.dumps({"messages": [CONVERSATION[1], {"role": "asistant", "content": "Paris."}]})
+    empty = json.dumps({"instruction": "Say hi.", "output": ""})
+    lines = [good] * 4 + [""] + [good] * 12 + ["  "] + [bad]  # 16 rows and two blank lines: the bad row 17 is line 19
+    (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
+    rows = load_rows(tmp_path / "d.jsonl")
+    assert (rows.label(5), rows.label(17), len(rows)) == ("line 6", "line 19", 17)
+    with pytest.raises(SFTDataError, match=rf"^{tmp_path / 'd.jsonl'} line 19: messages\[1\]\.role is 'asistant'"):
+        prepare(rows, tokenizer, 64, str(tmp_path / "d.jsonl"))
+    (tmp_path / "e.jsonl").write_text("\n".join([good, "", empty, good]) + "\n")
+    stats = prepare(load_rows(tmp_path / "e.jsonl"), tokenizer, 64, "e.jsonl")[1]
+    assert (stats.empty_answers, stats.example_rows) == ([2], [1, 3])  # 1-based rows; messages name lines
+    assert "skipped with an empty answer (lines 3)" in stats.summary()
+    (tmp_path / "a.json").write_text(json.dumps([json.loads(good)] * 2 + [json.loads(bad)], indent=1))
+    with pytest.raises(SFTDataError, match=r"a\.json row 3: messages\[1\]\.role is 'asistant'"):  # a JSON array
+        prepare(load_rows(tmp_path / "a.json"), tokenizer, 64, str(tmp_path / "a.json"))
+
+
 def test_hub_and_local_folder_rows_lose_the_bom(tmp_path, monkeypatch):
     import datasets
 

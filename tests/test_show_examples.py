@@ -44,7 +44,7 @@ def rows_file(tmp_path_factory):
 def test_chat_recipes_show_rows_with_the_labels_marked_and_count_every_field(recipe, end, rows_file):
     out = show(recipe, f"data.train_files=[{rows_file}]", "data.max_length=100", "data.reasoning=drop")
     assert out.startswith("labelled tokens (in the loss) are between [[ and ]]\n")
-    assert "--- rows.jsonl example 1 of 3 (row 1, " in out and "--- rows.jsonl example 2 of 3 (row 2, " in out
+    assert "--- rows.jsonl example 1 of 3 (line 1, " in out and "--- rows.jsonl example 2 of 3 (line 2, " in out
     assert "example 3 of 3" not in out  # N=2
     assert f"[[It is 4.{end}]]" in out and f"[[Hi there.{end}]]" in out
     assert "  examples        3 kept, 1 truncated to max_length=100, 0 dropped" in out
@@ -58,11 +58,11 @@ def test_chat_recipes_show_rows_with_the_labels_marked_and_count_every_field(rec
 
 def test_gpt_oss_receipts_and_vision_recipes_show_their_rows():
     out = show("gpt-oss-lora-trl")
-    assert "--- chat.jsonl example 2 of 28 (row 2, " in out
+    assert "--- chat.jsonl example 2 of 28 (line 2, " in out
     assert "<|start|>assistant<|channel|>final<|message|>[[" in out and "<|return|>]]" in out
     assert "  reasoning       22 turns in context (no loss), 6 left out by the chat template, 0 dropped" in out
     out = show("qwen-zero3-receipts")
-    assert "--- receipts.jsonl example 1 of 40 (row 1, 184 tokens, 61 labelled)" in out
+    assert "--- receipts.jsonl example 1 of 40 (line 1, 184 tokens, 61 labelled)" in out
     assert "  examples        40 kept, 0 dropped" in out
     assert out.rstrip().endswith("data.eval_fraction=0.2: a seeded share of each file's examples is held out for "
                                  "evaluation; the examples above are before that split")

@@ -144,9 +144,9 @@ def test_axolotl_show_examples_prints_rows_as_trained_with_the_counts(tmp_path, 
     assert chk.main([str(path), "--show-examples", "2"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("labelled tokens (in the loss) are between [[ and ]]\n")
-    assert "--- rows.jsonl example 1 of 2 (row 1, " in out and "--- rows.jsonl example 2 of 2 (row 2, " in out
+    assert "--- rows.jsonl example 1 of 2 (line 1, " in out and "--- rows.jsonl example 2 of 2 (line 2, " in out
     assert "[[It is 4.<|im_end|>]]" in out and "[[Hi there.<|im_end|>]]" in out
-    assert "  examples        2 kept, 1 dropped (longer than max_length=128, dropped rather than cut: row 3 (" in out
+    assert "  examples        2 kept, 1 dropped (longer than max_length=128, dropped rather than cut: line 3 (" in out
     assert "  reasoning       0 turns trained, 1 left out by the chat template, 0 dropped" in out
     assert "  keys not used   id: 1, messages[].weight: 1" in out
     assert out.rstrip().endswith("val_set_size=0.5: Axolotl holds out that share of these examples for evaluation "
@@ -157,7 +157,7 @@ def test_axolotl_show_examples_prints_rows_as_trained_with_the_counts(tmp_path, 
     path.write_text(yaml.safe_dump({**cfg, "excess_length_strategy": "raise"}))
     assert chk.main([str(path)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"error: {rows} row 3: ") and err.endswith(" tokens, longer than sequence_len=128 "
+    assert err.startswith(f"error: {rows} line 3: ") and err.endswith(" tokens, longer than sequence_len=128 "
                                                                      "(excess_length_strategy: raise)\n")
 
 def test_axolotl_launch_dry_run():
@@ -262,7 +262,7 @@ def test_unsloth_trl_rows_keep_reasoning_and_tools_as_trl_trains_them(tmp_path):
     assert [(r["input_ids"], r["labels"]) for r in trained] == [(e["input_ids"], e["labels"]) for e in examples]
 
     llama = AutoTokenizer.from_pretrained(ROOT / "recipes/qwen-fsdp2-sft/tiny/llama")  # reads no reasoning field
-    with pytest.raises(SFTDataError, match=r"rows\.jsonl row 1: messages\[1\] has reasoning, but the chat template "
+    with pytest.raises(SFTDataError, match=r"rows\.jsonl line 1: messages\[1\] has reasoning, but the chat template "
                                              r"has no place for it .*set data\.reasoning=drop"):
         u.training_rows(cfg, llama)
     drop = u.load(UNSLOTH / "tiny.yaml", [f"data.train_files=[{data}]", "data.reasoning=drop"])

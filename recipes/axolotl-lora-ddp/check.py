@@ -136,12 +136,13 @@ def build_examples(cfg: dict, tokenizer) -> list[tuple[list[dict], "SFTStats"]]:
         roles = set(ds.get("roles_to_train", ["assistant"]))
         rows, ignored = sft.load_rows(ds["path"]), Counter()
         st = sft.SFTStats(source=ds["path"], max_length=cut, truncate=strategy == "truncate", rows=len(rows),
+                          lines=rows.lines,
                           unrendered_why="the chat template does not render them; Axolotl trains those turns "
                                          "without it")
         examples = []
         for n, row in enumerate(rows, 1):
             chat = {"messages": row[field], **{k: v for k, v in row.items() if k != field}} if field in row else row
-            messages, tools = sft.template_conversation(chat, n, ds["path"], None, st, ignored)
+            messages, tools = sft.template_conversation(chat, st.label(n), ds["path"], None, st, ignored)
             ids = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=False)
             labels = [-100] * len(ids)
             for i, m in enumerate(messages):
@@ -161,7 +162,7 @@ def build_examples(cfg: dict, tokenizer) -> list[tuple[list[dict], "SFTStats"]]:
                 elif thought:
                     st.reasoning_unrendered += 1
             if len(ids) > cut and strategy == "raise":
-                raise sft.SFTDataError(f"{ds['path']} row {n}: {len(ids)} tokens, longer than sequence_len={cut} "
+                raise sft.SFTDataError(f"{ds['path']} {st.label(n)}: {len(ids)} tokens, longer than sequence_len={cut} "
                                        f"(excess_length_strategy: raise)")
             n_loss = sum(t != -100 for t in labels[:cut])
             if (len(ids) > cut and strategy == "drop") or n_loss == 0:

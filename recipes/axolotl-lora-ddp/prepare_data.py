@@ -20,12 +20,12 @@ def convert(src: str, dst: str) -> int:
     """Write the conversations of `src` to `dst` (JSONL, UTF-8); returns how many were written.
 
     Raises:
-        cookbook.sft.SFTDataError: a missing file or a bad row, naming the file and the 1-based row.
+        cookbook.sft.SFTDataError: a missing file or a bad row, naming the file and the row (its line in JSONL).
     """
-    out = []
-    for n, row in enumerate(sft.load_rows(src), 1):
+    out, rows = [], sft.load_rows(src)
+    for n, row in enumerate(rows, 1):
         try:
-            out.append(json.dumps({"messages": sft.to_messages(row, n, src)}, ensure_ascii=False))
+            out.append(json.dumps({"messages": sft.to_messages(row, rows.label(n), src)}, ensure_ascii=False))
         except sft.EmptyAnswerError:
             continue
     Path(dst).parent.mkdir(parents=True, exist_ok=True)

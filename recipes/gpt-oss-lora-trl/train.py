@@ -125,11 +125,11 @@ def check_config(cfg: Config, config_dir: Path, on_cpu: bool) -> None:
 
 
 # ----------------------------------------------------------------------------- data
-def harmony_conversation(row: dict, n: int, source: str, ignored=None) -> tuple[list[dict], list[dict] | None]:
+def harmony_conversation(row: dict, n: int | str, source: str, ignored=None) -> tuple[list[dict], list[dict] | None]:
     """One row as harmony messages and its tools: `cookbook.sft.to_conversation` (which checks the row, names
-    ``<source> row <n>`` in its errors and keeps an assistant turn's reasoning: ``thinking`` or
-    ``reasoning_content``, put under ``thinking``, the template's field), with the ``developer`` role (checked as
-    ``system``) put back.
+    ``<source> row <n>`` (or the label `n`, such as ``line 19``) in its errors and keeps an assistant turn's
+    reasoning: ``thinking`` or ``reasoning_content``, put under ``thinking``, the template's field), with the
+    ``developer`` role (checked as ``system``) put back.
 
     Raises:
         sft.SFTDataError: see `cookbook.sft.to_conversation`; an assistant turn with more than one tool call (the
@@ -144,7 +144,7 @@ def harmony_conversation(row: dict, n: int, source: str, ignored=None) -> tuple[
         if "reasoning_content" in m:
             m["thinking"] = m.pop("reasoning_content")
         if len(m.get("tool_calls", ())) > 1:
-            raise sft.SFTDataError(f"{source} row {n}: messages[{i}] has {len(m['tool_calls'])} tool calls, but the "
+            raise sft.SFTDataError(f"{source} {sft.row_label(n)}: messages[{i}] has {len(m['tool_calls'])} tool calls, but the "
                                    f"harmony chat template renders only the first of a turn: give each call its own "
                                    f"assistant turn (each followed by its tool result)")
     if turns is not None and len(turns) == len(messages):
@@ -223,12 +223,13 @@ def tokenize_rows(rows: list[dict], tokenizer, cfg: DataConfig, source: str) -> 
             ``max_dropped_fraction`` of the rows dropped.
     """
     stats = sft.SFTStats(source=source, max_length=cfg.max_length, truncate=True, rows=len(rows),
-                         reasoning=cfg.reasoning, unrendered_why="the harmony template drops a tool call's thinking "
-                                                                 "when an answer follows it, as the model never sees it")
+                         lines=getattr(rows, "lines", None), reasoning=cfg.reasoning,
+                         unrendered_why="the harmony template drops a tool call's thinking when an answer follows it, "
+                                        "as the model never sees it")
     examples, ignored = [], Counter()
     for n, row in enumerate(rows, 1):
         try:
-            messages, tools = harmony_conversation(row, n, source, ignored)
+            messages, tools = harmony_conversation(row, stats.label(n), source, ignored)
         except sft.EmptyAnswerError:
             stats.empty_answers.append(n)
             continue
@@ -260,7 +261,7 @@ def tokenize_rows(rows: list[dict], tokenizer, cfg: DataConfig, source: str) -> 
                 ids = list(tokenizer.apply_chat_template(messages[:end + 1], tools=tools, tokenize=True,
                                                          return_dict=False, **kwargs))
             except Exception as exc:  # jinja2's TemplateError / UndefinedError, or TypeError inside the template
-                raise sft.SFTDataError(f"{source} row {n}: the chat template cannot render it: {type(exc).__name__}: "
+                raise sft.SFTDataError(f"{source} {stats.label(n)}: the chat template cannot render it: {type(exc).__name__}: "
                                        f"{exc}") from None
             labels = final_channel_labels(ids, tokenizer, last_only=True,
                                           analysis=cfg.reasoning == "train")[: cfg.max_length]

@@ -250,10 +250,13 @@ def _tokenize_receipts(sources: list[tuple[str, list[dict]]], cfg: DataConfig, t
     file's rows dropped."""
     messages, examples, kept, parts = [], [], [], []
     for source, file_rows in sources:
-        file_messages = [receipt_messages(row, f"{source} row {n}" + (f" (id {row['id']})" if "id" in row else ""),
-                                          cfg.fields) for n, row in enumerate(file_rows, 1)]
-        file_examples, st = sft.prepare([{"messages": m} for m in file_messages], tokenizer, cfg.max_length, source,
-                                             kwargs, max_dropped_fraction=cfg.max_dropped_fraction, truncate=False)
+        lines = getattr(file_rows, "lines", None)
+        file_messages = [receipt_messages(row, f"{source} {sft.row_label(n, lines)}"
+                                          + (f" (id {row['id']})" if "id" in row else ""), cfg.fields)
+                         for n, row in enumerate(file_rows, 1)]
+        file_examples, st = sft.prepare(sft.RowList(({"messages": m} for m in file_messages), lines), tokenizer,
+                                        cfg.max_length, source, kwargs, max_dropped_fraction=cfg.max_dropped_fraction,
+                                        truncate=False)
         assert not st.empty_answers  # every receipt has a non-empty JSON answer
         kept += [len(messages) + n - 1 for n in st.example_rows]  # 0-based over all files
         messages += file_messages
@@ -270,9 +273,11 @@ def show_receipts(cfg: DataConfig, tokenizer, n: int) -> str:
     kwargs, parts = dict(cfg.chat_template_kwargs) or None, []
     for source in cfg.train_files or [cfg.hub_id]:
         rows = sft.load_rows(source) if cfg.train_files else sft.load_hub_rows(source)
-        messages = [receipt_messages(row, f"{source} row {k}", cfg.fields) for k, row in enumerate(rows, 1)]
-        parts.append(sft.prepare([{"messages": m} for m in messages], tokenizer, cfg.max_length, source, kwargs,
-                                 truncate=False))
+        lines = getattr(rows, "lines", None)
+        messages = [receipt_messages(row, f"{source} {sft.row_label(k, lines)}", cfg.fields)
+                    for k, row in enumerate(rows, 1)]
+        parts.append(sft.prepare(sft.RowList(({"messages": m} for m in messages), lines), tokenizer, cfg.max_length,
+                                 source, kwargs, truncate=False))
     notes = [refusal(st, cfg.max_dropped_fraction) for _, st in parts] + [held_out_note(cfg)]
     return sft.show_examples(parts, tokenizer, n) + "".join(f"\n{x}" for x in notes if x)
 

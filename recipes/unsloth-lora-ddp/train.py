@@ -153,7 +153,7 @@ def training_rows(cfg: Config, tokenizer=None) -> tuple[list[dict], list["sft.SF
     under the key `tokenizer`'s chat template reads, or removed with ``data.reasoning=drop`` (counted).
 
     Raises:
-        cookbook.sft.SFTDataError: a file or row that cannot be read, naming the file and the 1-based row; a
+        cookbook.sft.SFTDataError: a file or row that cannot be read, naming the file and the row; a
             row with reasoning that the chat template has no place for (``data.reasoning=drop`` trains without it).
     """
     import json
@@ -165,10 +165,10 @@ def training_rows(cfg: Config, tokenizer=None) -> tuple[list[dict], list["sft.SF
     for path in cfg.data.train_files:
         raw, ignored = sft.load_rows(path), Counter()
         st = sft.SFTStats(source=path, max_length=cfg.data.max_length, rows=len(raw), reasoning=cfg.data.reasoning,
-                          unrendered_why="the chat template does not render them")
+                          lines=raw.lines, unrendered_why="the chat template does not render them")
         for n, row in enumerate(raw, 1):
             try:
-                messages, tools = sft.template_conversation(row, n, path, tokenizer, st, ignored,
+                messages, tools = sft.template_conversation(row, st.label(n), path, tokenizer, st, ignored,
                                                             reasoning=cfg.data.reasoning)
             except sft.EmptyAnswerError:
                 st.empty_answers.append(n)
@@ -241,7 +241,7 @@ def trl_examples(rows: list[dict], parts: list["sft.SFTStats"], tokenizer,
             try:
                 sft.check_tools_rendered(tokenizer, messages, tools, tokenizer.decode(ids))
             except sft.SFTDataError as exc:
-                raise sft.SFTDataError(f"{st.source} row {n}: {exc}") from None
+                raise sft.SFTDataError(f"{st.source} {st.label(n)}: {exc}") from None
             for i, m in enumerate(messages):  # reasoning: rendered in the answer (trained) or left out
                 thought = (m.get("reasoning_content") or m.get("thinking") or "").strip()
                 if thought and i == len(messages) - 1 and thought in tokenizer.decode(ids[start:]):

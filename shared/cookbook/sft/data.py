@@ -21,7 +21,8 @@ from typing import Any, Sequence
 import torch
 
 from cookbook.sft.rows import (IGNORE_INDEX, REASONING_KEYS, ROLES, TEXT_KEYS, EmptyAnswerError,  # noqa: F401
-                               SFTDataError, load_hub_rows, load_rows, to_conversation, to_messages)
+                               RowList, SFTDataError, load_hub_rows, load_rows, row_label, to_conversation,
+                               to_messages)
 from cookbook.sft.stats import SFTStats
 from cookbook.sft.template import (_encode, _require_chat_template, check_tools_rendered,  # noqa: F401
                                    check_vocab, reasoning_field, template_conversation, tokenize_conversation)
@@ -37,18 +38,19 @@ def prepare(rows: Sequence[dict], tokenizer, max_length: int, source: str,
     cutting them; `reasoning`: ``"train"``, ``"context"`` (no loss) or ``"drop"``.
 
     Raises:
-        SFTDataError: no chat template; ``"<source> row <n>: ..."`` for a bad row; too many examples dropped.
+        SFTDataError: no chat template; ``"<source> row <n>: ..."`` for a bad row (``line <n>``: `rows` a JSONL
+            `RowList`); too many examples dropped.
     """
     if reasoning not in ("train", "context", "drop"):
         raise ValueError(f"reasoning must be train, context or drop, got {reasoning!r}")
     _require_chat_template(tokenizer)
     stats, examples = SFTStats(source=source, max_length=max_length, truncate=truncate, rows=len(rows),
-                               reasoning=reasoning), []
+                               reasoning=reasoning, lines=getattr(rows, "lines", None)), []
     ignored = Counter()
     for n, row in enumerate(rows, 1):
         try:
-            messages, tools = template_conversation(row, n, source, tokenizer, stats, ignored, chat_template_kwargs,
-                                                    reasoning)
+            messages, tools = template_conversation(row, stats.label(n), source, tokenizer, stats, ignored,
+                                                    chat_template_kwargs, reasoning)
         except EmptyAnswerError:  # e.g. a few rows of tatsu-lab/alpaca: nothing to learn from them
             stats.empty_answers.append(n)
             continue
@@ -59,7 +61,7 @@ def prepare(rows: Sequence[dict], tokenizer, max_length: int, source: str,
                 ids, labels, counts = _encode(tokenizer, messages[:end], chat_template_kwargs, tools,
                                               last_turn_only=split_turns, reasoning=reasoning)
             except SFTDataError as exc:
-                raise SFTDataError(f"{source} row {n}: {exc}") from None
+                raise SFTDataError(f"{source} {stats.label(n)}: {exc}") from None
             stats.reasoning_turns += counts["reasoning"]
             stats.reasoning_unrendered += counts["reasoning_unrendered"]
             n_loss = sum(label != IGNORE_INDEX for label in labels[:max_length])

@@ -1,13 +1,13 @@
 """SFT rows -> chat messages: the row formats (chat, Alpaca, ShareGPT; `to_conversation`), reading data files
-(`load_rows`, `load_hub_rows`) and the errors that name the file, the row (1-based) and the field. The formats:
-docs/sft-data.md."""
+(`load_rows`, `load_hub_rows`) and the errors that name the file, the row and the field: a JSONL row by its line
+(an editor's), others by their 1-based number (`RowList`). The formats: docs/sft-data.md."""
 
 from __future__ import annotations
 
 import json
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Sequence
 
 from cookbook.tabular import not_utf8
 
@@ -23,9 +23,28 @@ class SFTDataError(ValueError):
 
 
 # ----------------------------------------------------------------------------- rows -> messages
-def load_rows(path: str | Path) -> list[dict]:
+def row_label(n: int | str, lines: Sequence[int] | None = None) -> str:
+    """1-based row `n` as errors name it: ``"line 19"`` when `lines` (each row's line in a JSONL file) are known,
+    else ``"row 3"``; a label (str) is returned as it is."""
+    return n if isinstance(n, str) else f"line {lines[n - 1]}" if lines else f"row {n}"
+
+
+class RowList(list):
+    """Rows of a data source with where each is: `lines` (each row's line in a JSONL file; None for a JSON array
+    or a hub data set); `label(n)` names 1-based row `n` (`row_label`)."""
+
+    def __init__(self, rows: Iterable[dict] = (), lines: Sequence[int] | None = None):
+        super().__init__(rows)
+        self.lines = list(lines) if lines else None
+
+    def label(self, n: int) -> str:
+        return row_label(n, self.lines)
+
+
+def load_rows(path: str | Path) -> RowList:
     """Read a data file: a JSON array of objects, JSONL, or one row object (UTF-8, a byte-order mark and CRLF
-    ignored). JSONL lines split at ``\\n`` only (JSON allows U+2028 inside strings), so line numbers are an editor's.
+    ignored), as a `RowList` (a JSONL row's errors name its line). JSONL lines split at ``\\n`` only (JSON allows
+    U+2028 inside strings), so line numbers are an editor's.
 
     Raises:
         SFTDataError: the file is missing, not UTF-8, not valid JSON (with the JSONL line), empty, or holds a row
@@ -44,41 +63,44 @@ def load_rows(path: str | Path) -> list[dict]:
         whole = json.loads(text)
     except json.JSONDecodeError:
         whole = None
+    lines = None  # each row's line: JSONL, or the line where a one-object file's object starts
     if isinstance(whole, dict):  # one object: a one-row file, or a wrapper such as {"data": [...]}
         wrapped = [k for k, v in whole.items() if isinstance(v, list) and v and all(isinstance(r, dict) for r in v)]
         if wrapped and not any(k in whole for k in ("messages", "conversations", "instruction")):
             raise SFTDataError(f"{p}: the file holds one JSON object whose '{wrapped[0]}' is a list of objects (keys "
                                f"{sorted(whole)[:5]}); expected a JSON list of rows, or JSONL with one row per line: "
                                f"write the list itself")
-        rows = [whole]
+        rows, lines = [whole], [text[:len(text) - len(text.lstrip())].count("\n") + 1]
     elif text.lstrip().startswith("["):
         try:
             rows = json.loads(text)
         except json.JSONDecodeError as exc:
             raise SFTDataError(f"{p}: not valid JSON: {exc}") from None
     else:
-        rows = []
+        rows, lines = [], []
         for line_no, line in enumerate(text.split("\n"), 1):
             if line.strip():
+                lines.append(line_no)
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as exc:
                     raise SFTDataError(f"{p} line {line_no}: not valid JSON: {exc.msg} (column {exc.colno})") from None
     if not rows:
         raise SFTDataError(f"{p}: no rows")
+    rows = RowList(rows, lines)
     for n, row in enumerate(rows, 1):
         if not isinstance(row, dict):
-            raise SFTDataError(f"{p} row {n}: expected a JSON object, got {type(row).__name__}")
+            raise SFTDataError(f"{p} {rows.label(n)}: expected a JSON object, got {type(row).__name__}")
     return rows
 
 
-def load_hub_rows(name: str, split: str = "train") -> list[dict]:
+def load_hub_rows(name: str, split: str = "train") -> RowList:
     """Rows of a Hugging Face data set (a hub id, or a local folder of JSON / JSONL / CSV / Parquet
     files) through `datasets.load_dataset`, as plain dicts. `datasets` drops a UTF-8 byte-order
     mark itself (its JSON and CSV readers; checked in datasets 5.2)."""
     import datasets
 
-    return [dict(r) for r in datasets.load_dataset(name, split=split)]
+    return RowList(dict(r) for r in datasets.load_dataset(name, split=split))
 
 
 class EmptyAnswerError(SFTDataError):
@@ -200,17 +222,18 @@ def _tools(value: Any, where: str) -> list[dict] | None:
     return tools or None
 
 
-def to_conversation(row: dict, row_number: int, source: str,
+def to_conversation(row: dict, row_number: int | str, source: str,
                     ignored: Counter | None = None) -> tuple[list[dict], list[dict] | None]:
     """One data row (chat, Alpaca or ShareGPT: docs/sft-data.md#row-formats) as ``(messages, tools)``: messages
     ``{"role", "content": str}`` (+ ``tool_calls``, ``name``, ``tool_call_id``, ``reasoning_content``), tools as
-    ``{"type": "function", ...}`` or None. `row_number` (1-based) and `source` name the row; `ignored` counts unused keys.
+    ``{"type": "function", ...}`` or None. `row_number` (1-based, or a label such as ``"line 19"``: `RowList.label`)
+    and `source` name the row; `ignored` counts unused keys.
 
     Raises:
-        SFTDataError: ``"<source> row <n>: ..."`` for an unknown format, role or part, a bad field, tool call or tool
+        SFTDataError: ``"<source> row <n>: ..."`` (or ``line <n>``) for an unknown format, role or part, a bad field, tool call or tool
             result, no assistant turn; `EmptyAnswerError` for an empty answer.
     """
-    where = f"{source} row {row_number}"
+    where = f"{source} {row_label(row_number)}"
     if "messages" in row:
         turns, role_key, text_key, field, role_map = row["messages"], "role", "content", "messages", None
     elif "conversations" in row:
@@ -289,6 +312,6 @@ def to_conversation(row: dict, row_number: int, source: str,
     return messages, tools
 
 
-def to_messages(row: dict, row_number: int, source: str) -> list[dict]:
+def to_messages(row: dict, row_number: int | str, source: str) -> list[dict]:
     """The messages of `to_conversation` (without the row's tools); see there."""
     return to_conversation(row, row_number, source)[0]

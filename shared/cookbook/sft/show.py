@@ -69,7 +69,7 @@ def field_counts(stats: SFTStats) -> list[str]:
 
 def show_examples(parts: Sequence[tuple[list[dict], SFTStats]], tokenizer, n: int) -> str:
     """The text `--show-examples` prints: per source, its first `n` examples (`render_example`, with the row each
-    came from) and its counts per field (`field_counts`).
+    came from: its line in a JSONL file) and its counts per field (`field_counts`).
 
     Args:
         parts: ``(examples, stats)`` per source, examples in row order (``stats.example_rows`` gives their rows).
@@ -79,9 +79,9 @@ def show_examples(parts: Sequence[tuple[list[dict], SFTStats]], tokenizer, n: in
     for examples, stats in parts:
         name = Path(stats.source).name or stats.source
         for k, ex in enumerate(examples[:n]):
-            row = stats.example_rows[k] if k < len(stats.example_rows) else "?"
+            row = stats.label(stats.example_rows[k]) if k < len(stats.example_rows) else "row ?"
             n_loss = sum(label != IGNORE_INDEX for label in ex["labels"])
-            out += ["", f"--- {name} example {k + 1} of {len(examples)} (row {row}, {len(ex['input_ids'])} tokens, "
+            out += ["", f"--- {name} example {k + 1} of {len(examples)} ({row}, {len(ex['input_ids'])} tokens, "
                         f"{n_loss} labelled)", render_example(ex, tokenizer)]
         out += ["", f"--- {name}: counts per field", *field_counts(stats)]
     return "\n".join(out)

@@ -7,10 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from cookbook.sft.rows import SFTDataError
-
-def _rows_list(numbers: Sequence[int], shown: int = 5) -> str:
-    return ", ".join(map(str, numbers[:shown])) + (", ..." if len(numbers) > shown else "")
+from cookbook.sft.rows import SFTDataError, row_label
 
 
 @dataclass
@@ -44,6 +41,17 @@ class SFTStats:
     unrendered_why: str = ("it renders only the reasoning of the turns after the last user turn: data.split_turns=true "
                            "keeps every turn's")
     parts: list[SFTStats] = field(default_factory=list)  # per-source stats of a merge
+    lines: list[int] | None = field(default=None, repr=False)  # each row's line in a JSONL file (`RowList.lines`)
+
+    def label(self, n: int) -> str:
+        """1-based row `n` as messages name it: ``"line 19"`` (a JSONL file) or ``"row 3"``."""
+        return row_label(n, self.lines)
+
+    def _rows_list(self, numbers: Sequence[int], shown: int = 5) -> str:
+        """``"rows 3, 5"`` or ``"lines 4, 7, ..."``: the first `shown` of 1-based rows `numbers`."""
+        named = [self.lines[n - 1] for n in numbers[:shown]] if self.lines else numbers[:shown]
+        return (f"{'lines' if self.lines else 'rows'} {', '.join(map(str, named))}"
+                + (", ..." if len(numbers) > shown else ""))
 
     @property
     def loss_fraction(self) -> float:
@@ -57,12 +65,13 @@ class SFTStats:
         return lost / (self.examples + lost) if self.examples + lost else 0.0
 
     def longest_dropped(self, n: int = 5) -> str:
-        """``"row 12 (812 tokens), row 7 (640 tokens)"``: the `n` rows with the longest dropped examples."""
+        """``"row 12 (812 tokens), row 7 (640 tokens)"`` (``line`` for JSONL): the `n` rows with the longest dropped
+        examples."""
         longest: dict[int, int] = {}
         for row, tokens in self.dropped_rows:
             longest[row] = max(tokens, longest.get(row, 0))
         worst = sorted(longest.items(), key=lambda rt: (-rt[1], rt[0]))[:n]
-        return ", ".join(f"row {r} ({t} tokens)" for r, t in worst)
+        return ", ".join(f"{self.label(r)} ({t} tokens)" for r, t in worst)
 
     @classmethod
     def merge(cls, parts: Sequence[SFTStats]) -> SFTStats:
@@ -112,13 +121,13 @@ class SFTStats:
             limit = "max_length" if self.truncate else f"max_length={self.max_length}"
             text += f" ({self._drop_reason(limit)}: {self.longest_dropped(3)})"
         if self.empty_answers:
-            text += f", {len(self.empty_answers)} skipped with an empty answer (rows {_rows_list(self.empty_answers)})"
+            text += f", {len(self.empty_answers)} skipped with an empty answer ({self._rows_list(self.empty_answers)})"
         if self.unanswered:
-            text += (f", {len(self.unanswered)} skipped as they end in a tool call with no answer to label (rows "
-                     f"{_rows_list(self.unanswered)})")
+            text += (f", {len(self.unanswered)} skipped as they end in a tool call with no answer to label ("
+                     f"{self._rows_list(self.unanswered)})")
         if self.call_endings:
-            text += (f", {len(self.call_endings)} end in a tool call after their last answer, not trained (rows "
-                     f"{_rows_list(self.call_endings)})")
+            text += (f", {len(self.call_endings)} end in a tool call after their last answer, not trained ("
+                     f"{self._rows_list(self.call_endings)})")
         if self.tool_calls:
             text += f", {self.tool_calls_note()}"
         if self.reasoning_note():
@@ -146,11 +155,11 @@ class SFTStats:
             why.append(f"{self.dropped} {self._drop_reason(f'data.max_length={self.max_length}')}, longest "
                        f"{self.longest_dropped()}: raise data.max_length (to {longest} to keep them all)")
         if self.empty_answers:
-            why.append(f"{len(self.empty_answers)} with an empty answer (rows {_rows_list(self.empty_answers)}): check "
+            why.append(f"{len(self.empty_answers)} with an empty answer ({self._rows_list(self.empty_answers)}): check "
                        f"the answer field")
         if self.unanswered:
-            why.append(f"{len(self.unanswered)} end in a tool call with no answer to label (rows "
-                       f"{_rows_list(self.unanswered)}): only answers carry labels; add the tool result and the answer")
+            why.append(f"{len(self.unanswered)} end in a tool call with no answer to label ("
+                       f"{self._rows_list(self.unanswered)}): only answers carry labels; add the tool result and the answer")
         raise SFTDataError(f"{self.source}: {lost} of {self.examples + lost} {unit} dropped ({self.dropped_fraction:.0%}, "
                            f"more than data.max_dropped_fraction={max_dropped_fraction:g}): {'; '.join(why)}; or raise "
                            f"data.max_dropped_fraction")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 
-from cookbook.sft.rows import IGNORE_INDEX, SFTDataError, EmptyAnswerError, to_conversation
+from cookbook.sft.rows import IGNORE_INDEX, SFTDataError, EmptyAnswerError, row_label, to_conversation
 from cookbook.sft.stats import SFTStats
 
 def _require_chat_template(tokenizer) -> None:
@@ -197,7 +197,7 @@ def check_vocab(tokenizer, vocab_size: int) -> None:
         raise SFTDataError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {vocab_size}: "
                            f"ids >= {vocab_size} have no embedding; use the model's own tokenizer")
 
-def template_conversation(row: dict, row_number: int, source: str, tokenizer, stats: SFTStats,
+def template_conversation(row: dict, row_number: int | str, source: str, tokenizer, stats: SFTStats,
                           ignored: Counter | None = None, chat_template_kwargs: dict | None = None,
                           reasoning: str = "train") -> tuple[list[dict], list[dict] | None]:
     """`to_conversation` made ready for `tokenizer`'s template, as `prepare` does: inline ``<think>`` moved,
@@ -206,7 +206,8 @@ def template_conversation(row: dict, row_number: int, source: str, tokenizer, st
 
     Raises:
         EmptyAnswerError: the row's answer is empty.
-        SFTDataError: ``"<source> row <n>: ..."``: see `to_conversation`; reasoning with no place; a stray ``<think>``.
+        SFTDataError: ``"<source> row <n>: ..."`` (`row_number` a label: ``"<source> <label>: ..."``): see
+            `to_conversation`; reasoning with no place; a stray ``<think>``.
     """
     if ignored is not None:  # the row's own keys that its format does not read
         used = (("messages", "tools") if "messages" in row else ("conversations", "system", "tools")
@@ -222,7 +223,7 @@ def template_conversation(row: dict, row_number: int, source: str, tokenizer, st
     except EmptyAnswerError:
         raise
     except SFTDataError as exc:
-        raise SFTDataError(str(exc) if str(exc).startswith(source) else f"{source} row {row_number}: {exc}") from None
+        raise SFTDataError(str(exc) if str(exc).startswith(source) else f"{source} {row_label(row_number)}: {exc}") from None
     stats.count_tool_calls(messages)
     return messages, tools
 

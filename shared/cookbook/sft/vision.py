@@ -7,8 +7,8 @@ into patches by the model's image processor::
     dataset = VLDataset(train_items, tokenizer=tokenizer, image_processor=image_processor,
                         image_token_id=hf_config.image_token_id, max_length=2048)
 
-Rows are read when indexed (in the loader's workers); bad rows raise `SFTDataError` naming the file, the 1-based
-row and the image; `check_vl_items` reads every local row once before training.
+Rows are read when indexed (in the loader's workers); bad rows raise `SFTDataError` naming the file, the row (a
+JSONL file's line, else 1-based) and the image; `check_vl_items` reads every local row once before training.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from cookbook.sft.data import (IGNORE_INDEX, REASONING_KEYS, ROLES, SFTDataError, load_rows, pad_batch,
+from cookbook.sft.data import (IGNORE_INDEX, REASONING_KEYS, ROLES, SFTDataError, load_rows, pad_batch, row_label,
                                tokenize_conversation)
 
 
@@ -184,7 +184,8 @@ class VLDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         source, n, no_loss = self.items[i]
-        return vl_example(dict(source.rows[n]), f"{source.name} row {n + 1}", source.base_dir, no_loss=no_loss, **self.kwargs)
+        where = f"{source.name} {row_label(n + 1, getattr(source.rows, 'lines', None))}"
+        return vl_example(dict(source.rows[n]), where, source.base_dir, no_loss=no_loss, **self.kwargs)
 
 
 def load_vl_items(cfg: Any, seed: int) -> tuple[list[tuple], list[tuple]]:
@@ -278,9 +279,10 @@ def show_vl(cfg: Any, tokenizer, image_processor, image_token_id: int, n: int,
     parts = []
     for source in sources:
         rows = range(len(source.rows)) if source.base_dir is not None else range(min(n, len(source.rows)))
-        st, examples = SFTStats(source=source.name, max_length=cfg.max_length, rows=len(rows)), []
+        st, examples = SFTStats(source=source.name, max_length=cfg.max_length, rows=len(rows),
+                                lines=getattr(source.rows, "lines", None)), []
         for i in rows:
-            ex = vl_example(dict(source.rows[i]), f"{source.name} row {i + 1}", source.base_dir, tokenizer,
+            ex = vl_example(dict(source.rows[i]), f"{source.name} {st.label(i + 1)}", source.base_dir, tokenizer,
                             image_processor, image_token_id, 1 << 30, template_kwargs)
             ids, labels = ex["input_ids"][:cfg.max_length], ex["labels"][:cfg.max_length]
             n_loss = sum(label != IGNORE_INDEX for label in labels)
