@@ -379,17 +379,18 @@ def main(argv: list[str]) -> None:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    out = Path(cfg.output_dir).expanduser().resolve()
+    out = Path(cfg.output_dir).expanduser().resolve()  # output_dir is Ray's run folder: storage_path / name
+    keep = CheckpointConfig(num_to_keep=cfg.checkpoint.keep_last or None)  # epoch checkpoints: checkpoint_epoch_<n>/
+    run_config = RunConfig(name=out.name, storage_path=str(out.parent), checkpoint_config=keep,
+                           failure_config=FailureConfig(max_failures=cfg.ray.max_failures))  # restarts, from the newest
     with driver.started():  # Ray started or joined, the worker group sized; SIGTERM / SIGUSR1: a stop request
-        trainer = TorchTrainer(
-            ray_train.worker_entry,  # in each worker: imports this file, runs train_loop(train_loop_config["config"])
-            train_loop_config=driver.loop_config(__file__),
-            scaling_config=ScalingConfig(num_workers=driver.workers, use_gpu=driver.use_gpu,  # one DDP process per GPU
-                                         resources_per_worker=driver.resources_per_worker),
-            torch_config=TorchConfig(timeout_s=cfg.train.collective_timeout_s),  # a stalled worker ends the wait
-            run_config=RunConfig(name=out.name, storage_path=str(out.parent),  # output_dir is Ray's run folder
-                                 failure_config=FailureConfig(max_failures=cfg.ray.max_failures),  # restarts
-                                 checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep_last or None)))
+        scaling = ScalingConfig(num_workers=driver.workers, use_gpu=driver.use_gpu,  # one DDP process per GPU
+                                resources_per_worker=driver.resources_per_worker)  # CPUs; each holds the interactions
+        # each worker imports this file and runs train_loop(train_loop_config["config"]); a collective stalled
+        # past train.collective_timeout_s ends the wait
+        trainer = TorchTrainer(ray_train.worker_entry, train_loop_config=driver.loop_config(__file__),
+                               torch_config=TorchConfig(timeout_s=cfg.train.collective_timeout_s),
+                               scaling_config=scaling, run_config=run_config)
         driver.finish(trainer.fit())
 
 
