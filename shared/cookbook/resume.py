@@ -115,7 +115,7 @@ class ResumeGuard:
         found = self.problem(path)
         if found is None:
             sums = read_meta(path).get(CHECKSUMS_KEY)
-            found = _checksum_problem(path, sums) if isinstance(sums, Mapping) else None
+            found = checksum_problem(path, sums) if isinstance(sums, Mapping) else None
             if found is not None:
                 self.bad[path] = found
         if found is None:
@@ -435,7 +435,7 @@ def checksums(folder: str | Path) -> dict[str, str]:
             if p.is_file() and p.relative_to(folder).as_posix() != META_FILE}
 
 
-def _checksum_problem(path: Path, sums: Mapping[str, Any]) -> str | None:
+def checksum_problem(path: Path, sums: Mapping[str, Any]) -> str | None:
     """The first file of `sums` (``meta.json``'s ``checksums``) whose bytes under `path` do not match, as words:
     ``"__0_0.distcp does not match its checksum (xxh3_64:... in meta.json, xxh3_64:... now)"``; ``None``."""
     for name, want in sorted(sums.items()):

@@ -346,8 +346,9 @@ class _RayCheckpoints(ResumeGuard):
             return None
         try:
             data = json.loads(snapshot.read_text())
-            data.get("latest_checkpoint_result")
-        except (OSError, ValueError, AttributeError) as exc:
+            if not isinstance(data, dict) or not isinstance(data.get("latest_checkpoint_result") or {}, dict):
+                raise ValueError("not the object Ray Train writes")
+        except (OSError, ValueError) as exc:
             raise CheckpointError(f"{snapshot}: Ray Train's record of the run's checkpoints is unreadable "
                                   f"({type(exc).__name__}: {exc}), and Ray cannot resume without it: start afresh "
                                   f"with {self.start_afresh()}") from None

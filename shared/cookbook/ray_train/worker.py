@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from cookbook.checkpoint import (CHECKSUMS_KEY, META_FILE, CheckpointError, RNGState, _from_rank0, _os_error_in, checksums,
                                  rng_kept, save_error, seed_per_rank)
-from cookbook.resume import _reason
+from cookbook.resume import _reason, checksum_problem
 from cookbook.config import save_config, to_dict, to_object
 from cookbook.dist import (DistInfo, _configure_logging, all_gather_object, all_reduce_mean, barrier, get_logger,
                            param_fingerprint, record_progress, set_collective_timeout)
@@ -95,11 +95,10 @@ def load_checkpoint(map_location: torch.device | str = "cpu") -> tuple[dict[str,
         return None
     with ckpt.as_directory() as d:
         meta = json.loads((Path(d) / META_FILE).read_text())
-        wrong = [n for n, c in checksums(d).items() if meta.get(CHECKSUMS_KEY, {}).get(n, c) != c]
-        if wrong:
-            raise CheckpointError(f"{ckpt.path}: {wrong[0]} does not match its checksum in {META_FILE} (damaged since "
-                                  f"it was saved): restore it, or run again (the driver then resumes from the "
-                                  f"checkpoint before it)")
+        problem = checksum_problem(Path(d), meta.get(CHECKSUMS_KEY) or {})  # as ResumeGuard.verify words it
+        if problem:
+            raise CheckpointError(f"{ckpt.path}: {problem}, damaged since it was saved: restore it, or run again (the "
+                                  f"driver then resumes from the checkpoint before it)")
         state = torch.load(Path(d) / _STATE_FILE, map_location=map_location, weights_only=True,
                            mmap=torch.device(map_location).type == "cpu")
     get_logger().info(f"resumed from {ckpt.path} ({_facts(meta)})")
