@@ -85,7 +85,7 @@ def _what_to_do(code: int | None, root: Path) -> str:
     return f"fix the cause on {fs}"
 
 
-def _from_rank0(value: Any) -> Any:
+def from_rank0(value: Any) -> Any:
     """Rank 0's `value` on every rank (a broadcast; without a process group, `value` itself)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return value
@@ -94,7 +94,7 @@ def _from_rank0(value: Any) -> Any:
     return box[0]
 
 
-def _os_error_in(exc: BaseException) -> OSError | None:
+def os_error_in(exc: BaseException) -> OSError | None:
     """The `OSError` in `exc`'s chain of causes and contexts (itself included), or ``None``."""
     seen = set()
     while exc is not None and id(exc) not in seen:
@@ -114,7 +114,7 @@ class _Writer(dcp.FileSystemWriter):
         try:
             return super().write_data(*args, **kwargs)
         except Exception as exc:
-            os_error = _os_error_in(exc)
+            os_error = os_error_in(exc)
             if os_error is None or os_error is exc:
                 raise
             raise OSError(os_error.errno, os_error.strerror, os_error.filename) from exc
@@ -124,7 +124,7 @@ def _os_failure(exc: BaseException) -> tuple[int, OSError] | None:
     """``(rank, OSError)`` of the first rank whose part of a DCP save failed with an OS error, from DCP's
     `CheckpointException` (its ``failures``: rank -> (exception, traceback)); ``None`` when none did."""
     for rank, failure in sorted(getattr(exc, "failures", {}).items()):
-        os_error = _os_error_in(failure[0] if isinstance(failure, tuple) else failure)
+        os_error = os_error_in(failure[0] if isinstance(failure, tuple) else failure)
         if os_error is not None:
             return rank, os_error
     return None
@@ -200,7 +200,7 @@ class Checkpointer:
                 tmp.mkdir()
             except OSError as exc:
                 failure = ("os", _reason(exc), exc.errno)
-        self._raise_failure(step, final, _from_rank0(failure))
+        self._raise_failure(step, final, from_rank0(failure))
         try:
             dcp.save(dict(state), checkpoint_id=str(tmp), storage_writer=_Writer(str(tmp)))
         except OSError as exc:  # raised here before DCP's collectives agreed: only this rank knows
@@ -230,7 +230,7 @@ class Checkpointer:
                 shutil.rmtree(tmp, ignore_errors=True)
             else:
                 self._prune(final)
-        failure = _from_rank0(failure)
+        failure = from_rank0(failure)
         if failure is None:
             self.guard.bad.pop(final, None)
             self.guard.verified.add(final)

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 from transformers import TrainerCallback
 
-from cookbook.checkpoint import _from_rank0, _os_error_in, publish, save_error
+from cookbook.checkpoint import from_rank0, os_error_in, publish, save_error
 from cookbook.config import to_dict
 from cookbook.dist import barrier, get_dist_info, get_logger
 from cookbook.resume import CHECKSUMS_KEY, FILES_KEY, ResumeGuard, _reason, checksums, file_sizes, read_meta
@@ -74,7 +74,7 @@ class PublishCheckpoints(TrainerCallback):
                 for old in published_checkpoints(self.root)[: -self.keep_last] if self.keep_last else []:
                     shutil.rmtree(old, ignore_errors=True)
                 get_logger().info(f"checkpoint published: {self.root / src.name}")
-        failure = _from_rank0(failure)
+        failure = from_rank0(failure)
         if failure is not None:
             reason, code = failure
             raise save_error(state.global_step, self.root / src.name, self.latest(),
@@ -153,7 +153,7 @@ def _torch_saves_raise_os_errors() -> Iterator[None]:
             with open(f, "wb") as stream:
                 return original(obj, stream, *args, **kwargs)
         except Exception as exc:
-            os_error = _os_error_in(exc)
+            os_error = os_error_in(exc)
             if os_error is None:
                 raise
             raise OSError(os_error.errno, os_error.strerror, os.fspath(f)) from exc
@@ -168,7 +168,7 @@ def _torch_saves_raise_os_errors() -> Iterator[None]:
 def _os_error_behind(exc: BaseException) -> OSError | None:
     """The OS error behind a failed write: an `OSError` in `exc`'s chain, or the one that safetensors (Rust) gives
     as text only (``SafetensorError: Error while serializing: I/O error: File too large (os error 27)``)."""
-    found = _os_error_in(exc)
+    found = os_error_in(exc)
     if found is not None:
         return found
     code = re.search(r"\(os error (\d+)\)", str(exc))

@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from cookbook.checkpoint import (CHECKSUMS_KEY, META_FILE, CheckpointError, RNGState, _from_rank0, _os_error_in, checksums,
+from cookbook.checkpoint import (CHECKSUMS_KEY, META_FILE, CheckpointError, RNGState, from_rank0, os_error_in, checksums,
                                  rng_kept, save_error, seed_per_rank)
 from cookbook.resume import _reason, checksum_problem
 from cookbook.config import save_config, to_dict, to_object
@@ -163,7 +163,7 @@ def worker_summary(model: torch.nn.Module, reports: int) -> dict[str, list]:
 def _save_failure(exc: Exception) -> tuple[str, int | None]:
     """``(the OS error as words, its errno)`` behind a failed write of a checkpoint; `exc` itself when no `OSError`
     is behind it."""
-    os_error = _os_error_in(exc)
+    os_error = os_error_in(exc)
     if os_error is None:
         raise exc
     return _reason(os_error), os_error.errno
@@ -513,13 +513,13 @@ class WorkerRun:
                     except Exception as exc:
                         failure = _save_failure(exc)
                     saved.update(checkpoint=Checkpoint.from_directory(tmp), checkpoint_dir_name=f"checkpoint_{label}")
-                self._raise_save_error(_from_rank0(failure), final)  # before the report: no worker waits in it
+                self._raise_save_error(from_rank0(failure), final)  # before the report: no worker waits in it
                 try:
                     yield saved
                 except Exception as exc:  # Ray's copy to output_dir (pyarrow) failed on rank 0
                     failure = _save_failure(exc)
                     shutil.rmtree(final, ignore_errors=True)  # not registered: its space goes back to the disk
-                self._raise_save_error(_from_rank0(failure), final)
+                self._raise_save_error(from_rank0(failure), final)
             get_logger().info(f"checkpoint saved: {label} ({_facts(meta)})")
             self.reports, self._stop_reported = self.reports + 1, self.preempted
             self._saved_at = self.batches
