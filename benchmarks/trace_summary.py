@@ -5,7 +5,9 @@
 
 Kinds are matched on kernel names (first match wins; ``other`` for the rest; attention first, since
 FlashAttention's kernel names hold ``cutlass`` too). Also the 15 kernels with the most time, and the idle
-gaps of 1 ms or more (the host not keeping up, or a synchronisation). Times in ms.
+gaps of 1 ms or more (the host not keeping up, or a synchronisation). ``--host``: where the host's time goes,
+per thread (forward on the main thread, backward on autograd's), as exclusive time per operator or annotation
+(an event's length less its children's; FSDP2's hooks are annotated ``FSDP::...``). Times in ms.
 """
 
 from __future__ import annotations
@@ -58,16 +60,55 @@ def summarize(path: str) -> dict:
             "top": [[n, ms, k] for n, (ms, k) in sorted(names.items(), key=lambda kv: -kv[1][0])[:15]]}
 
 
+def host_summary(path: str, top: int = 25) -> dict:
+    """{tid: {"busy_ms", "events", "top": [[name, exclusive ms, calls]]}} of the CPU-side events in `path`."""
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    cpu = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation",
+                                                                              "cuda_runtime", "cuda_driver")),
+                 key=lambda e: (e["tid"], e["ts"], -e["dur"]))
+    out: dict = {}
+    for tid in {e["tid"] for e in cpu}:
+        names: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+        stack: list[list] = []  # [end, name, children's time]
+        busy = 0.0
+
+        def close(item):
+            names[item[1][:120]][0] += (item[3] - item[2]) / 1e3
+            if stack:
+                stack[-1][2] += item[3]
+
+        for e in (e for e in cpu if e["tid"] == tid):
+            while stack and e["ts"] >= stack[-1][0]:
+                close(stack.pop())
+            if not stack:
+                busy += e["dur"]
+            names[e["name"][:120]][1] += 1
+            stack.append([e["ts"] + e["dur"], e["name"], 0.0, e["dur"]])
+        while stack:
+            close(stack.pop())
+        out[str(tid)] = {"busy_ms": busy / 1e3, "events": sum(n for _, n in names.values()),
+                         "top": [[n, ms, k] for n, (ms, k) in sorted(names.items(), key=lambda kv: -kv[1][0])[:top]]}
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trace")
     p.add_argument("--json", help="also write the summary here")
+    p.add_argument("--host", action="store_true", help="also the host's time per thread and operator")
     a = p.parse_args()
     s = summarize(a.trace)
+    if a.host:
+        s["host"] = host_summary(a.trace)
     print(f"{a.trace}: span {s['span_ms']:.1f} ms, GPU busy {s['busy_ms']:.1f} ms, idle {s['idle_ms']:.1f} ms "
           f"({s['gaps_over_1ms'][0]} gaps of 1 ms or more: {s['gaps_over_1ms'][1]:.1f} ms)")
     for kind, (ms, n) in s["kinds"].items():
         print(f"  {kind:26s} {ms:9.1f} ms  {n:6d} kernels")
+    for tid, h in s.get("host", {}).items():
+        print(f"host thread {tid}: busy {h['busy_ms']:.1f} ms, {h['events']} events; exclusive time:")
+        for name, ms, n in h["top"]:
+            print(f"  {ms:8.1f} ms {n:7d}  {name}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(s, f, indent=1)
