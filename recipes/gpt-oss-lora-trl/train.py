@@ -31,7 +31,8 @@ import torch
 import cookbook
 from cookbook import config, hf_trainer, lm, sft
 from cookbook.checkpoint import CheckpointError
-from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
+from cookbook.config import ConfigError, check_fields, cli_parser, load_config, save_config, to_dict
+from cookbook.hub import resolve_path
 from cookbook.launch import check_world_size
 from cookbook.loop import NonFinitePolicy
 

@@ -36,7 +36,8 @@ from transformers import logging as hf_logging
 
 from cookbook import lm, sft
 from cookbook.checkpoint import Checkpointer, CheckpointError
-from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, to_dict
+from cookbook.config import ConfigError, check_fields, cli_parser, load_config, to_dict
+from cookbook.hub import resolve_path
 from cookbook.hub import model_folder
 from cookbook.launch import check_world_size
 from cookbook.loop import EpochBatches, TrainLoop, checkpoint_state, start_run

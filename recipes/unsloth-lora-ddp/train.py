@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from pathlib import Path
 
 from cookbook import config as cfgmod
+from cookbook import hub
 from cookbook.config import ConfigError
 from cookbook.launch import check_world_size
 
@@ -135,10 +136,10 @@ def load(path: str | Path, overrides: list[str] = ()) -> Config:
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
     base = Path(path).parent
-    cfg.data.train_files = [cfgmod.resolve_path(f, base) for f in cfg.data.train_files]
-    cfg.model.name_or_path = cfgmod.resolve_path(cfg.model.name_or_path, base)
+    cfg.data.train_files = [hub.resolve_path(f, base) for f in cfg.data.train_files]
+    cfg.model.name_or_path = hub.resolve_path(cfg.model.name_or_path, base)
     if cfg.model.tokenizer:
-        cfg.model.tokenizer = cfgmod.resolve_path(cfg.model.tokenizer, base)
+        cfg.model.tokenizer = hub.resolve_path(cfg.model.tokenizer, base)
     return cfg
 
 

@@ -23,7 +23,7 @@ from typing import Any, Iterable, Mapping, Sequence, TypeVar
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from cookbook import hub
+from cookbook import push
 from cookbook.errors import AlreadyComplete, ConfigError
 from cookbook.requirements import (TRACKER_UIS, TRACKER_UIS_FILE, TRACKERS, check_trackers,  # noqa: F401 (their old home)
                                    import_error_line, install_hint, pinned, require)
@@ -168,17 +168,13 @@ def save_config(cfg: object, path: str | Path) -> None:
 
 def resolve_path(value: str, base_dir: str | Path) -> str:
     """A relative path of a config file resolved against the file's folder when it exists there (so a recipe
-    folder can be copied anywhere); otherwise the value unchanged. A value left as a hub id calls
-    `cookbook.hub.prepare_access` once per process.
+    folder can be copied anywhere); otherwise the value unchanged (a hub id: `cookbook.hub.resolve_path` prepares
+    the hub's access too).
     """
     if not value or Path(value).is_absolute():
         return value
     candidate = Path(base_dir) / value
-    if candidate.exists():
-        return str(candidate)
-    if hub.looks_like_hub_id(value):
-        hub.prepare_access()
-    return value
+    return str(candidate) if candidate.exists() else value
 
 
 def field_value(cfg: object, key: str) -> Any:
@@ -291,7 +287,7 @@ class HFCheckpointConfig(CheckpointConfig):
     """``checkpoint`` of a recipe whose final model is a Hugging Face model folder."""
 
     export_hf: bool = True  # write <output_dir>/final in Hugging Face format (from_pretrained reads it)
-    push_to_hub: str = ""  # a Hub repo id (org/name): upload the final export there, with a model card (cookbook.hub)
+    push_to_hub: str = ""  # a Hub repo id (org/name): upload the final export there, with a model card (cookbook.push)
 
 
 # The linear layers of a Llama-style decoder layer (attention and gated MLP): LoRA on all of them.
@@ -406,7 +402,7 @@ def check_run(cfg: Any) -> None:
     if _has(cfg, "trackers"):
         check_trackers(cfg.trackers if getattr(cfg, "mlflow", True) else [t for t in cfg.trackers if t != "mlflow"])
     if _has(cfg, "checkpoint.push_to_hub") and cfg.checkpoint.push_to_hub:
-        hub.check_push(cfg.checkpoint)
+        push.check_push(cfg.checkpoint)
     if _has(cfg, "output_dir") and isinstance(cfg.output_dir, str) and "://" not in cfg.output_dir:
         report_output_dir(cfg.output_dir)  # the launcher takes the folder's run lock before any worker starts
         done = complete_message(cfg.output_dir, to_dict(cfg), MAY_CHANGE) if os.environ.get(OUTPUT_DIR_FILE_ENV) \

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cookbook.config import ConfigError, check_fields, resolve_path
+from cookbook.config import ConfigError, check_fields
+from cookbook.hub import resolve_path
 
 
 @dataclass
@@ -50,7 +51,7 @@ def check_data_config(cfg: Any) -> None:
 def resolve_paths(cfg: Any, config_dir: str | Path) -> None:
     """Resolve a language-model recipe's paths against its config file's folder, in place: ``model.name_or_path``,
     ``model.tokenizer`` (default: the model's folder or hub id), ``data.train_files`` and ``data.eval_files``.
-    A value that is no existing path there (a hub id) is kept (`cookbook.config.resolve_path`)."""
+    A value that is no existing path there (a hub id) is kept (`cookbook.hub.resolve_path`)."""
     cfg.model.name_or_path = resolve_path(cfg.model.name_or_path, config_dir)
     cfg.model.tokenizer = resolve_path(cfg.model.tokenizer or cfg.model.name_or_path, config_dir)
     cfg.data.train_files = [resolve_path(f, config_dir) for f in cfg.data.train_files]
