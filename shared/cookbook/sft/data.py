@@ -62,19 +62,10 @@ def prepare(rows: Sequence[dict], tokenizer, max_length: int, source: str,
                                               last_turn_only=split_turns, reasoning=reasoning)
             except SFTDataError as exc:
                 raise SFTDataError(f"{source} {stats.label(n)}: {exc}") from None
-            stats.reasoning_turns += counts["reasoning"]
             stats.reasoning_unrendered += counts["reasoning_unrendered"]
-            n_loss = sum(label != IGNORE_INDEX for label in labels[:max_length])
-            if n_loss == 0 or (len(ids) > max_length and not truncate):
-                stats.dropped += 1
-                stats.dropped_rows.append((n, len(ids)))
-                continue
-            stats.truncated += len(ids) > max_length
-            examples.append({"input_ids": ids[:max_length], "labels": labels[:max_length]})
-            stats.example_rows.append(n)
-            stats.examples += 1
-            stats.tokens += min(len(ids), max_length)
-            stats.loss_tokens += n_loss
+            example = stats.add(n, ids, labels, counts["calls"], counts["reasoning"])
+            if example is not None:
+                examples.append(example)
     stats.ignored = dict(ignored)
     if max_dropped_fraction is not None:
         stats.check_dropped(max_dropped_fraction)

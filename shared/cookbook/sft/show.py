@@ -57,7 +57,7 @@ def field_counts(stats: SFTStats) -> list[str]:
     lines.append(f"  answers         {len(stats.empty_answers)} empty (row skipped), {len(stats.unanswered)} rows end in "
                  f"a tool call with no answer (skipped), {len(stats.call_endings)} tool calls after the last answer "
                  f"(not trained)")
-    lines.append(f"  tool calls      {stats.tool_calls} in {stats.tool_call_rows} rows")
+    lines.append(f"  tool calls      {stats.tool_calls_note()[len('tool calls: '):]}")
     done = {"train": "trained", "context": "in context (no loss)", "drop": "dropped"}[stats.reasoning]
     lines.append(f"  reasoning       {stats.reasoning_turns} turns {done}, {stats.reasoning_unrendered} left out by the "
                  f"chat template, {stats.reasoning_dropped} dropped (data.reasoning=drop)")

@@ -134,13 +134,14 @@ def _encode(tokenizer, messages: list[dict], kwargs: dict | None, tools: list[di
             last_turn_only: bool, reasoning: str = "train") -> tuple[list[int], list[int], dict[str, int]]:
     """Untruncated ``(input_ids, labels, counts)`` of `tokenize_conversation`; `last_turn_only` labels the last
     assistant turn only; `reasoning` ``"context"`` masks each turn's reasoning. ``counts``: labelled turns whose
-    reasoning was rendered (``reasoning``) or left out (``reasoning_unrendered``).
+    reasoning was rendered (``reasoning``: where they start) or left out (``reasoning_unrendered``: how many);
+    ``calls``: ``(start, tool calls)`` of the labelled turns that make them.
     """
     special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
     full = _render(tokenizer, messages, False, kwargs, tools)
     labels = [IGNORE_INDEX] * len(full)
     assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    turns, counts = {}, {"reasoning": 0, "reasoning_unrendered": 0}
+    turns, counts = {}, {"reasoning": [], "reasoning_unrendered": 0, "calls": []}
     for i in assistant[-1:] if last_turn_only else assistant:
         if i == 0:
             raise SFTDataError("messages[0] is an assistant turn; a conversation must start with a system or user turn")
@@ -159,7 +160,7 @@ def _encode(tokenizer, messages: list[dict], kwargs: dict | None, tools: list[di
         thought = next((messages[i][k] for k in ("reasoning_content", "thinking") if messages[i].get(k)), "").strip()
         if thought:
             if thought in tokenizer.decode(full[start:stop]):
-                counts["reasoning"] += 1
+                counts["reasoning"].append(start)
                 if reasoning == "context":
                     labels[start:_covering(tokenizer, full, start, stop, thought)] = \
                         [IGNORE_INDEX] * (_covering(tokenizer, full, start, stop, thought) - start)
@@ -167,6 +168,7 @@ def _encode(tokenizer, messages: list[dict], kwargs: dict | None, tools: list[di
                 counts["reasoning_unrendered"] += 1
         if messages[i].get("tool_calls"):
             turns[i] = tokenizer.decode(full[start:stop])
+            counts["calls"].append((start, len(messages[i]["tool_calls"])))
     _check_tools_rendered(tokenizer, messages, tools, kwargs, turns)
     return full, labels, counts
 
@@ -201,7 +203,7 @@ def template_conversation(row: dict, row_number: int | str, source: str, tokeniz
                           ignored: Counter | None = None, chat_template_kwargs: dict | None = None,
                           reasoning: str = "train") -> tuple[list[dict], list[dict] | None]:
     """`to_conversation` made ready for `tokenizer`'s template, as `prepare` does: inline ``<think>`` moved,
-    reasoning under the key the template reads or dropped (``reasoning="drop"``), tool calls and unused keys counted.
+    reasoning under the key the template reads or dropped (``reasoning="drop"``), unused keys counted.
     `tokenizer` None: the reasoning stays as ``reasoning_content``, unchecked.
 
     Raises:
@@ -224,7 +226,6 @@ def template_conversation(row: dict, row_number: int | str, source: str, tokeniz
         raise
     except SFTDataError as exc:
         raise SFTDataError(str(exc) if str(exc).startswith(source) else f"{source} {row_label(row_number)}: {exc}") from None
-    stats.count_tool_calls(messages)
     return messages, tools
 
 

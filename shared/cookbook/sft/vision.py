@@ -284,17 +284,8 @@ def show_vl(cfg: Any, tokenizer, image_processor, image_token_id: int, n: int,
         for i in rows:
             ex = vl_example(dict(source.rows[i]), f"{source.name} {st.label(i + 1)}", source.base_dir, tokenizer,
                             image_processor, image_token_id, 1 << 30, template_kwargs)
-            ids, labels = ex["input_ids"][:cfg.max_length], ex["labels"][:cfg.max_length]
-            n_loss = sum(label != IGNORE_INDEX for label in labels)
-            if n_loss == 0:
-                st.dropped += 1
-                st.dropped_rows.append((i + 1, len(ex["input_ids"])))
-                continue
-            st.truncated += len(ex["input_ids"]) > cfg.max_length
-            examples.append({"input_ids": ids, "labels": labels})
-            st.example_rows.append(i + 1)
-            st.examples += 1
-            st.tokens += len(ids)
-            st.loss_tokens += n_loss
+            example = st.add(i + 1, ex["input_ids"], ex["labels"])
+            if example is not None:
+                examples.append(example)
         parts.append((examples, st))
     return show_examples(parts, tokenizer, n)
