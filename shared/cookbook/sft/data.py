@@ -1,16 +1,10 @@
-"""Supervised fine-tuning (SFT) data for causal language models: rows -> chat messages (`cookbook.sft.rows`) ->
-token ids with assistant-only labels (`cookbook.sft.template`) -> packed or padded batches (here).
+"""SFT data sets: rows -> labelled examples (`prepare`, `load_examples`), packed or padded rows, batches.
 
     rows = load_rows("train.jsonl")                                   # JSON list or JSONL
-    examples, stats = prepare(rows, tokenizer, max_length=2048, source="train.jsonl",
-                              max_dropped_fraction=0.1)
-    check_vocab(tokenizer, model.config.vocab_size)
-    packed = pack(examples, seq_len=2048, pad_id=tokenizer.pad_token_id)   # or pad_batch(...)
+    examples, stats = prepare(rows, tokenizer, max_length=2048, source="train.jsonl", max_dropped_fraction=0.1)
+    packed = pack(examples, seq_len=2048, pad_id=pad_token_id(tokenizer))   # or pad_batch(...), collate(...)
 
-``labels`` is aligned with ``input_ids`` (the model shifts them); `IGNORE_INDEX` (-100) marks tokens without
-loss. Only the tokens an assistant turn adds carry labels: its content, tool calls and end-of-turn token.
-Row formats and labelling rules: docs/sft-data.md. The names of `rows`, `template` and `stats` are importable
-from here too.
+``labels`` is aligned with ``input_ids`` (the model shifts them); `IGNORE_INDEX` (-100) marks tokens without loss.
 """
 
 from __future__ import annotations
@@ -20,12 +14,9 @@ from typing import Any, Sequence
 
 import torch
 
-from cookbook.sft.rows import (IGNORE_INDEX, REASONING_KEYS, ROLES, TEXT_KEYS, EmptyAnswerError,  # noqa: F401
-                               RowList, SFTDataError, load_hub_rows, load_rows, row_label, to_conversation,
-                               to_messages)
+from cookbook.sft.rows import IGNORE_INDEX, EmptyAnswerError, SFTDataError, load_hub_rows, load_rows
 from cookbook.sft.stats import SFTStats
-from cookbook.sft.template import (_encode, _require_chat_template, check_tools_rendered,  # noqa: F401
-                                   check_vocab, reasoning_field, template_conversation, tokenize_conversation)
+from cookbook.sft.template import _encode, _require_chat_template, template_conversation
 
 
 def prepare(rows: Sequence[dict], tokenizer, max_length: int, source: str,
@@ -71,7 +62,7 @@ def prepare(rows: Sequence[dict], tokenizer, max_length: int, source: str,
         stats.check_dropped(max_dropped_fraction)
     return examples, stats
 
-# ----------------------------------------------------------------------------- batches
+
 def pack(examples: Sequence[dict], seq_len: int, pad_id: int) -> list[dict]:
     """Pack examples into rows of exactly `seq_len` tokens (next-fit, in order; documents never split)::
 
@@ -165,3 +156,51 @@ def shard_for_eval(rows: list[dict], rank: int, world_size: int) -> list[dict]:
     target = -(-len(rows) // world_size)
     filler = {**rows[0], "labels": [IGNORE_INDEX] * len(rows[0]["labels"])}
     return mine + [filler] * (target - len(mine))
+
+
+def pad_token_id(tokenizer) -> int:
+    """The tokenizer's pad token id, else its end-of-sequence id (safe: padding is never trained and real tokens
+    are counted by mask or position).
+
+    Raises:
+        ValueError: the tokenizer has neither.
+    """
+    for pad_id in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if pad_id is not None:
+            return pad_id
+    raise ValueError("the tokenizer has neither a pad token nor an end-of-sequence token: set tokenizer.pad_token")
+
+
+def training_rows(cfg: Any, tokenizer, seed: int) -> tuple[list[dict], list[dict], SFTStats]:
+    """Train and eval rows, and the train statistics (`SFTStats`): `load_examples`, then, when ``cfg.packing``,
+    each list packed into rows of ``cfg.max_length`` tokens (`pack`, padded with `pad_token_id`).
+
+    Raises:
+        SFTDataError: see `load_examples`.
+    """
+    train, evals, stats = load_examples(cfg, tokenizer, seed)
+    if cfg.packing:
+        pad_id = pad_token_id(tokenizer)
+        train, evals = pack(train, cfg.max_length, pad_id), pack(evals, cfg.max_length, pad_id)
+    return train, evals, stats
+
+
+def collate(rows: Sequence[dict], pad_id: int, cu_seq_lens: bool = True) -> dict[str, torch.Tensor]:
+    """One batch of SFT rows for a DataLoader's ``collate_fn``: packed rows stacked as ``input_ids``, ``labels``,
+    ``position_ids`` (B, L) int64 without a mask (with `cu_seq_lens`, also the (documents + 1,) int32 offsets for
+    the ``varlen`` attention; leave it out for the Trainer); other rows right-padded to a multiple of 8 with an
+    ``attention_mask``.
+
+    Raises:
+        ValueError: `rows` is empty.
+    """
+    if not rows:
+        raise ValueError("collate: no rows")
+    if "position_ids" not in rows[0]:
+        return pad_batch(rows, pad_id, pad_to_multiple_of=8)
+    batch = {k: torch.tensor([r[k] for r in rows], dtype=torch.long) for k in ("input_ids", "labels", "position_ids")}
+    if cu_seq_lens:
+        flat = batch["position_ids"].flatten()
+        starts = torch.nonzero(flat == 0).flatten()
+        batch["cu_seq_lens"] = torch.cat([starts, torch.tensor([flat.numel()])]).to(torch.int32)
+    return batch

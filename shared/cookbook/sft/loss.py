@@ -18,7 +18,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from cookbook.dist import all_reduce_sum
-from cookbook.sft.data import IGNORE_INDEX
+from cookbook.sft.rows import IGNORE_INDEX
 
 
 def _model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-from cookbook.sft.data import IGNORE_INDEX, SFTStats
+from cookbook.sft.rows import IGNORE_INDEX
+from cookbook.sft.stats import SFTStats
 
 OPEN, CLOSE = "[[", "]]"  # around the labelled tokens (those in the loss)
 

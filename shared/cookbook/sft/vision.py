@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
-from cookbook.sft.data import (IGNORE_INDEX, REASONING_KEYS, ROLES, SFTDataError, load_rows, pad_batch, row_label,
-                               tokenize_conversation)
+from cookbook.sft.data import pad_batch
+from cookbook.sft.rows import IGNORE_INDEX, REASONING_KEYS, ROLES, SFTDataError, load_rows, row_label
+from cookbook.sft.template import tokenize_conversation
 
 
 @dataclass
@@ -271,7 +272,7 @@ def show_vl(cfg: Any, tokenizer, image_processor, image_token_id: int, n: int,
     """`cookbook.sft.show_examples` for image + text rows: each train file's rows as `vl_example` renders them
     (image placeholders written ``<tok> x N``), the first `n` shown, all counted (rows cut at ``max_length``).
     Every row of a local file is read and its images decoded, as ``--check`` does; of a hub data set, `n` rows."""
-    from cookbook.sft.data import SFTStats
+    from cookbook.sft.stats import SFTStats
     from cookbook.sft.show import show_examples
 
     train, _ = load_vl_items(cfg, 0)
