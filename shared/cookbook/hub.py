@@ -30,8 +30,7 @@ _reachable: bool | None = None  # this process's answer, once asked
 
 def offline_unless_reachable(timeout_s: float = _REACH_TIMEOUT_S) -> bool:
     """Unless ``HF_HUB_OFFLINE`` is set, ask the hub once (at most `timeout_s`); without an answer switch this
-    process to offline mode (rank 0 says so). Returns True when the process is offline (before, or now).
-    """
+    process to offline mode (rank 0 says so). Returns True when the process is offline (before, or now)."""
     global _reachable
     from huggingface_hub import constants
 
@@ -65,8 +64,7 @@ def offline_unless_reachable(timeout_s: float = _REACH_TIMEOUT_S) -> bool:
 
 def show_download_bars() -> bool:
     """Turn huggingface_hub's download bars on, on local rank 0 when stderr is a terminal
-    (``HF_HUB_DISABLE_PROGRESS_BARS=1`` wins); returns whether they are on.
-    """
+    (``HF_HUB_DISABLE_PROGRESS_BARS=1`` wins); returns whether they are on."""
     from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
 
 
@@ -107,11 +105,8 @@ def _go_offline() -> None:
 def model_folder(name_or_path: str, key: str = "model.name_or_path") -> Path:
     """The local folder holding ``config.json`` and the ``*.safetensors`` weights: `name_or_path` itself, or the
     hub cache's snapshot of that id (only ``*.json`` and ``*.safetensors`` downloaded).
-
-    Raises:
-        ConfigError: one line naming `key`: a path-like value that is not a folder; not a valid hub id; a model the
-            hub lacks or gates; not in the cache while offline; a folder without ``*.safetensors``.
-    """
+    Raises ConfigError: one line naming `key`: a path-like value that is not a folder; not a valid hub id; a model the
+    hub lacks or gates; not in the cache while offline; a folder without ``*.safetensors``."""
     path = Path(name_or_path).expanduser()
     if not path.is_dir():
         if path.is_absolute() or name_or_path.startswith(("./", "../", "~")) or path.exists():
@@ -154,8 +149,7 @@ def _download(repo_id: str, key: str) -> Path:
 
 def write_lines(dst: str | Path, lines: Iterable[str], max_lines: int = 0) -> int:
     """Write `lines` (each ending in a newline, consumed lazily; at most `max_lines`, 0: all) to `dst` through
-    ``<dst>.<pid>.tmp``, renamed into place at the end; returns the number written.
-    """
+    ``<dst>.<pid>.tmp``, renamed into place at the end; returns the number written."""
     dst = Path(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(f"{dst.name}.{os.getpid()}.tmp")
@@ -179,10 +173,7 @@ def dataset_to_text(hub_id: str, split: str, dst: str | Path, to_line: Callable[
     """Write the rows of a hub data set split to `dst` once, streamed, each as ``to_line(row, where)``
     (`where`: ``"<key>=<hub_id> row 7"``). A record ``<dst stem>.json`` (data set, split, `max_rows`, `version`,
     rows) beside it: when it matches, nothing is read. Returns the rows written, or None when `dst` held them.
-
-    Raises:
-        DataError: the data set lacks some of `columns`, or `to_line` raised; `dst` is then left as it was.
-    """
+    Raises DataError: the data set lacks some of `columns`, or `to_line` raised; `dst` is then left as it was."""
     dst = Path(dst)
     record = dst.with_suffix(".json")
     wanted = {"hub_id": hub_id, "split": split, "max_rows": max_rows, "format": version}
@@ -214,11 +205,8 @@ def file_to_text(path: str | Path, folder: str | Path,
     a row by ``to_line(row, where, positions)``; reused while the source is unchanged. Rows: `cookbook.tabular.records`
     (a CSV header names `columns`, or no header and exactly `columns`). Returns the file and the rows written (None:
     it existed).
-
-    Raises:
-        ConfigError: `path` does not exist.
-        DataError: a missing column or field, an extra field, or what `to_line` raises; no text file is left.
-    """
+    Raises ConfigError: `path` does not exist; DataError: a missing column or field, an extra field, or what `to_line`
+    raises; no text file is left."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"data file not found: {path}")

@@ -168,11 +168,8 @@ def records(path: str | Path, required: Sequence[str] = (), csv_columns: Sequenc
     """The rows of a CSV, TSV, JSON, JSONL or parquet file (by suffix) as ``(where, {column: value})``;
     `required` columns every row must have (parquet: the only ones read); `csv_columns` the CSV's columns (None:
     its header's), `csv_header` whether it has a header to skip.
-
-    Raises:
-        DataError: the file is missing or of another type; a required column missing (``"<path>: no column(s) label
-            (found text, title)"``, ``"<path> line 3: missing field 'label'"``); or as the readers above.
-    """
+    Raises DataError: the file is missing or of another type; a required column missing (``"<path>: no column(s) label
+    (found text, title)"``, ``"<path> line 3: missing field 'label'"``); or as the readers above."""
     p, suffix = _existing(path)
     if suffix in _CSV:
         columns = csv_columns
@@ -196,10 +193,7 @@ def records(path: str | Path, required: Sequence[str] = (), csv_columns: Sequenc
 def to_int(value: Any) -> int | None:
     """An integer written in any usual way (``3``, ``" 3 "``, ``3.0``, ``"3.0"``, ``"3e2"``: pandas writes an integer
     column with a missing value as floats); None for None, ``""`` or NaN.
-
-    Raises:
-        ValueError: not a whole number (``"2.5"``, ``inf``, a bool), or outside the int64 range (`check_int64`).
-    """
+    Raises ValueError: not a whole number (``"2.5"``, ``inf``, a bool), or outside the int64 range (`check_int64`)."""
     return check_int64(_to_int(value))
 
 

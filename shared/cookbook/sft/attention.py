@@ -19,8 +19,7 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     """Causal attention with PyTorch's variable-length FlashAttention kernel (``varlen_attn``, CUDA, bf16/fp16): each
     packed document attends only to itself. `query` (batch, heads, T, head_dim), `key` / `value` (batch, kv_heads, T,
     head_dim); `cu_seq_lens_q` (documents + 1,) int32 offsets (None: each row one document); `attention_mask` ignored.
-    Returns ``(output, None)``, output (batch, T, heads, head_dim). Raises ValueError with attention dropout on.
-    """
+    Returns ``(output, None)``, output (batch, T, heads, head_dim). Raises ValueError with attention dropout on."""
     from torch.nn.attention.varlen import varlen_attn
 
     if dropout and module.training:

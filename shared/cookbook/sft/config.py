@@ -38,11 +38,8 @@ REASONING = ("train", "context", "drop")
 
 def check_data_config(cfg: Any) -> None:
     """Check a config's ``data`` section (a `DataConfig` or a subclass).
-
-    Raises:
-        ConfigError: ``data.max_length`` < 1, ``data.eval_fraction`` outside [0, 1), ``data.max_dropped_fraction``
-            outside [0, 1], ``data.reasoning`` not train / context / drop, or ``data.eval_files`` without
-            ``data.train_files``.
+    Raises ConfigError: ``data.max_length`` < 1, ``data.eval_fraction`` outside [0, 1), ``data.max_dropped_fraction``
+    outside [0, 1], ``data.reasoning`` not train / context / drop, or ``data.eval_files`` without ``data.train_files``.
     """
     check_fields(cfg, at_least={"data.max_length": 1}, one_of={"data.reasoning": REASONING},
                  within={"data.eval_fraction": "[0, 1)", "data.max_dropped_fraction": "[0, 1]"},
@@ -64,10 +61,7 @@ def resolve_paths(cfg: Any, config_dir: str | Path) -> None:
 def check_positions(max_length: int, hf_config, model: str, key: str = "data.max_length") -> None:
     """Refuse `max_length` (tokens per row) beyond the model's ``max_position_embeddings`` (its text config's):
     positions past it were never trained (and learned position embeddings have no row for them).
-
-    Raises:
-        ConfigError: "data.max_length=8192 is beyond the max_position_embeddings=512 of <model> ...".
-    """
+    Raises ConfigError: "data.max_length=8192 is beyond the max_position_embeddings=512 of <model> ..."."""
     limit = getattr(hf_config.get_text_config(), "max_position_embeddings", None)
     if isinstance(limit, int) and max_length > limit:
         raise ConfigError(f"{key}={max_length} is beyond the max_position_embeddings={limit} of {model}: the model "
@@ -77,11 +71,8 @@ def check_positions(max_length: int, hf_config, model: str, key: str = "data.max
 def load_tokenizer(tokenizer: str, model: str, max_length: int | None = None):
     """The tokenizer at `tokenizer`, checked against the vocab_size of the model's ``config.json`` at `model`
     (folders or hub ids).
-
-    Raises:
-        ConfigError: a local path that does not exist or cannot be loaded; `max_length` beyond the model's positions.
-        SFTDataError: more tokens than the model's embedding rows.
-    """
+    Raises ConfigError: a local path that does not exist or cannot be loaded; `max_length` beyond the model's positions;
+    SFTDataError: more tokens than the model's embedding rows."""
     from transformers import AutoConfig, AutoTokenizer
 
     try:
@@ -103,10 +94,7 @@ def load_tokenizer(tokenizer: str, model: str, max_length: int | None = None):
 def check_one_step(n_rows: int, micro_batch_size: int, grad_accum_steps: int, world_size: int, note: str = "") -> None:
     """Refuse a data set with fewer rows than one optimizer step takes (micro_batch_size x grad_accum_steps
     x world_size rows: the train loaders drop the last incomplete batch).
-
-    Raises:
-        ConfigError: "<n_rows> training rows<note> are too few for one step of <m> x <g> x <w> rows".
-    """
+    Raises ConfigError: "<n_rows> training rows<note> are too few for one step of <m> x <g> x <w> rows"."""
     if n_rows < micro_batch_size * grad_accum_steps * world_size:
         raise ConfigError(f"{n_rows} training rows{note} are too few for one step of {micro_batch_size} x "
                           f"{grad_accum_steps} x {world_size} rows")
@@ -115,10 +103,7 @@ def check_one_step(n_rows: int, micro_batch_size: int, grad_accum_steps: int, wo
 def check_data(cfg: Any, tokenizer, seed: int, micro_batch_size: int, grad_accum_steps: int, world_size: int) -> str:
     """The data part of a ``--check``: local files read and tokenized, packed with ``cfg.packing``, enough for one
     step; prints ``data: <statistics>`` and returns the "config OK" note (a hub data set is read by workers only).
-
-    Raises:
-        ConfigError, SFTDataError: too few rows; a bad file or row.
-    """
+    Raises ConfigError, SFTDataError: too few rows; a bad file or row."""
     if not cfg.train_files:
         return f"data from {cfg.hub_id}"
     train, evals, stats = load_examples(cfg, tokenizer, seed)

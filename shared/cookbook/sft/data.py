@@ -27,11 +27,8 @@ def prepare(rows: Sequence[dict], tokenizer, max_length: int, source: str,
     `max_dropped_fraction` (0-1, None: no limit): see `SFTStats.check_dropped`; `split_turns`: one example per
     assistant turn (templates that rewrite earlier turns, Qwen3); `truncate` False drops over-long examples instead of
     cutting them; `reasoning`: ``"train"``, ``"context"`` (no loss) or ``"drop"``.
-
-    Raises:
-        SFTDataError: no chat template; ``"<source> row <n>: ..."`` for a bad row (``line <n>``: `rows` a JSONL
-            `RowList`); too many examples dropped.
-    """
+    Raises SFTDataError: no chat template; ``"<source> row <n>: ..."`` for a bad row (``line <n>``: `rows` a JSONL
+    `RowList`); too many examples dropped."""
     if reasoning not in ("train", "context", "drop"):
         raise ValueError(f"reasoning must be train, context or drop, got {reasoning!r}")
     _require_chat_template(tokenizer)
@@ -72,10 +69,7 @@ def pack(examples: Sequence[dict], seq_len: int, pad_id: int) -> list[dict]:
 
     Each document's first label must be `IGNORE_INDEX`. Pass no ``attention_mask`` and ``use_cache=False``
     (docs/notes.md#packed-rows-and-transformers-attention-masks-transformers-524).
-
-    Raises:
-        SFTDataError: an example is longer than `seq_len` or empty, or labels its first token.
-    """
+    Raises SFTDataError: an example is longer than `seq_len` or empty, or labels its first token."""
     rows: list[dict] = []
     row: dict[str, list[int]] = {"input_ids": [], "labels": [], "position_ids": []}
 
@@ -105,8 +99,7 @@ def pack(examples: Sequence[dict], seq_len: int, pad_id: int) -> list[dict]:
 
 def pad_batch(examples: Sequence[dict], pad_id: int, pad_to_multiple_of: int = 1) -> dict[str, torch.Tensor]:
     """Right-pad examples to one batch: ``input_ids``, ``attention_mask`` (1 real, 0 padding) and ``labels``
-    (`IGNORE_INDEX` on padding), int64 of shape (batch, L), L the longest rounded up to `pad_to_multiple_of`.
-    """
+    (`IGNORE_INDEX` on padding), int64 of shape (batch, L), L the longest rounded up to `pad_to_multiple_of`."""
     longest = max(len(ex["input_ids"]) for ex in examples)
     width = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
     out = {k: torch.full((len(examples), width), v, dtype=torch.long)
@@ -122,10 +115,7 @@ def pad_batch(examples: Sequence[dict], pad_id: int, pad_to_multiple_of: int = 1
 def load_examples(cfg: Any, tokenizer, seed: int) -> tuple[list[dict], list[dict], SFTStats]:
     """Train and eval examples and the train `SFTStats` for a recipe's data section `cfg` (see `DataConfig`);
     without eval files a ``eval_fraction`` of each train file, seeded by `seed`, is held out.
-
-    Raises:
-        SFTDataError: see `load_rows` and `prepare`.
-    """
+    Raises SFTDataError: see `load_rows` and `prepare`."""
     kwargs = dict(cfg.chat_template_kwargs) or None
     options = dict(max_dropped_fraction=cfg.max_dropped_fraction, split_turns=cfg.split_turns,
                    reasoning=getattr(cfg, "reasoning", "train"))
@@ -161,10 +151,7 @@ def shard_for_eval(rows: list[dict], rank: int, world_size: int) -> list[dict]:
 def pad_token_id(tokenizer) -> int:
     """The tokenizer's pad token id, else its end-of-sequence id (safe: padding is never trained and real tokens
     are counted by mask or position).
-
-    Raises:
-        ValueError: the tokenizer has neither.
-    """
+    Raises ValueError: the tokenizer has neither."""
     for pad_id in (tokenizer.pad_token_id, tokenizer.eos_token_id):
         if pad_id is not None:
             return pad_id
@@ -174,10 +161,7 @@ def pad_token_id(tokenizer) -> int:
 def training_rows(cfg: Any, tokenizer, seed: int) -> tuple[list[dict], list[dict], SFTStats]:
     """Train and eval rows, and the train statistics (`SFTStats`): `load_examples`, then, when ``cfg.packing``,
     each list packed into rows of ``cfg.max_length`` tokens (`pack`, padded with `pad_token_id`).
-
-    Raises:
-        SFTDataError: see `load_examples`.
-    """
+    Raises SFTDataError: see `load_examples`."""
     train, evals, stats = load_examples(cfg, tokenizer, seed)
     if cfg.packing:
         pad_id = pad_token_id(tokenizer)
@@ -190,10 +174,7 @@ def collate(rows: Sequence[dict], pad_id: int, cu_seq_lens: bool = True) -> dict
     ``position_ids`` (B, L) int64 without a mask (with `cu_seq_lens`, also the (documents + 1,) int32 offsets for
     the ``varlen`` attention; leave it out for the Trainer); other rows right-padded to a multiple of 8 with an
     ``attention_mask``.
-
-    Raises:
-        ValueError: `rows` is empty.
-    """
+    Raises ValueError: `rows` is empty."""
     if not rows:
         raise ValueError("collate: no rows")
     if "position_ids" not in rows[0]:

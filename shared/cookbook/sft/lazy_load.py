@@ -37,10 +37,8 @@ def load_base_lazily(model: torch.nn.Module, name_or_path: str, key: str = "mode
     ``base_layer`` left out); fused 3-D ``...experts.<name>`` (E, a, b) or transposed (E, b, a); per-expert
     ``...experts.<e>.<name>.weight`` stacked, ``gate_up_proj`` = ``gate_proj`` and ``up_proj`` rows concatenated;
     the prefix renames of `CHECKPOINT_RENAMES`. A module with ``checkpoint_offset`` o and n rows gets rows [o, o + n).
-
-    Raises:
-        ConfigError: a parameter with no tensor in the checkpoint or one of another shape (says to set ``<key>=false``).
-    """
+    Raises ConfigError: a parameter with no tensor in the checkpoint or one of another shape (says to set
+    ``<key>=false``)."""
     from safetensors import safe_open
 
     hf = model.base_model.model if type(model).__module__.startswith("peft.") else model  # a PeftModel: its inner model

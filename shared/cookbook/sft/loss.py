@@ -45,8 +45,7 @@ def token_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk
     `model`: a causal LM (or DDP, FSDP2, PEFT, DeepSpeed wrapper) returning ``logits`` (B, L, V); `batch`:
     ``input_ids`` and ``labels`` (B, L) and the other inputs on its device (``cu_seq_lens`` goes to varlen attention).
     `chunk_size` 0 (``train.loss=full``): the model's logits upcast to fp32; > 0 (``chunked``):
-    `chunked_token_loss_sum`, the same value up to rounding.
-    """
+    `chunked_token_loss_sum`, the same value up to rounding."""
     if chunk_size > 0:
         return chunked_token_loss_sum(model, batch, chunk_size)
     logits, labels = _shifted_logits(model, batch)
@@ -70,9 +69,7 @@ def chunked_token_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor
     `linear_cross_entropy_sum` takes the decoder's hidden states of the labelled positions, `chunk_size` tokens at a
     time, in a forward hook where FSDP2 still holds the head's gathered weight (the backward needs none). Tied
     embeddings and Gemma 2's logit soft cap work. Returns a 0-d fp32 tensor (nats) with the graph.
-
-    Raises:
-        ValueError: no ``logits_to_keep``, decoder or bias-free head; a head weight sharded or empty in the forward.
+    Raises ValueError: no ``logits_to_keep``, decoder or bias-free head; a head weight sharded or empty in the forward.
     """
     lm = _causal_lm(model)
     decoder, head = lm.get_decoder(), lm.get_output_embeddings()
@@ -169,10 +166,7 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels:
     `IGNORE_INDEX`; `softcap`: Gemma 2's ``cap * tanh(logits / cap)``. Memory: about 8 x chunk_size x V bytes plus the
     gradients of `hidden` and `weight` (computed in the forward when grad mode is on), instead of 12 x N x V; no
     matmul repeated. Returns a 0-d fp32 tensor (nats), differentiable w.r.t. `hidden` and `weight`.
-
-    Raises:
-        ValueError: shapes that do not match, ``chunk_size < 1``, a weight that is a DTensor shard or empty.
-    """
+    Raises ValueError: shapes that do not match, ``chunk_size < 1``, a weight that is a DTensor shard or empty."""
     from torch.distributed.tensor import DTensor
 
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1] or labels.shape != hidden.shape[:1]:
@@ -202,8 +196,7 @@ def count_label_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def token_loss_sums(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`token_loss_sum` with an evaluation's counts: ``loss_sum`` (nats), ``tokens`` (labelled) and ``correct``
-    (labelled tokens that are the logits' argmax), 0-d tensors.
-    """
+    (labelled tokens that are the logits' argmax), 0-d tensors."""
     logits, labels = _shifted_logits(model, batch)
     mask = labels != IGNORE_INDEX
     loss_sum = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
@@ -222,8 +215,7 @@ def evaluate(model: torch.nn.Module, batches: Iterable[dict[str, torch.Tensor]],
 
     Sharded models (FSDP2, ZeRO-3) gather in each forward, so every rank needs as many batches (`shard_for_eval`); a
     DDP model runs through its inner module. The model is put in eval mode and back. `context` wraps each forward
-    (an autocast); `on_batch` is called after each.
-    """
+    (an autocast); `on_batch` is called after each."""
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         model = model.module
     was_training = model.training

@@ -74,8 +74,7 @@ def show_examples(parts: Sequence[tuple[list[dict], SFTStats]], tokenizer, n: in
 
     Args:
         parts: ``(examples, stats)`` per source, examples in row order (``stats.example_rows`` gives their rows).
-        n: examples shown per source (0: counts only).
-    """
+        n: examples shown per source (0: counts only)."""
     out = [f"labelled tokens (in the loss) are between {OPEN} and {CLOSE}"]
     for examples, stats in parts:
         name = Path(stats.source).name or stats.source
@@ -100,7 +99,8 @@ def refusal(stats: SFTStats, max_dropped_fraction: float) -> str:
 def show_data(cfg, tokenizer, n: int) -> str:
     """`show_examples` for a recipe's ``data`` section (`cookbook.sft.DataConfig`): each train file (or the hub
     data set) tokenized as `cookbook.sft.load_examples` does, before the held-out split (said in a last line) and
-    packing; a source that training would refuse (too many rows dropped) is shown with the refusal instead of stopping."""
+    packing; a source that training would refuse (too many rows dropped) is shown with the refusal instead of stopping.
+    """
     from cookbook.sft.data import load_hub_rows, load_rows, prepare
 
     kwargs = dict(cfg.chat_template_kwargs) or None

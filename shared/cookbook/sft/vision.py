@@ -57,11 +57,8 @@ def to_vl_messages(row: dict, where: str) -> tuple[list[dict], list[Any]]:
     of parts, others strings). Rows: ``{"images": [...], "messages": [...]}`` with ``{"type": "image"}`` and
     ``{"type": "text", "text"}`` parts (TRL's layout), or ``{"image": ..., "messages": [...]}``; an image is a path
     relative to the data file or a PIL image. Images without image parts go before the first user turn's text.
-
-    Raises:
-        SFTDataError: ``"<where>: ..."``: no image; images and image parts differ in number; an image part outside a
-            user turn; an unknown role or part; no or an empty assistant turn.
-    """
+    Raises SFTDataError: ``"<where>: ..."``: no image; images and image parts differ in number; an image part outside a
+    user turn; an unknown role or part; no or an empty assistant turn."""
     images = row.get("images", row.get("image"))
     images = images if isinstance(images, list) else [] if images is None else [images]
     if not images or any(im is None for im in images):
@@ -115,10 +112,7 @@ def to_vl_messages(row: dict, where: str) -> tuple[list[dict], list[Any]]:
 
 def open_image(ref: Any, base_dir: Path | None, where: str):
     """Decode one image (a path, relative to `base_dir` unless absolute, or a PIL image) to RGB.
-
-    Raises:
-        SFTDataError: ``"<where>: ..."`` naming the file: not found or not decodable; neither a path nor an image.
-    """
+    Raises SFTDataError: ``"<where>: ..."`` naming the file: not found or not decodable; neither a path nor an image."""
     from PIL import Image
 
     if isinstance(ref, Image.Image):
@@ -139,11 +133,8 @@ def vl_example(row: dict, where: str, base_dir: Path | None, tokenizer, image_pr
                max_length: int, template_kwargs: dict | None = None, no_loss: bool = False) -> dict[str, Any]:
     """One image + text row as model inputs: ``input_ids`` and ``labels`` (L <= max_length; ``no_loss``: all
     -100), ``pixel_values`` (P, C * T * p * p) for the P patches of all images and ``image_grid_thw`` (n_images, 3).
-
-    Raises:
-        SFTDataError: ``"<where>: ..."``: see `to_vl_messages` and `open_image`; another number of image placeholders
-            in the template's output; the image tokens do not fit in max_length.
-    """
+    Raises SFTDataError: ``"<where>: ..."``: see `to_vl_messages` and `open_image`; another number of image placeholders
+    in the template's output; the image tokens do not fit in max_length."""
     messages, refs = to_vl_messages(row, where)
     images = [open_image(ref, base_dir, where) for ref in refs]
     try:
@@ -174,8 +165,7 @@ def vl_example(row: dict, where: str, base_dir: Path | None, tokenizer, image_pr
 
 class VLDataset(torch.utils.data.Dataset):
     """Image + text rows, tokenized and decoded when read; `items` are ``(source, row index, no_loss)``
-    (``no_loss`` rows pad eval shards); `kwargs` are `vl_example`'s after ``base_dir``.
-    """
+    (``no_loss`` rows pad eval shards); `kwargs` are `vl_example`'s after ``base_dir``."""
 
     def __init__(self, items: list[tuple[VLSource, int, bool]], **kwargs):
         self.items, self.kwargs = items, kwargs
@@ -192,10 +182,7 @@ class VLDataset(torch.utils.data.Dataset):
 def load_vl_items(cfg: Any, seed: int) -> tuple[list[tuple], list[tuple]]:
     """Train and eval items ``(source, row index, no_loss)`` of `cfg`'s ``train_files`` (or the ``hub_id`` data set)
     and ``eval_files``; without eval files a ``eval_fraction`` of each source, seeded by `seed`, is held out.
-
-    Raises:
-        SFTDataError: see `cookbook.sft.load_rows` (rows themselves are checked when read).
-    """
+    Raises SFTDataError: see `cookbook.sft.load_rows` (rows themselves are checked when read)."""
     if cfg.train_files:
         sources = [VLSource(f, load_rows(f), Path(f).parent) for f in cfg.train_files]
     else:
@@ -228,8 +215,7 @@ def shard_items_for_eval(items: list[tuple], rank: int, world_size: int) -> list
 
 def check_vl_items(dataset: VLDataset, hub_rows: int = 16) -> tuple[int, int]:
     """Read every local item of `dataset` (tokenized, images decoded) and the first `hub_rows` hub items before
-    training; returns ``(rows checked, images decoded)``; raises the first bad row's `SFTDataError`.
-    """
+    training; returns ``(rows checked, images decoded)``; raises the first bad row's `SFTDataError`."""
     local = [i for i, item in enumerate(dataset.items) if item[0].base_dir is not None]
     hub = [i for i, item in enumerate(dataset.items) if item[0].base_dir is None][:hub_rows]
     n_images = sum(len(dataset[i]["image_grid_thw"]) for i in local + hub)
@@ -250,10 +236,7 @@ def collate_vl(rows: list[dict], pad_id: int, image_token_id: int) -> dict[str, 
 def load_vl_processors(name_or_path: str, min_pixels: int | None = None, max_pixels: int | None = None):
     """``(tokenizer, image_processor)`` of a vision-language model (folder or hub id); the tokenizer carries the
     chat template (from the processor when only it has one); `min_pixels` / `max_pixels` bound each image's size.
-
-    Raises:
-        OSError: no tokenizer or image processor files (transformers' error).
-    """
+    Raises OSError: no tokenizer or image processor files (transformers' error)."""
     from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(name_or_path)
