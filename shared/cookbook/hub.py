@@ -1,11 +1,7 @@
-"""Model folders and data files from a local path or the Hugging Face Hub (``HF_HUB_CACHE`` / ``HF_HOME``,
-``HF_HUB_OFFLINE``, ``HF_TOKEN`` apply).
-
-`resolve_path` is `cookbook.config.resolve_path` that also calls `prepare_access` for a hub id: one quick
-reachability check (`offline_unless_reachable`) and the download bars, once per process before the first hub id is
-used (docs/notes.md#the-hub-without-a-network-huggingface_hub-1x). `model_folder` gives a model's folder;
-`dataset_to_text` and `file_to_text` write a hub data set or a local table once in a recipe's one-row-a-line format.
-"""
+"""Model folders and data files from a local path or the Hugging Face Hub (``HF_HUB_CACHE``, ``HF_HUB_OFFLINE``,
+``HF_TOKEN`` apply). `resolve_path`: a config path, calling `prepare_access` (one reachability check, the download
+bars: docs/notes.md#the-hub-without-a-network-huggingface_hub-1x) once before a hub id's first use. `model_folder`,
+`dataset_to_text` and `file_to_text` (written once in a recipe's one-row-a-line format)."""
 
 from __future__ import annotations
 
@@ -20,7 +16,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 from cookbook import config
 from cookbook.errors import ConfigError
 from cookbook.progress import is_terminal
-from cookbook.push import PUSHED, HubPushError, check_push, looks_like_hub_id, push_to_hub  # noqa: F401 (their old home)
+from cookbook.push import PUSHED, HubPushError, looks_like_hub_id, push_to_hub  # noqa: F401 (their old home)
 from cookbook.tabular import DataError, first_csv_row, records
 
 _WEIGHT_FILES = ("*.json", "*.safetensors")  # config.json, the safetensors index and shards

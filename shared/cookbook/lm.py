@@ -1,8 +1,6 @@
-"""Model-side helpers of the causal language model recipes: real-token counts of a batch, random
-initialisation of FSDP2-sharded models that does not depend on the sharding, and attention
-implementations that cannot train where the run is, and activation checkpointing of chosen modules
-(`checkpoint_modules`).
-"""
+"""Model-side helpers of the causal-LM recipes: real-token counts of a batch, a random initialisation of
+FSDP2-sharded models independent of the sharding, attention implementations that cannot train here, activation
+checkpointing of chosen modules."""
 
 from __future__ import annotations
 

@@ -1,12 +1,10 @@
-"""Rows of tabular data files (CSV, TSV, JSON / JSONL, parquet), each with its 1-based place in the file.
+"""Rows of tabular files (CSV, TSV, JSON / JSONL, parquet) with their place in the file::
 
     for where, row in records("train.csv", required=["text", "label"]):
         label = to_int(row["label"])             # "3", "3.0", 3 and 3.0 are all 3
 
-``where`` is ``"<path> line <n>"`` (CSV, TSV, JSONL) or ``"<path> row <n>"`` (JSON array, parquet). Accepted: a
-UTF-8 byte-order mark, CRLF or LF, quoted CSV fields (RFC 4180), blank lines (skipped). Anything else raises one
-`DataError` naming the file, the line or row and the field.
-"""
+``where``: ``"<path> line <n>"`` (CSV, TSV, JSONL) or ``"<path> row <n>"`` (JSON array, parquet). A BOM, CRLF,
+quoted fields and blank lines are accepted; anything else is one `DataError` naming file, line or row and field."""
 
 from __future__ import annotations
 

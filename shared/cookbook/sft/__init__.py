@@ -14,8 +14,8 @@ from cookbook.sft.template import (check_tools_rendered, check_vocab, reasoning_
                                    template_conversation, tokenize_conversation)
 from cookbook.sft.data import (collate, load_examples, pack, pad_batch, pad_token_id, prepare,  # noqa: F401
                                shard_for_eval, training_rows)
-from cookbook.sft.loss import (chunked_token_loss_sum, count_label_tokens, evaluate,  # noqa: F401
-                               linear_cross_entropy_sum, token_loss_sum, token_loss_sums)
+from cookbook.sft.loss import (chunked_token_loss_sum, evaluate, linear_cross_entropy_sum,  # noqa: F401
+                               token_loss_sum, token_loss_sums)
 from cookbook.sft.attention import register_varlen, varlen_attention  # noqa: F401
 from cookbook.sft.config import (MAY_CHANGE, DataConfig, check_data, check_data_config,  # noqa: F401
                                  check_one_step, check_positions, load_tokenizer, resolve_paths)

@@ -1,9 +1,6 @@
 """The ``varlen`` attention back-end for transformers: packed documents through PyTorch's variable-length
-FlashAttention kernel, with no attention across documents and no T x T mask.
-
-A recipe calls `register_varlen` once, before it builds its model; then ``attn_implementation="varlen"``
-selects it, and `cookbook.sft.collate` / `cookbook.sft.token_loss_sum` hand it the document boundaries.
-"""
+FlashAttention kernel, no attention across documents, no T x T mask. `register_varlen` once before building the model,
+then ``attn_implementation="varlen"``; `cookbook.sft.collate` hands it the document boundaries."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
 """The SFT objective and its evaluation: next-token cross entropy summed over labelled (assistant) tokens.
-
-Two ways to compute the same training loss (`token_loss_sum`): ``full`` takes the model's logits
-(B, L, V) and upcasts them to fp32, so three fp32 tensors of B·L x V exist at the start of the
-backward (12 bytes per logit: 14 GiB for 8,192 tokens over Qwen3's 151,936 tokens); ``chunked``
-(`linear_cross_entropy_sum`) takes the final hidden states and the output projection's weight and
-computes logits, loss and gradients a chunk of labelled tokens at a time, so only one chunk's logits
-exist at any moment.
-"""
+``full`` (`token_loss_sum`) upcasts the (B, L, V) logits to fp32 (12 bytes per logit in the backward: 14 GiB for
+8,192 tokens of Qwen3's 151,936); ``chunked`` (`linear_cross_entropy_sum`) computes logits, loss and gradients from
+the final hidden states a chunk of labelled tokens at a time."""
 
 from __future__ import annotations
 
@@ -40,7 +35,7 @@ def _shifted_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> t
 
 def token_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk_size: int = 0) -> torch.Tensor:
     """Summed next-token cross entropy over the labelled tokens of one batch (0-d fp32 tensor, nats, with the
-    graph): the training loss before dividing by the global batch's labelled tokens (`count_label_tokens`).
+    graph): the training loss before dividing by the global batch's labelled tokens.
 
     `model`: a causal LM (or DDP, FSDP2, PEFT, DeepSpeed wrapper) returning ``logits`` (B, L, V); `batch`:
     ``input_ids`` and ``labels`` (B, L) and the other inputs on its device (``cu_seq_lens`` goes to varlen attention).
@@ -186,12 +181,6 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels:
             total += _chunk_loss(hidden[start:start + chunk_size], weight, labels[start:start + chunk_size], softcap,
                                  grad=False)[0]
         return total
-
-
-def count_label_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The number of tokens `token_loss_sum` sums over: labels other than `IGNORE_INDEX` at positions 1..L-1
-    (0-d int64 tensor on the labels' device)."""
-    return (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
 
 
 def token_loss_sums(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -112,14 +112,14 @@ def _text(value: Any, where: str, field: str, allow_empty: bool = True, answer: 
     return value
 
 
-TEXT_KEYS = ("text", "value", "content")  # where a typed part keeps its text (OpenAI: text; Hugging Face / others: value)
+_TEXT_KEYS = ("text", "value", "content")  # where a typed part keeps its text (OpenAI: text; Hugging Face / others: value)
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # a turn's reasoning (TRL / Qwen3, GPT-OSS, others)
 _PART_KINDS = {"text": "text", "input_text": "text", "output_text": "text", "reasoning": "reasoning",
                "thinking": "reasoning", "tool_call": "tool_call", "tool_use": "tool_call", "function_call": "tool_call"}
 _IMAGE_KINDS = ("image", "image_url", "input_image", "video", "audio", "input_audio")
 
 
-def _part_text(part: dict, kind: str, where: str, path: str, keys: tuple[str, ...] = TEXT_KEYS) -> str:
+def _part_text(part: dict, kind: str, where: str, path: str, keys: tuple[str, ...] = _TEXT_KEYS) -> str:
     for key in (kind, *keys) if kind not in keys else keys:
         if isinstance(part.get(key), str):
             return part[key]

@@ -30,7 +30,7 @@ def _decode(tokenizer, ids: list[int], repeat: int = 4) -> str:
     return "".join(out)
 
 
-def render_example(example: dict, tokenizer) -> str:
+def _render_example(example: dict, tokenizer) -> str:
     """The decoded ``input_ids`` of one example, each run of labelled tokens between ``[[`` and ``]]`` (a run of
     4 or more of one special token, such as image placeholders, written ``<tok> x N``)."""
     ids, labels = example["input_ids"], example["labels"]
@@ -69,7 +69,7 @@ def field_counts(stats: SFTStats) -> list[str]:
 
 
 def show_examples(parts: Sequence[tuple[list[dict], SFTStats]], tokenizer, n: int) -> str:
-    """The text `--show-examples` prints: per source, its first `n` examples (`render_example`, with the row each
+    """The text `--show-examples` prints: per source, its first `n` examples (`_render_example`, with the row each
     came from: its line in a JSONL file) and its counts per field (`field_counts`).
 
     Args:
@@ -82,7 +82,7 @@ def show_examples(parts: Sequence[tuple[list[dict], SFTStats]], tokenizer, n: in
             row = stats.label(stats.example_rows[k]) if k < len(stats.example_rows) else "row ?"
             n_loss = sum(label != IGNORE_INDEX for label in ex["labels"])
             out += ["", f"--- {name} example {k + 1} of {len(examples)} ({row}, {len(ex['input_ids'])} tokens, "
-                        f"{n_loss} labelled)", render_example(ex, tokenizer)]
+                        f"{n_loss} labelled)", _render_example(ex, tokenizer)]
         out += ["", f"--- {name}: counts per field", *field_counts(stats)]
     return "\n".join(out)
 

@@ -1,15 +1,12 @@
-"""Image + text rows for vision-language models (Qwen-VL family): rows -> chat messages with image parts ->
-token ids with assistant-only labels (each image placeholder repeated once per merged patch) and the images cut
-into patches by the model's image processor::
+"""Image + text rows for vision-language models (Qwen-VL family): messages with image parts -> token ids with
+assistant-only labels (an image placeholder repeated once per merged patch) and the image processor's patches::
 
     tokenizer, image_processor = load_vl_processors(model_path, max_pixels=512 * 512)
     train_items, eval_items = load_vl_items(cfg.data, seed=42)          # (source, row, no_loss) items
     dataset = VLDataset(train_items, tokenizer=tokenizer, image_processor=image_processor,
                         image_token_id=hf_config.image_token_id, max_length=2048)
 
-Rows are read when indexed (in the loader's workers); bad rows raise `SFTDataError` naming the file, the row (a
-JSONL file's line, else 1-based) and the image; `check_vl_items` reads every local row once before training.
-"""
+Rows are read when indexed; `check_vl_items` reads every local row once before training."""
 
 from __future__ import annotations
 
@@ -45,7 +42,7 @@ def is_vision_language(hf_config) -> bool:
 
 
 @dataclass
-class VLSource:
+class _VLSource:
     """The rows of one data file or hub data set of image + text pairs; image paths are relative to ``base_dir``."""
     name: str
     rows: Any  # list[dict] (a JSON / JSONL file) or a datasets.Dataset (rows and their images read on access)
@@ -110,7 +107,7 @@ def to_vl_messages(row: dict, where: str) -> tuple[list[dict], list[Any]]:
     return messages, images
 
 
-def open_image(ref: Any, base_dir: Path | None, where: str):
+def _open_image(ref: Any, base_dir: Path | None, where: str):
     """Decode one image (a path, relative to `base_dir` unless absolute, or a PIL image) to RGB.
     Raises SFTDataError: ``"<where>: ..."`` naming the file: not found or not decodable; neither a path nor an image."""
     from PIL import Image
@@ -133,10 +130,10 @@ def vl_example(row: dict, where: str, base_dir: Path | None, tokenizer, image_pr
                max_length: int, template_kwargs: dict | None = None, no_loss: bool = False) -> dict[str, Any]:
     """One image + text row as model inputs: ``input_ids`` and ``labels`` (L <= max_length; ``no_loss``: all
     -100), ``pixel_values`` (P, C * T * p * p) for the P patches of all images and ``image_grid_thw`` (n_images, 3).
-    Raises SFTDataError: ``"<where>: ..."``: see `to_vl_messages` and `open_image`; another number of image placeholders
+    Raises SFTDataError: ``"<where>: ..."``: see `to_vl_messages`, `_open_image`; another number of image placeholders
     in the template's output; the image tokens do not fit in max_length."""
     messages, refs = to_vl_messages(row, where)
-    images = [open_image(ref, base_dir, where) for ref in refs]
+    images = [_open_image(ref, base_dir, where) for ref in refs]
     try:
         ids, labels, _ = tokenize_conversation(tokenizer, messages, 1 << 30, template_kwargs)
     except SFTDataError as exc:
@@ -167,7 +164,7 @@ class VLDataset(torch.utils.data.Dataset):
     """Image + text rows, tokenized and decoded when read; `items` are ``(source, row index, no_loss)``
     (``no_loss`` rows pad eval shards); `kwargs` are `vl_example`'s after ``base_dir``."""
 
-    def __init__(self, items: list[tuple[VLSource, int, bool]], **kwargs):
+    def __init__(self, items: list[tuple[_VLSource, int, bool]], **kwargs):
         self.items, self.kwargs = items, kwargs
 
     def __len__(self) -> int:
@@ -184,11 +181,11 @@ def load_vl_items(cfg: Any, seed: int) -> tuple[list[tuple], list[tuple]]:
     and ``eval_files``; without eval files a ``eval_fraction`` of each source, seeded by `seed`, is held out.
     Raises SFTDataError: see `cookbook.sft.load_rows` (rows themselves are checked when read)."""
     if cfg.train_files:
-        sources = [VLSource(f, load_rows(f), Path(f).parent) for f in cfg.train_files]
+        sources = [_VLSource(f, load_rows(f), Path(f).parent) for f in cfg.train_files]
     else:
         import datasets
 
-        sources = [VLSource(cfg.hub_id, datasets.load_dataset(cfg.hub_id, split="train"))]
+        sources = [_VLSource(cfg.hub_id, datasets.load_dataset(cfg.hub_id, split="train"))]
     train, evals = [], []
     for source in sources:
         order = list(range(len(source.rows)))
@@ -199,7 +196,7 @@ def load_vl_items(cfg: Any, seed: int) -> tuple[list[tuple], list[tuple]]:
             order = sorted(order[n_eval:])
         train += [(source, i, False) for i in order]
     for f in cfg.eval_files:
-        source = VLSource(f, load_rows(f), Path(f).parent)
+        source = _VLSource(f, load_rows(f), Path(f).parent)
         evals += [(source, i, False) for i in range(len(source.rows))]
     return train, evals
 
