@@ -125,15 +125,21 @@ def load_examples(cfg: Any, tokenizer, seed: int) -> tuple[list[dict], list[dict
     for source, rows in sources:
         examples, st = prepare(rows, tokenizer, cfg.max_length, source, kwargs, **options)
         if not eval_files and cfg.eval_fraction > 0:
-            order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
-            n_eval = max(1, int(len(examples) * cfg.eval_fraction))
-            evals += [examples[i] for i in sorted(order[:n_eval])]
-            examples = [examples[i] for i in sorted(order[n_eval:])]
+            kept, held = hold_out(len(examples), cfg.eval_fraction, seed)
+            evals += [examples[i] for i in held]
+            examples = [examples[i] for i in kept]
         train += examples
         parts.append(st)
     for f in eval_files:
         evals += prepare(load_rows(f), tokenizer, cfg.max_length, f, kwargs, **options)[0]
     return train, evals, SFTStats.merge(parts)
+
+
+def hold_out(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """``(train, held out)`` indices of `n` items, in order: a seeded `fraction` (at least one) held out."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    n_eval = max(1, int(n * fraction))
+    return sorted(order[n_eval:]), sorted(order[:n_eval])
 
 
 def shard_for_eval(rows: list[dict], rank: int, world_size: int) -> list[dict]:

@@ -116,6 +116,21 @@ def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
     return loss, g.to(hidden.dtype)
 
 
+def _chunked(hidden, weight, labels, chunk_size, softcap, grad_h=None, grad_w=None) -> torch.Tensor:
+    """The summed loss over chunks of `chunk_size` rows, writing the gradients into `grad_h` / `grad_w` if given."""
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for start in range(0, hidden.shape[0], chunk_size):
+        h = hidden[start:start + chunk_size]
+        loss, g = _chunk_loss(h, weight, labels[start:start + chunk_size], softcap,
+                              grad=grad_h is not None or grad_w is not None)
+        total += loss
+        if grad_h is not None:
+            torch.mm(g, weight, out=grad_h[start:start + chunk_size])
+        if grad_w is not None:
+            grad_w.addmm_(g.t(), h)
+    return total
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """Loss and gradients in one pass, chunk by chunk (the scheme of Liger Kernel's fused linear cross
     entropy, Hsu et al. 2024, arXiv:2410.10989, in plain PyTorch): the forward keeps only the gradients
@@ -126,15 +141,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, labels, chunk_size, softcap):
         grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for start in range(0, hidden.shape[0], chunk_size):
-            h = hidden[start:start + chunk_size]
-            loss, g = _chunk_loss(h, weight, labels[start:start + chunk_size], softcap, grad=True)
-            total += loss
-            if grad_h is not None:
-                torch.mm(g, weight, out=grad_h[start:start + chunk_size])
-            if grad_w is not None:
-                grad_w.addmm_(g.t(), h)
+        total = _chunked(hidden, weight, labels, chunk_size, softcap, grad_h, grad_w)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.used = False
         return total
@@ -176,11 +183,7 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels:
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _LinearCrossEntropy.apply(hidden, weight, labels, chunk_size, softcap)
     with torch.no_grad():
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for start in range(0, hidden.shape[0], chunk_size):
-            total += _chunk_loss(hidden[start:start + chunk_size], weight, labels[start:start + chunk_size], softcap,
-                                 grad=False)[0]
-        return total
+        return _chunked(hidden, weight, labels, chunk_size, softcap)
 
 
 def token_loss_sums(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

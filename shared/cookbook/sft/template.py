@@ -86,11 +86,12 @@ def _inline_reasoning(tokenizer, messages: list[dict]) -> list[dict]:
     return out
 
 
-def _check_tools_rendered(tokenizer, messages: list[dict], tools: list[dict] | None, kwargs: dict | None,
-                          turns: dict[int, str]) -> None:
-    """Refuse a template that drops the row's tools, tool calls or tool results: each tool name must appear in
-    the rendering, each call's name in its turn's labelled text (`turns`: message index -> text), each tool result as
-    is or JSON-quoted (Llama 3.1 writes ``content | tojson``)."""
+def check_tools_rendered(tokenizer, messages: list[dict], tools: list[dict] | None, text: str = "",
+                         kwargs: dict | None = None, turns: dict[int, str] | None = None) -> None:
+    """Refuse, in one `SFTDataError`, a template that drops the row's tools, tool calls or tool results: each tool
+    name must appear in the rendering, each call's name in its turn's labelled text (`turns`: message index -> text;
+    None: `text`, the rendered conversation), each tool result as is or JSON-quoted (Llama 3.1: ``content | tojson``)."""
+    turns = {i: text for i, m in enumerate(messages) if m.get("tool_calls")} if turns is None else turns
     text = _render(tokenizer, messages, False, kwargs, tools, tokenize=False) if tools or any(
         m["role"] == "tool" for m in messages) else ""
     for tool in tools or ():
@@ -164,7 +165,7 @@ def _encode(tokenizer, messages: list[dict], kwargs: dict | None, tools: list[di
         if messages[i].get("tool_calls"):
             turns[i] = tokenizer.decode(full[start:stop])
             counts["calls"].append((start, len(messages[i]["tool_calls"])))
-    _check_tools_rendered(tokenizer, messages, tools, kwargs, turns)
+    check_tools_rendered(tokenizer, messages, tools, kwargs=kwargs, turns=turns)
     return full, labels, counts
 
 
@@ -215,14 +216,6 @@ def template_conversation(row: dict, row_number: int | str, source: str, tokeniz
     except SFTDataError as exc:
         raise SFTDataError(str(exc) if str(exc).startswith(source) else f"{source} {row_label(row_number)}: {exc}") from None
     return messages, tools
-
-
-def check_tools_rendered(tokenizer, messages: list[dict], tools: list[dict] | None, text: str,
-                         chat_template_kwargs: dict | None = None) -> None:
-    """Refuse a chat template that leaves out the row's tools, tool calls or tool results (`text`: the rendered
-    conversation); raises `SFTDataError` naming what it dropped."""
-    calls = {i: text for i, m in enumerate(messages) if m.get("tool_calls")}
-    _check_tools_rendered(tokenizer, messages, tools, chat_template_kwargs, calls)
 
 
 def _place_reasoning(messages: list[dict], reasoning: str, target: str | None, kwargs: dict | None,

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from cookbook.sft.data import pad_batch
+from cookbook.sft.data import hold_out, pad_batch
 from cookbook.sft.rows import IGNORE_INDEX, REASONING_KEYS, ROLES, SFTDataError, load_rows, row_label
 from cookbook.sft.template import tokenize_conversation
 
@@ -188,12 +188,9 @@ def load_vl_items(cfg: Any, seed: int) -> tuple[list[tuple], list[tuple]]:
         sources = [_VLSource(cfg.hub_id, datasets.load_dataset(cfg.hub_id, split="train"))]
     train, evals = [], []
     for source in sources:
-        order = list(range(len(source.rows)))
-        if not cfg.eval_files and cfg.eval_fraction > 0:
-            order = torch.randperm(len(order), generator=torch.Generator().manual_seed(seed)).tolist()
-            n_eval = max(1, int(len(order) * cfg.eval_fraction))
-            evals += [(source, i, False) for i in sorted(order[:n_eval])]
-            order = sorted(order[n_eval:])
+        order, held = hold_out(len(source.rows), cfg.eval_fraction, seed) if not cfg.eval_files and \
+            cfg.eval_fraction > 0 else (range(len(source.rows)), [])
+        evals += [(source, i, False) for i in held]
         train += [(source, i, False) for i in order]
     for f in cfg.eval_files:
         source = _VLSource(f, load_rows(f), Path(f).parent)
