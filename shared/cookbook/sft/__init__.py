@@ -3,8 +3,7 @@
 `rows` (chat / Alpaca / ShareGPT rows -> messages), `template` (token ids, loss on assistant tokens only through the
 chat template), `stats` (what was kept, cut, dropped), `data` (`prepare`, packing, padding, batches), `loss` (the
 summed next-token loss, `evaluate`), `attention` (the ``varlen`` back-end), `config` (the ``data`` section and what
-``--check`` verifies), `show` (``--show-examples N``); `vision` (image + text rows) and `lazy_load` (shard-by-shard
-safetensors loading) by name. Row formats and labelling rules: docs/sft-data.md.
+``--check`` verifies), `show` (``--show-examples N``). Row formats and labelling rules: docs/sft-data.md.
 """
 
 from cookbook.sft.rows import (IGNORE_INDEX, ROLES, EmptyAnswerError, RowList, SFTDataError,  # noqa: F401
@@ -20,4 +19,3 @@ from cookbook.sft.attention import register_varlen, varlen_attention  # noqa: F4
 from cookbook.sft.config import (MAY_CHANGE, DataConfig, check_data, check_data_config,  # noqa: F401
                                  check_one_step, check_positions, load_tokenizer, resolve_paths)
 from cookbook.sft.show import show_data, show_examples  # noqa: F401
-from cookbook.sft import lazy_load, vision  # noqa: F401
