@@ -30,10 +30,7 @@ class HubPushError(OneLineError):
 
 def check_push(checkpoint: Any, key: str = "checkpoint.push_to_hub") -> None:
     """Refuse, before training, a ``checkpoint.push_to_hub`` that cannot work.
-
-    Raises:
-        ConfigError: not a repo id (``org/name``); nothing is exported; ``HF_HUB_OFFLINE`` is set; no token.
-    """
+    Raises ConfigError: not a repo id (``org/name``); nothing is exported; ``HF_HUB_OFFLINE`` is set; no token."""
     from huggingface_hub import constants, get_token
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
@@ -85,10 +82,8 @@ def push_to_hub(repo_id: str, folder: str | Path, config: Mapping[str, Any], met
                 key: str = "checkpoint.push_to_hub") -> str:
     """Write the model card into `folder` and upload it to the model repo `repo_id` (created if missing) with
     ``HfApi.upload_folder``; returns the commit's URL.
-
-    Raises:
-        HubPushError: the repo could not be created or the upload failed: one line with the reason and the retry command.
-    """
+    Raises HubPushError: the repo could not be created or the upload failed: one line with the reason and the retry
+    command."""
     from huggingface_hub import HfApi
 
     folder = Path(folder)
