@@ -103,6 +103,28 @@ def test_adapter_reloads_with_equal_logits(runs):
     assert (a - c).abs().max() > 1e-3
 
 
+def test_tool_calls_of_rows_dropped_by_max_length_are_not_counted_as_trained():
+    """Issue 34: rows cut before their answer by data.max_length (within max_dropped_fraction) train none of their
+    tool calls; the summary counts them apart."""
+    from transformers import AutoTokenizer
+
+    mod = load_recipe("gpt-oss-lora-trl")
+    tokenizer = AutoTokenizer.from_pretrained(TINY / "gpt_oss")
+    path = TINY / "data" / "chat.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    calls = [sum(len(m.get("tool_calls") or ()) for m in row["messages"]) for row in rows]
+    examples, _ = mod.tokenize_rows(rows, tokenizer, mod.DataConfig(max_length=512), path.name)  # one per row
+    answer_at = max(e["labels"].index(next(x for x in e["labels"] if x != -100)) for e, c in zip(examples, calls) if c)
+    cfg = mod.DataConfig(max_length=answer_at, max_dropped_fraction=0.5)  # a tool row's answer starts at the cut
+    _, stats = mod.tokenize_rows(rows, tokenizer, cfg, path.name)
+    kept = sorted(set(stats.example_rows))
+    assert stats.dropped >= 1 and any(calls[n - 1] for n, _ in stats.dropped_rows)
+    assert (stats.tool_calls, stats.tool_call_rows) == (sum(calls[n - 1] for n in kept),
+                                                        sum(calls[n - 1] > 0 for n in kept))
+    assert stats.tool_calls_cut == sum(calls[n - 1] for n, _ in stats.dropped_rows)
+    assert f"{stats.tool_calls_cut} not trained (dropped or cut at max_length)" in stats.summary()
+
+
 def test_labels_are_the_final_channel_only():
     from transformers import AutoTokenizer
 

@@ -259,7 +259,7 @@ def test_download_bars_come_back_on_a_terminal_only(monkeypatch):
 
 def test_resolve_path_asks_the_hub_only_for_a_hub_id(tmp_path, monkeypatch):
     import cookbook.hub
-    from cookbook.config import resolve_path
+    from cookbook.hub import resolve_path
 
     asked = []
     monkeypatch.setattr(cookbook.hub, "prepare_access", lambda: asked.append(True))

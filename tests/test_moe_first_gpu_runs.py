@@ -10,9 +10,9 @@ import pytest
 from transformers import AutoConfig
 
 from conftest import recipe_modules
-from cookbook.sft.vision import load_vl_processors, vl_example
 
-(moe_model,) = recipe_modules("moe-lora-fsdp2-ep", "moe_model")
+moe_model, image_text = recipe_modules("moe-lora-fsdp2-ep", "moe_model", "image_text")
+load_vl_processors, vl_example = image_text.load_vl_processors, image_text.vl_example
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = ROOT / "recipes" / "moe-lora-fsdp2-ep"

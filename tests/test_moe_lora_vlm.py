@@ -19,9 +19,10 @@ from conftest import ROOT, check, free_ports, load_recipe, read_jsonl, train_los
 
 from cookbook import sft
 from cookbook.sft import SFTDataError
-from cookbook.sft.vision import VLDataset, collate_vl, load_vl_items, load_vl_processors
 
-expert_parallel, moe_model = recipe_modules("moe-lora-fsdp2-ep", "expert_parallel", "moe_model")
+expert_parallel, moe_model, image_text = recipe_modules("moe-lora-fsdp2-ep", "expert_parallel", "moe_model", "image_text")
+VLDataset, collate_vl, load_vl_items, load_vl_processors = (image_text.VLDataset, image_text.collate_vl,
+                                                            image_text.load_vl_items, image_text.load_vl_processors)
 
 RECIPE = TEXT_RECIPE = ROOT / "recipes" / "moe-lora-fsdp2-ep"  # TEXT_RECIPE: its tiny text models (shard-by-shard loading)
 TINY_VL = RECIPE / "tiny" / "qwen3-vl-moe"

@@ -416,6 +416,32 @@ def test_tool_calls_are_counted_in_the_summary_and_the_shown_counts(tokenizer):
     assert (merged.tool_call_rows, merged.tool_calls) == (3, 4)
 
 
+def test_tool_calls_are_counted_as_training_keeps_them(tokenizer):
+    """Issue 34: a tool row dropped by data.max_length (within max_dropped_fraction), or a kept row whose tool call
+    lies past the cut, trains no tool call: the summary counts them apart, not with the kept ones."""
+    from cookbook.sft.show import field_counts
+
+    tok = real_template(tokenizer, "qwen2.5")
+    chat = {"messages": CONVERSATION}
+    late = {"messages": [*CONVERSATION, {"role": "user", "content": "The weather?"}, TOOL_MESSAGES[1],
+                         TOOL_MESSAGES[2], TOOL_MESSAGES[3]], "tools": TOOLS}
+    (tool_ex,), _ = prepare([TOOL_ROW], tok, 4096, "t.jsonl")
+    first_label = spans(tool_ex["labels"])[0][0]  # cut there, TOOL_ROW keeps no labelled token: dropped
+    _, dropped = prepare([chat, TOOL_ROW, chat], tok, first_label, "t.jsonl", max_dropped_fraction=0.5)
+    assert (dropped.examples, dropped.dropped, dropped.dropped_rows[0][0]) == (2, 1, 2)
+    assert (dropped.tool_calls, dropped.tool_call_rows, dropped.tool_calls_cut) == (0, 0, 1)
+    assert "tool calls: 0 in 0 rows, 1 not trained (dropped or cut at max_length)" in dropped.summary()
+    assert "  tool calls      0 in 0 rows, 1 not trained (dropped or cut at max_length)" in field_counts(dropped)
+    (full,), _ = prepare([late], tok, 4096, "t.jsonl")
+    call_start = spans(full["labels"])[2][0]  # the third labelled turn is the tool call
+    (ex,), cut = prepare([late], tok, call_start, "t.jsonl")  # kept, cut before its tool call
+    assert (cut.examples, cut.truncated, cut.tool_calls, cut.tool_call_rows, cut.tool_calls_cut) == (1, 1, 0, 0, 1)
+    _, kept = prepare([chat, TOOL_ROW, late], tok, 4096, "t.jsonl")
+    assert (kept.tool_calls, kept.tool_call_rows, kept.tool_calls_cut) == (2, 2, 0)
+    assert SFTStats.merge([dropped, cut, kept]).tool_calls_note() == "tool calls: 2 in 2 rows, 2 not trained " \
+        "(dropped or cut at max_length)"
+
+
 def test_tool_rows_with_qwen3s_template_need_split_turns(tokenizer):
     tok = real_template(tokenizer, "qwen3")
     kwargs = {"enable_thinking": False}

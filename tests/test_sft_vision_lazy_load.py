@@ -1,16 +1,17 @@
-"""cookbook.sft.lazy_load (shard-by-shard safetensors loading into a meta-device model) and cookbook.sft.vision
+"""The MoE recipe's lazy_load.py (shard-by-shard safetensors loading into a meta-device model) and image_text.py
 (image + text rows) in one process, on the tiny models of the MoE recipes."""
 
 import json
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, recipe_modules
 
 from cookbook.config import ConfigError
 from cookbook.sft import SFTDataError
-from cookbook.sft.lazy_load import load_base_lazily
-from cookbook.sft.vision import collate_vl, to_vl_messages
+lazy_load, image_text = recipe_modules("moe-lora-fsdp2-ep", "lazy_load", "image_text")
+load_base_lazily = lazy_load.load_base_lazily
+collate_vl, to_vl_messages = image_text.collate_vl, image_text.to_vl_messages
 
 QWEN3_MOE = ROOT / "recipes" / "moe-lora-fsdp2-ep" / "tiny" / "qwen3-moe"
 

@@ -31,7 +31,8 @@ import torch
 import cookbook
 from cookbook import config, hf_trainer, lm, sft
 from cookbook.checkpoint import CheckpointError
-from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
+from cookbook.config import ConfigError, check_fields, cli_parser, load_config, save_config, to_dict
+from cookbook.hub import resolve_path
 from cookbook.launch import check_world_size
 from cookbook.loop import NonFinitePolicy
 
@@ -233,7 +234,6 @@ def tokenize_rows(rows: list[dict], tokenizer, cfg: DataConfig, source: str) -> 
         except sft.EmptyAnswerError:
             stats.empty_answers.append(n)
             continue
-        stats.count_tool_calls(messages)
         ignored.update(k for k in row if k not in ("messages", "conversations", "tools", "system", "instruction",
                                                    "input", "output", "reasoning_effort"))
         kwargs = dict(cfg.chat_template_kwargs)
@@ -241,13 +241,12 @@ def tokenize_rows(rows: list[dict], tokenizer, cfg: DataConfig, source: str) -> 
             kwargs["reasoning_effort"] = row["reasoning_effort"]
         answers = _answers(messages)
         thinking = [i for i, m in enumerate(messages) if m.get("thinking")]
-        if cfg.reasoning == "drop":
+        shown = [] if cfg.reasoning == "drop" else [i for i in thinking if i in answers]  # a tool call's: only when
+        if cfg.reasoning == "drop":                                                      # no answer follows
             stats.reasoning_dropped += len(thinking)
             for i in thinking:
                 del messages[i]["thinking"]
         else:
-            shown = [i for i in thinking if i in answers]  # the template renders a tool call's only when no answer follows
-            stats.reasoning_turns += len(shown)
             stats.reasoning_unrendered += len(thinking) - len(shown)
         if not answers:  # only tool calls: nothing the final-channel mask could label
             stats.unanswered.append(n)
@@ -256,26 +255,18 @@ def tokenize_rows(rows: list[dict], tokenizer, cfg: DataConfig, source: str) -> 
             stats.call_endings.append(n)  # kept up to its last answer; the tool call after it is not trained
         split = len(answers) > 1
         stats.split_rows += split
-        for end in answers:
+        for k, end in enumerate(answers):
             try:
                 ids = list(tokenizer.apply_chat_template(messages[:end + 1], tools=tools, tokenize=True,
                                                          return_dict=False, **kwargs))
             except Exception as exc:  # jinja2's TemplateError / UndefinedError, or TypeError inside the template
                 raise sft.SFTDataError(f"{source} {stats.label(n)}: the chat template cannot render it: {type(exc).__name__}: "
                                        f"{exc}") from None
-            labels = final_channel_labels(ids, tokenizer, last_only=True,
-                                          analysis=cfg.reasoning == "train")[: cfg.max_length]
-            n_loss = sum(x != sft.IGNORE_INDEX for x in labels)
-            if n_loss == 0:
-                stats.dropped += 1
-                stats.dropped_rows.append((n, len(ids)))
-                continue
-            stats.truncated += len(ids) > cfg.max_length
-            examples.append({"input_ids": ids[: cfg.max_length], "labels": labels})
-            stats.example_rows.append(n)
-            stats.examples += 1
-            stats.tokens += len(labels)
-            stats.loss_tokens += n_loss
+            labels = final_channel_labels(ids, tokenizer, last_only=True, analysis=cfg.reasoning == "train")
+            calls = sum(len(m.get("tool_calls") or ()) for m in messages[answers[k - 1] + 1 if k else 0:end])
+            example = stats.add(n, ids, labels, [(0, calls)], [0] if end in shown else [])  # the calls since the last answer
+            if example is not None:
+                examples.append(example)
     stats.ignored = dict(ignored)
     stats.check_dropped(cfg.max_dropped_fraction)
     return examples, stats

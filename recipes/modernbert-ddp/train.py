@@ -50,7 +50,8 @@ from cookbook import lm
 from cookbook.checkpoint import Checkpointer, CheckpointError, ModelOptimizerState
 from cookbook.checkpoint import export_hf
 from cookbook import config
-from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, to_dict
+from cookbook.config import ConfigError, check_fields, cli_parser, load_config, to_dict
+from cookbook.hub import resolve_path
 from cookbook.launch import check_world_size
 from cookbook.loop import EpochBatches, TrainLoop, checkpoint_state, start_run
 from cookbook.metrics import ModelFlops, count_parameters, launch_time

@@ -121,7 +121,7 @@ def split_experts(model: torch.nn.Module, ep_mesh: DeviceMesh) -> list[str]:
     `ep_dispatch` around the experts module's forward (PEFT's, or `routed_experts_forward` when `use_routed_lora`
     ran first). PEFT's expert LoRA for E experts is lora_A (r*E, in), expert-major, and lora_B
     (out, r*E) with the expert index fastest; each is cut along its expert axis. Base weights still on the
-    meta device stay there, with ``checkpoint_offset`` telling `cookbook.sft.lazy_load` where to read.
+    meta device stay there, with ``checkpoint_offset`` telling `lazy_load` where to read.
 
     Returns:
         Names of the LoRA parameters that now hold only local experts (stored per EP rank).

@@ -180,7 +180,7 @@ def build_base(auto_class, hf_config, cfg: ModelConfig, dtype: torch.dtype, devi
     """The base model, before LoRA and the expert split, in `dtype`.
 
     ``cfg.pretrained`` and ``cfg.lazy_load``: built on the meta device (buffers real), for
-    `cookbook.sft.lazy_load.load_base_lazily` once the experts are split, so that a rank reads only its own;
+    `lazy_load.load_base_lazily` once the experts are split, so that a rank reads only its own;
     pretrained without lazy_load: transformers' ``from_pretrained`` of the whole model on this rank's CPU;
     otherwise random weights from `seed`, generated on `device` (seconds for 30 B parameters on a GPU, where
     the CPU's serial generator takes minutes): the same on every rank, so on a GPU the whole base must fit in

@@ -36,15 +36,15 @@ from transformers import logging as hf_logging
 
 from cookbook import lm, sft
 from cookbook.checkpoint import Checkpointer, CheckpointError
-from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, to_dict
-from cookbook.hub import model_folder
+from cookbook.config import ConfigError, check_fields, cli_parser, load_config, to_dict
+from cookbook.hub import model_folder, resolve_path
 from cookbook.launch import check_world_size
 from cookbook.loop import EpochBatches, TrainLoop, checkpoint_state, start_run
 from cookbook.metrics import ModelFlops
-from cookbook.sft.lazy_load import load_base_lazily
-from cookbook.sft.vision import (VLDataConfig, VLDataset, check_vl_items, collate_vl, is_vision_language, load_vl_items,
-                                 load_vl_processors, shard_items_for_eval, show_vl)
 import moe_model
+from image_text import (VLDataConfig, VLDataset, check_vl_items, collate_vl, is_vision_language, load_vl_items,
+                        load_vl_processors, shard_items_for_eval, show_vl)
+from lazy_load import load_base_lazily
 from expert_parallel import (AdapterState, Meshes, clip_grad_norm, export_adapter, export_merged, frozen_if_unsharded,
                              init_meshes, moe_blocks, param_groups_by_mesh, split_experts)
 from moe_model import DTYPES, LoraSection, ModelConfig, MoELoraConfig, RouterStats, token_mask
@@ -68,7 +68,7 @@ class Config(MoELoraConfig):  # model, parallel, lora, moe, optim, train, checkp
 
 
 @dataclass
-class VLConfig(MoELoraConfig):  # a model with a vision tower: image + text rows (cookbook.sft.vision)
+class VLConfig(MoELoraConfig):  # a model with a vision tower: image + text rows (image_text.py)
     output_dir: str = "outputs/qwen3-vl-30b-a3b-lora"
     run_name: str = "qwen3-vl-30b-a3b-lora"
     model: ModelConfig = field(default_factory=lambda: ModelConfig(name_or_path="Qwen/Qwen3-VL-30B-A3B-Instruct"))
@@ -186,7 +186,7 @@ def text_rows(cfg: Config, info: cookbook.DistInfo) -> Rows:
 
 
 def vl_rows(cfg: VLConfig, info: cookbook.DistInfo) -> Rows:
-    """Image + text rows (`cookbook.sft.vision`), tokenized and their images decoded by the loader's workers."""
+    """Image + text rows (`image_text`), tokenized and their images decoded by the loader's workers."""
     image_token_id = AutoConfig.from_pretrained(cfg.model.name_or_path).image_token_id
     tokenizer, image_processor = load_vl_processors(cfg.model.tokenizer, cfg.data.image_min_pixels, cfg.data.image_max_pixels)
     pad_id = sft.pad_token_id(tokenizer)

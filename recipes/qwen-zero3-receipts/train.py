@@ -41,7 +41,8 @@ from cookbook.checkpoint import CheckpointError, ResumeGuard, read_meta
 from cookbook.launch import check_world_size
 from cookbook.loop import NonFinitePolicy
 from cookbook import config
-from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, save_config, to_dict
+from cookbook.config import ConfigError, check_fields, cli_parser, load_config, save_config, to_dict
+from cookbook.hub import resolve_path
 
 hf_logging.disable_progress_bar()
 FIELDS = ("company", "date", "address", "total")

@@ -37,7 +37,8 @@ from torch.utils.data import DataLoader, Dataset
 import cookbook
 from cookbook import ray_train
 from cookbook.checkpoint import CheckpointError
-from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path
+from cookbook.config import ConfigError, check_fields, cli_parser, load_config
+from cookbook.hub import resolve_path
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet, what the pretrained weights expect

@@ -31,7 +31,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 import cookbook
 from cookbook import config
 from cookbook.checkpoint import CheckpointError, Checkpointer, ModelOptimizerState
-from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, to_dict
+from cookbook.config import ConfigError, check_fields, cli_parser, load_config, to_dict
+from cookbook.hub import resolve_path
 from cookbook.launch import check_world_size
 from cookbook.loop import EpochBatches, TrainLoop, checkpoint_state, start_run
 from cookbook.sampler import ResizableSampler

@@ -54,7 +54,8 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from cookbook.checkpoint import Checkpointer, CheckpointError, TrainState
 from cookbook import config
-from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path, to_dict
+from cookbook.config import ConfigError, check_fields, cli_parser, load_config, to_dict
+from cookbook.hub import resolve_path
 from cookbook.launch import check_world_size
 from cookbook.loop import TrainLoop, start_run
 from cookbook import hub, tabular

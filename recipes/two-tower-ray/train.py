@@ -33,7 +33,8 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Tenso
 import cookbook
 from cookbook import ray_train, tabular
 from cookbook.checkpoint import CheckpointError
-from cookbook.config import ConfigError, check_fields, cli_parser, load_config, resolve_path
+from cookbook.config import ConfigError, check_fields, cli_parser, load_config
+from cookbook.hub import resolve_path
 from cookbook.tabular import DataError
 
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from pathlib import Path
 
 from cookbook import config as cfgmod
+from cookbook import hub
 from cookbook.config import ConfigError
 from cookbook.launch import check_world_size
 
@@ -135,10 +136,10 @@ def load(path: str | Path, overrides: list[str] = ()) -> Config:
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
     base = Path(path).parent
-    cfg.data.train_files = [cfgmod.resolve_path(f, base) for f in cfg.data.train_files]
-    cfg.model.name_or_path = cfgmod.resolve_path(cfg.model.name_or_path, base)
+    cfg.data.train_files = [hub.resolve_path(f, base) for f in cfg.data.train_files]
+    cfg.model.name_or_path = hub.resolve_path(cfg.model.name_or_path, base)
     if cfg.model.tokenizer:
-        cfg.model.tokenizer = cfgmod.resolve_path(cfg.model.tokenizer, base)
+        cfg.model.tokenizer = hub.resolve_path(cfg.model.tokenizer, base)
     return cfg
 
 
@@ -242,25 +243,18 @@ def trl_examples(rows: list[dict], parts: list["sft.SFTStats"], tokenizer,
                 sft.check_tools_rendered(tokenizer, messages, tools, tokenizer.decode(ids))
             except sft.SFTDataError as exc:
                 raise sft.SFTDataError(f"{st.source} {st.label(n)}: {exc}") from None
+            reasoning = []
             for i, m in enumerate(messages):  # reasoning: rendered in the answer (trained) or left out
                 thought = (m.get("reasoning_content") or m.get("thinking") or "").strip()
                 if thought and i == len(messages) - 1 and thought in tokenizer.decode(ids[start:]):
-                    st.reasoning_turns += 1
+                    reasoning.append(start)
                 elif thought and thought not in tokenizer.decode(ids):
                     st.reasoning_unrendered += 1
             labels = ([sft.IGNORE_INDEX] * start + ids[start:]) if cfg.data.completion_only else list(ids)
-            labels = labels[: cfg.data.max_length]
-            n_loss = sum(x != sft.IGNORE_INDEX for x in labels)
-            if n_loss == 0:
-                st.dropped += 1
-                st.dropped_rows.append((n, len(ids)))
-                continue
-            st.truncated += len(ids) > cfg.data.max_length
-            examples.append({"input_ids": ids[: cfg.data.max_length], "labels": labels})
-            st.example_rows.append(n)
-            st.examples += 1
-            st.tokens += len(labels)
-            st.loss_tokens += n_loss
+            calls = sum(len(m.get("tool_calls") or ()) for m in messages)
+            example = st.add(n, ids, labels, [(0, calls)], reasoning)
+            if example is not None:
+                examples.append(example)
         out.append((examples, st))
     return out
 

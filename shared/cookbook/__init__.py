@@ -1,8 +1,8 @@
 """cookbook: the thin utilities every recipe of the distributed-training cookbook shares.
 
 Layers, top to bottom (`.importlinter`; a module imports only its own layer and those below): ops (entry, launch,
-launcher, torchrun), adapters (hf_trainer, ray_train), data (sft, lm), the spine (the rest), errors. What each
-module does: docs/cookbook.md. ``import cookbook`` first in a recipe (`cookbook.builds` words a package built for
+launcher, torchrun), adapters (hf_trainer, ray_train), data (sft, lm, hub, tabular), the spine (the rest), errors.
+What each module does: docs/cookbook.md. ``import cookbook`` first in a recipe (`cookbook.builds` words a package built for
 another torch in one line).
 """
 

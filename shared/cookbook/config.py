@@ -23,7 +23,7 @@ from typing import Any, Iterable, Mapping, Sequence, TypeVar
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from cookbook import hub
+from cookbook import push
 from cookbook.errors import AlreadyComplete, ConfigError
 from cookbook.requirements import (TRACKER_UIS, TRACKER_UIS_FILE, TRACKERS, check_trackers,  # noqa: F401 (their old home)
                                    import_error_line, install_hint, pinned, require)
@@ -74,12 +74,9 @@ def _yaml_line(path: Path, dotted: str | None) -> int | None:
 def load_config(schema: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
     """Build a recipe config: the `schema` dataclass's defaults, then the YAML file at `path` (None: defaults
     only), then the ``"section.key=value"`` `overrides` (values parsed as YAML); returns a `schema` instance.
-
-    Raises:
-        ConfigError: naming the key and the file (with the line) or override: the file is missing or not a mapping;
-            an unknown key (with the closest known one); a wrong type; an override not ``key=value``; a required
-            (``MISSING``) value not given.
-    """
+    Raises ConfigError: naming the key and the file (with the line) or override: the file is missing or not a mapping;
+    an unknown key (with the closest known one); a wrong type; an override not ``key=value``; a required (``MISSING``)
+    value not given."""
     if not dataclasses.is_dataclass(schema):
         raise TypeError(f"schema must be a dataclass type, got {schema!r}")
     cfg = OmegaConf.structured(schema)
@@ -122,8 +119,7 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: Sequ
 
 def to_object(cfg: Any) -> Any:
     """``OmegaConf.to_object(cfg)``, remembering which keys were ``${oc.env:...}`` so that `to_dict` writes their
-    text (an unset environment variable raises as ``OmegaConf.to_object`` does).
-    """
+    text (an unset environment variable raises as ``OmegaConf.to_object`` does)."""
     from_env = {k: v for k, v in flatten(OmegaConf.to_container(cfg, resolve=False)).items()
                 if isinstance(v, str) and "${oc.env:" in v}
     obj = OmegaConf.to_object(cfg)
@@ -148,8 +144,7 @@ _FROM_ENV = "_cookbook_from_env"  # attribute of a loaded config: dotted key -> 
 
 def to_dict(cfg: object) -> dict:
     """A config instance as a plain nested dict, for ``config.yaml``, ``meta.json``, tracker params and resume
-    checks; values taken from the environment (``${oc.env:HF_TOKEN}``) are given as that text, never their value.
-    """
+    checks; values taken from the environment (``${oc.env:HF_TOKEN}``) are given as that text, never their value."""
     out = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
     for key, text in getattr(cfg, _FROM_ENV, {}).items():
         *parents, leaf = key.split(".")
@@ -168,25 +163,17 @@ def save_config(cfg: object, path: str | Path) -> None:
 
 def resolve_path(value: str, base_dir: str | Path) -> str:
     """A relative path of a config file resolved against the file's folder when it exists there (so a recipe
-    folder can be copied anywhere); otherwise the value unchanged. A value left as a hub id calls
-    `cookbook.hub.prepare_access` once per process.
-    """
+    folder can be copied anywhere); otherwise the value unchanged (a hub id: `cookbook.hub.resolve_path` prepares
+    the hub's access too)."""
     if not value or Path(value).is_absolute():
         return value
     candidate = Path(base_dir) / value
-    if candidate.exists():
-        return str(candidate)
-    if hub.looks_like_hub_id(value):
-        hub.prepare_access()
-    return value
+    return str(candidate) if candidate.exists() else value
 
 
 def field_value(cfg: object, key: str) -> Any:
     """The value of a dotted key of a config instance (``"train.micro_batch_size"``).
-
-    Raises:
-        ConfigError: no such key.
-    """
+    Raises ConfigError: no such key."""
     value = cfg
     for part in key.split("."):
         if not hasattr(value, part):
@@ -199,10 +186,7 @@ def check_fields(cfg: object, *, at_least: Mapping[str, float] = {}, one_of: Map
                  within: Mapping[str, str] = {}, notes: Mapping[str, str] = {}) -> None:
     """Check simple rules on single config values: `at_least` ``{key: minimum}``, `one_of` ``{key: allowed}``,
     `within` ``{key: "[0, 1)"}`` (interval notation); `notes` ``{key: text}`` is appended to that key's message.
-
-    Raises:
-        ConfigError: for the first value that breaks its rule: ``train.micro_batch_size must be >= 1, got 0``.
-    """
+    Raises ConfigError: for the first value that breaks its rule: ``train.micro_batch_size must be >= 1, got 0``."""
     def fail(key: str, rule: str, value: Any) -> None:
         note = f" ({notes[key]})" if key in notes else ""
         raise ConfigError(f"{key} must be {rule}, got {value!r}{note}")
@@ -227,8 +211,7 @@ def check_fields(cfg: object, *, at_least: Mapping[str, float] = {}, one_of: Map
 
 def cli_parser(description: str | None = None, show_examples: bool = False) -> argparse.ArgumentParser:
     """The argument parser every recipe shares: ``--config FILE``, ``--check`` (validate config and data in one
-    process and exit) and overrides; with `show_examples`, ``--show-examples N`` (default 0).
-    """
+    process and exit) and overrides; with `show_examples`, ``--show-examples N`` (default 0)."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML config file")
     parser.add_argument("--check", action="store_true", help="validate config and data, then exit")
@@ -291,7 +274,7 @@ class HFCheckpointConfig(CheckpointConfig):
     """``checkpoint`` of a recipe whose final model is a Hugging Face model folder."""
 
     export_hf: bool = True  # write <output_dir>/final in Hugging Face format (from_pretrained reads it)
-    push_to_hub: str = ""  # a Hub repo id (org/name): upload the final export there, with a model card (cookbook.hub)
+    push_to_hub: str = ""  # a Hub repo id (org/name): upload the final export there, with a model card (cookbook.push)
 
 
 # The linear layers of a Llama-style decoder layer (attention and gated MLP): LoRA on all of them.
@@ -302,8 +285,7 @@ DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 class LoraConfig:
     """``lora``: LoRA adapters (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models"): each targeted
     weight W (out x in) trains W + (alpha / r) B A with A (r x in) and B (out x r), dropout on A's input. A recipe
-    sets its defaults with ``field(default_factory=lambda: LoraConfig(target_modules=[...]))`` or a subclass.
-    """
+    sets its defaults with ``field(default_factory=lambda: LoraConfig(target_modules=[...]))`` or a subclass."""
 
     r: int = 16  # rank of A and B
     alpha: int = 32  # the update is scaled by alpha / r
@@ -321,8 +303,7 @@ class LoraConfig:
 class DDPConfig:
     """``ddp``: the settings of ``DistributedDataParallel`` that change its speed, not its result (PyTorch's defaults):
     ``bucket_cap_mb`` (MiB per all-reduce bucket), ``gradient_as_bucket_view``, ``static_graph``. A resume may change
-    any of them (docs/config.md).
-    """
+    any of them (docs/config.md)."""
 
     bucket_cap_mb: float = 25.0
     gradient_as_bucket_view: bool = False
@@ -330,10 +311,7 @@ class DDPConfig:
 
     def kwargs(self) -> dict[str, Any]:
         """The settings as ``DistributedDataParallel``'s keyword arguments.
-
-        Raises:
-            ConfigError: ``bucket_cap_mb`` not above 0.
-        """
+        Raises ConfigError: ``bucket_cap_mb`` not above 0."""
         if not self.bucket_cap_mb > 0:
             raise ConfigError(f"ddp.bucket_cap_mb={self.bucket_cap_mb}: must be above 0 (MiB per gradient bucket)")
         return {"bucket_cap_mb": float(self.bucket_cap_mb), "gradient_as_bucket_view": bool(self.gradient_as_bucket_view),
@@ -376,13 +354,10 @@ MAY_CHANGE = ("output_dir", "run_name", "mlflow", "trackers", "train.stop_at_ste
 
 def check_run(cfg: Any) -> None:
     """Check the keys of the shared sections that `cfg` has (`TrainConfig`, `OptimConfig`, `CheckpointConfig`).
-
-    Raises:
-        ConfigError: a value out of range or unknown; neither ``train.max_steps`` nor ``train.epochs`` positive;
-            ``train.stop_at_step`` with ``checkpoint.every_steps=-1``; an ``output_dir`` where no file can be created;
-            a bad tracker or ``checkpoint.push_to_hub``.
-        cookbook.errors.AlreadyComplete: in a launcher's check, ``output_dir`` holds a run finished with these settings.
-    """
+    Raises ConfigError: a value out of range or unknown; neither ``train.max_steps`` nor ``train.epochs`` positive;
+    ``train.stop_at_step`` with ``checkpoint.every_steps=-1``; an ``output_dir`` where no file can be created; a bad
+    tracker or ``checkpoint.push_to_hub``; cookbook.errors.AlreadyComplete: in a launcher's check, ``output_dir`` holds
+    a run finished with these settings."""
     has = {k for k in ("train.micro_batch_size", "train.grad_accum_steps", "train.log_every", "train.eval_every",
                        "train.mixed_precision", "train.max_steps", "train.stop_at_step", "optim.scheduler",
                        "optim.max_grad_norm", "checkpoint.every_steps", "checkpoint.keep_last")
@@ -406,7 +381,7 @@ def check_run(cfg: Any) -> None:
     if _has(cfg, "trackers"):
         check_trackers(cfg.trackers if getattr(cfg, "mlflow", True) else [t for t in cfg.trackers if t != "mlflow"])
     if _has(cfg, "checkpoint.push_to_hub") and cfg.checkpoint.push_to_hub:
-        hub.check_push(cfg.checkpoint)
+        push.check_push(cfg.checkpoint)
     if _has(cfg, "output_dir") and isinstance(cfg.output_dir, str) and "://" not in cfg.output_dir:
         report_output_dir(cfg.output_dir)  # the launcher takes the folder's run lock before any worker starts
         done = complete_message(cfg.output_dir, to_dict(cfg), MAY_CHANGE) if os.environ.get(OUTPUT_DIR_FILE_ENV) \

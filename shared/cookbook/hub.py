@@ -1,43 +1,32 @@
-"""Model folders and data files on disk, from a local path or the Hugging Face Hub.
-
-`model_folder` gives the folder of a local path or a hub id (``huggingface_hub.snapshot_download``: ``HF_HUB_CACHE``
-/ ``HF_HOME``, ``HF_HUB_OFFLINE``, ``HF_TOKEN`` apply). `dataset_to_text` and `file_to_text` write a hub data set
-or a local CSV / JSON / JSONL / parquet file once in a recipe's one-row-a-line format, which later runs read
-offline; `write_lines` is their atomic write. `prepare_access` runs before the first hub id is used: one quick
-reachability check (`offline_unless_reachable`) and the download bars (docs/notes.md#the-hub-without-a-network-huggingface_hub-1x).
-`push_to_hub` uploads a run's final export (``checkpoint.push_to_hub``) with a model card.
-"""
+"""Model folders and data files from a local path or the Hugging Face Hub (``HF_HUB_CACHE``, ``HF_HUB_OFFLINE``,
+``HF_TOKEN`` apply). `resolve_path`: a config path, calling `prepare_access` (one reachability check, the download
+bars: docs/notes.md#the-hub-without-a-network-huggingface_hub-1x) once before a hub id's first use. `model_folder`,
+`dataset_to_text` and `file_to_text` (written once in a recipe's one-row-a-line format)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-import re
 import sys
 import threading
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from cookbook.errors import EXIT_USER_ERROR, ConfigError, OneLineError
+from cookbook import config
+from cookbook.errors import ConfigError
 from cookbook.progress import is_terminal
+from cookbook.push import PUSHED, HubPushError, looks_like_hub_id, push_to_hub  # noqa: F401 (their old home)
 from cookbook.tabular import DataError, first_csv_row, records
 
 _WEIGHT_FILES = ("*.json", "*.safetensors")  # config.json, the safetensors index and shards
 _REACH_TIMEOUT_S = 3.0  # how long `offline_unless_reachable` waits for the hub's answer
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # org/name, the shape of a hub id (validate_repo_id checks more)
 _reachable: bool | None = None  # this process's answer, once asked
-
-
-def looks_like_hub_id(value: str) -> bool:
-    """Whether `value` has the shape of a Hugging Face Hub id (``org/name``) and is not a path on disk."""
-    return bool(value) and _HUB_ID.fullmatch(value) is not None and not Path(value).exists()
 
 
 def offline_unless_reachable(timeout_s: float = _REACH_TIMEOUT_S) -> bool:
     """Unless ``HF_HUB_OFFLINE`` is set, ask the hub once (at most `timeout_s`); without an answer switch this
-    process to offline mode (rank 0 says so). Returns True when the process is offline (before, or now).
-    """
+    process to offline mode (rank 0 says so). Returns True when the process is offline (before, or now)."""
     global _reachable
     from huggingface_hub import constants
 
@@ -71,8 +60,7 @@ def offline_unless_reachable(timeout_s: float = _REACH_TIMEOUT_S) -> bool:
 
 def show_download_bars() -> bool:
     """Turn huggingface_hub's download bars on, on local rank 0 when stderr is a terminal
-    (``HF_HUB_DISABLE_PROGRESS_BARS=1`` wins); returns whether they are on.
-    """
+    (``HF_HUB_DISABLE_PROGRESS_BARS=1`` wins); returns whether they are on."""
     from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
 
 
@@ -87,6 +75,15 @@ def prepare_access() -> None:
     the hub answers."""
     if not offline_unless_reachable():
         show_download_bars()
+
+
+def resolve_path(value: str, base_dir: str | Path) -> str:
+    """`cookbook.config.resolve_path` (relative to the config file's folder when it exists there); a value left as a
+    hub id calls `prepare_access` first."""
+    resolved = config.resolve_path(value, base_dir)
+    if resolved == value and looks_like_hub_id(value):
+        prepare_access()
+    return resolved
 
 
 def _go_offline() -> None:
@@ -104,11 +101,8 @@ def _go_offline() -> None:
 def model_folder(name_or_path: str, key: str = "model.name_or_path") -> Path:
     """The local folder holding ``config.json`` and the ``*.safetensors`` weights: `name_or_path` itself, or the
     hub cache's snapshot of that id (only ``*.json`` and ``*.safetensors`` downloaded).
-
-    Raises:
-        ConfigError: one line naming `key`: a path-like value that is not a folder; not a valid hub id; a model the
-            hub lacks or gates; not in the cache while offline; a folder without ``*.safetensors``.
-    """
+    Raises ConfigError: one line naming `key`: a path-like value that is not a folder; not a valid hub id; a model the
+    hub lacks or gates; not in the cache while offline; a folder without ``*.safetensors``."""
     path = Path(name_or_path).expanduser()
     if not path.is_dir():
         if path.is_absolute() or name_or_path.startswith(("./", "../", "~")) or path.exists():
@@ -151,8 +145,7 @@ def _download(repo_id: str, key: str) -> Path:
 
 def write_lines(dst: str | Path, lines: Iterable[str], max_lines: int = 0) -> int:
     """Write `lines` (each ending in a newline, consumed lazily; at most `max_lines`, 0: all) to `dst` through
-    ``<dst>.<pid>.tmp``, renamed into place at the end; returns the number written.
-    """
+    ``<dst>.<pid>.tmp``, renamed into place at the end; returns the number written."""
     dst = Path(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(f"{dst.name}.{os.getpid()}.tmp")
@@ -176,10 +169,7 @@ def dataset_to_text(hub_id: str, split: str, dst: str | Path, to_line: Callable[
     """Write the rows of a hub data set split to `dst` once, streamed, each as ``to_line(row, where)``
     (`where`: ``"<key>=<hub_id> row 7"``). A record ``<dst stem>.json`` (data set, split, `max_rows`, `version`,
     rows) beside it: when it matches, nothing is read. Returns the rows written, or None when `dst` held them.
-
-    Raises:
-        DataError: the data set lacks some of `columns`, or `to_line` raised; `dst` is then left as it was.
-    """
+    Raises DataError: the data set lacks some of `columns`, or `to_line` raised; `dst` is then left as it was."""
     dst = Path(dst)
     record = dst.with_suffix(".json")
     wanted = {"hub_id": hub_id, "split": split, "max_rows": max_rows, "format": version}
@@ -211,11 +201,8 @@ def file_to_text(path: str | Path, folder: str | Path,
     a row by ``to_line(row, where, positions)``; reused while the source is unchanged. Rows: `cookbook.tabular.records`
     (a CSV header names `columns`, or no header and exactly `columns`). Returns the file and the rows written (None:
     it existed).
-
-    Raises:
-        ConfigError: `path` does not exist.
-        DataError: a missing column or field, an extra field, or what `to_line` raises; no text file is left.
-    """
+    Raises ConfigError: `path` does not exist; DataError: a missing column or field, an extra field, or what `to_line`
+    raises; no text file is left."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"data file not found: {path}")
@@ -235,91 +222,3 @@ def file_to_text(path: str | Path, folder: str | Path,
         positions = {c: i for i, c in enumerate(kw["csv_columns"], 1)}
     rows = records(p, required=columns, **kw)
     return dst, write_lines(dst, (to_line(row, where, positions) for where, row in rows))
-
-
-# ----------------------------------------------------------------------------- push to the hub
-PUSHED = ("export_dir", "merged_dir", "adapter_dir")  # the export pushed: the first of these a run wrote
-
-
-class HubPushError(OneLineError):
-    """The upload of ``checkpoint.push_to_hub`` failed; the export on disk is complete. Exit status 2, so that the
-    launcher does not restart a finished run for it."""
-
-    exit_status = EXIT_USER_ERROR
-
-
-def check_push(checkpoint: Any, key: str = "checkpoint.push_to_hub") -> None:
-    """Refuse, before training, a ``checkpoint.push_to_hub`` that cannot work.
-
-    Raises:
-        ConfigError: not a repo id (``org/name``); nothing is exported; ``HF_HUB_OFFLINE`` is set; no token.
-    """
-    from huggingface_hub import constants, get_token
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    repo_id = checkpoint.push_to_hub
-    try:
-        validate_repo_id(repo_id)
-        if "/" not in repo_id:
-            raise HFValidationError("it has no owner")
-    except HFValidationError as exc:
-        raise ConfigError(f"{key}={repo_id!r} is not a Hugging Face Hub repo id (org/name): "
-                          f"{str(exc).splitlines()[0]}") from None
-    exports = [getattr(checkpoint, k) for k in ("export_hf", "export_adapter", "export_merged") if hasattr(checkpoint, k)]
-    if exports and not any(exports):
-        raise ConfigError(f"{key}={repo_id}: nothing to push, the run exports no model (checkpoint.export_hf or "
-                          f"checkpoint.export_adapter is false)")
-    if constants.HF_HUB_OFFLINE:
-        raise ConfigError(f"{key}={repo_id}: HF_HUB_OFFLINE is set; unset it to push, or leave {key} empty")
-    if get_token() is None:
-        raise ConfigError(f"{key}={repo_id}: no Hugging Face token; log in (`hf auth login`) or set HF_TOKEN")
-
-
-def _model_card(repo_id: str, config: Mapping[str, Any], metrics: Mapping[str, float], folder: Path) -> str:
-    """The ``README.md`` of a pushed export: Hub metadata (library, base model, tags), the final `metrics`, how to
-    load it (a PEFT adapter if `folder` holds ``adapter_config.json``) and the run's config (``${oc.env:...}`` as text).
-    """
-    from huggingface_hub import ModelCard, ModelCardData
-    from omegaconf import OmegaConf
-
-    adapter = (folder / "adapter_config.json").is_file()
-    base = None
-    if adapter:
-        base = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path")
-    model = config.get("model", {}) if isinstance(config.get("model"), Mapping) else {}
-    if base is None and model.get("pretrained", True) and looks_like_hub_id(str(model.get("name_or_path") or "")):
-        base = model["name_or_path"]
-    data = ModelCardData(library_name="peft" if adapter else "transformers", base_model=base or None,
-                         tags=["distributed-training-cookbook", str(config.get("run_name", "run"))])
-    load = (f"from peft import AutoPeftModel\nmodel = AutoPeftModel.from_pretrained({repo_id!r})" if adapter else
-            f"from transformers import AutoModel\nmodel = AutoModel.from_pretrained({repo_id!r})  # or the task's "
-            f"AutoModelFor... class")
-    rows = "\n".join(f"| {k} | {v:.6g} |" for k, v in metrics.items())
-    body = (f"# {repo_id}\n\nTrained with the distributed training cookbook (run `{config.get('run_name', 'run')}`)"
-            f"{f', from {base}' if base else ''}.\n\n## Final metrics\n\n| metric | value |\n|---|---|\n{rows}\n\n"
-            f"## Load\n\n```python\n{load}\n```\n\n## Config\n\n```yaml\n{OmegaConf.to_yaml(OmegaConf.create(dict(config)))}```\n")
-    return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}"))
-
-
-def push_to_hub(repo_id: str, folder: str | Path, config: Mapping[str, Any], metrics: Mapping[str, float],
-                key: str = "checkpoint.push_to_hub") -> str:
-    """Write the model card into `folder` and upload it to the model repo `repo_id` (created if missing) with
-    ``HfApi.upload_folder``; returns the commit's URL.
-
-    Raises:
-        HubPushError: the repo could not be created or the upload failed: one line with the reason and the retry command.
-    """
-    from huggingface_hub import HfApi
-
-    folder = Path(folder)
-    (folder / "README.md").write_text(_model_card(repo_id, config, metrics, folder))
-    api = HfApi()
-    try:
-        api.create_repo(repo_id, repo_type="model", exist_ok=True)
-        commit = api.upload_folder(repo_id=repo_id, folder_path=str(folder), repo_type="model",
-                                   commit_message=f"{config.get('run_name', 'run')}: final export")
-    except Exception as exc:  # noqa: BLE001 - network, authentication, permissions: one line either way
-        raise HubPushError(f"{key}={repo_id}: the upload of {folder} failed ({type(exc).__name__}: "
-                           f"{(str(exc).splitlines() or [''])[0]}); the export is complete on disk: retry with "
-                           f"`hf upload {repo_id} {folder} .`") from None
-    return str(getattr(commit, "commit_url", commit))

@@ -1,8 +1,6 @@
-"""Model-side helpers of the causal language model recipes: real-token counts of a batch, random
-initialisation of FSDP2-sharded models that does not depend on the sharding, and attention
-implementations that cannot train where the run is, and activation checkpointing of chosen modules
-(`checkpoint_modules`).
-"""
+"""Model-side helpers of the causal-LM recipes: real-token counts of a batch, a random initialisation of
+FSDP2-sharded models independent of the sharding, attention implementations that cannot train here, activation
+checkpointing of chosen modules."""
 
 from __future__ import annotations
 
@@ -20,8 +18,7 @@ def count_tokens(batch: dict[str, torch.Tensor], pad_id: int) -> torch.Tensor:
     """Real (non-padding) tokens of a batch, a 0-d tensor on its device, found by structure, never by token id (the
     pad token is often the end-of-turn token): the ``attention_mask`` sum (right-padded rows); for packed rows
     (``position_ids``, `cookbook.sft.pack`) every document but a row's final padding document (all `pad_id`, no
-    label); otherwise every token.
-    """
+    label); otherwise every token."""
     ids = batch["input_ids"]
     if "attention_mask" in batch:
         return batch["attention_mask"].sum()
@@ -47,8 +44,7 @@ def init_sharded_weights(model: torch.nn.Module, seed: int, device: torch.device
 
     Module by module, its own parameters are made whole on `device`, initialised by the model's ``_init_weights``
     from a seed of `seed` and the module's Hugging Face name, and each rank copies out its shard. The values depend
-    on the device type, not the rank or world size; extra memory is one module's parameters.
-    """
+    on the device type, not the rank or world size; extra memory is one module's parameters."""
     from transformers import PreTrainedModel
 
     for obj in [*model.modules(), *model.parameters(), *model.buffers()]:
@@ -85,10 +81,7 @@ def init_sharded_weights(model: torch.nn.Module, seed: int, device: torch.device
 
 def check_attention(attn_implementation: str, on_cpu: bool) -> None:
     """Refuse, before any worker starts, an attention implementation that cannot train on this device.
-
-    Raises:
-        ConfigError: ``flex_attention`` on CPU (torch 2.13: "FlexAttention does not support backward on CPU").
-    """
+    Raises ConfigError: ``flex_attention`` on CPU (torch 2.13: "FlexAttention does not support backward on CPU")."""
     if on_cpu and attn_implementation == "flex_attention":
         raise ConfigError("model.attn_implementation=flex_attention cannot train on CPU (PyTorch's FlexAttention has "
                           "no CPU backward): use sdpa (or eager) on CPU; flex_attention needs CUDA GPUs")
@@ -107,8 +100,7 @@ def _checkpointed(forward, *args, **kwargs):
 
 def checkpoint_modules(modules) -> int:
     """Recompute each module of `modules` in backward (non-reentrant activation checkpointing, early stop off) by
-    wrapping its ``forward`` in place; returns how many were wrapped.
-    """
+    wrapping its ``forward`` in place; returns how many were wrapped."""
     modules = list(modules)
     for module in modules:
         module.forward = partial(_checkpointed, module.forward)

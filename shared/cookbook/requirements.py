@@ -22,18 +22,14 @@ TRACKER_UIS_FILE = "requirements/trackers.txt"
 
 def install_hint(packages: str, requirements: str | Path) -> str:
     """How to install `packages` (pip specifiers): ```pip install wandb==0.31.0`, or `pip install -r
-    requirements/trackers.txt` from the cookbook repository's root``; a recipe's own file by its absolute path.
-    """
+    requirements/trackers.txt` from the cookbook repository's root``; a recipe's own file by its absolute path."""
     where = "" if Path(requirements).is_absolute() else " from the cookbook repository's root"
     return f"`pip install {packages}`, or `pip install -r {requirements}`{where}"
 
 
 def check_trackers(trackers: Sequence[str], key: str = "trackers") -> None:
     """Refuse a tracker name that is not in `TRACKERS`, or one whose package is not installed.
-
-    Raises:
-        ConfigError: one line naming `key`, the name, and the choices or what to install (`install_hint`).
-    """
+    Raises ConfigError: one line naming `key`, the name, and the choices or what to install (`install_hint`)."""
     import importlib.util
 
     for name in trackers:
@@ -75,11 +71,8 @@ def require(module: str, requirements: str | Path, *, torch_build: bool = False)
     `module`: the import and pip name; `requirements`: the file that pins it (a recipe's own by absolute path, or
     the repository's relative to its root); `torch_build`: compiled against torch, so a failed import names the
     build for the installed torch.
-
-    Raises:
-        ConfigError: ``ray is not installed: `pip install ray[train]==2.60.0`, or ...``, or ``torchvision 0.28.0 is
-            installed but does not import (...): its build does not match torch 2.13.0+cpu: ...``.
-    """
+    Raises ConfigError: ``ray is not installed: `pip install ray[train]==2.60.0`, or ...``, or ``torchvision 0.28.0 is
+    installed but does not import (...): its build does not match torch 2.13.0+cpu: ...``."""
     import importlib
 
 

@@ -1,12 +1,10 @@
-"""Rows of tabular data files (CSV, TSV, JSON / JSONL, parquet), each with its 1-based place in the file.
+"""Rows of tabular files (CSV, TSV, JSON / JSONL, parquet) with their place in the file::
 
     for where, row in records("train.csv", required=["text", "label"]):
         label = to_int(row["label"])             # "3", "3.0", 3 and 3.0 are all 3
 
-``where`` is ``"<path> line <n>"`` (CSV, TSV, JSONL) or ``"<path> row <n>"`` (JSON array, parquet). Accepted: a
-UTF-8 byte-order mark, CRLF or LF, quoted CSV fields (RFC 4180), blank lines (skipped). Anything else raises one
-`DataError` naming the file, the line or row and the field.
-"""
+``where``: ``"<path> line <n>"`` (CSV, TSV, JSONL) or ``"<path> row <n>"`` (JSON array, parquet). A BOM, CRLF,
+quoted fields and blank lines are accepted; anything else is one `DataError` naming file, line or row and field."""
 
 from __future__ import annotations
 
@@ -17,10 +15,8 @@ import numbers
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-CSV_SUFFIXES = (".csv",)
-TSV_SUFFIXES = (".tsv",)  # read as CSV split on tabs
-JSON_SUFFIXES = (".json", ".jsonl")
-PARQUET_SUFFIXES = (".parquet",)
+_CSV, _JSON, _PARQUET = (".csv", ".tsv"), (".json", ".jsonl"), (".parquet",)  # a .tsv is CSV split on tabs
+_SUPPORTED = ".csv, .tsv, .json, .jsonl or .parquet"
 
 
 class DataError(ValueError):
@@ -48,11 +44,10 @@ def _decodes(raw: bytes) -> bool:
 
 
 def _csv_lines(path: Path) -> Iterator[tuple[int, list[str]]]:
-    """(line where the record starts, fields) of every non-blank CSV record (TSV for a ``.tsv`` path); BOM
-    dropped, CRLF accepted."""
+    """(line where the record starts, fields) of every non-blank CSV (``.tsv``: TSV) record."""
     try:
         with open(path, newline="", encoding="utf-8-sig") as f:
-            reader = csv.reader(f, delimiter="\t" if path.suffix.lower() in TSV_SUFFIXES else ",")
+            reader = csv.reader(f, delimiter="\t" if path.suffix.lower() == ".tsv" else ",")
             end = 0
             while True:
                 start = end + 1
@@ -70,33 +65,17 @@ def _csv_lines(path: Path) -> Iterator[tuple[int, list[str]]]:
 
 
 def first_csv_row(path: str | Path) -> list[str] | None:
-    """The fields of a CSV (``.tsv``: TSV) file's first non-blank record (header or data), or None.
-
-    Raises:
-        DataError: the file is not UTF-8 or not valid CSV.
-    """
+    """The fields of a CSV (``.tsv``: TSV) file's first non-blank record (header or data), or None; DataError for
+    a file that is not UTF-8 or not valid CSV."""
     return next((fields for _, fields in _csv_lines(Path(path))), None)
 
 
-def csv_records(path: str | Path, columns: Sequence[str] | None = None, header: bool = True
-                ) -> Iterator[tuple[str, dict[str, str]]]:
-    """The rows of a CSV (``.tsv``: TSV) file as ``(where, {column: field})``, fields as strings; `columns` None
-    takes the header's names, else `header` says whether to skip a first record.
-
-    Raises:
-        DataError: ``"<path> line <n>: 4 fields, expected 3 (label, title, description)"``, ``"... missing field
-            'description' (2 of 3 fields)"``, invalid CSV, or text that is not UTF-8.
-    """
-    if columns is None and not header:
-        raise ValueError("csv_records: give the columns of a file without a header")
-    p = Path(path)
+def _csv_records(p: Path, columns: Sequence[str], header: bool) -> Iterator[tuple[str, dict[str, str]]]:
+    """``(where, {column: field})`` of a CSV file's rows (a first record skipped with `header`); DataError:
+    ``"<path> line <n>: 4 fields, expected 3 (...)"``, ``"... missing field 'description' (2 of 3 fields: ...)"``."""
     lines = _csv_lines(p)
-    if header:
-        first = next(lines, None)
-        if first is None:
-            return
-        columns = columns if columns is not None else [c.strip() for c in first[1]]
-    assert columns is not None
+    if header and next(lines, None) is None:
+        return
     width = len(columns)
     for line, fields in lines:
         where = f"{p} line {line}"
@@ -108,13 +87,9 @@ def csv_records(path: str | Path, columns: Sequence[str] | None = None, header: 
         yield where, dict(zip(columns, fields))
 
 
-def json_records(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    """The rows of a JSON array of objects or of JSONL (blank lines skipped) as ``(where, object)``.
-
-    Raises:
-        DataError: not valid JSON (with the line), a row that is not an object, or text that is not UTF-8.
-    """
-    p = Path(path)
+def _json_records(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(where, object)`` of a JSON array of objects or of JSONL (blank lines skipped); DataError: not valid JSON
+    (with the line), a row that is not an object, or text that is not UTF-8."""
     try:
         text = p.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as exc:
@@ -142,29 +117,27 @@ def _jsonl(p: Path, text: str) -> Iterator[tuple[str, Any]]:
                 raise DataError(f"{p} line {n}: not valid JSON: {exc.msg} (column {exc.colno})") from None
 
 
-def parquet_records(path: str | Path, columns: Sequence[str] | None = None,
-                    batch_rows: int = 65536) -> Iterator[tuple[str, dict[str, Any]]]:
-    """The rows of a parquet file as ``(where, {column: value})`` (null: None), a record batch at a time, only
-    `columns` when given.
-
-    Raises:
-        DataError: the file is not parquet, or lacks some of `columns`.
-    """
+def _parquet(p: Path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    p = Path(path)
     try:
-        pf = pq.ParquetFile(p)
+        return pq.ParquetFile(p)
     except (pa.ArrowInvalid, OSError) as exc:
         raise DataError(f"{p}: not a parquet file: {exc}") from None
+
+
+def _parquet_records(p: Path, columns: Sequence[str] | None) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(where, {column: value})`` of a parquet file's rows (null: None), a record batch at a time, only
+    `columns` when given; DataError: not parquet, or some of `columns` missing."""
+    pf = _parquet(p)
     names = pf.schema_arrow.names
     if columns is not None:
         missing = [c for c in columns if c not in names]
         if missing:
             raise DataError(f"{p}: no column(s) {', '.join(missing)} (found {_columns(names)})")
     n = 0
-    for batch in pf.iter_batches(batch_size=batch_rows, columns=list(columns) if columns is not None else None):
+    for batch in pf.iter_batches(batch_size=65536, columns=list(columns) if columns is not None else None):
         for row in batch.to_pylist():
             n += 1
             yield f"{p} row {n}", row
@@ -172,46 +145,31 @@ def parquet_records(path: str | Path, columns: Sequence[str] | None = None,
 
 def column_names(path: str | Path) -> list[str] | None:
     """The columns of a CSV / TSV (its first record; ``[]`` when empty) or parquet file; None for JSON and JSONL.
+    DataError: the file is missing, of another type, not UTF-8, not valid CSV or not parquet."""
+    p, suffix = _existing(path)
+    if suffix in _CSV:
+        return [c.strip() for c in first_csv_row(p) or []]
+    return list(_parquet(p).schema_arrow.names) if suffix in _PARQUET else None
 
-    Raises:
-        DataError: the file is missing, of another type, not UTF-8, not valid CSV or not parquet.
-    """
+
+def _existing(path: str | Path) -> tuple[Path, str]:
     p = Path(path)
     if not p.is_file():
         raise DataError(f"file not found: {p}")
-    suffix = p.suffix.lower()
-    if suffix in CSV_SUFFIXES + TSV_SUFFIXES:
-        return [c.strip() for c in first_csv_row(p) or []]
-    if suffix in PARQUET_SUFFIXES:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        try:
-            return list(pq.ParquetFile(p).schema_arrow.names)
-        except (pa.ArrowInvalid, OSError) as exc:
-            raise DataError(f"{p}: not a parquet file: {exc}") from None
-    if suffix in JSON_SUFFIXES:
-        return None
-    raise DataError(f"{p}: unsupported file type {suffix!r} (use {_SUPPORTED})")
-
-
-_SUPPORTED = ".csv, .tsv, .json, .jsonl or .parquet"
+    if p.suffix.lower() not in _CSV + _JSON + _PARQUET:
+        raise DataError(f"{p}: unsupported file type {p.suffix.lower()!r} (use {_SUPPORTED})")
+    return p, p.suffix.lower()
 
 
 def records(path: str | Path, required: Sequence[str] = (), csv_columns: Sequence[str] | None = None,
             csv_header: bool = True) -> Iterator[tuple[str, dict[str, Any]]]:
     """The rows of a CSV, TSV, JSON, JSONL or parquet file (by suffix) as ``(where, {column: value})``;
-    `required` columns every row must have (parquet: the only ones read); `csv_columns`, `csv_header` as in `csv_records`.
-
-    Raises:
-        DataError: the file is missing or of another type; a required column missing (``"<path>: no column(s) label
-            (found text, title)"``, ``"<path> line 3: missing field 'label'"``); or as the readers above.
-    """
-    p = Path(path)
-    if not p.is_file():
-        raise DataError(f"file not found: {p}")
-    suffix = p.suffix.lower()
-    if suffix in CSV_SUFFIXES + TSV_SUFFIXES:
+    `required` columns every row must have (parquet: the only ones read); `csv_columns` the CSV's columns (None:
+    its header's), `csv_header` whether it has a header to skip.
+    Raises DataError: the file is missing or of another type; a required column missing (``"<path>: no column(s) label
+    (found text, title)"``, ``"<path> line 3: missing field 'label'"``); or as the readers above."""
+    p, suffix = _existing(path)
+    if suffix in _CSV:
         columns = csv_columns
         if columns is None and csv_header:
             first = first_csv_row(p)
@@ -219,26 +177,21 @@ def records(path: str | Path, required: Sequence[str] = (), csv_columns: Sequenc
         missing = [c for c in required if c not in columns]
         if missing:
             raise DataError(f"{p}: no column(s) {', '.join(missing)} (found {_columns(columns)})")
-        yield from csv_records(p, columns, csv_header)
-    elif suffix in JSON_SUFFIXES:
-        for where, row in json_records(p):
+        yield from _csv_records(p, columns, csv_header)
+    elif suffix in _JSON:
+        for where, row in _json_records(p):
             for c in required:
                 if c not in row:
                     raise DataError(f"{where}: missing field '{c}' (found {', '.join(row) or 'none'})")
             yield where, row
-    elif suffix in PARQUET_SUFFIXES:
-        yield from parquet_records(p, columns=list(required) or None)  # only the required columns are read
     else:
-        raise DataError(f"{p}: unsupported file type {suffix!r} (use {_SUPPORTED})")
+        yield from _parquet_records(p, list(required) or None)  # only the required columns are read
 
 
 def to_int(value: Any) -> int | None:
     """An integer written in any usual way (``3``, ``" 3 "``, ``3.0``, ``"3.0"``, ``"3e2"``: pandas writes an integer
     column with a missing value as floats); None for None, ``""`` or NaN.
-
-    Raises:
-        ValueError: not a whole number (``"2.5"``, ``inf``, a bool), or outside the int64 range (`check_int64`).
-    """
+    Raises ValueError: not a whole number (``"2.5"``, ``inf``, a bool), or outside the int64 range (`check_int64`)."""
     return check_int64(_to_int(value))
 
 

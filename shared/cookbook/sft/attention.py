@@ -1,9 +1,6 @@
 """The ``varlen`` attention back-end for transformers: packed documents through PyTorch's variable-length
-FlashAttention kernel, with no attention across documents and no T x T mask.
-
-A recipe calls `register_varlen` once, before it builds its model; then ``attn_implementation="varlen"``
-selects it, and `cookbook.sft.collate` / `cookbook.sft.token_loss_sum` hand it the document boundaries.
-"""
+FlashAttention kernel, no attention across documents, no T x T mask. `register_varlen` once before building the model,
+then ``attn_implementation="varlen"``; `cookbook.sft.collate` hands it the document boundaries."""
 
 from __future__ import annotations
 
@@ -19,8 +16,7 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     """Causal attention with PyTorch's variable-length FlashAttention kernel (``varlen_attn``, CUDA, bf16/fp16): each
     packed document attends only to itself. `query` (batch, heads, T, head_dim), `key` / `value` (batch, kv_heads, T,
     head_dim); `cu_seq_lens_q` (documents + 1,) int32 offsets (None: each row one document); `attention_mask` ignored.
-    Returns ``(output, None)``, output (batch, T, heads, head_dim). Raises ValueError with attention dropout on.
-    """
+    Returns ``(output, None)``, output (batch, T, heads, head_dim). Raises ValueError with attention dropout on."""
     from torch.nn.attention.varlen import varlen_attn
 
     if dropout and module.training:

@@ -1,16 +1,10 @@
-"""Supervised fine-tuning (SFT) data for causal language models: rows -> chat messages (`cookbook.sft.rows`) ->
-token ids with assistant-only labels (`cookbook.sft.template`) -> packed or padded batches (here).
+"""SFT data sets: rows -> labelled examples (`prepare`, `load_examples`), packed or padded rows, batches.
 
     rows = load_rows("train.jsonl")                                   # JSON list or JSONL
-    examples, stats = prepare(rows, tokenizer, max_length=2048, source="train.jsonl",
-                              max_dropped_fraction=0.1)
-    check_vocab(tokenizer, model.config.vocab_size)
-    packed = pack(examples, seq_len=2048, pad_id=tokenizer.pad_token_id)   # or pad_batch(...)
+    examples, stats = prepare(rows, tokenizer, max_length=2048, source="train.jsonl", max_dropped_fraction=0.1)
+    packed = pack(examples, seq_len=2048, pad_id=pad_token_id(tokenizer))   # or pad_batch(...), collate(...)
 
-``labels`` is aligned with ``input_ids`` (the model shifts them); `IGNORE_INDEX` (-100) marks tokens without
-loss. Only the tokens an assistant turn adds carry labels: its content, tool calls and end-of-turn token.
-Row formats and labelling rules: docs/sft-data.md. The names of `rows`, `template` and `stats` are importable
-from here too.
+``labels`` is aligned with ``input_ids`` (the model shifts them); `IGNORE_INDEX` (-100) marks tokens without loss.
 """
 
 from __future__ import annotations
@@ -20,12 +14,9 @@ from typing import Any, Sequence
 
 import torch
 
-from cookbook.sft.rows import (IGNORE_INDEX, REASONING_KEYS, ROLES, TEXT_KEYS, EmptyAnswerError,  # noqa: F401
-                               RowList, SFTDataError, load_hub_rows, load_rows, row_label, to_conversation,
-                               to_messages)
+from cookbook.sft.rows import IGNORE_INDEX, EmptyAnswerError, SFTDataError, load_hub_rows, load_rows
 from cookbook.sft.stats import SFTStats
-from cookbook.sft.template import (_encode, _require_chat_template, check_tools_rendered,  # noqa: F401
-                                   check_vocab, reasoning_field, template_conversation, tokenize_conversation)
+from cookbook.sft.template import _encode, _require_chat_template, template_conversation
 
 
 def prepare(rows: Sequence[dict], tokenizer, max_length: int, source: str,
@@ -36,11 +27,8 @@ def prepare(rows: Sequence[dict], tokenizer, max_length: int, source: str,
     `max_dropped_fraction` (0-1, None: no limit): see `SFTStats.check_dropped`; `split_turns`: one example per
     assistant turn (templates that rewrite earlier turns, Qwen3); `truncate` False drops over-long examples instead of
     cutting them; `reasoning`: ``"train"``, ``"context"`` (no loss) or ``"drop"``.
-
-    Raises:
-        SFTDataError: no chat template; ``"<source> row <n>: ..."`` for a bad row (``line <n>``: `rows` a JSONL
-            `RowList`); too many examples dropped.
-    """
+    Raises SFTDataError: no chat template; ``"<source> row <n>: ..."`` for a bad row (``line <n>``: `rows` a JSONL
+    `RowList`); too many examples dropped."""
     if reasoning not in ("train", "context", "drop"):
         raise ValueError(f"reasoning must be train, context or drop, got {reasoning!r}")
     _require_chat_template(tokenizer)
@@ -62,25 +50,16 @@ def prepare(rows: Sequence[dict], tokenizer, max_length: int, source: str,
                                               last_turn_only=split_turns, reasoning=reasoning)
             except SFTDataError as exc:
                 raise SFTDataError(f"{source} {stats.label(n)}: {exc}") from None
-            stats.reasoning_turns += counts["reasoning"]
             stats.reasoning_unrendered += counts["reasoning_unrendered"]
-            n_loss = sum(label != IGNORE_INDEX for label in labels[:max_length])
-            if n_loss == 0 or (len(ids) > max_length and not truncate):
-                stats.dropped += 1
-                stats.dropped_rows.append((n, len(ids)))
-                continue
-            stats.truncated += len(ids) > max_length
-            examples.append({"input_ids": ids[:max_length], "labels": labels[:max_length]})
-            stats.example_rows.append(n)
-            stats.examples += 1
-            stats.tokens += min(len(ids), max_length)
-            stats.loss_tokens += n_loss
+            example = stats.add(n, ids, labels, counts["calls"], counts["reasoning"])
+            if example is not None:
+                examples.append(example)
     stats.ignored = dict(ignored)
     if max_dropped_fraction is not None:
         stats.check_dropped(max_dropped_fraction)
     return examples, stats
 
-# ----------------------------------------------------------------------------- batches
+
 def pack(examples: Sequence[dict], seq_len: int, pad_id: int) -> list[dict]:
     """Pack examples into rows of exactly `seq_len` tokens (next-fit, in order; documents never split)::
 
@@ -90,10 +69,7 @@ def pack(examples: Sequence[dict], seq_len: int, pad_id: int) -> list[dict]:
 
     Each document's first label must be `IGNORE_INDEX`. Pass no ``attention_mask`` and ``use_cache=False``
     (docs/notes.md#packed-rows-and-transformers-attention-masks-transformers-524).
-
-    Raises:
-        SFTDataError: an example is longer than `seq_len` or empty, or labels its first token.
-    """
+    Raises SFTDataError: an example is longer than `seq_len` or empty, or labels its first token."""
     rows: list[dict] = []
     row: dict[str, list[int]] = {"input_ids": [], "labels": [], "position_ids": []}
 
@@ -123,8 +99,7 @@ def pack(examples: Sequence[dict], seq_len: int, pad_id: int) -> list[dict]:
 
 def pad_batch(examples: Sequence[dict], pad_id: int, pad_to_multiple_of: int = 1) -> dict[str, torch.Tensor]:
     """Right-pad examples to one batch: ``input_ids``, ``attention_mask`` (1 real, 0 padding) and ``labels``
-    (`IGNORE_INDEX` on padding), int64 of shape (batch, L), L the longest rounded up to `pad_to_multiple_of`.
-    """
+    (`IGNORE_INDEX` on padding), int64 of shape (batch, L), L the longest rounded up to `pad_to_multiple_of`."""
     longest = max(len(ex["input_ids"]) for ex in examples)
     width = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
     out = {k: torch.full((len(examples), width), v, dtype=torch.long)
@@ -140,10 +115,7 @@ def pad_batch(examples: Sequence[dict], pad_id: int, pad_to_multiple_of: int = 1
 def load_examples(cfg: Any, tokenizer, seed: int) -> tuple[list[dict], list[dict], SFTStats]:
     """Train and eval examples and the train `SFTStats` for a recipe's data section `cfg` (see `DataConfig`);
     without eval files a ``eval_fraction`` of each train file, seeded by `seed`, is held out.
-
-    Raises:
-        SFTDataError: see `load_rows` and `prepare`.
-    """
+    Raises SFTDataError: see `load_rows` and `prepare`."""
     kwargs = dict(cfg.chat_template_kwargs) or None
     options = dict(max_dropped_fraction=cfg.max_dropped_fraction, split_turns=cfg.split_turns,
                    reasoning=getattr(cfg, "reasoning", "train"))
@@ -153,15 +125,21 @@ def load_examples(cfg: Any, tokenizer, seed: int) -> tuple[list[dict], list[dict
     for source, rows in sources:
         examples, st = prepare(rows, tokenizer, cfg.max_length, source, kwargs, **options)
         if not eval_files and cfg.eval_fraction > 0:
-            order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
-            n_eval = max(1, int(len(examples) * cfg.eval_fraction))
-            evals += [examples[i] for i in sorted(order[:n_eval])]
-            examples = [examples[i] for i in sorted(order[n_eval:])]
+            kept, held = hold_out(len(examples), cfg.eval_fraction, seed)
+            evals += [examples[i] for i in held]
+            examples = [examples[i] for i in kept]
         train += examples
         parts.append(st)
     for f in eval_files:
         evals += prepare(load_rows(f), tokenizer, cfg.max_length, f, kwargs, **options)[0]
     return train, evals, SFTStats.merge(parts)
+
+
+def hold_out(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """``(train, held out)`` indices of `n` items, in order: a seeded `fraction` (at least one) held out."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    n_eval = max(1, int(n * fraction))
+    return sorted(order[n_eval:]), sorted(order[:n_eval])
 
 
 def shard_for_eval(rows: list[dict], rank: int, world_size: int) -> list[dict]:
@@ -174,3 +152,42 @@ def shard_for_eval(rows: list[dict], rank: int, world_size: int) -> list[dict]:
     target = -(-len(rows) // world_size)
     filler = {**rows[0], "labels": [IGNORE_INDEX] * len(rows[0]["labels"])}
     return mine + [filler] * (target - len(mine))
+
+
+def pad_token_id(tokenizer) -> int:
+    """The tokenizer's pad token id, else its end-of-sequence id (safe: padding is never trained and real tokens
+    are counted by mask or position).
+    Raises ValueError: the tokenizer has neither."""
+    for pad_id in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if pad_id is not None:
+            return pad_id
+    raise ValueError("the tokenizer has neither a pad token nor an end-of-sequence token: set tokenizer.pad_token")
+
+
+def training_rows(cfg: Any, tokenizer, seed: int) -> tuple[list[dict], list[dict], SFTStats]:
+    """Train and eval rows, and the train statistics (`SFTStats`): `load_examples`, then, when ``cfg.packing``,
+    each list packed into rows of ``cfg.max_length`` tokens (`pack`, padded with `pad_token_id`).
+    Raises SFTDataError: see `load_examples`."""
+    train, evals, stats = load_examples(cfg, tokenizer, seed)
+    if cfg.packing:
+        pad_id = pad_token_id(tokenizer)
+        train, evals = pack(train, cfg.max_length, pad_id), pack(evals, cfg.max_length, pad_id)
+    return train, evals, stats
+
+
+def collate(rows: Sequence[dict], pad_id: int, cu_seq_lens: bool = True) -> dict[str, torch.Tensor]:
+    """One batch of SFT rows for a DataLoader's ``collate_fn``: packed rows stacked as ``input_ids``, ``labels``,
+    ``position_ids`` (B, L) int64 without a mask (with `cu_seq_lens`, also the (documents + 1,) int32 offsets for
+    the ``varlen`` attention; leave it out for the Trainer); other rows right-padded to a multiple of 8 with an
+    ``attention_mask``.
+    Raises ValueError: `rows` is empty."""
+    if not rows:
+        raise ValueError("collate: no rows")
+    if "position_ids" not in rows[0]:
+        return pad_batch(rows, pad_id, pad_to_multiple_of=8)
+    batch = {k: torch.tensor([r[k] for r in rows], dtype=torch.long) for k in ("input_ids", "labels", "position_ids")}
+    if cu_seq_lens:
+        flat = batch["position_ids"].flatten()
+        starts = torch.nonzero(flat == 0).flatten()
+        batch["cu_seq_lens"] = torch.cat([starts, torch.tensor([flat.numel()])]).to(torch.int32)
+    return batch

@@ -1,12 +1,7 @@
 """The SFT objective and its evaluation: next-token cross entropy summed over labelled (assistant) tokens.
-
-Two ways to compute the same training loss (`token_loss_sum`): ``full`` takes the model's logits
-(B, L, V) and upcasts them to fp32, so three fp32 tensors of B·L x V exist at the start of the
-backward (12 bytes per logit: 14 GiB for 8,192 tokens over Qwen3's 151,936 tokens); ``chunked``
-(`linear_cross_entropy_sum`) takes the final hidden states and the output projection's weight and
-computes logits, loss and gradients a chunk of labelled tokens at a time, so only one chunk's logits
-exist at any moment.
-"""
+``full`` (`token_loss_sum`) upcasts the (B, L, V) logits to fp32 (12 bytes per logit in the backward: 14 GiB for
+8,192 tokens of Qwen3's 151,936); ``chunked`` (`linear_cross_entropy_sum`) computes logits, loss and gradients from
+the final hidden states a chunk of labelled tokens at a time."""
 
 from __future__ import annotations
 
@@ -18,7 +13,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from cookbook.dist import all_reduce_sum
-from cookbook.sft.data import IGNORE_INDEX
+from cookbook.sft.rows import IGNORE_INDEX
 
 
 def _model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -40,13 +35,12 @@ def _shifted_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> t
 
 def token_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk_size: int = 0) -> torch.Tensor:
     """Summed next-token cross entropy over the labelled tokens of one batch (0-d fp32 tensor, nats, with the
-    graph): the training loss before dividing by the global batch's labelled tokens (`count_label_tokens`).
+    graph): the training loss before dividing by the global batch's labelled tokens.
 
     `model`: a causal LM (or DDP, FSDP2, PEFT, DeepSpeed wrapper) returning ``logits`` (B, L, V); `batch`:
     ``input_ids`` and ``labels`` (B, L) and the other inputs on its device (``cu_seq_lens`` goes to varlen attention).
     `chunk_size` 0 (``train.loss=full``): the model's logits upcast to fp32; > 0 (``chunked``):
-    `chunked_token_loss_sum`, the same value up to rounding.
-    """
+    `chunked_token_loss_sum`, the same value up to rounding."""
     if chunk_size > 0:
         return chunked_token_loss_sum(model, batch, chunk_size)
     logits, labels = _shifted_logits(model, batch)
@@ -70,9 +64,7 @@ def chunked_token_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor
     `linear_cross_entropy_sum` takes the decoder's hidden states of the labelled positions, `chunk_size` tokens at a
     time, in a forward hook where FSDP2 still holds the head's gathered weight (the backward needs none). Tied
     embeddings and Gemma 2's logit soft cap work. Returns a 0-d fp32 tensor (nats) with the graph.
-
-    Raises:
-        ValueError: no ``logits_to_keep``, decoder or bias-free head; a head weight sharded or empty in the forward.
+    Raises ValueError: no ``logits_to_keep``, decoder or bias-free head; a head weight sharded or empty in the forward.
     """
     lm = _causal_lm(model)
     decoder, head = lm.get_decoder(), lm.get_output_embeddings()
@@ -124,6 +116,21 @@ def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
     return loss, g.to(hidden.dtype)
 
 
+def _chunked(hidden, weight, labels, chunk_size, softcap, grad_h=None, grad_w=None) -> torch.Tensor:
+    """The summed loss over chunks of `chunk_size` rows, writing the gradients into `grad_h` / `grad_w` if given."""
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for start in range(0, hidden.shape[0], chunk_size):
+        h = hidden[start:start + chunk_size]
+        loss, g = _chunk_loss(h, weight, labels[start:start + chunk_size], softcap,
+                              grad=grad_h is not None or grad_w is not None)
+        total += loss
+        if grad_h is not None:
+            torch.mm(g, weight, out=grad_h[start:start + chunk_size])
+        if grad_w is not None:
+            grad_w.addmm_(g.t(), h)
+    return total
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """Loss and gradients in one pass, chunk by chunk (the scheme of Liger Kernel's fused linear cross
     entropy, Hsu et al. 2024, arXiv:2410.10989, in plain PyTorch): the forward keeps only the gradients
@@ -134,15 +141,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, labels, chunk_size, softcap):
         grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for start in range(0, hidden.shape[0], chunk_size):
-            h = hidden[start:start + chunk_size]
-            loss, g = _chunk_loss(h, weight, labels[start:start + chunk_size], softcap, grad=True)
-            total += loss
-            if grad_h is not None:
-                torch.mm(g, weight, out=grad_h[start:start + chunk_size])
-            if grad_w is not None:
-                grad_w.addmm_(g.t(), h)
+        total = _chunked(hidden, weight, labels, chunk_size, softcap, grad_h, grad_w)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.used = False
         return total
@@ -169,10 +168,7 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels:
     `IGNORE_INDEX`; `softcap`: Gemma 2's ``cap * tanh(logits / cap)``. Memory: about 8 x chunk_size x V bytes plus the
     gradients of `hidden` and `weight` (computed in the forward when grad mode is on), instead of 12 x N x V; no
     matmul repeated. Returns a 0-d fp32 tensor (nats), differentiable w.r.t. `hidden` and `weight`.
-
-    Raises:
-        ValueError: shapes that do not match, ``chunk_size < 1``, a weight that is a DTensor shard or empty.
-    """
+    Raises ValueError: shapes that do not match, ``chunk_size < 1``, a weight that is a DTensor shard or empty."""
     from torch.distributed.tensor import DTensor
 
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1] or labels.shape != hidden.shape[:1]:
@@ -187,23 +183,12 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels:
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _LinearCrossEntropy.apply(hidden, weight, labels, chunk_size, softcap)
     with torch.no_grad():
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for start in range(0, hidden.shape[0], chunk_size):
-            total += _chunk_loss(hidden[start:start + chunk_size], weight, labels[start:start + chunk_size], softcap,
-                                 grad=False)[0]
-        return total
-
-
-def count_label_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The number of tokens `token_loss_sum` sums over: labels other than `IGNORE_INDEX` at positions 1..L-1
-    (0-d int64 tensor on the labels' device)."""
-    return (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+        return _chunked(hidden, weight, labels, chunk_size, softcap)
 
 
 def token_loss_sums(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`token_loss_sum` with an evaluation's counts: ``loss_sum`` (nats), ``tokens`` (labelled) and ``correct``
-    (labelled tokens that are the logits' argmax), 0-d tensors.
-    """
+    (labelled tokens that are the logits' argmax), 0-d tensors."""
     logits, labels = _shifted_logits(model, batch)
     mask = labels != IGNORE_INDEX
     loss_sum = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
@@ -222,8 +207,7 @@ def evaluate(model: torch.nn.Module, batches: Iterable[dict[str, torch.Tensor]],
 
     Sharded models (FSDP2, ZeRO-3) gather in each forward, so every rank needs as many batches (`shard_for_eval`); a
     DDP model runs through its inner module. The model is put in eval mode and back. `context` wraps each forward
-    (an autocast); `on_batch` is called after each.
-    """
+    (an autocast); `on_batch` is called after each."""
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         model = model.module
     was_training = model.training

@@ -45,11 +45,8 @@ def load_rows(path: str | Path) -> RowList:
     """Read a data file: a JSON array of objects, JSONL, or one row object (UTF-8, a byte-order mark and CRLF
     ignored), as a `RowList` (a JSONL row's errors name its line). JSONL lines split at ``\\n`` only (JSON allows
     U+2028 inside strings), so line numbers are an editor's.
-
-    Raises:
-        SFTDataError: the file is missing, not UTF-8, not valid JSON (with the JSONL line), empty, or holds a row
-            that is not an object.
-    """
+    Raises SFTDataError: the file is missing, not UTF-8, not valid JSON (with the JSONL line), empty, or holds a row
+    that is not an object."""
     p = Path(path)
     if p.is_dir():
         raise SFTDataError(f"{p} is a folder: give the data files in it (JSON or JSONL) one by one")
@@ -115,14 +112,14 @@ def _text(value: Any, where: str, field: str, allow_empty: bool = True, answer: 
     return value
 
 
-TEXT_KEYS = ("text", "value", "content")  # where a typed part keeps its text (OpenAI: text; Hugging Face / others: value)
+_TEXT_KEYS = ("text", "value", "content")  # where a typed part keeps its text (OpenAI: text; Hugging Face / others: value)
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # a turn's reasoning (TRL / Qwen3, GPT-OSS, others)
 _PART_KINDS = {"text": "text", "input_text": "text", "output_text": "text", "reasoning": "reasoning",
                "thinking": "reasoning", "tool_call": "tool_call", "tool_use": "tool_call", "function_call": "tool_call"}
 _IMAGE_KINDS = ("image", "image_url", "input_image", "video", "audio", "input_audio")
 
 
-def _part_text(part: dict, kind: str, where: str, path: str, keys: tuple[str, ...] = TEXT_KEYS) -> str:
+def _part_text(part: dict, kind: str, where: str, path: str, keys: tuple[str, ...] = _TEXT_KEYS) -> str:
     for key in (kind, *keys) if kind not in keys else keys:
         if isinstance(part.get(key), str):
             return part[key]
@@ -132,8 +129,7 @@ def _part_text(part: dict, kind: str, where: str, path: str, keys: tuple[str, ..
 
 def _parts(value: Any, where: str, field: str) -> tuple[str, list[str], list]:
     """A message's content (a string or typed parts) as ``(text, reasoning, calls)``: text parts joined with
-    ``"\\n"`` (as vLLM's OpenAI server does), reasoning parts, tool-call parts; any other part (an image) is refused.
-    """
+    ``"\\n"`` (as vLLM's OpenAI server does), reasoning parts, tool-call parts; any other part (an image) is refused."""
     if not isinstance(value, list):
         return _text(value, where, field), [], []
     texts, reasoning, calls = [], [], []
@@ -173,8 +169,7 @@ def _content(value: Any, where: str, field: str) -> str:
 
 def _tool_calls(value: Any, where: str, field: str) -> list[dict]:
     """Tool calls normalised to ``[{"type": "function", "function": {"name", "arguments": dict}}]`` (+ ``id``); a
-    JSON-string ``arguments`` is parsed, as templates apply ``tojson`` to a mapping (Qwen2.5, Llama 3.1).
-    """
+    JSON-string ``arguments`` is parsed, as templates apply ``tojson`` to a mapping (Qwen2.5, Llama 3.1)."""
     calls = value if isinstance(value, list) else [value]
     if not calls:
         raise SFTDataError(f"{where}: field '{field}' is an empty list")
@@ -228,11 +223,8 @@ def to_conversation(row: dict, row_number: int | str, source: str,
     ``{"role", "content": str}`` (+ ``tool_calls``, ``name``, ``tool_call_id``, ``reasoning_content``), tools as
     ``{"type": "function", ...}`` or None. `row_number` (1-based, or a label such as ``"line 19"``: `RowList.label`)
     and `source` name the row; `ignored` counts unused keys.
-
-    Raises:
-        SFTDataError: ``"<source> row <n>: ..."`` (or ``line <n>``) for an unknown format, role or part, a bad field, tool call or tool
-            result, no assistant turn; `EmptyAnswerError` for an empty answer.
-    """
+    Raises SFTDataError: ``"<source> row <n>: ..."`` (or ``line <n>``) for an unknown format, role or part, a bad field,
+    tool call or tool result, no assistant turn; `EmptyAnswerError` for an empty answer."""
     where = f"{source} {row_label(row_number)}"
     if "messages" in row:
         turns, role_key, text_key, field, role_map = row["messages"], "role", "content", "messages", None

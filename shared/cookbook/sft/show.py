@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-from cookbook.sft.data import IGNORE_INDEX, SFTStats
+from cookbook.sft.rows import IGNORE_INDEX
+from cookbook.sft.stats import SFTStats
 
 OPEN, CLOSE = "[[", "]]"  # around the labelled tokens (those in the loss)
 
@@ -29,7 +30,7 @@ def _decode(tokenizer, ids: list[int], repeat: int = 4) -> str:
     return "".join(out)
 
 
-def render_example(example: dict, tokenizer) -> str:
+def _render_example(example: dict, tokenizer) -> str:
     """The decoded ``input_ids`` of one example, each run of labelled tokens between ``[[`` and ``]]`` (a run of
     4 or more of one special token, such as image placeholders, written ``<tok> x N``)."""
     ids, labels = example["input_ids"], example["labels"]
@@ -57,7 +58,7 @@ def field_counts(stats: SFTStats) -> list[str]:
     lines.append(f"  answers         {len(stats.empty_answers)} empty (row skipped), {len(stats.unanswered)} rows end in "
                  f"a tool call with no answer (skipped), {len(stats.call_endings)} tool calls after the last answer "
                  f"(not trained)")
-    lines.append(f"  tool calls      {stats.tool_calls} in {stats.tool_call_rows} rows")
+    lines.append(f"  tool calls      {stats.tool_calls_note()[len('tool calls: '):]}")
     done = {"train": "trained", "context": "in context (no loss)", "drop": "dropped"}[stats.reasoning]
     lines.append(f"  reasoning       {stats.reasoning_turns} turns {done}, {stats.reasoning_unrendered} left out by the "
                  f"chat template, {stats.reasoning_dropped} dropped (data.reasoning=drop)")
@@ -68,13 +69,12 @@ def field_counts(stats: SFTStats) -> list[str]:
 
 
 def show_examples(parts: Sequence[tuple[list[dict], SFTStats]], tokenizer, n: int) -> str:
-    """The text `--show-examples` prints: per source, its first `n` examples (`render_example`, with the row each
+    """The text `--show-examples` prints: per source, its first `n` examples (`_render_example`, with the row each
     came from: its line in a JSONL file) and its counts per field (`field_counts`).
 
     Args:
         parts: ``(examples, stats)`` per source, examples in row order (``stats.example_rows`` gives their rows).
-        n: examples shown per source (0: counts only).
-    """
+        n: examples shown per source (0: counts only)."""
     out = [f"labelled tokens (in the loss) are between {OPEN} and {CLOSE}"]
     for examples, stats in parts:
         name = Path(stats.source).name or stats.source
@@ -82,7 +82,7 @@ def show_examples(parts: Sequence[tuple[list[dict], SFTStats]], tokenizer, n: in
             row = stats.label(stats.example_rows[k]) if k < len(stats.example_rows) else "row ?"
             n_loss = sum(label != IGNORE_INDEX for label in ex["labels"])
             out += ["", f"--- {name} example {k + 1} of {len(examples)} ({row}, {len(ex['input_ids'])} tokens, "
-                        f"{n_loss} labelled)", render_example(ex, tokenizer)]
+                        f"{n_loss} labelled)", _render_example(ex, tokenizer)]
         out += ["", f"--- {name}: counts per field", *field_counts(stats)]
     return "\n".join(out)
 
@@ -99,7 +99,8 @@ def refusal(stats: SFTStats, max_dropped_fraction: float) -> str:
 def show_data(cfg, tokenizer, n: int) -> str:
     """`show_examples` for a recipe's ``data`` section (`cookbook.sft.DataConfig`): each train file (or the hub
     data set) tokenized as `cookbook.sft.load_examples` does, before the held-out split (said in a last line) and
-    packing; a source that training would refuse (too many rows dropped) is shown with the refusal instead of stopping."""
+    packing; a source that training would refuse (too many rows dropped) is shown with the refusal instead of stopping.
+    """
     from cookbook.sft.data import load_hub_rows, load_rows, prepare
 
     kwargs = dict(cfg.chat_template_kwargs) or None

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from cookbook.sft.rows import SFTDataError, row_label
+from cookbook.sft.rows import IGNORE_INDEX, SFTDataError, row_label
 
 
 @dataclass
@@ -29,12 +29,13 @@ class SFTStats:
     call_endings: list[int] = field(default_factory=list)  # rows kept up to their last answer; a tool call after it not trained
     example_rows: list[int] = field(default_factory=list)  # the 1-based row of each kept example, in order
     split_rows: int = 0  # rows with several assistant turns split into one example per turn
-    tool_call_rows: int = 0  # rows (of those read, with an answer) whose assistant turns make tool calls
-    tool_calls: int = 0  # the tool calls of those rows
+    tool_call_rows: int = 0  # rows whose kept examples hold tool calls
+    tool_calls: int = 0  # the tool calls of kept examples, before max_length
+    tool_calls_cut: int = 0  # the tool calls of examples dropped, or after the max_length cut of a kept one
     tokens: int = 0
     loss_tokens: int = 0  # tokens with a label
     reasoning: str = "train"  # data.reasoning: train (in the loss), context (rendered, no loss), drop
-    reasoning_turns: int = 0  # labelled assistant turns whose reasoning was rendered
+    reasoning_turns: int = 0  # labelled assistant turns of kept examples whose reasoning was rendered
     reasoning_unrendered: int = 0  # assistant turns whose reasoning the chat template left out (earlier turns)
     reasoning_dropped: int = 0  # assistant turns whose reasoning data.reasoning=drop removed
     ignored: dict[str, int] = field(default_factory=dict)  # keys of rows / turns not used -> how many had them
@@ -42,6 +43,7 @@ class SFTStats:
                            "keeps every turn's")
     parts: list[SFTStats] = field(default_factory=list)  # per-source stats of a merge
     lines: list[int] | None = field(default=None, repr=False)  # each row's line in a JSONL file (`RowList.lines`)
+    _call_row: int = field(default=0, repr=False)  # the last row counted in tool_call_rows
 
     def label(self, n: int) -> str:
         """1-based row `n` as messages name it: ``"line 19"`` (a JSONL file) or ``"row 3"``."""
@@ -78,9 +80,9 @@ class SFTStats:
         """Totals over several sources; `summary` then reports each source."""
         total = cls(source=" + ".join(p.source for p in parts), max_length=max((p.max_length for p in parts), default=0),
                     truncate=all(p.truncate for p in parts), parts=list(parts))
-        for key in ("rows", "examples", "truncated", "dropped", "split_rows", "tool_call_rows", "tool_calls", "tokens",
-                    "loss_tokens",
-                    "reasoning_turns", "reasoning_unrendered", "reasoning_dropped"):
+        for key in ("rows", "examples", "truncated", "dropped", "split_rows", "tool_call_rows", "tool_calls",
+                    "tool_calls_cut", "tokens", "loss_tokens", "reasoning_turns", "reasoning_unrendered",
+                    "reasoning_dropped"):
             setattr(total, key, sum(getattr(p, key) for p in parts))
         total.unanswered = [r for p in parts for r in p.unanswered]
         total.call_endings = [r for p in parts for r in p.call_endings]
@@ -99,15 +101,38 @@ class SFTStats:
             items.append(f"{self.reasoning_dropped} turns dropped (data.reasoning=drop)")
         return f"reasoning: {', '.join(items)}" if items else ""
 
-    def count_tool_calls(self, messages: Sequence[dict]) -> None:
-        """Count one row's tool calls (its messages' ``tool_calls``) in `tool_call_rows` and `tool_calls`."""
-        calls = sum(len(m.get("tool_calls") or ()) for m in messages)
-        self.tool_call_rows += calls > 0
-        self.tool_calls += calls
+    def add(self, n: int, ids: list[int], labels: list[int], calls: Sequence[tuple[int, int]] = (),
+            reasoning: Sequence[int] = ()) -> dict | None:
+        """Count an example of 1-based row `n` (untruncated `ids`, `labels`) and return it cut to `max_length`, or
+        None when it is dropped: no label left (or, not truncating, too long). `calls`: ``(token where a turn
+        starts, its tool calls)``; a kept example's calls before the cut count in `tool_calls`, the rest in
+        `tool_calls_cut`. `reasoning`: where the labelled turns with rendered reasoning start (`reasoning_turns`
+        counts a kept example's before the cut)."""
+        full, cut = len(ids), len(ids) > self.max_length
+        ids, labels = ids[:self.max_length], labels[:self.max_length]
+        n_loss = sum(label != IGNORE_INDEX for label in labels)
+        if n_loss == 0 or (cut and not self.truncate):
+            self.dropped += 1
+            self.dropped_rows.append((n, full))
+            self.tool_calls_cut += sum(k for _, k in calls)
+            return None
+        self.reasoning_turns += sum(start < self.max_length for start in reasoning)
+        kept = sum(k for start, k in calls if start < self.max_length)
+        self.tool_calls += kept
+        self.tool_calls_cut += sum(k for _, k in calls) - kept
+        if kept and self._call_row != n:
+            self.tool_call_rows, self._call_row = self.tool_call_rows + 1, n
+        self.truncated += cut
+        self.example_rows.append(n)
+        self.examples += 1
+        self.tokens += len(ids)
+        self.loss_tokens += n_loss
+        return {"input_ids": ids, "labels": labels}
 
     def tool_calls_note(self) -> str:
-        """``"tool calls: 5 in 3 rows"``."""
-        return f"tool calls: {self.tool_calls} in {self.tool_call_rows} rows"
+        """``"tool calls: 5 in 3 rows"`` (``", 2 not trained (dropped or cut at max_length)"`` when some were)."""
+        cut = f", {self.tool_calls_cut} not trained (dropped or cut at max_length)" if self.tool_calls_cut else ""
+        return f"tool calls: {self.tool_calls} in {self.tool_call_rows} rows{cut}"
 
     def _drop_reason(self, limit: str) -> str:
         return f"cut by {limit} before any assistant token" if self.truncate else f"longer than {limit}, dropped rather than cut"
@@ -128,7 +153,7 @@ class SFTStats:
         if self.call_endings:
             text += (f", {len(self.call_endings)} end in a tool call after their last answer, not trained ("
                      f"{self._rows_list(self.call_endings)})")
-        if self.tool_calls:
+        if self.tool_calls or self.tool_calls_cut:
             text += f", {self.tool_calls_note()}"
         if self.reasoning_note():
             text += f", {self.reasoning_note()}"

@@ -58,10 +58,7 @@ def reasoning_field(tokenizer) -> str | None:
 def _inline_reasoning(tokenizer, messages: list[dict]) -> list[dict]:
     """Messages with an assistant turn's inline ``<think>...</think>`` prefix moved to ``reasoning_content``,
     for templates with ``<think>`` blocks.
-
-    Raises:
-        SFTDataError: a stray ``<think>`` / ``</think>`` elsewhere in an assistant turn.
-    """
+    Raises SFTDataError: a stray ``<think>`` / ``</think>`` elsewhere in an assistant turn."""
     try:
         template = tokenizer.get_chat_template()
     except ValueError:
@@ -89,12 +86,12 @@ def _inline_reasoning(tokenizer, messages: list[dict]) -> list[dict]:
     return out
 
 
-def _check_tools_rendered(tokenizer, messages: list[dict], tools: list[dict] | None, kwargs: dict | None,
-                          turns: dict[int, str]) -> None:
-    """Refuse a template that drops the row's tools, tool calls or tool results: each tool name must appear in
-    the rendering, each call's name in its turn's labelled text (`turns`: message index -> text), each tool result as
-    is or JSON-quoted (Llama 3.1 writes ``content | tojson``).
-    """
+def check_tools_rendered(tokenizer, messages: list[dict], tools: list[dict] | None, text: str = "",
+                         kwargs: dict | None = None, turns: dict[int, str] | None = None) -> None:
+    """Refuse, in one `SFTDataError`, a template that drops the row's tools, tool calls or tool results: each tool
+    name must appear in the rendering, each call's name in its turn's labelled text (`turns`: message index -> text;
+    None: `text`, the rendered conversation), each tool result as is or JSON-quoted (Llama 3.1: ``content | tojson``)."""
+    turns = {i: text for i, m in enumerate(messages) if m.get("tool_calls")} if turns is None else turns
     text = _render(tokenizer, messages, False, kwargs, tools, tokenize=False) if tools or any(
         m["role"] == "tool" for m in messages) else ""
     for tool in tools or ():
@@ -134,13 +131,13 @@ def _encode(tokenizer, messages: list[dict], kwargs: dict | None, tools: list[di
             last_turn_only: bool, reasoning: str = "train") -> tuple[list[int], list[int], dict[str, int]]:
     """Untruncated ``(input_ids, labels, counts)`` of `tokenize_conversation`; `last_turn_only` labels the last
     assistant turn only; `reasoning` ``"context"`` masks each turn's reasoning. ``counts``: labelled turns whose
-    reasoning was rendered (``reasoning``) or left out (``reasoning_unrendered``).
-    """
+    reasoning was rendered (``reasoning``: where they start) or left out (``reasoning_unrendered``: how many);
+    ``calls``: ``(start, tool calls)`` of the labelled turns that make them."""
     special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
     full = _render(tokenizer, messages, False, kwargs, tools)
     labels = [IGNORE_INDEX] * len(full)
     assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    turns, counts = {}, {"reasoning": 0, "reasoning_unrendered": 0}
+    turns, counts = {}, {"reasoning": [], "reasoning_unrendered": 0, "calls": []}
     for i in assistant[-1:] if last_turn_only else assistant:
         if i == 0:
             raise SFTDataError("messages[0] is an assistant turn; a conversation must start with a system or user turn")
@@ -159,7 +156,7 @@ def _encode(tokenizer, messages: list[dict], kwargs: dict | None, tools: list[di
         thought = next((messages[i][k] for k in ("reasoning_content", "thinking") if messages[i].get(k)), "").strip()
         if thought:
             if thought in tokenizer.decode(full[start:stop]):
-                counts["reasoning"] += 1
+                counts["reasoning"].append(start)
                 if reasoning == "context":
                     labels[start:_covering(tokenizer, full, start, stop, thought)] = \
                         [IGNORE_INDEX] * (_covering(tokenizer, full, start, stop, thought) - start)
@@ -167,7 +164,8 @@ def _encode(tokenizer, messages: list[dict], kwargs: dict | None, tools: list[di
                 counts["reasoning_unrendered"] += 1
         if messages[i].get("tool_calls"):
             turns[i] = tokenizer.decode(full[start:stop])
-    _check_tools_rendered(tokenizer, messages, tools, kwargs, turns)
+            counts["calls"].append((start, len(messages[i]["tool_calls"])))
+    check_tools_rendered(tokenizer, messages, tools, kwargs=kwargs, turns=turns)
     return full, labels, counts
 
 
@@ -178,9 +176,7 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_length: int,
     returns ``(input_ids, labels, truncated)``, at most `max_length` long. Turn ``i``'s tokens lie between the
     renderings of ``messages[:i]`` with the generation prompt and of ``messages[:i+1]``, both prefixes of the whole
     conversation's; whitespace after the turn's last special token gets no label.
-
-    Raises:
-        SFTDataError: no chat template; the template fails, is not prefix-stable, or drops tools, calls or results.
+    Raises SFTDataError: no chat template; the template fails, is not prefix-stable, or drops tools, calls or results.
     """
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length}")
@@ -191,8 +187,7 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_length: int,
 
 def check_vocab(tokenizer, vocab_size: int) -> None:
     """Raise `SFTDataError` if ``len(tokenizer)`` exceeds `vocab_size` (``model.config.vocab_size``, which may be
-    larger: Qwen3 pads its embedding to 151936 rows for 151669 tokens).
-    """
+    larger: Qwen3 pads its embedding to 151936 rows for 151669 tokens)."""
     if len(tokenizer) > vocab_size:
         raise SFTDataError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {vocab_size}: "
                            f"ids >= {vocab_size} have no embedding; use the model's own tokenizer")
@@ -201,14 +196,10 @@ def template_conversation(row: dict, row_number: int | str, source: str, tokeniz
                           ignored: Counter | None = None, chat_template_kwargs: dict | None = None,
                           reasoning: str = "train") -> tuple[list[dict], list[dict] | None]:
     """`to_conversation` made ready for `tokenizer`'s template, as `prepare` does: inline ``<think>`` moved,
-    reasoning under the key the template reads or dropped (``reasoning="drop"``), tool calls and unused keys counted.
+    reasoning under the key the template reads or dropped (``reasoning="drop"``), unused keys counted.
     `tokenizer` None: the reasoning stays as ``reasoning_content``, unchecked.
-
-    Raises:
-        EmptyAnswerError: the row's answer is empty.
-        SFTDataError: ``"<source> row <n>: ..."`` (`row_number` a label: ``"<source> <label>: ..."``): see
-            `to_conversation`; reasoning with no place; a stray ``<think>``.
-    """
+    Raises EmptyAnswerError: the row's answer is empty; SFTDataError: ``"<source> row <n>: ..."`` (`row_number` a label:
+    ``"<source> <label>: ..."``): see `to_conversation`; reasoning with no place; a stray ``<think>``."""
     if ignored is not None:  # the row's own keys that its format does not read
         used = (("messages", "tools") if "messages" in row else ("conversations", "system", "tools")
                 if "conversations" in row else ("instruction", "input", "output"))
@@ -224,27 +215,14 @@ def template_conversation(row: dict, row_number: int | str, source: str, tokeniz
         raise
     except SFTDataError as exc:
         raise SFTDataError(str(exc) if str(exc).startswith(source) else f"{source} {row_label(row_number)}: {exc}") from None
-    stats.count_tool_calls(messages)
     return messages, tools
-
-
-def check_tools_rendered(tokenizer, messages: list[dict], tools: list[dict] | None, text: str,
-                         chat_template_kwargs: dict | None = None) -> None:
-    """Refuse a chat template that leaves out the row's tools, tool calls or tool results (`text`: the rendered
-    conversation); raises `SFTDataError` naming what it dropped.
-    """
-    calls = {i: text for i, m in enumerate(messages) if m.get("tool_calls")}
-    _check_tools_rendered(tokenizer, messages, tools, chat_template_kwargs, calls)
 
 
 def _place_reasoning(messages: list[dict], reasoning: str, target: str | None, kwargs: dict | None,
                      stats: SFTStats) -> list[dict]:
     """Messages with each assistant turn's ``reasoning_content`` under the template's key `target` (removed and
     counted for ``reasoning="drop"``).
-
-    Raises:
-        SFTDataError: reasoning, but the template reads no reasoning field or ``enable_thinking`` is false.
-    """
+    Raises SFTDataError: reasoning, but the template reads no reasoning field or ``enable_thinking`` is false."""
     out = []
     for i, m in enumerate(messages):
         if "reasoning_content" not in m:

@@ -1,15 +1,12 @@
-"""Image + text rows for vision-language models (Qwen-VL family): rows -> chat messages with image parts ->
-token ids with assistant-only labels (each image placeholder repeated once per merged patch) and the images cut
-into patches by the model's image processor::
+"""Image + text rows for vision-language models (Qwen-VL family): messages with image parts -> token ids with
+assistant-only labels (an image placeholder repeated once per merged patch) and the image processor's patches::
 
     tokenizer, image_processor = load_vl_processors(model_path, max_pixels=512 * 512)
     train_items, eval_items = load_vl_items(cfg.data, seed=42)          # (source, row, no_loss) items
     dataset = VLDataset(train_items, tokenizer=tokenizer, image_processor=image_processor,
                         image_token_id=hf_config.image_token_id, max_length=2048)
 
-Rows are read when indexed (in the loader's workers); bad rows raise `SFTDataError` naming the file, the row (a
-JSONL file's line, else 1-based) and the image; `check_vl_items` reads every local row once before training.
-"""
+Rows are read when indexed; `check_vl_items` reads every local row once before training."""
 
 from __future__ import annotations
 
@@ -19,8 +16,9 @@ from typing import Any
 
 import torch
 
-from cookbook.sft.data import (IGNORE_INDEX, REASONING_KEYS, ROLES, SFTDataError, load_rows, pad_batch, row_label,
-                               tokenize_conversation)
+from cookbook.sft.data import hold_out, pad_batch
+from cookbook.sft.rows import IGNORE_INDEX, REASONING_KEYS, ROLES, SFTDataError, load_rows, row_label
+from cookbook.sft.template import tokenize_conversation
 
 
 @dataclass
@@ -44,7 +42,7 @@ def is_vision_language(hf_config) -> bool:
 
 
 @dataclass
-class VLSource:
+class _VLSource:
     """The rows of one data file or hub data set of image + text pairs; image paths are relative to ``base_dir``."""
     name: str
     rows: Any  # list[dict] (a JSON / JSONL file) or a datasets.Dataset (rows and their images read on access)
@@ -56,11 +54,8 @@ def to_vl_messages(row: dict, where: str) -> tuple[list[dict], list[Any]]:
     of parts, others strings). Rows: ``{"images": [...], "messages": [...]}`` with ``{"type": "image"}`` and
     ``{"type": "text", "text"}`` parts (TRL's layout), or ``{"image": ..., "messages": [...]}``; an image is a path
     relative to the data file or a PIL image. Images without image parts go before the first user turn's text.
-
-    Raises:
-        SFTDataError: ``"<where>: ..."``: no image; images and image parts differ in number; an image part outside a
-            user turn; an unknown role or part; no or an empty assistant turn.
-    """
+    Raises SFTDataError: ``"<where>: ..."``: no image; images and image parts differ in number; an image part outside a
+    user turn; an unknown role or part; no or an empty assistant turn."""
     images = row.get("images", row.get("image"))
     images = images if isinstance(images, list) else [] if images is None else [images]
     if not images or any(im is None for im in images):
@@ -112,12 +107,9 @@ def to_vl_messages(row: dict, where: str) -> tuple[list[dict], list[Any]]:
     return messages, images
 
 
-def open_image(ref: Any, base_dir: Path | None, where: str):
+def _open_image(ref: Any, base_dir: Path | None, where: str):
     """Decode one image (a path, relative to `base_dir` unless absolute, or a PIL image) to RGB.
-
-    Raises:
-        SFTDataError: ``"<where>: ..."`` naming the file: not found or not decodable; neither a path nor an image.
-    """
+    Raises SFTDataError: ``"<where>: ..."`` naming the file: not found or not decodable; neither a path nor an image."""
     from PIL import Image
 
     if isinstance(ref, Image.Image):
@@ -138,13 +130,10 @@ def vl_example(row: dict, where: str, base_dir: Path | None, tokenizer, image_pr
                max_length: int, template_kwargs: dict | None = None, no_loss: bool = False) -> dict[str, Any]:
     """One image + text row as model inputs: ``input_ids`` and ``labels`` (L <= max_length; ``no_loss``: all
     -100), ``pixel_values`` (P, C * T * p * p) for the P patches of all images and ``image_grid_thw`` (n_images, 3).
-
-    Raises:
-        SFTDataError: ``"<where>: ..."``: see `to_vl_messages` and `open_image`; another number of image placeholders
-            in the template's output; the image tokens do not fit in max_length.
-    """
+    Raises SFTDataError: ``"<where>: ..."``: see `to_vl_messages`, `_open_image`; another number of image placeholders
+    in the template's output; the image tokens do not fit in max_length."""
     messages, refs = to_vl_messages(row, where)
-    images = [open_image(ref, base_dir, where) for ref in refs]
+    images = [_open_image(ref, base_dir, where) for ref in refs]
     try:
         ids, labels, _ = tokenize_conversation(tokenizer, messages, 1 << 30, template_kwargs)
     except SFTDataError as exc:
@@ -173,10 +162,9 @@ def vl_example(row: dict, where: str, base_dir: Path | None, tokenizer, image_pr
 
 class VLDataset(torch.utils.data.Dataset):
     """Image + text rows, tokenized and decoded when read; `items` are ``(source, row index, no_loss)``
-    (``no_loss`` rows pad eval shards); `kwargs` are `vl_example`'s after ``base_dir``.
-    """
+    (``no_loss`` rows pad eval shards); `kwargs` are `vl_example`'s after ``base_dir``."""
 
-    def __init__(self, items: list[tuple[VLSource, int, bool]], **kwargs):
+    def __init__(self, items: list[tuple[_VLSource, int, bool]], **kwargs):
         self.items, self.kwargs = items, kwargs
 
     def __len__(self) -> int:
@@ -191,27 +179,21 @@ class VLDataset(torch.utils.data.Dataset):
 def load_vl_items(cfg: Any, seed: int) -> tuple[list[tuple], list[tuple]]:
     """Train and eval items ``(source, row index, no_loss)`` of `cfg`'s ``train_files`` (or the ``hub_id`` data set)
     and ``eval_files``; without eval files a ``eval_fraction`` of each source, seeded by `seed`, is held out.
-
-    Raises:
-        SFTDataError: see `cookbook.sft.load_rows` (rows themselves are checked when read).
-    """
+    Raises SFTDataError: see `cookbook.sft.load_rows` (rows themselves are checked when read)."""
     if cfg.train_files:
-        sources = [VLSource(f, load_rows(f), Path(f).parent) for f in cfg.train_files]
+        sources = [_VLSource(f, load_rows(f), Path(f).parent) for f in cfg.train_files]
     else:
         import datasets
 
-        sources = [VLSource(cfg.hub_id, datasets.load_dataset(cfg.hub_id, split="train"))]
+        sources = [_VLSource(cfg.hub_id, datasets.load_dataset(cfg.hub_id, split="train"))]
     train, evals = [], []
     for source in sources:
-        order = list(range(len(source.rows)))
-        if not cfg.eval_files and cfg.eval_fraction > 0:
-            order = torch.randperm(len(order), generator=torch.Generator().manual_seed(seed)).tolist()
-            n_eval = max(1, int(len(order) * cfg.eval_fraction))
-            evals += [(source, i, False) for i in sorted(order[:n_eval])]
-            order = sorted(order[n_eval:])
+        order, held = hold_out(len(source.rows), cfg.eval_fraction, seed) if not cfg.eval_files and \
+            cfg.eval_fraction > 0 else (range(len(source.rows)), [])
+        evals += [(source, i, False) for i in held]
         train += [(source, i, False) for i in order]
     for f in cfg.eval_files:
-        source = VLSource(f, load_rows(f), Path(f).parent)
+        source = _VLSource(f, load_rows(f), Path(f).parent)
         evals += [(source, i, False) for i in range(len(source.rows))]
     return train, evals
 
@@ -227,8 +209,7 @@ def shard_items_for_eval(items: list[tuple], rank: int, world_size: int) -> list
 
 def check_vl_items(dataset: VLDataset, hub_rows: int = 16) -> tuple[int, int]:
     """Read every local item of `dataset` (tokenized, images decoded) and the first `hub_rows` hub items before
-    training; returns ``(rows checked, images decoded)``; raises the first bad row's `SFTDataError`.
-    """
+    training; returns ``(rows checked, images decoded)``; raises the first bad row's `SFTDataError`."""
     local = [i for i, item in enumerate(dataset.items) if item[0].base_dir is not None]
     hub = [i for i, item in enumerate(dataset.items) if item[0].base_dir is None][:hub_rows]
     n_images = sum(len(dataset[i]["image_grid_thw"]) for i in local + hub)
@@ -249,10 +230,7 @@ def collate_vl(rows: list[dict], pad_id: int, image_token_id: int) -> dict[str, 
 def load_vl_processors(name_or_path: str, min_pixels: int | None = None, max_pixels: int | None = None):
     """``(tokenizer, image_processor)`` of a vision-language model (folder or hub id); the tokenizer carries the
     chat template (from the processor when only it has one); `min_pixels` / `max_pixels` bound each image's size.
-
-    Raises:
-        OSError: no tokenizer or image processor files (transformers' error).
-    """
+    Raises OSError: no tokenizer or image processor files (transformers' error)."""
     from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(name_or_path)
@@ -271,7 +249,7 @@ def show_vl(cfg: Any, tokenizer, image_processor, image_token_id: int, n: int,
     """`cookbook.sft.show_examples` for image + text rows: each train file's rows as `vl_example` renders them
     (image placeholders written ``<tok> x N``), the first `n` shown, all counted (rows cut at ``max_length``).
     Every row of a local file is read and its images decoded, as ``--check`` does; of a hub data set, `n` rows."""
-    from cookbook.sft.data import SFTStats
+    from cookbook.sft.stats import SFTStats
     from cookbook.sft.show import show_examples
 
     train, _ = load_vl_items(cfg, 0)
@@ -284,17 +262,8 @@ def show_vl(cfg: Any, tokenizer, image_processor, image_token_id: int, n: int,
         for i in rows:
             ex = vl_example(dict(source.rows[i]), f"{source.name} {st.label(i + 1)}", source.base_dir, tokenizer,
                             image_processor, image_token_id, 1 << 30, template_kwargs)
-            ids, labels = ex["input_ids"][:cfg.max_length], ex["labels"][:cfg.max_length]
-            n_loss = sum(label != IGNORE_INDEX for label in labels)
-            if n_loss == 0:
-                st.dropped += 1
-                st.dropped_rows.append((i + 1, len(ex["input_ids"])))
-                continue
-            st.truncated += len(ex["input_ids"]) > cfg.max_length
-            examples.append({"input_ids": ids, "labels": labels})
-            st.example_rows.append(i + 1)
-            st.examples += 1
-            st.tokens += len(ids)
-            st.loss_tokens += n_loss
+            example = st.add(i + 1, ex["input_ids"], ex["labels"])
+            if example is not None:
+                examples.append(example)
         parts.append((examples, st))
     return show_examples(parts, tokenizer, n)

@@ -1,16 +1,12 @@
-"""Shard-by-shard loading of pretrained weights from safetensors files into a model built on the meta device.
-
-A recipe that shards a model builds it without memory, changes it (adapters, expert split) and fills each
-parameter from the checkpoint, reading only what this rank keeps (``safe_open(...).get_slice``), so no rank holds
-the whole model as ``from_pretrained`` would::
+"""Shard-by-shard loading of safetensors weights into a model built on the meta device, each rank reading only
+what it keeps (``safe_open(...).get_slice``)::
 
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(hf_config)
     model = get_peft_model(model, lora_config)          # optional: adapter factors are not read
     load_base_lazily(model, "Qwen/Qwen3-30B-A3B")     # a folder or a hub id (cookbook.hub.model_folder)
 
-A module that keeps part of a tensor along its first axis (a slice of the experts) sets ``checkpoint_offset``.
-"""
+A module that keeps a slice of a tensor's first axis (of the experts) sets ``checkpoint_offset``."""
 
 from __future__ import annotations
 
@@ -23,7 +19,7 @@ from cookbook.config import ConfigError
 from cookbook.hub import model_folder
 
 # Checkpoint key prefixes that transformers renames at load time (its conversion_mapping.py): saved -> model.
-CHECKPOINT_RENAMES = {"nemotron_h": [("backbone.", "model.")]}
+_RENAMES = {"nemotron_h": [("backbone.", "model.")]}
 _PER_EXPERT_KEY = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
 _WRAPPER = re.compile(r"\.base_layer\b")  # PEFT's wrapper attribute: not in checkpoint names
 
@@ -36,15 +32,13 @@ def load_base_lazily(model: torch.nn.Module, name_or_path: str, key: str = "mode
     Layouts (those transformers 5 converts for its MoE models): tensors under the parameter's name (PEFT's
     ``base_layer`` left out); fused 3-D ``...experts.<name>`` (E, a, b) or transposed (E, b, a); per-expert
     ``...experts.<e>.<name>.weight`` stacked, ``gate_up_proj`` = ``gate_proj`` and ``up_proj`` rows concatenated;
-    the prefix renames of `CHECKPOINT_RENAMES`. A module with ``checkpoint_offset`` o and n rows gets rows [o, o + n).
-
-    Raises:
-        ConfigError: a parameter with no tensor in the checkpoint or one of another shape (says to set ``<key>=false``).
-    """
+    the prefix renames of `_RENAMES`. A module with ``checkpoint_offset`` o and n rows gets rows [o, o + n).
+    Raises ConfigError: a parameter with no tensor in the checkpoint or one of another shape (says to set
+    ``<key>=false``)."""
     from safetensors import safe_open
 
     hf = model.base_model.model if type(model).__module__.startswith("peft.") else model  # a PeftModel: its inner model
-    renames = CHECKPOINT_RENAMES.get(getattr(getattr(hf, "config", None), "model_type", None), [])
+    renames = _RENAMES.get(getattr(getattr(hf, "config", None), "model_type", None), [])
     with contextlib.ExitStack() as stack:
         dense, per_expert = {}, {}
         for f in sorted(model_folder(name_or_path).glob("*.safetensors")):
