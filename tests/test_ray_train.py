@@ -20,9 +20,9 @@ from conftest import ROOT
 
 from cookbook import ray_train
 from cookbook.checkpoint import CheckpointError
-from cookbook.ray_train.driver import _SNAPSHOT_FILE, _check_resume, _RayCheckpoints, worker_entry
+from cookbook.ray_train.driver import _SNAPSHOT_FILE, _check_resume, _RayCheckpoints
 from cookbook.ray_train import worker
-from cookbook.ray_train.worker import _STATE_FILE, _check_announced, rng_state, set_rng_state
+from cookbook.ray_train.worker import STATE_FILE as _STATE_FILE, _check_announced, rng_state, set_rng_state, worker_entry
 
 RAY = importlib.metadata.version("ray")
 
