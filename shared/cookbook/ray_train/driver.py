@@ -26,12 +26,12 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from cookbook import run_lock
-from cookbook.checkpoint import CheckpointError, CheckpointSaveError, ResumeGuard, read_meta
+from cookbook.checkpoint import CheckpointError, ResumeGuard, read_meta
 from cookbook.config import ConfigError, to_dict
 from cookbook.dist import CollectiveTimeout
 from cookbook.errors import EXIT_PREEMPTED
 from cookbook.policy import NonFiniteError, NonFinitePolicy, Preempted, StopRequest
-from cookbook.ray_train.worker import DIVERGED, SAVE_FAILED, STATE_FILE
+from cookbook.ray_train.worker import DIVERGED, SAVE_FAILED, STATE_FILE, raise_save_error
 
 _SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"  # Ray Train's record of the run's registered checkpoints
 
@@ -164,10 +164,7 @@ class RayDriver:
         returned = result.return_value if isinstance(result.return_value, dict) else {}
         if returned.get(DIVERGED):
             raise NonFiniteError(returned[DIVERGED])
-        if returned.get(SAVE_FAILED):
-            error = CheckpointSaveError(returned[SAVE_FAILED][0])
-            error.errno = returned[SAVE_FAILED][1]
-            raise error
+        raise_save_error(returned.get(SAVE_FAILED))
         checkpoint = result.checkpoint.path if result.checkpoint else None
         if self._stop.signum is not None and (result.metrics or {}).get("preempted"):
             print(f"preempted ({signal.Signals(self._stop.signum).name}): every worker stopped after step "
@@ -216,7 +213,7 @@ class _StopOnSignal(StopRequest):
 
     def __enter__(self) -> _StopOnSignal:
         self.listen()
-        self._handlers = {sig: handler if handler is not None else signal.SIG_DFL for sig, handler in self._handlers.items()}
+        self._handlers = {sig: h if h is not None else signal.SIG_DFL for sig, h in self._handlers.items()}
         self._thread = threading.Thread(target=self._ask, name="cookbook-stop", daemon=True)
         self._thread.start()
         return self

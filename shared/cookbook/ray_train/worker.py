@@ -1,12 +1,7 @@
 """The worker side of a Ray recipe: `worker_entry` (what ``TorchTrainer`` runs: the recipe's ``train_loop``),
 `config_from_dict`, `worker_info` and `WorkerRun`, the bookkeeping around the recipe's step body with the torchrun
-loop's failure policy (`cookbook.policy`). A recipe enters ``with run:``, loops over ``run.epochs()`` /
-``run.steps()`` and ``run.timed(loader)``, calls ``run.end_step`` and ``run.end_epoch``, reports
-``with run.checkpoint() as saved: ray.train.report(**saved)`` and ends with ``run.finish``.
-
-``state.pt`` holds the state dicts, every worker's random streams and the count of skipped steps (read with
-``torch.load(weights_only=True)``); ``meta.json`` holds ``epoch`` (epoch runs), ``step``, ``world_size``, ``config``
-and the checksums, which the driver's resume guard reads.
+loop's failure policy (`cookbook.policy`). ``state.pt`` holds the state dicts, every worker's random streams and the
+skipped steps (tensors and plain values); ``meta.json`` ``epoch``, ``step``, ``world_size``, ``config``, checksums.
 """
 
 from __future__ import annotations
@@ -170,21 +165,16 @@ def _facts(meta: Mapping[str, Any]) -> str:
 
 
 class WorkerRun:
-    """Resume, metrics, log window, checkpoints for ``ray.train.report`` and the summary of one Ray Train worker.
+    """Resume, metrics, log window, checkpoints for ``ray.train.report`` and the summary of one Ray Train worker;
+    every method that logs, evaluates or checkpoints is collective. A recipe enters ``with run:``, loops over
+    ``run.epochs()`` or ``run.steps()`` and ``run.timed(loader)``, calls ``run.end_step`` / ``run.end_epoch``, reports
+    ``with run.checkpoint() as saved: ray.train.report(**saved)`` and ends with ``run.finish``.
 
-    Constructing it (after the model's initialisation) resumes from `load_checkpoint`: the state dicts of `state`,
-    each worker's random streams, `step` and `epoch`; rank 0 writes ``<output_dir>/config.yaml``. `state`: name ->
-    objects with ``state_dict`` (the unwrapped model, optimizer, scheduler) or plain values (a class list).
-    `stop_at`: ``("train.stop_at_epoch", n)`` (a checkpoint per epoch, `end_epoch`) or ``("train.stop_at_step",
-    n)`` (by ``checkpoint.every_steps``: -1 never, 0 at the stop point, N every N steps; `end_step`); ``n > 0``
-    stops there. `evaluate` (step runs): every ``train.eval_every`` steps and at the end. `flops`, `count_tokens`:
-    for the `MetricsLogger`; `about`: the run's first log line. ``train.profile_step`` > 0 traces that step.
-
-    Preemption (SIGTERM / SIGUSR1 to the driver): rank 0 reads the request, the workers agree on a step
-    (`cookbook.policy.StopVote`), a checkpoint follows (mid-epoch: ``checkpoint_epoch_<n>_step_<s>``) and `finish`
-    ends the run as stopped; a mid-epoch resume reads the epoch's first batches again from the streams it began
-    with and drops them (`timed`). Non-finite steps: `cookbook.policy.NonFinitePolicy` (`skip_step`). Every method
-    that logs, evaluates or checkpoints is collective.
+    Constructed after the model's initialisation, it resumes `state` (name -> object with ``state_dict``, or a plain
+    value), the random streams, `step` and `epoch`. `stop_at`: ``("train.stop_at_epoch", n)`` (a checkpoint per
+    epoch) or ``("train.stop_at_step", n)`` (by ``checkpoint.every_steps``: -1 never, 0 at the stop, N every N
+    steps). A stop request from the driver (preemption) is agreed by `cookbook.policy.StopVote` and checkpointed
+    (mid-epoch: ``checkpoint_epoch_<n>_step_<s>``, whose resume reads the epoch's first batches again and drops them).
     """
 
     def __init__(self, cfg: Any, info: DistInfo, experiment: str, state: Mapping[str, Any], *, max_steps: int,
@@ -288,8 +278,7 @@ class WorkerRun:
         self.metrics.close(failed=exc_type is not None, stopped=self.stopped)
 
     def steps(self) -> Iterator[int]:
-        """The number of each optimizer step to run (1-based) up to the stop point or a stop request (step runs);
-        each ends with `end_step` or a skip."""
+        """Each optimizer step's number (1-based) up to the stop point or a stop request; each ends in `end_step`."""
         while self.step < self.stop and not self.preempted:
             started, self._skipped_now = self.step, False
             self.nonfinite.begin_step()
@@ -307,8 +296,7 @@ class WorkerRun:
         return skipped
 
     def epochs(self) -> Iterator[int]:
-        """The number of each epoch to run (0-based) up to the stop point or a stop request; each ends with
-        `end_epoch`."""
+        """Each epoch's number (0-based) up to the stop point or a stop request; each ends in `end_epoch`."""
         while self.epoch < self.stop and not self.preempted:
             started = self.epoch
             yield started
@@ -316,8 +304,8 @@ class WorkerRun:
                 raise RuntimeError("each epoch must end with run.end_epoch(...)")
 
     def timed(self, batches: Iterable) -> Iterator[tuple[Any, float]]:
-        """``(batch, seconds waited for it)`` for each batch. In an epoch run, one epoch's: it ends early on a stop
-        request, and after a mid-epoch resume first reads the batches already taken and drops them."""
+        """``(batch, seconds waited for it)``; in an epoch run, up to a stop request, past those a mid-epoch resume
+        already took."""
         if self._skip and self._epoch_rng is not None:
             set_rng_state(self._epoch_rng)  # the epoch's batches are read again as they were first
         if self.unit == "epoch":
@@ -344,10 +332,8 @@ class WorkerRun:
 
     def end_step(self, loss: torch.Tensor | float, *, lr: float, grad_norm: torch.Tensor | float | None = None,
                  window: Mapping[str, torch.Tensor | float] | None = None) -> bool:
-        """Count one optimizer step (`loss`: this worker's, a 0-d device tensor; `window`: more numbers averaged
-        over the log window by name); log every ``train.log_every`` steps, at each epoch's end and the last step.
-        Step runs: whether a checkpoint is due (`checkpoint`): by ``checkpoint.every_steps``, at the stop point or
-        on an agreed stop request (collective). Epoch runs: ``False``."""
+        """Count one optimizer step (`loss`: this worker's 0-d tensor; `window`: more numbers averaged by name) and log
+        by ``train.log_every``; returns whether a checkpoint is due (step runs; collective), ``False`` in epoch runs."""
         self.profiler.stop()
         self.step += 1
         record_progress(self.step)
@@ -381,8 +367,8 @@ class WorkerRun:
         return due
 
     def end_epoch(self, evaluate: Callable[[], Mapping[str, float]]) -> dict[str, float]:
-        """Count one epoch and run `evaluate` (collective, reduced over the workers; not in the step time) before
-        its `checkpoint`; returns its metrics (``{}`` for an epoch cut short by a stop request)."""
+        """Count one epoch and run `evaluate` (collective) before its `checkpoint`; returns its metrics (``{}`` when
+        a stop request cut the epoch short)."""
         if self.preempted:
             self._values = {}
             return {}
@@ -441,21 +427,20 @@ class WorkerRun:
                     except Exception as exc:
                         failure = self._save_failure(exc, final)
                     saved.update(checkpoint=Checkpoint.from_directory(tmp), checkpoint_dir_name=f"checkpoint_{label}")
-                _raise_save_error(from_rank0(failure))  # before the report: no worker waits in it
+                raise_save_error(from_rank0(failure))  # before the report: no worker waits in it
                 try:
                     yield saved
                 except Exception as exc:  # Ray's copy to output_dir (pyarrow) failed on rank 0
                     failure = self._save_failure(exc, final)
                     shutil.rmtree(final, ignore_errors=True)  # not registered: its space goes back to the disk
-                _raise_save_error(from_rank0(failure))
+                raise_save_error(from_rank0(failure))
             get_logger().info(f"checkpoint saved: {label} ({_facts(meta)})")
             self.reports, self._stop_reported = self.reports + 1, self.preempted
             self._saved_at = self.batches
             self._newest = final
 
     def _save_failure(self, exc: Exception, final: Path) -> tuple[str, int | None]:
-        """``(message, errno)`` of the `cookbook.checkpoint.save_error` of the OS error behind the failed save of
-        `final`, naming the previous checkpoint; `exc` is raised again when no `OSError` is behind it."""
+        """``(message, errno)`` of `cookbook.checkpoint.save_error` for the OS error behind `exc` (else `exc`)."""
         os_error = os_error_in(exc)
         if os_error is None:
             raise exc
@@ -463,8 +448,7 @@ class WorkerRun:
         return str(error), error.errno
 
     def _agree_stop(self) -> bool:
-        """Whether the workers agreed to stop here (collective, at every step boundary): rank 0 reads the driver's
-        request from Ray's key-value store (at most every `_STOP_POLL_S`), `StopVote` makes every worker agree."""
+        """Whether the workers agreed to stop here (collective): rank 0 reads the driver's request from Ray's store."""
         if _stop_key is None:
             return False
         if self.info.is_main and not self._stop_seen and time.monotonic() >= self._next_poll:
@@ -515,8 +499,8 @@ class WorkerRun:
         return final_eval
 
 
-def _raise_save_error(failure: tuple[str, int | None] | None) -> None:
-    """Raise the `CheckpointSaveError` of rank 0's failed save (``(message, errno)``, the same on every worker)."""
+def raise_save_error(failure: tuple[str, int | None] | None) -> None:
+    """Raise the `CheckpointSaveError` of a failed save's ``(message, errno)`` (`SAVE_FAILED`), if any."""
     if failure is not None:
         error = CheckpointSaveError(failure[0])
         error.errno = failure[1]
