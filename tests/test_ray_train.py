@@ -186,6 +186,16 @@ def test_a_recipe_exception_leaves_the_worker_as_an_importable_error(tmp_path):
         worker_entry({"script": str(script), "config": {}})
 
 
+def test_a_recipe_file_imports_its_sibling_modules_in_the_worker(tmp_path):
+    folder = tmp_path / "my-recipe"
+    folder.mkdir()
+    (folder / "sibling_of_train.py").write_text("class DataError(ValueError):\n    pass\n")
+    (folder / "train.py").write_text("from sibling_of_train import DataError\n\n"
+                                     "def train_loop(config):\n    raise DataError(config['file'])\n")
+    with pytest.raises(ray_train.RecipeError, match="^DataError: x.jpg$"):  # the recipe's class, from its folder
+        worker_entry({"script": str(folder / "train.py"), "config": {"file": "x.jpg"}})
+
+
 DRIVER = """
 import signal, sys, time
 from pathlib import Path

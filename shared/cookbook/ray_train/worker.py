@@ -50,8 +50,8 @@ class RecipeError(RuntimeError):
 
 
 def worker_entry(loop_config: dict) -> dict | None:
-    """Import the recipe file ``loop_config["script"]`` by path (OmegaConf needs its dataclasses in a real module)
-    and call its ``train_loop(loop_config["config"])``. A non-finite stop or a failed save is returned to the driver
+    """Import the recipe file ``loop_config["script"]`` by path (OmegaConf needs its dataclasses in a real module;
+    its folder goes on ``sys.path``) and call its ``train_loop(loop_config["config"])``. A non-finite stop or a failed save is returned to the driver
     (``{DIVERGED: message}``, ``{SAVE_FAILED: (message, errno)}``), so that Ray does not restart the workers into
     it; a timed-out collective is raised as `cookbook.dist.CollectiveTimeout` (a restart, or one line)."""
     import importlib.util
@@ -61,6 +61,8 @@ def worker_entry(loop_config: dict) -> dict | None:
     script = loop_config["script"]
     name = f"cookbook_recipe_{abs(hash(script))}"
     if name not in sys.modules:
+        if str(Path(script).parent) not in sys.path:  # its sibling modules import, as when train.py runs as a script
+            sys.path.insert(0, str(Path(script).parent))
         spec = importlib.util.spec_from_file_location(name, script)
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
@@ -75,8 +77,9 @@ def worker_entry(loop_config: dict) -> dict | None:
         stalled = stall_error(exc)
         if stalled is not None:
             raise stalled from exc
-        if type(exc).__module__ != name:
-            raise
+        home = getattr(sys.modules.get(type(exc).__module__), "__file__", None)
+        if type(exc).__module__ != name and (home is None or Path(home).parent != Path(script).parent):
+            raise  # not a class of the recipe folder's: Ray's controller and the driver can import it
         raise RecipeError(f"{type(exc).__name__}: {exc}") from None
     return None
 
