@@ -348,9 +348,9 @@ def without_ray(monkeypatch) -> None:
     monkeypatch.setenv("COOKBOOK_DEVICE", "cpu")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    monkeypatch.setattr(driver, "init_ray", lambda cfg, num_workers: None)
-    monkeypatch.setattr(driver, "resolve_workers", lambda cfg, nnodes=1: (2, False))
-    monkeypatch.setattr(driver, "check_shared_storage", lambda output_dir: None)
+    monkeypatch.setattr(driver, "_init_ray", lambda cfg, num_workers: None)
+    monkeypatch.setattr(driver, "_resolve_workers", lambda cfg, nnodes=1: (2, False))
+    monkeypatch.setattr(driver, "_check_shared_storage", lambda output_dir: None)
     monkeypatch.setattr(ray.train.torch, "TorchTrainer", LocalTorchTrainer)
 
 

@@ -11,8 +11,9 @@ import signal
 import time
 from pathlib import Path
 
-from conftest import ROOT, read_jsonl
-from ray_cluster import ray_processes, recipe_module, run_driver_forked, train_steps, wait_for, without_ray
+from conftest import ROOT, read_jsonl, train_losses
+from ray_cluster import (ray_processes, recipe_module, registered, run_driver_forked, train_steps, wait_for,
+                         without_ray)
 
 RECIPE = "two-tower-ray"
 STEPS_PER_EPOCH = 12  # tiny.yaml on 2 workers
@@ -118,3 +119,37 @@ def test_a_stopped_worker_ends_the_run_within_the_collective_timeout_naming_it(r
         rf"{stopped['pid']} on \S+\) serves the group's store, which did not answer \(.*\) - it is stalled",
         lines[0]), lines
     assert took < 60, took  # 5 s, up to 7.25 s for the store (describe_stall), Ray's teardown: ~22 s on 2 busy cores
+
+
+def test_a_stopped_worker_with_a_restart_left_is_restarted_and_the_run_takes_the_uninterrupted_steps(ray_env,
+                                                                                                     tmp_path):
+    """As above with ``ray.max_failures=1``, rank 0 stopped once Ray registered a checkpoint: the other worker's
+    collective times out, Ray restarts the worker group (the stopped process is killed) from the newest checkpoint
+    it registered, and the run finishes (exit 0) with each step's loss equal to an uninterrupted run's."""
+    common = ("mlflow=false", "train.log_every=1", "train.collective_timeout_s=10")
+    plain = run_driver_forked(RECIPE, ray_env, f"output_dir={tmp_path / 'plain'}", *common, run_main=True)
+    assert plain.returncode == 0, plain.stderr[-4000:]
+    uninterrupted = train_losses(tmp_path / "plain" / "metrics.jsonl")
+    assert sorted(uninterrupted) == list(range(1, 4 * STEPS_PER_EPOCH + 1))
+    out, stopped = tmp_path / "run", {}
+
+    def stop(driver: int) -> None:
+        wait_for(lambda: registered(out) is not None, "a checkpoint registered")
+        pid = _rank_0(ray_env)
+        os.kill(pid, signal.SIGSTOP)
+        stopped.update(pid=pid, steps=len(train_steps(out)))
+
+    try:
+        run = run_driver_forked(RECIPE, ray_env, f"output_dir={out}", *common, "ray.max_failures=1", alongside=stop,
+                                timeout=400, run_main=True)
+    finally:
+        with contextlib.suppress(ProcessLookupError, KeyError):
+            os.kill(stopped["pid"], signal.SIGCONT)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert stopped["pid"] not in ray_processes(ray_env, "RayTrainWorker")
+    resumed = re.findall(r"resumed from \S+/checkpoint_epoch_\d{4} \(epoch (\d), step (\d+), world_size 2\)", run.stderr)
+    assert len(resumed) == 1, run.stderr[-4000:]  # the restarted group, from the newest registered checkpoint
+    steps = train_steps(out)
+    assert steps[stopped["steps"]] == int(resumed[0][1]) + 1 and steps[-1] == 4 * STEPS_PER_EPOCH, steps
+    assert stopped["steps"] < len(steps) - 1 and steps[stopped["steps"] - 1] < 4 * STEPS_PER_EPOCH  # stopped mid-run
+    assert train_losses(out / "metrics.jsonl") == uninterrupted

@@ -20,9 +20,9 @@ from conftest import ROOT
 
 from cookbook import ray_train
 from cookbook.checkpoint import CheckpointError
-from cookbook.ray_train.driver import _SNAPSHOT_FILE, _check_resume, _RayCheckpoints, worker_entry
+from cookbook.ray_train.driver import _SNAPSHOT_FILE, _check_resume, _RayCheckpoints
 from cookbook.ray_train import worker
-from cookbook.ray_train.worker import _STATE_FILE, _check_announced, rng_state, set_rng_state
+from cookbook.ray_train.worker import STATE_FILE as _STATE_FILE, _check_announced, rng_state, set_rng_state, worker_entry
 
 RAY = importlib.metadata.version("ray")
 
@@ -184,6 +184,16 @@ def test_a_recipe_exception_leaves_the_worker_as_an_importable_error(tmp_path):
     script.write_text("def train_loop(config):\n    raise KeyError('other errors pass unchanged')\n")
     with pytest.raises(KeyError):
         worker_entry({"script": str(script), "config": {}})
+
+
+def test_a_recipe_file_imports_its_sibling_modules_in_the_worker(tmp_path):
+    folder = tmp_path / "my-recipe"
+    folder.mkdir()
+    (folder / "sibling_of_train.py").write_text("class DataError(ValueError):\n    pass\n")
+    (folder / "train.py").write_text("from sibling_of_train import DataError\n\n"
+                                     "def train_loop(config):\n    raise DataError(config['file'])\n")
+    with pytest.raises(ray_train.RecipeError, match="^DataError: x.jpg$"):  # the recipe's class, from its folder
+        worker_entry({"script": str(folder / "train.py"), "config": {"file": "x.jpg"}})
 
 
 DRIVER = """

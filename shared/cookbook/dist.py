@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from cookbook.errors import EXIT_PEER_LOST, OneLineError
 from cookbook.errors import first_line as _first_line
-from cookbook.logs import configure_logging as _configure_logging  # cookbook.ray_train.worker imports it from here
+from cookbook.logs import configure_logging as _configure_logging
 from cookbook.logs import get_logger  # noqa: F401 (re-exported: the modules above import it from here)
 
 logger = logging.getLogger("cookbook")

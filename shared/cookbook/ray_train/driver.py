@@ -1,17 +1,11 @@
-"""The driver side of a Ray recipe: the checks before Ray starts and the bookkeeping around the recipe's
-``TorchTrainer(...).fit()``.
+"""The driver side of a Ray recipe: the checks before Ray starts and the bookkeeping around the recipe's own
+``TorchTrainer(...).fit()``: `RayDriver`.
 
-`RayDriver(cfg, ...)` checks the output folder (`check_output_dir`), the resume (cookbook's `ResumeGuard` over
-Ray's checkpoint folders) and the worker count on this machine (`plan_workers`); `already_complete` says when a
-re-run has nothing left to do; ``with driver.started():`` starts or joins Ray and sizes the worker group, and the
-recipe builds its ``TorchTrainer`` there from `RayDriver.loop_config`, ``workers``, ``use_gpu`` and
-``resources_per_worker``; `RayDriver.finish` reads the ``Result``.
-
-``output_dir`` is Ray's run folder (``RunConfig(storage_path=<its parent>, name=<its last part>)``), so checkpoints
+``output_dir`` is Ray's run folder (``RunConfig(storage_path=<its parent>, name=<its last part>)``): checkpoints
 (``checkpoint_epoch_<n>/`` or ``checkpoint_step_<n>/``: ``state.pt``, ``meta.json``), ``metrics.jsonl`` and MLflow
-sit side by side; a re-run resumes from the newest checkpoint Ray registered (the driver names it). SIGTERM or
-SIGUSR1 stops every worker after the same step with a checkpoint (exit 75); a non-finite step that stops the run is
-returned by the workers (Ray does not restart them for it) and raised here as `cookbook.loop.NonFiniteError` (exit 4).
+side by side. A re-run resumes from the newest checkpoint Ray registered (the driver names it); SIGTERM / SIGUSR1
+stop every worker after the same step with a checkpoint (exit 75); a non-finite stop or a failed save that the
+workers return is raised here as the torchrun recipes' `NonFiniteError` (exit 4) or `CheckpointSaveError` (exit 2).
 """
 
 from __future__ import annotations
@@ -32,16 +26,14 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from cookbook import run_lock
-from cookbook.checkpoint import CheckpointError, CheckpointSaveError, ResumeGuard, read_meta
+from cookbook.checkpoint import CheckpointError, ResumeGuard, read_meta
 from cookbook.config import ConfigError, to_dict
-from cookbook.dist import CollectiveTimeout, stall_error
+from cookbook.dist import CollectiveTimeout
 from cookbook.errors import EXIT_PREEMPTED
-from cookbook.loop import PREEMPT_SIGNALS, NonFiniteError, NonFinitePolicy, Preempted
-from cookbook.ray_train.worker import _STATE_FILE
+from cookbook.policy import NonFiniteError, NonFinitePolicy, Preempted, StopRequest
+from cookbook.ray_train.worker import DIVERGED, SAVE_FAILED, STATE_FILE, raise_save_error
 
 _SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"  # Ray Train's record of the run's registered checkpoints
-DIVERGED = "diverged"  # in rank 0's return value (Ray's ``Result.return_value``): the NonFiniteError's message
-SAVE_FAILED = "save_failed"  # in rank 0's return value: the CheckpointSaveError's message and errno
 
 
 @dataclass
@@ -58,17 +50,14 @@ class RayConfig:
 
 
 @dataclass
-class EpochCheckpointConfig:
-    """The ``checkpoint`` section of a Ray recipe that checkpoints once per epoch (Ray Train keeps them)."""
-
-    keep_last: int = 2  # newest checkpoints kept; 0 keeps all
+class _EpochCheckpointConfig:
+    keep_last: int = 2  # newest checkpoints kept (Ray Train keeps them); 0 keeps all
 
 
 @dataclass
 class EpochTrainConfig:
-    """The keys of an epoch-based Ray recipe's ``train`` section that cookbook reads; the recipe's ``TrainConfig``
-    subclasses it and adds its own (``epochs``, ``stop_at_epoch``, ``log_every``). The names, defaults and checks
-    (`cookbook.loop.NonFinitePolicy.settings`) are those of `cookbook.config.TrainConfig`."""
+    """The ``train`` keys of an epoch-based Ray recipe that cookbook reads, as `cookbook.config.TrainConfig`'s; the
+    recipe's ``TrainConfig`` adds its own (``epochs``, ``stop_at_epoch``, ``log_every``)."""
 
     on_nonfinite: str = "stop"  # a step with a NaN/inf loss or gradient norm: stop (exit 4) or skip (drop its batch, go on)
     max_consecutive_skips: int = 5  # on_nonfinite=skip: the run stops at one more non-finite step in a row
@@ -77,16 +66,15 @@ class EpochTrainConfig:
 
 @dataclass
 class EpochRunConfig:
-    """The top level of an epoch-based Ray recipe's schema; the recipe's ``Config`` subclasses it and adds
-    ``model``, ``data``, ``optim`` and ``train`` (a subclass of `EpochTrainConfig`, with ``epochs``,
-    ``stop_at_epoch``, ``log_every``)."""
+    """The top level of an epoch-based Ray recipe's schema; the recipe's ``Config`` adds ``model``, ``data``,
+    ``optim`` and ``train`` (an `EpochTrainConfig`)."""
 
     output_dir: str = "outputs/run"  # Ray's run folder: checkpoints, metrics, MLflow (shared storage on several nodes)
     run_name: str = "run"  # the trackers' run name
     mlflow: bool = True  # false: no MLflow, whatever `trackers` says
     trackers: list[str] = field(default_factory=lambda: ["mlflow"])  # beside metrics.jsonl: cookbook.config.TRACKERS
     ray: RayConfig = field(default_factory=RayConfig)
-    checkpoint: EpochCheckpointConfig = field(default_factory=EpochCheckpointConfig)
+    checkpoint: _EpochCheckpointConfig = field(default_factory=_EpochCheckpointConfig)
     train: EpochTrainConfig = field(default_factory=EpochTrainConfig)
 
 
@@ -95,36 +83,11 @@ EPOCH_MAY_CHANGE = ("output_dir", "run_name", "mlflow", "trackers", "ray.*", "tr
                     "train.on_nonfinite", "train.max_consecutive_skips", "train.collective_timeout_s", "checkpoint.*")
 
 
-class RecipeError(RuntimeError):
-    """An exception of a class defined in the recipe's ``train.py`` (its ``DataError``, say), raised in a
-    Ray worker and re-raised as this: the driver and Ray's controller cannot import the recipe module
-    under the worker's name, so the original could not be sent back. The message starts with the
-    original class name; the worker's traceback is in the run's log."""
-
-
-# ----------------------------------------------------------------------------- the driver of a recipe
 class RayDriver:
-    """A Ray recipe's driver: the checks before Ray starts, then the bookkeeping around ``TorchTrainer.fit``.
-
-    Args:
-        cfg: the recipe's config dataclass: ``output_dir``, ``ray`` (`RayConfig`), ``checkpoint.keep_last``.
-        may_change: dotted config keys a resume may change (a key ending in ``.*``: a whole section).
-        stop_at: ``(key, value)`` of the run's stop setting, ``("train.stop_at_epoch", 1)`` or
-            ``("train.stop_at_step", 8)``; its last word is the unit the run checkpoints in.
-
-    Attributes:
-        nnodes: ``COOKBOOK_NNODES`` (launch.sh's NNODES).
-        resume: the checkpoint a run resumes from, or ``None``; ``meta``: its ``meta.json``.
-        workers, use_gpu: as planned on this machine; ``None`` when joining ``RAY_ADDRESS`` or on
-            several nodes (only the cluster knows its size); inside `started`, the worker group's.
-
-    Raises:
-        ConfigError: see `check_output_dir` and `plan_workers`; a bad ``train.on_nonfinite`` or
-            ``train.max_consecutive_skips`` (`cookbook.loop.NonFinitePolicy.settings`); a
-            ``train.collective_timeout_s`` that is not positive.
-        CheckpointError: the newest checkpoint was written with other settings or by another number of
-            workers, or the stop point is not after it (`ResumeGuard.check`).
-    """
+    """A Ray recipe's driver. Constructing it checks, before Ray starts, the ``train`` failure settings, ``output_dir``,
+    the resume (`ResumeGuard` over Ray's folders: ``resume``, its ``meta``) and the worker count here (`plan_workers`:
+    ``workers``, ``use_gpu``; ``None`` on ``RAY_ADDRESS`` or several nodes), raising ConfigError or CheckpointError.
+    `stop_at`: ``("train.stop_at_epoch", 1)`` or ``("train.stop_at_step", 8)``, whose last word is the unit."""
 
     def __init__(self, cfg: Any, may_change: tuple[str, ...], stop_at: tuple[str, int]):
         self.cfg = cfg
@@ -133,7 +96,7 @@ class RayDriver:
         if timeout_s is not None and not timeout_s > 0:
             raise ConfigError(f"train.collective_timeout_s must be > 0 seconds, got {timeout_s:g}")
         self.nnodes = int(os.environ.get("COOKBOOK_NNODES", "1"))
-        check_output_dir(cfg.output_dir, self.nnodes)
+        _check_output_dir(cfg.output_dir, self.nnodes)
         self.unit = stop_at[0].rsplit("_", 1)[-1]
         self.guard = _RayCheckpoints(cfg.output_dir, self.unit)
         self.resume = _check_resume(self.guard, getattr(cfg.checkpoint, "resume", "auto"), to_dict(cfg), may_change,
@@ -150,13 +113,8 @@ class RayDriver:
         return not self.use_gpu if self.use_gpu is not None else self.cfg.ray.use_gpu is False
 
     def already_complete(self, total: int | None, outputs: Mapping[str, str | Path] = {}) -> bool:
-        """Whether the newest checkpoint ends the run and its `outputs` exist; if so, say so (stderr).
-
-        Args:
-            total: the run's epochs or steps (the unit of ``stop_at``); ``None``: not known before the
-                workers start, the checkpoint and `outputs` decide.
-            outputs: what a finished run wrote, e.g. ``{"model": <output_dir>/final}``.
-        """
+        """Whether the newest checkpoint ends the run (`total` epochs or steps; ``None``: not known here) and
+        `outputs` (``{"model": <output_dir>/final}``) exist; if so, say so (stderr)."""
         if self.meta is None:
             return False
         done = self.meta.get(self.unit, 0)
@@ -168,24 +126,16 @@ class RayDriver:
 
     @contextlib.contextmanager
     def started(self) -> Iterator[RayDriver]:
-        """The recipe's ``TorchTrainer(...).fit()`` goes in this block. It holds the lock of ``output_dir`` (one run
-        per folder, `cookbook.run_lock`), starts or joins Ray (`init_ray`), sizes the worker group on the cluster
-        (`resolve_workers`: `workers`, `use_gpu`), checks that count against the checkpoint and the storage
-        (`check_shared_storage`), and turns SIGTERM / SIGUSR1 into a stop request to the workers (`loop_config`'s
-        ``stop_key``; a second signal ends the driver at once).
-
-        Raises:
-            CollectiveTimeout: a worker's collective waited past ``train.collective_timeout_s`` (``TorchConfig``'s
-                ``timeout_s``) and Ray ended the run (no restart left): one line naming that worker and the
-                stalled one (`cookbook.dist.describe_stall`; exit 3).
-        """
+        """The block of the recipe's ``TorchTrainer(...).fit()``: ``output_dir``'s lock held, Ray started or joined, the
+        worker group sized on the cluster and checked, SIGTERM / SIGUSR1 a stop request to the workers. A worker's
+        timed-out collective that ended the run is raised as one `CollectiveTimeout` naming the stalled worker."""
         lock = run_lock.acquire(self.cfg.output_dir, os.environ.get("NODE_RANK", "0"))
         try:
-            init_ray(self.cfg.ray, self.workers or 0)
-            self.workers, self.use_gpu = resolve_workers(self.cfg.ray, self.nnodes)
+            _init_ray(self.cfg.ray, self.workers or 0)
+            self.workers, self.use_gpu = _resolve_workers(self.cfg.ray, self.nnodes)
             if self.resume is not None:
                 self.guard.check_world_size(self.resume, self.meta, self.workers)
-            check_shared_storage(self.cfg.output_dir)
+            _check_shared_storage(self.cfg.output_dir)
             with _StopOnSignal() as self._stop:
                 try:
                     yield self
@@ -198,8 +148,8 @@ class RayDriver:
             os.close(lock)
 
     def loop_config(self, script: str) -> dict[str, Any]:
-        """``train_loop_config`` for `worker_entry`: the recipe file `script` (``__file__``, at the same path on every
-        node), the config as a plain dict, the checkpoint announced (``resuming from ...``) and the stop key."""
+        """``train_loop_config`` for `cookbook.ray_train.worker_entry`: the recipe file `script` (``__file__``, at the
+        same path on every node), the config as a dict, the checkpoint announced and the stop request's key."""
         return {"script": str(Path(script).resolve()), "config": to_dict(self.cfg), "stop_key": self._stop.key,
                 "announced": self.resume.name if self.resume is not None else None}
 
@@ -209,22 +159,12 @@ class RayDriver:
         return {"CPU": self.cfg.ray.cpus_per_worker, **({"GPU": 1} if self.use_gpu else {})}
 
     def finish(self, result: Any) -> Any:
-        """Say how the run ended (stderr) and return Ray's ``Result``.
-
-        Raises:
-            NonFiniteError: the workers stopped at a non-finite step (`cookbook.ray_train.WorkerRun.skip_step`);
-                its message names the step and the newest checkpoint (`cookbook.run_main`: one line, exit 4).
-            Preempted: the workers stopped on SIGTERM / SIGUSR1 after a checkpoint (exit 75).
-            CheckpointSaveError: a checkpoint could not be saved (`cookbook.ray_train.WorkerRun.checkpoint`): its
-                one line (a `CheckpointError`: exit 2, as the torchrun recipes').
-        """
+        """Say how the run ended (stderr) and return Ray's ``Result``; raises the workers' `NonFiniteError` (exit 4)
+        or `CheckpointSaveError` (exit 2), or `Preempted` after a stop on SIGTERM / SIGUSR1 (exit 75)."""
         returned = result.return_value if isinstance(result.return_value, dict) else {}
         if returned.get(DIVERGED):
             raise NonFiniteError(returned[DIVERGED])
-        if returned.get(SAVE_FAILED):
-            error = CheckpointSaveError(returned[SAVE_FAILED][0])
-            error.errno = returned[SAVE_FAILED][1]
-            raise error
+        raise_save_error(returned.get(SAVE_FAILED))
         checkpoint = result.checkpoint.path if result.checkpoint else None
         if self._stop.signum is not None and (result.metrics or {}).get("preempted"):
             print(f"preempted ({signal.Signals(self._stop.signum).name}): every worker stopped after step "
@@ -237,8 +177,7 @@ class RayDriver:
 
 
 def _stalled_worker(exc: BaseException) -> CollectiveTimeout | None:
-    """The `CollectiveTimeout` a worker raised (`worker_entry`) among the failures of Ray's ``WorkerGroupError``
-    `exc`, naming that worker, or ``None``."""
+    """The `CollectiveTimeout` a worker raised among the failures of Ray's ``WorkerGroupError`` `exc`, or ``None``."""
     for rank, failure in sorted((getattr(exc, "worker_failures", None) or {}).items()):
         failure = getattr(failure, "_base_exc", failure)  # Ray's UserExceptionWithTraceback around it
         if isinstance(failure, CollectiveTimeout):
@@ -246,42 +185,41 @@ def _stalled_worker(exc: BaseException) -> CollectiveTimeout | None:
     return None
 
 
-class _StopOnSignal:
-    """While the run goes on (a ``with`` block in the main thread, Ray connected): the first SIGTERM or SIGUSR1
-    asks the workers to stop (`request_stop` under `key`, from a thread: no Ray call inside a signal handler),
-    a second one ends the process at once. ``signum``: the first signal, or ``None``."""
+class _StopOnSignal(StopRequest):
+    """`StopRequest` for a driver with Ray connected: the first SIGTERM / SIGUSR1 sets `key` in Ray's key-value store,
+    which the workers' rank 0 reads (from a thread: no Ray call in a signal handler); a second ends the process."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.key = f"cookbook-stop-{uuid.uuid4().hex}"
-        self.signum: int | None = None
         self._asked, self._done = threading.Event(), threading.Event()
-        self._previous: dict = {}
+
+    def __call__(self, signum: int | None = None) -> None:
+        if self.signum is not None:  # the second: at once
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        super().__call__(signum)
+        self._asked.set()
+
+    def _ask(self) -> None:
+        from ray.experimental.internal_kv import _internal_kv_put
+
+        while not self._done.is_set():
+            if self._asked.wait(0.2):
+                print(f"{signal.Signals(self.signum).name}: the workers stop after their next step and save a "
+                      f"checkpoint (send it again to stop at once)", file=sys.stderr)
+                _internal_kv_put(self.key, b"1")
+                return
 
     def __enter__(self) -> _StopOnSignal:
-        def on_signal(signum, frame):
-            if self.signum is not None:  # the second: at once
-                signal.signal(signum, signal.SIG_DFL)
-                os.kill(os.getpid(), signum)
-            self.signum = signum
-            self._asked.set()
-
-        def ask() -> None:
-            while not self._done.is_set():
-                if self._asked.wait(0.2):
-                    print(f"{signal.Signals(self.signum).name}: the workers stop after their next step and save a "
-                          f"checkpoint (send it again to stop at once)", file=sys.stderr)
-                    request_stop(self.key)
-                    return
-
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {sig: signal.signal(sig, on_signal) for sig in PREEMPT_SIGNALS}
-        self._thread = threading.Thread(target=ask, name="cookbook-stop", daemon=True)
+        self.listen()
+        self._handlers = {sig: h if h is not None else signal.SIG_DFL for sig, h in self._handlers.items()}
+        self._thread = threading.Thread(target=self._ask, name="cookbook-stop", daemon=True)
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        self.restore()
         self._done.set()
         self._thread.join(timeout=5)
         if self.signum is not None:
@@ -290,42 +228,22 @@ class _StopOnSignal:
             _internal_kv_del(self.key)
 
 
-def request_stop(key: str) -> None:
-    """Ask the workers of the run that got `key` (`RayDriver.loop_config`'s ``stop_key``) to stop after their next step and save a
-    checkpoint there (`cookbook.ray_train.WorkerRun`): sets `key` in Ray's key-value store, which rank 0 reads
-    (`cookbook.ray_train.worker.stop_requested`). Needs Ray connected (``ray.init``)."""
-    from ray.experimental.internal_kv import _internal_kv_put
-
-    _internal_kv_put(key, b"1")
-
-
 # ----------------------------------------------------------------------------- resume
 class _RayCheckpoints(ResumeGuard):
-    """Ray Train's checkpoint folders ``checkpoint_<unit>_<n>`` (``state.pt``, ``meta.json``) in the run
-    folder, under cookbook's resume guard. The workers' global batch depends on their count, so another
-    count is refused.
-
-    `latest` is the checkpoint a re-run resumes from: the newest in Ray Train's snapshot
-    (``checkpoint_manager_snapshot.json``), the one ``ray.train.get_checkpoint()`` returns to the workers,
-    and nothing without a snapshot (Ray then starts afresh). Ray registers a reported checkpoint once
-    every worker has reported it, so after an interruption the folder of a later checkpoint can exist on
-    disk, complete, although Ray will not resume from it (and none may be registered yet).
-    """
+    """Ray Train's checkpoint folders ``checkpoint_<unit>_<n>`` in the run folder under cookbook's resume guard
+    (another worker count is refused: the global batch depends on it). `latest` is the newest checkpoint in Ray's
+    snapshot (``checkpoint_manager_snapshot.json``), the one Ray hands the workers; a later folder can be on disk,
+    complete, yet not registered (Ray registers a report once every worker has made it)."""
 
     def __init__(self, output_dir: str | Path, unit: str):
-        super().__init__(output_dir, folder=f"checkpoint_{unit}_<n>", files=(_STATE_FILE,), run_dir=output_dir,
+        super().__init__(output_dir, folder=f"checkpoint_{unit}_<n>", files=(STATE_FILE,), run_dir=output_dir,
                          processes="workers", same_size="ray.num_workers={n}",
                          cannot_remap="the global batch, learning rate and steps per epoch would change mid-run")
 
     def latest(self) -> Path | None:
-        """The newest checkpoint Ray Train registered in the run folder, or ``None`` (no snapshot, or none
-        registered in it). One found damaged (`ResumeGuard.verify`: a truncated ``state.pt`` does not match
-        its checksum) gives way to the newest earlier one Ray registered; `register` then makes it Ray's.
-
-        Raises:
-            CheckpointError: the snapshot is unreadable, was written by another Ray version (Ray refuses
-                both), or names a folder that is not a complete checkpoint.
-        """
+        """The newest checkpoint Ray registered, or ``None``; a damaged one (`ResumeGuard.verify`) gives way to the
+        newest earlier one (`register` makes it Ray's). CheckpointError: an unreadable or other Ray version's
+        snapshot, or an incomplete folder in it."""
         data = self._snapshot()
         name = ((data or {}).get("latest_checkpoint_result") or {}).get("checkpoint_dir_name")
         if not name:
@@ -366,8 +284,8 @@ class _RayCheckpoints(ResumeGuard):
         return [self.root / r["checkpoint_dir_name"] for _, r in sorted(zip(order, results), key=lambda x: x[0])]
 
     def register(self, path: Path) -> None:
-        """Make `path` the checkpoint Ray resumes from: rewrite the snapshot (atomically) without the damaged
-        ones registered after it. Ray writes their folders again when the run reaches them."""
+        """Make `path` the checkpoint Ray resumes from: rewrite the snapshot (atomically) without the damaged ones
+        registered after it."""
         data = self._snapshot()
         if ((data.get("latest_checkpoint_result") or {}).get("checkpoint_dir_name")) == path.name:
             return
@@ -392,15 +310,9 @@ def _ray_version() -> str | None:
 
 def _check_resume(guard: _RayCheckpoints, resume: str | None, config: Mapping[str, Any], may_change: tuple[str, ...],
                   stop_at: tuple[str, int]) -> Path | None:
-    """`ResumeGuard.check` of ``checkpoint.resume`` before the worker count is known; says which checkpoint
-    the run resumes from, and which later folders Ray had not registered.
-
-    Ray Train resumes a run from the newest checkpoint it registered in the run folder, so ``resume`` is
-    ``auto`` (that one), ``none`` (refused over an earlier run's checkpoints, as everywhere) or that same folder.
-
-    Raises:
-        CheckpointError: see `ResumeGuard.check`; or another folder than the one Ray resumes from.
-    """
+    """`ResumeGuard.check` of ``checkpoint.resume`` before the worker count is known (``auto``, ``none`` or the folder
+    Ray resumes from, the newest it registered; CheckpointError for another); says which checkpoint the run resumes
+    from and which later folders Ray had not registered."""
     path = guard.check(resume, None, config, may_change, stop_at)
     latest = guard.latest()
     if path is not None and guard.bad:  # Ray's newest is damaged: Ray resumes from the one the guard fell back to
@@ -426,16 +338,9 @@ def _check_resume(guard: _RayCheckpoints, resume: str | None, config: Mapping[st
 
 
 # ----------------------------------------------------------------------------- checks and Ray
-def check_output_dir(output_dir: str, nnodes: int) -> None:
-    """Refuse an ``output_dir`` that cannot be Ray's storage; cheap, call before `init_ray`.
-
-    A URI (``s3://...``) is refused: the recipes write metrics and MLflow files with plain file
-    I/O, so use a shared file system mount. With several nodes the parent folder must exist
-    already (it is the shared mount; a typo would otherwise create a local folder on one node).
-
-    Raises:
-        ConfigError: naming ``output_dir`` and what to do.
-    """
+def _check_output_dir(output_dir: str, nnodes: int) -> None:
+    """Refuse a URI (the recipes write metrics and MLflow files with plain file I/O) and, on several nodes, a parent
+    folder that does not exist (the shared mount: a typo would create a local folder on one node)."""
     if "://" in output_dir:
         raise ConfigError(f"output_dir={output_dir!r}: use a folder on a shared file system (NFS, Lustre, a "
                           f"mounted bucket), not a URI")
@@ -445,10 +350,9 @@ def check_output_dir(output_dir: str, nnodes: int) -> None:
                           f"output_dir must be on storage every node mounts; create it there first")
 
 
-def init_ray(cfg: RayConfig, num_workers: int) -> None:
-    """Join the cluster at ``RAY_ADDRESS``, or start a local Ray instance (session files in
-    ``cfg.temp_dir`` when set) that declares at least `num_workers` x ``cpus_per_worker`` +
-    ``reserve_cpus`` CPUs. The dashboard is off."""
+def _init_ray(cfg: RayConfig, num_workers: int) -> None:
+    """Join ``RAY_ADDRESS``, or start a local Ray instance (in ``cfg.temp_dir``) declaring at least `num_workers` x
+    ``cpus_per_worker`` + ``reserve_cpus`` CPUs; no dashboard."""
     import ray
 
     address = os.environ.get("RAY_ADDRESS") or None
@@ -462,12 +366,8 @@ def init_ray(cfg: RayConfig, num_workers: int) -> None:
 
 
 def plan_workers(cfg: RayConfig, gpus: int, cpus: int) -> tuple[int, bool]:
-    """``(num_workers, use_gpu)`` for a cluster of `gpus` GPUs and `cpus` CPUs.
-
-    Raises:
-        ConfigError: ``ray.use_gpu=true`` without GPUs, or more workers than GPUs or CPUs
-            (``ray.num_workers`` x ``ray.cpus_per_worker``).
-    """
+    """``(num_workers, use_gpu)`` for a cluster of `gpus` GPUs and `cpus` CPUs (ConfigError: ``ray.use_gpu=true``
+    without GPUs, or more workers than GPUs or CPUs)."""
     force_cpu = os.environ.get("COOKBOOK_DEVICE", "").lower() == "cpu"
     use_gpu = (gpus > 0 and not force_cpu) if cfg.use_gpu is None else cfg.use_gpu
     if use_gpu and gpus == 0:
@@ -482,21 +382,16 @@ def plan_workers(cfg: RayConfig, gpus: int, cpus: int) -> tuple[int, bool]:
 
 
 def _plan_workers_locally(cfg: RayConfig, nnodes: int) -> tuple[int, bool] | None:
-    """`plan_workers` against this machine, before Ray starts (None when joining ``RAY_ADDRESS``
-    or on several nodes, where only the cluster knows its size)."""
+    """`plan_workers` against this machine before Ray starts (``None`` on ``RAY_ADDRESS`` or several nodes)."""
     if os.environ.get("RAY_ADDRESS") or nnodes > 1:
         return None
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return plan_workers(cfg, gpus, os.cpu_count() or 1)
 
 
-def resolve_workers(cfg: RayConfig, nnodes: int = 1) -> tuple[int, bool]:
-    """`plan_workers` against the running Ray cluster, after waiting up to ``cfg.join_timeout_s``
-    for `nnodes` nodes (the launch script's NNODES) to join.
-
-    Raises:
-        ConfigError: too few nodes joined in time, or see `plan_workers`.
-    """
+def _resolve_workers(cfg: RayConfig, nnodes: int = 1) -> tuple[int, bool]:
+    """`plan_workers` against the running cluster, once `nnodes` nodes joined (ConfigError after
+    ``cfg.join_timeout_s``)."""
     import ray
 
     deadline = time.monotonic() + cfg.join_timeout_s
@@ -509,16 +404,9 @@ def resolve_workers(cfg: RayConfig, nnodes: int = 1) -> tuple[int, bool]:
     return plan_workers(cfg, int(res.get("GPU", 0)), int(res.get("CPU", 0)))
 
 
-def check_shared_storage(output_dir: str) -> None:
-    """On a cluster of several nodes, check that every node sees the same `output_dir`.
-
-    Writes a marker file with a random token on the driver's node and reads it back from a task
-    pinned to each node. Refuses a node-local path before training starts (Ray would otherwise
-    write each node's checkpoints to its own disk, and a resume would miss them).
-
-    Raises:
-        ConfigError: a node cannot read the marker; the message names the node.
-    """
+def _check_shared_storage(output_dir: str) -> None:
+    """On several nodes, refuse an `output_dir` that a node does not see: a marker with a random token, written here,
+    is read back by a task pinned to each node (ConfigError naming the blind nodes)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -545,46 +433,3 @@ def check_shared_storage(output_dir: str) -> None:
     if blind:
         raise ConfigError(f"output_dir={output_dir!r} is not shared: node(s) {', '.join(blind)} do not see {out}. "
                           f"Checkpoints must be on storage every node mounts (NFS, Lustre, a mounted bucket)")
-
-
-def worker_entry(loop_config: dict) -> dict[str, str] | None:
-    """Import the recipe's train.py by path in the worker and call its ``train_loop(config)``; returns
-    ``{DIVERGED: message}`` when it stopped at a non-finite step (`NonFiniteError`, raised alike on every
-    worker), ``{SAVE_FAILED: (message, errno)}`` when a checkpoint could not be saved (`CheckpointSaveError`), else
-    ``None``. The divergence is returned, not raised, so that Ray does not restart the workers
-    for it (``ray.max_failures``): they would resume from the same checkpoint and diverge at the same step. A
-    collective that timed out (``train.collective_timeout_s``: another worker stalled) is raised as
-    `cookbook.dist.CollectiveTimeout`, whose line names the stalled worker (`cookbook.dist.describe_stall`).
-
-    Importing by path (rather than letting Ray pickle the driver's ``__main__`` by value) gives
-    the recipe's config dataclasses a real module, which OmegaConf needs to read their type hints.
-    The checkpoint the driver announced (``loop_config["announced"]``) is what the worker's
-    `cookbook.ray_train.load_checkpoint` checks Ray's against.
-    """
-    import importlib.util
-
-    from cookbook.ray_train import worker
-
-    worker._announced = loop_config.get("announced")
-    worker._stop_key = loop_config.get("stop_key")
-    script = loop_config["script"]
-    name = f"cookbook_recipe_{abs(hash(script))}"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, script)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    try:
-        sys.modules[name].train_loop(loop_config["config"])
-    except NonFiniteError as exc:
-        return {DIVERGED: str(exc)}
-    except CheckpointSaveError as exc:  # returned, not raised: a restart would meet the same full disk
-        return {SAVE_FAILED: (str(exc), exc.errno)}
-    except Exception as exc:
-        stalled = stall_error(exc)  # raised: Ray restarts the group (ray.max_failures) or the driver says it
-        if stalled is not None:
-            raise stalled from exc
-        if type(exc).__module__ != name:
-            raise
-        raise RecipeError(f"{type(exc).__name__}: {exc}") from None
-    return None

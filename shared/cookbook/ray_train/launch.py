@@ -1,16 +1,10 @@
-"""Start a Ray recipe's driver on one node, on a cluster it bootstraps, or on an existing cluster.
+"""Start a Ray recipe's driver on one node, on a cluster it bootstraps, or on an existing cluster:
+``python -m cookbook.ray_train.launch train.py --config config.yaml [overrides...]`` (what each ``launch.sh`` runs).
 
-    python -m cookbook.ray_train.launch train.py --config config.yaml [overrides...]
-
-Reads the same environment as the torchrun launch scripts:
-
-- ``RAY_ADDRESS`` set: run the driver against that cluster (nothing is started).
-- ``NNODES=1`` (default): run the driver; it starts a local Ray instance itself.
-- ``NNODES>1``: node ``NODE_RANK=0`` validates the config (``--check``), starts the Ray head on
-  ``MASTER_ADDR:RAY_PORT`` (default port 6379), runs the driver (which waits for ``NNODES`` nodes
-  to join, see ``cookbook.ray_train.driver.resolve_workers``) and stops Ray when it ends. Every other
-  node joins the head, retrying until it is up, and blocks until the head goes away, then exits.
-  ``NGPU`` (optional) caps the GPUs each node offers.
+``RAY_ADDRESS`` set: the driver joins that cluster. ``NNODES=1`` (default): the driver starts a local Ray instance.
+``NNODES>1``: node ``NODE_RANK=0`` checks the config (``--check``), starts the Ray head on ``MASTER_ADDR:RAY_PORT``
+(default 6379), runs the driver (which waits for ``NNODES`` nodes) and stops Ray at its end; every other node joins
+the head, retrying until it is up, and exits when it goes away. ``NGPU`` (optional) caps each node's GPUs.
 """
 
 from __future__ import annotations
@@ -42,14 +36,8 @@ def _ray_cli() -> str:
 
 
 def _run_forwarding_signals(cmd: list[str], env: dict[str, str] | None = None) -> int:
-    """Run `cmd` and return its exit status; SIGINT, SIGTERM and SIGUSR1 sent to this process are passed
-    on to it, and this process waits for it to finish (on SIGINT a Ray driver aborts its run gracefully;
-    on SIGTERM or SIGUSR1 a cookbook driver has every worker stop after its next step and save a
-    checkpoint, and exits 75: `cookbook.ray_train.RayDriver.started`).
-
-    The child gets its own session, so a Ctrl-C in the terminal reaches it once, through this
-    process, rather than twice (Ray's driver aborts at once on a second SIGINT).
-    """
+    """Run `cmd` in its own session (a terminal's Ctrl-C reaches it once, through this process) and return its
+    exit status; SIGINT, SIGTERM and SIGUSR1 sent here are passed on (`cookbook.ray_train.RayDriver.started`)."""
     child = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=die_with_parent)  # ends with this one
 
     def forward(signum, frame):

@@ -1,16 +1,7 @@
-"""The worker side of a Ray recipe: the bookkeeping every Ray Train worker runs around the recipe's step body.
-
-`worker_entry` (in `cookbook.ray_train.driver`) imports the recipe and calls its ``train_loop(config)``;
-`config_from_dict` rebuilds the config there, `worker_info` gives the `DistInfo` torchrun recipes get. `WorkerRun`
-resumes from the checkpoint Ray hands the worker (`load_checkpoint`), keeps the metrics and the log window, stops
-at ``train.stop_at_epoch`` / ``train.stop_at_step`` or on the driver's stop request, checks each step with the
-torchrun loop's non-finite policy (`cookbook.loop.NonFinitePolicy`) and writes the summary (`worker_summary`).
-A recipe enters ``with run:``, loops over ``run.epochs()`` and ``run.timed(loader)``, calls ``run.end_step`` and
-``run.end_epoch``, reports ``with run.checkpoint() as saved: ray.train.report(**saved)`` and ends with ``run.finish``.
-
-``state.pt`` holds the state dicts, every worker's random streams and the count of skipped steps, as tensors and
-plain values (read with ``torch.load(weights_only=True)``); ``meta.json`` holds ``epoch`` (epoch runs), ``step``,
-``world_size`` and ``config``, which the driver's resume guard reads.
+"""The worker side of a Ray recipe: `worker_entry` (what ``TorchTrainer`` runs: the recipe's ``train_loop``),
+`config_from_dict`, `worker_info` and `WorkerRun`, the bookkeeping around the recipe's step body with the torchrun
+loop's failure policy (`cookbook.policy`). ``state.pt`` holds the state dicts, every worker's random streams and the
+skipped steps (tensors and plain values); ``meta.json`` ``epoch``, ``step``, ``world_size``, ``config``, checksums.
 """
 
 from __future__ import annotations
@@ -19,6 +10,7 @@ import contextlib
 import json
 import re
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,40 +19,82 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from cookbook.checkpoint import (CHECKSUMS_KEY, META_FILE, CheckpointError, RNGState, from_rank0, os_error_in, checksums,
-                                 rng_kept, save_error, seed_per_rank)
-from cookbook.resume import _reason, checksum_problem
+from cookbook.checkpoint import (CHECKSUMS_KEY, META_FILE, CheckpointError, CheckpointSaveError, RNGState, checksums,
+                                 from_rank0, os_error_in, rng_kept, save_error, seed_per_rank)
 from cookbook.config import save_config, to_dict, to_object
-from cookbook.dist import (DistInfo, _configure_logging, all_gather_object, all_reduce_mean, barrier, get_logger,
-                           param_fingerprint, record_progress, set_collective_timeout)
-from cookbook.loop import NonFinitePolicy, Outputs, StopVote, log_outputs, models_in
+from cookbook.dist import (DistInfo, all_gather_object, all_reduce_mean, barrier, get_logger, param_fingerprint,
+                           record_progress, set_collective_timeout, stall_error)
+from cookbook.logs import configure_logging
+from cookbook.loop import Outputs, log_outputs
+from cookbook.policy import NonFiniteError, NonFinitePolicy, StopVote, models_in
 from cookbook.metrics import MetricsLogger, ModelFlops, StepProfiler
+from cookbook.resume import checksum_problem
 
-_STATE_FILE = "state.pt"
+STATE_FILE = "state.pt"
+DIVERGED = "diverged"  # in rank 0's return value (Ray's ``Result.return_value``): the NonFiniteError's message
+SAVE_FAILED = "save_failed"  # in rank 0's return value: the CheckpointSaveError's message and errno
 _RNG_KEY = "rng_per_worker"  # in state.pt: the random streams of each worker, indexed by rank
 _EPOCH_RNG_KEY = "epoch_rng_per_worker"  # mid-epoch checkpoints: each worker's streams when the epoch's batches began
 _SKIPPED_KEY = "skipped_steps"  # in state.pt: the steps skipped for a non-finite value so far (WorkerRun.skip_step)
-
-# The checkpoint folder name the driver announced ("resuming from ..."), or None: set in each worker by the
-# driver's entry function, checked against what Ray hands the worker (`load_checkpoint`).
+_STOP_POLL_S = 0.5  # rank 0 asks Ray whether a stop was requested at most this often
+# Set in each worker by `worker_entry` from the driver's ``train_loop_config``: the checkpoint folder the driver
+# announced ("resuming from ...", checked by `load_checkpoint`) and the key of its stop request in Ray's store.
 _announced: str | None = None
-# The key under which the driver asks the workers to stop (preemption: SIGTERM or SIGUSR1 to the driver), in
-# Ray's key-value store, or None: set in each worker by the driver's entry function (`stop_requested`).
 _stop_key: str | None = None
-STOP_POLL_S = 0.5  # rank 0 asks Ray whether a stop was requested at most this often
+
+
+class RecipeError(RuntimeError):
+    """An exception of a class defined in the recipe's ``train.py``, raised in a worker and re-raised as this (the
+    driver and Ray's controller cannot import the recipe module under the worker's name); the message starts with
+    the original class name, the worker's traceback is in the run's log."""
+
+
+def worker_entry(loop_config: dict) -> dict | None:
+    """Import the recipe file ``loop_config["script"]`` by path (OmegaConf needs its dataclasses in a real module;
+    its folder goes on ``sys.path``) and call its ``train_loop(loop_config["config"])``. A non-finite stop or a failed save is returned to the driver
+    (``{DIVERGED: message}``, ``{SAVE_FAILED: (message, errno)}``), so that Ray does not restart the workers into
+    it; a timed-out collective is raised as `cookbook.dist.CollectiveTimeout` (a restart, or one line)."""
+    import importlib.util
+
+    global _announced, _stop_key
+    _announced, _stop_key = loop_config.get("announced"), loop_config.get("stop_key")
+    script = loop_config["script"]
+    name = f"cookbook_recipe_{abs(hash(script))}"
+    if name not in sys.modules:
+        if str(Path(script).parent) not in sys.path:  # its sibling modules import, as when train.py runs as a script
+            sys.path.insert(0, str(Path(script).parent))
+        spec = importlib.util.spec_from_file_location(name, script)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    try:
+        sys.modules[name].train_loop(loop_config["config"])
+    except NonFiniteError as exc:
+        return {DIVERGED: str(exc)}
+    except CheckpointSaveError as exc:
+        return {SAVE_FAILED: (str(exc), exc.errno)}
+    except Exception as exc:
+        stalled = stall_error(exc)
+        if stalled is not None:
+            raise stalled from exc
+        home = getattr(sys.modules.get(type(exc).__module__), "__file__", None)
+        if type(exc).__module__ != name and (home is None or Path(home).parent != Path(script).parent):
+            raise  # not a class of the recipe folder's: Ray's controller and the driver can import it
+        raise RecipeError(f"{type(exc).__name__}: {exc}") from None
+    return None
 
 
 def config_from_dict(schema: type, data: Mapping[str, Any]) -> Any:
-    """The recipe's config dataclass from the plain dict the driver sent (`RayDriver.loop_config`) (a worker's first call); values the driver's
-    config took from the environment (``${oc.env:...}``) are read from this worker's environment."""
+    """The recipe's config dataclass from the plain dict the driver sent (``${oc.env:...}`` values are read from
+    this worker's environment)."""
     from omegaconf import OmegaConf
 
     return to_object(OmegaConf.merge(OmegaConf.structured(schema), dict(data)))
 
 
 def worker_info() -> DistInfo:
-    """This Ray Train worker's rank, local rank, world size and device, as a `DistInfo`; also
-    switches the ``cookbook`` logger to INFO from rank 0 only (warnings from every rank)."""
+    """This Ray Train worker's rank, local rank, world size and device; the ``cookbook`` logger at INFO on rank 0
+    only (warnings from every rank)."""
     import ray.train
     import ray.train.torch
 
@@ -68,25 +102,14 @@ def worker_info() -> DistInfo:
     device = ray.train.torch.get_device()
     backend = dist.get_backend() if dist.is_initialized() else ("nccl" if device.type == "cuda" else "gloo")
     info = DistInfo(ctx.get_world_rank(), ctx.get_local_rank(), ctx.get_world_size(), device, backend)
-    _configure_logging(info.rank)
+    configure_logging(info.rank)
     return info
 
 
 def load_checkpoint(map_location: torch.device | str = "cpu") -> tuple[dict[str, Any], dict[str, Any]] | None:
-    """The newest checkpoint of this run as ``(state, meta)``, or ``None`` on a fresh start.
-
-    The checkpoint is the one ``ray.train.get_checkpoint()`` hands the worker: on a re-run, the one the
-    driver announced (``resuming from ...``); after a restart of the worker group (``ray.max_failures``),
-    the newest Ray registered since. ``state.pt`` is read with ``torch.load(weights_only=True)``: tensors
-    and plain Python values only, no code runs.
-
-    On the CPU the file is memory-mapped (``mmap=True``): the workers of a node share one copy in the page cache.
-
-    Raises:
-        RuntimeError: Ray hands no checkpoint, or an older one, than the driver announced (a bug: the
-            run would silently start over).
-        CheckpointError: a file of the checkpoint does not match its checksum in ``meta.json``.
-    """
+    """``(state, meta)`` of the checkpoint Ray hands the worker, or ``None`` on a fresh start; ``state.pt`` read with
+    ``weights_only=True``, memory-mapped on the CPU. Raises RuntimeError for an older checkpoint than the driver
+    announced (a bug), CheckpointError for a file that does not match its checksum in ``meta.json``."""
     import ray.train
 
     ckpt = ray.train.get_checkpoint()
@@ -99,15 +122,14 @@ def load_checkpoint(map_location: torch.device | str = "cpu") -> tuple[dict[str,
         if problem:
             raise CheckpointError(f"{ckpt.path}: {problem}, damaged since it was saved: restore it, or run again (the "
                                   f"driver then resumes from the checkpoint before it)")
-        state = torch.load(Path(d) / _STATE_FILE, map_location=map_location, weights_only=True,
+        state = torch.load(Path(d) / STATE_FILE, map_location=map_location, weights_only=True,
                            mmap=torch.device(map_location).type == "cpu")
     get_logger().info(f"resumed from {ckpt.path} ({_facts(meta)})")
     return state, meta
 
 
 def _check_announced(handed: str | None) -> None:
-    """Refuse to start from an older state than the driver announced (`_announced`): Ray hands `handed`
-    (a checkpoint folder name, or ``None``); a newer one is a restart after a failure, and fine."""
+    """Refuse a checkpoint folder `handed` (or ``None``) older than `_announced`; a newer one is a restart."""
     if _announced is None:
         return
 
@@ -121,9 +143,8 @@ def _check_announced(handed: str | None) -> None:
 
 
 def rng_state() -> dict[str, Any]:
-    """This process's random streams (Python, NumPy, torch CPU and CUDA; `cookbook.checkpoint.RNGState`) as
-    tensors and plain Python values, which ``torch.load(weights_only=True)`` reads back: NumPy's key
-    (624 uint32) becomes an int64 tensor. Restore with `set_rng_state`."""
+    """This process's random streams (`cookbook.checkpoint.RNGState`) in a form ``weights_only`` loading reads
+    (NumPy's key as an int64 tensor); restore with `set_rng_state`."""
     state = RNGState().state_dict()
     if "numpy" in state:
         name, key, pos, has_gauss, gauss = state["numpy"]
@@ -142,74 +163,21 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     RNGState().load_state_dict(state)
 
 
-def stop_requested(key: str | None) -> bool:
-    """Whether the driver asked the workers to stop under `key` (`cookbook.ray_train.driver.request_stop`):
-    one read of Ray's key-value store (a round trip to its control store, ~1 ms). ``None``: never."""
-    if key is None:
-        return False
-    from ray.experimental.internal_kv import _internal_kv_get
-
-    return _internal_kv_get(key) is not None
-
-
-def worker_summary(model: torch.nn.Module, reports: int) -> dict[str, list]:
-    """What every worker did, gathered on all of them (collective): ``reports_per_worker`` (`WorkerRun.checkpoint`
-    reports; equal counts mean no worker fell behind) and ``param_fingerprints`` (equal values mean the DDP
-    replicas stayed identical)."""
-    return {"reports_per_worker": all_gather_object(reports),
-            "param_fingerprints": all_gather_object(param_fingerprint(model))}
-
-
-def _save_failure(exc: Exception) -> tuple[str, int | None]:
-    """``(the OS error as words, its errno)`` behind a failed write of a checkpoint; `exc` itself when no `OSError`
-    is behind it."""
-    os_error = os_error_in(exc)
-    if os_error is None:
-        raise exc
-    return _reason(os_error), os_error.errno
-
-
 def _facts(meta: Mapping[str, Any]) -> str:
     return ", ".join(f"{k} {v}" for k, v in meta.items() if k not in ("config", CHECKSUMS_KEY))
 
 
 class WorkerRun:
-    """Resume, metrics, log window, the checkpoints it hands to ``ray.train.report`` and the summary of one Ray Train worker.
+    """Resume, metrics, log window, checkpoints for ``ray.train.report`` and the summary of one Ray Train worker;
+    every method that logs, evaluates or checkpoints is collective. A recipe enters ``with run:``, loops over
+    ``run.epochs()`` or ``run.steps()`` and ``run.timed(loader)``, calls ``run.end_step`` / ``run.end_epoch``, reports
+    ``with run.checkpoint() as saved: ray.train.report(**saved)`` and ends with ``run.finish``.
 
-    Constructing it resumes from the checkpoint Ray hands the worker: the state dicts of `state`, each worker's
-    random streams (`rng_state`), `step` and `epoch`, so a resumed run takes the uninterrupted run's steps.
-    Construct it after the model's initialisation; rank 0 then writes ``<output_dir>/config.yaml``.
-
-    Args:
-        cfg: the recipe's config: ``output_dir``, ``run_name``, ``mlflow``, ``train.log_every``, and for
-            runs counted in steps ``checkpoint.every_steps`` (-1: never save; 0: only at the stop point and
-            the end; N: also every N steps).
-        info: this worker's `worker_info`.
-        experiment: the MLflow experiment name.
-        state: name -> what a checkpoint holds: objects with ``state_dict``/``load_state_dict`` (the unwrapped
-            model, not DDP; the optimizer; the scheduler) are saved and restored, other values (a class list)
-            are saved as they are; tensors and plain Python values only (``weights_only`` loading).
-        max_steps: optimizer steps of the whole run.
-        steps_per_epoch: optimizer steps of one epoch; a log line ends every epoch.
-        stop_at: ``("train.stop_at_epoch", n)`` (one checkpoint per epoch, `end_epoch`) or
-            ``("train.stop_at_step", n)`` (checkpoints by ``checkpoint.every_steps``, `end_step`); ``n > 0``
-            stops there, after a checkpoint.
-        evaluate: for runs counted in steps, the evaluation (collective; metrics summed or averaged over the
-            workers): every ``train.eval_every`` steps when the config has it (> 0) and at the end (`finish`).
-        flops, count_tokens: for the `MetricsLogger` (MFU; ``False`` for models without tokens).
-        about: what the run trains, for its first log line (``world size 2 (gloo, cpu) | <about> | 48 steps
-            (12/epoch) | starting at epoch 1``).
-
-    ``train.profile_step`` (when the config has it, > 0) writes a ``torch.profiler`` trace of that step to
-    ``<output_dir>/profile`` (`cookbook.metrics.StepProfiler`).
-
-    Preemption (SIGTERM or SIGUSR1 to the driver): rank 0 sees the request within `STOP_POLL_S`, the workers agree on
-    a step (`cookbook.loop.StopVote`), the next `checkpoint` is there (mid-epoch: ``checkpoint_epoch_<n>_step_<s>``)
-    and `finish` ends the run as stopped. A mid-epoch resume reads the epoch's first batches again from the streams
-    the epoch began with and drops them (`timed`), so the data order and augmentations are the uninterrupted run's
-    (docs/failures.md).
-
-    Every method that logs, evaluates or checkpoints is collective: call it on every worker in the same order.
+    Constructed after the model's initialisation, it resumes `state` (name -> object with ``state_dict``, or a plain
+    value), the random streams, `step` and `epoch`. `stop_at`: ``("train.stop_at_epoch", n)`` (a checkpoint per
+    epoch) or ``("train.stop_at_step", n)`` (by ``checkpoint.every_steps``: -1 never, 0 at the stop, N every N
+    steps). A stop request from the driver (preemption) is agreed by `cookbook.policy.StopVote` and checkpointed
+    (mid-epoch: ``checkpoint_epoch_<n>_step_<s>``, whose resume reads the epoch's first batches again and drops them).
     """
 
     def __init__(self, cfg: Any, info: DistInfo, experiment: str, state: Mapping[str, Any], *, max_steps: int,
@@ -288,14 +256,12 @@ class WorkerRun:
 
     @property
     def batches(self) -> int:
-        """Steps' worth of batches taken over the whole run: the applied steps and the skipped ones (`skip_step`).
-        In an epoch run, an epoch is ``steps_per_epoch`` of them, whatever was skipped in it."""
+        """Steps' worth of batches taken over the run, applied or skipped (an epoch is ``steps_per_epoch`` of them)."""
         return self.step + self.nonfinite.skipped_steps
 
     @property
     def skipped_steps(self) -> int:
-        """Steps dropped by `skip_step` over the whole run (restored on resume). Each took a step's batches: the
-        data continues at ``step + skipped_steps`` steps' worth of batches."""
+        """Steps dropped by `skip_step` over the whole run (restored on resume)."""
         return self.nonfinite.skipped_steps
 
     # ------------------------------------------------------------------ the loop
@@ -315,8 +281,7 @@ class WorkerRun:
         self.metrics.close(failed=exc_type is not None, stopped=self.stopped)
 
     def steps(self) -> Iterator[int]:
-        """The number of each optimizer step to run (1-based), from the resumed one to the stop point or a
-        stop request (runs counted in steps); each must end with `end_step`."""
+        """Each optimizer step's number (1-based) up to the stop point or a stop request; each ends in `end_step`."""
         while self.step < self.stop and not self.preempted:
             started, self._skipped_now = self.step, False
             self.nonfinite.begin_step()
@@ -326,36 +291,15 @@ class WorkerRun:
 
     def skip_step(self, grad_norm: torch.Tensor | float | None = None, *,
                   loss: torch.Tensor | float | None = None) -> bool:
-        """Check the step being run for a NaN or infinite gradient norm (or loss) before its update, alike on every
-        worker (`cookbook.loop.NonFinitePolicy`, the torchrun recipes' `cookbook.loop.TrainLoop.skip_step`), by
-        ``train.on_nonfinite`` and ``train.max_consecutive_skips``.
-
-        Args:
-            grad_norm: the step's total gradient norm, the same number on every worker (DDP's gradients are
-                all-reduced, so a NaN on one worker makes it NaN on all). No collective.
-            loss: without `grad_norm`: this worker's loss, whose non-finite flag is reduced over the workers.
-
-        Returns:
-            ``False``: finite, go on with the update. ``True`` (``train.on_nonfinite=skip``): drop the step: zero the
-            gradients and ``continue``; neither the optimizer nor the scheduler steps, the model's BatchNorm
-            statistics are put back as they were when the step began, the step number comes again
-            with the next batches, and the step is logged and counted in `skipped_steps` (the ``skipped_steps``
-            metric of each log line). In an epoch run the epoch still takes all its batches (it ends with
-            ``steps_per_epoch - skipped`` steps), and a checkpoint at its end is the epoch's.
-
-        Raises:
-            NonFiniteError: ``train.on_nonfinite=stop``, or one more than ``train.max_consecutive_skips`` in a row:
-                the update has not run, and the message names the step and the newest checkpoint, from before it.
-                The Ray worker returns it to the driver, which prints it as one line and exits with status 4
-                (`cookbook.ray_train.RayDriver.finish`); Ray does not restart the workers for it.
-        """
+        """`cookbook.policy.NonFinitePolicy.skip` of the step being run, before its update (`grad_norm`: the same
+        on every worker; else `loss`). ``True`` (``train.on_nonfinite=skip``): zero the gradients and ``continue``;
+        the step number comes again with the next batches. Raises NonFiniteError (``stop``, too many skips)."""
         skipped = self.nonfinite.skip(self.step + 1, grad_norm, loss=loss)
         self._skipped_now = self._skipped_now or skipped
         return skipped
 
     def epochs(self) -> Iterator[int]:
-        """The number of each epoch to run (0-based), from the resumed one to the stop point or a stop
-        request; each must end with `end_epoch`."""
+        """Each epoch's number (0-based) up to the stop point or a stop request; each ends in `end_epoch`."""
         while self.epoch < self.stop and not self.preempted:
             started = self.epoch
             yield started
@@ -363,9 +307,8 @@ class WorkerRun:
                 raise RuntimeError("each epoch must end with run.end_epoch(...)")
 
     def timed(self, batches: Iterable) -> Iterator[tuple[Any, float]]:
-        """``(batch, seconds waited for it)`` for each batch of `batches` (the data-wait of the metrics). In an
-        epoch run, the batches of one epoch: it ends early on a stop request (after a checkpoint), and after a
-        mid-epoch resume it first reads the batches already taken and drops them."""
+        """``(batch, seconds waited for it)``; in an epoch run, up to a stop request, past those a mid-epoch resume
+        already took."""
         if self._skip and self._epoch_rng is not None:
             set_rng_state(self._epoch_rng)  # the epoch's batches are read again as they were first
         if self.unit == "epoch":
@@ -392,17 +335,8 @@ class WorkerRun:
 
     def end_step(self, loss: torch.Tensor | float, *, lr: float, grad_norm: torch.Tensor | float | None = None,
                  window: Mapping[str, torch.Tensor | float] | None = None) -> bool:
-        """Count one optimizer step; log the window's mean loss (and of each `window` value) every
-        ``train.log_every`` steps, at each epoch's end and at the last step. For runs counted in steps, returns
-        whether a checkpoint is due here (`checkpoint`): every ``checkpoint.every_steps`` steps, at the stop point,
-        or when the workers agreed to stop on the driver's request (collective); ``False`` for epoch runs.
-
-        Args:
-            loss: this worker's loss of the step (a 0-d device tensor: no host sync).
-            lr: the learning rate the step used.
-            grad_norm: the gradient norm before clipping, or ``None``.
-            window: more per-step numbers averaged over the log window under their names (``{"top1": acc}``).
-        """
+        """Count one optimizer step (`loss`: this worker's 0-d tensor; `window`: more numbers averaged by name) and log
+        by ``train.log_every``; returns whether a checkpoint is due (step runs; collective), ``False`` in epoch runs."""
         self.profiler.stop()
         self.step += 1
         record_progress(self.step)
@@ -436,9 +370,8 @@ class WorkerRun:
         return due
 
     def end_epoch(self, evaluate: Callable[[], Mapping[str, float]]) -> dict[str, float]:
-        """Count one epoch and evaluate (`evaluate` runs on every worker and returns metrics summed or averaged
-        over them; not counted in the step time); its `checkpoint` follows. Returns the evaluation's metrics (``{}``
-        for an epoch cut short by a stop request: nothing is counted)."""
+        """Count one epoch and run `evaluate` (collective) before its `checkpoint`; returns its metrics (``{}`` when
+        a stop request cut the epoch short)."""
         if self.preempted:
             self._values = {}
             return {}
@@ -464,26 +397,10 @@ class WorkerRun:
 
     @contextlib.contextmanager
     def checkpoint(self) -> Iterator[dict[str, Any]]:
-        """The keyword arguments of this point's ``ray.train.report`` (collective: every worker, after `end_epoch`,
-        or after an `end_step` that returned ``True``), for the body of the ``with`` block; not counted in the step
-        time:
-
-        .. code-block:: python
-
-            with run.checkpoint() as saved:  # state.pt and meta.json in a temporary folder (rank 0)
-                ray.train.report(**saved)    # Ray copies the folder to <output_dir>/checkpoint_<label>
-
-        ``metrics``: the step (and epoch), the evaluation's or the global batch's loss, ``preempted`` after a stop
-        request; on rank 0 also ``checkpoint`` and ``checkpoint_dir_name``. A stop request just after a checkpoint
-        gives metrics alone. The folder is removed after the block.
-
-        Raises:
-            NonFiniteError: a parameter or buffer of the model is NaN or infinite (nothing is saved).
-            CheckpointSaveError: on every worker, when rank 0 could not write the checkpoint or Ray could not copy
-                it to ``output_dir`` (disk full, file too large, ...): nothing of it is kept, and the one-line
-                message names it, the OS error and the previous checkpoint. `worker_entry` returns it to the
-                driver, which exits with status 2; Ray does not restart the workers for it.
-        """
+        """``with run.checkpoint() as saved: ray.train.report(**saved)`` (collective, after `end_epoch` or an `end_step`
+        that returned ``True``): rank 0 writes ``state.pt`` and ``meta.json`` to a temporary folder that Ray copies to
+        ``<output_dir>/checkpoint_<label>``. Raises NonFiniteError for a non-finite model (nothing saved), and
+        CheckpointSaveError on every worker when rank 0's write or Ray's copy failed (the partial folder removed)."""
         counts = {"epoch": self.epoch} if self.unit == "epoch" else {}
         metrics = {**counts, "step": self.step, **self._values, **({"preempted": 1.0} if self.preempted else {})}
         with self.metrics.paused():
@@ -506,43 +423,42 @@ class WorkerRun:
 
                     state = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in self.state.items()}
                     try:
-                        with open(Path(tmp) / _STATE_FILE, "wb") as f:  # a Python file: a failed write keeps its errno
+                        with open(Path(tmp) / STATE_FILE, "wb") as f:  # a Python file: a failed write keeps its errno
                             torch.save({**state, **run}, f)
                         meta[CHECKSUMS_KEY] = checksums(tmp)  # a resume finds a damaged state.pt (ResumeGuard.verify)
                         (Path(tmp) / META_FILE).write_text(json.dumps(meta, indent=2))
                     except Exception as exc:
-                        failure = _save_failure(exc)
+                        failure = self._save_failure(exc, final)
                     saved.update(checkpoint=Checkpoint.from_directory(tmp), checkpoint_dir_name=f"checkpoint_{label}")
-                self._raise_save_error(from_rank0(failure), final)  # before the report: no worker waits in it
+                raise_save_error(from_rank0(failure))  # before the report: no worker waits in it
                 try:
                     yield saved
                 except Exception as exc:  # Ray's copy to output_dir (pyarrow) failed on rank 0
-                    failure = _save_failure(exc)
+                    failure = self._save_failure(exc, final)
                     shutil.rmtree(final, ignore_errors=True)  # not registered: its space goes back to the disk
-                self._raise_save_error(from_rank0(failure), final)
+                raise_save_error(from_rank0(failure))
             get_logger().info(f"checkpoint saved: {label} ({_facts(meta)})")
             self.reports, self._stop_reported = self.reports + 1, self.preempted
             self._saved_at = self.batches
-            self._newest = Path(self.cfg.output_dir).expanduser().resolve() / f"checkpoint_{label}"
+            self._newest = final
 
-    def _raise_save_error(self, failure: tuple[str, int | None] | None, final: Path) -> None:
-        """Raise `cookbook.checkpoint.CheckpointSaveError` on every worker when rank 0's save of `final` failed
-        (`failure`: the OS error as words and its errno, the same on every worker), naming the previous checkpoint."""
-        if failure is not None:
-            reason, code = failure
-            raise save_error(self.step, final, self._newest, 0 if self.info.world_size > 1 else None,
-                             OSError(code, reason), reason)
+    def _save_failure(self, exc: Exception, final: Path) -> tuple[str, int | None]:
+        """``(message, errno)`` of `cookbook.checkpoint.save_error` for the OS error behind `exc` (else `exc`)."""
+        os_error = os_error_in(exc)
+        if os_error is None:
+            raise exc
+        error = save_error(self.step, final, self._newest, 0 if self.info.world_size > 1 else None, os_error)
+        return str(error), error.errno
 
     def _agree_stop(self) -> bool:
-        """Whether the workers have agreed to stop here (collective: call it at every step boundary on every worker).
-
-        Rank 0 reads the driver's request (`stop_requested`, at most every `STOP_POLL_S`); the workers agree on it
-        with `cookbook.loop.StopVote`, so all stop after the same step, without waiting on the device."""
+        """Whether the workers agreed to stop here (collective): rank 0 reads the driver's request from Ray's store."""
         if _stop_key is None:
             return False
         if self.info.is_main and not self._stop_seen and time.monotonic() >= self._next_poll:
-            self._stop_seen = stop_requested(_stop_key)
-            self._next_poll = time.monotonic() + STOP_POLL_S
+            from ray.experimental.internal_kv import _internal_kv_get
+
+            self._stop_seen = _internal_kv_get(_stop_key) is not None
+            self._next_poll = time.monotonic() + _STOP_POLL_S
         return self._vote(self._stop_seen)
 
     def _reset_window(self) -> None:
@@ -552,24 +468,11 @@ class WorkerRun:
 
     # ------------------------------------------------------------------ the end
     def finish(self, model: torch.nn.Module, export: Callable[[], Outputs] | None = None) -> dict[str, float]:
-        """After the loop: the final evaluation (`evaluate`; epoch runs: the last epoch's), what every worker did
-        (`worker_summary`), the summary record, and for a finished run its export and closing log lines (`cookbook.loop.log_outputs`), for a stopped
-        one how to continue it.
-
-        Args:
-            model: the unwrapped model (its parameters are fingerprinted on every worker).
-            export: for a run that reached its end, writes the final artefacts and returns ``{summary key:
-                (folder or None, how to load it)}``, e.g. ``{"export_dir": (path, "AutoModelForCausalLM.from_pretrained")}``.
-
-        Returns:
-            The final evaluation's metrics (``{}`` without one).
-
-        Raises:
-            NonFiniteError: a run that reached its end has a NaN or infinite parameter or buffer
-                (`cookbook.loop.NonFinitePolicy.check_model`).
-        """
+        """After the loop: the final evaluation (returned), each worker's report count and parameter fingerprint, the
+        summary record, and for a finished run `export` (``{summary key: (folder or None, how to load it)}``) and the
+        closing lines; for a stopped one, how to continue. Raises NonFiniteError for a finished non-finite model."""
         if self.preempted and not self._stop_reported:
-            raise RuntimeError("the run stopped on the driver's request: report run.checkpoint() before run.finish()")
+            raise RuntimeError("the run stopped on the driver's stop request: report run.checkpoint() before run.finish()")
         if not self.preempted and self.done >= self.total:
             self.nonfinite.check_model(self.step, "the run is not done (no final evaluation, export or summary)")
         final_eval = dict(self.evaluate()) if self.evaluate is not None and not self.preempted else {}
@@ -577,7 +480,8 @@ class WorkerRun:
             self.metrics.log_eval(self.step, final_eval)
         else:
             final_eval = self._last_eval
-        workers = worker_summary(model, self.reports)
+        workers = {"reports_per_worker": all_gather_object(self.reports),
+                   "param_fingerprints": all_gather_object(param_fingerprint(model))}
         outputs: dict[str, tuple[Path | None, str]] = {}
         if self.preempted:
             self.stopped = True
@@ -596,3 +500,11 @@ class WorkerRun:
         if not self.stopped:
             log_outputs(self.step, final_eval, self.metrics, Path(self.cfg.output_dir), outputs)
         return final_eval
+
+
+def raise_save_error(failure: tuple[str, int | None] | None) -> None:
+    """Raise the `CheckpointSaveError` of a failed save's ``(message, errno)`` (`SAVE_FAILED`), if any."""
+    if failure is not None:
+        error = CheckpointSaveError(failure[0])
+        error.errno = failure[1]
+        raise error
