@@ -13,13 +13,6 @@ from typing import Mapping
 from cookbook.config import ConfigError
 from cookbook.dist import DistInfo, init_distributed
 
-# DeepSpeed keys the Trainer fills from its TrainingArguments when they are "auto"; a number must agree.
-DS_TRAINER_KEYS = {"train_micro_batch_size_per_gpu": "train.micro_batch_size",
-                   "gradient_accumulation_steps": "train.grad_accum_steps",
-                   "train_batch_size": "train.micro_batch_size x train.grad_accum_steps x world size",
-                   "gradient_clipping": "optim.max_grad_norm"}
-
-
 def check_deepspeed_config(path: str | Path, *, micro_batch_size: int, grad_accum_steps: int, world_size: int,
                            max_grad_norm: float, export_16bit: bool) -> dict:
     """The DeepSpeed JSON at `path` as a dict, checked (before any worker starts) against the recipe's config: the
@@ -44,12 +37,15 @@ def check_deepspeed_config(path: str | Path, *, micro_batch_size: int, grad_accu
     if ds.get("fp16", {}).get("enabled") not in (None, False, "auto"):
         raise ConfigError(f"{path}: fp16.enabled is set; this recipe trains in bf16 or fp32 (train.mixed_precision): "
                           f"remove the fp16 section")
-    expected = {"train_micro_batch_size_per_gpu": micro_batch_size, "gradient_accumulation_steps": grad_accum_steps,
-                "train_batch_size": micro_batch_size * grad_accum_steps * world_size, "gradient_clipping": max_grad_norm}
-    for key, want in expected.items():
+    expected = {"train_micro_batch_size_per_gpu": (micro_batch_size, "train.micro_batch_size"),  # what the Trainer
+                "gradient_accumulation_steps": (grad_accum_steps, "train.grad_accum_steps"),  # fills in for "auto"
+                "train_batch_size": (micro_batch_size * grad_accum_steps * world_size,
+                                     "train.micro_batch_size x train.grad_accum_steps x world size"),
+                "gradient_clipping": (max_grad_norm, "optim.max_grad_norm")}
+    for key, (want, name) in expected.items():
         got = ds.get(key, "auto")
         if got != "auto" and float(got) != float(want):
-            raise ConfigError(f"{path}: {key}={got} disagrees with {DS_TRAINER_KEYS[key]} = {want}: set it to \"auto\" "
+            raise ConfigError(f"{path}: {key}={got} disagrees with {name} = {want}: set it to \"auto\" "
                               f"(the trainer fills it in) or to {want}")
     if ds.get("bf16", {}).get("check_grad_overflow") is False:
         raise ConfigError(f"{path}: bf16.check_grad_overflow=false makes DeepSpeed apply a step whose gradient norm is "

@@ -1,10 +1,8 @@
-"""The bookkeeping of a recipe on the Hugging Face ``Trainer`` (or TRL's ``SFTTrainer``), with or without DeepSpeed.
-
-The Trainer saves, resumes (``resume_from_checkpoint``: the resume guard's pick) and keeps ``save_total_limit``
-checkpoints; this module adds what it lacks, as the torchrun recipes do it: the DeepSpeed JSON checked before any
-worker starts, checkpoints published atomically with checksums, preemption (exit 75), non-finite steps (exit 4) and
-stalls (exit 3) through `cookbook.policy`, and metrics.jsonl and the trackers through `cookbook.metrics`.
-Why each piece: docs/failures.md, docs/notes.md.
+"""The bookkeeping of a recipe on the Hugging Face ``Trainer`` (or TRL's ``SFTTrainer``), with or without DeepSpeed
+(its JSON check: `cookbook.hf_deepspeed`). The Trainer saves, resumes (``resume_from_checkpoint``: the resume guard's
+pick), logs and keeps ``save_total_limit`` checkpoints; this adds, as the torchrun loop does: atomic publication with
+checksums, preemption (exit 75), non-finite steps (exit 4), stalls (exit 3) through `cookbook.policy`, and
+metrics.jsonl and the trackers through `cookbook.metrics`. Why each piece: docs/failures.md, docs/notes.md.
 
     class MyTrainer(hf_trainer.Bookkeeping, SFTTrainer): ...           # at module level
     run = hf_trainer.TrainerRun(cfg, metrics, pad_id, resume_from)
@@ -279,12 +277,8 @@ class NonFiniteSteps(TrainerCallback):
             policy.skipped_steps = int(read_meta(resume_from).get(self.META_KEY, 0))
 
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
-        try:  # accelerate exports the wrapper only where DeepSpeed is installed
-            from accelerate.utils import DeepSpeedOptimizerWrapper
-        except ImportError:
-            self._deepspeed = False
-            return
-        self._deepspeed = isinstance(optimizer, DeepSpeedOptimizerWrapper)
+        # by name: accelerate exports the class only where DeepSpeed is installed
+        self._deepspeed = type(optimizer).__name__ == "DeepSpeedOptimizerWrapper"
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         if self._deepspeed:  # DeepSpeed has already applied or discarded the update (on_optimizer_step)
@@ -386,7 +380,7 @@ class PublishCheckpoints(TrainerCallback):
         barrier()
 
 
-def resume_guard(output_dir: str | Path, cannot_remap: str) -> ResumeGuard:
+def _guard(output_dir: str | Path, cannot_remap: str) -> ResumeGuard:
     """The `ResumeGuard` of the published ``output_dir/checkpoints/checkpoint-<step>``; another number of ranks is
     refused (`cannot_remap`: why), and its advice to start afresh deletes the whole `output_dir`."""
     return ResumeGuard(Path(output_dir) / "checkpoints", folder="checkpoint-<n>", files=(), run_dir=output_dir,
@@ -400,7 +394,7 @@ def check_resume(cfg: Any, world_size: int, may_change: tuple[str, ...], cannot_
     Raises:
         CheckpointError: see `cookbook.resume.ResumeGuard.check`.
     """
-    return resume_guard(cfg.output_dir, cannot_remap).check(cfg.checkpoint.resume, world_size, to_dict(cfg), may_change,
+    return _guard(cfg.output_dir, cannot_remap).check(cfg.checkpoint.resume, world_size, to_dict(cfg), may_change,
                                                             ("train.stop_at_step", cfg.train.stop_at_step))
 
 
@@ -412,7 +406,7 @@ def already_complete(output_dir: str | Path, resume_from: Path | None, max_steps
     step = read_meta(resume_from)["step"] if resume_from is not None and final.is_dir() else -1
     if step < max_steps:
         return None
-    return resume_guard(output_dir, "").already_complete(step, max_steps, "step", {"model": final})
+    return _guard(output_dir, "").already_complete(step, max_steps, "step", {"model": final})
 
 
 @contextlib.contextmanager
@@ -459,41 +453,39 @@ def export_final(trainer, tokenizer, out_dir: str | Path, merge: bool = True) ->
     state = trainer.accelerator.get_state_dict(trainer.model_wrapped)  # every rank takes part; rank 0 gets tensors
     result = None
     if trainer.is_world_process_zero():
-        unwrapped = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+        model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
         state = {k: v.detach().cpu() for k, v in state.items()}
-        dtype = next(v.dtype for v in state.values() if v.is_floating_point())
-        if _is_peft(unwrapped):
+        dtype = str(next(v.dtype for v in state.values() if v.is_floating_point())).removeprefix("torch.")
+        if _is_peft(model):
+            result = _publish_pretrained(model, tokenizer, out_dir / "adapter", state_dict=state)
+        if result is not None and merge:
             from peft import get_peft_model
 
-            tmp = out_dir / ".tmp-adapter"
-            shutil.rmtree(tmp, ignore_errors=True)
-            unwrapped.save_pretrained(tmp, state_dict=state)
-            tokenizer.save_pretrained(tmp)
-            publish(tmp, out_dir / "adapter")
-            result = out_dir / "adapter"
-        if result is not None and merge:
-            base = unwrapped.get_base_model()
+            base = model.get_base_model()
             # The class's own constructor, not from_config: under ZeRO-3, from_config partitions the new model
             # across ranks (a collective that rank 0 alone would wait on forever).
             with torch.device("meta"):
-                merged = get_peft_model(type(base)(base.config), unwrapped.peft_config["default"])
+                merged = get_peft_model(type(base)(base.config), model.peft_config["default"])
             merged.load_state_dict(state, assign=True)
-            unwrapped = merged.merge_and_unload()
-            state = {k: v.contiguous() for k, v in unwrapped.state_dict().items()}
-    if trainer.is_world_process_zero() and (result is None or merge):  # the (merged) model
-        tmp = out_dir / ".tmp-final"
-        shutil.rmtree(tmp, ignore_errors=True)
-        unwrapped.save_pretrained(tmp, state_dict=state, safe_serialization=True)
-        config_file = tmp / "config.json"
-        saved = json.loads(config_file.read_text())
-        saved["dtype"] = str(dtype).removeprefix("torch.")
-        saved["use_cache"] = True
-        config_file.write_text(json.dumps(saved, indent=2))
-        tokenizer.save_pretrained(tmp)
-        publish(tmp, out_dir / "final")
-        result = out_dir / "final"
+            model = merged.merge_and_unload()
+            state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if result is None or merge:  # the (merged) model
+            result = _publish_pretrained(model, tokenizer, out_dir / "final", {"dtype": dtype, "use_cache": True},
+                                         state_dict=state, safe_serialization=True)
     barrier()
     return result
+
+
+def _publish_pretrained(model, tokenizer, folder: Path, config: Mapping[str, Any] = {}, **kwargs) -> Path:
+    """`model` (``save_pretrained(**kwargs)``, `config` set in its config.json) and `tokenizer` published as `folder`."""
+    tmp = folder.parent / f".tmp-{folder.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, **kwargs)
+    if config:
+        (tmp / "config.json").write_text(json.dumps({**json.loads((tmp / "config.json").read_text()), **config}, indent=2))
+    tokenizer.save_pretrained(tmp)
+    publish(tmp, folder)
+    return folder
 
 
 def _is_peft(model: torch.nn.Module) -> bool:
