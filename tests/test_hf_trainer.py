@@ -375,3 +375,19 @@ def test_each_rank_draws_its_own_dropout_masks_and_a_resume_its_saved_ones():
     seed_per_rank(42, 1)
     RNGState().load_state_dict(saved)  # a resume restores this rank's own streams after seeding
     assert mask() == first
+
+
+def test_a_run_whose_last_checkpoint_and_final_model_are_there_is_finished(tmp_path, caplog):
+    """`finished`: the checkpoint at max_steps and the final model there: True, with the one line; else False."""
+    from cookbook.hf_trainer import finished
+
+    checkpoint = tmp_path / "checkpoints" / "checkpoint-6"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "meta.json").write_text('{"step": 6}')
+    assert not finished(tmp_path, checkpoint, 6)  # no final model yet
+    (tmp_path / "final").mkdir()
+    assert not finished(tmp_path, checkpoint, 8) and not finished(tmp_path, None, 6)
+    with caplog.at_level("INFO", logger="cookbook"):
+        assert finished(tmp_path, checkpoint, 6)
+    assert caplog.messages == [f"already complete: 6 of 6 steps; model in {tmp_path / 'final'}. To train again, use a "
+                               f"new output_dir (or delete {tmp_path})."]

@@ -403,10 +403,7 @@ def train(cfg: Config, on_cpu: bool) -> None:
     sft.check_one_step(len(examples), t.micro_batch_size, t.grad_accum_steps, info.world_size)
     max_steps = t.max_steps if t.max_steps > 0 else t.epochs * (len(examples) // per_step)
     resume_from = hf_trainer.check_resume(cfg, info.world_size, MAY_CHANGE, CANNOT_REMAP)
-    done = hf_trainer.already_complete(out_dir, resume_from, max_steps)
-    if done:
-        log.info(done)
-        cookbook.destroy_distributed()
+    if hf_trainer.finished(out_dir, resume_from, max_steps):
         return
 
     fsdp = cfg.parallel == "fsdp"

@@ -532,10 +532,7 @@ def train(cfg: Config, on_cpu: bool) -> None:
         raise ConfigError(f"{len(train_rows)} training rows are too few for one step of {per_step} rows")
     max_steps = cfg.train.max_steps if cfg.train.max_steps > 0 else cfg.train.epochs * steps_per_epoch
     resume_from = check_resume(cfg, info.world_size)
-    done = hf_trainer.already_complete(out_dir, resume_from, max_steps)
-    if done:
-        log.info(done)
-        cookbook.destroy_distributed()
+    if hf_trainer.finished(out_dir, resume_from, max_steps):
         return
 
     hf_config = AutoConfig.from_pretrained(cfg.model.name_or_path, attn_implementation=cfg.model.attn_implementation)

@@ -379,10 +379,8 @@ def train(cfg: Config) -> None:
     log = cookbook.get_logger()
     resume_from = hf_trainer.check_resume(cfg, info.world_size, MAY_CHANGE, CANNOT_REMAP)
     final = "final" if cfg.checkpoint.export_merged else "adapter"
-    done = hf_trainer.already_complete(out_dir, resume_from, t.max_steps, final) if t.max_steps > 0 else None
-    if done:  # train.max_steps=-1: the step count needs TRL's rows, checked once the trainer has them
-        log.info(done)
-        cookbook.destroy_distributed()
+    # train.max_steps=-1: the step count needs TRL's rows, checked once the trainer has them
+    if t.max_steps > 0 and hf_trainer.finished(out_dir, resume_from, t.max_steps, final):
         return
 
     on_gpu = info.device.type == "cuda"
@@ -418,11 +416,8 @@ def train(cfg: Config) -> None:
                        " (TRL's, after truncation and packing)")
     max_steps = t.max_steps if t.max_steps > 0 else t.epochs * (examples // per_step)
     args.max_steps, args.save_steps, metrics.max_steps = max_steps, cfg.checkpoint.every_steps or max_steps, max_steps
-    done = hf_trainer.already_complete(out_dir, resume_from, max_steps, final) if t.max_steps <= 0 else None
-    if done:
-        log.info(done)
+    if t.max_steps <= 0 and hf_trainer.finished(out_dir, resume_from, max_steps, final):
         metrics.close()
-        cookbook.destroy_distributed()
         return
     log.info(f"world size {info.world_size} ({info.backend}) | DDP | loader {cfg.model.loader} | "
              f"{flops.num_params / 1e6:,.1f} M non-embedding params | LoRA r={cfg.lora.r} | {len(rows)} rows | "

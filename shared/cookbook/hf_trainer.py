@@ -409,6 +409,15 @@ def already_complete(output_dir: str | Path, resume_from: Path | None, max_steps
     return _guard(output_dir, "").already_complete(step, max_steps, "step", {"model": final})
 
 
+def finished(output_dir: str | Path, resume_from: Path | None, max_steps: int, model: str = "final") -> bool:
+    """Whether nothing is left to do (`already_complete`); if so, its message is logged and the process group ended."""
+    done = already_complete(output_dir, resume_from, max_steps, model)
+    if done is not None:
+        get_logger().info(done)
+        destroy_distributed()
+    return done is not None
+
+
 @contextlib.contextmanager
 def _torch_saves_raise_os_errors() -> Iterator[None]:
     """While the Trainer saves, ``torch.save`` to a path writes through a Python file, so that a failed write raises
