@@ -419,12 +419,7 @@ CANNOT_REMAP = "DeepSpeed's ZeRO partitions of the optimizer state cannot be rem
 
 def check_resume(cfg: Config, world_size: int) -> Path | None:
     """The checkpoint to resume from (``checkpoint.resume``: auto, none or a folder), checked against this run.
-
-    Raises:
-        CheckpointError: see `cookbook.checkpoint.ResumeGuard.check`: not a complete checkpoint; "none" over an
-            earlier run's checkpoints; written by another number of ranks or with other settings;
-            ``train.stop_at_step`` not after it.
-    """
+    Raises `CheckpointError` (`cookbook.hf_trainer.check_resume`)."""
     return hf_trainer.check_resume(cfg, world_size, MAY_CHANGE, CANNOT_REMAP)
 
 
