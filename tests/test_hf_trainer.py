@@ -85,8 +85,8 @@ def test_evaluations_and_saves_are_left_out_of_the_step_time(tmp_path):
 
 def test_checkpoints_are_published_with_meta_and_the_oldest_deleted(tmp_path):
     staging, root = tmp_path / ".staging", tmp_path / "checkpoints"
-    args = TrainingArguments(output_dir=str(staging), use_cpu=True, report_to="none")
-    publisher = PublishCheckpoints(root, keep_last=2, config={"optim": {"lr": 0.1}})
+    args = TrainingArguments(output_dir=str(staging), use_cpu=True, report_to="none", save_total_limit=2)
+    publisher = PublishCheckpoints(root, config={"optim": {"lr": 0.1}})
     for step in (2, 4, 6):
         (staging / f"checkpoint-{step}").mkdir(parents=True)
         (staging / f"checkpoint-{step}" / "weights").write_text(str(step))  # as the Trainer wrote it
@@ -111,7 +111,7 @@ def test_a_truncated_shard_makes_the_resume_fall_back_with_one_warning(tmp_path,
     interrupted, a disk fault) makes the checkpoint damaged; resume=auto takes the one before, with one warning."""
     staging, root = tmp_path / ".staging", tmp_path / "checkpoints"
     args = TrainingArguments(output_dir=str(staging), use_cpu=True, report_to="none")
-    publisher = PublishCheckpoints(root, keep_last=0, config={})
+    publisher = PublishCheckpoints(root, config={})
     for step in (3, 6):
         _publish(publisher, staging, args, step)
     meta = json.loads((root / "checkpoint-6" / "meta.json").read_text())
@@ -138,7 +138,7 @@ def test_a_publish_that_fails_names_the_checkpoint_and_the_os_error(tmp_path):
     args = TrainingArguments(output_dir=str(staging), use_cpu=True, report_to="none")
     root.write_text("")  # a file where the checkpoints folder should be: mkdir fails
     with pytest.raises(CheckpointSaveError) as failed:
-        _publish(PublishCheckpoints(root, keep_last=0, config={}), staging, args, 2)
+        _publish(PublishCheckpoints(root, config={}), staging, args, 2)
     assert str(failed.value).startswith(
         f"could not save the checkpoint of step 2 to {root / 'checkpoint-2'} (EEXIST, File exists: '{root}'); there is "
         f"no earlier checkpoint. Fix the cause on ")
@@ -227,7 +227,7 @@ def test_nonfinite_steps_without_deepspeed_leaves_the_optimizer_step_out(tmp_pat
     skip = NonFiniteSteps(NonFinitePolicy("skip", max_consecutive_skips=1), tmp_path,
                           resume_from=tmp_path / "checkpoint-4")
     skip.on_train_begin(args, TrainerState(), control, optimizer=optimizer)
-    publisher = PublishCheckpoints(tmp_path / "published", 0, {}, more_meta=skip.meta)
+    publisher = PublishCheckpoints(tmp_path / "published", {}, more_meta=skip.meta)
 
     def step(global_step: int, bad: float | None) -> bool:
         """One optimizer step whose gradients are finite, or hold `bad` in one element; True: it changed weights."""
@@ -275,7 +275,7 @@ def test_an_accelerate_config_naming_another_deepspeed_json_is_refused(tmp_path,
     """`accelerate launch` exports its config's deepspeed_config_file; the Trainer would ignore it, so a file other
     than deepspeed.config is refused by name, the same file (relative to the working directory or to the recipe
     folder) is accepted."""
-    from cookbook.hf_trainer import check_accelerate_deepspeed_file
+    from cookbook.hf_deepspeed import check_accelerate_deepspeed_file
 
     recipe = tmp_path / "recipe"
     recipe.mkdir()
@@ -375,3 +375,19 @@ def test_each_rank_draws_its_own_dropout_masks_and_a_resume_its_saved_ones():
     seed_per_rank(42, 1)
     RNGState().load_state_dict(saved)  # a resume restores this rank's own streams after seeding
     assert mask() == first
+
+
+def test_a_run_whose_last_checkpoint_and_final_model_are_there_is_finished(tmp_path, caplog):
+    """`finished`: the checkpoint at max_steps and the final model there: True, with the one line; else False."""
+    from cookbook.hf_trainer import finished
+
+    checkpoint = tmp_path / "checkpoints" / "checkpoint-6"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "meta.json").write_text('{"step": 6}')
+    assert not finished(tmp_path, checkpoint, 6)  # no final model yet
+    (tmp_path / "final").mkdir()
+    assert not finished(tmp_path, checkpoint, 8) and not finished(tmp_path, None, 6)
+    with caplog.at_level("INFO", logger="cookbook"):
+        assert finished(tmp_path, checkpoint, 6)
+    assert caplog.messages == [f"already complete: 6 of 6 steps; model in {tmp_path / 'final'}. To train again, use a "
+                               f"new output_dir (or delete {tmp_path})."]

@@ -29,6 +29,7 @@ from conftest import (ROOT, free_port, kill_worker, launch, load_recipe, main_in
                       train_losses, wait_for)
 
 import cookbook
+from cookbook import hf_trainer
 
 RECIPE = ROOT / "recipes" / "qwen-zero3-receipts"
 STEPS = 10  # the ZeRO-3 run (killed, restarted, preempted, resumed) and its uninterrupted ZeRO-2 reference
@@ -769,7 +770,7 @@ def _follow(message: str, out, world_size: int, *overrides) -> int:
             shutil.rmtree(run_dir)
         cfg = tiny_config(*COMMON, *overrides, f"output_dir={run_dir}", *extra)
         resume = train.check_resume(cfg, ranks)  # raises if this advice does not work
-        assert train.already_complete(cfg, resume, STEPS) is None, (advice, source, extra)
+        assert hf_trainer.already_complete(cfg.output_dir, resume, STEPS) is None, (advice, source, extra)
     return len(remedies) + len(resumes)
 
 
@@ -792,7 +793,7 @@ def test_advice_to_start_again_works_when_followed(zero3, init, tmp_path, overri
     except CheckpointError as exc:
         text = str(exc)
     else:
-        text = train.already_complete(cfg, resume, STEPS)
+        text = hf_trainer.already_complete(cfg.output_dir, resume, STEPS)
     assert message in text
     assert _follow(text, out, world_size, *overrides) >= 2
 

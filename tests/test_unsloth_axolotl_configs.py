@@ -107,6 +107,20 @@ def test_axolotl_config_is_checked(tmp_path):
             chk.load(AXOLOTL / name)
 
 
+def test_axolotl_missing_config_names_the_one_beside_check_py(tmp_path, monkeypatch, capsys):
+    """A config name given from another folder: the same line as the other recipes' (the working directory, and the
+    recipe's own file of that name), exit status 2."""
+    chk = _axolotl_check()
+    monkeypatch.chdir(tmp_path)
+    message = f"config file not found: tiny.yaml (from {tmp_path}); {AXOLOTL / 'tiny.yaml'} exists: give that path"
+    with pytest.raises(chk.ConfigError) as err:
+        chk.load("tiny.yaml")
+    assert str(err.value) == message
+    assert chk.main(["tiny.yaml"]) == 2 and capsys.readouterr().err == f"error: {message}\n"
+    with pytest.raises(chk.ConfigError, match=r"^config file not found: nope.yaml \(from .*\)$"):
+        chk.load("nope.yaml")
+
+
 def test_axolotl_dataset_equals_axolotl_preprocess():
     """check.py renders the tiny twin's rows as Axolotl 0.19.0 did: tests/data/axolotl_0.19.0_tiny_rows.json holds
     the first 8 rows of `axolotl preprocess recipes/axolotl-lora-ddp/tiny.yaml` (run once in a separate folder; all

@@ -60,7 +60,9 @@ def load(path: str | Path) -> dict:
     """
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"config file not found: {p}")
+        from cookbook.config import config_not_found
+
+        raise ConfigError(config_not_found(p, Path(__file__).resolve().parent))
     try:
         cfg = yaml.safe_load(p.read_text())
     except yaml.YAMLError as exc:

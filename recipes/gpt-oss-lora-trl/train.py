@@ -27,6 +27,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 warnings.filterwarnings("ignore", message=".*set_vital.*")
 
 import torch
+from trl import SFTTrainer
 
 import cookbook
 from cookbook import config, hf_trainer, lm, sft
@@ -366,13 +367,17 @@ def main(argv: list[str]) -> None:
     train(cfg, on_cpu)
 
 
+class Trainer(hf_trainer.Bookkeeping, SFTTrainer):
+    """TRL's SFTTrainer with the cookbook's bookkeeping (`hf_trainer.Bookkeeping`)."""
+
+
 def train(cfg: Config, on_cpu: bool) -> None:
     """Set up the model with LoRA, the data and the SFTTrainer (DDP or FSDP2); train; export. Run on every rank."""
     import datasets
     from peft import LoraConfig as PeftLoraConfig, get_peft_model
-    from transformers import AutoConfig, AutoTokenizer, PrinterCallback
+    from transformers import AutoConfig, AutoTokenizer
     from transformers import logging as hf_logging
-    from trl import SFTConfig, SFTTrainer
+    from trl import SFTConfig
 
     from cookbook.loop import log_outputs
     from cookbook.metrics import MetricsLogger
@@ -381,7 +386,6 @@ def train(cfg: Config, on_cpu: bool) -> None:
     info = cookbook.init_distributed(cfg.train.collective_timeout_s, debug_dir=Path(cfg.output_dir) / "debug")
     log = cookbook.get_logger()
     out_dir = Path(cfg.output_dir)
-    root, staging = out_dir / "checkpoints", out_dir / ".staging"
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
     pad_id = sft.pad_token_id(tokenizer)
     examples, stats = load_data(cfg.data, tokenizer)
@@ -390,10 +394,7 @@ def train(cfg: Config, on_cpu: bool) -> None:
     sft.check_one_step(len(examples), t.micro_batch_size, t.grad_accum_steps, info.world_size)
     max_steps = t.max_steps if t.max_steps > 0 else t.epochs * (len(examples) // per_step)
     resume_from = hf_trainer.check_resume(cfg, info.world_size, MAY_CHANGE, CANNOT_REMAP)
-    done = hf_trainer.already_complete(out_dir, resume_from, max_steps)
-    if done:
-        log.info(done)
-        cookbook.destroy_distributed()
+    if hf_trainer.finished(out_dir, resume_from, max_steps):
         return
 
     fsdp = cfg.parallel == "fsdp"
@@ -401,7 +402,7 @@ def train(cfg: Config, on_cpu: bool) -> None:
     ac = t.activation_checkpointing == "full"
     # The SFTConfig (TrainingArguments) comes first: with fsdp it sets the environment from_pretrained reads.
     args = SFTConfig(
-        output_dir=str(staging), use_cpu=on_cpu, bf16=bf16, seed=t.seed,
+        **hf_trainer.trainer_args(cfg, max_steps), use_cpu=on_cpu, bf16=bf16,
         per_device_train_batch_size=t.micro_batch_size, gradient_accumulation_steps=t.grad_accum_steps,
         max_steps=max_steps, optim=cfg.optim.optimizer, learning_rate=cfg.optim.lr,
         weight_decay=cfg.optim.weight_decay, adam_beta1=cfg.optim.betas[0], adam_beta2=cfg.optim.betas[1],
@@ -414,9 +415,6 @@ def train(cfg: Config, on_cpu: bool) -> None:
                      "cpu_ram_efficient_loading": True} if fsdp else None,  # only rank 0 reads the weights
         **_checkpointing_args(SFTConfig, ac and not fsdp),
         ddp_find_unused_parameters=False,
-        logging_steps=t.log_every, report_to="none", disable_tqdm=True, log_level="warning",
-        save_strategy="steps" if cfg.checkpoint.every_steps >= 0 else "no",  # "steps" saves at the end too
-        save_steps=cfg.checkpoint.every_steps or max_steps, save_total_limit=None,
         dataloader_num_workers=cfg.data.num_workers, remove_unused_columns=False,
         max_length=cfg.data.max_length, packing=False, dataset_kwargs={"skip_prepare_dataset": True},
         average_tokens_across_devices=True,
@@ -439,31 +437,25 @@ def train(cfg: Config, on_cpu: bool) -> None:
                             params=to_dict(cfg), mlflow=cfg.mlflow, max_steps=max_steps)
 
     # What TrainLoop does when things fail (cookbook.hf_trainer): preemption, non-finite steps, stalls, failed saves.
-    callbacks = hf_trainer.RunCallbacks(cfg, root, metrics, pad_id, resume_from)
-
-    class Trainer(hf_trainer.ReportSaveErrors, hf_trainer.WholeEpochs, hf_trainer.CountBatches, SFTTrainer):
-        """SFTTrainer that reports a failed save in one line and counts each micro-batch for the metrics."""
-
+    run = hf_trainer.TrainerRun(cfg, metrics, pad_id, resume_from)
     trainer = Trainer(
         model=model, args=args, processing_class=tokenizer, train_dataset=datasets.Dataset.from_list(examples),
-        data_collator=partial(sft.collate, pad_id=pad_id, cu_seq_lens=False),
-        callbacks=callbacks.all,
+        data_collator=partial(sft.collate, pad_id=pad_id, cu_seq_lens=False), callbacks=run.callbacks,
     )
-    trainer.remove_callback(PrinterCallback)  # cookbook's MetricsLogger prints the log lines
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log.info(f"world size {info.world_size} ({info.backend}) | {cfg.parallel.upper()} | {flops.num_params / 1e6:,.1f} M "
              f"active non-embedding params, {n_trainable / 1e6:,.2f} M trainable (LoRA r={cfg.lora.r}) | "
              f"{cfg.model.attn_implementation} | global batch {per_step} rows | {max_steps} steps | "
              f"{'bf16' if bf16 else 'fp32'} | data: {stats.summary()}")
-    log.info(hf_trainer.epoch_line(len(examples), per_step))  # WholeEpochs: what one epoch reads
+    log.info(hf_trainer.epoch_line(len(examples), per_step))  # Bookkeeping: what one epoch reads
 
-    with hf_trainer.TrainerRun(callbacks.preemption, metrics) as run:  # closes metrics and the group whatever happens
-        if not run.train(trainer, resume_from, max_steps, callbacks.publisher):
+    with run:  # closes metrics and the group whatever happens
+        if not run.train(trainer, max_steps):
             return  # train.stop_at_step: a checkpoint is published there
         step = trainer.state.global_step
         export_dir = hf_trainer.export_final(trainer, tokenizer, out_dir) if cfg.checkpoint.export_hf else None
         metrics.log_summary({"step": step, "export_dir": str(export_dir) if export_dir else None})
-        log_outputs(step, {}, metrics, root, {"export_dir": (export_dir, "AutoModelForCausalLM.from_pretrained")})
+        log_outputs(step, {}, metrics, run.root, {"export_dir": (export_dir, "AutoModelForCausalLM.from_pretrained")})
 
 
 if __name__ == "__main__":

@@ -36,8 +36,8 @@ from transformers import AutoConfig, AutoTokenizer
 from transformers import logging as hf_logging
 from trl import SFTTrainer  # does not import DeepSpeed: init_deepspeed still comes first
 
-from cookbook import hf_trainer, sft
-from cookbook.checkpoint import CheckpointError, ResumeGuard, read_meta
+from cookbook import hf_deepspeed, hf_trainer, sft
+from cookbook.checkpoint import CheckpointError
 from cookbook.launch import check_world_size
 from cookbook.loop import NonFinitePolicy
 from cookbook import config
@@ -153,9 +153,9 @@ def check_deepspeed_config(cfg: Config, world_size: int) -> dict:
     """The DeepSpeed JSON (``deepspeed.config``) as a dict, checked against this config for `world_size` ranks.
 
     Raises:
-        ConfigError: see `cookbook.hf_trainer.check_deepspeed_config`.
+        ConfigError: see `cookbook.hf_deepspeed.check_deepspeed_config`.
     """
-    return hf_trainer.check_deepspeed_config(
+    return hf_deepspeed.check_deepspeed_config(
         cfg.deepspeed.config, micro_batch_size=cfg.train.micro_batch_size, grad_accum_steps=cfg.train.grad_accum_steps,
         world_size=world_size, max_grad_norm=cfg.optim.max_grad_norm, export_16bit=cfg.checkpoint.export_hf)
 
@@ -415,33 +415,13 @@ def eval_line(values: dict[str, float], fields: list[str]) -> str:
 
 
 # ----------------------------------------------------------------------------- checkpoints
-def resume_guard(cfg: Config) -> ResumeGuard:
-    """The Trainer's ``checkpoint-<step>`` folders, published with ``meta.json`` under ``output_dir/checkpoints``
-    (`cookbook.hf_trainer.PublishCheckpoints`), under cookbook's resume guard (`cookbook.hf_trainer.resume_guard`: a
-    published folder without meta.json is damaged). Another number of ranks is refused: DeepSpeed's ZeRO
-    partitions cannot be remapped. Its advice to start afresh deletes the whole output_dir, metrics.jsonl and
-    MLflow run id included (deleting the checkpoints alone would append a new run to the old run's records)."""
-    return hf_trainer.resume_guard(cfg.output_dir, "DeepSpeed's ZeRO partitions of the optimizer state cannot be remapped")
-
-
-def already_complete(cfg: Config, resume_from: Path | None, max_steps: int) -> str | None:
-    """The message for a run whose checkpoint `resume_from` is at or past `max_steps` and whose final model is
-    written (nothing left to do), else ``None``."""
-    final = Path(cfg.output_dir) / "final"
-    step = read_meta(resume_from)["step"] if resume_from is not None and final.is_dir() else -1
-    return resume_guard(cfg).already_complete(step, max_steps, "step", {"model": final}) if step >= max_steps else None
+CANNOT_REMAP = "DeepSpeed's ZeRO partitions of the optimizer state cannot be remapped"  # why a resume keeps the world size
 
 
 def check_resume(cfg: Config, world_size: int) -> Path | None:
     """The checkpoint to resume from (``checkpoint.resume``: auto, none or a folder), checked against this run.
-
-    Raises:
-        CheckpointError: see `cookbook.checkpoint.ResumeGuard.check`: not a complete checkpoint; "none" over an
-            earlier run's checkpoints; written by another number of ranks or with other settings;
-            ``train.stop_at_step`` not after it.
-    """
-    return resume_guard(cfg).check(cfg.checkpoint.resume, world_size, to_dict(cfg), MAY_CHANGE,
-                                   ("train.stop_at_step", cfg.train.stop_at_step))
+    Raises `CheckpointError` (`cookbook.hf_trainer.check_resume`)."""
+    return hf_trainer.check_resume(cfg, world_size, MAY_CHANGE, CANNOT_REMAP)
 
 
 # ----------------------------------------------------------------------------- recipe
@@ -479,10 +459,9 @@ def main(argv: list[str]) -> None:
     train(cfg, on_cpu)
 
 
-class ReceiptTrainer(hf_trainer.ReportSaveErrors, hf_trainer.WholeEpochs, hf_trainer.CountBatches, SFTTrainer):
-    """SFTTrainer that reports a failed save in one line (`hf_trainer.ReportSaveErrors`), counts each
-    micro-batch for the metrics (`hf_trainer.CountBatches`) and evaluates the loss per label token over
-    exactly the validation rows (`evaluate`): `val_rows` (tokenized rows, the whole split on every rank), sharded
+class ReceiptTrainer(hf_trainer.Bookkeeping, SFTTrainer):
+    """SFTTrainer with the cookbook's bookkeeping (`hf_trainer.Bookkeeping`) that evaluates the loss per label token
+    over exactly the validation rows (`evaluate`): `val_rows` (tokenized rows, the whole split on every rank), sharded
     by `info` (this process's `cookbook.DistInfo`)."""
 
     def __init__(self, *args, val_rows: list[dict], info, **kwargs):
@@ -522,18 +501,17 @@ class ReceiptTrainer(hf_trainer.ReportSaveErrors, hf_trainer.WholeEpochs, hf_tra
 def train(cfg: Config, on_cpu: bool) -> None:
     """Set up model, data and SFTTrainer under DeepSpeed; train; evaluate; export. Run on every rank."""
     import datasets
-    from transformers import AutoModelForCausalLM, PrinterCallback
+    from transformers import AutoModelForCausalLM
 
     from cookbook.loop import log_outputs
     from cookbook.metrics import MetricsLogger, ModelFlops, count_parameters
 
     # the process group, and DeepSpeed's communication over it
-    info = hf_trainer.init_deepspeed(on_cpu, cfg.train.collective_timeout_s, debug_dir=Path(cfg.output_dir) / "debug")
+    info = hf_deepspeed.init_deepspeed(on_cpu, cfg.train.collective_timeout_s, debug_dir=Path(cfg.output_dir) / "debug")
     from trl import SFTConfig
 
     log = cookbook.get_logger()
     out_dir = Path(cfg.output_dir)
-    root, staging = out_dir / "checkpoints", out_dir / ".staging"
     ds_config = check_deepspeed_config(cfg, info.world_size)
     stage = ds_config["zero_optimization"]["stage"]
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
@@ -550,10 +528,7 @@ def train(cfg: Config, on_cpu: bool) -> None:
         raise ConfigError(f"{len(train_rows)} training rows are too few for one step of {per_step} rows")
     max_steps = cfg.train.max_steps if cfg.train.max_steps > 0 else cfg.train.epochs * steps_per_epoch
     resume_from = check_resume(cfg, info.world_size)
-    done = already_complete(cfg, resume_from, max_steps)
-    if done:
-        log.info(done)
-        cookbook.destroy_distributed()
+    if hf_trainer.finished(out_dir, resume_from, max_steps):
         return
 
     hf_config = AutoConfig.from_pretrained(cfg.model.name_or_path, attn_implementation=cfg.model.attn_implementation)
@@ -565,16 +540,13 @@ def train(cfg: Config, on_cpu: bool) -> None:
     # The SFTConfig (TrainingArguments) comes first: with a ZeRO-3 JSON it makes from_pretrained / from_config
     # partition the weights across ranks while loading (deepspeed.zero.Init) instead of materialising them.
     args = SFTConfig(
-        output_dir=str(staging), deepspeed=cfg.deepspeed.config, use_cpu=on_cpu, bf16=bf16, seed=cfg.train.seed,
+        **hf_trainer.trainer_args(cfg, max_steps), deepspeed=cfg.deepspeed.config, use_cpu=on_cpu, bf16=bf16,
         per_device_train_batch_size=cfg.train.micro_batch_size, per_device_eval_batch_size=cfg.train.micro_batch_size,
         gradient_accumulation_steps=cfg.train.grad_accum_steps, max_steps=max_steps,
         optim=cfg.optim.optimizer, learning_rate=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
         adam_beta1=cfg.optim.betas[0], adam_beta2=cfg.optim.betas[1], adam_epsilon=cfg.optim.eps,
         lr_scheduler_type=cfg.optim.scheduler, warmup_steps=int(cfg.optim.warmup_ratio * max_steps),
         max_grad_norm=cfg.optim.max_grad_norm, gradient_checkpointing=cfg.train.activation_checkpointing == "full",
-        logging_steps=cfg.train.log_every, report_to="none", disable_tqdm=True, log_level="warning",
-        save_strategy="steps" if cfg.checkpoint.every_steps >= 0 else "no",  # "steps" saves at the end too
-        save_steps=cfg.checkpoint.every_steps or max_steps, save_total_limit=None,
         eval_strategy="steps" if cfg.train.eval_every > 0 and val_rows else "no", eval_steps=cfg.train.eval_every or None,
         dataloader_num_workers=cfg.data.num_workers, remove_unused_columns=False,
         max_length=cfg.data.max_length, packing=False, dataset_kwargs={"skip_prepare_dataset": True},
@@ -607,17 +579,15 @@ def train(cfg: Config, on_cpu: bool) -> None:
         return generation_eval(model_for_eval, tokenizer, data.val_prompts, data.val_targets, cfg.data.fields, cfg.eval, info)
 
     # What TrainLoop does when things fail (cookbook.hf_trainer): preemption, non-finite steps, stalls, failed saves.
-    callbacks = hf_trainer.RunCallbacks(cfg, root, metrics, pad_id, resume_from, evaluate_more=gen_eval)
+    run = hf_trainer.TrainerRun(cfg, metrics, pad_id, resume_from, evaluate_more=gen_eval)
 
     trainer = ReceiptTrainer(
         model=model, args=args, processing_class=tokenizer, peft_config=peft_config,
         train_dataset=datasets.Dataset.from_list(train_rows),
         eval_dataset=datasets.Dataset.from_list(val_rows) if val_rows else None,
         data_collator=partial(sft.collate, pad_id=pad_id, cu_seq_lens=False) if cfg.data.packing else None,
-        callbacks=callbacks.all,  # in the order RunCallbacks gives them
-        val_rows=val_rows, info=info,
+        callbacks=run.callbacks, val_rows=val_rows, info=info,
     )
-    trainer.remove_callback(PrinterCallback)  # cookbook's MetricsLogger prints the log lines
     n_trainable = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters() if p.requires_grad)
     log.info(f"world size {info.world_size} ({info.backend}) | DeepSpeed ZeRO-{stage} ({Path(cfg.deepspeed.config).name}) | "
              f"{flops.num_params / 1e6:,.1f} M non-embedding params, {n_trainable / 1e6:,.2f} M trainable"
@@ -625,22 +595,22 @@ def train(cfg: Config, on_cpu: bool) -> None:
              f"{'packed ' if cfg.data.packing else ''}<= {cfg.data.max_length} tokens, {len(data.val)} validation "
              f"receipts | global batch {per_step} rows | {max_steps} steps | {'bf16' if bf16 else 'fp32'} | data: "
              f"{data.stats.summary()}")
-    log.info(hf_trainer.epoch_line(len(train_rows), per_step))  # WholeEpochs: what one epoch reads
+    log.info(hf_trainer.epoch_line(len(train_rows), per_step))  # Bookkeeping: what one epoch reads
 
-    with hf_trainer.TrainerRun(callbacks.preemption, metrics) as run:  # closes metrics and the group whatever happens
-        if not run.train(trainer, resume_from, max_steps, callbacks.publisher):
+    with run:  # closes metrics and the group whatever happens
+        if not run.train(trainer, max_steps):
             return  # train.stop_at_step: a checkpoint is published there
         step = trainer.state.global_step
-        evaluated_last_step = callbacks.metrics.last_eval and cfg.train.eval_every > 0 and step % cfg.train.eval_every == 0
+        evaluated_last_step = run.metrics_callback.last_eval and cfg.train.eval_every > 0 and step % cfg.train.eval_every == 0
         if val_rows and not evaluated_last_step:
             trainer.evaluate()  # validation loss + generation metrics, through MetricsCallback.on_evaluate
-        final = callbacks.metrics.last_eval
+        final = run.metrics_callback.last_eval
         export_dir = hf_trainer.export_final(trainer, tokenizer, out_dir) if cfg.checkpoint.export_hf else None
         outputs = {"export_dir": (export_dir, "AutoModelForCausalLM.from_pretrained")}
         metrics.log_summary({"step": step, **{f"eval/{k}": v for k, v in final.items()},
                              "export_dir": str(export_dir) if export_dir else None, "mlflow_uri": metrics.mlflow_uri,
                              "mlflow_run_id": metrics.mlflow_run_id})
-        log_outputs(step, final, metrics, root, outputs, eval_text=eval_line(final, cfg.data.fields) if final else "")
+        log_outputs(step, final, metrics, run.root, outputs, eval_text=eval_line(final, cfg.data.fields) if final else "")
 
 
 if __name__ == "__main__":

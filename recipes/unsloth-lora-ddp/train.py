@@ -55,7 +55,7 @@ class TrainConfig:
     seed: int = 42
     micro_batch_size: int = 4
     grad_accum_steps: int = 1
-    epochs: int = 1                                 # passes over the rows, each row once (cookbook.hf_trainer.WholeEpochs)
+    epochs: int = 1                                 # passes over the rows, each row once (cookbook.hf_trainer.Bookkeeping)
     max_steps: int = 200                            # > 0: this many optimizer steps, whatever epochs says; -1: epochs
     lr: float = 2.0e-4
     warmup_steps: int = 10
@@ -361,7 +361,6 @@ def main(argv: list[str]) -> None:
 def train(cfg: Config) -> None:
     """Build the model with LoRA and TRL's SFTTrainer (DDP), train, export the adapter. Run on every rank."""
     import torch
-    from transformers import PrinterCallback
     from trl import SFTConfig, SFTTrainer
 
     import cookbook
@@ -370,15 +369,12 @@ def train(cfg: Config) -> None:
     from cookbook.metrics import MetricsLogger, ModelFlops, count_parameters
 
     out_dir, t = Path(cfg.output_dir), cfg.train
-    root, staging = out_dir / "checkpoints", out_dir / ".staging"
     info = cookbook.init_distributed(t.collective_timeout_s, debug_dir=out_dir / "debug")  # the Trainer's DDP group
     log = cookbook.get_logger()
     resume_from = hf_trainer.check_resume(cfg, info.world_size, MAY_CHANGE, CANNOT_REMAP)
     final = "final" if cfg.checkpoint.export_merged else "adapter"
-    done = hf_trainer.already_complete(out_dir, resume_from, t.max_steps, final) if t.max_steps > 0 else None
-    if done:  # train.max_steps=-1: the step count needs TRL's rows, checked once the trainer has them
-        log.info(done)
-        cookbook.destroy_distributed()
+    # train.max_steps=-1: the step count needs TRL's rows, checked once the trainer has them
+    if t.max_steps > 0 and hf_trainer.finished(out_dir, resume_from, t.max_steps, final):
         return
 
     on_gpu = info.device.type == "cuda"
@@ -392,52 +388,44 @@ def train(cfg: Config) -> None:
     metrics = MetricsLogger(out_dir, info, flops=flops, run_name=cfg.run_name, mlflow=False,
                             max_steps=max(t.max_steps, 0), params=cfgmod.to_dict(cfg), progress=False)
     args = SFTConfig(
-        output_dir=str(staging), per_device_train_batch_size=t.micro_batch_size,
+        **hf_trainer.trainer_args(cfg, max(t.max_steps, 1)), per_device_train_batch_size=t.micro_batch_size,
         gradient_accumulation_steps=t.grad_accum_steps, max_steps=max(t.max_steps, 1), learning_rate=t.lr,
         lr_scheduler_type=t.scheduler, warmup_steps=t.warmup_steps, weight_decay=t.weight_decay,
         max_grad_norm=t.max_grad_norm, bf16=dtype == torch.bfloat16, use_cpu=not on_gpu,
         gradient_checkpointing=t.gradient_checkpointing and cfg.model.loader == "transformers",
         max_length=cfg.data.max_length, packing=cfg.data.packing, completion_only_loss=cfg.data.completion_only,
-        logging_steps=t.log_every, report_to="none", disable_tqdm=True, log_level="warning", seed=t.seed,
-        save_strategy="steps" if cfg.checkpoint.every_steps >= 0 else "no",  # "steps" saves at the end too
-        save_steps=cfg.checkpoint.every_steps or max(t.max_steps, 1), save_total_limit=None,
         dataset_num_proc=None, ddp_find_unused_parameters=False, dataloader_num_workers=1,
     )
 
     # What TrainLoop does when things fail (cookbook.hf_trainer): preemption, non-finite steps, stalls, failed saves.
-    callbacks = hf_trainer.RunCallbacks(cfg, root, metrics, sft.pad_token_id(tokenizer), resume_from)
+    run = hf_trainer.TrainerRun(cfg, metrics, sft.pad_token_id(tokenizer), resume_from)
 
-    class Trainer(hf_trainer.ReportSaveErrors, hf_trainer.WholeEpochs, hf_trainer.CountBatches, SFTTrainer):
-        """SFTTrainer whose epochs read every row once in full global batches, that reports a failed save in one
-        line and counts each micro-batch for the metrics."""
+    class Trainer(hf_trainer.Bookkeeping, SFTTrainer):  # here, not at module level: Unsloth patches TRL first (main)
+        """TRL's SFTTrainer with the cookbook's bookkeeping (`hf_trainer.Bookkeeping`)."""
 
     trainer = Trainer(model=model, args=args, train_dataset=trl_dataset(rows), processing_class=tokenizer,
-                      callbacks=callbacks.all)
-    trainer.remove_callback(PrinterCallback)  # cookbook's MetricsLogger prints the log lines
+                      callbacks=run.callbacks)
     examples, per_step = len(trainer.train_dataset), t.micro_batch_size * t.grad_accum_steps * info.world_size
     sft.check_one_step(examples, t.micro_batch_size, t.grad_accum_steps, info.world_size,
                        " (TRL's, after truncation and packing)")
     max_steps = t.max_steps if t.max_steps > 0 else t.epochs * (examples // per_step)
     args.max_steps, args.save_steps, metrics.max_steps = max_steps, cfg.checkpoint.every_steps or max_steps, max_steps
-    done = hf_trainer.already_complete(out_dir, resume_from, max_steps, final) if t.max_steps <= 0 else None
-    if done:
-        log.info(done)
+    if t.max_steps <= 0 and hf_trainer.finished(out_dir, resume_from, max_steps, final):
         metrics.close()
-        cookbook.destroy_distributed()
         return
     log.info(f"world size {info.world_size} ({info.backend}) | DDP | loader {cfg.model.loader} | "
              f"{flops.num_params / 1e6:,.1f} M non-embedding params | LoRA r={cfg.lora.r} | {len(rows)} rows | "
              f"global batch {per_step} rows | {max_steps} steps | {'bf16' if dtype == torch.bfloat16 else 'fp32'}")
-    log.info(hf_trainer.epoch_line(examples, per_step))  # WholeEpochs: what one epoch reads
+    log.info(hf_trainer.epoch_line(examples, per_step))  # Bookkeeping: what one epoch reads
 
-    with hf_trainer.TrainerRun(callbacks.preemption, metrics) as run:  # closes metrics and the group whatever happens
-        if not run.train(trainer, resume_from, max_steps, callbacks.publisher):
+    with run:  # closes metrics and the group whatever happens
+        if not run.train(trainer, max_steps):
             return  # train.stop_at_step: a checkpoint is published there
         step = trainer.state.global_step
         export_dir = hf_trainer.export_final(trainer, tokenizer, out_dir, merge=cfg.checkpoint.export_merged)
         metrics.log_summary({"step": step, "loader": cfg.model.loader,
                              "export_dir": str(export_dir) if export_dir else None})
-        log_outputs(step, {}, metrics, root, {"export_dir": (export_dir, "AutoModelForCausalLM.from_pretrained"
+        log_outputs(step, {}, metrics, run.root, {"export_dir": (export_dir, "AutoModelForCausalLM.from_pretrained"
                                                              if cfg.checkpoint.export_merged else
                                                              "PeftModel.from_pretrained")})
 

@@ -71,6 +71,14 @@ def _yaml_line(path: Path, dotted: str | None) -> int | None:
     return line
 
 
+def config_not_found(p: Path, folder: Path | None = None) -> str:
+    """The line for a config file `p` that is not there: the working directory, and the file of that name in `folder`
+    (default: the running script's, where a recipe keeps its configs) when it exists there."""
+    beside = None if p.is_absolute() else (folder or Path(sys.argv[0]).resolve().parent) / p
+    hint = f"; {beside} exists: give that path" if beside is not None and beside.is_file() else ""
+    return f"config file not found: {p} (from {Path.cwd()}){hint}"
+
+
 def load_config(schema: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
     """Build a recipe config: the `schema` dataclass's defaults, then the YAML file at `path` (None: defaults
     only), then the ``"section.key=value"`` `overrides` (values parsed as YAML); returns a `schema` instance.
@@ -84,9 +92,7 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: Sequ
     if path is not None:
         p = Path(path)
         if not p.is_file():
-            beside = None if p.is_absolute() else Path(sys.argv[0]).resolve().parent / p  # a recipe's own configs
-            hint = f"; {beside} exists: give that path" if beside is not None and beside.is_file() else ""
-            raise ConfigError(f"config file not found: {p} (from {Path.cwd()}){hint}")
+            raise ConfigError(config_not_found(p))
         try:
             loaded = OmegaConf.load(p)
         except Exception as exc:  # YAML syntax errors come from several libraries

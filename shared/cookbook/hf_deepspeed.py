@@ -1,7 +1,6 @@
-"""DeepSpeed under the Hugging Face Trainer: `check_deepspeed_config` refuses, before any worker starts, a DeepSpeed
-JSON that disagrees with the recipe's config (or with the one an ``accelerate launch`` config names:
-`check_accelerate_deepspeed_file`); `init_deepspeed` starts DeepSpeed's communication over the cookbook's process
-group. `cookbook.hf_trainer` re-exports them."""
+"""DeepSpeed under the Hugging Face Trainer (the ZeRO recipe): `check_deepspeed_config` refuses, before any worker
+starts, a DeepSpeed JSON that disagrees with the recipe's config or with an ``accelerate launch`` config
+(`check_accelerate_deepspeed_file`); `init_deepspeed` starts DeepSpeed's communication over the cookbook's group."""
 
 from __future__ import annotations
 
@@ -14,18 +13,10 @@ from typing import Mapping
 from cookbook.config import ConfigError
 from cookbook.dist import DistInfo, init_distributed
 
-
-# DeepSpeed keys the Trainer fills from its TrainingArguments when they are "auto"; a number must agree.
-DS_TRAINER_KEYS = {"train_micro_batch_size_per_gpu": "train.micro_batch_size",
-                   "gradient_accumulation_steps": "train.grad_accum_steps",
-                   "train_batch_size": "train.micro_batch_size x train.grad_accum_steps x world size",
-                   "gradient_clipping": "optim.max_grad_norm"}
-
-
 def check_deepspeed_config(path: str | Path, *, micro_batch_size: int, grad_accum_steps: int, world_size: int,
                            max_grad_norm: float, export_16bit: bool) -> dict:
-    """Read the DeepSpeed JSON at `path`, checked against the recipe's config (the values the Trainer writes
-    where it says ``"auto"``, `world_size`, `export_16bit`); returns it as a dict.
+    """The DeepSpeed JSON at `path` as a dict, checked (before any worker starts) against the recipe's config: the
+    values the Trainer writes where it says ``"auto"``, `world_size`, `export_16bit`.
 
     Raises:
         ConfigError: missing or not JSON; no ZeRO stage 1-3; fp16 on; a batch or clipping number that disagrees
@@ -46,12 +37,15 @@ def check_deepspeed_config(path: str | Path, *, micro_batch_size: int, grad_accu
     if ds.get("fp16", {}).get("enabled") not in (None, False, "auto"):
         raise ConfigError(f"{path}: fp16.enabled is set; this recipe trains in bf16 or fp32 (train.mixed_precision): "
                           f"remove the fp16 section")
-    expected = {"train_micro_batch_size_per_gpu": micro_batch_size, "gradient_accumulation_steps": grad_accum_steps,
-                "train_batch_size": micro_batch_size * grad_accum_steps * world_size, "gradient_clipping": max_grad_norm}
-    for key, want in expected.items():
+    expected = {"train_micro_batch_size_per_gpu": (micro_batch_size, "train.micro_batch_size"),  # what the Trainer
+                "gradient_accumulation_steps": (grad_accum_steps, "train.grad_accum_steps"),  # fills in for "auto"
+                "train_batch_size": (micro_batch_size * grad_accum_steps * world_size,
+                                     "train.micro_batch_size x train.grad_accum_steps x world size"),
+                "gradient_clipping": (max_grad_norm, "optim.max_grad_norm")}
+    for key, (want, name) in expected.items():
         got = ds.get(key, "auto")
         if got != "auto" and float(got) != float(want):
-            raise ConfigError(f"{path}: {key}={got} disagrees with {DS_TRAINER_KEYS[key]} = {want}: set it to \"auto\" "
+            raise ConfigError(f"{path}: {key}={got} disagrees with {name} = {want}: set it to \"auto\" "
                               f"(the trainer fills it in) or to {want}")
     if ds.get("bf16", {}).get("check_grad_overflow") is False:
         raise ConfigError(f"{path}: bf16.check_grad_overflow=false makes DeepSpeed apply a step whose gradient norm is "
@@ -67,8 +61,8 @@ def check_deepspeed_config(path: str | Path, *, micro_batch_size: int, grad_accu
 
 
 def check_accelerate_deepspeed_file(path: str | Path, env: Mapping[str, str] | None = None) -> None:
-    """Refuse an ``accelerate launch`` whose DeepSpeed JSON (``ACCELERATE_DEEPSPEED_CONFIG_FILE`` in `env`,
-    relative to the working directory or `path`'s folder) is not the recipe's `path`: the Trainer would ignore it.
+    """Refuse an ``accelerate launch`` whose DeepSpeed JSON (``ACCELERATE_DEEPSPEED_CONFIG_FILE`` in `env`, relative
+    to the working directory or `path`'s folder) is not the recipe's `path`: the Trainer would ignore it.
 
     Raises:
         ConfigError: the variable names a file that does not exist, or another file than `path`.
@@ -89,10 +83,9 @@ def check_accelerate_deepspeed_file(path: str | Path, env: Mapping[str, str] | N
 
 
 def init_deepspeed(on_cpu: bool, timeout_s: float = 1800.0, debug_dir: str | Path | None = None) -> DistInfo:
-    """Start the cookbook's process group and DeepSpeed's communication over it; returns this process's `DistInfo`.
-    On CPU DeepSpeed's shared-memory all-reduce build (a ~40 s JIT compile) is skipped: gloo does the job. Call before
-    ``TrainingArguments``. `timeout_s`: the collective timeout; `debug_dir`: stacks and NCCL's flight recorder.
-    """
+    """Start the cookbook's process group, then DeepSpeed's communication over it (before ``TrainingArguments``);
+    returns this process's `DistInfo`. On CPU DeepSpeed's shared-memory all-reduce (a ~40 s JIT build) is skipped:
+    gloo does the job. `timeout_s`: the collective timeout; `debug_dir`: stacks and NCCL's flight recorder."""
     import importlib
 
     if on_cpu:
@@ -100,6 +93,5 @@ def init_deepspeed(on_cpu: bool, timeout_s: float = 1800.0, debug_dir: str | Pat
     import deepspeed
 
     info = init_distributed(timeout_s, debug_dir=debug_dir)
-    # DeepSpeed's comm layer over the existing group
     deepspeed.init_distributed(dist_backend=info.backend, timeout=datetime.timedelta(seconds=timeout_s))
     return info
