@@ -6,7 +6,7 @@
 (preemption); checks each step for a non-finite loss or gradient norm (`skip_step`, `cookbook.policy`); records
 each rank's progress for the stall report (`cookbook.dist.record_progress`); times the start-up and the final
 evaluation; and at the end runs the final evaluation, the export, the summary record and the closing log lines.
-`EpochBatches` yields batches epoch after epoch; `start_run` resumes and starts the metrics run.
+`EpochBatches` yields batches epoch after epoch; `Run` is both, with the resume and the metrics run.
 The shape follows torchtitan's ``Trainer.train`` / ``train_step`` split.
 """
 
@@ -138,27 +138,6 @@ class TrainLoop:
                                          models=models_in(checkpoint_state), log=lambda line: get_logger().info(line))
         self._skipped_now = False  # the step being run was skipped
         self._reset_window()
-
-    @classmethod
-    def from_config(cls, cfg: Any, *, state: TrainState, max_steps: int, metrics: MetricsLogger,
-                    checkpointer: Checkpointer | None, checkpoint_state: Mapping[str, Any] | None,
-                    evaluate: Callable[[], Mapping[str, float]] | None = None,
-                    log_extra: Callable[[], Mapping[str, float | torch.Tensor]] | None = None) -> TrainLoop:
-        """A loop with its cadence from the config's ``train`` (``stop_at_step``, ``log_every``,
-        ``eval_every``, ``profile_step``, ``on_nonfinite``, ``max_consecutive_skips``) and ``checkpoint.every_steps``.
-
-        Raises:
-            ConfigError: ``train.on_nonfinite`` is not stop or skip, or ``train.max_consecutive_skips`` < 0.
-        """
-        train = cfg.train
-        profile_step = getattr(train, "profile_step", 0)
-        on_nonfinite, max_skips = NonFinitePolicy.settings(train)
-        return cls(state=state, max_steps=max_steps, stop_at_step=train.stop_at_step, metrics=metrics,
-                   log_every=train.log_every, eval_every=getattr(train, "eval_every", 0), evaluate=evaluate,
-                   checkpointer=checkpointer, checkpoint_every=cfg.checkpoint.every_steps,
-                   checkpoint_state=checkpoint_state, config=to_dict(cfg),
-                   profiler=StepProfiler(profile_step, metrics.out_dir, metrics.info) if profile_step > 0 else None,
-                   log_extra=log_extra, on_nonfinite=on_nonfinite, max_consecutive_skips=max_skips)
 
     @property
     def on_nonfinite(self) -> str:
@@ -340,50 +319,84 @@ class TrainLoop:
         return final_eval
 
 
-def checkpoint_state(app: Any, scheduler: Any, train_loader: Any, *,
-                     resizable: bool = True) -> tuple[TrainState, dict[str, Any]]:
-    """``(state, checkpoint_state)``: a new `TrainState` (saved as ``train``) and what the checkpoints hold
-    by name: ``app`` (model and optimizer), ``scheduler``, ``rank_local`` (the loader's workers and RNG states, same
-    world size only) and, with `resizable`, ``data`` (the global `cookbook.sampler.DataPosition`).
-    """
-    state = TrainState()
-    entries = {"app": app, "scheduler": scheduler, "train": state}
-    if resizable:
-        entries["data"] = DataPosition(train_loader)  # global: remapped when the world size changes
-    entries["rank_local"] = RankLocalState(dataloader=train_loader, rng=RNGState())  # same world size only
-    return state, entries
+class Run(TrainLoop):
+    """A torchrun recipe's run, entered with ``with``: seeds ``train.seed + rank``, resumes from ``checkpoint.resume``
+    (``auto``: the newest complete checkpoint, after `Checkpointer.check_resume`), writes ``config.yaml`` (rank 0),
+    starts the metrics, then runs as a `TrainLoop` with its cadence from the config's ``train`` and
+    ``checkpoint.every_steps``; `take` gives the micro-batches of `loader` (`EpochBatches`). A run already complete
+    says so (rank 0, `already_complete`); then `steps` yields nothing and `say` and `finish` do nothing.
 
-
-def start_run(cfg: Any, info: DistInfo, *, state: TrainState, checkpoint_state: Mapping[str, Any],
-              may_change: tuple[str, ...], max_steps: int, experiment: str, final: str | Path | None = None,
-              what: str = "model", flops: ModelFlops | None = None,
-              count_tokens: bool = True, cannot_remap: str | None = None) -> tuple[Checkpointer, MetricsLogger] | None:
-    """The start of a run: seed ``train.seed + rank``, resume from ``checkpoint.resume`` (``auto``: the newest
-    complete checkpoint) after `Checkpointer.check_resume`, then write ``config.yaml`` (rank 0) and start metrics.
-
-    Returns ``(checkpointer, metrics)``, or None when the run is already complete (`already_complete`).
+    Checkpoints hold ``app`` (model and optimizer), ``scheduler``, ``train`` (the `TrainState`), with `resizable`
+    ``data`` (the global `cookbook.sampler.DataPosition`) and ``rank_local`` (the loader's workers and RNG states, same
+    world size only); or `checkpoint`, with its `state`, as given.
 
     Raises:
         CheckpointError: the checkpoint to resume from does not fit this run.
+        ConfigError: ``train.on_nonfinite`` is not stop or skip, or ``train.max_consecutive_skips`` < 0.
     """
-    out_dir = Path(cfg.output_dir)
-    resizable = any(isinstance(v, DataPosition) for v in checkpoint_state.values())
-    checkpointer = Checkpointer(out_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last, resizable=resizable,
-                                cannot_remap=cannot_remap)
-    resume_from = checkpointer.check_resume(cfg.checkpoint.resume, info.world_size, to_dict(cfg), may_change,
-                                            cfg.train.stop_at_step)
-    if getattr(cfg.train, "seed", None) is not None:
-        seed_per_rank(cfg.train.seed, info.rank)  # each rank its own dropout masks; a resume restores the saved ones
-    if resume_from is not None:
-        checkpointer.load(resume_from, checkpoint_state)
-    if already_complete(state, max_steps, out_dir, final, what):
-        return None
-    if info.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, out_dir / "config.yaml")
-    metrics = MetricsLogger(out_dir, info, flops=flops, run_name=cfg.run_name, experiment=experiment,
-                            params=to_dict(cfg), mlflow=cfg.mlflow, max_steps=max_steps, count_tokens=count_tokens)
-    return checkpointer, metrics
+
+    def __init__(self, cfg: Any, info: DistInfo, *, may_change: tuple[str, ...], max_steps: int, experiment: str,
+                 app: Any = None, scheduler: Any = None, loader: Any = None, set_epoch: Callable[[int], None] | None = None,
+                 resizable: bool = True, state: TrainState | None = None, checkpoint: Mapping[str, Any] | None = None,
+                 final: str | Path | None = None, what: str = "model", flops: ModelFlops | None = None,
+                 count_tokens: bool = True, cannot_remap: str | None = None,
+                 evaluate: Callable[[], Mapping[str, float]] | None = None,
+                 log_extra: Callable[[], Mapping[str, float | torch.Tensor]] | None = None):
+        if checkpoint is None:
+            state = TrainState()
+            checkpoint = {"app": app, "scheduler": scheduler, "train": state}
+            if resizable:
+                checkpoint["data"] = DataPosition(loader)  # global: remapped when the world size changes
+            checkpoint["rank_local"] = RankLocalState(dataloader=loader, rng=RNGState())  # same world size only
+        out_dir = Path(cfg.output_dir)
+        checkpointer = Checkpointer(out_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last, cannot_remap=cannot_remap,
+                                    resizable=any(isinstance(v, DataPosition) for v in checkpoint.values()))
+        resume_from = checkpointer.check_resume(cfg.checkpoint.resume, info.world_size, to_dict(cfg), may_change,
+                                                cfg.train.stop_at_step)
+        if getattr(cfg.train, "seed", None) is not None:
+            seed_per_rank(cfg.train.seed, info.rank)  # each rank its own dropout masks; a resume restores the saved ones
+        if resume_from is not None:
+            checkpointer.load(resume_from, checkpoint)
+        self.state, self.complete = state, already_complete(state, max_steps, out_dir, final, what)
+        if self.complete:
+            return
+        if info.is_main:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, out_dir / "config.yaml")
+        metrics = MetricsLogger(out_dir, info, flops=flops, run_name=cfg.run_name, experiment=experiment,
+                                params=to_dict(cfg), mlflow=cfg.mlflow, max_steps=max_steps, count_tokens=count_tokens)
+        profile_step = getattr(cfg.train, "profile_step", 0)
+        on_nonfinite, max_skips = NonFinitePolicy.settings(cfg.train)
+        super().__init__(state=state, max_steps=max_steps, stop_at_step=cfg.train.stop_at_step, metrics=metrics,
+                         log_every=cfg.train.log_every, eval_every=getattr(cfg.train, "eval_every", 0), evaluate=evaluate,
+                         checkpointer=checkpointer, checkpoint_every=cfg.checkpoint.every_steps,
+                         checkpoint_state=checkpoint, config=to_dict(cfg), log_extra=log_extra,
+                         profiler=StepProfiler(profile_step, out_dir, info) if profile_step > 0 else None,
+                         on_nonfinite=on_nonfinite, max_consecutive_skips=max_skips)
+        self.batches = EpochBatches(loader, state, set_epoch, info.device, metrics) if loader is not None else None
+
+    def __enter__(self) -> Run:
+        return self if self.complete else super().__enter__()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if not self.complete:
+            super().__exit__(exc_type, exc, tb)
+
+    def steps(self) -> Iterator[int]:
+        return iter(()) if self.complete else super().steps()
+
+    def take(self, n: int) -> tuple[list[Any], list[float]]:
+        """The `n` micro-batches of one optimizer step (on the device) and their waits in seconds."""
+        return self.batches.take(n)
+
+    def say(self, line: str) -> None:
+        """Log `line` (rank 0) when the run is not already complete."""
+        if not self.complete:
+            get_logger().info(line)
+
+    def finish(self, export: Callable[[], Outputs] | None = None,
+               summary: Callable[[], Mapping[str, Any]] | None = None) -> dict[str, float] | None:
+        return None if self.complete else super().finish(export, summary)
 
 
 def log_outputs(step: int, final_eval: Mapping[str, float], metrics: MetricsLogger, checkpoints: Path | None,
