@@ -39,7 +39,6 @@ from cookbook.errors import (AGENT_PID_ENV, EXIT_BUG, EXIT_DIVERGED, EXIT_INTERR
                              EXIT_PREEMPTED, EXIT_USER_ERROR, LAST_STEP_KEY, LAUNCH_TIME_ENV, AlreadyComplete,
                              OneLineError)
 from cookbook.errors import first_line as _first_line
-from cookbook.launch import check_world_size
 from cookbook.requirements import import_error_line
 from cookbook.run_lock import die_with_parent
 
@@ -70,6 +69,8 @@ def cli(load: Callable[[str, list[str]], Any], preflight: Callable[[Any, int | N
             if show_examples is not None and args.show_examples:  # one process, no worker: what training sees
                 print(show_examples(cfg, args.show_examples))
             elif args.check:  # one process, before any worker starts
+                from cookbook.launch import check_world_size  # here: python -m cookbook.launch imports this package
+
                 print(f"config OK: {args.config} ({preflight(cfg, check_world_size() if sized else None)})")
             else:
                 main(cfg)
@@ -109,8 +110,8 @@ def run_main(main: Callable[[list[str]], Any], user_errors: Sequence[type[BaseEx
     except OneLineError as exc:
         _say_once(exc, rank, where)
         _exit(exc.exit_status)
-    except KeyboardInterrupt:
-        print(f"{where}interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:  # its message, if it has one (cookbook.distributed's)
+        print(f"{where}{exc or 'interrupted'}", file=sys.stderr)
         _exit(EXIT_INTERRUPTED)
     except SystemExit as exc:
         code = exc.code

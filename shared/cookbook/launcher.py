@@ -233,8 +233,8 @@ def _run_local(fn: Callable, args: tuple, kwargs: dict, n: int, start_method: st
                 error = _worker_error(_read_error_records(workdir / "errors"), n, rank, failure.exitcode)
                 raise error from error.exception
             except SignalException as exc:  # the agent's handler turned Ctrl-C / SIGTERM into this; workers are stopped
-                if exc.sigval == signal.SIGINT:
-                    raise KeyboardInterrupt from None
+                if exc.sigval == signal.SIGINT:  # one line, as cookbook.torchrun's (run_main: that line, status 130)
+                    raise KeyboardInterrupt("interrupted (Ctrl-C): every worker was stopped") from None
                 raise
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
