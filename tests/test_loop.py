@@ -14,7 +14,8 @@ import torch
 from cookbook.checkpoint import Checkpointer, ModelOptimizerState, TrainState
 from cookbook.dist import DistInfo
 import cookbook.loop
-from cookbook.loop import EpochBatches, NonFiniteError, Run, TrainLoop, already_complete, log_outputs
+from cookbook.loop import EpochBatches, NonFiniteError, Run, TrainLoop, log_outputs
+from cookbook.loop import _already_complete as already_complete
 from cookbook.metrics import MetricsLogger
 
 CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend="gloo")
@@ -343,7 +344,7 @@ def test_skip_drops_a_non_finite_step_without_touching_the_weights_or_the_schedu
     loop, model, scheduler, records, run = _train_with_nan(tmp_path, nan_at={3})
     assert run == [1, 2, 3, 3, 4, 5, 6]  # step 3 came again with the next batch
     assert lines[0] == "step 3: non-finite gradient norm (nan), step skipped (1 skipped so far)"
-    assert loop.skipped_steps == 1 and loop.state.step == 6
+    assert loop.nonfinite.skipped_steps == 1 and loop.state.step == 6
     assert scheduler.last_epoch == 6  # stepped once per applied step: the skipped one did not advance it
     assert all(torch.isfinite(p).all() for p in model.parameters())
     train = [r for r in records if r["event"] == "train"]
@@ -403,7 +404,7 @@ def summary_of(records):
 def test_skip_leaves_the_batchnorm_statistics_of_a_non_finite_step_as_they_were(tmp_path):
     buffers = {}
     loop, model, _, records, run = _train_with_nan(tmp_path, nan_at={3}, batchnorm=True, buffers=buffers)
-    assert run == [1, 2, 3, 3, 4, 5, 6] and loop.skipped_steps == 1
+    assert run == [1, 2, 3, 3, 4, 5, 6] and loop.nonfinite.skipped_steps == 1
     names = ["0.running_mean", "0.running_var", "0.num_batches_tracked"]
     assert sorted(buffers[4]) == sorted(names)
     assert all(torch.equal(buffers[4][k], buffers[3][k]) for k in names)  # the NaN forward's statistics are gone
@@ -447,7 +448,7 @@ def test_an_applied_non_finite_update_stops_before_the_next_save(tmp_path):
 def test_a_loss_is_checked_when_there_is_no_gradient_norm(tmp_path):
     loop = _loop(tmp_path, on_nonfinite="skip")
     assert loop.skip_step(loss=torch.tensor(1.5)) is False and loop.skip_step() is False
-    assert loop.skip_step(loss=torch.tensor([1.0, float("-inf")])) is True and loop.skipped_steps == 1
+    assert loop.skip_step(loss=torch.tensor([1.0, float("-inf")])) is True and loop.nonfinite.skipped_steps == 1
     with pytest.raises(NonFiniteError, match=r"^the loss of step 1 is not finite on every rank: the step was not"):
         _loop(tmp_path).skip_step(loss=float("nan"))
 
@@ -466,7 +467,7 @@ def test_on_nonfinite_is_checked(tmp_path):
         run()
     cfg.train.on_nonfinite, cfg.train.max_consecutive_skips = "skip", 2
     loop = run()
-    assert (loop.on_nonfinite, loop.max_consecutive_skips) == ("skip", 2)
+    assert (loop.nonfinite.on_nonfinite, loop.nonfinite.max_consecutive_skips) == ("skip", 2)
 
 
 def _dropout_draws(tmp_path, eval_every):

@@ -133,7 +133,7 @@ def init_distributed(timeout_s: float = 1800.0, debug_dir: str | Path | None = N
     _STALL.update(timeout_s=timeout_s, debug_dir=Path(debug_dir) if debug_dir is not None else None, store=None,
                   step=None)
     _configure_logging(info.rank)
-    before = align_autograd_threads(info.device)  # else compiled code recomputed in backward recompiles
+    before = _align_autograd_threads(info.device)  # else compiled code recomputed in backward recompiles
     if before is not None and before != torch.get_num_threads() and info.rank == 0:
         logger.info(
             f"autograd's {info.device} thread: {before} -> {torch.get_num_threads()} intra-op threads (as the training "
@@ -166,7 +166,7 @@ def set_collective_timeout(timeout_s: float, store_rank: int | None = None) -> N
     _STALL.update(timeout_s=timeout_s, store=None, step=None, holder=holder)
 
 
-def align_autograd_threads(device: torch.device) -> int | None:
+def _align_autograd_threads(device: torch.device) -> int | None:
     """Give the autograd engine's worker thread of `device` this thread's intra-op thread count, once per
     process, so that compiled code recomputed in backward does not recompile (docs/notes.md#recompiles-in-backward-under-activation-checkpointing-torch-213).
     Returns the worker's previous count; None (nothing done) on CPU.

@@ -66,7 +66,7 @@ class WorkerError(RuntimeError):
         self.exception = exception
 
 
-class DistributedFunction(Generic[P, R]):
+class _DistributedFunction(Generic[P, R]):
     """What `distributed` returns: the function, callable as before, plus ``.distributed(...)``."""
 
     def __init__(self, fn: Callable[P, R], num_processes: int | None, backend: str, start_method: str,
@@ -129,8 +129,8 @@ def distributed(fn: Callable[P, R] | None = None, *, num_processes: int | None =
                                       or num_processes < 1):
         raise ValueError(f"num_processes must be a positive integer or None, got {num_processes!r}")
 
-    def decorate(f: Callable[P, R]) -> DistributedFunction[P, R]:
-        return DistributedFunction(f, num_processes, backend, start_method, timeout_minutes, max_restarts,
+    def decorate(f: Callable[P, R]) -> _DistributedFunction[P, R]:
+        return _DistributedFunction(f, num_processes, backend, start_method, timeout_minutes, max_restarts,
                                    cpus_per_worker)
 
     return decorate(fn) if fn is not None else decorate

@@ -6,8 +6,8 @@
 (preemption); checks each step for a non-finite loss or gradient norm (`skip_step`, `cookbook.policy`); records
 each rank's progress for the stall report (`cookbook.dist.record_progress`); times the start-up and the final
 evaluation; and at the end runs the final evaluation, the export, the summary record and the closing log lines.
-`EpochBatches` yields batches epoch after epoch; `Run` is both, with the resume and the metrics run.
-The shape follows torchtitan's ``Trainer.train`` / ``train_step`` split.
+`EpochBatches` yields batches epoch after epoch; `Run`, what a recipe enters, is both with the resume and the
+metrics run. The shape follows torchtitan's ``Trainer.train`` / ``train_step`` split.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ _EVAL_COUNTS = ("tokens", "samples", "rows")  # evaluation results that count wh
 _OUTPUT_NAMES = {"export_dir": "model"}  # summary key -> its name on the closing lines (others: the key less "_dir")
 
 
-def already_complete(state: TrainState, max_steps: int, out_dir: str | Path, final: str | Path | None = None,
+def _already_complete(state: TrainState, max_steps: int, out_dir: str | Path, final: str | Path | None = None,
                      what: str = "model") -> bool:
     """Whether a resumed run has nothing left to do (``state.step >= max_steps``, and `final`, the folder
     the finished run exported, exists when given); if so rank 0 says so (`what`: what `final` holds, "model" or
@@ -139,20 +139,6 @@ class TrainLoop:
         self._skipped_now = False  # the step being run was skipped
         self._reset_window()
 
-    @property
-    def on_nonfinite(self) -> str:
-        """``"stop"`` or ``"skip"``: what a non-finite step does (`skip_step`)."""
-        return self.nonfinite.on_nonfinite
-
-    @property
-    def max_consecutive_skips(self) -> int:
-        return self.nonfinite.max_consecutive_skips
-
-    @property
-    def skipped_steps(self) -> int:
-        """Steps skipped for a non-finite loss or gradient norm since this process started."""
-        return self.nonfinite.skipped_steps
-
     # ------------------------------------------------------------------ the loop
     def __enter__(self) -> TrainLoop:
         """Start listening for preemption: SIGTERM (a scheduler's or torchrun's stop) and SIGUSR1 (Slurm's
@@ -179,10 +165,6 @@ class TrainLoop:
         """
         self._stop(signum)
 
-    def _agree_stop(self) -> bool:
-        """Whether the ranks have agreed to stop here (collective when a process group exists; `StopVote`)."""
-        return self._vote(self._stop.requested)
-
     def steps(self) -> Iterator[int]:
         """Yield the number of each step to run (``state.step + 1``) until `max_steps`, ``stop_at_step``
         or a stop request. Starts the metrics clock on every rank together (a barrier)."""
@@ -190,7 +172,7 @@ class TrainLoop:
         self.metrics.start(self.state.step)
         while self.state.step < self.stop_at:
             record_progress(self.state.step)  # for the message of a rank whose collective times out
-            if self._agree_stop():
+            if self._vote(self._stop.requested):  # the ranks agree to stop here (collective: `StopVote`)
                 self._save(force=True)
                 break
             done = self.state.step
@@ -321,18 +303,15 @@ class TrainLoop:
 
 class Run(TrainLoop):
     """A torchrun recipe's run, entered with ``with``: seeds ``train.seed + rank``, resumes from ``checkpoint.resume``
-    (``auto``: the newest complete checkpoint, after `Checkpointer.check_resume`), writes ``config.yaml`` (rank 0),
-    starts the metrics, then runs as a `TrainLoop` with its cadence from the config's ``train`` and
-    ``checkpoint.every_steps``; `take` gives the micro-batches of `loader` (`EpochBatches`). A run already complete
-    says so (rank 0, `already_complete`); then `steps` yields nothing and `say` and `finish` do nothing.
-
-    Checkpoints hold ``app`` (model and optimizer), ``scheduler``, ``train`` (the `TrainState`), with `resizable`
-    ``data`` (the global `cookbook.sampler.DataPosition`) and ``rank_local`` (the loader's workers and RNG states, same
-    world size only); or `checkpoint`, with its `state`, as given.
+    (after `Checkpointer.check_resume`), writes ``config.yaml``, starts the metrics, then is the `TrainLoop` of the
+    config's cadence; `take` gives `loader`'s micro-batches (`EpochBatches`). Already complete: said once (rank 0);
+    `steps` yields nothing, `say` and `finish` do nothing. Checkpoints hold ``app`` (model and optimizer),
+    ``scheduler``, ``train``, ``data`` (with `resizable`: the global `DataPosition`) and ``rank_local`` (same world
+    size only); or `checkpoint`, with its `state`.
 
     Raises:
         CheckpointError: the checkpoint to resume from does not fit this run.
-        ConfigError: ``train.on_nonfinite`` is not stop or skip, or ``train.max_consecutive_skips`` < 0.
+        ConfigError: a bad ``train.on_nonfinite`` or ``train.max_consecutive_skips``.
     """
 
     def __init__(self, cfg: Any, info: DistInfo, *, may_change: tuple[str, ...], max_steps: int, experiment: str,
@@ -357,7 +336,7 @@ class Run(TrainLoop):
             seed_per_rank(cfg.train.seed, info.rank)  # each rank its own dropout masks; a resume restores the saved ones
         if resume_from is not None:
             checkpointer.load(resume_from, checkpoint)
-        self.state, self.complete = state, already_complete(state, max_steps, out_dir, final, what)
+        self.state, self.complete = state, _already_complete(state, max_steps, out_dir, final, what)
         if self.complete:
             return
         if info.is_main:
@@ -378,9 +357,9 @@ class Run(TrainLoop):
     def __enter__(self) -> Run:
         return self if self.complete else super().__enter__()
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(self, *exc_info) -> None:
         if not self.complete:
-            super().__exit__(exc_type, exc, tb)
+            super().__exit__(*exc_info)
 
     def steps(self) -> Iterator[int]:
         return iter(()) if self.complete else super().steps()
@@ -394,9 +373,8 @@ class Run(TrainLoop):
         if not self.complete:
             get_logger().info(line)
 
-    def finish(self, export: Callable[[], Outputs] | None = None,
-               summary: Callable[[], Mapping[str, Any]] | None = None) -> dict[str, float] | None:
-        return None if self.complete else super().finish(export, summary)
+    def finish(self, *args: Any, **kwargs: Any) -> dict[str, float] | None:
+        return None if self.complete else super().finish(*args, **kwargs)
 
 
 def log_outputs(step: int, final_eval: Mapping[str, float], metrics: MetricsLogger, checkpoints: Path | None,
