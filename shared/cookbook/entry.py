@@ -1,10 +1,7 @@
 """The entry point of a recipe's ``train.py``: errors from whichever rank found them, and an exit that cannot hang.
 
-    @cookbook.cli(load, preflight)      # --check: preflight(cfg, world size); --show-examples N: show_examples(cfg, N)
-    def main(cfg: Config) -> None: ...  # the run
-
-    if __name__ == "__main__":
-        cookbook.run_main(main, user_errors=(ConfigError, DataError, CheckpointError))
+    @cookbook.cli(load, preflight)  # --check runs preflight(cfg, world size); main(cfg) is the run
+    def main(cfg): ...              # if __name__ == "__main__": cookbook.run_main(main, user_errors=(ConfigError, ...))
 
 Exit statuses (docs/bad-input.md, docs/failures.md): 0 finished or stopped at ``train.stop_at_step``; 1 a bug or
 library failure, with its traceback; 2 bad configuration, data or checkpoint (`user_errors`) or a package that does
@@ -54,11 +51,10 @@ _PEER_LOST_MARKERS = ("connection closed by peer", "connection reset by peer", "
 
 def cli(load: Callable[[str, list[str]], Any], preflight: Callable[[Any, int | None], str],
         show_examples: Callable[[Any, int], str] | None = None, *, sized: bool = True):
-    """Make a recipe's ``main(cfg)`` (the run) the ``main(argv)`` that `run_main` calls, for ``--config FILE [--check]
-    [--show-examples N] [overrides]``: ``cfg = load(FILE, overrides)``; ``--check`` prints ``config OK: FILE (<what
-    preflight(cfg, world size) returns>)``, the world size NGPU x NNODES as launch.sh starts it (None without `sized`:
-    a Ray driver plans its workers); ``--show-examples N`` prints ``show_examples(cfg, N)``; else ``main(cfg)``.
-    """
+    """A recipe's ``main(cfg)`` (the run) as the ``main(argv)`` of ``--config FILE [--check] [--show-examples N]
+    [overrides]``: ``cfg = load(FILE, overrides)``; ``--check`` prints ``config OK: FILE (<preflight(cfg, world
+    size)>)``, NGPU x NNODES as launch.sh starts it (None without `sized`: Ray plans the workers); ``--show-examples
+    N`` prints ``show_examples(cfg, N)``; else ``main(cfg)``."""
     def wrap(main: Callable[[Any], None]) -> Callable[[list[str]], None]:
         parser = cli_parser(main.__globals__.get("__doc__"), show_examples=show_examples is not None)
 

@@ -190,10 +190,7 @@ def _worker(payload: bytes | tuple, error_dir: str, threads: int, timeout_minute
 
 def _run_local(fn: Callable, args: tuple, kwargs: dict, n: int, start_method: str, timeout_minutes: float,
                max_restarts: int) -> list:
-    from torch.distributed.elastic.multiprocessing.api import (
-        DefaultLogsSpecs,
-        SignalException,
-    )
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 

@@ -193,29 +193,16 @@ class MetricsLogger:
         MetricsWriteError: (rank 0) ``metrics.jsonl`` could not be written.
     """
 
-    def __init__(
-        self,
-        out_dir: str | Path,
-        info: DistInfo,
-        flops: ModelFlops | None = None,
-        run_name: str = "run",
-        experiment: str = "cookbook",
-        params: Mapping[str, Any] | None = None,
-        mlflow: bool = True,
-        max_steps: int | None = None,
-        count_tokens: bool = True,
-        trackers: Sequence[str] | None = None,
-        progress: bool = True,
-    ):
+    def __init__(self, out_dir: str | Path, info: DistInfo, flops: ModelFlops | None = None, run_name: str = "run",
+                 experiment: str = "cookbook", params: Mapping[str, Any] | None = None, mlflow: bool = True,
+                 max_steps: int | None = None, count_tokens: bool = True, trackers: Sequence[str] | None = None,
+                 progress: bool = True):
         if trackers is None:
             trackers = (params or {}).get("trackers", ["mlflow"])
         self.trackers = [t for t in dict.fromkeys(trackers) if mlflow or t != "mlflow"]
         check_trackers(self.trackers)
         self.params = dict(params or {})
-        self.out_dir = Path(out_dir)
-        self.info = info
-        self.flops = flops
-        self.max_steps = max_steps
+        self.out_dir, self.info, self.flops, self.max_steps = Path(out_dir), info, flops, max_steps
         self.count_tokens = count_tokens
         self.jsonl_path = self.out_dir / "metrics.jsonl"
         self._peak = peak_bf16_flops(torch.cuda.get_device_name(info.device)) if info.device.type == "cuda" else None
