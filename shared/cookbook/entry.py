@@ -50,10 +50,11 @@ _PEER_LOST_MARKERS = ("connection closed by peer", "connection reset by peer", "
 
 
 def cli(load: Callable[[str, list[str]], Any], preflight: Callable[[Any, int | None], str],
-        show_examples: Callable[[Any, int], str] | None = None, *, sized: bool = True):
+        show_examples: Callable[[Any, int], str] | None = None, *, sized: bool = True,
+        ok: str = "config OK: {path} ({detail})"):
     """A recipe's ``main(cfg)`` (the run) as the ``main(argv)`` of ``--config FILE [--check] [--show-examples N]
-    [overrides]``: ``cfg = load(FILE, overrides)``; ``--check`` prints ``config OK: FILE (<preflight(cfg, world
-    size)>)``, NGPU x NNODES as launch.sh starts it (None without `sized`: Ray plans the workers); ``--show-examples
+    [overrides]``: ``cfg = load(FILE, overrides)``; ``--check`` prints `ok` (``config OK: FILE (<preflight(cfg,
+    world size)>)``), NGPU x NNODES as launch.sh starts it (None without `sized`: Ray plans the workers); ``--show-examples
     N`` prints ``show_examples(cfg, N)``; else ``main(cfg)``."""
     def wrap(main: Callable[[Any], None]) -> Callable[[list[str]], None]:
         parser = cli_parser(main.__globals__.get("__doc__"), show_examples=show_examples is not None)
@@ -67,7 +68,7 @@ def cli(load: Callable[[str, list[str]], Any], preflight: Callable[[Any, int | N
             elif args.check:  # one process, before any worker starts
                 from cookbook.launch import check_world_size  # here: python -m cookbook.launch imports this package
 
-                print(f"config OK: {args.config} ({preflight(cfg, check_world_size() if sized else None)})")
+                print(ok.format(path=args.config, detail=preflight(cfg, check_world_size() if sized else None)))
             else:
                 main(cfg)
         return dispatch
