@@ -77,10 +77,8 @@ def get_dist_info() -> DistInfo:
     if torch.cuda.is_available() and not force_cpu:
         n = torch.cuda.device_count()
         if local_rank >= n:
-            raise RuntimeError(
-                f"LOCAL_RANK={local_rank} but this node has {n} GPU(s): start at most {n} "
-                f"processes per node (NGPU={n})"
-            )
+            raise RuntimeError(f"LOCAL_RANK={local_rank} but this node has {n} GPU(s): start at most {n} "
+                               f"processes per node (NGPU={n})")
         device, backend = torch.device("cuda", local_rank), "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
@@ -483,10 +481,8 @@ def _all_reduce(values: Mapping[str, float | torch.Tensor], device: torch.device
     names = list(values)
     if not names:
         return {}
-    flat = torch.stack(
-        [v.detach().to(device=device, dtype=torch.float64).reshape(()) if isinstance(v, torch.Tensor)
-         else torch.tensor(float(v), dtype=torch.float64, device=device) for v in values.values()]
-    )
+    flat = torch.stack([v.detach().to(device=device, dtype=torch.float64).reshape(()) if isinstance(v, torch.Tensor)
+                        else torch.tensor(float(v), dtype=torch.float64, device=device) for v in values.values()])
     if dist.is_initialized():
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
         if mean:

@@ -207,19 +207,10 @@ def _run_local(fn: Callable, args: tuple, kwargs: dict, n: int, start_method: st
     (workdir / "errors").mkdir()
     # Seconds between SIGTERM and SIGKILL for workers that do not stop (torch >= 2.12; 30 before).
     extra = {"shutdown_timeout": 10} if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)} else {}
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=n,
-        run_id=f"cookbook-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",  # a free port on this machine
-        max_restarts=max_restarts,
-        start_method=start_method,
-        monitor_interval=0.1,
-        logs_specs=DefaultLogsSpecs(log_dir=str(workdir / "logs")),
-        **extra,
-    )
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=f"cookbook-{uuid.uuid4().hex[:8]}",
+                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",  # a free port on this machine
+                          max_restarts=max_restarts, start_method=start_method, monitor_interval=0.1,
+                          logs_specs=DefaultLogsSpecs(log_dir=str(workdir / "logs")), **extra)
     threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
     try:
         with _caller_signals_kept(), _elastic_logs_quiet():

@@ -45,15 +45,8 @@ def launch_time() -> float:
 # H100 SXM 989 / H100 NVL 835 / H100 PCIe 756 TFLOPS: "NVIDIA H100 Tensor Core GPU" datasheet.
 # H200 SXM 989 / H200 NVL 835 TFLOPS: "NVIDIA H200 Tensor Core GPU" datasheet.
 # The data sheets quote sparse figures (2x) first; these are the dense halves.
-PEAK_BF16_FLOPS: dict[str, float] = {
-    "A10": 125e12,
-    "A100": 312e12,
-    "H100 SXM": 989e12,
-    "H100 NVL": 835e12,
-    "H100 PCIe": 756e12,
-    "H200 SXM": 989e12,
-    "H200 NVL": 835e12,
-}
+PEAK_BF16_FLOPS: dict[str, float] = {"A10": 125e12, "A100": 312e12, "H100 SXM": 989e12, "H100 NVL": 835e12,
+                                     "H100 PCIe": 756e12, "H200 SXM": 989e12, "H200 NVL": 835e12}
 
 
 def peak_bf16_flops(device_name: str) -> float | None:
