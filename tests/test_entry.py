@@ -297,3 +297,25 @@ def test_a_stalled_rank_is_named_by_the_rank_whose_collective_times_out(tmp_path
                 p.kill()
             p.join(timeout=30)
     assert not psutil.pid_exists(ranks[1].pid) or psutil.Process(ranks[1].pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_cli_runs_preflight_for_check_with_the_world_launch_sh_starts_and_main_otherwise(monkeypatch, capsys, tmp_path):
+    """``--check`` prints ``config OK: <config> (<preflight's answer>)`` for NGPU x NNODES processes and never runs
+    main; ``--show-examples N`` prints what `show_examples` returns; without either, main gets the loaded config."""
+    import cookbook
+
+    calls = []
+    load = lambda path, overrides: {"path": path, "overrides": overrides}  # noqa: E731
+    preflight = lambda cfg, world_size: calls.append(("preflight", world_size)) or f"{world_size} ranks"  # noqa: E731
+
+    @cookbook.cli(load, preflight, lambda cfg, n: f"{n} rows of {cfg['path']}")
+    def main(cfg):
+        calls.append(("main", cfg))
+
+    for var, value in (("COOKBOOK_WORLD_SIZE", None), ("NGPU", "3"), ("NNODES", "2"), ("CUDA_VISIBLE_DEVICES", "")):
+        monkeypatch.delenv(var, raising=False) if value is None else monkeypatch.setenv(var, value)
+    main(["--config", "a.yaml", "--check", "x=1"])
+    main(["--config", "a.yaml", "--show-examples", "2"])
+    main(["--config", "a.yaml", "x=1"])
+    assert capsys.readouterr().out == "config OK: a.yaml (6 ranks)\n2 rows of a.yaml\n"
+    assert calls == [("preflight", 6), ("main", {"path": "a.yaml", "overrides": ["x=1"]})]

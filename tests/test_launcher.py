@@ -151,6 +151,8 @@ SCRIPT = textwrap.dedent('''
         out = total.distributed(2.0)
         print(json.dumps({"results": [dataclasses.asdict(s) for s in out],
                           "types": all(isinstance(s, Stats) for s in out)}), flush=True)
+        if sys.argv[2:] == ["run_main"]:  # as a recipe's train.py: one line and exit status 130, as cookbook.torchrun
+            cookbook.run_main(lambda argv: sleeper.distributed(sys.argv[1]), argv=[])
         handler = signal.getsignal(signal.SIGINT)
         try:
             sleeper.distributed(sys.argv[1])
@@ -159,15 +161,14 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-def test_main_module_functions_work_with_spawn_and_ctrl_c_stops_every_worker(tmp_path):
-    """A script's ``__main__`` functions (pickled by value, as a notebook's are) run on spawned workers; then
-    SIGINT to the script while its workers sleep raises KeyboardInterrupt there and stops both workers."""
+def _interrupt_script(tmp_path, *args: str) -> tuple[subprocess.Popen, str, str, list[int]]:
+    """Run `SCRIPT` (with `args`), SIGINT it once both sleepers run; returns it ended, its output and the workers' pids."""
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
-    proc = subprocess.Popen([sys.executable, str(script), str(pid_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen([sys.executable, str(script), str(pid_dir), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         deadline = time.monotonic() + 120
         while len(list(pid_dir.iterdir())) < 2:
@@ -181,10 +182,22 @@ def test_main_module_functions_work_with_spawn_and_ctrl_c_stops_every_worker(tmp
     finally:
         if proc.poll() is None:
             proc.kill()
+    return proc, stdout, stderr, [int(p.read_text()) for p in pid_dir.iterdir()]
+
+
+def test_main_module_functions_work_with_spawn_and_ctrl_c_stops_every_worker(tmp_path):
+    """A script's ``__main__`` functions (pickled by value, as a notebook's are) run on spawned workers; then
+    SIGINT to the script while its workers sleep raises KeyboardInterrupt there and stops both workers."""
+    _, stdout, stderr, pids = _interrupt_script(tmp_path)
     lines = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
     assert lines[0] == {"results": [{"rank": 0, "total": 6.0}, {"rank": 1, "total": 6.0}], "types": True}, stderr[-3000:]
     assert lines[1] == {"interrupted": True, "handler_kept": True}, stderr[-3000:]
-    pids = [int(p.read_text()) for p in pid_dir.iterdir()]
+    assert not any(_alive(p) for p in pids), pids
+
+
+def test_ctrl_c_under_run_main_is_one_line_and_status_130_as_with_torchrun(tmp_path):
+    proc, _, stderr, pids = _interrupt_script(tmp_path, "run_main")
+    assert (proc.returncode, stderr) == (130, "interrupted (Ctrl-C): every worker was stopped\n"), stderr[-3000:]
     assert not any(_alive(p) for p in pids), pids
 
 

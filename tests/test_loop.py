@@ -14,7 +14,8 @@ import torch
 from cookbook.checkpoint import Checkpointer, ModelOptimizerState, TrainState
 from cookbook.dist import DistInfo
 import cookbook.loop
-from cookbook.loop import EpochBatches, NonFiniteError, TrainLoop, already_complete, log_outputs, start_run
+from cookbook.loop import EpochBatches, NonFiniteError, Run, TrainLoop, log_outputs
+from cookbook.loop import _already_complete as already_complete
 from cookbook.metrics import MetricsLogger
 
 CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend="gloo")
@@ -212,7 +213,7 @@ def test_the_closing_lines_show_the_final_metrics_and_where_each_output_is(tmp_p
     assert lines[:2] == ["done: 3 steps", "time:        startup 25.1 s (first step 12.0 s) | final eval 1.9 s"]
 
 
-def test_start_run_resumes_and_from_config_takes_the_cadence_from_the_shared_sections(tmp_path):
+def test_run_resumes_and_takes_the_cadence_from_the_shared_sections(tmp_path):
     from cookbook.config import CheckpointConfig, RunConfig, TrainConfig, load_config
     from dataclasses import dataclass, field
 
@@ -226,38 +227,34 @@ def test_start_run_resumes_and_from_config_takes_the_cadence_from_the_shared_sec
     model = torch.nn.Linear(3, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
-    def start(state):
-        return start_run(cfg, CPU, state=state, checkpoint_state={"app": ModelOptimizerState(model, optimizer), "train": state},
-                         may_change=("train.stop_at_step",), max_steps=5, experiment="tests", final=tmp_path / "final",
-                         count_tokens=False)
+    def start(**kw):
+        state = TrainState()
+        return Run(cfg, CPU, state=state, checkpoint={"app": ModelOptimizerState(model, optimizer), "train": state},
+                   may_change=("train.stop_at_step",), max_steps=5, experiment="tests", final=tmp_path / "final",
+                   count_tokens=False, **kw)
 
-    state = TrainState()
-    checkpointer, metrics = start(state)
-    assert (tmp_path / "config.yaml").is_file() and state.step == 0
-    loop = TrainLoop.from_config(cfg, state=state, max_steps=5, metrics=metrics, checkpointer=checkpointer,
-                                 checkpoint_state={"app": ModelOptimizerState(model, optimizer), "train": state},
-                                 evaluate=lambda: {"loss": 1.0})
+    loop = start(evaluate=lambda: {"loss": 1.0})
+    assert (tmp_path / "config.yaml").is_file() and loop.state.step == 0
     assert (loop.stop_at, loop.log_every, loop.eval_every, loop.checkpoint_every) == (4, 2, 3, 0)
     assert loop.config["train"]["eval_every"] == 3 and loop.profiler is None
     with loop:
         for _ in loop.steps():
             loop.end_step(torch.tensor(1.0), lr=0.1)
-    assert state.step == 4 and [p.name for p in checkpointer.complete_checkpoints()] == ["step_00000004"]
+    assert loop.state.step == 4 and [p.name for p in loop.checkpointer.complete_checkpoints()] == ["step_00000004"]
     cfg.train.stop_at_step = -1
-    state = TrainState()
-    checkpointer, metrics = start(state)  # resumed: the checkpoint of step 4
-    assert state.step == 4
-    loop = TrainLoop.from_config(cfg, state=state, max_steps=5, metrics=metrics, checkpointer=checkpointer,
-                                 checkpoint_state={"app": ModelOptimizerState(model, optimizer), "train": state})
+    loop = start()  # resumed: the checkpoint of step 4
+    assert loop.state.step == 4
     with loop:
         for _ in loop.steps():
             loop.end_step(torch.tensor(1.0), lr=0.1)
-    assert state.step == 5
-    state = TrainState()
-    assert start(state) is not None and state.step == 5  # the final model is not exported yet: finish the run
+    assert loop.state.step == 5
+    loop = start()
+    assert not loop.complete and loop.state.step == 5  # the final model is not exported yet: finish the run
     (tmp_path / "final").mkdir()
-    state = TrainState()
-    assert start(state) is None and state.step == 5  # already complete: no new metrics run
+    loop = start()
+    assert loop.complete and loop.state.step == 5  # already complete: no new metrics run, no step, no finish
+    with loop:
+        assert list(loop.steps()) == [] and loop.finish() is None
 
 
 def test_a_preemption_signal_stops_after_the_step_with_a_checkpoint_and_the_resume_loses_nothing(tmp_path):
@@ -347,7 +344,7 @@ def test_skip_drops_a_non_finite_step_without_touching_the_weights_or_the_schedu
     loop, model, scheduler, records, run = _train_with_nan(tmp_path, nan_at={3})
     assert run == [1, 2, 3, 3, 4, 5, 6]  # step 3 came again with the next batch
     assert lines[0] == "step 3: non-finite gradient norm (nan), step skipped (1 skipped so far)"
-    assert loop.skipped_steps == 1 and loop.state.step == 6
+    assert loop.nonfinite.skipped_steps == 1 and loop.state.step == 6
     assert scheduler.last_epoch == 6  # stepped once per applied step: the skipped one did not advance it
     assert all(torch.isfinite(p).all() for p in model.parameters())
     train = [r for r in records if r["event"] == "train"]
@@ -407,7 +404,7 @@ def summary_of(records):
 def test_skip_leaves_the_batchnorm_statistics_of_a_non_finite_step_as_they_were(tmp_path):
     buffers = {}
     loop, model, _, records, run = _train_with_nan(tmp_path, nan_at={3}, batchnorm=True, buffers=buffers)
-    assert run == [1, 2, 3, 3, 4, 5, 6] and loop.skipped_steps == 1
+    assert run == [1, 2, 3, 3, 4, 5, 6] and loop.nonfinite.skipped_steps == 1
     names = ["0.running_mean", "0.running_var", "0.num_batches_tracked"]
     assert sorted(buffers[4]) == sorted(names)
     assert all(torch.equal(buffers[4][k], buffers[3][k]) for k in names)  # the NaN forward's statistics are gone
@@ -451,7 +448,7 @@ def test_an_applied_non_finite_update_stops_before_the_next_save(tmp_path):
 def test_a_loss_is_checked_when_there_is_no_gradient_norm(tmp_path):
     loop = _loop(tmp_path, on_nonfinite="skip")
     assert loop.skip_step(loss=torch.tensor(1.5)) is False and loop.skip_step() is False
-    assert loop.skip_step(loss=torch.tensor([1.0, float("-inf")])) is True and loop.skipped_steps == 1
+    assert loop.skip_step(loss=torch.tensor([1.0, float("-inf")])) is True and loop.nonfinite.skipped_steps == 1
     with pytest.raises(NonFiniteError, match=r"^the loss of step 1 is not finite on every rank: the step was not"):
         _loop(tmp_path).skip_step(loss=float("nan"))
 
@@ -459,15 +456,18 @@ def test_a_loss_is_checked_when_there_is_no_gradient_norm(tmp_path):
 def test_on_nonfinite_is_checked(tmp_path):
     from cookbook.config import ConfigError, RunConfig, load_config
 
-    cfg = load_config(RunConfig, None, [f"output_dir={tmp_path}", "train.on_nonfinite=ignore"])
-    metrics = MetricsLogger(tmp_path, CPU, mlflow=False, count_tokens=False)
+    cfg = load_config(RunConfig, None, [f"output_dir={tmp_path}", "mlflow=false", "train.on_nonfinite=ignore"])
+
+    def run():
+        state = TrainState()
+        return Run(cfg, CPU, state=state, checkpoint={"train": state}, may_change=(), max_steps=3, experiment="tests",
+                   count_tokens=False)
+
     with pytest.raises(ConfigError, match=r"^train.on_nonfinite must be one of stop, skip, got 'ignore'$"):
-        TrainLoop.from_config(cfg, state=TrainState(), max_steps=3, metrics=metrics, checkpointer=None,
-                              checkpoint_state=None)
+        run()
     cfg.train.on_nonfinite, cfg.train.max_consecutive_skips = "skip", 2
-    loop = TrainLoop.from_config(cfg, state=TrainState(), max_steps=3, metrics=metrics, checkpointer=None,
-                                 checkpoint_state=None)
-    assert (loop.on_nonfinite, loop.max_consecutive_skips) == ("skip", 2)
+    loop = run()
+    assert (loop.nonfinite.on_nonfinite, loop.nonfinite.max_consecutive_skips) == ("skip", 2)
 
 
 def _dropout_draws(tmp_path, eval_every):
@@ -515,10 +515,9 @@ def test_a_finished_run_is_answered_by_the_check_at_once_and_the_launcher_starts
     monkeypatch.setenv(OUTPUT_DIR_FILE_ENV, str(tmp_path / "reported"))  # as cookbook.launch runs the check
     check_run(cfg)
     assert not reported_complete(tmp_path / "reported")
-    metrics = MetricsLogger(out, CPU, mlflow=False, count_tokens=False)
-    loop = TrainLoop.from_config(cfg, state=TrainState(), max_steps=2, metrics=metrics, checkpointer=None,
-                                 checkpoint_state=None)
-    with loop:
+    state = TrainState()
+    with Run(cfg, CPU, state=state, checkpoint={"train": state}, may_change=(), max_steps=2, experiment="tests",
+             count_tokens=False) as loop:
         for _ in loop.steps():
             loop.end_step(torch.tensor(1.0), lr=0.1)
         loop.finish()

@@ -409,6 +409,17 @@ def test_bad_rows_fail_before_workers(tmp_path):
     assert "torch/distributed/run.py" not in proc.stderr
 
 
+def test_a_bad_row_is_named_by_the_first_check_on_a_used_output_dir(full_run, tmp_path):
+    """The data is checked before the resume: another data file on a used output_dir (which the resume refuses,
+    another setting) is named by its bad row at once, not after the resume's refusal was answered."""
+    bad = _jsonl(tmp_path / "bad.jsonl", [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+                                          {"messages": [{"role": "user", "content": "no answer here"}]}])
+    with pytest.raises(SFTDataError, match="bad.jsonl line 2"):
+        check("qwen-fsdp2-sft", f"output_dir={full_run}", f"data.train_files=[{bad}]")
+    with pytest.raises(CheckpointError):  # a good file instead: the resume's refusal, as before
+        check("qwen-fsdp2-sft", f"output_dir={full_run}", "train.seed=7")
+
+
 def test_tokenizer_without_chat_template(tmp_path):
     import shutil
 

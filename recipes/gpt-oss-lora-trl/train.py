@@ -32,9 +32,8 @@ from trl import SFTTrainer
 import cookbook
 from cookbook import config, hf_trainer, lm, sft
 from cookbook.checkpoint import CheckpointError
-from cookbook.config import ConfigError, check_fields, cli_parser, load_config, save_config, to_dict
+from cookbook.config import ConfigError, check_fields, load_config, save_config, to_dict
 from cookbook.hub import resolve_path
-from cookbook.launch import check_world_size
 from cookbook.loop import NonFinitePolicy
 
 PARALLEL = ("ddp", "fsdp")
@@ -339,32 +338,39 @@ def _checkpointing_args(args_class, on: bool) -> dict:
 
 
 # ----------------------------------------------------------------------------- recipe
-def main(argv: list[str]) -> None:
-    args = cli_parser(__doc__, show_examples=True).parse_args(argv)
-    cfg = load_config(Config, args.config, args.overrides)
-    on_cpu = cookbook.get_dist_info().device.type == "cpu"  # COOKBOOK_DEVICE=cpu, or no GPU
-    check_config(cfg, Path(args.config).resolve().parent, on_cpu)
-    if args.show_examples:  # one process, no worker: what training sees
-        tokenizer = sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path)
-        sources = [(f, sft.load_rows(f)) for f in cfg.data.train_files] or \
-            [(cfg.data.hub_id, sft.load_hub_rows(cfg.data.hub_id))]
-        shown = replace(cfg.data, max_dropped_fraction=1.0)  # show what would be refused too
-        parts = [tokenize_rows(rows, tokenizer, shown, source) for source, rows in sources]
-        print(sft.show_examples(parts, tokenizer, args.show_examples))
-        return
-    if args.check:  # one process, before any worker starts
-        world_size = check_world_size()  # NGPU x NNODES, as launch.sh
-        tokenizer = sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path, cfg.data.max_length)
-        hf_trainer.check_resume(cfg, world_size, MAY_CHANGE, CANNOT_REMAP)
-        note = f"data from {cfg.data.hub_id}"
-        if cfg.data.train_files:
-            examples, stats = load_data(cfg.data, tokenizer)
-            sft.check_one_step(len(examples), cfg.train.micro_batch_size, cfg.train.grad_accum_steps, world_size)
-            print(f"data: {stats.summary()}")
-            note = f"{len(examples)} train examples"
-        print(f"config OK: {args.config} ({note}; parallel {cfg.parallel}, LoRA r={cfg.lora.r} alpha={cfg.lora.alpha})")
-        return
-    train(cfg, on_cpu)
+def load(path: str, overrides: list[str]) -> Config:
+    cfg = load_config(Config, path, overrides)
+    check_config(cfg, Path(path).resolve().parent, cookbook.get_dist_info().device.type == "cpu")
+    return cfg
+
+
+def preflight(cfg: Config, world_size: int) -> str:
+    """What ``--check`` runs in one process before any worker starts (launch.sh): the tokenizer, every row of the
+    local files, then the resume; returns what the data holds and the LoRA and parallel settings."""
+    tokenizer = sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path, cfg.data.max_length)
+    note = f"data from {cfg.data.hub_id}"
+    if cfg.data.train_files:  # before the resume: a bad row is named on a used output_dir too
+        examples, stats = load_data(cfg.data, tokenizer)
+        sft.check_one_step(len(examples), cfg.train.micro_batch_size, cfg.train.grad_accum_steps, world_size)
+        note = f"{len(examples)} train examples"
+    hf_trainer.check_resume(cfg, world_size, MAY_CHANGE, CANNOT_REMAP)
+    if cfg.data.train_files:
+        print(f"data: {stats.summary()}")
+    return f"{note}; parallel {cfg.parallel}, LoRA r={cfg.lora.r} alpha={cfg.lora.alpha}"
+
+
+def show_examples(cfg: Config, n: int) -> str:
+    tokenizer = sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path)
+    sources = [(f, sft.load_rows(f)) for f in cfg.data.train_files] or \
+        [(cfg.data.hub_id, sft.load_hub_rows(cfg.data.hub_id))]
+    shown = replace(cfg.data, max_dropped_fraction=1.0)  # show what would be refused too
+    parts = [tokenize_rows(rows, tokenizer, shown, source) for source, rows in sources]
+    return sft.show_examples(parts, tokenizer, n)
+
+
+@cookbook.cli(load, preflight, show_examples)  # --check: preflight; --show-examples N: show_examples
+def main(cfg: Config) -> None:
+    train(cfg, on_cpu=cookbook.get_dist_info().device.type == "cpu")  # COOKBOOK_DEVICE=cpu, or no GPU
 
 
 class Trainer(hf_trainer.Bookkeeping, SFTTrainer):

@@ -50,10 +50,9 @@ from cookbook import lm
 from cookbook.checkpoint import Checkpointer, CheckpointError, ModelOptimizerState
 from cookbook.checkpoint import export_hf
 from cookbook import config
-from cookbook.config import ConfigError, check_fields, cli_parser, load_config, to_dict
+from cookbook.config import ConfigError, check_fields, load_config, to_dict
 from cookbook.hub import resolve_path
-from cookbook.launch import check_world_size
-from cookbook.loop import EpochBatches, TrainLoop, checkpoint_state, start_run
+from cookbook.loop import Run
 from cookbook.metrics import ModelFlops, count_parameters, launch_time
 from cookbook.sampler import ResizableSampler
 from cookbook.tabular import DataError, first_csv_row, records, to_int
@@ -417,33 +416,36 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, autocast) -> 
 
 
 # ----------------------------------------------------------------------------- recipe
-def main(argv: list[str]) -> None:
-    args = cli_parser(__doc__).parse_args(argv)
-    cfg = load_config(Config, args.config, args.overrides)
-    check_config(cfg, Path(args.config).resolve().parent)
-    if args.check:  # one process, before torchrun starts any worker
-        world_size = check_world_size()  # NGPU x NNODES, as launch.sh
-        lm.check_attention(cfg.model.attn_implementation, on_cpu=cookbook.get_dist_info().device.type == "cpu")
-        try:
-            tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
-            config = AutoConfig.from_pretrained(cfg.model.name_or_path)
-        except OSError as exc:
-            raise ConfigError(f"model.name_or_path / model.tokenizer: cannot load {cfg.model.name_or_path!r}: "
-                              f"{str(exc).splitlines()[0]}") from None
-        if len(tok) > config.vocab_size:
-            raise ConfigError(f"model.tokenizer has {len(tok)} tokens but the model's vocab_size is {config.vocab_size}")
-        # local files: read, checked and tokenized once here; the workers memory-map the result (cache_dir)
-        train_ds, eval_ds = tokenized_splits(cfg, tok, write=True)[:2] if cfg.data.train_files else (None, None)
-        per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * world_size
-        if train_ds is not None and len(train_ds) < per_step:
-            raise ConfigError(f"the training set ({len(train_ds)} rows) is too small for one step of "
-                              f"{cfg.train.micro_batch_size} x {cfg.train.grad_accum_steps} x {world_size} samples")
-        Checkpointer(Path(cfg.output_dir) / "checkpoints", resizable=RESIZABLE).check_resume(
-            cfg.checkpoint.resume, world_size, to_dict(cfg), MAY_CHANGE, cfg.train.stop_at_step)
-        rows = f"{len(train_ds)} train / {len(eval_ds)} eval rows" if train_ds is not None else f"hub data set {cfg.data.hub_id}"
-        print(f"config OK: {args.config} ({rows})")
-        return
+def preflight(cfg: Config, world_size: int) -> str:
+    """What ``--check`` runs in one process before torchrun starts any worker (launch.sh); returns what the data holds."""
+    lm.check_attention(cfg.model.attn_implementation, on_cpu=cookbook.get_dist_info().device.type == "cpu")
+    try:
+        tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
+        config = AutoConfig.from_pretrained(cfg.model.name_or_path)
+    except OSError as exc:
+        raise ConfigError(f"model.name_or_path / model.tokenizer: cannot load {cfg.model.name_or_path!r}: "
+                          f"{str(exc).splitlines()[0]}") from None
+    if len(tok) > config.vocab_size:
+        raise ConfigError(f"model.tokenizer has {len(tok)} tokens but the model's vocab_size is {config.vocab_size}")
+    # local files: read, checked and tokenized once here; the workers memory-map the result (cache_dir)
+    train_ds, eval_ds = tokenized_splits(cfg, tok, write=True)[:2] if cfg.data.train_files else (None, None)
+    per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * world_size
+    if train_ds is not None and len(train_ds) < per_step:
+        raise ConfigError(f"the training set ({len(train_ds)} rows) is too small for one step of "
+                          f"{cfg.train.micro_batch_size} x {cfg.train.grad_accum_steps} x {world_size} samples")
+    Checkpointer(Path(cfg.output_dir) / "checkpoints", resizable=RESIZABLE).check_resume(
+        cfg.checkpoint.resume, world_size, to_dict(cfg), MAY_CHANGE, cfg.train.stop_at_step)
+    return f"{len(train_ds)} train / {len(eval_ds)} eval rows" if train_ds is not None else f"hub data set {cfg.data.hub_id}"
 
+
+def load(path: str, overrides: list[str]) -> Config:
+    cfg = load_config(Config, path, overrides)
+    check_config(cfg, Path(path).resolve().parent)
+    return cfg
+
+
+@cookbook.cli(load, preflight)  # --check: preflight
+def main(cfg: Config) -> None:
     # ---- set-up
     from transformers import get_scheduler
 
@@ -452,7 +454,6 @@ def main(argv: list[str]) -> None:
     phases = {"worker_start": psutil.Process().create_time(), "module_start": STARTED, "imports": time.time()}  # seconds after the launch, below
     info = cookbook.init_distributed(cfg.train.collective_timeout_s, debug_dir=Path(cfg.output_dir) / "debug")
     phases["distributed"] = time.time()
-    log = cookbook.get_logger()
     out_dir = Path(cfg.output_dir)
     torch.manual_seed(cfg.train.seed)
     use_bf16 = info.device.type == "cuda" and cfg.train.mixed_precision == "bf16"
@@ -499,35 +500,26 @@ def main(argv: list[str]) -> None:
     scheduler = get_scheduler(cfg.optim.scheduler, optimizer, num_warmup_steps=int(cfg.optim.warmup_ratio * max_steps),
                               num_training_steps=max_steps)
 
-    state, ckpt_state = checkpoint_state(ModelOptimizerState(model, optimizer), scheduler, train_loader)
-    run = start_run(cfg, info, state=state, checkpoint_state=ckpt_state, may_change=MAY_CHANGE, max_steps=max_steps,
-                    experiment="modernbert-ddp", final=out_dir / "final" if cfg.checkpoint.export_hf else None, flops=flops)
-    if run is None:  # already complete
-        cookbook.destroy_distributed()
-        return
-    checkpointer, metrics = run
     global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * info.world_size
-    log.info(f"world size {info.world_size} ({info.backend}, {info.device.type}) | {flops.num_params / 1e6:.1f} M "
-             f"non-embedding params | global batch {global_batch} = {cfg.train.micro_batch_size} micro-batch x "
-             f"{cfg.train.grad_accum_steps} accumulation x {info.world_size} ranks | {len(train_ds)} train / "
-             f"{len(eval_ds)} eval rows | {max_steps} steps ({steps_per_epoch}/epoch) | precision "
-             f"{'bf16 autocast' if use_bf16 else 'fp32'}")
     startup_phases = {k: round(t - launched, 3) for k, t in phases.items()}
-    log.info(f"start-up (s after the launch): {startup_phases} | tokenized splits "
-             f"{'memory-mapped from ' + str(cache_dir(cfg)) if cached else 'tokenized here'}")
-    if n_trunc or n_trunc_eval:
-        log.info(f"truncated to data.max_length={cfg.data.max_length}: {n_trunc} train and {n_trunc_eval} eval texts")
+    with Run(cfg, info, app=ModelOptimizerState(model, optimizer), scheduler=scheduler, loader=train_loader,
+             set_epoch=sampler.set_epoch, may_change=MAY_CHANGE, max_steps=max_steps, experiment="modernbert-ddp",
+             final=out_dir / "final" if cfg.checkpoint.export_hf else None, flops=flops,
+             evaluate=lambda: run_eval(model.module, eval_loader, info.device, autocast, compiled=cfg.model.compile_eval)) as run:
+        run.say(f"world size {info.world_size} ({info.backend}, {info.device.type}) | {flops.num_params / 1e6:.1f} M "
+                f"non-embedding params | global batch {global_batch} = {cfg.train.micro_batch_size} micro-batch x "
+                f"{cfg.train.grad_accum_steps} accumulation x {info.world_size} ranks | {len(train_ds)} train / "
+                f"{len(eval_ds)} eval rows | {max_steps} steps ({steps_per_epoch}/epoch) | precision "
+                f"{'bf16 autocast' if use_bf16 else 'fp32'}")
+        run.say(f"start-up (s after the launch): {startup_phases} | tokenized splits "
+                f"{'memory-mapped from ' + str(cache_dir(cfg)) if cached else 'tokenized here'}")
+        if n_trunc or n_trunc_eval:
+            run.say(f"truncated to data.max_length={cfg.data.max_length}: {n_trunc} train and {n_trunc_eval} eval texts")
 
-    # ---- train loop
-    batches = EpochBatches(train_loader, state, sampler.set_epoch, info.device, metrics=metrics)
-    loop = TrainLoop.from_config(cfg, state=state, max_steps=max_steps, metrics=metrics, checkpointer=checkpointer,
-                                 checkpoint_state=ckpt_state,
-                                 evaluate=lambda: run_eval(model.module, eval_loader, info.device, autocast,
-                                                           compiled=cfg.model.compile_eval))
-    with loop:
-        for _ in loop.steps():
+        # ---- train loop
+        for _ in run.steps():
             optimizer.zero_grad(set_to_none=True)  # also drops a skipped step's gradients
-            micro_batches, waits = batches.take(cfg.train.grad_accum_steps)
+            micro_batches, waits = run.take(cfg.train.grad_accum_steps)
             step_loss = torch.zeros((), device=info.device)
             for i, (batch, wait) in enumerate(zip(micro_batches, waits)):
                 # Skip DDP's gradient all-reduce on all but the last micro-batch of a step.
@@ -536,17 +528,17 @@ def main(argv: list[str]) -> None:
                         loss = model(**batch).loss / cfg.train.grad_accum_steps
                     loss.backward()
                 step_loss += loss.detach()
-                metrics.add(samples=batch["labels"].numel(), tokens=batch["attention_mask"].sum(), data_wait_s=wait)
+                run.metrics.add(samples=batch["labels"].numel(), tokens=batch["attention_mask"].sum(), data_wait_s=wait)
             grad_norm = torch.nn.utils.clip_grad_norm_(  # max_grad_norm 0: no clipping, but the norm is checked
                 model.parameters(), cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf"))
-            if loop.skip_step(grad_norm): continue  # NaN / inf: the run stops, or (train.on_nonfinite=skip) the step is dropped
+            if run.skip_step(grad_norm): continue  # NaN / inf: the run stops, or (train.on_nonfinite=skip) the step is dropped
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
-            loop.end_step(step_loss, lr=lr, grad_norm=grad_norm)
+            run.end_step(step_loss, lr=lr, grad_norm=grad_norm)
 
         # ---- save
-        loop.finish(export=lambda: {"export_dir": (
+        run.finish(export=lambda: {"export_dir": (
             export_hf(model, out_dir / "final", tokenizer) if cfg.checkpoint.export_hf else None,
             "AutoModelForSequenceClassification.from_pretrained")},
             summary=lambda: {"param_fingerprints": cookbook.all_gather_object(cookbook.param_fingerprint(model.module)),

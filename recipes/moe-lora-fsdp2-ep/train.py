@@ -36,10 +36,9 @@ from transformers import logging as hf_logging
 
 from cookbook import lm, sft
 from cookbook.checkpoint import Checkpointer, CheckpointError
-from cookbook.config import ConfigError, check_fields, cli_parser, load_config, to_dict
+from cookbook.config import ConfigError, check_fields, load_config, to_dict
 from cookbook.hub import model_folder, resolve_path
-from cookbook.launch import check_world_size
-from cookbook.loop import EpochBatches, TrainLoop, checkpoint_state, start_run
+from cookbook.loop import Run
 from cookbook.metrics import ModelFlops
 import moe_model
 from image_text import (VLDataConfig, VLDataset, check_vl_items, collate_vl, is_vision_language, load_vl_items,
@@ -200,16 +199,14 @@ def vl_rows(cfg: VLConfig, info: cookbook.DistInfo) -> Rows:
 
 
 # ----------------------------------------------------------------------------- recipe
-def preflight(cfg: Config | VLConfig, config_path: str) -> None:
-    """What launch.sh runs in one process before torchrun starts any worker: model, EP and LoRA checks,
-    tokenizer (and image processor), resume, and enough data for one step (image + text, local files: every row
-    tokenized and its images decoded; hub data: its first rows)."""
-    world_size = check_world_size()  # NGPU x NNODES, as launch.sh
+def preflight(cfg: Config | VLConfig, world_size: int) -> str:
+    """What ``--check`` runs in one process before torchrun starts any worker (launch.sh): model, EP and LoRA checks,
+    tokenizer (and image processor), enough data for one step (image + text, local files: every row tokenized and
+    its images decoded; hub data: its first rows), then the resume; returns what the data holds."""
     if cfg.model.pretrained and cfg.model.lazy_load:  # a hub id is downloaded here, once, before any worker starts
         model_folder(cfg.model.name_or_path)
     if isinstance(cfg, VLConfig):
-        print(f"config OK: {config_path} ({check_vl(cfg, world_size)})")
-        return
+        return check_vl(cfg, world_size)
     tokenizer = sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path, cfg.data.max_length)
     hf_config = AutoConfig.from_pretrained(cfg.model.name_or_path)
     moe_model.check_model(cfg, hf_config, AutoModelForCausalLM, world_size)
@@ -217,11 +214,11 @@ def preflight(cfg: Config | VLConfig, config_path: str) -> None:
     if cfg.data.packing and hf_config.model_type == "nemotron_h":
         raise ConfigError("data.packing=true with nemotron_h: its Mamba layers would carry state from one packed document "
                           "into the next; use data.packing=false")
+    data = sft.check_data(cfg.data, tokenizer, cfg.train.seed, cfg.train.micro_batch_size, cfg.train.grad_accum_steps,
+                          world_size)  # before the resume: a bad row is named on a used output_dir too
     Checkpointer(Path(cfg.output_dir) / "checkpoints").check_resume(
         cfg.checkpoint.resume, world_size, to_dict(cfg), MAY_CHANGE, cfg.train.stop_at_step)
-    data = sft.check_data(cfg.data, tokenizer, cfg.train.seed, cfg.train.micro_batch_size, cfg.train.grad_accum_steps,
-                          world_size)
-    print(f"config OK: {config_path} ({data})")
+    return data
 
 
 def check_vl(cfg: VLConfig, world_size: int) -> str:
@@ -242,8 +239,6 @@ def check_vl(cfg: VLConfig, world_size: int) -> str:
     sft.check_positions(cfg.data.max_length, hf_config, cfg.model.name_or_path)
     moe_model.check_model(cfg, hf_config, AutoModelForImageTextToText, world_size)
     lm.check_attention(cfg.model.attn_implementation, cookbook.get_dist_info().device.type == "cpu")
-    Checkpointer(Path(cfg.output_dir) / "checkpoints").check_resume(
-        cfg.checkpoint.resume, world_size, to_dict(cfg), VL_MAY_CHANGE, cfg.train.stop_at_step)
     train, evals = load_vl_items(cfg.data, cfg.train.seed)
     n_rows, n_images = check_vl_items(VLDataset(train + evals, tokenizer=tokenizer, image_processor=image_processor,
                                                 image_token_id=hf_config.image_token_id, max_length=cfg.data.max_length,
@@ -251,6 +246,8 @@ def check_vl(cfg: VLConfig, world_size: int) -> str:
     if len(train) < cfg.train.micro_batch_size * cfg.train.grad_accum_steps * world_size:
         raise ConfigError(f"{len(train)} training rows are too few for one step of {cfg.train.micro_batch_size} x "
                           f"{cfg.train.grad_accum_steps} x {world_size} rows")
+    Checkpointer(Path(cfg.output_dir) / "checkpoints").check_resume(
+        cfg.checkpoint.resume, world_size, to_dict(cfg), VL_MAY_CHANGE, cfg.train.stop_at_step)
     return f"{len(train)} train / {len(evals)} eval image + text rows; {n_rows} rows with {n_images} images checked"
 
 
@@ -263,21 +260,17 @@ def show_examples(cfg: Config | VLConfig, n: int) -> str:
                    n, dict(cfg.data.chat_template_kwargs) or None)
 
 
-def main(argv: list[str]) -> None:
-    args = cli_parser(__doc__, show_examples=True).parse_args(argv)
-    cfg = load_config(config_class(args.config, args.overrides), args.config, args.overrides)
-    check_config(cfg, Path(args.config).resolve().parent)
-    if args.show_examples:
-        print(show_examples(cfg, args.show_examples))
-        return
-    if args.check:
-        preflight(cfg, args.config)
-        return
+def load(path: str, overrides: list[str]) -> Config | VLConfig:
+    cfg = load_config(config_class(path, overrides), path, overrides)
+    check_config(cfg, Path(path).resolve().parent)
+    return cfg
 
+
+@cookbook.cli(load, preflight, show_examples)  # --check: preflight; --show-examples N: show_examples
+def main(cfg: Config | VLConfig) -> None:
     # ---- set-up
     vl = isinstance(cfg, VLConfig)
     info = cookbook.init_distributed(cfg.train.collective_timeout_s, debug_dir=Path(cfg.output_dir) / "debug")
-    log = cookbook.get_logger()
     out_dir = Path(cfg.output_dir)
     rows = vl_rows(cfg, info) if vl else text_rows(cfg, info)
     pad_id = rows.pad_id
@@ -299,31 +292,22 @@ def main(argv: list[str]) -> None:
                                   weight_decay=cfg.optim.weight_decay, fused=info.device.type == "cuda")
     scheduler = get_scheduler(cfg.optim.scheduler, optimizer, num_warmup_steps=int(cfg.optim.warmup_ratio * max_steps),
                               num_training_steps=max_steps)
-    state, ckpt_state = checkpoint_state(AdapterState(model, optimizer, meshes), scheduler, train_loader, resizable=False)
-    run = start_run(cfg, info, state=state, checkpoint_state=ckpt_state, may_change=VL_MAY_CHANGE if vl else MAY_CHANGE,
-                    max_steps=max_steps, experiment="moe-vl-lora-fsdp2-ep" if vl else "moe-lora-fsdp2-ep", flops=flops,
-                    final=out_dir / "adapter" if cfg.checkpoint.export_adapter else None, what="adapter")
-    if run is None:  # already complete
-        cookbook.destroy_distributed()
-        return
-    checkpointer, metrics = run
     n_train = sum(p.numel() for p in trainable)
-    log.info(f"world size {info.world_size} ({info.backend}) | mesh dp {meshes.dp_ep['dp'].size()} x ep {meshes.ep} | "
-             f"{len(router.blocks)} MoE layers x {router.num_experts} experts ({router.num_experts // meshes.ep} per rank) | "
-             f"{flops.num_params / 1e6:,.1f} M active non-embedding params | LoRA {n_train:,} trainable params on this rank | "
-             + rows.summary.replace("{steps}", str(max_steps)))
+    with Run(cfg, info, app=AdapterState(model, optimizer, meshes), scheduler=scheduler, loader=train_loader,
+             set_epoch=sampler.set_epoch, resizable=False, may_change=VL_MAY_CHANGE if vl else MAY_CHANGE,
+             max_steps=max_steps, experiment="moe-vl-lora-fsdp2-ep" if vl else "moe-lora-fsdp2-ep", flops=flops,
+             final=out_dir / "adapter" if cfg.checkpoint.export_adapter else None, what="adapter",
+             evaluate=(lambda: moe_model.evaluate(model, eval_loader, info.device, router)) if rows.has_eval else None,
+             log_extra=lambda: router.load_metrics(meshes.ep, info.device)) as run:
+        run.say(f"world size {info.world_size} ({info.backend}) | mesh dp {meshes.dp_ep['dp'].size()} x ep {meshes.ep} | "
+                f"{len(router.blocks)} MoE layers x {router.num_experts} experts ({router.num_experts // meshes.ep} per rank) | "
+                f"{flops.num_params / 1e6:,.1f} M active non-embedding params | LoRA {n_train:,} trainable params on this rank | "
+                + rows.summary.replace("{steps}", str(max_steps)))
 
-
-    # ---- train loop
-    batches = EpochBatches(train_loader, state, sampler.set_epoch, info.device, metrics=metrics)
-    loop = TrainLoop.from_config(cfg, state=state, max_steps=max_steps, metrics=metrics, checkpointer=checkpointer,
-                                 checkpoint_state=ckpt_state,
-                                 evaluate=(lambda: moe_model.evaluate(model, eval_loader, info.device, router)) if rows.has_eval else None,
-                                 log_extra=lambda: router.load_metrics(meshes.ep, info.device))
-    with loop:
-        for _ in loop.steps():
+        # ---- train loop
+        for _ in run.steps():
             optimizer.zero_grad(set_to_none=True)  # also drops a skipped step's gradients
-            micro_batches, waits = batches.take(cfg.train.grad_accum_steps)
+            micro_batches, waits = run.take(cfg.train.grad_accum_steps)
             # Normalise by the labelled tokens of the whole global batch. FSDP averages gradients over
             # ranks, so each rank scales its summed loss by world_size / global tokens.
             local_tokens = sum((mb["labels"][:, 1:] != -100).sum() for mb in micro_batches)
@@ -339,13 +323,13 @@ def main(argv: list[str]) -> None:
                 router.drop()  # the records of a recomputing backward (activation checkpointing) are not counted
                 step_loss += loss_sum.detach() * info.world_size / global_tokens
                 step_aux += aux.detach() / cfg.train.grad_accum_steps
-                metrics.add(samples=mb["input_ids"].shape[0], tokens=lm.count_tokens(mb, pad_id), data_wait_s=wait)
+                run.metrics.add(samples=mb["input_ids"].shape[0], tokens=lm.count_tokens(mb, pad_id), data_wait_s=wait)
             grad_norm = clip_grad_norm(trainable, cfg.optim.max_grad_norm, info.device)  # over both meshes
-            if loop.skip_step(grad_norm): continue  # NaN / inf: the run stops, or (train.on_nonfinite=skip) the step is dropped
+            if run.skip_step(grad_norm): continue  # NaN / inf: the run stops, or (train.on_nonfinite=skip) the step is dropped
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
-            loop.end_step(step_loss, lr=lr, grad_norm=grad_norm, window={"moe/aux_loss": step_aux})
+            run.end_step(step_loss, lr=lr, grad_norm=grad_norm, window={"moe/aux_loss": step_aux})
 
         # ---- save
         def export():
@@ -355,7 +339,7 @@ def main(argv: list[str]) -> None:
                       if cfg.checkpoint.export_merged else None)
             return {"adapter_dir": (adapter, "PeftModel.from_pretrained(base_model, adapter)"),
                     "merged_dir": (merged, f"{name}.from_pretrained")}
-        loop.finish(export=export)
+        run.finish(export=export)
 
     # ---- clean-up
     cookbook.destroy_distributed()

@@ -45,10 +45,9 @@ from cookbook.checkpoint import (
     export_hf,
 )
 from cookbook import config
-from cookbook.config import ConfigError, check_fields, cli_parser, load_config, to_dict
+from cookbook.config import ConfigError, check_fields, load_config, to_dict
 from cookbook.hub import model_folder
-from cookbook.launch import check_world_size
-from cookbook.loop import EpochBatches, TrainLoop, checkpoint_state, start_run
+from cookbook.loop import Run
 from cookbook.metrics import ModelFlops, count_parameters
 from cookbook.sampler import ResizableSampler
 
@@ -227,38 +226,43 @@ def build_model(cfg: Config, info: cookbook.DistInfo, vocab_size_needed: int) ->
 
 
 # ----------------------------------------------------------------------------- recipe
-def main(argv: list[str]) -> None:
-    args = cli_parser(__doc__, show_examples=True).parse_args(argv)
-    cfg = load_config(Config, args.config, args.overrides)
-    check_config(cfg, Path(args.config).resolve().parent)
-    if args.show_examples:  # one process, no worker: what training sees
-        print(sft.show_data(cfg.data, sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path), args.show_examples))
-        return
-    if args.check:  # one process, before torchrun starts any worker
-        world_size = check_world_size()  # NGPU x NNODES, as launch.sh
-        if cfg.model.pretrained:  # a hub id is downloaded here, once, before any worker starts
-            model_folder(cfg.model.name_or_path)
-        tokenizer = sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path, cfg.data.max_length)
-        on_cpu = cookbook.get_dist_info().device.type == "cpu"  # COOKBOOK_DEVICE=cpu, or no GPU
-        if cfg.model.attn_implementation == "varlen" and on_cpu:
-            raise ConfigError("model.attn_implementation=varlen runs on CUDA GPUs only: use sdpa on CPU")
-        lm.check_attention(cfg.model.attn_implementation, on_cpu)
-        check_float8(cfg.train, cookbook.get_dist_info().device)
-        if cfg.fsdp.cpu_offload and on_cpu:
-            raise ConfigError("fsdp.cpu_offload=true needs GPUs: it moves shards from GPU to CPU memory, and on a CPU run "
-                              "they are in CPU memory already")
-        if cfg.fsdp.replicate_degree > 1 and world_size % cfg.fsdp.replicate_degree:
-            raise ConfigError(f"fsdp.replicate_degree={cfg.fsdp.replicate_degree} does not divide the world size {world_size}")
-        Checkpointer(Path(cfg.output_dir) / "checkpoints", resizable=RESIZABLE).check_resume(
-            cfg.checkpoint.resume, world_size, to_dict(cfg), MAY_CHANGE, cfg.train.stop_at_step)
-        data = sft.check_data(cfg.data, tokenizer, cfg.train.seed, cfg.train.micro_batch_size, cfg.train.grad_accum_steps,
-                              world_size)
-        print(f"config OK: {args.config} ({data})")
-        return
+def load(path: str, overrides: list[str]) -> Config:
+    cfg = load_config(Config, path, overrides)
+    check_config(cfg, Path(path).resolve().parent)
+    return cfg
 
+
+def preflight(cfg: Config, world_size: int) -> str:
+    """What ``--check`` runs in one process before torchrun starts any worker (launch.sh): model download,
+    attention, float8 and sharding checks, every data row, then the resume; returns what the data holds."""
+    if cfg.model.pretrained:  # a hub id is downloaded here, once, before any worker starts
+        model_folder(cfg.model.name_or_path)
+    tokenizer = sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path, cfg.data.max_length)
+    on_cpu = cookbook.get_dist_info().device.type == "cpu"  # COOKBOOK_DEVICE=cpu, or no GPU
+    if cfg.model.attn_implementation == "varlen" and on_cpu:
+        raise ConfigError("model.attn_implementation=varlen runs on CUDA GPUs only: use sdpa on CPU")
+    lm.check_attention(cfg.model.attn_implementation, on_cpu)
+    check_float8(cfg.train, cookbook.get_dist_info().device)
+    if cfg.fsdp.cpu_offload and on_cpu:
+        raise ConfigError("fsdp.cpu_offload=true needs GPUs: it moves shards from GPU to CPU memory, and on a CPU run "
+                          "they are in CPU memory already")
+    if cfg.fsdp.replicate_degree > 1 and world_size % cfg.fsdp.replicate_degree:
+        raise ConfigError(f"fsdp.replicate_degree={cfg.fsdp.replicate_degree} does not divide the world size {world_size}")
+    data = sft.check_data(cfg.data, tokenizer, cfg.train.seed, cfg.train.micro_batch_size, cfg.train.grad_accum_steps,
+                          world_size)  # before the resume: a bad row is named on a used output_dir too
+    Checkpointer(Path(cfg.output_dir) / "checkpoints", resizable=RESIZABLE).check_resume(
+        cfg.checkpoint.resume, world_size, to_dict(cfg), MAY_CHANGE, cfg.train.stop_at_step)
+    return data
+
+
+def show_examples(cfg: Config, n: int) -> str:
+    return sft.show_data(cfg.data, sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path), n)
+
+
+@cookbook.cli(load, preflight, show_examples)  # --check: preflight; --show-examples N: show_examples
+def main(cfg: Config) -> None:
     # ---- set-up
     info = cookbook.init_distributed(cfg.train.collective_timeout_s, debug_dir=Path(cfg.output_dir) / "debug")
-    log = cookbook.get_logger()
     out_dir = Path(cfg.output_dir)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
     pad_id = sft.pad_token_id(tokenizer)
@@ -284,30 +288,22 @@ def main(argv: list[str]) -> None:
                                   fused=info.device.type == "cuda" and not cfg.fsdp.cpu_offload)
     scheduler = get_scheduler(cfg.optim.scheduler, optimizer, num_warmup_steps=int(cfg.optim.warmup_ratio * max_steps),
                               num_training_steps=max_steps)
-    state, ckpt_state = checkpoint_state(ModelOptimizerState(model, optimizer), scheduler, train_loader)
-    run = start_run(cfg, info, state=state, checkpoint_state=ckpt_state, may_change=MAY_CHANGE, max_steps=max_steps,
-                    experiment="fsdp2-sft", final=out_dir / "final" if cfg.checkpoint.export_hf else None, flops=flops)
-    if run is None:  # already complete
-        cookbook.destroy_distributed()
-        return
-    checkpointer, metrics = run
-    log.info(f"world size {info.world_size} ({info.backend}) | FSDP2 mesh {'x'.join(map(str, model.model.embed_tokens.weight.device_mesh.shape))} | "
-             f"{flops.num_params / 1e6:,.1f} M non-embedding params | {len(train_rows)} train rows of "
-             f"{'packed ' if cfg.data.packing else ''}<= {cfg.data.max_length} tokens | global batch "
-             f"{cfg.train.micro_batch_size * cfg.train.grad_accum_steps * info.world_size} rows | {max_steps} steps | AC "
-             f"{cfg.train.activation_checkpointing} | loss {cfg.train.loss}"
-             f"{f' ({cfg.train.loss_chunk_size} tokens per chunk)' if cfg.train.loss == 'chunked' else ''} | data: {stats.summary()}")
+    evaluate = (lambda: sft.evaluate(model, eval_loader, info.device)) if eval_rows else None
+    with Run(cfg, info, app=ModelOptimizerState(model, optimizer), scheduler=scheduler, loader=train_loader,
+             set_epoch=sampler.set_epoch, may_change=MAY_CHANGE, max_steps=max_steps, experiment="fsdp2-sft",
+             final=out_dir / "final" if cfg.checkpoint.export_hf else None, flops=flops, evaluate=evaluate) as run:
+        run.say(f"world size {info.world_size} ({info.backend}) | FSDP2 mesh {'x'.join(map(str, model.model.embed_tokens.weight.device_mesh.shape))} | "
+                f"{flops.num_params / 1e6:,.1f} M non-embedding params | {len(train_rows)} train rows of "
+                f"{'packed ' if cfg.data.packing else ''}<= {cfg.data.max_length} tokens | global batch "
+                f"{cfg.train.micro_batch_size * cfg.train.grad_accum_steps * info.world_size} rows | {max_steps} steps | AC "
+                f"{cfg.train.activation_checkpointing} | loss {cfg.train.loss}"
+                f"{f' ({cfg.train.loss_chunk_size} tokens per chunk)' if cfg.train.loss == 'chunked' else ''} | data: {stats.summary()}")
 
-    # ---- train loop
-    batches = EpochBatches(train_loader, state, sampler.set_epoch, info.device, metrics=metrics)
-    chunk_size = cfg.train.loss_chunk_size if cfg.train.loss == "chunked" else 0  # 0: the model's full logits
-    loop = TrainLoop.from_config(cfg, state=state, max_steps=max_steps, metrics=metrics, checkpointer=checkpointer,
-                                 checkpoint_state=ckpt_state,
-                                 evaluate=(lambda: sft.evaluate(model, eval_loader, info.device)) if eval_rows else None)
-    with loop:
-        for _ in loop.steps():
+        # ---- train loop
+        chunk_size = cfg.train.loss_chunk_size if cfg.train.loss == "chunked" else 0  # 0: the model's full logits
+        for _ in run.steps():
             optimizer.zero_grad(set_to_none=True)  # also drops a skipped step's gradients
-            micro_batches, waits = batches.take(cfg.train.grad_accum_steps)
+            micro_batches, waits = run.take(cfg.train.grad_accum_steps)
             # Normalise by the labelled tokens of the whole global batch. FSDP averages gradients over
             # ranks, so each rank scales its summed loss by world_size / global tokens.
             # The count stays on the device (no wait for the previous step's kernels before this one's).
@@ -320,18 +316,18 @@ def main(argv: list[str]) -> None:
                 loss_sum = sft.token_loss_sum(model, mb, chunk_size)
                 (loss_sum * info.world_size / global_tokens).backward()
                 step_loss += loss_sum.detach() / global_tokens * info.world_size
-                metrics.add(samples=mb["input_ids"].shape[0], tokens=lm.count_tokens(mb, pad_id), data_wait_s=wait)
+                run.metrics.add(samples=mb["input_ids"].shape[0], tokens=lm.count_tokens(mb, pad_id), data_wait_s=wait)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf"))
             if isinstance(grad_norm, torch.distributed.tensor.DTensor):
                 grad_norm = grad_norm.full_tensor()
-            if loop.skip_step(grad_norm): continue  # NaN / inf: the run stops, or (train.on_nonfinite=skip) the step is dropped
+            if run.skip_step(grad_norm): continue  # NaN / inf: the run stops, or (train.on_nonfinite=skip) the step is dropped
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
-            loop.end_step(step_loss, lr=lr, grad_norm=grad_norm)
+            run.end_step(step_loss, lr=lr, grad_norm=grad_norm)
 
         # ---- save
-        loop.finish(export=lambda: {"export_dir": (
+        run.finish(export=lambda: {"export_dir": (
             export_hf(model, out_dir / "final", tokenizer, dtype=DTYPES[cfg.checkpoint.export_dtype])
             if cfg.checkpoint.export_hf else None, "AutoModelForCausalLM.from_pretrained")})
 

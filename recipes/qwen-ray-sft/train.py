@@ -33,7 +33,7 @@ from transformers import logging as hf_logging
 
 from cookbook import config, lm, ray_train, sft
 from cookbook.checkpoint import CheckpointError
-from cookbook.config import ConfigError, check_fields, cli_parser, load_config
+from cookbook.config import ConfigError, check_fields, load_config
 from cookbook.hub import model_folder
 from cookbook.metrics import ModelFlops, count_parameters
 
@@ -199,13 +199,14 @@ def train_loop(config_dict: dict) -> None:
 
 
 # ----------------------------------------------------------------------------- driver
-def main(argv: list[str]) -> None:
-    args = cli_parser(__doc__, show_examples=True).parse_args(argv)
-    cfg = load_config(Config, args.config, args.overrides)
-    check_config(cfg, Path(args.config).resolve().parent)
-    if args.show_examples:  # one process, no worker: what training sees
-        print(sft.show_data(cfg.data, sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path), args.show_examples))
-        return
+def load(path: str, overrides: list[str]) -> Config:
+    cfg = load_config(Config, path, overrides)
+    check_config(cfg, Path(path).resolve().parent)
+    return cfg
+
+
+def driver_checks(cfg: Config) -> tuple[ray_train.RayDriver, str]:
+    """The driver's checks before Ray starts (``--check`` runs them alone); returns the driver and what the data holds."""
     driver = ray_train.RayDriver(cfg, MAY_CHANGE, ("train.stop_at_step", cfg.train.stop_at_step))  # before Ray starts
     tokenizer = sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path, cfg.data.max_length)
     lm.check_attention(cfg.model.attn_implementation, on_cpu=driver.on_cpu)
@@ -213,9 +214,21 @@ def main(argv: list[str]) -> None:
         model_folder(cfg.model.name_or_path)
     data_note = sft.check_data(cfg.data, tokenizer, cfg.train.seed, cfg.train.micro_batch_size, cfg.train.grad_accum_steps,
                                driver.workers or 1)
-    if args.check:
-        print(f"config OK: {args.config} ({data_note})")
-        return
+    return driver, data_note
+
+
+def preflight(cfg: Config, world_size: None) -> str:
+    """``--check``: the driver's checks (the driver plans the workers: no world size)."""
+    return driver_checks(cfg)[1]
+
+
+def show_examples(cfg: Config, n: int) -> str:
+    return sft.show_data(cfg.data, sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path), n)
+
+
+@cookbook.cli(load, preflight, show_examples, sized=False)  # --check: preflight; --show-examples N: show_examples
+def main(cfg: Config) -> None:
+    driver, _ = driver_checks(cfg)
     total = cfg.train.max_steps if cfg.train.max_steps > 0 else None  # else the data decides, in the workers
     if driver.already_complete(total, {"model": Path(cfg.output_dir) / "final"}):
         return

@@ -38,10 +38,9 @@ from trl import SFTTrainer  # does not import DeepSpeed: init_deepspeed still co
 
 from cookbook import hf_deepspeed, hf_trainer, sft
 from cookbook.checkpoint import CheckpointError
-from cookbook.launch import check_world_size
 from cookbook.loop import NonFinitePolicy
 from cookbook import config
-from cookbook.config import ConfigError, check_fields, cli_parser, load_config, save_config, to_dict
+from cookbook.config import ConfigError, check_fields, load_config, save_config, to_dict
 from cookbook.hub import resolve_path
 
 hf_logging.disable_progress_bar()
@@ -425,38 +424,45 @@ def check_resume(cfg: Config, world_size: int) -> Path | None:
 
 
 # ----------------------------------------------------------------------------- recipe
-def main(argv: list[str]) -> None:
-    args = cli_parser(__doc__, show_examples=True).parse_args(argv)
-    cfg = load_config(Config, args.config, args.overrides)
-    check_config(cfg, Path(args.config).resolve().parent)
-    if args.show_examples:  # one process, no worker: what training sees (each receipt as load_receipts renders it)
-        print(show_receipts(cfg.data, AutoTokenizer.from_pretrained(cfg.model.tokenizer), args.show_examples))
-        return
-    on_cpu = cookbook.get_dist_info().device.type == "cpu"  # COOKBOOK_DEVICE=cpu, or no GPU
-    if args.check:  # one process, before any worker starts
-        world_size = check_world_size()  # NGPU x NNODES, as launch.sh
-        check_deepspeed_config(cfg, world_size)
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
-            hf_config = AutoConfig.from_pretrained(cfg.model.name_or_path)
-        except OSError as exc:
-            raise ConfigError(f"model.name_or_path / model.tokenizer: cannot load {cfg.model.name_or_path!r}: "
-                              f"{str(exc).splitlines()[0]}") from None
-        sft.check_vocab(tokenizer, hf_config.vocab_size)
-        sft.check_positions(cfg.data.max_length, hf_config, cfg.model.name_or_path)
-        check_resume(cfg, world_size)
-        data = load_receipts(cfg.data, tokenizer, cfg.train.seed)
-        pad_id = sft.pad_token_id(tokenizer)
-        n_rows = len(sft.pack(data.train, cfg.data.max_length, pad_id)) if cfg.data.packing else len(data.train)
-        per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * world_size
-        if n_rows < per_step:
-            raise ConfigError(f"{n_rows} training rows (after holding out {len(data.val)} receipts for validation) are "
-                              f"too few for one step of {cfg.train.micro_batch_size} x {cfg.train.grad_accum_steps} x "
-                              f"{world_size} rows")
-        print(f"data: {data.stats.summary()}" + (f"\ndata (eval files): {data.eval_stats.summary()}" if data.eval_stats else ""))
-        print(f"config OK: {args.config} ({len(data.train)} train / {len(data.val)} validation receipts)")
-        return
-    train(cfg, on_cpu)
+def load(path: str, overrides: list[str]) -> Config:
+    cfg = load_config(Config, path, overrides)
+    check_config(cfg, Path(path).resolve().parent)
+    return cfg
+
+
+def preflight(cfg: Config, world_size: int) -> str:
+    """What ``--check`` runs in one process before any worker starts (launch.sh): the DeepSpeed config, the
+    tokenizer and model config, every receipt, then the resume; returns what the data holds."""
+    check_deepspeed_config(cfg, world_size)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
+        hf_config = AutoConfig.from_pretrained(cfg.model.name_or_path)
+    except OSError as exc:
+        raise ConfigError(f"model.name_or_path / model.tokenizer: cannot load {cfg.model.name_or_path!r}: "
+                          f"{str(exc).splitlines()[0]}") from None
+    sft.check_vocab(tokenizer, hf_config.vocab_size)
+    sft.check_positions(cfg.data.max_length, hf_config, cfg.model.name_or_path)
+    data = load_receipts(cfg.data, tokenizer, cfg.train.seed)  # before the resume: a bad row is named on a used output_dir
+    pad_id = sft.pad_token_id(tokenizer)
+    n_rows = len(sft.pack(data.train, cfg.data.max_length, pad_id)) if cfg.data.packing else len(data.train)
+    per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * world_size
+    if n_rows < per_step:
+        raise ConfigError(f"{n_rows} training rows (after holding out {len(data.val)} receipts for validation) are "
+                          f"too few for one step of {cfg.train.micro_batch_size} x {cfg.train.grad_accum_steps} x "
+                          f"{world_size} rows")
+    check_resume(cfg, world_size)
+    print(f"data: {data.stats.summary()}" + (f"\ndata (eval files): {data.eval_stats.summary()}" if data.eval_stats else ""))
+    return f"{len(data.train)} train / {len(data.val)} validation receipts"
+
+
+def show_examples(cfg: Config, n: int) -> str:
+    """Each receipt as load_receipts renders it: what training sees."""
+    return show_receipts(cfg.data, AutoTokenizer.from_pretrained(cfg.model.tokenizer), n)
+
+
+@cookbook.cli(load, preflight, show_examples)  # --check: preflight; --show-examples N: show_examples
+def main(cfg: Config) -> None:
+    train(cfg, on_cpu=cookbook.get_dist_info().device.type == "cpu")  # COOKBOOK_DEVICE=cpu, or no GPU
 
 
 class ReceiptTrainer(hf_trainer.Bookkeeping, SFTTrainer):

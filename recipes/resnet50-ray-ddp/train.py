@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader, Dataset
 import cookbook
 from cookbook import ray_train
 from cookbook.checkpoint import CheckpointError
-from cookbook.config import ConfigError, check_fields, cli_parser, load_config
+from cookbook.config import ConfigError, check_fields, load_config
 from cookbook.hub import resolve_path
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -652,10 +652,14 @@ def train_loop(config_dict: dict) -> None:
 
 
 # ----------------------------------------------------------------------------- driver
-def main(argv: list[str]) -> None:
-    args = cli_parser(__doc__).parse_args(argv)
-    cfg = load_config(Config, args.config, args.overrides)
-    check_config(cfg, Path(args.config).resolve().parent)
+def load(path: str, overrides: list[str]) -> Config:
+    cfg = load_config(Config, path, overrides)
+    check_config(cfg, Path(path).resolve().parent)
+    return cfg
+
+
+def driver_checks(cfg: Config) -> tuple[ray_train.RayDriver, str]:
+    """The driver's checks before Ray starts (``--check`` runs them alone); returns the driver and what the data holds."""
     driver = ray_train.RayDriver(cfg, MAY_CHANGE, ("train.stop_at_epoch", cfg.train.stop_at_epoch))  # before Ray starts
     check_decode(cfg.data.decode, driver.on_cpu, here=driver.use_gpu is not None)
     if cfg.data.train_dir:
@@ -670,9 +674,17 @@ def main(argv: list[str]) -> None:
         data_note = f"{len(classes)} classes, {len(train)} train / {len(val)} val images"
     else:
         data_note = f"hub data set {cfg.data.hub_id}"
-    if args.check:
-        print(f"config OK: {args.config} ({data_note})")
-        return
+    return driver, data_note
+
+
+def preflight(cfg: Config, world_size: None) -> str:
+    """``--check``: the driver's checks (the driver plans the workers: no world size)."""
+    return driver_checks(cfg)[1]
+
+
+@cookbook.cli(load, preflight, sized=False)  # --check: preflight
+def main(cfg: Config) -> None:
+    driver, _ = driver_checks(cfg)
     if driver.already_complete(cfg.train.epochs):
         return
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig

@@ -31,10 +31,9 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 import cookbook
 from cookbook import config
 from cookbook.checkpoint import CheckpointError, Checkpointer, ModelOptimizerState
-from cookbook.config import ConfigError, check_fields, cli_parser, load_config, to_dict
+from cookbook.config import ConfigError, check_fields, load_config, to_dict
 from cookbook.hub import resolve_path
-from cookbook.launch import check_world_size
-from cookbook.loop import EpochBatches, TrainLoop, checkpoint_state, start_run
+from cookbook.loop import Run
 from cookbook.sampler import ResizableSampler
 from cookbook.tabular import INT64, DataError
 
@@ -463,31 +462,35 @@ def coco_map(items: list[tuple[int, dict, dict]]) -> dict[str, float]:
 
 
 # ----------------------------------------------------------------------------- recipe
-def main(argv: list[str]) -> None:
-    args = cli_parser(__doc__).parse_args(argv)
+def preflight(cfg: Config, world_size: int) -> str:
+    """What ``--check`` runs in one process before torchrun starts any worker (launch.sh); returns what the data holds."""
+    train, cats = load_coco(cfg.data.train_images, cfg.data.train_annotations, "data.train_annotations",
+                            (cfg.model.min_size, cfg.model.max_size))  # boxes as training sees them
+    n_eval = 0
+    if cfg.data.eval_annotations:
+        evals, eval_cats = load_coco(cfg.data.eval_images, cfg.data.eval_annotations, "data.eval_annotations")
+        _same_categories(cats, eval_cats, "data.eval_annotations")
+        n_eval = len(evals)
+    per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * world_size
+    if len(train) < per_step:
+        raise ConfigError(f"the training set ({len(train)} images) is too small for one step of "
+                          f"{cfg.train.micro_batch_size} x {cfg.train.grad_accum_steps} x {world_size} images")
+    Checkpointer(Path(cfg.output_dir) / "checkpoints", resizable=RESIZABLE).check_resume(
+        cfg.checkpoint.resume, world_size, to_dict(cfg), MAY_CHANGE, cfg.train.stop_at_step)
+    return f"{len(train)} train / {n_eval} eval images, {len(cats)} categories"
+
+
+def load(path: str, overrides: list[str]) -> Config:
     # First: transformers (check_config's scheduler names, get_scheduler) imports torchvision wherever it is installed,
     # and one built for another torch (PyPI's wheel beside the CPU torch) fails there in a chain of tracebacks.
     config.require("torchvision", REQUIREMENTS, torch_build=True)
-    cfg = load_config(Config, args.config, args.overrides)
-    check_config(cfg, Path(args.config).resolve().parent)
-    if args.check:  # one process, before torchrun starts any worker
-        world_size = check_world_size()  # NGPU x NNODES, as launch.sh
-        train, cats = load_coco(cfg.data.train_images, cfg.data.train_annotations, "data.train_annotations",
-                                (cfg.model.min_size, cfg.model.max_size))  # boxes as training sees them
-        n_eval = 0
-        if cfg.data.eval_annotations:
-            evals, eval_cats = load_coco(cfg.data.eval_images, cfg.data.eval_annotations, "data.eval_annotations")
-            _same_categories(cats, eval_cats, "data.eval_annotations")
-            n_eval = len(evals)
-        per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * world_size
-        if len(train) < per_step:
-            raise ConfigError(f"the training set ({len(train)} images) is too small for one step of "
-                              f"{cfg.train.micro_batch_size} x {cfg.train.grad_accum_steps} x {world_size} images")
-        Checkpointer(Path(cfg.output_dir) / "checkpoints", resizable=RESIZABLE).check_resume(
-            cfg.checkpoint.resume, world_size, to_dict(cfg), MAY_CHANGE, cfg.train.stop_at_step)
-        print(f"config OK: {args.config} ({len(train)} train / {n_eval} eval images, {len(cats)} categories)")
-        return
+    cfg = load_config(Config, path, overrides)
+    check_config(cfg, Path(path).resolve().parent)
+    return cfg
 
+
+@cookbook.cli(load, preflight)  # --check: preflight
+def main(cfg: Config) -> None:
     # ---- set-up
     from transformers import get_scheduler  # here, after torchvision was checked (see above)
 
@@ -539,35 +542,28 @@ def main(argv: list[str]) -> None:
     scheduler = get_scheduler(cfg.optim.scheduler, optimizer, num_warmup_steps=int(cfg.optim.warmup_ratio * max_steps),
                               num_training_steps=max_steps)
 
-    state, ckpt_state = checkpoint_state(ModelOptimizerState(model, optimizer), scheduler, train_loader)
-    run = start_run(cfg, info, state=state, checkpoint_state=ckpt_state, may_change=MAY_CHANGE, max_steps=max_steps,
-                    experiment="retinanet-ddp", final=out_dir / "final", count_tokens=False)
-    if run is None:  # already complete
-        cookbook.destroy_distributed()
-        return
-    checkpointer, metrics = run
     global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * info.world_size
-    log.info(f"world size {info.world_size} ({info.backend}, {info.device.type}) | {cfg.model.arch} "
-             f"{n_params / 1e6:.1f} M trainable params | {len(categories)} categories | global batch {global_batch} "
-             f"images = {cfg.train.micro_batch_size} x {cfg.train.grad_accum_steps} accumulation x {info.world_size} "
-             f"ranks | {len(train_ds)} train images | {max_steps} steps ({steps_per_epoch}/epoch) | precision "
-             f"{'bf16 autocast' if use_bf16 else 'fp32'}")
     run_eval = (lambda: evaluate(model.module, eval_loader, info.device, autocast)) if eval_loader is not None else None
-    if run_eval is not None and cfg.train.eval_at_start and state.step == 0:
-        metrics.log_eval(0, run_eval())
 
-    # ---- train loop
     def set_epoch(epoch: int) -> None:
         sampler.set_epoch(epoch)
         train_ds.set_epoch(epoch)  # the flips of this pass
 
-    batches = EpochBatches(train_loader, state, set_epoch, info.device, metrics=metrics)
-    loop = TrainLoop.from_config(cfg, state=state, max_steps=max_steps, metrics=metrics, checkpointer=checkpointer,
-                                 checkpoint_state=ckpt_state, evaluate=run_eval)
-    with loop:
-        for _ in loop.steps():
+    with Run(cfg, info, app=ModelOptimizerState(model, optimizer), scheduler=scheduler, loader=train_loader,
+             set_epoch=set_epoch, may_change=MAY_CHANGE, max_steps=max_steps, experiment="retinanet-ddp",
+             final=out_dir / "final", count_tokens=False, evaluate=run_eval) as run:
+        run.say(f"world size {info.world_size} ({info.backend}, {info.device.type}) | {cfg.model.arch} "
+                f"{n_params / 1e6:.1f} M trainable params | {len(categories)} categories | global batch {global_batch} "
+                f"images = {cfg.train.micro_batch_size} x {cfg.train.grad_accum_steps} accumulation x {info.world_size} "
+                f"ranks | {len(train_ds)} train images | {max_steps} steps ({steps_per_epoch}/epoch) | precision "
+                f"{'bf16 autocast' if use_bf16 else 'fp32'}")
+        if run_eval is not None and cfg.train.eval_at_start and run.state.step == 0:
+            run.metrics.log_eval(0, run_eval())
+
+        # ---- train loop
+        for _ in run.steps():
             optimizer.zero_grad(set_to_none=True)  # also drops a skipped step's gradients
-            micro_batches, waits = batches.take(cfg.train.grad_accum_steps)
+            micro_batches, waits = run.take(cfg.train.grad_accum_steps)
             step_loss = torch.zeros((), device=info.device)
             for i, (batch, wait) in enumerate(zip(micro_batches, waits)):
                 # Skip DDP's gradient all-reduce on all but the last micro-batch of a step.
@@ -577,17 +573,17 @@ def main(argv: list[str]) -> None:
                     loss = (losses["classification"] + losses["bbox_regression"]).float() / cfg.train.grad_accum_steps
                     loss.backward()
                 step_loss += loss.detach()
-                metrics.add(samples=len(batch), tokens=0, data_wait_s=wait)
+                run.metrics.add(samples=len(batch), tokens=0, data_wait_s=wait)
             grad_norm = torch.nn.utils.clip_grad_norm_(  # max_grad_norm 0: no clipping, but the norm is checked
                 params, cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf"))
-            if loop.skip_step(grad_norm): continue  # NaN / inf: the run stops, or (train.on_nonfinite=skip) the step is dropped
+            if run.skip_step(grad_norm): continue  # NaN / inf: the run stops, or (train.on_nonfinite=skip) the step is dropped
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
-            loop.end_step(step_loss, lr=lr, grad_norm=grad_norm)
+            run.end_step(step_loss, lr=lr, grad_norm=grad_norm)
 
         # ---- save
-        loop.finish(export=lambda: {"export_dir": (export(model.module, out_dir / "final", cfg, categories, info),
+        run.finish(export=lambda: {"export_dir": (export(model.module, out_dir / "final", cfg, categories, info),
                                                    "train.build_model + load_state_dict(torch.load('model.pt'))")},
                     summary=lambda: {"param_fingerprints": cookbook.all_gather_object(cookbook.param_fingerprint(model.module))})
 

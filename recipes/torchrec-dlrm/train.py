@@ -54,10 +54,9 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from cookbook.checkpoint import Checkpointer, CheckpointError, TrainState
 from cookbook import config
-from cookbook.config import ConfigError, check_fields, cli_parser, load_config, to_dict
+from cookbook.config import ConfigError, check_fields, load_config, to_dict
 from cookbook.hub import resolve_path
-from cookbook.launch import check_world_size
-from cookbook.loop import TrainLoop, start_run
+from cookbook.loop import Run
 from cookbook import hub, tabular
 from cookbook.tabular import DataError, check_int64, to_int
 
@@ -584,63 +583,60 @@ def evaluate(model: DistributedModelParallel, batches: list[Batch], device: torc
 
 
 # ----------------------------------------------------------------------------- recipe
-def main(argv: list[str]) -> None:
-    args = cli_parser(__doc__).parse_args(argv)
-    cfg = load_config(Config, args.config, args.overrides)
-    check_config(cfg, Path(args.config).resolve().parent)
-    on_cpu = cookbook.get_dist_info().device.type == "cpu"  # COOKBOOK_DEVICE=cpu, or no GPU
-    if args.check:  # one process, before torchrun starts any worker
-        world_size = check_world_size()  # NGPU x NNODES, as launch.sh
-        check_sharding(cfg, world_size, on_cpu)
-        if cfg.data.hub_id and cfg.data.train_files == [str(hub_file(cfg))]:  # None: written before, for these settings
-            n = hub.dataset_to_text(cfg.data.hub_id, cfg.data.hub_split, hub_file(cfg), criteo_line, COLUMNS,
-                                    cfg.data.hub_max_rows, version=HUB_FORMAT)
-            if n is not None:
-                print(f"{cfg.data.hub_id} ({cfg.data.hub_split}): {n} rows written to {hub_file(cfg)}")
-        Checkpointer(Path(cfg.output_dir) / "checkpoints", cannot_remap=CANNOT_REMAP).check_resume(
-            cfg.checkpoint.resume, world_size, to_dict(cfg), MAY_CHANGE, cfg.train.stop_at_step)
-        print(f"config OK: {args.config} ({check_data(cfg, world_size)})")
-        return
+def preflight(cfg: Config, world_size: int) -> str:
+    """What ``--check`` runs in one process before torchrun starts any worker (launch.sh); returns what the data holds."""
+    check_sharding(cfg, world_size, on_cpu=cookbook.get_dist_info().device.type == "cpu")
+    if cfg.data.hub_id and cfg.data.train_files == [str(hub_file(cfg))]:  # None: written before, for these settings
+        n = hub.dataset_to_text(cfg.data.hub_id, cfg.data.hub_split, hub_file(cfg), criteo_line, COLUMNS,
+                                cfg.data.hub_max_rows, version=HUB_FORMAT)
+        if n is not None:
+            print(f"{cfg.data.hub_id} ({cfg.data.hub_split}): {n} rows written to {hub_file(cfg)}")
+    data = check_data(cfg, world_size)  # before the resume: a bad row is named on a used output_dir too
+    Checkpointer(Path(cfg.output_dir) / "checkpoints", cannot_remap=CANNOT_REMAP).check_resume(
+        cfg.checkpoint.resume, world_size, to_dict(cfg), MAY_CHANGE, cfg.train.stop_at_step)
+    return data
 
+
+def load(path: str, overrides: list[str]) -> Config:
+    cfg = load_config(Config, path, overrides)
+    check_config(cfg, Path(path).resolve().parent)
+    return cfg
+
+
+@cookbook.cli(load, preflight)  # --check: preflight
+def main(cfg: Config) -> None:
     # ---- set-up
+    on_cpu = cookbook.get_dist_info().device.type == "cpu"  # COOKBOOK_DEVICE=cpu, or no GPU
     info = cookbook.init_distributed(cfg.train.collective_timeout_s, debug_dir=Path(cfg.output_dir) / "debug")
-    log = cookbook.get_logger()
     check_sharding(cfg, info.world_size, on_cpu)
     model, optimizer = shard_model(cfg, info)
     stream = CriteoStream(cfg, info.rank, info.world_size)
     evals = eval_batches(cfg, info.rank, info.world_size)
     state = TrainState()
-    ckpt_state = {"app": DLRMState(model, optimizer), "train": IntsAsTensors(state), "data": IntsAsTensors(stream)}
     max_steps = cfg.train.max_steps if cfg.train.max_steps > 0 else cfg.train.epochs * len(stream)
-    run = start_run(cfg, info, state=state, checkpoint_state=ckpt_state, may_change=MAY_CHANGE, max_steps=max_steps,
-                    experiment="torchrec-dlrm", count_tokens=False, cannot_remap=CANNOT_REMAP)
-    if run is None:  # already complete
-        cookbook.destroy_distributed()
-        return
-    checkpointer, metrics = run
-    n_rows = sum(table_sizes(cfg.model))
-    log.info(f"world size {info.world_size} ({info.backend}) | {describe_plan(model)} | 26 tables, {n_rows:,} rows x "
-             f"{cfg.model.embedding_dim} ({n_rows * cfg.model.embedding_dim * 4 / 2**30:.2f} GiB fp32) | global batch "
-             f"{cfg.train.batch_size * info.world_size} | {max_steps} steps | optimizers: {cfg.optim.sparse} (tables), "
-             f"{cfg.optim.dense} (dense)")
+    with Run(cfg, info, state=state, checkpoint={"app": DLRMState(model, optimizer), "train": IntsAsTensors(state),
+                                                 "data": IntsAsTensors(stream)},
+             may_change=MAY_CHANGE, max_steps=max_steps, experiment="torchrec-dlrm", count_tokens=False,
+             cannot_remap=CANNOT_REMAP, evaluate=(lambda: evaluate(model, evals, info.device)) if evals else None) as run:
+        n_rows = sum(table_sizes(cfg.model))
+        run.say(f"world size {info.world_size} ({info.backend}) | {describe_plan(model)} | 26 tables, {n_rows:,} rows x "
+                f"{cfg.model.embedding_dim} ({n_rows * cfg.model.embedding_dim * 4 / 2**30:.2f} GiB fp32) | global batch "
+                f"{cfg.train.batch_size * info.world_size} | {max_steps} steps | optimizers: {cfg.optim.sparse} (tables), "
+                f"{cfg.optim.dense} (dense)")
 
-    # ---- train loop
-    batches, pipeline = stream.timed(), None
-    if cfg.train.pipeline and info.device.type == "cuda":
-        from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+        # ---- train loop
+        batches, pipeline = stream.timed(), None
+        if cfg.train.pipeline and info.device.type == "cuda":
+            from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-        pipeline = TrainPipelineSparseDist(model, optimizer, info.device)
-    loop = TrainLoop.from_config(cfg, state=state, max_steps=max_steps, metrics=metrics, checkpointer=checkpointer,
-                                 checkpoint_state=ckpt_state,
-                                 evaluate=(lambda: evaluate(model, evals, info.device)) if evals else None)
-    with loop:
-        for _ in loop.steps():
+            pipeline = TrainPipelineSparseDist(model, optimizer, info.device)
+        for _ in run.steps():
             if pipeline is not None:  # forward, backward and optimizer step, with the next batch's input dist overlapped
                 loss, _ = pipeline.progress(batches)
-                loop.skip_step(loss=loss, applied=True)  # checked before the next log or save: NaN stops the run
+                run.skip_step(loss=loss, applied=True)  # checked before the next log or save: NaN stops the run
             else:
                 loss, _ = model(next(batches).to(info.device))
-                if loop.skip_step(loss=loss):  # NaN / inf on any rank, before backward (where the tables update)
+                if run.skip_step(loss=loss):  # NaN / inf on any rank, before backward (where the tables update)
                     stream.finished()  # train.on_nonfinite=skip: this batch is passed over
                     continue
                 loss.backward()  # the sharded tables update here (fused optimizer)
@@ -648,11 +644,11 @@ def main(argv: list[str]) -> None:
                 optimizer.zero_grad(set_to_none=True)
             wait = stream.finished()  # the batch this step finished (the pipeline reads one ahead) is the data position
             state.epoch = stream.epoch
-            metrics.add(samples=cfg.train.batch_size, tokens=0, data_wait_s=wait)
-            loop.end_step(loss, lr=cfg.optim.dense_lr)
+            run.metrics.add(samples=cfg.train.batch_size, tokens=0, data_wait_s=wait)
+            run.end_step(loss, lr=cfg.optim.dense_lr)
 
         # ---- finish
-        loop.finish()
+        run.finish()
 
     # ---- clean-up
     cookbook.destroy_distributed()

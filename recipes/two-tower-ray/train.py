@@ -33,7 +33,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Tenso
 import cookbook
 from cookbook import ray_train, tabular
 from cookbook.checkpoint import CheckpointError
-from cookbook.config import ConfigError, check_fields, cli_parser, load_config
+from cookbook.config import ConfigError, check_fields, load_config
 from cookbook.hub import resolve_path
 from cookbook.tabular import DataError
 
@@ -362,19 +362,31 @@ def train_loop(config_dict: dict) -> None:
 
 
 # ----------------------------------------------------------------------------- driver
-def main(argv: list[str]) -> None:
-    args = cli_parser(__doc__).parse_args(argv)
-    cfg = load_config(Config, args.config, args.overrides)
-    check_config(cfg, Path(args.config).resolve().parent)
+def load(path: str, overrides: list[str]) -> Config:
+    cfg = load_config(Config, path, overrides)
+    check_config(cfg, Path(path).resolve().parent)
+    return cfg
+
+
+def driver_checks(cfg: Config) -> tuple[ray_train.RayDriver, str]:
+    """The driver's checks before Ray starts (``--check`` runs them alone); returns the driver and what the data holds."""
     data = read_interactions(cfg.data)  # bad rows are named before Ray starts, and so is a bad resume:
     driver = ray_train.RayDriver(cfg, MAY_CHANGE, ("train.stop_at_epoch", cfg.train.stop_at_epoch))
     if driver.workers and len(data.train_users) < cfg.train.micro_batch_size * driver.workers:
         raise ConfigError(f"{len(data.train_users)} training interactions are too few for one step of "
                           f"{cfg.train.micro_batch_size} x {driver.workers} workers")
-    if args.check:
-        print(f"config OK: {args.config} ({data.num_users} users, {data.num_items} items, {len(data.train_users)} train "
-              f"interactions, {len(data.eval_users)} held out)")
-        return
+    return driver, (f"{data.num_users} users, {data.num_items} items, {len(data.train_users)} train interactions, "
+                    f"{len(data.eval_users)} held out")
+
+
+def preflight(cfg: Config, world_size: None) -> str:
+    """``--check``: the driver's checks (the driver plans the workers: no world size)."""
+    return driver_checks(cfg)[1]
+
+
+@cookbook.cli(load, preflight, sized=False)  # --check: preflight
+def main(cfg: Config) -> None:
+    driver, _ = driver_checks(cfg)
     if driver.already_complete(cfg.train.epochs):
         return
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig

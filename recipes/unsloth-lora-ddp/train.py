@@ -20,7 +20,7 @@ from pathlib import Path
 from cookbook import config as cfgmod
 from cookbook import hub
 from cookbook.config import ConfigError
-from cookbook.launch import check_world_size
+from cookbook.entry import cli
 
 if TYPE_CHECKING:  # imported where used, after the config is checked
     from cookbook import sft
@@ -140,6 +140,7 @@ def load(path: str | Path, overrides: list[str] = ()) -> Config:
     cfg.model.name_or_path = hub.resolve_path(cfg.model.name_or_path, base)
     if cfg.model.tokenizer:
         cfg.model.tokenizer = hub.resolve_path(cfg.model.tokenizer, base)
+    cfg.config_file = where  # not a config key: what the messages name
     return cfg
 
 
@@ -307,54 +308,64 @@ def build_model(cfg: Config, info, dtype):
     return model, tokenizer
 
 
-def main(argv: list[str]) -> None:
-    args = cfgmod.cli_parser(__doc__, show_examples=True).parse_args(argv)
-    cfg = load(args.config, args.overrides)
-    if args.show_examples:  # one process, no worker, no Unsloth import: what TRL's SFTTrainer trains on
-        from transformers import AutoTokenizer
+def import_unsloth(cfg: Config) -> None:
+    """Import Unsloth first (it patches transformers, PEFT and TRL when imported) with ``model.loader=unsloth``.
 
-        from cookbook import sft
-
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.name_or_path)
-        print(sft.show_examples(trl_examples(*training_rows(cfg, tokenizer), tokenizer, cfg), tokenizer,
-                                args.show_examples))
-        return
+    Raises:
+        ConfigError: it does not import (``--check`` says so before any worker starts).
+    """
     if cfg.model.loader == "unsloth":
         try:
-            import unsloth  # noqa: F401  (first: it patches transformers, PEFT and TRL when imported)
-        except ImportError as exc:  # raised by --check too, before any worker starts
-            raise ConfigError(f"{args.config}: model.loader=unsloth, but Unsloth does not import ({exc}): install the "
-                              f"recipe's own environment (pip install -r recipes/unsloth-lora-ddp/requirements.txt "
+            import unsloth  # noqa: F401
+        except ImportError as exc:
+            raise ConfigError(f"{cfg.config_file}: model.loader=unsloth, but Unsloth does not import ({exc}): install "
+                              f"the recipe's own environment (pip install -r recipes/unsloth-lora-ddp/requirements.txt "
                               f"-e shared, on a CUDA GPU), or set model.loader=transformers") from None
-    from cookbook import hf_trainer
 
-    if args.check:  # one process, before any worker starts
-        from transformers import AutoTokenizer
 
-        from cookbook import sft
+def preflight(cfg: Config, world_size: int) -> str:
+    """What ``--check`` runs in one process before any worker starts (launch.sh): Unsloth's import, every row as
+    TRL sees it, the attention and positions, then the resume; returns the rows and the settings."""
+    import_unsloth(cfg)
+    from transformers import AutoTokenizer
 
-        world_size = check_world_size()  # NGPU x NNODES, as launch.sh
-        hf_trainer.check_resume(cfg, world_size, MAY_CHANGE, CANNOT_REMAP)
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.name_or_path)
-        rows, parts = training_rows(cfg, tokenizer)
-        stats = sft.SFTStats.merge([st for _, st in trl_examples(rows, parts, tokenizer, cfg)])
-        sft.check_one_step(stats.examples, cfg.train.micro_batch_size, cfg.train.grad_accum_steps, world_size)
-        if cfg.model.loader == "transformers":
-            import torch
+    from cookbook import hf_trainer, sft
 
-            try:
-                attention(cfg, torch.cuda.is_available())
-            except ConfigError as exc:
-                raise ConfigError(f"{args.config}: {exc}") from None
-        if (Path(cfg.model.name_or_path) / "config.json").is_file():  # a hub id: checked when the workers load it
-            from transformers import AutoConfig
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.name_or_path)
+    rows, parts = training_rows(cfg, tokenizer)  # before the resume: a bad row is named on a used output_dir too
+    stats = sft.SFTStats.merge([st for _, st in trl_examples(rows, parts, tokenizer, cfg)])
+    sft.check_one_step(stats.examples, cfg.train.micro_batch_size, cfg.train.grad_accum_steps, world_size)
+    if cfg.model.loader == "transformers":
+        import torch
 
-            sft.check_positions(cfg.data.max_length, AutoConfig.from_pretrained(cfg.model.name_or_path),
-                                cfg.model.name_or_path)
-        print(f"data: {stats.summary()}")
-        print(f"config {args.config} and {len(rows)} rows of {', '.join(cfg.data.train_files)}: ok "
-              f"(loader {cfg.model.loader}, LoRA r={cfg.lora.r} alpha={cfg.lora.alpha}, seq {cfg.data.max_length})")
-        return
+        try:
+            attention(cfg, torch.cuda.is_available())
+        except ConfigError as exc:
+            raise ConfigError(f"{cfg.config_file}: {exc}") from None
+    if (Path(cfg.model.name_or_path) / "config.json").is_file():  # a hub id: checked when the workers load it
+        from transformers import AutoConfig
+
+        sft.check_positions(cfg.data.max_length, AutoConfig.from_pretrained(cfg.model.name_or_path),
+                            cfg.model.name_or_path)
+    hf_trainer.check_resume(cfg, world_size, MAY_CHANGE, CANNOT_REMAP)
+    print(f"data: {stats.summary()}")
+    return (f"{len(rows)} rows of {', '.join(cfg.data.train_files)}: ok (loader {cfg.model.loader}, LoRA r={cfg.lora.r} "
+            f"alpha={cfg.lora.alpha}, seq {cfg.data.max_length})")
+
+
+def show_examples(cfg: Config, n: int) -> str:
+    """What TRL's SFTTrainer trains on (one process, no worker, no Unsloth import)."""
+    from transformers import AutoTokenizer
+
+    from cookbook import sft
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.name_or_path)
+    return sft.show_examples(trl_examples(*training_rows(cfg, tokenizer), tokenizer, cfg), tokenizer, n)
+
+
+@cli(load, preflight, show_examples, ok="config {path} and {detail}")  # --check: preflight; --show-examples N
+def main(cfg: Config) -> None:
+    import_unsloth(cfg)
     train(cfg)
 
 

@@ -23,7 +23,7 @@ from cookbook.dist import (
     init_distributed,
     param_fingerprint,
 )
-from cookbook.entry import run_main
+from cookbook.entry import cli, run_main
 from cookbook.launcher import WorkerError, distributed
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "all_reduce_mean",
     "all_reduce_sum",
     "barrier",
+    "cli",
     "destroy_distributed",
     "distributed",
     "distributed_context",

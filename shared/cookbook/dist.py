@@ -77,10 +77,8 @@ def get_dist_info() -> DistInfo:
     if torch.cuda.is_available() and not force_cpu:
         n = torch.cuda.device_count()
         if local_rank >= n:
-            raise RuntimeError(
-                f"LOCAL_RANK={local_rank} but this node has {n} GPU(s): start at most {n} "
-                f"processes per node (NGPU={n})"
-            )
+            raise RuntimeError(f"LOCAL_RANK={local_rank} but this node has {n} GPU(s): start at most {n} "
+                               f"processes per node (NGPU={n})")
         device, backend = torch.device("cuda", local_rank), "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
@@ -133,7 +131,7 @@ def init_distributed(timeout_s: float = 1800.0, debug_dir: str | Path | None = N
     _STALL.update(timeout_s=timeout_s, debug_dir=Path(debug_dir) if debug_dir is not None else None, store=None,
                   step=None)
     _configure_logging(info.rank)
-    before = align_autograd_threads(info.device)  # else compiled code recomputed in backward recompiles
+    before = _align_autograd_threads(info.device)  # else compiled code recomputed in backward recompiles
     if before is not None and before != torch.get_num_threads() and info.rank == 0:
         logger.info(
             f"autograd's {info.device} thread: {before} -> {torch.get_num_threads()} intra-op threads (as the training "
@@ -166,7 +164,7 @@ def set_collective_timeout(timeout_s: float, store_rank: int | None = None) -> N
     _STALL.update(timeout_s=timeout_s, store=None, step=None, holder=holder)
 
 
-def align_autograd_threads(device: torch.device) -> int | None:
+def _align_autograd_threads(device: torch.device) -> int | None:
     """Give the autograd engine's worker thread of `device` this thread's intra-op thread count, once per
     process, so that compiled code recomputed in backward does not recompile (docs/notes.md#recompiles-in-backward-under-activation-checkpointing-torch-213).
     Returns the worker's previous count; None (nothing done) on CPU.
@@ -483,10 +481,8 @@ def _all_reduce(values: Mapping[str, float | torch.Tensor], device: torch.device
     names = list(values)
     if not names:
         return {}
-    flat = torch.stack(
-        [v.detach().to(device=device, dtype=torch.float64).reshape(()) if isinstance(v, torch.Tensor)
-         else torch.tensor(float(v), dtype=torch.float64, device=device) for v in values.values()]
-    )
+    flat = torch.stack([v.detach().to(device=device, dtype=torch.float64).reshape(()) if isinstance(v, torch.Tensor)
+                        else torch.tensor(float(v), dtype=torch.float64, device=device) for v in values.values()])
     if dist.is_initialized():
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
         if mean:

@@ -1,7 +1,7 @@
 """The entry point of a recipe's ``train.py``: errors from whichever rank found them, and an exit that cannot hang.
 
-    if __name__ == "__main__":
-        cookbook.run_main(main, user_errors=(ConfigError, DataError, CheckpointError))
+    @cookbook.cli(load, preflight)  # --check runs preflight(cfg, world size); main(cfg) is the run
+    def main(cfg): ...              # if __name__ == "__main__": cookbook.run_main(main, user_errors=(ConfigError, ...))
 
 Exit statuses (docs/bad-input.md, docs/failures.md): 0 finished or stopped at ``train.stop_at_step``; 1 a bug or
 library failure, with its traceback; 2 bad configuration, data or checkpoint (`user_errors`) or a package that does
@@ -16,6 +16,8 @@ process ends with ``os._exit`` after flushing, skipping the interpreter's teardo
 from __future__ import annotations
 
 import atexit
+import functools
+import inspect
 import json
 import logging
 import os
@@ -28,6 +30,7 @@ from typing import Any, Callable, NoReturn, Sequence
 import torch.distributed as dist
 
 from cookbook.builds import broken_build_in
+from cookbook.config import cli_parser
 from cookbook.dist import collective_timed_out, describe_stall, last_finished_step
 from cookbook.errors import (AGENT_PID_ENV, EXIT_BUG, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PEER_LOST,  # noqa: F401
                              EXIT_PREEMPTED, EXIT_USER_ERROR, LAST_STEP_KEY, LAUNCH_TIME_ENV, AlreadyComplete,
@@ -44,6 +47,32 @@ _PEER_LOST_GRACE_S = 5.0
 # What gloo and NCCL say when the process at the other end of a collective is gone.
 _PEER_LOST_MARKERS = ("connection closed by peer", "connection reset by peer", "broken pipe",
                       "remote process exited", "socket closed", "connection refused", "nccl communicator was aborted")
+
+
+def cli(load: Callable[[str, list[str]], Any], preflight: Callable[[Any, int | None], str],
+        show_examples: Callable[[Any, int], str] | None = None, *, sized: bool = True,
+        ok: str = "config OK: {path} ({detail})"):
+    """A recipe's ``main(cfg)`` (the run) as the ``main(argv)`` of ``--config FILE [--check] [--show-examples N]
+    [overrides]``: ``cfg = load(FILE, overrides)``; ``--check`` prints `ok` (``config OK: FILE (<preflight(cfg,
+    world size)>)``), NGPU x NNODES as launch.sh starts it (None without `sized`: Ray plans the workers); ``--show-examples
+    N`` prints ``show_examples(cfg, N)``; else ``main(cfg)``."""
+    def wrap(main: Callable[[Any], None]) -> Callable[[list[str]], None]:
+        parser = cli_parser(main.__globals__.get("__doc__"), show_examples=show_examples is not None)
+
+        @functools.wraps(main)
+        def dispatch(argv: list[str]) -> None:
+            args = parser.parse_args(argv)
+            cfg = load(args.config, args.overrides)
+            if show_examples is not None and args.show_examples:  # one process, no worker: what training sees
+                print(show_examples(cfg, args.show_examples))
+            elif args.check:  # one process, before any worker starts
+                from cookbook.launch import check_world_size  # here: python -m cookbook.launch imports this package
+
+                print(ok.format(path=args.config, detail=preflight(cfg, check_world_size() if sized else None)))
+            else:
+                main(cfg)
+        return dispatch
+    return wrap
 
 
 def run_main(main: Callable[[list[str]], Any], user_errors: Sequence[type[BaseException]] = (),
@@ -78,8 +107,8 @@ def run_main(main: Callable[[list[str]], Any], user_errors: Sequence[type[BaseEx
     except OneLineError as exc:
         _say_once(exc, rank, where)
         _exit(exc.exit_status)
-    except KeyboardInterrupt:
-        print(f"{where}interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:  # its message, if it has one (cookbook.distributed's)
+        print(f"{where}{exc or 'interrupted'}", file=sys.stderr)
         _exit(EXIT_INTERRUPTED)
     except SystemExit as exc:
         code = exc.code
@@ -141,7 +170,7 @@ def peer_lost(exc: BaseException) -> bool:
 
 def _requirements_beside(main: Callable) -> Path | None:
     """The requirements.txt in the folder of `main`'s file (a recipe's own extra packages), if there is one."""
-    code = getattr(main, "__code__", None)
+    code = getattr(inspect.unwrap(main), "__code__", None)
     path = Path(code.co_filename).resolve().with_name("requirements.txt") if code is not None else None
     return path if path is not None and path.is_file() else None
 

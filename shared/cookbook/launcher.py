@@ -66,7 +66,7 @@ class WorkerError(RuntimeError):
         self.exception = exception
 
 
-class DistributedFunction(Generic[P, R]):
+class _DistributedFunction(Generic[P, R]):
     """What `distributed` returns: the function, callable as before, plus ``.distributed(...)``."""
 
     def __init__(self, fn: Callable[P, R], num_processes: int | None, backend: str, start_method: str,
@@ -129,8 +129,8 @@ def distributed(fn: Callable[P, R] | None = None, *, num_processes: int | None =
                                       or num_processes < 1):
         raise ValueError(f"num_processes must be a positive integer or None, got {num_processes!r}")
 
-    def decorate(f: Callable[P, R]) -> DistributedFunction[P, R]:
-        return DistributedFunction(f, num_processes, backend, start_method, timeout_minutes, max_restarts,
+    def decorate(f: Callable[P, R]) -> _DistributedFunction[P, R]:
+        return _DistributedFunction(f, num_processes, backend, start_method, timeout_minutes, max_restarts,
                                    cpus_per_worker)
 
     return decorate(fn) if fn is not None else decorate
@@ -190,10 +190,7 @@ def _worker(payload: bytes | tuple, error_dir: str, threads: int, timeout_minute
 
 def _run_local(fn: Callable, args: tuple, kwargs: dict, n: int, start_method: str, timeout_minutes: float,
                max_restarts: int) -> list:
-    from torch.distributed.elastic.multiprocessing.api import (
-        DefaultLogsSpecs,
-        SignalException,
-    )
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -210,19 +207,10 @@ def _run_local(fn: Callable, args: tuple, kwargs: dict, n: int, start_method: st
     (workdir / "errors").mkdir()
     # Seconds between SIGTERM and SIGKILL for workers that do not stop (torch >= 2.12; 30 before).
     extra = {"shutdown_timeout": 10} if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)} else {}
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=n,
-        run_id=f"cookbook-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",  # a free port on this machine
-        max_restarts=max_restarts,
-        start_method=start_method,
-        monitor_interval=0.1,
-        logs_specs=DefaultLogsSpecs(log_dir=str(workdir / "logs")),
-        **extra,
-    )
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=f"cookbook-{uuid.uuid4().hex[:8]}",
+                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",  # a free port on this machine
+                          max_restarts=max_restarts, start_method=start_method, monitor_interval=0.1,
+                          logs_specs=DefaultLogsSpecs(log_dir=str(workdir / "logs")), **extra)
     threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
     try:
         with _caller_signals_kept(), _elastic_logs_quiet():
@@ -233,8 +221,8 @@ def _run_local(fn: Callable, args: tuple, kwargs: dict, n: int, start_method: st
                 error = _worker_error(_read_error_records(workdir / "errors"), n, rank, failure.exitcode)
                 raise error from error.exception
             except SignalException as exc:  # the agent's handler turned Ctrl-C / SIGTERM into this; workers are stopped
-                if exc.sigval == signal.SIGINT:
-                    raise KeyboardInterrupt from None
+                if exc.sigval == signal.SIGINT:  # one line, as cookbook.torchrun's (run_main: that line, status 130)
+                    raise KeyboardInterrupt("interrupted (Ctrl-C): every worker was stopped") from None
                 raise
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

@@ -6,8 +6,8 @@
 (preemption); checks each step for a non-finite loss or gradient norm (`skip_step`, `cookbook.policy`); records
 each rank's progress for the stall report (`cookbook.dist.record_progress`); times the start-up and the final
 evaluation; and at the end runs the final evaluation, the export, the summary record and the closing log lines.
-`EpochBatches` yields batches epoch after epoch; `start_run` resumes and starts the metrics run.
-The shape follows torchtitan's ``Trainer.train`` / ``train_step`` split.
+`EpochBatches` yields batches epoch after epoch; `Run`, what a recipe enters, is both with the resume and the
+metrics run. The shape follows torchtitan's ``Trainer.train`` / ``train_step`` split.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ _EVAL_COUNTS = ("tokens", "samples", "rows")  # evaluation results that count wh
 _OUTPUT_NAMES = {"export_dir": "model"}  # summary key -> its name on the closing lines (others: the key less "_dir")
 
 
-def already_complete(state: TrainState, max_steps: int, out_dir: str | Path, final: str | Path | None = None,
+def _already_complete(state: TrainState, max_steps: int, out_dir: str | Path, final: str | Path | None = None,
                      what: str = "model") -> bool:
     """Whether a resumed run has nothing left to do (``state.step >= max_steps``, and `final`, the folder
     the finished run exported, exists when given); if so rank 0 says so (`what`: what `final` holds, "model" or
@@ -139,41 +139,6 @@ class TrainLoop:
         self._skipped_now = False  # the step being run was skipped
         self._reset_window()
 
-    @classmethod
-    def from_config(cls, cfg: Any, *, state: TrainState, max_steps: int, metrics: MetricsLogger,
-                    checkpointer: Checkpointer | None, checkpoint_state: Mapping[str, Any] | None,
-                    evaluate: Callable[[], Mapping[str, float]] | None = None,
-                    log_extra: Callable[[], Mapping[str, float | torch.Tensor]] | None = None) -> TrainLoop:
-        """A loop with its cadence from the config's ``train`` (``stop_at_step``, ``log_every``,
-        ``eval_every``, ``profile_step``, ``on_nonfinite``, ``max_consecutive_skips``) and ``checkpoint.every_steps``.
-
-        Raises:
-            ConfigError: ``train.on_nonfinite`` is not stop or skip, or ``train.max_consecutive_skips`` < 0.
-        """
-        train = cfg.train
-        profile_step = getattr(train, "profile_step", 0)
-        on_nonfinite, max_skips = NonFinitePolicy.settings(train)
-        return cls(state=state, max_steps=max_steps, stop_at_step=train.stop_at_step, metrics=metrics,
-                   log_every=train.log_every, eval_every=getattr(train, "eval_every", 0), evaluate=evaluate,
-                   checkpointer=checkpointer, checkpoint_every=cfg.checkpoint.every_steps,
-                   checkpoint_state=checkpoint_state, config=to_dict(cfg),
-                   profiler=StepProfiler(profile_step, metrics.out_dir, metrics.info) if profile_step > 0 else None,
-                   log_extra=log_extra, on_nonfinite=on_nonfinite, max_consecutive_skips=max_skips)
-
-    @property
-    def on_nonfinite(self) -> str:
-        """``"stop"`` or ``"skip"``: what a non-finite step does (`skip_step`)."""
-        return self.nonfinite.on_nonfinite
-
-    @property
-    def max_consecutive_skips(self) -> int:
-        return self.nonfinite.max_consecutive_skips
-
-    @property
-    def skipped_steps(self) -> int:
-        """Steps skipped for a non-finite loss or gradient norm since this process started."""
-        return self.nonfinite.skipped_steps
-
     # ------------------------------------------------------------------ the loop
     def __enter__(self) -> TrainLoop:
         """Start listening for preemption: SIGTERM (a scheduler's or torchrun's stop) and SIGUSR1 (Slurm's
@@ -200,10 +165,6 @@ class TrainLoop:
         """
         self._stop(signum)
 
-    def _agree_stop(self) -> bool:
-        """Whether the ranks have agreed to stop here (collective when a process group exists; `StopVote`)."""
-        return self._vote(self._stop.requested)
-
     def steps(self) -> Iterator[int]:
         """Yield the number of each step to run (``state.step + 1``) until `max_steps`, ``stop_at_step``
         or a stop request. Starts the metrics clock on every rank together (a barrier)."""
@@ -211,7 +172,7 @@ class TrainLoop:
         self.metrics.start(self.state.step)
         while self.state.step < self.stop_at:
             record_progress(self.state.step)  # for the message of a rank whose collective times out
-            if self._agree_stop():
+            if self._vote(self._stop.requested):  # the ranks agree to stop here (collective: `StopVote`)
                 self._save(force=True)
                 break
             done = self.state.step
@@ -297,7 +258,7 @@ class TrainLoop:
         Returns the final evaluation metrics (``{}`` without `evaluate`).
 
         Raises:
-            cookbook.hub.HubPushError: the ``checkpoint.push_to_hub`` upload failed (exit status 2).
+            cookbook.push.HubPushError: the ``checkpoint.push_to_hub`` upload failed (exit status 2).
             NonFiniteError: a parameter or buffer of the model is NaN or infinite.
         """
         self.nonfinite.check_applied()
@@ -340,50 +301,80 @@ class TrainLoop:
         return final_eval
 
 
-def checkpoint_state(app: Any, scheduler: Any, train_loader: Any, *,
-                     resizable: bool = True) -> tuple[TrainState, dict[str, Any]]:
-    """``(state, checkpoint_state)``: a new `TrainState` (saved as ``train``) and what the checkpoints hold
-    by name: ``app`` (model and optimizer), ``scheduler``, ``rank_local`` (the loader's workers and RNG states, same
-    world size only) and, with `resizable`, ``data`` (the global `cookbook.sampler.DataPosition`).
-    """
-    state = TrainState()
-    entries = {"app": app, "scheduler": scheduler, "train": state}
-    if resizable:
-        entries["data"] = DataPosition(train_loader)  # global: remapped when the world size changes
-    entries["rank_local"] = RankLocalState(dataloader=train_loader, rng=RNGState())  # same world size only
-    return state, entries
-
-
-def start_run(cfg: Any, info: DistInfo, *, state: TrainState, checkpoint_state: Mapping[str, Any],
-              may_change: tuple[str, ...], max_steps: int, experiment: str, final: str | Path | None = None,
-              what: str = "model", flops: ModelFlops | None = None,
-              count_tokens: bool = True, cannot_remap: str | None = None) -> tuple[Checkpointer, MetricsLogger] | None:
-    """The start of a run: seed ``train.seed + rank``, resume from ``checkpoint.resume`` (``auto``: the newest
-    complete checkpoint) after `Checkpointer.check_resume`, then write ``config.yaml`` (rank 0) and start metrics.
-
-    Returns ``(checkpointer, metrics)``, or None when the run is already complete (`already_complete`).
+class Run(TrainLoop):
+    """A torchrun recipe's run, entered with ``with``: seeds ``train.seed + rank``, resumes from ``checkpoint.resume``
+    (after `Checkpointer.check_resume`), writes ``config.yaml``, starts the metrics, then is the `TrainLoop` of the
+    config's cadence; `take` gives `loader`'s micro-batches (`EpochBatches`). Already complete: said once (rank 0);
+    `steps` yields nothing, `say` and `finish` do nothing. Checkpoints hold ``app`` (model and optimizer),
+    ``scheduler``, ``train``, ``data`` (with `resizable`: the global `DataPosition`) and ``rank_local`` (same world
+    size only); or `checkpoint`, with its `state`.
 
     Raises:
         CheckpointError: the checkpoint to resume from does not fit this run.
+        ConfigError: a bad ``train.on_nonfinite`` or ``train.max_consecutive_skips``.
     """
-    out_dir = Path(cfg.output_dir)
-    resizable = any(isinstance(v, DataPosition) for v in checkpoint_state.values())
-    checkpointer = Checkpointer(out_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last, resizable=resizable,
-                                cannot_remap=cannot_remap)
-    resume_from = checkpointer.check_resume(cfg.checkpoint.resume, info.world_size, to_dict(cfg), may_change,
-                                            cfg.train.stop_at_step)
-    if getattr(cfg.train, "seed", None) is not None:
-        seed_per_rank(cfg.train.seed, info.rank)  # each rank its own dropout masks; a resume restores the saved ones
-    if resume_from is not None:
-        checkpointer.load(resume_from, checkpoint_state)
-    if already_complete(state, max_steps, out_dir, final, what):
-        return None
-    if info.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, out_dir / "config.yaml")
-    metrics = MetricsLogger(out_dir, info, flops=flops, run_name=cfg.run_name, experiment=experiment,
-                            params=to_dict(cfg), mlflow=cfg.mlflow, max_steps=max_steps, count_tokens=count_tokens)
-    return checkpointer, metrics
+
+    def __init__(self, cfg: Any, info: DistInfo, *, may_change: tuple[str, ...], max_steps: int, experiment: str,
+                 app: Any = None, scheduler: Any = None, loader: Any = None, set_epoch: Callable[[int], None] | None = None,
+                 resizable: bool = True, state: TrainState | None = None, checkpoint: Mapping[str, Any] | None = None,
+                 final: str | Path | None = None, what: str = "model", flops: ModelFlops | None = None,
+                 count_tokens: bool = True, cannot_remap: str | None = None,
+                 evaluate: Callable[[], Mapping[str, float]] | None = None,
+                 log_extra: Callable[[], Mapping[str, float | torch.Tensor]] | None = None):
+        if checkpoint is None:
+            state = TrainState()
+            checkpoint = {"app": app, "scheduler": scheduler, "train": state}
+            if resizable:
+                checkpoint["data"] = DataPosition(loader)  # global: remapped when the world size changes
+            checkpoint["rank_local"] = RankLocalState(dataloader=loader, rng=RNGState())  # same world size only
+        out_dir = Path(cfg.output_dir)
+        checkpointer = Checkpointer(out_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last, cannot_remap=cannot_remap,
+                                    resizable=any(isinstance(v, DataPosition) for v in checkpoint.values()))
+        resume_from = checkpointer.check_resume(cfg.checkpoint.resume, info.world_size, to_dict(cfg), may_change,
+                                                cfg.train.stop_at_step)
+        if getattr(cfg.train, "seed", None) is not None:
+            seed_per_rank(cfg.train.seed, info.rank)  # each rank its own dropout masks; a resume restores the saved ones
+        if resume_from is not None:
+            checkpointer.load(resume_from, checkpoint)
+        self.state, self.complete = state, _already_complete(state, max_steps, out_dir, final, what)
+        if self.complete:
+            return
+        if info.is_main:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, out_dir / "config.yaml")
+        metrics = MetricsLogger(out_dir, info, flops=flops, run_name=cfg.run_name, experiment=experiment,
+                                params=to_dict(cfg), mlflow=cfg.mlflow, max_steps=max_steps, count_tokens=count_tokens)
+        profile_step = getattr(cfg.train, "profile_step", 0)
+        on_nonfinite, max_skips = NonFinitePolicy.settings(cfg.train)
+        super().__init__(state=state, max_steps=max_steps, stop_at_step=cfg.train.stop_at_step, metrics=metrics,
+                         log_every=cfg.train.log_every, eval_every=getattr(cfg.train, "eval_every", 0), evaluate=evaluate,
+                         checkpointer=checkpointer, checkpoint_every=cfg.checkpoint.every_steps,
+                         checkpoint_state=checkpoint, config=to_dict(cfg), log_extra=log_extra,
+                         profiler=StepProfiler(profile_step, out_dir, info) if profile_step > 0 else None,
+                         on_nonfinite=on_nonfinite, max_consecutive_skips=max_skips)
+        self.batches = EpochBatches(loader, state, set_epoch, info.device, metrics) if loader is not None else None
+
+    def __enter__(self) -> Run:
+        return self if self.complete else super().__enter__()
+
+    def __exit__(self, *exc_info) -> None:
+        if not self.complete:
+            super().__exit__(*exc_info)
+
+    def steps(self) -> Iterator[int]:
+        return iter(()) if self.complete else super().steps()
+
+    def take(self, n: int) -> tuple[list[Any], list[float]]:
+        """The `n` micro-batches of one optimizer step (on the device) and their waits in seconds."""
+        return self.batches.take(n)
+
+    def say(self, line: str) -> None:
+        """Log `line` (rank 0) when the run is not already complete."""
+        if not self.complete:
+            get_logger().info(line)
+
+    def finish(self, *args: Any, **kwargs: Any) -> dict[str, float] | None:
+        return None if self.complete else super().finish(*args, **kwargs)
 
 
 def log_outputs(step: int, final_eval: Mapping[str, float], metrics: MetricsLogger, checkpoints: Path | None,

@@ -21,7 +21,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from cookbook import hub
+from cookbook import push
 from cookbook.config import check_trackers
 from cookbook.dist import DistInfo, get_logger
 from cookbook.errors import EXIT_USER_ERROR, LAUNCH_TIME_ENV, OneLineError
@@ -45,15 +45,8 @@ def launch_time() -> float:
 # H100 SXM 989 / H100 NVL 835 / H100 PCIe 756 TFLOPS: "NVIDIA H100 Tensor Core GPU" datasheet.
 # H200 SXM 989 / H200 NVL 835 TFLOPS: "NVIDIA H200 Tensor Core GPU" datasheet.
 # The data sheets quote sparse figures (2x) first; these are the dense halves.
-PEAK_BF16_FLOPS: dict[str, float] = {
-    "A10": 125e12,
-    "A100": 312e12,
-    "H100 SXM": 989e12,
-    "H100 NVL": 835e12,
-    "H100 PCIe": 756e12,
-    "H200 SXM": 989e12,
-    "H200 NVL": 835e12,
-}
+PEAK_BF16_FLOPS: dict[str, float] = {"A10": 125e12, "A100": 312e12, "H100 SXM": 989e12, "H100 NVL": 835e12,
+                                     "H100 PCIe": 756e12, "H200 SXM": 989e12, "H200 NVL": 835e12}
 
 
 def peak_bf16_flops(device_name: str) -> float | None:
@@ -193,29 +186,16 @@ class MetricsLogger:
         MetricsWriteError: (rank 0) ``metrics.jsonl`` could not be written.
     """
 
-    def __init__(
-        self,
-        out_dir: str | Path,
-        info: DistInfo,
-        flops: ModelFlops | None = None,
-        run_name: str = "run",
-        experiment: str = "cookbook",
-        params: Mapping[str, Any] | None = None,
-        mlflow: bool = True,
-        max_steps: int | None = None,
-        count_tokens: bool = True,
-        trackers: Sequence[str] | None = None,
-        progress: bool = True,
-    ):
+    def __init__(self, out_dir: str | Path, info: DistInfo, flops: ModelFlops | None = None, run_name: str = "run",
+                 experiment: str = "cookbook", params: Mapping[str, Any] | None = None, mlflow: bool = True,
+                 max_steps: int | None = None, count_tokens: bool = True, trackers: Sequence[str] | None = None,
+                 progress: bool = True):
         if trackers is None:
             trackers = (params or {}).get("trackers", ["mlflow"])
         self.trackers = [t for t in dict.fromkeys(trackers) if mlflow or t != "mlflow"]
         check_trackers(self.trackers)
         self.params = dict(params or {})
-        self.out_dir = Path(out_dir)
-        self.info = info
-        self.flops = flops
-        self.max_steps = max_steps
+        self.out_dir, self.info, self.flops, self.max_steps = Path(out_dir), info, flops, max_steps
         self.count_tokens = count_tokens
         self.jsonl_path = self.out_dir / "metrics.jsonl"
         self._peak = peak_bf16_flops(torch.cuda.get_device_name(info.device)) if info.device.type == "cuda" else None
@@ -394,19 +374,19 @@ class MetricsLogger:
 
     def log_summary(self, summary: Mapping[str, Any]) -> None:
         """Write the final ``summary`` record; then on rank 0, with ``checkpoint.push_to_hub`` set, upload
-        the export it names (the first of `cookbook.hub.PUSHED`) with a model card of the final metrics.
+        the export it names (the first of `cookbook.push.PUSHED`) with a model card of the final metrics.
 
         Raises:
-            cookbook.hub.HubPushError: the upload failed (the export on disk is complete).
+            cookbook.push.HubPushError: the upload failed (the export on disk is complete).
         """
         self._emit("summary", dict(summary), mlflow=False)
         repo_id = (self.params.get("checkpoint") or {}).get("push_to_hub") if self.info.is_main else None
-        folder = next((summary[k] for k in hub.PUSHED if summary.get(k)), None)
+        folder = next((summary[k] for k in push.PUSHED if summary.get(k)), None)
         if repo_id and folder:
             numbers = {"steps": float(summary.get("step", self.last_train.get("step", 0))),
                        **({"train/loss": self.last_train["loss"]} if "loss" in self.last_train else {}),
                        **{k: float(v) for k, v in summary.items() if k.startswith("eval/") and isinstance(v, (int, float))}}
-            url = hub.push_to_hub(repo_id, folder, self.params, numbers)
+            url = push.push_to_hub(repo_id, folder, self.params, numbers)
             get_logger().info(f"{'hub:':<12} {url} ({folder} with its model card)")
 
     def _emit(self, event: str, rec: Mapping[str, Any], mlflow: bool = True) -> None:

@@ -21,7 +21,7 @@ from cookbook.errors import EXIT_DIVERGED, EXIT_PREEMPTED, ConfigError, OneLineE
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
-ON_NONFINITE = ("stop", "skip")  # what a step with a NaN / inf loss or gradient norm does (TrainLoop.skip_step)
+_ON_NONFINITE = ("stop", "skip")  # what a step with a NaN / inf loss or gradient norm does (TrainLoop.skip_step)
 
 
 _NONE_BAD = 2**62  # "no non-finite step" in the all-reduce (min) of the first bad step of updates already applied
@@ -125,8 +125,8 @@ class NonFinitePolicy:
     def __init__(self, on_nonfinite: str = "stop", max_consecutive_skips: int = 5, *, device: torch.device | None = None,
                  newest_checkpoint: Callable[[], Path | str | None] | None = None, skipped_steps: int = 0,
                  models: Iterable[torch.nn.Module] = (), log: Callable[[str], None] | None = None):
-        if on_nonfinite not in ON_NONFINITE:
-            raise ValueError(f"on_nonfinite must be one of {', '.join(ON_NONFINITE)}, got {on_nonfinite!r}")
+        if on_nonfinite not in _ON_NONFINITE:
+            raise ValueError(f"on_nonfinite must be one of {', '.join(_ON_NONFINITE)}, got {on_nonfinite!r}")
         if max_consecutive_skips < 0:
             raise ValueError(f"max_consecutive_skips must be >= 0, got {max_consecutive_skips}")
         self.on_nonfinite, self.max_consecutive_skips = on_nonfinite, max_consecutive_skips
@@ -136,7 +136,7 @@ class NonFinitePolicy:
         self._consecutive = 0  # of them, in a row up to now
         self._applied_bad: torch.Tensor | None = None  # first step whose applied update was non-finite (0: none)
         self.models = list(models)
-        self._stats: list[torch.Tensor] = []  # the models' running statistics (running_stats), as of begin_step
+        self._stats: list[torch.Tensor] = []  # the models' running statistics (_running_stats), as of begin_step
         self._saved: list[torch.Tensor] = []  # ... and their values then
         self._log = log if log is not None else (lambda line: get_logger().info(line))
 
@@ -149,8 +149,8 @@ class NonFinitePolicy:
         """
         on_nonfinite = getattr(train, "on_nonfinite", "stop")
         max_skips = getattr(train, "max_consecutive_skips", 5)
-        if on_nonfinite not in ON_NONFINITE:
-            raise ConfigError(f"train.on_nonfinite must be one of {', '.join(ON_NONFINITE)}, got {on_nonfinite!r}")
+        if on_nonfinite not in _ON_NONFINITE:
+            raise ConfigError(f"train.on_nonfinite must be one of {', '.join(_ON_NONFINITE)}, got {on_nonfinite!r}")
         if max_skips < 0:
             raise ConfigError(f"train.max_consecutive_skips must be >= 0, got {max_skips}")
         return on_nonfinite, max_skips
@@ -207,11 +207,11 @@ class NonFinitePolicy:
         self._log(f"step {step}: {short}, step skipped ({self.skipped_steps} skipped so far)")
 
     def begin_step(self) -> None:
-        """Before a step's forward, with ``"skip"``: keep the models' running statistics (`running_stats`), which a
+        """Before a step's forward, with ``"skip"``: keep the models' running statistics (`_running_stats`), which a
         skipped step puts back (`nonfinite`)."""
         if self.on_nonfinite != "skip" or not self.models:
             return
-        stats = running_stats(self.models)
+        stats = _running_stats(self.models)
         with torch.no_grad():
             if len(stats) != len(self._stats) or any(a is not b for a, b in zip(stats, self._stats)):
                 self._stats, self._saved = stats, [t.detach().clone() for t in stats]
@@ -227,7 +227,7 @@ class NonFinitePolicy:
         """
         if not self.models:
             return
-        tensors = local_tensors(self.models)
+        tensors = _local_tensors(self.models)
         counts = torch.stack([(~torch.isfinite(t)).sum().to(self.device) for _, t in tensors]) if tensors else \
             torch.zeros(1, dtype=torch.int64, device=self.device)
         total = counts.sum().reshape(1)
@@ -297,7 +297,7 @@ def models_in(state: Mapping[str, Any] | None) -> list[torch.nn.Module]:
     return found
 
 
-def running_stats(models: Iterable[torch.nn.Module]) -> list[torch.Tensor]:
+def _running_stats(models: Iterable[torch.nn.Module]) -> list[torch.Tensor]:
     """The buffers a training forward updates in place: the running mean, variance and batch count of the
     BatchNorm (and InstanceNorm) layers with running statistics of `models`."""
     from torch.nn.modules.batchnorm import _NormBase
@@ -306,7 +306,7 @@ def running_stats(models: Iterable[torch.nn.Module]) -> list[torch.Tensor]:
             for b in m.buffers(recurse=False) if b is not None]
 
 
-def local_tensors(models: Iterable[torch.nn.Module]) -> list[tuple[str, torch.Tensor]]:
+def _local_tensors(models: Iterable[torch.nn.Module]) -> list[tuple[str, torch.Tensor]]:
     """``(name, values)`` of the floating-point parameters and buffers of `models` held on this rank: a DTensor's
     local shard, a ShardedTensor's local shards, a plain tensor whole."""
     found, seen = [], set()

@@ -6,8 +6,7 @@ the whole job consumed in the epoch say where the data is, whatever ``W``; ``M``
 start); `DataPosition` is the checkpoint entry that saves the position in the global state::
 
     sampler = ResizableSampler(train_ds, num_replicas=info.world_size, rank=info.rank, seed=seed, drop_last=True)
-    loader = StatefulDataLoader(train_ds, batch_size=micro_batch, sampler=sampler, drop_last=True)
-    ckpt_state = {..., "data": DataPosition(loader), "rank_local": RankLocalState(dataloader=loader, rng=RNGState())}
+    loader = StatefulDataLoader(train_ds, batch_size=micro_batch, sampler=sampler, drop_last=True)  # Run(loader=...)
 
 How it relies on torchdata's loader: docs/notes.md#a-resizable-data-position-and-torchdatas-statefuldataloader-torchdata-011.
 """

@@ -10,12 +10,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
 
 
 def _rank() -> int:
@@ -41,13 +36,8 @@ class ModelOptimizerState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         optimizers = [] if self.optimizer is None else self.optimizer
-        set_state_dict(
-            self.model,
-            optimizers,
-            model_state_dict=state["model"],
-            optim_state_dict=state.get("optim", {}) if self.optimizer is not None else {},
-            options=self.options,
-        )
+        set_state_dict(self.model, optimizers, model_state_dict=state["model"], options=self.options,
+                       optim_state_dict=state.get("optim", {}) if self.optimizer is not None else {})
 
 
 class RankLocalState:
