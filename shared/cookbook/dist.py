@@ -1,12 +1,9 @@
-"""Process-group set-up and tear-down from torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
-MASTER_PORT), stall reports and small rank helpers.
+"""Process-group set-up and tear-down from torchrun's environment (NCCL on CUDA, gloo on CPU; a plain
+``python train.py`` is a world of one), stall reports and small rank helpers.
 
-`init_distributed` picks NCCL on CUDA and gloo on CPU, binds the worker to its GPU and destroys the group at exit;
-`distributed_context` does the same as a context manager. A plain ``python train.py`` runs as a world of one.
 A collective that waits past ``train.collective_timeout_s`` fails instead of hanging: each rank records its last
-finished step in the store (`record_progress`), and the rank whose collective timed out names the one behind
-(`describe_stall`, exit status 3). With NCCL, torch's flight recorder writes each rank's last collectives to the
-debug folder (docs/failures.md#a-rank-that-stalls).
+finished step in the store (`record_progress`) and the rank that timed out names the one behind (`describe_stall`,
+exit status 3; docs/failures.md#a-rank-that-stalls).
 """
 
 from __future__ import annotations
@@ -38,9 +35,7 @@ logger = logging.getLogger("cookbook")
 
 @dataclass(frozen=True)
 class DistInfo:
-    """Where this process sits in the job: ``rank`` (global), ``local_rank`` (on this node; the CUDA index),
-    ``world_size``, ``device`` (``cuda:<local_rank>`` or ``cpu``), ``backend`` (``"nccl"`` or ``"gloo"``).
-    """
+    """Where this process sits: global ``rank``, ``local_rank`` (the CUDA index), ``world_size``, ``device``, ``backend``."""
 
     rank: int
     local_rank: int
@@ -55,9 +50,7 @@ class DistInfo:
 
 
 def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return default
+    value = os.environ.get(name) or default
     try:
         return int(value)
     except ValueError:
@@ -65,11 +58,7 @@ def _env_int(name: str, default: int) -> int:
 
 
 def get_dist_info() -> DistInfo:
-    """A `DistInfo` from the environment, without creating a group (`backend`: what `init_distributed` would pick).
-
-    Raises:
-        RuntimeError: this node has fewer GPUs than local ranks (``NGPU=8`` on a 2-GPU node).
-    """
+    """A `DistInfo` from the environment, without creating a group. Raises RuntimeError: fewer GPUs than local ranks."""
     rank = _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", 0)
     world_size = _env_int("WORLD_SIZE", 1)
@@ -86,8 +75,7 @@ def get_dist_info() -> DistInfo:
 
 
 class CollectiveTimeout(OneLineError):
-    """A collective waited past the group's timeout on this rank; the message (`describe_stall`) names the rank
-    that is behind. `cookbook.run_main` prints it as one line and exits with status 3 (a peer lost)."""
+    """A collective waited past the group's timeout; the message (`describe_stall`) names the rank behind (exit 3)."""
 
     exit_status = EXIT_PEER_LOST
 
@@ -102,14 +90,9 @@ _FLIGHT_RECORDER_ENTRIES = 2000  # collectives each rank keeps in torch's flight
 
 
 def init_distributed(timeout_s: float = 1800.0, debug_dir: str | Path | None = None) -> DistInfo:
-    """Create the default process group from torchrun's environment; returns this process's `DistInfo`.
-
-    NCCL with CUDA (``COOKBOOK_DEVICE=cpu`` forces gloo), else gloo; without torchrun a group of one. `timeout_s`:
-    seconds a collective may wait; `debug_dir`: NCCL's flight recorder and a timed-out rank's stacks go there.
-
-    Raises:
-        ValueError: `timeout_s` is not positive.
-        RuntimeError: more local ranks than GPUs on the node.
+    """Create the default process group (``COOKBOOK_DEVICE=cpu`` forces gloo); returns this process's `DistInfo`.
+    `timeout_s`: seconds a collective may wait; `debug_dir`: NCCL's flight recorder and a timed-out rank's stacks.
+    Raises ValueError (`timeout_s` not positive), RuntimeError (more local ranks than GPUs).
     """
     if not timeout_s > 0:
         raise ValueError(f"the collective timeout must be > 0 seconds, got {timeout_s}")
@@ -133,23 +116,15 @@ def init_distributed(timeout_s: float = 1800.0, debug_dir: str | Path | None = N
     _configure_logging(info.rank)
     before = _align_autograd_threads(info.device)  # else compiled code recomputed in backward recompiles
     if before is not None and before != torch.get_num_threads() and info.rank == 0:
-        logger.info(
-            f"autograd's {info.device} thread: {before} -> {torch.get_num_threads()} intra-op threads (as the training "
-            f"thread: compiled graphs guard on it)")
+        logger.info(f"autograd's {info.device} thread: {before} -> {torch.get_num_threads()} intra-op threads (as the "
+                    f"training thread: compiled graphs guard on it)")
     return info
 
 
 def set_collective_timeout(timeout_s: float, store_rank: int | None = None) -> None:
-    """Give the default process group that another runtime made (Ray Train's workers) the collective timeout
-    ``train.collective_timeout_s``, as `init_distributed` does its own, for `describe_stall` too.
-
-    Args:
-        store_rank: the rank whose process serves the group's store (Ray Train's ``env://`` group: rank 0), or
-            ``None`` (torchrun's agent serves it). Its pid and host are gathered now (collective), so that a
-            timeout whose store does not answer names that rank: it is the stalled one.
-
-    Raises:
-        ValueError: `timeout_s` is not positive.
+    """Give the default group that another runtime made (Ray Train) the collective timeout, as `init_distributed` does.
+    `store_rank`: the rank whose process serves the store (Ray: 0) or None (torchrun's agent); its pid and host are
+    gathered now (collective), so a timeout whose store does not answer names it. Raises ValueError (not positive).
     """
     if not timeout_s > 0:
         raise ValueError(f"the collective timeout must be > 0 seconds, got {timeout_s}")
@@ -165,10 +140,8 @@ def set_collective_timeout(timeout_s: float, store_rank: int | None = None) -> N
 
 
 def _align_autograd_threads(device: torch.device) -> int | None:
-    """Give the autograd engine's worker thread of `device` this thread's intra-op thread count, once per
-    process, so that compiled code recomputed in backward does not recompile (docs/notes.md#recompiles-in-backward-under-activation-checkpointing-torch-213).
-    Returns the worker's previous count; None (nothing done) on CPU.
-    """
+    """Give autograd's worker thread of `device` this thread's intra-op thread count; returns its previous count
+    (None on CPU). docs/notes.md#recompiles-in-backward-under-activation-checkpointing-torch-213."""
     if device.type != "cuda":
         return None
     wanted, seen = torch.get_num_threads(), []
@@ -178,17 +151,14 @@ def _align_autograd_threads(device: torch.device) -> int | None:
         torch.set_num_threads(wanted)
         return grad
 
-    x = torch.ones(1, device=device, requires_grad=True)
-    y = x * 2
+    y = torch.ones(1, device=device, requires_grad=True) * 2
     y.register_hook(hook)
     y.sum().backward()
     return seen[0] if seen else None
 
 
 def apply_collective_timeout() -> None:
-    """Give every process group that exists now the timeout `init_distributed` set: a library's own groups
-    (DeepSpeed's copy of the world group) get torch's default (30 min gloo, 10 NCCL). No-op without a group or timeout.
-    """
+    """Give every process group that exists now (DeepSpeed's own ones too) the timeout `init_distributed` set."""
     timeout_s = _STALL["timeout_s"]
     if timeout_s is None or not (dist.is_available() and dist.is_initialized()):
         return
@@ -201,8 +171,7 @@ def apply_collective_timeout() -> None:
 
 
 def _enable_flight_recorder(debug_dir: Path) -> None:
-    """Turn on torch's NCCL flight recorder, dumping into `debug_dir` on a timeout, unless the user set it up.
-    Both the current names (``TORCH_FR_*``) and the older ones (``TORCH_NCCL_*``) are set: torch reads either."""
+    """Turn on torch's NCCL flight recorder (both names of its variables), dumping into `debug_dir` on a timeout."""
     if not any(os.environ.get(k) for k in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")):
         os.environ["TORCH_FR_BUFFER_SIZE"] = os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] = str(_FLIGHT_RECORDER_ENTRIES)
     if not any(os.environ.get(k) for k in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")):
@@ -222,9 +191,7 @@ def _store():
 
 
 def record_progress(step: int) -> None:
-    """Record in the group's store that this rank finished `step` optimizer steps (one small ``set``), for
-    `describe_stall`. Never raises (a store that cannot be written turns the records off); no-op for one rank.
-    """
+    """Record in the group's store that this rank finished `step` optimizer steps, for `describe_stall`. Never raises."""
     _STALL["step"] = step
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return
@@ -243,9 +210,7 @@ def last_finished_step() -> int | None:
 
 
 def collective_timed_out(exc: BaseException) -> bool:
-    """True if `exc` (or an exception it was raised from) is a collective that waited past the group's timeout:
-    gloo's "Timed out waiting ... for recv operation" or "Application timeout caused pair closure", NCCL's
-    "Watchdog caught collective operation timeout"."""
+    """True if `exc` (or one it was raised from) is a collective that waited past the group's timeout (gloo, NCCL)."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
@@ -256,9 +221,8 @@ def collective_timed_out(exc: BaseException) -> bool:
 
 
 def stall_error(exc: BaseException) -> CollectiveTimeout | None:
-    """The `CollectiveTimeout` for `exc` (its one line from `describe_stall`) when `exc` is a collective that timed
-    out in a group of several ranks and not already a one-line error, else ``None``. Call it where the exception
-    is caught, before the process group is destroyed (the line reads the ranks' progress from its store)."""
+    """The `CollectiveTimeout` for `exc` when it is a collective that timed out among several ranks, else None.
+    Call it before the group is destroyed (the line reads the ranks' progress from its store)."""
     if (isinstance(exc, OneLineError) or not (dist.is_available() and dist.is_initialized())
             or dist.get_world_size() < 2 or not collective_timed_out(exc)):
         return None
@@ -268,11 +232,9 @@ def stall_error(exc: BaseException) -> CollectiveTimeout | None:
 def describe_stall(exc: BaseException, grace_s: float | None = None) -> str:
     """One line for a collective that timed out on this rank: where it waited, and which rank stalled.
 
-    A rank whose last recorded step is lower never reached this collective; when all finished the same step, this rank
-    marks itself timed out and waits up to `grace_s` (default a quarter of the timeout, at most 10 s) for the others
-    to do the same: one that does not is the stalled one. Writes this rank's stacks to the debug folder first. Never
-    raises. E.g. ``a collective did not finish within 10 s (...) at step 4: rank 1 (pid 4242 on node7) last finished
-    step 2, this rank step 3 - it is stalled (stopped, hung, or much slower); ...``.
+    A rank whose last recorded step is lower never reached it; when all finished the same step, this rank marks
+    itself timed out and waits up to `grace_s` (default: a quarter of the timeout, at most 10 s) for the others: one
+    that does not is the stalled one. Writes this rank's stacks to the debug folder first. Never raises.
     """
     timeout_s = _STALL["timeout_s"]
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0") or 0)
@@ -282,9 +244,7 @@ def describe_stall(exc: BaseException, grace_s: float | None = None) -> str:
     head = (f"a collective did not finish within {timeout_s:g} s" if timeout_s else "a collective timed out") + \
         f" ({_collective_site(exc)})" + (f" at step {mine + 1}" if mine is not None else "")
     stacks = _dump_stacks(exc, rank)
-    dumps = ""
-    if stacks is not None:
-        dumps = f"; this rank's stacks: {stacks}"
+    dumps = f"; this rank's stacks: {stacks}" if stacks is not None else ""
     fr = os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
     if fr and dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
         dumps += f"; see the flight recorder dump in {Path(fr).parent}"
@@ -334,8 +294,7 @@ def _holder_stalled(head: str, holder: tuple[int, int, str], why: str, dumps: st
 
 
 def _within(seconds: float, fn, *args):
-    """``fn(*args)``, or `TimeoutError` when it has not returned within `seconds` (it goes on in a daemon thread:
-    a store read that a stopped process never answers)."""
+    """``fn(*args)``, or `TimeoutError` past `seconds` (it goes on in a daemon thread: a store nobody answers)."""
     import threading
 
     result: list = []
@@ -358,9 +317,8 @@ def _within(seconds: float, fn, *args):
 
 
 def _read_progress(rank: int, world: int, mine: int | None, grace_s: float) -> tuple[dict, set] | None:
-    """Every rank's progress record ``{rank: (step, pid, host)}`` and the ranks that marked a timeout, after
-    marking this rank's and waiting up to `grace_s` for the others' when no rank is behind; ``None`` without a
-    store."""
+    """``({rank: (step, pid, host)}, ranks that marked a timeout)`` after marking this rank's and waiting up to
+    `grace_s` for the others' when no rank is behind; None without a store."""
     store = _store()
     if store is None:
         return None
@@ -394,9 +352,8 @@ _PASS_THROUGH = re.compile(r"(return |\w+ = )?\w+\(\*args, \*\*kwargs\)")
 
 
 def _collective_site(exc: BaseException) -> str:
-    """Where this rank waited: the torch.distributed function (or backward), then the innermost call outside
-    torch that is not a decorator's pass-through, e.g. ``all_reduce: `dist.all_reduce(flat)`, dist.py:262``.
-    """
+    """Where this rank waited, e.g. ``all_reduce: `dist.all_reduce(flat)`, dist.py:262`` (torch's function, then
+    the innermost call outside torch that is not a decorator's pass-through)."""
     torch_dir = os.path.dirname(torch.__file__) + os.sep
     frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ is not None else []
     op = next((f.name for f in reversed(frames) if f.filename.startswith(torch_dir + "distributed")), None)
@@ -433,14 +390,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# Process groups destroyed by `destroy_distributed`, kept referenced until the process ends (see there).
-_DESTROYED_GROUPS: list = []
+_DESTROYED_GROUPS: list = []  # kept referenced until the process ends (see `destroy_distributed`)
 
 
 def destroy_distributed() -> None:
-    """Destroy the default process group if one exists (safe to call twice); the group object stays referenced
-    until the process ends (docs/notes.md#a-hang-in-the-process-groups-destructor-torch-213-gloo).
-    """
+    """Destroy the default process group if one exists (safe twice); the group objects stay referenced until exit
+    (docs/notes.md#a-hang-in-the-process-groups-destructor-torch-213-gloo)."""
     _STALL.update(timeout_s=None, debug_dir=None, store=None, step=None)  # of the group that ends here
     if dist.is_available() and dist.is_initialized():
         world = getattr(dist.distributed_c10d, "_world", None)  # every group: the default one and subgroups (meshes)
@@ -450,8 +405,7 @@ def destroy_distributed() -> None:
 
 @contextlib.contextmanager
 def distributed_context(timeout_minutes: float = 30.0) -> Iterator[DistInfo]:
-    """``with distributed_context() as info:`` initialises the group (collective timeout `timeout_minutes`)
-    and always destroys it, also when the body raises."""
+    """``with distributed_context() as info:`` initialises the group and always destroys it."""
     info = init_distributed(timeout_minutes * 60)
     try:
         yield info
@@ -466,14 +420,12 @@ def barrier() -> None:
 
 
 def all_reduce_mean(values: Mapping[str, float | torch.Tensor], device: torch.device) -> dict[str, float]:
-    """Average scalar metrics (name -> number or 0-d tensor) over ranks in one collective on `device`; returns
-    name -> mean as Python floats (the inputs as floats without a group).
-    """
+    """Average scalar metrics (name -> number or 0-d tensor) over ranks in one collective; name -> float."""
     return _all_reduce(values, device, mean=True)
 
 
 def all_reduce_sum(values: Mapping[str, float | torch.Tensor], device: torch.device) -> dict[str, float]:
-    """Sum scalar metrics (counts, token totals) over ranks in one collective; see `all_reduce_mean`."""
+    """Sum scalar metrics over ranks in one collective; see `all_reduce_mean`."""
     return _all_reduce(values, device, mean=False)
 
 
@@ -501,21 +453,17 @@ def all_gather_object(obj: object) -> list[object]:
 
 @torch.no_grad()
 def param_fingerprint(model: torch.nn.Module, chunk: int = 1 << 24) -> list[float]:
-    """``[sum, weighted_sum]`` (float64, as Python floats) of a model's parameters, to compare replicas across
-    ranks: the plain sum and a sum weighted by ``1 + (i mod 97) / 97`` (so swapped values change it). Plain tensors
-    only (not FSDP DTensors); computed in place, `chunk` entries at a time; compare values from the same device kind.
+    """``[sum, weighted_sum]`` (float64) of a model's parameters, to compare replicas across ranks; the weight
+    ``1 + (i mod 97) / 97`` makes swapped values count. Plain tensors only (not DTensors), `chunk` entries at a time.
     """
     total = weighted = None
     for p in model.parameters():
         flat = p.detach().reshape(-1)
         if total is None:
-            total = torch.zeros((), dtype=torch.float64, device=flat.device)
-            weighted = torch.zeros((), dtype=torch.float64, device=flat.device)
+            total, weighted = (torch.zeros((), dtype=torch.float64, device=flat.device) for _ in range(2))
         for start in range(0, flat.numel(), chunk):
             part = flat[start:start + chunk].to(total.device, torch.float64)
             w = 1.0 + (torch.arange(start, start + part.numel(), dtype=torch.float64, device=total.device) % 97) / 97.0
             total += part.sum()
             weighted += (part * w).sum()
-    if total is None:
-        return [0.0, 0.0]
-    return [total.item(), weighted.item()]
+    return [0.0, 0.0] if total is None else [total.item(), weighted.item()]
