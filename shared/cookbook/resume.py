@@ -1,7 +1,6 @@
 """Which checkpoint a run resumes from, and whether it may: `ResumeGuard`, the one resume check of every recipe
-(DCP here, the Hugging Face Trainer, Ray Train), and the damage checks it runs on a checkpoint folder (DCP's
-index, the file sizes and checksums that ``meta.json`` lists). See `cookbook.checkpoint` for what survives which
-failure; `cookbook.checkpoint` re-exports the names recipes import."""
+(DCP, the Hugging Face Trainer, Ray Train), and its damage checks of a checkpoint folder (DCP's index, the sizes and
+checksums ``meta.json`` lists). `cookbook.checkpoint` re-exports the names recipes import."""
 
 from __future__ import annotations
 
@@ -22,20 +21,10 @@ from cookbook.errors import RESTART_COUNT_ENV, CheckpointError
 
 
 META_FILE = "meta.json"
-
-
 DCP_METADATA = ".metadata"  # DCP's index of a checkpoint: which bytes of which file hold each tensor
-
-
 FILES_KEY = "files"  # meta.json's list of a checkpoint's files and sizes, where no index names them (file_sizes)
-
-
 CHECKSUMS_KEY = "checksums"  # meta.json's checksum of each file, written at publish time (checksums)
-
-
 _BATCH_KEYS = ("train.micro_batch_size", "train.grad_accum_steps")  # with the world size, they make the global batch
-
-
 _LENGTH_KEYS = {"train.max_steps": "step", "train.epochs": "epoch"}  # the run's length, with the unit meta.json counts
 
 
@@ -72,12 +61,8 @@ class ResumeGuard:
 
     # ------------------------------------------------------------------ finding
     def problem(self, path: str | Path) -> str | None:
-        """What is wrong with the checkpoint folder `path` as words for a message, or None when it is complete.
-
-        Reads ``meta.json`` and DCP's index (every file it names must hold ``offset + length`` bytes) or, for layouts
-        without an index, the sizes ``meta.json`` lists (`file_sizes`); no tensor is read. E.g. ``"no meta.json inside"``,
-        ``"__0_0.distcp is 1234 bytes, its index says 5678 are needed"``.
-        """
+        """What is wrong with the checkpoint folder `path` (words: ``"no meta.json inside"``), or None when complete.
+        Reads ``meta.json`` and DCP's index or the sizes ``meta.json`` lists (`file_sizes`); no tensor is read."""
         path = Path(path)
         if path in self.bad:
             return self.bad[path]
@@ -107,10 +92,8 @@ class ResumeGuard:
         return [f for f in (META_FILE, *self.files) if not (path / f).is_file()]
 
     def verify(self, path: str | Path) -> str | None:
-        """`problem`, then each file's checksum against ``meta.json``'s ``checksums`` (xxh3_64; a folder without
-        them passes on `problem`); None when right. A folder found wrong joins `bad` (damaged from then on), one found
-        right `verified`. Costs one read of the folder.
-        """
+        """`problem`, then each file's checksum against ``meta.json``'s ``checksums``; None when right. A folder
+        found wrong joins `bad` (damaged from then on), one found right `verified`. Reads the whole folder."""
         path = Path(path)
         found = self.problem(path)
         if found is None:
@@ -123,13 +106,8 @@ class ResumeGuard:
         return found
 
     def verified_latest(self) -> Path | None:
-        """The newest complete checkpoint that this process verified or wrote (`verified`), or ``None``: what a
-        message may call the last good one (it held finite weights when written: `cookbook.loop` saves none
-        else)."""
-        for _, path in reversed(self.candidates()):
-            if path in self.verified and self.is_complete(path):
-                return path
-        return None
+        """The newest complete checkpoint this process verified or wrote, or None: what a message calls the last good one."""
+        return next((p for _, p in reversed(self.candidates()) if p in self.verified and self.is_complete(p)), None)
 
     def is_complete(self, path: str | Path) -> bool:
         """Whether `path` is a complete checkpoint (`problem` finds nothing wrong)."""
@@ -141,45 +119,31 @@ class ResumeGuard:
         return int(m.group(1)) if m else -1
 
     def candidates(self) -> list[tuple[int, Path]]:
-        """``(number, folder)`` of every folder under `root` named like a checkpoint (complete or not), oldest
-        first."""
+        """``(number, folder)`` of every folder under `root` named like a checkpoint, oldest first."""
         if not self.root.is_dir():
             return []
         return sorted((int(m.group(1)), p) for p in self.root.iterdir() if (m := self._name.fullmatch(p.name)))
 
     def complete_checkpoints(self) -> list[Path]:
-        """Complete checkpoints under `root`, oldest first (by the number in their name). Folders of
-        interrupted saves (another name) and damaged or unpublished ones (`problem`) are left out."""
+        """Complete checkpoints under `root`, oldest first (by the number in their name)."""
         return [p for _, p in self.candidates() if self.is_complete(p)]
 
     def latest(self) -> Path | None:
-        """The checkpoint ``resume=auto`` takes: the newest complete one, or ``None``."""
-        for _, path in reversed(self.candidates()):
-            if self.is_complete(path):
-                return path
-        return None
+        """The checkpoint ``resume=auto`` takes: the newest complete one, or None."""
+        return next((p for _, p in reversed(self.candidates()) if self.is_complete(p)), None)
 
     def damaged(self, newer_than: str | Path | None = None) -> list[tuple[Path, str]]:
-        """Damaged checkpoint folders (numbered after `newer_than`, None: all), oldest first, with `problem`; an
-        incomplete folder counts only where folders are published complete.
-        """
+        """Damaged checkpoint folders (numbered after `newer_than`; None: all), oldest first, with `problem`; an
+        incomplete folder counts only where folders are published complete."""
         after = self.number(newer_than) if newer_than is not None else -1
-        found = []
-        for number, path in self.candidates():
-            if number <= after:
-                continue
-            problem = self.problem(path)
-            if problem is not None and (self.published or path in self.bad or not self._missing(path)):
-                found.append((path, problem))
-        return found
+        found = [(path, self.problem(path)) for number, path in self.candidates() if number > after]
+        return [(path, problem) for path, problem in found
+                if problem is not None and (self.published or path in self.bad or not self._missing(path))]
 
     def resolve(self, resume: str | None) -> Path | None:
         """A ``resume`` value as a checkpoint folder: ``"auto"`` (`latest`, damaged newer ones skipped with one
-        warning), ``"none"`` / ``""`` / None (start fresh), or a folder's path.
-
-        Raises:
-            CheckpointError: a path that is not a complete checkpoint; ``"auto"`` where every checkpoint is damaged.
-        """
+        warning), ``"none"`` / ``""`` / None (start fresh), or a folder's path. Raises CheckpointError: a path that is
+        not a complete checkpoint; ``"auto"`` where every checkpoint is damaged."""
         if resume in (None, "", "none", "null"):
             return None
         if resume == "auto":
@@ -212,19 +176,15 @@ class ResumeGuard:
 
     # ------------------------------------------------------------------ checking
     def start_afresh(self) -> str:
-        """The advice to start afresh that every message gives: ``"a new output_dir (or delete <run_dir>)"``."""
+        """``"a new output_dir (or delete <run_dir>)"``, the advice every message gives."""
         return "a new output_dir" + (f" (or delete {self.run_dir})" if self.run_dir is not None else "")
 
     def check(self, resume: str | None, world_size: int | None, config: Mapping[str, Any] | None = None,
               may_change: tuple[str, ...] = (), stop_at: tuple[str, int] = ("train.stop_at_step", -1)) -> Path | None:
         """The checkpoint to resume from (None: start fresh), checked against this run: `world_size` (None: later,
-        `check_world_size`), `config` but for `may_change` (dotted keys, ``section.*``), and `stop_at` ``(key, value)``,
-        a positive value after the checkpoint. A worker its launcher restarted resumes from the newest checkpoint.
-
-        Raises:
-            CheckpointError: no such checkpoint; "none" over existing checkpoints; another world size or global batch;
-                other settings (listed, with what to do); a stop point not after it.
-        """
+        `check_world_size`), `config` but for `may_change` (dotted keys, ``section.*``), and `stop_at` ``(key, value)``.
+        A restarted worker resumes from the newest checkpoint. Raises CheckpointError: no such checkpoint; "none"
+        over existing ones; another world size or global batch; other settings; a stop point not after it."""
         if restarted() and self.latest() is not None:
             resume = "auto"
         path = self.resolve(resume)
@@ -253,9 +213,7 @@ class ResumeGuard:
         return path
 
     def _length_changed(self, path: Path, meta: Mapping[str, Any], config: Mapping[str, Any]) -> str | None:
-        """Why a resume may not change ``train.max_steps`` / ``train.epochs`` (the LR schedule is laid out over
-        the length), as sentences, or None when the length is the checkpoint's.
-        """
+        """Why a resume may not change ``train.max_steps`` / ``train.epochs``, or None when the length is the same."""
         old, new = flatten(meta["config"]), flatten(config)
         by_steps = all(isinstance(c.get("train.max_steps"), int) and c["train.max_steps"] > 0 for c in (old, new))
         key = next((k for k in _LENGTH_KEYS if k in old and old.get(k) != new.get(k)
@@ -278,12 +236,8 @@ class ResumeGuard:
 
     def check_world_size(self, path: str | Path, meta: Mapping[str, Any], world_size: int,
                          config: Mapping[str, Any] | None = None) -> None:
-        """Refuse a checkpoint that `meta` says another number of processes wrote (one that did not record it
-        passes); with `resizable`, refuse instead another global batch (`config` needed).
-
-        Raises:
-            CheckpointError: naming both sizes (or global batches), why, and what to set instead.
-        """
+        """Raise CheckpointError for a checkpoint another number of processes wrote (with `resizable`: another
+        global batch, `config` needed), naming both, why, and what to set instead."""
         n = meta.get("world_size")
         if self.resizable:
             self._check_global_batch(path, meta, world_size, config)
@@ -328,19 +282,14 @@ class ResumeGuard:
 
     def already_complete(self, done: int, total: int | None, unit: str = "step",
                          outputs: Mapping[str, str | Path] = {}) -> str:
-        """The message for a run with nothing left to do: ``already complete: 40 of 40 steps; model in
-        <dir>/final, ... To train again, use a new output_dir (or delete <run_dir>).`` (`done` / `total` in `unit`s,
-        `outputs`: what is where).
-        """
+        """``already complete: 40 of 40 steps; model in <dir>/final. To train again, use a new output_dir ...``."""
         count = f"{done} of {total}" if total is not None else f"{done}"
         where = "".join(f"{', ' if i else '; '}{what} in {path}" for i, (what, path) in enumerate(outputs.items()))
         return f"already complete: {count} {unit}s{where}. To train again, use {self.start_afresh()}."
 
 
 def resizable_recipes() -> str:
-    """The recipes that resume on another world size, as words (``"modernbert-ddp, qwen-fsdp2-sft and
-    retinanet-ddp"``): those whose ``train.py`` declares ``RESIZABLE = True`` beside this package (in the
-    repository); installed elsewhere, ``"the recipes whose train.py says RESIZABLE = True"``."""
+    """The recipes whose ``train.py`` says ``RESIZABLE = True`` (they resume on another world size), as words."""
     recipes = Path(__file__).resolve().parents[2] / "recipes"
     names = sorted(t.parent.name for t in recipes.glob("*/train.py")
                    if re.search(r"^RESIZABLE = True\b", t.read_text(), re.M))
@@ -350,22 +299,18 @@ def resizable_recipes() -> str:
 
 
 def _plural(word: str, n: int) -> str:
-    """`word` (a plural: ``"ranks"``) for a count of `n`: ``"rank"`` for 1."""
     return word.removesuffix("s") if n == 1 else word
 
 
 def global_batch(config: Mapping[str, Any], world_size: int) -> tuple[int, int, int]:
-    """``(global batch, micro-batch, accumulation)`` of a run's config (flat or nested) on `world_size` processes:
-    ``train.micro_batch_size x train.grad_accum_steps x world_size`` samples per optimizer step (a key the config
-    lacks counts as 1)."""
+    """``(micro x accumulation x world_size, micro, accumulation)`` of a config (flat or nested); a missing key is 1."""
     flat = flatten(config)
     micro, accum = (int(flat.get(k) or 1) for k in _BATCH_KEYS)
     return micro * accum * world_size, micro, accum
 
 
 def restarted() -> bool:
-    """Whether this process is a worker of a group that its launcher started again after a failure:
-    ``COOKBOOK_RESTART_COUNT`` (`cookbook.torchrun`) or torchrun's own ``TORCHELASTIC_RESTART_COUNT`` above 0."""
+    """Whether the launcher restarted this worker's group (``COOKBOOK_RESTART_COUNT`` or torchrun's count above 0)."""
     return any(os.environ.get(k, "0").strip() not in ("", "0")
                for k in (RESTART_COUNT_ENV, "TORCHELASTIC_RESTART_COUNT"))
 
@@ -376,8 +321,7 @@ def read_meta(path: str | Path) -> dict[str, Any]:
 
 
 def _reason(exc: BaseException, limit: int = 120) -> str:
-    """An exception as a short phrase for a one-line message: ``"JSONDecodeError: Expecting value: ..."``; an OS
-    error as its name and text, and its file if it has one: ``"ENOSPC, No space left on device: '/ckpt/meta.json'"``."""
+    """An exception as a short phrase: ``"JSONDecodeError: Expecting ..."``, ``"ENOSPC, No space left on device: 'f'"``."""
     if isinstance(exc, OSError) and exc.errno in errno.errorcode:
         text = f"{errno.errorcode[exc.errno]}, {exc.strerror or os.strerror(exc.errno)}"
         return text + (f": {exc.filename!r}" if exc.filename else "")
@@ -387,11 +331,13 @@ def _reason(exc: BaseException, limit: int = 120) -> str:
 
 
 def file_sizes(folder: str | Path) -> dict[str, int]:
-    """Every file under `folder` but ``meta.json`` (relative ``/`` paths) with its size in bytes, for ``meta.json``'s
-    ``files`` in layouts without an index of their own (the Trainer's).
-    """
+    """Every file under `folder` but ``meta.json`` (relative ``/`` path) with its size in bytes, for ``files``."""
+    return {name: p.stat().st_size for name, p in _files(folder).items()}
+
+
+def _files(folder: str | Path) -> dict[str, Path]:
     folder = Path(folder)
-    return {p.relative_to(folder).as_posix(): p.stat().st_size for p in sorted(folder.rglob("*"))
+    return {p.relative_to(folder).as_posix(): p for p in sorted(folder.rglob("*"))
             if p.is_file() and p.relative_to(folder).as_posix() != META_FILE}
 
 
@@ -427,17 +373,14 @@ def _file_checksum(file: Path, kind: str) -> str:
 
 
 def checksums(folder: str | Path) -> dict[str, str]:
-    """Every file under `folder` but ``meta.json``, by its path relative to `folder`, with the checksum of its bytes:
-    ``{"__0_0.distcp": "xxh3_64:9f0c..."}`` (crc32 without the ``xxhash`` package). What a writer stores in
-    ``meta.json`` under ``checksums`` at publish time, for `ResumeGuard.verify` to compare on resume."""
-    folder, kind = Path(folder), _hasher()[0]
-    return {p.relative_to(folder).as_posix(): _file_checksum(p, kind) for p in sorted(folder.rglob("*"))
-            if p.is_file() and p.relative_to(folder).as_posix() != META_FILE}
+    """``{"__0_0.distcp": "xxh3_64:9f0c..."}`` of every file under `folder` but ``meta.json`` (crc32 without
+    ``xxhash``): ``meta.json``'s ``checksums``, for `ResumeGuard.verify`."""
+    kind = _hasher()[0]
+    return {name: _file_checksum(p, kind) for name, p in _files(folder).items()}
 
 
 def checksum_problem(path: Path, sums: Mapping[str, Any]) -> str | None:
-    """The first file of `sums` (``meta.json``'s ``checksums``) whose bytes under `path` do not match, as words:
-    ``"__0_0.distcp does not match its checksum (xxh3_64:... in meta.json, xxh3_64:... now)"``; ``None``."""
+    """The first file of `sums` (``meta.json``'s ``checksums``) whose bytes under `path` do not match, as words, or None."""
     for name, want in sorted(sums.items()):
         kind = str(want).split(":", 1)[0]
         try:
@@ -452,9 +395,8 @@ def checksum_problem(path: Path, sums: Mapping[str, Any]) -> str | None:
 
 
 def _sizes_problem(path: Path, sizes: Mapping[str, Any], listed: bool) -> str | None:
-    """What is wrong with the files of the checkpoint folder `path` that `sizes` names (relative path -> bytes), or
-    ``None``. `listed`: the sizes are ``meta.json``'s list of the folder's files (`file_sizes`), which each must
-    match exactly; else DCP's index, which says how many bytes each file must hold at least."""
+    """What is wrong with the files `sizes` names (relative path -> bytes), or None. `listed`: ``meta.json``'s exact
+    sizes (`file_sizes`); else DCP's index, the bytes each file must hold at least."""
     for name, size in sorted(sizes.items()):
         try:
             have = (path / name).stat().st_size
@@ -470,9 +412,7 @@ def _sizes_problem(path: Path, sizes: Mapping[str, Any], listed: bool) -> str | 
 
 
 def _dcp_problem(path: Path) -> str | None:
-    """What is wrong with the DCP files of `path`, or None: each file DCP's ``.metadata`` names must exist and be
-    at least as long as its last entry ends.
-    """
+    """What is wrong with the DCP files of `path` (each must reach the end of its last indexed entry), or None."""
     try:
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as exc:  # noqa: BLE001 - a damaged pickle raises anything (EOFError, UnpicklingError, ...)
@@ -489,10 +429,8 @@ def _dcp_problem(path: Path) -> str | None:
 
 
 def config_changes(old: Mapping[str, Any], new: Mapping[str, Any], may_change: tuple[str, ...] = ()) -> str:
-    """The settings that differ between two configs, ``"key: old -> new, ..."`` (at most six), ``""`` when none.
-    `may_change` keys are ignored (``section.*`` a whole section; ``"key=value"`` a key `old` lacks that `new` has at
-    that default).
-    """
+    """``"key: old -> new, ..."`` (at most six) of two configs, ``""`` when equal; `may_change` keys are ignored
+    (``section.*`` a whole section; ``"key=value"`` a key `old` lacks that `new` has at that default)."""
     old, new = flatten(old), flatten(new)
     added = dict(m.split("=", 1) for m in may_change if "=" in m)
     changed = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)
