@@ -1,10 +1,8 @@
 """Training metrics: throughput, MFU, memory, and the sinks they go to (console, JSONL, MLflow, TensorBoard, W&B).
 
-`MetricsLogger` is the one object a recipe talks to: `add` counts each micro-batch's samples, tokens and data
-wait; every ``log_every`` steps `log_step` measures the window's wall time, reduces the counts over ranks and
-writes one record to the console (rank 0), ``<out_dir>/metrics.jsonl`` (rank 0; a failed write raises
-`MetricsWriteError`, exit 2), rank 0's progress bar on a terminal (`cookbook.progress`) and the trackers of the
-config's ``trackers`` key (`cookbook.trackers`). The keys of the records: docs/outputs.md.
+`MetricsLogger`: `add` counts each micro-batch's samples, tokens and data wait; every ``log_every`` steps `log_step`
+reduces the window over ranks and writes one record (rank 0) to the console, ``<out_dir>/metrics.jsonl``, the progress
+bar and the config's ``trackers``. The keys of the records: docs/outputs.md.
 """
 
 from __future__ import annotations
@@ -28,32 +26,23 @@ from cookbook.errors import EXIT_USER_ERROR, LAUNCH_TIME_ENV, OneLineError
 from cookbook.progress import ProgressBar
 from cookbook.trackers import MLflowSink, Sink, TensorBoardSink, WandbSink, redact_uri
 
+
 def launch_time() -> float:
-    """The Unix time (s) this run was launched, for ``startup_s``: ``COOKBOOK_LAUNCH_TIME`` when it holds a number
-    (set by ``cookbook.launch`` and at each restart by `cookbook.torchrun`), else this process's start time.
-    """
-    value = os.environ.get(LAUNCH_TIME_ENV, "")
+    """The Unix time (s) this run was launched: ``COOKBOOK_LAUNCH_TIME`` if a number, else this process's start."""
     try:
-        return float(value)
+        return float(os.environ.get(LAUNCH_TIME_ENV, ""))
     except ValueError:
         return psutil.Process().create_time()
 
 
-# Dense (no sparsity) bf16 tensor-core peak, FLOP/s, from NVIDIA's data sheets:
-# A10: "NVIDIA A10 Tensor Core GPU" datasheet, BF16 125 TFLOPS.
-# A100 (SXM and PCIe): "NVIDIA A100 Tensor Core GPU" datasheet, BF16 312 TFLOPS.
-# H100 SXM 989 / H100 NVL 835 / H100 PCIe 756 TFLOPS: "NVIDIA H100 Tensor Core GPU" datasheet.
-# H200 SXM 989 / H200 NVL 835 TFLOPS: "NVIDIA H200 Tensor Core GPU" datasheet.
-# The data sheets quote sparse figures (2x) first; these are the dense halves.
+# Dense bf16 tensor-core peak, FLOP/s: NVIDIA's A10, A100, H100 and H200 data sheets (the halves of their sparse figures).
 PEAK_BF16_FLOPS: dict[str, float] = {"A10": 125e12, "A100": 312e12, "H100 SXM": 989e12, "H100 NVL": 835e12,
                                      "H100 PCIe": 756e12, "H200 SXM": 989e12, "H200 NVL": 835e12}
 
 
 def peak_bf16_flops(device_name: str) -> float | None:
-    """Peak dense bf16 FLOP/s of one GPU named `device_name` (``torch.cuda.get_device_name()``; an H100 or H200
-    without NVL/PCIe is taken as SXM), from `PEAK_BF16_FLOPS`; None for a GPU not in the table.
-    ``COOKBOOK_PEAK_TFLOPS`` (TFLOP/s) overrides it for any GPU.
-    """
+    """Peak dense bf16 FLOP/s of the GPU `device_name` (an H100/H200 without NVL/PCIe is SXM), None if not in the
+    table; ``COOKBOOK_PEAK_TFLOPS`` (TFLOP/s) overrides it."""
     override = os.environ.get("COOKBOOK_PEAK_TFLOPS")
     if override:
         return float(override) * 1e12
@@ -70,32 +59,18 @@ def peak_bf16_flops(device_name: str) -> float | None:
 
 
 def count_parameters(model: torch.nn.Module, exclude_embeddings: bool = True) -> int:
-    """Number of parameters, by default without ``nn.Embedding``'s (lookups cost no matrix FLOPs: Kaplan et al.
-    2020, "Scaling Laws for Neural Language Models", section 2.1). Tied parameters count once; DTensor shards and
-    DeepSpeed ZeRO-3 partitions at their full size.
+    """Number of parameters, by default without ``nn.Embedding``'s (no matrix FLOPs: Kaplan et al. 2020, section
+    2.1). Tied parameters count once (`model.parameters()` yields each once); shards and ZeRO-3 partitions at full size.
     """
-    embedding_ids = set()
-    if exclude_embeddings:
-        for m in model.modules():
-            if isinstance(m, torch.nn.Embedding):
-                embedding_ids.update(id(p) for p in m.parameters(recurse=False))
-    seen: set[int] = set()
-    total = 0
-    for p in model.parameters():
-        if id(p) in seen or id(p) in embedding_ids:
-            continue
-        seen.add(id(p))
-        total += getattr(p, "ds_numel", p.numel())  # ZeRO-3 partitions hold numel() == 0
-    return total
+    skip = {id(p) for m in model.modules() if exclude_embeddings and isinstance(m, torch.nn.Embedding)
+            for p in m.parameters(recurse=False)}
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if id(p) not in skip)  # ZeRO-3: numel 0
 
 
 @dataclass(frozen=True)
 class ModelFlops:
-    """FLOPs per token of a transformer's training step (forward + backward): ``6 * N + 12 * L * d * T`` (PaLM,
-    Chowdhery et al. 2022, appendix B), N the non-embedding parameters (`num_params`), L the layers (`num_layers`),
-    d the attention width, heads x head dim (`attn_width`), T the sequence length. Sliding-window layers count as full
-    attention (an upper bound).
-    """
+    """FLOPs per token of a training step: ``6 * N + 12 * L * d * T`` (PaLM, Chowdhery et al. 2022, appendix B), N
+    `num_params` (non-embedding), L `num_layers`, d `attn_width` (heads x head dim), T the sequence length."""
 
     num_params: int
     num_layers: int
@@ -107,26 +82,18 @@ class ModelFlops:
 
 
 def mfu(tokens_per_s_per_device: float, flops_per_token: float, peak_flops: float) -> float:
-    """Model FLOPs utilisation (fraction 0-1): achieved model FLOP/s over the GPU's peak, as defined in PaLM
-    (Chowdhery et al. 2022, section 4.1): recomputation does not count.
-    """
+    """Model FLOPs utilisation (0-1): model FLOP/s over the peak (PaLM, Chowdhery et al. 2022, section 4.1)."""
     return tokens_per_s_per_device * flops_per_token / peak_flops
 
 
 class MetricsWriteError(OneLineError, OSError):
-    """``metrics.jsonl`` could not be written (disk full, file too large, I/O error): one line naming the file and
-    the OS error, exit status 2 (the launcher does not restart: it would fail alike). The file was cut back to its
-    size before the write, so it ends with a whole record. ``errno`` is the OS error's."""
+    """``metrics.jsonl`` could not be written (disk full, I/O error): exit status 2; ``errno`` is the OS error's."""
 
     exit_status = EXIT_USER_ERROR
 
 
 def _append_line(path: Path, line: str) -> None:
-    """Append `line` to `path` whole or not at all.
-
-    Raises:
-        MetricsWriteError: the write failed; `path` was truncated back to its size before it.
-    """
+    """Append `line` to `path` whole or not at all (else MetricsWriteError, `path` cut back to its old size)."""
     data = line.encode()
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
@@ -147,8 +114,7 @@ def _append_line(path: Path, line: str) -> None:
 
 
 def _cut_torn_line(path: Path) -> int:
-    """Cut a torn last line (no final newline, or not JSON: a crash mid-write) from the JSONL file `path`, with
-    one warning naming it. Returns the bytes cut (0: none, or no file)."""
+    """Cut a torn last line (no final newline, or not JSON) from the JSONL file `path`, warning; returns bytes cut."""
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
@@ -175,15 +141,11 @@ def _cut_torn_line(path: Path) -> int:
 
 
 class MetricsLogger:
-    """Per-step metrics for a distributed run (keys and sinks: docs/outputs.md).
+    """Per-step metrics for a distributed run (keys and sinks: docs/outputs.md); `log_step` is collective.
 
-    `flops`: for MFU (None: none); `params`: the config, the trackers' params (its ``trackers`` and
-    ``checkpoint.push_to_hub`` are read); `mlflow` False turns MLflow off; `count_tokens` False leaves out
-    ``tokens_per_s*``; `trackers` None: the config's, else ``["mlflow"]``. `log_step` and `log_eval` are collective.
-
-    Raises:
-        ConfigError: a tracker that is unknown or not installed, on every rank.
-        MetricsWriteError: (rank 0) ``metrics.jsonl`` could not be written.
+    `flops`: for MFU; `params`: the config (its ``trackers`` and ``checkpoint.push_to_hub`` are read); `mlflow` False
+    turns MLflow off; `count_tokens` False leaves out ``tokens_per_s*``. Raises ConfigError: an unknown or missing
+    tracker; MetricsWriteError (rank 0): ``metrics.jsonl`` could not be written.
     """
 
     def __init__(self, out_dir: str | Path, info: DistInfo, flops: ModelFlops | None = None, run_name: str = "run",
@@ -195,8 +157,7 @@ class MetricsLogger:
         self.trackers = [t for t in dict.fromkeys(trackers) if mlflow or t != "mlflow"]
         check_trackers(self.trackers)
         self.params = dict(params or {})
-        self.out_dir, self.info, self.flops, self.max_steps = Path(out_dir), info, flops, max_steps
-        self.count_tokens = count_tokens
+        self.out_dir, self.info, self.flops, self.max_steps, self.count_tokens = Path(out_dir), info, flops, max_steps, count_tokens
         self.jsonl_path = self.out_dir / "metrics.jsonl"
         self._peak = peak_bf16_flops(torch.cuda.get_device_name(info.device)) if info.device.type == "cuda" else None
         self._mlflow: MLflowSink | None = None
@@ -205,13 +166,12 @@ class MetricsLogger:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             _cut_torn_line(self.jsonl_path)
             for name in self.trackers:
-                if name == "mlflow":
-                    self._mlflow = MLflowSink(self.out_dir, run_name, experiment, params or {})
-                    self._sinks.append(self._mlflow)
-                elif name == "tensorboard":
-                    self._sinks.append(TensorBoardSink(self.out_dir, params or {}))
+                if name == "tensorboard":
+                    self._sinks.append(TensorBoardSink(self.out_dir, self.params))
                 else:
-                    self._sinks.append(WandbSink(self.out_dir, run_name, experiment, params or {}))
+                    self._sinks.append((MLflowSink if name == "mlflow" else WandbSink)(self.out_dir, run_name, experiment,
+                                                                                       self.params))
+            self._mlflow = next((k for k in self._sinks if isinstance(k, MLflowSink)), None)
         self._progress = progress
         self._bar: ProgressBar | None = None
         self.last_train: dict[str, float] = {}  # the newest train record (`log_step`)
@@ -222,8 +182,7 @@ class MetricsLogger:
 
     @property
     def mlflow_uri(self) -> str | None:
-        """Where the MLflow run lives, with any password or token in it masked (`redact_uri`); ``None`` off
-        rank 0 or when tracking is off."""
+        """Where the MLflow run lives, secrets masked (`redact_uri`); None off rank 0 or when tracking is off."""
         return redact_uri(self._mlflow.tracking_uri) if self._mlflow and self._mlflow.enabled else None
 
     @property
@@ -231,9 +190,7 @@ class MetricsLogger:
         return self._mlflow.run_id if self._mlflow and self._mlflow.enabled else None
 
     def tracker_lines(self) -> list[tuple[str, str]]:
-        """``(tracker name, where its run is and the command that shows it)`` for each tracker still on (rank 0;
-        ``[]`` elsewhere); URIs are masked (`redact_uri`). Every command shown works once the packages of
-        ``requirements/`` are installed: when the one it needs is missing, the line names the file to install."""
+        """``(tracker name, where its run is and the command that shows it)`` for each tracker still on (rank 0)."""
         return [(sink.name, where) for sink in self._sinks if (where := sink.where())]
 
     def _reset_window(self, step: int | None) -> None:
@@ -257,10 +214,8 @@ class MetricsLogger:
         self._t_loop = time.perf_counter()
 
     def first_step_done(self) -> dict[str, float]:
-        """Note the end of this process's first optimizer step (once, no collective): sets and returns
-        `timings` ``startup_s`` (from `launch_time`) and ``first_step_s`` (from `start`), after a device sync; rank 0
-        logs them.
-        """
+        """Note the end of the first optimizer step (no collective): sets and returns `timings` ``startup_s`` (from
+        `launch_time`) and ``first_step_s`` (from `start`); rank 0 logs them."""
         if self.info.device.type == "cuda":
             torch.cuda.synchronize(self.info.device)  # the step's kernels, not just their launch
         now = time.perf_counter()
@@ -272,9 +227,7 @@ class MetricsLogger:
         return self.timings
 
     def note_pass_start(self, wait_s: float) -> None:
-        """A new pass over the training data began and its first batch took `wait_s` seconds to come: the
-        window's train record gets ``epoch_start_wait_s`` (the largest such wait of the window, max over ranks).
-        No collective (`cookbook.loop.EpochBatches` calls it)."""
+        """A pass over the data began, its first batch after `wait_s` s: the record's ``epoch_start_wait_s`` (max)."""
         self._pass_wait = max(self._pass_wait, float(wait_s))
 
     def advance(self, step: int) -> None:
@@ -284,9 +237,7 @@ class MetricsLogger:
 
     @contextlib.contextmanager
     def paused(self):
-        """Leave the time spent inside out of the window's step time, throughput and ETA
-        (``with metrics.paused(): checkpointer.save(...)``).
-        """
+        """Leave the time spent inside out of the window's step time, throughput and ETA."""
         t0 = time.perf_counter()
         try:
             yield
@@ -294,18 +245,15 @@ class MetricsLogger:
             self._last_time += time.perf_counter() - t0
 
     def add(self, samples: int, tokens: int | torch.Tensor, data_wait_s: float) -> None:
-        """Count one micro-batch on this rank: `samples` sequences, `tokens` real tokens (a device tensor avoids a
-        sync), `data_wait_s` seconds waited for it.
-        """
+        """Count one micro-batch on this rank: `samples`, `tokens` (a device tensor avoids a sync), `data_wait_s` (s)."""
         self._samples += samples
         self._tokens = self._tokens + (tokens.detach() if isinstance(tokens, torch.Tensor) else tokens)
         self._data_wait += data_wait_s
 
     def log_step(self, step: int, loss: float | torch.Tensor, lr: float, grad_norm: float | torch.Tensor | None,
                  extra: Mapping[str, float | torch.Tensor] | None = None) -> dict[str, float]:
-        """Reduce this window's counts over ranks and write one train record (returned, the same on every
-        rank). `loss`: this rank's window mean; `grad_norm`: before clipping; `extra`: more numbers averaged over ranks.
-        """
+        """Reduce this window over ranks and write one train record (returned on every rank). `loss`: this rank's
+        window mean; `grad_norm`: before clipping; `extra`: more numbers averaged over ranks."""
         dev = self.info.device
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
@@ -320,40 +268,31 @@ class MetricsLogger:
             torch.tensor(self._data_wait, dtype=torch.float64, device=dev),
             *[torch.as_tensor(v, dtype=torch.float64).to(dev).reshape(()) for v in (extra or {}).values()],
         ])
-        mem = torch.tensor([
-            torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else 0.0,
-            torch.cuda.max_memory_reserved(dev) / 2**30 if dev.type == "cuda" else 0.0,
-            psutil.Process().memory_info().rss / 2**30,
-            elapsed,
-            self._pass_wait,
-        ], dtype=torch.float64, device=dev)
+        cuda = dev.type == "cuda"
+        mem = torch.tensor([torch.cuda.max_memory_allocated(dev) / 2**30 if cuda else 0.0,
+                            torch.cuda.max_memory_reserved(dev) / 2**30 if cuda else 0.0,
+                            psutil.Process().memory_info().rss / 2**30, elapsed, self._pass_wait],
+                           dtype=torch.float64, device=dev)
         if dist.is_initialized():
             dist.all_reduce(sums, op=dist.ReduceOp.SUM)
             dist.all_reduce(mem, op=dist.ReduceOp.MAX)
         loss_sum, tok, samples, wait, *extra_sums = sums.tolist()
         alloc, reserved, rss, elapsed, pass_wait = mem.tolist()
         world = self.info.world_size
-        rec: dict[str, float] = {
-            "step": step,
-            "loss": loss_sum / world,
-            "lr": float(lr),
-        }
+        rec: dict[str, float] = {"step": step, "loss": loss_sum / world, "lr": float(lr)}
         if grad_norm is not None:
             rec["grad_norm"] = float(grad_norm)
         rec.update({k: v / world for k, v in zip(extra or {}, extra_sums)})
-        rec["step_time_s"] = elapsed / steps
-        rec["samples_per_s"] = samples / elapsed
+        rec.update(step_time_s=elapsed / steps, samples_per_s=samples / elapsed)
         if self.count_tokens:
             rec["tokens_per_s"] = tok / elapsed
         rec["samples_per_s_per_device"] = samples / elapsed / world
         if self.count_tokens:
             rec["tokens_per_s_per_device"] = tok / elapsed / world
         if self.flops is not None and self._peak is not None and samples > 0 and self.count_tokens:
-            fpt = self.flops.per_token(tok / samples)
-            rec["mfu"] = mfu(tok / elapsed / world, fpt, self._peak)
-        if dev.type == "cuda":
-            rec["mem_allocated_gib"] = alloc
-            rec["mem_reserved_gib"] = reserved
+            rec["mfu"] = mfu(tok / elapsed / world, self.flops.per_token(tok / samples), self._peak)
+        if cuda:
+            rec.update(mem_allocated_gib=alloc, mem_reserved_gib=reserved)
         rec["rss_gib"] = rss
         rec["data_wait_s"] = wait / world / steps
         rec["data_wait_frac"] = min(1.0, wait / world / elapsed) if elapsed > 0 else 0.0
@@ -373,12 +312,8 @@ class MetricsLogger:
         get_logger().info("eval  step %d | %s", step, " | ".join(shown))
 
     def log_summary(self, summary: Mapping[str, Any]) -> None:
-        """Write the final ``summary`` record; then on rank 0, with ``checkpoint.push_to_hub`` set, upload
-        the export it names (the first of `cookbook.push.PUSHED`) with a model card of the final metrics.
-
-        Raises:
-            cookbook.push.HubPushError: the upload failed (the export on disk is complete).
-        """
+        """Write the final ``summary`` record; then on rank 0, with ``checkpoint.push_to_hub`` set, upload the export
+        it names (the first of `cookbook.push.PUSHED`) with a model card. Raises HubPushError: the upload failed."""
         self._emit("summary", dict(summary), mlflow=False)
         repo_id = (self.params.get("checkpoint") or {}).get("push_to_hub") if self.info.is_main else None
         folder = next((summary[k] for k in push.PUSHED if summary.get(k)), None)
@@ -406,8 +341,7 @@ class MetricsLogger:
         parts = [head, f"loss {rec['loss']:.4f}", f"lr {rec['lr']:.2e}"]
         if "grad_norm" in rec:
             parts.append(f"gnorm {rec['grad_norm']:.2f}")
-        parts.append(f"{rec['step_time_s'] * 1000:.0f} ms/step")
-        parts.append(f"{rec['samples_per_s_per_device']:.1f} samples/s/{self._unit}")
+        parts += [f"{rec['step_time_s'] * 1000:.0f} ms/step", f"{rec['samples_per_s_per_device']:.1f} samples/s/{self._unit}"]
         if self.count_tokens:
             parts.append(f"{rec['tokens_per_s_per_device']:,.0f} tok/s/{self._unit}")
         if "mfu" in rec:
@@ -425,8 +359,7 @@ class MetricsLogger:
             self._bar.show(rec)
 
     def close(self, failed: bool = False, stopped: bool = False) -> None:
-        """Close the progress bar and end the trackers' runs: FAILED when `failed`, KILLED when `stopped` early
-        (to be resumed), else FINISHED."""
+        """Close the progress bar and end the trackers' runs: FAILED (`failed`), KILLED (`stopped`), else FINISHED."""
         if self._bar is not None:
             self._bar.close()
             self._bar = None
@@ -435,10 +368,8 @@ class MetricsLogger:
 
 
 class StepProfiler:
-    """Profile the 1-based `step` (0 or less: off) with ``torch.profiler`` on every rank; `start` and `stop`
-    around each step. Rank r writes ``<out_dir>/profile/trace_rank<r>.json`` (Perfetto) and ``ops_rank<r>.txt`` (the
-    40 operators with the most device time, CPU time on CPU).
-    """
+    """Profile the 1-based `step` (0 or less: off) with ``torch.profiler``; rank r writes ``<out_dir>/profile/``
+    ``trace_rank<r>.json`` (Perfetto) and ``ops_rank<r>.txt`` (the 40 operators with the most device time)."""
 
     def __init__(self, step: int, out_dir: str | Path, info: DistInfo):
         self.step, self.dir, self.info = step, Path(out_dir) / "profile", info
@@ -447,9 +378,8 @@ class StepProfiler:
     def start(self, step: int) -> None:
         """Start profiling if `step` (the step about to run) is the one asked for."""
         if self.step > 0 and step == self.step:
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            if self.info.device.type == "cuda":
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            activities = [torch.profiler.ProfilerActivity.CPU] + (
+                [torch.profiler.ProfilerActivity.CUDA] if self.info.device.type == "cuda" else [])
             self._prof = torch.profiler.profile(activities=activities, record_shapes=True)
             self._prof.start()
 
