@@ -1,11 +1,6 @@
-"""Typed recipe configs: a YAML file plus dotted command-line overrides, checked against a dataclass.
-
-Built on OmegaConf structured configs (https://omegaconf.readthedocs.io/en/latest/structured_config.html).
-A recipe declares its schema as nested dataclasses; `load_config` merges, in order,
-the dataclass defaults, the YAML file and the overrides (``optim.lr=3e-5 train.max_steps=20``),
-and returns an instance of the dataclass. An unknown key, a wrong type or a missing
-required value raises one `ConfigError` that names the key and where it came from. Call
-it before creating a process group or a model, so bad input costs nothing.
+"""Typed recipe configs: a YAML file plus dotted command-line overrides, checked against a dataclass (OmegaConf
+structured configs). `load_config` merges the dataclass defaults, the YAML file and the overrides
+(``optim.lr=3e-5``); an unknown key, a wrong type or a missing value is one `ConfigError` naming the key and its source.
 """
 
 from __future__ import annotations
@@ -72,19 +67,16 @@ def _yaml_line(path: Path, dotted: str | None) -> int | None:
 
 
 def config_not_found(p: Path, folder: Path | None = None) -> str:
-    """The line for a config file `p` that is not there: the working directory, and the file of that name in `folder`
-    (default: the running script's, where a recipe keeps its configs) when it exists there."""
+    """The line for a missing config file `p`, naming the file of that name in `folder` (default: the script's)."""
     beside = None if p.is_absolute() else (folder or Path(sys.argv[0]).resolve().parent) / p
     hint = f"; {beside} exists: give that path" if beside is not None and beside.is_file() else ""
     return f"config file not found: {p} (from {Path.cwd()}){hint}"
 
 
 def load_config(schema: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
-    """Build a recipe config: the `schema` dataclass's defaults, then the YAML file at `path` (None: defaults
-    only), then the ``"section.key=value"`` `overrides` (values parsed as YAML); returns a `schema` instance.
-    Raises ConfigError: naming the key and the file (with the line) or override: the file is missing or not a mapping;
-    an unknown key (with the closest known one); a wrong type; an override not ``key=value``; a required (``MISSING``)
-    value not given."""
+    """A `schema` instance: its defaults, then the YAML file at `path` (None: none), then the ``"section.key=value"``
+    `overrides` (values parsed as YAML). Raises ConfigError naming the key and the file (with the line) or override:
+    a missing or non-mapping file; an unknown key (with the closest one); a wrong type; a required value not given."""
     if not dataclasses.is_dataclass(schema):
         raise TypeError(f"schema must be a dataclass type, got {schema!r}")
     cfg = OmegaConf.structured(schema)
@@ -124,8 +116,7 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: Sequ
 
 
 def to_object(cfg: Any) -> Any:
-    """``OmegaConf.to_object(cfg)``, remembering which keys were ``${oc.env:...}`` so that `to_dict` writes their
-    text (an unset environment variable raises as ``OmegaConf.to_object`` does)."""
+    """``OmegaConf.to_object(cfg)``, remembering which keys were ``${oc.env:...}`` so that `to_dict` writes their text."""
     from_env = {k: v for k, v in flatten(OmegaConf.to_container(cfg, resolve=False)).items()
                 if isinstance(v, str) and "${oc.env:" in v}
     obj = OmegaConf.to_object(cfg)
@@ -149,8 +140,7 @@ _FROM_ENV = "_cookbook_from_env"  # attribute of a loaded config: dotted key -> 
 
 
 def to_dict(cfg: object) -> dict:
-    """A config instance as a plain nested dict, for ``config.yaml``, ``meta.json``, tracker params and resume
-    checks; values taken from the environment (``${oc.env:HF_TOKEN}``) are given as that text, never their value."""
+    """A config instance as a plain nested dict; values from the environment (``${oc.env:HF_TOKEN}``) as that text."""
     out = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
     for key, text in getattr(cfg, _FROM_ENV, {}).items():
         *parents, leaf = key.split(".")
@@ -162,24 +152,18 @@ def to_dict(cfg: object) -> dict:
 
 
 def save_config(cfg: object, path: str | Path) -> None:
-    """Write the config as YAML (e.g. into the run's output folder), with values from the environment as
-    their ``${oc.env:...}`` text (`to_dict`)."""
+    """Write the config as YAML (`to_dict`: values from the environment as their ``${oc.env:...}`` text)."""
     Path(path).write_text(OmegaConf.to_yaml(OmegaConf.create(to_dict(cfg))))
 
 
 def resolve_path(value: str, base_dir: str | Path) -> str:
-    """A relative path of a config file resolved against the file's folder when it exists there (so a recipe
-    folder can be copied anywhere); otherwise the value unchanged (a hub id: `cookbook.hub.resolve_path` prepares
-    the hub's access too)."""
-    if not value or Path(value).is_absolute():
-        return value
+    """A relative path of a config resolved against `base_dir` when it exists there; otherwise `value` (a hub id)."""
     candidate = Path(base_dir) / value
-    return str(candidate) if candidate.exists() else value
+    return str(candidate) if value and not Path(value).is_absolute() and candidate.exists() else value
 
 
 def field_value(cfg: object, key: str) -> Any:
-    """The value of a dotted key of a config instance (``"train.micro_batch_size"``).
-    Raises ConfigError: no such key."""
+    """The value of a dotted key of a config instance (``"train.micro_batch_size"``); ConfigError: no such key."""
     value = cfg
     for part in key.split("."):
         if not hasattr(value, part):
@@ -190,9 +174,8 @@ def field_value(cfg: object, key: str) -> Any:
 
 def check_fields(cfg: object, *, at_least: Mapping[str, float] = {}, one_of: Mapping[str, Iterable[Any]] = {},
                  within: Mapping[str, str] = {}, notes: Mapping[str, str] = {}) -> None:
-    """Check simple rules on single config values: `at_least` ``{key: minimum}``, `one_of` ``{key: allowed}``,
-    `within` ``{key: "[0, 1)"}`` (interval notation); `notes` ``{key: text}`` is appended to that key's message.
-    Raises ConfigError: for the first value that breaks its rule: ``train.micro_batch_size must be >= 1, got 0``."""
+    """Check `at_least` ``{key: minimum}``, `one_of` ``{key: allowed}``, `within` ``{key: "[0, 1)"}``; `notes`
+    ``{key: text}`` ends that key's message. ConfigError: ``train.micro_batch_size must be >= 1, got 0``."""
     def fail(key: str, rule: str, value: Any) -> None:
         note = f" ({notes[key]})" if key in notes else ""
         raise ConfigError(f"{key} must be {rule}, got {value!r}{note}")
@@ -216,8 +199,7 @@ def check_fields(cfg: object, *, at_least: Mapping[str, float] = {}, one_of: Map
 
 
 def cli_parser(description: str | None = None, show_examples: bool = False) -> argparse.ArgumentParser:
-    """The argument parser every recipe shares: ``--config FILE``, ``--check`` (validate config and data in one
-    process and exit) and overrides; with `show_examples`, ``--show-examples N`` (default 0)."""
+    """``--config FILE``, ``--check``, overrides and, with `show_examples`, ``--show-examples N``."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML config file")
     parser.add_argument("--check", action="store_true", help="validate config and data, then exit")
@@ -230,8 +212,6 @@ def cli_parser(description: str | None = None, show_examples: bool = False) -> a
 
 
 # ----------------------------------------------------------------------------- sections every recipe shares
-# A recipe's schema reuses these (or subclasses one to add its own keys), so that the same setting has the same
-# name, type and meaning everywhere. Every value is overridden by the recipe's YAML file.
 @dataclasses.dataclass
 class OptimConfig:
     """``optim``: AdamW (Loshchilov & Hutter, 2019) and a transformers ``get_scheduler`` learning-rate schedule."""
@@ -247,8 +227,7 @@ class OptimConfig:
 
 @dataclasses.dataclass
 class TrainConfig:
-    """``train``: the step loop (`cookbook.loop`). One optimizer step takes ``micro_batch_size`` rows per rank,
-    ``grad_accum_steps`` times: the global batch is micro_batch_size x grad_accum_steps x world size rows."""
+    """``train``: the step loop; the global batch is micro_batch_size x grad_accum_steps x world size rows."""
 
     seed: int = 42
     micro_batch_size: int = 2  # rows per rank per micro-step
@@ -289,9 +268,7 @@ DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 
 @dataclasses.dataclass
 class LoraConfig:
-    """``lora``: LoRA adapters (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models"): each targeted
-    weight W (out x in) trains W + (alpha / r) B A with A (r x in) and B (out x r), dropout on A's input. A recipe
-    sets its defaults with ``field(default_factory=lambda: LoraConfig(target_modules=[...]))`` or a subclass."""
+    """``lora``: LoRA (Hu et al. 2021): each targeted W (out x in) trains W + (alpha / r) B A, A (r x in), B (out x r)."""
 
     r: int = 16  # rank of A and B
     alpha: int = 32  # the update is scaled by alpha / r
@@ -299,25 +276,21 @@ class LoraConfig:
     target_modules: list[str] = dataclasses.field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
 
     def peft_kwargs(self) -> dict[str, Any]:
-        """The settings as `peft.LoraConfig` (and Unsloth's ``get_peft_model``) name them: ``r``, ``lora_alpha``,
-        ``lora_dropout``, ``target_modules`` (a list of module-name suffixes)."""
+        """The settings as `peft.LoraConfig` (and Unsloth's ``get_peft_model``) name them."""
         return {"r": self.r, "lora_alpha": self.alpha, "lora_dropout": self.dropout,
                 "target_modules": list(self.target_modules)}
 
 
 @dataclasses.dataclass
 class DDPConfig:
-    """``ddp``: the settings of ``DistributedDataParallel`` that change its speed, not its result (PyTorch's defaults):
-    ``bucket_cap_mb`` (MiB per all-reduce bucket), ``gradient_as_bucket_view``, ``static_graph``. A resume may change
-    any of them (docs/config.md)."""
+    """``ddp``: ``DistributedDataParallel``'s speed settings (PyTorch's defaults); a resume may change them."""
 
     bucket_cap_mb: float = 25.0
     gradient_as_bucket_view: bool = False
     static_graph: bool = False
 
     def kwargs(self) -> dict[str, Any]:
-        """The settings as ``DistributedDataParallel``'s keyword arguments.
-        Raises ConfigError: ``bucket_cap_mb`` not above 0."""
+        """``DistributedDataParallel``'s keyword arguments; ConfigError: ``bucket_cap_mb`` not above 0."""
         if not self.bucket_cap_mb > 0:
             raise ConfigError(f"ddp.bucket_cap_mb={self.bucket_cap_mb}: must be above 0 (MiB per gradient bucket)")
         return {"bucket_cap_mb": float(self.bucket_cap_mb), "gradient_as_bucket_view": bool(self.gradient_as_bucket_view),
@@ -326,22 +299,19 @@ class DDPConfig:
 
 @dataclasses.dataclass
 class ExpertLoraConfig(LoraConfig):
-    """``lora`` of a mixture-of-experts recipe: `LoraConfig` plus ``target_parameters``, the fused 3-D expert weights
-    (``mlp.experts.gate_up_proj``) that PEFT adapts through its ``target_parameters``; empty: none."""
+    """``lora`` of a mixture-of-experts recipe, plus ``target_parameters``: fused 3-D expert weights PEFT adapts."""
 
     target_parameters: list[str] = dataclasses.field(default_factory=list)
 
     def peft_kwargs(self) -> dict[str, Any]:
-        """`LoraConfig.peft_kwargs` with ``target_parameters``; an empty list of either kind is ``None`` for PEFT."""
+        """`LoraConfig.peft_kwargs` with ``target_parameters``; an empty list is ``None`` for PEFT."""
         return {**super().peft_kwargs(), "target_modules": list(self.target_modules) or None,
                 "target_parameters": list(self.target_parameters) or None}
 
 
 @dataclasses.dataclass
 class RunConfig:
-    """The top level of a recipe's schema: where the run writes, how it is tracked, and the shared sections. A
-    recipe's ``Config`` subclasses it, adds its own sections (``model``, ``data``, ...) and redeclares a shared
-    one only to use a subclass of it (``train: TrainConfig = field(default_factory=TrainConfig)``)."""
+    """The top level of a recipe's schema (a recipe's ``Config`` subclasses it): output, tracking, shared sections."""
 
     output_dir: str = "outputs/run"  # checkpoints, metrics.jsonl, MLflow store, the exported model
     run_name: str = "run"  # the trackers' run name
@@ -359,11 +329,9 @@ MAY_CHANGE = ("output_dir", "run_name", "mlflow", "trackers", "train.stop_at_ste
 
 
 def check_run(cfg: Any) -> None:
-    """Check the keys of the shared sections that `cfg` has (`TrainConfig`, `OptimConfig`, `CheckpointConfig`).
-    Raises ConfigError: a value out of range or unknown; neither ``train.max_steps`` nor ``train.epochs`` positive;
-    ``train.stop_at_step`` with ``checkpoint.every_steps=-1``; an ``output_dir`` where no file can be created; a bad
-    tracker or ``checkpoint.push_to_hub``; cookbook.errors.AlreadyComplete: in a launcher's check, ``output_dir`` holds
-    a run finished with these settings."""
+    """Check the keys of the shared sections that `cfg` has. Raises ConfigError: a value out of range or unknown; no
+    positive length; ``train.stop_at_step`` without checkpoints; an unwritable ``output_dir``; a bad tracker or
+    ``push_to_hub``. AlreadyComplete: in a launcher's check, ``output_dir`` holds a run finished with these settings."""
     has = {k for k in ("train.micro_batch_size", "train.grad_accum_steps", "train.log_every", "train.eval_every",
                        "train.mixed_precision", "train.max_steps", "train.stop_at_step", "optim.scheduler",
                        "optim.max_grad_norm", "checkpoint.every_steps", "checkpoint.keep_last")
@@ -404,12 +372,9 @@ def check_run(cfg: Any) -> None:
                 continue
             probed.add(folder)
             try:
-                fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=folder)
-                try:
-                    os.write(fd, b"probe")
-                finally:
-                    os.close(fd)
-                    os.unlink(probe)
+                with tempfile.TemporaryFile(prefix=".write-probe-", dir=folder) as f:
+                    f.write(b"probe")
+                    f.flush()
             except OSError as exc:
                 what = "is not a folder" if exc.errno == errno.ENOTDIR else "cannot be written to"
                 raise ConfigError(f"output_dir={cfg.output_dir!r}: {folder} {what} ({exc.strerror}, "
