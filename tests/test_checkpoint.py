@@ -71,7 +71,7 @@ def test_crash_mid_save_keeps_the_last_good_checkpoint(tmp_path, group, monkeypa
 
     # A crash after the shards were written but before publishing leaves no step_2 either.
     monkeypatch.setattr(ckpt_mod.dcp, "save", real_save)
-    monkeypatch.setattr(ckpt_mod, "_publish", lambda *a: (_ for _ in ()).throw(OSError("power cut")))
+    monkeypatch.setattr(ckpt_mod, "publish", lambda *a: (_ for _ in ()).throw(OSError("power cut")))
     with pytest.raises(OSError, match="power cut"):
         ck.save(2, {"counter": Counter(2)})
     monkeypatch.undo()

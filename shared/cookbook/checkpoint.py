@@ -1,14 +1,10 @@
 """Resumable, atomically published checkpoints with torch.distributed.checkpoint (DCP), and Hugging Face export.
 
-A checkpoint is a folder ``<root>/step_00000100/`` holding DCP's shards, its ``.metadata`` and ``meta.json``.
-Every rank writes into ``<root>/.tmp-step_00000100/``; once all are done rank 0 writes ``meta.json`` and renames
-the folder (atomic on POSIX), so a crash never leaves a half-written ``step_*``. With several nodes `root` must be
-on a shared file system. What goes in is a dict of DCP ``Stateful`` objects (`cookbook.state`:
-`ModelOptimizerState`, `RankLocalState`, `TrainState`; `cookbook.sampler.DataPosition`; an LR scheduler as is).
-A resizable checkpoint resumes on another world size with the same global batch (docs/failures.md#another-number-of-gpus).
-`cookbook.resume` finds and checks checkpoints (`ResumeGuard`); its names and `cookbook.state`'s are re-exported
-here. What survives which failure: docs/failures.md (each injected in ``tests/test_checkpoint_faults.py``).
-Reference: https://pytorch.org/docs/stable/distributed.checkpoint.html
+A checkpoint is a folder ``<root>/step_00000100/`` holding DCP's shards, its ``.metadata`` and ``meta.json``. Every
+rank writes into ``<root>/.tmp-step_00000100/``; then rank 0 writes ``meta.json`` and renames the folder (atomic), so a
+crash never leaves a half-written ``step_*`` (`root`: shared by all nodes). What goes in is a dict of DCP ``Stateful``
+objects (`cookbook.state`, `cookbook.sampler.DataPosition`, an LR scheduler). `cookbook.resume` finds and checks
+checkpoints; its names and `cookbook.state`'s are re-exported here. What survives which failure: docs/failures.md.
 """
 
 from __future__ import annotations
@@ -40,11 +36,7 @@ _LEFTOVER_PREFIXES = (".tmp-", ".old-")  # folders of a save or a publish that d
 
 
 class CheckpointSaveError(CheckpointError, OSError):
-    """A checkpoint could not be written (disk full, file too large, I/O error, read-only file system).
-
-    Raised on every rank with the same one-line message (the checkpoint, the OS error and its rank, the intact
-    previous checkpoint, what to do); ``errno`` is the OS error's. An `OSError` too.
-    """
+    """A checkpoint could not be written (disk full, I/O error, ...): one line, the same on every rank; ``errno`` set."""
 
     same_on_every_rank = True
 
@@ -106,9 +98,7 @@ def os_error_in(exc: BaseException) -> OSError | None:
 
 
 class _Writer(dcp.FileSystemWriter):
-    """DCP's `FileSystemWriter`, whose failed write raises the `OSError` beneath it (``torch.save``'s zip writer
-    reports it as ``RuntimeError: ... unexpected pos``, and DCP's gathering of errors drops the context).
-    """
+    """DCP's `FileSystemWriter`, whose failed write raises the `OSError` beneath it (not ``unexpected pos``)."""
 
     def write_data(self, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -121,8 +111,7 @@ class _Writer(dcp.FileSystemWriter):
 
 
 def _os_failure(exc: BaseException) -> tuple[int, OSError] | None:
-    """``(rank, OSError)`` of the first rank whose part of a DCP save failed with an OS error, from DCP's
-    `CheckpointException` (its ``failures``: rank -> (exception, traceback)); ``None`` when none did."""
+    """``(rank, OSError)`` of the first rank whose part of a DCP save failed with an OS error, or None."""
     for rank, failure in sorted(getattr(exc, "failures", {}).items()):
         os_error = os_error_in(failure[0] if isinstance(failure, tuple) else failure)
         if os_error is not None:
@@ -131,68 +120,47 @@ def _os_failure(exc: BaseException) -> tuple[int, OSError] | None:
 
 
 class Checkpointer:
-    """Save, find and load checkpoints under `root` (shared by all nodes); every method is collective.
-
-    `keep_last`: newest complete checkpoints kept (0: all); `run_dir`: named in the resume advice; `resizable`: a
-    checkpoint of another world size resumes when the global batch is kept (`load` then needs a `DataPosition`);
-    `cannot_remap`: why another world size is refused (default: the per-rank loader and RNG state).
-    """
+    """Save, find and load checkpoints under `root`; collective. `keep_last`: newest kept (0: all); `run_dir`: named
+    in the advice; `resizable`: another world size resumes with the same global batch (`load` needs a `DataPosition`);
+    `cannot_remap`: why another world size is refused."""
 
     def __init__(self, root: str | Path, keep_last: int = 3, run_dir: str | Path | None = None,
                  resizable: bool = False, cannot_remap: str | None = None):
         if keep_last < 0:
             raise ValueError(f"keep_last must be >= 0, got {keep_last}")
-        self.root = Path(root)
-        self.keep_last = keep_last
+        self.root, self.keep_last = Path(root), keep_last
         self.guard = ResumeGuard(self.root, run_dir=run_dir, resizable=resizable,
                                  **({"cannot_remap": cannot_remap} if cannot_remap else {}))
 
     # ------------------------------------------------------------------ finding
     def complete_checkpoints(self) -> list[Path]:
-        """Complete checkpoints, oldest first. Temporary folders of interrupted saves are ignored."""
+        """Complete checkpoints, oldest first."""
         return self.guard.complete_checkpoints()
 
     def latest(self) -> Path | None:
-        """The newest complete checkpoint, or ``None``."""
+        """The newest complete checkpoint, or None."""
         return self.guard.latest()
 
     def verified_latest(self) -> Path | None:
-        """The newest checkpoint this process saved or verified on resume (`ResumeGuard.verified_latest`), or
-        ``None``: the one the stop message of a diverged run names."""
+        """The newest checkpoint this process saved or verified (`ResumeGuard.verified_latest`), or None."""
         return self.guard.verified_latest()
 
     def resolve_resume(self, resume: str | None) -> Path | None:
-        """A config's ``resume`` value as a checkpoint folder (`ResumeGuard.resolve`).
-
-        Raises:
-            CheckpointError: an explicit path that is not a complete checkpoint.
-        """
+        """A config's ``resume`` value as a checkpoint folder (`ResumeGuard.resolve`)."""
         return self.guard.resolve(resume)
 
     def check_resume(self, resume: str | None, world_size: int, config: Mapping[str, Any] | None = None,
                      may_change: tuple[str, ...] = (), stop_at_step: int = -1) -> Path | None:
-        """The checkpoint folder to resume from (None: start fresh), checked by `ResumeGuard.check` with
-        ``train.stop_at_step``.
-
-        Raises:
-            CheckpointError: see `ResumeGuard.check`.
-        """
+        """The checkpoint folder to resume from (None: start fresh), checked by `ResumeGuard.check`."""
         return self.guard.check(resume, world_size, config, may_change, ("train.stop_at_step", stop_at_step))
 
     # ------------------------------------------------------------------ saving
     def save(self, step: int, state: Mapping[str, Any], extra_meta: Mapping[str, Any] | None = None) -> Path:
         """Write `state` (name -> ``Stateful`` or nested dict) with DCP and publish it as ``step_<step>``; returns the
-        folder. Leftover ``.tmp-*`` / ``.old-*`` folders go first; checkpoints beyond `keep_last` and older damaged ones
-        after. `extra_meta`: JSON facts for ``meta.json``.
-
-        Raises:
-            CheckpointSaveError: on every rank, when any rank could not write its part or rank 0 could not publish; the
-                previous checkpoint is intact. Other exceptions of ``dcp.save`` pass through.
-        """
-        final = self.root / f"step_{step:08d}"
-        tmp = self.root / f".tmp-step_{step:08d}"
-        start = time.perf_counter()
-        failure = None
+        folder. Leftovers go first; checkpoints beyond `keep_last` and older damaged ones after. `extra_meta`: more
+        ``meta.json``. Raises CheckpointSaveError on every rank when any rank could not write or publish."""
+        final, tmp = self.root / f"step_{step:08d}", self.root / f".tmp-step_{step:08d}"
+        start, failure = time.perf_counter(), None
         if _rank() == 0:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
@@ -223,7 +191,7 @@ class Checkpointer:
                     json.dump(meta, f, indent=2)
                     f.flush()
                     os.fsync(f.fileno())
-                _publish(tmp, final)
+                publish(tmp, final)
             except Exception as exc:  # noqa: BLE001 - every rank must hear of it, or they would wait forever
                 error = exc
                 failure = ("os", _reason(exc), exc.errno) if isinstance(exc, OSError) else ("bug", _reason(exc), None)
@@ -241,7 +209,7 @@ class Checkpointer:
         return final
 
     def _remove_leftovers(self) -> None:
-        """Delete what interrupted saves left under `root`: ``.tmp-*`` and ``.old-*`` folders (rank 0)."""
+        """Delete what interrupted saves left under `root` (rank 0)."""
         for path in self.root.iterdir():
             if path.name.startswith(_LEFTOVER_PREFIXES):
                 if path.is_dir() and not path.is_symlink():
@@ -279,13 +247,9 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ loading
     def load(self, path: str | Path, state: Mapping[str, Any]) -> dict[str, Any]:
-        """Load `state` in place from the checkpoint folder `path` (DCP reshards model and optimizer); returns its
-        ``meta.json``. On another world size a `resizable` checkpointer loads all but the per-rank state, saying so.
-
-        Raises:
-            CheckpointError: the folder is incomplete or damaged, or holds per-rank state of another world size.
-            ValueError: `resizable`, another world size, and `state` holds no `DataPosition`.
-        """
+        """Load `state` in place from `path` (DCP reshards); returns its ``meta.json``. On another world size a
+        `resizable` checkpointer loads all but the per-rank state. Raises CheckpointError: incomplete, damaged, or
+        per-rank state of another world size; ValueError: resized without a `DataPosition`."""
         path = Path(path)
         problem = self.guard.problem(path)
         if problem is not None:
@@ -308,20 +272,17 @@ class Checkpointer:
             batch = global_batch(meta["config"], written_by)[0] if "config" in meta else None
             get_logger().info(
                 f"resized: {path} was written by {written_by} {_plural(self.guard.processes, written_by)}, this job has "
-                f"{now}. Resharded by "
-                f"DCP: the model and optimizer state. Remapped: the data position, {positions[0].describe()} in the "
-                f"same order" + (f" (global batch {batch} samples, as before)" if batch else "")
-                + (f". Not restored, as in a fresh run (seeded at start-up): the per-rank state ({dropped})"
-                   if local else ""))
+                f"{now}. Resharded by DCP: the model and optimizer state. Remapped: the data position, "
+                f"{positions[0].describe()} in the same order" + (f" (global batch {batch} samples, as before)" if batch else "")
+                + (f". Not restored, as in a fresh run (seeded at start-up): the per-rank state ({dropped})" if local else ""))
         get_logger().info(f"resumed from {path} (step {meta['step']})")
         return meta
 
 
 def save_error(step: int, final: Path, previous: Path | None, rank: int | None, exc: OSError,
                reason: str | None = None) -> CheckpointSaveError:
-    """The one-line `CheckpointSaveError` of the failed save of step `step` to `final` (``errno`` set), naming
-    `exc` (or `reason`), the `rank` that met it (None: one process) and the intact `previous` checkpoint.
-    """
+    """The one-line `CheckpointSaveError` of the failed save of `step` to `final`, naming `exc` (or `reason`), the
+    `rank` that met it (None: one process) and the intact `previous` checkpoint."""
     where = f"rank {rank}: " if rank is not None else ""
     kept = f"the previous checkpoint {previous} is intact" if previous is not None else "there is no earlier checkpoint"
     again = f"it resumes from {previous}" if previous is not None else "it starts from step 0"
@@ -334,14 +295,9 @@ def save_error(step: int, final: Path, previous: Path | None, rank: int | None, 
 
 
 def publish(tmp: str | Path, final: str | Path) -> None:
-    """Rename the finished folder `tmp` to `final` (atomic on one file system), replacing an older `final`
-    only once the new one is complete. Call on one rank."""
-    _publish(Path(tmp), Path(final))
-
-
-def _publish(tmp: Path, final: Path) -> None:
-    """Rename a finished folder to its final name (atomic), replacing an older one of that name; if the
-    rename fails, the older one is put back."""
+    """Rename the finished folder `tmp` to `final` (atomic), replacing an older `final` (put back if the rename
+    fails). Call on one rank."""
+    tmp, final = Path(tmp), Path(final)
     if final.exists():
         trash = final.with_name(f".old-{final.name}")
         shutil.rmtree(trash, ignore_errors=True)
@@ -358,25 +314,17 @@ def _publish(tmp: Path, final: Path) -> None:
 
 
 def _fsync_dir(path: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def export_hf(model: torch.nn.Module, out_dir: str | Path, tokenizer: Any = None, dtype: torch.dtype | None = None) -> Path | None:
-    """Save the full model in Hugging Face format (safetensors + config [+ `tokenizer`]) into `out_dir`; collective.
-
-    A full state dict is gathered on rank 0 (DDP, FSDP2 or plain), written to a temporary folder and renamed over an
-    older export once complete. `dtype`: cast floating-point tensors first (None: keep). Returns `out_dir` on rank 0,
-    None elsewhere.
-    """
+    """Save the full model (DDP, FSDP2 or plain) in Hugging Face format (+ `tokenizer`) into `out_dir`, published
+    whole; collective. `dtype`: cast floating-point tensors first. Returns `out_dir` on rank 0, None elsewhere."""
     out = Path(out_dir)
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dtype is not None:
@@ -394,7 +342,7 @@ def export_hf(model: torch.nn.Module, out_dir: str | Path, tokenizer: Any = None
             config_file.write_text(json.dumps(config, indent=2))
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        _publish(tmp, out)
+        publish(tmp, out)
         result = out
     barrier()
     return result

@@ -1,13 +1,10 @@
 """The bookkeeping around a recipe's own step body, written once (its use: README.md#how-a-trainpy-is-built).
 
-`TrainLoop` counts optimizer steps in the checkpointed `TrainState`; logs the mean loss of each window of
-``log_every`` steps; evaluates every ``eval_every`` and saves every ``checkpoint_every`` steps (inside
-``metrics.paused()``, so step time measures training alone); stops at ``stop_at_step`` or on `request_stop`
-(preemption); checks each step for a non-finite loss or gradient norm (`skip_step`, `cookbook.policy`); records
-each rank's progress for the stall report (`cookbook.dist.record_progress`); times the start-up and the final
-evaluation; and at the end runs the final evaluation, the export, the summary record and the closing log lines.
-`EpochBatches` yields batches epoch after epoch; `Run`, what a recipe enters, is both with the resume and the
-metrics run. The shape follows torchtitan's ``Trainer.train`` / ``train_step`` split.
+`TrainLoop` counts optimizer steps in the checkpointed `TrainState`, logs each window of ``log_every`` steps,
+evaluates and saves on its cadence (outside the step time), stops at ``stop_at_step`` or on preemption, applies the
+non-finite policy (`cookbook.policy`), records progress for the stall report, and at the end runs the final
+evaluation, the export, the summary and the closing lines. `EpochBatches` yields batches epoch after epoch; `Run`,
+what a recipe enters, adds the resume and the metrics run (torchtitan's ``Trainer.train`` / ``train_step`` split).
 """
 
 from __future__ import annotations
@@ -34,10 +31,8 @@ _OUTPUT_NAMES = {"export_dir": "model"}  # summary key -> its name on the closin
 
 def _already_complete(state: TrainState, max_steps: int, out_dir: str | Path, final: str | Path | None = None,
                      what: str = "model") -> bool:
-    """Whether a resumed run has nothing left to do (``state.step >= max_steps``, and `final`, the folder
-    the finished run exported, exists when given); if so rank 0 says so (`what`: what `final` holds, "model" or
-    "adapter") and the caller cleans up and returns.
-    """
+    """Whether a resumed run has nothing left to do (``state.step >= max_steps`` and its export `final`, when given,
+    exists); if so rank 0 says so (`what`: what `final` holds, "model" or "adapter")."""
     if state.step < max_steps or (final is not None and not Path(final).is_dir()):
         return False
     out_dir = Path(out_dir)
@@ -48,12 +43,8 @@ def _already_complete(state: TrainState, max_steps: int, out_dir: str | Path, fi
 
 
 class EpochBatches:
-    """Endless batches from `loader`, epoch after epoch, timed.
-
-    Each new pass increments ``state.epoch`` and calls ``set_epoch(state.epoch)`` (None: no call); the first pass
-    continues from the loader's own restored state or a `cookbook.sampler.ResizableSampler`'s global position.
-    Batches are moved to `device` (None: left where they are). `metrics`: the wait for each pass's first batch is
-    noted there (``epoch_start_wait_s``).
+    """Endless batches from `loader`, epoch after epoch, timed, moved to `device` (None: left where they are).
+    Each new pass increments ``state.epoch`` and calls ``set_epoch(state.epoch)``; `metrics` notes each pass's first wait.
     """
 
     def __init__(self, loader, state: TrainState, set_epoch: Callable[[int], None] | None = None,
@@ -67,11 +58,7 @@ class EpochBatches:
         self._it = iter(self.loader)
 
     def next(self) -> tuple[Any, float]:
-        """The next batch (on `device`) and the seconds spent waiting for it.
-
-        Raises:
-            RuntimeError: the loader yields no batch at all in a fresh pass.
-        """
+        """The next batch (on `device`) and the seconds waited for it; RuntimeError: a fresh pass yields none."""
         t0 = time.perf_counter()
         new_pass = self._it is None
         if new_pass:
@@ -103,12 +90,11 @@ class EpochBatches:
 
 
 class TrainLoop:
-    """Step counting, metric windows, eval and checkpoint cadence around a recipe's own step body.
+    """Step counting, metric windows, eval and checkpoint cadence around a recipe's own step body; collective.
 
-    `stop_at_step` > 0 stops (and saves) after that step; `eval_every` 0: evaluate at the end only; `evaluate` runs on
-    every rank and returns metrics reduced over ranks; `checkpoint_every` -1 never, 0 at `stop_at_step` and the end,
-    N every N steps; `config` goes into ``meta.json``; `on_nonfinite` ``"stop"`` or ``"skip"`` (at most
-    `max_consecutive_skips` in a row). Every method that logs, evaluates or saves is collective.
+    `stop_at_step` > 0 stops (and saves) after that step; `eval_every` 0: evaluate at the end only; `evaluate` returns
+    metrics reduced over ranks; `checkpoint_every` -1 never, 0 at `stop_at_step` and the end, N every N steps;
+    `config` goes into ``meta.json``; `on_nonfinite` ``"stop"`` or ``"skip"`` (at most `max_consecutive_skips` in a row).
     """
 
     def __init__(self, *, state: TrainState, max_steps: int, stop_at_step: int = -1, metrics: MetricsLogger,
@@ -125,10 +111,8 @@ class TrainLoop:
         self.state, self.max_steps, self.metrics = state, max_steps, metrics
         self.stop_at = min(stop_at_step, max_steps) if stop_at_step > 0 else max_steps
         self.log_every, self.eval_every, self.evaluate = log_every, eval_every, evaluate
-        self.checkpointer, self.checkpoint_every = checkpointer, checkpoint_every
-        self.checkpoint_state, self.config = checkpoint_state, config
-        self.profiler, self.log_extra = profiler, log_extra
-        self.device = metrics.info.device
+        self.checkpointer, self.checkpoint_every, self.checkpoint_state = checkpointer, checkpoint_every, checkpoint_state
+        self.config, self.profiler, self.log_extra, self.device = config, profiler, log_extra, metrics.info.device
         self.stopped = False  # the run ended before max_steps (stop_at_step or a stop request)
         self._stop = StopRequest()  # preemption: SIGTERM / SIGUSR1 while the loop runs
         self._vote = StopVote(self.device)  # the ranks' agreement on a preemption stop
@@ -141,15 +125,12 @@ class TrainLoop:
 
     # ------------------------------------------------------------------ the loop
     def __enter__(self) -> TrainLoop:
-        """Start listening for preemption: SIGTERM (a scheduler's or torchrun's stop) and SIGUSR1 (Slurm's
-        ``--signal`` warning before the end of a job) call `request_stop` (main thread only)."""
+        """Start listening for preemption (SIGTERM, Slurm's SIGUSR1; main thread only)."""
         self._stop.listen()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        """Restore the signal handlers and end the metrics run; a collective timeout in the body becomes a
-        `CollectiveTimeout` whose line names the rank that is behind.
-        """
+        """Restore the signal handlers and end the metrics run; a collective timeout becomes a `CollectiveTimeout`."""
         self._stop.restore()
         if exc_type is None:
             self._vote.finish()
@@ -159,15 +140,8 @@ class TrainLoop:
         if stalled is not None:
             raise stalled from exc
 
-    def request_stop(self, signum: int | None = None) -> None:
-        """Stop at the next step boundary after a checkpoint (preemption); safe in a signal handler. The
-        flag is reduced over ranks (max) at step boundaries, so every rank stops after the same step.
-        """
-        self._stop(signum)
-
     def steps(self) -> Iterator[int]:
-        """Yield the number of each step to run (``state.step + 1``) until `max_steps`, ``stop_at_step``
-        or a stop request. Starts the metrics clock on every rank together (a barrier)."""
+        """Yield each step's number (``state.step + 1``) until `max_steps`, ``stop_at_step`` or a stop (a barrier first)."""
         barrier()
         self.metrics.start(self.state.step)
         while self.state.step < self.stop_at:
@@ -188,24 +162,16 @@ class TrainLoop:
 
     def skip_step(self, grad_norm: torch.Tensor | float | None = None, *, loss: torch.Tensor | float | None = None,
                   applied: bool = False) -> bool:
-        """Check a step for a NaN or infinite loss or gradient norm before its update; every rank decides alike.
-
-        `grad_norm`: the total norm, the same on every rank; None: check `loss` (one all-reduce). `applied`: the update
-        already ran (TorchRec): checked before the next log line or checkpoint. Returns True (``"skip"``) when the caller
-        must zero the gradients and ``continue``.
-
-        Raises:
-            NonFiniteError: with ``"stop"``, or more than ``max_consecutive_skips`` in a row.
-        """
+        """Check a step for a non-finite loss or gradient norm before its update (`cookbook.policy.NonFinitePolicy.skip`);
+        True: zero the gradients and ``continue``. Raises NonFiniteError: ``"stop"``, or too many skips in a row."""
         skipped = self.nonfinite.skip(self.state.step + 1, grad_norm, loss=loss, applied=applied)
         self._skipped_now = self._skipped_now or skipped
         return skipped
 
     def end_step(self, loss: torch.Tensor | float, *, lr: float, grad_norm: torch.Tensor | float | None = None,
                  window: Mapping[str, torch.Tensor | float] | None = None) -> None:
-        """Count one optimizer step and do what is due after it. `loss`: this rank's (a 0-d device tensor:
-        no sync); `grad_norm`: before clipping; `window`: more numbers averaged over the log window by name.
-        """
+        """Count one optimizer step and do what is due. `loss`: this rank's (0-d device tensor: no sync); `grad_norm`:
+        before clipping; `window`: more numbers averaged over the log window by name."""
         self.state.step += 1
         self.nonfinite.stepped()
         step = self.state.step
@@ -239,11 +205,8 @@ class TrainLoop:
     def _save(self, force: bool = False) -> None:
         if self.checkpointer is None or self.checkpoint_every < 0:
             return
-        step = self.state.step
-        every = self.checkpoint_every
-        if force or step in (self.stop_at, self.max_steps) or (every > 0 and step % every == 0):
-            if self._saved_step == step:
-                return  # saved at this step already
+        step, every = self.state.step, self.checkpoint_every
+        if (force or step in (self.stop_at, self.max_steps) or (every > 0 and step % every == 0)) and self._saved_step != step:
             self.nonfinite.check_applied()  # never save an update that diverged
             self.nonfinite.check_model(step, "its checkpoint is not saved")
             self._saved_step = step
@@ -253,14 +216,9 @@ class TrainLoop:
     # ------------------------------------------------------------------ the end
     def finish(self, export: Callable[[], Outputs] | None = None,
                summary: Callable[[], Mapping[str, Any]] | None = None) -> dict[str, float] | None:
-        """After the loop: final evaluation, `export` (collective; returns ``{summary key: (folder or None, how
-        to load it)}``), the summary record; or, for a run that stopped early, how to continue it (returns None).
-        Returns the final evaluation metrics (``{}`` without `evaluate`).
-
-        Raises:
-            cookbook.push.HubPushError: the ``checkpoint.push_to_hub`` upload failed (exit status 2).
-            NonFiniteError: a parameter or buffer of the model is NaN or infinite.
-        """
+        """After the loop: final evaluation, `export` (collective; ``{summary key: (folder or None, how to load)}``)
+        and the summary; returns the final evaluation (None for a run that stopped early: how to continue is said).
+        Raises HubPushError: the ``push_to_hub`` upload failed; NonFiniteError: the model holds NaN or inf."""
         self.nonfinite.check_applied()
         if self.state.step < self.max_steps:
             self.stopped = True
@@ -302,16 +260,11 @@ class TrainLoop:
 
 
 class Run(TrainLoop):
-    """A torchrun recipe's run, entered with ``with``: seeds ``train.seed + rank``, resumes from ``checkpoint.resume``
-    (after `Checkpointer.check_resume`), writes ``config.yaml``, starts the metrics, then is the `TrainLoop` of the
-    config's cadence; `take` gives `loader`'s micro-batches (`EpochBatches`). Already complete: said once (rank 0);
-    `steps` yields nothing, `say` and `finish` do nothing. Checkpoints hold ``app`` (model and optimizer),
-    ``scheduler``, ``train``, ``data`` (with `resizable`: the global `DataPosition`) and ``rank_local`` (same world
-    size only); or `checkpoint`, with its `state`.
-
-    Raises:
-        CheckpointError: the checkpoint to resume from does not fit this run.
-        ConfigError: a bad ``train.on_nonfinite`` or ``train.max_consecutive_skips``.
+    """A torchrun recipe's run, entered with ``with``: seeds ``train.seed + rank``, resumes from ``checkpoint.resume``,
+    writes ``config.yaml``, starts the metrics, then is the config's `TrainLoop`; `take` gives `loader`'s micro-batches.
+    Already complete: said once; `steps` yields nothing, `say` and `finish` do nothing. Checkpoints hold ``app``,
+    ``scheduler``, ``train``, ``data`` (with `resizable`) and ``rank_local``; or `checkpoint`, with its `state`.
+    Raises CheckpointError: the checkpoint does not fit this run; ConfigError: bad ``train.on_nonfinite`` settings.
     """
 
     def __init__(self, cfg: Any, info: DistInfo, *, may_change: tuple[str, ...], max_steps: int, experiment: str,
@@ -379,9 +332,8 @@ class Run(TrainLoop):
 
 def log_outputs(step: int, final_eval: Mapping[str, float], metrics: MetricsLogger, checkpoints: Path | None,
                 outputs: Outputs, eval_text: str | None = None, timings: Mapping[str, float] | None = None) -> None:
-    """The closing log lines of a finished run (rank 0): steps, final evaluation, start-up and
-    final-evaluation times (`timings`), where the metrics, trackers, checkpoints and exports are, and how to load them.
-    """
+    """The closing log lines of a finished run (rank 0): steps, final evaluation, `timings`, where the metrics,
+    trackers, checkpoints and exports are, and how to load them."""
     if not get_dist_info().is_main:
         return
     log = get_logger()
