@@ -18,26 +18,19 @@ from cookbook.dist import get_logger
 from cookbook.errors import EXIT_DIVERGED, EXIT_PREEMPTED, ConfigError, OneLineError
 
 
-PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # a scheduler's or torchrun's stop; Slurm's --signal warning
 _ON_NONFINITE = ("stop", "skip")  # what a step with a NaN / inf loss or gradient norm does (TrainLoop.skip_step)
-
-
 _NONE_BAD = 2**62  # "no non-finite step" in the all-reduce (min) of the first bad step of updates already applied
 
 
 class Preempted(SystemExit):
-    """The run stopped at a step boundary on a preemption signal, after saving a checkpoint; its code is
-    `cookbook.errors.EXIT_PREEMPTED` (75, ``EX_TEMPFAIL``: try again), the status the process exits with."""
+    """The run stopped on a preemption signal after saving a checkpoint; its code is `EXIT_PREEMPTED` (75)."""
 
     __module__ = "cookbook.loop"  # its home before the split: tracebacks and WorkerError.exc_type name it so
 
 
 class NonFiniteError(OneLineError):
-    """The loss or the gradient norm of a step is NaN or infinite, and the run stops: the step was not applied
-    (or, for a recipe that checks after its update, not saved). `cookbook.run_main` prints the message as one
-    line and exits with status 4 (`cookbook.errors.EXIT_DIVERGED`)."""
+    """A step's loss or gradient norm is NaN or infinite and the run stops, the step not applied (or not saved): exit 4."""
 
     __module__ = "cookbook.loop"  # its home before the split: tracebacks and WorkerError.exc_type name it so
 
@@ -46,18 +39,14 @@ class NonFiniteError(OneLineError):
 
 
 class StopVote:
-    """The ranks' agreement on stopping at a step boundary, without a device wait: each call starts an asynchronous
-    all-reduce (max) of this rank's flag on `device` and returns the previous boundary's result, so all ranks stop
-    after the same step, one boundary after the first request. Without a group the flag is the answer.
-    """
+    """The ranks' agreement on stopping at a step boundary, without a device wait: each call starts an async
+    all-reduce (max) of this rank's flag and returns the previous boundary's result (collective)."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self._pending = None  # (work, flag) of the all-reduce started at the last boundary
 
     def __call__(self, requested: bool) -> bool:
-        """Vote `requested` at this boundary; ``True`` when the vote of the previous boundary was to stop
-        (collective)."""
         if not dist.is_initialized():
             return requested
         decided = False
@@ -77,10 +66,8 @@ class StopVote:
 
 
 class StopRequest:
-    """A request to stop at the next step boundary: preemption. While `listening`, SIGTERM (a scheduler's or
-    torchrun's stop) and SIGUSR1 (Slurm's ``--signal`` warning before the end of a job) call it (main thread only;
-    elsewhere nothing is installed). Safe to call from a signal handler: it only sets `requested`. The ranks agree
-    on the step with `StopVote`."""
+    """A request to stop at the next step boundary (preemption): after `listen`, `PREEMPT_SIGNALS` call it (main
+    thread only). It only sets `requested`; the ranks agree on the step with `StopVote`."""
 
     def __init__(self) -> None:
         self.requested = False
@@ -104,8 +91,7 @@ class StopRequest:
         self._handlers = {}
 
     def preempted(self, step: int, max_steps: int, checkpoint: Path | None) -> Preempted:
-        """Log that the run stopped after `step` of `max_steps` on this request, with `checkpoint` (rank 0's log),
-        and return the `Preempted` to raise (exit status 75)."""
+        """Log that the run stopped after `step` of `max_steps`, with `checkpoint`; returns the `Preempted` to raise."""
         what = signal.Signals(self.signum).name if self.signum else "a stop request"
         get_logger().info(f"preempted ({what}) after step {step} of {max_steps}: checkpoint {checkpoint}; run the "
                           f"same command again to continue (exit status {EXIT_PREEMPTED})")
@@ -113,13 +99,10 @@ class StopRequest:
 
 
 class NonFinitePolicy:
-    """What a step with a NaN or infinite loss or gradient norm does, decided alike on every rank before its update
-    (shared by `TrainLoop.skip_step` and the Ray workers): ``"stop"`` raises `NonFiniteError` (exit 4); ``"skip"``
-    has the caller drop the step, puts the running statistics of `models` back, logs and counts it (`skipped_steps`,
-    from a resumed count), up to `max_consecutive_skips` in a row. `check_model` refuses a non-finite model.
-
-    Raises:
-        ValueError: an unknown `on_nonfinite`, or `max_consecutive_skips` < 0.
+    """What a step with a NaN or infinite loss or gradient norm does, decided alike on every rank before its update:
+    ``"stop"`` raises `NonFiniteError`; ``"skip"`` has the caller drop the step, puts the running statistics of
+    `models` back, logs and counts it, up to `max_consecutive_skips` in a row. `check_model` refuses a non-finite model.
+    Raises ValueError: an unknown `on_nonfinite`, or `max_consecutive_skips` < 0.
     """
 
     def __init__(self, on_nonfinite: str = "stop", max_consecutive_skips: int = 5, *, device: torch.device | None = None,
@@ -142,13 +125,8 @@ class NonFinitePolicy:
 
     @staticmethod
     def settings(train: Any) -> tuple[str, int]:
-        """``(train.on_nonfinite, train.max_consecutive_skips)`` of a ``train`` section (default ``"stop"``, 5).
-
-        Raises:
-            ConfigError: ``train.on_nonfinite`` is not stop or skip, or ``train.max_consecutive_skips`` < 0.
-        """
-        on_nonfinite = getattr(train, "on_nonfinite", "stop")
-        max_skips = getattr(train, "max_consecutive_skips", 5)
+        """``(train.on_nonfinite, train.max_consecutive_skips)`` (default ``"stop"``, 5), or ConfigError."""
+        on_nonfinite, max_skips = getattr(train, "on_nonfinite", "stop"), getattr(train, "max_consecutive_skips", 5)
         if on_nonfinite not in _ON_NONFINITE:
             raise ConfigError(f"train.on_nonfinite must be one of {', '.join(_ON_NONFINITE)}, got {on_nonfinite!r}")
         if max_skips < 0:
@@ -157,15 +135,13 @@ class NonFinitePolicy:
 
     @classmethod
     def from_config(cls, train: Any, **kwargs: Any) -> NonFinitePolicy:
-        """The policy of a ``train`` config section (`settings`); `kwargs` go to the constructor.
-
-        Raises:
-            ConfigError: as `settings`."""
+        """The policy of a ``train`` config section (`settings`); `kwargs` go to the constructor."""
         return cls(*cls.settings(train), **kwargs)
 
     def skip(self, step: int, grad_norm: torch.Tensor | float | None = None, *,
              loss: torch.Tensor | float | None = None, applied: bool = False) -> bool:
-        """Check step `step` (1-based, about to be applied), as `TrainLoop.skip_step` (arguments, result, errors)."""
+        """Check step `step` (1-based) before its update; True: the caller drops it. `grad_norm`: the total norm, the
+        same on every rank; None: check `loss` (one all-reduce). `applied`: the update already ran (checked later)."""
         if grad_norm is not None:
             value = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
             if math.isfinite(value):
@@ -184,12 +160,8 @@ class NonFinitePolicy:
         return True
 
     def nonfinite(self, step: int, what: str, short: str) -> None:
-        """Step `step` was not finite on some rank and is not applied: stop, or count and log a skip; every rank
-        calls it alike. `what` words the stop message (``"the gradient norm of step 5 is nan"``), `short` the skip line.
-
-        Raises:
-            NonFiniteError: with ``"stop"``, or one more than ``max_consecutive_skips`` in a row.
-        """
+        """Step `step` was not finite on some rank: stop (NonFiniteError), or count and log a skip; every rank alike.
+        `what` words the stop message (``"the gradient norm of step 5 is nan"``), `short` the skip line."""
         self._consecutive += 1
         if self.on_nonfinite == "stop":
             raise NonFiniteError(f"{what}: the step was not applied and the run stops (train.on_nonfinite=stop); "
@@ -207,8 +179,7 @@ class NonFinitePolicy:
         self._log(f"step {step}: {short}, step skipped ({self.skipped_steps} skipped so far)")
 
     def begin_step(self) -> None:
-        """Before a step's forward, with ``"skip"``: keep the models' running statistics (`_running_stats`), which a
-        skipped step puts back (`nonfinite`)."""
+        """Before a step's forward, with ``"skip"``: keep the models' running statistics for a skip to put back."""
         if self.on_nonfinite != "skip" or not self.models:
             return
         stats = _running_stats(self.models)
@@ -219,12 +190,8 @@ class NonFinitePolicy:
                 torch._foreach_copy_(self._saved, stats)
 
     def check_model(self, step: int, outcome: str) -> None:
-        """Stop when a parameter or buffer of the models is NaN or infinite on some rank, whatever
-        ``on_nonfinite`` says (one all-reduce). `step` and `outcome` (``"its checkpoint is not saved"``) word the message.
-
-        Raises:
-            NonFiniteError: naming the count, this rank's first such tensor and the newest checkpoint.
-        """
+        """Raise NonFiniteError when a parameter or buffer of the models is NaN or inf on some rank (one all-reduce);
+        `step` and `outcome` (``"its checkpoint is not saved"``) word the message."""
         if not self.models:
             return
         tensors = _local_tensors(self.models)
@@ -287,8 +254,7 @@ class NonFinitePolicy:
 
 
 def models_in(state: Mapping[str, Any] | None) -> list[torch.nn.Module]:
-    """The models among the objects a checkpoint holds: its `torch.nn.Module` values and the ``model`` of the others
-    (`cookbook.checkpoint.ModelOptimizerState`)."""
+    """The models among a checkpoint's objects: its `torch.nn.Module` values and the others' ``model``."""
     found: list[torch.nn.Module] = []
     for obj in (state or {}).values():
         model = obj if isinstance(obj, torch.nn.Module) else getattr(obj, "model", None)
@@ -298,8 +264,7 @@ def models_in(state: Mapping[str, Any] | None) -> list[torch.nn.Module]:
 
 
 def _running_stats(models: Iterable[torch.nn.Module]) -> list[torch.Tensor]:
-    """The buffers a training forward updates in place: the running mean, variance and batch count of the
-    BatchNorm (and InstanceNorm) layers with running statistics of `models`."""
+    """The buffers a training forward updates in place: the running statistics of `models`' norm layers."""
     from torch.nn.modules.batchnorm import _NormBase
 
     return [b for model in models for m in model.modules() if isinstance(m, _NormBase)
@@ -307,8 +272,7 @@ def _running_stats(models: Iterable[torch.nn.Module]) -> list[torch.Tensor]:
 
 
 def _local_tensors(models: Iterable[torch.nn.Module]) -> list[tuple[str, torch.Tensor]]:
-    """``(name, values)`` of the floating-point parameters and buffers of `models` held on this rank: a DTensor's
-    local shard, a ShardedTensor's local shards, a plain tensor whole."""
+    """``(name, values)`` of the floating-point parameters and buffers of `models` held on this rank (local shards)."""
     found, seen = [], set()
     for model in models:
         for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
