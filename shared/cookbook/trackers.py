@@ -1,7 +1,6 @@
-"""Where a run's metrics go besides ``metrics.jsonl``: the MLflow, TensorBoard and W&B sinks (``trackers`` in the
-config) that `cookbook.metrics.MetricsLogger` writes to on rank 0, and the redaction of credentials from the
-tracking URIs and texts they show (`redact_uri`, re-exported by `cookbook.metrics`). What each writes, where, how
-to browse it and how a resumed run continues it: docs/outputs.md.
+"""Where a run's metrics go besides ``metrics.jsonl``: the MLflow, TensorBoard and W&B sinks (the config's
+``trackers``) of `cookbook.metrics.MetricsLogger`, and the masking of credentials in the URIs they show
+(`redact_uri`). What each writes, where, and how a resumed run continues it: docs/outputs.md.
 """
 
 from __future__ import annotations
@@ -17,12 +16,15 @@ from cookbook.dist import get_logger
 
 
 _SECRET_QUERY = ("token", "key", "secret", "password", "passwd", "pwd", "auth", "signature", "credential")
+_TRACKING_URI_VARIABLES = ("MLFLOW_TRACKING_URI", "WANDB_BASE_URL")  # URIs of trackers, from the environment
+
+
+def _secret(key: str) -> bool:
+    return any(s in key.lower() for s in _SECRET_QUERY) or key.lower() == "sig"
 
 
 def redact_uri(uri: str | None) -> str | None:
-    """`uri` with its password (``https://user:pw@host``) and the values of secret-looking query parameters
-    (``?token=...``, ``sig``, ``key``) replaced by ``***``, for logs and summaries (``MLFLOW_TRACKING_URI`` may
-    embed credentials). Other URIs are returned unchanged."""
+    """`uri` with its password (``https://user:pw@host``) and secret-looking query values (``?token=...``) as ``***``."""
     from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
     if not uri:
@@ -38,21 +40,14 @@ def redact_uri(uri: str | None) -> str | None:
         netloc = f"***@{netloc.rsplit('@', 1)[1]}"
     query = parts.query
     if query:
-        pairs = parse_qsl(query, keep_blank_values=True)
-        query = urlencode([(k, "***" if any(s in k.lower() for s in _SECRET_QUERY) or k.lower() == "sig" else v)
-                           for k, v in pairs], safe="*")
+        query = urlencode([(k, "***" if _secret(k) else v) for k, v in parse_qsl(query, keep_blank_values=True)], safe="*")
     if (netloc, query) == (parts.netloc, parts.query):
         return uri  # nothing to mask (rebuilding would drop the empty authority of sqlite:////abs/path)
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
-_TRACKING_URI_VARIABLES = ("MLFLOW_TRACKING_URI", "WANDB_BASE_URL")  # URIs of trackers, from the environment
-
-
 def _redact_text(text: str, uris: Sequence[str | None] = ()) -> str:
-    """`text` (an error message, say) with the secrets that `redact_uri` masks in `uris` and in the tracking URIs
-    of the environment (`_TRACKING_URI_VARIABLES`) replaced by ``***``, wherever they occur: a library's message
-    may quote the URI with a path or a query appended."""
+    """`text` with the secrets `redact_uri` masks in `uris` and the environment's tracking URIs as ``***``, wherever."""
     from urllib.parse import parse_qsl, unquote, urlsplit
 
     secrets = set()
@@ -69,7 +64,7 @@ def _redact_text(text: str, uris: Sequence[str | None] = ()) -> str:
         elif "@" in parts.netloc and parts.username:
             secrets.update({parts.username, unquote(parts.username)})
         for k, v in parse_qsl(parts.query, keep_blank_values=True):
-            if v and (any(w in k.lower() for w in _SECRET_QUERY) or k.lower() == "sig"):
+            if v and _secret(k):
                 secrets.add(v)
     for secret in sorted(secrets, key=len, reverse=True):
         text = text.replace(secret, "***")
@@ -108,9 +103,7 @@ class Sink:
 
 def _run_id_of_last_time(path: Path) -> str | None:
     """The run id a tracker stored in the output folder, so that a resumed run continues its tracker run."""
-    if not path.is_file():
-        return None
-    return path.read_text().strip() or None
+    return (path.read_text().strip() or None) if path.is_file() else None
 
 
 class MLflowSink(Sink):
@@ -130,8 +123,7 @@ class MLflowSink(Sink):
 
         for name in ("alembic", "mlflow"):  # after the import, which sets mlflow's own level
             logging.getLogger(name).setLevel(logging.WARNING)
-        # It logs each database error with its ~40-line traceback before re-raising it (a full disk): _guard's
-        # one line says it.
+        # its ~40-line traceback of each database error, before re-raising it: _guard's one line says it
         logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
 
         users = os.environ.get("MLFLOW_TRACKING_URI")
@@ -145,8 +137,7 @@ class MLflowSink(Sink):
         run = mlflow.start_run(run_id=run_id or None, run_name=None if run_id else run_name)
         self.run_id = run.info.run_id
         self._run_id_file.write_text(self.run_id)
-        flat = {k: str(v)[:500] for k, v in flatten(params).items()}
-        items = list(flat.items())
+        items = [(k, str(v)[:500]) for k, v in flatten(params).items()]
         for i in range(0, len(items), 100):
             try:
                 mlflow.log_params(dict(items[i : i + 100]))
@@ -154,20 +145,10 @@ class MLflowSink(Sink):
                 pass  # params already logged with other values (a resume with overrides): keep going
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
-        def _log() -> None:
-            import mlflow
-
-            mlflow.log_metrics({k.replace("/", "_"): float(v) for k, v in metrics.items()}, step=step)
-
-        self._guard(_log)
+        self._guard(lambda: _mlflow().log_metrics({k.replace("/", "_"): float(v) for k, v in metrics.items()}, step=step))
 
     def close(self, status: str = "FINISHED") -> None:
-        def _end() -> None:
-            import mlflow
-
-            mlflow.end_run(status=status)
-
-        self._guard(_end)
+        self._guard(lambda: _mlflow().end_run(status=status))
 
     def where(self) -> str | None:
         if not self.enabled:
@@ -179,6 +160,12 @@ class MLflowSink(Sink):
         if importlib.util.find_spec("flask") is None:  # mlflow-skinny has no UI server
             ui += f" (after {install_hint(TRACKER_UIS['mlflow'], TRACKER_UIS_FILE)}; mlflow-skinny has no UI)"
         return f"{uri} (run {self.run_id}); browse with {ui}"
+
+
+def _mlflow():
+    import mlflow
+
+    return mlflow
 
 
 class TensorBoardSink(Sink):
