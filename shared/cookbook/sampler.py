@@ -1,14 +1,9 @@
 """A data position that belongs to the whole job, not to a rank: resume a run on another number of ranks.
 
-`DistributedSampler` gives rank ``r`` of ``W`` the indices ``order[r::W]`` of a seeded epoch order, so the samples
-the whole job consumed in the epoch say where the data is, whatever ``W``; ``M`` ranks continue with
-``order[consumed + r :: M]``. `ResizableSampler` is that sampler (the same as `DistributedSampler` from an epoch's
-start); `DataPosition` is the checkpoint entry that saves the position in the global state::
-
-    sampler = ResizableSampler(train_ds, num_replicas=info.world_size, rank=info.rank, seed=seed, drop_last=True)
-    loader = StatefulDataLoader(train_ds, batch_size=micro_batch, sampler=sampler, drop_last=True)  # Run(loader=...)
-
-How it relies on torchdata's loader: docs/notes.md#a-resizable-data-position-and-torchdatas-statefuldataloader-torchdata-011.
+`DistributedSampler` gives rank ``r`` of ``W`` the indices ``order[r::W]`` of a seeded epoch order, so the samples the
+whole job consumed say where the data is, whatever ``W``: ``M`` ranks continue with ``order[consumed + r :: M]``
+(`ResizableSampler`); `DataPosition` is its checkpoint entry. How it relies on torchdata's loader:
+docs/notes.md#a-resizable-data-position-and-torchdatas-statefuldataloader-torchdata-011.
 """
 
 from __future__ import annotations
@@ -23,12 +18,8 @@ STATE_TAG = "cookbook.ResizableSampler"  # marks this sampler's state inside a d
 
 
 class ResizableSampler(DistributedSampler):
-    """`DistributedSampler` (same arguments) whose position in the epoch is global: the samples the whole job consumed.
-
-    From an epoch's start it yields what `DistributedSampler` yields; after `load_state_dict` with ``consumed = c`` the
-    pass yields ``order[c + r :: num_replicas]``, cut (``drop_last``) or padded so every rank yields as many indices.
-    Call ``set_epoch(e)`` before each pass (a new epoch starts at 0); ``len`` is this rank's count in the pass.
-    """
+    """`DistributedSampler` (same arguments) whose position in the epoch is global: from an epoch's start the same;
+    after `load_state_dict` at ``consumed = c`` a pass yields ``order[c + r :: num_replicas]``, cut or padded alike."""
 
     def __init__(self, dataset, num_replicas: int | None = None, rank: int | None = None, shuffle: bool = True,
                  seed: int = 0, drop_last: bool = False) -> None:
@@ -74,9 +65,7 @@ class ResizableSampler(DistributedSampler):
 
     @property
     def consumed(self) -> int:
-        """Samples of the current epoch that the job has drawn, counted from this rank's draws (every rank draws
-        alike): ``start + yielded x num_replicas``. With loader workers this runs ahead of training; see
-        `DataPosition`."""
+        """Samples of the current epoch the job has drawn: ``start + yielded x num_replicas`` (ahead with workers)."""
         return self.start + self.yielded * self.num_replicas
 
     def state_dict(self) -> dict[str, Any]:
@@ -84,11 +73,7 @@ class ResizableSampler(DistributedSampler):
         return {STATE_TAG: {"epoch": self.epoch, "consumed": self.consumed, "num_replicas": self.num_replicas}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue epoch ``state["epoch"]`` at global position ``state["consumed"]``.
-
-        Raises:
-            ValueError: a state without this sampler's tag, or a negative position.
-        """
+        """Continue epoch ``state["epoch"]`` at global position ``state["consumed"]``; ValueError: not such a state."""
         position = state.get(STATE_TAG) if isinstance(state, Mapping) else None
         if not isinstance(position, Mapping) or int(position.get("consumed", -1)) < 0:
             raise ValueError(f"not a {STATE_TAG} state: {state!r}")
@@ -97,28 +82,15 @@ class ResizableSampler(DistributedSampler):
 
 def _find_tagged(state: Any) -> Mapping[str, Any] | None:
     """The first mapping in `state` (nested dicts and lists) that holds `STATE_TAG`, or ``None``."""
-    if isinstance(state, Mapping):
-        if STATE_TAG in state:
-            return state
-        children = state.values()
-    elif isinstance(state, (list, tuple)):
-        children = state
-    else:
-        return None
-    for child in children:
-        found = _find_tagged(child)
-        if found is not None:
-            return found
-    return None
+    if isinstance(state, Mapping) and STATE_TAG in state:
+        return state
+    children = state.values() if isinstance(state, Mapping) else state if isinstance(state, (list, tuple)) else ()
+    return next((found for child in children if (found := _find_tagged(child)) is not None), None)
 
 
 class DataPosition:
-    """DCP ``Stateful``: the global data position (epoch, samples consumed) of a ``StatefulDataLoader`` whose
-    sampler is a `ResizableSampler`, read from the loader's ``state_dict()`` (prefetched batches do not count).
-
-    Raises:
-        TypeError: the loader's sampler is not a `ResizableSampler`.
-    """
+    """DCP ``Stateful``: the global data position of a ``StatefulDataLoader`` whose sampler is a `ResizableSampler`
+    (TypeError if not), read from the loader's ``state_dict()`` (prefetched batches do not count)."""
 
     def __init__(self, loader) -> None:
         if not isinstance(getattr(loader, "sampler", None), ResizableSampler):
@@ -127,11 +99,7 @@ class DataPosition:
         self.loader, self.sampler = loader, loader.sampler
 
     def state_dict(self) -> dict[str, Any]:
-        """The sampler's state as of the last batch the loader yielded.
-
-        Raises:
-            RuntimeError: the loader's ``state_dict()`` holds no `ResizableSampler` state.
-        """
+        """The sampler's state as of the last batch the loader yielded; RuntimeError: the loader keeps none."""
         found = _find_tagged(self.loader.state_dict())
         if found is None:
             raise RuntimeError(f"{type(self.loader).__name__}.state_dict() holds no {STATE_TAG} state: use torchdata's "
@@ -139,8 +107,7 @@ class DataPosition:
         return {STATE_TAG: dict(found[STATE_TAG])}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Set the sampler to `state`'s position, and drop an iterator the loader made before (its
-        ``state_dict()`` makes one, and DCP's load calls it), which drew its indices from the old position."""
+        """Set the sampler to `state`'s position, and drop the loader's iterator of the old position."""
         self.sampler.load_state_dict(state)
         self.loader.load_state_dict({})  # no state of its own: only forgets that iterator (torchdata's {} case)
 

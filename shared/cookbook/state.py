@@ -19,13 +19,11 @@ def _rank() -> int:
 
 class ModelOptimizerState:
     """DCP ``Stateful`` for a model and its optimizer (DDP, FSDP2 or plain) through ``get_state_dict`` /
-    ``set_state_dict``: no DDP ``module.`` prefix, FSDP2 parameters as sharded DTensors, optimizer state by name.
-    """
+    ``set_state_dict``: no DDP ``module.`` prefix, FSDP2 parameters as sharded DTensors, optimizer state by name."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  options: StateDictOptions | None = None):
-        self.model = model
-        self.optimizer = optimizer
+        self.model, self.optimizer = model, optimizer
         self.options = options  # e.g. StateDictOptions(ignore_frozen_params=True): adapters only (LoRA)
 
     def state_dict(self) -> dict[str, Any]:
@@ -42,9 +40,7 @@ class ModelOptimizerState:
 
 class RankLocalState:
     """DCP ``Stateful`` for per-rank state (`items`: name -> a ``StatefulDataLoader``, `RNGState()`, ...), stored
-    under ``rank<i>`` and restored to the same rank; on another world size `Checkpointer.load` refuses it, or for a
-    resizable checkpoint leaves it as this run set it up.
-    """
+    under ``rank<i>`` and restored to the same rank only."""
 
     def __init__(self, **items: Any):
         self.items = items
@@ -53,14 +49,12 @@ class RankLocalState:
         return {f"rank{_rank()}": {name: obj.state_dict() for name, obj in self.items.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        mine = state[f"rank{_rank()}"]
         for name, obj in self.items.items():
-            obj.load_state_dict(mine[name])
+            obj.load_state_dict(state[f"rank{_rank()}"][name])
 
 
 class RNGState:
-    """The RNG streams of this process (Python, NumPy if installed, torch CPU and CUDA) as a
-    `Stateful`, so dropout and shuffling continue identically after a resume."""
+    """The RNG streams of this process (Python, NumPy if installed, torch CPU and CUDA) as a `Stateful`."""
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
@@ -86,9 +80,8 @@ class RNGState:
 
 
 def seed_per_rank(seed: int, rank: int) -> None:
-    """Seed this process's random streams (Python, NumPy if installed, torch CPU and every CUDA device) with
-    ``seed + rank``, so that each rank draws its own dropout masks (and augmentations). Call after the model's
-    initialisation (which must be the same on every rank) and before a resume restores the saved streams."""
+    """Seed this process's random streams (Python, NumPy, torch CPU and CUDA) with ``seed + rank``: each rank its own
+    dropout masks. Call after the model's initialisation (the same on every rank) and before a resume."""
     random.seed(seed + rank)
     try:
         import numpy as np
@@ -101,8 +94,7 @@ def seed_per_rank(seed: int, rank: int) -> None:
 
 @contextlib.contextmanager
 def rng_kept() -> Iterator[None]:
-    """Leave this process's random streams (`RNGState`) as they were before the block: an evaluation (its data
-    loader draws a seed from torch's generator) does not change what training draws next."""
+    """Leave this process's random streams (`RNGState`) as they were before the block (an evaluation)."""
     saved = RNGState().state_dict()
     try:
         yield
@@ -114,8 +106,7 @@ class TrainState:
     """Optimizer steps done and the current epoch, as a DCP `Stateful` (``step``, ``epoch``)."""
 
     def __init__(self) -> None:
-        self.step = 0
-        self.epoch = 0
+        self.step, self.epoch = 0, 0
 
     def state_dict(self) -> dict[str, int]:
         return {"step": self.step, "epoch": self.epoch}
