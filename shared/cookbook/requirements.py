@@ -9,9 +9,7 @@ from typing import Sequence
 from cookbook import builds
 from cookbook.errors import ConfigError
 
-# Where the metrics of a run go besides <output_dir>/metrics.jsonl (always written): the `trackers` key, e.g.
-# `trackers: [mlflow, tensorboard]`. Each name -> (the module that writes it, the pip packages that install it, the
-# repository's requirements file that pins them: the same pins, which tests/test_trackers.py compares).
+# The `trackers` key's names -> (the module that writes it, its pip packages, the requirements file that pins them).
 TRACKERS = {"mlflow": ("mlflow", "mlflow-skinny==3.17.2 sqlalchemy==2.0.44 alembic==1.17.1", "requirements/base.txt"),
             "tensorboard": ("tensorboardX", "tensorboardX==2.6.5", "requirements/base.txt"),
             "wandb": ("wandb", "wandb==0.31.0", "requirements/trackers.txt")}
@@ -21,15 +19,13 @@ TRACKER_UIS_FILE = "requirements/trackers.txt"
 
 
 def install_hint(packages: str, requirements: str | Path) -> str:
-    """How to install `packages` (pip specifiers): ```pip install wandb==0.31.0`, or `pip install -r
-    requirements/trackers.txt` from the cookbook repository's root``; a recipe's own file by its absolute path."""
+    """```pip install wandb==0.31.0`, or `pip install -r requirements/trackers.txt` from the cookbook repository's root``."""
     where = "" if Path(requirements).is_absolute() else " from the cookbook repository's root"
     return f"`pip install {packages}`, or `pip install -r {requirements}`{where}"
 
 
 def check_trackers(trackers: Sequence[str], key: str = "trackers") -> None:
-    """Refuse a tracker name that is not in `TRACKERS`, or one whose package is not installed.
-    Raises ConfigError: one line naming `key`, the name, and the choices or what to install (`install_hint`)."""
+    """Raise ConfigError for a tracker name not in `TRACKERS`, or one whose package is not installed."""
     import importlib.util
 
     for name in trackers:
@@ -43,9 +39,8 @@ def check_trackers(trackers: Sequence[str], key: str = "trackers") -> None:
 
 
 def pinned(package: str, requirements: str | Path) -> str:
-    """`package` as the requirements file `requirements` pins it (``torchvision==0.28.0``, ``ray[train]==2.60.0``), or
-    `package` itself where the file or its line is not found (a recipe folder copied without the repository). A
-    relative `requirements` is one of the cookbook repository's files (``requirements/base.txt``)."""
+    """`package` as the file `requirements` (relative: to the repository's root) pins it (``ray[train]==2.60.0``), or
+    `package` itself where the file or its line is not found."""
     path = Path(requirements)
     if not path.is_absolute():
         path = Path(__file__).resolve().parents[2] / path  # shared/cookbook/requirements.py -> the repository's root
@@ -66,15 +61,10 @@ def _project_name(spec: str) -> str:
 
 
 def require(module: str, requirements: str | Path, *, torch_build: bool = False) -> None:
-    """Refuse in one line, at ``--check``, a package a recipe needs that is not installed or does not import.
-
-    `module`: the import and pip name; `requirements`: the file that pins it (a recipe's own by absolute path, or
-    the repository's relative to its root); `torch_build`: compiled against torch, so a failed import names the
-    build for the installed torch.
-    Raises ConfigError: ``ray is not installed: `pip install ray[train]==2.60.0`, or ...``, or ``torchvision 0.28.0 is
-    installed but does not import (...): its build does not match torch 2.13.0+cpu: ...``."""
+    """Raise ConfigError (one line, at ``--check``) for a package `module` that is not installed or does not import:
+    ``ray is not installed: `pip install ray[train]==2.60.0`, or ...``. `requirements`: the file that pins it;
+    `torch_build`: compiled against torch, so the line names the build for the installed torch."""
     import importlib
-
 
     spec = pinned(module, requirements)
     try:
@@ -106,11 +96,8 @@ def _installed_version(spec: str) -> str:
 
 
 def _torch_build_hint(spec: str) -> str:
-    """What to do about a package compiled against another torch build than the installed one: reinstall the build
-    made for it (`cookbook.builds.install_line`); a plain ``pip install`` of the same version would find it
-    installed and change nothing."""
+    """Reinstall the build made for the installed torch (a plain ``pip install`` of the same version does nothing)."""
     import torch
-
 
     name = _project_name(spec)
     return (f"its build does not match torch {torch.__version__}: install the {name} build made for that torch: "
@@ -118,8 +105,7 @@ def _torch_build_hint(spec: str) -> str:
 
 
 def _cause_line(exc: BaseException, limit: int = 200) -> str:
-    """The first line of the innermost exception `exc` was raised from (transformers' lazy imports wrap the real
-    failure in ``Could not import module ...``), with its class unless it is an import error."""
+    """The first line of the innermost exception `exc` was raised from, with its class unless an import error."""
     exc = _chain(exc)[-1]
     text = (str(exc).strip().splitlines() or [""])[0]
     text = text if isinstance(exc, ImportError) else f"{type(exc).__name__}: {text}".rstrip(": ")
@@ -127,9 +113,8 @@ def _cause_line(exc: BaseException, limit: int = 200) -> str:
 
 
 def import_error_line(exc: ImportError, requirements: str | Path | None = None) -> str:
-    """The one line `cookbook.run_main` prints for an ImportError that ended a process (exit status 2, never
-    restarted: a restart cannot install or repair a package): the module, the innermost cause, and the install line
-    of `requirements` (the recipe's own requirements.txt, by its absolute path) or else of the recipe's README."""
+    """The one line `cookbook.run_main` prints for an ImportError that ended a process (exit 2, not restarted): the
+    module, the innermost cause, and the install line of `requirements` or else of the recipe's README."""
     name = next((e.name for e in _chain(exc) if isinstance(e, ImportError) and e.name), None)
     what = f"importing {name.split('.')[0]} failed" if name else "an import failed"
     fix = f"`pip install -r {requirements}`" if requirements else "its README's install line"

@@ -1,15 +1,9 @@
-"""One run per ``output_dir`` at a time: the launcher holds ``<output_dir>/.run.lock.node<N>`` (an ``flock``) for as
-long as it lives, so the kernel releases it when the launcher ends in any way, SIGKILL included.
+"""One run per ``output_dir`` at a time: the launcher holds ``<output_dir>/.run.lock.node<N>`` (an ``flock``, which
+the kernel releases however it ends) from before any worker starts; a second run there is refused in one line naming
+the holder. The check reports the ``output_dir`` to the file ``COOKBOOK_OUTPUT_DIR_FILE`` names.
 
-The check (``train.py --check``) writes the resolved ``output_dir`` to the file ``COOKBOOK_OUTPUT_DIR_FILE`` names
-(`cookbook.config.check_run`), and `cookbook.launch` `acquire`s the lock before any worker starts; a Ray driver
-holds it while it runs (`cookbook.ray_train.RayDriver.started`). A second run on the same folder is refused in one line
-naming the holder's host and pid.
-
-A finished run leaves ``<output_dir>/complete.json`` (`mark_complete`: its settings, its outputs and the "already
-complete" line). Running the same command again is answered by `check_run` (`complete_message`) within the first
-second of the check, before data or model are read: the line, exit status 0, and the launcher starts no worker.
-`die_with_parent`: a worker ends with its launcher, so a killed launcher leaves none writing the folder.
+A finished run leaves ``<output_dir>/complete.json`` (`mark_complete`); the same command again is answered by the
+check (`complete_message`) before data or model are read: the "already complete" line, exit status 0, no worker.
 """
 
 from __future__ import annotations
@@ -25,7 +19,6 @@ from typing import Mapping
 from cookbook.errors import EXIT_USER_ERROR, OneLineError
 
 _COMPLETE_FILE = "complete.json"  # in output_dir: written when a run has finished (`mark_complete`)
-
 OUTPUT_DIR_FILE_ENV = "COOKBOOK_OUTPUT_DIR_FILE"  # where the check writes the run's output_dir for its launcher
 
 
@@ -41,10 +34,7 @@ def _lock_path(output_dir: str | Path, node_rank: int | str = 0) -> Path:
 
 def acquire(output_dir: str | Path, node_rank: int | str = 0) -> int:
     """Take the run lock of `output_dir` for this process (released when it exits); returns its descriptor.
-
-    Raises:
-        RunLocked: a live process holds it: ``output_dir=... is in use by the run of pid P on host H (since T)``.
-    """
+    Raises RunLocked: ``output_dir=... is in use by the run of pid P on host H (since T)``."""
     path = _lock_path(output_dir, node_rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -89,8 +79,8 @@ def _comparable(config: Mapping, may_change: tuple[str, ...], prefix: str = "") 
 
 
 def mark_complete(output_dir: str | Path, config: dict, message: str, outputs: dict[str, str]) -> None:
-    """Rank 0, at the very end of a finished run: write `_COMPLETE_FILE` (atomically) with the run's `config` (a
-    nested dict), the `message` that a second run prints and the `outputs` (name -> path) that must still exist."""
+    """Write `_COMPLETE_FILE` (atomically, rank 0) with the run's `config`, the `message` a second run prints and
+    the `outputs` (name -> path) that must still exist."""
     import json
 
     path = Path(output_dir) / _COMPLETE_FILE
@@ -101,9 +91,8 @@ def mark_complete(output_dir: str | Path, config: dict, message: str, outputs: d
 
 
 def complete_message(output_dir: str | Path, config: dict, may_change: tuple[str, ...]) -> str | None:
-    """The "already complete" line when `output_dir` holds a run finished there (`mark_complete`) whose settings equal
-    `config` but for the keys `may_change` names (glob patterns: ``checkpoint.*``) and whose outputs all exist;
-    else ``None`` (the run starts or continues as usual). Another ``train.max_steps`` is another run: ``None``."""
+    """The "already complete" line when `output_dir` holds a run finished there whose settings equal `config` but
+    for `may_change` (glob patterns: ``checkpoint.*``) and whose outputs all exist; else None."""
     import json
 
     path = Path(output_dir).expanduser() / _COMPLETE_FILE
@@ -131,8 +120,7 @@ def reported_complete(target: str | Path) -> bool:
 
 
 def die_with_parent() -> None:
-    """On Linux, have the kernel SIGKILL this process when its parent dies (``PR_SET_PDEATHSIG``): a launcher
-    killed with ``kill -9`` cannot stop its workers itself, and they must not go on writing its output_dir."""
+    """On Linux, have the kernel SIGKILL this process when its parent (the launcher) dies (``PR_SET_PDEATHSIG``)."""
     if not sys.platform.startswith("linux"):
         return
     try:
