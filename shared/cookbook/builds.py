@@ -1,10 +1,6 @@
 """A package compiled against another torch build (PyPI's CUDA torchvision beside a CPU torch) is one line, not a
-traceback, in every recipe.
-
-transformers, TRL, PEFT and torchmetrics import torchvision whenever it is installed. `guard` (run by ``import
-cookbook``) wraps the import of `TORCH_BUILT` packages: a failure raises `BrokenBuild` (an ``ImportError``) naming
-the installed versions and the install line of the matching build; an uncaught one prints ``error: <message>``
-and exits with status 2.
+traceback: `guard` (run by ``import cookbook``) wraps the import of torchvision and torchaudio, whose failure raises
+`BrokenBuild` naming the install line of the matching build; an uncaught one prints ``error: <message>``, exit 2.
 """
 
 from __future__ import annotations
@@ -14,19 +10,17 @@ import importlib.util
 import os
 import sys
 
-TORCH_BUILT = ("torchvision", "torchaudio")  # packages compiled against one torch build
+_TORCH_BUILT = ("torchvision", "torchaudio")  # packages compiled against one torch build
 EXIT_USER_ERROR = 2  # cookbook.entry's status for bad input (a package to install is one)
 
 
 class BrokenBuild(ImportError):
-    """A `TORCH_BUILT` package is installed but does not import beside this torch; the message says what to run."""
+    """A `_TORCH_BUILT` package is installed but does not import beside this torch; the message says what to run."""
 
 
 def _matching_build(package: str, spec: str | None = None) -> tuple[str, str]:
-    """``(specifier, index_url)`` of `package`'s build for the installed torch: PyTorch pairs torch 2.N with
-    torchvision 0.(N+15) and torchaudio 2.N (``torchvision==0.28.*`` for torch 2.13; another package: `spec`, or its
-    name), and the PyTorch index of torch's own build (``https://download.pytorch.org/whl/cpu`` for a CPU torch;
-    ``.../cu128`` for CUDA 12.8; ``.../rocm6.4``). PyPI's torchvision is built for PyPI's CUDA torch."""
+    """``(specifier, index_url)`` of `package`'s build for the installed torch: torch 2.N pairs with torchvision
+    0.(N+15) and torchaudio 2.N (another package: `spec`), from the PyTorch index of torch's build (cpu, cu128, ...)."""
     import torch
 
     major, minor = (int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
@@ -76,10 +70,10 @@ class _Loader(importlib.abc.Loader):
 
 
 class _Finder(importlib.abc.MetaPathFinder):
-    """Finds `TORCH_BUILT` packages as the other finders do, and wraps their loader (`_Loader`)."""
+    """Finds `_TORCH_BUILT` packages as the other finders do, and wraps their loader (`_Loader`)."""
 
     def find_spec(self, name, path=None, target=None):
-        if name not in TORCH_BUILT:
+        if name not in _TORCH_BUILT:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -95,12 +89,10 @@ class _Finder(importlib.abc.MetaPathFinder):
 def broken_build_in(exc: BaseException | None) -> BrokenBuild | None:
     """The `BrokenBuild` that `exc` is or was raised from (transformers re-raises import failures), if any."""
     seen = []
-    while exc is not None and exc not in seen:
-        if isinstance(exc, BrokenBuild):
-            return exc
+    while exc is not None and exc not in seen and not isinstance(exc, BrokenBuild):
         seen.append(exc)
         exc = exc.__cause__ or exc.__context__
-    return None
+    return exc if isinstance(exc, BrokenBuild) else None
 
 
 def _excepthook(kind, exc, tb, _previous=sys.excepthook):

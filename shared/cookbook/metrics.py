@@ -36,7 +36,7 @@ def launch_time() -> float:
 
 
 # Dense bf16 tensor-core peak, FLOP/s: NVIDIA's A10, A100, H100 and H200 data sheets (the halves of their sparse figures).
-PEAK_BF16_FLOPS: dict[str, float] = {"A10": 125e12, "A100": 312e12, "H100 SXM": 989e12, "H100 NVL": 835e12,
+_PEAK_BF16_FLOPS: dict[str, float] = {"A10": 125e12, "A100": 312e12, "H100 SXM": 989e12, "H100 NVL": 835e12,
                                      "H100 PCIe": 756e12, "H200 SXM": 989e12, "H200 NVL": 835e12}
 
 
@@ -50,11 +50,11 @@ def peak_bf16_flops(device_name: str) -> float | None:
     for chip in ("H200", "H100"):
         if chip in name:
             form = "NVL" if "NVL" in name else "PCIe" if "PCIE" in name else "SXM"
-            return PEAK_BF16_FLOPS[f"{chip} {form}"]
+            return _PEAK_BF16_FLOPS[f"{chip} {form}"]
     if "A100" in name:
-        return PEAK_BF16_FLOPS["A100"]
+        return _PEAK_BF16_FLOPS["A100"]
     if "A10" in name.replace("A100", ""):
-        return PEAK_BF16_FLOPS["A10"]
+        return _PEAK_BF16_FLOPS["A10"]
     return None
 
 

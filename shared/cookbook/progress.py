@@ -1,9 +1,5 @@
-"""A rank-0 progress bar for the step loop, on a terminal only.
-
-`ProgressBar` draws a tqdm bar (steps, rate, elapsed and time left, and the last window's loss and throughput)
-only when ``sys.stderr`` is a terminal: in CI, a file or a pipe the log lines are exactly as without it. The
-``cookbook`` logger's lines are written above it (``tqdm.write``); ``TQDM_DISABLE=1`` turns it off (docs/outputs.md).
-"""
+"""A rank-0 tqdm progress bar for the step loop, drawn only when ``sys.stderr`` is a terminal (elsewhere the log
+lines are exactly as without it); the ``cookbook`` logger writes above it; ``TQDM_DISABLE=1`` turns it off."""
 
 from __future__ import annotations
 
@@ -22,8 +18,7 @@ def is_terminal(stream: IO | None) -> bool:
 
 
 class _AboveBar(logging.Handler):
-    """Stands in for a stream handler while a bar is drawn: the same filters and format, written with
-    ``tqdm.write`` so that the line lands above the bar."""
+    """Stands in for a stream handler while a bar is drawn: the same filters and format, written above the bar."""
 
     def __init__(self, inner: logging.Handler, bar):
         super().__init__(inner.level)
@@ -41,13 +36,10 @@ class _AboveBar(logging.Handler):
 
 class ProgressBar:
     """A tqdm bar of optimizer steps on `stream` (default ``sys.stderr``), drawn only on a terminal; `total` None:
-    no ETA; `initial`: steps already done; `unit`: ``gpu`` or ``rank``. Every method does nothing when not `active`.
-    """
+    no ETA; `initial`: steps already done; `unit`: ``gpu`` or ``rank``."""
 
     def __init__(self, total: int | None, initial: int = 0, stream: IO | None = None, unit: str = "gpu"):
-        self.stream = sys.stderr if stream is None else stream
-        self.unit = unit
-        self.bar = None
+        self.stream, self.unit, self.bar = sys.stderr if stream is None else stream, unit, None
         self._swapped: list[tuple[logging.Handler, logging.Handler]] = []
         if not is_terminal(self.stream):
             return
@@ -81,8 +73,7 @@ class ProgressBar:
             self.bar.update(step - self.bar.n)
 
     def show(self, rec: Mapping[str, float]) -> None:
-        """Show a train record's loss and throughput (``tokens_per_s_per_device``, else
-        ``samples_per_s_per_device``) after the bar, and move it to the record's step."""
+        """Show a train record's loss and throughput after the bar, and move it to the record's step."""
         if self.bar is None:
             return
         post = {"loss": f"{rec['loss']:.4f}"}

@@ -21,16 +21,14 @@ def looks_like_hub_id(value: str) -> bool:
 
 
 class HubPushError(OneLineError):
-    """The upload of ``checkpoint.push_to_hub`` failed; the export on disk is complete. Exit status 2, so that the
-    launcher does not restart a finished run for it."""
+    """The upload of ``checkpoint.push_to_hub`` failed; the export on disk is complete. Exit status 2 (no restart)."""
 
     __module__ = "cookbook.hub"
     exit_status = EXIT_USER_ERROR
 
 
 def check_push(checkpoint: Any, key: str = "checkpoint.push_to_hub") -> None:
-    """Refuse, before training, a ``checkpoint.push_to_hub`` that cannot work.
-    Raises ConfigError: not a repo id (``org/name``); nothing is exported; ``HF_HUB_OFFLINE`` is set; no token."""
+    """ConfigError for a ``push_to_hub`` that cannot work: not ``org/name``; no export; ``HF_HUB_OFFLINE``; no token."""
     from huggingface_hub import constants, get_token
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
@@ -53,16 +51,12 @@ def check_push(checkpoint: Any, key: str = "checkpoint.push_to_hub") -> None:
 
 
 def _model_card(repo_id: str, config: Mapping[str, Any], metrics: Mapping[str, float], folder: Path) -> str:
-    """The ``README.md`` of a pushed export: Hub metadata (library, base model, tags), the final `metrics`, how to
-    load it (a PEFT adapter if `folder` holds ``adapter_config.json``) and the run's config (``${oc.env:...}`` as text).
-    """
+    """The ``README.md`` of a pushed export: Hub metadata, the final `metrics`, how to load it, the run's config."""
     from huggingface_hub import ModelCard, ModelCardData
     from omegaconf import OmegaConf
 
     adapter = (folder / "adapter_config.json").is_file()
-    base = None
-    if adapter:
-        base = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    base = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path") if adapter else None
     model = config.get("model", {}) if isinstance(config.get("model"), Mapping) else {}
     if base is None and model.get("pretrained", True) and looks_like_hub_id(str(model.get("name_or_path") or "")):
         base = model["name_or_path"]
@@ -80,10 +74,8 @@ def _model_card(repo_id: str, config: Mapping[str, Any], metrics: Mapping[str, f
 
 def push_to_hub(repo_id: str, folder: str | Path, config: Mapping[str, Any], metrics: Mapping[str, float],
                 key: str = "checkpoint.push_to_hub") -> str:
-    """Write the model card into `folder` and upload it to the model repo `repo_id` (created if missing) with
-    ``HfApi.upload_folder``; returns the commit's URL.
-    Raises HubPushError: the repo could not be created or the upload failed: one line with the reason and the retry
-    command."""
+    """Write the model card into `folder` and upload it to the model repo `repo_id` (created if missing); returns the
+    commit's URL. Raises HubPushError: one line with the reason and the retry command."""
     from huggingface_hub import HfApi
 
     folder = Path(folder)
