@@ -56,6 +56,12 @@ def _mount_point(path: Path) -> Path:
     return path
 
 
+_ADVICE = {errno.EFBIG: "raise the file size limit (ulimit -f) or the largest file size of {fs}",  # a failed save's
+           errno.EROFS: "make {fs} writable (it is mounted read-only)",
+           errno.EACCES: "give this user write access to {root}", errno.EPERM: "give this user write access to {root}",
+           errno.EIO: "check the storage of {fs} (the system log names the failing device)"}
+
+
 def _what_to_do(code: int | None, root: Path) -> str:
     """The advice of a failed save for the OS error number `code`, naming the file system of `root`."""
     fs = _mount_point(root)
@@ -64,17 +70,8 @@ def _what_to_do(code: int | None, root: Path) -> str:
             free = f" ({shutil.disk_usage(fs).free / 2**30:.1f} GiB free now)"
         except OSError:
             free = ""
-        quota = " or raise your quota there" if code == errno.EDQUOT else ""
-        return f"free space on {fs}{free}{quota}"
-    if code == errno.EFBIG:
-        return f"raise the file size limit (ulimit -f) or the largest file size of {fs}"
-    if code == errno.EROFS:
-        return f"make {fs} writable (it is mounted read-only)"
-    if code in (errno.EACCES, errno.EPERM):
-        return f"give this user write access to {root}"
-    if code == errno.EIO:
-        return f"check the storage of {fs} (the system log names the failing device)"
-    return f"fix the cause on {fs}"
+        return f"free space on {fs}{free}" + (" or raise your quota there" if code == errno.EDQUOT else "")
+    return _ADVICE.get(code, "fix the cause on {fs}").format(fs=fs, root=root)
 
 
 def from_rank0(value: Any) -> Any:

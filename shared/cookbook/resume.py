@@ -348,28 +348,20 @@ def _hasher() -> tuple[str, Any]:
 
         return "xxh3_64", xxhash.xxh3_64
     except ImportError:
-        return "crc32", _Crc32
-
-
-class _Crc32:
-    def __init__(self) -> None:
-        self.value = 0
-
-    def update(self, data: bytes) -> None:
-        self.value = zlib.crc32(data, self.value)
-
-    def hexdigest(self) -> str:
-        return f"{self.value:08x}"
+        return "crc32", None
 
 
 def _file_checksum(file: Path, kind: str) -> str:
-    """``"<kind>:<hex>"`` of the bytes of `file` (read in 4 MiB blocks)."""
-    new = {"crc32": _Crc32}.get(kind) or _hasher()[1]
-    h = new()
+    """``"<kind>:<hex>"`` of the bytes of `file` (read in 4 MiB blocks); crc32 where ``xxhash`` is missing."""
+    new = _hasher()[1] if kind != "crc32" else None
+    h, crc = (new() if new is not None else None), 0
     with open(file, "rb") as f:
         while block := f.read(4 << 20):
-            h.update(block)
-    return f"{kind}:{h.hexdigest()}"
+            if h is None:
+                crc = zlib.crc32(block, crc)
+            else:
+                h.update(block)
+    return f"{kind}:{h.hexdigest() if h is not None else f'{crc:08x}'}"
 
 
 def checksums(folder: str | Path) -> dict[str, str]:
