@@ -36,7 +36,7 @@ _LEFTOVER_PREFIXES = (".tmp-", ".old-")  # folders of a save or a publish that d
 
 
 class CheckpointSaveError(CheckpointError, OSError):
-    """A checkpoint could not be written (disk full, I/O error, ...): one line, the same on every rank; ``errno`` set."""
+    """A checkpoint could not be written (disk full, I/O error, ...): one line, alike on every rank; ``errno`` set."""
 
     same_on_every_rank = True
 
@@ -270,8 +270,10 @@ class Checkpointer:
             get_logger().info(
                 f"resized: {path} was written by {written_by} {_plural(self.guard.processes, written_by)}, this job has "
                 f"{now}. Resharded by DCP: the model and optimizer state. Remapped: the data position, "
-                f"{positions[0].describe()} in the same order" + (f" (global batch {batch} samples, as before)" if batch else "")
-                + (f". Not restored, as in a fresh run (seeded at start-up): the per-rank state ({dropped})" if local else ""))
+                f"{positions[0].describe()} in the same order"
+                + (f" (global batch {batch} samples, as before)" if batch else "")
+                + (f". Not restored, as in a fresh run (seeded at start-up): the per-rank state ({dropped})"
+                   if local else ""))
         get_logger().info(f"resumed from {path} (step {meta['step']})")
         return meta
 

@@ -116,7 +116,7 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: Sequ
 
 
 def to_object(cfg: Any) -> Any:
-    """``OmegaConf.to_object(cfg)``, remembering which keys were ``${oc.env:...}`` so that `to_dict` writes their text."""
+    """``OmegaConf.to_object(cfg)``, remembering the ``${oc.env:...}`` keys so that `to_dict` writes their text."""
     from_env = {k: v for k, v in flatten(OmegaConf.to_container(cfg, resolve=False)).items()
                 if isinstance(v, str) and "${oc.env:" in v}
     obj = OmegaConf.to_object(cfg)
@@ -268,7 +268,7 @@ DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 
 @dataclasses.dataclass
 class LoraConfig:
-    """``lora``: LoRA (Hu et al. 2021): each targeted W (out x in) trains W + (alpha / r) B A, A (r x in), B (out x r)."""
+    """``lora``: LoRA (Hu et al. 2021): each targeted W (out x in) trains W + (alpha / r) B A; A: r x in, B: out x r."""
 
     r: int = 16  # rank of A and B
     alpha: int = 32  # the update is scaled by alpha / r

@@ -35,7 +35,7 @@ logger = logging.getLogger("cookbook")
 
 @dataclass(frozen=True)
 class DistInfo:
-    """Where this process sits: global ``rank``, ``local_rank`` (the CUDA index), ``world_size``, ``device``, ``backend``."""
+    """Where this process sits: global ``rank``, ``local_rank`` (CUDA index), ``world_size``, ``device``, ``backend``"""
 
     rank: int
     local_rank: int
@@ -191,7 +191,7 @@ def _store():
 
 
 def record_progress(step: int) -> None:
-    """Record in the group's store that this rank finished `step` optimizer steps, for `describe_stall`. Never raises."""
+    """Record in the group's store that this rank finished `step` steps, for `describe_stall`. Never raises."""
     _STALL["step"] = step
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return

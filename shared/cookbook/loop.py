@@ -44,7 +44,7 @@ def _already_complete(state: TrainState, max_steps: int, out_dir: str | Path, fi
 
 class EpochBatches:
     """Endless batches from `loader`, epoch after epoch, timed, moved to `device` (None: left where they are).
-    Each new pass increments ``state.epoch`` and calls ``set_epoch(state.epoch)``; `metrics` notes each pass's first wait.
+    Each new pass increments ``state.epoch`` and calls ``set_epoch(state.epoch)``; `metrics` notes its first wait.
     """
 
     def __init__(self, loader, state: TrainState, set_epoch: Callable[[int], None] | None = None,
@@ -94,7 +94,7 @@ class TrainLoop:
 
     `stop_at_step` > 0 stops (and saves) after that step; `eval_every` 0: evaluate at the end only; `evaluate` returns
     metrics reduced over ranks; `checkpoint_every` -1 never, 0 at `stop_at_step` and the end, N every N steps;
-    `config` goes into ``meta.json``; `on_nonfinite` ``"stop"`` or ``"skip"`` (at most `max_consecutive_skips` in a row).
+    `config` goes into ``meta.json``; `on_nonfinite`: ``"stop"`` or ``"skip"`` (`max_consecutive_skips` in a row).
     """
 
     def __init__(self, *, state: TrainState, max_steps: int, stop_at_step: int = -1, metrics: MetricsLogger,
@@ -111,7 +111,8 @@ class TrainLoop:
         self.state, self.max_steps, self.metrics = state, max_steps, metrics
         self.stop_at = min(stop_at_step, max_steps) if stop_at_step > 0 else max_steps
         self.log_every, self.eval_every, self.evaluate = log_every, eval_every, evaluate
-        self.checkpointer, self.checkpoint_every, self.checkpoint_state = checkpointer, checkpoint_every, checkpoint_state
+        self.checkpointer, self.checkpoint_every = checkpointer, checkpoint_every
+        self.checkpoint_state = checkpoint_state
         self.config, self.profiler, self.log_extra, self.device = config, profiler, log_extra, metrics.info.device
         self.stopped = False  # the run ended before max_steps (stop_at_step or a stop request)
         self._stop = StopRequest()  # preemption: SIGTERM / SIGUSR1 while the loop runs
@@ -141,7 +142,7 @@ class TrainLoop:
             raise stalled from exc
 
     def steps(self) -> Iterator[int]:
-        """Yield each step's number (``state.step + 1``) until `max_steps`, ``stop_at_step`` or a stop (a barrier first)."""
+        """Yield each step's number (``state.step + 1``) until `max_steps`, ``stop_at_step`` or a stop."""
         barrier()
         self.metrics.start(self.state.step)
         while self.state.step < self.stop_at:
@@ -162,8 +163,8 @@ class TrainLoop:
 
     def skip_step(self, grad_norm: torch.Tensor | float | None = None, *, loss: torch.Tensor | float | None = None,
                   applied: bool = False) -> bool:
-        """Check a step for a non-finite loss or gradient norm before its update (`cookbook.policy.NonFinitePolicy.skip`);
-        True: zero the gradients and ``continue``. Raises NonFiniteError: ``"stop"``, or too many skips in a row."""
+        """Check a step for a non-finite loss or gradient norm before its update (`NonFinitePolicy.skip`); True: zero
+        the gradients and ``continue``. Raises NonFiniteError: ``"stop"``, or too many skips in a row."""
         skipped = self.nonfinite.skip(self.state.step + 1, grad_norm, loss=loss, applied=applied)
         self._skipped_now = self._skipped_now or skipped
         return skipped
@@ -206,7 +207,8 @@ class TrainLoop:
         if self.checkpointer is None or self.checkpoint_every < 0:
             return
         step, every = self.state.step, self.checkpoint_every
-        if (force or step in (self.stop_at, self.max_steps) or (every > 0 and step % every == 0)) and self._saved_step != step:
+        due = force or step in (self.stop_at, self.max_steps) or (every > 0 and step % every == 0)
+        if due and self._saved_step != step:  # not saved at this step already
             self.nonfinite.check_applied()  # never save an update that diverged
             self.nonfinite.check_model(step, "its checkpoint is not saved")
             self._saved_step = step

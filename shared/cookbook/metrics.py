@@ -35,7 +35,7 @@ def launch_time() -> float:
         return psutil.Process().create_time()
 
 
-# Dense bf16 tensor-core peak, FLOP/s: NVIDIA's A10, A100, H100 and H200 data sheets (the halves of their sparse figures).
+# Dense bf16 tensor-core peak, FLOP/s: NVIDIA's A10, A100, H100 and H200 data sheets (half their sparse figures).
 _PEAK_BF16_FLOPS: dict[str, float] = {"A10": 125e12, "A100": 312e12, "H100 SXM": 989e12, "H100 NVL": 835e12,
                                      "H100 PCIe": 756e12, "H200 SXM": 989e12, "H200 NVL": 835e12}
 
@@ -157,7 +157,8 @@ class MetricsLogger:
         self.trackers = [t for t in dict.fromkeys(trackers) if mlflow or t != "mlflow"]
         check_trackers(self.trackers)
         self.params = dict(params or {})
-        self.out_dir, self.info, self.flops, self.max_steps, self.count_tokens = Path(out_dir), info, flops, max_steps, count_tokens
+        self.out_dir, self.info, self.flops, self.max_steps = Path(out_dir), info, flops, max_steps
+        self.count_tokens = count_tokens
         self.jsonl_path = self.out_dir / "metrics.jsonl"
         self._peak = peak_bf16_flops(torch.cuda.get_device_name(info.device)) if info.device.type == "cuda" else None
         self._mlflow: MLflowSink | None = None
@@ -169,8 +170,8 @@ class MetricsLogger:
                 if name == "tensorboard":
                     self._sinks.append(TensorBoardSink(self.out_dir, self.params))
                 else:
-                    self._sinks.append((MLflowSink if name == "mlflow" else WandbSink)(self.out_dir, run_name, experiment,
-                                                                                       self.params))
+                    sink = MLflowSink if name == "mlflow" else WandbSink
+                    self._sinks.append(sink(self.out_dir, run_name, experiment, self.params))
             self._mlflow = next((k for k in self._sinks if isinstance(k, MLflowSink)), None)
         self._progress = progress
         self._bar: ProgressBar | None = None
@@ -245,7 +246,7 @@ class MetricsLogger:
             self._last_time += time.perf_counter() - t0
 
     def add(self, samples: int, tokens: int | torch.Tensor, data_wait_s: float) -> None:
-        """Count one micro-batch on this rank: `samples`, `tokens` (a device tensor avoids a sync), `data_wait_s` (s)."""
+        """Count one micro-batch on this rank: `samples`, `tokens` (a device tensor: no sync), `data_wait_s` (s)."""
         self._samples += samples
         self._tokens = self._tokens + (tokens.detach() if isinstance(tokens, torch.Tensor) else tokens)
         self._data_wait += data_wait_s
@@ -341,7 +342,8 @@ class MetricsLogger:
         parts = [head, f"loss {rec['loss']:.4f}", f"lr {rec['lr']:.2e}"]
         if "grad_norm" in rec:
             parts.append(f"gnorm {rec['grad_norm']:.2f}")
-        parts += [f"{rec['step_time_s'] * 1000:.0f} ms/step", f"{rec['samples_per_s_per_device']:.1f} samples/s/{self._unit}"]
+        parts += [f"{rec['step_time_s'] * 1000:.0f} ms/step",
+                  f"{rec['samples_per_s_per_device']:.1f} samples/s/{self._unit}"]
         if self.count_tokens:
             parts.append(f"{rec['tokens_per_s_per_device']:,.0f} tok/s/{self._unit}")
         if "mfu" in rec:

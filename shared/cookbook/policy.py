@@ -30,7 +30,7 @@ class Preempted(SystemExit):
 
 
 class NonFiniteError(OneLineError):
-    """A step's loss or gradient norm is NaN or infinite and the run stops, the step not applied (or not saved): exit 4."""
+    """A step's loss or gradient norm is NaN or infinite: the run stops, the step not applied (or not saved); exit 4."""
 
     __module__ = "cookbook.loop"  # its home before the split: tracebacks and WorkerError.exc_type name it so
 

@@ -19,7 +19,8 @@ TRACKER_UIS_FILE = "requirements/trackers.txt"
 
 
 def install_hint(packages: str, requirements: str | Path) -> str:
-    """```pip install wandb==0.31.0`, or `pip install -r requirements/trackers.txt` from the cookbook repository's root``."""
+    """```pip install wandb==0.31.0`, or `pip install -r requirements/trackers.txt` from the cookbook repository's
+    root``; a recipe's own file by its absolute path."""
     where = "" if Path(requirements).is_absolute() else " from the cookbook repository's root"
     return f"`pip install {packages}`, or `pip install -r {requirements}`{where}"
 

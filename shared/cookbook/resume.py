@@ -106,7 +106,7 @@ class ResumeGuard:
         return found
 
     def verified_latest(self) -> Path | None:
-        """The newest complete checkpoint this process verified or wrote, or None: what a message calls the last good one."""
+        """The newest complete checkpoint this process verified or wrote (the last good one of a message), or None."""
         return next((p for _, p in reversed(self.candidates()) if p in self.verified and self.is_complete(p)), None)
 
     def is_complete(self, path: str | Path) -> bool:
@@ -321,7 +321,7 @@ def read_meta(path: str | Path) -> dict[str, Any]:
 
 
 def _reason(exc: BaseException, limit: int = 120) -> str:
-    """An exception as a short phrase: ``"JSONDecodeError: Expecting ..."``, ``"ENOSPC, No space left on device: 'f'"``."""
+    """An exception as a short phrase: ``"JSONDecodeError: Expecting ..."``, ``"ENOSPC, No space left on device"``."""
     if isinstance(exc, OSError) and exc.errno in errno.errorcode:
         text = f"{errno.errorcode[exc.errno]}, {exc.strerror or os.strerror(exc.errno)}"
         return text + (f": {exc.filename!r}" if exc.filename else "")
@@ -372,7 +372,7 @@ def checksums(folder: str | Path) -> dict[str, str]:
 
 
 def checksum_problem(path: Path, sums: Mapping[str, Any]) -> str | None:
-    """The first file of `sums` (``meta.json``'s ``checksums``) whose bytes under `path` do not match, as words, or None."""
+    """The first file of `sums` (``meta.json``'s ``checksums``) whose bytes under `path` differ, as words, or None."""
     for name, want in sorted(sums.items()):
         kind = str(want).split(":", 1)[0]
         try:

@@ -24,7 +24,7 @@ def _secret(key: str) -> bool:
 
 
 def redact_uri(uri: str | None) -> str | None:
-    """`uri` with its password (``https://user:pw@host``) and secret-looking query values (``?token=...``) as ``***``."""
+    """`uri` with its password (``https://user:pw@host``) and secret-looking query values (``?token=``) as ``***``."""
     from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
     if not uri:
@@ -40,7 +40,8 @@ def redact_uri(uri: str | None) -> str | None:
         netloc = f"***@{netloc.rsplit('@', 1)[1]}"
     query = parts.query
     if query:
-        query = urlencode([(k, "***" if _secret(k) else v) for k, v in parse_qsl(query, keep_blank_values=True)], safe="*")
+        pairs = parse_qsl(query, keep_blank_values=True)
+        query = urlencode([(k, "***" if _secret(k) else v) for k, v in pairs], safe="*")
     if (netloc, query) == (parts.netloc, parts.query):
         return uri  # nothing to mask (rebuilding would drop the empty authority of sqlite:////abs/path)
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
@@ -145,7 +146,8 @@ class MLflowSink(Sink):
                 pass  # params already logged with other values (a resume with overrides): keep going
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
-        self._guard(lambda: _mlflow().log_metrics({k.replace("/", "_"): float(v) for k, v in metrics.items()}, step=step))
+        numbers = {k.replace("/", "_"): float(v) for k, v in metrics.items()}
+        self._guard(lambda: _mlflow().log_metrics(numbers, step=step))
 
     def close(self, status: str = "FINISHED") -> None:
         self._guard(lambda: _mlflow().end_run(status=status))
