@@ -237,16 +237,15 @@ def describe_stall(exc: BaseException, grace_s: float | None = None) -> str:
     that does not is the stalled one. Writes this rank's stacks to the debug folder first. Never raises.
     """
     timeout_s = _STALL["timeout_s"]
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0") or 0)
-    world = (dist.get_world_size() if dist.is_available() and dist.is_initialized()
-             else int(os.environ.get("WORLD_SIZE", "1") or 1))
+    up = dist.is_available() and dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if up else (_env_int("RANK", 0), _env_int("WORLD_SIZE", 1))
     mine = _STALL["step"]
     head = (f"a collective did not finish within {timeout_s:g} s" if timeout_s else "a collective timed out") + \
         f" ({_collective_site(exc)})" + (f" at step {mine + 1}" if mine is not None else "")
     stacks = _dump_stacks(exc, rank)
     dumps = f"; this rank's stacks: {stacks}" if stacks is not None else ""
     fr = os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
-    if fr and dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+    if fr and up and dist.get_backend() == "nccl":
         dumps += f"; see the flight recorder dump in {Path(fr).parent}"
     if grace_s is None:
         grace_s = min(10.0, (timeout_s or 40.0) / 4)
@@ -268,7 +267,8 @@ def describe_stall(exc: BaseException, grace_s: float | None = None) -> str:
     if behind:
         finished = {progress[r][0] if r in progress else None for r in behind}
         what = (f"last finished step {finished.pop()}" if len(finished) == 1 and None not in finished else
-                "are behind (" + ", ".join(f"rank {r}: {_step_text(progress.get(r))}" for r in behind) + ")")
+                "are behind (" + ", ".join(f"rank {r}: " + (f"step {progress[r][0]}" if r in progress else "no step")
+                                           for r in behind) + ")")
         suspects, detail = behind, f"{what}, this rank step {mine}"
     elif silent:
         suspects = silent
@@ -277,7 +277,8 @@ def describe_stall(exc: BaseException, grace_s: float | None = None) -> str:
     else:
         return (f"{head}: every rank timed out waiting, none is behind: the ranks are in different collectives "
                 f"(a code path that not every rank takes){dumps}")
-    names = ", ".join(_rank_text(r, progress.get(r)) for r in suspects)
+    names = ", ".join(f"rank {r}" + (f" (pid {progress[r][1]} on {progress[r][2]})" if r in progress else "")
+                      for r in suspects)
     verb = "it is" if len(suspects) == 1 else "they are"
     hint = ""
     if len(suspects) == 1 and suspects[0] in progress:
@@ -337,14 +338,6 @@ def _read_progress(rank: int, world: int, mine: int | None, grace_s: float) -> t
         if behind or len(timed_out) == world or time.monotonic() >= deadline:
             return progress, timed_out
         time.sleep(0.2)
-
-
-def _step_text(record) -> str:
-    return f"step {record[0]}" if record else "no step"
-
-
-def _rank_text(rank: int, record) -> str:
-    return f"rank {rank}" + (f" (pid {record[1]} on {record[2]})" if record else "")
 
 
 # A decorator's wrapper line, which says nothing of where a rank waited (DeepSpeed's `instrument_w_nvtx`).
