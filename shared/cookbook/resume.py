@@ -81,11 +81,8 @@ class ResumeGuard:
             return f"{META_FILE} is not JSON ({_reason(exc)})"
         if not isinstance(meta, dict):
             return f"{META_FILE} is not a JSON object"
-        if isinstance(meta.get(FILES_KEY), Mapping):
-            listed = _sizes_problem(path, meta[FILES_KEY], listed=True)
-            if listed is not None:
-                return listed
-        return _dcp_problem(path) if DCP_METADATA in self.files else None
+        listed = _sizes_problem(path, meta[FILES_KEY], listed=True) if isinstance(meta.get(FILES_KEY), Mapping) else None
+        return listed or (_dcp_problem(path) if DCP_METADATA in self.files else None)
 
     def _missing(self, path: Path) -> list[str]:
         """The files of a checkpoint (``meta.json`` and `files`) that `path` lacks."""
@@ -96,11 +93,9 @@ class ResumeGuard:
         found wrong joins `bad` (damaged from then on), one found right `verified`. Reads the whole folder."""
         path = Path(path)
         found = self.problem(path)
-        if found is None:
-            sums = read_meta(path).get(CHECKSUMS_KEY)
-            found = checksum_problem(path, sums) if isinstance(sums, Mapping) else None
-            if found is not None:
-                self.bad[path] = found
+        sums = read_meta(path).get(CHECKSUMS_KEY) if found is None else None
+        if isinstance(sums, Mapping) and (found := checksum_problem(path, sums)) is not None:
+            self.bad[path] = found
         if found is None:
             self.verified.add(path)
         return found
@@ -120,9 +115,8 @@ class ResumeGuard:
 
     def candidates(self) -> list[tuple[int, Path]]:
         """``(number, folder)`` of every folder under `root` named like a checkpoint, oldest first."""
-        if not self.root.is_dir():
-            return []
-        return sorted((int(m.group(1)), p) for p in self.root.iterdir() if (m := self._name.fullmatch(p.name)))
+        found = self.root.iterdir() if self.root.is_dir() else ()
+        return sorted((int(m.group(1)), p) for p in found if (m := self._name.fullmatch(p.name)))
 
     def complete_checkpoints(self) -> list[Path]:
         """Complete checkpoints under `root`, oldest first (by the number in their name)."""
