@@ -125,12 +125,11 @@ def _cut_torn_line(path: Path) -> int:
         return 0
     if not tail:
         return 0
-    body = tail[:-1] if tail.endswith(b"\n") else tail
-    start = body.rfind(b"\n") + 1
-    last = body[start:]
-    if tail.endswith(b"\n"):
+    whole = tail.endswith(b"\n")
+    start = (tail[:-1] if whole else tail).rfind(b"\n") + 1
+    if whole:
         try:
-            json.loads(last)
+            json.loads(tail[start:])
             return 0
         except ValueError:
             pass
