@@ -1,7 +1,6 @@
-"""The bookkeeping of a recipe on the Hugging Face ``Trainer`` (or TRL's ``SFTTrainer``). The Trainer saves, resumes
-(from the resume guard's pick), logs and keeps ``save_total_limit`` checkpoints; this adds what the torchrun loop
-does: atomic publication with checksums, preemption (exit 75), non-finite steps (exit 4) and stalls (exit 3) through
-`cookbook.policy`, metrics.jsonl and the trackers (`cookbook.metrics`). Why each piece: docs/notes.md.
+"""The bookkeeping of a recipe on the Hugging Face ``Trainer`` (or TRL's ``SFTTrainer``), which saves, resumes, logs
+and rotates itself. Added as in the torchrun loop: atomic publication with checksums, preemption (exit 75), non-finite
+steps (exit 4), stalls (exit 3), metrics.jsonl and the trackers. Why each piece: docs/notes.md.
 
     class MyTrainer(hf_trainer.Bookkeeping, SFTTrainer): ...           # at module level
     run = hf_trainer.TrainerRun(cfg, metrics, pad_id, resume_from)
@@ -375,8 +374,7 @@ def already_complete(output_dir: str | Path, resume_from: Path | None, max_steps
 
 def finished(output_dir: str | Path, resume_from: Path | None, max_steps: int, model: str = "final") -> bool:
     """Whether nothing is left to do (`already_complete`); if so, its message is logged and the process group ended."""
-    done = already_complete(output_dir, resume_from, max_steps, model)
-    if done is not None:
+    if (done := already_complete(output_dir, resume_from, max_steps, model)) is not None:
         get_logger().info(done)
         destroy_distributed()
     return done is not None
