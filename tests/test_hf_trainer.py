@@ -15,7 +15,7 @@ from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback, 
 from cookbook.checkpoint import CheckpointSaveError, ResumeGuard
 from cookbook.config import ConfigError
 from cookbook.dist import DistInfo
-from cookbook.hf_trainer import (MetricsCallback, NonFiniteSteps, Preemption, PublishCheckpoints, StopAtStep,
+from cookbook.hf_trainer import (MetricsCallback, NonFiniteSteps, Preemption, PublishCheckpoints, RunControl,
                                  published_checkpoints)
 from cookbook.loop import NonFiniteError, NonFinitePolicy, Preempted
 from cookbook.metrics import MetricsLogger
@@ -29,21 +29,17 @@ def read_jsonl(path):
 
 
 def test_evaluations_and_saves_are_left_out_of_the_step_time(tmp_path):
-    """Steps of 0.05 s; after step 2 an evaluation (0.5 s in the Trainer's loop + 0.5 s of generation in
-    ``evaluate_more``), after step 3 a checkpoint save (0.5 s), step 4 evaluates and stops with a save
-    (StopAtStep). Every window's step time is the step's alone, and the tokens counted per step give the
+    """Steps of 0.05 s; after step 2 an evaluation (0.5 s in the Trainer's loop + 0.5 s of generation, as the
+    recipe's ``evaluate`` does), after step 3 a checkpoint save (0.5 s), step 4 evaluates and stops with a save
+    (RunControl's train.stop_at_step). Every window's step time is the step's alone, and the tokens counted per step give the
     throughput. Each evaluation leaves the random streams as they were (before: changed by its loader)."""
     args = TrainingArguments(output_dir=str(tmp_path / ".staging"), use_cpu=True, report_to="none", logging_steps=1,
                              eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=3)
     state = TrainerState(max_steps=6, logging_steps=1, eval_steps=2, save_steps=3)
     metrics = MetricsLogger(tmp_path, CPU, mlflow=False, max_steps=6)
 
-    def generation(model):
-        time.sleep(EVAL)
-        return {"em_all": 0.5}
-
-    callback = MetricsCallback(metrics, pad_id=0, evaluate_more=generation)
-    handler = CallbackHandler([DefaultFlowCallback(), StopAtStep(4), callback], None, None, None, None)
+    callback = MetricsCallback(metrics, pad_id=0)
+    handler = CallbackHandler([DefaultFlowCallback(), RunControl(4), callback], None, None, None, None)
     batch = {"input_ids": torch.ones(2, 5, dtype=torch.long),
              "attention_mask": torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]])}  # 7 real tokens
     saved, kept = [], []
@@ -59,10 +55,10 @@ def test_evaluations_and_saves_are_left_out_of_the_step_time(tmp_path):
             control = handler.on_log(args, state, control, logs={"loss": 1.0, "learning_rate": 1e-3, "grad_norm": 0.5})
         if control.should_evaluate:
             rng = torch.get_rng_state()
-            time.sleep(EVAL)  # Trainer.evaluate's loop, then its on_evaluate
+            time.sleep(2 * EVAL)  # the evaluation loop and the generation, then on_evaluate
             torch.rand(3)  # the eval loader draws its seed from torch's generator
             control = handler.on_evaluate(args, state, control, metrics={"eval_loss": 2.0, "eval_runtime": EVAL,
-                                                                         "epoch": 1.0})
+                                                                         "eval_em_all": 0.5, "epoch": 1.0})
             kept.append(torch.equal(torch.get_rng_state(), rng))  # training draws next what it would without eval
         if control.should_save:
             time.sleep(SAVE)
@@ -206,7 +202,7 @@ def test_nonfinite_steps_reads_deepspeeds_decision_and_applies_the_policy(tmp_pa
     skip = _as_deepspeed(NonFiniteSteps(NonFinitePolicy("skip", max_consecutive_skips=1), tmp_path), args, control)
     for step, optimizer in enumerate([discarded, applied, discarded], start=5):
         skip.on_optimizer_step(args, TrainerState(global_step=step - 1), control, optimizer=optimizer)
-    assert skip.log_extra() == {"skipped_steps": 2.0} and stop.log_extra() == {}
+    assert skip.policy.log_extra() == {"skipped_steps": 2.0} and stop.policy.log_extra() == {}
     with pytest.raises(NonFiniteError, match=r"^the gradient norm of step 8 is not finite .* that makes 2 non-finite "
                                              r"steps in a row \(train.max_consecutive_skips=1\)"):
         skip.on_optimizer_step(args, TrainerState(global_step=7), control, optimizer=discarded)
@@ -245,7 +241,7 @@ def test_nonfinite_steps_without_deepspeed_leaves_the_optimizer_step_out(tmp_pat
     assert not step(5, float("inf"))  # step 6 of the run skipped: no weight, no optimizer state changed
     assert all(torch.equal(v, optimizer.state[model[0].weight][k]) for k, v in adam_state.items())
     assert all(p.grad is None for p in model.parameters() if p.requires_grad)
-    assert skip.log_extra() == {"skipped_steps": 3.0}
+    assert skip.policy.log_extra() == {"skipped_steps": 3.0}
     assert step(6, None)  # finite again: the run in a row starts over
     assert not step(7, float("nan"))
     (tmp_path / ".staging" / "checkpoint-8").mkdir(parents=True)
@@ -306,7 +302,7 @@ def test_nonfinite_steps_start_where_deepspeed_is_not_installed(tmp_path, monkey
     skip.on_train_begin(args, TrainerState(), control, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     model.weight.grad = torch.full_like(model.weight, float("nan"))
     skip.on_pre_optimizer_step(args, TrainerState(global_step=0), control, model=model)
-    assert model.weight.grad is None and skip.log_extra() == {"skipped_steps": 1.0}
+    assert model.weight.grad is None and skip.policy.log_extra() == {"skipped_steps": 1.0}
 
 
 def _epoch_reads(sampler_for, rows=28, micro=1, accum=4, ranks=2, epochs=2):
@@ -349,18 +345,17 @@ def test_an_epoch_reads_every_row_once_in_full_global_batches():
 
 
 def test_each_rank_draws_its_own_dropout_masks_and_a_resume_its_saved_ones():
-    """cookbook.checkpoint.seed_per_rank (start_run, Ray's WorkerRun, the Trainer's SeedPerRank): seed + rank."""
+    """cookbook.checkpoint.seed_per_rank (start_run, Ray's WorkerRun, the Trainer's RunControl): seed + rank."""
     from transformers import set_seed
 
     from cookbook.checkpoint import RNGState, seed_per_rank
-    from cookbook.hf_trainer import SeedPerRank
 
     def mask():
         return torch.nn.functional.dropout(torch.ones(64), 0.5).tolist()
 
     def trainer_mask(rank):
         set_seed(42)  # what the Trainer does on every rank
-        SeedPerRank().on_train_begin(SimpleNamespace(seed=42, process_index=rank), None, None)
+        RunControl(0).on_train_begin(SimpleNamespace(seed=42, process_index=rank), TrainerState(), None)
         return mask()
 
     assert trainer_mask(0) != trainer_mask(1)

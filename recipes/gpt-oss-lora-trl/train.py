@@ -408,11 +408,9 @@ def train(cfg: Config, on_cpu: bool) -> None:
     ac = t.activation_checkpointing == "full"
     # The SFTConfig (TrainingArguments) comes first: with fsdp it sets the environment from_pretrained reads.
     args = SFTConfig(
-        **hf_trainer.trainer_args(cfg, max_steps), use_cpu=on_cpu, bf16=bf16,
-        per_device_train_batch_size=t.micro_batch_size, gradient_accumulation_steps=t.grad_accum_steps,
-        max_steps=max_steps, optim=cfg.optim.optimizer, learning_rate=cfg.optim.lr,
-        weight_decay=cfg.optim.weight_decay, adam_beta1=cfg.optim.betas[0], adam_beta2=cfg.optim.betas[1],
-        adam_epsilon=cfg.optim.eps, lr_scheduler_type=cfg.optim.scheduler,
+        **hf_trainer.trainer_args(cfg, max_steps), use_cpu=on_cpu, bf16=bf16, optim=cfg.optim.optimizer,
+        learning_rate=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, adam_beta1=cfg.optim.betas[0],
+        adam_beta2=cfg.optim.betas[1], adam_epsilon=cfg.optim.eps, lr_scheduler_type=cfg.optim.scheduler,
         warmup_steps=int(cfg.optim.warmup_ratio * max_steps), max_grad_norm=cfg.optim.max_grad_norm,
         # the technique: DDP (the Trainer's default under torchrun) or FSDP2 with its own activation checkpointing
         fsdp="full_shard auto_wrap" if fsdp else "",
@@ -453,7 +451,6 @@ def train(cfg: Config, on_cpu: bool) -> None:
              f"active non-embedding params, {n_trainable / 1e6:,.2f} M trainable (LoRA r={cfg.lora.r}) | "
              f"{cfg.model.attn_implementation} | global batch {per_step} rows | {max_steps} steps | "
              f"{'bf16' if bf16 else 'fp32'} | data: {stats.summary()}")
-    log.info(hf_trainer.epoch_line(len(examples), per_step))  # Bookkeeping: what one epoch reads
 
     with run:  # closes metrics and the group whatever happens
         if not run.train(trainer, max_steps):

@@ -16,6 +16,8 @@ What it supports (DeepSpeed JSONs, data, evaluation, checkpoints, failures): REA
 from __future__ import annotations
 
 import contextlib
+import datetime
+import importlib
 import json
 import os
 import time
@@ -470,9 +472,9 @@ class ReceiptTrainer(hf_trainer.Bookkeeping, SFTTrainer):
     over exactly the validation rows (`evaluate`): `val_rows` (tokenized rows, the whole split on every rank), sharded
     by `info` (this process's `cookbook.DistInfo`)."""
 
-    def __init__(self, *args, val_rows: list[dict], info, **kwargs):
+    def __init__(self, *args, val_rows: list[dict], info, generation, **kwargs):
         super().__init__(*args, **kwargs)
-        self.val_rows, self.info = val_rows, info
+        self.val_rows, self.info, self.generation = val_rows, info, generation
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
         """Loss and next-token accuracy per label token over the validation rows, each counted once.
@@ -482,8 +484,8 @@ class ReceiptTrainer(hf_trainer.Bookkeeping, SFTTrainer):
         (`sft.shard_for_eval`: label-free fillers keep the number of forward passes equal, as ZeRO-3
         gathers parameters collectively), and `sft.evaluate` sums token losses and counts, then one
         all-reduce gives ``sum of losses / number of label tokens``. Logs ``<prefix>_loss``,
-        ``_mean_token_accuracy`` and ``_tokens`` and calls the callbacks' ``on_evaluate`` (the generation eval runs there), as the
-        Trainer's own ``evaluate`` does.
+        ``_mean_token_accuracy``, ``_tokens`` and the generation scores (`generation`) and calls the callbacks'
+        ``on_evaluate``, as the Trainer's own ``evaluate`` does.
         """
         if eval_dataset is not None:
             raise ValueError("ReceiptTrainer.evaluate scores the validation split given at construction")
@@ -500,6 +502,7 @@ class ReceiptTrainer(hf_trainer.Bookkeeping, SFTTrainer):
         self.log(out)  # while the model is in eval mode: TRL adds no training metrics to these logs
         if was_training:
             model.train()
+        out.update({f"{metric_key_prefix}_{k}": v for k, v in self.generation(self.model).items()})
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, out)
         return out
 
@@ -512,9 +515,14 @@ def train(cfg: Config, on_cpu: bool) -> None:
     from cookbook.loop import log_outputs
     from cookbook.metrics import MetricsLogger, ModelFlops, count_parameters
 
-    # the process group, and DeepSpeed's communication over it
-    info = hf_deepspeed.init_deepspeed(on_cpu, cfg.train.collective_timeout_s, debug_dir=Path(cfg.output_dir) / "debug")
+    # the process group, then DeepSpeed's communication over it (on CPU gloo, without DeepSpeed's ~40 s JIT build)
+    if on_cpu:
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    import deepspeed
     from trl import SFTConfig
+
+    info = cookbook.init_distributed(cfg.train.collective_timeout_s, debug_dir=Path(cfg.output_dir) / "debug")
+    deepspeed.init_distributed(dist_backend=info.backend, timeout=datetime.timedelta(seconds=cfg.train.collective_timeout_s))
 
     log = cookbook.get_logger()
     out_dir = Path(cfg.output_dir)
@@ -547,11 +555,9 @@ def train(cfg: Config, on_cpu: bool) -> None:
     # partition the weights across ranks while loading (deepspeed.zero.Init) instead of materialising them.
     args = SFTConfig(
         **hf_trainer.trainer_args(cfg, max_steps), deepspeed=cfg.deepspeed.config, use_cpu=on_cpu, bf16=bf16,
-        per_device_train_batch_size=cfg.train.micro_batch_size, per_device_eval_batch_size=cfg.train.micro_batch_size,
-        gradient_accumulation_steps=cfg.train.grad_accum_steps, max_steps=max_steps,
-        optim=cfg.optim.optimizer, learning_rate=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
-        adam_beta1=cfg.optim.betas[0], adam_beta2=cfg.optim.betas[1], adam_epsilon=cfg.optim.eps,
-        lr_scheduler_type=cfg.optim.scheduler, warmup_steps=int(cfg.optim.warmup_ratio * max_steps),
+        per_device_eval_batch_size=cfg.train.micro_batch_size, optim=cfg.optim.optimizer, learning_rate=cfg.optim.lr,
+        weight_decay=cfg.optim.weight_decay, adam_beta1=cfg.optim.betas[0], adam_beta2=cfg.optim.betas[1],
+        adam_epsilon=cfg.optim.eps, lr_scheduler_type=cfg.optim.scheduler, warmup_steps=int(cfg.optim.warmup_ratio * max_steps),
         max_grad_norm=cfg.optim.max_grad_norm, gradient_checkpointing=cfg.train.activation_checkpointing == "full",
         eval_strategy="steps" if cfg.train.eval_every > 0 and val_rows else "no", eval_steps=cfg.train.eval_every or None,
         dataloader_num_workers=cfg.data.num_workers, remove_unused_columns=False,
@@ -585,14 +591,14 @@ def train(cfg: Config, on_cpu: bool) -> None:
         return generation_eval(model_for_eval, tokenizer, data.val_prompts, data.val_targets, cfg.data.fields, cfg.eval, info)
 
     # What TrainLoop does when things fail (cookbook.hf_trainer): preemption, non-finite steps, stalls, failed saves.
-    run = hf_trainer.TrainerRun(cfg, metrics, pad_id, resume_from, evaluate_more=gen_eval)
+    run = hf_trainer.TrainerRun(cfg, metrics, pad_id, resume_from)
 
     trainer = ReceiptTrainer(
         model=model, args=args, processing_class=tokenizer, peft_config=peft_config,
         train_dataset=datasets.Dataset.from_list(train_rows),
         eval_dataset=datasets.Dataset.from_list(val_rows) if val_rows else None,
         data_collator=partial(sft.collate, pad_id=pad_id, cu_seq_lens=False) if cfg.data.packing else None,
-        callbacks=run.callbacks, val_rows=val_rows, info=info,
+        callbacks=run.callbacks, val_rows=val_rows, info=info, generation=gen_eval,
     )
     n_trainable = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters() if p.requires_grad)
     log.info(f"world size {info.world_size} ({info.backend}) | DeepSpeed ZeRO-{stage} ({Path(cfg.deepspeed.config).name}) | "
@@ -601,7 +607,6 @@ def train(cfg: Config, on_cpu: bool) -> None:
              f"{'packed ' if cfg.data.packing else ''}<= {cfg.data.max_length} tokens, {len(data.val)} validation "
              f"receipts | global batch {per_step} rows | {max_steps} steps | {'bf16' if bf16 else 'fp32'} | data: "
              f"{data.stats.summary()}")
-    log.info(hf_trainer.epoch_line(len(train_rows), per_step))  # Bookkeeping: what one epoch reads
 
     with run:  # closes metrics and the group whatever happens
         if not run.train(trainer, max_steps):

@@ -399,10 +399,9 @@ def train(cfg: Config) -> None:
     metrics = MetricsLogger(out_dir, info, flops=flops, run_name=cfg.run_name, mlflow=False,
                             max_steps=max(t.max_steps, 0), params=cfgmod.to_dict(cfg), progress=False)
     args = SFTConfig(
-        **hf_trainer.trainer_args(cfg, max(t.max_steps, 1)), per_device_train_batch_size=t.micro_batch_size,
-        gradient_accumulation_steps=t.grad_accum_steps, max_steps=max(t.max_steps, 1), learning_rate=t.lr,
-        lr_scheduler_type=t.scheduler, warmup_steps=t.warmup_steps, weight_decay=t.weight_decay,
-        max_grad_norm=t.max_grad_norm, bf16=dtype == torch.bfloat16, use_cpu=not on_gpu,
+        **hf_trainer.trainer_args(cfg, max(t.max_steps, 1)), learning_rate=t.lr, lr_scheduler_type=t.scheduler,
+        warmup_steps=t.warmup_steps, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
+        bf16=dtype == torch.bfloat16, use_cpu=not on_gpu,
         gradient_checkpointing=t.gradient_checkpointing and cfg.model.loader == "transformers",
         max_length=cfg.data.max_length, packing=cfg.data.packing, completion_only_loss=cfg.data.completion_only,
         dataset_num_proc=None, ddp_find_unused_parameters=False, dataloader_num_workers=1,
@@ -427,7 +426,6 @@ def train(cfg: Config) -> None:
     log.info(f"world size {info.world_size} ({info.backend}) | DDP | loader {cfg.model.loader} | "
              f"{flops.num_params / 1e6:,.1f} M non-embedding params | LoRA r={cfg.lora.r} | {len(rows)} rows | "
              f"global batch {per_step} rows | {max_steps} steps | {'bf16' if dtype == torch.bfloat16 else 'fp32'}")
-    log.info(hf_trainer.epoch_line(examples, per_step))  # Bookkeeping: what one epoch reads
 
     with run:  # closes metrics and the group whatever happens
         if not run.train(trainer, max_steps):

@@ -1,28 +1,21 @@
-"""DeepSpeed under the Hugging Face Trainer (the ZeRO recipe): `check_deepspeed_config` refuses, before any worker
-starts, a DeepSpeed JSON that disagrees with the recipe's config or with an ``accelerate launch`` config
-(`check_accelerate_deepspeed_file`); `init_deepspeed` starts DeepSpeed's communication over the cookbook's group."""
+"""The DeepSpeed JSON of a Trainer recipe, checked before any worker starts against the recipe's config and an
+``accelerate launch`` config (the Trainer would fail on it, or ignore it, once the workers run)."""
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 from pathlib import Path
 from typing import Mapping
 
 from cookbook.config import ConfigError
-from cookbook.dist import DistInfo, init_distributed
+
 
 def check_deepspeed_config(path: str | Path, *, micro_batch_size: int, grad_accum_steps: int, world_size: int,
                            max_grad_norm: float, export_16bit: bool) -> dict:
-    """The DeepSpeed JSON at `path` as a dict, checked (before any worker starts) against the recipe's config: the
-    values the Trainer writes where it says ``"auto"``, `world_size`, `export_16bit`.
-
-    Raises:
-        ConfigError: missing or not JSON; no ZeRO stage 1-3; fp16 on; a batch or clipping number that disagrees
-            (naming the key); ZeRO-3 without ``stage3_gather_16bit_weights_on_model_save`` while `export_16bit`;
-            ``bf16.check_grad_overflow=false`` or ``compute_grad_norm=false``; another JSON in an accelerate config.
-    """
+    """The DeepSpeed JSON at `path` as a dict. ConfigError (naming the key): missing or not JSON, no ZeRO stage 1-3,
+    fp16, a number that disagrees with what the Trainer writes for ``"auto"``, the norm checks off, ZeRO-3 without
+    16-bit gathering while `export_16bit`, another JSON in an accelerate config."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"deepspeed.config: file not found: {path}")
@@ -61,12 +54,8 @@ def check_deepspeed_config(path: str | Path, *, micro_batch_size: int, grad_accu
 
 
 def check_accelerate_deepspeed_file(path: str | Path, env: Mapping[str, str] | None = None) -> None:
-    """Refuse an ``accelerate launch`` whose DeepSpeed JSON (``ACCELERATE_DEEPSPEED_CONFIG_FILE`` in `env`, relative
-    to the working directory or `path`'s folder) is not the recipe's `path`: the Trainer would ignore it.
-
-    Raises:
-        ConfigError: the variable names a file that does not exist, or another file than `path`.
-    """
+    """ConfigError when ``ACCELERATE_DEEPSPEED_CONFIG_FILE`` (in `env`; relative to the working directory or to
+    `path`'s folder) names no file or another file than `path` (the Trainer would ignore it)."""
     given = (os.environ if env is None else env).get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
     if not given:
         return
@@ -80,18 +69,3 @@ def check_accelerate_deepspeed_file(path: str | Path, env: Mapping[str, str] | N
         raise ConfigError(f"accelerate's deepspeed_config_file {str(found)!r} disagrees with deepspeed.config = {path}: "
                           f"the Trainer would train with {Path(path).name} and ignore it; name the same file in both "
                           f"(e.g. ./launch.sh deepspeed.config={found.name}), or leave deepspeed_config_file out")
-
-
-def init_deepspeed(on_cpu: bool, timeout_s: float = 1800.0, debug_dir: str | Path | None = None) -> DistInfo:
-    """Start the cookbook's process group, then DeepSpeed's communication over it (before ``TrainingArguments``);
-    returns this process's `DistInfo`. On CPU DeepSpeed's shared-memory all-reduce (a ~40 s JIT build) is skipped:
-    gloo does the job. `timeout_s`: the collective timeout; `debug_dir`: stacks and NCCL's flight recorder."""
-    import importlib
-
-    if on_cpu:
-        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-    import deepspeed
-
-    info = init_distributed(timeout_s, debug_dir=debug_dir)
-    deepspeed.init_distributed(dist_backend=info.backend, timeout=datetime.timedelta(seconds=timeout_s))
-    return info
