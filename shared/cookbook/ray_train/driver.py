@@ -84,28 +84,32 @@ EPOCH_MAY_CHANGE = ("output_dir", "run_name", "mlflow", "trackers", "ray.*", "tr
 
 
 class RayDriver:
-    """A Ray recipe's driver. Constructing it checks, before Ray starts, the ``train`` failure settings, ``output_dir``,
-    the resume (`ResumeGuard` over Ray's folders: ``resume``, its ``meta``) and the worker count here (`plan_workers`:
-    ``workers``, ``use_gpu``; ``None`` on ``RAY_ADDRESS`` or several nodes), raising ConfigError or CheckpointError.
+    """A Ray recipe's driver. Constructing it checks, before Ray starts, the ``train`` failure settings, ``output_dir``
+    and the worker count here (`plan_workers`: ``workers``, ``use_gpu``; ``None`` on ``RAY_ADDRESS`` or several
+    nodes); `check_resume`, called after the recipe's data check, the resume. ConfigError or CheckpointError.
     `stop_at`: ``("train.stop_at_epoch", 1)`` or ``("train.stop_at_step", 8)``, whose last word is the unit."""
 
-    def __init__(self, cfg: Any, may_change: tuple[str, ...], stop_at: tuple[str, int]):
-        self.cfg = cfg
+    def __init__(self, cfg: Any, stop_at: tuple[str, int]):
+        self.cfg, self.stop_at, self.unit = cfg, stop_at, stop_at[0].rsplit("_", 1)[-1]
         NonFinitePolicy.settings(cfg.train)  # train.on_nonfinite, train.max_consecutive_skips: before Ray starts
         timeout_s = getattr(cfg.train, "collective_timeout_s", None)
         if timeout_s is not None and not timeout_s > 0:
             raise ConfigError(f"train.collective_timeout_s must be > 0 seconds, got {timeout_s:g}")
         self.nnodes = int(os.environ.get("COOKBOOK_NNODES", "1"))
         _check_output_dir(cfg.output_dir, self.nnodes)
-        self.unit = stop_at[0].rsplit("_", 1)[-1]
         self.guard = _RayCheckpoints(cfg.output_dir, self.unit)
-        self.resume = _check_resume(self.guard, getattr(cfg.checkpoint, "resume", "auto"), to_dict(cfg), may_change,
-                                    stop_at)
-        self.meta = read_meta(self.resume) if self.resume is not None else None
         planned = _plan_workers_locally(cfg.ray, self.nnodes)
         self.workers, self.use_gpu = planned if planned is not None else (None, None)
+
+    def check_resume(self, may_change: tuple[str, ...]) -> RayDriver:
+        """Check the resume (`ResumeGuard` over Ray's folders: ``resume``, its ``meta``), `may_change` the settings
+        a resume may change; returns the driver."""
+        self.resume = _check_resume(self.guard, getattr(self.cfg.checkpoint, "resume", "auto"), to_dict(self.cfg),
+                                    may_change, self.stop_at)
+        self.meta = read_meta(self.resume) if self.resume is not None else None
         if self.workers is not None and self.resume is not None:
             self.guard.check_world_size(self.resume, self.meta, self.workers)
+        return self
 
     @property
     def on_cpu(self) -> bool:
