@@ -95,6 +95,38 @@ def test_bad_input_fails_before_ray_starts(tmp_path, monkeypatch):
         train.main([*base, "model.attn_implementation=flex_attention"])
 
 
+
+def test_a_bad_row_is_named_by_the_first_check_on_a_used_output_dir(tmp_path, monkeypatch, capfd):
+    """The data is checked before the resume: another data file on a used output_dir (which the resume refuses,
+    another setting) is named by its bad row at once, not after the resume's refusal was answered. The used folder
+    is step 8's checkpoint as Ray registers it."""
+    import importlib.metadata
+    import json
+
+    from cookbook.checkpoint import CheckpointError
+    from cookbook.config import to_dict
+    from cookbook.sft import SFTDataError
+
+    train, out = recipe_module("qwen-ray-sft"), tmp_path / "out"
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    (out / "checkpoint_step_00000008").mkdir(parents=True)
+    (out / "checkpoint_step_00000008" / "state.pt").write_bytes(b"x")
+    meta = {"step": 8, "world_size": 2, "config": to_dict(tiny_config(f"output_dir={out}"))}
+    (out / "checkpoint_step_00000008" / "meta.json").write_text(json.dumps(meta))
+    (out / "checkpoint_manager_snapshot.json").write_text(json.dumps({
+        "ray_version": importlib.metadata.version("ray"),
+        "latest_checkpoint_result": {"checkpoint_dir_name": "checkpoint_step_00000008", "metrics": {}}}))
+    base = ["--config", str(RECIPE / "tiny.yaml"), "--check", f"output_dir={out}"]
+    train.main(base)  # the same settings resume
+    assert "resuming from" in capfd.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n'
+                   '{"messages": [{"role": "user", "content": "no answer here"}]}\n')
+    with pytest.raises(SFTDataError, match="bad.jsonl line 2"):
+        train.main([*base, f"data.train_files=[{bad}]"])
+    with pytest.raises(CheckpointError, match="other settings"):  # a good file instead: the resume's refusal
+        train.main([*base, "train.seed=7"])
+
 def tiny_config(*overrides):
     train = recipe_module("qwen-ray-sft")
     cfg = train.load_config(train.Config, RECIPE / "tiny.yaml", list(overrides))

@@ -206,14 +206,16 @@ def load(path: str, overrides: list[str]) -> Config:
 
 
 def driver_checks(cfg: Config) -> tuple[ray_train.RayDriver, str]:
-    """The driver's checks before Ray starts (``--check`` runs them alone); returns the driver and what the data holds."""
-    driver = ray_train.RayDriver(cfg, MAY_CHANGE, ("train.stop_at_step", cfg.train.stop_at_step))  # before Ray starts
+    """The driver's checks before Ray starts (``--check`` runs them alone), the data's before the resume's; returns
+    the driver and what the data holds."""
+    driver = ray_train.RayDriver(cfg, ("train.stop_at_step", cfg.train.stop_at_step))  # the workers planned here
     tokenizer = sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path, cfg.data.max_length)
     lm.check_attention(cfg.model.attn_implementation, on_cpu=driver.on_cpu)
-    if cfg.model.pretrained:  # a hub id is downloaded here, once, before the workers start
-        model_folder(cfg.model.name_or_path)
     data_note = sft.check_data(cfg.data, tokenizer, cfg.train.seed, cfg.train.micro_batch_size, cfg.train.grad_accum_steps,
                                driver.workers or 1)
+    driver.check_resume(MAY_CHANGE)
+    if cfg.model.pretrained:  # a hub id is downloaded here, once, before the workers start
+        model_folder(cfg.model.name_or_path)
     return driver, data_note
 
 

@@ -659,8 +659,9 @@ def load(path: str, overrides: list[str]) -> Config:
 
 
 def driver_checks(cfg: Config) -> tuple[ray_train.RayDriver, str]:
-    """The driver's checks before Ray starts (``--check`` runs them alone); returns the driver and what the data holds."""
-    driver = ray_train.RayDriver(cfg, MAY_CHANGE, ("train.stop_at_epoch", cfg.train.stop_at_epoch))  # before Ray starts
+    """The driver's checks before Ray starts (``--check`` runs them alone), the data's before the resume's; returns
+    the driver and what the data holds."""
+    driver = ray_train.RayDriver(cfg, ("train.stop_at_epoch", cfg.train.stop_at_epoch))  # the workers planned here
     check_decode(cfg.data.decode, driver.on_cpu, here=driver.use_gpu is not None)
     if cfg.data.train_dir:
         ignored: list[str] = []
@@ -674,7 +675,7 @@ def driver_checks(cfg: Config) -> tuple[ray_train.RayDriver, str]:
         data_note = f"{len(classes)} classes, {len(train)} train / {len(val)} val images"
     else:
         data_note = f"hub data set {cfg.data.hub_id}"
-    return driver, data_note
+    return driver.check_resume(MAY_CHANGE), data_note
 
 
 def preflight(cfg: Config, world_size: None) -> str:

@@ -369,13 +369,14 @@ def load(path: str, overrides: list[str]) -> Config:
 
 
 def driver_checks(cfg: Config) -> tuple[ray_train.RayDriver, str]:
-    """The driver's checks before Ray starts (``--check`` runs them alone); returns the driver and what the data holds."""
-    data = read_interactions(cfg.data)  # bad rows are named before Ray starts, and so is a bad resume:
-    driver = ray_train.RayDriver(cfg, MAY_CHANGE, ("train.stop_at_epoch", cfg.train.stop_at_epoch))
+    """The driver's checks before Ray starts (``--check`` runs them alone), the data's before the resume's; returns
+    the driver and what the data holds."""
+    data = read_interactions(cfg.data)  # bad rows are named before Ray starts
+    driver = ray_train.RayDriver(cfg, ("train.stop_at_epoch", cfg.train.stop_at_epoch))  # the workers planned here
     if driver.workers and len(data.train_users) < cfg.train.micro_batch_size * driver.workers:
         raise ConfigError(f"{len(data.train_users)} training interactions are too few for one step of "
                           f"{cfg.train.micro_batch_size} x {driver.workers} workers")
-    return driver, (f"{data.num_users} users, {data.num_items} items, {len(data.train_users)} train interactions, "
+    return driver.check_resume(MAY_CHANGE), (f"{data.num_users} users, {data.num_items} items, {len(data.train_users)} train interactions, "
                     f"{len(data.eval_users)} held out")
 
 

@@ -1,9 +1,6 @@
-"""What the Ray recipes share around Ray Train (https://docs.ray.io/en/latest/train/train.html); each recipe's
-``train.py`` builds its own ``TorchTrainer`` and its workers report with ``ray.train.report``. The driver
-(`cookbook.ray_train.driver`): `RayDriver`, the checks before Ray starts, ``with driver.started():`` and
-`RayDriver.finish`. The workers (`cookbook.ray_train.worker`): `worker_entry`, `config_from_dict`, `worker_info`
-and `WorkerRun`. ``python -m cookbook.ray_train.launch``: what each ``launch.sh`` runs.
-"""
+"""What the Ray recipes share around Ray Train; each recipe's ``train.py`` builds its own ``TorchTrainer`` and its
+workers call ``ray.train.report``. The driver: `RayDriver`; the workers: `worker_entry`, `WorkerRun`;
+``python -m cookbook.ray_train.launch``: what each ``launch.sh`` runs."""
 
 from cookbook.ray_train.driver import (EPOCH_MAY_CHANGE, EpochRunConfig, EpochTrainConfig, RayConfig, RayDriver,
                                        plan_workers)

@@ -1,17 +1,10 @@
-"""The driver side of a Ray recipe: the checks before Ray starts and the bookkeeping around the recipe's own
-``TorchTrainer(...).fit()``: `RayDriver`.
-
-``output_dir`` is Ray's run folder (``RunConfig(storage_path=<its parent>, name=<its last part>)``): checkpoints
-(``checkpoint_epoch_<n>/`` or ``checkpoint_step_<n>/``: ``state.pt``, ``meta.json``), ``metrics.jsonl`` and MLflow
-side by side. A re-run resumes from the newest checkpoint Ray registered (the driver names it); SIGTERM / SIGUSR1
-stop every worker after the same step with a checkpoint (exit 75); a non-finite stop or a failed save that the
-workers return is raised here as the torchrun recipes' `NonFiniteError` (exit 4) or `CheckpointSaveError` (exit 2).
-"""
+"""The driver side of a Ray recipe, `RayDriver`: the checks before Ray starts and the bookkeeping around the recipe's
+``TorchTrainer(...).fit()`` in ``output_dir``, Ray's run folder; a re-run resumes from the newest checkpoint Ray
+registered; SIGTERM / SIGUSR1 stop every worker after the same step with a checkpoint (exit 75)."""
 
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import json
 import os
 import signal
@@ -20,6 +13,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from importlib.metadata import distributions
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
@@ -37,9 +31,7 @@ _SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"  # Ray Train's record of the
 
 
 @dataclass
-class RayConfig:
-    """The ``ray`` section of a Ray recipe's config."""
-
+class RayConfig:  # the ``ray`` section of a Ray recipe's config
     num_workers: int = -1  # training processes; -1: one per GPU in the cluster (2 on a CPU-only cluster)
     use_gpu: bool | None = None  # null: GPUs when the cluster has any (COOKBOOK_DEVICE=cpu forces CPU)
     cpus_per_worker: float = 1.0
@@ -55,20 +47,14 @@ class _EpochCheckpointConfig:
 
 
 @dataclass
-class EpochTrainConfig:
-    """The ``train`` keys of an epoch-based Ray recipe that cookbook reads, as `cookbook.config.TrainConfig`'s; the
-    recipe's ``TrainConfig`` adds its own (``epochs``, ``stop_at_epoch``, ``log_every``)."""
-
+class EpochTrainConfig:  # the ``train`` keys of an epoch-based Ray recipe that cookbook reads; the recipe adds its own
     on_nonfinite: str = "stop"  # a step with a NaN/inf loss or gradient norm: stop (exit 4) or skip (drop its batch, go on)
     max_consecutive_skips: int = 5  # on_nonfinite=skip: the run stops at one more non-finite step in a row
     collective_timeout_s: float = 1800.0  # a collective waiting longer ends the run, naming the worker that is behind
 
 
 @dataclass
-class EpochRunConfig:
-    """The top level of an epoch-based Ray recipe's schema; the recipe's ``Config`` adds ``model``, ``data``,
-    ``optim`` and ``train`` (an `EpochTrainConfig`)."""
-
+class EpochRunConfig:  # the top level of an epoch-based Ray recipe's schema; the recipe adds model, data, optim, train
     output_dir: str = "outputs/run"  # Ray's run folder: checkpoints, metrics, MLflow (shared storage on several nodes)
     run_name: str = "run"  # the trackers' run name
     mlflow: bool = True  # false: no MLflow, whatever `trackers` says
@@ -84,41 +70,40 @@ EPOCH_MAY_CHANGE = ("output_dir", "run_name", "mlflow", "trackers", "ray.*", "tr
 
 
 class RayDriver:
-    """A Ray recipe's driver. Constructing it checks, before Ray starts, the ``train`` failure settings, ``output_dir``,
-    the resume (`ResumeGuard` over Ray's folders: ``resume``, its ``meta``) and the worker count here (`plan_workers`:
-    ``workers``, ``use_gpu``; ``None`` on ``RAY_ADDRESS`` or several nodes), raising ConfigError or CheckpointError.
-    `stop_at`: ``("train.stop_at_epoch", 1)`` or ``("train.stop_at_step", 8)``, whose last word is the unit."""
+    """Constructing it checks the ``train`` failure settings, ``output_dir`` and the worker count here (``workers``,
+    ``use_gpu``; ``None`` on ``RAY_ADDRESS`` or several nodes); `check_resume`, after the recipe's data check, the
+    resume. `stop_at`: ``("train.stop_at_epoch", 1)`` or ``("train.stop_at_step", 8)``, whose last word is the unit."""
 
-    def __init__(self, cfg: Any, may_change: tuple[str, ...], stop_at: tuple[str, int]):
-        self.cfg = cfg
+    def __init__(self, cfg: Any, stop_at: tuple[str, int]):
+        self.cfg, self.stop_at, self.unit = cfg, stop_at, stop_at[0].rsplit("_", 1)[-1]
         NonFinitePolicy.settings(cfg.train)  # train.on_nonfinite, train.max_consecutive_skips: before Ray starts
-        timeout_s = getattr(cfg.train, "collective_timeout_s", None)
-        if timeout_s is not None and not timeout_s > 0:
+        if (timeout_s := getattr(cfg.train, "collective_timeout_s", None)) is not None and not timeout_s > 0:
             raise ConfigError(f"train.collective_timeout_s must be > 0 seconds, got {timeout_s:g}")
         self.nnodes = int(os.environ.get("COOKBOOK_NNODES", "1"))
         _check_output_dir(cfg.output_dir, self.nnodes)
-        self.unit = stop_at[0].rsplit("_", 1)[-1]
         self.guard = _RayCheckpoints(cfg.output_dir, self.unit)
-        self.resume = _check_resume(self.guard, getattr(cfg.checkpoint, "resume", "auto"), to_dict(cfg), may_change,
-                                    stop_at)
+        self.workers = self.use_gpu = None  # planned on the cluster, after Ray started, on RAY_ADDRESS or several nodes
+        if not os.environ.get("RAY_ADDRESS") and self.nnodes == 1:
+            self.workers, self.use_gpu = plan_workers(cfg.ray, torch.cuda.device_count(), os.cpu_count() or 1)
+
+    def check_resume(self, may_change: tuple[str, ...]) -> RayDriver:
+        """Check the resume (``resume``, its ``meta``) but for the settings `may_change`; returns the driver."""
+        self.resume = _check_resume(self.guard, getattr(self.cfg.checkpoint, "resume", "auto"), to_dict(self.cfg),
+                                    may_change, self.stop_at)
         self.meta = read_meta(self.resume) if self.resume is not None else None
-        planned = _plan_workers_locally(cfg.ray, self.nnodes)
-        self.workers, self.use_gpu = planned if planned is not None else (None, None)
         if self.workers is not None and self.resume is not None:
             self.guard.check_world_size(self.resume, self.meta, self.workers)
+        return self
 
     @property
     def on_cpu(self) -> bool:
-        """Whether the workers will train on CPUs (as planned here, else as ``ray.use_gpu`` says)."""
         return not self.use_gpu if self.use_gpu is not None else self.cfg.ray.use_gpu is False
 
     def already_complete(self, total: int | None, outputs: Mapping[str, str | Path] = {}) -> bool:
-        """Whether the newest checkpoint ends the run (`total` epochs or steps; ``None``: not known here) and
-        `outputs` (``{"model": <output_dir>/final}``) exist; if so, say so (stderr)."""
-        if self.meta is None:
-            return False
-        done = self.meta.get(self.unit, 0)
-        if (total is not None and done < total) or not all(Path(p).exists() for p in outputs.values()):
+        """Whether the newest checkpoint ends the run (`total` epochs or steps; ``None``: not known) and `outputs`
+        (``{"model": <output_dir>/final}``) exist; if so, say so (stderr)."""
+        done = (self.meta or {}).get(self.unit, 0)
+        if self.meta is None or (total is not None and done < total) or not all(map(os.path.exists, outputs.values())):
             return False
         where = {**outputs, "metrics": Path(self.cfg.output_dir) / "metrics.jsonl"}
         print(self.guard.already_complete(done, total, self.unit, where), file=sys.stderr)
@@ -126,9 +111,8 @@ class RayDriver:
 
     @contextlib.contextmanager
     def started(self) -> Iterator[RayDriver]:
-        """The block of the recipe's ``TorchTrainer(...).fit()``: ``output_dir``'s lock held, Ray started or joined, the
-        worker group sized on the cluster and checked, SIGTERM / SIGUSR1 a stop request to the workers. A worker's
-        timed-out collective that ended the run is raised as one `CollectiveTimeout` naming the stalled worker."""
+        """The block of ``TorchTrainer(...).fit()``: ``output_dir`` locked, Ray started or joined, the workers sized on
+        the cluster, SIGTERM / SIGUSR1 a stop request; a worker's timed-out collective one `CollectiveTimeout`."""
         lock = run_lock.acquire(self.cfg.output_dir, os.environ.get("NODE_RANK", "0"))
         try:
             _init_ray(self.cfg.ray, self.workers or 0)
@@ -140,27 +124,25 @@ class RayDriver:
                 try:
                     yield self
                 except Exception as exc:  # Ray's WorkerGroupError: a stalled worker is one line (exit 3)
-                    stalled = _stalled_worker(exc)
-                    if stalled is None:
+                    if (stalled := _stalled_worker(exc)) is None:
                         raise
                     raise stalled from None
         finally:
             os.close(lock)
 
     def loop_config(self, script: str) -> dict[str, Any]:
-        """``train_loop_config`` for `cookbook.ray_train.worker_entry`: the recipe file `script` (``__file__``, at the
-        same path on every node), the config as a dict, the checkpoint announced and the stop request's key."""
+        """``train_loop_config`` for `worker_entry`: the recipe file `script`, the config, the resume, the stop key."""
         return {"script": str(Path(script).resolve()), "config": to_dict(self.cfg), "stop_key": self._stop.key,
                 "announced": self.resume.name if self.resume is not None else None}
 
     @property
     def resources_per_worker(self) -> dict[str, float]:
-        """``ScalingConfig.resources_per_worker``: ``ray.cpus_per_worker`` CPUs, and a GPU when the workers use GPUs."""
+        """``ScalingConfig.resources_per_worker``: ``ray.cpus_per_worker`` CPUs, and a GPU on GPUs."""
         return {"CPU": self.cfg.ray.cpus_per_worker, **({"GPU": 1} if self.use_gpu else {})}
 
     def finish(self, result: Any) -> Any:
-        """Say how the run ended (stderr) and return Ray's ``Result``; raises the workers' `NonFiniteError` (exit 4)
-        or `CheckpointSaveError` (exit 2), or `Preempted` after a stop on SIGTERM / SIGUSR1 (exit 75)."""
+        """Say how the run ended and return Ray's ``Result``; raises the workers' `NonFiniteError` (exit 4) or
+        `CheckpointSaveError` (exit 2), or `Preempted` after a stop request."""
         returned = result.return_value if isinstance(result.return_value, dict) else {}
         if returned.get(DIVERGED):
             raise NonFiniteError(returned[DIVERGED])
@@ -182,17 +164,15 @@ def _stalled_worker(exc: BaseException) -> CollectiveTimeout | None:
         failure = getattr(failure, "_base_exc", failure)  # Ray's UserExceptionWithTraceback around it
         if isinstance(failure, CollectiveTimeout):
             return CollectiveTimeout(f"Ray Train worker {rank}: {failure}")
-    return None
 
 
 class _StopOnSignal(StopRequest):
-    """`StopRequest` for a driver with Ray connected: the first SIGTERM / SIGUSR1 sets `key` in Ray's key-value store,
-    which the workers' rank 0 reads (from a thread: no Ray call in a signal handler); a second ends the process."""
+    """The first SIGTERM / SIGUSR1 sets `key` in Ray's key-value store for the workers' rank 0 (from a thread: no Ray
+    call in a signal handler); a second ends the process."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.key = f"cookbook-stop-{uuid.uuid4().hex}"
-        self._asked, self._done = threading.Event(), threading.Event()
+        self.key, self._asked = f"cookbook-stop-{uuid.uuid4().hex}", threading.Event()
 
     def __call__(self, signum: int | None = None) -> None:
         if self.signum is not None:  # the second: at once
@@ -201,15 +181,12 @@ class _StopOnSignal(StopRequest):
         super().__call__(signum)
         self._asked.set()
 
-    def _ask(self) -> None:
+    def _ask(self) -> None:  # set by a signal or by __exit__
         from ray.experimental.internal_kv import _internal_kv_put
-
-        while not self._done.is_set():
-            if self._asked.wait(0.2):
-                print(f"{signal.Signals(self.signum).name}: the workers stop after their next step and save a "
-                      f"checkpoint (send it again to stop at once)", file=sys.stderr)
-                _internal_kv_put(self.key, b"1")
-                return
+        if self._asked.wait() and self.signum is not None:
+            print(f"{signal.Signals(self.signum).name}: the workers stop after their next step and save a "
+                  f"checkpoint (send it again to stop at once)", file=sys.stderr)
+            _internal_kv_put(self.key, b"1")
 
     def __enter__(self) -> _StopOnSignal:
         self.listen()
@@ -220,20 +197,17 @@ class _StopOnSignal(StopRequest):
 
     def __exit__(self, *exc) -> None:
         self.restore()
-        self._done.set()
+        self._asked.set()
         self._thread.join(timeout=5)
         if self.signum is not None:
             from ray.experimental.internal_kv import _internal_kv_del
-
             _internal_kv_del(self.key)
 
 
-# ----------------------------------------------------------------------------- resume
 class _RayCheckpoints(ResumeGuard):
-    """Ray Train's checkpoint folders ``checkpoint_<unit>_<n>`` in the run folder under cookbook's resume guard
-    (another worker count is refused: the global batch depends on it). `latest` is the newest checkpoint in Ray's
-    snapshot (``checkpoint_manager_snapshot.json``), the one Ray hands the workers; a later folder can be on disk,
-    complete, yet not registered (Ray registers a report once every worker has made it)."""
+    """Ray Train's ``checkpoint_<unit>_<n>`` folders under the resume guard (another worker count is refused).
+    `latest` is the newest in Ray's snapshot, the one Ray hands the workers; a later complete folder may be
+    unregistered (Ray registers a report once every worker has made it)."""
 
     def __init__(self, output_dir: str | Path, unit: str):
         super().__init__(output_dir, folder=f"checkpoint_{unit}_<n>", files=(STATE_FILE,), run_dir=output_dir,
@@ -241,26 +215,19 @@ class _RayCheckpoints(ResumeGuard):
                          cannot_remap="the global batch, learning rate and steps per epoch would change mid-run")
 
     def latest(self) -> Path | None:
-        """The newest checkpoint Ray registered, or ``None``; a damaged one (`ResumeGuard.verify`) gives way to the
-        newest earlier one (`register` makes it Ray's). CheckpointError: an unreadable or other Ray version's
-        snapshot, or an incomplete folder in it."""
+        """The newest checkpoint Ray registered (a damaged one gives way to the newest earlier one), or ``None``."""
         data = self._snapshot()
-        name = ((data or {}).get("latest_checkpoint_result") or {}).get("checkpoint_dir_name")
-        if not name:
+        if not (name := ((data or {}).get("latest_checkpoint_result") or {}).get("checkpoint_dir_name")):
             return None
         path = self.root / name
         if path not in self.bad and not self.is_complete(path):
             raise CheckpointError(f"{path}: Ray Train registered it as the run's newest checkpoint, but it is missing "
                                   f"or incomplete (it needs {', '.join(('meta.json', *self.files))}): restore it, or "
                                   f"start afresh with {self.start_afresh()}")
-        for earlier in [path, *self._registered(data)[::-1]]:
-            if earlier not in self.bad and self.is_complete(earlier):
-                return earlier
-        return None
+        return next((p for p in [path, *self._registered(data)[::-1]] if p not in self.bad and self.is_complete(p)), None)
 
     def _snapshot(self) -> dict[str, Any] | None:
-        snapshot = self.root / _SNAPSHOT_FILE
-        if not snapshot.is_file():
+        if not (snapshot := self.root / _SNAPSHOT_FILE).is_file():
             return None
         try:
             data = json.loads(snapshot.read_text())
@@ -270,7 +237,7 @@ class _RayCheckpoints(ResumeGuard):
             raise CheckpointError(f"{snapshot}: Ray Train's record of the run's checkpoints is unreadable "
                                   f"({type(exc).__name__}: {exc}), and Ray cannot resume without it: start afresh "
                                   f"with {self.start_afresh()}") from None
-        wrote, installed = data.get("ray_version"), _ray_version()
+        wrote, installed = data.get("ray_version"), next((d.version for d in distributions(name="ray")), None)
         if wrote and installed and wrote != installed:
             raise CheckpointError(f"{snapshot} was written by Ray {wrote}, and Ray {installed} does not resume from "
                                   f"it: install ray=={wrote} to continue this run, or start afresh with "
@@ -278,41 +245,29 @@ class _RayCheckpoints(ResumeGuard):
         return data
 
     def _registered(self, data: Mapping[str, Any]) -> list[Path]:
-        """The checkpoint folders the snapshot lists, in the order Ray registered them (its report indices)."""
         results = data.get("checkpoint_results") or []
         order = data.get("checkpoint_report_indices") or list(range(len(results)))
         return [self.root / r["checkpoint_dir_name"] for _, r in sorted(zip(order, results), key=lambda x: x[0])]
 
     def register(self, path: Path) -> None:
-        """Make `path` the checkpoint Ray resumes from: rewrite the snapshot (atomically) without the damaged ones
-        registered after it."""
+        """Make `path` the one Ray resumes from: rewrite the snapshot (atomically) without the damaged ones."""
         data = self._snapshot()
         if ((data.get("latest_checkpoint_result") or {}).get("checkpoint_dir_name")) == path.name:
             return
         keep = [i for i, r in enumerate(data.get("checkpoint_results") or [])
                 if self.root / r["checkpoint_dir_name"] not in self.bad]
-        for key in ("checkpoint_results", "checkpoint_report_indices"):
-            if key in data:
-                data[key] = [data[key][i] for i in keep]
+        data.update({k: [data[k][i] for i in keep] for k in ("checkpoint_results", "checkpoint_report_indices")
+                     if k in data})
         data["latest_checkpoint_result"] = next(r for r in data["checkpoint_results"]
                                                 if self.root / r["checkpoint_dir_name"] == path)
-        tmp = self.root / f".{_SNAPSHOT_FILE}.tmp"
-        tmp.write_text(json.dumps(data))
+        (tmp := self.root / f".{_SNAPSHOT_FILE}.tmp").write_text(json.dumps(data))
         os.replace(tmp, self.root / _SNAPSHOT_FILE)
-
-
-def _ray_version() -> str | None:
-    try:
-        return importlib.metadata.version("ray")
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def _check_resume(guard: _RayCheckpoints, resume: str | None, config: Mapping[str, Any], may_change: tuple[str, ...],
                   stop_at: tuple[str, int]) -> Path | None:
-    """`ResumeGuard.check` of ``checkpoint.resume`` before the worker count is known (``auto``, ``none`` or the folder
-    Ray resumes from, the newest it registered; CheckpointError for another); says which checkpoint the run resumes
-    from and which later folders Ray had not registered."""
+    """`ResumeGuard.check` of ``checkpoint.resume`` (``auto``, ``none`` or the newest folder Ray registered) before
+    the worker count is known; says where the run resumes and which later folders Ray had not registered."""
     path = guard.check(resume, None, config, may_change, stop_at)
     latest = guard.latest()
     if path is not None and guard.bad:  # Ray's newest is damaged: Ray resumes from the one the guard fell back to
@@ -321,8 +276,7 @@ def _check_resume(guard: _RayCheckpoints, resume: str | None, config: Mapping[st
         raise CheckpointError(f"{guard.resume_key}={resume!r}: Ray Train resumes a run from the newest checkpoint it "
                               f"registered in its output_dir, {latest}; use {guard.resume_key}=auto, or start afresh "
                               f"with {guard.start_afresh()}")
-    found = guard.complete_checkpoints()
-    unit = stop_at[0].rsplit("_", 1)[-1]
+    found, unit = guard.complete_checkpoints(), stop_at[0].rsplit("_", 1)[-1]
     if path is not None:
         later = [p.name for p in found[found.index(path) + 1:]] if path in found else []
         meta = read_meta(path)
@@ -337,10 +291,8 @@ def _check_resume(guard: _RayCheckpoints, resume: str | None, config: Mapping[st
     return path
 
 
-# ----------------------------------------------------------------------------- checks and Ray
 def _check_output_dir(output_dir: str, nnodes: int) -> None:
-    """Refuse a URI (the recipes write metrics and MLflow files with plain file I/O) and, on several nodes, a parent
-    folder that does not exist (the shared mount: a typo would create a local folder on one node)."""
+    """Refuse a URI (metrics and MLflow files are plain files) and, on several nodes, a missing parent folder."""
     if "://" in output_dir:
         raise ConfigError(f"output_dir={output_dir!r}: use a folder on a shared file system (NFS, Lustre, a "
                           f"mounted bucket), not a URI")
@@ -351,23 +303,18 @@ def _check_output_dir(output_dir: str, nnodes: int) -> None:
 
 
 def _init_ray(cfg: RayConfig, num_workers: int) -> None:
-    """Join ``RAY_ADDRESS``, or start a local Ray instance (in ``cfg.temp_dir``) declaring at least `num_workers` x
-    ``cpus_per_worker`` + ``reserve_cpus`` CPUs; no dashboard."""
+    """Join ``RAY_ADDRESS``, or start a local Ray with CPUs for `num_workers` and ``reserve_cpus``."""
     import ray
-
-    address = os.environ.get("RAY_ADDRESS") or None
-    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
-    if address is None:
-        if cfg.temp_dir:
-            kwargs["_temp_dir"] = str(Path(cfg.temp_dir).resolve())
+    kwargs: dict[str, Any] = {}
+    if not (address := os.environ.get("RAY_ADDRESS") or None):
         needed = int(max(num_workers, 1) * cfg.cpus_per_worker + 0.999) + cfg.reserve_cpus
-        kwargs["num_cpus"] = max(os.cpu_count() or 1, needed)
-    ray.init(address=address, **kwargs)
+        kwargs = {"num_cpus": max(os.cpu_count() or 1, needed),
+                  **({"_temp_dir": str(Path(cfg.temp_dir).resolve())} if cfg.temp_dir else {})}
+    ray.init(address=address, include_dashboard=False, log_to_driver=True, **kwargs)
 
 
 def plan_workers(cfg: RayConfig, gpus: int, cpus: int) -> tuple[int, bool]:
-    """``(num_workers, use_gpu)`` for a cluster of `gpus` GPUs and `cpus` CPUs (ConfigError: ``ray.use_gpu=true``
-    without GPUs, or more workers than GPUs or CPUs)."""
+    """``(num_workers, use_gpu)`` for a cluster of `gpus` GPUs and `cpus` CPUs (ConfigError: too few)."""
     force_cpu = os.environ.get("COOKBOOK_DEVICE", "").lower() == "cpu"
     use_gpu = (gpus > 0 and not force_cpu) if cfg.use_gpu is None else cfg.use_gpu
     if use_gpu and gpus == 0:
@@ -381,55 +328,37 @@ def plan_workers(cfg: RayConfig, gpus: int, cpus: int) -> tuple[int, bool]:
     return n, use_gpu
 
 
-def _plan_workers_locally(cfg: RayConfig, nnodes: int) -> tuple[int, bool] | None:
-    """`plan_workers` against this machine before Ray starts (``None`` on ``RAY_ADDRESS`` or several nodes)."""
-    if os.environ.get("RAY_ADDRESS") or nnodes > 1:
-        return None
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return plan_workers(cfg, gpus, os.cpu_count() or 1)
-
-
-def _resolve_workers(cfg: RayConfig, nnodes: int = 1) -> tuple[int, bool]:
-    """`plan_workers` against the running cluster, once `nnodes` nodes joined (ConfigError after
-    ``cfg.join_timeout_s``)."""
+def _resolve_workers(cfg: RayConfig, nnodes: int) -> tuple[int, bool]:
+    """`plan_workers` on the cluster once `nnodes` nodes joined (ConfigError after ``cfg.join_timeout_s``)."""
     import ray
-
     deadline = time.monotonic() + cfg.join_timeout_s
     while (alive := len([n for n in ray.nodes() if n["Alive"]])) < nnodes:
         if time.monotonic() > deadline:
             raise ConfigError(f"only {alive} of NNODES={nnodes} Ray nodes joined within ray.join_timeout_s="
                               f"{cfg.join_timeout_s:g}: start launch.sh on every node")
         time.sleep(2.0)
-    res = ray.cluster_resources()
-    return plan_workers(cfg, int(res.get("GPU", 0)), int(res.get("CPU", 0)))
+    return plan_workers(cfg, int((res := ray.cluster_resources()).get("GPU", 0)), int(res.get("CPU", 0)))
 
 
 def _check_shared_storage(output_dir: str) -> None:
-    """On several nodes, refuse an `output_dir` that a node does not see: a marker with a random token, written here,
-    is read back by a task pinned to each node (ConfigError naming the blind nodes)."""
+    """On several nodes, refuse an `output_dir` a node does not see: a task pinned to each reads back a marker."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     nodes = [n for n in ray.nodes() if n["Alive"]]
     if len(nodes) < 2:
         return
-    out = Path(output_dir).expanduser().resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    token = uuid.uuid4().hex
-    marker = out / f".shared-storage-{token}"
-    marker.write_text(token)
+    (out := Path(output_dir).expanduser().resolve()).mkdir(parents=True, exist_ok=True)
+    (marker := out / f".shared-storage-{(token := uuid.uuid4().hex)}").write_text(token)
 
     @ray.remote(num_cpus=0)
     def probe(path: str) -> str | None:
-        p = Path(path)
-        return p.read_text() if p.is_file() else None
+        return Path(path).read_text() if Path(path).is_file() else None
 
     try:
         seen = ray.get([probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
                         .remote(str(marker)) for n in nodes])
     finally:
         marker.unlink(missing_ok=True)
-    blind = [n["NodeManagerAddress"] for n, s in zip(nodes, seen) if s != token]
-    if blind:
+    if blind := [n["NodeManagerAddress"] for n, s in zip(nodes, seen) if s != token]:
         raise ConfigError(f"output_dir={output_dir!r} is not shared: node(s) {', '.join(blind)} do not see {out}. "
                           f"Checkpoints must be on storage every node mounts (NFS, Lustre, a mounted bucket)")

@@ -1,11 +1,9 @@
 """Start a Ray recipe's driver on one node, on a cluster it bootstraps, or on an existing cluster:
 ``python -m cookbook.ray_train.launch train.py --config config.yaml [overrides...]`` (what each ``launch.sh`` runs).
 
-``RAY_ADDRESS`` set: the driver joins that cluster. ``NNODES=1`` (default): the driver starts a local Ray instance.
-``NNODES>1``: node ``NODE_RANK=0`` checks the config (``--check``), starts the Ray head on ``MASTER_ADDR:RAY_PORT``
-(default 6379), runs the driver (which waits for ``NNODES`` nodes) and stops Ray at its end; every other node joins
-the head, retrying until it is up, and exits when it goes away. ``NGPU`` (optional) caps each node's GPUs.
-"""
+``RAY_ADDRESS``: the driver joins it; ``NNODES=1``: it starts a local Ray; ``NNODES>1``: node ``NODE_RANK=0`` runs
+``--check``, the Ray head on ``MASTER_ADDR:RAY_PORT`` (6379) and the driver; every other node joins the head (retrying)
+and exits when it goes. ``NGPU`` caps each node's GPUs."""
 
 from __future__ import annotations
 
@@ -29,15 +27,14 @@ def _env_int(name: str, default: int) -> int:
 
 def _ray_cli() -> str:
     beside = Path(sys.executable).parent / "ray"
-    found = str(beside) if beside.is_file() else shutil.which("ray")
-    if not found:
+    if not (found := str(beside) if beside.is_file() else shutil.which("ray")):
         sys.exit("error: the `ray` command is not installed in this environment (pip install 'ray[train]')")
     return found
 
 
 def _run_forwarding_signals(cmd: list[str], env: dict[str, str] | None = None) -> int:
-    """Run `cmd` in its own session (a terminal's Ctrl-C reaches it once, through this process) and return its
-    exit status; SIGINT, SIGTERM and SIGUSR1 sent here are passed on (`cookbook.ray_train.RayDriver.started`)."""
+    """Run `cmd` in its own session (a terminal's Ctrl-C reaches it once) and return its exit status, passing on
+    SIGINT, SIGTERM and SIGUSR1."""
     child = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=die_with_parent)  # ends with this one
 
     def forward(signum, frame):
@@ -61,16 +58,13 @@ def main(argv: list[str]) -> int:
     os.environ["COOKBOOK_NNODES"] = str(nnodes)
     if os.environ.get("RAY_ADDRESS") or nnodes == 1:
         return _run_forwarding_signals(driver)
-    master = os.environ.get("MASTER_ADDR", "")
-    if not master:
+    if not (master := os.environ.get("MASTER_ADDR", "")):
         sys.exit("error: NNODES>1 needs MASTER_ADDR, the address of node 0 (the Ray head)")
     port = _env_int("RAY_PORT", 6379)
-    address = f"{master}:{port}"
+    address, ray = f"{master}:{port}", _ray_cli()
     gpus = ["--num-gpus", os.environ["NGPU"]] if os.environ.get("NGPU") else []
-    ray = _ray_cli()
     if node_rank == 0:
-        rc = subprocess.call([*driver, "--check"])  # bad input fails before the cluster starts
-        if rc:
+        if rc := subprocess.call([*driver, "--check"]):  # bad input fails before the cluster starts
             return rc
         subprocess.run([ray, "start", "--head", f"--port={port}", f"--node-ip-address={master}", "--disable-usage-stats",
                         "--include-dashboard=false", *gpus], check=True)

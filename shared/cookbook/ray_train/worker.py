@@ -1,12 +1,10 @@
-"""The worker side of a Ray recipe: `worker_entry` (what ``TorchTrainer`` runs: the recipe's ``train_loop``),
-`config_from_dict`, `worker_info` and `WorkerRun`, the bookkeeping around the recipe's step body with the torchrun
-loop's failure policy (`cookbook.policy`). ``state.pt`` holds the state dicts, every worker's random streams and the
-skipped steps (tensors and plain values); ``meta.json`` ``epoch``, ``step``, ``world_size``, ``config``, checksums.
-"""
+"""The worker side of a Ray recipe: `worker_entry` (what ``TorchTrainer`` runs) and `WorkerRun`. ``state.pt``: state
+dicts, each worker's random streams, the skipped steps; ``meta.json``: epoch, step, world_size, config, checksums."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import re
 import shutil
@@ -18,6 +16,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 
 from cookbook.checkpoint import (CHECKSUMS_KEY, META_FILE, CheckpointError, CheckpointSaveError, RNGState, checksums,
                                  from_rank0, os_error_in, rng_kept, save_error, seed_per_rank)
@@ -36,26 +35,19 @@ SAVE_FAILED = "save_failed"  # in rank 0's return value: the CheckpointSaveError
 _RNG_KEY = "rng_per_worker"  # in state.pt: the random streams of each worker, indexed by rank
 _EPOCH_RNG_KEY = "epoch_rng_per_worker"  # mid-epoch checkpoints: each worker's streams when the epoch's batches began
 _SKIPPED_KEY = "skipped_steps"  # in state.pt: the steps skipped for a non-finite value so far (WorkerRun.skip_step)
-_STOP_POLL_S = 0.5  # rank 0 asks Ray whether a stop was requested at most this often
-# Set in each worker by `worker_entry` from the driver's ``train_loop_config``: the checkpoint folder the driver
-# announced ("resuming from ...", checked by `load_checkpoint`) and the key of its stop request in Ray's store.
+# Set by `worker_entry`: the checkpoint the driver announced (`load_checkpoint` checks it), its stop request's key.
 _announced: str | None = None
 _stop_key: str | None = None
 
 
 class RecipeError(RuntimeError):
-    """An exception of a class defined in the recipe's ``train.py``, raised in a worker and re-raised as this (the
-    driver and Ray's controller cannot import the recipe module under the worker's name); the message starts with
-    the original class name, the worker's traceback is in the run's log."""
+    """A worker's exception of a recipe folder's class (which the driver cannot import), as ``"<class>: <message>"``."""
 
 
 def worker_entry(loop_config: dict) -> dict | None:
-    """Import the recipe file ``loop_config["script"]`` by path (OmegaConf needs its dataclasses in a real module;
-    its folder goes on ``sys.path``) and call its ``train_loop(loop_config["config"])``. A non-finite stop or a failed save is returned to the driver
-    (``{DIVERGED: message}``, ``{SAVE_FAILED: (message, errno)}``), so that Ray does not restart the workers into
-    it; a timed-out collective is raised as `cookbook.dist.CollectiveTimeout` (a restart, or one line)."""
-    import importlib.util
-
+    """Import the recipe file ``loop_config["script"]`` (its folder on ``sys.path``), call its ``train_loop(config)``.
+    A non-finite stop or a failed save is returned (``{DIVERGED: message}``, ``{SAVE_FAILED: (message, errno)}``: Ray
+    does not restart into it); a timed-out collective is raised as `CollectiveTimeout`."""
     global _announced, _stop_key
     _announced, _stop_key = loop_config.get("announced"), loop_config.get("stop_key")
     script = loop_config["script"]
@@ -64,8 +56,7 @@ def worker_entry(loop_config: dict) -> dict | None:
         if str(Path(script).parent) not in sys.path:  # its sibling modules import, as when train.py runs as a script
             sys.path.insert(0, str(Path(script).parent))
         spec = importlib.util.spec_from_file_location(name, script)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
+        sys.modules[name] = module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     try:
         sys.modules[name].train_loop(loop_config["config"])
@@ -74,77 +65,58 @@ def worker_entry(loop_config: dict) -> dict | None:
     except CheckpointSaveError as exc:
         return {SAVE_FAILED: (str(exc), exc.errno)}
     except Exception as exc:
-        stalled = stall_error(exc)
-        if stalled is not None:
+        if (stalled := stall_error(exc)) is not None:
             raise stalled from exc
         home = getattr(sys.modules.get(type(exc).__module__), "__file__", None)
         if type(exc).__module__ != name and (home is None or Path(home).parent != Path(script).parent):
             raise  # not a class of the recipe folder's: Ray's controller and the driver can import it
         raise RecipeError(f"{type(exc).__name__}: {exc}") from None
-    return None
 
 
 def config_from_dict(schema: type, data: Mapping[str, Any]) -> Any:
-    """The recipe's config dataclass from the plain dict the driver sent (``${oc.env:...}`` values are read from
-    this worker's environment)."""
-    from omegaconf import OmegaConf
-
+    """The recipe's config dataclass from the driver's dict (``${oc.env:...}`` read from this worker's environment)."""
     return to_object(OmegaConf.merge(OmegaConf.structured(schema), dict(data)))
 
 
 def worker_info() -> DistInfo:
-    """This Ray Train worker's rank, local rank, world size and device; the ``cookbook`` logger at INFO on rank 0
-    only (warnings from every rank)."""
-    import ray.train
+    """This Ray Train worker's rank, local rank, world size and device; logging at INFO on rank 0 only."""
     import ray.train.torch
-
-    ctx = ray.train.get_context()
-    device = ray.train.torch.get_device()
+    ctx, device = ray.train.get_context(), ray.train.torch.get_device()
     backend = dist.get_backend() if dist.is_initialized() else ("nccl" if device.type == "cuda" else "gloo")
     info = DistInfo(ctx.get_world_rank(), ctx.get_local_rank(), ctx.get_world_size(), device, backend)
     configure_logging(info.rank)
     return info
 
 
-def load_checkpoint(map_location: torch.device | str = "cpu") -> tuple[dict[str, Any], dict[str, Any]] | None:
-    """``(state, meta)`` of the checkpoint Ray hands the worker, or ``None`` on a fresh start; ``state.pt`` read with
-    ``weights_only=True``, memory-mapped on the CPU. Raises RuntimeError for an older checkpoint than the driver
-    announced (a bug), CheckpointError for a file that does not match its checksum in ``meta.json``."""
+def load_checkpoint() -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """``(state, meta)`` of the checkpoint Ray hands the worker (memory-mapped on the CPU), or ``None``."""
     import ray.train
-
     ckpt = ray.train.get_checkpoint()
     _check_announced(Path(ckpt.path).name if ckpt is not None else None)
     if ckpt is None:
         return None
     with ckpt.as_directory() as d:
         meta = json.loads((Path(d) / META_FILE).read_text())
-        problem = checksum_problem(Path(d), meta.get(CHECKSUMS_KEY) or {})  # as ResumeGuard.verify words it
-        if problem:
+        if problem := checksum_problem(Path(d), meta.get(CHECKSUMS_KEY) or {}):  # as ResumeGuard.verify words it
             raise CheckpointError(f"{ckpt.path}: {problem}, damaged since it was saved: restore it, or run again (the "
                                   f"driver then resumes from the checkpoint before it)")
-        state = torch.load(Path(d) / STATE_FILE, map_location=map_location, weights_only=True,
-                           mmap=torch.device(map_location).type == "cpu")
+        state = torch.load(Path(d) / STATE_FILE, map_location="cpu", weights_only=True, mmap=True)
     get_logger().info(f"resumed from {ckpt.path} ({_facts(meta)})")
     return state, meta
 
 
 def _check_announced(handed: str | None) -> None:
     """Refuse a checkpoint folder `handed` (or ``None``) older than `_announced`; a newer one is a restart."""
-    if _announced is None:
-        return
-
-    def position(name: str) -> tuple[int, ...]:  # (step,), (epoch,) or, mid-epoch, (epoch, step)
-        return tuple(int(n) for n in re.findall(r"\d+", name))
-
-    if handed is None or position(handed) < position(_announced):
+    # (step,), (epoch,) or, mid-epoch, (epoch, step); no checkpoint: ()
+    handed_at, announced_at = (tuple(int(n) for n in re.findall(r"\d+", name or "")) for name in (handed, _announced))
+    if _announced is not None and handed_at < announced_at:
         raise RuntimeError(f"Ray Train handed the workers {handed or 'no checkpoint'}, but the driver announced a "
                            f"resume from {_announced}: the workers would not continue the run it named. This is a "
                            f"bug; start afresh with a new output_dir")
 
 
 def rng_state() -> dict[str, Any]:
-    """This process's random streams (`cookbook.checkpoint.RNGState`) in a form ``weights_only`` loading reads
-    (NumPy's key as an int64 tensor); restore with `set_rng_state`."""
+    """This process's random streams (`RNGState`) as ``weights_only`` loading reads them (NumPy's key in int64)."""
     state = RNGState().state_dict()
     if "numpy" in state:
         name, key, pos, has_gauss, gauss = state["numpy"]
@@ -156,10 +128,8 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     """Restore the random streams `rng_state` returned (in this or another process)."""
     state = dict(state)
     if "numpy" in state:
-        import numpy as np
-
         name, key, pos, has_gauss, gauss = state["numpy"]
-        state["numpy"] = (name, key.numpy().astype(np.uint32), pos, has_gauss, gauss)
+        state["numpy"] = (name, key.numpy().astype("uint32"), pos, has_gauss, gauss)
     RNGState().load_state_dict(state)
 
 
@@ -168,17 +138,12 @@ def _facts(meta: Mapping[str, Any]) -> str:
 
 
 class WorkerRun:
-    """Resume, metrics, log window, checkpoints for ``ray.train.report`` and the summary of one Ray Train worker;
-    every method that logs, evaluates or checkpoints is collective. A recipe enters ``with run:``, loops over
-    ``run.epochs()`` or ``run.steps()`` and ``run.timed(loader)``, calls ``run.end_step`` / ``run.end_epoch``, reports
-    ``with run.checkpoint() as saved: ray.train.report(**saved)`` and ends with ``run.finish``.
-
-    Constructed after the model's initialisation, it resumes `state` (name -> object with ``state_dict``, or a plain
-    value), the random streams, `step` and `epoch`. `stop_at`: ``("train.stop_at_epoch", n)`` (a checkpoint per
-    epoch) or ``("train.stop_at_step", n)`` (by ``checkpoint.every_steps``: -1 never, 0 at the stop, N every N
-    steps). A stop request from the driver (preemption) is agreed by `cookbook.policy.StopVote` and checkpointed
-    (mid-epoch: ``checkpoint_epoch_<n>_step_<s>``, whose resume reads the epoch's first batches again and drops them).
-    """
+    """One Ray Train worker's resume, metrics, checkpoints for ``ray.train.report`` and summary (collective): ``with
+    run:``, ``run.epochs()`` or ``run.steps()``, ``run.timed(loader)``, ``run.end_step`` / ``run.end_epoch``, ``with
+    run.checkpoint() as saved: ray.train.report(**saved)``, ``run.finish``. It resumes `state` (name -> object with
+    ``state_dict``, or a value), the random streams, `step`, `epoch`. `stop_at`: ``("train.stop_at_epoch", n)`` (a
+    checkpoint per epoch) or ``("train.stop_at_step", n)`` (by ``checkpoint.every_steps``). A stop request from the
+    driver is checkpointed (mid-epoch: ``checkpoint_epoch_<n>_step_<s>``; its resume replays the epoch's batches)."""
 
     def __init__(self, cfg: Any, info: DistInfo, experiment: str, state: Mapping[str, Any], *, max_steps: int,
                  steps_per_epoch: int, stop_at: tuple[str, int], evaluate: Callable[[], Mapping[str, float]] | None = None,
@@ -191,23 +156,19 @@ class WorkerRun:
             set_collective_timeout(cfg.train.collective_timeout_s, store_rank=0)  # Ray's env:// store: rank 0's
         self.cfg, self.info, self.state = cfg, info, dict(state)
         self.max_steps, self.steps_per_epoch = max_steps, steps_per_epoch
-        self.stop_key, self.unit = stop_at[0], stop_at[0].rsplit("_", 1)[-1]
-        self.total = max_steps // steps_per_epoch if self.unit == "epoch" else max_steps
-        self.stop = min(self.total, stop_at[1]) if stop_at[1] > 0 else self.total
-        self.checkpoint_every = getattr(cfg.checkpoint, "every_steps", 0) if self.unit == "step" else 0
-        self.evaluate, self.eval_every = evaluate, getattr(cfg.train, "eval_every", 0)
-        self.step = self.epoch = self.reports = 0
-        self.stopped = False  # the run ended at its stop point (or on a stop request), before the end
-        self.preempted = False  # the run stopped on the driver's stop request (SIGTERM / SIGUSR1), after a checkpoint
-        self._last_eval: dict[str, float] = {}
-        self._stop_seen, self._next_poll, self._vote = False, 0.0, StopVote(self.info.device)
-        self._rng: Mapping[str, Any] | None = None  # the resumed random streams, restored again after a skip
-        self._epoch_rng: Mapping[str, Any] | None = None  # the streams when this epoch's batches began
+        self._stop_key, self._unit = stop_at[0], stop_at[0].rsplit("_", 1)[-1]
+        self._total = max_steps // steps_per_epoch if self._unit == "epoch" else max_steps
+        self._stop = min(self._total, stop_at[1]) if stop_at[1] > 0 else self._total
+        self._every = getattr(cfg.checkpoint, "every_steps", 0) if self._unit == "step" else 0
+        self._evaluate, self._eval_every = evaluate, getattr(cfg.train, "eval_every", 0)
+        self.step = self.epoch = self._reports = 0
+        self._stopped = self._preempted = False  # ended before the end / on the driver's stop request (checkpointed)
+        self._stop_seen, self._next_poll, self._vote = False, 0.0, StopVote(info.device)
+        self._last_eval, self._values = {}, {}  # the last epoch's evaluation; the next checkpoint's report metrics
+        self._rng = self._epoch_rng = None  # the resumed streams (again after a skip); those when this epoch began
         self._newest: Path | None = None  # the newest checkpoint folder (resumed or saved)
-        self._skipped_now = False  # the step being run was skipped (skip_step)
-        self._values: dict[str, Any] = {}  # the metrics of the next checkpoint's report (end_epoch, end_step)
-        self._stop_reported = False  # a report after the stop request was made (`checkpoint`)
-        skipped = 0
+        self._skipped_now = self._stop_reported = False  # the running step was skipped; a report after a stop request
+        skipped, meta = 0, None
         if getattr(cfg.train, "seed", None) is not None:
             seed_per_rank(cfg.train.seed, info.rank)  # each worker its own dropout masks; a resume restores its own
         resumed = load_checkpoint()  # memory-mapped on the CPU, copied into the model and optimizer
@@ -222,54 +183,47 @@ class WorkerRun:
             else:
                 get_logger().warning("the checkpoint holds no random streams (an older version wrote it): data "
                                      "augmentation and dropout continue from this run's seeds")
-            if _EPOCH_RNG_KEY in saved:  # mid-epoch: replayed from these in `timed`
-                self._epoch_rng = saved[_EPOCH_RNG_KEY][info.rank]
-            self.step, self.epoch = meta["step"], meta.get("epoch", 0)
-            skipped = int(saved.get(_SKIPPED_KEY, 0))
-            del saved
+            self._epoch_rng = saved[_EPOCH_RNG_KEY][info.rank] if _EPOCH_RNG_KEY in saved else None  # mid-epoch
+            self.step, self.epoch, skipped = meta["step"], meta.get("epoch", 0), int(saved.get(_SKIPPED_KEY, 0))
+            del saved, resumed
         record_progress(self.step)  # each step's, for the line of a worker whose collective times out
         self.nonfinite = NonFinitePolicy(on_nonfinite, max_skips, device=info.device, models=models_in(self.state),
                                          newest_checkpoint=lambda: self._newest, skipped_steps=skipped)
-        if resumed is not None:  # its name (`_label`) counts the skipped steps
+        if meta is not None:  # resumed: its name (`_label`) counts the skipped steps
             self._newest = Path(cfg.output_dir).expanduser().resolve() / f"checkpoint_{self._label()}"
-            del resumed
         self._saved_at = self.batches  # the newest checkpoint's data position
         self._lr = 0.0  # the learning rate of the newest applied step (an epoch's last log line after a skip)
         # An epoch run resumed mid-epoch (a preemption checkpoint): batches of this epoch already taken.
-        self._skip = self.batches - self.epoch * steps_per_epoch if self.unit == "epoch" else 0
+        self._skip = self.batches - self.epoch * steps_per_epoch if self._unit == "epoch" else 0
         out = Path(cfg.output_dir)
         if info.is_main:
             out.mkdir(parents=True, exist_ok=True)
             save_config(cfg, out / "config.yaml")
         self.metrics = MetricsLogger(out, info, flops=flops, run_name=cfg.run_name, experiment=experiment,
                                      params=to_dict(cfg), mlflow=cfg.mlflow, max_steps=max_steps, count_tokens=count_tokens)
-        self.profiler = StepProfiler(getattr(cfg.train, "profile_step", 0), out, info)
-        self._reset_window()
+        self._profiler = StepProfiler(getattr(cfg.train, "profile_step", 0), out, info)
+        self._log_window(log=False)
         get_logger().info(f"world size {info.world_size} ({info.backend}, {info.device.type}) | "
                           f"{about + ' | ' if about else ''}{max_steps} steps ({steps_per_epoch}/epoch) | "
-                          f"starting at {self.unit} {self.done}")
+                          f"starting at {self._unit} {self._done}")
 
     @property
-    def done(self) -> int:
-        """Epochs or steps (the unit of ``stop_at``) done."""
-        return self.epoch if self.unit == "epoch" else self.step
+    def _done(self) -> int:
+        return self.epoch if self._unit == "epoch" else self.step
 
     @property
-    def batches(self) -> int:
-        """Steps' worth of batches taken over the run, applied or skipped (an epoch is ``steps_per_epoch`` of them)."""
+    def batches(self) -> int:  # steps' worth of batches taken over the run, applied or skipped
         return self.step + self.nonfinite.skipped_steps
 
     @property
-    def skipped_steps(self) -> int:
-        """Steps dropped by `skip_step` over the whole run (restored on resume)."""
+    def skipped_steps(self) -> int:  # dropped by `skip_step` over the whole run
         return self.nonfinite.skipped_steps
 
-    # ------------------------------------------------------------------ the loop
     def __enter__(self) -> WorkerRun:
         try:
             barrier()  # every worker starts the clock together
             self.metrics.start(self.step)
-            self.profiler.start(self.step + 1)
+            self._profiler.start(self.step + 1)
         except BaseException:
             self.metrics.close(failed=True)
             raise
@@ -278,11 +232,11 @@ class WorkerRun:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
             self._vote.finish()
-        self.metrics.close(failed=exc_type is not None, stopped=self.stopped)
+        self.metrics.close(failed=exc_type is not None, stopped=self._stopped)
 
     def steps(self) -> Iterator[int]:
-        """Each optimizer step's number (1-based) up to the stop point or a stop request; each ends in `end_step`."""
-        while self.step < self.stop and not self.preempted:
+        """Each step's number (1-based) up to the stop point or a stop request; each ends in `end_step`."""
+        while self.step < self._stop and not self._preempted:
             started, self._skipped_now = self.step, False
             self.nonfinite.begin_step()
             yield started + 1
@@ -291,27 +245,25 @@ class WorkerRun:
 
     def skip_step(self, grad_norm: torch.Tensor | float | None = None, *,
                   loss: torch.Tensor | float | None = None) -> bool:
-        """`cookbook.policy.NonFinitePolicy.skip` of the step being run, before its update (`grad_norm`: the same
-        on every worker; else `loss`). ``True`` (``train.on_nonfinite=skip``): zero the gradients and ``continue``;
-        the step number comes again with the next batches. Raises NonFiniteError (``stop``, too many skips)."""
+        """`NonFinitePolicy.skip` of the running step (`grad_norm`: the same on every worker; else `loss`). ``True``:
+        zero the gradients and ``continue``."""
         skipped = self.nonfinite.skip(self.step + 1, grad_norm, loss=loss)
         self._skipped_now = self._skipped_now or skipped
         return skipped
 
     def epochs(self) -> Iterator[int]:
         """Each epoch's number (0-based) up to the stop point or a stop request; each ends in `end_epoch`."""
-        while self.epoch < self.stop and not self.preempted:
-            started = self.epoch
-            yield started
-            if self.epoch == started and not self.preempted:
+        while self.epoch < self._stop and not self._preempted:
+            yield (started := self.epoch)
+            if self.epoch == started and not self._preempted:
                 raise RuntimeError("each epoch must end with run.end_epoch(...)")
 
     def timed(self, batches: Iterable) -> Iterator[tuple[Any, float]]:
-        """``(batch, seconds waited for it)``; in an epoch run, up to a stop request, past those a mid-epoch resume
-        already took."""
+        """``(batch, seconds waited)``; in an epoch run up to a stop request, past those a mid-epoch resume took."""
+        epoch_run = self._unit == "epoch"
         if self._skip and self._epoch_rng is not None:
             set_rng_state(self._epoch_rng)  # the epoch's batches are read again as they were first
-        if self.unit == "epoch":
+        if epoch_run:
             self._epoch_rng = rng_state()
         it = iter(batches)
         if self._skip:
@@ -320,107 +272,93 @@ class WorkerRun:
             if self._rng is not None:
                 set_rng_state(self._rng)  # as at the checkpoint
             self._skip = 0
-        while True:
-            if self.unit == "epoch" and self._agree_stop():
-                self.preempted = True
+        while not (epoch_run and self._agree_stop()):
+            t0, end = time.perf_counter(), object()
+            if (batch := next(it, end)) is end:
                 return
-            t0 = time.perf_counter()
-            try:
-                batch = next(it)
-            except StopIteration:
-                return
-            if self.unit == "epoch":  # a batch is a step (runs counted in steps: `steps`)
+            if epoch_run:  # a batch is a step (runs counted in steps: `steps`)
                 self.nonfinite.begin_step()
             yield batch, time.perf_counter() - t0
+        self._preempted = True
 
     def end_step(self, loss: torch.Tensor | float, *, lr: float, grad_norm: torch.Tensor | float | None = None,
                  window: Mapping[str, torch.Tensor | float] | None = None) -> bool:
-        """Count one optimizer step (`loss`: this worker's 0-d tensor; `window`: more numbers averaged by name) and log
-        by ``train.log_every``; returns whether a checkpoint is due (step runs; collective), ``False`` in epoch runs."""
-        self.profiler.stop()
+        """Count one optimizer step (`loss`: this worker's; `window`: more numbers averaged by name), log by
+        ``train.log_every``; returns whether a checkpoint is due (step runs; collective)."""
+        self._profiler.stop()
         self.step += 1
-        record_progress(self.step)
+        step, self._lr = self.step, lr
+        record_progress(step)
         self.nonfinite.stepped()
-        step = self.step
-        self._loss = self._loss + (loss.detach() if isinstance(loss, torch.Tensor) else loss)
-        for k, v in (window or {}).items():
+        for k, v in {"": loss, **(window or {})}.items():
             self._window[k] = self._window.get(k, 0.0) + (v.detach() if isinstance(v, torch.Tensor) else v)
         self._steps += 1
-        self._lr = lr
-        epoch_end = (self.batches if self.unit == "epoch" else step) % self.steps_per_epoch == 0
+        epoch_end = (self.batches if self._unit == "epoch" else step) % self.steps_per_epoch == 0
         if step % self.cfg.train.log_every == 0 or epoch_end or step == self.max_steps:
-            extra = {k: v / self._steps for k, v in self._window.items()}
-            extra.update(self.nonfinite.log_extra())
-            self.metrics.log_step(step, self._loss / self._steps, lr, grad_norm, extra=extra or None)
-            self._reset_window()
-        with self.metrics.paused():  # not counted in the step time and throughput
-            if self.evaluate is not None and self.eval_every > 0 and step % self.eval_every == 0 and step < self.max_steps:
-                with rng_kept():  # the evaluation does not change what training draws next (dropout)
-                    values = self.evaluate()
-                self.metrics.log_eval(step, values)
-        self.profiler.start(step + 1)
-        if self.unit != "step":
+            self._log_window(grad_norm)
+        if self._evaluate and self._eval_every > 0 and step % self._eval_every == 0 and step < self.max_steps:
+            with self.metrics.paused(), rng_kept():  # not in the step time; training draws next what it would without
+                self.metrics.log_eval(step, self._evaluate())
+        self._profiler.start(step + 1)
+        if self._unit != "step":
             return False
-        every = self.checkpoint_every
-        due = every >= 0 and (step == self.stop or (every > 0 and step % every == 0))
-        if step < self.stop and self._agree_stop():
-            self.preempted = due = True
+        due = self._every >= 0 and (step == self._stop or (self._every > 0 and step % self._every == 0))
+        if step < self._stop and self._agree_stop():
+            self._preempted = due = True
         if due:
             self._values = {"loss": all_reduce_mean({"loss": loss}, self.info.device)["loss"]}  # of the global batch
         return due
 
     def end_epoch(self, evaluate: Callable[[], Mapping[str, float]]) -> dict[str, float]:
-        """Count one epoch and run `evaluate` (collective) before its `checkpoint`; returns its metrics (``{}`` when
-        a stop request cut the epoch short)."""
-        if self.preempted:
+        """Count one epoch, run `evaluate` (collective); returns its metrics (``{}`` after a stop request)."""
+        if self._preempted:
             self._values = {}
             return {}
         self.epoch += 1
         if self._steps:  # the epoch's last batch was skipped (skip_step): its last log line comes here
-            self.metrics.log_step(self.step, self._loss / self._steps, self._lr, None,
-                                  extra={**{k: v / self._steps for k, v in self._window.items()},
-                                         **self.nonfinite.log_extra()})
-            self._reset_window()
-        with self.metrics.paused():
-            with rng_kept():  # the evaluation does not change what the next epoch draws
-                values = self._last_eval = dict(evaluate())
-            self.metrics.log_eval(self.step, values)
+            self._log_window()
+        with self.metrics.paused(), rng_kept():  # the evaluation does not change what the next epoch draws
+            self.metrics.log_eval(self.step, values := dict(evaluate()))
+        self._last_eval = values
         self._values = values
         return values
 
+    def _log_window(self, grad_norm: torch.Tensor | float | None = None, log: bool = True) -> None:
+        if log:
+            extra = {k: v / self._steps for k, v in self._window.items() if k}
+            extra.update(self.nonfinite.log_extra())
+            self.metrics.log_step(self.step, self._window[""] / self._steps, self._lr, grad_norm, extra=extra or None)
+        self._window: dict[str, Any] = {"": torch.zeros((), device=self.info.device)}
+        self._steps = 0
+
     def _label(self) -> str:
-        """The name of a checkpoint at this point, less ``checkpoint_``."""
-        if self.unit == "step":
+        if self._unit == "step":
             return f"step_{self.step:08d}"
-        # mid-epoch (a preemption): epochs done and steps done
         return f"epoch_{self.epoch:04d}" + (f"_step_{self.step:08d}" if self.batches % self.steps_per_epoch else "")
 
     @contextlib.contextmanager
     def checkpoint(self) -> Iterator[dict[str, Any]]:
-        """``with run.checkpoint() as saved: ray.train.report(**saved)`` (collective, after `end_epoch` or an `end_step`
-        that returned ``True``): rank 0 writes ``state.pt`` and ``meta.json`` to a temporary folder that Ray copies to
-        ``<output_dir>/checkpoint_<label>``. Raises NonFiniteError for a non-finite model (nothing saved), and
-        CheckpointSaveError on every worker when rank 0's write or Ray's copy failed (the partial folder removed)."""
-        counts = {"epoch": self.epoch} if self.unit == "epoch" else {}
-        metrics = {**counts, "step": self.step, **self._values, **({"preempted": 1.0} if self.preempted else {})}
+        """``with run.checkpoint() as saved: ray.train.report(**saved)`` (collective): rank 0 writes ``state.pt`` and
+        ``meta.json`` to a temporary folder that Ray copies to ``<output_dir>/checkpoint_<label>``. NonFiniteError: a
+        non-finite model; CheckpointSaveError on every worker: a failed write or copy (the partial folder removed)."""
+        counts = {"epoch": self.epoch} if self._unit == "epoch" else {}
+        metrics = {**counts, "step": self.step, **self._values, **({"preempted": 1.0} if self._preempted else {})}
         with self.metrics.paused():
-            if self.preempted and self._saved_at == self.batches:  # the newest checkpoint is at this step
+            if self._preempted and self._saved_at == self.batches:  # the newest checkpoint is at this step
                 yield {"metrics": metrics}
-                self.reports, self._stop_reported = self.reports + 1, True
+                self._reports, self._stop_reported = self._reports + 1, True
                 return
             label = self._label()
             self.nonfinite.check_model(self.step, f"checkpoint_{label} is not saved")
             run = {_RNG_KEY: all_gather_object(rng_state()), _SKIPPED_KEY: self.nonfinite.skipped_steps}  # every worker's
-            if self.unit == "epoch" and self.batches % self.steps_per_epoch:
+            if self._unit == "epoch" and self.batches % self.steps_per_epoch:
                 run[_EPOCH_RNG_KEY] = all_gather_object(self._epoch_rng)
             meta = {**counts, "step": self.step, "world_size": self.info.world_size, "config": to_dict(self.cfg)}
             final = Path(self.cfg.output_dir).expanduser().resolve() / f"checkpoint_{label}"
             with tempfile.TemporaryDirectory() as tmp:
-                saved: dict[str, Any] = {"metrics": metrics}
-                failure = None
+                saved, failure = {"metrics": metrics}, None
                 if self.info.is_main:  # DDP replicas are identical: rank 0's state
                     from ray.train import Checkpoint
-
                     state = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in self.state.items()}
                     try:
                         with open(Path(tmp) / STATE_FILE, "wb") as f:  # a Python file: a failed write keeps its errno
@@ -438,14 +376,12 @@ class WorkerRun:
                     shutil.rmtree(final, ignore_errors=True)  # not registered: its space goes back to the disk
                 raise_save_error(from_rank0(failure))
             get_logger().info(f"checkpoint saved: {label} ({_facts(meta)})")
-            self.reports, self._stop_reported = self.reports + 1, self.preempted
-            self._saved_at = self.batches
-            self._newest = final
+            self._reports, self._stop_reported = self._reports + 1, self._preempted
+            self._saved_at, self._newest = self.batches, final
 
     def _save_failure(self, exc: Exception, final: Path) -> tuple[str, int | None]:
-        """``(message, errno)`` of `cookbook.checkpoint.save_error` for the OS error behind `exc` (else `exc`)."""
-        os_error = os_error_in(exc)
-        if os_error is None:
+        """``(message, errno)`` of `save_error` for the OS error behind `exc` (else raise `exc`)."""
+        if (os_error := os_error_in(exc)) is None:
             raise exc
         error = save_error(self.step, final, self._newest, 0 if self.info.world_size > 1 else None, os_error)
         return str(error), error.errno
@@ -456,48 +392,37 @@ class WorkerRun:
             return False
         if self.info.is_main and not self._stop_seen and time.monotonic() >= self._next_poll:
             from ray.experimental.internal_kv import _internal_kv_get
-
             self._stop_seen = _internal_kv_get(_stop_key) is not None
-            self._next_poll = time.monotonic() + _STOP_POLL_S
+            self._next_poll = time.monotonic() + 0.5  # Ray is asked at most every 0.5 s
         return self._vote(self._stop_seen)
 
-    def _reset_window(self) -> None:
-        self._loss: torch.Tensor | float = torch.zeros((), device=self.info.device)
-        self._window: dict[str, Any] = {}
-        self._steps = 0
-
-    # ------------------------------------------------------------------ the end
     def finish(self, model: torch.nn.Module, export: Callable[[], Outputs] | None = None) -> dict[str, float]:
-        """After the loop: the final evaluation (returned), each worker's report count and parameter fingerprint, the
-        summary record, and for a finished run `export` (``{summary key: (folder or None, how to load it)}``) and the
-        closing lines; for a stopped one, how to continue. Raises NonFiniteError for a finished non-finite model."""
-        if self.preempted and not self._stop_reported:
+        """After the loop: the final evaluation (returned), the summary record, and for a finished run `export`
+        (``{summary key: (folder or None, how to load it)}``) and the closing lines; else how to continue."""
+        if self._preempted and not self._stop_reported:
             raise RuntimeError("the run stopped on the driver's stop request: report run.checkpoint() before run.finish()")
-        if not self.preempted and self.done >= self.total:
+        if not self._preempted and self._done >= self._total:
             self.nonfinite.check_model(self.step, "the run is not done (no final evaluation, export or summary)")
-        final_eval = dict(self.evaluate()) if self.evaluate is not None and not self.preempted else {}
-        if final_eval:
+        if final_eval := dict(self._evaluate()) if self._evaluate is not None and not self._preempted else {}:
             self.metrics.log_eval(self.step, final_eval)
-        else:
-            final_eval = self._last_eval
-        workers = {"reports_per_worker": all_gather_object(self.reports),
+        final_eval = final_eval or self._last_eval
+        workers = {"reports_per_worker": all_gather_object(self._reports),
                    "param_fingerprints": all_gather_object(param_fingerprint(model))}
         outputs: dict[str, tuple[Path | None, str]] = {}
-        if self.preempted:
-            self.stopped = True
-            get_logger().info(f"stopped after step {self.step} ({self.unit} {self.done} of {self.total}) on the "
+        self._stopped = self._preempted or self._done < self._total
+        if self._preempted:
+            get_logger().info(f"stopped after step {self.step} ({self._unit} {self._done} of {self._total}) on the "
                               f"driver's stop request, with a checkpoint at it; run the same command again to continue")
-        elif self.done < self.total:
-            self.stopped = True
-            get_logger().info(f"stopped {'after' if self.unit == 'epoch' else 'at'} {self.unit} {self.done} of "
-                              f"{self.total} ({self.stop_key}); run again without it to continue")
+        elif self._stopped:
+            get_logger().info(f"stopped {'after' if self._unit == 'epoch' else 'at'} {self._unit} {self._done} of "
+                              f"{self._total} ({self._stop_key}); run again without it to continue")
         elif export is not None:
             outputs = dict(export())
-        self.metrics.log_summary({"step": self.step, **({"epoch": self.epoch} if self.unit == "epoch" else {}),
+        self.metrics.log_summary({"step": self.step, **({"epoch": self.epoch} if self._unit == "epoch" else {}),
                                   **workers, **{f"eval/{k}": v for k, v in final_eval.items()},
                                   **{k: str(path) if path else None for k, (path, _) in outputs.items()},
                                   "mlflow_uri": self.metrics.mlflow_uri, "mlflow_run_id": self.metrics.mlflow_run_id})
-        if not self.stopped:
+        if not self._stopped:
             log_outputs(self.step, final_eval, self.metrics, Path(self.cfg.output_dir), outputs)
         return final_eval
 
