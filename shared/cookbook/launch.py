@@ -4,7 +4,8 @@
         --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-}" \\
         --max-restarts "${MAX_RESTARTS:-3}" recipes/x/train.py --config tiny.yaml train.max_steps=100
 
-It checks the process counts (`plan`), runs ``train.py --check`` in one process (``COOKBOOK_WORLD_SIZE`` set), then
+It checks the process counts (`plan`), runs ``train.py --check`` in this process (``COOKBOOK_WORLD_SIZE`` set; as
+``python train.py --check`` would, `cookbook.entry.run_script`: one interpreter start and torch import less), then
 the workers with `cookbook.torchrun` (``--standalone`` on one node, else a static rendezvous at ``--master-addr``),
 restarted up to ``--max-restarts`` times (default 3, as torchrun's documentation uses for a fault-tolerant job)
 when a restart can cure the failure. ``--dry-run`` (or ``DRY_RUN`` not ``0``) prints the ``check:`` and ``run:``
@@ -100,6 +101,16 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.pop(LAUNCH_TIME_ENV, None)
 
 
+def _check(script: Path, args: list[str], env: dict[str, str]) -> int:
+    """``python script *args`` with `env` added, in this process; a script that is not a file in a process of its own
+    (python's line and status)."""
+    if not script.is_file():
+        return subprocess.run([sys.executable, str(script), *args], env={**os.environ, **env}).returncode
+    from cookbook.entry import run_script
+
+    return run_script(script, args, env)
+
+
 def _launch(args: argparse.Namespace) -> int:
     script = Path(args.script).resolve()
     script_args = list(args.script_args)
@@ -109,6 +120,7 @@ def _launch(args: argparse.Namespace) -> int:
         if not config.is_absolute() and not config.is_file() and (script.parent / config).is_file():
             script_args[i] = str(script.parent / config)
 
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per process (the check's and torchrun's) unless told otherwise
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -118,11 +130,10 @@ def _launch(args: argparse.Namespace) -> int:
     except SystemExit as exc:
         print(exc, file=sys.stderr)
         return EXIT_USER_ERROR
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per process (the check's and torchrun's) unless told otherwise
     if gpus == 0:  # DeepSpeed (the ZeRO recipe) otherwise warns in every process that it found no accelerator
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     world_size = str(per_node * nodes)
-    check_cmd = [sys.executable, str(script), "--check", *script_args]
+    check_args = ["--check", *script_args]
     if nodes == 1 and not args.master_port:
         rdzv = ["--standalone"]  # one node: torchrun picks a free port
     else:
@@ -131,15 +142,14 @@ def _launch(args: argparse.Namespace) -> int:
     torchrun_args = [*rdzv, "--nproc-per-node", str(per_node), "--max-restarts", str(restarts), str(script),
                      *script_args]
     if args.dry_run:
-        print(f"check: {shlex.join(['env', f'{_WORLD_SIZE_ENV}={world_size}', *check_cmd])}")
+        print(f"check: {shlex.join(['env', f'{_WORLD_SIZE_ENV}={world_size}', sys.executable, str(script), *check_args])}")
         print(f"run: {shlex.join([sys.executable, '-m', 'cookbook.torchrun', *torchrun_args])}")
         return 0
     with tempfile.TemporaryDirectory(prefix="cookbook-check-") as tmp:
         reported = Path(tmp) / "output_dir"
-        check = subprocess.run(check_cmd, env={**os.environ, _WORLD_SIZE_ENV: world_size,
-                                               run_lock.OUTPUT_DIR_FILE_ENV: str(reported)})
-        if check.returncode != 0 or run_lock.reported_complete(reported):  # complete: the check said so
-            return check.returncode
+        status = _check(script, check_args, {_WORLD_SIZE_ENV: world_size, run_lock.OUTPUT_DIR_FILE_ENV: str(reported)})
+        if status != 0 or run_lock.reported_complete(reported):  # complete: the check said so
+            return status
         output_dir = run_lock.read_reported(reported)
     lock = None
     if output_dir is not None:  # held until this process ends (SIGKILL too): one run per output_dir
