@@ -215,7 +215,7 @@ _in_script = False  # `run_script` is running a script in this process
 
 def run_script(script: Path, argv: list[str], env: dict[str, str]) -> int:
     """Run `script` in this process as ``python script *argv`` with `env` added would (its module as ``__main__``, its
-    folder first on ``sys.path``); returns its exit status: `run_main`'s, a ``SystemExit``'s, or 1 with the traceback
+    folder first on ``sys.path``, torch's threads as ``OMP_NUM_THREADS`` says); returns its exit status: `run_main`'s, a ``SystemExit``'s, or 1 with the traceback
     of an exception that escapes. Put back afterwards: the environment, ``sys.argv``, ``sys.path``, the standard
     streams, the working folder, signal handlers, warnings filters, the root logger, torch's thread count, and the
     modules imported from the script's folder; ``atexit`` handlers the script registered run at this process's end.
@@ -237,6 +237,8 @@ def run_script(script: Path, argv: list[str], env: dict[str, str]) -> int:
         and bool(sys.path) and os.path.abspath(sys.path[0] or ".") == cwd
     os.environ.update(env)
     sys.argv, sys.path = [str(script), *argv], [folder, *sys.path[1 if from_cwd else 0:]]
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # what a new process's torch reads at import
     _in_script = True
     try:
         with warnings.catch_warnings():

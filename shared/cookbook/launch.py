@@ -120,7 +120,6 @@ def _launch(args: argparse.Namespace) -> int:
         if not config.is_absolute() and not config.is_file() and (script.parent / config).is_file():
             script_args[i] = str(script.parent / config)
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per process (the check's and torchrun's) unless told otherwise
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -130,6 +129,7 @@ def _launch(args: argparse.Namespace) -> int:
     except SystemExit as exc:
         print(exc, file=sys.stderr)
         return EXIT_USER_ERROR
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per process (the check's and torchrun's) unless told otherwise
     if gpus == 0:  # DeepSpeed (the ZeRO recipe) otherwise warns in every process that it found no accelerator
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     world_size = str(per_node * nodes)
