@@ -10,8 +10,8 @@ gradient norm; 75 preempted after a checkpoint; 130 interrupted. The rank that f
 ``error: [rank 1] <message>``; ranks that then fail in a collective print one line and wait a few seconds, so the
 launcher sees the first failure first; under torchrun it is also written to ``TORCHELASTIC_ERROR_FILE``. The
 process ends with ``os._exit`` after flushing, skipping the interpreter's teardown
-(docs/notes.md#a-hang-in-the-process-groups-destructor-torch-213-gloo). `run_script` runs a ``train.py`` (its
-``--check``) in the calling process instead, and returns the status.
+(docs/notes.md#a-hang-in-the-process-groups-destructor-torch-213-gloo), but in the check that `cookbook.launch` runs
+in its own process (`cookbook.launch.ScriptExit`).
 """
 
 from __future__ import annotations
@@ -202,105 +202,23 @@ def _record(exc: BaseException) -> None:
         pass
 
 
-class _Exit(BaseException):
-    """`_exit`'s status inside `run_script`: raised to it instead of ending the process."""
-
-    def __init__(self, status: int):
-        super().__init__(status)
-        self.status = status
-
-
-_in_script = False  # `run_script` is running a script in this process
-
-
-def run_script(script: Path, argv: list[str], env: dict[str, str]) -> int:
-    """Run `script` in this process as ``python script *argv`` with `env` added would (its module as ``__main__``, its
-    folder first on ``sys.path``, torch's threads as ``OMP_NUM_THREADS`` says); returns its exit status: `run_main`'s, a ``SystemExit``'s, or 1 with the traceback
-    of an exception that escapes. Put back afterwards: the environment, ``sys.argv``, ``sys.path``, the standard
-    streams, the working folder, signal handlers, warnings filters, the root logger, torch's thread count, and the
-    modules imported from the script's folder; ``atexit`` handlers the script registered run at this process's end.
-    Not undone: the other imports, and CUDA if the script initialised it.
-    """
-    import runpy
-    import signal
-    import warnings
-
-    import torch
-
-    global _in_script
-    folder, environ, saved = str(script.parent), dict(os.environ), (sys.argv, sys.path, sys.stdout, sys.stderr)
-    cwd, threads, modules, root = os.getcwd(), torch.get_num_threads(), set(sys.modules), logging.getLogger()
-    handlers = {s: signal.getsignal(s) for s in signal.valid_signals()}
-    logs = (root.level, list(root.handlers), logging.root.manager.disable)
-    # python -m put the working folder first on sys.path, where python script puts the script's folder
-    from_cwd = getattr(sys.modules["__main__"], "__spec__", None) is not None and not sys.flags.safe_path \
-        and bool(sys.path) and os.path.abspath(sys.path[0] or ".") == cwd
-    os.environ.update(env)
-    sys.argv, sys.path = [str(script), *argv], [folder, *sys.path[1 if from_cwd else 0:]]
-    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # what a new process's torch reads at import
-    _in_script = True
-    try:
-        with warnings.catch_warnings():
-            runpy.run_path(str(script), run_name="__main__")
-        status = EXIT_OK
-    except _Exit as exc:
-        status = exc.status
-    except SystemExit as exc:  # as the interpreter reads it
-        if isinstance(exc.code, str):
-            print(exc.code, file=sys.stderr)
-        status = exc.code if isinstance(exc.code, int) else (EXIT_OK if exc.code is None else EXIT_BUG)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        status = EXIT_INTERRUPTED
-    except BaseException as exc:  # noqa: BLE001 - raised before run_main (an import): as python (cookbook.builds' hook)
-        if (broken := broken_build_in(exc)) is not None:
-            _say(f"error: {broken}")
-            status = EXIT_USER_ERROR
-        else:
-            traceback.print_exc()
-            status = EXIT_BUG
-    finally:
-        _in_script = False
-        _flush()
-        sys.argv, sys.path, sys.stdout, sys.stderr = saved
-        for key in set(os.environ) - set(environ):
-            del os.environ[key]
-        os.environ.update({k: v for k, v in environ.items() if os.environ.get(k) != v})
-        os.chdir(cwd)
-        for sig, handler in handlers.items():
-            if handler is not None and signal.getsignal(sig) is not handler:
-                signal.signal(sig, handler)
-        root.setLevel(logs[0])
-        root.handlers[:] = logs[1]
-        logging.disable(logs[2])
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
-        for name in set(sys.modules) - modules:  # the recipe's own modules: another script may have its own "data"
-            if str(getattr(sys.modules[name], "__file__", None) or "").startswith(folder + os.sep):
-                del sys.modules[name]
-    return status
-
-
 def _exit(status: int, wait: float = 0.0) -> NoReturn:
     """Run the ``atexit`` handlers, flush, optionally wait, and end the process with ``os._exit``. A rank that lost a
-    peer (``wait`` > 0) skips the handlers: they may talk to the peer that is gone. In `run_script`: raises the status
-    to it (its process goes on: no handlers, no logging shutdown).
+    peer (``wait`` > 0) skips the handlers: they may talk to the peer that is gone. Raises the status instead
+    to `cookbook.launch`, whose process goes on (no handlers, no logging shutdown), while it runs the check.
     """
-    if _in_script:
-        raise _Exit(status)
+    from cookbook.launch import ScriptExit  # here: python -m cookbook.launch imports this package
+
+    if ScriptExit.running:
+        raise ScriptExit(status)
     if not wait:
         atexit._run_exitfuncs()
     logging.shutdown()
-    _flush()
-    if wait:
-        time.sleep(wait)
-    os._exit(status)
-
-
-def _flush() -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except Exception:  # noqa: BLE001 - a closed stream cannot block the exit
             pass
+    if wait:
+        time.sleep(wait)
+    os._exit(status)

@@ -5,7 +5,7 @@
         --max-restarts "${MAX_RESTARTS:-3}" recipes/x/train.py --config tiny.yaml train.max_steps=100
 
 It checks the process counts (`plan`), runs ``train.py --check`` in this process (``COOKBOOK_WORLD_SIZE`` set; as
-``python train.py --check`` would, `cookbook.entry.run_script`: one interpreter start and torch import less), then
+``python train.py --check`` would, `run_script`: one interpreter start and torch import less), then
 the workers with `cookbook.torchrun` (``--standalone`` on one node, else a static rendezvous at ``--master-addr``),
 restarted up to ``--max-restarts`` times (default 3, as torchrun's documentation uses for a fault-tolerant job)
 when a restart can cure the failure. ``--dry-run`` (or ``DRY_RUN`` not ``0``) prints the ``check:`` and ``run:``
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from cookbook import run_lock
-from cookbook.errors import EXIT_USER_ERROR, LAUNCH_TIME_ENV
+from cookbook.errors import EXIT_BUG, EXIT_INTERRUPTED, EXIT_OK, EXIT_USER_ERROR, LAUNCH_TIME_ENV
 
 
 _WORLD_SIZE_ENV = "COOKBOOK_WORLD_SIZE"  # the check's world size (NGPU x NNODES), set for train.py --check
@@ -106,9 +106,92 @@ def _check(script: Path, args: list[str], env: dict[str, str]) -> int:
     (python's line and status)."""
     if not script.is_file():
         return subprocess.run([sys.executable, str(script), *args], env={**os.environ, **env}).returncode
-    from cookbook.entry import run_script
-
     return run_script(script, args, env)
+
+
+class ScriptExit(BaseException):
+    """`cookbook.run_main`'s exit status while `run_script` runs a script (`running`): raised to it instead of ending
+    the process."""
+
+    running = False
+
+    def __init__(self, status: int):
+        super().__init__(status)
+        self.status = status
+
+
+def run_script(script: Path, argv: list[str], env: dict[str, str]) -> int:
+    """Run `script` in this process as ``python script *argv`` with `env` added would (its module as ``__main__``, its
+    folder first on ``sys.path``, torch's threads as ``OMP_NUM_THREADS`` says); returns its exit status:
+    `cookbook.run_main`'s, a ``SystemExit``'s, or 1 with the traceback of an exception that escapes. Put back
+    afterwards: the environment, ``sys.argv``, ``sys.path``, the standard streams, the working folder, signal
+    handlers, warnings filters, the root logger, torch's thread count, and the modules imported from the script's
+    folder; ``atexit`` handlers the script registered run at this process's end. Not undone: the other imports, and
+    CUDA if the script initialised it (its context then stays in this process).
+    """
+    import logging
+    import runpy
+    import signal
+    import traceback
+    import warnings
+
+    import torch
+
+    from cookbook.builds import broken_build_in
+
+    folder, environ, saved = str(script.parent), dict(os.environ), (sys.argv, sys.path, sys.stdout, sys.stderr)
+    cwd, threads, modules, root = os.getcwd(), torch.get_num_threads(), set(sys.modules), logging.getLogger()
+    handlers = {s: signal.getsignal(s) for s in signal.valid_signals()}
+    logs = (root.level, list(root.handlers), logging.root.manager.disable)
+    # python -m put the working folder first on sys.path, where python script puts the script's folder
+    from_cwd = getattr(sys.modules["__main__"], "__spec__", None) is not None and not sys.flags.safe_path \
+        and bool(sys.path) and os.path.abspath(sys.path[0] or ".") == cwd
+    os.environ.update(env)
+    sys.argv, sys.path = [str(script), *argv], [folder, *sys.path[1 if from_cwd else 0:]]
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # what a new process's torch reads at import
+    ScriptExit.running = True
+    try:
+        with warnings.catch_warnings():
+            runpy.run_path(str(script), run_name="__main__")
+        status = EXIT_OK
+    except ScriptExit as exc:
+        status = exc.status
+    except SystemExit as exc:  # as the interpreter reads it
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+        status = exc.code if isinstance(exc.code, int) else (EXIT_OK if exc.code is None else EXIT_BUG)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        status = EXIT_INTERRUPTED
+    except BaseException as exc:  # noqa: BLE001 - raised before run_main (an import): as python (cookbook.builds' hook)
+        if (broken := broken_build_in(exc)) is not None:
+            print(f"error: {broken}", file=sys.stderr)
+            status = EXIT_USER_ERROR
+        else:
+            traceback.print_exc()
+            status = EXIT_BUG
+    finally:
+        ScriptExit.running = False
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        sys.argv, sys.path, sys.stdout, sys.stderr = saved
+        for key in set(os.environ) - set(environ):
+            del os.environ[key]
+        os.environ.update({k: v for k, v in environ.items() if os.environ.get(k) != v})
+        os.chdir(cwd)
+        for sig, handler in handlers.items():
+            if handler is not None and signal.getsignal(sig) is not handler:
+                signal.signal(sig, handler)
+        root.setLevel(logs[0])
+        root.handlers[:] = logs[1]
+        logging.disable(logs[2])
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        for name in set(sys.modules) - modules:  # the recipe's own modules: another script may have its own "data"
+            if str(getattr(sys.modules[name], "__file__", None) or "").startswith(folder + os.sep):
+                del sys.modules[name]
+    return status
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -173,5 +256,7 @@ def _launch(args: argparse.Namespace) -> int:
             os.environ["COOKBOOK_CHECKED"] = before
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # the module's own copy: cookbook.run_main's exit reads ScriptExit.running there
+    from cookbook.launch import main as launch
+
+    sys.exit(launch())
