@@ -51,6 +51,71 @@ def test_a_failed_check_stops_before_any_worker(tmp_path, capsys):
     assert len((tmp_path / "calls").read_text().splitlines()) == 1  # nothing ran for the bad NGPU
 
 
+CHECKED = """
+import logging, os, signal, sys
+import helper  # beside this file: the script's folder comes first on sys.path
+from cookbook import run_main
+from cookbook.config import ConfigError
+print("module", helper.NAME, __name__, os.getpid(), sys.argv[1:], os.environ["COOKBOOK_WORLD_SIZE"], sys.path[0])
+if "import-error" in sys.argv:
+    raise RuntimeError("broken at import")
+def main(argv):
+    os.environ["FROM_CHECK"] = "1"
+    os.environ.pop("KEPT", None)
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # ignored signals would outlive exec in the workers
+    logging.basicConfig(level=logging.DEBUG)
+    sys.path.append("/nowhere")
+    if "bad" in argv:
+        raise ConfigError("data.x=1: bad value")
+    if "exit" in argv:
+        sys.exit("the check's own message")
+if __name__ == "__main__":
+    run_main(main, user_errors=(ConfigError,))
+"""
+
+
+def test_the_check_runs_in_the_launchers_process_and_leaves_it_as_it_was(tmp_path, capfd, monkeypatch):
+    """``train.py --check`` runs in the launcher's own process (`cookbook.entry.run_script`), as ``python train.py
+    --check`` would (``__main__``, its folder first on sys.path, its argv and COOKBOOK_WORLD_SIZE): its output, and
+    its exit statuses (run_main's 2 with one line, a SystemExit's message, 1 and the traceback of an error at import);
+    the workers then start with the launcher's environment, signal handlers, logging and sys.path as they were."""
+    import logging
+    import sys
+
+    import cookbook.torchrun
+
+    script = tmp_path / "train.py"
+    script.write_text(CHECKED)
+    (tmp_path / "helper.py").write_text("NAME = 'helper'\n")
+    seen = []
+
+    def torchrun(argv):
+        seen.append((dict(os.environ), signal.getsignal(signal.SIGUSR2), list(logging.getLogger().handlers),
+                     list(sys.path), "helper" in sys.modules))
+        return 0
+
+    monkeypatch.setattr(cookbook.torchrun, "main", torchrun)
+    monkeypatch.setenv("KEPT", "yes")
+    before = (signal.getsignal(signal.SIGUSR2), list(logging.getLogger().handlers), list(sys.path))
+    capfd.readouterr()
+    assert main(["--ngpu", "2", str(script), "a=1"]) == 0
+    out, err = capfd.readouterr()
+    assert out.splitlines() == [f"module helper __main__ {os.getpid()} ['--check', 'a=1'] 2 {tmp_path}"]
+    env, *state = seen[0]
+    assert "FROM_CHECK" not in env and env["KEPT"] == "yes" and "COOKBOOK_WORLD_SIZE" not in env
+    assert state == [*before, False]
+    for args, status, line in [(["bad"], 2, "error: data.x=1: bad value"), (["exit"], 1, "the check's own message")]:
+        assert main(["--ngpu", "2", str(script), *args]) == status
+        out, err = capfd.readouterr()
+        assert err.splitlines()[-1] == line and "Traceback" not in err
+    assert main(["--ngpu", "2", str(script), "import-error"]) == 1
+    err = capfd.readouterr().err
+    assert "Traceback" in err and err.splitlines()[-1] == "RuntimeError: broken at import"
+    assert len(seen) == 1 and (signal.getsignal(signal.SIGUSR2), logging.getLogger().handlers, sys.path) == before
+    assert main(["--ngpu", "2", str(tmp_path / "missing.py")]) == 2  # python's own line, from a process of its own
+    assert "can't open file" in capfd.readouterr().err
+
+
 def test_a_dry_run_prints_the_commands_and_runs_nothing(tmp_path, capsys, monkeypatch):
     """--dry-run (or DRY_RUN set, not 0): the process counts are checked, the check's and torchrun's commands printed
     (copy-pastable), and neither is run."""

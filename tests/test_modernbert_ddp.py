@@ -133,6 +133,44 @@ def test_the_summary_times_the_start_up_and_the_final_evaluation(full_run):
     assert len(cached[0]) == len(train_raw)
 
 
+def test_the_tokenized_cache_gives_the_rows_tokenize_gives_and_a_stale_one_is_not_read(tmp_path):
+    """What --check writes (`tokenized_splits` with ``write``) and the workers memory-map: the same input_ids,
+    attention_mask and labels as tokenizing the files, and the same truncation counts. A data file whose content
+    changed (same size, same mtime) or another data.max_length has another key: tokenized afresh."""
+    from transformers import AutoTokenizer
+
+    train = load_recipe("modernbert-ddp")
+    data = tmp_path / "data"
+    shutil.copytree(RECIPE / "tiny" / "data", data)
+    overrides = [f"output_dir={tmp_path / 'out'}", f"data.train_files=[{data / 'train.csv'}]",
+                 f"data.eval_files=[{data / 'val.csv'}]"]
+    cfg = train.load(str(RECIPE / "tiny.yaml"), overrides)
+    tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
+
+    def rows(split):
+        return {k: split[k] for k in ("input_ids", "attention_mask", "labels")}
+
+    fresh = train.tokenized_splits(cfg, tok, write=False)
+    assert fresh[4] is False and not (tmp_path / "out").exists()  # a worker without a cache writes none
+    assert train.tokenized_splits(cfg, tok, write=True)[4] is False  # the check: tokenized, then written
+    cached = train.tokenized_splits(cfg, None, write=False)  # a worker: read, no tokenizer needed
+    assert cached[4] is True and cached[2:4] == fresh[2:4]
+    assert rows(cached[0]) == rows(fresh[0]) and rows(cached[1]) == rows(fresh[1])
+    assert "arrow" in str(cached[0].cache_files)  # memory-mapped from the cache folder, not read into memory
+
+    csv = data / "train.csv"
+    stat, text = csv.stat(), csv.read_text()
+    assert text.startswith('"2",')
+    csv.write_text('"3",' + text[4:])  # one label changed: same size; mtime put back
+    os.utime(csv, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    changed = train.tokenized_splits(cfg, tok, write=False)
+    assert changed[4] is False and changed[0]["labels"][0] == 2 != cached[0]["labels"][0]
+    csv.write_text(text)
+    shorter = train.load(str(RECIPE / "tiny.yaml"), [*overrides, "data.max_length=32"])
+    assert train.tokenized_splits(shorter, tok, write=False)[4] is False
+    assert train.tokenized_splits(cfg, None, write=False)[4] is True  # the first cache is still there and valid
+
+
 def test_evaluation_is_eager_unless_model_compile_eval():
     """With model.compile, ``run_eval`` evaluates without compiling anything (torch.compiler's force_eager stance)
     unless ``compiled``; either way the metrics are the same. A counting backend stands in for inductor."""

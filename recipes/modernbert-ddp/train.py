@@ -253,20 +253,26 @@ def tokenize(ds: datasets.Dataset, tokenizer, cfg: DataConfig) -> tuple[datasets
 
 def cache_dir(cfg: Config) -> Path | None:
     """``<output_dir>/.cache/tokenized-<key>``: the tokenized splits that ``--check`` writes and every worker
-    memory-maps; the key hashes what the tokens depend on (each data file's path, size and mtime, the tokenizer
-    folder's files, ``data.max_length``, ``data.padding``, ``data.eval_fraction``, ``train.seed``). None for
-    hub data (no local files to key on)."""
+    memory-maps; the key hashes what the tokens depend on (the content of each data file and of the tokenizer
+    folder's text files, ``data.max_length``, ``data.padding``, ``data.eval_fraction``, ``train.seed``), so a cache of
+    other rows or settings is never read. None for hub data (no local files to key on)."""
     if not cfg.data.train_files:
         return None
-    def stamp(path: str) -> list:
-        p = Path(path)
-        files = sorted(p.iterdir()) if p.is_dir() else [p] if p.exists() else []
-        return [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files if f.is_file()]
-    key = {"train": [stamp(f) for f in cfg.data.train_files], "eval": [stamp(f) for f in cfg.data.eval_files],
-           "tokenizer": stamp(cfg.model.tokenizer) or cfg.model.tokenizer, "max_length": cfg.data.max_length,
+    def content(path: str) -> list | str:
+        p = Path(path)  # a tokenizer folder: its json, txt and sentencepiece files (not the model's weights)
+        files = sorted(f for f in p.iterdir() if f.suffix in (".json", ".txt", ".model")) if p.is_dir() else \
+            [p] if p.is_file() else []
+        return [[f.name, _sha256(f)] for f in files] or path
+    key = {"train": [content(f) for f in cfg.data.train_files], "eval": [content(f) for f in cfg.data.eval_files],
+           "tokenizer": content(cfg.model.tokenizer), "max_length": cfg.data.max_length,
            "padding": cfg.data.padding, "eval_fraction": cfg.data.eval_fraction, "seed": cfg.train.seed}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return Path(cfg.output_dir) / ".cache" / f"tokenized-{digest}"
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def tokenized_splits(cfg: Config, tokenizer, write: bool) -> tuple[datasets.Dataset, datasets.Dataset, int, int, bool]:

@@ -10,7 +10,8 @@ gradient norm; 75 preempted after a checkpoint; 130 interrupted. The rank that f
 ``error: [rank 1] <message>``; ranks that then fail in a collective print one line and wait a few seconds, so the
 launcher sees the first failure first; under torchrun it is also written to ``TORCHELASTIC_ERROR_FILE``. The
 process ends with ``os._exit`` after flushing, skipping the interpreter's teardown
-(docs/notes.md#a-hang-in-the-process-groups-destructor-torch-213-gloo).
+(docs/notes.md#a-hang-in-the-process-groups-destructor-torch-213-gloo), but in the check that `cookbook.launch` runs
+in its own process (`cookbook.launch.ScriptExit`).
 """
 
 from __future__ import annotations
@@ -203,8 +204,13 @@ def _record(exc: BaseException) -> None:
 
 def _exit(status: int, wait: float = 0.0) -> NoReturn:
     """Run the ``atexit`` handlers, flush, optionally wait, and end the process with ``os._exit``. A rank that lost a
-    peer (``wait`` > 0) skips the handlers: they may talk to the peer that is gone.
+    peer (``wait`` > 0) skips the handlers: they may talk to the peer that is gone. Raises the status instead
+    to `cookbook.launch`, whose process goes on (no handlers, no logging shutdown), while it runs the check.
     """
+    from cookbook.launch import ScriptExit  # here: python -m cookbook.launch imports this package
+
+    if ScriptExit.running:
+        raise ScriptExit(status)
     if not wait:
         atexit._run_exitfuncs()
     logging.shutdown()

@@ -4,7 +4,8 @@
         --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-}" \\
         --max-restarts "${MAX_RESTARTS:-3}" recipes/x/train.py --config tiny.yaml train.max_steps=100
 
-It checks the process counts (`plan`), runs ``train.py --check`` in one process (``COOKBOOK_WORLD_SIZE`` set), then
+It checks the process counts (`plan`), runs ``train.py --check`` in this process (``COOKBOOK_WORLD_SIZE`` set; as
+``python train.py --check`` would, `run_script`: one interpreter start and torch import less), then
 the workers with `cookbook.torchrun` (``--standalone`` on one node, else a static rendezvous at ``--master-addr``),
 restarted up to ``--max-restarts`` times (default 3, as torchrun's documentation uses for a fault-tolerant job)
 when a restart can cure the failure. ``--dry-run`` (or ``DRY_RUN`` not ``0``) prints the ``check:`` and ``run:``
@@ -25,7 +26,7 @@ import time
 from pathlib import Path
 
 from cookbook import run_lock
-from cookbook.errors import EXIT_USER_ERROR, LAUNCH_TIME_ENV
+from cookbook.errors import EXIT_BUG, EXIT_INTERRUPTED, EXIT_OK, EXIT_USER_ERROR, LAUNCH_TIME_ENV
 
 
 _WORLD_SIZE_ENV = "COOKBOOK_WORLD_SIZE"  # the check's world size (NGPU x NNODES), set for train.py --check
@@ -100,6 +101,99 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.pop(LAUNCH_TIME_ENV, None)
 
 
+def _check(script: Path, args: list[str], env: dict[str, str]) -> int:
+    """``python script *args`` with `env` added, in this process; a script that is not a file in a process of its own
+    (python's line and status)."""
+    if not script.is_file():
+        return subprocess.run([sys.executable, str(script), *args], env={**os.environ, **env}).returncode
+    return run_script(script, args, env)
+
+
+class ScriptExit(BaseException):
+    """`cookbook.run_main`'s exit status while `run_script` runs a script (`running`): raised to it instead of ending
+    the process."""
+
+    running = False
+
+    def __init__(self, status: int):
+        super().__init__(status)
+        self.status = status
+
+
+def run_script(script: Path, argv: list[str], env: dict[str, str]) -> int:
+    """Run `script` in this process as ``python script *argv`` with `env` added would (its module as ``__main__``, its
+    folder first on ``sys.path``, torch's threads as ``OMP_NUM_THREADS`` says); returns its exit status:
+    `cookbook.run_main`'s, a ``SystemExit``'s, or 1 with the traceback of an exception that escapes. Put back
+    afterwards: the environment, ``sys.argv``, ``sys.path``, the standard streams, the working folder, signal
+    handlers, warnings filters, the root logger, torch's thread count, and the modules imported from the script's
+    folder; ``atexit`` handlers the script registered run at this process's end. Not undone: the other imports, and
+    CUDA if the script initialised it (its context then stays in this process).
+    """
+    import logging
+    import runpy
+    import signal
+    import traceback
+    import warnings
+
+    import torch
+
+    from cookbook.builds import broken_build_in
+
+    folder, environ, saved = str(script.parent), dict(os.environ), (sys.argv, sys.path, sys.stdout, sys.stderr)
+    cwd, threads, modules, root = os.getcwd(), torch.get_num_threads(), set(sys.modules), logging.getLogger()
+    handlers = {s: signal.getsignal(s) for s in signal.valid_signals()}
+    logs = (root.level, list(root.handlers), logging.root.manager.disable)
+    # python -m put the working folder first on sys.path, where python script puts the script's folder
+    from_cwd = getattr(sys.modules["__main__"], "__spec__", None) is not None and not sys.flags.safe_path \
+        and bool(sys.path) and os.path.abspath(sys.path[0] or ".") == cwd
+    os.environ.update(env)
+    sys.argv, sys.path = [str(script), *argv], [folder, *sys.path[1 if from_cwd else 0:]]
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # what a new process's torch reads at import
+    ScriptExit.running = True
+    try:
+        with warnings.catch_warnings():
+            runpy.run_path(str(script), run_name="__main__")
+        status = EXIT_OK
+    except ScriptExit as exc:
+        status = exc.status
+    except SystemExit as exc:  # as the interpreter reads it
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+        status = exc.code if isinstance(exc.code, int) else (EXIT_OK if exc.code is None else EXIT_BUG)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        status = EXIT_INTERRUPTED
+    except BaseException as exc:  # noqa: BLE001 - raised before run_main (an import): as python (cookbook.builds' hook)
+        if (broken := broken_build_in(exc)) is not None:
+            print(f"error: {broken}", file=sys.stderr)
+            status = EXIT_USER_ERROR
+        else:
+            traceback.print_exc()
+            status = EXIT_BUG
+    finally:
+        ScriptExit.running = False
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        sys.argv, sys.path, sys.stdout, sys.stderr = saved
+        for key in set(os.environ) - set(environ):
+            del os.environ[key]
+        os.environ.update({k: v for k, v in environ.items() if os.environ.get(k) != v})
+        os.chdir(cwd)
+        for sig, handler in handlers.items():
+            if handler is not None and signal.getsignal(sig) is not handler:
+                signal.signal(sig, handler)
+        root.setLevel(logs[0])
+        root.handlers[:] = logs[1]
+        logging.disable(logs[2])
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        for name in set(sys.modules) - modules:  # the recipe's own modules: another script may have its own "data"
+            if str(getattr(sys.modules[name], "__file__", None) or "").startswith(folder + os.sep):
+                del sys.modules[name]
+    return status
+
+
 def _launch(args: argparse.Namespace) -> int:
     script = Path(args.script).resolve()
     script_args = list(args.script_args)
@@ -122,7 +216,7 @@ def _launch(args: argparse.Namespace) -> int:
     if gpus == 0:  # DeepSpeed (the ZeRO recipe) otherwise warns in every process that it found no accelerator
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     world_size = str(per_node * nodes)
-    check_cmd = [sys.executable, str(script), "--check", *script_args]
+    check_args = ["--check", *script_args]
     if nodes == 1 and not args.master_port:
         rdzv = ["--standalone"]  # one node: torchrun picks a free port
     else:
@@ -131,15 +225,14 @@ def _launch(args: argparse.Namespace) -> int:
     torchrun_args = [*rdzv, "--nproc-per-node", str(per_node), "--max-restarts", str(restarts), str(script),
                      *script_args]
     if args.dry_run:
-        print(f"check: {shlex.join(['env', f'{_WORLD_SIZE_ENV}={world_size}', *check_cmd])}")
+        print(f"check: {shlex.join(['env', f'{_WORLD_SIZE_ENV}={world_size}', sys.executable, str(script), *check_args])}")
         print(f"run: {shlex.join([sys.executable, '-m', 'cookbook.torchrun', *torchrun_args])}")
         return 0
     with tempfile.TemporaryDirectory(prefix="cookbook-check-") as tmp:
         reported = Path(tmp) / "output_dir"
-        check = subprocess.run(check_cmd, env={**os.environ, _WORLD_SIZE_ENV: world_size,
-                                               run_lock.OUTPUT_DIR_FILE_ENV: str(reported)})
-        if check.returncode != 0 or run_lock.reported_complete(reported):  # complete: the check said so
-            return check.returncode
+        status = _check(script, check_args, {_WORLD_SIZE_ENV: world_size, run_lock.OUTPUT_DIR_FILE_ENV: str(reported)})
+        if status != 0 or run_lock.reported_complete(reported):  # complete: the check said so
+            return status
         output_dir = run_lock.read_reported(reported)
     lock = None
     if output_dir is not None:  # held until this process ends (SIGKILL too): one run per output_dir
@@ -163,5 +256,7 @@ def _launch(args: argparse.Namespace) -> int:
             os.environ["COOKBOOK_CHECKED"] = before
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # the module's own copy: cookbook.run_main's exit reads ScriptExit.running there
+    from cookbook.launch import main as launch
+
+    sys.exit(launch())
