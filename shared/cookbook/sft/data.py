@@ -36,9 +36,10 @@ def prepare(rows: Sequence[dict], tokenizer, max_length: int, source: str,
                                reasoning=reasoning, lines=getattr(rows, "lines", None)), []
     ignored = Counter()
     for n, row in enumerate(rows, 1):
+        dropped: list[int] = []  # the turns whose reasoning data.reasoning=drop removed
         try:
             messages, tools = template_conversation(row, stats.label(n), source, tokenizer, stats, ignored,
-                                                    chat_template_kwargs, reasoning)
+                                                    chat_template_kwargs, reasoning, dropped)
         except EmptyAnswerError:  # e.g. a few rows of tatsu-lab/alpaca: nothing to learn from them
             stats.empty_answers.append(n)
             continue
@@ -47,11 +48,11 @@ def prepare(rows: Sequence[dict], tokenizer, max_length: int, source: str,
         for end in ends:
             try:
                 ids, labels, counts = _encode(tokenizer, messages[:end], chat_template_kwargs, tools,
-                                              last_turn_only=split_turns, reasoning=reasoning)
+                                              last_turn_only=split_turns, reasoning=reasoning, dropped=dropped)
             except SFTDataError as exc:
                 raise SFTDataError(f"{source} {stats.label(n)}: {exc}") from None
-            stats.reasoning_unrendered += counts["reasoning_unrendered"]
-            example = stats.add(n, ids, labels, counts["calls"], counts["reasoning"])
+            example = stats.add(n, ids, labels, counts["calls"], counts["reasoning"], counts["unrendered"],
+                                counts["dropped"])
             if example is not None:
                 examples.append(example)
     stats.ignored = dict(ignored)

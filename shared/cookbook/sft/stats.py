@@ -36,8 +36,8 @@ class SFTStats:
     loss_tokens: int = 0  # tokens with a label
     reasoning: str = "train"  # data.reasoning: train (in the loss), context (rendered, no loss), drop
     reasoning_turns: int = 0  # labelled assistant turns of kept examples whose reasoning was rendered
-    reasoning_unrendered: int = 0  # assistant turns whose reasoning the chat template left out (earlier turns)
-    reasoning_dropped: int = 0  # assistant turns whose reasoning data.reasoning=drop removed
+    reasoning_unrendered: int = 0  # labelled turns of kept examples whose reasoning the chat template left out
+    reasoning_dropped: int = 0  # labelled turns of kept examples whose reasoning data.reasoning=drop removed
     ignored: dict[str, int] = field(default_factory=dict)  # keys of rows / turns not used -> how many had them
     unrendered_why: str = ("it renders only the reasoning of the turns after the last user turn: data.split_turns=true "
                            "keeps every turn's")
@@ -102,12 +102,13 @@ class SFTStats:
         return f"reasoning: {', '.join(items)}" if items else ""
 
     def add(self, n: int, ids: list[int], labels: list[int], calls: Sequence[tuple[int, int]] = (),
-            reasoning: Sequence[int] = ()) -> dict | None:
+            reasoning: Sequence[int] = (), unrendered: Sequence[int] = (), dropped: Sequence[int] = ()) -> dict | None:
         """Count an example of 1-based row `n` (untruncated `ids`, `labels`) and return it cut to `max_length`, or
         None when it is dropped: no label left (or, not truncating, too long). `calls`: ``(token where a turn
         starts, its tool calls)``; a kept example's calls before the cut count in `tool_calls`, the rest in
-        `tool_calls_cut`. `reasoning`: where the labelled turns with rendered reasoning start (`reasoning_turns`
-        counts a kept example's before the cut)."""
+        `tool_calls_cut`. `reasoning`, `unrendered`, `dropped`: where the labelled turns start whose reasoning was
+        rendered, left out by the template, removed (`reasoning_turns`, `reasoning_unrendered`, `reasoning_dropped`
+        count a kept example's before the cut)."""
         full, cut = len(ids), len(ids) > self.max_length
         ids, labels = ids[:self.max_length], labels[:self.max_length]
         n_loss = sum(label != IGNORE_INDEX for label in labels)
@@ -117,6 +118,8 @@ class SFTStats:
             self.tool_calls_cut += sum(k for _, k in calls)
             return None
         self.reasoning_turns += sum(start < self.max_length for start in reasoning)
+        self.reasoning_unrendered += sum(start < self.max_length for start in unrendered)
+        self.reasoning_dropped += sum(start < self.max_length for start in dropped)
         kept = sum(k for start, k in calls if start < self.max_length)
         self.tool_calls += kept
         self.tool_calls_cut += sum(k for _, k in calls) - kept

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from typing import Collection
 
 from cookbook.sft.rows import IGNORE_INDEX, SFTDataError, EmptyAnswerError, row_label, to_conversation
 from cookbook.sft.stats import SFTStats
@@ -127,17 +128,17 @@ def _covering(tokenizer, ids: list[int], start: int, stop: int, text: str) -> in
     return lo
 
 
-def _encode(tokenizer, messages: list[dict], kwargs: dict | None, tools: list[dict] | None,
-            last_turn_only: bool, reasoning: str = "train") -> tuple[list[int], list[int], dict[str, int]]:
+def _encode(tokenizer, messages: list[dict], kwargs: dict | None, tools: list[dict] | None, last_turn_only: bool,
+            reasoning: str = "train", dropped: Collection[int] = ()) -> tuple[list[int], list[int], dict[str, list]]:
     """Untruncated ``(input_ids, labels, counts)`` of `tokenize_conversation`; `last_turn_only` labels the last
-    assistant turn only; `reasoning` ``"context"`` masks each turn's reasoning. ``counts``: labelled turns whose
-    reasoning was rendered (``reasoning``: where they start) or left out (``reasoning_unrendered``: how many);
-    ``calls``: ``(start, tool calls)`` of the labelled turns that make them."""
+    assistant turn only; `reasoning` ``"context"`` masks each turn's reasoning. ``counts``: where the labelled turns
+    start whose reasoning was rendered (``reasoning``), left out by the template (``unrendered``) or removed
+    (``dropped``: the turns `dropped` names); ``calls``: ``(start, tool calls)`` of the labelled turns that make them."""
     special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
     full = _render(tokenizer, messages, False, kwargs, tools)
     labels = [IGNORE_INDEX] * len(full)
     assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    turns, counts = {}, {"reasoning": [], "reasoning_unrendered": 0, "calls": []}
+    turns, counts = {}, {"reasoning": [], "unrendered": [], "dropped": [], "calls": []}
     for i in assistant[-1:] if last_turn_only else assistant:
         if i == 0:
             raise SFTDataError("messages[0] is an assistant turn; a conversation must start with a system or user turn")
@@ -161,7 +162,9 @@ def _encode(tokenizer, messages: list[dict], kwargs: dict | None, tools: list[di
                     labels[start:_covering(tokenizer, full, start, stop, thought)] = \
                         [IGNORE_INDEX] * (_covering(tokenizer, full, start, stop, thought) - start)
             else:
-                counts["reasoning_unrendered"] += 1
+                counts["unrendered"].append(start)
+        if i in dropped:
+            counts["dropped"].append(start)
         if messages[i].get("tool_calls"):
             turns[i] = tokenizer.decode(full[start:stop])
             counts["calls"].append((start, len(messages[i]["tool_calls"])))
@@ -194,9 +197,10 @@ def check_vocab(tokenizer, vocab_size: int) -> None:
 
 def template_conversation(row: dict, row_number: int | str, source: str, tokenizer, stats: SFTStats,
                           ignored: Counter | None = None, chat_template_kwargs: dict | None = None,
-                          reasoning: str = "train") -> tuple[list[dict], list[dict] | None]:
+                          reasoning: str = "train", dropped: list[int] | None = None) -> tuple[list[dict], list[dict] | None]:
     """`to_conversation` made ready for `tokenizer`'s template, as `prepare` does: inline ``<think>`` moved,
-    reasoning under the key the template reads or dropped (``reasoning="drop"``), unused keys counted.
+    reasoning under the key the template reads or dropped (``reasoning="drop"``: counted in `stats`, or the turns'
+    indices appended to `dropped`), unused keys counted.
     `tokenizer` None: the reasoning stays as ``reasoning_content``, unchecked.
     Raises EmptyAnswerError: the row's answer is empty; SFTDataError: ``"<source> row <n>: ..."`` (`row_number` a label:
     ``"<source> <label>: ..."``): see `to_conversation`; reasoning with no place; a stray ``<think>``."""
@@ -208,9 +212,10 @@ def template_conversation(row: dict, row_number: int | str, source: str, tokeniz
         messages, tools = to_conversation(row, row_number, source, ignored)
         if tokenizer is not None:
             messages = _inline_reasoning(tokenizer, messages)
-            messages = _place_reasoning(messages, reasoning, reasoning_field(tokenizer), chat_template_kwargs, stats)
+            messages = _place_reasoning(messages, reasoning, reasoning_field(tokenizer), chat_template_kwargs, stats,
+                                        dropped)
         elif reasoning == "drop":
-            messages = _place_reasoning(messages, reasoning, None, None, stats)
+            messages = _place_reasoning(messages, reasoning, None, None, stats, dropped)
     except EmptyAnswerError:
         raise
     except SFTDataError as exc:
@@ -219,7 +224,7 @@ def template_conversation(row: dict, row_number: int | str, source: str, tokeniz
 
 
 def _place_reasoning(messages: list[dict], reasoning: str, target: str | None, kwargs: dict | None,
-                     stats: SFTStats) -> list[dict]:
+                     stats: SFTStats, dropped: list[int] | None = None) -> list[dict]:
     """Messages with each assistant turn's ``reasoning_content`` under the template's key `target` (removed and
     counted for ``reasoning="drop"``).
     Raises SFTDataError: reasoning, but the template reads no reasoning field or ``enable_thinking`` is false."""
@@ -231,7 +236,10 @@ def _place_reasoning(messages: list[dict], reasoning: str, target: str | None, k
         m = dict(m)
         thought = m.pop("reasoning_content")
         if reasoning == "drop":
-            stats.reasoning_dropped += 1
+            if dropped is None:
+                stats.reasoning_dropped += 1
+            else:
+                dropped.append(i)
         elif target is None:
             raise SFTDataError(f"messages[{i}] has reasoning, but the chat template has no place for it (it reads "
                                f"neither 'reasoning_content' nor 'thinking'): set data.reasoning=drop to train "
