@@ -12,9 +12,8 @@ from cookbook.sft.rows import IGNORE_INDEX, SFTDataError, row_label
 
 @dataclass
 class SFTStats:
-    """What `prepare` did to a data set (one source, or several merged with `merge`). An example is
-    a row, or with ``split_turns`` one assistant turn of a row. Token counts are after truncation,
-    of kept examples."""
+    """What `prepare` did to a data set (one source, or several merged with `merge`). An example is a row, or with
+    ``split_turns`` one assistant turn of a row. Token counts are after truncation, of kept examples."""
 
     source: str = ""
     max_length: int = 0
@@ -67,8 +66,7 @@ class SFTStats:
         return lost / (self.examples + lost) if self.examples + lost else 0.0
 
     def longest_dropped(self, n: int = 5) -> str:
-        """``"row 12 (812 tokens), row 7 (640 tokens)"`` (``line`` for JSONL): the `n` rows with the longest dropped
-        examples."""
+        """``"row 12 (812 tokens), row 7 (640 tokens)"`` (``line`` for JSONL): the `n` longest dropped rows."""
         longest: dict[int, int] = {}
         for row, tokens in self.dropped_rows:
             longest[row] = max(tokens, longest.get(row, 0))
@@ -103,32 +101,28 @@ class SFTStats:
 
     def add(self, n: int, ids: list[int], labels: list[int], calls: Sequence[tuple[int, int]] = (),
             reasoning: Sequence[int] = (), unrendered: Sequence[int] = (), dropped: Sequence[int] = ()) -> dict | None:
-        """Count an example of 1-based row `n` (untruncated `ids`, `labels`) and return it cut to `max_length`, or
-        None when it is dropped: no label left (or, not truncating, too long). `calls`: ``(token where a turn
-        starts, its tool calls)``; a kept example's calls before the cut count in `tool_calls`, the rest in
-        `tool_calls_cut`. `reasoning`, `unrendered`, `dropped`: where the labelled turns start whose reasoning was
-        rendered, left out by the template, removed (`reasoning_turns`, `reasoning_unrendered`, `reasoning_dropped`
-        count a kept example's before the cut)."""
-        full, cut = len(ids), len(ids) > self.max_length
-        ids, labels = ids[:self.max_length], labels[:self.max_length]
+        """Count an example of 1-based row `n` (untruncated `ids`, `labels`); return it cut to `max_length`, or None
+        when it is dropped (no label left or, not truncating, too long). `calls`: ``(token where a turn starts, its
+        tool calls)``; `reasoning`, `unrendered`, `dropped`: where the labelled turns start whose reasoning was
+        rendered, left out by the template, removed. Those of a kept example before the cut are counted; calls not
+        kept count in `tool_calls_cut`."""
+        full, cut, ids, labels = len(ids), len(ids) > self.max_length, ids[:self.max_length], labels[:self.max_length]
         n_loss = sum(label != IGNORE_INDEX for label in labels)
         if n_loss == 0 or (cut and not self.truncate):
             self.dropped += 1
             self.dropped_rows.append((n, full))
             self.tool_calls_cut += sum(k for _, k in calls)
             return None
-        self.reasoning_turns += sum(start < self.max_length for start in reasoning)
-        self.reasoning_unrendered += sum(start < self.max_length for start in unrendered)
-        self.reasoning_dropped += sum(start < self.max_length for start in dropped)
+        for key, starts in (("reasoning_turns", reasoning), ("reasoning_unrendered", unrendered),
+                            ("reasoning_dropped", dropped)):
+            setattr(self, key, getattr(self, key) + sum(start < self.max_length for start in starts))
         kept = sum(k for start, k in calls if start < self.max_length)
         self.tool_calls += kept
         self.tool_calls_cut += sum(k for _, k in calls) - kept
         if kept and self._call_row != n:
             self.tool_call_rows, self._call_row = self.tool_call_rows + 1, n
-        self.truncated += cut
         self.example_rows.append(n)
-        self.examples += 1
-        self.tokens += len(ids)
+        self.truncated, self.examples, self.tokens = self.truncated + cut, self.examples + 1, self.tokens + len(ids)
         self.loss_tokens += n_loss
         return {"input_ids": ids, "labels": labels}
 
@@ -165,14 +159,13 @@ class SFTStats:
         return text
 
     def summary(self) -> str:
-        """One line: per source, rows read, examples kept, truncated, dropped (and why, naming the
-        longest rows); then tokens and the share with loss."""
+        """One line: per source, rows read, examples kept, truncated, dropped (and why); tokens, the share with loss."""
         counts = "; ".join(p._counts() for p in self.parts) if self.parts else self._counts()
         return f"{counts} | {self.tokens:,} tokens, {self.loss_fraction:.1%} with loss"
 
     def check_dropped(self, max_dropped_fraction: float) -> None:
-        """Raise `SFTDataError` if more than `max_dropped_fraction` (0-1) of the examples were not kept,
-        naming the longest dropped rows and what to change."""
+        """Raise `SFTDataError` if more than `max_dropped_fraction` (0-1) of the examples were not kept, naming the
+        longest dropped rows and what to change."""
         if self.dropped_fraction <= max_dropped_fraction:
             return
         lost = self.dropped + len(self.empty_answers) + len(self.unanswered)
