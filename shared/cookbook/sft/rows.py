@@ -1,6 +1,5 @@
-"""SFT rows -> chat messages: the row formats (chat, Alpaca, ShareGPT; `to_conversation`), reading data files
-(`load_rows`, `load_hub_rows`) and the errors that name the file, the row and the field: a JSONL row by its line
-(an editor's), others by their 1-based number (`RowList`). The formats: docs/sft-data.md."""
+"""SFT rows -> chat messages: the row formats (chat, Alpaca, ShareGPT: docs/sft-data.md), data files, and errors naming
+file, row and field (a JSONL row by its editor's line, others by their 1-based number: `RowList`)."""
 
 from __future__ import annotations
 
@@ -42,11 +41,9 @@ class RowList(list):
 
 
 def load_rows(path: str | Path) -> RowList:
-    """Read a data file: a JSON array of objects, JSONL, or one row object (UTF-8, a byte-order mark and CRLF
-    ignored), as a `RowList` (a JSONL row's errors name its line). JSONL lines split at ``\\n`` only (JSON allows
-    U+2028 inside strings), so line numbers are an editor's.
-    Raises SFTDataError: the file is missing, not UTF-8, not valid JSON (with the JSONL line), empty, or holds a row
-    that is not an object."""
+    """A JSON array of objects, JSONL, or one row object (UTF-8; a byte-order mark and CRLF ignored) as a `RowList`.
+    JSONL splits at ``\\n`` only (JSON allows U+2028 in strings), so line numbers are an editor's.
+    Raises SFTDataError: missing, not UTF-8, not valid JSON (with the JSONL line), empty, or a row not an object."""
     p = Path(path)
     if p.is_dir():
         raise SFTDataError(f"{p} is a folder: give the data files in it (JSON or JSONL) one by one")
@@ -92,9 +89,7 @@ def load_rows(path: str | Path) -> RowList:
 
 
 def load_hub_rows(name: str, split: str = "train") -> RowList:
-    """Rows of a Hugging Face data set (a hub id, or a local folder of JSON / JSONL / CSV / Parquet
-    files) through `datasets.load_dataset`, as plain dicts. `datasets` drops a UTF-8 byte-order
-    mark itself (its JSON and CSV readers; checked in datasets 5.2)."""
+    """Rows of a Hugging Face data set (a hub id, or a folder of JSON / CSV / Parquet files), as plain dicts."""
     import datasets
 
     return RowList(dict(r) for r in datasets.load_dataset(name, split=split))
@@ -219,12 +214,11 @@ def _tools(value: Any, where: str) -> list[dict] | None:
 
 def to_conversation(row: dict, row_number: int | str, source: str,
                     ignored: Counter | None = None) -> tuple[list[dict], list[dict] | None]:
-    """One data row (chat, Alpaca or ShareGPT: docs/sft-data.md#row-formats) as ``(messages, tools)``: messages
-    ``{"role", "content": str}`` (+ ``tool_calls``, ``name``, ``tool_call_id``, ``reasoning_content``), tools as
-    ``{"type": "function", ...}`` or None. `row_number` (1-based, or a label such as ``"line 19"``: `RowList.label`)
-    and `source` name the row; `ignored` counts unused keys.
-    Raises SFTDataError: ``"<source> row <n>: ..."`` (or ``line <n>``) for an unknown format, role or part, a bad field,
-    tool call or tool result, no assistant turn; `EmptyAnswerError` for an empty answer."""
+    """One row (chat, Alpaca or ShareGPT) as ``(messages, tools)``: messages ``{"role", "content": str}`` (+
+    ``tool_calls``, ``name``, ``tool_call_id``, ``reasoning_content``), tools ``{"type": "function", ...}`` or None; `row_number`
+    (1-based, or a label: `RowList.label`) and `source` name the row; `ignored` counts unused keys.
+    Raises SFTDataError: ``"<source> row <n>: ..."`` for an unknown format, role or part, a bad field, tool call or
+    result, no assistant turn; `EmptyAnswerError` for an empty answer."""
     where = f"{source} {row_label(row_number)}"
     if "messages" in row:
         turns, role_key, text_key, field, role_map = row["messages"], "role", "content", "messages", None

@@ -1,5 +1,4 @@
-"""SFT messages -> token ids with assistant-only labels, through the tokenizer's chat template
-(`tokenize_conversation`, `template_conversation`); reasoning and tool rendering checks."""
+"""SFT messages -> token ids with assistant-only labels through the tokenizer's chat template; reasoning and tools."""
 
 from __future__ import annotations
 
@@ -57,9 +56,8 @@ def reasoning_field(tokenizer) -> str | None:
 
 
 def _inline_reasoning(tokenizer, messages: list[dict]) -> list[dict]:
-    """Messages with an assistant turn's inline ``<think>...</think>`` prefix moved to ``reasoning_content``,
-    for templates with ``<think>`` blocks.
-    Raises SFTDataError: a stray ``<think>`` / ``</think>`` elsewhere in an assistant turn."""
+    """Messages with an assistant turn's inline ``<think>...</think>`` prefix moved to ``reasoning_content`` (templates
+    with ``<think>`` blocks). Raises SFTDataError: a stray ``<think>`` / ``</think>`` elsewhere in an assistant turn."""
     try:
         template = tokenizer.get_chat_template()
     except ValueError:
@@ -89,9 +87,8 @@ def _inline_reasoning(tokenizer, messages: list[dict]) -> list[dict]:
 
 def check_tools_rendered(tokenizer, messages: list[dict], tools: list[dict] | None, text: str = "",
                          kwargs: dict | None = None, turns: dict[int, str] | None = None) -> None:
-    """Refuse, in one `SFTDataError`, a template that drops the row's tools, tool calls or tool results: each tool
-    name must appear in the rendering, each call's name in its turn's labelled text (`turns`: message index -> text;
-    None: `text`, the rendered conversation), each tool result as is or JSON-quoted (Llama 3.1: ``content | tojson``)."""
+    """Refuse (`SFTDataError`) a template that drops the row's tools, tool calls or tool results: each name in the
+    rendering, each call's in its turn's labelled text (`turns`: message index -> text; None: `text`), each result."""
     turns = {i: text for i, m in enumerate(messages) if m.get("tool_calls")} if turns is None else turns
     text = _render(tokenizer, messages, False, kwargs, tools, tokenize=False) if tools or any(
         m["role"] == "tool" for m in messages) else ""
@@ -132,8 +129,8 @@ def _encode(tokenizer, messages: list[dict], kwargs: dict | None, tools: list[di
             reasoning: str = "train", dropped: Collection[int] = ()) -> tuple[list[int], list[int], dict[str, list]]:
     """Untruncated ``(input_ids, labels, counts)`` of `tokenize_conversation`; `last_turn_only` labels the last
     assistant turn only; `reasoning` ``"context"`` masks each turn's reasoning. ``counts``: where the labelled turns
-    start whose reasoning was rendered (``reasoning``), left out by the template (``unrendered``) or removed
-    (``dropped``: the turns `dropped` names); ``calls``: ``(start, tool calls)`` of the labelled turns that make them."""
+    start whose reasoning was rendered (``reasoning``), left out by the template (``unrendered``) or removed (the
+    turns `dropped` names: ``dropped``); ``calls``: ``(start, tool calls)`` of the labelled turns making them."""
     special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
     full = _render(tokenizer, messages, False, kwargs, tools)
     labels = [IGNORE_INDEX] * len(full)
@@ -175,12 +172,10 @@ def _encode(tokenizer, messages: list[dict], kwargs: dict | None, tools: list[di
 def tokenize_conversation(tokenizer, messages: list[dict], max_length: int,
                           chat_template_kwargs: dict | None = None,
                           tools: list[dict] | None = None) -> tuple[list[int], list[int], bool]:
-    """Render `messages` with the chat template (`tools` as ``tools=``) and label only the assistant turns;
-    returns ``(input_ids, labels, truncated)``, at most `max_length` long. Turn ``i``'s tokens lie between the
-    renderings of ``messages[:i]`` with the generation prompt and of ``messages[:i+1]``, both prefixes of the whole
-    conversation's; whitespace after the turn's last special token gets no label.
-    Raises SFTDataError: no chat template; the template fails, is not prefix-stable, or drops tools, calls or results.
-    """
+    """Render `messages` with the chat template (`tools` as ``tools=``) and label only the assistant turns:
+    ``(input_ids, labels, truncated)``, at most `max_length` long. Turn ``i`` lies between the renderings of
+    ``messages[:i]`` with the generation prompt and of ``messages[:i+1]``, both prefixes of the whole conversation's.
+    Raises SFTDataError: no chat template; the template fails, is not prefix-stable, drops tools, calls or results."""
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length}")
     _require_chat_template(tokenizer)
@@ -197,13 +192,11 @@ def check_vocab(tokenizer, vocab_size: int) -> None:
 
 def template_conversation(row: dict, row_number: int | str, source: str, tokenizer, stats: SFTStats,
                           ignored: Counter | None = None, chat_template_kwargs: dict | None = None,
-                          reasoning: str = "train", dropped: list[int] | None = None) -> tuple[list[dict], list[dict] | None]:
-    """`to_conversation` made ready for `tokenizer`'s template, as `prepare` does: inline ``<think>`` moved,
-    reasoning under the key the template reads or dropped (``reasoning="drop"``: counted in `stats`, or the turns'
-    indices appended to `dropped`), unused keys counted.
-    `tokenizer` None: the reasoning stays as ``reasoning_content``, unchecked.
-    Raises EmptyAnswerError: the row's answer is empty; SFTDataError: ``"<source> row <n>: ..."`` (`row_number` a label:
-    ``"<source> <label>: ..."``): see `to_conversation`; reasoning with no place; a stray ``<think>``."""
+                          reasoning: str = "train", dropped: list[int] | None = None) -> tuple[list[dict], list | None]:
+    """`to_conversation` made ready for `tokenizer`'s template (None: reasoning left as ``reasoning_content``): inline
+    ``<think>`` moved, reasoning under the template's key or dropped (``reasoning="drop"``: counted in `stats`, or the
+    turns' indices appended to `dropped`), unused keys counted in `ignored`.
+    Raises EmptyAnswerError; SFTDataError: ``"<source> <row>: ..."``, see `to_conversation`; reasoning with no place."""
     if ignored is not None:  # the row's own keys that its format does not read
         used = (("messages", "tools") if "messages" in row else ("conversations", "system", "tools")
                 if "conversations" in row else ("instruction", "input", "output"))
@@ -225,8 +218,7 @@ def template_conversation(row: dict, row_number: int | str, source: str, tokeniz
 
 def _place_reasoning(messages: list[dict], reasoning: str, target: str | None, kwargs: dict | None,
                      stats: SFTStats, dropped: list[int] | None = None) -> list[dict]:
-    """Messages with each assistant turn's ``reasoning_content`` under the template's key `target` (removed and
-    counted for ``reasoning="drop"``).
+    """Messages with each assistant turn's ``reasoning_content`` under the template's key `target` (or dropped).
     Raises SFTDataError: reasoning, but the template reads no reasoning field or ``enable_thinking`` is false."""
     out = []
     for i, m in enumerate(messages):
