@@ -1,6 +1,6 @@
-"""Model folders and data files from a local path or the Hugging Face Hub (``HF_HUB_CACHE``, ``HF_HUB_OFFLINE``,
-``HF_TOKEN`` apply). `resolve_path`: a config path, calling `prepare_access` (one reachability check, the download
-bars: docs/notes.md#the-hub-without-a-network-huggingface_hub-1x) once before a hub id's first use; `model_folder`."""
+"""Model folders from a local path or the Hugging Face Hub (``HF_HUB_CACHE``, ``HF_HUB_OFFLINE``, ``HF_TOKEN`` apply).
+`resolve_path` calls `prepare_access` (one reachability check, the download bars:
+docs/notes.md#the-hub-without-a-network-huggingface_hub-1x) before a hub id's first use; `model_folder`."""
 
 from __future__ import annotations
 
@@ -82,9 +82,8 @@ def resolve_path(value: str, base_dir: str | Path) -> str:
 
 
 def _go_offline() -> None:
-    """Switch this process to the hub's offline mode, as ``HF_HUB_OFFLINE=1`` at its start would have: the
-    constant huggingface_hub read it into (which transformers consults at each call, and datasets at its import),
-    and datasets' copy if it is imported already. The environment is left as it is."""
+    """This process in the hub's offline mode, as ``HF_HUB_OFFLINE=1`` at its start would: huggingface_hub's constant
+    and datasets' copy if imported (the environment is left as it is)."""
     from huggingface_hub import constants
 
     constants.HF_HUB_OFFLINE = True
@@ -94,10 +93,9 @@ def _go_offline() -> None:
 
 
 def model_folder(name_or_path: str, key: str = "model.name_or_path") -> Path:
-    """The local folder holding ``config.json`` and the ``*.safetensors`` weights: `name_or_path` itself, or the
-    hub cache's snapshot of that id (only ``*.json`` and ``*.safetensors`` downloaded).
-    Raises ConfigError: one line naming `key`: a path-like value that is not a folder; not a valid hub id; a model the
-    hub lacks or gates; not in the cache while offline; a folder without ``*.safetensors``."""
+    """The local folder of ``config.json`` and ``*.safetensors``: `name_or_path`, or the hub cache's snapshot of it.
+    Raises ConfigError naming `key`: a path-like value not a folder; no valid, reachable, ungated hub id; not in the
+    cache while offline; no ``*.safetensors``."""
     path = Path(name_or_path).expanduser()
     if not path.is_dir():
         if path.is_absolute() or name_or_path.startswith(("./", "../", "~")) or path.exists():

@@ -1,10 +1,7 @@
-"""Rows of tabular files (CSV, TSV, JSON / JSONL, parquet) with their place in the file::
-
-    for where, row in records("train.csv", required=["text", "label"]):
-        label = to_int(row["label"])             # "3", "3.0", 3 and 3.0 are all 3
-
-``where``: ``"<path> line <n>"`` (CSV, TSV, JSONL) or ``"<path> row <n>"`` (JSON array, parquet). A BOM, CRLF,
-quoted fields and blank lines are accepted; anything else is one `DataError` naming file, line or row and field."""
+"""Rows of tabular files (CSV, TSV, JSON / JSONL, parquet) with their place in the file: ``records(path, required)``
+yields ``(where, row)``, ``where`` ``"<path> line <n>"`` (CSV, TSV, JSONL) or ``"<path> row <n>"`` (JSON array,
+parquet). A BOM, CRLF, quoted fields and blank lines are accepted; anything else is one `DataError` naming file,
+line or row and field. `to_int`: ``"3"``, ``"3.0"``, 3 and 3.0 are all 3."""
 
 from __future__ import annotations
 
@@ -163,11 +160,9 @@ def _existing(path: str | Path) -> tuple[Path, str]:
 
 def records(path: str | Path, required: Sequence[str] = (), csv_columns: Sequence[str] | None = None,
             csv_header: bool = True) -> Iterator[tuple[str, dict[str, Any]]]:
-    """The rows of a CSV, TSV, JSON, JSONL or parquet file (by suffix) as ``(where, {column: value})``;
-    `required` columns every row must have (parquet: the only ones read); `csv_columns` the CSV's columns (None:
-    its header's), `csv_header` whether it has a header to skip.
-    Raises DataError: the file is missing or of another type; a required column missing (``"<path>: no column(s) label
-    (found text, title)"``, ``"<path> line 3: missing field 'label'"``); or as the readers above."""
+    """The rows of a CSV, TSV, JSON, JSONL or parquet file (by suffix) as ``(where, {column: value})``; `required`
+    columns every row must have (parquet: the only ones read); `csv_columns` (None: the header's), `csv_header`.
+    Raises DataError: a missing file or other type; a required column missing; or as the readers above."""
     p, suffix = _existing(path)
     if suffix in _CSV:
         columns = csv_columns
@@ -189,9 +184,8 @@ def records(path: str | Path, required: Sequence[str] = (), csv_columns: Sequenc
 
 
 def to_int(value: Any) -> int | None:
-    """An integer written in any usual way (``3``, ``" 3 "``, ``3.0``, ``"3.0"``, ``"3e2"``: pandas writes an integer
-    column with a missing value as floats); None for None, ``""`` or NaN.
-    Raises ValueError: not a whole number (``"2.5"``, ``inf``, a bool), or outside the int64 range (`check_int64`)."""
+    """An integer written in any usual way (``3``, ``" 3 "``, ``3.0``, ``"3.0"``, ``"3e2"``); None: None, ``""``, NaN.
+    Raises ValueError: not a whole number (``"2.5"``, ``inf``, a bool), or outside the int64 range."""
     return check_int64(_to_int(value))
 
 

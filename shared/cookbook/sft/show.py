@@ -1,5 +1,5 @@
-"""``train.py --show-examples N``: the first N training examples as the model sees them, labelled spans marked,
-and what the data pipeline kept, cut and dropped, per field. One process, before any worker starts."""
+"""``train.py --show-examples N``: the first N training examples as the model sees them, labelled spans marked, and
+what the data pipeline kept, cut and dropped, per field."""
 
 from __future__ import annotations
 
@@ -31,8 +31,7 @@ def _decode(tokenizer, ids: list[int], repeat: int = 4) -> str:
 
 
 def _render_example(example: dict, tokenizer) -> str:
-    """The decoded ``input_ids`` of one example, each run of labelled tokens between ``[[`` and ``]]`` (a run of
-    4 or more of one special token, such as image placeholders, written ``<tok> x N``)."""
+    """The decoded ``input_ids`` of one example, each run of labelled tokens between ``[[`` and ``]]``."""
     ids, labels = example["input_ids"], example["labels"]
     out, k = [], 0
     while k < len(ids):
@@ -69,12 +68,8 @@ def field_counts(stats: SFTStats) -> list[str]:
 
 
 def show_examples(parts: Sequence[tuple[list[dict], SFTStats]], tokenizer, n: int) -> str:
-    """The text `--show-examples` prints: per source, its first `n` examples (`_render_example`, with the row each
-    came from: its line in a JSONL file) and its counts per field (`field_counts`).
-
-    Args:
-        parts: ``(examples, stats)`` per source, examples in row order (``stats.example_rows`` gives their rows).
-        n: examples shown per source (0: counts only)."""
+    """The text `--show-examples` prints: per source of `parts` (``(examples, stats)``), its first `n` examples (with
+    the row each came from) and its counts per field (`field_counts`)."""
     out = [f"labelled tokens (in the loss) are between {OPEN} and {CLOSE}"]
     for examples, stats in parts:
         name = Path(stats.source).name or stats.source
@@ -97,10 +92,8 @@ def refusal(stats: SFTStats, max_dropped_fraction: float) -> str:
 
 
 def show_data(cfg, tokenizer, n: int) -> str:
-    """`show_examples` for a recipe's ``data`` section (`cookbook.sft.DataConfig`): each train file (or the hub
-    data set) tokenized as `cookbook.sft.load_examples` does, before the held-out split (said in a last line) and
-    packing; a source that training would refuse (too many rows dropped) is shown with the refusal instead of stopping.
-    """
+    """`show_examples` for a recipe's ``data`` section, each source tokenized as `load_examples` does, before the
+    held-out split (said in a last line) and packing; a source training would refuse is shown with the refusal."""
     from cookbook.sft.data import load_hub_rows, load_rows, prepare
 
     kwargs = dict(cfg.chat_template_kwargs) or None
@@ -114,8 +107,7 @@ def show_data(cfg, tokenizer, n: int) -> str:
 
 
 def held_out_note(cfg: Any) -> str | None:
-    """The last line of a ``--show-examples`` whose rows come before a seeded ``data.eval_fraction`` split, or
-    ``None`` (no split, or ``data.eval_files`` given)."""
+    """The last line of a ``--show-examples`` before a seeded ``data.eval_fraction`` split, or ``None``."""
     if getattr(cfg, "eval_fraction", 0) > 0 and not getattr(cfg, "eval_files", []):
         return (f"data.eval_fraction={cfg.eval_fraction:g}: a seeded share of each file's examples is held out for "
                 f"evaluation; the examples above are before that split")
