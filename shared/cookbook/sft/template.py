@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from bisect import bisect_left
 from collections import Counter
 from typing import Collection
 
 from cookbook.sft.rows import IGNORE_INDEX, SFTDataError, EmptyAnswerError, row_label, to_conversation
 from cookbook.sft.stats import SFTStats
+
 
 def _require_chat_template(tokenizer) -> None:
     try:
@@ -22,9 +24,8 @@ def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, kwargs
     from jinja2.exceptions import TemplateError
 
     try:
-        out = tokenizer.apply_chat_template(messages, tools=tools, tokenize=tokenize,
-                                            add_generation_prompt=add_generation_prompt, return_dict=False,
-                                            **(kwargs or {}))
+        out = tokenizer.apply_chat_template(messages, tools=tools, tokenize=tokenize, return_dict=False,
+                                            add_generation_prompt=add_generation_prompt, **(kwargs or {}))
     except (TemplateError, TypeError) as exc:  # the template's raise_exception, or e.g. str + None in Jinja
         raise SFTDataError(f"the chat template cannot render this conversation: {type(exc).__name__}: {exc}") from None
     return list(out) if tokenize else out
@@ -45,24 +46,24 @@ def _unstable(tokenizer, full: list[int], part: list[int], what: str, split_turn
         f"turn after the last user turn only); {advice}")
 
 
-def reasoning_field(tokenizer) -> str | None:
-    """The message key the tokenizer's chat template reads a turn's reasoning from: ``"reasoning_content"``
-    (Qwen3, DeepSeek-R1, TRL), ``"thinking"`` (GPT-OSS harmony), or None when the template reads neither."""
+def _template(tokenizer) -> str:
+    """The tokenizer's chat template, ``""`` without one."""
     try:
-        template = tokenizer.get_chat_template()
+        return tokenizer.get_chat_template()
     except ValueError:
-        return None
-    return next((k for k in ("reasoning_content", "thinking") if k in template), None)
+        return ""
+
+
+def reasoning_field(tokenizer) -> str | None:
+    """The message key the chat template reads a turn's reasoning from: ``"reasoning_content"`` (Qwen3, DeepSeek-R1,
+    TRL), ``"thinking"`` (GPT-OSS harmony), or None."""
+    return next((k for k in ("reasoning_content", "thinking") if k in _template(tokenizer)), None)
 
 
 def _inline_reasoning(tokenizer, messages: list[dict]) -> list[dict]:
     """Messages with an assistant turn's inline ``<think>...</think>`` prefix moved to ``reasoning_content`` (templates
     with ``<think>`` blocks). Raises SFTDataError: a stray ``<think>`` / ``</think>`` elsewhere in an assistant turn."""
-    try:
-        template = tokenizer.get_chat_template()
-    except ValueError:
-        return messages
-    if "</think>" not in template:
+    if "</think>" not in _template(tokenizer):
         return messages
     out = []
     for i, m in enumerate(messages):
@@ -92,15 +93,13 @@ def check_tools_rendered(tokenizer, messages: list[dict], tools: list[dict] | No
     turns = {i: text for i, m in enumerate(messages) if m.get("tool_calls")} if turns is None else turns
     text = _render(tokenizer, messages, False, kwargs, tools, tokenize=False) if tools or any(
         m["role"] == "tool" for m in messages) else ""
-    for tool in tools or ():
-        name = tool["function"]["name"]
+    for name in (tool["function"]["name"] for tool in tools or ()):
         if name not in text:
             raise SFTDataError(f"the chat template does not render the row's tools: the tool {name!r} is missing from "
                                f"the rendered conversation (a template that ignores tools=). Use a tokenizer whose "
                                f"template renders tools (Qwen2.5's and Qwen3's do) or remove 'tools' from the rows")
     for i, rendered in turns.items():
-        for call in messages[i].get("tool_calls", ()):
-            name = call["function"]["name"]
+        for name in (call["function"]["name"] for call in messages[i].get("tool_calls", ())):
             if name not in rendered:
                 raise SFTDataError(f"the chat template does not render tool calls: messages[{i}] calls {name!r} but "
                                    f"its rendered turn is {rendered[:80]!r} (a template that ignores tool_calls). Use "
@@ -115,14 +114,7 @@ def check_tools_rendered(tokenizer, messages: list[dict], tools: list[dict] | No
 
 def _covering(tokenizer, ids: list[int], start: int, stop: int, text: str) -> int:
     """The smallest ``end`` in ``(start, stop]`` whose decoded ``ids[start:end]`` contains `text` (binary search)."""
-    lo, hi = start + 1, stop
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if text in tokenizer.decode(ids[start:mid]):
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
+    return start + 1 + bisect_left(range(start + 1, stop), True, key=lambda end: text in tokenizer.decode(ids[start:end]))
 
 
 def _encode(tokenizer, messages: list[dict], kwargs: dict | None, tools: list[dict] | None, last_turn_only: bool,
@@ -133,8 +125,7 @@ def _encode(tokenizer, messages: list[dict], kwargs: dict | None, tools: list[di
     turns `dropped` names: ``dropped``); ``calls``: ``(start, tool calls)`` of the labelled turns making them."""
     special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
     full = _render(tokenizer, messages, False, kwargs, tools)
-    labels = [IGNORE_INDEX] * len(full)
-    assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    labels, assistant = [IGNORE_INDEX] * len(full), [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     turns, counts = {}, {"reasoning": [], "unrendered": [], "dropped": [], "calls": []}
     for i in assistant[-1:] if last_turn_only else assistant:
         if i == 0:
@@ -144,8 +135,7 @@ def _encode(tokenizer, messages: list[dict], kwargs: dict | None, tools: list[di
         for part, what in ((before, f"messages[:{i}] + generation prompt"), (through, f"messages[:{i + 1}]")):
             if full[: len(part)] != part:
                 raise _unstable(tokenizer, full, part, what, last_turn_only)
-        start, stop = len(before), len(through)
-        end = stop
+        start, stop, end = len(before), len(through), len(through)
         while end > start and not tokenizer.decode(full[end - 1 : end]).strip():
             end -= 1
         if end > start and full[end - 1] in special:
@@ -156,8 +146,8 @@ def _encode(tokenizer, messages: list[dict], kwargs: dict | None, tools: list[di
             if thought in tokenizer.decode(full[start:stop]):
                 counts["reasoning"].append(start)
                 if reasoning == "context":
-                    labels[start:_covering(tokenizer, full, start, stop, thought)] = \
-                        [IGNORE_INDEX] * (_covering(tokenizer, full, start, stop, thought) - start)
+                    cover = _covering(tokenizer, full, start, stop, thought)
+                    labels[start:cover] = [IGNORE_INDEX] * (cover - start)
             else:
                 counts["unrendered"].append(start)
         if i in dropped:
@@ -169,8 +159,7 @@ def _encode(tokenizer, messages: list[dict], kwargs: dict | None, tools: list[di
     return full, labels, counts
 
 
-def tokenize_conversation(tokenizer, messages: list[dict], max_length: int,
-                          chat_template_kwargs: dict | None = None,
+def tokenize_conversation(tokenizer, messages: list[dict], max_length: int, chat_template_kwargs: dict | None = None,
                           tools: list[dict] | None = None) -> tuple[list[int], list[int], bool]:
     """Render `messages` with the chat template (`tools` as ``tools=``) and label only the assistant turns:
     ``(input_ids, labels, truncated)``, at most `max_length` long. Turn ``i`` lies between the renderings of
