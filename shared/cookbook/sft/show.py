@@ -3,6 +3,7 @@ what the data pipeline kept, cut and dropped, per field."""
 
 from __future__ import annotations
 
+from itertools import groupby
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -13,35 +14,23 @@ OPEN, CLOSE = "[[", "]]"  # around the labelled tokens (those in the loss)
 
 
 def _decode(tokenizer, ids: list[int], repeat: int = 4) -> str:
-    """`ids` decoded, a run of one token `repeat` times or more (image placeholders) written ``<tok> x N``."""
-    out, k = [], 0
-    while k < len(ids):
-        j = k
-        while j < len(ids) and ids[j] == ids[k]:
-            j += 1
-        if j - k >= repeat and tokenizer.decode(ids[k:k + 1]).startswith("<"):
-            out.append(f"{tokenizer.decode(ids[k:k + 1])} x {j - k}")
-            k = j
-            continue
-        while j < len(ids) and not (j + repeat <= len(ids) and len(set(ids[j:j + repeat])) == 1):
-            j += 1
-        out.append(tokenizer.decode(ids[k:j]))
-        k = j
-    return "".join(out)
+    """`ids` decoded, a run of one special token `repeat` times or more (image placeholders) written ``<tok> x N``."""
+    out, plain = [], []
+    for tok, run in groupby(ids):
+        n = len(list(run))
+        if n >= repeat and tokenizer.decode([tok]).startswith("<"):
+            out, plain = [*out, tokenizer.decode(plain), f"{tokenizer.decode([tok])} x {n}"], []
+        else:
+            plain += [tok] * n
+    return "".join(out) + tokenizer.decode(plain)
 
 
 def _render_example(example: dict, tokenizer) -> str:
     """The decoded ``input_ids`` of one example, each run of labelled tokens between ``[[`` and ``]]``."""
-    ids, labels = example["input_ids"], example["labels"]
-    out, k = [], 0
-    while k < len(ids):
-        on = labels[k] != IGNORE_INDEX
-        j = k
-        while j < len(ids) and (labels[j] != IGNORE_INDEX) == on:
-            j += 1
-        text = _decode(tokenizer, ids[k:j])
+    out = []
+    for on, run in groupby(zip(example["input_ids"], example["labels"]), key=lambda t: t[1] != IGNORE_INDEX):
+        text = _decode(tokenizer, [i for i, _ in run])
         out.append(f"{OPEN}{text}{CLOSE}" if on else text)
-        k = j
     return "".join(out)
 
 
