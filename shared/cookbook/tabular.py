@@ -27,36 +27,22 @@ def _columns(names: Sequence[str]) -> str:
 
 def not_utf8(path: Path, exc: UnicodeDecodeError) -> DataError:
     """The error for a file that is not UTF-8, naming the first line that does not decode."""
-    with open(path, "rb") as f:
-        line = next((n for n, raw in enumerate(f, 1) if not _decodes(raw)), None)
+    with open(path, "rb") as f:  # "replace" and "ignore" differ only where bytes do not decode
+        line = next((n for n, raw in enumerate(f, 1) if raw.decode(errors="replace") != raw.decode(errors="ignore")), None)
     return DataError(f"{path}{f' line {line}' if line else ''}: not UTF-8 text ({exc.reason}); save it as UTF-8")
-
-
-def _decodes(raw: bytes) -> bool:
-    try:
-        raw.decode("utf-8")
-        return True
-    except UnicodeDecodeError:
-        return False
 
 
 def _csv_lines(path: Path) -> Iterator[tuple[int, list[str]]]:
     """(line where the record starts, fields) of every non-blank CSV (``.tsv``: TSV) record."""
     try:
         with open(path, newline="", encoding="utf-8-sig") as f:
-            reader = csv.reader(f, delimiter="\t" if path.suffix.lower() == ".tsv" else ",")
-            end = 0
-            while True:
-                start = end + 1
-                try:
-                    fields = next(reader)
-                except StopIteration:
-                    return
-                except csv.Error as exc:
-                    raise DataError(f"{path} line {reader.line_num}: not valid CSV: {exc}") from None
-                end = reader.line_num
+            reader, end = csv.reader(f, delimiter="\t" if path.suffix.lower() == ".tsv" else ","), 0
+            for fields in reader:
+                start, end = end + 1, reader.line_num
                 if len(fields) > 1 or (fields and fields[0].strip()):  # a blank line is an empty record
                     yield start, fields
+    except csv.Error as exc:
+        raise DataError(f"{path} line {reader.line_num}: not valid CSV: {exc}") from None
     except UnicodeDecodeError as exc:
         raise not_utf8(path, exc) from None
 
