@@ -54,8 +54,7 @@ def offline_unless_reachable(timeout_s: float = _REACH_TIMEOUT_S) -> bool:
 
 
 def show_download_bars() -> bool:
-    """Turn huggingface_hub's download bars on, on local rank 0 when stderr is a terminal
-    (``HF_HUB_DISABLE_PROGRESS_BARS=1`` wins); returns whether they are on."""
+    """Turn huggingface_hub's download bars on (local rank 0, stderr a terminal); returns whether they are on."""
     from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
 
 
@@ -66,15 +65,13 @@ def show_download_bars() -> bool:
 
 
 def prepare_access() -> None:
-    """What comes before the first use of a hub id: `offline_unless_reachable`, then `show_download_bars` when
-    the hub answers."""
+    """Before a hub id's first use: `offline_unless_reachable`, then `show_download_bars` when the hub answers."""
     if not offline_unless_reachable():
         show_download_bars()
 
 
 def resolve_path(value: str, base_dir: str | Path) -> str:
-    """`cookbook.config.resolve_path` (relative to the config file's folder when it exists there); a value left as a
-    hub id calls `prepare_access` first."""
+    """`cookbook.config.resolve_path`; a value left as a hub id calls `prepare_access` first."""
     resolved = config.resolve_path(value, base_dir)
     if resolved == value and looks_like_hub_id(value):
         prepare_access()

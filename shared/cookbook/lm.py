@@ -94,8 +94,7 @@ def _checkpointed(forward, *args, **kwargs):
 
 
 def checkpoint_modules(modules) -> int:
-    """Recompute each module of `modules` in backward (non-reentrant activation checkpointing, early stop off) by
-    wrapping its ``forward`` in place; returns how many were wrapped."""
+    """Wrap each module's ``forward`` in activation checkpointing (`_checkpointed`), in place; returns how many."""
     modules = list(modules)
     for module in modules:
         module.forward = partial(_checkpointed, module.forward)

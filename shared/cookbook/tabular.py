@@ -28,7 +28,7 @@ def _columns(names: Sequence[str]) -> str:
 def not_utf8(path: Path, exc: UnicodeDecodeError) -> DataError:
     """The error for a file that is not UTF-8, naming the first line that does not decode."""
     with open(path, "rb") as f:  # "replace" and "ignore" differ only where bytes do not decode
-        line = next((n for n, raw in enumerate(f, 1) if raw.decode(errors="replace") != raw.decode(errors="ignore")), None)
+        line = next((n for n, b in enumerate(f, 1) if b.decode(errors="replace") != b.decode(errors="ignore")), None)
     return DataError(f"{path}{f' line {line}' if line else ''}: not UTF-8 text ({exc.reason}); save it as UTF-8")
 
 
@@ -48,8 +48,7 @@ def _csv_lines(path: Path) -> Iterator[tuple[int, list[str]]]:
 
 
 def first_csv_row(path: str | Path) -> list[str] | None:
-    """The fields of a CSV (``.tsv``: TSV) file's first non-blank record (header or data), or None; DataError for
-    a file that is not UTF-8 or not valid CSV."""
+    """The fields of a CSV / TSV file's first non-blank record, or None; DataError: not UTF-8 or not valid CSV."""
     return next((fields for _, fields in _csv_lines(Path(path))), None)
 
 
@@ -71,8 +70,7 @@ def _csv_records(p: Path, columns: Sequence[str], header: bool) -> Iterator[tupl
 
 
 def _json_records(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    """``(where, object)`` of a JSON array of objects or of JSONL (blank lines skipped); DataError: not valid JSON
-    (with the line), a row that is not an object, or text that is not UTF-8."""
+    """``(where, object)`` of a JSON array or of JSONL; DataError: not valid JSON, a row not an object, not UTF-8."""
     try:
         text = p.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as exc:
@@ -111,8 +109,7 @@ def _parquet(p: Path):
 
 
 def _parquet_records(p: Path, columns: Sequence[str] | None) -> Iterator[tuple[str, dict[str, Any]]]:
-    """``(where, {column: value})`` of a parquet file's rows (null: None), a record batch at a time, only
-    `columns` when given; DataError: not parquet, or some of `columns` missing."""
+    """``(where, {column: value})`` of a parquet file's rows (`columns` only); DataError: not parquet, no column."""
     pf = _parquet(p)
     names = pf.schema_arrow.names
     if columns is not None:
@@ -127,8 +124,7 @@ def _parquet_records(p: Path, columns: Sequence[str] | None) -> Iterator[tuple[s
 
 
 def column_names(path: str | Path) -> list[str] | None:
-    """The columns of a CSV / TSV (its first record; ``[]`` when empty) or parquet file; None for JSON and JSONL.
-    DataError: the file is missing, of another type, not UTF-8, not valid CSV or not parquet."""
+    """The columns of a CSV / TSV (its first record) or parquet file; None for JSON, JSONL. DataError: as `records`."""
     p, suffix = _existing(path)
     if suffix in _CSV:
         return [c.strip() for c in first_csv_row(p) or []]

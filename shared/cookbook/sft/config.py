@@ -46,8 +46,7 @@ def check_data_config(cfg: Any) -> None:
 
 
 def resolve_paths(cfg: Any, config_dir: str | Path) -> None:
-    """``model.name_or_path``, ``model.tokenizer`` (default: the model's), ``data.train_files`` and ``data.eval_files``
-    resolved against the config file's folder, in place (`cookbook.hub.resolve_path`: a hub id is kept)."""
+    """The model, tokenizer and data paths resolved against the config file's folder, in place (hub ids kept)."""
     cfg.model.name_or_path = resolve_path(cfg.model.name_or_path, config_dir)
     cfg.model.tokenizer = resolve_path(cfg.model.tokenizer or cfg.model.name_or_path, config_dir)
     cfg.data.train_files = [resolve_path(f, config_dir) for f in cfg.data.train_files]
@@ -85,8 +84,7 @@ def load_tokenizer(tokenizer: str, model: str, max_length: int | None = None):
 
 
 def check_one_step(n_rows: int, micro_batch_size: int, grad_accum_steps: int, world_size: int, note: str = "") -> None:
-    """Raise ConfigError if `n_rows` is fewer than one optimizer step takes (micro_batch_size x grad_accum_steps x
-    world_size: the train loaders drop the last incomplete batch)."""
+    """Raise ConfigError if `n_rows` is fewer than one optimizer step takes (the loaders drop the incomplete batch)."""
     if n_rows < micro_batch_size * grad_accum_steps * world_size:
         raise ConfigError(f"{n_rows} training rows{note} are too few for one step of {micro_batch_size} x "
                           f"{grad_accum_steps} x {world_size} rows")

@@ -78,8 +78,7 @@ def pack(examples: Sequence[dict], seq_len: int, pad_id: int) -> list[dict]:
 
 
 def pad_batch(examples: Sequence[dict], pad_id: int, pad_to_multiple_of: int = 1) -> dict[str, torch.Tensor]:
-    """Right-pad examples to one batch: ``input_ids``, ``attention_mask`` and ``labels`` (`IGNORE_INDEX` on padding),
-    int64 (batch, L), L the longest rounded up to `pad_to_multiple_of`."""
+    """Right-pad to one batch (int64, width a multiple of `pad_to_multiple_of`) with an ``attention_mask``."""
     longest = max(len(ex["input_ids"]) for ex in examples)
     width = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
     out = {k: torch.full((len(examples), width), v, dtype=torch.long)
@@ -120,8 +119,7 @@ def hold_out(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
 
 
 def shard_for_eval(rows: list[dict], rank: int, world_size: int) -> list[dict]:
-    """This rank's evaluation rows, padded with label-free copies so that every rank runs as many forward passes (a
-    sharded model's forward runs collectives)."""
+    """This rank's evaluation rows, padded with label-free copies so that every rank runs as many forward passes."""
     if not rows:
         return []
     mine, filler = rows[rank::world_size], {**rows[0], "labels": [IGNORE_INDEX] * len(rows[0]["labels"])}
@@ -129,8 +127,7 @@ def shard_for_eval(rows: list[dict], rank: int, world_size: int) -> list[dict]:
 
 
 def pad_token_id(tokenizer) -> int:
-    """The tokenizer's pad token id, else its end-of-sequence id (padding is never trained nor counted).
-    Raises ValueError: the tokenizer has neither."""
+    """The tokenizer's pad token id, else its end-of-sequence id. Raises ValueError: it has neither."""
     for pad_id in (tokenizer.pad_token_id, tokenizer.eos_token_id):
         if pad_id is not None:
             return pad_id

@@ -120,8 +120,7 @@ def _chunked(hidden, weight, labels, chunk_size, softcap, grad_h=None, grad_w=No
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """Loss and gradients in one pass, chunk by chunk (Liger Kernel's fused linear cross entropy, arXiv:2410.10989, in
-    plain PyTorch); the backward scales the saved gradients by the incoming one."""
+    """Loss and gradients in one pass, chunk by chunk (Liger Kernel's fused linear cross entropy, arXiv:2410.10989)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, chunk_size, softcap):

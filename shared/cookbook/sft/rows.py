@@ -23,14 +23,12 @@ class SFTDataError(ValueError):
 
 # ----------------------------------------------------------------------------- rows -> messages
 def row_label(n: int | str, lines: Sequence[int] | None = None) -> str:
-    """1-based row `n` as errors name it: ``"line 19"`` when `lines` (each row's line in a JSONL file) are known,
-    else ``"row 3"``; a label (str) is returned as it is."""
+    """1-based row `n` as errors name it: ``"line 19"`` with `lines` (a JSONL file's), else ``"row 3"``; a str as is."""
     return n if isinstance(n, str) else f"line {lines[n - 1]}" if lines else f"row {n}"
 
 
 class RowList(list):
-    """Rows of a data source with where each is: `lines` (each row's line in a JSONL file; None for a JSON array
-    or a hub data set); `label(n)` names 1-based row `n` (`row_label`)."""
+    """Rows with `lines` (each row's line in a JSONL file, else None); `label(n)` names row `n` (`row_label`)."""
 
     def __init__(self, rows: Iterable[dict] = (), lines: Sequence[int] | None = None):
         super().__init__(rows)
@@ -123,8 +121,7 @@ def _part_text(part: dict, kind: str, where: str, path: str, keys: tuple[str, ..
 
 
 def _parts(value: Any, where: str, field: str) -> tuple[str, list[str], list]:
-    """A message's content (a string or typed parts) as ``(text, reasoning, calls)``: text parts joined with
-    ``"\\n"`` (as vLLM's OpenAI server does), reasoning parts, tool-call parts; any other part (an image) is refused."""
+    """A content (a string or typed parts) as ``(text, reasoning parts, tool-call parts)``; other parts are refused."""
     if not isinstance(value, list):
         return _text(value, where, field), [], []
     texts, reasoning, calls = [], [], []
@@ -163,8 +160,7 @@ def _content(value: Any, where: str, field: str) -> str:
 
 
 def _tool_calls(value: Any, where: str, field: str) -> list[dict]:
-    """Tool calls normalised to ``[{"type": "function", "function": {"name", "arguments": dict}}]`` (+ ``id``); a
-    JSON-string ``arguments`` is parsed, as templates apply ``tojson`` to a mapping (Qwen2.5, Llama 3.1)."""
+    """Tool calls as ``[{"type": "function", "function": {"name", "arguments": dict}}]`` (+ ``id``)."""
     calls = value if isinstance(value, list) else [value]
     if not calls:
         raise SFTDataError(f"{where}: field '{field}' is an empty list")
@@ -191,8 +187,7 @@ def _tool_calls(value: Any, where: str, field: str) -> list[dict]:
 
 
 def _tools(value: Any, where: str) -> list[dict] | None:
-    """A row's ``tools``: a list (or a JSON string of a list, as LLaMA-Factory stores it) of JSON-schema
-    function definitions, normalised to ``{"type": "function", "function": {...}}``; None if empty."""
+    """A row's ``tools`` (a list, or its JSON text) as ``{"type": "function", "function": {...}}`` items, or None."""
     if value is None or (isinstance(value, str) and not value.strip()):
         return None
     if isinstance(value, str):
@@ -215,8 +210,8 @@ def _tools(value: Any, where: str) -> list[dict] | None:
 def to_conversation(row: dict, row_number: int | str, source: str,
                     ignored: Counter | None = None) -> tuple[list[dict], list[dict] | None]:
     """One row (chat, Alpaca or ShareGPT) as ``(messages, tools)``: messages ``{"role", "content": str}`` (+
-    ``tool_calls``, ``name``, ``tool_call_id``, ``reasoning_content``), tools ``{"type": "function", ...}`` or None; `row_number`
-    (1-based, or a label: `RowList.label`) and `source` name the row; `ignored` counts unused keys.
+    ``tool_calls``, ``name``, ``tool_call_id``, ``reasoning_content``), tools ``{"type": "function", ...}`` or None;
+    `row_number` (1-based, or a label: `RowList.label`) and `source` name the row; `ignored` counts unused keys.
     Raises SFTDataError: ``"<source> row <n>: ..."`` for an unknown format, role or part, a bad field, tool call or
     result, no assistant turn; `EmptyAnswerError` for an empty answer."""
     where = f"{source} {row_label(row_number)}"

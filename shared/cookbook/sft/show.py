@@ -57,8 +57,7 @@ def field_counts(stats: SFTStats) -> list[str]:
 
 
 def show_examples(parts: Sequence[tuple[list[dict], SFTStats]], tokenizer, n: int) -> str:
-    """The text `--show-examples` prints: per source of `parts` (``(examples, stats)``), its first `n` examples (with
-    the row each came from) and its counts per field (`field_counts`)."""
+    """The text `--show-examples` prints: per ``(examples, stats)`` of `parts`, `n` examples and `field_counts`."""
     out = [f"labelled tokens (in the loss) are between {OPEN} and {CLOSE}"]
     for examples, stats in parts:
         name = Path(stats.source).name or stats.source

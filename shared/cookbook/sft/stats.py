@@ -164,8 +164,7 @@ class SFTStats:
         return f"{counts} | {self.tokens:,} tokens, {self.loss_fraction:.1%} with loss"
 
     def check_dropped(self, max_dropped_fraction: float) -> None:
-        """Raise `SFTDataError` if more than `max_dropped_fraction` (0-1) of the examples were not kept, naming the
-        longest dropped rows and what to change."""
+        """Raise `SFTDataError` naming the longest rows and what to change if over `max_dropped_fraction` is lost."""
         if self.dropped_fraction <= max_dropped_fraction:
             return
         lost = self.dropped + len(self.empty_answers) + len(self.unanswered)

@@ -55,8 +55,7 @@ def _template(tokenizer) -> str:
 
 
 def reasoning_field(tokenizer) -> str | None:
-    """The message key the chat template reads a turn's reasoning from: ``"reasoning_content"`` (Qwen3, DeepSeek-R1,
-    TRL), ``"thinking"`` (GPT-OSS harmony), or None."""
+    """The message key the chat template reads reasoning from (``"reasoning_content"``, ``"thinking"``), or None."""
     return next((k for k in ("reasoning_content", "thinking") if k in _template(tokenizer)), None)
 
 
@@ -88,8 +87,7 @@ def _inline_reasoning(tokenizer, messages: list[dict]) -> list[dict]:
 
 def check_tools_rendered(tokenizer, messages: list[dict], tools: list[dict] | None, text: str = "",
                          kwargs: dict | None = None, turns: dict[int, str] | None = None) -> None:
-    """Refuse (`SFTDataError`) a template that drops the row's tools, tool calls or tool results: each name in the
-    rendering, each call's in its turn's labelled text (`turns`: message index -> text; None: `text`), each result."""
+    """Refuse (`SFTDataError`) a template that drops tools, calls (`turns`: index -> text; None: `text`) or results."""
     turns = {i: text for i, m in enumerate(messages) if m.get("tool_calls")} if turns is None else turns
     text = _render(tokenizer, messages, False, kwargs, tools, tokenize=False) if tools or any(
         m["role"] == "tool" for m in messages) else ""
@@ -114,7 +112,8 @@ def check_tools_rendered(tokenizer, messages: list[dict], tools: list[dict] | No
 
 def _covering(tokenizer, ids: list[int], start: int, stop: int, text: str) -> int:
     """The smallest ``end`` in ``(start, stop]`` whose decoded ``ids[start:end]`` contains `text` (binary search)."""
-    return start + 1 + bisect_left(range(start + 1, stop), True, key=lambda end: text in tokenizer.decode(ids[start:end]))
+    covers = range(start + 1, stop)
+    return start + 1 + bisect_left(covers, True, key=lambda end: text in tokenizer.decode(ids[start:end]))
 
 
 def _encode(tokenizer, messages: list[dict], kwargs: dict | None, tools: list[dict] | None, last_turn_only: bool,
@@ -173,8 +172,7 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_length: int, chat
 
 
 def check_vocab(tokenizer, vocab_size: int) -> None:
-    """Raise `SFTDataError` if ``len(tokenizer)`` exceeds `vocab_size` (``model.config.vocab_size``, which may be
-    larger: Qwen3 pads its embedding to 151936 rows for 151669 tokens)."""
+    """Raise `SFTDataError` if ``len(tokenizer)`` exceeds `vocab_size` (larger is fine: Qwen3 pads its embedding)."""
     if len(tokenizer) > vocab_size:
         raise SFTDataError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {vocab_size}: "
                            f"ids >= {vocab_size} have no embedding; use the model's own tokenizer")
