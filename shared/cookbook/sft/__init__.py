@@ -1,10 +1,6 @@
-"""Supervised fine-tuning of language models: the pieces every SFT recipe shares, importable from here.
-
-`rows` (chat / Alpaca / ShareGPT rows -> messages), `template` (token ids, loss on assistant tokens only through the
-chat template), `stats` (what was kept, cut, dropped), `data` (`prepare`, packing, padding, batches), `loss` (the
-summed next-token loss, `evaluate`), `attention` (the ``varlen`` back-end), `config` (the ``data`` section and what
-``--check`` verifies), `show` (``--show-examples N``). Row formats and labelling rules: docs/sft-data.md.
-"""
+"""Supervised fine-tuning of language models, the pieces SFT recipes share: `rows` (rows -> messages), `template`
+(token ids and assistant-only labels through the chat template), `stats`, `data` (`prepare`, packing, batches), `loss`,
+`attention` (``varlen``), `config` (the ``data`` section, ``--check``), `show` (``--show-examples``): docs/sft-data.md."""
 
 from cookbook.sft.rows import (IGNORE_INDEX, ROLES, EmptyAnswerError, RowList, SFTDataError,  # noqa: F401
                                load_hub_rows, load_rows, row_label, to_conversation, to_messages)

@@ -150,15 +150,6 @@ def _parts(value: Any, where: str, field: str) -> tuple[str, list[str], list]:
     return "\n".join(texts), reasoning, calls
 
 
-def _content(value: Any, where: str, field: str) -> str:
-    """The text of `_parts` (reasoning and tool-call parts refused): system, user and tool turns."""
-    text, reasoning, calls = _parts(value, where, field)
-    if reasoning or calls:
-        raise SFTDataError(f"{where}: {field} holds a {'reasoning' if reasoning else 'tool_call'} part, which only an "
-                           f"assistant turn can have")
-    return text
-
-
 def _tool_calls(value: Any, where: str, field: str) -> list[dict]:
     """Tool calls as ``[{"type": "function", "function": {"name", "arguments": dict}}]`` (+ ``id``)."""
     calls = value if isinstance(value, list) else [value]
@@ -256,7 +247,10 @@ def to_conversation(row: dict, row_number: int | str, source: str,
                              "tool_calls": _tool_calls(call, where, f"{path}.{text_key}")})
             continue
         if role != "assistant":
-            content = _content(turn.get(text_key), where, f"{path}.{text_key}")
+            content, reasoning, calls = _parts(turn.get(text_key), where, f"{path}.{text_key}")
+            if reasoning or calls:
+                raise SFTDataError(f"{where}: {path}.{text_key} holds a {'reasoning' if reasoning else 'tool_call'} "
+                                   f"part, which only an assistant turn can have")
             message = {"role": role, "content": content}
             if role == "tool":
                 if not messages or not (messages[-1].get("tool_calls") or messages[-1]["role"] == "tool"):
