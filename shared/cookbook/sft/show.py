@@ -36,24 +36,21 @@ def _render_example(example: dict, tokenizer) -> str:
 
 def field_counts(stats: SFTStats) -> list[str]:
     """Lines of kept / truncated / dropped counts per field of one source's `SFTStats`."""
-    lines = [f"  rows            {stats.rows} read"
-             + (f", {stats.split_rows} split into one example per answer" if stats.split_rows else "")]
     why = "no labelled token left after the cut" if stats.truncate else \
         f"longer than max_length={stats.max_length}, dropped rather than cut"
     cut = f"{stats.truncated} truncated to max_length={stats.max_length}, " if stats.truncate else ""
-    lines.append(f"  examples        {stats.examples} kept, {cut}{stats.dropped} dropped"
-                 + (f" ({why}: {stats.longest_dropped(3)})" if stats.dropped else ""))
-    lines.append(f"  answers         {len(stats.empty_answers)} empty (row skipped), {len(stats.unanswered)} rows end in "
-                 f"a tool call with no answer (skipped), {len(stats.call_endings)} tool calls after the last answer "
-                 f"(not trained)")
-    lines.append(f"  tool calls      {stats.tool_calls_note()[len('tool calls: '):]}")
     done = {"train": "trained", "context": "in context (no loss)", "drop": "dropped"}[stats.reasoning]
-    lines.append(f"  reasoning       {stats.reasoning_turns} turns {done}, {stats.reasoning_unrendered} left out by the "
-                 f"chat template, {stats.reasoning_dropped} dropped (data.reasoning=drop)")
-    unused = ", ".join(f"{k}: {n}" for k, n in sorted(stats.ignored.items())) or "none"
-    lines.append(f"  keys not used   {unused}")
-    lines.append(f"  tokens          {stats.tokens:,}, {stats.loss_tokens:,} labelled ({stats.loss_fraction:.1%})")
-    return lines
+    return [f"  rows            {stats.rows} read"
+            + (f", {stats.split_rows} split into one example per answer" if stats.split_rows else ""),
+            f"  examples        {stats.examples} kept, {cut}{stats.dropped} dropped"
+            + (f" ({why}: {stats.longest_dropped(3)})" if stats.dropped else ""),
+            f"  answers         {len(stats.empty_answers)} empty (row skipped), {len(stats.unanswered)} rows end in a "
+            f"tool call with no answer (skipped), {len(stats.call_endings)} tool calls after the last answer (not trained)",
+            f"  tool calls      {stats.tool_calls_note()[len('tool calls: '):]}",
+            f"  reasoning       {stats.reasoning_turns} turns {done}, {stats.reasoning_unrendered} left out by the chat "
+            f"template, {stats.reasoning_dropped} dropped (data.reasoning=drop)",
+            f"  keys not used   {', '.join(f'{k}: {n}' for k, n in sorted(stats.ignored.items())) or 'none'}",
+            f"  tokens          {stats.tokens:,}, {stats.loss_tokens:,} labelled ({stats.loss_fraction:.1%})"]
 
 
 def show_examples(parts: Sequence[tuple[list[dict], SFTStats]], tokenizer, n: int) -> str:
@@ -89,8 +86,7 @@ def show_data(cfg, tokenizer, n: int) -> str:
     parts = [prepare(rows, tokenizer, cfg.max_length, source, kwargs, split_turns=cfg.split_turns,
                      truncate=getattr(cfg, "truncate", True), reasoning=getattr(cfg, "reasoning", "train"))
              for source, rows in sources]
-    notes = [refusal(st, cfg.max_dropped_fraction) for _, st in parts]
-    notes.append(held_out_note(cfg))
+    notes = [refusal(st, cfg.max_dropped_fraction) for _, st in parts] + [held_out_note(cfg)]
     return show_examples(parts, tokenizer, n) + "".join(f"\n{x}" for x in notes if x)
 
 
