@@ -5,8 +5,8 @@
 from cookbook.sft.rows import (IGNORE_INDEX, ROLES, EmptyAnswerError, RowList, SFTDataError,  # noqa: F401
                                load_hub_rows, load_rows, row_label, to_conversation, to_messages)
 from cookbook.sft.stats import SFTStats  # noqa: F401
-from cookbook.sft.template import (check_tools_rendered, check_vocab, reasoning_field,  # noqa: F401
-                                   template_conversation, tokenize_conversation)
+from cookbook.sft.template import (check_tools_rendered, check_vocab, template_conversation,  # noqa: F401
+                                   tokenize_conversation)
 from cookbook.sft.data import (collate, load_examples, pack, pad_batch, pad_token_id, prepare,  # noqa: F401
                                shard_for_eval, training_rows)
 from cookbook.sft.loss import (chunked_token_loss_sum, evaluate, linear_cross_entropy_sum,  # noqa: F401

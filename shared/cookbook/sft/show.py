@@ -10,7 +10,7 @@ from typing import Any, Sequence
 from cookbook.sft.rows import IGNORE_INDEX
 from cookbook.sft.stats import SFTStats
 
-OPEN, CLOSE = "[[", "]]"  # around the labelled tokens (those in the loss)
+_OPEN, _CLOSE = "[[", "]]"  # around the labelled tokens (those in the loss)
 
 
 def _decode(tokenizer, ids: list[int], repeat: int = 4) -> str:
@@ -30,7 +30,7 @@ def _render_example(example: dict, tokenizer) -> str:
     out = []
     for on, run in groupby(zip(example["input_ids"], example["labels"]), key=lambda t: t[1] != IGNORE_INDEX):
         text = _decode(tokenizer, [i for i, _ in run])
-        out.append(f"{OPEN}{text}{CLOSE}" if on else text)
+        out.append(f"{_OPEN}{text}{_CLOSE}" if on else text)
     return "".join(out)
 
 
@@ -55,7 +55,7 @@ def field_counts(stats: SFTStats) -> list[str]:
 
 def show_examples(parts: Sequence[tuple[list[dict], SFTStats]], tokenizer, n: int) -> str:
     """The text `--show-examples` prints: per ``(examples, stats)`` of `parts`, `n` examples and `field_counts`."""
-    out = [f"labelled tokens (in the loss) are between {OPEN} and {CLOSE}"]
+    out = [f"labelled tokens (in the loss) are between {_OPEN} and {_CLOSE}"]
     for examples, stats in parts:
         name = Path(stats.source).name or stats.source
         for k, ex in enumerate(examples[:n]):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Sequence
 
@@ -78,10 +78,8 @@ class SFTStats:
         """Totals over several sources; `summary` then reports each source."""
         total = cls(source=" + ".join(p.source for p in parts), max_length=max((p.max_length for p in parts), default=0),
                     truncate=all(p.truncate for p in parts), parts=list(parts))
-        for key in ("rows", "examples", "truncated", "dropped", "split_rows", "tool_call_rows", "tool_calls",
-                    "tool_calls_cut", "tokens", "loss_tokens", "reasoning_turns", "reasoning_unrendered",
-                    "reasoning_dropped"):
-            setattr(total, key, sum(getattr(p, key) for p in parts))
+        for key in (f.name for f in fields(cls) if f.type == "int" and f.name not in ("max_length", "_call_row")):
+            setattr(total, key, sum(getattr(p, key) for p in parts))  # the counts
         total.unanswered = [r for p in parts for r in p.unanswered]
         total.call_endings = [r for p in parts for r in p.call_endings]
         total.reasoning = parts[0].reasoning if parts else "train"
@@ -89,7 +87,7 @@ class SFTStats:
         total.ignored = dict(sum((Counter(p.ignored) for p in parts), Counter()))
         return total
 
-    def reasoning_note(self) -> str:
+    def _reasoning_note(self) -> str:
         """``"reasoning: 12 turns trained, 3 left out by the chat template (earlier turns)"``; ``""`` without any."""
         done = {"train": "trained", "context": "in context (no loss)", "drop": "dropped"}[self.reasoning]
         items = [f"{self.reasoning_turns} turns {done}"] if self.reasoning_turns else []
@@ -152,8 +150,8 @@ class SFTStats:
                      f"{self._rows_list(self.call_endings)})")
         if self.tool_calls or self.tool_calls_cut:
             text += f", {self.tool_calls_note()}"
-        if self.reasoning_note():
-            text += f", {self.reasoning_note()}"
+        if self._reasoning_note():
+            text += f", {self._reasoning_note()}"
         if self.ignored:
             text += ", keys not used: " + ", ".join(f"{k} ({n})" for k, n in sorted(self.ignored.items()))
         return text

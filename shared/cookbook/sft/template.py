@@ -54,7 +54,7 @@ def _template(tokenizer) -> str:
         return ""
 
 
-def reasoning_field(tokenizer) -> str | None:
+def _reasoning_field(tokenizer) -> str | None:
     """The message key the chat template reads reasoning from (``"reasoning_content"``, ``"thinking"``), or None."""
     return next((k for k in ("reasoning_content", "thinking") if k in _template(tokenizer)), None)
 
@@ -192,7 +192,7 @@ def template_conversation(row: dict, row_number: int | str, source: str, tokeniz
         messages, tools = to_conversation(row, row_number, source, ignored)
         if tokenizer is not None:
             messages = _inline_reasoning(tokenizer, messages)
-            messages = _place_reasoning(messages, reasoning, reasoning_field(tokenizer), chat_template_kwargs, stats,
+            messages = _place_reasoning(messages, reasoning, _reasoning_field(tokenizer), chat_template_kwargs, stats,
                                         dropped)
         elif reasoning == "drop":
             messages = _place_reasoning(messages, reasoning, None, None, stats, dropped)
