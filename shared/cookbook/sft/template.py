@@ -177,6 +177,7 @@ def check_vocab(tokenizer, vocab_size: int) -> None:
         raise SFTDataError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {vocab_size}: "
                            f"ids >= {vocab_size} have no embedding; use the model's own tokenizer")
 
+
 def template_conversation(row: dict, row_number: int | str, source: str, tokenizer, stats: SFTStats,
                           ignored: Counter | None = None, chat_template_kwargs: dict | None = None,
                           reasoning: str = "train", dropped: list[int] | None = None) -> tuple[list[dict], list | None]:
@@ -188,24 +189,26 @@ def template_conversation(row: dict, row_number: int | str, source: str, tokeniz
         used = (("messages", "tools") if "messages" in row else ("conversations", "system", "tools")
                 if "conversations" in row else ("instruction", "input", "output"))
         ignored.update(k for k in row if k not in used)
+    removed = [] if dropped is None else dropped
     try:
         messages, tools = to_conversation(row, row_number, source, ignored)
         if tokenizer is not None:
             messages = _inline_reasoning(tokenizer, messages)
-            messages = _place_reasoning(messages, reasoning, _reasoning_field(tokenizer), chat_template_kwargs, stats,
-                                        dropped)
+            messages = _place_reasoning(messages, reasoning, _reasoning_field(tokenizer), chat_template_kwargs, removed)
         elif reasoning == "drop":
-            messages = _place_reasoning(messages, reasoning, None, None, stats, dropped)
+            messages = _place_reasoning(messages, reasoning, None, None, removed)
     except EmptyAnswerError:
         raise
     except SFTDataError as exc:
         raise SFTDataError(str(exc) if str(exc).startswith(source) else f"{source} {row_label(row_number)}: {exc}") from None
+    stats.reasoning_dropped += len(removed) if dropped is None else 0
     return messages, tools
 
 
 def _place_reasoning(messages: list[dict], reasoning: str, target: str | None, kwargs: dict | None,
-                     stats: SFTStats, dropped: list[int] | None = None) -> list[dict]:
-    """Messages with each assistant turn's ``reasoning_content`` under the template's key `target` (or dropped).
+                     dropped: list[int]) -> list[dict]:
+    """Messages with each assistant turn's ``reasoning_content`` under the template's key `target` (or removed, its
+    index appended to `dropped`).
     Raises SFTDataError: reasoning, but the template reads no reasoning field or ``enable_thinking`` is false."""
     out = []
     for i, m in enumerate(messages):
@@ -215,10 +218,7 @@ def _place_reasoning(messages: list[dict], reasoning: str, target: str | None, k
         m = dict(m)
         thought = m.pop("reasoning_content")
         if reasoning == "drop":
-            if dropped is None:
-                stats.reasoning_dropped += 1
-            else:
-                dropped.append(i)
+            dropped.append(i)
         elif target is None:
             raise SFTDataError(f"messages[{i}] has reasoning, but the chat template has no place for it (it reads "
                                f"neither 'reasoning_content' nor 'thinking'): set data.reasoning=drop to train "
