@@ -1,6 +1,6 @@
 """cookbook.hub.model_folder: a local folder, or a hub id found in a Hugging Face cache laid out by hand,
-offline (no hub is reachable from the tests); the data files written once (write_lines, file_to_text,
-dataset_to_text: the last is run with a stand-in for datasets.load_dataset)."""
+offline (no hub is reachable from the tests); torchrec-dlrm's text files written once (text_files.py: write_lines,
+file_to_text, dataset_to_text: the last is run with a stand-in for datasets.load_dataset)."""
 
 import shutil
 from pathlib import Path
@@ -8,11 +8,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, recipe_modules
 
 from cookbook.config import ConfigError
-from cookbook.hub import dataset_to_text, file_to_text, model_folder, write_lines
+from cookbook.hub import model_folder
 from cookbook.tabular import DataError
+
+(text_files,) = recipe_modules("torchrec-dlrm", "text_files")
+dataset_to_text, file_to_text, write_lines = text_files.dataset_to_text, text_files.file_to_text, text_files.write_lines
 
 REVISION = "0123456789abcdef0123456789abcdef01234567"
 

@@ -811,6 +811,27 @@ def test_reasoning_is_rendered_through_the_template_and_trained_masked_or_droppe
                                       THINK_ROW["messages"][1]]}, 2, "t.jsonl")
 
 
+def test_reasoning_left_out_or_dropped_is_counted_as_training_keeps_it(tokenizer):
+    """Issue 34: a turn whose reasoning data.reasoning=drop removed (or the template left out) counts only when
+    training keeps it: not for an example dropped by data.max_length, nor for a turn past the cut."""
+    from cookbook.sft.show import field_counts
+
+    chat = {"messages": [{"role": "user", "content": "Two?"}, {"role": "assistant", "content": "Four."}]}
+    (ex,), _ = prepare([THINK_ROW], tokenizer, 4096, "t.jsonl", reasoning="drop")
+    first_label = spans(ex["labels"])[0][0]  # cut there, THINK_ROW keeps no labelled token: dropped
+    _, st = prepare([chat, THINK_ROW, chat], tokenizer, first_label, "t.jsonl", reasoning="drop",
+                    max_dropped_fraction=0.5)
+    assert (st.examples, st.dropped, st.reasoning_dropped) == (2, 1, 0)
+    assert "reasoning" not in st.summary() and "0 dropped (data.reasoning=drop)" in "\n".join(field_counts(st))
+    _, st = prepare([chat, THINK_ROW], tokenizer, 4096, "t.jsonl", reasoning="drop")
+    assert st.reasoning_dropped == 1 and "reasoning: 1 turns dropped (data.reasoning=drop)" in st.summary()
+    st = SFTStats(max_length=4)
+    st.add(1, [1, 2, 3, 4, 5, 6], [-100, 2, 3, -100, 5, 6], unrendered=[1, 4], dropped=[4])  # the second turn cut
+    assert (st.examples, st.truncated, st.reasoning_unrendered, st.reasoning_dropped) == (1, 1, 1, 0)
+    assert st.add(2, [1, 2, 3, 4, 5], [-100] * 4 + [5], unrendered=[4], dropped=[4]) is None
+    assert (st.reasoning_unrendered, st.reasoning_dropped) == (1, 0)
+
+
 def test_reasoning_a_template_cannot_render_is_refused_and_a_stray_think_tag_named(tokenizer):
     with pytest.raises(SFTDataError, match=r"^t\.jsonl row 1: messages\[1\] has reasoning, but the chat template has no "
                                            r"place for it .*set data\.reasoning=drop"):

@@ -57,7 +57,8 @@ from cookbook import config
 from cookbook.config import ConfigError, check_fields, load_config, to_dict
 from cookbook.hub import resolve_path
 from cookbook.loop import Run
-from cookbook import hub, tabular
+from cookbook import tabular
+import text_files as hub  # file_to_text, dataset_to_text: text_files.py beside this file
 from cookbook.tabular import DataError, check_int64, to_int
 
 logging.getLogger("torchrec").setLevel(logging.ERROR)  # TorchRec logs planner and caching notices at WARNING on every

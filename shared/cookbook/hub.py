@@ -1,23 +1,18 @@
-"""Model folders and data files from a local path or the Hugging Face Hub (``HF_HUB_CACHE``, ``HF_HUB_OFFLINE``,
-``HF_TOKEN`` apply). `resolve_path`: a config path, calling `prepare_access` (one reachability check, the download
-bars: docs/notes.md#the-hub-without-a-network-huggingface_hub-1x) once before a hub id's first use. `model_folder`,
-`dataset_to_text` and `file_to_text` (written once in a recipe's one-row-a-line format)."""
+"""Model folders from a local path or the Hugging Face Hub (``HF_HUB_CACHE``, ``HF_HUB_OFFLINE``, ``HF_TOKEN`` apply).
+`resolve_path` calls `prepare_access` (one reachability check, the download bars:
+docs/notes.md#the-hub-without-a-network-huggingface_hub-1x) before a hub id's first use; `model_folder`."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from cookbook import config
 from cookbook.errors import ConfigError
 from cookbook.progress import is_terminal
 from cookbook.push import PUSHED, HubPushError, looks_like_hub_id, push_to_hub  # noqa: F401 (their old home)
-from cookbook.tabular import DataError, first_csv_row, records
 
 _WEIGHT_FILES = ("*.json", "*.safetensors")  # config.json, the safetensors index and shards
 _REACH_TIMEOUT_S = 3.0  # how long `offline_unless_reachable` waits for the hub's answer
@@ -59,10 +54,8 @@ def offline_unless_reachable(timeout_s: float = _REACH_TIMEOUT_S) -> bool:
 
 
 def show_download_bars() -> bool:
-    """Turn huggingface_hub's download bars on, on local rank 0 when stderr is a terminal
-    (``HF_HUB_DISABLE_PROGRESS_BARS=1`` wins); returns whether they are on."""
+    """Turn huggingface_hub's download bars on (local rank 0, stderr a terminal); returns whether they are on."""
     from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
-
 
     if os.environ.get("LOCAL_RANK", "0") == "0" and is_terminal(sys.stderr) and \
             os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS") is None:
@@ -71,15 +64,13 @@ def show_download_bars() -> bool:
 
 
 def prepare_access() -> None:
-    """What comes before the first use of a hub id: `offline_unless_reachable`, then `show_download_bars` when
-    the hub answers."""
+    """Before a hub id's first use: `offline_unless_reachable`, then `show_download_bars` when the hub answers."""
     if not offline_unless_reachable():
         show_download_bars()
 
 
 def resolve_path(value: str, base_dir: str | Path) -> str:
-    """`cookbook.config.resolve_path` (relative to the config file's folder when it exists there); a value left as a
-    hub id calls `prepare_access` first."""
+    """`cookbook.config.resolve_path`; a value left as a hub id calls `prepare_access` first."""
     resolved = config.resolve_path(value, base_dir)
     if resolved == value and looks_like_hub_id(value):
         prepare_access()
@@ -87,9 +78,8 @@ def resolve_path(value: str, base_dir: str | Path) -> str:
 
 
 def _go_offline() -> None:
-    """Switch this process to the hub's offline mode, as ``HF_HUB_OFFLINE=1`` at its start would have: the
-    constant huggingface_hub read it into (which transformers consults at each call, and datasets at its import),
-    and datasets' copy if it is imported already. The environment is left as it is."""
+    """This process in the hub's offline mode, as ``HF_HUB_OFFLINE=1`` at its start would: huggingface_hub's constant
+    and datasets' copy if imported (the environment is left as it is)."""
     from huggingface_hub import constants
 
     constants.HF_HUB_OFFLINE = True
@@ -99,10 +89,9 @@ def _go_offline() -> None:
 
 
 def model_folder(name_or_path: str, key: str = "model.name_or_path") -> Path:
-    """The local folder holding ``config.json`` and the ``*.safetensors`` weights: `name_or_path` itself, or the
-    hub cache's snapshot of that id (only ``*.json`` and ``*.safetensors`` downloaded).
-    Raises ConfigError: one line naming `key`: a path-like value that is not a folder; not a valid hub id; a model the
-    hub lacks or gates; not in the cache while offline; a folder without ``*.safetensors``."""
+    """The local folder of ``config.json`` and ``*.safetensors``: `name_or_path`, or the hub cache's snapshot of it.
+    Raises ConfigError naming `key`: a path-like value not a folder; no valid, reachable, ungated hub id; not in the
+    cache while offline; no ``*.safetensors``."""
     path = Path(name_or_path).expanduser()
     if not path.is_dir():
         if path.is_absolute() or name_or_path.startswith(("./", "../", "~")) or path.exists():
@@ -141,84 +130,3 @@ def _download(repo_id: str, key: str) -> Path:
     except OSError as exc:  # e.g. an incomplete cached snapshot offline, a full disk
         raise ConfigError(f"{key}: cannot get {repo_id} into the Hugging Face cache {cache}: "
                           f"{str(exc).splitlines()[0]}") from None
-
-
-def write_lines(dst: str | Path, lines: Iterable[str], max_lines: int = 0) -> int:
-    """Write `lines` (each ending in a newline, consumed lazily; at most `max_lines`, 0: all) to `dst` through
-    ``<dst>.<pid>.tmp``, renamed into place at the end; returns the number written."""
-    dst = Path(dst)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(f"{dst.name}.{os.getpid()}.tmp")
-    n = 0
-    try:
-        with open(tmp, "w") as f:
-            for line in lines:
-                f.write(line)
-                n += 1
-                if n == max_lines:
-                    break
-        os.replace(tmp, dst)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return n
-
-
-def dataset_to_text(hub_id: str, split: str, dst: str | Path, to_line: Callable[[Mapping[str, Any], str], str],
-                    columns: Sequence[str] = (), max_rows: int = 0, version: int = 1,
-                    key: str = "data.hub_id") -> int | None:
-    """Write the rows of a hub data set split to `dst` once, streamed, each as ``to_line(row, where)``
-    (`where`: ``"<key>=<hub_id> row 7"``). A record ``<dst stem>.json`` (data set, split, `max_rows`, `version`,
-    rows) beside it: when it matches, nothing is read. Returns the rows written, or None when `dst` held them.
-    Raises DataError: the data set lacks some of `columns`, or `to_line` raised; `dst` is then left as it was."""
-    dst = Path(dst)
-    record = dst.with_suffix(".json")
-    wanted = {"hub_id": hub_id, "split": split, "max_rows": max_rows, "format": version}
-    if dst.is_file() and record.is_file():
-        written = json.loads(record.read_text())
-        if {k: written.get(k) for k in wanted} == wanted:
-            return None
-
-    prepare_access()
-    import datasets
-
-    def lines():
-        for n, row in enumerate(datasets.load_dataset(hub_id, split=split, streaming=True), 1):
-            missing = [c for c in columns if c not in row] if n == 1 else []
-            if missing:
-                raise DataError(f"{key}={hub_id}: the data set has no column(s) {', '.join(missing)} "
-                                f"(found {', '.join(sorted(row))})")
-            yield to_line(row, f"{key}={hub_id} row {n}")
-
-    n = write_lines(dst, lines(), max_rows)
-    record.write_text(json.dumps({**wanted, "rows": n}))
-    return n
-
-
-def file_to_text(path: str | Path, folder: str | Path,
-                 to_line: Callable[[Mapping[str, Any], str, Mapping[str, int] | None], str],
-                 columns: Sequence[str]) -> tuple[Path, int | None]:
-    """A local CSV, JSON, JSONL or parquet file written once as ``<folder>/<stem>-<sha256[:16]>.txt``, one line
-    a row by ``to_line(row, where, positions)``; reused while the source is unchanged. Rows: `cookbook.tabular.records`
-    (a CSV header names `columns`, or no header and exactly `columns`). Returns the file and the rows written (None:
-    it existed).
-    Raises ConfigError: `path` does not exist; DataError: a missing column or field, an extra field, or what `to_line`
-    raises; no text file is left."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"data file not found: {path}")
-    with open(p, "rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()
-    dst = Path(folder) / f"{p.stem}-{digest[:16]}.txt"
-    if dst.is_file():
-        return dst, None
-    kw: dict[str, Any] = {}
-    positions = None
-    if p.suffix.lower() == ".csv":
-        first = first_csv_row(p) or []
-        canonical = {c.lower(): c for c in columns}
-        header = [canonical.get(c.strip().lower(), c.strip()) for c in first]
-        headerless = not set(header) & set(columns)
-        kw = dict(csv_columns=list(columns) if headerless else header, csv_header=not headerless)
-        positions = {c: i for i, c in enumerate(kw["csv_columns"], 1)}
-    rows = records(p, required=columns, **kw)
-    return dst, write_lines(dst, (to_line(row, where, positions) for where, row in rows))

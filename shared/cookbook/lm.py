@@ -1,6 +1,5 @@
-"""Model-side helpers of the causal-LM recipes: real-token counts of a batch, a random initialisation of
-FSDP2-sharded models independent of the sharding, attention implementations that cannot train here, activation
-checkpointing of chosen modules."""
+"""Model-side helpers of the causal-LM recipes: real-token counts, a sharding-independent random init of FSDP2 models,
+attention implementations that cannot train here, activation checkpointing of chosen modules."""
 
 from __future__ import annotations
 
@@ -15,10 +14,9 @@ from cookbook.sft import IGNORE_INDEX
 
 
 def count_tokens(batch: dict[str, torch.Tensor], pad_id: int) -> torch.Tensor:
-    """Real (non-padding) tokens of a batch, a 0-d tensor on its device, found by structure, never by token id (the
-    pad token is often the end-of-turn token): the ``attention_mask`` sum (right-padded rows); for packed rows
-    (``position_ids``, `cookbook.sft.pack`) every document but a row's final padding document (all `pad_id`, no
-    label); otherwise every token."""
+    """Real (non-padding) tokens of a batch (0-d, on its device), by structure, never by token id: the
+    ``attention_mask`` sum; for packed rows (``position_ids``) all but a row's final padding document (all `pad_id`,
+    no label); otherwise every token."""
     ids = batch["input_ids"]
     if "attention_mask" in batch:
         return batch["attention_mask"].sum()
@@ -39,12 +37,9 @@ def _seed(seed: int, name: str) -> int:
 
 @torch.no_grad()
 def init_sharded_weights(model: torch.nn.Module, seed: int, device: torch.device) -> None:
-    """Randomly initialise a Hugging Face model whose parameters are DTensor shards so that the full weights are the
-    same for any number of ranks, sharding and placement (CPU random operators on DTensor shards do not give that).
-
-    Module by module, its own parameters are made whole on `device`, initialised by the model's ``_init_weights``
-    from a seed of `seed` and the module's Hugging Face name, and each rank copies out its shard. The values depend
-    on the device type, not the rank or world size; extra memory is one module's parameters."""
+    """Randomly initialise a Hugging Face model of DTensor shards so that the full weights are the same for any number
+    of ranks and placement: module by module, its parameters made whole on `device`, initialised by the model's
+    ``_init_weights`` from a seed of `seed` and the module's name, and each rank's shard copied out."""
     from transformers import PreTrainedModel
 
     for obj in [*model.modules(), *model.parameters(), *model.buffers()]:
@@ -99,8 +94,7 @@ def _checkpointed(forward, *args, **kwargs):
 
 
 def checkpoint_modules(modules) -> int:
-    """Recompute each module of `modules` in backward (non-reentrant activation checkpointing, early stop off) by
-    wrapping its ``forward`` in place; returns how many were wrapped."""
+    """Wrap each module's ``forward`` in activation checkpointing (`_checkpointed`), in place; returns how many."""
     modules = list(modules)
     for module in modules:
         module.forward = partial(_checkpointed, module.forward)

@@ -1,10 +1,7 @@
-"""Rows of tabular files (CSV, TSV, JSON / JSONL, parquet) with their place in the file::
-
-    for where, row in records("train.csv", required=["text", "label"]):
-        label = to_int(row["label"])             # "3", "3.0", 3 and 3.0 are all 3
-
-``where``: ``"<path> line <n>"`` (CSV, TSV, JSONL) or ``"<path> row <n>"`` (JSON array, parquet). A BOM, CRLF,
-quoted fields and blank lines are accepted; anything else is one `DataError` naming file, line or row and field."""
+"""Rows of tabular files (CSV, TSV, JSON / JSONL, parquet) with their place in the file: ``records(path, required)``
+yields ``(where, row)``, ``where`` ``"<path> line <n>"`` (CSV, TSV, JSONL) or ``"<path> row <n>"`` (JSON array,
+parquet). A BOM, CRLF, quoted fields and blank lines are accepted; anything else is one `DataError` naming file,
+line or row and field. `to_int`: ``"3"``, ``"3.0"``, 3 and 3.0 are all 3."""
 
 from __future__ import annotations
 
@@ -30,43 +27,28 @@ def _columns(names: Sequence[str]) -> str:
 
 def not_utf8(path: Path, exc: UnicodeDecodeError) -> DataError:
     """The error for a file that is not UTF-8, naming the first line that does not decode."""
-    with open(path, "rb") as f:
-        line = next((n for n, raw in enumerate(f, 1) if not _decodes(raw)), None)
+    with open(path, "rb") as f:  # "replace" and "ignore" differ only where bytes do not decode
+        line = next((n for n, b in enumerate(f, 1) if b.decode(errors="replace") != b.decode(errors="ignore")), None)
     return DataError(f"{path}{f' line {line}' if line else ''}: not UTF-8 text ({exc.reason}); save it as UTF-8")
-
-
-def _decodes(raw: bytes) -> bool:
-    try:
-        raw.decode("utf-8")
-        return True
-    except UnicodeDecodeError:
-        return False
 
 
 def _csv_lines(path: Path) -> Iterator[tuple[int, list[str]]]:
     """(line where the record starts, fields) of every non-blank CSV (``.tsv``: TSV) record."""
     try:
         with open(path, newline="", encoding="utf-8-sig") as f:
-            reader = csv.reader(f, delimiter="\t" if path.suffix.lower() == ".tsv" else ",")
-            end = 0
-            while True:
-                start = end + 1
-                try:
-                    fields = next(reader)
-                except StopIteration:
-                    return
-                except csv.Error as exc:
-                    raise DataError(f"{path} line {reader.line_num}: not valid CSV: {exc}") from None
-                end = reader.line_num
+            reader, end = csv.reader(f, delimiter="\t" if path.suffix.lower() == ".tsv" else ","), 0
+            for fields in reader:
+                start, end = end + 1, reader.line_num
                 if len(fields) > 1 or (fields and fields[0].strip()):  # a blank line is an empty record
                     yield start, fields
+    except csv.Error as exc:
+        raise DataError(f"{path} line {reader.line_num}: not valid CSV: {exc}") from None
     except UnicodeDecodeError as exc:
         raise not_utf8(path, exc) from None
 
 
 def first_csv_row(path: str | Path) -> list[str] | None:
-    """The fields of a CSV (``.tsv``: TSV) file's first non-blank record (header or data), or None; DataError for
-    a file that is not UTF-8 or not valid CSV."""
+    """The fields of a CSV / TSV file's first non-blank record, or None; DataError: not UTF-8 or not valid CSV."""
     return next((fields for _, fields in _csv_lines(Path(path))), None)
 
 
@@ -88,8 +70,7 @@ def _csv_records(p: Path, columns: Sequence[str], header: bool) -> Iterator[tupl
 
 
 def _json_records(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    """``(where, object)`` of a JSON array of objects or of JSONL (blank lines skipped); DataError: not valid JSON
-    (with the line), a row that is not an object, or text that is not UTF-8."""
+    """``(where, object)`` of a JSON array or of JSONL; DataError: not valid JSON, a row not an object, not UTF-8."""
     try:
         text = p.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as exc:
@@ -128,8 +109,7 @@ def _parquet(p: Path):
 
 
 def _parquet_records(p: Path, columns: Sequence[str] | None) -> Iterator[tuple[str, dict[str, Any]]]:
-    """``(where, {column: value})`` of a parquet file's rows (null: None), a record batch at a time, only
-    `columns` when given; DataError: not parquet, or some of `columns` missing."""
+    """``(where, {column: value})`` of a parquet file's rows (`columns` only); DataError: not parquet, no column."""
     pf = _parquet(p)
     names = pf.schema_arrow.names
     if columns is not None:
@@ -144,8 +124,7 @@ def _parquet_records(p: Path, columns: Sequence[str] | None) -> Iterator[tuple[s
 
 
 def column_names(path: str | Path) -> list[str] | None:
-    """The columns of a CSV / TSV (its first record; ``[]`` when empty) or parquet file; None for JSON and JSONL.
-    DataError: the file is missing, of another type, not UTF-8, not valid CSV or not parquet."""
+    """The columns of a CSV / TSV (its first record) or parquet file; None for JSON, JSONL. DataError: as `records`."""
     p, suffix = _existing(path)
     if suffix in _CSV:
         return [c.strip() for c in first_csv_row(p) or []]
@@ -163,11 +142,9 @@ def _existing(path: str | Path) -> tuple[Path, str]:
 
 def records(path: str | Path, required: Sequence[str] = (), csv_columns: Sequence[str] | None = None,
             csv_header: bool = True) -> Iterator[tuple[str, dict[str, Any]]]:
-    """The rows of a CSV, TSV, JSON, JSONL or parquet file (by suffix) as ``(where, {column: value})``;
-    `required` columns every row must have (parquet: the only ones read); `csv_columns` the CSV's columns (None:
-    its header's), `csv_header` whether it has a header to skip.
-    Raises DataError: the file is missing or of another type; a required column missing (``"<path>: no column(s) label
-    (found text, title)"``, ``"<path> line 3: missing field 'label'"``); or as the readers above."""
+    """The rows of a CSV, TSV, JSON, JSONL or parquet file (by suffix) as ``(where, {column: value})``; `required`
+    columns every row must have (parquet: the only ones read); `csv_columns` (None: the header's), `csv_header`.
+    Raises DataError: a missing file or other type; a required column missing; or as the readers above."""
     p, suffix = _existing(path)
     if suffix in _CSV:
         columns = csv_columns
@@ -189,9 +166,8 @@ def records(path: str | Path, required: Sequence[str] = (), csv_columns: Sequenc
 
 
 def to_int(value: Any) -> int | None:
-    """An integer written in any usual way (``3``, ``" 3 "``, ``3.0``, ``"3.0"``, ``"3e2"``: pandas writes an integer
-    column with a missing value as floats); None for None, ``""`` or NaN.
-    Raises ValueError: not a whole number (``"2.5"``, ``inf``, a bool), or outside the int64 range (`check_int64`)."""
+    """An integer written in any usual way (``3``, ``" 3 "``, ``3.0``, ``"3.0"``, ``"3e2"``); None: None, ``""``, NaN.
+    Raises ValueError: not a whole number (``"2.5"``, ``inf``, a bool), or outside the int64 range."""
     return check_int64(_to_int(value))
 
 

@@ -1,16 +1,12 @@
-"""Supervised fine-tuning of language models: the pieces every SFT recipe shares, importable from here.
-
-`rows` (chat / Alpaca / ShareGPT rows -> messages), `template` (token ids, loss on assistant tokens only through the
-chat template), `stats` (what was kept, cut, dropped), `data` (`prepare`, packing, padding, batches), `loss` (the
-summed next-token loss, `evaluate`), `attention` (the ``varlen`` back-end), `config` (the ``data`` section and what
-``--check`` verifies), `show` (``--show-examples N``). Row formats and labelling rules: docs/sft-data.md.
-"""
+"""Supervised fine-tuning of language models, the pieces SFT recipes share: `rows` (rows -> messages), `template`
+(token ids and assistant-only labels through the chat template), `stats`, `data` (`prepare`, packing, batches), `loss`,
+`attention` (``varlen``), `config` (the ``data`` section, ``--check``), `show` (``--show-examples``): docs/sft-data.md."""
 
 from cookbook.sft.rows import (IGNORE_INDEX, ROLES, EmptyAnswerError, RowList, SFTDataError,  # noqa: F401
                                load_hub_rows, load_rows, row_label, to_conversation, to_messages)
 from cookbook.sft.stats import SFTStats  # noqa: F401
-from cookbook.sft.template import (check_tools_rendered, check_vocab, reasoning_field,  # noqa: F401
-                                   template_conversation, tokenize_conversation)
+from cookbook.sft.template import (check_tools_rendered, check_vocab, template_conversation,  # noqa: F401
+                                   tokenize_conversation)
 from cookbook.sft.data import (collate, load_examples, pack, pad_batch, pad_token_id, prepare,  # noqa: F401
                                shard_for_eval, training_rows)
 from cookbook.sft.loss import (chunked_token_loss_sum, evaluate, linear_cross_entropy_sum,  # noqa: F401

@@ -1,6 +1,5 @@
-"""The ``varlen`` attention back-end for transformers: packed documents through PyTorch's variable-length
-FlashAttention kernel, no attention across documents, no T x T mask. `register_varlen` once before building the model,
-then ``attn_implementation="varlen"``; `cookbook.sft.collate` hands it the document boundaries."""
+"""The ``varlen`` attention back-end for transformers: packed documents through PyTorch's variable-length FlashAttention
+kernel, no T x T mask. `register_varlen` before building the model, then ``attn_implementation="varlen"``."""
 
 from __future__ import annotations
 
@@ -13,10 +12,9 @@ import torch
 def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                      cu_seq_lens_q: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """Causal attention with PyTorch's variable-length FlashAttention kernel (``varlen_attn``, CUDA, bf16/fp16): each
-    packed document attends only to itself. `query` (batch, heads, T, head_dim), `key` / `value` (batch, kv_heads, T,
-    head_dim); `cu_seq_lens_q` (documents + 1,) int32 offsets (None: each row one document); `attention_mask` ignored.
-    Returns ``(output, None)``, output (batch, T, heads, head_dim). Raises ValueError with attention dropout on."""
+    """Causal attention, each packed document to itself (``varlen_attn``, CUDA, bf16/fp16). `query` (batch, heads,
+    T, d), `key` / `value` (batch, kv_heads, T, d); `cu_seq_lens_q` (documents + 1,) int32 offsets (None: a row a document).
+    Returns ``(output, None)``, output (batch, T, heads, d). Raises ValueError with attention dropout on."""
     from torch.nn.attention.varlen import varlen_attn
 
     if dropout and module.training:
@@ -47,8 +45,7 @@ def _varlen_params() -> frozenset[str]:
 
 
 def register_varlen() -> None:
-    """Register `varlen_attention` with transformers as ``attn_implementation="varlen"`` (attention and
-    mask interfaces: the mask is None, the boundaries come from ``cu_seq_lens``). Idempotent."""
+    """Register `varlen_attention` as ``attn_implementation="varlen"`` (the mask interface gives None). Idempotent."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 

@@ -1,5 +1,4 @@
-"""The ``data`` section of the SFT recipes' configs, and what their ``--check`` verifies in one process before any
-worker starts: the section, the tokenizer against the model, enough data for one optimizer step."""
+"""The ``data`` section of the SFT recipes' configs, and what their ``--check`` verifies of it in one process."""
 
 from __future__ import annotations
 
@@ -37,10 +36,8 @@ REASONING = ("train", "context", "drop")
 
 
 def check_data_config(cfg: Any) -> None:
-    """Check a config's ``data`` section (a `DataConfig` or a subclass).
-    Raises ConfigError: ``data.max_length`` < 1, ``data.eval_fraction`` outside [0, 1), ``data.max_dropped_fraction``
-    outside [0, 1], ``data.reasoning`` not train / context / drop, or ``data.eval_files`` without ``data.train_files``.
-    """
+    """Check a config's ``data`` section. Raises ConfigError: ``data.max_length`` < 1, ``data.eval_fraction`` outside
+    [0, 1), ``data.max_dropped_fraction`` outside [0, 1], ``data.reasoning`` unknown, eval files without train files."""
     check_fields(cfg, at_least={"data.max_length": 1}, one_of={"data.reasoning": REASONING},
                  within={"data.eval_fraction": "[0, 1)", "data.max_dropped_fraction": "[0, 1]"},
                  notes={"data.eval_fraction": "0: no evaluation"})
@@ -49,9 +46,7 @@ def check_data_config(cfg: Any) -> None:
 
 
 def resolve_paths(cfg: Any, config_dir: str | Path) -> None:
-    """Resolve a language-model recipe's paths against its config file's folder, in place: ``model.name_or_path``,
-    ``model.tokenizer`` (default: the model's folder or hub id), ``data.train_files`` and ``data.eval_files``.
-    A value that is no existing path there (a hub id) is kept (`cookbook.hub.resolve_path`)."""
+    """The model, tokenizer and data paths resolved against the config file's folder, in place (hub ids kept)."""
     cfg.model.name_or_path = resolve_path(cfg.model.name_or_path, config_dir)
     cfg.model.tokenizer = resolve_path(cfg.model.tokenizer or cfg.model.name_or_path, config_dir)
     cfg.data.train_files = [resolve_path(f, config_dir) for f in cfg.data.train_files]
@@ -59,9 +54,7 @@ def resolve_paths(cfg: Any, config_dir: str | Path) -> None:
 
 
 def check_positions(max_length: int, hf_config, model: str, key: str = "data.max_length") -> None:
-    """Refuse `max_length` (tokens per row) beyond the model's ``max_position_embeddings`` (its text config's):
-    positions past it were never trained (and learned position embeddings have no row for them).
-    Raises ConfigError: "data.max_length=8192 is beyond the max_position_embeddings=512 of <model> ..."."""
+    """Raise ConfigError if `max_length` is beyond the model's ``max_position_embeddings`` (never trained positions)."""
     limit = getattr(hf_config.get_text_config(), "max_position_embeddings", None)
     if isinstance(limit, int) and max_length > limit:
         raise ConfigError(f"{key}={max_length} is beyond the max_position_embeddings={limit} of {model}: the model "
@@ -69,9 +62,8 @@ def check_positions(max_length: int, hf_config, model: str, key: str = "data.max
 
 
 def load_tokenizer(tokenizer: str, model: str, max_length: int | None = None):
-    """The tokenizer at `tokenizer`, checked against the vocab_size of the model's ``config.json`` at `model`
-    (folders or hub ids).
-    Raises ConfigError: a local path that does not exist or cannot be loaded; `max_length` beyond the model's positions;
+    """The tokenizer at `tokenizer`, checked against the model's ``config.json`` at `model` (folders or hub ids).
+    Raises ConfigError: a missing or unloadable local path; `max_length` beyond the model's positions;
     SFTDataError: more tokens than the model's embedding rows."""
     from transformers import AutoConfig, AutoTokenizer
 
@@ -92,18 +84,15 @@ def load_tokenizer(tokenizer: str, model: str, max_length: int | None = None):
 
 
 def check_one_step(n_rows: int, micro_batch_size: int, grad_accum_steps: int, world_size: int, note: str = "") -> None:
-    """Refuse a data set with fewer rows than one optimizer step takes (micro_batch_size x grad_accum_steps
-    x world_size rows: the train loaders drop the last incomplete batch).
-    Raises ConfigError: "<n_rows> training rows<note> are too few for one step of <m> x <g> x <w> rows"."""
+    """Raise ConfigError if `n_rows` is fewer than one optimizer step takes (the loaders drop the incomplete batch)."""
     if n_rows < micro_batch_size * grad_accum_steps * world_size:
         raise ConfigError(f"{n_rows} training rows{note} are too few for one step of {micro_batch_size} x "
                           f"{grad_accum_steps} x {world_size} rows")
 
 
 def check_data(cfg: Any, tokenizer, seed: int, micro_batch_size: int, grad_accum_steps: int, world_size: int) -> str:
-    """The data part of a ``--check``: local files read and tokenized, packed with ``cfg.packing``, enough for one
-    step; prints ``data: <statistics>`` and returns the "config OK" note (a hub data set is read by workers only).
-    Raises ConfigError, SFTDataError: too few rows; a bad file or row."""
+    """The data part of a ``--check``: local files read, tokenized (and packed), enough for one step; prints ``data:
+    <statistics>`` and returns the "config OK" note. Raises ConfigError, SFTDataError: too few rows; a bad row."""
     if not cfg.train_files:
         return f"data from {cfg.hub_id}"
     train, evals, stats = load_examples(cfg, tokenizer, seed)

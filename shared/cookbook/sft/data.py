@@ -1,11 +1,5 @@
-"""SFT data sets: rows -> labelled examples (`prepare`, `load_examples`), packed or padded rows, batches.
-
-    rows = load_rows("train.jsonl")                                   # JSON list or JSONL
-    examples, stats = prepare(rows, tokenizer, max_length=2048, source="train.jsonl", max_dropped_fraction=0.1)
-    packed = pack(examples, seq_len=2048, pad_id=pad_token_id(tokenizer))   # or pad_batch(...), collate(...)
-
-``labels`` is aligned with ``input_ids`` (the model shifts them); `IGNORE_INDEX` (-100) marks tokens without loss.
-"""
+"""SFT data sets: rows -> labelled examples (`prepare`, `load_examples`), packed or padded rows, batches. ``labels`` is
+aligned with ``input_ids`` (the model shifts them); `IGNORE_INDEX` (-100) marks tokens without loss."""
 
 from __future__ import annotations
 
@@ -22,23 +16,21 @@ from cookbook.sft.template import _encode, _require_chat_template, template_conv
 def prepare(rows: Sequence[dict], tokenizer, max_length: int, source: str,
             chat_template_kwargs: dict | None = None, *, max_dropped_fraction: float | None = None,
             split_turns: bool = False, truncate: bool = True, reasoning: str = "train") -> tuple[list[dict], SFTStats]:
-    """`to_conversation` + `tokenize_conversation` over a data set: ``(examples, stats)``, examples ``{"input_ids",
-    "labels"}`` in row order; examples left with no labelled token and rows with an empty answer are counted, not kept.
-    `max_dropped_fraction` (0-1, None: no limit): see `SFTStats.check_dropped`; `split_turns`: one example per
-    assistant turn (templates that rewrite earlier turns, Qwen3); `truncate` False drops over-long examples instead of
-    cutting them; `reasoning`: ``"train"``, ``"context"`` (no loss) or ``"drop"``.
-    Raises SFTDataError: no chat template; ``"<source> row <n>: ..."`` for a bad row (``line <n>``: `rows` a JSONL
-    `RowList`); too many examples dropped."""
+    """`template_conversation` + `tokenize_conversation` over a data set: ``(examples, stats)``, examples
+    ``{"input_ids", "labels"}`` in row order (those with no label, and rows with an empty answer, counted, not kept).
+    `max_dropped_fraction`: `SFTStats.check_dropped`; `split_turns`: one example per assistant turn; `truncate`
+    False drops over-long examples; `reasoning`: ``"train"``, ``"context"`` (no loss) or ``"drop"``.
+    Raises SFTDataError: no chat template; ``"<source> row <n>: ..."`` for a bad row; too many dropped."""
     if reasoning not in ("train", "context", "drop"):
         raise ValueError(f"reasoning must be train, context or drop, got {reasoning!r}")
     _require_chat_template(tokenizer)
-    stats, examples = SFTStats(source=source, max_length=max_length, truncate=truncate, rows=len(rows),
-                               reasoning=reasoning, lines=getattr(rows, "lines", None)), []
-    ignored = Counter()
+    stats, examples, ignored = SFTStats(source=source, max_length=max_length, truncate=truncate, rows=len(rows),
+                                        reasoning=reasoning, lines=getattr(rows, "lines", None)), [], Counter()
     for n, row in enumerate(rows, 1):
+        dropped: list[int] = []  # the turns whose reasoning data.reasoning=drop removed
         try:
             messages, tools = template_conversation(row, stats.label(n), source, tokenizer, stats, ignored,
-                                                    chat_template_kwargs, reasoning)
+                                                    chat_template_kwargs, reasoning, dropped)
         except EmptyAnswerError:  # e.g. a few rows of tatsu-lab/alpaca: nothing to learn from them
             stats.empty_answers.append(n)
             continue
@@ -47,13 +39,12 @@ def prepare(rows: Sequence[dict], tokenizer, max_length: int, source: str,
         for end in ends:
             try:
                 ids, labels, counts = _encode(tokenizer, messages[:end], chat_template_kwargs, tools,
-                                              last_turn_only=split_turns, reasoning=reasoning)
+                                              last_turn_only=split_turns, reasoning=reasoning, dropped=dropped)
             except SFTDataError as exc:
                 raise SFTDataError(f"{source} {stats.label(n)}: {exc}") from None
-            stats.reasoning_unrendered += counts["reasoning_unrendered"]
-            example = stats.add(n, ids, labels, counts["calls"], counts["reasoning"])
-            if example is not None:
-                examples.append(example)
+            example = stats.add(n, ids, labels, counts["calls"], counts["reasoning"], counts["unrendered"],
+                                counts["dropped"])
+            examples += [example] if example is not None else []
     stats.ignored = dict(ignored)
     if max_dropped_fraction is not None:
         stats.check_dropped(max_dropped_fraction)
@@ -61,23 +52,11 @@ def prepare(rows: Sequence[dict], tokenizer, max_length: int, source: str,
 
 
 def pack(examples: Sequence[dict], seq_len: int, pad_id: int) -> list[dict]:
-    """Pack examples into rows of exactly `seq_len` tokens (next-fit, in order; documents never split)::
-
-        input_ids     d0 d0 d0 d0 | d1 d1 d1 | pad pad
-        labels        -100 .. a a | -100 .. a | -100 -100
-        position_ids  0  1  2  3  | 0  1  2  | 0   1
-
-    Each document's first label must be `IGNORE_INDEX`. Pass no ``attention_mask`` and ``use_cache=False``
-    (docs/notes.md#packed-rows-and-transformers-attention-masks-transformers-524).
+    """Pack examples into rows of exactly `seq_len` tokens (next-fit, in order; documents never split), each document's
+    ``position_ids`` from 0 and the padding a last document without labels. Pass no ``attention_mask`` and
+    ``use_cache=False`` (docs/notes.md#packed-rows-and-transformers-attention-masks-transformers-524).
     Raises SFTDataError: an example is longer than `seq_len` or empty, or labels its first token."""
-    rows: list[dict] = []
-    row: dict[str, list[int]] = {"input_ids": [], "labels": [], "position_ids": []}
-
-    def flush() -> None:
-        pad = seq_len - len(row["input_ids"])
-        rows.append({"input_ids": row["input_ids"] + [pad_id] * pad, "labels": row["labels"] + [IGNORE_INDEX] * pad,
-                     "position_ids": row["position_ids"] + list(range(pad))})
-
+    groups: list[list[tuple[list, list]]] = [[]]
     for k, ex in enumerate(examples):
         ids, labels = list(ex["input_ids"]), list(ex["labels"])
         if not 0 < len(ids) <= seq_len or len(labels) != len(ids):
@@ -86,20 +65,20 @@ def pack(examples: Sequence[dict], seq_len: int, pad_id: int) -> list[dict]:
         if labels[0] != IGNORE_INDEX:
             raise SFTDataError(f"example {k}: its first token has a label, so in a packed row it would be trained "
                                f"as the continuation of the previous document")
-        if len(row["input_ids"]) + len(ids) > seq_len:
-            flush()
-            row = {"input_ids": [], "labels": [], "position_ids": []}
-        row["input_ids"] += ids
-        row["labels"] += labels
-        row["position_ids"] += list(range(len(ids)))
-    if row["input_ids"]:
-        flush()
+        if sum(len(i) for i, _ in groups[-1]) + len(ids) > seq_len:
+            groups.append([])
+        groups[-1].append((ids, labels))
+    rows = []
+    for group in filter(None, groups):
+        pad = seq_len - sum(len(i) for i, _ in group)
+        group.append(([pad_id] * pad, [IGNORE_INDEX] * pad))
+        rows.append({"input_ids": [t for i, _ in group for t in i], "labels": [t for _, lb in group for t in lb],
+                     "position_ids": [p for i, _ in group for p in range(len(i))]})
     return rows
 
 
 def pad_batch(examples: Sequence[dict], pad_id: int, pad_to_multiple_of: int = 1) -> dict[str, torch.Tensor]:
-    """Right-pad examples to one batch: ``input_ids``, ``attention_mask`` (1 real, 0 padding) and ``labels``
-    (`IGNORE_INDEX` on padding), int64 of shape (batch, L), L the longest rounded up to `pad_to_multiple_of`."""
+    """Right-pad to one batch (int64, width a multiple of `pad_to_multiple_of`) with an ``attention_mask``."""
     longest = max(len(ex["input_ids"]) for ex in examples)
     width = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
     out = {k: torch.full((len(examples), width), v, dtype=torch.long)
@@ -113,13 +92,11 @@ def pad_batch(examples: Sequence[dict], pad_id: int, pad_to_multiple_of: int = 1
 
 
 def load_examples(cfg: Any, tokenizer, seed: int) -> tuple[list[dict], list[dict], SFTStats]:
-    """Train and eval examples and the train `SFTStats` for a recipe's data section `cfg` (see `DataConfig`);
-    without eval files a ``eval_fraction`` of each train file, seeded by `seed`, is held out.
-    Raises SFTDataError: see `load_rows` and `prepare`."""
-    kwargs = dict(cfg.chat_template_kwargs) or None
+    """Train and eval examples and the train `SFTStats` for a data section `cfg` (`DataConfig`); without eval files a
+    seeded ``eval_fraction`` of each train file is held out. Raises SFTDataError: see `load_rows` and `prepare`."""
+    kwargs, eval_files = dict(cfg.chat_template_kwargs) or None, getattr(cfg, "eval_files", [])
     options = dict(max_dropped_fraction=cfg.max_dropped_fraction, split_turns=cfg.split_turns,
                    reasoning=getattr(cfg, "reasoning", "train"))
-    eval_files = getattr(cfg, "eval_files", [])
     sources = [(f, load_rows(f)) for f in cfg.train_files] or [(cfg.hub_id, load_hub_rows(cfg.hub_id))]
     train, evals, parts = [], [], []
     for source, rows in sources:
@@ -137,27 +114,20 @@ def load_examples(cfg: Any, tokenizer, seed: int) -> tuple[list[dict], list[dict
 
 def hold_out(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
     """``(train, held out)`` indices of `n` items, in order: a seeded `fraction` (at least one) held out."""
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-    n_eval = max(1, int(n * fraction))
+    order, n_eval = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist(), max(1, int(n * fraction))
     return sorted(order[n_eval:]), sorted(order[:n_eval])
 
 
 def shard_for_eval(rows: list[dict], rank: int, world_size: int) -> list[dict]:
-    """This rank's evaluation rows, padded with label-free copies so that every rank runs the same
-    number of forward passes: sharded models run collectives in every forward (FSDP all-gathers,
-    expert all-to-alls), so a rank that stopped early would leave the others waiting forever."""
+    """This rank's evaluation rows, padded with label-free copies so that every rank runs as many forward passes."""
     if not rows:
         return []
-    mine = rows[rank::world_size]
-    target = -(-len(rows) // world_size)
-    filler = {**rows[0], "labels": [IGNORE_INDEX] * len(rows[0]["labels"])}
-    return mine + [filler] * (target - len(mine))
+    mine, filler = rows[rank::world_size], {**rows[0], "labels": [IGNORE_INDEX] * len(rows[0]["labels"])}
+    return mine + [filler] * (-(-len(rows) // world_size) - len(mine))
 
 
 def pad_token_id(tokenizer) -> int:
-    """The tokenizer's pad token id, else its end-of-sequence id (safe: padding is never trained and real tokens
-    are counted by mask or position).
-    Raises ValueError: the tokenizer has neither."""
+    """The tokenizer's pad token id, else its end-of-sequence id. Raises ValueError: it has neither."""
     for pad_id in (tokenizer.pad_token_id, tokenizer.eos_token_id):
         if pad_id is not None:
             return pad_id
@@ -165,9 +135,7 @@ def pad_token_id(tokenizer) -> int:
 
 
 def training_rows(cfg: Any, tokenizer, seed: int) -> tuple[list[dict], list[dict], SFTStats]:
-    """Train and eval rows, and the train statistics (`SFTStats`): `load_examples`, then, when ``cfg.packing``,
-    each list packed into rows of ``cfg.max_length`` tokens (`pack`, padded with `pad_token_id`).
-    Raises SFTDataError: see `load_examples`."""
+    """`load_examples`, then with ``cfg.packing`` each list packed into rows of ``cfg.max_length`` tokens (`pack`)."""
     train, evals, stats = load_examples(cfg, tokenizer, seed)
     if cfg.packing:
         pad_id = pad_token_id(tokenizer)
@@ -176,11 +144,9 @@ def training_rows(cfg: Any, tokenizer, seed: int) -> tuple[list[dict], list[dict
 
 
 def collate(rows: Sequence[dict], pad_id: int, cu_seq_lens: bool = True) -> dict[str, torch.Tensor]:
-    """One batch of SFT rows for a DataLoader's ``collate_fn``: packed rows stacked as ``input_ids``, ``labels``,
-    ``position_ids`` (B, L) int64 without a mask (with `cu_seq_lens`, also the (documents + 1,) int32 offsets for
-    the ``varlen`` attention; leave it out for the Trainer); other rows right-padded to a multiple of 8 with an
-    ``attention_mask``.
-    Raises ValueError: `rows` is empty."""
+    """A DataLoader's ``collate_fn`` for SFT rows: packed rows stacked as ``input_ids``, ``labels``, ``position_ids``
+    (B, L) int64 (with `cu_seq_lens`, also the (documents + 1,) int32 offsets for ``varlen`` attention); other rows
+    right-padded to a multiple of 8 with an ``attention_mask``. Raises ValueError: `rows` is empty."""
     if not rows:
         raise ValueError("collate: no rows")
     if "position_ids" not in rows[0]:

@@ -1,7 +1,6 @@
-"""The SFT objective and its evaluation: next-token cross entropy summed over labelled (assistant) tokens.
-``full`` (`token_loss_sum`) upcasts the (B, L, V) logits to fp32 (12 bytes per logit in the backward: 14 GiB for
-8,192 tokens of Qwen3's 151,936); ``chunked`` (`linear_cross_entropy_sum`) computes logits, loss and gradients from
-the final hidden states a chunk of labelled tokens at a time."""
+"""The SFT objective and its evaluation: next-token cross entropy summed over labelled (assistant) tokens. ``full``
+upcasts the (B, L, V) logits to fp32 (14 GiB in the backward for 8,192 tokens of Qwen3's 151,936); ``chunked``
+(`linear_cross_entropy_sum`) computes logits, loss and gradients a chunk of labelled tokens at a time."""
 
 from __future__ import annotations
 
@@ -18,12 +17,11 @@ from cookbook.sft.rows import IGNORE_INDEX
 
 def _model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The model's keyword arguments for `batch` (all but the labels; ``cu_seq_lens`` as the varlen attention's)."""
-    inputs = {k: v for k, v in batch.items() if k not in ("labels", "cu_seq_lens")}
+    # use_cache=False: with a cache, transformers does not derive document boundaries from position_ids.
+    inputs = {k: v for k, v in batch.items() if k not in ("labels", "cu_seq_lens")} | {"use_cache": False}
     if "cu_seq_lens" in batch:  # read by the varlen attention only; L bounds any document's length
         t = batch["input_ids"].shape[1]
         inputs.update(cu_seq_lens_q=batch["cu_seq_lens"], cu_seq_lens_k=batch["cu_seq_lens"], max_length_q=t, max_length_k=t)
-    # use_cache=False: with a cache, transformers does not derive document boundaries from position_ids.
-    inputs["use_cache"] = False
     return inputs
 
 
@@ -34,13 +32,9 @@ def _shifted_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> t
 
 
 def token_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk_size: int = 0) -> torch.Tensor:
-    """Summed next-token cross entropy over the labelled tokens of one batch (0-d fp32 tensor, nats, with the
-    graph): the training loss before dividing by the global batch's labelled tokens.
-
-    `model`: a causal LM (or DDP, FSDP2, PEFT, DeepSpeed wrapper) returning ``logits`` (B, L, V); `batch`:
-    ``input_ids`` and ``labels`` (B, L) and the other inputs on its device (``cu_seq_lens`` goes to varlen attention).
-    `chunk_size` 0 (``train.loss=full``): the model's logits upcast to fp32; > 0 (``chunked``):
-    `chunked_token_loss_sum`, the same value up to rounding."""
+    """Summed next-token cross entropy over the labelled tokens of `batch` (0-d fp32, nats, with the graph) of a causal
+    LM (or its DDP, FSDP2, PEFT, DeepSpeed wrapper). `chunk_size` 0 (``train.loss=full``): the logits upcast to fp32;
+    > 0 (``chunked``): `chunked_token_loss_sum`, the same value up to rounding."""
     if chunk_size > 0:
         return chunked_token_loss_sum(model, batch, chunk_size)
     logits, labels = _shifted_logits(model, batch)
@@ -60,12 +54,9 @@ def _causal_lm(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def chunked_token_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk_size: int) -> torch.Tensor:
-    """`token_loss_sum` without the (B, L, V) logits: the forward runs with an empty ``logits_to_keep`` and
-    `linear_cross_entropy_sum` takes the decoder's hidden states of the labelled positions, `chunk_size` tokens at a
-    time, in a forward hook where FSDP2 still holds the head's gathered weight (the backward needs none). Tied
-    embeddings and Gemma 2's logit soft cap work. Returns a 0-d fp32 tensor (nats) with the graph.
-    Raises ValueError: no ``logits_to_keep``, decoder or bias-free head; a head weight sharded or empty in the forward.
-    """
+    """`token_loss_sum` without the (B, L, V) logits: an empty ``logits_to_keep``, and `linear_cross_entropy_sum` of the
+    labelled positions' hidden states in a forward hook, where FSDP2 still holds the head's gathered weight.
+    Raises ValueError: no ``logits_to_keep``, decoder or bias-free head; a head weight sharded or empty there."""
     lm = _causal_lm(model)
     decoder, head = lm.get_decoder(), lm.get_output_embeddings()
     if decoder is None or head is None or getattr(head, "bias", None) is not None \
@@ -84,8 +75,7 @@ def chunked_token_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor
     hooks = [decoder.register_forward_hook(lambda _module, _args, out: hidden.append(out[0])),
              lm.register_forward_hook(loss_in_forward, prepend=True)]
     try:
-        ids = batch["input_ids"]
-        out = model(**_model_inputs(batch), logits_to_keep=torch.empty(0, dtype=torch.long, device=ids.device))
+        out = model(**_model_inputs(batch), logits_to_keep=torch.empty(0, dtype=torch.long, device=labels.device))
     finally:
         for hook in hooks:
             hook.remove()
@@ -94,9 +84,8 @@ def chunked_token_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor
 
 def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, softcap: float | None,
                 grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Summed cross entropy of one chunk (0-d fp32) and, with `grad`, its gradient w.r.t. the chunk's logits
-    (c, V) in the compute dtype: softmax(z) - onehot(label), 0 on ignored rows, times 1 - tanh²(z / cap) with a
-    soft cap. One (c, V) fp32 tensor is reused in place for logits, softmax and gradient."""
+    """Summed cross entropy of one chunk (0-d fp32) and, with `grad`, its gradient w.r.t. the (c, V) logits:
+    softmax(z) - onehot(label), 0 on ignored rows (times 1 - tanh²(z / cap) with a soft cap)."""
     z = (hidden @ weight.t()).float()  # compute-dtype logits, upcast as the full loss does
     tanh = None
     if softcap:
@@ -118,11 +107,10 @@ def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
 
 def _chunked(hidden, weight, labels, chunk_size, softcap, grad_h=None, grad_w=None) -> torch.Tensor:
     """The summed loss over chunks of `chunk_size` rows, writing the gradients into `grad_h` / `grad_w` if given."""
-    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    total, grad = torch.zeros((), dtype=torch.float32, device=hidden.device), grad_h is not None or grad_w is not None
     for start in range(0, hidden.shape[0], chunk_size):
         h = hidden[start:start + chunk_size]
-        loss, g = _chunk_loss(h, weight, labels[start:start + chunk_size], softcap,
-                              grad=grad_h is not None or grad_w is not None)
+        loss, g = _chunk_loss(h, weight, labels[start:start + chunk_size], softcap, grad)
         total += loss
         if grad_h is not None:
             torch.mm(g, weight, out=grad_h[start:start + chunk_size])
@@ -132,10 +120,7 @@ def _chunked(hidden, weight, labels, chunk_size, softcap, grad_h=None, grad_w=No
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """Loss and gradients in one pass, chunk by chunk (the scheme of Liger Kernel's fused linear cross
-    entropy, Hsu et al. 2024, arXiv:2410.10989, in plain PyTorch): the forward keeps only the gradients
-    w.r.t. the hidden states (N, H) and the weight (V, H); the backward scales them by the incoming gradient.
-    The logits are never recomputed."""
+    """Loss and gradients in one pass, chunk by chunk (Liger Kernel's fused linear cross entropy, arXiv:2410.10989)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, chunk_size, softcap):
@@ -161,13 +146,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 4096,
                              *, softcap: float | None = None) -> torch.Tensor:
-    """``cross_entropy((hidden @ weight.T).float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")``
-    without the (N, V) logits: `chunk_size` rows at a time, fp32 log-softmax as the full path does.
-
-    `hidden` (N, H) final hidden states; `weight` (V, H) the head (a plain tensor); `labels` (N,) int64 in [0, V) or
-    `IGNORE_INDEX`; `softcap`: Gemma 2's ``cap * tanh(logits / cap)``. Memory: about 8 x chunk_size x V bytes plus the
-    gradients of `hidden` and `weight` (computed in the forward when grad mode is on), instead of 12 x N x V; no
-    matmul repeated. Returns a 0-d fp32 tensor (nats), differentiable w.r.t. `hidden` and `weight`.
+    """``cross_entropy((hidden @ weight.T).float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")`` without the
+    (N, V) logits, `chunk_size` rows at a time. `hidden` (N, H); `weight` (V, H) a plain tensor; `labels` (N,);
+    `softcap`: Gemma 2's ``cap * tanh(logits / cap)``. Memory: about 8 x chunk_size x V bytes instead of 12 x N x V.
     Raises ValueError: shapes that do not match, ``chunk_size < 1``, a weight that is a DTensor shard or empty."""
     from torch.distributed.tensor import DTensor
 
@@ -187,8 +168,7 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels:
 
 
 def token_loss_sums(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`token_loss_sum` with an evaluation's counts: ``loss_sum`` (nats), ``tokens`` (labelled) and ``correct``
-    (labelled tokens that are the logits' argmax), 0-d tensors."""
+    """`token_loss_sum` with an evaluation's counts: ``loss_sum``, ``tokens`` (labelled), ``correct`` (argmax), 0-d."""
     logits, labels = _shifted_logits(model, batch)
     mask = labels != IGNORE_INDEX
     loss_sum = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
@@ -201,13 +181,9 @@ def evaluate(model: torch.nn.Module, batches: Iterable[dict[str, torch.Tensor]],
              context: Callable[[], ContextManager] = contextlib.nullcontext,
              on_batch: Callable[[dict[str, torch.Tensor]], None] | None = None,
              accuracy: bool = False) -> dict[str, float]:
-    """Mean loss per labelled token over every rank's `batches` (one all-reduce of sums and counts): ``loss`` (nats;
-    0 without labelled tokens), ``tokens`` and, with `accuracy`, ``mean_token_accuracy``; Python floats, the same on
-    every rank.
-
-    Sharded models (FSDP2, ZeRO-3) gather in each forward, so every rank needs as many batches (`shard_for_eval`); a
-    DDP model runs through its inner module. The model is put in eval mode and back. `context` wraps each forward
-    (an autocast); `on_batch` is called after each."""
+    """Mean loss per labelled token over every rank's `batches` (one all-reduce): ``loss`` (nats), ``tokens`` and, with
+    `accuracy`, ``mean_token_accuracy``; floats, the same on every rank. Every rank needs as many batches
+    (`shard_for_eval`); `context` wraps each forward (an autocast), `on_batch` is called after each."""
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         model = model.module
     was_training = model.training

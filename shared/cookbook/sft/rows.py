@@ -1,6 +1,5 @@
-"""SFT rows -> chat messages: the row formats (chat, Alpaca, ShareGPT; `to_conversation`), reading data files
-(`load_rows`, `load_hub_rows`) and the errors that name the file, the row and the field: a JSONL row by its line
-(an editor's), others by their 1-based number (`RowList`). The formats: docs/sft-data.md."""
+"""SFT rows -> chat messages: the row formats (chat, Alpaca, ShareGPT: docs/sft-data.md), data files, and errors naming
+file, row and field (a JSONL row by its editor's line, others by their 1-based number: `RowList`)."""
 
 from __future__ import annotations
 
@@ -24,14 +23,12 @@ class SFTDataError(ValueError):
 
 # ----------------------------------------------------------------------------- rows -> messages
 def row_label(n: int | str, lines: Sequence[int] | None = None) -> str:
-    """1-based row `n` as errors name it: ``"line 19"`` when `lines` (each row's line in a JSONL file) are known,
-    else ``"row 3"``; a label (str) is returned as it is."""
+    """1-based row `n` as errors name it: ``"line 19"`` with `lines` (a JSONL file's), else ``"row 3"``; a str as is."""
     return n if isinstance(n, str) else f"line {lines[n - 1]}" if lines else f"row {n}"
 
 
 class RowList(list):
-    """Rows of a data source with where each is: `lines` (each row's line in a JSONL file; None for a JSON array
-    or a hub data set); `label(n)` names 1-based row `n` (`row_label`)."""
+    """Rows with `lines` (each row's line in a JSONL file, else None); `label(n)` names row `n` (`row_label`)."""
 
     def __init__(self, rows: Iterable[dict] = (), lines: Sequence[int] | None = None):
         super().__init__(rows)
@@ -42,11 +39,9 @@ class RowList(list):
 
 
 def load_rows(path: str | Path) -> RowList:
-    """Read a data file: a JSON array of objects, JSONL, or one row object (UTF-8, a byte-order mark and CRLF
-    ignored), as a `RowList` (a JSONL row's errors name its line). JSONL lines split at ``\\n`` only (JSON allows
-    U+2028 inside strings), so line numbers are an editor's.
-    Raises SFTDataError: the file is missing, not UTF-8, not valid JSON (with the JSONL line), empty, or holds a row
-    that is not an object."""
+    """A JSON array of objects, JSONL, or one row object (UTF-8; a byte-order mark and CRLF ignored) as a `RowList`.
+    JSONL splits at ``\\n`` only (JSON allows U+2028 in strings), so line numbers are an editor's.
+    Raises SFTDataError: missing, not UTF-8, not valid JSON (with the JSONL line), empty, or a row not an object."""
     p = Path(path)
     if p.is_dir():
         raise SFTDataError(f"{p} is a folder: give the data files in it (JSON or JSONL) one by one")
@@ -92,9 +87,7 @@ def load_rows(path: str | Path) -> RowList:
 
 
 def load_hub_rows(name: str, split: str = "train") -> RowList:
-    """Rows of a Hugging Face data set (a hub id, or a local folder of JSON / JSONL / CSV / Parquet
-    files) through `datasets.load_dataset`, as plain dicts. `datasets` drops a UTF-8 byte-order
-    mark itself (its JSON and CSV readers; checked in datasets 5.2)."""
+    """Rows of a Hugging Face data set (a hub id, or a folder of JSON / CSV / Parquet files), as plain dicts."""
     import datasets
 
     return RowList(dict(r) for r in datasets.load_dataset(name, split=split))
@@ -128,8 +121,7 @@ def _part_text(part: dict, kind: str, where: str, path: str, keys: tuple[str, ..
 
 
 def _parts(value: Any, where: str, field: str) -> tuple[str, list[str], list]:
-    """A message's content (a string or typed parts) as ``(text, reasoning, calls)``: text parts joined with
-    ``"\\n"`` (as vLLM's OpenAI server does), reasoning parts, tool-call parts; any other part (an image) is refused."""
+    """A content (a string or typed parts) as ``(text, reasoning parts, tool-call parts)``; other parts are refused."""
     if not isinstance(value, list):
         return _text(value, where, field), [], []
     texts, reasoning, calls = [], [], []
@@ -158,18 +150,8 @@ def _parts(value: Any, where: str, field: str) -> tuple[str, list[str], list]:
     return "\n".join(texts), reasoning, calls
 
 
-def _content(value: Any, where: str, field: str) -> str:
-    """The text of `_parts` (reasoning and tool-call parts refused): system, user and tool turns."""
-    text, reasoning, calls = _parts(value, where, field)
-    if reasoning or calls:
-        raise SFTDataError(f"{where}: {field} holds a {'reasoning' if reasoning else 'tool_call'} part, which only an "
-                           f"assistant turn can have")
-    return text
-
-
 def _tool_calls(value: Any, where: str, field: str) -> list[dict]:
-    """Tool calls normalised to ``[{"type": "function", "function": {"name", "arguments": dict}}]`` (+ ``id``); a
-    JSON-string ``arguments`` is parsed, as templates apply ``tojson`` to a mapping (Qwen2.5, Llama 3.1)."""
+    """Tool calls as ``[{"type": "function", "function": {"name", "arguments": dict}}]`` (+ ``id``)."""
     calls = value if isinstance(value, list) else [value]
     if not calls:
         raise SFTDataError(f"{where}: field '{field}' is an empty list")
@@ -196,8 +178,7 @@ def _tool_calls(value: Any, where: str, field: str) -> list[dict]:
 
 
 def _tools(value: Any, where: str) -> list[dict] | None:
-    """A row's ``tools``: a list (or a JSON string of a list, as LLaMA-Factory stores it) of JSON-schema
-    function definitions, normalised to ``{"type": "function", "function": {...}}``; None if empty."""
+    """A row's ``tools`` (a list, or its JSON text) as ``{"type": "function", "function": {...}}`` items, or None."""
     if value is None or (isinstance(value, str) and not value.strip()):
         return None
     if isinstance(value, str):
@@ -219,12 +200,11 @@ def _tools(value: Any, where: str) -> list[dict] | None:
 
 def to_conversation(row: dict, row_number: int | str, source: str,
                     ignored: Counter | None = None) -> tuple[list[dict], list[dict] | None]:
-    """One data row (chat, Alpaca or ShareGPT: docs/sft-data.md#row-formats) as ``(messages, tools)``: messages
-    ``{"role", "content": str}`` (+ ``tool_calls``, ``name``, ``tool_call_id``, ``reasoning_content``), tools as
-    ``{"type": "function", ...}`` or None. `row_number` (1-based, or a label such as ``"line 19"``: `RowList.label`)
-    and `source` name the row; `ignored` counts unused keys.
-    Raises SFTDataError: ``"<source> row <n>: ..."`` (or ``line <n>``) for an unknown format, role or part, a bad field,
-    tool call or tool result, no assistant turn; `EmptyAnswerError` for an empty answer."""
+    """One row (chat, Alpaca or ShareGPT) as ``(messages, tools)``: messages ``{"role", "content": str}`` (+
+    ``tool_calls``, ``name``, ``tool_call_id``, ``reasoning_content``), tools ``{"type": "function", ...}`` or None;
+    `row_number` (1-based, or a label: `RowList.label`) and `source` name the row; `ignored` counts unused keys.
+    Raises SFTDataError: ``"<source> row <n>: ..."`` for an unknown format, role or part, a bad field, tool call or
+    result, no assistant turn; `EmptyAnswerError` for an empty answer."""
     where = f"{source} {row_label(row_number)}"
     if "messages" in row:
         turns, role_key, text_key, field, role_map = row["messages"], "role", "content", "messages", None
@@ -267,7 +247,10 @@ def to_conversation(row: dict, row_number: int | str, source: str,
                              "tool_calls": _tool_calls(call, where, f"{path}.{text_key}")})
             continue
         if role != "assistant":
-            content = _content(turn.get(text_key), where, f"{path}.{text_key}")
+            content, reasoning, calls = _parts(turn.get(text_key), where, f"{path}.{text_key}")
+            if reasoning or calls:
+                raise SFTDataError(f"{where}: {path}.{text_key} holds a {'reasoning' if reasoning else 'tool_call'} "
+                                   f"part, which only an assistant turn can have")
             message = {"role": role, "content": content}
             if role == "tool":
                 if not messages or not (messages[-1].get("tool_calls") or messages[-1]["role"] == "tool"):

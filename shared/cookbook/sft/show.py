@@ -1,81 +1,61 @@
-"""``train.py --show-examples N``: the first N training examples as the model sees them, labelled spans marked,
-and what the data pipeline kept, cut and dropped, per field. One process, before any worker starts."""
+"""``train.py --show-examples N``: the first N training examples as the model sees them, labelled spans marked, and
+what the data pipeline kept, cut and dropped, per field."""
 
 from __future__ import annotations
 
+from itertools import groupby
 from pathlib import Path
 from typing import Any, Sequence
 
 from cookbook.sft.rows import IGNORE_INDEX
 from cookbook.sft.stats import SFTStats
 
-OPEN, CLOSE = "[[", "]]"  # around the labelled tokens (those in the loss)
+_OPEN, _CLOSE = "[[", "]]"  # around the labelled tokens (those in the loss)
 
 
 def _decode(tokenizer, ids: list[int], repeat: int = 4) -> str:
-    """`ids` decoded, a run of one token `repeat` times or more (image placeholders) written ``<tok> x N``."""
-    out, k = [], 0
-    while k < len(ids):
-        j = k
-        while j < len(ids) and ids[j] == ids[k]:
-            j += 1
-        if j - k >= repeat and tokenizer.decode(ids[k:k + 1]).startswith("<"):
-            out.append(f"{tokenizer.decode(ids[k:k + 1])} x {j - k}")
-            k = j
-            continue
-        while j < len(ids) and not (j + repeat <= len(ids) and len(set(ids[j:j + repeat])) == 1):
-            j += 1
-        out.append(tokenizer.decode(ids[k:j]))
-        k = j
-    return "".join(out)
+    """`ids` decoded, a run of one special token `repeat` times or more (image placeholders) written ``<tok> x N``."""
+    out, plain = [], []
+    for tok, run in groupby(ids):
+        n = len(list(run))
+        if n >= repeat and tokenizer.decode([tok]).startswith("<"):
+            out, plain = [*out, tokenizer.decode(plain), f"{tokenizer.decode([tok])} x {n}"], []
+        else:
+            plain += [tok] * n
+    return "".join(out) + tokenizer.decode(plain)
 
 
 def _render_example(example: dict, tokenizer) -> str:
-    """The decoded ``input_ids`` of one example, each run of labelled tokens between ``[[`` and ``]]`` (a run of
-    4 or more of one special token, such as image placeholders, written ``<tok> x N``)."""
-    ids, labels = example["input_ids"], example["labels"]
-    out, k = [], 0
-    while k < len(ids):
-        on = labels[k] != IGNORE_INDEX
-        j = k
-        while j < len(ids) and (labels[j] != IGNORE_INDEX) == on:
-            j += 1
-        text = _decode(tokenizer, ids[k:j])
-        out.append(f"{OPEN}{text}{CLOSE}" if on else text)
-        k = j
+    """The decoded ``input_ids`` of one example, each run of labelled tokens between ``[[`` and ``]]``."""
+    out = []
+    for on, run in groupby(zip(example["input_ids"], example["labels"]), key=lambda t: t[1] != IGNORE_INDEX):
+        text = _decode(tokenizer, [i for i, _ in run])
+        out.append(f"{_OPEN}{text}{_CLOSE}" if on else text)
     return "".join(out)
 
 
 def field_counts(stats: SFTStats) -> list[str]:
     """Lines of kept / truncated / dropped counts per field of one source's `SFTStats`."""
-    lines = [f"  rows            {stats.rows} read"
-             + (f", {stats.split_rows} split into one example per answer" if stats.split_rows else "")]
     why = "no labelled token left after the cut" if stats.truncate else \
         f"longer than max_length={stats.max_length}, dropped rather than cut"
     cut = f"{stats.truncated} truncated to max_length={stats.max_length}, " if stats.truncate else ""
-    lines.append(f"  examples        {stats.examples} kept, {cut}{stats.dropped} dropped"
-                 + (f" ({why}: {stats.longest_dropped(3)})" if stats.dropped else ""))
-    lines.append(f"  answers         {len(stats.empty_answers)} empty (row skipped), {len(stats.unanswered)} rows end in "
-                 f"a tool call with no answer (skipped), {len(stats.call_endings)} tool calls after the last answer "
-                 f"(not trained)")
-    lines.append(f"  tool calls      {stats.tool_calls_note()[len('tool calls: '):]}")
     done = {"train": "trained", "context": "in context (no loss)", "drop": "dropped"}[stats.reasoning]
-    lines.append(f"  reasoning       {stats.reasoning_turns} turns {done}, {stats.reasoning_unrendered} left out by the "
-                 f"chat template, {stats.reasoning_dropped} dropped (data.reasoning=drop)")
-    unused = ", ".join(f"{k}: {n}" for k, n in sorted(stats.ignored.items())) or "none"
-    lines.append(f"  keys not used   {unused}")
-    lines.append(f"  tokens          {stats.tokens:,}, {stats.loss_tokens:,} labelled ({stats.loss_fraction:.1%})")
-    return lines
+    return [f"  rows            {stats.rows} read"
+            + (f", {stats.split_rows} split into one example per answer" if stats.split_rows else ""),
+            f"  examples        {stats.examples} kept, {cut}{stats.dropped} dropped"
+            + (f" ({why}: {stats.longest_dropped(3)})" if stats.dropped else ""),
+            f"  answers         {len(stats.empty_answers)} empty (row skipped), {len(stats.unanswered)} rows end in a "
+            f"tool call with no answer (skipped), {len(stats.call_endings)} tool calls after the last answer (not trained)",
+            f"  tool calls      {stats.tool_calls_note()[len('tool calls: '):]}",
+            f"  reasoning       {stats.reasoning_turns} turns {done}, {stats.reasoning_unrendered} left out by the chat "
+            f"template, {stats.reasoning_dropped} dropped (data.reasoning=drop)",
+            f"  keys not used   {', '.join(f'{k}: {n}' for k, n in sorted(stats.ignored.items())) or 'none'}",
+            f"  tokens          {stats.tokens:,}, {stats.loss_tokens:,} labelled ({stats.loss_fraction:.1%})"]
 
 
 def show_examples(parts: Sequence[tuple[list[dict], SFTStats]], tokenizer, n: int) -> str:
-    """The text `--show-examples` prints: per source, its first `n` examples (`_render_example`, with the row each
-    came from: its line in a JSONL file) and its counts per field (`field_counts`).
-
-    Args:
-        parts: ``(examples, stats)`` per source, examples in row order (``stats.example_rows`` gives their rows).
-        n: examples shown per source (0: counts only)."""
-    out = [f"labelled tokens (in the loss) are between {OPEN} and {CLOSE}"]
+    """The text `--show-examples` prints: per ``(examples, stats)`` of `parts`, `n` examples and `field_counts`."""
+    out = [f"labelled tokens (in the loss) are between {_OPEN} and {_CLOSE}"]
     for examples, stats in parts:
         name = Path(stats.source).name or stats.source
         for k, ex in enumerate(examples[:n]):
@@ -97,10 +77,8 @@ def refusal(stats: SFTStats, max_dropped_fraction: float) -> str:
 
 
 def show_data(cfg, tokenizer, n: int) -> str:
-    """`show_examples` for a recipe's ``data`` section (`cookbook.sft.DataConfig`): each train file (or the hub
-    data set) tokenized as `cookbook.sft.load_examples` does, before the held-out split (said in a last line) and
-    packing; a source that training would refuse (too many rows dropped) is shown with the refusal instead of stopping.
-    """
+    """`show_examples` for a recipe's ``data`` section, each source tokenized as `load_examples` does, before the
+    held-out split (said in a last line) and packing; a source training would refuse is shown with the refusal."""
     from cookbook.sft.data import load_hub_rows, load_rows, prepare
 
     kwargs = dict(cfg.chat_template_kwargs) or None
@@ -108,14 +86,12 @@ def show_data(cfg, tokenizer, n: int) -> str:
     parts = [prepare(rows, tokenizer, cfg.max_length, source, kwargs, split_turns=cfg.split_turns,
                      truncate=getattr(cfg, "truncate", True), reasoning=getattr(cfg, "reasoning", "train"))
              for source, rows in sources]
-    notes = [refusal(st, cfg.max_dropped_fraction) for _, st in parts]
-    notes.append(held_out_note(cfg))
+    notes = [refusal(st, cfg.max_dropped_fraction) for _, st in parts] + [held_out_note(cfg)]
     return show_examples(parts, tokenizer, n) + "".join(f"\n{x}" for x in notes if x)
 
 
 def held_out_note(cfg: Any) -> str | None:
-    """The last line of a ``--show-examples`` whose rows come before a seeded ``data.eval_fraction`` split, or
-    ``None`` (no split, or ``data.eval_files`` given)."""
+    """The last line of a ``--show-examples`` before a seeded ``data.eval_fraction`` split, or ``None``."""
     if getattr(cfg, "eval_fraction", 0) > 0 and not getattr(cfg, "eval_files", []):
         return (f"data.eval_fraction={cfg.eval_fraction:g}: a seeded share of each file's examples is held out for "
                 f"evaluation; the examples above are before that split")

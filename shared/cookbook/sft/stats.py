@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Sequence
 
@@ -12,9 +12,8 @@ from cookbook.sft.rows import IGNORE_INDEX, SFTDataError, row_label
 
 @dataclass
 class SFTStats:
-    """What `prepare` did to a data set (one source, or several merged with `merge`). An example is
-    a row, or with ``split_turns`` one assistant turn of a row. Token counts are after truncation,
-    of kept examples."""
+    """What `prepare` did to a data set (one source, or several merged with `merge`). An example is a row, or with
+    ``split_turns`` one assistant turn of a row. Token counts are after truncation, of kept examples."""
 
     source: str = ""
     max_length: int = 0
@@ -36,8 +35,8 @@ class SFTStats:
     loss_tokens: int = 0  # tokens with a label
     reasoning: str = "train"  # data.reasoning: train (in the loss), context (rendered, no loss), drop
     reasoning_turns: int = 0  # labelled assistant turns of kept examples whose reasoning was rendered
-    reasoning_unrendered: int = 0  # assistant turns whose reasoning the chat template left out (earlier turns)
-    reasoning_dropped: int = 0  # assistant turns whose reasoning data.reasoning=drop removed
+    reasoning_unrendered: int = 0  # labelled turns of kept examples whose reasoning the chat template left out
+    reasoning_dropped: int = 0  # labelled turns of kept examples whose reasoning data.reasoning=drop removed
     ignored: dict[str, int] = field(default_factory=dict)  # keys of rows / turns not used -> how many had them
     unrendered_why: str = ("it renders only the reasoning of the turns after the last user turn: data.split_turns=true "
                            "keeps every turn's")
@@ -67,8 +66,7 @@ class SFTStats:
         return lost / (self.examples + lost) if self.examples + lost else 0.0
 
     def longest_dropped(self, n: int = 5) -> str:
-        """``"row 12 (812 tokens), row 7 (640 tokens)"`` (``line`` for JSONL): the `n` rows with the longest dropped
-        examples."""
+        """``"row 12 (812 tokens), row 7 (640 tokens)"`` (``line`` for JSONL): the `n` longest dropped rows."""
         longest: dict[int, int] = {}
         for row, tokens in self.dropped_rows:
             longest[row] = max(tokens, longest.get(row, 0))
@@ -80,10 +78,8 @@ class SFTStats:
         """Totals over several sources; `summary` then reports each source."""
         total = cls(source=" + ".join(p.source for p in parts), max_length=max((p.max_length for p in parts), default=0),
                     truncate=all(p.truncate for p in parts), parts=list(parts))
-        for key in ("rows", "examples", "truncated", "dropped", "split_rows", "tool_call_rows", "tool_calls",
-                    "tool_calls_cut", "tokens", "loss_tokens", "reasoning_turns", "reasoning_unrendered",
-                    "reasoning_dropped"):
-            setattr(total, key, sum(getattr(p, key) for p in parts))
+        for key in (f.name for f in fields(cls) if f.type == "int" and f.name not in ("max_length", "_call_row")):
+            setattr(total, key, sum(getattr(p, key) for p in parts))  # the counts
         total.unanswered = [r for p in parts for r in p.unanswered]
         total.call_endings = [r for p in parts for r in p.call_endings]
         total.reasoning = parts[0].reasoning if parts else "train"
@@ -91,7 +87,7 @@ class SFTStats:
         total.ignored = dict(sum((Counter(p.ignored) for p in parts), Counter()))
         return total
 
-    def reasoning_note(self) -> str:
+    def _reasoning_note(self) -> str:
         """``"reasoning: 12 turns trained, 3 left out by the chat template (earlier turns)"``; ``""`` without any."""
         done = {"train": "trained", "context": "in context (no loss)", "drop": "dropped"}[self.reasoning]
         items = [f"{self.reasoning_turns} turns {done}"] if self.reasoning_turns else []
@@ -102,30 +98,29 @@ class SFTStats:
         return f"reasoning: {', '.join(items)}" if items else ""
 
     def add(self, n: int, ids: list[int], labels: list[int], calls: Sequence[tuple[int, int]] = (),
-            reasoning: Sequence[int] = ()) -> dict | None:
-        """Count an example of 1-based row `n` (untruncated `ids`, `labels`) and return it cut to `max_length`, or
-        None when it is dropped: no label left (or, not truncating, too long). `calls`: ``(token where a turn
-        starts, its tool calls)``; a kept example's calls before the cut count in `tool_calls`, the rest in
-        `tool_calls_cut`. `reasoning`: where the labelled turns with rendered reasoning start (`reasoning_turns`
-        counts a kept example's before the cut)."""
-        full, cut = len(ids), len(ids) > self.max_length
-        ids, labels = ids[:self.max_length], labels[:self.max_length]
+            reasoning: Sequence[int] = (), unrendered: Sequence[int] = (), dropped: Sequence[int] = ()) -> dict | None:
+        """Count an example of 1-based row `n` (untruncated `ids`, `labels`); return it cut to `max_length`, or None
+        when it is dropped (no label left or, not truncating, too long). `calls`: ``(token where a turn starts, its
+        tool calls)``; `reasoning`, `unrendered`, `dropped`: where the labelled turns start whose reasoning was
+        rendered, left out by the template, removed. Those of a kept example before the cut are counted; calls not
+        kept count in `tool_calls_cut`."""
+        full, cut, ids, labels = len(ids), len(ids) > self.max_length, ids[:self.max_length], labels[:self.max_length]
         n_loss = sum(label != IGNORE_INDEX for label in labels)
         if n_loss == 0 or (cut and not self.truncate):
             self.dropped += 1
             self.dropped_rows.append((n, full))
             self.tool_calls_cut += sum(k for _, k in calls)
             return None
-        self.reasoning_turns += sum(start < self.max_length for start in reasoning)
+        for key, starts in (("reasoning_turns", reasoning), ("reasoning_unrendered", unrendered),
+                            ("reasoning_dropped", dropped)):
+            setattr(self, key, getattr(self, key) + sum(start < self.max_length for start in starts))
         kept = sum(k for start, k in calls if start < self.max_length)
         self.tool_calls += kept
         self.tool_calls_cut += sum(k for _, k in calls) - kept
         if kept and self._call_row != n:
             self.tool_call_rows, self._call_row = self.tool_call_rows + 1, n
-        self.truncated += cut
         self.example_rows.append(n)
-        self.examples += 1
-        self.tokens += len(ids)
+        self.truncated, self.examples, self.tokens = self.truncated + cut, self.examples + 1, self.tokens + len(ids)
         self.loss_tokens += n_loss
         return {"input_ids": ids, "labels": labels}
 
@@ -155,21 +150,19 @@ class SFTStats:
                      f"{self._rows_list(self.call_endings)})")
         if self.tool_calls or self.tool_calls_cut:
             text += f", {self.tool_calls_note()}"
-        if self.reasoning_note():
-            text += f", {self.reasoning_note()}"
+        if self._reasoning_note():
+            text += f", {self._reasoning_note()}"
         if self.ignored:
             text += ", keys not used: " + ", ".join(f"{k} ({n})" for k, n in sorted(self.ignored.items()))
         return text
 
     def summary(self) -> str:
-        """One line: per source, rows read, examples kept, truncated, dropped (and why, naming the
-        longest rows); then tokens and the share with loss."""
+        """One line: per source, rows read, examples kept, truncated, dropped (and why); tokens, the share with loss."""
         counts = "; ".join(p._counts() for p in self.parts) if self.parts else self._counts()
         return f"{counts} | {self.tokens:,} tokens, {self.loss_fraction:.1%} with loss"
 
     def check_dropped(self, max_dropped_fraction: float) -> None:
-        """Raise `SFTDataError` if more than `max_dropped_fraction` (0-1) of the examples were not kept,
-        naming the longest dropped rows and what to change."""
+        """Raise `SFTDataError` naming the longest rows and what to change if over `max_dropped_fraction` is lost."""
         if self.dropped_fraction <= max_dropped_fraction:
             return
         lost = self.dropped + len(self.empty_answers) + len(self.unanswered)

@@ -1,13 +1,15 @@
-"""SFT messages -> token ids with assistant-only labels, through the tokenizer's chat template
-(`tokenize_conversation`, `template_conversation`); reasoning and tool rendering checks."""
+"""SFT messages -> token ids with assistant-only labels through the tokenizer's chat template; reasoning and tools."""
 
 from __future__ import annotations
 
 import json
+from bisect import bisect_left
 from collections import Counter
+from typing import Collection
 
 from cookbook.sft.rows import IGNORE_INDEX, SFTDataError, EmptyAnswerError, row_label, to_conversation
 from cookbook.sft.stats import SFTStats
+
 
 def _require_chat_template(tokenizer) -> None:
     try:
@@ -22,9 +24,8 @@ def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, kwargs
     from jinja2.exceptions import TemplateError
 
     try:
-        out = tokenizer.apply_chat_template(messages, tools=tools, tokenize=tokenize,
-                                            add_generation_prompt=add_generation_prompt, return_dict=False,
-                                            **(kwargs or {}))
+        out = tokenizer.apply_chat_template(messages, tools=tools, tokenize=tokenize, return_dict=False,
+                                            add_generation_prompt=add_generation_prompt, **(kwargs or {}))
     except (TemplateError, TypeError) as exc:  # the template's raise_exception, or e.g. str + None in Jinja
         raise SFTDataError(f"the chat template cannot render this conversation: {type(exc).__name__}: {exc}") from None
     return list(out) if tokenize else out
@@ -45,25 +46,23 @@ def _unstable(tokenizer, full: list[int], part: list[int], what: str, split_turn
         f"turn after the last user turn only); {advice}")
 
 
-def reasoning_field(tokenizer) -> str | None:
-    """The message key the tokenizer's chat template reads a turn's reasoning from: ``"reasoning_content"``
-    (Qwen3, DeepSeek-R1, TRL), ``"thinking"`` (GPT-OSS harmony), or None when the template reads neither."""
+def _template(tokenizer) -> str:
+    """The tokenizer's chat template, ``""`` without one."""
     try:
-        template = tokenizer.get_chat_template()
+        return tokenizer.get_chat_template()
     except ValueError:
-        return None
-    return next((k for k in ("reasoning_content", "thinking") if k in template), None)
+        return ""
+
+
+def _reasoning_field(tokenizer) -> str | None:
+    """The message key the chat template reads reasoning from (``"reasoning_content"``, ``"thinking"``), or None."""
+    return next((k for k in ("reasoning_content", "thinking") if k in _template(tokenizer)), None)
 
 
 def _inline_reasoning(tokenizer, messages: list[dict]) -> list[dict]:
-    """Messages with an assistant turn's inline ``<think>...</think>`` prefix moved to ``reasoning_content``,
-    for templates with ``<think>`` blocks.
-    Raises SFTDataError: a stray ``<think>`` / ``</think>`` elsewhere in an assistant turn."""
-    try:
-        template = tokenizer.get_chat_template()
-    except ValueError:
-        return messages
-    if "</think>" not in template:
+    """Messages with an assistant turn's inline ``<think>...</think>`` prefix moved to ``reasoning_content`` (templates
+    with ``<think>`` blocks). Raises SFTDataError: a stray ``<think>`` / ``</think>`` elsewhere in an assistant turn."""
+    if "</think>" not in _template(tokenizer):
         return messages
     out = []
     for i, m in enumerate(messages):
@@ -88,21 +87,17 @@ def _inline_reasoning(tokenizer, messages: list[dict]) -> list[dict]:
 
 def check_tools_rendered(tokenizer, messages: list[dict], tools: list[dict] | None, text: str = "",
                          kwargs: dict | None = None, turns: dict[int, str] | None = None) -> None:
-    """Refuse, in one `SFTDataError`, a template that drops the row's tools, tool calls or tool results: each tool
-    name must appear in the rendering, each call's name in its turn's labelled text (`turns`: message index -> text;
-    None: `text`, the rendered conversation), each tool result as is or JSON-quoted (Llama 3.1: ``content | tojson``)."""
+    """Refuse (`SFTDataError`) a template that drops tools, calls (`turns`: index -> text; None: `text`) or results."""
     turns = {i: text for i, m in enumerate(messages) if m.get("tool_calls")} if turns is None else turns
     text = _render(tokenizer, messages, False, kwargs, tools, tokenize=False) if tools or any(
         m["role"] == "tool" for m in messages) else ""
-    for tool in tools or ():
-        name = tool["function"]["name"]
+    for name in (tool["function"]["name"] for tool in tools or ()):
         if name not in text:
             raise SFTDataError(f"the chat template does not render the row's tools: the tool {name!r} is missing from "
                                f"the rendered conversation (a template that ignores tools=). Use a tokenizer whose "
                                f"template renders tools (Qwen2.5's and Qwen3's do) or remove 'tools' from the rows")
     for i, rendered in turns.items():
-        for call in messages[i].get("tool_calls", ()):
-            name = call["function"]["name"]
+        for name in (call["function"]["name"] for call in messages[i].get("tool_calls", ())):
             if name not in rendered:
                 raise SFTDataError(f"the chat template does not render tool calls: messages[{i}] calls {name!r} but "
                                    f"its rendered turn is {rendered[:80]!r} (a template that ignores tool_calls). Use "
@@ -117,27 +112,20 @@ def check_tools_rendered(tokenizer, messages: list[dict], tools: list[dict] | No
 
 def _covering(tokenizer, ids: list[int], start: int, stop: int, text: str) -> int:
     """The smallest ``end`` in ``(start, stop]`` whose decoded ``ids[start:end]`` contains `text` (binary search)."""
-    lo, hi = start + 1, stop
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if text in tokenizer.decode(ids[start:mid]):
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
+    covers = range(start + 1, stop)
+    return start + 1 + bisect_left(covers, True, key=lambda end: text in tokenizer.decode(ids[start:end]))
 
 
-def _encode(tokenizer, messages: list[dict], kwargs: dict | None, tools: list[dict] | None,
-            last_turn_only: bool, reasoning: str = "train") -> tuple[list[int], list[int], dict[str, int]]:
+def _encode(tokenizer, messages: list[dict], kwargs: dict | None, tools: list[dict] | None, last_turn_only: bool,
+            reasoning: str = "train", dropped: Collection[int] = ()) -> tuple[list[int], list[int], dict[str, list]]:
     """Untruncated ``(input_ids, labels, counts)`` of `tokenize_conversation`; `last_turn_only` labels the last
-    assistant turn only; `reasoning` ``"context"`` masks each turn's reasoning. ``counts``: labelled turns whose
-    reasoning was rendered (``reasoning``: where they start) or left out (``reasoning_unrendered``: how many);
-    ``calls``: ``(start, tool calls)`` of the labelled turns that make them."""
+    assistant turn only; `reasoning` ``"context"`` masks each turn's reasoning. ``counts``: where the labelled turns
+    start whose reasoning was rendered (``reasoning``), left out by the template (``unrendered``) or removed (the
+    turns `dropped` names: ``dropped``); ``calls``: ``(start, tool calls)`` of the labelled turns making them."""
     special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
     full = _render(tokenizer, messages, False, kwargs, tools)
-    labels = [IGNORE_INDEX] * len(full)
-    assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    turns, counts = {}, {"reasoning": [], "reasoning_unrendered": 0, "calls": []}
+    labels, assistant = [IGNORE_INDEX] * len(full), [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    turns, counts = {}, {"reasoning": [], "unrendered": [], "dropped": [], "calls": []}
     for i in assistant[-1:] if last_turn_only else assistant:
         if i == 0:
             raise SFTDataError("messages[0] is an assistant turn; a conversation must start with a system or user turn")
@@ -146,8 +134,7 @@ def _encode(tokenizer, messages: list[dict], kwargs: dict | None, tools: list[di
         for part, what in ((before, f"messages[:{i}] + generation prompt"), (through, f"messages[:{i + 1}]")):
             if full[: len(part)] != part:
                 raise _unstable(tokenizer, full, part, what, last_turn_only)
-        start, stop = len(before), len(through)
-        end = stop
+        start, stop, end = len(before), len(through), len(through)
         while end > start and not tokenizer.decode(full[end - 1 : end]).strip():
             end -= 1
         if end > start and full[end - 1] in special:
@@ -158,10 +145,12 @@ def _encode(tokenizer, messages: list[dict], kwargs: dict | None, tools: list[di
             if thought in tokenizer.decode(full[start:stop]):
                 counts["reasoning"].append(start)
                 if reasoning == "context":
-                    labels[start:_covering(tokenizer, full, start, stop, thought)] = \
-                        [IGNORE_INDEX] * (_covering(tokenizer, full, start, stop, thought) - start)
+                    cover = _covering(tokenizer, full, start, stop, thought)
+                    labels[start:cover] = [IGNORE_INDEX] * (cover - start)
             else:
-                counts["reasoning_unrendered"] += 1
+                counts["unrendered"].append(start)
+        if i in dropped:
+            counts["dropped"].append(start)
         if messages[i].get("tool_calls"):
             turns[i] = tokenizer.decode(full[start:stop])
             counts["calls"].append((start, len(messages[i]["tool_calls"])))
@@ -169,15 +158,12 @@ def _encode(tokenizer, messages: list[dict], kwargs: dict | None, tools: list[di
     return full, labels, counts
 
 
-def tokenize_conversation(tokenizer, messages: list[dict], max_length: int,
-                          chat_template_kwargs: dict | None = None,
+def tokenize_conversation(tokenizer, messages: list[dict], max_length: int, chat_template_kwargs: dict | None = None,
                           tools: list[dict] | None = None) -> tuple[list[int], list[int], bool]:
-    """Render `messages` with the chat template (`tools` as ``tools=``) and label only the assistant turns;
-    returns ``(input_ids, labels, truncated)``, at most `max_length` long. Turn ``i``'s tokens lie between the
-    renderings of ``messages[:i]`` with the generation prompt and of ``messages[:i+1]``, both prefixes of the whole
-    conversation's; whitespace after the turn's last special token gets no label.
-    Raises SFTDataError: no chat template; the template fails, is not prefix-stable, or drops tools, calls or results.
-    """
+    """Render `messages` with the chat template (`tools` as ``tools=``) and label only the assistant turns:
+    ``(input_ids, labels, truncated)``, at most `max_length` long. Turn ``i`` lies between the renderings of
+    ``messages[:i]`` with the generation prompt and of ``messages[:i+1]``, both prefixes of the whole conversation's.
+    Raises SFTDataError: no chat template; the template fails, is not prefix-stable, drops tools, calls or results."""
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length}")
     _require_chat_template(tokenizer)
@@ -186,42 +172,43 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_length: int,
 
 
 def check_vocab(tokenizer, vocab_size: int) -> None:
-    """Raise `SFTDataError` if ``len(tokenizer)`` exceeds `vocab_size` (``model.config.vocab_size``, which may be
-    larger: Qwen3 pads its embedding to 151936 rows for 151669 tokens)."""
+    """Raise `SFTDataError` if ``len(tokenizer)`` exceeds `vocab_size` (larger is fine: Qwen3 pads its embedding)."""
     if len(tokenizer) > vocab_size:
         raise SFTDataError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {vocab_size}: "
                            f"ids >= {vocab_size} have no embedding; use the model's own tokenizer")
 
+
 def template_conversation(row: dict, row_number: int | str, source: str, tokenizer, stats: SFTStats,
                           ignored: Counter | None = None, chat_template_kwargs: dict | None = None,
-                          reasoning: str = "train") -> tuple[list[dict], list[dict] | None]:
-    """`to_conversation` made ready for `tokenizer`'s template, as `prepare` does: inline ``<think>`` moved,
-    reasoning under the key the template reads or dropped (``reasoning="drop"``), unused keys counted.
-    `tokenizer` None: the reasoning stays as ``reasoning_content``, unchecked.
-    Raises EmptyAnswerError: the row's answer is empty; SFTDataError: ``"<source> row <n>: ..."`` (`row_number` a label:
-    ``"<source> <label>: ..."``): see `to_conversation`; reasoning with no place; a stray ``<think>``."""
+                          reasoning: str = "train", dropped: list[int] | None = None) -> tuple[list[dict], list | None]:
+    """`to_conversation` made ready for `tokenizer`'s template (None: reasoning left as ``reasoning_content``): inline
+    ``<think>`` moved, reasoning under the template's key or dropped (``reasoning="drop"``: counted in `stats`, or the
+    turns' indices appended to `dropped`), unused keys counted in `ignored`.
+    Raises EmptyAnswerError; SFTDataError: ``"<source> <row>: ..."``, see `to_conversation`; reasoning with no place."""
     if ignored is not None:  # the row's own keys that its format does not read
         used = (("messages", "tools") if "messages" in row else ("conversations", "system", "tools")
                 if "conversations" in row else ("instruction", "input", "output"))
         ignored.update(k for k in row if k not in used)
+    removed = [] if dropped is None else dropped
     try:
         messages, tools = to_conversation(row, row_number, source, ignored)
         if tokenizer is not None:
             messages = _inline_reasoning(tokenizer, messages)
-            messages = _place_reasoning(messages, reasoning, reasoning_field(tokenizer), chat_template_kwargs, stats)
+            messages = _place_reasoning(messages, reasoning, _reasoning_field(tokenizer), chat_template_kwargs, removed)
         elif reasoning == "drop":
-            messages = _place_reasoning(messages, reasoning, None, None, stats)
+            messages = _place_reasoning(messages, reasoning, None, None, removed)
     except EmptyAnswerError:
         raise
     except SFTDataError as exc:
         raise SFTDataError(str(exc) if str(exc).startswith(source) else f"{source} {row_label(row_number)}: {exc}") from None
+    stats.reasoning_dropped += len(removed) if dropped is None else 0
     return messages, tools
 
 
 def _place_reasoning(messages: list[dict], reasoning: str, target: str | None, kwargs: dict | None,
-                     stats: SFTStats) -> list[dict]:
-    """Messages with each assistant turn's ``reasoning_content`` under the template's key `target` (removed and
-    counted for ``reasoning="drop"``).
+                     dropped: list[int]) -> list[dict]:
+    """Messages with each assistant turn's ``reasoning_content`` under the template's key `target` (or removed, its
+    index appended to `dropped`).
     Raises SFTDataError: reasoning, but the template reads no reasoning field or ``enable_thinking`` is false."""
     out = []
     for i, m in enumerate(messages):
@@ -231,7 +218,7 @@ def _place_reasoning(messages: list[dict], reasoning: str, target: str | None, k
         m = dict(m)
         thought = m.pop("reasoning_content")
         if reasoning == "drop":
-            stats.reasoning_dropped += 1
+            dropped.append(i)
         elif target is None:
             raise SFTDataError(f"messages[{i}] has reasoning, but the chat template has no place for it (it reads "
                                f"neither 'reasoning_content' nor 'thinking'): set data.reasoning=drop to train "
