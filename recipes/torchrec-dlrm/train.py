@@ -58,7 +58,7 @@ from cookbook.config import ConfigError, check_fields, load_config, to_dict
 from cookbook.hub import resolve_path
 from cookbook.loop import Run
 from cookbook import tabular
-import text_files as hub  # file_to_text, dataset_to_text: text_files.py beside this file
+import text_files  # file_to_text, dataset_to_text: beside this file
 from cookbook.tabular import DataError, check_int64, to_int
 
 logging.getLogger("torchrec").setLevel(logging.ERROR)  # TorchRec logs planner and caching notices at WARNING on every
@@ -260,7 +260,7 @@ def criteo_line(row: Mapping[str, Any], where: str, positions: Mapping[str, int]
 def criteo_text_file(path: str, output_dir: str) -> str:
     """The Criteo text file to read for `path`: `path` itself, or for CSV, JSON, JSONL and parquet files
     (`CONVERTED_SUFFIXES`) ``<output_dir>/converted/<name>-<hash of its content>.txt``, converted once
-    (`cookbook.hub.file_to_text`: a CSV file has a header naming the 40 columns, or none and those columns
+    (`text_files.file_to_text`: a CSV file has a header naming the 40 columns, or none and those columns
     in order; values as in `criteo_line`).
 
     Raises:
@@ -270,7 +270,7 @@ def criteo_text_file(path: str, output_dir: str) -> str:
     """
     if Path(path).suffix.lower() not in CONVERTED_SUFFIXES:
         return path
-    dst, n = hub.file_to_text(path, Path(output_dir) / "converted", criteo_line, COLUMNS)
+    dst, n = text_files.file_to_text(path, Path(output_dir) / "converted", criteo_line, COLUMNS)
     if n is not None:
         print(f"{path}: {n} rows converted to Criteo text in {dst}")
     return str(dst)
@@ -588,7 +588,7 @@ def preflight(cfg: Config, world_size: int) -> str:
     """What ``--check`` runs in one process before torchrun starts any worker (launch.sh); returns what the data holds."""
     check_sharding(cfg, world_size, on_cpu=cookbook.get_dist_info().device.type == "cpu")
     if cfg.data.hub_id and cfg.data.train_files == [str(hub_file(cfg))]:  # None: written before, for these settings
-        n = hub.dataset_to_text(cfg.data.hub_id, cfg.data.hub_split, hub_file(cfg), criteo_line, COLUMNS,
+        n = text_files.dataset_to_text(cfg.data.hub_id, cfg.data.hub_split, hub_file(cfg), criteo_line, COLUMNS,
                                 cfg.data.hub_max_rows, version=HUB_FORMAT)
         if n is not None:
             print(f"{cfg.data.hub_id} ({cfg.data.hub_split}): {n} rows written to {hub_file(cfg)}")

@@ -5,7 +5,8 @@
         --max-restarts "${MAX_RESTARTS:-3}" recipes/x/train.py --config tiny.yaml train.max_steps=100
 
 It checks the process counts (`plan`), runs ``train.py --check`` in this process (``COOKBOOK_WORLD_SIZE`` set; as
-``python train.py --check`` would, `run_script`: one interpreter start and torch import less), then
+``python train.py --check`` would, `run_script`: one interpreter start and torch import less; with GPUs in a
+process of its own), then
 the workers with `cookbook.torchrun` (``--standalone`` on one node, else a static rendezvous at ``--master-addr``),
 restarted up to ``--max-restarts`` times (default 3, as torchrun's documentation uses for a fault-tolerant job)
 when a restart can cure the failure. ``--dry-run`` (or ``DRY_RUN`` not ``0``) prints the ``check:`` and ``run:``
@@ -102,9 +103,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _check(script: Path, args: list[str], env: dict[str, str]) -> int:
-    """``python script *args`` with `env` added, in this process; a script that is not a file in a process of its own
-    (python's line and status)."""
-    if not script.is_file():
+    """``python script *args`` with `env` added, in this process on a machine without GPUs; with GPUs (a check may
+    initialise CUDA, whose context would then hold GPU memory in this process for the whole run), or for a script
+    that is not a file (python's line and status), in a process of its own."""
+    import torch
+
+    if not script.is_file() or torch.cuda.is_available():
         return subprocess.run([sys.executable, str(script), *args], env={**os.environ, **env}).returncode
     return run_script(script, args, env)
 
