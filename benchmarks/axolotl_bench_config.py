@@ -27,9 +27,20 @@ ROOT = Path(__file__).resolve().parents[1]
 LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def axolotl_config(model: str, data: str, run_dir: str, seq: int, steps: int, cpu: bool,
-                   pad_token: str | None, lora_kernels: bool = True, adapter: str = "lora",
-                   prepared: str | None = None, attn_kernels: bool = True, packing: bool = False) -> dict:
+def axolotl_config(
+    model: str,
+    data: str,
+    run_dir: str,
+    seq: int,
+    steps: int,
+    cpu: bool,
+    pad_token: str | None,
+    lora_kernels: bool = True,
+    adapter: str = "lora",
+    prepared: str | None = None,
+    attn_kernels: bool = True,
+    packing: bool = False,
+) -> dict:
     """The Axolotl config (a dict for `yaml.safe_dump`) of the benchmark's LoRA run.
 
     Args:
@@ -59,18 +70,48 @@ def axolotl_config(model: str, data: str, run_dir: str, seq: int, steps: int, cp
     if adapter not in ("lora", "qlora"):
         raise ValueError(f"adapter must be lora or qlora, got {adapter!r}")
     cfg = {
-        "base_model": model, "tokenizer_config": model, "trust_remote_code": False,
-        "adapter": adapter, "lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "lora_target_modules": LORA_MODULES,
+        "base_model": model,
+        "tokenizer_config": model,
+        "trust_remote_code": False,
+        "adapter": adapter,
+        "lora_r": 16,
+        "lora_alpha": 32,
+        "lora_dropout": 0.0,
+        "lora_target_modules": LORA_MODULES,
         "chat_template": "tokenizer_default",
-        "datasets": [{"path": data, "ds_type": "json", "type": "chat_template", "field_messages": "messages",
-                      "roles_to_train": ["assistant"], "train_on_eos": "turn"}],
-        "dataset_prepared_path": prepared or f"{run_dir}/prepared", "dataset_num_proc": 1, "val_set_size": 0.0,
-        "sequence_len": seq, "sample_packing": False, "pad_to_sequence_len": False,
-        "micro_batch_size": 4, "gradient_accumulation_steps": 1, "max_steps": steps,
-        "learning_rate": 2.0e-4, "warmup_steps": 10, "lr_scheduler": "cosine", "weight_decay": 0.0,
-        "max_grad_norm": 1.0, "optimizer": "adamw_torch_fused", "seed": 42,
-        "bf16": not cpu, "gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": False},
-        "dataloader_num_workers": 1, "logging_steps": 1, "save_strategy": "no", "output_dir": f"{run_dir}/{Path(run_dir).name}",
+        "datasets": [
+            {
+                "path": data,
+                "ds_type": "json",
+                "type": "chat_template",
+                "field_messages": "messages",
+                "roles_to_train": ["assistant"],
+                "train_on_eos": "turn",
+            }
+        ],
+        "dataset_prepared_path": prepared or f"{run_dir}/prepared",
+        "dataset_num_proc": 1,
+        "val_set_size": 0.0,
+        "sequence_len": seq,
+        "sample_packing": False,
+        "pad_to_sequence_len": False,
+        "micro_batch_size": 4,
+        "gradient_accumulation_steps": 1,
+        "max_steps": steps,
+        "learning_rate": 2.0e-4,
+        "warmup_steps": 10,
+        "lr_scheduler": "cosine",
+        "weight_decay": 0.0,
+        "max_grad_norm": 1.0,
+        "optimizer": "adamw_torch_fused",
+        "seed": 42,
+        "bf16": not cpu,
+        "gradient_checkpointing": True,
+        "gradient_checkpointing_kwargs": {"use_reentrant": False},
+        "dataloader_num_workers": 1,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "output_dir": f"{run_dir}/{Path(run_dir).name}",
         "plugins": ["cookbook_metrics.CookbookMetricsPlugin"],
     }
     if packing:
@@ -98,8 +139,9 @@ def attn_kernels_apply(model_dir: str) -> tuple[bool, str]:
 
     model_type = AutoConfig.from_pretrained(model_dir).model_type
     try:
-        patch_self_attn_lora(DictDefault(base_model=model_dir, model_config_type=model_type,
-                                         lora_qkv_kernel=True, lora_o_kernel=True))
+        patch_self_attn_lora(
+            DictDefault(base_model=model_dir, model_config_type=model_type, lora_qkv_kernel=True, lora_o_kernel=True)
+        )
     except (AssertionError, ValueError) as exc:
         return False, f"{model_type}: {exc}"
     return True, model_type
@@ -170,14 +212,28 @@ def main(argv: list[str]) -> int:
     attn, why = True, ""
     if not (a.cpu or a.no_lora_kernels):
         attn, why = attn_kernels_apply(model)
-    cfg = axolotl_config(model, str(data), str(run), a.seq, a.steps, a.cpu, pad, not a.no_lora_kernels, a.adapter,
-                         a.prepared and str(Path(a.prepared).resolve()), attn, a.packing)
+    cfg = axolotl_config(
+        model,
+        str(data),
+        str(run),
+        a.seq,
+        a.steps,
+        a.cpu,
+        pad,
+        not a.no_lora_kernels,
+        a.adapter,
+        a.prepared and str(Path(a.prepared).resolve()),
+        attn,
+        a.packing,
+    )
     path = run / "axolotl.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     print(f"{path} ({n} conversations of {a.rows}; pad token {pad or tok.pad_token!r})")
     if not attn:
-        print(f"Axolotl's LoRA QKV/O kernels do not apply ({why}): lora_qkv_kernel/lora_o_kernel false, "
-              f"lora_mlp_kernel true")
+        print(
+            f"Axolotl's LoRA QKV/O kernels do not apply ({why}): lora_qkv_kernel/lora_o_kernel false, "
+            f"lora_mlp_kernel true"
+        )
     return 0
 
 

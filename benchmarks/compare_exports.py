@@ -49,8 +49,17 @@ def main(argv: list[str]) -> int:
     differ = sorted(n for n in a.keys() | b.keys() if a.get(n) != b.get(n))
     loads = {str(args.a): reload_report(args.a), str(args.b): reload_report(args.b)}
     same = not differ and not any(loads.values())
-    print(json.dumps({"same": same, "tensors": len(a), "dtypes": sorted({d for _, d in a.values()}),
-                      "differ": [[n, a.get(n), b.get(n)] for n in differ[:20]], "loading_info": loads}))
+    print(
+        json.dumps(
+            {
+                "same": same,
+                "tensors": len(a),
+                "dtypes": sorted({d for _, d in a.values()}),
+                "differ": [[n, a.get(n), b.get(n)] for n in differ[:20]],
+                "loading_info": loads,
+            }
+        )
+    )
     return 0 if same else 1
 
 

@@ -33,13 +33,17 @@ ids = torch.randint(5, 50000, (B, S)).cuda() * mask
 labels = torch.randint(0, 4, (B,)).cuda()
 print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | transformers {transformers.__version__}")
 for impl in ["sdpa", "sdpa_padsafe", "eager"]:
-    model = AutoModelForSequenceClassification.from_config(ModernBertConfig(num_labels=4, attn_implementation=impl)).cuda()
+    model = AutoModelForSequenceClassification.from_config(
+        ModernBertConfig(num_labels=4, attn_implementation=impl)
+    ).cuda()
     opt = torch.optim.AdamW(model.parameters(), fused=True)
 
     def step(model=model, opt=opt, check: bool = False) -> int:
         with torch.autocast("cuda", dtype=torch.bfloat16):
             model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
-        bad = sum(int(not torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None) if check else 0
+        bad = (
+            sum(int(not torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None) if check else 0
+        )
         opt.step()
         opt.zero_grad(set_to_none=True)
         return bad

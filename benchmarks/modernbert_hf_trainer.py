@@ -51,16 +51,25 @@ def main() -> None:
     import numpy as np
     import torch
     from datasets import load_dataset
-    from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding,
-                              Trainer, TrainerCallback, TrainingArguments)
+    from transformers import (
+        AutoConfig,
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        DataCollatorWithPadding,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
 
     ds = load_dataset("csv", data_files={"train": a.train, "eval": a.eval})
     tok = AutoTokenizer.from_pretrained(a.model)
-    ds = ds.map(lambda b: tok(b["text"], truncation=True, max_length=a.max_length), batched=True,
-                remove_columns=["text"])
+    ds = ds.map(
+        lambda b: tok(b["text"], truncation=True, max_length=a.max_length), batched=True, remove_columns=["text"]
+    )
     torch.manual_seed(42)
     model = AutoModelForSequenceClassification.from_config(
-        AutoConfig.from_pretrained(a.model, num_labels=4, attn_implementation=a.attn))
+        AutoConfig.from_pretrained(a.model, num_labels=4, attn_implementation=a.attn)
+    )
     steps = int(a.epochs * (len(ds["train"]) // a.batch + (len(ds["train"]) % a.batch > 0)))
     times: list[float] = []
 
@@ -71,25 +80,56 @@ def main() -> None:
             times.append(time.time())
 
     args = TrainingArguments(
-        a.out, per_device_train_batch_size=a.batch, per_device_eval_batch_size=2 * a.batch, num_train_epochs=a.epochs,
-        learning_rate=5e-5, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.98, adam_epsilon=1e-6,
-        lr_scheduler_type="linear", warmup_steps=int(0.06 * steps), max_grad_norm=1.0, bf16=torch.cuda.is_available(),
-        optim="adamw_torch_fused", save_strategy="no", eval_strategy="no", report_to="none", logging_steps=50,
-        dataloader_num_workers=2, seed=42, disable_tqdm=True)
-    trainer = Trainer(model=model, args=args, train_dataset=ds["train"],
-                      data_collator=DataCollatorWithPadding(tok, pad_to_multiple_of=8), callbacks=[Clock()])
+        a.out,
+        per_device_train_batch_size=a.batch,
+        per_device_eval_batch_size=2 * a.batch,
+        num_train_epochs=a.epochs,
+        learning_rate=5e-5,
+        weight_decay=0.01,
+        adam_beta1=0.9,
+        adam_beta2=0.98,
+        adam_epsilon=1e-6,
+        lr_scheduler_type="linear",
+        warmup_steps=int(0.06 * steps),
+        max_grad_norm=1.0,
+        bf16=torch.cuda.is_available(),
+        optim="adamw_torch_fused",
+        save_strategy="no",
+        eval_strategy="no",
+        report_to="none",
+        logging_steps=50,
+        dataloader_num_workers=2,
+        seed=42,
+        disable_tqdm=True,
+    )
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=ds["train"],
+        data_collator=DataCollatorWithPadding(tok, pad_to_multiple_of=8),
+        callbacks=[Clock()],
+    )
     out = trainer.train()
     pred = trainer.predict(ds["eval"])
     labels, guess = pred.label_ids, pred.predictions.argmax(-1)
     f1 = [2 * ((guess == c) & (labels == c)).sum() / max((guess == c).sum() + (labels == c).sum(), 1) for c in range(4)]
     gaps = np.diff(times[10:])
     norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
-    r = {"path": "hf_trainer", "attn_implementation": a.attn, "first_step_s": times[0] - START, "steps": len(times),
-         "train_samples_per_s": out.metrics["train_samples_per_second"],
-         "steady_samples_per_s": a.batch / float(np.median(gaps)) if len(gaps) else None,
-         "nonfinite_grad_logs": sum(not math.isfinite(g) for g in norms), "grad_logs": len(norms),
-         "accuracy": float((labels == guess).mean()), "macro_f1": float(np.mean(f1)), "eval_rows": int(len(labels)),
-         "wall_s": time.time() - START, "peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None}
+    r = {
+        "path": "hf_trainer",
+        "attn_implementation": a.attn,
+        "first_step_s": times[0] - START,
+        "steps": len(times),
+        "train_samples_per_s": out.metrics["train_samples_per_second"],
+        "steady_samples_per_s": a.batch / float(np.median(gaps)) if len(gaps) else None,
+        "nonfinite_grad_logs": sum(not math.isfinite(g) for g in norms),
+        "grad_logs": len(norms),
+        "accuracy": float((labels == guess).mean()),
+        "macro_f1": float(np.mean(f1)),
+        "eval_rows": int(len(labels)),
+        "wall_s": time.time() - START,
+        "peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+    }
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "result.json").write_text(json.dumps(r))
     print(json.dumps(r))

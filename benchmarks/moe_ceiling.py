@@ -54,6 +54,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from cookbook.metrics import count_parameters, mfu, peak_bf16_flops
+
 RECIPE = Path(__file__).resolve().parents[1] / "recipes/moe-lora-fsdp2-ep"
 sys.path.insert(0, str(RECIPE))  # the recipe's modules
 from moe_model import active_flops  # noqa: E402
@@ -145,9 +146,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     gen = torch.Generator(device="cpu").manual_seed(args.seed)
     ids = torch.randint(0, config.vocab_size, (args.tokens // args.seq_len, args.seq_len), generator=gen).to(device)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    print(f"{torch.cuda.get_device_name(device) if cuda else 'cpu'} | torch {torch.__version__} | "
-          f"transformers {transformers.__version__} | {count_parameters(model, exclude_embeddings=False) / 1e9:.2f} B "
-          f"params, {flops.num_params / 1e9:.3f} B active non-embedding | {args.tokens} tokens/step", flush=True)
+    print(
+        f"{torch.cuda.get_device_name(device) if cuda else 'cpu'} | torch {torch.__version__} | "
+        f"transformers {transformers.__version__} | {count_parameters(model, exclude_embeddings=False) / 1e9:.2f} B "
+        f"params, {flops.num_params / 1e9:.3f} B active non-embedding | {args.tokens} tokens/step",
+        flush=True,
+    )
 
     def step() -> float:
         loss = model(input_ids=ids, labels=ids).loss
@@ -158,8 +162,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for impl in args.experts:
         model.set_experts_implementation(impl)
         if model.config._experts_implementation != impl:
-            raise RuntimeError(f"experts_implementation {impl!r} was not applied "
-                               f"(model reports {model.config._experts_implementation!r})")
+            raise RuntimeError(
+                f"experts_implementation {impl!r} was not applied "
+                f"(model reports {model.config._experts_implementation!r})"
+            )
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
@@ -203,21 +209,28 @@ def main(argv: list[str] | None = None) -> list[dict]:
         }
         records.append(rec)
         mem = f"{rec['peak_alloc_gib']} GiB peak" if cuda else "no CUDA memory"
-        print(f"{impl:10s} {rec['step_ms_mean']:9.1f} ms/step | {tps:10,.1f} tokens/s | {mem} | "
-              f"MFU {rec['mfu_pct']}% | first loss {rec['loss_first']}", flush=True)
+        print(
+            f"{impl:10s} {rec['step_ms_mean']:9.1f} ms/step | {tps:10,.1f} tokens/s | {mem} | "
+            f"MFU {rec['mfu_pct']}% | first loss {rec['loss_first']}",
+            flush=True,
+        )
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             with args.out.open("a") as f:
                 f.write(json.dumps(rec) + "\n")
         if args.profile:
-            activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+            activities = [torch.profiler.ProfilerActivity.CPU] + (
+                [torch.profiler.ProfilerActivity.CUDA] if cuda else []
+            )
             with torch.profiler.profile(activities=activities) as prof:
                 step()
                 sync()
             args.profile.parent.mkdir(parents=True, exist_ok=True)
             with args.profile.open("a") as f:
-                f.write(f"## experts_implementation={impl}, {args.tokens} tokens, one step (forward + backward)\n\n"
-                        f"{kernel_table(prof, cuda)}\n\n")
+                f.write(
+                    f"## experts_implementation={impl}, {args.tokens} tokens, one step (forward + backward)\n\n"
+                    f"{kernel_table(prof, cuda)}\n\n"
+                )
     return records
 
 

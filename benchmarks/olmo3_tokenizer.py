@@ -27,11 +27,13 @@ import json
 import sys
 from pathlib import Path
 
-BASE_IDS = 100256          # cl100k_base's ranks 0..100255, shared with Llama-3's first ids
-VOCAB_SIZE = 100278        # OLMo-3's embedding rows (models/olmo-3-7b/config.json)
+BASE_IDS = 100256  # cl100k_base's ranks 0..100255, shared with Llama-3's first ids
+VOCAB_SIZE = 100278  # OLMo-3's embedding rows (models/olmo-3-7b/config.json)
 SPECIALS = {"<|endoftext|>": 100257, "<|im_start|>": 100264, "<|im_end|>": 100265, "<|pad|>": 100277}
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
-          "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 
 
 def build(src: str, dest: str) -> int:
@@ -53,16 +55,32 @@ def build(src: str, dest: str) -> int:
             merges.append(m)
     model.update(vocab=vocab, merges=merges)
     names = {i: t for t, i in SPECIALS.items()}  # every id up to VOCAB_SIZE: the library renumbers gaps away
-    tok["added_tokens"] = [{"id": i, "content": names.get(i, f"<|reserved_{i}|>"), "single_word": False,
-                            "lstrip": False, "rstrip": False, "normalized": False, "special": True}
-                           for i in range(BASE_IDS, VOCAB_SIZE)]
+    tok["added_tokens"] = [
+        {
+            "id": i,
+            "content": names.get(i, f"<|reserved_{i}|>"),
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+        for i in range(BASE_IDS, VOCAB_SIZE)
+    ]
     tok["post_processor"] = None  # no BOS (Llama-3's template adds <|begin_of_text|>; ChatML has none)
     out = Path(dest)
     out.mkdir(parents=True, exist_ok=True)
     (out / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|im_end|>",
-              "pad_token": "<|pad|>", "model_input_names": ["input_ids", "attention_mask"],
-              "clean_up_tokenization_spaces": False, "model_max_length": 65536, "chat_template": CHATML}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|pad|>",
+        "model_input_names": ["input_ids", "attention_mask"],
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 65536,
+        "chat_template": CHATML,
+    }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
     return VOCAB_SIZE
 
@@ -108,7 +126,9 @@ def main(argv: list[str]) -> int:
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        print(f"{rows} rows: largest id {top}; {inside} rows in Llama-3 ids < {BASE_IDS}, {differ} tokenized differently")
+        print(
+            f"{rows} rows: largest id {top}; {inside} rows in Llama-3 ids < {BASE_IDS}, {differ} tokenized differently"
+        )
         if top >= VOCAB_SIZE or differ:
             return 2
     return 0

@@ -45,11 +45,16 @@ def modernbert(path: str) -> dict:
     later = [r for r in train if r["step"] > min(20, last // 2)]
     return {
         **{k: summary.get(k) for k in ("startup_s", "first_step_s", "final_eval_s")},
-        "epoch_starts": [{k: r.get(k) for k in ("step", "epoch_start_wait_s", "step_time_s", "data_wait_s")}
-                         for r in train if "epoch_start_wait_s" in r],
-        "median_step_time_s": median(later, "step_time_s"), "median_data_wait_s": median(later, "data_wait_s"),
+        "epoch_starts": [
+            {k: r.get(k) for k in ("step", "epoch_start_wait_s", "step_time_s", "data_wait_s")}
+            for r in train
+            if "epoch_start_wait_s" in r
+        ],
+        "median_step_time_s": median(later, "step_time_s"),
+        "median_data_wait_s": median(later, "data_wait_s"),
         "median_data_wait_frac": median(later, "data_wait_frac"),
-        "samples_per_s_per_device": median(later, "samples_per_s_per_device"), "steps": last,
+        "samples_per_s_per_device": median(later, "samples_per_s_per_device"),
+        "steps": last,
         "final_eval": {k: v for k, v in evals[-1].items() if k.startswith("eval/")} if evals else None,
     }
 
@@ -62,12 +67,14 @@ def ray(path: str) -> dict:
         return {}
     train = [r for r in recs if r["event"] == "train"]
     evals = [r for r in recs if r["event"] == "eval"]
-    later = train[len(train) // 5:] or train
+    later = train[len(train) // 5 :] or train
     return {
         "samples_per_s_per_device": median(later, "samples_per_s_per_device"),
-        "median_step_time_s": median(later, "step_time_s"), "steps": train[-1]["step"] if train else 0,
+        "median_step_time_s": median(later, "step_time_s"),
+        "steps": train[-1]["step"] if train else 0,
         "eval": {k: v for k, v in evals[-1].items() if "recall" in k or k.endswith(("users", "step", "epoch"))}
-        if evals else None,
+        if evals
+        else None,
     }
 
 

@@ -24,7 +24,9 @@ def main(src: str, dst: str) -> None:
     rows = sft.load_rows(src)
     with open(dst, "w") as f:
         for n, row in enumerate(rows, 1):
-            f.write(json.dumps({"messages": recipe.receipt_messages(row, f"{src} row {n}", list(recipe.FIELDS))}) + "\n")
+            f.write(
+                json.dumps({"messages": recipe.receipt_messages(row, f"{src} row {n}", list(recipe.FIELDS))}) + "\n"
+            )
     print(f"{len(rows)} receipts -> {dst}")
 
 

@@ -84,11 +84,22 @@ def synthetic(args: argparse.Namespace) -> None:
     times.sort()
     median = times[len(times) // 2]
     if info.is_main:
-        print(json.dumps({"mode": "synthetic", "gpus": info.world_size, "device": torch.cuda.get_device_name() if on_gpu else "cpu",
-                          "backend": type(model).__module__.split(".")[0], "batch_per_gpu": args.batch, "compile": args.compile,
-                          "median_step_s": median, "images_per_s_per_gpu": args.batch / median,
-                          "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None,
-                          "torch": torch.__version__}))
+        print(
+            json.dumps(
+                {
+                    "mode": "synthetic",
+                    "gpus": info.world_size,
+                    "device": torch.cuda.get_device_name() if on_gpu else "cpu",
+                    "backend": type(model).__module__.split(".")[0],
+                    "batch_per_gpu": args.batch,
+                    "compile": args.compile,
+                    "median_step_s": median,
+                    "images_per_s_per_gpu": args.batch / median,
+                    "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None,
+                    "torch": torch.__version__,
+                }
+            )
+        )
     cookbook.destroy_distributed()
 
 
@@ -131,8 +142,10 @@ def loader(args: argparse.Namespace) -> None:
     for workers in args.loader_workers:
         batches = len(samples) // args.batch
         if batches <= workers:
-            raise SystemExit(f"{len(samples)} images make {batches} batches of {args.batch}: too few to time "
-                             f"{workers} loader processes; raise --repeat")
+            raise SystemExit(
+                f"{len(samples)} images make {batches} batches of {args.batch}: too few to time "
+                f"{workers} loader processes; raise --repeat"
+            )
         it = iter(DataLoader(dataset, batch_size=args.batch, shuffle=True, drop_last=True, num_workers=workers))
         for _ in range(workers):
             next(it)
@@ -141,10 +154,23 @@ def loader(args: argparse.Namespace) -> None:
             n += images.shape[0]
         seconds = time.perf_counter() - t0
         del it
-        print(json.dumps({"mode": "loader", "data": str(data), "images": len(samples), "batch": args.batch,
-                          "loader_workers": workers, "cpus": os.cpu_count(), "timed_images": n,
-                          "seconds": seconds, "images_per_s": n / seconds,
-                          "images_per_s_per_worker": n / seconds / workers}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "mode": "loader",
+                    "data": str(data),
+                    "images": len(samples),
+                    "batch": args.batch,
+                    "loader_workers": workers,
+                    "cpus": os.cpu_count(),
+                    "timed_images": n,
+                    "seconds": seconds,
+                    "images_per_s": n / seconds,
+                    "images_per_s_per_worker": n / seconds / workers,
+                }
+            ),
+            flush=True,
+        )
 
 
 def pipeline(args: argparse.Namespace) -> None:
@@ -165,9 +191,18 @@ def pipeline(args: argparse.Namespace) -> None:
     for decode in args.decode:
         for workers in args.loader_workers:
             for stage in args.stages:
-                record = {"mode": "pipeline", "decode": decode, "stage": stage, "loader_workers": workers,
-                          "batch": args.batch, "size": args.size, "images": len(samples), "cpus": os.cpu_count(),
-                          "device": torch.cuda.get_device_name() if on_gpu else "cpu", "torch": torch.__version__}
+                record = {
+                    "mode": "pipeline",
+                    "decode": decode,
+                    "stage": stage,
+                    "loader_workers": workers,
+                    "batch": args.batch,
+                    "size": args.size,
+                    "images": len(samples),
+                    "cpus": os.cpu_count(),
+                    "device": torch.cuda.get_device_name() if on_gpu else "cpu",
+                    "torch": torch.__version__,
+                }
                 try:
                     record.update(_time_pipeline(train, samples, len(classes), decode, workers, stage, device, args))
                 except Exception as exc:  # recorded; the other combinations still run
@@ -194,16 +229,27 @@ def _compare_decodes(train, samples, device: torch.device, size: int) -> dict:
             images, _ = train.device_batch(train.collate_encoded([gpu[i]]), device, size)
             diffs.append((images[0].int() - expected.int()).abs())
         d = torch.stack(diffs)
-        record.update(mean_abs_diff=d.float().mean().item(), max_abs_diff=d.max().item(),
-                      max_abs_diff_inside=d[:, :, 1:-1, 1:-1].max().item(),
-                      mean_abs_diff_inside=d[:, :, 1:-1, 1:-1].float().mean().item())
+        record.update(
+            mean_abs_diff=d.float().mean().item(),
+            max_abs_diff=d.max().item(),
+            max_abs_diff_inside=d[:, :, 1:-1, 1:-1].max().item(),
+            mean_abs_diff_inside=d[:, :, 1:-1, 1:-1].float().mean().item(),
+        )
     except Exception as exc:
         record["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     return record
 
 
-def _time_pipeline(train, samples, num_classes: int, decode: str, workers: int, stage: str, device: torch.device,
-                   args: argparse.Namespace) -> dict:
+def _time_pipeline(
+    train,
+    samples,
+    num_classes: int,
+    decode: str,
+    workers: int,
+    stage: str,
+    device: torch.device,
+    args: argparse.Namespace,
+) -> dict:
     from torch.utils.data import DataLoader
 
     on_gpu = device.type == "cuda"
@@ -248,9 +294,14 @@ def _time_pipeline(train, samples, num_classes: int, decode: str, workers: int, 
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     it = None  # the loader's worker processes end with their iterator
-    return {"timed_steps": steps, "timed_images": n, "seconds": seconds, "images_per_s": n / seconds,
-            "data_wait_fraction": wait / seconds,
-            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None}
+    return {
+        "timed_steps": steps,
+        "timed_images": n,
+        "seconds": seconds,
+        "images_per_s": n / seconds,
+        "data_wait_fraction": wait / seconds,
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None,
+    }
 
 
 def real(args: argparse.Namespace) -> None:
@@ -261,20 +312,44 @@ def real(args: argparse.Namespace) -> None:
     data = Path(args.data)
     if args.repeat > 1:
         data = repeated_image_folder(data, Path(args.output_dir) / f"images-x{args.repeat}", args.repeat)
-    cmd = ["bash", str(RECIPE / "launch.sh"), f"output_dir={out}", f"data.train_dir={data}", f"ray.num_workers={args.gpus}",
-           f"train.epochs={args.epochs}", f"train.micro_batch_size={args.batch}", f"data.num_workers={args.loader_workers}",
-           f"ray.cpus_per_worker={args.loader_workers + 1}", "model.pretrained=false", "train.log_every=5", "mlflow=false",
-           *args.overrides]
+    cmd = [
+        "bash",
+        str(RECIPE / "launch.sh"),
+        f"output_dir={out}",
+        f"data.train_dir={data}",
+        f"ray.num_workers={args.gpus}",
+        f"train.epochs={args.epochs}",
+        f"train.micro_batch_size={args.batch}",
+        f"data.num_workers={args.loader_workers}",
+        f"ray.cpus_per_worker={args.loader_workers + 1}",
+        "model.pretrained=false",
+        "train.log_every=5",
+        "mlflow=false",
+        *args.overrides,
+    ]
     subprocess.run(cmd, check=True, env={**os.environ, "NNODES": "1"})
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in recs if r["event"] == "train"]
     rates = sorted(r["samples_per_s_per_device"] for r in train)[1:]  # drop the slowest (start-up)
-    whole = (args.batch * (train[-1]["step"] - train[0]["step"]) / (train[-1]["time"] - train[0]["time"])
-             if len(train) > 1 else None)
-    print(json.dumps({"mode": "real", "gpus": args.gpus, "data": str(data), "batch_per_gpu": args.batch,
-                      "loader_workers": args.loader_workers, "steps": train[-1]["step"] if train else 0,
-                      "median_images_per_s_per_gpu": rates[len(rates) // 2] if rates else None,
-                      "whole_loop_images_per_s_per_gpu": whole}))
+    whole = (
+        args.batch * (train[-1]["step"] - train[0]["step"]) / (train[-1]["time"] - train[0]["time"])
+        if len(train) > 1
+        else None
+    )
+    print(
+        json.dumps(
+            {
+                "mode": "real",
+                "gpus": args.gpus,
+                "data": str(data),
+                "batch_per_gpu": args.batch,
+                "loader_workers": args.loader_workers,
+                "steps": train[-1]["step"] if train else 0,
+                "median_images_per_s_per_gpu": rates[len(rates) // 2] if rates else None,
+                "whole_loop_images_per_s_per_gpu": whole,
+            }
+        )
+    )
 
 
 def main() -> None:

@@ -48,8 +48,10 @@ def main() -> None:
     def mem() -> str:
         return f"{torch.cuda.memory_allocated() / 2**30:.2f} GiB now, {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB peak"
 
-    print(f"{args.mode}, {'fused' if args.fused else 'foreach'} AdamW, "
-          f"{sum(q.numel() for q in model.parameters()) / 1e6:.1f} M params | built: {mem()}")
+    print(
+        f"{args.mode}, {'fused' if args.fused else 'foreach'} AdamW, "
+        f"{sum(q.numel() for q in model.parameters()) / 1e6:.1f} M params | built: {mem()}"
+    )
     if args.mode == "resume":
         state = torch.load(args.state, map_location="cpu", mmap=True, weights_only=True)
         model.load_state_dict(state["model"])

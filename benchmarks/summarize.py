@@ -65,18 +65,27 @@ def main() -> None:
     import transformers
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu"
-    print(f"date {datetime.date.today()} | {gpu} | torch {torch.__version__} | transformers {transformers.__version__} "
-          f"| CUDA {torch.version.cuda}")
+    print(
+        f"date {datetime.date.today()} | {gpu} | torch {torch.__version__} | transformers {transformers.__version__} "
+        f"| CUDA {torch.version.cuda}"
+    )
     rows = [summarise(r, args.skip_steps) for r in args.runs]
     cols = list(rows[0])
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for row in rows:
-        cells = [f"{v:,.1f}" if isinstance(v, float) else ("" if v is None else str(v)) for v in (row.get(c) for c in cols)]
+        cells = [
+            f"{v:,.1f}" if isinstance(v, float) else ("" if v is None else str(v)) for v in (row.get(c) for c in cols)
+        ]
         print("| " + " | ".join(cells) + " |")
     if args.json:
-        software = {"date": datetime.date.today().isoformat(), "device": gpu, "torch": torch.__version__,
-                    "transformers": transformers.__version__, "cuda": torch.version.cuda}
+        software = {
+            "date": datetime.date.today().isoformat(),
+            "device": gpu,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "cuda": torch.version.cuda,
+        }
         args.json.parent.mkdir(parents=True, exist_ok=True)
         with args.json.open("a") as f:
             for run, row in zip(args.runs, rows):

@@ -63,7 +63,8 @@ def ddp_embeddingbag(train, cfg, info):
     model = train.build_model(cfg, info.device)
     ebc = model.model.sparse_arch.embedding_bag_collection
     model.model.sparse_arch.embedding_bag_collection = EmbeddingBagCollection(
-        tables=ebc.embedding_bag_configs(), device=info.device)
+        tables=ebc.embedding_bag_configs(), device=info.device
+    )
     ddp = DistributedDataParallel(model, device_ids=[info.device] if info.device.type == "cuda" else None)
     tables = [p for n, p in model.named_parameters() if ".embedding_bags." in n]
     dense = [p for n, p in model.named_parameters() if ".embedding_bags." not in n]
@@ -114,9 +115,16 @@ def main() -> None:
 
     train = recipe()
     info = cookbook.init_distributed()
-    cfg = train.load_config(train.Config, RECIPE / "config.yaml", [
-        f"model.table_sizes=[{args.rows}]", f"model.embedding_dim={args.dim}",
-        f"model.dense_arch=[512,256,{args.dim}]", f"train.batch_size={args.batch}"])
+    cfg = train.load_config(
+        train.Config,
+        RECIPE / "config.yaml",
+        [
+            f"model.table_sizes=[{args.rows}]",
+            f"model.embedding_dim={args.dim}",
+            f"model.dense_arch=[512,256,{args.dim}]",
+            f"train.batch_size={args.batch}",
+        ],
+    )
     batches = synthetic_batches(train, cfg, 4, seed=info.rank)
     gib = 26 * args.rows * args.dim * 4 / 2**30
     results = []
@@ -130,24 +138,35 @@ def main() -> None:
         plan = train.describe_plan(model) if variant != "ddp_embeddingbag" else "DDP, full replicas"
         rss = torch.tensor(__import__("psutil").Process().memory_info().rss / 2**30)
         torch.distributed.all_reduce(rss, op=torch.distributed.ReduceOp.MAX)
-        rec = {"variant": variant, "plan": plan, "world_size": info.world_size, "device": info.device.type,
-               "batch_per_rank": args.batch, "step_ms": round(step_s * 1000, 1),
-               "records_per_s_per_rank": round(args.batch / step_s, 1), "max_rss_gib": round(rss.item(), 2),
-               "tables_gib_fp32": round(gib, 2)}
+        rec = {
+            "variant": variant,
+            "plan": plan,
+            "world_size": info.world_size,
+            "device": info.device.type,
+            "batch_per_rank": args.batch,
+            "step_ms": round(step_s * 1000, 1),
+            "records_per_s_per_rank": round(args.batch / step_s, 1),
+            "max_rss_gib": round(rss.item(), 2),
+            "tables_gib_fp32": round(gib, 2),
+        }
         results.append(rec)
         if info.is_main:
             print(json.dumps(rec), flush=True)
         del model, optimizer
     if info.is_main:
         base = next((r["records_per_s_per_rank"] for r in results if r["variant"] == "ddp_embeddingbag"), None)
-        print(f"\n26 tables x {args.rows:,} rows x {args.dim} ({gib:.2f} GiB fp32), batch {args.batch} per rank, "
-              f"{info.world_size} ranks ({info.device.type}), {args.steps} steps after {args.warmup}\n")
+        print(
+            f"\n26 tables x {args.rows:,} rows x {args.dim} ({gib:.2f} GiB fp32), batch {args.batch} per rank, "
+            f"{info.world_size} ranks ({info.device.type}), {args.steps} steps after {args.warmup}\n"
+        )
         print("| variant | plan | step_ms | records/s/rank | vs DDP nn.EmbeddingBag | max RSS GiB |")
         print("|---|---|---|---|---|---|")
         for r in results:
             ratio = f"{r['records_per_s_per_rank'] / base:.2f}x" if base else ""
-            print(f"| {r['variant']} | {r['plan']} | {r['step_ms']} | {r['records_per_s_per_rank']:,.0f} | {ratio} | "
-                  f"{r['max_rss_gib']} |")
+            print(
+                f"| {r['variant']} | {r['plan']} | {r['step_ms']} | {r['records_per_s_per_rank']:,.0f} | {ratio} | "
+                f"{r['max_rss_gib']} |"
+            )
     cookbook.destroy_distributed()
 
 

@@ -55,18 +55,28 @@ def summarize(path: str) -> dict:
             busy += t - max(s, end)
             end = t
     span = (spans[-1][1] - spans[0][0]) if spans else 0.0
-    return {"kinds": dict(sorted(kinds.items(), key=lambda kv: -kv[1][0])), "busy_ms": busy / 1e3,
-            "span_ms": span / 1e3, "idle_ms": (span - busy) / 1e3, "gaps_over_1ms": gaps,
-            "top": [[n, ms, k] for n, (ms, k) in sorted(names.items(), key=lambda kv: -kv[1][0])[:15]]}
+    return {
+        "kinds": dict(sorted(kinds.items(), key=lambda kv: -kv[1][0])),
+        "busy_ms": busy / 1e3,
+        "span_ms": span / 1e3,
+        "idle_ms": (span - busy) / 1e3,
+        "gaps_over_1ms": gaps,
+        "top": [[n, ms, k] for n, (ms, k) in sorted(names.items(), key=lambda kv: -kv[1][0])[:15]],
+    }
 
 
 def host_summary(path: str, top: int = 25) -> dict:
     """{tid: {"busy_ms", "events", "top": [[name, exclusive ms, calls]]}} of the CPU-side events in `path`."""
     with open(path) as f:
         events = json.load(f)["traceEvents"]
-    cpu = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation",
-                                                                              "cuda_runtime", "cuda_driver")),
-                 key=lambda e: (e["tid"], e["ts"], -e["dur"]))
+    cpu = sorted(
+        (
+            e
+            for e in events
+            if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver")
+        ),
+        key=lambda e: (e["tid"], e["ts"], -e["dur"]),
+    )
     out: dict = {}
     for tid in {e["tid"] for e in cpu}:
         names: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
@@ -87,8 +97,11 @@ def host_summary(path: str, top: int = 25) -> dict:
             stack.append([e["ts"] + e["dur"], e["name"], 0.0, e["dur"]])
         while stack:
             close(stack.pop())
-        out[str(tid)] = {"busy_ms": busy / 1e3, "events": sum(n for _, n in names.values()),
-                         "top": [[n, ms, k] for n, (ms, k) in sorted(names.items(), key=lambda kv: -kv[1][0])[:top]]}
+        out[str(tid)] = {
+            "busy_ms": busy / 1e3,
+            "events": sum(n for _, n in names.values()),
+            "top": [[n, ms, k] for n, (ms, k) in sorted(names.items(), key=lambda kv: -kv[1][0])[:top]],
+        }
     return out
 
 
@@ -101,8 +114,10 @@ def main() -> None:
     s = summarize(a.trace)
     if a.host:
         s["host"] = host_summary(a.trace)
-    print(f"{a.trace}: span {s['span_ms']:.1f} ms, GPU busy {s['busy_ms']:.1f} ms, idle {s['idle_ms']:.1f} ms "
-          f"({s['gaps_over_1ms'][0]} gaps of 1 ms or more: {s['gaps_over_1ms'][1]:.1f} ms)")
+    print(
+        f"{a.trace}: span {s['span_ms']:.1f} ms, GPU busy {s['busy_ms']:.1f} ms, idle {s['idle_ms']:.1f} ms "
+        f"({s['gaps_over_1ms'][0]} gaps of 1 ms or more: {s['gaps_over_1ms'][1]:.1f} ms)"
+    )
     for kind, (ms, n) in s["kinds"].items():
         print(f"  {kind:26s} {ms:9.1f} ms  {n:6d} kernels")
     for tid, h in s.get("host", {}).items():

@@ -28,8 +28,12 @@ from cookbook.metrics import MetricsLogger, ModelFlops, count_parameters
 
 ZERO3 = {  # DeepSpeed's documented ZeRO-3 settings; "auto" values come from the trainer's arguments
     "bf16": {"enabled": "auto"},
-    "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True,
-                          "stage3_gather_16bit_weights_on_model_save": True},
+    "zero_optimization": {
+        "stage": 3,
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "stage3_gather_16bit_weights_on_model_save": True,
+    },
     "gradient_clipping": "auto",
     "train_batch_size": "auto",
     "train_micro_batch_size_per_gpu": "auto",
@@ -91,20 +95,44 @@ def main() -> None:
         except sft.EmptyAnswerError:
             continue
     args = SFTConfig(  # created before the model: it switches on deepspeed.zero.Init for from_config
-        output_dir=a.out, per_device_train_batch_size=a.micro_batch, gradient_accumulation_steps=1,
-        max_steps=a.steps, learning_rate=1e-5, lr_scheduler_type="cosine", warmup_steps=max(1, int(0.03 * a.steps)), max_grad_norm=1.0,
-        bf16=on_gpu, use_cpu=not on_gpu, gradient_checkpointing=not a.no_gradient_checkpointing,
-        max_length=a.seq, packing=True, logging_steps=1, save_strategy="no", report_to="none",
-        deepspeed=ZERO3, dataloader_num_workers=1, seed=42,
+        output_dir=a.out,
+        per_device_train_batch_size=a.micro_batch,
+        gradient_accumulation_steps=1,
+        max_steps=a.steps,
+        learning_rate=1e-5,
+        lr_scheduler_type="cosine",
+        warmup_steps=max(1, int(0.03 * a.steps)),
+        max_grad_norm=1.0,
+        bf16=on_gpu,
+        use_cpu=not on_gpu,
+        gradient_checkpointing=not a.no_gradient_checkpointing,
+        max_length=a.seq,
+        packing=True,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        deepspeed=ZERO3,
+        dataloader_num_workers=1,
+        seed=42,
     )
     config = AutoConfig.from_pretrained(a.model_dir)
     model = AutoModelForCausalLM.from_config(config)
-    flops = ModelFlops(count_parameters(model), config.num_hidden_layers,
-                       config.num_attention_heads * getattr(config, "head_dim", config.hidden_size // config.num_attention_heads))
+    flops = ModelFlops(
+        count_parameters(model),
+        config.num_hidden_layers,
+        config.num_attention_heads * getattr(config, "head_dim", config.hidden_size // config.num_attention_heads),
+    )
     metrics = MetricsLogger(a.out, info, flops=flops, run_name="trl-zero3-reference", mlflow=False, max_steps=a.steps)
     cb = _Metrics(metrics)
-    trainer = CountingSFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
-                                 callbacks=[cb], metrics_cb=cb, micro_batch=a.micro_batch)
+    trainer = CountingSFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        callbacks=[cb],
+        metrics_cb=cb,
+        micro_batch=a.micro_batch,
+    )
     t0 = time.perf_counter()
     trainer.train()
     metrics.log_summary({"step": a.steps, "wall_s": time.perf_counter() - t0})

@@ -30,18 +30,32 @@ def vl_rows(ants: list[str], bees: list[str], alpaca: list[dict], n_rows: int) -
     """
     answered = [r for r in alpaca if r.get("output", "").strip()]
     if len(answered) < n_rows or not ants or not bees:
-        raise ValueError(f"{n_rows} rows need {n_rows} answered Alpaca rows ({len(answered)}) and photos of both classes")
+        raise ValueError(
+            f"{n_rows} rows need {n_rows} answered Alpaca rows ({len(answered)}) and photos of both classes"
+        )
     rows = []
     for i, text in enumerate(answered[:n_rows]):
         ant, bee = ants[i % len(ants)], bees[(7 * i + 3) % len(bees)]
-        images, answer = ([ant, bee], "The first picture shows an ant, the second a bee.") if i % 2 == 0 else \
-            ([bee, ant], "The first picture shows a bee, the second an ant.")
+        images, answer = (
+            ([ant, bee], "The first picture shows an ant, the second a bee.")
+            if i % 2 == 0
+            else ([bee, ant], "The first picture shows a bee, the second an ant.")
+        )
         instruction = text["instruction"] + (f"\n\n{text['input']}" if text.get("input", "").strip() else "")
-        rows.append({"images": images, "messages": [
-            {"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": QUESTION}]},
-            {"role": "assistant", "content": answer},
-            {"role": "user", "content": instruction},
-            {"role": "assistant", "content": text["output"]}]})
+        rows.append(
+            {
+                "images": images,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": QUESTION}],
+                    },
+                    {"role": "assistant", "content": answer},
+                    {"role": "user", "content": instruction},
+                    {"role": "assistant", "content": text["output"]},
+                ],
+            }
+        )
     return rows
 
 

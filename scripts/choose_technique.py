@@ -135,7 +135,9 @@ def load_config(model: str) -> dict:
     """The model's config as a dict: from a ``config.json`` path, a folder holding one, or a hub id
     (``transformers.AutoConfig``, which needs the hub or its cache). Raises `ChooserError`."""
     path = Path(model).expanduser()
-    looks_local = path.suffix == ".json" or model.startswith((".", "/", "~")) or path.parent.is_dir() and path.parent != Path(".")
+    looks_local = (
+        path.suffix == ".json" or model.startswith((".", "/", "~")) or path.parent.is_dir() and path.parent != Path(".")
+    )
     if path.is_dir():
         path = path / "config.json"
     if path.is_file():
@@ -154,8 +156,10 @@ def load_config(model: str) -> dict:
             offline_unless_reachable()  # no hub: the cache at once, not ~25 s of retries
             cfg = AutoConfig.from_pretrained(model).to_dict()
         except Exception as exc:  # noqa: BLE001  offline, unknown id, gated repo: one sentence
-            raise ChooserError(f"{model}: not a local config file and not loadable from the hub "
-                               f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+            raise ChooserError(
+                f"{model}: not a local config file and not loadable from the hub "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+            ) from None
     cfg = cfg.get("text_config", cfg) if "num_hidden_layers" not in cfg else cfg
     if not isinstance(cfg, dict) or "hidden_size" not in cfg or "num_hidden_layers" not in cfg:
         raise ChooserError(f"{model}: the config has no hidden_size / num_hidden_layers: not a transformer config")
@@ -189,8 +193,9 @@ def moe_fields(cfg: dict) -> tuple[int, int, int, int]:
     if not cfg.get("num_experts_per_tok"):
         raise ChooserError(f"the config has {experts} experts but no num_experts_per_tok")
     if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step") or 1) > 1 or cfg.get("first_k_dense_replace"):
-        raise ChooserError("dense and MoE layers mixed (mlp_only_layers / decoder_sparse_step / first_k_dense_replace): "
-                           "not modelled")
+        raise ChooserError(
+            "dense and MoE layers mixed (mlp_only_layers / decoder_sparse_step / first_k_dense_replace): not modelled"
+        )
     f = int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
     shared = int(cfg.get("shared_expert_intermediate_size") or 0) or int(cfg.get("n_shared_experts") or 0) * f
     return experts, int(cfg["num_experts_per_tok"]), f, shared
@@ -227,8 +232,29 @@ def shape_from_fields(cfg: dict, name: str = "config") -> ModelShape:
     layer = h * q + 2 * h * kv + q * h + mlp + 2 * h + (2 * head_dim if qk_norm else 0) + bias
     embed = vocab * h
     head = 0 if cfg.get("tie_word_embeddings", False) else vocab * h
-    return ModelShape(name, embed + head + layers * layer + h, embed, head, layer, layers, h, q, kv, f, True,
-                      qk_norm, vocab, True, "config fields", experts, top_k, shared, heads, kind == "gpt_oss", kind)
+    return ModelShape(
+        name,
+        embed + head + layers * layer + h,
+        embed,
+        head,
+        layer,
+        layers,
+        h,
+        q,
+        kv,
+        f,
+        True,
+        qk_norm,
+        vocab,
+        True,
+        "config fields",
+        experts,
+        top_k,
+        shared,
+        heads,
+        kind == "gpt_oss",
+        kind,
+    )
 
 
 def shape_from_meta(cfg: dict, name: str = "config") -> ModelShape:
@@ -271,9 +297,29 @@ def shape_from_meta(cfg: dict, name: str = "config") -> ModelShape:
     vocab = int(cfg.get("vocab_size") or 0)
     lm_head = out is not None and out.weight.shape[0] == vocab
     sinks = any(n.split(".")[-1] == "sinks" for n, _ in stacks[0][0].named_parameters())
-    return ModelShape(name, params, embed, head, layer, layers, h, q, kv, f, gated,
-                      bool(names & {"q_norm", "k_norm"}), vocab, lm_head, f"meta device ({type(model).__name__})",
-                      experts, top_k, shared, int(cfg.get("num_attention_heads", 1)), sinks, cfg.get("model_type", ""))
+    return ModelShape(
+        name,
+        params,
+        embed,
+        head,
+        layer,
+        layers,
+        h,
+        q,
+        kv,
+        f,
+        gated,
+        bool(names & {"q_norm", "k_norm"}),
+        vocab,
+        lm_head,
+        f"meta device ({type(model).__name__})",
+        experts,
+        top_k,
+        shared,
+        int(cfg.get("num_attention_heads", 1)),
+        sinks,
+        cfg.get("model_type", ""),
+    )
 
 
 def model_shape(model: str, meta: bool = True) -> ModelShape:
@@ -311,7 +357,13 @@ class Technique:
         """The cookbook recipe whose set-up the row's arithmetic follows (DDP: the decoder one, `recipe_for`)."""
         if self.lora:
             return "recipes/gpt-oss-lora-trl"
-        return "recipes/qwen-fsdp2-sft" if self.fsdp else "recipes/qwen-zero3-receipts" if self.zero else "recipes/qwen-ray-sft"
+        return (
+            "recipes/qwen-fsdp2-sft"
+            if self.fsdp
+            else "recipes/qwen-zero3-receipts"
+            if self.zero
+            else "recipes/qwen-ray-sft"
+        )
 
     def recipe_for(self, m: ModelShape) -> str:
         """`recipe` for model `m`: DDP of a model without a vocabulary head (an encoder classifier) is
@@ -352,8 +404,15 @@ LORA_TECHNIQUES = [
 ]
 LORA_ORDER = [t.name for t in LORA_TECHNIQUES]
 # LoRA target modules: (input width, output width) in terms of the model's dims
-LORA_DIMS = {"q_proj": ("h", "q"), "k_proj": ("h", "kv"), "v_proj": ("h", "kv"), "o_proj": ("q", "h"),
-             "gate_proj": ("h", "f"), "up_proj": ("h", "f"), "down_proj": ("f", "h")}
+LORA_DIMS = {
+    "q_proj": ("h", "q"),
+    "k_proj": ("h", "kv"),
+    "v_proj": ("h", "kv"),
+    "o_proj": ("q", "h"),
+    "gate_proj": ("h", "f"),
+    "up_proj": ("h", "f"),
+    "down_proj": ("f", "h"),
+}
 
 
 @dataclass(frozen=True)
@@ -379,8 +438,10 @@ class LoraSpec:
         if unknown or not self.targets:
             raise ChooserError(f"--lora-targets: {', '.join(unknown) or 'none given'}; known: {', '.join(LORA_DIMS)}")
         if m.experts and set(self.targets) & {"gate_proj", "up_proj", "down_proj"}:
-            raise ChooserError("--lora-targets: MLP modules of a mixture-of-experts model are not modelled "
-                               "(expert LoRA goes through PEFT's target_parameters)")
+            raise ChooserError(
+                "--lora-targets: MLP modules of a mixture-of-experts model are not modelled "
+                "(expert LoRA goes through PEFT's target_parameters)"
+            )
         width = {"h": m.hidden, "q": m.q_dim, "kv": m.kv_dim, "f": m.ffn}
         return sum(self.r * (width[LORA_DIMS[t][0]] + width[LORA_DIMS[t][1]]) for t in self.targets)
 
@@ -429,11 +490,15 @@ def lora_state_bytes(t: Technique, m: ModelShape, lora: LoraSpec, gpus: int) -> 
     """
     n_lora = lora.params(m)
     if t.fsdp:
-        return ((2 * m.params + 16 * n_lora) / gpus,
-                f"(2 B x {m.params:,} bf16 frozen base + 16 B x {n_lora:,} fp32 adapters with grads and AdamW) / {gpus}")
-    return (2.0 * m.params + 22 * n_lora,
-            f"2 B x {m.params:,} bf16 frozen base + 22 B x {n_lora:,} adapters (fp32 weights, grads, DDP buckets, "
-            f"AdamW; bf16 autocast copies)")
+        return (
+            (2 * m.params + 16 * n_lora) / gpus,
+            f"(2 B x {m.params:,} bf16 frozen base + 16 B x {n_lora:,} fp32 adapters with grads and AdamW) / {gpus}",
+        )
+    return (
+        2.0 * m.params + 22 * n_lora,
+        f"2 B x {m.params:,} bf16 frozen base + 22 B x {n_lora:,} adapters (fp32 weights, grads, DDP buckets, "
+        f"AdamW; bf16 autocast copies)",
+    )
 
 
 def lora_activation_bytes_per_token_layer(m: ModelShape, lora: LoraSpec, bf16_adapters: bool = False) -> dict[str, int]:
@@ -485,7 +550,9 @@ def lora_activation_bytes_per_token_layer(m: ModelShape, lora: LoraSpec, bf16_ad
         if m.shared_ffn:
             out["shared experts: gated MLP (6 x f_shared)"] = 6 * m.shared_ffn
     else:
-        out["MLP: " + ("gated, activation input/output + up (6f)" if m.gated else "activation input (2f)")] = 6 * f if m.gated else 2 * f
+        out["MLP: " + ("gated, activation input/output + up (6f)" if m.gated else "activation input (2f)")] = (
+            6 * f if m.gated else 2 * f
+        )
     return out
 
 
@@ -526,7 +593,9 @@ def activation_bytes_per_token_layer(m: ModelShape, compiled: bool = False) -> d
         if m.qk_norm:
             out["q/k projections before their norms (2q + 2kv)"] = 2 * q + 2 * kv
         out["attention: q, k, v, output (2q + 2kv + 2kv + 2q)"] = 4 * q + 4 * kv
-        out["MLP: " + ("gate and up projections (2f + 2f)" if m.gated else "activation input (2f)")] = 4 * f if m.gated else 2 * f
+        out["MLP: " + ("gate and up projections (2f + 2f)" if m.gated else "activation input (2f)")] = (
+            4 * f if m.gated else 2 * f
+        )
         return out
     out = {"2 norms, fp32 upcast: 4h fp32 input + 2h normalised + 2h output, each": 16 * h}
     if m.qk_norm:
@@ -536,8 +605,10 @@ def activation_bytes_per_token_layer(m: ModelShape, compiled: bool = False) -> d
         out["attention sinks: renormalisation (16 x heads)"] = 16 * m.heads
     if m.experts:
         gate = 12 * f if m.model_type == "gpt_oss" else 6 * f
-        out[f"MoE, {m.top_k} experts per token x (2h input + gate/up {gate // f}f + 2f down input + 2h output "
-            f"+ 36 B routing)"] = m.top_k * (4 * h + gate + 2 * f + 36)
+        out[
+            f"MoE, {m.top_k} experts per token x (2h input + gate/up {gate // f}f + 2f down input + 2h output "
+            f"+ 36 B routing)"
+        ] = m.top_k * (4 * h + gate + 2 * f + 36)
         if m.shared_ffn:
             out["shared experts: gated MLP (8 x f_shared)"] = 8 * m.shared_ffn
     elif m.gated:
@@ -560,13 +631,22 @@ def selective_bytes_per_token_layer(m: ModelShape) -> dict[str, int]:
         item -> bytes per token per layer; their sum is the layer's total.
     """
     h, q, kv, f = m.hidden, m.q_dim, m.kv_dim, m.ffn
-    return {"layer input (2h)": 2 * h,
-            "q, k, v projections (2q + 2kv + 2kv)": 2 * q + 4 * kv,
-            "attention output (2q)": 2 * q,
-            "output projection (2h)": 2 * h,
-            **({"MoE router logits (2 x experts; the experts' grouped_mm is recomputed)": 2 * m.experts} if m.experts else {
-                "MLP: " + ("gate and up projections (2f + 2f)" if m.gated else "up projection (2f)"): 4 * f if m.gated else 2 * f,
-                "MLP down projection (2h)": 2 * h})}
+    return {
+        "layer input (2h)": 2 * h,
+        "q, k, v projections (2q + 2kv + 2kv)": 2 * q + 4 * kv,
+        "attention output (2q)": 2 * q,
+        "output projection (2h)": 2 * h,
+        **(
+            {"MoE router logits (2 x experts; the experts' grouped_mm is recomputed)": 2 * m.experts}
+            if m.experts
+            else {
+                "MLP: " + ("gate and up projections (2f + 2f)" if m.gated else "up projection (2f)"): 4 * f
+                if m.gated
+                else 2 * f,
+                "MLP down projection (2h)": 2 * h,
+            }
+        ),
+    }
 
 
 def logits_bytes(m: ModelShape, tokens: int, loss: str = "full", chunk: int = 4096) -> tuple[float, str]:
@@ -590,10 +670,15 @@ def logits_bytes(m: ModelShape, tokens: int, loss: str = "full", chunk: int = 40
         return 0.0, "0 (no vocabulary head)" if not m.lm_head else "0 (fused loss: logits one tile at a time)"
     if loss == "chunked":
         c = min(chunk, tokens)
-        return (8.0 * c * m.vocab + 2.0 * m.vocab * m.hidden + 4.0 * tokens * m.hidden,
-                f"8 B x {c:,} tokens x {m.vocab:,} vocab (one chunk) + 2 B x {m.vocab:,} x {m.hidden} (head gradient) "
-                f"+ 4 B x {tokens:,} x {m.hidden} (labelled hidden states and their gradient)")
-    return 12.0 * tokens * m.vocab, f"12 B x {tokens:,} tokens x {m.vocab:,} vocab (3 fp32 copies at the start of backward)"
+        return (
+            8.0 * c * m.vocab + 2.0 * m.vocab * m.hidden + 4.0 * tokens * m.hidden,
+            f"8 B x {c:,} tokens x {m.vocab:,} vocab (one chunk) + 2 B x {m.vocab:,} x {m.hidden} (head gradient) "
+            f"+ 4 B x {tokens:,} x {m.hidden} (labelled hidden states and their gradient)",
+        )
+    return (
+        12.0 * tokens * m.vocab,
+        f"12 B x {tokens:,} tokens x {m.vocab:,} vocab (3 fp32 copies at the start of backward)",
+    )
 
 
 def lora_working_bytes(t: Technique, m: ModelShape, lora: LoraSpec, gpus: int) -> tuple[float, str]:
@@ -612,9 +697,11 @@ def lora_working_bytes(t: Technique, m: ModelShape, lora: LoraSpec, gpus: int) -
         return 0.0, "0"
     tail = m.head_params or m.embed_params
     gathered = 1 if gpus == 1 else 2
-    return (2.0 * tail + gathered * 2 * m.layer_params + 6 * lora.layer_params(m),
-            f"2 B x {tail:,} (output head, kept gathered) + {gathered} x 2 B x {m.layer_params:,} "
-            f"(gathered layer{'s' if gathered > 1 else ''}) + 6 B x {lora.layer_params(m):,} (a layer's adapter grads)")
+    return (
+        2.0 * tail + gathered * 2 * m.layer_params + 6 * lora.layer_params(m),
+        f"2 B x {tail:,} (output head, kept gathered) + {gathered} x 2 B x {m.layer_params:,} "
+        f"(gathered layer{'s' if gathered > 1 else ''}) + 6 B x {lora.layer_params(m):,} (a layer's adapter grads)",
+    )
 
 
 def working_bytes(t: Technique, m: ModelShape) -> tuple[float, str]:
@@ -632,8 +719,10 @@ def working_bytes(t: Technique, m: ModelShape) -> tuple[float, str]:
     if t.fsdp:
         return 2 * root + 4 * layer + 6 * layer, "2 x root (embedding + head) + 10 B x layer params (gathered, grads)"
     if t.zero == 3:
-        return (2 * max(m.embed_params, m.head_params) + 6 * layer + 2 * DS_REDUCE_BUCKET,
-                "2 x max(embedding, head) + 6 B x layer params + 1 GB reduce bucket")
+        return (
+            2 * max(m.embed_params, m.head_params) + 6 * layer + 2 * DS_REDUCE_BUCKET,
+            "2 x max(embedding, head) + 6 B x layer params + 1 GB reduce bucket",
+        )
     if t.zero:
         return 2 * DS_REDUCE_BUCKET, "1 GB reduce bucket (5e8 bf16)"
     return 0.0, "0"
@@ -677,8 +766,17 @@ class Estimate:
         return max(self.backward_peak, self.states + self.step + (self.working if self.technique.zero else 0.0))
 
 
-def estimate(t: Technique, m: ModelShape, gpus: int, seq: int, micro_batch: int, compiled: bool = False,
-             loss: str = "full", chunk: int = 4096, lora: LoraSpec | None = None) -> Estimate:
+def estimate(
+    t: Technique,
+    m: ModelShape,
+    gpus: int,
+    seq: int,
+    micro_batch: int,
+    compiled: bool = False,
+    loss: str = "full",
+    chunk: int = 4096,
+    lora: LoraSpec | None = None,
+) -> Estimate:
     """Peak GPU memory per GPU (bytes) of technique `t` for `micro_batch` sequences of `seq` tokens
     per GPU: model states (`bytes_per_param`), activations (`activation_bytes_per_token_layer` x
     tokens x layers; with AC, each layer's bf16 input, 2h bytes per token, plus one layer's full
@@ -718,7 +816,9 @@ def estimate(t: Technique, m: ModelShape, gpus: int, seq: int, micro_batch: int,
         norm, work_pair = 8, working_bytes(t, m)
     if t.ac:
         acts = tokens * (2 * m.hidden * m.layers + per_layer)
-        act_note = f"{tokens:,} tokens x (2h x {m.layers} layer inputs + {per_layer:,} B for the layer being recomputed)"
+        act_note = (
+            f"{tokens:,} tokens x (2h x {m.layers} layer inputs + {per_layer:,} B for the layer being recomputed)"
+        )
     elif t.sac:
         kept = sum(selective_bytes_per_token_layer(m).values())
         acts = tokens * (kept * m.layers + per_layer)
@@ -731,12 +831,28 @@ def estimate(t: Technique, m: ModelShape, gpus: int, seq: int, micro_batch: int,
     logits, logits_note = logits_bytes(m, tokens, used, chunk)
     work, work_note = work_pair
     step, step_note = (0.0, "0") if t.lora else step_bytes(t, m, gpus)
-    return Estimate(t, bpp_total, acts, logits, work, step, host=16 * m.params / gpus if t.offload else 0.0, loss=used,
-                    notes={"states": bpp_note, "activations": act_note + f" + final norm {norm}h/token",
-                           "logits": logits_note, "working": work_note, "step": step_note})
+    return Estimate(
+        t,
+        bpp_total,
+        acts,
+        logits,
+        work,
+        step,
+        host=16 * m.params / gpus if t.offload else 0.0,
+        loss=used,
+        notes={
+            "states": bpp_note,
+            "activations": act_note + f" + final norm {norm}h/token",
+            "logits": logits_note,
+            "working": work_note,
+            "step": step_note,
+        },
+    )
 
 
-def recommend(estimates: dict[str, Estimate], gpu_mem_gib: float, headroom: float = 0.10) -> tuple[str | None, str | None]:
+def recommend(
+    estimates: dict[str, Estimate], gpu_mem_gib: float, headroom: float = 0.10
+) -> tuple[str | None, str | None]:
     """The first technique in `NATIVE_ORDER` and in `ZERO_ORDER` (LoRA rows: `LORA_ORDER`, and
     ``None`` for ZeRO) whose peak is at most (1 - headroom) x gpu_mem_gib; ``None`` where none fits."""
     budget = (1 - headroom) * gpu_mem_gib * GIB
@@ -747,31 +863,68 @@ def recommend(estimates: dict[str, Estimate], gpu_mem_gib: float, headroom: floa
 
 
 # ----------------------------------------------------------------------------- the command
-def report(m: ModelShape, gpus: int, gpu_mem_gib: float, seq: int, micro_batch: int, compiled: bool, loss: str,
-           headroom: float, chunk: int = 4096, lora: LoraSpec | None = None) -> str:
+def report(
+    m: ModelShape,
+    gpus: int,
+    gpu_mem_gib: float,
+    seq: int,
+    micro_batch: int,
+    compiled: bool,
+    loss: str,
+    headroom: float,
+    chunk: int = 4096,
+    lora: LoraSpec | None = None,
+) -> str:
     """The printed arithmetic, the table and the recommendation (the LoRA rows with `lora`)."""
     g = lambda b: f"{b / GIB:.1f}"
     techniques = LORA_TECHNIQUES if lora else TECHNIQUES
     est = {t.name: estimate(t, m, gpus, seq, micro_batch, compiled, loss, chunk, lora) for t in techniques}
-    moe = (f" MoE: {m.experts} experts, {m.top_k} per token, f={m.ffn} each"
-           f"{f', shared f={m.shared_ffn}' if m.shared_ffn else ''}{', attention sinks' if m.sinks else ''}") if m.experts else ""
-    lines = [f"model: {m.name}  ({m.counted_by})",
-             (f"  parameters {m.params:,} = embedding {m.embed_params:,} + untied head {m.head_params:,} + "
-              f"{m.layers} layers x ~{m.layer_params:,} + rest"),
-             (f"  h={m.hidden} q={m.q_dim} kv={m.kv_dim} f={m.ffn} ({'gated' if m.gated else 'plain'} MLP"
-              f"{', q/k norms' if m.qk_norm else ''}) vocab={m.vocab:,}{'' if m.lm_head else ' (no vocabulary head)'}{moe}")]
+    moe = (
+        (
+            f" MoE: {m.experts} experts, {m.top_k} per token, f={m.ffn} each"
+            f"{f', shared f={m.shared_ffn}' if m.shared_ffn else ''}{', attention sinks' if m.sinks else ''}"
+        )
+        if m.experts
+        else ""
+    )
+    lines = [
+        f"model: {m.name}  ({m.counted_by})",
+        (
+            f"  parameters {m.params:,} = embedding {m.embed_params:,} + untied head {m.head_params:,} + "
+            f"{m.layers} layers x ~{m.layer_params:,} + rest"
+        ),
+        (
+            f"  h={m.hidden} q={m.q_dim} kv={m.kv_dim} f={m.ffn} ({'gated' if m.gated else 'plain'} MLP"
+            f"{', q/k norms' if m.qk_norm else ''}) vocab={m.vocab:,}{'' if m.lm_head else ' (no vocabulary head)'}{moe}"
+        ),
+    ]
     if lora:
-        lines.append(f"  LoRA r={lora.r} on {', '.join(lora.targets)}: {lora.params(m):,} adapter parameters "
-                     f"({m.layers} layers x {lora.layer_params(m):,} = sum of r x (in + out)); the base frozen in bf16")
-    lines += [(f"run: {gpus} GPU(s) x {gpu_mem_gib:g} GiB, seq {seq} x micro-batch {micro_batch} = {seq * micro_batch:,} "
-               f"tokens per GPU, {'per-layer torch.compile' if compiled else 'eager'}, {loss} loss"
-               f"{'' if loss == 'full' else ' where the recipe has it (' + ', '.join(sorted({t.recipe_for(m) for t in techniques if loss in t.losses})) + ')'}"),
-              ""]
-    tables = ([("LoRA, adapters fp32 (DDP rows)", lora_activation_bytes_per_token_layer(m, lora)),
-               ("LoRA, adapters gathered in bf16 (FSDP2 rows)", lora_activation_bytes_per_token_layer(m, lora, True))]
-              if lora else [(f"{'compiled' if compiled else 'eager'}; Korthikanti et al. 2022 eq. (1) adapted",
-                             activation_bytes_per_token_layer(m, compiled)),
-                            ("kept with selective AC", selective_bytes_per_token_layer(m))])
+        lines.append(
+            f"  LoRA r={lora.r} on {', '.join(lora.targets)}: {lora.params(m):,} adapter parameters "
+            f"({m.layers} layers x {lora.layer_params(m):,} = sum of r x (in + out)); the base frozen in bf16"
+        )
+    lines += [
+        (
+            f"run: {gpus} GPU(s) x {gpu_mem_gib:g} GiB, seq {seq} x micro-batch {micro_batch} = {seq * micro_batch:,} "
+            f"tokens per GPU, {'per-layer torch.compile' if compiled else 'eager'}, {loss} loss"
+            f"{'' if loss == 'full' else ' where the recipe has it (' + ', '.join(sorted({t.recipe_for(m) for t in techniques if loss in t.losses})) + ')'}"
+        ),
+        "",
+    ]
+    tables = (
+        [
+            ("LoRA, adapters fp32 (DDP rows)", lora_activation_bytes_per_token_layer(m, lora)),
+            ("LoRA, adapters gathered in bf16 (FSDP2 rows)", lora_activation_bytes_per_token_layer(m, lora, True)),
+        ]
+        if lora
+        else [
+            (
+                f"{'compiled' if compiled else 'eager'}; Korthikanti et al. 2022 eq. (1) adapted",
+                activation_bytes_per_token_layer(m, compiled),
+            ),
+            ("kept with selective AC", selective_bytes_per_token_layer(m)),
+        ]
+    )
     for title, items in tables:
         lines.append(f"activations per token per layer ({title}):")
         lines += [f"  {v:>9,} B  {k}" for k, v in items.items()]
@@ -796,20 +949,29 @@ def report(m: ModelShape, gpus: int, gpu_mem_gib: float, seq: int, micro_batch: 
     for n, e in est.items():
         fits = "fits" if e.peak <= budget * GIB else "too big"
         host = f", host {g(e.host)} GiB per GPU" if e.host else ""
-        lines.append(f"{n:<26} {g(e.states):>7} {g(e.activations):>7} {g(e.logits):>7} {g(e.working):>7} {g(e.step):>6} "
-                     f"{g(e.peak):>7}  {fits}{host}")
+        lines.append(
+            f"{n:<26} {g(e.states):>7} {g(e.activations):>7} {g(e.logits):>7} {g(e.working):>7} {g(e.step):>6} "
+            f"{g(e.peak):>7}  {fits}{host}"
+        )
     native, zero = recommend(est, gpu_mem_gib, headroom)
     native_order = LORA_ORDER if lora else NATIVE_ORDER
 
     def why(pick: str | None, order: list[str]) -> str:
-        tried = order[:order.index(pick)] if pick else order
+        tried = order[: order.index(pick)] if pick else order
         over = ", ".join(f"{n} {g(est[n].peak)}" for n in tried)
-        fit = f" ({g(est[pick].peak)} GiB <= {budget:.1f}; {est[pick].technique.recipe_for(m)}, {est[pick].loss} loss)" if pick else ""
+        fit = (
+            f" ({g(est[pick].peak)} GiB <= {budget:.1f}; {est[pick].technique.recipe_for(m)}, {est[pick].loss} loss)"
+            if pick
+            else ""
+        )
         return f"{fit}{'; too big before it: ' + over if pick and over else '; all too big: ' + over if over else ''}"
 
-    lines += ["", f"budget: {gpu_mem_gib:g} GiB x (1 - {headroom:g} headroom) = {budget:.1f} GiB per GPU",
-              f"recommended: {native or 'none fits: more GPUs, a shorter sequence or a smaller micro-batch'}"
-              f"{why(native, native_order)}"]
+    lines += [
+        "",
+        f"budget: {gpu_mem_gib:g} GiB x (1 - {headroom:g} headroom) = {budget:.1f} GiB per GPU",
+        f"recommended: {native or 'none fits: more GPUs, a shorter sequence or a smaller micro-batch'}"
+        f"{why(native, native_order)}",
+    ]
     if lora:
         lines.append("on DeepSpeed: LoRA with ZeRO is not modelled")
     else:
@@ -825,19 +987,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, required=True, help="sequence length, tokens")
     p.add_argument("--micro-batch", type=int, required=True, help="sequences per GPU per forward")
     p.add_argument("--compile", action="store_true", help="per-layer torch.compile (fewer saved activations)")
-    p.add_argument("--loss", choices=["full", "chunked", "fused"], default=None,
-                   help="full: fp32 logits for the whole micro-batch (default; with --lora: fused); chunked: the recipes' "
-                        "train.loss=chunked (--loss-chunk tokens at a time); fused: TRL / Liger fused loss (no logits kept; "
-                        "TRL's SFTTrainer uses its fused LM head)")
+    p.add_argument(
+        "--loss",
+        choices=["full", "chunked", "fused"],
+        default=None,
+        help="full: fp32 logits for the whole micro-batch (default; with --lora: fused); chunked: the recipes' "
+        "train.loss=chunked (--loss-chunk tokens at a time); fused: TRL / Liger fused loss (no logits kept; "
+        "TRL's SFTTrainer uses its fused LM head)",
+    )
     p.add_argument("--loss-chunk", type=int, default=4096, help="tokens per chunk of --loss chunked (default 4096)")
     p.add_argument("--headroom", type=float, default=0.10, help="fraction of GPU memory kept free (default 0.10)")
     p.add_argument("--no-meta", action="store_true", help="count parameters from config fields, not transformers")
-    p.add_argument("--lora", action="store_true",
-                   help="LoRA rows instead (recipes/gpt-oss-lora-trl): frozen bf16 base, fp32 adapters with AdamW; "
-                        "DDP and FSDP2, without and with full AC")
+    p.add_argument(
+        "--lora",
+        action="store_true",
+        help="LoRA rows instead (recipes/gpt-oss-lora-trl): frozen bf16 base, fp32 adapters with AdamW; "
+        "DDP and FSDP2, without and with full AC",
+    )
     p.add_argument("--lora-r", type=int, default=16, help="LoRA rank (default 16)")
-    p.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj",
-                   help=f"comma-separated target modules (default q_proj,k_proj,v_proj,o_proj, the recipe's); of {', '.join(LORA_DIMS)}")
+    p.add_argument(
+        "--lora-targets",
+        default="q_proj,k_proj,v_proj,o_proj",
+        help=f"comma-separated target modules (default q_proj,k_proj,v_proj,o_proj, the recipe's); of {', '.join(LORA_DIMS)}",
+    )
     a = p.parse_args(argv)
     try:
         if a.gpus < 1:

@@ -1,6 +1,6 @@
 """Lines inside docstrings (module, class, function) / all lines, per module of a package and in total.
 
-    python scripts/docstring_share.py shared/cookbook
+python scripts/docstring_share.py shared/cookbook
 """
 
 import ast
@@ -13,7 +13,11 @@ def docstring_lines(tree: ast.Module) -> set[int]:
     for node in ast.walk(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
             first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
                 lines.update(range(first.lineno, first.end_lineno + 1))
     return lines
 

@@ -12,6 +12,7 @@ Writes to recipes/modernbert-ddp/tiny/ (or --out DIR):
 Deterministic (fixed seed; byte-identical output on every run). Regenerate with:
     python scripts/make_tiny_agnews.py
 """
+
 import argparse
 import csv
 import random
@@ -19,8 +20,13 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTokenizer,
-                          ModernBertConfig, PreTrainedTokenizerFast)
+from transformers import (
+    AutoConfig,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    ModernBertConfig,
+    PreTrainedTokenizerFast,
+)
 
 SEED = 1234
 LABELS = ["World", "Sports", "Business", "Sci/Tech"]  # AG News class index = position + 1
@@ -105,23 +111,34 @@ def train_tokenizer(texts, vocab_size=1000):
     norm, pre = tok.normalizer.normalize_str, tok.pre_tokenizer.pre_tokenize_str
     pieces = [w for t in texts for w, _ in pre(norm(t))]
     cont = sorted({"##" + c for w in pieces for c in w[1:]})
-    tok.train_from_iterator(texts, trainers.WordPieceTrainer(
-        vocab_size=vocab_size, special_tokens=specials + cont, show_progress=False))
+    tok.train_from_iterator(
+        texts, trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=specials + cont, show_progress=False)
+    )
     tok = build(tok.get_vocab())
     tok.add_special_tokens(specials)
     cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
-        special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)]
+    )
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]",
-        sep_token="[SEP]", mask_token="[MASK]", model_max_length=128)
+        tokenizer_object=tok,
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+        model_max_length=128,
+    )
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, help="output folder (default: recipes/modernbert-ddp/tiny)",
-                    default=Path(__file__).resolve().parents[1] / "recipes/modernbert-ddp/tiny")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        help="output folder (default: recipes/modernbert-ddp/tiny)",
+        default=Path(__file__).resolve().parents[1] / "recipes/modernbert-ddp/tiny",
+    )
     out = ap.parse_args().out
 
     rng = random.Random(SEED)
@@ -137,12 +154,23 @@ def main():
     tokenizer.save_pretrained(out / "model")
 
     config = ModernBertConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, max_position_embeddings=128, local_attention=16,
-        global_attn_every_n_layers=2, pad_token_id=tokenizer.pad_token_id,
-        cls_token_id=tokenizer.cls_token_id, sep_token_id=tokenizer.sep_token_id,
-        bos_token_id=tokenizer.cls_token_id, eos_token_id=tokenizer.sep_token_id, num_labels=4,
-        id2label=dict(enumerate(LABELS)), label2id={l: i for i, l in enumerate(LABELS)})
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+        local_attention=16,
+        global_attn_every_n_layers=2,
+        pad_token_id=tokenizer.pad_token_id,
+        cls_token_id=tokenizer.cls_token_id,
+        sep_token_id=tokenizer.sep_token_id,
+        bos_token_id=tokenizer.cls_token_id,
+        eos_token_id=tokenizer.sep_token_id,
+        num_labels=4,
+        id2label=dict(enumerate(LABELS)),
+        label2id={l: i for i, l in enumerate(LABELS)},
+    )
     config.save_pretrained(out / "model")
 
     # Smoke check: reload both from disk, build the model from config, run one forward pass.
@@ -154,8 +182,10 @@ def main():
         logits = model(**batch).logits
     assert logits.shape == (8, 4), logits.shape
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"wrote {out}: {len(train)} train / {len(val)} val rows, vocab {len(tok)}, "
-          f"{type(model).__name__} with {n_params:,} parameters, logits {tuple(logits.shape)}")
+    print(
+        f"wrote {out}: {len(train)} train / {len(val)} val rows, vocab {len(tok)}, "
+        f"{type(model).__name__} with {n_params:,} parameters, logits {tuple(logits.shape)}"
+    )
 
 
 if __name__ == "__main__":

@@ -26,8 +26,12 @@ def main(rows: int = 3072, seed: int = 0) -> None:
         counts = rng.poisson(rng.uniform(0.5, 40, size=13)).astype(int)
         counts[1] -= rng.integers(0, 3)  # I2 has small negative values in the real data
         picks = [min(int(rng.zipf(1.3)) - 1, n - 1) for n in vocab_sizes]
-        logit = -1.6 + 0.6 * np.log1p(max(counts[0], 0)) - 0.4 * np.log1p(counts[4]) + sum(
-            effects[j][picks[j]] for j in range(26))
+        logit = (
+            -1.6
+            + 0.6 * np.log1p(max(counts[0], 0))
+            - 0.4 * np.log1p(counts[4])
+            + sum(effects[j][picks[j]] for j in range(26))
+        )
         label = int(rng.random() < 1 / (1 + np.exp(-logit)))
         dense = ["" if rng.random() < 0.15 else str(c) for c in counts]
         cats = ["" if rng.random() < 0.08 else vocabs[j][picks[j]] for j in range(26)]

@@ -252,11 +252,20 @@ CHAT_TEMPLATE = r"""{#- The harmony chat template of openai/gpt-oss (20b / 120b)
 <|start|>assistant
 {%- endif -%}"""
 
-WEATHER = {"name": "get_weather", "description": "Current weather of a city.",
-           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
-RATE = {"name": "exchange_rate", "description": "Exchange rate between two currencies.",
-        "parameters": {"type": "object", "properties": {"base": {"type": "string"}, "quote": {"type": "string"}},
-                       "required": ["base", "quote"]}}
+WEATHER = {
+    "name": "get_weather",
+    "description": "Current weather of a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+RATE = {
+    "name": "exchange_rate",
+    "description": "Exchange rate between two currencies.",
+    "parameters": {
+        "type": "object",
+        "properties": {"base": {"type": "string"}, "quote": {"type": "string"}},
+        "required": ["base", "quote"],
+    },
+}
 
 
 def make_rows(n_math: int = 16, n_tools: int = 12, seed: int = 0) -> list[dict]:
@@ -267,40 +276,81 @@ def make_rows(n_math: int = 16, n_tools: int = 12, seed: int = 0) -> list[dict]:
     for i in range(n_math):
         a, b = rng.randint(2, 40), rng.randint(2, 40)
         if i % 2:
-            q, think, ans = f"What is {a} plus {b}?", f"Add {a} and {b}: {a} + {b} = {a + b}.", f"{a} plus {b} is {a + b}."
+            q, think, ans = (
+                f"What is {a} plus {b}?",
+                f"Add {a} and {b}: {a} + {b} = {a + b}.",
+                f"{a} plus {b} is {a + b}.",
+            )
         else:
-            q, think, ans = (f"How many minutes are in {a} hours?", f"One hour has 60 minutes, so {a} x 60 = {a * 60}.",
-                             f"{a} hours are {a * 60} minutes.")
+            q, think, ans = (
+                f"How many minutes are in {a} hours?",
+                f"One hour has 60 minutes, so {a} x 60 = {a * 60}.",
+                f"{a} hours are {a * 60} minutes.",
+            )
         row = {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": ans, "thinking": think}]}
         if i % 4 == 0:
             row["messages"].insert(0, {"role": "system", "content": "Answer in one short sentence."})
         if i % 3 == 0:
             row["reasoning_effort"] = efforts[i % 3 + (i // 3) % 3 if i % 3 + (i // 3) % 3 < 3 else 0]
         rows.append(row)
-    cities = {"Paris": ("sunny", 21), "Oslo": ("snow", -3), "Lima": ("cloudy", 18), "Cairo": ("hot and dry", 35),
-              "Tokyo": ("rain", 14), "Quito": ("mild", 16)}
+    cities = {
+        "Paris": ("sunny", 21),
+        "Oslo": ("snow", -3),
+        "Lima": ("cloudy", 18),
+        "Cairo": ("hot and dry", 35),
+        "Tokyo": ("rain", 14),
+        "Quito": ("mild", 16),
+    }
     pairs = {("EUR", "USD"): 1.09, ("USD", "JPY"): 151.2, ("GBP", "EUR"): 1.17}
     for i in range(n_tools):
         if i % 2 == 0:
             city = list(cities)[(i // 2) % len(cities)]
             sky, temp = cities[city]
-            row = {"tools": [WEATHER], "messages": [
-                {"role": "user", "content": f"What is the weather in {city} right now?"},
-                {"role": "assistant", "content": "", "thinking": f"I need the current weather of {city}.",
-                 "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": city}}}]},
-                {"role": "tool", "name": "get_weather", "content": json.dumps({"sky": sky, "celsius": temp})},
-                {"role": "assistant", "content": f"In {city} it is {sky}, {temp} degrees Celsius."}]}
+            row = {
+                "tools": [WEATHER],
+                "messages": [
+                    {"role": "user", "content": f"What is the weather in {city} right now?"},
+                    {
+                        "role": "assistant",
+                        "content": "",
+                        "thinking": f"I need the current weather of {city}.",
+                        "tool_calls": [
+                            {"type": "function", "function": {"name": "get_weather", "arguments": {"city": city}}}
+                        ],
+                    },
+                    {"role": "tool", "name": "get_weather", "content": json.dumps({"sky": sky, "celsius": temp})},
+                    {"role": "assistant", "content": f"In {city} it is {sky}, {temp} degrees Celsius."},
+                ],
+            }
         else:
             (base, quote), rate = list(pairs.items())[(i // 2) % len(pairs)]
-            row = {"tools": [RATE], "reasoning_effort": efforts[i % 3], "messages": [
-                {"role": "developer", "content": "Quote rates with two decimals."},
-                {"role": "user", "content": f"How many {quote} is one {base}?"},
-                {"role": "assistant", "content": None,
-                 "tool_calls": [{"type": "function", "function": {"name": "exchange_rate",
-                                                                  "arguments": json.dumps({"base": base, "quote": quote})}}]},
-                {"role": "tool", "content": json.dumps({"rate": rate})},
-                {"role": "assistant", "content": f"One {base} is {rate:.2f} {quote}.",
-                 "thinking": f"The tool says {rate}; round to two decimals."}]}
+            row = {
+                "tools": [RATE],
+                "reasoning_effort": efforts[i % 3],
+                "messages": [
+                    {"role": "developer", "content": "Quote rates with two decimals."},
+                    {"role": "user", "content": f"How many {quote} is one {base}?"},
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [
+                            {
+                                "type": "function",
+                                "function": {
+                                    "name": "exchange_rate",
+                                    "arguments": json.dumps({"base": base, "quote": quote}),
+                                },
+                            }
+                        ],
+                    },
+                    {"role": "tool", "content": json.dumps({"rate": rate})},
+                    {
+                        "role": "assistant",
+                        "content": f"One {base} is {rate:.2f} {quote}.",
+                        "thinking": f"The tool says {rate}; round to two decimals.",
+                    },
+                ],
+            }
         rows.append(row)
     return rows
 
@@ -319,22 +369,51 @@ def main() -> None:
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     corpus = [json.dumps(row, ensure_ascii=False) for row in rows] + [CHAT_TEMPLATE]
-    trainer = trainers.BpeTrainer(vocab_size=768, special_tokens=[PAD, *HARMONY],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=768,
+        special_tokens=[PAD, *HARMONY],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     bpe.train_from_iterator(corpus, trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|return|>", pad_token=PAD,
-                                  clean_up_tokenization_spaces=False, model_max_length=512)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        eos_token="<|return|>",
+        pad_token=PAD,
+        clean_up_tokenization_spaces=False,
+        model_max_length=512,
+    )
     tok.add_special_tokens({"additional_special_tokens": HARMONY})
     tok.chat_template = CHAT_TEMPLATE
     model_dir = args.out / "gpt_oss"
     tok.save_pretrained(model_dir)
-    GptOssConfig(vocab_size=-(-len(tok) // 64) * 64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                 num_local_experts=4, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                 sliding_window=8, layer_types=["sliding_attention", "full_attention"], max_position_embeddings=512,
-                 rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                                  "truncate": False, "original_max_position_embeddings": 128, "rope_theta": 150000.0},
-                 tie_word_embeddings=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                 bos_token_id=None).save_pretrained(model_dir)
+    GptOssConfig(
+        vocab_size=-(-len(tok) // 64) * 64,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=512,
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 128,
+            "rope_theta": 150000.0,
+        },
+        tie_word_embeddings=False,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=None,
+    ).save_pretrained(model_dir)
     print(f"wrote {len(rows)} rows and a {len(tok)}-token tokenizer to {args.out}")
 
 

@@ -19,7 +19,9 @@ def image(kind: str, rng: np.random.Generator, size: int = 32) -> Image.Image:
     period = int(rng.integers(4, 9))
     yy, xx = np.mgrid[:size, :size]
     phase = int(rng.integers(0, period))
-    mask = ((yy + phase) // period) % 2 if kind == "stripes" else (((yy + phase) // period + (xx + phase) // period) % 2)
+    mask = (
+        ((yy + phase) // period) % 2 if kind == "stripes" else (((yy + phase) // period + (xx + phase) // period) % 2)
+    )
     a, b = rng.integers(0, 256, 3), rng.integers(0, 256, 3)
     img = np.where(mask[..., None] == 1, a, b) + rng.normal(0, 20, (size, size, 3))
     return Image.fromarray(np.clip(img, 0, 255).astype(np.uint8))

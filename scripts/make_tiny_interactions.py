@@ -19,8 +19,9 @@ import numpy as np
 OUT = Path(__file__).resolve().parents[1] / "recipes" / "two-tower-ray" / "tiny" / "data" / "interactions.csv"
 
 
-def main(users: int = 300, items: int = 120, groups: int = 6, per_user: int = 12, seed: int = 0,
-         out: Path = OUT) -> None:
+def main(
+    users: int = 300, items: int = 120, groups: int = 6, per_user: int = 12, seed: int = 0, out: Path = OUT
+) -> None:
     """Write ``users * per_user`` interactions (no user repeats an item) to ``out`` as CSV.
 
     Raises:

@@ -28,9 +28,12 @@ RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "qwen-zero3-receipts"
 def trim(row: dict, max_boxes: int = 14) -> dict:
     """The row with only the OCR boxes that carry entity text (plus the first two)."""
     values = [v.upper() for v in row["entities"].values() if isinstance(v, str)]
-    pieces = {v[i:i + 4] for v in values for i in range(max(1, len(v) - 3))}
-    keep = [i for i, box in enumerate(row["ocr_boxes"])
-            if i < 2 or any(box[8].upper()[j:j + 4] in pieces for j in range(max(1, len(box[8]) - 3)))]
+    pieces = {v[i : i + 4] for v in values for i in range(max(1, len(v) - 3))}
+    keep = [
+        i
+        for i, box in enumerate(row["ocr_boxes"])
+        if i < 2 or any(box[8].upper()[j : j + 4] in pieces for j in range(max(1, len(box[8]) - 3)))
+    ]
     return {"id": row["id"], "entities": row["entities"], "ocr_boxes": [row["ocr_boxes"][i] for i in keep[:max_boxes]]}
 
 
@@ -55,19 +58,38 @@ def main() -> None:
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=1024,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     bpe.train_from_iterator(corpus, trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                  clean_up_tokenization_spaces=False, model_max_length=4096)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        clean_up_tokenization_spaces=False,
+        model_max_length=4096,
+    )
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tok.chat_template = CHATML
     model_dir = args.out / "qwen3"
     tok.save_pretrained(model_dir)
-    Qwen3Config(vocab_size=-(-len(tok) // 64) * 64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-                tie_word_embeddings=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                bos_token_id=tok.pad_token_id).save_pretrained(model_dir)
+    Qwen3Config(
+        vocab_size=-(-len(tok) // 64) * 64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.pad_token_id,
+    ).save_pretrained(model_dir)
     print(f"wrote {len(rows)} receipts and a {len(tok)}-token tokenizer to {args.out}")
 
 

@@ -15,8 +15,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def repo_files() -> list[str]:
     """Paths, relative to the repository root, of the files git tracks plus the new ones it does not ignore."""
-    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return sorted({p for p in out.splitlines() if (ROOT / p).is_file()})
 
 

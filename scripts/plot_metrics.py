@@ -20,8 +20,10 @@ from pathlib import Path
 
 # The panels, left to right; the throughput keys: (key, its older name in committed results, unit), first found wins.
 PANELS = ("loss", "learning rate", "throughput per device", "MFU (%)", "memory (GiB)")
-THROUGHPUT = (("tokens_per_s_per_device", "tokens_per_s_per_gpu", "tokens/s"),
-              ("samples_per_s_per_device", "samples_per_s_per_gpu", "samples/s"))
+THROUGHPUT = (
+    ("tokens_per_s_per_device", "tokens_per_s_per_gpu", "tokens/s"),
+    ("samples_per_s_per_device", "samples_per_s_per_gpu", "samples/s"),
+)
 
 
 def read_run(path: str | Path) -> tuple[dict[int, dict], dict[int, dict]]:
@@ -47,7 +49,10 @@ def read_run(path: str | Path) -> tuple[dict[int, dict], dict[int, dict]]:
             rec = json.loads(line)
         except json.JSONDecodeError as exc:
             if n == len(lines):  # a run killed while it wrote its last record: the records before it stand
-                print(f"warning: {path} line {n}: not JSON ({exc.msg}), the last line, cut short: left out", file=sys.stderr)
+                print(
+                    f"warning: {path} line {n}: not JSON ({exc.msg}), the last line, cut short: left out",
+                    file=sys.stderr,
+                )
                 break
             raise SystemExit(f"error: {path} line {n}: not JSON ({exc.msg})") from None
         if rec.get("event") == "train" and "step" in rec:
@@ -114,8 +119,14 @@ def figure(paths: list[str | Path], labels: list[str] | None = None):
         if any(len(line.get_xdata()) for line in ax.lines):
             ax.legend(fontsize="small")
         else:
-            ax.text(0.5, 0.5, "not in these runs" + ("\n(MFU is measured on GPUs)" if title == PANELS[3] else ""),
-                    ha="center", va="center", transform=ax.transAxes)
+            ax.text(
+                0.5,
+                0.5,
+                "not in these runs" + ("\n(MFU is measured on GPUs)" if title == PANELS[3] else ""),
+                ha="center",
+                va="center",
+                transform=ax.transAxes,
+            )
     return fig
 
 

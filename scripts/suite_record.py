@@ -21,9 +21,11 @@ MARKS = ("<!-- suite-time -->", "<!-- /suite-time -->")
 
 def sentence(record: dict) -> str:
     """The README's sentence on the test command's time, from a record."""
-    return (f"On {record['date']}, `CI=true bash .ci/run` on a fresh clone (commit {record['commit'][:7]}, "
-            f"{record['host']}) took {record['wall_s'] / 60:.1f} minutes, {record['pytest_s'] / 60:.1f} of them in "
-            f"pytest: `{record['summary']}` (`tests/suite_record.json`).")
+    return (
+        f"On {record['date']}, `CI=true bash .ci/run` on a fresh clone (commit {record['commit'][:7]}, "
+        f"{record['host']}) took {record['wall_s'] / 60:.1f} minutes, {record['pytest_s'] / 60:.1f} of them in "
+        f"pytest: `{record['summary']}` (`tests/suite_record.json`)."
+    )
 
 
 def readme_with(text: str, record: dict) -> str:
@@ -46,12 +48,15 @@ def main() -> None:
         return
     a = p.parse_args()
     lines = open(a.log, encoding="utf-8", errors="replace").read().splitlines()
-    summary = next(ln.strip("= ") for ln in lines if re.search(r"\d+ (passed|failed).* in [\d.]+s", ln))  # the README command's
+    summary = next(
+        ln.strip("= ") for ln in lines if re.search(r"\d+ (passed|failed).* in [\d.]+s", ln)
+    )  # the README command's
     command = next(ln[2:] for ln in lines if ln.startswith("+ python3 -m venv"))
     modules: dict[str, float] = defaultdict(float)
     for case in ET.parse(a.junit).getroot().iter("testcase"):
         modules[case.get("classname").split(".")[0] + "/" + case.get("classname").split(".")[1] + ".py"] += float(
-            case.get("time"))
+            case.get("time")
+        )
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "")
     record = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

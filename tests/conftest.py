@@ -32,7 +32,7 @@ for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
 os.register_at_fork(after_in_child=gc.freeze)
 
 
-FP32_EPS = 2.0 ** -23  # torch.finfo(torch.float32).eps
+FP32_EPS = 2.0**-23  # torch.finfo(torch.float32).eps
 
 
 def fp32_sum_atol(terms: int, scale: float) -> float:
@@ -53,8 +53,9 @@ def assert_fp32_close(got, want, terms: int, msg: str | None = None) -> None:
     magnitude."""
     import torch
 
-    torch.testing.assert_close(got.double(), want.double(), rtol=0, atol=fp32_sum_atol(terms, want.abs().max()),
-                               msg=msg)
+    torch.testing.assert_close(
+        got.double(), want.double(), rtol=0, atol=fp32_sum_atol(terms, want.abs().max()), msg=msg
+    )
 
 
 # Ports for rendezvous and Ray heads come from a block of this test process's own, below Linux's ephemeral range
@@ -119,29 +120,58 @@ def pytest_collection_modifyitems(config, items):
         module = item.nodeid.split("::")[0]
         groups.setdefault("ray" if module in ray_modules else module, []).append(item)
     recorded = json.loads(RECORD.read_text())["module_seconds"] if RECORD.is_file() else {}
-    seconds = {g: sum(recorded[m] for m in {i.nodeid.split("::")[0] for i in members} if m in recorded)
-               for g, members in groups.items() if any(i.nodeid.split("::")[0] in recorded for i in members)}
+    seconds = {
+        g: sum(recorded[m] for m in {i.nodeid.split("::")[0] for i in members} if m in recorded)
+        for g, members in groups.items()
+        if any(i.nodeid.split("::")[0] in recorded for i in members)
+    }
     items[:] = [item for g in order_groups(groups, seconds) for item in groups[g]]
     for name, members in groups.items():
         for item in members:
             item.add_marker(pytest.mark.xdist_group(name))
 
 
-def start_launch(recipe: str, *overrides: str, config: str = "tiny.yaml", ngpu: int = 2, cwd: Path | None = None,
-                 env: dict | None = None) -> subprocess.Popen:
+def start_launch(
+    recipe: str,
+    *overrides: str,
+    config: str = "tiny.yaml",
+    ngpu: int = 2,
+    cwd: Path | None = None,
+    env: dict | None = None,
+) -> subprocess.Popen:
     """Start ``recipes/<recipe>/launch.sh`` on CPU with `ngpu` processes in the background, its output piped."""
-    full_env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-                "CONFIG_FILE": config, "NGPU": str(ngpu), "MASTER_PORT": str(free_port()),
-                "COOKBOOK_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": "", **(env or {})}
+    full_env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "CONFIG_FILE": config,
+        "NGPU": str(ngpu),
+        "MASTER_PORT": str(free_port()),
+        "COOKBOOK_DEVICE": "cpu",
+        "CUDA_VISIBLE_DEVICES": "",
+        **(env or {}),
+    }
     full_env.pop("MLFLOW_TRACKING_URI", None)
     full_env.pop("MLFLOW_RUN_ID", None)
     script = (cwd / "launch.sh") if cwd else ROOT / "recipes" / recipe / "launch.sh"
-    return subprocess.Popen(["bash", str(script), *overrides], cwd=cwd or ROOT, env=full_env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        ["bash", str(script), *overrides],
+        cwd=cwd or ROOT,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
-def launch(recipe: str, *overrides: str, config: str = "tiny.yaml", ngpu: int = 2, cwd: Path | None = None,
-           env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+def launch(
+    recipe: str,
+    *overrides: str,
+    config: str = "tiny.yaml",
+    ngpu: int = 2,
+    cwd: Path | None = None,
+    env: dict | None = None,
+    timeout: int = 600,
+) -> subprocess.CompletedProcess:
     """Run ``recipes/<recipe>/launch.sh`` on CPU with `ngpu` processes; returns the finished process."""
     proc = start_launch(recipe, *overrides, config=config, ngpu=ngpu, cwd=cwd, env=env)
     try:
@@ -169,8 +199,9 @@ def kill_worker(proc: subprocess.Popen, rank: str = "1") -> int:
     return workers[rank].pid
 
 
-def launch_and_kill(recipe: str, *overrides: str, once: Path, rank: str = "1",
-                    timeout: int = 600) -> subprocess.CompletedProcess:
+def launch_and_kill(
+    recipe: str, *overrides: str, once: Path, rank: str = "1", timeout: int = 600
+) -> subprocess.CompletedProcess:
     """Run ``launch.sh`` of `recipe` (as `start_launch`), SIGKILL the worker of global rank `rank` as soon as the
     folder `once` exists (a checkpoint just published), and wait for the launcher; returns it finished."""
     proc = start_launch(recipe, *overrides)
@@ -217,7 +248,8 @@ def main_in_workers(recipe: str, *overrides: str, config: str = "tiny.yaml") -> 
 
     load_recipe(recipe)
     cookbook.distributed(num_processes=2, start_method="fork")(_call_main).distributed(
-        recipe, ["--config", str(ROOT / "recipes" / recipe / config), *overrides])
+        recipe, ["--config", str(ROOT / "recipes" / recipe / config), *overrides]
+    )
 
 
 def _call_main(recipe: str, argv: list[str]) -> None:

@@ -34,25 +34,50 @@ def start_head(base: Path, num_cpus: int = 3) -> tuple[subprocess.Popen, dict]:
     (``RAY_ADDRESS`` set) a launch needs. 3 CPUs: 2 one-CPU workers and one left free (a Ray Data read needs a CPU of its own)."""
     port = free_port()  # and the 7 after it (conftest._PORT_STEP): every port the head's own processes listen on,
     # so a second Ray head on this machine (another test process, an engineer's) cannot take one of Ray's defaults first
-    env = {**os.environ, "HOME": str(base / "home"), "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
-           "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",  # one actor less per run
-           "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S": "3",  # Ray's wait on a stopped worker's group teardown (30 s)
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "COOKBOOK_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": ""}
+    env = {
+        **os.environ,
+        "HOME": str(base / "home"),
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2",
+        "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",  # one actor less per run
+        "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S": "3",  # Ray's wait on a stopped worker's group teardown (30 s)
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "COOKBOOK_DEVICE": "cpu",
+        "CUDA_VISIBLE_DEVICES": "",
+    }
     env.pop("RAY_ADDRESS", None)
     (base / "home").mkdir(parents=True, exist_ok=True)
     # Ray's session folder holds Unix sockets, whose paths may not exceed 107 bytes: a short folder of its own
     # (pytest's base/, with -n 2's popen-gw0/ in it, was too long), removed by `stop_head`.
     ray_tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
     log = open(base / "head.log", "w")  # noqa: SIM115  the head's own output, for the error below
-    head = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", f"--port={port}",
-                             f"--dashboard-agent-listen-port={port + 2}",
-                             f"--dashboard-agent-grpc-port={port + 3}", f"--runtime-env-agent-port={port + 4}",
-                             f"--metrics-export-port={port + 5}", f"--object-manager-port={port + 6}",
-                             f"--node-manager-port={port + 7}", "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}", "--num-gpus=0",
-                             f"--temp-dir={ray_tmp}", "--include-dashboard=false", "--disable-usage-stats"],
-                            env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    head = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "ray"),
+            "start",
+            "--head",
+            "--block",
+            f"--port={port}",
+            f"--dashboard-agent-listen-port={port + 2}",
+            f"--dashboard-agent-grpc-port={port + 3}",
+            f"--runtime-env-agent-port={port + 4}",
+            f"--metrics-export-port={port + 5}",
+            f"--object-manager-port={port + 6}",
+            f"--node-manager-port={port + 7}",
+            "--node-ip-address=127.0.0.1",
+            f"--num-cpus={num_cpus}",
+            "--num-gpus=0",
+            f"--temp-dir={ray_tmp}",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+        ],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 60
     while True:
         with socket.socket() as s:
@@ -64,8 +89,7 @@ def start_head(base: Path, num_cpus: int = 3) -> tuple[subprocess.Popen, dict]:
         time.sleep(0.3)
     time.sleep(2.0)  # the raylet registers after the GCS port opens
     head.ray_tmp = ray_tmp  # type: ignore[attr-defined]
-    return head, {**env, "RAY_ADDRESS": f"127.0.0.1:{port}", "_HEAD_SESSION": str(head.pid),
-                  "_RAY_TMP": ray_tmp}
+    return head, {**env, "RAY_ADDRESS": f"127.0.0.1:{port}", "_HEAD_SESSION": str(head.pid), "_RAY_TMP": ray_tmp}
 
 
 def stop_head(head: subprocess.Popen) -> None:
@@ -84,8 +108,11 @@ def ray_processes(env: dict, name: str) -> list[int]:
     session, found = int(env["_HEAD_SESSION"]), []
     for proc in Path("/proc").iterdir():
         try:
-            if proc.name.isdigit() and os.getsid(int(proc.name)) == session and \
-                    (proc / "cmdline").read_bytes().startswith(f"ray::{name}".encode()):
+            if (
+                proc.name.isdigit()
+                and os.getsid(int(proc.name)) == session
+                and (proc / "cmdline").read_bytes().startswith(f"ray::{name}".encode())
+            ):
                 found.append(int(proc.name))
         except OSError:  # gone meanwhile
             pass
@@ -165,16 +192,28 @@ def _alongside(action: Callable[[int], None] | None, pid: int) -> Iterator[None]
         raise errors[0]
 
 
-def run_launch(recipe: str, env: dict, *overrides: str, config: str = "tiny.yaml", timeout: int = 300,
-               alongside: Callable[[int], None] | None = None) -> subprocess.CompletedProcess:
+def run_launch(
+    recipe: str,
+    env: dict,
+    *overrides: str,
+    config: str = "tiny.yaml",
+    timeout: int = 300,
+    alongside: Callable[[int], None] | None = None,
+) -> subprocess.CompletedProcess:
     """``recipes/<recipe>/launch.sh`` with `env` (from `ray_env`), as a user runs it; ``alongside(pid)`` runs in
     a thread meanwhile (a fault to inject; `pid`: the launcher's, which launch.sh execs), and what it raises is
     raised after the run."""
     env = {k: v for k, v in env.items() if not k.startswith("_")}
     env.update(CONFIG_FILE=config)
     env.pop("MLFLOW_TRACKING_URI", None)
-    proc = subprocess.Popen(["bash", str(ROOT / "recipes" / recipe / "launch.sh"), *overrides], env=env, cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        ["bash", str(ROOT / "recipes" / recipe / "launch.sh"), *overrides],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     with _alongside(alongside, proc.pid):
         try:
             out, err = proc.communicate(timeout=timeout)
@@ -184,8 +223,15 @@ def run_launch(recipe: str, env: dict, *overrides: str, config: str = "tiny.yaml
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def run_driver_forked(recipe: str, env: dict, *overrides: str, config: str = "tiny.yaml", timeout: int = 300,
-                      alongside: Callable[[int], None] | None = None, run_main: bool = False) -> subprocess.CompletedProcess:
+def run_driver_forked(
+    recipe: str,
+    env: dict,
+    *overrides: str,
+    config: str = "tiny.yaml",
+    timeout: int = 300,
+    alongside: Callable[[int], None] | None = None,
+    run_main: bool = False,
+) -> subprocess.CompletedProcess:
     """The recipe's driver (``train.py``'s ``main``, what launch.sh runs against ``RAY_ADDRESS``) in a child
     forked from this process, with `env` (from `ray_env`); returns what it printed as a finished process.
     ``alongside(pid)`` runs in a thread of this process meanwhile (started after the fork; `pid`: the
@@ -267,7 +313,6 @@ def summary(records: list[dict]) -> dict:
     return [r for r in records if r["event"] == "summary"][-1]
 
 
-
 class LocalTorchTrainer:
     """``ray.train.torch.TorchTrainer`` (the arguments the recipes give it) without Ray, for the driver's and the
     workers' handling of a run at no Ray start-up (~20 s a fit on 2 cores): `fit` runs the worker function
@@ -282,7 +327,9 @@ class LocalTorchTrainer:
     Not covered: Ray's restarts (``failure_config``), ``checkpoint_config.num_to_keep``, stop requests,
     ``torch_config`` (the workers' `WorkerRun` sets the collective timeout)."""
 
-    def __init__(self, train_loop_per_worker, *, train_loop_config: dict, scaling_config, run_config, torch_config=None):
+    def __init__(
+        self, train_loop_per_worker, *, train_loop_config: dict, scaling_config, run_config, torch_config=None
+    ):
         self.fn, self.num_workers = train_loop_per_worker, scaling_config.num_workers
         self.loop_config = {**train_loop_config, "stop_key": None}  # no Ray key-value store to read a request from
         self.out = Path(run_config.storage_path) / run_config.name
@@ -292,12 +339,18 @@ class LocalTorchTrainer:
 
         announced = self.loop_config["announced"]
         values = cookbook.distributed(num_processes=self.num_workers, start_method="fork")(_local_worker).distributed(
-            self.fn, self.loop_config, self.out, announced)
+            self.fn, self.loop_config, self.out, announced
+        )
         return_value, metrics, name = values[0]
         from ray.train import Checkpoint, Result
 
-        return Result(metrics=metrics, checkpoint=Checkpoint.from_directory(self.out / name) if name else None,
-                      error=None, path=str(self.out), return_value=return_value)
+        return Result(
+            metrics=metrics,
+            checkpoint=Checkpoint.from_directory(self.out / name) if name else None,
+            error=None,
+            path=str(self.out),
+            return_value=return_value,
+        )
 
 
 def _local_worker(fn, loop_config: dict, out: Path, announced: str | None) -> tuple:
@@ -318,8 +371,10 @@ def _local_worker(fn, loop_config: dict, out: Path, announced: str | None) -> tu
         def report(self, metrics, checkpoint=None, checkpoint_dir_name=None, **kwargs):
             if checkpoint is not None and self.get_context().get_world_rank() == 0:  # its folder goes after the call
                 shutil.copytree(checkpoint.path, out / checkpoint_dir_name)
-                snapshot = {"ray_version": importlib.metadata.version("ray"),
-                            "latest_checkpoint_result": {"checkpoint_dir_name": checkpoint_dir_name}}
+                snapshot = {
+                    "ray_version": importlib.metadata.version("ray"),
+                    "latest_checkpoint_result": {"checkpoint_dir_name": checkpoint_dir_name},
+                }
                 (out / "checkpoint_manager_snapshot.json").write_text(json.dumps(snapshot))
                 self.newest, self.metrics = checkpoint_dir_name, dict(metrics)
             super().report(metrics, checkpoint, checkpoint_dir_name, **kwargs)
@@ -330,10 +385,17 @@ def _local_worker(fn, loop_config: dict, out: Path, announced: str | None) -> tu
     log = logging.getLogger("cookbook")
     for handler in [h for h in log.handlers if getattr(h, "_cookbook", False)]:
         log.removeHandler(handler)  # inherited from pytest's process: each worker sets up its own (rank 0's INFO)
-    logging.getLogger("ray").setLevel(logging.WARNING)  # local mode's "Reported metrics", to a stream pytest may have closed
+    logging.getLogger("ray").setLevel(
+        logging.WARNING
+    )  # local mode's "Reported metrics", to a stream pytest may have closed
     info = get_dist_info()
-    utils = Stored(experiment_name=out.name, world_size=info.world_size, world_rank=info.rank,
-                   local_rank=info.local_rank, local_world_size=info.world_size)
+    utils = Stored(
+        experiment_name=out.name,
+        world_size=info.world_size,
+        world_rank=info.rank,
+        local_rank=info.local_rank,
+        local_world_size=info.world_size,
+    )
     set_train_fn_utils(utils)
     return fn(loop_config), utils.metrics, utils.newest
 

@@ -8,7 +8,14 @@ import torch.distributed as dist
 
 import cookbook.checkpoint as ckpt_mod
 from cookbook import distributed_context
-from cookbook.checkpoint import Checkpointer, CheckpointError, ModelOptimizerState, RankLocalState, ResumeGuard, RNGState
+from cookbook.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    ModelOptimizerState,
+    RankLocalState,
+    ResumeGuard,
+    RNGState,
+)
 
 
 class Counter:
@@ -154,28 +161,49 @@ def test_the_resume_guard_over_another_folder_layout(tmp_path):
         meta = {"step": step, "epoch": step // 3, "world_size": 2, "config": {"lr": 0.1}}
         (root / f"checkpoint-{step}" / "meta.json").write_text(json.dumps(meta))
     (root / "checkpoint-12").mkdir()  # not published: no meta.json
-    guard = ResumeGuard(root, folder="checkpoint-<n>", files=(), run_dir=run, cannot_remap="ZeRO partitions cannot be "
-                        "remapped", same_size="NGPU x NNODES = {n}")
-    assert [p.name for p in guard.complete_checkpoints()] == ["checkpoint-3", "checkpoint-6", "checkpoint-10"]  # by number
+    guard = ResumeGuard(
+        root,
+        folder="checkpoint-<n>",
+        files=(),
+        run_dir=run,
+        cannot_remap="ZeRO partitions cannot be remapped",
+        same_size="NGPU x NNODES = {n}",
+    )
+    assert [p.name for p in guard.complete_checkpoints()] == [
+        "checkpoint-3",
+        "checkpoint-6",
+        "checkpoint-10",
+    ]  # by number
     assert guard.check("auto", 2, {"lr": 0.1}, stop_at=("train.stop_at_epoch", 4)) == root / "checkpoint-10"
     assert guard.check(str(root / "checkpoint-3"), 2, {"lr": 0.1}) == root / "checkpoint-3"
-    with pytest.raises(CheckpointError, match=r"checkpoint.resume='\S+checkpoint-12' is not a complete checkpoint folder "
-                                              r"\(no meta.json inside\).* or the path of a checkpoint-<n> folder"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"checkpoint.resume='\S+checkpoint-12' is not a complete checkpoint folder "
+        r"\(no meta.json inside\).* or the path of a checkpoint-<n> folder",
+    ):
         guard.check(str(root / "checkpoint-12"), 2)
     fresh = rf"start afresh with a new output_dir \(or delete {re.escape(str(run))}\)$"
-    with pytest.raises(CheckpointError, match=r"checkpoint-10 was written by 2 ranks but this job has 4: ZeRO partitions "
-                                              r"cannot be remapped \(resuming on another number of processes is "
-                                              r"supported by modernbert-ddp, qwen-fsdp2-sft and retinanet-ddp only\)\. "
-                                              r"Resume with NGPU x NNODES = 2, or " + fresh):
+    with pytest.raises(
+        CheckpointError,
+        match=r"checkpoint-10 was written by 2 ranks but this job has 4: ZeRO partitions "
+        r"cannot be remapped \(resuming on another number of processes is "
+        r"supported by modernbert-ddp, qwen-fsdp2-sft and retinanet-ddp only\)\. "
+        r"Resume with NGPU x NNODES = 2, or " + fresh,
+    ):
         guard.check("auto", 4)
-    with pytest.raises(CheckpointError, match=r"other settings \(lr: 0.1 -> 0.2\); resuming would mix two runs.* " + fresh):
+    with pytest.raises(
+        CheckpointError, match=r"other settings \(lr: 0.1 -> 0.2\); resuming would mix two runs.* " + fresh
+    ):
         guard.check("auto", 2, {"lr": 0.2})
     with pytest.raises(CheckpointError, match="holds checkpoints of an earlier run.*" + fresh):
         guard.check("none", 2)
-    with pytest.raises(CheckpointError, match=r"train.stop_at_epoch=3 is not after the checkpoint \S+checkpoint-10 \(epoch 3\)"):
+    with pytest.raises(
+        CheckpointError, match=r"train.stop_at_epoch=3 is not after the checkpoint \S+checkpoint-10 \(epoch 3\)"
+    ):
         guard.check("auto", 2, stop_at=("train.stop_at_epoch", 3))
     assert guard.already_complete(10, 10, "step", {"model": run / "final"}) == (
-        f"already complete: 10 of 10 steps; model in {run / 'final'}. To train again, use a new output_dir (or delete {run}).")
+        f"already complete: 10 of 10 steps; model in {run / 'final'}. To train again, use a new output_dir (or delete {run})."
+    )
 
 
 def test_a_resizable_guard_keeps_the_global_batch(tmp_path):
@@ -193,21 +221,28 @@ def test_a_resizable_guard_keeps_the_global_batch(tmp_path):
     assert guard.check("auto", 1, {"train": {"micro_batch_size": 4, "grad_accum_steps": 4, "seed": 1}})
     assert guard.check("auto", 4, {"train": {"micro_batch_size": 2, "grad_accum_steps": 2, "seed": 1}})
     assert guard.check("auto", 2, {"train": {"micro_batch_size": 8, "grad_accum_steps": 1, "seed": 1}})
-    with pytest.raises(CheckpointError, match=r"step_00000010 was written with a global batch of 16 samples \(4 micro-batch "
-                                              r"x 2 accumulation x 2 ranks\) but this job's is 8 \(4 x 2 x 1\); a resume "
-                                              r"keeps the global batch, .* To continue on 1 rank, set "
-                                              r"train.grad_accum_steps=4 \(4 x 4 x 1 = 16\) or train.micro_batch_size=8 "
-                                              r"\(8 x 2 x 1 = 16\); or resume with the same number of processes \(NGPU x "
-                                              r"NNODES = 2\), or start afresh with a new output_dir$"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"step_00000010 was written with a global batch of 16 samples \(4 micro-batch "
+        r"x 2 accumulation x 2 ranks\) but this job's is 8 \(4 x 2 x 1\); a resume "
+        r"keeps the global batch, .* To continue on 1 rank, set "
+        r"train.grad_accum_steps=4 \(4 x 4 x 1 = 16\) or train.micro_batch_size=8 "
+        r"\(8 x 2 x 1 = 16\); or resume with the same number of processes \(NGPU x "
+        r"NNODES = 2\), or start afresh with a new output_dir$",
+    ):
         guard.check("auto", 1, same)
     with pytest.raises(CheckpointError, match=r"To continue on 3 ranks, no micro-batch x accumulation x 3 makes 16;"):
         guard.check("auto", 3, same)
     with pytest.raises(CheckpointError, match=r"other settings \(train.seed: 1 -> 2\)"):
         guard.check("auto", 1, {"train": {"micro_batch_size": 4, "grad_accum_steps": 4, "seed": 2}})
     plain = ResumeGuard(root, files=())  # not resizable: the batch keys are settings like any other
-    with pytest.raises(CheckpointError, match=r"this job has 1: its per-rank data-loader and RNG state cannot be remapped"):
+    with pytest.raises(
+        CheckpointError, match=r"this job has 1: its per-rank data-loader and RNG state cannot be remapped"
+    ):
         plain.check("auto", 1, {"train": {"micro_batch_size": 4, "grad_accum_steps": 4, "seed": 1}})
-    with pytest.raises(CheckpointError, match=r"other settings \(train.grad_accum_steps: 2 -> 1, train.micro_batch_size"):
+    with pytest.raises(
+        CheckpointError, match=r"other settings \(train.grad_accum_steps: 2 -> 1, train.micro_batch_size"
+    ):
         plain.check("auto", 2, {"train": {"micro_batch_size": 8, "grad_accum_steps": 1, "seed": 1}})
 
 
@@ -219,16 +254,22 @@ def test_a_resizable_checkpointer_loads_another_world_size_without_the_per_rank_
     from cookbook.sampler import DataPosition, ResizableSampler
 
     def loader():
-        return StatefulDataLoader(range(40), batch_size=2, sampler=ResizableSampler(range(40), 1, 0, drop_last=True),
-                                  collate_fn=lambda rows: rows)
+        return StatefulDataLoader(
+            range(40),
+            batch_size=2,
+            sampler=ResizableSampler(range(40), 1, 0, drop_last=True),
+            collate_fn=lambda rows: rows,
+        )
 
     saved = loader()
     it = iter(saved)
     for _ in range(3):
         next(it)
-    path = Checkpointer(tmp_path).save(5, {"counter": Counter(5), "data": DataPosition(saved),
-                                           "local": RankLocalState(counter=Counter(7))},
-                                       {"config": {"train": {"micro_batch_size": 2, "grad_accum_steps": 1}}})
+    path = Checkpointer(tmp_path).save(
+        5,
+        {"counter": Counter(5), "data": DataPosition(saved), "local": RankLocalState(counter=Counter(7))},
+        {"config": {"train": {"micro_batch_size": 2, "grad_accum_steps": 1}}},
+    )
     meta = path / "meta.json"
     meta.write_text(meta.read_text().replace('"world_size": 1', '"world_size": 2'))  # as if 2 ranks wrote it
     counter, local, fresh = Counter(), Counter(-1), loader()
@@ -240,10 +281,12 @@ def test_a_resizable_checkpointer_loads_another_world_size_without_the_per_rank_
     assert counter.value == 5 and local.value == -1  # per-rank state untouched
     assert fresh.sampler.start == 6 and [i for b in fresh for i in b] == fresh.sampler.order()[6:40]
     lines = [line.split(" ", 1)[1] for line in capfd.readouterr().err.splitlines() if " resized: " in line]
-    assert lines == [f"resized: {path} was written by 2 ranks, this job has 1. Resharded by DCP: the model and optimizer "
-                     f"state. Remapped: the data position, epoch 0 at sample 6 of 40 in the same order (global batch 4 "
-                     f"samples, as before). Not restored, as in a fresh run (seeded at start-up): the per-rank state "
-                     f"(local: counter)"]
+    assert lines == [
+        f"resized: {path} was written by 2 ranks, this job has 1. Resharded by DCP: the model and optimizer "
+        f"state. Remapped: the data position, epoch 0 at sample 6 of 40 in the same order (global batch 4 "
+        f"samples, as before). Not restored, as in a fresh run (seeded at start-up): the per-rank state "
+        f"(local: counter)"
+    ]
     with pytest.raises(ValueError, match="only with a DataPosition"):
         Checkpointer(tmp_path, resizable=True).load(path, {"counter": Counter()})
 
@@ -253,8 +296,11 @@ def test_a_resume_that_changes_the_runs_length_says_why_and_what_to_do(tmp_path)
     learning-rate schedule is laid out over the length) and the ways that work: a new run, or train.stop_at_step."""
     run, root = tmp_path / "run", tmp_path / "run" / "checkpoints"
     (root / "step_00000040").mkdir(parents=True)
-    written = {"model": {"name_or_path": "m"}, "optim": {"lr": 0.1},
-               "train": {"max_steps": 40, "epochs": 1, "stop_at_step": -1}}
+    written = {
+        "model": {"name_or_path": "m"},
+        "optim": {"lr": 0.1},
+        "train": {"max_steps": 40, "epochs": 1, "stop_at_step": -1},
+    }
     meta = {"step": 40, "epoch": 1, "world_size": 1, "config": written}
     (root / "step_00000040" / "meta.json").write_text(json.dumps(meta))
     guard = ResumeGuard(root, files=(), run_dir=run)
@@ -269,24 +315,40 @@ def test_a_resume_that_changes_the_runs_length_says_why_and_what_to_do(tmp_path)
         f"the run there. To train longer, start a new run with train.max_steps=80 in a new output_dir (or delete {run}); "
         "it starts from model.name_or_path, so name the model this run exported there (such as its output_dir's final "
         "folder) to start from this run's weights. To split one run into parts, keep train.max_steps and set "
-        "train.stop_at_step (each part resumes the last)")
-    with pytest.raises(CheckpointError, match=r"\(optim.lr: 0.1 -> 0.2, train.max_steps: 40 -> 80\); resuming would mix "
-                                              r"two runs\. It is the end of a finished run"):
+        "train.stop_at_step (each part resumes the last)"
+    )
+    with pytest.raises(
+        CheckpointError,
+        match=r"\(optim.lr: 0.1 -> 0.2, train.max_steps: 40 -> 80\); resuming would mix "
+        r"two runs\. It is the end of a finished run",
+    ):
         guard.check("auto", 1, {**longer, "optim": {"lr": 0.2}})  # every change is listed
-    by_steps = {**written, "train": {**written["train"], "epochs": 3}}  # train.max_steps > 0 decides: epochs are no length
+    by_steps = {
+        **written,
+        "train": {**written["train"], "epochs": 3},
+    }  # train.max_steps > 0 decides: epochs are no length
     with pytest.raises(CheckpointError, match=r"\(train.epochs: 1 -> 3\); resuming would mix two runs\. Use the same"):
         guard.check("auto", 1, by_steps)
     by_epochs = {**written, "train": {**written["train"], "max_steps": -1}}  # a run counted in epochs (Ray's)
     (root / "step_00000040" / "meta.json").write_text(json.dumps({**meta, "config": by_epochs}))
-    with pytest.raises(CheckpointError, match=r"It is the end of a finished run \(epoch 1 of train.epochs=1\), and a "
-                                              r"finished run cannot be extended: .* new run with train.epochs=2 in"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"It is the end of a finished run \(epoch 1 of train.epochs=1\), and a "
+        r"finished run cannot be extended: .* new run with train.epochs=2 in",
+    ):
         guard.check("auto", 1, {**by_epochs, "train": {**by_epochs["train"], "epochs": 2}})
     meta["step"] = 20  # not finished: a resume may not shorten or lengthen it either
     (root / "step_00000040" / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(CheckpointError, match=r"It is step 20 of a run of train.max_steps=40, and a resume cannot change "
-                                              r"a run's length: the learning-rate schedule"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"It is step 20 of a run of train.max_steps=40, and a resume cannot change "
+        r"a run's length: the learning-rate schedule",
+    ):
         guard.check("auto", 1, {**written, "train": {**written["train"], "max_steps": 30}})
-    with pytest.raises(CheckpointError, match=r"other settings \(optim.lr: 0.1 -> 0.2\); resuming would mix two runs\. "
-                                              r"Use the same settings, or start afresh"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"other settings \(optim.lr: 0.1 -> 0.2\); resuming would mix two runs\. "
+        r"Use the same settings, or start afresh",
+    ):
         guard.check("auto", 1, {**written, "optim": {"lr": 0.2}})  # other keys: the message as before
     assert guard.check("auto", 1, written) == root / "step_00000040"

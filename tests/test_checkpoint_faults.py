@@ -88,8 +88,11 @@ def _overwrite_4k(folder: Path) -> None:
 
 
 DAMAGES = {
-    "4 KiB overwritten in a shard": (_overwrite_4k, r"__0_0\.distcp does not match its checksum \(xxh3_64:[0-9a-f]{16} in "
-                                                    r"meta\.json, xxh3_64:[0-9a-f]{16} now\)"),
+    "4 KiB overwritten in a shard": (
+        _overwrite_4k,
+        r"__0_0\.distcp does not match its checksum \(xxh3_64:[0-9a-f]{16} in "
+        r"meta\.json, xxh3_64:[0-9a-f]{16} now\)",
+    ),
     "truncated shard": (_truncate, r"__0_0\.distcp is \d+ bytes, its index says \d+ are needed"),
     "missing shard": (lambda d: _shard(d).unlink(), r"__0_0\.distcp is missing \(its index names it\)"),
     "no .metadata": (lambda d: (d / ".metadata").unlink(), r"no \.metadata inside"),
@@ -119,14 +122,20 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_one_warning(two_checkpoints
     lines = capsys.readouterr().err.splitlines() + [r.getMessage() for r in caplog.records]
     warnings = [line for line in lines if "damaged" in line]
     assert len(warnings) == 1, warnings
-    assert re.search(rf"warning: checkpoint {re.escape(str(newest))} is damaged \({problem}.*\); resuming from "
-                     rf"{re.escape(str(previous))} instead$", warnings[0]), warnings[0]
+    assert re.search(
+        rf"warning: checkpoint {re.escape(str(newest))} is damaged \({problem}.*\); resuming from "
+        rf"{re.escape(str(previous))} instead$",
+        warnings[0],
+    ), warnings[0]
 
     model, state = _train_state(0.0)
     assert ck.load(previous, state)["step"] == 2
     assert all(torch.equal(p, torch.full_like(p, 2.0)) for p in model.parameters())
-    with pytest.raises(CheckpointError, match=rf"checkpoint.resume='{re.escape(str(newest))}' is (not a complete|a "
-                                              rf"damaged) checkpoint.*\({problem}"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"checkpoint.resume='{re.escape(str(newest))}' is (not a complete|a "
+        rf"damaged) checkpoint.*\({problem}",
+    ):
         ck.check_resume(str(newest), world_size=1)  # an explicit path is refused, never replaced
     with pytest.raises(CheckpointError, match=rf"{re.escape(str(newest))} is not a complete checkpoint \({problem}"):
         ck.load(newest, state)
@@ -139,10 +148,13 @@ def test_no_complete_checkpoint_left_is_said_and_a_save_replaces_the_damaged_one
     (root / "step_00000002" / ".metadata").write_bytes(b"")
     ck = Checkpointer(root, run_dir=tmp_path)
     assert ck.latest() is None and ck.complete_checkpoints() == []
-    with pytest.raises(CheckpointError, match=rf"checkpoint.resume=auto: no complete checkpoint remains under "
-                                              rf"{re.escape(str(root))}, every one is damaged: \S+step_00000002 \("
-                                              rf"\.metadata is unreadable .*\S+step_00000004 \(__0_0.distcp is .* "
-                                              rf"start afresh with a new output_dir \(or delete {re.escape(str(tmp_path))}\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"checkpoint.resume=auto: no complete checkpoint remains under "
+        rf"{re.escape(str(root))}, every one is damaged: \S+step_00000002 \("
+        rf"\.metadata is unreadable .*\S+step_00000004 \(__0_0.distcp is .* "
+        rf"start afresh with a new output_dir \(or delete {re.escape(str(tmp_path))}\)",
+    ):
         ck.check_resume("auto", world_size=1)
     with pytest.raises(CheckpointError, match="holds checkpoints of an earlier run"):
         ck.check_resume("none", world_size=1)  # damaged ones still belong to an earlier run
@@ -157,6 +169,7 @@ def test_no_complete_checkpoint_left_is_said_and_a_save_replaces_the_damaged_one
 def test_other_layouts_check_meta_json_and_their_files_but_no_dcp_index(tmp_path):
     """Ray Train's folders (meta.json and state.pt, written in place) and the Hugging Face Trainer's (meta.json):
     a broken meta.json is damage; a missing file is an unfinished save, left out without a warning."""
+
     def folder(name: str, meta: str | None, state: bool = True) -> None:
         (tmp_path / name).mkdir()
         if meta is not None:
@@ -252,8 +265,10 @@ def _saves_that_fail(root: str) -> dict:
     state = {"local": RankLocalState(blob=Blob(rank, numel=64 * 1024))}  # 256 KiB per rank, in each rank's file
     ck.save(2, state)
     seen = {}
-    for name, limited_rank, limit, extra in (("shard", 1, 64 * 1024, None),
-                                             ("meta", 0, 512 * 1024, {"note": "x" * 2**20})):
+    for name, limited_rank, limit, extra in (
+        ("shard", 1, 64 * 1024, None),
+        ("meta", 0, 512 * 1024, {"note": "x" * 2**20}),
+    ):
         if rank == limited_rank:
             _efbig_limit(limit)
         try:
@@ -278,10 +293,15 @@ def test_a_save_that_fails_on_one_rank_fails_on_every_rank_and_keeps_the_previou
             message, code = seen[r][name]
             assert code == errno.EFBIG
             assert re.fullmatch(
-                re.escape(f"could not save the checkpoint of step 4 to {final} (rank {rank}: EFBIG, File too large); the "
-                          f"previous checkpoint {previous} is intact. Raise the file size limit (ulimit -f) or the "
-                          f"largest file size of ") + r"/\S*" +
-                re.escape(f" and run the same command again: it resumes from {previous}"), message), (name, r, message)
+                re.escape(
+                    f"could not save the checkpoint of step 4 to {final} (rank {rank}: EFBIG, File too large); the "
+                    f"previous checkpoint {previous} is intact. Raise the file size limit (ulimit -f) or the "
+                    f"largest file size of "
+                )
+                + r"/\S*"
+                + re.escape(f" and run the same command again: it resumes from {previous}"),
+                message,
+            ), (name, r, message)
             assert seen[r][name + "_listing"] == ["step_00000002"]  # no temporary folder left, step 2 intact
     assert seen[0]["after"] == seen[1]["after"] == str(final)  # no rank hung; the next save works
     assert Checkpointer(root).complete_checkpoints() == [previous, final]
@@ -319,26 +339,34 @@ def test_a_failed_save_ends_the_run_with_one_line_and_status_2(tmp_path):
     assert child.exitcode == 2, err.read_text()
     errors = [line for line in err.read_text().splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in err.read_text(), err.read_text()
-    assert errors[0].startswith(f"error: could not save the checkpoint of step 4 to {root / 'step_00000004'} (EFBIG, "
-                                f"File too large); the previous checkpoint {root / 'step_00000002'} is intact.")
+    assert errors[0].startswith(
+        f"error: could not save the checkpoint of step 4 to {root / 'step_00000004'} (EFBIG, "
+        f"File too large); the previous checkpoint {root / 'step_00000002'} is intact."
+    )
     assert sorted(p.name for p in root.iterdir()) == ["step_00000002"]
 
 
 def test_a_save_where_the_checkpoints_folder_cannot_be_made_says_so(tmp_path):
     (tmp_path / "file").write_text("")
     ck = Checkpointer(tmp_path / "file" / "checkpoints")
-    with pytest.raises(CheckpointSaveError, match=r"could not save the checkpoint of step 1 to \S+/file/checkpoints/"
-                                                  r"step_00000001 \(ENOTDIR, Not a directory: .*\); there is no earlier "
-                                                  r"checkpoint\. .* it starts from step 0$") as info:
+    with pytest.raises(
+        CheckpointSaveError,
+        match=r"could not save the checkpoint of step 1 to \S+/file/checkpoints/"
+        r"step_00000001 \(ENOTDIR, Not a directory: .*\); there is no earlier "
+        r"checkpoint\. .* it starts from step 0$",
+    ) as info:
         ck.save(1, {"blob": Blob(1)})
     assert info.value.errno == errno.ENOTDIR
 
 
 def test_an_output_dir_that_cannot_be_written_is_refused_before_any_worker(tmp_path):
     (tmp_path / "file").write_text("")
-    with pytest.raises(ConfigError, match=rf"^output_dir='{re.escape(str(tmp_path))}/file/run': {re.escape(str(tmp_path))}"
-                                          rf"/file is not a folder \(Not a directory, ENOTDIR\); set output_dir to a "
-                                          rf"folder this user can write to$"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"^output_dir='{re.escape(str(tmp_path))}/file/run': {re.escape(str(tmp_path))}"
+        rf"/file is not a folder \(Not a directory, ENOTDIR\); set output_dir to a "
+        rf"folder this user can write to$",
+    ):
         check_run(RunConfig(output_dir=str(tmp_path / "file" / "run")))
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "checkpoints").write_text("")  # a file where the checkpoints go

@@ -27,11 +27,30 @@ QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
 # builds (GptOssConfig(num_hidden_layers=24, num_local_experts=32, num_experts_per_tok=4, layer_types=[...] * 12))
 GPT_OSS_20B = ROOT / "tests" / "data" / "config_gpt-oss-20b-arch.json"
 GPT_OSS_120B = ROOT / "tests" / "data" / "config_gpt-oss-120b-arch.json"
-TINY_OSS = {"model_type": "gpt_oss", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 32, "num_local_experts": 4,
-            "num_experts_per_tok": 2, "vocab_size": 1000, "attention_bias": True, "tie_word_embeddings": False}
-TINY = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 1000, "tie_word_embeddings": False}
+TINY_OSS = {
+    "model_type": "gpt_oss",
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 32,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "vocab_size": 1000,
+    "attention_bias": True,
+    "tie_word_embeddings": False,
+}
+TINY = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 1000,
+    "tie_word_embeddings": False,
+}
 
 
 @pytest.fixture
@@ -95,8 +114,9 @@ def test_peak_fsdp2_selective_ac_chunked_loss_qwen3_8b():
     assert sum(ct.selective_bytes_per_token_layer(m).values()) == 6 * h + 4 * q + 4 * kv + 4 * f == 94_208
     compiled = 8 * h + (2 * q + 2 * kv) + (4 * q + 4 * kv) + 4 * f  # the layer being recomputed
     assert sum(ct.activation_bytes_per_token_layer(m, compiled=True).values()) == compiled == 112_640
-    e = ct.estimate(TECHNIQUE["FSDP2 + selective AC"], m, gpus=2, seq=2048, micro_batch=4, compiled=True,
-                    loss="chunked", chunk=4096)
+    e = ct.estimate(
+        TECHNIQUE["FSDP2 + selective AC"], m, gpus=2, seq=2048, micro_batch=4, compiled=True, loss="chunked", chunk=4096
+    )
     assert e.states == 8 * 8_190_735_360 == 65_525_882_880
     # 8192 x (94,208 x 36 + 112,640 + 8h final norm) = 8192 x 3,536,896
     assert e.activations == tokens * (94_208 * 36 + 112_640 + 8 * h) == 28_974_252_032
@@ -142,8 +162,27 @@ def test_bad_input(tiny_path, capsys):
         ct.estimate(ct.TECHNIQUES[0], m, gpus=0, seq=16, micro_batch=1)
     assert ct.main([str(QWEN3_8B), "--gpus", "-1", "--gpu-mem-gib", "80", "--seq", "16", "--micro-batch", "1"]) == 2
     assert "positive number of GPUs" in capsys.readouterr().err
-    assert ct.main([str(QWEN3_8B), "--gpus", "1", "--gpu-mem-gib", "80", "--seq", "16", "--micro-batch", "1",
-                    "--loss", "chunked", "--loss-chunk", "0", "--no-meta"]) == 2
+    assert (
+        ct.main(
+            [
+                str(QWEN3_8B),
+                "--gpus",
+                "1",
+                "--gpu-mem-gib",
+                "80",
+                "--seq",
+                "16",
+                "--micro-batch",
+                "1",
+                "--loss",
+                "chunked",
+                "--loss-chunk",
+                "0",
+                "--no-meta",
+            ]
+        )
+        == 2
+    )
     assert "--loss-chunk must be a positive number of tokens, got 0" in capsys.readouterr().err
 
 
@@ -156,7 +195,8 @@ def test_chunked_loss_only_where_the_recipe_has_it(capsys):
     full, chunked = 12 * tokens * vocab, 8 * 4096 * vocab + 2 * vocab * h + 4 * tokens * h
     est = {t.name: ct.estimate(t, m, **kw) for t in ct.TECHNIQUES}
     assert {n: (e.loss, e.logits) for n, e in est.items()} == {
-        n: ("chunked", chunked) if n.startswith("FSDP2") else ("full", full) for n in est}
+        n: ("chunked", chunked) if n.startswith("FSDP2") else ("full", full) for n in est
+    }
     ddp = est["DDP"]
     # 22 B x 4,022,468,096 + 8192 x (90,112 B x 36 compiled layers + 8h final norm) + 12 B x 8192 x V
     assert ddp.peak == 22 * 4_022_468_096 + tokens * (90_112 * 36 + 8 * h) + full == 130_173_096_960  # 121.2 GiB
@@ -165,11 +205,31 @@ def test_chunked_loss_only_where_the_recipe_has_it(capsys):
     # --loss fused is TRL's (the ZeRO recipe): the FSDP2 rows count the full logits then
     fused = {t.name: ct.estimate(t, m, **{**kw, "loss": "fused"}) for t in ct.TECHNIQUES}
     assert fused["ZeRO-3 + AC"].logits == 0 and fused["FSDP2 + AC"].logits == fused["DDP"].logits == full
-    assert ct.main([str(QWEN3_4B), "--gpus", "1", "--gpu-mem-gib", "141", "--seq", "2048", "--micro-batch", "4",
-                    "--compile", "--loss", "chunked", "--no-meta"]) == 0
+    assert (
+        ct.main(
+            [
+                str(QWEN3_4B),
+                "--gpus",
+                "1",
+                "--gpu-mem-gib",
+                "141",
+                "--seq",
+                "2048",
+                "--micro-batch",
+                "4",
+                "--compile",
+                "--loss",
+                "chunked",
+                "--no-meta",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
-    assert ("logits, full loss (DDP, ZeRO-1, ZeRO-2, ZeRO-3, ZeRO-1 + AC, ZeRO-2 + AC, ZeRO-3 + AC; their recipes "
-            "have no chunked loss, so the full logits are counted)") in out
+    assert (
+        "logits, full loss (DDP, ZeRO-1, ZeRO-2, ZeRO-3, ZeRO-1 + AC, ZeRO-2 + AC, ZeRO-3 + AC; their recipes "
+        "have no chunked loss, so the full logits are counted)"
+    ) in out
     assert "logits, chunked loss (FSDP2, FSDP2 + selective AC, FSDP2 + AC, FSDP2 + AC + CPU offload)" in out
     assert "\nDDP                           82.4    24.9    13.9     0.0    0.0   121.2  fits\n" in out
     # a decoder is pointed at the DDP SFT recipe, never the encoder classifier's
@@ -185,14 +245,21 @@ def test_parameter_count_gpt_oss_moe():
     # 32 x (h·2f + f·h) + biases 32 x (2f + h); 2 norms 2h
     attention = h * q + 2 * h * kv + q * h + (q + 2 * kv + h) + 64
     assert m20.layer_params == attention + 32 * h + 32 + 32 * 3 * h * f + 32 * (2 * f + h) + 2 * h == 823_186_976
-    assert m20.params == 2 * 201_088 * h + 24 * 823_186_976 + h == 20_914_757_184  # + embedding, untied head, final norm
+    assert (
+        m20.params == 2 * 201_088 * h + 24 * 823_186_976 + h == 20_914_757_184
+    )  # + embedding, untied head, final norm
     assert m120.layer_params == attention + 128 * h + 128 + 128 * 3 * h * f + 128 * (2 * f + h) + 2 * h == 3_213_080_192
     assert m120.params == 2 * 201_088 * h + 36 * 3_213_080_192 + h == 116_829_156_672
     assert (m20.experts, m20.top_k, m20.ffn, m20.heads, m20.sinks) == (32, 4, 2880, 64, True)
     meta20, meta120 = (ct.model_shape(str(p)) for p in (GPT_OSS_20B, GPT_OSS_120B))  # transformers on the meta device
     assert meta20.counted_by == "meta device (GptOssForCausalLM)"
     assert (meta20.params, meta20.layer_params, meta20.experts, meta20.top_k, meta20.sinks) == (
-        20_914_757_184, 823_186_976, 32, 4, True)
+        20_914_757_184,
+        823_186_976,
+        32,
+        4,
+        True,
+    )
     assert (meta120.params, meta120.layer_params, meta120.experts) == (116_829_156_672, 3_213_080_192, 128)
 
 
@@ -228,7 +295,9 @@ def test_lora_rows_tiny_moe():
     assert fsdp.working == 128_000 + 151_840 + 10_752 == 290_592
     assert fsdp.activations == tokens * (2 * 64 * 2 + 2360 + 4 * 64) == 91_904
     assert fsdp.peak == 232_656 + 290_592 + 91_904 == 615_152
-    one = ct.estimate(LORA_ROW["LoRA FSDP2 + AC"], m, gpus=1, **kw)  # 1 GPU: no all-gather, one layer unsharded at a time
+    one = ct.estimate(
+        LORA_ROW["LoRA FSDP2 + AC"], m, gpus=1, **kw
+    )  # 1 GPU: no all-gather, one layer unsharded at a time
     assert one.working == 128_000 + 75_920 + 10_752 and one.peak == 465_312 + 214_672 + 91_904 == 771_888
     full = ct.estimate(LORA_ROW["LoRA DDP"], m, gpus=2, **{**kw, "loss": "full"})
     assert full.logits == 12 * tokens * 1000 and full.peak == 662_432 + 384_000
@@ -245,9 +314,16 @@ def test_lora_gpt_oss_20b_against_h200_peaks():
     q/k/v/o, 4,096-token sequences, TRL's fused LM head), each within 2% of torch.cuda.max_memory_allocated."""
     m, lora = ct.model_shape(str(GPT_OSS_20B), meta=False), ct.LoraSpec(16, QKVO)
     assert lora.params(m) == 7_962_624  # the 7.96 M trainable the recipe logs
-    measured = [("LoRA DDP", 1, 60.58), ("LoRA DDP + AC", 1, 41.03), ("LoRA DDP", 2, 82.04), ("LoRA FSDP2 + AC", 1, 42.5)]
-    peaks = [ct.estimate(LORA_ROW[n], m, gpus=1, seq=4096, micro_batch=mb, loss="fused", lora=lora).peak / ct.GIB
-             for n, mb, _ in measured]
+    measured = [
+        ("LoRA DDP", 1, 60.58),
+        ("LoRA DDP + AC", 1, 41.03),
+        ("LoRA DDP", 2, 82.04),
+        ("LoRA FSDP2 + AC", 1, 42.5),
+    ]
+    peaks = [
+        ct.estimate(LORA_ROW[n], m, gpus=1, seq=4096, micro_batch=mb, loss="fused", lora=lora).peak / ct.GIB
+        for n, mb, _ in measured
+    ]
     assert [round(p, 1) for p in peaks] == [60.2, 40.6, 81.3, 43.1]
     assert all(abs(p / gib - 1) < 0.02 for p, (_, _, gib) in zip(peaks, measured))
     # with the full fp32 logits (12 B x 4,096 x 201,088 = 9.2 GiB) the AC run would be 49.8 GiB, not the 41.0 measured
@@ -258,8 +334,10 @@ def test_lora_gpt_oss_20b_against_h200_peaks():
 def test_lora_gpt_oss_120b_fsdp2_planned_settings(capsys):
     """gpt-oss-120b.yaml: FSDP2 + full AC, micro-batch 2 x 2,048; 139 GiB H200s with 10% headroom (125.1 GiB)."""
     m, lora = ct.model_shape(str(GPT_OSS_120B), meta=False), ct.LoraSpec(16, QKVO)
-    peaks = {n: ct.estimate(LORA_ROW["LoRA FSDP2 + AC"], m, gpus=n, seq=2048, micro_batch=2, loss="fused", lora=lora)
-             for n in (2, 4, 8)}
+    peaks = {
+        n: ct.estimate(LORA_ROW["LoRA FSDP2 + AC"], m, gpus=n, seq=2048, micro_batch=2, loss="fused", lora=lora)
+        for n in (2, 4, 8)
+    }
     # states (2 B x 116,829,156,672 + 16 B x 11,943,936) / N; head 2 B x 579,133,440 + 2 layers 2 x 2 B x 3,213,080,192
     # + 6 B x 331,776; 4,096 tokens x (2h x 36 + 218,256 + 4h)
     assert peaks[2].states == (2 * 116_829_156_672 + 16 * 11_943_936) / 2
@@ -267,11 +345,47 @@ def test_lora_gpt_oss_120b_fsdp2_planned_settings(capsys):
     assert peaks[2].activations == 4096 * (2 * 2880 * 36 + 218_256 + 4 * 2880)
     assert {n: round(e.peak / ct.GIB, 1) for n, e in peaks.items()} == {2: 123.6, 4: 69.2, 8: 41.9}
     assert ct.recommend({"LoRA FSDP2 + AC": peaks[2]}, 139) == ("LoRA FSDP2 + AC", None)  # 123.6 <= 125.1
-    assert ct.main([str(QWEN3_8B), "--gpus", "2", "--gpu-mem-gib", "139", "--seq", "2048", "--micro-batch", "2",
-                    "--lora", "--no-meta"]) == 0
+    assert (
+        ct.main(
+            [
+                str(QWEN3_8B),
+                "--gpus",
+                "2",
+                "--gpu-mem-gib",
+                "139",
+                "--seq",
+                "2048",
+                "--micro-batch",
+                "2",
+                "--lora",
+                "--no-meta",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
-    assert "LoRA r=16 on q_proj, k_proj, v_proj, o_proj: 15,335,424 adapter parameters" in out  # 36 x 16 x (2 x 8192 + 2 x 5120)
+    assert (
+        "LoRA r=16 on q_proj, k_proj, v_proj, o_proj: 15,335,424 adapter parameters" in out
+    )  # 36 x 16 x (2 x 8192 + 2 x 5120)
     assert "fused loss where the recipe has it (recipes/gpt-oss-lora-trl)" in out
-    assert ct.main([str(QWEN3_8B), "--gpus", "1", "--gpu-mem-gib", "80", "--seq", "16", "--micro-batch", "1",
-                    "--lora", "--lora-r", "0", "--no-meta"]) == 2
+    assert (
+        ct.main(
+            [
+                str(QWEN3_8B),
+                "--gpus",
+                "1",
+                "--gpu-mem-gib",
+                "80",
+                "--seq",
+                "16",
+                "--micro-batch",
+                "1",
+                "--lora",
+                "--lora-r",
+                "0",
+                "--no-meta",
+            ]
+        )
+        == 2
+    )
     assert "--lora-r must be a positive rank, got 0" in capsys.readouterr().err

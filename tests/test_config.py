@@ -26,23 +26,31 @@ def test_yaml_and_overrides_merge_in_order(tmp_path):
     assert (cfg.steps, cfg.name, cfg.optim.lr, cfg.optim.betas) == (5, "run1", 3e-5, [0.8, 0.9])
 
 
-@pytest.mark.parametrize("overrides, hint", [
-    (["optim.lrr=1"], "(did you mean 'optim.lr'?)"),   # a key of the section
-    (["optm.lr=1"], "(did you mean 'optim'?)"),        # a section
-    (["optim.zzz=1"], None),                           # nothing close: no guess
-])
+@pytest.mark.parametrize(
+    "overrides, hint",
+    [
+        (["optim.lrr=1"], "(did you mean 'optim.lr'?)"),  # a key of the section
+        (["optm.lr=1"], "(did you mean 'optim'?)"),  # a section
+        (["optim.zzz=1"], None),  # nothing close: no guess
+    ],
+)
 def test_an_unknown_key_suggests_the_closest_known_one(overrides, hint):
     with pytest.raises(ConfigError) as err:
         load_config(Schema, None, overrides)
     assert (hint in str(err.value)) if hint else "did you mean" not in str(err.value), str(err.value)
 
 
-@pytest.mark.parametrize("text, message", [
-    ("steps: 5\noptim:\n  betas: [0.9, 0.95]\n  lrr: 0.1\n",
-     "line 4: key 'optim.lrr': Key 'lrr' not in 'Optim' (did you mean 'optim.lr'?)"),
-    ("optm:\n  lr: 0.1\n", "line 1: key 'optm': Key 'optm' not in 'Schema' (did you mean 'optim'?)"),
-    ("steps: 5\noptim:\n  lr: fast\n", "line 3: key 'optim.lr': Value 'fast' of type 'str' could not be converted"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (
+            "steps: 5\noptim:\n  betas: [0.9, 0.95]\n  lrr: 0.1\n",
+            "line 4: key 'optim.lrr': Key 'lrr' not in 'Optim' (did you mean 'optim.lr'?)",
+        ),
+        ("optm:\n  lr: 0.1\n", "line 1: key 'optm': Key 'optm' not in 'Schema' (did you mean 'optim'?)"),
+        ("steps: 5\noptim:\n  lr: fast\n", "line 3: key 'optim.lr': Value 'fast' of type 'str' could not be converted"),
+    ],
+)
 def test_a_bad_key_in_the_yaml_file_is_named_with_its_line_and_the_closest_known_key(tmp_path, text, message):
     """Before: the file and the key alone (no line)."""
     f = tmp_path / "c.yaml"
@@ -52,14 +60,17 @@ def test_a_bad_key_in_the_yaml_file_is_named_with_its_line_and_the_closest_known
     assert str(err.value).startswith(f"{f} {message}"), str(err.value)
 
 
-@pytest.mark.parametrize("yaml_text, overrides, expected", [
-    ("optim:\n  beta: 3\n", [], "key 'optim.beta'"),          # unknown key in the file
-    ("", ["optim.lrr=1"], "key 'optim.lrr'"),                   # unknown key on the command line
-    ("steps: many\n", [], "key 'steps'"),                       # wrong type in the file
-    ("", ["steps=1.5"], "key 'steps'"),                         # wrong type on the command line
-    ("", ["steps"], "not of the form section.key=value"),      # malformed override
-    ("- a\n- b\n", [], "top level must be a mapping"),
-])
+@pytest.mark.parametrize(
+    "yaml_text, overrides, expected",
+    [
+        ("optim:\n  beta: 3\n", [], "key 'optim.beta'"),  # unknown key in the file
+        ("", ["optim.lrr=1"], "key 'optim.lrr'"),  # unknown key on the command line
+        ("steps: many\n", [], "key 'steps'"),  # wrong type in the file
+        ("", ["steps=1.5"], "key 'steps'"),  # wrong type on the command line
+        ("", ["steps"], "not of the form section.key=value"),  # malformed override
+        ("- a\n- b\n", [], "top level must be a mapping"),
+    ],
+)
 def test_bad_config_names_the_key_and_source(tmp_path, yaml_text, overrides, expected):
     f = tmp_path / "c.yaml"
     f.write_text(yaml_text)
@@ -80,8 +91,9 @@ def test_missing_file(tmp_path, monkeypatch):
     monkeypatch.chdir(elsewhere)  # `python recipe/train.py --config tiny.yaml` from another folder
     with pytest.raises(ConfigError) as err:
         load_config(Schema, "tiny.yaml")
-    assert str(err.value) == (f"config file not found: tiny.yaml (from {elsewhere}); {recipe / 'tiny.yaml'} exists: "
-                              f"give that path")
+    assert str(err.value) == (
+        f"config file not found: tiny.yaml (from {elsewhere}); {recipe / 'tiny.yaml'} exists: give that path"
+    )
 
 
 def test_resolve_path_prefers_the_config_folder(tmp_path, monkeypatch):
@@ -92,17 +104,24 @@ def test_resolve_path_prefers_the_config_folder(tmp_path, monkeypatch):
     assert resolve_path("org/model-id", tmp_path) == "org/model-id"  # hub ids pass through
 
 
-@pytest.mark.parametrize("overrides, rules, expected", [
-    (["steps=0"], dict(at_least={"steps": 1}), "steps must be >= 1, got 0"),
-    (["steps=1"], dict(at_least={"steps": 1}), None),                                  # the minimum itself passes
-    (["name=adam"], dict(one_of={"name": ("sgd", "adamw")}), "name must be one of 'sgd', 'adamw', got 'adam'"),
-    (["optim.lr=0"], dict(within={"optim.lr": "[0, 1)"}), None),                      # closed end
-    (["optim.lr=1"], dict(within={"optim.lr": "[0, 1)"}), "optim.lr must be in [0, 1), got 1.0"),
-    (["optim.lr=0"], dict(within={"optim.lr": "(0, 1)"}), "optim.lr must be in (0, 1), got 0.0"),
-    (["optim.lr=1"], dict(within={"optim.lr": "(0, 1]"}), None),
-    (["steps=-2"], dict(at_least={"steps": -1}, notes={"steps": "-1: never"}), "steps must be >= -1, got -2 (-1: never)"),
-    ([], dict(at_least={"optim.momentum": 0}), "optim.momentum: no such config key"),
-])
+@pytest.mark.parametrize(
+    "overrides, rules, expected",
+    [
+        (["steps=0"], dict(at_least={"steps": 1}), "steps must be >= 1, got 0"),
+        (["steps=1"], dict(at_least={"steps": 1}), None),  # the minimum itself passes
+        (["name=adam"], dict(one_of={"name": ("sgd", "adamw")}), "name must be one of 'sgd', 'adamw', got 'adam'"),
+        (["optim.lr=0"], dict(within={"optim.lr": "[0, 1)"}), None),  # closed end
+        (["optim.lr=1"], dict(within={"optim.lr": "[0, 1)"}), "optim.lr must be in [0, 1), got 1.0"),
+        (["optim.lr=0"], dict(within={"optim.lr": "(0, 1)"}), "optim.lr must be in (0, 1), got 0.0"),
+        (["optim.lr=1"], dict(within={"optim.lr": "(0, 1]"}), None),
+        (
+            ["steps=-2"],
+            dict(at_least={"steps": -1}, notes={"steps": "-1: never"}),
+            "steps must be >= -1, got -2 (-1: never)",
+        ),
+        ([], dict(at_least={"optim.momentum": 0}), "optim.momentum: no such config key"),
+    ],
+)
 def test_check_fields_names_the_key_the_rule_and_the_value(overrides, rules, expected):
     cfg = load_config(Schema, None, overrides)
     if expected is None:
@@ -142,14 +161,31 @@ def test_one_lora_section_serves_every_lora_recipe_with_its_own_defaults():
 
     from cookbook import config
 
-    lora = config.ExpertLoraConfig(r=8, alpha=16, dropout=0.0, target_modules=[], target_parameters=["experts.down_proj"])
+    lora = config.ExpertLoraConfig(
+        r=8, alpha=16, dropout=0.0, target_modules=[], target_parameters=["experts.down_proj"]
+    )
     peft = PeftLoraConfig(**lora.peft_kwargs())
     assert (peft.r, peft.lora_alpha, peft.lora_dropout, peft.target_modules, peft.target_parameters) == (
-        8, 16, 0.0, None, ["experts.down_proj"])  # an empty list of targets is None for PEFT: none of that kind
+        8,
+        16,
+        0.0,
+        None,
+        ["experts.down_proj"],
+    )  # an empty list of targets is None for PEFT: none of that kind
     assert config.LoraConfig(dropout=0.1).peft_kwargs() == {
-        "r": 16, "lora_alpha": 32, "lora_dropout": 0.1, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+        "r": 16,
+        "lora_alpha": 32,
+        "lora_dropout": 0.1,
+        "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    }
     defaults = {}
-    for name in ("gpt-oss-lora-trl", "moe-lora-fsdp2-ep", "moe-vl-lora-fsdp2-ep", "unsloth-lora-ddp", "qwen-zero3-receipts"):
+    for name in (
+        "gpt-oss-lora-trl",
+        "moe-lora-fsdp2-ep",
+        "moe-vl-lora-fsdp2-ep",
+        "unsloth-lora-ddp",
+        "qwen-zero3-receipts",
+    ):
         recipe = load_recipe(name.replace("moe-vl-", "moe-"))
         section = load_config(recipe.VLConfig if name == "moe-vl-lora-fsdp2-ep" else recipe.Config).lora
         assert isinstance(section, config.LoraConfig), name
@@ -158,13 +194,24 @@ def test_one_lora_section_serves_every_lora_recipe_with_its_own_defaults():
     attention, every_linear = ["q_proj", "k_proj", "v_proj", "o_proj"], list(config.DECODER_LINEARS)
     assert defaults == {
         "gpt-oss-lora-trl": {"dropout": 0.0, "target_modules": attention, "target_parameters": []},
-        "moe-lora-fsdp2-ep": {"dropout": 0.0, "target_modules": attention, "expert_lora": "routed",
-                              "target_parameters": ["mixer.experts.up_proj", "mixer.experts.down_proj"]},
-        "moe-vl-lora-fsdp2-ep": {"dropout": 0.0, "target_modules": attention, "expert_lora": "routed",
-                                 "target_parameters": ["experts.gate_up_proj", "experts.down_proj"]},
+        "moe-lora-fsdp2-ep": {
+            "dropout": 0.0,
+            "target_modules": attention,
+            "expert_lora": "routed",
+            "target_parameters": ["mixer.experts.up_proj", "mixer.experts.down_proj"],
+        },
+        "moe-vl-lora-fsdp2-ep": {
+            "dropout": 0.0,
+            "target_modules": attention,
+            "expert_lora": "routed",
+            "target_parameters": ["experts.gate_up_proj", "experts.down_proj"],
+        },
         "unsloth-lora-ddp": {"dropout": 0.0, "target_modules": every_linear},
-        "qwen-zero3-receipts": {"dropout": 0.05, "target_modules": every_linear, "enabled": False}}
-    assert isinstance(load_config(load_recipe("moe-lora-fsdp2-ep").Config).lora, load_recipe("moe-lora-fsdp2-ep").LoraSection)
+        "qwen-zero3-receipts": {"dropout": 0.05, "target_modules": every_linear, "enabled": False},
+    }
+    assert isinstance(
+        load_config(load_recipe("moe-lora-fsdp2-ep").Config).lora, load_recipe("moe-lora-fsdp2-ep").LoraSection
+    )
 
 
 def test_a_required_package_that_is_missing_or_broken_is_refused_in_one_line(tmp_path, monkeypatch):
@@ -177,22 +224,34 @@ def test_a_required_package_that_is_missing_or_broken_is_refused_in_one_line(tmp
 
     reqs = tmp_path / "requirements.txt"
     reqs.write_text("# extra packages\ncookbook-no-such-package==1.2  # a comment\nbrokenpkg==1.0\n")
-    missing = (f"cookbook_no_such_package is not installed: `pip install cookbook-no-such-package==1.2`, or "
-               f"`pip install -r {reqs}`")
+    missing = (
+        f"cookbook_no_such_package is not installed: `pip install cookbook-no-such-package==1.2`, or "
+        f"`pip install -r {reqs}`"
+    )
     with pytest.raises(ConfigError) as err:
         config.require("cookbook_no_such_package", reqs)
     assert str(err.value) == missing
-    with pytest.raises(ConfigError, match=r"^cookbook_no_such_package is not installed: `pip install "
-                                          r"cookbook_no_such_package`, or `pip install -r requirements/base\.txt` from "
-                                          r"the cookbook repository's root$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^cookbook_no_such_package is not installed: `pip install "
+        r"cookbook_no_such_package`, or `pip install -r requirements/base\.txt` from "
+        r"the cookbook repository's root$",
+    ):
         config.require("cookbook_no_such_package", "requirements/base.txt")
     assert [config.pinned(p, "requirements/base.txt") for p in ("ray[train]", "peft", "PEFT")] == [
-        "ray[train]==2.60.0", "peft==0.21.2", "peft==0.21.2"]
+        "ray[train]==2.60.0",
+        "peft==0.21.2",
+        "peft==0.21.2",
+    ]
 
     (tmp_path / "brokenpkg").mkdir()
-    (tmp_path / "brokenpkg" / "__init__.py").write_text("raise RuntimeError('operator brokenpkg::nms does not exist')\n")
+    (tmp_path / "brokenpkg" / "__init__.py").write_text(
+        "raise RuntimeError('operator brokenpkg::nms does not exist')\n"
+    )
     (tmp_path / "brokenpkg-1.0.dist-info").mkdir()
-    (tmp_path / "brokenpkg-1.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: brokenpkg\nVersion: 1.0\n")
+    (tmp_path / "brokenpkg-1.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: brokenpkg\nVersion: 1.0\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     broken = "brokenpkg 1.0 is installed but does not import (RuntimeError: operator brokenpkg::nms does not exist)"
     monkeypatch.setattr(torch.version, "hip", None)
@@ -200,9 +259,11 @@ def test_a_required_package_that_is_missing_or_broken_is_refused_in_one_line(tmp
         monkeypatch.setattr(torch.version, "cuda", cuda)
         with pytest.raises(ConfigError) as err:
             config.require("brokenpkg", reqs, torch_build=True)
-        assert str(err.value) == (f"{broken}: its build does not match torch {torch.__version__}: install the "
-                                  f"brokenpkg build made for that torch: `pip install --force-reinstall --no-deps "
-                                  f"'brokenpkg==1.0' --index-url https://download.pytorch.org/whl/{index}`")
+        assert str(err.value) == (
+            f"{broken}: its build does not match torch {torch.__version__}: install the "
+            f"brokenpkg build made for that torch: `pip install --force-reinstall --no-deps "
+            f"'brokenpkg==1.0' --index-url https://download.pytorch.org/whl/{index}`"
+        )
     with pytest.raises(ConfigError) as err:
         config.require("brokenpkg", reqs)
     assert str(err.value) == f"{broken}; install it again: `pip install brokenpkg==1.0`, or `pip install -r {reqs}`"

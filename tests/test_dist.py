@@ -46,19 +46,28 @@ def _timeout_in_a_collective():
         return exc
 
 
-@pytest.mark.parametrize("others, expected", [
-    # rank 1 never finished step 5: it is behind, whatever it says about timeouts
-    ({"progress": "4 4242 node7"},
-     "rank 1 (pid 4242 on node7) last finished step 4, this rank step 5 - it is stalled (stopped, hung, or much "
-     "slower); `py-spy dump --pid 4242` on node7 shows where it is"),
-    # every rank finished step 5, rank 1 did not time out with this one: it never reached the collective
-    ({"progress": "5 4242 node7"},
-     "rank 1 (pid 4242 on node7) did not reach it (every rank last finished step 5, but it did not time out with "
-     "this rank within 0.3 s) - it is stalled (stopped, hung, or much slower); `py-spy dump --pid 4242` on node7"),
-    # both timed out at the same step: not one stalled rank
-    ({"progress": "5 4242 node7", "timed_out": "5"},
-     "every rank timed out waiting, none is behind: the ranks are in different collectives"),
-])
+@pytest.mark.parametrize(
+    "others, expected",
+    [
+        # rank 1 never finished step 5: it is behind, whatever it says about timeouts
+        (
+            {"progress": "4 4242 node7"},
+            "rank 1 (pid 4242 on node7) last finished step 4, this rank step 5 - it is stalled (stopped, hung, or much "
+            "slower); `py-spy dump --pid 4242` on node7 shows where it is",
+        ),
+        # every rank finished step 5, rank 1 did not time out with this one: it never reached the collective
+        (
+            {"progress": "5 4242 node7"},
+            "rank 1 (pid 4242 on node7) did not reach it (every rank last finished step 5, but it did not time out with "
+            "this rank within 0.3 s) - it is stalled (stopped, hung, or much slower); `py-spy dump --pid 4242` on node7",
+        ),
+        # both timed out at the same step: not one stalled rank
+        (
+            {"progress": "5 4242 node7", "timed_out": "5"},
+            "every rank timed out waiting, none is behind: the ranks are in different collectives",
+        ),
+    ],
+)
 def test_describe_stall_names_the_rank_that_is_behind(tmp_path, monkeypatch, others, expected):
     from cookbook.dist import describe_stall, record_progress
 
@@ -72,8 +81,10 @@ def test_describe_stall_names_the_rank_that_is_behind(tmp_path, monkeypatch, oth
             store.set(f"cookbook/{key}/1", value)
         line = describe_stall(_timeout_in_a_collective(), grace_s=0.3)
         monkeypatch.undo()
-    assert line.startswith("a collective did not finish within 10 s (`raise RuntimeError(\"[gloo/transport/tcp/"
-                           "unbound_buffer.cc:78] Timed out waiting 10000ms for recv operation\")`, test_dist.py:")
+    assert line.startswith(
+        'a collective did not finish within 10 s (`raise RuntimeError("[gloo/transport/tcp/'
+        'unbound_buffer.cc:78] Timed out waiting 10000ms for recv operation")`, test_dist.py:'
+    )
     assert f") at step 6: {expected}" in line, line
     assert line.endswith(f"; this rank's stacks: {tmp_path / 'debug' / 'stacks_rank0.txt'}")
     stacks = (tmp_path / "debug" / "stacks_rank0.txt").read_text()
@@ -92,8 +103,13 @@ def test_collective_timeouts_are_told_from_other_failures():
 def test_the_flight_recorder_is_turned_on_unless_the_user_set_it(tmp_path, monkeypatch):
     from cookbook.dist import _enable_flight_recorder
 
-    for k in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE",
-              "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_NCCL_DUMP_ON_TIMEOUT"):
+    for k in (
+        "TORCH_FR_BUFFER_SIZE",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE",
+        "TORCH_FR_DUMP_TEMP_FILE",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT",
+    ):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "0")  # the user turned it off
     _enable_flight_recorder(tmp_path / "debug")

@@ -57,9 +57,27 @@ def _torchrun(tmp_path: Path, mode: str, timeout: float = 240) -> tuple[subproce
     script.write_text(SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COOKBOOK_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": ""}
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "cookbook.torchrun", "--nnodes", "1", "--nproc-per-node", "2",
-                           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), mode],
-                          env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cookbook.torchrun",
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            str(script),
+            mode,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     return proc, time.perf_counter() - t0
 
 
@@ -87,17 +105,31 @@ def test_a_ddp_job_exits_zero_within_seconds_run_after_run(tmp_path):
         proc, seconds = _torchrun(tmp_path, "ok", timeout=120)
         ended = time.time()
         assert proc.returncode == 0, proc.stderr[-3000:]
-        assert sorted(re.findall(r"done: rank \d", proc.stdout)) == ["done: rank 0", "done: rank 1"]  # lines may interleave
+        assert sorted(re.findall(r"done: rank \d", proc.stdout)) == [
+            "done: rank 0",
+            "done: rank 1",
+        ]  # lines may interleave
         done = max(float(t) for t in re.findall(r"done: rank \d at ([\d.]+)", proc.stdout))
         # done to exit, not start-up (slow under load): 1.3 s at load 10 on 2 cores; 15 s is 10x that, and fails a hang
         assert ended - done < 15, (ended - done, seconds)
 
 
-@pytest.mark.parametrize("exitcode, line, status", [
-    (2, "error: rank 3 failed first (exit status 2: bad configuration, data or checkpoint); the other ranks were stopped", 2),
-    (1, "error: rank 3 failed first (exit status 1: a failure, its traceback is above); the other ranks were stopped", 1),
-    (-15, "error: rank 3 was killed by SIGTERM; the other ranks were stopped", 143),
-])
+@pytest.mark.parametrize(
+    "exitcode, line, status",
+    [
+        (
+            2,
+            "error: rank 3 failed first (exit status 2: bad configuration, data or checkpoint); the other ranks were stopped",
+            2,
+        ),
+        (
+            1,
+            "error: rank 3 failed first (exit status 1: a failure, its traceback is above); the other ranks were stopped",
+            1,
+        ),
+        (-15, "error: rank 3 was killed by SIGTERM; the other ranks were stopped", 143),
+    ],
+)
 def test_describe_failure(exitcode, line, status):
     assert describe_failure(3, exitcode) == (line, status)
 
@@ -142,8 +174,10 @@ def test_a_diverged_run_is_one_line_with_status_4(monkeypatch, capsys):
         raise NonFiniteError("the gradient norm of step 7 is nan: the step was not applied and the run stops")
 
     status, err = _run_main_here(monkeypatch, capsys, main, world=2)
-    assert (status, err) == (4, "error: [rank 0] the gradient norm of step 7 is nan: the step was not applied and the "
-                                "run stops\n")
+    assert (status, err) == (
+        4,
+        "error: [rank 0] the gradient norm of step 7 is nan: the step was not applied and the run stops\n",
+    )
     # every rank decided alike and raises alike: the user reads it once, from rank 0
     assert _run_main_here(monkeypatch, capsys, main, world=2, rank=1) == (4, "")
 
@@ -158,21 +192,27 @@ def test_a_missing_or_broken_package_is_one_line_with_status_2_and_never_restart
     recipe = {}
     exec(compile("def main(argv):\n    import cookbook_no_such_package\n", str(tmp_path / "train.py"), "exec"), recipe)
     status, err = _run_main_here(monkeypatch, capsys, recipe["main"], world=2, rank=1)
-    assert (status, err) == (2, "error: [rank 1] importing cookbook_no_such_package failed (No module named "
-                                "'cookbook_no_such_package'): a restart cannot install or repair a package; install "
-                                f"the recipe's requirements (`pip install -r {tmp_path / 'requirements.txt'}`)\n")
+    assert (status, err) == (
+        2,
+        "error: [rank 1] importing cookbook_no_such_package failed (No module named "
+        "'cookbook_no_such_package'): a restart cannot install or repair a package; install "
+        f"the recipe's requirements (`pip install -r {tmp_path / 'requirements.txt'}`)\n",
+    )
     assert not should_restart(status, [status, status])
 
     def main(argv):  # what `from transformers import get_scheduler` raises beside a torchvision built for another torch
         try:
             raise RuntimeError("operator torchvision::nms does not exist")
         except RuntimeError as exc:
-            raise ModuleNotFoundError("Could not import module 'get_scheduler'. Are this object's requirements defined "
-                                      "correctly?") from exc
+            raise ModuleNotFoundError(
+                "Could not import module 'get_scheduler'. Are this object's requirements defined correctly?"
+            ) from exc
 
     assert _run_main_here(monkeypatch, capsys, main) == (
-        2, "error: an import failed (RuntimeError: operator torchvision::nms does not exist): a restart cannot install "
-           "or repair a package; install the recipe's requirements (its README's install line)\n")
+        2,
+        "error: an import failed (RuntimeError: operator torchvision::nms does not exist): a restart cannot install "
+        "or repair a package; install the recipe's requirements (its README's install line)\n",
+    )
 
 
 def test_a_collective_timeout_outside_the_loop_is_one_line_with_status_3(monkeypatch, capsys):
@@ -181,8 +221,9 @@ def test_a_collective_timeout_outside_the_loop_is_one_line_with_status_3(monkeyp
     import cookbook.dist
 
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)  # no group (and no store) here
-    monkeypatch.setattr(cookbook.dist, "_STALL", {**cookbook.dist._STALL, "timeout_s": None, "store": None,
-                                              "step": None})  # no step recorded (an earlier test in this process may have)
+    monkeypatch.setattr(
+        cookbook.dist, "_STALL", {**cookbook.dist._STALL, "timeout_s": None, "store": None, "step": None}
+    )  # no step recorded (an earlier test in this process may have)
 
     def main(argv):
         raise RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for recv operation")
@@ -207,8 +248,15 @@ def _stalling_rank(rank: int, port: int, out: Path) -> None:
     from cookbook.loop import TrainLoop
     from cookbook.metrics import MetricsLogger
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), COOKBOOK_DEVICE="cpu", TORCHELASTIC_ERROR_FILE=str(out / f"error{rank}.json"))
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        COOKBOOK_DEVICE="cpu",
+        TORCHELASTIC_ERROR_FILE=str(out / f"error{rank}.json"),
+    )
     sys.stderr = open(out / f"stderr{rank}.txt", "w", buffering=1)  # run_main's line and the log: this rank's file
     os.dup2(sys.stderr.fileno(), 2)
 
@@ -266,7 +314,8 @@ def test_a_stalled_rank_is_named_by_the_rank_whose_collective_times_out(tmp_path
             f"rank 1 (pid {pid} on {socket.gethostname()}) did not reach it (every rank last finished step 3, but it "
             f"did not time out with this rank within {STALL_TIMEOUT_S / 4:g} s) - it is stalled (stopped, hung, or much slower); "
             f"`py-spy dump --pid {pid}` on {socket.gethostname()} shows where it is; this rank's stacks: "
-            f"{tmp_path / 'debug' / 'stacks_rank0.txt'}"], err[-3000:]
+            f"{tmp_path / 'debug' / 'stacks_rank0.txt'}"
+        ], err[-3000:]
         assert "Traceback" not in err
         # The launcher (`cookbook.torchrun.main` around a stand-in agent whose group fails once with rank 0's real
         # record) names the stalled rank 1. Before: "restart 1 of 1: rank 0 failed (exit status 3: ...)".
@@ -289,7 +338,8 @@ def test_a_stalled_rank_is_named_by_the_rank_whose_collective_times_out(tmp_path
         assert torchrun.main(["--nproc-per-node", "2", "--max-restarts", "1", "train.py"]) == 0
         assert [line for line in capsys.readouterr().err.splitlines() if line.startswith("restart ")] == [
             "restart 1 of 1: rank 1 stalled (rank 0's collective timed out waiting for it); the workers resume from "
-            "the newest checkpoint"]
+            "the newest checkpoint"
+        ]
     finally:
         for p in ranks:
             if p.is_alive():

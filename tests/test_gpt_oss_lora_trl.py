@@ -49,8 +49,10 @@ def test_loss_falls(runs):
 def test_resume_equals_uninterrupted(runs):
     full, resumed, stopped = runs
     assert sorted(stopped) == [1, 2, 3, 4]
-    assert sorted(p.name for p in (resumed / "checkpoints").iterdir() if p.name.startswith("checkpoint-")) == \
-        ["checkpoint-4", "checkpoint-8"]
+    assert sorted(p.name for p in (resumed / "checkpoints").iterdir() if p.name.startswith("checkpoint-")) == [
+        "checkpoint-4",
+        "checkpoint-8",
+    ]
     want, got = _train_losses(full), _train_losses(resumed)
     # the second run continued at step 5 (a run started afresh would log steps 1-8 again, with the same losses)
     assert [r["step"] for r in read_jsonl(resumed / "metrics.jsonl") if r["event"] == "train"] == list(range(1, 9))
@@ -59,8 +61,13 @@ def test_resume_equals_uninterrupted(runs):
 
 def test_checkpointing_only_the_experts_leaves_the_losses_equal(runs, tmp_path):
     # train.activation_checkpointing=experts recomputes each layer's MoE block in backward: the same numbers
-    main_in_workers("gpt-oss-lora-trl", f"output_dir={tmp_path}", EXPERTS, "train.activation_checkpointing=experts",
-                    "train.stop_at_step=3")
+    main_in_workers(
+        "gpt-oss-lora-trl",
+        f"output_dir={tmp_path}",
+        EXPERTS,
+        "train.activation_checkpointing=experts",
+        "train.stop_at_step=3",
+    )
     want, got = _train_losses(runs[0]), _train_losses(tmp_path)
     assert sorted(got) == [1, 2, 3]
     assert [got[s] for s in (1, 2, 3)] == pytest.approx([want[s] for s in (1, 2, 3)], rel=1e-5, abs=1e-6)
@@ -70,8 +77,9 @@ def _base_model():
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(42)  # the recipe's random init (model.pretrained=false, train.seed=42)
-    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY / "gpt_oss", attn_implementation="eager"),
-                                            dtype=torch.float32)
+    return AutoModelForCausalLM.from_config(
+        AutoConfig.from_pretrained(TINY / "gpt_oss", attn_implementation="eager"), dtype=torch.float32
+    )
 
 
 def test_adapter_reloads_with_equal_logits(runs):
@@ -81,10 +89,17 @@ def test_adapter_reloads_with_equal_logits(runs):
 
     out = runs[0]
     adapter = json.loads((out / "adapter" / "adapter_config.json").read_text())
-    assert (adapter["r"], adapter["lora_alpha"], sorted(adapter["target_modules"]), adapter["target_parameters"]) == \
-        (8, 16, ["k_proj", "o_proj", "q_proj", "v_proj"], ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    assert (adapter["r"], adapter["lora_alpha"], sorted(adapter["target_modules"]), adapter["target_parameters"]) == (
+        8,
+        16,
+        ["k_proj", "o_proj", "q_proj", "v_proj"],
+        ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    )
     last = out / "checkpoints" / "checkpoint-8"
-    saved, exported = load_file(last / "adapter_model.safetensors"), load_file(out / "adapter" / "adapter_model.safetensors")
+    saved, exported = (
+        load_file(last / "adapter_model.safetensors"),
+        load_file(out / "adapter" / "adapter_model.safetensors"),
+    )
     assert sorted(exported) == sorted(saved) and len(saved) > 10
     for name, tensor in saved.items():
         torch.testing.assert_close(exported[name], tensor, rtol=0, atol=0, msg=name)
@@ -119,8 +134,10 @@ def test_tool_calls_of_rows_dropped_by_max_length_are_not_counted_as_trained():
     _, stats = mod.tokenize_rows(rows, tokenizer, cfg, path.name)
     kept = sorted(set(stats.example_rows))
     assert stats.dropped >= 1 and any(calls[n - 1] for n, _ in stats.dropped_rows)
-    assert (stats.tool_calls, stats.tool_call_rows) == (sum(calls[n - 1] for n in kept),
-                                                        sum(calls[n - 1] > 0 for n in kept))
+    assert (stats.tool_calls, stats.tool_call_rows) == (
+        sum(calls[n - 1] for n in kept),
+        sum(calls[n - 1] > 0 for n in kept),
+    )
     assert stats.tool_calls_cut == sum(calls[n - 1] for n, _ in stats.dropped_rows)
     assert f"{stats.tool_calls_cut} not trained (dropped or cut at max_length)" in stats.summary()
 
@@ -152,7 +169,10 @@ def test_labels_are_the_final_channel_only():
         for m in row["messages"]:
             for call in m.get("tool_calls") or []:
                 with_tools += 1
-                assert f"<|start|>assistant to=functions.{call['function']['name']}<|channel|>commentary json<|message|>" in text
+                assert (
+                    f"<|start|>assistant to=functions.{call['function']['name']}<|channel|>commentary json<|message|>"
+                    in text
+                )
         assert f"Reasoning: {row.get('reasoning_effort', 'medium')}\n" in text
     assert with_tools == 12
     # cut inside the final channel: the labels run to the cut
@@ -160,8 +180,10 @@ def test_labels_are_the_final_channel_only():
     assert mod.final_channel_labels(ids[:-3], tokenizer)[-1] == ids[-4]
     # data.reasoning=train labels the answer's analysis message too
     (ex,), _ = mod.tokenize_rows(rows[1:2], tokenizer, mod.DataConfig(max_length=512, reasoning="train"), path.name)
-    assert tokenizer.decode([t for t, label in zip(ex["input_ids"], ex["labels"]) if label != -100]) == \
-        rows[1]["messages"][-1]["thinking"] + "<|end|>" + rows[1]["messages"][-1]["content"] + "<|return|>"
+    assert (
+        tokenizer.decode([t for t, label in zip(ex["input_ids"], ex["labels"]) if label != -100])
+        == rows[1]["messages"][-1]["thinking"] + "<|end|>" + rows[1]["messages"][-1]["content"] + "<|return|>"
+    )
 
 
 def test_tiny_template_renders_as_the_official_harmony_one_token_by_token():
@@ -174,17 +196,30 @@ def test_tiny_template_renders_as_the_official_harmony_one_token_by_token():
 
     mod = load_recipe("gpt-oss-lora-trl")
     tok = AutoTokenizer.from_pretrained(TINY / "gpt_oss")
-    weather = {"name": "get_weather", "description": "Current weather of a city.",
-               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
-    row = {"tools": [weather], "messages": [
-        {"role": "developer", "content": "Be brief."},
-        {"role": "user", "content": "What is 2 plus 3?"},
-        {"role": "assistant", "content": "5.", "thinking": "2 + 3 = 5."},
-        {"role": "user", "content": "Weather in Oslo?"},
-        {"role": "assistant", "content": "", "thinking": "Look it up.",
-         "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
-        {"role": "tool", "content": '{"sky": "snow"}'},
-        {"role": "assistant", "content": "Snow.", "thinking": "The tool says snow."}]}
+    weather = {
+        "name": "get_weather",
+        "description": "Current weather of a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    }
+    row = {
+        "tools": [weather],
+        "messages": [
+            {"role": "developer", "content": "Be brief."},
+            {"role": "user", "content": "What is 2 plus 3?"},
+            {"role": "assistant", "content": "5.", "thinking": "2 + 3 = 5."},
+            {"role": "user", "content": "Weather in Oslo?"},
+            {
+                "role": "assistant",
+                "content": "",
+                "thinking": "Look it up.",
+                "tool_calls": [
+                    {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+                ],
+            },
+            {"role": "tool", "content": '{"sky": "snow"}'},
+            {"role": "assistant", "content": "Snow.", "thinking": "The tool says snow."},
+        ],
+    }
     messages, tools = mod.harmony_conversation(row, 1, "t.jsonl")
     today = datetime.date.today().strftime("%Y-%m-%d")
     official = (
@@ -199,23 +234,34 @@ def test_tiny_template_renders_as_the_official_harmony_one_token_by_token():
         '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Oslo"}<|call|>'
         '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"{\\"sky\\": \\"snow\\"}"<|end|>'
         "<|start|>assistant<|channel|>analysis<|message|>The tool says snow.<|end|>"
-        "<|start|>assistant<|channel|>final<|message|>Snow.<|return|>")
+        "<|start|>assistant<|channel|>final<|message|>Snow.<|return|>"
+    )
     ids = tok.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=False)
     assert list(ids) == tok.encode(official, add_special_tokens=False)
     examples, st = mod.tokenize_rows([row], tok, mod.DataConfig(max_length=512), "t.jsonl")
     first = tok.decode(examples[0]["input_ids"])
-    assert first.endswith("<|start|>assistant<|channel|>analysis<|message|>2 + 3 = 5.<|end|>"
-                          "<|start|>assistant<|channel|>final<|message|>5.<|return|>")
-    assert [tok.decode([t for t, lab in zip(e["input_ids"], e["labels"]) if lab != -100]) for e in examples] == \
-        ["5.<|return|>", "Snow.<|return|>"]
+    assert first.endswith(
+        "<|start|>assistant<|channel|>analysis<|message|>2 + 3 = 5.<|end|>"
+        "<|start|>assistant<|channel|>final<|message|>5.<|return|>"
+    )
+    assert [tok.decode([t for t, lab in zip(e["input_ids"], e["labels"]) if lab != -100]) for e in examples] == [
+        "5.<|return|>",
+        "Snow.<|return|>",
+    ]
     assert (st.examples, st.split_rows, st.reasoning_turns, st.reasoning_unrendered) == (2, 1, 2, 1)
     # a row that ends in a tool call: the true reason, not "cut by data.max_length"
     call_only = {"tools": [weather], "messages": row["messages"][3:5]}
-    _, st = mod.tokenize_rows([row, {**row, "messages": row["messages"][:5]}, call_only], tok,
-                              mod.DataConfig(max_length=512, max_dropped_fraction=1.0), "t.jsonl")
+    _, st = mod.tokenize_rows(
+        [row, {**row, "messages": row["messages"][:5]}, call_only],
+        tok,
+        mod.DataConfig(max_length=512, max_dropped_fraction=1.0),
+        "t.jsonl",
+    )
     assert (st.call_endings, st.unanswered, st.dropped) == ([2], [3], 0)
-    assert ("1 skipped as they end in a tool call with no answer to label (rows 3), 1 end in a tool call after their "
-            "last answer, not trained (rows 2)") in st.summary()
+    assert (
+        "1 skipped as they end in a tool call with no answer to label (rows 3), 1 end in a tool call after their "
+        "last answer, not trained (rows 2)"
+    ) in st.summary()
     with pytest.raises(mod.sft.SFTDataError, match=r"1 end in a tool call with no answer to label \(rows 1\)"):
         mod.tokenize_rows([call_only], tok, mod.DataConfig(max_length=512), "t.jsonl")
 
@@ -226,16 +272,27 @@ def test_a_nonfinite_step_is_skipped_and_the_next_one_in_a_row_stops_the_run(tmp
     NaN again, is one more than train.max_consecutive_skips=1 in a row: the run stops, exit status 4."""
     out = tmp_path / "run"
     with pytest.raises(WorkerError) as failed:
-        main_in_workers("gpt-oss-lora-trl", f"output_dir={out}", "optim.lr=1e30", "train.on_nonfinite=skip",
-                        "train.max_consecutive_skips=1", "checkpoint.every_steps=1", "checkpoint.keep_last=0")
+        main_in_workers(
+            "gpt-oss-lora-trl",
+            f"output_dir={out}",
+            "optim.lr=1e30",
+            "train.on_nonfinite=skip",
+            "train.max_consecutive_skips=1",
+            "checkpoint.every_steps=1",
+            "checkpoint.keep_last=0",
+        )
     assert failed.value.exc_type == "cookbook.loop.NonFiniteError" and failed.value.exception.exit_status == 4
     ckpt = out / "checkpoints"
     assert str(failed.value.exception) == (
         f"the gradients of step 3 are not finite on every rank (the optimizer step was left out): the step was not "
         f"applied, and that makes 2 non-finite steps in a row (train.max_consecutive_skips=1), so the run stops; the "
         f"newest checkpoint, from before it, is {ckpt / 'checkpoint-2'}. Lower optim.lr or raise the warm-up, or "
-        f"check the data")
-    assert "step 2: non-finite gradients, optimizer step left out, step skipped (1 skipped so far)" in capfd.readouterr().err
+        f"check the data"
+    )
+    assert (
+        "step 2: non-finite gradients, optimizer step left out, step skipped (1 skipped so far)"
+        in capfd.readouterr().err
+    )
     train = [r for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "train"]
     assert [(r["step"], r["skipped_steps"]) for r in train] == [(1, 0), (2, 1)]
     assert [json.loads((ckpt / f"checkpoint-{s}" / "meta.json").read_text())["skipped_steps"] for s in (1, 2)] == [0, 1]
@@ -246,17 +303,27 @@ def test_a_nonfinite_step_is_skipped_and_the_next_one_in_a_row_stops_the_run(tmp
 def test_launch_dry_run_for_two_nodes():
     """launch.sh calls cookbook.launch, whose dry run (DRY_RUN=1) prints the check and the torchrun command."""
     python3 = Path(sys.executable).parent / "python3"
-    env = {**os.environ, "PATH": f"{python3.parent}{os.pathsep}{os.environ['PATH']}", "DRY_RUN": "1", "NGPU": "8",
-           "NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1", "CONFIG_FILE": "gpt-oss-120b.yaml"}
+    env = {
+        **os.environ,
+        "PATH": f"{python3.parent}{os.pathsep}{os.environ['PATH']}",
+        "DRY_RUN": "1",
+        "NGPU": "8",
+        "NNODES": "2",
+        "NODE_RANK": "1",
+        "MASTER_ADDR": "10.0.0.1",
+        "CONFIG_FILE": "gpt-oss-120b.yaml",
+    }
     env.pop("MASTER_PORT", None)
-    out = subprocess.run(["bash", str(RECIPE / "launch.sh"), "train.max_steps=3"], capture_output=True, text=True,
-                         env=env, timeout=60)
+    out = subprocess.run(
+        ["bash", str(RECIPE / "launch.sh"), "train.max_steps=3"], capture_output=True, text=True, env=env, timeout=60
+    )
     config, train = RECIPE / "gpt-oss-120b.yaml", RECIPE / "train.py"
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == [
         f"check: env COOKBOOK_WORLD_SIZE=16 {python3} {train} --check --config {config} train.max_steps=3",
         f"run: {python3} -m cookbook.torchrun --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500 "
-        f"--nproc-per-node 8 --max-restarts 3 {train} --config {config} train.max_steps=3"]
+        f"--nproc-per-node 8 --max-restarts 3 {train} --config {config} train.max_steps=3",
+    ]
 
 
 def test_bad_rows_are_refused(tmp_path):
@@ -269,15 +336,20 @@ def test_bad_rows_are_refused(tmp_path):
     row = json.loads(good[0])
     row["messages"][-1]["thinking"] = 7
     bad.write_text("\n".join([good[1], json.dumps(row)]) + "\n")
-    with pytest.raises(mod.sft.SFTDataError, match=rf"^{bad} line 2: field 'messages\[2\]\.thinking' must be a string, got int$"):
+    with pytest.raises(
+        mod.sft.SFTDataError, match=rf"^{bad} line 2: field 'messages\[2\]\.thinking' must be a string, got int$"
+    ):
         check("gpt-oss-lora-trl", f"data.train_files=[{bad}]")
     with pytest.raises(mod.ConfigError, match=r"model.attn_implementation"):
         check("gpt-oss-lora-trl", "model.attn_implementation=sdpa")
     with pytest.raises(mod.ConfigError, match=r"^parallel=fsdp needs CUDA GPUs: on CPU the Trainer ignores"):
         check("gpt-oss-lora-trl", "parallel=fsdp")
     cfg = mod.load_config(mod.Config, RECIPE / "gpt-oss-120b.yaml")
-    assert (cfg.parallel, cfg.model.name_or_path, cfg.train.activation_checkpointing) == \
-        ("fsdp", "openai/gpt-oss-120b", "full")
+    assert (cfg.parallel, cfg.model.name_or_path, cfg.train.activation_checkpointing) == (
+        "fsdp",
+        "openai/gpt-oss-120b",
+        "full",
+    )
 
 
 def test_fsdp_random_init_rank0_draws_every_weight_and_the_other_ranks_hold_shapes(monkeypatch):

@@ -15,8 +15,14 @@ from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback, 
 from cookbook.checkpoint import CheckpointSaveError, ResumeGuard
 from cookbook.config import ConfigError
 from cookbook.dist import DistInfo
-from cookbook.hf_trainer import (MetricsCallback, NonFiniteSteps, Preemption, PublishCheckpoints, RunControl,
-                                 published_checkpoints)
+from cookbook.hf_trainer import (
+    MetricsCallback,
+    NonFiniteSteps,
+    Preemption,
+    PublishCheckpoints,
+    RunControl,
+    published_checkpoints,
+)
 from cookbook.loop import NonFiniteError, NonFinitePolicy, Preempted
 from cookbook.metrics import MetricsLogger
 
@@ -33,15 +39,25 @@ def test_evaluations_and_saves_are_left_out_of_the_step_time(tmp_path):
     recipe's ``evaluate`` does), after step 3 a checkpoint save (0.5 s), step 4 evaluates and stops with a save
     (RunControl's train.stop_at_step). Every window's step time is the step's alone, and the tokens counted per step give the
     throughput. Each evaluation leaves the random streams as they were (before: changed by its loader)."""
-    args = TrainingArguments(output_dir=str(tmp_path / ".staging"), use_cpu=True, report_to="none", logging_steps=1,
-                             eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=3)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / ".staging"),
+        use_cpu=True,
+        report_to="none",
+        logging_steps=1,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="steps",
+        save_steps=3,
+    )
     state = TrainerState(max_steps=6, logging_steps=1, eval_steps=2, save_steps=3)
     metrics = MetricsLogger(tmp_path, CPU, mlflow=False, max_steps=6)
 
     callback = MetricsCallback(metrics, pad_id=0)
     handler = CallbackHandler([DefaultFlowCallback(), RunControl(4), callback], None, None, None, None)
-    batch = {"input_ids": torch.ones(2, 5, dtype=torch.long),
-             "attention_mask": torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]])}  # 7 real tokens
+    batch = {
+        "input_ids": torch.ones(2, 5, dtype=torch.long),
+        "attention_mask": torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]),
+    }  # 7 real tokens
     saved, kept = [], []
     control = handler.on_train_begin(args, state, TrainerControl())
     while not control.should_training_stop:
@@ -57,8 +73,9 @@ def test_evaluations_and_saves_are_left_out_of_the_step_time(tmp_path):
             rng = torch.get_rng_state()
             time.sleep(2 * EVAL)  # the evaluation loop and the generation, then on_evaluate
             torch.rand(3)  # the eval loader draws its seed from torch's generator
-            control = handler.on_evaluate(args, state, control, metrics={"eval_loss": 2.0, "eval_runtime": EVAL,
-                                                                         "eval_em_all": 0.5, "epoch": 1.0})
+            control = handler.on_evaluate(
+                args, state, control, metrics={"eval_loss": 2.0, "eval_runtime": EVAL, "eval_em_all": 0.5, "epoch": 1.0}
+            )
             kept.append(torch.equal(torch.get_rng_state(), rng))  # training draws next what it would without eval
         if control.should_save:
             time.sleep(SAVE)
@@ -120,10 +137,13 @@ def test_a_truncated_shard_makes_the_resume_fall_back_with_one_warning(tmp_path,
         assert guard.resolve("auto") == root / "checkpoint-3"
     assert [r.getMessage() for r in caplog.records] == [
         f"warning: checkpoint {root / 'checkpoint-6'} is damaged (global_step6/zero_pp_rank_0_mp_rank_00_optim_states.pt "
-        f"is 100 bytes, meta.json says 1000); resuming from {root / 'checkpoint-3'} instead"]
+        f"is 100 bytes, meta.json says 1000); resuming from {root / 'checkpoint-3'} instead"
+    ]
     shard.unlink()
-    assert guard.problem(root / "checkpoint-6") == \
-        "global_step6/zero_pp_rank_0_mp_rank_00_optim_states.pt is missing (meta.json lists it)"
+    assert (
+        guard.problem(root / "checkpoint-6")
+        == "global_step6/zero_pp_rank_0_mp_rank_00_optim_states.pt is missing (meta.json lists it)"
+    )
     (staging / "checkpoint-7").mkdir()  # what a failed save left unpublished
     publisher.on_train_begin(args, TrainerState(), TrainerControl())
     assert not list(staging.iterdir())
@@ -137,15 +157,17 @@ def test_a_publish_that_fails_names_the_checkpoint_and_the_os_error(tmp_path):
         _publish(PublishCheckpoints(root, config={}), staging, args, 2)
     assert str(failed.value).startswith(
         f"could not save the checkpoint of step 2 to {root / 'checkpoint-2'} (EEXIST, File exists: '{root}'); there is "
-        f"no earlier checkpoint. Fix the cause on ")
+        f"no earlier checkpoint. Fix the cause on "
+    )
     assert str(failed.value).endswith(" and run the same command again: it starts from step 0")
 
 
 def test_a_preemption_signal_stops_after_the_step_with_a_checkpoint(tmp_path, caplog):
     """SIGUSR1 during step 3 (one process: no vote to wait for) sets should_save and should_training_stop at the end
     of step 3; after the run, `raise_if_stopped` raises Preempted (75) naming the checkpoint; the handler is gone."""
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="steps",
-                             save_steps=100)
+    args = TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="steps", save_steps=100
+    )
     state = TrainerState(max_steps=6, save_steps=100)
     before = signal.getsignal(signal.SIGUSR1)
     preemption = Preemption()
@@ -154,7 +176,9 @@ def test_a_preemption_signal_stops_after_the_step_with_a_checkpoint(tmp_path, ca
     while not control.should_training_stop:
         control = handler.on_step_begin(args, state, control)
         if state.global_step == 2:
-            signal.raise_signal(signal.SIGUSR1)  # during step 3 (to this thread: handled now, whatever other threads run)
+            signal.raise_signal(
+                signal.SIGUSR1
+            )  # during step 3 (to this thread: handled now, whatever other threads run)
         state.global_step += 1
         control = handler.on_step_end(args, state, control)
         if control.should_save:
@@ -166,8 +190,10 @@ def test_a_preemption_signal_stops_after_the_step_with_a_checkpoint(tmp_path, ca
     with caplog.at_level("INFO", logger="cookbook"), pytest.raises(Preempted) as stop:
         preemption.raise_if_stopped(state, tmp_path / "checkpoint-3")
     assert stop.value.code == 75
-    assert caplog.messages[-1] == (f"preempted (SIGUSR1) after step 3 of 6: checkpoint {tmp_path / 'checkpoint-3'}; "
-                                   f"run the same command again to continue (exit status 75)")
+    assert caplog.messages[-1] == (
+        f"preempted (SIGUSR1) after step 3 of 6: checkpoint {tmp_path / 'checkpoint-3'}; "
+        f"run the same command again to continue (exit status 75)"
+    )
 
 
 def _as_deepspeed(callback: NonFiniteSteps, args, control) -> NonFiniteSteps:
@@ -198,13 +224,17 @@ def test_nonfinite_steps_reads_deepspeeds_decision_and_applies_the_policy(tmp_pa
         f"the gradient norm of step 5 is not finite (DeepSpeed discarded the update): the step was not applied and the "
         f"run stops (train.on_nonfinite=stop); the newest checkpoint, from before it, is {tmp_path / 'checkpoint-4'}. "
         f"Lower optim.lr or raise the warm-up, check the data of this step, or set train.on_nonfinite=skip to drop "
-        f"such steps")
+        f"such steps"
+    )
     skip = _as_deepspeed(NonFiniteSteps(NonFinitePolicy("skip", max_consecutive_skips=1), tmp_path), args, control)
     for step, optimizer in enumerate([discarded, applied, discarded], start=5):
         skip.on_optimizer_step(args, TrainerState(global_step=step - 1), control, optimizer=optimizer)
     assert skip.policy.log_extra() == {"skipped_steps": 2.0} and stop.policy.log_extra() == {}
-    with pytest.raises(NonFiniteError, match=r"^the gradient norm of step 8 is not finite .* that makes 2 non-finite "
-                                             r"steps in a row \(train.max_consecutive_skips=1\)"):
+    with pytest.raises(
+        NonFiniteError,
+        match=r"^the gradient norm of step 8 is not finite .* that makes 2 non-finite "
+        r"steps in a row \(train.max_consecutive_skips=1\)",
+    ):
         skip.on_optimizer_step(args, TrainerState(global_step=7), control, optimizer=discarded)
 
 
@@ -220,8 +250,9 @@ def test_nonfinite_steps_without_deepspeed_leaves_the_optimizer_step_out(tmp_pat
     model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
     model[1].bias.requires_grad_(False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    skip = NonFiniteSteps(NonFinitePolicy("skip", max_consecutive_skips=1), tmp_path,
-                          resume_from=tmp_path / "checkpoint-4")
+    skip = NonFiniteSteps(
+        NonFinitePolicy("skip", max_consecutive_skips=1), tmp_path, resume_from=tmp_path / "checkpoint-4"
+    )
     skip.on_train_begin(args, TrainerState(), control, optimizer=optimizer)
     publisher = PublishCheckpoints(tmp_path / "published", {}, more_meta=skip.meta)
 
@@ -246,12 +277,16 @@ def test_nonfinite_steps_without_deepspeed_leaves_the_optimizer_step_out(tmp_pat
     assert not step(7, float("nan"))
     (tmp_path / ".staging" / "checkpoint-8").mkdir(parents=True)
     state = TrainerState(global_step=8, is_world_process_zero=True)
-    publisher.on_save(TrainingArguments(output_dir=str(tmp_path / ".staging"), use_cpu=True, report_to="none"),
-                      state, control)
+    publisher.on_save(
+        TrainingArguments(output_dir=str(tmp_path / ".staging"), use_cpu=True, report_to="none"), state, control
+    )
     assert json.loads((tmp_path / "published" / "checkpoint-8" / "meta.json").read_text())["skipped_steps"] == 4
-    with pytest.raises(NonFiniteError, match=r"^the gradients of step 9 are not finite on every rank \(the optimizer "
-                                             r"step was left out\): the step was not applied, and that makes 2 "
-                                             r"non-finite steps in a row"):
+    with pytest.raises(
+        NonFiniteError,
+        match=r"^the gradients of step 9 are not finite on every rank \(the optimizer "
+        r"step was left out\): the step was not applied, and that makes 2 "
+        r"non-finite steps in a row",
+    ):
         step(8, float("nan"))
     stop = NonFiniteSteps(NonFinitePolicy("stop"), tmp_path)
     stop.on_train_begin(args, TrainerState(), control, optimizer=optimizer)
@@ -264,7 +299,8 @@ def test_nonfinite_steps_without_deepspeed_leaves_the_optimizer_step_out(tmp_pat
         f"the gradients of step 10 are not finite on every rank (the optimizer step was left out): the step was not "
         f"applied and the run stops (train.on_nonfinite=stop); the newest checkpoint, from before it, is "
         f"{tmp_path / 'checkpoint-4'}. Lower optim.lr or raise the warm-up, check the data of this step, or set "
-        f"train.on_nonfinite=skip to drop such steps")
+        f"train.on_nonfinite=skip to drop such steps"
+    )
 
 
 def test_an_accelerate_config_naming_another_deepspeed_json_is_refused(tmp_path, monkeypatch):
@@ -282,8 +318,11 @@ def test_an_accelerate_config_naming_another_deepspeed_json_is_refused(tmp_path,
     check_accelerate_deepspeed_file(zero3, env={})
     check_accelerate_deepspeed_file(zero3, env={"ACCELERATE_DEEPSPEED_CONFIG_FILE": "zero3.json"})  # recipe folder
     check_accelerate_deepspeed_file(zero3, env={"ACCELERATE_DEEPSPEED_CONFIG_FILE": "recipe/zero3.json"})  # cwd
-    with pytest.raises(ConfigError, match=r"deepspeed_config_file '.*zero2.json' disagrees with deepspeed.config = "
-                                          r".*zero3.json: .*deepspeed.config=zero2.json"):
+    with pytest.raises(
+        ConfigError,
+        match=r"deepspeed_config_file '.*zero2.json' disagrees with deepspeed.config = "
+        r".*zero3.json: .*deepspeed.config=zero2.json",
+    ):
         check_accelerate_deepspeed_file(zero3, env={"ACCELERATE_DEEPSPEED_CONFIG_FILE": "zero2.json"})
     with pytest.raises(ConfigError, match=r"deepspeed_config_file 'zero1.json' .* is not a file"):
         check_accelerate_deepspeed_file(zero3, env={"ACCELERATE_DEEPSPEED_CONFIG_FILE": "zero1.json"})
@@ -314,13 +353,18 @@ def _epoch_reads(sampler_for, rows=28, micro=1, accum=4, ranks=2, epochs=2):
     for epoch in range(epochs):
         per_rank = []
         for rank in range(ranks):
-            loader = prepare_data_loader(torch.utils.data.DataLoader(list(range(rows)), batch_size=micro,
-                                                                     sampler=sampler_for(rows, lambda: now["epoch"])),
-                                         num_processes=ranks, process_index=rank, put_on_device=False)
+            loader = prepare_data_loader(
+                torch.utils.data.DataLoader(
+                    list(range(rows)), batch_size=micro, sampler=sampler_for(rows, lambda: now["epoch"])
+                ),
+                num_processes=ranks,
+                process_index=rank,
+                put_on_device=False,
+            )
             now["epoch"] = epoch
             batches = [b.tolist() for b in loader]
             updates = -(-len(batches) // accum)  # the Trainer's num_update_steps_per_epoch
-            per_rank.append([sum(batches[i * accum:(i + 1) * accum], []) for i in range(updates)])
+            per_rank.append([sum(batches[i * accum : (i + 1) * accum], []) for i in range(updates)])
         out.append([sum(step, []) for step in zip(*per_rank)])
     return out
 
@@ -338,8 +382,10 @@ def test_an_epoch_reads_every_row_once_in_full_global_batches():
         assert len(set(read)) == 24 and set(read) <= set(range(28))
     assert sum(epochs[0], []) != sum(epochs[1], [])
     assert epochs == _epoch_reads(lambda n, epoch_of: FullBatchesSampler(n, 8, 42, epoch_of))  # a resume reads the same
-    assert epoch_line(28, 8) == ("epoch: 28 rows = 3 steps of 8 rows, every row read once; the last partial global "
-                                 "batch (4 rows, others each epoch) is dropped")
+    assert epoch_line(28, 8) == (
+        "epoch: 28 rows = 3 steps of 8 rows, every row read once; the last partial global "
+        "batch (4 rows, others each epoch) is dropped"
+    )
     before = _epoch_reads(lambda n, epoch_of: torch.utils.data.RandomSampler(list(range(n))))
     assert [len(s) for s in before[0]] == [8, 8, 8, 4]  # the Trainer's own: 4 updates per epoch, one of 4 rows
 
@@ -384,5 +430,7 @@ def test_a_run_whose_last_checkpoint_and_final_model_are_there_is_finished(tmp_p
     assert not finished(tmp_path, checkpoint, 8) and not finished(tmp_path, None, 6)
     with caplog.at_level("INFO", logger="cookbook"):
         assert finished(tmp_path, checkpoint, 6)
-    assert caplog.messages == [f"already complete: 6 of 6 steps; model in {tmp_path / 'final'}. To train again, use a "
-                               f"new output_dir (or delete {tmp_path})."]
+    assert caplog.messages == [
+        f"already complete: 6 of 6 steps; model in {tmp_path / 'final'}. To train again, use a "
+        f"new output_dir (or delete {tmp_path})."
+    ]

@@ -66,13 +66,22 @@ def test_a_local_folder_is_itself(cache):
     assert model_folder(str(folder)) == folder
 
 
-@pytest.mark.parametrize("value, message", [
-    ("org/missing", "model.name_or_path: org/missing is not a folder and not in the Hugging Face cache {cache} "
-                    "(HF_HUB_OFFLINE=1): download it there first (`hf download org/missing`) or give a local folder"),
-    ("/no/such/model", "model.name_or_path: folder not found: /no/such/model"),
-    ("not a hub id!", "model.name_or_path: 'not a hub id!' is not a folder and not a Hugging Face Hub id (org/name)"),
-    (str(ROOT / "recipes" / "qwen-fsdp2-sft" / "tiny" / "data"), "model.name_or_path: no *.safetensors files in"),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (
+            "org/missing",
+            "model.name_or_path: org/missing is not a folder and not in the Hugging Face cache {cache} "
+            "(HF_HUB_OFFLINE=1): download it there first (`hf download org/missing`) or give a local folder",
+        ),
+        ("/no/such/model", "model.name_or_path: folder not found: /no/such/model"),
+        (
+            "not a hub id!",
+            "model.name_or_path: 'not a hub id!' is not a folder and not a Hugging Face Hub id (org/name)",
+        ),
+        (str(ROOT / "recipes" / "qwen-fsdp2-sft" / "tiny" / "data"), "model.name_or_path: no *.safetensors files in"),
+    ],
+)
 def test_what_cannot_be_a_model_folder_is_one_line_naming_the_key(cache, value, message):
     with pytest.raises(ConfigError) as err:
         model_folder(value)
@@ -166,8 +175,9 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
-def test_an_unreachable_hub_switches_to_offline_at_once_and_a_missing_model_fails_in_one_line(online_hub, capsys,
-                                                                                               tmp_path, monkeypatch):
+def test_an_unreachable_hub_switches_to_offline_at_once_and_a_missing_model_fails_in_one_line(
+    online_hub, capsys, tmp_path, monkeypatch
+):
     import time
 
     from huggingface_hub import constants
@@ -186,8 +196,11 @@ def test_an_unreachable_hub_switches_to_offline_at_once_and_a_missing_model_fail
     err = capsys.readouterr().err
     assert err.startswith("warning: the Hugging Face Hub (http://127.0.0.1:") and "ConnectError" in err
     assert "working offline, from the cache" in err and err.count("\n") == 1
-    with pytest.raises(ConfigError, match=r"^model.name_or_path: org/not-cached is not a folder and not in the Hugging "
-                                          r"Face cache .* \(the Hugging Face Hub cannot be reached\): download it"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^model.name_or_path: org/not-cached is not a folder and not in the Hugging "
+        r"Face cache .* \(the Hugging Face Hub cannot be reached\): download it",
+    ):
         model_folder("org/not-cached")
 
 
@@ -242,7 +255,9 @@ def test_download_bars_come_back_on_a_terminal_only(monkeypatch):
         def isatty(self):
             return True
 
-    hub_tqdm = importlib.import_module("huggingface_hub.utils.tqdm")  # the module (its package exports a class so named)
+    hub_tqdm = importlib.import_module(
+        "huggingface_hub.utils.tqdm"
+    )  # the module (its package exports a class so named)
     monkeypatch.setattr(hub_tqdm, "progress_bar_states", dict(hub_tqdm.progress_bar_states))  # restored after
     monkeypatch.setattr(transformers.utils.logging, "_tqdm_active", transformers.utils.logging._tqdm_active)
     monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
@@ -302,12 +317,22 @@ def _train_and_push(out, monkeypatch, fail=False):
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny))
     tokenizer = AutoTokenizer.from_pretrained(tiny)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    config = {"run_name": "tiny-run", "model": {"name_or_path": str(tiny), "pretrained": False},
-              "optim": {"lr": 0.01}, "checkpoint": {"push_to_hub": "org/tiny-run", "export_hf": True}}
+    config = {
+        "run_name": "tiny-run",
+        "model": {"name_or_path": str(tiny), "pretrained": False},
+        "optim": {"lr": 0.01},
+        "checkpoint": {"push_to_hub": "org/tiny-run", "export_hf": True},
+    }
     info = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend="gloo")
     metrics = MetricsLogger(out, info, mlflow=False, max_steps=2, params=config)  # as start_run: the config
-    loop = TrainLoop(state=TrainState(), max_steps=2, metrics=metrics, log_every=1,
-                     evaluate=lambda: {"loss": 1.5, "accuracy": 0.25}, config=config)
+    loop = TrainLoop(
+        state=TrainState(),
+        max_steps=2,
+        metrics=metrics,
+        log_every=1,
+        evaluate=lambda: {"loss": 1.5, "accuracy": 0.25},
+        config=config,
+    )
     ids = torch.randint(0, 100, (2, 8))
     with loop:
         for _ in loop.steps():
@@ -316,8 +341,11 @@ def _train_and_push(out, monkeypatch, fail=False):
             optimizer.step()
             optimizer.zero_grad()
             loop.end_step(loss, lr=0.01)
-        loop.finish(export=lambda: {"export_dir": (export_hf(model, out / "final", tokenizer),
-                                                   "AutoModelForCausalLM.from_pretrained")})
+        loop.finish(
+            export=lambda: {
+                "export_dir": (export_hf(model, out / "final", tokenizer), "AutoModelForCausalLM.from_pretrained")
+            }
+        )
     return uploads, model, metrics
 
 
@@ -327,8 +355,9 @@ def test_push_to_hub_uploads_the_export_with_a_model_card_and_it_loads(tmp_path,
     uploads, model, metrics = _train_and_push(tmp_path, monkeypatch)
     assert uploads == [("create", "org/tiny-run"), ("org/tiny-run", "model", "tiny-run: final export")]
     folder = tmp_path / "uploaded"
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "README.md"} <= \
-        {p.name for p in folder.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "README.md"} <= {
+        p.name for p in folder.iterdir()
+    }
     card = (folder / "README.md").read_text()
     assert card.startswith("---\nlibrary_name: transformers\ntags:\n- distributed-training-cookbook\n- tiny-run\n---")
     assert "base_model" not in card  # trained from random init (model.pretrained: false)
@@ -344,20 +373,39 @@ def test_a_failed_push_is_one_line_with_the_command_that_retries_it(tmp_path, mo
 
     with pytest.raises(HubPushError) as err:
         _train_and_push(tmp_path, monkeypatch, fail=True)
-    assert str(err.value) == (f"checkpoint.push_to_hub=org/tiny-run: the upload of {tmp_path / 'final'} failed "
-                              f"(OSError: Connection reset by peer); the export is complete on disk: retry with "
-                              f"`hf upload org/tiny-run {tmp_path / 'final'} .`")
+    assert str(err.value) == (
+        f"checkpoint.push_to_hub=org/tiny-run: the upload of {tmp_path / 'final'} failed "
+        f"(OSError: Connection reset by peer); the export is complete on disk: retry with "
+        f"`hf upload org/tiny-run {tmp_path / 'final'} .`"
+    )
     assert err.value.exit_status == 2 and (tmp_path / "final" / "README.md").is_file()
 
 
-@pytest.mark.parametrize("section, env, message", [
-    (dict(push_to_hub="tiny-run"), {"HF_TOKEN": "x"}, "checkpoint.push_to_hub='tiny-run' is not a Hugging Face Hub "
-                                                      "repo id (org/name): it has no owner"),
-    (dict(push_to_hub="org/a", export_hf=False), {"HF_TOKEN": "x"}, "checkpoint.push_to_hub=org/a: nothing to push"),
-    (dict(push_to_hub="org/a"), {"HF_TOKEN": "x", "HF_HUB_OFFLINE": "1"}, "checkpoint.push_to_hub=org/a: "
-                                                                          "HF_HUB_OFFLINE is set"),
-    (dict(push_to_hub="org/a"), {}, "checkpoint.push_to_hub=org/a: no Hugging Face token; log in (`hf auth login`)"),
-])
+@pytest.mark.parametrize(
+    "section, env, message",
+    [
+        (
+            dict(push_to_hub="tiny-run"),
+            {"HF_TOKEN": "x"},
+            "checkpoint.push_to_hub='tiny-run' is not a Hugging Face Hub repo id (org/name): it has no owner",
+        ),
+        (
+            dict(push_to_hub="org/a", export_hf=False),
+            {"HF_TOKEN": "x"},
+            "checkpoint.push_to_hub=org/a: nothing to push",
+        ),
+        (
+            dict(push_to_hub="org/a"),
+            {"HF_TOKEN": "x", "HF_HUB_OFFLINE": "1"},
+            "checkpoint.push_to_hub=org/a: HF_HUB_OFFLINE is set",
+        ),
+        (
+            dict(push_to_hub="org/a"),
+            {},
+            "checkpoint.push_to_hub=org/a: no Hugging Face token; log in (`hf auth login`)",
+        ),
+    ],
+)
 def test_a_push_that_cannot_work_is_refused_before_training(section, env, message, monkeypatch, tmp_path):
     from huggingface_hub import constants
 

@@ -1,6 +1,5 @@
 """cookbook.launch: the process counts and the --check before any worker (what each torchrun recipe's launch.sh runs)."""
 
-
 import os
 import signal
 import time
@@ -10,22 +9,28 @@ import pytest
 from cookbook.launch import main, plan
 
 
-@pytest.mark.parametrize("ngpu, nnodes, gpus, expected", [
-    ("", "1", 0, (2, 1)),  # no GPU: 2 CPU processes
-    ("", "2", 8, (8, 2)),  # every GPU of the node
-    ("3", "1", 0, (3, 1)),  # CPU processes as asked
-    ("4", "1", 8, (4, 1)),
-])
+@pytest.mark.parametrize(
+    "ngpu, nnodes, gpus, expected",
+    [
+        ("", "1", 0, (2, 1)),  # no GPU: 2 CPU processes
+        ("", "2", 8, (8, 2)),  # every GPU of the node
+        ("3", "1", 0, (3, 1)),  # CPU processes as asked
+        ("4", "1", 8, (4, 1)),
+    ],
+)
 def test_plan(ngpu, nnodes, gpus, expected):
     assert plan(ngpu, nnodes, gpus) == expected
 
 
-@pytest.mark.parametrize("ngpu, nnodes, gpus, message", [
-    ("0", "1", 0, "error: NGPU=0 is not a positive integer"),
-    ("two", "1", 0, "error: NGPU=two is not a positive integer"),
-    ("", "-1", 0, "error: NNODES=-1 is not a positive integer"),
-    ("9", "1", 8, r"error: NGPU=9 but this node has 8 GPU\(s\)"),
-])
+@pytest.mark.parametrize(
+    "ngpu, nnodes, gpus, message",
+    [
+        ("0", "1", 0, "error: NGPU=0 is not a positive integer"),
+        ("two", "1", 0, "error: NGPU=two is not a positive integer"),
+        ("", "-1", 0, "error: NNODES=-1 is not a positive integer"),
+        ("9", "1", 8, r"error: NGPU=9 but this node has 8 GPU\(s\)"),
+    ],
+)
 def test_plan_refuses(ngpu, nnodes, gpus, message):
     with pytest.raises(SystemExit, match=message):
         plan(ngpu, nnodes, gpus)
@@ -33,10 +38,12 @@ def test_plan_refuses(ngpu, nnodes, gpus, message):
 
 def test_a_failed_check_stops_before_any_worker(tmp_path, capsys):
     script = tmp_path / "train.py"
-    script.write_text("import os, sys\n"
-                      "open(os.path.join(os.path.dirname(__file__), 'calls'), 'a').write(' '.join(sys.argv[1:]) + '|' +"
-                      " os.environ['COOKBOOK_WORLD_SIZE'] + '|' + os.environ['COOKBOOK_LAUNCH_TIME'] + '\\n')\n"
-                      "sys.exit(2 if '--check' in sys.argv else 0)\n")
+    script.write_text(
+        "import os, sys\n"
+        "open(os.path.join(os.path.dirname(__file__), 'calls'), 'a').write(' '.join(sys.argv[1:]) + '|' +"
+        " os.environ['COOKBOOK_WORLD_SIZE'] + '|' + os.environ['COOKBOOK_LAUNCH_TIME'] + '\\n')\n"
+        "sys.exit(2 if '--check' in sys.argv else 0)\n"
+    )
     (tmp_path / "tiny.yaml").write_text("{}\n")
     t0 = time.time()
     status = main(["--ngpu", "3", "--nnodes", "2", str(script), "--config", "tiny.yaml", "optim.lr=1e-3"])
@@ -90,8 +97,15 @@ def test_the_check_runs_in_the_launchers_process_and_leaves_it_as_it_was(tmp_pat
     seen = []
 
     def torchrun(argv):
-        seen.append((dict(os.environ), signal.getsignal(signal.SIGUSR2), list(logging.getLogger().handlers),
-                     list(sys.path), "helper" in sys.modules))
+        seen.append(
+            (
+                dict(os.environ),
+                signal.getsignal(signal.SIGUSR2),
+                list(logging.getLogger().handlers),
+                list(sys.path),
+                "helper" in sys.modules,
+            )
+        )
         return 0
 
     monkeypatch.setattr(cookbook.torchrun, "main", torchrun)
@@ -128,18 +142,40 @@ def test_a_dry_run_prints_the_commands_and_runs_nothing(tmp_path, capsys, monkey
     (tmp_path / "tiny.yaml").write_text("{}\n")
     monkeypatch.setattr(cookbook.torchrun, "main", lambda argv: pytest.fail("torchrun ran in a dry run"))
     monkeypatch.delenv("DRY_RUN", raising=False)
-    assert main(["--dry-run", "--ngpu", "3", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1",
-                 str(script), "--config", "tiny.yaml", "optim.lr=1e-3", "data.name=a b"]) == 0
+    assert (
+        main(
+            [
+                "--dry-run",
+                "--ngpu",
+                "3",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                "1",
+                "--master-addr",
+                "10.0.0.1",
+                str(script),
+                "--config",
+                "tiny.yaml",
+                "optim.lr=1e-3",
+                "data.name=a b",
+            ]
+        )
+        == 0
+    )
     config = tmp_path / "tiny.yaml"
     assert capsys.readouterr().out.splitlines() == [
         f"check: env COOKBOOK_WORLD_SIZE=6 {sys.executable} {script} --check --config {config} optim.lr=1e-3 "
         f"'data.name=a b'",
         f"run: {sys.executable} -m cookbook.torchrun --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port "
-        f"29500 --nproc-per-node 3 --max-restarts 3 {script} --config {config} optim.lr=1e-3 'data.name=a b'"]
+        f"29500 --nproc-per-node 3 --max-restarts 3 {script} --config {config} optim.lr=1e-3 'data.name=a b'",
+    ]
     monkeypatch.setenv("DRY_RUN", "1")
     assert main(["--ngpu", "2", "--max-restarts", "0", str(script)]) == 0
-    assert capsys.readouterr().out.splitlines()[1] == \
-        f"run: {sys.executable} -m cookbook.torchrun --standalone --nproc-per-node 2 --max-restarts 0 {script}"
+    assert (
+        capsys.readouterr().out.splitlines()[1]
+        == f"run: {sys.executable} -m cookbook.torchrun --standalone --nproc-per-node 2 --max-restarts 0 {script}"
+    )
     assert main(["--ngpu", "0", str(script)]) == 2  # the process counts are still checked
     assert "error: NGPU=0 is not a positive integer" in capsys.readouterr().err
     assert not (tmp_path / "train.py.ran").exists()
@@ -149,22 +185,25 @@ def test_a_dry_run_prints_the_commands_and_runs_nothing(tmp_path, capsys, monkey
 
 
 # ----------------------------------------------------------------------------- restarts (cookbook.torchrun)
-@pytest.mark.parametrize("exitcode, others, restart", [
-    (-9, [], True),  # SIGKILL: the out-of-memory killer, a lost node's process
-    (-11, [], True),  # SIGSEGV
-    (-6, [3], True),  # SIGABRT (a collective's watchdog), a peer that lost it
-    (1, [], True),  # a bug or library failure
-    (3, [3], True),  # this node's ranks lost a peer on another node
-    (2, [], False),  # bad input: it would fail again
-    (4, [], False),  # diverged (train.on_nonfinite=stop): it would diverge again
-    (75, [75], False),  # preempted: the scheduler takes over (Slurm's SIGUSR1 path ends with 75)
-    (130, [], False),  # Ctrl-C
-    (1, [75], False),  # a rank preempted beside the crash: no restart
-    (-15, [], False),  # SIGTERM: asked to stop
-    (-2, [], False),  # SIGINT
-    (-10, [], False),  # SIGUSR1 before the training loop listens for it
-    (5, [], False),  # a status that means nothing known
-])
+@pytest.mark.parametrize(
+    "exitcode, others, restart",
+    [
+        (-9, [], True),  # SIGKILL: the out-of-memory killer, a lost node's process
+        (-11, [], True),  # SIGSEGV
+        (-6, [3], True),  # SIGABRT (a collective's watchdog), a peer that lost it
+        (1, [], True),  # a bug or library failure
+        (3, [3], True),  # this node's ranks lost a peer on another node
+        (2, [], False),  # bad input: it would fail again
+        (4, [], False),  # diverged (train.on_nonfinite=stop): it would diverge again
+        (75, [75], False),  # preempted: the scheduler takes over (Slurm's SIGUSR1 path ends with 75)
+        (130, [], False),  # Ctrl-C
+        (1, [75], False),  # a rank preempted beside the crash: no restart
+        (-15, [], False),  # SIGTERM: asked to stop
+        (-2, [], False),  # SIGINT
+        (-10, [], False),  # SIGUSR1 before the training loop listens for it
+        (5, [], False),  # a status that means nothing known
+    ],
+)
 def test_which_failures_restart(exitcode, others, restart):
     from cookbook.torchrun import should_restart
 
@@ -177,21 +216,37 @@ def _failure(rank: int, exitcode: int, tmp_path):
     return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(tmp_path / "none.json"))
 
 
-@pytest.mark.parametrize("outcomes, status, restarts", [
-    ([-9, 0], 0, ["restart 1 of 3: rank 1 was killed by SIGKILL; the workers resume from the newest checkpoint"]),
-    ([1, 3, 0], 0, ["restart 1 of 3: rank 1 failed (exit status 1: a failure, its traceback is above); the workers "
-                    "resume from the newest checkpoint",
-                    "restart 2 of 3: rank 1 failed (exit status 3: it lost contact with another rank); the workers "
-                    "resume from the newest checkpoint"]),
-    ([-9, -9, -9, -9], 137, [f"restart {k} of 3: rank 1 was killed by SIGKILL; the workers resume from the newest "
-                             f"checkpoint" for k in (1, 2, 3)]),
-    ([2], 2, []),
-    ([-9, 2], 2, ["restart 1 of 3: rank 1 was killed by SIGKILL; the workers resume from the newest checkpoint"]),
-    ([75], 75, []),
-    ([130], 130, []),
-])
-def test_the_launcher_restarts_the_group_only_for_what_a_restart_can_cure(outcomes, status, restarts, tmp_path,
-                                                                         monkeypatch, capsys):
+@pytest.mark.parametrize(
+    "outcomes, status, restarts",
+    [
+        ([-9, 0], 0, ["restart 1 of 3: rank 1 was killed by SIGKILL; the workers resume from the newest checkpoint"]),
+        (
+            [1, 3, 0],
+            0,
+            [
+                "restart 1 of 3: rank 1 failed (exit status 1: a failure, its traceback is above); the workers "
+                "resume from the newest checkpoint",
+                "restart 2 of 3: rank 1 failed (exit status 3: it lost contact with another rank); the workers "
+                "resume from the newest checkpoint",
+            ],
+        ),
+        (
+            [-9, -9, -9, -9],
+            137,
+            [
+                f"restart {k} of 3: rank 1 was killed by SIGKILL; the workers resume from the newest checkpoint"
+                for k in (1, 2, 3)
+            ],
+        ),
+        ([2], 2, []),
+        ([-9, 2], 2, ["restart 1 of 3: rank 1 was killed by SIGKILL; the workers resume from the newest checkpoint"]),
+        ([75], 75, []),
+        ([130], 130, []),
+    ],
+)
+def test_the_launcher_restarts_the_group_only_for_what_a_restart_can_cure(
+    outcomes, status, restarts, tmp_path, monkeypatch, capsys
+):
     """`cookbook.torchrun.main` around a stand-in for torchrun's agent whose worker group ends as `outcomes` says,
     one attempt after the other (0: success; else rank 1's status): the restarts, their lines, the exit status,
     the restart count the workers see and the rendezvous port of each attempt."""
@@ -214,8 +269,21 @@ def test_the_launcher_restarts_the_group_only_for_what_a_restart_can_cure(outcom
     monkeypatch.delenv(torchrun.RESTART_COUNT_ENV, raising=False)
     monkeypatch.setenv("COOKBOOK_LAUNCH_TIME", "100.0")  # as cookbook.launch sets it
     t0 = time.time()
-    argv = ["--nnodes", "2", "--node-rank", "0", "--master-addr", "10.0.0.1", "--master-port", "29500",
-            "--nproc-per-node", "2", "--max-restarts", "3", "train.py"]
+    argv = [
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "0",
+        "--master-addr",
+        "10.0.0.1",
+        "--master-port",
+        "29500",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "3",
+        "train.py",
+    ]
     assert torchrun.main(argv) == status
     err = capsys.readouterr().err
     assert [line for line in err.splitlines() if line.startswith("restart ")] == restarts
@@ -261,12 +329,38 @@ def test_each_restart_meets_at_a_rendezvous_of_its_own():
     one_node = parse_args(["--nnodes", "1", "--master-port", "29600", "--nproc-per-node", "2", "train.py"])
     assert (attempt_args(one_node, 0).standalone, attempt_args(one_node, 0).master_port) == (False, 29600)
     assert attempt_args(one_node, 1).standalone  # a free port: 29600 may still be held by the failed attempt
-    nodes = parse_args(["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", "--master-port", "29600",
-                        "--nproc-per-node", "8", "train.py"])
+    nodes = parse_args(
+        [
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master-addr",
+            "10.0.0.1",
+            "--master-port",
+            "29600",
+            "--nproc-per-node",
+            "8",
+            "train.py",
+        ]
+    )
     assert [attempt_args(nodes, k).master_port for k in range(3)] == [29600, 29601, 29602]  # the same on every node
     assert nodes.master_port == 29600  # the parsed arguments are not changed
-    c10d = parse_args(["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "head:29400", "--rdzv-id", "job",
-                       "--nproc-per-node", "8", "train.py"])
+    c10d = parse_args(
+        [
+            "--nnodes",
+            "2",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            "head:29400",
+            "--rdzv-id",
+            "job",
+            "--nproc-per-node",
+            "8",
+            "train.py",
+        ]
+    )
     assert (attempt_args(c10d, 2).rdzv_endpoint, attempt_args(c10d, 2).rdzv_id) == ("head:29402", "job-restart2")
 
 
@@ -286,11 +380,14 @@ def test_max_restarts_is_checked_and_passed_to_torchrun(tmp_path, monkeypatch, c
     assert len(passed) == 2
 
 
-@pytest.mark.parametrize("env, expected", [
-    ({"COOKBOOK_WORLD_SIZE": "3", "NGPU": "2"}, 3),  # set by launch.sh's launcher for its check
-    ({"NGPU": "2", "NNODES": "2"}, 4),               # `python train.py --check` of its own, as launch.sh would run
-    ({}, 2),                                         # no GPU here: launch.sh's 2 CPU processes
-])
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({"COOKBOOK_WORLD_SIZE": "3", "NGPU": "2"}, 3),  # set by launch.sh's launcher for its check
+        ({"NGPU": "2", "NNODES": "2"}, 4),  # `python train.py --check` of its own, as launch.sh would run
+        ({}, 2),  # no GPU here: launch.sh's 2 CPU processes
+    ],
+)
 def test_check_world_size_is_the_world_launch_sh_starts(monkeypatch, env, expected):
     from cookbook.launch import check_world_size
 
@@ -343,7 +440,8 @@ def test_a_run_holds_its_output_dir_and_its_workers_end_with_a_killed_launcher(t
         "    for step in range(1, 6001):\n        time.sleep(0.05)\n"
         "        if os.environ['RANK'] == '0':\n"
         "            (out / 'checkpoints' / f'step_{step:08d}').mkdir(parents=True, exist_ok=True)\n"
-        "if __name__ == '__main__':\n    run_main(main)\n")
+        "if __name__ == '__main__':\n    run_main(main)\n"
+    )
     out = tmp_path / "run"
     first = start_launch("my-recipe", f"output_dir={out}", cwd=recipe)
     try:
@@ -357,7 +455,8 @@ def test_a_run_holds_its_output_dir_and_its_workers_end_with_a_killed_launcher(t
         assert err.strip().splitlines()[-1] == (
             f"error: output_dir={out} is in use by the run of pid {first.pid} on host {socket.gethostname()} "
             f"(since {(out / '.run.lock.node0').read_text().split('(since ')[1]}; wait for it to end, stop it, or "
-            f"choose another output_dir"), err[-3000:]
+            f"choose another output_dir"
+        ), err[-3000:]
         workers = [p for p in psutil.Process(first.pid).children() if p.environ().get("RANK") in ("0", "1")]
         assert len(workers) == 2
         first.kill()  # SIGKILL: the launcher cannot stop its workers itself

@@ -51,8 +51,16 @@ def _collectives(x: float):
     mean = cookbook.all_reduce_mean({"v": float(info.rank + x)}, info.device)
     total = cookbook.all_reduce_sum({"v": torch.tensor(float(info.rank + 1))}, info.device)
     env = {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    return {"rank": info.rank, "world": info.world_size, "backend": info.backend, "mean": mean["v"], "total": total["v"],
-            "ranks": cookbook.all_gather_object(info.rank), "env": env, "pid": os.getpid()}
+    return {
+        "rank": info.rank,
+        "world": info.world_size,
+        "backend": info.backend,
+        "mean": mean["v"],
+        "total": total["v"],
+        "ranks": cookbook.all_gather_object(info.rank),
+        "env": env,
+        "pid": os.getpid(),
+    }
 
 
 def test_results_come_back_in_rank_order_and_a_plain_call_runs_here(monkeypatch):
@@ -94,7 +102,11 @@ def test_a_worker_error_names_the_rank_and_traceback_and_leaves_no_process(tmp_p
     assert message.startswith("rank 1 of 2 failed: ValueError: boom on rank 1"), message
     # The worker's traceback, with the failing line of this file.
     assert "Traceback of rank 1" in message and __file__ in message and 'raise ValueError("boom on rank 1")' in message
-    assert isinstance(err.__cause__, ValueError) and err.exception is err.__cause__ and str(err.exception) == "boom on rank 1"
+    assert (
+        isinstance(err.__cause__, ValueError)
+        and err.exception is err.__cause__
+        and str(err.exception) == "boom on rank 1"
+    )
     pids = [int((tmp_path / f"rank{r}").read_text()) for r in (0, 1)]
     assert not any(_alive(p) for p in pids), pids
     assert _children() <= before
@@ -121,12 +133,15 @@ def test_more_processes_than_gpus_is_a_clear_error(monkeypatch):
 def test_fork_from_a_process_that_has_a_process_group_is_refused():
     """A forked worker would inherit the group without its threads and hang in its first collective."""
     with cookbook.distributed_context():  # a process group of one here
-        with pytest.raises(RuntimeError, match=r"^start_method='fork' from a process that has a process group .* "
-                                               r"call cookbook.destroy_distributed\(\) first, or use start_method='spawn'$"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"^start_method='fork' from a process that has a process group .* "
+            r"call cookbook.destroy_distributed\(\) first, or use start_method='spawn'$",
+        ):
             cookbook.distributed(num_processes=2, start_method="fork")(_collectives.__wrapped__).distributed(1)
 
 
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent("""
     import dataclasses, json, os, signal, sys, time
     import torch, cookbook
 
@@ -158,7 +173,7 @@ SCRIPT = textwrap.dedent('''
             sleeper.distributed(sys.argv[1])
         except KeyboardInterrupt:
             print(json.dumps({"interrupted": True, "handler_kept": signal.getsignal(signal.SIGINT) is handler}), flush=True)
-''')
+""")
 
 
 def _interrupt_script(tmp_path, *args: str) -> tuple[subprocess.Popen, str, str, list[int]]:
@@ -167,8 +182,13 @@ def _interrupt_script(tmp_path, *args: str) -> tuple[subprocess.Popen, str, str,
     script.write_text(SCRIPT)
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
-    proc = subprocess.Popen([sys.executable, str(script), str(pid_dir), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(pid_dir), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     try:
         deadline = time.monotonic() + 120
         while len(list(pid_dir.iterdir())) < 2:
@@ -190,7 +210,9 @@ def test_main_module_functions_work_with_spawn_and_ctrl_c_stops_every_worker(tmp
     SIGINT to the script while its workers sleep raises KeyboardInterrupt there and stops both workers."""
     _, stdout, stderr, pids = _interrupt_script(tmp_path)
     lines = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
-    assert lines[0] == {"results": [{"rank": 0, "total": 6.0}, {"rank": 1, "total": 6.0}], "types": True}, stderr[-3000:]
+    assert lines[0] == {"results": [{"rank": 0, "total": 6.0}, {"rank": 1, "total": 6.0}], "types": True}, stderr[
+        -3000:
+    ]
     assert lines[1] == {"interrupted": True, "handler_kept": True}, stderr[-3000:]
     assert not any(_alive(p) for p in pids), pids
 
@@ -243,9 +265,12 @@ def _train_three_ways(steps: int) -> dict:
     losses = fit(model)
     full = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
     full.load_state_dict({k: v.full_tensor() for k, v in model.state_dict().items()})
-    out["fsdp2"] = {"losses": losses, "fingerprint": cookbook.param_fingerprint(full),
-                    "sharded": all(isinstance(p, DTensor) for p in model.parameters()),
-                    "local_rows": model[0].weight.to_local().shape[0]}
+    out["fsdp2"] = {
+        "losses": losses,
+        "fingerprint": cookbook.param_fingerprint(full),
+        "sharded": all(isinstance(p, DTensor) for p in model.parameters()),
+        "local_rows": model[0].weight.to_local().shape[0],
+    }
 
     import importlib
 
@@ -254,10 +279,17 @@ def _train_three_ways(steps: int) -> dict:
 
     deepspeed.init_distributed(dist_backend=info.backend)
     model = mlp()
-    config = {"train_micro_batch_size_per_gpu": 32, "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
-              "gradient_clipping": 0.0}  # DeepSpeed clips at 1.0 by default; DDP and FSDP2 here do not clip
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05), config=config)
+    config = {
+        "train_micro_batch_size_per_gpu": 32,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 2},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "gradient_clipping": 0.0,
+    }  # DeepSpeed clips at 1.0 by default; DDP and FSDP2 here do not clip
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05), config=config
+    )
     losses = []
     for _ in range(steps):
         loss = nn.functional.mse_loss(engine(x), y)

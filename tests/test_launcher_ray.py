@@ -11,7 +11,7 @@ import sys
 import textwrap
 
 
-RAY_SCRIPT = textwrap.dedent('''
+RAY_SCRIPT = textwrap.dedent("""
     import json
     import ray, torch, cookbook
 
@@ -25,7 +25,7 @@ RAY_SCRIPT = textwrap.dedent('''
     if __name__ == "__main__":
         out = ranks.distributed(7)
         print(json.dumps({"out": out, "left": not ray.is_initialized()}), flush=True)
-''')
+""")
 
 
 def test_ray_backend_returns_every_rank_in_order(ray_env, tmp_path):

@@ -52,9 +52,19 @@ def _run(out, max_steps=7, stop_at_step=-1, eval_every=2, evaluate_sleep=0.0, ex
             return {"loss": float(sum(torch.nn.functional.mse_loss(model(x), y) for x, y in DATA) / len(DATA))}
 
     metrics = MetricsLogger(out, CPU, mlflow=False, max_steps=max_steps, count_tokens=False)
-    loop = TrainLoop(state=state, max_steps=max_steps, stop_at_step=stop_at_step, metrics=metrics, log_every=3,
-                     eval_every=eval_every, evaluate=evaluate, checkpointer=checkpointer, checkpoint_every=3,
-                     checkpoint_state=ckpt_state, config={"a": 1})
+    loop = TrainLoop(
+        state=state,
+        max_steps=max_steps,
+        stop_at_step=stop_at_step,
+        metrics=metrics,
+        log_every=3,
+        eval_every=eval_every,
+        evaluate=evaluate,
+        checkpointer=checkpointer,
+        checkpoint_every=3,
+        checkpoint_state=ckpt_state,
+        config={"a": 1},
+    )
     batches = EpochBatches(ResumableLoader(start=state.step % len(DATA)), state, epochs_set.append)
     losses = {}
     with loop:
@@ -100,10 +110,12 @@ def test_stop_and_resume_give_the_same_per_step_losses(tmp_path, caplog):
         first, loop, records, final, _ = _run(tmp_path / "split", stop_at_step=4)
     assert final is None and loop.stopped and sorted(first) == [1, 2, 3, 4]
     # a run that stops early still says where its metrics are, then how to continue
-    assert caplog.messages[-2:] == [f"metrics:     {tmp_path / 'split' / 'metrics.jsonl'}",
-                                    f"stopped at step 4 of 7 (train.stop_at_step); to continue from "
-                                    f"{tmp_path / 'split' / 'checkpoints' / 'step_00000004'}, run again without "
-                                    f"train.stop_at_step (or with a larger value)"]
+    assert caplog.messages[-2:] == [
+        f"metrics:     {tmp_path / 'split' / 'metrics.jsonl'}",
+        f"stopped at step 4 of 7 (train.stop_at_step); to continue from "
+        f"{tmp_path / 'split' / 'checkpoints' / 'step_00000004'}, run again without "
+        f"train.stop_at_step (or with a larger value)",
+    ]
     assert not [r for r in records if r["event"] == "summary"]
     steps = [int(p.name.split("_")[1]) for p in Checkpointer(tmp_path / "split" / "checkpoints").complete_checkpoints()]
     assert steps == [3, 4]  # every 3, and where it stopped
@@ -197,14 +209,19 @@ def test_the_closing_lines_show_the_final_metrics_and_where_each_output_is(tmp_p
     monkeypatch.setattr(cookbook.loop, "get_logger", lambda: SimpleNamespace(info=lines.append))
     metrics = MetricsLogger(tmp_path, CPU, mlflow=False, count_tokens=False)
     final_eval = {"loss": 0.5, "accuracy": 0.75, "samples": 400.0, "rows": 3.0, "tokens": 9.0}  # counts are not shown
-    outputs = {"export_dir": (tmp_path / "final", "AutoModel.from_pretrained"), "adapter_dir": (tmp_path / "a", ""),
-               "other_dir": (None, "torch.load")}
+    outputs = {
+        "export_dir": (tmp_path / "final", "AutoModel.from_pretrained"),
+        "adapter_dir": (tmp_path / "a", ""),
+        "other_dir": (None, "torch.load"),
+    }
     log_outputs(7, final_eval, metrics, tmp_path / "checkpoints", outputs)
-    assert lines == ["done: 7 steps | eval loss 0.5000 accuracy 0.7500",
-                     f"metrics:     {tmp_path / 'metrics.jsonl'}",
-                     f"checkpoints: {tmp_path / 'checkpoints'}",
-                     f"model:       {tmp_path / 'final'} (AutoModel.from_pretrained)",
-                     f"adapter:     {tmp_path / 'a'}"]
+    assert lines == [
+        "done: 7 steps | eval loss 0.5000 accuracy 0.7500",
+        f"metrics:     {tmp_path / 'metrics.jsonl'}",
+        f"checkpoints: {tmp_path / 'checkpoints'}",
+        f"model:       {tmp_path / 'final'} (AutoModel.from_pretrained)",
+        f"adapter:     {tmp_path / 'a'}",
+    ]
     lines.clear()
     log_outputs(3, {}, metrics, None, {})
     assert lines == ["done: 3 steps", f"metrics:     {tmp_path / 'metrics.jsonl'}"]
@@ -222,16 +239,35 @@ def test_run_resumes_and_takes_the_cadence_from_the_shared_sections(tmp_path):
         train: TrainConfig = field(default_factory=TrainConfig)
         checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
-    cfg = load_config(Config, None, [f"output_dir={tmp_path}", "mlflow=false", "train.log_every=2",
-                                     "train.eval_every=3", "train.stop_at_step=4", "checkpoint.every_steps=0"])
+    cfg = load_config(
+        Config,
+        None,
+        [
+            f"output_dir={tmp_path}",
+            "mlflow=false",
+            "train.log_every=2",
+            "train.eval_every=3",
+            "train.stop_at_step=4",
+            "checkpoint.every_steps=0",
+        ],
+    )
     model = torch.nn.Linear(3, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
     def start(**kw):
         state = TrainState()
-        return Run(cfg, CPU, state=state, checkpoint={"app": ModelOptimizerState(model, optimizer), "train": state},
-                   may_change=("train.stop_at_step",), max_steps=5, experiment="tests", final=tmp_path / "final",
-                   count_tokens=False, **kw)
+        return Run(
+            cfg,
+            CPU,
+            state=state,
+            checkpoint={"app": ModelOptimizerState(model, optimizer), "train": state},
+            may_change=("train.stop_at_step",),
+            max_steps=5,
+            experiment="tests",
+            final=tmp_path / "final",
+            count_tokens=False,
+            **kw,
+        )
 
     loop = start(evaluate=lambda: {"loss": 1.0})
     assert (tmp_path / "config.yaml").is_file() and loop.state.step == 0
@@ -279,8 +315,18 @@ def test_a_preemption_signal_stops_after_the_step_with_a_checkpoint_and_the_resu
     assert second == pytest.approx({s: whole[s] for s in (4, 5, 6, 7)}, rel=0, abs=0)
 
 
-def _train_with_nan(out, nan_at, on_nonfinite="skip", max_consecutive_skips=5, max_steps=6, applied=False,
-                    batchnorm=False, huge_at=(), checkpoint_every=2, buffers=None):
+def _train_with_nan(
+    out,
+    nan_at,
+    on_nonfinite="skip",
+    max_consecutive_skips=5,
+    max_steps=6,
+    applied=False,
+    batchnorm=False,
+    huge_at=(),
+    checkpoint_every=2,
+    buffers=None,
+):
     """Train the linear model of `_run` with a NaN loss in the attempts listed in `nan_at` (1-based, counting
     skipped ones); returns (loop, model, scheduler, records of metrics.jsonl, the step numbers run).
 
@@ -295,9 +341,17 @@ def _train_with_nan(out, nan_at, on_nonfinite="skip", max_consecutive_skips=5, m
     checkpointer = Checkpointer(out / "checkpoints", keep_last=0)
     ckpt_state = {"app": ModelOptimizerState(model, optimizer), "train": state}
     metrics = MetricsLogger(out, CPU, mlflow=False, max_steps=max_steps, count_tokens=False)
-    loop = TrainLoop(state=state, max_steps=max_steps, metrics=metrics, log_every=1, checkpointer=checkpointer,
-                     checkpoint_every=checkpoint_every, checkpoint_state=ckpt_state, on_nonfinite=on_nonfinite,
-                     max_consecutive_skips=max_consecutive_skips)
+    loop = TrainLoop(
+        state=state,
+        max_steps=max_steps,
+        metrics=metrics,
+        log_every=1,
+        checkpointer=checkpointer,
+        checkpoint_every=checkpoint_every,
+        checkpoint_state=ckpt_state,
+        on_nonfinite=on_nonfinite,
+        max_consecutive_skips=max_consecutive_skips,
+    )
     batches = EpochBatches(DATA, state)
     run, attempt = [], 0
     try:
@@ -356,9 +410,11 @@ def test_skip_drops_a_non_finite_step_without_touching_the_weights_or_the_schedu
 def test_skip_stops_after_max_consecutive_skips(tmp_path):
     with pytest.raises(NonFiniteError) as stop:
         _train_with_nan(tmp_path, nan_at={4, 5, 6}, max_consecutive_skips=2)
-    assert str(stop.value).startswith("the gradient norm of step 4 is nan: the step was not applied, and that makes 3 "
-                                      "non-finite steps in a row (train.max_consecutive_skips=2), so the run stops; "
-                                      f"the newest checkpoint, from before it, is {tmp_path / 'checkpoints'}"), stop.value
+    assert str(stop.value).startswith(
+        "the gradient norm of step 4 is nan: the step was not applied, and that makes 3 "
+        "non-finite steps in a row (train.max_consecutive_skips=2), so the run stops; "
+        f"the newest checkpoint, from before it, is {tmp_path / 'checkpoints'}"
+    ), stop.value
     assert stop.value.exit_status == 4
     assert _checkpoint_steps(tmp_path) == [2]
 
@@ -370,7 +426,8 @@ def test_stop_names_the_step_and_the_newest_checkpoint(tmp_path):
     assert str(stop.value) == (
         "the gradient norm of step 5 is nan: the step was not applied and the run stops (train.on_nonfinite=stop); "
         f"the newest checkpoint, from before it, is {latest}. Lower optim.lr or raise the warm-up, check the data of "
-        "this step, or set train.on_nonfinite=skip to drop such steps")
+        "this step, or set train.on_nonfinite=skip to drop such steps"
+    )
     assert _checkpoint_steps(tmp_path) == [2, 4]
 
 
@@ -413,25 +470,36 @@ def test_skip_leaves_the_batchnorm_statistics_of_a_non_finite_step_as_they_were(
     assert all(torch.isfinite(t).all() for t in [*model.parameters(), *model.buffers()])
     saved = _checkpoint_tensors(tmp_path)
     assert sorted(saved) == [2, 4, 6]
-    assert all(len(ts) > 5 and all(torch.isfinite(t).all() for t in ts if t.is_floating_point()) for ts in saved.values())
+    assert all(
+        len(ts) > 5 and all(torch.isfinite(t).all() for t in ts if t.is_floating_point()) for ts in saved.values()
+    )
     assert summary_of(records)["step"] == 6
 
 
 @pytest.mark.parametrize("on_nonfinite", ["skip", "stop"])
-@pytest.mark.parametrize("checkpoint_every, refused", [(2, "its checkpoint is not saved"),
-                                                        (-1, "the run is not done (no final evaluation, export or "
-                                                             "summary)")])
-def test_non_finite_weights_or_statistics_are_never_saved_nor_called_done(tmp_path, on_nonfinite, checkpoint_every,
-                                                                           refused):
+@pytest.mark.parametrize(
+    "checkpoint_every, refused",
+    [(2, "its checkpoint is not saved"), (-1, "the run is not done (no final evaluation, export or summary)")],
+)
+def test_non_finite_weights_or_statistics_are_never_saved_nor_called_done(
+    tmp_path, on_nonfinite, checkpoint_every, refused
+):
     # step 2's loss and gradient norm are finite, but its input makes BatchNorm's running variance infinite
     with pytest.raises(NonFiniteError) as stop:
-        _train_with_nan(tmp_path, nan_at=(), on_nonfinite=on_nonfinite, batchnorm=True, huge_at={2},
-                        checkpoint_every=checkpoint_every)
+        _train_with_nan(
+            tmp_path,
+            nan_at=(),
+            on_nonfinite=on_nonfinite,
+            batchnorm=True,
+            huge_at={2},
+            checkpoint_every=checkpoint_every,
+        )
     step = 2 if checkpoint_every == 2 else 6
     assert str(stop.value) == (
         f"after step {step}, 3 values of the model's parameters and buffers are NaN or infinite (0.running_var): "
         f"{refused} and the run stops, whatever train.on_nonfinite says; no checkpoint was saved before it. Lower "
-        f"optim.lr or raise the warm-up, or check the data")
+        f"optim.lr or raise the warm-up, or check the data"
+    )
     assert stop.value.exit_status == 4 and _checkpoint_steps(tmp_path) == []
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert not [r for r in records if r["event"] == "summary"]
@@ -439,8 +507,11 @@ def test_non_finite_weights_or_statistics_are_never_saved_nor_called_done(tmp_pa
 
 def test_an_applied_non_finite_update_stops_before_the_next_save(tmp_path):
     # NaN at step 3: the update has run (the check comes after it); the next save is at step 4, and it does not happen
-    with pytest.raises(NonFiniteError, match=r"^the loss of step 3 is not finite on every rank and its update was "
-                                             r"already applied .* so the run stops before saving it"):
+    with pytest.raises(
+        NonFiniteError,
+        match=r"^the loss of step 3 is not finite on every rank and its update was "
+        r"already applied .* so the run stops before saving it",
+    ):
         _train_with_nan(tmp_path, nan_at={3}, on_nonfinite="skip", applied=True)
     assert _checkpoint_steps(tmp_path) == [2]
 
@@ -460,8 +531,16 @@ def test_on_nonfinite_is_checked(tmp_path):
 
     def run():
         state = TrainState()
-        return Run(cfg, CPU, state=state, checkpoint={"train": state}, may_change=(), max_steps=3, experiment="tests",
-                   count_tokens=False)
+        return Run(
+            cfg,
+            CPU,
+            state=state,
+            checkpoint={"train": state},
+            may_change=(),
+            max_steps=3,
+            experiment="tests",
+            count_tokens=False,
+        )
 
     with pytest.raises(ConfigError, match=r"^train.on_nonfinite must be one of stop, skip, got 'ignore'$"):
         run()
@@ -494,7 +573,6 @@ def test_evaluation_does_not_change_the_training_runs_random_draws(tmp_path):
     assert _dropout_draws(tmp_path, 2) == _dropout_draws(tmp_path, 0)
 
 
-
 def test_a_finished_run_is_answered_by_the_check_at_once_and_the_launcher_starts_no_worker(tmp_path, monkeypatch):
     """TrainLoop.finish leaves complete.json; check_run (the first thing every recipe's --check and worker do)
     then says "already complete" with exit status 0 (before: the check passed and the workers built the model and
@@ -511,24 +589,55 @@ def test_a_finished_run_is_answered_by_the_check_at_once_and_the_launcher_starts
         checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     out = tmp_path / "run"
-    cfg = load_config(Config, None, [f"output_dir={out}", "mlflow=false", "train.max_steps=2", "checkpoint.every_steps=-1"])
+    cfg = load_config(
+        Config, None, [f"output_dir={out}", "mlflow=false", "train.max_steps=2", "checkpoint.every_steps=-1"]
+    )
     monkeypatch.setenv(OUTPUT_DIR_FILE_ENV, str(tmp_path / "reported"))  # as cookbook.launch runs the check
     check_run(cfg)
     assert not reported_complete(tmp_path / "reported")
     state = TrainState()
-    with Run(cfg, CPU, state=state, checkpoint={"train": state}, may_change=(), max_steps=2, experiment="tests",
-             count_tokens=False) as loop:
+    with Run(
+        cfg,
+        CPU,
+        state=state,
+        checkpoint={"train": state},
+        may_change=(),
+        max_steps=2,
+        experiment="tests",
+        count_tokens=False,
+    ) as loop:
         for _ in loop.steps():
             loop.end_step(torch.tensor(1.0), lr=0.1)
         loop.finish()
     with pytest.raises(AlreadyComplete) as done:
-        check_run(load_config(Config, None, [f"output_dir={out}", "mlflow=false", "train.max_steps=2",
-                                             "checkpoint.every_steps=-1", "train.log_every=5"]))  # may change
-    assert str(done.value) == (f"already complete: 2 of 2 steps; metrics in {out / 'metrics.jsonl'}. To train "
-                               f"again, use a new output_dir (or delete {out}).")
+        check_run(
+            load_config(
+                Config,
+                None,
+                [
+                    f"output_dir={out}",
+                    "mlflow=false",
+                    "train.max_steps=2",
+                    "checkpoint.every_steps=-1",
+                    "train.log_every=5",
+                ],
+            )
+        )  # may change
+    assert str(done.value) == (
+        f"already complete: 2 of 2 steps; metrics in {out / 'metrics.jsonl'}. To train "
+        f"again, use a new output_dir (or delete {out})."
+    )
     assert reported_complete(tmp_path / "reported")
-    check_run(load_config(Config, None, [f"output_dir={out}", "mlflow=false", "train.max_steps=3",
-                                         "checkpoint.every_steps=-1"]))  # more steps: the run continues
+    check_run(
+        load_config(
+            Config, None, [f"output_dir={out}", "mlflow=false", "train.max_steps=3", "checkpoint.every_steps=-1"]
+        )
+    )  # more steps: the run continues
     shutil.copytree(out, tmp_path / "copy")
-    check_run(load_config(Config, None, [f"output_dir={tmp_path / 'copy'}", "mlflow=false", "train.max_steps=2",
-                                         "checkpoint.every_steps=-1"]))  # a copied folder: the run decides
+    check_run(
+        load_config(
+            Config,
+            None,
+            [f"output_dir={tmp_path / 'copy'}", "mlflow=false", "train.max_steps=2", "checkpoint.every_steps=-1"],
+        )
+    )  # a copied folder: the run decides

@@ -31,17 +31,27 @@ def test_mfu_of_a_llama_sized_model():
     assert mfu(3000, per_token, peak_bf16_flops("NVIDIA H100 80GB HBM3")) == pytest.approx(3000 * per_token / 989e12)
 
 
-@pytest.mark.parametrize("name, peak", [
-    ("NVIDIA H200", 989e12), ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
-    ("NVIDIA H100 NVL", 835e12), ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA A10", 125e12), ("Tesla T4", None),
-])
+@pytest.mark.parametrize(
+    "name, peak",
+    [
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H100 NVL", 835e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA A10", 125e12),
+        ("Tesla T4", None),
+    ],
+)
 def test_peak_table(name, peak, monkeypatch):
     monkeypatch.delenv("COOKBOOK_PEAK_TFLOPS", raising=False)
     assert peak_bf16_flops(name) == peak
 
 
 def _log_a_few_steps(tmp_path, **kw):
-    logger = MetricsLogger(tmp_path, CPU, flops=ModelFlops(100, 2, 8), run_name="t", experiment="tests", params={"a": {"b": 1}}, **kw)
+    logger = MetricsLogger(
+        tmp_path, CPU, flops=ModelFlops(100, 2, 8), run_name="t", experiment="tests", params={"a": {"b": 1}}, **kw
+    )
     logger.start(0)
     for step in (1, 2, 3):
         logger.add(samples=4, tokens=torch.tensor(40), data_wait_s=0.0)
@@ -105,13 +115,16 @@ def test_paused_time_is_not_counted_in_the_window(tmp_path):
     assert 0.05 <= rec["step_time_s"] < 0.3, rec["step_time_s"]
 
 
-@pytest.mark.parametrize("uri, shown", [
-    ("https://alice:s3cret@mlflow.example.com:5000/x", "https://alice:***@mlflow.example.com:5000/x"),
-    ("https://t0ken@mlflow.example.com", "https://***@mlflow.example.com"),
-    ("http://mlflow.example.com/?token=abc&workspace=7", "http://mlflow.example.com/?token=***&workspace=7"),
-    ("sqlite:////tmp/run/mlflow.db", "sqlite:////tmp/run/mlflow.db"),
-    ("databricks", "databricks"),
-])
+@pytest.mark.parametrize(
+    "uri, shown",
+    [
+        ("https://alice:s3cret@mlflow.example.com:5000/x", "https://alice:***@mlflow.example.com:5000/x"),
+        ("https://t0ken@mlflow.example.com", "https://***@mlflow.example.com"),
+        ("http://mlflow.example.com/?token=abc&workspace=7", "http://mlflow.example.com/?token=***&workspace=7"),
+        ("sqlite:////tmp/run/mlflow.db", "sqlite:////tmp/run/mlflow.db"),
+        ("databricks", "databricks"),
+    ],
+)
 def test_tracking_uri_credentials_are_masked(uri, shown):
     from cookbook.metrics import redact_uri
 
@@ -155,7 +168,8 @@ def test_a_full_disk_switches_mlflow_off_in_one_line(tmp_path, capfd, caplog):
     assert logger.mlflow_uri is None
     assert [line for line in capfd.readouterr().err.splitlines() if "step " not in line] == []  # MLflow's own
     assert [r.getMessage() for r in caplog.records if "MLflow" in r.getMessage()] == [
-        "MLflow tracking switched off after an error: MlflowException: (sqlite3.OperationalError) disk I/O error"]
+        "MLflow tracking switched off after an error: MlflowException: (sqlite3.OperationalError) disk I/O error"
+    ]
 
 
 def _metrics_on_a_full_disk(out: str) -> dict:
@@ -199,11 +213,18 @@ def test_a_full_disk_on_metrics_jsonl_is_one_line_exit_2_and_no_torn_line(tmp_pa
     from cookbook.torchrun import should_restart
 
     seen = cookbook.distributed(num_processes=2, start_method="fork")(_metrics_on_a_full_disk).distributed(
-        str(tmp_path))[0]
+        str(tmp_path)
+    )[0]
     path = tmp_path / "metrics.jsonl"
-    assert seen["error"] == (f"cannot write {path}: File too large (the disk is full or a file-size limit is "
-                             f"reached); free space, then run the same command again to resume")
-    assert (seen["status"], seen["errno"], should_restart(seen["status"], [seen["status"], 3])) == (2, errno.EFBIG, False)
+    assert seen["error"] == (
+        f"cannot write {path}: File too large (the disk is full or a file-size limit is "
+        f"reached); free space, then run the same command again to resume"
+    )
+    assert (seen["status"], seen["errno"], should_restart(seen["status"], [seen["status"], 3])) == (
+        2,
+        errno.EFBIG,
+        False,
+    )
     assert path.stat().st_size == seen["size"]
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
 
@@ -212,4 +233,5 @@ def test_a_full_disk_on_metrics_jsonl_is_one_line_exit_2_and_no_torn_line(tmp_pa
     MetricsLogger(tmp_path, CPU, mlflow=False, count_tokens=False, progress=False)
     assert path.stat().st_size == seen["size"]
     assert [r.getMessage() for r in caplog.records if "torn" in r.getMessage()] == [
-        f"{path}: cut its torn last line (22 bytes, a crash mid-write)"]
+        f"{path}: cut its torn last line (22 bytes, a crash mid-write)"
+    ]

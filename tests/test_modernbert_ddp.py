@@ -19,8 +19,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import (ROOT, check, kill_worker, launch, load_recipe, main_in_workers, read_jsonl, start_launch,
-                      train_losses, wait_for)
+from conftest import (
+    ROOT,
+    check,
+    kill_worker,
+    launch,
+    load_recipe,
+    main_in_workers,
+    read_jsonl,
+    start_launch,
+    train_losses,
+    wait_for,
+)
 
 import cookbook
 from cookbook.checkpoint import CheckpointError
@@ -64,7 +74,8 @@ def run_in_workers(monkeypatch, capfd, *overrides, config: str = "tiny.yaml", ra
             main_in_workers("modernbert-ddp", *overrides, config=config)
         else:
             cookbook.distributed(num_processes=ranks, start_method="fork")(_main).distributed(
-                ["--config", str(RECIPE / config), *overrides])
+                ["--config", str(RECIPE / config), *overrides]
+            )
         return capfd.readouterr().err
     finally:
         for h in inherited:
@@ -89,7 +100,8 @@ def test_loss_falls_and_eval_is_logged(full_run):
     done = re.search(r"done: 40 steps \| eval loss ([\d.]+) accuracy ([\d.]+) macro_f1 ([\d.]+)\n", proc.stderr)
     assert done, proc.stderr[-3000:]
     assert [float(v) for v in done.groups()] == pytest.approx(
-        [evals[-1][f"eval/{k}"] for k in ("loss", "accuracy", "macro_f1")], abs=5e-5)
+        [evals[-1][f"eval/{k}"] for k in ("loss", "accuracy", "macro_f1")], abs=5e-5
+    )
     for what in ("metrics:", "MLflow:", "checkpoints:", "model:"):
         assert what in proc.stderr
 
@@ -114,17 +126,27 @@ def test_the_summary_times_the_start_up_and_the_final_evaluation(full_run):
     shown = re.search(r"time: +startup ([\d.]+) s \(first step ([\d.]+) s\) \| final eval ([\d.]+) s\n", proc.stderr)
     assert shown, proc.stderr[-3000:]
     assert [float(v) for v in shown.groups()] == pytest.approx(
-        [summary[k] for k in ("startup_s", "first_step_s", "final_eval_s")], abs=0.051)
+        [summary[k] for k in ("startup_s", "first_step_s", "final_eval_s")], abs=0.051
+    )
     # the check tokenized the splits once; the workers memory-mapped them (issue 37): the same rows as tokenize()
     phases = summary["startup_phases"]
     assert summary["tokenized_cache"] is True
     assert list(phases) == ["worker_start", "module_start", "imports", "distributed", "data", "model"]
-    assert 0 <= phases["worker_start"] <= phases["module_start"] <= phases["imports"] <= phases["distributed"] \
-        <= phases["data"] <= phases["model"] < summary["startup_s"]
+    assert (
+        0
+        <= phases["worker_start"]
+        <= phases["module_start"]
+        <= phases["imports"]
+        <= phases["distributed"]
+        <= phases["data"]
+        <= phases["model"]
+        < summary["startup_s"]
+    )
     mod = load_recipe("modernbert-ddp")
     cfg = mod.load_config(mod.Config, copied_config(out), [f"output_dir={out}"])
     mod.check_config(cfg, out.parent)
     from transformers import AutoTokenizer
+
     cached = mod.tokenized_splits(cfg, None, write=False)
     assert cached[4] is True and (out / ".cache").is_dir()
     train_raw, eval_raw = mod.load_splits(cfg.data, cfg.train.seed)
@@ -142,8 +164,11 @@ def test_the_tokenized_cache_gives_the_rows_tokenize_gives_and_a_stale_one_is_no
     train = load_recipe("modernbert-ddp")
     data = tmp_path / "data"
     shutil.copytree(RECIPE / "tiny" / "data", data)
-    overrides = [f"output_dir={tmp_path / 'out'}", f"data.train_files=[{data / 'train.csv'}]",
-                 f"data.eval_files=[{data / 'val.csv'}]"]
+    overrides = [
+        f"output_dir={tmp_path / 'out'}",
+        f"data.train_files=[{data / 'train.csv'}]",
+        f"data.eval_files=[{data / 'val.csv'}]",
+    ]
     cfg = train.load(str(RECIPE / "tiny.yaml"), overrides)
     tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
 
@@ -221,8 +246,11 @@ def test_the_compiled_model_is_not_compiled_again_at_the_second_step():
     torch._dynamo.reset()
     model.compile(backend=backend)
     torch.manual_seed(0)
-    batch = {"input_ids": torch.randint(5, 100, (4, 16)), "attention_mask": torch.ones(4, 16, dtype=torch.long),
-             "labels": torch.randint(0, 4, (4,))}
+    batch = {
+        "input_ids": torch.randint(5, 100, (4, 16)),
+        "attention_mask": torch.ones(4, 16, dtype=torch.long),
+        "labels": torch.randint(0, 4, (4,)),
+    }
     counts = []
     for _ in range(2):
         model(**batch).loss.backward()
@@ -250,8 +278,11 @@ def test_compile_model_keeps_the_losses_and_compiles_nothing_at_the_second_step(
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.name_or_path)
     torch.manual_seed(0)
-    batch = {"input_ids": torch.randint(5, 100, (4, 16)), "attention_mask": torch.ones(4, 16, dtype=torch.long),
-             "labels": torch.randint(0, 4, (4,))}
+    batch = {
+        "input_ids": torch.randint(5, 100, (4, 16)),
+        "attention_mask": torch.ones(4, 16, dtype=torch.long),
+        "labels": torch.randint(0, 4, (4,)),
+    }
     batch["attention_mask"][1, 10:] = 0  # a padded row: the masks are tensors, as in training
     losses, names, graphs = {}, {}, []
 
@@ -277,7 +308,8 @@ def test_compile_model_keeps_the_losses_and_compiles_nothing_at_the_second_step(
         names[mode] = list(model.state_dict())
     torch._dynamo.reset()
     assert [layer.attention_type for layer in model.model.layers] == ["full_attention", "sliding_attention"] * 2 + [
-        "full_attention"]
+        "full_attention"
+    ]
     assert counts[0] == (2 if scope == "layers" else 1) and counts[1] == counts[0]
     assert losses[scope] == pytest.approx(losses["eager"], rel=1e-5) and losses["eager"][1] != losses["eager"][0]
     assert names[scope] == names["eager"]
@@ -302,7 +334,11 @@ def test_ranks_hold_identical_parameters_and_the_export_matches(full_run):
     dcp.load(state, checkpoint_id=str(out / "checkpoints" / "step_00000040"))
     trained.load_state_dict(state["app"]["model"])
     tok = AutoTokenizer.from_pretrained(out / "final")
-    batch = tok(["striker scores twice in the cup final", "central bank raises interest rates"], padding=True, return_tensors="pt")
+    batch = tok(
+        ["striker scores twice in the cup final", "central bank raises interest rates"],
+        padding=True,
+        return_tensors="pt",
+    )
     with torch.no_grad():
         torch.testing.assert_close(exported(**batch).logits, trained(**batch).logits, rtol=0, atol=0)
 
@@ -318,7 +354,8 @@ def test_mlflow_run_holds_the_metrics(full_run):
     history = client.get_metric_history(run.info.run_id, "loss")
     assert len(history) == 40
     assert client.get_metric_history(run.info.run_id, "eval_accuracy")[-1].value == pytest.approx(
-        summary["eval/accuracy"])
+        summary["eval/accuracy"]
+    )
 
 
 def test_resume_gives_the_same_losses_as_an_uninterrupted_run(full_run, tmp_path, monkeypatch, capfd):
@@ -361,14 +398,20 @@ def test_resume_gives_the_same_losses_as_an_uninterrupted_run(full_run, tmp_path
         rf"warning: checkpoints {re.escape(str(damaged))} \(__0_0.distcp is 1000 bytes, its index says \d+ "
         rf"are needed\); {re.escape(str(overwritten))} \(__1_0.distcp does not match its checksum \(xxh3_64:\w+ in "
         rf"meta.json, xxh3_64:\w+ now\)\) are damaged; resuming from {re.escape(str(ckpts / 'step_00000020'))} "
-        rf"instead$", warnings[0]), warnings
+        rf"instead$",
+        warnings[0],
+    ), warnings
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000020", "step_00000040"]  # the damaged one is gone
     resumed_steps = [r["step"] for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "train"][20:]
     assert resumed_steps == list(range(21, 41))
     expected, got = train_losses(out_full / "metrics.jsonl"), train_losses(out / "metrics.jsonl")
     assert sorted(got) == sorted(expected)
-    torch.testing.assert_close(torch.tensor([got[s] for s in range(1, 41)], dtype=torch.float64),
-                               torch.tensor([expected[s] for s in range(1, 41)], dtype=torch.float64), rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        torch.tensor([got[s] for s in range(1, 41)], dtype=torch.float64),
+        torch.tensor([expected[s] for s in range(1, 41)], dtype=torch.float64),
+        rtol=1e-5,
+        atol=0,
+    )
     workers = {}  # rank process -> the worker processes that collated its training batches (16 rows)
     for line in collated.read_text().splitlines():
         parent, pid, size = map(int, line.split())
@@ -377,7 +420,9 @@ def test_resume_gives_the_same_losses_as_an_uninterrupted_run(full_run, tmp_path
             workers.setdefault(parent, []).append(pid)
     assert len(workers) == 2
     for pids in workers.values():  # the first batches may come from the iterator that DCP's load made and dropped
-        assert len(pids) >= 2 * 20 and len(set(pids[-2 * 20:])) == 1  # 20 steps of 2 micro-batches, epoch start included
+        assert (
+            len(pids) >= 2 * 20 and len(set(pids[-2 * 20 :])) == 1
+        )  # 20 steps of 2 micro-batches, epoch start included
     records = read_jsonl(out / "metrics.jsonl")
     epoch_start = [r["step"] for r in records if r["event"] == "train" and "epoch_start_wait_s" in r]
     assert epoch_start == [1, 21, 26]  # each process's first pass, and epoch 1's (log_every 1)
@@ -389,19 +434,35 @@ def test_ddp_speed_settings_leave_the_losses_unchanged(full_run, tmp_path, monke
     uninterrupted run's. That run accumulates 2 micro-batches of 16, which static_graph refuses (PyTorch's
     static-graph reducer fails under no_sync), so this one takes the same 32 rows per rank in one micro-batch."""
     out = tmp_path / "run"
-    run_in_workers(monkeypatch, capfd, f"output_dir={out}", "ddp.bucket_cap_mb=0.01", "ddp.gradient_as_bucket_view=true",
-                   "ddp.static_graph=true", "train.micro_batch_size=32", "train.grad_accum_steps=1",
-                   "train.stop_at_step=10")
+    run_in_workers(
+        monkeypatch,
+        capfd,
+        f"output_dir={out}",
+        "ddp.bucket_cap_mb=0.01",
+        "ddp.gradient_as_bucket_view=true",
+        "ddp.static_graph=true",
+        "train.micro_batch_size=32",
+        "train.grad_accum_steps=1",
+        "train.stop_at_step=10",
+    )
     expected, got = train_losses(full_run[0] / "metrics.jsonl"), train_losses(out / "metrics.jsonl")
     assert sorted(got) == list(range(1, 11))
-    torch.testing.assert_close(torch.tensor([got[s] for s in range(1, 11)], dtype=torch.float64),
-                               torch.tensor([expected[s] for s in range(1, 11)], dtype=torch.float64), rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        torch.tensor([got[s] for s in range(1, 11)], dtype=torch.float64),
+        torch.tensor([expected[s] for s in range(1, 11)], dtype=torch.float64),
+        rtol=1e-5,
+        atol=0,
+    )
     assert load_recipe("modernbert-ddp").Config().ddp.kwargs() == {
-        "bucket_cap_mb": 25.0, "gradient_as_bucket_view": False, "static_graph": False}  # PyTorch's defaults
+        "bucket_cap_mb": 25.0,
+        "gradient_as_bucket_view": False,
+        "static_graph": False,
+    }  # PyTorch's defaults
 
 
 def test_a_run_resized_from_2_ranks_to_1_and_back_to_2_consumes_each_sample_once_and_keeps_its_losses(
-        full_run, tmp_path, monkeypatch, capfd):
+    full_run, tmp_path, monkeypatch, capfd
+):
     """The uninterrupted run's checkpoint of step 20 (2 ranks) resumes on 1 rank (accumulation 4: the same global
     batch of 64), which stops at step 30; 2 ranks resume from there and finish the 40 steps. Epoch 0 ends at step 25.
 
@@ -427,19 +488,34 @@ def test_a_run_resized_from_2_ranks_to_1_and_back_to_2_consumes_each_sample_once
     full, out = full_run[0], tmp_path / "run"
     shutil.copytree(full, out, ignore=shutil.ignore_patterns("step_00000040", "final", "mlflow*"))
     ckpts, config, common = out / "checkpoints", copied_config(full), ("mlflow=false", "train.eval_every=0")
-    with pytest.raises(CheckpointError, match=r"global batch of 64 samples \(16 micro-batch x 2 accumulation x 2 ranks\) "
-                                              r"but this job's is 32 .* set train.grad_accum_steps=4 \(16 x 4 x 1 = 64\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"global batch of 64 samples \(16 micro-batch x 2 accumulation x 2 ranks\) "
+        r"but this job's is 32 .* set train.grad_accum_steps=4 \(16 x 4 x 1 = 64\)",
+    ):
         check("modernbert-ddp", f"output_dir={out}", *common, config=config, world_size=1)  # launch.sh's check
-    one = run_in_workers(monkeypatch, capfd, f"output_dir={out}", *common, "train.grad_accum_steps=4",
-                         "train.stop_at_step=30", config=config, ranks=1)
+    one = run_in_workers(
+        monkeypatch,
+        capfd,
+        f"output_dir={out}",
+        *common,
+        "train.grad_accum_steps=4",
+        "train.stop_at_step=30",
+        config=config,
+        ranks=1,
+    )
     two = run_in_workers(monkeypatch, capfd, f"output_dir={out}", *common, config=config)
-    for text, ckpt, n, m, at in ((one, "step_00000020", 2, 1, "epoch 0 at sample 1280"),
-                                 (two, "step_00000030", 1, 2, "epoch 1 at sample 320")):
+    for text, ckpt, n, m, at in (
+        (one, "step_00000020", 2, 1, "epoch 0 at sample 1280"),
+        (two, "step_00000030", 1, 2, "epoch 1 at sample 320"),
+    ):
         lines = [line.split(" ", 1)[1] for line in text.splitlines() if " resized: " in line]
-        assert lines == [f"resized: {ckpts / ckpt} was written by {n} rank{'s' * (n > 1)}, this job has {m}. Resharded "
-                         f"by DCP: the model and optimizer state. Remapped: the data position, {at} of 1600 in the same "
-                         f"order (global batch 64 samples, as before). Not restored, as in a fresh run (seeded at "
-                         f"start-up): the per-rank state (rank_local: dataloader, rng)"], text[-3000:]
+        assert lines == [
+            f"resized: {ckpts / ckpt} was written by {n} rank{'s' * (n > 1)}, this job has {m}. Resharded "
+            f"by DCP: the model and optimizer state. Remapped: the data position, {at} of 1600 in the same "
+            f"order (global batch 64 samples, as before). Not restored, as in a fresh run (seeded at "
+            f"start-up): the per-rank state (rank_local: dataloader, rng)"
+        ], text[-3000:]
     assert "done: 40 steps" in two
 
     drawn = {(ranks, epoch): [] for ranks in (1, 2) for epoch in (0, 1)}
@@ -455,7 +531,7 @@ def test_a_run_resized_from_2_ranks_to_1_and_back_to_2_consumes_each_sample_once
     assert sorted(before + drawn[1, 0]) == list(range(1600))  # every sample of epoch 0 once, over both world sizes
     epoch1 = torch.randperm(1600, generator=torch.Generator().manual_seed(42 + 1)).tolist()  # DistributedSampler's
     assert sorted(drawn[1, 1]) == sorted(epoch1[: 5 * 64])  # steps 26-30 on 1 rank
-    assert sorted(drawn[2, 1]) == sorted(epoch1[5 * 64: 15 * 64])  # steps 31-40 on 2 ranks
+    assert sorted(drawn[2, 1]) == sorted(epoch1[5 * 64 : 15 * 64])  # steps 31-40 on 2 ranks
 
     expected, got = train_losses(full / "metrics.jsonl"), train_losses(out / "metrics.jsonl")
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "train"][40:] == list(range(21, 41))
@@ -482,8 +558,13 @@ def test_a_killed_worker_and_then_a_preemption_lose_no_step(full_run, tmp_path, 
     try:
         wait_for(proc, lambda: (out / "checkpoints" / "step_00000020").is_dir())
         kill_worker(proc, rank="1")
-        after_restart = lambda: (out / "metrics.jsonl").is_file() and sum(  # noqa: E731
-            r["event"] == "train" and r["step"] > 20 for r in read_jsonl(out / "metrics.jsonl")) >= 3
+        after_restart = lambda: (
+            (out / "metrics.jsonl").is_file()
+            and sum(  # noqa: E731
+                r["event"] == "train" and r["step"] > 20 for r in read_jsonl(out / "metrics.jsonl")
+            )
+            >= 3
+        )
         wait_for(proc, after_restart)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=300)
@@ -492,24 +573,34 @@ def test_a_killed_worker_and_then_a_preemption_lose_no_step(full_run, tmp_path, 
             proc.kill()
     assert proc.returncode == 75, err[-4000:]
     restarts = [line for line in err.splitlines() if line.startswith("restart ")]
-    assert restarts == ["restart 1 of 3: rank 1 was killed by SIGKILL; the workers resume from the newest checkpoint"], \
-        err[-4000:]
+    assert restarts == [
+        "restart 1 of 3: rank 1 was killed by SIGKILL; the workers resume from the newest checkpoint"
+    ], err[-4000:]
     assert "(step 20)" in err and "resumed from" in err, err[-4000:]
-    stopped = re.search(r"preempted \(SIGTERM\) after step (\d+) of 40: checkpoint (\S+); run the same command again", err)
+    stopped = re.search(
+        r"preempted \(SIGTERM\) after step (\d+) of 40: checkpoint (\S+); run the same command again", err
+    )
     assert stopped and "preempted: the workers were asked to save a checkpoint" in err, err[-3000:]
     step = int(stopped[1])
     assert 23 <= step < 40 and stopped[2].endswith(f"step_{step:08d}")
     steps = [r["step"] for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "train"]
-    assert steps[:20] == list(range(1, 21)) and steps[-(step - 20):] == list(range(21, step + 1))
+    assert steps[:20] == list(range(1, 21)) and steps[-(step - 20) :] == list(range(21, step + 1))
 
     second = run_in_workers(monkeypatch, capfd, f"output_dir={out}")  # the same command resumes
     assert f"(step {step})" in second and "resumed from" in second and "done: 40 steps" in second, second[-3000:]
     records = read_jsonl(out / "metrics.jsonl")
     expected, got = train_losses(full_run[0] / "metrics.jsonl"), train_losses(out / "metrics.jsonl")
     assert sorted(got) == list(range(1, 41))
-    torch.testing.assert_close(torch.tensor([got[s] for s in range(1, 41)], dtype=torch.float64),
-                               torch.tensor([expected[s] for s in range(1, 41)], dtype=torch.float64), rtol=1e-5, atol=0)
-    trained, reference = load_file(out / "final" / "model.safetensors"), load_file(full_run[0] / "final" / "model.safetensors")
+    torch.testing.assert_close(
+        torch.tensor([got[s] for s in range(1, 41)], dtype=torch.float64),
+        torch.tensor([expected[s] for s in range(1, 41)], dtype=torch.float64),
+        rtol=1e-5,
+        atol=0,
+    )
+    trained, reference = (
+        load_file(out / "final" / "model.safetensors"),
+        load_file(full_run[0] / "final" / "model.safetensors"),
+    )
     assert sorted(trained) == sorted(reference)
     for name in reference:
         torch.testing.assert_close(trained[name], reference[name], rtol=0, atol=0, msg=name)
@@ -520,8 +611,9 @@ def test_a_killed_worker_and_then_a_preemption_lose_no_step(full_run, tmp_path, 
 
     run = MlflowClient(summaries[0]["mlflow_uri"]).get_run(summaries[0]["mlflow_run_id"])  # one run, continued
     assert run.info.status == "FINISHED"
-    assert {m.step for m in MlflowClient(summaries[0]["mlflow_uri"]).get_metric_history(run.info.run_id, "loss")} == \
-        set(range(1, 41))
+    assert {
+        m.step for m in MlflowClient(summaries[0]["mlflow_uri"]).get_metric_history(run.info.run_id, "loss")
+    } == set(range(1, 41))
 
 
 def test_recipe_folder_works_from_a_copy(full_run):
@@ -532,10 +624,14 @@ def test_recipe_folder_works_from_a_copy(full_run):
     out, _ = full_run
     copy, written = out.parent, OmegaConf.load(out / "config.yaml")
     assert (written.model.name_or_path, written.model.tokenizer) == (str(copy / "tiny" / "model"),) * 2
-    assert (list(written.data.train_files), list(written.data.eval_files)) == \
-        ([str(copy / "tiny" / "data" / "train.csv")], [str(copy / "tiny" / "data" / "val.csv")])
+    assert (list(written.data.train_files), list(written.data.eval_files)) == (
+        [str(copy / "tiny" / "data" / "train.csv")],
+        [str(copy / "tiny" / "data" / "val.csv")],
+    )
     summary = [r for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "summary"][-1]
-    assert summary["step"] == 40 and (copy / summary["export_dir"] / "model.safetensors").is_file()  # relative to the copy
+    assert (
+        summary["step"] == 40 and (copy / summary["export_dir"] / "model.safetensors").is_file()
+    )  # relative to the copy
     assert summary["mlflow_uri"] == f"sqlite:///{out / 'mlflow.db'}"
     assert not (RECIPE / "out").exists()
 
@@ -553,27 +649,46 @@ ROW_NO_LABEL = '{"text": "a"}'
 
 BAD_INPUTS = [
     (lambda d: ["data.train_files=[/no/such/train.csv]"], "data.train_files: file not found: /no/such/train.csv"),
-    (lambda d: [f"data.train_files=[{_write(d / 'bad.csv', 'a,b,c,d' + chr(10) + '1,2,3,4' + chr(10))}]"],
-     "bad.csv: unrecognised columns ['a', 'b', 'c', 'd']"),
-    (lambda d: [f"data.train_files=[{_write(d / 'lab.csv', chr(10).join(['1,t,d', '2,t,d', '7,t,d']))}]"],
-     "lab.csv line 3: label '7' is not one of 1-4"),
-    (lambda d: [f"data.train_files=[{_write(d / 'hf.csv', 'text,label' + chr(10) + 'hello,4' + chr(10))}]"],
-     "hf.csv line 2: label '4' is not one of 0-3"),
-    (lambda d: [f"data.train_files=[{_write(d / 'extra.csv', chr(10).join(['1,t,d', '2,t,d', '3,t,d,x']))}]"],
-     "extra.csv line 3: 4 fields, expected 3 (label, title, description)"),
-    (lambda d: [f"data.train_files=[{_write(d / 'short.csv', chr(10).join(['1,t,d', '2,t', '3,t,d']))}]"],
-     "short.csv line 2: missing field 'description' (2 of 3 fields"),
-    (lambda d: [f"data.train_files=[{_write(d / 'nonint.csv', chr(10).join(['1,t,d', '2.5,t,d']))}]"],
-     "nonint.csv line 2: label '2.5' is not one of 1-4"),
-    (lambda d: [f"data.train_files=[{_write(d / 'bad.jsonl', chr(10).join([ROW, ROW, ROW_BAD_JSON]))}]"],
-     "bad.jsonl line 3: not valid JSON"),
-    (lambda d: [f"data.train_files=[{_write(d / 'nolabel.jsonl', chr(10).join([ROW, ROW_NO_LABEL]))}]"],
-     "nolabel.jsonl line 2: missing field 'label'"),
+    (
+        lambda d: [f"data.train_files=[{_write(d / 'bad.csv', 'a,b,c,d' + chr(10) + '1,2,3,4' + chr(10))}]"],
+        "bad.csv: unrecognised columns ['a', 'b', 'c', 'd']",
+    ),
+    (
+        lambda d: [f"data.train_files=[{_write(d / 'lab.csv', chr(10).join(['1,t,d', '2,t,d', '7,t,d']))}]"],
+        "lab.csv line 3: label '7' is not one of 1-4",
+    ),
+    (
+        lambda d: [f"data.train_files=[{_write(d / 'hf.csv', 'text,label' + chr(10) + 'hello,4' + chr(10))}]"],
+        "hf.csv line 2: label '4' is not one of 0-3",
+    ),
+    (
+        lambda d: [f"data.train_files=[{_write(d / 'extra.csv', chr(10).join(['1,t,d', '2,t,d', '3,t,d,x']))}]"],
+        "extra.csv line 3: 4 fields, expected 3 (label, title, description)",
+    ),
+    (
+        lambda d: [f"data.train_files=[{_write(d / 'short.csv', chr(10).join(['1,t,d', '2,t', '3,t,d']))}]"],
+        "short.csv line 2: missing field 'description' (2 of 3 fields",
+    ),
+    (
+        lambda d: [f"data.train_files=[{_write(d / 'nonint.csv', chr(10).join(['1,t,d', '2.5,t,d']))}]"],
+        "nonint.csv line 2: label '2.5' is not one of 1-4",
+    ),
+    (
+        lambda d: [f"data.train_files=[{_write(d / 'bad.jsonl', chr(10).join([ROW, ROW, ROW_BAD_JSON]))}]"],
+        "bad.jsonl line 3: not valid JSON",
+    ),
+    (
+        lambda d: [f"data.train_files=[{_write(d / 'nolabel.jsonl', chr(10).join([ROW, ROW_NO_LABEL]))}]"],
+        "nolabel.jsonl line 2: missing field 'label'",
+    ),
     (lambda d: ["optim.lrr=1e-4"], "key 'optim.lrr'"),
     (lambda d: ["train.micro_batch_size=big"], "key 'train.micro_batch_size'"),
     (lambda d: ["model.compile=true", "data.padding=longest"], "model.compile=true needs data.padding=max_length"),
     (lambda d: ["checkpoint.every_steps=-2"], "checkpoint.every_steps must be >= -1, got -2 (-1: never)"),
-    (lambda d: ["checkpoint.every_steps=-1", "train.stop_at_step=10"], "train.stop_at_step needs a checkpoint to resume"),
+    (
+        lambda d: ["checkpoint.every_steps=-1", "train.stop_at_step=10"],
+        "train.stop_at_step needs a checkpoint to resume",
+    ),
     (lambda d: ["ddp.bucket_cap_mb=0"], "ddp.bucket_cap_mb=0.0: must be above 0"),
     (lambda d: ["ddp.static_graph=true"], "ddp.static_graph=true with train.grad_accum_steps=2"),
 ]
@@ -619,7 +734,9 @@ def test_rerunning_a_finished_run_changes_nothing(full_run, monkeypatch, capfd):
     assert "config OK" in check("modernbert-ddp", f"output_dir={out}", config=config)  # launch.sh's --check passes it
     err = run_in_workers(monkeypatch, capfd, f"output_dir={out}", config=config)
     assert "already complete: 40 of 40 steps" in err, err[-2000:]
-    assert f"To train again, use a new output_dir (or delete {out})." in err  # not checkpoint.resume=none: refused there
+    assert (
+        f"To train again, use a new output_dir (or delete {out})." in err
+    )  # not checkpoint.resume=none: refused there
     assert (out / "metrics.jsonl").read_text() == before
 
 
@@ -641,7 +758,10 @@ def test_stop_at_step_not_after_the_checkpoint_is_refused(full_run, tmp_path):
 
 def test_ag_news_csv_with_its_common_header(tmp_path):
     f = tmp_path / "kaggle.csv"
-    f.write_text('"Class Index","Title","Description"\n' + "".join(f'"{c}","t {i}","d {i}"\n' for i, c in enumerate([1, 2, 3, 4] * 20)))
+    f.write_text(
+        '"Class Index","Title","Description"\n'
+        + "".join(f'"{c}","t {i}","d {i}"\n' for i, c in enumerate([1, 2, 3, 4] * 20))
+    )
     assert "config OK" in check("modernbert-ddp", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{f}]")
     bad = tmp_path / "bad.csv"
     bad.write_text('"Class Index","Title","Description"\n"1","a","b"\n"5","c","d"\n')
@@ -659,21 +779,36 @@ def test_an_eval_set_smaller_than_the_world_size_counts_its_row_once(tmp_path, m
     one = tmp_path / "one.csv"
     one.write_text('"2","Striker scores twice","The cup final ends 2-1 after extra time."\n')
     out = tmp_path / "run"
-    run_in_workers(monkeypatch, capfd, f"output_dir={out}", f"data.eval_files=[{one}]", "train.max_steps=2",
-                   "train.eval_every=0", "checkpoint.every_steps=0", "mlflow=false")
+    run_in_workers(
+        monkeypatch,
+        capfd,
+        f"output_dir={out}",
+        f"data.eval_files=[{one}]",
+        "train.max_steps=2",
+        "train.eval_every=0",
+        "checkpoint.every_steps=0",
+        "mlflow=false",
+    )
     summary = [r for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "summary"][-1]
     assert summary["eval/samples"] == 1
     model = AutoModelForSequenceClassification.from_pretrained(out / "final").eval()
     tok = AutoTokenizer.from_pretrained(out / "final")
-    enc = tok(["Striker scores twice The cup final ends 2-1 after extra time."], truncation=True, max_length=64,
-              padding="max_length", return_tensors="pt")
+    enc = tok(
+        ["Striker scores twice The cup final ends 2-1 after extra time."],
+        truncation=True,
+        max_length=64,
+        padding="max_length",
+        return_tensors="pt",
+    )
     labels = torch.tensor([1])
     with torch.no_grad():
         ref = model(**enc, labels=labels)
     preds = ref.logits.argmax(-1)
     assert summary["eval/loss"] == pytest.approx(ref.loss.item(), rel=1e-5)
     assert summary["eval/accuracy"] == float((preds == labels).sum())
-    assert summary["eval/macro_f1"] == pytest.approx(MulticlassF1Score(num_classes=4, average="macro")(preds, labels).item())
+    assert summary["eval/macro_f1"] == pytest.approx(
+        MulticlassF1Score(num_classes=4, average="macro")(preds, labels).item()
+    )
 
 
 def test_tokenize_in_one_pass_gives_the_truncated_rows_and_counts_the_long_texts():
@@ -688,8 +823,9 @@ def test_tokenize_in_one_pass_gives_the_truncated_rows_and_counts_the_long_texts
     lengths = [len(ids) for ids in tok(texts)["input_ids"]]
     for max_length, padding in ((30, "max_length"), (16, "longest"), (64, "max_length")):  # 16: texts of 3+ chunks
         out, truncated = train.tokenize(rows, tok, train.DataConfig(max_length=max_length, padding=padding))
-        ref = tok(texts, truncation=True, max_length=max_length,
-                  padding="max_length" if padding == "max_length" else False)
+        ref = tok(
+            texts, truncation=True, max_length=max_length, padding="max_length" if padding == "max_length" else False
+        )
         assert list(out["input_ids"]) == ref["input_ids"] and list(out["attention_mask"]) == ref["attention_mask"]
         assert list(out["labels"]) == list(rows["label"])
         assert truncated == sum(n > max_length for n in lengths) and (max_length == 64 or truncated > 100)
@@ -705,7 +841,7 @@ def test_every_input_format_gives_the_same_rows(tmp_path):
     import pyarrow.parquet as pq
 
     train = load_recipe("modernbert-ddp")
-    rows = [(c, f"title {i}", f"said, \"{i}\"") for i, c in enumerate([1, 2, 3, 4] * 20)]
+    rows = [(c, f"title {i}", f'said, "{i}"') for i, c in enumerate([1, 2, 3, 4] * 20)]
     agnews = "".join(f'"{c}","{t}","{d.replace(chr(34), chr(34) * 2)}"\n' for c, t, d in rows)
     texts, labels = [f"{t} {d}" for _, t, d in rows], [c - 1 for c, _, _ in rows]
     hf_csv = "".join(f'"{t}",{y}\n' for t, y in zip([t.replace(chr(34), chr(34) * 2) for t in texts], labels))
@@ -717,8 +853,9 @@ def test_every_input_format_gives_the_same_rows(tmp_path):
         "header.csv": bom + '"Class Index","Title","Description"\r\n' + agnews.replace("\n", "\r\n"),
         "float_labels.csv": agnews.replace('"3",', '"3.0",'),
         "hf.csv": bom + hf_csv,
-        "hf_header.csv": bom + "label,text\r\n" + "".join(f"{y}.0,{line.rsplit(',', 1)[0]}\r\n" for y, line in
-                                                          zip(labels, hf_csv.splitlines())),
+        "hf_header.csv": bom
+        + "label,text\r\n"
+        + "".join(f"{y}.0,{line.rsplit(',', 1)[0]}\r\n" for y, line in zip(labels, hf_csv.splitlines())),
         "rows.jsonl": bom + "\r\n".join(json.dumps(r) for r in records) + "\r\n",
         "rows.json": bom + json.dumps(records, indent=1),
     }
@@ -728,5 +865,6 @@ def test_every_input_format_gives_the_same_rows(tmp_path):
     for name in [*files, "rows.parquet"]:
         ds = train._read_file(str(tmp_path / name), "data.train_files")
         assert ds["text"] == texts and ds["label"] == labels, name
-    assert "(80 train / 400 eval rows)" in check("modernbert-ddp", f"output_dir={tmp_path / 'out'}",
-                                                  f"data.train_files=[{tmp_path / 'header.csv'}]")
+    assert "(80 train / 400 eval rows)" in check(
+        "modernbert-ddp", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{tmp_path / 'header.csv'}]"
+    )

@@ -8,10 +8,24 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = {"model_type": "qwen3_moe", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
-        "moe_intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True, "decoder_sparse_step": 1,
-        "mlp_only_layers": [], "tie_word_embeddings": False, "max_position_embeddings": 64}
+TINY = {
+    "model_type": "qwen3_moe",
+    "vocab_size": 128,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "moe_intermediate_size": 16,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 64,
+}
 
 
 def load_script():
@@ -26,9 +40,31 @@ def test_moe_ceiling_cpu(tmp_path):
     cfg.write_text(json.dumps(TINY))
     out, prof = tmp_path / "m.jsonl", tmp_path / "prof.txt"
     moe = load_script()
-    moe.main(["--config", str(cfg), "--device", "cpu", "--dtype", "float32", "--tokens", "32", "--seq-len", "16",
-              "--warmup", "1", "--steps", "1", "--experts", "grouped_mm", "eager", "--out", str(out),
-              "--profile", str(prof)])
+    moe.main(
+        [
+            "--config",
+            str(cfg),
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--tokens",
+            "32",
+            "--seq-len",
+            "16",
+            "--warmup",
+            "1",
+            "--steps",
+            "1",
+            "--experts",
+            "grouped_mm",
+            "eager",
+            "--out",
+            str(out),
+            "--profile",
+            str(prof),
+        ]
+    )
     recs = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["experts_implementation"] for r in recs] == ["grouped_mm", "eager"]
     d, L, E, k, f, V = 32, 2, 4, 2, 16, 128

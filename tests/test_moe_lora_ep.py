@@ -58,8 +58,9 @@ def run_forked(out, init, *overrides):
     """The recipe's ``main`` on 2 forked workers, as launch.sh runs it after the --check."""
     import peft  # noqa: F401  imported once here, inherited by the forked workers
 
-    main_in_workers("moe-lora-fsdp2-ep", f"output_dir={out}", f"model.name_or_path={init}", "model.pretrained=true",
-                    *overrides)
+    main_in_workers(
+        "moe-lora-fsdp2-ep", f"output_dir={out}", f"model.name_or_path={init}", "model.pretrained=true", *overrides
+    )
     return out
 
 
@@ -88,15 +89,24 @@ def _one_step(init: str, overrides: tuple, eval_rows: list, keys: tuple) -> dict
     info = cookbook.get_dist_info()
     torch.manual_seed(1)
     batch = {"input_ids": torch.randint(3, 500, (2, 24)), "labels": torch.randint(3, 500, (2, 24))}
-    mine = {k: v[info.rank:info.rank + 1] for k, v in batch.items()}  # each rank its own row, as in training
+    mine = {k: v[info.rank : info.rank + 1] for k, v in batch.items()}  # each rank its own row, as in training
     result = {}
     for key in keys:
-        ep, path, ckpt, compiled = {"2-peft": (2, "peft", "none", "none"), "2-ckpt": (2, "routed", "experts", "none"),
-                                    "2-moe": (2, "routed", "none", "moe"), "1-layers": (1, "routed", "none", "layers")
-                                    }.get(key, (key, "routed", "none", "none"))
-        cfg = tiny_config(f"model.name_or_path={init}", "model.pretrained=true", f"parallel.ep={ep}",
-                          f"lora.expert_lora={path}", f"train.activation_checkpointing={ckpt}", f"train.compile={compiled}",
-                          *overrides)
+        ep, path, ckpt, compiled = {
+            "2-peft": (2, "peft", "none", "none"),
+            "2-ckpt": (2, "routed", "experts", "none"),
+            "2-moe": (2, "routed", "none", "moe"),
+            "1-layers": (1, "routed", "none", "layers"),
+        }.get(key, (key, "routed", "none", "none"))
+        cfg = tiny_config(
+            f"model.name_or_path={init}",
+            "model.pretrained=true",
+            f"parallel.ep={ep}",
+            f"lora.expert_lora={path}",
+            f"train.activation_checkpointing={ckpt}",
+            f"train.compile={compiled}",
+            *overrides,
+        )
         from torch._dynamo.utils import counters
 
         counters.clear()
@@ -108,24 +118,57 @@ def _one_step(init: str, overrides: tuple, eval_rows: list, keys: tuple) -> dict
         graphs, breaks = counters["stats"]["unique_graphs"], dict(counters["graph_break"])
         grads = expert_parallel.gather_lora(model, par, grads=True)
         losses = cookbook.all_reduce_sum({"loss": loss_sum}, info.device)["loss"]
-        experts = next(p for n, p in model.named_parameters() if n.endswith("experts.base_layer.base_layer.down_proj")
-                       or n.endswith("experts.base_layer.down_proj"))
-        lora_a = next(p for n, p in model.named_parameters() if n in par.expert_lora_names and ".lora_A." in n) if ep > 1 else None
-        eval_loader = StatefulDataLoader(train.sft.shard_for_eval(eval_rows, info.rank, info.world_size),
-                                         batch_size=cfg.train.micro_batch_size, collate_fn=partial(sft.collate, pad_id=0))
+        experts = next(
+            p
+            for n, p in model.named_parameters()
+            if n.endswith("experts.base_layer.base_layer.down_proj") or n.endswith("experts.base_layer.down_proj")
+        )
+        lora_a = (
+            next(p for n, p in model.named_parameters() if n in par.expert_lora_names and ".lora_A." in n)
+            if ep > 1
+            else None
+        )
+        eval_loader = StatefulDataLoader(
+            train.sft.shard_for_eval(eval_rows, info.rank, info.world_size),
+            batch_size=cfg.train.micro_batch_size,
+            collate_fn=partial(sft.collate, pad_id=0),
+        )
         evaluation = moe_model.evaluate(model, eval_loader, info.device, router)
-        loaded = {re.sub(r"\.base_layer\b", "", n.removeprefix("base_model.model.")): p.full_tensor() if hasattr(p, "full_tensor") else p
-                  for n, p in model.named_parameters() if not p.requires_grad} if ep == 1 else None
-        local = {n: (p.to_local() if hasattr(p, "to_local") else p) for n, p in model.named_parameters() if not p.requires_grad}
+        loaded = (
+            {
+                re.sub(r"\.base_layer\b", "", n.removeprefix("base_model.model.")): p.full_tensor()
+                if hasattr(p, "full_tensor")
+                else p
+                for n, p in model.named_parameters()
+                if not p.requires_grad
+            }
+            if ep == 1
+            else None
+        )
+        local = {
+            n: (p.to_local() if hasattr(p, "to_local") else p)
+            for n, p in model.named_parameters()
+            if not p.requires_grad
+        }
         base = {n: t.detach().clone() for n, t in local.items()}
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1, foreach=False)
         optimizer.step()
         changed = [n for n, t in local.items() if not torch.equal(t, base[n])]
-        result[key] = {"loss": losses, "aux": float(aux), "grads": grads, "changed": changed,
-                      "local_experts": tuple((experts.to_local() if hasattr(experts, "to_local") else experts).shape),
-                      "global_experts": tuple(experts.shape), "experts_fsdp": hasattr(experts, "to_local"),
-                      "lora_a_local": tuple(lora_a.to_local().shape) if lora_a is not None else None,
-                      "active": flops.num_params, "eval": evaluation, "loaded": loaded, "graphs": graphs, "breaks": breaks}
+        result[key] = {
+            "loss": losses,
+            "aux": float(aux),
+            "grads": grads,
+            "changed": changed,
+            "local_experts": tuple((experts.to_local() if hasattr(experts, "to_local") else experts).shape),
+            "global_experts": tuple(experts.shape),
+            "experts_fsdp": hasattr(experts, "to_local"),
+            "lora_a_local": tuple(lora_a.to_local().shape) if lora_a is not None else None,
+            "active": flops.num_params,
+            "eval": evaluation,
+            "loaded": loaded,
+            "graphs": graphs,
+            "breaks": breaks,
+        }
     return result
 
 
@@ -154,7 +197,9 @@ def test_ep2_equals_ep1_and_each_rank_holds_its_experts(init, model, overrides, 
             torch.testing.assert_close(r[other]["grads"][name], ep1["grads"][name], **GRAD_TOL, msg=f"{other} {name}")
     if "2-moe" in r:  # compiled: graphs made (not a silent eager run); the MoE blocks' without a graph break (the
         # layers' break at the FSDP2 hooks of the experts module, which dynamo leaves eager)
-        assert r["2-moe"]["graphs"] > 0 and r["1-layers"]["graphs"] > 0 and r["2-moe"]["breaks"] == {}, r["2-moe"]["breaks"]
+        assert r["2-moe"]["graphs"] > 0 and r["1-layers"]["graphs"] > 0 and r["2-moe"]["breaks"] == {}, r["2-moe"][
+            "breaks"
+        ]
     assert ep1["graphs"] == 0
     assert ep2["aux"] > 0.5  # Switch aux loss is ~1 at balance
     assert set(ep2["grads"]) == set(ep1["grads"]) and any("experts" in n for n in ep1["grads"])
@@ -192,9 +237,16 @@ def runs(tmp_path_factory, init):
     base = tmp_path_factory.mktemp("moe")
     ep1 = run_forked(base / "ep1", init["nemotron-h"], *COMMON, "parallel.ep=1")
     ep2 = run_forked(base / "ep2", init["nemotron-h"], *COMMON, "train.stop_at_step=3")
-    second = launch_and_kill("moe-lora-fsdp2-ep", f"output_dir={ep2}", f"model.name_or_path={init['nemotron-h']}",
-                             "model.pretrained=true", *COMMON, "checkpoint.every_steps=4",
-                             once=ep2 / "checkpoints" / "step_00000004", rank="1")
+    second = launch_and_kill(
+        "moe-lora-fsdp2-ep",
+        f"output_dir={ep2}",
+        f"model.name_or_path={init['nemotron-h']}",
+        "model.pretrained=true",
+        *COMMON,
+        "checkpoint.every_steps=4",
+        once=ep2 / "checkpoints" / "step_00000004",
+        rank="1",
+    )
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-5000:]
     return ep1, ep2, second
 
@@ -204,8 +256,12 @@ def test_resumed_ep2_run_has_the_losses_of_an_uninterrupted_ep1_run(runs):
     assert f"resumed from {ep2 / 'checkpoints' / 'step_00000003'} (step 3)" in second.stderr, second.stderr[-3000:]
     a, b = train_losses(ep1 / "metrics.jsonl"), train_losses(ep2 / "metrics.jsonl")
     assert sorted(b) == list(range(1, STEPS + 1))
-    torch.testing.assert_close(torch.tensor([b[s] for s in range(1, STEPS + 1)], dtype=torch.float64),
-                               torch.tensor([a[s] for s in range(1, STEPS + 1)], dtype=torch.float64), rtol=LOSS_RTOL, atol=0)
+    torch.testing.assert_close(
+        torch.tensor([b[s] for s in range(1, STEPS + 1)], dtype=torch.float64),
+        torch.tensor([a[s] for s in range(1, STEPS + 1)], dtype=torch.float64),
+        rtol=LOSS_RTOL,
+        atol=0,
+    )
     assert b[STEPS] < b[1] - 0.2, b
 
 
@@ -217,12 +273,23 @@ def test_a_compiled_ep2_run_has_the_losses_of_the_eager_ep1_run(runs, init, tmp_
     compiled experts see new shapes (dynamic after the first recompile)."""
     monkeypatch.setattr(moe_model, "COMPILE_BACKEND", "aot_eager")  # inherited by the forked workers
     steps = 4  # of the eager run's 6 (constant learning rate: the same first steps)
-    out = run_forked(tmp_path / "compiled", init["nemotron-h"], *COMMON, "train.compile=moe", f"train.max_steps={steps}",
-                     "checkpoint.every_steps=-1", "checkpoint.export_adapter=false")
+    out = run_forked(
+        tmp_path / "compiled",
+        init["nemotron-h"],
+        *COMMON,
+        "train.compile=moe",
+        f"train.max_steps={steps}",
+        "checkpoint.every_steps=-1",
+        "checkpoint.export_adapter=false",
+    )
     a, b = train_losses(runs[0] / "metrics.jsonl"), train_losses(out / "metrics.jsonl")
     assert sorted(b) == list(range(1, steps + 1))
-    torch.testing.assert_close(torch.tensor([b[s] for s in range(1, steps + 1)], dtype=torch.float64),
-                               torch.tensor([a[s] for s in range(1, steps + 1)], dtype=torch.float64), rtol=LOSS_RTOL, atol=0)
+    torch.testing.assert_close(
+        torch.tensor([b[s] for s in range(1, steps + 1)], dtype=torch.float64),
+        torch.tensor([a[s] for s in range(1, steps + 1)], dtype=torch.float64),
+        rtol=LOSS_RTOL,
+        atol=0,
+    )
     assert b[steps] < b[1] - 0.1, b
 
 
@@ -250,7 +317,11 @@ def test_metrics_have_moe_load_balance_and_throughput(runs):
     from conftest import read_jsonl
 
     rec = [r for r in read_jsonl(runs[1] / "metrics.jsonl") if r["event"] == "train"][-1]
-    assert rec["moe/aux_loss"] > 0.5 and rec["moe/load_max_over_mean"] >= 1.0 and rec["moe/ep_rank_load_max_over_mean"] >= 1.0
+    assert (
+        rec["moe/aux_loss"] > 0.5
+        and rec["moe/load_max_over_mean"] >= 1.0
+        and rec["moe/ep_rank_load_max_over_mean"] >= 1.0
+    )
     assert rec["tokens_per_s_per_device"] > 0 and rec["rss_gib"] > 0
     names = sorted(p.name for p in (runs[1] / "checkpoints").iterdir())
     assert names == ["step_00000004", "step_00000006"], names
@@ -303,18 +374,33 @@ def test_exported_adapter_loads_with_peft_onto_the_plain_model(runs, init, tmp_p
 
 
 # ----------------------------------------------------------------------------- bad input (in-process --check)
-@pytest.mark.parametrize("overrides, world_size, message", [
-    (("parallel.ep=3",), 3, "parallel.ep=3 does not divide the 4 experts"),
-    (("parallel.ep=2",), 3, "parallel.ep=2 does not divide the world size 3"),
-    (("lora.target_modules=[q_proj,qkv_proj]",), 2, "lora.target_modules: 'qkv_proj' matches nothing in nemotron_h"),
-    (QWEN, 2, "lora.target_parameters: 'experts.gate_up_proj' matches nothing in nemotron_h"),
-    (("model.name_or_path=tiny/dense-qwen3", "lora.target_parameters=[]"), 2, "parallel.ep=2 but"),
-    (("data.packing=true",), 2, "data.packing=true with nemotron_h"),
-    (("train.compile=true",), 2, "train.compile must be one of"),
-    (("train.compile=moe", "lora.expert_lora=peft"), 2, "train.compile=moe compiles the routed expert LoRA"),
-    (("train.compile=layers", "train.activation_checkpointing=full"), 2, "train.compile=layers with train.activation_checkpointing=full"),
-    (("model.attn_implementation=flex_attention",), 2, "model.attn_implementation=flex_attention cannot train on CPU"),
-])
+@pytest.mark.parametrize(
+    "overrides, world_size, message",
+    [
+        (("parallel.ep=3",), 3, "parallel.ep=3 does not divide the 4 experts"),
+        (("parallel.ep=2",), 3, "parallel.ep=2 does not divide the world size 3"),
+        (
+            ("lora.target_modules=[q_proj,qkv_proj]",),
+            2,
+            "lora.target_modules: 'qkv_proj' matches nothing in nemotron_h",
+        ),
+        (QWEN, 2, "lora.target_parameters: 'experts.gate_up_proj' matches nothing in nemotron_h"),
+        (("model.name_or_path=tiny/dense-qwen3", "lora.target_parameters=[]"), 2, "parallel.ep=2 but"),
+        (("data.packing=true",), 2, "data.packing=true with nemotron_h"),
+        (("train.compile=true",), 2, "train.compile must be one of"),
+        (("train.compile=moe", "lora.expert_lora=peft"), 2, "train.compile=moe compiles the routed expert LoRA"),
+        (
+            ("train.compile=layers", "train.activation_checkpointing=full"),
+            2,
+            "train.compile=layers with train.activation_checkpointing=full",
+        ),
+        (
+            ("model.attn_implementation=flex_attention",),
+            2,
+            "model.attn_implementation=flex_attention cannot train on CPU",
+        ),
+    ],
+)
 def test_bad_input_is_refused_before_training(tmp_path, overrides, world_size, message):
     if "model.name_or_path=tiny/dense-qwen3" in overrides:
         import json
@@ -338,7 +424,9 @@ def test_shipped_configs_are_valid(config):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         folder = {"config.yaml": "nemotron-3-nano-30b-a3b", "qwen3-30b-a3b.yaml": "qwen3-30b-a3b"}[config]
-        moe_model.check_model(cfg, AutoConfig.from_pretrained(RECIPE / "models" / folder), AutoModelForCausalLM, world_size=8)
+        moe_model.check_model(
+            cfg, AutoConfig.from_pretrained(RECIPE / "models" / folder), AutoModelForCausalLM, world_size=8
+        )
 
 
 # ----------------------------------------------------------------------------- router statistics without padding

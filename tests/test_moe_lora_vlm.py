@@ -20,11 +20,19 @@ from conftest import ROOT, check, free_ports, load_recipe, read_jsonl, train_los
 from cookbook import sft
 from cookbook.sft import SFTDataError
 
-expert_parallel, moe_model, image_text = recipe_modules("moe-lora-fsdp2-ep", "expert_parallel", "moe_model", "image_text")
-VLDataset, collate_vl, load_vl_items, load_vl_processors = (image_text.VLDataset, image_text.collate_vl,
-                                                            image_text.load_vl_items, image_text.load_vl_processors)
+expert_parallel, moe_model, image_text = recipe_modules(
+    "moe-lora-fsdp2-ep", "expert_parallel", "moe_model", "image_text"
+)
+VLDataset, collate_vl, load_vl_items, load_vl_processors = (
+    image_text.VLDataset,
+    image_text.collate_vl,
+    image_text.load_vl_items,
+    image_text.load_vl_processors,
+)
 
-RECIPE = TEXT_RECIPE = ROOT / "recipes" / "moe-lora-fsdp2-ep"  # TEXT_RECIPE: its tiny text models (shard-by-shard loading)
+RECIPE = TEXT_RECIPE = (
+    ROOT / "recipes" / "moe-lora-fsdp2-ep"
+)  # TEXT_RECIPE: its tiny text models (shard-by-shard loading)
 TINY_VL = RECIPE / "tiny" / "qwen3-vl-moe"
 STEPS = 6
 # As in test_moe_lora_ep.py: EP=2 and EP=1 differ only in the order of sums (measured ~1e-7).
@@ -42,8 +50,11 @@ def checkpoints(tmp_path_factory):
 
     base = tmp_path_factory.mktemp("ckpt")
     paths = {}
-    for name, auto in (("qwen3-vl-moe", AutoModelForImageTextToText), ("qwen3-moe", AutoModelForCausalLM),
-                       ("nemotron-h", AutoModelForCausalLM)):
+    for name, auto in (
+        ("qwen3-vl-moe", AutoModelForImageTextToText),
+        ("qwen3-moe", AutoModelForCausalLM),
+        ("nemotron-h", AutoModelForCausalLM),
+    ):
         torch.manual_seed(0)
         tiny = RECIPE / "tiny" / name
         auto.from_config(AutoConfig.from_pretrained(tiny)).save_pretrained(base / name, max_shard_size="100KB")
@@ -53,8 +64,16 @@ def checkpoints(tmp_path_factory):
     for f in files:
         tensors = load_file(f)
         if any(k.endswith(("experts.gate_up_proj", "experts.down_proj")) for k in tensors):
-            save_file({k: v.transpose(1, 2).contiguous() if k.endswith(("experts.gate_up_proj", "experts.down_proj")) else v
-                       for k, v in tensors.items()}, f, metadata={"format": "pt"})
+            save_file(
+                {
+                    k: v.transpose(1, 2).contiguous()
+                    if k.endswith(("experts.gate_up_proj", "experts.down_proj"))
+                    else v
+                    for k, v in tensors.items()
+                },
+                f,
+                metadata={"format": "pt"},
+            )
     return paths
 
 
@@ -74,10 +93,17 @@ def image_batch(cfg, rows: slice) -> dict:
     from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(cfg.model.name_or_path)
-    tokenizer, image_processor = load_vl_processors(cfg.model.tokenizer, cfg.data.image_min_pixels, cfg.data.image_max_pixels)
+    tokenizer, image_processor = load_vl_processors(
+        cfg.model.tokenizer, cfg.data.image_min_pixels, cfg.data.image_max_pixels
+    )
     items, _ = load_vl_items(cfg.data, cfg.train.seed)
-    dataset = VLDataset(items[rows], tokenizer=tokenizer, image_processor=image_processor,
-                        image_token_id=hf_config.image_token_id, max_length=cfg.data.max_length)
+    dataset = VLDataset(
+        items[rows],
+        tokenizer=tokenizer,
+        image_processor=image_processor,
+        image_token_id=hf_config.image_token_id,
+        max_length=cfg.data.max_length,
+    )
     return collate_vl([dataset[i] for i in range(len(dataset))], tokenizer.pad_token_id, hf_config.image_token_id)
 
 
@@ -99,7 +125,9 @@ def _worker(checkpoints: dict, out: str, ports: list[int]) -> dict:
     mine = image_batch(cfg, slice(2 * info.rank, 2 * info.rank + 2))
     tokens = cookbook.all_reduce_sum({"t": (mine["labels"][:, 1:] != -100).sum()}, info.device)["t"]
     for ep in (2, 1):
-        model, _, par = train.build_model(vl_config(*vl_overrides(checkpoints["qwen3-vl-moe"]), f"parallel.ep={ep}"), info)
+        model, _, par = train.build_model(
+            vl_config(*vl_overrides(checkpoints["qwen3-vl-moe"]), f"parallel.ep={ep}"), info
+        )
         router = moe_model.RouterStats(model)
         loss_sum = sft.token_loss_sum(model, mine)
         aux = router.take()
@@ -109,15 +137,26 @@ def _worker(checkpoints: dict, out: str, ports: list[int]) -> dict:
         experts = next(p for n, p in model.named_parameters() if n.endswith("experts.base_layer.base_layer.down_proj"))
         vision = [p for n, p in model.named_parameters() if ".visual.blocks." in n]
         result["ep"][ep] = {
-            "loss": cookbook.all_reduce_sum({"l": loss_sum}, info.device)["l"], "aux": float(aux),
+            "loss": cookbook.all_reduce_sum({"l": loss_sum}, info.device)["l"],
+            "aux": float(aux),
             "grads": expert_parallel.gather_lora(model, par, grads=True),
-            "changed": [n for n, p in model.named_parameters() if not p.requires_grad and not torch.equal(local(p), frozen[n])],
-            "experts": (tuple(experts.shape), tuple((experts.to_local() if hasattr(experts, "to_local") else experts).shape)),
-            "vision_sharded_frozen": all(hasattr(p, "to_local") and not p.requires_grad for p in vision) and len(vision) > 0}
+            "changed": [
+                n for n, p in model.named_parameters() if not p.requires_grad and not torch.equal(local(p), frozen[n])
+            ],
+            "experts": (
+                tuple(experts.shape),
+                tuple((experts.to_local() if hasattr(experts, "to_local") else experts).shape),
+            ),
+            "vision_sharded_frozen": all(hasattr(p, "to_local") and not p.requires_grad for p in vision)
+            and len(vision) > 0,
+        }
 
     # Shard-by-shard loading (default) against transformers' from_pretrained of the whole model, EP=2 (the text
     # models through the text recipe's build_model).
-    text_overrides = {"qwen3-moe": ("lora.target_parameters=[experts.gate_up_proj,experts.down_proj]",), "nemotron-h": ()}
+    text_overrides = {
+        "qwen3-moe": ("lora.target_parameters=[experts.gate_up_proj,experts.down_proj]",),
+        "nemotron-h": (),
+    }
     for name, path in checkpoints.items():
         states = []
         for lazy in ("true", "false"):
@@ -128,19 +167,37 @@ def _worker(checkpoints: dict, out: str, ports: list[int]) -> dict:
                 c = text.load_config(text.Config, TEXT_RECIPE / "tiny.yaml", overrides + list(text_overrides[name]))
                 text.check_config(c, TEXT_RECIPE)
             model, _, _ = train.build_model(c, info)
-            states.append({**{n: local(p) for n, p in model.named_parameters()}, **{n: b.clone() for n, b in model.named_buffers()}})
+            states.append(
+                {
+                    **{n: local(p) for n, p in model.named_parameters()},
+                    **{n: b.clone() for n, b in model.named_buffers()},
+                }
+            )
         lazy_state, full_state = states
-        result["lazy"][name] = {"names": sorted(lazy_state) == sorted(full_state),
-                                "max_diff": max((lazy_state[n].float() - full_state[n].float()).abs().max().item()
-                                                for n in full_state),
-                                "experts_local": [tuple(t.shape) for n, t in lazy_state.items()
-                                                  if n.endswith(("experts.base_layer.base_layer.down_proj", "experts.base_layer.down_proj"))][:1]}
+        result["lazy"][name] = {
+            "names": sorted(lazy_state) == sorted(full_state),
+            "max_diff": max((lazy_state[n].float() - full_state[n].float()).abs().max().item() for n in full_state),
+            "experts_local": [
+                tuple(t.shape)
+                for n, t in lazy_state.items()
+                if n.endswith(("experts.base_layer.base_layer.down_proj", "experts.base_layer.down_proj"))
+            ][:1],
+        }
     cookbook.destroy_distributed()
 
     # The recipe's main: train, export the adapter and the merged model.
     os.environ["MASTER_PORT"] = str(ports[1])
-    train.main(["--config", str(RECIPE / "tiny-vl.yaml"), *vl_overrides(checkpoints["qwen3-vl-moe"]), f"output_dir={out}",
-                f"train.max_steps={STEPS}", "checkpoint.every_steps=0", "checkpoint.export_merged=true"])
+    train.main(
+        [
+            "--config",
+            str(RECIPE / "tiny-vl.yaml"),
+            *vl_overrides(checkpoints["qwen3-vl-moe"]),
+            f"output_dir={out}",
+            f"train.max_steps={STEPS}",
+            "checkpoint.every_steps=0",
+            "checkpoint.export_merged=true",
+        ]
+    )
 
     # The trained sharded model's logits on one image + text batch (the same on both ranks).
     import torch.distributed.checkpoint as dcp
@@ -148,7 +205,9 @@ def _worker(checkpoints: dict, out: str, ports: list[int]) -> dict:
     os.environ["MASTER_PORT"] = str(ports[2])
     info = cookbook.init_distributed()
     model, _, par = train.build_model(vl_config(*vl_overrides(checkpoints["qwen3-vl-moe"])), info)
-    dcp.load({"app": expert_parallel.AdapterState(model, None, par)}, checkpoint_id=f"{out}/checkpoints/step_{STEPS:08d}")
+    dcp.load(
+        {"app": expert_parallel.AdapterState(model, None, par)}, checkpoint_id=f"{out}/checkpoints/step_{STEPS:08d}"
+    )
     batch = {k: v for k, v in image_batch(cfg, slice(0, 2)).items() if k != "labels"}
     model.eval()
     with torch.no_grad():
@@ -160,7 +219,9 @@ def _worker(checkpoints: dict, out: str, ports: list[int]) -> dict:
 
 def _entry(rank: int, fn, args: tuple, out_dir: str) -> None:
     torch.set_num_threads(1)  # one thread per rank, as torchrun; a forked pool can also hang
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", COOKBOOK_DEVICE="cpu")
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", COOKBOOK_DEVICE="cpu"
+    )
     code = 0
     try:
         torch.save(fn(*args), f"{out_dir}/result{rank}.pt")
@@ -186,7 +247,9 @@ def run_2_workers(fn, *args, out_dir, timeout=600):
             for q in procs:
                 q.kill()
     errors = [(out_dir / f"error{r}.txt").read_text() for r in range(2) if (out_dir / f"error{r}.txt").exists()]
-    assert not errors and all(p.exitcode == 0 for p in procs), f"exit codes {[p.exitcode for p in procs]}\n" + "\n".join(errors)
+    assert not errors and all(p.exitcode == 0 for p in procs), (
+        f"exit codes {[p.exitcode for p in procs]}\n" + "\n".join(errors)
+    )
     return [torch.load(out_dir / f"result{r}.pt", weights_only=False) for r in range(2)]
 
 
@@ -204,7 +267,9 @@ def test_vl_ep2_equals_ep1_on_an_image_text_batch(runs):
     ep2, ep1 = runs[0][0]["ep"][2], runs[0][0]["ep"][1]
     torch.testing.assert_close(ep2["loss"], ep1["loss"], rtol=LOSS_RTOL, atol=0)
     assert 0 < float(ep1["loss"]) and ep2["aux"] > 0.5
-    assert set(ep2["grads"]) == set(ep1["grads"]) and sum("experts" in n for n in ep1["grads"]) == 8  # 2 layers x 2 weights x A, B
+    assert (
+        set(ep2["grads"]) == set(ep1["grads"]) and sum("experts" in n for n in ep1["grads"]) == 8
+    )  # 2 layers x 2 weights x A, B
     assert not any(".visual." in n for n in ep1["grads"])  # the vision tower has no LoRA
     for name in ep1["grads"]:
         torch.testing.assert_close(ep2["grads"][name], ep1["grads"][name], **GRAD_TOL, msg=name)
@@ -246,17 +311,39 @@ def test_vl_training_loss_falls_and_exports_load_with_peft_and_transformers(runs
 
 
 # ----------------------------------------------------------------------------- bad input (in-process --check)
-@pytest.mark.parametrize("row, message", [
-    ({"image": "insects/missing.jpg", "messages": [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "A."}]},
-     "bad.jsonl line 2: image file not found: {data}/insects/missing.jpg"),
-    ({"image": "broken.jpg", "messages": [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "A."}]},
-     "bad.jsonl line 2: cannot decode image {data}/broken.jpg"),
-    ({"messages": [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "A."}]},
-     "bad.jsonl line 2: no image"),
-    ({"images": ["insects/ant0.jpg"], "messages": [{"role": "user", "content": [{"type": "image"}, {"type": "image"}]},
-                                                   {"role": "assistant", "content": "A."}]},
-     "bad.jsonl line 2: 1 image(s) but 2 {'type': 'image'} part(s)"),
-])
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        (
+            {
+                "image": "insects/missing.jpg",
+                "messages": [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "A."}],
+            },
+            "bad.jsonl line 2: image file not found: {data}/insects/missing.jpg",
+        ),
+        (
+            {
+                "image": "broken.jpg",
+                "messages": [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "A."}],
+            },
+            "bad.jsonl line 2: cannot decode image {data}/broken.jpg",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "A."}]},
+            "bad.jsonl line 2: no image",
+        ),
+        (
+            {
+                "images": ["insects/ant0.jpg"],
+                "messages": [
+                    {"role": "user", "content": [{"type": "image"}, {"type": "image"}]},
+                    {"role": "assistant", "content": "A."},
+                ],
+            },
+            "bad.jsonl line 2: 1 image(s) but 2 {'type': 'image'} part(s)",
+        ),
+    ],
+)
 def test_bad_image_text_rows_are_refused_before_training(tmp_path, row, message):
     data = tmp_path / "data"
     (data / "insects").mkdir(parents=True)
@@ -266,7 +353,12 @@ def test_bad_image_text_rows_are_refused_before_training(tmp_path, row, message)
     good["image"] = "insects/ant0.jpg"
     (data / "bad.jsonl").write_text(json.dumps(good) + "\n" + json.dumps(row) + "\n")
     with pytest.raises(SFTDataError, match=re.escape(message.replace("{data}", str(data)))):
-        check("moe-lora-fsdp2-ep", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{data / 'bad.jsonl'}]", config="tiny-vl.yaml")
+        check(
+            "moe-lora-fsdp2-ep",
+            f"output_dir={tmp_path / 'out'}",
+            f"data.train_files=[{data / 'bad.jsonl'}]",
+            config="tiny-vl.yaml",
+        )
 
 
 def test_vl_configs_are_valid_and_packing_is_refused(tmp_path):
@@ -281,5 +373,9 @@ def test_vl_configs_are_valid_and_packing_is_refused(tmp_path):
     train = load_recipe("moe-lora-fsdp2-ep")
     cfg = train.load_config(train.VLConfig, RECIPE / "qwen3-vl-30b-a3b.yaml")
     train.check_config(cfg, RECIPE)
-    moe_model.check_model(cfg, AutoConfig.from_pretrained(RECIPE / "models" / "qwen3-vl-30b-a3b"), AutoModelForImageTextToText,
-                          world_size=8)
+    moe_model.check_model(
+        cfg,
+        AutoConfig.from_pretrained(RECIPE / "models" / "qwen3-vl-30b-a3b"),
+        AutoModelForImageTextToText,
+        world_size=8,
+    )

@@ -19,7 +19,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import cookbook
 
-expert_parallel, moe_model, routed_lora = recipe_modules("moe-lora-fsdp2-ep", "expert_parallel", "moe_model", "routed_lora")
+expert_parallel, moe_model, routed_lora = recipe_modules(
+    "moe-lora-fsdp2-ep", "expert_parallel", "moe_model", "routed_lora"
+)
 
 TINY = ROOT / "recipes" / "moe-lora-fsdp2-ep" / "tiny"
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -51,8 +53,9 @@ def experts_with_lora(model: str, seed: int = 0):
 
 
 ROUTINGS = {  # (tokens, top-k) distinct expert ids per token
-    "random": torch.stack([torch.randperm(EXPERTS, generator=torch.Generator().manual_seed(t))[:TOP_K]
-                           for t in range(TOKENS)]),
+    "random": torch.stack(
+        [torch.randperm(EXPERTS, generator=torch.Generator().manual_seed(t))[:TOP_K] for t in range(TOKENS)]
+    ),
     "tail-empty": torch.tensor([[0, 1], [1, 0]] * (TOKENS // 2)),  # experts 2 and 3 get no token
     "ends-empty": torch.tensor([[2, 1]] * TOKENS),  # experts 0 and 3 get no token
     "one-token": torch.tensor([[3, 0]]),  # experts 1 and 2 get no token
@@ -64,7 +67,9 @@ def run(module, hidden, index, weights, routed: bool, keep_grads: bool = False):
     the parameters keep theirs."""
     hidden = hidden.clone().requires_grad_(True)
     weights = weights.clone().requires_grad_(True)
-    out = routed_lora.routed_experts_forward(module, hidden, index, weights) if routed else module(hidden, index, weights)
+    out = (
+        routed_lora.routed_experts_forward(module, hidden, index, weights) if routed else module(hidden, index, weights)
+    )
     probe = torch.linspace(-1, 1, out.numel()).reshape(out.shape)
     (out * probe).sum().backward()
     grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.requires_grad}
@@ -85,7 +90,7 @@ class Shapes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if any(r.alias_info is not None for r in func._schema.returns):
             return out
-        for t in (out if isinstance(out, (tuple, list)) else [out]):
+        for t in out if isinstance(out, (tuple, list)) else [out]:
             if isinstance(t, torch.Tensor):
                 self.seen.add(tuple(t.shape))
         return out
@@ -112,7 +117,7 @@ def test_routed_lora_equals_peft(model, pattern):
     empty = sorted(set(range(EXPERTS)) - set(index.reshape(-1).tolist()))
     for name, grad in got[3].items():  # experts without tokens: zero gradient in their slices (rank 4)
         for e in empty:
-            part = grad[e * 4:(e + 1) * 4] if "lora_A" in name else grad.reshape(grad.shape[0], 4, EXPERTS)[:, :, e]
+            part = grad[e * 4 : (e + 1) * 4] if "lora_A" in name else grad.reshape(grad.shape[0], 4, EXPERTS)[:, :, e]
             assert part.abs().max() == 0, (name, e)
 
 
@@ -142,7 +147,9 @@ def _ep2_experts(cases: list) -> list:
         meshes.expert_lora_names = expert_parallel.split_experts(model, meshes.dp_ep["ep"])
         batch = zero_token_batch(cookbook.get_dist_info().rank, module.get_base_layer().hidden_dim, receiver)
         out, dh, dw, _ = run(module, *batch, routed=False, keep_grads=True)  # its forward is now ep_dispatch
-        grads = {n.removeprefix("mlp.experts."): g for n, g in expert_parallel.gather_lora(model, meshes, grads=True).items()}
+        grads = {
+            n.removeprefix("mlp.experts."): g for n, g in expert_parallel.gather_lora(model, meshes, grads=True).items()
+        }
         results.append((out, dh, dw, grads))
     return results
 
@@ -165,7 +172,11 @@ def test_ep2_rank_without_tokens_equals_the_unsharded_experts():
         for name, grad in grads.items():
             torch.testing.assert_close(grad, expected[0][3][name] + expected[1][3][name], **TOL, msg=f"{routed} {name}")
             first = 2 * idle  # the idle rank's 2 experts, rank 4 each
-            part = grad[first * 4:(first + 2) * 4] if "lora_A" in name else grad.reshape(grad.shape[0], 4, EXPERTS)[:, :, first:first + 2]
+            part = (
+                grad[first * 4 : (first + 2) * 4]
+                if "lora_A" in name
+                else grad.reshape(grad.shape[0], 4, EXPERTS)[:, :, first : first + 2]
+            )
             assert part.abs().max() == 0 and grad.abs().max() > 0, (routed, receiver, name)
 
 
@@ -190,8 +201,15 @@ def test_use_routed_lora_switches_the_model_and_keeps_peft_names():
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY / "qwen3-moe"))
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
-                                             target_parameters=["experts.gate_up_proj", "experts.down_proj"]))
+    model = get_peft_model(
+        model,
+        LoraConfig(
+            r=4,
+            lora_alpha=8,
+            target_modules=["q_proj"],
+            target_parameters=["experts.gate_up_proj", "experts.down_proj"],
+        ),
+    )
     for n, p in model.named_parameters():
         if "lora_B" in n:
             torch.nn.init.normal_(p, std=0.1)
@@ -225,8 +243,15 @@ def tiny_qwen_with_lora(layers: int = 2):
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY / "qwen3-moe", num_hidden_layers=layers))
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                             target_parameters=["experts.gate_up_proj", "experts.down_proj"]))
+    model = get_peft_model(
+        model,
+        LoraConfig(
+            r=4,
+            lora_alpha=8,
+            target_modules=["q_proj", "v_proj"],
+            target_parameters=["experts.gate_up_proj", "experts.down_proj"],
+        ),
+    )
     for n, p in model.named_parameters():
         if "lora_B" in n:
             torch.nn.init.normal_(p, std=0.1)
@@ -238,16 +263,24 @@ def tiny_qwen_with_lora(layers: int = 2):
 def test_checkpoint_parts_recomputes_and_keeps_the_gradients(part, wrapped):
     """The tiny Qwen3-MoE (2 layers) with routed LoRA: the same loss and LoRA gradients with one part of each
     layer checkpointed as with none, that part run again in backward (counted by a forward hook), names kept."""
+
     def step(model):
         calls = []
         layer = model.base_model.model.model.layers[0]
-        probe = layer.self_attn.k_proj if part == "attention" else layer.mlp.gate  # a child: its hooks run in the recompute
+        probe = (
+            layer.self_attn.k_proj if part == "attention" else layer.mlp.gate
+        )  # a child: its hooks run in the recompute
         probe.register_forward_hook(lambda *_: calls.append(1))
         ids = torch.arange(3, 35).unsqueeze(0)
         loss = model(input_ids=ids, labels=ids).loss
         forward_calls = len(calls)
         loss.backward()
-        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}, forward_calls, len(calls)
+        return (
+            loss.detach(),
+            {n: p.grad for n, p in model.named_parameters() if p.requires_grad},
+            forward_calls,
+            len(calls),
+        )
 
     plain = step(tiny_qwen_with_lora())
     model = tiny_qwen_with_lora()
@@ -267,7 +300,11 @@ def test_checkpoint_parts_recomputes_and_keeps_the_gradients(part, wrapped):
 
 # ----------------------------------------------------------------------------- the grouped GEMM operator, torch.compile
 GROUP_ROWS = {  # rows per group of 4: empty groups first, inside, last; all rows in one group
-    "inner-empty": [3, 0, 2, 1], "ends-empty": [0, 4, 2, 0], "one-group": [0, 0, 5, 0], "no-empty": [1, 2, 1, 3]}
+    "inner-empty": [3, 0, 2, 1],
+    "ends-empty": [0, 4, 2, 0],
+    "one-group": [0, 0, 5, 0],
+    "no-empty": [1, 2, 1, 3],
+}
 
 
 def grouped_reference(x, w, rows):
@@ -291,11 +328,18 @@ def test_grouped_mm_operator_equals_the_per_row_reference(rows, kernel, monkeypa
     g = torch.Generator().manual_seed(3)
     x0, dy = torch.randn(sum(counts), 8, generator=g), torch.randn(sum(counts), 16, generator=g)
     base = torch.randn(4, 8, 16, generator=g)
-    layouts = {"contiguous": lambda t: t, "transposed": lambda t: t.transpose(1, 2).contiguous().transpose(1, 2),
-               "expert-innermost": lambda t: t.permute(1, 2, 0).contiguous().permute(2, 0, 1)}
+    layouts = {
+        "contiguous": lambda t: t,
+        "transposed": lambda t: t.transpose(1, 2).contiguous().transpose(1, 2),
+        "expert-innermost": lambda t: t.permute(1, 2, 0).contiguous().permute(2, 0, 1),
+    }
     for name, layout in layouts.items():
         results = []
-        for fn in (lambda x, w, o: grouped_reference(x, w, counts), routed_lora.grouped_mm, torch.ops.cookbook.grouped_mm):
+        for fn in (
+            lambda x, w, o: grouped_reference(x, w, counts),
+            routed_lora.grouped_mm,
+            torch.ops.cookbook.grouped_mm,
+        ):
             x, w = x0.clone().requires_grad_(True), base.clone().requires_grad_(True)
             y = fn(x, layout(w), offs)
             (y * dy).sum().backward()
@@ -365,7 +409,9 @@ def test_compiled_parts_equal_eager(part, graphs):
     router = moe_model.RouterStats(model)  # its hooks run inside the compiled code: they must not make it recompile
     names = [n for n, _ in model.named_parameters()]
     backend = CompileCounterWithBackend("aot_eager")
-    assert moe_model.compile_parts(model.base_model.model.model.layers, part, backend=backend) == (4 if part == "moe" else 2)
+    assert moe_model.compile_parts(model.base_model.model.model.layers, part, backend=backend) == (
+        4 if part == "moe" else 2
+    )
     assert [n for n, _ in model.named_parameters()] == names
     for _ in range(2):
         loss, grads = loss_and_grads(model)
@@ -374,7 +420,10 @@ def test_compiled_parts_equal_eager(part, graphs):
         assert sorted(grads) == sorted(expected[1]) and any("experts" in n for n in grads)
         for name, grad in expected[1].items():
             torch.testing.assert_close(grads[name], grad, rtol=1e-6, atol=1e-7, msg=name)
-    assert backend.frame_count == graphs and not counters["graph_break"], (backend.frame_count, dict(counters["graph_break"]))
+    assert backend.frame_count == graphs and not counters["graph_break"], (
+        backend.frame_count,
+        dict(counters["graph_break"]),
+    )
     ops = {str(node.target) for gm in backend.graphs for node in gm.graph.nodes}
     assert any("cookbook.grouped_mm" in op for op in ops), sorted(ops)
     with pytest.raises(ValueError, match="part must be 'moe' or 'layers'"):

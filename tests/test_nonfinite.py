@@ -31,8 +31,10 @@ def nan_on_rank_1(monkeypatch, tmp_path):
 
     def nan_forward(self, *args, **kwargs):
         if self.training and os.environ.get("RANK") == "0" and BAD_STEP <= len(calls) + 1 <= BAD_STEP + 2:
-            torch.save({n: p.detach().clone() for n, p in self.module.named_parameters()},
-                       folder / f"weights_{len(calls) + 1}.pt")
+            torch.save(
+                {n: p.detach().clone() for n, p in self.module.named_parameters()},
+                folder / f"weights_{len(calls) + 1}.pt",
+            )
         out = forward(self, *args, **kwargs)
         if self.training:
             calls.append(1)
@@ -63,12 +65,20 @@ def _tensors_of_checkpoint(folder, tmp_path) -> dict:
     return found
 
 
-RUN = ("train.grad_accum_steps=1", "train.max_steps=8", "train.eval_every=0", "train.log_every=1",
-       "checkpoint.every_steps=2", "checkpoint.keep_last=0", "mlflow=false")
+RUN = (
+    "train.grad_accum_steps=1",
+    "train.max_steps=8",
+    "train.eval_every=0",
+    "train.log_every=1",
+    "checkpoint.every_steps=2",
+    "checkpoint.keep_last=0",
+    "mlflow=false",
+)
 
 
-def test_skip_drops_the_nan_step_and_every_weight_and_checkpoint_stays_finite(tmp_path, monkeypatch, capfd,
-                                                                               nan_on_rank_1):
+def test_skip_drops_the_nan_step_and_every_weight_and_checkpoint_stays_finite(
+    tmp_path, monkeypatch, capfd, nan_on_rank_1
+):
     out = tmp_path / "run"
     err = run_in_workers(monkeypatch, capfd, f"output_dir={out}", *RUN, "train.on_nonfinite=skip")
     assert f"step {BAD_STEP}: non-finite gradient norm (nan), step skipped (1 skipped so far)" in err, err[-3000:]
@@ -106,7 +116,8 @@ def test_stop_ends_the_run_at_the_nan_step_with_the_checkpoint_before_it(tmp_pat
     assert str(failed.value.exception) == (
         f"the gradient norm of step {BAD_STEP} is nan: the step was not applied and the run stops "
         f"(train.on_nonfinite=stop); the newest checkpoint, from before it, is {newest}. Lower optim.lr or raise the "
-        f"warm-up, check the data of this step, or set train.on_nonfinite=skip to drop such steps")
+        f"warm-up, check the data of this step, or set train.on_nonfinite=skip to drop such steps"
+    )
     assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_00000002", "step_00000004"]
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "train"] == [1, 2, 3, 4]
     assert not (out / "final").exists()

@@ -61,4 +61,3 @@ def test_modernbert_recipe_notebook(tmp_path, monkeypatch):
     assert set(r["eval"]) >= {"eval/loss", "eval/accuracy", "eval/macro_f1"} and r["eval"]["eval/loss"] > 0
     assert (tmp_path / "run" / "metrics.jsonl").is_file()
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_00000004", "step_00000008"]
-

@@ -30,9 +30,17 @@ def write(path: Path, records: list[dict]) -> str:
 
 
 def test_modernbert_numbers(tmp_path):
-    train = [{"event": "train", "step": s, "step_time_s": t, "data_wait_s": w, "data_wait_frac": w / t,
-              "samples_per_s_per_device": 32 / t} for s, t, w in
-             [(10, 6.0, 0.5), (20, 0.05, 0.001), (30, 0.04, 0.001), (40, 0.06, 0.003), (50, 0.05, 0.002)]]
+    train = [
+        {
+            "event": "train",
+            "step": s,
+            "step_time_s": t,
+            "data_wait_s": w,
+            "data_wait_frac": w / t,
+            "samples_per_s_per_device": 32 / t,
+        }
+        for s, t, w in [(10, 6.0, 0.5), (20, 0.05, 0.001), (30, 0.04, 0.001), (40, 0.06, 0.003), (50, 0.05, 0.002)]
+    ]
     train[0]["epoch_start_wait_s"] = 0.4  # the first pass
     train[3]["epoch_start_wait_s"] = 0.02  # epoch 2 began in the window ending at step 40
     summary = {"event": "summary", "step": 50, "startup_s": 80.5, "first_step_s": 55.0, "final_eval_s": 2.5}
@@ -47,14 +55,27 @@ def test_modernbert_numbers(tmp_path):
 
 
 def test_ray_numbers_and_missing_file(tmp_path):
-    train = [{"event": "train", "step": 50 * (i + 1), "samples_per_s_per_device": v, "step_time_s": 4096 / v}
-             for i, v in enumerate([1e5, 4e5, 5e5, 6e5, 5.5e5])]
-    ev = {"event": "eval", "step": 250, "eval/recall_at_10": 0.3, "eval/popularity_recall_at_10": 0.05,
-          "eval/users": 100.0, "eval/loss": 1.0}
+    train = [
+        {"event": "train", "step": 50 * (i + 1), "samples_per_s_per_device": v, "step_time_s": 4096 / v}
+        for i, v in enumerate([1e5, 4e5, 5e5, 6e5, 5.5e5])
+    ]
+    ev = {
+        "event": "eval",
+        "step": 250,
+        "eval/recall_at_10": 0.3,
+        "eval/popularity_recall_at_10": 0.05,
+        "eval/users": 100.0,
+        "eval/loss": 1.0,
+    }
     out = rows.ray(write(tmp_path / "r.jsonl", train + [ev]))
     assert out["samples_per_s_per_device"] == 5.25e5  # windows 2-5 (the first fifth left out): 4, 5, 5.5, 6 x 1e5
     assert out["steps"] == 250
-    assert out["eval"] == {"step": 250, "eval/recall_at_10": 0.3, "eval/popularity_recall_at_10": 0.05, "eval/users": 100.0}
+    assert out["eval"] == {
+        "step": 250,
+        "eval/recall_at_10": 0.3,
+        "eval/popularity_recall_at_10": 0.05,
+        "eval/users": 100.0,
+    }
     assert rows.ray(str(tmp_path / "none.jsonl")) == {} and rows.modernbert(str(tmp_path / "none.jsonl")) == {}
 
 

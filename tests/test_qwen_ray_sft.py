@@ -6,8 +6,19 @@ import re
 import pytest
 import torch
 from conftest import ROOT, read_jsonl, train_losses
-from ray_cluster import (floats_in, kill_a_worker, paused, ray_processes, recipe_module, registered, run_driver_forked,
-                         summary, train_steps, wait_for, without_ray)
+from ray_cluster import (
+    floats_in,
+    kill_a_worker,
+    paused,
+    ray_processes,
+    recipe_module,
+    registered,
+    run_driver_forked,
+    summary,
+    train_steps,
+    wait_for,
+    without_ray,
+)
 
 RECIPE = ROOT / "recipes" / "qwen-ray-sft"
 
@@ -43,8 +54,10 @@ def test_killed_before_ray_registers_then_stop_resume_survive_a_killed_worker_le
     first = run_driver_forked("qwen-ray-sft", ray_env, f"output_dir={out}", "train.stop_at_step=8")
     assert first.returncode == 0, first.stderr[-4000:]
     assert "resuming" not in first.stderr  # it announced step 16 and started at step 0 before
-    assert (f"starting at step 0: checkpoint_step_00000008, checkpoint_step_00000016 in {out} were written but not "
-            f"registered by Ray Train") in first.stderr and "| starting at step 0" in first.stderr
+    assert (
+        f"starting at step 0: checkpoint_step_00000008, checkpoint_step_00000016 in {out} were written but not "
+        f"registered by Ray Train"
+    ) in first.stderr and "| starting at step 0" in first.stderr
     records = read_jsonl(out / "metrics.jsonl")[seen:]
     losses = {r["step"]: r["loss"] for r in records if r["event"] == "train"}
     assert sorted(losses) == list(range(1, 9)) and not (out / "final").exists()
@@ -55,10 +68,19 @@ def test_killed_before_ray_registers_then_stop_resume_survive_a_killed_worker_le
         wait_for(lambda: registered(out) == "checkpoint_step_00000012", "step 12's checkpoint registered")
         kill_a_worker(ray_env)
 
-    second = run_driver_forked("qwen-ray-sft", ray_env, f"output_dir={out}", "checkpoint.every_steps=4",
-                               "ray.max_failures=1", alongside=kill_after_registration)
+    second = run_driver_forked(
+        "qwen-ray-sft",
+        ray_env,
+        f"output_dir={out}",
+        "checkpoint.every_steps=4",
+        "ray.max_failures=1",
+        alongside=kill_after_registration,
+    )
     assert second.returncode == 0, second.stderr[-4000:]
-    assert "checkpoint_step_00000008 (step 8); checkpoint_step_00000016 were written after it but not registered" in second.stderr
+    assert (
+        "checkpoint_step_00000008 (step 8); checkpoint_step_00000016 were written after it but not registered"
+        in second.stderr
+    )
     loaded = re.findall(r"resumed from \S+/(checkpoint_step_\d+) \(step (\d+), world_size 2\)", second.stderr)
     assert loaded == [("checkpoint_step_00000008", "8"), ("checkpoint_step_00000012", "12")]  # then the restarted group
     assert "holds no random streams" not in second.stderr
@@ -95,7 +117,6 @@ def test_bad_input_fails_before_ray_starts(tmp_path, monkeypatch):
         train.main([*base, "model.attn_implementation=flex_attention"])
 
 
-
 def test_a_bad_row_is_named_by_the_first_check_on_a_used_output_dir(tmp_path, monkeypatch, capfd):
     """The data is checked before the resume: another data file on a used output_dir (which the resume refuses,
     another setting) is named by its bad row at once, not after the resume's refusal was answered. The used folder
@@ -113,19 +134,27 @@ def test_a_bad_row_is_named_by_the_first_check_on_a_used_output_dir(tmp_path, mo
     (out / "checkpoint_step_00000008" / "state.pt").write_bytes(b"x")
     meta = {"step": 8, "world_size": 2, "config": to_dict(tiny_config(f"output_dir={out}"))}
     (out / "checkpoint_step_00000008" / "meta.json").write_text(json.dumps(meta))
-    (out / "checkpoint_manager_snapshot.json").write_text(json.dumps({
-        "ray_version": importlib.metadata.version("ray"),
-        "latest_checkpoint_result": {"checkpoint_dir_name": "checkpoint_step_00000008", "metrics": {}}}))
+    (out / "checkpoint_manager_snapshot.json").write_text(
+        json.dumps(
+            {
+                "ray_version": importlib.metadata.version("ray"),
+                "latest_checkpoint_result": {"checkpoint_dir_name": "checkpoint_step_00000008", "metrics": {}},
+            }
+        )
+    )
     base = ["--config", str(RECIPE / "tiny.yaml"), "--check", f"output_dir={out}"]
     train.main(base)  # the same settings resume
     assert "resuming from" in capfd.readouterr().err
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n'
-                   '{"messages": [{"role": "user", "content": "no answer here"}]}\n')
+    bad.write_text(
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n'
+        '{"messages": [{"role": "user", "content": "no answer here"}]}\n'
+    )
     with pytest.raises(SFTDataError, match="bad.jsonl line 2"):
         train.main([*base, f"data.train_files=[{bad}]"])
     with pytest.raises(CheckpointError, match="other settings"):  # a good file instead: the resume's refusal
         train.main([*base, "train.seed=7"])
+
 
 def tiny_config(*overrides):
     train = recipe_module("qwen-ray-sft")
@@ -151,8 +180,11 @@ def _ddp_eval(rows: list) -> tuple:
     cfg = tiny_config()
     torch.manual_seed(cfg.train.seed)
     inner = train.build_model(cfg.model, 100, info.device)
-    batches = DataLoader(rows[info.rank::info.world_size], batch_size=cfg.train.micro_batch_size,
-                         collate_fn=partial(sft.collate, pad_id=0))  # as train_loop's final evaluation
+    batches = DataLoader(
+        rows[info.rank :: info.world_size],
+        batch_size=cfg.train.micro_batch_size,
+        collate_fn=partial(sft.collate, pad_id=0),
+    )  # as train_loop's final evaluation
     result = sft.evaluate(DistributedDataParallel(inner), batches, info.device)
     return result, inner.state_dict() if info.rank == 0 else None
 
@@ -168,7 +200,9 @@ def test_eval_of_one_row_on_two_workers_equals_one_process():
 
     cfg = tiny_config()
     _, evals, _ = sft.training_rows(cfg.data, AutoTokenizer.from_pretrained(cfg.model.tokenizer), cfg.train.seed)
-    result, state = cookbook.distributed(num_processes=2, start_method="fork", timeout_minutes=1)(_ddp_eval).distributed(evals[:1])[0]
+    result, state = cookbook.distributed(num_processes=2, start_method="fork", timeout_minutes=1)(
+        _ddp_eval
+    ).distributed(evals[:1])[0]
     plain = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model.name_or_path)).eval()
     plain.load_state_dict(state)
     batch = sft.collate(evals[:1], pad_id=0)
@@ -208,13 +242,15 @@ def nan_on_worker_1(monkeypatch):
 def _driver(capfd, out, *overrides) -> str:
     """The recipe's driver (``main``) on tiny.yaml, its workers forked without Ray (`without_ray`); returns stderr."""
     capfd.readouterr()
-    recipe_module("qwen-ray-sft").main(["--config", str(RECIPE / "tiny.yaml"), f"output_dir={out}", *NAN_RUN,
-                                        *overrides])
+    recipe_module("qwen-ray-sft").main(
+        ["--config", str(RECIPE / "tiny.yaml"), f"output_dir={out}", *NAN_RUN, *overrides]
+    )
     return capfd.readouterr().err
 
 
-def test_a_nan_step_is_skipped_on_both_workers_and_a_resume_after_it_continues_its_data(tmp_path, capfd,
-                                                                                         nan_on_worker_1):
+def test_a_nan_step_is_skipped_on_both_workers_and_a_resume_after_it_continues_its_data(
+    tmp_path, capfd, nan_on_worker_1
+):
     """``train.on_nonfinite=skip``: the NaN step is dropped (no optimizer or scheduler step), every checkpoint and
     the export stay finite; a run stopped after it and resumed takes the uninterrupted run's steps (the data
     continues after the batches the skipped step took)."""
@@ -251,8 +287,9 @@ def test_a_nan_step_is_skipped_on_both_workers_and_a_resume_after_it_continues_i
     assert train_losses(again / "metrics.jsonl") == {r["step"]: r["loss"] for r in train}
 
 
-def test_a_nan_step_stops_the_run_and_the_driver_exits_4_naming_the_checkpoint_before_it(tmp_path, capfd,
-                                                                                          nan_on_worker_1):
+def test_a_nan_step_stops_the_run_and_the_driver_exits_4_naming_the_checkpoint_before_it(
+    tmp_path, capfd, nan_on_worker_1
+):
     """``train.on_nonfinite=stop`` (the default): both workers stop before the update of step 5; the driver (through
     ``cookbook.run_main``, as ``python train.py`` runs it) prints one line naming the step and step 4's checkpoint
     and exits 4. Ray is not asked to restart the workers (they end normally and hand the message back)."""
@@ -262,16 +299,23 @@ def test_a_nan_step_stops_the_run_and_the_driver_exits_4_naming_the_checkpoint_b
     if pid == 0:  # the driver's process (its output goes to capfd's files): run_main ends it with the exit status
         import cookbook
 
-        cookbook.run_main(recipe_module("qwen-ray-sft").main,
-                          argv=["--config", str(RECIPE / "tiny.yaml"), f"output_dir={out}", *NAN_RUN])
+        cookbook.run_main(
+            recipe_module("qwen-ray-sft").main,
+            argv=["--config", str(RECIPE / "tiny.yaml"), f"output_dir={out}", *NAN_RUN],
+        )
     status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     err = capfd.readouterr().err
     newest = out / f"checkpoint_step_{BAD_STEP - 1:08d}"
-    line = (f"error: the gradient norm of step {BAD_STEP} is nan: the step was not applied and the run stops "
-            f"(train.on_nonfinite=stop); the newest checkpoint, from before it, is {newest}. Lower optim.lr or raise "
-            f"the warm-up, check the data of this step, or set train.on_nonfinite=skip to drop such steps")
+    line = (
+        f"error: the gradient norm of step {BAD_STEP} is nan: the step was not applied and the run stops "
+        f"(train.on_nonfinite=stop); the newest checkpoint, from before it, is {newest}. Lower optim.lr or raise "
+        f"the warm-up, check the data of this step, or set train.on_nonfinite=skip to drop such steps"
+    )
     assert status == 4, err[-3000:]
     assert [l for l in err.splitlines() if "error" in l.lower() or "Traceback" in l] == [line], err[-3000:]
-    assert sorted(p.name for p in out.glob("checkpoint_step_*")) == ["checkpoint_step_00000002", "checkpoint_step_00000004"]
+    assert sorted(p.name for p in out.glob("checkpoint_step_*")) == [
+        "checkpoint_step_00000002",
+        "checkpoint_step_00000004",
+    ]
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "train"] == [1, 2, 3, 4]
     assert not (out / "final").exists() and "done:" not in err

@@ -25,8 +25,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (ROOT, free_port, kill_worker, launch, load_recipe, main_in_workers, read_jsonl, start_launch,
-                      train_losses, wait_for)
+from conftest import (
+    ROOT,
+    free_port,
+    kill_worker,
+    launch,
+    load_recipe,
+    main_in_workers,
+    read_jsonl,
+    start_launch,
+    train_losses,
+    wait_for,
+)
 
 import cookbook
 from cookbook import hf_trainer
@@ -168,8 +178,14 @@ def zero3(tmp_path_factory, init, ds_env):
     export and MLflow. Returns ``(out, (the launch's exit status, its stderr), the resumed run's stderr)``."""
     out = tmp_path_factory.mktemp("zero3") / "run"
     os.environ.update(COOKBOOK_DEVICE="cpu", **ds_env)
-    proc = start_launch("qwen-zero3-receipts", f"output_dir={out}", f"model.name_or_path={init}",
-                        "model.pretrained=true", *COMMON, env=ds_env)
+    proc = start_launch(
+        "qwen-zero3-receipts",
+        f"output_dir={out}",
+        f"model.name_or_path={init}",
+        "model.pretrained=true",
+        *COMMON,
+        env=ds_env,
+    )
     try:
         wait_for(proc, (out / "checkpoints" / "checkpoint-3").is_dir)
         kill_worker(proc, rank="1")
@@ -192,8 +208,16 @@ def zero2(tmp_path_factory, init, ds_env):
 
     out = tmp_path_factory.mktemp("zero2") / "run"
     os.environ.update(COOKBOOK_DEVICE="cpu", **ds_env)
-    return run_forked("qwen-zero3-receipts", out, init, *COMMON, "deepspeed.config=zero2.json", "mlflow=false",
-                      "checkpoint.export_hf=false", "eval.max_samples=2")
+    return run_forked(
+        "qwen-zero3-receipts",
+        out,
+        init,
+        *COMMON,
+        "deepspeed.config=zero2.json",
+        "mlflow=false",
+        "checkpoint.export_hf=false",
+        "eval.max_samples=2",
+    )
 
 
 def test_a_killed_worker_and_then_a_preemption_lose_no_step(zero3, zero2):
@@ -205,30 +229,39 @@ def test_a_killed_worker_and_then_a_preemption_lose_no_step(zero3, zero2):
     root = out / "checkpoints"
     assert status == 75, first[-4000:]
     restarts = [line for line in first.splitlines() if line.startswith("restart ")]
-    assert restarts == ["restart 1 of 3: rank 1 was killed by SIGKILL; the workers resume from the newest checkpoint"], \
-        first[-4000:]
+    assert restarts == [
+        "restart 1 of 3: rank 1 was killed by SIGKILL; the workers resume from the newest checkpoint"
+    ], first[-4000:]
     assert f"resumed from {root / 'checkpoint-3'}" in first, first[-4000:]
-    stopped = re.search(rf"preempted \(SIGTERM\) after step (\d+) of {STEPS}: checkpoint (\S+); run the same command "
-                        rf"again to continue \(exit status 75\)", first)
+    stopped = re.search(
+        rf"preempted \(SIGTERM\) after step (\d+) of {STEPS}: checkpoint (\S+); run the same command "
+        rf"again to continue \(exit status 75\)",
+        first,
+    )
     assert stopped and "preempted: the workers were asked to save a checkpoint" in first, first[-4000:]
     step = int(stopped[1])
     assert 5 <= step < STEPS and stopped[2] == str(root / f"checkpoint-{step}"), first[-4000:]
     assert f"resumed from {root / f'checkpoint-{step}'}" in second and f"done: {STEPS} steps" in second, second[-3000:]
     steps = [r["step"] for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "train"]
-    assert steps[:3] == [1, 2, 3] and steps[-(STEPS - 3):] == list(range(4, STEPS + 1)), steps
+    assert steps[:3] == [1, 2, 3] and steps[-(STEPS - 3) :] == list(range(4, STEPS + 1)), steps
     losses = train_losses(out / "metrics.jsonl")
     # The uninterrupted reference is the ZeRO-2 run: same weights, data and optimizer, so the same math.
     reference = train_losses(zero2 / "metrics.jsonl")
-    torch.testing.assert_close(torch.tensor([losses[s] for s in range(1, STEPS + 1)], dtype=torch.float64),
-                               torch.tensor([reference[s] for s in range(1, STEPS + 1)], dtype=torch.float64),
-                               rtol=PARITY_RTOL, atol=0)
+    torch.testing.assert_close(
+        torch.tensor([losses[s] for s in range(1, STEPS + 1)], dtype=torch.float64),
+        torch.tensor([reference[s] for s in range(1, STEPS + 1)], dtype=torch.float64),
+        rtol=PARITY_RTOL,
+        atol=0,
+    )
     summaries = [r for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "summary"]
     assert len(summaries) == 1 and summaries[0]["step"] == STEPS
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(summaries[0]["mlflow_uri"])
     assert client.get_run(summaries[0]["mlflow_run_id"]).info.status == "FINISHED"
-    assert {m.step for m in client.get_metric_history(summaries[0]["mlflow_run_id"], "loss")} == set(range(1, STEPS + 1))
+    assert {m.step for m in client.get_metric_history(summaries[0]["mlflow_run_id"], "loss")} == set(
+        range(1, STEPS + 1)
+    )
 
 
 def test_a_launch_without_gpus_does_not_warn_about_a_missing_accelerator(zero3):
@@ -250,7 +283,9 @@ def test_metrics_have_throughput_and_generation_eval(zero3):
     out = zero3[0]
     records = read_jsonl(out / "metrics.jsonl")
     train = [r for r in records if r["event"] == "train"]
-    assert all(r["tokens_per_s_per_device"] > 0 and r["samples_per_s_per_device"] > 0 and r["rss_gib"] > 0 for r in train)
+    assert all(
+        r["tokens_per_s_per_device"] > 0 and r["samples_per_s_per_device"] > 0 and r["rss_gib"] > 0 for r in train
+    )
     # 16 receipts per rank per step: samples/s x step time = 16
     assert train[-1]["samples_per_s_per_device"] * train[-1]["step_time_s"] == pytest.approx(16, rel=1e-3)
     ev = [r for r in records if r["event"] == "eval"][-1]
@@ -260,7 +295,10 @@ def test_metrics_have_throughput_and_generation_eval(zero3):
         assert 0 <= hits <= 8 and hits == pytest.approx(round(hits), abs=1e-9), (key, ev)
     assert ev["eval/unparsable"] + round(ev["eval/json_valid"] * 8) == 8
     summary_line = [line for line in zero3[2].splitlines() if " done: " in line][-1]
-    assert "exact match on 8 receipts: company" in summary_line and f"unparsable {ev['eval/unparsable']:.0f}" in summary_line
+    assert (
+        "exact match on 8 receipts: company" in summary_line
+        and f"unparsable {ev['eval/unparsable']:.0f}" in summary_line
+    )
     assert ev["eval/loss"] < train[0]["loss"]
     summary = [r for r in records if r["event"] == "summary"][-1]
     import mlflow
@@ -283,19 +321,31 @@ def test_eval_loss_is_the_per_token_loss_over_the_validation_rows(zero3):
 
 def test_score_counts_exact_matches_per_field_and_unparsable_answers():
     train = recipe_module()
-    targets = [{"company": "BOOK TA .K SDN BHD", "date": "25/12/2018", "address": "NO.53 JALAN", "total": "9.00"},
-               {"company": "AEON", "date": None, "address": "KL", "total": "1.00"},
-               {"company": "MR DIY", "date": "01/01/2019", "address": "JB", "total": "5.50"},
-               {"company": "X", "date": "1", "address": "Y", "total": "2"},
-               {"company": "Z", "date": "2", "address": "W", "total": "3"}]
-    texts = ['{"company": "BOOK  TA .K SDN BHD", "date": "25/12/2018", "address": " NO.53 JALAN", "total": "9.00"}',
-             '{"company": "AEON", "address": "KL", "total": "1.0"}',  # date missing = null (right); total wrong
-             '{"company": "MR DIY", "date": "01/01/2019", "address": "JB", "total": "5.50"',  # cut: unparsable
-             '["X", "1", "Y", "2"]',  # JSON, but not an object: unparsable
-             '{"company": null, "date": "2", "address": "W", "total": "3"}']
+    targets = [
+        {"company": "BOOK TA .K SDN BHD", "date": "25/12/2018", "address": "NO.53 JALAN", "total": "9.00"},
+        {"company": "AEON", "date": None, "address": "KL", "total": "1.00"},
+        {"company": "MR DIY", "date": "01/01/2019", "address": "JB", "total": "5.50"},
+        {"company": "X", "date": "1", "address": "Y", "total": "2"},
+        {"company": "Z", "date": "2", "address": "W", "total": "3"},
+    ]
+    texts = [
+        '{"company": "BOOK  TA .K SDN BHD", "date": "25/12/2018", "address": " NO.53 JALAN", "total": "9.00"}',
+        '{"company": "AEON", "address": "KL", "total": "1.0"}',  # date missing = null (right); total wrong
+        '{"company": "MR DIY", "date": "01/01/2019", "address": "JB", "total": "5.50"',  # cut: unparsable
+        '["X", "1", "Y", "2"]',  # JSON, but not an object: unparsable
+        '{"company": null, "date": "2", "address": "W", "total": "3"}',
+    ]
     counts = train.score([train.parse_fields(t) for t in texts], targets, list(train.FIELDS))
-    assert counts == {"samples": 5.0, "json_valid": 3.0, "unparsable": 2.0, "em_company": 2.0, "em_date": 3.0,
-                      "em_address": 3.0, "em_total": 2.0, "em_all": 1.0}
+    assert counts == {
+        "samples": 5.0,
+        "json_valid": 3.0,
+        "unparsable": 2.0,
+        "em_company": 2.0,
+        "em_date": 3.0,
+        "em_address": 3.0,
+        "em_total": 2.0,
+        "em_all": 1.0,
+    }
     with pytest.raises(ValueError, match="4 predictions for 5 targets"):
         train.score([None] * 4, targets, list(train.FIELDS))
 
@@ -332,18 +382,26 @@ def test_a_truncated_shard_of_the_newest_checkpoint_is_passed_over_with_one_warn
         f.seek(size // 2)
         f.write(b"\xff" * 4096)
     [line] = warnings()
-    assert re.fullmatch(re.escape(f"warning: checkpoint {newest} is damaged (global_step10/zero_pp_rank_1_mp_rank_00_"
-                                  f"optim_states.pt does not match its checksum (xxh3_64:") + r"\w+ in meta\.json, "
-                        r"xxh3_64:\w+ now\)\); resuming from " + re.escape(f"{previous} instead"), line), line
+    assert re.fullmatch(
+        re.escape(
+            f"warning: checkpoint {newest} is damaged (global_step10/zero_pp_rank_1_mp_rank_00_"
+            f"optim_states.pt does not match its checksum (xxh3_64:"
+        )
+        + r"\w+ in meta\.json, "
+        r"xxh3_64:\w+ now\)\); resuming from " + re.escape(f"{previous} instead"),
+        line,
+    ), line
     os.truncate(shard, 1000)
     assert warnings() == [
         f"warning: checkpoint {newest} is damaged (global_step10/zero_pp_rank_1_mp_rank_00_optim_states.pt is 1000 "
-        f"bytes, meta.json says {size}); resuming from {previous} instead"]
+        f"bytes, meta.json says {size}); resuming from {previous} instead"
+    ]
     with pytest.raises(CheckpointError, match=r"is a damaged checkpoint \(global_step10/zero_pp_rank_1_mp_rank_00_"):
         recipe_module().check_resume(tiny_config(*overrides, f"checkpoint.resume={shard.parent.parent}"), 2)
     (newest / "meta.json").unlink()  # published folders always hold one: its loss is damage, not a save under way
-    assert warnings() == [f"warning: checkpoint {newest} is damaged (no meta.json inside); resuming from {previous} "
-                          f"instead"]
+    assert warnings() == [
+        f"warning: checkpoint {newest} is damaged (no meta.json inside); resuming from {previous} instead"
+    ]
 
 
 def test_final_model_is_full_and_reloads_with_the_trained_logits(zero3, init):
@@ -362,15 +420,22 @@ def test_final_model_is_full_and_reloads_with_the_trained_logits(zero3, init):
         assert tensor.shape == expected[name].shape, name
     trained = get_fp32_state_dict_from_zero_checkpoint(str(zero3[0] / "checkpoints" / f"checkpoint-{STEPS}"))
     reference.load_state_dict(trained)
-    assert not torch.equal(trained["model.layers.0.mlp.up_proj.weight"],
-                           AutoModelForCausalLM.from_pretrained(init).state_dict()["model.layers.0.mlp.up_proj.weight"])
+    assert not torch.equal(
+        trained["model.layers.0.mlp.up_proj.weight"],
+        AutoModelForCausalLM.from_pretrained(init).state_dict()["model.layers.0.mlp.up_proj.weight"],
+    )
     tok = AutoTokenizer.from_pretrained(final)
-    ids = tok.apply_chat_template([{"role": "user", "content": "TOTAL 9.00\n\nExtract the company."}],
-                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "TOTAL 9.00\n\nExtract the company."}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )["input_ids"]
     exported = AutoModelForCausalLM.from_pretrained(final).eval()
     with torch.no_grad():
-        torch.testing.assert_close(exported(input_ids=ids).logits, reference.eval()(input_ids=ids).logits,
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            exported(input_ids=ids).logits, reference.eval()(input_ids=ids).logits, rtol=1e-5, atol=1e-5
+        )
 
 
 def test_loss_parity_with_the_fsdp2_recipe(zero2, init, tmp_path):
@@ -385,18 +450,42 @@ def test_loss_parity_with_the_fsdp2_recipe(zero2, init, tmp_path):
 
     split = train.load_receipts(cfg.data, AutoTokenizer.from_pretrained(init), cfg.train.seed)
     chats = tmp_path / "chats.jsonl"
-    chats.write_text("".join(json.dumps({"messages": train.receipt_messages(rows[i], "tiny", cfg.data.fields)}) + "\n"
-                             for i in split.train_index))
-    out = run_forked("qwen-fsdp2-sft", tmp_path / "fsdp2", init, f"model.tokenizer={init}", f"data.train_files=[{chats}]",
-                     "data.eval_fraction=0", "data.packing=false", "data.max_length=256", "train.micro_batch_size=16",
-                     "train.grad_accum_steps=1", f"train.max_steps={SHORT}", "train.activation_checkpointing=none",
-                     "optim.scheduler=constant", "optim.warmup_ratio=0", "optim.lr=3e-3", "optim.betas=[0.9,0.95]",
-                     "optim.weight_decay=0", "optim.max_grad_norm=1.0", "checkpoint.every_steps=0",
-                     "checkpoint.export_hf=false", "mlflow=false")
+    chats.write_text(
+        "".join(
+            json.dumps({"messages": train.receipt_messages(rows[i], "tiny", cfg.data.fields)}) + "\n"
+            for i in split.train_index
+        )
+    )
+    out = run_forked(
+        "qwen-fsdp2-sft",
+        tmp_path / "fsdp2",
+        init,
+        f"model.tokenizer={init}",
+        f"data.train_files=[{chats}]",
+        "data.eval_fraction=0",
+        "data.packing=false",
+        "data.max_length=256",
+        "train.micro_batch_size=16",
+        "train.grad_accum_steps=1",
+        f"train.max_steps={SHORT}",
+        "train.activation_checkpointing=none",
+        "optim.scheduler=constant",
+        "optim.warmup_ratio=0",
+        "optim.lr=3e-3",
+        "optim.betas=[0.9,0.95]",
+        "optim.weight_decay=0",
+        "optim.max_grad_norm=1.0",
+        "checkpoint.every_steps=0",
+        "checkpoint.export_hf=false",
+        "mlflow=false",
+    )
     fsdp, zero = train_losses(out / "metrics.jsonl"), train_losses(zero2 / "metrics.jsonl")
-    torch.testing.assert_close(torch.tensor([zero[s] for s in range(1, SHORT + 1)], dtype=torch.float64),
-                               torch.tensor([fsdp[s] for s in range(1, SHORT + 1)], dtype=torch.float64),
-                               rtol=PARITY_RTOL, atol=0)
+    torch.testing.assert_close(
+        torch.tensor([zero[s] for s in range(1, SHORT + 1)], dtype=torch.float64),
+        torch.tensor([fsdp[s] for s in range(1, SHORT + 1)], dtype=torch.float64),
+        rtol=PARITY_RTOL,
+        atol=0,
+    )
 
 
 # ----------------------------------------------------------------------------- faults in forked workers
@@ -455,8 +544,9 @@ def nan_then_full_disk_on_rank_1(monkeypatch):
     monkeypatch.setattr(DeepSpeedEngine, "save_checkpoint", limited_save)
 
 
-def test_a_nan_step_is_skipped_and_a_failed_save_keeps_the_previous_checkpoint(init, tmp_path, monkeypatch, capfd,
-                                                                              nan_then_full_disk_on_rank_1):
+def test_a_nan_step_is_skipped_and_a_failed_save_keeps_the_previous_checkpoint(
+    init, tmp_path, monkeypatch, capfd, nan_then_full_disk_on_rank_1
+):
     """train.on_nonfinite=skip: DeepSpeed discards the update of the NaN step (the weights and the LR schedule of
     checkpoint-3 are checkpoint-2's), the step is logged and counted, nothing published holds a NaN. Then rank 1's
     save of step 4 fails: one line from rank 1 naming the checkpoint, the OS error and the intact checkpoint-3."""
@@ -469,33 +559,59 @@ def test_a_nan_step_is_skipped_and_a_failed_save_keeps_the_previous_checkpoint(i
     out = tmp_path / "run"
     root = out / "checkpoints"
     with pytest.raises(cookbook.WorkerError) as failed:
-        run_in_workers(monkeypatch, capfd, out, init, "train.max_steps=6", "checkpoint.every_steps=1",
-                       "checkpoint.keep_last=0", "train.on_nonfinite=skip", "mlflow=false")
+        run_in_workers(
+            monkeypatch,
+            capfd,
+            out,
+            init,
+            "train.max_steps=6",
+            "checkpoint.every_steps=1",
+            "checkpoint.keep_last=0",
+            "train.on_nonfinite=skip",
+            "mlflow=false",
+        )
     err = run_in_workers.err
-    assert f"step {NAN_STEP}: non-finite gradient norm, update discarded, step skipped (1 skipped so far)" in err, \
-        err[-3000:]
-    partition = out / ".staging" / f"checkpoint-{FAILED_SAVE}" / f"global_step{FAILED_SAVE}" / \
-        "zero_pp_rank_1_mp_rank_00_optim_states.pt"
-    assert failed.value.exc_type == "cookbook.checkpoint.CheckpointSaveError" and failed.value.rank == 1, \
+    assert f"step {NAN_STEP}: non-finite gradient norm, update discarded, step skipped (1 skipped so far)" in err, err[
+        -3000:
+    ]
+    partition = (
+        out
+        / ".staging"
+        / f"checkpoint-{FAILED_SAVE}"
+        / f"global_step{FAILED_SAVE}"
+        / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    )
+    assert failed.value.exc_type == "cookbook.checkpoint.CheckpointSaveError" and failed.value.rank == 1, (
         f"{failed.value}\n{err[-5000:]}"
+    )
     assert str(failed.value.exception) == (
         f"could not save the checkpoint of step {FAILED_SAVE} to {root / f'checkpoint-{FAILED_SAVE}'} (rank 1: EFBIG, "
         f"File too large: '{partition}'); the previous checkpoint {root / 'checkpoint-3'} is intact. Raise the file "
         f"size limit (ulimit -f) or the largest file size of {_mount_point(root)} and run the "
-        f"same command again: it resumes from {root / 'checkpoint-3'}")
+        f"same command again: it resumes from {root / 'checkpoint-3'}"
+    )
     train = [r for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "train"]
     assert [(r["step"], r["skipped_steps"]) for r in train] == [(1, 0), (2, 0), (3, 1), (4, 1)]
-    assert train[NAN_STEP - 1]["grad_norm"] == float("inf") and all(r["grad_norm"] < 10 for r in train if r["step"] != 3)
+    assert train[NAN_STEP - 1]["grad_norm"] == float("inf") and all(
+        r["grad_norm"] < 10 for r in train if r["step"] != 3
+    )
     assert [p.name for p in published_checkpoints(root)] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
     assert not partition.parent.parent.exists()  # the failed save's staging folder is gone: it would hold the space
     # the skip count is in each checkpoint, for a resume to continue it
-    assert [json.loads((root / f"checkpoint-{n}" / "meta.json").read_text())["skipped_steps"] for n in (1, 2, 3)] == \
-        [0, 0, 1]
+    assert [json.loads((root / f"checkpoint-{n}" / "meta.json").read_text())["skipped_steps"] for n in (1, 2, 3)] == [
+        0,
+        0,
+        1,
+    ]
     weights = {n: get_fp32_state_dict_from_zero_checkpoint(str(root / f"checkpoint-{n}")) for n in (1, 2, 3)}
     for name, tensor in weights[3].items():
         assert torch.equal(tensor, weights[2][name]), name  # the NaN step's update was discarded
-    assert not torch.equal(weights[2]["model.layers.0.mlp.up_proj.weight"], weights[1]["model.layers.0.mlp.up_proj.weight"])
-    schedules = [torch.load(root / f"checkpoint-{n}" / "scheduler.pt", weights_only=True)["last_epoch"] for n in (1, 2, 3)]
+    assert not torch.equal(
+        weights[2]["model.layers.0.mlp.up_proj.weight"], weights[1]["model.layers.0.mlp.up_proj.weight"]
+    )
+    schedules = [
+        torch.load(root / f"checkpoint-{n}" / "scheduler.pt", weights_only=True)["last_epoch"] for n in (1, 2, 3)
+    ]
     assert schedules == [1, 2, 2]  # no scheduler step for the discarded update
     for n in (1, 2, 3):
         assert all(torch.isfinite(t).all() for t in weights[n].values())
@@ -545,25 +661,38 @@ def rank_1_stalls_at_step_3(monkeypatch, tmp_path):
     return pids
 
 
-def test_a_stalled_rank_is_named_by_the_rank_whose_collective_times_out(init, tmp_path, monkeypatch, capfd,
-                                                                        rank_1_stalls_at_step_3):
+def test_a_stalled_rank_is_named_by_the_rank_whose_collective_times_out(
+    init, tmp_path, monkeypatch, capfd, rank_1_stalls_at_step_3
+):
     """train.collective_timeout_s reaches DeepSpeed's own process group (torch gives a new group 30 minutes; without
     `cookbook.dist.apply_collective_timeout` rank 0 waits until rank 1 is killed, 60 s): rank 0 waits there
     STALL_TIMEOUT_S, and its one line names rank 1, its pid and the step, with where it waited."""
     out = tmp_path / "run"
     with pytest.raises(cookbook.WorkerError) as failed:
-        run_in_workers(monkeypatch, capfd, out, init, "deepspeed.config=zero2.json", "train.max_steps=6",
-                       "checkpoint.every_steps=-1", "checkpoint.export_hf=false", "mlflow=false",
-                       f"train.collective_timeout_s={STALL_TIMEOUT_S}")
-    assert failed.value.exc_type == "cookbook.dist.CollectiveTimeout" and failed.value.rank == 0, \
+        run_in_workers(
+            monkeypatch,
+            capfd,
+            out,
+            init,
+            "deepspeed.config=zero2.json",
+            "train.max_steps=6",
+            "checkpoint.every_steps=-1",
+            "checkpoint.export_hf=false",
+            "mlflow=false",
+            f"train.collective_timeout_s={STALL_TIMEOUT_S}",
+        )
+    assert failed.value.exc_type == "cookbook.dist.CollectiveTimeout" and failed.value.rank == 0, (
         f"{failed.value}\n{run_in_workers.err[-30000:]}"
+    )
     pid, host = int((rank_1_stalls_at_step_3 / "rank1.pid").read_text()), socket.gethostname()
     message = str(failed.value.exception)
     site = re.fullmatch(
         rf"a collective did not finish within {STALL_TIMEOUT_S} s \((.+)\) at step 3: rank 1 \(pid {pid} on {host}\) did not "
         rf"reach it \(every rank last finished step 2, but it did not time out with this rank within "
         rf"{STALL_TIMEOUT_S / 4:g} s\) - it is stalled \(stopped, hung, or much slower\); `py-spy dump --pid {pid}` on "
-        rf"{host} shows where it is; this rank's stacks: {re.escape(str(out / 'debug' / 'stacks_rank0.txt'))}", message)
+        rf"{host} shows where it is; this rank's stacks: {re.escape(str(out / 'debug' / 'stacks_rank0.txt'))}",
+        message,
+    )
     assert site, message
     assert re.fullmatch(r"(\w+: )?`.+`, \w+\.py:\d+", site[1]) and "(*args, **kwargs)" not in site[1], site[1]
 
@@ -573,11 +702,24 @@ def test_lora_loss_falls_and_merged_export_reloads(ds_config, eval_rows, init, t
     """LoRA; the final evaluation equals the single-process loss over exactly the validation rows. ZeRO-3: an
     eval file of one receipt, fewer rows than ranks (rank 1 runs filler forward passes only; all 40 receipts
     train). ZeRO-2: 9 held-out receipts in batches of 8, so one rank has more rows than the other."""
-    data = ([f"data.eval_files=[{one_receipt_file(tmp_path)}]"] if eval_rows == 1 else
-            ["data.eval_fraction=0.225", "train.micro_batch_size=8"])
-    out = run_forked("qwen-zero3-receipts", tmp_path / "lora", init, "lora.enabled=true", f"deepspeed.config={ds_config}",
-                     f"train.max_steps={SHORT}", "checkpoint.every_steps=-1", "mlflow=false", "eval.max_new_tokens=2",
-                     "optim.lr=2e-2", *data)
+    data = (
+        [f"data.eval_files=[{one_receipt_file(tmp_path)}]"]
+        if eval_rows == 1
+        else ["data.eval_fraction=0.225", "train.micro_batch_size=8"]
+    )
+    out = run_forked(
+        "qwen-zero3-receipts",
+        tmp_path / "lora",
+        init,
+        "lora.enabled=true",
+        f"deepspeed.config={ds_config}",
+        f"train.max_steps={SHORT}",
+        "checkpoint.every_steps=-1",
+        "mlflow=false",
+        "eval.max_new_tokens=2",
+        "optim.lr=2e-2",
+        *data,
+    )
     losses = train_losses(out / "metrics.jsonl")
     assert losses[SHORT] < losses[1] - 0.3, losses  # LoRA on a random tiny model learns slowly
     ev = [r for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "eval"][-1]
@@ -611,15 +753,20 @@ def _receipts(tmp_path, edit):
     return path
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda rows: rows[4].update(entities={}), "line 5 (id X00016469623): field 'entities' has none of"),
-    (lambda rows: rows[6].update(ocr_boxes=[]), "line 7 (id X00016469672): field 'ocr_boxes' is empty"),
-    (lambda rows: rows[2]["ocr_boxes"][1].pop(), "line 3 (id X00016469620): ocr_boxes[1] must be"),
-    # longer than data.max_length=256: dropped, not cut; 5 of 40 is more than data.max_dropped_fraction=0.1
-    (lambda rows: [r["entities"].update(total="9.00 " * 200) for r in rows[9:14]],
-     "receipts.jsonl: 5 of 40 rows dropped (12%, more than data.max_dropped_fraction=0.1): 5 longer than "
-     "data.max_length=256, dropped rather than cut, longest line 10 ("),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda rows: rows[4].update(entities={}), "line 5 (id X00016469623): field 'entities' has none of"),
+        (lambda rows: rows[6].update(ocr_boxes=[]), "line 7 (id X00016469672): field 'ocr_boxes' is empty"),
+        (lambda rows: rows[2]["ocr_boxes"][1].pop(), "line 3 (id X00016469620): ocr_boxes[1] must be"),
+        # longer than data.max_length=256: dropped, not cut; 5 of 40 is more than data.max_dropped_fraction=0.1
+        (
+            lambda rows: [r["entities"].update(total="9.00 " * 200) for r in rows[9:14]],
+            "receipts.jsonl: 5 of 40 rows dropped (12%, more than data.max_dropped_fraction=0.1): 5 longer than "
+            "data.max_length=256, dropped rather than cut, longest line 10 (",
+        ),
+    ],
+)
 def test_bad_receipts_are_named(tmp_path, edit, message):
     from cookbook.sft import SFTDataError
 
@@ -634,8 +781,11 @@ def test_a_receipt_longer_than_max_length_is_dropped_and_counted(tmp_path, capsy
     long = _receipts(tmp_path, lambda rows: rows[9]["entities"].update(total="9.00 " * 200))
     check(f"data.train_files=[{long}]", f"output_dir={tmp_path / 'out'}")
     out = capsys.readouterr().out
-    assert re.search(r"data: receipts\.jsonl: 40 rows read, 39 examples kept, 1 dropped \(longer than max_length=256, "
-                     r"dropped rather than cut: line 10 \(\d+ tokens\)\)", out), out
+    assert re.search(
+        r"data: receipts\.jsonl: 40 rows read, 39 examples kept, 1 dropped \(longer than max_length=256, "
+        r"dropped rather than cut: line 10 \(\d+ tokens\)\)",
+        out,
+    ), out
     assert "(32 train / 7 validation receipts)" in out  # eval_fraction 0.2 of the 39 kept
     train = recipe_module()
     cfg = train.load_config(train.Config, RECIPE / "tiny.yaml", [f"data.train_files=[{long}]"])
@@ -663,15 +813,25 @@ def test_eval_files_are_the_validation_split(tmp_path, capsys):
         check(f"data.eval_files=[{bad}]", f"output_dir={tmp_path / 'out'}")
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda ds: ds.update(train_micro_batch_size_per_gpu=4),
-     "train_micro_batch_size_per_gpu=4 disagrees with train.micro_batch_size = 16"),
-    # DeepSpeed would apply a step whose gradient norm is NaN: neither train.on_nonfinite=stop nor skip could hold
-    (lambda ds: ds["bf16"].update(check_grad_overflow=False), "bf16.check_grad_overflow=false makes DeepSpeed apply a "
-     "step whose gradient norm is NaN or infinite, which train.on_nonfinite (stop or skip) cannot undo: remove it"),
-    (lambda ds: ds["zero_optimization"].update(stage=2, compute_grad_norm=False),
-     "zero_optimization.compute_grad_norm=false leaves DeepSpeed without the gradient norm"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (
+            lambda ds: ds.update(train_micro_batch_size_per_gpu=4),
+            "train_micro_batch_size_per_gpu=4 disagrees with train.micro_batch_size = 16",
+        ),
+        # DeepSpeed would apply a step whose gradient norm is NaN: neither train.on_nonfinite=stop nor skip could hold
+        (
+            lambda ds: ds["bf16"].update(check_grad_overflow=False),
+            "bf16.check_grad_overflow=false makes DeepSpeed apply a "
+            "step whose gradient norm is NaN or infinite, which train.on_nonfinite (stop or skip) cannot undo: remove it",
+        ),
+        (
+            lambda ds: ds["zero_optimization"].update(stage=2, compute_grad_norm=False),
+            "zero_optimization.compute_grad_norm=false leaves DeepSpeed without the gradient norm",
+        ),
+    ],
+)
 def test_deepspeed_settings_disagreeing_with_the_recipe(tmp_path, edit, message):
     from cookbook.config import ConfigError
 
@@ -682,13 +842,16 @@ def test_deepspeed_settings_disagreeing_with_the_recipe(tmp_path, edit, message)
         check(f"deepspeed.config={tmp_path / 'ds.json'}", f"output_dir={tmp_path / 'out'}")
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (("checkpoint.every_steps=-2",), "checkpoint.every_steps must be >= -1, got -2 (-1: never)"),
-    (("checkpoint.every_steps=-1", "train.stop_at_step=2"), "train.stop_at_step needs a checkpoint to resume from"),
-    (("train.mixed_precision=fp16",), "train.mixed_precision must be one of 'bf16', 'fp32', got 'fp16'"),
-    (("train.activation_checkpointing=true",), "train.activation_checkpointing must be one of 'none', 'full'"),
-    (("train.on_nonfinite=ignore",), "train.on_nonfinite must be one of stop, skip, got 'ignore'"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (("checkpoint.every_steps=-2",), "checkpoint.every_steps must be >= -1, got -2 (-1: never)"),
+        (("checkpoint.every_steps=-1", "train.stop_at_step=2"), "train.stop_at_step needs a checkpoint to resume from"),
+        (("train.mixed_precision=fp16",), "train.mixed_precision must be one of 'bf16', 'fp32', got 'fp16'"),
+        (("train.activation_checkpointing=true",), "train.activation_checkpointing must be one of 'none', 'full'"),
+        (("train.on_nonfinite=ignore",), "train.on_nonfinite must be one of stop, skip, got 'ignore'"),
+    ],
+)
 def test_bad_settings_are_refused(tmp_path, overrides, message):
     from cookbook.config import ConfigError
 
@@ -707,31 +870,70 @@ def test_one_process_launch(init, ds_env, tmp_path):
     """NGPU=1: launch.sh starts one worker (`accelerate launch --multi_gpu` refused one process); it trains and
     evaluates all 8 validation rows itself."""
     out = tmp_path / "one"
-    proc = launch("qwen-zero3-receipts", f"output_dir={out}", f"model.name_or_path={init}", "model.pretrained=true",
-                  "train.max_steps=1", "checkpoint.every_steps=-1", "checkpoint.export_hf=false", "mlflow=false",
-                  "eval.max_new_tokens=4", ngpu=1, env=ds_env)
+    proc = launch(
+        "qwen-zero3-receipts",
+        f"output_dir={out}",
+        f"model.name_or_path={init}",
+        "model.pretrained=true",
+        "train.max_steps=1",
+        "checkpoint.every_steps=-1",
+        "checkpoint.export_hf=false",
+        "mlflow=false",
+        "eval.max_new_tokens=4",
+        ngpu=1,
+        env=ds_env,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "world size 1 (gloo)" in proc.stderr
     records = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in records if r["event"] == "train"] == [1]
     ev = [r for r in records if r["event"] == "eval"][-1]
     assert ev["eval/samples"] == 8 and ev["eval/tokens"] == sum(
-        sum(label != -100 for label in row["labels"][1:]) for row in validation_rows(init))
+        sum(label != -100 for label in row["labels"][1:]) for row in validation_rows(init)
+    )
 
 
 def test_accelerate_launch_with_the_shipped_config_trains_the_same_steps(zero3, init, ds_env, tmp_path):
     """`accelerate launch --config_file accelerate_zero3.yaml` (2 processes, no GPU) runs the same job as launch.sh:
     its first two losses equal those of the ZeRO-3 launch above (same seed, data and weights)."""
     out = tmp_path / "acc"
-    env = {**os.environ, **ds_env, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "COOKBOOK_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        **ds_env,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "COOKBOOK_DEVICE": "cpu",
+        "CUDA_VISIBLE_DEVICES": "",
+        "OMP_NUM_THREADS": "1",
+    }
     env.pop("MLFLOW_TRACKING_URI", None)
     proc = subprocess.run(
-        ["accelerate", "launch", "--config_file", str(RECIPE / "accelerate_zero3.yaml"), "--num_processes",
-         "2", "--main_process_port", str(free_port()), str(RECIPE / "train.py"), "--config", str(RECIPE / "tiny.yaml"),
-         f"output_dir={out}", f"model.name_or_path={init}", "model.pretrained=true", "train.max_steps=2",
-         "checkpoint.every_steps=-1", "checkpoint.export_hf=false", "mlflow=false", "eval.max_new_tokens=2"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        [
+            "accelerate",
+            "launch",
+            "--config_file",
+            str(RECIPE / "accelerate_zero3.yaml"),
+            "--num_processes",
+            "2",
+            "--main_process_port",
+            str(free_port()),
+            str(RECIPE / "train.py"),
+            "--config",
+            str(RECIPE / "tiny.yaml"),
+            f"output_dir={out}",
+            f"model.name_or_path={init}",
+            "model.pretrained=true",
+            "train.max_steps=2",
+            "checkpoint.every_steps=-1",
+            "checkpoint.export_hf=false",
+            "mlflow=false",
+            "eval.max_new_tokens=2",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "world size 2 (gloo) | DeepSpeed ZeRO-3 (zero3.json)" in proc.stderr
     ours, reference = train_losses(out / "metrics.jsonl"), train_losses(zero3[0] / "metrics.jsonl")
@@ -774,12 +976,15 @@ def _follow(message: str, out, world_size: int, *overrides) -> int:
     return len(remedies) + len(resumes)
 
 
-@pytest.mark.parametrize("overrides, world_size, message", [
-    ((), 2, f"already complete: {STEPS} of {STEPS} steps"),
-    (("checkpoint.resume=none",), 2, "holds checkpoints of an earlier run"),
-    ((), 4, "written by 2 ranks but this job has 4"),
-    (("optim.lr=1e-3",), 2, "was written with other settings"),
-])
+@pytest.mark.parametrize(
+    "overrides, world_size, message",
+    [
+        ((), 2, f"already complete: {STEPS} of {STEPS} steps"),
+        (("checkpoint.resume=none",), 2, "holds checkpoints of an earlier run"),
+        ((), 4, "written by 2 ranks but this job has 4"),
+        (("optim.lr=1e-3",), 2, "was written with other settings"),
+    ],
+)
 def test_advice_to_start_again_works_when_followed(zero3, init, tmp_path, overrides, world_size, message):
     """Each refusal over an earlier run (and the note that it is complete) offers ways to go on that work."""
     from cookbook.checkpoint import CheckpointError

@@ -56,15 +56,18 @@ def nan_on_worker_1(monkeypatch):
 # recipe, the batch of the NaN, train.log_every, (step, skipped_steps) of each log line, the step of each epoch's
 # end, whether the run stops after epoch 1 (train.stop_at_epoch=1) and is resumed; resnet50-ray-ddp's NaN is in
 # worker 0's images, whose BatchNorm statistics are the ones checkpointed and broadcast
-SKIPS = [("resnet50-ray-ddp", 6, 1, [(1, 0), (2, 0), (3, 0), (4, 0), (5, 0), (6, 1), (7, 1)], [4, 7], False),
-         # the last batch of epoch 1: the epoch ends without an update, its log line (step 11) comes at its end, and
-         # the resume from its checkpoint continues at the batches of epoch 2 (step 12 + 1 skipped)
-         ("two-tower-ray", 12, 5, [(5, 0), (10, 0), (11, 1), (15, 1), (20, 1), (23, 1)], [11, 23], True)]
+SKIPS = [
+    ("resnet50-ray-ddp", 6, 1, [(1, 0), (2, 0), (3, 0), (4, 0), (5, 0), (6, 1), (7, 1)], [4, 7], False),
+    # the last batch of epoch 1: the epoch ends without an update, its log line (step 11) comes at its end, and
+    # the resume from its checkpoint continues at the batches of epoch 2 (step 12 + 1 skipped)
+    ("two-tower-ray", 12, 5, [(5, 0), (10, 0), (11, 1), (15, 1), (20, 1), (23, 1)], [11, 23], True),
+]
 
 
 @pytest.mark.parametrize("recipe, bad, log_every, logged, epoch_ends, resume", SKIPS)
 def test_a_nan_step_is_skipped_the_epoch_takes_all_its_batches_and_its_checkpoint_stays_finite(
-        recipe, bad, log_every, logged, epoch_ends, resume, tmp_path, capfd, nan_on_worker_1):
+    recipe, bad, log_every, logged, epoch_ends, resume, tmp_path, capfd, nan_on_worker_1
+):
     """``train.on_nonfinite=skip``: the NaN step's batch is dropped on both workers (no optimizer or scheduler
     step), the epoch still takes all its batches, so its checkpoint is the epoch's (``checkpoint_epoch_<n>``, one
     step fewer, ``skipped_steps`` 1 in ``state.pt``: where the data of a resume continues), every checkpoint
@@ -72,8 +75,14 @@ def test_a_nan_step_is_skipped_the_epoch_takes_all_its_batches_and_its_checkpoin
     buffers = tmp_path / "buffers.pt" if recipe == "resnet50-ray-ddp" else None
     nan_on_worker_1(bad, **({"rank": "0", "images": float("nan"), "buffers": buffers} if buffers else {}))
     spe, out = STEPS_PER_EPOCH[recipe], tmp_path / "run"
-    argv = ["--config", str(ROOT / "recipes" / recipe / "tiny.yaml"), f"output_dir={out}", *RUN,
-            f"train.log_every={log_every}", "train.on_nonfinite=skip"]
+    argv = [
+        "--config",
+        str(ROOT / "recipes" / recipe / "tiny.yaml"),
+        f"output_dir={out}",
+        *RUN,
+        f"train.log_every={log_every}",
+        "train.on_nonfinite=skip",
+    ]
     capfd.readouterr()
     recipe_module(recipe).main(argv + (["train.stop_at_epoch=1"] if resume else []))
     err = capfd.readouterr().err
@@ -121,14 +130,16 @@ def _driver(recipe: str, capfd, *overrides: str) -> tuple[int, str]:
     if pid == 0:  # the driver's process (its output goes to capfd's files): run_main ends it with the exit status
         import cookbook
 
-        cookbook.run_main(recipe_module(recipe).main,
-                          argv=["--config", str(ROOT / "recipes" / recipe / "tiny.yaml"), *overrides])
+        cookbook.run_main(
+            recipe_module(recipe).main, argv=["--config", str(ROOT / "recipes" / recipe / "tiny.yaml"), *overrides]
+        )
     status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     return status, capfd.readouterr().err
 
 
-def test_a_nan_step_stops_an_epoch_run_and_the_driver_exits_4_naming_the_epoch_checkpoint(tmp_path, capfd,
-                                                                                         nan_on_worker_1):
+def test_a_nan_step_stops_an_epoch_run_and_the_driver_exits_4_naming_the_epoch_checkpoint(
+    tmp_path, capfd, nan_on_worker_1
+):
     """``train.on_nonfinite=stop`` (the default) in two-tower-ray: both workers stop before the update of the NaN
     step; the driver (through ``cookbook.run_main``, as ``python train.py``) prints one line naming the step and
     the first epoch's checkpoint and exits 4; no checkpoint is written after it."""
@@ -136,17 +147,21 @@ def test_a_nan_step_stops_an_epoch_run_and_the_driver_exits_4_naming_the_epoch_c
     bad, out = STEPS_PER_EPOCH[recipe] + 2, tmp_path / "run"  # mid-epoch 2
     nan_on_worker_1(bad)
     status, err = _driver(recipe, capfd, f"output_dir={out}", *RUN, "train.log_every=1")
-    line = (f"error: the gradient norm of step {bad} is nan: the step was not applied and the run stops "
-            f"(train.on_nonfinite=stop); the newest checkpoint, from before it, is {out / 'checkpoint_epoch_0001'}. "
-            f"Lower optim.lr or raise the warm-up, check the data of this step, or set train.on_nonfinite=skip to "
-            f"drop such steps")
+    line = (
+        f"error: the gradient norm of step {bad} is nan: the step was not applied and the run stops "
+        f"(train.on_nonfinite=stop); the newest checkpoint, from before it, is {out / 'checkpoint_epoch_0001'}. "
+        f"Lower optim.lr or raise the warm-up, check the data of this step, or set train.on_nonfinite=skip to "
+        f"drop such steps"
+    )
     assert status == 4, err[-3000:]
     assert [l for l in err.splitlines() if "error" in l.lower() or "Traceback" in l] == [line], err[-3000:]
     assert sorted(p.name for p in out.glob("checkpoint_epoch_*")) == ["checkpoint_epoch_0001"]
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "train"] == list(range(1, bad))
 
 
-def test_a_finite_step_that_leaves_batchnorm_statistics_infinite_is_never_checkpointed(tmp_path, capfd, nan_on_worker_1):
+def test_a_finite_step_that_leaves_batchnorm_statistics_infinite_is_never_checkpointed(
+    tmp_path, capfd, nan_on_worker_1
+):
     """resnet50-ray-ddp, 1 epoch: the images of epoch 1's last step on worker 0 are scaled by 1e20, so its loss and
     gradient norm are finite but BatchNorm's running variance becomes infinite; the epoch's checkpoint is refused and
     the driver exits 4 with one line (train.on_nonfinite=stop, the default; skip does the same); no checkpoint and no
@@ -160,7 +175,9 @@ def test_a_finite_step_that_leaves_batchnorm_statistics_infinite_is_never_checkp
         rf"error: after step {last}, \d+ values of the model's parameters and buffers are NaN or infinite "
         r"\(\S+\.running_var( and \d+ more)?\): checkpoint_epoch_0001 is not saved and the run stops, whatever "
         r"train.on_nonfinite says; no checkpoint was saved before it. Lower optim.lr or raise the warm-up, or check "
-        r"the data", lines[0]), err[-3000:]
+        r"the data",
+        lines[0],
+    ), err[-3000:]
     assert not list(out.glob("checkpoint_*"))
     records = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in records if r["event"] == "train"] == list(range(1, last + 1))
@@ -171,5 +188,12 @@ def test_a_bad_on_nonfinite_is_refused_before_ray_starts(tmp_path):
     from cookbook.config import ConfigError
 
     with pytest.raises(ConfigError, match="^train.on_nonfinite must be one of stop, skip, got 'ignore'$"):
-        recipe_module("two-tower-ray").main(["--config", str(ROOT / "recipes" / "two-tower-ray" / "tiny.yaml"),
-                                             "--check", f"output_dir={tmp_path}", "train.on_nonfinite=ignore"])
+        recipe_module("two-tower-ray").main(
+            [
+                "--config",
+                str(ROOT / "recipes" / "two-tower-ray" / "tiny.yaml"),
+                "--check",
+                f"output_dir={tmp_path}",
+                "train.on_nonfinite=ignore",
+            ]
+        )

@@ -12,8 +12,7 @@ import time
 from pathlib import Path
 
 from conftest import ROOT, read_jsonl, train_losses
-from ray_cluster import (ray_processes, recipe_module, registered, run_driver_forked, train_steps, wait_for,
-                         without_ray)
+from ray_cluster import ray_processes, recipe_module, registered, run_driver_forked, train_steps, wait_for, without_ray
 
 RECIPE = "two-tower-ray"
 STEPS_PER_EPOCH = 12  # tiny.yaml on 2 workers
@@ -28,8 +27,11 @@ def _driver(capfd, *overrides: str) -> tuple[int, str]:
         import cookbook
 
         train = recipe_module(RECIPE)
-        cookbook.run_main(train.main, user_errors=(train.ConfigError, train.DataError, train.CheckpointError),
-                          argv=["--config", str(ROOT / "recipes" / RECIPE / "tiny.yaml"), *overrides])
+        cookbook.run_main(
+            train.main,
+            user_errors=(train.ConfigError, train.DataError, train.CheckpointError),
+            argv=["--config", str(ROOT / "recipes" / RECIPE / "tiny.yaml"), *overrides],
+        )
     status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     return status, capfd.readouterr().err
 
@@ -38,8 +40,9 @@ def _errors(err: str) -> list[str]:
     return [line for line in err.splitlines() if "error" in line.lower() or "Traceback" in line]
 
 
-def test_a_full_disk_while_ray_copies_a_checkpoint_is_one_line_exit_2_naming_the_previous_one(tmp_path, capfd,
-                                                                                               monkeypatch):
+def test_a_full_disk_while_ray_copies_a_checkpoint_is_one_line_exit_2_naming_the_previous_one(
+    tmp_path, capfd, monkeypatch
+):
     """Epoch 2's checkpoint is copied to output_dir as Ray does it (pyarrow's ``copy_files``, inside
     ``ray.train.report``) with rank 0's file size capped below ``state.pt`` (EFBIG, as a full disk's ENOSPC;
     Python ignores SIGXFSZ): the driver prints one line naming the checkpoint, the OS error and epoch 1's
@@ -71,10 +74,12 @@ def test_a_full_disk_while_ray_copies_a_checkpoint_is_one_line_exit_2_naming_the
     target, previous = out / "checkpoint_epoch_0002", out / "checkpoint_epoch_0001"
     assert status == 2, err[-3000:]
     lines = _errors(err)
-    assert lines == [f"error: could not save the checkpoint of step {2 * STEPS_PER_EPOCH} to {target} (rank 0: EFBIG, "
-                     f"Error writing bytes to file. Detail: [errno 27] File too large); the previous checkpoint "
-                     f"{previous} is intact. Raise the file size limit (ulimit -f) or the largest file size of "
-                     f"{_mount_point(out)} and run the same command again: it resumes from {previous}"], err[-3000:]
+    assert lines == [
+        f"error: could not save the checkpoint of step {2 * STEPS_PER_EPOCH} to {target} (rank 0: EFBIG, "
+        f"Error writing bytes to file. Detail: [errno 27] File too large); the previous checkpoint "
+        f"{previous} is intact. Raise the file size limit (ulimit -f) or the largest file size of "
+        f"{_mount_point(out)} and run the same command again: it resumes from {previous}"
+    ], err[-3000:]
     assert sorted(p.name for p in out.glob("checkpoint_epoch_*")) == ["checkpoint_epoch_0001"]
     assert (previous / "state.pt").is_file() and (previous / "meta.json").is_file()
     steps = [r["step"] for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "train"]
@@ -106,8 +111,16 @@ def test_a_stopped_worker_ends_the_run_within_the_collective_timeout_naming_it(r
         stopped.update(pid=pid, at=time.monotonic())
 
     try:
-        run = run_driver_forked(RECIPE, ray_env, f"output_dir={out}", "mlflow=false", "train.collective_timeout_s=5",
-                                alongside=stop, timeout=300, run_main=True)
+        run = run_driver_forked(
+            RECIPE,
+            ray_env,
+            f"output_dir={out}",
+            "mlflow=false",
+            "train.collective_timeout_s=5",
+            alongside=stop,
+            timeout=300,
+            run_main=True,
+        )
         took = time.monotonic() - stopped["at"]
     finally:
         with contextlib.suppress(ProcessLookupError, KeyError):
@@ -117,12 +130,12 @@ def test_a_stopped_worker_ends_the_run_within_the_collective_timeout_naming_it(r
     assert len(lines) == 1 and re.match(
         rf"error: Ray Train worker 1: a collective did not finish within 5 s \(.*\) at step \d+: rank 0 \(pid "
         rf"{stopped['pid']} on \S+\) serves the group's store, which did not answer \(.*\) - it is stalled",
-        lines[0]), lines
+        lines[0],
+    ), lines
     assert took < 60, took  # 5 s, up to 7.25 s for the store (describe_stall), Ray's teardown: ~22 s on 2 busy cores
 
 
-def test_a_stopped_worker_with_a_restart_left_is_restarted_and_the_run_takes_the_uninterrupted_steps(ray_env,
-                                                                                                     tmp_path):
+def test_a_stopped_worker_with_a_restart_left_is_restarted_and_the_run_takes_the_uninterrupted_steps(ray_env, tmp_path):
     """As above with ``ray.max_failures=1``, rank 0 stopped once Ray registered a checkpoint: the other worker's
     collective times out, Ray restarts the worker group (the stopped process is killed) from the newest checkpoint
     it registered, and the run finishes (exit 0) with each step's loss equal to an uninterrupted run's."""
@@ -140,14 +153,24 @@ def test_a_stopped_worker_with_a_restart_left_is_restarted_and_the_run_takes_the
         stopped.update(pid=pid, steps=len(train_steps(out)))
 
     try:
-        run = run_driver_forked(RECIPE, ray_env, f"output_dir={out}", *common, "ray.max_failures=1", alongside=stop,
-                                timeout=400, run_main=True)
+        run = run_driver_forked(
+            RECIPE,
+            ray_env,
+            f"output_dir={out}",
+            *common,
+            "ray.max_failures=1",
+            alongside=stop,
+            timeout=400,
+            run_main=True,
+        )
     finally:
         with contextlib.suppress(ProcessLookupError, KeyError):
             os.kill(stopped["pid"], signal.SIGCONT)
     assert run.returncode == 0, run.stderr[-4000:]
     assert stopped["pid"] not in ray_processes(ray_env, "RayTrainWorker")
-    resumed = re.findall(r"resumed from \S+/checkpoint_epoch_\d{4} \(epoch (\d), step (\d+), world_size 2\)", run.stderr)
+    resumed = re.findall(
+        r"resumed from \S+/checkpoint_epoch_\d{4} \(epoch (\d), step (\d+), world_size 2\)", run.stderr
+    )
     assert len(resumed) == 1, run.stderr[-4000:]  # the restarted group, from the newest registered checkpoint
     steps = train_steps(out)
     assert steps[stopped["steps"]] == int(resumed[0][1]) + 1 and steps[-1] == 4 * STEPS_PER_EPOCH, steps

@@ -22,7 +22,13 @@ from cookbook import ray_train
 from cookbook.checkpoint import CheckpointError
 from cookbook.ray_train.driver import _SNAPSHOT_FILE, _check_resume, _RayCheckpoints
 from cookbook.ray_train import worker
-from cookbook.ray_train.worker import STATE_FILE as _STATE_FILE, _check_announced, rng_state, set_rng_state, worker_entry
+from cookbook.ray_train.worker import (
+    STATE_FILE as _STATE_FILE,
+    _check_announced,
+    rng_state,
+    set_rng_state,
+    worker_entry,
+)
 
 RAY = importlib.metadata.version("ray")
 
@@ -47,8 +53,9 @@ def test_a_rerun_resumes_from_the_checkpoint_ray_registered(tmp_path, capsys):
     assert guard.latest() is None
     assert _check_resume(guard, "auto", {}, (), ("train.stop_at_step", -1)) is None
     err = capsys.readouterr().err
-    assert "resuming" not in err and err.startswith("starting at step 0: checkpoint_step_00000008, checkpoint_step_"
-                                                    "00000016, checkpoint_step_00000024 in ")
+    assert "resuming" not in err and err.startswith(
+        "starting at step 0: checkpoint_step_00000008, checkpoint_step_00000016, checkpoint_step_00000024 in "
+    )
     assert "were written but not registered by Ray Train before the run stopped" in err and "will be replaced" in err
     _snapshot(tmp_path, "checkpoint_step_00000016")  # 24 was written, then the run stopped before Ray registered it
     assert guard.latest().name == "checkpoint_step_00000016"
@@ -57,28 +64,42 @@ def test_a_rerun_resumes_from_the_checkpoint_ray_registered(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "resuming from" in err and "checkpoint_step_00000016 (step 16)" in err
     assert "checkpoint_step_00000024 were written after it but not registered" in err
-    with pytest.raises(CheckpointError, match=r"train.stop_at_step=16 is not after the checkpoint .*checkpoint_step_00000016"):
+    with pytest.raises(
+        CheckpointError, match=r"train.stop_at_step=16 is not after the checkpoint .*checkpoint_step_00000016"
+    ):
         _check_resume(guard, "auto", {}, (), ("train.stop_at_step", 16))
     with pytest.raises(CheckpointError, match="checkpoint.resume='none' but .* holds checkpoints of an earlier run"):
         _check_resume(guard, "none", {}, (), ("train.stop_at_step", -1))
-    with pytest.raises(CheckpointError, match=r"resumes a run from the newest checkpoint it registered in its output_dir, "
-                                              r"\S+checkpoint_step_00000016; use checkpoint.resume=auto"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"resumes a run from the newest checkpoint it registered in its output_dir, "
+        r"\S+checkpoint_step_00000016; use checkpoint.resume=auto",
+    ):
         _check_resume(guard, str(tmp_path / "checkpoint_step_00000024"), {}, (), ("train.stop_at_step", -1))
     assert _check_resume(guard, str(tmp_path / "checkpoint_step_00000016"), {}, (), ("train.stop_at_step", -1)) == path
     _snapshot(tmp_path, None)  # a snapshot without a registered checkpoint: Ray starts afresh
     assert guard.latest() is None
     # What Ray itself refuses to resume from is refused before Ray starts, named:
     (tmp_path / _SNAPSHOT_FILE).write_text("{not json")
-    with pytest.raises(CheckpointError, match=rf"{_SNAPSHOT_FILE}: Ray Train's record of the run's checkpoints is "
-                                              rf"unreadable \(JSONDecodeError: .*start afresh with a new output_dir"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"{_SNAPSHOT_FILE}: Ray Train's record of the run's checkpoints is "
+        rf"unreadable \(JSONDecodeError: .*start afresh with a new output_dir",
+    ):
         guard.latest()
     (tmp_path / _SNAPSHOT_FILE).write_text(json.dumps({"ray_version": "1.0.0", "latest_checkpoint_result": None}))
-    with pytest.raises(CheckpointError, match=rf"was written by Ray 1.0.0, and Ray {RAY} does not resume "
-                                              rf"from it: install ray==1.0.0 to continue this run"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"was written by Ray 1.0.0, and Ray {RAY} does not resume "
+        rf"from it: install ray==1.0.0 to continue this run",
+    ):
         guard.latest()
     _snapshot(tmp_path, "checkpoint_step_00000032")
-    with pytest.raises(CheckpointError, match=r"checkpoint_step_00000032: Ray Train registered it as the run's newest "
-                                              r"checkpoint, but it is missing or incomplete \(it needs meta.json, state.pt\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"checkpoint_step_00000032: Ray Train registered it as the run's newest "
+        r"checkpoint, but it is missing or incomplete \(it needs meta.json, state.pt\)",
+    ):
         guard.latest()
 
 
@@ -96,13 +117,17 @@ def test_the_workers_refuse_an_older_state_than_the_driver_announced(monkeypatch
         _check_announced("checkpoint_epoch_0001")
     monkeypatch.setattr(worker, "_announced", "checkpoint_step_00000010")
     for handed in (None, "checkpoint_step_00000005"):
-        with pytest.raises(RuntimeError, match=rf"Ray Train handed the workers {handed or 'no checkpoint'}, but the "
-                                               rf"driver announced a resume from checkpoint_step_00000010"):
+        with pytest.raises(
+            RuntimeError,
+            match=rf"Ray Train handed the workers {handed or 'no checkpoint'}, but the "
+            rf"driver announced a resume from checkpoint_step_00000010",
+        ):
             _check_announced(handed)
 
 
-def test_a_damaged_newest_checkpoint_falls_back_to_the_one_ray_registered_before_it(tmp_path, capsys, caplog,
-                                                                                    monkeypatch):
+def test_a_damaged_newest_checkpoint_falls_back_to_the_one_ray_registered_before_it(
+    tmp_path, capsys, caplog, monkeypatch
+):
     """A truncated state.pt of Ray's newest checkpoint fails its checksum: the driver warns, resumes from the one
     registered before it and rewrites Ray's snapshot so that Ray hands that one; a worker handed it refuses it."""
     from ray.train import Checkpoint
@@ -118,17 +143,28 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_ray_registered_before
         meta = {"step": step, "world_size": 2, "config": {}, CHECKSUMS_KEY: checksums(d)}
         (d / "meta.json").write_text(json.dumps(meta))
     results = [{"checkpoint_dir_name": n, "metrics": {"step": s}} for n, s in zip(names, (8, 16, 24))]
-    snapshot = {"ray_version": RAY, "checkpoint_results": results, "checkpoint_report_indices": [0, 1, 2],
-                "latest_checkpoint_result": results[2], "pending_training_results": [], "pending_validation_specs": [],
-                "current_report_index": 3, "validated_checkpoint_dir_names": [],
-                "timed_out_validation_checkpoint_dir_names": [], "failed_validation_checkpoint_dir_names": []}
+    snapshot = {
+        "ray_version": RAY,
+        "checkpoint_results": results,
+        "checkpoint_report_indices": [0, 1, 2],
+        "latest_checkpoint_result": results[2],
+        "pending_training_results": [],
+        "pending_validation_specs": [],
+        "current_report_index": 3,
+        "validated_checkpoint_dir_names": [],
+        "timed_out_validation_checkpoint_dir_names": [],
+        "failed_validation_checkpoint_dir_names": [],
+    }
     _CheckpointManagerState.model_validate(snapshot)  # the form Ray writes
     (tmp_path / _SNAPSHOT_FILE).write_text(json.dumps(snapshot))
     state = tmp_path / names[2] / _STATE_FILE
     state.write_bytes(state.read_bytes()[:-100])  # a copy cut short
     monkeypatch.setattr(worker, "_announced", None)
     monkeypatch.setattr("ray.train.get_checkpoint", lambda: Checkpoint.from_directory(str(tmp_path / names[2])))
-    with pytest.raises(CheckpointError, match=rf"{names[2]}: state.pt does not match its checksum \(xxh3_64:\w+ in meta.json, xxh3_64:\w+ now\), damaged"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"{names[2]}: state.pt does not match its checksum \(xxh3_64:\w+ in meta.json, xxh3_64:\w+ now\), damaged",
+    ):
         worker.load_checkpoint()  # what Ray hands a restarted worker group: refused, not read
     capsys.readouterr()
     path = _check_resume(_RayCheckpoints(tmp_path, "step"), "auto", {}, (), ("train.stop_at_step", -1))
@@ -141,7 +177,9 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_ray_registered_before
     assert [r.checkpoint_dir_name for r in written.checkpoint_results] == names[:2]
     assert written.checkpoint_report_indices == [0, 1]
     assert _RayCheckpoints(tmp_path, "step").latest() == path  # a second look agrees, with no rewrite needed
-    (tmp_path / names[1] / _STATE_FILE).write_bytes(b"")  # and when every registered one is damaged, nothing is resumed in silence
+    (tmp_path / names[1] / _STATE_FILE).write_bytes(
+        b""
+    )  # and when every registered one is damaged, nothing is resumed in silence
     (tmp_path / names[0] / _STATE_FILE).write_bytes(b"")
     with pytest.raises(CheckpointError, match="no complete checkpoint remains"):
         _check_resume(_RayCheckpoints(tmp_path, "step"), "auto", {}, (), ("train.stop_at_step", -1))
@@ -164,22 +202,31 @@ def test_resuming_with_another_worker_count_is_refused(tmp_path):
     guard = _RayCheckpoints(tmp_path, "epoch")
     guard.check_world_size(tmp_path, {"step": 4, "world_size": 2}, 2)
     guard.check_world_size(tmp_path, {"step": 4}, 3)  # a checkpoint that did not record it
-    with pytest.raises(CheckpointError, match=rf"written by 2 workers but this job has 1.*ray.num_workers=2.*"
-                                              rf"a new output_dir \(or delete {tmp_path}\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"written by 2 workers but this job has 1.*ray.num_workers=2.*"
+        rf"a new output_dir \(or delete {tmp_path}\)",
+    ):
         guard.check_world_size(tmp_path, {"step": 4, "world_size": 2}, 1)
 
 
 def test_a_recipe_exception_leaves_the_worker_as_an_importable_error(tmp_path):
     script = tmp_path / "train.py"
-    script.write_text("class DataError(ValueError):\n    pass\n\n"
-                      "def train_loop(config):\n    raise DataError(f\"cannot decode {config['file']}\")\n")
+    script.write_text(
+        "class DataError(ValueError):\n    pass\n\n"
+        "def train_loop(config):\n    raise DataError(f\"cannot decode {config['file']}\")\n"
+    )
     with pytest.raises(ray_train.RecipeError) as err:
         worker_entry({"script": str(script), "config": {"file": "x.jpg"}})
     assert str(err.value) == "DataError: cannot decode x.jpg"
     # Ray's controller and the driver unpickle it without the recipe module:
     code = "import pickle, sys; e = pickle.loads(sys.stdin.buffer.read()); print(type(e).__name__, e)"
-    out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(err.value), capture_output=True,
-                         env={**os.environ, "PYTHONPATH": str(ROOT / "shared")})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        input=pickle.dumps(err.value),
+        capture_output=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "shared")},
+    )
     assert out.stdout.decode().strip() == "RecipeError DataError: cannot decode x.jpg", out.stderr.decode()
     script.write_text("def train_loop(config):\n    raise KeyError('other errors pass unchanged')\n")
     with pytest.raises(KeyError):
@@ -190,8 +237,9 @@ def test_a_recipe_file_imports_its_sibling_modules_in_the_worker(tmp_path):
     folder = tmp_path / "my-recipe"
     folder.mkdir()
     (folder / "sibling_of_train.py").write_text("class DataError(ValueError):\n    pass\n")
-    (folder / "train.py").write_text("from sibling_of_train import DataError\n\n"
-                                     "def train_loop(config):\n    raise DataError(config['file'])\n")
+    (folder / "train.py").write_text(
+        "from sibling_of_train import DataError\n\ndef train_loop(config):\n    raise DataError(config['file'])\n"
+    )
     with pytest.raises(ray_train.RecipeError, match="^DataError: x.jpg$"):  # the recipe's class, from its folder
         worker_entry({"script": str(folder / "train.py"), "config": {"file": "x.jpg"}})
 
@@ -221,8 +269,13 @@ def test_the_launcher_passes_sigterm_and_ctrl_c_to_the_driver_once_and_waits(tmp
     driver.write_text(DRIVER)
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "NNODES")}
     env["PYTHONPATH"] = str(ROOT / "shared")
-    launcher = subprocess.Popen([sys.executable, "-m", "cookbook.ray_train.launch", str(driver), str(log)], env=env,
-                                start_new_session=True, stderr=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "cookbook.ray_train.launch", str(driver), str(log)],
+        env=env,
+        start_new_session=True,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 30
     while not log.exists():  # the driver is up and has its handlers
         assert time.monotonic() < deadline and launcher.poll() is None, launcher.stderr.read()
@@ -243,6 +296,7 @@ def test_the_launcher_passes_sigterm_and_ctrl_c_to_the_driver_once_and_waits(tmp
 def test_the_ray_recipes_launch_scripts_run_the_same_commands():
     """Each Ray recipe's launch.sh is the same program (their comments differ): the recipe tests run one
     recipe's resume through its launch.sh and the others' through the driver, forked (no interpreter start-up)."""
+
     def commands(recipe: str) -> list[str]:
         lines = (ROOT / "recipes" / recipe / "launch.sh").read_text().splitlines()
         return [line.split("  #")[0].rstrip() for line in lines if line.strip() and not line.lstrip().startswith("#")]

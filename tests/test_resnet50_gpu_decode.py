@@ -54,9 +54,11 @@ def test_gpu_decode_is_refused_before_ray_where_the_workers_have_no_gpu(tmp_path
     monkeypatch.setenv("COOKBOOK_DEVICE", "cpu")
     with pytest.raises(train.ConfigError) as err:
         _check(tmp_path, "data.decode=gpu")
-    assert str(err.value) == ("data.decode=gpu decodes the training JPEGs with nvJPEG on the GPU, but the workers train "
-                              "on CPUs (no GPU, ray.use_gpu=false or COOKBOOK_DEVICE=cpu): set data.decode=cpu (PIL in "
-                              "the loader processes)")
+    assert str(err.value) == (
+        "data.decode=gpu decodes the training JPEGs with nvJPEG on the GPU, but the workers train "
+        "on CPUs (no GPU, ray.use_gpu=false or COOKBOOK_DEVICE=cpu): set data.decode=cpu (PIL in "
+        "the loader processes)"
+    )
     assert not (tmp_path / "out").exists()
     _check(tmp_path, "data.decode=cpu")
     assert "config OK" in capsys.readouterr().out
@@ -83,8 +85,9 @@ def test_crop_boxes_fit_and_follow_the_cpu_paths_stream(train):
 
 def test_loaders_yield_file_bytes_crops_and_labels(train, jpegs):
     samples, _ = jpegs
-    loader = torch.utils.data.DataLoader(train.EncodedImageDataset(samples), batch_size=4,
-                                         collate_fn=train.collate_encoded, num_workers=1)
+    loader = torch.utils.data.DataLoader(
+        train.EncodedImageDataset(samples), batch_size=4, collate_fn=train.collate_encoded, num_workers=1
+    )
     seen = []
     for encoded, crops, labels, names in loader:
         assert crops.dtype == labels.dtype == torch.int64 and crops.shape == (len(encoded), 5)
@@ -140,7 +143,9 @@ def test_device_crop_matches_the_cpu_path_for_the_same_draws(train, jpegs):
 
 def test_device_crop_flips_batches_mixed_sizes_and_refuses_boxes_outside(train):
     gen = torch.Generator().manual_seed(0)
-    images = [torch.randint(0, 256, (3, h, w), dtype=torch.uint8, generator=gen) for h, w in [(30, 40), (17, 9), (64, 64)]]
+    images = [
+        torch.randint(0, 256, (3, h, w), dtype=torch.uint8, generator=gen) for h, w in [(30, 40), (17, 9), (64, 64)]
+    ]
     crops = torch.tensor([[5, 2, 20, 25, 0], [0, 0, 9, 17, 0], [10, 10, 16, 16, 0]])
     plain = train.random_resized_crop(images, crops, 16)
     crops[:, 4] = 1

@@ -13,8 +13,18 @@ import pytest
 import torch
 from PIL import Image
 from conftest import ROOT, read_jsonl
-from ray_cluster import (kill_a_worker, paused, ray_processes, recipe_module, registered, run_driver_forked, run_launch,
-                         summary, train_steps, wait_for)
+from ray_cluster import (
+    kill_a_worker,
+    paused,
+    ray_processes,
+    recipe_module,
+    registered,
+    run_driver_forked,
+    run_launch,
+    summary,
+    train_steps,
+    wait_for,
+)
 
 from cookbook.checkpoint import CheckpointError
 
@@ -44,8 +54,9 @@ def test_killed_then_preempted_resumes_take_the_uninterrupted_steps_and_learn(ra
             kill_a_worker(ray_env)
 
     # The driver forked from pytest (no interpreter start-up); the resume goes through launch.sh.
-    first = run_driver_forked("resnet50-ray-ddp", ray_env, f"output_dir={out}", batch,
-                              alongside=kill_with_two_checkpoints_unregistered)
+    first = run_driver_forked(
+        "resnet50-ray-ddp", ray_env, f"output_dir={out}", batch, alongside=kill_with_two_checkpoints_unregistered
+    )
     assert first.returncode == 1 and "Training failed due to worker errors" in first.stderr, first.stderr[-4000:]
     assert registered(out) == "checkpoint_epoch_0001" and (out / "checkpoint_epoch_0003" / "state.pt").is_file()
     records = read_jsonl(out / "metrics.jsonl")
@@ -56,8 +67,9 @@ def test_killed_then_preempted_resumes_take_the_uninterrupted_steps_and_learn(ra
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)  # plan on this machine, as launch.sh's check does
     with pytest.raises(CheckpointError, match="written by 2 workers but this job has 1"):  # before Ray starts
-        recipe_module("resnet50-ray-ddp").main(["--config", str(RECIPE / "tiny.yaml"), "--check", f"output_dir={out}",
-                                                batch, "ray.num_workers=1"])
+        recipe_module("resnet50-ray-ddp").main(
+            ["--config", str(RECIPE / "tiny.yaml"), "--check", f"output_dir={out}", batch, "ray.num_workers=1"]
+        )
 
     def preempt_mid_epoch(launcher: int):
         wait_for(lambda: len(train_steps(out)) >= 24 + 2, "the resumed run's second step")
@@ -67,15 +79,21 @@ def test_killed_then_preempted_resumes_take_the_uninterrupted_steps_and_learn(ra
 
     second = run_launch("resnet50-ray-ddp", ray_env, f"output_dir={out}", batch, alongside=preempt_mid_epoch)
     assert second.returncode == 75, second.stderr[-4000:]
-    assert ("resuming from" in second.stderr and "checkpoint_epoch_0001 (epoch 1); checkpoint_epoch_0002, "
-            "checkpoint_epoch_0003 were written after it but not registered" in second.stderr)
+    assert (
+        "resuming from" in second.stderr
+        and "checkpoint_epoch_0001 (epoch 1); checkpoint_epoch_0002, "
+        "checkpoint_epoch_0003 were written after it but not registered"
+        in second.stderr
+    )
     assert re.search(r"resumed from \S+/checkpoint_epoch_0001 \(epoch 1, step 8, world_size 2\)", second.stderr)
     assert "SIGTERM: the workers stop after their next step and save a checkpoint" in second.stderr
     stopped = [r["step"] for r in read_jsonl(out / "metrics.jsonl")[seen:] if r["event"] == "train"]
     stop = stopped[-1]
     assert 10 < stop < 16 and stopped == list(range(9, stop + 1)), stopped  # mid-epoch 2 (steps 9-16)
-    assert (f"preempted (SIGTERM): every worker stopped after step {stop} and saved {out}/checkpoint_epoch_0001_step_"
-            f"{stop:08d}; run the same command again to continue (exit status 75)") in second.stderr
+    assert (
+        f"preempted (SIGTERM): every worker stopped after step {stop} and saved {out}/checkpoint_epoch_0001_step_"
+        f"{stop:08d}; run the same command again to continue (exit status 75)"
+    ) in second.stderr
     assert registered(out) == f"checkpoint_epoch_0001_step_{stop:08d}"
     seen = len(read_jsonl(out / "metrics.jsonl"))
 
@@ -88,7 +106,10 @@ def test_killed_then_preempted_resumes_take_the_uninterrupted_steps_and_learn(ra
     assert [r["step"] for r in train] == list(range(stop + 1, 33))  # continued after the step it stopped at
     resumed = {r["step"]: r for r in records[after_first:] if r["event"] == "train"}  # the 2nd and 3rd runs
     for step in range(9, 25):  # after each resume: the uninterrupted run's loss and top-1 (its augmentations)
-        assert (resumed[step]["loss"], resumed[step]["top1"]) == (uninterrupted[step]["loss"], uninterrupted[step]["top1"]), step
+        assert (resumed[step]["loss"], resumed[step]["top1"]) == (
+            uninterrupted[step]["loss"],
+            uninterrupted[step]["top1"],
+        ), step
     loss = {**{k: r["loss"] for k, r in uninterrupted.items()}, **{k: r["loss"] for k, r in resumed.items()}}
     first_epoch, last_epoch = sum(loss[s] for s in range(1, 9)) / 8, sum(loss[s] for s in range(25, 33)) / 8
     assert last_epoch < 0.85 * first_epoch, (first_epoch, last_epoch)
@@ -97,8 +118,9 @@ def test_killed_then_preempted_resumes_take_the_uninterrupted_steps_and_learn(ra
     assert end["param_fingerprints"][0] == end["param_fingerprints"][1]  # DDP replicas agree
     evals = [r for r in records[seen:] if r["event"] == "eval"]
     assert [e["step"] for e in evals] == [16, 24, 32] and all(e["eval/images"] == 16 for e in evals)
-    assert [(e["eval/loss"], e["eval/top1"]) for e in evals[:2]] == \
-        [(e["eval/loss"], e["eval/top1"]) for e in uninterrupted_evals[1:]]  # epochs 2 and 3
+    assert [(e["eval/loss"], e["eval/top1"]) for e in evals[:2]] == [
+        (e["eval/loss"], e["eval/top1"]) for e in uninterrupted_evals[1:]
+    ]  # epochs 2 and 3
     alone = evaluate_checkpoint(out)  # the same weights in one process: each image counted once, same numbers
     assert alone["images"] == 16 and evals[-1]["eval/top1"] == alone["top1"]
     assert evals[-1]["eval/loss"] == pytest.approx(alone["loss"], rel=1e-5), (evals[-1], alone)
@@ -117,8 +139,9 @@ def evaluate_checkpoint(out: Path) -> dict[str, float]:
     model = train.build_model(cfg.model, len(classes))
     newest = sorted(out.glob("checkpoint_epoch_*"))[-1]
     model.load_state_dict(torch.load(newest / "state.pt", weights_only=True)["model"])
-    loader = torch.utils.data.DataLoader(train.ImageDataset(val, train.ImageTransform(cfg.data.image_size, train=False)),
-                                         batch_size=5)
+    loader = torch.utils.data.DataLoader(
+        train.ImageDataset(val, train.ImageTransform(cfg.data.image_size, train=False)), batch_size=5
+    )
     return train.evaluate(model, loader, torch.device("cpu"), bf16=False, channels_last=False)
 
 
@@ -137,10 +160,16 @@ def _evaluate_replicas(overrides: list[str]) -> tuple[dict, dict | None]:
     model = train.build_model(cfg.model, len(classes))
     with torch.no_grad():  # BatchNorm running statistics that differ between the workers
         model.train()
-        model(torch.rand(4, 3, cfg.data.image_size, cfg.data.image_size, generator=torch.Generator().manual_seed(info.rank)))
+        model(
+            torch.rand(
+                4, 3, cfg.data.image_size, cfg.data.image_size, generator=torch.Generator().manual_seed(info.rank)
+            )
+        )
     train.sync_buffers(model)
-    shard = torch.utils.data.DataLoader(train.validation_shard(val, cfg.data.image_size, info.rank, info.world_size),
-                                        batch_size=cfg.train.micro_batch_size)
+    shard = torch.utils.data.DataLoader(
+        train.validation_shard(val, cfg.data.image_size, info.rank, info.world_size),
+        batch_size=cfg.train.micro_batch_size,
+    )
     result = train.evaluate(model, shard, info.device, bf16=False, channels_last=False)
     return result, model.state_dict() if info.is_main else None
 
@@ -150,7 +179,9 @@ def test_eval_set_smaller_than_the_world_finishes_and_counts_each_image_once(tmp
     import cookbook
 
     overrides = ["data.val_fraction=0.0125", f"output_dir={tmp_path / 'run'}"]
-    results = cookbook.distributed(num_processes=2, start_method="fork", timeout_minutes=1)(_evaluate_replicas).distributed(overrides)
+    results = cookbook.distributed(num_processes=2, start_method="fork", timeout_minutes=1)(
+        _evaluate_replicas
+    ).distributed(overrides)
     (final, state), (other, _) = results
     assert final == other  # summed over both workers: the same on each
     train = recipe_module("resnet50-ray-ddp")
@@ -159,8 +190,9 @@ def test_eval_set_smaller_than_the_world_finishes_and_counts_each_image_once(tmp
     _, val, classes = train.load_data(cfg.data, cfg.train.seed, verify=False)
     model = train.build_model(cfg.model, len(classes))
     model.load_state_dict(state)  # rank 0's weights and statistics, evaluated in one process
-    loader = torch.utils.data.DataLoader(train.ImageDataset(val, train.ImageTransform(cfg.data.image_size, train=False)),
-                                         batch_size=5)
+    loader = torch.utils.data.DataLoader(
+        train.ImageDataset(val, train.ImageTransform(cfg.data.image_size, train=False)), batch_size=5
+    )
     alone = train.evaluate(model, loader, torch.device("cpu"), bf16=False, channels_last=False)
     assert final["images"] == alone["images"] == 1
     assert final["top1"] == alone["top1"] and final["loss"] == pytest.approx(alone["loss"], rel=1e-5)
@@ -182,11 +214,16 @@ def images(tmp_path):
 def _jpeg(truncate: bool = False) -> bytes:
     buffer = io.BytesIO()
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(buffer, "JPEG")
-    return buffer.getvalue()[:len(buffer.getvalue()) // 2] if truncate else buffer.getvalue()
+    return buffer.getvalue()[: len(buffer.getvalue()) // 2] if truncate else buffer.getvalue()
 
 
-@pytest.mark.parametrize("content, reason", [(b"not a jpeg", "UnidentifiedImageError: cannot identify image file"),
-                                             ("truncated", "OSError: image file is truncated")])
+@pytest.mark.parametrize(
+    "content, reason",
+    [
+        (b"not a jpeg", "UnidentifiedImageError: cannot identify image file"),
+        ("truncated", "OSError: image file is truncated"),
+    ],
+)
 def test_undecodable_image_is_named(tmp_path, images, content, reason):
     (images / "checks" / "broken.jpg").write_bytes(_jpeg(truncate=True) if content == "truncated" else content)
     with pytest.raises(ValueError, match=rf"1 image\(s\) cannot be decoded, e.g. .*checks/broken.jpg \({reason}"):
@@ -204,8 +241,10 @@ def test_files_that_are_not_images_are_left_out_and_named(tmp_path, images, caps
     _check(tmp_path, f"data.train_dir={images}")
     out, err = capsys.readouterr()
     assert "(2 classes, 65 train / 16 val images)" in out  # 80 + scan.JPEG
-    assert err.strip() == (f"note: 5 file(s) in the image folders are not images by their name and are left out, e.g. "
-                           f"{images / 'README.txt'}, {images / 'checks' / '.DS_Store'}, {images / 'checks' / '._checks_000.png'}")
+    assert err.strip() == (
+        f"note: 5 file(s) in the image folders are not images by their name and are left out, e.g. "
+        f"{images / 'README.txt'}, {images / 'checks' / '.DS_Store'}, {images / 'checks' / '._checks_000.png'}"
+    )
 
 
 def test_empty_class_folder_is_named(tmp_path, images):

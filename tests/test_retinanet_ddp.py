@@ -70,8 +70,14 @@ def test_nms_equals_a_brute_force_reference():
             assert kept.tolist() == ref
     labels = torch.randint(0, 3, (60,), generator=g)
     kept = batched_nms(boxes, scores, labels, 0.5)
-    ref = sorted((i for c in range(3) for i in (labels == c).nonzero()[:, 0][nms(boxes[labels == c], scores[labels == c], 0.5)].tolist()),
-                 key=lambda i: -scores[i].item())
+    ref = sorted(
+        (
+            i
+            for c in range(3)
+            for i in (labels == c).nonzero()[:, 0][nms(boxes[labels == c], scores[labels == c], 0.5)].tolist()
+        ),
+        key=lambda i: -scores[i].item(),
+    )
     assert kept.tolist() == ref
 
 
@@ -107,8 +113,9 @@ def test_sharded_evaluation_equals_single_process(full_run):
     records, cats = recipe.load_coco(cfg.data.eval_images, cfg.data.eval_annotations, "data.eval_annotations")
     model = recipe.build_model(cfg.model, len(cats) + 1, logging.getLogger("test"))
     model.load_state_dict(torch.load(full_run / "final" / "model.pt"))
-    loader = torch.utils.data.DataLoader(recipe.CocoDetection(records, train=False), batch_size=1,
-                                         collate_fn=recipe.collate)
+    loader = torch.utils.data.DataLoader(
+        recipe.CocoDetection(records, train=False), batch_size=1, collate_fn=recipe.collate
+    )
     torch.set_num_threads(1)  # as each rank ran
     single = recipe.evaluate(model, loader, torch.device("cpu"), lambda: torch.autocast("cpu", enabled=False))
     sharded = [r for r in read_jsonl(full_run / "metrics.jsonl") if r["event"] == "eval"][-1]
@@ -126,16 +133,19 @@ def test_resume_gives_the_same_losses_as_an_uninterrupted_run(full_run, tmp_path
     assert [resumed[s] for s in range(21, STEPS + 1)] == [full[s] for s in range(21, STEPS + 1)]
 
 
-
 def test_resume_with_other_data_workers_is_refused(full_run):
     """launch.sh's check of a resume: each rank's checkpointed loader state has one entry per data-loader worker, so
     data.num_workers must not change (data.eval_batch_size, in MAY_CHANGE, may)."""
     ckpt = full_run / "checkpoints" / "step_00000030"
     with pytest.raises(CheckpointError) as err:
         check("retinanet-ddp", f"output_dir={full_run}", "data.num_workers=2")
-    assert str(err.value).startswith(f"{ckpt} was written with other settings (data.num_workers: 0 -> 2); resuming would "
-                                     "mix two runs. Use the same settings")
+    assert str(err.value).startswith(
+        f"{ckpt} was written with other settings (data.num_workers: 0 -> 2); resuming would "
+        "mix two runs. Use the same settings"
+    )
     assert "config OK" in check("retinanet-ddp", f"output_dir={full_run}", "data.eval_batch_size=2")
+
+
 def _write(tmp_path, mutate, raw: str | None = None):
     coco = json.loads((RECIPE / "tiny" / "instances.json").read_text())
     mutate(coco)
@@ -144,59 +154,100 @@ def _write(tmp_path, mutate, raw: str | None = None):
     return path
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda c: c["images"][0].update(file_name="missing.jpg"),
-     r"images\[0\] \(id 1\): field 'file_name': image file not found: .*missing.jpg"),
-    (lambda c: c["annotations"][0].update(bbox=[100, 40, 154, 58]),
-     r"annotations\[0\] \(annotation id 1\): field 'bbox' \[100, 40, 154, 58\] lies outside its image 1 \(224 x 149"),
-    (lambda c: c["annotations"][0].update(bbox=[224, 40, 1, 20]),  # 1 pixel on the right border: clipped to none
-     r"annotations\[0\] \(annotation id 1\): field 'bbox' \[224, 40, 1, 20\] is 0 x 20 pixels once clipped to its "
-     r"image 1 \(224 x 149\) and 0 x 17.047 resized to 192 x 127 \(model.min_size / max_size\): training would "
-     r"see a box without area, which torchvision refuses; fix or remove the annotation"),
-    (lambda c: c["annotations"][2].update(category_id=7),
-     r"annotations\[2\] \(annotation id 3\): field 'category_id': unknown category id 7 \(categories: \[1, 2\]\)"),
-    (lambda c: c["annotations"][1].update(bbox=[56, 22, -36, 22]),
-     r"annotations\[1\] \(annotation id 2\): field 'bbox': width and height must be > 0, got \[56, 22, -36, 22\]"),
-    (lambda c: c["annotations"][3].update(image_id=3.5),
-     r"annotations\[3\] \(annotation id 4\): field 'image_id' must be an integer, got 3.5"),
-    (lambda c: c["annotations"][3].update(image_id=10**400),  # json.loads reads it: a tensor cannot hold it
-     r"annotations\[3\] \(annotation id 4\): field 'image_id' must be an integer of 64 bits, got a 401-digit integer"),
-    (lambda c: c["annotations"][3].update(image_id=float("inf")),  # written 1e999 or Infinity
-     r"annotations\[3\] \(annotation id 4\): field 'image_id' must be an integer, got inf"),
-    (lambda c: c["annotations"][3].update(iscrowd="no"),
-     r"annotations\[3\] \(annotation id 4\): field 'iscrowd' must be an integer, got 'no'"),
-    (lambda c: c["annotations"][3].update(iscrowd=2),
-     r"annotations\[3\] \(annotation id 4\): field 'iscrowd' must be 0 or 1, got 2"),
-    (lambda c: c["annotations"][3].pop("image_id"), r"annotations\[3\] \(annotation id 4\): field 'image_id' is missing"),
-    (lambda c: c["annotations"][2].pop("id"), r"annotations\[2\]: field 'id' is missing"),
-    (lambda c: c["annotations"][1].pop("category_id"),
-     r"annotations\[1\] \(annotation id 2\): field 'category_id' is missing"),
-    (lambda c: c["annotations"][0].pop("bbox"), r"annotations\[0\] \(annotation id 1\): field 'bbox' is missing"),
-    (lambda c: c["images"][1].pop("file_name"), r"images\[1\] \(id 2\): field 'file_name' is missing"),
-    (lambda c: c["images"][0].pop("height"), r"images\[0\] \(id 1\): field 'height' is missing"),
-    (lambda c: c["categories"][1].pop("id"), r"categories\[1\]: field 'id' is missing"),
-    (lambda c: c.pop("categories"), r"field 'categories' is missing"),
-    (lambda c: c["annotations"].append(7), r"annotations\[11\] must be an object, got 7"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (
+            lambda c: c["images"][0].update(file_name="missing.jpg"),
+            r"images\[0\] \(id 1\): field 'file_name': image file not found: .*missing.jpg",
+        ),
+        (
+            lambda c: c["annotations"][0].update(bbox=[100, 40, 154, 58]),
+            r"annotations\[0\] \(annotation id 1\): field 'bbox' \[100, 40, 154, 58\] lies outside its image 1 \(224 x 149",
+        ),
+        (
+            lambda c: c["annotations"][0].update(bbox=[224, 40, 1, 20]),  # 1 pixel on the right border: clipped to none
+            r"annotations\[0\] \(annotation id 1\): field 'bbox' \[224, 40, 1, 20\] is 0 x 20 pixels once clipped to its "
+            r"image 1 \(224 x 149\) and 0 x 17.047 resized to 192 x 127 \(model.min_size / max_size\): training would "
+            r"see a box without area, which torchvision refuses; fix or remove the annotation",
+        ),
+        (
+            lambda c: c["annotations"][2].update(category_id=7),
+            r"annotations\[2\] \(annotation id 3\): field 'category_id': unknown category id 7 \(categories: \[1, 2\]\)",
+        ),
+        (
+            lambda c: c["annotations"][1].update(bbox=[56, 22, -36, 22]),
+            r"annotations\[1\] \(annotation id 2\): field 'bbox': width and height must be > 0, got \[56, 22, -36, 22\]",
+        ),
+        (
+            lambda c: c["annotations"][3].update(image_id=3.5),
+            r"annotations\[3\] \(annotation id 4\): field 'image_id' must be an integer, got 3.5",
+        ),
+        (
+            lambda c: c["annotations"][3].update(image_id=10**400),  # json.loads reads it: a tensor cannot hold it
+            r"annotations\[3\] \(annotation id 4\): field 'image_id' must be an integer of 64 bits, got a 401-digit integer",
+        ),
+        (
+            lambda c: c["annotations"][3].update(image_id=float("inf")),  # written 1e999 or Infinity
+            r"annotations\[3\] \(annotation id 4\): field 'image_id' must be an integer, got inf",
+        ),
+        (
+            lambda c: c["annotations"][3].update(iscrowd="no"),
+            r"annotations\[3\] \(annotation id 4\): field 'iscrowd' must be an integer, got 'no'",
+        ),
+        (
+            lambda c: c["annotations"][3].update(iscrowd=2),
+            r"annotations\[3\] \(annotation id 4\): field 'iscrowd' must be 0 or 1, got 2",
+        ),
+        (
+            lambda c: c["annotations"][3].pop("image_id"),
+            r"annotations\[3\] \(annotation id 4\): field 'image_id' is missing",
+        ),
+        (lambda c: c["annotations"][2].pop("id"), r"annotations\[2\]: field 'id' is missing"),
+        (
+            lambda c: c["annotations"][1].pop("category_id"),
+            r"annotations\[1\] \(annotation id 2\): field 'category_id' is missing",
+        ),
+        (lambda c: c["annotations"][0].pop("bbox"), r"annotations\[0\] \(annotation id 1\): field 'bbox' is missing"),
+        (lambda c: c["images"][1].pop("file_name"), r"images\[1\] \(id 2\): field 'file_name' is missing"),
+        (lambda c: c["images"][0].pop("height"), r"images\[0\] \(id 1\): field 'height' is missing"),
+        (lambda c: c["categories"][1].pop("id"), r"categories\[1\]: field 'id' is missing"),
+        (lambda c: c.pop("categories"), r"field 'categories' is missing"),
+        (lambda c: c["annotations"].append(7), r"annotations\[11\] must be an object, got 7"),
+    ],
+)
 def test_bad_input_names_file_field_and_annotation(tmp_path, mutate, message):
     path = _write(tmp_path, mutate)
     with pytest.raises(recipe.DataError, match=rf"^{tmp_path}/instances.json: {message}"):
         check("retinanet-ddp", f"data.train_annotations={path}", f"data.train_images={RECIPE / 'tiny' / 'images'}")
 
 
-@pytest.mark.parametrize("name, prelude, message", [
-    ("retinanet-ddp", "sys.modules['torchvision'] = None",  # not importable, wherever the environment has it
-     "torchvision is not installed: `pip install 'torchvision==0.28.*' --index-url https://download.pytorch.org/whl/"
-     "cpu` (the build for torch {torch})"),
-    ("retinanet-ddp", f"sys.path.insert(0, {str(torchvision_cpu.FOLDER)!r})",  # PyPI's wheel beside the CPU torch
-     "torchvision 0.28.0 is installed but does not import (RuntimeError: operator torchvision::nms does not exist): "
-     "its build does not match torch {torch}: install the torchvision build made for that torch: `pip install "
-     "--force-reinstall --no-deps 'torchvision==0.28.*' --index-url https://download.pytorch.org/whl/cpu`"),
-    ("modernbert-ddp", f"sys.path.insert(0, {str(torchvision_cpu.FOLDER)!r})",  # a recipe that never uses it
-     "torchvision 0.28.0 is installed but does not import (RuntimeError: operator torchvision::nms does not exist): "
-     "its build does not match torch {torch}: install the torchvision build made for that torch: `pip install "
-     "--force-reinstall --no-deps 'torchvision==0.28.*' --index-url https://download.pytorch.org/whl/cpu`"),
-], ids=["missing", "built-for-cuda-torch", "modernbert-imports-it"])
+@pytest.mark.parametrize(
+    "name, prelude, message",
+    [
+        (
+            "retinanet-ddp",
+            "sys.modules['torchvision'] = None",  # not importable, wherever the environment has it
+            "torchvision is not installed: `pip install 'torchvision==0.28.*' --index-url https://download.pytorch.org/whl/"
+            "cpu` (the build for torch {torch})",
+        ),
+        (
+            "retinanet-ddp",
+            f"sys.path.insert(0, {str(torchvision_cpu.FOLDER)!r})",  # PyPI's wheel beside the CPU torch
+            "torchvision 0.28.0 is installed but does not import (RuntimeError: operator torchvision::nms does not exist): "
+            "its build does not match torch {torch}: install the torchvision build made for that torch: `pip install "
+            "--force-reinstall --no-deps 'torchvision==0.28.*' --index-url https://download.pytorch.org/whl/cpu`",
+        ),
+        (
+            "modernbert-ddp",
+            f"sys.path.insert(0, {str(torchvision_cpu.FOLDER)!r})",  # a recipe that never uses it
+            "torchvision 0.28.0 is installed but does not import (RuntimeError: operator torchvision::nms does not exist): "
+            "its build does not match torch {torch}: install the torchvision build made for that torch: `pip install "
+            "--force-reinstall --no-deps 'torchvision==0.28.*' --index-url https://download.pytorch.org/whl/cpu`",
+        ),
+    ],
+    ids=["missing", "built-for-cuda-torch", "modernbert-imports-it"],
+)
 def test_a_missing_or_mismatched_torchvision_is_refused_by_the_check_in_one_line(name, prelude, message):
     """launch.sh's check in a process of its own: one line and status 2 (never restarted, no worker started), before
     transformers (which imports torchvision) is imported; the test process itself has torchvision through the shim.
@@ -206,10 +257,18 @@ def test_a_missing_or_mismatched_torchvision_is_refused_by_the_check_in_one_line
     recipe_dir = ROOT / "recipes" / name
     argv = [str(recipe_dir / "train.py"), "--check", "--config", str(recipe_dir / "tiny.yaml")]
     code = f"import runpy, sys; {prelude}; sys.argv = {argv!r}; runpy.run_path(sys.argv[0], run_name='__main__')"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "COOKBOOK_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": ""})
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COOKBOOK_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": ""},
+    )
     assert (proc.returncode, proc.stdout, proc.stderr) == (
-        2, "", f"error: {message.format(requirements=RECIPE / 'requirements.txt', torch=torch.__version__)}\n")
+        2,
+        "",
+        f"error: {message.format(requirements=RECIPE / 'requirements.txt', torch=torch.__version__)}\n",
+    )
 
 
 def test_a_bom_is_accepted_with_the_same_records(tmp_path):
@@ -222,12 +281,17 @@ def test_a_bom_is_accepted_with_the_same_records(tmp_path):
 
 def test_integral_floats_and_a_null_iscrowd_read_as_the_integers_they_hold(tmp_path):
     """Some exporters write ids, sizes and iscrowd as floats (``3.0``) or iscrowd as null: the same records."""
+
     def floats(coco):
         for img in coco["images"]:
             img.update(id=float(img["id"]), width=float(img["width"]), height=float(img["height"]))
         for ann in coco["annotations"]:
-            ann.update(id=float(ann["id"]), image_id=float(ann["image_id"]), category_id=float(ann["category_id"]),
-                       iscrowd=None)
+            ann.update(
+                id=float(ann["id"]),
+                image_id=float(ann["image_id"]),
+                category_id=float(ann["category_id"]),
+                iscrowd=None,
+            )
         for cat in coco["categories"]:
             cat["id"] = float(cat["id"])
 
@@ -253,10 +317,18 @@ def _crowd_and_empty_image_set():
         dwh = 10 + torch.rand(6, 2, generator=g) * 30
         if n:
             dwh[:n] = wh + torch.randn(n, 2, generator=g) * 3
-        det = {"boxes": torch.cat([dxy, dxy + dwh], 1), "scores": torch.rand(6, generator=g),
-               "labels": torch.ones(6, dtype=torch.int64)}
-        items.append((iid, det, {"boxes": torch.cat([xy, xy + wh], 1), "labels": torch.ones(n, dtype=torch.int64),
-                                 "iscrowd": crowd}))
+        det = {
+            "boxes": torch.cat([dxy, dxy + dwh], 1),
+            "scores": torch.rand(6, generator=g),
+            "labels": torch.ones(6, dtype=torch.int64),
+        }
+        items.append(
+            (
+                iid,
+                det,
+                {"boxes": torch.cat([xy, xy + wh], 1), "labels": torch.ones(n, dtype=torch.int64), "iscrowd": crowd},
+            )
+        )
     return items
 
 
@@ -272,9 +344,16 @@ def test_map_is_cocoevals_on_a_crowd_and_empty_image_set(tmp_path, capsys):
     dt = []
     for iid, det, tgt in items:
         for (x1, y1, x2, y2), crowd in zip(tgt["boxes"].tolist(), tgt["iscrowd"].tolist()):
-            gt["annotations"].append({"id": len(gt["annotations"]) + 1, "image_id": iid, "category_id": 1,
-                                      "bbox": [x1, y1, x2 - x1, y2 - y1], "area": (x2 - x1) * (y2 - y1),
-                                      "iscrowd": crowd})
+            gt["annotations"].append(
+                {
+                    "id": len(gt["annotations"]) + 1,
+                    "image_id": iid,
+                    "category_id": 1,
+                    "bbox": [x1, y1, x2 - x1, y2 - y1],
+                    "area": (x2 - x1) * (y2 - y1),
+                    "iscrowd": crowd,
+                }
+            )
         for (x1, y1, x2, y2), score in zip(det["boxes"].tolist(), det["scores"].tolist()):
             dt.append({"image_id": iid, "category_id": 1, "bbox": [x1, y1, x2 - x1, y2 - y1], "score": score})
     (tmp_path / "gt.json").write_text(json.dumps(gt))

@@ -23,7 +23,9 @@ def test_a_fresh_epoch_is_what_distributed_sampler_yields(world, drop_last, shuf
     for epoch in (0, 1):
         for rank in range(world):
             ours = ResizableSampler(data, num_replicas=world, rank=rank, shuffle=shuffle, seed=7, drop_last=drop_last)
-            torch_s = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=shuffle, seed=7, drop_last=drop_last)
+            torch_s = DistributedSampler(
+                data, num_replicas=world, rank=rank, shuffle=shuffle, seed=7, drop_last=drop_last
+            )
             ours.set_epoch(epoch)
             torch_s.set_epoch(epoch)
             assert list(ours) == list(torch_s) and len(ours) == len(torch_s)
@@ -50,7 +52,7 @@ def test_the_position_maps_from_n_ranks_to_m_with_nothing_skipped_or_repeated(n,
     assert 0 <= len(data) - len(taken_all) < m  # nothing skipped beyond the tail drop_last drops
     epoch_order = first[0].order()
     assert sorted(i for part in before for i in part) == sorted(epoch_order[: taken * n])
-    assert sorted(i for part in after for i in part) == sorted(epoch_order[taken * n: taken * n + len(after[0]) * m])
+    assert sorted(i for part in after for i in part) == sorted(epoch_order[taken * n : taken * n + len(after[0]) * m])
     assert len({len(a) for a in after}) == 1  # every rank of M yields the same count
     if n == m:  # the same number of ranks: the continuation of the uninterrupted sampler, index for index
         again = samplers(data, n, epoch=1, drop_last=True)
@@ -76,8 +78,9 @@ def test_without_drop_last_the_remainder_is_padded_from_the_epochs_start():
 
 def _loader(world: int, rank: int, workers: int) -> StatefulDataLoader:
     sampler = ResizableSampler(range(64), num_replicas=world, rank=rank, seed=7, drop_last=True)
-    return StatefulDataLoader(range(64), batch_size=2, sampler=sampler, drop_last=True, num_workers=workers,
-                              collate_fn=lambda rows: rows)
+    return StatefulDataLoader(
+        range(64), batch_size=2, sampler=sampler, drop_last=True, num_workers=workers, collate_fn=lambda rows: rows
+    )
 
 
 @pytest.mark.parametrize("workers", [0, 2])

@@ -50,9 +50,14 @@ CHATML = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 CORPUS = [
-    "You are a helpful assistant.", "What is the capital of France?", "The capital of France is Paris.",
-    "And of Germany?", "Berlin is the capital of Germany.", "Write a short poem about the sea.",
-    "Hello! How can I help you today?", "What is two plus two? It is four.",
+    "You are a helpful assistant.",
+    "What is the capital of France?",
+    "The capital of France is Paris.",
+    "And of Germany?",
+    "Berlin is the capital of Germany.",
+    "Write a short poem about the sea.",
+    "Hello! How can I help you today?",
+    "What is two plus two? It is four.",
 ]
 CONVERSATION = [
     {"role": "system", "content": "You are a helpful assistant."},
@@ -68,11 +73,16 @@ def tokenizer():
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     bpe.train_from_iterator(CORPUS * 4, trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                  clean_up_tokenization_spaces=False)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", clean_up_tokenization_spaces=False
+    )
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tok.chat_template = CHATML
     return tok
@@ -93,12 +103,17 @@ def spans(labels):
 def test_only_assistant_content_and_end_token_are_labelled(tokenizer):
     ids, labels, truncated = tokenize_conversation(tokenizer, CONVERSATION, max_length=1000)
     assert not truncated and len(ids) == len(labels)
-    assert tokenizer.decode(ids) == "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in CONVERSATION)
+    assert tokenizer.decode(ids) == "".join(
+        f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in CONVERSATION
+    )
     found = [tokenizer.decode(ids[a:b]) for a, b in spans(labels)]
     assert found == ["The capital of France is Paris.<|im_end|>", "Berlin is the capital of Germany.<|im_end|>"]
     assert all(labels[i] == ids[i] for i in range(len(ids)) if labels[i] != IGNORE_INDEX)
-    content_tokens = [len(tokenizer(m["content"], add_special_tokens=False)["input_ids"])
-                      for m in CONVERSATION if m["role"] == "assistant"]
+    content_tokens = [
+        len(tokenizer(m["content"], add_special_tokens=False)["input_ids"])
+        for m in CONVERSATION
+        if m["role"] == "assistant"
+    ]
     assert all(n > 1 for n in content_tokens)
     assert sum(label != IGNORE_INDEX for label in labels) == sum(content_tokens) + 2
     assert labels[0] == IGNORE_INDEX
@@ -107,29 +122,56 @@ def test_only_assistant_content_and_end_token_are_labelled(tokenizer):
 def test_row_formats_give_the_expected_messages():
     alpaca = {"instruction": "Translate to French.", "input": "Good morning", "output": "Bonjour"}
     assert to_messages(alpaca, 1, "a.jsonl") == [
-        {"role": "user", "content": "Translate to French.\n\nGood morning"}, {"role": "assistant", "content": "Bonjour"}]
+        {"role": "user", "content": "Translate to French.\n\nGood morning"},
+        {"role": "assistant", "content": "Bonjour"},
+    ]
     for empty in ({"input": ""}, {"input": None}, {}):
         row = {"instruction": "Say hi.", "output": "Hi!", **empty}
-        assert to_messages(row, 2, "a.jsonl") == [{"role": "user", "content": "Say hi."},
-                                                  {"role": "assistant", "content": "Hi!"}]
-    sharegpt = {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "2+2?"},
-                                  {"from": "gpt", "value": "4"}]}
+        assert to_messages(row, 2, "a.jsonl") == [
+            {"role": "user", "content": "Say hi."},
+            {"role": "assistant", "content": "Hi!"},
+        ]
+    sharegpt = {
+        "conversations": [
+            {"from": "system", "value": "Be brief."},
+            {"from": "human", "value": "2+2?"},
+            {"from": "gpt", "value": "4"},
+        ]
+    }
     assert to_messages(sharegpt, 3, "s.json") == [
-        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
-        {"role": "assistant", "content": "4"}]
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+    ]
     assert to_messages({"messages": CONVERSATION}, 4, "c.jsonl") == CONVERSATION
 
 
-@pytest.mark.parametrize("row, expected", [
-    ({"messages": [{"role": "user", "content": "Hi"}]}, ["data.jsonl row 7", "no assistant turn"]),
-    ({"prompt": "Hi", "completion": "Hello"}, ["data.jsonl row 7", "unknown format", "'completion', 'prompt'",
-                                              "'messages'", "'conversations'", "'instruction' + 'output'"]),
-    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "bot", "content": "Yo"}]},
-     ["data.jsonl row 7", "messages[1].role is 'bot'", "system, user, assistant"]),
-    ({"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "  "}]},
-     ["data.jsonl row 7", "'conversations[1].value' is empty"]),
-    ({"instruction": "Hi", "output": ""}, ["data.jsonl row 7", "'output' is empty"]),
-])
+@pytest.mark.parametrize(
+    "row, expected",
+    [
+        ({"messages": [{"role": "user", "content": "Hi"}]}, ["data.jsonl row 7", "no assistant turn"]),
+        (
+            {"prompt": "Hi", "completion": "Hello"},
+            [
+                "data.jsonl row 7",
+                "unknown format",
+                "'completion', 'prompt'",
+                "'messages'",
+                "'conversations'",
+                "'instruction' + 'output'",
+            ],
+        ),
+        (
+            {"messages": [{"role": "user", "content": "Hi"}, {"role": "bot", "content": "Yo"}]},
+            ["data.jsonl row 7", "messages[1].role is 'bot'", "system, user, assistant"],
+        ),
+        (
+            {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "  "}]},
+            ["data.jsonl row 7", "'conversations[1].value' is empty"],
+        ),
+        ({"instruction": "Hi", "output": ""}, ["data.jsonl row 7", "'output' is empty"]),
+    ],
+)
 def test_bad_rows_name_the_row_and_field(row, expected):
     with pytest.raises(SFTDataError) as err:
         to_messages(row, 7, "data.jsonl")
@@ -138,9 +180,12 @@ def test_bad_rows_name_the_row_and_field(row, expected):
 
 
 def test_prepare_skips_and_names_rows_with_an_empty_answer(tokenizer):
-    rows = [{"instruction": "Say hi.", "output": "Hi!"}, {"instruction": "Say nothing.", "output": " "},
-            {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}]},
-            {"instruction": "Say yo.", "output": "Yo"}]
+    rows = [
+        {"instruction": "Say hi.", "output": "Hi!"},
+        {"instruction": "Say nothing.", "output": " "},
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}]},
+        {"instruction": "Say yo.", "output": "Yo"},
+    ]
     examples, stats = prepare(rows, tokenizer, 64, "train.jsonl")
     assert len(examples) == stats.examples == 2
     assert stats.empty_answers == [2, 3]
@@ -155,7 +200,9 @@ def test_prepare_names_the_failing_row(tokenizer):
 
 def test_tokenizer_without_chat_template(tokenizer):
     bare = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer, eos_token="<|im_end|>")
-    with pytest.raises(SFTDataError, match="no usable chat template: set tokenizer.chat_template or use a chat/instruct"):
+    with pytest.raises(
+        SFTDataError, match="no usable chat template: set tokenizer.chat_template or use a chat/instruct"
+    ):
         tokenize_conversation(bare, CONVERSATION, 64)
     with pytest.raises(SFTDataError, match="no usable chat template"):
         prepare([{"messages": CONVERSATION}], bare, 64, "train.jsonl")
@@ -173,9 +220,12 @@ def test_template_that_rewrites_earlier_turns_is_rejected(tokenizer):
     tok.chat_template = CHATML.replace(
         "message['content'] + '<|im_end|>'",
         "(('<think></think>' + message['content']) if (loop.last and message['role'] == 'assistant') "
-        "else message['content']) + '<|im_end|>'")
+        "else message['content']) + '<|im_end|>'",
+    )
     ids, labels, _ = tokenize_conversation(tok, CONVERSATION[:3], 1000)  # one assistant turn: fine
-    assert [tok.decode(ids[a:b]) for a, b in spans(labels)] == ["<think></think>The capital of France is Paris.<|im_end|>"]
+    assert [tok.decode(ids[a:b]) for a, b in spans(labels)] == [
+        "<think></think>The capital of France is Paris.<|im_end|>"
+    ]
     with pytest.raises(SFTDataError, match=r"not prefix-stable: messages\[:3\] rendered differs .* at token"):
         tokenize_conversation(tok, CONVERSATION, 1000)
 
@@ -198,7 +248,10 @@ def test_load_rows(tmp_path):
 
 def test_truncation_is_flagged_and_counted(tokenizer):
     long_answer = " ".join(["The capital of France is Paris."] * 20)
-    rows = [{"instruction": "Say hi.", "output": "Hi!"}, {"instruction": "Tell me about France.", "output": long_answer}]
+    rows = [
+        {"instruction": "Say hi.", "output": "Hi!"},
+        {"instruction": "Tell me about France.", "output": long_answer},
+    ]
     full_ids, _, _ = tokenize_conversation(tokenizer, to_messages(rows[1], 2, "t"), 10_000)
     assert len(full_ids) > 64
     ids, labels, truncated = tokenize_conversation(tokenizer, to_messages(rows[1], 2, "t"), 64)
@@ -222,7 +275,10 @@ def test_pack_layout(tokenizer):
     assert all(len(r[k]) == 10 for r in rows for k in ("input_ids", "labels", "position_ids"))
     # next-fit: [3 + 5] + pad 2 | [4] + pad 6 (the 8 does not fit) | [8 + 1] + pad 1
     assert [r["position_ids"] for r in rows] == [
-        [0, 1, 2, 0, 1, 2, 3, 4, 0, 1], [0, 1, 2, 3, 0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5, 6, 7, 0, 0]]
+        [0, 1, 2, 0, 1, 2, 3, 4, 0, 1],
+        [0, 1, 2, 3, 0, 1, 2, 3, 4, 5],
+        [0, 1, 2, 3, 4, 5, 6, 7, 0, 0],
+    ]
     assert rows[0]["input_ids"] == [5, 6, 7, 8, 9, 10, 11, 12, 0, 0]
     assert rows[0]["labels"] == [-100, 6, 7, -100, 9, 10, 11, 12, -100, -100]
     # Every document whole, in order: cut each row at position 0 and drop the padding documents.
@@ -239,8 +295,11 @@ def test_pack_layout(tokenizer):
 
 
 def test_pad_batch():
-    batch = pad_batch([{"input_ids": [4, 5, 6], "labels": [-100, 5, 6]}, {"input_ids": [7], "labels": [-100]}],
-                      pad_id=0, pad_to_multiple_of=4)
+    batch = pad_batch(
+        [{"input_ids": [4, 5, 6], "labels": [-100, 5, 6]}, {"input_ids": [7], "labels": [-100]}],
+        pad_id=0,
+        pad_to_multiple_of=4,
+    )
     assert batch["input_ids"].tolist() == [[4, 5, 6, 0], [7, 0, 0, 0]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1, 0], [1, 0, 0, 0]]
     assert batch["labels"].tolist() == [[-100, 5, 6, -100], [-100, -100, -100, -100]]
@@ -254,27 +313,49 @@ def doc_losses(logits, labels, bounds):
 
 
 def test_packed_and_unpacked_losses_are_equal(tokenizer):
-    rows = [{"messages": CONVERSATION}, {"instruction": "Say hi.", "output": "Hello! How can I help you today?"},
-            {"instruction": "Write a short poem.", "input": "about the sea", "output": "The sea is four."}]
+    rows = [
+        {"messages": CONVERSATION},
+        {"instruction": "Say hi.", "output": "Hello! How can I help you today?"},
+        {"instruction": "Write a short poem.", "input": "about the sea", "output": "The sea is four."},
+    ]
     examples, stats = prepare(rows, tokenizer, 512, "t")
     lengths = [len(ex["input_ids"]) for ex in examples]
     seq_len = sum(lengths) + 5
     (row,) = pack(examples, seq_len, tokenizer.pad_token_id)
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
     model = Qwen3ForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
     starts = [sum(lengths[:k]) for k in range(3)]
     bounds = [(s, s + n) for s, n in zip(starts, lengths)]
     with torch.no_grad():
-        alone = torch.cat([doc_losses(model(torch.tensor([ex["input_ids"]]), use_cache=False).logits[0],
-                                      torch.tensor(ex["labels"]), [(0, len(ex["input_ids"]))]) for ex in examples])
+        alone = torch.cat(
+            [
+                doc_losses(
+                    model(torch.tensor([ex["input_ids"]]), use_cache=False).logits[0],
+                    torch.tensor(ex["labels"]),
+                    [(0, len(ex["input_ids"]))],
+                )
+                for ex in examples
+            ]
+        )
         ids, labels, pos = (torch.tensor([row[k]]) for k in ("input_ids", "labels", "position_ids"))
         packed = doc_losses(model(ids, position_ids=pos, use_cache=False).logits[0], labels[0], bounds)
         # The shifted loss over the whole row equals the sum of the documents' losses: no token is
         # trained across a boundary (each document's first label is -100).
-        whole = F.cross_entropy(model(ids, position_ids=pos, use_cache=False).logits[0, :-1], labels[0, 1:],
-                                ignore_index=IGNORE_INDEX, reduction="sum")
+        whole = F.cross_entropy(
+            model(ids, position_ids=pos, use_cache=False).logits[0, :-1],
+            labels[0, 1:],
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )
         # transformers 5.x: with the default use_cache=True a cache is created and packing is not detected.
         leaky = doc_losses(model(ids, position_ids=pos).logits[0], labels[0], bounds)
     assert model.config._attn_implementation == "sdpa" and model.dtype == torch.float32 and (alone > 0).all()
@@ -294,7 +375,9 @@ def test_load_rows_edge_files(tmp_path):
     assert load_rows(single) == [row]
     wrapped = tmp_path / "wrapped.json"
     wrapped.write_text(json.dumps({"data": [row]}, indent=2))
-    with pytest.raises(SFTDataError, match=r"holds one JSON object whose 'data' is a list of objects \(keys \['data'\]\)"):
+    with pytest.raises(
+        SFTDataError, match=r"holds one JSON object whose 'data' is a list of objects \(keys \['data'\]\)"
+    ):
         load_rows(wrapped)
     receipt = {"id": "X1", "ocr_boxes": [[0, 0, 1, 0, 1, 1, 0, 1, "TOTAL 9.00"]], "entities": {"total": "9.00"}}
     one_line = tmp_path / "one_receipt.jsonl"  # a JSONL file of one row of a recipe's own format
@@ -306,31 +389,58 @@ def test_load_rows_edge_files(tmp_path):
 # The tiny tokenizers carry the real models' templates (scripts/make_tiny_sft.py): sha256 of the
 # chat_template string of Qwen3's tokenizer_config.json (Qwen3-0.6B..14B) and of Qwen2.5-*-Instruct's.
 REAL_TEMPLATES = {
-    "qwen3": (ROOT / "recipes/qwen-fsdp2-sft/tiny/qwen3/chat_template.jinja",
-              "87a2728cb8dc9fe424d624542f6060ec05a1d285ebbec578bb078900e33396b5"),
-    "qwen2.5": (ROOT / "recipes/qwen-ray-sft/tiny/qwen2/chat_template.jinja",
-                "cd8e9439f0570856fd70470bf8889ebd8b5d1107207f67a5efb46e342330527f"),
+    "qwen3": (
+        ROOT / "recipes/qwen-fsdp2-sft/tiny/qwen3/chat_template.jinja",
+        "87a2728cb8dc9fe424d624542f6060ec05a1d285ebbec578bb078900e33396b5",
+    ),
+    "qwen2.5": (
+        ROOT / "recipes/qwen-ray-sft/tiny/qwen2/chat_template.jinja",
+        "cd8e9439f0570856fd70470bf8889ebd8b5d1107207f67a5efb46e342330527f",
+    ),
 }
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                          "required": ["city"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
-TOOL_ROW = {"messages": [  # OpenAI style: typed text parts, arguments as a JSON string, null content
-    {"role": "user", "content": [{"type": "text", "text": "What is the weather"}, {"type": "text", "text": "in Paris?"}]},
-    {"role": "assistant", "content": None, "tool_calls": [
-        {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+TOOL_ROW = {
+    "messages": [  # OpenAI style: typed text parts, arguments as a JSON string, null content
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "What is the weather"}, {"type": "text", "text": "in Paris?"}],
+        },
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}],
+        },
+        {"role": "tool", "content": '{"temp_c": 18}'},
+        {"role": "assistant", "content": "It is 18 C in Paris."},
+    ],
+    "tools": TOOLS,
+}
+TOOL_MESSAGES = [
+    {"role": "user", "content": "What is the weather\nin Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [CALL]},
     {"role": "tool", "content": '{"temp_c": 18}'},
-    {"role": "assistant", "content": "It is 18 C in Paris."}], "tools": TOOLS}
-TOOL_MESSAGES = [{"role": "user", "content": "What is the weather\nin Paris?"},
-                 {"role": "assistant", "content": "", "tool_calls": [CALL]},
-                 {"role": "tool", "content": '{"temp_c": 18}'},
-                 {"role": "assistant", "content": "It is 18 C in Paris."}]
+    {"role": "assistant", "content": "It is 18 C in Paris."},
+]
 CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
 
 
 def with_template(tokenizer, template):
-    tok = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer, eos_token="<|im_end|>",
-                                  pad_token="<|endoftext|>", clean_up_tokenization_spaces=False)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer.backend_tokenizer,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        clean_up_tokenization_spaces=False,
+    )
     tok.chat_template = template
     return tok
 
@@ -348,37 +458,72 @@ def labelled(tok, example):
 
 def test_typed_text_parts_are_joined_and_other_parts_refused():
     assert to_messages(TOOL_ROW, 1, "t.jsonl")[0] == TOOL_MESSAGES[0]
-    image = {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
-                                                      {"type": "image_url", "image_url": {"url": "a.png"}}]},
-                          {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]}]}
-    with pytest.raises(SFTDataError, match=r"^t\.jsonl row 3: messages\[0\]\.content\[1\] is a part of type 'image_url', but "
-                                           r"this data path trains on text only"):
+    image = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What is this?"},
+                    {"type": "image_url", "image_url": {"url": "a.png"}},
+                ],
+            },
+            {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]},
+        ]
+    }
+    with pytest.raises(
+        SFTDataError,
+        match=r"^t\.jsonl row 3: messages\[0\]\.content\[1\] is a part of type 'image_url', but "
+        r"this data path trains on text only",
+    ):
         to_messages(image, 3, "t.jsonl")
     with pytest.raises(SFTDataError, match=r"row 3: messages\[0\]\.content\[0\] must be an object with 'type'"):
-        to_messages({"messages": [{"role": "user", "content": ["hi"]}, {"role": "assistant", "content": "yo"}]}, 3, "t.jsonl")
+        to_messages(
+            {"messages": [{"role": "user", "content": ["hi"]}, {"role": "assistant", "content": "yo"}]}, 3, "t.jsonl"
+        )
 
 
 def test_tool_rows_in_openai_and_llama_factory_form():
     messages, tools = to_conversation(TOOL_ROW, 1, "t.jsonl")
     assert messages == TOOL_MESSAGES and tools == TOOLS
-    glaive = {"conversations": [  # LLaMA-Factory's ShareGPT: tools as a JSON string of bare definitions
-        {"from": "human", "value": "What is the weather\nin Paris?"},
-        {"from": "function_call", "value": '{"name": "get_weather", "arguments": {"city": "Paris"}}'},
-        {"from": "observation", "value": '{"temp_c": 18}'}, {"from": "gpt", "value": "It is 18 C in Paris."}],
-        "tools": json.dumps([TOOLS[0]["function"]]), "system": "Use tools."}
-    assert to_conversation(glaive, 2, "g.json") == ([{"role": "system", "content": "Use tools."}, *TOOL_MESSAGES], TOOLS)
+    glaive = {
+        "conversations": [  # LLaMA-Factory's ShareGPT: tools as a JSON string of bare definitions
+            {"from": "human", "value": "What is the weather\nin Paris?"},
+            {"from": "function_call", "value": '{"name": "get_weather", "arguments": {"city": "Paris"}}'},
+            {"from": "observation", "value": '{"temp_c": 18}'},
+            {"from": "gpt", "value": "It is 18 C in Paris."},
+        ],
+        "tools": json.dumps([TOOLS[0]["function"]]),
+        "system": "Use tools.",
+    }
+    assert to_conversation(glaive, 2, "g.json") == (
+        [{"role": "system", "content": "Use tools."}, *TOOL_MESSAGES],
+        TOOLS,
+    )
     assert to_conversation({**glaive, "tools": ""}, 2, "g.json")[1] is None
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda r: r["messages"][1]["tool_calls"][0]["function"].update(arguments="{city: Paris"),
-     "row 5: messages[1].tool_calls[0] arguments are not valid JSON"),
-    (lambda r: r["messages"][1]["tool_calls"][0].update(function={"arguments": {}}),
-     "row 5: messages[1].tool_calls[0] must be {\"type\": \"function\""),
-    (lambda r: r["messages"].pop(1), "row 5: messages[1] is a tool result, but no assistant tool call comes before it"),
-    (lambda r: r.update(tools={"name": "get_weather"}), "row 5: field 'tools' must be a list of function definitions"),
-    (lambda r: r.update(tools="[{\"name\": "), "row 5: field 'tools' is a string but not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (
+            lambda r: r["messages"][1]["tool_calls"][0]["function"].update(arguments="{city: Paris"),
+            "row 5: messages[1].tool_calls[0] arguments are not valid JSON",
+        ),
+        (
+            lambda r: r["messages"][1]["tool_calls"][0].update(function={"arguments": {}}),
+            'row 5: messages[1].tool_calls[0] must be {"type": "function"',
+        ),
+        (
+            lambda r: r["messages"].pop(1),
+            "row 5: messages[1] is a tool result, but no assistant tool call comes before it",
+        ),
+        (
+            lambda r: r.update(tools={"name": "get_weather"}),
+            "row 5: field 'tools' must be a list of function definitions",
+        ),
+        (lambda r: r.update(tools='[{"name": '), "row 5: field 'tools' is a string but not valid JSON"),
+    ],
+)
 def test_bad_tool_rows_name_the_row_and_field(edit, message):
     row = json.loads(json.dumps(TOOL_ROW))
     edit(row)
@@ -391,8 +536,12 @@ def test_tool_rows_with_qwen25s_template(tokenizer):
     tok = real_template(tokenizer, "qwen2.5")
     (ex,), stats = prepare([TOOL_ROW], tok, 4096, "t.jsonl")
     text = tok.decode(ex["input_ids"])
-    assert text.startswith("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.\n\n"
-                           "# Tools\n") and json.dumps(TOOLS[0]) in text
+    assert (
+        text.startswith(
+            "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.\n\n# Tools\n"
+        )
+        and json.dumps(TOOLS[0]) in text
+    )
     assert '<|im_start|>user\n<tool_response>\n{"temp_c": 18}\n</tool_response><|im_end|>' in text
     # Loss on both assistant turns (the call and the answer), none on the tool result.
     assert labelled(tok, ex) == [CALL_TEXT, "It is 18 C in Paris.<|im_end|>"]
@@ -403,14 +552,23 @@ def test_tool_calls_are_counted_in_the_summary_and_the_shown_counts(tokenizer):
     from cookbook.sft.show import field_counts
 
     tok = real_template(tokenizer, "qwen2.5")
-    two = {"messages": [TOOL_ROW["messages"][0], {"role": "assistant", "content": None, "tool_calls": [CALL, CALL]},
-                        {"role": "tool", "content": "18"}, {"role": "tool", "content": "18"},
-                        TOOL_ROW["messages"][3]], "tools": TOOLS}
+    two = {
+        "messages": [
+            TOOL_ROW["messages"][0],
+            {"role": "assistant", "content": None, "tool_calls": [CALL, CALL]},
+            {"role": "tool", "content": "18"},
+            {"role": "tool", "content": "18"},
+            TOOL_ROW["messages"][3],
+        ],
+        "tools": TOOLS,
+    }
     _, stats = prepare([TOOL_ROW, {"messages": CONVERSATION, "id": 2}, two], tok, 4096, "t.jsonl")
     assert (stats.tool_call_rows, stats.tool_calls) == (2, 3)
     assert stats.ignored == {"id": 1}  # a row's own key that no format reads is counted too
-    assert "t.jsonl: 3 rows read, 3 examples kept (0 truncated to max_length=4096), 0 dropped, tool calls: 3 in 2 rows, " \
+    assert (
+        "t.jsonl: 3 rows read, 3 examples kept (0 truncated to max_length=4096), 0 dropped, tool calls: 3 in 2 rows, "
         "keys not used: id (1) |" in stats.summary()
+    )
     assert "  tool calls      3 in 2 rows" in field_counts(stats)
     merged = SFTStats.merge([stats, prepare([TOOL_ROW], tok, 4096, "u.jsonl")[1]])
     assert (merged.tool_call_rows, merged.tool_calls) == (3, 4)
@@ -423,8 +581,16 @@ def test_tool_calls_are_counted_as_training_keeps_them(tokenizer):
 
     tok = real_template(tokenizer, "qwen2.5")
     chat = {"messages": CONVERSATION}
-    late = {"messages": [*CONVERSATION, {"role": "user", "content": "The weather?"}, TOOL_MESSAGES[1],
-                         TOOL_MESSAGES[2], TOOL_MESSAGES[3]], "tools": TOOLS}
+    late = {
+        "messages": [
+            *CONVERSATION,
+            {"role": "user", "content": "The weather?"},
+            TOOL_MESSAGES[1],
+            TOOL_MESSAGES[2],
+            TOOL_MESSAGES[3],
+        ],
+        "tools": TOOLS,
+    }
     (tool_ex,), _ = prepare([TOOL_ROW], tok, 4096, "t.jsonl")
     first_label = spans(tool_ex["labels"])[0][0]  # cut there, TOOL_ROW keeps no labelled token: dropped
     _, dropped = prepare([chat, TOOL_ROW, chat], tok, first_label, "t.jsonl", max_dropped_fraction=0.5)
@@ -438,16 +604,21 @@ def test_tool_calls_are_counted_as_training_keeps_them(tokenizer):
     assert (cut.examples, cut.truncated, cut.tool_calls, cut.tool_call_rows, cut.tool_calls_cut) == (1, 1, 0, 0, 1)
     _, kept = prepare([chat, TOOL_ROW, late], tok, 4096, "t.jsonl")
     assert (kept.tool_calls, kept.tool_call_rows, kept.tool_calls_cut) == (2, 2, 0)
-    assert SFTStats.merge([dropped, cut, kept]).tool_calls_note() == "tool calls: 2 in 2 rows, 2 not trained " \
+    assert (
+        SFTStats.merge([dropped, cut, kept]).tool_calls_note() == "tool calls: 2 in 2 rows, 2 not trained "
         "(dropped or cut at max_length)"
+    )
 
 
 def test_tool_rows_with_qwen3s_template_need_split_turns(tokenizer):
     tok = real_template(tokenizer, "qwen3")
     kwargs = {"enable_thinking": False}
     # The call turn gets an empty <think> block only while it is the last turn: not prefix-stable.
-    with pytest.raises(SFTDataError, match=r"^t\.jsonl row 1: the chat template is not prefix-stable: .*"
-                                           r"set data\.split_turns=true"):
+    with pytest.raises(
+        SFTDataError,
+        match=r"^t\.jsonl row 1: the chat template is not prefix-stable: .*"
+        r"set data\.split_turns=true",
+    ):
         prepare([TOOL_ROW], tok, 4096, "t.jsonl", kwargs)
     (call, answer), stats = prepare([TOOL_ROW], tok, 4096, "t.jsonl", kwargs, split_turns=True)
     assert (stats.rows, stats.split_rows, stats.examples, stats.example_rows) == (1, 1, 2, [1, 1])
@@ -455,30 +626,46 @@ def test_tool_rows_with_qwen3s_template_need_split_turns(tokenizer):
     think = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
     assert tok.decode(call["input_ids"]).endswith(think + CALL_TEXT + "\n")
     # As the model sees it when it writes the answer: the earlier call without its <think> block.
-    assert (f"<|im_start|>assistant\n{CALL_TEXT}\n<|im_start|>user\n<tool_response>\n{{\"temp_c\": 18}}\n</tool_response>"
-            f"<|im_end|>\n{think}It is 18 C in Paris.<|im_end|>\n") in tok.decode(answer["input_ids"])
+    assert (
+        f'<|im_start|>assistant\n{CALL_TEXT}\n<|im_start|>user\n<tool_response>\n{{"temp_c": 18}}\n</tool_response>'
+        f"<|im_end|>\n{think}It is 18 C in Paris.<|im_end|>\n"
+    ) in tok.decode(answer["input_ids"])
     assert all(json.dumps(TOOLS[0]) in tok.decode(ex["input_ids"]) for ex in (call, answer))
 
 
 def test_templates_that_drop_tools_calls_or_results_are_refused(tokenizer):
-    with pytest.raises(SFTDataError, match=r"^t\.jsonl row 1: the chat template does not render the row's tools: the "
-                                           r"tool 'get_weather' is missing from the rendered conversation"):
+    with pytest.raises(
+        SFTDataError,
+        match=r"^t\.jsonl row 1: the chat template does not render the row's tools: the "
+        r"tool 'get_weather' is missing from the rendered conversation",
+    ):
         prepare([TOOL_ROW], tokenizer, 4096, "t.jsonl")
     without_tools = {"messages": TOOL_ROW["messages"]}
-    with pytest.raises(SFTDataError, match=r"^t\.jsonl row 1: the chat template does not render tool calls: messages\[1\] "
-                                           r"calls 'get_weather' but its rendered turn is '<\|im_end\|>'"):
+    with pytest.raises(
+        SFTDataError,
+        match=r"^t\.jsonl row 1: the chat template does not render tool calls: messages\[1\] "
+        r"calls 'get_weather' but its rendered turn is '<\|im_end\|>'",
+    ):
         prepare([without_tools], tokenizer, 4096, "t.jsonl")
-    no_results = with_template(tokenizer, CHATML.replace(
-        "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}",
-        "{%- if message['role'] != 'tool' %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] }}"
-        "{%- for call in message.get('tool_calls', []) %}{{- call['function']['name'] }}{%- endfor %}"
-        "{{- '<|im_end|>\\n' }}{%- endif %}"))
+    no_results = with_template(
+        tokenizer,
+        CHATML.replace(
+            "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}",
+            "{%- if message['role'] != 'tool' %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] }}"
+            "{%- for call in message.get('tool_calls', []) %}{{- call['function']['name'] }}{%- endfor %}"
+            "{{- '<|im_end|>\\n' }}{%- endif %}",
+        ),
+    )
     with pytest.raises(SFTDataError, match=r"row 1: the chat template does not render tool results: messages\[2\]"):
         prepare([without_tools], no_results, 4096, "t.jsonl")
     # A result written JSON-quoted (Llama 3.1's template applies tojson to it) is rendered.
-    quoted = with_template(tokenizer, no_results.chat_template.replace(
-        "{%- if message['role'] != 'tool' %}", "{%- if message['role'] == 'tool' %}{{- message['content'] | tojson }}"
-        "{%- else %}"))
+    quoted = with_template(
+        tokenizer,
+        no_results.chat_template.replace(
+            "{%- if message['role'] != 'tool' %}",
+            "{%- if message['role'] == 'tool' %}{{- message['content'] | tojson }}{%- else %}",
+        ),
+    )
     (ex,), _ = prepare([without_tools], quoted, 4096, "t.jsonl")
     assert '"{\\"temp_c\\": 18}"' in quoted.decode(ex["input_ids"])
 
@@ -505,13 +692,15 @@ def test_dropped_rows_are_counted_named_and_refused_over_the_limit(tokenizer):
     assert stats.dropped_rows == [(4, long4), (9, long9)] and stats.example_rows == [1, 2, 3, 5, 6, 7, 8, 10]
     assert stats.summary().startswith(
         f"train.jsonl: 10 rows read, 8 examples kept (0 truncated to max_length=40), 2 dropped (cut by max_length "
-        f"before any assistant token: row 9 ({long9} tokens), row 4 ({long4} tokens)) | ")
+        f"before any assistant token: row 9 ({long9} tokens), row 4 ({long4} tokens)) | "
+    )
     with pytest.raises(SFTDataError) as err:
         prepare(rows, tokenizer, 40, "train.jsonl", max_dropped_fraction=0.1)
     assert str(err.value) == (
         f"train.jsonl: 2 of 10 rows dropped (20%, more than data.max_dropped_fraction=0.1): 2 cut by "
         f"data.max_length=40 before any assistant token, longest row 9 ({long9} tokens), row 4 ({long4} tokens): raise "
-        f"data.max_length (to {long9} to keep them all); or raise data.max_dropped_fraction")
+        f"data.max_length (to {long9} to keep them all); or raise data.max_dropped_fraction"
+    )
     # truncate=False drops a row that does not fit instead of cutting it (an answer that is useless when cut).
     _, stats = prepare(rows, tokenizer, long9 - 1, "t", truncate=False)
     assert (stats.examples, stats.truncated, stats.dropped_rows) == (9, 0, [(9, long9)])
@@ -528,8 +717,9 @@ def test_bom_crlf_and_line_numbers(tmp_path):
     (tmp_path / "d.jsonl").write_bytes(bom + "".join(json.dumps(r, ensure_ascii=False) + "\r\n" for r in rows).encode())
     assert load_rows(tmp_path / "d.json") == rows
     assert load_rows(tmp_path / "d.jsonl") == rows
-    (tmp_path / "bad.jsonl").write_bytes(bom + b'{"instruction": "a", "output": "b"}\r\n\r\n{"instruction": "\xe2\x80\xa8"}\r\n'
-                                         b'{"instruction": \r\n')
+    (tmp_path / "bad.jsonl").write_bytes(
+        bom + b'{"instruction": "a", "output": "b"}\r\n\r\n{"instruction": "\xe2\x80\xa8"}\r\n{"instruction": \r\n'
+    )
     with pytest.raises(SFTDataError, match=r"bad\.jsonl line 4: not valid JSON"):  # 1-based, blank lines counted
         load_rows(tmp_path / "bad.jsonl")
 
@@ -557,8 +747,10 @@ def test_hub_and_local_folder_rows_lose_the_bom(tmp_path, monkeypatch):
     import datasets
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
-    for kind, data in (("csv", b"instruction,output\r\nSay hi.,Hi!\r\n"),
-                       ("jsonl", b'{"instruction": "Say hi.", "output": "Hi!"}\r\n')):
+    for kind, data in (
+        ("csv", b"instruction,output\r\nSay hi.,Hi!\r\n"),
+        ("jsonl", b'{"instruction": "Say hi.", "output": "Hi!"}\r\n'),
+    ):
         folder = tmp_path / kind
         folder.mkdir()
         (folder / f"train.{kind}").write_bytes(b"\xef\xbb\xbf" + data)
@@ -575,8 +767,11 @@ def test_load_rows_names_a_folder_a_utf16_file_and_the_column_of_bad_json(tmp_pa
         load_rows(utf16)
     broken = tmp_path / "broken.jsonl"
     broken.write_text(json.dumps(row) + "\n" + '{"messages": [{"role": "user", "content": "unterminated\n')
-    with pytest.raises(SFTDataError, match=rf"^{broken} line 2: not valid JSON: Unterminated string starting at "
-                                           rf"\(column 43\)$"):  # the opening quote
+    with pytest.raises(
+        SFTDataError,
+        match=rf"^{broken} line 2: not valid JSON: Unterminated string starting at "
+        rf"\(column 43\)$",
+    ):  # the opening quote
         load_rows(broken)
 
 
@@ -587,8 +782,10 @@ def test_pad_token_id_falls_back_to_the_end_of_sequence_token(tokenizer):
 
 
 def test_collate_packed_rows_carry_document_offsets_and_other_rows_are_padded():
-    rows = [{"input_ids": [5] * 6, "labels": [-100] * 6, "position_ids": [0, 1, 2, 0, 1, 0]},
-            {"input_ids": [6] * 6, "labels": [-100] * 6, "position_ids": [0, 1, 2, 3, 4, 5]}]
+    rows = [
+        {"input_ids": [5] * 6, "labels": [-100] * 6, "position_ids": [0, 1, 2, 0, 1, 0]},
+        {"input_ids": [6] * 6, "labels": [-100] * 6, "position_ids": [0, 1, 2, 3, 4, 5]},
+    ]
     batch = collate(rows, pad_id=0)
     assert sorted(batch) == ["cu_seq_lens", "input_ids", "labels", "position_ids"]
     assert batch["cu_seq_lens"].tolist() == [0, 3, 5, 6, 12] and batch["cu_seq_lens"].dtype == torch.int32
@@ -601,8 +798,16 @@ def test_collate_packed_rows_carry_document_offsets_and_other_rows_are_padded():
 
 def tiny_qwen3(vocab_size: int, **overrides) -> Qwen3ForCausalLM:
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, **overrides)
+    config = Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        **overrides,
+    )
     return Qwen3ForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
 
 
@@ -621,8 +826,11 @@ def hand_loss(model, ids: list[int], labels: list[int]) -> tuple[float, int, int
 
 
 def test_token_loss_sum_and_evaluate_equal_a_hand_computation(tokenizer):
-    rows = [{"messages": CONVERSATION}, {"instruction": "Say hi.", "output": "Hello! How can I help you today?"},
-            {"instruction": "Write a short poem.", "input": "about the sea", "output": "The sea is four."}]
+    rows = [
+        {"messages": CONVERSATION},
+        {"instruction": "Say hi.", "output": "Hello! How can I help you today?"},
+        {"instruction": "Write a short poem.", "input": "about the sea", "output": "The sea is four."},
+    ]
     examples, _ = prepare(rows, tokenizer, 512, "t")
     model = tiny_qwen3(len(tokenizer))
     hand = [hand_loss(model, ex["input_ids"], ex["labels"]) for ex in examples]
@@ -639,8 +847,13 @@ def test_token_loss_sum_and_evaluate_equal_a_hand_computation(tokenizer):
     # Unequal batches, one process: the mean over tokens, not over batches.
     seen = []
     model.train()
-    result = evaluate(model, [padded, collate(examples[2:], pad_id)], torch.device("cpu"),
-                      on_batch=lambda b: seen.append(b["input_ids"].shape[0]), accuracy=True)
+    result = evaluate(
+        model,
+        [padded, collate(examples[2:], pad_id)],
+        torch.device("cpu"),
+        on_batch=lambda b: seen.append(b["input_ids"].shape[0]),
+        accuracy=True,
+    )
     assert model.training and seen == [2, 1]
     assert result["tokens"] == n and result["loss"] == pytest.approx(total / n, rel=1e-5)
     assert result["mean_token_accuracy"] == pytest.approx(correct / n)
@@ -677,8 +890,9 @@ def test_chunked_linear_cross_entropy_equals_the_full_loss_and_its_gradients(chu
         assert_fp32_close(w.grad, want_w, terms=rows)
         assert h.grad[7:14].abs().max() == 0 and h.grad[30].abs().max() == 0 and h.grad[0].abs().max() > 0
         with torch.no_grad():  # no gradients wanted: loss only
-            assert linear_cross_entropy_sum(hidden, weight, labels, chunk_size, softcap=softcap).item() == \
-                pytest.approx(want.item(), rel=fp32_sum_rtol(rows))
+            assert linear_cross_entropy_sum(
+                hidden, weight, labels, chunk_size, softcap=softcap
+            ).item() == pytest.approx(want.item(), rel=fp32_sum_rtol(rows))
     all_ignored = torch.full((40,), IGNORE_INDEX)
     h = hidden.clone().requires_grad_()
     loss = linear_cross_entropy_sum(h, weight, all_ignored, chunk_size)
@@ -718,16 +932,20 @@ def test_chunked_linear_cross_entropy_with_tied_weights_and_bad_input():
 def test_chunked_token_loss_sum_equals_the_full_one_on_a_model(tokenizer, tied):
     """The model path: logits_to_keep empty, the decoder's output caught, labelled positions only. The loss and every
     parameter's gradient equal the full loss's (packed documents, padding without labels; tied embeddings)."""
-    rows = [{"messages": CONVERSATION}, {"instruction": "Say hi.", "output": "Hello! How can I help you today?"},
-            {"instruction": "Write a short poem.", "input": "about the sea", "output": "The sea is four."}]
+    rows = [
+        {"messages": CONVERSATION},
+        {"instruction": "Say hi.", "output": "Hello! How can I help you today?"},
+        {"instruction": "Write a short poem.", "input": "about the sea", "output": "The sea is four."},
+    ]
     examples, _ = prepare(rows, tokenizer, 512, "t")
     pad_id = pad_token_id(tokenizer)
     batch = collate(pack(examples, 96, pad_id), pad_id)  # 2 rows, the second padded
     assert batch["input_ids"].shape[0] == 2
     reference = tiny_qwen3(len(tokenizer), tie_word_embeddings=tied).train().double()  # the full loss in float64
     logits = reference(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
-    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=IGNORE_INDEX,
-                           reduction="sum")
+    loss = F.cross_entropy(
+        logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
     loss.backward()
     full = loss.item()
     full_grads = {n: p.grad for n, p in reference.named_parameters()}
@@ -744,8 +962,9 @@ def test_chunked_token_loss_sum_equals_the_full_one_on_a_model(tokenizer, tied):
         for name, p in model.named_parameters():
             assert_fp32_close(p.grad, full_grads[name], terms=tokens, msg=f"chunk_size {chunk_size}: {name}")
     with torch.no_grad():  # evaluation: no gradients computed
-        assert chunked_token_loss_sum(tiny_qwen3(len(tokenizer), tie_word_embeddings=tied), batch, 8).item() == \
-            pytest.approx(full, rel=fp32_sum_rtol(labelled))
+        assert chunked_token_loss_sum(
+            tiny_qwen3(len(tokenizer), tie_word_embeddings=tied), batch, 8
+        ).item() == pytest.approx(full, rel=fp32_sum_rtol(labelled))
 
 
 def test_varlen_is_registered_with_transformers(tokenizer):
@@ -769,13 +988,20 @@ def test_check_helpers_name_the_field_and_the_counts(tmp_path):
         load_tokenizer(str(tmp_path / "tok"), str(ROOT / "recipes" / "qwen-fsdp2-sft" / "tiny" / "qwen3"))
     qwen3 = str(ROOT / "recipes" / "qwen-fsdp2-sft" / "tiny" / "qwen3")
     assert len(load_tokenizer(qwen3, qwen3, max_length=512)) > 0
-    with pytest.raises(ConfigError, match=r"^data\.max_length=8192 is beyond the max_position_embeddings=512 of .*qwen3: "
-                                          r"the model has no trained positions past 512; set data\.max_length to 512"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^data\.max_length=8192 is beyond the max_position_embeddings=512 of .*qwen3: "
+        r"the model has no trained positions past 512; set data\.max_length to 512",
+    ):
         load_tokenizer(qwen3, qwen3, max_length=8192)
 
 
-THINK_ROW = {"messages": [{"role": "user", "content": "What is two plus two?"},
-                          {"role": "assistant", "content": "It is four.", "reasoning_content": "Two plus two: four."}]}
+THINK_ROW = {
+    "messages": [
+        {"role": "user", "content": "What is two plus two?"},
+        {"role": "assistant", "content": "It is four.", "reasoning_content": "Two plus two: four."},
+    ]
+}
 
 
 def test_reasoning_is_rendered_through_the_template_and_trained_masked_or_dropped_counted(tokenizer):
@@ -789,26 +1015,62 @@ def test_reasoning_is_rendered_through_the_template_and_trained_masked_or_droppe
     assert "Two plus two" not in tok.decode(drop["input_ids"]) and st.reasoning_dropped == 1
     assert "reasoning: 1 turns dropped (data.reasoning=drop)" in st.summary()
     # Typed parts in other layouts: text under "value", a reasoning part, a tool_call part; unknown ones named.
-    typed = {"messages": [{"role": "user", "content": [{"type": "text", "value": "What is two plus two?"}]},
-                          {"role": "assistant", "content": [{"type": "reasoning", "text": "Two plus two: four."},
-                                                            {"type": "text", "value": "It is four."}], "weight": 1}]}
+    typed = {
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "value": "What is two plus two?"}]},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "reasoning", "text": "Two plus two: four."},
+                    {"type": "text", "value": "It is four."},
+                ],
+                "weight": 1,
+            },
+        ]
+    }
     counted = __import__("collections").Counter()
     assert to_conversation(typed, 1, "t.jsonl", counted)[0] == [
         {"role": "user", "content": "What is two plus two?"},
-        {"role": "assistant", "content": "It is four.", "reasoning_content": "Two plus two: four."}]
+        {"role": "assistant", "content": "It is four.", "reasoning_content": "Two plus two: four."},
+    ]
     assert counted == {"messages[].weight": 1}
-    call = {"messages": [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": [
-        {"type": "tool_call", "name": "get_weather", "arguments": {"city": "Paris"}}]}]}
+    call = {
+        "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_call", "name": "get_weather", "arguments": {"city": "Paris"}}],
+            },
+        ]
+    }
     assert to_conversation(call, 1, "t.jsonl")[0][1]["tool_calls"] == [
-        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]
-    with pytest.raises(SFTDataError, match=r"^t\.jsonl row 2: messages\[1\]\.content\[0\] is a part of type 'refusal'; "
-                                           r"expected one of 'text', "):
-        to_conversation({"messages": [THINK_ROW["messages"][0], {"role": "assistant", "content": [
-            {"type": "refusal", "refusal": "no"}]}]}, 2, "t.jsonl")
-    with pytest.raises(SFTDataError, match=r"row 2: messages\[0\]\.content\[0\] \(type 'text'\) has no string 'text' / "
-                                           r"'value' / 'content' \(keys found: \['txt', 'type'\]\)"):
-        to_conversation({"messages": [{"role": "user", "content": [{"type": "text", "txt": "hi"}]},
-                                      THINK_ROW["messages"][1]]}, 2, "t.jsonl")
+        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    ]
+    with pytest.raises(
+        SFTDataError,
+        match=r"^t\.jsonl row 2: messages\[1\]\.content\[0\] is a part of type 'refusal'; "
+        r"expected one of 'text', ",
+    ):
+        to_conversation(
+            {
+                "messages": [
+                    THINK_ROW["messages"][0],
+                    {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
+                ]
+            },
+            2,
+            "t.jsonl",
+        )
+    with pytest.raises(
+        SFTDataError,
+        match=r"row 2: messages\[0\]\.content\[0\] \(type 'text'\) has no string 'text' / "
+        r"'value' / 'content' \(keys found: \['txt', 'type'\]\)",
+    ):
+        to_conversation(
+            {"messages": [{"role": "user", "content": [{"type": "text", "txt": "hi"}]}, THINK_ROW["messages"][1]]},
+            2,
+            "t.jsonl",
+        )
 
 
 def test_reasoning_left_out_or_dropped_is_counted_as_training_keeps_it(tokenizer):
@@ -819,8 +1081,9 @@ def test_reasoning_left_out_or_dropped_is_counted_as_training_keeps_it(tokenizer
     chat = {"messages": [{"role": "user", "content": "Two?"}, {"role": "assistant", "content": "Four."}]}
     (ex,), _ = prepare([THINK_ROW], tokenizer, 4096, "t.jsonl", reasoning="drop")
     first_label = spans(ex["labels"])[0][0]  # cut there, THINK_ROW keeps no labelled token: dropped
-    _, st = prepare([chat, THINK_ROW, chat], tokenizer, first_label, "t.jsonl", reasoning="drop",
-                    max_dropped_fraction=0.5)
+    _, st = prepare(
+        [chat, THINK_ROW, chat], tokenizer, first_label, "t.jsonl", reasoning="drop", max_dropped_fraction=0.5
+    )
     assert (st.examples, st.dropped, st.reasoning_dropped) == (2, 1, 0)
     assert "reasoning" not in st.summary() and "0 dropped (data.reasoning=drop)" in "\n".join(field_counts(st))
     _, st = prepare([chat, THINK_ROW], tokenizer, 4096, "t.jsonl", reasoning="drop")
@@ -833,8 +1096,11 @@ def test_reasoning_left_out_or_dropped_is_counted_as_training_keeps_it(tokenizer
 
 
 def test_reasoning_a_template_cannot_render_is_refused_and_a_stray_think_tag_named(tokenizer):
-    with pytest.raises(SFTDataError, match=r"^t\.jsonl row 1: messages\[1\] has reasoning, but the chat template has no "
-                                           r"place for it .*set data\.reasoning=drop"):
+    with pytest.raises(
+        SFTDataError,
+        match=r"^t\.jsonl row 1: messages\[1\] has reasoning, but the chat template has no "
+        r"place for it .*set data\.reasoning=drop",
+    ):
         prepare([THINK_ROW], tokenizer, 4096, "t.jsonl")
     (ex,), st = prepare([THINK_ROW], tokenizer, 4096, "t.jsonl", reasoning="drop")
     assert st.reasoning_dropped == 1 and labelled(tokenizer, ex) == ["It is four.<|im_end|>"]
@@ -842,15 +1108,24 @@ def test_reasoning_a_template_cannot_render_is_refused_and_a_stray_think_tag_nam
     with pytest.raises(SFTDataError, match=r"enable_thinking: false"):
         prepare([THINK_ROW], tok, 4096, "t.jsonl", {"enable_thinking": False})
     stray = {"messages": [THINK_ROW["messages"][0], {"role": "assistant", "content": "Four.</think> It is four."}]}
-    with pytest.raises(SFTDataError, match=r"^t\.jsonl row 1: messages\[1\]\.content \(assistant\) holds a stray "
-                                           r"'</think>'") as err:
+    with pytest.raises(
+        SFTDataError,
+        match=r"^t\.jsonl row 1: messages\[1\]\.content \(assistant\) holds a stray "
+        r"'</think>'",
+    ) as err:
         prepare([stray], tok, 4096, "t.jsonl", {"enable_thinking": False}, split_turns=True)
     assert "split_turns" not in str(err.value)
     # an inline <think> block (DeepSeek-R1-style rows) is reasoning: the same example as reasoning_content gives
-    inline = {"messages": [THINK_ROW["messages"][0],
-                           {"role": "assistant", "content": "<think>\nTwo plus two: four.\n</think>\n\nIt is four."}]}
-    assert prepare([inline], tok, 4096, "t.jsonl", {"enable_thinking": True})[0] == \
-        prepare([THINK_ROW], tok, 4096, "t.jsonl", {"enable_thinking": True})[0]
+    inline = {
+        "messages": [
+            THINK_ROW["messages"][0],
+            {"role": "assistant", "content": "<think>\nTwo plus two: four.\n</think>\n\nIt is four."},
+        ]
+    }
+    assert (
+        prepare([inline], tok, 4096, "t.jsonl", {"enable_thinking": True})[0]
+        == prepare([THINK_ROW], tok, 4096, "t.jsonl", {"enable_thinking": True})[0]
+    )
 
 
 def test_a_checkpoint_from_before_data_reasoning_resumes_at_its_default():
@@ -859,5 +1134,7 @@ def test_a_checkpoint_from_before_data_reasoning_resumes_at_its_default():
 
     old = {"data": {"max_length": 64}}
     assert config_changes(old, {"data": {"max_length": 64, "reasoning": "train"}}, MAY_CHANGE) == ""
-    assert config_changes(old, {"data": {"max_length": 64, "reasoning": "drop"}}, MAY_CHANGE) == \
-        "data.reasoning: None -> 'drop'"
+    assert (
+        config_changes(old, {"data": {"max_length": 64, "reasoning": "drop"}}, MAY_CHANGE)
+        == "data.reasoning: None -> 'drop'"
+    )

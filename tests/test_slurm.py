@@ -42,9 +42,17 @@ def slurm(tmp_path):
         (bin_dir / name).chmod(0o755)
     launch = tmp_path / "launch.sh"
     launch.write_text(FAKE_LAUNCH)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_LOG": str(tmp_path / "log"),
-           "FAKE_OUT": str(tmp_path), "SLURM_JOB_NODELIST": "localhost,node-[b-c]", "SLURM_JOB_NUM_NODES": "3",
-           "SLURM_JOB_ID": "4242", "SLURM_SUBMIT_DIR": str(ROOT), "LAUNCH": str(launch)}
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "FAKE_LOG": str(tmp_path / "log"),
+        "FAKE_OUT": str(tmp_path),
+        "SLURM_JOB_NODELIST": "localhost,node-[b-c]",
+        "SLURM_JOB_NUM_NODES": "3",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_SUBMIT_DIR": str(ROOT),
+        "LAUNCH": str(launch),
+    }
     for name in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "NNODES", "RECIPE", "DRY_RUN", "ROOT"):
         env.pop(name, None)
     return env
@@ -61,36 +69,51 @@ def test_the_scripts_parse():
 def test_a_dry_run_prints_the_rendezvous_and_the_command_of_each_node(slurm):
     env = {**slurm, "DRY_RUN": "1", "RECIPE": "qwen-fsdp2-sft"}
     env.pop("LAUNCH")
-    done = subprocess.run(["bash", str(SLURM / "torchrun.sbatch"), "train.max_steps=5"], env=env, capture_output=True,
-                          text=True, timeout=30)
+    done = subprocess.run(
+        ["bash", str(SLURM / "torchrun.sbatch"), "train.max_steps=5"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert done.returncode == 0, done.stderr
     launch = ROOT / "recipes" / "qwen-fsdp2-sft" / "launch.sh"
     assert done.stdout.splitlines() == [
         f"slurm job 4242: NNODES=3 MASTER_ADDR=127.0.0.1 (localhost) MASTER_PORT=24242 LAUNCH={launch}",
         f"node 0: env NODE_RANK=0 bash {launch} train.max_steps=5 ",
         "nodes 1-2: srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --exclude=localhost --kill-on-bad-exit=1 bash -c "
-        "export\\ NODE_RANK=\\$\\(\\(SLURM_PROCID\\ +\\ 1\\)\\)\\;\\ exec\\ bash\\ \\\"\\$0\\\"\\ \\\"\\$@\\\" "
-        f"{launch} train.max_steps=5 "]
+        'export\\ NODE_RANK=\\$\\(\\(SLURM_PROCID\\ +\\ 1\\)\\)\\;\\ exec\\ bash\\ \\"\\$0\\"\\ \\"\\$@\\" '
+        f"{launch} train.max_steps=5 ",
+    ]
     env["RECIPE"] = "no-such-recipe"
     done = subprocess.run(["bash", str(SLURM / "ray.sbatch")], env=env, capture_output=True, text=True, timeout=30)
     assert done.returncode == 2
-    assert done.stderr.strip() == (f"error: {ROOT}/recipes/no-such-recipe/launch.sh not found: submit from the "
-                                   f"repository root, or set ROOT or LAUNCH")
+    assert done.stderr.strip() == (
+        f"error: {ROOT}/recipes/no-such-recipe/launch.sh not found: submit from the "
+        f"repository root, or set ROOT or LAUNCH"
+    )
 
 
 def test_every_node_runs_launch_sh_with_its_rank(slurm, tmp_path):
-    done = subprocess.run(["bash", str(SLURM / "ray.sbatch"), "train.epochs=2"], env=slurm, capture_output=True,
-                          text=True, timeout=60)
+    done = subprocess.run(
+        ["bash", str(SLURM / "ray.sbatch"), "train.epochs=2"], env=slurm, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr
     for rank in range(3):
-        assert (tmp_path / f"node{rank}").read_text() == (f"NODE_RANK={rank} NNODES=3 MASTER_ADDR=127.0.0.1 "
-                                                          f"MASTER_PORT=24242 args=train.epochs=2\n")
+        assert (tmp_path / f"node{rank}").read_text() == (
+            f"NODE_RANK={rank} NNODES=3 MASTER_ADDR=127.0.0.1 MASTER_PORT=24242 args=train.epochs=2\n"
+        )
     assert "requeue" not in (tmp_path / "log").read_text()
 
 
 def test_the_time_limit_warning_reaches_node_0s_launcher_and_a_preempted_job_requeues(slurm, tmp_path):
-    script = subprocess.Popen(["bash", str(SLURM / "torchrun.sbatch")], env={**slurm, "FAKE_PREEMPT": "1"},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    script = subprocess.Popen(
+        ["bash", str(SLURM / "torchrun.sbatch")],
+        env={**slurm, "FAKE_PREEMPT": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 30
     while not (tmp_path / "started").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -106,11 +129,22 @@ def test_the_time_limit_warning_reaches_node_0s_launcher_and_a_preempted_job_req
 def test_outside_slurm_or_with_dry_run_0_it_says_so_or_runs(slurm, tmp_path):
     """DRY_RUN=0 runs (as unset does); without scontrol on the PATH: one line, exit 2."""
     env = {**slurm, "DRY_RUN": "0", "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "localhost"}
-    done = subprocess.run(["bash", str(SLURM / "run_on_nodes.sh"), "train.max_steps=5"], env=env, capture_output=True,
-                          text=True, timeout=30)
+    done = subprocess.run(
+        ["bash", str(SLURM / "run_on_nodes.sh"), "train.max_steps=5"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert done.returncode == 0 and "node 0: " not in done.stdout, (done.stdout, done.stderr)
-    assert (tmp_path / "node0").read_text().startswith("NODE_RANK=0 NNODES=1 ") and "args=train.max_steps=5" in (tmp_path / "node0").read_text()
+    assert (tmp_path / "node0").read_text().startswith("NODE_RANK=0 NNODES=1 ") and "args=train.max_steps=5" in (
+        tmp_path / "node0"
+    ).read_text()
     no_slurm = {**env, "PATH": os.environ["PATH"]}
-    done = subprocess.run(["bash", str(SLURM / "run_on_nodes.sh")], env=no_slurm, capture_output=True, text=True,
-                          timeout=30)
-    assert (done.returncode, done.stderr) == (2, "error: scontrol (Slurm's) is not on the PATH: run this inside a Slurm job\n")
+    done = subprocess.run(
+        ["bash", str(SLURM / "run_on_nodes.sh")], env=no_slurm, capture_output=True, text=True, timeout=30
+    )
+    assert (done.returncode, done.stderr) == (
+        2,
+        "error: scontrol (Slurm's) is not on the PATH: run this inside a Slurm job\n",
+    )

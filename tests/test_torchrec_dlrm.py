@@ -9,8 +9,19 @@ import re
 
 import pytest
 import torch
-from conftest import (FP32_EPS, ROOT, check, fp32_sum_atol, fp32_sum_rtol, launch, launch_and_kill, load_recipe,
-                      main_in_workers, read_jsonl, train_losses)
+from conftest import (
+    FP32_EPS,
+    ROOT,
+    check,
+    fp32_sum_atol,
+    fp32_sum_rtol,
+    launch,
+    launch_and_kill,
+    load_recipe,
+    main_in_workers,
+    read_jsonl,
+    train_losses,
+)
 
 import cookbook
 from cookbook.checkpoint import CheckpointError
@@ -58,8 +69,12 @@ def run_forked(out, *overrides):
 def plan_runs(tmp_path_factory):
     """One uninterrupted run per sharding kind (every table of that kind)."""
     base = tmp_path_factory.mktemp("dlrm-plans")
-    return {kind: run_forked(base / kind, *COMMON, f"sharding.plan={kind}", "sharding.tables={}",
-                             "checkpoint.every_steps=-1") for kind in KINDS}
+    return {
+        kind: run_forked(
+            base / kind, *COMMON, f"sharding.plan={kind}", "sharding.tables={}", "checkpoint.every_steps=-1"
+        )
+        for kind in KINDS
+    }
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -83,8 +98,14 @@ def resumed(tmp_path_factory):
     base = tmp_path_factory.mktemp("dlrm-resume")
     full = run_forked(base / "full", *COMMON, "checkpoint.every_steps=15")
     out = base / "resumed"
-    proc = launch_and_kill("torchrec-dlrm", f"output_dir={out}", *COMMON, "checkpoint.every_steps=15",
-                           once=out / "checkpoints" / "step_00000015", rank="1")
+    proc = launch_and_kill(
+        "torchrec-dlrm",
+        f"output_dir={out}",
+        *COMMON,
+        "checkpoint.every_steps=15",
+        once=out / "checkpoints" / "step_00000015",
+        rank="1",
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "restart 1 of 3: rank 1 was killed by SIGKILL" in proc.stderr, proc.stderr[-3000:]
     return full, out, proc
@@ -100,19 +121,26 @@ def test_resume_gives_the_uninterrupted_losses(resumed):
     summary = [r for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "summary"][-1]
     done = re.search(rf"done: {STEPS} steps \| eval auc ([\d.]+) logloss ([\d.]+)\n", proc.stderr)
     assert done and [float(v) for v in done.groups()] == pytest.approx(
-        [summary["eval/auc"], summary["eval/logloss"]], abs=5e-5), proc.stderr[-3000:]
+        [summary["eval/auc"], summary["eval/logloss"]], abs=5e-5
+    ), proc.stderr[-3000:]
     assert f"checkpoints: {out / 'checkpoints'}" in proc.stderr and "metrics:" in proc.stderr
     # Same data position, table shards, fused row-wise Adagrad state and dense Adagrad sums: the same math.
-    torch.testing.assert_close(torch.tensor([got[s] for s in range(1, STEPS + 1)], dtype=torch.float64),
-                               torch.tensor([expected[s] for s in range(1, STEPS + 1)], dtype=torch.float64),
-                               rtol=1e-6, atol=0)
+    torch.testing.assert_close(
+        torch.tensor([got[s] for s in range(1, STEPS + 1)], dtype=torch.float64),
+        torch.tensor([expected[s] for s in range(1, STEPS + 1)], dtype=torch.float64),
+        rtol=1e-6,
+        atol=0,
+    )
 
 
 def test_resume_on_another_world_size_is_refused_before_start(resumed):
-    with pytest.raises(CheckpointError, match=r"written by 2 ranks but this job has 1: its data position counts global "
-                                              r"batches of world_size x train.batch_size rows, .*\(resuming on another "
-                                              r"number of processes is supported by modernbert-ddp, qwen-fsdp2-sft and "
-                                              r"retinanet-ddp only\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"written by 2 ranks but this job has 1: its data position counts global "
+        r"batches of world_size x train.batch_size rows, .*\(resuming on another "
+        r"number of processes is supported by modernbert-ddp, qwen-fsdp2-sft and "
+        r"retinanet-ddp only\)",
+    ):
         check("torchrec-dlrm", f"output_dir={resumed[1]}", *COMMON, "checkpoint.every_steps=15", world_size=1)
 
 
@@ -123,11 +151,16 @@ def test_a_checkpoint_damaged_in_place_is_passed_over_with_one_warning(resumed, 
     import importlib.util
     import shutil
 
-    spec = importlib.util.spec_from_file_location("torchrec_dlrm_train", ROOT / "recipes" / "torchrec-dlrm" / "train.py")
+    spec = importlib.util.spec_from_file_location(
+        "torchrec_dlrm_train", ROOT / "recipes" / "torchrec-dlrm" / "train.py"
+    )
     spec.loader.exec_module(load_recipe("torchrec-dlrm"))  # what a new --check process runs at its start
     out = tmp_path / "run"
     shutil.copytree(resumed[1] / "checkpoints", out / "checkpoints")
-    newest, previous = sorted((out / "checkpoints").glob("step_*"))[-1], sorted((out / "checkpoints").glob("step_*"))[-2]
+    newest, previous = (
+        sorted((out / "checkpoints").glob("step_*"))[-1],
+        sorted((out / "checkpoints").glob("step_*"))[-2],
+    )
     shard = max(newest.glob("*.distcp"), key=lambda p: p.stat().st_size)
     with open(shard, "r+b") as f:
         f.seek(shard.stat().st_size // 2)
@@ -136,9 +169,11 @@ def test_a_checkpoint_damaged_in_place_is_passed_over_with_one_warning(resumed, 
     check("torchrec-dlrm", f"output_dir={out}", *COMMON, "checkpoint.every_steps=15")
     warnings = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
     assert len(warnings) == 1 and re.fullmatch(
-        re.escape(f"warning: checkpoint {newest} is damaged ({shard.name} does not match its checksum (xxh3_64:") +
-        r"\w+ in meta\.json, xxh3_64:\w+ now\)\); resuming from " + re.escape(f"{previous} instead"), warnings[0]), \
-        warnings
+        re.escape(f"warning: checkpoint {newest} is damaged ({shard.name} does not match its checksum (xxh3_64:")
+        + r"\w+ in meta\.json, xxh3_64:\w+ now\)\); resuming from "
+        + re.escape(f"{previous} instead"),
+        warnings[0],
+    ), warnings
 
 
 # ----------------------------------------------------------------------------- correctness
@@ -152,8 +187,14 @@ def _one_sharded_step(base: str):
     info = cookbook.get_dist_info()
     out = {}
     for kind in KINDS:
-        cfg = tiny_config(f"sharding.plan={kind}", "sharding.tables={}", "optim.sparse=sgd", "optim.dense=sgd",
-                          "optim.sparse_lr=0.5", "optim.dense_lr=0.5")
+        cfg = tiny_config(
+            f"sharding.plan={kind}",
+            "sharding.tables={}",
+            "optim.sparse=sgd",
+            "optim.dense=sgd",
+            "optim.sparse_lr=0.5",
+            "optim.dense_lr=0.5",
+        )
         model, optimizer = train.shard_model(cfg, info)
         state = {"app": train.DLRMState(model, optimizer)}
         dcp.save(state, checkpoint_id=f"{base}/{kind}/init")
@@ -183,17 +224,25 @@ def test_sharded_forward_and_step_equal_a_single_process_model(tmp_path):
     train = recipe_module()
     results = _one_sharded_step.distributed(str(tmp_path))[0]
     cfg = tiny_config()
-    rows = [train.parse_row(line, train.table_sizes(cfg.model), where)
-            for where, line in list(train.split_lines(cfg.data.train_files, cfg.data.holdout_every, "train"))[:128]]
+    rows = [
+        train.parse_row(line, train.table_sizes(cfg.model), where)
+        for where, line in list(train.split_lines(cfg.data.train_files, cfg.data.holdout_every, "train"))[:128]
+    ]
     batch = train.to_batch(rows)
     for kind, per_rank in results.items():
         reference = train.build_model(cfg, torch.device("cpu"))
         reference.model.sparse_arch.embedding_bag_collection = EmbeddingBagCollection(
-            tables=reference.model.sparse_arch.embedding_bag_collection.embedding_bag_configs(), device=torch.device("cpu"))
+            tables=reference.model.sparse_arch.embedding_bag_collection.embedding_bag_configs(),
+            device=torch.device("cpu"),
+        )
         reference.load_state_dict(_full_state(tmp_path / kind / "init", tmp_path))
         loss, (_, logits, _) = reference(batch)
-        torch.testing.assert_close(torch.cat([lg for lg, _ in per_rank]), logits.detach(), rtol=0,
-                                   atol=fp32_sum_atol(OVER_ARCH_IN, logits.abs().max()))
+        torch.testing.assert_close(
+            torch.cat([lg for lg, _ in per_rank]),
+            logits.detach(),
+            rtol=0,
+            atol=fp32_sum_atol(OVER_ARCH_IN, logits.abs().max()),
+        )
         assert sum(lo for _, lo in per_rank) / 2 == pytest.approx(loss.item(), rel=fp32_sum_rtol(GLOBAL_ROWS))
         loss.backward()
         expected = {name: p.detach() - 0.5 * p.grad for name, p in reference.named_parameters()}
@@ -201,8 +250,13 @@ def test_sharded_forward_and_step_equal_a_single_process_model(tmp_path):
         after = _full_state(tmp_path / kind / "after", tmp_path)
         moved = 0
         for name, value in expected.items():
-            torch.testing.assert_close(after[name], value, rtol=2 * FP32_EPS,
-                                       atol=fp32_sum_atol(GLOBAL_ROWS, update[name]), msg=f"{kind}: {name}")
+            torch.testing.assert_close(
+                after[name],
+                value,
+                rtol=2 * FP32_EPS,
+                atol=fp32_sum_atol(GLOBAL_ROWS, update[name]),
+                msg=f"{kind}: {name}",
+            )
             moved += int(not torch.equal(after[name], dict(reference.named_parameters())[name].detach()))
         assert moved == len(expected), f"{kind}: only {moved} of {len(expected)} tensors changed"
 
@@ -233,12 +287,16 @@ def test_a_non_numeric_count_names_its_line_and_column(tmp_path):
         check("torchrec-dlrm", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{path}]", "train.batch_size=8")
 
 
-@pytest.mark.parametrize("value, message", [
-    ("9" * 400, r"'9+\.\.\.9+' is outside the 64-bit integer range"),
-    ("-9223372036854775809", r"'-9223372036854775809' is outside the 64-bit integer range"),
-    ("1e999", r"'1e999' is not an integer"),
-    ("inf", r"'inf' is not an integer"),
-], ids=["400 digits", "below int64", "1e999", "inf"])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("9" * 400, r"'9+\.\.\.9+' is outside the 64-bit integer range"),
+        ("-9223372036854775809", r"'-9223372036854775809' is outside the 64-bit integer range"),
+        ("1e999", r"'1e999' is not an integer"),
+        ("inf", r"'inf' is not an integer"),
+    ],
+    ids=["400 digits", "below int64", "1e999", "inf"],
+)
 @pytest.mark.parametrize("suffix", [".txt", ".csv"])
 def test_a_count_too_large_or_infinite_is_one_line_naming_its_line_and_column(tmp_path, value, message, suffix):
     """Criteo text and CSV alike (a 400-digit count once ended in a bare OverflowError), before any worker."""
@@ -287,8 +345,13 @@ def test_hub_rows_are_written_as_criteo_text_before_workers(tmp_path, monkeypatc
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     out = tmp_path / "out"
-    printed = check("torchrec-dlrm", f"output_dir={out}", "data.train_files=[]", "data.hub_id=someone/criteo",
-                    "data.hub_max_rows=300")
+    printed = check(
+        "torchrec-dlrm",
+        f"output_dir={out}",
+        "data.train_files=[]",
+        "data.hub_id=someone/criteo",
+        "data.hub_max_rows=300",
+    )
     written = out / "hub_data" / "someone__criteo-train.txt"
     assert calls == [("someone/criteo", "train", True)]
     assert f"300 rows written to {written}" in printed and "config OK" in printed
@@ -311,14 +374,21 @@ def test_an_eval_set_smaller_than_the_world_size_counts_its_row_once(tmp_path):
     row = (RECIPE / "tiny" / "data" / "train.txt").read_text().splitlines()[5]
     one = tmp_path / "one.txt"
     one.write_text(row + "\n")
-    out = run_forked(tmp_path / "run", "train.max_steps=2", "mlflow=false", "train.eval_every=0",
-                     "checkpoint.every_steps=0", f"data.eval_files=[{one}]")
+    out = run_forked(
+        tmp_path / "run",
+        "train.max_steps=2",
+        "mlflow=false",
+        "train.eval_every=0",
+        "checkpoint.every_steps=0",
+        f"data.eval_files=[{one}]",
+    )
     summary = [r for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "summary"][-1]
     assert summary["eval/rows"] == 1
     cfg = tiny_config()
     reference = train.build_model(cfg, torch.device("cpu"))
     reference.model.sparse_arch.embedding_bag_collection = EmbeddingBagCollection(
-        tables=reference.model.sparse_arch.embedding_bag_collection.embedding_bag_configs(), device=torch.device("cpu"))
+        tables=reference.model.sparse_arch.embedding_bag_collection.embedding_bag_configs(), device=torch.device("cpu")
+    )
     reference.load_state_dict(_full_state(out / "checkpoints" / "step_00000002", tmp_path))
     batch = train.to_batch([train.parse_row(row, train.table_sizes(cfg.model), "one.txt line 1")])
     with torch.no_grad():
@@ -343,19 +413,30 @@ def test_criteo_text_with_bom_crlf_header_and_float_counts_reads_as_the_plain_fi
     train = recipe_module()
     lines = _tiny_rows()
     text = tmp_path / "day_0.txt"
-    text.write_bytes(("\ufeff" + "\t".join(train.COLUMNS) + "\r\n" + "".join(
-        _as_floats(line).replace("\t0.0", "\t0", 1) + "\r\n" for line in lines)).encode())
+    text.write_bytes(
+        (
+            "\ufeff"
+            + "\t".join(train.COLUMNS)
+            + "\r\n"
+            + "".join(_as_floats(line).replace("\t0.0", "\t0", 1) + "\r\n" for line in lines)
+        ).encode()
+    )
     sizes = train.table_sizes(tiny_config().model)
     got = [train.parse_row(line, sizes, w) for w, line in train.split_lines([str(text)], 0, "all")]
     assert got == [train.parse_row(line, sizes, "x") for line in lines]
-    assert "(200 rows checked)" in check("torchrec-dlrm", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{text}]",
-                                         "train.batch_size=8")
+    assert "(200 rows checked)" in check(
+        "torchrec-dlrm", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{text}]", "train.batch_size=8"
+    )
     fields = lines[3].split("\t")
     fields[2] = "2.5"
     (tmp_path / "half.txt").write_text("\n".join([*lines[:3], "\t".join(fields)]) + "\n")
     with pytest.raises(train.DataError, match=r"half.txt line 4, column 3 \(I2\): '2.5' is not an integer"):
-        check("torchrec-dlrm", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{tmp_path / 'half.txt'}]",
-              "train.batch_size=8")
+        check(
+            "torchrec-dlrm",
+            f"output_dir={tmp_path / 'out'}",
+            f"data.train_files=[{tmp_path / 'half.txt'}]",
+            "train.batch_size=8",
+        )
 
 
 def test_criteo_csv_and_parquet_are_converted_once_per_content(tmp_path, capsys):
@@ -381,13 +462,24 @@ def test_criteo_csv_and_parquet_are_converted_once_per_content(tmp_path, capsys)
     assert len(new) == 1 and new[0].read_text().splitlines() == lines[:100]
 
     columns = list(zip(*[line.split("\t") for line in lines]))
-    table = pa.table({name: [int(v) if v else None for v in col] if name in train.DENSE or name == "label"
-                      else [v or None for v in col] for name, col in zip(train.COLUMNS, columns)})
-    table = table.cast(pa.schema([(n, pa.float64() if n in train.DENSE else table.schema.field(n).type)
-                                  for n in train.COLUMNS]))  # counts as float64 with nulls, as pandas stores them
+    table = pa.table(
+        {
+            name: [int(v) if v else None for v in col]
+            if name in train.DENSE or name == "label"
+            else [v or None for v in col]
+            for name, col in zip(train.COLUMNS, columns)
+        }
+    )
+    table = table.cast(
+        pa.schema([(n, pa.float64() if n in train.DENSE else table.schema.field(n).type) for n in train.COLUMNS])
+    )  # counts as float64 with nulls, as pandas stores them
     pq.write_table(table, tmp_path / "criteo.parquet")
-    assert "200 rows converted" in check("torchrec-dlrm", f"output_dir={tmp_path / 'out'}",
-                                         f"data.train_files=[{tmp_path / 'criteo.parquet'}]", "train.batch_size=8")
+    assert "200 rows converted" in check(
+        "torchrec-dlrm",
+        f"output_dir={tmp_path / 'out'}",
+        f"data.train_files=[{tmp_path / 'criteo.parquet'}]",
+        "train.batch_size=8",
+    )
     parquet_text = [p for p in (tmp_path / "out" / "converted").glob("criteo-*.txt") if p not in (*converted, *new)]
     assert len(parquet_text) == 1 and parquet_text[0].read_text().splitlines() == lines
 
@@ -407,8 +499,13 @@ def test_hub_counts_written_as_floats_become_integers_and_a_stale_file_is_rewrit
 
     train = recipe_module()
     lines = _tiny_rows(50)
-    rows = [{c: (float(v) if v and c in train.DENSE else int(v) if c == "label" else v or None)
-             for c, v in zip(train.COLUMNS, line.split("\t"))} for line in lines]
+    rows = [
+        {
+            c: (float(v) if v and c in train.DENSE else int(v) if c == "label" else v or None)
+            for c, v in zip(train.COLUMNS, line.split("\t"))
+        }
+        for line in lines
+    ]
     monkeypatch.setattr(datasets, "load_dataset", lambda hub_id, split, streaming: iter(rows))
     out = tmp_path / "out"
     written = out / "hub_data" / "someone__criteo-train.txt"
@@ -425,15 +522,24 @@ def test_hub_counts_written_as_floats_become_integers_and_a_stale_file_is_rewrit
 def test_a_bad_row_found_by_rank_1_reaches_the_user_as_one_line(tmp_path):
     """A bad row beyond ``data.check_rows`` in rank 1's slice of a global batch (rows 9-16 of the first batch of
     2 x 8 rows) is found by rank 1 alone, after the workers started: its one line comes first, no traceback."""
+
     def edit(ls):
         fields = ls[12].split("\t")
         fields[4] = "12x"
         return ls[:12] + ["\t".join(fields)] + ls[13:]
 
     path = _rows_file(tmp_path, edit)
-    proc = launch("torchrec-dlrm", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{path}]", "data.check_rows=5",
-                  "data.holdout_every=0", "train.batch_size=8", "train.max_steps=4", "checkpoint.every_steps=0",
-                  "mlflow=false")
+    proc = launch(
+        "torchrec-dlrm",
+        f"output_dir={tmp_path / 'out'}",
+        f"data.train_files=[{path}]",
+        "data.check_rows=5",
+        "data.holdout_every=0",
+        "train.batch_size=8",
+        "train.max_steps=4",
+        "checkpoint.every_steps=0",
+        "mlflow=false",
+    )
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert errors[0] == f"error: [rank 1] {path} line 13, column 5 (I4): '12x' is not an integer", proc.stderr
@@ -447,7 +553,9 @@ def test_a_criteo_text_file_that_is_not_utf8_or_empty_is_named(tmp_path):
     utf16 = tmp_path / "utf16.txt"
     utf16.write_text("\n".join(lines) + "\n", encoding="utf-16")
     latin1 = tmp_path / "latin1.txt"
-    latin1.write_bytes(("\n".join(lines[:30]) + "\n").encode() + b"0\t1\tcaf\xe9\n" + ("\n".join(lines[30:]) + "\n").encode())
+    latin1.write_bytes(
+        ("\n".join(lines[:30]) + "\n").encode() + b"0\t1\tcaf\xe9\n" + ("\n".join(lines[30:]) + "\n").encode()
+    )
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     common = (f"output_dir={tmp_path / 'out'}", "train.batch_size=8")

@@ -40,8 +40,8 @@ def _records(path: Path, fmt: str) -> list[bytes]:
     pos = 0 if fmt == "tfrecord" else 7  # ":W&B", a magic number, a version
     if fmt == "tfrecord":
         while pos < len(data):
-            (n,) = struct.unpack("<Q", data[pos:pos + 8])
-            out.append(data[pos + 12:pos + 12 + n])
+            (n,) = struct.unpack("<Q", data[pos : pos + 8])
+            out.append(data[pos + 12 : pos + 12 + n])
             pos += 12 + n + 4
         return out
     part = b""
@@ -50,11 +50,11 @@ def _records(path: Path, fmt: str) -> list[bytes]:
         if left < 7:
             pos += left
             continue
-        _, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _, n, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if n == 0 and kind == 0:
             pos += left
             continue
-        part += data[pos + 7:pos + 7 + n]
+        part += data[pos + 7 : pos + 7 + n]
         pos += 7 + n
         if kind in (1, 4):  # a full record, or the last piece of one
             out.append(part)
@@ -79,15 +79,26 @@ def test_tensorboard_event_file_holds_every_scalar_and_the_config(tmp_path):
     assert scalars["eval/accuracy"] == [(3, pytest.approx(0.75))]
     assert {"lr", "grad_norm", "tokens_per_s_per_device", "rss_gib"} <= set(scalars)
     assert any("| a.b | 1 |" in t for t in texts)
-    assert logger.tracker_lines() == [("TensorBoard", f"{tmp_path / 'tensorboard'}; browse with `tensorboard --logdir "
-                                                      f"{tmp_path / 'tensorboard'}`" + _install_note("tensorboard"))]
+    assert logger.tracker_lines() == [
+        (
+            "TensorBoard",
+            f"{tmp_path / 'tensorboard'}; browse with `tensorboard --logdir "
+            f"{tmp_path / 'tensorboard'}`" + _install_note("tensorboard"),
+        )
+    ]
 
 
 def _install_note(module):
     import importlib.util
 
-    return "" if importlib.util.find_spec(module) else (" (after `pip install tensorboard==2.21.0`, or `pip install -r "
-                                                        "requirements/trackers.txt` from the cookbook repository's root)")
+    return (
+        ""
+        if importlib.util.find_spec(module)
+        else (
+            " (after `pip install tensorboard==2.21.0`, or `pip install -r "
+            "requirements/trackers.txt` from the cookbook repository's root)"
+        )
+    )
 
 
 @pytest.fixture
@@ -98,7 +109,9 @@ def wandb_offline(tmp_path, monkeypatch):
         monkeypatch.setenv(name, str(tmp_path / "wandb-home"))
 
 
-def test_wandb_without_a_key_runs_offline_into_the_output_folder_and_a_resume_continues_the_run(tmp_path, wandb_offline):
+def test_wandb_without_a_key_runs_offline_into_the_output_folder_and_a_resume_continues_the_run(
+    tmp_path, wandb_offline
+):
     from wandb.proto.wandb_internal_pb2 import Record
 
     first = _log_three_steps(tmp_path, trackers=["wandb"])
@@ -135,16 +148,22 @@ def test_a_tracking_uri_secret_is_masked_in_every_tracker_file_and_line(tmp_path
 
 
 def test_trackers_are_checked_by_name_and_by_package(tmp_path, monkeypatch):
-    with pytest.raises(ConfigError, match=r"^trackers: unknown tracker 'neptune'; choose from mlflow, tensorboard, "
-                                          r"wandb \(metrics.jsonl is always written\)$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^trackers: unknown tracker 'neptune'; choose from mlflow, tensorboard, "
+        r"wandb \(metrics.jsonl is always written\)$",
+    ):
         check_trackers(["mlflow", "neptune"])
     import importlib.util
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
-    with pytest.raises(ConfigError, match=r"^trackers: wandb is selected but the wandb package is not installed: "
-                                          r"`pip install wandb==0\.31\.0`, or `pip install -r requirements/trackers\.txt` "
-                                          r"from the cookbook repository's root$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^trackers: wandb is selected but the wandb package is not installed: "
+        r"`pip install wandb==0\.31\.0`, or `pip install -r requirements/trackers\.txt` "
+        r"from the cookbook repository's root$",
+    ):
         MetricsLogger(tmp_path, CPU, params={"trackers": ["wandb"]})
     assert MetricsLogger(tmp_path, CPU, mlflow=False, params={"trackers": ["mlflow"]}).trackers == []
 
@@ -163,9 +182,12 @@ def test_install_hints_name_the_packages_with_the_requirements_files_pins():
     for name, (module, packages, path) in config.TRACKERS.items():
         assert [pins(path).get(spec.split("==")[0]) for spec in packages.split()] == packages.split(), name
     assert [pins(config.TRACKER_UIS_FILE).get(spec.split("==")[0]) for spec in config.TRACKER_UIS.values()] == [
-        "mlflow==3.17.2", "tensorboard==2.21.0"]
+        "mlflow==3.17.2",
+        "tensorboard==2.21.0",
+    ]
     assert config.install_hint("wandb==0.31.0", "requirements/trackers.txt") == (
-        "`pip install wandb==0.31.0`, or `pip install -r requirements/trackers.txt` from the cookbook repository's root")
+        "`pip install wandb==0.31.0`, or `pip install -r requirements/trackers.txt` from the cookbook repository's root"
+    )
 
 
 # ----------------------------------------------------------------------------- the progress bar
@@ -174,8 +196,10 @@ class Terminal(io.StringIO):
         return True
 
 
-LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d step (\d)/3 \| loss [\d.]+ \| lr 1.00e-03 \| gnorm 0.50 \| \d+ ms/step \| "
-                      r"[\d.]+ samples/s/rank \| [\d,]+ tok/s/rank \| rss [\d.]+ GiB \| data 0%( \| eta \d+ s)?$")
+LOG_LINE = re.compile(
+    r"^\d\d:\d\d:\d\d step (\d)/3 \| loss [\d.]+ \| lr 1.00e-03 \| gnorm 0.50 \| \d+ ms/step \| "
+    r"[\d.]+ samples/s/rank \| [\d,]+ tok/s/rank \| rss [\d.]+ GiB \| data 0%( \| eta \d+ s)?$"
+)
 
 
 def _console_of_a_run(tmp_path, monkeypatch, stream):
@@ -209,6 +233,8 @@ def test_on_a_terminal_the_bar_shows_steps_loss_throughput_and_time_left_below_t
     logged = [f for f in frames if LOG_LINE.match(f)]
     assert [LOG_LINE.match(f).group(1) for f in logged] == ["1", "2", "3"]  # each log line once, whole
     bars = [f for f in frames if f.startswith("train: ")]
-    assert re.search(r"train: +67%\|[^|]*\| 2/3 \[\d\d:\d\d<\d\d:\d\d, [\d.]+step/s, loss=1.0000, tok/s/rank=[\d,]+\]",
-                     "\n".join(bars)), bars
+    assert re.search(
+        r"train: +67%\|[^|]*\| 2/3 \[\d\d:\d\d<\d\d:\d\d, [\d.]+step/s, loss=1.0000, tok/s/rank=[\d,]+\]",
+        "\n".join(bars),
+    ), bars
     assert re.search(r"\| 3/3 \[.*loss=0.6667, tok/s/rank=", bars[-1]), bars[-1]

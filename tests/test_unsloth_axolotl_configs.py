@@ -38,8 +38,13 @@ PYTHON3 = Path(sys.executable).parent / "python3"  # what launch.sh runs, with t
 
 def _dry_run(recipe_dir, *args, **env):
     path = f"{PYTHON3.parent}{os.pathsep}{os.environ['PATH']}"
-    out = subprocess.run(["bash", str(recipe_dir / "launch.sh"), *args], capture_output=True, text=True,
-                         env={**os.environ, "PATH": path, "DRY_RUN": "1", **env}, timeout=60)
+    out = subprocess.run(
+        ["bash", str(recipe_dir / "launch.sh"), *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PATH": path, "DRY_RUN": "1", **env},
+        timeout=60,
+    )
     return out.returncode, out.stdout.splitlines(), out.stderr
 
 
@@ -48,22 +53,30 @@ def test_unsloth_config_is_checked(monkeypatch):
     mod = load_recipe("unsloth-lora-ddp")
     with pytest.raises(mod.ConfigError, match=r"^override 'lora.rank=8': key 'lora.rank': Key 'rank' not in"):
         check("unsloth-lora-ddp", "lora.rank=8")
-    with pytest.raises(mod.ConfigError, match=r"tiny.yaml: model.loader must be one of unsloth, transformers, got 'trl'$"):
+    with pytest.raises(
+        mod.ConfigError, match=r"tiny.yaml: model.loader must be one of unsloth, transformers, got 'trl'$"
+    ):
         check("unsloth-lora-ddp", "model.loader=trl")
     with pytest.raises(mod.ConfigError, match=r"tiny.yaml: model.load_in_4bit needs model.loader=unsloth$"):
         check("unsloth-lora-ddp", "model.load_in_4bit=true")
     with pytest.raises(mod.ConfigError, match=r"tiny.yaml: lora.r must be at least 1, got 0$"):
         check("unsloth-lora-ddp", "lora.r=0")
-    with pytest.raises(mod.ConfigError, match=r"tiny.yaml: model.attn_implementation must be one of auto, varlen, "
-                                              r"sdpa, eager, got 'flash'$"):
+    with pytest.raises(
+        mod.ConfigError,
+        match=r"tiny.yaml: model.attn_implementation must be one of auto, varlen, "
+        r"sdpa, eager, got 'flash'$",
+    ):
         check("unsloth-lora-ddp", "model.attn_implementation=flash")
     with pytest.raises(mod.ConfigError, match=r"tiny.yaml: model.attn_implementation=varlen runs on CUDA GPUs only"):
         check("unsloth-lora-ddp", "model.attn_implementation=varlen")  # this machine has no GPU
     tiny = mod.load(UNSLOTH / "tiny.yaml")
     assert (mod.attention(tiny, on_gpu=False), mod.attention(tiny, on_gpu=True)) == ("sdpa", "varlen")
     monkeypatch.setitem(sys.modules, "unsloth", None)  # Unsloth not installed: one line before any worker
-    with pytest.raises(mod.ConfigError, match=r"tiny.yaml: model.loader=unsloth, but Unsloth does not import \(.*\): "
-                                              r"install the recipe's own environment .*, or set model.loader=transformers$"):
+    with pytest.raises(
+        mod.ConfigError,
+        match=r"tiny.yaml: model.loader=unsloth, but Unsloth does not import \(.*\): "
+        r"install the recipe's own environment .*, or set model.loader=transformers$",
+    ):
         check("unsloth-lora-ddp", "model.loader=unsloth")
     cfg = mod.load(UNSLOTH / "config.yaml")  # the real config passes the same checks
     assert (cfg.model.name_or_path, cfg.model.loader, cfg.lora.r) == ("meta-llama/Llama-3.2-3B", "unsloth", 16)
@@ -74,9 +87,11 @@ def test_unsloth_launch_dry_run():
     rc, lines, _ = _dry_run(UNSLOTH, "train.max_steps=3", NGPU="4", CONFIG_FILE="tiny.yaml")
     tiny, train = UNSLOTH / "tiny.yaml", UNSLOTH / "train.py"
     assert rc == 0
-    assert lines == [f"check: env COOKBOOK_WORLD_SIZE=4 {PYTHON3} {train} --check --config {tiny} train.max_steps=3",
-                     f"run: {PYTHON3} -m cookbook.torchrun --standalone --nproc-per-node 4 --max-restarts 3 {train} "
-                     f"--config {tiny} train.max_steps=3"]
+    assert lines == [
+        f"check: env COOKBOOK_WORLD_SIZE=4 {PYTHON3} {train} --check --config {tiny} train.max_steps=3",
+        f"run: {PYTHON3} -m cookbook.torchrun --standalone --nproc-per-node 4 --max-restarts 3 {train} "
+        f"--config {tiny} train.max_steps=3",
+    ]
 
 
 def test_axolotl_config_is_checked(tmp_path):
@@ -85,15 +100,24 @@ def test_axolotl_config_is_checked(tmp_path):
     assert cfg["datasets"][0]["path"] == str(ROOT / "recipes/qwen-fsdp2-sft/tiny/data/chat.jsonl")
     good = yaml.safe_load((AXOLOTL / "tiny.yaml").read_text())
     good["datasets"][0]["path"] = cfg["datasets"][0]["path"]
-    cases = [({"lora_rr": 8}, "key 'lora_rr' is not an Axolotl key this recipe uses; did you mean 'lora_r'? "
-                              "(Axolotl would ignore it silently)"),
-             ({"lora_r": "16"}, "key 'lora_r' must be int, got '16'"),
-             ({"adapter": "qlora"}, "key 'load_in_4bit' must be true with adapter: qlora, and only then"),
-             ({"sequence_len": 0}, "key 'sequence_len' must be at least 1, got 0"),
-             ({"datasets": [{"path": "missing.jsonl", "type": "chat_template"}]},
-              f"datasets[0].path: file not found: {tmp_path / 'missing.jsonl'}"),
-             ({"datasets": [{**good["datasets"][0], "type": "alpaca"}]},
-              "datasets[0].type must be chat_template (chat rows), got 'alpaca'")]
+    cases = [
+        (
+            {"lora_rr": 8},
+            "key 'lora_rr' is not an Axolotl key this recipe uses; did you mean 'lora_r'? "
+            "(Axolotl would ignore it silently)",
+        ),
+        ({"lora_r": "16"}, "key 'lora_r' must be int, got '16'"),
+        ({"adapter": "qlora"}, "key 'load_in_4bit' must be true with adapter: qlora, and only then"),
+        ({"sequence_len": 0}, "key 'sequence_len' must be at least 1, got 0"),
+        (
+            {"datasets": [{"path": "missing.jsonl", "type": "chat_template"}]},
+            f"datasets[0].path: file not found: {tmp_path / 'missing.jsonl'}",
+        ),
+        (
+            {"datasets": [{**good["datasets"][0], "type": "alpaca"}]},
+            "datasets[0].type must be chat_template (chat rows), got 'alpaca'",
+        ),
+    ]
     for change, message in cases:
         bad = tmp_path / "bad.yaml"
         bad.write_text(yaml.safe_dump({**good, **change}))
@@ -145,14 +169,36 @@ def test_axolotl_show_examples_prints_rows_as_trained_with_the_counts(tmp_path, 
     comes after the rows shown."""
     chk = _axolotl_check()
     rows = tmp_path / "rows.jsonl"
-    rows.write_text("".join(json.dumps(r) + "\n" for r in [
-        {"messages": [{"role": "user", "content": "What is 2 plus 2?"},
-                      {"role": "assistant", "content": "It is 4.", "reasoning_content": "2 + 2 = 4.", "weight": 1}]},
-        {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi there."}], "id": 2},
-        {"messages": [{"role": "user", "content": "Count."}, {"role": "assistant", "content": " ".join(["one"] * 200)}]}]))
+    rows.write_text(
+        "".join(
+            json.dumps(r) + "\n"
+            for r in [
+                {
+                    "messages": [
+                        {"role": "user", "content": "What is 2 plus 2?"},
+                        {"role": "assistant", "content": "It is 4.", "reasoning_content": "2 + 2 = 4.", "weight": 1},
+                    ]
+                },
+                {
+                    "messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi there."}],
+                    "id": 2,
+                },
+                {
+                    "messages": [
+                        {"role": "user", "content": "Count."},
+                        {"role": "assistant", "content": " ".join(["one"] * 200)},
+                    ]
+                },
+            ]
+        )
+    )
     cfg = yaml.safe_load((AXOLOTL / "tiny.yaml").read_text())
-    cfg.update(datasets=[{**cfg["datasets"][0], "path": str(rows)}], val_set_size=0.5,
-               base_model=str(AXOLOTL / "tiny/olmo3"), tokenizer_config=str(ROOT / "recipes/qwen-fsdp2-sft/tiny/llama"))
+    cfg.update(
+        datasets=[{**cfg["datasets"][0], "path": str(rows)}],
+        val_set_size=0.5,
+        base_model=str(AXOLOTL / "tiny/olmo3"),
+        tokenizer_config=str(ROOT / "recipes/qwen-fsdp2-sft/tiny/llama"),
+    )
     path = tmp_path / "show.yaml"
     path.write_text(yaml.safe_dump(cfg))
     assert chk.main([str(path), "--show-examples", "2"]) == 0
@@ -163,23 +209,29 @@ def test_axolotl_show_examples_prints_rows_as_trained_with_the_counts(tmp_path, 
     assert "  examples        2 kept, 1 dropped (longer than max_length=128, dropped rather than cut: line 3 (" in out
     assert "  reasoning       0 turns trained, 1 left out by the chat template, 0 dropped" in out
     assert "  keys not used   id: 1, messages[].weight: 1" in out
-    assert out.rstrip().endswith("val_set_size=0.5: Axolotl holds out that share of these examples for evaluation "
-                                 "(seed 42); the rows above are before that split")
+    assert out.rstrip().endswith(
+        "val_set_size=0.5: Axolotl holds out that share of these examples for evaluation "
+        "(seed 42); the rows above are before that split"
+    )
     path.write_text(yaml.safe_dump({**cfg, "excess_length_strategy": "truncate"}))
     assert chk.main([str(path), "--show-examples", "1"]) == 0
     assert "  examples        3 kept, 1 truncated to max_length=128, 0 dropped" in capsys.readouterr().out
     path.write_text(yaml.safe_dump({**cfg, "excess_length_strategy": "raise"}))
     assert chk.main([str(path)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"error: {rows} line 3: ") and err.endswith(" tokens, longer than sequence_len=128 "
-                                                                     "(excess_length_strategy: raise)\n")
+    assert err.startswith(f"error: {rows} line 3: ") and err.endswith(
+        " tokens, longer than sequence_len=128 (excess_length_strategy: raise)\n"
+    )
+
 
 def test_axolotl_launch_dry_run():
     rc, lines, _ = _dry_run(AXOLOTL, "--max-steps", "5", NGPU="2", CONFIG_FILE="qlora.yaml")
     assert rc == 0
-    assert lines == [f"check: python3 {AXOLOTL}/check.py {AXOLOTL}/qlora.yaml ",
-                     f"run (in {AXOLOTL}): axolotl train {AXOLOTL}/qlora.yaml --launcher torchrun --max-steps 5 -- "
-                     "--nproc_per_node 2 --nnodes 1 "]
+    assert lines == [
+        f"check: python3 {AXOLOTL}/check.py {AXOLOTL}/qlora.yaml ",
+        f"run (in {AXOLOTL}): axolotl train {AXOLOTL}/qlora.yaml --launcher torchrun --max-steps 5 -- "
+        "--nproc_per_node 2 --nnodes 1 ",
+    ]
     rc, lines, _ = _dry_run(AXOLOTL, NGPU="8", LAUNCHER="accelerate")
     assert lines[1].endswith("--launcher accelerate -- --num_processes 8 --num_machines 1 ")
     rc, _, err = _dry_run(AXOLOTL, LAUNCHER="deepspeed", NGPU="1")
@@ -189,18 +241,42 @@ def test_axolotl_launch_dry_run():
 def _assert_same_training(a: dict, u, seq: int | None = None, steps: int | None = None) -> None:
     """Axolotl config `a` has the LoRA, batch, schedule and checkpointing of the Unsloth / TRL config `u` (with the
     sequence length and steps `seq` / `steps` when given, as the benchmark script overrides them)."""
-    assert (a["lora_r"], a["lora_alpha"], a["lora_dropout"], a["lora_target_modules"]) == \
-        (u.lora.r, u.lora.alpha, u.lora.dropout, u.lora.target_modules)
-    assert (a["sequence_len"], a["sample_packing"], a["micro_batch_size"], a["gradient_accumulation_steps"]) == \
-        (seq or u.data.max_length, u.data.packing, u.train.micro_batch_size, u.train.grad_accum_steps)
-    assert (a["max_steps"], a["learning_rate"], a["warmup_steps"], a["lr_scheduler"], a["weight_decay"],
-            a["max_grad_norm"], a["seed"], a["gradient_checkpointing"]) == \
-        (steps or u.train.max_steps, u.train.lr, u.train.warmup_steps, u.train.scheduler, u.train.weight_decay,
-         u.train.max_grad_norm, u.train.seed, u.train.gradient_checkpointing)
+    assert (a["lora_r"], a["lora_alpha"], a["lora_dropout"], a["lora_target_modules"]) == (
+        u.lora.r,
+        u.lora.alpha,
+        u.lora.dropout,
+        u.lora.target_modules,
+    )
+    assert (a["sequence_len"], a["sample_packing"], a["micro_batch_size"], a["gradient_accumulation_steps"]) == (
+        seq or u.data.max_length,
+        u.data.packing,
+        u.train.micro_batch_size,
+        u.train.grad_accum_steps,
+    )
+    assert (
+        a["max_steps"],
+        a["learning_rate"],
+        a["warmup_steps"],
+        a["lr_scheduler"],
+        a["weight_decay"],
+        a["max_grad_norm"],
+        a["seed"],
+        a["gradient_checkpointing"],
+    ) == (
+        steps or u.train.max_steps,
+        u.train.lr,
+        u.train.warmup_steps,
+        u.train.scheduler,
+        u.train.weight_decay,
+        u.train.max_grad_norm,
+        u.train.seed,
+        u.train.gradient_checkpointing,
+    )
 
 
-@pytest.mark.parametrize("unsloth_cfg, axolotl_cfgs", [("config.yaml", ["config.yaml", "qlora.yaml"]),
-                                                       ("tiny.yaml", ["tiny.yaml"])])
+@pytest.mark.parametrize(
+    "unsloth_cfg, axolotl_cfgs", [("config.yaml", ["config.yaml", "qlora.yaml"]), ("tiny.yaml", ["tiny.yaml"])]
+)
 def test_same_settings_on_every_path(unsloth_cfg, axolotl_cfgs):
     """Unsloth (model.loader=unsloth), the TRL + PEFT path (the same train.py, model.loader=transformers) and Axolotl
     train with the same LoRA, sequence length, batch, steps and schedule."""
@@ -226,21 +302,38 @@ def test_prepare_data_matches_the_unsloth_rows(tmp_path):
     assert chats == [r["prompt"] + r["completion"] for r in rows]
 
 
-
-THINK = {"messages": [{"role": "user", "content": "What is two plus two?"},
-                      {"role": "assistant", "content": "It is four.", "reasoning_content": "Two plus two: four."}],
-         "id": 7}
-WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
-    "city": {"type": "string"}, "day": {"type": "string"}}}}}]
+THINK = {
+    "messages": [
+        {"role": "user", "content": "What is two plus two?"},
+        {"role": "assistant", "content": "It is four.", "reasoning_content": "Two plus two: four."},
+    ],
+    "id": 7,
+}
+WEATHER = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "day": {"type": "string"}}},
+        },
+    }
+]
 
 
 def _call(args):
-    return {"messages": [{"role": "user", "content": "Weather?"},
-                         {"role": "assistant", "content": "", "tool_calls": [
-                             {"type": "function", "function": {"name": "get_weather", "arguments": args}}]},
-                         {"role": "tool", "content": "18 C"},
-                         {"role": "assistant", "content": "It is 18 C.", "thinking": "The tool said 18."}],
-            "tools": WEATHER}
+    return {
+        "messages": [
+            {"role": "user", "content": "Weather?"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": args}}],
+            },
+            {"role": "tool", "content": "18 C"},
+            {"role": "assistant", "content": "It is 18 C.", "thinking": "The tool said 18."},
+        ],
+        "tools": WEATHER,
+    }
 
 
 def test_unsloth_trl_rows_keep_reasoning_and_tools_as_trl_trains_them(tmp_path):
@@ -260,7 +353,7 @@ def test_unsloth_trl_rows_keep_reasoning_and_tools_as_trl_trains_them(tmp_path):
     cfg = u.load(UNSLOTH / "tiny.yaml", [f"data.train_files=[{data}]", "data.max_length=1024"])
     tok = AutoTokenizer.from_pretrained(qwen3)
     rows, parts = u.training_rows(cfg, tok)
-    (examples, st), = u.trl_examples(rows, parts, tok, cfg)
+    ((examples, st),) = u.trl_examples(rows, parts, tok, cfg)
     labelled = [tok.decode([t for t in e["labels"] if t != -100]) for e in examples]
     assert labelled[0] == "<think>\nTwo plus two: four.\n</think>\n\nIt is four.<|im_end|>\n"
     assert labelled[1] == "<think>\nThe tool said 18.\n</think>\n\nIt is 18 C.<|im_end|>\n"
@@ -270,20 +363,30 @@ def test_unsloth_trl_rows_keep_reasoning_and_tools_as_trl_trains_them(tmp_path):
     assert "reasoning: 3 turns trained" in st.summary() and "keys not used: id (1)" in st.summary()
 
     model = Qwen3ForCausalLM(Qwen3Config.from_pretrained(qwen3))
-    args = SFTConfig(output_dir=str(tmp_path / "out"), max_length=1024, completion_only_loss=True, use_cpu=True,
-                     report_to="none", dataset_num_proc=None)
+    args = SFTConfig(
+        output_dir=str(tmp_path / "out"),
+        max_length=1024,
+        completion_only_loss=True,
+        use_cpu=True,
+        report_to="none",
+        dataset_num_proc=None,
+    )
     trained = SFTTrainer(model=model, args=args, train_dataset=u.trl_dataset(rows), processing_class=tok).train_dataset
     assert [(r["input_ids"], r["labels"]) for r in trained] == [(e["input_ids"], e["labels"]) for e in examples]
 
     llama = AutoTokenizer.from_pretrained(ROOT / "recipes/qwen-fsdp2-sft/tiny/llama")  # reads no reasoning field
-    with pytest.raises(SFTDataError, match=r"rows\.jsonl line 1: messages\[1\] has reasoning, but the chat template "
-                                             r"has no place for it .*set data\.reasoning=drop"):
+    with pytest.raises(
+        SFTDataError,
+        match=r"rows\.jsonl line 1: messages\[1\] has reasoning, but the chat template "
+        r"has no place for it .*set data\.reasoning=drop",
+    ):
         u.training_rows(cfg, llama)
     drop = u.load(UNSLOTH / "tiny.yaml", [f"data.train_files=[{data}]", "data.reasoning=drop"])
     _, parts = u.training_rows(drop, llama)
     assert parts[0].reasoning_dropped == 3
     with pytest.raises(u.ConfigError, match=r"data\.reasoning must be train or drop, got 'context': TRL's"):
         u.load(UNSLOTH / "tiny.yaml", ["data.reasoning=context"])
+
 
 # ----------------------------------------------------------------------------- the TRL path on 2 ranks
 @pytest.fixture(scope="module")
@@ -321,8 +424,9 @@ def test_unsloth_recipe_trl_path_trains(trl_runs):
     assert all(r["tokens_per_s_per_device"] > 0 for r in train)
     adapter = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert (adapter["r"], adapter["lora_alpha"], adapter["lora_dropout"]) == (16, 32, 0.0)
-    assert sorted(adapter["target_modules"]) == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                        "up_proj", "down_proj"])
+    assert sorted(adapter["target_modules"]) == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
     assert (out / "final" / "model.safetensors").is_file()  # checkpoint.export_merged: the base with the adapter merged
 
 
@@ -372,11 +476,21 @@ def test_unsloth_recipe_skips_a_nan_step_and_a_resume_continues_the_count(tmp_pa
     from safetensors.torch import load_file
 
     out = tmp_path / "run"
-    run = (f"output_dir={out}", rows, "train.max_steps=4", "train.on_nonfinite=skip", "checkpoint.every_steps=1",
-           "checkpoint.keep_last=0", "checkpoint.export_merged=false")
+    run = (
+        f"output_dir={out}",
+        rows,
+        "train.max_steps=4",
+        "train.on_nonfinite=skip",
+        "checkpoint.every_steps=1",
+        "checkpoint.keep_last=0",
+        "checkpoint.export_merged=false",
+    )
     nan_on_rank_1["forward"] = 2  # step 2
     main_in_workers("unsloth-lora-ddp", *run, "train.stop_at_step=2")
-    assert "step 2: non-finite gradients, optimizer step left out, step skipped (1 skipped so far)" in capfd.readouterr().err
+    assert (
+        "step 2: non-finite gradients, optimizer step left out, step skipped (1 skipped so far)"
+        in capfd.readouterr().err
+    )
     ckpt = out / "checkpoints"
     assert json.loads((ckpt / "checkpoint-2" / "meta.json").read_text())["skipped_steps"] == 1
     one, two = (load_file(ckpt / f"checkpoint-{s}" / "adapter_model.safetensors") for s in (1, 2))
@@ -392,7 +506,8 @@ def test_unsloth_recipe_skips_a_nan_step_and_a_resume_continues_the_count(tmp_pa
         f"the gradients of step 4 are not finite on every rank (the optimizer step was left out): the step was not "
         f"applied, and that makes 1 non-finite steps in a row (train.max_consecutive_skips=0), so the run stops; the "
         f"newest checkpoint, from before it, is {ckpt / 'checkpoint-3'}. Lower optim.lr or raise the warm-up, or "
-        f"check the data")
+        f"check the data"
+    )
     train = [r for r in read_jsonl(out / "metrics.jsonl") if r["event"] == "train"]
     assert [(r["step"], r["skipped_steps"]) for r in train] == [(1, 0), (2, 1), (3, 1)]
     assert all(math.isfinite(r["loss"]) for r in train)
@@ -411,9 +526,20 @@ def test_unsloth_recipe_epochs_read_every_row_once(tmp_path, capfd, monkeypatch)
     from transformers import AutoTokenizer
 
     data = tmp_path / "numbered.jsonl"
-    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Question number {i}?"},
-                                                     {"role": "assistant", "content": f"Answer {i}."}]}) + "\n"
-                            for i in range(20)))
+    data.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": f"Question number {i}?"},
+                        {"role": "assistant", "content": f"Answer {i}."},
+                    ]
+                }
+            )
+            + "\n"
+            for i in range(20)
+        )
+    )
     seen, forward = tmp_path / "seen", DistributedDataParallel.forward
 
     def recording_forward(self, *args, **kwargs):
@@ -423,22 +549,34 @@ def test_unsloth_recipe_epochs_read_every_row_once(tmp_path, capfd, monkeypatch)
         return forward(self, *args, **kwargs)
 
     monkeypatch.setattr(DistributedDataParallel, "forward", recording_forward)
-    run = (f"output_dir={tmp_path / 'run'}", f"data.train_files=[{data}]", "train.max_steps=-1", "train.epochs=2",
-           "checkpoint.every_steps=0", "checkpoint.export_merged=false")
+    run = (
+        f"output_dir={tmp_path / 'run'}",
+        f"data.train_files=[{data}]",
+        "train.max_steps=-1",
+        "train.epochs=2",
+        "checkpoint.every_steps=0",
+        "checkpoint.export_merged=false",
+    )
     main_in_workers("unsloth-lora-ddp", *run)
-    assert "epoch: 20 rows = 2 steps of 8 rows, every row read once; the last partial global batch (4 rows, " \
-           "others each epoch) is dropped" in capfd.readouterr().err
+    assert (
+        "epoch: 20 rows = 2 steps of 8 rows, every row read once; the last partial global batch (4 rows, "
+        "others each epoch) is dropped" in capfd.readouterr().err
+    )
     main_in_workers("unsloth-lora-ddp", *run)  # the step count (4) known once TRL has the rows: already complete
     assert "already complete" in capfd.readouterr().err
     tok = AutoTokenizer.from_pretrained(ROOT / "recipes/qwen-fsdp2-sft/tiny/llama")
-    per_rank = [[[int(re.search(r"number (\d+)", tok.decode(ids)).group(1)) for ids in json.loads(line)]
-                 for line in Path(f"{seen}-{r}").read_text().splitlines()] for r in (0, 1)]
+    per_rank = [
+        [
+            [int(re.search(r"number (\d+)", tok.decode(ids)).group(1)) for ids in json.loads(line)]
+            for line in Path(f"{seen}-{r}").read_text().splitlines()
+        ]
+        for r in (0, 1)
+    ]
     steps = [a + b for a, b in zip(*per_rank)]
     assert [len(s) for s in steps] == [8, 8, 8, 8] and all(len(set(s)) == 8 for s in steps)
     for epoch in (steps[:2], steps[2:]):
         assert len(set(sum(epoch, []))) == 16
     assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["event"] == "train"] == [1, 2, 3, 4]
-
 
 
 def _bench_config():
@@ -455,13 +593,17 @@ def test_benchmark_axolotl_yaml_has_the_trl_path_settings():
     overrides: seq, steps, micro-batch 4, packing, gradient checkpointing): packed bins padded to seq through sdpa
     (varlen_attn), or unpacked rows padded to the batch's longest."""
     u = load_recipe("unsloth-lora-ddp").load(UNSLOTH / "config.yaml")
-    a = _bench_config().axolotl_config("/m", "/d.jsonl", "/r", seq=2048, steps=40, cpu=False, pad_token="<eos>",
-                                       packing=True)
+    a = _bench_config().axolotl_config(
+        "/m", "/d.jsonl", "/r", seq=2048, steps=40, cpu=False, pad_token="<eos>", packing=True
+    )
     _assert_same_training(a, u, seq=2048, steps=40)
     assert (a["pad_to_sequence_len"], a["attn_implementation"], a["bf16"]) == (True, "sdpa", True)
     unpacked = _bench_config().axolotl_config("/m", "/d.jsonl", "/r", seq=2048, steps=40, cpu=False, pad_token=None)
-    assert (unpacked["sample_packing"], unpacked["pad_to_sequence_len"], "attn_implementation" in unpacked) == \
-        (False, False, False)
+    assert (unpacked["sample_packing"], unpacked["pad_to_sequence_len"], "attn_implementation" in unpacked) == (
+        False,
+        False,
+        False,
+    )
     assert a["gradient_checkpointing"] and a["gradient_checkpointing_kwargs"] == {"use_reentrant": False}
     assert a["optimizer"] == "adamw_torch_fused" and a["special_tokens"] == {"pad_token": "<eos>"}
     assert "lora_mlp_kernel" not in a  # Axolotl's default on a GPU
@@ -475,15 +617,31 @@ def test_benchmark_axolotl_qlora_yaml_and_attention_kernels():
     keeps the MLP kernel only; an unknown adapter is refused."""
     b = _bench_config()
     lora = b.axolotl_config("/m", "/d.jsonl", "/r", seq=2048, steps=30, cpu=False, pad_token=None)
-    q = b.axolotl_config("/m", "/d.jsonl", "/r", seq=2048, steps=30, cpu=False, pad_token=None, adapter="qlora",
-                         prepared="/p", attn_kernels=False)
+    q = b.axolotl_config(
+        "/m",
+        "/d.jsonl",
+        "/r",
+        seq=2048,
+        steps=30,
+        cpu=False,
+        pad_token=None,
+        adapter="qlora",
+        prepared="/p",
+        attn_kernels=False,
+    )
     recipe = yaml.safe_load((AXOLOTL / "qlora.yaml").read_text())
     assert (q["adapter"], q["load_in_4bit"]) == (recipe["adapter"], recipe["load_in_4bit"]) == ("qlora", True)
     assert q["dataset_prepared_path"] == "/p" and lora["dataset_prepared_path"] == "/r/prepared"
     assert (q["lora_qkv_kernel"], q["lora_o_kernel"], q["lora_mlp_kernel"]) == (False, False, True)
     differ = {k for k in set(q) | set(lora) if q.get(k) != lora.get(k)}
-    assert differ == {"adapter", "load_in_4bit", "dataset_prepared_path", "lora_qkv_kernel", "lora_o_kernel",
-                      "lora_mlp_kernel"}
+    assert differ == {
+        "adapter",
+        "load_in_4bit",
+        "dataset_prepared_path",
+        "lora_qkv_kernel",
+        "lora_o_kernel",
+        "lora_mlp_kernel",
+    }
     cpu = b.axolotl_config("/m", "/d.jsonl", "/r", seq=128, steps=4, cpu=True, pad_token=None, attn_kernels=False)
     assert cpu["lora_mlp_kernel"] is False  # no Triton kernel on CPU
     with pytest.raises(ValueError, match="adapter"):
@@ -517,16 +675,39 @@ def test_axolotl_metrics_plugin_counts_real_tokens(tmp_path):
     finally:
         sys.path.remove(str(AXOLOTL))
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=2))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        )
+    )
     lengths = [5, 9, 3, 7]  # two batches of 2: 14 and 10 real tokens; 3 and 7 as Axolotl's packed mask (1, 2, 0)
-    rows = [{"input_ids": torch.arange(1, 10), "attention_mask": (torch.arange(9) < n).long() * (1 + (torch.arange(9) >= 2) * (i >= 2)),
-             "labels": torch.where(torch.arange(9) < n, torch.arange(1, 10), -100)} for i, n in enumerate(lengths)]
-    args = TrainingArguments(str(tmp_path), per_device_train_batch_size=2, max_steps=2, use_cpu=True,
-                             report_to="none", save_strategy="no", logging_steps=1, dataloader_num_workers=0)
+    rows = [
+        {
+            "input_ids": torch.arange(1, 10),
+            "attention_mask": (torch.arange(9) < n).long() * (1 + (torch.arange(9) >= 2) * (i >= 2)),
+            "labels": torch.where(torch.arange(9) < n, torch.arange(1, 10), -100),
+        }
+        for i, n in enumerate(lengths)
+    ]
+    args = TrainingArguments(
+        str(tmp_path),
+        per_device_train_batch_size=2,
+        max_steps=2,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        dataloader_num_workers=0,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=rows)
     trainer.get_train_dataloader = lambda: torch.utils.data.DataLoader(
-        rows, batch_size=2, collate_fn=lambda b: {k: torch.stack([r[k] for r in b]) for k in b[0]})
+        rows, batch_size=2, collate_fn=lambda b: {k: torch.stack([r[k] for r in b]) for k in b[0]}
+    )
     CookbookMetricsPlugin().post_trainer_create(None, trainer)
     trainer.train()
     recs = read_jsonl(tmp_path / "metrics.jsonl")

@@ -28,7 +28,8 @@ def test_modules_and_the_ray_tests_each_run_in_one_worker_and_one_head_starts(tm
     suite, record = tmp_path / "suite", tmp_path / "record"
     suite.mkdir()
     record.mkdir()
-    (suite / "conftest.py").write_text(textwrap.dedent(f"""
+    (suite / "conftest.py").write_text(
+        textwrap.dedent(f"""
         import importlib.util, os, pathlib, pytest
         spec = importlib.util.spec_from_file_location("suite_conftest", {str(ROOT / "tests" / "conftest.py")!r})
         real = importlib.util.module_from_spec(spec)
@@ -39,14 +40,36 @@ def test_modules_and_the_ray_tests_each_run_in_one_worker_and_one_head_starts(tm
         def ray_env():
             pathlib.Path(os.environ["RECORD_DIR"], "head-" + os.environ["PYTEST_XDIST_WORKER"]).write_text("")
             yield {{}}
-        """))
+        """)
+    )
     for name, fixture in (("a", ""), ("b", ""), ("c", ""), ("ray_one", ", ray_env"), ("ray_two", ", ray_env")):
         (suite / f"test_{name}.py").write_text(MODULE.format(name=name, fixture=fixture))
     env = {**os.environ, "RECORD_DIR": str(record)}
     env.pop("PYTEST_XDIST_WORKER", None)
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup", "-p",
-                           "no:cacheprovider", "--no-loadscope-reorder", "-c", os.devnull, "--rootdir",
-                           str(suite), str(suite)], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-n",
+            "2",
+            "--dist",
+            "loadgroup",
+            "-p",
+            "no:cacheprovider",
+            "--no-loadscope-reorder",
+            "-c",
+            os.devnull,
+            "--rootdir",
+            str(suite),
+            str(suite),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     workers = defaultdict(set)
     for f in record.glob("*-*"):

@@ -28,21 +28,50 @@ if TYPE_CHECKING:
 
 # key -> (type, required); the keys the recipe's configs set and the data check reads.
 KEYS = {
-    "base_model": (str, True), "tokenizer_config": (str, False), "trust_remote_code": (bool, False),
-    "adapter": (str, True), "load_in_4bit": (bool, False), "load_in_8bit": (bool, False),
-    "lora_r": (int, True), "lora_alpha": (int, True), "lora_dropout": (float, True), "lora_target_modules": (list, True),
-    "chat_template": (str, False), "datasets": (list, True), "dataset_prepared_path": (str, False),
-    "val_set_size": (float, False), "sequence_len": (int, True), "excess_length_strategy": (str, False),
+    "base_model": (str, True),
+    "tokenizer_config": (str, False),
+    "trust_remote_code": (bool, False),
+    "adapter": (str, True),
+    "load_in_4bit": (bool, False),
+    "load_in_8bit": (bool, False),
+    "lora_r": (int, True),
+    "lora_alpha": (int, True),
+    "lora_dropout": (float, True),
+    "lora_target_modules": (list, True),
+    "chat_template": (str, False),
+    "datasets": (list, True),
+    "dataset_prepared_path": (str, False),
+    "val_set_size": (float, False),
+    "sequence_len": (int, True),
+    "excess_length_strategy": (str, False),
     "sample_packing": (bool, False),
-    "pad_to_sequence_len": (bool, False), "attn_implementation": (str, False),
-    "micro_batch_size": (int, True), "gradient_accumulation_steps": (int, True), "max_steps": (int, True),
-    "learning_rate": (float, True), "warmup_steps": (int, False), "lr_scheduler": (str, False),
-    "weight_decay": (float, False), "max_grad_norm": (float, False), "optimizer": (str, False), "seed": (int, False),
-    "bf16": (bool, False), "gradient_checkpointing": (bool, False), "ddp_find_unused_parameters": (bool, False),
-    "logging_steps": (int, False), "save_strategy": (str, False), "output_dir": (str, True),
+    "pad_to_sequence_len": (bool, False),
+    "attn_implementation": (str, False),
+    "micro_batch_size": (int, True),
+    "gradient_accumulation_steps": (int, True),
+    "max_steps": (int, True),
+    "learning_rate": (float, True),
+    "warmup_steps": (int, False),
+    "lr_scheduler": (str, False),
+    "weight_decay": (float, False),
+    "max_grad_norm": (float, False),
+    "optimizer": (str, False),
+    "seed": (int, False),
+    "bf16": (bool, False),
+    "gradient_checkpointing": (bool, False),
+    "ddp_find_unused_parameters": (bool, False),
+    "logging_steps": (int, False),
+    "save_strategy": (str, False),
+    "output_dir": (str, True),
 }
-DATASET_KEYS = {"path": str, "ds_type": str, "type": str, "field_messages": str, "roles_to_train": list,
-                "train_on_eos": str}
+DATASET_KEYS = {
+    "path": str,
+    "ds_type": str,
+    "type": str,
+    "field_messages": str,
+    "roles_to_train": list,
+    "train_on_eos": str,
+}
 
 
 EXCESS = ("drop", "truncate", "raise")  # excess_length_strategy: a row longer than sequence_len (Axolotl: drop)
@@ -73,8 +102,10 @@ def load(path: str | Path) -> dict:
         if key not in KEYS:
             near = difflib.get_close_matches(key, KEYS, n=1, cutoff=0.8)
             if near:
-                raise ConfigError(f"{p}: key '{key}' is not an Axolotl key this recipe uses; did you mean "
-                                  f"'{near[0]}'? (Axolotl would ignore it silently)")
+                raise ConfigError(
+                    f"{p}: key '{key}' is not an Axolotl key this recipe uses; did you mean "
+                    f"'{near[0]}'? (Axolotl would ignore it silently)"
+                )
     for key, (kind, required) in KEYS.items():
         if key not in cfg:
             if required:
@@ -94,8 +125,10 @@ def load(path: str | Path) -> dict:
         if cfg[key] < 1:
             raise ConfigError(f"{p}: key '{key}' must be at least 1, got {cfg[key]}")
     if cfg.get("excess_length_strategy", "drop") not in EXCESS:
-        raise ConfigError(f"{p}: key 'excess_length_strategy' must be one of {', '.join(EXCESS)}, got "
-                          f"{cfg['excess_length_strategy']!r}")
+        raise ConfigError(
+            f"{p}: key 'excess_length_strategy' must be one of {', '.join(EXCESS)}, got "
+            f"{cfg['excess_length_strategy']!r}"
+        )
     if not cfg["datasets"]:
         raise ConfigError(f"{p}: key 'datasets' is empty")
     for i, ds in enumerate(cfg["datasets"]):
@@ -137,10 +170,14 @@ def build_examples(cfg: dict, tokenizer) -> list[tuple[list[dict], "SFTStats"]]:
         field = ds.get("field_messages", "messages")
         roles = set(ds.get("roles_to_train", ["assistant"]))
         rows, ignored = sft.load_rows(ds["path"]), Counter()
-        st = sft.SFTStats(source=ds["path"], max_length=cut, truncate=strategy == "truncate", rows=len(rows),
-                          lines=rows.lines,
-                          unrendered_why="the chat template does not render them; Axolotl trains those turns "
-                                         "without it")
+        st = sft.SFTStats(
+            source=ds["path"],
+            max_length=cut,
+            truncate=strategy == "truncate",
+            rows=len(rows),
+            lines=rows.lines,
+            unrendered_why="the chat template does not render them; Axolotl trains those turns without it",
+        )
         examples = []
         for n, row in enumerate(rows, 1):
             chat = {"messages": row[field], **{k: v for k, v in row.items() if k != field}} if field in row else row
@@ -150,10 +187,14 @@ def build_examples(cfg: dict, tokenizer) -> list[tuple[list[dict], "SFTStats"]]:
             for i, m in enumerate(messages):
                 if m["role"] not in roles:
                     continue
-                start = len(tokenizer.apply_chat_template(messages[:i], tools=tools, tokenize=True,
-                                                          add_generation_prompt=True, return_dict=False))
-                end = len(tokenizer.apply_chat_template(messages[:i + 1], tools=tools, tokenize=True,
-                                                        return_dict=False))
+                start = len(
+                    tokenizer.apply_chat_template(
+                        messages[:i], tools=tools, tokenize=True, add_generation_prompt=True, return_dict=False
+                    )
+                )
+                end = len(
+                    tokenizer.apply_chat_template(messages[: i + 1], tools=tools, tokenize=True, return_dict=False)
+                )
                 turn = ids[start:end]  # the answer and its end-of-turn token, not what the template adds after it
                 if tokenizer.eos_token_id in turn:
                     end = start + len(turn) - turn[::-1].index(tokenizer.eos_token_id)
@@ -164,8 +205,10 @@ def build_examples(cfg: dict, tokenizer) -> list[tuple[list[dict], "SFTStats"]]:
                 elif thought:
                     st.reasoning_unrendered += 1
             if len(ids) > cut and strategy == "raise":
-                raise sft.SFTDataError(f"{ds['path']} {st.label(n)}: {len(ids)} tokens, longer than sequence_len={cut} "
-                                       f"(excess_length_strategy: raise)")
+                raise sft.SFTDataError(
+                    f"{ds['path']} {st.label(n)}: {len(ids)} tokens, longer than sequence_len={cut} "
+                    f"(excess_length_strategy: raise)"
+                )
             n_loss = sum(t != -100 for t in labels[:cut])
             if (len(ids) > cut and strategy == "drop") or n_loss == 0:
                 st.dropped += 1
@@ -195,8 +238,10 @@ def show_examples(cfg: dict, tokenizer, n: int) -> str:
 
     text = sft.show_examples(build_examples(cfg, tokenizer), tokenizer, n)
     if cfg.get("val_set_size"):
-        text += (f"\nval_set_size={cfg['val_set_size']:g}: Axolotl holds out that share of these examples for "
-                 f"evaluation (seed {cfg.get('seed', 42)}); the rows above are before that split")
+        text += (
+            f"\nval_set_size={cfg['val_set_size']:g}: Axolotl holds out that share of these examples for "
+            f"evaluation (seed {cfg.get('seed', 42)}); the rows above are before that split"
+        )
     return text
 
 
@@ -204,8 +249,13 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("config")
     ap.add_argument("--random-init", metavar="DIR", help="save a random-init model of base_model's config here")
-    ap.add_argument("--show-examples", type=int, default=0, metavar="N",
-                    help="print N rendered conversations per data file (labels between [[ ]]) and the counts, then exit")
+    ap.add_argument(
+        "--show-examples",
+        type=int,
+        default=0,
+        metavar="N",
+        help="print N rendered conversations per data file (labels between [[ ]]) and the counts, then exit",
+    )
     a = ap.parse_args(argv)
     from cookbook.sft import SFTDataError
 
@@ -225,8 +275,10 @@ def main(argv: list[str]) -> int:
 
     stats = SFTStats.merge([st for _, st in parts])
     print(f"data: {stats.summary()}")
-    print(f"{a.config}: ok: {cfg['adapter']} r={cfg['lora_r']} alpha={cfg['lora_alpha']}, {stats.examples} "
-          f"conversations, {stats.tokens} tokens ({stats.loss_tokens} with loss) at sequence_len {cfg['sequence_len']}")
+    print(
+        f"{a.config}: ok: {cfg['adapter']} r={cfg['lora_r']} alpha={cfg['lora_alpha']}, {stats.examples} "
+        f"conversations, {stats.tokens} tokens ({stats.loss_tokens} with loss) at sequence_len {cfg['sequence_len']}"
+    )
     if a.random_init:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM

@@ -47,10 +47,20 @@ class CookbookMetricsPlugin(BasePlugin):
         info = get_dist_info()
         model = trainer.model
         mc = model.config
-        flops = ModelFlops(count_parameters(model), mc.num_hidden_layers,
-                           mc.num_attention_heads * getattr(mc, "head_dim", mc.hidden_size // mc.num_attention_heads))
-        metrics = MetricsLogger(trainer.args.output_dir, info, flops=flops, run_name="axolotl", mlflow=False,
-                                max_steps=trainer.args.max_steps, progress=False)
+        flops = ModelFlops(
+            count_parameters(model),
+            mc.num_hidden_layers,
+            mc.num_attention_heads * getattr(mc, "head_dim", mc.hidden_size // mc.num_attention_heads),
+        )
+        metrics = MetricsLogger(
+            trainer.args.output_dir,
+            info,
+            flops=flops,
+            run_name="axolotl",
+            mlflow=False,
+            max_steps=trainer.args.max_steps,
+            progress=False,
+        )
         last_loss = {"value": torch.zeros(())}
         wall = {}
 
@@ -64,8 +74,9 @@ class CookbookMetricsPlugin(BasePlugin):
                 metrics.log_step(state.global_step, last_loss["value"], lr, None)
 
             def on_train_end(self, args, state, control, **kw):
-                metrics.log_summary({"step": state.global_step, "wall_s": time.perf_counter() - wall["t0"],
-                                     "loader": "axolotl"})
+                metrics.log_summary(
+                    {"step": state.global_step, "wall_s": time.perf_counter() - wall["t0"], "loader": "axolotl"}
+                )
                 metrics.close()
 
         step = trainer.training_step

@@ -109,16 +109,24 @@ def check_config(cfg: Config, config_dir: Path, on_cpu: bool) -> None:
     cfg.data.train_files = [resolve_path(f, config_dir) for f in cfg.data.train_files]
     config.check_run(cfg)
     NonFinitePolicy.settings(cfg.train)  # train.on_nonfinite, train.max_consecutive_skips
-    check_fields(cfg, at_least={"data.max_length": 1, "lora.r": 1, "lora.alpha": 1},
-                 one_of={"parallel": PARALLEL, "train.activation_checkpointing": ("none", "experts", "full"),
-                         "data.reasoning": ("context", "train", "drop"),
-                         "model.attn_implementation": ("flex_attention", "eager")},
-                 within={"lora.dropout": "[0, 1)", "data.max_dropped_fraction": "[0, 1]"},
-                 notes={"model.attn_implementation": "sdpa is refused by transformers for gpt_oss (attention sinks)"})
+    check_fields(
+        cfg,
+        at_least={"data.max_length": 1, "lora.r": 1, "lora.alpha": 1},
+        one_of={
+            "parallel": PARALLEL,
+            "train.activation_checkpointing": ("none", "experts", "full"),
+            "data.reasoning": ("context", "train", "drop"),
+            "model.attn_implementation": ("flex_attention", "eager"),
+        },
+        within={"lora.dropout": "[0, 1)", "data.max_dropped_fraction": "[0, 1]"},
+        notes={"model.attn_implementation": "sdpa is refused by transformers for gpt_oss (attention sinks)"},
+    )
     lm.check_attention(cfg.model.attn_implementation, on_cpu)
     if on_cpu and cfg.parallel == "fsdp":  # accelerate's MULTI_CPU: the Trainer would wrap the model in DDP
-        raise ConfigError("parallel=fsdp needs CUDA GPUs: on CPU the Trainer ignores its fsdp settings and runs DDP; "
-                          "use parallel=ddp on CPU")
+        raise ConfigError(
+            "parallel=fsdp needs CUDA GPUs: on CPU the Trainer ignores its fsdp settings and runs DDP; "
+            "use parallel=ddp on CPU"
+        )
     if not cfg.lora.target_modules and not cfg.lora.target_parameters:
         raise ConfigError("lora.target_modules and lora.target_parameters are both empty: nothing to train")
     if not cfg.data.train_files and not cfg.data.hub_id:
@@ -138,16 +146,22 @@ def harmony_conversation(row: dict, n: int | str, source: str, ignored=None) -> 
     """
     turns = row.get("messages") if isinstance(row.get("messages"), list) else None
     if turns is not None:  # "developer" is a harmony role that to_conversation does not know: check it as system
-        row = {**row, "messages": [{**t, "role": "system"} if isinstance(t, dict) and t.get("role") == "developer"
-                                   else t for t in turns]}
+        row = {
+            **row,
+            "messages": [
+                {**t, "role": "system"} if isinstance(t, dict) and t.get("role") == "developer" else t for t in turns
+            ],
+        }
     messages, tools = sft.to_conversation(row, n, source, ignored)
     for i, m in enumerate(messages):
         if "reasoning_content" in m:
             m["thinking"] = m.pop("reasoning_content")
         if len(m.get("tool_calls", ())) > 1:
-            raise sft.SFTDataError(f"{source} {sft.row_label(n)}: messages[{i}] has {len(m['tool_calls'])} tool calls, but the "
-                                   f"harmony chat template renders only the first of a turn: give each call its own "
-                                   f"assistant turn (each followed by its tool result)")
+            raise sft.SFTDataError(
+                f"{source} {sft.row_label(n)}: messages[{i}] has {len(m['tool_calls'])} tool calls, but the "
+                f"harmony chat template renders only the first of a turn: give each call its own "
+                f"assistant turn (each followed by its tool result)"
+            )
     if turns is not None and len(turns) == len(messages):
         for turn, m in zip(turns, messages):
             if turn.get("role") == "developer":
@@ -161,11 +175,13 @@ def _spans(input_ids: list[int], tokenizer, header: str) -> list[tuple[int, int]
     head = tokenizer.encode(header, add_special_tokens=False)
     ends = {tokenizer.convert_tokens_to_ids(t) for t in FINAL_ENDS}
     if tokenizer.unk_token_id in ends or None in ends or len(head) < 3:
-        raise sft.SFTDataError(f"the tokenizer has no harmony tokens {header} / {' / '.join(FINAL_ENDS)}: use a "
-                               f"GPT-OSS (harmony) tokenizer")
+        raise sft.SFTDataError(
+            f"the tokenizer has no harmony tokens {header} / {' / '.join(FINAL_ENDS)}: use a "
+            f"GPT-OSS (harmony) tokenizer"
+        )
     spans, k, h = [], 0, len(head)
     while k < len(input_ids):
-        if input_ids[k:k + h] == head:
+        if input_ids[k : k + h] == head:
             start = k = k + h
             while k < len(input_ids) and input_ids[k] not in ends:
                 k += 1
@@ -198,7 +214,7 @@ def final_channel_labels(input_ids: list[int], tokenizer, last_only: bool = Fals
     if analysis and finals:
         before = [sp for sp in _spans(input_ids, tokenizer, ANALYSIS_START) if sp[1] <= finals[-1][0]]
         if before and before[-1][1] > (finals[-2][1] if len(finals) > 1 else 0):
-            labels[before[-1][0]:before[-1][1]] = input_ids[before[-1][0]:before[-1][1]]
+            labels[before[-1][0] : before[-1][1]] = input_ids[before[-1][0] : before[-1][1]]
     return labels
 
 
@@ -223,10 +239,16 @@ def tokenize_rows(rows: list[dict], tokenizer, cfg: DataConfig, source: str) -> 
         sft.SFTDataError: a bad row (``<source> row <n>: ...``), a template that fails on it, more than
             ``max_dropped_fraction`` of the rows dropped.
     """
-    stats = sft.SFTStats(source=source, max_length=cfg.max_length, truncate=True, rows=len(rows),
-                         lines=getattr(rows, "lines", None), reasoning=cfg.reasoning,
-                         unrendered_why="the harmony template drops a tool call's thinking when an answer follows it, "
-                                        "as the model never sees it")
+    stats = sft.SFTStats(
+        source=source,
+        max_length=cfg.max_length,
+        truncate=True,
+        rows=len(rows),
+        lines=getattr(rows, "lines", None),
+        reasoning=cfg.reasoning,
+        unrendered_why="the harmony template drops a tool call's thinking when an answer follows it, "
+        "as the model never sees it",
+    )
     examples, ignored = [], Counter()
     for n, row in enumerate(rows, 1):
         try:
@@ -234,15 +256,28 @@ def tokenize_rows(rows: list[dict], tokenizer, cfg: DataConfig, source: str) -> 
         except sft.EmptyAnswerError:
             stats.empty_answers.append(n)
             continue
-        ignored.update(k for k in row if k not in ("messages", "conversations", "tools", "system", "instruction",
-                                                   "input", "output", "reasoning_effort"))
+        ignored.update(
+            k
+            for k in row
+            if k
+            not in (
+                "messages",
+                "conversations",
+                "tools",
+                "system",
+                "instruction",
+                "input",
+                "output",
+                "reasoning_effort",
+            )
+        )
         kwargs = dict(cfg.chat_template_kwargs)
         if row.get("reasoning_effort") is not None:
             kwargs["reasoning_effort"] = row["reasoning_effort"]
         answers = _answers(messages)
         thinking = [i for i, m in enumerate(messages) if m.get("thinking")]
         shown = [] if cfg.reasoning == "drop" else [i for i in thinking if i in answers]  # a tool call's: only when
-        if cfg.reasoning == "drop":                                                      # no answer follows
+        if cfg.reasoning == "drop":  # no answer follows
             stats.reasoning_dropped += len(thinking)
             for i in thinking:
                 del messages[i]["thinking"]
@@ -257,14 +292,20 @@ def tokenize_rows(rows: list[dict], tokenizer, cfg: DataConfig, source: str) -> 
         stats.split_rows += split
         for k, end in enumerate(answers):
             try:
-                ids = list(tokenizer.apply_chat_template(messages[:end + 1], tools=tools, tokenize=True,
-                                                         return_dict=False, **kwargs))
+                ids = list(
+                    tokenizer.apply_chat_template(
+                        messages[: end + 1], tools=tools, tokenize=True, return_dict=False, **kwargs
+                    )
+                )
             except Exception as exc:  # jinja2's TemplateError / UndefinedError, or TypeError inside the template
-                raise sft.SFTDataError(f"{source} {stats.label(n)}: the chat template cannot render it: {type(exc).__name__}: "
-                                       f"{exc}") from None
+                raise sft.SFTDataError(
+                    f"{source} {stats.label(n)}: the chat template cannot render it: {type(exc).__name__}: {exc}"
+                ) from None
             labels = final_channel_labels(ids, tokenizer, last_only=True, analysis=cfg.reasoning == "train")
-            calls = sum(len(m.get("tool_calls") or ()) for m in messages[answers[k - 1] + 1 if k else 0:end])
-            example = stats.add(n, ids, labels, [(0, calls)], [0] if end in shown else [])  # the calls since the last answer
+            calls = sum(len(m.get("tool_calls") or ()) for m in messages[answers[k - 1] + 1 if k else 0 : end])
+            example = stats.add(
+                n, ids, labels, [(0, calls)], [0] if end in shown else []
+            )  # the calls since the last answer
             if example is not None:
                 examples.append(example)
     stats.ignored = dict(ignored)
@@ -288,8 +329,11 @@ def active_flops(model: torch.nn.Module, hf_config):
 
     routed = sum(p.numel() for name, m in model.named_modules() if name.endswith("mlp.experts") for p in m.parameters())
     frac = hf_config.num_experts_per_tok / hf_config.num_local_experts
-    return ModelFlops(int(count_parameters(model) - routed * (1 - frac)), hf_config.num_hidden_layers,
-                      hf_config.num_attention_heads * hf_config.head_dim)
+    return ModelFlops(
+        int(count_parameters(model) - routed * (1 - frac)),
+        hf_config.num_hidden_layers,
+        hf_config.num_attention_heads * hf_config.head_dim,
+    )
 
 
 def load_model(cfg: Config, hf_config, dtype, device_map, log, init_device: torch.device | None = None):
@@ -323,17 +367,23 @@ def load_model(cfg: Config, hf_config, dtype, device_map, log, init_device: torc
 
         # transformers' MXFP4 quantizer is not trainable (is_trainable is False, the Trainer refuses it)
         kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
-        log.info(f"{cfg.model.name_or_path}: MXFP4 expert weights dequantized to {str(dtype).removeprefix('torch.')} "
-                 f"for training (Mxfp4Config(dequantize=True)): transformers' MXFP4 kernels cannot train")
-    return AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path, config=hf_config, dtype=dtype,
-                                                device_map=device_map, **kwargs)
+        log.info(
+            f"{cfg.model.name_or_path}: MXFP4 expert weights dequantized to {str(dtype).removeprefix('torch.')} "
+            f"for training (Mxfp4Config(dequantize=True)): transformers' MXFP4 kernels cannot train"
+        )
+    return AutoModelForCausalLM.from_pretrained(
+        cfg.model.name_or_path, config=hf_config, dtype=dtype, device_map=device_map, **kwargs
+    )
 
 
 def _checkpointing_args(args_class, on: bool) -> dict:
     """The Trainer's activation checkpointing arguments (transformers >= 5.24 calls ``gradient_checkpointing``
     ``activation_checkpointing``; the GPU image's 5.17 knows only the old names)."""
-    name = "activation_checkpointing" if "activation_checkpointing" in args_class.__dataclass_fields__ else \
-        "gradient_checkpointing"
+    name = (
+        "activation_checkpointing"
+        if "activation_checkpointing" in args_class.__dataclass_fields__
+        else "gradient_checkpointing"
+    )
     return {name: on, **({f"{name}_kwargs": {"use_reentrant": False}} if on else {})}
 
 
@@ -361,8 +411,9 @@ def preflight(cfg: Config, world_size: int) -> str:
 
 def show_examples(cfg: Config, n: int) -> str:
     tokenizer = sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path)
-    sources = [(f, sft.load_rows(f)) for f in cfg.data.train_files] or \
-        [(cfg.data.hub_id, sft.load_hub_rows(cfg.data.hub_id))]
+    sources = [(f, sft.load_rows(f)) for f in cfg.data.train_files] or [
+        (cfg.data.hub_id, sft.load_hub_rows(cfg.data.hub_id))
+    ]
     shown = replace(cfg.data, max_dropped_fraction=1.0)  # show what would be refused too
     parts = [tokenize_rows(rows, tokenizer, shown, source) for source, rows in sources]
     return sft.show_examples(parts, tokenizer, n)
@@ -408,19 +459,35 @@ def train(cfg: Config, on_cpu: bool) -> None:
     ac = t.activation_checkpointing == "full"
     # The SFTConfig (TrainingArguments) comes first: with fsdp it sets the environment from_pretrained reads.
     args = SFTConfig(
-        **hf_trainer.trainer_args(cfg, max_steps), use_cpu=on_cpu, bf16=bf16, optim=cfg.optim.optimizer,
-        learning_rate=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, adam_beta1=cfg.optim.betas[0],
-        adam_beta2=cfg.optim.betas[1], adam_epsilon=cfg.optim.eps, lr_scheduler_type=cfg.optim.scheduler,
-        warmup_steps=int(cfg.optim.warmup_ratio * max_steps), max_grad_norm=cfg.optim.max_grad_norm,
+        **hf_trainer.trainer_args(cfg, max_steps),
+        use_cpu=on_cpu,
+        bf16=bf16,
+        optim=cfg.optim.optimizer,
+        learning_rate=cfg.optim.lr,
+        weight_decay=cfg.optim.weight_decay,
+        adam_beta1=cfg.optim.betas[0],
+        adam_beta2=cfg.optim.betas[1],
+        adam_epsilon=cfg.optim.eps,
+        lr_scheduler_type=cfg.optim.scheduler,
+        warmup_steps=int(cfg.optim.warmup_ratio * max_steps),
+        max_grad_norm=cfg.optim.max_grad_norm,
         # the technique: DDP (the Trainer's default under torchrun) or FSDP2 with its own activation checkpointing
         fsdp="full_shard auto_wrap" if fsdp else "",
-        fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["GptOssDecoderLayer"],
-                     "activation_checkpointing": ac,  # whole layers; "experts" is the recipe's own (below)
-                     "cpu_ram_efficient_loading": True} if fsdp else None,  # only rank 0 reads the weights
+        fsdp_config={
+            "version": 2,
+            "transformer_layer_cls_to_wrap": ["GptOssDecoderLayer"],
+            "activation_checkpointing": ac,  # whole layers; "experts" is the recipe's own (below)
+            "cpu_ram_efficient_loading": True,
+        }
+        if fsdp
+        else None,  # only rank 0 reads the weights
         **_checkpointing_args(SFTConfig, ac and not fsdp),
         ddp_find_unused_parameters=False,
-        dataloader_num_workers=cfg.data.num_workers, remove_unused_columns=False,
-        max_length=cfg.data.max_length, packing=False, dataset_kwargs={"skip_prepare_dataset": True},
+        dataloader_num_workers=cfg.data.num_workers,
+        remove_unused_columns=False,
+        max_length=cfg.data.max_length,
+        packing=False,
+        dataset_kwargs={"skip_prepare_dataset": True},
         average_tokens_across_devices=True,
     )
     dtype = torch.bfloat16 if bf16 else torch.float32
@@ -428,8 +495,10 @@ def train(cfg: Config, on_cpu: bool) -> None:
     device_map = None if fsdp else {"": str(info.device)}  # DDP: this rank's whole copy on cuda:LOCAL_RANK
     started = time.perf_counter()
     model = load_model(cfg, hf_config, dtype, device_map, log, init_device=info.device)
-    log.info(f"base model {'loaded' if cfg.model.pretrained else 'made (random init)'} in "
-             f"{time.perf_counter() - started:.1f} s ({'on the CPU, for FSDP to shard' if fsdp else info.device})")
+    log.info(
+        f"base model {'loaded' if cfg.model.pretrained else 'made (random init)'} in "
+        f"{time.perf_counter() - started:.1f} s ({'on the CPU, for FSDP to shard' if fsdp else info.device})"
+    )
     flops = active_flops(model, hf_config)
     model = get_peft_model(model, PeftLoraConfig(**cfg.lora.peft_kwargs(), bias="none", task_type="CAUSAL_LM"))
     if t.activation_checkpointing == "experts":  # recompute the MoE blocks only; attention keeps its activations
@@ -437,20 +506,34 @@ def train(cfg: Config, on_cpu: bool) -> None:
     if info.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, out_dir / "config.yaml")
-    metrics = MetricsLogger(out_dir, info, flops=flops, run_name=cfg.run_name, experiment="gpt-oss-lora",
-                            params=to_dict(cfg), mlflow=cfg.mlflow, max_steps=max_steps)
+    metrics = MetricsLogger(
+        out_dir,
+        info,
+        flops=flops,
+        run_name=cfg.run_name,
+        experiment="gpt-oss-lora",
+        params=to_dict(cfg),
+        mlflow=cfg.mlflow,
+        max_steps=max_steps,
+    )
 
     # What TrainLoop does when things fail (cookbook.hf_trainer): preemption, non-finite steps, stalls, failed saves.
     run = hf_trainer.TrainerRun(cfg, metrics, pad_id, resume_from)
     trainer = Trainer(
-        model=model, args=args, processing_class=tokenizer, train_dataset=datasets.Dataset.from_list(examples),
-        data_collator=partial(sft.collate, pad_id=pad_id, cu_seq_lens=False), callbacks=run.callbacks,
+        model=model,
+        args=args,
+        processing_class=tokenizer,
+        train_dataset=datasets.Dataset.from_list(examples),
+        data_collator=partial(sft.collate, pad_id=pad_id, cu_seq_lens=False),
+        callbacks=run.callbacks,
     )
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    log.info(f"world size {info.world_size} ({info.backend}) | {cfg.parallel.upper()} | {flops.num_params / 1e6:,.1f} M "
-             f"active non-embedding params, {n_trainable / 1e6:,.2f} M trainable (LoRA r={cfg.lora.r}) | "
-             f"{cfg.model.attn_implementation} | global batch {per_step} rows | {max_steps} steps | "
-             f"{'bf16' if bf16 else 'fp32'} | data: {stats.summary()}")
+    log.info(
+        f"world size {info.world_size} ({info.backend}) | {cfg.parallel.upper()} | {flops.num_params / 1e6:,.1f} M "
+        f"active non-embedding params, {n_trainable / 1e6:,.2f} M trainable (LoRA r={cfg.lora.r}) | "
+        f"{cfg.model.attn_implementation} | global batch {per_step} rows | {max_steps} steps | "
+        f"{'bf16' if bf16 else 'fp32'} | data: {stats.summary()}"
+    )
 
     with run:  # closes metrics and the group whatever happens
         if not run.train(trainer, max_steps):

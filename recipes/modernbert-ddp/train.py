@@ -40,6 +40,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Subset
 from torchdata.stateful_dataloader import StatefulDataLoader
+
 # Only what the check process (--check) needs at module level: transformers' modeling code (AttentionInterface,
 # the model classes) and get_scheduler pull in 5 of the 10 s of imports on an H200 host (python -X importtime,
 # benchmarks/modernbert-ddp.md), so the workers import them where they are used (register_attention, build_model).
@@ -69,9 +70,13 @@ class ModelConfig:
     pretrained: bool = True  # False: random init from the folder's config.json (benchmarks, CI)
     tokenizer: str | None = None  # default: name_or_path
     compile: bool = False  # torch.compile the model (in place: checkpoint keys are unchanged)
-    compile_scope: str = "layers"  # layers: each encoder layer apart (compile_model); model: one graph of the whole model
+    compile_scope: str = (
+        "layers"  # layers: each encoder layer apart (compile_model); model: one graph of the whole model
+    )
     compile_eval: bool = False  # with compile: evaluate with the compiled model too (false: eagerly, see run_eval)
-    attn_implementation: str = "sdpa_padsafe"  # "sdpa_padsafe" (see sdpa_padsafe_attention), "sdpa", "eager", "flash_attention_2"
+    attn_implementation: str = (
+        "sdpa_padsafe"  # "sdpa_padsafe" (see sdpa_padsafe_attention), "sdpa", "eager", "flash_attention_2"
+    )
 
 
 @dataclass
@@ -106,21 +111,33 @@ def check_config(cfg: Config, config_dir: Path) -> None:
     cfg.data.train_files = [resolve_path(f, config_dir) for f in cfg.data.train_files]
     cfg.data.eval_files = [resolve_path(f, config_dir) for f in cfg.data.eval_files]
     if cfg.data.eval_files and not cfg.data.train_files:
-        raise ConfigError("data.eval_files is set but data.train_files is empty: give both, or neither to use data.hub_id")
+        raise ConfigError(
+            "data.eval_files is set but data.train_files is empty: give both, or neither to use data.hub_id"
+        )
     config.check_run(cfg)
     cfg.ddp.kwargs()  # raises on a bad value
     if cfg.ddp.static_graph and cfg.train.grad_accum_steps > 1:
-        raise ConfigError(f"ddp.static_graph=true with train.grad_accum_steps={cfg.train.grad_accum_steps}: DDP's static-graph "
-                          "reducer fails under no_sync(), which gradient accumulation uses (PyTorch issue 143580); "
-                          "use one or the other")
-    check_fields(cfg, at_least={"data.max_length": 1},
-                 one_of={"data.padding": ("max_length", "longest"), "train.activation_checkpointing": ("none", "full"),
-                         "model.compile_scope": ("model", "layers"),
-                         "model.attn_implementation": ("sdpa_padsafe", "sdpa", "eager", "flash_attention_2", "flex_attention")},
-                 within={"data.eval_fraction": "(0, 1)"})
+        raise ConfigError(
+            f"ddp.static_graph=true with train.grad_accum_steps={cfg.train.grad_accum_steps}: DDP's static-graph "
+            "reducer fails under no_sync(), which gradient accumulation uses (PyTorch issue 143580); "
+            "use one or the other"
+        )
+    check_fields(
+        cfg,
+        at_least={"data.max_length": 1},
+        one_of={
+            "data.padding": ("max_length", "longest"),
+            "train.activation_checkpointing": ("none", "full"),
+            "model.compile_scope": ("model", "layers"),
+            "model.attn_implementation": ("sdpa_padsafe", "sdpa", "eager", "flash_attention_2", "flex_attention"),
+        },
+        within={"data.eval_fraction": "(0, 1)"},
+    )
     if cfg.model.compile and cfg.data.padding != "max_length":
-        raise ConfigError("model.compile=true needs data.padding=max_length (static shapes); with 'longest', "
-                          "torch.compile's dynamic shapes failed in inductor on torch 2.11")
+        raise ConfigError(
+            "model.compile=true needs data.padding=max_length (static shapes); with 'longest', "
+            "torch.compile's dynamic shapes failed in inductor on torch 2.11"
+        )
     local = Path(cfg.model.name_or_path).exists()
     if not cfg.model.pretrained and not local and "/" not in cfg.model.name_or_path:
         raise ConfigError(f"model.name_or_path={cfg.model.name_or_path!r}: not a folder and not a hub id")
@@ -235,9 +252,15 @@ def tokenize(ds: datasets.Dataset, tokenizer, cfg: DataConfig) -> tuple[datasets
     a text longer than ``max_length`` comes back as its truncated encoding (the first chunk, what ``truncation=True``
     alone gives) followed by chunks of the rest, which are dropped and counted.
     """
+
     def fn(batch):
-        enc = tokenizer(batch["text"], truncation=True, max_length=cfg.max_length, return_overflowing_tokens=True,
-                        padding="max_length" if cfg.padding == "max_length" else False)
+        enc = tokenizer(
+            batch["text"],
+            truncation=True,
+            max_length=cfg.max_length,
+            return_overflowing_tokens=True,
+            padding="max_length" if cfg.padding == "max_length" else False,
+        )
         owner = enc.pop("overflow_to_sample_mapping")  # the text of each chunk, in order: 0, 1, 1, 2, ...
         first = [i for i in range(len(owner)) if i == 0 or owner[i] != owner[i - 1]]
         n_long = len({owner[i] for i in range(1, len(owner)) if owner[i] == owner[i - 1]})
@@ -258,14 +281,27 @@ def cache_dir(cfg: Config) -> Path | None:
     other rows or settings is never read. None for hub data (no local files to key on)."""
     if not cfg.data.train_files:
         return None
+
     def content(path: str) -> list | str:
         p = Path(path)  # a tokenizer folder: its json, txt and sentencepiece files (not the model's weights)
-        files = sorted(f for f in p.iterdir() if f.suffix in (".json", ".txt", ".model")) if p.is_dir() else \
-            [p] if p.is_file() else []
+        files = (
+            sorted(f for f in p.iterdir() if f.suffix in (".json", ".txt", ".model"))
+            if p.is_dir()
+            else [p]
+            if p.is_file()
+            else []
+        )
         return [[f.name, _sha256(f)] for f in files] or path
-    key = {"train": [content(f) for f in cfg.data.train_files], "eval": [content(f) for f in cfg.data.eval_files],
-           "tokenizer": content(cfg.model.tokenizer), "max_length": cfg.data.max_length,
-           "padding": cfg.data.padding, "eval_fraction": cfg.data.eval_fraction, "seed": cfg.train.seed}
+
+    key = {
+        "train": [content(f) for f in cfg.data.train_files],
+        "eval": [content(f) for f in cfg.data.eval_files],
+        "tokenizer": content(cfg.model.tokenizer),
+        "max_length": cfg.data.max_length,
+        "padding": cfg.data.padding,
+        "eval_fraction": cfg.data.eval_fraction,
+        "seed": cfg.train.seed,
+    }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return Path(cfg.output_dir) / ".cache" / f"tokenized-{digest}"
 
@@ -286,8 +322,13 @@ def tokenized_splits(cfg: Config, tokenizer, write: bool) -> tuple[datasets.Data
     where = cache_dir(cfg)
     if where is not None and (where / "meta.json").is_file():
         meta = json.loads((where / "meta.json").read_text())
-        return (datasets.load_from_disk(str(where / "train")), datasets.load_from_disk(str(where / "eval")),
-                meta["truncated_train"], meta["truncated_eval"], True)
+        return (
+            datasets.load_from_disk(str(where / "train")),
+            datasets.load_from_disk(str(where / "eval")),
+            meta["truncated_train"],
+            meta["truncated_eval"],
+            True,
+        )
     train_raw, eval_raw = load_splits(cfg.data, cfg.train.seed)
     train_ds, n_trunc = tokenize(train_raw, tokenizer, cfg.data)
     eval_ds, n_trunc_eval = tokenize(eval_raw, tokenizer, cfg.data)
@@ -348,16 +389,25 @@ def build_model(cfg: ModelConfig, tokenizer, device: torch.device) -> torch.nn.M
     from transformers import AutoModelForSequenceClassification
 
     register_attention()
-    kwargs = dict(num_labels=len(LABELS), id2label=dict(enumerate(LABELS)), label2id={n: i for i, n in enumerate(LABELS)},
-                  problem_type="single_label_classification", attn_implementation=cfg.attn_implementation)
+    kwargs = dict(
+        num_labels=len(LABELS),
+        id2label=dict(enumerate(LABELS)),
+        label2id={n: i for i, n in enumerate(LABELS)},
+        problem_type="single_label_classification",
+        attn_implementation=cfg.attn_implementation,
+    )
     if cfg.pretrained:
         model = AutoModelForSequenceClassification.from_pretrained(cfg.name_or_path, **kwargs).to(device)
     else:
         with torch.device(device):
-            model = AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(cfg.name_or_path, **kwargs))
+            model = AutoModelForSequenceClassification.from_config(
+                AutoConfig.from_pretrained(cfg.name_or_path, **kwargs)
+            )
     if len(tokenizer) > model.config.vocab_size:
-        raise ConfigError(f"model.tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
-                          f"{model.config.vocab_size}: use the model's own tokenizer")
+        raise ConfigError(
+            f"model.tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
+            f"{model.config.vocab_size}: use the model's own tokenizer"
+        )
     return model
 
 
@@ -417,8 +467,12 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, autocast) -> 
     tp, fp, fn = cm.diag(), cm.sum(0) - cm.diag(), cm.sum(1) - cm.diag()
     seen = tp + fp + fn > 0
     f1 = (2 * tp / (2 * tp + fp + fn).clamp(min=1))[seen].mean().item() if bool(seen.any()) else 0.0
-    return {"loss": totals["loss"] / max(count, 1.0), "accuracy": float(tp.sum()) / max(count, 1.0),
-            "macro_f1": f1, "samples": count}
+    return {
+        "loss": totals["loss"] / max(count, 1.0),
+        "accuracy": float(tp.sum()) / max(count, 1.0),
+        "macro_f1": f1,
+        "samples": count,
+    }
 
 
 # ----------------------------------------------------------------------------- recipe
@@ -429,19 +483,27 @@ def preflight(cfg: Config, world_size: int) -> str:
         tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
         config = AutoConfig.from_pretrained(cfg.model.name_or_path)
     except OSError as exc:
-        raise ConfigError(f"model.name_or_path / model.tokenizer: cannot load {cfg.model.name_or_path!r}: "
-                          f"{str(exc).splitlines()[0]}") from None
+        raise ConfigError(
+            f"model.name_or_path / model.tokenizer: cannot load {cfg.model.name_or_path!r}: {str(exc).splitlines()[0]}"
+        ) from None
     if len(tok) > config.vocab_size:
         raise ConfigError(f"model.tokenizer has {len(tok)} tokens but the model's vocab_size is {config.vocab_size}")
     # local files: read, checked and tokenized once here; the workers memory-map the result (cache_dir)
     train_ds, eval_ds = tokenized_splits(cfg, tok, write=True)[:2] if cfg.data.train_files else (None, None)
     per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * world_size
     if train_ds is not None and len(train_ds) < per_step:
-        raise ConfigError(f"the training set ({len(train_ds)} rows) is too small for one step of "
-                          f"{cfg.train.micro_batch_size} x {cfg.train.grad_accum_steps} x {world_size} samples")
+        raise ConfigError(
+            f"the training set ({len(train_ds)} rows) is too small for one step of "
+            f"{cfg.train.micro_batch_size} x {cfg.train.grad_accum_steps} x {world_size} samples"
+        )
     Checkpointer(Path(cfg.output_dir) / "checkpoints", resizable=RESIZABLE).check_resume(
-        cfg.checkpoint.resume, world_size, to_dict(cfg), MAY_CHANGE, cfg.train.stop_at_step)
-    return f"{len(train_ds)} train / {len(eval_ds)} eval rows" if train_ds is not None else f"hub data set {cfg.data.hub_id}"
+        cfg.checkpoint.resume, world_size, to_dict(cfg), MAY_CHANGE, cfg.train.stop_at_step
+    )
+    return (
+        f"{len(train_ds)} train / {len(eval_ds)} eval rows"
+        if train_ds is not None
+        else f"hub data set {cfg.data.hub_id}"
+    )
 
 
 def load(path: str, overrides: list[str]) -> Config:
@@ -457,7 +519,11 @@ def main(cfg: Config) -> None:
 
     register_attention()  # the rest of the imports: transformers' modeling code
     launched = launch_time()
-    phases = {"worker_start": psutil.Process().create_time(), "module_start": STARTED, "imports": time.time()}  # seconds after the launch, below
+    phases = {
+        "worker_start": psutil.Process().create_time(),
+        "module_start": STARTED,
+        "imports": time.time(),
+    }  # seconds after the launch, below
     info = cookbook.init_distributed(cfg.train.collective_timeout_s, debug_dir=Path(cfg.output_dir) / "debug")
     phases["distributed"] = time.time()
     out_dir = Path(cfg.output_dir)
@@ -469,23 +535,32 @@ def main(cfg: Config) -> None:
     phases["data"] = time.time()
     collate = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8)
     # DistributedSampler's order and split, with a global position: a checkpoint resumes on another world size.
-    sampler = ResizableSampler(train_ds, num_replicas=info.world_size, rank=info.rank, shuffle=True,
-                               seed=cfg.train.seed, drop_last=True)
+    sampler = ResizableSampler(
+        train_ds, num_replicas=info.world_size, rank=info.rank, shuffle=True, seed=cfg.train.seed, drop_last=True
+    )
     # Loader processes live for the whole run (persistent_workers), so no epoch and no evaluation waits for new
     # ones: the rows are tokenized already and the collator pads them, nothing in a worker depends on the epoch
     # or on a random stream, so a kept worker gives what a fresh one would. The sampler runs in this process
     # (set_epoch reaches it), and StatefulDataLoader restores a mid-epoch position either way.
-    loader_kw = dict(collate_fn=collate, num_workers=cfg.data.num_workers, pin_memory=info.device.type == "cuda",
-                     persistent_workers=cfg.data.num_workers > 0)
-    train_loader = StatefulDataLoader(train_ds, batch_size=cfg.train.micro_batch_size, sampler=sampler, drop_last=True, **loader_kw)
+    loader_kw = dict(
+        collate_fn=collate,
+        num_workers=cfg.data.num_workers,
+        pin_memory=info.device.type == "cuda",
+        persistent_workers=cfg.data.num_workers > 0,
+    )
+    train_loader = StatefulDataLoader(
+        train_ds, batch_size=cfg.train.micro_batch_size, sampler=sampler, drop_last=True, **loader_kw
+    )
     # Each rank evaluates a disjoint slice; no sample is duplicated to even out the shards.
     eval_shard = Subset(eval_ds, range(info.rank, len(eval_ds), info.world_size))
     eval_loader = StatefulDataLoader(eval_shard, batch_size=cfg.train.micro_batch_size * 2, **loader_kw)
 
     steps_per_epoch = len(train_loader) // cfg.train.grad_accum_steps
     if steps_per_epoch == 0:
-        raise ConfigError(f"the training set ({len(train_ds)} rows) is too small for one step of "
-                          f"{cfg.train.micro_batch_size} x {cfg.train.grad_accum_steps} x {info.world_size} samples")
+        raise ConfigError(
+            f"the training set ({len(train_ds)} rows) is too small for one step of "
+            f"{cfg.train.micro_batch_size} x {cfg.train.grad_accum_steps} x {info.world_size} samples"
+        )
     max_steps = cfg.train.max_steps if cfg.train.max_steps > 0 else cfg.train.epochs * steps_per_epoch
 
     model = build_model(cfg.model, tokenizer, info.device)
@@ -501,26 +576,49 @@ def main(cfg: Config) -> None:
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]  # biases and norms
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": cfg.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps, fused=info.device.type == "cuda",
+        lr=cfg.optim.lr,
+        betas=tuple(cfg.optim.betas),
+        eps=cfg.optim.eps,
+        fused=info.device.type == "cuda",
     )
-    scheduler = get_scheduler(cfg.optim.scheduler, optimizer, num_warmup_steps=int(cfg.optim.warmup_ratio * max_steps),
-                              num_training_steps=max_steps)
+    scheduler = get_scheduler(
+        cfg.optim.scheduler,
+        optimizer,
+        num_warmup_steps=int(cfg.optim.warmup_ratio * max_steps),
+        num_training_steps=max_steps,
+    )
 
     global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * info.world_size
     startup_phases = {k: round(t - launched, 3) for k, t in phases.items()}
-    with Run(cfg, info, app=ModelOptimizerState(model, optimizer), scheduler=scheduler, loader=train_loader,
-             set_epoch=sampler.set_epoch, may_change=MAY_CHANGE, max_steps=max_steps, experiment="modernbert-ddp",
-             final=out_dir / "final" if cfg.checkpoint.export_hf else None, flops=flops,
-             evaluate=lambda: run_eval(model.module, eval_loader, info.device, autocast, compiled=cfg.model.compile_eval)) as run:
-        run.say(f"world size {info.world_size} ({info.backend}, {info.device.type}) | {flops.num_params / 1e6:.1f} M "
-                f"non-embedding params | global batch {global_batch} = {cfg.train.micro_batch_size} micro-batch x "
-                f"{cfg.train.grad_accum_steps} accumulation x {info.world_size} ranks | {len(train_ds)} train / "
-                f"{len(eval_ds)} eval rows | {max_steps} steps ({steps_per_epoch}/epoch) | precision "
-                f"{'bf16 autocast' if use_bf16 else 'fp32'}")
-        run.say(f"start-up (s after the launch): {startup_phases} | tokenized splits "
-                f"{'memory-mapped from ' + str(cache_dir(cfg)) if cached else 'tokenized here'}")
+    with Run(
+        cfg,
+        info,
+        app=ModelOptimizerState(model, optimizer),
+        scheduler=scheduler,
+        loader=train_loader,
+        set_epoch=sampler.set_epoch,
+        may_change=MAY_CHANGE,
+        max_steps=max_steps,
+        experiment="modernbert-ddp",
+        final=out_dir / "final" if cfg.checkpoint.export_hf else None,
+        flops=flops,
+        evaluate=lambda: run_eval(model.module, eval_loader, info.device, autocast, compiled=cfg.model.compile_eval),
+    ) as run:
+        run.say(
+            f"world size {info.world_size} ({info.backend}, {info.device.type}) | {flops.num_params / 1e6:.1f} M "
+            f"non-embedding params | global batch {global_batch} = {cfg.train.micro_batch_size} micro-batch x "
+            f"{cfg.train.grad_accum_steps} accumulation x {info.world_size} ranks | {len(train_ds)} train / "
+            f"{len(eval_ds)} eval rows | {max_steps} steps ({steps_per_epoch}/epoch) | precision "
+            f"{'bf16 autocast' if use_bf16 else 'fp32'}"
+        )
+        run.say(
+            f"start-up (s after the launch): {startup_phases} | tokenized splits "
+            f"{'memory-mapped from ' + str(cache_dir(cfg)) if cached else 'tokenized here'}"
+        )
         if n_trunc or n_trunc_eval:
-            run.say(f"truncated to data.max_length={cfg.data.max_length}: {n_trunc} train and {n_trunc_eval} eval texts")
+            run.say(
+                f"truncated to data.max_length={cfg.data.max_length}: {n_trunc} train and {n_trunc_eval} eval texts"
+            )
 
         # ---- train loop
         for _ in run.steps():
@@ -529,26 +627,36 @@ def main(cfg: Config) -> None:
             step_loss = torch.zeros((), device=info.device)
             for i, (batch, wait) in enumerate(zip(micro_batches, waits)):
                 # Skip DDP's gradient all-reduce on all but the last micro-batch of a step.
-                with (model.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext()):
+                with model.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext():
                     with autocast():
                         loss = model(**batch).loss / cfg.train.grad_accum_steps
                     loss.backward()
                 step_loss += loss.detach()
                 run.metrics.add(samples=batch["labels"].numel(), tokens=batch["attention_mask"].sum(), data_wait_s=wait)
             grad_norm = torch.nn.utils.clip_grad_norm_(  # max_grad_norm 0: no clipping, but the norm is checked
-                model.parameters(), cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf"))
-            if run.skip_step(grad_norm): continue  # NaN / inf: the run stops, or (train.on_nonfinite=skip) the step is dropped
+                model.parameters(), cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
+            )
+            if run.skip_step(grad_norm):
+                continue  # NaN / inf: the run stops, or (train.on_nonfinite=skip) the step is dropped
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
             run.end_step(step_loss, lr=lr, grad_norm=grad_norm)
 
         # ---- save
-        run.finish(export=lambda: {"export_dir": (
-            export_hf(model, out_dir / "final", tokenizer) if cfg.checkpoint.export_hf else None,
-            "AutoModelForSequenceClassification.from_pretrained")},
-            summary=lambda: {"param_fingerprints": cookbook.all_gather_object(cookbook.param_fingerprint(model.module)),
-                             "startup_phases": startup_phases, "tokenized_cache": cached})
+        run.finish(
+            export=lambda: {
+                "export_dir": (
+                    export_hf(model, out_dir / "final", tokenizer) if cfg.checkpoint.export_hf else None,
+                    "AutoModelForSequenceClassification.from_pretrained",
+                )
+            },
+            summary=lambda: {
+                "param_fingerprints": cookbook.all_gather_object(cookbook.param_fingerprint(model.module)),
+                "startup_phases": startup_phases,
+                "tokenized_cache": cached,
+            },
+        )
 
     # ---- clean-up
     cookbook.destroy_distributed()

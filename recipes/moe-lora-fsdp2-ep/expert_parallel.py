@@ -30,14 +30,18 @@ from cookbook.checkpoint import ModelOptimizerState, publish
 
 def moe_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """(name, block) of every MoE block: a module with a router ``gate`` and fused ``experts``."""
-    return [(n, m) for n, m in model.named_modules()
-            if hasattr(m, "gate") and hasattr(getattr(m, "experts", None), "num_experts")]
+    return [
+        (n, m)
+        for n, m in model.named_modules()
+        if hasattr(m, "gate") and hasattr(getattr(m, "experts", None), "num_experts")
+    ]
 
 
 @dataclass
 class Meshes:
     """``world`` (1-D, all ranks: the dense FSDP2 units) and ``dp_ep`` (2-D (dp, ep): the experts), and the names
     of the LoRA parameters that hold only this EP rank's experts (set from `split_experts`)."""
+
     world: DeviceMesh
     dp_ep: DeviceMesh
     expert_lora_names: list[str] = field(default_factory=list)
@@ -52,15 +56,19 @@ def init_meshes(device_type: str, world_size: int, ep: int) -> Meshes:
     groups of consecutive ranks. Collective. Raises ValueError when `ep` does not divide `world_size`."""
     if world_size % ep:
         raise ValueError(f"ep={ep} does not divide the world size {world_size}")
-    return Meshes(init_device_mesh(device_type, (world_size,), mesh_dim_names=("world",)),
-                  init_device_mesh(device_type, (world_size // ep, ep), mesh_dim_names=("dp", "ep")))
+    return Meshes(
+        init_device_mesh(device_type, (world_size,), mesh_dim_names=("world",)),
+        init_device_mesh(device_type, (world_size // ep, ep), mesh_dim_names=("dp", "ep")),
+    )
 
 
 class AllToAll(torch.autograd.Function):
     """``all_to_all_single`` with uneven splits whose backward sends the gradients back the same way."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, recv_sizes: list[int], send_sizes: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, recv_sizes: list[int], send_sizes: list[int], group: dist.ProcessGroup
+    ) -> torch.Tensor:
         ctx.sizes, ctx.group = (send_sizes, recv_sizes), group
         out = x.new_empty(sum(recv_sizes), *x.shape[1:])
         dist.all_to_all_single(out, x.contiguous(), recv_sizes, send_sizes, group=group)
@@ -71,8 +79,14 @@ class AllToAll(torch.autograd.Function):
         return AllToAll.apply(grad, *ctx.sizes, ctx.group), None, None, None
 
 
-def ep_dispatch(experts: torch.nn.Module, local_forward, group: dist.ProcessGroup, hidden: torch.Tensor,
-                top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+def ep_dispatch(
+    experts: torch.nn.Module,
+    local_forward,
+    group: dist.ProcessGroup,
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
     """The experts' forward under expert parallelism; replaces ``experts.forward`` on every rank.
 
     Args:
@@ -97,7 +111,9 @@ def ep_dispatch(experts: torch.nn.Module, local_forward, group: dist.ProcessGrou
     local_ids = flat.new_empty(sum(recv_sizes))
     dist.all_to_all_single(local_ids, flat[order] % per, recv_sizes, send_sizes, group=group)  # ids at the destination
     y = local_forward(x, local_ids[:, None], torch.ones(len(local_ids), 1, dtype=top_k_weights.dtype, device=x.device))
-    if not len(local_ids):  # no token here: keep x and the LoRA in the graph, for backward's all-to-all and zero gradients
+    if not len(
+        local_ids
+    ):  # no token here: keep x and the LoRA in the graph, for backward's all-to-all and zero gradients
         y = y + (x.sum() + sum(p.sum() for p in experts.parameters() if p.requires_grad)) * 0
     y = AllToAll.apply(y, send_sizes, recv_sizes, group)
     out = torch.zeros(hidden.shape, dtype=y.dtype, device=y.device)
@@ -134,17 +150,25 @@ def split_experts(model: torch.nn.Module, ep_mesh: DeviceMesh) -> list[str]:
         experts.ep_param_names = [n for n, p in experts.named_parameters(recurse=False) if p.ndim == 3]
         for pname in experts.ep_param_names:
             p = getattr(experts, pname)
-            setattr(experts, pname, torch.nn.Parameter(p.detach()[first:first + per].clone(), requires_grad=p.requires_grad))
+            setattr(
+                experts,
+                pname,
+                torch.nn.Parameter(p.detach()[first : first + per].clone(), requires_grad=p.requires_grad),
+            )
         for w in wrappers:
             for lora in (w.lora_A, w.lora_B):
                 for adapter, layer in lora.items():
                     wt = layer.weight.detach()
                     if lora is w.lora_A:
-                        wt = wt[first * w.r[adapter]:(first + per) * w.r[adapter]]
+                        wt = wt[first * w.r[adapter] : (first + per) * w.r[adapter]]
                     else:
-                        wt = wt.reshape(wt.shape[0], -1, w.num_experts)[:, :, first:first + per].reshape(wt.shape[0], -1)
+                        wt = wt.reshape(wt.shape[0], -1, w.num_experts)[:, :, first : first + per].reshape(
+                            wt.shape[0], -1
+                        )
                     layer.weight = torch.nn.Parameter(wt.clone(), requires_grad=layer.weight.requires_grad)
-                    local_names.append(f"{name}.experts.{_wrapper_path(block.experts, w)}{'lora_A' if lora is w.lora_A else 'lora_B'}.{adapter}.weight")
+                    local_names.append(
+                        f"{name}.experts.{_wrapper_path(block.experts, w)}{'lora_A' if lora is w.lora_A else 'lora_B'}.{adapter}.weight"
+                    )
             w.num_experts = per
         experts.num_experts, experts.checkpoint_offset = per, first
         block.experts.forward = partial(ep_dispatch, block.experts, block.experts.forward, ep_mesh.get_group())
@@ -214,21 +238,27 @@ class AdapterState(ModelOptimizerState):
     different experts on different EP ranks under one name, so they are stored as ``<name>@ep<rank>``."""
 
     def __init__(self, model, optimizer, meshes: Meshes):
-        super().__init__(model, optimizer, StateDictOptions(ignore_frozen_params=True, strict=False))  # DCP still needs every saved key
+        super().__init__(
+            model, optimizer, StateDictOptions(ignore_frozen_params=True, strict=False)
+        )  # DCP still needs every saved key
         self.local = set(meshes.expert_lora_names)
         self.suffix = f"@ep{meshes.dp_ep['ep'].get_local_rank()}"
 
     def _rename(self, state: dict[str, Any], fwd: bool) -> dict[str, Any]:
         def key(k):
             return (k + self.suffix if k in self.local else k) if fwd else k.removesuffix(self.suffix)
+
         out = {"model": {key(k): v for k, v in state["model"].items()}}
         if "optim" in state:
             # Tensors are per EP rank; the parameter groups (hyperparameters, parameter names) are the same on every
             # rank and are stored once, under the plain names (checkpoints from before kept rank 0's suffixes).
             optim = state["optim"]
-            out["optim"] = {"state": {key(k): v for k, v in optim["state"].items()},
-                            "param_groups": [{**g, "params": [re.sub(r"@ep\d+$", "", k) for k in g["params"]]}
-                                             for g in optim["param_groups"]]}
+            out["optim"] = {
+                "state": {key(k): v for k, v in optim["state"].items()},
+                "param_groups": [
+                    {**g, "params": [re.sub(r"@ep\d+$", "", k) for k in g["params"]]} for g in optim["param_groups"]
+                ],
+            }
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -242,7 +272,9 @@ def gather_lora(model: torch.nn.Module, meshes: Meshes, grads: bool = False) -> 
     """The LoRA weights (or their gradients) of the unsharded model, on CPU, keyed by parameter name: dense
     LoRA gathered from FSDP shards, expert LoRA from the EP ranks (lora_A along rows, lora_B along its
     expert-fastest columns). Collective."""
-    device = torch.device("cuda", torch.cuda.current_device()) if meshes.world.device_type == "cuda" else torch.device("cpu")
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if meshes.world.device_type == "cuda" else torch.device("cpu")
+    )
     full = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:

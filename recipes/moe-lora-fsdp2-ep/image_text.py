@@ -24,7 +24,10 @@ from cookbook.sft.template import tokenize_conversation
 @dataclass
 class VLDataConfig:
     """The data section of an image + text recipe (`load_vl_items`, `VLDataset`, `load_vl_processors`)."""
-    train_files: list[str] = field(default_factory=list)  # JSON / JSONL of {"images": [path, ...], "messages": [...]}; empty: hub_id
+
+    train_files: list[str] = field(
+        default_factory=list
+    )  # JSON / JSONL of {"images": [path, ...], "messages": [...]}; empty: hub_id
     eval_files: list[str] = field(default_factory=list)
     hub_id: str = "HuggingFaceH4/llava-instruct-mix-vsft"
     eval_fraction: float = 0.01
@@ -44,6 +47,7 @@ def is_vision_language(hf_config) -> bool:
 @dataclass
 class _VLSource:
     """The rows of one data file or hub data set of image + text pairs; image paths are relative to ``base_dir``."""
+
     name: str
     rows: Any  # list[dict] (a JSON / JSONL file) or a datasets.Dataset (rows and their images read on access)
     base_dir: Path | None = None
@@ -59,20 +63,25 @@ def to_vl_messages(row: dict, where: str) -> tuple[list[dict], list[Any]]:
     images = row.get("images", row.get("image"))
     images = images if isinstance(images, list) else [] if images is None else [images]
     if not images or any(im is None for im in images):
-        raise SFTDataError(f"{where}: no image ('images': [...] or 'image' missing, empty or null); this data path "
-                           f"trains on image + text pairs")
+        raise SFTDataError(
+            f"{where}: no image ('images': [...] or 'image' missing, empty or null); this data path "
+            f"trains on image + text pairs"
+        )
     turns = row.get("messages")
     if not isinstance(turns, list) or not turns:
         raise SFTDataError(f"{where}: field 'messages' must be a non-empty list of turns")
     messages, n_parts = [], 0
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict) or turn.get("role") not in ROLES or "content" not in turn:
-            raise SFTDataError(f"{where}: messages[{i}] must be an object with 'role' (one of "
-                               f"{', '.join(ROLES)}) and 'content'")
+            raise SFTDataError(
+                f"{where}: messages[{i}] must be an object with 'role' (one of {', '.join(ROLES)}) and 'content'"
+            )
         held = [k for k in REASONING_KEYS if turn.get(k)]
         if held:  # never dropped in silence
-            raise SFTDataError(f"{where}: messages[{i}].{held[0]} is set, but image + text rows train no reasoning: "
-                               f"remove it from the rows, or train on text rows (data.reasoning in the text recipes)")
+            raise SFTDataError(
+                f"{where}: messages[{i}].{held[0]} is set, but image + text rows train no reasoning: "
+                f"remove it from the rows, or train on text rows (data.reasoning in the text recipes)"
+            )
         content = turn["content"]
         if isinstance(content, str):
             content = [{"type": "text", "text": content}]
@@ -87,8 +96,10 @@ def to_vl_messages(row: dict, where: str) -> tuple[list[dict], list[Any]]:
             elif kind == "text" and isinstance(part.get("text", part.get("value")), str):  # "value": another layout
                 parts.append({"type": "text", "text": part.get("text", part.get("value"))})
             else:
-                raise SFTDataError(f"{where}: messages[{i}].content[{j}] must be {{'type': 'text', 'text': str}} or, in "
-                                   f"a user turn, {{'type': 'image'}}; got {part!r:.80}")
+                raise SFTDataError(
+                    f"{where}: messages[{i}].content[{j}] must be {{'type': 'text', 'text': str}} or, in "
+                    f"a user turn, {{'type': 'image'}}; got {part!r:.80}"
+                )
         if turn["role"] == "user":
             messages.append({"role": "user", "content": parts})
         else:
@@ -126,8 +137,17 @@ def _open_image(ref: Any, base_dir: Path | None, where: str):
         raise SFTDataError(f"{where}: cannot decode image {path}: {exc}") from None
 
 
-def vl_example(row: dict, where: str, base_dir: Path | None, tokenizer, image_processor, image_token_id: int,
-               max_length: int, template_kwargs: dict | None = None, no_loss: bool = False) -> dict[str, Any]:
+def vl_example(
+    row: dict,
+    where: str,
+    base_dir: Path | None,
+    tokenizer,
+    image_processor,
+    image_token_id: int,
+    max_length: int,
+    template_kwargs: dict | None = None,
+    no_loss: bool = False,
+) -> dict[str, Any]:
     """One image + text row as model inputs: ``input_ids`` and ``labels`` (L <= max_length; ``no_loss``: all
     -100), ``pixel_values`` (P, C * T * p * p) for the P patches of all images and ``image_grid_thw`` (n_images, 3).
     Raises SFTDataError: ``"<where>: ..."``: see `to_vl_messages`, `_open_image`; another number of image placeholders
@@ -139,10 +159,12 @@ def vl_example(row: dict, where: str, base_dir: Path | None, tokenizer, image_pr
     except SFTDataError as exc:
         raise SFTDataError(f"{where}: {exc}") from None
     if ids.count(image_token_id) != len(images):
-        raise SFTDataError(f"{where}: the chat template wrote {ids.count(image_token_id)} image placeholder tokens "
-                           f"(id {image_token_id}) for {len(images)} image(s): use the model's own chat template")
+        raise SFTDataError(
+            f"{where}: the chat template wrote {ids.count(image_token_id)} image placeholder tokens "
+            f"(id {image_token_id}) for {len(images)} image(s): use the model's own chat template"
+        )
     pixels = image_processor(images=images, return_tensors="pt")
-    counts = iter((pixels["image_grid_thw"].prod(-1) // image_processor.merge_size ** 2).tolist())
+    counts = iter((pixels["image_grid_thw"].prod(-1) // image_processor.merge_size**2).tolist())
     out_ids, out_labels = [], []
     for token, label in zip(ids, labels):
         n = next(counts) if token == image_token_id else 1
@@ -151,13 +173,19 @@ def vl_example(row: dict, where: str, base_dir: Path | None, tokenizer, image_pr
     if len(out_ids) > max_length:
         last = len(out_ids) - out_ids[::-1].index(image_token_id)
         if last > max_length:
-            raise SFTDataError(f"{where}: its image tokens reach token {last}, beyond data.max_length={max_length}: "
-                               f"raise data.max_length or lower data.image_max_pixels")
+            raise SFTDataError(
+                f"{where}: its image tokens reach token {last}, beyond data.max_length={max_length}: "
+                f"raise data.max_length or lower data.image_max_pixels"
+            )
         out_ids, out_labels = out_ids[:max_length], out_labels[:max_length]
     if no_loss:
         out_labels = [IGNORE_INDEX] * len(out_ids)
-    return {"input_ids": out_ids, "labels": out_labels, "pixel_values": pixels["pixel_values"],
-            "image_grid_thw": pixels["image_grid_thw"]}
+    return {
+        "input_ids": out_ids,
+        "labels": out_labels,
+        "pixel_values": pixels["pixel_values"],
+        "image_grid_thw": pixels["image_grid_thw"],
+    }
 
 
 class VLDataset(torch.utils.data.Dataset):
@@ -188,8 +216,11 @@ def load_vl_items(cfg: Any, seed: int) -> tuple[list[tuple], list[tuple]]:
         sources = [_VLSource(cfg.hub_id, datasets.load_dataset(cfg.hub_id, split="train"))]
     train, evals = [], []
     for source in sources:
-        order, held = hold_out(len(source.rows), cfg.eval_fraction, seed) if not cfg.eval_files and \
-            cfg.eval_fraction > 0 else (range(len(source.rows)), [])
+        order, held = (
+            hold_out(len(source.rows), cfg.eval_fraction, seed)
+            if not cfg.eval_files and cfg.eval_fraction > 0
+            else (range(len(source.rows)), [])
+        )
         evals += [(source, i, False) for i in held]
         train += [(source, i, False) for i in order]
     for f in cfg.eval_files:
@@ -236,16 +267,19 @@ def load_vl_processors(name_or_path: str, min_pixels: int | None = None, max_pix
     tokenizer = AutoTokenizer.from_pretrained(name_or_path)
     image_processor = AutoImageProcessor.from_pretrained(name_or_path)
     if min_pixels or max_pixels:
-        size = {"shortest_edge": min_pixels or image_processor.size["shortest_edge"],
-                "longest_edge": max_pixels or image_processor.size["longest_edge"]}
+        size = {
+            "shortest_edge": min_pixels or image_processor.size["shortest_edge"],
+            "longest_edge": max_pixels or image_processor.size["longest_edge"],
+        }
         image_processor = AutoImageProcessor.from_pretrained(name_or_path, size=size)
     if tokenizer.chat_template is None:  # some VL repositories keep the template with the processor only
         tokenizer.chat_template = AutoProcessor.from_pretrained(name_or_path).chat_template
     return tokenizer, image_processor
 
 
-def show_vl(cfg: Any, tokenizer, image_processor, image_token_id: int, n: int,
-            template_kwargs: dict | None = None) -> str:
+def show_vl(
+    cfg: Any, tokenizer, image_processor, image_token_id: int, n: int, template_kwargs: dict | None = None
+) -> str:
     """`cookbook.sft.show_examples` for image + text rows: each train file's rows as `vl_example` renders them
     (image placeholders written ``<tok> x N``), the first `n` shown, all counted (rows cut at ``max_length``).
     Every row of a local file is read and its images decoded, as ``--check`` does; of a hub data set, `n` rows."""
@@ -257,11 +291,23 @@ def show_vl(cfg: Any, tokenizer, image_processor, image_token_id: int, n: int,
     parts = []
     for source in sources:
         rows = range(len(source.rows)) if source.base_dir is not None else range(min(n, len(source.rows)))
-        st, examples = SFTStats(source=source.name, max_length=cfg.max_length, rows=len(rows),
-                                lines=getattr(source.rows, "lines", None)), []
+        st, examples = (
+            SFTStats(
+                source=source.name, max_length=cfg.max_length, rows=len(rows), lines=getattr(source.rows, "lines", None)
+            ),
+            [],
+        )
         for i in rows:
-            ex = vl_example(dict(source.rows[i]), f"{source.name} {st.label(i + 1)}", source.base_dir, tokenizer,
-                            image_processor, image_token_id, 1 << 30, template_kwargs)
+            ex = vl_example(
+                dict(source.rows[i]),
+                f"{source.name} {st.label(i + 1)}",
+                source.base_dir,
+                tokenizer,
+                image_processor,
+                image_token_id,
+                1 << 30,
+                template_kwargs,
+            )
             example = st.add(i + 1, ex["input_ids"], ex["labels"])
             if example is not None:
                 examples.append(example)

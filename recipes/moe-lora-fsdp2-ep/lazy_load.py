@@ -46,7 +46,7 @@ def load_base_lazily(model: torch.nn.Module, name_or_path: str, key: str = "mode
             for ckpt_key in handle.keys():
                 name = ckpt_key
                 for old, new in renames:
-                    name = new + name[len(old):] if name.startswith(old) else name
+                    name = new + name[len(old) :] if name.startswith(old) else name
                 m = _PER_EXPERT_KEY.match(name)
                 if m:
                     per_expert[(m[1], m[3], int(m[2]))] = (handle, ckpt_key)
@@ -54,14 +54,16 @@ def load_base_lazily(model: torch.nn.Module, name_or_path: str, key: str = "mode
                     dense[name] = (handle, ckpt_key)
 
         def missing(target: str, why: str) -> ConfigError:
-            return ConfigError(f"{key}: {why} for {target} in {name_or_path}; set {key}=false to load the checkpoint "
-                               f"with transformers (every rank then holds the whole model in memory first)")
+            return ConfigError(
+                f"{key}: {why} for {target} in {name_or_path}; set {key}=false to load the checkpoint "
+                f"with transformers (every rank then holds the whole model in memory first)"
+            )
 
         def read(target: str, module: torch.nn.Module, shape: torch.Size) -> torch.Tensor:
             first = getattr(module, "checkpoint_offset", 0)
             if target in dense and len(shape) == 3:
                 handle, ckpt_key = dense[target]
-                t = handle.get_slice(ckpt_key)[first:first + shape[0]]
+                t = handle.get_slice(ckpt_key)[first : first + shape[0]]
                 if t.shape[1:] != shape[1:] and t.shape[1:] == shape[1:][::-1]:
                     t = t.transpose(1, 2)
             elif target in dense:
@@ -72,8 +74,10 @@ def load_base_lazily(model: torch.nn.Module, name_or_path: str, key: str = "mode
                 parts = ("gate_proj", "up_proj") if pname == "gate_up_proj" else (pname,)
                 keys = [[per_expert.get((prefix, part, e)) for part in parts] for e in range(first, first + shape[0])]
                 if any(k is None for ks in keys for k in ks):
-                    raise missing(target, f"no tensor {prefix}.<e>.{'/'.join(parts)}.weight for experts "
-                                          f"{first}..{first + shape[0] - 1}")
+                    raise missing(
+                        target,
+                        f"no tensor {prefix}.<e>.{'/'.join(parts)}.weight for experts {first}..{first + shape[0] - 1}",
+                    )
                 t = torch.stack([torch.cat([h.get_tensor(k) for h, k in ks]) for ks in keys])
             else:
                 raise missing(target, "no tensor")

@@ -78,6 +78,7 @@ class CheckpointConfig(config.CheckpointConfig):
 @dataclass
 class MoELoraConfig(config.RunConfig):
     """The sections of a MoE LoRA recipe's config but ``data``, which each recipe adds."""
+
     output_dir: str = "outputs/moe-lora"
     run_name: str = "moe-lora"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -89,8 +90,14 @@ class MoELoraConfig(config.RunConfig):
 
 
 # Settings that may differ between a checkpoint and the run that resumes it (with the recipe's data keys).
-MAY_CHANGE = (*config.MAY_CHANGE, "model.lazy_load", "data.num_workers", "lora.expert_lora", "train.activation_checkpointing",
-              "train.compile")
+MAY_CHANGE = (
+    *config.MAY_CHANGE,
+    "model.lazy_load",
+    "data.num_workers",
+    "lora.expert_lora",
+    "train.activation_checkpointing",
+    "train.compile",
+)
 ACTIVATION_CHECKPOINTING = ("none", "full", "attention", "experts")
 COMPILE = ("none", "moe", "layers")
 
@@ -104,27 +111,42 @@ def check_config(cfg: MoELoraConfig, config_dir: Path) -> None:
     """
     sft.resolve_paths(cfg, config_dir)  # model, tokenizer and data files beside the config file
     config.check_run(cfg)
-    check_fields(cfg, at_least={"parallel.ep": 1, "lora.r": 1, "data.max_length": 1, "moe.aux_loss_coef": 0},
-                 one_of={"parallel.reduce_dtype": sorted(DTYPES), "train.activation_checkpointing": ACTIVATION_CHECKPOINTING,
-                         "lora.expert_lora": ("routed", "peft"), "train.compile": COMPILE},
-                 within={"lora.dropout": "[0, 1)", "data.eval_fraction": "[0, 1)"},
-                 notes={"data.eval_fraction": "0: no evaluation"})
+    check_fields(
+        cfg,
+        at_least={"parallel.ep": 1, "lora.r": 1, "data.max_length": 1, "moe.aux_loss_coef": 0},
+        one_of={
+            "parallel.reduce_dtype": sorted(DTYPES),
+            "train.activation_checkpointing": ACTIVATION_CHECKPOINTING,
+            "lora.expert_lora": ("routed", "peft"),
+            "train.compile": COMPILE,
+        },
+        within={"lora.dropout": "[0, 1)", "data.eval_fraction": "[0, 1)"},
+        notes={"data.eval_fraction": "0: no evaluation"},
+    )
     if not cfg.lora.target_modules and not cfg.lora.target_parameters:
         raise ConfigError("lora.target_modules and lora.target_parameters are both empty: nothing would train")
     if cfg.lora.dropout > 0 and cfg.lora.target_parameters:
-        raise ConfigError("lora.dropout > 0 is not supported by PEFT for lora.target_parameters (expert weights): set 0")
+        raise ConfigError(
+            "lora.dropout > 0 is not supported by PEFT for lora.target_parameters (expert weights): set 0"
+        )
     if cfg.train.compile != "none" and cfg.lora.expert_lora != "routed":
-        raise ConfigError(f"train.compile={cfg.train.compile} compiles the routed expert LoRA: it needs lora.expert_lora=routed "
-                          f"(or train.compile=none)")
+        raise ConfigError(
+            f"train.compile={cfg.train.compile} compiles the routed expert LoRA: it needs lora.expert_lora=routed "
+            f"(or train.compile=none)"
+        )
     if cfg.train.compile == "layers" and cfg.train.activation_checkpointing != "none":
         # full: transformers' checkpointed layer call bypasses the compiled one (measured: no graph made, eager
         # silently); attention / experts: not tried
-        raise ConfigError(f"train.compile=layers with train.activation_checkpointing={cfg.train.activation_checkpointing} "
-                          f"is not supported: use train.compile=moe (works with every activation_checkpointing), or "
-                          f"train.activation_checkpointing=none")
+        raise ConfigError(
+            f"train.compile=layers with train.activation_checkpointing={cfg.train.activation_checkpointing} "
+            f"is not supported: use train.compile=moe (works with every activation_checkpointing), or "
+            f"train.activation_checkpointing=none"
+        )
     if cfg.checkpoint.export_merged and not (cfg.model.pretrained and cfg.checkpoint.export_adapter):
-        raise ConfigError("checkpoint.export_merged=true folds the adapter into the base weights read from "
-                          "model.name_or_path: it needs model.pretrained=true and checkpoint.export_adapter=true")
+        raise ConfigError(
+            "checkpoint.export_merged=true folds the adapter into the base weights read from "
+            "model.name_or_path: it needs model.pretrained=true and checkpoint.export_adapter=true"
+        )
 
 
 def _matches(name: str, target: str) -> bool:
@@ -147,32 +169,42 @@ def check_model(cfg: MoELoraConfig, hf_config, auto_class, world_size: int) -> N
     experts = [m for _, m in moe_blocks(model)]
     ep = cfg.parallel.ep
     if ep > 1 and not experts:
-        raise ConfigError(f"parallel.ep={ep} but {cfg.model.name_or_path} ({hf_config.model_type}) has no MoE layers with "
-                          f"fused experts: use parallel.ep=1")
+        raise ConfigError(
+            f"parallel.ep={ep} but {cfg.model.name_or_path} ({hf_config.model_type}) has no MoE layers with "
+            f"fused experts: use parallel.ep=1"
+        )
     if world_size % ep:
         raise ConfigError(f"parallel.ep={ep} does not divide the world size {world_size} (NGPU x NNODES)")
     if experts and experts[0].experts.num_experts % ep:
-        raise ConfigError(f"parallel.ep={ep} does not divide the {experts[0].experts.num_experts} experts of each MoE layer")
+        raise ConfigError(
+            f"parallel.ep={ep} does not divide the {experts[0].experts.num_experts} experts of each MoE layer"
+        )
     modules = [n for n, _ in model.named_modules()]
     params = [n for n, _ in model.named_parameters()]
-    for key, names, wanted in [("lora.target_modules", modules, cfg.lora.target_modules),
-                               ("lora.target_parameters", params, cfg.lora.target_parameters)]:
+    for key, names, wanted in [
+        ("lora.target_modules", modules, cfg.lora.target_modules),
+        ("lora.target_parameters", params, cfg.lora.target_parameters),
+    ]:
         for target in wanted:
             if not any(_matches(n, target) for n in names):
                 tails = sorted({".".join(n.split(".")[-2:]) for n in names if ".layers.0." in n or ".layers.1." in n})
-                raise ConfigError(f"{key}: {target!r} matches nothing in {hf_config.model_type}; names in its first "
-                                  f"layers end with: {', '.join(tails)}")
+                raise ConfigError(
+                    f"{key}: {target!r} matches nothing in {hf_config.model_type}; names in its first "
+                    f"layers end with: {', '.join(tails)}"
+                )
         if key == "lora.target_parameters":
             for target in wanted:
                 if any(_matches(n, target) and model.get_parameter(n).ndim != 3 for n in names):
-                    raise ConfigError(f"lora.target_parameters: {target!r} is not a fused 3-D expert weight; put "
-                                      f"linear layers in lora.target_modules")
+                    raise ConfigError(
+                        f"lora.target_parameters: {target!r} is not a fused 3-D expert weight; put "
+                        f"linear layers in lora.target_modules"
+                    )
     if cfg.lora.expert_lora == "routed" and cfg.lora.target_parameters and experts:
         reason = routed_lora_unsupported(experts[0].experts)
         if reason:
-            raise ConfigError(f"lora.expert_lora=routed: the experts of {hf_config.model_type} {reason}; "
-                              f"use lora.expert_lora=peft")
-
+            raise ConfigError(
+                f"lora.expert_lora=routed: the experts of {hf_config.model_type} {reason}; use lora.expert_lora=peft"
+            )
 
 
 # ----------------------------------------------------------------------------- model
@@ -196,7 +228,10 @@ def build_base(auto_class, hf_config, cfg: ModelConfig, dtype: torch.dtype, devi
         with init_empty_weights(include_buffers=False):  # parameters on meta; buffers (rotary tables) real
             model, how = auto_class.from_config(hf_config, dtype=dtype), "built on the meta device"
     elif cfg.pretrained:
-        model, how = auto_class.from_pretrained(cfg.name_or_path, config=hf_config, dtype=dtype), "loaded whole on the CPU"
+        model, how = (
+            auto_class.from_pretrained(cfg.name_or_path, config=hf_config, dtype=dtype),
+            "loaded whole on the CPU",
+        )
     else:
         with torch.device(device):
             model, how = auto_class.from_config(hf_config, dtype=dtype), f"made (random init) on {device}"
@@ -233,8 +268,10 @@ def mamba_kernels(hf_config) -> str | None:
     line = f"Mamba-2 layers ({hf_config.get_text_config().model_type}): "
     line += f"kernels of {', '.join(found)}" if found else ""
     if missing:
-        line += ("; " if found else "") + f"not importable: {', '.join(missing)}: transformers runs its PyTorch path " \
-                "for those parts (correct, slower)"
+        line += (
+            ("; " if found else "") + f"not importable: {', '.join(missing)}: transformers runs its PyTorch path "
+            "for those parts (correct, slower)"
+        )
     return line
 
 
@@ -250,8 +287,11 @@ def active_flops(model: torch.nn.Module, hf_config, exclude: torch.nn.Module | N
     types = getattr(text, "layers_block_type", None) or ["full_attention"] * text.num_hidden_layers
     excluded = count_parameters(exclude) if exclude is not None else 0
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return ModelFlops(int(count_parameters(model) - excluded - routed * (1 - frac)), sum(t == "full_attention" for t in types),
-                      text.num_attention_heads * head_dim)
+    return ModelFlops(
+        int(count_parameters(model) - excluded - routed * (1 - frac)),
+        sum(t == "full_attention" for t in types),
+        text.num_attention_heads * head_dim,
+    )
 
 
 def init_lora(model: torch.nn.Module, seed: int) -> list[torch.nn.Parameter]:
@@ -280,7 +320,9 @@ def init_lora(model: torch.nn.Module, seed: int) -> list[torch.nn.Parameter]:
 
 
 # ----------------------------------------------------------------------------- compile and activation checkpointing
-COMPILE_BACKEND = "inductor"  # `compile_parts`' default backend (the CPU tests set aot_eager: inductor's C++ build is slow)
+COMPILE_BACKEND = (
+    "inductor"  # `compile_parts`' default backend (the CPU tests set aot_eager: inductor's C++ build is slow)
+)
 _COMPILED_ROUTED: dict = {}  # backend -> torch.compile(routed_experts_forward), made once: every layer shares its code
 
 
@@ -442,8 +484,10 @@ class RouterStats:
         self.loads.zero_()
         mean = loads.mean(1).clamp(min=1.0)
         per_rank = loads.reshape(len(self.blocks), ep, -1).sum(-1)
-        return {"moe/load_max_over_mean": (loads.max(1).values / mean).mean().item(),
-                "moe/ep_rank_load_max_over_mean": (per_rank.max(1).values / per_rank.mean(1).clamp(min=1.0)).mean().item()}
+        return {
+            "moe/load_max_over_mean": (loads.max(1).values / mean).mean().item(),
+            "moe/ep_rank_load_max_over_mean": (per_rank.max(1).values / per_rank.mean(1).clamp(min=1.0)).mean().item(),
+        }
 
 
 def evaluate(model: torch.nn.Module, loader, device: torch.device, router: RouterStats) -> dict[str, float]:

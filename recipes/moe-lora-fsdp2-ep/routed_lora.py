@@ -24,7 +24,9 @@ _EXACT_STRIDES = tuple(t for t in (getattr(torch.Tag, "needs_exact_strides", Non
 def _kernel_ok(x: torch.Tensor, k: int, n: int) -> bool:
     """Whether torch's grouped GEMM kernel takes these operands: CUDA, bf16, a non-empty S and 16-byte aligned
     rows (K and N multiples of 8)."""
-    return _GROUPED_MM is not None and x.is_cuda and x.dtype == torch.bfloat16 and len(x) > 0 and k % 8 == 0 and n % 8 == 0
+    return (
+        _GROUPED_MM is not None and x.is_cuda and x.dtype == torch.bfloat16 and len(x) > 0 and k % 8 == 0 and n % 8 == 0
+    )
 
 
 def _gemm_layout(t: torch.Tensor) -> torch.Tensor:
@@ -133,8 +135,12 @@ def _lora_factors(wrappers: list[torch.nn.Module], param: str) -> list[tuple[tor
         for name in w.active_adapters:
             if name in w.lora_A:
                 a, b, r = w.lora_A[name].weight, w.lora_B[name].weight, w.r[name]
-                factors.append((a.reshape(w.num_experts, r, -1).transpose(1, 2),
-                                (b.reshape(b.shape[0], r, w.num_experts).permute(2, 1, 0) * w.scaling[name]).contiguous()))
+                factors.append(
+                    (
+                        a.reshape(w.num_experts, r, -1).transpose(1, 2),
+                        (b.reshape(b.shape[0], r, w.num_experts).permute(2, 1, 0) * w.scaling[name]).contiguous(),
+                    )
+                )
     return factors
 
 
@@ -147,8 +153,9 @@ def _expert_projection(experts, wrappers, param: str, x: torch.Tensor, offs: tor
     return y
 
 
-def routed_experts_forward(module: torch.nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
-                           top_k_weights: torch.Tensor) -> torch.Tensor:
+def routed_experts_forward(
+    module: torch.nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
     """The experts' forward with their LoRA applied to the routed tokens: what transformers' ``grouped_mm`` experts
     compute on PEFT's folded weights W_e + s B_e A_e, without building them.
 
@@ -165,7 +172,9 @@ def routed_experts_forward(module: torch.nn.Module, hidden: torch.Tensor, top_k_
     num_tokens, top_k = top_k_index.shape
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, k) pairs grouped by expert
-    counts = torch.zeros(experts.num_experts, dtype=flat.dtype, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    counts = torch.zeros(experts.num_experts, dtype=flat.dtype, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )
     offs = torch.cumsum(counts, 0, dtype=torch.int32)  # no host sync (bincount on CUDA would wait for its max)
     x = hidden[order // top_k]
     if experts.has_gate:

@@ -41,11 +41,30 @@ from cookbook.hub import model_folder, resolve_path
 from cookbook.loop import Run
 from cookbook.metrics import ModelFlops
 import moe_model
-from image_text import (VLDataConfig, VLDataset, check_vl_items, collate_vl, is_vision_language, load_vl_items,
-                        load_vl_processors, shard_items_for_eval, show_vl)
+from image_text import (
+    VLDataConfig,
+    VLDataset,
+    check_vl_items,
+    collate_vl,
+    is_vision_language,
+    load_vl_items,
+    load_vl_processors,
+    shard_items_for_eval,
+    show_vl,
+)
 from lazy_load import load_base_lazily
-from expert_parallel import (AdapterState, Meshes, clip_grad_norm, export_adapter, export_merged, frozen_if_unsharded,
-                             init_meshes, moe_blocks, param_groups_by_mesh, split_experts)
+from expert_parallel import (
+    AdapterState,
+    Meshes,
+    clip_grad_norm,
+    export_adapter,
+    export_merged,
+    frozen_if_unsharded,
+    init_meshes,
+    moe_blocks,
+    param_groups_by_mesh,
+    split_experts,
+)
 from moe_model import DTYPES, LoraSection, ModelConfig, MoELoraConfig, RouterStats, token_mask
 from routed_lora import use_routed_lora
 
@@ -71,7 +90,9 @@ class VLConfig(MoELoraConfig):  # a model with a vision tower: image + text rows
     output_dir: str = "outputs/qwen3-vl-30b-a3b-lora"
     run_name: str = "qwen3-vl-30b-a3b-lora"
     model: ModelConfig = field(default_factory=lambda: ModelConfig(name_or_path="Qwen/Qwen3-VL-30B-A3B-Instruct"))
-    lora: LoraSection = field(default_factory=lambda: LoraSection(target_parameters=["experts.gate_up_proj", "experts.down_proj"]))
+    lora: LoraSection = field(
+        default_factory=lambda: LoraSection(target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+    )
     data: VLDataConfig = field(default_factory=VLDataConfig)
 
 
@@ -92,7 +113,11 @@ def config_class(path: str, overrides: list[str]) -> type[Config] | type[VLConfi
     name = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("model.name_or_path=")), None)
     name = name or (raw.get("model") or {}).get("name_or_path") or ModelConfig.name_or_path
     try:
-        return VLConfig if is_vision_language(AutoConfig.from_pretrained(resolve_path(name, Path(path).resolve().parent))) else Config
+        return (
+            VLConfig
+            if is_vision_language(AutoConfig.from_pretrained(resolve_path(name, Path(path).resolve().parent)))
+            else Config
+        )
     except Exception:  # noqa: BLE001 - not found, offline: check_model / preflight say so with the schema below
         vl_only = {f.name for f in fields(VLDataConfig)} - {f.name for f in fields(DataConfig)}
         return VLConfig if vl_only & set(raw.get("data") or {}) else Config
@@ -102,11 +127,16 @@ def check_config(cfg: Config | VLConfig, config_dir: Path) -> None:
     """Resolve paths against the config file's folder and reject values that are wrong on their own."""
     moe_model.check_config(cfg, config_dir)
     if isinstance(cfg, VLConfig):
-        for key, value in [("data.image_min_pixels", cfg.data.image_min_pixels), ("data.image_max_pixels", cfg.data.image_max_pixels)]:
+        for key, value in [
+            ("data.image_min_pixels", cfg.data.image_min_pixels),
+            ("data.image_max_pixels", cfg.data.image_max_pixels),
+        ]:
             if value is not None and value < 1:
                 raise ConfigError(f"{key} must be >= 1 or null, got {value}")
     else:
-        check_fields(cfg, within={"data.max_dropped_fraction": "[0, 1]"}, one_of={"data.reasoning": sft.config.REASONING})
+        check_fields(
+            cfg, within={"data.max_dropped_fraction": "[0, 1]"}, one_of={"data.reasoning": sft.config.REASONING}
+        )
 
 
 def auto_class(cfg: Config | VLConfig):
@@ -128,7 +158,9 @@ def build_model(cfg: Config | VLConfig, info: cookbook.DistInfo) -> tuple[torch.
     model = moe_model.build_base(auto_class(cfg), hf_config, cfg.model, dtype, info.device, cfg.train.seed)
     # the vision tower runs per patch, not per token; it stays frozen, without adapters
     flops = moe_model.active_flops(model, hf_config, exclude=model.model.visual if vl else None)
-    model = get_peft_model(model, LoraConfig(**cfg.lora.peft_kwargs(), **({"exclude_modules": r".*\.visual\..*"} if vl else {})))
+    model = get_peft_model(
+        model, LoraConfig(**cfg.lora.peft_kwargs(), **({"exclude_modules": r".*\.visual\..*"} if vl else {}))
+    )
     moe_model.init_lora(model, cfg.train.seed)  # the same factors whatever the EP degree; fp32
     if cfg.lora.expert_lora == "routed":  # expert LoRA on the routed tokens: grouped GEMMs, no B @ A per expert
         use_routed_lora(model)
@@ -146,11 +178,18 @@ def build_model(cfg: Config | VLConfig, info: cookbook.DistInfo) -> tuple[torch.
         meshes.expert_lora_names = split_experts(model, meshes.dp_ep["ep"])
     if cfg.model.pretrained and cfg.model.lazy_load:
         load_base_lazily(model, cfg.model.name_or_path)
-    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=DTYPES[cfg.parallel.reduce_dtype] if on_gpu else torch.float32)
+    mp = MixedPrecisionPolicy(
+        param_dtype=dtype, reduce_dtype=DTYPES[cfg.parallel.reduce_dtype] if on_gpu else torch.float32
+    )
     for layer in decoder.layers:
         for _, block in moe_blocks(layer):
-            fully_shard(block.experts, mesh=meshes.dp_ep["dp"], mp_policy=mp, reshard_after_forward=cfg.parallel.reshard_after_forward,
-                        ignored_params=frozen_if_unsharded(block.experts, meshes.dp_ep["dp"]))  # dp = 1: base used in place
+            fully_shard(
+                block.experts,
+                mesh=meshes.dp_ep["dp"],
+                mp_policy=mp,
+                reshard_after_forward=cfg.parallel.reshard_after_forward,
+                ignored_params=frozen_if_unsharded(block.experts, meshes.dp_ep["dp"]),
+            )  # dp = 1: base used in place
             block.experts.set_gradient_divide_factor(float(info.world_size))  # tokens of all ranks reach these experts
         fully_shard(layer, mesh=meshes.world, mp_policy=mp, reshard_after_forward=cfg.parallel.reshard_after_forward)
     for block in inner.visual.blocks if vl else ():  # frozen: all-gathered for the forward, no gradients
@@ -164,6 +203,7 @@ def build_model(cfg: Config | VLConfig, info: cookbook.DistInfo) -> tuple[torch.
 @dataclass
 class Rows:
     """What the loop needs of the data: rows, this rank's evaluation rows, the collate function, processors."""
+
     train: object
     eval: object
     has_eval: bool  # evaluation rows on any rank
@@ -179,23 +219,42 @@ def text_rows(cfg: Config, info: cookbook.DistInfo) -> Rows:
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
     pad_id = sft.pad_token_id(tokenizer)
     train_rows, eval_rows, stats = sft.training_rows(cfg.data, tokenizer, cfg.train.seed)
-    return Rows(train_rows, sft.shard_for_eval(eval_rows, info.rank, info.world_size), bool(eval_rows),
-                partial(sft.collate, pad_id=pad_id, cu_seq_lens=False), [tokenizer], pad_id,  # sdpa: no varlen offsets
-                f"{len(train_rows)} train rows | {{steps}} steps | data: {stats.summary()}")
+    return Rows(
+        train_rows,
+        sft.shard_for_eval(eval_rows, info.rank, info.world_size),
+        bool(eval_rows),
+        partial(sft.collate, pad_id=pad_id, cu_seq_lens=False),
+        [tokenizer],
+        pad_id,  # sdpa: no varlen offsets
+        f"{len(train_rows)} train rows | {{steps}} steps | data: {stats.summary()}",
+    )
 
 
 def vl_rows(cfg: VLConfig, info: cookbook.DistInfo) -> Rows:
     """Image + text rows (`image_text`), tokenized and their images decoded by the loader's workers."""
     image_token_id = AutoConfig.from_pretrained(cfg.model.name_or_path).image_token_id
-    tokenizer, image_processor = load_vl_processors(cfg.model.tokenizer, cfg.data.image_min_pixels, cfg.data.image_max_pixels)
+    tokenizer, image_processor = load_vl_processors(
+        cfg.model.tokenizer, cfg.data.image_min_pixels, cfg.data.image_max_pixels
+    )
     pad_id = sft.pad_token_id(tokenizer)
     train_items, eval_items = load_vl_items(cfg.data, cfg.train.seed)
-    rows_kw = dict(tokenizer=tokenizer, image_processor=image_processor, image_token_id=image_token_id,
-                   max_length=cfg.data.max_length, template_kwargs=dict(cfg.data.chat_template_kwargs) or None)
+    rows_kw = dict(
+        tokenizer=tokenizer,
+        image_processor=image_processor,
+        image_token_id=image_token_id,
+        max_length=cfg.data.max_length,
+        template_kwargs=dict(cfg.data.chat_template_kwargs) or None,
+    )
     eval_rows = VLDataset(shard_items_for_eval(eval_items, info.rank, info.world_size), **rows_kw)
-    return Rows(VLDataset(train_items, **rows_kw), eval_rows, bool(eval_rows),
-                partial(collate_vl, pad_id=pad_id, image_token_id=image_token_id), [tokenizer, image_processor], pad_id,
-                f"{len(train_items)} train / {len(eval_items)} eval image + text rows | {{steps}} steps")
+    return Rows(
+        VLDataset(train_items, **rows_kw),
+        eval_rows,
+        bool(eval_rows),
+        partial(collate_vl, pad_id=pad_id, image_token_id=image_token_id),
+        [tokenizer, image_processor],
+        pad_id,
+        f"{len(train_items)} train / {len(eval_items)} eval image + text rows | {{steps}} steps",
+    )
 
 
 # ----------------------------------------------------------------------------- recipe
@@ -212,12 +271,16 @@ def preflight(cfg: Config | VLConfig, world_size: int) -> str:
     moe_model.check_model(cfg, hf_config, AutoModelForCausalLM, world_size)
     lm.check_attention(cfg.model.attn_implementation, cookbook.get_dist_info().device.type == "cpu")
     if cfg.data.packing and hf_config.model_type == "nemotron_h":
-        raise ConfigError("data.packing=true with nemotron_h: its Mamba layers would carry state from one packed document "
-                          "into the next; use data.packing=false")
-    data = sft.check_data(cfg.data, tokenizer, cfg.train.seed, cfg.train.micro_batch_size, cfg.train.grad_accum_steps,
-                          world_size)  # before the resume: a bad row is named on a used output_dir too
+        raise ConfigError(
+            "data.packing=true with nemotron_h: its Mamba layers would carry state from one packed document "
+            "into the next; use data.packing=false"
+        )
+    data = sft.check_data(
+        cfg.data, tokenizer, cfg.train.seed, cfg.train.micro_batch_size, cfg.train.grad_accum_steps, world_size
+    )  # before the resume: a bad row is named on a used output_dir too
     Checkpointer(Path(cfg.output_dir) / "checkpoints").check_resume(
-        cfg.checkpoint.resume, world_size, to_dict(cfg), MAY_CHANGE, cfg.train.stop_at_step)
+        cfg.checkpoint.resume, world_size, to_dict(cfg), MAY_CHANGE, cfg.train.stop_at_step
+    )
     return data
 
 
@@ -225,29 +288,46 @@ def check_vl(cfg: VLConfig, world_size: int) -> str:
     """`preflight` of an image + text config; returns its summary of the rows."""
     try:
         hf_config = AutoConfig.from_pretrained(cfg.model.name_or_path)
-        tokenizer, image_processor = load_vl_processors(cfg.model.tokenizer, cfg.data.image_min_pixels, cfg.data.image_max_pixels)
+        tokenizer, image_processor = load_vl_processors(
+            cfg.model.tokenizer, cfg.data.image_min_pixels, cfg.data.image_max_pixels
+        )
     except OSError as exc:
-        raise ConfigError(f"model.name_or_path / model.tokenizer: cannot load {cfg.model.name_or_path!r}: "
-                          f"{str(exc).splitlines()[0]}") from None
+        raise ConfigError(
+            f"model.name_or_path / model.tokenizer: cannot load {cfg.model.name_or_path!r}: {str(exc).splitlines()[0]}"
+        ) from None
     if not is_vision_language(hf_config):
-        raise ConfigError(f"model.name_or_path: {hf_config.model_type} has no vision tower: image + text rows "
-                          f"(data.image_min_pixels / data.image_max_pixels) need a vision-language model")
+        raise ConfigError(
+            f"model.name_or_path: {hf_config.model_type} has no vision tower: image + text rows "
+            f"(data.image_min_pixels / data.image_max_pixels) need a vision-language model"
+        )
     if cfg.data.packing:
-        raise ConfigError(f"data.packing=true with {hf_config.model_type}: image + text rows are right-padded (the "
-                          f"model computes its 3-D image positions per row); use data.packing=false")
+        raise ConfigError(
+            f"data.packing=true with {hf_config.model_type}: image + text rows are right-padded (the "
+            f"model computes its 3-D image positions per row); use data.packing=false"
+        )
     sft.check_vocab(tokenizer, hf_config.get_text_config().vocab_size)
     sft.check_positions(cfg.data.max_length, hf_config, cfg.model.name_or_path)
     moe_model.check_model(cfg, hf_config, AutoModelForImageTextToText, world_size)
     lm.check_attention(cfg.model.attn_implementation, cookbook.get_dist_info().device.type == "cpu")
     train, evals = load_vl_items(cfg.data, cfg.train.seed)
-    n_rows, n_images = check_vl_items(VLDataset(train + evals, tokenizer=tokenizer, image_processor=image_processor,
-                                                image_token_id=hf_config.image_token_id, max_length=cfg.data.max_length,
-                                                template_kwargs=dict(cfg.data.chat_template_kwargs) or None))
+    n_rows, n_images = check_vl_items(
+        VLDataset(
+            train + evals,
+            tokenizer=tokenizer,
+            image_processor=image_processor,
+            image_token_id=hf_config.image_token_id,
+            max_length=cfg.data.max_length,
+            template_kwargs=dict(cfg.data.chat_template_kwargs) or None,
+        )
+    )
     if len(train) < cfg.train.micro_batch_size * cfg.train.grad_accum_steps * world_size:
-        raise ConfigError(f"{len(train)} training rows are too few for one step of {cfg.train.micro_batch_size} x "
-                          f"{cfg.train.grad_accum_steps} x {world_size} rows")
+        raise ConfigError(
+            f"{len(train)} training rows are too few for one step of {cfg.train.micro_batch_size} x "
+            f"{cfg.train.grad_accum_steps} x {world_size} rows"
+        )
     Checkpointer(Path(cfg.output_dir) / "checkpoints").check_resume(
-        cfg.checkpoint.resume, world_size, to_dict(cfg), VL_MAY_CHANGE, cfg.train.stop_at_step)
+        cfg.checkpoint.resume, world_size, to_dict(cfg), VL_MAY_CHANGE, cfg.train.stop_at_step
+    )
     return f"{len(train)} train / {len(evals)} eval image + text rows; {n_rows} rows with {n_images} images checked"
 
 
@@ -255,9 +335,17 @@ def show_examples(cfg: Config | VLConfig, n: int) -> str:
     """N rendered training rows per data file, what training sees (one process, no worker)."""
     if not isinstance(cfg, VLConfig):
         return sft.show_data(cfg.data, sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path), n)
-    tokenizer, image_processor = load_vl_processors(cfg.model.tokenizer, cfg.data.image_min_pixels, cfg.data.image_max_pixels)
-    return show_vl(cfg.data, tokenizer, image_processor, AutoConfig.from_pretrained(cfg.model.name_or_path).image_token_id,
-                   n, dict(cfg.data.chat_template_kwargs) or None)
+    tokenizer, image_processor = load_vl_processors(
+        cfg.model.tokenizer, cfg.data.image_min_pixels, cfg.data.image_max_pixels
+    )
+    return show_vl(
+        cfg.data,
+        tokenizer,
+        image_processor,
+        AutoConfig.from_pretrained(cfg.model.name_or_path).image_token_id,
+        n,
+        dict(cfg.data.chat_template_kwargs) or None,
+    )
 
 
 def load(path: str, overrides: list[str]) -> Config | VLConfig:
@@ -274,35 +362,63 @@ def main(cfg: Config | VLConfig) -> None:
     out_dir = Path(cfg.output_dir)
     rows = vl_rows(cfg, info) if vl else text_rows(cfg, info)
     pad_id = rows.pad_id
-    sampler = DistributedSampler(rows.train, num_replicas=info.world_size, rank=info.rank, shuffle=True,
-                                 seed=cfg.train.seed, drop_last=True)
+    sampler = DistributedSampler(
+        rows.train, num_replicas=info.world_size, rank=info.rank, shuffle=True, seed=cfg.train.seed, drop_last=True
+    )
     loader_kw = dict(collate_fn=rows.collate, num_workers=cfg.data.num_workers, pin_memory=info.device.type == "cuda")
-    train_loader = StatefulDataLoader(rows.train, batch_size=cfg.train.micro_batch_size, sampler=sampler, drop_last=True, **loader_kw)
+    train_loader = StatefulDataLoader(
+        rows.train, batch_size=cfg.train.micro_batch_size, sampler=sampler, drop_last=True, **loader_kw
+    )
     eval_loader = StatefulDataLoader(rows.eval, batch_size=cfg.train.micro_batch_size, **loader_kw)
     steps_per_epoch = len(train_loader) // cfg.train.grad_accum_steps
     if steps_per_epoch == 0:
-        raise ConfigError(f"{len(rows.train)} training rows are too few for one step of {cfg.train.micro_batch_size} x "
-                          f"{cfg.train.grad_accum_steps} x {info.world_size} rows")
+        raise ConfigError(
+            f"{len(rows.train)} training rows are too few for one step of {cfg.train.micro_batch_size} x "
+            f"{cfg.train.grad_accum_steps} x {info.world_size} rows"
+        )
     max_steps = cfg.train.max_steps if cfg.train.max_steps > 0 else cfg.train.epochs * steps_per_epoch
 
     model, flops, meshes = build_model(cfg, info)
     router = RouterStats(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(param_groups_by_mesh(trainable), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
-                                  weight_decay=cfg.optim.weight_decay, fused=info.device.type == "cuda")
-    scheduler = get_scheduler(cfg.optim.scheduler, optimizer, num_warmup_steps=int(cfg.optim.warmup_ratio * max_steps),
-                              num_training_steps=max_steps)
+    optimizer = torch.optim.AdamW(
+        param_groups_by_mesh(trainable),
+        lr=cfg.optim.lr,
+        betas=tuple(cfg.optim.betas),
+        eps=cfg.optim.eps,
+        weight_decay=cfg.optim.weight_decay,
+        fused=info.device.type == "cuda",
+    )
+    scheduler = get_scheduler(
+        cfg.optim.scheduler,
+        optimizer,
+        num_warmup_steps=int(cfg.optim.warmup_ratio * max_steps),
+        num_training_steps=max_steps,
+    )
     n_train = sum(p.numel() for p in trainable)
-    with Run(cfg, info, app=AdapterState(model, optimizer, meshes), scheduler=scheduler, loader=train_loader,
-             set_epoch=sampler.set_epoch, resizable=False, may_change=VL_MAY_CHANGE if vl else MAY_CHANGE,
-             max_steps=max_steps, experiment="moe-vl-lora-fsdp2-ep" if vl else "moe-lora-fsdp2-ep", flops=flops,
-             final=out_dir / "adapter" if cfg.checkpoint.export_adapter else None, what="adapter",
-             evaluate=(lambda: moe_model.evaluate(model, eval_loader, info.device, router)) if rows.has_eval else None,
-             log_extra=lambda: router.load_metrics(meshes.ep, info.device)) as run:
-        run.say(f"world size {info.world_size} ({info.backend}) | mesh dp {meshes.dp_ep['dp'].size()} x ep {meshes.ep} | "
-                f"{len(router.blocks)} MoE layers x {router.num_experts} experts ({router.num_experts // meshes.ep} per rank) | "
-                f"{flops.num_params / 1e6:,.1f} M active non-embedding params | LoRA {n_train:,} trainable params on this rank | "
-                + rows.summary.replace("{steps}", str(max_steps)))
+    with Run(
+        cfg,
+        info,
+        app=AdapterState(model, optimizer, meshes),
+        scheduler=scheduler,
+        loader=train_loader,
+        set_epoch=sampler.set_epoch,
+        resizable=False,
+        may_change=VL_MAY_CHANGE if vl else MAY_CHANGE,
+        max_steps=max_steps,
+        experiment="moe-vl-lora-fsdp2-ep" if vl else "moe-lora-fsdp2-ep",
+        flops=flops,
+        final=out_dir / "adapter" if cfg.checkpoint.export_adapter else None,
+        what="adapter",
+        evaluate=(lambda: moe_model.evaluate(model, eval_loader, info.device, router)) if rows.has_eval else None,
+        log_extra=lambda: router.load_metrics(meshes.ep, info.device),
+    ) as run:
+        run.say(
+            f"world size {info.world_size} ({info.backend}) | mesh dp {meshes.dp_ep['dp'].size()} x ep {meshes.ep} | "
+            f"{len(router.blocks)} MoE layers x {router.num_experts} experts ({router.num_experts // meshes.ep} per rank) | "
+            f"{flops.num_params / 1e6:,.1f} M active non-embedding params | LoRA {n_train:,} trainable params on this rank | "
+            + rows.summary.replace("{steps}", str(max_steps))
+        )
 
         # ---- train loop
         for _ in run.steps():
@@ -325,7 +441,8 @@ def main(cfg: Config | VLConfig) -> None:
                 step_aux += aux.detach() / cfg.train.grad_accum_steps
                 run.metrics.add(samples=mb["input_ids"].shape[0], tokens=lm.count_tokens(mb, pad_id), data_wait_s=wait)
             grad_norm = clip_grad_norm(trainable, cfg.optim.max_grad_norm, info.device)  # over both meshes
-            if run.skip_step(grad_norm): continue  # NaN / inf: the run stops, or (train.on_nonfinite=skip) the step is dropped
+            if run.skip_step(grad_norm):
+                continue  # NaN / inf: the run stops, or (train.on_nonfinite=skip) the step is dropped
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
@@ -335,10 +452,16 @@ def main(cfg: Config | VLConfig) -> None:
         def export():
             name = auto_class(cfg).__name__
             adapter = export_adapter(model, meshes, out_dir / "adapter") if cfg.checkpoint.export_adapter else None
-            merged = (export_merged(auto_class(cfg), cfg.model.name_or_path, adapter, out_dir / "merged", rows.processors)
-                      if cfg.checkpoint.export_merged else None)
-            return {"adapter_dir": (adapter, "PeftModel.from_pretrained(base_model, adapter)"),
-                    "merged_dir": (merged, f"{name}.from_pretrained")}
+            merged = (
+                export_merged(auto_class(cfg), cfg.model.name_or_path, adapter, out_dir / "merged", rows.processors)
+                if cfg.checkpoint.export_merged
+                else None
+            )
+            return {
+                "adapter_dir": (adapter, "PeftModel.from_pretrained(base_model, adapter)"),
+                "merged_dir": (merged, f"{name}.from_pretrained"),
+            }
+
         run.finish(export=export)
 
     # ---- clean-up

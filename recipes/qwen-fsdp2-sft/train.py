@@ -38,12 +38,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_sc
 from transformers import logging as hf_logging
 
 from cookbook import lm, sft
-from cookbook.checkpoint import (
-    Checkpointer,
-    CheckpointError,
-    ModelOptimizerState,
-    export_hf,
-)
+from cookbook.checkpoint import Checkpointer, CheckpointError, ModelOptimizerState, export_hf
 from cookbook import config
 from cookbook.config import ConfigError, check_fields, load_config, to_dict
 from cookbook.hub import model_folder
@@ -105,18 +100,29 @@ def check_config(cfg: Config, config_dir: Path) -> None:
     sft.resolve_paths(cfg, config_dir)  # model, tokenizer and data files beside the config file
     config.check_run(cfg)
     sft.check_data_config(cfg)
-    check_fields(cfg, at_least={"fsdp.replicate_degree": 1, "train.loss_chunk_size": 1},
-                 one_of={"fsdp.reduce_dtype": sorted(DTYPES), "checkpoint.export_dtype": sorted(DTYPES),
-                         "train.activation_checkpointing": ("none", "selective", "full"),
-                         "train.loss": ("chunked", "full")})
+    check_fields(
+        cfg,
+        at_least={"fsdp.replicate_degree": 1, "train.loss_chunk_size": 1},
+        one_of={
+            "fsdp.reduce_dtype": sorted(DTYPES),
+            "checkpoint.export_dtype": sorted(DTYPES),
+            "train.activation_checkpointing": ("none", "selective", "full"),
+            "train.loss": ("chunked", "full"),
+        },
+    )
+
 
 # ----------------------------------------------------------------------------- model
 def _sac_policy(ctx, op, *args, **kwargs):
     """Selective activation checkpointing: keep matmul and attention outputs, recompute the rest."""
-    keep = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-            torch.ops.aten._scaled_dot_product_efficient_attention.default,
-            torch.ops.aten._scaled_dot_product_flash_attention.default,
-            torch.ops.aten._scaled_dot_product_cudnn_attention.default}
+    keep = {
+        torch.ops.aten.mm.default,
+        torch.ops.aten.addmm.default,
+        torch.ops.aten.bmm.default,
+        torch.ops.aten._scaled_dot_product_efficient_attention.default,
+        torch.ops.aten._scaled_dot_product_flash_attention.default,
+        torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    }
     varlen_op = getattr(torch.ops.torch_attn, "_varlen_attn", None)  # varlen's kernel
     if varlen_op is not None:
         keep.add(varlen_op.default)
@@ -137,16 +143,22 @@ def check_float8(cfg: TrainConfig, device: torch.device) -> None:
     if not cfg.float8:
         return
     if not cfg.compile:
-        raise ConfigError("train.float8=true needs train.compile=true: uncompiled, torchao's scaling and casting run "
-                          "as separate kernels around every matmul")
+        raise ConfigError(
+            "train.float8=true needs train.compile=true: uncompiled, torchao's scaling and casting run "
+            "as separate kernels around every matmul"
+        )
     if cfg.activation_checkpointing == "selective":
-        raise ConfigError("train.float8=true does not work with train.activation_checkpointing=selective (its backward "
-                          "failed: 'aten.slice.Tensor invocation ... not found in storage', torchao 0.18): use none or full")
+        raise ConfigError(
+            "train.float8=true does not work with train.activation_checkpointing=selective (its backward "
+            "failed: 'aten.slice.Tensor invocation ... not found in storage', torchao 0.18): use none or full"
+        )
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     if capability is None or capability < (8, 9):
         where = f"compute capability {capability[0]}.{capability[1]}" if capability else f"a {device.type} device"
-        raise ConfigError(f"train.float8=true needs a CUDA GPU of compute capability 8.9 or newer (float8 matmuls); "
-                          f"this run has {where}: set train.float8=false")
+        raise ConfigError(
+            f"train.float8=true needs a CUDA GPU of compute capability 8.9 or newer (float8 matmuls); "
+            f"this run has {where}: set train.float8=false"
+        )
     try:
         import torchao.float8  # noqa: F401
     except ImportError as exc:
@@ -171,15 +183,23 @@ def build_model(cfg: Config, info: cookbook.DistInfo, vocab_size_needed: int) ->
     sft.register_varlen()  # attn_implementation: varlen (cookbook.sft.attention)
     hf_config = AutoConfig.from_pretrained(cfg.model.name_or_path, attn_implementation=cfg.model.attn_implementation)
     if vocab_size_needed > hf_config.vocab_size:
-        raise ConfigError(f"the tokenizer has {vocab_size_needed} tokens but the model's vocab_size is "
-                          f"{hf_config.vocab_size}: use the model's own tokenizer")
+        raise ConfigError(
+            f"the tokenizer has {vocab_size_needed} tokens but the model's vocab_size is "
+            f"{hf_config.vocab_size}: use the model's own tokenizer"
+        )
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     if cfg.train.loss == "chunked" and "logits_to_keep" not in inspect.signature(model.forward).parameters:
-        raise ConfigError(f"train.loss=chunked: {type(model).__name__}.forward takes no logits_to_keep, so it cannot "
-                          f"skip its logits; use train.loss=full")
-    flops = ModelFlops(count_parameters(model), hf_config.num_hidden_layers,
-                       hf_config.num_attention_heads * getattr(hf_config, "head_dim", hf_config.hidden_size // hf_config.num_attention_heads))
+        raise ConfigError(
+            f"train.loss=chunked: {type(model).__name__}.forward takes no logits_to_keep, so it cannot "
+            f"skip its logits; use train.loss=full"
+        )
+    flops = ModelFlops(
+        count_parameters(model),
+        hf_config.num_hidden_layers,
+        hf_config.num_attention_heads
+        * getattr(hf_config, "head_dim", hf_config.hidden_size // hf_config.num_attention_heads),
+    )
     layers = model.model.layers
     if cfg.train.float8:  # the decoder layers' linears only: embeddings and lm_head stay in bf16
         check_float8(cfg.train, info.device)  # before the import: a missing torchao is refused with the fix
@@ -190,22 +210,31 @@ def build_model(cfg: Config, info: cookbook.DistInfo, vocab_size_needed: int) ->
         if cfg.train.activation_checkpointing == "full":
             layer = checkpoint_wrapper(layer, preserve_rng_state=False)
         elif cfg.train.activation_checkpointing == "selective":
-            layer = checkpoint_wrapper(layer, preserve_rng_state=False,
-                                       context_fn=partial(create_selective_checkpoint_contexts, _sac_policy))
+            layer = checkpoint_wrapper(
+                layer, preserve_rng_state=False, context_fn=partial(create_selective_checkpoint_contexts, _sac_policy)
+            )
         if cfg.train.compile:
             layer.compile()
         layers[i] = layer
 
     if cfg.fsdp.replicate_degree > 1:
         if info.world_size % cfg.fsdp.replicate_degree:
-            raise ConfigError(f"fsdp.replicate_degree={cfg.fsdp.replicate_degree} does not divide the world size {info.world_size}")
-        mesh = init_device_mesh(info.device.type, (cfg.fsdp.replicate_degree, info.world_size // cfg.fsdp.replicate_degree),
-                                mesh_dim_names=("replicate", "shard"))
+            raise ConfigError(
+                f"fsdp.replicate_degree={cfg.fsdp.replicate_degree} does not divide the world size {info.world_size}"
+            )
+        mesh = init_device_mesh(
+            info.device.type,
+            (cfg.fsdp.replicate_degree, info.world_size // cfg.fsdp.replicate_degree),
+            mesh_dim_names=("replicate", "shard"),
+        )
     else:
         mesh = init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("shard",))
     param_dtype = DTYPES[cfg.train.mixed_precision] if info.device.type == "cuda" else torch.float32
-    fsdp_kwargs = dict(mesh=mesh, reshard_after_forward=cfg.fsdp.reshard_after_forward,
-                       mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=DTYPES[cfg.fsdp.reduce_dtype]))
+    fsdp_kwargs = dict(
+        mesh=mesh,
+        reshard_after_forward=cfg.fsdp.reshard_after_forward,
+        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=DTYPES[cfg.fsdp.reduce_dtype]),
+    )
     if cfg.fsdp.cpu_offload:
         fsdp_kwargs["offload_policy"] = CPUOffloadPolicy()
     for layer in layers:
@@ -219,7 +248,11 @@ def build_model(cfg: Config, info: cookbook.DistInfo, vocab_size_needed: int) ->
     if cfg.model.pretrained:
         # get_model_state_dict gives Hugging Face names (no activation-checkpoint or compile prefixes) and
         # this rank's DTensor shards: each rank reads only its slices of the safetensors files.
-        state = {k: v for k, v in get_model_state_dict(model).items() if not (hf_config.tie_word_embeddings and k == "lm_head.weight")}
+        state = {
+            k: v
+            for k, v in get_model_state_dict(model).items()
+            if not (hf_config.tie_word_embeddings and k == "lm_head.weight")
+        }
         dcp.load(state, storage_reader=HuggingFaceStorageReader(str(model_folder(cfg.model.name_or_path))))
         set_model_state_dict(model, state, options=StateDictOptions(strict=False))
     return model, flops
@@ -244,14 +277,20 @@ def preflight(cfg: Config, world_size: int) -> str:
     lm.check_attention(cfg.model.attn_implementation, on_cpu)
     check_float8(cfg.train, cookbook.get_dist_info().device)
     if cfg.fsdp.cpu_offload and on_cpu:
-        raise ConfigError("fsdp.cpu_offload=true needs GPUs: it moves shards from GPU to CPU memory, and on a CPU run "
-                          "they are in CPU memory already")
+        raise ConfigError(
+            "fsdp.cpu_offload=true needs GPUs: it moves shards from GPU to CPU memory, and on a CPU run "
+            "they are in CPU memory already"
+        )
     if cfg.fsdp.replicate_degree > 1 and world_size % cfg.fsdp.replicate_degree:
-        raise ConfigError(f"fsdp.replicate_degree={cfg.fsdp.replicate_degree} does not divide the world size {world_size}")
-    data = sft.check_data(cfg.data, tokenizer, cfg.train.seed, cfg.train.micro_batch_size, cfg.train.grad_accum_steps,
-                          world_size)  # before the resume: a bad row is named on a used output_dir too
+        raise ConfigError(
+            f"fsdp.replicate_degree={cfg.fsdp.replicate_degree} does not divide the world size {world_size}"
+        )
+    data = sft.check_data(
+        cfg.data, tokenizer, cfg.train.seed, cfg.train.micro_batch_size, cfg.train.grad_accum_steps, world_size
+    )  # before the resume: a bad row is named on a used output_dir too
     Checkpointer(Path(cfg.output_dir) / "checkpoints", resizable=RESIZABLE).check_resume(
-        cfg.checkpoint.resume, world_size, to_dict(cfg), MAY_CHANGE, cfg.train.stop_at_step)
+        cfg.checkpoint.resume, world_size, to_dict(cfg), MAY_CHANGE, cfg.train.stop_at_step
+    )
     return data
 
 
@@ -269,35 +308,66 @@ def main(cfg: Config) -> None:
     # Packing: rows of exactly max_length tokens, documents separated by position ids.
     train_rows, eval_rows, stats = sft.training_rows(cfg.data, tokenizer, cfg.train.seed)
     # DistributedSampler's order and split, with a global position: a checkpoint resumes on another world size.
-    sampler = ResizableSampler(train_rows, num_replicas=info.world_size, rank=info.rank, shuffle=True,
-                               seed=cfg.train.seed, drop_last=True)
-    loader_kw = dict(collate_fn=partial(sft.collate, pad_id=pad_id), num_workers=cfg.data.num_workers,
-                     pin_memory=info.device.type == "cuda")
-    train_loader = StatefulDataLoader(train_rows, batch_size=cfg.train.micro_batch_size, sampler=sampler, drop_last=True, **loader_kw)
-    eval_loader = StatefulDataLoader(sft.shard_for_eval(eval_rows, info.rank, info.world_size),
-                                     batch_size=cfg.train.micro_batch_size, **loader_kw)
+    sampler = ResizableSampler(
+        train_rows, num_replicas=info.world_size, rank=info.rank, shuffle=True, seed=cfg.train.seed, drop_last=True
+    )
+    loader_kw = dict(
+        collate_fn=partial(sft.collate, pad_id=pad_id),
+        num_workers=cfg.data.num_workers,
+        pin_memory=info.device.type == "cuda",
+    )
+    train_loader = StatefulDataLoader(
+        train_rows, batch_size=cfg.train.micro_batch_size, sampler=sampler, drop_last=True, **loader_kw
+    )
+    eval_loader = StatefulDataLoader(
+        sft.shard_for_eval(eval_rows, info.rank, info.world_size), batch_size=cfg.train.micro_batch_size, **loader_kw
+    )
     steps_per_epoch = len(train_loader) // cfg.train.grad_accum_steps
     if steps_per_epoch == 0:
-        raise ConfigError(f"{len(train_rows)} training rows are too few for one step of {cfg.train.micro_batch_size} x "
-                          f"{cfg.train.grad_accum_steps} x {info.world_size} rows")
+        raise ConfigError(
+            f"{len(train_rows)} training rows are too few for one step of {cfg.train.micro_batch_size} x "
+            f"{cfg.train.grad_accum_steps} x {info.world_size} rows"
+        )
     max_steps = cfg.train.max_steps if cfg.train.max_steps > 0 else cfg.train.epochs * steps_per_epoch
 
     model, flops = build_model(cfg, info, len(tokenizer))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
-                                  weight_decay=cfg.optim.weight_decay,
-                                  fused=info.device.type == "cuda" and not cfg.fsdp.cpu_offload)
-    scheduler = get_scheduler(cfg.optim.scheduler, optimizer, num_warmup_steps=int(cfg.optim.warmup_ratio * max_steps),
-                              num_training_steps=max_steps)
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=cfg.optim.lr,
+        betas=tuple(cfg.optim.betas),
+        eps=cfg.optim.eps,
+        weight_decay=cfg.optim.weight_decay,
+        fused=info.device.type == "cuda" and not cfg.fsdp.cpu_offload,
+    )
+    scheduler = get_scheduler(
+        cfg.optim.scheduler,
+        optimizer,
+        num_warmup_steps=int(cfg.optim.warmup_ratio * max_steps),
+        num_training_steps=max_steps,
+    )
     evaluate = (lambda: sft.evaluate(model, eval_loader, info.device)) if eval_rows else None
-    with Run(cfg, info, app=ModelOptimizerState(model, optimizer), scheduler=scheduler, loader=train_loader,
-             set_epoch=sampler.set_epoch, may_change=MAY_CHANGE, max_steps=max_steps, experiment="fsdp2-sft",
-             final=out_dir / "final" if cfg.checkpoint.export_hf else None, flops=flops, evaluate=evaluate) as run:
-        run.say(f"world size {info.world_size} ({info.backend}) | FSDP2 mesh {'x'.join(map(str, model.model.embed_tokens.weight.device_mesh.shape))} | "
-                f"{flops.num_params / 1e6:,.1f} M non-embedding params | {len(train_rows)} train rows of "
-                f"{'packed ' if cfg.data.packing else ''}<= {cfg.data.max_length} tokens | global batch "
-                f"{cfg.train.micro_batch_size * cfg.train.grad_accum_steps * info.world_size} rows | {max_steps} steps | AC "
-                f"{cfg.train.activation_checkpointing} | loss {cfg.train.loss}"
-                f"{f' ({cfg.train.loss_chunk_size} tokens per chunk)' if cfg.train.loss == 'chunked' else ''} | data: {stats.summary()}")
+    with Run(
+        cfg,
+        info,
+        app=ModelOptimizerState(model, optimizer),
+        scheduler=scheduler,
+        loader=train_loader,
+        set_epoch=sampler.set_epoch,
+        may_change=MAY_CHANGE,
+        max_steps=max_steps,
+        experiment="fsdp2-sft",
+        final=out_dir / "final" if cfg.checkpoint.export_hf else None,
+        flops=flops,
+        evaluate=evaluate,
+    ) as run:
+        run.say(
+            f"world size {info.world_size} ({info.backend}) | FSDP2 mesh {'x'.join(map(str, model.model.embed_tokens.weight.device_mesh.shape))} | "
+            f"{flops.num_params / 1e6:,.1f} M non-embedding params | {len(train_rows)} train rows of "
+            f"{'packed ' if cfg.data.packing else ''}<= {cfg.data.max_length} tokens | global batch "
+            f"{cfg.train.micro_batch_size * cfg.train.grad_accum_steps * info.world_size} rows | {max_steps} steps | AC "
+            f"{cfg.train.activation_checkpointing} | loss {cfg.train.loss}"
+            f"{f' ({cfg.train.loss_chunk_size} tokens per chunk)' if cfg.train.loss == 'chunked' else ''} | data: {stats.summary()}"
+        )
 
         # ---- train loop
         chunk_size = cfg.train.loss_chunk_size if cfg.train.loss == "chunked" else 0  # 0: the model's full logits
@@ -317,19 +387,29 @@ def main(cfg: Config) -> None:
                 (loss_sum * info.world_size / global_tokens).backward()
                 step_loss += loss_sum.detach() / global_tokens * info.world_size
                 run.metrics.add(samples=mb["input_ids"].shape[0], tokens=lm.count_tokens(mb, pad_id), data_wait_s=wait)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf"))
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                model.parameters(), cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
+            )
             if isinstance(grad_norm, torch.distributed.tensor.DTensor):
                 grad_norm = grad_norm.full_tensor()
-            if run.skip_step(grad_norm): continue  # NaN / inf: the run stops, or (train.on_nonfinite=skip) the step is dropped
+            if run.skip_step(grad_norm):
+                continue  # NaN / inf: the run stops, or (train.on_nonfinite=skip) the step is dropped
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
             run.end_step(step_loss, lr=lr, grad_norm=grad_norm)
 
         # ---- save
-        run.finish(export=lambda: {"export_dir": (
-            export_hf(model, out_dir / "final", tokenizer, dtype=DTYPES[cfg.checkpoint.export_dtype])
-            if cfg.checkpoint.export_hf else None, "AutoModelForCausalLM.from_pretrained")})
+        run.finish(
+            export=lambda: {
+                "export_dir": (
+                    export_hf(model, out_dir / "final", tokenizer, dtype=DTYPES[cfg.checkpoint.export_dtype])
+                    if cfg.checkpoint.export_hf
+                    else None,
+                    "AutoModelForCausalLM.from_pretrained",
+                )
+            }
+        )
 
     # ---- clean-up
     cookbook.destroy_distributed()

@@ -85,15 +85,18 @@ def build_model(cfg: ModelConfig, vocab_needed: int, device: torch.device) -> to
     `device`. A random init is generated there directly: on the CPU, a 3 B model takes minutes. A hub id is
     read from the Hugging Face cache (downloaded there by the driver's check when it runs on this machine)."""
     if cfg.pretrained:
-        model = AutoModelForCausalLM.from_pretrained(model_folder(cfg.name_or_path), dtype=torch.float32,
-                                                     attn_implementation=cfg.attn_implementation).to(device)
+        model = AutoModelForCausalLM.from_pretrained(
+            model_folder(cfg.name_or_path), dtype=torch.float32, attn_implementation=cfg.attn_implementation
+        ).to(device)
     else:
         hf_config = AutoConfig.from_pretrained(cfg.name_or_path, attn_implementation=cfg.attn_implementation)
         with device:
             model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     if vocab_needed > model.config.vocab_size:
-        raise ConfigError(f"the tokenizer has {vocab_needed} tokens but the model's vocab_size is "
-                          f"{model.config.vocab_size}: use the model's own tokenizer")
+        raise ConfigError(
+            f"the tokenizer has {vocab_needed} tokens but the model's vocab_size is "
+            f"{model.config.vocab_size}: use the model's own tokenizer"
+        )
     return model
 
 
@@ -114,40 +117,73 @@ def train_loop(config_dict: dict) -> None:
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
     pad_id = sft.pad_token_id(tokenizer)
     train_rows, eval_rows, stats = sft.training_rows(cfg.data, tokenizer, cfg.train.seed)
-    loader = ray.train.torch.prepare_data_loader(DataLoader(
-        train_rows, batch_size=cfg.train.micro_batch_size, shuffle=True, drop_last=True, collate_fn=partial(sft.collate, pad_id=pad_id),
-        num_workers=cfg.data.num_workers, pin_memory=info.device.type == "cuda"))
+    loader = ray.train.torch.prepare_data_loader(
+        DataLoader(
+            train_rows,
+            batch_size=cfg.train.micro_batch_size,
+            shuffle=True,
+            drop_last=True,
+            collate_fn=partial(sft.collate, pad_id=pad_id),
+            num_workers=cfg.data.num_workers,
+            pin_memory=info.device.type == "cuda",
+        )
+    )
     steps_per_epoch = len(loader) // cfg.train.grad_accum_steps
     if steps_per_epoch == 0:
-        raise ConfigError(f"{len(train_rows)} training rows are too few for one step of {cfg.train.micro_batch_size} x "
-                          f"{cfg.train.grad_accum_steps} x {info.world_size} rows")
+        raise ConfigError(
+            f"{len(train_rows)} training rows are too few for one step of {cfg.train.micro_batch_size} x "
+            f"{cfg.train.grad_accum_steps} x {info.world_size} rows"
+        )
     max_steps = cfg.train.max_steps if cfg.train.max_steps > 0 else cfg.train.epochs * steps_per_epoch
 
     inner = build_model(cfg.model, len(tokenizer), info.device)
     if cfg.train.activation_checkpointing == "full":
         inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     hf = inner.config
-    flops = ModelFlops(count_parameters(inner), hf.num_hidden_layers,
-                       hf.num_attention_heads * getattr(hf, "head_dim", hf.hidden_size // hf.num_attention_heads))
+    flops = ModelFlops(
+        count_parameters(inner),
+        hf.num_hidden_layers,
+        hf.num_attention_heads * getattr(hf, "head_dim", hf.hidden_size // hf.num_attention_heads),
+    )
     model = ray.train.torch.prepare_model(inner)  # DDP
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
-                                  weight_decay=cfg.optim.weight_decay, fused=info.device.type == "cuda")
-    scheduler = get_scheduler(cfg.optim.scheduler, optimizer, num_warmup_steps=int(cfg.optim.warmup_ratio * max_steps),
-                              num_training_steps=max_steps)
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=cfg.optim.lr,
+        betas=tuple(cfg.optim.betas),
+        eps=cfg.optim.eps,
+        weight_decay=cfg.optim.weight_decay,
+        fused=info.device.type == "cuda",
+    )
+    scheduler = get_scheduler(
+        cfg.optim.scheduler,
+        optimizer,
+        num_warmup_steps=int(cfg.optim.warmup_ratio * max_steps),
+        num_training_steps=max_steps,
+    )
 
     def evaluate() -> dict[str, float]:
-        eval_batches = DataLoader(eval_rows[info.rank::info.world_size], batch_size=cfg.train.micro_batch_size,
-                                  collate_fn=partial(sft.collate, pad_id=pad_id))  # each worker a disjoint slice
+        eval_batches = DataLoader(
+            eval_rows[info.rank :: info.world_size],
+            batch_size=cfg.train.micro_batch_size,
+            collate_fn=partial(sft.collate, pad_id=pad_id),
+        )  # each worker a disjoint slice
         return sft.evaluate(model, eval_batches, info.device, context=autocast)
 
     run = ray_train.WorkerRun(
-        cfg, info, "qwen-ray-sft", {"model": inner, "optimizer": optimizer, "scheduler": scheduler}, max_steps=max_steps,
-        steps_per_epoch=steps_per_epoch, stop_at=("train.stop_at_step", cfg.train.stop_at_step),
-        evaluate=evaluate if eval_rows else None, flops=flops,
+        cfg,
+        info,
+        "qwen-ray-sft",
+        {"model": inner, "optimizer": optimizer, "scheduler": scheduler},
+        max_steps=max_steps,
+        steps_per_epoch=steps_per_epoch,
+        stop_at=("train.stop_at_step", cfg.train.stop_at_step),
+        evaluate=evaluate if eval_rows else None,
+        flops=flops,
         about=f"{flops.num_params / 1e6:,.1f} M non-embedding params | {len(train_rows)} train / {len(eval_rows)} eval "
-              f"rows of {'packed ' if cfg.data.packing else ''}<= {cfg.data.max_length} tokens | global batch "
-              f"{cfg.train.micro_batch_size * cfg.train.grad_accum_steps * info.world_size} rows | "
-              f"{'bf16 autocast' if use_bf16 else 'fp32'} | data: {stats.summary()}")
+        f"rows of {'packed ' if cfg.data.packing else ''}<= {cfg.data.max_length} tokens | global batch "
+        f"{cfg.train.micro_batch_size * cfg.train.grad_accum_steps * info.world_size} rows | "
+        f"{'bf16 autocast' if use_bf16 else 'fp32'} | data: {stats.summary()}",
+    )
 
     def batches():
         """Micro-batches from the resumed step on: the sampler's order of each epoch, replayed after a resume
@@ -177,8 +213,11 @@ def train_loop(config_dict: dict) -> None:
                     (loss_sum * info.world_size / global_tokens).backward()
                 step_loss += loss_sum.detach() * info.world_size / global_tokens
                 run.metrics.add(samples=mb["input_ids"].shape[0], tokens=lm.count_tokens(mb, pad_id), data_wait_s=wait)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf"))
-            if run.skip_step(grad_norm): continue  # NaN / inf: the run stops, or (train.on_nonfinite=skip) the step is dropped
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                model.parameters(), cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
+            )
+            if run.skip_step(grad_norm):
+                continue  # NaN / inf: the run stops, or (train.on_nonfinite=skip) the step is dropped
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
@@ -192,8 +231,12 @@ def train_loop(config_dict: dict) -> None:
             if cfg.checkpoint.export_hf and info.is_main:  # DDP: rank 0 holds the whole model
                 inner.save_pretrained(final, safe_serialization=True)
                 tokenizer.save_pretrained(final)
-            return {"export_dir": (final if cfg.checkpoint.export_hf and info.is_main else None,
-                                   "AutoModelForCausalLM.from_pretrained")}
+            return {
+                "export_dir": (
+                    final if cfg.checkpoint.export_hf and info.is_main else None,
+                    "AutoModelForCausalLM.from_pretrained",
+                )
+            }
 
         run.finish(inner, export=export)
 
@@ -211,8 +254,9 @@ def driver_checks(cfg: Config) -> tuple[ray_train.RayDriver, str]:
     driver = ray_train.RayDriver(cfg, ("train.stop_at_step", cfg.train.stop_at_step))  # the workers planned here
     tokenizer = sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path, cfg.data.max_length)
     lm.check_attention(cfg.model.attn_implementation, on_cpu=driver.on_cpu)
-    data_note = sft.check_data(cfg.data, tokenizer, cfg.train.seed, cfg.train.micro_batch_size, cfg.train.grad_accum_steps,
-                               driver.workers or 1)
+    data_note = sft.check_data(
+        cfg.data, tokenizer, cfg.train.seed, cfg.train.micro_batch_size, cfg.train.grad_accum_steps, driver.workers or 1
+    )
     driver.check_resume(MAY_CHANGE)
     if cfg.model.pretrained:  # a hub id is downloaded here, once, before the workers start
         model_folder(cfg.model.name_or_path)
@@ -239,16 +283,27 @@ def main(cfg: Config) -> None:
 
     out = Path(cfg.output_dir).expanduser().resolve()  # output_dir is Ray's run folder: storage_path / name
     keep = CheckpointConfig(num_to_keep=cfg.checkpoint.keep_last or None)  # step checkpoints: checkpoint_step_<n>/
-    run_config = RunConfig(name=out.name, storage_path=str(out.parent), checkpoint_config=keep,
-                           failure_config=FailureConfig(max_failures=cfg.ray.max_failures))  # restarts, from the newest
+    run_config = RunConfig(
+        name=out.name,
+        storage_path=str(out.parent),
+        checkpoint_config=keep,
+        failure_config=FailureConfig(max_failures=cfg.ray.max_failures),
+    )  # restarts, from the newest
     with driver.started():  # Ray started or joined, the worker group sized; SIGTERM / SIGUSR1: a stop request
-        scaling = ScalingConfig(num_workers=driver.workers, use_gpu=driver.use_gpu,  # one DDP process per GPU
-                                resources_per_worker=driver.resources_per_worker)  # a GPU: a full 3B replica + AdamW
+        scaling = ScalingConfig(
+            num_workers=driver.workers,
+            use_gpu=driver.use_gpu,  # one DDP process per GPU
+            resources_per_worker=driver.resources_per_worker,
+        )  # a GPU: a full 3B replica + AdamW
         # each worker imports this file and runs train_loop(train_loop_config["config"]); a collective stalled
         # past train.collective_timeout_s ends the wait
-        trainer = TorchTrainer(ray_train.worker_entry, train_loop_config=driver.loop_config(__file__),
-                               torch_config=TorchConfig(timeout_s=cfg.train.collective_timeout_s),
-                               scaling_config=scaling, run_config=run_config)
+        trainer = TorchTrainer(
+            ray_train.worker_entry,
+            train_loop_config=driver.loop_config(__file__),
+            torch_config=TorchConfig(timeout_s=cfg.train.collective_timeout_s),
+            scaling_config=scaling,
+            run_config=run_config,
+        )
         driver.finish(trainer.fit())
 
 

@@ -47,8 +47,10 @@ from cookbook.hub import resolve_path
 
 hf_logging.disable_progress_bar()
 FIELDS = ("company", "date", "address", "total")
-INSTRUCTION = ("Extract the company, date, address and total of the receipt above. Answer with one JSON object "
-               "with exactly these keys; use null for a field that is not on the receipt.")
+INSTRUCTION = (
+    "Extract the company, date, address and total of the receipt above. Answer with one JSON object "
+    "with exactly these keys; use null for a field that is not on the receipt."
+)
 
 
 # ----------------------------------------------------------------------------- config
@@ -75,7 +77,9 @@ class DeepSpeedSection:
 @dataclass
 class DataConfig:
     train_files: list[str] = field(default_factory=list)  # SROIE JSONL / JSON; empty: hub_id
-    eval_files: list[str] = field(default_factory=list)  # same formats (e.g. the SROIE test split); empty: eval_fraction
+    eval_files: list[str] = field(
+        default_factory=list
+    )  # same formats (e.g. the SROIE test split); empty: eval_fraction
     hub_id: str = ""  # a Hugging Face data set whose rows have the same fields (id, entities, ocr_boxes)
     eval_fraction: float = 0.05  # validation split carved from train (seeded); unused when eval_files are given
     max_length: int = 1024  # tokens per example; a longer receipt is refused (its JSON would be cut)
@@ -83,7 +87,9 @@ class DataConfig:
     fields: list[str] = field(default_factory=lambda: list(FIELDS))
     num_workers: int = 1
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # {enable_thinking: false} for Qwen3
-    max_dropped_fraction: float = 0.1  # refuse when more receipts are longer than max_length (they are dropped, not cut)
+    max_dropped_fraction: float = (
+        0.1  # refuse when more receipts are longer than max_length (they are dropped, not cut)
+    )
 
 
 @dataclass
@@ -139,10 +145,13 @@ def check_config(cfg: Config, config_dir: Path) -> None:
     cfg.data.eval_files = [resolve_path(f, config_dir) for f in cfg.data.eval_files]
     cfg.deepspeed.config = resolve_path(cfg.deepspeed.config, config_dir)
     config.check_run(cfg)
-    check_fields(cfg, at_least={"data.max_length": 1, "eval.max_new_tokens": 1, "eval.batch_size": 1, "lora.r": 1},
-                 one_of={"train.activation_checkpointing": ("none", "full")},
-                 within={"data.eval_fraction": "[0, 1)", "data.max_dropped_fraction": "[0, 1]"},
-                 notes={"data.eval_fraction": "0: no evaluation unless data.eval_files are given"})
+    check_fields(
+        cfg,
+        at_least={"data.max_length": 1, "eval.max_new_tokens": 1, "eval.batch_size": 1, "lora.r": 1},
+        one_of={"train.activation_checkpointing": ("none", "full")},
+        within={"data.eval_fraction": "[0, 1)", "data.max_dropped_fraction": "[0, 1]"},
+        notes={"data.eval_fraction": "0: no evaluation unless data.eval_files are given"},
+    )
     if not cfg.data.fields or len(set(cfg.data.fields)) != len(cfg.data.fields):
         raise ConfigError(f"data.fields must be a non-empty list of distinct names, got {cfg.data.fields}")
     if not cfg.data.train_files and not cfg.data.hub_id:
@@ -157,8 +166,13 @@ def check_deepspeed_config(cfg: Config, world_size: int) -> dict:
         ConfigError: see `cookbook.hf_deepspeed.check_deepspeed_config`.
     """
     return hf_deepspeed.check_deepspeed_config(
-        cfg.deepspeed.config, micro_batch_size=cfg.train.micro_batch_size, grad_accum_steps=cfg.train.grad_accum_steps,
-        world_size=world_size, max_grad_norm=cfg.optim.max_grad_norm, export_16bit=cfg.checkpoint.export_hf)
+        cfg.deepspeed.config,
+        micro_batch_size=cfg.train.micro_batch_size,
+        grad_accum_steps=cfg.train.grad_accum_steps,
+        world_size=world_size,
+        max_grad_norm=cfg.optim.max_grad_norm,
+        export_16bit=cfg.checkpoint.export_hf,
+    )
 
 
 # ----------------------------------------------------------------------------- data
@@ -180,10 +194,16 @@ def ocr_text(boxes: list, where: str) -> str:
         raise sft.SFTDataError(f"{where}: field 'ocr_boxes' is empty or not a list: no OCR text to read")
     items = []
     for i, box in enumerate(boxes):
-        if (not isinstance(box, list) or len(box) != 9 or not isinstance(box[8], str)
-                or not all(isinstance(v, (int, float)) for v in box[:8])):
-            raise sft.SFTDataError(f"{where}: ocr_boxes[{i}] must be [x1, y1, ..., x4, y4, text] (8 numbers and a "
-                                        f"string), got {str(box)[:80]}")
+        if (
+            not isinstance(box, list)
+            or len(box) != 9
+            or not isinstance(box[8], str)
+            or not all(isinstance(v, (int, float)) for v in box[:8])
+        ):
+            raise sft.SFTDataError(
+                f"{where}: ocr_boxes[{i}] must be [x1, y1, ..., x4, y4, text] (8 numbers and a "
+                f"string), got {str(box)[:80]}"
+            )
         ys, xs = box[1:8:2], box[0:8:2]
         items.append(((min(ys) + max(ys)) / 2, max(ys) - min(ys), min(xs), box[8].strip()))
     half = max(1.0, sorted(h for _, h, _, _ in items)[len(items) // 2] / 2)
@@ -205,9 +225,13 @@ def receipt_messages(row: dict, where: str, fields: list[str]) -> list[dict]:
         sft.SFTDataError: no ``entities`` (or none of `fields`), a non-string entity, or bad ``ocr_boxes``.
     """
     entities = row.get("entities")
-    if not isinstance(entities, dict) or not any(isinstance(entities.get(f), str) and entities[f].strip() for f in fields):
-        raise sft.SFTDataError(f"{where}: field 'entities' has none of {', '.join(fields)}: nothing to learn from "
-                                    f"this receipt (got {str(entities)[:80]})")
+    if not isinstance(entities, dict) or not any(
+        isinstance(entities.get(f), str) and entities[f].strip() for f in fields
+    ):
+        raise sft.SFTDataError(
+            f"{where}: field 'entities' has none of {', '.join(fields)}: nothing to learn from "
+            f"this receipt (got {str(entities)[:80]})"
+        )
     target = {}
     for f in fields:
         value = entities.get(f)
@@ -215,15 +239,20 @@ def receipt_messages(row: dict, where: str, fields: list[str]) -> list[dict]:
             raise sft.SFTDataError(f"{where}: entities.{f} must be a string, got {type(value).__name__}")
         target[f] = value.strip() if value and value.strip() else None
     prompt = f"{ocr_text(row.get('ocr_boxes'), where)}\n\n{instruction(fields)}"
-    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": json.dumps(target, ensure_ascii=False)}]
+    return [
+        {"role": "user", "content": prompt},
+        {"role": "assistant", "content": json.dumps(target, ensure_ascii=False)},
+    ]
 
 
 def instruction(fields: list[str]) -> str:
     """The instruction after the OCR text (the default wording for SROIE's four fields)."""
     if list(fields) == list(FIELDS):
         return INSTRUCTION
-    return (f"Extract {', '.join(fields)} of the receipt above. Answer with one JSON object with exactly these keys; "
-            f"use null for a field that is not on the receipt.")
+    return (
+        f"Extract {', '.join(fields)} of the receipt above. Answer with one JSON object with exactly these keys; "
+        f"use null for a field that is not on the receipt."
+    )
 
 
 @dataclass
@@ -253,12 +282,21 @@ def _tokenize_receipts(sources: list[tuple[str, list[dict]]], cfg: DataConfig, t
     messages, examples, kept, parts = [], [], [], []
     for source, file_rows in sources:
         lines = getattr(file_rows, "lines", None)
-        file_messages = [receipt_messages(row, f"{source} {sft.row_label(n, lines)}"
-                                          + (f" (id {row['id']})" if "id" in row else ""), cfg.fields)
-                         for n, row in enumerate(file_rows, 1)]
-        file_examples, st = sft.prepare(sft.RowList(({"messages": m} for m in file_messages), lines), tokenizer,
-                                        cfg.max_length, source, kwargs, max_dropped_fraction=cfg.max_dropped_fraction,
-                                        truncate=False)
+        file_messages = [
+            receipt_messages(
+                row, f"{source} {sft.row_label(n, lines)}" + (f" (id {row['id']})" if "id" in row else ""), cfg.fields
+            )
+            for n, row in enumerate(file_rows, 1)
+        ]
+        file_examples, st = sft.prepare(
+            sft.RowList(({"messages": m} for m in file_messages), lines),
+            tokenizer,
+            cfg.max_length,
+            source,
+            kwargs,
+            max_dropped_fraction=cfg.max_dropped_fraction,
+            truncate=False,
+        )
         assert not st.empty_answers  # every receipt has a non-empty JSON answer
         kept += [len(messages) + n - 1 for n in st.example_rows]  # 0-based over all files
         messages += file_messages
@@ -276,10 +314,19 @@ def show_receipts(cfg: DataConfig, tokenizer, n: int) -> str:
     for source in cfg.train_files or [cfg.hub_id]:
         rows = sft.load_rows(source) if cfg.train_files else sft.load_hub_rows(source)
         lines = getattr(rows, "lines", None)
-        messages = [receipt_messages(row, f"{source} {sft.row_label(k, lines)}", cfg.fields)
-                    for k, row in enumerate(rows, 1)]
-        parts.append(sft.prepare(sft.RowList(({"messages": m} for m in messages), lines), tokenizer, cfg.max_length,
-                                 source, kwargs, truncate=False))
+        messages = [
+            receipt_messages(row, f"{source} {sft.row_label(k, lines)}", cfg.fields) for k, row in enumerate(rows, 1)
+        ]
+        parts.append(
+            sft.prepare(
+                sft.RowList(({"messages": m} for m in messages), lines),
+                tokenizer,
+                cfg.max_length,
+                source,
+                kwargs,
+                truncate=False,
+            )
+        )
     notes = [refusal(st, cfg.max_dropped_fraction) for _, st in parts] + [held_out_note(cfg)]
     return sft.show_examples(parts, tokenizer, n) + "".join(f"\n{x}" for x in notes if x)
 
@@ -301,7 +348,8 @@ def load_receipts(cfg: DataConfig, tokenizer, seed: int) -> Receipts:
     messages, examples, kept, stats = _tokenize_receipts(sources, cfg, tokenizer, kwargs)
     if cfg.eval_files:
         val_messages, val_examples, val_kept, eval_stats = _tokenize_receipts(
-            [(f, sft.load_rows(f)) for f in cfg.eval_files], cfg, tokenizer, kwargs)
+            [(f, sft.load_rows(f)) for f in cfg.eval_files], cfg, tokenizer, kwargs
+        )
         train_idx, val_idx = list(range(len(examples))), list(range(len(val_examples)))
     else:
         n_val = max(1, int(len(examples) * cfg.eval_fraction)) if cfg.eval_fraction > 0 else 0
@@ -309,11 +357,25 @@ def load_receipts(cfg: DataConfig, tokenizer, seed: int) -> Receipts:
         val_idx, train_idx = sorted(order[:n_val]), sorted(order[n_val:])
         val_messages, val_examples, val_kept, eval_stats = messages, examples, kept, None
     # generation prompts: the user turn and the assistant header (add_generation_prompt)
-    val_prompts = [list(tokenizer.apply_chat_template(val_messages[i][:1], tokenize=True, add_generation_prompt=True,
-                                                      return_dict=False, **(kwargs or {}))) for i in val_idx]
+    val_prompts = [
+        list(
+            tokenizer.apply_chat_template(
+                val_messages[i][:1], tokenize=True, add_generation_prompt=True, return_dict=False, **(kwargs or {})
+            )
+        )
+        for i in val_idx
+    ]
     val_targets = [json.loads(val_messages[i][1]["content"]) for i in val_idx]
-    return Receipts([examples[i] for i in train_idx], [val_examples[i] for i in val_idx], [kept[i] for i in train_idx],
-                    [val_kept[i] for i in val_idx], val_prompts, val_targets, stats, eval_stats)
+    return Receipts(
+        [examples[i] for i in train_idx],
+        [val_examples[i] for i in val_idx],
+        [kept[i] for i in train_idx],
+        [val_kept[i] for i in val_idx],
+        val_prompts,
+        val_targets,
+        stats,
+        eval_stats,
+    )
 
 
 # ----------------------------------------------------------------------------- generation eval
@@ -347,8 +409,13 @@ def score(predictions: list[dict | None], targets: list[dict], fields: list[str]
     """
     if len(predictions) != len(targets):
         raise ValueError(f"{len(predictions)} predictions for {len(targets)} targets")
-    out = {"samples": float(len(targets)), "json_valid": 0.0, "unparsable": 0.0, **{f"em_{f}": 0.0 for f in fields},
-           "em_all": 0.0}
+    out = {
+        "samples": float(len(targets)),
+        "json_valid": 0.0,
+        "unparsable": 0.0,
+        **{f"em_{f}": 0.0 for f in fields},
+        "em_all": 0.0,
+    }
     for pred, target in zip(predictions, targets):
         if pred is None:
             out["unparsable"] += 1
@@ -362,8 +429,9 @@ def score(predictions: list[dict | None], targets: list[dict], fields: list[str]
 
 
 @torch.no_grad()
-def generation_eval(model, tokenizer, prompts: list[list[int]], targets: list[dict], fields: list[str],
-                    ecfg: EvalConfig, info) -> dict[str, float]:
+def generation_eval(
+    model, tokenizer, prompts: list[list[int]], targets: list[dict], fields: list[str], ecfg: EvalConfig, info
+) -> dict[str, float]:
     """Greedy generation on this rank's share of the validation prompts; rates over all ranks.
 
     Collective: every rank runs the same number of ``generate`` calls (ZeRO-3 gathers parameters in every
@@ -387,13 +455,20 @@ def generation_eval(model, tokenizer, prompts: list[list[int]], targets: list[di
     model.eval()
     predictions = []
     for start in range(0, len(padded), ecfg.batch_size):
-        batch = [prompts[i] for i in padded[start:start + ecfg.batch_size]]
+        batch = [prompts[i] for i in padded[start : start + ecfg.batch_size]]
         width = max(len(p) for p in batch)  # left padding, so every answer starts at column `width`
         ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch], device=info.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=info.device)
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=ecfg.max_new_tokens, do_sample=False,
-                             synced_gpus=info.world_size > 1, pad_token_id=pad_id, eos_token_id=tokenizer.eos_token_id,
-                             use_cache=True)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=ecfg.max_new_tokens,
+            do_sample=False,
+            synced_gpus=info.world_size > 1,
+            pad_token_id=pad_id,
+            eos_token_id=tokenizer.eos_token_id,
+            use_cache=True,
+        )
         predictions += [parse_fields(tokenizer.decode(o[width:], skip_special_tokens=True)) for o in out]
     if was_training:
         model.train()
@@ -410,13 +485,17 @@ def eval_line(values: dict[str, float], fields: list[str]) -> str:
         parts.append(f"eval loss {values['loss']:.4f} per token ({values['tokens']:.0f} tokens)")
     if "samples" in values:
         rates = ", ".join(f"{f} {values[f'em_{f}']:.3f}" for f in fields)
-        parts.append(f"exact match on {values['samples']:.0f} receipts: {rates}, all {values['em_all']:.3f} | "
-                     f"unparsable {values['unparsable']:.0f}")
+        parts.append(
+            f"exact match on {values['samples']:.0f} receipts: {rates}, all {values['em_all']:.3f} | "
+            f"unparsable {values['unparsable']:.0f}"
+        )
     return " | ".join(parts)
 
 
 # ----------------------------------------------------------------------------- checkpoints
-CANNOT_REMAP = "DeepSpeed's ZeRO partitions of the optimizer state cannot be remapped"  # why a resume keeps the world size
+CANNOT_REMAP = (
+    "DeepSpeed's ZeRO partitions of the optimizer state cannot be remapped"  # why a resume keeps the world size
+)
 
 
 def check_resume(cfg: Config, world_size: int) -> Path | None:
@@ -440,20 +519,28 @@ def preflight(cfg: Config, world_size: int) -> str:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
         hf_config = AutoConfig.from_pretrained(cfg.model.name_or_path)
     except OSError as exc:
-        raise ConfigError(f"model.name_or_path / model.tokenizer: cannot load {cfg.model.name_or_path!r}: "
-                          f"{str(exc).splitlines()[0]}") from None
+        raise ConfigError(
+            f"model.name_or_path / model.tokenizer: cannot load {cfg.model.name_or_path!r}: {str(exc).splitlines()[0]}"
+        ) from None
     sft.check_vocab(tokenizer, hf_config.vocab_size)
     sft.check_positions(cfg.data.max_length, hf_config, cfg.model.name_or_path)
-    data = load_receipts(cfg.data, tokenizer, cfg.train.seed)  # before the resume: a bad row is named on a used output_dir
+    data = load_receipts(
+        cfg.data, tokenizer, cfg.train.seed
+    )  # before the resume: a bad row is named on a used output_dir
     pad_id = sft.pad_token_id(tokenizer)
     n_rows = len(sft.pack(data.train, cfg.data.max_length, pad_id)) if cfg.data.packing else len(data.train)
     per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * world_size
     if n_rows < per_step:
-        raise ConfigError(f"{n_rows} training rows (after holding out {len(data.val)} receipts for validation) are "
-                          f"too few for one step of {cfg.train.micro_batch_size} x {cfg.train.grad_accum_steps} x "
-                          f"{world_size} rows")
+        raise ConfigError(
+            f"{n_rows} training rows (after holding out {len(data.val)} receipts for validation) are "
+            f"too few for one step of {cfg.train.micro_batch_size} x {cfg.train.grad_accum_steps} x "
+            f"{world_size} rows"
+        )
     check_resume(cfg, world_size)
-    print(f"data: {data.stats.summary()}" + (f"\ndata (eval files): {data.eval_stats.summary()}" if data.eval_stats else ""))
+    print(
+        f"data: {data.stats.summary()}"
+        + (f"\ndata (eval files): {data.eval_stats.summary()}" if data.eval_stats else "")
+    )
     return f"{len(data.train)} train / {len(data.val)} validation receipts"
 
 
@@ -495,8 +582,10 @@ class ReceiptTrainer(hf_trainer.Bookkeeping, SFTTrainer):
         start = time.perf_counter()
         rows = sft.shard_for_eval(self.val_rows, self.info.rank, self.info.world_size)
         size = self.args.per_device_eval_batch_size
-        batches = (self._prepare_inputs(self.data_collator(rows[i:i + size])) for i in range(0, len(rows), size))
-        result = sft.evaluate(model, batches, self.info.device, context=self.compute_loss_context_manager, accuracy=True)
+        batches = (self._prepare_inputs(self.data_collator(rows[i : i + size])) for i in range(0, len(rows), size))
+        result = sft.evaluate(
+            model, batches, self.info.device, context=self.compute_loss_context_manager, accuracy=True
+        )
         out = {f"{metric_key_prefix}_{k}": v for k, v in result.items()}  # loss, tokens, mean_token_accuracy
         out[f"{metric_key_prefix}_runtime"] = round(time.perf_counter() - start, 4)
         self.log(out)  # while the model is in eval mode: TRL adds no training metrics to these logs
@@ -522,7 +611,9 @@ def train(cfg: Config, on_cpu: bool) -> None:
     from trl import SFTConfig
 
     info = cookbook.init_distributed(cfg.train.collective_timeout_s, debug_dir=Path(cfg.output_dir) / "debug")
-    deepspeed.init_distributed(dist_backend=info.backend, timeout=datetime.timedelta(seconds=cfg.train.collective_timeout_s))
+    deepspeed.init_distributed(
+        dist_backend=info.backend, timeout=datetime.timedelta(seconds=cfg.train.collective_timeout_s)
+    )
 
     log = cookbook.get_logger()
     out_dir = Path(cfg.output_dir)
@@ -532,8 +623,10 @@ def train(cfg: Config, on_cpu: bool) -> None:
     pad_id = sft.pad_token_id(tokenizer)
     data = load_receipts(cfg.data, tokenizer, cfg.train.seed)
     if cfg.data.packing:
-        train_rows, val_rows = (sft.pack(data.train, cfg.data.max_length, pad_id),
-                                sft.pack(data.val, cfg.data.max_length, pad_id))
+        train_rows, val_rows = (
+            sft.pack(data.train, cfg.data.max_length, pad_id),
+            sft.pack(data.val, cfg.data.max_length, pad_id),
+        )
     else:
         train_rows, val_rows = data.train, data.val
     per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * info.world_size
@@ -547,21 +640,38 @@ def train(cfg: Config, on_cpu: bool) -> None:
 
     hf_config = AutoConfig.from_pretrained(cfg.model.name_or_path, attn_implementation=cfg.model.attn_implementation)
     with torch.device("meta"):  # parameter count for MFU, before ZeRO-3 partitions the real model
-        flops = ModelFlops(count_parameters(AutoModelForCausalLM.from_config(hf_config)), hf_config.num_hidden_layers,
-                           hf_config.num_attention_heads * (getattr(hf_config, "head_dim", None)
-                                                            or hf_config.hidden_size // hf_config.num_attention_heads))
+        flops = ModelFlops(
+            count_parameters(AutoModelForCausalLM.from_config(hf_config)),
+            hf_config.num_hidden_layers,
+            hf_config.num_attention_heads
+            * (getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads),
+        )
     bf16 = cfg.train.mixed_precision == "bf16" and not on_cpu
     # The SFTConfig (TrainingArguments) comes first: with a ZeRO-3 JSON it makes from_pretrained / from_config
     # partition the weights across ranks while loading (deepspeed.zero.Init) instead of materialising them.
     args = SFTConfig(
-        **hf_trainer.trainer_args(cfg, max_steps), deepspeed=cfg.deepspeed.config, use_cpu=on_cpu, bf16=bf16,
-        per_device_eval_batch_size=cfg.train.micro_batch_size, optim=cfg.optim.optimizer, learning_rate=cfg.optim.lr,
-        weight_decay=cfg.optim.weight_decay, adam_beta1=cfg.optim.betas[0], adam_beta2=cfg.optim.betas[1],
-        adam_epsilon=cfg.optim.eps, lr_scheduler_type=cfg.optim.scheduler, warmup_steps=int(cfg.optim.warmup_ratio * max_steps),
-        max_grad_norm=cfg.optim.max_grad_norm, gradient_checkpointing=cfg.train.activation_checkpointing == "full",
-        eval_strategy="steps" if cfg.train.eval_every > 0 and val_rows else "no", eval_steps=cfg.train.eval_every or None,
-        dataloader_num_workers=cfg.data.num_workers, remove_unused_columns=False,
-        max_length=cfg.data.max_length, packing=False, dataset_kwargs={"skip_prepare_dataset": True},
+        **hf_trainer.trainer_args(cfg, max_steps),
+        deepspeed=cfg.deepspeed.config,
+        use_cpu=on_cpu,
+        bf16=bf16,
+        per_device_eval_batch_size=cfg.train.micro_batch_size,
+        optim=cfg.optim.optimizer,
+        learning_rate=cfg.optim.lr,
+        weight_decay=cfg.optim.weight_decay,
+        adam_beta1=cfg.optim.betas[0],
+        adam_beta2=cfg.optim.betas[1],
+        adam_epsilon=cfg.optim.eps,
+        lr_scheduler_type=cfg.optim.scheduler,
+        warmup_steps=int(cfg.optim.warmup_ratio * max_steps),
+        max_grad_norm=cfg.optim.max_grad_norm,
+        gradient_checkpointing=cfg.train.activation_checkpointing == "full",
+        eval_strategy="steps" if cfg.train.eval_every > 0 and val_rows else "no",
+        eval_steps=cfg.train.eval_every or None,
+        dataloader_num_workers=cfg.data.num_workers,
+        remove_unused_columns=False,
+        max_length=cfg.data.max_length,
+        packing=False,
+        dataset_kwargs={"skip_prepare_dataset": True},
         average_tokens_across_devices=True,
     )
     dtype = torch.bfloat16 if bf16 else torch.float32
@@ -582,46 +692,76 @@ def train(cfg: Config, on_cpu: bool) -> None:
     if info.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, out_dir / "config.yaml")
-    metrics = MetricsLogger(out_dir, info, flops=flops, run_name=cfg.run_name, experiment="zero3-receipts",
-                            params=to_dict(cfg), mlflow=cfg.mlflow, max_steps=max_steps)
+    metrics = MetricsLogger(
+        out_dir,
+        info,
+        flops=flops,
+        run_name=cfg.run_name,
+        experiment="zero3-receipts",
+        params=to_dict(cfg),
+        mlflow=cfg.mlflow,
+        max_steps=max_steps,
+    )
 
     def gen_eval(model_for_eval) -> dict[str, float]:
         if not data.val_prompts:
             return {}
-        return generation_eval(model_for_eval, tokenizer, data.val_prompts, data.val_targets, cfg.data.fields, cfg.eval, info)
+        return generation_eval(
+            model_for_eval, tokenizer, data.val_prompts, data.val_targets, cfg.data.fields, cfg.eval, info
+        )
 
     # What TrainLoop does when things fail (cookbook.hf_trainer): preemption, non-finite steps, stalls, failed saves.
     run = hf_trainer.TrainerRun(cfg, metrics, pad_id, resume_from)
 
     trainer = ReceiptTrainer(
-        model=model, args=args, processing_class=tokenizer, peft_config=peft_config,
+        model=model,
+        args=args,
+        processing_class=tokenizer,
+        peft_config=peft_config,
         train_dataset=datasets.Dataset.from_list(train_rows),
         eval_dataset=datasets.Dataset.from_list(val_rows) if val_rows else None,
         data_collator=partial(sft.collate, pad_id=pad_id, cu_seq_lens=False) if cfg.data.packing else None,
-        callbacks=run.callbacks, val_rows=val_rows, info=info, generation=gen_eval,
+        callbacks=run.callbacks,
+        val_rows=val_rows,
+        info=info,
+        generation=gen_eval,
     )
-    n_trainable = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters() if p.requires_grad)
-    log.info(f"world size {info.world_size} ({info.backend}) | DeepSpeed ZeRO-{stage} ({Path(cfg.deepspeed.config).name}) | "
-             f"{flops.num_params / 1e6:,.1f} M non-embedding params, {n_trainable / 1e6:,.2f} M trainable"
-             f"{' (LoRA r=' + str(cfg.lora.r) + ')' if cfg.lora.enabled else ''} | {len(train_rows)} train rows of "
-             f"{'packed ' if cfg.data.packing else ''}<= {cfg.data.max_length} tokens, {len(data.val)} validation "
-             f"receipts | global batch {per_step} rows | {max_steps} steps | {'bf16' if bf16 else 'fp32'} | data: "
-             f"{data.stats.summary()}")
+    n_trainable = sum(
+        p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters() if p.requires_grad
+    )
+    log.info(
+        f"world size {info.world_size} ({info.backend}) | DeepSpeed ZeRO-{stage} ({Path(cfg.deepspeed.config).name}) | "
+        f"{flops.num_params / 1e6:,.1f} M non-embedding params, {n_trainable / 1e6:,.2f} M trainable"
+        f"{' (LoRA r=' + str(cfg.lora.r) + ')' if cfg.lora.enabled else ''} | {len(train_rows)} train rows of "
+        f"{'packed ' if cfg.data.packing else ''}<= {cfg.data.max_length} tokens, {len(data.val)} validation "
+        f"receipts | global batch {per_step} rows | {max_steps} steps | {'bf16' if bf16 else 'fp32'} | data: "
+        f"{data.stats.summary()}"
+    )
 
     with run:  # closes metrics and the group whatever happens
         if not run.train(trainer, max_steps):
             return  # train.stop_at_step: a checkpoint is published there
         step = trainer.state.global_step
-        evaluated_last_step = run.metrics_callback.last_eval and cfg.train.eval_every > 0 and step % cfg.train.eval_every == 0
+        evaluated_last_step = (
+            run.metrics_callback.last_eval and cfg.train.eval_every > 0 and step % cfg.train.eval_every == 0
+        )
         if val_rows and not evaluated_last_step:
             trainer.evaluate()  # validation loss + generation metrics, through MetricsCallback.on_evaluate
         final = run.metrics_callback.last_eval
         export_dir = hf_trainer.export_final(trainer, tokenizer, out_dir) if cfg.checkpoint.export_hf else None
         outputs = {"export_dir": (export_dir, "AutoModelForCausalLM.from_pretrained")}
-        metrics.log_summary({"step": step, **{f"eval/{k}": v for k, v in final.items()},
-                             "export_dir": str(export_dir) if export_dir else None, "mlflow_uri": metrics.mlflow_uri,
-                             "mlflow_run_id": metrics.mlflow_run_id})
-        log_outputs(step, final, metrics, run.root, outputs, eval_text=eval_line(final, cfg.data.fields) if final else "")
+        metrics.log_summary(
+            {
+                "step": step,
+                **{f"eval/{k}": v for k, v in final.items()},
+                "export_dir": str(export_dir) if export_dir else None,
+                "mlflow_uri": metrics.mlflow_uri,
+                "mlflow_run_id": metrics.mlflow_run_id,
+            }
+        )
+        log_outputs(
+            step, final, metrics, run.root, outputs, eval_text=eval_line(final, cfg.data.fields) if final else ""
+        )
 
 
 if __name__ == "__main__":

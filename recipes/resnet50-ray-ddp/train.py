@@ -104,9 +104,15 @@ def check_config(cfg: Config, config_dir: Path) -> None:
     cfg.data.val_dir = resolve_path(cfg.data.val_dir, config_dir)
     cfg.model.name_or_path = resolve_path(cfg.model.name_or_path, config_dir)
     cfg.output_dir = str(Path(cfg.output_dir).expanduser().resolve())  # workers may start elsewhere
-    check_fields(cfg, at_least={"train.micro_batch_size": 1, "train.epochs": 1, "train.log_every": 1, "data.image_size": 1},
-                 one_of={"model.backend": ("auto", "torchvision", "transformers"), "train.mixed_precision": ("bf16", "fp32"),
-                         "data.decode": ("cpu", "gpu")})
+    check_fields(
+        cfg,
+        at_least={"train.micro_batch_size": 1, "train.epochs": 1, "train.log_every": 1, "data.image_size": 1},
+        one_of={
+            "model.backend": ("auto", "torchvision", "transformers"),
+            "train.mixed_precision": ("bf16", "fp32"),
+            "data.decode": ("cpu", "gpu"),
+        },
+    )
     if cfg.data.val_dir and not cfg.data.train_dir:
         raise ConfigError("data.val_dir is set but data.train_dir is empty")
     if not cfg.data.val_dir and not 0.0 < cfg.data.val_fraction < 1.0:
@@ -118,8 +124,9 @@ class DataError(ValueError):
     """An image folder or file is unusable; the message names it."""
 
 
-def list_image_folder(root: str, classes: list[str] | None = None,
-                      ignored: list[str] | None = None) -> tuple[list[tuple[str, int]], list[str]]:
+def list_image_folder(
+    root: str, classes: list[str] | None = None, ignored: list[str] | None = None
+) -> tuple[list[tuple[str, int]], list[str]]:
     """``(samples, classes)`` of an ImageFolder tree: one sub-folder per class (sorted names ->
     labels 0..n-1), image files inside at any depth, by extension (`IMAGE_EXTENSIONS`, any case).
     Hidden files and folders (name starting with ``.``, such as ``.DS_Store`` and the ``._x.jpg``
@@ -163,6 +170,7 @@ def verify_images(samples: list[tuple[str, int]], threads: int = 8) -> None:
     Raises:
         DataError: naming the first undecodable files and how many there are.
     """
+
     def bad(path: str) -> str | None:
         try:
             with Image.open(path) as im:
@@ -175,11 +183,15 @@ def verify_images(samples: list[tuple[str, int]], threads: int = 8) -> None:
     with ThreadPoolExecutor(threads) as pool:
         failures = [b for b in pool.map(bad, [p for p, _ in samples]) if b]
     if failures:
-        raise DataError(f"{len(failures)} image(s) cannot be decoded, e.g. {'; '.join(failures[:3])}: remove or "
-                        f"replace them (or set data.verify_images=false to skip this check)")
+        raise DataError(
+            f"{len(failures)} image(s) cannot be decoded, e.g. {'; '.join(failures[:3])}: remove or "
+            f"replace them (or set data.verify_images=false to skip this check)"
+        )
 
 
-def load_data(cfg: DataConfig, seed: int, verify: bool, ignored: list[str] | None = None) -> tuple[object, object, list[str]]:
+def load_data(
+    cfg: DataConfig, seed: int, verify: bool, ignored: list[str] | None = None
+) -> tuple[object, object, list[str]]:
     """Train and validation samples and the class names: ``[(path, label)]`` lists for folders, or
     Hugging Face ``Dataset`` splits with ``image``/``label`` columns for ``hub_id``.
 
@@ -315,7 +327,9 @@ class EncodedImageDataset(Dataset):
         return encoded, torch.tensor([x, y, cw, ch, int(flip)]), label, name
 
 
-def collate_encoded(items: list[tuple[torch.Tensor, torch.Tensor, int, str]]) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, list[str]]:
+def collate_encoded(
+    items: list[tuple[torch.Tensor, torch.Tensor, int, str]],
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, list[str]]:
     """`EncodedImageDataset` items -> ``(encoded list, crops int64 (B, 5), labels int64 (B,), names)``."""
     encoded, crops, labels, names = zip(*items)
     return list(encoded), torch.stack(crops), torch.tensor(labels), list(names)
@@ -349,11 +363,18 @@ def check_decode(decode: str, on_cpu: bool, here: bool = True) -> None:
     """
     if decode != "gpu":
         return
-    problem = ("the workers train on CPUs (no GPU, ray.use_gpu=false or COOKBOOK_DEVICE=cpu)" if on_cpu
-               else gpu_decode_problem() if here else None)
+    problem = (
+        "the workers train on CPUs (no GPU, ray.use_gpu=false or COOKBOOK_DEVICE=cpu)"
+        if on_cpu
+        else gpu_decode_problem()
+        if here
+        else None
+    )
     if problem:
-        raise ConfigError(f"data.decode=gpu decodes the training JPEGs with nvJPEG on the GPU, but {problem}: "
-                          f"set data.decode=cpu (PIL in the loader processes)")
+        raise ConfigError(
+            f"data.decode=gpu decodes the training JPEGs with nvJPEG on the GPU, but {problem}: "
+            f"set data.decode=cpu (PIL in the loader processes)"
+        )
 
 
 def decode_on_device(encoded: list[torch.Tensor], names: list[str], device: torch.device) -> list[torch.Tensor]:
@@ -385,8 +406,9 @@ def decode_on_device(encoded: list[torch.Tensor], names: list[str], device: torc
                             rgb = np.asarray(im.convert("RGB"), dtype=np.uint8).copy()
                     except OSError as pil_exc:
                         raise DataError(f"cannot decode {names[i]}: {pil_exc}") from None
-                    cookbook.get_logger().warning(f"nvJPEG cannot decode {names[i]} ({str(exc).splitlines()[0]}); "
-                                                  f"decoded with PIL on the CPU")
+                    cookbook.get_logger().warning(
+                        f"nvJPEG cannot decode {names[i]} ({str(exc).splitlines()[0]}); decoded with PIL on the CPU"
+                    )
                     out[i] = torch.from_numpy(rgb).permute(2, 0, 1).to(device)
     return out
 
@@ -412,7 +434,7 @@ def random_resized_crop(images: list[torch.Tensor], crops: torch.Tensor, size: i
     for i, (image, (x, y, w, h, flip)) in enumerate(zip(images, crops.tolist())):
         if not (w > 0 and h > 0 and 0 <= x <= image.shape[2] - w and 0 <= y <= image.shape[1] - h):
             raise ValueError(f"crop box x={x} y={y} w={w} h={h} does not fit image {i} of {tuple(image.shape)}")
-        box = image[None, :, y:y + h, x:x + w].float()
+        box = image[None, :, y : y + h, x : x + w].float()
         resized = F.interpolate(box, size=(size, size), mode="bilinear", align_corners=False, antialias=True)[0]
         out[i] = (resized.flip(-1) if flip else resized).round_().clamp_(0, 255).to(torch.uint8)
     return out
@@ -425,15 +447,18 @@ def device_batch(batch, device: torch.device, size: int) -> tuple[torch.Tensor, 
     if len(batch) == 2:
         return batch
     encoded, crops, labels, names = batch
-    return (random_resized_crop(decode_on_device(encoded, names, device), crops, size),
-            labels.to(device, non_blocking=True))
+    return (
+        random_resized_crop(decode_on_device(encoded, names, device), crops, size),
+        labels.to(device, non_blocking=True),
+    )
 
 
 def validation_shard(samples, image_size: int, rank: int, world_size: int) -> Dataset:
     """Worker `rank`'s share of the validation `samples` (as `ImageDataset` takes them): every `world_size`-th
     from `rank` on, possibly none, with the evaluation transform; the shards of all workers cover each once."""
-    return torch.utils.data.Subset(ImageDataset(samples, ImageTransform(image_size, train=False)),
-                                   range(rank, len(samples), world_size))
+    return torch.utils.data.Subset(
+        ImageDataset(samples, ImageTransform(image_size, train=False)), range(rank, len(samples), world_size)
+    )
 
 
 # ----------------------------------------------------------------------------- model and step
@@ -466,10 +491,13 @@ def build_model(cfg: ModelConfig, num_classes: int) -> torch.nn.Module:
 
     if cfg.pretrained:
         try:
-            return ResNetForImageClassification.from_pretrained(cfg.name_or_path, num_labels=num_classes,
-                                                                ignore_mismatched_sizes=True)
+            return ResNetForImageClassification.from_pretrained(
+                cfg.name_or_path, num_labels=num_classes, ignore_mismatched_sizes=True
+            )
         except OSError as exc:
-            log.warning(f"{cfg.name_or_path}: pretrained weights not reachable ({str(exc).splitlines()[0]}); random init")
+            log.warning(
+                f"{cfg.name_or_path}: pretrained weights not reachable ({str(exc).splitlines()[0]}); random init"
+            )
     try:
         config = AutoConfig.from_pretrained(cfg.name_or_path, num_labels=num_classes)
     except OSError:
@@ -491,10 +519,17 @@ def logits_of(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out
 
 
-def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, images: torch.Tensor, labels: torch.Tensor,
-               bf16: bool, channels_last: bool, label_smoothing: float = 0.0, max_grad_norm: float = 0.0,
-               skip: Callable[[torch.Tensor], bool] | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+def train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    bf16: bool,
+    channels_last: bool,
+    label_smoothing: float = 0.0,
+    max_grad_norm: float = 0.0,
+    skip: Callable[[torch.Tensor], bool] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """One optimizer step on a uint8 batch; returns ``(loss, correct, grad_norm)`` as device tensors
     (``grad_norm``: the total norm before clipping by `max_grad_norm` (0: none), ``None`` without clipping or
     `skip`). Also used by ``benchmarks/resnet50_ray.py`` without Ray.
@@ -508,8 +543,12 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, images:
     loss.backward()
     grad_norm = None  # DDP all-reduced the gradients: the norm is the same on every worker (a NaN on one: on all)
     if max_grad_norm > 0 or skip is not None:
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else float("inf"))
-    if skip is not None and skip(grad_norm):  # NaN / inf: the run stops, or (train.on_nonfinite=skip) the batch is dropped
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            model.parameters(), max_grad_norm if max_grad_norm > 0 else float("inf")
+        )
+    if skip is not None and skip(
+        grad_norm
+    ):  # NaN / inf: the run stops, or (train.on_nonfinite=skip) the batch is dropped
         optimizer.zero_grad(set_to_none=True)
         return None
     optimizer.step()
@@ -548,8 +587,11 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, bf16: bool, c
         none) and the number of images.
     """
     model.eval()
-    sums = {"loss": torch.zeros((), device=device, dtype=torch.float64),
-            "correct": torch.zeros((), device=device, dtype=torch.float64), "images": torch.zeros((), device=device, dtype=torch.float64)}
+    sums = {
+        "loss": torch.zeros((), device=device, dtype=torch.float64),
+        "correct": torch.zeros((), device=device, dtype=torch.float64),
+        "images": torch.zeros((), device=device, dtype=torch.float64),
+    }
     for images, labels in loader:
         with torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
             logits = logits_of(model, normalize(images, channels_last))
@@ -587,19 +629,24 @@ def train_loop(config_dict: dict) -> None:
             import datasets
 
             train_set = train_set.cast_column("image", datasets.Image(decode=False))
-        train_loader = ray.train.torch.prepare_data_loader(DataLoader(
-            EncodedImageDataset(train_set), collate_fn=collate_encoded, **{**batch_kw, "pin_memory": False}),
-            move_to_device=False)
+        train_loader = ray.train.torch.prepare_data_loader(
+            DataLoader(EncodedImageDataset(train_set), collate_fn=collate_encoded, **{**batch_kw, "pin_memory": False}),
+            move_to_device=False,
+        )
     else:
-        train_loader = ray.train.torch.prepare_data_loader(DataLoader(
-            ImageDataset(train_set, ImageTransform(cfg.data.image_size, train=True)), **batch_kw))
+        train_loader = ray.train.torch.prepare_data_loader(
+            DataLoader(ImageDataset(train_set, ImageTransform(cfg.data.image_size, train=True)), **batch_kw)
+        )
     val_shard = validation_shard(val_set, cfg.data.image_size, info.rank, info.world_size)
     val_loader = ray.train.torch.prepare_data_loader(
-        DataLoader(val_shard, batch_size=cfg.train.micro_batch_size, **loader_kw), add_dist_sampler=False)
+        DataLoader(val_shard, batch_size=cfg.train.micro_batch_size, **loader_kw), add_dist_sampler=False
+    )
     steps_per_epoch = len(train_loader)
     if steps_per_epoch == 0:
-        raise DataError(f"{len(train_set)} training images are too few for one step of "
-                        f"{cfg.train.micro_batch_size} x {info.world_size} workers")
+        raise DataError(
+            f"{len(train_set)} training images are too few for one step of "
+            f"{cfg.train.micro_batch_size} x {info.world_size} workers"
+        )
     max_steps = cfg.train.epochs * steps_per_epoch
 
     inner = build_model(cfg.model, len(classes)).to(info.device)
@@ -610,18 +657,35 @@ def train_loop(config_dict: dict) -> None:
     lr = cfg.optim.lr * global_batch / 256
     decay = [p for p in model.parameters() if p.ndim > 1]
     no_decay = [p for p in model.parameters() if p.ndim <= 1]  # biases and batch-norm
-    optimizer = torch.optim.SGD([{"params": decay, "weight_decay": cfg.optim.weight_decay},
-                                 {"params": no_decay, "weight_decay": 0.0}], lr=lr, momentum=cfg.optim.momentum, nesterov=True)
+    optimizer = torch.optim.SGD(
+        [{"params": decay, "weight_decay": cfg.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        momentum=cfg.optim.momentum,
+        nesterov=True,
+    )
     warmup = int(cfg.optim.warmup_epochs * steps_per_epoch)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: (s + 1) / max(warmup, 1) if s < warmup else
-                                                  0.5 * (1 + math.cos(math.pi * (s - warmup) / max(max_steps - warmup, 1))))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: (
+            (s + 1) / max(warmup, 1)
+            if s < warmup
+            else 0.5 * (1 + math.cos(math.pi * (s - warmup) / max(max_steps - warmup, 1)))
+        ),
+    )
     run = ray_train.WorkerRun(
-        cfg, info, "resnet50-ray", {"model": inner, "optimizer": optimizer, "scheduler": scheduler, "classes": classes},
-        max_steps=max_steps, steps_per_epoch=steps_per_epoch, stop_at=("train.stop_at_epoch", cfg.train.stop_at_epoch),
-        count_tokens=False, about=f"ResNet {sum(p.numel() for p in inner.parameters()) / 1e6:.1f} M params "
-                                  f"({type(inner).__module__.split('.')[0]}) | {len(classes)} classes | {len(train_set)} "
-                                  f"train / {len(val_set)} val images | global batch {global_batch} | lr {lr:g} | "
-                                  f"{'bf16 autocast' if bf16 else 'fp32'}{', channels-last' if channels_last else ''}")
+        cfg,
+        info,
+        "resnet50-ray",
+        {"model": inner, "optimizer": optimizer, "scheduler": scheduler, "classes": classes},
+        max_steps=max_steps,
+        steps_per_epoch=steps_per_epoch,
+        stop_at=("train.stop_at_epoch", cfg.train.stop_at_epoch),
+        count_tokens=False,
+        about=f"ResNet {sum(p.numel() for p in inner.parameters()) / 1e6:.1f} M params "
+        f"({type(inner).__module__.split('.')[0]}) | {len(classes)} classes | {len(train_set)} "
+        f"train / {len(val_set)} val images | global batch {global_batch} | lr {lr:g} | "
+        f"{'bf16 autocast' if bf16 else 'fp32'}{', channels-last' if channels_last else ''}",
+    )
 
     def evaluate_replicas() -> dict[str, float]:
         sync_buffers(inner)  # every worker evaluates the weights rank 0 checkpoints
@@ -636,8 +700,17 @@ def train_loop(config_dict: dict) -> None:
                 images, labels = device_batch(batch, info.device, cfg.data.image_size)  # data.decode=gpu: decoded here
                 lr_now = scheduler.get_last_lr()[0]
                 run.metrics.add(samples=labels.numel(), tokens=0, data_wait_s=wait)
-                stepped = train_step(model, optimizer, images, labels, bf16, channels_last, cfg.optim.label_smoothing,
-                                     cfg.optim.max_grad_norm, skip=run.skip_step)
+                stepped = train_step(
+                    model,
+                    optimizer,
+                    images,
+                    labels,
+                    bf16,
+                    channels_last,
+                    cfg.optim.label_smoothing,
+                    cfg.optim.max_grad_norm,
+                    skip=run.skip_step,
+                )
                 if stepped is None:  # a non-finite step dropped (train.on_nonfinite=skip): no scheduler step either
                     continue
                 loss, correct, grad_norm = stepped
@@ -667,11 +740,16 @@ def driver_checks(cfg: Config) -> tuple[ray_train.RayDriver, str]:
         ignored: list[str] = []
         train, val, classes = load_data(cfg.data, cfg.train.seed, verify=cfg.data.verify_images, ignored=ignored)
         if ignored:
-            print(f"note: {len(ignored)} file(s) in the image folders are not images by their name and are left out, "
-                  f"e.g. {', '.join(ignored[:3])}", file=sys.stderr)
+            print(
+                f"note: {len(ignored)} file(s) in the image folders are not images by their name and are left out, "
+                f"e.g. {', '.join(ignored[:3])}",
+                file=sys.stderr,
+            )
         if driver.workers and len(train) < cfg.train.micro_batch_size * driver.workers:
-            raise ConfigError(f"{len(train)} training images are too few for one step of {cfg.train.micro_batch_size} "
-                              f"x {driver.workers} workers")
+            raise ConfigError(
+                f"{len(train)} training images are too few for one step of {cfg.train.micro_batch_size} "
+                f"x {driver.workers} workers"
+            )
         data_note = f"{len(classes)} classes, {len(train)} train / {len(val)} val images"
     else:
         data_note = f"hub data set {cfg.data.hub_id}"
@@ -693,16 +771,27 @@ def main(cfg: Config) -> None:
 
     out = Path(cfg.output_dir).expanduser().resolve()  # output_dir is Ray's run folder: storage_path / name
     keep = CheckpointConfig(num_to_keep=cfg.checkpoint.keep_last or None)  # epoch checkpoints: checkpoint_epoch_<n>/
-    run_config = RunConfig(name=out.name, storage_path=str(out.parent), checkpoint_config=keep,
-                           failure_config=FailureConfig(max_failures=cfg.ray.max_failures))  # restarts, from the newest
+    run_config = RunConfig(
+        name=out.name,
+        storage_path=str(out.parent),
+        checkpoint_config=keep,
+        failure_config=FailureConfig(max_failures=cfg.ray.max_failures),
+    )  # restarts, from the newest
     with driver.started():  # Ray started or joined, the worker group sized; SIGTERM / SIGUSR1: a stop request
-        scaling = ScalingConfig(num_workers=driver.workers, use_gpu=driver.use_gpu,  # one DDP process per GPU
-                                resources_per_worker=driver.resources_per_worker)  # CPUs for the JPEG-decoding loaders
+        scaling = ScalingConfig(
+            num_workers=driver.workers,
+            use_gpu=driver.use_gpu,  # one DDP process per GPU
+            resources_per_worker=driver.resources_per_worker,
+        )  # CPUs for the JPEG-decoding loaders
         # each worker imports this file and runs train_loop(train_loop_config["config"]); a collective stalled
         # past train.collective_timeout_s ends the wait
-        trainer = TorchTrainer(ray_train.worker_entry, train_loop_config=driver.loop_config(__file__),
-                               torch_config=TorchConfig(timeout_s=cfg.train.collective_timeout_s),
-                               scaling_config=scaling, run_config=run_config)
+        trainer = TorchTrainer(
+            ray_train.worker_entry,
+            train_loop_config=driver.loop_config(__file__),
+            torch_config=TorchConfig(timeout_s=cfg.train.collective_timeout_s),
+            scaling_config=scaling,
+            run_config=run_config,
+        )
         driver.finish(trainer.fit())
 
 

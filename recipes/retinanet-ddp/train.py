@@ -96,11 +96,22 @@ def check_config(cfg: Config, config_dir: Path) -> None:
     if cfg.data.eval_annotations:  # coco_map's COCOeval, imported at the first evaluation
         config.require("pycocotools", REQUIREMENTS)
     config.check_run(cfg)
-    check_fields(cfg, at_least={"model.min_size": 32, "model.max_size": 32, "model.fpn_channels": 8,
-                                "data.num_workers": 0, "data.eval_batch_size": 1},
-                 one_of={"model.arch": ARCHS, "model.weights": ("coco", "imagenet", "none"),
-                         "model.trainable_backbone_layers": range(6)},
-                 within={"data.hflip_prob": "[0, 1]"})
+    check_fields(
+        cfg,
+        at_least={
+            "model.min_size": 32,
+            "model.max_size": 32,
+            "model.fpn_channels": 8,
+            "data.num_workers": 0,
+            "data.eval_batch_size": 1,
+        },
+        one_of={
+            "model.arch": ARCHS,
+            "model.weights": ("coco", "imagenet", "none"),
+            "model.trainable_backbone_layers": range(6),
+        },
+        within={"data.hflip_prob": "[0, 1]"},
+    )
     if cfg.model.max_size < cfg.model.min_size:
         raise ConfigError(f"model.max_size ({cfg.model.max_size}) must be >= model.min_size ({cfg.model.min_size})")
 
@@ -122,13 +133,15 @@ def _int_field(obj: dict, key: str, where: str, default: int | None = None) -> i
         return int(value)
     if isinstance(value, bool) or not isinstance(value, int) or not INT64[0] <= value <= INT64[1]:
         shown = repr(value) if len(repr(value)) <= 40 else f"a {len(str(abs(value)))}-digit integer"
-        raise DataError(f"{where}: field '{key}' must be an integer{' of 64 bits' if type(value) is int else ''}, "
-                        f"got {shown}")
+        raise DataError(
+            f"{where}: field '{key}' must be an integer{' of 64 bits' if type(value) is int else ''}, got {shown}"
+        )
     return value
 
 
-def load_coco(images_dir: str, annotations: str, field_name: str,
-              resize: tuple[int, int] | None = None) -> tuple[list[dict], list[dict]]:
+def load_coco(
+    images_dir: str, annotations: str, field_name: str, resize: tuple[int, int] | None = None
+) -> tuple[list[dict], list[dict]]:
     """Read and check a COCO-format detection set.
 
     Args:
@@ -187,8 +200,15 @@ def load_coco(images_dir: str, annotations: str, field_name: str,
         file = Path(images_dir) / name
         if not file.is_file():
             raise DataError(f"{where} (id {iid}): field 'file_name': image file not found: {file}")
-        images[iid] = {"image_id": iid, "path": str(file), "width": w, "height": h, "boxes": [], "labels": [],
-                       "iscrowd": []}
+        images[iid] = {
+            "image_id": iid,
+            "path": str(file),
+            "width": w,
+            "height": h,
+            "boxes": [],
+            "labels": [],
+            "iscrowd": [],
+        }
     seen = set()
     for i, ann in enumerate(coco["annotations"]):
         where = f"{path}: annotations[{i}]"
@@ -201,18 +221,24 @@ def load_coco(images_dir: str, annotations: str, field_name: str,
         if iid not in images:
             raise DataError(f"{where}: field 'image_id': unknown image id {iid}")
         if cid not in categories:
-            raise DataError(f"{where}: field 'category_id': unknown category id {cid} (categories: {sorted(categories)})")
+            raise DataError(
+                f"{where}: field 'category_id': unknown category id {cid} (categories: {sorted(categories)})"
+            )
         box = _field(ann, "bbox", where)
-        if (not isinstance(box, list) or len(box) != 4
-                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in box)):
+        if (
+            not isinstance(box, list)
+            or len(box) != 4
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in box)
+        ):
             raise DataError(f"{where}: field 'bbox' must be 4 numbers [x, y, width, height], got {box!r}")
         x, y, w, h = box
         if w <= 0 or h <= 0:
             raise DataError(f"{where}: field 'bbox': width and height must be > 0, got {box!r}")
         img = images[iid]
         if x < -BOX_SLACK or y < -BOX_SLACK or x + w > img["width"] + BOX_SLACK or y + h > img["height"] + BOX_SLACK:
-            raise DataError(f"{where}: field 'bbox' {box!r} lies outside its image {iid} "
-                            f"({img['width']} x {img['height']} pixels)")
+            raise DataError(
+                f"{where}: field 'bbox' {box!r} lies outside its image {iid} ({img['width']} x {img['height']} pixels)"
+            )
         clipped = [max(x, 0.0), max(y, 0.0), min(x + w, img["width"]), min(y + h, img["height"])]
         crowd = _int_field(ann, "iscrowd", where, default=0)
         if crowd not in (0, 1):
@@ -220,19 +246,22 @@ def load_coco(images_dir: str, annotations: str, field_name: str,
         if resize is not None and crowd == 0:  # crowd boxes never reach the loss
             trained, size = _as_trained(clipped, img["width"], img["height"], *resize)
             if any(b[2] <= b[0] or b[3] <= b[1] for b in trained):
-                raise DataError(f"{where}: field 'bbox' {box!r} is {clipped[2] - clipped[0]:g} x "
-                                f"{clipped[3] - clipped[1]:g} pixels once clipped to its image {iid} ({img['width']} "
-                                f"x {img['height']}) and {trained[0][2] - trained[0][0]:g} x {trained[0][3] - trained[0][1]:g} "
-                                f"resized to {size[1]} x {size[0]} (model.min_size / max_size): training would see "
-                                f"a box without area, which torchvision refuses; fix or remove the annotation")
+                raise DataError(
+                    f"{where}: field 'bbox' {box!r} is {clipped[2] - clipped[0]:g} x "
+                    f"{clipped[3] - clipped[1]:g} pixels once clipped to its image {iid} ({img['width']} "
+                    f"x {img['height']}) and {trained[0][2] - trained[0][0]:g} x {trained[0][3] - trained[0][1]:g} "
+                    f"resized to {size[1]} x {size[0]} (model.min_size / max_size): training would see "
+                    f"a box without area, which torchvision refuses; fix or remove the annotation"
+                )
         img["boxes"].append(clipped)
         img["labels"].append(labels[cid])
         img["iscrowd"].append(crowd)
     return [images[k] for k in sorted(images)], [categories[k] for k in sorted(categories)]
 
 
-def _as_trained(box: list[float], width: int, height: int, min_size: int,
-                max_size: int) -> tuple[list[list[float]], tuple[int, int]]:
+def _as_trained(
+    box: list[float], width: int, height: int, min_size: int, max_size: int
+) -> tuple[list[list[float]], tuple[int, int]]:
     """A clipped ``[x1, y1, x2, y2]`` box as training hands it to torchvision's RetinaNet: in float32, as is and
     flipped (`CocoDetection`), then resized as ``GeneralizedRCNNTransform`` resizes (scale ``min(min_size /
     shorter side, max_size / longer side)``, image ``floor(side x scale)``, box x new / old side in float32).
@@ -252,8 +281,10 @@ def _as_trained(box: list[float], width: int, height: int, min_size: int,
 
 def _same_categories(train: list[dict], other: list[dict], field_name: str) -> None:
     if [c["id"] for c in train] != [c["id"] for c in other]:
-        raise DataError(f"{field_name}: its category ids {[c['id'] for c in other]} differ from the training set's "
-                        f"{[c['id'] for c in train]}")
+        raise DataError(
+            f"{field_name}: its category ids {[c['id'] for c in other]} differ from the training set's "
+            f"{[c['id'] for c in train]}"
+        )
 
 
 class DetectionBatch:
@@ -265,7 +296,9 @@ class DetectionBatch:
 
     def to(self, device, non_blocking: bool = False) -> "DetectionBatch":
         move = lambda t: t.to(device, non_blocking=non_blocking) if isinstance(t, torch.Tensor) else t
-        return DetectionBatch([move(i) for i in self.images], [{k: move(v) for k, v in t.items()} for t in self.targets])
+        return DetectionBatch(
+            [move(i) for i in self.images], [{k: move(v) for k, v in t.items()} for t in self.targets]
+        )
 
     def pin_memory(self) -> "DetectionBatch":
         pin = lambda t: t.pin_memory() if isinstance(t, torch.Tensor) else t
@@ -296,8 +329,10 @@ class CocoDetection(Dataset):
         rec = self.records[index]
         with Image.open(rec["path"]) as im:
             if im.size != (rec["width"], rec["height"]):
-                raise DataError(f"{rec['path']}: the image is {im.size[0]} x {im.size[1]} pixels but its entry "
-                                f"(image id {rec['image_id']}) says {rec['width']} x {rec['height']}")
+                raise DataError(
+                    f"{rec['path']}: the image is {im.size[0]} x {im.size[1]} pixels but its entry "
+                    f"(image id {rec['image_id']}) says {rec['width']} x {rec['height']}"
+                )
             image = torch.frombuffer(bytearray(im.convert("RGB").tobytes()), dtype=torch.uint8)
         image = image.view(rec["height"], rec["width"], 3).permute(2, 0, 1).float().div_(255)
         boxes = torch.tensor(rec["boxes"], dtype=torch.float32).reshape(-1, 4)
@@ -309,7 +344,9 @@ class CocoDetection(Dataset):
             g = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) * 1_000_003 + index)
             if torch.rand((), generator=g).item() < self.hflip_prob:
                 image = image.flip(-1)
-                boxes = torch.stack([rec["width"] - boxes[:, 2], boxes[:, 1], rec["width"] - boxes[:, 0], boxes[:, 3]], 1)
+                boxes = torch.stack(
+                    [rec["width"] - boxes[:, 2], boxes[:, 1], rec["width"] - boxes[:, 0], boxes[:, 3]], 1
+                )
             return image, {"boxes": boxes, "labels": labels, "image_id": rec["image_id"]}
         return image, {"boxes": boxes, "labels": labels, "iscrowd": crowd, "image_id": rec["image_id"]}
 
@@ -333,15 +370,22 @@ def build_model(cfg: ModelConfig, num_classes: int, log) -> torch.nn.Module:
         pretrained = backbone is not None
         backbone = backbone or resnet18(norm_layer=partial(torch.nn.GroupNorm, 8))
         if pretrained:  # train only the last model.trainable_backbone_layers stages, as torchvision does
-            stages = ["layer4", "layer3", "layer2", "layer1", "conv1"][:cfg.trainable_backbone_layers]
+            stages = ["layer4", "layer3", "layer2", "layer1", "conv1"][: cfg.trainable_backbone_layers]
             for name, p in backbone.named_parameters():
                 p.requires_grad_(any(name.startswith(s) for s in stages))
-        backbone = BackboneWithFPN(backbone, {"layer2": "0", "layer3": "1", "layer4": "2"}, [128, 256, 512],
-                                   cfg.fpn_channels, extra_blocks=LastLevelP6P7(cfg.fpn_channels, cfg.fpn_channels))
+        backbone = BackboneWithFPN(
+            backbone,
+            {"layer2": "0", "layer3": "1", "layer4": "2"},
+            [128, 256, 512],
+            cfg.fpn_channels,
+            extra_blocks=LastLevelP6P7(cfg.fpn_channels, cfg.fpn_channels),
+        )
         return tv_retinanet.RetinaNet(backbone, num_classes, **size)
     builder = getattr(tv_retinanet, cfg.arch)
     v2 = cfg.arch.endswith("_v2")
-    det_weights = (tv_retinanet.RetinaNet_ResNet50_FPN_V2_Weights if v2 else tv_retinanet.RetinaNet_ResNet50_FPN_Weights).COCO_V1
+    det_weights = (
+        tv_retinanet.RetinaNet_ResNet50_FPN_V2_Weights if v2 else tv_retinanet.RetinaNet_ResNet50_FPN_Weights
+    ).COCO_V1
     bb_weights = ResNet50_Weights.IMAGENET1K_V2 if v2 else ResNet50_Weights.IMAGENET1K_V1
     tbl = cfg.trainable_backbone_layers
     model = None
@@ -351,11 +395,21 @@ def build_model(cfg: ModelConfig, num_classes: int, log) -> torch.nn.Module:
             head = model.head.classification_head
             norm = partial(torch.nn.GroupNorm, 32) if v2 else None
             model.head.classification_head = tv_retinanet.RetinaNetClassificationHead(
-                model.backbone.out_channels, head.num_anchors, num_classes, **({"norm_layer": norm} if norm else {}))
+                model.backbone.out_channels, head.num_anchors, num_classes, **({"norm_layer": norm} if norm else {})
+            )
             return model
     if cfg.weights in ("coco", "imagenet"):
-        model = _try(log, "ImageNet ResNet-50", lambda: builder(weights=None, weights_backbone=bb_weights,
-                                                                 num_classes=num_classes, trainable_backbone_layers=tbl, **size))
+        model = _try(
+            log,
+            "ImageNet ResNet-50",
+            lambda: builder(
+                weights=None,
+                weights_backbone=bb_weights,
+                num_classes=num_classes,
+                trainable_backbone_layers=tbl,
+                **size,
+            ),
+        )
     if model is None:
         log.info("model: random init (no pretrained weights)")
         model = builder(weights=None, weights_backbone=None, num_classes=num_classes, **size)
@@ -369,8 +423,10 @@ def _try(log, what: str, build):
         log.info(f"model: {what} weights loaded")
         return model
     except (OSError, RuntimeError, ValueError) as exc:  # URLError is an OSError; a partial download a RuntimeError
-        log.warning(f"model: {what} weights not reachable ({type(exc).__name__}: {str(exc).splitlines()[0][:120]}); "
-                    f"falling back")
+        log.warning(
+            f"model: {what} weights not reachable ({type(exc).__name__}: {str(exc).splitlines()[0][:120]}); "
+            f"falling back"
+        )
         return None
 
 
@@ -399,8 +455,13 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, autocast) -> 
         with autocast():
             outputs = model(batch.images)
         for out, tgt in zip(outputs, batch.targets):
-            local.append((tgt["image_id"], {k: v.float().cpu() if v.is_floating_point() else v.cpu() for k, v in out.items()},
-                          {k: tgt[k].cpu() for k in ("boxes", "labels", "iscrowd")}))
+            local.append(
+                (
+                    tgt["image_id"],
+                    {k: v.float().cpu() if v.is_floating_point() else v.cpu() for k, v in out.items()},
+                    {k: tgt[k].cpu() for k in ("boxes", "labels", "iscrowd")},
+                )
+            )
     model.train()
     gathered = [None] * dist.get_world_size() if dist.is_initialized() else [local]
     if dist.is_initialized():
@@ -440,8 +501,16 @@ def coco_map(items: list[tuple[int, dict, dict]]) -> dict[str, float]:
     for iid, det, tgt in items:
         images.append({"id": int(iid)})
         for box, label, crowd in zip(xywh(tgt["boxes"]), tgt["labels"].tolist(), tgt["iscrowd"].tolist()):
-            gts.append({"id": len(gts) + 1, "image_id": int(iid), "category_id": label, "bbox": box,
-                        "area": box[2] * box[3], "iscrowd": crowd})
+            gts.append(
+                {
+                    "id": len(gts) + 1,
+                    "image_id": int(iid),
+                    "category_id": label,
+                    "bbox": box,
+                    "area": box[2] * box[3],
+                    "iscrowd": crowd,
+                }
+            )
             cats.add(label)
         for box, label, score in zip(xywh(det["boxes"]), det["labels"].tolist(), det["scores"].double().tolist()):
             dts.append({"image_id": int(iid), "category_id": label, "bbox": box, "score": score})
@@ -464,8 +533,12 @@ def coco_map(items: list[tuple[int, dict, dict]]) -> dict[str, float]:
 # ----------------------------------------------------------------------------- recipe
 def preflight(cfg: Config, world_size: int) -> str:
     """What ``--check`` runs in one process before torchrun starts any worker (launch.sh); returns what the data holds."""
-    train, cats = load_coco(cfg.data.train_images, cfg.data.train_annotations, "data.train_annotations",
-                            (cfg.model.min_size, cfg.model.max_size))  # boxes as training sees them
+    train, cats = load_coco(
+        cfg.data.train_images,
+        cfg.data.train_annotations,
+        "data.train_annotations",
+        (cfg.model.min_size, cfg.model.max_size),
+    )  # boxes as training sees them
     n_eval = 0
     if cfg.data.eval_annotations:
         evals, eval_cats = load_coco(cfg.data.eval_images, cfg.data.eval_annotations, "data.eval_annotations")
@@ -473,10 +546,13 @@ def preflight(cfg: Config, world_size: int) -> str:
         n_eval = len(evals)
     per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * world_size
     if len(train) < per_step:
-        raise ConfigError(f"the training set ({len(train)} images) is too small for one step of "
-                          f"{cfg.train.micro_batch_size} x {cfg.train.grad_accum_steps} x {world_size} images")
+        raise ConfigError(
+            f"the training set ({len(train)} images) is too small for one step of "
+            f"{cfg.train.micro_batch_size} x {cfg.train.grad_accum_steps} x {world_size} images"
+        )
     Checkpointer(Path(cfg.output_dir) / "checkpoints", resizable=RESIZABLE).check_resume(
-        cfg.checkpoint.resume, world_size, to_dict(cfg), MAY_CHANGE, cfg.train.stop_at_step)
+        cfg.checkpoint.resume, world_size, to_dict(cfg), MAY_CHANGE, cfg.train.stop_at_step
+    )
     return f"{len(train)} train / {n_eval} eval images, {len(cats)} categories"
 
 
@@ -500,18 +576,28 @@ def main(cfg: Config) -> None:
     torch.manual_seed(cfg.train.seed)
     use_bf16 = info.device.type == "cuda" and cfg.train.mixed_precision == "bf16"
     autocast = partial(torch.autocast, info.device.type, dtype=torch.bfloat16, enabled=use_bf16)
-    train_records, categories = load_coco(cfg.data.train_images, cfg.data.train_annotations, "data.train_annotations",
-                                          (cfg.model.min_size, cfg.model.max_size))
+    train_records, categories = load_coco(
+        cfg.data.train_images,
+        cfg.data.train_annotations,
+        "data.train_annotations",
+        (cfg.model.min_size, cfg.model.max_size),
+    )
     train_ds = CocoDetection(train_records, train=True, hflip_prob=cfg.data.hflip_prob, seed=cfg.train.seed)
-    sampler = ResizableSampler(train_ds, num_replicas=info.world_size, rank=info.rank, shuffle=True,
-                               seed=cfg.train.seed, drop_last=True)
+    sampler = ResizableSampler(
+        train_ds, num_replicas=info.world_size, rank=info.rank, shuffle=True, seed=cfg.train.seed, drop_last=True
+    )
     # Loader processes start afresh each epoch (not persistent): the flips depend on the epoch, which set_epoch
     # sets on the data set in this process, and only workers started after it see it (persistent ones would flip
     # every epoch as the first one).
-    loader_kw = dict(collate_fn=collate, num_workers=cfg.data.num_workers, pin_memory=info.device.type == "cuda",
-                     persistent_workers=False)
-    train_loader = StatefulDataLoader(train_ds, batch_size=cfg.train.micro_batch_size, sampler=sampler, drop_last=True,
-                                      **loader_kw)
+    loader_kw = dict(
+        collate_fn=collate,
+        num_workers=cfg.data.num_workers,
+        pin_memory=info.device.type == "cuda",
+        persistent_workers=False,
+    )
+    train_loader = StatefulDataLoader(
+        train_ds, batch_size=cfg.train.micro_batch_size, sampler=sampler, drop_last=True, **loader_kw
+    )
     eval_loader = None
     if cfg.data.eval_annotations:
         eval_records, eval_cats = load_coco(cfg.data.eval_images, cfg.data.eval_annotations, "data.eval_annotations")
@@ -523,8 +609,10 @@ def main(cfg: Config) -> None:
 
     steps_per_epoch = len(train_loader) // cfg.train.grad_accum_steps
     if steps_per_epoch == 0:
-        raise ConfigError(f"the training set ({len(train_ds)} images) is too small for one step of "
-                          f"{cfg.train.micro_batch_size} x {cfg.train.grad_accum_steps} x {info.world_size} images")
+        raise ConfigError(
+            f"the training set ({len(train_ds)} images) is too small for one step of "
+            f"{cfg.train.micro_batch_size} x {cfg.train.grad_accum_steps} x {info.world_size} images"
+        )
     max_steps = cfg.train.max_steps if cfg.train.max_steps > 0 else cfg.train.epochs * steps_per_epoch
 
     model = _load_weights_rank0_first(info, lambda: build_model(cfg.model, len(categories) + 1, log)).to(info.device)
@@ -537,10 +625,17 @@ def main(cfg: Config) -> None:
     no_decay = [p for p in params if p.ndim < 2]  # biases and norms
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": cfg.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps, fused=info.device.type == "cuda",
+        lr=cfg.optim.lr,
+        betas=tuple(cfg.optim.betas),
+        eps=cfg.optim.eps,
+        fused=info.device.type == "cuda",
     )
-    scheduler = get_scheduler(cfg.optim.scheduler, optimizer, num_warmup_steps=int(cfg.optim.warmup_ratio * max_steps),
-                              num_training_steps=max_steps)
+    scheduler = get_scheduler(
+        cfg.optim.scheduler,
+        optimizer,
+        num_warmup_steps=int(cfg.optim.warmup_ratio * max_steps),
+        num_training_steps=max_steps,
+    )
 
     global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * info.world_size
     run_eval = (lambda: evaluate(model.module, eval_loader, info.device, autocast)) if eval_loader is not None else None
@@ -549,14 +644,27 @@ def main(cfg: Config) -> None:
         sampler.set_epoch(epoch)
         train_ds.set_epoch(epoch)  # the flips of this pass
 
-    with Run(cfg, info, app=ModelOptimizerState(model, optimizer), scheduler=scheduler, loader=train_loader,
-             set_epoch=set_epoch, may_change=MAY_CHANGE, max_steps=max_steps, experiment="retinanet-ddp",
-             final=out_dir / "final", count_tokens=False, evaluate=run_eval) as run:
-        run.say(f"world size {info.world_size} ({info.backend}, {info.device.type}) | {cfg.model.arch} "
-                f"{n_params / 1e6:.1f} M trainable params | {len(categories)} categories | global batch {global_batch} "
-                f"images = {cfg.train.micro_batch_size} x {cfg.train.grad_accum_steps} accumulation x {info.world_size} "
-                f"ranks | {len(train_ds)} train images | {max_steps} steps ({steps_per_epoch}/epoch) | precision "
-                f"{'bf16 autocast' if use_bf16 else 'fp32'}")
+    with Run(
+        cfg,
+        info,
+        app=ModelOptimizerState(model, optimizer),
+        scheduler=scheduler,
+        loader=train_loader,
+        set_epoch=set_epoch,
+        may_change=MAY_CHANGE,
+        max_steps=max_steps,
+        experiment="retinanet-ddp",
+        final=out_dir / "final",
+        count_tokens=False,
+        evaluate=run_eval,
+    ) as run:
+        run.say(
+            f"world size {info.world_size} ({info.backend}, {info.device.type}) | {cfg.model.arch} "
+            f"{n_params / 1e6:.1f} M trainable params | {len(categories)} categories | global batch {global_batch} "
+            f"images = {cfg.train.micro_batch_size} x {cfg.train.grad_accum_steps} accumulation x {info.world_size} "
+            f"ranks | {len(train_ds)} train images | {max_steps} steps ({steps_per_epoch}/epoch) | precision "
+            f"{'bf16 autocast' if use_bf16 else 'fp32'}"
+        )
         if run_eval is not None and cfg.train.eval_at_start and run.state.step == 0:
             run.metrics.log_eval(0, run_eval())
 
@@ -567,7 +675,7 @@ def main(cfg: Config) -> None:
             step_loss = torch.zeros((), device=info.device)
             for i, (batch, wait) in enumerate(zip(micro_batches, waits)):
                 # Skip DDP's gradient all-reduce on all but the last micro-batch of a step.
-                with (model.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext()):
+                with model.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext():
                     with autocast():
                         losses = model(batch.images, batch.targets)  # focal classification + box regression
                     loss = (losses["classification"] + losses["bbox_regression"]).float() / cfg.train.grad_accum_steps
@@ -575,17 +683,27 @@ def main(cfg: Config) -> None:
                 step_loss += loss.detach()
                 run.metrics.add(samples=len(batch), tokens=0, data_wait_s=wait)
             grad_norm = torch.nn.utils.clip_grad_norm_(  # max_grad_norm 0: no clipping, but the norm is checked
-                params, cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf"))
-            if run.skip_step(grad_norm): continue  # NaN / inf: the run stops, or (train.on_nonfinite=skip) the step is dropped
+                params, cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
+            )
+            if run.skip_step(grad_norm):
+                continue  # NaN / inf: the run stops, or (train.on_nonfinite=skip) the step is dropped
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
             run.end_step(step_loss, lr=lr, grad_norm=grad_norm)
 
         # ---- save
-        run.finish(export=lambda: {"export_dir": (export(model.module, out_dir / "final", cfg, categories, info),
-                                                   "train.build_model + load_state_dict(torch.load('model.pt'))")},
-                    summary=lambda: {"param_fingerprints": cookbook.all_gather_object(cookbook.param_fingerprint(model.module))})
+        run.finish(
+            export=lambda: {
+                "export_dir": (
+                    export(model.module, out_dir / "final", cfg, categories, info),
+                    "train.build_model + load_state_dict(torch.load('model.pt'))",
+                )
+            },
+            summary=lambda: {
+                "param_fingerprints": cookbook.all_gather_object(cookbook.param_fingerprint(model.module))
+            },
+        )
 
     # ---- clean-up
     cookbook.destroy_distributed()

@@ -34,9 +34,16 @@ def write_lines(dst: str | Path, lines: Iterable[str], max_lines: int = 0) -> in
     return n
 
 
-def dataset_to_text(hub_id: str, split: str, dst: str | Path, to_line: Callable[[Mapping[str, Any], str], str],
-                    columns: Sequence[str] = (), max_rows: int = 0, version: int = 1,
-                    key: str = "data.hub_id") -> int | None:
+def dataset_to_text(
+    hub_id: str,
+    split: str,
+    dst: str | Path,
+    to_line: Callable[[Mapping[str, Any], str], str],
+    columns: Sequence[str] = (),
+    max_rows: int = 0,
+    version: int = 1,
+    key: str = "data.hub_id",
+) -> int | None:
     """Write the rows of a hub data set split to `dst` once, streamed, each as ``to_line(row, where)``
     (`where`: ``"<key>=<hub_id> row 7"``). A record ``<dst stem>.json`` (data set, split, `max_rows`, `version`,
     rows) beside it: when it matches, nothing is read. Returns the rows written, or None when `dst` held them.
@@ -56,8 +63,10 @@ def dataset_to_text(hub_id: str, split: str, dst: str | Path, to_line: Callable[
         for n, row in enumerate(datasets.load_dataset(hub_id, split=split, streaming=True), 1):
             missing = [c for c in columns if c not in row] if n == 1 else []
             if missing:
-                raise DataError(f"{key}={hub_id}: the data set has no column(s) {', '.join(missing)} "
-                                f"(found {', '.join(sorted(row))})")
+                raise DataError(
+                    f"{key}={hub_id}: the data set has no column(s) {', '.join(missing)} "
+                    f"(found {', '.join(sorted(row))})"
+                )
             yield to_line(row, f"{key}={hub_id} row {n}")
 
     n = write_lines(dst, lines(), max_rows)
@@ -65,9 +74,12 @@ def dataset_to_text(hub_id: str, split: str, dst: str | Path, to_line: Callable[
     return n
 
 
-def file_to_text(path: str | Path, folder: str | Path,
-                 to_line: Callable[[Mapping[str, Any], str, Mapping[str, int] | None], str],
-                 columns: Sequence[str]) -> tuple[Path, int | None]:
+def file_to_text(
+    path: str | Path,
+    folder: str | Path,
+    to_line: Callable[[Mapping[str, Any], str, Mapping[str, int] | None], str],
+    columns: Sequence[str],
+) -> tuple[Path, int | None]:
     """A local CSV, JSON, JSONL or parquet file written once as ``<folder>/<stem>-<sha256[:16]>.txt``, one line
     a row by ``to_line(row, where, positions)``; reused while the source is unchanged. Rows: `cookbook.tabular.records`
     (a CSV header names `columns`, or no header and exactly `columns`). Returns the file and the rows written (None:

@@ -63,9 +63,12 @@ from cookbook.tabular import DataError, check_int64, to_int
 
 logging.getLogger("torchrec").setLevel(logging.ERROR)  # TorchRec logs planner and caching notices at WARNING on every
 logging.getLogger().addFilter(  # rank, some through the root logger: those are dropped there, others' warnings kept
-    lambda record: record.levelno >= logging.ERROR or f"{os.sep}torchrec{os.sep}" not in record.pathname)
-CANNOT_REMAP = ("its data position counts global batches of world_size x train.batch_size rows, so on another number "
-                "of ranks it would point at other rows and the steps per epoch would change")
+    lambda record: record.levelno >= logging.ERROR or f"{os.sep}torchrec{os.sep}" not in record.pathname
+)
+CANNOT_REMAP = (
+    "its data position counts global batches of world_size x train.batch_size rows, so on another number "
+    "of ranks it would point at other rows and the steps per epoch would change"
+)
 
 DENSE = [f"I{i}" for i in range(1, 14)]
 CATEGORICAL = [f"C{i}" for i in range(1, 27)]
@@ -160,22 +163,31 @@ def check_config(cfg: Config, config_dir: Path) -> None:
         if size < 1:
             raise ConfigError(f"model.table_sizes: table {name} has {size} rows; every table needs at least 1")
     if not m.dense_arch or m.dense_arch[-1] != m.embedding_dim:
-        raise ConfigError(f"model.dense_arch must end with model.embedding_dim={m.embedding_dim} (the dense features "
-                          f"join the embeddings in the interaction), got {m.dense_arch}")
+        raise ConfigError(
+            f"model.dense_arch must end with model.embedding_dim={m.embedding_dim} (the dense features "
+            f"join the embeddings in the interaction), got {m.dense_arch}"
+        )
     if len(m.over_arch) < 2 or m.over_arch[-1] != 1:
-        raise ConfigError(f"model.over_arch needs at least 2 layers and must end with 1 (the click logit), got {m.over_arch}")
+        raise ConfigError(
+            f"model.over_arch needs at least 2 layers and must end with 1 (the click logit), got {m.over_arch}"
+        )
     kinds = {cfg.sharding.plan, *cfg.sharding.tables.values()}
     if not kinds <= {"auto", *SHARDING_TYPES}:
-        raise ConfigError(f"sharding.plan / sharding.tables: kinds are auto, {', '.join(SHARDING_TYPES)}; got "
-                          f"{sorted(kinds - {'auto', *SHARDING_TYPES})}")
+        raise ConfigError(
+            f"sharding.plan / sharding.tables: kinds are auto, {', '.join(SHARDING_TYPES)}; got "
+            f"{sorted(kinds - {'auto', *SHARDING_TYPES})}"
+        )
     unknown = sorted(set(cfg.sharding.tables) - set(CATEGORICAL))
     if unknown:
         raise ConfigError(f"sharding.tables: no table named {unknown} (tables are C1..C26)")
     if "auto" in cfg.sharding.tables.values():
         raise ConfigError("sharding.tables: name a kind per table; 'auto' is for sharding.plan")
     config.check_run(cfg)
-    check_fields(cfg, at_least={"train.batch_size": 1, "model.embedding_dim": 1},
-                 one_of={"optim.sparse": ("rowwise_adagrad", "sgd"), "optim.dense": ("adagrad", "sgd")})
+    check_fields(
+        cfg,
+        at_least={"train.batch_size": 1, "model.embedding_dim": 1},
+        one_of={"optim.sparse": ("rowwise_adagrad", "sgd"), "optim.dense": ("adagrad", "sgd")},
+    )
     if not cfg.data.train_files and cfg.data.hub_id:  # --check writes the hub rows here, before any worker starts
         cfg.data.train_files = [str(hub_file(cfg))]
     if not cfg.data.train_files:
@@ -191,14 +203,18 @@ def check_sharding(cfg: Config, world_size: int, on_cpu: bool) -> None:
     """Refuse, before start, sharding choices this world size or device cannot run."""
     kinds = table_kinds(cfg.sharding)
     if "column_wise" in kinds.values() and cfg.model.embedding_dim % world_size:
-        raise ConfigError(f"column_wise splits each table's {cfg.model.embedding_dim} columns over {world_size} ranks: "
-                          f"model.embedding_dim must be a multiple of the world size")
+        raise ConfigError(
+            f"column_wise splits each table's {cfg.model.embedding_dim} columns over {world_size} ranks: "
+            f"model.embedding_dim must be a multiple of the world size"
+        )
     small = [n for n, s in zip(CATEGORICAL, table_sizes(cfg.model)) if kinds[n] == "row_wise" and s < world_size]
     if small:
         raise ConfigError(f"row_wise tables need at least one row per rank ({world_size}); {small} are smaller")
     if on_cpu and "auto" in kinds.values() and "row_wise" in kinds.values():
-        raise ConfigError("on CPU TorchRec's planner offers no row_wise: name a kind for every table "
-                          "(sharding.plan=<kind> plus sharding.tables) so the plan is built by hand")
+        raise ConfigError(
+            "on CPU TorchRec's planner offers no row_wise: name a kind for every table "
+            "(sharding.plan=<kind> plus sharding.tables) so the plan is built by hand"
+        )
 
 
 # ----------------------------------------------------------------------------- data
@@ -227,6 +243,7 @@ def criteo_line(row: Mapping[str, Any], where: str, positions: Mapping[str, int]
         DataError: ``"<where>, column 5 (I4): '2.5' is not an integer"``, a label that is not 0 or 1, or a
             category that is not hexadecimal.
     """
+
     def bad(name: str, value: Any, what: str) -> DataError:
         col = f"column {positions[name]} ({name})" if positions else f"column {name}"
         return DataError(f"{where}, {col}: {_short(value)} {what}")
@@ -315,7 +332,9 @@ def parse_row(line: str, sizes: list[int], where: str) -> tuple[float, list[floa
         try:
             ids.append(int(value, 16) % size if value else -1)
         except ValueError:
-            raise DataError(f"{where}, column {col} ({COLUMNS[col - 1]}): {value!r} is not a hexadecimal hash") from None
+            raise DataError(
+                f"{where}, column {col} ({COLUMNS[col - 1]}): {value!r} is not a hexadecimal hash"
+            ) from None
     return float(label), dense, ids
 
 
@@ -326,8 +345,11 @@ def to_batch(rows: list[tuple[float, list[float], list[int]]], weights: list[flo
     dense = torch.tensor([r[1] for r in rows], dtype=torch.float32)
     ids = np.array([r[2] for r in rows], dtype=np.int64).T  # (26, B), feature-major as the KJT wants
     present = ids >= 0
-    kjt = KeyedJaggedTensor.from_lengths_sync(keys=CATEGORICAL, values=torch.from_numpy(ids[present]),
-                                              lengths=torch.from_numpy(present.reshape(-1).astype(np.int32)))
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=CATEGORICAL,
+        values=torch.from_numpy(ids[present]),
+        lengths=torch.from_numpy(present.reshape(-1).astype(np.int32)),
+    )
     batch = Batch(dense_features=dense, sparse_features=kjt, labels=labels)
     if weights is not None:
         batch.weights = torch.tensor(weights)  # type: ignore[attr-defined]
@@ -375,7 +397,9 @@ class CriteoStream:
 
     def __len__(self) -> int:
         """Global batches in one pass over the training split (counts lines; no parsing)."""
-        return sum(1 for _ in split_lines(self.files, self.holdout_every, self.split)) // (self.world_size * self.batch_size)
+        return sum(1 for _ in split_lines(self.files, self.holdout_every, self.split)) // (
+            self.world_size * self.batch_size
+        )
 
     def timed(self) -> Iterator[Batch]:
         """The batches of `__iter__`, each timed and queued with its position until the loop has `finished` it."""
@@ -408,8 +432,10 @@ class CriteoStream:
                     yield to_batch([parse_row(line, self.sizes, w) for w, line in chunk[lo:hi]]), (epoch, done)
                 chunk = []
             if done == 0:
-                raise DataError(f"{', '.join(self.files)}: fewer than {n_global} training rows, too few for one "
-                                f"step of {self.batch_size} rows x {self.world_size} ranks")
+                raise DataError(
+                    f"{', '.join(self.files)}: fewer than {n_global} training rows, too few for one "
+                    f"step of {self.batch_size} rows x {self.world_size} ranks"
+                )
             epoch, skip = epoch + 1, 0
 
 
@@ -435,7 +461,7 @@ def eval_batches(cfg: Config, rank: int, world_size: int) -> list[Batch]:
     weights = [1.0] * len(rows) + [0.0] * (per_rank - len(rows))
     rows += [rows[0] if rows else (0.0, [0.0] * 13, [-1] * 26)] * (per_rank - len(rows))
     B = cfg.train.batch_size
-    return [to_batch(rows[i:i + B], weights[i:i + B]) for i in range(0, per_rank, B)]
+    return [to_batch(rows[i : i + B], weights[i : i + B]) for i in range(0, per_rank, B)]
 
 
 def check_data(cfg: Config, world_size: int) -> str:
@@ -456,9 +482,13 @@ def check_data(cfg: Config, world_size: int) -> str:
     total = sum(counts[p] for p in cfg.data.train_files)
     train = total if cfg.data.eval_files or not cfg.data.holdout_every else total - total // cfg.data.holdout_every
     if (cfg.data.check_rows == 0 or total < cfg.data.check_rows) and train < world_size * cfg.train.batch_size:
-        raise ConfigError(f"{train} training rows are too few for one step of {cfg.train.batch_size} rows x "
-                          f"{world_size} ranks: lower train.batch_size")
-    return f"{total} rows checked" + ("" if cfg.data.check_rows == 0 else f" (the first {cfg.data.check_rows} of each file)")
+        raise ConfigError(
+            f"{train} training rows are too few for one step of {cfg.train.batch_size} rows x "
+            f"{world_size} ranks: lower train.batch_size"
+        )
+    return f"{total} rows checked" + (
+        "" if cfg.data.check_rows == 0 else f" (the first {cfg.data.check_rows} of each file)"
+    )
 
 
 # ----------------------------------------------------------------------------- model
@@ -468,12 +498,20 @@ def table_kinds(cfg: ShardingConfig) -> dict[str, str]:
 
 def build_model(cfg: Config, device: torch.device) -> DLRMTrain:
     """DLRM with its tables on the meta device (no memory until sharded) and its MLPs on `device`."""
-    tables = [EmbeddingBagConfig(name=name, embedding_dim=cfg.model.embedding_dim, num_embeddings=size,
-                                 feature_names=[name]) for name, size in zip(CATEGORICAL, table_sizes(cfg.model))]
+    tables = [
+        EmbeddingBagConfig(name=name, embedding_dim=cfg.model.embedding_dim, num_embeddings=size, feature_names=[name])
+        for name, size in zip(CATEGORICAL, table_sizes(cfg.model))
+    ]
     torch.manual_seed(cfg.train.seed)
-    return DLRMTrain(DLRM(embedding_bag_collection=EmbeddingBagCollection(tables=tables, device=torch.device("meta")),
-                          dense_in_features=len(DENSE), dense_arch_layer_sizes=cfg.model.dense_arch,
-                          over_arch_layer_sizes=cfg.model.over_arch, dense_device=device))
+    return DLRMTrain(
+        DLRM(
+            embedding_bag_collection=EmbeddingBagCollection(tables=tables, device=torch.device("meta")),
+            dense_in_features=len(DENSE),
+            dense_arch_layer_sizes=cfg.model.dense_arch,
+            over_arch_layer_sizes=cfg.model.over_arch,
+            dense_device=device,
+        )
+    )
 
 
 def sparse_optimizer(cfg: OptimConfig) -> tuple[type[torch.optim.Optimizer], dict]:
@@ -496,15 +534,21 @@ def sharding_plan(cfg: Config, model: DLRMTrain, info: cookbook.DistInfo) -> Sha
                 load[rank] += sizes[name]
                 gens[name] = table_wise(rank=rank)
             else:
-                gens[name] = {"row_wise": row_wise, "data_parallel": data_parallel,
-                              "column_wise": lambda: column_wise(ranks=list(range(info.world_size)))}[kinds[name]]()
-        module_plan = construct_module_sharding_plan(ebc, {n: gens[n] for n in CATEGORICAL}, world_size=info.world_size,
-                                                     device_type=info.device.type)
+                gens[name] = {
+                    "row_wise": row_wise,
+                    "data_parallel": data_parallel,
+                    "column_wise": lambda: column_wise(ranks=list(range(info.world_size))),
+                }[kinds[name]]()
+        module_plan = construct_module_sharding_plan(
+            ebc, {n: gens[n] for n in CATEGORICAL}, world_size=info.world_size, device_type=info.device.type
+        )
         return ShardingPlan({"model.sparse_arch.embedding_bag_collection": module_plan})
     local = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
     topology = Topology(world_size=info.world_size, local_world_size=local, compute_device=info.device.type)
     constraints = {n: ParameterConstraints(sharding_types=[k]) for n, k in kinds.items() if k != "auto"}
-    return EmbeddingShardingPlanner(topology=topology, constraints=constraints).collective_plan(model, pg=dist.group.WORLD)
+    return EmbeddingShardingPlanner(topology=topology, constraints=constraints).collective_plan(
+        model, pg=dist.group.WORLD
+    )
 
 
 def shard_model(cfg: Config, info: cookbook.DistInfo) -> tuple[DistributedModelParallel, CombinedOptimizer]:
@@ -520,7 +564,10 @@ def shard_model(cfg: Config, info: cookbook.DistInfo) -> tuple[DistributedModelP
     dense = {k: v for k, v in rest.items() if k not in dp_tables}
     dense_cls = torch.optim.Adagrad if cfg.optim.dense == "adagrad" else torch.optim.SGD
     dense_kw = {"lr": cfg.optim.dense_lr, **({"eps": cfg.optim.eps} if cfg.optim.dense == "adagrad" else {})}
-    optimizers = [("fused", dmp.fused_optimizer), ("dense", KeyedOptimizerWrapper(dense, lambda p: dense_cls(p, **dense_kw)))]
+    optimizers = [
+        ("fused", dmp.fused_optimizer),
+        ("dense", KeyedOptimizerWrapper(dense, lambda p: dense_cls(p, **dense_kw))),
+    ]
     if dp_tables:
         optimizers.append(("dp_tables", KeyedOptimizerWrapper(dp_tables, lambda p: sparse_cls(p, **sparse_kw))))
     return dmp, CombinedOptimizer(optimizers)
@@ -558,8 +605,7 @@ class IntsAsTensors:
 
 def describe_plan(model: DistributedModelParallel) -> str:
     """``table_wise: 20 tables, row_wise: 6 tables`` from the plan DMP applied."""
-    counts = Counter(ps.sharding_type for module_plan in model.plan.plan.values()
-                     for ps in module_plan.values())  # type: ignore[union-attr]
+    counts = Counter(ps.sharding_type for module_plan in model.plan.plan.values() for ps in module_plan.values())  # type: ignore[union-attr]
     return ", ".join(f"{k}: {v} tables" for k, v in sorted(counts.items()))
 
 
@@ -588,13 +634,21 @@ def preflight(cfg: Config, world_size: int) -> str:
     """What ``--check`` runs in one process before torchrun starts any worker (launch.sh); returns what the data holds."""
     check_sharding(cfg, world_size, on_cpu=cookbook.get_dist_info().device.type == "cpu")
     if cfg.data.hub_id and cfg.data.train_files == [str(hub_file(cfg))]:  # None: written before, for these settings
-        n = text_files.dataset_to_text(cfg.data.hub_id, cfg.data.hub_split, hub_file(cfg), criteo_line, COLUMNS,
-                                cfg.data.hub_max_rows, version=HUB_FORMAT)
+        n = text_files.dataset_to_text(
+            cfg.data.hub_id,
+            cfg.data.hub_split,
+            hub_file(cfg),
+            criteo_line,
+            COLUMNS,
+            cfg.data.hub_max_rows,
+            version=HUB_FORMAT,
+        )
         if n is not None:
             print(f"{cfg.data.hub_id} ({cfg.data.hub_split}): {n} rows written to {hub_file(cfg)}")
     data = check_data(cfg, world_size)  # before the resume: a bad row is named on a used output_dir too
     Checkpointer(Path(cfg.output_dir) / "checkpoints", cannot_remap=CANNOT_REMAP).check_resume(
-        cfg.checkpoint.resume, world_size, to_dict(cfg), MAY_CHANGE, cfg.train.stop_at_step)
+        cfg.checkpoint.resume, world_size, to_dict(cfg), MAY_CHANGE, cfg.train.stop_at_step
+    )
     return data
 
 
@@ -615,15 +669,25 @@ def main(cfg: Config) -> None:
     evals = eval_batches(cfg, info.rank, info.world_size)
     state = TrainState()
     max_steps = cfg.train.max_steps if cfg.train.max_steps > 0 else cfg.train.epochs * len(stream)
-    with Run(cfg, info, state=state, checkpoint={"app": DLRMState(model, optimizer), "train": IntsAsTensors(state),
-                                                 "data": IntsAsTensors(stream)},
-             may_change=MAY_CHANGE, max_steps=max_steps, experiment="torchrec-dlrm", count_tokens=False,
-             cannot_remap=CANNOT_REMAP, evaluate=(lambda: evaluate(model, evals, info.device)) if evals else None) as run:
+    with Run(
+        cfg,
+        info,
+        state=state,
+        checkpoint={"app": DLRMState(model, optimizer), "train": IntsAsTensors(state), "data": IntsAsTensors(stream)},
+        may_change=MAY_CHANGE,
+        max_steps=max_steps,
+        experiment="torchrec-dlrm",
+        count_tokens=False,
+        cannot_remap=CANNOT_REMAP,
+        evaluate=(lambda: evaluate(model, evals, info.device)) if evals else None,
+    ) as run:
         n_rows = sum(table_sizes(cfg.model))
-        run.say(f"world size {info.world_size} ({info.backend}) | {describe_plan(model)} | 26 tables, {n_rows:,} rows x "
-                f"{cfg.model.embedding_dim} ({n_rows * cfg.model.embedding_dim * 4 / 2**30:.2f} GiB fp32) | global batch "
-                f"{cfg.train.batch_size * info.world_size} | {max_steps} steps | optimizers: {cfg.optim.sparse} (tables), "
-                f"{cfg.optim.dense} (dense)")
+        run.say(
+            f"world size {info.world_size} ({info.backend}) | {describe_plan(model)} | 26 tables, {n_rows:,} rows x "
+            f"{cfg.model.embedding_dim} ({n_rows * cfg.model.embedding_dim * 4 / 2**30:.2f} GiB fp32) | global batch "
+            f"{cfg.train.batch_size * info.world_size} | {max_steps} steps | optimizers: {cfg.optim.sparse} (tables), "
+            f"{cfg.optim.dense} (dense)"
+        )
 
         # ---- train loop
         batches, pipeline = stream.timed(), None
@@ -632,7 +696,9 @@ def main(cfg: Config) -> None:
 
             pipeline = TrainPipelineSparseDist(model, optimizer, info.device)
         for _ in run.steps():
-            if pipeline is not None:  # forward, backward and optimizer step, with the next batch's input dist overlapped
+            if (
+                pipeline is not None
+            ):  # forward, backward and optimizer step, with the next batch's input dist overlapped
                 loss, _ = pipeline.progress(batches)
                 run.skip_step(loss=loss, applied=True)  # checked before the next log or save: NaN stops the run
             else:

@@ -92,9 +92,12 @@ def check_config(cfg: Config, config_dir: Path) -> None:
     cfg.output_dir = str(Path(cfg.output_dir).expanduser().resolve())
     if not cfg.data.interactions:
         raise ConfigError("data.interactions is not set: give the interaction file (see the README's Data section)")
-    check_fields(cfg, at_least={"train.micro_batch_size": 2, "train.epochs": 1, "train.log_every": 1, "model.output_dim": 1},
-                 one_of={"train.mixed_precision": ("bf16", "fp32")},
-                 notes={"train.micro_batch_size": "the other items of the batch are the negatives"})
+    check_fields(
+        cfg,
+        at_least={"train.micro_batch_size": 2, "train.epochs": 1, "train.log_every": 1, "model.output_dim": 1},
+        one_of={"train.mixed_precision": ("bf16", "fp32")},
+        notes={"train.micro_batch_size": "the other items of the batch are the negatives"},
+    )
     if not cfg.train.recall_k or min(cfg.train.recall_k) < 1:
         raise ConfigError(f"train.recall_k must be a non-empty list of positive integers, got {cfg.train.recall_k}")
 
@@ -114,7 +117,9 @@ class Interactions:
     item_counts: np.ndarray
 
 
-ID_WRITTEN_AS_DECIMAL = re.compile(r"([+-]?\d+)\.0*")  # "12.0": an integer id as spreadsheets and float columns write it
+ID_WRITTEN_AS_DECIMAL = re.compile(
+    r"([+-]?\d+)\.0*"
+)  # "12.0": an integer id as spreadsheets and float columns write it
 
 
 def _id(value, column: str, where: str) -> str:
@@ -160,11 +165,19 @@ def read_interactions(cfg: DataConfig) -> Interactions:
         raise DataError(f"{path}: empty file")
     missing = [c for c in id_columns if found is not None and c not in found]
     if missing:
-        separator = next((name for sep, name in ((";", "semicolon"), ("\t", "tab"), (",", "comma")) if len(found) == 1
-                          and sep in found[0]), None)
-        hint = (f"the header looks {separator}-separated; .csv files are split on commas, .tsv files on tabs"
-                if separator else "the first line must be a header naming the columns; or set data.user_column / "
-                                  "data.item_column")
+        separator = next(
+            (
+                name
+                for sep, name in ((";", "semicolon"), ("\t", "tab"), (",", "comma"))
+                if len(found) == 1 and sep in found[0]
+            ),
+            None,
+        )
+        hint = (
+            f"the header looks {separator}-separated; .csv files are split on commas, .tsv files on tabs"
+            if separator
+            else "the first line must be a header naming the columns; or set data.user_column / data.item_column"
+        )
         raise DataError(f"{path}: missing column(s) {missing}; found {found} ({hint})")
     timed = None if found is None else cfg.time_column in found  # JSON: the first row decides
     first_keys, users, items, times = found, [], [], []
@@ -180,8 +193,10 @@ def read_interactions(cfg: DataConfig) -> Interactions:
     if not users:
         raise DataError(f"{path}: no rows")
     if not timed and cfg.time_column != DataConfig.time_column:
-        raise DataError(f"{path}: data.time_column={cfg.time_column!r} is not a column; found {first_keys} "
-                        f"(leave it at {DataConfig.time_column!r} when the file has no time column)")
+        raise DataError(
+            f"{path}: data.time_column={cfg.time_column!r} is not a column; found {first_keys} "
+            f"(leave it at {DataConfig.time_column!r} when the file has no time column)"
+        )
     df = pd.DataFrame({cfg.user_column: users, cfg.item_column: items})
     del users, items
     order = np.arange(len(df))
@@ -197,11 +212,20 @@ def read_interactions(cfg: DataConfig) -> Interactions:
     eligible = counts[np.arange(len(user_ids))] >= max(cfg.min_user_interactions, 2)
     last[last_pos[eligible]] = True
     if not last.any():
-        raise DataError(f"{path}: no user has {max(cfg.min_user_interactions, 2)} or more interactions, so none can be "
-                        f"held out for recall@k")
+        raise DataError(
+            f"{path}: no user has {max(cfg.min_user_interactions, 2)} or more interactions, so none can be "
+            f"held out for recall@k"
+        )
     train_items = items[~last]
-    return Interactions(users[~last], train_items, users[last], items[last], len(user_ids), len(item_ids),
-                        np.bincount(train_items, minlength=len(item_ids)))
+    return Interactions(
+        users[~last],
+        train_items,
+        users[last],
+        items[last],
+        len(user_ids),
+        len(item_ids),
+        np.bincount(train_items, minlength=len(item_ids)),
+    )
 
 
 # ----------------------------------------------------------------------------- model and loss
@@ -211,8 +235,11 @@ class Tower(torch.nn.Module):
     def __init__(self, num_ids: int, cfg: ModelConfig):
         super().__init__()
         self.embedding = torch.nn.Embedding(num_ids, cfg.embedding_dim)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(cfg.embedding_dim, cfg.hidden_dim), torch.nn.ReLU(),
-                                       torch.nn.Linear(cfg.hidden_dim, cfg.output_dim))
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(cfg.embedding_dim, cfg.hidden_dim),
+            torch.nn.ReLU(),
+            torch.nn.Linear(cfg.hidden_dim, cfg.output_dim),
+        )
         torch.nn.init.normal_(self.embedding.weight, std=0.1)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -230,8 +257,9 @@ class TwoTower(torch.nn.Module):
         return self.user_tower(users), self.item_tower(items)
 
 
-def sampled_softmax_loss(user_emb: torch.Tensor, item_emb: torch.Tensor, items: torch.Tensor, log_q: torch.Tensor | None,
-                         temperature: float) -> torch.Tensor:
+def sampled_softmax_loss(
+    user_emb: torch.Tensor, item_emb: torch.Tensor, items: torch.Tensor, log_q: torch.Tensor | None, temperature: float
+) -> torch.Tensor:
     """In-batch sampled softmax: row i's positive is item i, the batch's other items are negatives.
 
     Args:
@@ -251,8 +279,15 @@ def sampled_softmax_loss(user_emb: torch.Tensor, item_emb: torch.Tensor, items: 
 
 
 @torch.no_grad()
-def recall_at_k(model: TwoTower, data: Interactions, ks: list[int], rank: int, world_size: int, device: torch.device,
-                chunk: int = 1024) -> dict[str, float]:
+def recall_at_k(
+    model: TwoTower,
+    data: Interactions,
+    ks: list[int],
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    chunk: int = 1024,
+) -> dict[str, float]:
     """recall@k of the held-out item over the whole catalogue, and the popularity baseline's.
 
     For each held-out user, every item is scored and the user's training items are excluded,
@@ -278,15 +313,15 @@ def recall_at_k(model: TwoTower, data: Interactions, ks: list[int], rank: int, w
     hits.update({f"popularity_recall_at_{k}": torch.zeros((), dtype=torch.float64, device=device) for k in ks})
     users, targets = data.eval_users[rank::world_size], data.eval_items[rank::world_size]
     for start in range(0, len(users), chunk):
-        u = torch.as_tensor(users[start:start + chunk], device=device)
-        t = torch.as_tensor(targets[start:start + chunk], device=device)
-        row_of[users[start:start + chunk]] = np.arange(len(u))
+        u = torch.as_tensor(users[start : start + chunk], device=device)
+        t = torch.as_tensor(targets[start : start + chunk], device=device)
+        row_of[users[start : start + chunk]] = np.arange(len(u))
         sel = row_of[data.train_users] >= 0  # the training pairs of this chunk's users
         mask = np.zeros((len(u), data.num_items), dtype=bool)
         mask[row_of[data.train_users[sel]], data.train_items[sel]] = True
-        mask[np.arange(len(u)), targets[start:start + chunk]] = False  # the held-out item is always ranked
+        mask[np.arange(len(u)), targets[start : start + chunk]] = False  # the held-out item is always ranked
         mask = torch.as_tensor(mask, device=device)
-        row_of[users[start:start + chunk]] = -1
+        row_of[users[start : start + chunk]] = -1
         for name, scores in (("", model.user_tower(u) @ all_items.T), ("popularity_", popular.expand(len(u), -1))):
             top = scores.masked_fill(mask, float("-inf")).topk(kmax, dim=-1).indices
             for k in ks:
@@ -313,26 +348,40 @@ def train_loop(config_dict: dict) -> None:
     # One index gather per micro-batch (the sampler yields index lists, batch_size=None): a per-row __getitem__ and
     # collate of 4,096 (user, item) pairs took longer than the step on a GPU. The DistributedSampler shards the rows
     # over the workers (and shuffles by seed and epoch with one); Ray only moves the batches to the device.
-    sampler = DistributedSampler(pairs, num_replicas=info.world_size, rank=info.rank, shuffle=True,
-                                 seed=cfg.train.seed, drop_last=True)
+    sampler = DistributedSampler(
+        pairs, num_replicas=info.world_size, rank=info.rank, shuffle=True, seed=cfg.train.seed, drop_last=True
+    )
     loader = ray.train.torch.prepare_data_loader(
         DataLoader(pairs, sampler=BatchSampler(sampler, cfg.train.micro_batch_size, drop_last=True), batch_size=None),
-        add_dist_sampler=False)
+        add_dist_sampler=False,
+    )
     if len(loader) == 0:
-        raise DataError(f"{len(pairs)} training interactions are too few for one step of "
-                        f"{cfg.train.micro_batch_size} x {info.world_size} workers")
-    log_q = torch.log(torch.as_tensor(np.maximum(data.item_counts, 1) / data.item_counts.sum(), dtype=torch.float32,
-                                      device=info.device))
+        raise DataError(
+            f"{len(pairs)} training interactions are too few for one step of "
+            f"{cfg.train.micro_batch_size} x {info.world_size} workers"
+        )
+    log_q = torch.log(
+        torch.as_tensor(
+            np.maximum(data.item_counts, 1) / data.item_counts.sum(), dtype=torch.float32, device=info.device
+        )
+    )
     inner = TwoTower(data.num_users, data.num_items, cfg.model).to(info.device)
     model = ray.train.torch.prepare_model(inner)  # DDP
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
     run = ray_train.WorkerRun(
-        cfg, info, "two-tower-ray", {"model": inner, "optimizer": optimizer}, max_steps=cfg.train.epochs * len(loader),
-        steps_per_epoch=len(loader), stop_at=("train.stop_at_epoch", cfg.train.stop_at_epoch), count_tokens=False,
+        cfg,
+        info,
+        "two-tower-ray",
+        {"model": inner, "optimizer": optimizer},
+        max_steps=cfg.train.epochs * len(loader),
+        steps_per_epoch=len(loader),
+        stop_at=("train.stop_at_epoch", cfg.train.stop_at_epoch),
+        count_tokens=False,
         about=f"{data.num_users:,} users, {data.num_items:,} items | {len(pairs):,} train interactions, "
-              f"{len(data.eval_users):,} held-out users | {sum(p.numel() for p in inner.parameters()) / 1e6:.2f} M params | "
-              f"global batch {cfg.train.micro_batch_size * info.world_size} | {'bf16 autocast' if bf16 else 'fp32'} | "
-              f"log-q correction {'on' if cfg.train.logq_correction else 'off'}")
+        f"{len(data.eval_users):,} held-out users | {sum(p.numel() for p in inner.parameters()) / 1e6:.2f} M params | "
+        f"global batch {cfg.train.micro_batch_size * info.world_size} | {'bf16 autocast' if bf16 else 'fp32'} | "
+        f"log-q correction {'on' if cfg.train.logq_correction else 'off'}",
+    )
 
     # ---- train loop: one checkpoint per epoch
     with run:
@@ -341,13 +390,20 @@ def train_loop(config_dict: dict) -> None:
             for (users, items), wait in run.timed(loader):
                 with torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
                     user_emb, item_emb = model(users, items)
-                loss = sampled_softmax_loss(user_emb.float(), item_emb.float(), items,
-                                            log_q[items] if cfg.train.logq_correction else None, cfg.model.temperature)
+                loss = sampled_softmax_loss(
+                    user_emb.float(),
+                    item_emb.float(),
+                    items,
+                    log_q[items] if cfg.train.logq_correction else None,
+                    cfg.model.temperature,
+                )
                 loss.backward()
                 run.metrics.add(samples=len(users), tokens=0, data_wait_s=wait)
                 # DDP all-reduced the gradients: the norm is the same on every worker (a NaN on one is a NaN on all)
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))  # measured, not clipped
-                if run.skip_step(grad_norm):  # NaN / inf: the run stops, or (train.on_nonfinite=skip) the batch is dropped
+                if run.skip_step(
+                    grad_norm
+                ):  # NaN / inf: the run stops, or (train.on_nonfinite=skip) the batch is dropped
                     optimizer.zero_grad(set_to_none=True)
                     continue
                 optimizer.step()
@@ -374,10 +430,14 @@ def driver_checks(cfg: Config) -> tuple[ray_train.RayDriver, str]:
     data = read_interactions(cfg.data)  # bad rows are named before Ray starts
     driver = ray_train.RayDriver(cfg, ("train.stop_at_epoch", cfg.train.stop_at_epoch))  # the workers planned here
     if driver.workers and len(data.train_users) < cfg.train.micro_batch_size * driver.workers:
-        raise ConfigError(f"{len(data.train_users)} training interactions are too few for one step of "
-                          f"{cfg.train.micro_batch_size} x {driver.workers} workers")
-    return driver.check_resume(MAY_CHANGE), (f"{data.num_users} users, {data.num_items} items, {len(data.train_users)} train interactions, "
-                    f"{len(data.eval_users)} held out")
+        raise ConfigError(
+            f"{len(data.train_users)} training interactions are too few for one step of "
+            f"{cfg.train.micro_batch_size} x {driver.workers} workers"
+        )
+    return driver.check_resume(MAY_CHANGE), (
+        f"{data.num_users} users, {data.num_items} items, {len(data.train_users)} train interactions, "
+        f"{len(data.eval_users)} held out"
+    )
 
 
 def preflight(cfg: Config, world_size: None) -> str:
@@ -395,16 +455,27 @@ def main(cfg: Config) -> None:
 
     out = Path(cfg.output_dir).expanduser().resolve()  # output_dir is Ray's run folder: storage_path / name
     keep = CheckpointConfig(num_to_keep=cfg.checkpoint.keep_last or None)  # epoch checkpoints: checkpoint_epoch_<n>/
-    run_config = RunConfig(name=out.name, storage_path=str(out.parent), checkpoint_config=keep,
-                           failure_config=FailureConfig(max_failures=cfg.ray.max_failures))  # restarts, from the newest
+    run_config = RunConfig(
+        name=out.name,
+        storage_path=str(out.parent),
+        checkpoint_config=keep,
+        failure_config=FailureConfig(max_failures=cfg.ray.max_failures),
+    )  # restarts, from the newest
     with driver.started():  # Ray started or joined, the worker group sized; SIGTERM / SIGUSR1: a stop request
-        scaling = ScalingConfig(num_workers=driver.workers, use_gpu=driver.use_gpu,  # one DDP process per GPU
-                                resources_per_worker=driver.resources_per_worker)  # CPUs; each holds the interactions
+        scaling = ScalingConfig(
+            num_workers=driver.workers,
+            use_gpu=driver.use_gpu,  # one DDP process per GPU
+            resources_per_worker=driver.resources_per_worker,
+        )  # CPUs; each holds the interactions
         # each worker imports this file and runs train_loop(train_loop_config["config"]); a collective stalled
         # past train.collective_timeout_s ends the wait
-        trainer = TorchTrainer(ray_train.worker_entry, train_loop_config=driver.loop_config(__file__),
-                               torch_config=TorchConfig(timeout_s=cfg.train.collective_timeout_s),
-                               scaling_config=scaling, run_config=run_config)
+        trainer = TorchTrainer(
+            ray_train.worker_entry,
+            train_loop_config=driver.loop_config(__file__),
+            torch_config=TorchConfig(timeout_s=cfg.train.collective_timeout_s),
+            scaling_config=scaling,
+            run_config=run_config,
+        )
         driver.finish(trainer.fit())
 
 

@@ -32,12 +32,12 @@ CANNOT_REMAP = "the Trainer's data order and per-rank RNG states depend on it"  
 
 @dataclass
 class ModelConfig:
-    name_or_path: str = "meta-llama/Llama-3.2-3B"   # a hub id or a folder (config.json, weights, tokenizer)
-    pretrained: bool = True                         # false: random init from the config (benchmarks)
-    tokenizer: str | None = None                    # default: name_or_path
-    loader: str = "unsloth"                         # unsloth | transformers (plain TRL + PEFT)
-    load_in_4bit: bool = False                      # QLoRA through bitsandbytes (Unsloth only)
-    attn_implementation: str = "auto"               # transformers loader: auto (varlen on CUDA, sdpa on CPU), varlen, sdpa, eager
+    name_or_path: str = "meta-llama/Llama-3.2-3B"  # a hub id or a folder (config.json, weights, tokenizer)
+    pretrained: bool = True  # false: random init from the config (benchmarks)
+    tokenizer: str | None = None  # default: name_or_path
+    loader: str = "unsloth"  # unsloth | transformers (plain TRL + PEFT)
+    load_in_4bit: bool = False  # QLoRA through bitsandbytes (Unsloth only)
+    attn_implementation: str = "auto"  # transformers loader: auto (varlen on CUDA, sdpa on CPU), varlen, sdpa, eager
 
 
 @dataclass
@@ -45,9 +45,9 @@ class DataConfig:
     train_files: list[str] = field(default_factory=lambda: ["alpaca_data_sample5000.json"])
     max_length: int = 2048
     packing: bool = False
-    completion_only: bool = True                    # loss on the answer (the last assistant turn) only
-    reasoning: str = "train"                        # an answer's reasoning_content / thinking: train (rendered by the
-                                                    # chat template, in the loss) or drop (removed, counted)
+    completion_only: bool = True  # loss on the answer (the last assistant turn) only
+    reasoning: str = "train"  # an answer's reasoning_content / thinking: train (rendered by the
+    # chat template, in the loss) or drop (removed, counted)
 
 
 @dataclass
@@ -55,25 +55,25 @@ class TrainConfig:
     seed: int = 42
     micro_batch_size: int = 4
     grad_accum_steps: int = 1
-    epochs: int = 1                                 # passes over the rows, each row once (cookbook.hf_trainer.Bookkeeping)
-    max_steps: int = 200                            # > 0: this many optimizer steps, whatever epochs says; -1: epochs
+    epochs: int = 1  # passes over the rows, each row once (cookbook.hf_trainer.Bookkeeping)
+    max_steps: int = 200  # > 0: this many optimizer steps, whatever epochs says; -1: epochs
     lr: float = 2.0e-4
     warmup_steps: int = 10
     scheduler: str = "cosine"
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
-    mixed_precision: str = "bf16"                   # bf16 | fp32
-    gradient_checkpointing: bool = True             # Unsloth's own ("unsloth") with the unsloth loader
+    mixed_precision: str = "bf16"  # bf16 | fp32
+    gradient_checkpointing: bool = True  # Unsloth's own ("unsloth") with the unsloth loader
     log_every: int = 5
-    stop_at_step: int = -1                          # > 0: checkpoint and stop after this step; run again to continue
-    on_nonfinite: str = "stop"                      # a step with NaN/inf gradients: stop (exit 4) or skip (leave it out)
-    max_consecutive_skips: int = 5                  # on_nonfinite=skip: the run stops at one more non-finite step in a row
-    collective_timeout_s: float = 1800.0            # a collective waiting longer ends the run, naming the rank behind
+    stop_at_step: int = -1  # > 0: checkpoint and stop after this step; run again to continue
+    on_nonfinite: str = "stop"  # a step with NaN/inf gradients: stop (exit 4) or skip (leave it out)
+    max_consecutive_skips: int = 5  # on_nonfinite=skip: the run stops at one more non-finite step in a row
+    collective_timeout_s: float = 1800.0  # a collective waiting longer ends the run, naming the rank behind
 
 
 @dataclass
-class CheckpointConfig(cfgmod.CheckpointConfig):   # every_steps, keep_last, resume
-    export_merged: bool = True                      # also <output_dir>/final: the base with the adapter merged in
+class CheckpointConfig(cfgmod.CheckpointConfig):  # every_steps, keep_last, resume
+    export_merged: bool = True  # also <output_dir>/final: the base with the adapter merged in
 
 
 @dataclass
@@ -81,7 +81,9 @@ class Config:
     output_dir: str = "outputs/unsloth-llama3.2-3b-lora"
     run_name: str = "unsloth-llama3.2-3b-lora"
     model: ModelConfig = field(default_factory=ModelConfig)
-    lora: cfgmod.LoraConfig = field(default_factory=lambda: cfgmod.LoraConfig(target_modules=list(cfgmod.DECODER_LINEARS)))
+    lora: cfgmod.LoraConfig = field(
+        default_factory=lambda: cfgmod.LoraConfig(target_modules=list(cfgmod.DECODER_LINEARS))
+    )
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -106,28 +108,44 @@ def load(path: str | Path, overrides: list[str] = ()) -> Config:
     if cfg.train.mixed_precision not in ("bf16", "fp32"):
         raise ConfigError(f"{where}: train.mixed_precision must be bf16 or fp32, got {cfg.train.mixed_precision!r}")
     if cfg.model.attn_implementation not in ATTENTION:
-        raise ConfigError(f"{where}: model.attn_implementation must be one of {', '.join(ATTENTION)}, "
-                          f"got {cfg.model.attn_implementation!r}")
+        raise ConfigError(
+            f"{where}: model.attn_implementation must be one of {', '.join(ATTENTION)}, "
+            f"got {cfg.model.attn_implementation!r}"
+        )
     if cfg.model.load_in_4bit and cfg.model.loader != "unsloth":
         raise ConfigError(f"{where}: model.load_in_4bit needs model.loader=unsloth")
-    for key in ("lora.r", "lora.alpha", "data.max_length", "train.micro_batch_size", "train.grad_accum_steps",
-                "train.epochs", "train.log_every"):
+    for key in (
+        "lora.r",
+        "lora.alpha",
+        "data.max_length",
+        "train.micro_batch_size",
+        "train.grad_accum_steps",
+        "train.epochs",
+        "train.log_every",
+    ):
         if cfgmod.field_value(cfg, key) < 1:
             raise ConfigError(f"{where}: {key} must be at least 1, got {cfgmod.field_value(cfg, key)}")
     if cfg.data.reasoning not in ("train", "drop"):
-        why = (": TRL's prompt-completion rows put the whole answer in the loss, so reasoning in context without loss "
-               "cannot be marked" if cfg.data.reasoning == "context" else "")
+        why = (
+            ": TRL's prompt-completion rows put the whole answer in the loss, so reasoning in context without loss "
+            "cannot be marked"
+            if cfg.data.reasoning == "context"
+            else ""
+        )
         raise ConfigError(f"{where}: data.reasoning must be train or drop, got {cfg.data.reasoning!r}{why}")
     if cfg.train.max_steps < 1 and cfg.train.max_steps != -1:
-        raise ConfigError(f"{where}: train.max_steps must be at least 1, or -1 (train.epochs passes), got "
-                          f"{cfg.train.max_steps}")
+        raise ConfigError(
+            f"{where}: train.max_steps must be at least 1, or -1 (train.epochs passes), got {cfg.train.max_steps}"
+        )
     if not 0.0 <= cfg.lora.dropout < 1.0:
         raise ConfigError(f"{where}: lora.dropout must be in [0, 1), got {cfg.lora.dropout}")
     if not cfg.lora.target_modules:
         raise ConfigError(f"{where}: lora.target_modules is empty")
     if cfg.model.load_in_4bit and cfg.checkpoint.export_merged:
-        raise ConfigError(f"{where}: model.load_in_4bit cannot merge the adapter into 4-bit weights: set "
-                          f"checkpoint.export_merged=false (the adapter is still written to <output_dir>/adapter)")
+        raise ConfigError(
+            f"{where}: model.load_in_4bit cannot merge the adapter into 4-bit weights: set "
+            f"checkpoint.export_merged=false (the adapter is still written to <output_dir>/adapter)"
+        )
     from cookbook.loop import NonFinitePolicy
 
     try:
@@ -166,17 +184,29 @@ def training_rows(cfg: Config, tokenizer=None) -> tuple[list[dict], list["sft.SF
     rows, parts = [], []
     for path in cfg.data.train_files:
         raw, ignored = sft.load_rows(path), Counter()
-        st = sft.SFTStats(source=path, max_length=cfg.data.max_length, rows=len(raw), reasoning=cfg.data.reasoning,
-                          lines=raw.lines, unrendered_why="the chat template does not render them")
+        st = sft.SFTStats(
+            source=path,
+            max_length=cfg.data.max_length,
+            rows=len(raw),
+            reasoning=cfg.data.reasoning,
+            lines=raw.lines,
+            unrendered_why="the chat template does not render them",
+        )
         for n, row in enumerate(raw, 1):
             try:
-                messages, tools = sft.template_conversation(row, st.label(n), path, tokenizer, st, ignored,
-                                                            reasoning=cfg.data.reasoning)
+                messages, tools = sft.template_conversation(
+                    row, st.label(n), path, tokenizer, st, ignored, reasoning=cfg.data.reasoning
+                )
             except sft.EmptyAnswerError:
                 st.empty_answers.append(n)
                 continue
-            rows.append({"prompt": messages[:-1], "completion": messages[-1:],
-                         **({"tools": json.dumps(tools)} if tools else {})})
+            rows.append(
+                {
+                    "prompt": messages[:-1],
+                    "completion": messages[-1:],
+                    **({"tools": json.dumps(tools)} if tools else {}),
+                }
+            )
             st.example_rows.append(n)
         st.ignored = dict(ignored)
         parts.append(st)
@@ -214,8 +244,9 @@ def attention(cfg: Config, on_gpu: bool) -> str:
     return attn
 
 
-def trl_examples(rows: list[dict], parts: list["sft.SFTStats"], tokenizer,
-                 cfg: Config) -> list[tuple[list[dict], "sft.SFTStats"]]:
+def trl_examples(
+    rows: list[dict], parts: list["sft.SFTStats"], tokenizer, cfg: Config
+) -> list[tuple[list[dict], "sft.SFTStats"]]:
     """`training_rows`' rows tokenized as TRL's SFTTrainer does (the prompt rendered with the generation prompt,
     the whole conversation after it; the completion starts where the two first differ; ``data.completion_only``:
     labels on the completion's tokens only), cut at ``data.max_length``, with per file `parts`' counts completed
@@ -236,8 +267,11 @@ def trl_examples(rows: list[dict], parts: list["sft.SFTStats"], tokenizer,
         for n in numbers:
             row, k = rows[k], k + 1
             messages, tools = row["prompt"] + row["completion"], json.loads(row["tools"]) if row.get("tools") else None
-            prompt = list(tokenizer.apply_chat_template(row["prompt"], tools=tools, tokenize=True,
-                                                        add_generation_prompt=True, return_dict=False))
+            prompt = list(
+                tokenizer.apply_chat_template(
+                    row["prompt"], tools=tools, tokenize=True, add_generation_prompt=True, return_dict=False
+                )
+            )
             ids = list(tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=False))
             start = next((i for i, (a, b) in enumerate(zip(prompt, ids)) if a != b), min(len(prompt), len(ids)))
             try:
@@ -273,7 +307,9 @@ def build_model(cfg: Config, info, dtype):
         if info.rank == 0 and not (Path(path) / "config.json").is_file():
             torch.manual_seed(cfg.train.seed)
             with torch.device(info.device):  # drawn on the GPU: the CPU's random generator runs on one thread
-                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model.name_or_path), dtype=dtype)
+                model = AutoModelForCausalLM.from_config(
+                    AutoConfig.from_pretrained(cfg.model.name_or_path), dtype=dtype
+                )
             model.save_pretrained(path)
             AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(path)
             del model
@@ -287,12 +323,22 @@ def build_model(cfg: Config, info, dtype):
         from unsloth import FastLanguageModel
 
         model, tokenizer = FastLanguageModel.from_pretrained(
-            model_name=path, tokenizer_name=tokenizer_path, max_seq_length=cfg.data.max_length, dtype=dtype,
-            load_in_4bit=cfg.model.load_in_4bit, device_map=device_map, local_files_only=Path(path).is_dir())
+            model_name=path,
+            tokenizer_name=tokenizer_path,
+            max_seq_length=cfg.data.max_length,
+            dtype=dtype,
+            load_in_4bit=cfg.model.load_in_4bit,
+            device_map=device_map,
+            local_files_only=Path(path).is_dir(),
+        )
         model = FastLanguageModel.get_peft_model(
-            model, **cfg.lora.peft_kwargs(), bias="none",
+            model,
+            **cfg.lora.peft_kwargs(),
+            bias="none",
             use_gradient_checkpointing="unsloth" if cfg.train.gradient_checkpointing else False,
-            random_state=cfg.train.seed, max_seq_length=cfg.data.max_length)
+            random_state=cfg.train.seed,
+            max_seq_length=cfg.data.max_length,
+        )
     else:
         from peft import LoraConfig as PeftLora, get_peft_model
 
@@ -300,8 +346,9 @@ def build_model(cfg: Config, info, dtype):
 
         sft.register_varlen()  # attn_implementation: varlen (cookbook.sft.attention)
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map,
-                                                     attn_implementation=attention(cfg, info.device.type == "cuda"))
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, device_map=device_map, attn_implementation=attention(cfg, info.device.type == "cuda")
+        )
         model = get_peft_model(model, PeftLora(**cfg.lora.peft_kwargs(), bias="none", task_type="CAUSAL_LM"))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -318,9 +365,11 @@ def import_unsloth(cfg: Config) -> None:
         try:
             import unsloth  # noqa: F401
         except ImportError as exc:
-            raise ConfigError(f"{cfg.config_file}: model.loader=unsloth, but Unsloth does not import ({exc}): install "
-                              f"the recipe's own environment (pip install -r recipes/unsloth-lora-ddp/requirements.txt "
-                              f"-e shared, on a CUDA GPU), or set model.loader=transformers") from None
+            raise ConfigError(
+                f"{cfg.config_file}: model.loader=unsloth, but Unsloth does not import ({exc}): install "
+                f"the recipe's own environment (pip install -r recipes/unsloth-lora-ddp/requirements.txt "
+                f"-e shared, on a CUDA GPU), or set model.loader=transformers"
+            ) from None
 
 
 def preflight(cfg: Config, world_size: int) -> str:
@@ -345,12 +394,15 @@ def preflight(cfg: Config, world_size: int) -> str:
     if (Path(cfg.model.name_or_path) / "config.json").is_file():  # a hub id: checked when the workers load it
         from transformers import AutoConfig
 
-        sft.check_positions(cfg.data.max_length, AutoConfig.from_pretrained(cfg.model.name_or_path),
-                            cfg.model.name_or_path)
+        sft.check_positions(
+            cfg.data.max_length, AutoConfig.from_pretrained(cfg.model.name_or_path), cfg.model.name_or_path
+        )
     hf_trainer.check_resume(cfg, world_size, MAY_CHANGE, CANNOT_REMAP)
     print(f"data: {stats.summary()}")
-    return (f"{len(rows)} rows of {', '.join(cfg.data.train_files)}: ok (loader {cfg.model.loader}, LoRA r={cfg.lora.r} "
-            f"alpha={cfg.lora.alpha}, seq {cfg.data.max_length})")
+    return (
+        f"{len(rows)} rows of {', '.join(cfg.data.train_files)}: ok (loader {cfg.model.loader}, LoRA r={cfg.lora.r} "
+        f"alpha={cfg.lora.alpha}, seq {cfg.data.max_length})"
+    )
 
 
 def show_examples(cfg: Config, n: int) -> str:
@@ -394,17 +446,37 @@ def train(cfg: Config) -> None:
     rows, parts = training_rows(cfg, tokenizer)
     log.info(f"data: {sft.SFTStats.merge([st for _, st in trl_examples(rows, parts, tokenizer, cfg)]).summary()}")
     mc = model.config
-    flops = ModelFlops(count_parameters(model), mc.num_hidden_layers,
-                       mc.num_attention_heads * getattr(mc, "head_dim", mc.hidden_size // mc.num_attention_heads))
-    metrics = MetricsLogger(out_dir, info, flops=flops, run_name=cfg.run_name, mlflow=False,
-                            max_steps=max(t.max_steps, 0), params=cfgmod.to_dict(cfg), progress=False)
+    flops = ModelFlops(
+        count_parameters(model),
+        mc.num_hidden_layers,
+        mc.num_attention_heads * getattr(mc, "head_dim", mc.hidden_size // mc.num_attention_heads),
+    )
+    metrics = MetricsLogger(
+        out_dir,
+        info,
+        flops=flops,
+        run_name=cfg.run_name,
+        mlflow=False,
+        max_steps=max(t.max_steps, 0),
+        params=cfgmod.to_dict(cfg),
+        progress=False,
+    )
     args = SFTConfig(
-        **hf_trainer.trainer_args(cfg, max(t.max_steps, 1)), learning_rate=t.lr, lr_scheduler_type=t.scheduler,
-        warmup_steps=t.warmup_steps, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
-        bf16=dtype == torch.bfloat16, use_cpu=not on_gpu,
+        **hf_trainer.trainer_args(cfg, max(t.max_steps, 1)),
+        learning_rate=t.lr,
+        lr_scheduler_type=t.scheduler,
+        warmup_steps=t.warmup_steps,
+        weight_decay=t.weight_decay,
+        max_grad_norm=t.max_grad_norm,
+        bf16=dtype == torch.bfloat16,
+        use_cpu=not on_gpu,
         gradient_checkpointing=t.gradient_checkpointing and cfg.model.loader == "transformers",
-        max_length=cfg.data.max_length, packing=cfg.data.packing, completion_only_loss=cfg.data.completion_only,
-        dataset_num_proc=None, ddp_find_unused_parameters=False, dataloader_num_workers=1,
+        max_length=cfg.data.max_length,
+        packing=cfg.data.packing,
+        completion_only_loss=cfg.data.completion_only,
+        dataset_num_proc=None,
+        ddp_find_unused_parameters=False,
+        dataloader_num_workers=1,
     )
 
     # What TrainLoop does when things fail (cookbook.hf_trainer): preemption, non-finite steps, stalls, failed saves.
@@ -413,30 +485,46 @@ def train(cfg: Config) -> None:
     class Trainer(hf_trainer.Bookkeeping, SFTTrainer):  # here, not at module level: Unsloth patches TRL first (main)
         """TRL's SFTTrainer with the cookbook's bookkeeping (`hf_trainer.Bookkeeping`)."""
 
-    trainer = Trainer(model=model, args=args, train_dataset=trl_dataset(rows), processing_class=tokenizer,
-                      callbacks=run.callbacks)
+    trainer = Trainer(
+        model=model, args=args, train_dataset=trl_dataset(rows), processing_class=tokenizer, callbacks=run.callbacks
+    )
     examples, per_step = len(trainer.train_dataset), t.micro_batch_size * t.grad_accum_steps * info.world_size
-    sft.check_one_step(examples, t.micro_batch_size, t.grad_accum_steps, info.world_size,
-                       " (TRL's, after truncation and packing)")
+    sft.check_one_step(
+        examples, t.micro_batch_size, t.grad_accum_steps, info.world_size, " (TRL's, after truncation and packing)"
+    )
     max_steps = t.max_steps if t.max_steps > 0 else t.epochs * (examples // per_step)
     args.max_steps, args.save_steps, metrics.max_steps = max_steps, cfg.checkpoint.every_steps or max_steps, max_steps
     if t.max_steps <= 0 and hf_trainer.finished(out_dir, resume_from, max_steps, final):
         metrics.close()
         return
-    log.info(f"world size {info.world_size} ({info.backend}) | DDP | loader {cfg.model.loader} | "
-             f"{flops.num_params / 1e6:,.1f} M non-embedding params | LoRA r={cfg.lora.r} | {len(rows)} rows | "
-             f"global batch {per_step} rows | {max_steps} steps | {'bf16' if dtype == torch.bfloat16 else 'fp32'}")
+    log.info(
+        f"world size {info.world_size} ({info.backend}) | DDP | loader {cfg.model.loader} | "
+        f"{flops.num_params / 1e6:,.1f} M non-embedding params | LoRA r={cfg.lora.r} | {len(rows)} rows | "
+        f"global batch {per_step} rows | {max_steps} steps | {'bf16' if dtype == torch.bfloat16 else 'fp32'}"
+    )
 
     with run:  # closes metrics and the group whatever happens
         if not run.train(trainer, max_steps):
             return  # train.stop_at_step: a checkpoint is published there
         step = trainer.state.global_step
         export_dir = hf_trainer.export_final(trainer, tokenizer, out_dir, merge=cfg.checkpoint.export_merged)
-        metrics.log_summary({"step": step, "loader": cfg.model.loader,
-                             "export_dir": str(export_dir) if export_dir else None})
-        log_outputs(step, {}, metrics, run.root, {"export_dir": (export_dir, "AutoModelForCausalLM.from_pretrained"
-                                                             if cfg.checkpoint.export_merged else
-                                                             "PeftModel.from_pretrained")})
+        metrics.log_summary(
+            {"step": step, "loader": cfg.model.loader, "export_dir": str(export_dir) if export_dir else None}
+        )
+        log_outputs(
+            step,
+            {},
+            metrics,
+            run.root,
+            {
+                "export_dir": (
+                    export_dir,
+                    "AutoModelForCausalLM.from_pretrained"
+                    if cfg.checkpoint.export_merged
+                    else "PeftModel.from_pretrained",
+                )
+            },
+        )
 
 
 if __name__ == "__main__":

@@ -48,9 +48,11 @@ def _broken_message(package: str, exc: BaseException) -> str:
     except metadata.PackageNotFoundError:
         version = ""
     cause = (str(exc).strip().splitlines() or [""])[0]
-    return (f"{package}{version} is installed but does not import ({type(exc).__name__}: {cause}): its build does "
-            f"not match torch {torch.__version__}: install the {package} build made for that torch: "
-            f"`{install_line(package, reinstall=True)}`")
+    return (
+        f"{package}{version} is installed but does not import ({type(exc).__name__}: {cause}): its build does "
+        f"not match torch {torch.__version__}: install the {package} build made for that torch: "
+        f"`{install_line(package, reinstall=True)}`"
+    )
 
 
 class _Loader(importlib.abc.Loader):

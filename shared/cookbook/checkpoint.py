@@ -26,11 +26,29 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from cookbook.dist import barrier, get_logger
 from cookbook.errors import CheckpointError
-from cookbook.resume import (CHECKSUMS_KEY, DCP_METADATA, FILES_KEY, META_FILE, ResumeGuard,  # noqa: F401 (re-exported)
-                             _plural, _rank, _reason, checksums, config_changes, global_batch, read_meta)
+from cookbook.resume import (
+    CHECKSUMS_KEY,
+    DCP_METADATA,  # noqa: F401
+    FILES_KEY,  # noqa: F401
+    META_FILE,
+    ResumeGuard,  # noqa: F401 (re-exported)
+    _plural,
+    _rank,
+    _reason,
+    checksums,
+    config_changes,  # noqa: F401
+    global_batch,
+    read_meta,
+)
 from cookbook.sampler import DataPosition
-from cookbook.state import (ModelOptimizerState, RankLocalState, RNGState, TrainState, rng_kept,  # noqa: F401 (re-exported)
-                            seed_per_rank)
+from cookbook.state import (
+    ModelOptimizerState,  # noqa: F401
+    RankLocalState,
+    RNGState,  # noqa: F401
+    TrainState,  # noqa: F401
+    rng_kept,  # noqa: F401 (re-exported)
+    seed_per_rank,  # noqa: F401
+)
 
 _LEFTOVER_PREFIXES = (".tmp-", ".old-")  # folders of a save or a publish that did not finish
 
@@ -56,10 +74,13 @@ def _mount_point(path: Path) -> Path:
     return path
 
 
-_ADVICE = {errno.EFBIG: "raise the file size limit (ulimit -f) or the largest file size of {fs}",  # a failed save's
-           errno.EROFS: "make {fs} writable (it is mounted read-only)",
-           errno.EACCES: "give this user write access to {root}", errno.EPERM: "give this user write access to {root}",
-           errno.EIO: "check the storage of {fs} (the system log names the failing device)"}
+_ADVICE = {
+    errno.EFBIG: "raise the file size limit (ulimit -f) or the largest file size of {fs}",  # a failed save's
+    errno.EROFS: "make {fs} writable (it is mounted read-only)",
+    errno.EACCES: "give this user write access to {root}",
+    errno.EPERM: "give this user write access to {root}",
+    errno.EIO: "check the storage of {fs} (the system log names the failing device)",
+}
 
 
 def _what_to_do(code: int | None, root: Path) -> str:
@@ -121,13 +142,20 @@ class Checkpointer:
     in the advice; `resizable`: another world size resumes with the same global batch (`load` needs a `DataPosition`);
     `cannot_remap`: why another world size is refused."""
 
-    def __init__(self, root: str | Path, keep_last: int = 3, run_dir: str | Path | None = None,
-                 resizable: bool = False, cannot_remap: str | None = None):
+    def __init__(
+        self,
+        root: str | Path,
+        keep_last: int = 3,
+        run_dir: str | Path | None = None,
+        resizable: bool = False,
+        cannot_remap: str | None = None,
+    ):
         if keep_last < 0:
             raise ValueError(f"keep_last must be >= 0, got {keep_last}")
         self.root, self.keep_last = Path(root), keep_last
-        self.guard = ResumeGuard(self.root, run_dir=run_dir, resizable=resizable,
-                                 **({"cannot_remap": cannot_remap} if cannot_remap else {}))
+        self.guard = ResumeGuard(
+            self.root, run_dir=run_dir, resizable=resizable, **({"cannot_remap": cannot_remap} if cannot_remap else {})
+        )
 
     # ------------------------------------------------------------------ finding
     def complete_checkpoints(self) -> list[Path]:
@@ -146,8 +174,14 @@ class Checkpointer:
         """A config's ``resume`` value as a checkpoint folder (`ResumeGuard.resolve`)."""
         return self.guard.resolve(resume)
 
-    def check_resume(self, resume: str | None, world_size: int, config: Mapping[str, Any] | None = None,
-                     may_change: tuple[str, ...] = (), stop_at_step: int = -1) -> Path | None:
+    def check_resume(
+        self,
+        resume: str | None,
+        world_size: int,
+        config: Mapping[str, Any] | None = None,
+        may_change: tuple[str, ...] = (),
+        stop_at_step: int = -1,
+    ) -> Path | None:
         """The checkpoint folder to resume from (None: start fresh), checked by `ResumeGuard.check`."""
         return self.guard.check(resume, world_size, config, may_change, ("train.stop_at_step", stop_at_step))
 
@@ -215,8 +249,9 @@ class Checkpointer:
                     with contextlib.suppress(OSError):
                         path.unlink()
 
-    def _raise_failure(self, step: int, final: Path, failure: tuple[str, str, int | None] | None,
-                       error: BaseException | None = None) -> None:
+    def _raise_failure(
+        self, step: int, final: Path, failure: tuple[str, str, int | None] | None, error: BaseException | None = None
+    ) -> None:
         """Raise, on every rank, the failure that rank 0 met (``(kind, reason, errno)`` as broadcast)."""
         if failure is None:
             return
@@ -226,7 +261,9 @@ class Checkpointer:
         exc = OSError(code, reason) if code is not None else OSError(reason)
         raise self._save_error(step, final, 0, exc, reason) from error
 
-    def _save_error(self, step: int, final: Path, rank: int, exc: OSError, reason: str | None = None) -> CheckpointSaveError:
+    def _save_error(
+        self, step: int, final: Path, rank: int, exc: OSError, reason: str | None = None
+    ) -> CheckpointSaveError:
         """The one-line `CheckpointSaveError` of a save that failed on `rank` with `exc`."""
         return save_error(step, final, self.latest(), rank if _world_size() > 1 else None, exc, reason)
 
@@ -260,8 +297,10 @@ class Checkpointer:
         if resized and self.guard.resizable:
             positions = [v for v in state.values() if isinstance(v, DataPosition)]
             if not positions:
-                raise ValueError("a resizable Checkpointer loads another world size's checkpoint only with a "
-                                 "DataPosition in the state (the data position of the whole job)")
+                raise ValueError(
+                    "a resizable Checkpointer loads another world size's checkpoint only with a "
+                    "DataPosition in the state (the data position of the whole job)"
+                )
             dropped = "; ".join(f"{k}: {', '.join(state[k].items)}" for k in local)
             state = {k: v for k, v in state.items() if k not in local}
         dcp.load(dict(state), checkpoint_id=str(path))
@@ -272,14 +311,19 @@ class Checkpointer:
                 f"{now}. Resharded by DCP: the model and optimizer state. Remapped: the data position, "
                 f"{positions[0].describe()} in the same order"
                 + (f" (global batch {batch} samples, as before)" if batch else "")
-                + (f". Not restored, as in a fresh run (seeded at start-up): the per-rank state ({dropped})"
-                   if local else ""))
+                + (
+                    f". Not restored, as in a fresh run (seeded at start-up): the per-rank state ({dropped})"
+                    if local
+                    else ""
+                )
+            )
         get_logger().info(f"resumed from {path} (step {meta['step']})")
         return meta
 
 
-def save_error(step: int, final: Path, previous: Path | None, rank: int | None, exc: OSError,
-               reason: str | None = None) -> CheckpointSaveError:
+def save_error(
+    step: int, final: Path, previous: Path | None, rank: int | None, exc: OSError, reason: str | None = None
+) -> CheckpointSaveError:
     """The one-line `CheckpointSaveError` of the failed save of `step` to `final`, naming `exc` (or `reason`), the
     `rank` that met it (None: one process) and the intact `previous` checkpoint."""
     where = f"rank {rank}: " if rank is not None else ""
@@ -288,7 +332,8 @@ def save_error(step: int, final: Path, previous: Path | None, rank: int | None, 
     todo = _what_to_do(exc.errno, Path(final).parent)
     error = CheckpointSaveError(
         f"could not save the checkpoint of step {step} to {final} ({where}{reason or _reason(exc)}); {kept}. "
-        f"{todo[0].upper()}{todo[1:]} and run the same command again: {again}")
+        f"{todo[0].upper()}{todo[1:]} and run the same command again: {again}"
+    )
     error.errno = exc.errno
     return error
 
@@ -321,7 +366,9 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
-def export_hf(model: torch.nn.Module, out_dir: str | Path, tokenizer: Any = None, dtype: torch.dtype | None = None) -> Path | None:
+def export_hf(
+    model: torch.nn.Module, out_dir: str | Path, tokenizer: Any = None, dtype: torch.dtype | None = None
+) -> Path | None:
     """Save the full model (DDP, FSDP2 or plain) in Hugging Face format (+ `tokenizer`) into `out_dir`, published
     whole; collective. `dtype`: cast floating-point tensors first. Returns `out_dir` on rank 0, None elsewhere."""
     out = Path(out_dir)

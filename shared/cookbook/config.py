@@ -20,8 +20,16 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from cookbook import push
 from cookbook.errors import AlreadyComplete, ConfigError
-from cookbook.requirements import (TRACKER_UIS, TRACKER_UIS_FILE, TRACKERS, check_trackers,  # noqa: F401 (their old home)
-                                   import_error_line, install_hint, pinned, require)
+from cookbook.requirements import (
+    TRACKER_UIS,  # noqa: F401
+    TRACKER_UIS_FILE,  # noqa: F401
+    TRACKERS,  # noqa: F401
+    check_trackers,  # noqa: F401 (their old home)
+    import_error_line,  # noqa: F401
+    install_hint,  # noqa: F401
+    pinned,  # noqa: F401
+    require,  # noqa: F401
+)
 from cookbook.run_lock import OUTPUT_DIR_FILE_ENV, complete_message, report_complete, report_output_dir
 
 T = TypeVar("T")
@@ -117,8 +125,11 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: Sequ
 
 def to_object(cfg: Any) -> Any:
     """``OmegaConf.to_object(cfg)``, remembering the ``${oc.env:...}`` keys so that `to_dict` writes their text."""
-    from_env = {k: v for k, v in flatten(OmegaConf.to_container(cfg, resolve=False)).items()
-                if isinstance(v, str) and "${oc.env:" in v}
+    from_env = {
+        k: v
+        for k, v in flatten(OmegaConf.to_container(cfg, resolve=False)).items()
+        if isinstance(v, str) and "${oc.env:" in v
+    }
     obj = OmegaConf.to_object(cfg)
     if from_env:
         object.__setattr__(obj, _FROM_ENV, from_env)
@@ -172,10 +183,17 @@ def field_value(cfg: object, key: str) -> Any:
     return value
 
 
-def check_fields(cfg: object, *, at_least: Mapping[str, float] = {}, one_of: Mapping[str, Iterable[Any]] = {},
-                 within: Mapping[str, str] = {}, notes: Mapping[str, str] = {}) -> None:
+def check_fields(
+    cfg: object,
+    *,
+    at_least: Mapping[str, float] = {},
+    one_of: Mapping[str, Iterable[Any]] = {},
+    within: Mapping[str, str] = {},
+    notes: Mapping[str, str] = {},
+) -> None:
     """Check `at_least` ``{key: minimum}``, `one_of` ``{key: allowed}``, `within` ``{key: "[0, 1)"}``; `notes`
     ``{key: text}`` ends that key's message. ConfigError: ``train.micro_batch_size must be >= 1, got 0``."""
+
     def fail(key: str, rule: str, value: Any) -> None:
         note = f" ({notes[key]})" if key in notes else ""
         raise ConfigError(f"{key} must be {rule}, got {value!r}{note}")
@@ -204,9 +222,14 @@ def cli_parser(description: str | None = None, show_examples: bool = False) -> a
     parser.add_argument("--config", required=True, help="YAML config file")
     parser.add_argument("--check", action="store_true", help="validate config and data, then exit")
     if show_examples:
-        parser.add_argument("--show-examples", type=int, default=0, metavar="N",
-                            help="print N rendered training rows per data file (labelled tokens between [[ and ]]) "
-                                 "and the counts of what was kept, truncated and dropped, then exit (one process)")
+        parser.add_argument(
+            "--show-examples",
+            type=int,
+            default=0,
+            metavar="N",
+            help="print N rendered training rows per data file (labelled tokens between [[ and ]]) "
+            "and the counts of what was kept, truncated and dropped, then exit (one process)",
+        )
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-5")
     return parser
 
@@ -277,8 +300,12 @@ class LoraConfig:
 
     def peft_kwargs(self) -> dict[str, Any]:
         """The settings as `peft.LoraConfig` (and Unsloth's ``get_peft_model``) name them."""
-        return {"r": self.r, "lora_alpha": self.alpha, "lora_dropout": self.dropout,
-                "target_modules": list(self.target_modules)}
+        return {
+            "r": self.r,
+            "lora_alpha": self.alpha,
+            "lora_dropout": self.dropout,
+            "target_modules": list(self.target_modules),
+        }
 
 
 @dataclasses.dataclass
@@ -293,8 +320,11 @@ class DDPConfig:
         """``DistributedDataParallel``'s keyword arguments; ConfigError: ``bucket_cap_mb`` not above 0."""
         if not self.bucket_cap_mb > 0:
             raise ConfigError(f"ddp.bucket_cap_mb={self.bucket_cap_mb}: must be above 0 (MiB per gradient bucket)")
-        return {"bucket_cap_mb": float(self.bucket_cap_mb), "gradient_as_bucket_view": bool(self.gradient_as_bucket_view),
-                "static_graph": bool(self.static_graph)}
+        return {
+            "bucket_cap_mb": float(self.bucket_cap_mb),
+            "gradient_as_bucket_view": bool(self.gradient_as_bucket_view),
+            "static_graph": bool(self.static_graph),
+        }
 
 
 @dataclasses.dataclass
@@ -305,8 +335,11 @@ class ExpertLoraConfig(LoraConfig):
 
     def peft_kwargs(self) -> dict[str, Any]:
         """`LoraConfig.peft_kwargs` with ``target_parameters``; an empty list is ``None`` for PEFT."""
-        return {**super().peft_kwargs(), "target_modules": list(self.target_modules) or None,
-                "target_parameters": list(self.target_parameters) or None}
+        return {
+            **super().peft_kwargs(),
+            "target_modules": list(self.target_modules) or None,
+            "target_parameters": list(self.target_parameters) or None,
+        }
 
 
 @dataclasses.dataclass
@@ -323,34 +356,74 @@ class RunConfig:
 
 
 # Settings of the shared sections that may differ between a checkpoint and the run that resumes it.
-MAY_CHANGE = ("output_dir", "run_name", "mlflow", "trackers", "train.stop_at_step", "train.log_every", "train.eval_every",
-              "train.profile_step", "train.on_nonfinite", "train.max_consecutive_skips", "train.collective_timeout_s",
-              "checkpoint.*")
+MAY_CHANGE = (
+    "output_dir",
+    "run_name",
+    "mlflow",
+    "trackers",
+    "train.stop_at_step",
+    "train.log_every",
+    "train.eval_every",
+    "train.profile_step",
+    "train.on_nonfinite",
+    "train.max_consecutive_skips",
+    "train.collective_timeout_s",
+    "checkpoint.*",
+)
 
 
 def check_run(cfg: Any) -> None:
     """Check the keys of the shared sections that `cfg` has. Raises ConfigError: a value out of range or unknown; no
     positive length; ``train.stop_at_step`` without checkpoints; an unwritable ``output_dir``; a bad tracker or
     ``push_to_hub``. AlreadyComplete: in a launcher's check, ``output_dir`` holds a run finished with these settings."""
-    has = {k for k in ("train.micro_batch_size", "train.grad_accum_steps", "train.log_every", "train.eval_every",
-                       "train.mixed_precision", "train.max_steps", "train.stop_at_step", "optim.scheduler",
-                       "optim.max_grad_norm", "checkpoint.every_steps", "checkpoint.keep_last")
-           if _has(cfg, k)}
-    minimum = {"train.micro_batch_size": 1, "train.grad_accum_steps": 1, "train.log_every": 1, "train.eval_every": 0,
-               "optim.max_grad_norm": 0, "checkpoint.every_steps": -1, "checkpoint.keep_last": 0}
+    has = {
+        k
+        for k in (
+            "train.micro_batch_size",
+            "train.grad_accum_steps",
+            "train.log_every",
+            "train.eval_every",
+            "train.mixed_precision",
+            "train.max_steps",
+            "train.stop_at_step",
+            "optim.scheduler",
+            "optim.max_grad_norm",
+            "checkpoint.every_steps",
+            "checkpoint.keep_last",
+        )
+        if _has(cfg, k)
+    }
+    minimum = {
+        "train.micro_batch_size": 1,
+        "train.grad_accum_steps": 1,
+        "train.log_every": 1,
+        "train.eval_every": 0,
+        "optim.max_grad_norm": 0,
+        "checkpoint.every_steps": -1,
+        "checkpoint.keep_last": 0,
+    }
     one_of: dict[str, Iterable[Any]] = {"train.mixed_precision": ("bf16", "fp32")}
     if "optim.scheduler" in has:
         from transformers import SchedulerType
 
         one_of["optim.scheduler"] = [t.value for t in SchedulerType]
-    check_fields(cfg, at_least={k: v for k, v in minimum.items() if k in has},
-                 one_of={k: v for k, v in one_of.items() if k in has},
-                 notes={"checkpoint.every_steps": "-1: never", "optim.max_grad_norm": "0: no clipping",
-                        "checkpoint.keep_last": "0: keep all"})
+    check_fields(
+        cfg,
+        at_least={k: v for k, v in minimum.items() if k in has},
+        one_of={k: v for k, v in one_of.items() if k in has},
+        notes={
+            "checkpoint.every_steps": "-1: never",
+            "optim.max_grad_norm": "0: no clipping",
+            "checkpoint.keep_last": "0: keep all",
+        },
+    )
     if "train.max_steps" in has and cfg.train.max_steps <= 0 and getattr(cfg.train, "epochs", 0) <= 0:
         raise ConfigError("set train.max_steps > 0 or train.epochs > 0")
-    if {"train.stop_at_step", "checkpoint.every_steps"} <= has and cfg.checkpoint.every_steps == -1 \
-            and cfg.train.stop_at_step > 0:
+    if (
+        {"train.stop_at_step", "checkpoint.every_steps"} <= has
+        and cfg.checkpoint.every_steps == -1
+        and cfg.train.stop_at_step > 0
+    ):
         raise ConfigError("train.stop_at_step needs a checkpoint to resume from: checkpoint.every_steps=-1 saves none")
     if _has(cfg, "trackers"):
         check_trackers(cfg.trackers if getattr(cfg, "mlflow", True) else [t for t in cfg.trackers if t != "mlflow"])
@@ -358,8 +431,9 @@ def check_run(cfg: Any) -> None:
         push.check_push(cfg.checkpoint)
     if _has(cfg, "output_dir") and isinstance(cfg.output_dir, str) and "://" not in cfg.output_dir:
         report_output_dir(cfg.output_dir)  # the launcher takes the folder's run lock before any worker starts
-        done = complete_message(cfg.output_dir, to_dict(cfg), MAY_CHANGE) if os.environ.get(OUTPUT_DIR_FILE_ENV) \
-            else None  # a launcher's check: the same command again, after the run finished, is answered at once
+        done = (
+            complete_message(cfg.output_dir, to_dict(cfg), MAY_CHANGE) if os.environ.get(OUTPUT_DIR_FILE_ENV) else None
+        )  # a launcher's check: the same command again, after the run finished, is answered at once
         if done is not None:
             report_complete()
             raise AlreadyComplete(done)
@@ -377,9 +451,11 @@ def check_run(cfg: Any) -> None:
                     f.flush()
             except OSError as exc:
                 what = "is not a folder" if exc.errno == errno.ENOTDIR else "cannot be written to"
-                raise ConfigError(f"output_dir={cfg.output_dir!r}: {folder} {what} ({exc.strerror}, "
-                                  f"{errno.errorcode.get(exc.errno, exc.errno)}); set output_dir to a folder this user "
-                                  f"can write to") from None
+                raise ConfigError(
+                    f"output_dir={cfg.output_dir!r}: {folder} {what} ({exc.strerror}, "
+                    f"{errno.errorcode.get(exc.errno, exc.errno)}); set output_dir to a folder this user "
+                    f"can write to"
+                ) from None
 
 
 def _has(cfg: Any, key: str) -> bool:

@@ -66,8 +66,9 @@ def get_dist_info() -> DistInfo:
     if torch.cuda.is_available() and not force_cpu:
         n = torch.cuda.device_count()
         if local_rank >= n:
-            raise RuntimeError(f"LOCAL_RANK={local_rank} but this node has {n} GPU(s): start at most {n} "
-                               f"processes per node (NGPU={n})")
+            raise RuntimeError(
+                f"LOCAL_RANK={local_rank} but this node has {n} GPU(s): start at most {n} processes per node (NGPU={n})"
+            )
         device, backend = torch.device("cuda", local_rank), "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
@@ -81,12 +82,20 @@ class CollectiveTimeout(OneLineError):
 
 
 # What `init_distributed` set up, for `record_progress` and `describe_stall`.
-_STALL = {"timeout_s": None, "debug_dir": None, "store": None, "step": None, "host": socket.gethostname(),
-          "holder": None}  # holder: (rank, pid, host) of the process that serves the store, when a rank's does
+_STALL = {
+    "timeout_s": None,
+    "debug_dir": None,
+    "store": None,
+    "step": None,
+    "host": socket.gethostname(),
+    "holder": None,
+}  # holder: (rank, pid, host) of the process that serves the store, when a rank's does
 _PROGRESS_KEY, _TIMED_OUT_KEY = "cookbook/progress/{}", "cookbook/timed_out/{}"
 # What gloo (CPU) and NCCL say when a collective waited past the group's timeout.
 _TIMEOUT_MARKERS = ("timed out waiting", "application timeout caused pair closure", "collective operation timeout")
-_FLIGHT_RECORDER_ENTRIES = 2000  # collectives each rank keeps in torch's flight recorder (NCCL), as torch's tutorial advises
+_FLIGHT_RECORDER_ENTRIES = (
+    2000  # collectives each rank keeps in torch's flight recorder (NCCL), as torch's tutorial advises
+)
 
 
 def init_distributed(timeout_s: float = 1800.0, debug_dir: str | Path | None = None) -> DistInfo:
@@ -100,7 +109,9 @@ def init_distributed(timeout_s: float = 1800.0, debug_dir: str | Path | None = N
     if info.device.type == "cuda":
         torch.cuda.set_device(info.device)
     if "MASTER_ADDR" not in os.environ and info.world_size == 1:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1"
+        )
     timeout = datetime.timedelta(seconds=timeout_s)
     if info.backend == "nccl" and debug_dir is not None:
         _enable_flight_recorder(Path(debug_dir))
@@ -111,13 +122,16 @@ def init_distributed(timeout_s: float = 1800.0, debug_dir: str | Path | None = N
         atexit.register(destroy_distributed)
     elif _STALL["timeout_s"] != timeout_s and hasattr(dist.distributed_c10d, "_set_pg_timeout"):
         dist.distributed_c10d._set_pg_timeout(timeout)  # the group `cookbook.distributed` made, with its own timeout
-    _STALL.update(timeout_s=timeout_s, debug_dir=Path(debug_dir) if debug_dir is not None else None, store=None,
-                  step=None)
+    _STALL.update(
+        timeout_s=timeout_s, debug_dir=Path(debug_dir) if debug_dir is not None else None, store=None, step=None
+    )
     _configure_logging(info.rank)
     before = _align_autograd_threads(info.device)  # else compiled code recomputed in backward recompiles
     if before is not None and before != torch.get_num_threads() and info.rank == 0:
-        logger.info(f"autograd's {info.device} thread: {before} -> {torch.get_num_threads()} intra-op threads (as the "
-                    f"training thread: compiled graphs guard on it)")
+        logger.info(
+            f"autograd's {info.device} thread: {before} -> {torch.get_num_threads()} intra-op threads (as the "
+            f"training thread: compiled graphs guard on it)"
+        )
     return info
 
 
@@ -223,8 +237,12 @@ def collective_timed_out(exc: BaseException) -> bool:
 def stall_error(exc: BaseException) -> CollectiveTimeout | None:
     """The `CollectiveTimeout` for `exc` when it is a collective that timed out among several ranks, else None.
     Call it before the group is destroyed (the line reads the ranks' progress from its store)."""
-    if (isinstance(exc, OneLineError) or not (dist.is_available() and dist.is_initialized())
-            or dist.get_world_size() < 2 or not collective_timed_out(exc)):
+    if (
+        isinstance(exc, OneLineError)
+        or not (dist.is_available() and dist.is_initialized())
+        or dist.get_world_size() < 2
+        or not collective_timed_out(exc)
+    ):
         return None
     return CollectiveTimeout(describe_stall(exc))
 
@@ -240,8 +258,11 @@ def describe_stall(exc: BaseException, grace_s: float | None = None) -> str:
     up = dist.is_available() and dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if up else (_env_int("RANK", 0), _env_int("WORLD_SIZE", 1))
     mine = _STALL["step"]
-    head = (f"a collective did not finish within {timeout_s:g} s" if timeout_s else "a collective timed out") + \
-        f" ({_collective_site(exc)})" + (f" at step {mine + 1}" if mine is not None else "")
+    head = (
+        (f"a collective did not finish within {timeout_s:g} s" if timeout_s else "a collective timed out")
+        + f" ({_collective_site(exc)})"
+        + (f" at step {mine + 1}" if mine is not None else "")
+    )
     stacks = _dump_stacks(exc, rank)
     dumps = f"; this rank's stacks: {stacks}" if stacks is not None else ""
     fr = os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
@@ -266,19 +287,29 @@ def describe_stall(exc: BaseException, grace_s: float | None = None) -> str:
     silent = [r for r in others if r not in timed_out]
     if behind:
         finished = {progress[r][0] if r in progress else None for r in behind}
-        what = (f"last finished step {finished.pop()}" if len(finished) == 1 and None not in finished else
-                "are behind (" + ", ".join(f"rank {r}: " + (f"step {progress[r][0]}" if r in progress else "no step")
-                                           for r in behind) + ")")
+        what = (
+            f"last finished step {finished.pop()}"
+            if len(finished) == 1 and None not in finished
+            else "are behind ("
+            + ", ".join(f"rank {r}: " + (f"step {progress[r][0]}" if r in progress else "no step") for r in behind)
+            + ")"
+        )
         suspects, detail = behind, f"{what}, this rank step {mine}"
     elif silent:
         suspects = silent
-        detail = ("did not reach it (" + (f"every rank last finished step {mine}, but " if mine is not None else "") +
-                  f"{'it' if len(silent) == 1 else 'they'} did not time out with this rank within {grace_s:g} s)")
+        detail = (
+            "did not reach it ("
+            + (f"every rank last finished step {mine}, but " if mine is not None else "")
+            + f"{'it' if len(silent) == 1 else 'they'} did not time out with this rank within {grace_s:g} s)"
+        )
     else:
-        return (f"{head}: every rank timed out waiting, none is behind: the ranks are in different collectives "
-                f"(a code path that not every rank takes){dumps}")
-    names = ", ".join(f"rank {r}" + (f" (pid {progress[r][1]} on {progress[r][2]})" if r in progress else "")
-                      for r in suspects)
+        return (
+            f"{head}: every rank timed out waiting, none is behind: the ranks are in different collectives "
+            f"(a code path that not every rank takes){dumps}"
+        )
+    names = ", ".join(
+        f"rank {r}" + (f" (pid {progress[r][1]} on {progress[r][2]})" if r in progress else "") for r in suspects
+    )
     verb = "it is" if len(suspects) == 1 else "they are"
     hint = ""
     if len(suspects) == 1 and suspects[0] in progress:
@@ -290,8 +321,10 @@ def describe_stall(exc: BaseException, grace_s: float | None = None) -> str:
 def _holder_stalled(head: str, holder: tuple[int, int, str], why: str, dumps: str) -> str:
     """`describe_stall`'s line when the store, which the process of rank ``holder[0]`` serves, did not answer."""
     rank, pid, host = holder
-    return (f"{head}: rank {rank} (pid {pid} on {host}) serves the group's store, which did not answer ({why}) - it "
-            f"is stalled (stopped, hung, or much slower); `py-spy dump --pid {pid}` on {host} shows where it is{dumps}")
+    return (
+        f"{head}: rank {rank} (pid {pid} on {host}) serves the group's store, which did not answer ({why}) - it "
+        f"is stalled (stopped, hung, or much slower); `py-spy dump --pid {pid}` on {host} shows where it is{dumps}"
+    )
 
 
 def _within(seconds: float, fn, *args):
@@ -352,8 +385,14 @@ def _collective_site(exc: BaseException) -> str:
     op = next((f.name for f in reversed(frames) if f.filename.startswith(torch_dir + "distributed")), None)
     if op is None and any(f.filename.startswith(torch_dir + "autograd") for f in frames):
         op = "a gradient collective in backward"
-    site = next((f for f in reversed(frames) if not f.filename.startswith(torch_dir)
-                 and not _PASS_THROUGH.fullmatch(f.line or "")), None)
+    site = next(
+        (
+            f
+            for f in reversed(frames)
+            if not f.filename.startswith(torch_dir) and not _PASS_THROUGH.fullmatch(f.line or "")
+        ),
+        None,
+    )
     if site is None:
         return op or "where is not known"
     code = f"`{site.line.split('  #')[0].strip()}`, " if site.line else ""  # without an inline comment
@@ -426,8 +465,14 @@ def _all_reduce(values: Mapping[str, float | torch.Tensor], device: torch.device
     names = list(values)
     if not names:
         return {}
-    flat = torch.stack([v.detach().to(device=device, dtype=torch.float64).reshape(()) if isinstance(v, torch.Tensor)
-                        else torch.tensor(float(v), dtype=torch.float64, device=device) for v in values.values()])
+    flat = torch.stack(
+        [
+            v.detach().to(device=device, dtype=torch.float64).reshape(())
+            if isinstance(v, torch.Tensor)
+            else torch.tensor(float(v), dtype=torch.float64, device=device)
+            for v in values.values()
+        ]
+    )
     if dist.is_initialized():
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
         if mean:
@@ -455,7 +500,7 @@ def param_fingerprint(model: torch.nn.Module, chunk: int = 1 << 24) -> list[floa
         if total is None:
             total, weighted = (torch.zeros((), dtype=torch.float64, device=flat.device) for _ in range(2))
         for start in range(0, flat.numel(), chunk):
-            part = flat[start:start + chunk].to(total.device, torch.float64)
+            part = flat[start : start + chunk].to(total.device, torch.float64)
             w = 1.0 + (torch.arange(start, start + part.numel(), dtype=torch.float64, device=total.device) % 97) / 97.0
             total += part.sum()
             weighted += (part * w).sum()

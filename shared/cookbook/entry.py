@@ -33,9 +33,20 @@ import torch.distributed as dist
 from cookbook.builds import broken_build_in
 from cookbook.config import cli_parser
 from cookbook.dist import collective_timed_out, describe_stall, last_finished_step
-from cookbook.errors import (AGENT_PID_ENV, EXIT_BUG, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PEER_LOST,  # noqa: F401
-                             EXIT_PREEMPTED, EXIT_USER_ERROR, LAST_STEP_KEY, LAUNCH_TIME_ENV, AlreadyComplete,
-                             OneLineError)
+from cookbook.errors import (
+    AGENT_PID_ENV,
+    EXIT_BUG,
+    EXIT_DIVERGED,  # noqa: F401
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_PEER_LOST,  # noqa: F401
+    EXIT_PREEMPTED,  # noqa: F401
+    EXIT_USER_ERROR,
+    LAST_STEP_KEY,
+    LAUNCH_TIME_ENV,  # noqa: F401
+    AlreadyComplete,
+    OneLineError,
+)
 from cookbook.errors import first_line as _first_line
 from cookbook.requirements import import_error_line
 from cookbook.run_lock import die_with_parent
@@ -46,17 +57,30 @@ from cookbook.run_lock import die_with_parent
 _PEER_LOST_GRACE_S = 5.0
 
 # What gloo and NCCL say when the process at the other end of a collective is gone.
-_PEER_LOST_MARKERS = ("connection closed by peer", "connection reset by peer", "broken pipe",
-                      "remote process exited", "socket closed", "connection refused", "nccl communicator was aborted")
+_PEER_LOST_MARKERS = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "remote process exited",
+    "socket closed",
+    "connection refused",
+    "nccl communicator was aborted",
+)
 
 
-def cli(load: Callable[[str, list[str]], Any], preflight: Callable[[Any, int | None], str],
-        show_examples: Callable[[Any, int], str] | None = None, *, sized: bool = True,
-        ok: str = "config OK: {path} ({detail})"):
+def cli(
+    load: Callable[[str, list[str]], Any],
+    preflight: Callable[[Any, int | None], str],
+    show_examples: Callable[[Any, int], str] | None = None,
+    *,
+    sized: bool = True,
+    ok: str = "config OK: {path} ({detail})",
+):
     """A recipe's ``main(cfg)`` (the run) as the ``main(argv)`` of ``--config FILE [--check] [--show-examples N]
     [overrides]``: ``cfg = load(FILE, overrides)``; ``--check`` prints `ok` (``config OK: FILE (<preflight(cfg,
     world size)>)``), NGPU x NNODES as launch.sh starts it (None without `sized`: Ray plans the workers); ``--show-examples
     N`` prints ``show_examples(cfg, N)``; else ``main(cfg)``."""
+
     def wrap(main: Callable[[Any], None]) -> Callable[[list[str]], None]:
         parser = cli_parser(main.__globals__.get("__doc__"), show_examples=show_examples is not None)
 
@@ -72,12 +96,15 @@ def cli(load: Callable[[str, list[str]], Any], preflight: Callable[[Any, int | N
                 print(ok.format(path=args.config, detail=preflight(cfg, check_world_size() if sized else None)))
             else:
                 main(cfg)
+
         return dispatch
+
     return wrap
 
 
-def run_main(main: Callable[[list[str]], Any], user_errors: Sequence[type[BaseException]] = (),
-             argv: list[str] | None = None) -> NoReturn:
+def run_main(
+    main: Callable[[list[str]], Any], user_errors: Sequence[type[BaseException]] = (), argv: list[str] | None = None
+) -> NoReturn:
     """Run ``main(argv)`` (default ``sys.argv[1:]``) and exit the process with the module docstring's statuses;
     never returns.
 
@@ -127,8 +154,10 @@ def run_main(main: Callable[[list[str]], Any], user_errors: Sequence[type[BaseEx
             _say(f"error: {where}{broken}")
             _exit(EXIT_USER_ERROR)
         if world > 1 and peer_lost(exc):
-            print(f"error: {where}stopped: another rank is gone ({_first_line(exc)}); the first rank to fail "
-                  f"says why", file=sys.stderr)
+            print(
+                f"error: {where}stopped: another rank is gone ({_first_line(exc)}); the first rank to fail says why",
+                file=sys.stderr,
+            )
             _exit(EXIT_PEER_LOST, wait=_PEER_LOST_GRACE_S)
         _record(exc)
         traceback.print_exc()
@@ -163,7 +192,8 @@ def peer_lost(exc: BaseException) -> bool:
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         if isinstance(exc, getattr(dist, "DistNetworkError", ())) or any(
-                m in str(exc).lower() for m in _PEER_LOST_MARKERS):
+            m in str(exc).lower() for m in _PEER_LOST_MARKERS
+        ):
             return True
         exc = exc.__cause__ or exc.__context__
     return False

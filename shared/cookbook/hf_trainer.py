@@ -26,8 +26,15 @@ from transformers import PrinterCallback, TrainerCallback
 from cookbook import lm
 from cookbook.checkpoint import from_rank0, os_error_in, publish, save_error
 from cookbook.config import to_dict
-from cookbook.dist import (apply_collective_timeout, barrier, destroy_distributed, get_dist_info, get_logger,
-                           record_progress, stall_error)
+from cookbook.dist import (
+    apply_collective_timeout,
+    barrier,
+    destroy_distributed,
+    get_dist_info,
+    get_logger,
+    record_progress,
+    stall_error,
+)
 from cookbook.metrics import MetricsLogger
 from cookbook.policy import NonFinitePolicy, Preempted, StopRequest, StopVote
 from cookbook.resume import CHECKSUMS_KEY, FILES_KEY, ResumeGuard, _reason, checksums, file_sizes, read_meta
@@ -40,12 +47,21 @@ def trainer_args(cfg: Any, max_steps: int) -> dict[str, Any]:
     """The bookkeeping's ``TrainingArguments``: batch sizes, steps, ``train.log_every``, ``train.seed``, a save every
     ``checkpoint.every_steps`` (0: at the end only; < 0: none) into ``output_dir/.staging``, ``checkpoint.keep_last``."""
     every, t = cfg.checkpoint.every_steps, cfg.train
-    return dict(output_dir=str(Path(cfg.output_dir) / ".staging"), seed=t.seed, max_steps=max_steps,
-                per_device_train_batch_size=t.micro_batch_size, gradient_accumulation_steps=t.grad_accum_steps,
-                logging_steps=t.log_every, save_strategy="steps" if every >= 0 else "no",  # saves the end too
-                save_steps=every or max_steps, save_total_limit=cfg.checkpoint.keep_last or None,
-                # not the Trainer's trackers: MetricsLogger's continue one run across restarts, with throughput and MFU
-                report_to="none", disable_tqdm=True, log_level="warning")  # MetricsLogger prints the log lines
+    return dict(
+        output_dir=str(Path(cfg.output_dir) / ".staging"),
+        seed=t.seed,
+        max_steps=max_steps,
+        per_device_train_batch_size=t.micro_batch_size,
+        gradient_accumulation_steps=t.grad_accum_steps,
+        logging_steps=t.log_every,
+        save_strategy="steps" if every >= 0 else "no",  # saves the end too
+        save_steps=every or max_steps,
+        save_total_limit=cfg.checkpoint.keep_last or None,
+        # not the Trainer's trackers: MetricsLogger's continue one run across restarts, with throughput and MFU
+        report_to="none",
+        disable_tqdm=True,
+        log_level="warning",
+    )  # MetricsLogger prints the log lines
 
 
 def _global_batch(args) -> int:
@@ -69,8 +85,11 @@ class MetricsCallback(TrainerCallback):
     def count(self, batches: list[dict[str, torch.Tensor]], data_wait_s: float) -> None:
         """Count one optimizer step's micro-batches: rows, real tokens, and `data_wait_s` (seconds, shared out)."""
         for b in batches:
-            self.metrics.add(samples=b["input_ids"].shape[0], tokens=lm.count_tokens(b, self.pad_id),
-                             data_wait_s=data_wait_s / len(batches))
+            self.metrics.add(
+                samples=b["input_ids"].shape[0],
+                tokens=lm.count_tokens(b, self.pad_id),
+                data_wait_s=data_wait_s / len(batches),
+            )
 
     def _pause_if(self, control) -> None:
         if control.should_evaluate and self._rng is None:
@@ -100,13 +119,21 @@ class MetricsCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
             self._resume()
-            self.metrics.log_step(state.global_step, logs["loss"], logs.get("learning_rate", 0.0), logs.get("grad_norm"),
-                                  extra=self.log_extra())
+            self.metrics.log_step(
+                state.global_step,
+                logs["loss"],
+                logs.get("learning_rate", 0.0),
+                logs.get("grad_norm"),
+                extra=self.log_extra(),
+            )
             self._pause_if(control)
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
-        self.last_eval = {k[5:]: v for k, v in (metrics or {}).items() if k.startswith("eval_")
-                          and k[5:] not in _EVAL_TIMING and isinstance(v, (int, float))}
+        self.last_eval = {
+            k[5:]: v
+            for k, v in (metrics or {}).items()
+            if k.startswith("eval_") and k[5:] not in _EVAL_TIMING and isinstance(v, (int, float))
+        }
         self.metrics.log_eval(state.global_step, self.last_eval)
         if self._rng is not None:
             RNGState().load_state_dict(self._rng)
@@ -150,8 +177,13 @@ class Bookkeeping:
             if os_error is None:
                 raise
             info = get_dist_info()
-            error = save_error(step, publisher.root / f"checkpoint-{step}", _newest(publisher.root),
-                               info.rank if info.world_size > 1 else None, os_error)
+            error = save_error(
+                step,
+                publisher.root / f"checkpoint-{step}",
+                _newest(publisher.root),
+                info.rank if info.world_size > 1 else None,
+                os_error,
+            )
             error.same_on_every_rank = False  # this rank alone met it, so this rank prints it
             raise error from exc
 
@@ -194,14 +226,17 @@ class FullBatchesSampler(torch.utils.data.Sampler):
 
     def __iter__(self):
         seed = self.seed + int(self.epoch_of() or 0)
-        return iter(torch.randperm(self.num_rows, generator=torch.Generator().manual_seed(seed))[:len(self)].tolist())
+        return iter(torch.randperm(self.num_rows, generator=torch.Generator().manual_seed(seed))[: len(self)].tolist())
 
 
 def epoch_line(num_rows: int, global_batch: int) -> str:
     """The log's line on what one epoch reads (`FullBatchesSampler`) and the remainder that is dropped."""
     steps, rest = divmod(num_rows, global_batch)
-    tail = f"the last partial global batch ({rest} rows, others each epoch) is dropped" if rest else \
-        "no partial global batch"
+    tail = (
+        f"the last partial global batch ({rest} rows, others each epoch) is dropped"
+        if rest
+        else "no partial global batch"
+    )
     return f"epoch: {num_rows} rows = {steps} steps of {global_batch} rows, every row read once; {tail}"
 
 
@@ -274,10 +309,16 @@ class NonFiniteSteps(TrainerCallback):
         if self._deepspeed:  # DeepSpeed applies or discards the update itself (on_optimizer_step)
             return
         device = get_dist_info().device  # a DTensor's norm: its local shard's; one flag all-reduced over the ranks
-        norms = [torch.linalg.vector_norm(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad,
-                                          dtype=torch.float32).to(device)
-                 for p in model.parameters() if p.requires_grad and p.grad is not None and p.grad.numel()]
-        flag = (~torch.isfinite(torch.stack(norms))).any().float().reshape(1) if norms else torch.zeros(1, device=device)
+        norms = [
+            torch.linalg.vector_norm(
+                p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad, dtype=torch.float32
+            ).to(device)
+            for p in model.parameters()
+            if p.requires_grad and p.grad is not None and p.grad.numel()
+        ]
+        flag = (
+            (~torch.isfinite(torch.stack(norms))).any().float().reshape(1) if norms else torch.zeros(1, device=device)
+        )
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         if not flag.item():
@@ -285,8 +326,11 @@ class NonFiniteSteps(TrainerCallback):
         for p in model.parameters():
             p.grad = None
         step = state.global_step + 1
-        self.policy.nonfinite(step, f"the gradients of step {step} are not finite on every rank (the optimizer "
-                                    f"step was left out)", "non-finite gradients, optimizer step left out")
+        self.policy.nonfinite(
+            step,
+            f"the gradients of step {step} are not finite on every rank (the optimizer step was left out)",
+            "non-finite gradients, optimizer step left out",
+        )
 
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         if not self._deepspeed:  # decided in on_pre_optimizer_step
@@ -294,8 +338,11 @@ class NonFiniteSteps(TrainerCallback):
         if not optimizer.step_was_skipped:
             return self.policy.stepped()
         step = state.global_step + 1
-        self.policy.nonfinite(step, f"the gradient norm of step {step} is not finite (DeepSpeed discarded the update)",
-                              "non-finite gradient norm, update discarded")
+        self.policy.nonfinite(
+            step,
+            f"the gradient norm of step {step} is not finite (DeepSpeed discarded the update)",
+            "non-finite gradient norm, update discarded",
+        )
 
     def meta(self) -> dict[str, int]:
         """``{"skipped_steps": n}``, this run's and the ones it resumed: `PublishCheckpoints`'s ``more_meta``."""
@@ -331,9 +378,15 @@ class PublishCheckpoints(TrainerCallback):
         if state.is_world_process_zero:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
-                meta = {"step": state.global_step, "world_size": args.world_size, "time": time.time(),
-                        "config": self.config, FILES_KEY: file_sizes(src), CHECKSUMS_KEY: checksums(src),
-                        **self.more_meta()}
+                meta = {
+                    "step": state.global_step,
+                    "world_size": args.world_size,
+                    "time": time.time(),
+                    "config": self.config,
+                    FILES_KEY: file_sizes(src),
+                    CHECKSUMS_KEY: checksums(src),
+                    **self.more_meta(),
+                }
                 (src / "meta.json").write_text(json.dumps(meta, indent=2))
                 publish(src, self.root / src.name)
             except OSError as exc:  # every rank must hear of it, or they would wait at the next collective
@@ -345,31 +398,47 @@ class PublishCheckpoints(TrainerCallback):
                     shutil.rmtree(old, ignore_errors=True)
                 get_logger().info(f"checkpoint published: {self.root / src.name}")
         if (failure := from_rank0(failure)) is not None:
-            raise save_error(state.global_step, self.root / src.name, _newest(self.root),
-                             0 if args.world_size > 1 else None, OSError(failure[1], failure[0]), failure[0])
+            raise save_error(
+                state.global_step,
+                self.root / src.name,
+                _newest(self.root),
+                0 if args.world_size > 1 else None,
+                OSError(failure[1], failure[0]),
+                failure[0],
+            )
         barrier()
 
 
 def _guard(output_dir: str | Path, cannot_remap: str) -> ResumeGuard:
-    return ResumeGuard(Path(output_dir) / "checkpoints", folder="checkpoint-<n>", files=(), run_dir=output_dir,
-                       cannot_remap=cannot_remap, same_size="NGPU x NNODES = {n}", published=True)
+    return ResumeGuard(
+        Path(output_dir) / "checkpoints",
+        folder="checkpoint-<n>",
+        files=(),
+        run_dir=output_dir,
+        cannot_remap=cannot_remap,
+        same_size="NGPU x NNODES = {n}",
+        published=True,
+    )
 
 
 def check_resume(cfg: Any, world_size: int, may_change: tuple[str, ...], cannot_remap: str) -> Path | None:
     """The published checkpoint to resume from (`cookbook.resume.ResumeGuard.check`: ``checkpoint.resume``, `cfg`
     on `world_size` ranks, `may_change` keys; another world size refused, `cannot_remap` saying why)."""
-    return _guard(cfg.output_dir, cannot_remap).check(cfg.checkpoint.resume, world_size, to_dict(cfg), may_change,
-                                                      ("train.stop_at_step", cfg.train.stop_at_step))
+    return _guard(cfg.output_dir, cannot_remap).check(
+        cfg.checkpoint.resume, world_size, to_dict(cfg), may_change, ("train.stop_at_step", cfg.train.stop_at_step)
+    )
 
 
-def already_complete(output_dir: str | Path, resume_from: Path | None, max_steps: int,
-                     model: str = "final") -> str | None:
+def already_complete(
+    output_dir: str | Path, resume_from: Path | None, max_steps: int, model: str = "final"
+) -> str | None:
     """The message for a run whose checkpoint `resume_from` is at `max_steps` and whose ``output_dir/<model>`` is
     there (nothing left to do); else ``None``."""
     final = Path(output_dir) / model
     step = read_meta(resume_from)["step"] if resume_from is not None and final.is_dir() else -1
-    return None if step < max_steps else _guard(output_dir, "").already_complete(step, max_steps, "step",
-                                                                                  {"model": final})
+    return (
+        None if step < max_steps else _guard(output_dir, "").already_complete(step, max_steps, "step", {"model": final})
+    )
 
 
 def finished(output_dir: str | Path, resume_from: Path | None, max_steps: int, model: str = "final") -> bool:
@@ -405,8 +474,14 @@ def export_final(trainer, tokenizer, out_dir: str | Path, merge: bool = True) ->
             model = merged.merge_and_unload()
             state = {k: v.contiguous() for k, v in model.state_dict().items()}
         if result is None or merge:  # the (merged) model
-            result = _publish_pretrained(model, tokenizer, out_dir / "final", {"dtype": dtype, "use_cache": True},
-                                         state_dict=state, safe_serialization=True)
+            result = _publish_pretrained(
+                model,
+                tokenizer,
+                out_dir / "final",
+                {"dtype": dtype, "use_cache": True},
+                state_dict=state,
+                safe_serialization=True,
+            )
     barrier()
     return result
 
@@ -416,7 +491,9 @@ def _publish_pretrained(model, tokenizer, folder: Path, config: Mapping[str, Any
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, **kwargs)
     if config:
-        (tmp / "config.json").write_text(json.dumps({**json.loads((tmp / "config.json").read_text()), **config}, indent=2))
+        (tmp / "config.json").write_text(
+            json.dumps({**json.loads((tmp / "config.json").read_text()), **config}, indent=2)
+        )
     tokenizer.save_pretrained(tmp)
     publish(tmp, folder)
     return folder
@@ -433,8 +510,13 @@ class TrainerRun(contextlib.AbstractContextManager):
         self.preemption = Preemption()
         nonfinite = NonFiniteSteps(NonFinitePolicy.from_config(cfg.train), self.root, resume_from)
         self.metrics_callback = MetricsCallback(metrics, pad_id, log_extra=nonfinite.policy.log_extra)
-        self.callbacks = [self.preemption, nonfinite, RunControl(cfg.train.stop_at_step),
-                          PublishCheckpoints(self.root, to_dict(cfg), more_meta=nonfinite.meta), self.metrics_callback]
+        self.callbacks = [
+            self.preemption,
+            nonfinite,
+            RunControl(cfg.train.stop_at_step),
+            PublishCheckpoints(self.root, to_dict(cfg), more_meta=nonfinite.meta),
+            self.metrics_callback,
+        ]
 
     def train(self, trainer, max_steps: int) -> bool:
         """``trainer.train()`` from `resume_from`: True at `max_steps`, False when ``train.stop_at_step`` stopped it;
@@ -448,8 +530,10 @@ class TrainerRun(contextlib.AbstractContextManager):
             return True
         self.stopped = True
         self.preemption.raise_if_stopped(trainer.state, _newest(self.root))  # exit status 75
-        log.info(f"stopped at step {trainer.state.global_step} of {max_steps} (train.stop_at_step); run again "
-                 f"without train.stop_at_step (or with a larger value) to continue from {_newest(self.root)}")
+        log.info(
+            f"stopped at step {trainer.state.global_step} of {max_steps} (train.stop_at_step); run again "
+            f"without train.stop_at_step (or with a larger value) to continue from {_newest(self.root)}"
+        )
         return False
 
     def __exit__(self, exc_type, exc, tb) -> bool:

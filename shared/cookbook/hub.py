@@ -47,9 +47,11 @@ def offline_unless_reachable(timeout_s: float = _REACH_TIMEOUT_S) -> bool:
             _go_offline()
             if os.environ.get("RANK", "0") == "0":
                 why = answer.get("error") or f"no answer within {timeout_s:g} s"
-                print(f"warning: the Hugging Face Hub ({endpoint}) cannot be reached ({why}): working offline, from "
-                      f"the cache {constants.HF_HUB_CACHE} only (set HF_HUB_OFFLINE=1 to skip this check)",
-                      file=sys.stderr)
+                print(
+                    f"warning: the Hugging Face Hub ({endpoint}) cannot be reached ({why}): working offline, from "
+                    f"the cache {constants.HF_HUB_CACHE} only (set HF_HUB_OFFLINE=1 to skip this check)",
+                    file=sys.stderr,
+                )
     return not _reachable
 
 
@@ -57,8 +59,11 @@ def show_download_bars() -> bool:
     """Turn huggingface_hub's download bars on (local rank 0, stderr a terminal); returns whether they are on."""
     from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
 
-    if os.environ.get("LOCAL_RANK", "0") == "0" and is_terminal(sys.stderr) and \
-            os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS") is None:
+    if (
+        os.environ.get("LOCAL_RANK", "0") == "0"
+        and is_terminal(sys.stderr)
+        and os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS") is None
+    ):
         enable_progress_bars("huggingface_hub")
     return not are_progress_bars_disabled("huggingface_hub.http_get")
 
@@ -98,14 +103,21 @@ def model_folder(name_or_path: str, key: str = "model.name_or_path") -> Path:
             raise ConfigError(f"{key}: folder not found: {name_or_path}")
         path = _download(name_or_path, key)
     if not any(path.glob("*.safetensors")):
-        raise ConfigError(f"{key}: no *.safetensors files in {path}; this recipe reads weights in the safetensors "
-                          f"format (convert *.bin checkpoints with transformers' save_pretrained)")
+        raise ConfigError(
+            f"{key}: no *.safetensors files in {path}; this recipe reads weights in the safetensors "
+            f"format (convert *.bin checkpoints with transformers' save_pretrained)"
+        )
     return path
 
 
 def _download(repo_id: str, key: str) -> Path:
     from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import GatedRepoError, HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
 
     cache = constants.HF_HUB_CACHE
     prepare_access()
@@ -114,19 +126,26 @@ def _download(repo_id: str, key: str) -> Path:
     except HFValidationError:
         raise ConfigError(f"{key}: {repo_id!r} is not a folder and not a Hugging Face Hub id (org/name)") from None
     except GatedRepoError:
-        raise ConfigError(f"{key}: {repo_id} is gated on the Hugging Face Hub: accept its licence on the model page "
-                          f"and log in (`hf auth login` or HF_TOKEN)") from None
+        raise ConfigError(
+            f"{key}: {repo_id} is gated on the Hugging Face Hub: accept its licence on the model page "
+            f"and log in (`hf auth login` or HF_TOKEN)"
+        ) from None
     except RepositoryNotFoundError:
         raise ConfigError(f"{key}: {repo_id!r} is not a folder and not a model on the Hugging Face Hub") from None
     except LocalEntryNotFoundError as exc:
         if constants.HF_HUB_OFFLINE:
             asked = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE")
             why = "HF_HUB_OFFLINE=1" if asked else "the Hugging Face Hub cannot be reached"
-            raise ConfigError(f"{key}: {repo_id} is not a folder and not in the Hugging Face cache {cache} "
-                              f"({why}): download it there first (`hf download {repo_id}`) or give a local "
-                              f"folder") from None
-        raise ConfigError(f"{key}: {repo_id} is not in the Hugging Face cache {cache} and could not be downloaded: "
-                          f"{str(exc).splitlines()[0]}") from None
+            raise ConfigError(
+                f"{key}: {repo_id} is not a folder and not in the Hugging Face cache {cache} "
+                f"({why}): download it there first (`hf download {repo_id}`) or give a local "
+                f"folder"
+            ) from None
+        raise ConfigError(
+            f"{key}: {repo_id} is not in the Hugging Face cache {cache} and could not be downloaded: "
+            f"{str(exc).splitlines()[0]}"
+        ) from None
     except OSError as exc:  # e.g. an incomplete cached snapshot offline, a full disk
-        raise ConfigError(f"{key}: cannot get {repo_id} into the Hugging Face cache {cache}: "
-                          f"{str(exc).splitlines()[0]}") from None
+        raise ConfigError(
+            f"{key}: cannot get {repo_id} into the Hugging Face cache {cache}: {str(exc).splitlines()[0]}"
+        ) from None

@@ -77,18 +77,25 @@ def check_world_size() -> int:
 def main(argv: list[str] | None = None) -> int:
     """Check, then launch; returns the exit status."""
     started = time.time()
-    parser = argparse.ArgumentParser(prog="python -m cookbook.launch", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m cookbook.launch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--ngpu", default="", help="processes on this node (default: one per GPU, else 2)")
     parser.add_argument("--nnodes", default="1")
     parser.add_argument("--node-rank", default="0")
     parser.add_argument("--master-addr", default="127.0.0.1")
     parser.add_argument("--master-port", default="", help="default: a free port on one node, 29500 on several")
-    parser.add_argument("--max-restarts", default="3",
-                        help="restarts of the whole group after a killed or crashed worker (default 3; 0: none)")
-    parser.add_argument("--dry-run", action="store_true", default=os.environ.get("DRY_RUN", "0") not in ("", "0"),
-                        help="print the check's and torchrun's commands and exit 0 (default: on when DRY_RUN is set "
-                             "and not 0)")
+    parser.add_argument(
+        "--max-restarts",
+        default="3",
+        help="restarts of the whole group after a killed or crashed worker (default 3; 0: none)",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        default=os.environ.get("DRY_RUN", "0") not in ("", "0"),
+        help="print the check's and torchrun's commands and exit 0 (default: on when DRY_RUN is set and not 0)",
+    )
     parser.add_argument("script", help="the recipe's train.py")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="--config FILE and config overrides")
     args = parser.parse_args(argv)
@@ -148,10 +155,14 @@ def run_script(script: Path, argv: list[str], env: dict[str, str]) -> int:
     handlers = {s: signal.getsignal(s) for s in signal.valid_signals()}
     logs = (root.level, list(root.handlers), logging.root.manager.disable)
     # python -m put the working folder first on sys.path, where python script puts the script's folder
-    from_cwd = getattr(sys.modules["__main__"], "__spec__", None) is not None and not sys.flags.safe_path \
-        and bool(sys.path) and os.path.abspath(sys.path[0] or ".") == cwd
+    from_cwd = (
+        getattr(sys.modules["__main__"], "__spec__", None) is not None
+        and not sys.flags.safe_path
+        and bool(sys.path)
+        and os.path.abspath(sys.path[0] or ".") == cwd
+    )
     os.environ.update(env)
-    sys.argv, sys.path = [str(script), *argv], [folder, *sys.path[1 if from_cwd else 0:]]
+    sys.argv, sys.path = [str(script), *argv], [folder, *sys.path[1 if from_cwd else 0 :]]
     if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # what a new process's torch reads at import
     ScriptExit.running = True
@@ -216,7 +227,9 @@ def _launch(args: argparse.Namespace) -> int:
     except SystemExit as exc:
         print(exc, file=sys.stderr)
         return EXIT_USER_ERROR
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per process (the check's and torchrun's) unless told otherwise
+    os.environ.setdefault(
+        "OMP_NUM_THREADS", "1"
+    )  # one thread per process (the check's and torchrun's) unless told otherwise
     if gpus == 0:  # DeepSpeed (the ZeRO recipe) otherwise warns in every process that it found no accelerator
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     world_size = str(per_node * nodes)
@@ -224,12 +237,29 @@ def _launch(args: argparse.Namespace) -> int:
     if nodes == 1 and not args.master_port:
         rdzv = ["--standalone"]  # one node: torchrun picks a free port
     else:
-        rdzv = ["--nnodes", str(nodes), "--node-rank", args.node_rank, "--master-addr", args.master_addr,
-                "--master-port", args.master_port or "29500"]
-    torchrun_args = [*rdzv, "--nproc-per-node", str(per_node), "--max-restarts", str(restarts), str(script),
-                     *script_args]
+        rdzv = [
+            "--nnodes",
+            str(nodes),
+            "--node-rank",
+            args.node_rank,
+            "--master-addr",
+            args.master_addr,
+            "--master-port",
+            args.master_port or "29500",
+        ]
+    torchrun_args = [
+        *rdzv,
+        "--nproc-per-node",
+        str(per_node),
+        "--max-restarts",
+        str(restarts),
+        str(script),
+        *script_args,
+    ]
     if args.dry_run:
-        print(f"check: {shlex.join(['env', f'{_WORLD_SIZE_ENV}={world_size}', sys.executable, str(script), *check_args])}")
+        print(
+            f"check: {shlex.join(['env', f'{_WORLD_SIZE_ENV}={world_size}', sys.executable, str(script), *check_args])}"
+        )
         print(f"run: {shlex.join([sys.executable, '-m', 'cookbook.torchrun', *torchrun_args])}")
         return 0
     with tempfile.TemporaryDirectory(prefix="cookbook-check-") as tmp:

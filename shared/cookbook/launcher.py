@@ -56,8 +56,15 @@ class WorkerError(RuntimeError):
     exception), ``worker_traceback``, ``exitcode`` (negative: that signal), ``exception`` (rebuilt here, or None).
     """
 
-    def __init__(self, message: str, rank: int | None = None, exc_type: str | None = None,
-                 worker_traceback: str = "", exitcode: int | None = None, exception: BaseException | None = None):
+    def __init__(
+        self,
+        message: str,
+        rank: int | None = None,
+        exc_type: str | None = None,
+        worker_traceback: str = "",
+        exitcode: int | None = None,
+        exception: BaseException | None = None,
+    ):
         super().__init__(message)
         self.rank = rank
         self.exc_type = exc_type
@@ -69,8 +76,16 @@ class WorkerError(RuntimeError):
 class _DistributedFunction(Generic[P, R]):
     """What `distributed` returns: the function, callable as before, plus ``.distributed(...)``."""
 
-    def __init__(self, fn: Callable[P, R], num_processes: int | None, backend: str, start_method: str,
-                 timeout_minutes: float, max_restarts: int, cpus_per_worker: float):
+    def __init__(
+        self,
+        fn: Callable[P, R],
+        num_processes: int | None,
+        backend: str,
+        start_method: str,
+        timeout_minutes: float,
+        max_restarts: int,
+        cpus_per_worker: float,
+    ):
         functools.update_wrapper(self, fn)
         self.num_processes = num_processes
         self.backend = backend
@@ -94,20 +109,31 @@ class _DistributedFunction(Generic[P, R]):
         """
         fn = self.__wrapped__  # type: ignore[attr-defined]
         if getattr(multiprocessing.current_process(), "_inheriting", False):  # what multiprocessing itself checks
-            raise RuntimeError(f"{self.__qualname__}.distributed(...) was called while a spawned worker imported "  # type: ignore[attr-defined]
-                               "the caller's script: in a script, call it under `if __name__ == \"__main__\":`")
+            raise RuntimeError(
+                f"{self.__qualname__}.distributed(...) was called while a spawned worker imported "  # type: ignore[attr-defined]
+                'the caller\'s script: in a script, call it under `if __name__ == "__main__":`'
+            )
         if self.backend == "ray":
             return _run_ray(fn, args, kwargs, self.num_processes, self.cpus_per_worker, self.timeout_minutes)
         n = local_num_processes(self.num_processes)
         return _run_local(fn, args, kwargs, n, self.start_method, self.timeout_minutes, self.max_restarts)
 
     def __repr__(self) -> str:
-        return f"<distributed function {self.__qualname__} (backend={self.backend!r}, num_processes={self.num_processes})>"  # type: ignore[attr-defined]
+        return (
+            f"<distributed function {self.__qualname__} (backend={self.backend!r}, num_processes={self.num_processes})>"  # type: ignore[attr-defined]
+        )
 
 
-def distributed(fn: Callable[P, R] | None = None, *, num_processes: int | None = None, backend: str = "torch",
-                start_method: str = "spawn", timeout_minutes: float = 30.0, max_restarts: int = 0,
-                cpus_per_worker: float = 1.0) -> Any:
+def distributed(
+    fn: Callable[P, R] | None = None,
+    *,
+    num_processes: int | None = None,
+    backend: str = "torch",
+    start_method: str = "spawn",
+    timeout_minutes: float = 30.0,
+    max_restarts: int = 0,
+    cpus_per_worker: float = 1.0,
+) -> Any:
     """Decorator: ``fn.distributed(*args, **kwargs)`` runs `fn` once per process; ``fn(...)`` still runs it here.
 
     `num_processes` None: one per visible GPU, else 2 CPU processes (Ray: the cluster's GPUs); `backend` ``"torch"``
@@ -123,15 +149,18 @@ def distributed(fn: Callable[P, R] | None = None, *, num_processes: int | None =
     if start_method not in _START_METHODS:
         raise ValueError(f"start_method={start_method!r}: use one of {', '.join(_START_METHODS)}")
     if fn is not None and not callable(fn):
-        raise TypeError(f"distributed({fn!r}): pass the number of processes by keyword, "
-                        f"@distributed(num_processes={fn!r})")
-    if num_processes is not None and (isinstance(num_processes, bool) or not isinstance(num_processes, int)
-                                      or num_processes < 1):
+        raise TypeError(
+            f"distributed({fn!r}): pass the number of processes by keyword, @distributed(num_processes={fn!r})"
+        )
+    if num_processes is not None and (
+        isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1
+    ):
         raise ValueError(f"num_processes must be a positive integer or None, got {num_processes!r}")
 
     def decorate(f: Callable[P, R]) -> _DistributedFunction[P, R]:
-        return _DistributedFunction(f, num_processes, backend, start_method, timeout_minutes, max_restarts,
-                                   cpus_per_worker)
+        return _DistributedFunction(
+            f, num_processes, backend, start_method, timeout_minutes, max_restarts, cpus_per_worker
+        )
 
     return decorate(fn) if fn is not None else decorate
 
@@ -148,8 +177,10 @@ def local_num_processes(num_processes: int | None) -> int:
     if n < 1:
         raise ValueError(f"num_processes must be >= 1, got {n}")
     if gpus and n > gpus:
-        raise ValueError(f"num_processes={n} but only {gpus} GPU(s) are visible: one process per GPU, so at most "
-                         f"{gpus} (set COOKBOOK_DEVICE=cpu to run {n} CPU processes with gloo instead)")
+        raise ValueError(
+            f"num_processes={n} but only {gpus} GPU(s) are visible: one process per GPU, so at most "
+            f"{gpus} (set COOKBOOK_DEVICE=cpu to run {n} CPU processes with gloo instead)"
+        )
     return n
 
 
@@ -188,18 +219,21 @@ def _worker(payload: bytes | tuple, error_dir: str, threads: int, timeout_minute
         raise
 
 
-def _run_local(fn: Callable, args: tuple, kwargs: dict, n: int, start_method: str, timeout_minutes: float,
-               max_restarts: int) -> list:
+def _run_local(
+    fn: Callable, args: tuple, kwargs: dict, n: int, start_method: str, timeout_minutes: float, max_restarts: int
+) -> list:
     from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if start_method == "fork" and torch.distributed.is_available() and torch.distributed.is_initialized():
         # A forked worker would inherit this group without its threads: its first collective would never return.
-        raise RuntimeError("start_method='fork' from a process that has a process group (init_process_group or "
-                           "cookbook.init_distributed ran here): the forked workers would inherit it and hang in "
-                           "their first collective; call cookbook.destroy_distributed() first, or use "
-                           "start_method='spawn'")
+        raise RuntimeError(
+            "start_method='fork' from a process that has a process group (init_process_group or "
+            "cookbook.init_distributed ran here): the forked workers would inherit it and hang in "
+            "their first collective; call cookbook.destroy_distributed() first, or use "
+            "start_method='spawn'"
+        )
     # fork inherits the objects as they are; spawn / forkserver need them pickled (cloudpickle: by value
     # for notebook and __main__ functions, and for modules that the children could not import by name).
     payload = (fn, args, kwargs) if start_method == "fork" else _dumps_call(fn, args, kwargs)
@@ -207,10 +241,19 @@ def _run_local(fn: Callable, args: tuple, kwargs: dict, n: int, start_method: st
     (workdir / "errors").mkdir()
     # Seconds between SIGTERM and SIGKILL for workers that do not stop (torch >= 2.12; 30 before).
     extra = {"shutdown_timeout": 10} if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)} else {}
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=f"cookbook-{uuid.uuid4().hex[:8]}",
-                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",  # a free port on this machine
-                          max_restarts=max_restarts, start_method=start_method, monitor_interval=0.1,
-                          logs_specs=DefaultLogsSpecs(log_dir=str(workdir / "logs")), **extra)
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=n,
+        run_id=f"cookbook-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",  # a free port on this machine
+        max_restarts=max_restarts,
+        start_method=start_method,
+        monitor_interval=0.1,
+        logs_specs=DefaultLogsSpecs(log_dir=str(workdir / "logs")),
+        **extra,
+    )
     threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
     try:
         with _caller_signals_kept(), _elastic_logs_quiet():
@@ -255,8 +298,11 @@ def _elastic_logs_quiet() -> Iterator[None]:
     """The agent logs a worker's failure with its traceback and the stopping of the others; the
     `WorkerError` says it once, so only critical messages of the launcher's loggers get through meanwhile."""
     prefixes = ("torch.distributed.elastic", "torch.multiprocessing")  # each module's logger has its own level
-    logs = [log for name, log in list(logging.root.manager.loggerDict.items())
-            if name.startswith(prefixes) and isinstance(log, logging.Logger)]
+    logs = [
+        log
+        for name, log in list(logging.root.manager.loggerDict.items())
+        if name.startswith(prefixes) and isinstance(log, logging.Logger)
+    ]
     levels = [log.level for log in logs]
     for log in logs:
         log.setLevel(logging.CRITICAL)
@@ -305,8 +351,9 @@ class _Collector:
         return self.results, self.errors
 
 
-def _run_ray(fn: Callable, args: tuple, kwargs: dict, num_processes: int | None, cpus_per_worker: float,
-             timeout_minutes: float) -> list:
+def _run_ray(
+    fn: Callable, args: tuple, kwargs: dict, num_processes: int | None, cpus_per_worker: float, timeout_minutes: float
+) -> list:
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -320,15 +367,24 @@ def _run_ray(fn: Callable, args: tuple, kwargs: dict, num_processes: int | None,
     collector = None
     try:
         res = ray.cluster_resources()
-        n, use_gpu = plan_workers(RayConfig(num_workers=num_processes or -1, cpus_per_worker=cpus_per_worker),
-                                  int(res.get("GPU", 0)), int(res.get("CPU", 0)))
+        n, use_gpu = plan_workers(
+            RayConfig(num_workers=num_processes or -1, cpus_per_worker=cpus_per_worker),
+            int(res.get("GPU", 0)),
+            int(res.get("CPU", 0)),
+        )
         collector = ray.remote(num_cpus=0)(_Collector).remote()
         trainer = TorchTrainer(
             _ray_loop,
-            train_loop_config={"payload": _dumps_call(fn, args, kwargs), "collector": collector,
-                               "timeout_minutes": timeout_minutes},
-            scaling_config=ScalingConfig(num_workers=n, use_gpu=use_gpu,
-                                         resources_per_worker={"CPU": cpus_per_worker, **({"GPU": 1} if use_gpu else {})}),
+            train_loop_config={
+                "payload": _dumps_call(fn, args, kwargs),
+                "collector": collector,
+                "timeout_minutes": timeout_minutes,
+            },
+            scaling_config=ScalingConfig(
+                num_workers=n,
+                use_gpu=use_gpu,
+                resources_per_worker={"CPU": cpus_per_worker, **({"GPU": 1} if use_gpu else {})},
+            ),
             # Ray's run folder: the caller's temporary folder (no checkpoints are reported).
             run_config=RunConfig(name="run", storage_path=str(storage), failure_config=FailureConfig(max_failures=0)),
         )
@@ -358,8 +414,9 @@ class _Pickler(cloudpickle.Pickler):
     """cloudpickle, but code sent by value keeps its file name (cloudpickle 3.1 writes
     ``<dynamic-code>``), so that a worker's traceback names the script or notebook cell."""
 
-    dispatch_table = collections.ChainMap({types.CodeType: lambda code: _code_reduce(code)},
-                                          cloudpickle.Pickler.dispatch_table)
+    dispatch_table = collections.ChainMap(
+        {types.CodeType: lambda code: _code_reduce(code)}, cloudpickle.Pickler.dispatch_table
+    )
 
 
 def _code_reduce(code: types.CodeType) -> tuple:
@@ -382,10 +439,14 @@ def _dumps_call(fn: Callable, args: tuple, kwargs: dict) -> bytes:
     import importlib.machinery
 
     module = sys.modules.get(getattr(fn, "__module__", None) or "")
-    top = (module.__name__.split(".")[0] if module else "")
-    by_value = (module is not None and top not in ("__main__", "builtins") and top not in sys.builtin_module_names
-                and getattr(module, "__file__", None) is not None
-                and importlib.machinery.PathFinder.find_spec(top, sys.path) is None)
+    top = module.__name__.split(".")[0] if module else ""
+    by_value = (
+        module is not None
+        and top not in ("__main__", "builtins")
+        and top not in sys.builtin_module_names
+        and getattr(module, "__file__", None) is not None
+        and importlib.machinery.PathFinder.find_spec(top, sys.path) is None
+    )
     if by_value:
         cloudpickle.register_pickle_by_value(module)
     try:
@@ -399,8 +460,10 @@ def _dumps_result(result: Any, rank: int) -> bytes:
     try:
         return _dumps(result)
     except Exception as exc:
-        raise TypeError(f"rank {rank}'s return value ({type(result).__name__}) cannot be pickled to send it back: "
-                        f"{exc}. Return plain data (numbers, lists, dicts, CPU tensors)") from exc
+        raise TypeError(
+            f"rank {rank}'s return value ({type(result).__name__}) cannot be pickled to send it back: "
+            f"{exc}. Return plain data (numbers, lists, dicts, CPU tensors)"
+        ) from exc
 
 
 def _loads_result(data: bytes) -> Any:
@@ -420,16 +483,26 @@ def _error_record(rank: int, exc: BaseException) -> dict:
     except Exception:
         pickled = None
     frames = [(f.filename, f.lineno, f.name, f.line) for f in traceback.extract_tb(tb)]
-    return {"rank": rank, "time": time.time(), "type": name, "message": str(exc), "frames": frames,
-            "exception": "".join(traceback.format_exception_only(kind, exc)), "pickled": pickled}
+    return {
+        "rank": rank,
+        "time": time.time(),
+        "type": name,
+        "message": str(exc),
+        "frames": frames,
+        "exception": "".join(traceback.format_exception_only(kind, exc)),
+        "pickled": pickled,
+    }
 
 
 def _format_traceback(record: dict) -> str:
     """The worker's traceback, rendered here: a frame whose source the worker could not read (a
     notebook cell lives in the caller's line cache only) gets its line from this process."""
     frames = traceback.StackSummary.from_list(
-        [(filename, lineno, name, line or linecache.getline(filename, lineno or 0).strip())
-         for filename, lineno, name, line in record["frames"]])
+        [
+            (filename, lineno, name, line or linecache.getline(filename, lineno or 0).strip())
+            for filename, lineno, name, line in record["frames"]
+        ]
+    )
     return "Traceback (most recent call last):\n" + "".join(frames.format()) + record["exception"]
 
 
@@ -447,20 +520,33 @@ def _worker_error(records: list[dict], world: int, rank: int | None, exitcode: i
     the others saw their peer vanish), else the agent's first failed process."""
     if not records:
         how = f"exit code {exitcode}" if exitcode is None or exitcode >= 0 else _signal_name(-exitcode)
-        return WorkerError(f"rank {rank} of {world} died without a Python exception ({how}): before the function "
-                           f"started (its output above says why; a script that calls .distributed(...) outside "
-                           f"`if __name__ == \"__main__\":` dies so), or killed (out of memory?), a crash in native "
-                           f"code, os._exit", rank=rank, exitcode=exitcode)
+        return WorkerError(
+            f"rank {rank} of {world} died without a Python exception ({how}): before the function "
+            f"started (its output above says why; a script that calls .distributed(...) outside "
+            f'`if __name__ == "__main__":` dies so), or killed (out of memory?), a crash in native '
+            f"code, os._exit",
+            rank=rank,
+            exitcode=exitcode,
+        )
     first, *later = sorted(records, key=lambda r: r["time"])
     message = f"rank {first['rank']} of {world} failed: {first['type']}: {first['message']}"
     if later:
-        message += "\n(afterwards also failed: " + "; ".join(
-            f"rank {r['rank']}: {r['type']}: {_first_line(r['message'])}" for r in later) + ")"
+        message += (
+            "\n(afterwards also failed: "
+            + "; ".join(f"rank {r['rank']}: {r['type']}: {_first_line(r['message'])}" for r in later)
+            + ")"
+        )
     tb = _format_traceback(first)
     message += f"\n\nTraceback of rank {first['rank']}:\n{tb.rstrip()}"
     exception = cloudpickle.loads(first["pickled"]) if first["pickled"] is not None else None
-    return WorkerError(message, rank=first["rank"], exc_type=first["type"], worker_traceback=tb,
-                       exitcode=exitcode if rank == first["rank"] else None, exception=exception)
+    return WorkerError(
+        message,
+        rank=first["rank"],
+        exc_type=first["type"],
+        worker_traceback=tb,
+        exitcode=exitcode if rank == first["rank"] else None,
+        exception=exception,
+    )
 
 
 def _first_line(text: str, limit: int = 160) -> str:

@@ -32,7 +32,7 @@ def count_tokens(batch: dict[str, torch.Tensor], pad_id: int) -> torch.Tensor:
 
 
 def _seed(seed: int, name: str) -> int:
-    return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") & (2 ** 63 - 1)
+    return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") & (2**63 - 1)
 
 
 @torch.no_grad()
@@ -66,7 +66,9 @@ def init_sharded_weights(model: torch.nn.Module, seed: int, device: torch.device
             module._parameters.update(original)
         for n, p in params.items():
             if isinstance(p, DTensor):
-                p.to_local().copy_(distribute_tensor(full[n], p.device_mesh, p.placements, src_data_rank=None).to_local())
+                p.to_local().copy_(
+                    distribute_tensor(full[n], p.device_mesh, p.placements, src_data_rank=None).to_local()
+                )
             else:
                 p.copy_(full[n])
             done.add(id(p))
@@ -78,8 +80,10 @@ def check_attention(attn_implementation: str, on_cpu: bool) -> None:
     """Refuse, before any worker starts, an attention implementation that cannot train on this device.
     Raises ConfigError: ``flex_attention`` on CPU (torch 2.13: "FlexAttention does not support backward on CPU")."""
     if on_cpu and attn_implementation == "flex_attention":
-        raise ConfigError("model.attn_implementation=flex_attention cannot train on CPU (PyTorch's FlexAttention has "
-                          "no CPU backward): use sdpa (or eager) on CPU; flex_attention needs CUDA GPUs")
+        raise ConfigError(
+            "model.attn_implementation=flex_attention cannot train on CPU (PyTorch's FlexAttention has "
+            "no CPU backward): use sdpa (or eager) on CPU; flex_attention needs CUDA GPUs"
+        )
 
 
 def _checkpointed(forward, *args, **kwargs):

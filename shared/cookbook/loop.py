@@ -19,8 +19,15 @@ from cookbook.checkpoint import Checkpointer, RankLocalState, ResumeGuard, RNGSt
 from cookbook.config import save_config, to_dict
 from cookbook.dist import DistInfo, barrier, get_dist_info, get_logger, record_progress, stall_error
 from cookbook.metrics import MetricsLogger, ModelFlops, StepProfiler
-from cookbook.policy import (PREEMPT_SIGNALS, NonFiniteError, NonFinitePolicy, Preempted,  # noqa: F401 (re-exported)
-                             StopRequest, StopVote, models_in)
+from cookbook.policy import (
+    PREEMPT_SIGNALS,  # noqa: F401
+    NonFiniteError,  # noqa: F401
+    NonFinitePolicy,
+    Preempted,  # noqa: F401 (re-exported)
+    StopRequest,
+    StopVote,
+    models_in,
+)
 from cookbook.run_lock import mark_complete
 from cookbook.sampler import DataPosition
 
@@ -29,8 +36,9 @@ _EVAL_COUNTS = ("tokens", "samples", "rows")  # evaluation results that count wh
 _OUTPUT_NAMES = {"export_dir": "model"}  # summary key -> its name on the closing lines (others: the key less "_dir")
 
 
-def _already_complete(state: TrainState, max_steps: int, out_dir: str | Path, final: str | Path | None = None,
-                     what: str = "model") -> bool:
+def _already_complete(
+    state: TrainState, max_steps: int, out_dir: str | Path, final: str | Path | None = None, what: str = "model"
+) -> bool:
     """Whether a resumed run has nothing left to do (``state.step >= max_steps`` and its export `final`, when given,
     exists); if so rank 0 says so (`what`: what `final` holds, "model" or "adapter")."""
     if state.step < max_steps or (final is not None and not Path(final).is_dir()):
@@ -47,8 +55,14 @@ class EpochBatches:
     Each new pass increments ``state.epoch`` and calls ``set_epoch(state.epoch)``; `metrics` notes its first wait.
     """
 
-    def __init__(self, loader, state: TrainState, set_epoch: Callable[[int], None] | None = None,
-                 device: torch.device | None = None, metrics: MetricsLogger | None = None):
+    def __init__(
+        self,
+        loader,
+        state: TrainState,
+        set_epoch: Callable[[int], None] | None = None,
+        device: torch.device | None = None,
+        metrics: MetricsLogger | None = None,
+    ):
         self.loader, self.state, self.set_epoch, self.device, self.metrics = loader, state, set_epoch, device, metrics
         self._it: Iterator | None = None
 
@@ -72,13 +86,18 @@ class EpochBatches:
             try:
                 batch = next(self._it)
             except StopIteration:
-                raise RuntimeError("the training data loader yields no batch: too few rows for one micro-batch") from None
+                raise RuntimeError(
+                    "the training data loader yields no batch: too few rows for one micro-batch"
+                ) from None
         wait = time.perf_counter() - t0
         if new_pass and self.metrics is not None:
             self.metrics.note_pass_start(wait)
         if self.device is not None:
             if isinstance(batch, Mapping):
-                batch = {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+                batch = {
+                    k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                    for k, v in batch.items()
+                }
             else:
                 batch = batch.to(self.device, non_blocking=True)
         return batch, wait
@@ -97,13 +116,25 @@ class TrainLoop:
     `config` goes into ``meta.json``; `on_nonfinite`: ``"stop"`` or ``"skip"`` (`max_consecutive_skips` in a row).
     """
 
-    def __init__(self, *, state: TrainState, max_steps: int, stop_at_step: int = -1, metrics: MetricsLogger,
-                 log_every: int = 10, eval_every: int = 0, evaluate: Callable[[], Mapping[str, float]] | None = None,
-                 checkpointer: Checkpointer | None = None, checkpoint_every: int = -1,
-                 checkpoint_state: Mapping[str, Any] | None = None, config: Mapping[str, Any] | None = None,
-                 profiler: StepProfiler | None = None,
-                 log_extra: Callable[[], Mapping[str, float | torch.Tensor]] | None = None,
-                 on_nonfinite: str = "stop", max_consecutive_skips: int = 5):
+    def __init__(
+        self,
+        *,
+        state: TrainState,
+        max_steps: int,
+        stop_at_step: int = -1,
+        metrics: MetricsLogger,
+        log_every: int = 10,
+        eval_every: int = 0,
+        evaluate: Callable[[], Mapping[str, float]] | None = None,
+        checkpointer: Checkpointer | None = None,
+        checkpoint_every: int = -1,
+        checkpoint_state: Mapping[str, Any] | None = None,
+        config: Mapping[str, Any] | None = None,
+        profiler: StepProfiler | None = None,
+        log_extra: Callable[[], Mapping[str, float | torch.Tensor]] | None = None,
+        on_nonfinite: str = "stop",
+        max_consecutive_skips: int = 5,
+    ):
         if log_every < 1:
             raise ValueError(f"log_every must be >= 1, got {log_every}")
         if checkpointer is not None and checkpoint_every >= 0 and checkpoint_state is None:
@@ -118,9 +149,14 @@ class TrainLoop:
         self._stop = StopRequest()  # preemption: SIGTERM / SIGUSR1 while the loop runs
         self._vote = StopVote(self.device)  # the ranks' agreement on a preemption stop
         self._saved_step = -1
-        self.nonfinite = NonFinitePolicy(on_nonfinite, max_consecutive_skips, device=self.device,
-                                         newest_checkpoint=lambda: checkpointer.verified_latest() if checkpointer is not None else None,
-                                         models=models_in(checkpoint_state), log=lambda line: get_logger().info(line))
+        self.nonfinite = NonFinitePolicy(
+            on_nonfinite,
+            max_consecutive_skips,
+            device=self.device,
+            newest_checkpoint=lambda: checkpointer.verified_latest() if checkpointer is not None else None,
+            models=models_in(checkpoint_state),
+            log=lambda line: get_logger().info(line),
+        )
         self._skipped_now = False  # the step being run was skipped
         self._reset_window()
 
@@ -161,16 +197,27 @@ class TrainLoop:
             if self.state.step == done and not self._skipped_now:
                 raise RuntimeError("the step body must end with loop.end_step(...) or a skip (loop.skip_step)")
 
-    def skip_step(self, grad_norm: torch.Tensor | float | None = None, *, loss: torch.Tensor | float | None = None,
-                  applied: bool = False) -> bool:
+    def skip_step(
+        self,
+        grad_norm: torch.Tensor | float | None = None,
+        *,
+        loss: torch.Tensor | float | None = None,
+        applied: bool = False,
+    ) -> bool:
         """Check a step for a non-finite loss or gradient norm before its update (`NonFinitePolicy.skip`); True: zero
         the gradients and ``continue``. Raises NonFiniteError: ``"stop"``, or too many skips in a row."""
         skipped = self.nonfinite.skip(self.state.step + 1, grad_norm, loss=loss, applied=applied)
         self._skipped_now = self._skipped_now or skipped
         return skipped
 
-    def end_step(self, loss: torch.Tensor | float, *, lr: float, grad_norm: torch.Tensor | float | None = None,
-                 window: Mapping[str, torch.Tensor | float] | None = None) -> None:
+    def end_step(
+        self,
+        loss: torch.Tensor | float,
+        *,
+        lr: float,
+        grad_norm: torch.Tensor | float | None = None,
+        window: Mapping[str, torch.Tensor | float] | None = None,
+    ) -> None:
         """Count one optimizer step and do what is due. `loss`: this rank's (0-d device tensor: no sync); `grad_norm`:
         before clipping; `window`: more numbers averaged over the log window by name."""
         self.state.step += 1
@@ -191,8 +238,12 @@ class TrainLoop:
             self.metrics.log_step(step, self._loss / self._steps, lr, grad_norm, extra=extra or None)
             self._reset_window()
         with self.metrics.paused():  # not counted in the step time and throughput
-            if (self.evaluate is not None and self.eval_every > 0 and step % self.eval_every == 0
-                    and step < self.max_steps):
+            if (
+                self.evaluate is not None
+                and self.eval_every > 0
+                and step % self.eval_every == 0
+                and step < self.max_steps
+            ):
                 with rng_kept():  # the evaluation does not change what training draws next (dropout)
                     values = self.evaluate()
                 self.metrics.log_eval(step, values)
@@ -216,8 +267,9 @@ class TrainLoop:
             self.checkpointer.save(step, self.checkpoint_state, meta)
 
     # ------------------------------------------------------------------ the end
-    def finish(self, export: Callable[[], Outputs] | None = None,
-               summary: Callable[[], Mapping[str, Any]] | None = None) -> dict[str, float] | None:
+    def finish(
+        self, export: Callable[[], Outputs] | None = None, summary: Callable[[], Mapping[str, Any]] | None = None
+    ) -> dict[str, float] | None:
         """After the loop: final evaluation, `export` (collective; ``{summary key: (folder or None, how to load)}``)
         and the summary; returns the final evaluation (None for a run that stopped early: how to continue is said).
         Raises HubPushError: the ``push_to_hub`` upload failed; NonFiniteError: the model holds NaN or inf."""
@@ -230,8 +282,10 @@ class TrainLoop:
                     get_logger().info(f"{name + ':':<12} {text}")
             if self._stop.requested:  # preempted: a distinct exit status, so that a scheduler can requeue the job
                 raise self._stop.preempted(self.state.step, self.max_steps, latest)
-            get_logger().info(f"stopped at step {self.state.step} of {self.max_steps} (train.stop_at_step); to continue "
-                              f"from {latest}, run again without train.stop_at_step (or with a larger value)")
+            get_logger().info(
+                f"stopped at step {self.state.step} of {self.max_steps} (train.stop_at_step); to continue "
+                f"from {latest}, run again without train.stop_at_step (or with a larger value)"
+            )
             return None
         self.nonfinite.check_model(self.state.step, "the run is not done (no final evaluation, export or summary)")
         timings = dict(self.metrics.timings)  # startup_s, first_step_s
@@ -245,19 +299,36 @@ class TrainLoop:
         if final_eval:
             self.metrics.log_eval(self.state.step, final_eval)
         outputs = dict(export()) if export is not None else {}
-        record = {"step": self.state.step, **{f"eval/{k}": v for k, v in final_eval.items()},
-                  **{k: str(path) if path else None for k, (path, _) in outputs.items()},
-                  "mlflow_uri": self.metrics.mlflow_uri, "mlflow_run_id": self.metrics.mlflow_run_id, **timings,
-                  **(dict(summary()) if summary is not None else {})}
+        record = {
+            "step": self.state.step,
+            **{f"eval/{k}": v for k, v in final_eval.items()},
+            **{k: str(path) if path else None for k, (path, _) in outputs.items()},
+            "mlflow_uri": self.metrics.mlflow_uri,
+            "mlflow_run_id": self.metrics.mlflow_run_id,
+            **timings,
+            **(dict(summary()) if summary is not None else {}),
+        }
         self.metrics.log_summary(record)
-        log_outputs(self.state.step, final_eval, self.metrics,
-                    self.checkpointer.root if self.checkpointer is not None else None, outputs, timings=timings)
+        log_outputs(
+            self.state.step,
+            final_eval,
+            self.metrics,
+            self.checkpointer.root if self.checkpointer is not None else None,
+            outputs,
+            timings=timings,
+        )
         if get_dist_info().is_main and self.config is not None:  # the same command again says so at once
             out_dir = self.metrics.out_dir
             kept = {**{k: str(p) for k, (p, _) in outputs.items() if p}, "metrics": str(self.metrics.jsonl_path)}
             guard = ResumeGuard(out_dir / "checkpoints", run_dir=out_dir)
-            mark_complete(out_dir, self.config, guard.already_complete(self.state.step, self.max_steps, outputs={
-                k.removesuffix("_dir"): p for k, p in kept.items()}), kept)
+            mark_complete(
+                out_dir,
+                self.config,
+                guard.already_complete(
+                    self.state.step, self.max_steps, outputs={k.removesuffix("_dir"): p for k, p in kept.items()}
+                ),
+                kept,
+            )
         return final_eval
 
 
@@ -269,13 +340,29 @@ class Run(TrainLoop):
     Raises CheckpointError: the checkpoint does not fit this run; ConfigError: bad ``train.on_nonfinite`` settings.
     """
 
-    def __init__(self, cfg: Any, info: DistInfo, *, may_change: tuple[str, ...], max_steps: int, experiment: str,
-                 app: Any = None, scheduler: Any = None, loader: Any = None, set_epoch: Callable[[int], None] | None = None,
-                 resizable: bool = True, state: TrainState | None = None, checkpoint: Mapping[str, Any] | None = None,
-                 final: str | Path | None = None, what: str = "model", flops: ModelFlops | None = None,
-                 count_tokens: bool = True, cannot_remap: str | None = None,
-                 evaluate: Callable[[], Mapping[str, float]] | None = None,
-                 log_extra: Callable[[], Mapping[str, float | torch.Tensor]] | None = None):
+    def __init__(
+        self,
+        cfg: Any,
+        info: DistInfo,
+        *,
+        may_change: tuple[str, ...],
+        max_steps: int,
+        experiment: str,
+        app: Any = None,
+        scheduler: Any = None,
+        loader: Any = None,
+        set_epoch: Callable[[int], None] | None = None,
+        resizable: bool = True,
+        state: TrainState | None = None,
+        checkpoint: Mapping[str, Any] | None = None,
+        final: str | Path | None = None,
+        what: str = "model",
+        flops: ModelFlops | None = None,
+        count_tokens: bool = True,
+        cannot_remap: str | None = None,
+        evaluate: Callable[[], Mapping[str, float]] | None = None,
+        log_extra: Callable[[], Mapping[str, float | torch.Tensor]] | None = None,
+    ):
         if checkpoint is None:
             state = TrainState()
             checkpoint = {"app": app, "scheduler": scheduler, "train": state}
@@ -283,12 +370,19 @@ class Run(TrainLoop):
                 checkpoint["data"] = DataPosition(loader)  # global: remapped when the world size changes
             checkpoint["rank_local"] = RankLocalState(dataloader=loader, rng=RNGState())  # same world size only
         out_dir = Path(cfg.output_dir)
-        checkpointer = Checkpointer(out_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last, cannot_remap=cannot_remap,
-                                    resizable=any(isinstance(v, DataPosition) for v in checkpoint.values()))
-        resume_from = checkpointer.check_resume(cfg.checkpoint.resume, info.world_size, to_dict(cfg), may_change,
-                                                cfg.train.stop_at_step)
+        checkpointer = Checkpointer(
+            out_dir / "checkpoints",
+            keep_last=cfg.checkpoint.keep_last,
+            cannot_remap=cannot_remap,
+            resizable=any(isinstance(v, DataPosition) for v in checkpoint.values()),
+        )
+        resume_from = checkpointer.check_resume(
+            cfg.checkpoint.resume, info.world_size, to_dict(cfg), may_change, cfg.train.stop_at_step
+        )
         if getattr(cfg.train, "seed", None) is not None:
-            seed_per_rank(cfg.train.seed, info.rank)  # each rank its own dropout masks; a resume restores the saved ones
+            seed_per_rank(
+                cfg.train.seed, info.rank
+            )  # each rank its own dropout masks; a resume restores the saved ones
         if resume_from is not None:
             checkpointer.load(resume_from, checkpoint)
         self.state, self.complete = state, _already_complete(state, max_steps, out_dir, final, what)
@@ -297,16 +391,36 @@ class Run(TrainLoop):
         if info.is_main:
             out_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, out_dir / "config.yaml")
-        metrics = MetricsLogger(out_dir, info, flops=flops, run_name=cfg.run_name, experiment=experiment,
-                                params=to_dict(cfg), mlflow=cfg.mlflow, max_steps=max_steps, count_tokens=count_tokens)
+        metrics = MetricsLogger(
+            out_dir,
+            info,
+            flops=flops,
+            run_name=cfg.run_name,
+            experiment=experiment,
+            params=to_dict(cfg),
+            mlflow=cfg.mlflow,
+            max_steps=max_steps,
+            count_tokens=count_tokens,
+        )
         profile_step = getattr(cfg.train, "profile_step", 0)
         on_nonfinite, max_skips = NonFinitePolicy.settings(cfg.train)
-        super().__init__(state=state, max_steps=max_steps, stop_at_step=cfg.train.stop_at_step, metrics=metrics,
-                         log_every=cfg.train.log_every, eval_every=getattr(cfg.train, "eval_every", 0), evaluate=evaluate,
-                         checkpointer=checkpointer, checkpoint_every=cfg.checkpoint.every_steps,
-                         checkpoint_state=checkpoint, config=to_dict(cfg), log_extra=log_extra,
-                         profiler=StepProfiler(profile_step, out_dir, info) if profile_step > 0 else None,
-                         on_nonfinite=on_nonfinite, max_consecutive_skips=max_skips)
+        super().__init__(
+            state=state,
+            max_steps=max_steps,
+            stop_at_step=cfg.train.stop_at_step,
+            metrics=metrics,
+            log_every=cfg.train.log_every,
+            eval_every=getattr(cfg.train, "eval_every", 0),
+            evaluate=evaluate,
+            checkpointer=checkpointer,
+            checkpoint_every=cfg.checkpoint.every_steps,
+            checkpoint_state=checkpoint,
+            config=to_dict(cfg),
+            log_extra=log_extra,
+            profiler=StepProfiler(profile_step, out_dir, info) if profile_step > 0 else None,
+            on_nonfinite=on_nonfinite,
+            max_consecutive_skips=max_skips,
+        )
         self.batches = EpochBatches(loader, state, set_epoch, info.device, metrics) if loader is not None else None
 
     def __enter__(self) -> Run:
@@ -332,8 +446,15 @@ class Run(TrainLoop):
         return None if self.complete else super().finish(*args, **kwargs)
 
 
-def log_outputs(step: int, final_eval: Mapping[str, float], metrics: MetricsLogger, checkpoints: Path | None,
-                outputs: Outputs, eval_text: str | None = None, timings: Mapping[str, float] | None = None) -> None:
+def log_outputs(
+    step: int,
+    final_eval: Mapping[str, float],
+    metrics: MetricsLogger,
+    checkpoints: Path | None,
+    outputs: Outputs,
+    eval_text: str | None = None,
+    timings: Mapping[str, float] | None = None,
+) -> None:
     """The closing log lines of a finished run (rank 0): steps, final evaluation, `timings`, where the metrics,
     trackers, checkpoints and exports are, and how to load them."""
     if not get_dist_info().is_main:
@@ -343,16 +464,24 @@ def log_outputs(step: int, final_eval: Mapping[str, float], metrics: MetricsLogg
     shown = eval_text if eval_text is not None else f"eval {pairs}" if pairs else ""
     log.info(f"done: {step} steps" + (f" | {shown}" if shown else ""))
     timings = timings or {}
-    times = ([f"startup {timings['startup_s']:.1f} s"
-              + (f" (first step {timings['first_step_s']:.1f} s)" if "first_step_s" in timings else "")]
-             if "startup_s" in timings else [])
+    times = (
+        [
+            f"startup {timings['startup_s']:.1f} s"
+            + (f" (first step {timings['first_step_s']:.1f} s)" if "first_step_s" in timings else "")
+        ]
+        if "startup_s" in timings
+        else []
+    )
     times += [f"final eval {timings['final_eval_s']:.1f} s"] if "final_eval_s" in timings else []
     if times:
         log.info(f"{'time:':<12} " + " | ".join(times))
     rows = [("metrics", f"{metrics.jsonl_path}"), *metrics.tracker_lines()]
     if checkpoints is not None:
         rows.append(("checkpoints", str(checkpoints)))
-    rows += [(_OUTPUT_NAMES.get(key, key.removesuffix("_dir")), f"{path} ({how})" if how else str(path))
-             for key, (path, how) in outputs.items() if path]
+    rows += [
+        (_OUTPUT_NAMES.get(key, key.removesuffix("_dir")), f"{path} ({how})" if how else str(path))
+        for key, (path, how) in outputs.items()
+        if path
+    ]
     for name, text in rows:
         log.info(f"{name + ':':<12} {text}")

@@ -36,8 +36,15 @@ def launch_time() -> float:
 
 
 # Dense bf16 tensor-core peak, FLOP/s: NVIDIA's A10, A100, H100 and H200 data sheets (half their sparse figures).
-_PEAK_BF16_FLOPS: dict[str, float] = {"A10": 125e12, "A100": 312e12, "H100 SXM": 989e12, "H100 NVL": 835e12,
-                                     "H100 PCIe": 756e12, "H200 SXM": 989e12, "H200 NVL": 835e12}
+_PEAK_BF16_FLOPS: dict[str, float] = {
+    "A10": 125e12,
+    "A100": 312e12,
+    "H100 SXM": 989e12,
+    "H100 NVL": 835e12,
+    "H100 PCIe": 756e12,
+    "H200 SXM": 989e12,
+    "H200 NVL": 835e12,
+}
 
 
 def peak_bf16_flops(device_name: str) -> float | None:
@@ -62,8 +69,12 @@ def count_parameters(model: torch.nn.Module, exclude_embeddings: bool = True) ->
     """Number of parameters, by default without ``nn.Embedding``'s (no matrix FLOPs: Kaplan et al. 2020, section
     2.1). Tied parameters count once (`model.parameters()` yields each once); shards and ZeRO-3 partitions at full size.
     """
-    skip = {id(p) for m in model.modules() if exclude_embeddings and isinstance(m, torch.nn.Embedding)
-            for p in m.parameters(recurse=False)}
+    skip = {
+        id(p)
+        for m in model.modules()
+        if exclude_embeddings and isinstance(m, torch.nn.Embedding)
+        for p in m.parameters(recurse=False)
+    }
     return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if id(p) not in skip)  # ZeRO-3: numel 0
 
 
@@ -101,12 +112,14 @@ def _append_line(path: Path, line: str) -> None:
         try:
             view = memoryview(data)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
         except OSError as exc:
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, size)
-            err = MetricsWriteError(f"cannot write {path}: {exc.strerror or exc} (the disk is full or a file-size "
-                                    f"limit is reached); free space, then run the same command again to resume")
+            err = MetricsWriteError(
+                f"cannot write {path}: {exc.strerror or exc} (the disk is full or a file-size "
+                f"limit is reached); free space, then run the same command again to resume"
+            )
             err.errno = exc.errno
             raise err from exc
     finally:
@@ -147,10 +160,20 @@ class MetricsLogger:
     tracker; MetricsWriteError (rank 0): ``metrics.jsonl`` could not be written.
     """
 
-    def __init__(self, out_dir: str | Path, info: DistInfo, flops: ModelFlops | None = None, run_name: str = "run",
-                 experiment: str = "cookbook", params: Mapping[str, Any] | None = None, mlflow: bool = True,
-                 max_steps: int | None = None, count_tokens: bool = True, trackers: Sequence[str] | None = None,
-                 progress: bool = True):
+    def __init__(
+        self,
+        out_dir: str | Path,
+        info: DistInfo,
+        flops: ModelFlops | None = None,
+        run_name: str = "run",
+        experiment: str = "cookbook",
+        params: Mapping[str, Any] | None = None,
+        mlflow: bool = True,
+        max_steps: int | None = None,
+        count_tokens: bool = True,
+        trackers: Sequence[str] | None = None,
+        progress: bool = True,
+    ):
         if trackers is None:
             trackers = (params or {}).get("trackers", ["mlflow"])
         self.trackers = [t for t in dict.fromkeys(trackers) if mlflow or t != "mlflow"]
@@ -222,8 +245,10 @@ class MetricsLogger:
         first = now - self._t_loop
         self.timings.update(startup_s=max(0.0, time.time() - launch_time()), first_step_s=first)
         if self.info.is_main:
-            get_logger().info(f"first step done {self.timings['startup_s']:.1f} s after the launch (set-up "
-                              f"{self.timings['startup_s'] - first:.1f} s, the step itself {first:.1f} s)")
+            get_logger().info(
+                f"first step done {self.timings['startup_s']:.1f} s after the launch (set-up "
+                f"{self.timings['startup_s'] - first:.1f} s, the step itself {first:.1f} s)"
+            )
         return self.timings
 
     def note_pass_start(self, wait_s: float) -> None:
@@ -250,8 +275,14 @@ class MetricsLogger:
         self._tokens = self._tokens + (tokens.detach() if isinstance(tokens, torch.Tensor) else tokens)
         self._data_wait += data_wait_s
 
-    def log_step(self, step: int, loss: float | torch.Tensor, lr: float, grad_norm: float | torch.Tensor | None,
-                 extra: Mapping[str, float | torch.Tensor] | None = None) -> dict[str, float]:
+    def log_step(
+        self,
+        step: int,
+        loss: float | torch.Tensor,
+        lr: float,
+        grad_norm: float | torch.Tensor | None,
+        extra: Mapping[str, float | torch.Tensor] | None = None,
+    ) -> dict[str, float]:
         """Reduce this window over ranks and write one train record (returned on every rank). `loss`: this rank's
         window mean; `grad_norm`: before clipping; `extra`: more numbers averaged over ranks."""
         dev = self.info.device
@@ -261,18 +292,27 @@ class MetricsLogger:
         steps = max(1, step - (self._last_step if self._last_step is not None else step - 1))
         elapsed = now - self._last_time
         tokens = self._tokens if isinstance(self._tokens, torch.Tensor) else torch.tensor(float(self._tokens))
-        sums = torch.stack([
-            torch.as_tensor(loss, dtype=torch.float64).to(dev).reshape(()),
-            tokens.to(dev, torch.float64).reshape(()),
-            torch.tensor(float(self._samples), dtype=torch.float64, device=dev),
-            torch.tensor(self._data_wait, dtype=torch.float64, device=dev),
-            *[torch.as_tensor(v, dtype=torch.float64).to(dev).reshape(()) for v in (extra or {}).values()],
-        ])
+        sums = torch.stack(
+            [
+                torch.as_tensor(loss, dtype=torch.float64).to(dev).reshape(()),
+                tokens.to(dev, torch.float64).reshape(()),
+                torch.tensor(float(self._samples), dtype=torch.float64, device=dev),
+                torch.tensor(self._data_wait, dtype=torch.float64, device=dev),
+                *[torch.as_tensor(v, dtype=torch.float64).to(dev).reshape(()) for v in (extra or {}).values()],
+            ]
+        )
         cuda = dev.type == "cuda"
-        mem = torch.tensor([torch.cuda.max_memory_allocated(dev) / 2**30 if cuda else 0.0,
-                            torch.cuda.max_memory_reserved(dev) / 2**30 if cuda else 0.0,
-                            psutil.Process().memory_info().rss / 2**30, elapsed, self._pass_wait],
-                           dtype=torch.float64, device=dev)
+        mem = torch.tensor(
+            [
+                torch.cuda.max_memory_allocated(dev) / 2**30 if cuda else 0.0,
+                torch.cuda.max_memory_reserved(dev) / 2**30 if cuda else 0.0,
+                psutil.Process().memory_info().rss / 2**30,
+                elapsed,
+                self._pass_wait,
+            ],
+            dtype=torch.float64,
+            device=dev,
+        )
         if dist.is_initialized():
             dist.all_reduce(sums, op=dist.ReduceOp.SUM)
             dist.all_reduce(mem, op=dist.ReduceOp.MAX)
@@ -308,7 +348,9 @@ class MetricsLogger:
         """Write evaluation metrics (already reduced across ranks) as ``eval/<name>``."""
         rec = {"step": step, **{f"eval/{k}": float(v) for k, v in metrics.items()}}
         self._emit("eval", rec)
-        shown = [f"{k} {v:.0f}" if float(v).is_integer() and abs(v) >= 2 else f"{k} {v:.4f}" for k, v in metrics.items()]
+        shown = [
+            f"{k} {v:.0f}" if float(v).is_integer() and abs(v) >= 2 else f"{k} {v:.4f}" for k, v in metrics.items()
+        ]
         get_logger().info("eval  step %d | %s", step, " | ".join(shown))
 
     def log_summary(self, summary: Mapping[str, Any]) -> None:
@@ -318,9 +360,11 @@ class MetricsLogger:
         repo_id = (self.params.get("checkpoint") or {}).get("push_to_hub") if self.info.is_main else None
         folder = next((summary[k] for k in push.PUSHED if summary.get(k)), None)
         if repo_id and folder:
-            numbers = {"steps": float(summary.get("step", self.last_train.get("step", 0))),
-                       **({"train/loss": self.last_train["loss"]} if "loss" in self.last_train else {}),
-                       **{k: float(v) for k, v in summary.items() if k.startswith("eval/") and isinstance(v, (int, float))}}
+            numbers = {
+                "steps": float(summary.get("step", self.last_train.get("step", 0))),
+                **({"train/loss": self.last_train["loss"]} if "loss" in self.last_train else {}),
+                **{k: float(v) for k, v in summary.items() if k.startswith("eval/") and isinstance(v, (int, float))},
+            }
             url = push.push_to_hub(repo_id, folder, self.params, numbers)
             get_logger().info(f"{'hub:':<12} {url} ({folder} with its model card)")
 
@@ -341,8 +385,10 @@ class MetricsLogger:
         parts = [head, f"loss {rec['loss']:.4f}", f"lr {rec['lr']:.2e}"]
         if "grad_norm" in rec:
             parts.append(f"gnorm {rec['grad_norm']:.2f}")
-        parts += [f"{rec['step_time_s'] * 1000:.0f} ms/step",
-                  f"{rec['samples_per_s_per_device']:.1f} samples/s/{self._unit}"]
+        parts += [
+            f"{rec['step_time_s'] * 1000:.0f} ms/step",
+            f"{rec['samples_per_s_per_device']:.1f} samples/s/{self._unit}",
+        ]
         if self.count_tokens:
             parts.append(f"{rec['tokens_per_s_per_device']:,.0f} tok/s/{self._unit}")
         if "mfu" in rec:
@@ -380,7 +426,8 @@ class StepProfiler:
         """Start profiling if `step` (the step about to run) is the one asked for."""
         if self.step > 0 and step == self.step:
             activities = [torch.profiler.ProfilerActivity.CPU] + (
-                [torch.profiler.ProfilerActivity.CUDA] if self.info.device.type == "cuda" else [])
+                [torch.profiler.ProfilerActivity.CUDA] if self.info.device.type == "cuda" else []
+            )
             self._prof = torch.profiler.profile(activities=activities, record_shapes=True)
             self._prof.start()
 

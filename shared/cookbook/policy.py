@@ -93,8 +93,10 @@ class StopRequest:
     def preempted(self, step: int, max_steps: int, checkpoint: Path | None) -> Preempted:
         """Log that the run stopped after `step` of `max_steps`, with `checkpoint`; returns the `Preempted` to raise."""
         what = signal.Signals(self.signum).name if self.signum else "a stop request"
-        get_logger().info(f"preempted ({what}) after step {step} of {max_steps}: checkpoint {checkpoint}; run the "
-                          f"same command again to continue (exit status {EXIT_PREEMPTED})")
+        get_logger().info(
+            f"preempted ({what}) after step {step} of {max_steps}: checkpoint {checkpoint}; run the "
+            f"same command again to continue (exit status {EXIT_PREEMPTED})"
+        )
         return Preempted(EXIT_PREEMPTED)
 
 
@@ -105,9 +107,17 @@ class NonFinitePolicy:
     Raises ValueError: an unknown `on_nonfinite`, or `max_consecutive_skips` < 0.
     """
 
-    def __init__(self, on_nonfinite: str = "stop", max_consecutive_skips: int = 5, *, device: torch.device | None = None,
-                 newest_checkpoint: Callable[[], Path | str | None] | None = None, skipped_steps: int = 0,
-                 models: Iterable[torch.nn.Module] = (), log: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        on_nonfinite: str = "stop",
+        max_consecutive_skips: int = 5,
+        *,
+        device: torch.device | None = None,
+        newest_checkpoint: Callable[[], Path | str | None] | None = None,
+        skipped_steps: int = 0,
+        models: Iterable[torch.nn.Module] = (),
+        log: Callable[[str], None] | None = None,
+    ):
         if on_nonfinite not in _ON_NONFINITE:
             raise ValueError(f"on_nonfinite must be one of {', '.join(_ON_NONFINITE)}, got {on_nonfinite!r}")
         if max_consecutive_skips < 0:
@@ -138,8 +148,14 @@ class NonFinitePolicy:
         """The policy of a ``train`` config section (`settings`); `kwargs` go to the constructor."""
         return cls(*cls.settings(train), **kwargs)
 
-    def skip(self, step: int, grad_norm: torch.Tensor | float | None = None, *,
-             loss: torch.Tensor | float | None = None, applied: bool = False) -> bool:
+    def skip(
+        self,
+        step: int,
+        grad_norm: torch.Tensor | float | None = None,
+        *,
+        loss: torch.Tensor | float | None = None,
+        applied: bool = False,
+    ) -> bool:
         """Check step `step` (1-based) before its update; True: the caller drops it. `grad_norm`: the total norm, the
         same on every rank; None: check `loss` (one all-reduce). `applied`: the update already ran (checked later)."""
         if grad_norm is not None:
@@ -164,14 +180,18 @@ class NonFinitePolicy:
         `what` words the stop message (``"the gradient norm of step 5 is nan"``), `short` the skip line."""
         self._consecutive += 1
         if self.on_nonfinite == "stop":
-            raise NonFiniteError(f"{what}: the step was not applied and the run stops (train.on_nonfinite=stop); "
-                                 f"{self._newest_text()}. Lower optim.lr or raise the warm-up, check the data "
-                                 f"of this step, or set train.on_nonfinite=skip to drop such steps")
+            raise NonFiniteError(
+                f"{what}: the step was not applied and the run stops (train.on_nonfinite=stop); "
+                f"{self._newest_text()}. Lower optim.lr or raise the warm-up, check the data "
+                f"of this step, or set train.on_nonfinite=skip to drop such steps"
+            )
         if self._consecutive > self.max_consecutive_skips:
-            raise NonFiniteError(f"{what}: the step was not applied, and that makes {self._consecutive} non-finite "
-                                 f"steps in a row (train.max_consecutive_skips={self.max_consecutive_skips}), so the "
-                                 f"run stops; {self._newest_text()}. Lower optim.lr or raise the warm-up, or "
-                                 f"check the data")
+            raise NonFiniteError(
+                f"{what}: the step was not applied, and that makes {self._consecutive} non-finite "
+                f"steps in a row (train.max_consecutive_skips={self.max_consecutive_skips}), so the "
+                f"run stops; {self._newest_text()}. Lower optim.lr or raise the warm-up, or "
+                f"check the data"
+            )
         if self._stats:
             with torch.no_grad():  # the dropped batch's forward updated them
                 torch._foreach_copy_(self._stats, self._saved)
@@ -195,8 +215,11 @@ class NonFinitePolicy:
         if not self.models:
             return
         tensors = _local_tensors(self.models)
-        counts = torch.stack([(~torch.isfinite(t)).sum().to(self.device) for _, t in tensors]) if tensors else \
-            torch.zeros(1, dtype=torch.int64, device=self.device)
+        counts = (
+            torch.stack([(~torch.isfinite(t)).sum().to(self.device) for _, t in tensors])
+            if tensors
+            else torch.zeros(1, dtype=torch.int64, device=self.device)
+        )
         total = counts.sum().reshape(1)
         if dist.is_initialized():
             dist.all_reduce(total)
@@ -205,9 +228,11 @@ class NonFinitePolicy:
             return
         bad = [name for (name, _), count in zip(tensors, counts.tolist()) if count]
         where = f" ({bad[0]}{f' and {len(bad) - 1} more' if len(bad) > 1 else ''})" if bad else ""
-        raise NonFiniteError(f"after step {step}, {n} values of the model's parameters and buffers are NaN or "
-                             f"infinite{where}: {outcome} and the run stops, whatever train.on_nonfinite says; "
-                             f"{self._newest_text()}. Lower optim.lr or raise the warm-up, or check the data")
+        raise NonFiniteError(
+            f"after step {step}, {n} values of the model's parameters and buffers are NaN or "
+            f"infinite{where}: {outcome} and the run stops, whatever train.on_nonfinite says; "
+            f"{self._newest_text()}. Lower optim.lr or raise the warm-up, or check the data"
+        )
 
     def stepped(self) -> None:
         """A step was applied: the count of non-finite steps in a row starts again."""
@@ -247,10 +272,12 @@ class NonFinitePolicy:
             dist.all_reduce(first, op=dist.ReduceOp.MIN)
         step = int(first.item())
         if step != _NONE_BAD:
-            raise NonFiniteError(f"the loss of step {step} is not finite on every rank and its update was already "
-                                 f"applied (this recipe checks after its step), so the run stops before saving it, "
-                                 f"whatever train.on_nonfinite says; {self._newest_text()}. Lower optim.lr or "
-                                 f"raise the warm-up, or check the data")
+            raise NonFiniteError(
+                f"the loss of step {step} is not finite on every rank and its update was already "
+                f"applied (this recipe checks after its step), so the run stops before saving it, "
+                f"whatever train.on_nonfinite says; {self._newest_text()}. Lower optim.lr or "
+                f"raise the warm-up, or check the data"
+            )
 
 
 def models_in(state: Mapping[str, Any] | None) -> list[torch.nn.Module]:
@@ -267,8 +294,14 @@ def _running_stats(models: Iterable[torch.nn.Module]) -> list[torch.Tensor]:
     """The buffers a training forward updates in place: the running statistics of `models`' norm layers."""
     from torch.nn.modules.batchnorm import _NormBase
 
-    return [b for model in models for m in model.modules() if isinstance(m, _NormBase)
-            for b in m.buffers(recurse=False) if b is not None]
+    return [
+        b
+        for model in models
+        for m in model.modules()
+        if isinstance(m, _NormBase)
+        for b in m.buffers(recurse=False)
+        if b is not None
+    ]
 
 
 def _local_tensors(models: Iterable[torch.nn.Module]) -> list[tuple[str, torch.Tensor]]:
@@ -279,7 +312,10 @@ def _local_tensors(models: Iterable[torch.nn.Module]) -> list[tuple[str, torch.T
             if id(t) in seen:
                 continue
             seen.add(id(t))
-            parts = ([s.tensor for s in t.local_shards()] if hasattr(t, "local_shards")
-                     else [t.to_local() if hasattr(t, "to_local") else t])
+            parts = (
+                [s.tensor for s in t.local_shards()]
+                if hasattr(t, "local_shards")
+                else [t.to_local() if hasattr(t, "to_local") else t]
+            )
             found += [(name, p.detach()) for p in parts if p.is_floating_point() and p.numel() and not p.is_meta]
     return found

@@ -38,12 +38,17 @@ def check_push(checkpoint: Any, key: str = "checkpoint.push_to_hub") -> None:
         if "/" not in repo_id:
             raise HFValidationError("it has no owner")
     except HFValidationError as exc:
-        raise ConfigError(f"{key}={repo_id!r} is not a Hugging Face Hub repo id (org/name): "
-                          f"{str(exc).splitlines()[0]}") from None
-    exports = [getattr(checkpoint, k) for k in ("export_hf", "export_adapter", "export_merged") if hasattr(checkpoint, k)]
+        raise ConfigError(
+            f"{key}={repo_id!r} is not a Hugging Face Hub repo id (org/name): {str(exc).splitlines()[0]}"
+        ) from None
+    exports = [
+        getattr(checkpoint, k) for k in ("export_hf", "export_adapter", "export_merged") if hasattr(checkpoint, k)
+    ]
     if exports and not any(exports):
-        raise ConfigError(f"{key}={repo_id}: nothing to push, the run exports no model (checkpoint.export_hf or "
-                          f"checkpoint.export_adapter is false)")
+        raise ConfigError(
+            f"{key}={repo_id}: nothing to push, the run exports no model (checkpoint.export_hf or "
+            f"checkpoint.export_adapter is false)"
+        )
     if constants.HF_HUB_OFFLINE:
         raise ConfigError(f"{key}={repo_id}: HF_HUB_OFFLINE is set; unset it to push, or leave {key} empty")
     if get_token() is None:
@@ -60,20 +65,33 @@ def _model_card(repo_id: str, config: Mapping[str, Any], metrics: Mapping[str, f
     model = config.get("model", {}) if isinstance(config.get("model"), Mapping) else {}
     if base is None and model.get("pretrained", True) and looks_like_hub_id(str(model.get("name_or_path") or "")):
         base = model["name_or_path"]
-    data = ModelCardData(library_name="peft" if adapter else "transformers", base_model=base or None,
-                         tags=["distributed-training-cookbook", str(config.get("run_name", "run"))])
-    load = (f"from peft import AutoPeftModel\nmodel = AutoPeftModel.from_pretrained({repo_id!r})" if adapter else
-            f"from transformers import AutoModel\nmodel = AutoModel.from_pretrained({repo_id!r})  # or the task's "
-            f"AutoModelFor... class")
+    data = ModelCardData(
+        library_name="peft" if adapter else "transformers",
+        base_model=base or None,
+        tags=["distributed-training-cookbook", str(config.get("run_name", "run"))],
+    )
+    load = (
+        f"from peft import AutoPeftModel\nmodel = AutoPeftModel.from_pretrained({repo_id!r})"
+        if adapter
+        else f"from transformers import AutoModel\nmodel = AutoModel.from_pretrained({repo_id!r})  # or the task's "
+        f"AutoModelFor... class"
+    )
     rows = "\n".join(f"| {k} | {v:.6g} |" for k, v in metrics.items())
-    body = (f"# {repo_id}\n\nTrained with the distributed training cookbook (run `{config.get('run_name', 'run')}`)"
-            f"{f', from {base}' if base else ''}.\n\n## Final metrics\n\n| metric | value |\n|---|---|\n{rows}\n\n"
-            f"## Load\n\n```python\n{load}\n```\n\n## Config\n\n```yaml\n{OmegaConf.to_yaml(OmegaConf.create(dict(config)))}```\n")
+    body = (
+        f"# {repo_id}\n\nTrained with the distributed training cookbook (run `{config.get('run_name', 'run')}`)"
+        f"{f', from {base}' if base else ''}.\n\n## Final metrics\n\n| metric | value |\n|---|---|\n{rows}\n\n"
+        f"## Load\n\n```python\n{load}\n```\n\n## Config\n\n```yaml\n{OmegaConf.to_yaml(OmegaConf.create(dict(config)))}```\n"
+    )
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}"))
 
 
-def push_to_hub(repo_id: str, folder: str | Path, config: Mapping[str, Any], metrics: Mapping[str, float],
-                key: str = "checkpoint.push_to_hub") -> str:
+def push_to_hub(
+    repo_id: str,
+    folder: str | Path,
+    config: Mapping[str, Any],
+    metrics: Mapping[str, float],
+    key: str = "checkpoint.push_to_hub",
+) -> str:
     """Write the model card into `folder` and upload it to the model repo `repo_id` (created if missing); returns the
     commit's URL. Raises HubPushError: one line with the reason and the retry command."""
     from huggingface_hub import HfApi
@@ -83,10 +101,16 @@ def push_to_hub(repo_id: str, folder: str | Path, config: Mapping[str, Any], met
     api = HfApi()
     try:
         api.create_repo(repo_id, repo_type="model", exist_ok=True)
-        commit = api.upload_folder(repo_id=repo_id, folder_path=str(folder), repo_type="model",
-                                   commit_message=f"{config.get('run_name', 'run')}: final export")
+        commit = api.upload_folder(
+            repo_id=repo_id,
+            folder_path=str(folder),
+            repo_type="model",
+            commit_message=f"{config.get('run_name', 'run')}: final export",
+        )
     except Exception as exc:  # noqa: BLE001 - network, authentication, permissions: one line either way
-        raise HubPushError(f"{key}={repo_id}: the upload of {folder} failed ({type(exc).__name__}: "
-                           f"{(str(exc).splitlines() or [''])[0]}); the export is complete on disk: retry with "
-                           f"`hf upload {repo_id} {folder} .`") from None
+        raise HubPushError(
+            f"{key}={repo_id}: the upload of {folder} failed ({type(exc).__name__}: "
+            f"{(str(exc).splitlines() or [''])[0]}); the export is complete on disk: retry with "
+            f"`hf upload {repo_id} {folder} .`"
+        ) from None
     return str(getattr(commit, "commit_url", commit))

@@ -10,9 +10,11 @@ from cookbook import builds
 from cookbook.errors import ConfigError
 
 # The `trackers` key's names -> (the module that writes it, its pip packages, the requirements file that pins them).
-TRACKERS = {"mlflow": ("mlflow", "mlflow-skinny==3.17.2 sqlalchemy==2.0.44 alembic==1.17.1", "requirements/base.txt"),
-            "tensorboard": ("tensorboardX", "tensorboardX==2.6.5", "requirements/base.txt"),
-            "wandb": ("wandb", "wandb==0.31.0", "requirements/trackers.txt")}
+TRACKERS = {
+    "mlflow": ("mlflow", "mlflow-skinny==3.17.2 sqlalchemy==2.0.44 alembic==1.17.1", "requirements/base.txt"),
+    "tensorboard": ("tensorboardX", "tensorboardX==2.6.5", "requirements/base.txt"),
+    "wandb": ("wandb", "wandb==0.31.0", "requirements/trackers.txt"),
+}
 # The viewers a run's closing lines name: tracker -> the pip package (pinned as in TRACKER_UIS_FILE).
 TRACKER_UIS = {"mlflow": "mlflow==3.17.2", "tensorboard": "tensorboard==2.21.0"}  # mlflow: the full one, with its UI
 TRACKER_UIS_FILE = "requirements/trackers.txt"
@@ -31,12 +33,15 @@ def check_trackers(trackers: Sequence[str], key: str = "trackers") -> None:
 
     for name in trackers:
         if name not in TRACKERS:
-            raise ConfigError(f"{key}: unknown tracker {name!r}; choose from {', '.join(TRACKERS)} (metrics.jsonl is "
-                              f"always written)")
+            raise ConfigError(
+                f"{key}: unknown tracker {name!r}; choose from {', '.join(TRACKERS)} (metrics.jsonl is always written)"
+            )
         module, packages, requirements = TRACKERS[name]
         if importlib.util.find_spec(module) is None:
-            raise ConfigError(f"{key}: {name} is selected but the {module} package is not installed: "
-                              f"{install_hint(packages, requirements)}")
+            raise ConfigError(
+                f"{key}: {name} is selected but the {module} package is not installed: "
+                f"{install_hint(packages, requirements)}"
+            )
 
 
 def pinned(package: str, requirements: str | Path) -> str:
@@ -75,8 +80,10 @@ def require(module: str, requirements: str | Path, *, torch_build: bool = False)
             if torch_build:  # PyPI's build is made for PyPI's CUDA torch: name the one for the installed torch
                 import torch
 
-                raise ConfigError(f"{module} is not installed: `{builds.install_line(_project_name(spec), spec=spec)}` (the "
-                                  f"build for torch {torch.__version__})") from None
+                raise ConfigError(
+                    f"{module} is not installed: `{builds.install_line(_project_name(spec), spec=spec)}` (the "
+                    f"build for torch {torch.__version__})"
+                ) from None
             raise ConfigError(f"{module} is not installed: {install_hint(spec, requirements)}") from None
         found = builds.broken_build_in(exc)
         if found is not None:  # cookbook.builds names the build to install
@@ -101,8 +108,10 @@ def _torch_build_hint(spec: str) -> str:
     import torch
 
     name = _project_name(spec)
-    return (f"its build does not match torch {torch.__version__}: install the {name} build made for that torch: "
-            f"`{builds.install_line(name, reinstall=True, spec=spec)}`")
+    return (
+        f"its build does not match torch {torch.__version__}: install the {name} build made for that torch: "
+        f"`{builds.install_line(name, reinstall=True, spec=spec)}`"
+    )
 
 
 def _cause_line(exc: BaseException, limit: int = 200) -> str:
@@ -119,8 +128,10 @@ def import_error_line(exc: ImportError, requirements: str | Path | None = None) 
     name = next((e.name for e in _chain(exc) if isinstance(e, ImportError) and e.name), None)
     what = f"importing {name.split('.')[0]} failed" if name else "an import failed"
     fix = f"`pip install -r {requirements}`" if requirements else "its README's install line"
-    return (f"{what} ({_cause_line(exc)}): a restart cannot install or repair a package; install the recipe's "
-            f"requirements ({fix})")
+    return (
+        f"{what} ({_cause_line(exc)}): a restart cannot install or repair a package; install the recipe's "
+        f"requirements ({fix})"
+    )
 
 
 def _chain(exc: BaseException) -> list[BaseException]:

@@ -43,11 +43,20 @@ class ResumeGuard:
     interrupted save, passed over. Default: whether `files` holds DCP's ``.metadata``.
     """
 
-    def __init__(self, root: str | Path, *, folder: str = "step_<n>", files: tuple[str, ...] = (".metadata",),
-                 run_dir: str | Path | None = None, resume_key: str = "checkpoint.resume", processes: str = "ranks",
-                 cannot_remap: str = "its per-rank data-loader and RNG state cannot be remapped",
-                 same_size: str = "the same number of processes (NGPU x NNODES = {n})", resizable: bool = False,
-                 published: bool | None = None):
+    def __init__(
+        self,
+        root: str | Path,
+        *,
+        folder: str = "step_<n>",
+        files: tuple[str, ...] = (".metadata",),
+        run_dir: str | Path | None = None,
+        resume_key: str = "checkpoint.resume",
+        processes: str = "ranks",
+        cannot_remap: str = "its per-rank data-loader and RNG state cannot be remapped",
+        same_size: str = "the same number of processes (NGPU x NNODES = {n})",
+        resizable: bool = False,
+        published: bool | None = None,
+    ):
         self.root = Path(root)
         self.published = DCP_METADATA in files if published is None else published
         self.bad: dict[Path, str] = {}  # folders whose files did not match their checksums (verify), with why
@@ -81,7 +90,9 @@ class ResumeGuard:
             return f"{META_FILE} is not JSON ({_reason(exc)})"
         if not isinstance(meta, dict):
             return f"{META_FILE} is not a JSON object"
-        listed = _sizes_problem(path, meta[FILES_KEY], listed=True) if isinstance(meta.get(FILES_KEY), Mapping) else None
+        listed = (
+            _sizes_problem(path, meta[FILES_KEY], listed=True) if isinstance(meta.get(FILES_KEY), Mapping) else None
+        )
         return listed or (_dcp_problem(path) if DCP_METADATA in self.files else None)
 
     def _missing(self, path: Path) -> list[str]:
@@ -131,8 +142,11 @@ class ResumeGuard:
         incomplete folder counts only where folders are published complete."""
         after = self.number(newer_than) if newer_than is not None else -1
         found = [(path, self.problem(path)) for number, path in self.candidates() if number > after]
-        return [(path, problem) for path, problem in found
-                if problem is not None and (self.published or path in self.bad or not self._missing(path))]
+        return [
+            (path, problem)
+            for path, problem in found
+            if problem is not None and (self.published or path in self.bad or not self._missing(path))
+        ]
 
     def resolve(self, resume: str | None) -> Path | None:
         """A ``resume`` value as a checkpoint folder: ``"auto"`` (`latest`, damaged newer ones skipped with one
@@ -149,23 +163,31 @@ class ResumeGuard:
             if skipped and path is None:
                 raise CheckpointError(
                     f"{self.resume_key}=auto: no complete checkpoint remains under {self.root}, every one is damaged: "
-                    f"{what}. Restore them from a copy, or start afresh with {self.start_afresh()}")
+                    f"{what}. Restore them from a copy, or start afresh with {self.start_afresh()}"
+                )
             if skipped and _rank() == 0 and not (os.environ.get("COOKBOOK_CHECKED") and not restarted()):
                 # (workers of a first attempt are quiet: `cookbook.launch`'s --check process has said it)
-                which = (f"checkpoint {skipped[0][0]} is damaged ({skipped[0][1]})" if len(skipped) == 1
-                         else f"checkpoints {what} are damaged")
+                which = (
+                    f"checkpoint {skipped[0][0]} is damaged ({skipped[0][1]})"
+                    if len(skipped) == 1
+                    else f"checkpoints {what} are damaged"
+                )
                 get_logger().warning(f"warning: {which}; resuming from {path} instead")
             return path
         path = Path(resume)
         problem = self.verify(path)
         if self._missing(path):
-            raise CheckpointError(f"{self.resume_key}={resume!r} is not a complete checkpoint folder ({problem}): "
-                                  f"use {self.resume_key}=auto (the newest one under {self.root}), none, or the path "
-                                  f"of a {self.folder} folder")
+            raise CheckpointError(
+                f"{self.resume_key}={resume!r} is not a complete checkpoint folder ({problem}): "
+                f"use {self.resume_key}=auto (the newest one under {self.root}), none, or the path "
+                f"of a {self.folder} folder"
+            )
         if problem is not None:
-            raise CheckpointError(f"{self.resume_key}={resume!r} is a damaged checkpoint ({problem}): use "
-                                  f"{self.resume_key}=auto (the newest complete one under {self.root}), none, or the "
-                                  f"path of another {self.folder} folder")
+            raise CheckpointError(
+                f"{self.resume_key}={resume!r} is a damaged checkpoint ({problem}): use "
+                f"{self.resume_key}=auto (the newest complete one under {self.root}), none, or the "
+                f"path of another {self.folder} folder"
+            )
         return path
 
     # ------------------------------------------------------------------ checking
@@ -173,8 +195,14 @@ class ResumeGuard:
         """``"a new output_dir (or delete <run_dir>)"``, the advice every message gives."""
         return "a new output_dir" + (f" (or delete {self.run_dir})" if self.run_dir is not None else "")
 
-    def check(self, resume: str | None, world_size: int | None, config: Mapping[str, Any] | None = None,
-              may_change: tuple[str, ...] = (), stop_at: tuple[str, int] = ("train.stop_at_step", -1)) -> Path | None:
+    def check(
+        self,
+        resume: str | None,
+        world_size: int | None,
+        config: Mapping[str, Any] | None = None,
+        may_change: tuple[str, ...] = (),
+        stop_at: tuple[str, int] = ("train.stop_at_step", -1),
+    ) -> Path | None:
         """The checkpoint to resume from (None: start fresh), checked against this run: `world_size` (None: later,
         `check_world_size`), `config` but for `may_change` (dotted keys, ``section.*``), and `stop_at` ``(key, value)``.
         A restarted worker resumes from the newest checkpoint. Raises CheckpointError: no such checkpoint; "none"
@@ -187,7 +215,8 @@ class ResumeGuard:
                 raise CheckpointError(
                     f"{self.resume_key}={resume!r} but {self.root} holds checkpoints of an earlier run, which a later "
                     f"resume=auto would pick up: start afresh with a new output_dir (or delete "
-                    f"{self.run_dir or self.root})")
+                    f"{self.run_dir or self.root})"
+                )
             return None
         meta = read_meta(path)
         if world_size is not None:
@@ -196,60 +225,93 @@ class ResumeGuard:
                 may_change = (*may_change, *_BATCH_KEYS)
         diff = config_changes(meta["config"], config, may_change) if config is not None and "config" in meta else ""
         if diff:
-            raise CheckpointError(f"{path} was written with other settings ({diff}); resuming would mix two runs. " +
-                                  (self._length_changed(path, meta, config) or
-                                   f"Use the same settings, or start afresh with {self.start_afresh()}"))
+            raise CheckpointError(
+                f"{path} was written with other settings ({diff}); resuming would mix two runs. "
+                + (
+                    self._length_changed(path, meta, config)
+                    or f"Use the same settings, or start afresh with {self.start_afresh()}"
+                )
+            )
         key, value = stop_at
         unit = key.rsplit("_", 1)[-1]
         if 0 < value <= meta.get(unit, 0):
-            raise CheckpointError(f"{key}={value} is not after the checkpoint {path} ({unit} {meta[unit]}): raise it, "
-                                  f"or remove it to train to the end")
+            raise CheckpointError(
+                f"{key}={value} is not after the checkpoint {path} ({unit} {meta[unit]}): raise it, "
+                f"or remove it to train to the end"
+            )
         return path
 
     def _length_changed(self, path: Path, meta: Mapping[str, Any], config: Mapping[str, Any]) -> str | None:
         """Why a resume may not change ``train.max_steps`` / ``train.epochs``, or None when the length is the same."""
         old, new = flatten(meta["config"]), flatten(config)
         by_steps = all(isinstance(c.get("train.max_steps"), int) and c["train.max_steps"] > 0 for c in (old, new))
-        key = next((k for k in _LENGTH_KEYS if k in old and old.get(k) != new.get(k)
-                    and not (k == "train.epochs" and by_steps)), None)  # train.max_steps > 0 overrides train.epochs
+        key = next(
+            (
+                k
+                for k in _LENGTH_KEYS
+                if k in old and old.get(k) != new.get(k) and not (k == "train.epochs" and by_steps)
+            ),
+            None,
+        )  # train.max_steps > 0 overrides train.epochs
         if key is None:
             return None
         unit, was, done = _LENGTH_KEYS[key], old[key], meta.get(_LENGTH_KEYS[key], 0)
         finished = isinstance(was, int) and 0 < was <= done
-        where = f"It is {unit} {done} of a run of {key}={was}" if unit == "step" else f"It was written by a run of {key}={was}"
-        what = (f"It is the end of a finished run ({unit} {done} of {key}={was}), and a finished run cannot be extended"
-                if finished else f"{where}, and a resume cannot change a run's length")
-        stop = next((k for k in (f"train.stop_at_{unit}", "train.stop_at_step", "train.stop_at_epoch") if k in new), None)
-        weights = ("; it starts from model.name_or_path, so name the model this run exported there (such as its "
-                   "output_dir's final folder) to start from this run's weights" if "model.name_or_path" in new else "")
+        where = (
+            f"It is {unit} {done} of a run of {key}={was}"
+            if unit == "step"
+            else f"It was written by a run of {key}={was}"
+        )
+        what = (
+            f"It is the end of a finished run ({unit} {done} of {key}={was}), and a finished run cannot be extended"
+            if finished
+            else f"{where}, and a resume cannot change a run's length"
+        )
+        stop = next(
+            (k for k in (f"train.stop_at_{unit}", "train.stop_at_step", "train.stop_at_epoch") if k in new), None
+        )
+        weights = (
+            "; it starts from model.name_or_path, so name the model this run exported there (such as its "
+            "output_dir's final folder) to start from this run's weights"
+            if "model.name_or_path" in new
+            else ""
+        )
         split = f". To split one run into parts, keep {key} and set {stop} (each part resumes the last)" if stop else ""
-        return (f"{what}: the learning-rate schedule is laid out over {key} (its decay ends there, a warm-up ratio is a "
-                f"fraction of it), so the steps after the checkpoint would follow another schedule than the one that "
-                f"brought the run there. To train longer, start a new run with {key}={new.get(key)} in "
-                f"{self.start_afresh()}{weights}{split}")
+        return (
+            f"{what}: the learning-rate schedule is laid out over {key} (its decay ends there, a warm-up ratio is a "
+            f"fraction of it), so the steps after the checkpoint would follow another schedule than the one that "
+            f"brought the run there. To train longer, start a new run with {key}={new.get(key)} in "
+            f"{self.start_afresh()}{weights}{split}"
+        )
 
-    def check_world_size(self, path: str | Path, meta: Mapping[str, Any], world_size: int,
-                         config: Mapping[str, Any] | None = None) -> None:
+    def check_world_size(
+        self, path: str | Path, meta: Mapping[str, Any], world_size: int, config: Mapping[str, Any] | None = None
+    ) -> None:
         """Raise CheckpointError for a checkpoint another number of processes wrote (with `resizable`: another
         global batch, `config` needed), naming both, why, and what to set instead."""
         n = meta.get("world_size")
         if self.resizable:
             self._check_global_batch(path, meta, world_size, config)
         elif n not in (None, world_size):
-            raise CheckpointError(f"{path} was written by {n} {self.processes} but this job has {world_size}: "
-                                  f"{self.cannot_remap} (resuming on another number of processes is supported by "
-                                  f"{resizable_recipes()} only). Resume with {self.same_size.format(n=n)}, or start "
-                                  f"afresh with {self.start_afresh()}")
+            raise CheckpointError(
+                f"{path} was written by {n} {self.processes} but this job has {world_size}: "
+                f"{self.cannot_remap} (resuming on another number of processes is supported by "
+                f"{resizable_recipes()} only). Resume with {self.same_size.format(n=n)}, or start "
+                f"afresh with {self.start_afresh()}"
+            )
 
-    def _check_global_batch(self, path: str | Path, meta: Mapping[str, Any], world_size: int,
-                            config: Mapping[str, Any] | None) -> None:
+    def _check_global_batch(
+        self, path: str | Path, meta: Mapping[str, Any], world_size: int, config: Mapping[str, Any] | None
+    ) -> None:
         """`check_world_size` of a resizable run: the global batch must be the checkpoint's."""
         n = meta.get("world_size")
         if config is None or "config" not in meta:
             if n not in (None, world_size):
-                raise CheckpointError(f"{path} was written by {n} {self.processes} but this job has {world_size}, and "
-                                      f"its global batch cannot be told (no config to compare): resume with "
-                                      f"{self.same_size.format(n=n)}")
+                raise CheckpointError(
+                    f"{path} was written by {n} {self.processes} but this job has {world_size}, and "
+                    f"its global batch cannot be told (no config to compare): resume with "
+                    f"{self.same_size.format(n=n)}"
+                )
             return
         if n is None:
             return
@@ -264,18 +326,24 @@ class ResumeGuard:
         if target % (accum * world_size) == 0 and target // (accum * world_size) != micro:
             k = target // (accum * world_size)
             ways.append(f"{_BATCH_KEYS[0]}={k} ({k} x {accum} x {world_size} = {target})")
-        todo = (f"set {' or '.join(ways)}" if ways else
-                f"no micro-batch x accumulation x {world_size} makes {target}" if target % world_size else
-                f"set {_BATCH_KEYS[0]} x {_BATCH_KEYS[1]} = {target // world_size}")
+        todo = (
+            f"set {' or '.join(ways)}"
+            if ways
+            else f"no micro-batch x accumulation x {world_size} makes {target}"
+            if target % world_size
+            else f"set {_BATCH_KEYS[0]} x {_BATCH_KEYS[1]} = {target // world_size}"
+        )
         raise CheckpointError(
             f"{path} was written with a global batch of {target} samples ({was[1]} micro-batch x {was[2]} accumulation "
             f"x {n} {_plural(self.processes, n)}) but this job's is {now[0]} ({micro} x {accum} x {world_size}); a resume "
             f"keeps the global batch, so that a step, max_steps, the learning-rate schedule and the data position keep "
             f"their meaning. To continue on {world_size} {_plural(self.processes, world_size)}, {todo}; or resume with "
-            f"{self.same_size.format(n=n)}, or start afresh with {self.start_afresh()}")
+            f"{self.same_size.format(n=n)}, or start afresh with {self.start_afresh()}"
+        )
 
-    def already_complete(self, done: int, total: int | None, unit: str = "step",
-                         outputs: Mapping[str, str | Path] = {}) -> str:
+    def already_complete(
+        self, done: int, total: int | None, unit: str = "step", outputs: Mapping[str, str | Path] = {}
+    ) -> str:
         """``already complete: 40 of 40 steps; model in <dir>/final. To train again, use a new output_dir ...``."""
         count = f"{done} of {total}" if total is not None else f"{done}"
         where = "".join(f"{', ' if i else '; '}{what} in {path}" for i, (what, path) in enumerate(outputs.items()))
@@ -285,8 +353,9 @@ class ResumeGuard:
 def resizable_recipes() -> str:
     """The recipes whose ``train.py`` says ``RESIZABLE = True`` (they resume on another world size), as words."""
     recipes = Path(__file__).resolve().parents[2] / "recipes"
-    names = sorted(t.parent.name for t in recipes.glob("*/train.py")
-                   if re.search(r"^RESIZABLE = True\b", t.read_text(), re.M))
+    names = sorted(
+        t.parent.name for t in recipes.glob("*/train.py") if re.search(r"^RESIZABLE = True\b", t.read_text(), re.M)
+    )
     if not names:
         return "the recipes whose train.py says RESIZABLE = True"
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
@@ -305,8 +374,9 @@ def global_batch(config: Mapping[str, Any], world_size: int) -> tuple[int, int, 
 
 def restarted() -> bool:
     """Whether the launcher restarted this worker's group (``COOKBOOK_RESTART_COUNT`` or torchrun's count above 0)."""
-    return any(os.environ.get(k, "0").strip() not in ("", "0")
-               for k in (RESTART_COUNT_ENV, "TORCHELASTIC_RESTART_COUNT"))
+    return any(
+        os.environ.get(k, "0").strip() not in ("", "0") for k in (RESTART_COUNT_ENV, "TORCHELASTIC_RESTART_COUNT")
+    )
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:
@@ -331,8 +401,11 @@ def file_sizes(folder: str | Path) -> dict[str, int]:
 
 def _files(folder: str | Path) -> dict[str, Path]:
     folder = Path(folder)
-    return {p.relative_to(folder).as_posix(): p for p in sorted(folder.rglob("*"))
-            if p.is_file() and p.relative_to(folder).as_posix() != META_FILE}
+    return {
+        p.relative_to(folder).as_posix(): p
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.relative_to(folder).as_posix() != META_FILE
+    }
 
 
 def _hasher() -> tuple[str, Any]:
@@ -419,8 +492,12 @@ def config_changes(old: Mapping[str, Any], new: Mapping[str, Any], may_change: t
     (``section.*`` a whole section; ``"key=value"`` a key `old` lacks that `new` has at that default)."""
     old, new = flatten(old), flatten(new)
     added = dict(m.split("=", 1) for m in may_change if "=" in m)
-    changed = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)
-               and not any(k == m or (m.endswith(".*") and k.startswith(m[:-1])) for m in may_change)
-               and not (k in added and k not in old and str(new.get(k)) == added[k])]
+    changed = [
+        k
+        for k in sorted(set(old) | set(new))
+        if old.get(k) != new.get(k)
+        and not any(k == m or (m.endswith(".*") and k.startswith(m[:-1])) for m in may_change)
+        and not (k in added and k not in old and str(new.get(k)) == added[k])
+    ]
     diff = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed[:6])
     return diff + (", ..." if len(changed) > 6 else "")

@@ -43,11 +43,14 @@ def acquire(output_dir: str | Path, node_rank: int | str = 0) -> int:
     except BlockingIOError:
         holder = os.read(fd, 512).decode(errors="replace").strip() or "another process"
         os.close(fd)
-        raise RunLocked(f"output_dir={output_dir} is in use by the run of {holder}; wait for it to end, stop it, "
-                          f"or choose another output_dir") from None
+        raise RunLocked(
+            f"output_dir={output_dir} is in use by the run of {holder}; wait for it to end, stop it, "
+            f"or choose another output_dir"
+        ) from None
     os.ftruncate(fd, 0)
-    os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()} (since {time.strftime('%Y-%m-%d %H:%M:%S')})"
-             .encode())
+    os.write(
+        fd, f"pid {os.getpid()} on host {socket.gethostname()} (since {time.strftime('%Y-%m-%d %H:%M:%S')})".encode()
+    )
     os.set_inheritable(fd, False)
     return fd
 
@@ -85,8 +88,12 @@ def mark_complete(output_dir: str | Path, config: dict, message: str, outputs: d
 
     path = Path(output_dir) / _COMPLETE_FILE
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"output_dir": os.path.abspath(output_dir), "config": config, "message": message,
-                               "outputs": outputs}, default=str))
+    tmp.write_text(
+        json.dumps(
+            {"output_dir": os.path.abspath(output_dir), "config": config, "message": message, "outputs": outputs},
+            default=str,
+        )
+    )
     os.replace(tmp, path)
 
 
@@ -100,11 +107,15 @@ def complete_message(output_dir: str | Path, config: dict, may_change: tuple[str
         done = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(done, dict) or done.get("output_dir") != os.path.abspath(Path(output_dir).expanduser()) \
-            or not all(Path(p).exists() for p in done.get("outputs", {}).values()):
+    if (
+        not isinstance(done, dict)
+        or done.get("output_dir") != os.path.abspath(Path(output_dir).expanduser())
+        or not all(Path(p).exists() for p in done.get("outputs", {}).values())
+    ):
         return None  # a copied folder, or outputs deleted since: the run decides as usual
-    same = _comparable(done.get("config", {}), may_change) == _comparable(json.loads(json.dumps(config, default=str)),
-                                                                         may_change)
+    same = _comparable(done.get("config", {}), may_change) == _comparable(
+        json.loads(json.dumps(config, default=str)), may_change
+    )
     return str(done.get("message")) if same else None
 
 

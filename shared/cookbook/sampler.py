@@ -21,8 +21,15 @@ class ResizableSampler(DistributedSampler):
     """`DistributedSampler` (same arguments) whose position in the epoch is global: from an epoch's start the same;
     after `load_state_dict` at ``consumed = c`` a pass yields ``order[c + r :: num_replicas]``, cut or padded alike."""
 
-    def __init__(self, dataset, num_replicas: int | None = None, rank: int | None = None, shuffle: bool = True,
-                 seed: int = 0, drop_last: bool = False) -> None:
+    def __init__(
+        self,
+        dataset,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
         self.start = 0  # samples of this epoch the whole job consumed before the current pass
         self.yielded = 0  # indices this rank has yielded in the current pass
@@ -50,11 +57,11 @@ class ResizableSampler(DistributedSampler):
 
     def __iter__(self) -> Iterator[int]:
         order = self.order()
-        indices = order[self.start:]
+        indices = order[self.start :]
         total = len(self) * self.num_replicas
         if len(indices) < total:  # drop_last=False: pad from the epoch's start, as DistributedSampler does
             indices += (order * math.ceil((total - len(indices)) / len(order)))[: total - len(indices)]
-        mine = indices[:total][self.rank::self.num_replicas]
+        mine = indices[:total][self.rank :: self.num_replicas]
         self.yielded = 0
         return self._count(mine)
 
@@ -94,16 +101,20 @@ class DataPosition:
 
     def __init__(self, loader) -> None:
         if not isinstance(getattr(loader, "sampler", None), ResizableSampler):
-            raise TypeError(f"DataPosition needs a loader whose sampler is a ResizableSampler, got "
-                            f"{type(getattr(loader, 'sampler', None)).__name__}")
+            raise TypeError(
+                f"DataPosition needs a loader whose sampler is a ResizableSampler, got "
+                f"{type(getattr(loader, 'sampler', None)).__name__}"
+            )
         self.loader, self.sampler = loader, loader.sampler
 
     def state_dict(self) -> dict[str, Any]:
         """The sampler's state as of the last batch the loader yielded; RuntimeError: the loader keeps none."""
         found = _find_tagged(self.loader.state_dict())
         if found is None:
-            raise RuntimeError(f"{type(self.loader).__name__}.state_dict() holds no {STATE_TAG} state: use torchdata's "
-                               f"StatefulDataLoader, which keeps a stateful sampler's state")
+            raise RuntimeError(
+                f"{type(self.loader).__name__}.state_dict() holds no {STATE_TAG} state: use torchdata's "
+                f"StatefulDataLoader, which keeps a stateful sampler's state"
+            )
         return {STATE_TAG: dict(found[STATE_TAG])}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

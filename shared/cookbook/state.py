@@ -10,7 +10,12 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 
 
 def _rank() -> int:
@@ -21,8 +26,12 @@ class ModelOptimizerState:
     """DCP ``Stateful`` for a model and its optimizer (DDP, FSDP2 or plain) through ``get_state_dict`` /
     ``set_state_dict``: no DDP ``module.`` prefix, FSDP2 parameters as sharded DTensors, optimizer state by name."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 options: StateDictOptions | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        options: StateDictOptions | None = None,
+    ):
         self.model, self.optimizer = model, optimizer
         self.options = options  # e.g. StateDictOptions(ignore_frozen_params=True): adapters only (LoRA)
 
@@ -34,8 +43,13 @@ class ModelOptimizerState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         optimizers = [] if self.optimizer is None else self.optimizer
-        set_state_dict(self.model, optimizers, model_state_dict=state["model"], options=self.options,
-                       optim_state_dict=state.get("optim", {}) if self.optimizer is not None else {})
+        set_state_dict(
+            self.model,
+            optimizers,
+            model_state_dict=state["model"],
+            options=self.options,
+            optim_state_dict=state.get("optim", {}) if self.optimizer is not None else {},
+        )
 
 
 class RankLocalState:

@@ -64,8 +64,10 @@ def _csv_records(p: Path, columns: Sequence[str], header: bool) -> Iterator[tupl
         if len(fields) > width:
             raise DataError(f"{where}: {len(fields)} fields, expected {width} ({_columns(columns)})")
         if len(fields) < width:
-            raise DataError(f"{where}: missing field '{columns[len(fields)]}' ({len(fields)} of {width} fields: "
-                            f"{_columns(columns)})")
+            raise DataError(
+                f"{where}: missing field '{columns[len(fields)]}' ({len(fields)} of {width} fields: "
+                f"{_columns(columns)})"
+            )
         yield where, dict(zip(columns, fields))
 
 
@@ -140,8 +142,9 @@ def _existing(path: str | Path) -> tuple[Path, str]:
     return p, p.suffix.lower()
 
 
-def records(path: str | Path, required: Sequence[str] = (), csv_columns: Sequence[str] | None = None,
-            csv_header: bool = True) -> Iterator[tuple[str, dict[str, Any]]]:
+def records(
+    path: str | Path, required: Sequence[str] = (), csv_columns: Sequence[str] | None = None, csv_header: bool = True
+) -> Iterator[tuple[str, dict[str, Any]]]:
     """The rows of a CSV, TSV, JSON, JSONL or parquet file (by suffix) as ``(where, {column: value})``; `required`
     columns every row must have (parquet: the only ones read); `csv_columns` (None: the header's), `csv_header`.
     Raises DataError: a missing file or other type; a required column missing; or as the readers above."""

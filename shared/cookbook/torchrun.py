@@ -21,16 +21,35 @@ import sys
 import time
 from typing import Iterable, Sequence
 
-from cookbook.errors import (AGENT_PID_ENV, EXIT_BUG, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_PEER_LOST, EXIT_PREEMPTED,
-                             EXIT_USER_ERROR, LAST_STEP_KEY, LAUNCH_TIME_ENV, RESTART_COUNT_ENV)
+from cookbook.errors import (
+    AGENT_PID_ENV,
+    EXIT_BUG,
+    EXIT_DIVERGED,
+    EXIT_INTERRUPTED,
+    EXIT_PEER_LOST,
+    EXIT_PREEMPTED,
+    EXIT_USER_ERROR,
+    LAST_STEP_KEY,
+    LAUNCH_TIME_ENV,
+    RESTART_COUNT_ENV,
+)
 
-_MEANING = {EXIT_BUG: "a failure, its traceback is above", EXIT_USER_ERROR: "bad configuration, data or checkpoint",
-            EXIT_PEER_LOST: "it lost contact with another rank", EXIT_INTERRUPTED: "interrupted",
-            EXIT_PREEMPTED: "preempted after a checkpoint", EXIT_DIVERGED: "a non-finite loss or gradient"}
-_PREEMPTED = ("preempted: the workers were asked to save a checkpoint at a step boundary and stop; run the same "
-             f"command again to continue (exit status {EXIT_PREEMPTED})")
-_INTERRUPTED = ("interrupted (Ctrl-C): the workers were stopped; run the same command again to resume from the newest "
-                f"checkpoint (exit status {EXIT_INTERRUPTED})")
+_MEANING = {
+    EXIT_BUG: "a failure, its traceback is above",
+    EXIT_USER_ERROR: "bad configuration, data or checkpoint",
+    EXIT_PEER_LOST: "it lost contact with another rank",
+    EXIT_INTERRUPTED: "interrupted",
+    EXIT_PREEMPTED: "preempted after a checkpoint",
+    EXIT_DIVERGED: "a non-finite loss or gradient",
+}
+_PREEMPTED = (
+    "preempted: the workers were asked to save a checkpoint at a step boundary and stop; run the same "
+    f"command again to continue (exit status {EXIT_PREEMPTED})"
+)
+_INTERRUPTED = (
+    "interrupted (Ctrl-C): the workers were stopped; run the same command again to resume from the newest "
+    f"checkpoint (exit status {EXIT_INTERRUPTED})"
+)
 _RESTARTED_STATUSES = (EXIT_BUG, EXIT_PEER_LOST)
 # Signals that ask a process to stop (a scheduler, a terminal, Slurm's warning): a worker they ended is not restarted.
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
@@ -46,14 +65,19 @@ def describe_failure(rank: int, exitcode: int) -> tuple[str, int]:
         line = f"error: rank {rank} was killed by {_signal_name(-exitcode)}; the other ranks were stopped"
         return line, 128 - exitcode
     meaning = _MEANING.get(exitcode, "see its output above")
-    return f"error: rank {rank} failed first (exit status {exitcode}: {meaning}); the other ranks were stopped", exitcode
+    return (
+        f"error: rank {rank} failed first (exit status {exitcode}: {meaning}); the other ranks were stopped",
+        exitcode,
+    )
 
 
 def should_restart(exitcode: int, exitcodes: Iterable[int] = ()) -> bool:
     """Whether a failed group is worth starting again: the first failure (`exitcode`; negative: a signal) is a
     kill by a signal not in `_STOP_SIGNALS`, or status 1 or 3, and none of `exitcodes` is 2, 4, 75 or 130.
     """
-    if any(code in (EXIT_USER_ERROR, EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_INTERRUPTED) for code in (exitcode, *exitcodes)):
+    if any(
+        code in (EXIT_USER_ERROR, EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_INTERRUPTED) for code in (exitcode, *exitcodes)
+    ):
         return False
     if exitcode < 0:
         return -exitcode not in [int(s) for s in _STOP_SIGNALS]
@@ -62,8 +86,10 @@ def should_restart(exitcode: int, exitcodes: Iterable[int] = ()) -> bool:
 
 # The stalled ranks in `cookbook.dist.describe_stall`'s line, which a healthy rank whose collective timed out
 # records in its error file: ": rank 1 (pid 4242 on node7) last finished step 2, ... - it is stalled".
-_STALLED = re.compile(r": ((?:rank \d+(?: \(pid [^)]*\))?, )*rank \d+(?: \(pid [^)]*\))?) "
-                      r"(?:last finished|are behind|did not reach).* - (?:it is|they are) stalled")
+_STALLED = re.compile(
+    r": ((?:rank \d+(?: \(pid [^)]*\))?, )*rank \d+(?: \(pid [^)]*\))?) "
+    r"(?:last finished|are behind|did not reach).* - (?:it is|they are) stalled"
+)
 
 
 def _stalled_ranks(message: str | dict | None) -> list[int]:
@@ -92,8 +118,10 @@ def _restart_line(attempt: int, max_restarts: int, rank: int, exitcode: int, sta
     record), the ranks that stalled instead: `rank`'s collective timed out waiting for them."""
     if stalled:
         many = len(stalled) > 1
-        what = (f"rank{'s' if many else ''} {', '.join(map(str, stalled))} stalled (rank {rank}'s collective timed "
-                f"out waiting for {'them' if many else 'it'})")
+        what = (
+            f"rank{'s' if many else ''} {', '.join(map(str, stalled))} stalled (rank {rank}'s collective timed "
+            f"out waiting for {'them' if many else 'it'})"
+        )
     elif exitcode < 0:
         what = f"rank {rank} was killed by {_signal_name(-exitcode)}"
     else:
@@ -156,18 +184,28 @@ def main(argv: list[str] | None = None) -> int:
                 if attempt and seen is not None and seen == last_seen:
                     repeated = seen[-1]
                 last_seen = seen
-                if (attempt < max_restarts and not _stop_asked and repeated is None
-                        and should_restart(failure.exitcode, codes)):
+                if (
+                    attempt < max_restarts
+                    and not _stop_asked
+                    and repeated is None
+                    and should_restart(failure.exitcode, codes)
+                ):
                     attempt += 1
-                    stalled = next((found for f in (failure, *exc.failures.values())
-                                    if (found := _stalled_ranks(f.message))), [])
-                    print(_restart_line(attempt, max_restarts, rank, failure.exitcode, stalled), file=sys.stderr,
-                          flush=True)
+                    stalled = next(
+                        (found for f in (failure, *exc.failures.values()) if (found := _stalled_ranks(f.message))), []
+                    )
+                    print(
+                        _restart_line(attempt, max_restarts, rank, failure.exitcode, stalled),
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     continue
                 line, status = describe_failure(rank, failure.exitcode)
                 if repeated is not None:
-                    line += (f"; the same error as before restart {attempt}, after the same step "
-                             f"({repeated}): not restarted again, it would repeat")
+                    line += (
+                        f"; the same error as before restart {attempt}, after the same step "
+                        f"({repeated}): not restarted again, it would repeat"
+                    )
                 elif attempt:
                     line += f" (after {attempt} restart{'s' if attempt > 1 else ''})"
                 print(line, file=sys.stderr)

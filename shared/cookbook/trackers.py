@@ -226,9 +226,16 @@ class WandbSink(Sink):
 
         run_id = os.environ.get("WANDB_RUN_ID") or _run_id_of_last_time(self._run_id_file)
         settings = wandb.Settings(console="off", silent=True, disable_git=True, save_code=False)
-        self._run = wandb.init(project=os.environ.get("WANDB_PROJECT") or experiment, name=run_name, dir=str(out_dir),
-                               config=dict(params), mode=self.mode, id=run_id, resume="allow" if run_id else None,
-                               settings=settings)
+        self._run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT") or experiment,
+            name=run_name,
+            dir=str(out_dir),
+            config=dict(params),
+            mode=self.mode,
+            id=run_id,
+            resume="allow" if run_id else None,
+            settings=settings,
+        )
         self._run_id_file.write_text(self._run.id)
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:

@@ -2,9 +2,34 @@
 workers call ``ray.train.report``. The driver: `RayDriver`; the workers: `worker_entry`, `WorkerRun`;
 ``python -m cookbook.ray_train.launch``: what each ``launch.sh`` runs."""
 
-from cookbook.ray_train.driver import (EPOCH_MAY_CHANGE, EpochRunConfig, EpochTrainConfig, RayConfig, RayDriver,
-                                       plan_workers)
-from cookbook.ray_train.worker import RecipeError, WorkerRun, config_from_dict, load_checkpoint, worker_entry, worker_info
+from cookbook.ray_train.driver import (
+    EPOCH_MAY_CHANGE,
+    EpochRunConfig,
+    EpochTrainConfig,
+    RayConfig,
+    RayDriver,
+    plan_workers,
+)
+from cookbook.ray_train.worker import (
+    RecipeError,
+    WorkerRun,
+    config_from_dict,
+    load_checkpoint,
+    worker_entry,
+    worker_info,
+)
 
-__all__ = ["EPOCH_MAY_CHANGE", "EpochRunConfig", "EpochTrainConfig", "RayConfig", "RayDriver", "RecipeError",
-           "WorkerRun", "config_from_dict", "load_checkpoint", "plan_workers", "worker_entry", "worker_info"]
+__all__ = [
+    "EPOCH_MAY_CHANGE",
+    "EpochRunConfig",
+    "EpochTrainConfig",
+    "RayConfig",
+    "RayDriver",
+    "RecipeError",
+    "WorkerRun",
+    "config_from_dict",
+    "load_checkpoint",
+    "plan_workers",
+    "worker_entry",
+    "worker_info",
+]

@@ -48,7 +48,9 @@ class _EpochCheckpointConfig:
 
 @dataclass
 class EpochTrainConfig:  # the ``train`` keys of an epoch-based Ray recipe that cookbook reads; the recipe adds its own
-    on_nonfinite: str = "stop"  # a step with a NaN/inf loss or gradient norm: stop (exit 4) or skip (drop its batch, go on)
+    on_nonfinite: str = (
+        "stop"  # a step with a NaN/inf loss or gradient norm: stop (exit 4) or skip (drop its batch, go on)
+    )
     max_consecutive_skips: int = 5  # on_nonfinite=skip: the run stops at one more non-finite step in a row
     collective_timeout_s: float = 1800.0  # a collective waiting longer ends the run, naming the worker that is behind
 
@@ -65,8 +67,19 @@ class EpochRunConfig:  # the top level of an epoch-based Ray recipe's schema; th
 
 
 # Settings of an epoch-based Ray recipe that may differ between a checkpoint and the run that resumes it.
-EPOCH_MAY_CHANGE = ("output_dir", "run_name", "mlflow", "trackers", "ray.*", "train.stop_at_epoch", "train.log_every",
-                    "train.on_nonfinite", "train.max_consecutive_skips", "train.collective_timeout_s", "checkpoint.*")
+EPOCH_MAY_CHANGE = (
+    "output_dir",
+    "run_name",
+    "mlflow",
+    "trackers",
+    "ray.*",
+    "train.stop_at_epoch",
+    "train.log_every",
+    "train.on_nonfinite",
+    "train.max_consecutive_skips",
+    "train.collective_timeout_s",
+    "checkpoint.*",
+)
 
 
 class RayDriver:
@@ -88,8 +101,9 @@ class RayDriver:
 
     def check_resume(self, may_change: tuple[str, ...]) -> RayDriver:
         """Check the resume (``resume``, its ``meta``) but for the settings `may_change`; returns the driver."""
-        self.resume = _check_resume(self.guard, getattr(self.cfg.checkpoint, "resume", "auto"), to_dict(self.cfg),
-                                    may_change, self.stop_at)
+        self.resume = _check_resume(
+            self.guard, getattr(self.cfg.checkpoint, "resume", "auto"), to_dict(self.cfg), may_change, self.stop_at
+        )
         self.meta = read_meta(self.resume) if self.resume is not None else None
         if self.workers is not None and self.resume is not None:
             self.guard.check_world_size(self.resume, self.meta, self.workers)
@@ -132,8 +146,12 @@ class RayDriver:
 
     def loop_config(self, script: str) -> dict[str, Any]:
         """``train_loop_config`` for `worker_entry`: the recipe file `script`, the config, the resume, the stop key."""
-        return {"script": str(Path(script).resolve()), "config": to_dict(self.cfg), "stop_key": self._stop.key,
-                "announced": self.resume.name if self.resume is not None else None}
+        return {
+            "script": str(Path(script).resolve()),
+            "config": to_dict(self.cfg),
+            "stop_key": self._stop.key,
+            "announced": self.resume.name if self.resume is not None else None,
+        }
 
     @property
     def resources_per_worker(self) -> dict[str, float]:
@@ -149,12 +167,17 @@ class RayDriver:
         raise_save_error(returned.get(SAVE_FAILED))
         checkpoint = result.checkpoint.path if result.checkpoint else None
         if self._stop.signum is not None and (result.metrics or {}).get("preempted"):
-            print(f"preempted ({signal.Signals(self._stop.signum).name}): every worker stopped after step "
-                  f"{result.metrics.get('step')}{f' and saved {checkpoint}' if checkpoint else ''}; run the same "
-                  f"command again to continue (exit status {EXIT_PREEMPTED})", file=sys.stderr)
+            print(
+                f"preempted ({signal.Signals(self._stop.signum).name}): every worker stopped after step "
+                f"{result.metrics.get('step')}{f' and saved {checkpoint}' if checkpoint else ''}; run the same "
+                f"command again to continue (exit status {EXIT_PREEMPTED})",
+                file=sys.stderr,
+            )
             raise Preempted(EXIT_PREEMPTED)
-        print(f"done: {result.metrics} | checkpoint {checkpoint} | metrics {Path(self.cfg.output_dir) / 'metrics.jsonl'}",
-              file=sys.stderr)
+        print(
+            f"done: {result.metrics} | checkpoint {checkpoint} | metrics {Path(self.cfg.output_dir) / 'metrics.jsonl'}",
+            file=sys.stderr,
+        )
         return result
 
 
@@ -183,9 +206,13 @@ class _StopOnSignal(StopRequest):
 
     def _ask(self) -> None:  # set by a signal or by __exit__
         from ray.experimental.internal_kv import _internal_kv_put
+
         if self._asked.wait() and self.signum is not None:
-            print(f"{signal.Signals(self.signum).name}: the workers stop after their next step and save a "
-                  f"checkpoint (send it again to stop at once)", file=sys.stderr)
+            print(
+                f"{signal.Signals(self.signum).name}: the workers stop after their next step and save a "
+                f"checkpoint (send it again to stop at once)",
+                file=sys.stderr,
+            )
             _internal_kv_put(self.key, b"1")
 
     def __enter__(self) -> _StopOnSignal:
@@ -201,6 +228,7 @@ class _StopOnSignal(StopRequest):
         self._thread.join(timeout=5)
         if self.signum is not None:
             from ray.experimental.internal_kv import _internal_kv_del
+
             _internal_kv_del(self.key)
 
 
@@ -210,9 +238,15 @@ class _RayCheckpoints(ResumeGuard):
     unregistered (Ray registers a report once every worker has made it)."""
 
     def __init__(self, output_dir: str | Path, unit: str):
-        super().__init__(output_dir, folder=f"checkpoint_{unit}_<n>", files=(STATE_FILE,), run_dir=output_dir,
-                         processes="workers", same_size="ray.num_workers={n}",
-                         cannot_remap="the global batch, learning rate and steps per epoch would change mid-run")
+        super().__init__(
+            output_dir,
+            folder=f"checkpoint_{unit}_<n>",
+            files=(STATE_FILE,),
+            run_dir=output_dir,
+            processes="workers",
+            same_size="ray.num_workers={n}",
+            cannot_remap="the global batch, learning rate and steps per epoch would change mid-run",
+        )
 
     def latest(self) -> Path | None:
         """The newest checkpoint Ray registered (a damaged one gives way to the newest earlier one), or ``None``."""
@@ -221,10 +255,14 @@ class _RayCheckpoints(ResumeGuard):
             return None
         path = self.root / name
         if path not in self.bad and not self.is_complete(path):
-            raise CheckpointError(f"{path}: Ray Train registered it as the run's newest checkpoint, but it is missing "
-                                  f"or incomplete (it needs {', '.join(('meta.json', *self.files))}): restore it, or "
-                                  f"start afresh with {self.start_afresh()}")
-        return next((p for p in [path, *self._registered(data)[::-1]] if p not in self.bad and self.is_complete(p)), None)
+            raise CheckpointError(
+                f"{path}: Ray Train registered it as the run's newest checkpoint, but it is missing "
+                f"or incomplete (it needs {', '.join(('meta.json', *self.files))}): restore it, or "
+                f"start afresh with {self.start_afresh()}"
+            )
+        return next(
+            (p for p in [path, *self._registered(data)[::-1]] if p not in self.bad and self.is_complete(p)), None
+        )
 
     def _snapshot(self) -> dict[str, Any] | None:
         if not (snapshot := self.root / _SNAPSHOT_FILE).is_file():
@@ -234,14 +272,18 @@ class _RayCheckpoints(ResumeGuard):
             if not isinstance(data, dict) or not isinstance(data.get("latest_checkpoint_result") or {}, dict):
                 raise ValueError("not the object Ray Train writes")
         except (OSError, ValueError) as exc:
-            raise CheckpointError(f"{snapshot}: Ray Train's record of the run's checkpoints is unreadable "
-                                  f"({type(exc).__name__}: {exc}), and Ray cannot resume without it: start afresh "
-                                  f"with {self.start_afresh()}") from None
+            raise CheckpointError(
+                f"{snapshot}: Ray Train's record of the run's checkpoints is unreadable "
+                f"({type(exc).__name__}: {exc}), and Ray cannot resume without it: start afresh "
+                f"with {self.start_afresh()}"
+            ) from None
         wrote, installed = data.get("ray_version"), next((d.version for d in distributions(name="ray")), None)
         if wrote and installed and wrote != installed:
-            raise CheckpointError(f"{snapshot} was written by Ray {wrote}, and Ray {installed} does not resume from "
-                                  f"it: install ray=={wrote} to continue this run, or start afresh with "
-                                  f"{self.start_afresh()}")
+            raise CheckpointError(
+                f"{snapshot} was written by Ray {wrote}, and Ray {installed} does not resume from "
+                f"it: install ray=={wrote} to continue this run, or start afresh with "
+                f"{self.start_afresh()}"
+            )
         return data
 
     def _registered(self, data: Mapping[str, Any]) -> list[Path]:
@@ -254,18 +296,28 @@ class _RayCheckpoints(ResumeGuard):
         data = self._snapshot()
         if ((data.get("latest_checkpoint_result") or {}).get("checkpoint_dir_name")) == path.name:
             return
-        keep = [i for i, r in enumerate(data.get("checkpoint_results") or [])
-                if self.root / r["checkpoint_dir_name"] not in self.bad]
-        data.update({k: [data[k][i] for i in keep] for k in ("checkpoint_results", "checkpoint_report_indices")
-                     if k in data})
-        data["latest_checkpoint_result"] = next(r for r in data["checkpoint_results"]
-                                                if self.root / r["checkpoint_dir_name"] == path)
+        keep = [
+            i
+            for i, r in enumerate(data.get("checkpoint_results") or [])
+            if self.root / r["checkpoint_dir_name"] not in self.bad
+        ]
+        data.update(
+            {k: [data[k][i] for i in keep] for k in ("checkpoint_results", "checkpoint_report_indices") if k in data}
+        )
+        data["latest_checkpoint_result"] = next(
+            r for r in data["checkpoint_results"] if self.root / r["checkpoint_dir_name"] == path
+        )
         (tmp := self.root / f".{_SNAPSHOT_FILE}.tmp").write_text(json.dumps(data))
         os.replace(tmp, self.root / _SNAPSHOT_FILE)
 
 
-def _check_resume(guard: _RayCheckpoints, resume: str | None, config: Mapping[str, Any], may_change: tuple[str, ...],
-                  stop_at: tuple[str, int]) -> Path | None:
+def _check_resume(
+    guard: _RayCheckpoints,
+    resume: str | None,
+    config: Mapping[str, Any],
+    may_change: tuple[str, ...],
+    stop_at: tuple[str, int],
+) -> Path | None:
     """`ResumeGuard.check` of ``checkpoint.resume`` (``auto``, ``none`` or the newest folder Ray registered) before
     the worker count is known; says where the run resumes and which later folders Ray had not registered."""
     path = guard.check(resume, None, config, may_change, stop_at)
@@ -273,43 +325,62 @@ def _check_resume(guard: _RayCheckpoints, resume: str | None, config: Mapping[st
     if path is not None and guard.bad:  # Ray's newest is damaged: Ray resumes from the one the guard fell back to
         guard.register(path)
     if path is not None and latest is not None and path.resolve() != latest.resolve():
-        raise CheckpointError(f"{guard.resume_key}={resume!r}: Ray Train resumes a run from the newest checkpoint it "
-                              f"registered in its output_dir, {latest}; use {guard.resume_key}=auto, or start afresh "
-                              f"with {guard.start_afresh()}")
+        raise CheckpointError(
+            f"{guard.resume_key}={resume!r}: Ray Train resumes a run from the newest checkpoint it "
+            f"registered in its output_dir, {latest}; use {guard.resume_key}=auto, or start afresh "
+            f"with {guard.start_afresh()}"
+        )
     found, unit = guard.complete_checkpoints(), stop_at[0].rsplit("_", 1)[-1]
     if path is not None:
-        later = [p.name for p in found[found.index(path) + 1:]] if path in found else []
+        later = [p.name for p in found[found.index(path) + 1 :]] if path in found else []
         meta = read_meta(path)
         mid_epoch = f", step {meta.get('step')}" if unit == "epoch" and "_step_" in path.name else ""
-        print(f"resuming from {path} ({unit} {meta.get(unit)}{mid_epoch})"
-              + (f"; {', '.join(later)} were written after it but not registered by Ray before the run stopped, "
-                 f"and will be replaced" if later else ""), file=sys.stderr)
+        print(
+            f"resuming from {path} ({unit} {meta.get(unit)}{mid_epoch})"
+            + (
+                f"; {', '.join(later)} were written after it but not registered by Ray before the run stopped, "
+                f"and will be replaced"
+                if later
+                else ""
+            ),
+            file=sys.stderr,
+        )
     elif found:  # written, but the run stopped before Ray registered any: Ray starts afresh
-        print(f"starting at {unit} 0: {', '.join(p.name for p in found)} in {guard.root} were written but not "
-              f"registered by Ray Train before the run stopped (Ray resumes only from a checkpoint it registered), "
-              f"and will be replaced", file=sys.stderr)
+        print(
+            f"starting at {unit} 0: {', '.join(p.name for p in found)} in {guard.root} were written but not "
+            f"registered by Ray Train before the run stopped (Ray resumes only from a checkpoint it registered), "
+            f"and will be replaced",
+            file=sys.stderr,
+        )
     return path
 
 
 def _check_output_dir(output_dir: str, nnodes: int) -> None:
     """Refuse a URI (metrics and MLflow files are plain files) and, on several nodes, a missing parent folder."""
     if "://" in output_dir:
-        raise ConfigError(f"output_dir={output_dir!r}: use a folder on a shared file system (NFS, Lustre, a "
-                          f"mounted bucket), not a URI")
+        raise ConfigError(
+            f"output_dir={output_dir!r}: use a folder on a shared file system (NFS, Lustre, a "
+            f"mounted bucket), not a URI"
+        )
     parent = Path(output_dir).expanduser().resolve().parent
     if nnodes > 1 and not parent.is_dir():
-        raise ConfigError(f"output_dir={output_dir!r}: the folder {parent} does not exist. With {nnodes} nodes "
-                          f"output_dir must be on storage every node mounts; create it there first")
+        raise ConfigError(
+            f"output_dir={output_dir!r}: the folder {parent} does not exist. With {nnodes} nodes "
+            f"output_dir must be on storage every node mounts; create it there first"
+        )
 
 
 def _init_ray(cfg: RayConfig, num_workers: int) -> None:
     """Join ``RAY_ADDRESS``, or start a local Ray with CPUs for `num_workers` and ``reserve_cpus``."""
     import ray
+
     kwargs: dict[str, Any] = {}
     if not (address := os.environ.get("RAY_ADDRESS") or None):
         needed = int(max(num_workers, 1) * cfg.cpus_per_worker + 0.999) + cfg.reserve_cpus
-        kwargs = {"num_cpus": max(os.cpu_count() or 1, needed),
-                  **({"_temp_dir": str(Path(cfg.temp_dir).resolve())} if cfg.temp_dir else {})}
+        kwargs = {
+            "num_cpus": max(os.cpu_count() or 1, needed),
+            **({"_temp_dir": str(Path(cfg.temp_dir).resolve())} if cfg.temp_dir else {}),
+        }
     ray.init(address=address, include_dashboard=False, log_to_driver=True, **kwargs)
 
 
@@ -321,21 +392,28 @@ def plan_workers(cfg: RayConfig, gpus: int, cpus: int) -> tuple[int, bool]:
         raise ConfigError("ray.use_gpu=true but the Ray cluster has no GPUs")
     n = cfg.num_workers if cfg.num_workers > 0 else (gpus if use_gpu else 2)
     if use_gpu and n > gpus:
-        raise ConfigError(f"ray.num_workers={n} but the Ray cluster has {gpus} GPU(s): one worker per GPU, so at most {gpus}")
+        raise ConfigError(
+            f"ray.num_workers={n} but the Ray cluster has {gpus} GPU(s): one worker per GPU, so at most {gpus}"
+        )
     if n * cfg.cpus_per_worker > cpus:
-        raise ConfigError(f"ray.num_workers={n} x ray.cpus_per_worker={cfg.cpus_per_worker:g} CPUs, but the Ray cluster "
-                          f"has {cpus} CPUs: at most {int(cpus // cfg.cpus_per_worker)} worker(s)")
+        raise ConfigError(
+            f"ray.num_workers={n} x ray.cpus_per_worker={cfg.cpus_per_worker:g} CPUs, but the Ray cluster "
+            f"has {cpus} CPUs: at most {int(cpus // cfg.cpus_per_worker)} worker(s)"
+        )
     return n, use_gpu
 
 
 def _resolve_workers(cfg: RayConfig, nnodes: int) -> tuple[int, bool]:
     """`plan_workers` on the cluster once `nnodes` nodes joined (ConfigError after ``cfg.join_timeout_s``)."""
     import ray
+
     deadline = time.monotonic() + cfg.join_timeout_s
     while (alive := len([n for n in ray.nodes() if n["Alive"]])) < nnodes:
         if time.monotonic() > deadline:
-            raise ConfigError(f"only {alive} of NNODES={nnodes} Ray nodes joined within ray.join_timeout_s="
-                              f"{cfg.join_timeout_s:g}: start launch.sh on every node")
+            raise ConfigError(
+                f"only {alive} of NNODES={nnodes} Ray nodes joined within ray.join_timeout_s="
+                f"{cfg.join_timeout_s:g}: start launch.sh on every node"
+            )
         time.sleep(2.0)
     return plan_workers(cfg, int((res := ray.cluster_resources()).get("GPU", 0)), int(res.get("CPU", 0)))
 
@@ -344,6 +422,7 @@ def _check_shared_storage(output_dir: str) -> None:
     """On several nodes, refuse an `output_dir` a node does not see: a task pinned to each reads back a marker."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
     nodes = [n for n in ray.nodes() if n["Alive"]]
     if len(nodes) < 2:
         return
@@ -355,10 +434,18 @@ def _check_shared_storage(output_dir: str) -> None:
         return Path(path).read_text() if Path(path).is_file() else None
 
     try:
-        seen = ray.get([probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
-                        .remote(str(marker)) for n in nodes])
+        seen = ray.get(
+            [
+                probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(
+                    str(marker)
+                )
+                for n in nodes
+            ]
+        )
     finally:
         marker.unlink(missing_ok=True)
     if blind := [n["NodeManagerAddress"] for n, s in zip(nodes, seen) if s != token]:
-        raise ConfigError(f"output_dir={output_dir!r} is not shared: node(s) {', '.join(blind)} do not see {out}. "
-                          f"Checkpoints must be on storage every node mounts (NFS, Lustre, a mounted bucket)")
+        raise ConfigError(
+            f"output_dir={output_dir!r} is not shared: node(s) {', '.join(blind)} do not see {out}. "
+            f"Checkpoints must be on storage every node mounts (NFS, Lustre, a mounted bucket)"
+        )

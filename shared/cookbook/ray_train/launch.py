@@ -66,8 +66,19 @@ def main(argv: list[str]) -> int:
     if node_rank == 0:
         if rc := subprocess.call([*driver, "--check"]):  # bad input fails before the cluster starts
             return rc
-        subprocess.run([ray, "start", "--head", f"--port={port}", f"--node-ip-address={master}", "--disable-usage-stats",
-                        "--include-dashboard=false", *gpus], check=True)
+        subprocess.run(
+            [
+                ray,
+                "start",
+                "--head",
+                f"--port={port}",
+                f"--node-ip-address={master}",
+                "--disable-usage-stats",
+                "--include-dashboard=false",
+                *gpus,
+            ],
+            check=True,
+        )
         try:
             return _run_forwarding_signals(driver, env={**os.environ, "RAY_ADDRESS": address})
         finally:
@@ -80,8 +91,10 @@ def main(argv: list[str]) -> int:
             print(f"node {node_rank}: the Ray head at {address} has gone; exiting", file=sys.stderr)
             return 0
         if time.monotonic() > deadline:
-            print(f"error: could not join the Ray head at {address} (is launch.sh running with NODE_RANK=0 there?)",
-                  file=sys.stderr)
+            print(
+                f"error: could not join the Ray head at {address} (is launch.sh running with NODE_RANK=0 there?)",
+                file=sys.stderr,
+            )
             return rc
         time.sleep(5)
 

@@ -18,11 +18,31 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from cookbook.checkpoint import (CHECKSUMS_KEY, META_FILE, CheckpointError, CheckpointSaveError, RNGState, checksums,
-                                 from_rank0, os_error_in, rng_kept, save_error, seed_per_rank)
+from cookbook.checkpoint import (
+    CHECKSUMS_KEY,
+    META_FILE,
+    CheckpointError,
+    CheckpointSaveError,
+    RNGState,
+    checksums,
+    from_rank0,
+    os_error_in,
+    rng_kept,
+    save_error,
+    seed_per_rank,
+)
 from cookbook.config import save_config, to_dict, to_object
-from cookbook.dist import (DistInfo, all_gather_object, all_reduce_mean, barrier, get_logger, param_fingerprint,
-                           record_progress, set_collective_timeout, stall_error)
+from cookbook.dist import (
+    DistInfo,
+    all_gather_object,
+    all_reduce_mean,
+    barrier,
+    get_logger,
+    param_fingerprint,
+    record_progress,
+    set_collective_timeout,
+    stall_error,
+)
 from cookbook.logs import configure_logging
 from cookbook.loop import Outputs, log_outputs
 from cookbook.policy import NonFiniteError, NonFinitePolicy, StopVote, models_in
@@ -81,6 +101,7 @@ def config_from_dict(schema: type, data: Mapping[str, Any]) -> Any:
 def worker_info() -> DistInfo:
     """This Ray Train worker's rank, local rank, world size and device; logging at INFO on rank 0 only."""
     import ray.train.torch
+
     ctx, device = ray.train.get_context(), ray.train.torch.get_device()
     backend = dist.get_backend() if dist.is_initialized() else ("nccl" if device.type == "cuda" else "gloo")
     info = DistInfo(ctx.get_world_rank(), ctx.get_local_rank(), ctx.get_world_size(), device, backend)
@@ -91,6 +112,7 @@ def worker_info() -> DistInfo:
 def load_checkpoint() -> tuple[dict[str, Any], dict[str, Any]] | None:
     """``(state, meta)`` of the checkpoint Ray hands the worker (memory-mapped on the CPU), or ``None``."""
     import ray.train
+
     ckpt = ray.train.get_checkpoint()
     _check_announced(Path(ckpt.path).name if ckpt is not None else None)
     if ckpt is None:
@@ -98,8 +120,10 @@ def load_checkpoint() -> tuple[dict[str, Any], dict[str, Any]] | None:
     with ckpt.as_directory() as d:
         meta = json.loads((Path(d) / META_FILE).read_text())
         if problem := checksum_problem(Path(d), meta.get(CHECKSUMS_KEY) or {}):  # as ResumeGuard.verify words it
-            raise CheckpointError(f"{ckpt.path}: {problem}, damaged since it was saved: restore it, or run again (the "
-                                  f"driver then resumes from the checkpoint before it)")
+            raise CheckpointError(
+                f"{ckpt.path}: {problem}, damaged since it was saved: restore it, or run again (the "
+                f"driver then resumes from the checkpoint before it)"
+            )
         state = torch.load(Path(d) / STATE_FILE, map_location="cpu", weights_only=True, mmap=True)
     get_logger().info(f"resumed from {ckpt.path} ({_facts(meta)})")
     return state, meta
@@ -110,9 +134,11 @@ def _check_announced(handed: str | None) -> None:
     # (step,), (epoch,) or, mid-epoch, (epoch, step); no checkpoint: ()
     handed_at, announced_at = (tuple(int(n) for n in re.findall(r"\d+", name or "")) for name in (handed, _announced))
     if _announced is not None and handed_at < announced_at:
-        raise RuntimeError(f"Ray Train handed the workers {handed or 'no checkpoint'}, but the driver announced a "
-                           f"resume from {_announced}: the workers would not continue the run it named. This is a "
-                           f"bug; start afresh with a new output_dir")
+        raise RuntimeError(
+            f"Ray Train handed the workers {handed or 'no checkpoint'}, but the driver announced a "
+            f"resume from {_announced}: the workers would not continue the run it named. This is a "
+            f"bug; start afresh with a new output_dir"
+        )
 
 
 def rng_state() -> dict[str, Any]:
@@ -145,12 +171,26 @@ class WorkerRun:
     checkpoint per epoch) or ``("train.stop_at_step", n)`` (by ``checkpoint.every_steps``). A stop request from the
     driver is checkpointed (mid-epoch: ``checkpoint_epoch_<n>_step_<s>``; its resume replays the epoch's batches)."""
 
-    def __init__(self, cfg: Any, info: DistInfo, experiment: str, state: Mapping[str, Any], *, max_steps: int,
-                 steps_per_epoch: int, stop_at: tuple[str, int], evaluate: Callable[[], Mapping[str, float]] | None = None,
-                 flops: ModelFlops | None = None, count_tokens: bool = True, about: str = ""):
+    def __init__(
+        self,
+        cfg: Any,
+        info: DistInfo,
+        experiment: str,
+        state: Mapping[str, Any],
+        *,
+        max_steps: int,
+        steps_per_epoch: int,
+        stop_at: tuple[str, int],
+        evaluate: Callable[[], Mapping[str, float]] | None = None,
+        flops: ModelFlops | None = None,
+        count_tokens: bool = True,
+        about: str = "",
+    ):
         if {_RNG_KEY, _EPOCH_RNG_KEY, _SKIPPED_KEY} & set(state):
-            raise ValueError(f"state: {_RNG_KEY!r}, {_EPOCH_RNG_KEY!r} and {_SKIPPED_KEY!r} name the workers' random "
-                             f"streams and skipped steps in a checkpoint; use other names")
+            raise ValueError(
+                f"state: {_RNG_KEY!r}, {_EPOCH_RNG_KEY!r} and {_SKIPPED_KEY!r} name the workers' random "
+                f"streams and skipped steps in a checkpoint; use other names"
+            )
         on_nonfinite, max_skips = NonFinitePolicy.settings(cfg.train)
         if getattr(cfg.train, "collective_timeout_s", None) is not None:  # a stalled worker: see `worker_entry`
             set_collective_timeout(cfg.train.collective_timeout_s, store_rank=0)  # Ray's env:// store: rank 0's
@@ -181,14 +221,22 @@ class WorkerRun:
                 self._rng = saved[_RNG_KEY][info.rank]
                 set_rng_state(self._rng)
             else:
-                get_logger().warning("the checkpoint holds no random streams (an older version wrote it): data "
-                                     "augmentation and dropout continue from this run's seeds")
+                get_logger().warning(
+                    "the checkpoint holds no random streams (an older version wrote it): data "
+                    "augmentation and dropout continue from this run's seeds"
+                )
             self._epoch_rng = saved[_EPOCH_RNG_KEY][info.rank] if _EPOCH_RNG_KEY in saved else None  # mid-epoch
             self.step, self.epoch, skipped = meta["step"], meta.get("epoch", 0), int(saved.get(_SKIPPED_KEY, 0))
             del saved, resumed
         record_progress(self.step)  # each step's, for the line of a worker whose collective times out
-        self.nonfinite = NonFinitePolicy(on_nonfinite, max_skips, device=info.device, models=models_in(self.state),
-                                         newest_checkpoint=lambda: self._newest, skipped_steps=skipped)
+        self.nonfinite = NonFinitePolicy(
+            on_nonfinite,
+            max_skips,
+            device=info.device,
+            models=models_in(self.state),
+            newest_checkpoint=lambda: self._newest,
+            skipped_steps=skipped,
+        )
         if meta is not None:  # resumed: its name (`_label`) counts the skipped steps
             self._newest = Path(cfg.output_dir).expanduser().resolve() / f"checkpoint_{self._label()}"
         self._saved_at = self.batches  # the newest checkpoint's data position
@@ -199,13 +247,24 @@ class WorkerRun:
         if info.is_main:
             out.mkdir(parents=True, exist_ok=True)
             save_config(cfg, out / "config.yaml")
-        self.metrics = MetricsLogger(out, info, flops=flops, run_name=cfg.run_name, experiment=experiment,
-                                     params=to_dict(cfg), mlflow=cfg.mlflow, max_steps=max_steps, count_tokens=count_tokens)
+        self.metrics = MetricsLogger(
+            out,
+            info,
+            flops=flops,
+            run_name=cfg.run_name,
+            experiment=experiment,
+            params=to_dict(cfg),
+            mlflow=cfg.mlflow,
+            max_steps=max_steps,
+            count_tokens=count_tokens,
+        )
         self._profiler = StepProfiler(getattr(cfg.train, "profile_step", 0), out, info)
         self._log_window(log=False)
-        get_logger().info(f"world size {info.world_size} ({info.backend}, {info.device.type}) | "
-                          f"{about + ' | ' if about else ''}{max_steps} steps ({steps_per_epoch}/epoch) | "
-                          f"starting at {self._unit} {self._done}")
+        get_logger().info(
+            f"world size {info.world_size} ({info.backend}, {info.device.type}) | "
+            f"{about + ' | ' if about else ''}{max_steps} steps ({steps_per_epoch}/epoch) | "
+            f"starting at {self._unit} {self._done}"
+        )
 
     @property
     def _done(self) -> int:
@@ -243,8 +302,9 @@ class WorkerRun:
             if self.step == started and not self._skipped_now:
                 raise RuntimeError("each step must end with run.end_step(...) or a skip (run.skip_step)")
 
-    def skip_step(self, grad_norm: torch.Tensor | float | None = None, *,
-                  loss: torch.Tensor | float | None = None) -> bool:
+    def skip_step(
+        self, grad_norm: torch.Tensor | float | None = None, *, loss: torch.Tensor | float | None = None
+    ) -> bool:
         """`NonFinitePolicy.skip` of the running step (`grad_norm`: the same on every worker; else `loss`). ``True``:
         zero the gradients and ``continue``."""
         skipped = self.nonfinite.skip(self.step + 1, grad_norm, loss=loss)
@@ -281,8 +341,14 @@ class WorkerRun:
             yield batch, time.perf_counter() - t0
         self._preempted = True
 
-    def end_step(self, loss: torch.Tensor | float, *, lr: float, grad_norm: torch.Tensor | float | None = None,
-                 window: Mapping[str, torch.Tensor | float] | None = None) -> bool:
+    def end_step(
+        self,
+        loss: torch.Tensor | float,
+        *,
+        lr: float,
+        grad_norm: torch.Tensor | float | None = None,
+        window: Mapping[str, torch.Tensor | float] | None = None,
+    ) -> bool:
         """Count one optimizer step (`loss`: this worker's; `window`: more numbers averaged by name), log by
         ``train.log_every``; returns whether a checkpoint is due (step runs; collective)."""
         self._profiler.stop()
@@ -350,7 +416,10 @@ class WorkerRun:
                 return
             label = self._label()
             self.nonfinite.check_model(self.step, f"checkpoint_{label} is not saved")
-            run = {_RNG_KEY: all_gather_object(rng_state()), _SKIPPED_KEY: self.nonfinite.skipped_steps}  # every worker's
+            run = {
+                _RNG_KEY: all_gather_object(rng_state()),
+                _SKIPPED_KEY: self.nonfinite.skipped_steps,
+            }  # every worker's
             if self._unit == "epoch" and self.batches % self.steps_per_epoch:
                 run[_EPOCH_RNG_KEY] = all_gather_object(self._epoch_rng)
             meta = {**counts, "step": self.step, "world_size": self.info.world_size, "config": to_dict(self.cfg)}
@@ -359,6 +428,7 @@ class WorkerRun:
                 saved, failure = {"metrics": metrics}, None
                 if self.info.is_main:  # DDP replicas are identical: rank 0's state
                     from ray.train import Checkpoint
+
                     state = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in self.state.items()}
                     try:
                         with open(Path(tmp) / STATE_FILE, "wb") as f:  # a Python file: a failed write keeps its errno
@@ -392,6 +462,7 @@ class WorkerRun:
             return False
         if self.info.is_main and not self._stop_seen and time.monotonic() >= self._next_poll:
             from ray.experimental.internal_kv import _internal_kv_get
+
             self._stop_seen = _internal_kv_get(_stop_key) is not None
             self._next_poll = time.monotonic() + 0.5  # Ray is asked at most every 0.5 s
         return self._vote(self._stop_seen)
@@ -400,28 +471,43 @@ class WorkerRun:
         """After the loop: the final evaluation (returned), the summary record, and for a finished run `export`
         (``{summary key: (folder or None, how to load it)}``) and the closing lines; else how to continue."""
         if self._preempted and not self._stop_reported:
-            raise RuntimeError("the run stopped on the driver's stop request: report run.checkpoint() before run.finish()")
+            raise RuntimeError(
+                "the run stopped on the driver's stop request: report run.checkpoint() before run.finish()"
+            )
         if not self._preempted and self._done >= self._total:
             self.nonfinite.check_model(self.step, "the run is not done (no final evaluation, export or summary)")
         if final_eval := dict(self._evaluate()) if self._evaluate is not None and not self._preempted else {}:
             self.metrics.log_eval(self.step, final_eval)
         final_eval = final_eval or self._last_eval
-        workers = {"reports_per_worker": all_gather_object(self._reports),
-                   "param_fingerprints": all_gather_object(param_fingerprint(model))}
+        workers = {
+            "reports_per_worker": all_gather_object(self._reports),
+            "param_fingerprints": all_gather_object(param_fingerprint(model)),
+        }
         outputs: dict[str, tuple[Path | None, str]] = {}
         self._stopped = self._preempted or self._done < self._total
         if self._preempted:
-            get_logger().info(f"stopped after step {self.step} ({self._unit} {self._done} of {self._total}) on the "
-                              f"driver's stop request, with a checkpoint at it; run the same command again to continue")
+            get_logger().info(
+                f"stopped after step {self.step} ({self._unit} {self._done} of {self._total}) on the "
+                f"driver's stop request, with a checkpoint at it; run the same command again to continue"
+            )
         elif self._stopped:
-            get_logger().info(f"stopped {'after' if self._unit == 'epoch' else 'at'} {self._unit} {self._done} of "
-                              f"{self._total} ({self._stop_key}); run again without it to continue")
+            get_logger().info(
+                f"stopped {'after' if self._unit == 'epoch' else 'at'} {self._unit} {self._done} of "
+                f"{self._total} ({self._stop_key}); run again without it to continue"
+            )
         elif export is not None:
             outputs = dict(export())
-        self.metrics.log_summary({"step": self.step, **({"epoch": self.epoch} if self._unit == "epoch" else {}),
-                                  **workers, **{f"eval/{k}": v for k, v in final_eval.items()},
-                                  **{k: str(path) if path else None for k, (path, _) in outputs.items()},
-                                  "mlflow_uri": self.metrics.mlflow_uri, "mlflow_run_id": self.metrics.mlflow_run_id})
+        self.metrics.log_summary(
+            {
+                "step": self.step,
+                **({"epoch": self.epoch} if self._unit == "epoch" else {}),
+                **workers,
+                **{f"eval/{k}": v for k, v in final_eval.items()},
+                **{k: str(path) if path else None for k, (path, _) in outputs.items()},
+                "mlflow_uri": self.metrics.mlflow_uri,
+                "mlflow_run_id": self.metrics.mlflow_run_id,
+            }
+        )
         if not self._stopped:
             log_outputs(self.step, final_eval, self.metrics, Path(self.cfg.output_dir), outputs)
         return final_eval

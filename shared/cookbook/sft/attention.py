@@ -9,9 +9,17 @@ import inspect
 import torch
 
 
-def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                     cu_seq_lens_q: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+def varlen_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """Causal attention, each packed document to itself (``varlen_attn``, CUDA, bf16/fp16). `query` (batch, heads,
     T, d), `key` / `value` (batch, kv_heads, T, d); `cu_seq_lens_q` (documents + 1,) int32 offsets (None: a row a document).
     Returns ``(output, None)``, output (batch, T, heads, d). Raises ValueError with attention dropout on."""

@@ -24,7 +24,9 @@ class DataConfig:
     packing: bool = True  # pack examples into rows of exactly max_length tokens (position ids separate them)
     num_workers: int = 1  # data loader worker processes per rank
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. {enable_thinking: false} for Qwen3
-    max_dropped_fraction: float = 0.1  # refuse when more of a file's rows are dropped (cut before the answer, empty answer)
+    max_dropped_fraction: float = (
+        0.1  # refuse when more of a file's rows are dropped (cut before the answer, empty answer)
+    )
     split_turns: bool = False  # one example per assistant turn (templates that rewrite earlier turns: Qwen3)
     reasoning: str = "train"  # an assistant turn's reasoning: train (in the loss), context (rendered, no loss), drop
 
@@ -38,9 +40,13 @@ REASONING = ("train", "context", "drop")
 def check_data_config(cfg: Any) -> None:
     """Check a config's ``data`` section. Raises ConfigError: ``data.max_length`` < 1, ``data.eval_fraction`` outside
     [0, 1), ``data.max_dropped_fraction`` outside [0, 1], ``data.reasoning`` unknown, eval files without train files."""
-    check_fields(cfg, at_least={"data.max_length": 1}, one_of={"data.reasoning": REASONING},
-                 within={"data.eval_fraction": "[0, 1)", "data.max_dropped_fraction": "[0, 1]"},
-                 notes={"data.eval_fraction": "0: no evaluation"})
+    check_fields(
+        cfg,
+        at_least={"data.max_length": 1},
+        one_of={"data.reasoning": REASONING},
+        within={"data.eval_fraction": "[0, 1)", "data.max_dropped_fraction": "[0, 1]"},
+        notes={"data.eval_fraction": "0: no evaluation"},
+    )
     if cfg.data.eval_files and not cfg.data.train_files:
         raise ConfigError("data.eval_files is set but data.train_files is empty")
 
@@ -57,8 +63,10 @@ def check_positions(max_length: int, hf_config, model: str, key: str = "data.max
     """Raise ConfigError if `max_length` is beyond the model's ``max_position_embeddings`` (never trained positions)."""
     limit = getattr(hf_config.get_text_config(), "max_position_embeddings", None)
     if isinstance(limit, int) and max_length > limit:
-        raise ConfigError(f"{key}={max_length} is beyond the max_position_embeddings={limit} of {model}: the model "
-                          f"has no trained positions past {limit}; set {key} to {limit} or less")
+        raise ConfigError(
+            f"{key}={max_length} is beyond the max_position_embeddings={limit} of {model}: the model "
+            f"has no trained positions past {limit}; set {key} to {limit} or less"
+        )
 
 
 def load_tokenizer(tokenizer: str, model: str, max_length: int | None = None):
@@ -75,8 +83,9 @@ def load_tokenizer(tokenizer: str, model: str, max_length: int | None = None):
         for key, value in (("model.name_or_path", model), ("model.tokenizer", tokenizer)):
             if value.startswith(("/", "./", "../", "~")) and not Path(value).expanduser().exists():
                 raise ConfigError(f"{key}: folder not found: {value}") from None
-        raise ConfigError(f"model.name_or_path / model.tokenizer: cannot load {model!r}: "
-                          f"{str(exc).splitlines()[0]}") from None
+        raise ConfigError(
+            f"model.name_or_path / model.tokenizer: cannot load {model!r}: {str(exc).splitlines()[0]}"
+        ) from None
     check_vocab(loaded, vocab_size)
     if max_length is not None:
         check_positions(max_length, hf_config, model)
@@ -86,8 +95,10 @@ def load_tokenizer(tokenizer: str, model: str, max_length: int | None = None):
 def check_one_step(n_rows: int, micro_batch_size: int, grad_accum_steps: int, world_size: int, note: str = "") -> None:
     """Raise ConfigError if `n_rows` is fewer than one optimizer step takes (the loaders drop the incomplete batch)."""
     if n_rows < micro_batch_size * grad_accum_steps * world_size:
-        raise ConfigError(f"{n_rows} training rows{note} are too few for one step of {micro_batch_size} x "
-                          f"{grad_accum_steps} x {world_size} rows")
+        raise ConfigError(
+            f"{n_rows} training rows{note} are too few for one step of {micro_batch_size} x "
+            f"{grad_accum_steps} x {world_size} rows"
+        )
 
 
 def check_data(cfg: Any, tokenizer, seed: int, micro_batch_size: int, grad_accum_steps: int, world_size: int) -> str:
@@ -97,8 +108,12 @@ def check_data(cfg: Any, tokenizer, seed: int, micro_batch_size: int, grad_accum
         return f"data from {cfg.hub_id}"
     train, evals, stats = load_examples(cfg, tokenizer, seed)
     n_rows = len(pack(train, cfg.max_length, pad_token_id(tokenizer))) if cfg.packing else len(train)
-    check_one_step(n_rows, micro_batch_size, grad_accum_steps, world_size,
-                   note=f" (after holding out {len(evals)} examples for evaluation)")
+    check_one_step(
+        n_rows,
+        micro_batch_size,
+        grad_accum_steps,
+        world_size,
+        note=f" (after holding out {len(evals)} examples for evaluation)",
+    )
     print(f"data: {stats.summary()}")
     return f"{len(train)} train / {len(evals)} eval examples"
-

@@ -13,9 +13,18 @@ from cookbook.sft.stats import SFTStats
 from cookbook.sft.template import _encode, _require_chat_template, template_conversation
 
 
-def prepare(rows: Sequence[dict], tokenizer, max_length: int, source: str,
-            chat_template_kwargs: dict | None = None, *, max_dropped_fraction: float | None = None,
-            split_turns: bool = False, truncate: bool = True, reasoning: str = "train") -> tuple[list[dict], SFTStats]:
+def prepare(
+    rows: Sequence[dict],
+    tokenizer,
+    max_length: int,
+    source: str,
+    chat_template_kwargs: dict | None = None,
+    *,
+    max_dropped_fraction: float | None = None,
+    split_turns: bool = False,
+    truncate: bool = True,
+    reasoning: str = "train",
+) -> tuple[list[dict], SFTStats]:
     """`template_conversation` + `tokenize_conversation` over a data set: ``(examples, stats)``, examples
     ``{"input_ids", "labels"}`` in row order (those with no label, and rows with an empty answer, counted, not kept).
     `max_dropped_fraction`: `SFTStats.check_dropped`; `split_turns`: one example per assistant turn; `truncate`
@@ -24,13 +33,24 @@ def prepare(rows: Sequence[dict], tokenizer, max_length: int, source: str,
     if reasoning not in ("train", "context", "drop"):
         raise ValueError(f"reasoning must be train, context or drop, got {reasoning!r}")
     _require_chat_template(tokenizer)
-    stats, examples, ignored = SFTStats(source=source, max_length=max_length, truncate=truncate, rows=len(rows),
-                                        reasoning=reasoning, lines=getattr(rows, "lines", None)), [], Counter()
+    stats, examples, ignored = (
+        SFTStats(
+            source=source,
+            max_length=max_length,
+            truncate=truncate,
+            rows=len(rows),
+            reasoning=reasoning,
+            lines=getattr(rows, "lines", None),
+        ),
+        [],
+        Counter(),
+    )
     for n, row in enumerate(rows, 1):
         dropped: list[int] = []  # the turns whose reasoning data.reasoning=drop removed
         try:
-            messages, tools = template_conversation(row, stats.label(n), source, tokenizer, stats, ignored,
-                                                    chat_template_kwargs, reasoning, dropped)
+            messages, tools = template_conversation(
+                row, stats.label(n), source, tokenizer, stats, ignored, chat_template_kwargs, reasoning, dropped
+            )
         except EmptyAnswerError:  # e.g. a few rows of tatsu-lab/alpaca: nothing to learn from them
             stats.empty_answers.append(n)
             continue
@@ -38,12 +58,20 @@ def prepare(rows: Sequence[dict], tokenizer, max_length: int, source: str,
         stats.split_rows += len(ends) > 1
         for end in ends:
             try:
-                ids, labels, counts = _encode(tokenizer, messages[:end], chat_template_kwargs, tools,
-                                              last_turn_only=split_turns, reasoning=reasoning, dropped=dropped)
+                ids, labels, counts = _encode(
+                    tokenizer,
+                    messages[:end],
+                    chat_template_kwargs,
+                    tools,
+                    last_turn_only=split_turns,
+                    reasoning=reasoning,
+                    dropped=dropped,
+                )
             except SFTDataError as exc:
                 raise SFTDataError(f"{source} {stats.label(n)}: {exc}") from None
-            example = stats.add(n, ids, labels, counts["calls"], counts["reasoning"], counts["unrendered"],
-                                counts["dropped"])
+            example = stats.add(
+                n, ids, labels, counts["calls"], counts["reasoning"], counts["unrendered"], counts["dropped"]
+            )
             examples += [example] if example is not None else []
     stats.ignored = dict(ignored)
     if max_dropped_fraction is not None:
@@ -60,11 +88,15 @@ def pack(examples: Sequence[dict], seq_len: int, pad_id: int) -> list[dict]:
     for k, ex in enumerate(examples):
         ids, labels = list(ex["input_ids"]), list(ex["labels"])
         if not 0 < len(ids) <= seq_len or len(labels) != len(ids):
-            raise SFTDataError(f"example {k}: {len(ids)} tokens and {len(labels)} labels; packing needs "
-                               f"1..{seq_len} of each (truncate with max_length <= seq_len)")
+            raise SFTDataError(
+                f"example {k}: {len(ids)} tokens and {len(labels)} labels; packing needs "
+                f"1..{seq_len} of each (truncate with max_length <= seq_len)"
+            )
         if labels[0] != IGNORE_INDEX:
-            raise SFTDataError(f"example {k}: its first token has a label, so in a packed row it would be trained "
-                               f"as the continuation of the previous document")
+            raise SFTDataError(
+                f"example {k}: its first token has a label, so in a packed row it would be trained "
+                f"as the continuation of the previous document"
+            )
         if sum(len(i) for i, _ in groups[-1]) + len(ids) > seq_len:
             groups.append([])
         groups[-1].append((ids, labels))
@@ -72,8 +104,13 @@ def pack(examples: Sequence[dict], seq_len: int, pad_id: int) -> list[dict]:
     for group in filter(None, groups):
         pad = seq_len - sum(len(i) for i, _ in group)
         group.append(([pad_id] * pad, [IGNORE_INDEX] * pad))
-        rows.append({"input_ids": [t for i, _ in group for t in i], "labels": [t for _, lb in group for t in lb],
-                     "position_ids": [p for i, _ in group for p in range(len(i))]})
+        rows.append(
+            {
+                "input_ids": [t for i, _ in group for t in i],
+                "labels": [t for _, lb in group for t in lb],
+                "position_ids": [p for i, _ in group for p in range(len(i))],
+            }
+        )
     return rows
 
 
@@ -81,8 +118,10 @@ def pad_batch(examples: Sequence[dict], pad_id: int, pad_to_multiple_of: int = 1
     """Right-pad to one batch (int64, width a multiple of `pad_to_multiple_of`) with an ``attention_mask``."""
     longest = max(len(ex["input_ids"]) for ex in examples)
     width = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
-    out = {k: torch.full((len(examples), width), v, dtype=torch.long)
-           for k, v in (("input_ids", pad_id), ("attention_mask", 0), ("labels", IGNORE_INDEX))}
+    out = {
+        k: torch.full((len(examples), width), v, dtype=torch.long)
+        for k, v in (("input_ids", pad_id), ("attention_mask", 0), ("labels", IGNORE_INDEX))
+    }
     for b, ex in enumerate(examples):
         n = len(ex["input_ids"])
         out["input_ids"][b, :n] = torch.tensor(ex["input_ids"], dtype=torch.long)
@@ -95,8 +134,11 @@ def load_examples(cfg: Any, tokenizer, seed: int) -> tuple[list[dict], list[dict
     """Train and eval examples and the train `SFTStats` for a data section `cfg` (`DataConfig`); without eval files a
     seeded ``eval_fraction`` of each train file is held out. Raises SFTDataError: see `load_rows` and `prepare`."""
     kwargs, eval_files = dict(cfg.chat_template_kwargs) or None, getattr(cfg, "eval_files", [])
-    options = dict(max_dropped_fraction=cfg.max_dropped_fraction, split_turns=cfg.split_turns,
-                   reasoning=getattr(cfg, "reasoning", "train"))
+    options = dict(
+        max_dropped_fraction=cfg.max_dropped_fraction,
+        split_turns=cfg.split_turns,
+        reasoning=getattr(cfg, "reasoning", "train"),
+    )
     sources = [(f, load_rows(f)) for f in cfg.train_files] or [(cfg.hub_id, load_hub_rows(cfg.hub_id))]
     train, evals, parts = [], [], []
     for source, rows in sources:

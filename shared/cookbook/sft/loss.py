@@ -21,7 +21,9 @@ def _model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     inputs = {k: v for k, v in batch.items() if k not in ("labels", "cu_seq_lens")} | {"use_cache": False}
     if "cu_seq_lens" in batch:  # read by the varlen attention only; L bounds any document's length
         t = batch["input_ids"].shape[1]
-        inputs.update(cu_seq_lens_q=batch["cu_seq_lens"], cu_seq_lens_k=batch["cu_seq_lens"], max_length_q=t, max_length_k=t)
+        inputs.update(
+            cu_seq_lens_q=batch["cu_seq_lens"], cu_seq_lens_k=batch["cu_seq_lens"], max_length_q=t, max_length_k=t
+        )
     return inputs
 
 
@@ -38,8 +40,9 @@ def token_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk
     if chunk_size > 0:
         return chunked_token_loss_sum(model, batch, chunk_size)
     logits, labels = _shifted_logits(model, batch)
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
-                                             reduction="sum")
+    return torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
 
 
 def _causal_lm(model: torch.nn.Module) -> torch.nn.Module:
@@ -59,21 +62,30 @@ def chunked_token_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor
     Raises ValueError: no ``logits_to_keep``, decoder or bias-free head; a head weight sharded or empty there."""
     lm = _causal_lm(model)
     decoder, head = lm.get_decoder(), lm.get_output_embeddings()
-    if decoder is None or head is None or getattr(head, "bias", None) is not None \
-            or "logits_to_keep" not in inspect.signature(lm.forward).parameters:
-        raise ValueError(f"{type(lm).__name__}: the chunked loss needs a causal LM whose forward takes logits_to_keep "
-                         f"and with a decoder and a bias-free output projection; use the full loss (train.loss=full)")
+    if (
+        decoder is None
+        or head is None
+        or getattr(head, "bias", None) is not None
+        or "logits_to_keep" not in inspect.signature(lm.forward).parameters
+    ):
+        raise ValueError(
+            f"{type(lm).__name__}: the chunked loss needs a causal LM whose forward takes logits_to_keep "
+            f"and with a decoder and a bias-free output projection; use the full loss (train.loss=full)"
+        )
     labels = batch["labels"][:, 1:]
     keep = labels != IGNORE_INDEX  # (B, L - 1): positions whose next token carries loss
     hidden = []
 
     def loss_in_forward(_module, _args, out):
         states = hidden[-1][:, :-1][keep]  # (labelled tokens, H)
-        out["loss"] = linear_cross_entropy_sum(states, head.weight, labels[keep], chunk_size,
-                                               softcap=getattr(lm.config, "final_logit_softcapping", None))
+        out["loss"] = linear_cross_entropy_sum(
+            states, head.weight, labels[keep], chunk_size, softcap=getattr(lm.config, "final_logit_softcapping", None)
+        )
 
-    hooks = [decoder.register_forward_hook(lambda _module, _args, out: hidden.append(out[0])),
-             lm.register_forward_hook(loss_in_forward, prepend=True)]
+    hooks = [
+        decoder.register_forward_hook(lambda _module, _args, out: hidden.append(out[0])),
+        lm.register_forward_hook(loss_in_forward, prepend=True),
+    ]
     try:
         out = model(**_model_inputs(batch), logits_to_keep=torch.empty(0, dtype=torch.long, device=labels.device))
     finally:
@@ -82,8 +94,9 @@ def chunked_token_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor
     return out["loss"]
 
 
-def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, softcap: float | None,
-                grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _chunk_loss(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, softcap: float | None, grad: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Summed cross entropy of one chunk (0-d fp32) and, with `grad`, its gradient w.r.t. the (c, V) logits:
     softmax(z) - onehot(label), 0 on ignored rows (times 1 - tanh²(z / cap) with a soft cap)."""
     z = (hidden @ weight.t()).float()  # compute-dtype logits, upcast as the full loss does
@@ -109,11 +122,11 @@ def _chunked(hidden, weight, labels, chunk_size, softcap, grad_h=None, grad_w=No
     """The summed loss over chunks of `chunk_size` rows, writing the gradients into `grad_h` / `grad_w` if given."""
     total, grad = torch.zeros((), dtype=torch.float32, device=hidden.device), grad_h is not None or grad_w is not None
     for start in range(0, hidden.shape[0], chunk_size):
-        h = hidden[start:start + chunk_size]
-        loss, g = _chunk_loss(h, weight, labels[start:start + chunk_size], softcap, grad)
+        h = hidden[start : start + chunk_size]
+        loss, g = _chunk_loss(h, weight, labels[start : start + chunk_size], softcap, grad)
         total += loss
         if grad_h is not None:
-            torch.mm(g, weight, out=grad_h[start:start + chunk_size])
+            torch.mm(g, weight, out=grad_h[start : start + chunk_size])
         if grad_w is not None:
             grad_w.addmm_(g.t(), h)
     return total
@@ -144,8 +157,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_h, grad_w, None, None, None
 
 
-def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 4096,
-                             *, softcap: float | None = None) -> torch.Tensor:
+def linear_cross_entropy_sum(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_size: int = 4096,
+    *,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """``cross_entropy((hidden @ weight.T).float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")`` without the
     (N, V) logits, `chunk_size` rows at a time. `hidden` (N, H); `weight` (V, H) a plain tensor; `labels` (N,);
     `softcap`: Gemma 2's ``cap * tanh(logits / cap)``. Memory: about 8 x chunk_size x V bytes instead of 12 x N x V.
@@ -153,14 +172,18 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels:
     from torch.distributed.tensor import DTensor
 
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1] or labels.shape != hidden.shape[:1]:
-        raise ValueError(f"linear_cross_entropy_sum: hidden (N, H), weight (V, H) and labels (N,) expected, got "
-                         f"{tuple(hidden.shape)}, {tuple(weight.shape)} and {tuple(labels.shape)}")
+        raise ValueError(
+            f"linear_cross_entropy_sum: hidden (N, H), weight (V, H) and labels (N,) expected, got "
+            f"{tuple(hidden.shape)}, {tuple(weight.shape)} and {tuple(labels.shape)}"
+        )
     if chunk_size < 1:
         raise ValueError(f"linear_cross_entropy_sum: chunk_size must be >= 1, got {chunk_size}")
     if isinstance(weight, DTensor) or weight.numel() == 0:
-        raise ValueError("linear_cross_entropy_sum: the output projection's weight is not gathered (a DTensor shard or "
-                         "an empty ZeRO-3 partition); call it where the model's forward leaves the weight whole (FSDP2: "
-                         "after the root module's forward), or use the full loss")
+        raise ValueError(
+            "linear_cross_entropy_sum: the output projection's weight is not gathered (a DTensor shard or "
+            "an empty ZeRO-3 partition); call it where the model's forward leaves the weight whole (FSDP2: "
+            "after the root module's forward), or use the full loss"
+        )
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _LinearCrossEntropy.apply(hidden, weight, labels, chunk_size, softcap)
     with torch.no_grad():
@@ -171,16 +194,22 @@ def token_loss_sums(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> d
     """`token_loss_sum` with an evaluation's counts: ``loss_sum``, ``tokens`` (labelled), ``correct`` (argmax), 0-d."""
     logits, labels = _shifted_logits(model, batch)
     mask = labels != IGNORE_INDEX
-    loss_sum = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
-                                                 reduction="sum")
+    loss_sum = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
     return {"loss_sum": loss_sum, "tokens": mask.sum(), "correct": ((logits.argmax(-1) == labels) & mask).sum()}
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: Iterable[dict[str, torch.Tensor]], device: torch.device, *,
-             context: Callable[[], ContextManager] = contextlib.nullcontext,
-             on_batch: Callable[[dict[str, torch.Tensor]], None] | None = None,
-             accuracy: bool = False) -> dict[str, float]:
+def evaluate(
+    model: torch.nn.Module,
+    batches: Iterable[dict[str, torch.Tensor]],
+    device: torch.device,
+    *,
+    context: Callable[[], ContextManager] = contextlib.nullcontext,
+    on_batch: Callable[[dict[str, torch.Tensor]], None] | None = None,
+    accuracy: bool = False,
+) -> dict[str, float]:
     """Mean loss per labelled token over every rank's `batches` (one all-reduce): ``loss`` (nats), ``tokens`` and, with
     `accuracy`, ``mean_token_accuracy``; floats, the same on every rank. Every rank needs as many batches
     (`shard_for_eval`); `context` wraps each forward (an autocast), `on_batch` is called after each."""

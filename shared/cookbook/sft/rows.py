@@ -13,8 +13,16 @@ from cookbook.tabular import not_utf8
 IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index
 ROLES = ("system", "user", "assistant")  # plain chat turns; "tool" (a tool's result) is accepted too
 _CHAT_ROLES = (*ROLES, "tool")
-_SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                   "function_call": "assistant", "observation": "tool", "tool": "tool"}
+_SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "function_call": "assistant",
+    "observation": "tool",
+    "tool": "tool",
+}
 
 
 class SFTDataError(ValueError):
@@ -59,10 +67,12 @@ def load_rows(path: str | Path) -> RowList:
     if isinstance(whole, dict):  # one object: a one-row file, or a wrapper such as {"data": [...]}
         wrapped = [k for k, v in whole.items() if isinstance(v, list) and v and all(isinstance(r, dict) for r in v)]
         if wrapped and not any(k in whole for k in ("messages", "conversations", "instruction")):
-            raise SFTDataError(f"{p}: the file holds one JSON object whose '{wrapped[0]}' is a list of objects (keys "
-                               f"{sorted(whole)[:5]}); expected a JSON list of rows, or JSONL with one row per line: "
-                               f"write the list itself")
-        rows, lines = [whole], [text[:len(text) - len(text.lstrip())].count("\n") + 1]
+            raise SFTDataError(
+                f"{p}: the file holds one JSON object whose '{wrapped[0]}' is a list of objects (keys "
+                f"{sorted(whole)[:5]}); expected a JSON list of rows, or JSONL with one row per line: "
+                f"write the list itself"
+            )
+        rows, lines = [whole], [text[: len(text) - len(text.lstrip())].count("\n") + 1]
     elif text.lstrip().startswith("["):
         try:
             rows = json.loads(text)
@@ -105,10 +115,22 @@ def _text(value: Any, where: str, field: str, allow_empty: bool = True, answer: 
     return value
 
 
-_TEXT_KEYS = ("text", "value", "content")  # where a typed part keeps its text (OpenAI: text; Hugging Face / others: value)
+_TEXT_KEYS = (
+    "text",
+    "value",
+    "content",
+)  # where a typed part keeps its text (OpenAI: text; Hugging Face / others: value)
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # a turn's reasoning (TRL / Qwen3, GPT-OSS, others)
-_PART_KINDS = {"text": "text", "input_text": "text", "output_text": "text", "reasoning": "reasoning",
-               "thinking": "reasoning", "tool_call": "tool_call", "tool_use": "tool_call", "function_call": "tool_call"}
+_PART_KINDS = {
+    "text": "text",
+    "input_text": "text",
+    "output_text": "text",
+    "reasoning": "reasoning",
+    "thinking": "reasoning",
+    "tool_call": "tool_call",
+    "tool_use": "tool_call",
+    "function_call": "tool_call",
+}
 _IMAGE_KINDS = ("image", "image_url", "input_image", "video", "audio", "input_audio")
 
 
@@ -116,8 +138,10 @@ def _part_text(part: dict, kind: str, where: str, path: str, keys: tuple[str, ..
     for key in (kind, *keys) if kind not in keys else keys:
         if isinstance(part.get(key), str):
             return part[key]
-    raise SFTDataError(f"{where}: {path} (type {kind!r}) has no string {' / '.join(repr(k) for k in keys)} "
-                       f"(keys found: {sorted(part)})")
+    raise SFTDataError(
+        f"{where}: {path} (type {kind!r}) has no string {' / '.join(repr(k) for k in keys)} "
+        f"(keys found: {sorted(part)})"
+    )
 
 
 def _parts(value: Any, where: str, field: str) -> tuple[str, list[str], list]:
@@ -130,8 +154,10 @@ def _parts(value: Any, where: str, field: str) -> tuple[str, list[str], list]:
         kind = _PART_KINDS.get(raw) if isinstance(raw, str) else None
         path = f"{field}[{k}]"
         if raw is None:
-            raise SFTDataError(f"{where}: {path} must be an object with 'type' (e.g. {{\"type\": \"text\", "
-                               f"\"text\": ...}}), got {json.dumps(part)[:60]}")
+            raise SFTDataError(
+                f'{where}: {path} must be an object with \'type\' (e.g. {{"type": "text", '
+                f'"text": ...}}), got {json.dumps(part)[:60]}'
+            )
         if kind == "text":
             texts.append(_part_text(part, "text", where, path))
         elif kind == "reasoning":
@@ -142,11 +168,15 @@ def _parts(value: Any, where: str, field: str) -> tuple[str, list[str], list]:
                 call["arguments"] = call.pop("input")
             calls.append(call.get("tool_call", call))
         elif raw in _IMAGE_KINDS:
-            raise SFTDataError(f"{where}: {path} is a part of type {raw!r}, but this data path trains on text only: "
-                               f"remove the part, or use a vision-language recipe for images")
+            raise SFTDataError(
+                f"{where}: {path} is a part of type {raw!r}, but this data path trains on text only: "
+                f"remove the part, or use a vision-language recipe for images"
+            )
         else:
-            raise SFTDataError(f"{where}: {path} is a part of type {raw!r}; expected one of "
-                               f"{', '.join(repr(t) for t in _PART_KINDS)} (images: a vision-language recipe)")
+            raise SFTDataError(
+                f"{where}: {path} is a part of type {raw!r}; expected one of "
+                f"{', '.join(repr(t) for t in _PART_KINDS)} (images: a vision-language recipe)"
+            )
     return "\n".join(texts), reasoning, calls
 
 
@@ -160,8 +190,10 @@ def _tool_calls(value: Any, where: str, field: str) -> list[dict]:
         path = f"{field}[{k}]" if isinstance(value, list) else field
         fn = call.get("function", call) if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"].strip():
-            raise SFTDataError(f"{where}: {path} must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
-                               f"\"arguments\": {{...}}}}}} (or {{\"name\", \"arguments\"}}), got {json.dumps(call)[:80]}")
+            raise SFTDataError(
+                f'{where}: {path} must be {{"type": "function", "function": {{"name": ..., '
+                f'"arguments": {{...}}}}}} (or {{"name", "arguments"}}), got {json.dumps(call)[:80]}'
+            )
         args = fn.get("arguments", {})
         if isinstance(args, str):
             try:
@@ -192,14 +224,17 @@ def _tools(value: Any, where: str) -> list[dict] | None:
     for k, tool in enumerate(value):
         fn = tool.get("function", tool) if isinstance(tool, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"].strip():
-            raise SFTDataError(f"{where}: tools[{k}] must be a function definition with a 'name' ({{\"type\": \"function\", "
-                               f"\"function\": {{\"name\", \"description\", \"parameters\"}}}}), got {json.dumps(tool)[:80]}")
+            raise SFTDataError(
+                f'{where}: tools[{k}] must be a function definition with a \'name\' ({{"type": "function", '
+                f'"function": {{"name", "description", "parameters"}}}}), got {json.dumps(tool)[:80]}'
+            )
         tools.append({"type": "function", "function": fn})
     return tools or None
 
 
-def to_conversation(row: dict, row_number: int | str, source: str,
-                    ignored: Counter | None = None) -> tuple[list[dict], list[dict] | None]:
+def to_conversation(
+    row: dict, row_number: int | str, source: str, ignored: Counter | None = None
+) -> tuple[list[dict], list[dict] | None]:
     """One row (chat, Alpaca or ShareGPT) as ``(messages, tools)``: messages ``{"role", "content": str}`` (+
     ``tool_calls``, ``name``, ``tool_call_id``, ``reasoning_content``), tools ``{"type": "function", ...}`` or None;
     `row_number` (1-based, or a label: `RowList.label`) and `source` name the row; `ignored` counts unused keys.
@@ -209,17 +244,27 @@ def to_conversation(row: dict, row_number: int | str, source: str,
     if "messages" in row:
         turns, role_key, text_key, field, role_map = row["messages"], "role", "content", "messages", None
     elif "conversations" in row:
-        turns, role_key, text_key, field, role_map = row["conversations"], "from", "value", "conversations", _SHAREGPT_ROLES
+        turns, role_key, text_key, field, role_map = (
+            row["conversations"],
+            "from",
+            "value",
+            "conversations",
+            _SHAREGPT_ROLES,
+        )
     elif "instruction" in row and "output" in row:
         prompt = _text(row["instruction"], where, "instruction", allow_empty=False)
         extra = row.get("input") or ""
         if _text(extra, where, "input").strip():
             prompt = f"{prompt}\n\n{extra}"
-        return [{"role": "user", "content": prompt},
-                {"role": "assistant", "content": _text(row["output"], where, "output", allow_empty=False, answer=True)}], None
+        return [
+            {"role": "user", "content": prompt},
+            {"role": "assistant", "content": _text(row["output"], where, "output", allow_empty=False, answer=True)},
+        ], None
     else:
-        raise SFTDataError(f"{where}: unknown format, found keys {sorted(row)}; expected 'messages' (chat), "
-                           f"'conversations' (ShareGPT) or 'instruction' + 'output' (Alpaca)")
+        raise SFTDataError(
+            f"{where}: unknown format, found keys {sorted(row)}; expected 'messages' (chat), "
+            f"'conversations' (ShareGPT) or 'instruction' + 'output' (Alpaca)"
+        )
     if not isinstance(turns, list) or not turns:
         raise SFTDataError(f"{where}: field '{field}' must be a non-empty list of turns")
     tools = _tools(row.get("tools"), where)
@@ -231,26 +276,37 @@ def to_conversation(row: dict, row_number: int | str, source: str,
         if not isinstance(turn, dict) or role_key not in turn or (text_key not in turn and "tool_calls" not in turn):
             raise SFTDataError(f"{where}: {path} must be an object with '{role_key}' and '{text_key}'")
         raw = turn[role_key]
-        role = None if not isinstance(raw, str) else role_map.get(raw) if role_map else raw if raw in _CHAT_ROLES else None
+        role = (
+            None if not isinstance(raw, str) else role_map.get(raw) if role_map else raw if raw in _CHAT_ROLES else None
+        )
         if role is None:
             allowed = ", ".join(role_map or _CHAT_ROLES)
             raise SFTDataError(f"{where}: {path}.{role_key} is {raw!r}, expected one of {allowed}")
         if ignored is not None:
-            used = {role_key, text_key, "tool_calls", *REASONING_KEYS, *(("name", "tool_call_id") if role == "tool" else ())}
+            used = {
+                role_key,
+                text_key,
+                "tool_calls",
+                *REASONING_KEYS,
+                *(("name", "tool_call_id") if role == "tool" else ()),
+            }
             ignored.update(f"{field}[].{k}" for k in turn if k not in used)
         if raw == "function_call":  # LLaMA-Factory: the call as JSON text
             try:
                 call = json.loads(_text(turn[text_key], where, f"{path}.{text_key}"))
             except json.JSONDecodeError as exc:
                 raise SFTDataError(f"{where}: {path}.{text_key} (a function_call) is not valid JSON: {exc}") from None
-            messages.append({"role": "assistant", "content": "",
-                             "tool_calls": _tool_calls(call, where, f"{path}.{text_key}")})
+            messages.append(
+                {"role": "assistant", "content": "", "tool_calls": _tool_calls(call, where, f"{path}.{text_key}")}
+            )
             continue
         if role != "assistant":
             content, reasoning, calls = _parts(turn.get(text_key), where, f"{path}.{text_key}")
             if reasoning or calls:
-                raise SFTDataError(f"{where}: {path}.{text_key} holds a {'reasoning' if reasoning else 'tool_call'} "
-                                   f"part, which only an assistant turn can have")
+                raise SFTDataError(
+                    f"{where}: {path}.{text_key} holds a {'reasoning' if reasoning else 'tool_call'} "
+                    f"part, which only an assistant turn can have"
+                )
             message = {"role": role, "content": content}
             if role == "tool":
                 if not messages or not (messages[-1].get("tool_calls") or messages[-1]["role"] == "tool"):
@@ -258,8 +314,9 @@ def to_conversation(row: dict, row_number: int | str, source: str,
                 message.update({k: turn[k] for k in ("name", "tool_call_id") if isinstance(turn.get(k), str)})
             for key in REASONING_KEYS:
                 if turn.get(key):
-                    raise SFTDataError(f"{where}: {path}.{key} is set on a {role} turn; only assistant turns have "
-                                       f"reasoning")
+                    raise SFTDataError(
+                        f"{where}: {path}.{key} is set on a {role} turn; only assistant turns have reasoning"
+                    )
             messages.append(message)
             continue
         value = turn.get(text_key)
@@ -267,23 +324,30 @@ def to_conversation(row: dict, row_number: int | str, source: str,
         for key in REASONING_KEYS:
             if turn.get(key) is not None:
                 reasoning.insert(0, _text(turn[key], where, f"{path}.{key}"))
-        calls = ([*(turn["tool_calls"] if isinstance(turn["tool_calls"], list) else [turn["tool_calls"]])]
-                 if turn.get("tool_calls") else []) + part_calls
+        calls = (
+            [*(turn["tool_calls"] if isinstance(turn["tool_calls"], list) else [turn["tool_calls"]])]
+            if turn.get("tool_calls")
+            else []
+        ) + part_calls
         message = {"role": "assistant", "content": content}
         if calls:
-            message["tool_calls"] = _tool_calls(calls, where, f"{path}.tool_calls" if turn.get("tool_calls")
-                                                else f"{path}.{text_key}")
+            message["tool_calls"] = _tool_calls(
+                calls, where, f"{path}.tool_calls" if turn.get("tool_calls") else f"{path}.{text_key}"
+            )
         elif not content.strip():
             raise EmptyAnswerError(f"{where}: field '{path}.{text_key}' is empty")
         if any(r.strip() for r in reasoning):
             message["reasoning_content"] = "\n".join(r for r in reasoning if r.strip())
         messages.append(message)
     if not any(m["role"] == "assistant" for m in messages):
-        raise SFTDataError(f"{where}: the conversation has no assistant turn (roles: "
-                           f"{', '.join(m['role'] for m in messages)}), so nothing would be trained")
+        raise SFTDataError(
+            f"{where}: the conversation has no assistant turn (roles: "
+            f"{', '.join(m['role'] for m in messages)}), so nothing would be trained"
+        )
     if messages[0]["role"] == "assistant":
-        raise SFTDataError(f"{where}: {field}[0] is an assistant turn; a conversation must start with a "
-                           f"system or user turn")
+        raise SFTDataError(
+            f"{where}: {field}[0] is an assistant turn; a conversation must start with a system or user turn"
+        )
     return messages, tools
 
 

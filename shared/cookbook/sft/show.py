@@ -36,21 +36,26 @@ def _render_example(example: dict, tokenizer) -> str:
 
 def field_counts(stats: SFTStats) -> list[str]:
     """Lines of kept / truncated / dropped counts per field of one source's `SFTStats`."""
-    why = "no labelled token left after the cut" if stats.truncate else \
-        f"longer than max_length={stats.max_length}, dropped rather than cut"
+    why = (
+        "no labelled token left after the cut"
+        if stats.truncate
+        else f"longer than max_length={stats.max_length}, dropped rather than cut"
+    )
     cut = f"{stats.truncated} truncated to max_length={stats.max_length}, " if stats.truncate else ""
     done = {"train": "trained", "context": "in context (no loss)", "drop": "dropped"}[stats.reasoning]
-    return [f"  rows            {stats.rows} read"
-            + (f", {stats.split_rows} split into one example per answer" if stats.split_rows else ""),
-            f"  examples        {stats.examples} kept, {cut}{stats.dropped} dropped"
-            + (f" ({why}: {stats.longest_dropped(3)})" if stats.dropped else ""),
-            f"  answers         {len(stats.empty_answers)} empty (row skipped), {len(stats.unanswered)} rows end in a "
-            f"tool call with no answer (skipped), {len(stats.call_endings)} tool calls after the last answer (not trained)",
-            f"  tool calls      {stats.tool_calls_note()[len('tool calls: '):]}",
-            f"  reasoning       {stats.reasoning_turns} turns {done}, {stats.reasoning_unrendered} left out by the chat "
-            f"template, {stats.reasoning_dropped} dropped (data.reasoning=drop)",
-            f"  keys not used   {', '.join(f'{k}: {n}' for k, n in sorted(stats.ignored.items())) or 'none'}",
-            f"  tokens          {stats.tokens:,}, {stats.loss_tokens:,} labelled ({stats.loss_fraction:.1%})"]
+    return [
+        f"  rows            {stats.rows} read"
+        + (f", {stats.split_rows} split into one example per answer" if stats.split_rows else ""),
+        f"  examples        {stats.examples} kept, {cut}{stats.dropped} dropped"
+        + (f" ({why}: {stats.longest_dropped(3)})" if stats.dropped else ""),
+        f"  answers         {len(stats.empty_answers)} empty (row skipped), {len(stats.unanswered)} rows end in a "
+        f"tool call with no answer (skipped), {len(stats.call_endings)} tool calls after the last answer (not trained)",
+        f"  tool calls      {stats.tool_calls_note()[len('tool calls: ') :]}",
+        f"  reasoning       {stats.reasoning_turns} turns {done}, {stats.reasoning_unrendered} left out by the chat "
+        f"template, {stats.reasoning_dropped} dropped (data.reasoning=drop)",
+        f"  keys not used   {', '.join(f'{k}: {n}' for k, n in sorted(stats.ignored.items())) or 'none'}",
+        f"  tokens          {stats.tokens:,}, {stats.loss_tokens:,} labelled ({stats.loss_fraction:.1%})",
+    ]
 
 
 def show_examples(parts: Sequence[tuple[list[dict], SFTStats]], tokenizer, n: int) -> str:
@@ -61,8 +66,12 @@ def show_examples(parts: Sequence[tuple[list[dict], SFTStats]], tokenizer, n: in
         for k, ex in enumerate(examples[:n]):
             row = stats.label(stats.example_rows[k]) if k < len(stats.example_rows) else "row ?"
             n_loss = sum(label != IGNORE_INDEX for label in ex["labels"])
-            out += ["", f"--- {name} example {k + 1} of {len(examples)} ({row}, {len(ex['input_ids'])} tokens, "
-                        f"{n_loss} labelled)", _render_example(ex, tokenizer)]
+            out += [
+                "",
+                f"--- {name} example {k + 1} of {len(examples)} ({row}, {len(ex['input_ids'])} tokens, "
+                f"{n_loss} labelled)",
+                _render_example(ex, tokenizer),
+            ]
         out += ["", f"--- {name}: counts per field", *field_counts(stats)]
     return "\n".join(out)
 
@@ -83,9 +92,19 @@ def show_data(cfg, tokenizer, n: int) -> str:
 
     kwargs = dict(cfg.chat_template_kwargs) or None
     sources = [(f, load_rows(f)) for f in cfg.train_files] or [(cfg.hub_id, load_hub_rows(cfg.hub_id))]
-    parts = [prepare(rows, tokenizer, cfg.max_length, source, kwargs, split_turns=cfg.split_turns,
-                     truncate=getattr(cfg, "truncate", True), reasoning=getattr(cfg, "reasoning", "train"))
-             for source, rows in sources]
+    parts = [
+        prepare(
+            rows,
+            tokenizer,
+            cfg.max_length,
+            source,
+            kwargs,
+            split_turns=cfg.split_turns,
+            truncate=getattr(cfg, "truncate", True),
+            reasoning=getattr(cfg, "reasoning", "train"),
+        )
+        for source, rows in sources
+    ]
     notes = [refusal(st, cfg.max_dropped_fraction) for _, st in parts] + [held_out_note(cfg)]
     return show_examples(parts, tokenizer, n) + "".join(f"\n{x}" for x in notes if x)
 
@@ -93,6 +112,8 @@ def show_data(cfg, tokenizer, n: int) -> str:
 def held_out_note(cfg: Any) -> str | None:
     """The last line of a ``--show-examples`` before a seeded ``data.eval_fraction`` split, or ``None``."""
     if getattr(cfg, "eval_fraction", 0) > 0 and not getattr(cfg, "eval_files", []):
-        return (f"data.eval_fraction={cfg.eval_fraction:g}: a seeded share of each file's examples is held out for "
-                f"evaluation; the examples above are before that split")
+        return (
+            f"data.eval_fraction={cfg.eval_fraction:g}: a seeded share of each file's examples is held out for "
+            f"evaluation; the examples above are before that split"
+        )
     return None

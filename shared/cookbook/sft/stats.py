@@ -24,8 +24,12 @@ class SFTStats:
     dropped: int = 0  # examples cut before their first labelled token (not kept)
     dropped_rows: list[tuple[int, int]] = field(default_factory=list)  # (1-based row, tokens before the cut) of those
     empty_answers: list[int] = field(default_factory=list)  # 1-based numbers of rows skipped for an empty answer
-    unanswered: list[int] = field(default_factory=list)  # rows not kept: they end in a tool call, with no answer to label
-    call_endings: list[int] = field(default_factory=list)  # rows kept up to their last answer; a tool call after it not trained
+    unanswered: list[int] = field(
+        default_factory=list
+    )  # rows not kept: they end in a tool call, with no answer to label
+    call_endings: list[int] = field(
+        default_factory=list
+    )  # rows kept up to their last answer; a tool call after it not trained
     example_rows: list[int] = field(default_factory=list)  # the 1-based row of each kept example, in order
     split_rows: int = 0  # rows with several assistant turns split into one example per turn
     tool_call_rows: int = 0  # rows whose kept examples hold tool calls
@@ -38,8 +42,9 @@ class SFTStats:
     reasoning_unrendered: int = 0  # labelled turns of kept examples whose reasoning the chat template left out
     reasoning_dropped: int = 0  # labelled turns of kept examples whose reasoning data.reasoning=drop removed
     ignored: dict[str, int] = field(default_factory=dict)  # keys of rows / turns not used -> how many had them
-    unrendered_why: str = ("it renders only the reasoning of the turns after the last user turn: data.split_turns=true "
-                           "keeps every turn's")
+    unrendered_why: str = (
+        "it renders only the reasoning of the turns after the last user turn: data.split_turns=true keeps every turn's"
+    )
     parts: list[SFTStats] = field(default_factory=list)  # per-source stats of a merge
     lines: list[int] | None = field(default=None, repr=False)  # each row's line in a JSONL file (`RowList.lines`)
     _call_row: int = field(default=0, repr=False)  # the last row counted in tool_call_rows
@@ -51,8 +56,9 @@ class SFTStats:
     def _rows_list(self, numbers: Sequence[int], shown: int = 5) -> str:
         """``"rows 3, 5"`` or ``"lines 4, 7, ..."``: the first `shown` of 1-based rows `numbers`."""
         named = [self.lines[n - 1] for n in numbers[:shown]] if self.lines else numbers[:shown]
-        return (f"{'lines' if self.lines else 'rows'} {', '.join(map(str, named))}"
-                + (", ..." if len(numbers) > shown else ""))
+        return f"{'lines' if self.lines else 'rows'} {', '.join(map(str, named))}" + (
+            ", ..." if len(numbers) > shown else ""
+        )
 
     @property
     def loss_fraction(self) -> float:
@@ -76,8 +82,12 @@ class SFTStats:
     @classmethod
     def merge(cls, parts: Sequence[SFTStats]) -> SFTStats:
         """Totals over several sources; `summary` then reports each source."""
-        total = cls(source=" + ".join(p.source for p in parts), max_length=max((p.max_length for p in parts), default=0),
-                    truncate=all(p.truncate for p in parts), parts=list(parts))
+        total = cls(
+            source=" + ".join(p.source for p in parts),
+            max_length=max((p.max_length for p in parts), default=0),
+            truncate=all(p.truncate for p in parts),
+            parts=list(parts),
+        )
         for key in (f.name for f in fields(cls) if f.type == "int" and f.name not in ("max_length", "_call_row")):
             setattr(total, key, sum(getattr(p, key) for p in parts))  # the counts
         total.unanswered = [r for p in parts for r in p.unanswered]
@@ -97,22 +107,33 @@ class SFTStats:
             items.append(f"{self.reasoning_dropped} turns dropped (data.reasoning=drop)")
         return f"reasoning: {', '.join(items)}" if items else ""
 
-    def add(self, n: int, ids: list[int], labels: list[int], calls: Sequence[tuple[int, int]] = (),
-            reasoning: Sequence[int] = (), unrendered: Sequence[int] = (), dropped: Sequence[int] = ()) -> dict | None:
+    def add(
+        self,
+        n: int,
+        ids: list[int],
+        labels: list[int],
+        calls: Sequence[tuple[int, int]] = (),
+        reasoning: Sequence[int] = (),
+        unrendered: Sequence[int] = (),
+        dropped: Sequence[int] = (),
+    ) -> dict | None:
         """Count an example of 1-based row `n` (untruncated `ids`, `labels`); return it cut to `max_length`, or None
         when it is dropped (no label left or, not truncating, too long). `calls`: ``(token where a turn starts, its
         tool calls)``; `reasoning`, `unrendered`, `dropped`: where the labelled turns start whose reasoning was
         rendered, left out by the template, removed. Those of a kept example before the cut are counted; calls not
         kept count in `tool_calls_cut`."""
-        full, cut, ids, labels = len(ids), len(ids) > self.max_length, ids[:self.max_length], labels[:self.max_length]
+        full, cut, ids, labels = len(ids), len(ids) > self.max_length, ids[: self.max_length], labels[: self.max_length]
         n_loss = sum(label != IGNORE_INDEX for label in labels)
         if n_loss == 0 or (cut and not self.truncate):
             self.dropped += 1
             self.dropped_rows.append((n, full))
             self.tool_calls_cut += sum(k for _, k in calls)
             return None
-        for key, starts in (("reasoning_turns", reasoning), ("reasoning_unrendered", unrendered),
-                            ("reasoning_dropped", dropped)):
+        for key, starts in (
+            ("reasoning_turns", reasoning),
+            ("reasoning_unrendered", unrendered),
+            ("reasoning_dropped", dropped),
+        ):
             setattr(self, key, getattr(self, key) + sum(start < self.max_length for start in starts))
         kept = sum(k for start, k in calls if start < self.max_length)
         self.tool_calls += kept
@@ -130,24 +151,34 @@ class SFTStats:
         return f"tool calls: {self.tool_calls} in {self.tool_call_rows} rows{cut}"
 
     def _drop_reason(self, limit: str) -> str:
-        return f"cut by {limit} before any assistant token" if self.truncate else f"longer than {limit}, dropped rather than cut"
+        return (
+            f"cut by {limit} before any assistant token"
+            if self.truncate
+            else f"longer than {limit}, dropped rather than cut"
+        )
 
     def _counts(self) -> str:
         split = f" ({self.split_rows} split into one example per assistant turn)" if self.split_rows else ""
         cut = f" ({self.truncated} truncated to max_length={self.max_length})" if self.truncate else ""
-        text = (f"{Path(self.source).name or 'data'}: {self.rows} rows read{split}, {self.examples} examples kept{cut}, "
-                f"{self.dropped} dropped")
+        text = (
+            f"{Path(self.source).name or 'data'}: {self.rows} rows read{split}, {self.examples} examples kept{cut}, "
+            f"{self.dropped} dropped"
+        )
         if self.dropped:
             limit = "max_length" if self.truncate else f"max_length={self.max_length}"
             text += f" ({self._drop_reason(limit)}: {self.longest_dropped(3)})"
         if self.empty_answers:
             text += f", {len(self.empty_answers)} skipped with an empty answer ({self._rows_list(self.empty_answers)})"
         if self.unanswered:
-            text += (f", {len(self.unanswered)} skipped as they end in a tool call with no answer to label ("
-                     f"{self._rows_list(self.unanswered)})")
+            text += (
+                f", {len(self.unanswered)} skipped as they end in a tool call with no answer to label ("
+                f"{self._rows_list(self.unanswered)})"
+            )
         if self.call_endings:
-            text += (f", {len(self.call_endings)} end in a tool call after their last answer, not trained ("
-                     f"{self._rows_list(self.call_endings)})")
+            text += (
+                f", {len(self.call_endings)} end in a tool call after their last answer, not trained ("
+                f"{self._rows_list(self.call_endings)})"
+            )
         if self.tool_calls or self.tool_calls_cut:
             text += f", {self.tool_calls_note()}"
         if self._reasoning_note():
@@ -170,14 +201,22 @@ class SFTStats:
         why = []
         if self.dropped:
             longest = max(t for _, t in self.dropped_rows)
-            why.append(f"{self.dropped} {self._drop_reason(f'data.max_length={self.max_length}')}, longest "
-                       f"{self.longest_dropped()}: raise data.max_length (to {longest} to keep them all)")
+            why.append(
+                f"{self.dropped} {self._drop_reason(f'data.max_length={self.max_length}')}, longest "
+                f"{self.longest_dropped()}: raise data.max_length (to {longest} to keep them all)"
+            )
         if self.empty_answers:
-            why.append(f"{len(self.empty_answers)} with an empty answer ({self._rows_list(self.empty_answers)}): check "
-                       f"the answer field")
+            why.append(
+                f"{len(self.empty_answers)} with an empty answer ({self._rows_list(self.empty_answers)}): check "
+                f"the answer field"
+            )
         if self.unanswered:
-            why.append(f"{len(self.unanswered)} end in a tool call with no answer to label ("
-                       f"{self._rows_list(self.unanswered)}): only answers carry labels; add the tool result and the answer")
-        raise SFTDataError(f"{self.source}: {lost} of {self.examples + lost} {unit} dropped ({self.dropped_fraction:.0%}, "
-                           f"more than data.max_dropped_fraction={max_dropped_fraction:g}): {'; '.join(why)}; or raise "
-                           f"data.max_dropped_fraction")
+            why.append(
+                f"{len(self.unanswered)} end in a tool call with no answer to label ("
+                f"{self._rows_list(self.unanswered)}): only answers carry labels; add the tool result and the answer"
+            )
+        raise SFTDataError(
+            f"{self.source}: {lost} of {self.examples + lost} {unit} dropped ({self.dropped_fraction:.0%}, "
+            f"more than data.max_dropped_fraction={max_dropped_fraction:g}): {'; '.join(why)}; or raise "
+            f"data.max_dropped_fraction"
+        )

@@ -15,17 +15,31 @@ def _require_chat_template(tokenizer) -> None:
     try:
         tokenizer.get_chat_template()
     except ValueError as exc:
-        raise SFTDataError(f"the tokenizer ({type(tokenizer).__name__}) has no usable chat template: set "
-                           f"tokenizer.chat_template or use a chat/instruct model's tokenizer ({exc})") from None
+        raise SFTDataError(
+            f"the tokenizer ({type(tokenizer).__name__}) has no usable chat template: set "
+            f"tokenizer.chat_template or use a chat/instruct model's tokenizer ({exc})"
+        ) from None
 
 
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, kwargs: dict | None,
-            tools: list[dict] | None = None, tokenize: bool = True) -> list[int] | str:
+def _render(
+    tokenizer,
+    messages: list[dict],
+    add_generation_prompt: bool,
+    kwargs: dict | None,
+    tools: list[dict] | None = None,
+    tokenize: bool = True,
+) -> list[int] | str:
     from jinja2.exceptions import TemplateError
 
     try:
-        out = tokenizer.apply_chat_template(messages, tools=tools, tokenize=tokenize, return_dict=False,
-                                            add_generation_prompt=add_generation_prompt, **(kwargs or {}))
+        out = tokenizer.apply_chat_template(
+            messages,
+            tools=tools,
+            tokenize=tokenize,
+            return_dict=False,
+            add_generation_prompt=add_generation_prompt,
+            **(kwargs or {}),
+        )
     except (TemplateError, TypeError) as exc:  # the template's raise_exception, or e.g. str + None in Jinja
         raise SFTDataError(f"the chat template cannot render this conversation: {type(exc).__name__}: {exc}") from None
     return list(out) if tokenize else out
@@ -33,17 +47,25 @@ def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, kwargs
 
 def _unstable(tokenizer, full: list[int], part: list[int], what: str, split_turns: bool = False) -> SFTDataError:
     j = next((k for k, (a, b) in enumerate(zip(full, part)) if a != b), min(len(full), len(part)))
-    got, want = tokenizer.decode(part[j:j + 8]), tokenizer.decode(full[j:j + 8])
-    advice = ("data.split_turns is already true, so the turn being labelled itself renders differently as the last "
-              "turn and inside the conversation: check that row's text for template markup, or set a prefix-stable "
-              "tokenizer.chat_template") if split_turns else (
-        "use single-turn rows, set data.split_turns=true (one example per assistant turn, each as the model sees it "
-        "when it writes that turn), or set a prefix-stable tokenizer.chat_template")
+    got, want = tokenizer.decode(part[j : j + 8]), tokenizer.decode(full[j : j + 8])
+    advice = (
+        (
+            "data.split_turns is already true, so the turn being labelled itself renders differently as the last "
+            "turn and inside the conversation: check that row's text for template markup, or set a prefix-stable "
+            "tokenizer.chat_template"
+        )
+        if split_turns
+        else (
+            "use single-turn rows, set data.split_turns=true (one example per assistant turn, each as the model sees it "
+            "when it writes that turn), or set a prefix-stable tokenizer.chat_template"
+        )
+    )
     return SFTDataError(
         f"the chat template is not prefix-stable: {what} rendered differs from the whole "
         f"conversation at token {j} ({got!r} vs {want!r}), so assistant turns cannot be located by rendering "
         f"prefixes. Templates that rewrite earlier turns do this (Qwen3's adds a <think> block to the assistant "
-        f"turn after the last user turn only); {advice}")
+        f"turn after the last user turn only); {advice}"
+    )
 
 
 def _template(tokenizer) -> str:
@@ -69,15 +91,23 @@ def _inline_reasoning(tokenizer, messages: list[dict]) -> list[dict]:
         text = m["content"] if m["role"] == "assistant" else ""
         if "<think>" in text or "</think>" in text:
             head, sep, tail = text.lstrip().partition("</think>")
-            if not (head.startswith("<think>") and sep and "<think>" not in head[7:] and "</think>" not in tail
-                    and "<think>" not in tail):
-                raise SFTDataError(f"messages[{i}].content (assistant) holds a stray '</think>' or '<think>', which "
-                                   f"the chat template reads as the edge of a reasoning block (it would move text "
-                                   f"out of the turn): put the reasoning in 'reasoning_content' (or the content as "
-                                   f"'<think>reasoning</think>answer') and remove the stray tag")
+            if not (
+                head.startswith("<think>")
+                and sep
+                and "<think>" not in head[7:]
+                and "</think>" not in tail
+                and "<think>" not in tail
+            ):
+                raise SFTDataError(
+                    f"messages[{i}].content (assistant) holds a stray '</think>' or '<think>', which "
+                    f"the chat template reads as the edge of a reasoning block (it would move text "
+                    f"out of the turn): put the reasoning in 'reasoning_content' (or the content as "
+                    f"'<think>reasoning</think>answer') and remove the stray tag"
+                )
             if m.get("reasoning_content"):
-                raise SFTDataError(f"messages[{i}] has both 'reasoning_content' and a <think> block in its content: "
-                                   f"keep one")
+                raise SFTDataError(
+                    f"messages[{i}] has both 'reasoning_content' and a <think> block in its content: keep one"
+                )
             m = {**m, "content": tail.lstrip("\n"), "reasoning_content": head[7:].strip("\n")}
             if not m["reasoning_content"].strip():
                 del m["reasoning_content"]
@@ -85,29 +115,45 @@ def _inline_reasoning(tokenizer, messages: list[dict]) -> list[dict]:
     return out
 
 
-def check_tools_rendered(tokenizer, messages: list[dict], tools: list[dict] | None, text: str = "",
-                         kwargs: dict | None = None, turns: dict[int, str] | None = None) -> None:
+def check_tools_rendered(
+    tokenizer,
+    messages: list[dict],
+    tools: list[dict] | None,
+    text: str = "",
+    kwargs: dict | None = None,
+    turns: dict[int, str] | None = None,
+) -> None:
     """Refuse (`SFTDataError`) a template that drops tools, calls (`turns`: index -> text; None: `text`) or results."""
     turns = {i: text for i, m in enumerate(messages) if m.get("tool_calls")} if turns is None else turns
-    text = _render(tokenizer, messages, False, kwargs, tools, tokenize=False) if tools or any(
-        m["role"] == "tool" for m in messages) else ""
+    text = (
+        _render(tokenizer, messages, False, kwargs, tools, tokenize=False)
+        if tools or any(m["role"] == "tool" for m in messages)
+        else ""
+    )
     for name in (tool["function"]["name"] for tool in tools or ()):
         if name not in text:
-            raise SFTDataError(f"the chat template does not render the row's tools: the tool {name!r} is missing from "
-                               f"the rendered conversation (a template that ignores tools=). Use a tokenizer whose "
-                               f"template renders tools (Qwen2.5's and Qwen3's do) or remove 'tools' from the rows")
+            raise SFTDataError(
+                f"the chat template does not render the row's tools: the tool {name!r} is missing from "
+                f"the rendered conversation (a template that ignores tools=). Use a tokenizer whose "
+                f"template renders tools (Qwen2.5's and Qwen3's do) or remove 'tools' from the rows"
+            )
     for i, rendered in turns.items():
         for name in (call["function"]["name"] for call in messages[i].get("tool_calls", ())):
             if name not in rendered:
-                raise SFTDataError(f"the chat template does not render tool calls: messages[{i}] calls {name!r} but "
-                                   f"its rendered turn is {rendered[:80]!r} (a template that ignores tool_calls). Use "
-                                   f"a tokenizer whose template renders tool calls (Qwen2.5's and Qwen3's do)")
+                raise SFTDataError(
+                    f"the chat template does not render tool calls: messages[{i}] calls {name!r} but "
+                    f"its rendered turn is {rendered[:80]!r} (a template that ignores tool_calls). Use "
+                    f"a tokenizer whose template renders tool calls (Qwen2.5's and Qwen3's do)"
+                )
     for i, m in enumerate(messages):
         result = m["content"].strip() if m["role"] == "tool" else ""
-        if result and not any(form in text for form in (result, json.dumps(result, ensure_ascii=False)[1:-1],
-                                                         json.dumps(result)[1:-1])):
-            raise SFTDataError(f"the chat template does not render tool results: messages[{i}] (role tool) is missing "
-                               f"from the rendered conversation")
+        if result and not any(
+            form in text for form in (result, json.dumps(result, ensure_ascii=False)[1:-1], json.dumps(result)[1:-1])
+        ):
+            raise SFTDataError(
+                f"the chat template does not render tool results: messages[{i}] (role tool) is missing "
+                f"from the rendered conversation"
+            )
 
 
 def _covering(tokenizer, ids: list[int], start: int, stop: int, text: str) -> int:
@@ -116,8 +162,15 @@ def _covering(tokenizer, ids: list[int], start: int, stop: int, text: str) -> in
     return start + 1 + bisect_left(covers, True, key=lambda end: text in tokenizer.decode(ids[start:end]))
 
 
-def _encode(tokenizer, messages: list[dict], kwargs: dict | None, tools: list[dict] | None, last_turn_only: bool,
-            reasoning: str = "train", dropped: Collection[int] = ()) -> tuple[list[int], list[int], dict[str, list]]:
+def _encode(
+    tokenizer,
+    messages: list[dict],
+    kwargs: dict | None,
+    tools: list[dict] | None,
+    last_turn_only: bool,
+    reasoning: str = "train",
+    dropped: Collection[int] = (),
+) -> tuple[list[int], list[int], dict[str, list]]:
     """Untruncated ``(input_ids, labels, counts)`` of `tokenize_conversation`; `last_turn_only` labels the last
     assistant turn only; `reasoning` ``"context"`` masks each turn's reasoning. ``counts``: where the labelled turns
     start whose reasoning was rendered (``reasoning``), left out by the template (``unrendered``) or removed (the
@@ -158,8 +211,13 @@ def _encode(tokenizer, messages: list[dict], kwargs: dict | None, tools: list[di
     return full, labels, counts
 
 
-def tokenize_conversation(tokenizer, messages: list[dict], max_length: int, chat_template_kwargs: dict | None = None,
-                          tools: list[dict] | None = None) -> tuple[list[int], list[int], bool]:
+def tokenize_conversation(
+    tokenizer,
+    messages: list[dict],
+    max_length: int,
+    chat_template_kwargs: dict | None = None,
+    tools: list[dict] | None = None,
+) -> tuple[list[int], list[int], bool]:
     """Render `messages` with the chat template (`tools` as ``tools=``) and label only the assistant turns:
     ``(input_ids, labels, truncated)``, at most `max_length` long. Turn ``i`` lies between the renderings of
     ``messages[:i]`` with the generation prompt and of ``messages[:i+1]``, both prefixes of the whole conversation's.
@@ -174,20 +232,35 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_length: int, chat
 def check_vocab(tokenizer, vocab_size: int) -> None:
     """Raise `SFTDataError` if ``len(tokenizer)`` exceeds `vocab_size` (larger is fine: Qwen3 pads its embedding)."""
     if len(tokenizer) > vocab_size:
-        raise SFTDataError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {vocab_size}: "
-                           f"ids >= {vocab_size} have no embedding; use the model's own tokenizer")
+        raise SFTDataError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {vocab_size}: "
+            f"ids >= {vocab_size} have no embedding; use the model's own tokenizer"
+        )
 
 
-def template_conversation(row: dict, row_number: int | str, source: str, tokenizer, stats: SFTStats,
-                          ignored: Counter | None = None, chat_template_kwargs: dict | None = None,
-                          reasoning: str = "train", dropped: list[int] | None = None) -> tuple[list[dict], list | None]:
+def template_conversation(
+    row: dict,
+    row_number: int | str,
+    source: str,
+    tokenizer,
+    stats: SFTStats,
+    ignored: Counter | None = None,
+    chat_template_kwargs: dict | None = None,
+    reasoning: str = "train",
+    dropped: list[int] | None = None,
+) -> tuple[list[dict], list | None]:
     """`to_conversation` made ready for `tokenizer`'s template (None: reasoning left as ``reasoning_content``): inline
     ``<think>`` moved, reasoning under the template's key or dropped (``reasoning="drop"``: counted in `stats`, or the
     turns' indices appended to `dropped`), unused keys counted in `ignored`.
     Raises EmptyAnswerError; SFTDataError: ``"<source> <row>: ..."``, see `to_conversation`; reasoning with no place."""
     if ignored is not None:  # the row's own keys that its format does not read
-        used = (("messages", "tools") if "messages" in row else ("conversations", "system", "tools")
-                if "conversations" in row else ("instruction", "input", "output"))
+        used = (
+            ("messages", "tools")
+            if "messages" in row
+            else ("conversations", "system", "tools")
+            if "conversations" in row
+            else ("instruction", "input", "output")
+        )
         ignored.update(k for k in row if k not in used)
     removed = [] if dropped is None else dropped
     try:
@@ -200,13 +273,16 @@ def template_conversation(row: dict, row_number: int | str, source: str, tokeniz
     except EmptyAnswerError:
         raise
     except SFTDataError as exc:
-        raise SFTDataError(str(exc) if str(exc).startswith(source) else f"{source} {row_label(row_number)}: {exc}") from None
+        raise SFTDataError(
+            str(exc) if str(exc).startswith(source) else f"{source} {row_label(row_number)}: {exc}"
+        ) from None
     stats.reasoning_dropped += len(removed) if dropped is None else 0
     return messages, tools
 
 
-def _place_reasoning(messages: list[dict], reasoning: str, target: str | None, kwargs: dict | None,
-                     dropped: list[int]) -> list[dict]:
+def _place_reasoning(
+    messages: list[dict], reasoning: str, target: str | None, kwargs: dict | None, dropped: list[int]
+) -> list[dict]:
     """Messages with each assistant turn's ``reasoning_content`` under the template's key `target` (or removed, its
     index appended to `dropped`).
     Raises SFTDataError: reasoning, but the template reads no reasoning field or ``enable_thinking`` is false."""
@@ -220,13 +296,17 @@ def _place_reasoning(messages: list[dict], reasoning: str, target: str | None, k
         if reasoning == "drop":
             dropped.append(i)
         elif target is None:
-            raise SFTDataError(f"messages[{i}] has reasoning, but the chat template has no place for it (it reads "
-                               f"neither 'reasoning_content' nor 'thinking'): set data.reasoning=drop to train "
-                               f"without it (counted in the data summary), or use a template that renders reasoning")
+            raise SFTDataError(
+                f"messages[{i}] has reasoning, but the chat template has no place for it (it reads "
+                f"neither 'reasoning_content' nor 'thinking'): set data.reasoning=drop to train "
+                f"without it (counted in the data summary), or use a template that renders reasoning"
+            )
         elif (kwargs or {}).get("enable_thinking") is False:
-            raise SFTDataError(f"messages[{i}] has reasoning, but data.chat_template_kwargs has enable_thinking: "
-                               f"false, which makes the template write an empty reasoning block: set it to true "
-                               f"to keep the reasoning, or data.reasoning=drop to train without it")
+            raise SFTDataError(
+                f"messages[{i}] has reasoning, but data.chat_template_kwargs has enable_thinking: "
+                f"false, which makes the template write an empty reasoning block: set it to true "
+                f"to keep the reasoning, or data.reasoning=drop to train without it"
+            )
         else:
             m[target] = thought
         out.append(m)
