@@ -127,6 +127,8 @@ def test_tool_calls_of_rows_dropped_by_max_length_are_not_counted_as_trained():
     tokenizer = AutoTokenizer.from_pretrained(TINY / "gpt_oss")
     path = TINY / "data" / "chat.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for m in (m for row in rows for m in row["messages"] if m.get("tool_calls")):
+        m.setdefault("thinking", "Ask the tool.")  # the template leaves a tool call's thinking out: counted apart
     calls = [sum(len(m.get("tool_calls") or ()) for m in row["messages"]) for row in rows]
     examples, _ = mod.tokenize_rows(rows, tokenizer, mod.DataConfig(max_length=512), path.name)  # one per row
     answer_at = max(e["labels"].index(next(x for x in e["labels"] if x != -100)) for e, c in zip(examples, calls) if c)
@@ -140,6 +142,23 @@ def test_tool_calls_of_rows_dropped_by_max_length_are_not_counted_as_trained():
     )
     assert stats.tool_calls_cut == sum(calls[n - 1] for n, _ in stats.dropped_rows)
     assert f"{stats.tool_calls_cut} not trained (dropped or cut at max_length)" in stats.summary()
+    # the thinking the template leaves out (a tool call's) or data.reasoning=drop removes: of kept rows only
+    answers = [mod._answers(row["messages"]) for row in rows]
+    hidden = [
+        sum(bool(m.get("thinking")) and i not in a and i < a[-1] for i, m in enumerate(row["messages"]))
+        for row, a in zip(rows, answers)
+    ]
+    assert any(hidden[n - 1] for n, _ in stats.dropped_rows) and stats.reasoning_unrendered == sum(
+        hidden[n - 1] for n in kept
+    )
+    _, dropping = mod.tokenize_rows(
+        rows, tokenizer, mod.DataConfig(max_length=answer_at, max_dropped_fraction=0.5, reasoning="drop"), path.name
+    )
+    thinking = [
+        sum(bool(m.get("thinking")) and i <= a[-1] for i, m in enumerate(row["messages"]))
+        for row, a in zip(rows, answers)
+    ]
+    assert dropping.reasoning_dropped == sum(thinking[n - 1] for n in sorted(set(dropping.example_rows)))
 
 
 def test_labels_are_the_final_channel_only():

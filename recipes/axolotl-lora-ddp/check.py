@@ -183,7 +183,7 @@ def build_examples(cfg: dict, tokenizer) -> list[tuple[list[dict], "SFTStats"]]:
             chat = {"messages": row[field], **{k: v for k, v in row.items() if k != field}} if field in row else row
             messages, tools = sft.template_conversation(chat, st.label(n), ds["path"], None, st, ignored)
             ids = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=False)
-            labels = [-100] * len(ids)
+            labels, reasoning, unrendered = [-100] * len(ids), [], []  # the starts of turns with reasoning
             for i, m in enumerate(messages):
                 if m["role"] not in roles:
                     continue
@@ -200,26 +200,17 @@ def build_examples(cfg: dict, tokenizer) -> list[tuple[list[dict], "SFTStats"]]:
                     end = start + len(turn) - turn[::-1].index(tokenizer.eos_token_id)
                 labels[start:end] = ids[start:end]
                 thought = (m.get("reasoning_content") or "").strip()
-                if thought and thought in tokenizer.decode(ids[start:end]):
-                    st.reasoning_turns += 1
-                elif thought:
-                    st.reasoning_unrendered += 1
+                if thought:
+                    (reasoning if thought in tokenizer.decode(ids[start:end]) else unrendered).append(start)
             if len(ids) > cut and strategy == "raise":
                 raise sft.SFTDataError(
                     f"{ds['path']} {st.label(n)}: {len(ids)} tokens, longer than sequence_len={cut} "
                     f"(excess_length_strategy: raise)"
                 )
-            n_loss = sum(t != -100 for t in labels[:cut])
-            if (len(ids) > cut and strategy == "drop") or n_loss == 0:
-                st.dropped += 1
-                st.dropped_rows.append((n, len(ids)))
-                continue
-            st.truncated += len(ids) > cut
-            examples.append({"input_ids": list(ids[:cut]), "labels": labels[:cut]})
-            st.example_rows.append(n)
-            st.examples += 1
-            st.tokens += min(len(ids), cut)
-            st.loss_tokens += n_loss
+            calls = sum(len(m.get("tool_calls") or ()) for m in messages)
+            example = st.add(n, ids, labels, [(0, calls)], reasoning, unrendered)  # counts what training keeps
+            if example is not None:
+                examples.append(example)
         st.ignored = dict(ignored)
         out.append((examples, st))
     return out

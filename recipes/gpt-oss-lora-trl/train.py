@@ -278,11 +278,8 @@ def tokenize_rows(rows: list[dict], tokenizer, cfg: DataConfig, source: str) -> 
         thinking = [i for i, m in enumerate(messages) if m.get("thinking")]
         shown = [] if cfg.reasoning == "drop" else [i for i in thinking if i in answers]  # a tool call's: only when
         if cfg.reasoning == "drop":  # no answer follows
-            stats.reasoning_dropped += len(thinking)
             for i in thinking:
                 del messages[i]["thinking"]
-        else:
-            stats.reasoning_unrendered += len(thinking) - len(shown)
         if not answers:  # only tool calls: nothing the final-channel mask could label
             stats.unanswered.append(n)
             continue
@@ -302,10 +299,11 @@ def tokenize_rows(rows: list[dict], tokenizer, cfg: DataConfig, source: str) -> 
                     f"{source} {stats.label(n)}: the chat template cannot render it: {type(exc).__name__}: {exc}"
                 ) from None
             labels = final_channel_labels(ids, tokenizer, last_only=True, analysis=cfg.reasoning == "train")
-            calls = sum(len(m.get("tool_calls") or ()) for m in messages[answers[k - 1] + 1 if k else 0 : end])
-            example = stats.add(
-                n, ids, labels, [(0, calls)], [0] if end in shown else []
-            )  # the calls since the last answer
+            turns = range(answers[k - 1] + 1 if k else 0, end + 1)  # since the last answer: counted if trained
+            calls = sum(len(messages[i].get("tool_calls") or ()) for i in turns if i < end)
+            hidden = [0] * sum(i in thinking and i not in shown for i in turns)  # 0: counted unless dropped
+            key = "dropped" if cfg.reasoning == "drop" else "unrendered"
+            example = stats.add(n, ids, labels, [(0, calls)], [0] if end in shown else [], **{key: hidden})
             if example is not None:
                 examples.append(example)
     stats.ignored = dict(ignored)

@@ -278,16 +278,16 @@ def trl_examples(
                 sft.check_tools_rendered(tokenizer, messages, tools, tokenizer.decode(ids))
             except sft.SFTDataError as exc:
                 raise sft.SFTDataError(f"{st.source} {st.label(n)}: {exc}") from None
-            reasoning = []
+            reasoning, unrendered = [], []  # where the turns start: counted if training keeps them
             for i, m in enumerate(messages):  # reasoning: rendered in the answer (trained) or left out
                 thought = (m.get("reasoning_content") or m.get("thinking") or "").strip()
                 if thought and i == len(messages) - 1 and thought in tokenizer.decode(ids[start:]):
                     reasoning.append(start)
                 elif thought and thought not in tokenizer.decode(ids):
-                    st.reasoning_unrendered += 1
+                    unrendered.append(start if i == len(messages) - 1 else 0)
             labels = ([sft.IGNORE_INDEX] * start + ids[start:]) if cfg.data.completion_only else list(ids)
             calls = sum(len(m.get("tool_calls") or ()) for m in messages)
-            example = st.add(n, ids, labels, [(0, calls)], reasoning)
+            example = st.add(n, ids, labels, [(0, calls)], reasoning, unrendered)
             if example is not None:
                 examples.append(example)
         out.append((examples, st))
