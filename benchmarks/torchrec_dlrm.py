@@ -36,6 +36,7 @@ KINDS = ("table_wise", "row_wise", "column_wise", "data_parallel", "auto")
 
 
 def recipe():
+    sys.path.insert(0, str(RECIPE))  # train.py imports the modules beside it (text_files)
     spec = importlib.util.spec_from_file_location("torchrec_dlrm_train", RECIPE / "train.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up
