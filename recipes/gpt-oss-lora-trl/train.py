@@ -32,7 +32,7 @@ from trl import SFTTrainer
 import cookbook
 from cookbook import config, hf_trainer, lm, sft
 from cookbook.checkpoint import CheckpointError
-from cookbook.config import ConfigError, check_fields, load_config, save_config, to_dict
+from cookbook.config import ConfigError, check_fields, load_config
 from cookbook.hub import resolve_path
 from cookbook.loop import NonFinitePolicy
 
@@ -501,19 +501,7 @@ def train(cfg: Config, on_cpu: bool) -> None:
     model = get_peft_model(model, PeftLoraConfig(**cfg.lora.peft_kwargs(), bias="none", task_type="CAUSAL_LM"))
     if t.activation_checkpointing == "experts":  # recompute the MoE blocks only; attention keeps its activations
         lm.checkpoint_modules(m.mlp for m in model.modules() if type(m).__name__ == "GptOssDecoderLayer")
-    if info.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, out_dir / "config.yaml")
-    metrics = MetricsLogger(
-        out_dir,
-        info,
-        flops=flops,
-        run_name=cfg.run_name,
-        experiment="gpt-oss-lora",
-        params=to_dict(cfg),
-        mlflow=cfg.mlflow,
-        max_steps=max_steps,
-    )
+    metrics = MetricsLogger.for_run(cfg, info, experiment="gpt-oss-lora", flops=flops, max_steps=max_steps)
 
     # What TrainLoop does when things fail (cookbook.hf_trainer): preemption, non-finite steps, stalls, failed saves.
     run = hf_trainer.TrainerRun(cfg, metrics, pad_id, resume_from)

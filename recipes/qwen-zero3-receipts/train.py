@@ -42,7 +42,7 @@ from cookbook import hf_deepspeed, hf_trainer, sft
 from cookbook.checkpoint import CheckpointError
 from cookbook.loop import NonFinitePolicy
 from cookbook import config
-from cookbook.config import ConfigError, check_fields, load_config, save_config, to_dict
+from cookbook.config import ConfigError, check_fields, load_config
 from cookbook.hub import resolve_path
 
 hf_logging.disable_progress_bar()
@@ -689,19 +689,7 @@ def train(cfg: Config, on_cpu: bool) -> None:
 
         peft_config = PeftLoraConfig(**cfg.lora.peft_kwargs(), task_type="CAUSAL_LM")
 
-    if info.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, out_dir / "config.yaml")
-    metrics = MetricsLogger(
-        out_dir,
-        info,
-        flops=flops,
-        run_name=cfg.run_name,
-        experiment="zero3-receipts",
-        params=to_dict(cfg),
-        mlflow=cfg.mlflow,
-        max_steps=max_steps,
-    )
+    metrics = MetricsLogger.for_run(cfg, info, experiment="zero3-receipts", flops=flops, max_steps=max_steps)
 
     def gen_eval(model_for_eval) -> dict[str, float]:
         if not data.val_prompts:

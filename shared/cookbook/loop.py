@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from cookbook.checkpoint import Checkpointer, RankLocalState, ResumeGuard, RNGState, TrainState, rng_kept, seed_per_rank
-from cookbook.config import save_config, to_dict
+from cookbook.config import to_dict
 from cookbook.dist import DistInfo, barrier, get_dist_info, get_logger, record_progress, stall_error
 from cookbook.metrics import MetricsLogger, ModelFlops, StepProfiler
 from cookbook.policy import (
@@ -388,19 +388,8 @@ class Run(TrainLoop):
         self.state, self.complete = state, _already_complete(state, max_steps, out_dir, final, what)
         if self.complete:
             return
-        if info.is_main:
-            out_dir.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, out_dir / "config.yaml")
-        metrics = MetricsLogger(
-            out_dir,
-            info,
-            flops=flops,
-            run_name=cfg.run_name,
-            experiment=experiment,
-            params=to_dict(cfg),
-            mlflow=cfg.mlflow,
-            max_steps=max_steps,
-            count_tokens=count_tokens,
+        metrics = MetricsLogger.for_run(
+            cfg, info, experiment=experiment, flops=flops, max_steps=max_steps, count_tokens=count_tokens
         )
         profile_step = getattr(cfg.train, "profile_step", 0)
         on_nonfinite, max_skips = NonFinitePolicy.settings(cfg.train)

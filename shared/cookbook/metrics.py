@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from cookbook import push
-from cookbook.config import check_trackers
+from cookbook.config import check_trackers, save_config, to_dict
 from cookbook.dist import DistInfo, get_logger
 from cookbook.errors import EXIT_USER_ERROR, LAUNCH_TIME_ENV, OneLineError
 from cookbook.progress import ProgressBar
@@ -202,6 +202,18 @@ class MetricsLogger:
         self._unit = "gpu" if info.device.type == "cuda" else "rank"  # what one device is, for the console
         self._reset_window(step=None)
         self._t_start = self._t_loop = time.perf_counter()  # creation; the loop's start (`start`)
+
+    @classmethod
+    def for_run(cls, cfg: Any, info: DistInfo, *, experiment: str, **kwargs) -> MetricsLogger:
+        """The run's logger in ``cfg.output_dir`` (run name, config as params, MLflow switch from `cfg`), after rank 0
+        writes the resolved ``config.yaml`` there; `kwargs` as for the constructor."""
+        out = Path(cfg.output_dir)
+        if info.is_main:
+            out.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, out / "config.yaml")
+        return cls(
+            out, info, run_name=cfg.run_name, experiment=experiment, params=to_dict(cfg), mlflow=cfg.mlflow, **kwargs
+        )
 
     @property
     def mlflow_uri(self) -> str | None:

@@ -31,7 +31,7 @@ from cookbook.checkpoint import (
     save_error,
     seed_per_rank,
 )
-from cookbook.config import save_config, to_dict, to_object
+from cookbook.config import to_dict, to_object
 from cookbook.dist import (
     DistInfo,
     all_gather_object,
@@ -244,19 +244,8 @@ class WorkerRun:
         # An epoch run resumed mid-epoch (a preemption checkpoint): batches of this epoch already taken.
         self._skip = self.batches - self.epoch * steps_per_epoch if self._unit == "epoch" else 0
         out = Path(cfg.output_dir)
-        if info.is_main:
-            out.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, out / "config.yaml")
-        self.metrics = MetricsLogger(
-            out,
-            info,
-            flops=flops,
-            run_name=cfg.run_name,
-            experiment=experiment,
-            params=to_dict(cfg),
-            mlflow=cfg.mlflow,
-            max_steps=max_steps,
-            count_tokens=count_tokens,
+        self.metrics = MetricsLogger.for_run(
+            cfg, info, experiment=experiment, flops=flops, max_steps=max_steps, count_tokens=count_tokens
         )
         self._profiler = StepProfiler(getattr(cfg.train, "profile_step", 0), out, info)
         self._log_window(log=False)
