@@ -98,10 +98,10 @@ def test_keep_last_n(tmp_path, group):
     for step in (10, 20, 30, 40):
         ck.save(step, {"counter": Counter(step)})
     assert [p.name for p in ck.complete_checkpoints()] == ["step_00000030", "step_00000040"]
-    assert ck.resolve_resume("auto").name == "step_00000040"
-    assert ck.resolve_resume("none") is None
+    assert ck.resolve("auto").name == "step_00000040"
+    assert ck.resolve("none") is None
     with pytest.raises(CheckpointError, match="not a complete checkpoint"):
-        ck.resolve_resume(str(tmp_path / "step_00000010"))
+        ck.resolve(str(tmp_path / "step_00000010"))
 
 
 def test_rank_local_state_refuses_a_different_world_size(tmp_path, group):

@@ -109,11 +109,11 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_one_warning(two_checkpoints
     shutil.copytree(two_checkpoints, root)
     newest, previous = root / "step_00000004", root / "step_00000002"
     ck = Checkpointer(root)
-    assert ck.latest() == newest and ck.guard.problem(newest) is None
+    assert ck.latest() == newest and ck.problem(newest) is None
     apply, problem = DAMAGES[damage]
     apply(newest)
 
-    assert re.fullmatch(problem + ".*", Checkpointer(root).guard.verify(newest))
+    assert re.fullmatch(problem + ".*", Checkpointer(root).verify(newest))
     capsys.readouterr()
     caplog.clear()
     assert ck.check_resume("auto", world_size=1) == previous

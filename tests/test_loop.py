@@ -14,6 +14,7 @@ import torch
 from cookbook.checkpoint import Checkpointer, ModelOptimizerState, TrainState
 from cookbook.dist import DistInfo
 import cookbook.loop
+import cookbook.policy
 from cookbook.loop import EpochBatches, NonFiniteError, Run, TrainLoop, log_outputs
 from cookbook.loop import _already_complete as already_complete
 from cookbook.metrics import MetricsLogger
@@ -394,7 +395,8 @@ def _checkpoint_steps(out):
 
 def test_skip_drops_a_non_finite_step_without_touching_the_weights_or_the_schedule(tmp_path, monkeypatch):
     lines = []
-    monkeypatch.setattr(cookbook.loop, "get_logger", lambda: SimpleNamespace(info=lines.append))
+    for module in (cookbook.loop, cookbook.policy):  # the policy logs the skip
+        monkeypatch.setattr(module, "get_logger", lambda: SimpleNamespace(info=lines.append))
     loop, model, scheduler, records, run = _train_with_nan(tmp_path, nan_at={3})
     assert run == [1, 2, 3, 3, 4, 5, 6]  # step 3 came again with the next batch
     assert lines[0] == "step 3: non-finite gradient norm (nan), step skipped (1 skipped so far)"

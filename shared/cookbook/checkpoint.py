@@ -31,14 +31,11 @@ from cookbook.resume import (
     DCP_METADATA,  # noqa: F401
     FILES_KEY,  # noqa: F401
     META_FILE,
-    ResumeGuard,  # noqa: F401 (re-exported)
-    _plural,
-    _rank,
-    _reason,
+    ResumeGuard,
     checksums,
     config_changes,  # noqa: F401
-    global_batch,
     read_meta,
+    reason,
 )
 from cookbook.sampler import DataPosition
 from cookbook.state import (
@@ -57,6 +54,10 @@ class CheckpointSaveError(CheckpointError, OSError):
     """A checkpoint could not be written (disk full, I/O error, ...): one line, alike on every rank; ``errno`` set."""
 
     same_on_every_rank = True
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _world_size() -> int:
@@ -128,6 +129,11 @@ class _Writer(dcp.FileSystemWriter):
             raise OSError(os_error.errno, os_error.strerror, os_error.filename) from exc
 
 
+def _failure(exc: BaseException) -> tuple[str, str, int | None]:
+    """``(kind, reason, errno)`` of rank 0's failed save, to broadcast: ``"os"`` an OSError, else ``"bug"``."""
+    return ("os", reason(exc), exc.errno) if isinstance(exc, OSError) else ("bug", reason(exc), None)
+
+
 def _os_failure(exc: BaseException) -> tuple[int, OSError] | None:
     """``(rank, OSError)`` of the first rank whose part of a DCP save failed with an OS error, or None."""
     for rank, failure in sorted(getattr(exc, "failures", {}).items()):
@@ -137,10 +143,10 @@ def _os_failure(exc: BaseException) -> tuple[int, OSError] | None:
     return None
 
 
-class Checkpointer:
-    """Save, find and load checkpoints under `root`; collective. `keep_last`: newest kept (0: all); `run_dir`: named
-    in the advice; `resizable`: another world size resumes with the same global batch (`load` needs a `DataPosition`);
-    `cannot_remap`: why another world size is refused."""
+class Checkpointer(ResumeGuard):
+    """Save, find and load DCP checkpoints under `root`; collective. `keep_last`: newest kept (0: all); `run_dir`:
+    named in the advice; `resizable`: another world size resumes with the same global batch (`load` needs a
+    `DataPosition`); `cannot_remap`: why another world size is refused."""
 
     def __init__(
         self,
@@ -152,27 +158,10 @@ class Checkpointer:
     ):
         if keep_last < 0:
             raise ValueError(f"keep_last must be >= 0, got {keep_last}")
-        self.root, self.keep_last = Path(root), keep_last
-        self.guard = ResumeGuard(
-            self.root, run_dir=run_dir, resizable=resizable, **({"cannot_remap": cannot_remap} if cannot_remap else {})
+        super().__init__(
+            root, run_dir=run_dir, resizable=resizable, **({"cannot_remap": cannot_remap} if cannot_remap else {})
         )
-
-    # ------------------------------------------------------------------ finding
-    def complete_checkpoints(self) -> list[Path]:
-        """Complete checkpoints, oldest first."""
-        return self.guard.complete_checkpoints()
-
-    def latest(self) -> Path | None:
-        """The newest complete checkpoint, or None."""
-        return self.guard.latest()
-
-    def verified_latest(self) -> Path | None:
-        """The newest checkpoint this process saved or verified (`ResumeGuard.verified_latest`), or None."""
-        return self.guard.verified_latest()
-
-    def resolve_resume(self, resume: str | None) -> Path | None:
-        """A config's ``resume`` value as a checkpoint folder (`ResumeGuard.resolve`)."""
-        return self.guard.resolve(resume)
+        self.keep_last = keep_last
 
     def check_resume(
         self,
@@ -183,7 +172,7 @@ class Checkpointer:
         stop_at_step: int = -1,
     ) -> Path | None:
         """The checkpoint folder to resume from (None: start fresh), checked by `ResumeGuard.check`."""
-        return self.guard.check(resume, world_size, config, may_change, ("train.stop_at_step", stop_at_step))
+        return self.check(resume, world_size, config, may_change, ("train.stop_at_step", stop_at_step))
 
     # ------------------------------------------------------------------ saving
     def save(self, step: int, state: Mapping[str, Any], extra_meta: Mapping[str, Any] | None = None) -> Path:
@@ -198,8 +187,8 @@ class Checkpointer:
                 self._remove_leftovers()
                 tmp.mkdir()
             except OSError as exc:
-                failure = ("os", _reason(exc), exc.errno)
-        self._raise_failure(step, final, from_rank0(failure))
+                failure = _failure(exc)
+        self._agree(step, final, failure)
         try:
             dcp.save(dict(state), checkpoint_id=str(tmp), storage_writer=_Writer(str(tmp)))
         except OSError as exc:  # raised here before DCP's collectives agreed: only this rank knows
@@ -213,7 +202,7 @@ class Checkpointer:
                 raise
             raise self._save_error(step, final, *found) from None
         barrier()
-        failure, error = None, None
+        failure = error = None
         if _rank() == 0:
             meta = {"step": step, "world_size": _world_size(), "time": time.time(), **(extra_meta or {})}
             try:
@@ -224,18 +213,13 @@ class Checkpointer:
                     os.fsync(f.fileno())
                 publish(tmp, final)
             except Exception as exc:  # noqa: BLE001 - every rank must hear of it, or they would wait forever
-                error = exc
-                failure = ("os", _reason(exc), exc.errno) if isinstance(exc, OSError) else ("bug", _reason(exc), None)
+                error, failure = exc, _failure(exc)
                 shutil.rmtree(tmp, ignore_errors=True)
             else:
                 self._prune(final)
-        failure = from_rank0(failure)
-        if failure is None:
-            self.guard.bad.pop(final, None)
-            self.guard.verified.add(final)
-        if error is not None and failure[0] == "bug":
-            raise error
-        self._raise_failure(step, final, failure, error)
+        self._agree(step, final, failure, error)
+        self.bad.pop(final, None)
+        self.verified.add(final)
         get_logger().info(f"checkpoint saved: {final} ({time.perf_counter() - start:.1f}s)")
         return final
 
@@ -249,31 +233,30 @@ class Checkpointer:
                     with contextlib.suppress(OSError):
                         path.unlink()
 
-    def _raise_failure(
-        self, step: int, final: Path, failure: tuple[str, str, int | None] | None, error: BaseException | None = None
-    ) -> None:
-        """Raise, on every rank, the failure that rank 0 met (``(kind, reason, errno)`` as broadcast)."""
+    def _agree(self, step: int, final: Path, failure: tuple | None, error: BaseException | None = None) -> None:
+        """Raise on every rank what rank 0 met: `failure` (`_failure`, or None) broadcast; a "bug" is `error` there."""
+        failure = from_rank0(failure)
         if failure is None:
             return
-        kind, reason, code = failure
+        kind, why, code = failure
         if kind == "bug":
-            raise RuntimeError(f"rank 0 failed to publish the checkpoint {final}: {reason}")
-        exc = OSError(code, reason) if code is not None else OSError(reason)
-        raise self._save_error(step, final, 0, exc, reason) from error
+            if error is not None:
+                raise error
+            raise RuntimeError(f"rank 0 failed to publish the checkpoint {final}: {why}")
+        raise self._save_error(step, final, 0, OSError(code, why) if code is not None else OSError(why), why) from error
 
     def _save_error(
-        self, step: int, final: Path, rank: int, exc: OSError, reason: str | None = None
+        self, step: int, final: Path, rank: int, exc: OSError, why: str | None = None
     ) -> CheckpointSaveError:
-        """The one-line `CheckpointSaveError` of a save that failed on `rank` with `exc`."""
-        return save_error(step, final, self.latest(), rank if _world_size() > 1 else None, exc, reason)
+        return save_error(step, final, self.latest(), rank if _world_size() > 1 else None, exc, why)
 
     def _prune(self, published: Path) -> None:
         """Delete checkpoints beyond `keep_last` and damaged folders older than `published` (rank 0)."""
         complete, stale = [], []
-        for number, path in self.guard.candidates():
-            if self.guard.is_complete(path):
+        for number, path in self.candidates():
+            if self.is_complete(path):
                 complete.append(path)
-            elif number < self.guard.number(published):
+            elif number < self.number(published):
                 stale.append(path)
         stale += complete[: -self.keep_last] if self.keep_last > 0 else []
         for old in stale:
@@ -285,16 +268,16 @@ class Checkpointer:
         `resizable` checkpointer loads all but the per-rank state. Raises CheckpointError: incomplete, damaged, or
         per-rank state of another world size; ValueError: resized without a `DataPosition`."""
         path = Path(path)
-        problem = self.guard.problem(path)
+        problem = self.problem(path)
         if problem is not None:
             raise CheckpointError(f"{path} is not a complete checkpoint ({problem})")
         meta = read_meta(path)
         local = [k for k, v in state.items() if isinstance(v, RankLocalState)]
         written_by, now = meta.get("world_size"), _world_size()
         resized = written_by not in (None, now)
-        if resized and not self.guard.resizable and local:
-            self.guard.check_world_size(path, meta, now)  # raises
-        if resized and self.guard.resizable:
+        if resized and not self.resizable and local:
+            self.check_world_size(path, meta, now)  # raises
+        if resized and self.resizable:
             positions = [v for v in state.values() if isinstance(v, DataPosition)]
             if not positions:
                 raise ValueError(
@@ -304,34 +287,23 @@ class Checkpointer:
             dropped = "; ".join(f"{k}: {', '.join(state[k].items)}" for k in local)
             state = {k: v for k, v in state.items() if k not in local}
         dcp.load(dict(state), checkpoint_id=str(path))
-        if resized and self.guard.resizable:
-            batch = global_batch(meta["config"], written_by)[0] if "config" in meta else None
-            get_logger().info(
-                f"resized: {path} was written by {written_by} {_plural(self.guard.processes, written_by)}, this job has "
-                f"{now}. Resharded by DCP: the model and optimizer state. Remapped: the data position, "
-                f"{positions[0].describe()} in the same order"
-                + (f" (global batch {batch} samples, as before)" if batch else "")
-                + (
-                    f". Not restored, as in a fresh run (seeded at start-up): the per-rank state ({dropped})"
-                    if local
-                    else ""
-                )
-            )
+        if resized and self.resizable:
+            get_logger().info(self.resized(path, meta, now, positions[0].describe(), dropped))
         get_logger().info(f"resumed from {path} (step {meta['step']})")
         return meta
 
 
 def save_error(
-    step: int, final: Path, previous: Path | None, rank: int | None, exc: OSError, reason: str | None = None
+    step: int, final: Path, previous: Path | None, rank: int | None, exc: OSError, why: str | None = None
 ) -> CheckpointSaveError:
-    """The one-line `CheckpointSaveError` of the failed save of `step` to `final`, naming `exc` (or `reason`), the
+    """The one-line `CheckpointSaveError` of the failed save of `step` to `final`, naming `exc` (or `why`), the
     `rank` that met it (None: one process) and the intact `previous` checkpoint."""
     where = f"rank {rank}: " if rank is not None else ""
     kept = f"the previous checkpoint {previous} is intact" if previous is not None else "there is no earlier checkpoint"
     again = f"it resumes from {previous}" if previous is not None else "it starts from step 0"
     todo = _what_to_do(exc.errno, Path(final).parent)
     error = CheckpointSaveError(
-        f"could not save the checkpoint of step {step} to {final} ({where}{reason or _reason(exc)}); {kept}. "
+        f"could not save the checkpoint of step {step} to {final} ({where}{why or reason(exc)}); {kept}. "
         f"{todo[0].upper()}{todo[1:]} and run the same command again: {again}"
     )
     error.errno = exc.errno

@@ -155,7 +155,6 @@ class TrainLoop:
             device=self.device,
             newest_checkpoint=lambda: checkpointer.verified_latest() if checkpointer is not None else None,
             models=models_in(checkpoint_state),
-            log=lambda line: get_logger().info(line),
         )
         self._skipped_now = False  # the step being run was skipped
         self._reset_window()

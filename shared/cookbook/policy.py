@@ -116,7 +116,6 @@ class NonFinitePolicy:
         newest_checkpoint: Callable[[], Path | str | None] | None = None,
         skipped_steps: int = 0,
         models: Iterable[torch.nn.Module] = (),
-        log: Callable[[str], None] | None = None,
     ):
         if on_nonfinite not in _ON_NONFINITE:
             raise ValueError(f"on_nonfinite must be one of {', '.join(_ON_NONFINITE)}, got {on_nonfinite!r}")
@@ -131,7 +130,6 @@ class NonFinitePolicy:
         self.models = list(models)
         self._stats: list[torch.Tensor] = []  # the models' running statistics (_running_stats), as of begin_step
         self._saved: list[torch.Tensor] = []  # ... and their values then
-        self._log = log if log is not None else (lambda line: get_logger().info(line))
 
     @staticmethod
     def settings(train: Any) -> tuple[str, int]:
@@ -196,7 +194,7 @@ class NonFinitePolicy:
             with torch.no_grad():  # the dropped batch's forward updated them
                 torch._foreach_copy_(self._stats, self._saved)
         self.skipped_steps += 1
-        self._log(f"step {step}: {short}, step skipped ({self.skipped_steps} skipped so far)")
+        get_logger().info(f"step {step}: {short}, step skipped ({self.skipped_steps} skipped so far)")
 
     def begin_step(self) -> None:
         """Before a step's forward, with ``"skip"``: keep the models' running statistics for a skip to put back."""

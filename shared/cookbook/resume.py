@@ -19,6 +19,10 @@ from cookbook.config import flatten
 from cookbook.dist import get_logger
 from cookbook.errors import RESTART_COUNT_ENV, CheckpointError
 
+try:
+    from xxhash import xxh3_64 as _xxh3_64
+except ImportError:
+    _xxh3_64 = None
 
 META_FILE = "meta.json"
 DCP_METADATA = ".metadata"  # DCP's index of a checkpoint: which bytes of which file hold each tensor
@@ -26,22 +30,16 @@ FILES_KEY = "files"  # meta.json's list of a checkpoint's files and sizes, where
 CHECKSUMS_KEY = "checksums"  # meta.json's checksum of each file, written at publish time (checksums)
 _BATCH_KEYS = ("train.micro_batch_size", "train.grad_accum_steps")  # with the world size, they make the global batch
 _LENGTH_KEYS = {"train.max_steps": "step", "train.epochs": "epoch"}  # the run's length, with the unit meta.json counts
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+_CHECKSUM = "xxh3_64" if _xxh3_64 is not None else "crc32"  # the checksum `checksums` writes
 
 
 class ResumeGuard:
     """Find a run's newest complete checkpoint and refuse a resume that would mix two runs; collective-free.
 
-    A checkpoint is a folder under `root` named after `folder` (``<n>`` its number: ``"step_<n>"`` DCP,
-    ``"checkpoint-<n>"`` Trainer, ``"checkpoint_epoch_<n>"`` Ray) holding ``meta.json`` (``step``, ``world_size``,
-    ``config``, maybe ``epoch``) and every file of `files`. `run_dir`, `resume_key`, `processes`, `cannot_remap` and
-    `same_size` word the messages. `resizable`: another world size resumes when the global batch is kept. `published`:
-    folders appear only once complete, so an incomplete one is damaged (warned of); False (Ray writes in place): an
-    interrupted save, passed over. Default: whether `files` holds DCP's ``.metadata``.
-    """
+    A checkpoint is a folder under `root` named like `folder` (``<n>``: its number) holding ``meta.json`` (``step``,
+    ``world_size``, ``config``, maybe ``epoch``) and `files`. `run_dir`, `resume_key`, `processes`, `cannot_remap`
+    and `same_size` word the messages. `resizable`: another world size resumes with the same global batch.
+    `published` (default: DCP's ``.metadata`` in `files`): an incomplete folder is damage, else an unfinished save."""
 
     def __init__(
         self,
@@ -81,19 +79,18 @@ class ResumeGuard:
         try:
             text = (path / META_FILE).read_text()
         except (OSError, UnicodeDecodeError) as exc:
-            return f"{META_FILE} is unreadable ({_reason(exc)})"
+            return f"{META_FILE} is unreadable ({reason(exc)})"
         if not text.strip():
             return f"{META_FILE} is empty"
         try:
             meta = json.loads(text)
         except ValueError as exc:
-            return f"{META_FILE} is not JSON ({_reason(exc)})"
+            return f"{META_FILE} is not JSON ({reason(exc)})"
         if not isinstance(meta, dict):
             return f"{META_FILE} is not a JSON object"
-        listed = (
-            _sizes_problem(path, meta[FILES_KEY], listed=True) if isinstance(meta.get(FILES_KEY), Mapping) else None
-        )
-        return listed or (_dcp_problem(path) if DCP_METADATA in self.files else None)
+        if isinstance(meta.get(FILES_KEY), Mapping) and (listed := _sizes_problem(path, meta[FILES_KEY], listed=True)):
+            return listed
+        return _dcp_problem(path) if DCP_METADATA in self.files else None
 
     def _missing(self, path: Path) -> list[str]:
         """The files of a checkpoint (``meta.json`` and `files`) that `path` lacks."""
@@ -116,7 +113,6 @@ class ResumeGuard:
         return next((p for _, p in reversed(self.candidates()) if p in self.verified and self.is_complete(p)), None)
 
     def is_complete(self, path: str | Path) -> bool:
-        """Whether `path` is a complete checkpoint (`problem` finds nothing wrong)."""
         return self.problem(path) is None
 
     def number(self, path: str | Path) -> int:
@@ -165,7 +161,8 @@ class ResumeGuard:
                     f"{self.resume_key}=auto: no complete checkpoint remains under {self.root}, every one is damaged: "
                     f"{what}. Restore them from a copy, or start afresh with {self.start_afresh()}"
                 )
-            if skipped and _rank() == 0 and not (os.environ.get("COOKBOOK_CHECKED") and not restarted()):
+            rank0 = not dist.is_initialized() or dist.get_rank() == 0
+            if skipped and rank0 and not (os.environ.get("COOKBOOK_CHECKED") and not restarted()):
                 # (workers of a first attempt are quiet: `cookbook.launch`'s --check process has said it)
                 which = (
                     f"checkpoint {skipped[0][0]} is damaged ({skipped[0][1]})"
@@ -176,23 +173,21 @@ class ResumeGuard:
             return path
         path = Path(resume)
         problem = self.verify(path)
-        if self._missing(path):
-            raise CheckpointError(
-                f"{self.resume_key}={resume!r} is not a complete checkpoint folder ({problem}): "
-                f"use {self.resume_key}=auto (the newest one under {self.root}), none, or the path "
-                f"of a {self.folder} folder"
+        if problem is not None:  # files missing: not a checkpoint; else a damaged one
+            what, newest, other = (
+                ("not a complete checkpoint folder", "newest", "a")
+                if self._missing(path)
+                else ("a damaged checkpoint", "newest complete", "another")
             )
-        if problem is not None:
             raise CheckpointError(
-                f"{self.resume_key}={resume!r} is a damaged checkpoint ({problem}): use "
-                f"{self.resume_key}=auto (the newest complete one under {self.root}), none, or the "
-                f"path of another {self.folder} folder"
+                f"{self.resume_key}={resume!r} is {what} ({problem}): use {self.resume_key}=auto (the {newest} one "
+                f"under {self.root}), none, or the path of {other} {self.folder} folder"
             )
         return path
 
     # ------------------------------------------------------------------ checking
     def start_afresh(self) -> str:
-        """``"a new output_dir (or delete <run_dir>)"``, the advice every message gives."""
+        """``"a new output_dir (or delete <run_dir>)"``"""
         return "a new output_dir" + (f" (or delete {self.run_dir})" if self.run_dir is not None else "")
 
     def check(
@@ -290,30 +285,22 @@ class ResumeGuard:
         """Raise CheckpointError for a checkpoint another number of processes wrote (with `resizable`: another
         global batch, `config` needed), naming both, why, and what to set instead."""
         n = meta.get("world_size")
-        if self.resizable:
-            self._check_global_batch(path, meta, world_size, config)
-        elif n not in (None, world_size):
+        if n is None or (n == world_size and not self.resizable):
+            return
+        if not self.resizable:
             raise CheckpointError(
                 f"{path} was written by {n} {self.processes} but this job has {world_size}: "
                 f"{self.cannot_remap} (resuming on another number of processes is supported by "
                 f"{resizable_recipes()} only). Resume with {self.same_size.format(n=n)}, or start "
                 f"afresh with {self.start_afresh()}"
             )
-
-    def _check_global_batch(
-        self, path: str | Path, meta: Mapping[str, Any], world_size: int, config: Mapping[str, Any] | None
-    ) -> None:
-        """`check_world_size` of a resizable run: the global batch must be the checkpoint's."""
-        n = meta.get("world_size")
         if config is None or "config" not in meta:
-            if n not in (None, world_size):
+            if n != world_size:
                 raise CheckpointError(
                     f"{path} was written by {n} {self.processes} but this job has {world_size}, and "
                     f"its global batch cannot be told (no config to compare): resume with "
                     f"{self.same_size.format(n=n)}"
                 )
-            return
-        if n is None:
             return
         was, now = global_batch(meta["config"], n), global_batch(config, world_size)
         target, micro, accum = was[0], now[1], now[2]
@@ -339,6 +326,23 @@ class ResumeGuard:
             f"keeps the global batch, so that a step, max_steps, the learning-rate schedule and the data position keep "
             f"their meaning. To continue on {world_size} {_plural(self.processes, world_size)}, {todo}; or resume with "
             f"{self.same_size.format(n=n)}, or start afresh with {self.start_afresh()}"
+        )
+
+    def resized(self, path: Path, meta: Mapping[str, Any], world_size: int, data: str, per_rank: str) -> str:
+        """The line of a resizable resume from `path` (`meta`) on `world_size` processes: `data` the remapped data
+        position, `per_rank` the per-rank state not restored (``""``: none)."""
+        written_by = meta["world_size"]
+        batch = global_batch(meta["config"], written_by)[0] if "config" in meta else None
+        return (
+            f"resized: {path} was written by {written_by} {_plural(self.processes, written_by)}, this job has "
+            f"{world_size}. Resharded by DCP: the model and optimizer state. Remapped: the data position, {data} in "
+            f"the same order"
+            + (f" (global batch {batch} samples, as before)" if batch else "")
+            + (
+                f". Not restored, as in a fresh run (seeded at start-up): the per-rank state ({per_rank})"
+                if per_rank
+                else ""
+            )
         )
 
     def already_complete(
@@ -384,7 +388,7 @@ def read_meta(path: str | Path) -> dict[str, Any]:
     return json.loads((Path(path) / META_FILE).read_text())
 
 
-def _reason(exc: BaseException, limit: int = 120) -> str:
+def reason(exc: BaseException, limit: int = 120) -> str:
     """An exception as a short phrase: ``"JSONDecodeError: Expecting ..."``, ``"ENOSPC, No space left on device"``."""
     if isinstance(exc, OSError) and exc.errno in errno.errorcode:
         text = f"{errno.errorcode[exc.errno]}, {exc.strerror or os.strerror(exc.errno)}"
@@ -392,6 +396,9 @@ def _reason(exc: BaseException, limit: int = 120) -> str:
     text = (str(exc).strip().splitlines() or [""])[0]
     text = text if len(text) <= limit else text[: limit - 3] + "..."
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+_reason = reason  # its former name, which cookbook.hf_trainer imports
 
 
 def file_sizes(folder: str | Path) -> dict[str, int]:
@@ -408,20 +415,9 @@ def _files(folder: str | Path) -> dict[str, Path]:
     }
 
 
-def _hasher() -> tuple[str, Any]:
-    """``(name, new)`` of the checksum `checksums` writes: xxh3_64 (``xxhash``), else zlib's crc32."""
-    try:
-        import xxhash
-
-        return "xxh3_64", xxhash.xxh3_64
-    except ImportError:
-        return "crc32", None
-
-
 def _file_checksum(file: Path, kind: str) -> str:
     """``"<kind>:<hex>"`` of the bytes of `file` (read in 4 MiB blocks); crc32 where ``xxhash`` is missing."""
-    new = _hasher()[1] if kind != "crc32" else None
-    h, crc = (new() if new is not None else None), 0
+    h, crc = (_xxh3_64() if _xxh3_64 is not None and kind != "crc32" else None), 0
     with open(file, "rb") as f:
         while block := f.read(4 << 20):
             if h is None:
@@ -434,8 +430,7 @@ def _file_checksum(file: Path, kind: str) -> str:
 def checksums(folder: str | Path) -> dict[str, str]:
     """``{"__0_0.distcp": "xxh3_64:9f0c..."}`` of every file under `folder` but ``meta.json`` (crc32 without
     ``xxhash``): ``meta.json``'s ``checksums``, for `ResumeGuard.verify`."""
-    kind = _hasher()[0]
-    return {name: _file_checksum(p, kind) for name, p in _files(folder).items()}
+    return {name: _file_checksum(p, _CHECKSUM) for name, p in _files(folder).items()}
 
 
 def checksum_problem(path: Path, sums: Mapping[str, Any]) -> str | None:
@@ -447,7 +442,7 @@ def checksum_problem(path: Path, sums: Mapping[str, Any]) -> str | None:
         except FileNotFoundError:
             return f"{name} is missing ({META_FILE} lists it)"
         except OSError as exc:
-            return f"{name} is unreadable ({_reason(exc)})"
+            return f"{name} is unreadable ({reason(exc)})"
         if have != want:
             return f"{name} does not match its checksum ({want} in {META_FILE}, {have} now)"
     return None
@@ -462,7 +457,7 @@ def _sizes_problem(path: Path, sizes: Mapping[str, Any], listed: bool) -> str | 
         except FileNotFoundError:
             return f"{name} is missing ({META_FILE} lists it)" if listed else f"{name} is missing (its index names it)"
         except OSError as exc:
-            return f"{name} is unreadable ({_reason(exc)})"
+            return f"{name} is unreadable ({reason(exc)})"
         if listed and have != size:
             return f"{name} is {have} bytes, {META_FILE} says {size}"
         if have < size:
@@ -475,7 +470,7 @@ def _dcp_problem(path: Path) -> str | None:
     try:
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as exc:  # noqa: BLE001 - a damaged pickle raises anything (EOFError, UnpicklingError, ...)
-        return f"{DCP_METADATA} is unreadable ({_reason(exc)})"
+        return f"{DCP_METADATA} is unreadable ({reason(exc)})"
     storage = getattr(metadata, "storage_data", None)
     if not isinstance(storage, Mapping):
         return f"{DCP_METADATA} holds no index of the files"

@@ -17,6 +17,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+try:
+    import numpy as np
+except ImportError:  # RNGState and seed_per_rank leave NumPy out
+    np = None
+
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
@@ -32,8 +37,7 @@ class ModelOptimizerState:
         optimizer: torch.optim.Optimizer | None = None,
         options: StateDictOptions | None = None,
     ):
-        self.model, self.optimizer = model, optimizer
-        self.options = options  # e.g. StateDictOptions(ignore_frozen_params=True): adapters only (LoRA)
+        self.model, self.optimizer, self.options = model, optimizer, options  # options: e.g. ignore_frozen_params
 
     def state_dict(self) -> dict[str, Any]:
         if self.optimizer is None:
@@ -72,12 +76,8 @@ class RNGState:
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-        try:
-            import numpy as np
-
+        if np is not None:
             state["numpy"] = np.random.get_state()
-        except ImportError:
-            pass
         if torch.cuda.is_available():
             state["cuda"] = torch.cuda.get_rng_state()
         return state
@@ -86,8 +86,6 @@ class RNGState:
         random.setstate(state["python"])
         torch.set_rng_state(state["torch"].cpu())
         if "numpy" in state:
-            import numpy as np
-
             np.random.set_state(state["numpy"])
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state(state["cuda"].cpu())
@@ -97,12 +95,8 @@ def seed_per_rank(seed: int, rank: int) -> None:
     """Seed this process's random streams (Python, NumPy, torch CPU and CUDA) with ``seed + rank``: each rank its own
     dropout masks. Call after the model's initialisation (the same on every rank) and before a resume."""
     random.seed(seed + rank)
-    try:
-        import numpy as np
-
+    if np is not None:
         np.random.seed(seed + rank)
-    except ImportError:
-        pass
     torch.manual_seed(seed + rank)  # also seeds every CUDA device
 
 
