@@ -1,11 +1,6 @@
-"""The bookkeeping around a recipe's own step body, written once (its use: README.md#how-a-trainpy-is-built).
-
-`TrainLoop` counts optimizer steps in the checkpointed `TrainState`, logs each window of ``log_every`` steps,
-evaluates and saves on its cadence (outside the step time), stops at ``stop_at_step`` or on preemption, applies the
-non-finite policy (`cookbook.policy`), records progress for the stall report, and at the end runs the final
-evaluation, the export, the summary and the closing lines. `EpochBatches` yields batches epoch after epoch; `Run`,
-what a recipe enters, adds the resume and the metrics run (torchtitan's ``Trainer.train`` / ``train_step`` split).
-"""
+"""The bookkeeping around a recipe's own step body, written once (README.md#how-a-trainpy-is-built): `TrainLoop`
+(steps, log windows, eval and save cadence, stop and preemption, the non-finite policy, the end of a run),
+`EpochBatches` (batches epoch after epoch) and `Run`, what a recipe enters (adds the resume and the metrics run)."""
 
 from __future__ import annotations
 
@@ -36,6 +31,11 @@ _EVAL_COUNTS = ("tokens", "samples", "rows")  # evaluation results that count wh
 _OUTPUT_NAMES = {"export_dir": "model"}  # summary key -> its name on the closing lines (others: the key less "_dir")
 
 
+def _complete_line(out_dir: Path, step: int, max_steps: int, outputs: Mapping[str, str | Path]) -> str:
+    """``already complete: ...`` of a run in `out_dir` (one wording for every recipe's message)."""
+    return ResumeGuard(out_dir / "checkpoints", run_dir=out_dir).already_complete(step, max_steps, outputs=outputs)
+
+
 def _already_complete(
     state: TrainState, max_steps: int, out_dir: str | Path, final: str | Path | None = None, what: str = "model"
 ) -> bool:
@@ -45,8 +45,7 @@ def _already_complete(
         return False
     out_dir = Path(out_dir)
     outputs = {**({what: final} if final is not None else {}), "metrics": out_dir / "metrics.jsonl"}
-    guard = ResumeGuard(out_dir / "checkpoints", run_dir=out_dir)  # one wording for every recipe's message
-    get_logger().info(guard.already_complete(state.step, max_steps, outputs=outputs))
+    get_logger().info(_complete_line(out_dir, state.step, max_steps, outputs))
     return True
 
 
@@ -92,14 +91,12 @@ class EpochBatches:
         wait = time.perf_counter() - t0
         if new_pass and self.metrics is not None:
             self.metrics.note_pass_start(wait)
-        if self.device is not None:
-            if isinstance(batch, Mapping):
-                batch = {
-                    k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
-                    for k, v in batch.items()
-                }
-            else:
-                batch = batch.to(self.device, non_blocking=True)
+        if self.device is not None and isinstance(batch, Mapping):
+            batch = {
+                k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
+            }
+        elif self.device is not None:
+            batch = batch.to(self.device, non_blocking=True)
         return batch, wait
 
     def take(self, n: int) -> tuple[list[Any], list[float]]:
@@ -110,11 +107,8 @@ class EpochBatches:
 
 class TrainLoop:
     """Step counting, metric windows, eval and checkpoint cadence around a recipe's own step body; collective.
-
-    `stop_at_step` > 0 stops (and saves) after that step; `eval_every` 0: evaluate at the end only; `evaluate` returns
-    metrics reduced over ranks; `checkpoint_every` -1 never, 0 at `stop_at_step` and the end, N every N steps;
-    `config` goes into ``meta.json``; `on_nonfinite`: ``"stop"`` or ``"skip"`` (`max_consecutive_skips` in a row).
-    """
+    `stop_at_step` > 0: stop (and save) after it; `eval_every` 0: at the end only; `checkpoint_every` -1 never, 0 at
+    `stop_at_step` and the end, N every N steps; `config`: into ``meta.json``; `on_nonfinite`: ``"stop"``/``"skip"``."""
 
     def __init__(
         self,
@@ -161,8 +155,7 @@ class TrainLoop:
 
     # ------------------------------------------------------------------ the loop
     def __enter__(self) -> TrainLoop:
-        """Start listening for preemption (SIGTERM, Slurm's SIGUSR1; main thread only)."""
-        self._stop.listen()
+        self._stop.listen()  # preemption: SIGTERM, Slurm's SIGUSR1 (main thread only)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -317,17 +310,10 @@ class TrainLoop:
             timings=timings,
         )
         if get_dist_info().is_main and self.config is not None:  # the same command again says so at once
-            out_dir = self.metrics.out_dir
             kept = {**{k: str(p) for k, (p, _) in outputs.items() if p}, "metrics": str(self.metrics.jsonl_path)}
-            guard = ResumeGuard(out_dir / "checkpoints", run_dir=out_dir)
-            mark_complete(
-                out_dir,
-                self.config,
-                guard.already_complete(
-                    self.state.step, self.max_steps, outputs={k.removesuffix("_dir"): p for k, p in kept.items()}
-                ),
-                kept,
-            )
+            named = {k.removesuffix("_dir"): p for k, p in kept.items()}
+            line = _complete_line(self.metrics.out_dir, self.state.step, self.max_steps, named)
+            mark_complete(self.metrics.out_dir, self.config, line, kept)
         return final_eval
 
 
@@ -378,10 +364,8 @@ class Run(TrainLoop):
         resume_from = checkpointer.check_resume(
             cfg.checkpoint.resume, info.world_size, to_dict(cfg), may_change, cfg.train.stop_at_step
         )
-        if getattr(cfg.train, "seed", None) is not None:
-            seed_per_rank(
-                cfg.train.seed, info.rank
-            )  # each rank its own dropout masks; a resume restores the saved ones
+        if getattr(cfg.train, "seed", None) is not None:  # each rank its own dropout masks; a resume restores them
+            seed_per_rank(cfg.train.seed, info.rank)
         if resume_from is not None:
             checkpointer.load(resume_from, checkpoint)
         self.state, self.complete = state, _already_complete(state, max_steps, out_dir, final, what)
@@ -451,16 +435,12 @@ def log_outputs(
     pairs = " ".join(f"{k} {v:.4f}" for k, v in final_eval.items() if k not in _EVAL_COUNTS)
     shown = eval_text if eval_text is not None else f"eval {pairs}" if pairs else ""
     log.info(f"done: {step} steps" + (f" | {shown}" if shown else ""))
-    timings = timings or {}
-    times = (
-        [
-            f"startup {timings['startup_s']:.1f} s"
-            + (f" (first step {timings['first_step_s']:.1f} s)" if "first_step_s" in timings else "")
-        ]
-        if "startup_s" in timings
-        else []
-    )
-    times += [f"final eval {timings['final_eval_s']:.1f} s"] if "final_eval_s" in timings else []
+    timings, times = timings or {}, []
+    if "startup_s" in timings:
+        first = f" (first step {timings['first_step_s']:.1f} s)" if "first_step_s" in timings else ""
+        times.append(f"startup {timings['startup_s']:.1f} s{first}")
+    if "final_eval_s" in timings:
+        times.append(f"final eval {timings['final_eval_s']:.1f} s")
     if times:
         log.info(f"{'time:':<12} " + " | ".join(times))
     rows = [("metrics", f"{metrics.jsonl_path}"), *metrics.tracker_lines()]

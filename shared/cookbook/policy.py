@@ -70,8 +70,7 @@ class StopRequest:
     thread only). It only sets `requested`; the ranks agree on the step with `StopVote`."""
 
     def __init__(self) -> None:
-        self.requested = False
-        self.signum: int | None = None  # the signal that asked; None: a call from code
+        self.requested, self.signum = False, None  # signum: the signal that asked; None: a call from code
         self._handlers: dict = {}
 
     def __call__(self, signum: int | None = None) -> None:
@@ -85,7 +84,6 @@ class StopRequest:
                 self._handlers[sig] = signal.signal(sig, lambda signum, frame: self(signum))
 
     def restore(self) -> None:
-        """Put back the handlers that `listen` replaced."""
         for sig, handler in self._handlers.items():
             signal.signal(sig, handler)
         self._handlers = {}
@@ -143,7 +141,6 @@ class NonFinitePolicy:
 
     @classmethod
     def from_config(cls, train: Any, **kwargs: Any) -> NonFinitePolicy:
-        """The policy of a ``train`` config section (`settings`); `kwargs` go to the constructor."""
         return cls(*cls.settings(train), **kwargs)
 
     def skip(
@@ -213,11 +210,8 @@ class NonFinitePolicy:
         if not self.models:
             return
         tensors = _local_tensors(self.models)
-        counts = (
-            torch.stack([(~torch.isfinite(t)).sum().to(self.device) for _, t in tensors])
-            if tensors
-            else torch.zeros(1, dtype=torch.int64, device=self.device)
-        )
+        counts = [(~torch.isfinite(t)).sum().to(self.device) for _, t in tensors]
+        counts = torch.stack(counts) if counts else torch.zeros(1, dtype=torch.int64, device=self.device)
         total = counts.sum().reshape(1)
         if dist.is_initialized():
             dist.all_reduce(total)
@@ -233,8 +227,7 @@ class NonFinitePolicy:
         )
 
     def stepped(self) -> None:
-        """A step was applied: the count of non-finite steps in a row starts again."""
-        self._consecutive = 0
+        self._consecutive = 0  # a step was applied: the count of non-finite steps in a row starts again
 
     def log_extra(self) -> dict[str, float]:
         """``{"skipped_steps": n}`` for a log line with ``"skip"``; ``{}`` with ``"stop"``."""

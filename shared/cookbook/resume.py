@@ -93,7 +93,6 @@ class ResumeGuard:
         return _dcp_problem(path) if DCP_METADATA in self.files else None
 
     def _missing(self, path: Path) -> list[str]:
-        """The files of a checkpoint (``meta.json`` and `files`) that `path` lacks."""
         return [f for f in (META_FILE, *self.files) if not (path / f).is_file()]
 
     def verify(self, path: str | Path) -> str | None:
@@ -126,7 +125,7 @@ class ResumeGuard:
         return sorted((int(m.group(1)), p) for p in found if (m := self._name.fullmatch(p.name)))
 
     def complete_checkpoints(self) -> list[Path]:
-        """Complete checkpoints under `root`, oldest first (by the number in their name)."""
+        """Complete checkpoints under `root`, oldest first (by number)."""
         return [p for _, p in self.candidates() if self.is_complete(p)]
 
     def latest(self) -> Path | None:
@@ -384,7 +383,6 @@ def restarted() -> bool:
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:
-    """The ``meta.json`` of the checkpoint folder `path`."""
     return json.loads((Path(path) / META_FILE).read_text())
 
 
@@ -407,12 +405,9 @@ def file_sizes(folder: str | Path) -> dict[str, int]:
 
 
 def _files(folder: str | Path) -> dict[str, Path]:
-    folder = Path(folder)
-    return {
-        p.relative_to(folder).as_posix(): p
-        for p in sorted(folder.rglob("*"))
-        if p.is_file() and p.relative_to(folder).as_posix() != META_FILE
-    }
+    found = {p.relative_to(folder).as_posix(): p for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+    found.pop(META_FILE, None)
+    return found
 
 
 def _file_checksum(file: Path, kind: str) -> str:
