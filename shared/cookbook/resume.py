@@ -41,6 +41,8 @@ class ResumeGuard:
     and `same_size` word the messages. `resizable`: another world size resumes with the same global batch.
     `published` (default: DCP's ``.metadata`` in `files`): an incomplete folder is damage, else an unfinished save."""
 
+    resume_key = "checkpoint.resume"  # the config key the messages name
+
     def __init__(
         self,
         root: str | Path,
@@ -48,7 +50,6 @@ class ResumeGuard:
         folder: str = "step_<n>",
         files: tuple[str, ...] = (".metadata",),
         run_dir: str | Path | None = None,
-        resume_key: str = "checkpoint.resume",
         processes: str = "ranks",
         cannot_remap: str = "its per-rank data-loader and RNG state cannot be remapped",
         same_size: str = "the same number of processes (NGPU x NNODES = {n})",
@@ -62,7 +63,7 @@ class ResumeGuard:
         self.folder, self.files = folder, tuple(files)
         self._name = re.compile(re.escape(folder).replace(re.escape("<n>"), r"(\d+)"))
         self.run_dir = Path(run_dir) if run_dir is not None else None
-        self.resume_key, self.processes = resume_key, processes
+        self.processes = processes
         self.cannot_remap, self.same_size = cannot_remap, same_size
         self.resizable = resizable
 
@@ -239,27 +240,18 @@ class ResumeGuard:
         """Why a resume may not change ``train.max_steps`` / ``train.epochs``, or None when the length is the same."""
         old, new = flatten(meta["config"]), flatten(config)
         by_steps = all(isinstance(c.get("train.max_steps"), int) and c["train.max_steps"] > 0 for c in (old, new))
-        key = next(
-            (
-                k
-                for k in _LENGTH_KEYS
-                if k in old and old.get(k) != new.get(k) and not (k == "train.epochs" and by_steps)
-            ),
-            None,
-        )  # train.max_steps > 0 overrides train.epochs
-        if key is None:
+        changed = [k for k in _LENGTH_KEYS if k in old and old.get(k) != new.get(k)]
+        changed = [k for k in changed if not (k == "train.epochs" and by_steps)]  # max_steps > 0 overrides epochs
+        if not changed:
             return None
+        key = changed[0]
         unit, was, done = _LENGTH_KEYS[key], old[key], meta.get(_LENGTH_KEYS[key], 0)
         finished = isinstance(was, int) and 0 < was <= done
-        where = (
-            f"It is {unit} {done} of a run of {key}={was}"
-            if unit == "step"
-            else f"It was written by a run of {key}={was}"
-        )
+        where = f"It is {unit} {done} of a run" if unit == "step" else "It was written by a run"
         what = (
             f"It is the end of a finished run ({unit} {done} of {key}={was}), and a finished run cannot be extended"
             if finished
-            else f"{where}, and a resume cannot change a run's length"
+            else f"{where} of {key}={was}, and a resume cannot change a run's length"
         )
         stop = next(
             (k for k in (f"train.stop_at_{unit}", "train.stop_at_step", "train.stop_at_epoch") if k in new), None
