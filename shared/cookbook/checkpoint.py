@@ -1,11 +1,9 @@
 """Resumable, atomically published checkpoints with torch.distributed.checkpoint (DCP), and Hugging Face export.
 
-A checkpoint is a folder ``<root>/step_00000100/`` holding DCP's shards, its ``.metadata`` and ``meta.json``. Every
-rank writes into ``<root>/.tmp-step_00000100/``; then rank 0 writes ``meta.json`` and renames the folder (atomic), so a
-crash never leaves a half-written ``step_*`` (`root`: shared by all nodes). What goes in is a dict of DCP ``Stateful``
+A checkpoint is a folder ``<root>/step_00000100/`` (DCP's shards, ``.metadata``, ``meta.json``): every rank writes into
+``.tmp-step_00000100/``, then rank 0 writes ``meta.json`` and renames it (atomic). What goes in: DCP ``Stateful``
 objects (`cookbook.state`, `cookbook.sampler.DataPosition`, an LR scheduler). `cookbook.resume` finds and checks
-checkpoints; its names and `cookbook.state`'s are re-exported here. What survives which failure: docs/failures.md.
-"""
+checkpoints; its names and `cookbook.state`'s are re-exported here. What survives which failure: docs/failures.md."""
 
 from __future__ import annotations
 
@@ -65,7 +63,7 @@ def _world_size() -> int:
 
 
 def _mount_point(path: Path) -> Path:
-    """The mount point of the file system holding `path` (or of its nearest existing folder)."""
+    """The mount point of the file system holding `path` (or its nearest existing folder)."""
     path = path.expanduser().absolute()
     while not path.exists() and path != path.parent:
         path = path.parent
@@ -223,8 +221,7 @@ class Checkpointer(ResumeGuard):
         get_logger().info(f"checkpoint saved: {final} ({time.perf_counter() - start:.1f}s)")
         return final
 
-    def _remove_leftovers(self) -> None:
-        """Delete what interrupted saves left under `root` (rank 0)."""
+    def _remove_leftovers(self) -> None:  # rank 0: what interrupted saves left under `root`
         for path in self.root.iterdir():
             if path.name.startswith(_LEFTOVER_PREFIXES):
                 if path.is_dir() and not path.is_symlink():
@@ -329,7 +326,7 @@ def publish(tmp: str | Path, final: str | Path) -> None:
     _fsync_dir(final.parent)
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync_dir(path: Path) -> None:  # the rename is durable once the folder is synced
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
         try:
