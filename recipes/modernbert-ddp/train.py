@@ -42,7 +42,7 @@ from torch.utils.data import Subset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 # Only what the check process (--check) needs at module level: transformers' modeling code (AttentionInterface,
-# the model classes) and get_scheduler pull in 5 of the 10 s of imports on an H200 host (python -X importtime,
+# the model classes) and get_scheduler (cookbook.optim) pull in 5 of the 10 s of imports on an H200 host (python -X importtime,
 # benchmarks/modernbert-ddp.md), so the workers import them where they are used (register_attention, build_model).
 from transformers import AutoConfig, AutoTokenizer, DataCollatorWithPadding
 from transformers import logging as hf_logging
@@ -55,6 +55,7 @@ from cookbook.config import ConfigError, check_fields, load_config, to_dict
 from cookbook.hub import resolve_path
 from cookbook.loop import Run
 from cookbook.metrics import ModelFlops, count_parameters, launch_time
+from cookbook.optim import build_optimizer
 from cookbook.sampler import ResizableSampler
 from cookbook.tabular import DataError, first_csv_row, records, to_int
 
@@ -515,8 +516,6 @@ def load(path: str, overrides: list[str]) -> Config:
 @cookbook.cli(load, preflight)  # --check: preflight
 def main(cfg: Config) -> None:
     # ---- set-up
-    from transformers import get_scheduler
-
     register_attention()  # the rest of the imports: transformers' modeling code
     launched = launch_time()
     phases = {
@@ -572,20 +571,8 @@ def main(cfg: Config) -> None:
     model = DDP(model, device_ids=[info.local_rank] if info.device.type == "cuda" else None, **cfg.ddp.kwargs())
     phases["model"] = time.time()
 
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]  # biases and norms
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.optim.lr,
-        betas=tuple(cfg.optim.betas),
-        eps=cfg.optim.eps,
-        fused=info.device.type == "cuda",
-    )
-    scheduler = get_scheduler(
-        cfg.optim.scheduler,
-        optimizer,
-        num_warmup_steps=int(cfg.optim.warmup_ratio * max_steps),
-        num_training_steps=max_steps,
+    optimizer, scheduler = build_optimizer(
+        cfg.optim, model.parameters(), max_steps, fused=info.device.type == "cuda", decay_1d=False
     )
 
     global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * info.world_size

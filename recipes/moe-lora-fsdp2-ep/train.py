@@ -31,7 +31,7 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, get_scheduler
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 from transformers import logging as hf_logging
 
 from cookbook import lm, sft
@@ -40,6 +40,7 @@ from cookbook.config import ConfigError, check_fields, load_config, to_dict
 from cookbook.hub import model_folder, resolve_path
 from cookbook.loop import Run
 from cookbook.metrics import ModelFlops
+from cookbook.optim import build_optimizer
 import moe_model
 from image_text import (
     VLDataConfig,
@@ -381,19 +382,8 @@ def main(cfg: Config | VLConfig) -> None:
     model, flops, meshes = build_model(cfg, info)
     router = RouterStats(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        param_groups_by_mesh(trainable),
-        lr=cfg.optim.lr,
-        betas=tuple(cfg.optim.betas),
-        eps=cfg.optim.eps,
-        weight_decay=cfg.optim.weight_decay,
-        fused=info.device.type == "cuda",
-    )
-    scheduler = get_scheduler(
-        cfg.optim.scheduler,
-        optimizer,
-        num_warmup_steps=int(cfg.optim.warmup_ratio * max_steps),
-        num_training_steps=max_steps,
+    optimizer, scheduler = build_optimizer(
+        cfg.optim, param_groups_by_mesh(trainable), max_steps, fused=info.device.type == "cuda"
     )
     n_train = sum(p.numel() for p in trainable)
     with Run(

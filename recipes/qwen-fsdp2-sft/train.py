@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torchdata.stateful_dataloader import StatefulDataLoader
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers import logging as hf_logging
 
 from cookbook import lm, sft
@@ -44,6 +44,7 @@ from cookbook.config import ConfigError, check_fields, load_config, to_dict
 from cookbook.hub import model_folder
 from cookbook.loop import Run
 from cookbook.metrics import ModelFlops, count_parameters
+from cookbook.optim import build_optimizer
 from cookbook.sampler import ResizableSampler
 
 hf_logging.disable_progress_bar()
@@ -331,20 +332,8 @@ def main(cfg: Config) -> None:
     max_steps = cfg.train.max_steps if cfg.train.max_steps > 0 else cfg.train.epochs * steps_per_epoch
 
     model, flops = build_model(cfg, info, len(tokenizer))
-    optimizer = torch.optim.AdamW(
-        model.parameters(),
-        lr=cfg.optim.lr,
-        betas=tuple(cfg.optim.betas),
-        eps=cfg.optim.eps,
-        weight_decay=cfg.optim.weight_decay,
-        fused=info.device.type == "cuda" and not cfg.fsdp.cpu_offload,
-    )
-    scheduler = get_scheduler(
-        cfg.optim.scheduler,
-        optimizer,
-        num_warmup_steps=int(cfg.optim.warmup_ratio * max_steps),
-        num_training_steps=max_steps,
-    )
+    fused = info.device.type == "cuda" and not cfg.fsdp.cpu_offload
+    optimizer, scheduler = build_optimizer(cfg.optim, model.parameters(), max_steps, fused=fused)
     evaluate = (lambda: sft.evaluate(model, eval_loader, info.device)) if eval_rows else None
     with Run(
         cfg,

@@ -34,6 +34,7 @@ from cookbook.checkpoint import CheckpointError, Checkpointer, ModelOptimizerSta
 from cookbook.config import ConfigError, check_fields, load_config, to_dict
 from cookbook.hub import resolve_path
 from cookbook.loop import Run
+from cookbook.optim import build_optimizer
 from cookbook.sampler import ResizableSampler
 from cookbook.tabular import INT64, DataError
 
@@ -568,8 +569,6 @@ def load(path: str, overrides: list[str]) -> Config:
 @cookbook.cli(load, preflight)  # --check: preflight
 def main(cfg: Config) -> None:
     # ---- set-up
-    from transformers import get_scheduler  # here, after torchvision was checked (see above)
-
     info = cookbook.init_distributed(cfg.train.collective_timeout_s, debug_dir=Path(cfg.output_dir) / "debug")
     log = cookbook.get_logger()
     out_dir = Path(cfg.output_dir)
@@ -621,20 +620,8 @@ def main(cfg: Config) -> None:
     model = DDP(model, device_ids=[info.local_rank] if info.device.type == "cuda" else None)
 
     params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]  # biases and norms
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.optim.lr,
-        betas=tuple(cfg.optim.betas),
-        eps=cfg.optim.eps,
-        fused=info.device.type == "cuda",
-    )
-    scheduler = get_scheduler(
-        cfg.optim.scheduler,
-        optimizer,
-        num_warmup_steps=int(cfg.optim.warmup_ratio * max_steps),
-        num_training_steps=max_steps,
+    optimizer, scheduler = build_optimizer(
+        cfg.optim, params, max_steps, fused=info.device.type == "cuda", decay_1d=False
     )
 
     global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * info.world_size
