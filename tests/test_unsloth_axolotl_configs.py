@@ -383,7 +383,14 @@ def test_unsloth_trl_rows_keep_reasoning_and_tools_as_trl_trains_them(tmp_path):
         u.training_rows(cfg, llama)
     drop = u.load(UNSLOTH / "tiny.yaml", [f"data.train_files=[{data}]", "data.reasoning=drop"])
     _, parts = u.training_rows(drop, llama)
-    assert parts[0].reasoning_dropped == 3
+    assert sum(len(turns) for turns in parts[0][1]) == 3
+    thinking = tmp_path / "think.jsonl"  # llama's template renders no tools: rows without them
+    thinking.write_text(json.dumps(THINK) + "\n")
+    for max_length, kept in ((1024, (1, 0, 1)), (8, (0, 1, 0))):  # 8 tokens: no label left, the row is dropped
+        over = [f"data.train_files=[{thinking}]", "data.reasoning=drop", f"data.max_length={max_length}"]
+        cut = u.load(UNSLOTH / "tiny.yaml", over)
+        ((_, st),) = u.trl_examples(*u.training_rows(cut, llama), llama, cut)
+        assert (st.examples, st.dropped, st.reasoning_dropped) == kept  # counted for what training keeps
     with pytest.raises(u.ConfigError, match=r"data\.reasoning must be train or drop, got 'context': TRL's"):
         u.load(UNSLOTH / "tiny.yaml", ["data.reasoning=context"])
 

@@ -162,12 +162,13 @@ def load(path: str | Path, overrides: list[str] = ()) -> Config:
     return cfg
 
 
-def training_rows(cfg: Config, tokenizer=None) -> tuple[list[dict], list["sft.SFTStats"]]:
+def training_rows(cfg: Config, tokenizer=None) -> tuple[list[dict], list[tuple["sft.SFTStats", list[list[int]]]]]:
     """Every row of `data.train_files` as a conversational prompt-completion row, ``{"prompt": [turns before the
     last], "completion": [the last assistant turn]}`` (TRL's format: the loss is on the completion), plus
     ``"tools"`` (the row's tool definitions as JSON text) when it declares tools; and per file the counts of the
-    conversion (`cookbook.sft.SFTStats`: rows, empty answers skipped, reasoning dropped, tool calls, keys not used;
-    ``example_rows`` the 1-based row of each returned row).
+    conversion (`cookbook.sft.SFTStats`: rows, empty answers skipped, tool calls, keys not used; ``example_rows``
+    the 1-based row of each returned row) with, per returned row, the turns whose reasoning ``data.reasoning=drop``
+    removed (`trl_examples` counts those of the examples kept after the length cut).
 
     Reasoning (``reasoning_content`` / ``thinking`` / reasoning parts) is placed as `cookbook.sft.prepare` does:
     under the key `tokenizer`'s chat template reads, or removed with ``data.reasoning=drop`` (counted).
@@ -192,10 +193,12 @@ def training_rows(cfg: Config, tokenizer=None) -> tuple[list[dict], list["sft.SF
             lines=raw.lines,
             unrendered_why="the chat template does not render them",
         )
+        dropped_turns = []
         for n, row in enumerate(raw, 1):
+            dropped = []
             try:
                 messages, tools = sft.template_conversation(
-                    row, st.label(n), path, tokenizer, st, ignored, reasoning=cfg.data.reasoning
+                    row, st.label(n), path, tokenizer, st, ignored, reasoning=cfg.data.reasoning, dropped=dropped
                 )
             except sft.EmptyAnswerError:
                 st.empty_answers.append(n)
@@ -208,8 +211,9 @@ def training_rows(cfg: Config, tokenizer=None) -> tuple[list[dict], list["sft.SF
                 }
             )
             st.example_rows.append(n)
+            dropped_turns.append(dropped)
         st.ignored = dict(ignored)
-        parts.append(st)
+        parts.append((st, dropped_turns))
     if not rows:
         raise sft.SFTDataError(f"{', '.join(cfg.data.train_files)}: no row with an answer to train on")
     return rows, parts
@@ -245,13 +249,13 @@ def attention(cfg: Config, on_gpu: bool) -> str:
 
 
 def trl_examples(
-    rows: list[dict], parts: list["sft.SFTStats"], tokenizer, cfg: Config
+    rows: list[dict], parts: list[tuple["sft.SFTStats", list[list[int]]]], tokenizer, cfg: Config
 ) -> list[tuple[list[dict], "sft.SFTStats"]]:
     """`training_rows`' rows tokenized as TRL's SFTTrainer does (the prompt rendered with the generation prompt,
     the whole conversation after it; the completion starts where the two first differ; ``data.completion_only``:
     labels on the completion's tokens only), cut at ``data.max_length``, with per file `parts`' counts completed
     (`cookbook.sft.SFTStats`: an example with no label left is dropped, as TRL drops it; reasoning the template
-    rendered in the answer, or left out). For ``--show-examples`` and the data summary.
+    rendered in the answer, left out, or dropped). For ``--show-examples`` and the data summary.
 
     Raises:
         cookbook.sft.SFTDataError: the chat template leaves out a row's tools, tool calls or tool results.
@@ -261,10 +265,10 @@ def trl_examples(
     from cookbook import sft
 
     out, k = [], 0
-    for st in parts:
+    for st, dropped_turns in parts:
         examples, numbers = [], st.example_rows
         st.example_rows = []
-        for n in numbers:
+        for n, dropped in zip(numbers, dropped_turns):
             row, k = rows[k], k + 1
             messages, tools = row["prompt"] + row["completion"], json.loads(row["tools"]) if row.get("tools") else None
             prompt = list(
@@ -287,7 +291,8 @@ def trl_examples(
                     unrendered.append(start if i == len(messages) - 1 else 0)
             labels = ([sft.IGNORE_INDEX] * start + ids[start:]) if cfg.data.completion_only else list(ids)
             calls = sum(len(m.get("tool_calls") or ()) for m in messages)
-            example = st.add(n, ids, labels, [(0, calls)], reasoning, unrendered)
+            dropped = [start if i == len(messages) - 1 else 0 for i in dropped]
+            example = st.add(n, ids, labels, [(0, calls)], reasoning, unrendered, dropped)
             if example is not None:
                 examples.append(example)
         out.append((examples, st))
