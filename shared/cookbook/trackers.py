@@ -11,7 +11,8 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from cookbook.config import TRACKER_UIS, TRACKER_UIS_FILE, flatten, install_hint
+from cookbook.config import flatten
+from cookbook.requirements import TRACKER_UIS, TRACKER_UIS_FILE, install_hint
 from cookbook.dist import get_logger
 
 
