@@ -20,10 +20,11 @@ import torch
 import torch.distributed as dist
 
 from cookbook import push
-from cookbook.config import check_trackers, save_config, to_dict
+from cookbook.config import save_config, to_dict
 from cookbook.dist import DistInfo, get_logger
 from cookbook.errors import EXIT_USER_ERROR, LAUNCH_TIME_ENV, OneLineError
 from cookbook.progress import ProgressBar
+from cookbook.requirements import check_trackers
 from cookbook.trackers import MLflowSink, Sink, TensorBoardSink, WandbSink, redact_uri
 
 
