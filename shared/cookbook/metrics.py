@@ -1,8 +1,5 @@
-"""Training metrics: throughput, MFU, memory, and the sinks they go to (console, JSONL, MLflow, TensorBoard, W&B).
-
-`MetricsLogger`: `add` counts each micro-batch's samples, tokens and data wait; every ``log_every`` steps `log_step`
-reduces the window over ranks and writes one record (rank 0) to the console, ``<out_dir>/metrics.jsonl``, the progress
-bar and the config's ``trackers``. The keys of the records: docs/outputs.md.
+"""Training metrics: throughput, MFU, memory; `MetricsLogger.log_step` reduces a window over ranks and writes one
+record (rank 0) to the console, ``<out_dir>/metrics.jsonl``, the progress bar and the ``trackers`` (docs/outputs.md).
 """
 
 from __future__ import annotations
