@@ -56,11 +56,7 @@ def peak_bf16_flops(device_name: str) -> float | None:
         if chip in name:
             form = "NVL" if "NVL" in name else "PCIe" if "PCIE" in name else "SXM"
             return _PEAK_BF16_FLOPS[f"{chip} {form}"]
-    if "A100" in name:
-        return _PEAK_BF16_FLOPS["A100"]
-    if "A10" in name.replace("A100", ""):
-        return _PEAK_BF16_FLOPS["A10"]
-    return None
+    return next((_PEAK_BF16_FLOPS[chip] for chip in ("A100", "A10") if chip in name), None)
 
 
 def count_parameters(model: torch.nn.Module, exclude_embeddings: bool = True) -> int:
