@@ -220,7 +220,7 @@ def test_a_required_package_that_is_missing_or_broken_is_refused_in_one_line(tmp
     torch) is named with its version and the cause, and a torch build gets the install line of the matching build."""
     import torch
 
-    from cookbook import config
+    from cookbook import config, requirements
 
     reqs = tmp_path / "requirements.txt"
     reqs.write_text("# extra packages\ncookbook-no-such-package==1.2  # a comment\nbrokenpkg==1.0\n")
@@ -238,7 +238,7 @@ def test_a_required_package_that_is_missing_or_broken_is_refused_in_one_line(tmp
         r"the cookbook repository's root$",
     ):
         config.require("cookbook_no_such_package", "requirements/base.txt")
-    assert [config.pinned(p, "requirements/base.txt") for p in ("ray[train]", "peft", "PEFT")] == [
+    assert [requirements.pinned(p, "requirements/base.txt") for p in ("ray[train]", "peft", "PEFT")] == [
         "ray[train]==2.60.0",
         "peft==0.21.2",
         "peft==0.21.2",

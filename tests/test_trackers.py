@@ -171,7 +171,7 @@ def test_trackers_are_checked_by_name_and_by_package(tmp_path, monkeypatch):
 def test_install_hints_name_the_packages_with_the_requirements_files_pins():
     """A recipe folder copied out of the repository has no requirements/: the hints give the pip packages themselves,
     pinned as the files the repository's hints name (so the two cannot drift apart)."""
-    from cookbook import config
+    from cookbook import requirements
 
     root = Path(__file__).resolve().parents[1]
 
@@ -179,13 +179,12 @@ def test_install_hints_name_the_packages_with_the_requirements_files_pins():
         lines = (line.split("#")[0].strip() for line in (root / path).read_text().splitlines())
         return {line.split("==")[0]: line for line in lines if line}
 
-    for name, (module, packages, path) in config.TRACKERS.items():
+    for name, (module, packages, path) in requirements.TRACKERS.items():
         assert [pins(path).get(spec.split("==")[0]) for spec in packages.split()] == packages.split(), name
-    assert [pins(config.TRACKER_UIS_FILE).get(spec.split("==")[0]) for spec in config.TRACKER_UIS.values()] == [
-        "mlflow==3.17.2",
-        "tensorboard==2.21.0",
-    ]
-    assert config.install_hint("wandb==0.31.0", "requirements/trackers.txt") == (
+    assert [
+        pins(requirements.TRACKER_UIS_FILE).get(spec.split("==")[0]) for spec in requirements.TRACKER_UIS.values()
+    ] == ["mlflow==3.17.2", "tensorboard==2.21.0"]
+    assert requirements.install_hint("wandb==0.31.0", "requirements/trackers.txt") == (
         "`pip install wandb==0.31.0`, or `pip install -r requirements/trackers.txt` from the cookbook repository's root"
     )
 

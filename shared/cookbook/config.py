@@ -20,16 +20,8 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from cookbook import push
 from cookbook.errors import AlreadyComplete, ConfigError
-from cookbook.requirements import (
-    TRACKER_UIS,  # noqa: F401
-    TRACKER_UIS_FILE,  # noqa: F401
-    TRACKERS,  # noqa: F401
-    check_trackers,  # noqa: F401 (their old home)
-    import_error_line,  # noqa: F401
-    install_hint,  # noqa: F401
-    pinned,  # noqa: F401
-    require,  # noqa: F401
-)
+from cookbook.requirements import check_trackers
+from cookbook.requirements import require  # noqa: F401 (recipes call config.require)
 from cookbook.run_lock import OUTPUT_DIR_FILE_ENV, complete_message, report_complete, report_output_dir
 
 T = TypeVar("T")
@@ -300,12 +292,9 @@ class LoraConfig:
 
     def peft_kwargs(self) -> dict[str, Any]:
         """The settings as `peft.LoraConfig` (and Unsloth's ``get_peft_model``) name them."""
-        return {
-            "r": self.r,
-            "lora_alpha": self.alpha,
-            "lora_dropout": self.dropout,
-            "target_modules": list(self.target_modules),
-        }
+        return dict(
+            r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout, target_modules=list(self.target_modules)
+        )
 
 
 @dataclasses.dataclass
@@ -372,58 +361,42 @@ MAY_CHANGE = (
 )
 
 
+# check_run's lower bounds of the shared keys, and the notes that end their messages.
+_MINIMUM = {
+    "train.micro_batch_size": 1,
+    "train.grad_accum_steps": 1,
+    "train.log_every": 1,
+    "train.eval_every": 0,
+    "optim.max_grad_norm": 0,
+    "checkpoint.every_steps": -1,
+    "checkpoint.keep_last": 0,
+}
+_NOTES = {
+    "checkpoint.every_steps": "-1: never",
+    "optim.max_grad_norm": "0: no clipping",
+    "checkpoint.keep_last": "0: keep all",
+}
+
+
 def check_run(cfg: Any) -> None:
     """Check the keys of the shared sections that `cfg` has. Raises ConfigError: a value out of range or unknown; no
     positive length; ``train.stop_at_step`` without checkpoints; an unwritable ``output_dir``; a bad tracker or
     ``push_to_hub``. AlreadyComplete: in a launcher's check, ``output_dir`` holds a run finished with these settings."""
-    has = {
-        k
-        for k in (
-            "train.micro_batch_size",
-            "train.grad_accum_steps",
-            "train.log_every",
-            "train.eval_every",
-            "train.mixed_precision",
-            "train.max_steps",
-            "train.stop_at_step",
-            "optim.scheduler",
-            "optim.max_grad_norm",
-            "checkpoint.every_steps",
-            "checkpoint.keep_last",
-        )
-        if _has(cfg, k)
-    }
-    minimum = {
-        "train.micro_batch_size": 1,
-        "train.grad_accum_steps": 1,
-        "train.log_every": 1,
-        "train.eval_every": 0,
-        "optim.max_grad_norm": 0,
-        "checkpoint.every_steps": -1,
-        "checkpoint.keep_last": 0,
-    }
     one_of: dict[str, Iterable[Any]] = {"train.mixed_precision": ("bf16", "fp32")}
-    if "optim.scheduler" in has:
+    if _has(cfg, "optim.scheduler"):
         from transformers import SchedulerType
 
         one_of["optim.scheduler"] = [t.value for t in SchedulerType]
     check_fields(
         cfg,
-        at_least={k: v for k, v in minimum.items() if k in has},
-        one_of={k: v for k, v in one_of.items() if k in has},
-        notes={
-            "checkpoint.every_steps": "-1: never",
-            "optim.max_grad_norm": "0: no clipping",
-            "checkpoint.keep_last": "0: keep all",
-        },
+        at_least={k: v for k, v in _MINIMUM.items() if _has(cfg, k)},
+        one_of={k: v for k, v in one_of.items() if _has(cfg, k)},
+        notes=_NOTES,
     )
-    if "train.max_steps" in has and cfg.train.max_steps <= 0 and getattr(cfg.train, "epochs", 0) <= 0:
+    if _has(cfg, "train.max_steps") and cfg.train.max_steps <= 0 and getattr(cfg.train, "epochs", 0) <= 0:
         raise ConfigError("set train.max_steps > 0 or train.epochs > 0")
-    if (
-        {"train.stop_at_step", "checkpoint.every_steps"} <= has
-        and cfg.checkpoint.every_steps == -1
-        and cfg.train.stop_at_step > 0
-    ):
+    stops = _has(cfg, "train.stop_at_step") and _has(cfg, "checkpoint.every_steps") and cfg.train.stop_at_step > 0
+    if stops and cfg.checkpoint.every_steps == -1:
         raise ConfigError("train.stop_at_step needs a checkpoint to resume from: checkpoint.every_steps=-1 saves none")
     if _has(cfg, "trackers"):
         check_trackers(cfg.trackers if getattr(cfg, "mlflow", True) else [t for t in cfg.trackers if t != "mlflow"])
@@ -431,12 +404,11 @@ def check_run(cfg: Any) -> None:
         push.check_push(cfg.checkpoint)
     if _has(cfg, "output_dir") and isinstance(cfg.output_dir, str) and "://" not in cfg.output_dir:
         report_output_dir(cfg.output_dir)  # the launcher takes the folder's run lock before any worker starts
-        done = (
-            complete_message(cfg.output_dir, to_dict(cfg), MAY_CHANGE) if os.environ.get(OUTPUT_DIR_FILE_ENV) else None
-        )  # a launcher's check: the same command again, after the run finished, is answered at once
-        if done is not None:
-            report_complete()
-            raise AlreadyComplete(done)
+        if os.environ.get(OUTPUT_DIR_FILE_ENV):  # a launcher's check: a finished run's command is answered at once
+            done = complete_message(cfg.output_dir, to_dict(cfg), MAY_CHANGE)
+            if done is not None:
+                report_complete()
+                raise AlreadyComplete(done)
         out = Path(cfg.output_dir).expanduser()
         probed = set()
         for folder in (out, out / "checkpoints"):

@@ -1,9 +1,6 @@
-"""Process-group set-up and tear-down from torchrun's environment (NCCL on CUDA, gloo on CPU; a plain
-``python train.py`` is a world of one), stall reports and small rank helpers.
-
-A collective that waits past ``train.collective_timeout_s`` fails instead of hanging: each rank records its last
-finished step in the store (`record_progress`) and the rank that timed out names the one behind (`describe_stall`,
-exit status 3; docs/failures.md#a-rank-that-stalls).
+"""Process-group set-up and tear-down from torchrun's environment (NCCL on CUDA, gloo on CPU; a plain ``python
+train.py`` is a world of one), stall reports (`describe_stall`: the rank that timed out names the one behind, exit
+status 3; docs/failures.md#a-rank-that-stalls) and small rank helpers.
 """
 
 from __future__ import annotations
@@ -16,8 +13,11 @@ import logging
 import os
 import re
 import socket
+import threading
 import time
 import traceback
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Mapping
@@ -81,21 +81,12 @@ class CollectiveTimeout(OneLineError):
     exit_status = EXIT_PEER_LOST
 
 
-# What `init_distributed` set up, for `record_progress` and `describe_stall`.
-_STALL = {
-    "timeout_s": None,
-    "debug_dir": None,
-    "store": None,
-    "step": None,
-    "host": socket.gethostname(),
-    "holder": None,
-}  # holder: (rank, pid, host) of the process that serves the store, when a rank's does
+# What `init_distributed` set up, for `describe_stall`; holder: (rank, pid, host) of a rank that serves the store.
+_STALL = dict(timeout_s=None, debug_dir=None, store=None, step=None, host=socket.gethostname(), holder=None)
 _PROGRESS_KEY, _TIMED_OUT_KEY = "cookbook/progress/{}", "cookbook/timed_out/{}"
 # What gloo (CPU) and NCCL say when a collective waited past the group's timeout.
 _TIMEOUT_MARKERS = ("timed out waiting", "application timeout caused pair closure", "collective operation timeout")
-_FLIGHT_RECORDER_ENTRIES = (
-    2000  # collectives each rank keeps in torch's flight recorder (NCCL), as torch's tutorial advises
-)
+_FLIGHT_RECORDER_ENTRIES = 2000  # collectives each rank keeps in torch's flight recorder (NCCL), as torch advises
 
 
 def init_distributed(timeout_s: float = 1800.0, debug_dir: str | Path | None = None) -> DistInfo:
@@ -271,42 +262,40 @@ def describe_stall(exc: BaseException, grace_s: float | None = None) -> str:
     if grace_s is None:
         grace_s = min(10.0, (timeout_s or 40.0) / 4)
     holder = _STALL["holder"] if _STALL["holder"] is not None and _STALL["holder"][0] != rank else None
-    if holder is not None and _STALL["store"] is False:  # a progress record failed: the store did not answer
-        return _holder_stalled(head, holder, "a write to it failed", dumps)
     try:
+        if holder is not None and _STALL["store"] is False:  # a progress record failed: the store did not answer
+            raise OSError("a write to it failed")
         read = _within(grace_s + 6.0, _read_progress, rank, world, mine, grace_s)  # its reads: 5 s each, at most
     except Exception as read_error:  # noqa: BLE001 - the store itself may be gone or stopped
-        if holder is not None:
-            return _holder_stalled(head, holder, _first_line(read_error), dumps)
-        return f"{head}: the other ranks' progress could not be read ({_first_line(read_error)}){dumps}"
+        if holder is None:
+            return f"{head}: the other ranks' progress could not be read ({_first_line(read_error)}){dumps}"
+        why = f"serves the group's store, which did not answer ({_first_line(read_error)})"
+        return _stalled(head, [holder[0]], {holder[0]: (None, *holder[1:])}, why, dumps)
     if read is None:
         return f"{head}: which rank is behind is not known (no process group store to read their progress from){dumps}"
     progress, timed_out = read
     others = [r for r in range(world) if r != rank]
-    behind = [r for r in others if mine is not None and (progress.get(r) or (-1, 0, ""))[0] < mine]
+    behind = [r for r in others if mine is not None and progress.get(r, (-1,))[0] < mine]
     silent = [r for r in others if r not in timed_out]
     if behind:
-        finished = {progress[r][0] if r in progress else None for r in behind}
-        what = (
-            f"last finished step {finished.pop()}"
-            if len(finished) == 1 and None not in finished
-            else "are behind ("
-            + ", ".join(f"rank {r}: " + (f"step {progress[r][0]}" if r in progress else "no step") for r in behind)
-            + ")"
-        )
-        suspects, detail = behind, f"{what}, this rank step {mine}"
-    elif silent:
-        suspects = silent
-        detail = (
-            "did not reach it ("
-            + (f"every rank last finished step {mine}, but " if mine is not None else "")
-            + f"{'it' if len(silent) == 1 else 'they'} did not time out with this rank within {grace_s:g} s)"
-        )
-    else:
-        return (
-            f"{head}: every rank timed out waiting, none is behind: the ranks are in different collectives "
-            f"(a code path that not every rank takes){dumps}"
-        )
+        steps = {progress[r][0] if r in progress else None for r in behind}
+        if len(steps) == 1 and None not in steps:
+            return _stalled(head, behind, progress, f"last finished step {steps.pop()}, this rank step {mine}", dumps)
+        each = ", ".join(f"rank {r}: " + (f"step {progress[r][0]}" if r in progress else "no step") for r in behind)
+        return _stalled(head, behind, progress, f"are behind ({each}), this rank step {mine}", dumps)
+    if silent:
+        every = f"every rank last finished step {mine}, but " if mine is not None else ""
+        it = "it" if len(silent) == 1 else "they"
+        why = f"did not reach it ({every}{it} did not time out with this rank within {grace_s:g} s)"
+        return _stalled(head, silent, progress, why, dumps)
+    return (
+        f"{head}: every rank timed out waiting, none is behind: the ranks are in different collectives "
+        f"(a code path that not every rank takes){dumps}"
+    )
+
+
+def _stalled(head: str, suspects: list[int], progress: dict, detail: str, dumps: str) -> str:
+    """`describe_stall`'s line naming the stalled `suspects` (with the pid and host that `progress` holds)."""
     names = ", ".join(
         f"rank {r}" + (f" (pid {progress[r][1]} on {progress[r][2]})" if r in progress else "") for r in suspects
     )
@@ -318,36 +307,21 @@ def describe_stall(exc: BaseException, grace_s: float | None = None) -> str:
     return f"{head}: {names} {detail} - {verb} stalled (stopped, hung, or much slower){hint}{dumps}"
 
 
-def _holder_stalled(head: str, holder: tuple[int, int, str], why: str, dumps: str) -> str:
-    """`describe_stall`'s line when the store, which the process of rank ``holder[0]`` serves, did not answer."""
-    rank, pid, host = holder
-    return (
-        f"{head}: rank {rank} (pid {pid} on {host}) serves the group's store, which did not answer ({why}) - it "
-        f"is stalled (stopped, hung, or much slower); `py-spy dump --pid {pid}` on {host} shows where it is{dumps}"
-    )
-
-
 def _within(seconds: float, fn, *args):
     """``fn(*args)``, or `TimeoutError` past `seconds` (it goes on in a daemon thread: a store nobody answers)."""
-    import threading
-
-    result: list = []
+    answer: Future = Future()
 
     def run() -> None:
         try:
-            result.append((True, fn(*args)))
+            answer.set_result(fn(*args))
         except BaseException as exc:  # noqa: BLE001 - raised in the caller
-            result.append((False, exc))
+            answer.set_exception(exc)
 
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if not result:
-        raise TimeoutError(f"no answer within {seconds:g} s")
-    ok, value = result[0]
-    if not ok:
-        raise value
-    return value
+    threading.Thread(target=run, daemon=True).start()
+    try:
+        return answer.result(timeout=seconds)
+    except FuturesTimeout:
+        raise TimeoutError(f"no answer within {seconds:g} s") from None
 
 
 def _read_progress(rank: int, world: int, mine: int | None, grace_s: float) -> tuple[dict, set] | None:
@@ -385,16 +359,10 @@ def _collective_site(exc: BaseException) -> str:
     op = next((f.name for f in reversed(frames) if f.filename.startswith(torch_dir + "distributed")), None)
     if op is None and any(f.filename.startswith(torch_dir + "autograd") for f in frames):
         op = "a gradient collective in backward"
-    site = next(
-        (
-            f
-            for f in reversed(frames)
-            if not f.filename.startswith(torch_dir) and not _PASS_THROUGH.fullmatch(f.line or "")
-        ),
-        None,
-    )
-    if site is None:
+    ours = [f for f in frames if not f.filename.startswith(torch_dir) and not _PASS_THROUGH.fullmatch(f.line or "")]
+    if not ours:
         return op or "where is not known"
+    site = ours[-1]
     code = f"`{site.line.split('  #')[0].strip()}`, " if site.line else ""  # without an inline comment
     return (f"{op}: " if op else "") + f"{code}{Path(site.filename).name}:{site.lineno}"
 
@@ -451,33 +419,21 @@ def barrier() -> None:
         dist.barrier()
 
 
-def all_reduce_mean(values: Mapping[str, float | torch.Tensor], device: torch.device) -> dict[str, float]:
-    """Average scalar metrics (name -> number or 0-d tensor) over ranks in one collective; name -> float."""
-    return _all_reduce(values, device, mean=True)
-
-
 def all_reduce_sum(values: Mapping[str, float | torch.Tensor], device: torch.device) -> dict[str, float]:
-    """Sum scalar metrics over ranks in one collective; see `all_reduce_mean`."""
-    return _all_reduce(values, device, mean=False)
-
-
-def _all_reduce(values: Mapping[str, float | torch.Tensor], device: torch.device, mean: bool) -> dict[str, float]:
-    names = list(values)
-    if not names:
+    """Sum scalar metrics (name -> number or 0-d tensor) over ranks in one collective; name -> float."""
+    if not values:
         return {}
-    flat = torch.stack(
-        [
-            v.detach().to(device=device, dtype=torch.float64).reshape(())
-            if isinstance(v, torch.Tensor)
-            else torch.tensor(float(v), dtype=torch.float64, device=device)
-            for v in values.values()
-        ]
-    )
+    numbers = [torch.as_tensor(v, dtype=torch.float64).to(device).reshape(()) for v in values.values()]
+    flat = torch.stack(numbers).detach()
     if dist.is_initialized():
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        if mean:
-            flat /= dist.get_world_size()
-    return dict(zip(names, flat.tolist()))
+    return dict(zip(values, flat.tolist()))
+
+
+def all_reduce_mean(values: Mapping[str, float | torch.Tensor], device: torch.device) -> dict[str, float]:
+    """Average scalar metrics over ranks in one collective; see `all_reduce_sum`."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return {k: v / world for k, v in all_reduce_sum(values, device).items()}
 
 
 def all_gather_object(obj: object) -> list[object]:

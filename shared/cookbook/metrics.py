@@ -1,8 +1,5 @@
-"""Training metrics: throughput, MFU, memory, and the sinks they go to (console, JSONL, MLflow, TensorBoard, W&B).
-
-`MetricsLogger`: `add` counts each micro-batch's samples, tokens and data wait; every ``log_every`` steps `log_step`
-reduces the window over ranks and writes one record (rank 0) to the console, ``<out_dir>/metrics.jsonl``, the progress
-bar and the config's ``trackers``. The keys of the records: docs/outputs.md.
+"""Training metrics: throughput, MFU, memory; `MetricsLogger.log_step` reduces a window over ranks and writes one
+record (rank 0) to the console, ``<out_dir>/metrics.jsonl``, the progress bar and the ``trackers`` (docs/outputs.md).
 """
 
 from __future__ import annotations
@@ -20,10 +17,11 @@ import torch
 import torch.distributed as dist
 
 from cookbook import push
-from cookbook.config import check_trackers, save_config, to_dict
+from cookbook.config import save_config, to_dict
 from cookbook.dist import DistInfo, get_logger
 from cookbook.errors import EXIT_USER_ERROR, LAUNCH_TIME_ENV, OneLineError
 from cookbook.progress import ProgressBar
+from cookbook.requirements import check_trackers
 from cookbook.trackers import MLflowSink, Sink, TensorBoardSink, WandbSink, redact_uri
 
 
@@ -58,11 +56,7 @@ def peak_bf16_flops(device_name: str) -> float | None:
         if chip in name:
             form = "NVL" if "NVL" in name else "PCIe" if "PCIE" in name else "SXM"
             return _PEAK_BF16_FLOPS[f"{chip} {form}"]
-    if "A100" in name:
-        return _PEAK_BF16_FLOPS["A100"]
-    if "A10" in name.replace("A100", ""):
-        return _PEAK_BF16_FLOPS["A10"]
-    return None
+    return next((_PEAK_BF16_FLOPS[chip] for chip in ("A100", "A10") if chip in name), None)
 
 
 def count_parameters(model: torch.nn.Module, exclude_embeddings: bool = True) -> int:

@@ -62,11 +62,6 @@ class ProgressBar:
                 log.addHandler(above)
                 self._swapped.append((handler, above))
 
-    @property
-    def active(self) -> bool:
-        """Whether the bar is drawn."""
-        return self.bar is not None
-
     def advance(self, step: int) -> None:
         """Move the bar to `step` (steps completed)."""
         if self.bar is not None and step > self.bar.n:

@@ -12,6 +12,7 @@ from typing import Any, Mapping
 from cookbook.errors import EXIT_USER_ERROR, ConfigError, OneLineError
 
 PUSHED = ("export_dir", "merged_dir", "adapter_dir")  # the export pushed: the first of these a run wrote
+_KEY = "checkpoint.push_to_hub"  # the config key the messages name
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # org/name, the shape of a hub id (validate_repo_id checks more)
 
 
@@ -27,7 +28,7 @@ class HubPushError(OneLineError):
     exit_status = EXIT_USER_ERROR
 
 
-def check_push(checkpoint: Any, key: str = "checkpoint.push_to_hub") -> None:
+def check_push(checkpoint: Any) -> None:
     """ConfigError for a ``push_to_hub`` that cannot work: not ``org/name``; no export; ``HF_HUB_OFFLINE``; no token."""
     from huggingface_hub import constants, get_token
     from huggingface_hub.utils import HFValidationError, validate_repo_id
@@ -39,20 +40,20 @@ def check_push(checkpoint: Any, key: str = "checkpoint.push_to_hub") -> None:
             raise HFValidationError("it has no owner")
     except HFValidationError as exc:
         raise ConfigError(
-            f"{key}={repo_id!r} is not a Hugging Face Hub repo id (org/name): {str(exc).splitlines()[0]}"
+            f"{_KEY}={repo_id!r} is not a Hugging Face Hub repo id (org/name): {str(exc).splitlines()[0]}"
         ) from None
     exports = [
         getattr(checkpoint, k) for k in ("export_hf", "export_adapter", "export_merged") if hasattr(checkpoint, k)
     ]
     if exports and not any(exports):
         raise ConfigError(
-            f"{key}={repo_id}: nothing to push, the run exports no model (checkpoint.export_hf or "
+            f"{_KEY}={repo_id}: nothing to push, the run exports no model (checkpoint.export_hf or "
             f"checkpoint.export_adapter is false)"
         )
     if constants.HF_HUB_OFFLINE:
-        raise ConfigError(f"{key}={repo_id}: HF_HUB_OFFLINE is set; unset it to push, or leave {key} empty")
+        raise ConfigError(f"{_KEY}={repo_id}: HF_HUB_OFFLINE is set; unset it to push, or leave {_KEY} empty")
     if get_token() is None:
-        raise ConfigError(f"{key}={repo_id}: no Hugging Face token; log in (`hf auth login`) or set HF_TOKEN")
+        raise ConfigError(f"{_KEY}={repo_id}: no Hugging Face token; log in (`hf auth login`) or set HF_TOKEN")
 
 
 def _model_card(repo_id: str, config: Mapping[str, Any], metrics: Mapping[str, float], folder: Path) -> str:
@@ -85,13 +86,7 @@ def _model_card(repo_id: str, config: Mapping[str, Any], metrics: Mapping[str, f
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}"))
 
 
-def push_to_hub(
-    repo_id: str,
-    folder: str | Path,
-    config: Mapping[str, Any],
-    metrics: Mapping[str, float],
-    key: str = "checkpoint.push_to_hub",
-) -> str:
+def push_to_hub(repo_id: str, folder: str | Path, config: Mapping[str, Any], metrics: Mapping[str, float]) -> str:
     """Write the model card into `folder` and upload it to the model repo `repo_id` (created if missing); returns the
     commit's URL. Raises HubPushError: one line with the reason and the retry command."""
     from huggingface_hub import HfApi
@@ -109,7 +104,7 @@ def push_to_hub(
         )
     except Exception as exc:  # noqa: BLE001 - network, authentication, permissions: one line either way
         raise HubPushError(
-            f"{key}={repo_id}: the upload of {folder} failed ({type(exc).__name__}: "
+            f"{_KEY}={repo_id}: the upload of {folder} failed ({type(exc).__name__}: "
             f"{(str(exc).splitlines() or [''])[0]}); the export is complete on disk: retry with "
             f"`hf upload {repo_id} {folder} .`"
         ) from None

@@ -1,9 +1,6 @@
-"""One run per ``output_dir`` at a time: the launcher holds ``<output_dir>/.run.lock.node<N>`` (an ``flock``, which
-the kernel releases however it ends) from before any worker starts; a second run there is refused in one line naming
-the holder. The check reports the ``output_dir`` to the file ``COOKBOOK_OUTPUT_DIR_FILE`` names.
-
-A finished run leaves ``<output_dir>/complete.json`` (`mark_complete`); the same command again is answered by the
-check (`complete_message`) before data or model are read: the "already complete" line, exit status 0, no worker.
+"""One run per ``output_dir`` at a time: the launcher holds the ``flock`` ``<output_dir>/.run.lock.node<N>`` from
+before any worker starts; a second run there is refused in one line naming the holder. A finished run leaves
+``<output_dir>/complete.json`` (`mark_complete`): the same command again is answered by the check (`complete_message`).
 """
 
 from __future__ import annotations

@@ -21,16 +21,8 @@ class ResizableSampler(DistributedSampler):
     """`DistributedSampler` (same arguments) whose position in the epoch is global: from an epoch's start the same;
     after `load_state_dict` at ``consumed = c`` a pass yields ``order[c + r :: num_replicas]``, cut or padded alike."""
 
-    def __init__(
-        self,
-        dataset,
-        num_replicas: int | None = None,
-        rank: int | None = None,
-        shuffle: bool = True,
-        seed: int = 0,
-        drop_last: bool = False,
-    ) -> None:
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         self.start = 0  # samples of this epoch the whole job consumed before the current pass
         self.yielded = 0  # indices this rank has yielded in the current pass
 

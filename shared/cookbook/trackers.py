@@ -11,7 +11,8 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from cookbook.config import TRACKER_UIS, TRACKER_UIS_FILE, flatten, install_hint
+from cookbook.config import flatten
+from cookbook.requirements import TRACKER_UIS, TRACKER_UIS_FILE, install_hint
 from cookbook.dist import get_logger
 
 
@@ -117,11 +118,13 @@ class MLflowSink(Sink):
         self._run_id_file = out_dir / "mlflow_run_id.txt"
         self.run_id: str | None = None
         self.tracking_uri: str | None = None
+        self._mlflow = None  # the mlflow module, once imported
         self._guard(self._start, out_dir, run_name, experiment, params)
 
     def _start(self, out_dir: Path, run_name: str, experiment: str, params: Mapping[str, Any]) -> None:
         import mlflow
 
+        self._mlflow = mlflow
         for name in ("alembic", "mlflow"):  # after the import, which sets mlflow's own level
             logging.getLogger(name).setLevel(logging.WARNING)
         # its ~40-line traceback of each database error, before re-raising it: _guard's one line says it
@@ -147,10 +150,10 @@ class MLflowSink(Sink):
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         numbers = {k.replace("/", "_"): float(v) for k, v in metrics.items()}
-        self._guard(lambda: _mlflow().log_metrics(numbers, step=step))
+        self._guard(lambda: self._mlflow.log_metrics(numbers, step=step))
 
     def close(self, status: str = "FINISHED") -> None:
-        self._guard(lambda: _mlflow().end_run(status=status))
+        self._guard(lambda: self._mlflow.end_run(status=status))
 
     def where(self) -> str | None:
         if not self.enabled:
@@ -162,12 +165,6 @@ class MLflowSink(Sink):
         if importlib.util.find_spec("flask") is None:  # mlflow-skinny has no UI server
             ui += f" (after {install_hint(TRACKER_UIS['mlflow'], TRACKER_UIS_FILE)}; mlflow-skinny has no UI)"
         return f"{uri} (run {self.run_id}); browse with {ui}"
-
-
-def _mlflow():
-    import mlflow
-
-    return mlflow
 
 
 class TensorBoardSink(Sink):
