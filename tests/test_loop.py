@@ -393,6 +393,39 @@ def _checkpoint_steps(out):
     return [int(p.name.split("_")[1]) for p in Checkpointer(out / "checkpoints").complete_checkpoints()]
 
 
+def test_run_calls_the_loaders_sampler_set_epoch_at_each_pass(tmp_path):
+    """Without `set_epoch`, `Run` reshuffles through the loader's sampler: each pass has its own epoch's order."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from cookbook.config import RunConfig, load_config
+
+    cfg = load_config(RunConfig, None, [f"output_dir={tmp_path}", "mlflow=false"])
+    sampler = DistributedSampler(range(8), num_replicas=1, rank=0, shuffle=True, seed=3)
+    state = TrainState()
+    run = Run(
+        cfg,
+        CPU,
+        state=state,
+        checkpoint={"train": state},
+        loader=DataLoader(range(8), batch_size=8, sampler=sampler),
+        may_change=(),
+        max_steps=3,
+        experiment="tests",
+        count_tokens=False,
+    )
+    passes = [run.take(1)[0][0].tolist() for _ in range(3)]
+    assert sampler.epoch == 2 and state.epoch == 2
+    assert passes == [_order(e) for e in range(3)] and len({tuple(p) for p in passes}) == 3
+
+
+def _order(epoch: int) -> list[int]:
+    from torch.utils.data import DistributedSampler
+
+    sampler = DistributedSampler(range(8), num_replicas=1, rank=0, shuffle=True, seed=3)
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
 def test_skip_drops_a_non_finite_step_without_touching_the_weights_or_the_schedule(tmp_path, monkeypatch):
     lines = []
     for module in (cookbook.loop, cookbook.policy):  # the policy logs the skip

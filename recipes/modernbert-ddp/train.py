@@ -534,6 +534,7 @@ def main(cfg: Config) -> None:
     phases["data"] = time.time()
     collate = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8)
     # DistributedSampler's order and split, with a global position: a checkpoint resumes on another world size.
+    # Run calls its set_epoch at each pass (a new shuffle per epoch).
     sampler = ResizableSampler(
         train_ds, num_replicas=info.world_size, rank=info.rank, shuffle=True, seed=cfg.train.seed, drop_last=True
     )
@@ -583,7 +584,6 @@ def main(cfg: Config) -> None:
         app=ModelOptimizerState(model, optimizer),
         scheduler=scheduler,
         loader=train_loader,
-        set_epoch=sampler.set_epoch,
         may_change=MAY_CHANGE,
         max_steps=max_steps,
         experiment="modernbert-ddp",

@@ -363,7 +363,7 @@ def main(cfg: Config | VLConfig) -> None:
     out_dir = Path(cfg.output_dir)
     rows = vl_rows(cfg, info) if vl else text_rows(cfg, info)
     pad_id = rows.pad_id
-    sampler = DistributedSampler(
+    sampler = DistributedSampler(  # Run calls its set_epoch at each pass (a new shuffle per epoch)
         rows.train, num_replicas=info.world_size, rank=info.rank, shuffle=True, seed=cfg.train.seed, drop_last=True
     )
     loader_kw = dict(collate_fn=rows.collate, num_workers=cfg.data.num_workers, pin_memory=info.device.type == "cuda")
@@ -392,7 +392,6 @@ def main(cfg: Config | VLConfig) -> None:
         app=AdapterState(model, optimizer, meshes),
         scheduler=scheduler,
         loader=train_loader,
-        set_epoch=sampler.set_epoch,
         resizable=False,
         may_change=VL_MAY_CHANGE if vl else MAY_CHANGE,
         max_steps=max_steps,

@@ -309,6 +309,7 @@ def main(cfg: Config) -> None:
     # Packing: rows of exactly max_length tokens, documents separated by position ids.
     train_rows, eval_rows, stats = sft.training_rows(cfg.data, tokenizer, cfg.train.seed)
     # DistributedSampler's order and split, with a global position: a checkpoint resumes on another world size.
+    # Run calls its set_epoch at each pass (a new shuffle per epoch).
     sampler = ResizableSampler(
         train_rows, num_replicas=info.world_size, rank=info.rank, shuffle=True, seed=cfg.train.seed, drop_last=True
     )
@@ -341,7 +342,6 @@ def main(cfg: Config) -> None:
         app=ModelOptimizerState(model, optimizer),
         scheduler=scheduler,
         loader=train_loader,
-        set_epoch=sampler.set_epoch,
         may_change=MAY_CHANGE,
         max_steps=max_steps,
         experiment="fsdp2-sft",

@@ -319,7 +319,8 @@ class TrainLoop:
 
 class Run(TrainLoop):
     """A torchrun recipe's run, entered with ``with``: seeds ``train.seed + rank``, resumes from ``checkpoint.resume``,
-    writes ``config.yaml``, starts the metrics, then is the config's `TrainLoop`; `take` gives `loader`'s micro-batches.
+    writes ``config.yaml``, starts the metrics, then is the config's `TrainLoop`; `take` gives `loader`'s micro-batches,
+    calling `set_epoch` (default: the loader's ``sampler.set_epoch``, where it has one) at each new pass.
     Already complete: said once; `steps` yields nothing, `say` and `finish` do nothing. Checkpoints hold ``app``,
     ``scheduler``, ``train``, ``data`` (with `resizable`) and ``rank_local``; or `checkpoint`, with its `state`.
     Raises CheckpointError: the checkpoint does not fit this run; ConfigError: bad ``train.on_nonfinite`` settings.
@@ -393,6 +394,7 @@ class Run(TrainLoop):
             on_nonfinite=on_nonfinite,
             max_consecutive_skips=max_skips,
         )
+        set_epoch = set_epoch or getattr(getattr(loader, "sampler", None), "set_epoch", None)
         self.batches = EpochBatches(loader, state, set_epoch, info.device, metrics) if loader is not None else None
 
     def __enter__(self) -> Run:
