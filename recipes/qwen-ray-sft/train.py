@@ -248,6 +248,11 @@ def load(path: str, overrides: list[str]) -> Config:
     return cfg
 
 
+def preflight(cfg: Config, world_size: None) -> str:
+    """``--check``: the driver's checks (the driver plans the workers: no world size)."""
+    return driver_checks(cfg)[1]
+
+
 def driver_checks(cfg: Config) -> tuple[ray_train.RayDriver, str]:
     """The driver's checks before Ray starts (``--check`` runs them alone), the data's before the resume's; returns
     the driver and what the data holds."""
@@ -263,11 +268,6 @@ def driver_checks(cfg: Config) -> tuple[ray_train.RayDriver, str]:
     return driver, data_note
 
 
-def preflight(cfg: Config, world_size: None) -> str:
-    """``--check``: the driver's checks (the driver plans the workers: no world size)."""
-    return driver_checks(cfg)[1]
-
-
 def show_examples(cfg: Config, n: int) -> str:
     return sft.show_data(cfg.data, sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path), n)
 
@@ -276,33 +276,15 @@ def show_examples(cfg: Config, n: int) -> str:
 def main(cfg: Config) -> None:
     driver, _ = driver_checks(cfg)
     total = cfg.train.max_steps if cfg.train.max_steps > 0 else None  # else the data decides, in the workers
-    if driver.already_complete(total, {"model": Path(cfg.output_dir) / "final"}):
-        return
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
 
-    out = Path(cfg.output_dir).expanduser().resolve()  # output_dir is Ray's run folder: storage_path / name
-    keep = CheckpointConfig(num_to_keep=cfg.checkpoint.keep_last or None)  # step checkpoints: checkpoint_step_<n>/
-    run_config = RunConfig(
-        name=out.name,
-        storage_path=str(out.parent),
-        checkpoint_config=keep,
-        failure_config=FailureConfig(max_failures=cfg.ray.max_failures),
-    )  # restarts, from the newest
-    with driver.started():  # Ray started or joined, the worker group sized; SIGTERM / SIGUSR1: a stop request
-        scaling = ScalingConfig(
-            num_workers=driver.workers,
-            use_gpu=driver.use_gpu,  # one DDP process per GPU
-            resources_per_worker=driver.resources_per_worker,
-        )  # a GPU: a full 3B replica + AdamW
-        # each worker imports this file and runs train_loop(train_loop_config["config"]); a collective stalled
-        # past train.collective_timeout_s ends the wait
+    # Already complete: said, exit 0. Else Ray started or joined, the workers sized; SIGTERM / SIGUSR1: a stop request.
+    with driver.started(total, {"model": Path(cfg.output_dir) / "final"}):
         trainer = TorchTrainer(
-            ray_train.worker_entry,
-            train_loop_config=driver.loop_config(__file__),
-            torch_config=TorchConfig(timeout_s=cfg.train.collective_timeout_s),
-            scaling_config=scaling,
-            run_config=run_config,
+            **driver.worker_loop(__file__),  # each worker imports this file and runs its train_loop(config)
+            scaling_config=ScalingConfig(**driver.scaling),  # ray.num_workers DDP processes, one per GPU on GPUs
+            run_config=RunConfig(**driver.run_options),  # output_dir, checkpoint.keep_last, ray.max_failures
         )
         driver.finish(trainer.fit())
 

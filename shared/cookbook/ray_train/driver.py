@@ -23,9 +23,9 @@ from cookbook import run_lock
 from cookbook.checkpoint import CheckpointError, ResumeGuard, read_meta
 from cookbook.config import ConfigError, to_dict
 from cookbook.dist import CollectiveTimeout
-from cookbook.errors import EXIT_PREEMPTED
+from cookbook.errors import EXIT_PREEMPTED, AlreadyComplete
 from cookbook.policy import NonFiniteError, NonFinitePolicy, Preempted, StopRequest
-from cookbook.ray_train.worker import DIVERGED, SAVE_FAILED, STATE_FILE, raise_save_error
+from cookbook.ray_train.worker import DIVERGED, SAVE_FAILED, STATE_FILE, raise_save_error, worker_entry
 
 _SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"  # Ray Train's record of the run's registered checkpoints
 
@@ -113,20 +113,22 @@ class RayDriver:
     def on_cpu(self) -> bool:
         return not self.use_gpu if self.use_gpu is not None else self.cfg.ray.use_gpu is False
 
-    def already_complete(self, total: int | None, outputs: Mapping[str, str | Path] = {}) -> bool:
-        """Whether the newest checkpoint ends the run (`total` epochs or steps; ``None``: not known) and `outputs`
-        (``{"model": <output_dir>/final}``) exist; if so, say so (stderr)."""
+    def _complete(self, total: int | None, outputs: Mapping[str, str | Path]) -> str | None:
+        """The message when the newest checkpoint ends the run (`total` epochs or steps; ``None``: not known) and
+        `outputs` (``{"model": <output_dir>/final}``) exist, else ``None``."""
         done = (self.meta or {}).get(self.unit, 0)
         if self.meta is None or (total is not None and done < total) or not all(map(os.path.exists, outputs.values())):
-            return False
+            return None
         where = {**outputs, "metrics": Path(self.cfg.output_dir) / "metrics.jsonl"}
-        print(self.guard.already_complete(done, total, self.unit, where), file=sys.stderr)
-        return True
+        return self.guard.already_complete(done, total, self.unit, where)
 
     @contextlib.contextmanager
-    def started(self) -> Iterator[RayDriver]:
+    def started(self, total: int | None, outputs: Mapping[str, str | Path] = {}) -> Iterator[RayDriver]:
         """The block of ``TorchTrainer(...).fit()``: ``output_dir`` locked, Ray started or joined, the workers sized on
-        the cluster, SIGTERM / SIGUSR1 a stop request; a worker's timed-out collective one `CollectiveTimeout`."""
+        the cluster, SIGTERM / SIGUSR1 a stop request; a worker's timed-out collective one `CollectiveTimeout`.
+        AlreadyComplete (exit 0): the newest checkpoint ends the run (`total`) and `outputs` exist."""
+        if (done := self._complete(total, outputs)) is not None:
+            raise AlreadyComplete(done)
         lock = run_lock.acquire(self.cfg.output_dir, os.environ.get("NODE_RANK", "0"))
         try:
             _init_ray(self.cfg.ray, self.workers or 0)
@@ -144,19 +146,39 @@ class RayDriver:
         finally:
             os.close(lock)
 
-    def loop_config(self, script: str) -> dict[str, Any]:
-        """``train_loop_config`` for `worker_entry`: the recipe file `script`, the config, the resume, the stop key."""
-        return {
+    def worker_loop(self, script: str) -> dict[str, Any]:
+        """``TorchTrainer`` arguments: `worker_entry` runs the recipe file `script`'s ``train_loop(config)`` on each
+        worker (the config, the resume, the stop key); ``torch_config``: ``train.collective_timeout_s``."""
+        from ray.train.torch import TorchConfig
+
+        config = {
             "script": str(Path(script).resolve()),
             "config": to_dict(self.cfg),
             "stop_key": self._stop.key,
             "announced": self.resume.name if self.resume is not None else None,
         }
+        timeout = TorchConfig(timeout_s=self.cfg.train.collective_timeout_s)
+        return {"train_loop_per_worker": worker_entry, "train_loop_config": config, "torch_config": timeout}
 
     @property
-    def resources_per_worker(self) -> dict[str, float]:
-        """``ScalingConfig.resources_per_worker``: ``ray.cpus_per_worker`` CPUs, and a GPU on GPUs."""
-        return {"CPU": self.cfg.ray.cpus_per_worker, **({"GPU": 1} if self.use_gpu else {})}
+    def scaling(self) -> dict[str, Any]:
+        """``ScalingConfig`` arguments: the workers planned, one per GPU on GPUs, ``ray.cpus_per_worker`` CPUs each."""
+        resources = {"CPU": self.cfg.ray.cpus_per_worker, **({"GPU": 1} if self.use_gpu else {})}
+        return {"num_workers": self.workers, "use_gpu": self.use_gpu, "resources_per_worker": resources}
+
+    @property
+    def run_options(self) -> dict[str, Any]:
+        """``RunConfig`` arguments: ``output_dir`` as Ray's run folder (storage_path / name), ``checkpoint.keep_last``
+        (Ray deletes older checkpoints; 0 keeps all), ``ray.max_failures`` (restarts, from the newest checkpoint)."""
+        from ray.train import CheckpointConfig, FailureConfig
+
+        out = Path(self.cfg.output_dir).expanduser().resolve()
+        return {
+            "name": out.name,
+            "storage_path": str(out.parent),
+            "checkpoint_config": CheckpointConfig(num_to_keep=self.cfg.checkpoint.keep_last or None),
+            "failure_config": FailureConfig(max_failures=self.cfg.ray.max_failures),
+        }
 
     def finish(self, result: Any) -> Any:
         """Say how the run ended and return Ray's ``Result``; raises the workers' `NonFiniteError` (exit 4) or
