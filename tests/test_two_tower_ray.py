@@ -77,6 +77,11 @@ def test_stop_after_the_first_checkpoint_resume_and_beat_popularity(ray_env, tmp
     assert final["eval/recall_at_10"] > 2 * final["eval/popularity_recall_at_10"], final
     assert_same_recall(final, *evaluate_checkpoint(out), users=300)  # the same weights in one process
 
+    n_records = len(records)
+    third = run_driver_forked("two-tower-ray", ray_env, f"output_dir={out}", "mlflow=false", run_main=True)  # done
+    assert third.returncode == 0, third.stderr[-4000:]
+    assert "already complete: 4 of 4 epochs" in third.stderr and len(read_jsonl(out / "metrics.jsonl")) == n_records
+
 
 def _recall_on_two_workers(interactions: str) -> tuple[dict, dict | None]:
     """The recipe's evaluation (`recall_at_k` of this worker's share of the held-out users, summed over the
