@@ -25,7 +25,7 @@ from typing import Any, Callable, NoReturn, Sequence
 
 import torch.distributed as dist
 
-from cookbook.builds import broken_build_in
+from cookbook.builds import broken_build_in, chain
 from cookbook.config import cli_parser
 from cookbook.dist import collective_timed_out, describe_stall, last_finished_step
 from cookbook.errors import (
@@ -170,15 +170,8 @@ def _say_once(exc: BaseException, rank: str, where: str) -> None:
 def peer_lost(exc: BaseException) -> bool:
     """True if `exc` (or an exception it was raised from) is a collective that failed because the process at the
     other end exited (gloo's "Connection closed by peer", NCCL's "remote process exited", `DistNetworkError`)."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, getattr(dist, "DistNetworkError", ())) or any(
-            m in str(exc).lower() for m in _PEER_LOST_MARKERS
-        ):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
+    network = getattr(dist, "DistNetworkError", ())
+    return any(isinstance(e, network) or any(m in str(e).lower() for m in _PEER_LOST_MARKERS) for e in chain(exc))
 
 
 def _requirements_beside(main: Callable) -> Path | None:
