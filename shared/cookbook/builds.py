@@ -6,12 +6,12 @@ traceback: `guard` (run by ``import cookbook``) wraps the import of torchvision 
 from __future__ import annotations
 
 import importlib.abc
-import importlib.util
 import os
 import sys
 
+from cookbook.errors import EXIT_USER_ERROR
+
 _TORCH_BUILT = ("torchvision", "torchaudio")  # packages compiled against one torch build
-EXIT_USER_ERROR = 2  # cookbook.entry's status for bad input (a package to install is one)
 
 
 class BrokenBuild(ImportError):
@@ -37,21 +37,31 @@ def install_line(package: str, reinstall: bool = False, spec: str | None = None)
     return f"pip install {'--force-reinstall --no-deps ' if reinstall else ''}'{spec}' --index-url {index}"
 
 
-def _broken_message(package: str, exc: BaseException) -> str:
-    """One line: `package` and its version do not import beside the installed torch, the cause, the fix."""
+def installed_version(package: str) -> str:
+    """`` 1.2.3``, the installed version of `package` after a space, or ``""``."""
     from importlib import metadata
 
+    try:
+        return " " + metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return ""
+
+
+def rebuild_hint(package: str, spec: str | None = None) -> str:
+    """What to run when `package` (pinned as `spec`) is installed but not built for the installed torch."""
     import torch
 
-    try:
-        version = " " + metadata.version(package)
-    except metadata.PackageNotFoundError:
-        version = ""
+    return (
+        f"its build does not match torch {torch.__version__}: install the {package} build made for that torch: "
+        f"`{install_line(package, reinstall=True, spec=spec)}`"
+    )
+
+
+def _broken_message(package: str, exc: BaseException) -> str:
     cause = (str(exc).strip().splitlines() or [""])[0]
     return (
-        f"{package}{version} is installed but does not import ({type(exc).__name__}: {cause}): its build does "
-        f"not match torch {torch.__version__}: install the {package} build made for that torch: "
-        f"`{install_line(package, reinstall=True)}`"
+        f"{package}{installed_version(package)} is installed but does not import ({type(exc).__name__}: {cause}): "
+        f"{rebuild_hint(package)}"
     )
 
 
@@ -88,13 +98,18 @@ class _Finder(importlib.abc.MetaPathFinder):
         return None
 
 
+def chain(exc: BaseException | None) -> list[BaseException]:
+    """`exc` and the exceptions it was raised from, outermost first."""
+    found = []
+    while exc is not None and exc not in found:
+        found.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return found
+
+
 def broken_build_in(exc: BaseException | None) -> BrokenBuild | None:
     """The `BrokenBuild` that `exc` is or was raised from (transformers re-raises import failures), if any."""
-    seen = []
-    while exc is not None and exc not in seen and not isinstance(exc, BrokenBuild):
-        seen.append(exc)
-        exc = exc.__cause__ or exc.__context__
-    return exc if isinstance(exc, BrokenBuild) else None
+    return next((e for e in chain(exc) if isinstance(e, BrokenBuild)), None)
 
 
 def _excepthook(kind, exc, tb, _previous=sys.excepthook):

@@ -3,15 +3,10 @@
     @cookbook.cli(load, preflight)  # --check runs preflight(cfg, world size); main(cfg) is the run
     def main(cfg): ...              # if __name__ == "__main__": cookbook.run_main(main, user_errors=(ConfigError, ...))
 
-Exit statuses (docs/bad-input.md, docs/failures.md): 0 finished or stopped at ``train.stop_at_step``; 1 a bug or
-library failure, with its traceback; 2 bad configuration, data or checkpoint (`user_errors`) or a package that does
-not import, one line; 3 lost contact with another rank, or a stall naming the rank behind; 4 a non-finite loss or
-gradient norm; 75 preempted after a checkpoint; 130 interrupted. The rank that found an error prints
-``error: [rank 1] <message>``; ranks that then fail in a collective print one line and wait a few seconds, so the
-launcher sees the first failure first; under torchrun it is also written to ``TORCHELASTIC_ERROR_FILE``. The
-process ends with ``os._exit`` after flushing, skipping the interpreter's teardown
-(docs/notes.md#a-hang-in-the-process-groups-destructor-torch-213-gloo), but in the check that `cookbook.launch` runs
-in its own process (`cookbook.launch.ScriptExit`).
+Exit statuses: docs/bad-input.md, docs/failures.md. The rank that found an error prints ``error: [rank 1] <message>``
+(and writes it to ``TORCHELASTIC_ERROR_FILE``); ranks that then fail in a collective wait a few seconds, so the
+launcher sees the first failure first. The process ends with ``os._exit``, skipping the interpreter's teardown
+(docs/notes.md#a-hang-in-the-process-groups-destructor-torch-213-gloo).
 """
 
 from __future__ import annotations
@@ -30,7 +25,7 @@ from typing import Any, Callable, NoReturn, Sequence
 
 import torch.distributed as dist
 
-from cookbook.builds import broken_build_in
+from cookbook.builds import broken_build_in, chain
 from cookbook.config import cli_parser
 from cookbook.dist import collective_timed_out, describe_stall, last_finished_step
 from cookbook.errors import (
@@ -52,9 +47,7 @@ from cookbook.requirements import import_error_line
 from cookbook.run_lock import die_with_parent
 
 
-# Seconds a rank that lost a peer waits before exiting: long enough for torchrun (which polls its
-# workers every 0.1 s by default) to see the peer's exit first and stop this rank itself.
-_PEER_LOST_GRACE_S = 5.0
+_PEER_LOST_GRACE_S = 5.0  # a rank that lost a peer waits so long: torchrun sees the peer's exit first
 
 # What gloo and NCCL say when the process at the other end of a collective is gone.
 _PEER_LOST_MARKERS = (
@@ -76,10 +69,8 @@ def cli(
     sized: bool = True,
     ok: str = "config OK: {path} ({detail})",
 ):
-    """A recipe's ``main(cfg)`` (the run) as the ``main(argv)`` of ``--config FILE [--check] [--show-examples N]
-    [overrides]``: ``cfg = load(FILE, overrides)``; ``--check`` prints `ok` (``config OK: FILE (<preflight(cfg,
-    world size)>)``), NGPU x NNODES as launch.sh starts it (None without `sized`: Ray plans the workers); ``--show-examples
-    N`` prints ``show_examples(cfg, N)``; else ``main(cfg)``."""
+    """A recipe's ``main(cfg)`` as the ``main(argv)`` of ``--config FILE [--check] [--show-examples N] [overrides]``:
+    ``--check`` prints `ok` with ``preflight(cfg, world size)`` (None without `sized`: Ray plans the workers)."""
 
     def wrap(main: Callable[[Any], None]) -> Callable[[list[str]], None]:
         parser = cli_parser(main.__globals__.get("__doc__"), show_examples=show_examples is not None)
@@ -105,13 +96,8 @@ def cli(
 def run_main(
     main: Callable[[list[str]], Any], user_errors: Sequence[type[BaseException]] = (), argv: list[str] | None = None
 ) -> NoReturn:
-    """Run ``main(argv)`` (default ``sys.argv[1:]``) and exit the process with the module docstring's statuses;
-    never returns.
-
-    `user_errors`: exception classes that mean bad input: printed as one line ``error: <message>`` (``[rank N]`` with
-    several processes), status 2. An ``ImportError`` too: one line naming the module, its cause and the install line
-    of the requirements.txt beside `main`'s file.
-    """
+    """Run ``main(argv)`` (default ``sys.argv[1:]``) and exit the process with its status; never returns.
+    `user_errors` (bad input) and an ``ImportError`` are one line ``error: [rank N] <message>``, status 2."""
     rank, world = os.environ.get("RANK", "0"), int(os.environ.get("WORLD_SIZE", "1") or 1)
     where = f"[rank {rank}] " if world > 1 else ""
     if os.environ.get(AGENT_PID_ENV) == str(os.getppid()):  # a worker of cookbook.torchrun: ends with its launcher
@@ -165,14 +151,11 @@ def run_main(
     _exit(EXIT_OK)
 
 
-# Seconds a rank that stays quiet about an error every rank raised alike waits, so that rank 0 exits (and is
-# reported by the launcher) first.
-_QUIET_RANK_WAIT_S = 1.0
+_QUIET_RANK_WAIT_S = 1.0  # a rank quiet about an error every rank raised waits so long: rank 0 is reported first
 
 
 def _quiet(exc: BaseException, rank: str) -> bool:
-    """An error raised alike on every rank (its class sets ``same_on_every_rank``: a diverged step, a failed
-    save) is printed by rank 0 alone."""
+    """An error raised alike on every rank (its class sets ``same_on_every_rank``) is printed by rank 0 alone."""
     return bool(getattr(exc, "same_on_every_rank", False)) and rank not in ("", "0")
 
 
@@ -185,18 +168,10 @@ def _say_once(exc: BaseException, rank: str, where: str) -> None:
 
 
 def peer_lost(exc: BaseException) -> bool:
-    """True if `exc` (or an exception it was raised from) is a collective that failed because the
-    process at the other end exited: gloo's "Connection closed by peer", NCCL's "remote process
-    exited", torch's `DistNetworkError`."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, getattr(dist, "DistNetworkError", ())) or any(
-            m in str(exc).lower() for m in _PEER_LOST_MARKERS
-        ):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
+    """True if `exc` (or an exception it was raised from) is a collective that failed because the process at the
+    other end exited (gloo's "Connection closed by peer", NCCL's "remote process exited", `DistNetworkError`)."""
+    network = getattr(dist, "DistNetworkError", ())
+    return any(isinstance(e, network) or any(m in str(e).lower() for m in _PEER_LOST_MARKERS) for e in chain(exc))
 
 
 def _requirements_beside(main: Callable) -> Path | None:
@@ -213,8 +188,7 @@ def _say(line: str) -> None:
 
 
 def _record(exc: BaseException) -> None:
-    """Write `exc` to torchrun's per-worker error file (if torchrun gave one), so that its failure
-    summary holds this rank's message and the time it failed."""
+    """Write `exc` (and the last finished step) to torchrun's per-worker error file, if torchrun gave one."""
     if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
         return
     try:
@@ -233,10 +207,8 @@ def _record(exc: BaseException) -> None:
 
 
 def _exit(status: int, wait: float = 0.0) -> NoReturn:
-    """Run the ``atexit`` handlers, flush, optionally wait, and end the process with ``os._exit``. A rank that lost a
-    peer (``wait`` > 0) skips the handlers: they may talk to the peer that is gone. Raises the status instead
-    to `cookbook.launch`, whose process goes on (no handlers, no logging shutdown), while it runs the check.
-    """
+    """Run the ``atexit`` handlers (not with `wait`: they may talk to a lost peer), flush, wait, ``os._exit``; while
+    `cookbook.launch` runs the check in its own process, raise `ScriptExit` instead."""
     from cookbook.launch import ScriptExit  # here: python -m cookbook.launch imports this package
 
     if ScriptExit.running:

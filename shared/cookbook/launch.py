@@ -4,15 +4,10 @@
         --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-}" \\
         --max-restarts "${MAX_RESTARTS:-3}" recipes/x/train.py --config tiny.yaml train.max_steps=100
 
-It checks the process counts (`plan`), runs ``train.py --check`` in this process (``COOKBOOK_WORLD_SIZE`` set; as
-``python train.py --check`` would, `run_script`: one interpreter start and torch import less; with GPUs in a
-process of its own), then
-the workers with `cookbook.torchrun` (``--standalone`` on one node, else a static rendezvous at ``--master-addr``),
-restarted up to ``--max-restarts`` times (default 3, as torchrun's documentation uses for a fault-tolerant job)
-when a restart can cure the failure. ``--dry-run`` (or ``DRY_RUN`` not ``0``) prints the ``check:`` and ``run:``
-commands instead. A relative ``--config`` is also looked up beside ``train.py``; ``COOKBOOK_LAUNCH_TIME`` is set
-unless set; ``OMP_NUM_THREADS`` defaults to 1, ``DS_ACCELERATOR`` to ``cpu`` without GPUs. Exit status: the
-check's or the workers'.
+It checks the process counts (`plan`), runs ``train.py --check`` (in this process without GPUs: `run_script`), then
+the workers with `cookbook.torchrun`, restarted up to ``--max-restarts`` times (default 3) when a restart can cure
+the failure. ``--dry-run`` (or ``DRY_RUN`` not ``0``) prints the ``check:`` and ``run:`` commands instead. A relative
+``--config`` is also looked up beside ``train.py``. Exit status: the check's or the workers'.
 """
 
 from __future__ import annotations
@@ -47,10 +42,7 @@ def _count(name: str, value: str) -> int:
 
 def plan(ngpu: str, nnodes: str, gpus: int) -> tuple[int, int]:
     """``(processes per node, nodes)`` from `ngpu` (``""``: every GPU of this node, or 2 without one) and `nnodes`.
-
-    Raises:
-        SystemExit: not a positive integer, or more processes than the node's `gpus` (naming the variable).
-    """
+    Raises SystemExit naming the variable: not a positive integer, or more processes than `gpus`."""
     per_node = _positive("NGPU", ngpu) if ngpu else (gpus if gpus > 0 else 2)
     nodes = _positive("NNODES", nnodes)
     if gpus > 0 and per_node > gpus:
@@ -60,11 +52,7 @@ def plan(ngpu: str, nnodes: str, gpus: int) -> tuple[int, int]:
 
 def check_world_size() -> int:
     """The world size a recipe's ``--check`` plans for: ``COOKBOOK_WORLD_SIZE``, else ``NGPU`` x ``NNODES`` as
-    launch.sh reads them.
-
-    Raises:
-        SystemExit: a value that is not a positive integer (naming the variable).
-    """
+    launch.sh reads them. Raises SystemExit: not a positive integer (naming the variable)."""
     if os.environ.get(_WORLD_SIZE_ENV):
         return _positive(_WORLD_SIZE_ENV, os.environ[_WORLD_SIZE_ENV])
     import torch
@@ -85,11 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--node-rank", default="0")
     parser.add_argument("--master-addr", default="127.0.0.1")
     parser.add_argument("--master-port", default="", help="default: a free port on one node, 29500 on several")
-    parser.add_argument(
-        "--max-restarts",
-        default="3",
-        help="restarts of the whole group after a killed or crashed worker (default 3; 0: none)",
-    )
+    parser.add_argument("--max-restarts", default="3", help="restarts of the group after a killed or crashed worker")
     parser.add_argument(
         "--dry-run",
         action="store_true",
@@ -104,15 +88,14 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[LAUNCH_TIME_ENV] = repr(started)
     try:
         return _launch(args)
-    finally:  # (this function is also called in-process, by tests)
+    finally:  # (also called in-process, by tests)
         if before is None:
             os.environ.pop(LAUNCH_TIME_ENV, None)
 
 
 def _check(script: Path, args: list[str], env: dict[str, str]) -> int:
-    """``python script *args`` with `env` added, in this process on a machine without GPUs; with GPUs (a check may
-    initialise CUDA, whose context would then hold GPU memory in this process for the whole run), or for a script
-    that is not a file (python's line and status), in a process of its own."""
+    """``python script *args`` with `env` added: in this process without GPUs; in a process of its own with GPUs (a
+    CUDA context would hold GPU memory here for the whole run) or for a script that is not a file."""
     import torch
 
     if not script.is_file() or torch.cuda.is_available():
@@ -121,8 +104,7 @@ def _check(script: Path, args: list[str], env: dict[str, str]) -> int:
 
 
 class ScriptExit(BaseException):
-    """`cookbook.run_main`'s exit status while `run_script` runs a script (`running`): raised to it instead of ending
-    the process."""
+    """`cookbook.run_main`'s exit status, raised instead of ending the process while `run_script` runs (`running`)."""
 
     running = False
 
@@ -132,14 +114,9 @@ class ScriptExit(BaseException):
 
 
 def run_script(script: Path, argv: list[str], env: dict[str, str]) -> int:
-    """Run `script` in this process as ``python script *argv`` with `env` added would (its module as ``__main__``, its
-    folder first on ``sys.path``, torch's threads as ``OMP_NUM_THREADS`` says); returns its exit status:
-    `cookbook.run_main`'s, a ``SystemExit``'s, or 1 with the traceback of an exception that escapes. Put back
-    afterwards: the environment, ``sys.argv``, ``sys.path``, the standard streams, the working folder, signal
-    handlers, warnings filters, the root logger, torch's thread count, and the modules imported from the script's
-    folder; ``atexit`` handlers the script registered run at this process's end. Not undone: the other imports, and
-    CUDA if the script initialised it (its context then stays in this process).
-    """
+    """Run `script` in this process as ``python script *argv`` with `env` added would; returns its exit status.
+    Put back afterwards: the environment, ``sys.argv`` / ``path`` / streams, the working folder, signal handlers,
+    warnings filters, the root logger, torch's threads, the modules imported from the script's folder."""
     import logging
     import runpy
     import signal
@@ -227,9 +204,7 @@ def _launch(args: argparse.Namespace) -> int:
     except SystemExit as exc:
         print(exc, file=sys.stderr)
         return EXIT_USER_ERROR
-    os.environ.setdefault(
-        "OMP_NUM_THREADS", "1"
-    )  # one thread per process (the check's and torchrun's) unless told otherwise
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per process (the check's and torchrun's)
     if gpus == 0:  # DeepSpeed (the ZeRO recipe) otherwise warns in every process that it found no accelerator
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     world_size = str(per_node * nodes)
@@ -237,29 +212,13 @@ def _launch(args: argparse.Namespace) -> int:
     if nodes == 1 and not args.master_port:
         rdzv = ["--standalone"]  # one node: torchrun picks a free port
     else:
-        rdzv = [
-            "--nnodes",
-            str(nodes),
-            "--node-rank",
-            args.node_rank,
-            "--master-addr",
-            args.master_addr,
-            "--master-port",
-            args.master_port or "29500",
-        ]
-    torchrun_args = [
-        *rdzv,
-        "--nproc-per-node",
-        str(per_node),
-        "--max-restarts",
-        str(restarts),
-        str(script),
-        *script_args,
-    ]
+        rdzv = ["--nnodes", str(nodes), "--node-rank", args.node_rank, "--master-addr", args.master_addr]
+        rdzv += ["--master-port", args.master_port or "29500"]
+    torchrun_args = [*rdzv, "--nproc-per-node", str(per_node), "--max-restarts", str(restarts), str(script)]
+    torchrun_args += script_args
     if args.dry_run:
-        print(
-            f"check: {shlex.join(['env', f'{_WORLD_SIZE_ENV}={world_size}', sys.executable, str(script), *check_args])}"
-        )
+        check = ["env", f"{_WORLD_SIZE_ENV}={world_size}", sys.executable, str(script), *check_args]
+        print(f"check: {shlex.join(check)}")
         print(f"run: {shlex.join([sys.executable, '-m', 'cookbook.torchrun', *torchrun_args])}")
         return 0
     with tempfile.TemporaryDirectory(prefix="cookbook-check-") as tmp:
@@ -281,7 +240,7 @@ def _launch(args: argparse.Namespace) -> int:
     os.environ["COOKBOOK_CHECKED"] = "1"  # the workers need not repeat what the check printed (a damaged checkpoint)
     try:
         return torchrun(torchrun_args)
-    finally:  # (this function is also called in-process, by tests)
+    finally:  # (also called in-process, by tests)
         if lock is not None:
             os.close(lock)
         if before is None:

@@ -1,14 +1,7 @@
-"""``@distributed``: run a function once per GPU (or on 2 CPU processes) from a notebook or a script
-(its use: docs/cookbook.md#in-a-notebook-cookbookdistributed).
-
-Each worker gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); the process
-group is created before the function runs and destroyed after it (`cookbook.dist.distributed_context`).
-``backend="torch"`` (default) runs torch's elastic launcher (the engine behind torchrun) on this machine: workers
-``spawn``ed (safe after CUDA), the function and its arguments sent with cloudpickle; ``start_method="fork"`` skips
-the start-up while the caller has not used CUDA. ``backend="ray"`` runs it as the train loop of Ray Train's
-``TorchTrainer`` on the cluster at ``RAY_ADDRESS`` (or a local one); each worker hands its result to a small actor
-owned by the caller. A worker's exception comes back as one `WorkerError`; the other workers are stopped, all of
-them on Ctrl-C, and on Linux a local worker dies with its caller (``PR_SET_PDEATHSIG``).
+"""``@distributed``: run a function once per GPU (or on 2 CPU processes) from a notebook or a script, inside a
+process group (docs/cookbook.md#in-a-notebook-cookbookdistributed). ``backend="torch"``: torch's elastic launcher
+on this machine, the call sent with cloudpickle; ``backend="ray"``: the train loop of Ray Train's ``TorchTrainer``
+at ``RAY_ADDRESS``. A worker's exception comes back as one `WorkerError`, the other workers stopped.
 """
 
 from __future__ import annotations
@@ -17,6 +10,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import importlib.machinery
 import io
 import linecache
 import logging
@@ -47,14 +41,12 @@ R = TypeVar("R")
 
 _BACKENDS = ("torch", "ray")
 _START_METHODS = ("spawn", "forkserver", "fork")
-_HANDLED_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")  # the ones torch's elastic agent takes over
+_HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)  # torch's elastic agent takes them
 
 
 class WorkerError(RuntimeError):
-    """A worker of ``fn.distributed(...)`` raised, or died; the message holds the rank, the exception and the
-    worker's traceback. Attributes: ``rank`` (first to fail, or None), ``exc_type`` (None: died without a Python
-    exception), ``worker_traceback``, ``exitcode`` (negative: that signal), ``exception`` (rebuilt here, or None).
-    """
+    """A worker of ``fn.distributed(...)`` raised or died: ``rank`` (first to fail), ``exc_type`` (None: no Python
+    exception), ``worker_traceback``, ``exitcode`` (negative: that signal), ``exception`` (rebuilt here, or None)."""
 
     def __init__(
         self,
@@ -95,18 +87,11 @@ class _DistributedFunction(Generic[P, R]):
         self.cpus_per_worker = cpus_per_worker
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
-        """Call the function in this process, unchanged (no workers, no process group)."""
         return self.__wrapped__(*args, **kwargs)  # type: ignore[attr-defined]
 
     def distributed(self, *args: P.args, **kwargs: P.kwargs) -> list[R]:
-        """Run the function once per process; returns the return values as a list in rank order.
-
-        Raises:
-            WorkerError: a worker raised or died; the others were stopped.
-            ValueError: more processes than visible GPUs.
-            KeyboardInterrupt: Ctrl-C in the caller; every worker was stopped.
-            RuntimeError: called at import time of a spawned worker (no ``if __name__ == "__main__":`` guard).
-        """
+        """Run the function once per process; its return values in rank order. Raises `WorkerError` (a worker
+        failed), ValueError (more processes than GPUs), KeyboardInterrupt (Ctrl-C: every worker stopped)."""
         fn = self.__wrapped__  # type: ignore[attr-defined]
         if getattr(multiprocessing.current_process(), "_inheriting", False):  # what multiprocessing itself checks
             raise RuntimeError(
@@ -135,15 +120,8 @@ def distributed(
     cpus_per_worker: float = 1.0,
 ) -> Any:
     """Decorator: ``fn.distributed(*args, **kwargs)`` runs `fn` once per process; ``fn(...)`` still runs it here.
-
-    `num_processes` None: one per visible GPU, else 2 CPU processes (Ray: the cluster's GPUs); `backend` ``"torch"``
-    or ``"ray"``; `start_method` ``"spawn"``, ``"forkserver"`` or ``"fork"``; `timeout_minutes`: collective timeout.
-
-    Raises:
-        TypeError: a positional argument that is not a function (``@distributed(2)``).
-        ValueError: an unknown `backend` or `start_method`, `num_processes` < 1; at the call, more processes than
-            visible GPUs (``COOKBOOK_DEVICE=cpu`` runs CPU processes instead).
-    """
+    `num_processes` None: one per visible GPU, else 2 (Ray: the cluster's GPUs); `timeout_minutes`: collectives'.
+    Raises TypeError for ``@distributed(2)``, ValueError for an unknown `backend` / `start_method`, a bad count."""
     if backend not in _BACKENDS:
         raise ValueError(f"backend={backend!r}: use one of {', '.join(_BACKENDS)}")
     if start_method not in _START_METHODS:
@@ -166,11 +144,8 @@ def distributed(
 
 
 def local_num_processes(num_processes: int | None) -> int:
-    """The number of local workers for `num_processes` (``None``: every visible GPU, else 2).
-
-    Raises:
-        ValueError: more processes than visible GPUs, unless ``COOKBOOK_DEVICE=cpu``.
-    """
+    """The number of local workers (``None``: every visible GPU, else 2). Raises ValueError: more than the GPUs,
+    unless ``COOKBOOK_DEVICE=cpu``."""
     force_cpu = os.environ.get("COOKBOOK_DEVICE", "").lower() == "cpu"
     gpus = torch.cuda.device_count() if torch.cuda.is_available() and not force_cpu else 0
     n = num_processes if num_processes is not None else (gpus or 2)
@@ -186,12 +161,9 @@ def local_num_processes(num_processes: int | None) -> int:
 
 # ----------------------------------------------------------------------------- local workers (torch elastic)
 def _worker(payload: bytes | tuple, error_dir: str, threads: int, timeout_minutes: float) -> bytes:
-    """One worker: unpickle the call, run it inside a process group, return the cloudpickled result.
-    On any exception, write an error record for the caller first, then re-raise (the agent then
-    stops the other workers)."""
-    # Like torchrun, one intra-op thread per worker by default. It also matters for safety: a
-    # forked child that inherits the parent's OpenMP thread pool can hang in its first parallel op.
-    torch.set_num_threads(threads)
+    """One worker: run the call in a process group and return its cloudpickled result; an exception is written as
+    an error record for the caller, then re-raised (the agent then stops the other workers)."""
+    torch.set_num_threads(threads)  # as torchrun; a fork that inherits an OpenMP pool can hang in its first op
     die_with_parent()
     rank = int(os.environ.get("RANK", "0"))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -208,9 +180,7 @@ def _worker(payload: bytes | tuple, error_dir: str, threads: int, timeout_minute
         with distributed_context(timeout_minutes):
             try:
                 result = fn(*args, **kwargs)
-            except BaseException as exc:
-                # Recorded before the group is torn down: the peers fail only after that, so the
-                # earliest record is the root cause.
+            except BaseException as exc:  # before the group is torn down: the earliest record is the root cause
                 save(exc)
                 raise
         return _dumps_result(result, rank)
@@ -230,12 +200,9 @@ def _run_local(
         # A forked worker would inherit this group without its threads: its first collective would never return.
         raise RuntimeError(
             "start_method='fork' from a process that has a process group (init_process_group or "
-            "cookbook.init_distributed ran here): the forked workers would inherit it and hang in "
-            "their first collective; call cookbook.destroy_distributed() first, or use "
-            "start_method='spawn'"
+            "cookbook.init_distributed ran here): the forked workers would inherit it and hang in their first "
+            "collective; call cookbook.destroy_distributed() first, or use start_method='spawn'"
         )
-    # fork inherits the objects as they are; spawn / forkserver need them pickled (cloudpickle: by value
-    # for notebook and __main__ functions, and for modules that the children could not import by name).
     payload = (fn, args, kwargs) if start_method == "fork" else _dumps_call(fn, args, kwargs)
     workdir = Path(tempfile.mkdtemp(prefix="cookbook-distributed-"))
     (workdir / "errors").mkdir()
@@ -269,18 +236,15 @@ def _run_local(
                 raise
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    return [_loads_result(returned[rank]) for rank in range(n)]
+    return [cloudpickle.loads(returned[rank]) for rank in range(n)]
 
 
 @contextlib.contextmanager
 def _caller_signals_kept() -> Iterator[None]:
-    """Put the caller's SIGINT/SIGTERM/SIGHUP/SIGQUIT handlers back after the elastic agent (which leaves its
-    own installed), so that Ctrl-C is a ``KeyboardInterrupt`` again.
-    """
+    """Put back the caller's signal handlers and environment after the elastic agent, which leaves its own."""
     saved_env = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")
-    saved = {}
-    if threading.current_thread() is threading.main_thread():
-        saved = {sig: signal.getsignal(sig) for name in _HANDLED_SIGNALS if (sig := getattr(signal, name, None))}
+    main = threading.current_thread() is threading.main_thread()
+    saved = {sig: signal.getsignal(sig) for sig in _HANDLED_SIGNALS} if main else {}
     try:
         yield
     finally:
@@ -295,27 +259,24 @@ def _caller_signals_kept() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _elastic_logs_quiet() -> Iterator[None]:
-    """The agent logs a worker's failure with its traceback and the stopping of the others; the
-    `WorkerError` says it once, so only critical messages of the launcher's loggers get through meanwhile."""
+    """Only critical messages of the agent's loggers meanwhile: the `WorkerError` says a failure once."""
     prefixes = ("torch.distributed.elastic", "torch.multiprocessing")  # each module's logger has its own level
-    logs = [
-        log
-        for name, log in list(logging.root.manager.loggerDict.items())
-        if name.startswith(prefixes) and isinstance(log, logging.Logger)
-    ]
-    levels = [log.level for log in logs]
-    for log in logs:
+    loggers = logging.root.manager.loggerDict.items()
+    levels = {
+        log: log.level for name, log in list(loggers) if name.startswith(prefixes) and isinstance(log, logging.Logger)
+    }
+    for log in levels:
         log.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
-        for log, level in zip(logs, levels):
+        for log, level in levels.items():
             log.setLevel(level)
 
 
 # ----------------------------------------------------------------------------- Ray Train workers
 def _ray_loop(config: dict) -> None:
-    """Ray Train's per-worker function: run the call, hand the result or the error to the collector."""
+    """Ray Train's per-worker function: the call's result or error goes to the collector."""
     import ray
     import torch.distributed as dist
 
@@ -338,8 +299,7 @@ class _Collector:
     """Per-rank results and errors of one Ray run (a Ray actor owned by the caller)."""
 
     def __init__(self) -> None:
-        self.results: dict[int, bytes] = {}
-        self.errors: list[dict] = []
+        self.results, self.errors = {}, []
 
     def put(self, rank: int, result: bytes) -> None:
         self.results[rank] = result
@@ -385,7 +345,6 @@ def _run_ray(
                 use_gpu=use_gpu,
                 resources_per_worker={"CPU": cpus_per_worker, **({"GPU": 1} if use_gpu else {})},
             ),
-            # Ray's run folder: the caller's temporary folder (no checkpoints are reported).
             run_config=RunConfig(name="run", storage_path=str(storage), failure_config=FailureConfig(max_failures=0)),
         )
         try:
@@ -400,7 +359,7 @@ def _run_ray(
         missing = sorted(set(range(n)) - set(results))
         if missing:
             raise WorkerError(f"Ray Train finished but rank(s) {missing} of {n} returned nothing")
-        return [_loads_result(results[rank]) for rank in range(n)]
+        return [cloudpickle.loads(results[rank]) for rank in range(n)]
     finally:
         if collector is not None:
             ray.kill(collector)
@@ -411,8 +370,7 @@ def _run_ray(
 
 # ----------------------------------------------------------------------------- pickling and error records
 class _Pickler(cloudpickle.Pickler):
-    """cloudpickle, but code sent by value keeps its file name (cloudpickle 3.1 writes
-    ``<dynamic-code>``), so that a worker's traceback names the script or notebook cell."""
+    """cloudpickle, but code sent by value keeps its file name (not ``<dynamic-code>``) for the worker's traceback."""
 
     dispatch_table = collections.ChainMap(
         {types.CodeType: lambda code: _code_reduce(code)}, cloudpickle.Pickler.dispatch_table
@@ -434,10 +392,7 @@ def _dumps(obj: Any) -> bytes:
 
 
 def _dumps_call(fn: Callable, args: tuple, kwargs: dict) -> bytes:
-    """cloudpickle the call. A module the workers could not import by name (one loaded from a file
-    path, like a notebook's helper module) goes by value."""
-    import importlib.machinery
-
+    """cloudpickle the call; a module the workers could not import by name (loaded from a file path) by value."""
     module = sys.modules.get(getattr(fn, "__module__", None) or "")
     top = module.__name__.split(".")[0] if module else ""
     by_value = (
@@ -466,10 +421,6 @@ def _dumps_result(result: Any, rank: int) -> bytes:
         ) from exc
 
 
-def _loads_result(data: bytes) -> Any:
-    return cloudpickle.loads(data)
-
-
 def _error_record(rank: int, exc: BaseException) -> dict:
     # The traceback without the launcher's own frames on top: it starts in the user's function.
     tb = exc.__traceback__
@@ -495,8 +446,7 @@ def _error_record(rank: int, exc: BaseException) -> dict:
 
 
 def _format_traceback(record: dict) -> str:
-    """The worker's traceback, rendered here: a frame whose source the worker could not read (a
-    notebook cell lives in the caller's line cache only) gets its line from this process."""
+    """The worker's traceback, with the lines the worker could not read (a notebook cell's) from this process."""
     frames = traceback.StackSummary.from_list(
         [
             (filename, lineno, name, line or linecache.getline(filename, lineno or 0).strip())
@@ -516,8 +466,7 @@ def _read_error_records(error_dir: Path) -> list[dict]:
 
 
 def _worker_error(records: list[dict], world: int, rank: int | None, exitcode: int | None) -> WorkerError:
-    """One `WorkerError` for the first failure: the earliest error record (a rank that raised before
-    the others saw their peer vanish), else the agent's first failed process."""
+    """One `WorkerError` for the first failure: the earliest error record, else the agent's first failed process."""
     if not records:
         how = f"exit code {exitcode}" if exitcode is None or exitcode >= 0 else _signal_name(-exitcode)
         return WorkerError(

@@ -21,8 +21,8 @@ TRACKER_UIS_FILE = "requirements/trackers.txt"
 
 
 def install_hint(packages: str, requirements: str | Path) -> str:
-    """```pip install wandb==0.31.0`, or `pip install -r requirements/trackers.txt` from the cookbook repository's
-    root``; a recipe's own file by its absolute path."""
+    """```pip install P`, or `pip install -r F` from the cookbook repository's root`` (`requirements` absolute: no
+    "from ...")."""
     where = "" if Path(requirements).is_absolute() else " from the cookbook repository's root"
     return f"`pip install {packages}`, or `pip install -r {requirements}`{where}"
 
@@ -67,12 +67,12 @@ def _project_name(spec: str) -> str:
 
 
 def require(module: str, requirements: str | Path, *, torch_build: bool = False) -> None:
-    """Raise ConfigError (one line, at ``--check``) for a package `module` that is not installed or does not import:
-    ``ray is not installed: `pip install ray[train]==2.60.0`, or ...``. `requirements`: the file that pins it;
-    `torch_build`: compiled against torch, so the line names the build for the installed torch."""
+    """Raise ConfigError (one line) for a package `module` that is not installed or does not import; `requirements`:
+    the file that pins it; `torch_build`: compiled against torch, so the line names the build for this torch."""
     import importlib
 
     spec = pinned(module, requirements)
+    name = _project_name(spec)
     try:
         importlib.import_module(module)
     except Exception as exc:  # noqa: BLE001 - whatever the import raises is one line for the user
@@ -81,42 +81,22 @@ def require(module: str, requirements: str | Path, *, torch_build: bool = False)
                 import torch
 
                 raise ConfigError(
-                    f"{module} is not installed: `{builds.install_line(_project_name(spec), spec=spec)}` (the "
+                    f"{module} is not installed: `{builds.install_line(name, spec=spec)}` (the "
                     f"build for torch {torch.__version__})"
                 ) from None
             raise ConfigError(f"{module} is not installed: {install_hint(spec, requirements)}") from None
         found = builds.broken_build_in(exc)
         if found is not None:  # cookbook.builds names the build to install
             raise ConfigError(str(found)) from None
-        broken = f"{module}{_installed_version(spec)} is installed but does not import ({_cause_line(exc)})"
+        broken = f"{module}{builds.installed_version(name)} is installed but does not import ({_cause_line(exc)})"
         if torch_build:
-            raise ConfigError(f"{broken}: {_torch_build_hint(spec)}") from None
+            raise ConfigError(f"{broken}: {builds.rebuild_hint(name, spec)}") from None
         raise ConfigError(f"{broken}; install it again: {install_hint(spec, requirements)}") from None
-
-
-def _installed_version(spec: str) -> str:
-    from importlib import metadata
-
-    try:
-        return " " + metadata.version(_project_name(spec))
-    except metadata.PackageNotFoundError:
-        return ""
-
-
-def _torch_build_hint(spec: str) -> str:
-    """Reinstall the build made for the installed torch (a plain ``pip install`` of the same version does nothing)."""
-    import torch
-
-    name = _project_name(spec)
-    return (
-        f"its build does not match torch {torch.__version__}: install the {name} build made for that torch: "
-        f"`{builds.install_line(name, reinstall=True, spec=spec)}`"
-    )
 
 
 def _cause_line(exc: BaseException, limit: int = 200) -> str:
     """The first line of the innermost exception `exc` was raised from, with its class unless an import error."""
-    exc = _chain(exc)[-1]
+    exc = builds.chain(exc)[-1]
     text = (str(exc).strip().splitlines() or [""])[0]
     text = text if isinstance(exc, ImportError) else f"{type(exc).__name__}: {text}".rstrip(": ")
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -125,18 +105,10 @@ def _cause_line(exc: BaseException, limit: int = 200) -> str:
 def import_error_line(exc: ImportError, requirements: str | Path | None = None) -> str:
     """The one line `cookbook.run_main` prints for an ImportError that ended a process (exit 2, not restarted): the
     module, the innermost cause, and the install line of `requirements` or else of the recipe's README."""
-    name = next((e.name for e in _chain(exc) if isinstance(e, ImportError) and e.name), None)
+    name = next((e.name for e in builds.chain(exc) if isinstance(e, ImportError) and e.name), None)
     what = f"importing {name.split('.')[0]} failed" if name else "an import failed"
     fix = f"`pip install -r {requirements}`" if requirements else "its README's install line"
     return (
         f"{what} ({_cause_line(exc)}): a restart cannot install or repair a package; install the recipe's "
         f"requirements ({fix})"
     )
-
-
-def _chain(exc: BaseException) -> list[BaseException]:
-    """`exc` and the exceptions it was raised from, outermost first."""
-    chain = [exc]
-    while (cause := chain[-1].__cause__ or chain[-1].__context__) is not None and cause not in chain:
-        chain.append(cause)
-    return chain

@@ -1,14 +1,7 @@
-"""``python -m cookbook.torchrun [torchrun options] train.py [args]``: torchrun, with its failure report cut to
-one line and restarts only for failures that a restart can cure.
-
-It takes torchrun's options and runs the same elastic agent (``torch.distributed.run.run``). The worker that failed
-first has printed its own line (`cookbook.entry.run_main`); the launcher adds one naming that rank and its status,
-and exits with it (128 + N for signal N). ``--max-restarts N`` (default 0) starts the whole group again, up to N
-times, only when the first failure is a kill by a signal that does not ask to stop, or status 1 or 3
-(`should_restart`), and not the previous attempt's failure again (`_failure_signature`); never after 2, 4, 75,
-130 or a SIGTERM / SIGUSR1 to the launcher. Each restart prints ``restart 1 of 3: rank 1 was killed by SIGKILL;
-the workers resume from the newest checkpoint``, sets ``COOKBOOK_RESTART_COUNT`` and ``COOKBOOK_LAUNCH_TIME``, and
-meets at a rendezvous of its own (`attempt_args`). Several nodes: docs/failures.md.
+"""``python -m cookbook.torchrun [torchrun options] train.py [args]``: torchrun's agent, with its failure report cut
+to one line naming the first failed rank and its status (the exit status; 128 + N for signal N). ``--max-restarts N``
+restarts the whole group only for what a restart can cure (`should_restart`) and not for the previous attempt's
+failure again; each restart prints one line and meets at a rendezvous of its own (`attempt_args`). docs/failures.md.
 """
 
 from __future__ import annotations
@@ -58,26 +51,19 @@ _stop_asked = False  # the launcher was sent SIGUSR1 (or SIGTERM): no restart af
 
 
 def describe_failure(rank: int, exitcode: int) -> tuple[str, int]:
-    """``(line, status)`` for the first failed worker `rank`: `exitcode` as torch's agent reports it (negative:
-    killed by that signal) becomes 128 + N for signal N.
-    """
+    """``(line, status)`` for the first failed worker `rank`; `exitcode` negative: killed by that signal (128 + N)."""
     if exitcode < 0:
         line = f"error: rank {rank} was killed by {_signal_name(-exitcode)}; the other ranks were stopped"
         return line, 128 - exitcode
     meaning = _MEANING.get(exitcode, "see its output above")
-    return (
-        f"error: rank {rank} failed first (exit status {exitcode}: {meaning}); the other ranks were stopped",
-        exitcode,
-    )
+    line = f"error: rank {rank} failed first (exit status {exitcode}: {meaning}); the other ranks were stopped"
+    return line, exitcode
 
 
 def should_restart(exitcode: int, exitcodes: Iterable[int] = ()) -> bool:
     """Whether a failed group is worth starting again: the first failure (`exitcode`; negative: a signal) is a
-    kill by a signal not in `_STOP_SIGNALS`, or status 1 or 3, and none of `exitcodes` is 2, 4, 75 or 130.
-    """
-    if any(
-        code in (EXIT_USER_ERROR, EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_INTERRUPTED) for code in (exitcode, *exitcodes)
-    ):
+    kill by a signal not in `_STOP_SIGNALS`, or status 1 or 3, and none of `exitcodes` is 2, 4, 75 or 130."""
+    if {exitcode, *exitcodes} & {EXIT_USER_ERROR, EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_INTERRUPTED}:
         return False
     if exitcode < 0:
         return -exitcode not in [int(s) for s in _STOP_SIGNALS]
@@ -93,8 +79,7 @@ _STALLED = re.compile(
 
 
 def _stalled_ranks(message: str | dict | None) -> list[int]:
-    """The ranks a failed worker's error-file message (``ProcessFailure.message``: text, or torch's record
-    ``{"message": text, ...}``) names as stalled (`cookbook.dist.describe_stall`); ``[]`` if none."""
+    """The ranks a failed worker's error-file message (text, or ``{"message": text, ...}``) names as stalled."""
     if isinstance(message, dict):
         message = message.get("message")
     m = _STALLED.search(message) if isinstance(message, str) else None
@@ -102,9 +87,8 @@ def _stalled_ranks(message: str | dict | None) -> list[int]:
 
 
 def _failure_signature(rank: int, failure) -> tuple | None:
-    """``(rank, exit status, error message, last finished step)`` of a failed worker whose error file
-    (`cookbook.entry.run_main`) records both its message and its step; ``None`` otherwise (a signal, no step
-    yet). Two attempts with one signature fail deterministically: a restart would repeat it."""
+    """``(rank, exit status, error message, last finished step)`` from a failed worker's error file, or ``None`` (a
+    signal, no step yet). Two attempts with one signature fail alike: a restart would repeat it."""
     info = failure.error_file_data.get("message", {})
     step = info.get("extraInfo", {}).get(LAST_STEP_KEY) if isinstance(info, dict) else None
     if failure.exitcode < 0 or step is None:
@@ -113,9 +97,7 @@ def _failure_signature(rank: int, failure) -> tuple | None:
 
 
 def _restart_line(attempt: int, max_restarts: int, rank: int, exitcode: int, stalled: Sequence[int] = ()) -> str:
-    """The line printed before restart `attempt` (1-based) of `max_restarts`, naming the failure (`rank`'s
-    `exitcode`, negative for a signal) that caused it; with `stalled` (`_stalled_ranks` of a failed worker's
-    record), the ranks that stalled instead: `rank`'s collective timed out waiting for them."""
+    """The line printed before restart `attempt` (1-based): `rank`'s failure, or the `stalled` ranks it waited for."""
     if stalled:
         many = len(stalled) > 1
         what = (
@@ -131,8 +113,7 @@ def _restart_line(attempt: int, max_restarts: int, rank: int, exitcode: int, sta
 
 def attempt_args(args, attempt: int):
     """A copy of torchrun's parsed `args` for restart `attempt` (0: unchanged) that meets at a rendezvous of its own:
-    a free port (``--standalone``), ``--master-port + k``, or ``port + k`` with the id ``<rdzv-id>-restart<k>``.
-    """
+    a free port (``--standalone``), ``--master-port + k``, or ``port + k`` with the id ``<rdzv-id>-restart<k>``."""
     from torch.distributed.run import parse_min_max_nnodes
 
     args = copy.deepcopy(args)
@@ -151,19 +132,16 @@ def attempt_args(args, attempt: int):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse torchrun's arguments, run the workers (restarting them as the module docstring says), and
-    return the exit status (0 when all succeeded)."""
+    """Run torchrun with `argv`, restarting as the module docstring says; returns the exit status."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     args = parse_args(argv)
     max_restarts, args.max_restarts = args.max_restarts, 0  # the restarts are decided here
-    # SIGUSR1 (Slurm's warning before a job's end) is passed on to the workers, whose training loop then
-    # stops at the next step boundary with a checkpoint; torchrun itself passes SIGTERM on.
-    previous = signal.signal(signal.SIGUSR1, _forward_to_workers), os.environ.get(RESTART_COUNT_ENV)
-    launched = os.environ.get(LAUNCH_TIME_ENV)
-    agent = os.environ.get(AGENT_PID_ENV)
+    # SIGUSR1 (Slurm's warning before a job's end) goes on to the workers, which save and stop; torchrun passes SIGTERM.
+    previous = signal.signal(signal.SIGUSR1, _forward_to_workers)
+    saved = {key: os.environ.get(key) for key in (RESTART_COUNT_ENV, LAUNCH_TIME_ENV, AGENT_PID_ENV)}
     os.environ[AGENT_PID_ENV] = str(os.getpid())  # its workers end when this process does (cookbook.entry.run_main)
     attempt, last_seen = 0, None
     try:
@@ -184,21 +162,14 @@ def main(argv: list[str] | None = None) -> int:
                 if attempt and seen is not None and seen == last_seen:
                     repeated = seen[-1]
                 last_seen = seen
-                if (
-                    attempt < max_restarts
-                    and not _stop_asked
-                    and repeated is None
-                    and should_restart(failure.exitcode, codes)
-                ):
+                restart = should_restart(failure.exitcode, codes) and repeated is None and not _stop_asked
+                if restart and attempt < max_restarts:
                     attempt += 1
                     stalled = next(
                         (found for f in (failure, *exc.failures.values()) if (found := _stalled_ranks(f.message))), []
                     )
-                    print(
-                        _restart_line(attempt, max_restarts, rank, failure.exitcode, stalled),
-                        file=sys.stderr,
-                        flush=True,
-                    )
+                    line = _restart_line(attempt, max_restarts, rank, failure.exitcode, stalled)
+                    print(line, file=sys.stderr, flush=True)
                     continue
                 line, status = describe_failure(rank, failure.exitcode)
                 if repeated is not None:
@@ -219,19 +190,12 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_INTERRUPTED
         raise
     finally:  # as they were, for a caller in the same process
-        signal.signal(signal.SIGUSR1, previous[0])
-        if previous[1] is None:
-            os.environ.pop(RESTART_COUNT_ENV, None)
-        else:
-            os.environ[RESTART_COUNT_ENV] = previous[1]
-        if launched is None:
-            os.environ.pop(LAUNCH_TIME_ENV, None)
-        else:
-            os.environ[LAUNCH_TIME_ENV] = launched
-        if agent is None:
-            os.environ.pop(AGENT_PID_ENV, None)
-        else:
-            os.environ[AGENT_PID_ENV] = agent
+        signal.signal(signal.SIGUSR1, previous)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _signal_name(signum: int) -> str:
