@@ -395,9 +395,9 @@ def already_complete(
     """The message when checkpoint `resume_from` is at `max_steps` and ``output_dir/<model>`` is there; else None."""
     final = Path(output_dir) / model
     step = read_meta(resume_from)["step"] if resume_from is not None and final.is_dir() else -1
-    return (
-        None if step < max_steps else _guard(output_dir, "").already_complete(step, max_steps, "step", {"model": final})
-    )
+    if step < max_steps:
+        return None
+    return _guard(output_dir, "").already_complete(step, max_steps, "step", {"model": final})
 
 
 def finished(output_dir: str | Path, resume_from: Path | None, max_steps: int, model: str = "final") -> bool:
@@ -433,13 +433,9 @@ def export_final(trainer, tokenizer, out_dir: str | Path, merge: bool = True) ->
             model = merged.merge_and_unload()
             state = {k: v.contiguous() for k, v in model.state_dict().items()}
         if result is None or merge:  # the (merged) model
+            config = {"dtype": dtype, "use_cache": True}
             result = _publish_pretrained(
-                model,
-                tokenizer,
-                out_dir / "final",
-                {"dtype": dtype, "use_cache": True},
-                state_dict=state,
-                safe_serialization=True,
+                model, tokenizer, out_dir / "final", config, state_dict=state, safe_serialization=True
             )
     barrier()
     return result
@@ -447,12 +443,11 @@ def export_final(trainer, tokenizer, out_dir: str | Path, merge: bool = True) ->
 
 def _publish_pretrained(model, tokenizer, folder: Path, config: Mapping[str, Any] = {}, **kwargs) -> Path:
     tmp = folder.parent / f".tmp-{folder.name}"
+    config_file = tmp / "config.json"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, **kwargs)
     if config:
-        (tmp / "config.json").write_text(
-            json.dumps({**json.loads((tmp / "config.json").read_text()), **config}, indent=2)
-        )
+        config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **config}, indent=2))
     tokenizer.save_pretrained(tmp)
     publish(tmp, folder)
     return folder
@@ -469,13 +464,9 @@ class TrainerRun(contextlib.AbstractContextManager):
         self.preemption = Preemption()
         nonfinite = NonFiniteSteps(NonFinitePolicy.from_config(cfg.train), self.root, resume_from)
         self.metrics_callback = MetricsCallback(metrics, pad_id, log_extra=nonfinite.policy.log_extra)
-        self.callbacks = [
-            self.preemption,
-            nonfinite,
-            RunControl(cfg.train.stop_at_step),
-            PublishCheckpoints(self.root, to_dict(cfg), more_meta=nonfinite.meta),
-            self.metrics_callback,
-        ]
+        publisher = PublishCheckpoints(self.root, to_dict(cfg), more_meta=nonfinite.meta)
+        control = RunControl(cfg.train.stop_at_step)
+        self.callbacks = [self.preemption, nonfinite, control, publisher, self.metrics_callback]
 
     def train(self, trainer, max_steps: int) -> bool:
         """``trainer.train()`` from `resume_from`: True at `max_steps`, False at ``train.stop_at_step``, `Preempted` on
