@@ -219,39 +219,29 @@ def epoch_line(num_rows: int, global_batch: int) -> str:
 
 
 class RunControl(TrainerCallback):
-    """Seeds ``args.seed + args.process_index`` and gives every process group (DeepSpeed's too) the collective
-    timeout as training begins; records this rank's progress per step (for the stall line, exit 3); stops with a
-    checkpoint after step `stop_at_step` (``train.stop_at_step``; <= 0: never) before the last."""
+    """As training begins: listens for SIGTERM and SIGUSR1 (`StopRequest`), seeds ``args.seed + args.process_index``
+    and gives every process group (DeepSpeed's too) the collective timeout. Per step: records this rank's progress
+    (for the stall line, exit 3); stops with a checkpoint where the ranks agree on a signal (`StopVote`;
+    `raise_if_stopped`: `Preempted`, exit 75) or after `stop_at_step` (``train.stop_at_step``; <= 0: never), never
+    at the last step."""
 
     def __init__(self, stop_at_step: int):
-        self.stop_at_step = stop_at_step
+        self.stop_at_step, self.request, self._vote = stop_at_step, StopRequest(), None
 
     def on_train_begin(self, args, state, control, **kwargs):
+        self._vote = StopVote(get_dist_info().device)
+        self.request.listen()
         seed_per_rank(args.seed, args.process_index)
         apply_collective_timeout()
         record_progress(state.global_step)
 
     def on_step_end(self, args, state, control, **kwargs):
-        record_progress(state.global_step)
-        if 0 < self.stop_at_step <= state.global_step < state.max_steps:
-            control.should_save = control.should_training_stop = True
-
-
-class Preemption(TrainerCallback):
-    """SIGTERM or SIGUSR1 (`StopRequest`): the ranks agree on the step (`StopVote`), the Trainer saves there and stops;
-    `raise_if_stopped` raises `Preempted` (exit 75). Too late at the last step."""
-
-    def __init__(self) -> None:
-        self.request, self._vote = StopRequest(), None
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self._vote = StopVote(get_dist_info().device)
-        self.request.listen()
-
-    def on_step_end(self, args, state, control, **kwargs):
         if self._vote(self.request.requested) and state.global_step < state.max_steps:
             control.should_training_stop = True
             control.should_save = args.save_strategy != "no" or control.should_save
+        record_progress(state.global_step)
+        if 0 < self.stop_at_step <= state.global_step < state.max_steps:
+            control.should_save = control.should_training_stop = True
 
     def on_train_end(self, args, state, control, **kwargs):
         if self._vote is not None:
@@ -461,12 +451,11 @@ class TrainerRun(contextlib.AbstractContextManager):
     def __init__(self, cfg: Any, metrics: MetricsLogger, pad_id: int, resume_from: Path | None = None):
         self.metrics, self.resume_from, self.stopped = metrics, resume_from, False
         self.root = Path(cfg.output_dir) / "checkpoints"
-        self.preemption = Preemption()
+        self.run_control = RunControl(cfg.train.stop_at_step)
         nonfinite = NonFiniteSteps(NonFinitePolicy.from_config(cfg.train), self.root, resume_from)
         self.metrics_callback = MetricsCallback(metrics, pad_id, log_extra=nonfinite.policy.log_extra)
         publisher = PublishCheckpoints(self.root, to_dict(cfg), more_meta=nonfinite.meta)
-        control = RunControl(cfg.train.stop_at_step)
-        self.callbacks = [self.preemption, nonfinite, control, publisher, self.metrics_callback]
+        self.callbacks = [self.run_control, nonfinite, publisher, self.metrics_callback]
 
     def train(self, trainer, max_steps: int) -> bool:
         """``trainer.train()`` from `resume_from`: True at `max_steps`, False at ``train.stop_at_step``, `Preempted` on
@@ -479,7 +468,7 @@ class TrainerRun(contextlib.AbstractContextManager):
         if trainer.state.global_step >= max_steps:
             return True
         self.stopped = True
-        self.preemption.raise_if_stopped(trainer.state, _newest(self.root))  # exit status 75
+        self.run_control.raise_if_stopped(trainer.state, _newest(self.root))  # exit status 75
         log.info(
             f"stopped at step {trainer.state.global_step} of {max_steps} (train.stop_at_step); run again "
             f"without train.stop_at_step (or with a larger value) to continue from {_newest(self.root)}"
@@ -490,7 +479,7 @@ class TrainerRun(contextlib.AbstractContextManager):
         failed = exc is not None and not isinstance(exc, Preempted)
         stalled = stall_error(exc) if failed else None  # name the rank behind while the group exists
         try:
-            self.preemption.close()
+            self.run_control.close()
             self.metrics.close(failed=failed, stopped=self.stopped)
             destroy_distributed()
         finally:
