@@ -15,14 +15,7 @@ from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback, 
 from cookbook.checkpoint import CheckpointSaveError, ResumeGuard
 from cookbook.config import ConfigError
 from cookbook.dist import DistInfo
-from cookbook.hf_trainer import (
-    MetricsCallback,
-    NonFiniteSteps,
-    Preemption,
-    PublishCheckpoints,
-    RunControl,
-    published_checkpoints,
-)
+from cookbook.hf_trainer import MetricsCallback, NonFiniteSteps, PublishCheckpoints, RunControl, published_checkpoints
 from cookbook.loop import NonFiniteError, NonFinitePolicy, Preempted
 from cookbook.metrics import MetricsLogger
 
@@ -170,7 +163,7 @@ def test_a_preemption_signal_stops_after_the_step_with_a_checkpoint(tmp_path, ca
     )
     state = TrainerState(max_steps=6, save_steps=100)
     before = signal.getsignal(signal.SIGUSR1)
-    preemption = Preemption()
+    preemption = RunControl(0)
     handler = CallbackHandler([DefaultFlowCallback(), preemption], None, None, None, None)
     control, saved = handler.on_train_begin(args, state, TrainerControl()), []
     while not control.should_training_stop:
@@ -401,7 +394,9 @@ def test_each_rank_draws_its_own_dropout_masks_and_a_resume_its_saved_ones():
 
     def trainer_mask(rank):
         set_seed(42)  # what the Trainer does on every rank
-        RunControl(0).on_train_begin(SimpleNamespace(seed=42, process_index=rank), TrainerState(), None)
+        control = RunControl(0)
+        control.on_train_begin(SimpleNamespace(seed=42, process_index=rank), TrainerState(), None)
+        control.close()  # the signal handlers it installed
         return mask()
 
     assert trainer_mask(0) != trainer_mask(1)

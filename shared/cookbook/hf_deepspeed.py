@@ -21,8 +21,7 @@ def check_deepspeed_config(
     export_16bit: bool,
 ) -> dict:
     """The DeepSpeed JSON at `path` as a dict. ConfigError (naming the key): missing or not JSON, no ZeRO stage 1-3,
-    fp16, a number that disagrees with what the Trainer writes for ``"auto"``, the norm checks off, ZeRO-3 without
-    16-bit gathering while `export_16bit`, another JSON in an accelerate config."""
+    fp16, a number other than the Trainer's for ``"auto"``, norm checks off, ZeRO-3 export without 16-bit gathering."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"deepspeed.config: file not found: {path}")
@@ -80,8 +79,7 @@ def check_accelerate_deepspeed_file(path: str | Path, env: Mapping[str, str] | N
     given = (os.environ if env is None else env).get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
     if not given:
         return
-    candidates = [Path(given), Path(path).parent / given] if not Path(given).is_absolute() else [Path(given)]
-    found = next((c for c in candidates if c.is_file()), None)
+    found = next((c for c in (Path(given), Path(path).parent / given) if c.is_file()), None)  # absolute: both alike
     if found is None:
         raise ConfigError(
             f"accelerate's deepspeed_config_file {given!r} (ACCELERATE_DEEPSPEED_CONFIG_FILE) is not a "

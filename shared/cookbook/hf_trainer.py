@@ -1,6 +1,6 @@
-"""The bookkeeping of a recipe on the Hugging Face ``Trainer`` (or TRL's ``SFTTrainer``), which saves, resumes, logs
-and rotates itself. Added as in the torchrun loop: atomic publication with checksums, preemption (exit 75), non-finite
-steps (exit 4), stalls (exit 3), metrics.jsonl and the trackers. Why each piece: docs/notes.md.
+"""The bookkeeping of a recipe on the Hugging Face ``Trainer`` (or TRL's ``SFTTrainer``), as in the torchrun loop:
+atomic publication with checksums, preemption (exit 75), non-finite steps (exit 4), stalls (exit 3), metrics.jsonl and
+the trackers. Why each piece: docs/notes.md.
 
     class MyTrainer(hf_trainer.Bookkeeping, SFTTrainer): ...           # at module level
     run = hf_trainer.TrainerRun(cfg, metrics, pad_id, resume_from)
@@ -11,6 +11,7 @@ steps (exit 4), stalls (exit 3), metrics.jsonl and the trackers. Why each piece:
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
+from torch.linalg import vector_norm
 from transformers import PrinterCallback, TrainerCallback
 
 from cookbook import lm
@@ -44,8 +46,8 @@ _EVAL_TIMING = ("runtime", "samples_per_second", "steps_per_second")  # Trainer.
 
 
 def trainer_args(cfg: Any, max_steps: int) -> dict[str, Any]:
-    """The bookkeeping's ``TrainingArguments``: batch sizes, steps, ``train.log_every``, ``train.seed``, a save every
-    ``checkpoint.every_steps`` (0: at the end only; < 0: none) into ``output_dir/.staging``, ``checkpoint.keep_last``."""
+    """The bookkeeping's ``TrainingArguments``: a save every ``checkpoint.every_steps`` (0: at the end only; < 0:
+    none) into ``output_dir/.staging``; MetricsLogger, not the Trainer, prints and reports (one run across restarts)."""
     every, t = cfg.checkpoint.every_steps, cfg.train
     return dict(
         output_dir=str(Path(cfg.output_dir) / ".staging"),
@@ -57,11 +59,10 @@ def trainer_args(cfg: Any, max_steps: int) -> dict[str, Any]:
         save_strategy="steps" if every >= 0 else "no",  # saves the end too
         save_steps=every or max_steps,
         save_total_limit=cfg.checkpoint.keep_last or None,
-        # not the Trainer's trackers: MetricsLogger's continue one run across restarts, with throughput and MFU
         report_to="none",
         disable_tqdm=True,
         log_level="warning",
-    )  # MetricsLogger prints the log lines
+    )
 
 
 def _global_batch(args) -> int:
@@ -73,9 +74,9 @@ def _callback(trainer, cls):
 
 
 class MetricsCallback(TrainerCallback):
-    """Feeds a `MetricsLogger`: a train record per ``on_log`` with a ``loss`` (plus `log_extra()`), an eval record per
-    ``on_evaluate`` (the ``eval_*`` numbers without prefix and timing; kept in `last_eval`). Evaluations and saves are
-    paused out of the step time; an evaluation leaves the random streams as it found them."""
+    """Feeds a `MetricsLogger`: a train record per log with a ``loss`` (plus `log_extra()`), an eval record per
+    evaluation (``eval_*`` without prefix and timing, kept in `last_eval`). Evaluations and saves are paused out of
+    the step time; an evaluation leaves the random streams as it found them."""
 
     def __init__(self, metrics: MetricsLogger, pad_id: int, log_extra: Callable[[], Mapping[str, float]] = dict):
         self.metrics, self.pad_id, self.log_extra = metrics, pad_id, log_extra
@@ -84,12 +85,9 @@ class MetricsCallback(TrainerCallback):
 
     def count(self, batches: list[dict[str, torch.Tensor]], data_wait_s: float) -> None:
         """Count one optimizer step's micro-batches: rows, real tokens, and `data_wait_s` (seconds, shared out)."""
+        wait = data_wait_s / len(batches)
         for b in batches:
-            self.metrics.add(
-                samples=b["input_ids"].shape[0],
-                tokens=lm.count_tokens(b, self.pad_id),
-                data_wait_s=data_wait_s / len(batches),
-            )
+            self.metrics.add(samples=b["input_ids"].shape[0], tokens=lm.count_tokens(b, self.pad_id), data_wait_s=wait)
 
     def _pause_if(self, control) -> None:
         if control.should_evaluate and self._rng is None:
@@ -119,21 +117,13 @@ class MetricsCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
             self._resume()
-            self.metrics.log_step(
-                state.global_step,
-                logs["loss"],
-                logs.get("learning_rate", 0.0),
-                logs.get("grad_norm"),
-                extra=self.log_extra(),
-            )
+            lr, grad_norm = logs.get("learning_rate", 0.0), logs.get("grad_norm")
+            self.metrics.log_step(state.global_step, logs["loss"], lr, grad_norm, extra=self.log_extra())
             self._pause_if(control)
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
-        self.last_eval = {
-            k[5:]: v
-            for k, v in (metrics or {}).items()
-            if k.startswith("eval_") and k[5:] not in _EVAL_TIMING and isinstance(v, (int, float))
-        }
+        scores = {k[5:]: v for k, v in (metrics or {}).items() if k.startswith("eval_") and isinstance(v, (int, float))}
+        self.last_eval = {k: v for k, v in scores.items() if k not in _EVAL_TIMING}
         self.metrics.log_eval(state.global_step, self.last_eval)
         if self._rng is not None:
             RNGState().load_state_dict(self._rng)
@@ -143,13 +133,13 @@ class MetricsCallback(TrainerCallback):
 
 
 class Bookkeeping:
-    """Trainer mixin, first in the bases: counts each optimizer step's micro-batches into the `MetricsCallback`; an
-    epoch reads whole global batches (`FullBatchesSampler`); a save failing with an `OSError` deletes its staging
-    folder and ends the run with `CheckpointSaveError`'s one line (exit 2); no `PrinterCallback`."""
+    """Trainer mixin, first in the bases: counts each step's micro-batches (`MetricsCallback.count`), reads whole
+    global batches (`FullBatchesSampler`); a save failing with an `OSError` deletes its staging folder and ends the run
+    with `CheckpointSaveError`'s one line (exit 2). MetricsLogger prints the log lines, not `PrinterCallback`."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.remove_callback(PrinterCallback)  # MetricsLogger prints the log lines
+        self.remove_callback(PrinterCallback)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         t0 = time.perf_counter()
@@ -162,9 +152,10 @@ class Bookkeeping:
         return FullBatchesSampler(len(rows), _global_batch(self.args), self.args.seed, lambda: self.state.epoch)
 
     def _save_checkpoint(self, model, trial):
+        original = torch.save
+        torch.save = functools.partial(_save_through_file, original)
         try:
-            with _torch_saves_raise_os_errors():
-                return super()._save_checkpoint(model, trial)
+            return super()._save_checkpoint(model, trial)
         except Exception as exc:
             found = os_error_in(exc)  # or the one safetensors gives as text only: "... (os error 27)"
             code = re.search(r"\(os error (\d+)\)", str(exc)) if found is None else None
@@ -176,45 +167,32 @@ class Bookkeeping:
             shutil.rmtree(Path(self.args.output_dir) / f"checkpoint-{step}", ignore_errors=True)
             if os_error is None:
                 raise
-            info = get_dist_info()
-            error = save_error(
-                step,
-                publisher.root / f"checkpoint-{step}",
-                _newest(publisher.root),
-                info.rank if info.world_size > 1 else None,
-                os_error,
-            )
+            info, final = get_dist_info(), publisher.root / f"checkpoint-{step}"
+            rank = info.rank if info.world_size > 1 else None
+            error = save_error(step, final, _newest(publisher.root), rank, os_error)
             error.same_on_every_rank = False  # this rank alone met it, so this rank prints it
             raise error from exc
+        finally:
+            torch.save = original
 
 
-@contextlib.contextmanager
-def _torch_saves_raise_os_errors():
-    """``torch.save`` to a path writes through a Python file, so that a failed write raises the `OSError` (errno,
-    file) instead of torch's ``RuntimeError: ... unexpected pos``; the bytes are the same."""
-    original = torch.save
-
-    def save(obj, f, *args, **kwargs):
-        if not isinstance(f, (str, os.PathLike)):
-            return original(obj, f, *args, **kwargs)
-        try:
-            with open(f, "wb") as stream:
-                return original(obj, stream, *args, **kwargs)
-        except Exception as exc:
-            if (os_error := os_error_in(exc)) is None:
-                raise
-            raise OSError(os_error.errno, os_error.strerror, os.fspath(f)) from exc
-
-    torch.save = save
+def _save_through_file(torch_save, obj, f, *args, **kwargs):
+    """`torch_save` to a path through a Python file: a failed write raises its `OSError` (errno, file), not torch's
+    ``RuntimeError: ... unexpected pos``."""
+    if not isinstance(f, (str, os.PathLike)):
+        return torch_save(obj, f, *args, **kwargs)
     try:
-        yield
-    finally:
-        torch.save = original
+        with open(f, "wb") as stream:
+            return torch_save(obj, stream, *args, **kwargs)
+    except Exception as exc:
+        if (os_error := os_error_in(exc)) is None:
+            raise
+        raise OSError(os_error.errno, os_error.strerror, os.fspath(f)) from exc
 
 
 class FullBatchesSampler(torch.utils.data.Sampler):
-    """One epoch's row indices: ``torch.randperm(num_rows)`` seeded ``seed + epoch_of()`` (the Trainer's epoch), cut
-    to whole global batches: every rank gets as many micro-batches, no row comes twice. ValueError: < one batch."""
+    """One epoch's rows: ``torch.randperm(num_rows)`` seeded ``seed + epoch_of()`` (the Trainer's epoch), cut to whole
+    global batches (each rank as many micro-batches, no row twice). ValueError: fewer rows than one batch."""
 
     def __init__(self, num_rows: int, global_batch: int, seed: int, epoch_of: Callable[[], float | None]):
         if num_rows < global_batch:
@@ -230,7 +208,7 @@ class FullBatchesSampler(torch.utils.data.Sampler):
 
 
 def epoch_line(num_rows: int, global_batch: int) -> str:
-    """The log's line on what one epoch reads (`FullBatchesSampler`) and the remainder that is dropped."""
+    """The log's line on what one epoch reads (`FullBatchesSampler`)."""
     steps, rest = divmod(num_rows, global_batch)
     tail = (
         f"the last partial global batch ({rest} rows, others each epoch) is dropped"
@@ -241,40 +219,29 @@ def epoch_line(num_rows: int, global_batch: int) -> str:
 
 
 class RunControl(TrainerCallback):
-    """As training begins, seeds ``args.seed + args.process_index`` (a resume then restores each rank's streams) and
-    gives every process group (DeepSpeed's too) ``train.collective_timeout_s``; records this rank's progress at each
-    step (a timed-out collective names the rank behind, exit 3); ends training with a checkpoint after step
-    `stop_at_step` (``train.stop_at_step``; <= 0: never) before the last."""
+    """As training begins: listens for SIGTERM and SIGUSR1 (`StopRequest`), seeds ``args.seed + args.process_index``
+    and gives every process group (DeepSpeed's too) the collective timeout. Per step: records this rank's progress
+    (for the stall line, exit 3); stops with a checkpoint where the ranks agree on a signal (`StopVote`;
+    `raise_if_stopped`: `Preempted`, exit 75) or after `stop_at_step` (``train.stop_at_step``; <= 0: never), never
+    at the last step."""
 
     def __init__(self, stop_at_step: int):
-        self.stop_at_step = stop_at_step
+        self.stop_at_step, self.request, self._vote = stop_at_step, StopRequest(), None
 
     def on_train_begin(self, args, state, control, **kwargs):
+        self._vote = StopVote(get_dist_info().device)
+        self.request.listen()
         seed_per_rank(args.seed, args.process_index)
         apply_collective_timeout()
         record_progress(state.global_step)
 
     def on_step_end(self, args, state, control, **kwargs):
-        record_progress(state.global_step)
-        if 0 < self.stop_at_step <= state.global_step < state.max_steps:
-            control.should_save = control.should_training_stop = True
-
-
-class Preemption(TrainerCallback):
-    """SIGTERM or SIGUSR1 asks to stop (`StopRequest`); the ranks agree on the step (`StopVote`), the Trainer saves
-    there and stops, and `raise_if_stopped` raises `Preempted` (exit 75). Too late at the last step."""
-
-    def __init__(self) -> None:
-        self.request, self._vote = StopRequest(), None
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self._vote = StopVote(get_dist_info().device)
-        self.request.listen()
-
-    def on_step_end(self, args, state, control, **kwargs):
         if self._vote(self.request.requested) and state.global_step < state.max_steps:
             control.should_training_stop = True
             control.should_save = args.save_strategy != "no" or control.should_save
+        record_progress(state.global_step)
+        if 0 < self.stop_at_step <= state.global_step < state.max_steps:
+            control.should_save = control.should_training_stop = True
 
     def on_train_end(self, args, state, control, **kwargs):
         if self._vote is not None:
@@ -291,9 +258,9 @@ class Preemption(TrainerCallback):
 
 
 class NonFiniteSteps(TrainerCallback):
-    """``train.on_nonfinite`` (`NonFinitePolicy`): under DeepSpeed it reads DeepSpeed's skip of a non-finite step
-    (``on_optimizer_step``); else it checks the clipped gradients before ``optimizer.step()`` (one all-reduce) and
-    drops a bad step's. The skip count goes into each ``meta.json`` (`meta`) and continues from `resume_from`."""
+    """``train.on_nonfinite`` (`NonFinitePolicy`) on DeepSpeed's skip of a non-finite step, or without DeepSpeed on
+    the clipped gradients before ``optimizer.step()`` (one all-reduce; a bad step's are dropped). The skip count
+    continues from `resume_from` and goes into each ``meta.json`` (`meta`)."""
 
     def __init__(self, policy: NonFinitePolicy, root: str | Path, resume_from: str | Path | None = None):
         self.policy, self._deepspeed = policy, False
@@ -309,16 +276,11 @@ class NonFiniteSteps(TrainerCallback):
         if self._deepspeed:  # DeepSpeed applies or discards the update itself (on_optimizer_step)
             return
         device = get_dist_info().device  # a DTensor's norm: its local shard's; one flag all-reduced over the ranks
-        norms = [
-            torch.linalg.vector_norm(
-                p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad, dtype=torch.float32
-            ).to(device)
-            for p in model.parameters()
-            if p.requires_grad and p.grad is not None and p.grad.numel()
-        ]
-        flag = (
-            (~torch.isfinite(torch.stack(norms))).any().float().reshape(1) if norms else torch.zeros(1, device=device)
-        )
+        grads = [p.grad for p in model.parameters() if p.requires_grad and p.grad is not None and p.grad.numel()]
+        norms = [vector_norm(g.to_local() if hasattr(g, "to_local") else g, dtype=torch.float32) for g in grads]
+        flag = torch.zeros(1, device=device)
+        if norms:
+            flag = (~torch.isfinite(torch.stack([n.to(device) for n in norms]))).any().float().reshape(1)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         if not flag.item():
@@ -359,9 +321,9 @@ def _newest(root: str | Path) -> Path | None:
 
 
 class PublishCheckpoints(TrainerCallback):
-    """Once every rank wrote ``checkpoint-<step>`` into ``args.output_dir`` (the staging folder), rank 0 adds
-    ``meta.json`` (step, world size, `config`, file sizes, checksums, `more_meta()`), renames it into `root` and keeps
-    the newest ``args.save_total_limit`` there. ``on_save`` raises `CheckpointSaveError` on every rank if that fails."""
+    """Once every rank wrote ``checkpoint-<step>`` into ``args.output_dir`` (staging), rank 0 adds ``meta.json`` (step,
+    world size, `config`, file sizes, checksums, `more_meta()`), renames it into `root` and keeps the newest
+    ``args.save_total_limit`` there. ``on_save`` raises `CheckpointSaveError` on every rank if that fails."""
 
     def __init__(self, root: str | Path, config: Mapping[str, Any], more_meta: Callable[[], Mapping[str, Any]] = dict):
         self.root, self.config, self.more_meta = Path(root), dict(config), more_meta
@@ -378,15 +340,8 @@ class PublishCheckpoints(TrainerCallback):
         if state.is_world_process_zero:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
-                meta = {
-                    "step": state.global_step,
-                    "world_size": args.world_size,
-                    "time": time.time(),
-                    "config": self.config,
-                    FILES_KEY: file_sizes(src),
-                    CHECKSUMS_KEY: checksums(src),
-                    **self.more_meta(),
-                }
+                meta = dict(step=state.global_step, world_size=args.world_size, time=time.time(), config=self.config)
+                meta.update({FILES_KEY: file_sizes(src), CHECKSUMS_KEY: checksums(src), **self.more_meta()})
                 (src / "meta.json").write_text(json.dumps(meta, indent=2))
                 publish(src, self.root / src.name)
             except OSError as exc:  # every rank must hear of it, or they would wait at the next collective
@@ -398,14 +353,9 @@ class PublishCheckpoints(TrainerCallback):
                     shutil.rmtree(old, ignore_errors=True)
                 get_logger().info(f"checkpoint published: {self.root / src.name}")
         if (failure := from_rank0(failure)) is not None:
-            raise save_error(
-                state.global_step,
-                self.root / src.name,
-                _newest(self.root),
-                0 if args.world_size > 1 else None,
-                OSError(failure[1], failure[0]),
-                failure[0],
-            )
+            reason, rank = failure[0], 0 if args.world_size > 1 else None
+            error = OSError(failure[1], reason)
+            raise save_error(state.global_step, self.root / src.name, _newest(self.root), rank, error, reason)
         barrier()
 
 
@@ -422,8 +372,8 @@ def _guard(output_dir: str | Path, cannot_remap: str) -> ResumeGuard:
 
 
 def check_resume(cfg: Any, world_size: int, may_change: tuple[str, ...], cannot_remap: str) -> Path | None:
-    """The published checkpoint to resume from (`cookbook.resume.ResumeGuard.check`: ``checkpoint.resume``, `cfg`
-    on `world_size` ranks, `may_change` keys; another world size refused, `cannot_remap` saying why)."""
+    """The published checkpoint to resume from (`ResumeGuard.check`); another world size refused, `cannot_remap`
+    saying why."""
     return _guard(cfg.output_dir, cannot_remap).check(
         cfg.checkpoint.resume, world_size, to_dict(cfg), may_change, ("train.stop_at_step", cfg.train.stop_at_step)
     )
@@ -432,13 +382,12 @@ def check_resume(cfg: Any, world_size: int, may_change: tuple[str, ...], cannot_
 def already_complete(
     output_dir: str | Path, resume_from: Path | None, max_steps: int, model: str = "final"
 ) -> str | None:
-    """The message for a run whose checkpoint `resume_from` is at `max_steps` and whose ``output_dir/<model>`` is
-    there (nothing left to do); else ``None``."""
+    """The message when checkpoint `resume_from` is at `max_steps` and ``output_dir/<model>`` is there; else None."""
     final = Path(output_dir) / model
     step = read_meta(resume_from)["step"] if resume_from is not None and final.is_dir() else -1
-    return (
-        None if step < max_steps else _guard(output_dir, "").already_complete(step, max_steps, "step", {"model": final})
-    )
+    if step < max_steps:
+        return None
+    return _guard(output_dir, "").already_complete(step, max_steps, "step", {"model": final})
 
 
 def finished(output_dir: str | Path, resume_from: Path | None, max_steps: int, model: str = "final") -> bool:
@@ -450,9 +399,9 @@ def finished(output_dir: str | Path, resume_from: Path | None, max_steps: int, m
 
 
 def export_final(trainer, tokenizer, out_dir: str | Path, merge: bool = True) -> Path | None:
-    """The model and tokenizer in Hugging Face format, published as ``out_dir/final`` on rank 0 (collective; under
-    ZeRO-3 gathered in the training dtype). A PEFT model's adapter goes to ``out_dir/adapter`` and ``final`` holds
-    the merged model (``merge=False``: the adapter alone). Returns ``final`` (or ``adapter``) on rank 0, else None."""
+    """The model and tokenizer in Hugging Face format published as ``out_dir/final`` by rank 0 (collective); a PEFT
+    model's adapter in ``out_dir/adapter``, ``final`` the merged model (``merge=False``: none). Returns ``final`` (or
+    ``adapter``) on rank 0, else None."""
     out_dir = Path(out_dir)
     state = trainer.accelerator.get_state_dict(trainer.model_wrapped)  # every rank takes part; rank 0 gets tensors
     result = None
@@ -474,13 +423,9 @@ def export_final(trainer, tokenizer, out_dir: str | Path, merge: bool = True) ->
             model = merged.merge_and_unload()
             state = {k: v.contiguous() for k, v in model.state_dict().items()}
         if result is None or merge:  # the (merged) model
+            config = {"dtype": dtype, "use_cache": True}
             result = _publish_pretrained(
-                model,
-                tokenizer,
-                out_dir / "final",
-                {"dtype": dtype, "use_cache": True},
-                state_dict=state,
-                safe_serialization=True,
+                model, tokenizer, out_dir / "final", config, state_dict=state, safe_serialization=True
             )
     barrier()
     return result
@@ -488,39 +433,33 @@ def export_final(trainer, tokenizer, out_dir: str | Path, merge: bool = True) ->
 
 def _publish_pretrained(model, tokenizer, folder: Path, config: Mapping[str, Any] = {}, **kwargs) -> Path:
     tmp = folder.parent / f".tmp-{folder.name}"
+    config_file = tmp / "config.json"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, **kwargs)
     if config:
-        (tmp / "config.json").write_text(
-            json.dumps({**json.loads((tmp / "config.json").read_text()), **config}, indent=2)
-        )
+        config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **config}, indent=2))
     tokenizer.save_pretrained(tmp)
     publish(tmp, folder)
     return folder
 
 
 class TrainerRun(contextlib.AbstractContextManager):
-    """A Trainer recipe's callbacks in the order the Trainer must call them (`callbacks`), published checkpoints in
-    ``output_dir/checkpoints`` (`root`) with `cfg` in each meta.json; leaving the block stops listening for signals,
-    closes `metrics` and the process group, and turns a timed-out collective into the line naming the rank behind."""
+    """A Trainer recipe's `callbacks`, in order; checkpoints published in ``output_dir/checkpoints`` (`root`). Leaving
+    the block stops listening for signals, closes `metrics` and the process group, and turns a timed-out collective
+    into the line naming the rank behind."""
 
     def __init__(self, cfg: Any, metrics: MetricsLogger, pad_id: int, resume_from: Path | None = None):
         self.metrics, self.resume_from, self.stopped = metrics, resume_from, False
         self.root = Path(cfg.output_dir) / "checkpoints"
-        self.preemption = Preemption()
+        self.run_control = RunControl(cfg.train.stop_at_step)
         nonfinite = NonFiniteSteps(NonFinitePolicy.from_config(cfg.train), self.root, resume_from)
         self.metrics_callback = MetricsCallback(metrics, pad_id, log_extra=nonfinite.policy.log_extra)
-        self.callbacks = [
-            self.preemption,
-            nonfinite,
-            RunControl(cfg.train.stop_at_step),
-            PublishCheckpoints(self.root, to_dict(cfg), more_meta=nonfinite.meta),
-            self.metrics_callback,
-        ]
+        publisher = PublishCheckpoints(self.root, to_dict(cfg), more_meta=nonfinite.meta)
+        self.callbacks = [self.run_control, nonfinite, publisher, self.metrics_callback]
 
     def train(self, trainer, max_steps: int) -> bool:
-        """``trainer.train()`` from `resume_from`: True at `max_steps`, False when ``train.stop_at_step`` stopped it;
-        `Preempted` when a preemption signal did (both with a checkpoint published there)."""
+        """``trainer.train()`` from `resume_from`: True at `max_steps`, False at ``train.stop_at_step``, `Preempted` on
+        a preemption signal (both with a checkpoint there)."""
         log = get_logger()
         log.info(epoch_line(len(trainer.train_dataset), _global_batch(trainer.args)))  # Bookkeeping's epochs
         if self.resume_from is not None:  # before the steps, so that the log reads in order
@@ -529,7 +468,7 @@ class TrainerRun(contextlib.AbstractContextManager):
         if trainer.state.global_step >= max_steps:
             return True
         self.stopped = True
-        self.preemption.raise_if_stopped(trainer.state, _newest(self.root))  # exit status 75
+        self.run_control.raise_if_stopped(trainer.state, _newest(self.root))  # exit status 75
         log.info(
             f"stopped at step {trainer.state.global_step} of {max_steps} (train.stop_at_step); run again "
             f"without train.stop_at_step (or with a larger value) to continue from {_newest(self.root)}"
@@ -540,7 +479,7 @@ class TrainerRun(contextlib.AbstractContextManager):
         failed = exc is not None and not isinstance(exc, Preempted)
         stalled = stall_error(exc) if failed else None  # name the rank behind while the group exists
         try:
-            self.preemption.close()
+            self.run_control.close()
             self.metrics.close(failed=failed, stopped=self.stopped)
             destroy_distributed()
         finally:
