@@ -39,7 +39,7 @@ from cookbook.dist import (
 )
 from cookbook.metrics import MetricsLogger
 from cookbook.policy import NonFinitePolicy, Preempted, StopRequest, StopVote
-from cookbook.resume import CHECKSUMS_KEY, FILES_KEY, ResumeGuard, _reason, checksums, file_sizes, read_meta
+from cookbook.resume import CHECKSUMS_KEY, FILES_KEY, ResumeGuard, checksums, file_sizes, read_meta, reason
 from cookbook.state import RNGState, seed_per_rank
 
 _EVAL_TIMING = ("runtime", "samples_per_second", "steps_per_second")  # Trainer.evaluate's, not model metrics
@@ -345,7 +345,7 @@ class PublishCheckpoints(TrainerCallback):
                 (src / "meta.json").write_text(json.dumps(meta, indent=2))
                 publish(src, self.root / src.name)
             except OSError as exc:  # every rank must hear of it, or they would wait at the next collective
-                failure = (_reason(exc), exc.errno)
+                failure = (reason(exc), exc.errno)
                 shutil.rmtree(src, ignore_errors=True)  # never published: its space goes back to the full disk
             else:  # the Trainer rotated its output_dir (.staging: nothing there) before on_save; this, the published
                 keep = args.save_total_limit or 0
@@ -353,9 +353,9 @@ class PublishCheckpoints(TrainerCallback):
                     shutil.rmtree(old, ignore_errors=True)
                 get_logger().info(f"checkpoint published: {self.root / src.name}")
         if (failure := from_rank0(failure)) is not None:
-            reason, rank = failure[0], 0 if args.world_size > 1 else None
-            error = OSError(failure[1], reason)
-            raise save_error(state.global_step, self.root / src.name, _newest(self.root), rank, error, reason)
+            why, rank = failure[0], 0 if args.world_size > 1 else None
+            error = OSError(failure[1], why)
+            raise save_error(state.global_step, self.root / src.name, _newest(self.root), rank, error, why)
         barrier()
 
 

@@ -388,9 +388,6 @@ def reason(exc: BaseException, limit: int = 120) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-_reason = reason  # its former name, which cookbook.hf_trainer imports
-
-
 def file_sizes(folder: str | Path) -> dict[str, int]:
     """Every file under `folder` but ``meta.json`` (relative ``/`` path) with its size in bytes, for ``files``."""
     return {name: p.stat().st_size for name, p in _files(folder).items()}

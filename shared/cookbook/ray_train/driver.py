@@ -60,7 +60,9 @@ class EpochRunConfig:  # the top level of an epoch-based Ray recipe's schema; th
     output_dir: str = "outputs/run"  # Ray's run folder: checkpoints, metrics, MLflow (shared storage on several nodes)
     run_name: str = "run"  # the trackers' run name
     mlflow: bool = True  # false: no MLflow, whatever `trackers` says
-    trackers: list[str] = field(default_factory=lambda: ["mlflow"])  # beside metrics.jsonl: cookbook.requirements.TRACKERS
+    trackers: list[str] = field(
+        default_factory=lambda: ["mlflow"]
+    )  # beside metrics.jsonl: cookbook.requirements.TRACKERS
     ray: RayConfig = field(default_factory=RayConfig)
     checkpoint: _EpochCheckpointConfig = field(default_factory=_EpochCheckpointConfig)
     train: EpochTrainConfig = field(default_factory=EpochTrainConfig)
