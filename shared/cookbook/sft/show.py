@@ -88,23 +88,9 @@ def refusal(stats: SFTStats, max_dropped_fraction: float) -> str:
 def show_data(cfg, tokenizer, n: int) -> str:
     """`show_examples` for a recipe's ``data`` section, each source tokenized as `load_examples` does, before the
     held-out split (said in a last line) and packing; a source training would refuse is shown with the refusal."""
-    from cookbook.sft.data import load_hub_rows, load_rows, prepare
+    from cookbook.sft.data import prepare_sources
 
-    kwargs = dict(cfg.chat_template_kwargs) or None
-    sources = [(f, load_rows(f)) for f in cfg.train_files] or [(cfg.hub_id, load_hub_rows(cfg.hub_id))]
-    parts = [
-        prepare(
-            rows,
-            tokenizer,
-            cfg.max_length,
-            source,
-            kwargs,
-            split_turns=cfg.split_turns,
-            truncate=getattr(cfg, "truncate", True),
-            reasoning=getattr(cfg, "reasoning", "train"),
-        )
-        for source, rows in sources
-    ]
+    parts = prepare_sources(cfg, tokenizer, cfg.train_files, truncate=getattr(cfg, "truncate", True))
     notes = [refusal(st, cfg.max_dropped_fraction) for _, st in parts] + [held_out_note(cfg)]
     return show_examples(parts, tokenizer, n) + "".join(f"\n{x}" for x in notes if x)
 

@@ -69,7 +69,6 @@ def _unstable(tokenizer, full: list[int], part: list[int], what: str, split_turn
 
 
 def _template(tokenizer) -> str:
-    """The tokenizer's chat template, ``""`` without one."""
     try:
         return tokenizer.get_chat_template()
     except ValueError:
@@ -91,13 +90,8 @@ def _inline_reasoning(tokenizer, messages: list[dict]) -> list[dict]:
         text = m["content"] if m["role"] == "assistant" else ""
         if "<think>" in text or "</think>" in text:
             head, sep, tail = text.lstrip().partition("</think>")
-            if not (
-                head.startswith("<think>")
-                and sep
-                and "<think>" not in head[7:]
-                and "</think>" not in tail
-                and "<think>" not in tail
-            ):
+            stray = "<think>" in head[7:] or "<think>" in tail or "</think>" in tail
+            if not (sep and head.startswith("<think>")) or stray:
                 raise SFTDataError(
                     f"messages[{i}].content (assistant) holds a stray '</think>' or '<think>', which "
                     f"the chat template reads as the edge of a reasoning block (it would move text "
@@ -171,10 +165,9 @@ def _encode(
     reasoning: str = "train",
     dropped: Collection[int] = (),
 ) -> tuple[list[int], list[int], dict[str, list]]:
-    """Untruncated ``(input_ids, labels, counts)`` of `tokenize_conversation`; `last_turn_only` labels the last
-    assistant turn only; `reasoning` ``"context"`` masks each turn's reasoning. ``counts``: where the labelled turns
-    start whose reasoning was rendered (``reasoning``), left out by the template (``unrendered``) or removed (the
-    turns `dropped` names: ``dropped``); ``calls``: ``(start, tool calls)`` of the labelled turns making them."""
+    """Untruncated ``(input_ids, labels, counts)`` of `tokenize_conversation`; `last_turn_only`: the last assistant turn
+    labelled only; `reasoning` ``"context"`` masks reasoning. ``counts``: starts of labelled turns whose reasoning was
+    rendered, ``unrendered``, ``dropped`` (turns in `dropped`); ``calls``: ``(start, tool calls)`` of those with calls."""
     special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
     full = _render(tokenizer, messages, False, kwargs, tools)
     labels, assistant = [IGNORE_INDEX] * len(full), [i for i, m in enumerate(messages) if m["role"] == "assistant"]
@@ -250,9 +243,8 @@ def template_conversation(
     dropped: list[int] | None = None,
 ) -> tuple[list[dict], list | None]:
     """`to_conversation` made ready for `tokenizer`'s template (None: reasoning left as ``reasoning_content``): inline
-    ``<think>`` moved, reasoning under the template's key or dropped (``reasoning="drop"``: counted in `stats`, or the
-    turns' indices appended to `dropped`), unused keys counted in `ignored`.
-    Raises EmptyAnswerError; SFTDataError: ``"<source> <row>: ..."``, see `to_conversation`; reasoning with no place."""
+    ``<think>`` moved, reasoning under the template's key or dropped (counted in `stats`, or its turns appended to
+    `dropped`), unused keys counted in `ignored`. Raises EmptyAnswerError; SFTDataError: see `to_conversation`."""
     if ignored is not None:  # the row's own keys that its format does not read
         used = (
             ("messages", "tools")
@@ -283,9 +275,8 @@ def template_conversation(
 def _place_reasoning(
     messages: list[dict], reasoning: str, target: str | None, kwargs: dict | None, dropped: list[int]
 ) -> list[dict]:
-    """Messages with each assistant turn's ``reasoning_content`` under the template's key `target` (or removed, its
-    index appended to `dropped`).
-    Raises SFTDataError: reasoning, but the template reads no reasoning field or ``enable_thinking`` is false."""
+    """Messages with each turn's ``reasoning_content`` under the template's key `target` (or removed, its index appended
+    to `dropped`). Raises SFTDataError: reasoning, but the template reads none or ``enable_thinking`` is false."""
     out = []
     for i, m in enumerate(messages):
         if "reasoning_content" not in m:
