@@ -24,21 +24,17 @@ def _require_chat_template(tokenizer) -> None:
 def _render(
     tokenizer,
     messages: list[dict],
-    add_generation_prompt: bool,
+    prompt: bool,
     kwargs: dict | None,
     tools: list[dict] | None = None,
     tokenize: bool = True,
 ) -> list[int] | str:
+    """`messages` through the chat template, with the generation prompt if `prompt`: token ids, or the text."""
     from jinja2.exceptions import TemplateError
 
     try:
         out = tokenizer.apply_chat_template(
-            messages,
-            tools=tools,
-            tokenize=tokenize,
-            return_dict=False,
-            add_generation_prompt=add_generation_prompt,
-            **(kwargs or {}),
+            messages, tools=tools, tokenize=tokenize, return_dict=False, add_generation_prompt=prompt, **(kwargs or {})
         )
     except (TemplateError, TypeError) as exc:  # the template's raise_exception, or e.g. str + None in Jinja
         raise SFTDataError(f"the chat template cannot render this conversation: {type(exc).__name__}: {exc}") from None
@@ -119,11 +115,8 @@ def check_tools_rendered(
 ) -> None:
     """Refuse (`SFTDataError`) a template that drops tools, calls (`turns`: index -> text; None: `text`) or results."""
     turns = {i: text for i, m in enumerate(messages) if m.get("tool_calls")} if turns is None else turns
-    text = (
-        _render(tokenizer, messages, False, kwargs, tools, tokenize=False)
-        if tools or any(m["role"] == "tool" for m in messages)
-        else ""
-    )
+    needed = tools or any(m["role"] == "tool" for m in messages)  # the whole text is read for tools and results
+    text = _render(tokenizer, messages, False, kwargs, tools, tokenize=False) if needed else ""
     for name in (tool["function"]["name"] for tool in tools or ()):
         if name not in text:
             raise SFTDataError(
@@ -141,9 +134,8 @@ def check_tools_rendered(
                 )
     for i, m in enumerate(messages):
         result = m["content"].strip() if m["role"] == "tool" else ""
-        if result and not any(
-            form in text for form in (result, json.dumps(result, ensure_ascii=False)[1:-1], json.dumps(result)[1:-1])
-        ):
+        forms = (result, json.dumps(result, ensure_ascii=False)[1:-1], json.dumps(result)[1:-1])  # as written, escaped
+        if result and not any(form in text for form in forms):
             raise SFTDataError(
                 f"the chat template does not render tool results: messages[{i}] (role tool) is missing "
                 f"from the rendered conversation"
