@@ -106,12 +106,7 @@ def check_data(cfg: Any, tokenizer, seed: int, micro_batch_size: int, grad_accum
         return f"data from {cfg.hub_id}"
     train, evals, stats = load_examples(cfg, tokenizer, seed)
     n_rows = len(pack(train, cfg.max_length, pad_token_id(tokenizer))) if cfg.packing else len(train)
-    check_one_step(
-        n_rows,
-        micro_batch_size,
-        grad_accum_steps,
-        world_size,
-        note=f" (after holding out {len(evals)} examples for evaluation)",
-    )
+    held = f" (after holding out {len(evals)} examples for evaluation)"
+    check_one_step(n_rows, micro_batch_size, grad_accum_steps, world_size, note=held)
     print(f"data: {stats.summary()}")
     return f"{len(train)} train / {len(evals)} eval examples"
