@@ -369,7 +369,7 @@ def test_push_to_hub_uploads_the_export_with_a_model_card_and_it_loads(tmp_path,
 
 
 def test_a_failed_push_is_one_line_with_the_command_that_retries_it(tmp_path, monkeypatch):
-    from cookbook.hub import HubPushError
+    from cookbook.push import HubPushError
 
     with pytest.raises(HubPushError) as err:
         _train_and_push(tmp_path, monkeypatch, fail=True)

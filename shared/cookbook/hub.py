@@ -12,7 +12,7 @@ from pathlib import Path
 from cookbook import config
 from cookbook.errors import ConfigError
 from cookbook.progress import is_terminal
-from cookbook.push import PUSHED, HubPushError, looks_like_hub_id, push_to_hub  # noqa: F401 (their old home)
+from cookbook.push import looks_like_hub_id
 
 _WEIGHT_FILES = ("*.json", "*.safetensors")  # config.json, the safetensors index and shards
 _REACH_TIMEOUT_S = 3.0  # how long `offline_unless_reachable` waits for the hub's answer
@@ -43,8 +43,11 @@ def offline_unless_reachable(timeout_s: float = _REACH_TIMEOUT_S) -> bool:
         asker.start()
         asker.join(timeout_s)
         _reachable = bool(answer.get("ok"))
-        if not _reachable:
-            _go_offline()
+        if not _reachable:  # as HF_HUB_OFFLINE=1 at the start would: huggingface_hub's constant and datasets' copy
+            constants.HF_HUB_OFFLINE = True
+            datasets_config = sys.modules.get("datasets.config")
+            if datasets_config is not None and hasattr(datasets_config, "HF_HUB_OFFLINE"):
+                datasets_config.HF_HUB_OFFLINE = True
             if os.environ.get("RANK", "0") == "0":
                 why = answer.get("error") or f"no answer within {timeout_s:g} s"
                 print(
@@ -80,17 +83,6 @@ def resolve_path(value: str, base_dir: str | Path) -> str:
     if resolved == value and looks_like_hub_id(value):
         prepare_access()
     return resolved
-
-
-def _go_offline() -> None:
-    """This process in the hub's offline mode, as ``HF_HUB_OFFLINE=1`` at its start would: huggingface_hub's constant
-    and datasets' copy if imported (the environment is left as it is)."""
-    from huggingface_hub import constants
-
-    constants.HF_HUB_OFFLINE = True
-    datasets_config = sys.modules.get("datasets.config")
-    if datasets_config is not None and hasattr(datasets_config, "HF_HUB_OFFLINE"):
-        datasets_config.HF_HUB_OFFLINE = True
 
 
 def model_folder(name_or_path: str, key: str = "model.name_or_path") -> Path:

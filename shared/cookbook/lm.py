@@ -78,7 +78,7 @@ def init_sharded_weights(model: torch.nn.Module, seed: int, device: torch.device
 
 def check_attention(attn_implementation: str, on_cpu: bool) -> None:
     """Refuse, before any worker starts, an attention implementation that cannot train on this device.
-    Raises ConfigError: ``flex_attention`` on CPU (torch 2.13: "FlexAttention does not support backward on CPU")."""
+    Raises ConfigError: ``flex_attention`` on CPU (no backward there)."""
     if on_cpu and attn_implementation == "flex_attention":
         raise ConfigError(
             "model.attn_implementation=flex_attention cannot train on CPU (PyTorch's FlexAttention has "

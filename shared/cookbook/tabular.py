@@ -110,14 +110,16 @@ def _parquet(p: Path):
         raise DataError(f"{p}: not a parquet file: {exc}") from None
 
 
+def _check_columns(p: Path, required: Sequence[str], found: Sequence[str]) -> None:
+    missing = [c for c in required if c not in found]
+    if missing:
+        raise DataError(f"{p}: no column(s) {', '.join(missing)} (found {_columns(found)})")
+
+
 def _parquet_records(p: Path, columns: Sequence[str] | None) -> Iterator[tuple[str, dict[str, Any]]]:
     """``(where, {column: value})`` of a parquet file's rows (`columns` only); DataError: not parquet, no column."""
     pf = _parquet(p)
-    names = pf.schema_arrow.names
-    if columns is not None:
-        missing = [c for c in columns if c not in names]
-        if missing:
-            raise DataError(f"{p}: no column(s) {', '.join(missing)} (found {_columns(names)})")
+    _check_columns(p, columns or (), pf.schema_arrow.names)
     n = 0
     for batch in pf.iter_batches(batch_size=65536, columns=list(columns) if columns is not None else None):
         for row in batch.to_pylist():
@@ -154,9 +156,7 @@ def records(
         if columns is None and csv_header:
             first = first_csv_row(p)
             columns = [c.strip() for c in first] if first is not None else list(required)
-        missing = [c for c in required if c not in columns]
-        if missing:
-            raise DataError(f"{p}: no column(s) {', '.join(missing)} (found {_columns(columns)})")
+        _check_columns(p, required, columns)
         yield from _csv_records(p, columns, csv_header)
     elif suffix in _JSON:
         for where, row in _json_records(p):

@@ -24,9 +24,7 @@ class DataConfig:
     packing: bool = True  # pack examples into rows of exactly max_length tokens (position ids separate them)
     num_workers: int = 1  # data loader worker processes per rank
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. {enable_thinking: false} for Qwen3
-    max_dropped_fraction: float = (
-        0.1  # refuse when more of a file's rows are dropped (cut before the answer, empty answer)
-    )
+    max_dropped_fraction: float = 0.1  # refuse when more of a file's rows are dropped (cut before the answer, empty)
     split_turns: bool = False  # one example per assistant turn (templates that rewrite earlier turns: Qwen3)
     reasoning: str = "train"  # an assistant turn's reasoning: train (in the loss), context (rendered, no loss), drop
 
@@ -59,13 +57,13 @@ def resolve_paths(cfg: Any, config_dir: str | Path) -> None:
     cfg.data.eval_files = [resolve_path(f, config_dir) for f in cfg.data.eval_files]
 
 
-def check_positions(max_length: int, hf_config, model: str, key: str = "data.max_length") -> None:
+def check_positions(max_length: int, hf_config, model: str) -> None:
     """Raise ConfigError if `max_length` is beyond the model's ``max_position_embeddings`` (never trained positions)."""
     limit = getattr(hf_config.get_text_config(), "max_position_embeddings", None)
     if isinstance(limit, int) and max_length > limit:
         raise ConfigError(
-            f"{key}={max_length} is beyond the max_position_embeddings={limit} of {model}: the model "
-            f"has no trained positions past {limit}; set {key} to {limit} or less"
+            f"data.max_length={max_length} is beyond the max_position_embeddings={limit} of {model}: the model "
+            f"has no trained positions past {limit}; set data.max_length to {limit} or less"
         )
 
 
@@ -108,12 +106,7 @@ def check_data(cfg: Any, tokenizer, seed: int, micro_batch_size: int, grad_accum
         return f"data from {cfg.hub_id}"
     train, evals, stats = load_examples(cfg, tokenizer, seed)
     n_rows = len(pack(train, cfg.max_length, pad_token_id(tokenizer))) if cfg.packing else len(train)
-    check_one_step(
-        n_rows,
-        micro_batch_size,
-        grad_accum_steps,
-        world_size,
-        note=f" (after holding out {len(evals)} examples for evaluation)",
-    )
+    held = f" (after holding out {len(evals)} examples for evaluation)"
+    check_one_step(n_rows, micro_batch_size, grad_accum_steps, world_size, note=held)
     print(f"data: {stats.summary()}")
     return f"{len(train)} train / {len(evals)} eval examples"

@@ -33,18 +33,8 @@ def prepare(
     if reasoning not in ("train", "context", "drop"):
         raise ValueError(f"reasoning must be train, context or drop, got {reasoning!r}")
     _require_chat_template(tokenizer)
-    stats, examples, ignored = (
-        SFTStats(
-            source=source,
-            max_length=max_length,
-            truncate=truncate,
-            rows=len(rows),
-            reasoning=reasoning,
-            lines=getattr(rows, "lines", None),
-        ),
-        [],
-        Counter(),
-    )
+    lines, examples, ignored = getattr(rows, "lines", None), [], Counter()
+    stats = SFTStats(source, max_length, truncate, len(rows), reasoning=reasoning, lines=lines)
     for n, row in enumerate(rows, 1):
         dropped: list[int] = []  # the turns whose reasoning data.reasoning=drop removed
         try:
@@ -59,19 +49,11 @@ def prepare(
         for end in ends:
             try:
                 ids, labels, counts = _encode(
-                    tokenizer,
-                    messages[:end],
-                    chat_template_kwargs,
-                    tools,
-                    last_turn_only=split_turns,
-                    reasoning=reasoning,
-                    dropped=dropped,
+                    tokenizer, messages[:end], chat_template_kwargs, tools, split_turns, reasoning, dropped
                 )
             except SFTDataError as exc:
                 raise SFTDataError(f"{source} {stats.label(n)}: {exc}") from None
-            example = stats.add(
-                n, ids, labels, counts["calls"], counts["reasoning"], counts["unrendered"], counts["dropped"]
-            )
+            example = stats.add(n, ids, labels, **counts)
             examples += [example] if example is not None else []
     stats.ignored = dict(ignored)
     if max_dropped_fraction is not None:
@@ -133,16 +115,9 @@ def pad_batch(examples: Sequence[dict], pad_id: int, pad_to_multiple_of: int = 1
 def load_examples(cfg: Any, tokenizer, seed: int) -> tuple[list[dict], list[dict], SFTStats]:
     """Train and eval examples and the train `SFTStats` for a data section `cfg` (`DataConfig`); without eval files a
     seeded ``eval_fraction`` of each train file is held out. Raises SFTDataError: see `load_rows` and `prepare`."""
-    kwargs, eval_files = dict(cfg.chat_template_kwargs) or None, getattr(cfg, "eval_files", [])
-    options = dict(
-        max_dropped_fraction=cfg.max_dropped_fraction,
-        split_turns=cfg.split_turns,
-        reasoning=getattr(cfg, "reasoning", "train"),
-    )
-    sources = [(f, load_rows(f)) for f in cfg.train_files] or [(cfg.hub_id, load_hub_rows(cfg.hub_id))]
+    eval_files, limit = getattr(cfg, "eval_files", []), cfg.max_dropped_fraction
     train, evals, parts = [], [], []
-    for source, rows in sources:
-        examples, st = prepare(rows, tokenizer, cfg.max_length, source, kwargs, **options)
+    for examples, st in prepare_sources(cfg, tokenizer, cfg.train_files, max_dropped_fraction=limit):
         if not eval_files and cfg.eval_fraction > 0:
             kept, held = hold_out(len(examples), cfg.eval_fraction, seed)
             evals += [examples[i] for i in held]
@@ -150,8 +125,16 @@ def load_examples(cfg: Any, tokenizer, seed: int) -> tuple[list[dict], list[dict
         train += examples
         parts.append(st)
     for f in eval_files:
-        evals += prepare(load_rows(f), tokenizer, cfg.max_length, f, kwargs, **options)[0]
+        evals += prepare_sources(cfg, tokenizer, [f], max_dropped_fraction=limit)[0][0]
     return train, evals, SFTStats.merge(parts)
+
+
+def prepare_sources(cfg: Any, tokenizer, files: Sequence[str], **options) -> list[tuple[list[dict], SFTStats]]:
+    """`prepare` of each of `files` (none: the hub data set ``cfg.hub_id``) with data section `cfg`'s settings."""
+    kwargs = dict(cfg.chat_template_kwargs) or None
+    options = dict(split_turns=cfg.split_turns, reasoning=getattr(cfg, "reasoning", "train")) | options
+    sources = [(f, load_rows(f)) for f in files] or [(cfg.hub_id, load_hub_rows(cfg.hub_id))]
+    return [prepare(rows, tokenizer, cfg.max_length, source, kwargs, **options) for source, rows in sources]
 
 
 def hold_out(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:

@@ -9,6 +9,7 @@ import inspect
 from typing import Callable, ContextManager, Iterable
 
 import torch
+import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from cookbook.dist import all_reduce_sum
@@ -33,16 +34,17 @@ def _shifted_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> t
     return logits[:, :-1].float(), batch["labels"][:, 1:]
 
 
+def _cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
 def token_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk_size: int = 0) -> torch.Tensor:
     """Summed next-token cross entropy over the labelled tokens of `batch` (0-d fp32, nats, with the graph) of a causal
     LM (or its DDP, FSDP2, PEFT, DeepSpeed wrapper). `chunk_size` 0 (``train.loss=full``): the logits upcast to fp32;
     > 0 (``chunked``): `chunked_token_loss_sum`, the same value up to rounding."""
     if chunk_size > 0:
         return chunked_token_loss_sum(model, batch, chunk_size)
-    logits, labels = _shifted_logits(model, batch)
-    return torch.nn.functional.cross_entropy(
-        logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
+    return _cross_entropy_sum(*_shifted_logits(model, batch))
 
 
 def _causal_lm(model: torch.nn.Module) -> torch.nn.Module:
@@ -57,9 +59,8 @@ def _causal_lm(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def chunked_token_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk_size: int) -> torch.Tensor:
-    """`token_loss_sum` without the (B, L, V) logits: an empty ``logits_to_keep``, and `linear_cross_entropy_sum` of the
-    labelled positions' hidden states in a forward hook, where FSDP2 still holds the head's gathered weight.
-    Raises ValueError: no ``logits_to_keep``, decoder or bias-free head; a head weight sharded or empty there."""
+    """`token_loss_sum` without the (B, L, V) logits: `linear_cross_entropy_sum` of the labelled hidden states in a
+    forward hook, where FSDP2 still holds the head's gathered weight. Raises ValueError: see the refusal below."""
     lm = _causal_lm(model)
     decoder, head = lm.get_decoder(), lm.get_output_embeddings()
     if (
@@ -194,10 +195,8 @@ def token_loss_sums(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> d
     """`token_loss_sum` with an evaluation's counts: ``loss_sum``, ``tokens`` (labelled), ``correct`` (argmax), 0-d."""
     logits, labels = _shifted_logits(model, batch)
     mask = labels != IGNORE_INDEX
-    loss_sum = torch.nn.functional.cross_entropy(
-        logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
-    return {"loss_sum": loss_sum, "tokens": mask.sum(), "correct": ((logits.argmax(-1) == labels) & mask).sum()}
+    correct = ((logits.argmax(-1) == labels) & mask).sum()
+    return {"loss_sum": _cross_entropy_sum(logits, labels), "tokens": mask.sum(), "correct": correct}
 
 
 @torch.no_grad()

@@ -12,7 +12,7 @@ from cookbook.tabular import not_utf8
 
 IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index
 ROLES = ("system", "user", "assistant")  # plain chat turns; "tool" (a tool's result) is accepted too
-_CHAT_ROLES = (*ROLES, "tool")
+_CHAT_ROLES = {r: r for r in (*ROLES, "tool")}
 _SHAREGPT_ROLES = {
     "system": "system",
     "human": "user",
@@ -115,11 +115,7 @@ def _text(value: Any, where: str, field: str, allow_empty: bool = True, answer: 
     return value
 
 
-_TEXT_KEYS = (
-    "text",
-    "value",
-    "content",
-)  # where a typed part keeps its text (OpenAI: text; Hugging Face / others: value)
+_TEXT_KEYS = ("text", "value", "content")  # where a typed part keeps its text (OpenAI: text; Hugging Face: value)
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # a turn's reasoning (TRL / Qwen3, GPT-OSS, others)
 _PART_KINDS = {
     "text": "text",
@@ -242,15 +238,9 @@ def to_conversation(
     result, no assistant turn; `EmptyAnswerError` for an empty answer."""
     where = f"{source} {row_label(row_number)}"
     if "messages" in row:
-        turns, role_key, text_key, field, role_map = row["messages"], "role", "content", "messages", None
+        field, role_key, text_key, role_map = "messages", "role", "content", _CHAT_ROLES
     elif "conversations" in row:
-        turns, role_key, text_key, field, role_map = (
-            row["conversations"],
-            "from",
-            "value",
-            "conversations",
-            _SHAREGPT_ROLES,
-        )
+        field, role_key, text_key, role_map = "conversations", "from", "value", _SHAREGPT_ROLES
     elif "instruction" in row and "output" in row:
         prompt = _text(row["instruction"], where, "instruction", allow_empty=False)
         extra = row.get("input") or ""
@@ -265,6 +255,7 @@ def to_conversation(
             f"{where}: unknown format, found keys {sorted(row)}; expected 'messages' (chat), "
             f"'conversations' (ShareGPT) or 'instruction' + 'output' (Alpaca)"
         )
+    turns = row[field]
     if not isinstance(turns, list) or not turns:
         raise SFTDataError(f"{where}: field '{field}' must be a non-empty list of turns")
     tools = _tools(row.get("tools"), where)
@@ -276,20 +267,12 @@ def to_conversation(
         if not isinstance(turn, dict) or role_key not in turn or (text_key not in turn and "tool_calls" not in turn):
             raise SFTDataError(f"{where}: {path} must be an object with '{role_key}' and '{text_key}'")
         raw = turn[role_key]
-        role = (
-            None if not isinstance(raw, str) else role_map.get(raw) if role_map else raw if raw in _CHAT_ROLES else None
-        )
+        role = role_map.get(raw) if isinstance(raw, str) else None
         if role is None:
-            allowed = ", ".join(role_map or _CHAT_ROLES)
-            raise SFTDataError(f"{where}: {path}.{role_key} is {raw!r}, expected one of {allowed}")
+            raise SFTDataError(f"{where}: {path}.{role_key} is {raw!r}, expected one of {', '.join(role_map)}")
         if ignored is not None:
-            used = {
-                role_key,
-                text_key,
-                "tool_calls",
-                *REASONING_KEYS,
-                *(("name", "tool_call_id") if role == "tool" else ()),
-            }
+            result_keys = ("name", "tool_call_id") if role == "tool" else ()
+            used = {role_key, text_key, "tool_calls", *REASONING_KEYS, *result_keys}
             ignored.update(f"{field}[].{k}" for k in turn if k not in used)
         if raw == "function_call":  # LLaMA-Factory: the call as JSON text
             try:
@@ -324,11 +307,8 @@ def to_conversation(
         for key in REASONING_KEYS:
             if turn.get(key) is not None:
                 reasoning.insert(0, _text(turn[key], where, f"{path}.{key}"))
-        calls = (
-            [*(turn["tool_calls"] if isinstance(turn["tool_calls"], list) else [turn["tool_calls"]])]
-            if turn.get("tool_calls")
-            else []
-        ) + part_calls
+        own_calls = turn.get("tool_calls") or []
+        calls = (own_calls if isinstance(own_calls, list) else [own_calls]) + part_calls
         message = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = _tool_calls(

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from cookbook.sft.rows import IGNORE_INDEX
-from cookbook.sft.stats import SFTStats
+from cookbook.sft.stats import REASONING_DONE, SFTStats
 
 _OPEN, _CLOSE = "[[", "]]"  # around the labelled tokens (those in the loss)
 
@@ -34,7 +34,7 @@ def _render_example(example: dict, tokenizer) -> str:
     return "".join(out)
 
 
-def field_counts(stats: SFTStats) -> list[str]:
+def _field_counts(stats: SFTStats) -> list[str]:
     """Lines of kept / truncated / dropped counts per field of one source's `SFTStats`."""
     why = (
         "no labelled token left after the cut"
@@ -42,7 +42,6 @@ def field_counts(stats: SFTStats) -> list[str]:
         else f"longer than max_length={stats.max_length}, dropped rather than cut"
     )
     cut = f"{stats.truncated} truncated to max_length={stats.max_length}, " if stats.truncate else ""
-    done = {"train": "trained", "context": "in context (no loss)", "drop": "dropped"}[stats.reasoning]
     return [
         f"  rows            {stats.rows} read"
         + (f", {stats.split_rows} split into one example per answer" if stats.split_rows else ""),
@@ -51,15 +50,16 @@ def field_counts(stats: SFTStats) -> list[str]:
         f"  answers         {len(stats.empty_answers)} empty (row skipped), {len(stats.unanswered)} rows end in a "
         f"tool call with no answer (skipped), {len(stats.call_endings)} tool calls after the last answer (not trained)",
         f"  tool calls      {stats.tool_calls_note()[len('tool calls: ') :]}",
-        f"  reasoning       {stats.reasoning_turns} turns {done}, {stats.reasoning_unrendered} left out by the chat "
-        f"template, {stats.reasoning_dropped} dropped (data.reasoning=drop)",
+        f"  reasoning       {stats.reasoning_turns} turns {REASONING_DONE[stats.reasoning]}, "
+        f"{stats.reasoning_unrendered} left out by the chat template, {stats.reasoning_dropped} dropped "
+        f"(data.reasoning=drop)",
         f"  keys not used   {', '.join(f'{k}: {n}' for k, n in sorted(stats.ignored.items())) or 'none'}",
         f"  tokens          {stats.tokens:,}, {stats.loss_tokens:,} labelled ({stats.loss_fraction:.1%})",
     ]
 
 
 def show_examples(parts: Sequence[tuple[list[dict], SFTStats]], tokenizer, n: int) -> str:
-    """The text `--show-examples` prints: per ``(examples, stats)`` of `parts`, `n` examples and `field_counts`."""
+    """The text `--show-examples` prints: per ``(examples, stats)`` of `parts`, `n` examples and `_field_counts`."""
     out = [f"labelled tokens (in the loss) are between {_OPEN} and {_CLOSE}"]
     for examples, stats in parts:
         name = Path(stats.source).name or stats.source
@@ -72,7 +72,7 @@ def show_examples(parts: Sequence[tuple[list[dict], SFTStats]], tokenizer, n: in
                 f"{n_loss} labelled)",
                 _render_example(ex, tokenizer),
             ]
-        out += ["", f"--- {name}: counts per field", *field_counts(stats)]
+        out += ["", f"--- {name}: counts per field", *_field_counts(stats)]
     return "\n".join(out)
 
 
@@ -88,23 +88,9 @@ def refusal(stats: SFTStats, max_dropped_fraction: float) -> str:
 def show_data(cfg, tokenizer, n: int) -> str:
     """`show_examples` for a recipe's ``data`` section, each source tokenized as `load_examples` does, before the
     held-out split (said in a last line) and packing; a source training would refuse is shown with the refusal."""
-    from cookbook.sft.data import load_hub_rows, load_rows, prepare
+    from cookbook.sft.data import prepare_sources
 
-    kwargs = dict(cfg.chat_template_kwargs) or None
-    sources = [(f, load_rows(f)) for f in cfg.train_files] or [(cfg.hub_id, load_hub_rows(cfg.hub_id))]
-    parts = [
-        prepare(
-            rows,
-            tokenizer,
-            cfg.max_length,
-            source,
-            kwargs,
-            split_turns=cfg.split_turns,
-            truncate=getattr(cfg, "truncate", True),
-            reasoning=getattr(cfg, "reasoning", "train"),
-        )
-        for source, rows in sources
-    ]
+    parts = prepare_sources(cfg, tokenizer, cfg.train_files, truncate=getattr(cfg, "truncate", True))
     notes = [refusal(st, cfg.max_dropped_fraction) for _, st in parts] + [held_out_note(cfg)]
     return show_examples(parts, tokenizer, n) + "".join(f"\n{x}" for x in notes if x)
 

@@ -9,6 +9,8 @@ from typing import Sequence
 
 from cookbook.sft.rows import IGNORE_INDEX, SFTDataError, row_label
 
+REASONING_DONE = {"train": "trained", "context": "in context (no loss)", "drop": "dropped"}  # data.reasoning's words
+
 
 @dataclass
 class SFTStats:
@@ -24,12 +26,8 @@ class SFTStats:
     dropped: int = 0  # examples cut before their first labelled token (not kept)
     dropped_rows: list[tuple[int, int]] = field(default_factory=list)  # (1-based row, tokens before the cut) of those
     empty_answers: list[int] = field(default_factory=list)  # 1-based numbers of rows skipped for an empty answer
-    unanswered: list[int] = field(
-        default_factory=list
-    )  # rows not kept: they end in a tool call, with no answer to label
-    call_endings: list[int] = field(
-        default_factory=list
-    )  # rows kept up to their last answer; a tool call after it not trained
+    unanswered: list[int] = field(default_factory=list)  # rows not kept: they end in a tool call, no answer to label
+    call_endings: list[int] = field(default_factory=list)  # rows kept up to their last answer (a tool call follows)
     example_rows: list[int] = field(default_factory=list)  # the 1-based row of each kept example, in order
     split_rows: int = 0  # rows with several assistant turns split into one example per turn
     tool_call_rows: int = 0  # rows whose kept examples hold tool calls
@@ -50,7 +48,6 @@ class SFTStats:
     _call_row: int = field(default=0, repr=False)  # the last row counted in tool_call_rows
 
     def label(self, n: int) -> str:
-        """1-based row `n` as messages name it: ``"line 19"`` (a JSONL file) or ``"row 3"``."""
         return row_label(n, self.lines)
 
     def _rows_list(self, numbers: Sequence[int], shown: int = 5) -> str:
@@ -81,7 +78,7 @@ class SFTStats:
 
     @classmethod
     def merge(cls, parts: Sequence[SFTStats]) -> SFTStats:
-        """Totals over several sources; `summary` then reports each source."""
+        """Totals over several sources; `summary` then reports each one."""
         total = cls(
             source=" + ".join(p.source for p in parts),
             max_length=max((p.max_length for p in parts), default=0),
@@ -99,8 +96,7 @@ class SFTStats:
 
     def _reasoning_note(self) -> str:
         """``"reasoning: 12 turns trained, 3 left out by the chat template (earlier turns)"``; ``""`` without any."""
-        done = {"train": "trained", "context": "in context (no loss)", "drop": "dropped"}[self.reasoning]
-        items = [f"{self.reasoning_turns} turns {done}"] if self.reasoning_turns else []
+        items = [f"{self.reasoning_turns} turns {REASONING_DONE[self.reasoning]}"] if self.reasoning_turns else []
         if self.reasoning_unrendered:
             items.append(f"{self.reasoning_unrendered} left out by the chat template ({self.unrendered_why})")
         if self.reasoning_dropped:
@@ -117,11 +113,9 @@ class SFTStats:
         unrendered: Sequence[int] = (),
         dropped: Sequence[int] = (),
     ) -> dict | None:
-        """Count an example of 1-based row `n` (untruncated `ids`, `labels`); return it cut to `max_length`, or None
-        when it is dropped (no label left or, not truncating, too long). `calls`: ``(token where a turn starts, its
-        tool calls)``; `reasoning`, `unrendered`, `dropped`: where the labelled turns start whose reasoning was
-        rendered, left out by the template, removed. Those of a kept example before the cut are counted; calls not
-        kept count in `tool_calls_cut`."""
+        """Count an example of 1-based row `n` (untruncated `ids`, `labels`); return it cut to `max_length`, or None if
+        dropped (no label left; too long, not truncating). `calls`: ``(start of a turn, its tool calls)``; `reasoning`,
+        `unrendered`, `dropped`: starts of labelled turns whose reasoning was rendered, left out, removed."""
         full, cut, ids, labels = len(ids), len(ids) > self.max_length, ids[: self.max_length], labels[: self.max_length]
         n_loss = sum(label != IGNORE_INDEX for label in labels)
         if n_loss == 0 or (cut and not self.truncate):
@@ -129,12 +123,9 @@ class SFTStats:
             self.dropped_rows.append((n, full))
             self.tool_calls_cut += sum(k for _, k in calls)
             return None
-        for key, starts in (
-            ("reasoning_turns", reasoning),
-            ("reasoning_unrendered", unrendered),
-            ("reasoning_dropped", dropped),
-        ):
-            setattr(self, key, getattr(self, key) + sum(start < self.max_length for start in starts))
+        self.reasoning_turns += sum(start < self.max_length for start in reasoning)
+        self.reasoning_unrendered += sum(start < self.max_length for start in unrendered)
+        self.reasoning_dropped += sum(start < self.max_length for start in dropped)
         kept = sum(k for start, k in calls if start < self.max_length)
         self.tool_calls += kept
         self.tool_calls_cut += sum(k for _, k in calls) - kept

@@ -24,21 +24,17 @@ def _require_chat_template(tokenizer) -> None:
 def _render(
     tokenizer,
     messages: list[dict],
-    add_generation_prompt: bool,
+    prompt: bool,
     kwargs: dict | None,
     tools: list[dict] | None = None,
     tokenize: bool = True,
 ) -> list[int] | str:
+    """`messages` through the chat template, with the generation prompt if `prompt`: token ids, or the text."""
     from jinja2.exceptions import TemplateError
 
     try:
         out = tokenizer.apply_chat_template(
-            messages,
-            tools=tools,
-            tokenize=tokenize,
-            return_dict=False,
-            add_generation_prompt=add_generation_prompt,
-            **(kwargs or {}),
+            messages, tools=tools, tokenize=tokenize, return_dict=False, add_generation_prompt=prompt, **(kwargs or {})
         )
     except (TemplateError, TypeError) as exc:  # the template's raise_exception, or e.g. str + None in Jinja
         raise SFTDataError(f"the chat template cannot render this conversation: {type(exc).__name__}: {exc}") from None
@@ -69,7 +65,6 @@ def _unstable(tokenizer, full: list[int], part: list[int], what: str, split_turn
 
 
 def _template(tokenizer) -> str:
-    """The tokenizer's chat template, ``""`` without one."""
     try:
         return tokenizer.get_chat_template()
     except ValueError:
@@ -91,13 +86,8 @@ def _inline_reasoning(tokenizer, messages: list[dict]) -> list[dict]:
         text = m["content"] if m["role"] == "assistant" else ""
         if "<think>" in text or "</think>" in text:
             head, sep, tail = text.lstrip().partition("</think>")
-            if not (
-                head.startswith("<think>")
-                and sep
-                and "<think>" not in head[7:]
-                and "</think>" not in tail
-                and "<think>" not in tail
-            ):
+            stray = "<think>" in head[7:] or "<think>" in tail or "</think>" in tail
+            if not (sep and head.startswith("<think>")) or stray:
                 raise SFTDataError(
                     f"messages[{i}].content (assistant) holds a stray '</think>' or '<think>', which "
                     f"the chat template reads as the edge of a reasoning block (it would move text "
@@ -125,11 +115,8 @@ def check_tools_rendered(
 ) -> None:
     """Refuse (`SFTDataError`) a template that drops tools, calls (`turns`: index -> text; None: `text`) or results."""
     turns = {i: text for i, m in enumerate(messages) if m.get("tool_calls")} if turns is None else turns
-    text = (
-        _render(tokenizer, messages, False, kwargs, tools, tokenize=False)
-        if tools or any(m["role"] == "tool" for m in messages)
-        else ""
-    )
+    needed = tools or any(m["role"] == "tool" for m in messages)  # the whole text is read for tools and results
+    text = _render(tokenizer, messages, False, kwargs, tools, tokenize=False) if needed else ""
     for name in (tool["function"]["name"] for tool in tools or ()):
         if name not in text:
             raise SFTDataError(
@@ -147,9 +134,8 @@ def check_tools_rendered(
                 )
     for i, m in enumerate(messages):
         result = m["content"].strip() if m["role"] == "tool" else ""
-        if result and not any(
-            form in text for form in (result, json.dumps(result, ensure_ascii=False)[1:-1], json.dumps(result)[1:-1])
-        ):
+        forms = (result, json.dumps(result, ensure_ascii=False)[1:-1], json.dumps(result)[1:-1])  # as written, escaped
+        if result and not any(form in text for form in forms):
             raise SFTDataError(
                 f"the chat template does not render tool results: messages[{i}] (role tool) is missing "
                 f"from the rendered conversation"
@@ -171,10 +157,9 @@ def _encode(
     reasoning: str = "train",
     dropped: Collection[int] = (),
 ) -> tuple[list[int], list[int], dict[str, list]]:
-    """Untruncated ``(input_ids, labels, counts)`` of `tokenize_conversation`; `last_turn_only` labels the last
-    assistant turn only; `reasoning` ``"context"`` masks each turn's reasoning. ``counts``: where the labelled turns
-    start whose reasoning was rendered (``reasoning``), left out by the template (``unrendered``) or removed (the
-    turns `dropped` names: ``dropped``); ``calls``: ``(start, tool calls)`` of the labelled turns making them."""
+    """Untruncated ``(input_ids, labels, counts)`` of `tokenize_conversation`; `last_turn_only`: the last assistant turn
+    labelled only; `reasoning` ``"context"`` masks reasoning. ``counts``: starts of labelled turns whose reasoning was
+    rendered, ``unrendered``, ``dropped`` (turns in `dropped`); ``calls``: ``(start, tool calls)`` of those with calls."""
     special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
     full = _render(tokenizer, messages, False, kwargs, tools)
     labels, assistant = [IGNORE_INDEX] * len(full), [i for i, m in enumerate(messages) if m["role"] == "assistant"]
@@ -250,9 +235,8 @@ def template_conversation(
     dropped: list[int] | None = None,
 ) -> tuple[list[dict], list | None]:
     """`to_conversation` made ready for `tokenizer`'s template (None: reasoning left as ``reasoning_content``): inline
-    ``<think>`` moved, reasoning under the template's key or dropped (``reasoning="drop"``: counted in `stats`, or the
-    turns' indices appended to `dropped`), unused keys counted in `ignored`.
-    Raises EmptyAnswerError; SFTDataError: ``"<source> <row>: ..."``, see `to_conversation`; reasoning with no place."""
+    ``<think>`` moved, reasoning under the template's key or dropped (counted in `stats`, or its turns appended to
+    `dropped`), unused keys counted in `ignored`. Raises EmptyAnswerError; SFTDataError: see `to_conversation`."""
     if ignored is not None:  # the row's own keys that its format does not read
         used = (
             ("messages", "tools")
@@ -283,9 +267,8 @@ def template_conversation(
 def _place_reasoning(
     messages: list[dict], reasoning: str, target: str | None, kwargs: dict | None, dropped: list[int]
 ) -> list[dict]:
-    """Messages with each assistant turn's ``reasoning_content`` under the template's key `target` (or removed, its
-    index appended to `dropped`).
-    Raises SFTDataError: reasoning, but the template reads no reasoning field or ``enable_thinking`` is false."""
+    """Messages with each turn's ``reasoning_content`` under the template's key `target` (or removed, its index appended
+    to `dropped`). Raises SFTDataError: reasoning, but the template reads none or ``enable_thinking`` is false."""
     out = []
     for i, m in enumerate(messages):
         if "reasoning_content" not in m:
