@@ -8,6 +8,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from conftest import recipe_modules
 import torch
 from transformers import TrainingArguments
 from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback, TrainerControl, TrainerState
@@ -300,7 +301,8 @@ def test_an_accelerate_config_naming_another_deepspeed_json_is_refused(tmp_path,
     """`accelerate launch` exports its config's deepspeed_config_file; the Trainer would ignore it, so a file other
     than deepspeed.config is refused by name, the same file (relative to the working directory or to the recipe
     folder) is accepted."""
-    from cookbook.hf_deepspeed import check_accelerate_deepspeed_file
+    (deepspeed_config,) = recipe_modules("qwen-zero3-receipts", "deepspeed_config")
+    check_accelerate_deepspeed_file = deepspeed_config.check_accelerate_deepspeed_file
 
     recipe = tmp_path / "recipe"
     recipe.mkdir()

@@ -38,12 +38,14 @@ from transformers import AutoConfig, AutoTokenizer
 from transformers import logging as hf_logging
 from trl import SFTTrainer  # does not import DeepSpeed: init_deepspeed still comes first
 
-from cookbook import hf_deepspeed, hf_trainer, sft
+from cookbook import hf_trainer, sft
 from cookbook.checkpoint import CheckpointError
 from cookbook.loop import NonFinitePolicy
 from cookbook import config
 from cookbook.config import ConfigError, check_fields, load_config
 from cookbook.hub import resolve_path
+
+import deepspeed_config  # beside this file: the DeepSpeed JSON, checked before any worker
 
 hf_logging.disable_progress_bar()
 FIELDS = ("company", "date", "address", "total")
@@ -163,9 +165,9 @@ def check_deepspeed_config(cfg: Config, world_size: int) -> dict:
     """The DeepSpeed JSON (``deepspeed.config``) as a dict, checked against this config for `world_size` ranks.
 
     Raises:
-        ConfigError: see `cookbook.hf_deepspeed.check_deepspeed_config`.
+        ConfigError: see `deepspeed_config.check_deepspeed_config`.
     """
-    return hf_deepspeed.check_deepspeed_config(
+    return deepspeed_config.check_deepspeed_config(
         cfg.deepspeed.config,
         micro_batch_size=cfg.train.micro_batch_size,
         grad_accum_steps=cfg.train.grad_accum_steps,

@@ -1,4 +1,4 @@
-"""The DeepSpeed JSON of a Trainer recipe, checked before any worker starts against the recipe's config and an
+"""The DeepSpeed JSON of this recipe, checked before any worker starts against the recipe's config and an
 ``accelerate launch`` config (the Trainer would fail on it, or ignore it, once the workers run)."""
 
 from __future__ import annotations
