@@ -470,3 +470,58 @@ def test_a_run_holds_its_output_dir_and_its_workers_end_with_a_killed_launcher(t
     finally:
         if first.poll() is None:
             first.kill()
+
+
+BESIDE = """
+import os, sys, time
+from pathlib import Path
+import cookbook  # (its excepthook: an import that fails in a worker waits for the check's verdict)
+from cookbook import run_main
+from cookbook.config import ConfigError
+here = Path(__file__).parent
+if "--check" not in sys.argv:
+    (here / f"imported-{os.environ['RANK']}").write_text(repr(time.time()))
+    if "import-error" in sys.argv and os.environ["RANK"] == "1":
+        raise RuntimeError("broken at import")
+def main(argv):
+    if "--check" in argv:  # it ends only once both workers have imported this module (or after 120 s)
+        deadline = time.time() + 120
+        while time.time() < deadline and not all((here / f"imported-{r}").is_file() for r in (0, 1)):
+            time.sleep(0.05)
+        (here / "checked").write_text(repr(time.time()))
+        if "bad" in argv:
+            raise ConfigError("data.x=1: bad value")
+        return
+    (here / f"ran-{os.environ['RANK']}").write_text(repr(time.time()))
+if __name__ == "__main__":
+    run_main(main, user_errors=(ConfigError,))
+"""
+
+
+def test_on_gpu_nodes_the_workers_import_while_the_check_runs_and_wait_for_its_verdict(tmp_path, capfd, monkeypatch):
+    """With GPUs (`workers_during_check`, forced here) the check runs in a process of its own while torchrun starts
+    the workers: they import the recipe meanwhile (the check below ends only after both did) and run main only after
+    it passed. A failed check is its one line and status 2: no worker runs main, and one whose import failed
+    meanwhile says nothing (the check's error is the one to read)."""
+    import cookbook.launch
+
+    monkeypatch.setattr(cookbook.launch, "workers_during_check", lambda gpus: True)
+    script = tmp_path / "train.py"
+    script.write_text(BESIDE)
+    assert main(["--ngpu", "2", "--max-restarts", "0", str(script)]) == 0
+    checked = float((tmp_path / "checked").read_text())
+    for rank in (0, 1):
+        assert (
+            float((tmp_path / f"imported-{rank}").read_text())
+            <= checked
+            <= float((tmp_path / f"ran-{rank}").read_text())
+        )
+    for f in tmp_path.glob("[icr]*-*"):
+        f.unlink()
+    (tmp_path / "checked").unlink()
+    capfd.readouterr()
+    assert main(["--ngpu", "2", "--max-restarts", "0", str(script), "bad", "import-error"]) == 2
+    err = capfd.readouterr().err
+    assert [line for line in err.splitlines() if "error" in line.lower()] == ["error: data.x=1: bad value"], err
+    assert "Traceback" not in err and not list(tmp_path.glob("ran-*"))
+    assert (tmp_path / "imported-1").is_file() and "COOKBOOK_CHECK_VERDICT" not in os.environ

@@ -676,3 +676,49 @@ def test_a_finished_run_is_answered_by_the_check_at_once_and_the_launcher_starts
             [f"output_dir={tmp_path / 'copy'}", "mlflow=false", "train.max_steps=2", "checkpoint.every_steps=-1"],
         )
     )  # a copied folder: the run decides
+
+
+def test_with_a_fused_optimizer_stop_checks_the_gradient_norm_without_a_sync_and_never_applies_nor_saves_it(tmp_path):
+    """``on_nonfinite=stop`` with a fused AdamW: `skip_step` reads no number from the device (it returns False for the
+    NaN step 3); the optimizer skips that step itself (``found_inf``: weights and AdamW state as after step 2), and
+    the run stops with the same message as the check at once, before the save at step 4 and the log line of
+    steps 3-4; step 4 did run."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    state, checkpointer = TrainState(), Checkpointer(tmp_path / "checkpoints", keep_last=0)
+    metrics = MetricsLogger(tmp_path, CPU, mlflow=False, max_steps=6, count_tokens=False)
+    loop = TrainLoop(
+        state=state,
+        max_steps=6,
+        metrics=metrics,
+        log_every=2,
+        checkpointer=checkpointer,
+        checkpoint_every=2,
+        checkpoint_state={"app": ModelOptimizerState(model, optimizer), "train": state},
+    )
+    batches, seen, skips = EpochBatches(DATA, state), {}, []
+    with pytest.raises(NonFiniteError) as stopped, loop:
+        for step in loop.steps():
+            (x, y), _ = batches.next()
+            loss = torch.nn.functional.mse_loss(model(x * float("nan") if step == 3 else x), y)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            skips.append(loop.skip_step(grad_norm))
+            optimizer.step()
+            optimizer.zero_grad()
+            seen[step] = (
+                [p.detach().clone() for p in model.parameters()],
+                float(optimizer.state_dict()["state"][0]["step"]),
+            )
+            loop.end_step(loss.detach(), lr=0.1, grad_norm=grad_norm)
+    assert str(stopped.value).startswith(
+        "the gradient norm of step 3 is nan: the step was not applied and the run stops (train.on_nonfinite=stop); "
+        f"the newest checkpoint, from before it, is {tmp_path / 'checkpoints' / 'step_00000002'}"
+    )
+    assert skips == [False] * 4 and sorted(seen) == [1, 2, 3, 4]
+    assert all(torch.equal(a, b) for a, b in zip(seen[3][0], seen[2][0])) and seen[3][1] == seen[2][1] == 2
+    assert all(torch.isfinite(p).all() for p in seen[4][0]) and not torch.equal(seen[4][0][0], seen[3][0][0])
+    assert _checkpoint_steps(tmp_path) == [2]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["event"] == "train"] == [2]

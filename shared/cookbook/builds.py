@@ -9,7 +9,7 @@ import importlib.abc
 import os
 import sys
 
-from cookbook.errors import EXIT_USER_ERROR
+from cookbook.errors import EXIT_USER_ERROR, check_passed
 
 _TORCH_BUILT = ("torchvision", "torchaudio")  # packages compiled against one torch build
 
@@ -113,6 +113,8 @@ def broken_build_in(exc: BaseException | None) -> BrokenBuild | None:
 
 
 def _excepthook(kind, exc, tb, _previous=sys.excepthook):
+    if not check_passed():  # an import failed in a worker started during the launcher's check, which reports it
+        os._exit(0)
     broken = broken_build_in(exc)
     if broken is None:
         return _previous(kind, exc, tb)

@@ -41,6 +41,7 @@ from cookbook.errors import (
     LAUNCH_TIME_ENV,  # noqa: F401
     AlreadyComplete,
     OneLineError,
+    check_passed,
 )
 from cookbook.errors import first_line as _first_line
 from cookbook.requirements import import_error_line
@@ -104,6 +105,11 @@ def run_main(
         die_with_parent()
         if os.getppid() != int(os.environ[AGENT_PID_ENV]):  # it died before the line above
             _exit(EXIT_PEER_LOST)
+    try:
+        if not check_passed():  # started while the launcher's check ran, which failed or found the run complete
+            _exit(EXIT_OK)  # the check said so
+    except KeyboardInterrupt:
+        _exit(EXIT_INTERRUPTED)
     try:
         main(sys.argv[1:] if argv is None else argv)
     except AlreadyComplete as exc:  # nothing to do: said once, by rank 0

@@ -5,12 +5,16 @@ class keeps as ``__module__`` the module recipes import it from (``cookbook.conf
 
 from __future__ import annotations
 
+import os
+import time
+
 EXIT_OK, EXIT_BUG, EXIT_USER_ERROR, EXIT_PEER_LOST, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 EXIT_DIVERGED = 4  # a non-finite loss or gradient norm stopped the run before the update (cookbook.loop)
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on SIGTERM / SIGUSR1 after a checkpoint; run the same command again
 
 LAUNCH_TIME_ENV = "COOKBOOK_LAUNCH_TIME"  # Unix time (s) of the launch (cookbook.launch, cookbook.torchrun): startup_s
 AGENT_PID_ENV = "COOKBOOK_AGENT_PID"  # the launcher process that runs torchrun's agent (cookbook.torchrun)
+VERDICT_ENV = "COOKBOOK_CHECK_VERDICT"  # the file where cookbook.launch writes "go" or "stop" once its check ended
 RESTART_COUNT_ENV = "COOKBOOK_RESTART_COUNT"  # what the workers of a restarted group find: 1, 2, ... (0 at first)
 LAST_STEP_KEY = "cookbook_last_step"  # in a worker's error file: its last finished optimizer step
 
@@ -47,3 +51,18 @@ def first_line(exc: BaseException, limit: int = 160) -> str:
     """The first line of `exc`'s message (its class name if empty), cut to `limit` characters."""
     text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_passed() -> bool:
+    """For a worker that `cookbook.launch` started while its check ran (``COOKBOOK_CHECK_VERDICT`` set): wait for the
+    verdict; True for "go" (and outside such a launch), False for "stop" (the check failed or found the run complete,
+    and said so) or a launcher that is gone."""
+    path, parent = os.environ.get(VERDICT_ENV), os.getppid()
+    while path and not os.path.isfile(path):
+        if os.getppid() != parent:
+            return False
+        time.sleep(0.02)
+    if not path:
+        return True
+    with open(path) as f:
+        return f.read() == "go"

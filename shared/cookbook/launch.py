@@ -4,8 +4,9 @@
         --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-}" \\
         --max-restarts "${MAX_RESTARTS:-3}" recipes/x/train.py --config tiny.yaml train.max_steps=100
 
-It checks the process counts (`plan`), runs ``train.py --check`` (in this process without GPUs: `run_script`), then
-the workers with `cookbook.torchrun`, restarted up to ``--max-restarts`` times (default 3) when a restart can cure
+It checks the process counts (`plan`), runs ``train.py --check`` (without GPUs: in this process, `run_script`; with
+GPUs: in a process of its own while the workers start and import, `workers_during_check`) and the workers with
+`cookbook.torchrun`, restarted up to ``--max-restarts`` times (default 3) when a restart can cure
 the failure. ``--dry-run`` (or ``DRY_RUN`` not ``0``) prints the ``check:`` and ``run:`` commands instead. A relative
 ``--config`` is also looked up beside ``train.py``. Exit status: the check's or the workers'.
 """
@@ -22,7 +23,7 @@ import time
 from pathlib import Path
 
 from cookbook import run_lock
-from cookbook.errors import EXIT_BUG, EXIT_INTERRUPTED, EXIT_OK, EXIT_USER_ERROR, LAUNCH_TIME_ENV
+from cookbook.errors import EXIT_BUG, EXIT_INTERRUPTED, EXIT_OK, EXIT_USER_ERROR, LAUNCH_TIME_ENV, VERDICT_ENV
 
 
 _WORLD_SIZE_ENV = "COOKBOOK_WORLD_SIZE"  # the check's world size (NGPU x NNODES), set for train.py --check
@@ -94,11 +95,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _check(script: Path, args: list[str], env: dict[str, str]) -> int:
-    """``python script *args`` with `env` added: in this process without GPUs; in a process of its own with GPUs (a
-    CUDA context would hold GPU memory here for the whole run) or for a script that is not a file."""
-    import torch
-
-    if not script.is_file() or torch.cuda.is_available():
+    """``python script *args`` with `env` added, in this process (`run_script`); in a process of its own for a
+    script that is not a file (python's own error)."""
+    if not script.is_file():
         return subprocess.run([sys.executable, str(script), *args], env={**os.environ, **env}).returncode
     return run_script(script, args, env)
 
@@ -222,31 +221,95 @@ def _launch(args: argparse.Namespace) -> int:
         print(f"run: {shlex.join([sys.executable, '-m', 'cookbook.torchrun', *torchrun_args])}")
         return 0
     with tempfile.TemporaryDirectory(prefix="cookbook-check-") as tmp:
-        reported = Path(tmp) / "output_dir"
-        status = _check(script, check_args, {_WORLD_SIZE_ENV: world_size, run_lock.OUTPUT_DIR_FILE_ENV: str(reported)})
-        if status != 0 or run_lock.reported_complete(reported):  # complete: the check said so
-            return status
-        output_dir = run_lock.read_reported(reported)
-    lock = None
-    if output_dir is not None:  # held until this process ends (SIGKILL too): one run per output_dir
-        try:
-            lock = run_lock.acquire(output_dir, args.node_rank)
-        except run_lock.RunLocked as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return EXIT_USER_ERROR
+        check_env = {_WORLD_SIZE_ENV: world_size, run_lock.OUTPUT_DIR_FILE_ENV: str(Path(tmp) / "output_dir")}
+        if workers_during_check(gpus):
+            return _check_beside_workers(script, check_args, check_env, torchrun_args, args.node_rank)
+        status = _check(script, check_args, check_env)
+        decision = _after_check(status, check_env, args.node_rank)
+    if decision.status is not None:
+        return decision.status
+    try:
+        return _torchrun(torchrun_args)
+    finally:
+        if decision.lock is not None:
+            os.close(decision.lock)
+
+
+def workers_during_check(gpus: int) -> bool:
+    """Whether torchrun starts the workers while the check runs (on GPU nodes): they import their modules meanwhile
+    and wait for its verdict (`cookbook.errors.check_passed`); on CPU the check runs first, in this process."""
+    return gpus > 0
+
+
+class _Decision:
+    """After the check: `status` to end with (None: run the workers) and the run lock's descriptor held meanwhile."""
+
+    def __init__(self, status: int | None, lock: int | None = None):
+        self.status, self.lock = status, lock
+
+
+def _after_check(status: int, check_env: dict[str, str], node_rank: str) -> _Decision:
+    """End with the check's `status` if it failed or found the run complete; else take the output_dir's run lock
+    (held until this process ends, SIGKILL too: one run per output_dir), or end with 2 if another run holds it."""
+    reported = check_env[run_lock.OUTPUT_DIR_FILE_ENV]
+    if status != 0 or run_lock.reported_complete(reported):
+        return _Decision(status)
+    output_dir = run_lock.read_reported(reported)
+    if output_dir is None:
+        return _Decision(None)
+    try:
+        return _Decision(None, run_lock.acquire(output_dir, node_rank))
+    except run_lock.RunLocked as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return _Decision(EXIT_USER_ERROR)
+
+
+def _check_beside_workers(
+    script: Path, check_args: list[str], check_env: dict[str, str], torchrun_args: list[str], node_rank: str
+) -> int:
+    """The check in a process of its own while torchrun runs here; a thread writes its verdict for the workers:
+    "stop" (they exit 0, unseen) or "go". Returns the check's status if it stopped the run, else the workers'."""
+    import threading
+
+    check = subprocess.Popen([sys.executable, str(script), *check_args], env={**os.environ, **check_env})
+    verdict = Path(check_env[run_lock.OUTPUT_DIR_FILE_ENV]).with_name("verdict")
+    decided: list[_Decision] = []
+
+    def decide() -> None:
+        decided.append(_after_check(check.wait(), check_env, node_rank))
+        verdict.with_suffix(".tmp").write_text("go" if decided[0].status is None else "stop")
+        os.replace(verdict.with_suffix(".tmp"), verdict)
+
+    thread = threading.Thread(target=decide, daemon=True)
+    thread.start()
+    try:
+        status = _torchrun(torchrun_args, {VERDICT_ENV: str(verdict)})
+    finally:
+        stopped = check.poll() is None  # torchrun ended first (a signal): the check ends too
+        if stopped:
+            check.terminate()
+        thread.join()
+        if decided and decided[0].lock is not None:
+            os.close(decided[0].lock)
+    return status if stopped or not decided or decided[0].status is None else decided[0].status
+
+
+def _torchrun(torchrun_args: list[str], env: dict[str, str] | None = None) -> int:
+    """`cookbook.torchrun` here, with COOKBOOK_CHECKED=1 (the workers need not repeat what the check printed, a
+    damaged checkpoint) and `env` in the environment meanwhile."""
     from cookbook.torchrun import main as torchrun
 
-    before = os.environ.get("COOKBOOK_CHECKED")
-    os.environ["COOKBOOK_CHECKED"] = "1"  # the workers need not repeat what the check printed (a damaged checkpoint)
+    env = {"COOKBOOK_CHECKED": "1", **(env or {})}
+    before = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
     try:
         return torchrun(torchrun_args)
     finally:  # (also called in-process, by tests)
-        if lock is not None:
-            os.close(lock)
-        if before is None:
-            os.environ.pop("COOKBOOK_CHECKED", None)
-        else:
-            os.environ["COOKBOOK_CHECKED"] = before
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 if __name__ == "__main__":  # the module's own copy: cookbook.run_main's exit reads ScriptExit.running there

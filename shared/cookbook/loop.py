@@ -22,6 +22,7 @@ from cookbook.policy import (
     StopRequest,
     StopVote,
     models_in,
+    optimizers_in,
 )
 from cookbook.run_lock import mark_complete
 from cookbook.sampler import DataPosition
@@ -149,6 +150,7 @@ class TrainLoop:
             device=self.device,
             newest_checkpoint=lambda: checkpointer.verified_latest() if checkpointer is not None else None,
             models=models_in(checkpoint_state),
+            optimizers=optimizers_in(checkpoint_state),
         )
         self._skipped_now = False  # the step being run was skipped
         self._reset_window()

@@ -114,6 +114,7 @@ class NonFinitePolicy:
         newest_checkpoint: Callable[[], Path | str | None] | None = None,
         skipped_steps: int = 0,
         models: Iterable[torch.nn.Module] = (),
+        optimizers: Iterable[torch.optim.Optimizer] = (),
     ):
         if on_nonfinite not in _ON_NONFINITE:
             raise ValueError(f"on_nonfinite must be one of {', '.join(_ON_NONFINITE)}, got {on_nonfinite!r}")
@@ -126,6 +127,9 @@ class NonFinitePolicy:
         self._consecutive = 0  # of them, in a row up to now
         self._applied_bad: torch.Tensor | None = None  # first step whose applied update was non-finite (0: none)
         self.models = list(models)
+        # fused optimizers skip a step on the device (found_inf): a "stop" check of the gradient norm waits (_defer)
+        self.optimizers = [o for o in optimizers if all(g.get("fused") for g in o.param_groups)]
+        self._deferred: tuple[torch.Tensor, torch.Tensor] | None = None  # first step with a non-finite norm, its norm
         self._stats: list[torch.Tensor] = []  # the models' running statistics (_running_stats), as of begin_step
         self._saved: list[torch.Tensor] = []  # ... and their values then
 
@@ -154,6 +158,8 @@ class NonFinitePolicy:
         """Check step `step` (1-based) before its update; True: the caller drops it. `grad_norm`: the total norm, the
         same on every rank; None: check `loss` (one all-reduce). `applied`: the update already ran (checked later)."""
         if grad_norm is not None:
+            if self._defer(step, grad_norm):
+                return False
             value = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
             if math.isfinite(value):
                 return False
@@ -254,8 +260,33 @@ class NonFinitePolicy:
         bad = (~torch.isfinite(loss.detach())).any() & (self._applied_bad == 0)
         self._applied_bad = torch.where(bad, torch.full_like(self._applied_bad, step), self._applied_bad)
 
+    def _defer(self, step: int, grad_norm: torch.Tensor | float) -> bool:
+        """With ``"stop"`` and fused optimizers, check `grad_norm` without a sync, which would keep the host from
+        running ahead: they skip a non-finite step on the device (``found_inf``, as `torch.amp.GradScaler` uses it),
+        and `check_applied`, before the next log line, save or the end, stops the run for it."""
+        if self.on_nonfinite != "stop" or not self.optimizers or not isinstance(grad_norm, torch.Tensor):
+            return False
+        if hasattr(grad_norm, "full_tensor"):  # a DTensor (FSDP2): checked at once
+            return False
+        norm = grad_norm.detach().float()
+        bad = ~torch.isfinite(norm)
+        for optimizer in self.optimizers:
+            optimizer.found_inf = bad.float()
+        if self._deferred is None:
+            self._deferred = (torch.zeros((), dtype=torch.int64, device=norm.device), torch.zeros_like(norm))
+        first, value = self._deferred
+        new = bad & (first == 0)
+        self._deferred = (torch.where(new, torch.full_like(first, step), first), torch.where(new, norm, value))
+        return True
+
     def check_applied(self) -> None:
-        """Stop if an update already applied was non-finite on any rank (collective once `applied` was used)."""
+        """Stop for a non-finite step found without a sync (`_defer`), or if an update already applied was
+        non-finite on any rank (collective once `applied` was used)."""
+        if self._deferred is not None:
+            first, value = self._deferred
+            step, self._deferred = int(first.item()), None
+            if step:
+                self.nonfinite(step, f"the gradient norm of step {step} is {float(value)}", "")
         if self._applied_bad is None:
             return
         first = torch.where(self._applied_bad == 0, torch.full_like(self._applied_bad, _NONE_BAD), self._applied_bad)
@@ -279,6 +310,12 @@ def models_in(state: Mapping[str, Any] | None) -> list[torch.nn.Module]:
         if isinstance(model, torch.nn.Module) and all(model is not m for m in found):
             found.append(model)
     return found
+
+
+def optimizers_in(state: Mapping[str, Any] | None) -> list[torch.optim.Optimizer]:
+    """The optimizers among a checkpoint's objects: the ``optimizer`` of each."""
+    found = [getattr(obj, "optimizer", None) for obj in (state or {}).values()]
+    return [o for o in found if isinstance(o, torch.optim.Optimizer)]
 
 
 def _running_stats(models: Iterable[torch.nn.Module]) -> list[torch.Tensor]:
