@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,11 +42,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Subset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-# Only what the check process (--check) needs at module level: transformers' modeling code (AttentionInterface,
-# the model classes) and get_scheduler (cookbook.optim) pull in 5 of the 10 s of imports on an H200 host (python -X importtime,
-# benchmarks/modernbert-ddp.md), so the workers import them where they are used (register_attention, build_model).
+# Only what the check process (--check) needs at module level: transformers' modeling code pulls in 5 of the 10 s
+# of imports on an H200 host (python -X importtime, benchmarks/modernbert-ddp.md). A worker imports it here, which
+# on GPU nodes is while the launcher's check still runs (cookbook.launch), not after it.
 from transformers import AutoConfig, AutoTokenizer, DataCollatorWithPadding
 from transformers import logging as hf_logging
+
+if "--check" not in sys.argv:
+    import transformers.models.modernbert.modeling_modernbert  # noqa: F401
 
 from cookbook import lm
 from cookbook.checkpoint import Checkpointer, CheckpointError, ModelOptimizerState
