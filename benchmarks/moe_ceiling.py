@@ -75,6 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda", help="cuda or cpu")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--attn", default=None, help="attn_implementation (default: transformers' choice for the model)")
     p.add_argument("--out", type=Path, default=None, help="JSONL file to append one line per setting to")
     p.add_argument("--profile", type=Path, default=None, help="text file for the top-15 kernel table of each setting")
     args = p.parse_args(argv)
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     config = load_config(args.config, dtype)
     torch.manual_seed(args.seed)
     with device:
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=args.attn)
     model.requires_grad_(False)
     model.enable_input_require_grads()  # the embeddings' output requires grad: backward runs through all layers
     model.train()

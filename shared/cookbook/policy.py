@@ -266,9 +266,7 @@ class NonFinitePolicy:
         and `check_applied`, before the next log line, save or the end, stops the run for it."""
         if self.on_nonfinite != "stop" or not self.optimizers or not isinstance(grad_norm, torch.Tensor):
             return False
-        if hasattr(grad_norm, "full_tensor"):  # a DTensor (FSDP2): checked at once
-            return False
-        norm = grad_norm.detach().float()
+        norm = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).detach().float()
         bad = ~torch.isfinite(norm)
         for optimizer in self.optimizers:
             optimizer.found_inf = bad.float()
