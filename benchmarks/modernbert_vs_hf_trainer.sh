@@ -27,6 +27,7 @@ RESULTS="$OUT/results.jsonl"
 : > "$RESULTS"
 rm -rf "$WORK"; mkdir -p "$WORK"
 say() { echo "$(date -u +%H:%M:%S) $*"; }
+now() { date +%s.%N; }
 python3 - "$DATA" "$TOKENIZER_DIR" "$WORK" "${TINY:-0}" <<'PY' || exit 1
 import csv, sys
 from pathlib import Path
@@ -45,13 +46,15 @@ for name, rows in (("train", train), ("heldout", held)):
         w = csv.writer(f); w.writerow(["text", "label"]); w.writerows(rows)
 print(f"{len(train)} train rows, {len(held)} held-out rows (train.csv less {2000 - len(held)} texts also in the train rows)")
 PY
+# The bytecode of the carried wheels (PYTHONPATH; installed with --no-compile), as pip install writes it by default:
+# without it, the first run to import a module compiles it from source.
+for d in ${PYTHONPATH:+${PYTHONPATH//:/ }}; do [[ -d $d ]] && { t=$(now); python3 -m compileall -q -j 0 "$d" >/dev/null; say "bytecode of $d: $(python3 -c "import time; print(round(time.time() - $t, 1))") s"; }; done
 python3 -c "import torch, transformers, datasets, torchdata, accelerate; torch.cuda.is_available()" 2>/dev/null  # warm the page cache
 
-now() { date +%s.%N; }
 if [[ "$HF" == 1 ]]; then
   say "[hf_trainer] Trainer, $EPOCHS epochs"
   t0=$(now)
-  python3 benchmarks/modernbert_hf_trainer.py --model "$WORK/model" --train "$WORK/train.csv" --eval "$WORK/heldout.csv" \
+  BENCH_T0=$t0 python3 benchmarks/modernbert_hf_trainer.py --model "$WORK/model" --train "$WORK/train.csv" --eval "$WORK/heldout.csv" \
     --out "$WORK/hf_trainer" --epochs "$EPOCHS" --attn "${HF_ATTN:-sdpa_padsafe}" > "$WORK/hf_trainer.log" 2>&1
   rc=$?; t1=$(now)
   tail -n 40 "$WORK/hf_trainer.log" > "$OUT/hf_trainer.log"
@@ -71,7 +74,7 @@ for variant in $VARIANTS; do
   run="$WORK/$name"
   say "[$name] recipes/modernbert-ddp/launch.sh ${overrides[*]} $EXTRA"
   t0=$(now)
-  NGPU=${NGPU:-1} MAX_RESTARTS=0 TORCHINDUCTOR_CACHE_DIR="$WORK/$name-inductor" TRITON_CACHE_DIR="$WORK/$name-triton" \
+  COOKBOOK_LAUNCH_TIME=$t0 NGPU=${NGPU:-1} MAX_RESTARTS=0 TORCHINDUCTOR_CACHE_DIR="$WORK/$name-inductor" TRITON_CACHE_DIR="$WORK/$name-triton" \
     bash recipes/modernbert-ddp/launch.sh output_dir="$run" run_name="$name" mlflow=false \
     model.name_or_path="$WORK/model" model.pretrained=false "data.train_files=[$WORK/train.csv]" \
     "data.eval_files=[$WORK/heldout.csv]" train.micro_batch_size=64 "train.epochs=$EPOCHS" train.eval_every=0 \

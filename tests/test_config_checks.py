@@ -45,3 +45,11 @@ def test_out_of_range_values_are_refused_by_the_check(tmp_path, recipe, override
         check(recipe, f"output_dir={tmp_path / 'out'}", override, config=config or "tiny.yaml")
     assert str(err.value).startswith(message)
     assert not (tmp_path / "out").exists()
+
+
+def test_the_checks_scheduler_names_are_transformers_schedulers():
+    from transformers.trainer_utils import SchedulerType
+
+    from cookbook.config import SCHEDULERS
+
+    assert list(SCHEDULERS) == [t.value for t in SchedulerType]

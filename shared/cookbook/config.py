@@ -378,15 +378,29 @@ _NOTES = {
 }
 
 
+# transformers' SchedulerType values (tests/test_config_checks.py compares): importing it in the launcher's check would
+# import transformers.trainer_utils and with it peft, 1.5 s of the check's start-up on the critical path
+SCHEDULERS = (
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+    "constant",
+    "constant_with_warmup",
+    "inverse_sqrt",
+    "reduce_lr_on_plateau",
+    "cosine_with_min_lr",
+    "cosine_warmup_with_min_lr",
+    "warmup_stable_decay",
+    "greedy",
+)
+
+
 def check_run(cfg: Any) -> None:
     """Check the keys of the shared sections that `cfg` has. Raises ConfigError: a value out of range or unknown; no
     positive length; ``train.stop_at_step`` without checkpoints; an unwritable ``output_dir``; a bad tracker or
     ``push_to_hub``. AlreadyComplete: in a launcher's check, ``output_dir`` holds a run finished with these settings."""
-    one_of: dict[str, Iterable[Any]] = {"train.mixed_precision": ("bf16", "fp32")}
-    if _has(cfg, "optim.scheduler"):
-        from transformers import SchedulerType
-
-        one_of["optim.scheduler"] = [t.value for t in SchedulerType]
+    one_of: dict[str, Iterable[Any]] = {"train.mixed_precision": ("bf16", "fp32"), "optim.scheduler": SCHEDULERS}
     check_fields(
         cfg,
         at_least={k: v for k, v in _MINIMUM.items() if _has(cfg, k)},
