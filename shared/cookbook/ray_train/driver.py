@@ -436,14 +436,14 @@ def _check_shared_storage(output_dir: str) -> None:
     nodes = [n for n in ray.nodes() if n["Alive"]]
     if len(nodes) < 2:
         return
-    (out := Path(output_dir).expanduser().resolve()).mkdir(parents=True, exist_ok=True)
-    (marker := out / f".shared-storage-{(token := uuid.uuid4().hex)}").write_text(token)
 
     @ray.remote(num_cpus=0)
     def probe(path: str) -> str | None:
         return Path(path).read_text() if Path(path).is_file() else None
 
     pinned = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)) for n in nodes]
+    (out := Path(output_dir).expanduser().resolve()).mkdir(parents=True, exist_ok=True)
+    (marker := out / f".shared-storage-{(token := uuid.uuid4().hex)}").write_text(token)
     try:
         seen = ray.get([p.remote(str(marker)) for p in pinned])
     finally:
