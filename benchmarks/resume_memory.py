@@ -4,7 +4,7 @@ A check behind the Qwen Ray SFT benchmark (benchmarks/README.md): a resumed run 
 weight copy higher than a fresh one. This script trains a causal LM built from a config (its layer
 count cut to `--layers`) for 3 steps under DDP on one GPU, prints the memory allocated after every
 backward and optimizer step and the peak, and saves the model and optimizer state; `resume` loads that
-state the way `cookbook.ray_train.load_checkpoint` does (memory-mapped on the CPU) and repeats.
+state the way `cookbook.ray_train.worker.load_checkpoint` does (memory-mapped on the CPU) and repeats.
 
     CFG=<config.json of Qwen2.5-3B>
     for fused in 1 0; do

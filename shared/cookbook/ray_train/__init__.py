@@ -10,14 +10,7 @@ from cookbook.ray_train.driver import (
     RayDriver,
     plan_workers,
 )
-from cookbook.ray_train.worker import (
-    RecipeError,
-    WorkerRun,
-    config_from_dict,
-    load_checkpoint,
-    worker_entry,
-    worker_info,
-)
+from cookbook.ray_train.worker import RecipeError, WorkerRun, config_from_dict, worker_entry, worker_info
 
 __all__ = [
     "EPOCH_MAY_CHANGE",
@@ -28,7 +21,6 @@ __all__ = [
     "RecipeError",
     "WorkerRun",
     "config_from_dict",
-    "load_checkpoint",
     "plan_workers",
     "worker_entry",
     "worker_info",

@@ -48,9 +48,8 @@ class _EpochCheckpointConfig:
 
 @dataclass
 class EpochTrainConfig:  # the ``train`` keys of an epoch-based Ray recipe that cookbook reads; the recipe adds its own
-    on_nonfinite: str = (
-        "stop"  # a step with a NaN/inf loss or gradient norm: stop (exit 4) or skip (drop its batch, go on)
-    )
+    # a step with a NaN/inf loss or gradient norm: stop (exit 4) or skip (drop its batch, go on)
+    on_nonfinite: str = "stop"
     max_consecutive_skips: int = 5  # on_nonfinite=skip: the run stops at one more non-finite step in a row
     collective_timeout_s: float = 1800.0  # a collective waiting longer ends the run, naming the worker that is behind
 
@@ -60,9 +59,7 @@ class EpochRunConfig:  # the top level of an epoch-based Ray recipe's schema; th
     output_dir: str = "outputs/run"  # Ray's run folder: checkpoints, metrics, MLflow (shared storage on several nodes)
     run_name: str = "run"  # the trackers' run name
     mlflow: bool = True  # false: no MLflow, whatever `trackers` says
-    trackers: list[str] = field(
-        default_factory=lambda: ["mlflow"]
-    )  # beside metrics.jsonl: cookbook.requirements.TRACKERS
+    trackers: list[str] = field(default_factory=lambda: ["mlflow"])  # beside metrics.jsonl: requirements.TRACKERS
     ray: RayConfig = field(default_factory=RayConfig)
     checkpoint: _EpochCheckpointConfig = field(default_factory=_EpochCheckpointConfig)
     train: EpochTrainConfig = field(default_factory=EpochTrainConfig)
@@ -107,9 +104,12 @@ class RayDriver:
             self.guard, getattr(self.cfg.checkpoint, "resume", "auto"), to_dict(self.cfg), may_change, self.stop_at
         )
         self.meta = read_meta(self.resume) if self.resume is not None else None
+        self._check_workers()
+        return self
+
+    def _check_workers(self) -> None:  # the resume's worker count, once the workers are planned
         if self.workers is not None and self.resume is not None:
             self.guard.check_world_size(self.resume, self.meta, self.workers)
-        return self
 
     @property
     def on_cpu(self) -> bool:
@@ -135,8 +135,7 @@ class RayDriver:
         try:
             _init_ray(self.cfg.ray, self.workers or 0)
             self.workers, self.use_gpu = _resolve_workers(self.cfg.ray, self.nnodes)
-            if self.resume is not None:
-                self.guard.check_world_size(self.resume, self.meta, self.workers)
+            self._check_workers()
             _check_shared_storage(self.cfg.output_dir)
             with _StopOnSignal() as self._stop:
                 try:
@@ -182,8 +181,8 @@ class RayDriver:
             "failure_config": FailureConfig(max_failures=self.cfg.ray.max_failures),
         }
 
-    def finish(self, result: Any) -> Any:
-        """Say how the run ended and return Ray's ``Result``; raises the workers' `NonFiniteError` (exit 4) or
+    def finish(self, result: Any) -> None:
+        """Say how Ray's ``Result`` ended the run; raises the workers' `NonFiniteError` (exit 4) or
         `CheckpointSaveError` (exit 2), or `Preempted` after a stop request."""
         returned = result.return_value if isinstance(result.return_value, dict) else {}
         if returned.get(DIVERGED):
@@ -198,11 +197,8 @@ class RayDriver:
                 file=sys.stderr,
             )
             raise Preempted(EXIT_PREEMPTED)
-        print(
-            f"done: {result.metrics} | checkpoint {checkpoint} | metrics {Path(self.cfg.output_dir) / 'metrics.jsonl'}",
-            file=sys.stderr,
-        )
-        return result
+        metrics = Path(self.cfg.output_dir) / "metrics.jsonl"
+        print(f"done: {result.metrics} | checkpoint {checkpoint} | metrics {metrics}", file=sys.stderr)
 
 
 def _stalled_worker(exc: BaseException) -> CollectiveTimeout | None:
@@ -320,11 +316,8 @@ class _RayCheckpoints(ResumeGuard):
         data = self._snapshot()
         if ((data.get("latest_checkpoint_result") or {}).get("checkpoint_dir_name")) == path.name:
             return
-        keep = [
-            i
-            for i, r in enumerate(data.get("checkpoint_results") or [])
-            if self.root / r["checkpoint_dir_name"] not in self.bad
-        ]
+        results = data.get("checkpoint_results") or []
+        keep = [i for i, r in enumerate(results) if self.root / r["checkpoint_dir_name"] not in self.bad]
         data.update(
             {k: [data[k][i] for i in keep] for k in ("checkpoint_results", "checkpoint_report_indices") if k in data}
         )
@@ -359,16 +352,9 @@ def _check_resume(
         later = [p.name for p in found[found.index(path) + 1 :]] if path in found else []
         meta = read_meta(path)
         mid_epoch = f", step {meta.get('step')}" if unit == "epoch" and "_step_" in path.name else ""
-        print(
-            f"resuming from {path} ({unit} {meta.get(unit)}{mid_epoch})"
-            + (
-                f"; {', '.join(later)} were written after it but not registered by Ray before the run stopped, "
-                f"and will be replaced"
-                if later
-                else ""
-            ),
-            file=sys.stderr,
-        )
+        unregistered = "were written after it but not registered by Ray before the run stopped, and will be replaced"
+        line = f"resuming from {path} ({unit} {meta.get(unit)}{mid_epoch})"
+        print(line + (f"; {', '.join(later)} {unregistered}" if later else ""), file=sys.stderr)
     elif found:  # written, but the run stopped before Ray registered any: Ray starts afresh
         print(
             f"starting at {unit} 0: {', '.join(p.name for p in found)} in {guard.root} were written but not "
@@ -450,22 +436,16 @@ def _check_shared_storage(output_dir: str) -> None:
     nodes = [n for n in ray.nodes() if n["Alive"]]
     if len(nodes) < 2:
         return
-    (out := Path(output_dir).expanduser().resolve()).mkdir(parents=True, exist_ok=True)
-    (marker := out / f".shared-storage-{(token := uuid.uuid4().hex)}").write_text(token)
 
     @ray.remote(num_cpus=0)
     def probe(path: str) -> str | None:
         return Path(path).read_text() if Path(path).is_file() else None
 
+    pinned = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)) for n in nodes]
+    (out := Path(output_dir).expanduser().resolve()).mkdir(parents=True, exist_ok=True)
+    (marker := out / f".shared-storage-{(token := uuid.uuid4().hex)}").write_text(token)
     try:
-        seen = ray.get(
-            [
-                probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(
-                    str(marker)
-                )
-                for n in nodes
-            ]
-        )
+        seen = ray.get([p.remote(str(marker)) for p in pinned])
     finally:
         marker.unlink(missing_ok=True)
     if blind := [n["NodeManagerAddress"] for n, s in zip(nodes, seen) if s != token]:

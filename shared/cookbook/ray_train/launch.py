@@ -66,19 +66,8 @@ def main(argv: list[str]) -> int:
     if node_rank == 0:
         if rc := subprocess.call([*driver, "--check"]):  # bad input fails before the cluster starts
             return rc
-        subprocess.run(
-            [
-                ray,
-                "start",
-                "--head",
-                f"--port={port}",
-                f"--node-ip-address={master}",
-                "--disable-usage-stats",
-                "--include-dashboard=false",
-                *gpus,
-            ],
-            check=True,
-        )
+        head = [ray, "start", "--head", f"--port={port}", f"--node-ip-address={master}", "--disable-usage-stats"]
+        subprocess.run([*head, "--include-dashboard=false", *gpus], check=True)
         try:
             return _run_forwarding_signals(driver, env={**os.environ, "RAY_ADDRESS": address})
         finally:

@@ -208,7 +208,11 @@ class WorkerRun:
         self._rng = self._epoch_rng = None  # the resumed streams (again after a skip); those when this epoch began
         self._newest: Path | None = None  # the newest checkpoint folder (resumed or saved)
         self._skipped_now = self._stop_reported = False  # the running step was skipped; a report after a stop request
-        skipped, meta = 0, None
+        self._lr = 0.0  # the learning rate of the newest applied step (an epoch's last log line after a skip)
+        models = models_in(self.state)
+        self.nonfinite = NonFinitePolicy(
+            on_nonfinite, max_skips, device=info.device, models=models, newest_checkpoint=lambda: self._newest
+        )
         if getattr(cfg.train, "seed", None) is not None:
             seed_per_rank(cfg.train.seed, info.rank)  # each worker its own dropout masks; a resume restores its own
         resumed = load_checkpoint()  # memory-mapped on the CPU, copied into the model and optimizer
@@ -226,28 +230,18 @@ class WorkerRun:
                     "augmentation and dropout continue from this run's seeds"
                 )
             self._epoch_rng = saved[_EPOCH_RNG_KEY][info.rank] if _EPOCH_RNG_KEY in saved else None  # mid-epoch
-            self.step, self.epoch, skipped = meta["step"], meta.get("epoch", 0), int(saved.get(_SKIPPED_KEY, 0))
+            self.step, self.epoch = meta["step"], meta.get("epoch", 0)
+            self.nonfinite.skipped_steps = int(saved.get(_SKIPPED_KEY, 0))
+            self._newest = self._folder()  # its name (`_label`) counts the skipped steps
             del saved, resumed
         record_progress(self.step)  # each step's, for the line of a worker whose collective times out
-        self.nonfinite = NonFinitePolicy(
-            on_nonfinite,
-            max_skips,
-            device=info.device,
-            models=models_in(self.state),
-            newest_checkpoint=lambda: self._newest,
-            skipped_steps=skipped,
-        )
-        if meta is not None:  # resumed: its name (`_label`) counts the skipped steps
-            self._newest = Path(cfg.output_dir).expanduser().resolve() / f"checkpoint_{self._label()}"
         self._saved_at = self.batches  # the newest checkpoint's data position
-        self._lr = 0.0  # the learning rate of the newest applied step (an epoch's last log line after a skip)
         # An epoch run resumed mid-epoch (a preemption checkpoint): batches of this epoch already taken.
         self._skip = self.batches - self.epoch * steps_per_epoch if self._unit == "epoch" else 0
-        out = Path(cfg.output_dir)
         self.metrics = MetricsLogger.for_run(
             cfg, info, experiment=experiment, flops=flops, max_steps=max_steps, count_tokens=count_tokens
         )
-        self._profiler = StepProfiler(getattr(cfg.train, "profile_step", 0), out, info)
+        self._profiler = StepProfiler(getattr(cfg.train, "profile_step", 0), Path(cfg.output_dir), info)
         self._log_window(log=False)
         get_logger().info(
             f"world size {info.world_size} ({info.backend}, {info.device.type}) | "
@@ -291,12 +285,10 @@ class WorkerRun:
             if self.step == started and not self._skipped_now:
                 raise RuntimeError("each step must end with run.end_step(...) or a skip (run.skip_step)")
 
-    def skip_step(
-        self, grad_norm: torch.Tensor | float | None = None, *, loss: torch.Tensor | float | None = None
-    ) -> bool:
-        """`NonFinitePolicy.skip` of the running step (`grad_norm`: the same on every worker; else `loss`). ``True``:
-        zero the gradients and ``continue``."""
-        skipped = self.nonfinite.skip(self.step + 1, grad_norm, loss=loss)
+    def skip_step(self, grad_norm: torch.Tensor | float) -> bool:
+        """`NonFinitePolicy.skip` of the running step (`grad_norm`: the same on every worker). ``True``: zero the
+        gradients and ``continue``."""
+        skipped = self.nonfinite.skip(self.step + 1, grad_norm)
         self._skipped_now = self._skipped_now or skipped
         return skipped
 
@@ -364,19 +356,17 @@ class WorkerRun:
             self._values = {"loss": all_reduce_mean({"loss": loss}, self.info.device)["loss"]}  # of the global batch
         return due
 
-    def end_epoch(self, evaluate: Callable[[], Mapping[str, float]]) -> dict[str, float]:
-        """Count one epoch, run `evaluate` (collective); returns its metrics (``{}`` after a stop request)."""
+    def end_epoch(self, evaluate: Callable[[], Mapping[str, float]]) -> None:
+        """Count one epoch, run `evaluate` (collective), its metrics the checkpoint's (none after a stop request)."""
         if self._preempted:
             self._values = {}
-            return {}
+            return
         self.epoch += 1
         if self._steps:  # the epoch's last batch was skipped (skip_step): its last log line comes here
             self._log_window()
         with self.metrics.paused(), rng_kept():  # the evaluation does not change what the next epoch draws
             self.metrics.log_eval(self.step, values := dict(evaluate()))
-        self._last_eval = values
-        self._values = values
-        return values
+        self._last_eval = self._values = values
 
     def _log_window(self, grad_norm: torch.Tensor | float | None = None, log: bool = True) -> None:
         if log:
@@ -391,6 +381,9 @@ class WorkerRun:
             return f"step_{self.step:08d}"
         return f"epoch_{self.epoch:04d}" + (f"_step_{self.step:08d}" if self.batches % self.steps_per_epoch else "")
 
+    def _folder(self) -> Path:  # where Ray stores the checkpoint of this point
+        return Path(self.cfg.output_dir).expanduser().resolve() / f"checkpoint_{self._label()}"
+
     @contextlib.contextmanager
     def checkpoint(self) -> Iterator[dict[str, Any]]:
         """``with run.checkpoint() as saved: ray.train.report(**saved)`` (collective): rank 0 writes ``state.pt`` and
@@ -403,16 +396,13 @@ class WorkerRun:
                 yield {"metrics": metrics}
                 self._reports, self._stop_reported = self._reports + 1, True
                 return
-            label = self._label()
+            label, final = self._label(), self._folder()
             self.nonfinite.check_model(self.step, f"checkpoint_{label} is not saved")
-            run = {
-                _RNG_KEY: all_gather_object(rng_state()),
-                _SKIPPED_KEY: self.nonfinite.skipped_steps,
-            }  # every worker's
+            # every worker's streams, and the steps skipped so far
+            run = {_RNG_KEY: all_gather_object(rng_state()), _SKIPPED_KEY: self.nonfinite.skipped_steps}
             if self._unit == "epoch" and self.batches % self.steps_per_epoch:
                 run[_EPOCH_RNG_KEY] = all_gather_object(self._epoch_rng)
             meta = {**counts, "step": self.step, "world_size": self.info.world_size, "config": to_dict(self.cfg)}
-            final = Path(self.cfg.output_dir).expanduser().resolve() / f"checkpoint_{label}"
             with tempfile.TemporaryDirectory() as tmp:
                 saved, failure = {"metrics": metrics}, None
                 if self.info.is_main:  # DDP replicas are identical: rank 0's state
@@ -456,8 +446,8 @@ class WorkerRun:
             self._next_poll = time.monotonic() + 0.5  # Ray is asked at most every 0.5 s
         return self._vote(self._stop_seen)
 
-    def finish(self, model: torch.nn.Module, export: Callable[[], Outputs] | None = None) -> dict[str, float]:
-        """After the loop: the final evaluation (returned), the summary record, and for a finished run `export`
+    def finish(self, model: torch.nn.Module, export: Callable[[], Outputs] | None = None) -> None:
+        """After the loop: the final evaluation, the summary record, and for a finished run `export`
         (``{summary key: (folder or None, how to load it)}``) and the closing lines; else how to continue."""
         if self._preempted and not self._stop_reported:
             raise RuntimeError(
@@ -468,10 +458,7 @@ class WorkerRun:
         if final_eval := dict(self._evaluate()) if self._evaluate is not None and not self._preempted else {}:
             self.metrics.log_eval(self.step, final_eval)
         final_eval = final_eval or self._last_eval
-        workers = {
-            "reports_per_worker": all_gather_object(self._reports),
-            "param_fingerprints": all_gather_object(param_fingerprint(model)),
-        }
+        reports, fingerprints = all_gather_object(self._reports), all_gather_object(param_fingerprint(model))
         outputs: dict[str, tuple[Path | None, str]] = {}
         self._stopped = self._preempted or self._done < self._total
         if self._preempted:
@@ -490,7 +477,8 @@ class WorkerRun:
             {
                 "step": self.step,
                 **({"epoch": self.epoch} if self._unit == "epoch" else {}),
-                **workers,
+                "reports_per_worker": reports,
+                "param_fingerprints": fingerprints,
                 **{f"eval/{k}": v for k, v in final_eval.items()},
                 **{k: str(path) if path else None for k, (path, _) in outputs.items()},
                 "mlflow_uri": self.metrics.mlflow_uri,
@@ -499,7 +487,6 @@ class WorkerRun:
         )
         if not self._stopped:
             log_outputs(self.step, final_eval, self.metrics, Path(self.cfg.output_dir), outputs)
-        return final_eval
 
 
 def raise_save_error(failure: tuple[str, int | None] | None) -> None:
