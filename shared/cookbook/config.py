@@ -298,25 +298,6 @@ class LoraConfig:
 
 
 @dataclasses.dataclass
-class DDPConfig:
-    """``ddp``: ``DistributedDataParallel``'s speed settings (PyTorch's defaults); a resume may change them."""
-
-    bucket_cap_mb: float = 25.0
-    gradient_as_bucket_view: bool = False
-    static_graph: bool = False
-
-    def kwargs(self) -> dict[str, Any]:
-        """``DistributedDataParallel``'s keyword arguments; ConfigError: ``bucket_cap_mb`` not above 0."""
-        if not self.bucket_cap_mb > 0:
-            raise ConfigError(f"ddp.bucket_cap_mb={self.bucket_cap_mb}: must be above 0 (MiB per gradient bucket)")
-        return {
-            "bucket_cap_mb": float(self.bucket_cap_mb),
-            "gradient_as_bucket_view": bool(self.gradient_as_bucket_view),
-            "static_graph": bool(self.static_graph),
-        }
-
-
-@dataclasses.dataclass
 class ExpertLoraConfig(LoraConfig):
     """``lora`` of a mixture-of-experts recipe, plus ``target_parameters``: fused 3-D expert weights PEFT adapts."""
 

@@ -111,7 +111,7 @@ def init_distributed(timeout_s: float = 1800.0, debug_dir: str | Path | None = N
         kwargs = {"device_id": info.device} if info.device.type == "cuda" else {}
         dist.init_process_group(backend=info.backend, timeout=timeout, **kwargs)
         atexit.register(destroy_distributed)
-    elif _STALL["timeout_s"] != timeout_s and hasattr(dist.distributed_c10d, "_set_pg_timeout"):
+    elif _STALL["timeout_s"] != timeout_s:
         dist.distributed_c10d._set_pg_timeout(timeout)  # the group `cookbook.distributed` made, with its own timeout
     _STALL.update(
         timeout_s=timeout_s, debug_dir=Path(debug_dir) if debug_dir is not None else None, store=None, step=None
@@ -135,8 +135,7 @@ def set_collective_timeout(timeout_s: float, store_rank: int | None = None) -> N
         raise ValueError(f"the collective timeout must be > 0 seconds, got {timeout_s}")
     holder = None
     if dist.is_available() and dist.is_initialized():
-        if hasattr(dist.distributed_c10d, "_set_pg_timeout"):
-            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s))
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s))
         if store_rank is not None and dist.get_world_size() > 1:
             box = [(os.getpid(), _STALL["host"]) if dist.get_rank() == store_rank else None]
             dist.broadcast_object_list(box, src=store_rank)
@@ -167,8 +166,7 @@ def apply_collective_timeout() -> None:
     timeout_s = _STALL["timeout_s"]
     if timeout_s is None or not (dist.is_available() and dist.is_initialized()):
         return
-    world = getattr(dist.distributed_c10d, "_world", None)
-    for group in list(world.pg_map) if world is not None else [dist.group.WORLD]:
+    for group in list(dist.distributed_c10d._world.pg_map):
         try:
             dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s), group)
         except (ValueError, AssertionError, RuntimeError):  # a group this rank is not in
@@ -398,8 +396,7 @@ def destroy_distributed() -> None:
     (docs/notes.md#a-hang-in-the-process-groups-destructor-torch-213-gloo)."""
     _STALL.update(timeout_s=None, debug_dir=None, store=None, step=None)  # of the group that ends here
     if dist.is_available() and dist.is_initialized():
-        world = getattr(dist.distributed_c10d, "_world", None)  # every group: the default one and subgroups (meshes)
-        _DESTROYED_GROUPS.extend(list(world.pg_map) if world is not None else [dist.group.WORLD])
+        _DESTROYED_GROUPS.extend(dist.distributed_c10d._world.pg_map)  # every group: the default one and subgroups
         dist.destroy_process_group()
 
 

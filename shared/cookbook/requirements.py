@@ -3,6 +3,8 @@ requirements file by `pinned`), and the one line for an import that failed (`imp
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 from pathlib import Path
 from typing import Sequence
 
@@ -27,19 +29,17 @@ def install_hint(packages: str, requirements: str | Path) -> str:
     return f"`pip install {packages}`, or `pip install -r {requirements}`{where}"
 
 
-def check_trackers(trackers: Sequence[str], key: str = "trackers") -> None:
+def check_trackers(trackers: Sequence[str]) -> None:
     """Raise ConfigError for a tracker name not in `TRACKERS`, or one whose package is not installed."""
-    import importlib.util
-
     for name in trackers:
         if name not in TRACKERS:
             raise ConfigError(
-                f"{key}: unknown tracker {name!r}; choose from {', '.join(TRACKERS)} (metrics.jsonl is always written)"
+                f"trackers: unknown tracker {name!r}; choose from {', '.join(TRACKERS)} (metrics.jsonl is always written)"
             )
         module, packages, requirements = TRACKERS[name]
         if importlib.util.find_spec(module) is None:
             raise ConfigError(
-                f"{key}: {name} is selected but the {module} package is not installed: "
+                f"trackers: {name} is selected but the {module} package is not installed: "
                 f"{install_hint(packages, requirements)}"
             )
 
@@ -69,8 +69,6 @@ def _project_name(spec: str) -> str:
 def require(module: str, requirements: str | Path, *, torch_build: bool = False) -> None:
     """Raise ConfigError (one line) for a package `module` that is not installed or does not import; `requirements`:
     the file that pins it; `torch_build`: compiled against torch, so the line names the build for this torch."""
-    import importlib
-
     spec = pinned(module, requirements)
     name = _project_name(spec)
     try:
