@@ -9,7 +9,7 @@ import importlib.abc
 import os
 import sys
 
-from cookbook.errors import EXIT_USER_ERROR, check_passed
+from cookbook.errors import EXIT_USER_ERROR, chain, check_passed
 
 _TORCH_BUILT = ("torchvision", "torchaudio")  # packages compiled against one torch build
 
@@ -88,15 +88,6 @@ class _Finder(importlib.abc.MetaPathFinder):
                     spec.loader = _Loader(name, spec.loader)
                 return spec
         return None
-
-
-def chain(exc: BaseException | None) -> list[BaseException]:
-    """`exc` and the exceptions it was raised from, outermost first."""
-    found = []
-    while exc is not None and exc not in found:
-        found.append(exc)
-        exc = exc.__cause__ or exc.__context__
-    return found
 
 
 def broken_build_in(exc: BaseException | None) -> BrokenBuild | None:

@@ -9,9 +9,11 @@ import argparse
 import dataclasses
 import difflib
 import errno
+import operator
 import os
 import sys
 import tempfile
+from functools import reduce
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence, TypeVar
 
@@ -147,10 +149,7 @@ def to_dict(cfg: object) -> dict:
     out = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
     for key, text in getattr(cfg, _FROM_ENV, {}).items():
         *parents, leaf = key.split(".")
-        node = out
-        for part in parents:
-            node = node[part]
-        node[leaf] = text
+        reduce(operator.getitem, parents, out)[leaf] = text
     return out  # type: ignore[return-value]
 
 

@@ -9,7 +9,6 @@ import atexit
 import contextlib
 import datetime
 import faulthandler
-import logging
 import os
 import re
 import socket
@@ -25,12 +24,10 @@ from typing import Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from cookbook.errors import EXIT_PEER_LOST, OneLineError
+from cookbook.errors import EXIT_PEER_LOST, OneLineError, chain
 from cookbook.errors import first_line as _first_line
 from cookbook.logs import configure_logging as _configure_logging
-from cookbook.logs import get_logger  # noqa: F401 (re-exported: the modules above import it from here)
-
-logger = logging.getLogger("cookbook")
+from cookbook.logs import get_logger  # re-exported: the modules above import it from here
 
 
 @dataclass(frozen=True)
@@ -119,7 +116,7 @@ def init_distributed(timeout_s: float = 1800.0, debug_dir: str | Path | None = N
     _configure_logging(info.rank)
     before = _align_autograd_threads(info.device)  # else compiled code recomputed in backward recompiles
     if before is not None and before != torch.get_num_threads() and info.rank == 0:
-        logger.info(
+        get_logger().info(
             f"autograd's {info.device} thread: {before} -> {torch.get_num_threads()} intra-op threads (as the "
             f"training thread: compiled graphs guard on it)"
         )
@@ -214,13 +211,7 @@ def last_finished_step() -> int | None:
 
 def collective_timed_out(exc: BaseException) -> bool:
     """True if `exc` (or one it was raised from) is a collective that waited past the group's timeout (gloo, NCCL)."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if any(m in str(exc).lower() for m in _TIMEOUT_MARKERS):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
+    return any(m in str(e).lower() for e in chain(exc) for m in _TIMEOUT_MARKERS)
 
 
 def stall_error(exc: BaseException) -> CollectiveTimeout | None:

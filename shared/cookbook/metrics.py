@@ -188,7 +188,7 @@ class MetricsLogger:
         self.timings: dict[str, float] = {}  # startup_s, first_step_s (`first_step_done`): this rank's
         self._unit = "gpu" if info.device.type == "cuda" else "rank"  # what one device is, for the console
         self._reset_window(step=None)
-        self._t_start = self._t_loop = time.perf_counter()  # creation; the loop's start (`start`)
+        self._t_loop = time.perf_counter()  # the loop's start (`start`)
 
     @classmethod
     def for_run(cls, cfg: Any, info: DistInfo, *, experiment: str, **kwargs) -> MetricsLogger:
@@ -240,8 +240,7 @@ class MetricsLogger:
         `launch_time`) and ``first_step_s`` (from `start`); rank 0 logs them."""
         if self.info.device.type == "cuda":
             torch.cuda.synchronize(self.info.device)  # the step's kernels, not just their launch
-        now = time.perf_counter()
-        first = now - self._t_loop
+        first = time.perf_counter() - self._t_loop
         self.timings.update(startup_s=max(0.0, time.time() - launch_time()), first_step_s=first)
         if self.info.is_main:
             get_logger().info(

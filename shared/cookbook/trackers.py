@@ -9,8 +9,8 @@ import importlib.util
 import logging
 import os
 from pathlib import Path
+from typing import Any, Mapping
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
-from typing import Any, Mapping, Sequence
 
 from cookbook.config import flatten
 from cookbook.requirements import TRACKER_UIS, TRACKER_UIS_FILE, install_hint
@@ -47,10 +47,10 @@ def redact_uri(uri: str | None) -> str | None:
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
-def _redact_text(text: str, uris: Sequence[str | None] = ()) -> str:
-    """`text` with the secrets `redact_uri` masks in `uris` and the environment's tracking URIs as ``***``, wherever."""
+def _redact_text(text: str) -> str:
+    """`text` with the secrets `redact_uri` masks in the environment's tracking URIs as ``***``, wherever."""
     secrets = set()
-    for uri in [*uris, *(os.environ.get(v) for v in _TRACKING_URI_VARIABLES)]:
+    for uri in (os.environ.get(v) for v in _TRACKING_URI_VARIABLES):
         if not uri or redact_uri(uri) == uri:
             continue
         try:
@@ -100,9 +100,11 @@ class Sink:
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         """Write numbers of one step (names as in the JSONL records)."""
+        self._guard(self._log, metrics, step)
 
     def close(self, status: str = "FINISHED") -> None:
         """End the run: ``FINISHED``, ``FAILED`` or ``KILLED`` (stopped early, to be resumed)."""
+        self._guard(self._close, status)
 
     def where(self) -> str | None:
         """Where the run is and the command that shows it, for the closing lines; ``None`` once switched off."""
@@ -148,12 +150,11 @@ class MLflowSink(Sink):
             except Exception:
                 pass  # params already logged with other values (a resume with overrides): keep going
 
-    def log(self, metrics: Mapping[str, float], step: int) -> None:
-        numbers = {k.replace("/", "_"): float(v) for k, v in metrics.items()}
-        self._guard(lambda: self._mlflow.log_metrics(numbers, step=step))
+    def _log(self, metrics: Mapping[str, float], step: int) -> None:
+        self._mlflow.log_metrics({k.replace("/", "_"): float(v) for k, v in metrics.items()}, step=step)
 
-    def close(self, status: str = "FINISHED") -> None:
-        self._guard(lambda: self._mlflow.end_run(status=status))
+    def _close(self, status: str) -> None:
+        self._mlflow.end_run(status=status)
 
     def _where(self) -> str:
         uri = redact_uri(self.tracking_uri)
@@ -176,16 +177,13 @@ class TensorBoardSink(Sink):
         table = "\n".join(f"| {k} | {str(v)[:500]} |" for k, v in flatten(params).items())
         self._writer.add_text("config", "| key | value |\n|---|---|\n" + table, 0)
 
-    def log(self, metrics: Mapping[str, float], step: int) -> None:
-        def _log() -> None:
-            for k, v in metrics.items():
-                self._writer.add_scalar(k, float(v), step)
-            self._writer.flush()
+    def _log(self, metrics: Mapping[str, float], step: int) -> None:
+        for k, v in metrics.items():
+            self._writer.add_scalar(k, float(v), step)
+        self._writer.flush()
 
-        self._guard(_log)
-
-    def close(self, status: str = "FINISHED") -> None:
-        self._guard(lambda: self._writer.close())
+    def _close(self, status: str) -> None:
+        self._writer.close()
 
     def _where(self) -> str:
         return f"{self.log_dir}; {_browse(f'tensorboard --logdir {self.log_dir}', 'tensorboard', 'tensorboard')}"
@@ -215,19 +213,16 @@ class WandbSink(Sink):
         )
         self._run_id_file.write_text(self._run.id)
 
-    def log(self, metrics: Mapping[str, float], step: int) -> None:
-        self._guard(lambda: self._run.log(dict(metrics), step=step))
+    def _log(self, metrics: Mapping[str, float], step: int) -> None:
+        self._run.log(dict(metrics), step=step)
 
-    def close(self, status: str = "FINISHED") -> None:
-        def _end() -> None:
-            import wandb
+    def _close(self, status: str) -> None:
+        import wandb
 
-            if status == "KILLED":
-                self._run.mark_preempting()
-            self._run.finish(exit_code=1 if status == "FAILED" else 0)
-            wandb.teardown()  # waits until W&B's service has written everything (finish alone does not, offline)
-
-        self._guard(_end)
+        if status == "KILLED":
+            self._run.mark_preempting()
+        self._run.finish(exit_code=1 if status == "FAILED" else 0)
+        wandb.teardown()  # waits until W&B's service has written everything (finish alone does not, offline)
 
     def _where(self) -> str:
         if self.mode == "offline":
