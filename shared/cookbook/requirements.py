@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Sequence
 
 from cookbook import builds
-from cookbook.errors import ConfigError
+from cookbook.errors import ConfigError, chain
 
 # The `trackers` key's names -> (the module that writes it, its pip packages, the requirements file that pins them).
 TRACKERS = {
@@ -94,7 +94,7 @@ def require(module: str, requirements: str | Path, *, torch_build: bool = False)
 
 def _cause_line(exc: BaseException, limit: int = 200) -> str:
     """The first line of the innermost exception `exc` was raised from, with its class unless an import error."""
-    exc = builds.chain(exc)[-1]
+    exc = chain(exc)[-1]
     text = (str(exc).strip().splitlines() or [""])[0]
     text = text if isinstance(exc, ImportError) else f"{type(exc).__name__}: {text}".rstrip(": ")
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -103,7 +103,7 @@ def _cause_line(exc: BaseException, limit: int = 200) -> str:
 def import_error_line(exc: ImportError, requirements: str | Path | None = None) -> str:
     """The one line `cookbook.run_main` prints for an ImportError that ended a process (exit 2, not restarted): the
     module, the innermost cause, and the install line of `requirements` or else of the recipe's README."""
-    name = next((e.name for e in builds.chain(exc) if isinstance(e, ImportError) and e.name), None)
+    name = next((e.name for e in chain(exc) if isinstance(e, ImportError) and e.name), None)
     what = f"importing {name.split('.')[0]} failed" if name else "an import failed"
     fix = f"`pip install -r {requirements}`" if requirements else "its README's install line"
     return (
