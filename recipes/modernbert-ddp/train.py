@@ -96,11 +96,30 @@ class DataConfig:
 
 
 @dataclass
+class DDPConfig:
+    """``ddp``: ``DistributedDataParallel``'s speed settings (PyTorch's defaults); a resume may change them."""
+
+    bucket_cap_mb: float = 25.0
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+
+    def kwargs(self) -> dict:
+        """``DistributedDataParallel``'s keyword arguments; ConfigError: ``bucket_cap_mb`` not above 0."""
+        if not self.bucket_cap_mb > 0:
+            raise ConfigError(f"ddp.bucket_cap_mb={self.bucket_cap_mb}: must be above 0 (MiB per gradient bucket)")
+        return {
+            "bucket_cap_mb": float(self.bucket_cap_mb),
+            "gradient_as_bucket_view": bool(self.gradient_as_bucket_view),
+            "static_graph": bool(self.static_graph),
+        }
+
+
+@dataclass
 class Config(config.RunConfig):
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: config.HFCheckpointConfig = field(default_factory=config.HFCheckpointConfig)
-    ddp: config.DDPConfig = field(default_factory=config.DDPConfig)
+    ddp: DDPConfig = field(default_factory=DDPConfig)
 
 
 # Settings that may differ between a checkpoint and the run that resumes it; any other change is refused.

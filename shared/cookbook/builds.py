@@ -9,7 +9,7 @@ import importlib.abc
 import os
 import sys
 
-from cookbook.errors import EXIT_USER_ERROR, check_passed
+from cookbook.errors import EXIT_USER_ERROR, chain, check_passed
 
 _TORCH_BUILT = ("torchvision", "torchaudio")  # packages compiled against one torch build
 
@@ -18,8 +18,8 @@ class BrokenBuild(ImportError):
     """A `_TORCH_BUILT` package is installed but does not import beside this torch; the message says what to run."""
 
 
-def _matching_build(package: str, spec: str | None = None) -> tuple[str, str]:
-    """``(specifier, index_url)`` of `package`'s build for the installed torch: torch 2.N pairs with torchvision
+def install_line(package: str, reinstall: bool = False, spec: str | None = None) -> str:
+    """The pip command that installs `package`'s build for the installed torch: torch 2.N pairs with torchvision
     0.(N+15) and torchaudio 2.N (another package: `spec`), from the PyTorch index of torch's build (cpu, cu128, ...)."""
     import torch
 
@@ -28,13 +28,8 @@ def _matching_build(package: str, spec: str | None = None) -> tuple[str, str]:
     cuda, hip = torch.version.cuda, getattr(torch.version, "hip", None)
     build = f"cu{cuda.replace('.', '')}" if cuda else f"rocm{'.'.join(hip.split('.')[:2])}" if hip else "cpu"
     found = f"{package}=={paired[package]}" if package in paired else spec or package
-    return found, f"https://download.pytorch.org/whl/{build}"
-
-
-def install_line(package: str, reinstall: bool = False, spec: str | None = None) -> str:
-    """The pip command that installs `package`'s build for the installed torch (`_matching_build`)."""
-    spec, index = _matching_build(package, spec)
-    return f"pip install {'--force-reinstall --no-deps ' if reinstall else ''}'{spec}' --index-url {index}"
+    reinstalls = "--force-reinstall --no-deps " if reinstall else ""
+    return f"pip install {reinstalls}'{found}' --index-url https://download.pytorch.org/whl/{build}"
 
 
 def installed_version(package: str) -> str:
@@ -57,14 +52,6 @@ def rebuild_hint(package: str, spec: str | None = None) -> str:
     )
 
 
-def _broken_message(package: str, exc: BaseException) -> str:
-    cause = (str(exc).strip().splitlines() or [""])[0]
-    return (
-        f"{package}{installed_version(package)} is installed but does not import ({type(exc).__name__}: {cause}): "
-        f"{rebuild_hint(package)}"
-    )
-
-
 class _Loader(importlib.abc.Loader):
     def __init__(self, package: str, inner: importlib.abc.Loader):
         self.package, self.inner = package, inner
@@ -78,7 +65,12 @@ class _Loader(importlib.abc.Loader):
         except BrokenBuild:
             raise
         except Exception as exc:  # noqa: BLE001 - a compiled extension fails in many ways; all mean the same
-            raise BrokenBuild(_broken_message(self.package, exc), name=self.package) from exc
+            cause, name = (str(exc).strip().splitlines() or [""])[0], self.package
+            raise BrokenBuild(
+                f"{name}{installed_version(name)} is installed but does not import ({type(exc).__name__}: {cause}): "
+                f"{rebuild_hint(name)}",
+                name=name,
+            ) from exc
 
 
 class _Finder(importlib.abc.MetaPathFinder):
@@ -96,15 +88,6 @@ class _Finder(importlib.abc.MetaPathFinder):
                     spec.loader = _Loader(name, spec.loader)
                 return spec
         return None
-
-
-def chain(exc: BaseException | None) -> list[BaseException]:
-    """`exc` and the exceptions it was raised from, outermost first."""
-    found = []
-    while exc is not None and exc not in found:
-        found.append(exc)
-        exc = exc.__cause__ or exc.__context__
-    return found
 
 
 def broken_build_in(exc: BaseException | None) -> BrokenBuild | None:

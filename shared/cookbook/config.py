@@ -9,9 +9,11 @@ import argparse
 import dataclasses
 import difflib
 import errno
+import operator
 import os
 import sys
 import tempfile
+from functools import reduce
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence, TypeVar
 
@@ -147,10 +149,7 @@ def to_dict(cfg: object) -> dict:
     out = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
     for key, text in getattr(cfg, _FROM_ENV, {}).items():
         *parents, leaf = key.split(".")
-        node = out
-        for part in parents:
-            node = node[part]
-        node[leaf] = text
+        reduce(operator.getitem, parents, out)[leaf] = text
     return out  # type: ignore[return-value]
 
 
@@ -295,25 +294,6 @@ class LoraConfig:
         return dict(
             r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout, target_modules=list(self.target_modules)
         )
-
-
-@dataclasses.dataclass
-class DDPConfig:
-    """``ddp``: ``DistributedDataParallel``'s speed settings (PyTorch's defaults); a resume may change them."""
-
-    bucket_cap_mb: float = 25.0
-    gradient_as_bucket_view: bool = False
-    static_graph: bool = False
-
-    def kwargs(self) -> dict[str, Any]:
-        """``DistributedDataParallel``'s keyword arguments; ConfigError: ``bucket_cap_mb`` not above 0."""
-        if not self.bucket_cap_mb > 0:
-            raise ConfigError(f"ddp.bucket_cap_mb={self.bucket_cap_mb}: must be above 0 (MiB per gradient bucket)")
-        return {
-            "bucket_cap_mb": float(self.bucket_cap_mb),
-            "gradient_as_bucket_view": bool(self.gradient_as_bucket_view),
-            "static_graph": bool(self.static_graph),
-        }
 
 
 @dataclasses.dataclass

@@ -9,7 +9,6 @@ import atexit
 import contextlib
 import datetime
 import faulthandler
-import logging
 import os
 import re
 import socket
@@ -25,12 +24,10 @@ from typing import Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from cookbook.errors import EXIT_PEER_LOST, OneLineError
+from cookbook.errors import EXIT_PEER_LOST, OneLineError, chain
 from cookbook.errors import first_line as _first_line
 from cookbook.logs import configure_logging as _configure_logging
-from cookbook.logs import get_logger  # noqa: F401 (re-exported: the modules above import it from here)
-
-logger = logging.getLogger("cookbook")
+from cookbook.logs import get_logger  # re-exported: the modules above import it from here
 
 
 @dataclass(frozen=True)
@@ -111,7 +108,7 @@ def init_distributed(timeout_s: float = 1800.0, debug_dir: str | Path | None = N
         kwargs = {"device_id": info.device} if info.device.type == "cuda" else {}
         dist.init_process_group(backend=info.backend, timeout=timeout, **kwargs)
         atexit.register(destroy_distributed)
-    elif _STALL["timeout_s"] != timeout_s and hasattr(dist.distributed_c10d, "_set_pg_timeout"):
+    elif _STALL["timeout_s"] != timeout_s:
         dist.distributed_c10d._set_pg_timeout(timeout)  # the group `cookbook.distributed` made, with its own timeout
     _STALL.update(
         timeout_s=timeout_s, debug_dir=Path(debug_dir) if debug_dir is not None else None, store=None, step=None
@@ -119,7 +116,7 @@ def init_distributed(timeout_s: float = 1800.0, debug_dir: str | Path | None = N
     _configure_logging(info.rank)
     before = _align_autograd_threads(info.device)  # else compiled code recomputed in backward recompiles
     if before is not None and before != torch.get_num_threads() and info.rank == 0:
-        logger.info(
+        get_logger().info(
             f"autograd's {info.device} thread: {before} -> {torch.get_num_threads()} intra-op threads (as the "
             f"training thread: compiled graphs guard on it)"
         )
@@ -135,8 +132,7 @@ def set_collective_timeout(timeout_s: float, store_rank: int | None = None) -> N
         raise ValueError(f"the collective timeout must be > 0 seconds, got {timeout_s}")
     holder = None
     if dist.is_available() and dist.is_initialized():
-        if hasattr(dist.distributed_c10d, "_set_pg_timeout"):
-            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s))
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s))
         if store_rank is not None and dist.get_world_size() > 1:
             box = [(os.getpid(), _STALL["host"]) if dist.get_rank() == store_rank else None]
             dist.broadcast_object_list(box, src=store_rank)
@@ -167,8 +163,7 @@ def apply_collective_timeout() -> None:
     timeout_s = _STALL["timeout_s"]
     if timeout_s is None or not (dist.is_available() and dist.is_initialized()):
         return
-    world = getattr(dist.distributed_c10d, "_world", None)
-    for group in list(world.pg_map) if world is not None else [dist.group.WORLD]:
+    for group in list(dist.distributed_c10d._world.pg_map):
         try:
             dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s), group)
         except (ValueError, AssertionError, RuntimeError):  # a group this rank is not in
@@ -216,13 +211,7 @@ def last_finished_step() -> int | None:
 
 def collective_timed_out(exc: BaseException) -> bool:
     """True if `exc` (or one it was raised from) is a collective that waited past the group's timeout (gloo, NCCL)."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if any(m in str(exc).lower() for m in _TIMEOUT_MARKERS):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
+    return any(m in str(e).lower() for e in chain(exc) for m in _TIMEOUT_MARKERS)
 
 
 def stall_error(exc: BaseException) -> CollectiveTimeout | None:
@@ -398,8 +387,7 @@ def destroy_distributed() -> None:
     (docs/notes.md#a-hang-in-the-process-groups-destructor-torch-213-gloo)."""
     _STALL.update(timeout_s=None, debug_dir=None, store=None, step=None)  # of the group that ends here
     if dist.is_available() and dist.is_initialized():
-        world = getattr(dist.distributed_c10d, "_world", None)  # every group: the default one and subgroups (meshes)
-        _DESTROYED_GROUPS.extend(list(world.pg_map) if world is not None else [dist.group.WORLD])
+        _DESTROYED_GROUPS.extend(dist.distributed_c10d._world.pg_map)  # every group: the default one and subgroups
         dist.destroy_process_group()
 
 

@@ -47,6 +47,15 @@ class CheckpointError(RuntimeError):
     __module__ = "cookbook.checkpoint"
 
 
+def chain(exc: BaseException | None) -> list[BaseException]:
+    """`exc` and the exceptions it was raised from, outermost first."""
+    found = []
+    while exc is not None and exc not in found:
+        found.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return found
+
+
 def first_line(exc: BaseException, limit: int = 160) -> str:
     """The first line of `exc`'s message (its class name if empty), cut to `limit` characters."""
     text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]

@@ -5,36 +5,6 @@ rank in front, to whatever ``sys.stderr`` is at the time (`configure_logging`, c
 from __future__ import annotations
 
 import logging
-import sys
-
-
-class _RankFilter(logging.Filter):
-    def __init__(self, rank: int):
-        super().__init__()
-        self.rank = rank
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        # Warnings and errors from any rank get through, prefixed with the rank.
-        if record.levelno >= logging.WARNING:
-            record.msg = f"[rank{self.rank}] {record.msg}"
-            return True
-        return self.rank == 0
-
-
-class _StderrHandler(logging.StreamHandler):
-    """A stream handler that writes to whatever ``sys.stderr`` is when a record is emitted, not the one
-    that was current when the handler was made (notebooks and test runners replace ``sys.stderr``)."""
-
-    def __init__(self) -> None:
-        super().__init__(sys.stderr)
-
-    @property
-    def stream(self):  # type: ignore[override]
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value) -> None:
-        pass
 
 
 def configure_logging(rank: int) -> None:
@@ -42,10 +12,17 @@ def configure_logging(rank: int) -> None:
     root = logging.getLogger("cookbook")
     if any(getattr(h, "_cookbook", False) for h in root.handlers):
         return
-    handler = _StderrHandler()
+    handler = logging._StderrHandler()  # logging.lastResort's: writes to the sys.stderr of the time (notebooks swap it)
     handler._cookbook = True  # type: ignore[attr-defined]
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
-    handler.addFilter(_RankFilter(rank))
+
+    def by_rank(record: logging.LogRecord) -> bool:  # warnings and errors from any rank, prefixed with the rank
+        if record.levelno >= logging.WARNING:
+            record.msg = f"[rank{rank}] {record.msg}"
+            return True
+        return rank == 0
+
+    handler.addFilter(by_rank)
     root.addHandler(handler)
     root.setLevel(logging.INFO)
     root.propagate = False

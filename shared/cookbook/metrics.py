@@ -18,11 +18,11 @@ import torch.distributed as dist
 
 from cookbook import push
 from cookbook.config import save_config, to_dict
-from cookbook.dist import DistInfo, get_logger
+from cookbook.dist import DistInfo, all_reduce_sum, get_logger
 from cookbook.errors import EXIT_USER_ERROR, LAUNCH_TIME_ENV, OneLineError
 from cookbook.progress import ProgressBar
 from cookbook.requirements import check_trackers
-from cookbook.trackers import MLflowSink, Sink, TensorBoardSink, WandbSink, redact_uri
+from cookbook.trackers import SINKS, MLflowSink, Sink, redact_uri
 
 
 def launch_time() -> float:
@@ -181,34 +181,27 @@ class MetricsLogger:
         trackers: Sequence[str] | None = None,
         progress: bool = True,
     ):
-        if trackers is None:
-            trackers = (params or {}).get("trackers", ["mlflow"])
-        self.trackers = [t for t in dict.fromkeys(trackers) if mlflow or t != "mlflow"]
-        check_trackers(self.trackers)
         self.params = dict(params or {})
+        names = self.params.get("trackers", ["mlflow"]) if trackers is None else trackers
+        self.trackers = [t for t in dict.fromkeys(names) if mlflow or t != "mlflow"]
+        check_trackers(self.trackers)
         self.out_dir, self.info, self.flops, self.max_steps = Path(out_dir), info, flops, max_steps
         self.count_tokens = count_tokens
         self.jsonl_path = self.out_dir / "metrics.jsonl"
         self._peak = peak_bf16_flops(torch.cuda.get_device_name(info.device)) if info.device.type == "cuda" else None
-        self._mlflow: MLflowSink | None = None
         self._sinks: list[Sink] = []
         if info.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             _cut_torn_line(self.jsonl_path)
-            for name in self.trackers:
-                if name == "tensorboard":
-                    self._sinks.append(TensorBoardSink(self.out_dir, self.params))
-                else:
-                    sink = MLflowSink if name == "mlflow" else WandbSink
-                    self._sinks.append(sink(self.out_dir, run_name, experiment, self.params))
-            self._mlflow = next((k for k in self._sinks if isinstance(k, MLflowSink)), None)
+            self._sinks = [SINKS[name](self.out_dir, run_name, experiment, self.params) for name in self.trackers]
+        self._mlflow = next((k for k in self._sinks if isinstance(k, MLflowSink)), None)
         self._progress = progress
         self._bar: ProgressBar | None = None
         self.last_train: dict[str, float] = {}  # the newest train record (`log_step`)
         self.timings: dict[str, float] = {}  # startup_s, first_step_s (`first_step_done`): this rank's
         self._unit = "gpu" if info.device.type == "cuda" else "rank"  # what one device is, for the console
         self._reset_window(step=None)
-        self._t_start = self._t_loop = time.perf_counter()  # creation; the loop's start (`start`)
+        self._t_loop = time.perf_counter()  # the loop's start (`start`)
 
     @classmethod
     def for_run(cls, cfg: Any, info: DistInfo, *, experiment: str, **kwargs) -> MetricsLogger:
@@ -260,8 +253,7 @@ class MetricsLogger:
         `launch_time`) and ``first_step_s`` (from `start`); rank 0 logs them."""
         if self.info.device.type == "cuda":
             torch.cuda.synchronize(self.info.device)  # the step's kernels, not just their launch
-        now = time.perf_counter()
-        first = now - self._t_loop
+        first = time.perf_counter() - self._t_loop
         self.timings.update(startup_s=max(0.0, time.time() - launch_time()), first_step_s=first)
         if self.info.is_main:
             get_logger().info(
@@ -304,23 +296,11 @@ class MetricsLogger:
     ) -> dict[str, float]:
         """Reduce this window over ranks and write one train record (returned on every rank). `loss`: this rank's
         window mean; `grad_norm`: before clipping; `extra`: more numbers averaged over ranks."""
-        dev = self.info.device
-        if dev.type == "cuda":
+        dev, cuda = self.info.device, self.info.device.type == "cuda"
+        if cuda:
             torch.cuda.synchronize(dev)
-        now = time.perf_counter()
         steps = max(1, step - (self._last_step if self._last_step is not None else step - 1))
-        elapsed = now - self._last_time
-        tokens = self._tokens if isinstance(self._tokens, torch.Tensor) else torch.tensor(float(self._tokens))
-        sums = torch.stack(
-            [
-                torch.as_tensor(loss, dtype=torch.float64).to(dev).reshape(()),
-                tokens.to(dev, torch.float64).reshape(()),
-                torch.tensor(float(self._samples), dtype=torch.float64, device=dev),
-                torch.tensor(self._data_wait, dtype=torch.float64, device=dev),
-                *[torch.as_tensor(v, dtype=torch.float64).to(dev).reshape(()) for v in (extra or {}).values()],
-            ]
-        )
-        cuda = dev.type == "cuda"
+        elapsed = time.perf_counter() - self._last_time
         mem = torch.tensor(
             [
                 torch.cuda.max_memory_allocated(dev) / 2**30 if cuda else 0.0,
@@ -332,10 +312,10 @@ class MetricsLogger:
             dtype=torch.float64,
             device=dev,
         )
+        sums = [loss, self._tokens, float(self._samples), self._data_wait, *(extra or {}).values()]
+        loss_sum, tok, samples, wait, *extra_sums = all_reduce_sum(dict(enumerate(sums)), dev).values()
         if dist.is_initialized():
-            dist.all_reduce(sums, op=dist.ReduceOp.SUM)
             dist.all_reduce(mem, op=dist.ReduceOp.MAX)
-        loss_sum, tok, samples, wait, *extra_sums = sums.tolist()
         alloc, reserved, rss, elapsed, pass_wait = mem.tolist()
         world = self.info.world_size
         rec: dict[str, float] = {"step": step, "loss": loss_sum / world, "lr": float(lr)}

@@ -35,11 +35,11 @@ class _AboveBar(logging.Handler):
 
 
 class ProgressBar:
-    """A tqdm bar of optimizer steps on `stream` (default ``sys.stderr``), drawn only on a terminal; `total` None:
-    no ETA; `initial`: steps already done; `unit`: ``gpu`` or ``rank``."""
+    """A tqdm bar of optimizer steps on ``sys.stderr``, drawn only on a terminal; `total` None: no ETA; `initial`:
+    steps already done; `unit`: ``gpu`` or ``rank``."""
 
-    def __init__(self, total: int | None, initial: int = 0, stream: IO | None = None, unit: str = "gpu"):
-        self.stream, self.unit, self.bar = sys.stderr if stream is None else stream, unit, None
+    def __init__(self, total: int | None, initial: int = 0, unit: str = "gpu"):
+        self.stream, self.unit, self.bar = sys.stderr, unit, None
         self._swapped: list[tuple[logging.Handler, logging.Handler]] = []
         if not is_terminal(self.stream):
             return

@@ -3,11 +3,13 @@ requirements file by `pinned`), and the one line for an import that failed (`imp
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 from pathlib import Path
 from typing import Sequence
 
 from cookbook import builds
-from cookbook.errors import ConfigError
+from cookbook.errors import ConfigError, chain
 
 # The `trackers` key's names -> (the module that writes it, its pip packages, the requirements file that pins them).
 TRACKERS = {
@@ -27,19 +29,17 @@ def install_hint(packages: str, requirements: str | Path) -> str:
     return f"`pip install {packages}`, or `pip install -r {requirements}`{where}"
 
 
-def check_trackers(trackers: Sequence[str], key: str = "trackers") -> None:
+def check_trackers(trackers: Sequence[str]) -> None:
     """Raise ConfigError for a tracker name not in `TRACKERS`, or one whose package is not installed."""
-    import importlib.util
-
     for name in trackers:
         if name not in TRACKERS:
             raise ConfigError(
-                f"{key}: unknown tracker {name!r}; choose from {', '.join(TRACKERS)} (metrics.jsonl is always written)"
+                f"trackers: unknown tracker {name!r}; choose from {', '.join(TRACKERS)} (metrics.jsonl is always written)"
             )
         module, packages, requirements = TRACKERS[name]
         if importlib.util.find_spec(module) is None:
             raise ConfigError(
-                f"{key}: {name} is selected but the {module} package is not installed: "
+                f"trackers: {name} is selected but the {module} package is not installed: "
                 f"{install_hint(packages, requirements)}"
             )
 
@@ -69,8 +69,6 @@ def _project_name(spec: str) -> str:
 def require(module: str, requirements: str | Path, *, torch_build: bool = False) -> None:
     """Raise ConfigError (one line) for a package `module` that is not installed or does not import; `requirements`:
     the file that pins it; `torch_build`: compiled against torch, so the line names the build for this torch."""
-    import importlib
-
     spec = pinned(module, requirements)
     name = _project_name(spec)
     try:
@@ -96,7 +94,7 @@ def require(module: str, requirements: str | Path, *, torch_build: bool = False)
 
 def _cause_line(exc: BaseException, limit: int = 200) -> str:
     """The first line of the innermost exception `exc` was raised from, with its class unless an import error."""
-    exc = builds.chain(exc)[-1]
+    exc = chain(exc)[-1]
     text = (str(exc).strip().splitlines() or [""])[0]
     text = text if isinstance(exc, ImportError) else f"{type(exc).__name__}: {text}".rstrip(": ")
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -105,7 +103,7 @@ def _cause_line(exc: BaseException, limit: int = 200) -> str:
 def import_error_line(exc: ImportError, requirements: str | Path | None = None) -> str:
     """The one line `cookbook.run_main` prints for an ImportError that ended a process (exit 2, not restarted): the
     module, the innermost cause, and the install line of `requirements` or else of the recipe's README."""
-    name = next((e.name for e in builds.chain(exc) if isinstance(e, ImportError) and e.name), None)
+    name = next((e.name for e in chain(exc) if isinstance(e, ImportError) and e.name), None)
     what = f"importing {name.split('.')[0]} failed" if name else "an import failed"
     fix = f"`pip install -r {requirements}`" if requirements else "its README's install line"
     return (

@@ -6,6 +6,8 @@ before any worker starts; a second run there is refused in one line naming the h
 from __future__ import annotations
 
 import fcntl
+import fnmatch
+import json
 import os
 import socket
 import sys
@@ -25,14 +27,10 @@ class RunLocked(OneLineError):
     exit_status = EXIT_USER_ERROR
 
 
-def _lock_path(output_dir: str | Path, node_rank: int | str = 0) -> Path:
-    return Path(output_dir) / f".run.lock.node{node_rank}"
-
-
 def acquire(output_dir: str | Path, node_rank: int | str = 0) -> int:
     """Take the run lock of `output_dir` for this process (released when it exits); returns its descriptor.
     Raises RunLocked: ``output_dir=... is in use by the run of pid P on host H (since T)``."""
-    path = _lock_path(output_dir, node_rank)
+    path = Path(output_dir) / f".run.lock.node{node_rank}"
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -67,8 +65,6 @@ def read_reported(target: str | Path) -> str | None:
 
 def _comparable(config: Mapping, may_change: tuple[str, ...], prefix: str = "") -> dict:
     """`config`'s settings by dotted key (``train.max_steps``), but for those that `may_change` matches."""
-    import fnmatch
-
     out: dict = {}
     for k, v in config.items():
         if isinstance(v, Mapping):
@@ -81,8 +77,6 @@ def _comparable(config: Mapping, may_change: tuple[str, ...], prefix: str = "") 
 def mark_complete(output_dir: str | Path, config: dict, message: str, outputs: dict[str, str]) -> None:
     """Write `_COMPLETE_FILE` (atomically, rank 0) with the run's `config`, the `message` a second run prints and
     the `outputs` (name -> path) that must still exist."""
-    import json
-
     path = Path(output_dir) / _COMPLETE_FILE
     tmp = path.with_suffix(".tmp")
     tmp.write_text(
@@ -97,8 +91,6 @@ def mark_complete(output_dir: str | Path, config: dict, message: str, outputs: d
 def complete_message(output_dir: str | Path, config: dict, may_change: tuple[str, ...]) -> str | None:
     """The "already complete" line when `output_dir` holds a run finished there whose settings equal `config` but
     for `may_change` (glob patterns: ``checkpoint.*``) and whose outputs all exist; else None."""
-    import json
-
     path = Path(output_dir).expanduser() / _COMPLETE_FILE
     try:
         done = json.loads(path.read_text())

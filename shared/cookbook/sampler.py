@@ -40,12 +40,9 @@ class ResizableSampler(DistributedSampler):
             return torch.randperm(len(self.dataset), generator=g).tolist()
         return list(range(len(self.dataset)))
 
-    def _per_rank(self) -> int:
-        left = len(self.dataset) - self.start
-        return left // self.num_replicas if self.drop_last else math.ceil(left / self.num_replicas)
-
     def __len__(self) -> int:
-        return max(self._per_rank(), 0)
+        left = len(self.dataset) - self.start
+        return max(left // self.num_replicas if self.drop_last else math.ceil(left / self.num_replicas), 0)
 
     def __iter__(self) -> Iterator[int]:
         order = self.order()

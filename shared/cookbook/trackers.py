@@ -9,7 +9,8 @@ import importlib.util
 import logging
 import os
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 from cookbook.config import flatten
 from cookbook.requirements import TRACKER_UIS, TRACKER_UIS_FILE, install_hint
@@ -26,8 +27,6 @@ def _secret(key: str) -> bool:
 
 def redact_uri(uri: str | None) -> str | None:
     """`uri` with its password (``https://user:pw@host``) and secret-looking query values (``?token=``) as ``***``."""
-    from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
-
     if not uri:
         return uri
     try:
@@ -48,12 +47,10 @@ def redact_uri(uri: str | None) -> str | None:
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
-def _redact_text(text: str, uris: Sequence[str | None] = ()) -> str:
-    """`text` with the secrets `redact_uri` masks in `uris` and the environment's tracking URIs as ``***``, wherever."""
-    from urllib.parse import parse_qsl, unquote, urlsplit
-
+def _redact_text(text: str) -> str:
+    """`text` with the secrets `redact_uri` masks in the environment's tracking URIs as ``***``, wherever."""
     secrets = set()
-    for uri in [*uris, *(os.environ.get(v) for v in _TRACKING_URI_VARIABLES)]:
+    for uri in (os.environ.get(v) for v in _TRACKING_URI_VARIABLES):
         if not uri or redact_uri(uri) == uri:
             continue
         try:
@@ -74,12 +71,16 @@ def _redact_text(text: str, uris: Sequence[str | None] = ()) -> str:
 
 
 class Sink:
-    """A tracker beside ``metrics.jsonl`` that switches itself off, with one warning line, at its first failure."""
+    """A tracker beside ``metrics.jsonl`` that switches itself off, with one warning line, at its first failure;
+    `_start` opens its run in `out_dir` (a resumed run continues the one whose id is in ``<out_dir>/<id_file>``)."""
 
-    name = ""
+    name = id_file = ""
+    run_id = tracking_uri = None
 
-    def __init__(self) -> None:
+    def __init__(self, out_dir: Path, run_name: str, experiment: str, params: Mapping[str, Any]) -> None:
         self.enabled = True
+        self._run_id_file = out_dir / self.id_file
+        self._guard(self._start, out_dir, run_name, experiment, params)
 
     def _guard(self, fn, *args) -> None:
         if not self.enabled:
@@ -92,34 +93,35 @@ class Sink:
             why = _redact_text(f"{type(exc).__name__}: {first}")  # a message may quote a tracking URI with its token
             get_logger().warning(f"{self.name} tracking switched off after an error: {why}")
 
+    def _last_run_id(self, variable: str) -> str | None:
+        """The run to continue: the environment's `variable`, else the id stored in the output folder."""
+        path = self._run_id_file
+        return os.environ.get(variable) or ((path.read_text().strip() or None) if path.is_file() else None)
+
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         """Write numbers of one step (names as in the JSONL records)."""
+        self._guard(self._log, metrics, step)
 
     def close(self, status: str = "FINISHED") -> None:
         """End the run: ``FINISHED``, ``FAILED`` or ``KILLED`` (stopped early, to be resumed)."""
+        self._guard(self._close, status)
 
     def where(self) -> str | None:
         """Where the run is and the command that shows it, for the closing lines; ``None`` once switched off."""
-        return None
+        return self._where() if self.enabled else None
 
 
-def _run_id_of_last_time(path: Path) -> str | None:
-    """The run id a tracker stored in the output folder, so that a resumed run continues its tracker run."""
-    return (path.read_text().strip() or None) if path.is_file() else None
+def _browse(command: str, tracker: str, module: str, note: str = "") -> str:
+    """``browse with `command` ``, with the pip line of its UI when `module` (the UI's) is not installed."""
+    if importlib.util.find_spec(module) is not None:
+        return f"browse with `{command}`"
+    return f"browse with `{command}` (after {install_hint(TRACKER_UIS[tracker], TRACKER_UIS_FILE)}{note})"
 
 
 class MLflowSink(Sink):
     """MLflow: ``MLFLOW_TRACKING_URI``, else an embedded SQLite store in the output folder."""
 
-    name = "MLflow"
-
-    def __init__(self, out_dir: Path, run_name: str, experiment: str, params: Mapping[str, Any]):
-        super().__init__()
-        self._run_id_file = out_dir / "mlflow_run_id.txt"
-        self.run_id: str | None = None
-        self.tracking_uri: str | None = None
-        self._mlflow = None  # the mlflow module, once imported
-        self._guard(self._start, out_dir, run_name, experiment, params)
+    name, id_file = "MLflow", "mlflow_run_id.txt"
 
     def _start(self, out_dir: Path, run_name: str, experiment: str, params: Mapping[str, Any]) -> None:
         import mlflow
@@ -135,7 +137,7 @@ class MLflowSink(Sink):
         mlflow.set_tracking_uri(self.tracking_uri)
         if users is None:  # mlflow also exports it into os.environ, where the next run of this process (a notebook
             os.environ.pop("MLFLOW_TRACKING_URI", None)  # cell, a forked worker) would take it for the user's
-        run_id = os.environ.get("MLFLOW_RUN_ID") or _run_id_of_last_time(self._run_id_file)
+        run_id = self._last_run_id("MLFLOW_RUN_ID")
         if not run_id:
             mlflow.set_experiment(experiment)
         run = mlflow.start_run(run_id=run_id or None, run_name=None if run_id else run_name)
@@ -148,23 +150,18 @@ class MLflowSink(Sink):
             except Exception:
                 pass  # params already logged with other values (a resume with overrides): keep going
 
-    def log(self, metrics: Mapping[str, float], step: int) -> None:
-        numbers = {k.replace("/", "_"): float(v) for k, v in metrics.items()}
-        self._guard(lambda: self._mlflow.log_metrics(numbers, step=step))
+    def _log(self, metrics: Mapping[str, float], step: int) -> None:
+        self._mlflow.log_metrics({k.replace("/", "_"): float(v) for k, v in metrics.items()}, step=step)
 
-    def close(self, status: str = "FINISHED") -> None:
-        self._guard(lambda: self._mlflow.end_run(status=status))
+    def _close(self, status: str) -> None:
+        self._mlflow.end_run(status=status)
 
-    def where(self) -> str | None:
-        if not self.enabled:
-            return None
+    def _where(self) -> str:
         uri = redact_uri(self.tracking_uri)
         if uri is not None and uri.startswith(("http://", "https://", "databricks")):
             return f"{uri} (run {self.run_id})"  # a server: its own UI shows the run
-        ui = f"`mlflow ui --backend-store-uri {uri}`"
-        if importlib.util.find_spec("flask") is None:  # mlflow-skinny has no UI server
-            ui += f" (after {install_hint(TRACKER_UIS['mlflow'], TRACKER_UIS_FILE)}; mlflow-skinny has no UI)"
-        return f"{uri} (run {self.run_id}); browse with {ui}"
+        ui = _browse(f"mlflow ui --backend-store-uri {uri}", "mlflow", "flask", "; mlflow-skinny has no UI")
+        return f"{uri} (run {self.run_id}); {ui}"
 
 
 class TensorBoardSink(Sink):
@@ -172,56 +169,37 @@ class TensorBoardSink(Sink):
 
     name = "TensorBoard"
 
-    def __init__(self, out_dir: Path, params: Mapping[str, Any]):
-        super().__init__()
-        self.log_dir = out_dir / "tensorboard"
-        self._writer = None
-        self._guard(self._start, params)
-
-    def _start(self, params: Mapping[str, Any]) -> None:
+    def _start(self, out_dir: Path, run_name: str, experiment: str, params: Mapping[str, Any]) -> None:
         from tensorboardX import SummaryWriter
 
+        self.log_dir = out_dir / "tensorboard"
         self._writer = SummaryWriter(logdir=str(self.log_dir), flush_secs=10)
         table = "\n".join(f"| {k} | {str(v)[:500]} |" for k, v in flatten(params).items())
         self._writer.add_text("config", "| key | value |\n|---|---|\n" + table, 0)
 
-    def log(self, metrics: Mapping[str, float], step: int) -> None:
-        def _log() -> None:
-            for k, v in metrics.items():
-                self._writer.add_scalar(k, float(v), step)
-            self._writer.flush()
+    def _log(self, metrics: Mapping[str, float], step: int) -> None:
+        for k, v in metrics.items():
+            self._writer.add_scalar(k, float(v), step)
+        self._writer.flush()
 
-        self._guard(_log)
+    def _close(self, status: str) -> None:
+        self._writer.close()
 
-    def close(self, status: str = "FINISHED") -> None:
-        self._guard(lambda: self._writer.close())
-
-    def where(self) -> str | None:
-        if not self.enabled:
-            return None
-        ui = f"`tensorboard --logdir {self.log_dir}`"
-        if importlib.util.find_spec("tensorboard") is None:
-            ui += f" (after {install_hint(TRACKER_UIS['tensorboard'], TRACKER_UIS_FILE)})"
-        return f"{self.log_dir}; browse with {ui}"
+    def _where(self) -> str:
+        return f"{self.log_dir}; {_browse(f'tensorboard --logdir {self.log_dir}', 'tensorboard', 'tensorboard')}"
 
 
 class WandbSink(Sink):
     """Weights & Biases: online when ``WANDB_API_KEY`` is set, else offline into ``<out_dir>/wandb``
     (``WANDB_MODE`` decides when set); a resumed run continues its W&B run (``wandb_run_id.txt``)."""
 
-    name = "W&B"
-
-    def __init__(self, out_dir: Path, run_name: str, experiment: str, params: Mapping[str, Any]):
-        super().__init__()
-        self._run = None
-        self._run_id_file = out_dir / "wandb_run_id.txt"
-        self.mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
-        self._guard(self._start, out_dir, run_name, experiment, params)
+    name, id_file = "W&B", "wandb_run_id.txt"
 
     def _start(self, out_dir: Path, run_name: str, experiment: str, params: Mapping[str, Any]) -> None:
+        self.mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
         import wandb
 
-        run_id = os.environ.get("WANDB_RUN_ID") or _run_id_of_last_time(self._run_id_file)
+        run_id = self._last_run_id("WANDB_RUN_ID")
         settings = wandb.Settings(console="off", silent=True, disable_git=True, save_code=False)
         self._run = wandb.init(
             project=os.environ.get("WANDB_PROJECT") or experiment,
@@ -235,24 +213,22 @@ class WandbSink(Sink):
         )
         self._run_id_file.write_text(self._run.id)
 
-    def log(self, metrics: Mapping[str, float], step: int) -> None:
-        self._guard(lambda: self._run.log(dict(metrics), step=step))
+    def _log(self, metrics: Mapping[str, float], step: int) -> None:
+        self._run.log(dict(metrics), step=step)
 
-    def close(self, status: str = "FINISHED") -> None:
-        def _end() -> None:
-            import wandb
+    def _close(self, status: str) -> None:
+        import wandb
 
-            if status == "KILLED":
-                self._run.mark_preempting()
-            self._run.finish(exit_code=1 if status == "FAILED" else 0)
-            wandb.teardown()  # waits until W&B's service has written everything (finish alone does not, offline)
+        if status == "KILLED":
+            self._run.mark_preempting()
+        self._run.finish(exit_code=1 if status == "FAILED" else 0)
+        wandb.teardown()  # waits until W&B's service has written everything (finish alone does not, offline)
 
-        self._guard(_end)
-
-    def where(self) -> str | None:
-        if not self.enabled or self._run is None:
-            return None
+    def _where(self) -> str:
         if self.mode == "offline":
             folder = Path(self._run.dir).parent  # <out_dir>/wandb/offline-run-<time>-<id>
             return f"{folder} (offline); upload with `wandb sync {folder}`"
         return f"{redact_uri(self._run.url)} (run {self._run.id})"
+
+
+SINKS = {"mlflow": MLflowSink, "tensorboard": TensorBoardSink, "wandb": WandbSink}  # the `trackers` key's names
