@@ -31,14 +31,12 @@ from cookbook.dist import collective_timed_out, describe_stall, last_finished_st
 from cookbook.errors import (
     AGENT_PID_ENV,
     EXIT_BUG,
-    EXIT_DIVERGED,  # noqa: F401
     EXIT_INTERRUPTED,
     EXIT_OK,
-    EXIT_PEER_LOST,  # noqa: F401
-    EXIT_PREEMPTED,  # noqa: F401
+    EXIT_PEER_LOST,
+    EXIT_PREEMPTED,  # noqa: F401 - imported from here (tests)
     EXIT_USER_ERROR,
     LAST_STEP_KEY,
-    LAUNCH_TIME_ENV,  # noqa: F401
     AlreadyComplete,
     OneLineError,
     check_passed,
@@ -160,14 +158,11 @@ def run_main(
 _QUIET_RANK_WAIT_S = 1.0  # a rank quiet about an error every rank raised waits so long: rank 0 is reported first
 
 
-def _quiet(exc: BaseException, rank: str) -> bool:
-    """An error raised alike on every rank (its class sets ``same_on_every_rank``) is printed by rank 0 alone."""
-    return bool(getattr(exc, "same_on_every_rank", False)) and rank not in ("", "0")
-
-
 def _say_once(exc: BaseException, rank: str, where: str) -> None:
+    """Record and print `exc`; one raised alike on every rank (its class sets ``same_on_every_rank``) is printed by
+    rank 0 alone."""
     _record(exc)
-    if _quiet(exc, rank):
+    if getattr(exc, "same_on_every_rank", False) and rank not in ("", "0"):
         time.sleep(_QUIET_RANK_WAIT_S)
     else:
         _say(f"error: {where}{exc}")
@@ -202,12 +197,10 @@ def _record(exc: BaseException) -> None:
 
         ErrorHandler().record_exception(exc)
         if (step := last_finished_step()) is not None:  # the launcher tells a failure that repeats at one step
-            path = os.environ["TORCHELASTIC_ERROR_FILE"]
-            with open(path) as f:
-                data = json.load(f)
+            path = Path(os.environ["TORCHELASTIC_ERROR_FILE"])
+            data = json.loads(path.read_text())
             data["message"]["extraInfo"][LAST_STEP_KEY] = step
-            with open(path, "w") as f:
-                json.dump(data, f)
+            path.write_text(json.dumps(data))
     except Exception:  # noqa: BLE001 - the error itself is printed either way
         pass
 

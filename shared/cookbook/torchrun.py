@@ -52,12 +52,18 @@ _stop_asked = False  # the launcher was sent SIGUSR1 (or SIGTERM): no restart af
 
 def describe_failure(rank: int, exitcode: int) -> tuple[str, int]:
     """``(line, status)`` for the first failed worker `rank`; `exitcode` negative: killed by that signal (128 + N)."""
-    if exitcode < 0:
-        line = f"error: rank {rank} was killed by {_signal_name(-exitcode)}; the other ranks were stopped"
-        return line, 128 - exitcode
-    meaning = _MEANING.get(exitcode, "see its output above")
-    line = f"error: rank {rank} failed first (exit status {exitcode}: {meaning}); the other ranks were stopped"
-    return line, exitcode
+    line = f"error: {_failed(rank, exitcode, ' first')}; the other ranks were stopped"
+    return line, 128 - exitcode if exitcode < 0 else exitcode
+
+
+def _failed(rank: int, exitcode: int, first: str = "") -> str:
+    """``rank N was killed by SIGX`` (`exitcode` negative) or ``rank N failed<first> (exit status S: meaning)``."""
+    if exitcode >= 0:
+        return f"rank {rank} failed{first} (exit status {exitcode}: {_MEANING.get(exitcode, 'see its output above')})"
+    try:
+        return f"rank {rank} was killed by {signal.Signals(-exitcode).name}"
+    except ValueError:
+        return f"rank {rank} was killed by signal {-exitcode}"
 
 
 def should_restart(exitcode: int, exitcodes: Iterable[int] = ()) -> bool:
@@ -104,10 +110,8 @@ def _restart_line(attempt: int, max_restarts: int, rank: int, exitcode: int, sta
             f"rank{'s' if many else ''} {', '.join(map(str, stalled))} stalled (rank {rank}'s collective timed "
             f"out waiting for {'them' if many else 'it'})"
         )
-    elif exitcode < 0:
-        what = f"rank {rank} was killed by {_signal_name(-exitcode)}"
     else:
-        what = f"rank {rank} failed (exit status {exitcode}: {_MEANING.get(exitcode, 'see its output above')})"
+        what = _failed(rank, exitcode)
     return f"restart {attempt} of {max_restarts}: {what}; the workers resume from the newest checkpoint"
 
 
@@ -196,13 +200,6 @@ def main(argv: list[str] | None = None) -> int:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-
-
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
 
 
 def _forward_to_workers(signum: int, frame) -> None:
