@@ -162,9 +162,8 @@ def main(argv: list[str] | None = None) -> int:
                 if all(code == EXIT_PREEMPTED for code in codes):
                     print(_PREEMPTED, file=sys.stderr)
                     return EXIT_PREEMPTED
-                seen, repeated = _failure_signature(rank, failure), None
-                if attempt and seen is not None and seen == last_seen:
-                    repeated = seen[-1]
+                seen = _failure_signature(rank, failure)
+                repeated = seen[-1] if attempt and seen is not None and seen == last_seen else None
                 last_seen = seen
                 restart = should_restart(failure.exitcode, codes) and repeated is None and not _stop_asked
                 if restart and attempt < max_restarts:
