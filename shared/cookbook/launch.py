@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 from cookbook import run_lock
 from cookbook.errors import EXIT_BUG, EXIT_INTERRUPTED, EXIT_OK, EXIT_USER_ERROR, LAUNCH_TIME_ENV, VERDICT_ENV
+from cookbook.torchrun import environ_kept
 
 
 _WORLD_SIZE_ENV = "COOKBOOK_WORLD_SIZE"  # the check's world size (NGPU x NNODES), set for train.py --check
@@ -80,14 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("script", help="the recipe's train.py")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="--config FILE and config overrides")
     args = parser.parse_args(argv)
-    before = os.environ.get(LAUNCH_TIME_ENV)
-    if before is None:  # the workers' startup_s counts from here (cookbook.metrics.launch_time)
-        os.environ[LAUNCH_TIME_ENV] = repr(started)
-    try:
+    with environ_kept(LAUNCH_TIME_ENV):  # as it was afterwards (also called in-process, by tests)
+        os.environ.setdefault(LAUNCH_TIME_ENV, repr(started))  # the workers' startup_s counts from here
         return _launch(args)
-    finally:  # (also called in-process, by tests)
-        if before is None:
-            os.environ.pop(LAUNCH_TIME_ENV, None)
 
 
 class ScriptExit(BaseException):
@@ -283,19 +279,12 @@ def _check_beside_workers(
 def _torchrun(torchrun_args: list[str], env: dict[str, str] | None = None) -> int:
     """`cookbook.torchrun` here, with COOKBOOK_CHECKED=1 (the workers need not repeat what the check printed, a
     damaged checkpoint) and `env` in the environment meanwhile."""
-    from cookbook.torchrun import main as torchrun
+    from cookbook.torchrun import main as torchrun  # here: tests replace it
 
     env = {"COOKBOOK_CHECKED": "1", **(env or {})}
-    before = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    try:
+    with environ_kept(*env):  # (also called in-process, by tests)
+        os.environ.update(env)
         return torchrun(torchrun_args)
-    finally:  # (also called in-process, by tests)
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 if __name__ == "__main__":  # the module's own copy: cookbook.run_main's exit reads ScriptExit.running there

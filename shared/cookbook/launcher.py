@@ -35,6 +35,7 @@ import torch
 
 from cookbook.dist import distributed_context
 from cookbook.run_lock import die_with_parent
+from cookbook.torchrun import environ_kept
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -202,7 +203,7 @@ def _run_local(fn: Callable, args: tuple, kwargs: dict, n: int, start_method: st
     )
     threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
     try:
-        with _around_agent():
+        with _around_agent(), environ_kept("TORCHELASTIC_SIGNALS_TO_HANDLE"):
             try:
                 returned = elastic_launch(config, _worker)(payload, str(workdir / "errors"), threads, timeout_minutes)
             except ChildFailedError as exc:
@@ -222,8 +223,7 @@ def _run_local(fn: Callable, args: tuple, kwargs: dict, n: int, start_method: st
 @contextlib.contextmanager
 def _around_agent() -> Iterator[None]:
     """Only critical messages of the elastic agent's loggers meanwhile (the `WorkerError` says a failure once); then
-    the caller's signal handlers and environment back (the agent leaves its own)."""
-    saved_env = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")
+    the caller's signal handlers back (the agent leaves its own)."""
     main = threading.current_thread() is threading.main_thread()
     saved = {sig: signal.getsignal(sig) for sig in _HANDLED_SIGNALS} if main else {}
     prefixes = ("torch.distributed.elastic", "torch.multiprocessing")  # each module's logger has its own level
@@ -239,9 +239,6 @@ def _around_agent() -> Iterator[None]:
         for sig, handler in saved.items():
             if handler is not None:
                 signal.signal(sig, handler)
-        os.environ.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
-        if saved_env is not None:
-            os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = saved_env
 
 
 # ----------------------------------------------------------------------------- Ray Train workers
