@@ -35,7 +35,7 @@ import torch
 
 from cookbook.dist import distributed_context
 from cookbook.run_lock import die_with_parent
-from cookbook.torchrun import environ_kept
+from cookbook.torchrun import environ_kept, killed_by
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -396,7 +396,7 @@ def _format_traceback(record: dict) -> str:
 def _worker_error(records: list[dict], world: int, rank: int | None, exitcode: int | None) -> WorkerError:
     """One `WorkerError` for the first failure: the earliest error record, else the agent's first failed process."""
     if not records:
-        how = f"exit code {exitcode}" if exitcode is None or exitcode >= 0 else _signal_name(-exitcode)
+        how = f"exit code {exitcode}" if exitcode is None or exitcode >= 0 else killed_by(-exitcode)
         return WorkerError(
             f"rank {rank} of {world} died without a Python exception ({how}): before the function "
             f"started (its output above says why; a script that calls .distributed(...) outside "
@@ -429,10 +429,3 @@ def _worker_error(records: list[dict], world: int, rank: int | None, exitcode: i
 def _first_line(text: str, limit: int = 160) -> str:
     line = text.splitlines()[0] if text else ""
     return line if len(line) <= limit else line[:limit] + "..."
-
-
-def _signal_name(num: int) -> str:
-    try:
-        return f"killed by {signal.Signals(num).name}"
-    except ValueError:
-        return f"killed by signal {num}"

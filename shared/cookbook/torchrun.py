@@ -61,10 +61,15 @@ def _failed(rank: int, exitcode: int, first: str = "") -> str:
     """``rank N was killed by SIGX`` (`exitcode` negative) or ``rank N failed<first> (exit status S: meaning)``."""
     if exitcode >= 0:
         return f"rank {rank} failed{first} (exit status {exitcode}: {_MEANING.get(exitcode, 'see its output above')})"
+    return f"rank {rank} was {killed_by(-exitcode)}"
+
+
+def killed_by(signum: int) -> str:
+    """``killed by SIGKILL``, or ``killed by signal N`` for a number that names no signal."""
     try:
-        return f"rank {rank} was killed by {signal.Signals(-exitcode).name}"
+        return f"killed by {signal.Signals(signum).name}"
     except ValueError:
-        return f"rank {rank} was killed by signal {-exitcode}"
+        return f"killed by signal {signum}"
 
 
 def should_restart(exitcode: int, exitcodes: Iterable[int] = ()) -> bool:
@@ -144,9 +149,8 @@ def environ_kept(*keys: str) -> Iterator[None]:
         yield
     finally:
         for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
+            os.environ.pop(key, None)
+            if value is not None:
                 os.environ[key] = value
 
 
