@@ -12,6 +12,7 @@ launcher sees the first failure first. The process ends with ``os._exit``, skipp
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import inspect
 import json
@@ -129,10 +130,9 @@ def run_main(
         print(f"{where}{exc or 'interrupted'}", file=sys.stderr)
         _exit(EXIT_INTERRUPTED)
     except SystemExit as exc:
-        code = exc.code
-        if isinstance(code, str):
-            print(code, file=sys.stderr)
-        _exit(code if isinstance(code, int) else (0 if code is None else EXIT_BUG))
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+        _exit(exc.code if isinstance(exc.code, int) else (0 if exc.code is None else EXIT_BUG))
     except BaseException as exc:  # noqa: BLE001 - every failure ends the process with a status
         if world > 1 and collective_timed_out(exc):  # this rank is healthy: its line names the stalled one, first
             line = describe_stall(exc)
@@ -192,7 +192,7 @@ def _record(exc: BaseException) -> None:
     """Write `exc` (and the last finished step) to torchrun's per-worker error file, if torchrun gave one."""
     if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
         return
-    try:
+    with contextlib.suppress(Exception):  # the error itself is printed either way
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
         ErrorHandler().record_exception(exc)
@@ -201,8 +201,6 @@ def _record(exc: BaseException) -> None:
             data = json.loads(path.read_text())
             data["message"]["extraInfo"][LAST_STEP_KEY] = step
             path.write_text(json.dumps(data))
-    except Exception:  # noqa: BLE001 - the error itself is printed either way
-        pass
 
 
 def _exit(status: int, wait: float = 0.0) -> NoReturn:
@@ -216,10 +214,8 @@ def _exit(status: int, wait: float = 0.0) -> NoReturn:
         atexit._run_exitfuncs()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(Exception):  # a closed stream cannot block the exit
             stream.flush()
-        except Exception:  # noqa: BLE001 - a closed stream cannot block the exit
-            pass
     if wait:
         time.sleep(wait)
     os._exit(status)

@@ -222,10 +222,8 @@ def _forward_to_workers(signum: int, frame) -> None:
     global _stop_asked
     _stop_asked = True
     for child in psutil.Process().children():  # the workers (not their data-loader processes)
-        try:
+        with contextlib.suppress(psutil.Error):
             child.send_signal(signum)
-        except psutil.Error:
-            pass
 
 
 if __name__ == "__main__":
