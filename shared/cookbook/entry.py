@@ -12,6 +12,7 @@ launcher sees the first failure first. The process ends with ``os._exit``, skipp
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import inspect
 import json
@@ -31,14 +32,12 @@ from cookbook.dist import collective_timed_out, describe_stall, last_finished_st
 from cookbook.errors import (
     AGENT_PID_ENV,
     EXIT_BUG,
-    EXIT_DIVERGED,  # noqa: F401
     EXIT_INTERRUPTED,
     EXIT_OK,
-    EXIT_PEER_LOST,  # noqa: F401
-    EXIT_PREEMPTED,  # noqa: F401
+    EXIT_PEER_LOST,
+    EXIT_PREEMPTED,  # noqa: F401 - imported from here (tests)
     EXIT_USER_ERROR,
     LAST_STEP_KEY,
-    LAUNCH_TIME_ENV,  # noqa: F401
     AlreadyComplete,
     OneLineError,
     check_passed,
@@ -131,10 +130,9 @@ def run_main(
         print(f"{where}{exc or 'interrupted'}", file=sys.stderr)
         _exit(EXIT_INTERRUPTED)
     except SystemExit as exc:
-        code = exc.code
-        if isinstance(code, str):
-            print(code, file=sys.stderr)
-        _exit(code if isinstance(code, int) else (0 if code is None else EXIT_BUG))
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+        _exit(exc.code if isinstance(exc.code, int) else (0 if exc.code is None else EXIT_BUG))
     except BaseException as exc:  # noqa: BLE001 - every failure ends the process with a status
         if world > 1 and collective_timed_out(exc):  # this rank is healthy: its line names the stalled one, first
             line = describe_stall(exc)
@@ -160,14 +158,11 @@ def run_main(
 _QUIET_RANK_WAIT_S = 1.0  # a rank quiet about an error every rank raised waits so long: rank 0 is reported first
 
 
-def _quiet(exc: BaseException, rank: str) -> bool:
-    """An error raised alike on every rank (its class sets ``same_on_every_rank``) is printed by rank 0 alone."""
-    return bool(getattr(exc, "same_on_every_rank", False)) and rank not in ("", "0")
-
-
 def _say_once(exc: BaseException, rank: str, where: str) -> None:
+    """Record and print `exc`; one raised alike on every rank (its class sets ``same_on_every_rank``) is printed by
+    rank 0 alone."""
     _record(exc)
-    if _quiet(exc, rank):
+    if getattr(exc, "same_on_every_rank", False) and rank not in ("", "0"):
         time.sleep(_QUIET_RANK_WAIT_S)
     else:
         _say(f"error: {where}{exc}")
@@ -197,19 +192,15 @@ def _record(exc: BaseException) -> None:
     """Write `exc` (and the last finished step) to torchrun's per-worker error file, if torchrun gave one."""
     if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
         return
-    try:
+    with contextlib.suppress(Exception):  # the error itself is printed either way
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
         ErrorHandler().record_exception(exc)
         if (step := last_finished_step()) is not None:  # the launcher tells a failure that repeats at one step
-            path = os.environ["TORCHELASTIC_ERROR_FILE"]
-            with open(path) as f:
-                data = json.load(f)
+            path = Path(os.environ["TORCHELASTIC_ERROR_FILE"])
+            data = json.loads(path.read_text())
             data["message"]["extraInfo"][LAST_STEP_KEY] = step
-            with open(path, "w") as f:
-                json.dump(data, f)
-    except Exception:  # noqa: BLE001 - the error itself is printed either way
-        pass
+            path.write_text(json.dumps(data))
 
 
 def _exit(status: int, wait: float = 0.0) -> NoReturn:
@@ -223,10 +214,8 @@ def _exit(status: int, wait: float = 0.0) -> NoReturn:
         atexit._run_exitfuncs()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(Exception):  # a closed stream cannot block the exit
             stream.flush()
-        except Exception:  # noqa: BLE001 - a closed stream cannot block the exit
-            pass
     if wait:
         time.sleep(wait)
     os._exit(status)

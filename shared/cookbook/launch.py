@@ -4,7 +4,7 @@
         --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-}" \\
         --max-restarts "${MAX_RESTARTS:-3}" recipes/x/train.py --config tiny.yaml train.max_steps=100
 
-It checks the process counts (`plan`), runs ``train.py --check`` (without GPUs: in this process, `run_script`; with
+It checks the process counts (`plan`), runs ``train.py --check`` (without GPUs: in this process, `_run_script`; with
 GPUs: in a process of its own while the workers start and import, `workers_during_check`) and the workers with
 `cookbook.torchrun`, restarted up to ``--max-restarts`` times (default 3) when a restart can cure
 the failure. ``--dry-run`` (or ``DRY_RUN`` not ``0``) prints the ``check:`` and ``run:`` commands instead. A relative
@@ -21,23 +21,20 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from cookbook import run_lock
 from cookbook.errors import EXIT_BUG, EXIT_INTERRUPTED, EXIT_OK, EXIT_USER_ERROR, LAUNCH_TIME_ENV, VERDICT_ENV
+from cookbook.torchrun import environ_kept
 
 
 _WORLD_SIZE_ENV = "COOKBOOK_WORLD_SIZE"  # the check's world size (NGPU x NNODES), set for train.py --check
 
 
-def _positive(name: str, value: str) -> int:
-    if not value.isdigit() or int(value) < 1:
-        raise SystemExit(f"error: {name}={value} is not a positive integer")
-    return int(value)
-
-
-def _count(name: str, value: str) -> int:
-    if not value.isdigit():
-        raise SystemExit(f"error: {name}={value} is not a whole number (0 or more)")
+def _positive(name: str, value: str, least: int = 1) -> int:
+    if not value.isdigit() or int(value) < least:
+        what = "a positive integer" if least else "a whole number (0 or more)"
+        raise SystemExit(f"error: {name}={value} is not {what}")
     return int(value)
 
 
@@ -84,38 +81,25 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
     parser.add_argument("script", help="the recipe's train.py")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="--config FILE and config overrides")
     args = parser.parse_args(argv)
-    before = os.environ.get(LAUNCH_TIME_ENV)
-    if before is None:  # the workers' startup_s counts from here (cookbook.metrics.launch_time)
-        os.environ[LAUNCH_TIME_ENV] = repr(started)
-    try:
+    with environ_kept(LAUNCH_TIME_ENV):  # as it was afterwards (also called in-process, by tests)
+        os.environ.setdefault(LAUNCH_TIME_ENV, repr(started))  # the workers' startup_s counts from here
         return _launch(args)
-    finally:  # (also called in-process, by tests)
-        if before is None:
-            os.environ.pop(LAUNCH_TIME_ENV, None)
-
-
-def _check(script: Path, args: list[str], env: dict[str, str]) -> int:
-    """``python script *args`` with `env` added, in this process (`run_script`); in a process of its own for a
-    script that is not a file (python's own error)."""
-    if not script.is_file():
-        return subprocess.run([sys.executable, str(script), *args], env={**os.environ, **env}).returncode
-    return run_script(script, args, env)
 
 
 class ScriptExit(BaseException):
-    """`cookbook.run_main`'s exit status, raised instead of ending the process while `run_script` runs (`running`)."""
+    """``ScriptExit(status)``: `cookbook.run_main`'s exit status, raised instead of ending the process while
+    `_run_script` runs (`running`)."""
 
     running = False
 
-    def __init__(self, status: int):
-        super().__init__(status)
-        self.status = status
 
-
-def run_script(script: Path, argv: list[str], env: dict[str, str]) -> int:
+def _run_script(script: Path, argv: list[str], env: dict[str, str]) -> int:
     """Run `script` in this process as ``python script *argv`` with `env` added would; returns its exit status.
     Put back afterwards: the environment, ``sys.argv`` / ``path`` / streams, the working folder, signal handlers,
-    warnings filters, the root logger, torch's threads, the modules imported from the script's folder."""
+    warnings filters, the root logger, torch's threads, the modules imported from the script's folder. A `script`
+    that is not a file runs in a process of its own (python's own error)."""
+    if not script.is_file():
+        return subprocess.run([sys.executable, str(script), *argv], env={**os.environ, **env}).returncode
     import logging
     import runpy
     import signal
@@ -147,7 +131,7 @@ def run_script(script: Path, argv: list[str], env: dict[str, str]) -> int:
             runpy.run_path(str(script), run_name="__main__")
         status = EXIT_OK
     except ScriptExit as exc:
-        status = exc.status
+        status = exc.args[0]
     except SystemExit as exc:  # as the interpreter reads it
         if isinstance(exc.code, str):
             print(exc.code, file=sys.stderr)
@@ -167,9 +151,8 @@ def run_script(script: Path, argv: list[str], env: dict[str, str]) -> int:
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         sys.argv, sys.path, sys.stdout, sys.stderr = saved
-        for key in set(os.environ) - set(environ):
-            del os.environ[key]
-        os.environ.update({k: v for k, v in environ.items() if os.environ.get(k) != v})
+        os.environ.clear()
+        os.environ.update(environ)
         os.chdir(cwd)
         for sig, handler in handlers.items():
             if handler is not None and signal.getsignal(sig) is not handler:
@@ -199,7 +182,7 @@ def _launch(args: argparse.Namespace) -> int:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     try:
         per_node, nodes = plan(args.ngpu, args.nnodes, gpus)
-        restarts = _count("MAX_RESTARTS", args.max_restarts)
+        restarts = _positive("MAX_RESTARTS", args.max_restarts, least=0)
     except SystemExit as exc:
         print(exc, file=sys.stderr)
         return EXIT_USER_ERROR
@@ -224,8 +207,7 @@ def _launch(args: argparse.Namespace) -> int:
         check_env = {_WORLD_SIZE_ENV: world_size, run_lock.OUTPUT_DIR_FILE_ENV: str(Path(tmp) / "output_dir")}
         if workers_during_check(gpus):
             return _check_beside_workers(script, check_args, check_env, torchrun_args, args.node_rank)
-        status = _check(script, check_args, check_env)
-        decision = _after_check(status, check_env, args.node_rank)
+        decision = _after_check(_run_script(script, check_args, check_env), check_env, args.node_rank)
     if decision.status is not None:
         return decision.status
     try:
@@ -241,11 +223,11 @@ def workers_during_check(gpus: int) -> bool:
     return gpus > 0
 
 
-class _Decision:
+class _Decision(NamedTuple):
     """After the check: `status` to end with (None: run the workers) and the run lock's descriptor held meanwhile."""
 
-    def __init__(self, status: int | None, lock: int | None = None):
-        self.status, self.lock = status, lock
+    status: int | None
+    lock: int | None = None
 
 
 def _after_check(status: int, check_env: dict[str, str], node_rank: str) -> _Decision:
@@ -297,19 +279,12 @@ def _check_beside_workers(
 def _torchrun(torchrun_args: list[str], env: dict[str, str] | None = None) -> int:
     """`cookbook.torchrun` here, with COOKBOOK_CHECKED=1 (the workers need not repeat what the check printed, a
     damaged checkpoint) and `env` in the environment meanwhile."""
-    from cookbook.torchrun import main as torchrun
+    from cookbook.torchrun import main as torchrun  # here: tests replace it
 
     env = {"COOKBOOK_CHECKED": "1", **(env or {})}
-    before = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    try:
+    with environ_kept(*env):  # (also called in-process, by tests)
+        os.environ.update(env)
         return torchrun(torchrun_args)
-    finally:  # (also called in-process, by tests)
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 if __name__ == "__main__":  # the module's own copy: cookbook.run_main's exit reads ScriptExit.running there

@@ -35,6 +35,7 @@ import torch
 
 from cookbook.dist import distributed_context
 from cookbook.run_lock import die_with_parent
+from cookbook.torchrun import environ_kept, killed_by
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -44,64 +45,50 @@ _START_METHODS = ("spawn", "forkserver", "fork")
 _HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)  # torch's elastic agent takes them
 
 
+@dataclasses.dataclass(repr=False, eq=False)
 class WorkerError(RuntimeError):
     """A worker of ``fn.distributed(...)`` raised or died: ``rank`` (first to fail), ``exc_type`` (None: no Python
     exception), ``worker_traceback``, ``exitcode`` (negative: that signal), ``exception`` (rebuilt here, or None)."""
 
-    def __init__(
-        self,
-        message: str,
-        rank: int | None = None,
-        exc_type: str | None = None,
-        worker_traceback: str = "",
-        exitcode: int | None = None,
-        exception: BaseException | None = None,
-    ):
-        super().__init__(message)
-        self.rank = rank
-        self.exc_type = exc_type
-        self.worker_traceback = worker_traceback
-        self.exitcode = exitcode
-        self.exception = exception
+    message: str
+    rank: int | None = None
+    exc_type: str | None = None
+    worker_traceback: str = ""
+    exitcode: int | None = None
+    exception: BaseException | None = None
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
 
 
+@dataclasses.dataclass(repr=False, eq=False)
 class _DistributedFunction(Generic[P, R]):
     """What `distributed` returns: the function, callable as before, plus ``.distributed(...)``."""
 
-    def __init__(
-        self,
-        fn: Callable[P, R],
-        num_processes: int | None,
-        backend: str,
-        start_method: str,
-        timeout_minutes: float,
-        max_restarts: int,
-        cpus_per_worker: float,
-    ):
-        functools.update_wrapper(self, fn)
-        self.num_processes = num_processes
-        self.backend = backend
-        self.start_method = start_method
-        self.timeout_minutes = timeout_minutes
-        self.max_restarts = max_restarts
-        self.cpus_per_worker = cpus_per_worker
+    fn: Callable[P, R]
+    num_processes: int | None
+    backend: str
+    start_method: str
+    timeout_minutes: float
+
+    def __post_init__(self) -> None:
+        functools.update_wrapper(self, self.fn)
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
-        return self.__wrapped__(*args, **kwargs)  # type: ignore[attr-defined]
+        return self.fn(*args, **kwargs)
 
     def distributed(self, *args: P.args, **kwargs: P.kwargs) -> list[R]:
         """Run the function once per process; its return values in rank order. Raises `WorkerError` (a worker
         failed), ValueError (more processes than GPUs), KeyboardInterrupt (Ctrl-C: every worker stopped)."""
-        fn = self.__wrapped__  # type: ignore[attr-defined]
         if getattr(multiprocessing.current_process(), "_inheriting", False):  # what multiprocessing itself checks
             raise RuntimeError(
                 f"{self.__qualname__}.distributed(...) was called while a spawned worker imported "  # type: ignore[attr-defined]
                 'the caller\'s script: in a script, call it under `if __name__ == "__main__":`'
             )
         if self.backend == "ray":
-            return _run_ray(fn, args, kwargs, self.num_processes, self.cpus_per_worker, self.timeout_minutes)
+            return _run_ray(self.fn, args, kwargs, self.num_processes, self.timeout_minutes)
         n = local_num_processes(self.num_processes)
-        return _run_local(fn, args, kwargs, n, self.start_method, self.timeout_minutes, self.max_restarts)
+        return _run_local(self.fn, args, kwargs, n, self.start_method, self.timeout_minutes)
 
     def __repr__(self) -> str:
         return (
@@ -116,8 +103,6 @@ def distributed(
     backend: str = "torch",
     start_method: str = "spawn",
     timeout_minutes: float = 30.0,
-    max_restarts: int = 0,
-    cpus_per_worker: float = 1.0,
 ) -> Any:
     """Decorator: ``fn.distributed(*args, **kwargs)`` runs `fn` once per process; ``fn(...)`` still runs it here.
     `num_processes` None: one per visible GPU, else 2 (Ray: the cluster's GPUs); `timeout_minutes`: collectives'.
@@ -136,9 +121,7 @@ def distributed(
         raise ValueError(f"num_processes must be a positive integer or None, got {num_processes!r}")
 
     def decorate(f: Callable[P, R]) -> _DistributedFunction[P, R]:
-        return _DistributedFunction(
-            f, num_processes, backend, start_method, timeout_minutes, max_restarts, cpus_per_worker
-        )
+        return _DistributedFunction(f, num_processes, backend, start_method, timeout_minutes)
 
     return decorate(fn) if fn is not None else decorate
 
@@ -166,8 +149,7 @@ def _worker(payload: bytes | tuple, error_dir: str, threads: int, timeout_minute
     torch.set_num_threads(threads)  # as torchrun; a fork that inherits an OpenMP pool can hang in its first op
     die_with_parent()
     rank = int(os.environ.get("RANK", "0"))
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    path = Path(error_dir) / f"attempt{attempt:04d}-rank{rank:05d}.pkl"
+    path = Path(error_dir) / f"rank{rank:05d}.pkl"
 
     def save(exc: BaseException) -> None:
         if not path.exists():
@@ -189,9 +171,7 @@ def _worker(payload: bytes | tuple, error_dir: str, threads: int, timeout_minute
         raise
 
 
-def _run_local(
-    fn: Callable, args: tuple, kwargs: dict, n: int, start_method: str, timeout_minutes: float, max_restarts: int
-) -> list:
+def _run_local(fn: Callable, args: tuple, kwargs: dict, n: int, start_method: str, timeout_minutes: float) -> list:
     from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -215,7 +195,7 @@ def _run_local(
         run_id=f"cookbook-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
         rdzv_endpoint="127.0.0.1:0",  # a free port on this machine
-        max_restarts=max_restarts,
+        max_restarts=0,
         start_method=start_method,
         monitor_interval=0.1,
         logs_specs=DefaultLogsSpecs(log_dir=str(workdir / "logs")),
@@ -223,12 +203,13 @@ def _run_local(
     )
     threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
     try:
-        with _caller_signals_kept(), _elastic_logs_quiet():
+        with _around_agent(), environ_kept("TORCHELASTIC_SIGNALS_TO_HANDLE"):
             try:
                 returned = elastic_launch(config, _worker)(payload, str(workdir / "errors"), threads, timeout_minutes)
             except ChildFailedError as exc:
                 rank, failure = exc.get_first_failure()
-                error = _worker_error(_read_error_records(workdir / "errors"), n, rank, failure.exitcode)
+                records = [pickle.loads(p.read_bytes()) for p in sorted((workdir / "errors").glob("*.pkl"))]
+                error = _worker_error(records, n, rank, failure.exitcode)
                 raise error from error.exception
             except SignalException as exc:  # the agent's handler turned Ctrl-C / SIGTERM into this; workers are stopped
                 if exc.sigval == signal.SIGINT:  # one line, as cookbook.torchrun's (run_main: that line, status 130)
@@ -240,31 +221,14 @@ def _run_local(
 
 
 @contextlib.contextmanager
-def _caller_signals_kept() -> Iterator[None]:
-    """Put back the caller's signal handlers and environment after the elastic agent, which leaves its own."""
-    saved_env = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")
+def _around_agent() -> Iterator[None]:
+    """Only critical messages of the elastic agent's loggers meanwhile (the `WorkerError` says a failure once); then
+    the caller's signal handlers back (the agent leaves its own)."""
     main = threading.current_thread() is threading.main_thread()
     saved = {sig: signal.getsignal(sig) for sig in _HANDLED_SIGNALS} if main else {}
-    try:
-        yield
-    finally:
-        for sig, handler in saved.items():
-            if handler is not None:
-                signal.signal(sig, handler)
-        if saved_env is None:
-            os.environ.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
-        else:
-            os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = saved_env
-
-
-@contextlib.contextmanager
-def _elastic_logs_quiet() -> Iterator[None]:
-    """Only critical messages of the agent's loggers meanwhile: the `WorkerError` says a failure once."""
     prefixes = ("torch.distributed.elastic", "torch.multiprocessing")  # each module's logger has its own level
-    loggers = logging.root.manager.loggerDict.items()
-    levels = {
-        log: log.level for name, log in list(loggers) if name.startswith(prefixes) and isinstance(log, logging.Logger)
-    }
+    loggers = list(logging.root.manager.loggerDict.items())
+    levels = {log: log.level for name, log in loggers if name.startswith(prefixes) and isinstance(log, logging.Logger)}
     for log in levels:
         log.setLevel(logging.CRITICAL)
     try:
@@ -272,16 +236,17 @@ def _elastic_logs_quiet() -> Iterator[None]:
     finally:
         for log, level in levels.items():
             log.setLevel(level)
+        for sig, handler in saved.items():
+            if handler is not None:
+                signal.signal(sig, handler)
 
 
 # ----------------------------------------------------------------------------- Ray Train workers
 def _ray_loop(config: dict) -> None:
-    """Ray Train's per-worker function: the call's result or error goes to the collector."""
-    import ray
+    """Ray Train's per-worker function: ``(rank, result)`` or ``(None, error record)`` goes to the caller's queue."""
     import torch.distributed as dist
 
     rank = int(os.environ.get("RANK", "0"))  # Ray Train's torch backend sets torchrun's variables
-    collector = config["collector"]
     try:
         fn, args, kwargs = cloudpickle.loads(config["payload"])
         if dist.is_initialized():  # Ray Train made the group; it also tears it down
@@ -289,34 +254,17 @@ def _ray_loop(config: dict) -> None:
         else:
             with distributed_context(config["timeout_minutes"]):
                 result = fn(*args, **kwargs)
-        ray.get(collector.put.remote(rank, _dumps_result(result, rank)))
+        config["queue"].put((rank, _dumps_result(result, rank)))
     except BaseException as exc:
-        ray.get(collector.error.remote(_error_record(rank, exc)))
+        config["queue"].put((None, _error_record(rank, exc)))
         raise
 
 
-class _Collector:
-    """Per-rank results and errors of one Ray run (a Ray actor owned by the caller)."""
-
-    def __init__(self) -> None:
-        self.results, self.errors = {}, []
-
-    def put(self, rank: int, result: bytes) -> None:
-        self.results[rank] = result
-
-    def error(self, record: dict) -> None:
-        self.errors.append(record)
-
-    def get(self) -> tuple[dict[int, bytes], list[dict]]:
-        return self.results, self.errors
-
-
-def _run_ray(
-    fn: Callable, args: tuple, kwargs: dict, num_processes: int | None, cpus_per_worker: float, timeout_minutes: float
-) -> list:
+def _run_ray(fn: Callable, args: tuple, kwargs: dict, num_processes: int | None, timeout_minutes: float) -> list:
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
+    from ray.util.queue import Queue
 
     from cookbook.ray_train import RayConfig, plan_workers
 
@@ -324,65 +272,56 @@ def _run_ray(
     if started:  # join RAY_ADDRESS, or start a local instance for this call only
         ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=True)
     storage = Path(tempfile.mkdtemp(prefix="cookbook-distributed-ray-"))
-    collector = None
+    queue = None
     try:
         res = ray.cluster_resources()
         n, use_gpu = plan_workers(
-            RayConfig(num_workers=num_processes or -1, cpus_per_worker=cpus_per_worker),
-            int(res.get("GPU", 0)),
-            int(res.get("CPU", 0)),
+            RayConfig(num_workers=num_processes or -1), int(res.get("GPU", 0)), int(res.get("CPU", 0))
         )
-        collector = ray.remote(num_cpus=0)(_Collector).remote()
+        queue = Queue(actor_options={"num_cpus": 0})
         trainer = TorchTrainer(
             _ray_loop,
             train_loop_config={
                 "payload": _dumps_call(fn, args, kwargs),
-                "collector": collector,
+                "queue": queue,
                 "timeout_minutes": timeout_minutes,
             },
             scaling_config=ScalingConfig(
-                num_workers=n,
-                use_gpu=use_gpu,
-                resources_per_worker={"CPU": cpus_per_worker, **({"GPU": 1} if use_gpu else {})},
+                num_workers=n, use_gpu=use_gpu, resources_per_worker={"CPU": 1.0, **({"GPU": 1} if use_gpu else {})}
             ),
             run_config=RunConfig(name="run", storage_path=str(storage), failure_config=FailureConfig(max_failures=0)),
         )
         try:
             trainer.fit()
         except Exception as exc:
-            _, errors = ray.get(collector.get.remote())
+            errors = [record for rank, record in queue.get_nowait_batch(queue.qsize()) if rank is None]
             if not errors:
                 raise
             error = _worker_error(errors, n, None, None)
             raise error from error.exception or exc
-        results, _ = ray.get(collector.get.remote())
+        results = dict(queue.get_nowait_batch(queue.qsize()))
         missing = sorted(set(range(n)) - set(results))
         if missing:
             raise WorkerError(f"Ray Train finished but rank(s) {missing} of {n} returned nothing")
         return [cloudpickle.loads(results[rank]) for rank in range(n)]
     finally:
-        if collector is not None:
-            ray.kill(collector)
+        if queue is not None:
+            queue.shutdown()
         shutil.rmtree(storage, ignore_errors=True)
         if started:
             ray.shutdown()
 
 
 # ----------------------------------------------------------------------------- pickling and error records
+def _code_reduce(code: types.CodeType) -> tuple:
+    constructor, args = cloudpickle.cloudpickle._code_reduce(code)
+    return constructor, tuple(code.co_filename if a == "<dynamic-code>" else a for a in args)
+
+
 class _Pickler(cloudpickle.Pickler):
     """cloudpickle, but code sent by value keeps its file name (not ``<dynamic-code>``) for the worker's traceback."""
 
-    dispatch_table = collections.ChainMap(
-        {types.CodeType: lambda code: _code_reduce(code)}, cloudpickle.Pickler.dispatch_table
-    )
-
-
-def _code_reduce(code: types.CodeType) -> tuple:
-    reduce = getattr(cloudpickle.cloudpickle, "_code_reduce", None)
-    if reduce is None:  # another cloudpickle version: its own reducer
-        return code.__reduce__()
-    constructor, args = reduce(code)
-    return constructor, tuple(code.co_filename if a == "<dynamic-code>" else a for a in args)
+    dispatch_table = collections.ChainMap({types.CodeType: _code_reduce}, cloudpickle.Pickler.dispatch_table)
 
 
 def _dumps(obj: Any) -> bytes:
@@ -396,9 +335,7 @@ def _dumps_call(fn: Callable, args: tuple, kwargs: dict) -> bytes:
     module = sys.modules.get(getattr(fn, "__module__", None) or "")
     top = module.__name__.split(".")[0] if module else ""
     by_value = (
-        module is not None
-        and top not in ("__main__", "builtins")
-        and top not in sys.builtin_module_names
+        top not in ("__main__", *sys.builtin_module_names)
         and getattr(module, "__file__", None) is not None
         and importlib.machinery.PathFinder.find_spec(top, sys.path) is None
     )
@@ -456,19 +393,10 @@ def _format_traceback(record: dict) -> str:
     return "Traceback (most recent call last):\n" + "".join(frames.format()) + record["exception"]
 
 
-def _read_error_records(error_dir: Path) -> list[dict]:
-    """Error records of the latest attempt (earlier ones were restarted away)."""
-    files = sorted(error_dir.glob("*.pkl"))
-    if not files:
-        return []
-    latest = files[-1].name.split("-")[0]
-    return [pickle.loads(p.read_bytes()) for p in files if p.name.startswith(latest)]
-
-
 def _worker_error(records: list[dict], world: int, rank: int | None, exitcode: int | None) -> WorkerError:
     """One `WorkerError` for the first failure: the earliest error record, else the agent's first failed process."""
     if not records:
-        how = f"exit code {exitcode}" if exitcode is None or exitcode >= 0 else _signal_name(-exitcode)
+        how = f"exit code {exitcode}" if exitcode is None or exitcode >= 0 else killed_by(-exitcode)
         return WorkerError(
             f"rank {rank} of {world} died without a Python exception ({how}): before the function "
             f"started (its output above says why; a script that calls .distributed(...) outside "
@@ -501,10 +429,3 @@ def _worker_error(records: list[dict], world: int, rank: int | None, exitcode: i
 def _first_line(text: str, limit: int = 160) -> str:
     line = text.splitlines()[0] if text else ""
     return line if len(line) <= limit else line[:limit] + "..."
-
-
-def _signal_name(num: int) -> str:
-    try:
-        return f"killed by {signal.Signals(num).name}"
-    except ValueError:
-        return f"killed by signal {num}"

@@ -6,13 +6,14 @@ failure again; each restart prints one line and meets at a rendezvous of its own
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import re
 import signal
 import sys
 import time
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 from cookbook.errors import (
     AGENT_PID_ENV,
@@ -52,12 +53,23 @@ _stop_asked = False  # the launcher was sent SIGUSR1 (or SIGTERM): no restart af
 
 def describe_failure(rank: int, exitcode: int) -> tuple[str, int]:
     """``(line, status)`` for the first failed worker `rank`; `exitcode` negative: killed by that signal (128 + N)."""
-    if exitcode < 0:
-        line = f"error: rank {rank} was killed by {_signal_name(-exitcode)}; the other ranks were stopped"
-        return line, 128 - exitcode
-    meaning = _MEANING.get(exitcode, "see its output above")
-    line = f"error: rank {rank} failed first (exit status {exitcode}: {meaning}); the other ranks were stopped"
-    return line, exitcode
+    line = f"error: {_failed(rank, exitcode, ' first')}; the other ranks were stopped"
+    return line, 128 - exitcode if exitcode < 0 else exitcode
+
+
+def _failed(rank: int, exitcode: int, first: str = "") -> str:
+    """``rank N was killed by SIGX`` (`exitcode` negative) or ``rank N failed<first> (exit status S: meaning)``."""
+    if exitcode >= 0:
+        return f"rank {rank} failed{first} (exit status {exitcode}: {_MEANING.get(exitcode, 'see its output above')})"
+    return f"rank {rank} was {killed_by(-exitcode)}"
+
+
+def killed_by(signum: int) -> str:
+    """``killed by SIGKILL``, or ``killed by signal N`` for a number that names no signal."""
+    try:
+        return f"killed by {signal.Signals(signum).name}"
+    except ValueError:
+        return f"killed by signal {signum}"
 
 
 def should_restart(exitcode: int, exitcodes: Iterable[int] = ()) -> bool:
@@ -104,10 +116,8 @@ def _restart_line(attempt: int, max_restarts: int, rank: int, exitcode: int, sta
             f"rank{'s' if many else ''} {', '.join(map(str, stalled))} stalled (rank {rank}'s collective timed "
             f"out waiting for {'them' if many else 'it'})"
         )
-    elif exitcode < 0:
-        what = f"rank {rank} was killed by {_signal_name(-exitcode)}"
     else:
-        what = f"rank {rank} failed (exit status {exitcode}: {_MEANING.get(exitcode, 'see its output above')})"
+        what = _failed(rank, exitcode)
     return f"restart {attempt} of {max_restarts}: {what}; the workers resume from the newest checkpoint"
 
 
@@ -131,6 +141,19 @@ def attempt_args(args, attempt: int):
     return args
 
 
+@contextlib.contextmanager
+def environ_kept(*keys: str) -> Iterator[None]:
+    """Put `keys` of ``os.environ`` back as they were (unset where they were unset) when the block ends."""
+    saved = {key: os.environ.get(key) for key in keys}
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            os.environ.pop(key, None)
+            if value is not None:
+                os.environ[key] = value
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run torchrun with `argv`, restarting as the module docstring says; returns the exit status."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -141,68 +164,56 @@ def main(argv: list[str] | None = None) -> int:
     max_restarts, args.max_restarts = args.max_restarts, 0  # the restarts are decided here
     # SIGUSR1 (Slurm's warning before a job's end) goes on to the workers, which save and stop; torchrun passes SIGTERM.
     previous = signal.signal(signal.SIGUSR1, _forward_to_workers)
-    saved = {key: os.environ.get(key) for key in (RESTART_COUNT_ENV, LAUNCH_TIME_ENV, AGENT_PID_ENV)}
-    os.environ[AGENT_PID_ENV] = str(os.getpid())  # its workers end when this process does (cookbook.entry.run_main)
-    attempt, last_seen = 0, None
-    try:
-        while True:
-            os.environ[RESTART_COUNT_ENV] = str(attempt)  # the workers inherit the launcher's environment
-            if attempt:  # a restarted group's startup_s counts from its restart (cookbook.metrics.launch_time)
-                os.environ[LAUNCH_TIME_ENV] = repr(time.time())
-            try:
-                run(attempt_args(args, attempt))
-                return 0
-            except ChildFailedError as exc:
-                rank, failure = exc.get_first_failure()
-                codes = [f.exitcode for f in exc.failures.values()]
-                if all(code == EXIT_PREEMPTED for code in codes):
-                    print(_PREEMPTED, file=sys.stderr)
-                    return EXIT_PREEMPTED
-                seen, repeated = _failure_signature(rank, failure), None
-                if attempt and seen is not None and seen == last_seen:
-                    repeated = seen[-1]
-                last_seen = seen
-                restart = should_restart(failure.exitcode, codes) and repeated is None and not _stop_asked
-                if restart and attempt < max_restarts:
-                    attempt += 1
-                    stalled = next(
-                        (found for f in (failure, *exc.failures.values()) if (found := _stalled_ranks(f.message))), []
-                    )
-                    line = _restart_line(attempt, max_restarts, rank, failure.exitcode, stalled)
-                    print(line, file=sys.stderr, flush=True)
-                    continue
-                line, status = describe_failure(rank, failure.exitcode)
-                if repeated is not None:
-                    line += (
-                        f"; the same error as before restart {attempt}, after the same step "
-                        f"({repeated}): not restarted again, it would repeat"
-                    )
-                elif attempt:
-                    line += f" (after {attempt} restart{'s' if attempt > 1 else ''})"
-                print(line, file=sys.stderr)
-                return status or EXIT_BUG
-    except SignalException as exc:  # SIGTERM / Ctrl-C to torchrun: it has passed it on and waited for the workers
-        if exc.sigval == signal.SIGTERM:
-            print(_PREEMPTED, file=sys.stderr)
-            return EXIT_PREEMPTED
-        if exc.sigval == signal.SIGINT:
-            print(_INTERRUPTED, file=sys.stderr)
-            return EXIT_INTERRUPTED
-        raise
-    finally:  # as they were, for a caller in the same process
-        signal.signal(signal.SIGUSR1, previous)
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
+    with environ_kept(RESTART_COUNT_ENV, LAUNCH_TIME_ENV, AGENT_PID_ENV):  # as they were, for a caller here
+        os.environ[AGENT_PID_ENV] = str(os.getpid())  # its workers end when this process does (cookbook.entry.run_main)
+        attempt, last_seen = 0, None
+        try:
+            while True:
+                os.environ[RESTART_COUNT_ENV] = str(attempt)  # the workers inherit the launcher's environment
+                if attempt:  # a restarted group's startup_s counts from its restart (cookbook.metrics.launch_time)
+                    os.environ[LAUNCH_TIME_ENV] = repr(time.time())
+                try:
+                    run(attempt_args(args, attempt))
+                    return 0
+                except ChildFailedError as exc:
+                    rank, failure = exc.get_first_failure()
+                    codes = [f.exitcode for f in exc.failures.values()]
+                    if all(code == EXIT_PREEMPTED for code in codes):
+                        print(_PREEMPTED, file=sys.stderr)
+                        return EXIT_PREEMPTED
+                    seen = _failure_signature(rank, failure)
+                    repeated = seen[-1] if attempt and seen is not None and seen == last_seen else None
+                    last_seen = seen
+                    restart = should_restart(failure.exitcode, codes) and repeated is None and not _stop_asked
+                    if restart and attempt < max_restarts:
+                        attempt += 1
+                        stalled = next(
+                            (found for f in (failure, *exc.failures.values()) if (found := _stalled_ranks(f.message))),
+                            [],
+                        )
+                        line = _restart_line(attempt, max_restarts, rank, failure.exitcode, stalled)
+                        print(line, file=sys.stderr, flush=True)
+                        continue
+                    line, status = describe_failure(rank, failure.exitcode)
+                    if repeated is not None:
+                        line += (
+                            f"; the same error as before restart {attempt}, after the same step "
+                            f"({repeated}): not restarted again, it would repeat"
+                        )
+                    elif attempt:
+                        line += f" (after {attempt} restart{'s' if attempt > 1 else ''})"
+                    print(line, file=sys.stderr)
+                    return status or EXIT_BUG
+        except SignalException as exc:  # SIGTERM / Ctrl-C to torchrun: it has passed it on and waited for the workers
+            if exc.sigval == signal.SIGTERM:
+                print(_PREEMPTED, file=sys.stderr)
+                return EXIT_PREEMPTED
+            if exc.sigval == signal.SIGINT:
+                print(_INTERRUPTED, file=sys.stderr)
+                return EXIT_INTERRUPTED
+            raise
+        finally:  # as it was, for a caller in the same process
+            signal.signal(signal.SIGUSR1, previous)
 
 
 def _forward_to_workers(signum: int, frame) -> None:
@@ -211,10 +222,8 @@ def _forward_to_workers(signum: int, frame) -> None:
     global _stop_asked
     _stop_asked = True
     for child in psutil.Process().children():  # the workers (not their data-loader processes)
-        try:
+        with contextlib.suppress(psutil.Error):
             child.send_signal(signum)
-        except psutil.Error:
-            pass
 
 
 if __name__ == "__main__":
