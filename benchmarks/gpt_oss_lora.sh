@@ -7,8 +7,8 @@
 #   - Tokenizer: the o200k tokenizer of gpt-oss is not offline here; .data/qwen3's tokenizer (151,643 tokens) with the
 #     harmony special tokens added and the recipe's tiny harmony chat template (tiny/gpt_oss/chat_template.jinja),
 #     built at run time. The vocab (201,088 rows) covers it.
-#   - Data: .data/alpaca_data_sample5000.json, consecutive rows joined into one multi-turn conversation of about
-#     SEQ tokens each (every answer is a final-channel turn, so labelled), cut at SEQ; micro-batch MB, no packing.
+#   - Data: .data/alpaca_data_sample5000.json, consecutive rows joined into one user turn (the prompts) and one
+#     assistant turn (the answers) of more than SEQ tokens together, cut at SEQ; micro-batch MB, no packing.
 #   - Runs (RUNS): by default (a) no activation checkpointing, (b) train.activation_checkpointing=full;
 #     flex_attention; STEPS steps each; no checkpoints and no export (a merged 20B export is 40 GB of disk).
 #   bash benchmarks/gpt_oss_lora.sh                              # on the device, from the repository root
@@ -85,16 +85,21 @@ experts = sum(p.numel() for n, p in meta.named_parameters() if ".mlp.experts." i
 total = sum(p.numel() for p in meta.parameters())
 print(f"parameters: {total / 1e9:.2f} B in all, {(total - experts * (1 - cfg.num_experts_per_tok / cfg.num_local_experts)) / 1e9:.2f} B "
       f"active per token (embeddings included)", flush=True)
-rows, turns, est = [], [], 0
+# One user turn (consecutive Alpaca prompts) and one assistant turn (their answers) of about SEQ tokens together: the
+# recipe trains each assistant turn as an example of its own (harmony drops earlier turns' reasoning), so a
+# multi-turn row would give examples of every length, not SEQ-token steps.
+rows, prompts, answers, est = [], [], [], 0
 for r in json.load(open(".data/alpaca_data_sample5000.json")):
     prompt = r["instruction"] + (f"\n\n{r['input']}" if r.get("input", "").strip() else "")
     if not r["output"].strip():
         continue
-    turns += [{"role": "user", "content": prompt}, {"role": "assistant", "content": r["output"]}]
-    est += len(tok.encode(prompt + r["output"])) + 12
-    if est >= seq:
-        rows.append({"messages": turns})
-        turns, est = [], 0
+    prompts.append(prompt)
+    answers.append(r["output"])
+    est += len(tok.encode(prompt + r["output"])) + 4
+    if est >= seq + 64:
+        rows.append({"messages": [{"role": "user", "content": "\n\n".join(prompts)},
+                                  {"role": "assistant", "content": "\n\n".join(answers)}]})
+        prompts, answers, est = [], [], 0
         if len(rows) == n_rows:
             break
 with open(runs / "rows.jsonl", "w") as f:
