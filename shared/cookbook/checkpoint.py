@@ -1,6 +1,5 @@
-"""Resumable, atomically published checkpoints with torch.distributed.checkpoint (DCP), and Hugging Face export.
-
-A checkpoint is a folder ``<root>/step_00000100/`` (DCP's shards, ``.metadata``, ``meta.json``): every rank writes into
+"""Resumable, atomically published checkpoints with torch.distributed.checkpoint (DCP), and Hugging Face export. A
+checkpoint is a folder ``<root>/step_00000100/`` (DCP's shards, ``.metadata``, ``meta.json``): every rank writes into
 ``.tmp-step_00000100/``, then rank 0 writes ``meta.json`` and renames it (atomic). What goes in: DCP ``Stateful``
 objects (`cookbook.state`, `cookbook.sampler.DataPosition`, an LR scheduler). `cookbook.resume` finds and checks
 checkpoints; its names and `cookbook.state`'s are re-exported here. What survives which failure: docs/failures.md."""
@@ -24,26 +23,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from cookbook.dist import barrier, get_logger
 from cookbook.errors import CheckpointError
-from cookbook.resume import (
-    CHECKSUMS_KEY,
-    DCP_METADATA,  # noqa: F401
-    FILES_KEY,  # noqa: F401
-    META_FILE,
-    ResumeGuard,
-    checksums,
-    config_changes,  # noqa: F401
-    read_meta,
-    reason,
-)
+from cookbook.resume import CHECKSUMS_KEY, META_FILE, ResumeGuard, checksums, read_meta, reason
+from cookbook.resume import config_changes  # noqa: F401 (re-exported)
 from cookbook.sampler import DataPosition
-from cookbook.state import (
-    ModelOptimizerState,  # noqa: F401
-    RankLocalState,
-    RNGState,  # noqa: F401
-    TrainState,  # noqa: F401
-    rng_kept,  # noqa: F401 (re-exported)
-    seed_per_rank,  # noqa: F401
-)
+from cookbook.state import RankLocalState
+from cookbook.state import ModelOptimizerState, RNGState, TrainState, rng_kept, seed_per_rank  # noqa: F401 (re-exported)
 
 _LEFTOVER_PREFIXES = (".tmp-", ".old-")  # folders of a save or a publish that did not finish
 
@@ -265,8 +249,7 @@ class Checkpointer(ResumeGuard):
         `resizable` checkpointer loads all but the per-rank state. Raises CheckpointError: incomplete, damaged, or
         per-rank state of another world size; ValueError: resized without a `DataPosition`."""
         path = Path(path)
-        problem = self.problem(path)
-        if problem is not None:
+        if (problem := self.problem(path)) is not None:
             raise CheckpointError(f"{path} is not a complete checkpoint ({problem})")
         meta = read_meta(path)
         local = [k for k, v in state.items() if isinstance(v, RankLocalState)]
@@ -323,12 +306,8 @@ def publish(tmp: str | Path, final: str | Path) -> None:
         shutil.rmtree(trash, ignore_errors=True)
     else:
         os.rename(tmp, final)
-    _fsync_dir(final.parent)
-
-
-def _fsync_dir(path: Path) -> None:  # the rename is durable once the folder is synced
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
+    with contextlib.suppress(OSError):  # the rename is durable once the folder is synced
+        fd = os.open(final.parent, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:

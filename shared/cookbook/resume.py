@@ -63,9 +63,8 @@ class ResumeGuard:
         self.folder, self.files = folder, tuple(files)
         self._name = re.compile(re.escape(folder).replace(re.escape("<n>"), r"(\d+)"))
         self.run_dir = Path(run_dir) if run_dir is not None else None
-        self.processes = processes
-        self.cannot_remap, self.same_size = cannot_remap, same_size
-        self.resizable = resizable
+        self.processes, self.cannot_remap = processes, cannot_remap
+        self.same_size, self.resizable = same_size, resizable
 
     # ------------------------------------------------------------------ finding
     def problem(self, path: str | Path) -> str | None:
@@ -137,12 +136,8 @@ class ResumeGuard:
         """Damaged checkpoint folders (numbered after `newer_than`; None: all), oldest first, with `problem`; an
         incomplete folder counts only where folders are published complete."""
         after = self.number(newer_than) if newer_than is not None else -1
-        found = [(path, self.problem(path)) for number, path in self.candidates() if number > after]
-        return [
-            (path, problem)
-            for path, problem in found
-            if problem is not None and (self.published or path in self.bad or not self._missing(path))
-        ]
+        found = [(p, self.problem(p)) for number, p in self.candidates() if number > after]
+        return [(p, why) for p, why in found if why and (self.published or p in self.bad or not self._missing(p))]
 
     def resolve(self, resume: str | None) -> Path | None:
         """A ``resume`` value as a checkpoint folder: ``"auto"`` (`latest`, damaged newer ones skipped with one
@@ -164,11 +159,8 @@ class ResumeGuard:
             rank0 = not dist.is_initialized() or dist.get_rank() == 0
             if skipped and rank0 and not (os.environ.get("COOKBOOK_CHECKED") and not restarted()):
                 # (workers of a first attempt are quiet: `cookbook.launch`'s --check process has said it)
-                which = (
-                    f"checkpoint {skipped[0][0]} is damaged ({skipped[0][1]})"
-                    if len(skipped) == 1
-                    else f"checkpoints {what} are damaged"
-                )
+                (first, why), *more = skipped
+                which = f"checkpoints {what} are damaged" if more else f"checkpoint {first} is damaged ({why})"
                 get_logger().warning(f"warning: {which}; resuming from {path} instead")
             return path
         path = Path(resume)
@@ -278,19 +270,17 @@ class ResumeGuard:
         n = meta.get("world_size")
         if n is None or (n == world_size and not self.resizable):
             return
+        written = f"{path} was written by {n} {self.processes} but this job has {world_size}"
+        same = self.same_size.format(n=n)
         if not self.resizable:
             raise CheckpointError(
-                f"{path} was written by {n} {self.processes} but this job has {world_size}: "
-                f"{self.cannot_remap} (resuming on another number of processes is supported by "
-                f"{resizable_recipes()} only). Resume with {self.same_size.format(n=n)}, or start "
-                f"afresh with {self.start_afresh()}"
+                f"{written}: {self.cannot_remap} (resuming on another number of processes is supported by "
+                f"{resizable_recipes()} only). Resume with {same}, or start afresh with {self.start_afresh()}"
             )
         if config is None or "config" not in meta:
             if n != world_size:
                 raise CheckpointError(
-                    f"{path} was written by {n} {self.processes} but this job has {world_size}, and "
-                    f"its global batch cannot be told (no config to compare): resume with "
-                    f"{self.same_size.format(n=n)}"
+                    f"{written}, and its global batch cannot be told (no config to compare): resume with {same}"
                 )
             return
         was, now = global_batch(meta["config"], n), global_batch(config, world_size)
@@ -316,7 +306,7 @@ class ResumeGuard:
             f"x {n} {_plural(self.processes, n)}) but this job's is {now[0]} ({micro} x {accum} x {world_size}); a resume "
             f"keeps the global batch, so that a step, max_steps, the learning-rate schedule and the data position keep "
             f"their meaning. To continue on {world_size} {_plural(self.processes, world_size)}, {todo}; or resume with "
-            f"{self.same_size.format(n=n)}, or start afresh with {self.start_afresh()}"
+            f"{same}, or start afresh with {self.start_afresh()}"
         )
 
     def resized(self, path: Path, meta: Mapping[str, Any], world_size: int, data: str, per_rank: str) -> str:
@@ -378,13 +368,13 @@ def read_meta(path: str | Path) -> dict[str, Any]:
     return json.loads((Path(path) / META_FILE).read_text())
 
 
-def reason(exc: BaseException, limit: int = 120) -> str:
+def reason(exc: BaseException) -> str:
     """An exception as a short phrase: ``"JSONDecodeError: Expecting ..."``, ``"ENOSPC, No space left on device"``."""
     if isinstance(exc, OSError) and exc.errno in errno.errorcode:
         text = f"{errno.errorcode[exc.errno]}, {exc.strerror or os.strerror(exc.errno)}"
         return text + (f": {exc.filename!r}" if exc.filename else "")
     text = (str(exc).strip().splitlines() or [""])[0]
-    text = text if len(text) <= limit else text[: limit - 3] + "..."
+    text = text if len(text) <= 120 else text[:117] + "..."
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
