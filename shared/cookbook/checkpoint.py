@@ -60,8 +60,7 @@ def _mount_point(path: Path) -> Path:
 _ADVICE = {
     errno.EFBIG: "raise the file size limit (ulimit -f) or the largest file size of {fs}",  # a failed save's
     errno.EROFS: "make {fs} writable (it is mounted read-only)",
-    errno.EACCES: "give this user write access to {root}",
-    errno.EPERM: "give this user write access to {root}",
+    **dict.fromkeys((errno.EACCES, errno.EPERM), "give this user write access to {root}"),
     errno.EIO: "check the storage of {fs} (the system log names the failing device)",
 }
 
@@ -80,7 +79,7 @@ def _what_to_do(code: int | None, root: Path) -> str:
 
 def from_rank0(value: Any) -> Any:
     """Rank 0's `value` on every rank (a broadcast; without a process group, `value` itself)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if _world_size() == 1:
         return value
     box = [value]
     dist.broadcast_object_list(box, src=0)
@@ -105,8 +104,7 @@ class _Writer(dcp.FileSystemWriter):
         try:
             return super().write_data(*args, **kwargs)
         except Exception as exc:
-            os_error = os_error_in(exc)
-            if os_error is None or os_error is exc:
+            if (os_error := os_error_in(exc)) is None or os_error is exc:
                 raise
             raise OSError(os_error.errno, os_error.strerror, os_error.filename) from exc
 
@@ -119,8 +117,7 @@ def _failure(exc: BaseException) -> tuple[str, str, int | None]:
 def _os_failure(exc: BaseException) -> tuple[int, OSError] | None:
     """``(rank, OSError)`` of the first rank whose part of a DCP save failed with an OS error, or None."""
     for rank, failure in sorted(getattr(exc, "failures", {}).items()):
-        os_error = os_error_in(failure[0] if isinstance(failure, tuple) else failure)
-        if os_error is not None:
+        if (os_error := os_error_in(failure[0] if isinstance(failure, tuple) else failure)) is not None:
             return rank, os_error
     return None
 

@@ -46,8 +46,7 @@ def _already_complete(
 
 class EpochBatches:
     """Endless batches from `loader`, epoch after epoch, timed, moved to `device` (None: left where they are).
-    Each new pass increments ``state.epoch`` and calls ``set_epoch(state.epoch)``; `metrics` notes its first wait.
-    """
+    Each new pass increments ``state.epoch`` and calls ``set_epoch(state.epoch)``; `metrics` notes its first wait."""
 
     def __init__(
         self,
@@ -155,8 +154,7 @@ class TrainLoop:
             self._vote.finish()
         preempted = isinstance(exc, Preempted)
         self.metrics.close(failed=exc_type is not None and not preempted, stopped=self.stopped or preempted)
-        stalled = stall_error(exc) if exc is not None else None
-        if stalled is not None:
+        if exc is not None and (stalled := stall_error(exc)) is not None:
             raise stalled from exc
 
     def steps(self) -> Iterator[int]:
@@ -292,8 +290,7 @@ class Run(TrainLoop):
     calling `set_epoch` (default: the loader's ``sampler.set_epoch``, where it has one) at each new pass.
     Already complete: said once; `steps` yields nothing, `say` and `finish` do nothing. Checkpoints hold ``app``,
     ``scheduler``, ``train``, ``data`` (with `resizable`) and ``rank_local``; or `checkpoint`, with its `state`.
-    Raises CheckpointError: the checkpoint does not fit this run; ConfigError: bad ``train.on_nonfinite`` settings.
-    """
+    Raises CheckpointError: the checkpoint does not fit this run; ConfigError: bad ``train.on_nonfinite`` settings."""
 
     def __init__(
         self,

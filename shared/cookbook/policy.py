@@ -101,8 +101,7 @@ class NonFinitePolicy:
     """What a step with a NaN or infinite loss or gradient norm does, decided alike on every rank before its update:
     ``"stop"`` raises `NonFiniteError`; ``"skip"`` has the caller drop the step, puts the running statistics of
     `models` back, logs and counts it, up to `max_consecutive_skips` in a row. `check_model` refuses a non-finite model.
-    Raises ValueError: an unknown `on_nonfinite`, or `max_consecutive_skips` < 0.
-    """
+    Raises ValueError: an unknown `on_nonfinite`, or `max_consecutive_skips` < 0."""
 
     def __init__(
         self,
@@ -292,12 +291,8 @@ class NonFinitePolicy:
 
 def models_in(state: Mapping[str, Any] | None) -> list[torch.nn.Module]:
     """The models among a checkpoint's objects: its `torch.nn.Module` values and the others' ``model``."""
-    found: list[torch.nn.Module] = []
-    for obj in (state or {}).values():
-        model = obj if isinstance(obj, torch.nn.Module) else getattr(obj, "model", None)
-        if isinstance(model, torch.nn.Module) and all(model is not m for m in found):
-            found.append(model)
-    return found
+    found = [obj if isinstance(obj, torch.nn.Module) else getattr(obj, "model", None) for obj in (state or {}).values()]
+    return list({id(m): m for m in found if isinstance(m, torch.nn.Module)}.values())  # each model once, in order
 
 
 def optimizers_in(state: Mapping[str, Any] | None) -> list[torch.optim.Optimizer]:

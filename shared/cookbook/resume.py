@@ -35,7 +35,6 @@ _CHECKSUM = "xxh3_64" if _xxh3_64 is not None else "crc32"  # the checksum `chec
 
 class ResumeGuard:
     """Find a run's newest complete checkpoint and refuse a resume that would mix two runs; collective-free.
-
     A checkpoint is a folder under `root` named like `folder` (``<n>``: its number) holding ``meta.json`` (``step``,
     ``world_size``, ``config``, maybe ``epoch``) and `files`. `run_dir`, `resume_key`, `processes`, `cannot_remap`
     and `same_size` word the messages. `resizable`: another world size resumes with the same global batch.
@@ -73,8 +72,7 @@ class ResumeGuard:
         path = Path(path)
         if path in self.bad:
             return self.bad[path]
-        missing = self._missing(path)
-        if missing:
+        if missing := self._missing(path):
             return f"no {', '.join(missing)} inside"
         try:
             text = (path / META_FILE).read_text()
@@ -164,8 +162,7 @@ class ResumeGuard:
                 get_logger().warning(f"warning: {which}; resuming from {path} instead")
             return path
         path = Path(resume)
-        problem = self.verify(path)
-        if problem is not None:  # files missing: not a checkpoint; else a damaged one
+        if (problem := self.verify(path)) is not None:  # files missing: not a checkpoint; else a damaged one
             what, newest, other = (
                 ("not a complete checkpoint folder", "newest", "a")
                 if self._missing(path)
@@ -232,11 +229,10 @@ class ResumeGuard:
         """Why a resume may not change ``train.max_steps`` / ``train.epochs``, or None when the length is the same."""
         old, new = flatten(meta["config"]), flatten(config)
         by_steps = all(isinstance(c.get("train.max_steps"), int) and c["train.max_steps"] > 0 for c in (old, new))
-        changed = [k for k in _LENGTH_KEYS if k in old and old.get(k) != new.get(k)]
-        changed = [k for k in changed if not (k == "train.epochs" and by_steps)]  # max_steps > 0 overrides epochs
-        if not changed:
+        kept = "train.epochs" if by_steps else None  # max_steps > 0 overrides epochs
+        key = next((k for k in _LENGTH_KEYS if k in old and old.get(k) != new.get(k) and k != kept), None)
+        if key is None:
             return None
-        key = changed[0]
         unit, was, done = _LENGTH_KEYS[key], old[key], meta.get(_LENGTH_KEYS[key], 0)
         finished = isinstance(was, int) and 0 < was <= done
         where = f"It is {unit} {done} of a run" if unit == "step" else "It was written by a run"
@@ -245,9 +241,8 @@ class ResumeGuard:
             if finished
             else f"{where} of {key}={was}, and a resume cannot change a run's length"
         )
-        stop = next(
-            (k for k in (f"train.stop_at_{unit}", "train.stop_at_step", "train.stop_at_epoch") if k in new), None
-        )
+        stops = (f"train.stop_at_{unit}", "train.stop_at_step", "train.stop_at_epoch")
+        stop = next((k for k in stops if k in new), None)
         weights = (
             "; it starts from model.name_or_path, so name the model this run exported there (such as its "
             "output_dir's final folder) to start from this run's weights"
