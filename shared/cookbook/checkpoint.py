@@ -321,7 +321,6 @@ def export_hf(
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-    result = None
     if _rank() == 0:
         tmp = out.with_name(f".tmp-{out.name}")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -334,6 +333,5 @@ def export_hf(
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         publish(tmp, out)
-        result = out
     barrier()
-    return result
+    return out if _rank() == 0 else None

@@ -209,12 +209,10 @@ class ResumeGuard:
                 may_change = (*may_change, *_BATCH_KEYS)
         diff = config_changes(meta["config"], config, may_change) if config is not None and "config" in meta else ""
         if diff:
+            same = f"Use the same settings, or start afresh with {self.start_afresh()}"
+            todo = self._length_changed(path, meta, config) or same
             raise CheckpointError(
-                f"{path} was written with other settings ({diff}); resuming would mix two runs. "
-                + (
-                    self._length_changed(path, meta, config)
-                    or f"Use the same settings, or start afresh with {self.start_afresh()}"
-                )
+                f"{path} was written with other settings ({diff}); resuming would mix two runs. {todo}"
             )
         key, value = stop_at
         unit = key.rsplit("_", 1)[-1]
@@ -244,17 +242,15 @@ class ResumeGuard:
         stops = (f"train.stop_at_{unit}", "train.stop_at_step", "train.stop_at_epoch")
         stop = next((k for k in stops if k in new), None)
         weights = (
-            "; it starts from model.name_or_path, so name the model this run exported there (such as its "
-            "output_dir's final folder) to start from this run's weights"
-            if "model.name_or_path" in new
-            else ""
+            "; it starts from model.name_or_path, so name the model this run exported there (such as its output_dir's "
+            "final folder) to start from this run's weights"
         )
         split = f". To split one run into parts, keep {key} and set {stop} (each part resumes the last)" if stop else ""
         return (
             f"{what}: the learning-rate schedule is laid out over {key} (its decay ends there, a warm-up ratio is a "
             f"fraction of it), so the steps after the checkpoint would follow another schedule than the one that "
             f"brought the run there. To train longer, start a new run with {key}={new.get(key)} in "
-            f"{self.start_afresh()}{weights}{split}"
+            f"{self.start_afresh()}{weights if 'model.name_or_path' in new else ''}{split}"
         )
 
     def check_world_size(
@@ -282,12 +278,10 @@ class ResumeGuard:
         target, micro, accum = was[0], now[1], now[2]
         if now[0] == target:
             return
-        ways = []  # one key changed, the other kept
-        if target % (micro * world_size) == 0:
-            k = target // (micro * world_size)
-            ways.append(f"{_BATCH_KEYS[1]}={k} ({micro} x {k} x {world_size} = {target})")
-        if target % (accum * world_size) == 0 and target // (accum * world_size) != micro:
-            k = target // (accum * world_size)
+        k, rest = divmod(target, micro * world_size)  # the ways: one key changed, the other kept
+        ways = [f"{_BATCH_KEYS[1]}={k} ({micro} x {k} x {world_size} = {target})"] if not rest else []
+        k, rest = divmod(target, accum * world_size)
+        if not rest and k != micro:
             ways.append(f"{_BATCH_KEYS[0]}={k} ({k} x {accum} x {world_size} = {target})")
         todo = (
             f"set {' or '.join(ways)}"
@@ -309,16 +303,12 @@ class ResumeGuard:
         position, `per_rank` the per-rank state not restored (``""``: none)."""
         written_by = meta["world_size"]
         batch = global_batch(meta["config"], written_by)[0] if "config" in meta else None
+        kept = f" (global batch {batch} samples, as before)" if batch else ""
+        lost = f". Not restored, as in a fresh run (seeded at start-up): the per-rank state ({per_rank})"
         return (
             f"resized: {path} was written by {written_by} {_plural(self.processes, written_by)}, this job has "
             f"{world_size}. Resharded by DCP: the model and optimizer state. Remapped: the data position, {data} in "
-            f"the same order"
-            + (f" (global batch {batch} samples, as before)" if batch else "")
-            + (
-                f". Not restored, as in a fresh run (seeded at start-up): the per-rank state ({per_rank})"
-                if per_rank
-                else ""
-            )
+            f"the same order{kept}{lost if per_rank else ''}"
         )
 
     def already_complete(
