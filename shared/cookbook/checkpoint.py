@@ -176,8 +176,7 @@ class Checkpointer(ResumeGuard):
             if _rank() == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             barrier()
-            found = _os_failure(exc)
-            if found is None:
+            if (found := _os_failure(exc)) is None:
                 raise
             raise self._save_error(step, final, *found) from None
         barrier()

@@ -211,8 +211,7 @@ class NonFinitePolicy:
         total = counts.sum().reshape(1)
         if dist.is_initialized():
             dist.all_reduce(total)
-        n = int(total.item())
-        if n == 0:
+        if (n := int(total.item())) == 0:
             return
         bad = [name for (name, _), count in zip(tensors, counts.tolist()) if count]
         where = f" ({bad[0]}{f' and {len(bad) - 1} more' if len(bad) > 1 else ''})" if bad else ""
