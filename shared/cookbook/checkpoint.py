@@ -1,6 +1,5 @@
-"""Resumable, atomically published checkpoints with torch.distributed.checkpoint (DCP), and Hugging Face export.
-
-A checkpoint is a folder ``<root>/step_00000100/`` (DCP's shards, ``.metadata``, ``meta.json``): every rank writes into
+"""Resumable, atomically published checkpoints with torch.distributed.checkpoint (DCP), and Hugging Face export. A
+checkpoint is a folder ``<root>/step_00000100/`` (DCP's shards, ``.metadata``, ``meta.json``): every rank writes into
 ``.tmp-step_00000100/``, then rank 0 writes ``meta.json`` and renames it (atomic). What goes in: DCP ``Stateful``
 objects (`cookbook.state`, `cookbook.sampler.DataPosition`, an LR scheduler). `cookbook.resume` finds and checks
 checkpoints; its names and `cookbook.state`'s are re-exported here. What survives which failure: docs/failures.md."""
@@ -24,26 +23,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from cookbook.dist import barrier, get_logger
 from cookbook.errors import CheckpointError
-from cookbook.resume import (
-    CHECKSUMS_KEY,
-    DCP_METADATA,  # noqa: F401
-    FILES_KEY,  # noqa: F401
-    META_FILE,
-    ResumeGuard,
-    checksums,
-    config_changes,  # noqa: F401
-    read_meta,
-    reason,
-)
+from cookbook.resume import CHECKSUMS_KEY, META_FILE, ResumeGuard, checksums, read_meta, reason
+from cookbook.resume import config_changes  # noqa: F401 (re-exported)
 from cookbook.sampler import DataPosition
-from cookbook.state import (
-    ModelOptimizerState,  # noqa: F401
-    RankLocalState,
-    RNGState,  # noqa: F401
-    TrainState,  # noqa: F401
-    rng_kept,  # noqa: F401 (re-exported)
-    seed_per_rank,  # noqa: F401
-)
+from cookbook.state import RankLocalState
+from cookbook.state import ModelOptimizerState, RNGState, TrainState, rng_kept, seed_per_rank  # noqa: F401 (re-exported)
 
 _LEFTOVER_PREFIXES = (".tmp-", ".old-")  # folders of a save or a publish that did not finish
 
@@ -76,8 +60,7 @@ def _mount_point(path: Path) -> Path:
 _ADVICE = {
     errno.EFBIG: "raise the file size limit (ulimit -f) or the largest file size of {fs}",  # a failed save's
     errno.EROFS: "make {fs} writable (it is mounted read-only)",
-    errno.EACCES: "give this user write access to {root}",
-    errno.EPERM: "give this user write access to {root}",
+    **dict.fromkeys((errno.EACCES, errno.EPERM), "give this user write access to {root}"),
     errno.EIO: "check the storage of {fs} (the system log names the failing device)",
 }
 
@@ -96,7 +79,7 @@ def _what_to_do(code: int | None, root: Path) -> str:
 
 def from_rank0(value: Any) -> Any:
     """Rank 0's `value` on every rank (a broadcast; without a process group, `value` itself)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if _world_size() == 1:
         return value
     box = [value]
     dist.broadcast_object_list(box, src=0)
@@ -121,8 +104,7 @@ class _Writer(dcp.FileSystemWriter):
         try:
             return super().write_data(*args, **kwargs)
         except Exception as exc:
-            os_error = os_error_in(exc)
-            if os_error is None or os_error is exc:
+            if (os_error := os_error_in(exc)) is None or os_error is exc:
                 raise
             raise OSError(os_error.errno, os_error.strerror, os_error.filename) from exc
 
@@ -135,8 +117,7 @@ def _failure(exc: BaseException) -> tuple[str, str, int | None]:
 def _os_failure(exc: BaseException) -> tuple[int, OSError] | None:
     """``(rank, OSError)`` of the first rank whose part of a DCP save failed with an OS error, or None."""
     for rank, failure in sorted(getattr(exc, "failures", {}).items()):
-        os_error = os_error_in(failure[0] if isinstance(failure, tuple) else failure)
-        if os_error is not None:
+        if (os_error := os_error_in(failure[0] if isinstance(failure, tuple) else failure)) is not None:
             return rank, os_error
     return None
 
@@ -195,8 +176,7 @@ class Checkpointer(ResumeGuard):
             if _rank() == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             barrier()
-            found = _os_failure(exc)
-            if found is None:
+            if (found := _os_failure(exc)) is None:
                 raise
             raise self._save_error(step, final, *found) from None
         barrier()
@@ -265,8 +245,7 @@ class Checkpointer(ResumeGuard):
         `resizable` checkpointer loads all but the per-rank state. Raises CheckpointError: incomplete, damaged, or
         per-rank state of another world size; ValueError: resized without a `DataPosition`."""
         path = Path(path)
-        problem = self.problem(path)
-        if problem is not None:
+        if (problem := self.problem(path)) is not None:
             raise CheckpointError(f"{path} is not a complete checkpoint ({problem})")
         meta = read_meta(path)
         local = [k for k, v in state.items() if isinstance(v, RankLocalState)]
@@ -323,12 +302,8 @@ def publish(tmp: str | Path, final: str | Path) -> None:
         shutil.rmtree(trash, ignore_errors=True)
     else:
         os.rename(tmp, final)
-    _fsync_dir(final.parent)
-
-
-def _fsync_dir(path: Path) -> None:  # the rename is durable once the folder is synced
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
+    with contextlib.suppress(OSError):  # the rename is durable once the folder is synced
+        fd = os.open(final.parent, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
@@ -345,7 +320,6 @@ def export_hf(
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-    result = None
     if _rank() == 0:
         tmp = out.with_name(f".tmp-{out.name}")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -358,6 +332,5 @@ def export_hf(
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         publish(tmp, out)
-        result = out
     barrier()
-    return result
+    return out if _rank() == 0 else None

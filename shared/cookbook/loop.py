@@ -14,22 +14,16 @@ from cookbook.checkpoint import Checkpointer, RankLocalState, ResumeGuard, RNGSt
 from cookbook.config import to_dict
 from cookbook.dist import DistInfo, barrier, get_dist_info, get_logger, record_progress, stall_error
 from cookbook.metrics import MetricsLogger, ModelFlops, StepProfiler
-from cookbook.policy import (
-    PREEMPT_SIGNALS,  # noqa: F401
-    NonFiniteError,  # noqa: F401
-    NonFinitePolicy,
-    Preempted,  # noqa: F401 (re-exported)
-    StopRequest,
-    StopVote,
-    models_in,
-    optimizers_in,
-)
+from cookbook.policy import NonFiniteError  # noqa: F401 (re-exported)
+from cookbook.policy import NonFinitePolicy, Preempted, StopRequest, StopVote, models_in, optimizers_in
 from cookbook.run_lock import mark_complete
 from cookbook.sampler import DataPosition
 
 Outputs = Mapping[str, "tuple[Path | None, str]"]  # summary key -> (folder or None, how to load it)
+_Value = torch.Tensor | float  # a loss, norm or logged number: a 0-d tensor (no sync) or a float
 _EVAL_COUNTS = ("tokens", "samples", "rows")  # evaluation results that count what was evaluated: not shown on `done:`
 _OUTPUT_NAMES = {"export_dir": "model"}  # summary key -> its name on the closing lines (others: the key less "_dir")
+_END = object()  # what next() gives for an iterator that has ended
 
 
 def _complete_line(out_dir: Path, step: int, max_steps: int, outputs: Mapping[str, str | Path]) -> str:
@@ -52,8 +46,7 @@ def _already_complete(
 
 class EpochBatches:
     """Endless batches from `loader`, epoch after epoch, timed, moved to `device` (None: left where they are).
-    Each new pass increments ``state.epoch`` and calls ``set_epoch(state.epoch)``; `metrics` notes its first wait.
-    """
+    Each new pass increments ``state.epoch`` and calls ``set_epoch(state.epoch)``; `metrics` notes its first wait."""
 
     def __init__(
         self,
@@ -77,18 +70,12 @@ class EpochBatches:
         new_pass = self._it is None
         if new_pass:
             self._new_pass()
-        try:
-            batch = next(self._it)
-        except StopIteration:
+        if (batch := next(self._it, _END)) is _END:
             self.state.epoch += 1
             new_pass = True
             self._new_pass()
-            try:
-                batch = next(self._it)
-            except StopIteration:
-                raise RuntimeError(
-                    "the training data loader yields no batch: too few rows for one micro-batch"
-                ) from None
+            if (batch := next(self._it, _END)) is _END:
+                raise RuntimeError("the training data loader yields no batch: too few rows for one micro-batch")
         wait = time.perf_counter() - t0
         if new_pass and self.metrics is not None:
             self.metrics.note_pass_start(wait)
@@ -126,7 +113,7 @@ class TrainLoop:
         checkpoint_state: Mapping[str, Any] | None = None,
         config: Mapping[str, Any] | None = None,
         profiler: StepProfiler | None = None,
-        log_extra: Callable[[], Mapping[str, float | torch.Tensor]] | None = None,
+        log_extra: Callable[[], Mapping[str, _Value]] | None = None,
         on_nonfinite: str = "stop",
         max_consecutive_skips: int = 5,
     ):
@@ -167,8 +154,7 @@ class TrainLoop:
             self._vote.finish()
         preempted = isinstance(exc, Preempted)
         self.metrics.close(failed=exc_type is not None and not preempted, stopped=self.stopped or preempted)
-        stalled = stall_error(exc) if exc is not None else None
-        if stalled is not None:
+        if exc is not None and (stalled := stall_error(exc)) is not None:
             raise stalled from exc
 
     def steps(self) -> Iterator[int]:
@@ -191,13 +177,7 @@ class TrainLoop:
             if self.state.step == done and not self._skipped_now:
                 raise RuntimeError("the step body must end with loop.end_step(...) or a skip (loop.skip_step)")
 
-    def skip_step(
-        self,
-        grad_norm: torch.Tensor | float | None = None,
-        *,
-        loss: torch.Tensor | float | None = None,
-        applied: bool = False,
-    ) -> bool:
+    def skip_step(self, grad_norm: _Value | None = None, *, loss: _Value | None = None, applied: bool = False) -> bool:
         """Check a step for a non-finite loss or gradient norm before its update (`NonFinitePolicy.skip`); True: zero
         the gradients and ``continue``. Raises NonFiniteError: ``"stop"``, or too many skips in a row."""
         skipped = self.nonfinite.skip(self.state.step + 1, grad_norm, loss=loss, applied=applied)
@@ -205,12 +185,7 @@ class TrainLoop:
         return skipped
 
     def end_step(
-        self,
-        loss: torch.Tensor | float,
-        *,
-        lr: float,
-        grad_norm: torch.Tensor | float | None = None,
-        window: Mapping[str, torch.Tensor | float] | None = None,
+        self, loss: _Value, *, lr: float, grad_norm: _Value | None = None, window: Mapping[str, _Value] | None = None
     ) -> None:
         """Count one optimizer step and do what is due. `loss`: this rank's (0-d device tensor: no sync); `grad_norm`:
         before clipping; `window`: more numbers averaged over the log window by name."""
@@ -232,12 +207,8 @@ class TrainLoop:
             self.metrics.log_step(step, self._loss / self._steps, lr, grad_norm, extra=extra or None)
             self._reset_window()
         with self.metrics.paused():  # not counted in the step time and throughput
-            if (
-                self.evaluate is not None
-                and self.eval_every > 0
-                and step % self.eval_every == 0
-                and step < self.max_steps
-            ):
+            eval_due = self.eval_every > 0 and step % self.eval_every == 0 and step < self.max_steps
+            if self.evaluate is not None and eval_due:
                 with rng_kept():  # the evaluation does not change what training draws next (dropout)
                     values = self.evaluate()
                 self.metrics.log_eval(step, values)
@@ -303,14 +274,8 @@ class TrainLoop:
             **(dict(summary()) if summary is not None else {}),
         }
         self.metrics.log_summary(record)
-        log_outputs(
-            self.state.step,
-            final_eval,
-            self.metrics,
-            self.checkpointer.root if self.checkpointer is not None else None,
-            outputs,
-            timings=timings,
-        )
+        checkpoints = self.checkpointer.root if self.checkpointer is not None else None
+        log_outputs(self.state.step, final_eval, self.metrics, checkpoints, outputs, timings=timings)
         if get_dist_info().is_main and self.config is not None:  # the same command again says so at once
             kept = {**{k: str(p) for k, (p, _) in outputs.items() if p}, "metrics": str(self.metrics.jsonl_path)}
             named = {k.removesuffix("_dir"): p for k, p in kept.items()}
@@ -325,8 +290,7 @@ class Run(TrainLoop):
     calling `set_epoch` (default: the loader's ``sampler.set_epoch``, where it has one) at each new pass.
     Already complete: said once; `steps` yields nothing, `say` and `finish` do nothing. Checkpoints hold ``app``,
     ``scheduler``, ``train``, ``data`` (with `resizable`) and ``rank_local``; or `checkpoint`, with its `state`.
-    Raises CheckpointError: the checkpoint does not fit this run; ConfigError: bad ``train.on_nonfinite`` settings.
-    """
+    Raises CheckpointError: the checkpoint does not fit this run; ConfigError: bad ``train.on_nonfinite`` settings."""
 
     def __init__(
         self,
@@ -349,7 +313,7 @@ class Run(TrainLoop):
         count_tokens: bool = True,
         cannot_remap: str | None = None,
         evaluate: Callable[[], Mapping[str, float]] | None = None,
-        log_extra: Callable[[], Mapping[str, float | torch.Tensor]] | None = None,
+        log_extra: Callable[[], Mapping[str, _Value]] | None = None,
     ):
         if checkpoint is None:
             state = TrainState()

@@ -20,6 +20,7 @@ from cookbook.errors import EXIT_DIVERGED, EXIT_PREEMPTED, ConfigError, OneLineE
 
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # a scheduler's or torchrun's stop; Slurm's --signal warning
 _ON_NONFINITE = ("stop", "skip")  # what a step with a NaN / inf loss or gradient norm does (TrainLoop.skip_step)
+_Value = torch.Tensor | float  # a loss or gradient norm: a tensor (a DTensor too) or a float
 _NONE_BAD = 2**62  # "no non-finite step" in the all-reduce (min) of the first bad step of updates already applied
 
 
@@ -78,10 +79,8 @@ class StopRequest:
 
     def listen(self) -> None:
         """Install the handlers of `PREEMPT_SIGNALS` (main thread only)."""
-        self._handlers = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in PREEMPT_SIGNALS:
-                self._handlers[sig] = signal.signal(sig, lambda signum, frame: self(signum))
+        on_main = threading.current_thread() is threading.main_thread()
+        self._handlers = {s: signal.signal(s, lambda signum, frame: self(signum)) for s in PREEMPT_SIGNALS if on_main}
 
     def restore(self) -> None:
         for sig, handler in self._handlers.items():
@@ -102,8 +101,7 @@ class NonFinitePolicy:
     """What a step with a NaN or infinite loss or gradient norm does, decided alike on every rank before its update:
     ``"stop"`` raises `NonFiniteError`; ``"skip"`` has the caller drop the step, puts the running statistics of
     `models` back, logs and counts it, up to `max_consecutive_skips` in a row. `check_model` refuses a non-finite model.
-    Raises ValueError: an unknown `on_nonfinite`, or `max_consecutive_skips` < 0.
-    """
+    Raises ValueError: an unknown `on_nonfinite`, or `max_consecutive_skips` < 0."""
 
     def __init__(
         self,
@@ -148,12 +146,7 @@ class NonFinitePolicy:
         return cls(*cls.settings(train), **kwargs)
 
     def skip(
-        self,
-        step: int,
-        grad_norm: torch.Tensor | float | None = None,
-        *,
-        loss: torch.Tensor | float | None = None,
-        applied: bool = False,
+        self, step: int, grad_norm: _Value | None = None, *, loss: _Value | None = None, applied: bool = False
     ) -> bool:
         """Check step `step` (1-based) before its update; True: the caller drops it. `grad_norm`: the total norm, the
         same on every rank; None: check `loss` (one all-reduce). `applied`: the update already ran (checked later)."""
@@ -181,17 +174,14 @@ class NonFinitePolicy:
         `what` words the stop message (``"the gradient norm of step 5 is nan"``), `short` the skip line."""
         self._consecutive += 1
         if self.on_nonfinite == "stop":
-            raise NonFiniteError(
-                f"{what}: the step was not applied and the run stops (train.on_nonfinite=stop); "
-                f"{self._newest_text()}. Lower optim.lr or raise the warm-up, check the data "
-                f"of this step, or set train.on_nonfinite=skip to drop such steps"
+            raise self._stops(
+                f"{what}: the step was not applied and the run stops (train.on_nonfinite=stop)",
+                "check the data of this step, or set train.on_nonfinite=skip to drop such steps",
             )
         if self._consecutive > self.max_consecutive_skips:
-            raise NonFiniteError(
-                f"{what}: the step was not applied, and that makes {self._consecutive} non-finite "
-                f"steps in a row (train.max_consecutive_skips={self.max_consecutive_skips}), so the "
-                f"run stops; {self._newest_text()}. Lower optim.lr or raise the warm-up, or "
-                f"check the data"
+            raise self._stops(
+                f"{what}: the step was not applied, and that makes {self._consecutive} non-finite steps in a row "
+                f"(train.max_consecutive_skips={self.max_consecutive_skips}), so the run stops"
             )
         if self._stats:
             with torch.no_grad():  # the dropped batch's forward updated them
@@ -221,15 +211,13 @@ class NonFinitePolicy:
         total = counts.sum().reshape(1)
         if dist.is_initialized():
             dist.all_reduce(total)
-        n = int(total.item())
-        if n == 0:
+        if (n := int(total.item())) == 0:
             return
         bad = [name for (name, _), count in zip(tensors, counts.tolist()) if count]
         where = f" ({bad[0]}{f' and {len(bad) - 1} more' if len(bad) > 1 else ''})" if bad else ""
-        raise NonFiniteError(
-            f"after step {step}, {n} values of the model's parameters and buffers are NaN or "
-            f"infinite{where}: {outcome} and the run stops, whatever train.on_nonfinite says; "
-            f"{self._newest_text()}. Lower optim.lr or raise the warm-up, or check the data"
+        raise self._stops(
+            f"after step {step}, {n} values of the model's parameters and buffers are NaN or infinite{where}: "
+            f"{outcome} and the run stops, whatever train.on_nonfinite says"
         )
 
     def stepped(self) -> None:
@@ -239,11 +227,13 @@ class NonFinitePolicy:
         """``{"skipped_steps": n}`` for a log line with ``"skip"``; ``{}`` with ``"stop"``."""
         return {"skipped_steps": float(self.skipped_steps)} if self.on_nonfinite == "skip" else {}
 
-    def _newest_text(self) -> str:
+    def _stops(self, why: str, todo: str = "or check the data") -> NonFiniteError:
+        """``NonFiniteError("<why>; <the newest checkpoint>. Lower optim.lr or raise the warm-up, <todo>")``"""
         latest = self.newest_checkpoint()
-        return f"the newest checkpoint, from before it, is {latest}" if latest else "no checkpoint was saved before it"
+        kept = f"the newest checkpoint, from before it, is {latest}" if latest else "no checkpoint was saved before it"
+        return NonFiniteError(f"{why}; {kept}. Lower optim.lr or raise the warm-up, {todo}")
 
-    def _finite_on_every_rank(self, loss: torch.Tensor | float) -> bool:
+    def _finite_on_every_rank(self, loss: _Value) -> bool:
         if isinstance(loss, torch.Tensor):
             flag = (~torch.isfinite(loss.detach())).any().to(torch.float32).reshape(1)
         else:
@@ -252,7 +242,7 @@ class NonFinitePolicy:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return flag.item() == 0
 
-    def _note_applied(self, loss: torch.Tensor | float, step: int) -> None:
+    def _note_applied(self, loss: _Value, step: int) -> None:
         """Keep the first step whose (applied) loss was not finite, on the device: no sync."""
         loss = torch.as_tensor(loss, device=self.device)
         if self._applied_bad is None:
@@ -260,7 +250,7 @@ class NonFinitePolicy:
         bad = (~torch.isfinite(loss.detach())).any() & (self._applied_bad == 0)
         self._applied_bad = torch.where(bad, torch.full_like(self._applied_bad, step), self._applied_bad)
 
-    def _defer(self, step: int, grad_norm: torch.Tensor | float) -> bool:
+    def _defer(self, step: int, grad_norm: _Value) -> bool:
         """With ``"stop"`` and fused optimizers, check `grad_norm` without a sync, which would keep the host from
         running ahead: they skip a non-finite step on the device (``found_inf``, as `torch.amp.GradScaler` uses it),
         and `check_applied`, before the next log line, save or the end, stops the run for it."""
@@ -292,22 +282,16 @@ class NonFinitePolicy:
             dist.all_reduce(first, op=dist.ReduceOp.MIN)
         step = int(first.item())
         if step != _NONE_BAD:
-            raise NonFiniteError(
-                f"the loss of step {step} is not finite on every rank and its update was already "
-                f"applied (this recipe checks after its step), so the run stops before saving it, "
-                f"whatever train.on_nonfinite says; {self._newest_text()}. Lower optim.lr or "
-                f"raise the warm-up, or check the data"
+            raise self._stops(
+                f"the loss of step {step} is not finite on every rank and its update was already applied (this "
+                f"recipe checks after its step), so the run stops before saving it, whatever train.on_nonfinite says"
             )
 
 
 def models_in(state: Mapping[str, Any] | None) -> list[torch.nn.Module]:
     """The models among a checkpoint's objects: its `torch.nn.Module` values and the others' ``model``."""
-    found: list[torch.nn.Module] = []
-    for obj in (state or {}).values():
-        model = obj if isinstance(obj, torch.nn.Module) else getattr(obj, "model", None)
-        if isinstance(model, torch.nn.Module) and all(model is not m for m in found):
-            found.append(model)
-    return found
+    found = [obj if isinstance(obj, torch.nn.Module) else getattr(obj, "model", None) for obj in (state or {}).values()]
+    return list({id(m): m for m in found if isinstance(m, torch.nn.Module)}.values())  # each model once, in order
 
 
 def optimizers_in(state: Mapping[str, Any] | None) -> list[torch.optim.Optimizer]:
@@ -320,14 +304,8 @@ def _running_stats(models: Iterable[torch.nn.Module]) -> list[torch.Tensor]:
     """The buffers a training forward updates in place: the running statistics of `models`' norm layers."""
     from torch.nn.modules.batchnorm import _NormBase
 
-    return [
-        b
-        for model in models
-        for m in model.modules()
-        if isinstance(m, _NormBase)
-        for b in m.buffers(recurse=False)
-        if b is not None
-    ]
+    norms = (m for model in models for m in model.modules() if isinstance(m, _NormBase))
+    return [b for m in norms for b in m.buffers(recurse=False)]
 
 
 def _local_tensors(models: Iterable[torch.nn.Module]) -> list[tuple[str, torch.Tensor]]:
@@ -338,10 +316,7 @@ def _local_tensors(models: Iterable[torch.nn.Module]) -> list[tuple[str, torch.T
             if id(t) in seen:
                 continue
             seen.add(id(t))
-            parts = (
-                [s.tensor for s in t.local_shards()]
-                if hasattr(t, "local_shards")
-                else [t.to_local() if hasattr(t, "to_local") else t]
-            )
+            local = t.to_local() if hasattr(t, "to_local") else t
+            parts = [s.tensor for s in t.local_shards()] if hasattr(t, "local_shards") else [local]
             found += [(name, p.detach()) for p in parts if p.is_floating_point() and p.numel() and not p.is_meta]
     return found

@@ -35,7 +35,6 @@ _CHECKSUM = "xxh3_64" if _xxh3_64 is not None else "crc32"  # the checksum `chec
 
 class ResumeGuard:
     """Find a run's newest complete checkpoint and refuse a resume that would mix two runs; collective-free.
-
     A checkpoint is a folder under `root` named like `folder` (``<n>``: its number) holding ``meta.json`` (``step``,
     ``world_size``, ``config``, maybe ``epoch``) and `files`. `run_dir`, `resume_key`, `processes`, `cannot_remap`
     and `same_size` word the messages. `resizable`: another world size resumes with the same global batch.
@@ -63,9 +62,8 @@ class ResumeGuard:
         self.folder, self.files = folder, tuple(files)
         self._name = re.compile(re.escape(folder).replace(re.escape("<n>"), r"(\d+)"))
         self.run_dir = Path(run_dir) if run_dir is not None else None
-        self.processes = processes
-        self.cannot_remap, self.same_size = cannot_remap, same_size
-        self.resizable = resizable
+        self.processes, self.cannot_remap = processes, cannot_remap
+        self.same_size, self.resizable = same_size, resizable
 
     # ------------------------------------------------------------------ finding
     def problem(self, path: str | Path) -> str | None:
@@ -74,8 +72,7 @@ class ResumeGuard:
         path = Path(path)
         if path in self.bad:
             return self.bad[path]
-        missing = self._missing(path)
-        if missing:
+        if missing := self._missing(path):
             return f"no {', '.join(missing)} inside"
         try:
             text = (path / META_FILE).read_text()
@@ -137,12 +134,8 @@ class ResumeGuard:
         """Damaged checkpoint folders (numbered after `newer_than`; None: all), oldest first, with `problem`; an
         incomplete folder counts only where folders are published complete."""
         after = self.number(newer_than) if newer_than is not None else -1
-        found = [(path, self.problem(path)) for number, path in self.candidates() if number > after]
-        return [
-            (path, problem)
-            for path, problem in found
-            if problem is not None and (self.published or path in self.bad or not self._missing(path))
-        ]
+        found = [(p, self.problem(p)) for number, p in self.candidates() if number > after]
+        return [(p, why) for p, why in found if why and (self.published or p in self.bad or not self._missing(p))]
 
     def resolve(self, resume: str | None) -> Path | None:
         """A ``resume`` value as a checkpoint folder: ``"auto"`` (`latest`, damaged newer ones skipped with one
@@ -164,16 +157,12 @@ class ResumeGuard:
             rank0 = not dist.is_initialized() or dist.get_rank() == 0
             if skipped and rank0 and not (os.environ.get("COOKBOOK_CHECKED") and not restarted()):
                 # (workers of a first attempt are quiet: `cookbook.launch`'s --check process has said it)
-                which = (
-                    f"checkpoint {skipped[0][0]} is damaged ({skipped[0][1]})"
-                    if len(skipped) == 1
-                    else f"checkpoints {what} are damaged"
-                )
+                (first, why), *more = skipped
+                which = f"checkpoints {what} are damaged" if more else f"checkpoint {first} is damaged ({why})"
                 get_logger().warning(f"warning: {which}; resuming from {path} instead")
             return path
         path = Path(resume)
-        problem = self.verify(path)
-        if problem is not None:  # files missing: not a checkpoint; else a damaged one
+        if (problem := self.verify(path)) is not None:  # files missing: not a checkpoint; else a damaged one
             what, newest, other = (
                 ("not a complete checkpoint folder", "newest", "a")
                 if self._missing(path)
@@ -220,12 +209,10 @@ class ResumeGuard:
                 may_change = (*may_change, *_BATCH_KEYS)
         diff = config_changes(meta["config"], config, may_change) if config is not None and "config" in meta else ""
         if diff:
+            same = f"Use the same settings, or start afresh with {self.start_afresh()}"
+            todo = self._length_changed(path, meta, config) or same
             raise CheckpointError(
-                f"{path} was written with other settings ({diff}); resuming would mix two runs. "
-                + (
-                    self._length_changed(path, meta, config)
-                    or f"Use the same settings, or start afresh with {self.start_afresh()}"
-                )
+                f"{path} was written with other settings ({diff}); resuming would mix two runs. {todo}"
             )
         key, value = stop_at
         unit = key.rsplit("_", 1)[-1]
@@ -240,11 +227,10 @@ class ResumeGuard:
         """Why a resume may not change ``train.max_steps`` / ``train.epochs``, or None when the length is the same."""
         old, new = flatten(meta["config"]), flatten(config)
         by_steps = all(isinstance(c.get("train.max_steps"), int) and c["train.max_steps"] > 0 for c in (old, new))
-        changed = [k for k in _LENGTH_KEYS if k in old and old.get(k) != new.get(k)]
-        changed = [k for k in changed if not (k == "train.epochs" and by_steps)]  # max_steps > 0 overrides epochs
-        if not changed:
+        kept = "train.epochs" if by_steps else None  # max_steps > 0 overrides epochs
+        key = next((k for k in _LENGTH_KEYS if k in old and old.get(k) != new.get(k) and k != kept), None)
+        if key is None:
             return None
-        key = changed[0]
         unit, was, done = _LENGTH_KEYS[key], old[key], meta.get(_LENGTH_KEYS[key], 0)
         finished = isinstance(was, int) and 0 < was <= done
         where = f"It is {unit} {done} of a run" if unit == "step" else "It was written by a run"
@@ -253,21 +239,18 @@ class ResumeGuard:
             if finished
             else f"{where} of {key}={was}, and a resume cannot change a run's length"
         )
-        stop = next(
-            (k for k in (f"train.stop_at_{unit}", "train.stop_at_step", "train.stop_at_epoch") if k in new), None
-        )
+        stops = (f"train.stop_at_{unit}", "train.stop_at_step", "train.stop_at_epoch")
+        stop = next((k for k in stops if k in new), None)
         weights = (
-            "; it starts from model.name_or_path, so name the model this run exported there (such as its "
-            "output_dir's final folder) to start from this run's weights"
-            if "model.name_or_path" in new
-            else ""
+            "; it starts from model.name_or_path, so name the model this run exported there (such as its output_dir's "
+            "final folder) to start from this run's weights"
         )
         split = f". To split one run into parts, keep {key} and set {stop} (each part resumes the last)" if stop else ""
         return (
             f"{what}: the learning-rate schedule is laid out over {key} (its decay ends there, a warm-up ratio is a "
             f"fraction of it), so the steps after the checkpoint would follow another schedule than the one that "
             f"brought the run there. To train longer, start a new run with {key}={new.get(key)} in "
-            f"{self.start_afresh()}{weights}{split}"
+            f"{self.start_afresh()}{weights if 'model.name_or_path' in new else ''}{split}"
         )
 
     def check_world_size(
@@ -278,31 +261,27 @@ class ResumeGuard:
         n = meta.get("world_size")
         if n is None or (n == world_size and not self.resizable):
             return
+        written = f"{path} was written by {n} {self.processes} but this job has {world_size}"
+        same = self.same_size.format(n=n)
         if not self.resizable:
             raise CheckpointError(
-                f"{path} was written by {n} {self.processes} but this job has {world_size}: "
-                f"{self.cannot_remap} (resuming on another number of processes is supported by "
-                f"{resizable_recipes()} only). Resume with {self.same_size.format(n=n)}, or start "
-                f"afresh with {self.start_afresh()}"
+                f"{written}: {self.cannot_remap} (resuming on another number of processes is supported by "
+                f"{resizable_recipes()} only). Resume with {same}, or start afresh with {self.start_afresh()}"
             )
         if config is None or "config" not in meta:
             if n != world_size:
                 raise CheckpointError(
-                    f"{path} was written by {n} {self.processes} but this job has {world_size}, and "
-                    f"its global batch cannot be told (no config to compare): resume with "
-                    f"{self.same_size.format(n=n)}"
+                    f"{written}, and its global batch cannot be told (no config to compare): resume with {same}"
                 )
             return
         was, now = global_batch(meta["config"], n), global_batch(config, world_size)
         target, micro, accum = was[0], now[1], now[2]
         if now[0] == target:
             return
-        ways = []  # one key changed, the other kept
-        if target % (micro * world_size) == 0:
-            k = target // (micro * world_size)
-            ways.append(f"{_BATCH_KEYS[1]}={k} ({micro} x {k} x {world_size} = {target})")
-        if target % (accum * world_size) == 0 and target // (accum * world_size) != micro:
-            k = target // (accum * world_size)
+        k, rest = divmod(target, micro * world_size)  # the ways: one key changed, the other kept
+        ways = [f"{_BATCH_KEYS[1]}={k} ({micro} x {k} x {world_size} = {target})"] if not rest else []
+        k, rest = divmod(target, accum * world_size)
+        if not rest and k != micro:
             ways.append(f"{_BATCH_KEYS[0]}={k} ({k} x {accum} x {world_size} = {target})")
         todo = (
             f"set {' or '.join(ways)}"
@@ -316,7 +295,7 @@ class ResumeGuard:
             f"x {n} {_plural(self.processes, n)}) but this job's is {now[0]} ({micro} x {accum} x {world_size}); a resume "
             f"keeps the global batch, so that a step, max_steps, the learning-rate schedule and the data position keep "
             f"their meaning. To continue on {world_size} {_plural(self.processes, world_size)}, {todo}; or resume with "
-            f"{self.same_size.format(n=n)}, or start afresh with {self.start_afresh()}"
+            f"{same}, or start afresh with {self.start_afresh()}"
         )
 
     def resized(self, path: Path, meta: Mapping[str, Any], world_size: int, data: str, per_rank: str) -> str:
@@ -324,16 +303,12 @@ class ResumeGuard:
         position, `per_rank` the per-rank state not restored (``""``: none)."""
         written_by = meta["world_size"]
         batch = global_batch(meta["config"], written_by)[0] if "config" in meta else None
+        kept = f" (global batch {batch} samples, as before)" if batch else ""
+        lost = f". Not restored, as in a fresh run (seeded at start-up): the per-rank state ({per_rank})"
         return (
             f"resized: {path} was written by {written_by} {_plural(self.processes, written_by)}, this job has "
             f"{world_size}. Resharded by DCP: the model and optimizer state. Remapped: the data position, {data} in "
-            f"the same order"
-            + (f" (global batch {batch} samples, as before)" if batch else "")
-            + (
-                f". Not restored, as in a fresh run (seeded at start-up): the per-rank state ({per_rank})"
-                if per_rank
-                else ""
-            )
+            f"the same order{kept}{lost if per_rank else ''}"
         )
 
     def already_complete(
@@ -378,13 +353,13 @@ def read_meta(path: str | Path) -> dict[str, Any]:
     return json.loads((Path(path) / META_FILE).read_text())
 
 
-def reason(exc: BaseException, limit: int = 120) -> str:
+def reason(exc: BaseException) -> str:
     """An exception as a short phrase: ``"JSONDecodeError: Expecting ..."``, ``"ENOSPC, No space left on device"``."""
     if isinstance(exc, OSError) and exc.errno in errno.errorcode:
         text = f"{errno.errorcode[exc.errno]}, {exc.strerror or os.strerror(exc.errno)}"
         return text + (f": {exc.filename!r}" if exc.filename else "")
     text = (str(exc).strip().splitlines() or [""])[0]
-    text = text if len(text) <= limit else text[: limit - 3] + "..."
+    text = text if len(text) <= 120 else text[:117] + "..."
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 

@@ -46,13 +46,9 @@ class ModelOptimizerState:
         return {"model": model_sd, "optim": optim_sd}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        optimizers = [] if self.optimizer is None else self.optimizer
+        optimizers, optim = ([], {}) if self.optimizer is None else (self.optimizer, state.get("optim", {}))
         set_state_dict(
-            self.model,
-            optimizers,
-            model_state_dict=state["model"],
-            options=self.options,
-            optim_state_dict=state.get("optim", {}) if self.optimizer is not None else {},
+            self.model, optimizers, model_state_dict=state["model"], optim_state_dict=optim, options=self.options
         )
 
 
