@@ -15,13 +15,9 @@ ROLES = ("system", "user", "assistant")  # plain chat turns; "tool" (a tool's re
 _CHAT_ROLES = {r: r for r in (*ROLES, "tool")}
 _SHAREGPT_ROLES = {
     "system": "system",
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "function_call": "assistant",
-    "observation": "tool",
-    "tool": "tool",
+    **dict.fromkeys(("human", "user"), "user"),
+    **dict.fromkeys(("gpt", "assistant", "function_call"), "assistant"),
+    **dict.fromkeys(("observation", "tool"), "tool"),
 }
 
 
@@ -118,14 +114,9 @@ def _text(value: Any, where: str, field: str, allow_empty: bool = True, answer: 
 _TEXT_KEYS = ("text", "value", "content")  # where a typed part keeps its text (OpenAI: text; Hugging Face: value)
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # a turn's reasoning (TRL / Qwen3, GPT-OSS, others)
 _PART_KINDS = {
-    "text": "text",
-    "input_text": "text",
-    "output_text": "text",
-    "reasoning": "reasoning",
-    "thinking": "reasoning",
-    "tool_call": "tool_call",
-    "tool_use": "tool_call",
-    "function_call": "tool_call",
+    **dict.fromkeys(("text", "input_text", "output_text"), "text"),
+    **dict.fromkeys(("reasoning", "thinking"), "reasoning"),
+    **dict.fromkeys(("tool_call", "tool_use", "function_call"), "tool_call"),
 }
 _IMAGE_KINDS = ("image", "image_url", "input_image", "video", "audio", "input_audio")
 

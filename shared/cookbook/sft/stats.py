@@ -142,11 +142,9 @@ class SFTStats:
         return f"tool calls: {self.tool_calls} in {self.tool_call_rows} rows{cut}"
 
     def _drop_reason(self, limit: str) -> str:
-        return (
-            f"cut by {limit} before any assistant token"
-            if self.truncate
-            else f"longer than {limit}, dropped rather than cut"
-        )
+        if self.truncate:
+            return f"cut by {limit} before any assistant token"
+        return f"longer than {limit}, dropped rather than cut"
 
     def _counts(self) -> str:
         split = f" ({self.split_rows} split into one example per assistant turn)" if self.split_rows else ""
