@@ -120,11 +120,9 @@ def _parquet_records(p: Path, columns: Sequence[str] | None) -> Iterator[tuple[s
     """``(where, {column: value})`` of a parquet file's rows (`columns` only); DataError: not parquet, no column."""
     pf = _parquet(p)
     _check_columns(p, columns or (), pf.schema_arrow.names)
-    n = 0
-    for batch in pf.iter_batches(batch_size=65536, columns=list(columns) if columns is not None else None):
-        for row in batch.to_pylist():
-            n += 1
-            yield f"{p} row {n}", row
+    batches = pf.iter_batches(batch_size=65536, columns=list(columns) if columns is not None else None)
+    for n, row in enumerate((row for batch in batches for row in batch.to_pylist()), 1):
+        yield f"{p} row {n}", row
 
 
 def column_names(path: str | Path) -> list[str] | None:
