@@ -60,11 +60,8 @@ def show_download_bars() -> bool:
     """Turn huggingface_hub's download bars on (local rank 0, stderr a terminal); returns whether they are on."""
     from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
 
-    if (
-        os.environ.get("LOCAL_RANK", "0") == "0"
-        and is_terminal(sys.stderr)
-        and os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS") is None
-    ):
+    turned_off = "HF_HUB_DISABLE_PROGRESS_BARS" in os.environ
+    if os.environ.get("LOCAL_RANK", "0") == "0" and is_terminal(sys.stderr) and not turned_off:
         enable_progress_bars("huggingface_hub")
     return not are_progress_bars_disabled("huggingface_hub.http_get")
 
