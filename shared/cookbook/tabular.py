@@ -169,7 +169,25 @@ def records(
 def to_int(value: Any) -> int | None:
     """An integer written in any usual way (``3``, ``" 3 "``, ``3.0``, ``"3.0"``, ``"3e2"``); None: None, ``""``, NaN.
     Raises ValueError: not a whole number (``"2.5"``, ``inf``, a bool), or outside the int64 range."""
-    return check_int64(_to_int(value))
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is a bool")
+    if isinstance(value, numbers.Integral):
+        return check_int64(int(value))
+    if isinstance(value, str):
+        try:
+            n = int(value)
+        except ValueError:
+            value = float(value)  # raises ValueError for text
+        else:
+            return check_int64(n)
+    f = float(value)
+    if math.isnan(f):
+        return None
+    if not f.is_integer():
+        raise ValueError(f"{value!r} is not a whole number")
+    return check_int64(int(f))
 
 
 INT64 = (-(2**63), 2**63 - 1)
@@ -180,26 +198,3 @@ def check_int64(n: int | None) -> int | None:
     if n is not None and not INT64[0] <= n <= INT64[1]:
         raise ValueError(f"{len(str(abs(n)))}-digit integer is outside the 64-bit range")
     return n
-
-
-def _to_int(value: Any) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        raise ValueError(f"{value!r} is a bool")
-    if isinstance(value, numbers.Integral):
-        return int(value)
-    if isinstance(value, str):
-        s = value.strip()
-        if not s:
-            return None
-        try:
-            return int(s)
-        except ValueError:
-            value = float(s)  # raises ValueError for text
-    f = float(value)
-    if math.isnan(f):
-        return None
-    if not f.is_integer():
-        raise ValueError(f"{value!r} is not a whole number")
-    return int(f)

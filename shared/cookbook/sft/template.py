@@ -257,12 +257,10 @@ def _place_reasoning(
 ) -> list[dict]:
     """Messages with each turn's ``reasoning_content`` under the template's key `target` (or removed, its index appended
     to `dropped`). Raises SFTDataError: reasoning, but the template reads none or ``enable_thinking`` is false."""
-    out = []
-    for i, m in enumerate(messages):
+    out = [dict(m) for m in messages]
+    for i, m in enumerate(out):
         if "reasoning_content" not in m:
-            out.append(m)
             continue
-        m = dict(m)
         thought = m.pop("reasoning_content")
         if reasoning == "drop":
             dropped.append(i)
@@ -280,5 +278,4 @@ def _place_reasoning(
             )
         else:
             m[target] = thought
-        out.append(m)
     return out
