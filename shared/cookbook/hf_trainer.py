@@ -1,6 +1,6 @@
-"""The bookkeeping of a recipe on the Hugging Face ``Trainer`` (or TRL's ``SFTTrainer``), as in the torchrun loop:
-atomic publication with checksums, preemption (exit 75), non-finite steps (exit 4), stalls (exit 3), metrics.jsonl and
-the trackers. Why each piece: docs/notes.md.
+"""The torchrun loop's bookkeeping for a recipe on the Hugging Face ``Trainer`` (or TRL's ``SFTTrainer``): atomic
+publication with checksums, preemption (exit 75), non-finite steps (exit 4), stalls (exit 3), metrics.jsonl and the
+trackers. Why each piece: docs/notes.md.
 
     class MyTrainer(hf_trainer.Bookkeeping, SFTTrainer): ...           # at module level
     run = hf_trainer.TrainerRun(cfg, metrics, pad_id, resume_from)
@@ -28,15 +28,8 @@ from transformers import PrinterCallback, TrainerCallback
 from cookbook import lm
 from cookbook.checkpoint import from_rank0, os_error_in, publish, save_error
 from cookbook.config import to_dict
-from cookbook.dist import (
-    apply_collective_timeout,
-    barrier,
-    destroy_distributed,
-    get_dist_info,
-    get_logger,
-    record_progress,
-    stall_error,
-)
+from cookbook.dist import all_reduce_sum, apply_collective_timeout, barrier, destroy_distributed, get_dist_info
+from cookbook.dist import get_logger, record_progress, stall_error
 from cookbook.metrics import MetricsLogger
 from cookbook.policy import NonFinitePolicy, Preempted, StopRequest, StopVote
 from cookbook.resume import CHECKSUMS_KEY, FILES_KEY, ResumeGuard, checksums, file_sizes, read_meta, reason
@@ -70,7 +63,7 @@ def _global_batch(args) -> int:
 
 
 def _callback(trainer, cls):
-    return next((c for c in trainer.callback_handler.callbacks if isinstance(c, cls)), None)
+    return next(c for c in trainer.callback_handler.callbacks if isinstance(c, cls))
 
 
 class MetricsCallback(TrainerCallback):
@@ -133,7 +126,7 @@ class MetricsCallback(TrainerCallback):
 
 
 class Bookkeeping:
-    """Trainer mixin, first in the bases: counts each step's micro-batches (`MetricsCallback.count`), reads whole
+    """Trainer mixin, first in the bases, with `TrainerRun.callbacks`: counts each step's micro-batches, reads whole
     global batches (`FullBatchesSampler`); a save failing with an `OSError` deletes its staging folder and ends the run
     with `CheckpointSaveError`'s one line (exit 2). MetricsLogger prints the log lines, not `PrinterCallback`."""
 
@@ -152,24 +145,20 @@ class Bookkeeping:
         return FullBatchesSampler(len(rows), _global_batch(self.args), self.args.seed, lambda: self.state.epoch)
 
     def _save_checkpoint(self, model, trial):
-        original = torch.save
+        original, step = torch.save, self.state.global_step
         torch.save = functools.partial(_save_through_file, original)
         try:
             return super()._save_checkpoint(model, trial)
         except Exception as exc:
-            found = os_error_in(exc)  # or the one safetensors gives as text only: "... (os error 27)"
-            code = re.search(r"\(os error (\d+)\)", str(exc)) if found is None else None
-            os_error = OSError(int(code[1]), os.strerror(int(code[1]))) if code else found
-            publisher, step = _callback(self, PublishCheckpoints), self.state.global_step
-            if publisher is None:
-                raise
             # never published: its bytes would keep a full disk full. Every rank whose save fails deletes it
             shutil.rmtree(Path(self.args.output_dir) / f"checkpoint-{step}", ignore_errors=True)
+            code = re.search(r"\(os error (\d+)\)", str(exc))  # safetensors gives its OSError as text only
+            os_error = os_error_in(exc) or (OSError(int(code[1]), os.strerror(int(code[1]))) if code else None)
             if os_error is None:
                 raise
-            info, final = get_dist_info(), publisher.root / f"checkpoint-{step}"
+            info, root = get_dist_info(), _callback(self, PublishCheckpoints).root
             rank = info.rank if info.world_size > 1 else None
-            error = save_error(step, final, _newest(publisher.root), rank, os_error)
+            error = save_error(step, root / f"checkpoint-{step}", _newest(root), rank, os_error)
             error.same_on_every_rank = False  # this rank alone met it, so this rank prints it
             raise error from exc
         finally:
@@ -210,20 +199,17 @@ class FullBatchesSampler(torch.utils.data.Sampler):
 def epoch_line(num_rows: int, global_batch: int) -> str:
     """The log's line on what one epoch reads (`FullBatchesSampler`)."""
     steps, rest = divmod(num_rows, global_batch)
-    tail = (
-        f"the last partial global batch ({rest} rows, others each epoch) is dropped"
-        if rest
-        else "no partial global batch"
-    )
-    return f"epoch: {num_rows} rows = {steps} steps of {global_batch} rows, every row read once; {tail}"
+    head = f"epoch: {num_rows} rows = {steps} steps of {global_batch} rows, every row read once"
+    if rest:
+        return f"{head}; the last partial global batch ({rest} rows, others each epoch) is dropped"
+    return f"{head}; no partial global batch"
 
 
 class RunControl(TrainerCallback):
     """As training begins: listens for SIGTERM and SIGUSR1 (`StopRequest`), seeds ``args.seed + args.process_index``
     and gives every process group (DeepSpeed's too) the collective timeout. Per step: records this rank's progress
-    (for the stall line, exit 3); stops with a checkpoint where the ranks agree on a signal (`StopVote`;
-    `raise_if_stopped`: `Preempted`, exit 75) or after `stop_at_step` (``train.stop_at_step``; <= 0: never), never
-    at the last step."""
+    (the stall line, exit 3); stops with a checkpoint where the ranks agree on a signal (`StopVote`, then
+    `raise_if_stopped`: exit 75) or after `stop_at_step` (<= 0: never), never at the last step."""
 
     def __init__(self, stop_at_step: int):
         self.stop_at_step, self.request, self._vote = stop_at_step, StopRequest(), None
@@ -272,39 +258,30 @@ class NonFiniteSteps(TrainerCallback):
         # by name: accelerate exports the class only where DeepSpeed is installed
         self._deepspeed = type(optimizer).__name__ == "DeepSpeedOptimizerWrapper"
 
+    def _apply(self, state, bad: bool, what: str, short: str) -> None:
+        if not bad:
+            return self.policy.stepped()
+        step = state.global_step + 1
+        self.policy.nonfinite(step, what.format(step=step), short)
+
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         if self._deepspeed:  # DeepSpeed applies or discards the update itself (on_optimizer_step)
             return
-        device = get_dist_info().device  # a DTensor's norm: its local shard's; one flag all-reduced over the ranks
+        device = get_dist_info().device  # a DTensor's norm: its local shard's; one count all-reduced over the ranks
         grads = [p.grad for p in model.parameters() if p.requires_grad and p.grad is not None and p.grad.numel()]
         norms = [vector_norm(g.to_local() if hasattr(g, "to_local") else g, dtype=torch.float32) for g in grads]
-        flag = torch.zeros(1, device=device)
-        if norms:
-            flag = (~torch.isfinite(torch.stack([n.to(device) for n in norms]))).any().float().reshape(1)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        if not flag.item():
-            return self.policy.stepped()
-        for p in model.parameters():
-            p.grad = None
-        step = state.global_step + 1
-        self.policy.nonfinite(
-            step,
-            f"the gradients of step {step} are not finite on every rank (the optimizer step was left out)",
-            "non-finite gradients, optimizer step left out",
-        )
+        local = (~torch.isfinite(torch.stack([torch.zeros((), device=device), *(n.to(device) for n in norms)]))).sum()
+        bad = all_reduce_sum({"bad": local}, device)["bad"] > 0
+        if bad:
+            for p in model.parameters():
+                p.grad = None
+        what = "the gradients of step {step} are not finite on every rank (the optimizer step was left out)"
+        self._apply(state, bad, what, "non-finite gradients, optimizer step left out")
 
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
-        if not self._deepspeed:  # decided in on_pre_optimizer_step
-            return
-        if not optimizer.step_was_skipped:
-            return self.policy.stepped()
-        step = state.global_step + 1
-        self.policy.nonfinite(
-            step,
-            f"the gradient norm of step {step} is not finite (DeepSpeed discarded the update)",
-            "non-finite gradient norm, update discarded",
-        )
+        if self._deepspeed:  # else decided in on_pre_optimizer_step
+            what = "the gradient norm of step {step} is not finite (DeepSpeed discarded the update)"
+            self._apply(state, optimizer.step_was_skipped, what, "non-finite gradient norm, update discarded")
 
     def meta(self) -> dict[str, int]:
         """``{"skipped_steps": n}``, this run's and the ones it resumed: `PublishCheckpoints`'s ``more_meta``."""
@@ -353,22 +330,16 @@ class PublishCheckpoints(TrainerCallback):
                     shutil.rmtree(old, ignore_errors=True)
                 get_logger().info(f"checkpoint published: {self.root / src.name}")
         if (failure := from_rank0(failure)) is not None:
-            why, rank = failure[0], 0 if args.world_size > 1 else None
-            error = OSError(failure[1], why)
-            raise save_error(state.global_step, self.root / src.name, _newest(self.root), rank, error, why)
+            rank = 0 if args.world_size > 1 else None
+            error = OSError(failure[1], failure[0])
+            raise save_error(state.global_step, self.root / src.name, _newest(self.root), rank, error, failure[0])
         barrier()
 
 
 def _guard(output_dir: str | Path, cannot_remap: str) -> ResumeGuard:
-    return ResumeGuard(
-        Path(output_dir) / "checkpoints",
-        folder="checkpoint-<n>",
-        files=(),
-        run_dir=output_dir,
-        cannot_remap=cannot_remap,
-        same_size="NGPU x NNODES = {n}",
-        published=True,
-    )
+    root, same_size = Path(output_dir) / "checkpoints", "NGPU x NNODES = {n}"
+    kwargs = dict(run_dir=output_dir, cannot_remap=cannot_remap, same_size=same_size, published=True)
+    return ResumeGuard(root, folder="checkpoint-<n>", files=(), **kwargs)
 
 
 def check_resume(cfg: Any, world_size: int, may_change: tuple[str, ...], cannot_remap: str) -> Path | None:
@@ -402,9 +373,8 @@ def export_final(trainer, tokenizer, out_dir: str | Path, merge: bool = True) ->
     """The model and tokenizer in Hugging Face format published as ``out_dir/final`` by rank 0 (collective); a PEFT
     model's adapter in ``out_dir/adapter``, ``final`` the merged model (``merge=False``: none). Returns ``final`` (or
     ``adapter``) on rank 0, else None."""
-    out_dir = Path(out_dir)
+    out_dir, result = Path(out_dir), None
     state = trainer.accelerator.get_state_dict(trainer.model_wrapped)  # every rank takes part; rank 0 gets tensors
-    result = None
     if trainer.is_world_process_zero():
         model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
         state = {k: v.detach().cpu() for k, v in state.items()}
@@ -424,19 +394,17 @@ def export_final(trainer, tokenizer, out_dir: str | Path, merge: bool = True) ->
             state = {k: v.contiguous() for k, v in model.state_dict().items()}
         if result is None or merge:  # the (merged) model
             config = {"dtype": dtype, "use_cache": True}
-            result = _publish_pretrained(
-                model, tokenizer, out_dir / "final", config, state_dict=state, safe_serialization=True
-            )
+            result = _publish_pretrained(model, tokenizer, out_dir / "final", config, state_dict=state)
     barrier()
     return result
 
 
 def _publish_pretrained(model, tokenizer, folder: Path, config: Mapping[str, Any] = {}, **kwargs) -> Path:
     tmp = folder.parent / f".tmp-{folder.name}"
-    config_file = tmp / "config.json"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, **kwargs)
     if config:
+        config_file = tmp / "config.json"
         config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **config}, indent=2))
     tokenizer.save_pretrained(tmp)
     publish(tmp, folder)
@@ -467,11 +435,11 @@ class TrainerRun(contextlib.AbstractContextManager):
         trainer.train(resume_from_checkpoint=str(self.resume_from) if self.resume_from else None)
         if trainer.state.global_step >= max_steps:
             return True
-        self.stopped = True
-        self.run_control.raise_if_stopped(trainer.state, _newest(self.root))  # exit status 75
+        self.stopped, newest = True, _newest(self.root)
+        self.run_control.raise_if_stopped(trainer.state, newest)  # exit status 75
         log.info(
             f"stopped at step {trainer.state.global_step} of {max_steps} (train.stop_at_step); run again "
-            f"without train.stop_at_step (or with a larger value) to continue from {_newest(self.root)}"
+            f"without train.stop_at_step (or with a larger value) to continue from {newest}"
         )
         return False
 

@@ -14,12 +14,10 @@ from cookbook.errors import ConfigError
 from cookbook.progress import is_terminal
 from cookbook.push import looks_like_hub_id
 
-_WEIGHT_FILES = ("*.json", "*.safetensors")  # config.json, the safetensors index and shards
-_REACH_TIMEOUT_S = 3.0  # how long `offline_unless_reachable` waits for the hub's answer
 _reachable: bool | None = None  # this process's answer, once asked
 
 
-def offline_unless_reachable(timeout_s: float = _REACH_TIMEOUT_S) -> bool:
+def offline_unless_reachable(timeout_s: float = 3.0) -> bool:
     """Unless ``HF_HUB_OFFLINE`` is set, ask the hub once (at most `timeout_s`); without an answer switch this
     process to offline mode (rank 0 says so). Returns True when the process is offline (before, or now)."""
     global _reachable
@@ -62,11 +60,8 @@ def show_download_bars() -> bool:
     """Turn huggingface_hub's download bars on (local rank 0, stderr a terminal); returns whether they are on."""
     from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
 
-    if (
-        os.environ.get("LOCAL_RANK", "0") == "0"
-        and is_terminal(sys.stderr)
-        and os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS") is None
-    ):
+    turned_off = "HF_HUB_DISABLE_PROGRESS_BARS" in os.environ
+    if os.environ.get("LOCAL_RANK", "0") == "0" and is_terminal(sys.stderr) and not turned_off:
         enable_progress_bars("huggingface_hub")
     return not are_progress_bars_disabled("huggingface_hub.http_get")
 
@@ -103,28 +98,22 @@ def model_folder(name_or_path: str, key: str = "model.name_or_path") -> Path:
 
 
 def _download(repo_id: str, key: str) -> Path:
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        HFValidationError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-    )
+    from huggingface_hub import constants, errors, snapshot_download
 
     cache = constants.HF_HUB_CACHE
     prepare_access()
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=list(_WEIGHT_FILES)))
-    except HFValidationError:
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors"]))
+    except errors.HFValidationError:
         raise ConfigError(f"{key}: {repo_id!r} is not a folder and not a Hugging Face Hub id (org/name)") from None
-    except GatedRepoError:
+    except errors.GatedRepoError:
         raise ConfigError(
             f"{key}: {repo_id} is gated on the Hugging Face Hub: accept its licence on the model page "
             f"and log in (`hf auth login` or HF_TOKEN)"
         ) from None
-    except RepositoryNotFoundError:
+    except errors.RepositoryNotFoundError:
         raise ConfigError(f"{key}: {repo_id!r} is not a folder and not a model on the Hugging Face Hub") from None
-    except LocalEntryNotFoundError as exc:
+    except errors.LocalEntryNotFoundError as exc:
         if constants.HF_HUB_OFFLINE:
             asked = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE")
             why = "HF_HUB_OFFLINE=1" if asked else "the Hugging Face Hub cannot be reached"

@@ -23,8 +23,7 @@ def count_tokens(batch: dict[str, torch.Tensor], pad_id: int) -> torch.Tensor:
     if "position_ids" not in batch:
         return torch.tensor(ids.numel(), device=ids.device)
     pos, labels = batch["position_ids"], batch["labels"]
-    length = ids.shape[1]
-    cols = torch.arange(length, device=ids.device).expand_as(ids)
+    cols = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
     last_start = torch.where(pos == 0, cols, 0).amax(1, keepdim=True)  # (B, 1): where each row's last document starts
     tail = cols >= last_start
     padding = ((ids == pad_id) & (labels == IGNORE_INDEX) | ~tail).all(1)  # the last document is padding

@@ -120,11 +120,9 @@ def _parquet_records(p: Path, columns: Sequence[str] | None) -> Iterator[tuple[s
     """``(where, {column: value})`` of a parquet file's rows (`columns` only); DataError: not parquet, no column."""
     pf = _parquet(p)
     _check_columns(p, columns or (), pf.schema_arrow.names)
-    n = 0
-    for batch in pf.iter_batches(batch_size=65536, columns=list(columns) if columns is not None else None):
-        for row in batch.to_pylist():
-            n += 1
-            yield f"{p} row {n}", row
+    batches = pf.iter_batches(batch_size=65536, columns=list(columns) if columns is not None else None)
+    for n, row in enumerate((row for batch in batches for row in batch.to_pylist()), 1):
+        yield f"{p} row {n}", row
 
 
 def column_names(path: str | Path) -> list[str] | None:
@@ -171,7 +169,25 @@ def records(
 def to_int(value: Any) -> int | None:
     """An integer written in any usual way (``3``, ``" 3 "``, ``3.0``, ``"3.0"``, ``"3e2"``); None: None, ``""``, NaN.
     Raises ValueError: not a whole number (``"2.5"``, ``inf``, a bool), or outside the int64 range."""
-    return check_int64(_to_int(value))
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is a bool")
+    if isinstance(value, numbers.Integral):
+        return check_int64(int(value))
+    if isinstance(value, str):
+        try:
+            n = int(value)
+        except ValueError:
+            value = float(value)  # raises ValueError for text
+        else:
+            return check_int64(n)
+    f = float(value)
+    if math.isnan(f):
+        return None
+    if not f.is_integer():
+        raise ValueError(f"{value!r} is not a whole number")
+    return check_int64(int(f))
 
 
 INT64 = (-(2**63), 2**63 - 1)
@@ -182,26 +198,3 @@ def check_int64(n: int | None) -> int | None:
     if n is not None and not INT64[0] <= n <= INT64[1]:
         raise ValueError(f"{len(str(abs(n)))}-digit integer is outside the 64-bit range")
     return n
-
-
-def _to_int(value: Any) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        raise ValueError(f"{value!r} is a bool")
-    if isinstance(value, numbers.Integral):
-        return int(value)
-    if isinstance(value, str):
-        s = value.strip()
-        if not s:
-            return None
-        try:
-            return int(s)
-        except ValueError:
-            value = float(s)  # raises ValueError for text
-    f = float(value)
-    if math.isnan(f):
-        return None
-    if not f.is_integer():
-        raise ValueError(f"{value!r} is not a whole number")
-    return int(f)

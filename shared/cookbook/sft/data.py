@@ -86,13 +86,9 @@ def pack(examples: Sequence[dict], seq_len: int, pad_id: int) -> list[dict]:
     for group in filter(None, groups):
         pad = seq_len - sum(len(i) for i, _ in group)
         group.append(([pad_id] * pad, [IGNORE_INDEX] * pad))
-        rows.append(
-            {
-                "input_ids": [t for i, _ in group for t in i],
-                "labels": [t for _, lb in group for t in lb],
-                "position_ids": [p for i, _ in group for p in range(len(i))],
-            }
-        )
+        ids, labels = [t for i, _ in group for t in i], [t for _, lb in group for t in lb]
+        positions = [p for i, _ in group for p in range(len(i))]
+        rows.append({"input_ids": ids, "labels": labels, "position_ids": positions})
     return rows
 
 

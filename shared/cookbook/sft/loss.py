@@ -63,12 +63,8 @@ def chunked_token_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor
     forward hook, where FSDP2 still holds the head's gathered weight. Raises ValueError: see the refusal below."""
     lm = _causal_lm(model)
     decoder, head = lm.get_decoder(), lm.get_output_embeddings()
-    if (
-        decoder is None
-        or head is None
-        or getattr(head, "bias", None) is not None
-        or "logits_to_keep" not in inspect.signature(lm.forward).parameters
-    ):
+    takes_keep = "logits_to_keep" in inspect.signature(lm.forward).parameters
+    if decoder is None or head is None or getattr(head, "bias", None) is not None or not takes_keep:
         raise ValueError(
             f"{type(lm).__name__}: the chunked loss needs a causal LM whose forward takes logits_to_keep "
             f"and with a decoder and a bias-free output projection; use the full loss (train.loss=full)"

@@ -15,13 +15,9 @@ ROLES = ("system", "user", "assistant")  # plain chat turns; "tool" (a tool's re
 _CHAT_ROLES = {r: r for r in (*ROLES, "tool")}
 _SHAREGPT_ROLES = {
     "system": "system",
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "function_call": "assistant",
-    "observation": "tool",
-    "tool": "tool",
+    **dict.fromkeys(("human", "user"), "user"),
+    **dict.fromkeys(("gpt", "assistant", "function_call"), "assistant"),
+    **dict.fromkeys(("observation", "tool"), "tool"),
 }
 
 
@@ -74,10 +70,7 @@ def load_rows(path: str | Path) -> RowList:
             )
         rows, lines = [whole], [text[: len(text) - len(text.lstrip())].count("\n") + 1]
     elif text.lstrip().startswith("["):
-        try:
-            rows = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise SFTDataError(f"{p}: not valid JSON: {exc}") from None
+        rows = _json(text, f"{p}: not valid JSON")
     else:
         rows, lines = [], []
         for line_no, line in enumerate(text.split("\n"), 1):
@@ -103,6 +96,14 @@ def load_hub_rows(name: str, split: str = "train") -> RowList:
     return RowList(dict(r) for r in datasets.load_dataset(name, split=split))
 
 
+def _json(text: str, what: str) -> Any:
+    """`text` parsed as JSON; SFTDataError ``"<what>: <the parser's error>"`` if it is not valid JSON."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SFTDataError(f"{what}: {exc}") from None
+
+
 class EmptyAnswerError(SFTDataError):
     """An assistant turn (Alpaca ``output``) is empty: `prepare` skips such rows and counts them."""
 
@@ -118,14 +119,9 @@ def _text(value: Any, where: str, field: str, allow_empty: bool = True, answer: 
 _TEXT_KEYS = ("text", "value", "content")  # where a typed part keeps its text (OpenAI: text; Hugging Face: value)
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # a turn's reasoning (TRL / Qwen3, GPT-OSS, others)
 _PART_KINDS = {
-    "text": "text",
-    "input_text": "text",
-    "output_text": "text",
-    "reasoning": "reasoning",
-    "thinking": "reasoning",
-    "tool_call": "tool_call",
-    "tool_use": "tool_call",
-    "function_call": "tool_call",
+    **dict.fromkeys(("text", "input_text", "output_text"), "text"),
+    **dict.fromkeys(("reasoning", "thinking"), "reasoning"),
+    **dict.fromkeys(("tool_call", "tool_use", "function_call"), "tool_call"),
 }
 _IMAGE_KINDS = ("image", "image_url", "input_image", "video", "audio", "input_audio")
 
@@ -192,10 +188,7 @@ def _tool_calls(value: Any, where: str, field: str) -> list[dict]:
             )
         args = fn.get("arguments", {})
         if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError as exc:
-                raise SFTDataError(f"{where}: {path} arguments are not valid JSON: {exc}") from None
+            args = _json(args, f"{where}: {path} arguments are not valid JSON") if args.strip() else {}
         if not isinstance(args, dict):
             raise SFTDataError(f"{where}: {path} arguments must be a JSON object, got {type(args).__name__}")
         normal = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
@@ -210,10 +203,7 @@ def _tools(value: Any, where: str) -> list[dict] | None:
     if value is None or (isinstance(value, str) and not value.strip()):
         return None
     if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise SFTDataError(f"{where}: field 'tools' is a string but not valid JSON: {exc}") from None
+        value = _json(value, f"{where}: field 'tools' is a string but not valid JSON")
     if not isinstance(value, list):
         raise SFTDataError(f"{where}: field 'tools' must be a list of function definitions, got {type(value).__name__}")
     tools = []
@@ -275,10 +265,8 @@ def to_conversation(
             used = {role_key, text_key, "tool_calls", *REASONING_KEYS, *result_keys}
             ignored.update(f"{field}[].{k}" for k in turn if k not in used)
         if raw == "function_call":  # LLaMA-Factory: the call as JSON text
-            try:
-                call = json.loads(_text(turn[text_key], where, f"{path}.{text_key}"))
-            except json.JSONDecodeError as exc:
-                raise SFTDataError(f"{where}: {path}.{text_key} (a function_call) is not valid JSON: {exc}") from None
+            text = _text(turn[text_key], where, f"{path}.{text_key}")
+            call = _json(text, f"{where}: {path}.{text_key} (a function_call) is not valid JSON")
             messages.append(
                 {"role": "assistant", "content": "", "tool_calls": _tool_calls(call, where, f"{path}.{text_key}")}
             )

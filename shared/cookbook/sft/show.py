@@ -36,12 +36,10 @@ def _render_example(example: dict, tokenizer) -> str:
 
 def _field_counts(stats: SFTStats) -> list[str]:
     """Lines of kept / truncated / dropped counts per field of one source's `SFTStats`."""
-    why = (
-        "no labelled token left after the cut"
-        if stats.truncate
-        else f"longer than max_length={stats.max_length}, dropped rather than cut"
-    )
-    cut = f"{stats.truncated} truncated to max_length={stats.max_length}, " if stats.truncate else ""
+    limit = f"max_length={stats.max_length}"
+    why, cut = f"longer than {limit}, dropped rather than cut", ""
+    if stats.truncate:
+        why, cut = "no labelled token left after the cut", f"{stats.truncated} truncated to {limit}, "
     return [
         f"  rows            {stats.rows} read"
         + (f", {stats.split_rows} split into one example per answer" if stats.split_rows else ""),

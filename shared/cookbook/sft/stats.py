@@ -53,9 +53,8 @@ class SFTStats:
     def _rows_list(self, numbers: Sequence[int], shown: int = 5) -> str:
         """``"rows 3, 5"`` or ``"lines 4, 7, ..."``: the first `shown` of 1-based rows `numbers`."""
         named = [self.lines[n - 1] for n in numbers[:shown]] if self.lines else numbers[:shown]
-        return f"{'lines' if self.lines else 'rows'} {', '.join(map(str, named))}" + (
-            ", ..." if len(numbers) > shown else ""
-        )
+        more = ", ..." if len(numbers) > shown else ""
+        return f"{'lines' if self.lines else 'rows'} {', '.join(map(str, named))}{more}"
 
     @property
     def loss_fraction(self) -> float:
@@ -142,11 +141,9 @@ class SFTStats:
         return f"tool calls: {self.tool_calls} in {self.tool_call_rows} rows{cut}"
 
     def _drop_reason(self, limit: str) -> str:
-        return (
-            f"cut by {limit} before any assistant token"
-            if self.truncate
-            else f"longer than {limit}, dropped rather than cut"
-        )
+        if self.truncate:
+            return f"cut by {limit} before any assistant token"
+        return f"longer than {limit}, dropped rather than cut"
 
     def _counts(self) -> str:
         split = f" ({self.split_rows} split into one example per assistant turn)" if self.split_rows else ""

@@ -22,12 +22,7 @@ def _require_chat_template(tokenizer) -> None:
 
 
 def _render(
-    tokenizer,
-    messages: list[dict],
-    prompt: bool,
-    kwargs: dict | None,
-    tools: list[dict] | None = None,
-    tokenize: bool = True,
+    tokenizer, messages: list[dict], prompt: bool, kwargs: dict | None, tools: list[dict] | None, tokenize: bool = True
 ) -> list[int] | str:
     """`messages` through the chat template, with the generation prompt if `prompt`: token ids, or the text."""
     from jinja2.exceptions import TemplateError
@@ -45,17 +40,15 @@ def _unstable(tokenizer, full: list[int], part: list[int], what: str, split_turn
     j = next((k for k, (a, b) in enumerate(zip(full, part)) if a != b), min(len(full), len(part)))
     got, want = tokenizer.decode(part[j : j + 8]), tokenizer.decode(full[j : j + 8])
     advice = (
-        (
+        "use single-turn rows, set data.split_turns=true (one example per assistant turn, each as the model sees it "
+        "when it writes that turn), or set a prefix-stable tokenizer.chat_template"
+    )
+    if split_turns:
+        advice = (
             "data.split_turns is already true, so the turn being labelled itself renders differently as the last "
             "turn and inside the conversation: check that row's text for template markup, or set a prefix-stable "
             "tokenizer.chat_template"
         )
-        if split_turns
-        else (
-            "use single-turn rows, set data.split_turns=true (one example per assistant turn, each as the model sees it "
-            "when it writes that turn), or set a prefix-stable tokenizer.chat_template"
-        )
-    )
     return SFTDataError(
         f"the chat template is not prefix-stable: {what} rendered differs from the whole "
         f"conversation at token {j} ({got!r} vs {want!r}), so assistant turns cannot be located by rendering "
@@ -238,14 +231,9 @@ def template_conversation(
     ``<think>`` moved, reasoning under the template's key or dropped (counted in `stats`, or its turns appended to
     `dropped`), unused keys counted in `ignored`. Raises EmptyAnswerError; SFTDataError: see `to_conversation`."""
     if ignored is not None:  # the row's own keys that its format does not read
-        used = (
-            ("messages", "tools")
-            if "messages" in row
-            else ("conversations", "system", "tools")
-            if "conversations" in row
-            else ("instruction", "input", "output")
-        )
-        ignored.update(k for k in row if k not in used)
+        formats = {"messages": ("tools",), "conversations": ("system", "tools"), "instruction": ("input", "output")}
+        field = next((k for k in formats if k in row), "instruction")
+        ignored.update(k for k in row if k != field and k not in formats[field])
     removed = [] if dropped is None else dropped
     try:
         messages, tools = to_conversation(row, row_number, source, ignored)
@@ -269,12 +257,10 @@ def _place_reasoning(
 ) -> list[dict]:
     """Messages with each turn's ``reasoning_content`` under the template's key `target` (or removed, its index appended
     to `dropped`). Raises SFTDataError: reasoning, but the template reads none or ``enable_thinking`` is false."""
-    out = []
-    for i, m in enumerate(messages):
+    out = [dict(m) for m in messages]
+    for i, m in enumerate(out):
         if "reasoning_content" not in m:
-            out.append(m)
             continue
-        m = dict(m)
         thought = m.pop("reasoning_content")
         if reasoning == "drop":
             dropped.append(i)
@@ -292,5 +278,4 @@ def _place_reasoning(
             )
         else:
             m[target] = thought
-        out.append(m)
     return out
