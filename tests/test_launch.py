@@ -82,7 +82,7 @@ if __name__ == "__main__":
 
 
 def test_the_check_runs_in_the_launchers_process_and_leaves_it_as_it_was(tmp_path, capfd, monkeypatch):
-    """``train.py --check`` runs in the launcher's own process (`cookbook.entry.run_script`), as ``python train.py
+    """``train.py --check`` runs in the launcher's own process (`cookbook.launch._run_script`), as ``python train.py
     --check`` would (``__main__``, its folder first on sys.path, its argv and COOKBOOK_WORLD_SIZE): its output, and
     its exit statuses (run_main's 2 with one line, a SystemExit's message, 1 and the traceback of an error at import);
     the workers then start with the launcher's environment, signal handlers, logging and sys.path as they were."""

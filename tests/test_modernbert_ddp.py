@@ -649,6 +649,7 @@ ROW_NO_LABEL = '{"text": "a"}'
 
 BAD_INPUTS = [
     (lambda d: ["data.train_files=[/no/such/train.csv]"], "data.train_files: file not found: /no/such/train.csv"),
+    (lambda d: [f"data.train_files=[{d}]"], "is a folder: give a file (.csv, .tsv, .json, .jsonl or .parquet)"),
     (
         lambda d: [f"data.train_files=[{_write(d / 'bad.csv', 'a,b,c,d' + chr(10) + '1,2,3,4' + chr(10))}]"],
         "bad.csv: unrecognised columns ['a', 'b', 'c', 'd']",
@@ -710,6 +711,14 @@ def test_bad_input_is_refused_by_the_check(tmp_path, make_input, expected):
         check("modernbert-ddp", f"output_dir={tmp_path / 'out'}", *make_input(tmp_path))
     assert expected in str(err.value) and "\n" not in str(err.value)  # one line
     assert not (tmp_path / "out").exists()
+
+
+def test_a_relative_data_file_not_found_names_the_folder_and_probes_no_hub(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # neither beside the config nor here: said with the folder it was looked for from
+    with pytest.raises(DataError) as err:
+        check("modernbert-ddp", f"output_dir={tmp_path / 'out'}", "data.eval_files=[nope/val.csv]")
+    assert str(err.value) == f"data.eval_files: file not found: nope/val.csv (from {tmp_path})"
+    assert "Hub" not in capsys.readouterr().err  # a data file is never a hub id: no reachability probe first
 
 
 def test_tokenizer_larger_than_the_model_vocabulary(tmp_path):

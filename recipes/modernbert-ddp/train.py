@@ -61,7 +61,7 @@ from cookbook.loop import Run
 from cookbook.metrics import ModelFlops, count_parameters, launch_time
 from cookbook.optim import build_optimizer
 from cookbook.sampler import ResizableSampler
-from cookbook.tabular import DataError, first_csv_row, records, to_int
+from cookbook.tabular import DataError, first_csv_row, missing_file, records, to_int
 
 LABELS = ["World", "Sports", "Business", "Sci/Tech"]
 datasets.disable_progress_bars()
@@ -194,7 +194,7 @@ def _read_file(path: str, field_name: str) -> datasets.Dataset:
     """
     p = Path(path)
     if not p.is_file():
-        raise DataError(f"{field_name}: file not found: {path}")
+        raise DataError(f"{field_name}: {missing_file(p)}")
     suffix = p.suffix.lower()
     layout, required, kw = "hf", ["text", "label"], {}
     if suffix == ".csv":
@@ -213,7 +213,7 @@ def _read_file(path: str, field_name: str) -> datasets.Dataset:
         else:
             raise DataError(
                 f"{path}: unrecognised columns {first[:4]}: expected the AG News layout (class 1-4, title, description; "
-                f"no header) or the columns 'text' and 'label' (0-3)"
+                f"no header, or the header Class Index,Title,Description) or the columns 'text' and 'label' (0-3)"
             )
         if layout == "agnews":
             required = AGNEWS_COLUMNS

@@ -72,11 +72,14 @@ def prepare_access() -> None:
         show_download_bars()
 
 
+_DATA_SUFFIXES = (".csv", ".tsv", ".json", ".jsonl", ".parquet", ".txt", ".yaml", ".yml")
+
+
 def resolve_path(value: str, base_dir: str | Path) -> str:
     """`cookbook.config.resolve_path`; a value left as a hub id calls `prepare_access` first."""
     resolved = config.resolve_path(value, base_dir)
-    if resolved == value and looks_like_hub_id(value):
-        prepare_access()
+    if resolved == value and Path(value).suffix.lower() not in _DATA_SUFFIXES and looks_like_hub_id(value):
+        prepare_access()  # (a missing data file is said as such, without a hub probe first)
     return resolved
 
 
