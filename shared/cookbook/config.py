@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import difflib
 import errno
+import importlib.util
 import operator
 import os
 import sys
@@ -359,7 +360,7 @@ _NOTES = {
 
 
 # transformers' SchedulerType values (tests/test_config_checks.py compares): importing it in the launcher's check would
-# import transformers.trainer_utils and with it peft, 1.5 s of the check's start-up on the critical path
+# import transformers.trainer_utils and with it peft, a second of the check's start-up on the critical path
 SCHEDULERS = (
     "linear",
     "cosine",
@@ -381,6 +382,8 @@ def check_run(cfg: Any) -> None:
     positive length; ``train.stop_at_step`` without checkpoints; an unwritable ``output_dir``; a bad tracker or
     ``push_to_hub``. AlreadyComplete: in a launcher's check, ``output_dir`` holds a run finished with these settings."""
     one_of: dict[str, Iterable[Any]] = {"train.mixed_precision": ("bf16", "fp32"), "optim.scheduler": SCHEDULERS}
+    if _has(cfg, "optim.scheduler") and importlib.util.find_spec("torchvision") is not None:
+        import torchvision  # noqa: F401 (get_scheduler imports it: a build for another torch is one line, here)
     check_fields(
         cfg,
         at_least={k: v for k, v in _MINIMUM.items() if _has(cfg, k)},
