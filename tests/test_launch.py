@@ -171,6 +171,15 @@ def test_a_dry_run_prints_the_commands_and_runs_nothing(tmp_path, capsys, monkey
         f"29500 --nproc-per-node 3 --max-restarts 3 {script} --config {config} optim.lr=1e-3 'data.name=a b'",
     ]
     monkeypatch.setenv("DRY_RUN", "1")
+    here = tmp_path / "here"  # a config of the same name in the current folder wins, and says so
+    here.mkdir()
+    (here / "tiny.yaml").write_text("{}\n")
+    monkeypatch.chdir(here)
+    assert main(["--ngpu", "2", str(script), "--config", "tiny.yaml"]) == 0
+    assert capsys.readouterr().err == (
+        f"note: --config tiny.yaml is this folder's ({here / 'tiny.yaml'}), not the one beside train.py ({config}); "
+        f"its relative paths are read from {here}\n"
+    )
     assert main(["--ngpu", "2", "--max-restarts", "0", str(script)]) == 0
     assert (
         capsys.readouterr().out.splitlines()[1]

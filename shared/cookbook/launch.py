@@ -173,9 +173,15 @@ def _launch(args: argparse.Namespace) -> int:
     script_args = list(args.script_args)
     if "--config" in script_args[:-1]:  # a relative config from the recipe's folder, as launch.sh documents
         i = script_args.index("--config") + 1
-        config = Path(script_args[i])
-        if not config.is_absolute() and not config.is_file() and (script.parent / config).is_file():
-            script_args[i] = str(script.parent / config)
+        config, beside = Path(script_args[i]), script.parent / script_args[i]
+        if not config.is_absolute() and not config.is_file() and beside.is_file():
+            script_args[i] = str(beside)
+        elif not config.is_absolute() and config.is_file() and beside.is_file() and not config.samefile(beside):
+            print(
+                f"note: --config {config} is this folder's ({config.resolve()}), not the one beside train.py "
+                f"({beside}); its relative paths are read from {config.resolve().parent}",
+                file=sys.stderr,
+            )
 
     import torch
 
