@@ -534,3 +534,28 @@ def test_on_gpu_nodes_the_workers_import_while_the_check_runs_and_wait_for_its_v
     assert [line for line in err.splitlines() if "error" in line.lower()] == ["error: data.x=1: bad value"], err
     assert "Traceback" not in err and not list(tmp_path.glob("ran-*"))
     assert (tmp_path / "imported-1").is_file() and "COOKBOOK_CHECK_VERDICT" not in os.environ
+
+
+def test_the_ray_launcher_takes_a_relative_config_as_the_torchrun_one_does(tmp_path, monkeypatch, capfd):
+    # The Ray recipes' launch.sh pass CONFIG_FILE as given: beside train.py when the current folder has none, this
+    # folder's with a note when both have one (cookbook.config.config_beside, as cookbook.launch).
+    from cookbook.ray_train.launch import main as ray_launch
+
+    script = tmp_path / "train.py"
+    script.write_text("import sys; print(' '.join(sys.argv[1:]))\n")
+    (tmp_path / "tiny.yaml").write_text("{}\n")
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    monkeypatch.setenv("NNODES", "1")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert ray_launch([str(script), "--config", "tiny.yaml", "a=1"]) == 0
+    assert capfd.readouterr() == (f"--config {tmp_path / 'tiny.yaml'} a=1\n", "")
+    (here / "tiny.yaml").write_text("{}\n")
+    assert ray_launch([str(script), "--config", "tiny.yaml"]) == 0
+    out, err = capfd.readouterr()
+    assert out == "--config tiny.yaml\n"
+    assert err == (
+        f"note: --config tiny.yaml is this folder's ({here / 'tiny.yaml'}), not the one beside train.py "
+        f"({tmp_path / 'tiny.yaml'}); its relative paths are read from {here}\n"
+    )

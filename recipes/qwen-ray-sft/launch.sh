@@ -8,7 +8,6 @@
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 CONFIG_FILE=${CONFIG_FILE:-"$HERE/config.yaml"}
-[[ -f "$CONFIG_FILE" || "$CONFIG_FILE" = /* ]] || CONFIG_FILE="$HERE/$CONFIG_FILE"
 export NNODES=${NNODES:-1} NODE_RANK=${NODE_RANK:-0} MASTER_ADDR=${MASTER_ADDR:-} RAY_PORT=${RAY_PORT:-6379}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # Ray sets it per worker too; this covers the driver's checks
 python3 -c 'import importlib.util as u, sys; sys.exit(not (u.find_spec("ray") and u.find_spec("cookbook")))' ||

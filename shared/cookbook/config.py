@@ -76,6 +76,27 @@ def config_not_found(p: Path, folder: Path | None = None) -> str:
     return f"config file not found: {p} (from {Path.cwd()}){hint}"
 
 
+def config_beside(script: str | Path, args: Sequence[str]) -> list[str]:
+    """`args` with a relative ``--config`` (launch.sh's ``CONFIG_FILE``) taken from the current folder, else from
+    `script`'s; a file of that name in both runs the current folder's and says so on stderr (a ``note:`` line)."""
+    args = list(args)
+    if "--config" not in args[:-1]:
+        return args
+    i = args.index("--config") + 1
+    config, beside = Path(args[i]), Path(script).parent / args[i]
+    if config.is_absolute() or not beside.is_file():
+        return args
+    if not config.is_file():
+        args[i] = str(beside)
+    elif not config.samefile(beside):
+        print(
+            f"note: --config {config} is this folder's ({config.resolve()}), not the one beside train.py "
+            f"({beside}); its relative paths are read from {config.resolve().parent}",
+            file=sys.stderr,
+        )
+    return args
+
+
 def load_config(schema: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
     """A `schema` instance: its defaults, then the YAML file at `path` (None: none), then the ``"section.key=value"``
     `overrides` (values parsed as YAML). Raises ConfigError naming the key and the file (with the line) or override:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from cookbook import run_lock
+from cookbook.config import config_beside
 from cookbook.errors import EXIT_BUG, EXIT_INTERRUPTED, EXIT_OK, EXIT_USER_ERROR, LAUNCH_TIME_ENV, VERDICT_ENV
 from cookbook.torchrun import environ_kept
 
@@ -170,18 +171,7 @@ def _run_script(script: Path, argv: list[str], env: dict[str, str]) -> int:
 
 def _launch(args: argparse.Namespace) -> int:
     script = Path(args.script).resolve()
-    script_args = list(args.script_args)
-    if "--config" in script_args[:-1]:  # a relative config from the recipe's folder, as launch.sh documents
-        i = script_args.index("--config") + 1
-        config, beside = Path(script_args[i]), script.parent / script_args[i]
-        if not config.is_absolute() and not config.is_file() and beside.is_file():
-            script_args[i] = str(beside)
-        elif not config.is_absolute() and config.is_file() and beside.is_file() and not config.samefile(beside):
-            print(
-                f"note: --config {config} is this folder's ({config.resolve()}), not the one beside train.py "
-                f"({beside}); its relative paths are read from {config.resolve().parent}",
-                file=sys.stderr,
-            )
+    script_args = config_beside(script, args.script_args)  # a relative config from the recipe's folder too
 
     import torch
 

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from cookbook.config import config_beside
 from cookbook.run_lock import die_with_parent
 
 
@@ -53,7 +54,7 @@ def main(argv: list[str]) -> int:
     """Run the driver script ``argv[0]`` with arguments ``argv[1:]``; returns its exit status."""
     if not argv:
         sys.exit(__doc__)
-    driver = [sys.executable, *argv]
+    driver = [sys.executable, argv[0], *config_beside(argv[0], argv[1:])]  # a relative config from its folder too
     nnodes, node_rank = _env_int("NNODES", 1), _env_int("NODE_RANK", 0)
     os.environ["COOKBOOK_NNODES"] = str(nnodes)
     if os.environ.get("RAY_ADDRESS") or nnodes == 1:
