@@ -100,6 +100,7 @@ def test_axolotl_config_is_checked(tmp_path):
     assert cfg["datasets"][0]["path"] == str(ROOT / "recipes/qwen-fsdp2-sft/tiny/data/chat.jsonl")
     good = yaml.safe_load((AXOLOTL / "tiny.yaml").read_text())
     good["datasets"][0]["path"] = cfg["datasets"][0]["path"]
+    (tmp_path / "folder").mkdir()
     cases = [
         (
             {"lora_rr": 8},
@@ -112,6 +113,10 @@ def test_axolotl_config_is_checked(tmp_path):
         (
             {"datasets": [{"path": "missing.jsonl", "type": "chat_template"}]},
             f"datasets[0].path: file not found: {tmp_path / 'missing.jsonl'}",
+        ),
+        (
+            {"datasets": [{**good["datasets"][0], "path": "folder"}]},
+            f"datasets[0].path: {tmp_path / 'folder'} is a folder, not a file",
         ),
         (
             {"datasets": [{**good["datasets"][0], "type": "alpaca"}]},

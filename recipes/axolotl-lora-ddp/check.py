@@ -142,7 +142,12 @@ def load(path: str | Path) -> dict:
             raise ConfigError(f"{where}.type must be chat_template (chat rows), got {ds.get('type')!r}")
         ds["path"] = str((p.parent / ds["path"]).resolve()) if not Path(ds["path"]).is_absolute() else ds["path"]
         if not Path(ds["path"]).is_file():
-            raise ConfigError(f"{where}.path: file not found: {ds['path']}")
+            folder = Path(ds["path"]).is_dir()
+            raise ConfigError(
+                f"{where}.path: {ds['path']} is a folder, not a file"
+                if folder
+                else f"{where}.path: file not found: {ds['path']}"
+            )
     for key in ("base_model", "tokenizer_config"):
         if key in cfg and (p.parent / cfg[key]).exists():
             cfg[key] = str((p.parent / cfg[key]).resolve())

@@ -61,7 +61,8 @@ from cookbook.loop import Run
 from cookbook.metrics import ModelFlops, count_parameters, launch_time
 from cookbook.optim import build_optimizer
 from cookbook.sampler import ResizableSampler
-from cookbook.tabular import DataError, first_csv_row, missing_file, records, to_int
+from cookbook.errors import not_a_file
+from cookbook.tabular import DataError, first_csv_row, records, to_int
 
 LABELS = ["World", "Sports", "Business", "Sci/Tech"]
 datasets.disable_progress_bars()
@@ -194,7 +195,7 @@ def _read_file(path: str, field_name: str) -> datasets.Dataset:
     """
     p = Path(path)
     if not p.is_file():
-        raise DataError(f"{field_name}: {missing_file(p)}")
+        raise DataError(f"{field_name}: {not_a_file(p)}")
     suffix = p.suffix.lower()
     layout, required, kw = "hf", ["text", "label"], {}
     if suffix == ".csv":

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Mapping
 
 from cookbook.config import ConfigError
+from cookbook.errors import not_a_file
 
 
 def check_deepspeed_config(
@@ -24,7 +25,7 @@ def check_deepspeed_config(
     fp16, a number other than the Trainer's for ``"auto"``, norm checks off, ZeRO-3 export without 16-bit gathering."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"deepspeed.config: file not found: {path}")
+        raise ConfigError(f"deepspeed.config: {not_a_file(path)}")
     check_accelerate_deepspeed_file(path)
     try:
         ds = json.loads(path.read_text())

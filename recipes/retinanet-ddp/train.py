@@ -36,6 +36,7 @@ from cookbook.hub import resolve_path
 from cookbook.loop import Run
 from cookbook.optim import build_optimizer
 from cookbook.sampler import ResizableSampler
+from cookbook.errors import not_a_file
 from cookbook.tabular import INT64, DataError
 
 ARCHS = ("retinanet_resnet50_fpn_v2", "retinanet_resnet50_fpn", "retinanet_resnet18_fpn")
@@ -168,7 +169,7 @@ def load_coco(
     """
     path = Path(annotations)
     if not path.is_file():
-        raise DataError(f"{field_name}: file not found: {annotations}")
+        raise DataError(f"{field_name}: {not_a_file(annotations)}")
     if not Path(images_dir).is_dir():
         raise DataError(f"{field_name.replace('annotations', 'images')}: not a folder: {images_dir}")
     try:

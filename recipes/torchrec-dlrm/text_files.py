@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from cookbook.errors import ConfigError
+from cookbook.errors import ConfigError, not_a_file
 from cookbook.hub import prepare_access
 from cookbook.tabular import DataError, first_csv_row, records
 
@@ -88,7 +88,7 @@ def file_to_text(
     raises; no text file is left."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"data file not found: {path}")
+        raise ConfigError(not_a_file(path, "data file"))
     with open(p, "rb") as f:
         digest = hashlib.file_digest(f, "sha256").hexdigest()
     dst = Path(folder) / f"{p.stem}-{digest[:16]}.txt"

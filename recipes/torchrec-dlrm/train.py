@@ -59,6 +59,7 @@ from cookbook.hub import resolve_path
 from cookbook.loop import Run
 from cookbook import tabular
 import text_files  # file_to_text, dataset_to_text: beside this file
+from cookbook.errors import not_a_file
 from cookbook.tabular import DataError, check_int64, to_int
 
 logging.getLogger("torchrec").setLevel(logging.ERROR)  # TorchRec logs planner and caching notices at WARNING on every
@@ -469,7 +470,7 @@ def check_data(cfg: Config, world_size: int) -> str:
     sizes, counts = table_sizes(cfg.model), {}
     for path in [*cfg.data.train_files, *cfg.data.eval_files]:
         if not Path(path).is_file():
-            raise ConfigError(f"data file not found: {path}")
+            raise ConfigError(not_a_file(path, "data file"))
         n = 0
         for where, line in split_lines([path], 0, "all"):
             parse_row(line, sizes, where)

@@ -35,6 +35,7 @@ from cookbook import ray_train, tabular
 from cookbook.checkpoint import CheckpointError
 from cookbook.config import ConfigError, check_fields, load_config
 from cookbook.hub import resolve_path
+from cookbook.errors import not_a_file
 from cookbook.tabular import DataError
 
 
@@ -158,7 +159,7 @@ def read_interactions(cfg: DataConfig) -> Interactions:
     """
     path = Path(cfg.interactions)
     if not path.is_file():
-        raise DataError(f"data.interactions: file not found: {path}")
+        raise DataError(f"data.interactions: {not_a_file(path)}")
     id_columns = [cfg.user_column, cfg.item_column]
     found = tabular.column_names(path)  # None for JSON: each row names its own
     if found == []:

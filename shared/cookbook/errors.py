@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 EXIT_OK, EXIT_BUG, EXIT_USER_ERROR, EXIT_PEER_LOST, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 EXIT_DIVERGED = 4  # a non-finite loss or gradient norm stopped the run before the update (cookbook.loop)
@@ -45,6 +46,15 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be used for this run; the message says why and what to do."""
 
     __module__ = "cookbook.checkpoint"
+
+
+def not_a_file(path: str | os.PathLike, what: str = "file") -> str:
+    """The message for a `what` at `path` that is not a file: a folder is named as one; a relative path not found
+    says from which folder it was looked for (the current one)."""
+    p = Path(path)
+    if p.is_dir():
+        return f"{p} is a folder, not a {what}"
+    return f"{what} not found: {p}" + ("" if p.is_absolute() else f" (from {Path.cwd()})")
 
 
 def chain(exc: BaseException | None) -> list[BaseException]:

@@ -12,6 +12,8 @@ import numbers
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from cookbook.errors import not_a_file
+
 _CSV, _JSON, _PARQUET = (".csv", ".tsv"), (".json", ".jsonl"), (".parquet",)  # a .tsv is CSV split on tabs
 _SUPPORTED = ".csv, .tsv, .json, .jsonl or .parquet"
 
@@ -133,18 +135,10 @@ def column_names(path: str | Path) -> list[str] | None:
     return list(_parquet(p).schema_arrow.names) if suffix in _PARQUET else None
 
 
-def missing_file(path: str | Path) -> str:
-    """The message for a data file that is not a file: a folder, or not found (a relative path: from which folder)."""
-    p = Path(path)
-    if p.is_dir():
-        return f"{p} is a folder: give a file ({_SUPPORTED})"
-    return f"file not found: {p}" + ("" if p.is_absolute() else f" (from {Path.cwd()})")
-
-
 def _existing(path: str | Path) -> tuple[Path, str]:
     p = Path(path)
     if not p.is_file():
-        raise DataError(missing_file(p))
+        raise DataError(not_a_file(p))
     if p.suffix.lower() not in _CSV + _JSON + _PARQUET:
         raise DataError(f"{p}: unsupported file type {p.suffix.lower()!r} (use {_SUPPORTED})")
     return p, p.suffix.lower()

@@ -8,6 +8,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from cookbook.errors import not_a_file
 from cookbook.tabular import not_utf8
 
 IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index
@@ -50,7 +51,7 @@ def load_rows(path: str | Path) -> RowList:
     if p.is_dir():
         raise SFTDataError(f"{p} is a folder: give the data files in it (JSON or JSONL) one by one")
     if not p.is_file():
-        raise SFTDataError(f"data file not found: {p}")
+        raise SFTDataError(not_a_file(p, "data file"))
     try:
         text = p.read_text(encoding="utf-8-sig")  # a byte-order mark, as some editors write, is dropped
     except UnicodeDecodeError as exc:

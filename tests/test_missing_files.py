@@ -1,0 +1,36 @@
+"""A data file that is not a file, in every recipe's --check: a folder is named as one, and a relative path found
+neither beside the config nor in the current folder says from which folder it was looked for
+(`cookbook.errors.not_a_file`)."""
+
+import pytest
+import torchvision_cpu
+
+from conftest import check
+
+torchvision_cpu.apply()  # retinanet-ddp's check imports torchvision (tests/torchvision_cpu.py)
+
+CASES = [  # recipe, override with {} for the path, what the message calls it
+    ("modernbert-ddp", "data.train_files=[{}]", "file"),
+    ("retinanet-ddp", "data.train_annotations={}", "file"),
+    ("torchrec-dlrm", "data.train_files=[{}]", "data file"),
+    ("two-tower-ray", "data.interactions={}", "file"),
+    ("qwen-zero3-receipts", "deepspeed.config={}", "file"),
+    ("qwen-fsdp2-sft", "data.train_files=[{}]", "data file"),
+]
+
+
+@pytest.mark.parametrize("recipe, override, what", CASES, ids=[c[0] for c in CASES])
+def test_a_relative_path_not_found_says_from_where(tmp_path, monkeypatch, recipe, override, what):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(Exception) as err:
+        check(recipe, f"output_dir={tmp_path / 'out'}", override.format("nope/data.json"))
+    assert str(err.value).endswith(f"{what} not found: nope/data.json (from {tmp_path})")
+
+
+@pytest.mark.parametrize("recipe, override, what", CASES[:5], ids=[c[0] for c in CASES[:5]])
+def test_a_folder_is_named_as_one(tmp_path, recipe, override, what):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    with pytest.raises(Exception) as err:
+        check(recipe, f"output_dir={tmp_path / 'out'}", override.format(folder))
+    assert str(err.value).endswith(f"{folder} is a folder, not a {what}")
