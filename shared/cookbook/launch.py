@@ -61,9 +61,9 @@ def check_world_size() -> int:
     return per_node * nodes
 
 
-def main(argv: list[str] | None = None, started: float | None = None) -> int:
-    """Check, then launch; returns the exit status. `started`: the launch's Unix time (default: now)."""
-    started = time.time() if started is None else started
+def main(argv: list[str] | None = None) -> int:
+    """Check, then launch; returns the exit status."""
+    started = time.time()
     parser = argparse.ArgumentParser(
         prog="python -m cookbook.launch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -285,6 +285,5 @@ def _torchrun(torchrun_args: list[str], env: dict[str, str] | None = None) -> in
 
 if __name__ == "__main__":  # the module's own copy: cookbook.run_main's exit reads ScriptExit.running there
     from cookbook.launch import main as launch
-    from cookbook.metrics import process_start
 
-    sys.exit(launch(started=process_start()))  # startup_s counts from launch.sh's start, this process's imports too
+    sys.exit(launch())

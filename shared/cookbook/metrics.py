@@ -33,19 +33,6 @@ def launch_time() -> float:
         return psutil.Process().create_time()
 
 
-def process_start() -> float:
-    """The Unix time (s) this process started, before its interpreter and imports: Linux's start tick against its
-    uptime (10 ms steps; psutil's create_time errs by up to 1 s: its boot time is in whole seconds), else psutil's."""
-    try:
-        with open("/proc/self/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):
-        return psutil.Process().create_time()
-
-
 # Dense bf16 tensor-core peak, FLOP/s: NVIDIA's A10, A100, H100 and H200 data sheets (half their sparse figures).
 _PEAK_BF16_FLOPS: dict[str, float] = {
     "A10": 125e12,
