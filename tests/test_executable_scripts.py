@@ -2,6 +2,7 @@
 
 import posixpath
 import re
+import sys
 import subprocess
 
 import pytest
@@ -31,3 +32,20 @@ def test_scripts_users_run_directly_are_executable_in_git():
     assert "recipes/qwen-zero3-receipts/launch.sh" in scripts
     assert sorted(s for s in scripts if s not in modes) == []  # a README names a script that is not there
     assert sorted(s for s in scripts if modes[s] != "100755") == []  # fix: git update-index --chmod=+x <path>
+
+
+# axolotl-lora-ddp's launch.sh runs Axolotl's own launcher, in the recipe's own environment
+LAUNCHERS = sorted(p for p in (ROOT / "recipes").glob("*/launch.sh") if "python3 -m cookbook." in p.read_text())
+
+
+@pytest.mark.parametrize("launch", LAUNCHERS, ids=lambda p: p.parent.name)
+def test_launch_sh_without_cookbook_says_what_to_activate(launch, tmp_path):
+    """A launch.sh run by a python3 that cannot import cookbook (no environment activated): one line, exit 2."""
+    assert len(LAUNCHERS) == 11
+    (tmp_path / "python3").write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')  # -S: no site-packages
+    (tmp_path / "python3").chmod(0o755)
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "HOME": str(tmp_path)}
+    done = subprocess.run(["bash", str(launch)], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.startswith("error: python3 cannot import ") and "activate the environment" in done.stderr
+    assert len(done.stderr.splitlines()) == 1

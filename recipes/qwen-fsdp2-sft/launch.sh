@@ -10,6 +10,8 @@
 # Bad input (exit 2), a divergence (4), a preemption (75), Ctrl-C (130) and SIGTERM to this script are never restarted.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+python3 -c 'import importlib.util as u, sys; sys.exit(not u.find_spec("cookbook"))' ||
+  { echo "error: python3 cannot import cookbook: activate the environment that has the requirements installed" >&2; exit 2; }
 exec python3 -m cookbook.launch --ngpu "${NGPU:-}" --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" \
   --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-}" --max-restarts "${MAX_RESTARTS:-3}" \
   "$HERE/train.py" --config "${CONFIG_FILE:-$HERE/config.yaml}" "$@"
