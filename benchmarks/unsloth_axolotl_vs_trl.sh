@@ -74,6 +74,10 @@
 # $OUT/{trl,unsloth,axolotl,axolotl-qlora}.log (each run's last lines), $OUT/<run>-metrics.jsonl and
 # $OUT/axolotl.yaml (and axolotl-qlora.yaml).
 set -uo pipefail
+if (( $# )); then  # every setting is an environment variable (above); train.py overrides would reach one path only
+  echo "error: $(basename "$0") takes no arguments (got: $*); set its environment variables instead" >&2
+  exit 2
+fi
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 OUT=${OUT:-outputs/bench-unsloth}
