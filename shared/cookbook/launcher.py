@@ -34,6 +34,7 @@ import cloudpickle
 import torch
 
 from cookbook.dist import distributed_context
+from cookbook.errors import first_line
 from cookbook.run_lock import die_with_parent
 from cookbook.torchrun import environ_kept, killed_by
 
@@ -143,32 +144,36 @@ def local_num_processes(num_processes: int | None) -> int:
 
 
 # ----------------------------------------------------------------------------- local workers (torch elastic)
+def _call(payload: bytes | tuple, rank: int, timeout_minutes: float, report: Callable[[dict], None]) -> bytes:
+    """Run the call in a process group and return its cloudpickled result; an exception is given to `report` as an
+    error record for the caller, then re-raised (the launcher then stops the other workers)."""
+    group = contextlib.ExitStack()
+    try:
+        fn, args, kwargs = cloudpickle.loads(payload) if isinstance(payload, bytes) else payload
+        if not torch.distributed.is_initialized():  # else Ray Train made the group; it also tears it down
+            group.enter_context(distributed_context(timeout_minutes))
+        result = fn(*args, **kwargs)
+        group.close()
+        return _dumps_result(result, rank)
+    except BaseException as exc:  # before the group is torn down: the earliest record is the root cause
+        report(_error_record(rank, exc))
+        raise
+    finally:
+        group.close()
+
+
 def _worker(payload: bytes | tuple, error_dir: str, threads: int, timeout_minutes: float) -> bytes:
-    """One worker: run the call in a process group and return its cloudpickled result; an exception is written as
-    an error record for the caller, then re-raised (the agent then stops the other workers)."""
+    """One elastic worker: `_call`, its error record written to `error_dir`."""
     torch.set_num_threads(threads)  # as torchrun; a fork that inherits an OpenMP pool can hang in its first op
     die_with_parent()
     rank = int(os.environ.get("RANK", "0"))
     path = Path(error_dir) / f"rank{rank:05d}.pkl"
 
-    def save(exc: BaseException) -> None:
-        if not path.exists():
-            tmp = path.with_suffix(".tmp")
-            tmp.write_bytes(pickle.dumps(_error_record(rank, exc)))
-            tmp.rename(path)
+    def save(record: dict) -> None:
+        path.with_suffix(".tmp").write_bytes(pickle.dumps(record))
+        path.with_suffix(".tmp").rename(path)
 
-    try:
-        fn, args, kwargs = cloudpickle.loads(payload) if isinstance(payload, bytes) else payload
-        with distributed_context(timeout_minutes):
-            try:
-                result = fn(*args, **kwargs)
-            except BaseException as exc:  # before the group is torn down: the earliest record is the root cause
-                save(exc)
-                raise
-        return _dumps_result(result, rank)
-    except BaseException as exc:
-        save(exc)
-        raise
+    return _call(payload, rank, timeout_minutes, save)
 
 
 def _run_local(fn: Callable, args: tuple, kwargs: dict, n: int, start_method: str, timeout_minutes: float) -> list:
@@ -243,21 +248,13 @@ def _around_agent() -> Iterator[None]:
 
 # ----------------------------------------------------------------------------- Ray Train workers
 def _ray_loop(config: dict) -> None:
-    """Ray Train's per-worker function: ``(rank, result)`` or ``(None, error record)`` goes to the caller's queue."""
-    import torch.distributed as dist
-
-    rank = int(os.environ.get("RANK", "0"))  # Ray Train's torch backend sets torchrun's variables
-    try:
-        fn, args, kwargs = cloudpickle.loads(config["payload"])
-        if dist.is_initialized():  # Ray Train made the group; it also tears it down
-            result = fn(*args, **kwargs)
-        else:
-            with distributed_context(config["timeout_minutes"]):
-                result = fn(*args, **kwargs)
-        config["queue"].put((rank, _dumps_result(result, rank)))
-    except BaseException as exc:
-        config["queue"].put((None, _error_record(rank, exc)))
-        raise
+    """Ray Train's per-worker function: `_call`; ``(rank, result)`` or ``(None, error record)`` to the caller's queue."""
+    rank, queue = (
+        int(os.environ.get("RANK", "0")),
+        config["queue"],
+    )  # Ray Train's torch backend sets torchrun's variables
+    result = _call(config["payload"], rank, config["timeout_minutes"], lambda record: queue.put((None, record)))
+    queue.put((rank, result))
 
 
 def _run_ray(fn: Callable, args: tuple, kwargs: dict, num_processes: int | None, timeout_minutes: float) -> list:
@@ -376,21 +373,11 @@ def _error_record(rank: int, exc: BaseException) -> dict:
         "time": time.time(),
         "type": name,
         "message": str(exc),
+        "first_line": first_line(exc),
         "frames": frames,
         "exception": "".join(traceback.format_exception_only(kind, exc)),
         "pickled": pickled,
     }
-
-
-def _format_traceback(record: dict) -> str:
-    """The worker's traceback, with the lines the worker could not read (a notebook cell's) from this process."""
-    frames = traceback.StackSummary.from_list(
-        [
-            (filename, lineno, name, line or linecache.getline(filename, lineno or 0).strip())
-            for filename, lineno, name, line in record["frames"]
-        ]
-    )
-    return "Traceback (most recent call last):\n" + "".join(frames.format()) + record["exception"]
 
 
 def _worker_error(records: list[dict], world: int, rank: int | None, exitcode: int | None) -> WorkerError:
@@ -410,10 +397,19 @@ def _worker_error(records: list[dict], world: int, rank: int | None, exitcode: i
     if later:
         message += (
             "\n(afterwards also failed: "
-            + "; ".join(f"rank {r['rank']}: {r['type']}: {_first_line(r['message'])}" for r in later)
+            + "; ".join(f"rank {r['rank']}: {r['type']}: {r['first_line']}" for r in later)
             + ")"
         )
-    tb = _format_traceback(first)
+    # The worker's traceback, with the lines the worker could not read (a notebook cell's) from this process.
+    frames = [
+        (file, line, name, text or linecache.getline(file, line or 0).strip())
+        for file, line, name, text in first["frames"]
+    ]
+    tb = (
+        "Traceback (most recent call last):\n"
+        + "".join(traceback.StackSummary.from_list(frames).format())
+        + first["exception"]
+    )
     message += f"\n\nTraceback of rank {first['rank']}:\n{tb.rstrip()}"
     exception = cloudpickle.loads(first["pickled"]) if first["pickled"] is not None else None
     return WorkerError(
@@ -424,8 +420,3 @@ def _worker_error(records: list[dict], world: int, rank: int | None, exitcode: i
         exitcode=exitcode if rank == first["rank"] else None,
         exception=exception,
     )
-
-
-def _first_line(text: str, limit: int = 160) -> str:
-    line = text.splitlines()[0] if text else ""
-    return line if len(line) <= limit else line[:limit] + "..."
