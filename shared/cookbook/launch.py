@@ -82,9 +82,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("script", help="the recipe's train.py")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="--config FILE and config overrides")
     args = parser.parse_args(argv)
-    with environ_kept(LAUNCH_TIME_ENV):  # as it was afterwards (also called in-process, by tests)
+    script = Path(args.script).resolve()
+    script_args = config_beside(script, args.script_args)  # a relative config from the recipe's folder too
+
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    try:
+        per_node, nodes = plan(args.ngpu, args.nnodes, gpus)
+        restarts = _positive("MAX_RESTARTS", args.max_restarts, least=0)
+    except SystemExit as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_USER_ERROR
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per process (the check's and torchrun's)
+    if gpus == 0:  # DeepSpeed (the ZeRO recipe) otherwise warns in every process that it found no accelerator
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    world_size = str(per_node * nodes)
+    check_args = ["--check", *script_args]
+    if nodes == 1 and not args.master_port:
+        rdzv = ["--standalone"]  # one node: torchrun picks a free port
+    else:
+        rdzv = ["--nnodes", str(nodes), "--node-rank", args.node_rank, "--master-addr", args.master_addr]
+        rdzv += ["--master-port", args.master_port or "29500"]
+    torchrun_args = [*rdzv, "--nproc-per-node", str(per_node), "--max-restarts", str(restarts), str(script)]
+    torchrun_args += script_args
+    if args.dry_run:
+        check = ["env", f"{_WORLD_SIZE_ENV}={world_size}", sys.executable, str(script), *check_args]
+        print(f"check: {shlex.join(check)}")
+        print(f"run: {shlex.join([sys.executable, '-m', 'cookbook.torchrun', *torchrun_args])}")
+        return 0
+    # LAUNCH_TIME_ENV as it was afterwards (also called in-process, by tests)
+    with environ_kept(LAUNCH_TIME_ENV), tempfile.TemporaryDirectory(prefix="cookbook-check-") as tmp:
         os.environ.setdefault(LAUNCH_TIME_ENV, repr(started))  # the workers' startup_s counts from here
-        return _launch(args)
+        env = {_WORLD_SIZE_ENV: world_size, run_lock.OUTPUT_DIR_FILE_ENV: str(Path(tmp) / "output_dir")}
+        return _check_and_run(script, check_args, env, torchrun_args, args.node_rank, workers_during_check(gpus))
 
 
 checking = False  # while `_run_script` runs: `cookbook.run_main` raises SystemExit(status), not ending the process
@@ -162,41 +193,6 @@ def _run_script(script: Path, argv: list[str], env: dict[str, str]) -> int:
             if str(getattr(sys.modules[name], "__file__", None) or "").startswith(folder + os.sep):
                 del sys.modules[name]
     return status
-
-
-def _launch(args: argparse.Namespace) -> int:
-    script = Path(args.script).resolve()
-    script_args = config_beside(script, args.script_args)  # a relative config from the recipe's folder too
-
-    import torch
-
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    try:
-        per_node, nodes = plan(args.ngpu, args.nnodes, gpus)
-        restarts = _positive("MAX_RESTARTS", args.max_restarts, least=0)
-    except SystemExit as exc:
-        print(exc, file=sys.stderr)
-        return EXIT_USER_ERROR
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per process (the check's and torchrun's)
-    if gpus == 0:  # DeepSpeed (the ZeRO recipe) otherwise warns in every process that it found no accelerator
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    world_size = str(per_node * nodes)
-    check_args = ["--check", *script_args]
-    if nodes == 1 and not args.master_port:
-        rdzv = ["--standalone"]  # one node: torchrun picks a free port
-    else:
-        rdzv = ["--nnodes", str(nodes), "--node-rank", args.node_rank, "--master-addr", args.master_addr]
-        rdzv += ["--master-port", args.master_port or "29500"]
-    torchrun_args = [*rdzv, "--nproc-per-node", str(per_node), "--max-restarts", str(restarts), str(script)]
-    torchrun_args += script_args
-    if args.dry_run:
-        check = ["env", f"{_WORLD_SIZE_ENV}={world_size}", sys.executable, str(script), *check_args]
-        print(f"check: {shlex.join(check)}")
-        print(f"run: {shlex.join([sys.executable, '-m', 'cookbook.torchrun', *torchrun_args])}")
-        return 0
-    with tempfile.TemporaryDirectory(prefix="cookbook-check-") as tmp:
-        check_env = {_WORLD_SIZE_ENV: world_size, run_lock.OUTPUT_DIR_FILE_ENV: str(Path(tmp) / "output_dir")}
-        return _check_and_run(script, check_args, check_env, torchrun_args, args.node_rank, workers_during_check(gpus))
 
 
 def workers_during_check(gpus: int) -> bool:

@@ -17,7 +17,6 @@ import logging
 import multiprocessing
 import os
 import pickle
-import shutil
 import signal
 import sys
 import tempfile
@@ -189,39 +188,38 @@ def _run_local(fn: Callable, args: tuple, kwargs: dict, n: int, start_method: st
             "collective; call cookbook.destroy_distributed() first, or use start_method='spawn'"
         )
     payload = (fn, args, kwargs) if start_method == "fork" else _dumps_call(fn, args, kwargs)
-    workdir = Path(tempfile.mkdtemp(prefix="cookbook-distributed-"))
-    (workdir / "errors").mkdir()
     # Seconds between SIGTERM and SIGKILL for workers that do not stop (torch >= 2.12; 30 before).
     extra = {"shutdown_timeout": 10} if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)} else {}
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=n,
-        run_id=f"cookbook-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",  # a free port on this machine
-        max_restarts=0,
-        start_method=start_method,
-        monitor_interval=0.1,
-        logs_specs=DefaultLogsSpecs(log_dir=str(workdir / "logs")),
-        **extra,
-    )
     threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
-    try:
+    with tempfile.TemporaryDirectory(prefix="cookbook-distributed-", ignore_cleanup_errors=True) as workdir:
+        errors = Path(workdir) / "errors"
+        errors.mkdir()
+        config = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=n,
+            run_id=f"cookbook-{uuid.uuid4().hex[:8]}",
+            rdzv_backend="c10d",
+            rdzv_endpoint="127.0.0.1:0",  # a free port on this machine
+            max_restarts=0,
+            start_method=start_method,
+            monitor_interval=0.1,
+            logs_specs=DefaultLogsSpecs(log_dir=str(Path(workdir) / "logs")),
+            **extra,
+        )
         with _around_agent(), environ_kept("TORCHELASTIC_SIGNALS_TO_HANDLE"):
             try:
-                returned = elastic_launch(config, _worker)(payload, str(workdir / "errors"), threads, timeout_minutes)
+                returned = elastic_launch(config, _worker)(payload, str(errors), threads, timeout_minutes)
             except ChildFailedError as exc:
                 rank, failure = exc.get_first_failure()
-                records = [pickle.loads(p.read_bytes()) for p in sorted((workdir / "errors").glob("*.pkl"))]
-                error = _worker_error(records, n, rank, failure.exitcode)
+                error = _worker_error(
+                    [pickle.loads(p.read_bytes()) for p in errors.glob("*.pkl")], n, rank, failure.exitcode
+                )
                 raise error from error.exception
             except SignalException as exc:  # the agent's handler turned Ctrl-C / SIGTERM into this; workers are stopped
                 if exc.sigval == signal.SIGINT:  # one line, as cookbook.torchrun's (run_main: that line, status 130)
                     raise KeyboardInterrupt("interrupted (Ctrl-C): every worker was stopped") from None
                 raise
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
     return [cloudpickle.loads(returned[rank]) for rank in range(n)]
 
 
@@ -249,10 +247,7 @@ def _around_agent() -> Iterator[None]:
 # ----------------------------------------------------------------------------- Ray Train workers
 def _ray_loop(config: dict) -> None:
     """Ray Train's per-worker function: `_call`; ``(rank, result)`` or ``(None, error record)`` to the caller's queue."""
-    rank, queue = (
-        int(os.environ.get("RANK", "0")),
-        config["queue"],
-    )  # Ray Train's torch backend sets torchrun's variables
+    rank, queue = int(os.environ.get("RANK", "0")), config["queue"]  # (Ray Train's torch backend sets RANK)
     result = _call(config["payload"], rank, config["timeout_minutes"], lambda record: queue.put((None, record)))
     queue.put((rank, result))
 
@@ -268,7 +263,7 @@ def _run_ray(fn: Callable, args: tuple, kwargs: dict, num_processes: int | None,
     started = not ray.is_initialized()
     if started:  # join RAY_ADDRESS, or start a local instance for this call only
         ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=True)
-    storage = Path(tempfile.mkdtemp(prefix="cookbook-distributed-ray-"))
+    storage = tempfile.TemporaryDirectory(prefix="cookbook-distributed-ray-", ignore_cleanup_errors=True)
     queue = None
     try:
         res = ray.cluster_resources()
@@ -286,7 +281,7 @@ def _run_ray(fn: Callable, args: tuple, kwargs: dict, num_processes: int | None,
             scaling_config=ScalingConfig(
                 num_workers=n, use_gpu=use_gpu, resources_per_worker={"CPU": 1.0, **({"GPU": 1} if use_gpu else {})}
             ),
-            run_config=RunConfig(name="run", storage_path=str(storage), failure_config=FailureConfig(max_failures=0)),
+            run_config=RunConfig(name="run", storage_path=storage.name, failure_config=FailureConfig(max_failures=0)),
         )
         try:
             trainer.fit()
@@ -304,7 +299,7 @@ def _run_ray(fn: Callable, args: tuple, kwargs: dict, num_processes: int | None,
     finally:
         if queue is not None:
             queue.shutdown()
-        shutil.rmtree(storage, ignore_errors=True)
+        storage.cleanup()
         if started:
             ray.shutdown()
 
