@@ -153,7 +153,13 @@ def _call(payload: bytes | tuple, rank: int, timeout_minutes: float, report: Cal
             group.enter_context(distributed_context(timeout_minutes))
         result = fn(*args, **kwargs)
         group.close()
-        return _dumps_result(result, rank)
+        try:
+            return _dumps(result)
+        except Exception as exc:
+            raise TypeError(
+                f"rank {rank}'s return value ({type(result).__name__}) cannot be pickled to send it back: "
+                f"{exc}. Return plain data (numbers, lists, dicts, CPU tensors)"
+            ) from exc
     except BaseException as exc:  # before the group is torn down: the earliest record is the root cause
         report(_error_record(rank, exc))
         raise
@@ -338,16 +344,6 @@ def _dumps_call(fn: Callable, args: tuple, kwargs: dict) -> bytes:
     finally:
         if by_value:
             cloudpickle.unregister_pickle_by_value(module)
-
-
-def _dumps_result(result: Any, rank: int) -> bytes:
-    try:
-        return _dumps(result)
-    except Exception as exc:
-        raise TypeError(
-            f"rank {rank}'s return value ({type(result).__name__}) cannot be pickled to send it back: "
-            f"{exc}. Return plain data (numbers, lists, dicts, CPU tensors)"
-        ) from exc
 
 
 def _error_record(rank: int, exc: BaseException) -> dict:
