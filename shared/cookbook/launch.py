@@ -201,8 +201,8 @@ def workers_during_check(gpus: int) -> bool:
     return gpus > 0
 
 
-def _check_and_run(script: Path, check_args: list[str], env: dict[str, str], run: list[str], rank: str, beside: bool):
-    """The check (`check_args`, `env` added), then torchrun (`run`). `beside`: the check in a process of its own
+def _check_and_run(script: Path, argv: list[str], env: dict[str, str], run: list[str], rank: str, beside: bool) -> int:
+    """The check (``script *argv``, `env` added), then torchrun (`run`). `beside`: the check in a process of its own
     while torchrun runs here, and a thread writes its verdict for the workers: "stop" (they exit 0, unseen) or "go";
     else the check first, in this process. Returns the check's status if it stopped the run, else the workers'."""
     from cookbook.torchrun import main as torchrun  # here: tests replace it
@@ -228,11 +228,11 @@ def _check_and_run(script: Path, check_args: list[str], env: dict[str, str], run
 
     check = waiter = None
     if beside:
-        check = subprocess.Popen([sys.executable, str(script), *check_args], env={**os.environ, **env})
+        check = subprocess.Popen([sys.executable, str(script), *argv], env={**os.environ, **env})
         waiter = threading.Thread(target=lambda: decide(check.wait()), daemon=True)
         waiter.start()
     else:
-        decide(_run_script(script, check_args, env))
+        decide(_run_script(script, argv, env))
     try:
         # COOKBOOK_CHECKED: the workers need not repeat what the check printed (a damaged checkpoint)
         with environ_kept("COOKBOOK_CHECKED", VERDICT_ENV):  # (also called in-process, by tests)

@@ -142,7 +142,7 @@ def local_num_processes(num_processes: int | None) -> int:
     return n
 
 
-# ----------------------------------------------------------------------------- local workers (torch elastic)
+# ----------------------------------------------------------------------------- the call (both backends), local workers
 def _call(payload: bytes | tuple, rank: int, timeout_minutes: float, report: Callable[[dict], None]) -> bytes:
     """Run the call in a process group and return its cloudpickled result; an exception is given to `report` as an
     error record for the caller, then re-raised (the launcher then stops the other workers)."""
@@ -252,7 +252,7 @@ def _around_agent() -> Iterator[None]:
 
 # ----------------------------------------------------------------------------- Ray Train workers
 def _ray_loop(config: dict) -> None:
-    """Ray Train's per-worker function: `_call`; ``(rank, result)`` or ``(None, error record)`` to the caller's queue."""
+    """Ray Train's per-worker function, `_call`: ``(rank, result)`` or ``(None, error record)`` to the queue."""
     rank, queue = int(os.environ.get("RANK", "0")), config["queue"]  # (Ray Train's torch backend sets RANK)
     result = _call(config["payload"], rank, config["timeout_minutes"], lambda record: queue.put((None, record)))
     queue.put((rank, result))
