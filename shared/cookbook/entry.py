@@ -116,16 +116,12 @@ def run_main(
             print(str(exc), file=sys.stderr, flush=True)
         _exit(EXIT_OK)
     except tuple(user_errors) as exc:
-        _say_once(exc, rank, where)
-        _exit(EXIT_USER_ERROR)
+        _fail(where, exc, EXIT_USER_ERROR)
     except ImportError as exc:  # a missing or broken package: the launcher does not restart 2, which would fail alike
-        _record(exc)
         broken = broken_build_in(exc)  # a package built for another torch: its own line names the build
-        _say(f"error: {where}{broken if broken is not None else import_error_line(exc, _requirements_beside(main))}")
-        _exit(EXIT_USER_ERROR)
+        _fail(where, exc, EXIT_USER_ERROR, broken or import_error_line(exc, _requirements_beside(main)))
     except OneLineError as exc:
-        _say_once(exc, rank, where)
-        _exit(exc.exit_status)
+        _fail(where, exc, exc.exit_status)
     except KeyboardInterrupt as exc:  # its message, if it has one (cookbook.distributed's)
         print(f"{where}{exc or 'interrupted'}", file=sys.stderr)
         _exit(EXIT_INTERRUPTED)
@@ -135,14 +131,9 @@ def run_main(
         _exit(exc.code if isinstance(exc.code, int) else (0 if exc.code is None else EXIT_BUG))
     except BaseException as exc:  # noqa: BLE001 - every failure ends the process with a status
         if world > 1 and collective_timed_out(exc):  # this rank is healthy: its line names the stalled one, first
-            line = describe_stall(exc)
-            _record(RuntimeError(line))
-            _say(f"error: {where}{line}")
-            _exit(EXIT_PEER_LOST)
+            _fail(where, RuntimeError(describe_stall(exc)), EXIT_PEER_LOST)
         if (broken := broken_build_in(exc)) is not None:  # re-raised by a library (transformers) as another error
-            _record(broken)
-            _say(f"error: {where}{broken}")
-            _exit(EXIT_USER_ERROR)
+            _fail(where, broken, EXIT_USER_ERROR)
         if world > 1 and peer_lost(exc):
             print(
                 f"error: {where}stopped: another rank is gone ({_first_line(exc)}); the first rank to fail says why",
@@ -156,16 +147,6 @@ def run_main(
 
 
 _QUIET_RANK_WAIT_S = 1.0  # a rank quiet about an error every rank raised waits so long: rank 0 is reported first
-
-
-def _say_once(exc: BaseException, rank: str, where: str) -> None:
-    """Record and print `exc`; one raised alike on every rank (its class sets ``same_on_every_rank``) is printed by
-    rank 0 alone."""
-    _record(exc)
-    if getattr(exc, "same_on_every_rank", False) and rank not in ("", "0"):
-        time.sleep(_QUIET_RANK_WAIT_S)
-    else:
-        _say(f"error: {where}{exc}")
 
 
 def peer_lost(exc: BaseException) -> bool:
@@ -182,10 +163,17 @@ def _requirements_beside(main: Callable) -> Path | None:
     return path if path is not None and path.is_file() else None
 
 
-def _say(line: str) -> None:
-    """Print one line to stderr in a single write, so that the lines of ranks printing at once do not interleave."""
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
+def _fail(where: str, exc: BaseException, status: int, line: object = None) -> NoReturn:
+    """Record `exc`, print ``error: <where><line, else exc>`` in a single write (the lines of ranks printing at once
+    do not interleave) and exit with `status`. An error raised alike on every rank (its class sets
+    ``same_on_every_rank``) is printed by rank 0 alone."""
+    _record(exc)
+    if getattr(exc, "same_on_every_rank", False) and os.environ.get("RANK", "0") not in ("", "0"):
+        time.sleep(_QUIET_RANK_WAIT_S)
+    else:
+        sys.stderr.write(f"error: {where}{exc if line is None else line}\n")
+        sys.stderr.flush()
+    _exit(status)
 
 
 def _record(exc: BaseException) -> None:
@@ -205,11 +193,11 @@ def _record(exc: BaseException) -> None:
 
 def _exit(status: int, wait: float = 0.0) -> NoReturn:
     """Run the ``atexit`` handlers (not with `wait`: they may talk to a lost peer), flush, wait, ``os._exit``; while
-    `cookbook.launch` runs the check in its own process, raise `ScriptExit` instead."""
-    from cookbook.launch import ScriptExit  # here: python -m cookbook.launch imports this package
+    `cookbook.launch` runs the check in its own process, raise SystemExit(status) instead."""
+    from cookbook import launch  # here: python -m cookbook.launch imports this package
 
-    if ScriptExit.running:
-        raise ScriptExit(status)
+    if launch.checking:
+        raise SystemExit(status)
     if not wait:
         atexit._run_exitfuncs()
     logging.shutdown()

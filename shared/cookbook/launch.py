@@ -19,9 +19,9 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
-from typing import NamedTuple
 
 from cookbook import run_lock
 from cookbook.config import config_beside
@@ -82,16 +82,43 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("script", help="the recipe's train.py")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="--config FILE and config overrides")
     args = parser.parse_args(argv)
-    with environ_kept(LAUNCH_TIME_ENV):  # as it was afterwards (also called in-process, by tests)
+    script = Path(args.script).resolve()
+    script_args = config_beside(script, args.script_args)  # a relative config from the recipe's folder too
+
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    try:
+        per_node, nodes = plan(args.ngpu, args.nnodes, gpus)
+        restarts = _positive("MAX_RESTARTS", args.max_restarts, least=0)
+    except SystemExit as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_USER_ERROR
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per process (the check's and torchrun's)
+    if gpus == 0:  # DeepSpeed (the ZeRO recipe) otherwise warns in every process that it found no accelerator
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    world_size = str(per_node * nodes)
+    check_args = ["--check", *script_args]
+    if nodes == 1 and not args.master_port:
+        rdzv = ["--standalone"]  # one node: torchrun picks a free port
+    else:
+        rdzv = ["--nnodes", str(nodes), "--node-rank", args.node_rank, "--master-addr", args.master_addr]
+        rdzv += ["--master-port", args.master_port or "29500"]
+    torchrun_args = [*rdzv, "--nproc-per-node", str(per_node), "--max-restarts", str(restarts), str(script)]
+    torchrun_args += script_args
+    if args.dry_run:
+        check = ["env", f"{_WORLD_SIZE_ENV}={world_size}", sys.executable, str(script), *check_args]
+        print(f"check: {shlex.join(check)}")
+        print(f"run: {shlex.join([sys.executable, '-m', 'cookbook.torchrun', *torchrun_args])}")
+        return 0
+    # LAUNCH_TIME_ENV as it was afterwards (also called in-process, by tests)
+    with environ_kept(LAUNCH_TIME_ENV), tempfile.TemporaryDirectory(prefix="cookbook-check-") as tmp:
         os.environ.setdefault(LAUNCH_TIME_ENV, repr(started))  # the workers' startup_s counts from here
-        return _launch(args)
+        env = {_WORLD_SIZE_ENV: world_size, run_lock.OUTPUT_DIR_FILE_ENV: str(Path(tmp) / "output_dir")}
+        return _check_and_run(script, check_args, env, torchrun_args, args.node_rank, workers_during_check(gpus))
 
 
-class ScriptExit(BaseException):
-    """``ScriptExit(status)``: `cookbook.run_main`'s exit status, raised instead of ending the process while
-    `_run_script` runs (`running`)."""
-
-    running = False
+checking = False  # while `_run_script` runs: `cookbook.run_main` raises SystemExit(status), not ending the process
 
 
 def _run_script(script: Path, argv: list[str], env: dict[str, str]) -> int:
@@ -126,13 +153,12 @@ def _run_script(script: Path, argv: list[str], env: dict[str, str]) -> int:
     sys.argv, sys.path = [str(script), *argv], [folder, *sys.path[1 if from_cwd else 0 :]]
     if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # what a new process's torch reads at import
-    ScriptExit.running = True
+    global checking
+    checking = True
     try:
         with warnings.catch_warnings():
             runpy.run_path(str(script), run_name="__main__")
         status = EXIT_OK
-    except ScriptExit as exc:
-        status = exc.args[0]
     except SystemExit as exc:  # as the interpreter reads it
         if isinstance(exc.code, str):
             print(exc.code, file=sys.stderr)
@@ -148,7 +174,7 @@ def _run_script(script: Path, argv: list[str], env: dict[str, str]) -> int:
             traceback.print_exc()
             status = EXIT_BUG
     finally:
-        ScriptExit.running = False
+        checking = False
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         sys.argv, sys.path, sys.stdout, sys.stderr = saved
@@ -169,121 +195,61 @@ def _run_script(script: Path, argv: list[str], env: dict[str, str]) -> int:
     return status
 
 
-def _launch(args: argparse.Namespace) -> int:
-    script = Path(args.script).resolve()
-    script_args = config_beside(script, args.script_args)  # a relative config from the recipe's folder too
-
-    import torch
-
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    try:
-        per_node, nodes = plan(args.ngpu, args.nnodes, gpus)
-        restarts = _positive("MAX_RESTARTS", args.max_restarts, least=0)
-    except SystemExit as exc:
-        print(exc, file=sys.stderr)
-        return EXIT_USER_ERROR
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per process (the check's and torchrun's)
-    if gpus == 0:  # DeepSpeed (the ZeRO recipe) otherwise warns in every process that it found no accelerator
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    world_size = str(per_node * nodes)
-    check_args = ["--check", *script_args]
-    if nodes == 1 and not args.master_port:
-        rdzv = ["--standalone"]  # one node: torchrun picks a free port
-    else:
-        rdzv = ["--nnodes", str(nodes), "--node-rank", args.node_rank, "--master-addr", args.master_addr]
-        rdzv += ["--master-port", args.master_port or "29500"]
-    torchrun_args = [*rdzv, "--nproc-per-node", str(per_node), "--max-restarts", str(restarts), str(script)]
-    torchrun_args += script_args
-    if args.dry_run:
-        check = ["env", f"{_WORLD_SIZE_ENV}={world_size}", sys.executable, str(script), *check_args]
-        print(f"check: {shlex.join(check)}")
-        print(f"run: {shlex.join([sys.executable, '-m', 'cookbook.torchrun', *torchrun_args])}")
-        return 0
-    with tempfile.TemporaryDirectory(prefix="cookbook-check-") as tmp:
-        check_env = {_WORLD_SIZE_ENV: world_size, run_lock.OUTPUT_DIR_FILE_ENV: str(Path(tmp) / "output_dir")}
-        if workers_during_check(gpus):
-            return _check_beside_workers(script, check_args, check_env, torchrun_args, args.node_rank)
-        decision = _after_check(_run_script(script, check_args, check_env), check_env, args.node_rank)
-    if decision.status is not None:
-        return decision.status
-    try:
-        return _torchrun(torchrun_args)
-    finally:
-        if decision.lock is not None:
-            os.close(decision.lock)
-
-
 def workers_during_check(gpus: int) -> bool:
     """Whether torchrun starts the workers while the check runs (on GPU nodes): they import their modules meanwhile
     and wait for its verdict (`cookbook.errors.check_passed`); on CPU the check runs first, in this process."""
     return gpus > 0
 
 
-class _Decision(NamedTuple):
-    """After the check: `status` to end with (None: run the workers) and the run lock's descriptor held meanwhile."""
-
-    status: int | None
-    lock: int | None = None
-
-
-def _after_check(status: int, check_env: dict[str, str], node_rank: str) -> _Decision:
-    """End with the check's `status` if it failed or found the run complete; else take the output_dir's run lock
-    (held until this process ends, SIGKILL too: one run per output_dir), or end with 2 if another run holds it."""
-    reported = check_env[run_lock.OUTPUT_DIR_FILE_ENV]
-    if status != 0 or run_lock.reported_complete(reported):
-        return _Decision(status)
-    output_dir = run_lock.read_reported(reported)
-    if output_dir is None:
-        return _Decision(None)
-    try:
-        return _Decision(None, run_lock.acquire(output_dir, node_rank))
-    except run_lock.RunLocked as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return _Decision(EXIT_USER_ERROR)
-
-
-def _check_beside_workers(
-    script: Path, check_args: list[str], check_env: dict[str, str], torchrun_args: list[str], node_rank: str
-) -> int:
-    """The check in a process of its own while torchrun runs here; a thread writes its verdict for the workers:
-    "stop" (they exit 0, unseen) or "go". Returns the check's status if it stopped the run, else the workers'."""
-    import threading
-
-    check = subprocess.Popen([sys.executable, str(script), *check_args], env={**os.environ, **check_env})
-    verdict = Path(check_env[run_lock.OUTPUT_DIR_FILE_ENV]).with_name("verdict")
-    decided: list[_Decision] = []
-
-    def decide() -> None:
-        decided.append(_after_check(check.wait(), check_env, node_rank))
-        verdict.with_suffix(".tmp").write_text("go" if decided[0].status is None else "stop")
-        os.replace(verdict.with_suffix(".tmp"), verdict)
-
-    thread = threading.Thread(target=decide, daemon=True)
-    thread.start()
-    try:
-        status = _torchrun(torchrun_args, {VERDICT_ENV: str(verdict)})
-    finally:
-        stopped = check.poll() is None  # torchrun ended first (a signal): the check ends too
-        if stopped:
-            check.terminate()
-        thread.join()
-        if decided and decided[0].lock is not None:
-            os.close(decided[0].lock)
-    return status if stopped or not decided or decided[0].status is None else decided[0].status
-
-
-def _torchrun(torchrun_args: list[str], env: dict[str, str] | None = None) -> int:
-    """`cookbook.torchrun` here, with COOKBOOK_CHECKED=1 (the workers need not repeat what the check printed, a
-    damaged checkpoint) and `env` in the environment meanwhile."""
+def _check_and_run(script: Path, argv: list[str], env: dict[str, str], run: list[str], rank: str, beside: bool) -> int:
+    """The check (``script *argv``, `env` added), then torchrun (`run`). `beside`: the check in a process of its own
+    while torchrun runs here, and a thread writes its verdict for the workers: "stop" (they exit 0, unseen) or "go";
+    else the check first, in this process. Returns the check's status if it stopped the run, else the workers'."""
     from cookbook.torchrun import main as torchrun  # here: tests replace it
 
-    env = {"COOKBOOK_CHECKED": "1", **(env or {})}
-    with environ_kept(*env):  # (also called in-process, by tests)
-        os.environ.update(env)
-        return torchrun(torchrun_args)
+    reported = env[run_lock.OUTPUT_DIR_FILE_ENV]
+    verdict = Path(reported).with_name("verdict")
+    ended: list[int] = []  # the status to end with, once the check stopped the run
+    locks: list[int] = []  # the output_dir's run lock, held until this process ends (SIGKILL too)
+
+    def decide(status: int) -> None:
+        """End with the check's `status` if it failed or found the run complete; else take the output_dir's run lock
+        (one run per output_dir), or end with 2 if another run holds it."""
+        if status != 0 or run_lock.reported_complete(reported):
+            ended.append(status)
+        elif (output_dir := run_lock.read_reported(reported)) is not None:
+            try:
+                locks.append(run_lock.acquire(output_dir, rank))
+            except run_lock.RunLocked as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                ended.append(EXIT_USER_ERROR)
+        verdict.with_suffix(".tmp").write_text("stop" if ended else "go")
+        os.replace(verdict.with_suffix(".tmp"), verdict)
+
+    check = waiter = None
+    if beside:
+        check = subprocess.Popen([sys.executable, str(script), *argv], env={**os.environ, **env})
+        waiter = threading.Thread(target=lambda: decide(check.wait()), daemon=True)
+        waiter.start()
+    else:
+        decide(_run_script(script, argv, env))
+    try:
+        # COOKBOOK_CHECKED: the workers need not repeat what the check printed (a damaged checkpoint)
+        with environ_kept("COOKBOOK_CHECKED", VERDICT_ENV):  # (also called in-process, by tests)
+            os.environ.update({"COOKBOOK_CHECKED": "1", VERDICT_ENV: str(verdict)})
+            status = torchrun(run) if beside or not ended else ended[0]
+    finally:
+        stopped = check is not None and check.poll() is None  # torchrun ended first (a signal): the check ends too
+        if stopped:
+            check.terminate()
+        if waiter is not None:
+            waiter.join()
+        for fd in locks:
+            os.close(fd)
+    return status if stopped or not ended else ended[0]
 
 
-if __name__ == "__main__":  # the module's own copy: cookbook.run_main's exit reads ScriptExit.running there
+if __name__ == "__main__":  # the module's own copy: cookbook.run_main's exit reads `checking` there
     from cookbook.launch import main as launch
 
     sys.exit(launch())

@@ -17,7 +17,6 @@ import logging
 import multiprocessing
 import os
 import pickle
-import shutil
 import signal
 import sys
 import tempfile
@@ -34,6 +33,7 @@ import cloudpickle
 import torch
 
 from cookbook.dist import distributed_context
+from cookbook.errors import first_line
 from cookbook.run_lock import die_with_parent
 from cookbook.torchrun import environ_kept, killed_by
 
@@ -142,33 +142,43 @@ def local_num_processes(num_processes: int | None) -> int:
     return n
 
 
-# ----------------------------------------------------------------------------- local workers (torch elastic)
+# ----------------------------------------------------------------------------- the call (both backends), local workers
+def _call(payload: bytes | tuple, rank: int, timeout_minutes: float, report: Callable[[dict], None]) -> bytes:
+    """Run the call in a process group and return its cloudpickled result; an exception is given to `report` as an
+    error record for the caller, then re-raised (the launcher then stops the other workers)."""
+    group = contextlib.ExitStack()
+    try:
+        fn, args, kwargs = cloudpickle.loads(payload) if isinstance(payload, bytes) else payload
+        if not torch.distributed.is_initialized():  # else Ray Train made the group; it also tears it down
+            group.enter_context(distributed_context(timeout_minutes))
+        result = fn(*args, **kwargs)
+        group.close()
+        try:
+            return _dumps(result)
+        except Exception as exc:
+            raise TypeError(
+                f"rank {rank}'s return value ({type(result).__name__}) cannot be pickled to send it back: "
+                f"{exc}. Return plain data (numbers, lists, dicts, CPU tensors)"
+            ) from exc
+    except BaseException as exc:  # before the group is torn down: the earliest record is the root cause
+        report(_error_record(rank, exc))
+        raise
+    finally:
+        group.close()
+
+
 def _worker(payload: bytes | tuple, error_dir: str, threads: int, timeout_minutes: float) -> bytes:
-    """One worker: run the call in a process group and return its cloudpickled result; an exception is written as
-    an error record for the caller, then re-raised (the agent then stops the other workers)."""
+    """One elastic worker: `_call`, its error record written to `error_dir`."""
     torch.set_num_threads(threads)  # as torchrun; a fork that inherits an OpenMP pool can hang in its first op
     die_with_parent()
     rank = int(os.environ.get("RANK", "0"))
     path = Path(error_dir) / f"rank{rank:05d}.pkl"
 
-    def save(exc: BaseException) -> None:
-        if not path.exists():
-            tmp = path.with_suffix(".tmp")
-            tmp.write_bytes(pickle.dumps(_error_record(rank, exc)))
-            tmp.rename(path)
+    def save(record: dict) -> None:
+        path.with_suffix(".tmp").write_bytes(pickle.dumps(record))
+        path.with_suffix(".tmp").rename(path)
 
-    try:
-        fn, args, kwargs = cloudpickle.loads(payload) if isinstance(payload, bytes) else payload
-        with distributed_context(timeout_minutes):
-            try:
-                result = fn(*args, **kwargs)
-            except BaseException as exc:  # before the group is torn down: the earliest record is the root cause
-                save(exc)
-                raise
-        return _dumps_result(result, rank)
-    except BaseException as exc:
-        save(exc)
-        raise
+    return _call(payload, rank, timeout_minutes, save)
 
 
 def _run_local(fn: Callable, args: tuple, kwargs: dict, n: int, start_method: str, timeout_minutes: float) -> list:
@@ -184,39 +194,38 @@ def _run_local(fn: Callable, args: tuple, kwargs: dict, n: int, start_method: st
             "collective; call cookbook.destroy_distributed() first, or use start_method='spawn'"
         )
     payload = (fn, args, kwargs) if start_method == "fork" else _dumps_call(fn, args, kwargs)
-    workdir = Path(tempfile.mkdtemp(prefix="cookbook-distributed-"))
-    (workdir / "errors").mkdir()
     # Seconds between SIGTERM and SIGKILL for workers that do not stop (torch >= 2.12; 30 before).
     extra = {"shutdown_timeout": 10} if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)} else {}
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=n,
-        run_id=f"cookbook-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",  # a free port on this machine
-        max_restarts=0,
-        start_method=start_method,
-        monitor_interval=0.1,
-        logs_specs=DefaultLogsSpecs(log_dir=str(workdir / "logs")),
-        **extra,
-    )
     threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
-    try:
+    with tempfile.TemporaryDirectory(prefix="cookbook-distributed-", ignore_cleanup_errors=True) as workdir:
+        errors = Path(workdir) / "errors"
+        errors.mkdir()
+        config = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=n,
+            run_id=f"cookbook-{uuid.uuid4().hex[:8]}",
+            rdzv_backend="c10d",
+            rdzv_endpoint="127.0.0.1:0",  # a free port on this machine
+            max_restarts=0,
+            start_method=start_method,
+            monitor_interval=0.1,
+            logs_specs=DefaultLogsSpecs(log_dir=str(Path(workdir) / "logs")),
+            **extra,
+        )
         with _around_agent(), environ_kept("TORCHELASTIC_SIGNALS_TO_HANDLE"):
             try:
-                returned = elastic_launch(config, _worker)(payload, str(workdir / "errors"), threads, timeout_minutes)
+                returned = elastic_launch(config, _worker)(payload, str(errors), threads, timeout_minutes)
             except ChildFailedError as exc:
                 rank, failure = exc.get_first_failure()
-                records = [pickle.loads(p.read_bytes()) for p in sorted((workdir / "errors").glob("*.pkl"))]
-                error = _worker_error(records, n, rank, failure.exitcode)
+                error = _worker_error(
+                    [pickle.loads(p.read_bytes()) for p in errors.glob("*.pkl")], n, rank, failure.exitcode
+                )
                 raise error from error.exception
             except SignalException as exc:  # the agent's handler turned Ctrl-C / SIGTERM into this; workers are stopped
                 if exc.sigval == signal.SIGINT:  # one line, as cookbook.torchrun's (run_main: that line, status 130)
                     raise KeyboardInterrupt("interrupted (Ctrl-C): every worker was stopped") from None
                 raise
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
     return [cloudpickle.loads(returned[rank]) for rank in range(n)]
 
 
@@ -243,21 +252,10 @@ def _around_agent() -> Iterator[None]:
 
 # ----------------------------------------------------------------------------- Ray Train workers
 def _ray_loop(config: dict) -> None:
-    """Ray Train's per-worker function: ``(rank, result)`` or ``(None, error record)`` goes to the caller's queue."""
-    import torch.distributed as dist
-
-    rank = int(os.environ.get("RANK", "0"))  # Ray Train's torch backend sets torchrun's variables
-    try:
-        fn, args, kwargs = cloudpickle.loads(config["payload"])
-        if dist.is_initialized():  # Ray Train made the group; it also tears it down
-            result = fn(*args, **kwargs)
-        else:
-            with distributed_context(config["timeout_minutes"]):
-                result = fn(*args, **kwargs)
-        config["queue"].put((rank, _dumps_result(result, rank)))
-    except BaseException as exc:
-        config["queue"].put((None, _error_record(rank, exc)))
-        raise
+    """Ray Train's per-worker function, `_call`: ``(rank, result)`` or ``(None, error record)`` to the queue."""
+    rank, queue = int(os.environ.get("RANK", "0")), config["queue"]  # (Ray Train's torch backend sets RANK)
+    result = _call(config["payload"], rank, config["timeout_minutes"], lambda record: queue.put((None, record)))
+    queue.put((rank, result))
 
 
 def _run_ray(fn: Callable, args: tuple, kwargs: dict, num_processes: int | None, timeout_minutes: float) -> list:
@@ -271,7 +269,7 @@ def _run_ray(fn: Callable, args: tuple, kwargs: dict, num_processes: int | None,
     started = not ray.is_initialized()
     if started:  # join RAY_ADDRESS, or start a local instance for this call only
         ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=True)
-    storage = Path(tempfile.mkdtemp(prefix="cookbook-distributed-ray-"))
+    storage = tempfile.TemporaryDirectory(prefix="cookbook-distributed-ray-", ignore_cleanup_errors=True)
     queue = None
     try:
         res = ray.cluster_resources()
@@ -289,7 +287,7 @@ def _run_ray(fn: Callable, args: tuple, kwargs: dict, num_processes: int | None,
             scaling_config=ScalingConfig(
                 num_workers=n, use_gpu=use_gpu, resources_per_worker={"CPU": 1.0, **({"GPU": 1} if use_gpu else {})}
             ),
-            run_config=RunConfig(name="run", storage_path=str(storage), failure_config=FailureConfig(max_failures=0)),
+            run_config=RunConfig(name="run", storage_path=storage.name, failure_config=FailureConfig(max_failures=0)),
         )
         try:
             trainer.fit()
@@ -307,7 +305,7 @@ def _run_ray(fn: Callable, args: tuple, kwargs: dict, num_processes: int | None,
     finally:
         if queue is not None:
             queue.shutdown()
-        shutil.rmtree(storage, ignore_errors=True)
+        storage.cleanup()
         if started:
             ray.shutdown()
 
@@ -348,16 +346,6 @@ def _dumps_call(fn: Callable, args: tuple, kwargs: dict) -> bytes:
             cloudpickle.unregister_pickle_by_value(module)
 
 
-def _dumps_result(result: Any, rank: int) -> bytes:
-    try:
-        return _dumps(result)
-    except Exception as exc:
-        raise TypeError(
-            f"rank {rank}'s return value ({type(result).__name__}) cannot be pickled to send it back: "
-            f"{exc}. Return plain data (numbers, lists, dicts, CPU tensors)"
-        ) from exc
-
-
 def _error_record(rank: int, exc: BaseException) -> dict:
     # The traceback without the launcher's own frames on top: it starts in the user's function.
     tb = exc.__traceback__
@@ -376,21 +364,11 @@ def _error_record(rank: int, exc: BaseException) -> dict:
         "time": time.time(),
         "type": name,
         "message": str(exc),
+        "first_line": first_line(exc),
         "frames": frames,
         "exception": "".join(traceback.format_exception_only(kind, exc)),
         "pickled": pickled,
     }
-
-
-def _format_traceback(record: dict) -> str:
-    """The worker's traceback, with the lines the worker could not read (a notebook cell's) from this process."""
-    frames = traceback.StackSummary.from_list(
-        [
-            (filename, lineno, name, line or linecache.getline(filename, lineno or 0).strip())
-            for filename, lineno, name, line in record["frames"]
-        ]
-    )
-    return "Traceback (most recent call last):\n" + "".join(frames.format()) + record["exception"]
 
 
 def _worker_error(records: list[dict], world: int, rank: int | None, exitcode: int | None) -> WorkerError:
@@ -410,10 +388,19 @@ def _worker_error(records: list[dict], world: int, rank: int | None, exitcode: i
     if later:
         message += (
             "\n(afterwards also failed: "
-            + "; ".join(f"rank {r['rank']}: {r['type']}: {_first_line(r['message'])}" for r in later)
+            + "; ".join(f"rank {r['rank']}: {r['type']}: {r['first_line']}" for r in later)
             + ")"
         )
-    tb = _format_traceback(first)
+    # The worker's traceback, with the lines the worker could not read (a notebook cell's) from this process.
+    frames = [
+        (file, line, name, text or linecache.getline(file, line or 0).strip())
+        for file, line, name, text in first["frames"]
+    ]
+    tb = (
+        "Traceback (most recent call last):\n"
+        + "".join(traceback.StackSummary.from_list(frames).format())
+        + first["exception"]
+    )
     message += f"\n\nTraceback of rank {first['rank']}:\n{tb.rstrip()}"
     exception = cloudpickle.loads(first["pickled"]) if first["pickled"] is not None else None
     return WorkerError(
@@ -424,8 +411,3 @@ def _worker_error(records: list[dict], world: int, rank: int | None, exitcode: i
         exitcode=exitcode if rank == first["rank"] else None,
         exception=exception,
     )
-
-
-def _first_line(text: str, limit: int = 160) -> str:
-    line = text.splitlines()[0] if text else ""
-    return line if len(line) <= limit else line[:limit] + "..."

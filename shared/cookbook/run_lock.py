@@ -46,8 +46,7 @@ def acquire(output_dir: str | Path, node_rank: int | str = 0) -> int:
     os.write(
         fd, f"pid {os.getpid()} on host {socket.gethostname()} (since {time.strftime('%Y-%m-%d %H:%M:%S')})".encode()
     )
-    os.set_inheritable(fd, False)
-    return fd
+    return fd  # (not inherited by the processes this one starts: PEP 446)
 
 
 def report_output_dir(output_dir: str | Path) -> None:

@@ -90,12 +90,14 @@ _STALLED = re.compile(
 )
 
 
-def _stalled_ranks(message: str | dict | None) -> list[int]:
-    """The ranks a failed worker's error-file message (text, or ``{"message": text, ...}``) names as stalled."""
-    if isinstance(message, dict):
-        message = message.get("message")
-    m = _STALLED.search(message) if isinstance(message, str) else None
-    return [int(r) for r in re.findall(r"rank (\d+)", m.group(1))] if m else []
+def _stalled_ranks(failures: Iterable) -> list[int]:
+    """The ranks named as stalled by the first of the failed workers whose error-file message (text, or
+    ``{"message": text, ...}``) names any."""
+    for failure in failures:
+        message = failure.message.get("message") if isinstance(failure.message, dict) else failure.message
+        if isinstance(message, str) and (m := _STALLED.search(message)):
+            return [int(r) for r in re.findall(r"rank (\d+)", m.group(1))]
+    return []
 
 
 def _failure_signature(rank: int, failure) -> tuple | None:
@@ -187,10 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                     restart = should_restart(failure.exitcode, codes) and repeated is None and not _stop_asked
                     if restart and attempt < max_restarts:
                         attempt += 1
-                        stalled = next(
-                            (found for f in (failure, *exc.failures.values()) if (found := _stalled_ranks(f.message))),
-                            [],
-                        )
+                        stalled = _stalled_ranks((failure, *exc.failures.values()))
                         line = _restart_line(attempt, max_restarts, rank, failure.exitcode, stalled)
                         print(line, file=sys.stderr, flush=True)
                         continue
