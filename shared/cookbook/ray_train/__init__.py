@@ -2,26 +2,8 @@
 workers call ``ray.train.report``. The driver: `RayDriver`; the workers: `worker_entry`, `WorkerRun`;
 ``python -m cookbook.ray_train.launch``: what each ``launch.sh`` runs."""
 
-from cookbook.ray_train.driver import (
-    EPOCH_MAY_CHANGE,
-    EpochRunConfig,
-    EpochTrainConfig,
-    RayConfig,
-    RayDriver,
-    plan_workers,
-)
-from cookbook.ray_train.worker import RecipeError, WorkerRun, config_from_dict, worker_entry, worker_info
+# ruff: noqa: F401  (the package's public names)
 
-__all__ = [
-    "EPOCH_MAY_CHANGE",
-    "EpochRunConfig",
-    "EpochTrainConfig",
-    "RayConfig",
-    "RayDriver",
-    "RecipeError",
-    "WorkerRun",
-    "config_from_dict",
-    "plan_workers",
-    "worker_entry",
-    "worker_info",
-]
+from cookbook.ray_train.driver import EPOCH_MAY_CHANGE, EpochRunConfig, EpochTrainConfig, RayConfig, RayDriver
+from cookbook.ray_train.driver import plan_workers
+from cookbook.ray_train.worker import RecipeError, WorkerRun, config_from_dict, worker_entry, worker_info

@@ -21,7 +21,7 @@ import torch
 
 from cookbook import run_lock
 from cookbook.checkpoint import CheckpointError, ResumeGuard, read_meta
-from cookbook.config import ConfigError, to_dict
+from cookbook.config import MAY_CHANGE, ConfigError, to_dict
 from cookbook.dist import CollectiveTimeout
 from cookbook.errors import EXIT_PREEMPTED, AlreadyComplete
 from cookbook.policy import NonFiniteError, NonFinitePolicy, Preempted, StopRequest
@@ -65,20 +65,9 @@ class EpochRunConfig:  # the top level of an epoch-based Ray recipe's schema; th
     train: EpochTrainConfig = field(default_factory=EpochTrainConfig)
 
 
-# Settings of an epoch-based Ray recipe that may differ between a checkpoint and the run that resumes it.
-EPOCH_MAY_CHANGE = (
-    "output_dir",
-    "run_name",
-    "mlflow",
-    "trackers",
-    "ray.*",
-    "train.stop_at_epoch",
-    "train.log_every",
-    "train.on_nonfinite",
-    "train.max_consecutive_skips",
-    "train.collective_timeout_s",
-    "checkpoint.*",
-)
+# Settings of an epoch-based Ray recipe that may differ between a checkpoint and the run that resumes it: those of the
+# shared sections (cookbook.config's; its train.stop_at_step, eval_every and profile_step no epoch recipe has), and these.
+EPOCH_MAY_CHANGE = (*MAY_CHANGE, "ray.*", "train.stop_at_epoch")
 
 
 class RayDriver:

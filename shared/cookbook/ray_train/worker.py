@@ -191,7 +191,9 @@ class WorkerRun:
                 f"state: {_RNG_KEY!r}, {_EPOCH_RNG_KEY!r} and {_SKIPPED_KEY!r} name the workers' random "
                 f"streams and skipped steps in a checkpoint; use other names"
             )
-        on_nonfinite, max_skips = NonFinitePolicy.settings(cfg.train)
+        self.nonfinite = NonFinitePolicy.from_config(
+            cfg.train, device=info.device, models=models_in(state), newest_checkpoint=lambda: self._newest
+        )
         if getattr(cfg.train, "collective_timeout_s", None) is not None:  # a stalled worker: see `worker_entry`
             set_collective_timeout(cfg.train.collective_timeout_s, store_rank=0)  # Ray's env:// store: rank 0's
         self.cfg, self.info, self.state = cfg, info, dict(state)
@@ -209,10 +211,6 @@ class WorkerRun:
         self._newest: Path | None = None  # the newest checkpoint folder (resumed or saved)
         self._skipped_now = self._stop_reported = False  # the running step was skipped; a report after a stop request
         self._lr = 0.0  # the learning rate of the newest applied step (an epoch's last log line after a skip)
-        models = models_in(self.state)
-        self.nonfinite = NonFinitePolicy(
-            on_nonfinite, max_skips, device=info.device, models=models, newest_checkpoint=lambda: self._newest
-        )
         if getattr(cfg.train, "seed", None) is not None:
             seed_per_rank(cfg.train.seed, info.rank)  # each worker its own dropout masks; a resume restores its own
         resumed = load_checkpoint()  # memory-mapped on the CPU, copied into the model and optimizer
