@@ -310,6 +310,24 @@ def publish(tmp: str | Path, final: str | Path) -> None:
             os.close(fd)
 
 
+def publish_pretrained(
+    model: Any, out_dir: str | Path, tokenizer: Any = None, config: Mapping[str, Any] = {}, **kwargs: Any
+) -> Path:
+    """``model.save_pretrained(..., **kwargs)`` and `tokenizer`'s files published whole as `out_dir` (`publish`),
+    `config` updating the saved ``config.json``. Call on one rank; returns `out_dir`."""
+    out = Path(out_dir)
+    tmp = out.with_name(f".tmp-{out.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, **kwargs)
+    if config:
+        config_file = tmp / "config.json"
+        config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **config}, indent=2))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    publish(tmp, out)
+    return out
+
+
 def export_hf(
     model: torch.nn.Module, out_dir: str | Path, tokenizer: Any = None, dtype: torch.dtype | None = None
 ) -> Path | None:

@@ -26,7 +26,7 @@ from torch.linalg import vector_norm
 from transformers import PrinterCallback, TrainerCallback
 
 from cookbook import lm
-from cookbook.checkpoint import from_rank0, os_error_in, publish, save_error
+from cookbook.checkpoint import from_rank0, os_error_in, publish, publish_pretrained, save_error
 from cookbook.config import to_dict
 from cookbook.dist import all_reduce_sum, apply_collective_timeout, barrier, destroy_distributed, get_dist_info
 from cookbook.dist import get_logger, record_progress, stall_error
@@ -380,35 +380,21 @@ def export_final(trainer, tokenizer, out_dir: str | Path, merge: bool = True) ->
         state = {k: v.detach().cpu() for k, v in state.items()}
         dtype = str(next(v.dtype for v in state.values() if v.is_floating_point())).removeprefix("torch.")
         if "peft" in sys.modules and isinstance(model, sys.modules["peft"].PeftModel):
-            result = _publish_pretrained(model, tokenizer, out_dir / "adapter", state_dict=state)
+            result = publish_pretrained(model, out_dir / "adapter", tokenizer, state_dict=state)
         if result is not None and merge:
-            from peft import get_peft_model
-
             base = model.get_base_model()
             # The class's own constructor, not from_config: under ZeRO-3, from_config partitions the new model
             # across ranks (a collective that rank 0 alone would wait on forever).
             with torch.device("meta"):
-                merged = get_peft_model(type(base)(base.config), model.peft_config["default"])
+                merged = sys.modules["peft"].get_peft_model(type(base)(base.config), model.peft_config["default"])
             merged.load_state_dict(state, assign=True)
             model = merged.merge_and_unload()
             state = {k: v.contiguous() for k, v in model.state_dict().items()}
         if result is None or merge:  # the (merged) model
             config = {"dtype": dtype, "use_cache": True}
-            result = _publish_pretrained(model, tokenizer, out_dir / "final", config, state_dict=state)
+            result = publish_pretrained(model, out_dir / "final", tokenizer, config, state_dict=state)
     barrier()
     return result
-
-
-def _publish_pretrained(model, tokenizer, folder: Path, config: Mapping[str, Any] = {}, **kwargs) -> Path:
-    tmp = folder.parent / f".tmp-{folder.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, **kwargs)
-    if config:
-        config_file = tmp / "config.json"
-        config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **config}, indent=2))
-    tokenizer.save_pretrained(tmp)
-    publish(tmp, folder)
-    return folder
 
 
 class TrainerRun(contextlib.AbstractContextManager):
@@ -443,7 +429,7 @@ class TrainerRun(contextlib.AbstractContextManager):
         )
         return False
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> None:
         failed = exc is not None and not isinstance(exc, Preempted)
         stalled = stall_error(exc) if failed else None  # name the rank behind while the group exists
         try:
@@ -453,4 +439,3 @@ class TrainerRun(contextlib.AbstractContextManager):
         finally:
             if stalled is not None:
                 raise stalled from exc
-        return False
