@@ -10,19 +10,8 @@ from cookbook import builds
 
 builds.guard()  # first: a torchvision built for another torch is one line (exit 2), not a traceback
 
-from cookbook.dist import (
-    DistInfo,
-    all_gather_object,
-    all_reduce_mean,
-    all_reduce_sum,
-    barrier,
-    destroy_distributed,
-    distributed_context,
-    get_dist_info,
-    get_logger,
-    init_distributed,
-    param_fingerprint,
-)
+from cookbook.dist import DistInfo, all_gather_object, all_reduce_mean, all_reduce_sum, barrier, destroy_distributed
+from cookbook.dist import distributed_context, get_dist_info, get_logger, init_distributed, param_fingerprint
 from cookbook.entry import cli, run_main
 from cookbook.launcher import WorkerError, distributed
 

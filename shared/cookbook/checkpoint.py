@@ -338,17 +338,8 @@ def export_hf(
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-    if _rank() == 0:
-        tmp = out.with_name(f".tmp-{out.name}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        inner.save_pretrained(tmp, state_dict=state, safe_serialization=True)
-        if dtype is not None:  # record the saved dtype so from_pretrained(dtype="auto") picks it
-            config_file = tmp / "config.json"
-            config = json.loads(config_file.read_text())
-            config["dtype"] = str(dtype).removeprefix("torch.")
-            config_file.write_text(json.dumps(config, indent=2))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        publish(tmp, out)
+    if _rank() == 0:  # the saved dtype in config.json, so that from_pretrained(dtype="auto") picks it
+        config = {"dtype": str(dtype).removeprefix("torch.")} if dtype is not None else {}
+        publish_pretrained(inner, out, tokenizer, config, state_dict=state, safe_serialization=True)
     barrier()
     return out if _rank() == 0 else None

@@ -15,18 +15,8 @@ import sys
 import time
 from typing import Iterable, Iterator, Sequence
 
-from cookbook.errors import (
-    AGENT_PID_ENV,
-    EXIT_BUG,
-    EXIT_DIVERGED,
-    EXIT_INTERRUPTED,
-    EXIT_PEER_LOST,
-    EXIT_PREEMPTED,
-    EXIT_USER_ERROR,
-    LAST_STEP_KEY,
-    LAUNCH_TIME_ENV,
-    RESTART_COUNT_ENV,
-)
+from cookbook.errors import AGENT_PID_ENV, EXIT_BUG, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_PEER_LOST, EXIT_PREEMPTED
+from cookbook.errors import EXIT_USER_ERROR, LAST_STEP_KEY, LAUNCH_TIME_ENV, RESTART_COUNT_ENV
 
 _MEANING = {
     EXIT_BUG: "a failure, its traceback is above",

@@ -18,31 +18,11 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from cookbook.checkpoint import (
-    CHECKSUMS_KEY,
-    META_FILE,
-    CheckpointError,
-    CheckpointSaveError,
-    RNGState,
-    checksums,
-    from_rank0,
-    os_error_in,
-    rng_kept,
-    save_error,
-    seed_per_rank,
-)
+from cookbook.checkpoint import CHECKSUMS_KEY, META_FILE, CheckpointError, CheckpointSaveError, RNGState, checksums
+from cookbook.checkpoint import from_rank0, os_error_in, rng_kept, save_error, seed_per_rank
 from cookbook.config import to_dict, to_object
-from cookbook.dist import (
-    DistInfo,
-    all_gather_object,
-    all_reduce_mean,
-    barrier,
-    get_logger,
-    param_fingerprint,
-    record_progress,
-    set_collective_timeout,
-    stall_error,
-)
+from cookbook.dist import DistInfo, all_gather_object, all_reduce_mean, barrier, get_logger, param_fingerprint
+from cookbook.dist import record_progress, set_collective_timeout, stall_error
 from cookbook.logs import configure_logging
 from cookbook.loop import Outputs, log_outputs
 from cookbook.policy import NonFiniteError, NonFinitePolicy, StopVote, models_in
