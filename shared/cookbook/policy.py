@@ -18,7 +18,7 @@ from cookbook.dist import get_logger
 from cookbook.errors import EXIT_DIVERGED, EXIT_PREEMPTED, ConfigError, OneLineError
 
 
-PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # a scheduler's or torchrun's stop; Slurm's --signal warning
+_PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # a scheduler's or torchrun's stop; Slurm's --signal warning
 _ON_NONFINITE = ("stop", "skip")  # what a step with a NaN / inf loss or gradient norm does (TrainLoop.skip_step)
 _Value = torch.Tensor | float  # a loss or gradient norm: a tensor (a DTensor too) or a float
 _NONE_BAD = 2**62  # "no non-finite step" in the all-reduce (min) of the first bad step of updates already applied
@@ -67,7 +67,7 @@ class StopVote:
 
 
 class StopRequest:
-    """A request to stop at the next step boundary (preemption): after `listen`, `PREEMPT_SIGNALS` call it (main
+    """A request to stop at the next step boundary (preemption): after `listen`, `_PREEMPT_SIGNALS` call it (main
     thread only). It only sets `requested`; the ranks agree on the step with `StopVote`."""
 
     def __init__(self) -> None:
@@ -78,9 +78,9 @@ class StopRequest:
         self.requested, self.signum = True, signum
 
     def listen(self) -> None:
-        """Install the handlers of `PREEMPT_SIGNALS` (main thread only)."""
+        """Install the handlers of `_PREEMPT_SIGNALS` (main thread only)."""
         on_main = threading.current_thread() is threading.main_thread()
-        self._handlers = {s: signal.signal(s, lambda signum, frame: self(signum)) for s in PREEMPT_SIGNALS if on_main}
+        self._handlers = {s: signal.signal(s, lambda signum, frame: self(signum)) for s in _PREEMPT_SIGNALS if on_main}
 
     def restore(self) -> None:
         for sig, handler in self._handlers.items():

@@ -25,7 +25,7 @@ except ImportError:
     _xxh3_64 = None
 
 META_FILE = "meta.json"
-DCP_METADATA = ".metadata"  # DCP's index of a checkpoint: which bytes of which file hold each tensor
+_DCP_METADATA = ".metadata"  # DCP's index of a checkpoint: which bytes of which file hold each tensor
 FILES_KEY = "files"  # meta.json's list of a checkpoint's files and sizes, where no index names them (file_sizes)
 CHECKSUMS_KEY = "checksums"  # meta.json's checksum of each file, written at publish time (checksums)
 _BATCH_KEYS = ("train.micro_batch_size", "train.grad_accum_steps")  # with the world size, they make the global batch
@@ -56,7 +56,7 @@ class ResumeGuard:
         published: bool | None = None,
     ):
         self.root = Path(root)
-        self.published = DCP_METADATA in files if published is None else published
+        self.published = _DCP_METADATA in files if published is None else published
         self.bad: dict[Path, str] = {}  # folders whose files did not match their checksums (verify), with why
         self.verified: set[Path] = set()  # folders this process verified (verify) or wrote itself
         self.folder, self.files = folder, tuple(files)
@@ -88,7 +88,7 @@ class ResumeGuard:
             return f"{META_FILE} is not a JSON object"
         if isinstance(meta.get(FILES_KEY), Mapping) and (listed := _sizes_problem(path, meta[FILES_KEY], listed=True)):
             return listed
-        return _dcp_problem(path) if DCP_METADATA in self.files else None
+        return _dcp_problem(path) if _DCP_METADATA in self.files else None
 
     def _missing(self, path: Path) -> list[str]:
         return [f for f in (META_FILE, *self.files) if not (path / f).is_file()]
@@ -429,10 +429,10 @@ def _dcp_problem(path: Path) -> str | None:
     try:
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as exc:  # noqa: BLE001 - a damaged pickle raises anything (EOFError, UnpicklingError, ...)
-        return f"{DCP_METADATA} is unreadable ({reason(exc)})"
+        return f"{_DCP_METADATA} is unreadable ({reason(exc)})"
     storage = getattr(metadata, "storage_data", None)
     if not isinstance(storage, Mapping):
-        return f"{DCP_METADATA} holds no index of the files"
+        return f"{_DCP_METADATA} holds no index of the files"
     needed: dict[str, int] = {}
     for info in storage.values():
         name = getattr(info, "relative_path", None)
