@@ -75,7 +75,7 @@
 # $OUT/axolotl.yaml (and axolotl-qlora.yaml).
 set -uo pipefail
 if (( $# )); then  # every setting is an environment variable (above); train.py overrides would reach one path only
-  echo "error: $(basename "$0") takes no arguments (got: $*); set its environment variables instead" >&2
+  echo "error: $(basename "$0") takes no arguments (got: $*); set its environment variables instead (train.py overrides: TRAIN_ARGS)" >&2
   exit 2
 fi
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -88,6 +88,7 @@ PATHS=${PATHS:-trl unsloth axolotl}         # which paths to run, in this order 
 PYTHON=${PYTHON:-python3}
 TINY=${TINY:-0}
 MODEL=${MODEL:-llama3-3b}                   # llama3-3b | olmo3-7b
+read -ra TRAIN_ARGS <<< "${TRAIN_ARGS:-}"   # more train.py overrides, trl and unsloth paths only (in each record)
 ADAPTERS=${ADAPTERS:-lora}                  # lora and/or qlora
 BUDGET_S=${BUDGET_S:-570}
 PACKING=${PACKING:-1}                       # 1: packed 2,048-token rows on every path (the shipped setting); 0: unpacked
@@ -190,12 +191,14 @@ import importlib.metadata as md, json, sys
 r = json.loads(open(sys.argv[1]).readline())
 r.update(path=sys.argv[2], loader=sys.argv[3], steps_run=int(sys.argv[4]), seq=int(sys.argv[5]),
          model=sys.argv[6], adapter=sys.argv[7], packing=sys.argv[8] == 'true')
+if sys.argv[9:] and sys.argv[3] != 'axolotl':
+    r['train_args'] = sys.argv[9:]
 for m in ('trl', 'peft', 'accelerate', 'datasets', 'axolotl', 'unsloth'):
     try:
         r[m] = md.version(m)
     except md.PackageNotFoundError:
         pass
-print(json.dumps(r))" "$RUNS/$name.json" "$name" "$loader" "$STEPS" "$SEQ" "$MODEL" "$adapter" "$packing" >> "$RESULTS" \
+print(json.dumps(r))" "$RUNS/$name.json" "$name" "$loader" "$STEPS" "$SEQ" "$MODEL" "$adapter" "$packing" "${TRAIN_ARGS[@]}" >> "$RESULTS" \
       || fail "$name" "summarize.py failed"
   else
     local why="exit status $rc"
@@ -217,6 +220,7 @@ run_path() {  # name loader model pretrained [override ...]
     "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 1 recipes/unsloth-lora-ddp/train.py \
       --config recipes/unsloth-lora-ddp/config.yaml "output_dir=$RUNS/$name" "run_name=bench-$name" \
       "model.loader=$loader" "model.name_or_path=$model" "model.pretrained=$pretrained" "${common[@]}" "$@" \
+      "${TRAIN_ARGS[@]}" \
       > "$RUNS/$name.log" 2>&1
   rc=$?
   record "$name" "$loader" "$rc" "$TRL_PP" "$RUNS/$name" "$limit"
