@@ -34,3 +34,32 @@ def test_a_folder_is_named_as_one(tmp_path, recipe, override, what):
     with pytest.raises(Exception) as err:
         check(recipe, f"output_dir={tmp_path / 'out'}", override.format(folder))
     assert str(err.value).endswith(f"{folder} is a folder, not a {what}")
+
+
+MODEL_CASES = ["modernbert-ddp", "qwen-fsdp2-sft"]  # a preflight that loads a model folder's tokenizer and config
+
+
+@pytest.mark.parametrize("recipe", MODEL_CASES)
+def test_a_model_folder_that_is_missing_empty_or_without_a_tokenizer_is_named(tmp_path, recipe):
+    """Not a hub error, nor transformers' traceback (an empty folder was exit 1 with a ValueError)."""
+    out, empty, config_only = f"output_dir={tmp_path / 'out'}", tmp_path / "empty", tmp_path / "config-only"
+    empty.mkdir()
+    config_only.mkdir()
+    (config_only / "config.json").write_text("{}")
+    missing = tmp_path / "models" / "ModernBERT-base"
+    for override, expected in [
+        (f"model.name_or_path={missing}", f"model.name_or_path: folder not found: {missing}"),
+        (
+            f"model.name_or_path={empty}",
+            f"model.name_or_path: {empty} is not a Hugging Face model folder (none of config.json in it)",
+        ),
+    ]:
+        with pytest.raises(Exception) as err:
+            check(recipe, out, override)
+        assert str(err.value).endswith(expected)
+    with pytest.raises(Exception) as err:
+        check(recipe, out, f"model.tokenizer={config_only}")
+    assert str(err.value).endswith(
+        f"model.tokenizer: {config_only} is not a Hugging Face tokenizer folder (none of tokenizer.json, "
+        "tokenizer_config.json, tokenizer.model, vocab.json, vocab.txt in it)"
+    )

@@ -757,6 +757,14 @@ def test_hub_and_local_folder_rows_lose_the_bom(tmp_path, monkeypatch):
         assert load_hub_rows(str(folder)) == [{"instruction": "Say hi.", "output": "Hi!"}]
 
 
+def test_load_rows_refuses_a_table_by_its_file_type(tmp_path):
+    (table := tmp_path / "rows.csv").write_text("instruction,output\nhi,there\n")
+    with pytest.raises(
+        SFTDataError, match=r"rows\.csv: unsupported file type '\.csv' for rows \(use \.json or \.jsonl\)$"
+    ):
+        load_rows(table)
+
+
 def test_load_rows_names_a_folder_a_utf16_file_and_the_column_of_bad_json(tmp_path):
     row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
     with pytest.raises(SFTDataError, match=rf"^{tmp_path} is a folder: give the data files in it"):

@@ -56,7 +56,7 @@ from cookbook.checkpoint import Checkpointer, CheckpointError, ModelOptimizerSta
 from cookbook.checkpoint import export_hf
 from cookbook import config
 from cookbook.config import ConfigError, check_fields, load_config, to_dict
-from cookbook.hub import resolve_path
+from cookbook.hub import check_local_model, resolve_path
 from cookbook.loop import Run
 from cookbook.metrics import ModelFlops, count_parameters, launch_time
 from cookbook.optim import build_optimizer
@@ -504,10 +504,12 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, autocast) -> 
 def preflight(cfg: Config, world_size: int) -> str:
     """What ``--check`` runs in one process before torchrun starts any worker (launch.sh); returns what the data holds."""
     lm.check_attention(cfg.model.attn_implementation, on_cpu=cookbook.get_dist_info().device.type == "cpu")
+    check_local_model(cfg.model.name_or_path, "model.name_or_path")
+    check_local_model(cfg.model.tokenizer, "model.tokenizer", tokenizer=True)
     try:
         tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
         config = AutoConfig.from_pretrained(cfg.model.name_or_path)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # ValueError: a folder whose tokenizer files transformers cannot read
         raise ConfigError(
             f"model.name_or_path / model.tokenizer: cannot load {cfg.model.name_or_path!r}: {str(exc).splitlines()[0]}"
         ) from None

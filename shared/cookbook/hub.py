@@ -1,6 +1,7 @@
 """Model folders from a local path or the Hugging Face Hub (``HF_HUB_CACHE``, ``HF_HUB_OFFLINE``, ``HF_TOKEN`` apply).
 `resolve_path` calls `prepare_access` (one reachability check, the download bars:
-docs/notes.md#the-hub-without-a-network-huggingface_hub-1x) before a hub id's first use; `model_folder`."""
+docs/notes.md#the-hub-without-a-network-huggingface_hub-1x) before a hub id's first use; `model_folder`;
+`check_local_model`."""
 
 from __future__ import annotations
 
@@ -81,6 +82,23 @@ def resolve_path(value: str, base_dir: str | Path) -> str:
     if resolved == value and Path(value).suffix.lower() not in _DATA_SUFFIXES and looks_like_hub_id(value):
         prepare_access()  # (a missing data file is said as such, without a hub probe first)
     return resolved
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def check_local_model(value: str, key: str, tokenizer: bool = False) -> None:
+    """Raise ConfigError naming `key` when `value` names a local path (absolute, ``./``, ``../``, ``~`` or existing)
+    that is not a folder with ``config.json`` (`tokenizer`: with one of `_TOKENIZER_FILES`); a hub id passes."""
+    path = Path(value).expanduser()
+    if not (path.exists() or value.startswith(("/", "./", "../", "~"))):
+        return
+    if not path.is_dir():
+        raise ConfigError(f"{key}: {'not a folder' if path.exists() else 'folder not found'}: {value}")
+    wanted = _TOKENIZER_FILES if tokenizer else ("config.json",)
+    if not any((path / name).is_file() for name in wanted):
+        what = "tokenizer" if tokenizer else "model"
+        raise ConfigError(f"{key}: {value} is not a Hugging Face {what} folder (none of {', '.join(wanted)} in it)")
 
 
 def model_folder(name_or_path: str, key: str = "model.name_or_path") -> Path:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from cookbook.config import ConfigError, check_fields
-from cookbook.hub import resolve_path
+from cookbook.hub import check_local_model, resolve_path
 from cookbook.sft.data import load_examples, pack, pad_token_id
 from cookbook.sft.template import check_vocab
 
@@ -73,11 +73,13 @@ def load_tokenizer(tokenizer: str, model: str, max_length: int | None = None):
     SFTDataError: more tokens than the model's embedding rows."""
     from transformers import AutoConfig, AutoTokenizer
 
+    check_local_model(model, "model.name_or_path")
+    check_local_model(tokenizer, "model.tokenizer", tokenizer=True)
     try:
         loaded = AutoTokenizer.from_pretrained(tokenizer)
         hf_config = AutoConfig.from_pretrained(model)
         vocab_size = hf_config.get_text_config().vocab_size
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # ValueError: a folder whose tokenizer files transformers cannot read
         for key, value in (("model.name_or_path", model), ("model.tokenizer", tokenizer)):
             if value.startswith(("/", "./", "../", "~")) and not Path(value).expanduser().exists():
                 raise ConfigError(f"{key}: folder not found: {value}") from None
