@@ -134,6 +134,21 @@ def test_describe_failure(exitcode, line, status):
     assert describe_failure(3, exitcode) == (line, status)
 
 
+def test_the_last_line_repeats_the_cause_the_failed_worker_recorded():
+    from types import SimpleNamespace
+
+    from cookbook.torchrun import _cause
+
+    recorded = {"message": {"message": "DataError: rows.txt line 13: bad\nmore", "extraInfo": {}}}
+    assert _cause(SimpleNamespace(exitcode=2, error_file_data=recorded)) == "rows.txt line 13: bad"
+    assert _cause(SimpleNamespace(exitcode=-9, error_file_data=recorded)) is None  # a signal: no record of its own
+    assert _cause(SimpleNamespace(exitcode=1, error_file_data={"message": "<NONE>"})) is None
+    assert describe_failure(3, 2, "rows.txt line 13: bad")[0] == (
+        "error: rank 3 failed first (exit status 2: bad configuration, data or checkpoint): rows.txt line 13: bad; "
+        "the other ranks were stopped"
+    )
+
+
 def test_peer_lost_reads_the_cause_chain():
     try:
         try:

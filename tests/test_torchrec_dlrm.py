@@ -543,7 +543,10 @@ def test_a_bad_row_found_by_rank_1_reaches_the_user_as_one_line(tmp_path):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert errors[0] == f"error: [rank 1] {path} line 13, column 5 (I4): '12x' is not an integer", proc.stderr
-    assert errors[-1].startswith("error: rank 1 failed first (exit status 2"), proc.stderr
+    assert errors[-1] == (  # the launcher's last line repeats the cause
+        f"error: rank 1 failed first (exit status 2: bad configuration, data or checkpoint): {path} line 13, column 5 "
+        "(I4): '12x' is not an integer; the other ranks were stopped"
+    ), proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
 
 

@@ -41,10 +41,21 @@ _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, s
 _stop_asked = False  # the launcher was sent SIGUSR1 (or SIGTERM): no restart after it
 
 
-def describe_failure(rank: int, exitcode: int) -> tuple[str, int]:
-    """``(line, status)`` for the first failed worker `rank`; `exitcode` negative: killed by that signal (128 + N)."""
-    line = f"error: {_failed(rank, exitcode, ' first')}; the other ranks were stopped"
+def describe_failure(rank: int, exitcode: int, cause: str | None = None) -> tuple[str, int]:
+    """``(line, status)`` for the first failed worker `rank`, with the `cause` it recorded (`_cause`); `exitcode`
+    negative: killed by that signal (128 + N)."""
+    line = f"error: {_failed(rank, exitcode, ' first')}{f': {cause}' if cause else ''}; the other ranks were stopped"
     return line, 128 - exitcode if exitcode < 0 else exitcode
+
+
+def _cause(failure) -> str | None:
+    """The first line of the error a failed worker recorded in its error file (`cookbook.entry`), without the
+    ``<class>: `` torch puts before it; None for a signal or no record."""
+    info = failure.error_file_data.get("message") if isinstance(failure.error_file_data, dict) else None
+    message = info.get("message") if isinstance(info, dict) else None
+    if failure.exitcode < 0 or not isinstance(message, str) or not message.strip():
+        return None
+    return re.sub(r"^[A-Za-z_][\w.]*: ", "", message.strip().splitlines()[0], count=1)
 
 
 def _failed(rank: int, exitcode: int, first: str = "") -> str:
@@ -183,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                         line = _restart_line(attempt, max_restarts, rank, failure.exitcode, stalled)
                         print(line, file=sys.stderr, flush=True)
                         continue
-                    line, status = describe_failure(rank, failure.exitcode)
+                    line, status = describe_failure(rank, failure.exitcode, _cause(failure))
                     if repeated is not None:
                         line += (
                             f"; the same error as before restart {attempt}, after the same step "
