@@ -488,7 +488,7 @@ def check_data(cfg: Config, world_size: int) -> str:
             f"{world_size} ranks: lower train.batch_size"
         )
     return f"{total} rows checked" + (
-        "" if cfg.data.check_rows == 0 else f" (the first {cfg.data.check_rows} of each file)"
+        "" if cfg.data.check_rows == 0 else f", the first {cfg.data.check_rows} of each file"
     )
 
 
