@@ -268,3 +268,19 @@ def test_a_required_package_that_is_missing_or_broken_is_refused_in_one_line(tmp
         config.require("brokenpkg", reqs)
     assert str(err.value) == f"{broken}; install it again: `pip install brokenpkg==1.0`, or `pip install -r {reqs}`"
     config.require("omegaconf", reqs)  # installed and importable: nothing to say
+
+
+def test_a_dashed_override_is_refused_with_the_form_overrides_take(capsys):
+    from cookbook.config import cli_parser
+
+    with pytest.raises(SystemExit) as stop:
+        cli_parser().parse_args(["--config", "c.yaml", "--max_steps", "5"])
+    assert stop.value.code == 2
+    assert (
+        capsys.readouterr()
+        .err.splitlines()[-1]
+        .endswith(
+            "error: unrecognized arguments: --max_steps (config overrides are written key=value without dashes, "
+            "e.g. train.max_steps=5)"
+        )
+    )

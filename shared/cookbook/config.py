@@ -229,9 +229,16 @@ def check_fields(
             fail(key, f"in {interval}", value)
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        if message.startswith("unrecognized arguments: -"):  # `--max_steps 5`, as other trainers take it
+            message += " (config overrides are written key=value without dashes, e.g. train.max_steps=5)"
+        super().error(message)
+
+
 def cli_parser(description: str | None = None, show_examples: bool = False) -> argparse.ArgumentParser:
     """``--config FILE``, ``--check``, overrides and, with `show_examples`, ``--show-examples N``."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML config file")
     parser.add_argument("--check", action="store_true", help="validate config and data, then exit")
     if show_examples:
