@@ -627,7 +627,7 @@ def rank_1_stalls_at_step_3(monkeypatch, tmp_path):
     hangs would (a stuck read, a wedged GPU): under ZeRO-2, rank 0 then waits in the step's gradient-norm all-reduce,
     on the copy of the world group that DeepSpeed made for ZeRO (not on the default group). Each rank writes its pid to
     ``rank<r>.pid`` in the returned folder first. Patched before the workers are forked. A thread here SIGKILLs
-    rank 1 once rank 0 has exited (or after 60 s), as a launcher would."""
+    rank 1 once rank 0 has exited (or 60 s after its stop), as a launcher would."""
     import threading
 
     import psutil
@@ -644,9 +644,13 @@ def rank_1_stalls_at_step_3(monkeypatch, tmp_path):
         return step(self, *args, **kwargs)
 
     def kill_rank_1():
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not (pids / "rank1.pid").is_file():
+        deadline = time.monotonic() + 600  # start-up can take a minute on a loaded machine: wait for the stop first
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError, psutil.Error, ValueError):
+                if psutil.Process(int((pids / "rank1.pid").read_text())).status() == psutil.STATUS_STOPPED:
+                    break
             time.sleep(0.05)
+        deadline = time.monotonic() + 60  # from rank 1's stop
         while time.monotonic() < deadline:
             with contextlib.suppress(psutil.Error, ValueError):
                 if psutil.Process(int((pids / "rank0.pid").read_text())).status() != psutil.STATUS_ZOMBIE:
