@@ -48,12 +48,18 @@ def describe_failure(rank: int, exitcode: int, cause: str | None = None) -> tupl
     return line, 128 - exitcode if exitcode < 0 else exitcode
 
 
-def _cause(failure) -> str | None:
-    """The first line of the error a failed worker recorded in its error file (`cookbook.entry`), without the
-    ``<class>: `` torch puts before it; None for a signal or no record."""
+def _recorded(failure) -> dict:
+    """What a failed worker recorded in its error file (`cookbook.entry` through torch's ``ErrorHandler``):
+    ``{"message": "<class>: <text>", "extraInfo": {...}}``; {} for a signal or no record."""
     info = failure.error_file_data.get("message") if isinstance(failure.error_file_data, dict) else None
-    message = info.get("message") if isinstance(info, dict) else None
-    if failure.exitcode < 0 or not isinstance(message, str) or not message.strip():
+    return info if isinstance(info, dict) and failure.exitcode >= 0 else {}
+
+
+def _cause(failure) -> str | None:
+    """The first line of the error a failed worker recorded (`_recorded`), without the ``<class>: `` torch puts
+    before it; None for a signal or no record."""
+    message = _recorded(failure).get("message")
+    if not isinstance(message, str) or not message.strip():
         return None
     return re.sub(r"^[A-Za-z_][\w.]*: ", "", message.strip().splitlines()[0], count=1)
 
@@ -92,10 +98,9 @@ _STALLED = re.compile(
 
 
 def _stalled_ranks(failures: Iterable) -> list[int]:
-    """The ranks named as stalled by the first of the failed workers whose error-file message (text, or
-    ``{"message": text, ...}``) names any."""
+    """The ranks named as stalled by the first of the failed workers whose recorded message (`_recorded`) names any."""
     for failure in failures:
-        message = failure.message.get("message") if isinstance(failure.message, dict) else failure.message
+        message = _recorded(failure).get("message")
         if isinstance(message, str) and (m := _STALLED.search(message)):
             return [int(r) for r in re.findall(r"rank (\d+)", m.group(1))]
     return []
@@ -104,9 +109,9 @@ def _stalled_ranks(failures: Iterable) -> list[int]:
 def _failure_signature(rank: int, failure) -> tuple | None:
     """``(rank, exit status, error message, last finished step)`` from a failed worker's error file, or ``None`` (a
     signal, no step yet). Two attempts with one signature fail alike: a restart would repeat it."""
-    info = failure.error_file_data.get("message", {})
-    step = info.get("extraInfo", {}).get(LAST_STEP_KEY) if isinstance(info, dict) else None
-    if failure.exitcode < 0 or step is None:
+    info = _recorded(failure)
+    step = info.get("extraInfo", {}).get(LAST_STEP_KEY)
+    if step is None:
         return None
     return rank, failure.exitcode, info.get("message"), step
 
