@@ -25,8 +25,6 @@ def test_a_relative_path_not_found_says_from_where(tmp_path, monkeypatch, recipe
     with pytest.raises(Exception) as err:
         check(recipe, f"output_dir={tmp_path / 'out'}", override.format("nope/data.json"))
     assert str(err.value).endswith(f"{what} not found: nope/data.json (from {tmp_path})")
-    if recipe == "qwen-fsdp2-sft":  # the SFT recipes' check names the key too, as the others do
-        assert str(err.value).endswith(f"data.train_files: {what} not found: nope/data.json (from {tmp_path})")
 
 
 @pytest.mark.parametrize("recipe, override, what", CASES[:5], ids=[c[0] for c in CASES[:5]])
@@ -36,6 +34,14 @@ def test_a_folder_is_named_as_one(tmp_path, recipe, override, what):
     with pytest.raises(Exception) as err:
         check(recipe, f"output_dir={tmp_path / 'out'}", override.format(folder))
     assert str(err.value).endswith(f"{folder} is a folder, not a {what}")
+
+
+@pytest.mark.parametrize("recipe", ["qwen-fsdp2-sft", "gpt-oss-lora-trl", "qwen-zero3-receipts"])
+def test_an_sft_data_file_not_found_is_named_with_its_key(tmp_path, monkeypatch, recipe):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(Exception) as err:
+        check(recipe, f"output_dir={tmp_path / 'out'}", "data.train_files=[nope/data.json]")
+    assert str(err.value).endswith(f"data.train_files: data file not found: nope/data.json (from {tmp_path})")
 
 
 MODEL_CASES = ["modernbert-ddp", "qwen-fsdp2-sft"]  # a preflight that loads a model folder's tokenizer and config

@@ -313,7 +313,9 @@ def tokenize_rows(rows: list[dict], tokenizer, cfg: DataConfig, source: str) -> 
 
 def load_data(cfg: DataConfig, tokenizer) -> tuple[list[dict], sft.SFTStats]:
     """The training examples of ``data.train_files`` (in order), else of ``data.hub_id``'s train split."""
-    sources = [(f, sft.load_rows(f)) for f in cfg.train_files] or [(cfg.hub_id, sft.load_hub_rows(cfg.hub_id))]
+    sources = [(f, sft.load_rows(f, "data.train_files")) for f in cfg.train_files] or [
+        (cfg.hub_id, sft.load_hub_rows(cfg.hub_id))
+    ]
     parts = [tokenize_rows(rows, tokenizer, cfg, source) for source, rows in sources]
     return [e for examples, _ in parts for e in examples], sft.SFTStats.merge([st for _, st in parts])
 
@@ -409,7 +411,7 @@ def preflight(cfg: Config, world_size: int) -> str:
 
 def show_examples(cfg: Config, n: int) -> str:
     tokenizer = sft.load_tokenizer(cfg.model.tokenizer, cfg.model.name_or_path)
-    sources = [(f, sft.load_rows(f)) for f in cfg.data.train_files] or [
+    sources = [(f, sft.load_rows(f, "data.train_files")) for f in cfg.data.train_files] or [
         (cfg.data.hub_id, sft.load_hub_rows(cfg.data.hub_id))
     ]
     shown = replace(cfg.data, max_dropped_fraction=1.0)  # show what would be refused too

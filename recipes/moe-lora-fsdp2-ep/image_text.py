@@ -209,7 +209,7 @@ def load_vl_items(cfg: Any, seed: int) -> tuple[list[tuple], list[tuple]]:
     and ``eval_files``; without eval files a ``eval_fraction`` of each source, seeded by `seed`, is held out.
     Raises SFTDataError: see `cookbook.sft.load_rows` (rows themselves are checked when read)."""
     if cfg.train_files:
-        sources = [_VLSource(f, load_rows(f), Path(f).parent) for f in cfg.train_files]
+        sources = [_VLSource(f, load_rows(f, "data.train_files"), Path(f).parent) for f in cfg.train_files]
     else:
         import datasets
 
@@ -224,7 +224,7 @@ def load_vl_items(cfg: Any, seed: int) -> tuple[list[tuple], list[tuple]]:
         evals += [(source, i, False) for i in held]
         train += [(source, i, False) for i in order]
     for f in cfg.eval_files:
-        source = _VLSource(f, load_rows(f), Path(f).parent)
+        source = _VLSource(f, load_rows(f, "data.eval_files"), Path(f).parent)
         evals += [(source, i, False) for i in range(len(source.rows))]
     return train, evals
 

@@ -314,7 +314,7 @@ def show_receipts(cfg: DataConfig, tokenizer, n: int) -> str:
 
     kwargs, parts = dict(cfg.chat_template_kwargs) or None, []
     for source in cfg.train_files or [cfg.hub_id]:
-        rows = sft.load_rows(source) if cfg.train_files else sft.load_hub_rows(source)
+        rows = sft.load_rows(source, "data.train_files") if cfg.train_files else sft.load_hub_rows(source)
         lines = getattr(rows, "lines", None)
         messages = [
             receipt_messages(row, f"{source} {sft.row_label(k, lines)}", cfg.fields) for k, row in enumerate(rows, 1)
@@ -346,7 +346,9 @@ def load_receipts(cfg: DataConfig, tokenizer, seed: int) -> Receipts:
             of a file's rows longer than ``max_length``, or a tokenizer without a chat template.
     """
     kwargs = dict(cfg.chat_template_kwargs) or None
-    sources = [(f, sft.load_rows(f)) for f in cfg.train_files] or [(cfg.hub_id, sft.load_hub_rows(cfg.hub_id))]
+    sources = [(f, sft.load_rows(f, "data.train_files")) for f in cfg.train_files] or [
+        (cfg.hub_id, sft.load_hub_rows(cfg.hub_id))
+    ]
     messages, examples, kept, stats = _tokenize_receipts(sources, cfg, tokenizer, kwargs)
     if cfg.eval_files:
         val_messages, val_examples, val_kept, eval_stats = _tokenize_receipts(

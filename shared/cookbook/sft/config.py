@@ -7,10 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from cookbook.config import ConfigError, check_fields
-from cookbook.errors import not_a_file
 from cookbook.hub import check_local_model, resolve_path
 from cookbook.sft.data import load_examples, pack, pad_token_id
-from cookbook.sft.rows import SFTDataError
 from cookbook.sft.template import check_vocab
 
 
@@ -82,9 +80,6 @@ def load_tokenizer(tokenizer: str, model: str, max_length: int | None = None):
         hf_config = AutoConfig.from_pretrained(model)
         vocab_size = hf_config.get_text_config().vocab_size
     except (OSError, ValueError) as exc:  # ValueError: a folder whose tokenizer files transformers cannot read
-        for key, value in (("model.name_or_path", model), ("model.tokenizer", tokenizer)):
-            if value.startswith(("/", "./", "../", "~")) and not Path(value).expanduser().exists():
-                raise ConfigError(f"{key}: folder not found: {value}") from None
         raise ConfigError(
             f"model.name_or_path / model.tokenizer: cannot load {model!r}: {str(exc).splitlines()[0]}"
         ) from None
@@ -108,9 +103,6 @@ def check_data(cfg: Any, tokenizer, seed: int, micro_batch_size: int, grad_accum
     <statistics>`` and returns the "config OK" note. Raises ConfigError, SFTDataError: too few rows; a bad row."""
     if not cfg.train_files:
         return f"data from {cfg.hub_id}"
-    for key in ("train_files", "eval_files"):  # a missing file named with its key (a folder: `load_rows` says more)
-        if missing := next((f for f in getattr(cfg, key, []) if not Path(f).exists()), None):
-            raise SFTDataError(f"data.{key}: {not_a_file(missing, 'data file')}")
     train, evals, stats = load_examples(cfg, tokenizer, seed)
     n_rows = len(pack(train, cfg.max_length, pad_token_id(tokenizer))) if cfg.packing else len(train)
     held = f" (after holding out {len(evals)} examples for evaluation)"

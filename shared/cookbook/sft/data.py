@@ -113,7 +113,9 @@ def load_examples(cfg: Any, tokenizer, seed: int) -> tuple[list[dict], list[dict
     seeded ``eval_fraction`` of each train file is held out. Raises SFTDataError: see `load_rows` and `prepare`."""
     eval_files, limit = getattr(cfg, "eval_files", []), cfg.max_dropped_fraction
     train, evals, parts = [], [], []
-    for examples, st in prepare_sources(cfg, tokenizer, cfg.train_files, max_dropped_fraction=limit):
+    for examples, st in prepare_sources(
+        cfg, tokenizer, cfg.train_files, "data.train_files", max_dropped_fraction=limit
+    ):
         if not eval_files and cfg.eval_fraction > 0:
             kept, held = hold_out(len(examples), cfg.eval_fraction, seed)
             evals += [examples[i] for i in held]
@@ -121,15 +123,18 @@ def load_examples(cfg: Any, tokenizer, seed: int) -> tuple[list[dict], list[dict
         train += examples
         parts.append(st)
     for f in eval_files:
-        evals += prepare_sources(cfg, tokenizer, [f], max_dropped_fraction=limit)[0][0]
+        evals += prepare_sources(cfg, tokenizer, [f], "data.eval_files", max_dropped_fraction=limit)[0][0]
     return train, evals, SFTStats.merge(parts)
 
 
-def prepare_sources(cfg: Any, tokenizer, files: Sequence[str], **options) -> list[tuple[list[dict], SFTStats]]:
-    """`prepare` of each of `files` (none: the hub data set ``cfg.hub_id``) with data section `cfg`'s settings."""
+def prepare_sources(
+    cfg: Any, tokenizer, files: Sequence[str], key: str = "", **options
+) -> list[tuple[list[dict], SFTStats]]:
+    """`prepare` of each of `files` (none: the hub data set ``cfg.hub_id``; `key`: the config key that names them)
+    with data section `cfg`'s settings."""
     kwargs = dict(cfg.chat_template_kwargs) or None
     options = dict(split_turns=cfg.split_turns, reasoning=getattr(cfg, "reasoning", "train")) | options
-    sources = [(f, load_rows(f)) for f in files] or [(cfg.hub_id, load_hub_rows(cfg.hub_id))]
+    sources = [(f, load_rows(f, key)) for f in files] or [(cfg.hub_id, load_hub_rows(cfg.hub_id))]
     return [prepare(rows, tokenizer, cfg.max_length, source, kwargs, **options) for source, rows in sources]
 
 

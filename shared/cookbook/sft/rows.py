@@ -43,15 +43,16 @@ class RowList(list):
         return row_label(n, self.lines)
 
 
-def load_rows(path: str | Path) -> RowList:
+def load_rows(path: str | Path, key: str = "") -> RowList:
     """A JSON array of objects, JSONL, or one row object (UTF-8; a byte-order mark and CRLF ignored) as a `RowList`.
     JSONL splits at ``\\n`` only (JSON allows U+2028 in strings), so line numbers are an editor's.
-    Raises SFTDataError: missing, a table's file type, not UTF-8, not valid JSON (with the JSONL line), empty, or a row not an object."""
+    Raises SFTDataError (a missing file named with the config `key` that gave it, if any): missing, a table's file
+    type, not UTF-8, not valid JSON (with the JSONL line), empty, or a row not an object."""
     p = Path(path)
     if p.is_dir():
         raise SFTDataError(f"{p} is a folder: give the data files in it (JSON or JSONL) one by one")
     if not p.is_file():
-        raise SFTDataError(not_a_file(p, "data file"))
+        raise SFTDataError((f"{key}: " if key else "") + not_a_file(p, "data file"))
     if p.suffix.lower() in (".csv", ".tsv", ".parquet", ".arrow", ".xlsx", ".txt"):
         raise SFTDataError(f"{p}: unsupported file type {p.suffix!r} for rows (use .json or .jsonl)")
     try:

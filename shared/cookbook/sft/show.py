@@ -88,7 +88,9 @@ def show_data(cfg, tokenizer, n: int) -> str:
     held-out split (said in a last line) and packing; a source training would refuse is shown with the refusal."""
     from cookbook.sft.data import prepare_sources
 
-    parts = prepare_sources(cfg, tokenizer, cfg.train_files, truncate=getattr(cfg, "truncate", True))
+    parts = prepare_sources(
+        cfg, tokenizer, cfg.train_files, "data.train_files", truncate=getattr(cfg, "truncate", True)
+    )
     notes = [refusal(st, cfg.max_dropped_fraction) for _, st in parts] + [held_out_note(cfg)]
     return show_examples(parts, tokenizer, n) + "".join(f"\n{x}" for x in notes if x)
 
