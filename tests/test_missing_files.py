@@ -36,7 +36,7 @@ def test_a_folder_is_named_as_one(tmp_path, recipe, override, what):
     assert str(err.value).endswith(f"{folder} is a folder, not a {what}")
 
 
-@pytest.mark.parametrize("recipe", ["qwen-fsdp2-sft", "gpt-oss-lora-trl", "qwen-zero3-receipts"])
+@pytest.mark.parametrize("recipe", ["qwen-fsdp2-sft", "gpt-oss-lora-trl", "qwen-zero3-receipts", "unsloth-lora-ddp"])
 def test_an_sft_data_file_not_found_is_named_with_its_key(tmp_path, monkeypatch, recipe):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(Exception) as err:

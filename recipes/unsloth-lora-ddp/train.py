@@ -184,7 +184,7 @@ def training_rows(cfg: Config, tokenizer=None) -> tuple[list[dict], list[tuple["
 
     rows, parts = [], []
     for path in cfg.data.train_files:
-        raw, ignored = sft.load_rows(path), Counter()
+        raw, ignored = sft.load_rows(path, "data.train_files"), Counter()
         st = sft.SFTStats(
             source=path,
             max_length=cfg.data.max_length,
