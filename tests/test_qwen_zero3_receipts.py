@@ -537,7 +537,17 @@ def nan_then_full_disk_on_rank_1(monkeypatch):
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing the process
             resource.setrlimit(resource.RLIMIT_FSIZE, (500_000, resource.RLIM_INFINITY))
         if os.environ.get("RANK") == "0" and save_dir.endswith(f"checkpoint-{FAILED_SAVE}"):
-            time.sleep(2)  # rank 0 writes its files after rank 1 has failed and deleted the folder
+            write = self.checkpoint_engine.save
+
+            def late_write(*a, **kw):  # after the save's collectives: rank 1 fails first, whatever the load
+                deadline = time.monotonic() + 120
+                while os.path.exists(save_dir) and time.monotonic() < deadline:
+                    time.sleep(0.05)  # until rank 1's failed save has deleted the folder
+                time.sleep(2)  # and its error is recorded
+                self.checkpoint_engine.save = write
+                return write(*a, **kw)
+
+            self.checkpoint_engine.save = late_write
         return save(self, save_dir, *args, **kwargs)
 
     monkeypatch.setattr(torch.nn.Embedding, "forward", nan_forward)
