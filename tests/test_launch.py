@@ -81,6 +81,40 @@ if __name__ == "__main__":
 """
 
 
+def test_a_sigterm_during_the_check_is_a_preemption_before_any_worker(tmp_path):
+    """A scheduler's SIGTERM while launch.sh's in-process check runs (no GPU): one line and exit 75, no worker."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import pathlib, sys, time\n"
+        "if '--check' not in sys.argv:\n"
+        "    pathlib.Path(__file__).with_name('worker').write_text('ran')\n"
+        "pathlib.Path(__file__).with_name('checking').write_text('')\n"
+        "time.sleep(60)\n"
+    )
+    (tmp_path / "tiny.yaml").write_text("{}\n")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "cookbook.launch", str(script), "--config", "tiny.yaml"],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "checking").exists() and time.monotonic() < deadline and launcher.poll() is None:
+        time.sleep(0.05)
+    launcher.send_signal(signal.SIGTERM)
+    _, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == 75, err
+    assert err.strip().splitlines()[-1] == (
+        "preempted (SIGTERM) during the check, before any worker started: nothing to save; run the same command "
+        "again to start (exit status 75)"
+    ), err
+    assert not (tmp_path / "worker").exists()
+
+
 def test_the_check_runs_in_the_launchers_process_and_leaves_it_as_it_was(tmp_path, capfd, monkeypatch):
     """``train.py --check`` runs in the launcher's own process (`cookbook.launch._run_script`), as ``python train.py
     --check`` would (``__main__``, its folder first on sys.path, its argv and COOKBOOK_WORLD_SIZE): its output, and

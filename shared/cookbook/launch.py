@@ -25,7 +25,8 @@ from pathlib import Path
 
 from cookbook import run_lock
 from cookbook.config import config_beside
-from cookbook.errors import EXIT_BUG, EXIT_INTERRUPTED, EXIT_OK, EXIT_USER_ERROR, LAUNCH_TIME_ENV, VERDICT_ENV
+from cookbook.errors import EXIT_BUG, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_USER_ERROR, LAUNCH_TIME_ENV
+from cookbook.errors import VERDICT_ENV
 from cookbook.torchrun import environ_kept
 
 
@@ -155,6 +156,7 @@ def _run_script(script: Path, argv: list[str], env: dict[str, str]) -> int:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # what a new process's torch reads at import
     global checking
     checking = True
+    signal.signal(signal.SIGTERM, _stop_check)
     try:
         with warnings.catch_warnings():
             runpy.run_path(str(script), run_name="__main__")
@@ -193,6 +195,17 @@ def _run_script(script: Path, argv: list[str], env: dict[str, str]) -> int:
             if str(getattr(sys.modules[name], "__file__", None) or "").startswith(folder + os.sep):
                 del sys.modules[name]
     return status
+
+
+def _stop_check(signum: int, frame) -> None:
+    """SIGTERM (a scheduler's stop) during the in-process check: one line, then exit status 75 (nothing to save)."""
+    print(
+        f"preempted (SIGTERM) during the check, before any worker started: nothing to save; run the same command "
+        f"again to start (exit status {EXIT_PREEMPTED})",
+        file=sys.stderr,
+        flush=True,
+    )
+    raise SystemExit(EXIT_PREEMPTED)
 
 
 def workers_during_check(gpus: int) -> bool:

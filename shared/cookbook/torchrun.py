@@ -27,8 +27,8 @@ _MEANING = {
     EXIT_DIVERGED: "a non-finite loss or gradient",
 }
 _PREEMPTED = (
-    "preempted: the workers were asked to save a checkpoint at a step boundary and stop; run the same "
-    f"command again to continue (exit status {EXIT_PREEMPTED})"
+    "preempted: the workers were asked to save a checkpoint at a step boundary and stop (none if they had not "
+    f"reached their first step); run the same command again to continue (exit status {EXIT_PREEMPTED})"
 )
 _INTERRUPTED = (
     "interrupted (Ctrl-C): the workers were stopped; run the same command again to resume from the newest "
