@@ -778,6 +778,20 @@ def test_ag_news_csv_with_its_common_header(tmp_path):
         check("modernbert-ddp", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{bad}]")
 
 
+def test_a_csv_with_label_title_description_reads_labels_0_to_3(tmp_path):
+    """The hub's AG News written to CSV: a header label,title,description (any order), classes 0-3; the text is
+    title and description, as in the original layout."""
+    f = tmp_path / "hub.csv"
+    f.write_text("title,label,description\n" + "".join(f"t {i},{c},d {i}\n" for i, c in enumerate([0, 1, 2, 3] * 20)))
+    assert "config OK" in check("modernbert-ddp", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{f}]")
+    rows = load_recipe("modernbert-ddp")._read_file(str(f), "data.train_files")
+    assert rows[:2] == {"text": ["t 0 d 0", "t 1 d 1"], "label": [0, 1]}
+    bad = tmp_path / "bad.csv"
+    bad.write_text("label,title,description\n0,a,b\n4,c,d\n")
+    with pytest.raises(DataError, match="bad.csv line 3: label '4' is not one of 0-3"):
+        check("modernbert-ddp", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{bad}]")
+
+
 # ----------------------------------------------------------------------------- small eval sets
 def test_an_eval_set_smaller_than_the_world_size_counts_its_row_once(tmp_path, monkeypatch, capfd):
     """One validation row on 2 ranks: evaluation finishes, and its loss, accuracy and macro-F1 are those of a

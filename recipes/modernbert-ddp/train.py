@@ -183,7 +183,8 @@ def _read_file(path: str, field_name: str) -> datasets.Dataset:
     """One local file as a Dataset with columns ``text`` (str) and ``label`` (0-3).
 
     CSV layouts, told apart by the first record: a header with ``text`` and ``label`` (any order, other
-    columns ignored); AG News's ``Class Index,Title,Description`` header; no header with 3 fields and an
+    columns ignored), or ``label``, ``title`` and ``description`` (0-3, as the hub's AG News); AG News's
+    ``Class Index,Title,Description`` header (1-4); no header with 3 fields and an
     integer first (AG News: class 1-4, title, description); no header with 2 fields and an integer second
     (``text,label``). JSON, JSONL and parquet rows need ``text`` and ``label``. BOM, CRLF and integer labels
     written as floats (``3.0``) are accepted (`cookbook.tabular`).
@@ -205,6 +206,8 @@ def _read_file(path: str, field_name: str) -> datasets.Dataset:
         header = [c.strip().lower() for c in first]
         if "text" in header and "label" in header:
             kw = dict(csv_columns=header)
+        elif {"label", *AGNEWS_COLUMNS[1:]} <= set(header):  # title and description, labels 0-3
+            layout, kw = "titled", dict(csv_columns=header)
         elif header == ["class index", "title", "description"]:  # AG News with its common header
             layout, kw = "agnews", dict(csv_columns=AGNEWS_COLUMNS)
         elif len(first) == 3 and _is_int(first[0]):
@@ -214,9 +217,10 @@ def _read_file(path: str, field_name: str) -> datasets.Dataset:
         else:
             raise DataError(
                 f"{path}: unrecognised columns {first[:4]}: expected the AG News layout (class 1-4, title, description; "
-                f"no header, or the header Class Index,Title,Description) or the columns 'text' and 'label' (0-3)"
+                f"no header, or the header Class Index,Title,Description) or the columns 'label' (0-3) and 'text' "
+                f"or 'title' and 'description'"
             )
-        if layout == "agnews":
+        if layout != "hf":
             required = AGNEWS_COLUMNS
     elif suffix not in (".json", ".jsonl", ".parquet"):
         raise DataError(f"{field_name}: {path}: unsupported file type {suffix!r} (use .csv, .json, .jsonl or .parquet)")
@@ -239,7 +243,7 @@ def _normalise(rows, layout: str) -> datasets.Dataset:
             label = None
         if label is None or not 0 <= label - offset < len(LABELS):
             raise DataError(f"{where}: label {str(raw).strip()!r} is not one of {offset}-{offset + len(LABELS) - 1}")
-        if layout == "agnews":
+        if layout != "hf":
             text = f"{row['title']} {row['description']}".replace("\\n", " ").strip()
         else:
             text = "" if row["text"] is None else str(row["text"])
