@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -380,7 +381,18 @@ def _init_ray(cfg: RayConfig, num_workers: int) -> None:
             "num_cpus": max(os.cpu_count() or 1, needed),
             **({"_temp_dir": str(Path(cfg.temp_dir).resolve())} if cfg.temp_dir else {}),
         }
-    ray.init(address=address, include_dashboard=False, log_to_driver=True, **kwargs)
+    if not sys.stderr.isatty():  # a log file: Ray's prefixes without colour codes
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+    hook = {"worker_process_setup_hook": _quiet_pg_cleaner}
+    ray.init(address=address, include_dashboard=False, log_to_driver=True, runtime_env=hook, **kwargs)
+
+
+def _quiet_pg_cleaner() -> None:
+    """In each Ray process: drop Ray Train's placement-group cleaner warning that it cannot query the State API,
+    which it repeats every few seconds when the dashboard (that API's server) is off, as here."""
+    logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner").addFilter(
+        lambda record: not record.getMessage().startswith("Failed to query Ray Train Controller actor state")
+    )
 
 
 def plan_workers(cfg: RayConfig, gpus: int, cpus: int) -> tuple[int, bool]:
