@@ -59,6 +59,7 @@ def test_stop_after_the_first_checkpoint_resume_and_beat_popularity(ray_env, tmp
         "two-tower-ray", ray_env, f"output_dir={out}", "train.stop_at_epoch=1", "mlflow=false"
     )  # MLflow in the Ray workers: the other Ray recipes' tests
     assert first.returncode == 0, first.stderr[-4000:]
+    assert "\x1b[" not in first.stderr and "Failed to query Ray Train Controller" not in first.stderr  # Ray's noise
     records = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in records if r["event"] == "eval"] == [12]  # 3,300 pairs / (128 x 2) = 12 steps
     assert summary(records)["reports_per_worker"] == [1, 1]
