@@ -228,15 +228,10 @@ class Checkpointer(ResumeGuard):
         return save_error(step, final, self.latest(), rank if _world_size() > 1 else None, exc, why)
 
     def _prune(self, published: Path) -> None:
-        """Delete checkpoints beyond `keep_last` and damaged folders older than `published` (rank 0)."""
-        complete, stale = [], []
-        for number, path in self.candidates():
-            if self.is_complete(path):
-                complete.append(path)
-            elif number < self.number(published):
-                stale.append(path)
-        stale += complete[: -self.keep_last] if self.keep_last > 0 else []
-        for old in stale:
+        """Delete damaged folders older than `published`, then checkpoints beyond `keep_last` (rank 0)."""
+        complete = self.complete_checkpoints()
+        stale = [p for n, p in self.candidates() if n < self.number(published) and p not in complete]
+        for old in stale + (complete[: -self.keep_last] if self.keep_last > 0 else []):
             shutil.rmtree(old, ignore_errors=True)
 
     # ------------------------------------------------------------------ loading
