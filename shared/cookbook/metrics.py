@@ -33,30 +33,27 @@ def launch_time() -> float:
         return psutil.Process().create_time()
 
 
-# Dense bf16 tensor-core peak, FLOP/s: NVIDIA's A10, A100, H100 and H200 data sheets (half their sparse figures).
-_PEAK_BF16_FLOPS: dict[str, float] = {
-    "A10": 125e12,
-    "A100": 312e12,
-    "H100 SXM": 989e12,
-    "H100 NVL": 835e12,
-    "H100 PCIe": 756e12,
-    "H200 SXM": 989e12,
-    "H200 NVL": 835e12,
-}
+# Dense bf16 tensor-core peak, FLOP/s: NVIDIA's A10, A100, H100 and H200 data sheets (half their sparse figures); the
+# first entry whose words are all in the GPU's name counts (an H100/H200 without NVL/PCIe is SXM).
+_PEAK_BF16_FLOPS = (
+    ("H200 NVL", 835e12),
+    ("H200", 989e12),
+    ("H100 NVL", 835e12),
+    ("H100 PCIE", 756e12),
+    ("H100", 989e12),
+    ("A100", 312e12),
+    ("A10", 125e12),
+)
 
 
 def peak_bf16_flops(device_name: str) -> float | None:
-    """Peak dense bf16 FLOP/s of the GPU `device_name` (an H100/H200 without NVL/PCIe is SXM), None if not in the
-    table; ``COOKBOOK_PEAK_TFLOPS`` (TFLOP/s) overrides it."""
+    """Peak dense bf16 FLOP/s of the GPU `device_name`, None if not in the table; ``COOKBOOK_PEAK_TFLOPS`` (TFLOP/s)
+    overrides it."""
     override = os.environ.get("COOKBOOK_PEAK_TFLOPS")
     if override:
         return float(override) * 1e12
     name = device_name.upper()
-    for chip in ("H200", "H100"):
-        if chip in name:
-            form = "NVL" if "NVL" in name else "PCIe" if "PCIE" in name else "SXM"
-            return _PEAK_BF16_FLOPS[f"{chip} {form}"]
-    return next((_PEAK_BF16_FLOPS[chip] for chip in ("A100", "A10") if chip in name), None)
+    return next((peak for chip, peak in _PEAK_BF16_FLOPS if all(w in name for w in chip.split())), None)
 
 
 def count_parameters(model: torch.nn.Module, exclude_embeddings: bool = True) -> int:
