@@ -3,6 +3,7 @@ lines are exactly as without it); the ``cookbook`` logger writes above it; ``TQD
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -17,33 +18,17 @@ def is_terminal(stream: IO | None) -> bool:
         return False
 
 
-class _AboveBar(logging.Handler):
-    """Stands in for a stream handler while a bar is drawn: the same filters and format, written above the bar."""
-
-    def __init__(self, inner: logging.Handler, bar):
-        super().__init__(inner.level)
-        self.inner, self.bar = inner, bar
-
-    def filter(self, record: logging.LogRecord) -> bool:  # the inner handler's filters (rank 0 only, rank prefix)
-        return bool(self.inner.filter(record))
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            self.bar.write(self.inner.format(record), file=self.bar.fp)
-        except Exception:  # noqa: BLE001 - as logging.Handler.emit: never raise from a log call
-            self.handleError(record)
-
-
 class ProgressBar:
     """A tqdm bar of optimizer steps on ``sys.stderr``, drawn only on a terminal; `total` None: no ETA; `initial`:
     steps already done; `unit`: ``gpu`` or ``rank``."""
 
     def __init__(self, total: int | None, initial: int = 0, unit: str = "gpu"):
         self.stream, self.unit, self.bar = sys.stderr, unit, None
-        self._swapped: list[tuple[logging.Handler, logging.Handler]] = []
+        self._above = contextlib.ExitStack()
         if not is_terminal(self.stream):
             return
         from tqdm import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
 
         try:
             columns = os.get_terminal_size(self.stream.fileno()).columns
@@ -54,13 +39,8 @@ class ProgressBar:
         if bar.disable:  # TQDM_DISABLE=1
             return
         self.bar = bar
-        log = logging.getLogger("cookbook")
-        for handler in list(log.handlers):
-            if isinstance(handler, logging.StreamHandler) and handler.stream is self.stream:
-                above = _AboveBar(handler, bar)
-                log.removeHandler(handler)
-                log.addHandler(above)
-                self._swapped.append((handler, above))
+        # the log lines above the bar: its stream handlers' format and filters (rank prefix) kept, put back on close
+        self._above.enter_context(logging_redirect_tqdm([logging.getLogger("cookbook")]))
 
     def advance(self, step: int) -> None:
         """Move the bar to `step` (steps completed)."""
@@ -84,10 +64,6 @@ class ProgressBar:
         """Leave the bar as it is on its line and give the log lines their handler back."""
         if self.bar is None:
             return
-        log = logging.getLogger("cookbook")
-        for handler, above in self._swapped:
-            log.removeHandler(above)
-            log.addHandler(handler)
-        self._swapped = []
+        self._above.close()
         self.bar.close()
         self.bar = None
