@@ -1,7 +1,6 @@
 """Typed recipe configs: a YAML file plus dotted command-line overrides, checked against a dataclass (OmegaConf
-structured configs). `load_config` merges the dataclass defaults, the YAML file and the overrides
-(``optim.lr=3e-5``); an unknown key, a wrong type or a missing value is one `ConfigError` naming the key and its source.
-"""
+structured configs). `load_config` merges the dataclass defaults, the YAML file and the overrides (``optim.lr=3e-5``);
+an unknown key, a wrong type or a missing value is one `ConfigError` naming the key and its source."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Process-group set-up and tear-down from torchrun's environment (NCCL on CUDA, gloo on CPU; a plain ``python
 train.py`` is a world of one), stall reports (`describe_stall`: the rank that timed out names the one behind, exit
-status 3; docs/failures.md#a-rank-that-stalls) and small rank helpers.
-"""
+status 3; docs/failures.md#a-rank-that-stalls) and small rank helpers."""
 
 from __future__ import annotations
 
@@ -89,8 +88,7 @@ _FLIGHT_RECORDER_ENTRIES = 2000  # collectives each rank keeps in torch's flight
 def init_distributed(timeout_s: float = 1800.0, debug_dir: str | Path | None = None) -> DistInfo:
     """Create the default process group (``COOKBOOK_DEVICE=cpu`` forces gloo); returns this process's `DistInfo`.
     `timeout_s`: seconds a collective may wait; `debug_dir`: NCCL's flight recorder and a timed-out rank's stacks.
-    Raises ValueError (`timeout_s` not positive), RuntimeError (more local ranks than GPUs).
-    """
+    Raises ValueError (`timeout_s` not positive), RuntimeError (more local ranks than GPUs)."""
     if not timeout_s > 0:
         raise ValueError(f"the collective timeout must be > 0 seconds, got {timeout_s}")
     info = get_dist_info()
@@ -126,8 +124,7 @@ def init_distributed(timeout_s: float = 1800.0, debug_dir: str | Path | None = N
 def set_collective_timeout(timeout_s: float, store_rank: int | None = None) -> None:
     """Give the default group that another runtime made (Ray Train) the collective timeout, as `init_distributed` does.
     `store_rank`: the rank whose process serves the store (Ray: 0) or None (torchrun's agent); its pid and host are
-    gathered now (collective), so a timeout whose store does not answer names it. Raises ValueError (not positive).
-    """
+    gathered now (collective), so a timeout whose store does not answer names it. Raises ValueError (not positive)."""
     if not timeout_s > 0:
         raise ValueError(f"the collective timeout must be > 0 seconds, got {timeout_s}")
     holder = None
@@ -228,12 +225,10 @@ def stall_error(exc: BaseException) -> CollectiveTimeout | None:
 
 
 def describe_stall(exc: BaseException, grace_s: float | None = None) -> str:
-    """One line for a collective that timed out on this rank: where it waited, and which rank stalled.
-
-    A rank whose last recorded step is lower never reached it; when all finished the same step, this rank marks
-    itself timed out and waits up to `grace_s` (default: a quarter of the timeout, at most 10 s) for the others: one
-    that does not is the stalled one. Writes this rank's stacks to the debug folder first. Never raises.
-    """
+    """One line for a collective that timed out on this rank: where it waited, and which rank stalled. A rank whose
+    last recorded step is lower never reached it; when all finished the same step, this rank marks itself timed out
+    and waits up to `grace_s` (default: a quarter of the timeout, at most 10 s) for the others: one that does not is
+    the stalled one. Writes this rank's stacks to the debug folder first. Never raises."""
     timeout_s = _STALL["timeout_s"]
     up = dist.is_available() and dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if up else (_env_int("RANK", 0), _env_int("WORLD_SIZE", 1))
@@ -262,10 +257,8 @@ def describe_stall(exc: BaseException, grace_s: float | None = None) -> str:
         return _stalled(head, [holder[0]], {holder[0]: (None, *holder[1:])}, why, dumps)
     if read is None:
         return f"{head}: which rank is behind is not known (no process group store to read their progress from){dumps}"
-    progress, timed_out = read
-    others = [r for r in range(world) if r != rank]
-    behind = [r for r in others if mine is not None and progress.get(r, (-1,))[0] < mine]
-    silent = [r for r in others if r not in timed_out]
+    progress, timed_out, behind = read
+    silent = [r for r in range(world) if r != rank and r not in timed_out]
     if behind:
         steps = {progress[r][0] if r in progress else None for r in behind}
         if len(steps) == 1 and None not in steps:
@@ -313,9 +306,9 @@ def _within(seconds: float, fn, *args):
         raise TimeoutError(f"no answer within {seconds:g} s") from None
 
 
-def _read_progress(rank: int, world: int, mine: int | None, grace_s: float) -> tuple[dict, set] | None:
-    """``({rank: (step, pid, host)}, ranks that marked a timeout)`` after marking this rank's and waiting up to
-    `grace_s` for the others' when no rank is behind; None without a store."""
+def _read_progress(rank: int, world: int, mine: int | None, grace_s: float) -> tuple[dict, set, list] | None:
+    """``({rank: (step, pid, host)}, ranks that marked a timeout, ranks behind step `mine`)`` after marking this
+    rank's timeout and waiting up to `grace_s` for the others' when no rank is behind; None without a store."""
     store = _store()
     if store is None:
         return None
@@ -330,9 +323,9 @@ def _read_progress(rank: int, world: int, mine: int | None, grace_s: float) -> t
                 step, pid, host = store.get(key).decode().split(" ", 2)
                 progress[r] = (int(step), int(pid), host)
         timed_out = {r for r in range(world) if store.check([_TIMED_OUT_KEY.format(r)])}
-        behind = mine is not None and any(progress.get(r, (-1,))[0] < mine for r in range(world) if r != rank)
+        behind = [r for r in range(world) if r != rank and mine is not None and progress.get(r, (-1,))[0] < mine]
         if behind or len(timed_out) == world or time.monotonic() >= deadline:
-            return progress, timed_out
+            return progress, timed_out, behind
         time.sleep(0.2)
 
 
@@ -436,8 +429,7 @@ def all_gather_object(obj: object) -> list[object]:
 @torch.no_grad()
 def param_fingerprint(model: torch.nn.Module, chunk: int = 1 << 24) -> list[float]:
     """``[sum, weighted_sum]`` (float64) of a model's parameters, to compare replicas across ranks; the weight
-    ``1 + (i mod 97) / 97`` makes swapped values count. Plain tensors only (not DTensors), `chunk` entries at a time.
-    """
+    ``1 + (i mod 97) / 97`` makes swapped values count. Plain tensors only (not DTensors), `chunk` entries at a time."""
     total = weighted = None
     for p in model.parameters():
         flat = p.detach().reshape(-1)

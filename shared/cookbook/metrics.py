@@ -58,8 +58,7 @@ def peak_bf16_flops(device_name: str) -> float | None:
 
 def count_parameters(model: torch.nn.Module, exclude_embeddings: bool = True) -> int:
     """Number of parameters, by default without ``nn.Embedding``'s (no matrix FLOPs: Kaplan et al. 2020, section
-    2.1). Tied parameters count once (`model.parameters()` yields each once); shards and ZeRO-3 partitions at full size.
-    """
+    2.1). Tied parameters count once (`model.parameters()` yields each once); shards, ZeRO-3 partitions at full size."""
     skip = {
         id(p)
         for m in model.modules()
@@ -144,12 +143,10 @@ def _cut_torn_line(path: Path) -> int:
 
 
 class MetricsLogger:
-    """Per-step metrics for a distributed run (keys and sinks: docs/outputs.md); `log_step` is collective.
-
-    `flops`: for MFU; `params`: the config (its ``trackers`` and ``checkpoint.push_to_hub`` are read); `mlflow` False
-    turns MLflow off; `count_tokens` False leaves out ``tokens_per_s*``. Raises ConfigError: an unknown or missing
-    tracker; MetricsWriteError (rank 0): ``metrics.jsonl`` could not be written.
-    """
+    """Per-step metrics for a distributed run (keys and sinks: docs/outputs.md); `log_step` is collective. `flops`:
+    for MFU; `params`: the config (its ``trackers`` and ``checkpoint.push_to_hub`` are read); `mlflow` False turns
+    MLflow off; `count_tokens` False leaves out ``tokens_per_s*``. Raises ConfigError: an unknown or missing tracker;
+    MetricsWriteError (rank 0): ``metrics.jsonl`` could not be written."""
 
     def __init__(
         self,

@@ -1,10 +1,8 @@
 """A data position that belongs to the whole job, not to a rank: resume a run on another number of ranks.
-
 `DistributedSampler` gives rank ``r`` of ``W`` the indices ``order[r::W]`` of a seeded epoch order, so the samples the
 whole job consumed say where the data is, whatever ``W``: ``M`` ranks continue with ``order[consumed + r :: M]``
 (`ResizableSampler`); `DataPosition` is its checkpoint entry. How it relies on torchdata's loader:
-docs/notes.md#a-resizable-data-position-and-torchdatas-statefuldataloader-torchdata-011.
-"""
+docs/notes.md#a-resizable-data-position-and-torchdatas-statefuldataloader-torchdata-011."""
 
 from __future__ import annotations
 
