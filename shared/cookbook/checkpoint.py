@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from cookbook.dist import barrier, get_logger
-from cookbook.errors import CheckpointError
+from cookbook.errors import CheckpointError, chain
 from cookbook.resume import CHECKSUMS_KEY, META_FILE, ResumeGuard, checksums, read_meta, reason
 from cookbook.resume import config_changes  # noqa: F401 (re-exported)
 from cookbook.sampler import DataPosition
@@ -87,14 +87,8 @@ def from_rank0(value: Any) -> Any:
 
 
 def os_error_in(exc: BaseException) -> OSError | None:
-    """The `OSError` in `exc`'s chain of causes and contexts (itself included), or ``None``."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, OSError):
-            return exc
-        exc = exc.__cause__ or exc.__context__
-    return None
+    """The `OSError` in `exc`'s chain of causes and contexts (itself included, outermost first), or ``None``."""
+    return next((e for e in chain(exc) if isinstance(e, OSError)), None)
 
 
 class _Writer(dcp.FileSystemWriter):

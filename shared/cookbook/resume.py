@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 
 from cookbook.config import flatten
 from cookbook.dist import get_logger
-from cookbook.errors import RESTART_COUNT_ENV, CheckpointError
+from cookbook.errors import RESTART_COUNT_ENV, CheckpointError, first_line
 
 try:
     from xxhash import xxh3_64 as _xxh3_64
@@ -358,9 +358,7 @@ def reason(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.errno in errno.errorcode:
         text = f"{errno.errorcode[exc.errno]}, {exc.strerror or os.strerror(exc.errno)}"
         return text + (f": {exc.filename!r}" if exc.filename else "")
-    text = (str(exc).strip().splitlines() or [""])[0]
-    text = text if len(text) <= 120 else text[:117] + "..."
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return f"{type(exc).__name__}: {first_line(exc, 120)}" if str(exc).strip() else type(exc).__name__
 
 
 def file_sizes(folder: str | Path) -> dict[str, int]:
