@@ -190,10 +190,7 @@ def _store():
 def record_progress(step: int) -> None:
     """Record in the group's store that this rank finished `step` steps, for `describe_stall`. Never raises."""
     _STALL["step"] = step
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return
-    store = _store()
-    if store is None:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2 or (store := _store()) is None:
         return
     try:
         store.set(_PROGRESS_KEY.format(dist.get_rank()), f"{step} {os.getpid()} {_STALL['host']}")
