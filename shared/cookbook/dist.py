@@ -95,9 +95,10 @@ def init_distributed(timeout_s: float = 1800.0, debug_dir: str | Path | None = N
     if info.device.type == "cuda":
         torch.cuda.set_device(info.device)
     if "MASTER_ADDR" not in os.environ and info.world_size == 1:
-        os.environ.update(
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1"
-        )
+        with socket.socket() as s:  # a free port of this host
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     timeout = datetime.timedelta(seconds=timeout_s)
     if info.backend == "nccl" and debug_dir is not None:
         _enable_flight_recorder(Path(debug_dir))
@@ -361,12 +362,6 @@ def _dump_stacks(exc: BaseException, rank: int) -> Path | None:
         return path
     except OSError:
         return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 _DESTROYED_GROUPS: list = []  # kept referenced until the process ends (see `destroy_distributed`)
