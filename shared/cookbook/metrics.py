@@ -282,17 +282,14 @@ class MetricsLogger:
             torch.cuda.synchronize(dev)
         steps = max(1, step - (self._last_step if self._last_step is not None else step - 1))
         elapsed = time.perf_counter() - self._last_time
-        mem = torch.tensor(
-            [
-                torch.cuda.max_memory_allocated(dev) / 2**30 if cuda else 0.0,
-                torch.cuda.max_memory_reserved(dev) / 2**30 if cuda else 0.0,
-                psutil.Process().memory_info().rss / 2**30,
-                elapsed,
-                self._pass_wait,
-            ],
-            dtype=torch.float64,
-            device=dev,
-        )
+        peaks = [
+            torch.cuda.max_memory_allocated(dev) / 2**30 if cuda else 0.0,
+            torch.cuda.max_memory_reserved(dev) / 2**30 if cuda else 0.0,
+            psutil.Process().memory_info().rss / 2**30,
+            elapsed,
+            self._pass_wait,
+        ]
+        mem = torch.tensor(peaks, dtype=torch.float64, device=dev)
         sums = [loss, self._tokens, float(self._samples), self._data_wait, *(extra or {}).values()]
         loss_sum, tok, samples, wait, *extra_sums = all_reduce_sum(dict(enumerate(sums)), dev).values()
         if dist.is_initialized():
