@@ -15,7 +15,6 @@ from typing import Any, Iterable, Iterator, Sequence
 from cookbook.errors import not_a_file
 
 _CSV, _JSON, _PARQUET = (".csv", ".tsv"), (".json", ".jsonl"), (".parquet",)  # a .tsv is CSV split on tabs
-_SUPPORTED = ".csv, .tsv, .json, .jsonl or .parquet"
 
 
 class DataError(ValueError):
@@ -91,8 +90,8 @@ def _csv_records(p: Path, columns: Sequence[str], header: bool) -> Iterator[tupl
         yield where, dict(zip(columns, fields))
 
 
-def _json_records(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    """``(where, object)`` of a JSON array or of JSONL; DataError: not valid JSON, a row not an object, not UTF-8."""
+def _json_records(p: Path, required: Sequence[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(where, object)`` of a JSON array or JSONL; DataError: not UTF-8 or JSON, not an object, no `required` field."""
     text = read_text(p)
     if text.lstrip().startswith("["):
         try:
@@ -105,6 +104,9 @@ def _json_records(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     for where, row in numbered:
         if not isinstance(row, dict):
             raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        for c in required:
+            if c not in row:
+                raise DataError(f"{where}: missing field '{c}' (found {', '.join(row) or 'none'})")
         yield where, row
 
 
@@ -146,7 +148,7 @@ def _existing(path: str | Path) -> tuple[Path, str]:
     if not p.is_file():
         raise DataError(not_a_file(p))
     if p.suffix.lower() not in _CSV + _JSON + _PARQUET:
-        raise DataError(f"{p}: unsupported file type {p.suffix.lower()!r} (use {_SUPPORTED})")
+        raise DataError(f"{p}: unsupported file type {p.suffix.lower()!r} (use .csv, .tsv, .json, .jsonl or .parquet)")
     return p, p.suffix.lower()
 
 
@@ -165,11 +167,7 @@ def records(
         _check_columns(p, required, columns)
         yield from _csv_records(p, columns, csv_header)
     elif suffix in _JSON:
-        for where, row in _json_records(p):
-            for c in required:
-                if c not in row:
-                    raise DataError(f"{where}: missing field '{c}' (found {', '.join(row) or 'none'})")
-            yield where, row
+        yield from _json_records(p, required)
     else:
         yield from _parquet_records(p, list(required) or None)  # only the required columns are read
 
