@@ -162,8 +162,7 @@ def records(
     if suffix in _CSV:
         columns = csv_columns
         if columns is None and csv_header:
-            first = first_csv_row(p)
-            columns = [c.strip() for c in first] if first is not None else list(required)
+            columns = column_names(p) or list(required)  # no record: the required columns
         _check_columns(p, required, columns)
         yield from _csv_records(p, columns, csv_header)
     elif suffix in _JSON:
