@@ -549,7 +549,7 @@ def test_tool_rows_with_qwen25s_template(tokenizer):
 
 
 def test_tool_calls_are_counted_in_the_summary_and_the_shown_counts(tokenizer):
-    from cookbook.sft.show import _field_counts as field_counts
+    from cookbook.sft.data import _field_counts as field_counts
 
     tok = real_template(tokenizer, "qwen2.5")
     two = {
@@ -577,7 +577,7 @@ def test_tool_calls_are_counted_in_the_summary_and_the_shown_counts(tokenizer):
 def test_tool_calls_are_counted_as_training_keeps_them(tokenizer):
     """Issue 34: a tool row dropped by data.max_length (within max_dropped_fraction), or a kept row whose tool call
     lies past the cut, trains no tool call: the summary counts them apart, not with the kept ones."""
-    from cookbook.sft.show import _field_counts as field_counts
+    from cookbook.sft.data import _field_counts as field_counts
 
     tok = real_template(tokenizer, "qwen2.5")
     chat = {"messages": CONVERSATION}
@@ -1084,7 +1084,7 @@ def test_reasoning_is_rendered_through_the_template_and_trained_masked_or_droppe
 def test_reasoning_left_out_or_dropped_is_counted_as_training_keeps_it(tokenizer):
     """Issue 34: a turn whose reasoning data.reasoning=drop removed (or the template left out) counts only when
     training keeps it: not for an example dropped by data.max_length, nor for a turn past the cut."""
-    from cookbook.sft.show import _field_counts as field_counts
+    from cookbook.sft.data import _field_counts as field_counts
 
     chat = {"messages": [{"role": "user", "content": "Two?"}, {"role": "assistant", "content": "Four."}]}
     (ex,), _ = prepare([THINK_ROW], tokenizer, 4096, "t.jsonl", reasoning="drop")

@@ -284,7 +284,7 @@ def show_vl(
     (image placeholders written ``<tok> x N``), the first `n` shown, all counted (rows cut at ``max_length``).
     Every row of a local file is read and its images decoded, as ``--check`` does; of a hub data set, `n` rows."""
     from cookbook.sft.stats import SFTStats
-    from cookbook.sft.show import show_examples
+    from cookbook.sft.data import show_examples
 
     train, _ = load_vl_items(cfg, 0)
     sources = list({id(item[0]): item[0] for item in train}.values())

@@ -310,7 +310,7 @@ def _tokenize_receipts(sources: list[tuple[str, list[dict]]], cfg: DataConfig, t
 def show_receipts(cfg: DataConfig, tokenizer, n: int) -> str:
     """`cookbook.sft.show_examples` of each train file's receipts, tokenized as `load_receipts` does (before the
     validation split); a source that training would refuse is shown with the refusal instead of stopping."""
-    from cookbook.sft.show import held_out_note, refusal
+    from cookbook.sft.data import held_out_note, refusal
 
     kwargs, parts = dict(cfg.chat_template_kwargs) or None, []
     for source in cfg.train_files or [cfg.hub_id]:

@@ -10,12 +10,11 @@ import json
 import math
 import numbers
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 from cookbook.errors import not_a_file
 
 _CSV, _JSON, _PARQUET = (".csv", ".tsv"), (".json", ".jsonl"), (".parquet",)  # a .tsv is CSV split on tabs
-_SUPPORTED = ".csv, .tsv, .json, .jsonl or .parquet"
 
 
 class DataError(ValueError):
@@ -32,6 +31,24 @@ def not_utf8(path: Path, exc: UnicodeDecodeError) -> DataError:
     with open(path, "rb") as f:  # "replace" and "ignore" differ only where bytes do not decode
         line = next((n for n, b in enumerate(f, 1) if b.decode(errors="replace") != b.decode(errors="ignore")), None)
     return DataError(f"{path}{f' line {line}' if line else ''}: not UTF-8 text ({exc.reason}); save it as UTF-8")
+
+
+def read_text(path: Path, error: type[ValueError] = DataError) -> str:
+    """The text of `path`, a byte-order mark dropped; `error` with `not_utf8`'s message if it is not UTF-8."""
+    try:
+        return path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise error(str(not_utf8(path, exc))) from None
+
+
+def jsonl(path: Path, lines: Iterable[str], error: type[ValueError] = DataError) -> Iterator[tuple[int, Any]]:
+    """``(line number, value)`` of the non-blank `lines` of JSONL file `path`; `error`: a line not valid JSON."""
+    for n, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                yield n, json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise error(f"{path} line {n}: not valid JSON: {exc.msg} (column {exc.colno})") from None
 
 
 def _csv_lines(path: Path) -> Iterator[tuple[int, list[str]]]:
@@ -73,12 +90,9 @@ def _csv_records(p: Path, columns: Sequence[str], header: bool) -> Iterator[tupl
         yield where, dict(zip(columns, fields))
 
 
-def _json_records(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    """``(where, object)`` of a JSON array or of JSONL; DataError: not valid JSON, a row not an object, not UTF-8."""
-    try:
-        text = p.read_text(encoding="utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise not_utf8(p, exc) from None
+def _json_records(p: Path, required: Sequence[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(where, object)`` of a JSON array or JSONL; DataError: not UTF-8 or JSON, not an object, no `required` field."""
+    text = read_text(p)
     if text.lstrip().startswith("["):
         try:
             rows = json.loads(text)
@@ -86,20 +100,14 @@ def _json_records(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
             raise DataError(f"{p}: not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
         numbered = ((f"{p} row {n}", row) for n, row in enumerate(rows, 1))
     else:
-        numbered = _jsonl(p, text)
+        numbered = ((f"{p} line {n}", row) for n, row in jsonl(p, text.splitlines()))  # LF, CRLF and CR alike
     for where, row in numbered:
         if not isinstance(row, dict):
             raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        for c in required:
+            if c not in row:
+                raise DataError(f"{where}: missing field '{c}' (found {', '.join(row) or 'none'})")
         yield where, row
-
-
-def _jsonl(p: Path, text: str) -> Iterator[tuple[str, Any]]:
-    for n, line in enumerate(text.splitlines(), 1):  # splitlines: LF, CRLF and CR alike
-        if line.strip():
-            try:
-                yield f"{p} line {n}", json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{p} line {n}: not valid JSON: {exc.msg} (column {exc.colno})") from None
 
 
 def _parquet(p: Path):
@@ -140,7 +148,7 @@ def _existing(path: str | Path) -> tuple[Path, str]:
     if not p.is_file():
         raise DataError(not_a_file(p))
     if p.suffix.lower() not in _CSV + _JSON + _PARQUET:
-        raise DataError(f"{p}: unsupported file type {p.suffix.lower()!r} (use {_SUPPORTED})")
+        raise DataError(f"{p}: unsupported file type {p.suffix.lower()!r} (use .csv, .tsv, .json, .jsonl or .parquet)")
     return p, p.suffix.lower()
 
 
@@ -154,16 +162,11 @@ def records(
     if suffix in _CSV:
         columns = csv_columns
         if columns is None and csv_header:
-            first = first_csv_row(p)
-            columns = [c.strip() for c in first] if first is not None else list(required)
+            columns = column_names(p) or list(required)  # no record: the required columns
         _check_columns(p, required, columns)
         yield from _csv_records(p, columns, csv_header)
     elif suffix in _JSON:
-        for where, row in _json_records(p):
-            for c in required:
-                if c not in row:
-                    raise DataError(f"{where}: missing field '{c}' (found {', '.join(row) or 'none'})")
-            yield where, row
+        yield from _json_records(p, required)
     else:
         yield from _parquet_records(p, list(required) or None)  # only the required columns are read
 

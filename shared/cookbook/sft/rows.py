@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from cookbook.errors import not_a_file
-from cookbook.tabular import not_utf8
+from cookbook.tabular import jsonl, read_text
 
 IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index
 ROLES = ("system", "user", "assistant")  # plain chat turns; "tool" (a tool's result) is accepted too
@@ -55,10 +55,7 @@ def load_rows(path: str | Path, key: str = "") -> RowList:
         raise SFTDataError((f"{key}: " if key else "") + not_a_file(p, "data file"))
     if p.suffix.lower() in (".csv", ".tsv", ".parquet", ".arrow", ".xlsx", ".txt"):
         raise SFTDataError(f"{p}: unsupported file type {p.suffix!r} for rows (use .json or .jsonl)")
-    try:
-        text = p.read_text(encoding="utf-8-sig")  # a byte-order mark, as some editors write, is dropped
-    except UnicodeDecodeError as exc:
-        raise SFTDataError(str(not_utf8(p, exc))) from None
+    text = read_text(p, SFTDataError)
     try:
         whole = json.loads(text)
     except json.JSONDecodeError:
@@ -76,14 +73,8 @@ def load_rows(path: str | Path, key: str = "") -> RowList:
     elif text.lstrip().startswith("["):
         rows = _json(text, f"{p}: not valid JSON")
     else:
-        rows, lines = [], []
-        for line_no, line in enumerate(text.split("\n"), 1):
-            if line.strip():
-                lines.append(line_no)
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise SFTDataError(f"{p} line {line_no}: not valid JSON: {exc.msg} (column {exc.colno})") from None
+        numbered = list(jsonl(p, text.split("\n"), SFTDataError))
+        lines, rows = [n for n, _ in numbered], [row for _, row in numbered]
     if not rows:
         raise SFTDataError(f"{p}: no rows")
     rows = RowList(rows, lines)

@@ -11,10 +11,13 @@ from cookbook.sft.rows import IGNORE_INDEX, SFTDataError, EmptyAnswerError, row_
 from cookbook.sft.stats import SFTStats
 
 
-def _require_chat_template(tokenizer) -> None:
+def _chat_template(tokenizer, required: bool = False) -> str:
+    """The tokenizer's chat template; ``""`` if it has none, or with `required` SFTDataError."""
     try:
-        tokenizer.get_chat_template()
+        return tokenizer.get_chat_template()
     except ValueError as exc:
+        if not required:
+            return ""
         raise SFTDataError(
             f"the tokenizer ({type(tokenizer).__name__}) has no usable chat template: set "
             f"tokenizer.chat_template or use a chat/instruct model's tokenizer ({exc})"
@@ -57,22 +60,10 @@ def _unstable(tokenizer, full: list[int], part: list[int], what: str, split_turn
     )
 
 
-def _template(tokenizer) -> str:
-    try:
-        return tokenizer.get_chat_template()
-    except ValueError:
-        return ""
-
-
-def _reasoning_field(tokenizer) -> str | None:
-    """The message key the chat template reads reasoning from (``"reasoning_content"``, ``"thinking"``), or None."""
-    return next((k for k in ("reasoning_content", "thinking") if k in _template(tokenizer)), None)
-
-
-def _inline_reasoning(tokenizer, messages: list[dict]) -> list[dict]:
-    """Messages with an assistant turn's inline ``<think>...</think>`` prefix moved to ``reasoning_content`` (templates
-    with ``<think>`` blocks). Raises SFTDataError: a stray ``<think>`` / ``</think>`` elsewhere in an assistant turn."""
-    if "</think>" not in _template(tokenizer):
+def _inline_reasoning(template: str, messages: list[dict]) -> list[dict]:
+    """Messages with an assistant turn's inline ``<think>...</think>`` prefix moved to ``reasoning_content`` (a chat
+    `template` with ``<think>`` blocks). Raises SFTDataError: a stray ``<think>`` / ``</think>`` in an assistant turn."""
+    if "</think>" not in template:
         return messages
     out = []
     for i, m in enumerate(messages):
@@ -202,7 +193,7 @@ def tokenize_conversation(
     Raises SFTDataError: no chat template; the template fails, is not prefix-stable, drops tools, calls or results."""
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length}")
-    _require_chat_template(tokenizer)
+    _chat_template(tokenizer, required=True)
     full, labels, _ = _encode(tokenizer, messages, chat_template_kwargs, tools, last_turn_only=False)
     return full[:max_length], labels[:max_length], len(full) > max_length
 
@@ -237,11 +228,8 @@ def template_conversation(
     removed = [] if dropped is None else dropped
     try:
         messages, tools = to_conversation(row, row_number, source, ignored)
-        if tokenizer is not None:
-            messages = _inline_reasoning(tokenizer, messages)
-            messages = _place_reasoning(messages, reasoning, _reasoning_field(tokenizer), chat_template_kwargs, removed)
-        elif reasoning == "drop":
-            messages = _place_reasoning(messages, reasoning, None, None, removed)
+        if tokenizer is not None or reasoning == "drop":
+            messages = _place_reasoning(messages, reasoning, tokenizer, chat_template_kwargs, removed)
     except EmptyAnswerError:
         raise
     except SFTDataError as exc:
@@ -253,11 +241,14 @@ def template_conversation(
 
 
 def _place_reasoning(
-    messages: list[dict], reasoning: str, target: str | None, kwargs: dict | None, dropped: list[int]
+    messages: list[dict], reasoning: str, tokenizer, kwargs: dict | None, dropped: list[int]
 ) -> list[dict]:
-    """Messages with each turn's ``reasoning_content`` under the template's key `target` (or removed, its index appended
-    to `dropped`). Raises SFTDataError: reasoning, but the template reads none or ``enable_thinking`` is false."""
-    out = [dict(m) for m in messages]
+    """`_inline_reasoning`, then each turn's ``reasoning_content`` under the key `tokenizer`'s template reads
+    (``reasoning_content`` or ``thinking``), or removed (its index appended to `dropped`). Raises SFTDataError: see
+    `_inline_reasoning`; reasoning, but the template reads none or ``enable_thinking`` is false."""
+    template = _chat_template(tokenizer) if tokenizer is not None else ""
+    target = next((k for k in ("reasoning_content", "thinking") if k in template), None)
+    out = [dict(m) for m in _inline_reasoning(template, messages)]
     for i, m in enumerate(out):
         if "reasoning_content" not in m:
             continue
