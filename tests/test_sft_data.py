@@ -699,7 +699,8 @@ def test_dropped_rows_are_counted_named_and_refused_over_the_limit(tokenizer):
     assert str(err.value) == (
         f"train.jsonl: 2 of 10 rows dropped (20%, more than data.max_dropped_fraction=0.1): 2 cut by "
         f"data.max_length=40 before any assistant token, longest row 9 ({long9} tokens), row 4 ({long4} tokens): raise "
-        f"data.max_length (to {long9} to keep them all); or raise data.max_dropped_fraction"
+        f"data.max_length (to {long9} to keep them all, within the model's max_position_embeddings); or raise "
+        f"data.max_dropped_fraction"
     )
     # truncate=False drops a row that does not fit instead of cutting it (an answer that is useless when cut).
     _, stats = prepare(rows, tokenizer, long9 - 1, "t", truncate=False)

@@ -191,7 +191,8 @@ class SFTStats:
             longest = max(t for _, t in self.dropped_rows)
             why.append(
                 f"{self.dropped} {self._drop_reason(f'data.max_length={self.max_length}')}, longest "
-                f"{self.longest_dropped()}: raise data.max_length (to {longest} to keep them all)"
+                f"{self.longest_dropped()}: raise data.max_length (to {longest} to keep them all, within the model's "
+                f"max_position_embeddings)"
             )
         if self.empty_answers:
             why.append(
