@@ -24,6 +24,7 @@ torchvision_cpu.apply()
 RECIPE = ROOT / "recipes" / "retinanet-ddp"
 recipe = load_recipe("retinanet-ddp")
 STEPS = 30
+RESUME_AT = 25  # the full run's checkpoint that the resume test starts from: steps 26-30 after it
 
 
 def run_workers(monkeypatch, *overrides: str) -> None:
@@ -42,11 +43,12 @@ def run_workers(monkeypatch, *overrides: str) -> None:
 
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
-    """One uninterrupted 30-step run of tiny.yaml (evaluated at step 0 and at the end, checkpoints at 10, 20, 30)."""
+    """One uninterrupted 30-step run of tiny.yaml (evaluated at step 0 and at the end), checkpoints at 25 and 30
+    (``checkpoint.every_steps=25``, which may change on a resume): the resume test takes 5 steps after step 25's."""
     out = tmp_path_factory.mktemp("retina") / "full"
     mp = pytest.MonkeyPatch()
     try:
-        run_workers(mp, f"output_dir={out}")
+        run_workers(mp, f"output_dir={out}", f"checkpoint.every_steps={RESUME_AT}")
     finally:
         mp.undo()
     return out
@@ -126,11 +128,12 @@ def test_sharded_evaluation_equals_single_process(full_run):
 
 def test_resume_gives_the_same_losses_as_an_uninterrupted_run(full_run, tmp_path, monkeypatch):
     out = tmp_path / "run"
-    shutil.copytree(full_run / "checkpoints" / "step_00000020", out / "checkpoints" / "step_00000020")
-    run_workers(monkeypatch, f"output_dir={out}", "train.eval_at_start=false")  # resume=auto: from step 20
+    name = f"step_{RESUME_AT:08d}"
+    shutil.copytree(full_run / "checkpoints" / name, out / "checkpoints" / name)
+    run_workers(monkeypatch, f"output_dir={out}", "train.eval_at_start=false")  # resume=auto: from step 25
     resumed, full = train_losses(out / "metrics.jsonl"), train_losses(full_run / "metrics.jsonl")
-    assert sorted(resumed) == list(range(21, STEPS + 1))
-    assert [resumed[s] for s in range(21, STEPS + 1)] == [full[s] for s in range(21, STEPS + 1)]
+    assert sorted(resumed) == list(range(RESUME_AT + 1, STEPS + 1))
+    assert [resumed[s] for s in range(RESUME_AT + 1, STEPS + 1)] == [full[s] for s in range(RESUME_AT + 1, STEPS + 1)]
 
 
 def test_resume_with_other_data_workers_is_refused(full_run):
