@@ -731,7 +731,7 @@ def test_lora_loss_falls_and_merged_export_reloads(ds_config, eval_rows, init, t
         "checkpoint.every_steps=-1",
         "mlflow=false",
         "eval.max_new_tokens=2",
-        "optim.lr=2e-2",
+        "optim.lr=1e-2",
         *data,
     )
     losses = train_losses(out / "metrics.jsonl")
