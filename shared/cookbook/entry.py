@@ -112,8 +112,9 @@ def run_main(
         _fail(where, exc, EXIT_USER_ERROR, broken or import_error_line(exc, _requirements_beside(main)))
     except OneLineError as exc:
         _fail(where, exc, exc.exit_status)
-    except KeyboardInterrupt as exc:  # its message, if it has one (cookbook.distributed's)
-        print(f"{where}{exc or 'interrupted'}", file=sys.stderr)
+    except KeyboardInterrupt as exc:  # its message, if it has one (cookbook.distributed's); else the launcher's line
+        if str(exc):
+            print(f"{where}{exc}", file=sys.stderr)
         _exit(EXIT_INTERRUPTED)
     except SystemExit as exc:
         if isinstance(exc.code, str):

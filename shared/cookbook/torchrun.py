@@ -32,7 +32,7 @@ _PREEMPTED = (
 )
 _INTERRUPTED = (
     "interrupted (Ctrl-C): the workers were stopped; run the same command again to resume from the newest "
-    f"checkpoint (exit status {EXIT_INTERRUPTED})"
+    f"checkpoint, if one was saved (Ctrl-C saves none, SIGTERM does) (exit status {EXIT_INTERRUPTED})"
 )
 _RESTARTED_STATUSES = (EXIT_BUG, EXIT_PEER_LOST)
 # Signals that ask a process to stop (a scheduler, a terminal, Slurm's warning): a worker they ended is not restarted.
