@@ -788,7 +788,8 @@ def test_a_csv_with_label_title_description_reads_labels_0_to_3(tmp_path):
     assert rows[:2] == {"text": ["t 0 d 0", "t 1 d 1"], "label": [0, 1]}
     bad = tmp_path / "bad.csv"
     bad.write_text("label,title,description\n0,a,b\n4,c,d\n")
-    with pytest.raises(DataError, match="bad.csv line 3: label '4' is not one of 0-3"):
+    hint = r"\(the header 'label' means classes 0-3; for 1-4 use Class Index or no header\)"
+    with pytest.raises(DataError, match=f"bad.csv line 3: label '4' is not one of 0-3 {hint}"):
         check("modernbert-ddp", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{bad}]")
 
 

@@ -242,7 +242,12 @@ def _normalise(rows, layout: str) -> datasets.Dataset:
         except ValueError:
             label = None
         if label is None or not 0 <= label - offset < len(LABELS):
-            raise DataError(f"{where}: label {str(raw).strip()!r} is not one of {offset}-{offset + len(LABELS) - 1}")
+            hint = " (the header 'label' means classes 0-3; for 1-4 use Class Index or no header)" * (
+                layout == "titled"
+            )
+            raise DataError(
+                f"{where}: label {str(raw).strip()!r} is not one of {offset}-{offset + len(LABELS) - 1}{hint}"
+            )
         if layout != "hf":
             text = f"{row['title']} {row['description']}".replace("\\n", " ").strip()
         else:
