@@ -572,8 +572,7 @@ def test_long_rows_are_truncated_or_dropped_and_counted(tmp_path):
     assert str(err.value) == (
         f"{data}: 3 of 40 rows dropped (8%, more than data.max_dropped_fraction=0.05): 3 cut by data.max_length=64 "
         f"before any assistant token, longest line 1 ({n} tokens), line 2 ({n} tokens), line 3 ({n} tokens): raise "
-        f"data.max_length (to {n} to keep them all, within the model's max_position_embeddings); or raise "
-        f"data.max_dropped_fraction"
+        f"data.max_length (to {n} to keep them all); or raise data.max_dropped_fraction"
     )
 
 

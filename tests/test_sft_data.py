@@ -4,6 +4,7 @@ packing, packed-vs-unpacked loss equality, collate, the token loss and evaluate,
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -681,7 +682,7 @@ def test_split_turns_labels_each_turn_once(tokenizer):
 
 
 # ----------------------------------------------------------------------------- rows dropped for length
-def test_dropped_rows_are_counted_named_and_refused_over_the_limit(tokenizer):
+def test_dropped_rows_are_counted_named_and_refused_over_the_limit(tokenizer, monkeypatch):
     rows = [{"instruction": "Say hi.", "output": "Hi!"}] * 10
     rows[3] = {"instruction": "What is the capital of France? " * 8, "output": "Paris."}
     rows[8] = {"instruction": "What is the capital of France? " * 12, "output": "Paris."}
@@ -702,6 +703,15 @@ def test_dropped_rows_are_counted_named_and_refused_over_the_limit(tokenizer):
         f"data.max_length (to {long9} to keep them all, within the model's max_position_embeddings); or raise "
         f"data.max_dropped_fraction"
     )
+    # with the model's positions known (sft.load_tokenizer sets them), the advice stays within them
+    for limit, advice in [
+        (long9, f"to {long9} to keep them all"),
+        (long4, f"at most to {long4}, the model's max_position_embeddings: 1 of them are longer"),
+    ]:
+        monkeypatch.setattr(tokenizer, "cookbook_max_positions", limit, raising=False)
+        with pytest.raises(SFTDataError, match=re.escape(f"raise data.max_length ({advice}); or raise data.max_")):
+            prepare(rows, tokenizer, 40, "train.jsonl", max_dropped_fraction=0.1)
+    monkeypatch.undo()
     # truncate=False drops a row that does not fit instead of cutting it (an answer that is useless when cut).
     _, stats = prepare(rows, tokenizer, long9 - 1, "t", truncate=False)
     assert (stats.examples, stats.truncated, stats.dropped_rows) == (9, 0, [(9, long9)])

@@ -86,6 +86,7 @@ def load_tokenizer(tokenizer: str, model: str, max_length: int | None = None):
     check_vocab(loaded, vocab_size)
     if max_length is not None:
         check_positions(max_length, hf_config, model)
+    loaded.cookbook_max_positions = getattr(hf_config.get_text_config(), "max_position_embeddings", None)
     return loaded
 
 

@@ -38,6 +38,7 @@ def prepare(
     _chat_template(tokenizer, required=True)
     lines, examples, ignored = getattr(rows, "lines", None), [], Counter()
     stats = SFTStats(source, max_length, truncate, len(rows), reasoning=reasoning, lines=lines)
+    stats.max_positions = getattr(tokenizer, "cookbook_max_positions", None)  # set by `load_tokenizer`
     for n, row in enumerate(rows, 1):
         dropped: list[int] = []  # the turns whose reasoning data.reasoning=drop removed
         try:

@@ -36,6 +36,7 @@ class SFTStats:
     tokens: int = 0
     loss_tokens: int = 0  # tokens with a label
     reasoning: str = "train"  # data.reasoning: train (in the loss), context (rendered, no loss), drop
+    max_positions: int | None = None  # the model's max_position_embeddings, if known: the bound of data.max_length
     reasoning_turns: int = 0  # labelled assistant turns of kept examples whose reasoning was rendered
     reasoning_unrendered: int = 0  # labelled turns of kept examples whose reasoning the chat template left out
     reasoning_dropped: int = 0  # labelled turns of kept examples whose reasoning data.reasoning=drop removed
@@ -188,11 +189,17 @@ class SFTStats:
         unit = "examples (one per assistant turn)" if self.split_rows else "rows"
         why = []
         if self.dropped:
-            longest = max(t for _, t in self.dropped_rows)
+            longest, limit = max(t for _, t in self.dropped_rows), self.max_positions
+            if limit is None:
+                advice = f"to {longest} to keep them all, within the model's max_position_embeddings"
+            elif longest > limit:
+                over = sum(t > limit for _, t in self.dropped_rows)
+                advice = f"at most to {limit}, the model's max_position_embeddings: {over} of them are longer"
+            else:
+                advice = f"to {longest} to keep them all"
             why.append(
                 f"{self.dropped} {self._drop_reason(f'data.max_length={self.max_length}')}, longest "
-                f"{self.longest_dropped()}: raise data.max_length (to {longest} to keep them all, within the model's "
-                f"max_position_embeddings)"
+                f"{self.longest_dropped()}: raise data.max_length ({advice})"
             )
         if self.empty_answers:
             why.append(
