@@ -25,6 +25,18 @@ from cookbook.requirements import check_trackers
 from cookbook.trackers import SINKS, MLflowSink, Sink, redact_uri
 
 
+def shown(values: Mapping[str, Any], sep: str = " ") -> str:
+    """``name value`` pairs for a log line: a whole number of 2 or more as an integer, another number to 4 decimals."""
+    return sep.join(
+        f"{k} {v:.0f}"
+        if float(v).is_integer() and abs(v) >= 2
+        else f"{k} {v:.4f}"
+        if isinstance(v, float)
+        else f"{k} {v}"
+        for k, v in values.items()
+    )
+
+
 def launch_time() -> float:
     """The Unix time (s) this run was launched: ``COOKBOOK_LAUNCH_TIME`` if a number, else this process's start."""
     try:
@@ -325,10 +337,7 @@ class MetricsLogger:
         """Write evaluation metrics (already reduced across ranks) as ``eval/<name>``."""
         rec = {"step": step, **{f"eval/{k}": float(v) for k, v in metrics.items()}}
         self._emit("eval", rec)
-        shown = [
-            f"{k} {v:.0f}" if float(v).is_integer() and abs(v) >= 2 else f"{k} {v:.4f}" for k, v in metrics.items()
-        ]
-        get_logger().info("eval  step %d | %s", step, " | ".join(shown))
+        get_logger().info("eval  step %d | %s", step, shown(metrics, " | "))
 
     def log_summary(self, summary: Mapping[str, Any]) -> None:
         """Write the final ``summary`` record; then on rank 0, with ``checkpoint.push_to_hub`` set, upload the export

@@ -5,8 +5,8 @@ registered; SIGTERM / SIGUSR1 stop every worker after the same step with a check
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
-import logging
 import os
 import signal
 import sys
@@ -24,6 +24,7 @@ from cookbook import run_lock
 from cookbook.checkpoint import CheckpointError, ResumeGuard, read_meta
 from cookbook.config import MAY_CHANGE, ConfigError, to_dict
 from cookbook.dist import CollectiveTimeout
+from cookbook.metrics import shown
 from cookbook.errors import EXIT_PREEMPTED, AlreadyComplete
 from cookbook.policy import NonFiniteError, NonFinitePolicy, Preempted, StopRequest
 from cookbook.ray_train.worker import DIVERGED, SAVE_FAILED, STATE_FILE, raise_save_error, worker_entry
@@ -188,7 +189,7 @@ class RayDriver:
             )
             raise Preempted(EXIT_PREEMPTED)
         metrics = Path(self.cfg.output_dir) / "metrics.jsonl"
-        print(f"done: {result.metrics} | checkpoint {checkpoint} | metrics {metrics}", file=sys.stderr)
+        print(f"done: {shown(result.metrics or {})} | checkpoint {checkpoint} | metrics {metrics}", file=sys.stderr)
 
 
 def _stalled_worker(exc: BaseException) -> CollectiveTimeout | None:
@@ -383,16 +384,23 @@ def _init_ray(cfg: RayConfig, num_workers: int) -> None:
         }
     if not sys.stderr.isatty():  # a log file: Ray's prefixes without colour codes
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
-    hook = {"worker_process_setup_hook": _quiet_pg_cleaner}
+    hook = {"worker_process_setup_hook": _quiet_ray_logs}
     ray.init(address=address, include_dashboard=False, log_to_driver=True, runtime_env=hook, **kwargs)
 
 
-def _quiet_pg_cleaner() -> None:
-    """In each Ray process: drop Ray Train's placement-group cleaner warning that it cannot query the State API,
-    which it repeats every few seconds when the dashboard (that API's server) is off, as here."""
-    logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner").addFilter(
-        lambda record: not record.getMessage().startswith("Failed to query Ray Train Controller actor state")
-    )
+def _quiet_ray_logs() -> None:
+    """In each Ray process: drop three of Ray Train's log lines. The placement-group cleaner's "Failed to query"
+    warning, which it repeats every few seconds when the dashboard (the State API's server) is off, as here; every
+    worker's "Reporting training result" and rank 0's "Checkpoint successfully created", which repeat the recipe's
+    own eval and checkpoint lines, from every rank."""
+    ray_train = "ray.train.v2._internal.execution"
+    for module, start in [
+        (f"{ray_train}.controller.placement_group_cleaner", "Failed to query Ray Train Controller actor state"),
+        (f"{ray_train}.context", "Reporting training result"),  # its logger is named by its file's path
+        (f"{ray_train}.storage", "Checkpoint successfully created"),
+    ]:
+        logger = importlib.import_module(module).logger
+        logger.addFilter(lambda record, start=start: not record.getMessage().startswith(start))
 
 
 def plan_workers(cfg: RayConfig, gpus: int, cpus: int) -> tuple[int, bool]:
