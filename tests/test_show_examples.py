@@ -74,7 +74,7 @@ def test_gpt_oss_receipts_and_vision_recipes_show_their_rows():
     out = show("gpt-oss-lora-trl")
     assert "--- chat.jsonl example 2 of 28 (line 2, " in out
     assert "<|start|>assistant<|channel|>final<|message|>[[" in out and "<|return|>]]" in out
-    assert "  reasoning       22 turns in context (no loss), 6 left out by the chat template, 0 dropped" in out
+    assert "  reasoning       22 turns in context (no loss), 6 left out by the chat template\n" in out
     out = show("qwen-zero3-receipts")
     assert "--- receipts.jsonl example 1 of 40 (line 1, 184 tokens, 61 labelled)" in out
     assert "  examples        40 kept, 0 dropped" in out

@@ -212,7 +212,7 @@ def test_axolotl_show_examples_prints_rows_as_trained_with_the_counts(tmp_path, 
     assert "--- rows.jsonl example 1 of 2 (line 1, " in out and "--- rows.jsonl example 2 of 2 (line 2, " in out
     assert "[[It is 4.<|im_end|>]]" in out and "[[Hi there.<|im_end|>]]" in out
     assert "  examples        2 kept, 1 dropped (longer than max_length=128, dropped rather than cut: line 3 (" in out
-    assert "  reasoning       0 turns trained, 1 left out by the chat template, 0 dropped" in out
+    assert "  reasoning       0 turns trained, 1 left out by the chat template\n" in out  # no drop count: train
     assert "  keys not used   id: 1, messages[].weight: 1" in out
     assert out.rstrip().endswith(
         "val_set_size=0.5: Axolotl holds out that share of these examples for evaluation "

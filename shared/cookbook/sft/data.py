@@ -229,8 +229,8 @@ def _field_counts(stats: SFTStats) -> list[str]:
         f"tool call with no answer (skipped), {len(stats.call_endings)} tool calls after the last answer (not trained)",
         f"  tool calls      {stats.tool_calls_note()[len('tool calls: ') :]}",
         f"  reasoning       {stats.reasoning_turns} turns {REASONING_DONE[stats.reasoning]}, "
-        f"{stats.reasoning_unrendered} left out by the chat template, {stats.reasoning_dropped} dropped "
-        f"(data.reasoning=drop)",
+        f"{stats.reasoning_unrendered} left out by the chat template"
+        + (f", {stats.reasoning_dropped} dropped (data.reasoning=drop)" if stats.reasoning == "drop" else ""),
         f"  keys not used   {', '.join(f'{k}: {n}' for k, n in sorted(stats.ignored.items())) or 'none'}",
         f"  tokens          {stats.tokens:,}, {stats.loss_tokens:,} labelled ({stats.loss_fraction:.1%})",
     ]
