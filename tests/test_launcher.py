@@ -141,6 +141,18 @@ def test_fork_from_a_process_that_has_a_process_group_is_refused():
             cookbook.distributed(num_processes=2, start_method="fork")(_collectives.__wrapped__).distributed(1)
 
 
+def test_a_script_read_from_stdin_is_refused_before_any_worker_with_spawn(tmp_path):
+    """``python - < script.py``: spawned workers cannot import ``<stdin>``; one line says so, no worker starts."""
+    script = "import cookbook\nprint(cookbook.distributed(num_processes=2)(sum).distributed([1]))\n"
+    proc = subprocess.run(
+        [sys.executable, "-"], input=script, capture_output=True, text=True, cwd=tmp_path, timeout=120
+    )
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1] == (
+        "RuntimeError: the caller's script <stdin> is not a file (read from standard input?), and spawned workers "
+        "import it again: save it to a file and run that, or use start_method='fork'"
+    ), proc.stderr[-3000:]
+
+
 SCRIPT = textwrap.dedent("""
     import dataclasses, json, os, signal, sys, time
     import torch, cookbook

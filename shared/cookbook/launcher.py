@@ -193,6 +193,12 @@ def _run_local(fn: Callable, args: tuple, kwargs: dict, n: int, start_method: st
             "cookbook.init_distributed ran here): the forked workers would inherit it and hang in their first "
             "collective; call cookbook.destroy_distributed() first, or use start_method='spawn'"
         )
+    script = getattr(sys.modules["__main__"], "__file__", None)
+    if start_method != "fork" and script is not None and not os.path.isfile(script):  # python - < file.py
+        raise RuntimeError(
+            f"the caller's script {script} is not a file (read from standard input?), and spawned workers import "
+            f"it again: save it to a file and run that, or use start_method='fork'"
+        )
     payload = (fn, args, kwargs) if start_method == "fork" else _dumps_call(fn, args, kwargs)
     # Seconds between SIGTERM and SIGKILL for workers that do not stop (torch >= 2.12; 30 before).
     extra = {"shutdown_timeout": 10} if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)} else {}
