@@ -21,7 +21,8 @@ from cookbook.sampler import DataPosition
 
 Outputs = Mapping[str, "tuple[Path | None, str]"]  # summary key -> (folder or None, how to load it)
 _Value = torch.Tensor | float  # a loss, norm or logged number: a 0-d tensor (no sync) or a float
-_EVAL_COUNTS = ("tokens", "samples", "rows", "users")  # evaluation results that count what was evaluated: not shown on `done:`
+# Evaluation results that count what was evaluated: not shown on `done:`.
+_EVAL_COUNTS = ("tokens", "samples", "rows", "users")
 _OUTPUT_NAMES = {"export_dir": "model"}  # summary key -> its name on the closing lines (others: the key less "_dir")
 _END = object()  # what next() gives for an iterator that has ended
 
