@@ -5,13 +5,13 @@ registered; SIGTERM / SIGUSR1 stop every worker after the same step with a check
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import os
 import signal
 import sys
 import threading
 import time
+import types
 import uuid
 from dataclasses import dataclass, field
 from importlib.metadata import distributions
@@ -384,8 +384,14 @@ def _init_ray(cfg: RayConfig, num_workers: int) -> None:
         }
     if not sys.stderr.isatty():  # a log file: Ray's prefixes without colour codes
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
-    hook = {"worker_process_setup_hook": _quiet_ray_logs}
+    hook = {"worker_process_setup_hook": _by_value(_quiet_ray_logs)}
     ray.init(address=address, include_dashboard=False, log_to_driver=True, runtime_env=hook, **kwargs)
+
+
+def _by_value(fn: Any) -> Any:
+    """`fn` as a function Ray's cloudpickle sends by value: a Ray process runs it without importing cookbook (and
+    torch, which its controller and helper actors otherwise never import: seconds each)."""
+    return types.FunctionType(fn.__code__, {}, fn.__name__)
 
 
 def _quiet_ray_logs() -> None:
@@ -393,14 +399,16 @@ def _quiet_ray_logs() -> None:
     warning, which it repeats every few seconds when the dashboard (the State API's server) is off, as here; every
     worker's "Reporting training result" and rank 0's "Checkpoint successfully created", which repeat the recipe's
     own eval and checkpoint lines, from every rank."""
-    ray_train = "ray.train.v2._internal.execution"
-    for module, start in [
-        (f"{ray_train}.controller.placement_group_cleaner", "Failed to query Ray Train Controller actor state"),
-        (f"{ray_train}.context", "Reporting training result"),  # its logger is named by its file's path
-        (f"{ray_train}.storage", "Checkpoint successfully created"),
+    import importlib.util
+    import logging
+
+    execution = "ray.train.v2._internal.execution"
+    for name, start in [
+        (f"{execution}.controller.placement_group_cleaner", "Failed to query Ray Train Controller actor state"),
+        (importlib.util.find_spec(f"{execution}.context").origin, "Reporting training result"),  # named by its path
+        (f"{execution}.storage", "Checkpoint successfully created"),
     ]:
-        logger = importlib.import_module(module).logger
-        logger.addFilter(lambda record, start=start: not record.getMessage().startswith(start))
+        logging.getLogger(name).addFilter(lambda record, start=start: not record.getMessage().startswith(start))
 
 
 def plan_workers(cfg: RayConfig, gpus: int, cpus: int) -> tuple[int, bool]:
