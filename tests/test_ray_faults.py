@@ -135,13 +135,18 @@ def test_a_stopped_worker_ends_the_run_within_the_collective_timeout_naming_it(r
     assert took < 60, took  # 5 s, up to 7.25 s for the store (describe_stall), Ray's teardown: ~22 s on 2 busy cores
 
 
-def test_a_stopped_worker_with_a_restart_left_is_restarted_and_the_run_takes_the_uninterrupted_steps(ray_env, tmp_path):
+def test_a_stopped_worker_with_a_restart_left_is_restarted_and_the_run_takes_the_uninterrupted_steps(
+    ray_env, tmp_path, monkeypatch, capfd
+):
     """As above with ``ray.max_failures=1``, rank 0 stopped once Ray registered a checkpoint: the other worker's
     collective times out, Ray restarts the worker group (the stopped process is killed) from the newest checkpoint
-    it registered, and the run finishes (exit 0) with each step's loss equal to an uninterrupted run's."""
+    it registered, and the run finishes (exit 0) with each step's loss equal to an uninterrupted run's (the same
+    worker function on 2 gloo workers without Ray: `without_ray`)."""
     common = ("mlflow=false", "train.log_every=1", "train.collective_timeout_s=10")
-    plain = run_driver_forked(RECIPE, ray_env, f"output_dir={tmp_path / 'plain'}", *common, run_main=True)
-    assert plain.returncode == 0, plain.stderr[-4000:]
+    with monkeypatch.context() as local:
+        without_ray(local)
+        status, err = _driver(capfd, f"output_dir={tmp_path / 'plain'}", *common)
+    assert status == 0, err[-4000:]
     uninterrupted = train_losses(tmp_path / "plain" / "metrics.jsonl")
     assert sorted(uninterrupted) == list(range(1, 4 * STEPS_PER_EPOCH + 1))
     out, stopped = tmp_path / "run", {}
