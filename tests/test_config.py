@@ -26,6 +26,17 @@ def test_yaml_and_overrides_merge_in_order(tmp_path):
     assert (cfg.steps, cfg.name, cfg.optim.lr, cfg.optim.betas) == (5, "run1", 3e-5, [0.8, 0.9])
 
 
+def test_a_whole_float_for_an_integer_key_is_that_integer(tmp_path):
+    """As the data readers take ``3.0`` for an integer (a config written by a script, a spreadsheet); 1.5 is refused."""
+    f = tmp_path / "c.yaml"
+    f.write_text("steps: 30.0\noptim:\n  lr: 2.0\n")
+    cfg = load_config(Schema, f, [])
+    assert (cfg.steps, type(cfg.steps), cfg.optim.lr, type(cfg.optim.lr)) == (30, int, 2.0, float)
+    assert load_config(Schema, f, ["steps=5.0"]).steps == 5
+    with pytest.raises(ConfigError, match=r"override 'steps=1.5': key 'steps': Value '1.5' of type 'float'"):
+        load_config(Schema, f, ["steps=1.5"])
+
+
 @pytest.mark.parametrize(
     "overrides, hint",
     [

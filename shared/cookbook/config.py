@@ -13,6 +13,7 @@ import operator
 import os
 import sys
 import tempfile
+import typing
 from functools import reduce
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence, TypeVar
@@ -123,6 +124,7 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: Sequ
         except OmegaConfBaseException as exc:
             raise ConfigError(f"override {item!r}: {_describe(exc)}") from None
     for where, src in sources:
+        _whole_floats(schema, src)
         try:
             cfg = OmegaConf.merge(cfg, src)
         except OmegaConfBaseException as exc:
@@ -136,6 +138,22 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: Sequ
         return to_object(cfg)
     except OmegaConfBaseException as exc:
         raise ConfigError(_describe(exc)) from None
+
+
+def _whole_floats(schema: type, src: Any, values: Mapping[str, Any] | None = None, prefix: str = "") -> None:
+    """A float with no fraction (``30.0``) given for an ``int`` field of `schema` becomes that integer in `src` (a
+    DictConfig), in place, as the data readers take it; ``1.5`` is left for the merge to refuse."""
+    try:
+        hints = typing.get_type_hints(schema)
+    except Exception:  # noqa: BLE001 - an annotation this module cannot resolve: the merge checks the types alone
+        return
+    values = OmegaConf.to_container(src, resolve=False) if values is None else values
+    for key, value in values.items():
+        hint = hints.get(key)
+        if dataclasses.is_dataclass(hint) and isinstance(value, dict):
+            _whole_floats(hint, src, value, f"{prefix}{key}.")
+        elif int in (hint, *typing.get_args(hint)) and isinstance(value, float) and value.is_integer():
+            OmegaConf.update(src, f"{prefix}{key}", int(value))
 
 
 def to_object(cfg: Any) -> Any:
