@@ -9,6 +9,7 @@ from cookbook.config import ConfigError, check_fields, load_config, resolve_path
 class Optim:
     lr: float = 1e-3
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    names: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -26,8 +27,9 @@ def test_yaml_and_overrides_merge_in_order(tmp_path):
     assert (cfg.steps, cfg.name, cfg.optim.lr, cfg.optim.betas) == (5, "run1", 3e-5, [0.8, 0.9])
 
 
-def test_a_whole_float_for_an_integer_key_is_that_integer(tmp_path):
-    """As the data readers take ``3.0`` for an integer (a config written by a script, a spreadsheet); 1.5 is refused."""
+def test_a_whole_float_for_an_integer_key_is_that_integer_and_one_string_for_a_list_a_list_of_one(tmp_path):
+    """As the data readers take ``3.0`` for an integer (a config written by a script, a spreadsheet); 1.5 is refused.
+    ``optim.names=a`` for a list of strings is ``[a]``; a number there is refused, naming the list syntax."""
     f = tmp_path / "c.yaml"
     f.write_text("steps: 30.0\noptim:\n  lr: 2.0\n")
     cfg = load_config(Schema, f, [])
@@ -35,6 +37,10 @@ def test_a_whole_float_for_an_integer_key_is_that_integer(tmp_path):
     assert load_config(Schema, f, ["steps=5.0"]).steps == 5
     with pytest.raises(ConfigError, match=r"override 'steps=1.5': key 'steps': Value '1.5' of type 'float'"):
         load_config(Schema, f, ["steps=1.5"])
+    assert load_config(Schema, f, ["optim.names=train.jsonl"]).optim.names == ["train.jsonl"]
+    assert load_config(Schema, f, ["optim.names=[a,b]"]).optim.names == ["a", "b"]
+    with pytest.raises(ConfigError, match=r"key 'optim.betas': .* \(a list is written \[a,b\]\)"):
+        load_config(Schema, f, ["optim.betas=0.9"])
 
 
 @pytest.mark.parametrize(

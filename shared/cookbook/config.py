@@ -124,7 +124,7 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: Sequ
         except OmegaConfBaseException as exc:
             raise ConfigError(f"override {item!r}: {_describe(exc)}") from None
     for where, src in sources:
-        _whole_floats(schema, src)
+        _coerce(schema, src)
         try:
             cfg = OmegaConf.merge(cfg, src)
         except OmegaConfBaseException as exc:
@@ -140,9 +140,10 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: Sequ
         raise ConfigError(_describe(exc)) from None
 
 
-def _whole_floats(schema: type, src: Any, values: Mapping[str, Any] | None = None, prefix: str = "") -> None:
-    """A float with no fraction (``30.0``) given for an ``int`` field of `schema` becomes that integer in `src` (a
-    DictConfig), in place, as the data readers take it; ``1.5`` is left for the merge to refuse."""
+def _coerce(schema: type, src: Any, values: Mapping[str, Any] | None = None, prefix: str = "") -> None:
+    """In `src` (a DictConfig), in place, for the fields of `schema`: a float with no fraction (``30.0``) for an
+    ``int`` becomes that integer, as the data readers take it; one string for a list of strings becomes a list of
+    one (``data.train_files=a.jsonl``). ``1.5`` or a number for a list is left for the merge to refuse."""
     try:
         hints = typing.get_type_hints(schema)
     except Exception:  # noqa: BLE001 - an annotation this module cannot resolve: the merge checks the types alone
@@ -150,10 +151,13 @@ def _whole_floats(schema: type, src: Any, values: Mapping[str, Any] | None = Non
     values = OmegaConf.to_container(src, resolve=False) if values is None else values
     for key, value in values.items():
         hint = hints.get(key)
+        kinds = (hint, *typing.get_args(hint))
         if dataclasses.is_dataclass(hint) and isinstance(value, dict):
-            _whole_floats(hint, src, value, f"{prefix}{key}.")
-        elif int in (hint, *typing.get_args(hint)) and isinstance(value, float) and value.is_integer():
+            _coerce(hint, src, value, f"{prefix}{key}.")
+        elif int in kinds and isinstance(value, float) and value.is_integer():
             OmegaConf.update(src, f"{prefix}{key}", int(value))
+        elif isinstance(value, str) and any(typing.get_origin(k) is list for k in kinds) and "${" not in value:
+            OmegaConf.update(src, f"{prefix}{key}", [value], merge=False)
 
 
 def to_object(cfg: Any) -> Any:
