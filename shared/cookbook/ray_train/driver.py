@@ -24,8 +24,8 @@ from cookbook import run_lock
 from cookbook.checkpoint import CheckpointError, ResumeGuard, read_meta
 from cookbook.config import MAY_CHANGE, ConfigError, to_dict
 from cookbook.dist import CollectiveTimeout
-from cookbook.metrics import shown
 from cookbook.errors import EXIT_PREEMPTED, AlreadyComplete
+from cookbook.metrics import shown
 from cookbook.policy import NonFiniteError, NonFinitePolicy, Preempted, StopRequest
 from cookbook.ray_train.worker import DIVERGED, SAVE_FAILED, STATE_FILE, raise_save_error, worker_entry
 
@@ -403,9 +403,13 @@ def _quiet_ray_logs() -> None:
     import logging
 
     execution = "ray.train.v2._internal.execution"
+    try:  # the module layout of the pinned Ray; another Ray keeps its lines
+        context = importlib.util.find_spec(f"{execution}.context").origin  # its logger is named by its path
+    except (ImportError, AttributeError):
+        return
     for name, start in [
         (f"{execution}.controller.placement_group_cleaner", "Failed to query Ray Train Controller actor state"),
-        (importlib.util.find_spec(f"{execution}.context").origin, "Reporting training result"),  # named by its path
+        (context, "Reporting training result"),
         (f"{execution}.storage", "Checkpoint successfully created"),
     ]:
         logging.getLogger(name).addFilter(lambda record, start=start: not record.getMessage().startswith(start))
