@@ -156,7 +156,12 @@ def _coerce(schema: type, src: Any, values: Mapping[str, Any] | None = None, pre
             _coerce(hint, src, value, f"{prefix}{key}.")
         elif int in kinds and isinstance(value, float) and value.is_integer():
             OmegaConf.update(src, f"{prefix}{key}", int(value))
-        elif isinstance(value, str) and any(typing.get_origin(k) is list for k in kinds) and "${" not in value:
+        elif (
+            isinstance(value, str)
+            and any(typing.get_origin(k) is list for k in kinds)
+            and "${" not in value
+            and value != "???"
+        ):
             OmegaConf.update(src, f"{prefix}{key}", [value], merge=False)
 
 
