@@ -6,6 +6,7 @@ Every run starts from the same random weights saved to disk (``init``). Runs cal
 as users run it, with a worker killed on the way. Bad input is checked in-process with the preflight that launch.sh runs.
 """
 
+import math
 import re
 
 import pytest
@@ -224,6 +225,54 @@ def test_ep2_equals_ep1_and_each_rank_holds_its_experts(init, model, overrides, 
     for result in (ep2, ep1):
         assert result["eval"]["tokens"] == (batch["labels"][:, 1:] != -100).sum()
         assert float(result["eval"]["loss"]) == pytest.approx(float(expected), rel=1e-5)
+
+
+@cookbook.distributed(num_processes=1, start_method="fork")
+def _one_rank(init: str, out: str) -> dict:
+    """On a world of one: the model with FSDP2 (``parallel.fsdp_one_rank=true``) and without (the default), each
+    layer compiled; one forward/backward on one batch; then the recipe's ``main`` for 3 steps without FSDP2."""
+    from torch._dynamo.utils import counters
+
+    train = recipe_module()
+    info = cookbook.get_dist_info()
+    torch.manual_seed(1)
+    batch = {"input_ids": torch.randint(3, 500, (2, 24)), "labels": torch.randint(3, 500, (2, 24))}
+    result = {}
+    for fsdp in (True, False):
+        cfg = tiny_config(
+            f"model.name_or_path={init}", "model.pretrained=true", "train.compile=layers", "parallel.ep=1", *QWEN,
+            f"parallel.fsdp_one_rank={str(fsdp).lower()}",
+        )  # fmt: skip
+        torch._dynamo.reset()
+        counters.clear()
+        model, _, meshes = train.build_model(cfg, info)
+        loss = sft.token_loss_sum(model, batch)
+        loss.backward()
+        result[fsdp] = {
+            "loss": loss.detach(),
+            "grads": expert_parallel.gather_lora(model, meshes, grads=True),
+            "dtensors": sum(hasattr(p, "to_local") for p in model.parameters()),
+            "breaks": sum(counters["graph_break"].values()),
+        }
+    train.main(["--config", str(RECIPE / "tiny.yaml"), f"output_dir={out}", f"model.name_or_path={init}",
+                "model.pretrained=true", "train.max_steps=3", "mlflow=false", "data.eval_fraction=0.02", "parallel.ep=1", *QWEN])  # fmt: skip
+    return result
+
+
+def test_one_rank_runs_without_fsdp2_and_equals_the_fsdp2_step(init, tmp_path, monkeypatch):
+    """A world of one skips ``fully_shard`` (nothing to shard): plain parameters, each compiled layer one graph
+    (FSDP2's hooks break it), the loss and LoRA gradients of the FSDP2-wrapped model, and the loop runs."""
+    monkeypatch.setattr(moe_model, "COMPILE_BACKEND", "aot_eager")
+    r = _one_rank.distributed(str(init["qwen3-moe"]), str(tmp_path / "out"))[0]
+    sharded, plain = r[True], r[False]
+    assert sharded["dtensors"] > 0 and plain["dtensors"] == 0
+    assert sharded["breaks"] > 0 and plain["breaks"] == 0
+    torch.testing.assert_close(plain["loss"], sharded["loss"], rtol=LOSS_RTOL, atol=0)
+    assert set(plain["grads"]) == set(sharded["grads"]) and any("experts" in n for n in plain["grads"])
+    for name in plain["grads"]:
+        torch.testing.assert_close(plain["grads"][name], sharded["grads"][name], **GRAD_TOL, msg=name)
+    losses = train_losses(tmp_path / "out" / "metrics.jsonl")
+    assert sorted(losses) == [1, 2, 3] and all(map(math.isfinite, losses.values()))
 
 
 @pytest.fixture(scope="session")

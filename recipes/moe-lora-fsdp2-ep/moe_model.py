@@ -43,6 +43,7 @@ class ParallelConfig:
     ep: int = 1  # expert-parallel degree: divides the world size and the number of experts; 1 = off
     reduce_dtype: str = "fp32"  # gradient reduce-scatter dtype
     reshard_after_forward: bool = True
+    fsdp_one_rank: bool = False  # fully_shard on a world of one too (it shards nothing there; off: the model as is)
 
 
 @dataclass

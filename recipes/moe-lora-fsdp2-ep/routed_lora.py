@@ -145,11 +145,12 @@ def _lora_factors(wrappers: list[torch.nn.Module], param: str) -> list[tuple[tor
 
 
 def _expert_projection(experts, wrappers, param: str, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """x (S, in) sorted by expert -> (S, out): x_e W_e^T + sum over adapters of (x_e A_e^T)(s B_e)^T, each a grouped GEMM."""
+    """x (S, in) sorted by expert -> (S, out): x_e W_e^T + sum over adapters of (x_e A_e^T)(s B_e)^T, each a grouped
+    GEMM in the base weight's dtype (fp32 LoRA outside FSDP2's mixed precision is cast to it, as FSDP2 would)."""
     weight = getattr(experts, param)
     y = grouped_mm(x, weight if experts.is_transposed else weight.transpose(1, 2), offs)
     for a, b in _lora_factors(wrappers, param):
-        y = y + grouped_mm(grouped_mm(x, a, offs), b, offs)
+        y = y + grouped_mm(grouped_mm(x, a.to(weight.dtype), offs), b.to(weight.dtype), offs)
     return y
 
 

@@ -149,7 +149,8 @@ def build_model(cfg: Config | VLConfig, info: cookbook.DistInfo) -> tuple[torch.
     """Build the base model on every rank (`moe_model.build_base`: random and seeded, whole from the checkpoint, or
     on the meta device), add LoRA (not on a vision tower), split the experts over the ep dimension, read a
     meta-device base shard by shard (each rank its own experts), then shard with FSDP2: experts over dp; decoder
-    layers, vision blocks (frozen) and the root over all ranks."""
+    layers, vision blocks (frozen) and the root over all ranks (on one rank, unless parallel.fsdp_one_rank: no
+    FSDP2)."""
     from peft import LoraConfig, get_peft_model
 
     vl = isinstance(cfg, VLConfig)
@@ -179,6 +180,11 @@ def build_model(cfg: Config | VLConfig, info: cookbook.DistInfo) -> tuple[torch.
         meshes.expert_lora_names = split_experts(model, meshes.dp_ep["ep"])
     if cfg.model.pretrained and cfg.model.lazy_load:
         load_base_lazily(model, cfg.model.name_or_path)
+    if info.world_size == 1 and not cfg.parallel.fsdp_one_rank:
+        # nothing to shard: no FSDP2 hooks (each compiled layer stays one graph), no all-gather copies; the base is
+        # in `dtype` already, the expert LoRA (fp32) is cast to it for its GEMMs (`routed_lora`), PEFT's attention
+        # LoRA runs in fp32
+        return model.to(info.device), flops, meshes
     mp = MixedPrecisionPolicy(
         param_dtype=dtype, reduce_dtype=DTYPES[cfg.parallel.reduce_dtype] if on_gpu else torch.float32
     )

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# moe-lora-fsdp2-ep at EP=1 on ONE GPU without FSDP2 (the default on a world of one since 2026-12-07) beside the
+# frozen-base ceiling and the recipe with FSDP2 (parallel.fsdp_one_rank=true, what it ran before), in one command;
+# then without FSDP2 with inductor's C++ wrapper (TORCHINDUCTOR_CPP_WRAPPER=1) and with CUDA graphs
+# (TORCHINDUCTOR_CUDAGRAPHS=1). Each by benchmarks/moe_lora_speed.sh (run routed-none-layers: routed expert LoRA,
+# no checkpointing, each decoder layer compiled; its set-up and environment: that script's header) into
+# RESULTS_DIR/{fsdp2,plain,plain-cpp,plain-cudagraphs}/.
+#   TOKENIZER_DIR=.data/qwen3 TRAIN_FILE=.data/alpaca_data_sample5000.json RESULTS_DIR=$OUT/moe bash benchmarks/moe_one_rank.sh
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+R=${RESULTS_DIR:?set RESULTS_DIR}
+export RUNS=routed-none-layers STEPS=${STEPS:-10} SKIP_STEPS=${SKIP_STEPS:-5}
+speed() { RESULTS_DIR=$R/$1 WORK_DIR=outputs/moe-one-rank-$1 bash "$ROOT/benchmarks/moe_lora_speed.sh" "${@:2}"; }
+RUN_TIMEOUT=150 speed fsdp2 parallel.fsdp_one_rank=true
+RUN_CEILING=0 RUN_TIMEOUT=150 speed plain
+TORCHINDUCTOR_CPP_WRAPPER=1 RUN_CEILING=0 RUN_TIMEOUT=${CPP_TIMEOUT:-200} speed plain-cpp
+TORCHINDUCTOR_CUDAGRAPHS=1 RUN_CEILING=0 RUN_TIMEOUT=${CUDAGRAPHS_TIMEOUT:-120} speed plain-cudagraphs
