@@ -5,6 +5,8 @@
 #       get_peft_model under TRL's SFTTrainer, transformers' gradient checkpointing), run first; all paths load one
 #       random-init checkpoint written before them (benchmarks/axolotl_bench_config.py --init-only: seed 42,
 #       built on the GPU in bf16), so all train the same weights;
+#   (b') PATHS entry trl-compile: the TRL path with train.compile=true (each decoder layer a torch.compile region),
+#       run after (b);
 #   (a) Unsloth: the same train.py, model.loader=unsloth (FastLanguageModel.from_pretrained / get_peft_model, its
 #       gradient checkpointing);
 #   (c) Axolotl 0.19.0: `axolotl train` (torchrun -m axolotl.cli.train, what `axolotl train --launcher torchrun`
@@ -133,7 +135,7 @@ cookbook_wheels=()  # the repository's cookbook needs omegaconf (and its antlr4 
 for w in .whl/omegaconf-*.whl .whl/antlr4_python3_runtime-*.whl; do [[ -f "$w" ]] && cookbook_wheels+=("$w"); done
 
 if [[ "${SKIP_INSTALL:-0}" == 0 ]]; then
-  if wants trl || wants unsloth; then
+  if wants trl || wants trl-compile || wants unsloth; then
     trl_wheels=()  # .whl without deepspeed (accelerate would import it, and the TRL path has no use for it)
     for w in .whl/*.whl .whl-axo/xxhash-*.whl; do [[ "$w" == .whl/deepspeed-* ]] || trl_wheels+=("$w"); done
     if wants unsloth && ls .whl-ft/*.whl >/dev/null 2>&1; then  # Unsloth on top (its bitsandbytes: .whl-axo's)
@@ -251,6 +253,7 @@ run_axolotl() {  # name adapter: `axolotl train` on the checkpoint every path lo
 
 if adapter lora; then
   wants trl && run_path trl transformers "$INIT" true
+  wants trl-compile && run_path trl-compile transformers "$INIT" true train.compile=true
   if wants unsloth; then
     if [[ "$TINY" != 0 ]]; then
       fail unsloth "not run on CPU (TINY=1): Unsloth's kernels need a CUDA GPU"
@@ -267,6 +270,6 @@ fi
 say "results ($RESULTS):"
 cat "$RESULTS"
 done_runs=()
-for r in trl unsloth; do [[ -f "$RUNS/$r/metrics.jsonl" ]] && done_runs+=("$RUNS/$r"); done
+for r in trl trl-compile unsloth; do [[ -f "$RUNS/$r/metrics.jsonl" ]] && done_runs+=("$RUNS/$r"); done
 for r in axolotl axolotl-qlora; do [[ -f "$RUNS/$r/$r/metrics.jsonl" ]] && done_runs+=("$RUNS/$r/$r"); done
 [[ ${#done_runs[@]} -gt 0 ]] && PYTHONPATH="$TRL_PP" "$PYTHON" benchmarks/summarize.py --skip-steps "$SKIP_STEPS" "${done_runs[@]}" || true

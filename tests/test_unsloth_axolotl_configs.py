@@ -442,6 +442,18 @@ def test_unsloth_recipe_trl_path_trains(trl_runs):
     assert (out / "final" / "model.safetensors").is_file()  # checkpoint.export_merged: the base with the adapter merged
 
 
+def test_unsloth_recipe_trl_path_compiled_layers_train_as_eager(trl_runs, rows, tmp_path, monkeypatch):
+    """train.compile=true (each decoder layer a torch.compile region; aot_eager here, inductor on a GPU): the
+    eager run's per-step losses."""
+    train = load_recipe("unsloth-lora-ddp")
+    monkeypatch.setattr(train, "COMPILE_BACKEND", "aot_eager")  # inherited by the forked workers
+    main_in_workers("unsloth-lora-ddp", f"output_dir={tmp_path}", rows, "train.compile=true", "train.stop_at_step=3")
+    compiled, eager = train_losses(tmp_path / "metrics.jsonl"), train_losses(trl_runs[0] / "metrics.jsonl")
+    assert sorted(compiled) == [1, 2, 3]
+    for step, loss in compiled.items():
+        assert loss == pytest.approx(eager[step], rel=1e-5), step
+
+
 def test_unsloth_recipe_resume_equals_uninterrupted(trl_runs):
     full, resumed, stopped = trl_runs
     assert sorted(stopped) == [1, 2, 3]

@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # imported where used, after the config is checked
 
 LOADERS = ("unsloth", "transformers")
 ATTENTION = ("auto", "varlen", "sdpa", "eager")  # model.attn_implementation of the transformers loader
+COMPILE_BACKEND = "inductor"  # train.compile's (the CPU tests set aot_eager: inductor's C++ build is slow)
 CANNOT_REMAP = "the Trainer's data order and per-rank RNG states depend on it"  # why a resume keeps the world size
 
 
@@ -64,6 +65,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     mixed_precision: str = "bf16"  # bf16 | fp32
     gradient_checkpointing: bool = True  # Unsloth's own ("unsloth") with the unsloth loader
+    compile: bool = False  # transformers loader: torch.compile each decoder layer (Unsloth compiles them itself)
     log_every: int = 5
     stop_at_step: int = -1  # > 0: checkpoint and stop after this step; run again to continue
     on_nonfinite: str = "stop"  # a step with NaN/inf gradients: stop (exit 4) or skip (leave it out)
@@ -114,6 +116,8 @@ def load(path: str | Path, overrides: list[str] = ()) -> Config:
         )
     if cfg.model.load_in_4bit and cfg.model.loader != "unsloth":
         raise ConfigError(f"{where}: model.load_in_4bit needs model.loader=unsloth")
+    if cfg.train.compile and cfg.model.loader != "transformers":
+        raise ConfigError(f"{where}: train.compile needs model.loader=transformers (Unsloth compiles its own)")
     for key in (
         "lora.r",
         "lora.alpha",
@@ -355,6 +359,9 @@ def build_model(cfg: Config, info, dtype):
             path, dtype=dtype, device_map=device_map, attn_implementation=attention(cfg, info.device.type == "cuda")
         )
         model = get_peft_model(model, PeftLora(**cfg.lora.peft_kwargs(), bias="none", task_type="CAUSAL_LM"))
+        if cfg.train.compile:  # each decoder layer one compiled region: its norms, rotary, LoRA and MLP fused
+            for layer in model.base_model.model.model.layers:
+                layer.compile(backend=COMPILE_BACKEND)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
