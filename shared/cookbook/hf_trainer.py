@@ -128,11 +128,7 @@ class MetricsCallback(TrainerCallback):
 class Bookkeeping:
     """Trainer mixin, first in the bases, with `TrainerRun.callbacks`: counts each step's micro-batches, reads whole
     global batches (`FullBatchesSampler`); a save failing with an `OSError` deletes its staging folder and ends the run
-    with `CheckpointSaveError`'s one line (exit 2). MetricsLogger prints the log lines, not `PrinterCallback`."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.remove_callback(PrinterCallback)
+    with `CheckpointSaveError`'s one line (exit 2)."""
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         t0 = time.perf_counter()
@@ -415,6 +411,7 @@ class TrainerRun(contextlib.AbstractContextManager):
         """``trainer.train()`` from `resume_from`: True at `max_steps`, False at ``train.stop_at_step``, `Preempted` on
         a preemption signal (both with a checkpoint there)."""
         log = get_logger()
+        trainer.remove_callback(PrinterCallback)  # MetricsLogger prints the log lines
         log.info(epoch_line(len(trainer.train_dataset), _global_batch(trainer.args)))  # Bookkeeping's epochs
         if self.resume_from is not None:  # before the steps, so that the log reads in order
             log.info(f"resumed from {self.resume_from} (the Trainer restores it as training starts)")
