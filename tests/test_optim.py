@@ -1,4 +1,4 @@
-"""cookbook.optim.build_optimizer: the param groups, AdamW's settings and the warm-up of the schedule."""
+"""cookbook.config.build_optimizer: the param groups, AdamW's settings and the warm-up of the schedule."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cookbook.config import OptimConfig
-from cookbook.optim import build_optimizer
+from cookbook.config import build_optimizer
 
 
 def test_no_decay_on_1d_tensors_and_linear_warmup():

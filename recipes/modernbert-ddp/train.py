@@ -59,7 +59,7 @@ from cookbook.config import ConfigError, check_fields, load_config, to_dict
 from cookbook.hub import check_local_model, resolve_path
 from cookbook.loop import Run
 from cookbook.metrics import ModelFlops, count_parameters, launch_time
-from cookbook.optim import build_optimizer
+from cookbook.config import build_optimizer
 from cookbook.sampler import ResizableSampler
 from cookbook.errors import not_a_file
 from cookbook.tabular import DataError, first_csv_row, records, to_int

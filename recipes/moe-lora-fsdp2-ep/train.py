@@ -40,7 +40,7 @@ from cookbook.config import ConfigError, check_fields, load_config, to_dict
 from cookbook.hub import model_folder, resolve_path
 from cookbook.loop import Run
 from cookbook.metrics import ModelFlops
-from cookbook.optim import build_optimizer
+from cookbook.config import build_optimizer
 import moe_model
 from image_text import (
     VLDataConfig,

@@ -44,7 +44,7 @@ from cookbook.config import ConfigError, check_fields, load_config, to_dict
 from cookbook.hub import model_folder
 from cookbook.loop import Run
 from cookbook.metrics import ModelFlops, count_parameters
-from cookbook.optim import build_optimizer
+from cookbook.config import build_optimizer
 from cookbook.sampler import ResizableSampler
 
 hf_logging.disable_progress_bar()

@@ -34,7 +34,7 @@ from cookbook.checkpoint import CheckpointError, Checkpointer, ModelOptimizerSta
 from cookbook.config import ConfigError, check_fields, load_config, to_dict
 from cookbook.hub import resolve_path
 from cookbook.loop import Run
-from cookbook.optim import build_optimizer
+from cookbook.config import build_optimizer
 from cookbook.sampler import ResizableSampler
 from cookbook.errors import not_a_file
 from cookbook.tabular import INT64, DataError

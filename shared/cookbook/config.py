@@ -27,6 +27,9 @@ from cookbook.requirements import check_trackers
 from cookbook.requirements import require  # noqa: F401 (recipes call config.require)
 from cookbook.run_lock import OUTPUT_DIR_FILE_ENV, complete_message, report_complete, report_output_dir
 
+if typing.TYPE_CHECKING:
+    import torch
+
 T = TypeVar("T")
 
 
@@ -283,7 +286,7 @@ def cli_parser(description: str | None = None, show_examples: bool = False) -> a
 # ----------------------------------------------------------------------------- sections every recipe shares
 @dataclasses.dataclass
 class OptimConfig:
-    """``optim``: AdamW (Loshchilov & Hutter, 2019) and a transformers ``get_scheduler`` learning-rate schedule."""
+    """``optim``: AdamW (Loshchilov & Hutter, 2019) and a ``get_scheduler`` schedule, made by `build_optimizer`."""
 
     lr: float = 1e-5
     weight_decay: float = 0.0
@@ -292,6 +295,29 @@ class OptimConfig:
     scheduler: str = "cosine"  # a transformers SchedulerType: linear, cosine, constant_with_warmup, ...
     warmup_ratio: float = 0.03  # fraction of the optimizer steps
     max_grad_norm: float = 1.0  # clip the total gradient norm; 0: no clipping
+
+
+def build_optimizer(
+    optim: OptimConfig, params: Iterable[Any], max_steps: int, *, fused: bool, decay_1d: bool = True
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LRScheduler]:
+    """AdamW over `params` (tensors, or param groups as torch.optim takes them) and transformers'
+    ``get_scheduler(optim.scheduler)`` over `max_steps` optimizer steps, the first ``warmup_ratio * max_steps`` of them
+    warm-up. ``decay_1d=False`` (tensors only): no weight decay on 1-D tensors (biases and norms)."""
+    import torch
+    from transformers import get_scheduler  # here: transformers imports torchvision, which a recipe checks first
+
+    if not decay_1d:
+        params = list(params)
+        params = [
+            {"params": [p for p in params if p.ndim >= 2]},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ]
+    optimizer = torch.optim.AdamW(
+        params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay, fused=fused
+    )
+    warmup = int(optim.warmup_ratio * max_steps)
+    scheduler = get_scheduler(optim.scheduler, optimizer, num_warmup_steps=warmup, num_training_steps=max_steps)
+    return optimizer, scheduler
 
 
 @dataclasses.dataclass

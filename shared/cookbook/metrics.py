@@ -219,7 +219,7 @@ class MetricsLogger:
 
     def tracker_lines(self) -> list[tuple[str, str]]:
         """``(tracker name, where its run is and the command that shows it)`` for each tracker still on (rank 0)."""
-        return [(sink.name, where) for sink in self._sinks if (where := sink.where())]
+        return [(sink.name, sink.where()) for sink in self._sinks if sink.enabled]
 
     def _reset_window(self, step: int | None) -> None:
         self._last_step = step

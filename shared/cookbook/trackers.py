@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -72,7 +73,8 @@ def _redact_text(text: str) -> str:
 
 class Sink:
     """A tracker beside ``metrics.jsonl`` that switches itself off, with one warning line, at its first failure;
-    `_start` opens its run in `out_dir` (a resumed run continues the one whose id is in ``<out_dir>/<id_file>``)."""
+    `_start` opens its run in `out_dir` (a resumed run continues the one whose id is in ``<out_dir>/<id_file>``);
+    `where`, while `enabled`: where the run is and the command that shows it, for the closing lines."""
 
     name = id_file = ""
     run_id = tracking_uri = None
@@ -105,10 +107,6 @@ class Sink:
     def close(self, status: str = "FINISHED") -> None:
         """End the run: ``FINISHED``, ``FAILED`` or ``KILLED`` (stopped early, to be resumed)."""
         self._guard(self._close, status)
-
-    def where(self) -> str | None:
-        """Where the run is and the command that shows it, for the closing lines; ``None`` once switched off."""
-        return self._where() if self.enabled else None
 
 
 def _browse(command: str, tracker: str, module: str, note: str = "") -> str:
@@ -143,12 +141,8 @@ class MLflowSink(Sink):
         run = mlflow.start_run(run_id=run_id or None, run_name=None if run_id else run_name)
         self.run_id = run.info.run_id
         self._run_id_file.write_text(self.run_id)
-        items = [(k, str(v)[:500]) for k, v in flatten(params).items()]
-        for i in range(0, len(items), 100):
-            try:
-                mlflow.log_params(dict(items[i : i + 100]))
-            except Exception:
-                pass  # params already logged with other values (a resume with overrides): keep going
+        with contextlib.suppress(Exception):  # already logged with other values (a resume with overrides)
+            mlflow.log_params({k: str(v)[:500] for k, v in flatten(params).items()})  # it sends 100 at a time
 
     def _log(self, metrics: Mapping[str, float], step: int) -> None:
         self._mlflow.log_metrics({k.replace("/", "_"): float(v) for k, v in metrics.items()}, step=step)
@@ -156,7 +150,7 @@ class MLflowSink(Sink):
     def _close(self, status: str) -> None:
         self._mlflow.end_run(status=status)
 
-    def _where(self) -> str:
+    def where(self) -> str:
         uri = redact_uri(self.tracking_uri)
         if uri is not None and uri.startswith(("http://", "https://", "databricks")):
             return f"{uri} (run {self.run_id})"  # a server: its own UI shows the run
@@ -185,7 +179,7 @@ class TensorBoardSink(Sink):
     def _close(self, status: str) -> None:
         self._writer.close()
 
-    def _where(self) -> str:
+    def where(self) -> str:
         return f"{self.log_dir}; {_browse(f'tensorboard --logdir {self.log_dir}', 'tensorboard', 'tensorboard')}"
 
 
@@ -224,7 +218,7 @@ class WandbSink(Sink):
         self._run.finish(exit_code=1 if status == "FAILED" else 0)
         wandb.teardown()  # waits until W&B's service has written everything (finish alone does not, offline)
 
-    def _where(self) -> str:
+    def where(self) -> str:
         if self.mode == "offline":
             folder = Path(self._run.dir).parent  # <out_dir>/wandb/offline-run-<time>-<id>
             return f"{folder} (offline); upload with `wandb sync {folder}`"
