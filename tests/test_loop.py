@@ -295,7 +295,7 @@ def test_run_resumes_and_takes_the_cadence_from_the_shared_sections(tmp_path):
 
 
 def test_a_preemption_signal_stops_after_the_step_with_a_checkpoint_and_the_resume_loses_nothing(tmp_path):
-    from cookbook.entry import EXIT_PREEMPTED
+    from cookbook.errors import EXIT_PREEMPTED
     from cookbook.loop import Preempted
 
     whole, *_ = _run(tmp_path / "whole")

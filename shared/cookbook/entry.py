@@ -30,7 +30,6 @@ from cookbook.builds import broken_build_in, chain
 from cookbook.config import cli_parser
 from cookbook.dist import collective_timed_out, describe_stall, last_finished_step
 from cookbook.errors import AGENT_PID_ENV, EXIT_BUG, EXIT_INTERRUPTED, EXIT_OK, EXIT_PEER_LOST, EXIT_USER_ERROR
-from cookbook.errors import EXIT_PREEMPTED  # noqa: F401 - imported from here (tests)
 from cookbook.errors import LAST_STEP_KEY, AlreadyComplete, OneLineError, check_passed
 from cookbook.errors import first_line as _first_line
 from cookbook.requirements import import_error_line

@@ -35,14 +35,13 @@ import torch
 from cookbook.dist import distributed_context
 from cookbook.errors import first_line
 from cookbook.run_lock import die_with_parent
-from cookbook.torchrun import environ_kept, killed_by
+from cookbook.torchrun import STOP_SIGNALS, environ_kept, killed_by
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
 _BACKENDS = ("torch", "ray")
 _START_METHODS = ("spawn", "forkserver", "fork")
-_HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)  # torch's elastic agent takes them
 
 
 @dataclasses.dataclass(repr=False, eq=False)
@@ -132,8 +131,6 @@ def local_num_processes(num_processes: int | None) -> int:
     force_cpu = os.environ.get("COOKBOOK_DEVICE", "").lower() == "cpu"
     gpus = torch.cuda.device_count() if torch.cuda.is_available() and not force_cpu else 0
     n = num_processes if num_processes is not None else (gpus or 2)
-    if n < 1:
-        raise ValueError(f"num_processes must be >= 1, got {n}")
     if gpus and n > gpus:
         raise ValueError(
             f"num_processes={n} but only {gpus} GPU(s) are visible: one process per GPU, so at most "
@@ -240,7 +237,7 @@ def _around_agent() -> Iterator[None]:
     """Only critical messages of the elastic agent's loggers meanwhile (the `WorkerError` says a failure once); then
     the caller's signal handlers back (the agent leaves its own)."""
     main = threading.current_thread() is threading.main_thread()
-    saved = {sig: signal.getsignal(sig) for sig in _HANDLED_SIGNALS} if main else {}
+    saved = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS} if main else {}
     prefixes = ("torch.distributed.elastic", "torch.multiprocessing")  # each module's logger has its own level
     loggers = list(logging.root.manager.loggerDict.items())
     levels = {log: log.level for name, log in loggers if name.startswith(prefixes) and isinstance(log, logging.Logger)}

@@ -36,7 +36,7 @@ _INTERRUPTED = (
 )
 _RESTARTED_STATUSES = (EXIT_BUG, EXIT_PEER_LOST)
 # Signals that ask a process to stop (a scheduler, a terminal, Slurm's warning): a worker they ended is not restarted.
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 
 _stop_asked = False  # the launcher was sent SIGUSR1 (or SIGTERM): no restart after it
 
@@ -81,11 +81,11 @@ def killed_by(signum: int) -> str:
 
 def should_restart(exitcode: int, exitcodes: Iterable[int] = ()) -> bool:
     """Whether a failed group is worth starting again: the first failure (`exitcode`; negative: a signal) is a
-    kill by a signal not in `_STOP_SIGNALS`, or status 1 or 3, and none of `exitcodes` is 2, 4, 75 or 130."""
+    kill by a signal not in `STOP_SIGNALS`, or status 1 or 3, and none of `exitcodes` is 2, 4, 75 or 130."""
     if {exitcode, *exitcodes} & {EXIT_USER_ERROR, EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_INTERRUPTED}:
         return False
     if exitcode < 0:
-        return -exitcode not in [int(s) for s in _STOP_SIGNALS]
+        return -exitcode not in [int(s) for s in STOP_SIGNALS]
     return exitcode in _RESTARTED_STATUSES
 
 
