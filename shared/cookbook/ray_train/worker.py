@@ -228,7 +228,7 @@ class WorkerRun(TrainLoop):
         del resumed
         self._saved_at = self.batches  # the newest checkpoint's data position
         # An epoch run resumed mid-epoch (a preemption checkpoint): batches of this epoch already taken.
-        self._skip = self.batches - self.epoch * steps_per_epoch if self._unit == "epoch" else 0
+        self._skip = self.batches - self.state.epoch * steps_per_epoch if self._unit == "epoch" else 0
         get_logger().info(
             f"world size {info.world_size} ({info.backend}, {info.device.type}) | "
             f"{about + ' | ' if about else ''}{max_steps} steps ({steps_per_epoch}/epoch) | "
@@ -236,29 +236,17 @@ class WorkerRun(TrainLoop):
         )
 
     @property
-    def step(self) -> int:
-        return self.state.step
-
-    @property
-    def epoch(self) -> int:
-        return self.state.epoch
-
-    @property
     def _done(self) -> int:
-        return self.epoch if self._unit == "epoch" else self.step
+        return self.state.epoch if self._unit == "epoch" else self.state.step
 
     @property
     def batches(self) -> int:  # steps' worth of batches taken over the run, applied or skipped
-        return self.step + self.nonfinite.skipped_steps
-
-    @property
-    def skipped_steps(self) -> int:  # dropped by `skip_step` over the whole run
-        return self.nonfinite.skipped_steps
+        return self.state.step + self.nonfinite.skipped_steps
 
     def __enter__(self) -> WorkerRun:
         try:
             barrier()  # every worker starts the clock together
-            self.metrics.start(self.step)
+            self.metrics.start(self.state.step)
         except BaseException:
             self.metrics.close(failed=True)
             raise
@@ -266,22 +254,22 @@ class WorkerRun(TrainLoop):
 
     def steps(self) -> Iterator[int]:
         """Each step's number (1-based) up to the stop point or a stop request; each ends in `end_step`."""
-        while self.step < self._end and not self._preempted:
-            started, self._skipped_now = self.step, False
+        while self.state.step < self._end and not self._preempted:
+            started, self._skipped_now = self.state.step, False
             if self.profiler is not None:
                 self.profiler.start(started + 1)
             self.nonfinite.begin_step()
             yield started + 1
             if self.profiler is not None:
                 self.profiler.stop()
-            if self.step == started and not self._skipped_now:
+            if self.state.step == started and not self._skipped_now:
                 raise RuntimeError("each step must end with run.end_step(...) or a skip (run.skip_step)")
 
     def epochs(self) -> Iterator[int]:
         """Each epoch's number (0-based) up to the stop point or a stop request; each ends in `end_epoch`."""
-        while self.epoch < self._end and not self._preempted:
-            yield (started := self.epoch)
-            if self.epoch == started and not self._preempted:
+        while self.state.epoch < self._end and not self._preempted:
+            yield (started := self.state.epoch)
+            if self.state.epoch == started and not self._preempted:
                 raise RuntimeError("each epoch must end with run.end_epoch(...)")
 
     def timed(self, batches: Iterable) -> Iterator[tuple[Any, float]]:
@@ -318,11 +306,11 @@ class WorkerRun(TrainLoop):
         """`TrainLoop.end_step` (logs also at each epoch's end); returns whether a checkpoint is due (step runs;
         collective)."""
         self._lr = lr
-        record_progress(self.step + 1)
+        record_progress(self.state.step + 1)
         super().end_step(loss, lr=lr, grad_norm=grad_norm, window=window)
         if self._unit != "step":
             return False
-        step = self.step
+        step = self.state.step
         due = self._every >= 0 and (step == self._end or (self._every > 0 and step % self._every == 0))
         if step < self._end and self._agree_stop():
             self._preempted = due = True
@@ -343,13 +331,15 @@ class WorkerRun(TrainLoop):
         if self._steps:  # the epoch's last batch was skipped (skip_step): its last log line comes here
             self._log_window(self._lr)
         with self.metrics.paused(), rng_kept():  # the evaluation does not change what the next epoch draws
-            self.metrics.log_eval(self.step, values := dict(evaluate()))
+            self.metrics.log_eval(self.state.step, values := dict(evaluate()))
         self._last_eval = self._values = values
 
     def _label(self) -> str:
         if self._unit == "step":
-            return f"step_{self.step:08d}"
-        return f"epoch_{self.epoch:04d}" + (f"_step_{self.step:08d}" if self.batches % self.steps_per_epoch else "")
+            return f"step_{self.state.step:08d}"
+        return f"epoch_{self.state.epoch:04d}" + (
+            f"_step_{self.state.step:08d}" if self.batches % self.steps_per_epoch else ""
+        )
 
     def _folder(self) -> Path:  # where Ray stores the checkpoint of this point
         return Path(self.cfg.output_dir).expanduser().resolve() / f"checkpoint_{self._label()}"
@@ -359,8 +349,8 @@ class WorkerRun(TrainLoop):
         """``with run.checkpoint() as saved: ray.train.report(**saved)`` (collective): rank 0 writes ``state.pt`` and
         ``meta.json`` to a temporary folder that Ray copies to ``<output_dir>/checkpoint_<label>``. NonFiniteError: a
         non-finite model; CheckpointSaveError on every worker: a failed write or copy (the partial folder removed)."""
-        counts = {"epoch": self.epoch} if self._unit == "epoch" else {}
-        metrics = {**counts, "step": self.step, **self._values, **({"preempted": 1.0} if self._preempted else {})}
+        counts = {"epoch": self.state.epoch} if self._unit == "epoch" else {}
+        metrics = {**counts, "step": self.state.step, **self._values, **({"preempted": 1.0} if self._preempted else {})}
         with self.metrics.paused():
             if self._preempted and self._saved_at == self.batches:  # the newest checkpoint is at this step
                 yield {"metrics": metrics}
@@ -368,12 +358,12 @@ class WorkerRun(TrainLoop):
                 return
             label, final = self._label(), self._folder()
             self.nonfinite.check_applied()  # never save an update that diverged
-            self.nonfinite.check_model(self.step, f"checkpoint_{label} is not saved")
+            self.nonfinite.check_model(self.state.step, f"checkpoint_{label} is not saved")
             # every worker's streams, and the steps skipped so far
             run = {_RNG_KEY: all_gather_object(rng_state()), _SKIPPED_KEY: self.nonfinite.skipped_steps}
             if self._unit == "epoch" and self.batches % self.steps_per_epoch:
                 run[_EPOCH_RNG_KEY] = all_gather_object(self._epoch_rng)
-            meta = {**counts, "step": self.step, "world_size": self.info.world_size, "config": to_dict(self.cfg)}
+            meta = {**counts, "step": self.state.step, "world_size": self.info.world_size, "config": to_dict(self.cfg)}
             with tempfile.TemporaryDirectory() as tmp:
                 saved, failure = {"metrics": metrics}, None
                 if self.info.is_main:  # DDP replicas are identical: rank 0's state
@@ -403,7 +393,7 @@ class WorkerRun(TrainLoop):
         """``(message, errno)`` of `save_error` for the OS error behind `exc` (else raise `exc`)."""
         if (os_error := os_error_in(exc)) is None:
             raise exc
-        error = save_error(self.step, final, self._newest, 0 if self.info.world_size > 1 else None, os_error)
+        error = save_error(self.state.step, final, self._newest, 0 if self.info.world_size > 1 else None, os_error)
         return str(error), error.errno
 
     def _agree_stop(self) -> bool:
@@ -426,16 +416,16 @@ class WorkerRun(TrainLoop):
             )
         self.nonfinite.check_applied()
         if not self._preempted and self._done >= self._total:
-            self.nonfinite.check_model(self.step, "the run is not done (no final evaluation, export or summary)")
+            self.nonfinite.check_model(self.state.step, "the run is not done (no final evaluation, export or summary)")
         if final_eval := dict(self.evaluate()) if self.evaluate is not None and not self._preempted else {}:
-            self.metrics.log_eval(self.step, final_eval)
+            self.metrics.log_eval(self.state.step, final_eval)
         final_eval = final_eval or self._last_eval
         reports, fingerprints = all_gather_object(self._reports), all_gather_object(param_fingerprint(model))
         outputs: dict[str, tuple[Path | None, str]] = {}
         self.stopped = self._preempted or self._done < self._total
         if self._preempted:
             get_logger().info(
-                f"stopped after step {self.step} ({self._unit} {self._done} of {self._total}) on the "
+                f"stopped after step {self.state.step} ({self._unit} {self._done} of {self._total}) on the "
                 f"driver's stop request, with a checkpoint at it; run the same command again to continue"
             )
         elif self.stopped:
@@ -447,8 +437,8 @@ class WorkerRun(TrainLoop):
             outputs = dict(export())
         self.metrics.log_summary(
             {
-                "step": self.step,
-                **({"epoch": self.epoch} if self._unit == "epoch" else {}),
+                "step": self.state.step,
+                **({"epoch": self.state.epoch} if self._unit == "epoch" else {}),
                 "reports_per_worker": reports,
                 "param_fingerprints": fingerprints,
                 **{f"eval/{k}": v for k, v in final_eval.items()},
@@ -458,7 +448,7 @@ class WorkerRun(TrainLoop):
             }
         )
         if not self.stopped:
-            log_outputs(self.step, final_eval, self.metrics, Path(self.cfg.output_dir), outputs)
+            log_outputs(self.state.step, final_eval, self.metrics, Path(self.cfg.output_dir), outputs)
 
 
 def raise_save_error(failure: tuple[str, int | None] | None) -> None:
