@@ -189,9 +189,8 @@ class WorkerRun(TrainLoop):
         self._lr = 0.0  # the learning rate of the newest applied step (an epoch's last log line after a skip)
         if getattr(cfg.train, "seed", None) is not None:
             seed_per_rank(cfg.train.seed, info.rank)  # each worker its own dropout masks; a resume restores its own
-        train, skipped = TrainState(), 0
-        resumed = load_checkpoint()  # memory-mapped on the CPU, copied into the model and optimizer
-        if resumed is not None:
+        train, skipped, meta = TrainState(), 0, None
+        if (resumed := load_checkpoint()) is not None:  # memory-mapped on the CPU, copied into the model and optimizer
             saved, meta = resumed
             for name, obj in self.objects.items():
                 if hasattr(obj, "load_state_dict"):
@@ -206,7 +205,7 @@ class WorkerRun(TrainLoop):
                 )
             self._epoch_rng = saved[_EPOCH_RNG_KEY][info.rank] if _EPOCH_RNG_KEY in saved else None  # mid-epoch
             train.step, train.epoch, skipped = meta["step"], meta.get("epoch", 0), int(saved.get(_SKIPPED_KEY, 0))
-            del saved
+            del saved, resumed
         record_progress(train.step)  # each step's, for the line of a worker whose collective times out
         profile_step = getattr(cfg.train, "profile_step", 0)
         super().__init__(
@@ -224,8 +223,7 @@ class WorkerRun(TrainLoop):
             max_consecutive_skips=max_skips,
         )
         self.nonfinite.skipped_steps, self.nonfinite.newest_checkpoint = skipped, lambda: self._newest
-        self._newest = self._folder() if resumed is not None else None  # its name (`_label`) counts skipped steps
-        del resumed
+        self._newest = self._folder() if meta is not None else None  # its name (`_label`) counts skipped steps
         self._saved_at = self.batches  # the newest checkpoint's data position
         # An epoch run resumed mid-epoch (a preemption checkpoint): batches of this epoch already taken.
         self._skip = self.batches - self.state.epoch * steps_per_epoch if self._unit == "epoch" else 0
