@@ -188,7 +188,7 @@ def train_loop(config_dict: dict) -> None:
     def batches():
         """Micro-batches from the resumed step on: the sampler's order of each epoch, replayed after a resume
         (a skipped non-finite step took a step's batches too)."""
-        epoch, skip = divmod(run.step + run.skipped_steps, steps_per_epoch)
+        epoch, skip = divmod(run.batches, steps_per_epoch)
         while True:
             if info.world_size > 1:
                 loader.sampler.set_epoch(epoch)

@@ -200,13 +200,8 @@ class TrainLoop:
             self._window[k] = self._window.get(k, 0.0) + (v.detach() if isinstance(v, torch.Tensor) else v)
         self._steps += 1
         self.metrics.advance(step)  # rank 0's progress bar, on a terminal
-        if step % self.log_every == 0 or step == self.max_steps:
-            self.nonfinite.check_applied()
-            extra = {k: v / self._steps for k, v in self._window.items()}
-            extra.update(self.log_extra() if self.log_extra is not None else {})
-            extra.update(self.nonfinite.log_extra())
-            self.metrics.log_step(step, self._loss / self._steps, lr, grad_norm, extra=extra or None)
-            self._reset_window()
+        if self._log_due(step):
+            self._log_window(lr, grad_norm)
         with self.metrics.paused():  # not counted in the step time and throughput
             eval_due = self.eval_every > 0 and step % self.eval_every == 0 and step < self.max_steps
             if self.evaluate is not None and eval_due:
@@ -214,6 +209,18 @@ class TrainLoop:
                     values = self.evaluate()
                 self.metrics.log_eval(step, values)
             self._save()
+
+    def _log_due(self, step: int) -> bool:
+        return step % self.log_every == 0 or step == self.max_steps
+
+    def _log_window(self, lr: float, grad_norm: _Value | None = None) -> None:
+        """Log the window's averages (its loss, `window` numbers, `log_extra`, skipped steps) and start a new one."""
+        self.nonfinite.check_applied()
+        extra = {k: v / self._steps for k, v in self._window.items()}
+        extra.update(self.log_extra() if self.log_extra is not None else {})
+        extra.update(self.nonfinite.log_extra())
+        self.metrics.log_step(self.state.step, self._loss / self._steps, lr, grad_norm, extra=extra or None)
+        self._reset_window()
 
     def _reset_window(self) -> None:
         self._loss: torch.Tensor | float = torch.zeros((), device=self.device)

@@ -19,13 +19,13 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from cookbook.checkpoint import CHECKSUMS_KEY, META_FILE, CheckpointError, CheckpointSaveError, RNGState, checksums
-from cookbook.checkpoint import from_rank0, os_error_in, rng_kept, save_error, seed_per_rank
+from cookbook.checkpoint import TrainState, from_rank0, os_error_in, rng_kept, save_error, seed_per_rank
 from cookbook.config import to_dict, to_object
 from cookbook.dist import DistInfo, all_gather_object, all_reduce_mean, barrier, get_logger, param_fingerprint
 from cookbook.dist import record_progress, set_collective_timeout, stall_error
 from cookbook.logs import configure_logging
-from cookbook.loop import Outputs, log_outputs
-from cookbook.policy import NonFiniteError, NonFinitePolicy, StopVote, models_in
+from cookbook.loop import Outputs, TrainLoop, log_outputs
+from cookbook.policy import NonFiniteError, NonFinitePolicy
 from cookbook.metrics import MetricsLogger, ModelFlops, StepProfiler
 from cookbook.resume import checksum_problem
 
@@ -143,13 +143,14 @@ def _facts(meta: Mapping[str, Any]) -> str:
     return ", ".join(f"{k} {v}" for k, v in meta.items() if k not in ("config", CHECKSUMS_KEY))
 
 
-class WorkerRun:
-    """One Ray Train worker's resume, metrics, checkpoints for ``ray.train.report`` and summary (collective): ``with
-    run:``, ``run.epochs()`` or ``run.steps()``, ``run.timed(loader)``, ``run.end_step`` / ``run.end_epoch``, ``with
-    run.checkpoint() as saved: ray.train.report(**saved)``, ``run.finish``. It resumes `state` (name -> object with
-    ``state_dict``, or a value), the random streams, `step`, `epoch`. `stop_at`: ``("train.stop_at_epoch", n)`` (a
-    checkpoint per epoch) or ``("train.stop_at_step", n)`` (by ``checkpoint.every_steps``). A stop request from the
-    driver is checkpointed (mid-epoch: ``checkpoint_epoch_<n>_step_<s>``; its resume replays the epoch's batches)."""
+class WorkerRun(TrainLoop):
+    """One Ray Train worker's `TrainLoop` (its step counting, log windows, eval cadence and non-finite policy) with
+    Ray's resume, stop request and checkpoints (collective): ``with run:``, ``run.epochs()`` or ``run.steps()``,
+    ``run.timed(loader)``, ``run.end_step`` / ``run.end_epoch``, ``with run.checkpoint() as saved:
+    ray.train.report(**saved)``, ``run.finish``. It resumes `state` (name -> object with ``state_dict``, or a value),
+    the random streams, `step`, `epoch`. `stop_at`: ``("train.stop_at_epoch", n)`` (a checkpoint per epoch) or
+    ``("train.stop_at_step", n)`` (by ``checkpoint.every_steps``). A stop request from the driver is checkpointed
+    (mid-epoch: ``checkpoint_epoch_<n>_step_<s>``; its resume replays the epoch's batches)."""
 
     def __init__(
         self,
@@ -171,32 +172,27 @@ class WorkerRun:
                 f"state: {_RNG_KEY!r}, {_EPOCH_RNG_KEY!r} and {_SKIPPED_KEY!r} name the workers' random "
                 f"streams and skipped steps in a checkpoint; use other names"
             )
-        self.nonfinite = NonFinitePolicy.from_config(
-            cfg.train, device=info.device, models=models_in(state), newest_checkpoint=lambda: self._newest
-        )
+        on_nonfinite, max_skips = NonFinitePolicy.settings(cfg.train)
         if getattr(cfg.train, "collective_timeout_s", None) is not None:  # a stalled worker: see `worker_entry`
             set_collective_timeout(cfg.train.collective_timeout_s, store_rank=0)  # Ray's env:// store: rank 0's
-        self.cfg, self.info, self.state = cfg, info, dict(state)
-        self.max_steps, self.steps_per_epoch = max_steps, steps_per_epoch
+        self.cfg, self.info, self.objects, self.steps_per_epoch = cfg, info, dict(state), steps_per_epoch
         self._stop_key, self._unit = stop_at[0], stop_at[0].rsplit("_", 1)[-1]
         self._total = max_steps // steps_per_epoch if self._unit == "epoch" else max_steps
-        self._stop = min(self._total, stop_at[1]) if stop_at[1] > 0 else self._total
+        self._end = min(self._total, stop_at[1]) if stop_at[1] > 0 else self._total
         self._every = getattr(cfg.checkpoint, "every_steps", 0) if self._unit == "step" else 0
-        self._evaluate, self._eval_every = evaluate, getattr(cfg.train, "eval_every", 0)
-        self.step = self.epoch = self._reports = 0
-        self._stopped = self._preempted = False  # ended before the end / on the driver's stop request (checkpointed)
-        self._stop_seen, self._next_poll, self._vote = False, 0.0, StopVote(info.device)
+        self._reports, self._preempted = 0, False  # checkpoints reported; stopped on the driver's request
+        self._stop_seen, self._next_poll = False, 0.0
         self._last_eval, self._values = {}, {}  # the last epoch's evaluation; the next checkpoint's report metrics
         self._rng = self._epoch_rng = None  # the resumed streams (again after a skip); those when this epoch began
         self._newest: Path | None = None  # the newest checkpoint folder (resumed or saved)
-        self._skipped_now = self._stop_reported = False  # the running step was skipped; a report after a stop request
+        self._stop_reported = False  # a report after a stop request
         self._lr = 0.0  # the learning rate of the newest applied step (an epoch's last log line after a skip)
         if getattr(cfg.train, "seed", None) is not None:
             seed_per_rank(cfg.train.seed, info.rank)  # each worker its own dropout masks; a resume restores its own
-        resumed = load_checkpoint()  # memory-mapped on the CPU, copied into the model and optimizer
-        if resumed is not None:
+        train, skipped, meta = TrainState(), 0, None
+        if (resumed := load_checkpoint()) is not None:  # memory-mapped on the CPU, copied into the model and optimizer
             saved, meta = resumed
-            for name, obj in self.state.items():
+            for name, obj in self.objects.items():
                 if hasattr(obj, "load_state_dict"):
                     obj.load_state_dict(saved[name])
             if _RNG_KEY in saved:
@@ -208,19 +204,29 @@ class WorkerRun:
                     "augmentation and dropout continue from this run's seeds"
                 )
             self._epoch_rng = saved[_EPOCH_RNG_KEY][info.rank] if _EPOCH_RNG_KEY in saved else None  # mid-epoch
-            self.step, self.epoch = meta["step"], meta.get("epoch", 0)
-            self.nonfinite.skipped_steps = int(saved.get(_SKIPPED_KEY, 0))
-            self._newest = self._folder()  # its name (`_label`) counts the skipped steps
+            train.step, train.epoch, skipped = meta["step"], meta.get("epoch", 0), int(saved.get(_SKIPPED_KEY, 0))
             del saved, resumed
-        record_progress(self.step)  # each step's, for the line of a worker whose collective times out
+        record_progress(train.step)  # each step's, for the line of a worker whose collective times out
+        profile_step = getattr(cfg.train, "profile_step", 0)
+        super().__init__(
+            state=train,
+            max_steps=max_steps,
+            metrics=MetricsLogger.for_run(
+                cfg, info, experiment=experiment, flops=flops, max_steps=max_steps, count_tokens=count_tokens
+            ),
+            log_every=cfg.train.log_every,
+            eval_every=getattr(cfg.train, "eval_every", 0),
+            evaluate=evaluate,
+            checkpoint_state=self.objects,  # its models and fused optimizers for the non-finite policy
+            profiler=StepProfiler(profile_step, Path(cfg.output_dir), info) if profile_step > 0 else None,
+            on_nonfinite=on_nonfinite,
+            max_consecutive_skips=max_skips,
+        )
+        self.nonfinite.skipped_steps, self.nonfinite.newest_checkpoint = skipped, lambda: self._newest
+        self._newest = self._folder() if meta is not None else None  # its name (`_label`) counts skipped steps
         self._saved_at = self.batches  # the newest checkpoint's data position
         # An epoch run resumed mid-epoch (a preemption checkpoint): batches of this epoch already taken.
-        self._skip = self.batches - self.epoch * steps_per_epoch if self._unit == "epoch" else 0
-        self.metrics = MetricsLogger.for_run(
-            cfg, info, experiment=experiment, flops=flops, max_steps=max_steps, count_tokens=count_tokens
-        )
-        self._profiler = StepProfiler(getattr(cfg.train, "profile_step", 0), Path(cfg.output_dir), info)
-        self._log_window(log=False)
+        self._skip = self.batches - self.state.epoch * steps_per_epoch if self._unit == "epoch" else 0
         get_logger().info(
             f"world size {info.world_size} ({info.backend}, {info.device.type}) | "
             f"{about + ' | ' if about else ''}{max_steps} steps ({steps_per_epoch}/epoch) | "
@@ -229,52 +235,39 @@ class WorkerRun:
 
     @property
     def _done(self) -> int:
-        return self.epoch if self._unit == "epoch" else self.step
+        return self.state.epoch if self._unit == "epoch" else self.state.step
 
     @property
     def batches(self) -> int:  # steps' worth of batches taken over the run, applied or skipped
-        return self.step + self.nonfinite.skipped_steps
-
-    @property
-    def skipped_steps(self) -> int:  # dropped by `skip_step` over the whole run
-        return self.nonfinite.skipped_steps
+        return self.state.step + self.nonfinite.skipped_steps
 
     def __enter__(self) -> WorkerRun:
         try:
             barrier()  # every worker starts the clock together
-            self.metrics.start(self.step)
-            self._profiler.start(self.step + 1)
+            self.metrics.start(self.state.step)
         except BaseException:
             self.metrics.close(failed=True)
             raise
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self._vote.finish()
-        self.metrics.close(failed=exc_type is not None, stopped=self._stopped)
-
     def steps(self) -> Iterator[int]:
         """Each step's number (1-based) up to the stop point or a stop request; each ends in `end_step`."""
-        while self.step < self._stop and not self._preempted:
-            started, self._skipped_now = self.step, False
+        while self.state.step < self._end and not self._preempted:
+            started, self._skipped_now = self.state.step, False
+            if self.profiler is not None:
+                self.profiler.start(started + 1)
             self.nonfinite.begin_step()
             yield started + 1
-            if self.step == started and not self._skipped_now:
+            if self.profiler is not None:
+                self.profiler.stop()
+            if self.state.step == started and not self._skipped_now:
                 raise RuntimeError("each step must end with run.end_step(...) or a skip (run.skip_step)")
-
-    def skip_step(self, grad_norm: torch.Tensor | float) -> bool:
-        """`NonFinitePolicy.skip` of the running step (`grad_norm`: the same on every worker). ``True``: zero the
-        gradients and ``continue``."""
-        skipped = self.nonfinite.skip(self.step + 1, grad_norm)
-        self._skipped_now = self._skipped_now or skipped
-        return skipped
 
     def epochs(self) -> Iterator[int]:
         """Each epoch's number (0-based) up to the stop point or a stop request; each ends in `end_epoch`."""
-        while self.epoch < self._stop and not self._preempted:
-            yield (started := self.epoch)
-            if self.epoch == started and not self._preempted:
+        while self.state.epoch < self._end and not self._preempted:
+            yield (started := self.state.epoch)
+            if self.state.epoch == started and not self._preempted:
                 raise RuntimeError("each epoch must end with run.end_epoch(...)")
 
     def timed(self, batches: Iterable) -> Iterator[tuple[Any, float]]:
@@ -308,56 +301,43 @@ class WorkerRun:
         grad_norm: torch.Tensor | float | None = None,
         window: Mapping[str, torch.Tensor | float] | None = None,
     ) -> bool:
-        """Count one optimizer step (`loss`: this worker's; `window`: more numbers averaged by name), log by
-        ``train.log_every``; returns whether a checkpoint is due (step runs; collective)."""
-        self._profiler.stop()
-        self.step += 1
-        step, self._lr = self.step, lr
-        record_progress(step)
-        self.nonfinite.stepped()
-        for k, v in {"": loss, **(window or {})}.items():
-            self._window[k] = self._window.get(k, 0.0) + (v.detach() if isinstance(v, torch.Tensor) else v)
-        self._steps += 1
-        epoch_end = (self.batches if self._unit == "epoch" else step) % self.steps_per_epoch == 0
-        if step % self.cfg.train.log_every == 0 or epoch_end or step == self.max_steps:
-            self._log_window(grad_norm)
-        if self._evaluate and self._eval_every > 0 and step % self._eval_every == 0 and step < self.max_steps:
-            with self.metrics.paused(), rng_kept():  # not in the step time; training draws next what it would without
-                self.metrics.log_eval(step, self._evaluate())
-        self._profiler.start(step + 1)
+        """`TrainLoop.end_step` (logs also at each epoch's end); returns whether a checkpoint is due (step runs;
+        collective)."""
+        self._lr = lr
+        record_progress(self.state.step + 1)
+        super().end_step(loss, lr=lr, grad_norm=grad_norm, window=window)
         if self._unit != "step":
             return False
-        due = self._every >= 0 and (step == self._stop or (self._every > 0 and step % self._every == 0))
-        if step < self._stop and self._agree_stop():
+        step = self.state.step
+        due = self._every >= 0 and (step == self._end or (self._every > 0 and step % self._every == 0))
+        if step < self._end and self._agree_stop():
             self._preempted = due = True
         if due:
             self._values = {"loss": all_reduce_mean({"loss": loss}, self.info.device)["loss"]}  # of the global batch
         return due
+
+    def _log_due(self, step: int) -> bool:
+        epoch_end = (self.batches if self._unit == "epoch" else step) % self.steps_per_epoch == 0
+        return epoch_end or super()._log_due(step)
 
     def end_epoch(self, evaluate: Callable[[], Mapping[str, float]]) -> None:
         """Count one epoch, run `evaluate` (collective), its metrics the checkpoint's (none after a stop request)."""
         if self._preempted:
             self._values = {}
             return
-        self.epoch += 1
+        self.state.epoch += 1
         if self._steps:  # the epoch's last batch was skipped (skip_step): its last log line comes here
-            self._log_window()
+            self._log_window(self._lr)
         with self.metrics.paused(), rng_kept():  # the evaluation does not change what the next epoch draws
-            self.metrics.log_eval(self.step, values := dict(evaluate()))
+            self.metrics.log_eval(self.state.step, values := dict(evaluate()))
         self._last_eval = self._values = values
-
-    def _log_window(self, grad_norm: torch.Tensor | float | None = None, log: bool = True) -> None:
-        if log:
-            extra = {k: v / self._steps for k, v in self._window.items() if k}
-            extra.update(self.nonfinite.log_extra())
-            self.metrics.log_step(self.step, self._window[""] / self._steps, self._lr, grad_norm, extra=extra or None)
-        self._window: dict[str, Any] = {"": torch.zeros((), device=self.info.device)}
-        self._steps = 0
 
     def _label(self) -> str:
         if self._unit == "step":
-            return f"step_{self.step:08d}"
-        return f"epoch_{self.epoch:04d}" + (f"_step_{self.step:08d}" if self.batches % self.steps_per_epoch else "")
+            return f"step_{self.state.step:08d}"
+        return f"epoch_{self.state.epoch:04d}" + (
+            f"_step_{self.state.step:08d}" if self.batches % self.steps_per_epoch else ""
+        )
 
     def _folder(self) -> Path:  # where Ray stores the checkpoint of this point
         return Path(self.cfg.output_dir).expanduser().resolve() / f"checkpoint_{self._label()}"
@@ -367,26 +347,27 @@ class WorkerRun:
         """``with run.checkpoint() as saved: ray.train.report(**saved)`` (collective): rank 0 writes ``state.pt`` and
         ``meta.json`` to a temporary folder that Ray copies to ``<output_dir>/checkpoint_<label>``. NonFiniteError: a
         non-finite model; CheckpointSaveError on every worker: a failed write or copy (the partial folder removed)."""
-        counts = {"epoch": self.epoch} if self._unit == "epoch" else {}
-        metrics = {**counts, "step": self.step, **self._values, **({"preempted": 1.0} if self._preempted else {})}
+        counts = {"epoch": self.state.epoch} if self._unit == "epoch" else {}
+        metrics = {**counts, "step": self.state.step, **self._values, **({"preempted": 1.0} if self._preempted else {})}
         with self.metrics.paused():
             if self._preempted and self._saved_at == self.batches:  # the newest checkpoint is at this step
                 yield {"metrics": metrics}
                 self._reports, self._stop_reported = self._reports + 1, True
                 return
             label, final = self._label(), self._folder()
-            self.nonfinite.check_model(self.step, f"checkpoint_{label} is not saved")
+            self.nonfinite.check_applied()  # never save an update that diverged
+            self.nonfinite.check_model(self.state.step, f"checkpoint_{label} is not saved")
             # every worker's streams, and the steps skipped so far
             run = {_RNG_KEY: all_gather_object(rng_state()), _SKIPPED_KEY: self.nonfinite.skipped_steps}
             if self._unit == "epoch" and self.batches % self.steps_per_epoch:
                 run[_EPOCH_RNG_KEY] = all_gather_object(self._epoch_rng)
-            meta = {**counts, "step": self.step, "world_size": self.info.world_size, "config": to_dict(self.cfg)}
+            meta = {**counts, "step": self.state.step, "world_size": self.info.world_size, "config": to_dict(self.cfg)}
             with tempfile.TemporaryDirectory() as tmp:
                 saved, failure = {"metrics": metrics}, None
                 if self.info.is_main:  # DDP replicas are identical: rank 0's state
                     from ray.train import Checkpoint
 
-                    state = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in self.state.items()}
+                    state = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in self.objects.items()}
                     try:
                         with open(Path(tmp) / STATE_FILE, "wb") as f:  # a Python file: a failed write keeps its errno
                             torch.save({**state, **run}, f)
@@ -410,7 +391,7 @@ class WorkerRun:
         """``(message, errno)`` of `save_error` for the OS error behind `exc` (else raise `exc`)."""
         if (os_error := os_error_in(exc)) is None:
             raise exc
-        error = save_error(self.step, final, self._newest, 0 if self.info.world_size > 1 else None, os_error)
+        error = save_error(self.state.step, final, self._newest, 0 if self.info.world_size > 1 else None, os_error)
         return str(error), error.errno
 
     def _agree_stop(self) -> bool:
@@ -431,20 +412,21 @@ class WorkerRun:
             raise RuntimeError(
                 "the run stopped on the driver's stop request: report run.checkpoint() before run.finish()"
             )
+        self.nonfinite.check_applied()
         if not self._preempted and self._done >= self._total:
-            self.nonfinite.check_model(self.step, "the run is not done (no final evaluation, export or summary)")
-        if final_eval := dict(self._evaluate()) if self._evaluate is not None and not self._preempted else {}:
-            self.metrics.log_eval(self.step, final_eval)
+            self.nonfinite.check_model(self.state.step, "the run is not done (no final evaluation, export or summary)")
+        if final_eval := dict(self.evaluate()) if self.evaluate is not None and not self._preempted else {}:
+            self.metrics.log_eval(self.state.step, final_eval)
         final_eval = final_eval or self._last_eval
         reports, fingerprints = all_gather_object(self._reports), all_gather_object(param_fingerprint(model))
         outputs: dict[str, tuple[Path | None, str]] = {}
-        self._stopped = self._preempted or self._done < self._total
+        self.stopped = self._preempted or self._done < self._total
         if self._preempted:
             get_logger().info(
-                f"stopped after step {self.step} ({self._unit} {self._done} of {self._total}) on the "
+                f"stopped after step {self.state.step} ({self._unit} {self._done} of {self._total}) on the "
                 f"driver's stop request, with a checkpoint at it; run the same command again to continue"
             )
-        elif self._stopped:
+        elif self.stopped:
             get_logger().info(
                 f"stopped {'after' if self._unit == 'epoch' else 'at'} {self._unit} {self._done} of "
                 f"{self._total} ({self._stop_key}); run again without it to continue"
@@ -453,8 +435,8 @@ class WorkerRun:
             outputs = dict(export())
         self.metrics.log_summary(
             {
-                "step": self.step,
-                **({"epoch": self.epoch} if self._unit == "epoch" else {}),
+                "step": self.state.step,
+                **({"epoch": self.state.epoch} if self._unit == "epoch" else {}),
                 "reports_per_worker": reports,
                 "param_fingerprints": fingerprints,
                 **{f"eval/{k}": v for k, v in final_eval.items()},
@@ -463,8 +445,8 @@ class WorkerRun:
                 "mlflow_run_id": self.metrics.mlflow_run_id,
             }
         )
-        if not self._stopped:
-            log_outputs(self.step, final_eval, self.metrics, Path(self.cfg.output_dir), outputs)
+        if not self.stopped:
+            log_outputs(self.state.step, final_eval, self.metrics, Path(self.cfg.output_dir), outputs)
 
 
 def raise_save_error(failure: tuple[str, int | None] | None) -> None:
