@@ -5,10 +5,18 @@
 # (TORCHINDUCTOR_CUDAGRAPHS=1). Each by benchmarks/moe_lora_speed.sh (run routed-none-layers: routed expert LoRA,
 # no checkpointing, each decoder layer compiled; its set-up and environment: that script's header) into
 # RESULTS_DIR/{fsdp2,plain,plain-cpp,plain-cudagraphs}/.
+# LAYERS=n: the architecture with its first n decoder layers only (all three runs), to fit an 80 GB GPU (48: ~101 GiB).
 #   TOKENIZER_DIR=.data/qwen3 TRAIN_FILE=.data/alpaca_data_sample5000.json RESULTS_DIR=$OUT/moe bash benchmarks/moe_one_rank.sh
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 R=${RESULTS_DIR:?set RESULTS_DIR}
+mkdir -p "$R"
+if [ -n "${LAYERS:-}" ]; then
+  python3 -c "import json, sys; c = json.load(open(sys.argv[1])); c['num_hidden_layers'] = int(sys.argv[2]); \
+c.get('layer_types') and c.update(layer_types=c['layer_types'][:int(sys.argv[2])]); json.dump(c, open(sys.argv[3], 'w'))" \
+    "$ROOT/recipes/moe-lora-fsdp2-ep/models/qwen3-30b-a3b/config.json" "$LAYERS" "$R/config.json"
+  export MODEL_CONFIG=$R/config.json
+fi
 export RUNS=routed-none-layers STEPS=${STEPS:-10} SKIP_STEPS=${SKIP_STEPS:-5}
 speed() { RESULTS_DIR=$R/$1 WORK_DIR=outputs/moe-one-rank-$1 bash "$ROOT/benchmarks/moe_lora_speed.sh" "${@:2}"; }
 RUN_TIMEOUT=150 speed fsdp2 parallel.fsdp_one_rank=true
