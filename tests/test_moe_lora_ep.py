@@ -229,7 +229,7 @@ def test_ep2_equals_ep1_and_each_rank_holds_its_experts(init, model, overrides, 
 
 @cookbook.distributed(num_processes=1, start_method="fork")
 def _one_rank(init: str, out: str) -> dict:
-    """On a world of one: the model with FSDP2 (``parallel.fsdp_one_rank=true``) and without (the default), each
+    """On a world of one: the model with FSDP2 (``parallel.fsdp_one_rank=true``, the default) and without, each
     layer compiled; one forward/backward on one batch; then the recipe's ``main`` for 3 steps without FSDP2."""
     from torch._dynamo.utils import counters
 
@@ -253,20 +253,30 @@ def _one_rank(init: str, out: str) -> dict:
             "grads": expert_parallel.gather_lora(model, meshes, grads=True),
             "dtensors": sum(hasattr(p, "to_local") for p in model.parameters()),
             "breaks": sum(counters["graph_break"].values()),
+            "graphs": counters["stats"]["unique_graphs"],
         }
     train.main(["--config", str(RECIPE / "tiny.yaml"), f"output_dir={out}", f"model.name_or_path={init}",
-                "model.pretrained=true", "train.max_steps=3", "mlflow=false", "data.eval_fraction=0.02", "parallel.ep=1", *QWEN])  # fmt: skip
+                "model.pretrained=true", "train.max_steps=3", "mlflow=false", "data.eval_fraction=0.02", "parallel.ep=1",
+                "parallel.fsdp_one_rank=false", *QWEN])  # fmt: skip
     return result
 
 
-def test_one_rank_runs_without_fsdp2_and_equals_the_fsdp2_step(init, tmp_path, monkeypatch):
-    """A world of one skips ``fully_shard`` (nothing to shard): plain parameters, each compiled layer one graph
-    (FSDP2's hooks break it), the loss and LoRA gradients of the FSDP2-wrapped model, and the loop runs."""
+def test_one_rank_runs_without_fsdp2_and_equals_the_fsdp2_step(tmp_path, monkeypatch):
+    """``parallel.fsdp_one_rank=false`` on a world of one skips ``fully_shard`` (nothing to shard): plain parameters,
+    each compiled layer one graph (FSDP2's hooks break it) and one compiled code for all 5 layers (2 graphs: the
+    first layer's input needs no gradient), the loss and LoRA gradients of the FSDP2 model, and the loop runs."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
     monkeypatch.setattr(moe_model, "COMPILE_BACKEND", "aot_eager")
-    r = _one_rank.distributed(str(init["qwen3-moe"]), str(tmp_path / "out"))[0]
+    config = AutoConfig.from_pretrained(RECIPE / "tiny" / "qwen3-moe")
+    config.num_hidden_layers = 5  # more layers than one: a per-layer guard would compile each anew
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "init")
+    AutoTokenizer.from_pretrained(RECIPE / "tiny" / "qwen3-moe").save_pretrained(tmp_path / "init")
+    r = _one_rank.distributed(str(tmp_path / "init"), str(tmp_path / "out"))[0]
     sharded, plain = r[True], r[False]
     assert sharded["dtensors"] > 0 and plain["dtensors"] == 0
-    assert sharded["breaks"] > 0 and plain["breaks"] == 0
+    assert sharded["breaks"] > 0 and plain["breaks"] == 0 and plain["graphs"] == 2
     torch.testing.assert_close(plain["loss"], sharded["loss"], rtol=LOSS_RTOL, atol=0)
     assert set(plain["grads"]) == set(sharded["grads"]) and any("experts" in n for n in plain["grads"])
     for name in plain["grads"]:

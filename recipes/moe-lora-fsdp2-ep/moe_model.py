@@ -43,7 +43,7 @@ class ParallelConfig:
     ep: int = 1  # expert-parallel degree: divides the world size and the number of experts; 1 = off
     reduce_dtype: str = "fp32"  # gradient reduce-scatter dtype
     reshard_after_forward: bool = True
-    fsdp_one_rank: bool = False  # fully_shard on a world of one too (it shards nothing there; off: the model as is)
+    fsdp_one_rank: bool = True  # false: on a world of one, no fully_shard (it shards nothing there), the model as is
 
 
 @dataclass
@@ -355,11 +355,10 @@ def compile_parts(layers, part: str, backend=None) -> int:
             continue
         for _, block in moe_blocks(layer):
             block.gate.compile(backend=backend)
-            forward = block.experts.forward
-            if isinstance(forward, partial) and forward.func is routed_experts_forward:
+            if getattr(block.experts.forward, "__func__", None) is routed_experts_forward:
                 if backend not in _COMPILED_ROUTED:
                     _COMPILED_ROUTED[backend] = torch.compile(routed_experts_forward, backend=backend)
-                block.experts.forward = partial(_COMPILED_ROUTED[backend], *forward.args)
+                block.experts.forward = partial(_COMPILED_ROUTED[backend], block.experts)
                 count += 1
             count += 1
     return count

@@ -7,8 +7,6 @@ operator (``torch.ops.cookbook.grouped_mm``) with a grouped-GEMM backward, so ``
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 
 from expert_parallel import _experts_chain, moe_blocks
@@ -188,9 +186,21 @@ def routed_experts_forward(
     return y[unsorted].view(num_tokens, top_k, y.shape[-1]).sum(1).to(hidden.dtype)  # -1 is ambiguous for 0 tokens
 
 
+_ROUTED_CLASSES: dict[type, type] = {}
+
+
+def _routed_class(cls: type) -> type:
+    """`cls` with `routed_experts_forward` as its ``forward``, one class for all layers: a compiled decoder layer
+    guards on the class, where a per-layer function object (a ``partial``) made every layer compile anew until
+    dynamo's recompile limit (8) left the rest eager (measured on one H100, 24 layers, no FSDP2)."""
+    if cls not in _ROUTED_CLASSES:
+        _ROUTED_CLASSES[cls] = type(f"Routed{cls.__name__}", (cls,), {"forward": routed_experts_forward})
+    return _ROUTED_CLASSES[cls]
+
+
 def use_routed_lora(model: torch.nn.Module) -> int:
-    """Run every MoE block's experts with `routed_experts_forward` (set as the ``forward`` of its ``experts``
-    module, the outermost PEFT wrapper) instead of PEFT's forward. Parameters, their names and the adapter's
+    """Run every MoE block's experts with `routed_experts_forward` (the ``forward`` of its ``experts`` module, the
+    outermost PEFT wrapper, whose class becomes a subclass: `_routed_class`) instead of PEFT's forward. Parameters, their names and the adapter's
     saved format stay PEFT's. Call after LoRA is added and before `split_experts`.
 
     Returns:
@@ -207,5 +217,5 @@ def use_routed_lora(model: torch.nn.Module) -> int:
         reason = routed_lora_unsupported(experts)
         if reason:
             raise ValueError(f"{name}: the experts {reason}")
-        block.experts.forward = partial(routed_experts_forward, block.experts)
+        block.experts.__class__ = _routed_class(type(block.experts))
     return len(blocks)

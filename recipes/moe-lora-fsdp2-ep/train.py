@@ -149,7 +149,7 @@ def build_model(cfg: Config | VLConfig, info: cookbook.DistInfo) -> tuple[torch.
     """Build the base model on every rank (`moe_model.build_base`: random and seeded, whole from the checkpoint, or
     on the meta device), add LoRA (not on a vision tower), split the experts over the ep dimension, read a
     meta-device base shard by shard (each rank its own experts), then shard with FSDP2: experts over dp; decoder
-    layers, vision blocks (frozen) and the root over all ranks (on one rank, unless parallel.fsdp_one_rank: no
+    layers, vision blocks (frozen) and the root over all ranks (on one rank with parallel.fsdp_one_rank=false: no
     FSDP2)."""
     from peft import LoraConfig, get_peft_model
 
