@@ -293,6 +293,22 @@ def test_the_launcher_passes_sigterm_and_ctrl_c_to_the_driver_once_and_waits(tmp
     assert "Traceback" not in launcher.stderr.read()
 
 
+def test_a_driver_ended_by_a_signal_gives_128_plus_its_number_and_a_line(tmp_path):
+    """A second SIGTERM stops the driver at once (killed by the signal): the launcher exits 143 and says so, not
+    Python's 241 for ``sys.exit(-15)`` without a word."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(
+        "import os, signal\nsignal.signal(signal.SIGTERM, signal.SIG_DFL)\nos.kill(os.getpid(), signal.SIGTERM)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "NNODES")}
+    env["PYTHONPATH"] = str(ROOT / "shared")
+    done = subprocess.run(
+        [sys.executable, "-m", "cookbook.ray_train.launch", str(driver)], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 143, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == "stopped by SIGTERM (exit status 143)"
+
+
 def test_the_ray_recipes_launch_scripts_run_the_same_commands():
     """Each Ray recipe's launch.sh is the same program (their comments differ): the recipe tests run one
     recipe's resume through its launch.sh and the others' through the driver, forked (no interpreter start-up)."""

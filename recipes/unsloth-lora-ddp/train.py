@@ -93,7 +93,7 @@ class Config:
 
 # What may differ from the checkpoint a run resumes (train.stop_at_step, checkpoint.*, ...; "key=value": a key that a
 # checkpoint from before it existed lacks, equal at its default).
-MAY_CHANGE = (*cfgmod.MAY_CHANGE, "train.epochs=1", "data.reasoning=train")
+MAY_CHANGE = (*cfgmod.MAY_CHANGE, "train.epochs=1", "data.reasoning=train", "train.compile")
 
 
 def load(path: str | Path, overrides: list[str] = ()) -> Config:

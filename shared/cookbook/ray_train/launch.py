@@ -44,7 +44,10 @@ def _run_forwarding_signals(cmd: list[str], env: dict[str, str] | None = None) -
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
     try:
-        return child.wait()  # resumed after each forwarded signal (PEP 475)
+        code = child.wait()  # resumed after each forwarded signal (PEP 475)
+        if code < 0:  # the driver ended by a signal (a second SIGTERM or Ctrl-C: at once, without a checkpoint)
+            print(f"stopped by {signal.Signals(-code).name} (exit status {128 - code})", file=sys.stderr)
+        return 128 - code if code < 0 else code
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
