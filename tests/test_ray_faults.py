@@ -151,11 +151,19 @@ def test_a_stopped_worker_with_a_restart_left_is_restarted_and_the_run_takes_the
     assert sorted(uninterrupted) == list(range(1, 4 * STEPS_PER_EPOCH + 1))
     out, stopped = tmp_path / "run", {}
 
+    def rank_0_found() -> bool:
+        with contextlib.suppress(AssertionError, OSError):  # not up yet, or a log or process gone meanwhile
+            stopped["pid"] = _rank_0(ray_env)
+        return "pid" in stopped
+
     def stop(driver: int) -> None:
+        # rank 0 found first (a scan of Ray's processes and logs, slow on a busy machine): the stop follows the
+        # registration within a poll, in a training step, not in a report (Ray's wait for every worker there has
+        # no timeout, so a worker stopped inside it is noticed only by Ray's health check)
+        wait_for(rank_0_found, "rank 0's worker")
         wait_for(lambda: registered(out) is not None, "a checkpoint registered")
-        pid = _rank_0(ray_env)
-        os.kill(pid, signal.SIGSTOP)
-        stopped.update(pid=pid, steps=len(train_steps(out)))
+        os.kill(stopped["pid"], signal.SIGSTOP)
+        stopped.update(steps=len(train_steps(out)))
 
     try:
         run = run_driver_forked(
