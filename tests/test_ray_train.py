@@ -306,7 +306,7 @@ def test_a_driver_ended_by_a_signal_gives_128_plus_its_number_and_a_line(tmp_pat
         [sys.executable, "-m", "cookbook.ray_train.launch", str(driver)], env=env, capture_output=True, text=True
     )
     assert done.returncode == 143, done.stderr
-    assert done.stderr.strip().splitlines()[-1] == "stopped by SIGTERM (exit status 143)"
+    assert done.stderr.strip().splitlines()[-1] == "the driver was killed by SIGTERM (exit status 143)"
 
 
 def test_the_ray_recipes_launch_scripts_run_the_same_commands():

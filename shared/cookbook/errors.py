@@ -6,6 +6,7 @@ class keeps as ``__module__`` the module recipes import it from (``cookbook.conf
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -18,6 +19,14 @@ AGENT_PID_ENV = "COOKBOOK_AGENT_PID"  # the launcher process that runs torchrun'
 VERDICT_ENV = "COOKBOOK_CHECK_VERDICT"  # the file where cookbook.launch writes "go" or "stop" once its check ended
 RESTART_COUNT_ENV = "COOKBOOK_RESTART_COUNT"  # what the workers of a restarted group find: 1, 2, ... (0 at first)
 LAST_STEP_KEY = "cookbook_last_step"  # in a worker's error file: its last finished optimizer step
+
+
+def killed_by(signum: int) -> str:
+    """``killed by SIGKILL``, or ``killed by signal N`` for a number that names no signal."""
+    try:
+        return f"killed by {signal.Signals(signum).name}"
+    except ValueError:
+        return f"killed by signal {signum}"
 
 
 class OneLineError(RuntimeError):

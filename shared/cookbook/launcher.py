@@ -33,9 +33,9 @@ import cloudpickle
 import torch
 
 from cookbook.dist import distributed_context
-from cookbook.errors import first_line
+from cookbook.errors import first_line, killed_by
 from cookbook.run_lock import die_with_parent
-from cookbook.torchrun import STOP_SIGNALS, environ_kept, killed_by
+from cookbook.torchrun import STOP_SIGNALS, environ_kept
 
 P = ParamSpec("P")
 R = TypeVar("R")

@@ -16,7 +16,7 @@ import time
 from typing import Iterable, Iterator, Sequence
 
 from cookbook.errors import AGENT_PID_ENV, EXIT_BUG, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_PEER_LOST, EXIT_PREEMPTED
-from cookbook.errors import EXIT_USER_ERROR, LAST_STEP_KEY, LAUNCH_TIME_ENV, RESTART_COUNT_ENV
+from cookbook.errors import EXIT_USER_ERROR, LAST_STEP_KEY, LAUNCH_TIME_ENV, RESTART_COUNT_ENV, killed_by
 
 _MEANING = {
     EXIT_BUG: "a failure, its traceback is above",
@@ -69,14 +69,6 @@ def _failed(rank: int, exitcode: int, first: str = "") -> str:
     if exitcode >= 0:
         return f"rank {rank} failed{first} (exit status {exitcode}: {_MEANING.get(exitcode, 'see its output above')})"
     return f"rank {rank} was {killed_by(-exitcode)}"
-
-
-def killed_by(signum: int) -> str:
-    """``killed by SIGKILL``, or ``killed by signal N`` for a number that names no signal."""
-    try:
-        return f"killed by {signal.Signals(signum).name}"
-    except ValueError:
-        return f"killed by signal {signum}"
 
 
 def should_restart(exitcode: int, exitcodes: Iterable[int] = ()) -> bool:

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from cookbook.config import config_beside
+from cookbook.errors import killed_by
 from cookbook.run_lock import die_with_parent
 
 
@@ -46,7 +47,7 @@ def _run_forwarding_signals(cmd: list[str], env: dict[str, str] | None = None) -
     try:
         code = child.wait()  # resumed after each forwarded signal (PEP 475)
         if code < 0:  # the driver ended by a signal (a second SIGTERM or Ctrl-C: at once, without a checkpoint)
-            print(f"stopped by {signal.Signals(-code).name} (exit status {128 - code})", file=sys.stderr)
+            print(f"the driver was {killed_by(-code)} (exit status {128 - code})", file=sys.stderr)
         return 128 - code if code < 0 else code
     finally:
         for s, handler in previous.items():
