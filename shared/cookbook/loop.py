@@ -167,16 +167,22 @@ class TrainLoop:
             if self._vote(self._stop.requested):  # the ranks agree to stop here (collective: `StopVote`)
                 self._save(force=True)
                 break
-            done = self.state.step
-            self._skipped_now = False
-            if self.profiler is not None:
-                self.profiler.start(done + 1)
-            self.nonfinite.begin_step()
-            yield done + 1
-            if self.profiler is not None:
-                self.profiler.stop()
-            if self.state.step == done and not self._skipped_now:
-                raise RuntimeError("the step body must end with loop.end_step(...) or a skip (loop.skip_step)")
+            yield from self._step()
+
+    _UNENDED = "the step body must end with loop.end_step(...) or a skip (loop.skip_step)"
+
+    def _step(self) -> Iterator[int]:
+        """Yield the next step's number between the profiler's and the non-finite policy's marks; RuntimeError
+        (`_UNENDED`) if its body neither ended nor skipped it."""
+        done, self._skipped_now = self.state.step, False
+        if self.profiler is not None:
+            self.profiler.start(done + 1)
+        self.nonfinite.begin_step()
+        yield done + 1
+        if self.profiler is not None:
+            self.profiler.stop()
+        if self.state.step == done and not self._skipped_now:
+            raise RuntimeError(self._UNENDED)
 
     def skip_step(self, grad_norm: _Value | None = None, *, loss: _Value | None = None, applied: bool = False) -> bool:
         """Check a step for a non-finite loss or gradient norm before its update (`NonFinitePolicy.skip`); True: zero

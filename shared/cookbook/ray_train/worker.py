@@ -250,18 +250,12 @@ class WorkerRun(TrainLoop):
             raise
         return self
 
+    _UNENDED = "each step must end with run.end_step(...) or a skip (run.skip_step)"
+
     def steps(self) -> Iterator[int]:
         """Each step's number (1-based) up to the stop point or a stop request; each ends in `end_step`."""
         while self.state.step < self._end and not self._preempted:
-            started, self._skipped_now = self.state.step, False
-            if self.profiler is not None:
-                self.profiler.start(started + 1)
-            self.nonfinite.begin_step()
-            yield started + 1
-            if self.profiler is not None:
-                self.profiler.stop()
-            if self.state.step == started and not self._skipped_now:
-                raise RuntimeError("each step must end with run.end_step(...) or a skip (run.skip_step)")
+            yield from self._step()
 
     def epochs(self) -> Iterator[int]:
         """Each epoch's number (0-based) up to the stop point or a stop request; each ends in `end_epoch`."""
