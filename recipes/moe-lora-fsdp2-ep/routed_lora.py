@@ -120,8 +120,11 @@ def routed_lora_unsupported(experts: torch.nn.Module) -> str | None:
     return None
 
 
-def _lora_factors(wrappers: list[torch.nn.Module], param: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(A (E, in, r), s B (E, r, out)) of each active, unmerged adapter on the expert parameter `param`, from
+def _lora_factors(
+    wrappers: list[torch.nn.Module], param: str, dtype: torch.dtype
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(A (E, in, r), s B (E, r, out)) in `dtype` (fp32 LoRA outside FSDP2's mixed precision is cast to it first, as
+    FSDP2 would) of each active, unmerged adapter on the expert parameter `param`, from
     PEFT's lora_A (r*E, in), expert-major (a view), and lora_B (out, r*E), expert index fastest, times the
     adapter's scaling s = alpha / r (one elementwise pass that writes the copy: r*E*out elements, its permuted view
     would have the expert index innermost, which grouped GEMM refuses). s (x A^T) B^T = (x A^T)(s B)^T; with s a
@@ -132,7 +135,7 @@ def _lora_factors(wrappers: list[torch.nn.Module], param: str) -> list[tuple[tor
             continue
         for name in w.active_adapters:
             if name in w.lora_A:
-                a, b, r = w.lora_A[name].weight, w.lora_B[name].weight, w.r[name]
+                a, b, r = w.lora_A[name].weight.to(dtype), w.lora_B[name].weight.to(dtype), w.r[name]
                 factors.append(
                     (
                         a.reshape(w.num_experts, r, -1).transpose(1, 2),
@@ -144,11 +147,11 @@ def _lora_factors(wrappers: list[torch.nn.Module], param: str) -> list[tuple[tor
 
 def _expert_projection(experts, wrappers, param: str, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """x (S, in) sorted by expert -> (S, out): x_e W_e^T + sum over adapters of (x_e A_e^T)(s B_e)^T, each a grouped
-    GEMM in the base weight's dtype (fp32 LoRA outside FSDP2's mixed precision is cast to it, as FSDP2 would)."""
+    GEMM in the base weight's dtype."""
     weight = getattr(experts, param)
     y = grouped_mm(x, weight if experts.is_transposed else weight.transpose(1, 2), offs)
-    for a, b in _lora_factors(wrappers, param):
-        y = y + grouped_mm(grouped_mm(x, a.to(weight.dtype), offs), b.to(weight.dtype), offs)
+    for a, b in _lora_factors(wrappers, param, weight.dtype):
+        y = y + grouped_mm(grouped_mm(x, a, offs), b, offs)
     return y
 
 
@@ -200,8 +203,8 @@ def _routed_class(cls: type) -> type:
 
 def use_routed_lora(model: torch.nn.Module) -> int:
     """Run every MoE block's experts with `routed_experts_forward` (the ``forward`` of its ``experts`` module, the
-    outermost PEFT wrapper, whose class becomes a subclass: `_routed_class`) instead of PEFT's forward. Parameters, their names and the adapter's
-    saved format stay PEFT's. Call after LoRA is added and before `split_experts`.
+    outermost PEFT wrapper, whose class becomes a subclass: `_routed_class`) instead of PEFT's forward. Parameters,
+    their names and the adapter's saved format stay PEFT's. Call after LoRA is added and before `split_experts`.
 
     Returns:
         The number of experts modules switched.
