@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # moe-lora-fsdp2-ep at EP=1 on ONE GPU beside the frozen-base ceiling, in one command: with FSDP2 on its world of one
-# (parallel.fsdp_one_rank=true, the default), then without FSDP2 (parallel.fsdp_one_rank=false), then without FSDP2
+# (parallel.fsdp_one_rank=true), then without FSDP2 (parallel.fsdp_one_rank=false, the default), then without FSDP2
 # with inductor's C++ wrapper (TORCHINDUCTOR_CPP_WRAPPER=1) and with CUDA graphs
 # (TORCHINDUCTOR_CUDAGRAPHS=1). Each by benchmarks/moe_lora_speed.sh (run routed-none-layers: routed expert LoRA,
 # no checkpointing, each decoder layer compiled; its set-up and environment: that script's header) into

@@ -11,7 +11,16 @@ import re
 
 import pytest
 import torch
-from conftest import ROOT, check, launch_and_kill, load_recipe, main_in_workers, train_losses, recipe_modules
+from conftest import (
+    ROOT,
+    check,
+    launch_and_kill,
+    load_recipe,
+    main_in_workers,
+    read_jsonl,
+    train_losses,
+    recipe_modules,
+)
 
 import cookbook
 from cookbook import sft
@@ -229,8 +238,9 @@ def test_ep2_equals_ep1_and_each_rank_holds_its_experts(init, model, overrides, 
 
 @cookbook.distributed(num_processes=1, start_method="fork")
 def _one_rank(init: str, out: str) -> dict:
-    """On a world of one: the model with FSDP2 (``parallel.fsdp_one_rank=true``, the default) and without, each
-    layer compiled; one forward/backward on one batch; then the recipe's ``main`` for 3 steps without FSDP2."""
+    """On a world of one: the model with FSDP2 (``parallel.fsdp_one_rank=true``) and without (the default), each
+    layer compiled; one forward/backward on one batch; then the recipe's ``main`` for 3 steps without FSDP2 (`out`/a),
+    and 2 with FSDP2 resumed without it to step 3 (`out`/b)."""
     from torch._dynamo.utils import counters
 
     train = recipe_module()
@@ -255,16 +265,20 @@ def _one_rank(init: str, out: str) -> dict:
             "breaks": sum(counters["graph_break"].values()),
             "graphs": counters["stats"]["unique_graphs"],
         }
-    train.main(["--config", str(RECIPE / "tiny.yaml"), f"output_dir={out}", f"model.name_or_path={init}",
-                "model.pretrained=true", "train.max_steps=3", "mlflow=false", "data.eval_fraction=0.02", "parallel.ep=1",
-                "parallel.fsdp_one_rank=false", *QWEN])  # fmt: skip
+    common = ["--config", str(RECIPE / "tiny.yaml"), f"model.name_or_path={init}", "model.pretrained=true",
+              "train.max_steps=3", "mlflow=false", "data.eval_fraction=0.02", "parallel.ep=1", *QWEN]  # fmt: skip
+    train.main([*common, f"output_dir={out}/a"])
+    train.main([*common, f"output_dir={out}/b", "parallel.fsdp_one_rank=true", "train.stop_at_step=2"])
+    train.main([*common, f"output_dir={out}/b"])
     return result
 
 
 def test_one_rank_runs_without_fsdp2_and_equals_the_fsdp2_step(tmp_path, monkeypatch):
     """``parallel.fsdp_one_rank=false`` on a world of one skips ``fully_shard`` (nothing to shard): plain parameters,
     each compiled layer one graph (FSDP2's hooks break it) and one compiled code for all 5 layers (2 graphs: the
-    first layer's input needs no gradient), the loss and LoRA gradients of the FSDP2 model, and the loop runs."""
+    first layer's input needs no gradient), the loss and LoRA gradients of the FSDP2 model, and the loop runs; a
+    checkpoint written with FSDP2 resumes without it (``parallel.fsdp_one_rank`` may change) and each step's loss
+    equals the run without FSDP2's."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     monkeypatch.setattr(moe_model, "COMPILE_BACKEND", "aot_eager")
@@ -281,8 +295,11 @@ def test_one_rank_runs_without_fsdp2_and_equals_the_fsdp2_step(tmp_path, monkeyp
     assert set(plain["grads"]) == set(sharded["grads"]) and any("experts" in n for n in plain["grads"])
     for name in plain["grads"]:
         torch.testing.assert_close(plain["grads"][name], sharded["grads"][name], **GRAD_TOL, msg=name)
-    losses = train_losses(tmp_path / "out" / "metrics.jsonl")
+    losses, resumed = (train_losses(tmp_path / "out" / run / "metrics.jsonl") for run in "ab")
     assert sorted(losses) == [1, 2, 3] and all(map(math.isfinite, losses.values()))
+    steps = [r["step"] for r in read_jsonl(tmp_path / "out" / "b" / "metrics.jsonl") if r["event"] == "train"]
+    assert steps == [1, 2, 3]  # step 3 after the resume, steps 1-2 not run again
+    torch.testing.assert_close(resumed, losses, rtol=LOSS_RTOL, atol=0)
 
 
 @pytest.fixture(scope="session")

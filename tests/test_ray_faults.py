@@ -86,14 +86,22 @@ def test_a_full_disk_while_ray_copies_a_checkpoint_is_one_line_exit_2_naming_the
     assert steps[-1] == 2 * STEPS_PER_EPOCH  # no step after the failed save
 
 
-def _rank_0(env: dict) -> int:
-    """The pid of the running Ray Train worker of rank 0: the one whose log (in Ray's session folder) has the run's
-    first line, which rank 0 alone writes."""
+def _log_sizes(env: dict) -> dict[Path, int]:
+    """The size of every Ray worker log in the session folder now (`_rank_0` reads what follows)."""
+    return {log: log.stat().st_size for log in Path(env["_RAY_TMP"]).glob("session_*/logs/worker-*.err")}
+
+
+def _rank_0(env: dict, before: dict[Path, int]) -> int:
+    """The pid of the running Ray Train worker of rank 0: the one whose log (in Ray's session folder) has, after its
+    size in `before` (`_log_sizes` at the test's start), the run's first line, which rank 0 alone writes. Ray reuses
+    worker processes: a log's earlier part can be an earlier run's rank 0 in what is now this run's rank 1."""
     workers = ray_processes(env, "RayTrainWorker")
     for log in Path(env["_RAY_TMP"]).glob("session_*/logs/worker-*.err"):
         pid = int(re.search(r"-(\d+)\.err$", log.name)[1])
-        if pid in workers and "| starting at epoch" in log.read_text(errors="replace"):
-            return pid
+        with log.open("rb") as f:
+            f.seek(before.get(log, 0))
+            if pid in workers and b"| starting at epoch" in f.read():
+                return pid
     raise AssertionError(f"no log of rank 0 among the workers {workers}")
 
 
@@ -102,11 +110,11 @@ def test_a_stopped_worker_ends_the_run_within_the_collective_timeout_naming_it(r
     collective times out and the group's store, which rank 0's process serves, does not answer; Ray ends the run
     (``ray.max_failures=0``) within seconds, not at its ~10 min health check, and the driver prints one line
     naming the stopped worker by its pid, exit 3."""
-    out, stopped = tmp_path / "run", {}
+    out, stopped, logs = tmp_path / "run", {}, _log_sizes(ray_env)
 
     def stop(driver: int) -> None:
         wait_for(lambda: train_steps(out), "step 5's log line")
-        pid = _rank_0(ray_env)
+        pid = _rank_0(ray_env, logs)
         os.kill(pid, signal.SIGSTOP)
         stopped.update(pid=pid, at=time.monotonic())
 
@@ -149,11 +157,11 @@ def test_a_stopped_worker_with_a_restart_left_is_restarted_and_the_run_takes_the
     assert status == 0, err[-4000:]
     uninterrupted = train_losses(tmp_path / "plain" / "metrics.jsonl")
     assert sorted(uninterrupted) == list(range(1, 4 * STEPS_PER_EPOCH + 1))
-    out, stopped = tmp_path / "run", {}
+    out, stopped, logs = tmp_path / "run", {}, _log_sizes(ray_env)
 
     def rank_0_found() -> bool:
         with contextlib.suppress(AssertionError, OSError):  # not up yet, or a log or process gone meanwhile
-            stopped["pid"] = _rank_0(ray_env)
+            stopped["pid"] = _rank_0(ray_env, logs)
         return "pid" in stopped
 
     def stop(driver: int) -> None:

@@ -40,6 +40,7 @@ PARALLEL = ("ddp", "fsdp")
 FINAL_START = "<|channel|>final<|message|>"  # the final channel's header; its text ends at <|return|> or <|end|>
 ANALYSIS_START = "<|channel|>analysis<|message|>"  # the analysis channel's (an assistant turn's thinking)
 FINAL_ENDS = ("<|return|>", "<|end|>")
+COMPILE_BACKEND = "inductor"  # train.compile's (the CPU tests set aot_eager: inductor's C++ build is slow)
 CANNOT_REMAP = "the Trainer's data order and per-rank RNG states depend on it"  # why a resume keeps the world size
 
 
@@ -76,6 +77,7 @@ class TrainConfig(config.TrainConfig):
     # none; experts (recompute only each layer's MoE block: router + experts; attention keeps its activations);
     # full (whole decoder layers; with parallel=fsdp: FSDP's own activation checkpointing)
     activation_checkpointing: str = "full"
+    compile: bool = False  # torch.compile each decoder layer: its norms, rotary, router and LoRA matmuls fused
 
 
 @dataclass
@@ -93,7 +95,13 @@ class Config(config.RunConfig):
     checkpoint: config.HFCheckpointConfig = field(default_factory=config.HFCheckpointConfig)
 
 
-MAY_CHANGE = (*config.MAY_CHANGE, "data.num_workers", "data.max_dropped_fraction", "data.reasoning=context")
+MAY_CHANGE = (
+    *config.MAY_CHANGE,
+    "data.num_workers",
+    "data.max_dropped_fraction",
+    "data.reasoning=context",
+    "train.compile",
+)
 
 
 def check_config(cfg: Config, config_dir: Path, on_cpu: bool) -> None:
@@ -503,6 +511,9 @@ def train(cfg: Config, on_cpu: bool) -> None:
     model = get_peft_model(model, PeftLoraConfig(**cfg.lora.peft_kwargs(), bias="none", task_type="CAUSAL_LM"))
     if t.activation_checkpointing == "experts":  # recompute the MoE blocks only; attention keeps its activations
         lm.checkpoint_modules(m.mlp for m in model.modules() if type(m).__name__ == "GptOssDecoderLayer")
+    if t.compile:  # after the checkpoint wrappers: each layer one compiled region, one code for all layers
+        for layer in model.base_model.model.model.layers:
+            layer.compile(backend=COMPILE_BACKEND)
     metrics = MetricsLogger.for_run(cfg, info, experiment="gpt-oss-lora", flops=flops, max_steps=max_steps)
 
     # What TrainLoop does when things fail (cookbook.hf_trainer): preemption, non-finite steps, stalls, failed saves.

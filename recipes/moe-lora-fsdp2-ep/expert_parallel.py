@@ -197,8 +197,10 @@ def frozen_if_unsharded(module: torch.nn.Module, mesh: DeviceMesh) -> set[torch.
     return {p for p in module.parameters() if not p.requires_grad} or None
 
 
-def param_groups_by_mesh(params: list[torch.nn.Parameter]) -> list[dict[str, Any]]:
-    """`params` as optimizer parameter groups, one per device mesh (plain tensors in a group of their own).
+def param_groups_by_mesh(named: list[tuple[str, torch.nn.Parameter]]) -> list[dict[str, Any]]:
+    """The parameters of `named` (``model.named_parameters()``) as optimizer parameter groups, one per device mesh;
+    plain tensors (a world of one without FSDP2) in the same two groups by name (experts' or not), so that a
+    checkpoint of either build resumes in the other.
 
     A foreach or fused optimizer (``torch.optim.AdamW(..., fused=True)``) runs each step as a few kernels over
     all the tensors of a group, and DTensors of different meshes cannot share such a kernel. The experts' LoRA
@@ -209,8 +211,8 @@ def param_groups_by_mesh(params: list[torch.nn.Parameter]) -> list[dict[str, Any
         ``[{"params": [...]}, ...]`` in first-seen order of the meshes; every parameter in exactly one group.
     """
     groups: dict[Any, list[torch.nn.Parameter]] = {}
-    for p in params:
-        groups.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+    for name, p in named:
+        groups.setdefault(p.device_mesh if isinstance(p, DTensor) else ".experts." in name, []).append(p)
     return [{"params": ps} for ps in groups.values()]
 
 

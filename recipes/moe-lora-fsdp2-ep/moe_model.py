@@ -43,7 +43,7 @@ class ParallelConfig:
     ep: int = 1  # expert-parallel degree: divides the world size and the number of experts; 1 = off
     reduce_dtype: str = "fp32"  # gradient reduce-scatter dtype
     reshard_after_forward: bool = True
-    fsdp_one_rank: bool = True  # false: on a world of one, no fully_shard (it shards nothing there), the model as is
+    fsdp_one_rank: bool = False  # on a world of one: true = fully_shard anyway (it shards nothing there; slower)
 
 
 @dataclass
@@ -98,6 +98,7 @@ MAY_CHANGE = (
     "lora.expert_lora",
     "train.activation_checkpointing",
     "train.compile",
+    "parallel.fsdp_one_rank",  # DCP checkpoints: DTensors of a world of one load into plain tensors and back
 )
 ACTIVATION_CHECKPOINTING = ("none", "full", "attention", "experts")
 COMPILE = ("none", "moe", "layers")

@@ -149,8 +149,8 @@ def build_model(cfg: Config | VLConfig, info: cookbook.DistInfo) -> tuple[torch.
     """Build the base model on every rank (`moe_model.build_base`: random and seeded, whole from the checkpoint, or
     on the meta device), add LoRA (not on a vision tower), split the experts over the ep dimension, read a
     meta-device base shard by shard (each rank its own experts), then shard with FSDP2: experts over dp; decoder
-    layers, vision blocks (frozen) and the root over all ranks (on one rank with parallel.fsdp_one_rank=false: no
-    FSDP2)."""
+    layers, vision blocks (frozen) and the root over all ranks (on a world of one no FSDP2, unless
+    parallel.fsdp_one_rank=true)."""
     from peft import LoraConfig, get_peft_model
 
     vl = isinstance(cfg, VLConfig)
@@ -387,9 +387,10 @@ def main(cfg: Config | VLConfig) -> None:
 
     model, flops, meshes = build_model(cfg, info)
     router = RouterStats(model)
-    trainable = [p for p in model.parameters() if p.requires_grad]
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    trainable = [p for _, p in named]
     optimizer, scheduler = build_optimizer(
-        cfg.optim, param_groups_by_mesh(trainable), max_steps, fused=info.device.type == "cuda"
+        cfg.optim, param_groups_by_mesh(named), max_steps, fused=info.device.type == "cuda"
     )
     n_train = sum(p.numel() for p in trainable)
     with Run(
