@@ -10,6 +10,7 @@ class Optim:
     lr: float = 1e-3
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     names: list[str] = field(default_factory=list)
+    fused: bool = False
 
 
 @dataclass
@@ -84,6 +85,7 @@ def test_a_bad_key_in_the_yaml_file_is_named_with_its_line_and_the_closest_known
         ("", ["optim.lrr=1"], "key 'optim.lrr'"),  # unknown key on the command line
         ("steps: many\n", [], "key 'steps'"),  # wrong type in the file
         ("", ["steps=1.5"], "key 'steps'"),  # wrong type on the command line
+        ("", ["optim.fused=maybe"], "key 'optim.fused': Value 'maybe' is not a valid bool (true or false)"),
         ("", ["steps"], "not of the form section.key=value"),  # malformed override
         ("- a\n- b\n", [], "top level must be a mapping"),
     ],

@@ -36,6 +36,7 @@ T = TypeVar("T")
 def _describe(exc: OmegaConfBaseException) -> str:
     key = getattr(exc, "full_key", None)
     msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    msg = msg.split(" (type ")[0] + " (true or false)" if "is not a valid bool" in msg else msg
     return f"key '{key}': {msg}" if key else msg
 
 
