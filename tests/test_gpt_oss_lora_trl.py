@@ -76,10 +76,10 @@ def test_checkpointing_only_the_experts_leaves_the_losses_equal(runs, tmp_path):
 def test_compiled_layers_train_as_eager(runs, tmp_path, monkeypatch):
     # train.compile=true: each decoder layer a torch.compile region (aot_eager here, inductor on a GPU)
     monkeypatch.setattr(load_recipe("gpt-oss-lora-trl"), "COMPILE_BACKEND", "aot_eager")  # the forked workers' too
-    main_in_workers("gpt-oss-lora-trl", f"output_dir={tmp_path}", EXPERTS, "train.compile=true", "train.stop_at_step=3")
+    main_in_workers("gpt-oss-lora-trl", f"output_dir={tmp_path}", EXPERTS, "train.compile=true", "train.stop_at_step=2")
     want, got = _train_losses(runs[0]), _train_losses(tmp_path)
-    assert sorted(got) == [1, 2, 3]
-    assert [got[s] for s in (1, 2, 3)] == pytest.approx([want[s] for s in (1, 2, 3)], rel=1e-5, abs=1e-6)
+    assert sorted(got) == [1, 2]
+    assert [got[1], got[2]] == pytest.approx([want[1], want[2]], rel=1e-5, abs=1e-6)
 
 
 def _base_model():

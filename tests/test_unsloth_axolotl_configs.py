@@ -447,9 +447,9 @@ def test_unsloth_recipe_trl_path_compiled_layers_train_as_eager(trl_runs, rows, 
     eager run's per-step losses."""
     train = load_recipe("unsloth-lora-ddp")
     monkeypatch.setattr(train, "COMPILE_BACKEND", "aot_eager")  # inherited by the forked workers
-    main_in_workers("unsloth-lora-ddp", f"output_dir={tmp_path}", rows, "train.compile=true", "train.stop_at_step=3")
+    main_in_workers("unsloth-lora-ddp", f"output_dir={tmp_path}", rows, "train.compile=true", "train.stop_at_step=2")
     compiled, eager = train_losses(tmp_path / "metrics.jsonl"), train_losses(trl_runs[0] / "metrics.jsonl")
-    assert sorted(compiled) == [1, 2, 3]
+    assert sorted(compiled) == [1, 2]  # step 2's loss follows step 1's compiled backward
     for step, loss in compiled.items():
         assert loss == pytest.approx(eager[step], rel=1e-5), step
 
