@@ -543,8 +543,11 @@ def nan_then_full_disk_on_rank_1(monkeypatch):
                 deadline = time.monotonic() + 120
                 while os.path.exists(save_dir) and time.monotonic() < deadline:
                     time.sleep(0.05)  # until rank 1's failed save has deleted the folder
-                time.sleep(30)  # its error ends the group meanwhile: this rank is stopped before its write would make
-                self.checkpoint_engine.save = write  # the folder again (seen: a record whose staging folder was left)
+                # its error ends the group meanwhile: this rank is stopped before its write would make the folder
+                # again (seen: a record whose staging folder was left); it ends at the group's SIGTERM, not 10 s later
+                signal.signal(signal.SIGTERM, lambda *_: os._exit(128 + signal.SIGTERM))
+                time.sleep(30)
+                self.checkpoint_engine.save = write
                 return write(*a, **kw)
 
             self.checkpoint_engine.save = late_write
