@@ -38,7 +38,7 @@ from cookbook.run_lock import die_with_parent
 from cookbook.torchrun import STOP_SIGNALS, environ_kept
 
 P = ParamSpec("P")
-R = TypeVar("R")
+_R = TypeVar("_R")
 
 _BACKENDS = ("torch", "ray")
 _START_METHODS = ("spawn", "forkserver", "fork")
@@ -61,10 +61,10 @@ class WorkerError(RuntimeError):
 
 
 @dataclasses.dataclass(repr=False, eq=False)
-class _DistributedFunction(Generic[P, R]):
+class _DistributedFunction(Generic[P, _R]):
     """What `distributed` returns: the function, callable as before, plus ``.distributed(...)``."""
 
-    fn: Callable[P, R]
+    fn: Callable[P, _R]
     num_processes: int | None
     backend: str
     start_method: str
@@ -73,10 +73,10 @@ class _DistributedFunction(Generic[P, R]):
     def __post_init__(self) -> None:
         functools.update_wrapper(self, self.fn)
 
-    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> _R:
         return self.fn(*args, **kwargs)
 
-    def distributed(self, *args: P.args, **kwargs: P.kwargs) -> list[R]:
+    def distributed(self, *args: P.args, **kwargs: P.kwargs) -> list[_R]:
         """Run the function once per process; its return values in rank order. Raises `WorkerError` (a worker
         failed), ValueError (more processes than GPUs), KeyboardInterrupt (Ctrl-C: every worker stopped)."""
         if getattr(multiprocessing.current_process(), "_inheriting", False):  # what multiprocessing itself checks
@@ -96,7 +96,7 @@ class _DistributedFunction(Generic[P, R]):
 
 
 def distributed(
-    fn: Callable[P, R] | None = None,
+    fn: Callable[P, _R] | None = None,
     *,
     num_processes: int | None = None,
     backend: str = "torch",
@@ -119,7 +119,7 @@ def distributed(
     ):
         raise ValueError(f"num_processes must be a positive integer or None, got {num_processes!r}")
 
-    def decorate(f: Callable[P, R]) -> _DistributedFunction[P, R]:
+    def decorate(f: Callable[P, _R]) -> _DistributedFunction[P, _R]:
         return _DistributedFunction(f, num_processes, backend, start_method, timeout_minutes)
 
     return decorate(fn) if fn is not None else decorate

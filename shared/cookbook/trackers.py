@@ -158,7 +158,7 @@ class MLflowSink(Sink):
         return f"{uri} (run {self.run_id}); {ui}"
 
 
-class TensorBoardSink(Sink):
+class _TensorBoardSink(Sink):
     """TensorBoard event files in ``<out_dir>/tensorboard`` (written with tensorboardX), one scalar per key."""
 
     name = "TensorBoard"
@@ -183,7 +183,7 @@ class TensorBoardSink(Sink):
         return f"{self.log_dir}; {_browse(f'tensorboard --logdir {self.log_dir}', 'tensorboard', 'tensorboard')}"
 
 
-class WandbSink(Sink):
+class _WandbSink(Sink):
     """Weights & Biases: online when ``WANDB_API_KEY`` is set, else offline into ``<out_dir>/wandb``
     (``WANDB_MODE`` decides when set); a resumed run continues its W&B run (``wandb_run_id.txt``)."""
 
@@ -225,4 +225,4 @@ class WandbSink(Sink):
         return f"{redact_uri(self._run.url)} (run {self._run.id})"
 
 
-SINKS = {"mlflow": MLflowSink, "tensorboard": TensorBoardSink, "wandb": WandbSink}  # the `trackers` key's names
+SINKS = {"mlflow": MLflowSink, "tensorboard": _TensorBoardSink, "wandb": _WandbSink}  # the `trackers` key's names

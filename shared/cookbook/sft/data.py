@@ -117,7 +117,7 @@ def load_examples(cfg: Any, tokenizer, seed: int) -> tuple[list[dict], list[dict
     seeded ``eval_fraction`` of each train file is held out. Raises SFTDataError: see `load_rows` and `prepare`."""
     eval_files, limit = getattr(cfg, "eval_files", []), cfg.max_dropped_fraction
     train, evals, parts = [], [], []
-    for examples, st in prepare_sources(
+    for examples, st in _prepare_sources(
         cfg, tokenizer, cfg.train_files, "data.train_files", max_dropped_fraction=limit
     ):
         if not eval_files and cfg.eval_fraction > 0:
@@ -127,11 +127,11 @@ def load_examples(cfg: Any, tokenizer, seed: int) -> tuple[list[dict], list[dict
         train += examples
         parts.append(st)
     for f in eval_files:
-        evals += prepare_sources(cfg, tokenizer, [f], "data.eval_files", max_dropped_fraction=limit)[0][0]
+        evals += _prepare_sources(cfg, tokenizer, [f], "data.eval_files", max_dropped_fraction=limit)[0][0]
     return train, evals, SFTStats.merge(parts)
 
 
-def prepare_sources(
+def _prepare_sources(
     cfg: Any, tokenizer, files: Sequence[str], key: str = "", **options
 ) -> list[tuple[list[dict], SFTStats]]:
     """`prepare` of each of `files` (none: the hub data set ``cfg.hub_id``; `key`: the config key that names them)
@@ -266,7 +266,7 @@ def refusal(stats: SFTStats, max_dropped_fraction: float) -> str:
 def show_data(cfg, tokenizer, n: int) -> str:
     """`show_examples` for a recipe's ``data`` section, each source tokenized as `load_examples` does, before the
     held-out split (said in a last line) and packing; a source training would refuse is shown with the refusal."""
-    parts = prepare_sources(
+    parts = _prepare_sources(
         cfg, tokenizer, cfg.train_files, "data.train_files", truncate=getattr(cfg, "truncate", True)
     )
     notes = [refusal(st, cfg.max_dropped_fraction) for _, st in parts] + [held_out_note(cfg)]
