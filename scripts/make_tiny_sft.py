@@ -1,6 +1,7 @@
 """Make the offline tiny assets of recipes/qwen-fsdp2-sft: a byte-level BPE tokenizer, tiny Qwen3
 and Llama configs, the ~10 M-parameter Llama of the from-scratch example, and small generated chat /
-Alpaca data; and the same tokenizer for recipes/qwen-ray-sft/tiny/qwen2.
+Alpaca data; and the same tokenizer for recipes/qwen-ray-sft/tiny/qwen2 (the Llama and the chat rows are
+copied into recipes/unsloth-lora-ddp/tiny and recipes/axolotl-lora-ddp/tiny).
 
     python scripts/make_tiny_sft.py            # writes recipes/qwen-fsdp2-sft/tiny/ and the Ray twin's tokenizer
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -152,6 +154,10 @@ def main() -> None:
         tok.save_pretrained(out / name)
     tok.chat_template = qwen25
     tok.save_pretrained(args.ray_out)  # its config.json (a tiny Qwen2) is the Ray recipe's own
+    for twin in ("unsloth-lora-ddp", "axolotl-lora-ddp"):  # each recipe folder holds its tiny files (a copy works)
+        shutil.copytree(out / "llama", recipes / twin / "tiny" / "llama", dirs_exist_ok=True)
+        (recipes / twin / "tiny" / "data").mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(out / "data" / "chat.jsonl", recipes / twin / "tiny" / "data" / "chat.jsonl")
     print(
         f"wrote {out}: {len(chats)} chats, {len(alpaca)} alpaca rows, tokenizer of {len(tok)} tokens, vocab_size {vocab}"
     )

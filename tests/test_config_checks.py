@@ -3,7 +3,7 @@ key, the rule and the value, before any data is read or any worker starts."""
 
 import pytest
 
-from conftest import check
+from conftest import ROOT, check
 from cookbook.config import ConfigError
 
 
@@ -32,6 +32,15 @@ from cookbook.config import ConfigError
             "model.backend must be one of 'auto', 'torchvision', 'transformers', got 'keras'",
         ),
         ("qwen-ray-sft", "optim.scheduler=step", "optim.scheduler must be one of 'linear', "),
+        # values torch or the scheduler would take, or refuse only in the workers (a traceback, then restarts)
+        ("modernbert-ddp", "data.num_workers=-1", "data.num_workers must be >= 0, got -1 (0: load in the training"),
+        ("modernbert-ddp", "optim.lr=-1e-3", "optim.lr must be in (0, inf), got -0.001"),
+        ("modernbert-ddp", "optim.betas=[0.9,1.5]", "optim.betas must be two numbers in [0, 1), got [0.9, 1.5]"),
+        ("qwen-fsdp2-sft", "optim.warmup_ratio=1.5", "optim.warmup_ratio must be in [0, 1], got 1.5"),
+        ("qwen-fsdp2-sft", "optim.warmup_ratio=-0.1", "optim.warmup_ratio must be in [0, 1], got -0.1"),
+        ("modernbert-ddp", "train.profile_step=-2", "train.profile_step must be >= 0, got -2 (0: none)"),
+        ("torchrec-dlrm", "train.max_steps=-5", "train.max_steps must be >= -1, got -5 (-1: train.epochs decides)"),
+        ("qwen-zero3-receipts", "optim.eps=-1e-8", "optim.eps must be >= 0, got -1e-08"),
         (
             "two-tower-ray",
             "train.micro_batch_size=1",
@@ -53,3 +62,23 @@ def test_the_checks_scheduler_names_are_transformers_schedulers():
     from cookbook.config import SCHEDULERS
 
     assert list(SCHEDULERS) == [t.value for t in SchedulerType]
+
+
+def test_no_shipped_config_reads_a_file_outside_its_recipe_folder():
+    """A recipe folder copied elsewhere runs its configs: no value points up and out of the folder (``../``)."""
+    import yaml
+
+    def strings(node):
+        if isinstance(node, dict):
+            return [s for v in node.values() for s in strings(v)]
+        if isinstance(node, list):
+            return [s for v in node for s in strings(v)]
+        return [node] if isinstance(node, str) else []
+
+    outside = [
+        f"{path.relative_to(ROOT)}: {value}"
+        for path in sorted((ROOT / "recipes").glob("*/*.yaml"))
+        for value in strings(yaml.safe_load(path.read_text()))
+        if value.startswith("../") or "/../" in value
+    ]
+    assert len(list((ROOT / "recipes").glob("*/tiny.yaml"))) >= 10 and outside == []

@@ -645,6 +645,7 @@ def _write(path, text):
 ROW = '{"text": "striker scores twice", "label": 1}'
 ROW_BAD_JSON = '{"text": oops}'
 ROW_NO_LABEL = '{"text": "a"}'
+UNCLOSED_QUOTE = '1,t,d\n2,"t,d\n3,t,d\n'
 
 
 BAD_INPUTS = [
@@ -673,6 +674,15 @@ BAD_INPUTS = [
     (
         lambda d: [f"data.train_files=[{_write(d / 'nonint.csv', chr(10).join(['1,t,d', '2.5,t,d']))}]"],
         "nonint.csv line 2: label '2.5' is not one of 1-4",
+    ),
+    (  # the quote opened on line 2 is never closed: one record of 2 fields to the end of the file
+        lambda d: [f"data.train_files=[{_write(d / 'quote.csv', UNCLOSED_QUOTE)}]"],
+        "quote.csv line 2: missing field 'description' (2 of 3 fields: label, title, description); a quoted field "
+        "there runs to line 3: is a quote unclosed?",
+    ),
+    (
+        lambda d: [f"data.train_files=[{_write(d / 'bool.jsonl', chr(10).join([ROW, ROW.replace('1}', 'true}')]))}]"],
+        "bool.jsonl line 2: label 'true' is not one of 0-3",
     ),
     (
         lambda d: [f"data.train_files=[{_write(d / 'bad.jsonl', chr(10).join([ROW, ROW, ROW_BAD_JSON]))}]"],

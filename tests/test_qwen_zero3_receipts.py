@@ -867,6 +867,7 @@ def test_deepspeed_settings_disagreeing_with_the_recipe(tmp_path, edit, message)
         (("train.mixed_precision=fp16",), "train.mixed_precision must be one of 'bf16', 'fp32', got 'fp16'"),
         (("train.activation_checkpointing=true",), "train.activation_checkpointing must be one of 'none', 'full'"),
         (("train.on_nonfinite=ignore",), "train.on_nonfinite must be one of stop, skip, got 'ignore'"),
+        (("model.name_or_path=../nope/qwen3",), "model.name_or_path: folder not found: ../nope/qwen3"),
     ],
 )
 def test_bad_settings_are_refused(tmp_path, overrides, message):

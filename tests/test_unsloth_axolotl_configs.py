@@ -69,6 +69,8 @@ def test_unsloth_config_is_checked(monkeypatch):
         check("unsloth-lora-ddp", "model.attn_implementation=flash")
     with pytest.raises(mod.ConfigError, match=r"tiny.yaml: model.attn_implementation=varlen runs on CUDA GPUs only"):
         check("unsloth-lora-ddp", "model.attn_implementation=varlen")  # this machine has no GPU
+    with pytest.raises(mod.ConfigError, match=r"^model.name_or_path: folder not found: \.\./nope/llama$"):
+        check("unsloth-lora-ddp", "model.name_or_path=../nope/llama")  # a path, not tried as a hub id
     tiny = mod.load(UNSLOTH / "tiny.yaml")
     assert (mod.attention(tiny, on_gpu=False), mod.attention(tiny, on_gpu=True)) == ("sdpa", "varlen")
     monkeypatch.setitem(sys.modules, "unsloth", None)  # Unsloth not installed: one line before any worker
@@ -97,7 +99,7 @@ def test_unsloth_launch_dry_run():
 def test_axolotl_config_is_checked(tmp_path):
     chk = _axolotl_check()
     cfg = chk.load(AXOLOTL / "tiny.yaml")
-    assert cfg["datasets"][0]["path"] == str(ROOT / "recipes/qwen-fsdp2-sft/tiny/data/chat.jsonl")
+    assert cfg["datasets"][0]["path"] == str(ROOT / "recipes/axolotl-lora-ddp/tiny/data/chat.jsonl")
     good = yaml.safe_load((AXOLOTL / "tiny.yaml").read_text())
     good["datasets"][0]["path"] = cfg["datasets"][0]["path"]
     (tmp_path / "folder").mkdir()
@@ -202,7 +204,7 @@ def test_axolotl_show_examples_prints_rows_as_trained_with_the_counts(tmp_path, 
         datasets=[{**cfg["datasets"][0], "path": str(rows)}],
         val_set_size=0.5,
         base_model=str(AXOLOTL / "tiny/olmo3"),
-        tokenizer_config=str(ROOT / "recipes/qwen-fsdp2-sft/tiny/llama"),
+        tokenizer_config=str(AXOLOTL / "tiny/llama"),
     )
     path = tmp_path / "show.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -288,9 +290,9 @@ def test_same_settings_on_every_path(unsloth_cfg, axolotl_cfgs):
     u = load_recipe("unsloth-lora-ddp").load(UNSLOTH / unsloth_cfg)
     for name in axolotl_cfgs:
         _assert_same_training(yaml.safe_load((AXOLOTL / name).read_text()), u)
-    if unsloth_cfg == "tiny.yaml":  # the same rows, converted alike
+    if unsloth_cfg == "tiny.yaml":  # the same rows (each folder holds its copy), converted alike
         a = _axolotl_check().load(AXOLOTL / "tiny.yaml")
-        assert [str(Path(f).resolve()) for f in u.data.train_files] == [a["datasets"][0]["path"]]
+        assert [Path(f).read_bytes() for f in u.data.train_files] == [Path(a["datasets"][0]["path"]).read_bytes()]
 
 
 def test_prepare_data_matches_the_unsloth_rows(tmp_path):

@@ -62,7 +62,7 @@ from cookbook.metrics import ModelFlops, count_parameters, launch_time
 from cookbook.config import build_optimizer
 from cookbook.sampler import ResizableSampler
 from cookbook.errors import not_a_file
-from cookbook.tabular import DataError, first_csv_row, records, to_int
+from cookbook.tabular import DataError, first_csv_row, records, shown, to_int
 
 LABELS = ["World", "Sports", "Business", "Sci/Tech"]
 datasets.disable_progress_bars()
@@ -245,9 +245,7 @@ def _normalise(rows, layout: str) -> datasets.Dataset:
             hint = " (the header 'label' means classes 0-3; for 1-4 use Class Index or no header)" * (
                 layout == "titled"
             )
-            raise DataError(
-                f"{where}: label {str(raw).strip()!r} is not one of {offset}-{offset + len(LABELS) - 1}{hint}"
-            )
+            raise DataError(f"{where}: label {shown(raw)!r} is not one of {offset}-{offset + len(LABELS) - 1}{hint}")
         if layout != "hf":
             text = f"{row['title']} {row['description']}".replace("\\n", " ").strip()
         else:

@@ -43,7 +43,7 @@ from cookbook.checkpoint import CheckpointError
 from cookbook.loop import NonFinitePolicy
 from cookbook import config
 from cookbook.config import ConfigError, check_fields, load_config
-from cookbook.hub import resolve_path
+from cookbook.hub import check_local_model, resolve_path
 
 import deepspeed_config  # beside this file: the DeepSpeed JSON, checked before any worker
 
@@ -143,6 +143,8 @@ def check_config(cfg: Config, config_dir: Path) -> None:
     """Resolve paths against the config file's folder and reject incompatible values (before any worker)."""
     cfg.model.name_or_path = resolve_path(cfg.model.name_or_path, config_dir)
     cfg.model.tokenizer = resolve_path(cfg.model.tokenizer or cfg.model.name_or_path, config_dir)
+    check_local_model(cfg.model.name_or_path, "model.name_or_path")  # a path, not a hub id: said so, not tried
+    check_local_model(cfg.model.tokenizer, "model.tokenizer", tokenizer=True)
     cfg.data.train_files = [resolve_path(f, config_dir) for f in cfg.data.train_files]
     cfg.data.eval_files = [resolve_path(f, config_dir) for f in cfg.data.eval_files]
     cfg.deepspeed.config = resolve_path(cfg.deepspeed.config, config_dir)

@@ -106,12 +106,23 @@ def check_config(cfg: Config, config_dir: Path) -> None:
     cfg.output_dir = str(Path(cfg.output_dir).expanduser().resolve())  # workers may start elsewhere
     check_fields(
         cfg,
-        at_least={"train.micro_batch_size": 1, "train.epochs": 1, "train.log_every": 1, "data.image_size": 1},
+        at_least={
+            "train.micro_batch_size": 1,
+            "train.epochs": 1,
+            "train.log_every": 1,
+            "data.image_size": 1,
+            "data.num_workers": 0,
+            "optim.momentum": 0,
+            "optim.weight_decay": 0,
+            "optim.warmup_epochs": 0,
+            "optim.max_grad_norm": 0,
+        },
         one_of={
             "model.backend": ("auto", "torchvision", "transformers"),
             "train.mixed_precision": ("bf16", "fp32"),
             "data.decode": ("cpu", "gpu"),
         },
+        within={"optim.lr": "(0, inf)", "optim.label_smoothing": "[0, 1]"},
     )
     if cfg.data.val_dir and not cfg.data.train_dir:
         raise ConfigError("data.val_dir is set but data.train_dir is empty")

@@ -97,6 +97,7 @@ def check_config(cfg: Config, config_dir: Path) -> None:
         cfg,
         at_least={"train.micro_batch_size": 2, "train.epochs": 1, "train.log_every": 1, "model.output_dim": 1},
         one_of={"train.mixed_precision": ("bf16", "fp32")},
+        within={"optim.lr": "(0, inf)", "optim.weight_decay": "[0, inf)"},
         notes={"train.micro_batch_size": "the other items of the batch are the negatives"},
     )
     if not cfg.train.recall_k or min(cfg.train.recall_k) < 1:

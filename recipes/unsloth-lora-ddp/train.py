@@ -160,8 +160,10 @@ def load(path: str | Path, overrides: list[str] = ()) -> Config:
     base = Path(path).parent
     cfg.data.train_files = [hub.resolve_path(f, base) for f in cfg.data.train_files]
     cfg.model.name_or_path = hub.resolve_path(cfg.model.name_or_path, base)
+    hub.check_local_model(cfg.model.name_or_path, "model.name_or_path")  # a path, not a hub id: said so, not tried
     if cfg.model.tokenizer:
         cfg.model.tokenizer = hub.resolve_path(cfg.model.tokenizer, base)
+        hub.check_local_model(cfg.model.tokenizer, "model.tokenizer", tokenizer=True)
     cfg.config_file = where  # not a config key: what the messages name
     return cfg
 

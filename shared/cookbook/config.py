@@ -430,13 +430,22 @@ _MINIMUM = {
     "train.log_every": 1,
     "train.eval_every": 0,
     "optim.max_grad_norm": 0,
+    "train.max_steps": -1,
+    "train.profile_step": 0,
+    "data.num_workers": 0,
+    "optim.weight_decay": 0,
+    "optim.eps": 0,
     "checkpoint.every_steps": -1,
     "checkpoint.keep_last": 0,
 }
+_WITHIN = {"optim.lr": "(0, inf)", "optim.warmup_ratio": "[0, 1]"}
 _NOTES = {
     "checkpoint.every_steps": "-1: never",
     "optim.max_grad_norm": "0: no clipping",
     "checkpoint.keep_last": "0: keep all",
+    "train.max_steps": "-1: train.epochs decides",
+    "train.profile_step": "0: none",
+    "data.num_workers": "0: load in the training process",
 }
 
 
@@ -469,8 +478,11 @@ def check_run(cfg: Any) -> None:
         cfg,
         at_least={k: v for k, v in _MINIMUM.items() if _has(cfg, k)},
         one_of={k: v for k, v in one_of.items() if _has(cfg, k)},
+        within={k: v for k, v in _WITHIN.items() if _has(cfg, k)},
         notes=_NOTES,
     )
+    if _has(cfg, "optim.betas") and (len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas)):
+        raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {list(cfg.optim.betas)}")
     if _has(cfg, "train.max_steps") and cfg.train.max_steps <= 0 and getattr(cfg.train, "epochs", 0) <= 0:
         raise ConfigError("set train.max_steps > 0 or train.epochs > 0")
     stops = _has(cfg, "train.stop_at_step") and _has(cfg, "checkpoint.every_steps") and cfg.train.stop_at_step > 0

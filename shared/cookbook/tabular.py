@@ -51,15 +51,15 @@ def jsonl(path: Path, lines: Iterable[str], error: type[ValueError] = DataError)
                 raise error(f"{path} line {n}: not valid JSON: {exc.msg} (column {exc.colno})") from None
 
 
-def _csv_lines(path: Path) -> Iterator[tuple[int, list[str]]]:
-    """(line where the record starts, fields) of every non-blank CSV (``.tsv``: TSV) record."""
+def _csv_lines(path: Path) -> Iterator[tuple[int, int, list[str]]]:
+    """(first line, last line, fields) of every non-blank CSV (``.tsv``: TSV) record."""
     try:
         with open(path, newline="", encoding="utf-8-sig") as f:
             reader, end = csv.reader(f, delimiter="\t" if path.suffix.lower() == ".tsv" else ","), 0
             for fields in reader:
                 start, end = end + 1, reader.line_num
                 if len(fields) > 1 or (fields and fields[0].strip()):  # a blank line is an empty record
-                    yield start, fields
+                    yield start, end, fields
     except csv.Error as exc:
         raise DataError(f"{path} line {reader.line_num}: not valid CSV: {exc}") from None
     except UnicodeDecodeError as exc:
@@ -68,7 +68,7 @@ def _csv_lines(path: Path) -> Iterator[tuple[int, list[str]]]:
 
 def first_csv_row(path: str | Path) -> list[str] | None:
     """The fields of a CSV / TSV file's first non-blank record, or None; DataError: not UTF-8 or not valid CSV."""
-    return next((fields for _, fields in _csv_lines(Path(path))), None)
+    return next((fields for _, _, fields in _csv_lines(Path(path))), None)
 
 
 def _csv_records(p: Path, columns: Sequence[str], header: bool) -> Iterator[tuple[str, dict[str, str]]]:
@@ -78,14 +78,15 @@ def _csv_records(p: Path, columns: Sequence[str], header: bool) -> Iterator[tupl
     if header and next(lines, None) is None:
         return
     width = len(columns)
-    for line, fields in lines:
+    for line, last, fields in lines:
         where = f"{p} line {line}"
+        quote = f"; a quoted field there runs to line {last}: is a quote unclosed?" if last > line else ""
         if len(fields) > width:
-            raise DataError(f"{where}: {len(fields)} fields, expected {width} ({_columns(columns)})")
+            raise DataError(f"{where}: {len(fields)} fields, expected {width} ({_columns(columns)}){quote}")
         if len(fields) < width:
             raise DataError(
                 f"{where}: missing field '{columns[len(fields)]}' ({len(fields)} of {width} fields: "
-                f"{_columns(columns)})"
+                f"{_columns(columns)}){quote}"
             )
         yield where, dict(zip(columns, fields))
 
@@ -169,6 +170,11 @@ def records(
         yield from _json_records(p, required)
     else:
         yield from _parquet_records(p, list(required) or None)  # only the required columns are read
+
+
+def shown(value: Any) -> str:
+    """A field as the user's file wrote it: a string stripped, anything else as JSON (``true``, ``1.5``, ``null``)."""
+    return value.strip() if isinstance(value, str) else json.dumps(value)
 
 
 def to_int(value: Any) -> int | None:
