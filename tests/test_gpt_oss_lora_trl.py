@@ -150,7 +150,7 @@ def test_tool_calls_of_rows_dropped_by_max_length_are_not_counted_as_trained():
         sum(calls[n - 1] > 0 for n in kept),
     )
     assert stats.tool_calls_cut == sum(calls[n - 1] for n, _ in stats.dropped_rows)
-    assert f"{stats.tool_calls_cut} not trained (dropped or cut at max_length)" in stats.summary()
+    assert f"{stats.tool_calls_cut} more not trained (dropped or cut at max_length)" in stats.summary()
     # the thinking the template leaves out (a tool call's) or data.reasoning=drop removes: of kept rows only
     answers = [mod._answers(row["messages"]) for row in rows]
     hidden = [

@@ -567,10 +567,10 @@ def test_tool_calls_are_counted_in_the_summary_and_the_shown_counts(tokenizer):
     assert (stats.tool_call_rows, stats.tool_calls) == (2, 3)
     assert stats.ignored == {"id": 1}  # a row's own key that no format reads is counted too
     assert (
-        "t.jsonl: 3 rows read, 3 examples kept (0 truncated to max_length=4096), 0 dropped, tool calls: 3 in 2 rows, "
+        "t.jsonl: 3 rows read, 3 examples kept (0 truncated to max_length=4096), 0 dropped, tool calls: 3 in 2 kept rows, "
         "keys not used: id (1) |" in stats.summary()
     )
-    assert "  tool calls      3 in 2 rows" in field_counts(stats)
+    assert "  tool calls      3 in 2 kept rows" in field_counts(stats)
     merged = SFTStats.merge([stats, prepare([TOOL_ROW], tok, 4096, "u.jsonl")[1]])
     assert (merged.tool_call_rows, merged.tool_calls) == (3, 4)
 
@@ -597,8 +597,10 @@ def test_tool_calls_are_counted_as_training_keeps_them(tokenizer):
     _, dropped = prepare([chat, TOOL_ROW, chat], tok, first_label, "t.jsonl", max_dropped_fraction=0.5)
     assert (dropped.examples, dropped.dropped, dropped.dropped_rows[0][0]) == (2, 1, 2)
     assert (dropped.tool_calls, dropped.tool_call_rows, dropped.tool_calls_cut) == (0, 0, 1)
-    assert "tool calls: 0 in 0 rows, 1 not trained (dropped or cut at max_length)" in dropped.summary()
-    assert "  tool calls      0 in 0 rows, 1 not trained (dropped or cut at max_length)" in field_counts(dropped)
+    assert "tool calls: 0 in 0 kept rows, 1 more not trained (dropped or cut at max_length)" in dropped.summary()
+    assert "  tool calls      0 in 0 kept rows, 1 more not trained (dropped or cut at max_length)" in field_counts(
+        dropped
+    )
     (full,), _ = prepare([late], tok, 4096, "t.jsonl")
     call_start = spans(full["labels"])[2][0]  # the third labelled turn is the tool call
     (ex,), cut = prepare([late], tok, call_start, "t.jsonl")  # kept, cut before its tool call
@@ -606,7 +608,7 @@ def test_tool_calls_are_counted_as_training_keeps_them(tokenizer):
     _, kept = prepare([chat, TOOL_ROW, late], tok, 4096, "t.jsonl")
     assert (kept.tool_calls, kept.tool_call_rows, kept.tool_calls_cut) == (2, 2, 0)
     assert (
-        SFTStats.merge([dropped, cut, kept]).tool_calls_note() == "tool calls: 2 in 2 rows, 2 not trained "
+        SFTStats.merge([dropped, cut, kept]).tool_calls_note() == "tool calls: 2 in 2 kept rows, 2 more not trained "
         "(dropped or cut at max_length)"
     )
 

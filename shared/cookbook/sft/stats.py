@@ -137,9 +137,10 @@ class SFTStats:
         return {"input_ids": ids, "labels": labels}
 
     def tool_calls_note(self) -> str:
-        """``"tool calls: 5 in 3 rows"`` (``", 2 not trained (dropped or cut at max_length)"`` when some were)."""
-        cut = f", {self.tool_calls_cut} not trained (dropped or cut at max_length)" if self.tool_calls_cut else ""
-        return f"tool calls: {self.tool_calls} in {self.tool_call_rows} rows{cut}"
+        """``"tool calls: 5 in 3 kept rows"`` (``", 2 more not trained (dropped or cut at max_length)"`` when some
+        were)."""
+        cut = f", {self.tool_calls_cut} more not trained (dropped or cut at max_length)" if self.tool_calls_cut else ""
+        return f"tool calls: {self.tool_calls} in {self.tool_call_rows} kept rows{cut}"
 
     def _drop_reason(self, limit: str) -> str:
         if self.truncate:
