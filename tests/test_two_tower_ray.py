@@ -62,6 +62,8 @@ def test_stop_after_the_first_checkpoint_resume_and_beat_popularity(ray_env, tmp
     assert first.returncode == 0, first.stderr[-4000:]
     noise = ("\x1b[", "Failed to query Ray Train Controller", "Reporting training result", "successfully created")
     assert not [n for n in noise if n in first.stderr], first.stderr[-4000:]  # Ray's own lines that repeat ours
+    assert "\nstopped at epoch 1 of 4 (train.stop_at_epoch): epoch 1 step 12 " in first.stderr
+    assert "\ndone:" not in first.stderr and "run again without train.stop_at_epoch" in first.stderr
     records = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in records if r["event"] == "eval"] == [12]  # 3,300 pairs / (128 x 2) = 12 steps
     assert summary(records)["reports_per_worker"] == [1, 1]

@@ -85,6 +85,7 @@ class RayDriver:
         self.nnodes = int(os.environ.get("COOKBOOK_NNODES", "1"))
         _check_output_dir(cfg.output_dir, self.nnodes)
         self.guard = _RayCheckpoints(cfg.output_dir, self.unit)
+        self._total: int | None = None  # the run's length in its unit (`started`), when known
         self.workers = self.use_gpu = None  # planned on the cluster, after Ray started, on RAY_ADDRESS or several nodes
         if not os.environ.get("RAY_ADDRESS") and self.nnodes == 1:
             self.workers, self.use_gpu = plan_workers(cfg.ray, torch.cuda.device_count(), os.cpu_count() or 1)
@@ -122,6 +123,7 @@ class RayDriver:
         AlreadyComplete (exit 0): the newest checkpoint ends the run (`total`) and `outputs` exist."""
         if (done := self._complete(total, outputs)) is not None:
             raise AlreadyComplete(done)
+        self._total = total
         lock = run_lock.acquire(self.cfg.output_dir, os.environ.get("NODE_RANK", "0"))
         try:
             _init_ray(self.cfg.ray, self.workers or 0)
@@ -189,6 +191,14 @@ class RayDriver:
             )
             raise Preempted(EXIT_PREEMPTED)
         metrics = Path(self.cfg.output_dir) / "metrics.jsonl"
+        (key, stop), total, reached = self.stop_at, self._total, (result.metrics or {}).get(self.unit)
+        if stop > 0 and reached == stop and (total is None or stop < total):  # as the torchrun loop says it
+            print(
+                f"stopped at {self.unit} {stop}{f' of {total}' if total else ''} ({key}): {shown(result.metrics)} | "
+                f"checkpoint {checkpoint}; run again without {key} (or with a larger value) to continue",
+                file=sys.stderr,
+            )
+            return
         print(f"done: {shown(result.metrics or {})} | checkpoint {checkpoint} | metrics {metrics}", file=sys.stderr)
 
 
