@@ -41,6 +41,9 @@ from cookbook.config import ConfigError
         ("modernbert-ddp", "train.profile_step=-2", "train.profile_step must be >= 0, got -2 (0: none)"),
         ("torchrec-dlrm", "train.max_steps=-5", "train.max_steps must be >= -1, got -5 (-1: train.epochs decides)"),
         ("qwen-zero3-receipts", "optim.eps=-1e-8", "optim.eps must be >= 0, got -1e-08"),
+        ("torchrec-dlrm", "optim.dense_lr=0", "optim.dense_lr must be in (0, inf), got 0.0"),
+        ("resnet50-ray-ddp", "optim.lr=-0.1", "optim.lr must be in (0, inf), got -0.1"),
+        ("two-tower-ray", "optim.lr=0", "optim.lr must be in (0, inf), got 0.0"),
         (
             "two-tower-ray",
             "train.micro_batch_size=1",

@@ -492,6 +492,16 @@ def test_criteo_csv_and_parquet_are_converted_once_per_content(tmp_path, capsys)
     assert not list((tmp_path / "out" / "converted").glob("bad-*"))  # nothing half-written is left
 
 
+def test_a_json_value_is_named_as_the_file_wrote_it():
+    """A JSON row's bad value reads as JSON (``true``, ``7.25``), quoted, not as Python's ``True``."""
+    train = recipe_module()
+    row = {name: 0 for name in train.COLUMNS} | {name: "a1" for name in train.CATEGORICAL}
+    with pytest.raises(train.DataError, match=r"^r\.jsonl line 2, column label: 'true' is not 0 or 1$"):
+        train.criteo_line(row | {"label": True}, "r.jsonl line 2")
+    with pytest.raises(train.DataError, match=r"^r\.jsonl line 2, column I2: '7\.25' is not an integer$"):
+        train.criteo_line(row | {"I2": 7.25}, "r.jsonl line 2")
+
+
 def test_hub_counts_written_as_floats_become_integers_and_a_stale_file_is_rewritten(tmp_path, monkeypatch):
     """Hub data sets often store counts as float64 (``260.0``, None for missing): the text written has integers.
     A file left by an earlier converter, or written for another data.hub_max_rows, is written again."""

@@ -69,6 +69,10 @@ def test_unsloth_config_is_checked(monkeypatch):
         check("unsloth-lora-ddp", "model.attn_implementation=flash")
     with pytest.raises(mod.ConfigError, match=r"tiny.yaml: model.attn_implementation=varlen runs on CUDA GPUs only"):
         check("unsloth-lora-ddp", "model.attn_implementation=varlen")  # this machine has no GPU
+    with pytest.raises(mod.ConfigError, match=r"tiny.yaml: train.lr must be in \(0, inf\), got -0.0002$"):
+        check("unsloth-lora-ddp", "train.lr=-2e-4")  # torch's AdamW would refuse it in every worker
+    with pytest.raises(mod.ConfigError, match=r"tiny.yaml: train.warmup_steps must be >= 0, got -1$"):
+        check("unsloth-lora-ddp", "train.warmup_steps=-1")
     with pytest.raises(mod.ConfigError, match=r"^model.name_or_path: folder not found: \.\./nope/llama$"):
         check("unsloth-lora-ddp", "model.name_or_path=../nope/llama")  # a path, not tried as a hub id
     tiny = mod.load(UNSLOTH / "tiny.yaml")

@@ -60,7 +60,7 @@ from cookbook.loop import Run
 from cookbook import tabular
 import text_files  # file_to_text, dataset_to_text: beside this file
 from cookbook.errors import not_a_file
-from cookbook.tabular import DataError, check_int64, to_int
+from cookbook.tabular import DataError, check_int64, shown, to_int
 
 logging.getLogger("torchrec").setLevel(logging.ERROR)  # TorchRec logs planner and caching notices at WARNING on every
 logging.getLogger().addFilter(  # rank, some through the root logger: those are dropped there, others' warnings kept
@@ -188,6 +188,7 @@ def check_config(cfg: Config, config_dir: Path) -> None:
         cfg,
         at_least={"train.batch_size": 1, "model.embedding_dim": 1},
         one_of={"optim.sparse": ("rowwise_adagrad", "sgd"), "optim.dense": ("adagrad", "sgd")},
+        within={"optim.sparse_lr": "(0, inf)", "optim.dense_lr": "(0, inf)"},
     )
     if not cfg.data.train_files and cfg.data.hub_id:  # --check writes the hub rows here, before any worker starts
         cfg.data.train_files = [str(hub_file(cfg))]
@@ -295,8 +296,9 @@ def criteo_text_file(path: str, output_dir: str) -> str:
 
 
 def _short(value: Any) -> str:
-    """`value` as repr, its middle elided past 40 characters (a 400-digit count stays one readable line)."""
-    text = repr(value)
+    """`value` as the file wrote it, quoted (`cookbook.tabular.shown`: JSON ``true``, not ``True``), its middle elided
+    past 40 characters (a 400-digit count stays one readable line)."""
+    text = repr(shown(value))
     return text if len(text) <= 40 else f"{text[:18]}...{text[-18:]}"
 
 

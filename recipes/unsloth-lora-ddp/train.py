@@ -154,6 +154,11 @@ def load(path: str | Path, overrides: list[str] = ()) -> Config:
 
     try:
         cfgmod.check_run(cfg)  # checkpoint.every_steps / keep_last, train.stop_at_step, output_dir writable
+        cfgmod.check_fields(  # this recipe's optimizer keys (train.*), which torch would refuse only in the workers
+            cfg,
+            at_least={"train.warmup_steps": 0, "train.weight_decay": 0, "train.max_grad_norm": 0},
+            within={"train.lr": "(0, inf)"},
+        )
         NonFinitePolicy.settings(cfg.train)  # train.on_nonfinite, train.max_consecutive_skips
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
